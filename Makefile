@@ -1,0 +1,40 @@
+# Each target bootstraps what it needs. The virtualenv lives outside the clone
+# (torch alone is several GB) and is reused; the stamp re-runs the install only
+# when pyproject.toml or the clone's location changes.
+PYTHON ?= python3
+VENV ?= $(HOME)/.cache/llm-sidecar/venv-py311
+STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml; echo $(CURDIR)) | sha256sum | cut -c1-16)
+PY := $(VENV)/bin/python
+MVN ?= mvn
+
+.PHONY: venv run test test-python test-java bench proto clean-venv
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+venv: $(STAMP)
+
+run: venv
+	$(PY) -m sidecar serve --model demo
+
+test: test-python test-java
+
+test-python: venv
+	$(PY) -m pytest -q tests
+
+test-java: venv
+	cd java-client && $(MVN) -B -q verify -Dsidecar.python=$(PY) -Dsidecar.repo=$(CURDIR)
+
+bench: venv
+	$(PY) -m sidecar bench throughput
+	$(PY) -m sidecar bench prefix
+
+proto: venv
+	$(PY) -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. proto/sidecar/v1/sidecar.proto
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,231 @@
+"""Request-level types: SamplingParams, Request, RequestOutput, FinishReason."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at ``max_waiting_requests``; retry later."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-n alternatives per generated token; None = off
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError naming the first invalid field."""
+        def bad(name: str, msg: str) -> None:
+            raise ValueError(f"{name}: {msg}")
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not (0.0 <= self.temperature <= 100.0):
+            bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not (0.0 < self.repetition_penalty <= 10.0):
+            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not (-2.0 <= v <= 2.0):
+                bad(name, f"must be in [-2, 2], got {v!r}")
+        if self.seed is not None and (not is_int(self.seed) or not (-(2**63) <= self.seed < 2**64)):
+            bad("seed", f"must be a 64-bit integer, got {self.seed!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or s == "":
+                bad("stop", f"stop strings must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("stop_token_ids", f"must be token ids in [0, vocab size), got {t!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot of one request, emitted by ``LLMEngine.step`` when it changes.
+
+    ``token_ids``/``text`` are cumulative; ``new_token_ids``/``delta_text`` are
+    what changed since the previous output of this request.
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    abort_reason: Optional[str] = None  # "client" | "deadline" | "shutdown" | "error: ..."
+    num_cached_tokens: int = 0
+    queue_s: Optional[float] = None
+    ttft_s: Optional[float] = None
+    e2e_s: Optional[float] = None
+    logprobs: Optional[list[TokenLogprob]] = None
+    new_logprobs: Optional[list[TokenLogprob]] = None
+
+
+_ids = itertools.count()
+
+
+def random_request_id() -> str:
+    return f"req-{next(_ids)}-{time.monotonic_ns() % 10**9:09d}"
+
+
+class Request:
+    """Mutable engine-side state of one request. Owned by the engine thread."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: Optional[str] = None, priority: int = 0, cache_salt: Optional[str] = None,
+                 deadline: Optional[float] = None, arrival_time: Optional[float] = None,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.deadline = deadline  # time.monotonic() value, or None
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.eos_token_ids = eos_token_ids
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled
+        self.status = RequestStatus.WAITING
+        self.finish_reason: Optional[FinishReason] = None
+        self.abort_reason: Optional[str] = None
+        self.num_preemptions = 0
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.finished_time: Optional[float] = None
+        self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
+        # Filled by collaborators: block hashes (kv_cache), detokenizer, sampler generator.
+        self.block_hashes: list[bytes] = []
+        self.detok: Any = None
+        self.generator: Any = None
+        self.text = ""
+        self._emitted_tokens = 0
+        self._emitted_text = 0
+        self._emitted_logprobs = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def sort_key(self) -> tuple[int, float]:
+        """Scheduling order: lower priority value first, then earlier arrival."""
+        return (self.priority, self.arrival_time)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def make_output(self) -> RequestOutput:
+        """Snapshot with deltas since the previous snapshot."""
+        new_ids = self.output_token_ids[self._emitted_tokens:]
+        delta = self.text[self._emitted_text:]
+        new_lp = None
+        if self.logprobs is not None:
+            new_lp = self.logprobs[self._emitted_logprobs:]
+            self._emitted_logprobs = len(self.logprobs)
+        self._emitted_tokens = len(self.output_token_ids)
+        self._emitted_text = len(self.text)
+        now = time.monotonic()
+        finished = self.is_finished
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids),
+            text=self.text,
+            new_token_ids=list(new_ids),
+            delta_text=delta,
+            finished=finished,
+            finish_reason=self.finish_reason.value if self.finish_reason else None,
+            abort_reason=self.abort_reason,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            queue_s=(self.first_scheduled_time - self.arrival_time) if self.first_scheduled_time else None,
+            ttft_s=(self.first_token_time - self.arrival_time) if self.first_token_time else None,
+            e2e_s=((self.finished_time or now) - self.arrival_time) if finished else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            new_logprobs=new_lp,
+        )
