@@ -1,0 +1,82 @@
+"""Command line: ``sidecar serve | demo-model | bench ... | quantize``.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported only when their command runs, so
+``sidecar --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional
+
+COMMANDS = {
+    "serve": ("sidecar.server.app", "run the gRPC + OpenAI HTTP sidecar"),
+    "demo-model": ("sidecar.model.demo", "build the offline demo model (random weights, byte-level tokenizer)"),
+    "quantize": ("sidecar.model.quantize_cli", "write an int8/int4 quantized checkpoint"),
+}
+
+BENCHMARKS = {
+    "throughput": ("sidecar.bench.throughput", "offline throughput vs HF generate / generate_batch, roofline"),
+    "prefix": ("sidecar.bench.prefix", "prefix caching: shared system prompt and multi-turn scenarios"),
+    "quant": ("sidecar.bench.quant", "bf16 vs int8 vs int4: memory, load time, speed, quality"),
+    "serve": ("sidecar.bench.serve", "load generator over gRPC or the OpenAI HTTP API"),
+    "semantic-cache": ("sidecar.bench.semantic_cache", "semantic cache precision/recall and latency"),
+}
+
+
+def _add(sub: argparse._SubParsersAction, name: str, module: str, help_text: str) -> None:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            return  # command not part of this build
+        raise
+    p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().splitlines()[0],
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    mod.add_arguments(p)
+    p.set_defaults(_run=mod.run)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sidecar", description="LLM inference sidecar")
+    from sidecar import __version__
+
+    parser.add_argument("--version", action="version", version=f"llm-sidecar {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # Import only the module of the command being run (the others just get a stub entry).
+    wanted = argv[0] if argv else None
+    for name, (module, help_text) in COMMANDS.items():
+        if wanted == name:
+            _add(sub, name, module, help_text)
+        else:
+            sub.add_parser(name, help=help_text)
+    bench = sub.add_parser("bench", help="benchmarks (write JSON + PNG reports)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
+    wanted_bench = argv[1] if wanted == "bench" and len(argv) > 1 else None
+    for name, (module, help_text) in BENCHMARKS.items():
+        if wanted_bench == name:
+            _add(bench_sub, name, module, help_text)
+        else:
+            bench_sub.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    run = getattr(args, "_run", None)
+    if run is None:
+        if args.command == "bench":
+            parser.parse_args(["bench", "--help"])
+        parser.print_help()
+        sys.exit(2)
+    try:
+        sys.exit(run(args) or 0)
+    except ValueError as exc:  # configuration errors name the field; no traceback for the user
+        print(f"sidecar {args.command}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
