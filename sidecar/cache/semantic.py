@@ -1,0 +1,277 @@
+"""Request-level semantic cache: exact tier, then FAISS similarity tier with a guard.
+
+Scope: an entry is only ever visible to lookups with the same tenant, model,
+answer-changing sampling settings and conversation context (system prompt and
+earlier turns). Each scope has its own vector index, so a search can never
+return another scope's (or tenant's) entry.
+
+Tiers: (1) exact: hash of the scope plus the normalised query; (2) semantic:
+nearest neighbours of the query embedding inside the scope with similarity >=
+``CacheConfig.threshold`` that also pass ``guard.check``.
+
+Bounds: entries older than ``ttl_s`` are never served and are removed; beyond
+``max_entries`` the least recently used entry goes. Every removal deletes the
+SQLite row, the exact-key mapping and the vector together.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+import unicodedata
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+
+from sidecar.cache import guard
+from sidecar.cache.embedder import Embedder
+from sidecar.cache.index import ScopeIndex
+from sidecar.cache.policy import CachePolicy, cache_policy  # noqa: F401  (public names of this module)
+from sidecar.cache.store import CacheStore, Entry
+from sidecar.config import CacheConfig
+
+log = logging.getLogger("sidecar.cache")
+
+STORABLE_FINISH = ("stop", "length")
+_CANDIDATES = 4          # neighbours checked by the guard before giving up
+_VECTOR_MEMO = 2048      # recent query vectors, so store() after a miss does not re-embed
+_WS = re.compile(r"\s+")
+
+
+@dataclass(frozen=True)
+class CacheScope:
+    tenant: str
+    model: str
+    settings: str
+    context: str
+    query: str
+
+
+@dataclass
+class CacheHit:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    similarity: float
+    matched_query: str
+    kind: str  # "exact" | "semantic"
+
+
+def normalize_query(query: str) -> str:
+    """Form that is embedded: Unicode-normalised, whitespace collapsed."""
+    return _WS.sub(" ", unicodedata.normalize("NFKC", query)).strip()
+
+
+def _exact_form(query: str) -> str:
+    # Case, spacing and trailing punctuation never change what is asked.
+    return normalize_query(query).casefold().rstrip(" ?!.")
+
+
+def scope_key(scope: CacheScope) -> str:
+    raw = json.dumps([scope.tenant, scope.model, scope.settings, scope.context], ensure_ascii=False)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def exact_key(scope: CacheScope) -> str:
+    raw = json.dumps([scope_key(scope), _exact_form(scope.query)], ensure_ascii=False)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+class SemanticCache:
+    """See the module docstring. ``clock`` returns wall-clock seconds (injectable for TTL tests)."""
+
+    def __init__(self, cfg: CacheConfig, embedder: Optional[Embedder] = None,
+                 clock: Callable[[], float] = time.time, use_gpu: Optional[bool] = None):
+        cfg.validate()
+        self.cfg = cfg
+        self._own_embedder = embedder is None
+        self.embedder = embedder or Embedder(cfg.embedding_model)
+        self._clock = clock
+        self._use_gpu = use_gpu
+        # All in-memory state below is guarded by _lock; SQLite has its own lock.
+        self._lock = threading.Lock()
+        self._entries: "OrderedDict[int, Entry]" = OrderedDict()  # LRU order: oldest first
+        self._by_key: dict[str, int] = {}
+        self._scopes: dict[str, ScopeIndex] = {}
+        self._vectors: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._counters = dict(lookups=0, exact_hits=0, semantic_hits=0, misses=0, guard_rejections=0,
+                              bypasses=0, stores=0, store_refused=0, evictions=0, expired=0)
+        self._last_sweep = clock()
+        self._store = CacheStore(cfg.path, self.embedder.model_name, self.embedder.dim)
+        self._load()
+
+    # -- startup ----------------------------------------------------------
+    def _load(self) -> None:
+        """Rebuild the in-memory maps and indexes from SQLite, dropping what expired meanwhile."""
+        now = self._clock()
+        stale = []
+        for e in self._store.load_all():
+            if self._expired(e, now) or e.vector.shape != (self.embedder.dim,):
+                stale.append(e.id)
+                continue
+            self._insert_memory(e)
+        self._store.delete(stale)
+        self._counters["expired"] += len(stale)
+        self._evict_over_capacity()
+
+    # -- helpers (caller holds _lock) --------------------------------------
+    def _expired(self, e: Entry, now: float) -> bool:
+        return now - e.created_at >= self.cfg.ttl_s
+
+    def _index_for(self, skey: str) -> ScopeIndex:
+        idx = self._scopes.get(skey)
+        if idx is None:
+            idx = self._scopes[skey] = ScopeIndex(self.embedder.dim, self.cfg.hnsw_min_entries, self._use_gpu)
+        return idx
+
+    def _insert_memory(self, e: Entry) -> None:
+        self._entries[e.id] = e
+        self._by_key[e.exact_key] = e.id
+        self._index_for(e.scope_key).add(e.id, e.vector)
+
+    def _drop_memory(self, entry_id: int) -> Optional[Entry]:
+        e = self._entries.pop(entry_id, None)
+        if e is None:
+            return None
+        if self._by_key.get(e.exact_key) == entry_id:
+            del self._by_key[e.exact_key]
+        idx = self._scopes.get(e.scope_key)
+        if idx is not None:
+            idx.remove(entry_id)
+            if len(idx) == 0:
+                del self._scopes[e.scope_key]
+        return e
+
+    def _remove(self, ids: list[int], counter: str) -> None:
+        ids = [i for i in ids if self._drop_memory(i) is not None]
+        self._store.delete(ids)
+        self._counters[counter] += len(ids)
+
+    def _evict_over_capacity(self) -> None:
+        over = len(self._entries) - self.cfg.max_entries
+        if over > 0:
+            self._remove(list(self._entries.keys())[:over], "evictions")
+
+    def _sweep(self, now: float) -> None:
+        # A full pass at most every ttl/10 (and at least once a minute) keeps expired rows from
+        # lingering without making each store O(n).
+        if now - self._last_sweep < min(60.0, self.cfg.ttl_s / 10):
+            return
+        self._last_sweep = now
+        self._remove([i for i, e in self._entries.items() if self._expired(e, now)], "expired")
+
+    def _hit(self, e: Entry, similarity: float, kind: str, now: float) -> CacheHit:
+        self._entries.move_to_end(e.id)
+        e.last_access = now
+        self._store.touch(e.id, now)
+        self._counters["exact_hits" if kind == "exact" else "semantic_hits"] += 1
+        return CacheHit(text=e.text, token_ids=list(e.token_ids), finish_reason=e.finish_reason,
+                        prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
+                        similarity=similarity, matched_query=e.query, kind=kind)
+
+    def _memo(self, text: str, vec: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
+        if vec is None:
+            return self._vectors.get(text)
+        self._vectors[text] = vec
+        self._vectors.move_to_end(text)
+        while len(self._vectors) > _VECTOR_MEMO:
+            self._vectors.popitem(last=False)
+        return vec
+
+    async def _embed(self, text: str) -> np.ndarray:
+        with self._lock:
+            vec = self._memo(text)
+        if vec is None:
+            vec = (await self.embedder.aembed([text]))[0]
+            with self._lock:
+                self._memo(text, vec)
+        return vec
+
+    # -- public API ---------------------------------------------------------
+    async def lookup(self, scope: CacheScope) -> Optional[CacheHit]:
+        """Return a stored answer for this scope and query, or None."""
+        skey, ekey, now = scope_key(scope), exact_key(scope), self._clock()
+        with self._lock:
+            self._counters["lookups"] += 1
+            eid = self._by_key.get(ekey)
+            if eid is not None:
+                e = self._entries[eid]
+                if not self._expired(e, now):
+                    return self._hit(e, 1.0, "exact", now)
+                self._remove([eid], "expired")
+            if skey not in self._scopes:  # nothing to compare against: skip the embedding
+                self._counters["misses"] += 1
+                return None
+        query = normalize_query(scope.query)
+        vec = await self._embed(query)
+        with self._lock:
+            idx = self._scopes.get(skey)
+            candidates = idx.search(vec, _CANDIDATES) if idx is not None else []
+            rejected = False
+            for sim, eid in candidates:
+                if sim < self.cfg.threshold:
+                    break
+                e = self._entries.get(eid)
+                if e is None:
+                    continue
+                if self._expired(e, now):
+                    self._remove([eid], "expired")
+                    continue
+                reason = guard.check(query, e.query) if self.cfg.guard else None
+                if reason is not None:
+                    rejected = True
+                    log.debug("semantic hit refused (%s): %r vs %r sim=%.4f", reason, query, e.query, sim)
+                    continue
+                return self._hit(e, min(sim, 1.0), "semantic", now)
+            self._counters["guard_rejections"] += int(rejected)
+            self._counters["misses"] += 1
+            return None
+
+    async def store(self, scope: CacheScope, text: str, token_ids: list[int], finish_reason: str,
+                    prompt_tokens: int, completion_tokens: int) -> None:
+        """Store a completed generation (finish ``stop``/``length``); anything else is refused."""
+        if finish_reason not in STORABLE_FINISH:
+            with self._lock:
+                self._counters["store_refused"] += 1
+            return
+        query = normalize_query(scope.query)
+        vec = await self._embed(query)
+        now = self._clock()
+        e = Entry(id=0, exact_key=exact_key(scope), scope_key=scope_key(scope), query=query, text=text,
+                  token_ids=[int(t) for t in token_ids], finish_reason=finish_reason,
+                  prompt_tokens=int(prompt_tokens), completion_tokens=int(completion_tokens),
+                  vector=vec, created_at=now, last_access=now)
+        with self._lock:
+            # One SQLite transaction replaces any row with this exact key; memory follows only
+            # once it committed, so memory never holds what the file lacks.
+            e.id = self._store.put(e)
+            old = self._by_key.get(e.exact_key)
+            if old is not None:
+                self._drop_memory(old)
+            self._insert_memory(e)
+            self._counters["stores"] += 1
+            self._evict_over_capacity()
+            self._sweep(now)
+
+    def record_bypass(self, reason: str) -> None:
+        with self._lock:
+            self._counters["bypasses"] += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self._counters)
+            out["entries"] = len(self._entries)
+            out["scopes"] = len(self._scopes)
+        return out
+
+    def close(self) -> None:
+        self._store.close()
+        if self._own_embedder:
+            self.embedder.close()
