@@ -1,0 +1,240 @@
+"""Run the gRPC + OpenAI HTTP sidecar (``sidecar serve``).
+
+Lifecycle: bind both servers (health NOT_SERVING) -> write the port file ->
+load the model and the semantic cache -> SERVING. On SIGTERM/SIGINT: health
+NOT_SERVING, new calls get UNAVAILABLE, running requests get up to
+``--shutdown-timeout`` seconds to finish, the rest are aborted; exit 0. A second
+signal cuts the grace period short.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any, Optional
+
+from sidecar.config import SidecarConfig
+from sidecar.server.flags import add_config_arguments, config_from_args
+
+log = logging.getLogger("sidecar.app")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+        from sidecar.server.logs import setup_logging
+        from sidecar.server.service import InferenceService
+
+        service = InferenceService(cfg)  # parses API keys: a bad keys file is a config error
+    except ValueError as exc:
+        print(f"sidecar serve: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.server.log_level, cfg.server.log_json)
+    try:
+        return asyncio.run(Sidecar(cfg, service).main())
+    except StartupError as exc:
+        print(f"sidecar serve: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+class StartupError(Exception):
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _hostport(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def write_port_file(path: str, grpc_port: int, http_port: Optional[int]) -> None:
+    """Atomic: readers see either no file or the complete JSON."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"grpc_port": grpc_port, "http_port": http_port, "pid": os.getpid()}, fh)
+    os.replace(tmp, path)
+
+
+def _in_thread(fn: Any, *a: Any) -> asyncio.Future:
+    """Run blocking ``fn`` in a daemon thread, so a signal during model load can exit at once."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def work() -> None:
+        try:
+            res = fn(*a)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+        else:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
+
+    threading.Thread(target=work, name="sidecar-load", daemon=True).start()
+    return fut
+
+
+class Sidecar:
+    def __init__(self, cfg: SidecarConfig, service: Any) -> None:
+        self.cfg = cfg
+        self.service = service
+        self.stop = asyncio.Event()
+        self.force = asyncio.Event()
+        self.grpc_server: Any = None
+        self.http: Optional[Any] = None  # (uvicorn server, task)
+
+    def _on_signal(self) -> None:
+        if self.stop.is_set():
+            self.force.set()
+        self.stop.set()
+
+    async def main(self) -> int:
+        from sidecar.server.grpc_service import Health, build_server
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal)
+        s = self.cfg.server
+        self.health = Health()
+        await self.health.set(False)
+        self.grpc_server = build_server(self.service, self.health, s.max_message_bytes, s.max_concurrent_streams)
+        try:
+            grpc_port = self.grpc_server.add_insecure_port(_hostport(s.host, s.grpc_port))
+        except RuntimeError as exc:
+            raise StartupError(f"grpc_port: cannot bind {_hostport(s.host, s.grpc_port)}: {exc}") from None
+        await self.grpc_server.start()
+        http_port = await self._start_http()
+        print(f"sidecar: gRPC listening on {_hostport(s.host, grpc_port)}", flush=True)
+        if http_port is not None:
+            print(f"sidecar: HTTP listening on {_hostport(s.host, http_port)}", flush=True)
+        if s.port_file:
+            write_port_file(s.port_file, grpc_port, http_port)
+        try:
+            if await self._load():
+                await self.health.set(True)
+                log.info("ready", extra={"model": self.service.model_name, "grpc_port": grpc_port,
+                                         "http_port": http_port})
+                print(f"sidecar: serving {self.service.model_name}", flush=True)
+                await self.stop.wait()
+            await self._drain()
+        finally:
+            if s.port_file:
+                with contextlib.suppress(OSError):
+                    os.remove(s.port_file)
+        return 0
+
+    async def _load(self) -> bool:
+        """Load engine and cache; False when a signal arrived first."""
+        from sidecar.engine.async_engine import AsyncEngine
+
+        async def load() -> tuple[Any, Any, Any]:
+            engine = await _in_thread(AsyncEngine.from_config, self.cfg.engine)
+            cache, embedder = await _in_thread(self._load_cache)
+            return engine, cache, embedder
+
+        task = asyncio.ensure_future(load())
+        stopper = asyncio.ensure_future(self.stop.wait())
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if not task.done():
+            task.cancel()
+            log.info("stopped while loading")
+            return False
+        try:
+            engine, cache, embedder = task.result()
+        except ValueError as exc:
+            raise StartupError(str(exc), exit_code=2) from None
+        engine.start()
+        self.service.attach(engine, cache, embedder)
+        return True
+
+    def _load_cache(self) -> tuple[Any, Any]:
+        c = self.cfg.cache
+        if not c.enabled:
+            return None, None
+        try:
+            from sidecar.cache.embedder import Embedder
+            from sidecar.cache.semantic import SemanticCache
+        except ImportError as exc:
+            log.warning("semantic cache unavailable (%s); serving without it", exc)
+            return None, None
+        device = "cpu" if self.cfg.engine.device == "cpu" else None
+        embedder = Embedder(c.embedding_model, device=device)
+        return SemanticCache(c, embedder), embedder
+
+    async def _start_http(self) -> Optional[int]:
+        s = self.cfg.server
+        if s.http_port < 0:
+            return None
+        try:
+            from sidecar.server.openai_api import create_app
+        except ModuleNotFoundError as exc:
+            if exc.name != "sidecar.server.openai_api":
+                raise
+            log.warning("OpenAI HTTP API not available in this build; serving gRPC only")
+            return None
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            # Signals belong to the sidecar: it drains gRPC and HTTP together.
+            def install_signal_handlers(self) -> None:
+                pass
+
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        family = socket.AF_INET6 if ":" in s.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((s.host, s.http_port))
+        except OSError as exc:
+            sock.close()
+            raise StartupError(f"http_port: cannot bind {_hostport(s.host, s.http_port)}: {exc.strerror}") from None
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(create_app(self.service), log_config=None, access_log=False,
+                                timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)))
+        server = _Server(config)
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()
+                raise StartupError("HTTP server exited during startup")
+            await asyncio.sleep(0.01)
+        self.http = (server, task)
+        return port
+
+    async def _drain(self) -> None:
+        log.info("draining", extra={"timeout_s": self.cfg.server.shutdown_timeout_s,
+                                    "active": self.service.num_active})
+        self.service.begin_drain()
+        await self.health.set(False)
+        engine = self.service.engine
+        if engine is not None:
+            drain = asyncio.ensure_future(engine.shutdown(self.cfg.server.shutdown_timeout_s))
+            forced = asyncio.ensure_future(self.force.wait())
+            await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+            forced.cancel()
+            if not drain.done():
+                log.warning("second signal: aborting running requests now")
+                drain.cancel()
+                await engine.shutdown(0)
+        # Handlers have their final outputs; give them a moment to write and return.
+        await self.grpc_server.stop(grace=2.0)
+        if self.http is not None:
+            server, task = self.http
+            server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, timeout=5.0)
+        await self.service.close()
+        log.info("stopped")

@@ -1,0 +1,157 @@
+"""Connects the service to the semantic cache (sidecar.cache), imported lazily.
+
+The server must keep working with the cache disabled even where the cache
+module or its dependencies are missing, so nothing here imports
+``sidecar.cache`` at module level. A cache failure never fails a request: a
+lookup error is a miss, a store error is logged.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sidecar.config import CacheConfig
+from sidecar.server.validation import ServiceError
+
+log = logging.getLogger("sidecar.cache_glue")
+
+
+@dataclass
+class CacheInfo:
+    status: str = "bypass"  # miss | hit_exact | hit_semantic | bypass
+    similarity: float = 0.0
+    matched_query: str = ""
+    bypass_reason: str = ""
+
+
+@dataclass
+class _Policy:
+    lookup: bool
+    store: bool
+    bypass_reason: Optional[str]
+
+
+@dataclass
+class Plan:
+    policy: Any
+    scope: Any
+    info: CacheInfo
+    lookup_ms: float = 0.0
+
+
+# Sampling fields that change the answer; logprobs/skip_special_tokens do not change the text.
+_SETTINGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos")
+
+
+def settings_key(params: Any) -> str:
+    return json.dumps({k: getattr(params, k) for k in _SETTINGS}, sort_keys=True, separators=(",", ":"))
+
+
+def _fallback_policy(cache_control: str, temperature: float, cache_sampled: bool, enabled: bool,
+                     allow_sampled: bool) -> _Policy:
+    if not enabled:
+        return _Policy(False, False, "disabled")
+    if cache_control == "skip":
+        return _Policy(False, False, "cache_control=skip")
+    if temperature > 0 and not (cache_sampled or allow_sampled):
+        return _Policy(False, False, "sampled")
+    if cache_control == "refresh":
+        return _Policy(False, True, "cache_control=refresh")
+    return _Policy(True, cache_control != "only", None)
+
+
+class CacheGlue:
+    def __init__(self, cache: Any, embedder: Any, cfg: CacheConfig) -> None:
+        self.cache = cache
+        self.embedder = embedder
+        self.cfg = cfg
+        self._embedder_lock = asyncio.Lock()
+        self._pending: set[asyncio.Task] = set()
+
+    def stats(self) -> dict:
+        return self.cache.stats() if self.cache is not None else {}
+
+    def embedding_model_name(self) -> str:
+        return getattr(self.embedder, "model_name", "") or (self.cfg.embedding_model if self.cache else "")
+
+    def embedding_dim(self) -> int:
+        return int(getattr(self.embedder, "dim", 0) or 0)
+
+    def plan(self, tenant: str, req: Any, model: str) -> Plan:
+        """Decide lookup/store for a request and build its cache scope."""
+        policy_fn = _fallback_policy
+        if self.cache is not None:
+            from sidecar.cache.semantic import cache_policy as policy_fn  # noqa: F811
+        policy = policy_fn(req.cache_control, req.params.temperature, req.cache_sampled,
+                           self.cache is not None, self.cfg.allow_sampled)
+        reason = policy.bypass_reason
+        # Token-id prompts have no question text; logprobs are not stored with answers.
+        if (policy.lookup or policy.store) and req.prompt_token_ids:
+            policy, reason = _Policy(False, False, "token_ids"), "token_ids"
+        elif (policy.lookup or policy.store) and req.params.logprobs is not None:
+            policy, reason = _Policy(False, False, "logprobs"), "logprobs"
+        if not policy.lookup:
+            info = CacheInfo(status="bypass", bypass_reason=reason or "")
+            if self.cache is not None and reason:
+                self.cache.record_bypass(reason)
+        else:
+            info = CacheInfo(status="miss")
+        scope = None
+        if self.cache is not None and (policy.lookup or policy.store):
+            from sidecar.cache.semantic import CacheScope
+
+            scope_tenant = tenant + ("\x1f" + req.cache_salt if req.cache_salt else "")
+            if req.messages:
+                context = json.dumps([[m["role"], m["content"]] for m in req.messages[:-1]],
+                                     ensure_ascii=False, separators=(",", ":"))
+                query = req.messages[-1]["content"]
+            else:
+                context, query = "", req.prompt
+            scope = CacheScope(tenant=scope_tenant, model=model, settings=settings_key(req.params),
+                               context=context, query=query)
+        return Plan(policy=policy, scope=scope, info=info)
+
+    async def lookup(self, plan: Plan) -> Any:
+        t0 = time.perf_counter()
+        try:
+            hit = await self.cache.lookup(plan.scope)
+        except Exception:
+            log.warning("semantic cache lookup failed; treating as a miss", exc_info=True)
+            hit = None
+        plan.lookup_ms = (time.perf_counter() - t0) * 1000.0
+        return hit
+
+    def store_later(self, plan: Plan, out: Any) -> None:
+        """Store off the response path; the task is kept so shutdown can wait for it."""
+        task = asyncio.get_running_loop().create_task(self.cache.store(
+            plan.scope, out.text, list(out.token_ids), out.finish_reason,
+            len(out.prompt_token_ids), len(out.token_ids)))
+        self._pending.add(task)
+        task.add_done_callback(self._stored)
+
+    def _stored(self, task: asyncio.Task) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("semantic cache store failed: %s", task.exception())
+
+    async def get_embedder(self) -> Any:
+        """The shared embedder; built on first use when the cache is off."""
+        async with self._embedder_lock:
+            if self.embedder is None:
+                try:
+                    from sidecar.cache.embedder import Embedder
+                except ImportError as exc:
+                    raise ServiceError("unavailable", f"embeddings unavailable: {exc}") from None
+                self.embedder = await asyncio.to_thread(Embedder, self.cfg.embedding_model)
+            return self.embedder
+
+    async def close(self) -> None:
+        if self._pending:
+            await asyncio.wait(list(self._pending), timeout=5.0)
+        if self.cache is not None:
+            self.cache.close()

@@ -1,0 +1,244 @@
+"""gRPC adapter: sidecar.v1.Inference over InferenceService, plus health and reflection.
+
+Streaming handlers write with ``context.write`` from a plain coroutine, so a
+client cancel or disconnect cancels exactly this coroutine: the ``finally``
+closes the service stream, which aborts the engine request.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from sidecar.server.service import Event, GenerationRequest, InferenceService, ServiceError
+from sidecar.server.validation import sampling_params
+from sidecar.v1 import sidecar_pb2 as pb
+from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
+
+log = logging.getLogger("sidecar.grpc")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "sidecar.v1.Inference"
+
+STATUS = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "rate_limited": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "cache_miss": grpc.StatusCode.NOT_FOUND,
+    "deadline_exceeded": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+CACHE_CONTROL = {pb.CACHE_CONTROL_DEFAULT: "default", pb.CACHE_CONTROL_SKIP: "skip",
+                 pb.CACHE_CONTROL_REFRESH: "refresh", pb.CACHE_CONTROL_ONLY: "only"}
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+CACHE_STATUS = {"miss": pb.CACHE_STATUS_MISS, "hit_exact": pb.CACHE_STATUS_HIT_EXACT,
+                "hit_semantic": pb.CACHE_STATUS_HIT_SEMANTIC, "bypass": pb.CACHE_STATUS_BYPASS}
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty", "seed")
+
+
+def _params(s: pb.SamplingParams) -> Any:
+    kw: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if name in kw:  # proto floats are float32; round so 0.9 stays 0.9 in messages and cache keys
+            kw[name] = round(float(kw[name]), 6)
+    kw.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
+    if s.logprobs:
+        kw["logprobs"] = int(s.logprobs)
+    return sampling_params(**kw)
+
+
+def _request(msg: Any, context: grpc.aio.ServicerContext, chat: bool) -> GenerationRequest:
+    cc = CACHE_CONTROL.get(msg.cache_control, f"unknown({msg.cache_control})")
+    req = GenerationRequest(params=_params(msg.sampling), request_id=msg.request_id or None, priority=msg.priority,
+                            cache_control=cc, cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled,
+                            timeout_s=context.time_remaining(), model=msg.model or None)
+    if chat:
+        req.messages = [{"role": m.role, "content": m.content} for m in msg.messages]
+    else:
+        req.prompt = msg.prompt or None
+        req.prompt_token_ids = list(msg.prompt_token_ids) or None
+    return req
+
+
+def _cache(ev: Event) -> pb.CacheInfo:
+    c = ev.cache
+    return pb.CacheInfo(status=CACHE_STATUS.get(c.status, pb.CACHE_STATUS_UNSPECIFIED), similarity=c.similarity,
+                        matched_query=c.matched_query, bypass_reason=c.bypass_reason)
+
+
+def _usage(ev: Event) -> pb.Usage:
+    return pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
+                    cached_tokens=ev.cached_tokens, total_tokens=ev.prompt_tokens + ev.completion_tokens)
+
+
+def _timing(ev: Event) -> pb.Timing:
+    return pb.Timing(queue_ms=ev.queue_ms or 0.0, ttft_ms=ev.ttft_ms or 0.0, total_ms=ev.total_ms or 0.0)
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    # -- plumbing --------------------------------------------------------------
+    async def _fail(self, context: grpc.aio.ServicerContext, err: ServiceError) -> None:
+        trailing = ()
+        if err.retry_after_s is not None:
+            trailing = (("retry-after-ms", str(max(1, int(err.retry_after_s * 1000 + 0.999)))),)
+        self.service.metrics.errors.labels(code=err.code).inc()
+        await context.abort(STATUS[err.code], err.message, trailing_metadata=trailing)
+
+    def _caller(self, context: grpc.aio.ServicerContext, method: str) -> Any:
+        self.service.metrics.requests.labels(api="grpc", method=method).inc()
+        md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        return self.service.authenticate(md.get("authorization"))
+
+    def _logprobs(self, lps: Optional[list]) -> list:
+        if not lps:
+            return []
+        strs = self.service.token_strings
+        out = []
+        for lp in lps:
+            top = [pb.TopLogprob(token_id=t, token=s, logprob=v)
+                   for (t, v), s in zip(lp.top, strs([t for t, _ in lp.top]))]
+            out.append(pb.TokenLogprob(token_id=lp.token_id, token=strs([lp.token_id])[0], logprob=lp.logprob,
+                                       top_logprobs=top))
+        return out
+
+    async def _unary(self, msg: Any, context: grpc.aio.ServicerContext, chat: bool, method: str) -> pb.Completion:
+        try:
+            caller = self._caller(context, method)
+            req = _request(msg, context, chat)
+            last, lps = None, []
+            agen = self.service.generate(caller, req)
+            try:
+                async for ev in agen:
+                    last = ev
+                    if ev.new_logprobs:
+                        lps.extend(ev.new_logprobs)
+            finally:
+                await agen.aclose()
+            return pb.Completion(request_id=last.request_id, text=last.text, token_ids=last.token_ids,
+                                 finish_reason=FINISH.get(last.finish_reason, 0), usage=_usage(last),
+                                 timing=_timing(last), cache=_cache(last), logprobs=self._logprobs(lps),
+                                 model=self.service.model_name)
+        except ServiceError as err:
+            await self._fail(context, err)
+
+    async def _stream(self, msg: Any, context: grpc.aio.ServicerContext, chat: bool, method: str) -> None:
+        try:
+            caller = self._caller(context, method)
+            req = _request(msg, context, chat)
+            agen = self.service.generate(caller, req)
+            try:
+                first = True
+                async for ev in agen:
+                    chunk = pb.CompletionChunk(request_id=ev.request_id, delta=ev.delta_text,
+                                               token_ids=ev.new_token_ids, logprobs=self._logprobs(ev.new_logprobs))
+                    if first or ev.finished:
+                        chunk.cache.CopyFrom(_cache(ev))
+                    if ev.finished:
+                        chunk.finish_reason = FINISH.get(ev.finish_reason, 0)
+                        chunk.usage.CopyFrom(_usage(ev))
+                        chunk.timing.CopyFrom(_timing(ev))
+                    first = False
+                    await context.write(chunk)
+            finally:
+                # Runs on cancel/disconnect too: closing the stream aborts the engine request.
+                await agen.aclose()
+        except ServiceError as err:
+            await self._fail(context, err)
+
+    # -- RPCs ------------------------------------------------------------------
+    async def Generate(self, request, context):
+        return await self._unary(request, context, chat=False, method="Generate")
+
+    async def GenerateStream(self, request, context):
+        await self._stream(request, context, chat=False, method="GenerateStream")
+
+    async def Chat(self, request, context):
+        return await self._unary(request, context, chat=True, method="Chat")
+
+    async def ChatStream(self, request, context):
+        await self._stream(request, context, chat=True, method="ChatStream")
+
+    async def Embed(self, request, context):
+        try:
+            caller = self._caller(context, "Embed")
+            vecs, n = await self.service.embed(caller, list(request.inputs))
+            return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vecs],
+                                    model=self.service.cache_glue.embedding_model_name(),
+                                    dimensions=len(vecs[0]) if vecs else 0, prompt_tokens=n)
+        except ServiceError as err:
+            await self._fail(context, err)
+
+    async def Tokenize(self, request, context):
+        try:
+            self._caller(context, "Tokenize")
+            messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
+            ids = self.service.tokenize(request.text or None, messages, request.add_special_tokens)
+            return pb.TokenizeResponse(token_ids=ids, count=len(ids), tokens=self.service.token_strings(ids),
+                                       max_model_len=int(self.service.model_info().get("max_model_len") or 0))
+        except ServiceError as err:
+            await self._fail(context, err)
+
+    async def GetModelInfo(self, request, context):
+        try:
+            self._caller(context, "GetModelInfo")
+            if self.service.engine is None:
+                raise ServiceError("unavailable", "loading: the model is not ready yet")
+            i = self.service.model_info()
+            return pb.ModelInfo(
+                model=i["model"], architecture=str(i.get("architecture", "")), dtype=str(i.get("dtype", "")),
+                quantization=str(i.get("quantization") or "none"), max_model_len=int(i.get("max_model_len") or 0),
+                vocab_size=int(i.get("vocab_size") or 0), block_size=int(i.get("block_size") or 0),
+                num_kv_blocks=int(i.get("num_kv_blocks") or 0), prefix_caching=bool(i.get("prefix_caching")),
+                embedding_model=i.get("embedding_model", ""), embedding_dimensions=i.get("embedding_dimensions", 0),
+                semantic_cache=bool(i.get("semantic_cache")), version=i["version"], device=str(i.get("device", "")))
+        except ServiceError as err:
+            await self._fail(context, err)
+
+    async def GetStats(self, request, context):
+        try:
+            self._caller(context, "GetStats")
+            if self.service.engine is None:
+                raise ServiceError("unavailable", "loading: the model is not ready yet")
+            s = self.service.stats()
+            fields = {f.name for f in pb.EngineStats.DESCRIPTOR.fields}
+            return pb.EngineStats(**{k: v for k, v in s.items() if k in fields and v is not None})
+        except ServiceError as err:
+            await self._fail(context, err)
+
+
+class Health:
+    """Standard grpc.health.v1 status for "" and sidecar.v1.Inference."""
+
+    def __init__(self) -> None:
+        self.servicer = health_aio.HealthServicer()
+
+    async def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.servicer.set(name, status)
+
+
+def build_server(service: InferenceService, health: Health, max_message_bytes: int,
+                 max_concurrent_streams: int) -> grpc.aio.Server:
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_concurrent_streams", max_concurrent_streams),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    return server

@@ -1,0 +1,302 @@
+"""Protocol-neutral inference service shared by the gRPC and OpenAI HTTP adapters.
+
+Auth, rate limits, validation, the semantic cache, metrics and engine calls live
+here once; the adapters only translate wire messages to ``GenerationRequest``
+and ``Event``/``ServiceError`` back to wire messages and status codes.
+
+Resource contract: ``generate`` is an async generator; however it ends (last
+event, error, the consumer closing it, task cancellation) the engine stream is
+closed, which aborts the engine request and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from sidecar.config import SidecarConfig
+from sidecar.engine.request import QueueFullError, SamplingParams
+from sidecar.server.cache_glue import CacheGlue, CacheInfo
+from sidecar.server.metrics import Metrics
+from sidecar.server.security import AuthError, Authenticator, RateLimiter, load_api_keys
+from sidecar.server.validation import ServiceError, check_messages, check_request, sampling_params
+
+log = logging.getLogger("sidecar.service")
+
+__all__ = ["ServiceError", "Caller", "GenerationRequest", "CacheInfo", "Event", "InferenceService",
+           "sampling_params"]
+
+QUEUE_FULL_RETRY_S = 0.5
+
+
+@dataclass
+class Caller:
+    tenant: str = ""
+    key_id: Optional[str] = None
+
+
+@dataclass
+class GenerationRequest:
+    prompt: Optional[str] = None
+    prompt_token_ids: Optional[list[int]] = None
+    messages: Optional[list[dict]] = None
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: Optional[str] = None
+    priority: int = 0
+    cache_control: str = "default"
+    cache_salt: str = ""
+    cache_sampled: bool = False
+    timeout_s: Optional[float] = None
+    model: Optional[str] = None
+
+
+@dataclass
+class Event:
+    request_id: str
+    delta_text: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list]
+    finished: bool
+    finish_reason: Optional[str]
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_ms: Optional[float]
+    ttft_ms: Optional[float]
+    total_ms: Optional[float]
+    cache: CacheInfo
+
+
+def _ms(s: Optional[float]) -> Optional[float]:
+    return None if s is None else s * 1000.0
+
+
+class InferenceService:
+    """Created before the model loads (``serving`` False); ``attach`` makes it serve."""
+
+    def __init__(self, cfg: SidecarConfig) -> None:
+        self.cfg = cfg
+        self.engine: Any = None  # AsyncEngine once attached
+        self.cache_glue = CacheGlue(None, None, cfg.cache)
+        self.serving = False
+        self.draining = False
+        self.model_name = cfg.server.served_model_name or cfg.engine.model
+        self.auth = Authenticator(load_api_keys(cfg.server.api_keys, cfg.server.api_keys_file))
+        self.limiter = RateLimiter(cfg.server.rate_limit_rps, cfg.server.rate_limit_burst,
+                                   cfg.server.rate_limit_tpm)
+        self.metrics = Metrics(self._engine_stats, self.cache_glue.stats)
+        self._active_ids: set[str] = set()
+
+    # -- lifecycle ---------------------------------------------------------
+    def attach(self, engine: Any, cache: Any = None, embedder: Any = None) -> None:
+        self.engine = engine
+        self.cache_glue = CacheGlue(cache, embedder, self.cfg.cache)
+        if not self.cfg.server.served_model_name:
+            self.model_name = engine.engine.model_info.get("model") or self.cfg.engine.model
+        self.serving = True
+
+    def begin_drain(self) -> None:
+        self.serving = False
+        self.draining = True
+
+    @property
+    def num_active(self) -> int:
+        return len(self._active_ids)
+
+    async def close(self) -> None:
+        await self.cache_glue.close()
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        return self.metrics.render()
+
+    # -- auth ----------------------------------------------------------------
+    def authenticate(self, authorization: Optional[str]) -> Caller:
+        try:
+            key = self.auth.check(authorization)
+        except AuthError as exc:
+            raise ServiceError("unauthenticated", str(exc)) from None
+        return Caller() if key is None else Caller(tenant=key.tenant, key_id=key.key_id)
+
+    def _check_serving(self) -> None:
+        if not self.serving:
+            raise ServiceError("unavailable", "draining: the sidecar is shutting down" if self.draining
+                               else "loading: the model is not ready yet")
+
+    def _rate_limit(self, caller: Caller, tokens: int) -> None:
+        wait = self.limiter.acquire(caller.key_id or "anonymous", tokens)
+        if wait is not None:
+            if wait == float("inf"):
+                raise ServiceError("rate_limited", f"request needs {tokens} tokens, more than the per-key limit "
+                                   f"of {self.limiter.tpm:g} tokens/min", retry_after_s=60.0)
+            raise ServiceError("rate_limited", f"rate limit exceeded; retry in {wait:.3f}s", retry_after_s=wait)
+
+    # -- generation ----------------------------------------------------------
+    async def generate(self, caller: Caller, req: GenerationRequest) -> AsyncIterator[Event]:
+        self._check_serving()
+        info = self.engine.engine.model_info
+        check_request(req, self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
+        prompt: Any
+        if req.messages is not None:
+            try:
+                prompt = self.engine.engine.encode_chat(req.messages)
+            except ValueError as exc:
+                raise ServiceError("invalid_argument", str(exc), field="messages") from None
+        elif req.prompt_token_ids is not None:
+            prompt = list(req.prompt_token_ids)
+        else:
+            prompt = req.prompt
+        if self.limiter.tpm > 0:
+            n_prompt = len(prompt) if isinstance(prompt, list) else len(self.engine.engine.tokenizer.encode(prompt))
+            self._rate_limit(caller, n_prompt + req.params.max_tokens)
+        else:
+            self._rate_limit(caller, 0)
+
+        plan = self.cache_glue.plan(caller.tenant, req, self.model_name)
+        hit = await self.cache_glue.lookup(plan) if plan.policy.lookup else None
+        rid = self._new_id(req.request_id)
+        if hit is not None:
+            yield self._replay(rid, hit, plan.lookup_ms)
+            return
+        if req.cache_control == "only":
+            raise ServiceError("cache_miss", "semantic cache miss")
+
+        salt_parts = [p for p in (caller.tenant, req.cache_salt) if p]
+        cache_salt = "\x1f".join(salt_parts) if salt_parts else None
+        deadline = time.monotonic() + req.timeout_s if req.timeout_s is not None else None
+        self._active_ids.add(rid)
+        stream = self.engine.generate(prompt, req.params, request_id=rid, priority=req.priority,
+                                      cache_salt=cache_salt, deadline=deadline)
+        first = True
+        try:
+            try:
+                out = await stream.__anext__()
+            except ValueError as exc:
+                raise ServiceError("invalid_argument", _field_message(str(exc))) from None
+            except QueueFullError:
+                raise ServiceError("queue_full", "waiting queue is full; retry later",
+                                   retry_after_s=QUEUE_FULL_RETRY_S) from None
+            except RuntimeError as exc:  # engine refuses new work while shutting down
+                raise ServiceError("unavailable", f"draining: {exc}") from None
+            except StopAsyncIteration:
+                raise ServiceError("internal", "engine produced no output") from None
+            while True:
+                if out.finished and out.finish_reason == "abort":
+                    self.metrics.success.labels(finish_reason="abort").inc()
+                    if out.abort_reason == "deadline":
+                        raise ServiceError("deadline_exceeded", "deadline exceeded; request aborted")
+                    if out.abort_reason == "shutdown":
+                        raise ServiceError("unavailable", "draining: request aborted at shutdown")
+                    raise ServiceError("internal", f"request aborted: {out.abort_reason}")
+                ev = self._event(rid, out, plan.info)
+                if out.finished:
+                    self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s,
+                                                  len(out.token_ids))
+                    if plan.policy.store and out.finish_reason in ("stop", "length"):
+                        self.cache_glue.store_later(plan, out)
+                    log.debug("request finished", extra={"request_id": rid, "finish_reason": out.finish_reason,
+                                                         "completion_tokens": len(out.token_ids)})
+                if first or out.finished or out.new_token_ids or out.delta_text:
+                    first = False
+                    yield ev
+                if out.finished:
+                    return
+                try:
+                    out = await stream.__anext__()
+                except StopAsyncIteration:
+                    raise ServiceError("internal", "engine stream ended without a finished output") from None
+        finally:
+            self._active_ids.discard(rid)
+            await stream.aclose()
+
+    def _new_id(self, wanted: Optional[str]) -> str:
+        rid = wanted or f"req-{uuid.uuid4().hex[:16]}"
+        # Engine ids must be unique among live requests; a reused caller id gets a suffix.
+        while rid in self._active_ids:
+            rid = f"{wanted}-{uuid.uuid4().hex[:6]}"
+        return rid
+
+    def _event(self, rid: str, out: Any, cache: CacheInfo) -> Event:
+        return Event(
+            request_id=rid, delta_text=out.delta_text, new_token_ids=list(out.new_token_ids),
+            new_logprobs=out.new_logprobs, finished=out.finished, finish_reason=out.finish_reason,
+            text=out.text, token_ids=list(out.token_ids), prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=len(out.token_ids), cached_tokens=out.num_cached_tokens,
+            queue_ms=_ms(out.queue_s), ttft_ms=_ms(out.ttft_s), total_ms=_ms(out.e2e_s), cache=cache)
+
+    def _replay(self, rid: str, hit: Any, lookup_ms: float) -> Event:
+        self.metrics.success.labels(finish_reason=hit.finish_reason).inc()
+        return Event(
+            request_id=rid, delta_text=hit.text, new_token_ids=list(hit.token_ids), new_logprobs=None,
+            finished=True, finish_reason=hit.finish_reason, text=hit.text, token_ids=list(hit.token_ids),
+            prompt_tokens=hit.prompt_tokens, completion_tokens=hit.completion_tokens, cached_tokens=0,
+            queue_ms=0.0, ttft_ms=lookup_ms, total_ms=lookup_ms,
+            cache=CacheInfo(status="hit_exact" if hit.kind == "exact" else "hit_semantic",
+                            similarity=float(hit.similarity), matched_query=hit.matched_query))
+
+    # -- other calls ---------------------------------------------------------
+    async def embed(self, caller: Caller, inputs: list[str]) -> tuple[list[list[float]], int]:
+        self._check_serving()
+        if not isinstance(inputs, list) or not inputs:
+            raise ServiceError("invalid_argument", "inputs: at least one text is required", field="inputs")
+        if len(inputs) > 256:
+            raise ServiceError("invalid_argument", f"inputs: at most 256 texts, got {len(inputs)}", field="inputs")
+        for i, t in enumerate(inputs):
+            if not isinstance(t, str) or not t.strip():
+                raise ServiceError("invalid_argument", f"inputs[{i}]: must be a non-empty string", field="inputs")
+        embedder = await self.cache_glue.get_embedder()
+        n_tokens = embedder.count_tokens(inputs)
+        self._rate_limit(caller, n_tokens)
+        vecs = await embedder.aembed(inputs)
+        return [v.tolist() for v in vecs], n_tokens
+
+    def tokenize(self, text: Optional[str], messages: Optional[list[dict]], add_special_tokens: bool) -> list[int]:
+        self._check_serving()
+        eng = self.engine.engine
+        if text and messages:
+            raise ServiceError("invalid_argument", "text: set either text or messages, not both", field="text")
+        if messages:
+            check_messages(messages)
+            try:
+                return list(eng.encode_chat(messages))
+            except ValueError as exc:
+                raise ServiceError("invalid_argument", str(exc), field="messages") from None
+        if not text:
+            raise ServiceError("invalid_argument", "text: set text or messages", field="text")
+        return list(eng.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        tok = self.engine.engine.tokenizer
+        return [tok.decode([i]) for i in ids]
+
+    def model_info(self) -> dict:
+        info = dict(self.engine.engine.model_info) if self.engine is not None else {}
+        from sidecar import __version__
+
+        info.update(model=self.model_name, version=__version__, semantic_cache=self.cache_glue.cache is not None,
+                    embedding_model=self.cache_glue.embedding_model_name(),
+                    embedding_dimensions=self.cache_glue.embedding_dim())
+        return info
+
+    def _engine_stats(self) -> dict:
+        return self.engine.stats() if self.engine is not None else {}
+
+    def stats(self) -> dict:
+        s = dict(self._engine_stats())
+        c = self.cache_glue.stats() or {}
+        s.update(semantic_cache_lookups=c.get("lookups", 0),
+                 semantic_cache_hits=c.get("exact_hits", 0) + c.get("semantic_hits", 0),
+                 semantic_cache_entries=c.get("entries", 0))
+        return s
+
+
+def _field_message(msg: str) -> str:
+    """Engine errors name SamplingParams fields bare; the wire names them under ``sampling.``."""
+    from sidecar.server.validation import SAMPLING_FIELDS
+
+    name = msg.split(":", 1)[0]
+    return f"sampling.{msg}" if name in SAMPLING_FIELDS else msg
