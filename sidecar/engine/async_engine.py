@@ -1,0 +1,181 @@
+"""AsyncEngine: runs LLMEngine in one thread and streams its outputs to asyncio.
+
+The engine thread is the only one that touches LLMEngine state. asyncio code
+talks to it through a command queue (add / abort); outputs come back through
+per-request asyncio queues via ``loop.call_soon_threadsafe``. Read-only
+facts (tokenizer, model_info, max_model_len) may be read from any thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator, Optional
+
+from sidecar.config import EngineConfig
+from sidecar.engine.engine import LLMEngine, Prompt
+from sidecar.engine.request import RequestOutput, SamplingParams, random_request_id
+
+log = logging.getLogger("sidecar.engine")
+
+_STOP = object()
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (shut down or crashed)."""
+
+
+class _Stream:
+    __slots__ = ("queue", "loop", "finished")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.loop = loop
+        self.finished = False
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: "queue.Queue[Any]" = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._accepting = True
+        self._stats: dict[str, Any] = engine.stats()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="sidecar-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_unfinished(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    async def shutdown(self, timeout_s: float = 0.0) -> None:
+        """Refuse new requests, let running ones finish for up to ``timeout_s``, abort the rest, stop."""
+        self._accepting = False
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while self.num_unfinished and time.monotonic() < deadline and self.is_running:
+            await asyncio.sleep(0.02)
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self._commands.put(("abort", rid, "shutdown"))
+        while self.num_unfinished and self.is_running and time.monotonic() < deadline + 5.0:
+            await asyncio.sleep(0.01)
+        self._commands.put(_STOP)
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+
+    # -- engine thread ------------------------------------------------------------------------------------
+    def _handle(self, cmd: Any) -> bool:
+        if cmd is _STOP:
+            return False
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, params, kwargs = cmd
+            stream = self._streams.get(rid)
+            try:
+                self.engine.add_request(rid, prompt, params, **kwargs)
+            except Exception as exc:  # ValueError / QueueFullError go back to the caller
+                self._drop(rid)
+                if stream is not None:
+                    stream.put(exc)
+        elif kind == "abort":
+            self.engine.abort(cmd[1], cmd[2])
+        return True
+
+    def _drop(self, rid: str) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+
+    def _loop(self) -> None:
+        running = True
+        while running:
+            try:
+                block = not self.engine.has_unfinished_requests()
+                while True:
+                    try:
+                        cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+                    except queue.Empty:
+                        break
+                    block = False
+                    if not self._handle(cmd):
+                        running = False
+                        break
+                if not running:
+                    break
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        with self._lock:
+                            stream = self._streams.get(out.request_id)
+                            if out.finished:
+                                self._streams.pop(out.request_id, None)
+                        if stream is not None:
+                            stream.put(out)
+                self._stats = self.engine.stats()
+            except Exception:  # never let one bad step kill the loop
+                log.exception("engine loop error")
+                time.sleep(0.01)
+        # Anything still attached gets a terminal error instead of hanging.
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            s.put(EngineDeadError("engine stopped"))
+
+    # -- asyncio API -------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        return dict(self._stats)
+
+    async def abort(self, request_id: str, reason: str = "client") -> None:
+        self._commands.put(("abort", request_id, reason))
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,
+                       priority: int = 0, cache_salt: Optional[str] = None,
+                       deadline: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request. Errors (ValueError, QueueFullError) raise before any output.
+        Leaving the iteration early aborts the request in the engine."""
+        if not self._accepting:
+            raise EngineDeadError("engine is shutting down")
+        if not self.is_running:
+            raise EngineDeadError("engine is not running")
+        rid = request_id or random_request_id()
+        stream = _Stream(asyncio.get_running_loop())
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request_id: {rid!r} is already in use")
+            self._streams[rid] = stream
+        self._commands.put(("add", rid, prompt, params,
+                            {"priority": priority, "cache_salt": cache_salt, "deadline": deadline}))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._drop(rid)
+                self._commands.put(("abort", rid, "client"))

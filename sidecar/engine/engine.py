@@ -1,0 +1,286 @@
+"""LLMEngine (add_request / step / abort) and LLM, the offline facade."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from sidecar.config import EngineConfig
+from sidecar.engine.detokenizer import IncrementalDetokenizer
+from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
+                                    random_request_id)
+from sidecar.engine.runner import ModelRunner
+from sidecar.engine.sampler import Sampler
+from sidecar.engine.scheduler import Scheduler
+from sidecar.model.loader import load_model
+
+log = logging.getLogger("sidecar.engine")
+
+Prompt = Union[str, Sequence[int]]
+MAX_REQUEST_ID_LEN = 128
+
+
+class LLMEngine:
+    """Synchronous, single-threaded engine core. Not thread-safe: AsyncEngine owns it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.eos_token_ids = loaded.eos_token_ids
+        self.vocab_size = loaded.args.vocab_size
+        self.runner = ModelRunner(loaded, config)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        # A lone request must always fit the pool, so no request can be starved by its own length.
+        self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.sampler = Sampler(loaded.device, config.seed)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests_finished": 0,
+                         "num_steps": 0}
+        self.model_info = {
+            "model": config.model,
+            "model_dir": str(loaded.model_dir),
+            "architecture": loaded.args.architecture,
+            "dtype": str(loaded.dtype).replace("torch.", ""),
+            "quantization": loaded.quantization or "none",
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.vocab_size,
+            "block_size": config.block_size,
+            "num_kv_blocks": self.kv.num_blocks,
+            "prefix_caching": config.enable_prefix_caching,
+            "device": str(loaded.device),
+        }
+        weights = sum(t.numel() * t.element_size() for t in
+                      list(loaded.model.parameters()) + list(loaded.model.buffers()))
+        log.info("engine ready: model=%s arch=%s dtype=%s quantization=%s device=%s weights=%.1f MiB "
+                 "kv_blocks=%d x %d tokens (%d tokens, %.1f MiB) max_model_len=%d load=%.1fs",
+                 config.model, loaded.args.architecture, self.model_info["dtype"], self.model_info["quantization"],
+                 loaded.device, weights / 2**20, self.kv.num_blocks, config.block_size,
+                 self.kv.num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len,
+                 loaded.load_time_s)
+
+    # -- input ---------------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
+        """Validate and tokenize a prompt. Raises ValueError naming ``prompt``."""
+        if isinstance(prompt, str):
+            if prompt == "":
+                raise ValueError("prompt: must not be empty")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            text: Optional[str] = prompt
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+            text = None
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt: token ids must be integers")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        else:
+            raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the context "
+                             f"length of {self.max_model_len} tokens")
+        return text, ids
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Apply the checkpoint's chat template (with the generation prompt)."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages: must be a non-empty list of {role, content}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}].content: must be a string")
+            if m.get("role") not in ("system", "user", "assistant"):
+                raise ValueError(f"messages[{i}].role: must be system, user or assistant, got {m.get('role')!r}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: the model has no chat template; send a raw prompt instead")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def add_request(self, request_id: Optional[str], prompt: Prompt, params: SamplingParams, priority: int = 0,
+                    cache_salt: Optional[str] = None, deadline: Optional[float] = None,
+                    arrival_time: Optional[float] = None) -> str:
+        """Queue a request. Raises ValueError (bad input, naming the field) or QueueFullError."""
+        request_id = request_id or random_request_id()
+        if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_LEN:
+            raise ValueError(f"request_id: must be a string of at most {MAX_REQUEST_ID_LEN} characters")
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params: must be a SamplingParams")
+        params.validate(self.vocab_size)
+        if not isinstance(priority, int):
+            raise ValueError(f"priority: must be an integer, got {priority!r}")
+        text, ids = self.tokenize(prompt)
+        req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt or None,
+                      deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids)
+        req.detok = IncrementalDetokenizer(self.tokenizer, params)
+        self.scheduler.add(req)  # may raise QueueFullError
+        self.requests[request_id] = req
+        self.counters["prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort(self, request_id: str, reason: str = "client") -> None:
+        """Finish the request now; its final output comes with the next step(). Unknown ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, FinishReason.ABORT, reason)
+            self._pending.append(req.make_output())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def _finish(self, req: Request, reason: FinishReason, abort_reason: Optional[str] = None) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.abort_reason = abort_reason
+        req.finished_time = time.monotonic()
+        req.text = req.detok.visible_text(True) if reason != FinishReason.ABORT else req.text
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.counters["num_requests_finished"] += 1
+
+    def _check_stop(self, req: Request, token: int) -> Optional[FinishReason]:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids):
+            return FinishReason.STOP
+        if req.detok.add_token(token) is not None:
+            return FinishReason.STOP
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return the outputs of every request that changed."""
+        outputs, self._pending = self._pending, []
+        now = time.monotonic()
+        for req in self.scheduler.expired(now):
+            self._finish(req, FinishReason.ABORT, "deadline")
+            outputs.append(req.make_output())
+        sched = self.scheduler.schedule()
+        for req in sched.unschedulable:
+            self._finish(req, FinishReason.ABORT, "error: request does not fit the KV cache")
+            outputs.append(req.make_output())
+        if sched.empty:
+            return outputs
+        self.counters["num_steps"] += 1
+        try:
+            sample_reqs, logits = self.runner.execute(sched, self.kv)
+        except Exception as exc:  # a failed forward fails its requests, never the engine
+            log.exception("model step failed; aborting %d requests", len(sched.scheduled))
+            for s in sched.scheduled:
+                self._finish(s.request, FinishReason.ABORT, f"error: {type(exc).__name__}: {exc}")
+                outputs.append(s.request.make_output())
+            return outputs
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_computed_blocks(s.request)
+        if not sample_reqs:
+            return outputs
+        token_ids, logprobs = self.sampler(logits, sample_reqs)
+        now = time.monotonic()
+        for req, tok, lp in zip(sample_reqs, token_ids, logprobs):
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.append_token(tok)
+            if lp is not None:
+                req.logprobs.append(lp)
+            self.counters["generation_tokens"] += 1
+            reason = self._check_stop(req, tok)
+            if reason is not None:
+                self._finish(req, reason)
+            else:
+                req.text = req.detok.visible_text(False)
+            outputs.append(req.make_output())
+        return outputs
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_kv_blocks": self.kv.num_blocks,
+            "num_free_kv_blocks": self.kv.num_free_blocks(),
+            "kv_cache_usage": self.kv.usage(),
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }
+
+
+class LLM:
+    """Offline facade: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(self, model: str = "demo", dtype: str = "auto", quantization: Optional[str] = None,
+                 block_size: int = 16, kv_cache_memory_gb: Optional[float] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True, seed: int = 0,
+                 **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(
+            model=model, dtype=dtype, quantization=quantization, block_size=block_size,
+            kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            seed=seed, max_waiting_requests=kwargs.pop("max_waiting_requests", 1 << 30), **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def _run(self, prompts: list[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None],
+             use_tqdm: bool) -> list[RequestOutput]:
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.engine.add_request(None, p, sp))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid, "error: batch rejected")
+            self.engine.step()
+            raise
+        done: dict[str, RequestOutput] = {}
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in ids:  # interrupted (e.g. KeyboardInterrupt): give every block back
+                if rid not in done:
+                    self.engine.abort(rid, "shutdown")
+        return [done[i] for i in ids]
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for a prompt or a list of prompts (strings or token-id lists); outputs in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), params, use_tqdm)
+
+    def chat(self, conversations: Union[list[dict], Sequence[list[dict]]],
+             params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies for one conversation or a list of them (chat template applied)."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run([self.engine.encode_chat(list(c)) for c in conversations], params, use_tqdm)

@@ -1,0 +1,108 @@
+"""KVCacheManager: per-request block tables over the shared BlockPool, with prefix caching."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from sidecar.engine.block_pool import BlockPool, KVBlock, hash_block
+from sidecar.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, tokens served from cache
+
+    # -- prefix cache -------------------------------------------------------
+    def _update_hashes(self, req: Request) -> None:
+        """Extend ``req.block_hashes`` to cover every full block of its tokens."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        toks = req.all_token_ids
+        while (len(hashes) + 1) * bs <= len(toks):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block(parent, tuple(toks[i * bs:(i + 1) * bs]), req.cache_salt))
+
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        """Longest chain of cached blocks matching the request's leading tokens.
+
+        Never covers the last token: it must be recomputed to produce logits.
+        Returns (blocks, number of tokens they hold)."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_hashes(req)
+        bs = self.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        toks = req.all_token_ids
+        hits: list[KVBlock] = []
+        for i in range(max_blocks):
+            block = self.pool.get_cached(req.block_hashes[i], tuple(toks[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * bs
+        return hits, len(hits) * bs
+
+    # -- allocation -----------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
+        """Make room for ``num_new_tokens`` after the request's computed (and newly hit) tokens.
+
+        Returns False, changing nothing, when the pool cannot supply the blocks."""
+        bs = self.block_size
+        blocks = self.req_blocks.get(req.request_id, [])
+        total = req.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
+        need = -(-total // bs) - len(blocks) - len(new_computed_blocks)
+        # Hit blocks sitting in the free queue stop being allocatable once we take them.
+        revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if need > self.pool.num_free_blocks() - revived:
+            return False
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+        if need > 0:
+            blocks.extend(self.pool.allocate(need))
+        self.req_blocks[req.request_id] = blocks
+        return True
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache (after a step ran)."""
+        if not self.enable_caching:
+            return
+        self._update_hashes(req)
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return
+        bs = self.block_size
+        toks = req.all_token_ids
+        n_full = min(req.num_computed_tokens // bs, len(req.block_hashes), len(blocks))
+        for i in range(n_full - 1, -1, -1):
+            block = blocks[i]
+            if block.block_hash is not None:
+                break  # earlier blocks were registered in an earlier step
+            self.pool.cache_block(block, req.block_hashes[i], tuple(toks[i * bs:(i + 1) * bs]))
+
+    def free(self, req: Request) -> None:
+        """Return every block of the request. Tail blocks are freed first so they are evicted first."""
+        blocks = self.req_blocks.pop(req.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+
+    # -- accounting -------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_usable_blocks
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks()
+
+    def usage(self) -> float:
+        return self.pool.usage()

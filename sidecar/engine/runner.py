@@ -1,0 +1,124 @@
+"""ModelRunner: SchedulerOutput -> packed tensors -> model -> logits of the sampled positions."""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import psutil
+import torch
+
+from sidecar.config import EngineConfig
+from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.request import Request
+from sidecar.engine.scheduler import SchedulerOutput
+from sidecar.model.attention import AttentionMetadata, PrefillSegment, build_decode_mask
+from sidecar.model.loader import LoadedModel
+
+log = logging.getLogger("sidecar.engine")
+
+# Without an explicit budget the KV cache takes a fraction of free memory, but never more than
+# every sequence at full length could use, and on CPU at most this much.
+CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
+
+
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    a = loaded.args
+    elem = torch.tensor([], dtype=loaded.dtype).element_size()
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * elem
+
+
+def plan_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+    """Number of KV blocks (including the reserved padding block 0)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_block(loaded, config.block_size)
+    if config.kv_cache_memory_gb is not None:
+        budget = int(config.kv_cache_memory_gb * (1 << 30))
+    else:
+        if loaded.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(loaded.device)
+            budget = int(free * config.kv_cache_memory_fraction)
+        else:
+            budget = min(int(psutil.virtual_memory().available * config.kv_cache_memory_fraction),
+                         CPU_DEFAULT_KV_CAP_BYTES)
+        blocks_per_seq = -(-loaded.max_model_len // config.block_size)
+        budget = min(budget, config.max_num_seqs * blocks_per_seq * per_block)
+    blocks = budget // per_block + 1
+    if blocks < 2:
+        raise ValueError(f"kv_cache_memory_gb: budget {budget} bytes holds no KV block "
+                         f"({per_block} bytes each)")
+    return blocks
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.model = loaded.model
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+        self.block_size = config.block_size
+        self.num_blocks = plan_num_blocks(config, loaded)
+        a = loaded.args
+        shape = (self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        # Blocks are zeroed lazily the first time they are used (see _zero_new_blocks): the pool hands
+        # out never-used blocks in ascending id order, so the used ids always form a prefix 1..hwm.
+        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(a.num_layers)]
+        self._zeroed_upto = 0
+        self._zero_blocks(0, 0)
+        self.sliding_window = a.sliding_window
+        self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(loaded, self.block_size)
+
+    def _zero_blocks(self, lo: int, hi: int) -> None:
+        for k, v in self.kv_caches:
+            k[lo:hi + 1].zero_()
+            v[lo:hi + 1].zero_()
+        self._zeroed_upto = max(self._zeroed_upto, hi)
+
+    def _tensor(self, data: list[int]) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], Optional[torch.Tensor]]:
+        """Run one step. Returns the requests that sample a token this step and their logits [B, V]."""
+        bs = self.block_size
+        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        segments: list[PrefillSegment] = []
+        sample_idx: list[int] = []
+        sample_reqs: list[Request] = []
+        max_block = 0
+        tables: list[list[int]] = []
+        for s in prefills + decodes:
+            r = s.request
+            c, n = r.num_computed_tokens, s.num_new_tokens
+            table = kv.block_ids(r)
+            tables.append(table)
+            max_block = max(max_block, max(table))
+            start = len(ids)
+            ids.extend(r.all_token_ids[c:c + n])
+            pos.extend(range(c, c + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            if n > 1:
+                segments.append(PrefillSegment(start, n, c + n, self._tensor(table[: -(-(c + n) // bs)])))
+            if s.completes_prompt:
+                sample_idx.append(len(ids) - 1)
+                sample_reqs.append(r)
+        if max_block > self._zeroed_upto:
+            self._zero_blocks(self._zeroed_upto + 1, max_block)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=segments)
+        if decodes:
+            dtables = tables[len(prefills):]
+            width = max(len(t) for t in dtables)
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dtables]).view(len(dtables), width)
+            ctx = self._tensor([s.request.num_computed_tokens + 1 for s in decodes])
+            meta.decode_mask = build_decode_mask(ctx, width, bs, self.sliding_window)
+            meta.decode_q_index = self._tensor(list(range(len(ids) - len(decodes), len(ids))))
+            meta.decode_is_contiguous = True
+        hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
+        if not sample_reqs:
+            return [], None
+        logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_idx)))
+        return sample_reqs, logits

@@ -1,0 +1,162 @@
+"""Token-budget scheduler (one rule for prefill, chunked prefill, decode and prefix hits).
+
+Each step has ``max_num_batched_tokens`` to give. Running requests are served
+first, then waiting ones, each getting ``min(tokens it still needs, budget
+left)``. A request needs ``num_tokens - num_computed_tokens`` tokens: its whole
+prompt at first (minus a prefix-cache hit), one token per step when decoding.
+When the KV pool runs dry the lowest-priority, newest running request is
+preempted: its blocks are freed and it is recomputed later.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sidecar.config import EngineConfig
+from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.request import QueueFullError, Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when this step reaches the request's last token, so a new token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Requests that cannot fit the KV pool even alone; the engine finishes them.
+    unschedulable: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = config.max_num_seqs
+        self.max_batched_tokens = config.max_num_batched_tokens
+        self.max_waiting = config.max_waiting_requests
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []  # kept sorted by Request.sort_key()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queue management -----------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
+        self._insert_waiting(req)
+
+    def _insert_waiting(self, req: Request) -> None:
+        key = req.sort_key()
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].sort_key() > key:
+            i -= 1
+        self.waiting.insert(i, req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of whichever queue holds it and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- scheduling ---------------------------------------------------------------------------------
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._insert_waiting(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        now = time.monotonic()
+
+        # Running requests first, in priority order, so preemption victims come from the tail.
+        self.running.sort(key=Request.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id).num_new_tokens
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = ScheduledRequest(req, n)
+                budget -= n
+                i += 1
+                continue
+            # req itself was preempted; the list shifted under index i.
+
+        # Then waiting requests, unless this step had to preempt (the pool is under pressure).
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                hits, num_hit = ([], 0)
+                if req.num_computed_tokens == 0:
+                    hits, num_hit = self.kv.get_computed_blocks(req)
+                n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+                if not self.kv.allocate_slots(req, n, hits):
+                    if not self.running and not scheduled:
+                        # Nothing else holds blocks, so waiting cannot help: give it up.
+                        self.waiting.pop(0)
+                        out.unschedulable.append(req)
+                        continue
+                    break
+                self.waiting.pop(0)
+                req.num_computed_tokens += num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled[req.request_id] = ScheduledRequest(req, n)
+                budget -= n
+
+        out.scheduled = list(scheduled.values())
+        out.num_batched_tokens = self.max_batched_tokens - budget
+        return out
+
+    def expired(self, now: float) -> list[Request]:
+        """Requests whose deadline has passed (waiting or running)."""
+        return [r for r in self.waiting + self.running if r.deadline is not None and r.deadline <= now]
+
+    def find(self, request_id: str) -> Optional[Request]:
+        for r in self.running:
+            if r.request_id == request_id:
+                return r
+        for r in self.waiting:
+            if r.request_id == request_id:
+                return r
+        return None

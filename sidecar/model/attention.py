@@ -1,0 +1,124 @@
+"""Paged attention over packed variable-length batches.
+
+KV cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+A token at position ``p`` of a request lives in slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+The torch reference path (CPU and any device) gathers each request's blocks and
+calls ``scaled_dot_product_attention``. Decode tokens of a step are attended in
+one batched call (padded to the longest context, masked); prefill chunks are
+attended per request. A fused CUDA kernel can replace ``paged_attention`` here
+without touching any caller.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    """A request contributing ``q_len`` > 1 tokens (or a chunk) to this step."""
+
+    q_start: int  # offset of its first query token in the packed batch
+    q_len: int
+    ctx_len: int  # tokens in its context after this step (cached + new)
+    block_table: torch.Tensor  # [n_blocks] long, covering ctx_len
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot for every new token
+    block_size: int
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    # Batched decode: requests with exactly one new token.
+    decode_q_index: Optional[torch.Tensor] = None  # [Bd] long positions in the packed batch
+    decode_block_tables: Optional[torch.Tensor] = None  # [Bd, max_blocks] long (padded with 0)
+    decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_is_contiguous: bool = False  # decode tokens are exactly the packed-batch tail
+
+
+def build_decode_mask(ctx_lens: torch.Tensor, max_blocks: int, block_size: int,
+                      sliding_window: Optional[int]) -> torch.Tensor:
+    """Mask of shape [B, 1, 1, max_blocks*block_size]: key j visible iff j < ctx_len (and in window)."""
+    pos = torch.arange(max_blocks * block_size, device=ctx_lens.device)
+    mask = pos[None, :] < ctx_lens[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] >= (ctx_lens[:, None] - sliding_window)
+    return mask[:, None, None, :]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
+    k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    nkv, hd = cache.shape[-2], cache.shape[-1]
+    return cache.index_select(0, block_table).view(-1, nkv, hd)[:length]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+          causal: bool, scale: float) -> torch.Tensor:
+    """q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]. Expands KV heads for grouped-query attention."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: Optional[int] = None) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D].
+
+    Writes the new K/V into the cache first, so every query sees its own token.
+    """
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    for seg in meta.prefills:
+        qs = q[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
+        start = seg.ctx_len - seg.q_len
+        if start == 0 and sliding_window is None:
+            # Whole prompt in this step: attend to the fresh K/V, plain causal mask.
+            ks = k[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
+            vs = v[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
+            o = _sdpa(qs, ks, vs, None, True, scale)
+        else:
+            ks = _gather(k_cache, seg.block_table, seg.ctx_len).transpose(0, 1)[None]
+            vs = _gather(v_cache, seg.block_table, seg.ctx_len).transpose(0, 1)[None]
+            qpos = torch.arange(start, seg.ctx_len, device=q.device)[:, None]
+            kpos = torch.arange(seg.ctx_len, device=q.device)[None, :]
+            mask = kpos <= qpos
+            if sliding_window is not None:
+                mask &= kpos > qpos - sliding_window
+            o = _sdpa(qs, ks, vs, mask[None, None], False, scale)
+        out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
+    if meta.decode_q_index is not None:
+        bt = meta.decode_block_tables
+        b, nb = bt.shape
+        nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
+        bs = k_cache.shape[1]
+        kd = k_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
+        vd = v_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
+        if meta.decode_is_contiguous:
+            qd = q[q.shape[0] - b:]
+        else:
+            qd = q.index_select(0, meta.decode_q_index)
+        # Grouped-query decode without copying K/V: the query heads sharing a KV head
+        # become that head's query rows ([B, Hkv, rep, D] against [B, Hkv, L, D]).
+        nh = qd.shape[1]
+        qg = qd.reshape(b, nkv, nh // nkv, hd)
+        o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        o = o.reshape(b, nh, hd)
+        if meta.decode_is_contiguous:
+            out[q.shape[0] - b:] = o
+        else:
+            out.index_copy_(0, meta.decode_q_index, o)
+    return out

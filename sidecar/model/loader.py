@@ -1,0 +1,243 @@
+"""Resolve a model reference and load it into our decoder.
+
+``"demo"`` builds/reuses the offline demo model; an existing directory is read
+as a Hugging Face checkpoint (config.json + *.safetensors, sharded or not); any
+other string is treated as a hub id and fetched with huggingface_hub.
+
+Weights are materialised one decoder layer at a time from memory-mapped
+safetensors into a model built on the meta device, so peak memory stays near
+the final model size (plus one layer) even when quantizing on load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from sidecar.config import EngineConfig
+from sidecar.model.llama import LlamaForCausalLM, ModelArgs
+
+log = logging.getLogger("sidecar.model")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Any
+    args: ModelArgs
+    hf_config: dict
+    model_dir: Path
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    quantization: Optional[str]
+    load_time_s: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} requested but CUDA is not available")
+    return dev
+
+
+def resolve_model_dir(model: str, revision: Optional[str] = None, demo_dir: Optional[str] = None) -> Path:
+    """Return a local checkpoint directory for ``model``; raises ValueError naming the problem."""
+    if model == "demo":
+        from sidecar.model.demo import ensure_demo_model
+
+        return ensure_demo_model(demo_dir)
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: {model!r} is a path but has no config.json")
+        return path
+    looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep + os.sep in model
+    if looks_like_path:
+        raise ValueError(f"model: local path {model!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(model, revision=revision,
+                                  allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model",
+                                                  "*.txt", "*.tiktoken"])
+    except Exception as exc:  # network errors, unknown repo, offline mode
+        raise ValueError(f"model: {model!r} is neither a local directory nor a reachable hub id "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    return Path(local)
+
+
+def _checkpoint_dtype(hf_config: dict) -> torch.dtype:
+    name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
+    return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+
+
+def pick_dtype(requested: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    if requested != "auto":
+        return _DTYPES[requested]
+    dtype = _checkpoint_dtype(hf_config)
+    if dtype == torch.float16 and device.type == "cpu":
+        return torch.bfloat16  # fp16 matmuls are slow and overflow-prone on CPU
+    return dtype
+
+
+class _SafetensorsIndex:
+    """Name -> file map over a checkpoint's safetensors shards, opened lazily (mmap)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from safetensors import safe_open
+
+        index = model_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"model: no *.safetensors weights in {model_dir}")
+            weight_map = {}
+        self.handles = {f: safe_open(str(model_dir / f), framework="pt", device="cpu") for f in files}
+        if not weight_map:
+            for f, h in self.handles.items():
+                for k in h.keys():
+                    weight_map[k] = f
+        self.weight_map: dict[str, str] = weight_map
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.weight_map:
+            raise ValueError(f"model: checkpoint is missing tensor {name!r}")
+        return self.handles[self.weight_map[name]].get_tensor(name)
+
+
+def _set(module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    old = getattr(module, name)
+    if tuple(old.shape) != tuple(tensor.shape):
+        raise ValueError(f"model: tensor for {type(module).__name__}.{name} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(old.shape)}")
+    setattr(module, name, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
+
+
+def _load_linear(linear: nn.Linear, ckpt: _SafetensorsIndex, names: Iterable[str], dtype: torch.dtype,
+                 device: torch.device) -> None:
+    names = list(names)
+    weights = [ckpt.get(f"{n}.weight") for n in names]
+    _set(linear, "weight", torch.cat(weights, 0) if len(weights) > 1 else weights[0], dtype, device)
+    if linear.bias is not None:
+        biases = [ckpt.get(f"{n}.bias") for n in names]
+        _set(linear, "bias", torch.cat(biases, 0) if len(biases) > 1 else biases[0], dtype, device)
+
+
+def _maybe_quantize(parent: nn.Module, attr: str, cfg: EngineConfig) -> None:
+    if cfg.quantization is None:
+        return
+    from sidecar.model.quant import quantize_linear
+
+    setattr(parent, attr, quantize_linear(getattr(parent, attr), cfg.quantization, cfg.quant_group_size))
+
+
+def _load_weights(model: LlamaForCausalLM, ckpt: _SafetensorsIndex, cfg: EngineConfig, dtype: torch.dtype,
+                  device: torch.device) -> None:
+    from tqdm.auto import tqdm
+
+    args = model.args
+    _set(model.embed_tokens, "weight", ckpt.get("model.embed_tokens.weight"), dtype, device)
+    for i, layer in enumerate(tqdm(model.layers, desc="loading layers", unit="layer", leave=False,
+                                   disable=not log.isEnabledFor(logging.INFO))):
+        p = f"model.layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        _load_linear(attn.qkv_proj, ckpt, [f"{p}.self_attn.{x}_proj" for x in "qkv"], dtype, device)
+        _load_linear(attn.o_proj, ckpt, [f"{p}.self_attn.o_proj"], dtype, device)
+        _load_linear(mlp.gate_up_proj, ckpt, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], dtype, device)
+        _load_linear(mlp.down_proj, ckpt, [f"{p}.mlp.down_proj"], dtype, device)
+        _set(layer.input_layernorm, "weight", ckpt.get(f"{p}.input_layernorm.weight"), dtype, device)
+        _set(layer.post_attention_layernorm, "weight", ckpt.get(f"{p}.post_attention_layernorm.weight"),
+             dtype, device)
+        for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+            _maybe_quantize(parent, attr, cfg)
+    _set(model.norm, "weight", ckpt.get("model.norm.weight"), dtype, device)
+    if args.tie_word_embeddings or "lm_head.weight" not in ckpt:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        _set(model.lm_head, "weight", ckpt.get("lm_head.weight"), dtype, device)
+        if cfg.quantize_lm_head:
+            _maybe_quantize(model, "lm_head", cfg)
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ValueError(f"model: cannot load the tokenizer from {model_dir}: {exc}") from None
+
+
+def _eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+
+    def add(v: Any) -> None:
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, list):
+            ids.extend(x for x in v if isinstance(x, int))
+
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(hf_config.get("eos_token_id"))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(dict.fromkeys(ids))
+
+
+def load_model(cfg: EngineConfig) -> LoadedModel:
+    """Load config, tokenizer and weights for ``cfg.model``. Raises ValueError naming the problem."""
+    t0 = time.perf_counter()
+    device = resolve_device(cfg.device)
+    model_dir = resolve_model_dir(cfg.model, cfg.revision, cfg.demo_dir)
+    hf_config = json.loads((model_dir / "config.json").read_text())
+    args = ModelArgs.from_hf_config(hf_config)
+    dtype = pick_dtype(cfg.dtype, hf_config, device)
+    tokenizer = load_tokenizer(model_dir)
+    quant_file = model_dir / "quantization_config.json"
+    with torch.device("meta"):
+        model = LlamaForCausalLM(args)
+    if quant_file.exists():
+        from sidecar.model.quant import load_quantized_model
+
+        if cfg.quantization is not None:
+            saved = json.loads(quant_file.read_text()).get("mode")
+            if saved != cfg.quantization:
+                raise ValueError(f"quantization: checkpoint {model_dir} is already quantized as {saved!r}, "
+                                 f"cannot load it as {cfg.quantization!r}")
+        load_quantized_model(model_dir, model, dtype, device)
+        quantization = json.loads(quant_file.read_text()).get("mode")
+    else:
+        _load_weights(model, _SafetensorsIndex(model_dir), cfg, dtype, device)
+        quantization = cfg.quantization
+    max_len = args.max_position_embeddings
+    if cfg.max_model_len is not None:
+        if cfg.max_model_len > max_len:
+            raise ValueError(f"max_model_len: {cfg.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {max_len}")
+        max_len = cfg.max_model_len
+    model.init_rope(max_len, device, dtype)
+    model.eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, args=args, hf_config=hf_config, model_dir=model_dir,
+                       dtype=dtype, device=device, max_model_len=max_len,
+                       eos_token_ids=_eos_ids(model_dir, hf_config, tokenizer), quantization=quantization,
+                       load_time_s=time.perf_counter() - t0)
