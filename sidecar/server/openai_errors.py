@@ -1,0 +1,170 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Bad input is always a 4xx naming the field: FastAPI's 422 for body
+validation becomes 400, malformed JSON is 400, unknown routes keep their
+404/405 in the same shape. Only a fault of the server itself is a 500.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sidecar.server.validation import ServiceError
+
+log = logging.getLogger("sidecar.openai")
+
+# ServiceError.code -> (HTTP status, OpenAI error type, OpenAI error code)
+_STATUS = {
+    "invalid_argument": (400, "invalid_request_error", "invalid_value"),
+    "unauthenticated": (401, "authentication_error", "invalid_api_key"),
+    "not_found": (404, "invalid_request_error", "model_not_found"),
+    "cache_miss": (404, "invalid_request_error", "cache_miss"),
+    "rate_limited": (429, "rate_limit_error", "rate_limit_exceeded"),
+    "queue_full": (429, "rate_limit_error", "queue_full"),
+    "unavailable": (503, "service_unavailable_error", "service_unavailable"),
+    "deadline_exceeded": (504, "timeout_error", "deadline_exceeded"),
+    "internal": (500, "server_error", "internal_error"),
+}
+# Pydantic's location parts that name a union member rather than a field.
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def error_body(message: str, etype: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
+
+def _public_field(name: Optional[str]) -> Optional[str]:
+    """The service names sampling fields ``sampling.x``; over HTTP they are top-level ``x``."""
+    if name and name.startswith("sampling."):
+        return name[len("sampling."):]
+    return name
+
+
+def service_error_body(exc: ServiceError) -> tuple[int, dict]:
+    status, etype, code = _STATUS.get(exc.code, _STATUS["internal"])
+    message = exc.message[len("sampling."):] if exc.message.startswith("sampling.") else exc.message
+    return status, error_body(message, etype, _public_field(exc.field), code)
+
+
+def service_error_response(exc: ServiceError) -> JSONResponse:
+    status, body = service_error_body(exc)
+    headers = {}
+    if exc.retry_after_s is not None and status == 429:
+        # Retry-After takes whole seconds; round up so a client that obeys it is admitted.
+        headers["retry-after"] = str(max(1, math.ceil(exc.retry_after_s)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(exc.retry_after_s * 1000)))
+    if status == 401:
+        headers["www-authenticate"] = "Bearer"
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _field(loc: tuple) -> Optional[str]:
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _UNION_TAGS or any(c in part for c in "[]-"):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def validation_body(errors: list[dict[str, Any]]) -> dict:
+    """One message for one offending field.
+
+    Pydantic reports every member of a union separately; the deepest location
+    is the member the client evidently meant (a list of parts rather than a
+    string), so that one names the field.
+    """
+    special = [e for e in errors if e.get("type") in ("json_invalid", "unsupported_field", "invalid_value")]
+    first = special[0] if special else max(errors, key=lambda e: len(e.get("loc", ())))
+    etype = first.get("type", "")
+    ctx = first.get("ctx") or {}
+    if etype == "json_invalid":
+        return error_body(f"body: malformed JSON ({ctx.get('error', 'decode error')})",
+                          "invalid_request_error", None, "invalid_json")
+    if etype == "unsupported_field":
+        return error_body(first["msg"], "invalid_request_error", ctx.get("field"), "unsupported_parameter")
+    if etype == "invalid_value":
+        msg = first["msg"]
+        return error_body(msg, "invalid_request_error", msg.partition(":")[0], "invalid_value")
+    field = _field(tuple(first.get("loc", ())))
+    if field is None:
+        if etype == "missing":
+            return error_body("body: a JSON object is required", "invalid_request_error", None, "invalid_value")
+        return error_body(f"body: must be a JSON object ({first['msg']})", "invalid_request_error", None,
+                          "invalid_value")
+    if etype == "extra_forbidden":
+        return error_body(f"{field}: unknown field", "invalid_request_error", field, "unknown_parameter")
+    msgs: list[str] = []
+    for e in errors:
+        if _field(tuple(e.get("loc", ()))) == field and e["msg"] not in msgs:
+            msgs.append(e["msg"])
+    if etype == "missing":
+        msgs = ["field required"]
+    return error_body(f"{field}: {'; or '.join(msgs)}", "invalid_request_error", field, "invalid_value")
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return service_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(validation_body(list(exc.errors())), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), etype, None, None), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal server error", "server_error", None, "internal_error"),
+                            status_code=500)
+
+
+_ERROR_SCHEMA = {
+    "type": "object",
+    "properties": {"error": {"type": "object", "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+_DOCUMENTED = {"400": "Invalid request (the message names the field)", "401": "Missing or invalid API key",
+               "404": "Unknown model", "429": "Rate limited or queue full (see Retry-After)",
+               "503": "Loading or draining"}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Publish the real error statuses in /openapi.json instead of FastAPI's 422."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        for path, ops in schema.get("paths", {}).items():
+            if not path.startswith("/v1/"):
+                continue
+            for op in ops.values():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                for status, text in _DOCUMENTED.items():
+                    responses.setdefault(status, {"description": text,
+                                                  "content": {"application/json": {"schema": _ERROR_SCHEMA}}})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,165 @@
+"""OpenAI response and chunk bodies built from service ``Event``s.
+
+Pure functions over plain dicts: no I/O, no service calls except the
+``token_text`` callback that turns token ids into strings for logprobs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+TokenText = Callable[[list[int]], list[str]]
+# JSON has no -inf; a token the model rules out gets this floor (what vLLM reports too).
+LOGPROB_FLOOR = -9999.0
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def _lp(x: float) -> float:
+    return LOGPROB_FLOOR if x is None or math.isnan(x) or x < LOGPROB_FLOOR else float(x)
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def cache_header(statuses: list[str]) -> str:
+    """One value for the whole call: hit only when every choice was answered from the cache."""
+    if statuses and all(s.startswith("hit") for s in statuses):
+        return "hit"
+    if any(s == "miss" for s in statuses):
+        return "miss"
+    return "bypass"
+
+
+def chat_logprobs(lps: list[Any], token_text: TokenText) -> dict:
+    """``choices[].logprobs`` of a chat completion for engine TokenLogprob entries."""
+    ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
+    names = dict(zip(ids, token_text(ids))) if ids else {}
+
+    def entry(tid: int, logprob: float) -> dict:
+        s = names[tid]
+        return {"token": s, "logprob": _lp(logprob), "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [dict(entry(lp.token_id, lp.logprob),
+                             top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in lps]}
+
+
+def completion_logprobs(lps: list[Any], token_text: TokenText, text_offset: int) -> dict:
+    """Legacy ``choices[].logprobs`` of a text completion; offsets count from ``text_offset``."""
+    ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
+    names = dict(zip(ids, token_text(ids))) if ids else {}
+    tokens, offsets = [], []
+    pos = text_offset
+    for lp in lps:
+        s = names[lp.token_id]
+        tokens.append(s)
+        offsets.append(pos)
+        pos += len(s)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_lp(lp.logprob) for lp in lps],
+        "top_logprobs": [{names[t]: _lp(v) for t, v in lp.top} for lp in lps],
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far (the service's events are cumulative in text)."""
+
+    text: str = ""
+    logprobs: list = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cache_status: str = "bypass"
+    started: bool = False  # a chunk was already sent for this choice (chat: the role delta)
+
+    def update(self, ev: Any) -> None:
+        self.text = ev.text
+        if ev.new_logprobs:
+            self.logprobs.extend(ev.new_logprobs)
+        self.prompt_tokens = ev.prompt_tokens
+        self.completion_tokens = ev.completion_tokens
+        self.cached_tokens = ev.cached_tokens
+        self.cache_status = ev.cache.status
+        if ev.finished:
+            self.finish_reason = ev.finish_reason
+
+
+def total_usage(states: list[ChoiceState], choices_per_prompt: int) -> dict:
+    """Prompt tokens count once per prompt (as OpenAI bills n > 1); completions add up."""
+    firsts = states[::choices_per_prompt]
+    return usage(sum(s.prompt_tokens for s in firsts), sum(s.completion_tokens for s in states),
+                 sum(s.cached_tokens for s in firsts))
+
+
+def chat_response(rid: str, model: str, created: int, states: list[ChoiceState], n: int,
+                  want_logprobs: bool, token_text: TokenText) -> dict:
+    choices = []
+    for i, st in enumerate(states):
+        choices.append({
+            "index": i,
+            "message": {"role": "assistant", "content": st.text},
+            "logprobs": chat_logprobs(st.logprobs, token_text) if want_logprobs else None,
+            "finish_reason": st.finish_reason,
+        })
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": total_usage(states, n)}
+
+
+def completion_response(rid: str, model: str, created: int, states: list[ChoiceState], n: int,
+                        want_logprobs: bool, token_text: TokenText) -> dict:
+    choices = []
+    for i, st in enumerate(states):
+        choices.append({
+            "index": i,
+            "text": st.text,
+            "logprobs": completion_logprobs(st.logprobs, token_text, 0) if want_logprobs else None,
+            "finish_reason": st.finish_reason,
+        })
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": total_usage(states, n)}
+
+
+def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict,
+               finish_reason: Optional[str] = None, logprobs: Optional[dict] = None,
+               with_usage: bool = False) -> dict:
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if with_usage:
+        chunk["usage"] = None  # only the final usage chunk carries numbers
+    return chunk
+
+
+def completion_chunk(rid: str, model: str, created: int, index: int, text: str,
+                     finish_reason: Optional[str] = None, logprobs: Optional[dict] = None,
+                     with_usage: bool = False) -> dict:
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, usage_dict: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_dict}
