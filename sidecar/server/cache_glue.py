@@ -57,11 +57,11 @@ def _fallback_policy(cache_control: str, temperature: float, cache_sampled: bool
     if not enabled:
         return _Policy(False, False, "disabled")
     if cache_control == "skip":
-        return _Policy(False, False, "cache_control=skip")
+        return _Policy(False, False, "skip")
     if temperature > 0 and not (cache_sampled or allow_sampled):
         return _Policy(False, False, "sampled")
     if cache_control == "refresh":
-        return _Policy(False, True, "cache_control=refresh")
+        return _Policy(False, True, "refresh")
     return _Policy(True, cache_control != "only", None)
 
 
@@ -155,3 +155,5 @@ class CacheGlue:
             await asyncio.wait(list(self._pending), timeout=5.0)
         if self.cache is not None:
             self.cache.close()
+        if self.embedder is not None and hasattr(self.embedder, "close"):
+            self.embedder.close()

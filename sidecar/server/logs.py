@@ -12,7 +12,7 @@ import sys
 import time
 
 # Attributes every LogRecord has; anything else came from ``extra=``.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName", "color_message"}
 
 
 def _extras(record: logging.LogRecord) -> dict:

@@ -209,6 +209,8 @@ class InferenceService:
                     out = await stream.__anext__()
                 except StopAsyncIteration:
                     raise ServiceError("internal", "engine stream ended without a finished output") from None
+                except RuntimeError as exc:  # engine stopped under a running request
+                    raise ServiceError("unavailable", f"engine stopped: {exc}") from None
         finally:
             self._active_ids.discard(rid)
             await stream.aclose()
