@@ -35,6 +35,7 @@ class FakeService:
         self.fail_after_tokens: Optional[tuple[int, ServiceError]] = None
         self.cache_status = "miss"
         self.embed_calls: list[list[str]] = []
+        self.max_produced: Optional[int] = None  # cap on tokens per request (fuzzing sends huge max_tokens)
 
     def authenticate(self, authorization: Optional[str]) -> Caller:
         if self.api_key is not None and authorization != f"Bearer {self.api_key}":
@@ -56,7 +57,8 @@ class FakeService:
             sum(len(m["content"]) for m in req.messages or [])
         text, ids, finished = "", [], False
         try:
-            for j in range(p.max_tokens):
+            n_out = p.max_tokens if self.max_produced is None else min(p.max_tokens, self.max_produced)
+            for j in range(n_out):
                 if self.fail_after_tokens and j == self.fail_after_tokens[0]:
                     raise self.fail_after_tokens[1]
                 if self.token_delay_s:
@@ -67,7 +69,7 @@ class FakeService:
                 tid = 1000 + j
                 text += delta
                 ids.append(tid)
-                finished = j == p.max_tokens - 1
+                finished = j == n_out - 1
                 lps = None
                 if p.logprobs is not None:
                     lps = [TokenLogprob(tid, -0.25, [(tid, -0.25), (7, -1.5)][:p.logprobs])]
