@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints built offline."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.3)
+
+
+def build_tiny_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A tiny random checkpoint of the given family, saved in HF format with the demo tokenizer.
+
+    initializer_range is large so next-token distributions are peaked: greedy comparisons then
+    test our numerics rather than float noise between near-equal logits."""
+    import shutil
+
+    import torch
+    import transformers as tf
+
+    common = dict(TINY, vocab_size=len(tf.AutoTokenizer.from_pretrained(str(tokenizer_dir))),
+                  eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**common, tie_word_embeddings=False,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+                             rope_theta=500000.0)
+        model_cls = tf.LlamaForCausalLM
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
+        model_cls = tf.Qwen2ForCausalLM
+    elif kind == "mistral":
+        cfg = tf.MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+        model_cls = tf.MistralForCausalLM
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = model_cls(cfg)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory) -> Path:
+    from sidecar.model.demo import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("demo") / "demo")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, demo_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {k: build_tiny_checkpoint(k, root / k, demo_dir) for k in ("llama", "qwen2", "mistral")}

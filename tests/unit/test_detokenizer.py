@@ -1,0 +1,50 @@
+"""Incremental detokenizer: UTF-8 safe deltas, stop strings held back and removed."""
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from sidecar.engine.detokenizer import IncrementalDetokenizer
+from sidecar.engine.request import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok(demo_dir):
+    return AutoTokenizer.from_pretrained(str(demo_dir))
+
+
+def stream(tok, text: str, stop=()):
+    d = IncrementalDetokenizer(tok, SamplingParams(stop=list(stop)))
+    deltas, shown = [], ""
+    for t in tok.encode(text, add_special_tokens=False):
+        hit = d.add_token(t)
+        visible = d.visible_text(hit is not None)
+        deltas.append(visible[len(shown):])
+        shown = visible
+        if hit:
+            break
+    return d, deltas
+
+
+@pytest.mark.parametrize("text", ["量子纠缠实验室的研究员说：你好！", "emoji 😀🚀✅ and 👍🏽 mixed", "日本語 ありがとう 🤖"])
+def test_deltas_never_split_a_character(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    # The byte-level tokenizer really does split these characters across tokens.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    d, deltas = stream(tok, text)
+    assert all("\ufffd" not in x for x in deltas)
+    assert "".join(deltas) == text == d.text
+
+
+def test_stop_string_removed_and_never_streamed(tok):
+    d, deltas = stream(tok, "The answer is 42. STOP here and more text", stop=["STOP"])
+    assert d.stopped_by == "STOP"
+    assert d.text == "The answer is 42. "
+    assert "".join(deltas) == d.text
+    assert not any("S" in x and "STOP" in x for x in deltas)
+
+
+def test_earliest_of_several_stop_strings_wins(tok):
+    d, _ = stream(tok, "alpha beta gamma delta", stop=["gamma", "beta"])
+    assert d.text == "alpha "
+    assert d.stopped_by == "beta"

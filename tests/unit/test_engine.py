@@ -1,0 +1,213 @@
+"""Engine behaviour on the demo model: validation, finishing, aborts, deadlines, limits, resources."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from sidecar import LLM, SamplingParams
+from sidecar.config import EngineConfig
+from sidecar.engine.async_engine import AsyncEngine
+from sidecar.engine.engine import LLMEngine
+from sidecar.engine.request import QueueFullError
+
+
+@pytest.fixture(scope="module")
+def llm(demo_dir):
+    return LLM(model=str(demo_dir), dtype="float32", block_size=8, num_kv_blocks=64, max_waiting_requests=8)
+
+
+def pool_whole(engine: LLMEngine) -> bool:
+    return (not engine.requests and engine.kv.num_free_blocks() == engine.kv.num_blocks
+            and all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:]))
+
+
+def drain(engine: LLMEngine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return done
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ("", SamplingParams(), "prompt"),
+    ([], SamplingParams(), "prompt"),
+    ([1, 2, 10**6], SamplingParams(), "prompt"),
+    ("x " * 600, SamplingParams(), "prompt"),  # longer than the 504-token pool
+    ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+])
+def test_bad_input_raises_value_error_naming_field(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.engine.add_request(None, prompt, params)
+    assert pool_whole(llm.engine)
+
+
+def test_bad_sampling_params_rejected_before_queueing(llm):
+    p = SamplingParams()
+    p.temperature = -1.0  # mutated after construction
+    with pytest.raises(ValueError, match="temperature"):
+        llm.engine.add_request(None, "hello", p)
+    assert not llm.engine.requests
+
+
+def test_duplicate_request_id_rejected(llm):
+    eng = llm.engine
+    eng.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    drain(eng)
+    assert pool_whole(eng)
+
+
+def test_unknown_model_path_names_model():
+    with pytest.raises(ValueError, match="model"):
+        LLM(model="/nonexistent/model/dir")
+
+
+def test_error_in_one_request_does_not_stop_others(llm):
+    eng = llm.engine
+    eng.add_request("good", "hello there", SamplingParams(max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError):
+        eng.add_request("bad", "", SamplingParams())
+    done = drain(eng)
+    assert done["good"].finish_reason == "length" and len(done["good"].token_ids) == 5
+    assert pool_whole(eng)
+
+
+def test_max_tokens_and_eos(llm):
+    out = llm.generate(["hello"], SamplingParams(max_tokens=7, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+    eos = llm.engine.eos_token_ids[0]
+    # Make the first generated token the stop token: it ends the request and its text is not returned.
+    first = out.token_ids[0]
+    stopped = llm.generate(["hello"], SamplingParams(max_tokens=7, stop_token_ids=[first]))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == [first] and stopped.text == ""
+    assert eos in llm.engine.eos_token_ids
+    assert pool_whole(llm.engine)
+
+
+def test_stop_string_finishes_and_is_removed(llm):
+    full = llm.generate(["The cache"], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:6]
+    out = llm.generate(["The cache"], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.find(stop)]
+    assert pool_whole(llm.engine)
+
+
+def test_abort_frees_blocks_and_reports_abort(llm):
+    eng = llm.engine
+    eng.add_request("a1", "a long running request", SamplingParams(max_tokens=200, ignore_eos=True))
+    eng.add_request("a2", "another one", SamplingParams(max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    assert eng.kv.num_free_blocks() < eng.kv.num_blocks
+    eng.abort("a1")
+    done = drain(eng)
+    assert done["a1"].finish_reason == "abort" and done["a1"].abort_reason == "client"
+    assert done["a2"].finish_reason == "length"
+    assert pool_whole(eng)
+
+
+def test_deadline_expires_request(llm):
+    eng = llm.engine
+    eng.add_request("late", "hello", SamplingParams(max_tokens=10_000 // 40, ignore_eos=True),
+                    deadline=time.monotonic() + 0.05)
+    done = drain(eng)
+    assert done["late"].finish_reason == "abort" and done["late"].abort_reason == "deadline"
+    assert pool_whole(eng)
+
+
+def test_waiting_queue_is_bounded(llm):
+    eng = llm.engine
+    for i in range(8):
+        eng.add_request(f"q{i}", "hello", SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        eng.add_request("q8", "hello", SamplingParams(max_tokens=2))
+    drain(eng)
+    assert pool_whole(eng)
+
+
+def test_priority_orders_admission(demo_dir):
+    eng = LLMEngine(EngineConfig(model=str(demo_dir), max_num_seqs=1, num_kv_blocks=64))
+    eng.add_request("low", "hello", SamplingParams(max_tokens=3), priority=5)
+    eng.add_request("high", "hello", SamplingParams(max_tokens=3), priority=-1)
+    order = []
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                order.append(o.request_id)
+    assert order == ["high", "low"]
+
+
+def test_max_num_seqs_bounds_the_batch(demo_dir):
+    eng = LLMEngine(EngineConfig(model=str(demo_dir), max_num_seqs=2, num_kv_blocks=64))
+    for i in range(5):
+        eng.add_request(f"s{i}", "hello", SamplingParams(max_tokens=4, ignore_eos=True))
+    peak = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        peak = max(peak, len(eng.scheduler.running))
+    assert peak == 2
+    assert pool_whole(eng)
+
+
+def test_seeded_sampling_independent_of_batch(llm):
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=42, ignore_eos=True)
+    alone = llm.generate(["tell me a story"], p)[0].token_ids
+    others = [SamplingParams(max_tokens=n, temperature=0.9, ignore_eos=True) for n in (3, 20, 9)]
+    mixed = llm.generate(["tell me a story", "x", "another prompt here", "y z"], [p] + others)[0].token_ids
+    assert alone == mixed
+    assert pool_whole(llm.engine)
+
+
+def test_chat_applies_template(llm):
+    ids = llm.engine.encode_chat([{"role": "user", "content": "hi"}])
+    assert llm.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    out = llm.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+                   SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
+    with pytest.raises(ValueError, match=r"messages\[0\].role"):
+        llm.chat([{"role": "robot", "content": "x"}])
+
+
+def test_async_engine_streams_and_cancel_frees_blocks(demo_dir):
+    async def main():
+        ae = AsyncEngine.from_config(EngineConfig(model=str(demo_dir), num_kv_blocks=64))
+        ae.start()
+        try:
+            full = None
+            deltas = []
+            async for o in ae.generate("hello", SamplingParams(max_tokens=12, ignore_eos=True)):
+                deltas.append(o.delta_text)
+                full = o
+            assert full.finished and "".join(deltas) == full.text
+
+            agen = ae.generate("cancel me", SamplingParams(max_tokens=500, ignore_eos=True))
+            n = 0
+            async for _ in agen:
+                n += 1
+                if n == 3:
+                    break
+            await agen.aclose()
+            for _ in range(200):
+                s = ae.stats()
+                if s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_running"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            s = ae.stats()
+            assert s["num_free_kv_blocks"] == s["num_kv_blocks"] and s["num_running"] == 0
+
+            with pytest.raises(ValueError, match="prompt"):
+                async for _ in ae.generate("", SamplingParams()):
+                    pass
+        finally:
+            await ae.shutdown(1.0)
+        assert not ae.is_running
+
+    asyncio.run(main())
