@@ -1,0 +1,316 @@
+"""Weight-only int8 / int4 linear layers and quantize-on-load.
+
+Two steps, kept apart on purpose:
+
+1. *Make quantized state* (device independent, what a checkpoint stores):
+   ``quantize_int8`` / ``quantize_int4`` turn one weight into integer codes plus
+   scales (and zeros). This is the format ``save_quantized`` writes.
+2. *Swap modules for runtime*: ``Int8Linear`` / ``Int4Linear`` hold the codes in
+   whatever layout the device's fused kernel wants (``_weight_int8pack_mm``,
+   ``_weight_int4pack_mm[_for_cpu]``) as buffers, and never materialise a
+   dequantized weight.
+
+Formats (``FORMAT_VERSION``):
+- int8: symmetric per output channel. ``qweight`` int8 [N, K], ``scales`` [N];
+  ``w ~= qweight * scales[:, None]`` (codes in [-127, 127]).
+- int4: asymmetric, groups of ``group_size`` along K (K zero-padded to a multiple
+  of ``K_ALIGN`` first). ``qweight`` uint8 [N, Kp / 2] (low nibble = even
+  column), ``scales`` and ``zeros`` [N, Kp / group_size];
+  ``w ~= (code - 8) * scale + zero`` -- the convention of torch's int4 kernels,
+  so the stored values feed them without re-rounding.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODES = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128, 256)
+FORMAT_VERSION = 1
+# in_features is padded to a multiple of this: the CPU int8 kernel returns garbage (or
+# crashes) for bf16 inputs when K % 16 != 0, and the int4 kernels tile K by 32.
+K_ALIGN = 32
+# out_features is padded to a multiple of this for int4 (CPU kernel needs N % 16, CUDA N % 8).
+N_ALIGN_INT4 = 16
+# Rows processed at once while quantizing/packing: bounds the fp32/int32 temporaries
+# (lm_head of a 150k vocab would otherwise need ~0.5 GB of scratch). Multiple of 64 so
+# the CPU int4 packed layout of chunks concatenates exactly.
+_CHUNK_ROWS = 4096
+
+
+def check_quant_args(mode: Optional[str], group_size: int) -> None:
+    """Raise ValueError naming the field for an unknown mode or group size."""
+    if mode not in MODES:
+        raise ValueError(f"quantization: must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "int4" and group_size not in GROUP_SIZES:
+        raise ValueError(f"quant_group_size: must be one of {GROUP_SIZES}, got {group_size!r}")
+
+
+def padded_in_features(k: int) -> int:
+    return -(-k // K_ALIGN) * K_ALIGN
+
+
+def _int4_groups(k: int, group_size: int, name: str = "") -> int:
+    kp = padded_in_features(k)
+    if kp % group_size:
+        where = f" of {name}" if name else ""
+        ok = [g for g in GROUP_SIZES if kp % g == 0]
+        raise ValueError(f"quant_group_size: {group_size} does not divide in_features {k}{where} "
+                         f"(padded to {kp}); use one of {ok}")
+    return kp // group_size
+
+
+# ---------------------------------------------------------------- quantized state
+
+def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (qweight int8 [N, K], scales [N] in scale_dtype)."""
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scales = torch.empty(w.shape[0], dtype=scale_dtype, device=w.device)
+    for r in range(0, w.shape[0], _CHUNK_ROWS):
+        wc = w[r:r + _CHUNK_ROWS].float()
+        # Codes are computed from the stored (rounded) scale so dequantization is exact to it.
+        s = (wc.abs().amax(dim=1) / 127.0).clamp(min=1e-8).to(scale_dtype)
+        scales[r:r + _CHUNK_ROWS] = s
+        q[r:r + _CHUNK_ROWS] = torch.round(wc / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return qweight.float() * scales.float()[:, None]
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype,
+                  name: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (qweight uint8 [N, Kp/2], scales [N, G], zeros [N, G])."""
+    n, k = w.shape
+    groups = _int4_groups(k, group_size, name)
+    kp = groups * group_size
+    qweight = torch.empty(n, kp // 2, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(n, groups, dtype=scale_dtype, device=w.device)
+    zeros = torch.empty(n, groups, dtype=scale_dtype, device=w.device)
+    for r in range(0, n, _CHUNK_ROWS):
+        wc = F.pad(w[r:r + _CHUNK_ROWS].float(), (0, kp - k)).reshape(-1, groups, group_size)
+        lo, hi = wc.amin(dim=-1), wc.amax(dim=-1)
+        s = ((hi - lo) / 15.0).clamp(min=1e-8).to(scale_dtype)
+        z = (lo + 8.0 * s.float()).to(scale_dtype)
+        scales[r:r + _CHUNK_ROWS], zeros[r:r + _CHUNK_ROWS] = s, z
+        codes = torch.round((wc - z.float()[..., None]) / s.float()[..., None] + 8.0).clamp_(0, 15)
+        codes = codes.to(torch.uint8).reshape(wc.shape[0], kp)
+        qweight[r:r + _CHUNK_ROWS] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return qweight, scales, zeros
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, Kp/2] -> codes uint8 [N, Kp]."""
+    return torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    in_features: int) -> torch.Tensor:
+    codes = unpack_int4(qweight).float()
+    n, groups = scales.shape
+    w = (codes.reshape(n, groups, -1) - 8.0) * scales.float()[..., None] + zeros.float()[..., None]
+    return w.reshape(n, -1)[:, :in_features]
+
+
+def quantize_weight(w: torch.Tensor, mode: str, group_size: int, scale_dtype: torch.dtype,
+                    name: str = "") -> dict[str, torch.Tensor]:
+    """The stored tensors for one weight (keys: qweight, scales[, zeros])."""
+    check_quant_args(mode, group_size)
+    if mode == "int8":
+        q, s = quantize_int8(w, scale_dtype)
+        return {"qweight": q, "scales": s}
+    q, s, z = quantize_int4(w, group_size, scale_dtype, name)
+    return {"qweight": q, "scales": s, "zeros": z}
+
+
+# ---------------------------------------------------------------- runtime modules
+
+def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Activation dtype the fused kernels run in.
+
+    CPU kernels accept bf16/fp16/fp32, but their fp32 paths are ~10x slower than
+    fp32 F.linear, so fp32 activations are rounded to bf16 around the kernel
+    (error comparable to the weight quantization itself). CUDA int4 takes bf16 only.
+    """
+    if device.type == "cuda":
+        return torch.bfloat16
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+
+
+_INT8_FUSED_OK: dict[str, bool] = {}
+
+
+class _QuantLinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.k_padded = padded_in_features(in_features)
+        self.register_buffer("bias", bias)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        kdt = kernel_dtype(x.dtype, x.device)
+        if x2d.dtype != kdt:
+            x2d = x2d.to(kdt)
+        if self.k_padded != self.in_features:
+            x2d = F.pad(x2d, (0, self.k_padded - self.in_features))
+        y = self._matmul(x2d.contiguous())
+        if y.shape[-1] != self.out_features:
+            y = y[:, :self.out_features]
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(_QuantLinearBase):
+    """Buffers: weight int8 [N, Kp] (zero-padded columns), scales [N] in the kernel dtype."""
+
+    mode = "int8"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, in_features: int,
+                 bias: Optional[torch.Tensor], dtype: torch.dtype):
+        super().__init__(in_features, qweight.shape[0], bias)
+        kp = self.k_padded
+        w = qweight if qweight.shape[1] == kp else F.pad(qweight, (0, kp - qweight.shape[1]))
+        self.register_buffer("weight", w.contiguous())
+        self.register_buffer("scales", scales.to(kernel_dtype(dtype, qweight.device)).contiguous())
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        scales = self.scales if self.scales.dtype == x2d.dtype else self.scales.to(x2d.dtype)
+        dev = x2d.device.type
+        if _INT8_FUSED_OK.get(dev, True):
+            try:
+                return torch.ops.aten._weight_int8pack_mm(x2d, self.weight, scales)
+            except (RuntimeError, NotImplementedError):
+                if dev == "cpu":
+                    raise
+                _INT8_FUSED_OK[dev] = False  # no fused kernel on this device: use the cast path
+        # The weight is cast to the activation dtype one layer at a time; never stored.
+        return F.linear(x2d, self.weight.to(x2d.dtype)) * scales
+
+
+class Int4Linear(_QuantLinearBase):
+    """Buffers: weight = int4 codes packed for the device's kernel, scales_and_zeros [G, Np, 2]."""
+
+    mode = "int4"
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 in_features: int, bias: Optional[torch.Tensor], dtype: torch.dtype):
+        super().__init__(in_features, qweight.shape[0], bias)
+        n, groups = scales.shape
+        self.group_size = self.k_padded // groups
+        device = qweight.device
+        n_pad = -(-n // N_ALIGN_INT4) * N_ALIGN_INT4 - n
+        # Padded rows get scale 0 and zero 0, so they produce 0 and are sliced off anyway.
+        sz = torch.stack((scales, zeros), dim=-1)
+        sz = F.pad(sz, (0, 0, 0, 0, 0, n_pad)).transpose(0, 1).contiguous()
+        self.register_buffer("scales_and_zeros", sz.to(kernel_dtype(dtype, device)))
+        qweight = F.pad(qweight, (0, 0, 0, n_pad))
+        if device.type == "cpu":
+            packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                unpack_int4(qweight[r:r + _CHUNK_ROWS]).to(torch.int32), 1)
+                for r in range(0, qweight.shape[0], _CHUNK_ROWS)]
+            weight = torch.cat(packed) if len(packed) > 1 else packed[0]
+        else:
+            # The CUDA kernel wants the even column in the high nibble.
+            swapped = (qweight << 4) | (qweight >> 4)
+            inner_k_tiles = 8 if self.k_padded % 128 == 0 else (4 if self.k_padded % 64 == 0 else 2)
+            weight = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
+        self.register_buffer("weight", weight)
+
+    def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        sz = self.scales_and_zeros
+        sz = sz if sz.dtype == x2d.dtype else sz.to(x2d.dtype)
+        if x2d.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.weight, self.group_size, sz)
+        return torch.ops.aten._weight_int4pack_mm(x2d, self.weight, self.group_size, sz)
+
+
+def runtime_linear(stored: dict[str, torch.Tensor], mode: str, in_features: int,
+                   bias: Optional[torch.Tensor], dtype: torch.dtype) -> nn.Module:
+    """Runtime module from stored tensors (already on the target device)."""
+    if mode == "int8":
+        return Int8Linear(stored["qweight"], stored["scales"], in_features, bias, dtype)
+    return Int4Linear(stored["qweight"], stored["scales"], stored["zeros"], in_features, bias, dtype)
+
+
+def quantize_linear(linear: nn.Linear, mode: str, group_size: int = 128, name: str = "") -> nn.Module:
+    """Loader hook: the runtime module replacing ``linear``.
+
+    Frees ``linear``'s full-precision weight (the parameter is dropped from the
+    module), so quantizing layer by layer keeps at most one layer in full precision.
+    """
+    check_quant_args(mode, group_size)
+    w = linear.weight.detach()
+    bias = None if linear.bias is None else linear.bias.detach().clone()
+    stored = quantize_weight(w, mode, group_size, w.dtype, name)
+    module = runtime_linear(stored, mode, linear.in_features, bias, w.dtype)
+    del stored, w
+    linear.weight = None  # drop our reference; memory is freed once the caller drops its own
+    linear.bias = None
+    return module
+
+
+class QuantEmbedding(nn.Module):
+    """Embedding lookup over quantized rows (used when lm_head is tied to the embedding).
+
+    int8 shares the tied ``Int8Linear``'s buffers, so the table is stored once.
+    int4 keeps the plain nibble-packed rows: the kernel's packed layout is device
+    specific and cannot be gathered by row.
+    """
+
+    def __init__(self, mode: str, embedding_dim: int, dtype: torch.dtype, qweight: torch.Tensor,
+                 scales: torch.Tensor, zeros: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.mode, self.embedding_dim, self.dtype = mode, embedding_dim, dtype
+        self.num_embeddings = qweight.shape[0]
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if self.mode == "int8":
+            rows = self.qweight[flat, :self.embedding_dim].to(self.dtype)
+            out = rows * self.scales[flat].to(self.dtype)[:, None]
+        else:
+            out = dequantize_int4(self.qweight[flat], self.scales[flat], self.zeros[flat],
+                                  self.embedding_dim).to(self.dtype)
+        return out.reshape(*ids.shape, self.embedding_dim)
+
+
+def tied_modules(stored: dict[str, torch.Tensor], mode: str, embedding_dim: int,
+                 dtype: torch.dtype) -> tuple[QuantEmbedding, nn.Module]:
+    """(embedding, lm_head) runtime modules sharing one quantized table."""
+    lm_head = runtime_linear(stored, mode, embedding_dim, None, dtype)
+    if mode == "int8":
+        emb = QuantEmbedding(mode, embedding_dim, dtype, lm_head.weight, lm_head.scales)
+    else:
+        emb = QuantEmbedding(mode, embedding_dim, dtype, stored["qweight"], stored["scales"], stored["zeros"])
+    return emb, lm_head
+
+
+def quantize_tied_embedding(embedding: nn.Embedding, mode: str,
+                            group_size: int = 128) -> tuple[QuantEmbedding, nn.Module]:
+    """Loader hook for a tied lm_head: quantize the shared table once.
+
+    Returns (embedding, lm_head) replacements and drops ``embedding``'s weight.
+    """
+    check_quant_args(mode, group_size)
+    w = embedding.weight.detach()
+    stored = quantize_weight(w, mode, group_size, w.dtype, "lm_head")
+    modules = tied_modules(stored, mode, w.shape[1], w.dtype)
+    embedding.weight = None
+    return modules

@@ -1,0 +1,192 @@
+"""Quantized models as a whole: which linears, in-place swap, save and reload.
+
+A quantized checkpoint directory holds ``model.safetensors`` in our module naming
+(``<linear>.qweight``, ``.scales``, ``.zeros`` for quantized linears, plain
+tensors for everything else), ``quantization_config.json`` (the mode and format
+recorded with the artifact), the HF ``config.json`` and the tokenizer files, so
+``LLM(model=DIR)`` loads it without quantizing again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from sidecar.model.quant import (FORMAT_VERSION, check_quant_args, quantize_linear, quantize_tied_embedding,
+                                 quantize_weight, runtime_linear, tied_modules)
+
+CONFIG_NAME = "quantization_config.json"
+WEIGHTS_NAME = "model.safetensors"
+# Decoder linears (ours are fused; the HF names let the same code quantize HF models in benchmarks).
+TARGET_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_HF_FILES = ("config.json", "generation_config.json")
+
+
+def quant_targets(model: nn.Module, quantize_lm_head: bool) -> list[str]:
+    """Names of the nn.Linear modules to quantize, in module order."""
+    names = []
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear) and (leaf in TARGET_NAMES or (quantize_lm_head and leaf == "lm_head")):
+            names.append(name)
+    return names
+
+
+def tied_embedding_name(model: nn.Module, lm_head_name: str) -> Optional[str]:
+    """Name of the nn.Embedding whose weight *is* lm_head's weight (tied), else None."""
+    try:
+        head = model.get_submodule(lm_head_name)
+    except AttributeError:
+        return None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and module.weight is head.weight:
+            return name
+    return None
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = 128, quantize_lm_head: bool = False) -> None:
+    """Swap a materialised model's linears for quantized modules, one at a time."""
+    check_quant_args(mode, group_size)
+    targets = quant_targets(model, quantize_lm_head)
+    for name in targets:
+        emb_name = tied_embedding_name(model, name) if name.endswith("lm_head") else None
+        if emb_name is not None:
+            emb, head = quantize_tied_embedding(model.get_submodule(emb_name), mode, group_size)
+            model.set_submodule(emb_name, emb)
+            model.set_submodule(name, head)
+        else:
+            model.set_submodule(name, quantize_linear(model.get_submodule(name), mode, group_size, name))
+
+
+def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[str], out_dir: str, mode: str,
+                   group_size: int = 128, quantize_lm_head: bool = False) -> dict[str, Any]:
+    """Write a quantized checkpoint of a full-precision ``model``; returns the quantization config.
+
+    Quantizes one linear at a time into the stored format, so peak memory is the
+    full-precision model plus the quantized copy being written.
+    """
+    from safetensors.torch import save_file
+
+    check_quant_args(mode, group_size)
+    targets = quant_targets(model, quantize_lm_head)
+    dtype = next(model.parameters()).dtype
+    state: dict[str, torch.Tensor] = {}
+    consumed: set[int] = set()  # ids of parameters already written (tied tensors are written once)
+    tied_embedding = None
+    for name in targets:
+        linear = model.get_submodule(name)
+        emb_name = tied_embedding_name(model, name) if name.endswith("lm_head") else None
+        prefix = emb_name or name
+        tied_embedding = emb_name or tied_embedding
+        for key, t in quantize_weight(linear.weight.detach(), mode, group_size, dtype, name).items():
+            state[f"{prefix}.{key}"] = t.cpu().contiguous()
+        consumed.add(id(linear.weight))
+        if linear.bias is not None:
+            state[f"{name}.bias"] = linear.bias.detach().cpu().contiguous()
+            consumed.add(id(linear.bias))
+    for key, t in _persistent_tensors(model):
+        if id(t) not in consumed:
+            state[key] = t.detach().cpu().contiguous()
+            consumed.add(id(t))
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(state, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    qconfig = {"quant_method": "sidecar-weight-only", "format_version": FORMAT_VERSION, "mode": mode,
+               "group_size": group_size if mode == "int4" else None, "quantize_lm_head": quantize_lm_head,
+               "tied_embedding": tied_embedding, "modules": targets, "dtype": str(dtype).replace("torch.", "")}
+    with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as fh:
+        json.dump(qconfig, fh, indent=2)
+    for fname in _HF_FILES:
+        src = os.path.join(hf_config_dir, fname) if hf_config_dir else None
+        if src and os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, fname)):
+            shutil.copyfile(src, os.path.join(out_dir, fname))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    return qconfig
+
+
+def _persistent_tensors(model: nn.Module):
+    """(name, tensor) of parameters and persistent buffers, shared tensors once (first name)."""
+    seen: set[int] = set()
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            yield key, t
+
+
+def read_quant_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, CONFIG_NAME)
+    with open(path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    if cfg.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version must be {FORMAT_VERSION}, got {cfg.get('format_version')!r}")
+    check_quant_args(cfg.get("mode"), cfg.get("group_size") or 128)
+    return cfg
+
+
+def load_quantized_model(model_dir: str, model: nn.Module, dtype: torch.dtype, device: Any) -> dict[str, Any]:
+    """Materialise ``model`` (built on the meta device) from a quantized checkpoint, in place.
+
+    Quantized linears become runtime modules built from their stored tensors one
+    at a time; every other persistent parameter/buffer is loaded by name (cast to
+    ``dtype`` when floating). Tied parameters stay tied. Raises ValueError naming a
+    missing tensor. Non-persistent buffers (e.g. rotary tables) are left to the caller.
+    """
+    from safetensors import safe_open
+
+    cfg = read_quant_config(model_dir)
+    mode, device = cfg["mode"], torch.device(device)
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    handles = [safe_open(os.path.join(model_dir, f), framework="pt", device="cpu") for f in files]
+    where = {k: h for h in handles for k in h.keys()}
+
+    def get(key: str, cast: bool = True) -> torch.Tensor:
+        if key not in where:
+            raise ValueError(f"{model_dir}: checkpoint has no tensor {key!r}")
+        t = where[key].get_tensor(key)
+        if cast and t.is_floating_point():
+            t = t.to(dtype)
+        return t.to(device)
+
+    def stored(prefix: str) -> dict[str, torch.Tensor]:
+        keys = ("qweight", "scales") + (("zeros",) if mode == "int4" else ())
+        return {k: get(f"{prefix}.{k}", cast=k != "qweight") for k in keys}
+
+    tied = cfg.get("tied_embedding")
+    for name in cfg["modules"]:
+        meta_linear = model.get_submodule(name)
+        if tied and name.endswith("lm_head"):
+            emb_dim = model.get_submodule(tied).embedding_dim
+            emb, head = tied_modules(stored(tied), mode, emb_dim, dtype)
+            model.set_submodule(tied, emb)
+            model.set_submodule(name, head)
+            continue
+        bias = get(f"{name}.bias") if meta_linear.bias is not None else None
+        model.set_submodule(name, runtime_linear(stored(name), mode, meta_linear.in_features, bias, dtype))
+    # Remaining tensors; state_dict(keep_vars) lists a tied parameter under every name.
+    loaded: dict[int, torch.Tensor] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if not t.is_meta:
+            continue
+        owner_name, _, attr = key.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if id(t) not in loaded:
+            value = get(key) if key in where else _get_tied(key, t, model, where, get)
+            loaded[id(t)] = nn.Parameter(value, requires_grad=False) if isinstance(t, nn.Parameter) else value
+        if attr in owner._parameters:
+            owner._parameters[attr] = loaded[id(t)]
+        else:
+            owner._buffers[attr] = loaded[id(t)]
+    return cfg
+
+
+def _get_tied(key: str, t: torch.Tensor, model: nn.Module, where: dict, get) -> torch.Tensor:
+    # A tied parameter is written once, under the first name state_dict gives it.
+    for other, o in model.state_dict(keep_vars=True).items():
+        if o is t and other in where:
+            return get(other)
+    raise ValueError(f"checkpoint has no tensor {key!r}")
