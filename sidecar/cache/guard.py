@@ -24,16 +24,18 @@ _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*", re.UNICODE)
 # Numbers with decimal/thousand separators; "v1.2.3" style versions are caught as numbers too.
 _NUMBER = re.compile(r"(?<![\w.])[-−]?\d+(?:[.,:]\d+)*(?:st|nd|rd|th)?", re.UNICODE)
 _NUMBER_IN_WORD = re.compile(r"\d+(?:[.,]\d+)*")
-# Operators between operands: "2+3", "x * y", "a >= b", "2^10".
-_OPERATOR = re.compile(r"(?<=[\w)\s])(\*\*|//|<=|>=|==|!=|<<|>>|[+*/^%<>=×÷−-])(?=[\s(]*[\w(])")
+# Arithmetic/comparison operators between operands that are numbers, single-letter variables or
+# parenthesised groups: "2+3", "x * y", "a >= b", "2^10" (but not "async/await" or "TCP/IP").
+_OPERAND = r"(?:\d[\d.,]*|\b[A-Za-z]\b|\))"
+_OPERATOR = re.compile(_OPERAND + r"\s*(\*\*|//|<=|>=|==|!=|<<|>>|[+*/^%<>=×÷−-])\s*(?=\d|\b[A-Za-z]\b|\()")
 # Identifiers: snake_case, dotted.names, camelCase, call(), --flags, /paths, `code`.
 _IDENT = re.compile(
     r"`[^`]+`"
-    r"|--?[A-Za-z][\w-]*"
-    r"|(?:[A-Za-z_][\w-]*)?(?:[/\\][\w.-]+)+"
-    r"|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\(\))?"
-    r"|[A-Za-z]\w*_\w*"
-    r"|[a-z]+[A-Z]\w*"
+    r"|(?<![\w-])--?[A-Za-z][\w-]*"
+    r"|(?<![\w/\\])(?:~|\.{1,2})?(?:[/\\][\w.-]+)+"
+    r"|\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\(\))?"
+    r"|\b[A-Za-z]\w*_\w*"
+    r"|\b[a-z]+[A-Z]\w*"
     r"|[A-Za-z_]\w*\(\)"
 )
 _SENTENCE_START = re.compile(r"(?:^|[.!?:;]\s+|\n)\s*[\"'(]*$")
@@ -192,16 +194,16 @@ def check(query: str, cached: str) -> Optional[str]:
     for g in sides_a.keys() & sides_b.keys():
         if sides_a[g] != sides_b[g]:
             return "antonym"
+    if a.units != b.units:
+        return "units"
+    if a.dates != b.dates:
+        return "dates"
     for e in a.entities:
         if not _entity_mentioned(e, b):
             return "entity"
     for e in b.entities:
         if not _entity_mentioned(e, a):
             return "entity"
-    if a.units != b.units:
-        return "units"
-    if a.dates != b.dates:
-        return "dates"
     # Same numbers/entities/units in another order: "from Paris to London" vs "from London to Paris",
     # "10 divided by 2" vs "2 divided by 10".
     if len(a.order) >= 2 and set(a.order) == set(b.order) and a.order != b.order:

@@ -1,0 +1,51 @@
+"""ScopeIndex stays consistent with its vectors through adds, removals and the HNSW switch."""
+import numpy as np
+
+from sidecar.cache.index import ScopeIndex
+
+
+def unit(rng, n, dim=16):
+    v = rng.standard_normal((n, dim)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_flat_search_finds_self_and_forgets_removed():
+    rng = np.random.default_rng(0)
+    vecs = unit(rng, 20)
+    idx = ScopeIndex(16, hnsw_min_entries=1000, use_gpu=False)
+    for i, v in enumerate(vecs):
+        idx.add(100 + i, v)
+    assert idx.kind == "flat"
+    sim, eid = idx.search(vecs[3], 1)[0]
+    assert eid == 103 and abs(sim - 1.0) < 1e-5
+    idx.remove(103)
+    assert all(eid != 103 for _, eid in idx.search(vecs[3], 20))
+    assert len(idx) == 19
+
+
+def test_hnsw_switch_and_tombstones_never_return_deleted_ids():
+    rng = np.random.default_rng(1)
+    vecs = unit(rng, 200)
+    idx = ScopeIndex(16, hnsw_min_entries=50, use_gpu=False)
+    for i, v in enumerate(vecs):
+        idx.add(i, v)
+    assert idx.kind == "hnsw"
+    removed = set(range(0, 200, 3))
+    for i in removed:
+        idx.remove(i)
+    for i in range(200):
+        got = [eid for _, eid in idx.search(vecs[i], 5)]
+        assert not removed & set(got)
+        if i not in removed:
+            assert got[0] == i
+    assert len(idx) == 200 - len(removed)
+
+
+def test_re_adding_an_id_replaces_its_vector():
+    rng = np.random.default_rng(2)
+    a, b = unit(rng, 2)
+    idx = ScopeIndex(16, hnsw_min_entries=1000, use_gpu=False)
+    idx.add(7, a)
+    idx.add(7, b)
+    assert len(idx) == 1
+    assert idx.search(b, 1)[0][1] == 7 and idx.search(b, 1)[0][0] > 0.999

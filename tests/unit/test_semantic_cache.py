@@ -1,0 +1,266 @@
+"""SemanticCache behaviour with the real bundled embedding model (loaded once per module)."""
+import asyncio
+import sqlite3
+
+import numpy as np
+import pytest
+
+from sidecar.cache.embedder import Embedder
+from sidecar.cache.semantic import CacheScope, SemanticCache
+from sidecar.config import CacheConfig
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    emb = Embedder("all-MiniLM-L6-v2", device="cpu")
+    yield emb
+    emb.close()
+
+
+class Clock:
+    def __init__(self, t=1_000_000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def scope(query, tenant="t1", model="m", settings="temperature=0", context=""):
+    return CacheScope(tenant=tenant, model=model, settings=settings, context=context, query=query)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def put(cache, query, answer="answer", **kw):
+    await cache.store(scope(query, **kw), answer, [5, 6, 7], "stop", 11, 3)
+
+
+@pytest.fixture
+def make(embedder, tmp_path):
+    caches = []
+
+    def _make(clock=None, **cfg):
+        c = SemanticCache(CacheConfig(**cfg), embedder=embedder, clock=clock or Clock())
+        caches.append(c)
+        return c
+
+    yield _make
+    for c in caches:
+        c.close()
+
+
+def test_embedder_contract(embedder):
+    v = embedder.embed(["How do I reset my password?", "hello"])
+    assert v.shape == (2, embedder.dim) and v.dtype == np.float32
+    assert np.allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
+    assert embedder.count_tokens(["hello world"]) == 4  # [CLS] hello world [SEP]
+
+
+def test_aembed_batches_concurrent_callers(embedder):
+    texts = [f"question number {i}" for i in range(8)]
+
+    async def go():
+        before = embedder.batches
+        outs = await asyncio.gather(*[embedder.aembed([t]) for t in texts])
+        return outs, embedder.batches - before
+
+    outs, batches = run(go())
+    assert batches < len(texts)  # at least two callers shared a forward pass
+    expected = embedder.embed(texts)
+    assert np.allclose(np.concatenate(outs), expected, atol=1e-5)
+
+
+def test_exact_hit_ignores_case_and_trailing_punctuation(make):
+    cache = make()
+
+    async def go():
+        await put(cache, "How do I reset my password?", "Open Settings > Security.")
+        return await cache.lookup(scope("  how do I reset my PASSWORD "))
+
+    hit = run(go())
+    assert hit.kind == "exact" and hit.similarity == 1.0
+    assert hit.text == "Open Settings > Security." and hit.token_ids == [5, 6, 7]
+    assert (hit.prompt_tokens, hit.completion_tokens, hit.finish_reason) == (11, 3, "stop")
+    s = cache.stats()
+    assert (s["lookups"], s["exact_hits"], s["semantic_hits"], s["stores"], s["entries"]) == (1, 1, 0, 1, 1)
+
+
+def test_semantic_hit_for_a_paraphrase(make):
+    cache = make()
+
+    async def go():
+        await put(cache, "How can I clear the browser cache in Chrome?")
+        return await cache.lookup(scope("How do I clear the cache in Chrome?"))
+
+    hit = run(go())
+    assert hit is not None and hit.kind == "semantic"
+    assert 0.95 <= hit.similarity < 1.0
+    assert hit.matched_query == "How can I clear the browser cache in Chrome?"
+    assert cache.stats()["semantic_hits"] == 1
+
+
+@pytest.mark.parametrize("stored,asked", [
+    ("Is port 6379 open by default?", "Is port 6379 closed by default?"),
+    ("what is 2+3", "what is 2+4"),
+    ("Can I return an item after 30 days?", "Can I return an item after 60 days?"),
+    ("Why is my WiFi working?", "Why is my WiFi not working?"),
+])
+def test_guard_refuses_near_misses_above_threshold(make, embedder, stored, asked):
+    a, b = embedder.embed([stored, asked])
+    # A threshold the pair clears, so only the guard stands between them.
+    assert float(a @ b) >= 0.75
+    cache = make(threshold=0.75)
+
+    async def go():
+        await put(cache, stored)
+        return await cache.lookup(scope(asked))
+
+    assert run(go()) is None
+    s = cache.stats()
+    assert s["guard_rejections"] == 1 and s["misses"] == 1
+
+
+def test_without_guard_the_near_miss_would_hit(make):
+    cache = make(threshold=0.9, guard=False)
+
+    async def go():
+        await put(cache, "Is port 6379 open by default?")
+        return await cache.lookup(scope("Is port 6379 closed by default?"))
+
+    assert run(go()) is not None  # shows the guard test above is not vacuous
+
+
+def test_tenants_never_see_each_other(make):
+    cache = make()
+
+    async def go():
+        await put(cache, "How do I reset my password?", "tenant one's answer", tenant="one")
+        return (await cache.lookup(scope("How do I reset my password?", tenant="two")),
+                await cache.lookup(scope("What are the steps to reset my password?", tenant="two")),
+                await cache.lookup(scope("How do I reset my password?", tenant="one")))
+
+    exact_other, semantic_other, own = run(go())
+    assert exact_other is None and semantic_other is None
+    assert own.text == "tenant one's answer"
+
+
+@pytest.mark.parametrize("other", [
+    {"context": "system: answer in French"},
+    {"settings": "temperature=0;max_tokens=16"},
+    {"model": "other-model"},
+])
+def test_scope_isolation(make, other):
+    cache = make()
+
+    async def go():
+        await put(cache, "How do I reset my password?")
+        return await cache.lookup(scope("How do I reset my password?", **other))
+
+    assert run(go()) is None
+
+
+def test_ttl_expiry_with_injected_clock(make):
+    clock = Clock()
+    cache = make(clock=clock, ttl_s=60)
+
+    async def go():
+        await put(cache, "How do I reset my password?")
+        clock.t += 59
+        first = await cache.lookup(scope("How do I reset my password?"))
+        clock.t += 2
+        second = await cache.lookup(scope("How do I reset my password?"))
+        third = await cache.lookup(scope("What are the steps to reset my password?"))
+        return first, second, third
+
+    first, second, third = run(go())
+    assert first is not None and second is None and third is None
+    s = cache.stats()
+    assert s["entries"] == 0 and s["expired"] == 1
+
+
+def test_lru_eviction_keeps_recently_used(make):
+    clock = Clock()
+    cache = make(clock=clock, max_entries=2)
+
+    async def go():
+        await put(cache, "What is the capital of Australia?", "Canberra")
+        clock.t += 1
+        await put(cache, "Who wrote Pride and Prejudice?", "Jane Austen")
+        clock.t += 1
+        assert await cache.lookup(scope("What is the capital of Australia?"))  # now most recent
+        await put(cache, "How many bones are in the human body?", "206")
+        return [await cache.lookup(scope(q)) for q in (
+            "What is the capital of Australia?", "Who wrote Pride and Prejudice?",
+            "How many bones are in the human body?")]
+
+    aus, pride, bones = run(go())
+    assert aus.text == "Canberra" and pride is None and bones.text == "206"
+    s = cache.stats()
+    assert s["entries"] == 2 and s["evictions"] == 1
+    # The evicted entry is gone from the vector index too: a paraphrase cannot find it.
+    assert run(cache.lookup(scope("Who is the author of Pride and Prejudice?"))) is None
+
+
+def test_restore_replaces_the_same_question(make):
+    cache = make()
+
+    async def go():
+        await put(cache, "How do I reset my password?", "old")
+        await put(cache, "how do i reset my password", "new")
+        return await cache.lookup(scope("How do I reset my password?"))
+
+    assert run(go()).text == "new"
+    assert cache.stats()["entries"] == 1
+
+
+def test_only_completed_generations_are_stored(make):
+    cache = make()
+
+    async def go():
+        await cache.store(scope("How do I reset my password?"), "partial", [1], "abort", 3, 1)
+        return await cache.lookup(scope("How do I reset my password?"))
+
+    assert run(go()) is None
+    s = cache.stats()
+    assert s["entries"] == 0 and s["store_refused"] == 1 and s["stores"] == 0
+
+
+def test_bypass_is_counted(make):
+    cache = make()
+    cache.record_bypass("sampled")
+    cache.record_bypass("skip")
+    assert cache.stats()["bypasses"] == 2
+
+
+def test_persistence_across_restart(embedder, tmp_path):
+    path = str(tmp_path / "cache.db")
+    clock = Clock()
+    cache = SemanticCache(CacheConfig(path=path), embedder=embedder, clock=clock)
+
+    async def fill():
+        await put(cache, "How can I clear the browser cache in Chrome?", "Settings > Privacy")
+        await put(cache, "Who wrote Pride and Prejudice?", "Jane Austen", tenant="t2")
+
+    run(fill())
+    cache.close()
+    assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+    reopened = SemanticCache(CacheConfig(path=path), embedder=embedder, clock=clock)
+    try:
+        assert reopened.stats()["entries"] == 2
+        hit = run(reopened.lookup(scope("How do I clear the cache in Chrome?")))
+        assert hit.kind == "semantic" and hit.text == "Settings > Privacy"
+        assert run(reopened.lookup(scope("Who wrote Pride and Prejudice?"))) is None  # other tenant
+        assert run(reopened.lookup(scope("Who wrote Pride and Prejudice?", tenant="t2"))).text == "Jane Austen"
+    finally:
+        reopened.close()
+
+    # Entries that expired while the process was down are dropped on start.
+    clock.t += CacheConfig().ttl_s + 1
+    later = SemanticCache(CacheConfig(path=path), embedder=embedder, clock=clock)
+    try:
+        assert later.stats()["entries"] == 0
+    finally:
+        later.close()
