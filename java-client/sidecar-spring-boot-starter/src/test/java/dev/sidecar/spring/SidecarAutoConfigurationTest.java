@@ -1,0 +1,143 @@
+package dev.sidecar.spring;
+
+import static org.assertj.core.api.Assertions.assertThat;
+
+import dev.sidecar.client.SidecarClient;
+import io.grpc.health.v1.HealthCheckResponse.ServingStatus;
+import io.micrometer.observation.ObservationRegistry;
+import java.time.Duration;
+import org.junit.jupiter.api.AfterEach;
+import org.junit.jupiter.api.BeforeEach;
+import org.junit.jupiter.api.Test;
+import org.springframework.ai.chat.client.ChatClient;
+import org.springframework.ai.chat.model.ChatModel;
+import org.springframework.ai.embedding.EmbeddingModel;
+import org.springframework.ai.model.chat.client.autoconfigure.ChatClientAutoConfiguration;
+import org.springframework.boot.actuate.health.Status;
+import org.springframework.boot.autoconfigure.AutoConfigurations;
+import org.springframework.boot.test.context.runner.ApplicationContextRunner;
+import org.springframework.context.annotation.Bean;
+import org.springframework.context.annotation.Configuration;
+import org.springframework.util.unit.DataSize;
+
+class SidecarAutoConfigurationTest {
+
+    private FakeSidecar sidecar;
+    private ApplicationContextRunner runner;
+
+    @BeforeEach
+    void setUp() throws Exception {
+        sidecar = new FakeSidecar();
+        // Route the auto-configured client to the in-process fake; everything else is real.
+        runner = new ApplicationContextRunner()
+                .withConfiguration(AutoConfigurations.of(SidecarAutoConfiguration.class,
+                        ChatClientAutoConfiguration.class))
+                .withBean(SidecarClientCustomizer.class, () -> b -> b.channelBuilder(sidecar.channelBuilder()));
+    }
+
+    @AfterEach
+    void tearDown() throws Exception {
+        sidecar.close();
+    }
+
+    @Test
+    void providesClientModelsHealthAndChatClientBuilder() {
+        runner.run(ctx -> {
+            assertThat(ctx).hasSingleBean(SidecarClient.class).hasSingleBean(ChatModel.class)
+                    .hasSingleBean(EmbeddingModel.class).hasSingleBean(SidecarHealthIndicator.class)
+                    .hasSingleBean(ChatClient.Builder.class);
+            String reply = ctx.getBean(ChatClient.Builder.class).build().prompt().user("wired").call().content();
+            assertThat(reply).isEqualTo("echo: wired");
+            assertThat(ctx.getBean(SidecarHealthIndicator.class).health().getStatus()).isEqualTo(Status.UP);
+        });
+    }
+
+    @Test
+    void bindsProperties() {
+        runner.withPropertyValues("sidecar.client.target=dns:///sidecar:50051", "sidecar.client.api-key=k1",
+                "sidecar.client.deadline=5s", "sidecar.client.max-message-size=1MB",
+                "sidecar.client.chat.max-tokens=48", "sidecar.client.chat.temperature=0.3",
+                "sidecar.client.chat.seed=11", "sidecar.client.chat.stop=END,STOP").run(ctx -> {
+            SidecarProperties p = ctx.getBean(SidecarProperties.class);
+            assertThat(p.getTarget()).isEqualTo("dns:///sidecar:50051");
+            assertThat(p.getApiKey()).isEqualTo("k1");
+            assertThat(p.getMaxMessageSize()).isEqualTo(DataSize.ofMegabytes(1));
+            assertThat(ctx.getBean(SidecarClient.class).defaultDeadline()).isEqualTo(Duration.ofSeconds(5));
+            SidecarChatOptions o = (SidecarChatOptions) ctx.getBean(ChatModel.class).getDefaultOptions();
+            assertThat(o.getMaxTokens()).isEqualTo(48);
+            assertThat(o.getTemperature()).isEqualTo(0.3);
+            assertThat(o.getSeed()).isEqualTo(11L);
+            assertThat(o.getStopSequences()).containsExactly("END", "STOP");
+
+            ctx.getBean(ChatModel.class).call("bound?");
+            assertThat(sidecar.chats.peek().getSampling().getMaxTokens()).isEqualTo(48);
+        });
+    }
+
+    @Test
+    void apiKeyPropertyIsSentAsBearerAndBlankSendsNone() {
+        runner.withPropertyValues("sidecar.client.api-key=k2").run(ctx -> ctx.getBean(ChatModel.class).call("a"));
+        assertThat(sidecar.authorizations.poll()).isEqualTo("Bearer k2");
+        runner.withPropertyValues("sidecar.client.api-key=").run(ctx -> ctx.getBean(ChatModel.class).call("b"));
+        assertThat(sidecar.authorizations.poll()).isEqualTo("<none>");
+    }
+
+    @Configuration(proxyBeanMethods = false)
+    static class OwnBeans {
+        static final SidecarChatModel MODEL = new SidecarChatModel(SidecarClient.builder().build());
+
+        @Bean
+        SidecarChatModel myChatModel() {
+            return MODEL;
+        }
+    }
+
+    @Test
+    void backsOffWhenTheApplicationDefinesItsOwnBeans() {
+        runner.withUserConfiguration(OwnBeans.class).run(ctx -> {
+            assertThat(ctx).hasSingleBean(SidecarChatModel.class);
+            assertThat(ctx.getBean(SidecarChatModel.class)).isSameAs(OwnBeans.MODEL);
+        });
+        SidecarClient own = SidecarClient.builder().channelBuilder(sidecar.channelBuilder()).build();
+        try {
+            runner.withBean("mine", SidecarClient.class, () -> own).run(ctx -> {
+                assertThat(ctx).hasSingleBean(SidecarClient.class);
+                assertThat(ctx.getBean(SidecarClient.class)).isSameAs(own);
+            });
+        } finally {
+            own.close();
+        }
+    }
+
+    @Test
+    void anotherSelectedProviderDisablesTheSidecarModels() {
+        runner.withPropertyValues("spring.ai.model.chat=openai", "spring.ai.model.embedding=none").run(ctx ->
+                assertThat(ctx).doesNotHaveBean(SidecarChatModel.class).doesNotHaveBean(SidecarEmbeddingModel.class)
+                        .hasSingleBean(SidecarClient.class));
+    }
+
+    @Test
+    void healthIndicatorCanBeDisabledAndReportsOutOfService() {
+        runner.withPropertyValues("management.health.sidecar.enabled=false")
+                .run(ctx -> assertThat(ctx).doesNotHaveBean(SidecarHealthIndicator.class));
+        sidecar.health.setStatus("sidecar.v1.Inference", ServingStatus.NOT_SERVING);
+        runner.run(ctx -> assertThat(ctx.getBean(SidecarHealthIndicator.class).health().getStatus())
+                .isEqualTo(Status.OUT_OF_SERVICE));
+    }
+
+    @Test
+    void healthIsDownWhenTheSidecarIsGone() throws Exception {
+        sidecar.close();
+        runner.withPropertyValues("sidecar.client.max-retry-attempts=1").run(ctx ->
+                assertThat(ctx.getBean(SidecarHealthIndicator.class).health().getStatus()).isEqualTo(Status.DOWN));
+    }
+
+    @Test
+    void observationRegistryAddsTheGrpcObservationCustomizer() {
+        runner.withBean(ObservationRegistry.class, ObservationRegistry::create).run(ctx -> {
+            assertThat(ctx.getBeansOfType(SidecarClientCustomizer.class)).hasSize(2);
+            assertThat(ctx.getBean(ChatModel.class).call("observed")).isEqualTo("echo: observed");
+        });
+        runner.run(ctx -> assertThat(ctx.getBeansOfType(SidecarClientCustomizer.class)).hasSize(1));
+    }
+}

@@ -1,0 +1,149 @@
+package dev.sidecar.spring;
+
+import static org.assertj.core.api.Assertions.assertThat;
+import static org.assertj.core.api.Assertions.assertThatThrownBy;
+
+import dev.sidecar.client.RateLimitedException;
+import dev.sidecar.client.SidecarClient;
+import dev.sidecar.v1.CacheControl;
+import dev.sidecar.v1.ChatRequest;
+import io.grpc.Status;
+import io.micrometer.observation.tck.TestObservationRegistry;
+import io.micrometer.observation.tck.TestObservationRegistryAssert;
+import java.time.Duration;
+import java.util.List;
+import org.junit.jupiter.api.AfterEach;
+import org.junit.jupiter.api.BeforeEach;
+import org.junit.jupiter.api.Test;
+import org.springframework.ai.chat.client.ChatClient;
+import org.springframework.ai.chat.messages.AssistantMessage;
+import org.springframework.ai.chat.messages.SystemMessage;
+import org.springframework.ai.chat.messages.ToolResponseMessage;
+import org.springframework.ai.chat.messages.UserMessage;
+import org.springframework.ai.chat.model.ChatResponse;
+import org.springframework.ai.chat.prompt.ChatOptions;
+import org.springframework.ai.chat.prompt.Prompt;
+
+class SidecarChatModelTest {
+
+    private FakeSidecar sidecar;
+    private SidecarClient client;
+    private TestObservationRegistry observations;
+    private SidecarChatModel model;
+
+    @BeforeEach
+    void setUp() throws Exception {
+        sidecar = new FakeSidecar();
+        client = SidecarClient.builder().channelBuilder(sidecar.channelBuilder()).build();
+        observations = TestObservationRegistry.create();
+        model = new SidecarChatModel(client,
+                SidecarChatOptions.builder().maxTokens(32).temperature(0.0).stop(List.of("\n\n")).build(),
+                observations);
+    }
+
+    @AfterEach
+    void tearDown() throws Exception {
+        client.close();
+        sidecar.close();
+    }
+
+    @Test
+    void callMapsMessagesOptionsUsageFinishReasonAndCacheMetadata() {
+        ChatResponse r = model.call(new Prompt(List.of(new SystemMessage("be brief"), new UserMessage("hi"),
+                new AssistantMessage("hello"), new UserMessage("is this cached?"))));
+
+        ChatRequest sent = sidecar.chats.peek();
+        assertThat(sent.getMessagesList()).extracting("role").containsExactly("system", "user", "assistant", "user");
+        assertThat(sent.getSampling().getMaxTokens()).isEqualTo(32);
+        assertThat(sent.getSampling().hasTemperature()).isTrue();
+        assertThat(sent.getSampling().hasTopP()).isFalse();
+        assertThat(sent.getSampling().getStopList()).containsExactly("\n\n");
+
+        assertThat(r.getResult().getOutput().getText()).isEqualTo("echo: is this cached?");
+        assertThat(r.getResult().getMetadata().getFinishReason()).isEqualTo("STOP");
+        assertThat(r.getMetadata().getUsage().getPromptTokens()).isEqualTo(12);
+        assertThat(r.getMetadata().getUsage().getCompletionTokens()).isEqualTo(4);
+        assertThat(r.getMetadata().getUsage().getTotalTokens()).isEqualTo(16);
+        assertThat(r.getMetadata().getId()).isEqualTo("chat-1");
+        assertThat(r.getMetadata().getModel()).isEqualTo("demo");
+        assertThat((String) r.getMetadata().get(SidecarChatModel.CACHE_STATUS)).isEqualTo("HIT_SEMANTIC");
+        assertThat((Double) r.getMetadata().get(SidecarChatModel.CACHE_SIMILARITY)).isCloseTo(0.93, org.assertj.core.data.Offset.offset(1e-6));
+        assertThat((Integer) r.getMetadata().get(SidecarChatModel.CACHED_TOKENS)).isEqualTo(8);
+        assertThat((String) r.getResult().getMetadata().get(SidecarChatModel.CACHE_STATUS)).isEqualTo("HIT_SEMANTIC");
+    }
+
+    @Test
+    void perCallOptionsOverrideDefaults() {
+        model.call(new Prompt("a", SidecarChatOptions.builder().maxTokens(5).seed(7L)
+                .cacheControl(CacheControl.CACHE_CONTROL_SKIP).priority(2).build()));
+        ChatRequest first = sidecar.chats.poll();
+        assertThat(first.getSampling().getMaxTokens()).isEqualTo(5);
+        assertThat(first.getSampling().getSeed()).isEqualTo(7);
+        assertThat(first.getSampling().getStopList()).containsExactly("\n\n");
+        assertThat(first.getCacheControl()).isEqualTo(CacheControl.CACHE_CONTROL_SKIP);
+        assertThat(first.getPriority()).isEqualTo(2);
+
+        // Generic Spring AI options work too.
+        model.call(new Prompt("b", ChatOptions.builder().topP(0.5).maxTokens(9).build()));
+        ChatRequest second = sidecar.chats.poll();
+        assertThat(second.getSampling().getTopP()).isEqualTo(0.5f);
+        assertThat(second.getSampling().getMaxTokens()).isEqualTo(9);
+        assertThat(second.getSampling().hasSeed()).isFalse();
+    }
+
+    @Test
+    void streamEmitsDeltasAndFinishesWithUsage() {
+        List<ChatResponse> chunks = model.stream(new Prompt("stream me")).collectList().block(Duration.ofSeconds(5));
+
+        assertThat(chunks).extracting(c -> c.getResult().getOutput().getText())
+                .containsExactly("echo:", " ", "stream me");
+        ChatResponse last = chunks.get(2);
+        assertThat(last.getResult().getMetadata().getFinishReason()).isEqualTo("LENGTH");
+        assertThat(last.getMetadata().getUsage().getCompletionTokens()).isEqualTo(3);
+        assertThat(chunks.get(1).getResult().getMetadata().getFinishReason()).isNull();
+        assertThat((String) chunks.get(0).getMetadata().get(SidecarChatModel.CACHE_STATUS)).isEqualTo("MISS");
+    }
+
+    @Test
+    void chatClientCallAndStreamContent() {
+        ChatClient chatClient = ChatClient.create(model);
+
+        String content = chatClient.prompt().system("You are terse.").user("ping").call().content();
+        assertThat(content).isEqualTo("echo: ping");
+        assertThat(sidecar.chats.poll().getMessagesList()).extracting("role").containsExactly("system", "user");
+
+        List<String> streamed = chatClient.prompt().user("pong").stream().content().collectList()
+                .block(Duration.ofSeconds(5));
+        assertThat(String.join("", streamed)).isEqualTo("echo: pong");
+    }
+
+    @Test
+    void errorsKeepTheirTypeAndAreObserved() {
+        sidecar.failWith = Status.RESOURCE_EXHAUSTED.withDescription("rate limit exceeded");
+
+        assertThatThrownBy(() -> model.call(new Prompt("x"))).isInstanceOf(RateLimitedException.class);
+        assertThatThrownBy(() -> model.stream(new Prompt("x")).blockLast(Duration.ofSeconds(5)))
+                .isInstanceOf(RateLimitedException.class);
+        TestObservationRegistryAssert.assertThat(observations).hasNumberOfObservationsEqualTo(2);
+    }
+
+    @Test
+    void callsAreObservedWithSpringAiChatConventions() {
+        model.call(new Prompt("observe"));
+        model.stream(new Prompt("observe stream")).blockLast(Duration.ofSeconds(5));
+
+        TestObservationRegistryAssert.assertThat(observations)
+                .hasNumberOfObservationsEqualTo(2)
+                .hasAnObservation(o -> o.hasLowCardinalityKeyValue("gen_ai.system", "sidecar")
+                        .hasHighCardinalityKeyValue("gen_ai.usage.input_tokens", "12"));
+    }
+
+    @Test
+    void toolMessagesAreRejectedNamingTheField() {
+        Prompt prompt = new Prompt(List.of(new UserMessage("q"),
+                ToolResponseMessage.builder().responses(List.of()).build()));
+        assertThatThrownBy(() -> model.call(prompt)).isInstanceOf(IllegalArgumentException.class)
+                .hasMessageContaining("prompt.messages[1]");
+        assertThat(sidecar.chats).isEmpty();
+    }
+}
