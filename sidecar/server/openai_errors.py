@@ -49,7 +49,9 @@ def _public_field(name: Optional[str]) -> Optional[str]:
 def service_error_body(exc: ServiceError) -> tuple[int, dict]:
     status, etype, code = _STATUS.get(exc.code, _STATUS["internal"])
     message = exc.message[len("sampling."):] if exc.message.startswith("sampling.") else exc.message
-    return status, error_body(message, etype, _public_field(exc.field), code)
+    # Only these codes are about a request field; "draining: ..." names a state, not a param.
+    param = _public_field(exc.field) if exc.code in ("invalid_argument", "not_found") else None
+    return status, error_body(message, etype, param, code)
 
 
 def service_error_response(exc: ServiceError) -> JSONResponse:
