@@ -24,7 +24,7 @@ QUESTION = "How do I check which process is using port 8080 on Linux?"
 
 
 @contextlib.contextmanager
-def serve(model: str, timeout_s: float = 600.0) -> Iterator[str]:
+def serve(model: str, extra_args: tuple = (), timeout_s: float = 600.0) -> Iterator[str]:
     """Yield the gRPC target of a fresh sidecar; SIGTERM it (SIGKILL if stuck) on exit."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -32,7 +32,7 @@ def serve(model: str, timeout_s: float = 600.0) -> Iterator[str]:
     work = tempfile.mkdtemp(prefix="sidecar-bench-")
     port_file, log_path = os.path.join(work, "ports.json"), os.path.join(work, "serve.log")
     cmd = [sys.executable, "-m", "sidecar", "serve", "--model", model, "--grpc-port", "0", "--http-port", "0",
-           "--host", "127.0.0.1", "--port-file", port_file, "--log-level", "warning"]
+           "--host", "127.0.0.1", "--port-file", port_file, "--log-level", "warning", *extra_args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
