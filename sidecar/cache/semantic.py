@@ -104,7 +104,12 @@ class SemanticCache:
         self._counters = dict(lookups=0, exact_hits=0, semantic_hits=0, misses=0, guard_rejections=0,
                               bypasses=0, stores=0, store_refused=0, evictions=0, expired=0)
         self._last_sweep = clock()
-        self._store = CacheStore(cfg.path, self.embedder.model_name, self.embedder.dim)
+        try:
+            self._store = CacheStore(cfg.path, self.embedder.model_name, self.embedder.dim)
+        except BaseException:
+            if self._own_embedder:  # nothing else holds the worker thread we may have started
+                self.embedder.close()
+            raise
         self._load()
 
     # -- startup ----------------------------------------------------------

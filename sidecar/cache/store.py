@@ -60,14 +60,17 @@ class CacheStore:
     def __init__(self, path: Optional[str], embedding_model: str, dim: int):
         self.path = path
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path or ":memory:", check_same_thread=False, isolation_level=None)
-        if path:
-            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise ValueError(f"cache.path: cannot enable WAL journaling on {path!r} (got {mode})")
-            self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = sqlite3.connect(path or ":memory:", check_same_thread=False, isolation_level=None)
+            if path:
+                mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                if str(mode).lower() != "wal":
+                    raise ValueError(f"cache.path: cannot enable WAL journaling on {path!r} (got {mode})")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise ValueError(f"cache.path: cannot open {path!r} as a cache database: {exc}") from None
         self._check_model(embedding_model, dim)
 
     def _check_model(self, embedding_model: str, dim: int) -> None:

@@ -264,3 +264,31 @@ def test_persistence_across_restart(embedder, tmp_path):
         assert later.stats()["entries"] == 0
     finally:
         later.close()
+
+
+def test_hnsw_index_serves_hits_and_forgets_evicted(make):
+    clock = Clock()
+    cache = make(clock=clock, hnsw_min_entries=2, max_entries=3)
+    questions = ["What is the capital of Australia?", "Who wrote Pride and Prejudice?",
+                 "How many bones are in the human body?", "Who painted the Mona Lisa?"]
+
+    async def go():
+        for q in questions:
+            await put(cache, q, q.upper())
+            clock.t += 1
+        return (await cache.lookup(scope("Who was the painter of the Mona Lisa?")),
+                await cache.lookup(scope("What's the capital of Australia?")))
+
+    mona, australia = run(go())
+    assert mona.kind == "semantic" and mona.text == "WHO PAINTED THE MONA LISA?"
+    assert australia is None  # evicted (LRU) before the lookup
+    assert cache._scopes[next(iter(cache._scopes))].kind == "hnsw"
+
+
+def test_unusable_path_names_the_setting(embedder, tmp_path):
+    with pytest.raises(ValueError, match="cache.path"):
+        SemanticCache(CacheConfig(path=str(tmp_path / "no" / "such" / "dir" / "c.db")), embedder=embedder)
+    bad = tmp_path / "garbage.db"
+    bad.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(ValueError, match="cache.path"):
+        SemanticCache(CacheConfig(path=str(bad)), embedder=embedder)
