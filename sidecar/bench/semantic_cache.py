@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import time
 from importlib import resources
 from typing import Optional
@@ -55,6 +56,10 @@ def load_pairs(path: Optional[str]) -> list[dict]:
             raise ValueError(f"pairs line {n}: label: must be hit or miss, got {row['label']!r}")
         pairs.append(row)
     return pairs
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[\w']+", text.casefold())
 
 
 def precision_recall(pred: np.ndarray, truth: np.ndarray) -> tuple[float, float, int, int, int]:
@@ -174,6 +179,20 @@ def run(args: argparse.Namespace) -> int:
         d = by_category.setdefault(row["category"], {"pairs": 0, "served": 0})
         d["pairs"] += 1
         d["served"] += int(h)
+    # Recall by how much wording the paraphrase shares with the stored question (word Jaccard):
+    # light rewording is easy for any cache, restructured questions are the real test.
+    overlap_bins: dict[str, dict] = {}
+    for row, h in zip(pairs, pred):
+        if row["label"] != "hit":
+            continue
+        a, b = set(_words(row["query"])), set(_words(row["cached"]))
+        j = len(a & b) / max(1, len(a | b))
+        name = "overlap>=0.7" if j >= 0.7 else ("overlap 0.4-0.7" if j >= 0.4 else "overlap<0.4")
+        d = overlap_bins.setdefault(name, {"pairs": 0, "served": 0})
+        d["pairs"] += 1
+        d["served"] += int(h)
+    for d in overlap_bins.values():
+        d["recall"] = d["served"] / d["pairs"]
     false_hits = [{"query": r["query"], "cached": r["cached"], "category": r["category"],
                    "similarity": float(s)} for r, h, s in zip(pairs, pred, sims) if h and r["label"] == "miss"]
     refused = {}
@@ -192,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         "embedding_model": cfg.embedding_model, "embedder_load_s": load_s,
         "threshold": cfg.threshold, "guard": cfg.guard,
         "at_threshold": {"precision": precision, "recall": recall, "tp": tp, "fp": fp, "fn": fn},
-        "served_by_category": by_category, "false_hits": false_hits,
+        "served_by_category": by_category, "recall_by_word_overlap": overlap_bins, "false_hits": false_hits,
         "guard_refusals_above_threshold": refused,
         "curve": curve, "lookup_latency": latency,
     }
@@ -207,6 +226,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"pairs: {len(pairs)} ({int(truth.sum())} should hit, {int((~truth).sum())} must miss)")
     print(f"threshold {cfg.threshold:.3f} guard={'on' if cfg.guard else 'off'}: precision {precision:.4f}"
           f"  recall {recall:.4f}  (tp {tp}, fp {fp}, fn {fn})")
+    for name, d in sorted(overlap_bins.items()):
+        print(f"  recall {name}: {d['recall']:.3f} ({d['served']}/{d['pairs']})")
     for row in false_hits:
         print(f"  false hit [{row['category']}] sim={row['similarity']:.3f}: {row['query']!r} -> {row['cached']!r}")
     for name, v in latency.items():
