@@ -26,8 +26,8 @@ import numpy as np
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pairs", default=None, help="JSONL eval set (default: bundled sidecar/bench/data/semantic_pairs.jsonl)")
-    p.add_argument("--threshold", type=float, default=None, help="similarity threshold (default: CacheConfig default)")
+    p.add_argument("--pairs", default=None, help="JSONL eval set; None = the bundled sidecar/bench/data/semantic_pairs.jsonl")
+    p.add_argument("--threshold", type=float, default=None, help="similarity threshold; None = the CacheConfig default")
     p.add_argument("--embedding-model", default="all-MiniLM-L6-v2", help="sentence-transformers path or id")
     p.add_argument("--no-guard", action="store_true", help="evaluate without the guard")
     p.add_argument("--latency-lookups", type=int, default=500, help="lookups timed per latency scenario")
