@@ -1,0 +1,168 @@
+"""Prefix caching: the KV cache as a global resource shared across requests and batches.
+
+Scenarios, each run with prefix caching on and off on fresh engines in one run:
+- customer-service: one ~500-token system prompt shared by every request, ~50-token questions,
+  arriving in waves (separate batches), so reuse must cross batch boundaries;
+- multi-turn: conversations whose every turn resends all earlier turns;
+- no-sharing: unique prompts, to show what caching costs at a 0% hit rate.
+Reported: prefill tokens computed, cache hit fraction, TTFT p50/p99, throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from typing import Any
+
+import torch
+
+
+def _engine(args: argparse.Namespace, caching: bool):
+    from sidecar.config import EngineConfig
+    from sidecar.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=args.model_dir, dtype=args.dtype, enable_prefix_caching=caching,
+                                  kv_cache_memory_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_waiting_requests=1 << 20))
+
+
+def _run_wave(engine, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+    from sidecar.engine.request import SamplingParams
+
+    ids = [engine.add_request(None, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    return [done[i] for i in ids]
+
+
+def _summarise(name: str, caching: bool, outs: list[Any], seconds: float, skip_first: int = 0) -> dict[str, Any]:
+    from sidecar.bench.report import percentile
+
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    cached = sum(o.num_cached_tokens for o in outs)
+    after = outs[skip_first:]
+    ttft = [o.ttft_s * 1000 for o in after]
+    return {
+        "scenario": name, "prefix_caching": "on" if caching else "off", "requests": len(outs),
+        "prompt_tokens": prompt, "prefill_tokens_computed": prompt - cached,
+        "cached_fraction": cached / prompt if prompt else 0.0,
+        "cached_fraction_after_first": (sum(o.num_cached_tokens for o in after)
+                                        / max(1, sum(len(o.prompt_token_ids) for o in after))),
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+        "seconds": seconds, "output_tok_s": sum(len(o.token_ids) for o in outs) / seconds,
+    }
+
+
+def customer_service(args: argparse.Namespace, caching: bool, rng_seed: int) -> dict[str, Any]:
+    rng = random.Random(rng_seed)
+    system = [rng.randrange(3, 20000) for _ in range(args.system_tokens)]
+    engine = _engine(args, caching)
+    _run_wave(engine, [[7, 8, 9]], 2)  # warm-up, unrelated tokens
+    outs = []
+    t = time.perf_counter()
+    first = _run_wave(engine, [system + [rng.randrange(3, 20000) for _ in range(args.question_tokens)]],
+                      args.output_tokens)
+    outs += first
+    for _ in range(args.waves):
+        wave = [system + [rng.randrange(3, 20000) for _ in range(args.question_tokens)] for _ in range(args.wave_size)]
+        outs += _run_wave(engine, wave, args.output_tokens)
+    dt = time.perf_counter() - t
+    res = _summarise("customer-service", caching, outs, dt, skip_first=1)
+    del engine
+    gc.collect()
+    return res
+
+
+def multi_turn(args: argparse.Namespace, caching: bool, rng_seed: int) -> dict[str, Any]:
+    rng = random.Random(rng_seed)
+    engine = _engine(args, caching)
+    _run_wave(engine, [[7, 8, 9]], 2)
+    convs = [[rng.randrange(3, 20000) for _ in range(args.question_tokens)] for _ in range(args.conversations)]
+    outs = []
+    t = time.perf_counter()
+    for _turn in range(args.turns):
+        results = _run_wave(engine, convs, args.output_tokens)
+        outs += results
+        convs = [c + r.token_ids + [rng.randrange(3, 20000) for _ in range(args.question_tokens)]
+                 for c, r in zip(convs, results)]
+    dt = time.perf_counter() - t
+    res = _summarise("multi-turn", caching, outs, dt, skip_first=args.conversations)
+    del engine
+    gc.collect()
+    return res
+
+
+def no_sharing(args: argparse.Namespace, caching: bool, rng_seed: int) -> dict[str, Any]:
+    rng = random.Random(rng_seed)
+    engine = _engine(args, caching)
+    _run_wave(engine, [[7, 8, 9]], 2)
+    prompts = [[rng.randrange(3, 20000) for _ in range(args.system_tokens // 2)] for _ in range(args.wave_size * 4)]
+    t = time.perf_counter()
+    outs = _run_wave(engine, prompts, args.output_tokens)
+    dt = time.perf_counter() - t
+    res = _summarise("no-sharing", caching, outs, dt)
+    del engine
+    gc.collect()
+    return res
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2-0.5b", help="checkpoint dir, 'demo', or a benchmark shape")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--system-tokens", type=int, default=500)
+    p.add_argument("--question-tokens", type=int, default=50)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--waves", type=int, default=6, help="customer-service batches after the first request")
+    p.add_argument("--wave-size", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="bench-results")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sidecar.bench.models import SHAPES, random_checkpoint
+    from sidecar.bench.report import format_table, write_report
+    from sidecar.model.loader import resolve_model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.model_dir = str(random_checkpoint(args.model) if args.model in SHAPES else resolve_model_dir(args.model))
+    rows = []
+    for scenario in (customer_service, multi_turn, no_sharing):
+        for caching in (False, True):
+            rows.append(scenario(args, caching, args.seed))
+            r = rows[-1]
+            print(f"{r['scenario']:17s} caching {r['prefix_caching']:3s}: {r['seconds']:.1f}s "
+                  f"cached {r['cached_fraction']:.1%} ttft p50 {r['ttft_p50_ms']:.1f} ms", flush=True)
+    cols = ["scenario", "prefix_caching", "requests", "prompt_tokens", "prefill_tokens_computed",
+            "cached_fraction_after_first", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s"]
+    print(format_table(rows, cols))
+    by = {(r["scenario"], r["prefix_caching"]): r for r in rows}
+    cs_on, cs_off = by[("customer-service", "on")], by[("customer-service", "off")]
+    ns_on, ns_off = by[("no-sharing", "on")], by[("no-sharing", "off")]
+    summary = {
+        "customer_service_cached_fraction_after_first": cs_on["cached_fraction_after_first"],
+        "customer_service_prefill_reduction": 1 - cs_on["prefill_tokens_computed"] / cs_off["prefill_tokens_computed"],
+        "ttft_p50_speedup_warm_vs_cold": cs_off["ttft_p50_ms"] / cs_on["ttft_p50_ms"],
+        "no_sharing_throughput_on_vs_off": ns_on["output_tok_s"] / ns_off["output_tok_s"],
+        "multi_turn_cached_fraction_after_first_turn": by[("multi-turn", "on")]["cached_fraction_after_first"],
+    }
+    print(format_table([summary], list(summary)))
+    jpath, ppath = write_report(
+        args.out, "prefix", {"command": "sidecar bench prefix",
+                             "args": {k: v for k, v in vars(args).items() if k != "_run"},
+                             "results": rows, "summary": summary},
+        bars={"TTFT p50 (ms)": {f"{s} {c}": by[(s, c)]["ttft_p50_ms"] for s in ("customer-service", "multi-turn")
+                                for c in ("off", "on")},
+              "prefill tokens computed": {f"{s} {c}": by[(s, c)]["prefill_tokens_computed"]
+                                          for s in ("customer-service", "multi-turn") for c in ("off", "on")}})
+    print(f"wrote {jpath} and {ppath}")
+    return 0

@@ -1,0 +1,214 @@
+"""Offline throughput: our engine vs HF generate (static padded batches) vs HF generate_batch.
+
+All three run the same model, dtype and mixed workload (random prompt and
+output lengths, fixed seed, EOS ignored so every system produces exactly the
+requested tokens). Also measures batch-1 decode speed against the
+memory-bandwidth roofline: bytes of weights read per token / measured read
+bandwidth.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+from typing import Any
+
+import torch
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    a, b = int(lo), int(hi or lo)
+    if a < 1 or b < a:
+        raise ValueError(f"range {text!r}: expected LO:HI with 1 <= LO <= HI")
+    return a, b
+
+
+def make_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int,
+                  seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, min(vocab, 30000)) for _ in range(rng.randint(*prompt))], rng.randint(*output))
+            for _ in range(n)]
+
+
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """Sustained read bandwidth in bytes/s (sum over a buffer far larger than the caches)."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(repeats):
+        x.sum()
+    dt = (time.perf_counter() - t) / repeats
+    return x.numel() * 4 / dt
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes a decode step must read: every parameter/buffer except the embedding table
+    (one row is read), counting a tied lm_head once."""
+    seen: set[int] = set()
+    total = 0
+    emb = model.embed_tokens.weight
+    tied = model.lm_head.weight is emb
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.data_ptr() in seen or name.startswith("rope_"):
+            continue
+        seen.add(t.data_ptr())
+        if t is emb and not tied:
+            continue
+        total += t.numel() * t.element_size()
+    return total
+
+
+def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    from sidecar import LLM, SamplingParams
+
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb)
+    llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params, use_tqdm=True)
+    dt = time.perf_counter() - t
+    out_tokens = sum(len(o.token_ids) for o in outs)
+    res = {"system": "llm-sidecar", "seconds": dt, "output_tokens": out_tokens,
+           "output_tok_s": out_tokens / dt, "steps": llm.engine.counters["num_steps"],
+           "preemptions": llm.engine.scheduler.num_preemptions}
+    # Batch-1 decode speed: one request, decode time only.
+    n = args.b1_tokens
+    o = llm.generate([work[0][0][:32]], SamplingParams(max_tokens=n, ignore_eos=True))[0]
+    res["b1_decode_tok_s"] = (n - 1) / (o.e2e_s - o.ttft_s)
+    res["weight_bytes_per_token"] = weight_bytes_per_token(llm.engine.loaded.model)
+    del llm
+    gc.collect()
+    return res
+
+
+def _hf_model(args: argparse.Namespace):
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype)
+    model.eval()
+    return model
+
+
+def run_hf_static(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """HF generate over fixed batches in arrival order: left-padded prompts, each batch runs until
+    its longest output is done; only the requested tokens count as output."""
+    from tqdm.auto import tqdm
+
+    model = _hf_model(args)
+    pad = 0
+    useful = 0
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for i in tqdm(range(0, len(work), args.hf_batch_size), desc="hf static", unit="batch"):
+            batch = work[i:i + args.hf_batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            max_new = max(n for _, n in batch)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                           do_sample=False, eos_token_id=None, pad_token_id=pad)
+            useful += sum(n for _, n in batch)
+    dt = time.perf_counter() - t
+    del model
+    gc.collect()
+    return {"system": f"HF generate (static, batch {args.hf_batch_size})", "seconds": dt, "output_tokens": useful,
+            "output_tok_s": useful / dt}
+
+
+def run_hf_generate_batch(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """HF's continuous batching manager (the engine behind generate_batch), with per-request lengths."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.continuous_api import WorkloadHints
+
+    model = _hf_model(args)
+    cfg = GenerationConfig(max_new_tokens=max(n for _, n in work), do_sample=False, eos_token_id=-1,
+                           pad_token_id=0)
+    hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in work),
+                          max_generated_length=max(n for _, n in work), num_requests=len(work))
+    t = time.perf_counter()
+    done = 0
+    produced = 0
+    with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=30,
+                                                   workload_hints=hints) as manager:
+        for p, n in work:
+            manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
+        deadline = time.monotonic() + args.hf_timeout
+        while done < len(work) and time.monotonic() < deadline:
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                done += 1
+                produced += len(r.generated_tokens)
+    dt = time.perf_counter() - t
+    del model
+    gc.collect()
+    return {"system": "HF generate_batch (continuous)", "seconds": dt, "output_tokens": produced,
+            "output_tok_s": produced / dt, "completed": done}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="qwen2-0.5b",
+                   help="checkpoint dir, hub id, 'demo', or a random benchmark shape: qwen2-0.5b | small")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", default="32:512", help="uniform range LO:HI of prompt tokens")
+    p.add_argument("--output-len", default="16:256", help="uniform range LO:HI of generated tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static HF baseline")
+    p.add_argument("--hf-timeout", type=float, default=3600.0, help="give up on generate_batch after this long")
+    p.add_argument("--b1-tokens", type=int, default=64, help="tokens generated for the batch-1 decode figure")
+    p.add_argument("--baselines", default="hf-static,hf-batch",
+                   help="comma list of hf-static, hf-batch (empty for none)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--out", default="bench-results")
+
+
+def run(args: argparse.Namespace) -> int:
+    from sidecar.bench.models import SHAPES, random_checkpoint
+    from sidecar.bench.report import format_table, write_report
+    from sidecar.model.loader import resolve_model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.model_dir = str(random_checkpoint(args.model) if args.model in SHAPES else resolve_model_dir(args.model))
+    import json
+
+    vocab = json.loads(open(f"{args.model_dir}/config.json").read())["vocab_size"]
+    work = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab,
+                         args.seed)
+    print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+          f"{sum(n for _, n in work)} output tokens; model {args.model} ({args.dtype}); "
+          f"{torch.get_num_threads()} threads")
+    rows = [run_ours(args, work)]
+    ours = rows[0]
+    baselines = [b for b in args.baselines.split(",") if b]
+    for b in baselines:
+        if b == "hf-static":
+            rows.append(run_hf_static(args, work))
+        elif b == "hf-batch":
+            rows.append(run_hf_generate_batch(args, work))
+        else:
+            raise ValueError(f"baselines: unknown baseline {b!r}")
+    for r in rows:
+        r["speedup_vs"] = ours["output_tok_s"] / r["output_tok_s"] if r is not ours else 1.0
+    bw = measure_bandwidth()
+    roofline = bw / ours["weight_bytes_per_token"]
+    b1 = {"b1_decode_tok_s": ours["b1_decode_tok_s"], "read_bandwidth_gb_s": bw / 1e9,
+          "weight_mib_per_token": ours["weight_bytes_per_token"] / 2**20, "roofline_tok_s": roofline,
+          "fraction_of_roofline": ours["b1_decode_tok_s"] / roofline}
+    print(format_table(rows, ["system", "seconds", "output_tokens", "output_tok_s", "speedup_vs"]))
+    print(format_table([b1], list(b1)))
+    jpath, ppath = write_report(
+        args.out, "throughput",
+        {"command": "sidecar bench throughput", "args": {k: v for k, v in vars(args).items() if k != "_run"},
+         "results": rows, "batch1": b1},
+        bars={"output tokens/s (mixed workload)": {r["system"]: r["output_tok_s"] for r in rows},
+              "batch-1 decode tokens/s": {"llm-sidecar": b1["b1_decode_tok_s"], "roofline": roofline}})
+    print(f"wrote {jpath} and {ppath}")
+    return 0
