@@ -63,6 +63,7 @@ class Sampler:
             req.generator = g
         return req.generator
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
         """logits: [B, V] float32, row i for reqs[i]. Returns sampled ids and optional logprobs."""
         want_lp = [r.params.logprobs is not None for r in reqs]

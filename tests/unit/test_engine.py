@@ -166,6 +166,20 @@ def test_seeded_sampling_independent_of_batch(llm):
     assert pool_whole(llm.engine)
 
 
+def test_every_sampling_option_runs_through_the_engine(llm):
+    p = SamplingParams(max_tokens=6, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.3,
+                       presence_penalty=0.5, frequency_penalty=0.5, seed=7, logprobs=2, ignore_eos=True)
+    out = llm.generate(["penalties and filters"], p)[0]
+    assert len(out.token_ids) == 6 and len(out.logprobs) == 6
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    assert all(len(lp.top) == 2 for lp in out.logprobs)
+    greedy = llm.generate(["penalties and filters"], SamplingParams(max_tokens=6, repetition_penalty=1.5,
+                                                                     ignore_eos=True))[0]
+    plain = llm.generate(["penalties and filters"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert len(set(greedy.token_ids)) >= len(set(plain.token_ids))
+    assert pool_whole(llm.engine)
+
+
 def test_chat_applies_template(llm):
     ids = llm.engine.encode_chat([{"role": "user", "content": "hi"}])
     assert llm.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
