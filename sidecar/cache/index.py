@@ -11,10 +11,13 @@ results, and the index is rebuilt from ``self._vectors`` once tombstones pile up
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import faiss
 import numpy as np
+
+log = logging.getLogger("sidecar.cache")
 
 _HNSW_M = 32
 _HNSW_EF_SEARCH = 64
@@ -49,23 +52,32 @@ class ScopeIndex:
         """"flat" or "hnsw" (plus "-gpu" when on the GPU)."""
         return self._kind + ("-gpu" if self.use_gpu and self._kind == "flat" else "")
 
-    def _build(self) -> None:
-        n = len(self._vectors)
+    def _base(self, n: int):
         if n >= self.hnsw_min_entries:
             base = faiss.IndexHNSWFlat(self.dim, _HNSW_M, faiss.METRIC_INNER_PRODUCT)
             base.hnsw.efSearch = _HNSW_EF_SEARCH
             self._kind = "hnsw"
-        else:
-            base = faiss.IndexFlatIP(self.dim)
-            self._kind = "flat"
-        index = faiss.IndexIDMap2(base)
+            return base
+        self._kind = "flat"
+        if self.use_gpu:
+            try:
+                if ScopeIndex._gpu_res is None:
+                    ScopeIndex._gpu_res = faiss.StandardGpuResources()
+                return faiss.GpuIndexFlatIP(ScopeIndex._gpu_res, self.dim)
+            except Exception as exc:  # a broken GPU runtime must not take the cache down
+                log.warning("faiss GPU index unavailable (%s); using the CPU", exc)
+                self.use_gpu = False
+        return faiss.IndexFlatIP(self.dim)
+
+    def _build(self) -> None:
+        n = len(self._vectors)
+        base = self._base(n)
+        # IndexIDMap2 (CPU) can delete by id; the GPU flat index goes behind the plain IndexIDMap.
+        index = faiss.IndexIDMap(base) if self.use_gpu and self._kind == "flat" else faiss.IndexIDMap2(base)
+        self._base_ref = base  # keep the wrapped index alive as long as the wrapper
         if n:
             ids = np.fromiter(self._vectors.keys(), dtype=np.int64, count=n)
             index.add_with_ids(np.stack(list(self._vectors.values())), ids)
-        if self.use_gpu and self._kind == "flat":
-            if ScopeIndex._gpu_res is None:
-                ScopeIndex._gpu_res = faiss.StandardGpuResources()
-            index = faiss.index_cpu_to_gpu(ScopeIndex._gpu_res, 0, index)
         self._index = index
         self._tombstones.clear()
 

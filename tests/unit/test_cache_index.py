@@ -49,3 +49,21 @@ def test_re_adding_an_id_replaces_its_vector():
     idx.add(7, b)
     assert len(idx) == 1
     assert idx.search(b, 1)[0][1] == 7 and idx.search(b, 1)[0][0] > 0.999
+
+
+def test_broken_gpu_runtime_falls_back_to_cpu(monkeypatch):
+    import faiss
+
+    def broken():
+        raise RuntimeError("no CUDA device")
+
+    monkeypatch.setattr(faiss, "StandardGpuResources", broken, raising=False)
+    monkeypatch.setattr("sidecar.cache.index.ScopeIndex._gpu_res", None)
+    rng = np.random.default_rng(3)
+    vecs = unit(rng, 5)
+    idx = ScopeIndex(16, hnsw_min_entries=1000, use_gpu=True)
+    for i, v in enumerate(vecs):
+        idx.add(i, v)
+    assert idx.kind == "flat" and not idx.use_gpu
+    idx.remove(2)
+    assert [eid for _, eid in idx.search(vecs[2], 5)] and 2 not in [eid for _, eid in idx.search(vecs[2], 5)]
