@@ -7,6 +7,7 @@ before the kill (at most the one in flight is lost), serve them, and accept writ
 """
 import asyncio
 import os
+import pathlib
 import random
 import signal
 import sqlite3
@@ -17,6 +18,8 @@ import time
 
 from sidecar.cache.semantic import CacheScope, SemanticCache
 from sidecar.config import CacheConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 FAKE_EMBEDDER = textwrap.dedent('''
     import hashlib
@@ -77,7 +80,7 @@ def committed_rows(path):
 def test_sigkill_during_writes_never_corrupts_the_store(tmp_path):
     path = str(tmp_path / "cache.db")
     rng = random.Random(1234)
-    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = 0
     for round_ in range(3):
         child = subprocess.Popen([sys.executable, "-c", WRITER, path, str(start)], env=env,
