@@ -11,6 +11,7 @@ moment and encodes them as one batch (concurrent lookups share a forward pass).
 from __future__ import annotations
 
 import asyncio
+import copy
 import queue
 import threading
 from concurrent.futures import Future
@@ -49,8 +50,11 @@ class Embedder:
         get_dim = getattr(self._model, "get_embedding_dimension", None) or \
             self._model.get_sentence_embedding_dimension
         self.dim: int = int(get_dim())
-        # The model is not safe to call from two threads at once.
+        # The model is not safe to call from two threads at once, and a fast tokenizer raises
+        # "Already borrowed" when used concurrently: counting (on the caller's thread) gets its own copy.
         self._model_lock = threading.Lock()
+        self._count_tokenizer = copy.deepcopy(self._model.tokenizer)
+        self._count_lock = threading.Lock()
         self._queue: "queue.Queue[Optional[tuple[list[str], Future]]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
         self._worker_lock = threading.Lock()
@@ -69,9 +73,10 @@ class Embedder:
 
     def count_tokens(self, texts: list[str]) -> int:
         """Tokens the embedding model sees for these texts (special tokens included, truncation applied)."""
-        tok = self._model.tokenizer
         limit = getattr(self._model, "max_seq_length", None) or 512
-        return sum(min(len(ids), limit) for ids in tok(list(texts), add_special_tokens=True)["input_ids"])
+        with self._count_lock:
+            ids = self._count_tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+        return sum(min(len(x), limit) for x in ids)
 
     # -- asynchronous, batched API ----------------------------------------
     async def aembed(self, texts: list[str]) -> np.ndarray:

@@ -292,3 +292,19 @@ def test_unusable_path_names_the_setting(embedder, tmp_path):
     bad.write_bytes(b"this is not a database" * 100)
     with pytest.raises(ValueError, match="cache.path"):
         SemanticCache(CacheConfig(path=str(bad)), embedder=embedder)
+
+
+def test_count_tokens_while_embedding_in_the_worker(embedder):
+    # Counting runs on the caller's thread while the worker tokenizes; neither may fail.
+    texts = [f"a somewhat longer sentence number {i} about caching and tokenizers" for i in range(64)]
+
+    async def go():
+        work = asyncio.ensure_future(asyncio.gather(*[embedder.aembed([t]) for t in texts]))
+        counts = []
+        while not work.done():
+            counts.append(embedder.count_tokens(texts[:8]))
+            await asyncio.sleep(0)
+        return await work, counts
+
+    outs, counts = run(go())
+    assert len(outs) == 64 and counts and len(set(counts)) == 1
