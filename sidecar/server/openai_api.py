@@ -211,7 +211,13 @@ def create_app(service: Any) -> FastAPI:
         if body.model and body.model not in (emb_name, service.model_name):
             raise ServiceError("not_found", f"model: unknown model {body.model!r}; embeddings come from "
                                f"{emb_name!r}", field="model")
-        vectors, tokens = await service.embed(who, body.texts())
+        try:
+            vectors, tokens = await service.embed(who, body.texts())
+        except ServiceError as exc:
+            if exc.code == "invalid_argument" and exc.message.startswith("inputs"):
+                # The service's field is "inputs"; OpenAI's is "input".
+                raise ServiceError(exc.code, "input" + exc.message[len("inputs"):], field="input") from None
+            raise
         data = []
         for i, v in enumerate(vectors):
             vec: Any = v

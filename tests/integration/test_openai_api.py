@@ -101,6 +101,16 @@ def test_n_choices_use_seed_plus_index(client):
     assert [c.message.content for c in r.choices] == singles
 
 
+def test_penalties_and_vllm_extras_are_honoured(client):
+    quick = client.with_options(timeout=60)
+    plain = chat(quick, max_tokens=12, extra_body={"ignore_eos": True})
+    penalised = chat(quick, max_tokens=12, presence_penalty=2.0, frequency_penalty=2.0,
+                     extra_body={"repetition_penalty": 5.0, "top_k": -1, "min_p": 0.0, "ignore_eos": True})
+    assert plain.usage.completion_tokens == penalised.usage.completion_tokens == 12
+    r = chat(quick, max_tokens=4, temperature=0.5, seed=3, extra_body={"top_k": 5, "min_p": 0.05})
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 def test_logprobs(client):
     r = chat(client, logprobs=True, top_logprobs=3, max_tokens=4)
     content = r.choices[0].logprobs.content

@@ -266,6 +266,9 @@ def test_embeddings_float_and_base64(client, svc):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     r = client.post("/v1/embeddings", json={"input": "x", "model": "nope"})
     assert r.status_code == 404
+    r = client.post("/v1/embeddings", json={"input": ["a", " "]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert r.json()["error"]["message"].startswith("input[1]:")
     r = client.post("/v1/embeddings", json={"input": "x", "dimensions": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
 

@@ -86,6 +86,9 @@ class FakeService:
     async def embed(self, caller: Caller, inputs: list[str]) -> tuple[list[list[float]], int]:
         if not self.serving:
             raise ServiceError("unavailable", "loading")
+        for i, t in enumerate(inputs):
+            if not t.strip():
+                raise ServiceError("invalid_argument", f"inputs[{i}]: must be a non-empty string", field="inputs")
         self.embed_calls.append(inputs)
         return [[float(len(t)), 0.5, -1.0] for t in inputs], sum(len(t) for t in inputs)
 
