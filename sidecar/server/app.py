@@ -75,7 +75,7 @@ def _in_thread(fn: Any, *a: Any) -> asyncio.Future:
         try:
             res = fn(*a)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+            loop.call_soon_threadsafe(lambda e=exc: fut.done() or fut.set_exception(e))
         else:
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(res))
 
@@ -119,7 +119,12 @@ class Sidecar:
         if s.port_file:
             write_port_file(s.port_file, grpc_port, http_port)
         try:
-            if await self._load():
+            try:
+                loaded = await self._load()
+            except BaseException:
+                await self._stop_servers()
+                raise
+            if loaded:
                 await self.health.set(True)
                 log.info("ready", extra={"model": self.service.model_name, "grpc_port": grpc_port,
                                          "http_port": http_port})
@@ -134,10 +139,15 @@ class Sidecar:
 
     async def _load(self) -> bool:
         """Load engine and cache; False when a signal arrived first."""
-        from sidecar.engine.async_engine import AsyncEngine
+        def load_engine() -> Any:
+            # Imported here, off the event loop: torch import alone takes seconds, and health
+            # checks must keep answering NOT_SERVING meanwhile.
+            from sidecar.engine.async_engine import AsyncEngine
+
+            return AsyncEngine.from_config(self.cfg.engine)
 
         async def load() -> tuple[Any, Any, Any]:
-            engine = await _in_thread(AsyncEngine.from_config, self.cfg.engine)
+            engine = await _in_thread(load_engine)
             cache, embedder = await _in_thread(self._load_cache)
             return engine, cache, embedder
 
@@ -151,8 +161,11 @@ class Sidecar:
             return False
         try:
             engine, cache, embedder = task.result()
-        except ValueError as exc:
+        except ValueError as exc:  # bad model/config value: a configuration error
             raise StartupError(str(exc), exit_code=2) from None
+        except Exception as exc:
+            log.exception("startup failed")
+            raise StartupError(f"model: failed to load {self.cfg.engine.model!r}: {exc}") from None
         engine.start()
         self.service.attach(engine, cache, embedder)
         return True
@@ -229,6 +242,11 @@ class Sidecar:
                 log.warning("second signal: aborting running requests now")
                 drain.cancel()
                 await engine.shutdown(0)
+        await self._stop_servers()
+        await self.service.close()
+        log.info("stopped")
+
+    async def _stop_servers(self) -> None:
         # Handlers have their final outputs; give them a moment to write and return.
         await self.grpc_server.stop(grace=2.0)
         if self.http is not None:
@@ -236,5 +254,3 @@ class Sidecar:
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, timeout=5.0)
-        await self.service.close()
-        log.info("stopped")
