@@ -172,6 +172,12 @@ def _load_weights(model: LlamaForCausalLM, ckpt: _SafetensorsIndex, cfg: EngineC
     _set(model.norm, "weight", ckpt.get("model.norm.weight"), dtype, device)
     if args.tie_word_embeddings or "lm_head.weight" not in ckpt:
         model.lm_head.weight = model.embed_tokens.weight
+        if cfg.quantization is not None and cfg.quantize_lm_head:
+            from sidecar.model.quant import quantize_tied_embedding
+
+            # One quantized table serves both the embedding lookup and the tied lm_head.
+            model.embed_tokens, model.lm_head = quantize_tied_embedding(
+                model.embed_tokens, cfg.quantization, cfg.quant_group_size)
     else:
         _set(model.lm_head, "weight", ckpt.get("lm_head.weight"), dtype, device)
         if cfg.quantize_lm_head:

@@ -142,6 +142,15 @@ def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
 
 
 _INT8_FUSED_OK: dict[str, bool] = {}
+# The CPU kernels use aligned vector loads: an operand whose data pointer is not 64-byte
+# aligned (a view into a larger buffer, a tensor read from a memory-mapped safetensors file)
+# crashes the process. Fresh allocations are 64-byte aligned, so such operands are copied.
+_ALIGN_BYTES = 64
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t if t.data_ptr() % _ALIGN_BYTES == 0 else t.clone()
 
 
 class _QuantLinearBase(nn.Module):
@@ -162,7 +171,7 @@ class _QuantLinearBase(nn.Module):
             x2d = x2d.to(kdt)
         if self.k_padded != self.in_features:
             x2d = F.pad(x2d, (0, self.k_padded - self.in_features))
-        y = self._matmul(x2d.contiguous())
+        y = self._matmul(_aligned(x2d))
         if y.shape[-1] != self.out_features:
             y = y[:, :self.out_features]
         y = y.to(x.dtype)
@@ -184,8 +193,8 @@ class Int8Linear(_QuantLinearBase):
         super().__init__(in_features, qweight.shape[0], bias)
         kp = self.k_padded
         w = qweight if qweight.shape[1] == kp else F.pad(qweight, (0, kp - qweight.shape[1]))
-        self.register_buffer("weight", w.contiguous())
-        self.register_buffer("scales", scales.to(kernel_dtype(dtype, qweight.device)).contiguous())
+        self.register_buffer("weight", _aligned(w))
+        self.register_buffer("scales", _aligned(scales.to(kernel_dtype(dtype, qweight.device))))
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         scales = self.scales if self.scales.dtype == x2d.dtype else self.scales.to(x2d.dtype)
@@ -216,7 +225,7 @@ class Int4Linear(_QuantLinearBase):
         # Padded rows get scale 0 and zero 0, so they produce 0 and are sliced off anyway.
         sz = torch.stack((scales, zeros), dim=-1)
         sz = F.pad(sz, (0, 0, 0, 0, 0, n_pad)).transpose(0, 1).contiguous()
-        self.register_buffer("scales_and_zeros", sz.to(kernel_dtype(dtype, device)))
+        self.register_buffer("scales_and_zeros", _aligned(sz.to(kernel_dtype(dtype, device))))
         qweight = F.pad(qweight, (0, 0, 0, n_pad))
         if device.type == "cpu":
             packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -228,7 +237,7 @@ class Int4Linear(_QuantLinearBase):
             swapped = (qweight << 4) | (qweight >> 4)
             inner_k_tiles = 8 if self.k_padded % 128 == 0 else (4 if self.k_padded % 64 == 0 else 2)
             weight = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
-        self.register_buffer("weight", weight)
+        self.register_buffer("weight", _aligned(weight))
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         sz = self.scales_and_zeros
@@ -314,3 +323,19 @@ def quantize_tied_embedding(embedding: nn.Embedding, mode: str,
     modules = tied_modules(stored, mode, w.shape[1], w.dtype)
     embedding.weight = None
     return modules
+
+
+def load_quantized_model(model_dir, model: nn.Module, dtype: torch.dtype, device) -> dict:
+    """Loader hook for a directory with ``quantization_config.json``; see quant_checkpoint."""
+    from sidecar.model.quant_checkpoint import load_quantized_model as load
+
+    return load(str(model_dir), model, dtype, device)
+
+
+def save_quantized(model: nn.Module, tokenizer, hf_config_dir, out_dir: str, mode: str, group_size: int = 128,
+                   quantize_lm_head: bool = False) -> dict:
+    """Write a quantized checkpoint of a full-precision model; see quant_checkpoint."""
+    from sidecar.model.quant_checkpoint import save_quantized as save
+
+    return save(model, tokenizer, None if hf_config_dir is None else str(hf_config_dir), str(out_dir), mode,
+                group_size, quantize_lm_head)

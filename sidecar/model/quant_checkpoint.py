@@ -89,15 +89,24 @@ def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[str
         if linear.bias is not None:
             state[f"{name}.bias"] = linear.bias.detach().cpu().contiguous()
             consumed.add(id(linear.bias))
-    for key, t in _persistent_tensors(model):
+    # A tensor reachable under several names (tied weights) is written once, under its first
+    # name; the others are recorded as aliases so loading re-ties them.
+    first_name: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) in first_name:
+            aliases[key] = first_name[id(t)]
+            continue
+        first_name[id(t)] = key
         if id(t) not in consumed:
             state[key] = t.detach().cpu().contiguous()
-            consumed.add(id(t))
+    aliases = {k: v for k, v in aliases.items() if v in state}
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
     qconfig = {"quant_method": "sidecar-weight-only", "format_version": FORMAT_VERSION, "mode": mode,
                "group_size": group_size if mode == "int4" else None, "quantize_lm_head": quantize_lm_head,
-               "tied_embedding": tied_embedding, "modules": targets, "dtype": str(dtype).replace("torch.", "")}
+               "tied_embedding": tied_embedding, "modules": targets, "aliases": aliases,
+               "dtype": str(dtype).replace("torch.", "")}
     with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as fh:
         json.dump(qconfig, fh, indent=2)
     for fname in _HF_FILES:
@@ -107,15 +116,6 @@ def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[str
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
     return qconfig
-
-
-def _persistent_tensors(model: nn.Module):
-    """(name, tensor) of parameters and persistent buffers, shared tensors once (first name)."""
-    seen: set[int] = set()
-    for key, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            yield key, t
 
 
 def read_quant_config(model_dir: str) -> dict[str, Any]:
@@ -167,26 +167,20 @@ def load_quantized_model(model_dir: str, model: nn.Module, dtype: torch.dtype, d
             continue
         bias = get(f"{name}.bias") if meta_linear.bias is not None else None
         model.set_submodule(name, runtime_linear(stored(name), mode, meta_linear.in_features, bias, dtype))
-    # Remaining tensors; state_dict(keep_vars) lists a tied parameter under every name.
-    loaded: dict[int, torch.Tensor] = {}
+    # Remaining tensors. Names recorded as aliases (tied weights) get the very same tensor.
+    aliases = cfg.get("aliases") or {}
+    loaded: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict(keep_vars=True).items():
         if not t.is_meta:
             continue
+        src = aliases.get(key, key)
+        if src not in loaded:
+            value = get(src)
+            loaded[src] = nn.Parameter(value, requires_grad=False) if isinstance(t, nn.Parameter) else value
         owner_name, _, attr = key.rpartition(".")
         owner = model.get_submodule(owner_name)
-        if id(t) not in loaded:
-            value = get(key) if key in where else _get_tied(key, t, model, where, get)
-            loaded[id(t)] = nn.Parameter(value, requires_grad=False) if isinstance(t, nn.Parameter) else value
         if attr in owner._parameters:
-            owner._parameters[attr] = loaded[id(t)]
+            owner._parameters[attr] = loaded[src]
         else:
-            owner._buffers[attr] = loaded[id(t)]
+            owner._buffers[attr] = loaded[src]
     return cfg
-
-
-def _get_tied(key: str, t: torch.Tensor, model: nn.Module, where: dict, get) -> torch.Tensor:
-    # A tied parameter is written once, under the first name state_dict gives it.
-    for other, o in model.state_dict(keep_vars=True).items():
-        if o is t and other in where:
-            return get(other)
-    raise ValueError(f"checkpoint has no tensor {key!r}")
