@@ -63,15 +63,12 @@ class Sampler:
             req.generator = g
         return req.generator
 
+    # Inference mode: the runner's logits are inference tensors and penalties update them in place.
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
         """logits: [B, V] float32, row i for reqs[i]. Returns sampled ids and optional logprobs."""
         want_lp = [r.params.logprobs is not None for r in reqs]
         raw_lp = logits.log_softmax(-1) if any(want_lp) else None
-        if logits.is_inference() and any(r.params.uses_penalties for r in reqs):
-            # The runner's logits are inference tensors, which refuse in-place updates outside
-            # inference mode; penalties work on an ordinary copy (other callers keep in-place semantics).
-            logits = logits.clone()
         for i, r in enumerate(reqs):
             if r.params.uses_penalties:
                 apply_penalties(logits[i], r)
