@@ -89,8 +89,11 @@ class ScopeIndex:
         if entry_id in self._vectors:
             self.remove(entry_id)
         self._vectors[entry_id] = vec
-        if self._index is None or (self._kind == "flat" and len(self._vectors) >= self.hnsw_min_entries):
-            self._build()  # first use, or crossing into HNSW territory
+        # A tombstoned copy of this id is still inside the index and would be taken for the
+        # new vector: rebuild instead of adding next to it.
+        if self._index is None or entry_id in self._tombstones or \
+                (self._kind == "flat" and len(self._vectors) >= self.hnsw_min_entries):
+            self._build()  # first use, reused id, or crossing into HNSW territory
         else:
             self._index.add_with_ids(vec.reshape(1, -1), np.array([entry_id], dtype=np.int64))
 

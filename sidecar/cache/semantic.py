@@ -16,6 +16,7 @@ SQLite row, the exact-key mapping and the vector together.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -162,11 +163,11 @@ class SemanticCache:
     def _evict_over_capacity(self) -> None:
         over = len(self._entries) - self.cfg.max_entries
         if over > 0:
-            self._remove(list(self._entries.keys())[:over], "evictions")
+            self._remove(list(itertools.islice(self._entries.keys(), over)), "evictions")
 
     def _sweep(self, now: float) -> None:
-        # A full pass at most every ttl/10 (and at least once a minute) keeps expired rows from
-        # lingering without making each store O(n).
+        # Expired entries are never served (checked on use); this pass, run by stores at most once
+        # per min(ttl/10, 60 s), frees the ones nobody asks for again without making each store O(n).
         if now - self._last_sweep < min(60.0, self.cfg.ttl_s / 10):
             return
         self._last_sweep = now

@@ -21,7 +21,8 @@ import numpy as np
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
-    id INTEGER PRIMARY KEY,
+    -- AUTOINCREMENT: ids are never reused, so a deleted entry's id cannot come back as another entry.
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
     exact_key TEXT NOT NULL UNIQUE,
     scope_key TEXT NOT NULL,
     query TEXT NOT NULL,

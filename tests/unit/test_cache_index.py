@@ -67,3 +67,17 @@ def test_broken_gpu_runtime_falls_back_to_cpu(monkeypatch):
     assert idx.kind == "flat" and not idx.use_gpu
     idx.remove(2)
     assert [eid for _, eid in idx.search(vecs[2], 5)] and 2 not in [eid for _, eid in idx.search(vecs[2], 5)]
+
+
+def test_reused_id_after_tombstone_never_returns_the_old_vector():
+    rng = np.random.default_rng(4)
+    vecs = unit(rng, 60)
+    idx = ScopeIndex(16, hnsw_min_entries=10, use_gpu=False)
+    for i, v in enumerate(vecs[:50]):
+        idx.add(i, v)
+    assert idx.kind == "hnsw"
+    idx.remove(49)
+    idx.add(49, vecs[55])  # same id, different vector
+    got = idx.search(vecs[49], 50)
+    assert all(not (eid == 49 and sim > 0.99) for sim, eid in got)
+    assert idx.search(vecs[55], 1)[0][1] == 49
