@@ -171,6 +171,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Embed(self, request, context):
         try:
             caller = self._caller(context, "Embed")
+            if request.model and request.model not in (self.service.cache_glue.embedding_model_name(),
+                                                       self.service.cfg.cache.embedding_model, self.service.model_name):
+                raise ServiceError("not_found", f"model: unknown embedding model {request.model!r}", field="model")
             vecs, n = await self.service.embed(caller, list(request.inputs))
             return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vecs],
                                     model=self.service.cache_glue.embedding_model_name(),

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_ARGS = ("--model", "demo", "--device", "cpu", "--host", "127.0.0.1", "--grpc-port", "0",
-                "--http-port", "0", "--no-semantic-cache", "--log-level", "warning")
+                "--http-port", "0", "--log-level", "warning")
 START_TIMEOUT_S = float(os.environ.get("SIDECAR_TEST_START_TIMEOUT", "300"))
 
 
@@ -95,10 +95,14 @@ def _wait_serving(sc: Sidecar) -> None:
 
 
 @contextlib.contextmanager
-def start_sidecar(*extra_args: str, env: Optional[dict] = None, wait_serving: bool = True) -> Iterator[Sidecar]:
+def start_sidecar(*extra_args: str, env: Optional[dict] = None, wait_serving: bool = True,
+                  semantic_cache: bool = False) -> Iterator[Sidecar]:
+    """Start `sidecar serve` on free ports; the semantic cache (embedder load) only when asked for."""
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="sidecar-test-"))
     port_file, log_path = workdir / "ports.json", workdir / "sidecar.log"
-    cmd = [sys.executable, "-m", "sidecar", "serve", *DEFAULT_ARGS, "--port-file", str(port_file), *extra_args]
+    cache_args = () if semantic_cache else ("--no-semantic-cache",)
+    cmd = [sys.executable, "-m", "sidecar", "serve", *DEFAULT_ARGS, *cache_args, "--port-file", str(port_file),
+           *extra_args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log_fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log_fh, stderr=subprocess.STDOUT)
