@@ -275,7 +275,7 @@ def quantize_linear(linear: nn.Linear, mode: str, group_size: int = 128, name: s
 class QuantEmbedding(nn.Module):
     """Embedding lookup over quantized rows (used when lm_head is tied to the embedding).
 
-    int8 shares the tied ``Int8Linear``'s buffers, so the table is stored once.
+    int8 shares the tied ``Int8Linear``'s codes, so the table is stored once.
     int4 keeps the plain nibble-packed rows: the kernel's packed layout is device
     specific and cannot be gathered by row.
     """
@@ -305,7 +305,8 @@ def tied_modules(stored: dict[str, torch.Tensor], mode: str, embedding_dim: int,
     """(embedding, lm_head) runtime modules sharing one quantized table."""
     lm_head = runtime_linear(stored, mode, embedding_dim, None, dtype)
     if mode == "int8":
-        emb = QuantEmbedding(mode, embedding_dim, dtype, lm_head.weight, lm_head.scales)
+        # Shares the codes; keeps its own scales in the model dtype (the kernel's may be bf16).
+        emb = QuantEmbedding(mode, embedding_dim, dtype, lm_head.weight, stored["scales"].to(dtype))
     else:
         emb = QuantEmbedding(mode, embedding_dim, dtype, stored["qweight"], stored["scales"], stored["zeros"])
     return emb, lm_head
