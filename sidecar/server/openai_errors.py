@@ -104,7 +104,12 @@ def validation_body(errors: list[dict[str, Any]]) -> dict:
         return error_body(f"body: must be a JSON object ({first['msg']})", "invalid_request_error", None,
                           "invalid_value")
     if etype == "extra_forbidden":
-        return error_body(f"{field}: unknown field", "invalid_request_error", field, "unknown_parameter")
+        # Name every unknown field of the same object, so one round trip shows all typos.
+        parent = tuple(first.get("loc", ()))[:-1]
+        names = [_field(tuple(e["loc"])) for e in errors
+                 if e.get("type") == "extra_forbidden" and tuple(e.get("loc", ()))[:-1] == parent]
+        label = "unknown field" if len(names) == 1 else "unknown fields"
+        return error_body(f"{', '.join(names)}: {label}", "invalid_request_error", field, "unknown_parameter")
     msgs: list[str] = []
     for e in errors:
         if _field(tuple(e.get("loc", ()))) == field and e["msg"] not in msgs:

@@ -56,16 +56,17 @@ class _Strict(BaseModel):
         table = _UNSUPPORTED.get(cls.__name__)
         if not table or not isinstance(data, dict):
             return data
-        kept = {}
+        kept, refused = {}, []
         for key, value in data.items():
             if key in table:
                 # Type-exact comparison: best_of=true must not pass as best_of=1.
                 if not any(type(value) is type(ok) and value == ok for ok in table[key]):
-                    raise PydanticCustomError(
-                        "unsupported_field", "{field}: not supported by this server",
-                        {"field": key})
+                    refused.append(key)
                 continue  # a "feature off" value: dropped
             kept[key] = value
+        if refused:
+            raise PydanticCustomError("unsupported_field", "{fields}: not supported by this server",
+                                      {"field": refused[0], "fields": ", ".join(refused)})
         return kept
 
 

@@ -113,6 +113,14 @@ def test_unsupported_completion_fields_are_refused_by_name(client, field, value)
     assert r.status_code == 400 and r.json()["error"]["param"] == field
 
 
+def test_every_unknown_or_unsupported_field_is_named(client):
+    err = client.post("/v1/chat/completions", json=chat_body(tools=[{"type": "function"}], logit_bias={"1": 2},
+                                                             echo=False)).json()["error"]
+    assert err["message"] == "tools, logit_bias: not supported by this server" and err["param"] == "tools"
+    err = client.post("/v1/completions", json={"prompt": "x", "tempreature": 1, "max_token": 2}).json()["error"]
+    assert err["message"] == "tempreature, max_token: unknown fields" and err["param"] == "tempreature"
+
+
 def test_feature_off_values_of_unsupported_fields_are_accepted(client):
     r = client.post("/v1/chat/completions", json=chat_body(tools=[], logit_bias={}, response_format={"type": "text"},
                                                            tool_choice="none"))
