@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from sidecar import __version__
 from sidecar.server import openai_errors
 from sidecar.server import openai_format as fmt
+from sidecar.server.openai_limits import BodyLimit
 from sidecar.server.openai_models import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from sidecar.server.openai_runner import ChoiceRunner, first_events, guard_disconnect
 from sidecar.server.openai_translate import chat_requests, completion_requests
@@ -35,6 +36,7 @@ log = logging.getLogger("sidecar.openai")
 CACHE_HEADER = "x-sidecar-cache"
 # What a handler returns when the client left before the answer was ready: nobody reads it.
 CLIENT_CLOSED = 499
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
 class _EventStream(StreamingResponse):
@@ -154,11 +156,19 @@ async def _run(request: Request, call: _Call, caller: Any) -> Response:
             runner.cancel()
 
 
-def create_app(service: Any) -> FastAPI:
-    """The OpenAI-compatible app over ``service`` (an ``InferenceService``)."""
+def create_app(service: Any, max_body_bytes: Optional[int] = None) -> FastAPI:
+    """The OpenAI-compatible app over ``service`` (an ``InferenceService``).
+
+    Request bodies are limited to ``max_body_bytes`` (default: the server's
+    ``max_message_bytes``, the same limit gRPC messages have).
+    """
     app = FastAPI(title="llm-sidecar OpenAI-compatible API", version=__version__,
                   docs_url="/docs", redoc_url=None)
     app.state.service = service
+    if max_body_bytes is None:
+        server_cfg = getattr(getattr(service, "cfg", None), "server", None)
+        max_body_bytes = getattr(server_cfg, "max_message_bytes", DEFAULT_MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     openai_errors.install(app)
     openai_errors.document_errors(app)
 

@@ -298,3 +298,20 @@ def test_openapi_documents_400_not_422(client):
     spec = client.get("/openapi.json").json()
     responses = spec["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert "422" not in responses and "400" in responses
+
+
+def test_oversized_bodies_are_refused_before_reaching_the_service(svc):
+    c = TestClient(create_app(svc, max_body_bytes=2048))
+    big = chat_body(messages=[{"role": "user", "content": "x" * 4000}])
+    r = c.post("/v1/chat/completions", json=big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no content-length: counted while read
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 500
+        yield b'"}'
+    r = c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code in (400, 413) and "error" in r.json()
+    assert svc.requests == []
+    assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
