@@ -7,6 +7,7 @@ Prometheus metric names the server actually renders, and the files on disk.
 """
 from __future__ import annotations
 
+import importlib.util
 import re
 
 import pytest
@@ -137,6 +138,13 @@ def test_every_sidecar_env_var_is_a_config_field(compose, overlays):
                 pytest.fail(f"{where}: {key}={value!r}: {exc}")
 
 
+def _healthcheck_module():
+    spec = importlib.util.spec_from_file_location("sidecar_healthcheck", ROOT / "deploy" / "healthcheck.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_images_expose_and_probe_the_configured_ports():
     from sidecar.config import ServerConfig
 
@@ -150,7 +158,9 @@ def test_images_expose_and_probe_the_configured_ports():
         # The healthcheck script is the one the image copies and reads the image's config file.
         _, hc = df.healthcheck
         assert hc[1] in df.container_path_map() and df.container_path_map()[hc[1]].name == "healthcheck.py"
-        assert "/etc/sidecar/sidecar.yaml" in df.container_path_map()
+        config_arg = df.cmd[df.cmd.index("--config") + 1]
+        assert config_arg in df.container_path_map()
+        assert _healthcheck_module().DEFAULT_CONFIG == config_arg, "the probe must read the file the server reads"
 
 
 def test_compose_sidecars_publish_the_ports_they_serve(compose):
