@@ -87,7 +87,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.service = service
 
     # -- plumbing --------------------------------------------------------------
-    async def _fail(self, context: grpc.aio.ServicerContext, err: ServiceError) -> None:
+    async def _fail(self, context: grpc.aio.ServicerContext, err: ServiceError, request_id: str = "") -> None:
+        log.info("request refused", extra={"request_id": request_id or None, "code": err.code,
+                                           "error": err.message})
         trailing = ()
         if err.retry_after_s is not None:
             trailing = (("retry-after-ms", str(max(1, int(err.retry_after_s * 1000 + 0.999)))),)
@@ -129,7 +131,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                  timing=_timing(last), cache=_cache(last), logprobs=self._logprobs(lps),
                                  model=self.service.model_name)
         except ServiceError as err:
-            await self._fail(context, err)
+            await self._fail(context, err, msg.request_id)
 
     async def _stream(self, msg: Any, context: grpc.aio.ServicerContext, chat: bool, method: str) -> None:
         try:
@@ -153,7 +155,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 # Runs on cancel/disconnect too: closing the stream aborts the engine request.
                 await agen.aclose()
         except ServiceError as err:
-            await self._fail(context, err)
+            await self._fail(context, err, msg.request_id)
 
     # -- RPCs ------------------------------------------------------------------
     async def Generate(self, request, context):

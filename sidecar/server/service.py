@@ -76,6 +76,10 @@ def _ms(s: Optional[float]) -> Optional[float]:
     return None if s is None else s * 1000.0
 
 
+def _round_ms(s: Optional[float]) -> Optional[float]:
+    return None if s is None else round(s * 1000.0, 2)
+
+
 class InferenceService:
     """Created before the model loads (``serving`` False); ``attach`` makes it serve."""
 
@@ -160,6 +164,8 @@ class InferenceService:
         hit = await self.cache_glue.lookup(plan) if plan.policy.lookup else None
         rid = self._new_id(req.request_id)
         if hit is not None:
+            log.info("request answered from the semantic cache", extra={
+                "request_id": rid, "tenant": caller.tenant, "kind": hit.kind, "similarity": round(hit.similarity, 4)})
             yield self._replay(rid, hit, plan.lookup_ms)
             return
         if req.cache_control == "only":
@@ -198,8 +204,11 @@ class InferenceService:
                                                   len(out.token_ids))
                     if plan.policy.store and out.finish_reason in ("stop", "length"):
                         self.cache_glue.store_later(plan, out)
-                    log.debug("request finished", extra={"request_id": rid, "finish_reason": out.finish_reason,
-                                                         "completion_tokens": len(out.token_ids)})
+                    log.info("request finished", extra={
+                        "request_id": rid, "tenant": caller.tenant, "finish_reason": out.finish_reason,
+                        "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+                        "cached_tokens": out.num_cached_tokens, "ttft_ms": _round_ms(out.ttft_s),
+                        "e2e_ms": _round_ms(out.e2e_s), "cache": plan.info.status})
                 if first or out.finished or out.new_token_ids or out.delta_text:
                     first = False
                     yield ev
