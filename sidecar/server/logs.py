@@ -53,6 +53,8 @@ def setup_logging(level: str = "info", json_lines: bool = False) -> None:
         root.removeHandler(h)
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # faiss logs every CPU-feature probe at INFO; only its warnings matter to operators.
+    logging.getLogger("faiss.loader").setLevel(max(root.level, logging.WARNING))
     # uvicorn installs its own handlers; route them through ours for one format.
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         lg = logging.getLogger(name)
