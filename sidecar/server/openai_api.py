@@ -169,24 +169,41 @@ def create_app(service: Any, max_body_bytes: Optional[int] = None) -> FastAPI:
         server_cfg = getattr(getattr(service, "cfg", None), "server", None)
         max_body_bytes = getattr(server_cfg, "max_message_bytes", DEFAULT_MAX_BODY_BYTES)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
-    openai_errors.install(app)
+    counters = getattr(service, "metrics", None)  # the service's Prometheus counters, shared with gRPC
+
+    def count_request(method: str) -> None:
+        if counters is not None:
+            counters.requests.labels(api="openai", method=method).inc()
+
+    def count_error(code: str) -> None:
+        if counters is not None:
+            counters.errors.labels(code=code).inc()
+
+    openai_errors.install(app, count_error)
     openai_errors.document_errors(app)
 
-    def caller(request: Request) -> Any:
-        return service.authenticate(request.headers.get("authorization"))
+    def caller(method: str) -> Callable[[Request], Any]:
+        """Dependency: count the call, then authenticate. Dependencies run before body
+        validation, so refused requests are counted too (as the gRPC adapter counts them)."""
+        def dependency(request: Request) -> Any:
+            count_request(method)
+            return service.authenticate(request.headers.get("authorization"))
+        return dependency
 
     def max_model_len() -> Optional[int]:
         return service.model_info().get("max_model_len")
 
     @app.post("/v1/chat/completions", tags=["openai"])
-    async def chat_completions(body: ChatCompletionRequest, request: Request, who: Any = Depends(caller)):
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
+                               who: Any = Depends(caller("chat.completions"))):
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reqs = chat_requests(body, rid, max_model_len())
         return await _run(request, _Call(service, body, "chat", rid, body.model or service.model_name,
                                          body.n or 1, reqs), who)
 
     @app.post("/v1/completions", tags=["openai"])
-    async def completions(body: CompletionRequest, request: Request, who: Any = Depends(caller)):
+    async def completions(body: CompletionRequest, request: Request,
+                          who: Any = Depends(caller("completions"))):
         rid = f"cmpl-{uuid.uuid4().hex}"
         reqs = completion_requests(body, rid)
         return await _run(request, _Call(service, body, "completion", rid, body.model or service.model_name,
@@ -205,18 +222,18 @@ def create_app(service: Any, max_body_bytes: Optional[int] = None) -> FastAPI:
         return out
 
     @app.get("/v1/models", tags=["openai"])
-    async def list_models(who: Any = Depends(caller)):
+    async def list_models(who: Any = Depends(caller("models"))):
         return {"object": "list", "data": _models()}
 
     @app.get("/v1/models/{model_id:path}", tags=["openai"])
-    async def get_model(model_id: str, who: Any = Depends(caller)):
+    async def get_model(model_id: str, who: Any = Depends(caller("models"))):
         for m in _models():
             if m["id"] == model_id:
                 return m
         raise ServiceError("not_found", f"model: unknown model {model_id!r}", field="model")
 
     @app.post("/v1/embeddings", tags=["openai"])
-    async def embeddings(body: EmbeddingRequest, who: Any = Depends(caller)):
+    async def embeddings(body: EmbeddingRequest, who: Any = Depends(caller("embeddings"))):
         emb_name = service.model_info().get("embedding_model") if service.serving else None
         if body.model and body.model not in (emb_name, service.model_name):
             raise ServiceError("not_found", f"model: unknown model {body.model!r}; embeddings come from "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -119,13 +119,17 @@ def validation_body(errors: list[dict[str, Any]]) -> dict:
     return error_body(f"{field}: {'; or '.join(msgs)}", "invalid_request_error", field, "invalid_value")
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, on_error: Callable[[str], None]) -> None:
+    """Exception handlers; ``on_error(code)`` counts each refusal by its ServiceError code."""
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        log.info("request refused", extra={"code": exc.code, "error": exc.message})
+        on_error(exc.code)
         return service_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        on_error("invalid_argument")
         return JSONResponse(validation_body(list(exc.errors())), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

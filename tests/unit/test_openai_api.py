@@ -315,3 +315,20 @@ def test_oversized_bodies_are_refused_before_reaching_the_service(svc):
     assert r.status_code in (400, 413) and "error" in r.json()
     assert svc.requests == []
     assert c.post("/v1/chat/completions", json=chat_body()).status_code == 200
+
+
+def test_requests_and_refusals_are_counted_in_the_shared_metrics(svc):
+    from prometheus_client import generate_latest
+
+    from sidecar.server.metrics import Metrics
+
+    svc.metrics = Metrics(lambda: {})
+    c = TestClient(create_app(svc))
+    c.post("/v1/chat/completions", json=chat_body())
+    c.post("/v1/chat/completions", json=chat_body(temperature=-1))
+    c.post("/v1/completions", json={"prompt": "x", "model": "nope"})
+    text = generate_latest(svc.metrics.registry).decode()
+    assert 'sidecar_requests_total{api="openai",method="chat.completions"} 2.0' in text
+    assert 'sidecar_requests_total{api="openai",method="completions"} 1.0' in text
+    assert 'sidecar_request_errors_total{code="invalid_argument"} 1.0' in text
+    assert 'sidecar_request_errors_total{code="not_found"} 1.0' in text
