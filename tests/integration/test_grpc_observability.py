@@ -44,7 +44,13 @@ def test_grpc_and_http_share_one_engine(server, stub):
     assert r.status_code == 200, r.text
     stub.Generate(pb.GenerateRequest(prompt="shared engine", sampling=pb.SamplingParams(max_tokens=5,
                                                                                        ignore_eos=True)))
-    assert stub.GetStats(pb.GetStatsRequest()).generation_tokens == before + 10
+    # Stats are a snapshot the engine thread refreshes after each step: poll until it settles.
+    for _ in range(200):
+        stats = stub.GetStats(pb.GetStatsRequest())
+        if stats.num_running == 0 and stats.generation_tokens >= before + 10:
+            break
+        time.sleep(0.05)
+    assert stats.generation_tokens == before + 10
 
 
 def test_prometheus_metrics(server, stub):
@@ -52,8 +58,12 @@ def test_prometheus_metrics(server, stub):
                                                                                         ignore_eos=True)))
     with pytest.raises(grpc.RpcError):
         stub.Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_p=2)))
+    for _ in range(200):  # let the engine's stats snapshot settle first
+        stats = stub.GetStats(pb.GetStatsRequest())
+        if stats.num_running == 0:
+            break
+        time.sleep(0.05)
     text = httpx.get(f"{server.http_base}/metrics", timeout=30).text
-    stats = stub.GetStats(pb.GetStatsRequest())
     assert metric(text, "sidecar_time_to_first_token_seconds_count") >= 1
     assert metric(text, "sidecar_time_per_output_token_seconds_count") >= 1
     assert metric(text, "sidecar_e2e_request_latency_seconds_count") >= 1
