@@ -165,6 +165,7 @@ def create_app(service: Any, max_body_bytes: Optional[int] = None) -> FastAPI:
     app = FastAPI(title="llm-sidecar OpenAI-compatible API", version=__version__,
                   docs_url="/docs", redoc_url=None)
     app.state.service = service
+    app_created = fmt.now()  # "created" of the listed models: when this server started
     if max_body_bytes is None:
         server_cfg = getattr(getattr(service, "cfg", None), "server", None)
         max_body_bytes = getattr(server_cfg, "max_message_bytes", DEFAULT_MAX_BODY_BYTES)
@@ -213,7 +214,7 @@ def create_app(service: Any, max_body_bytes: Optional[int] = None) -> FastAPI:
         if not service.serving:
             raise ServiceError("unavailable", "the model is not ready (loading or draining)")
         info = service.model_info()
-        created = int(getattr(service, "started_at", 0) or 0)
+        created = int(getattr(service, "started_at", 0) or app_created)
         out = [{"id": service.model_name, "object": "model", "created": created, "owned_by": "llm-sidecar",
                 "max_model_len": info.get("max_model_len")}]
         emb = info.get("embedding_model")

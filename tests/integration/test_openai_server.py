@@ -191,8 +191,9 @@ def test_health_and_metrics(server):
 
 
 def test_auth_rate_limit_and_drain(sidecar_launcher):
+    # A short shutdown timeout bounds the drain: the long stream below is aborted after 5 s.
     with sidecar_launcher("--api-key", "a", "--api-key", "b", "--rate-limit-rps", "0.2",
-                          "--rate-limit-burst", "1") as sc:
+                          "--rate-limit-burst", "1", "--shutdown-timeout", "5") as sc:
         url = f"{sc.http_base}/v1"
         with pytest.raises(openai.AuthenticationError):
             OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
@@ -204,7 +205,7 @@ def test_auth_rate_limit_and_drain(sidecar_launcher):
 
         # Drain: a long stream from key b keeps the engine busy while SIGTERM arrives.
         b = OpenAI(base_url=url, api_key="b", max_retries=0, timeout=120)
-        stream = chat(b, max_tokens=400, stream=True, extra_body={"ignore_eos": True})
+        stream = chat(b, max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
         first = next(iter(stream))
         assert first.choices
         seen = {}
