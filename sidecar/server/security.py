@@ -140,6 +140,10 @@ class TokenBucket:
         self._refill()
         self._tokens -= n
 
+    def give_back(self, n: float) -> None:
+        self._refill()
+        self._tokens = min(self.capacity, self._tokens + n)
+
 
 class RateLimiter:
     """Per-key request-rate and token-rate limits.
@@ -187,3 +191,12 @@ class RateLimiter:
             if tok is not None:
                 tok.take(tokens)
             return None
+
+    def refund(self, key: str, tokens: int) -> None:
+        """Return tokens charged up front but not used (max_tokens not all generated)."""
+        if self.tpm <= 0 or tokens <= 0:
+            return
+        with self._lock:
+            tok = self._tok.get(key)
+            if tok is not None:
+                tok.give_back(tokens)

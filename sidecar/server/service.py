@@ -159,16 +159,19 @@ class InferenceService:
             self._rate_limit(caller, n_prompt + req.params.max_tokens)
         else:
             self._rate_limit(caller, 0)
+        unused = req.params.max_tokens  # charged up front; what is not generated is refunded at the end
 
         plan = self.cache_glue.plan(caller.tenant, req, self.model_name)
         hit = await self.cache_glue.lookup(plan) if plan.policy.lookup else None
         rid = self._new_id(req.request_id)
         if hit is not None:
+            self.limiter.refund(caller.key_id or "anonymous", req.params.max_tokens)
             log.info("request answered from the semantic cache", extra={
                 "request_id": rid, "tenant": caller.tenant, "kind": hit.kind, "similarity": round(hit.similarity, 4)})
             yield self._replay(rid, hit, plan.lookup_ms)
             return
         if req.cache_control == "only":
+            self.limiter.refund(caller.key_id or "anonymous", req.params.max_tokens)
             raise ServiceError("cache_miss", "semantic cache miss")
 
         salt_parts = [p for p in (caller.tenant, req.cache_salt) if p]
@@ -199,6 +202,7 @@ class InferenceService:
                         raise ServiceError("unavailable", "draining: request aborted at shutdown")
                     raise ServiceError("internal", f"request aborted: {out.abort_reason}")
                 ev = self._event(rid, out, plan.info)
+                unused = req.params.max_tokens - len(out.token_ids)
                 if out.finished:
                     self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s,
                                                   len(out.token_ids))
@@ -222,6 +226,7 @@ class InferenceService:
                     raise ServiceError("unavailable", f"engine stopped: {exc}") from None
         finally:
             self._active_ids.discard(rid)
+            self.limiter.refund(caller.key_id or "anonymous", unused)
             await stream.aclose()
 
     def _new_id(self, wanted: Optional[str]) -> str:

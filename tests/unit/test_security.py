@@ -109,3 +109,15 @@ def test_rate_limiter_off_and_default_burst():
     rl = RateLimiter(rps=0.5, clock=clock)  # burst defaults to max(1, rps)
     assert rl.acquire("k", 0) is None
     assert rl.acquire("k", 0) == pytest.approx(2.0)
+
+
+def test_unused_tokens_are_refunded_up_to_capacity():
+    clock = FakeClock()
+    rl = RateLimiter(tpm=600, clock=clock)
+    assert rl.acquire("k", 500) is None
+    assert rl.acquire("k", 200) is not None
+    rl.refund("k", 450)  # the request generated only 50 of its tokens
+    assert rl.acquire("k", 200) is None
+    rl.refund("k", 10**6)
+    assert rl.acquire("k", 600) is None and rl.acquire("k", 1) is not None  # capped at capacity
+    rl.refund("unknown-key", 5)  # nothing charged, nothing to refund
