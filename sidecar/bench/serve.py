@@ -15,7 +15,7 @@ import asyncio
 import math
 import random
 import time
-from typing import Any, Optional
+from typing import Any
 
 from sidecar.bench.report import format_table, percentile, write_report
 from sidecar.bench.serve_load import GrpcClient, OpenAIClient, Result, Spec, launch, make_workload

@@ -10,7 +10,6 @@ closed, which aborts the engine request and frees its KV blocks.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
