@@ -187,7 +187,11 @@ def test_client_disconnect_aborts_the_request_and_frees_blocks(server):
 
 def test_health_and_metrics(server):
     assert httpx.get(f"{server.http_base}/health").status_code == 200
-    assert "sidecar_prompt_tokens" in httpx.get(f"{server.http_base}/metrics").text
+    text = httpx.get(f"{server.http_base}/metrics").text
+    assert "sidecar_prompt_tokens" in text
+    # the HTTP adapter counts into the same registry as gRPC (earlier tests in this module made chat calls)
+    assert re.search(r'^sidecar_requests_total\{api="openai",method="chat.completions"\} [1-9]', text, re.M)
+    assert re.search(r'^sidecar_request_errors_total\{code="invalid_argument"\} [1-9]', text, re.M)
 
 
 def test_auth_rate_limit_and_drain(sidecar_launcher):
