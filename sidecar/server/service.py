@@ -21,7 +21,7 @@ from sidecar.engine.request import QueueFullError, SamplingParams
 from sidecar.server.cache_glue import CacheGlue, CacheInfo
 from sidecar.server.metrics import Metrics
 from sidecar.server.security import AuthError, Authenticator, RateLimiter, load_api_keys
-from sidecar.server.validation import ServiceError, check_messages, check_request, sampling_params
+from sidecar.server.validation import ServiceError, check_request, sampling_params
 
 log = logging.getLogger("sidecar.service")
 
@@ -275,7 +275,6 @@ class InferenceService:
         if text and messages:
             raise ServiceError("invalid_argument", "text: set either text or messages, not both", field="text")
         if messages:
-            check_messages(messages)
             try:
                 return list(eng.encode_chat(messages))
             except ValueError as exc:

@@ -101,3 +101,19 @@ def test_shutdown_timeout_aborts_remaining_streams_cleanly(sidecar_launcher):
         assert 0 < sum(len(c.token_ids) for c in out["chunks"]) < 1900
         sc.proc.wait(60)
         assert sc.proc.returncode == 0
+
+
+def test_second_signal_cuts_the_grace_period(sidecar_launcher):
+    with sidecar_launcher("--http-port", "-1", "--num-kv-blocks", "256", "--shutdown-timeout", "600") as sc:
+        req = pb.GenerateRequest(prompt="Keep going", sampling=pb.SamplingParams(max_tokens=1900, ignore_eos=True))
+        out: dict = {}
+        first = threading.Event()
+        t = stream_in_thread(sc.grpc_target, req, first, out)
+        assert first.wait(120)
+        sc.signal(signal.SIGTERM)
+        wait_health(sc, NOT_SERVING)
+        sc.signal(signal.SIGINT)
+        t.join(120)
+        assert out["error"][0] == grpc.StatusCode.UNAVAILABLE and "aborted at shutdown" in out["error"][1]
+        sc.proc.wait(60)
+        assert sc.proc.returncode == 0
