@@ -17,7 +17,7 @@ def server(sidecar_launcher, tmp_path_factory):
     with sidecar_launcher("--num-kv-blocks", "128", "--http-port", "-1", "--api-keys-file", str(keys),
                           "--api-key", "good:acme", "--api-key", "rate", "--api-key", "tpm",
                           "--api-key", "iso-a:tenant-a", "--api-key", "iso-a2:tenant-a", "--api-key", "iso-b:tenant-b",
-                          "--rate-limit-rps", "1", "--rate-limit-burst", "3", "--rate-limit-tpm", str(TPM)) as sc:
+                          "--rate-limit-rps", "0.2", "--rate-limit-burst", "3", "--rate-limit-tpm", str(TPM)) as sc:
         yield sc
 
 
@@ -64,7 +64,8 @@ def test_request_rate_limit_per_key_with_retry_after(stub):
     assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "rate limit exceeded" in exc.value.details()
     trailing = dict(exc.value.trailing_metadata())
-    assert 0 < int(trailing["retry-after-ms"]) <= 1000  # one request per second refills within 1 s
+    # One request per 5 s: the next one fits within 5 s. (Every key here sends at most 3 requests.)
+    assert 0 < int(trailing["retry-after-ms"]) <= 5000
     # Another key has its own bucket.
     stub.Generate(small(max_tokens=1), metadata=auth("file-key"))
 
