@@ -77,9 +77,11 @@ class ResilienceTest {
         try (SidecarClient client = sidecar.clientBuilder().build()) {
             var future = client.generateAsync(dev.sidecar.v1.GenerateRequest.newBuilder().setPrompt("x").build());
             // Wait until the call reached the server, so the cancel travels over the wire.
-            while (sidecar.service.calls.get() == 0) {
+            long end = System.nanoTime() + 5_000_000_000L;
+            while (sidecar.service.calls.get() == 0 && System.nanoTime() < end) {
                 Thread.sleep(5);
             }
+            assertThat(sidecar.service.calls.get()).isEqualTo(1);
             future.cancel(true);
             assertThat(sidecar.service.cancelled.await(5, TimeUnit.SECONDS)).isTrue();
         }

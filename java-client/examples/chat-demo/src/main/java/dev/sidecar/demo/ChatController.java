@@ -4,7 +4,6 @@ import dev.sidecar.demo.ChatApi.MessageReply;
 import dev.sidecar.demo.ChatApi.MessageRequest;
 import java.util.HashMap;
 import java.util.Map;
-import java.util.concurrent.CompletableFuture;
 import org.springframework.http.MediaType;
 import org.springframework.http.ResponseEntity;
 import org.springframework.web.bind.annotation.DeleteMapping;
@@ -13,6 +12,7 @@ import org.springframework.web.bind.annotation.RequestBody;
 import org.springframework.web.bind.annotation.RequestHeader;
 import org.springframework.web.bind.annotation.RequestMapping;
 import org.springframework.web.bind.annotation.RestController;
+import org.springframework.web.context.request.async.DeferredResult;
 import org.springframework.web.servlet.mvc.method.annotation.SseEmitter;
 
 /**
@@ -50,7 +50,7 @@ public class ChatController {
      */
     @PostMapping(path = "/stream", consumes = MediaType.APPLICATION_JSON_VALUE,
             produces = MediaType.TEXT_EVENT_STREAM_VALUE)
-    public CompletableFuture<SseEmitter> stream(@RequestHeader(name = SESSION_HEADER, required = false) String session,
+    public DeferredResult<SseEmitter> stream(@RequestHeader(name = SESSION_HEADER, required = false) String session,
                                                 @RequestBody(required = false) MessageRequest body) {
         String sessionId = chat.sessionId(session);
         String message = chat.validMessage(body);

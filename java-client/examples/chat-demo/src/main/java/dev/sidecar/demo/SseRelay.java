@@ -2,11 +2,11 @@ package dev.sidecar.demo;
 
 import java.io.IOException;
 import java.util.Map;
-import java.util.concurrent.CompletableFuture;
 import java.util.function.Function;
 import org.reactivestreams.Subscription;
 import org.springframework.ai.chat.model.ChatResponse;
 import org.springframework.http.MediaType;
+import org.springframework.web.context.request.async.DeferredResult;
 import org.springframework.web.servlet.mvc.method.annotation.SseEmitter;
 import reactor.core.publisher.BaseSubscriber;
 import reactor.core.publisher.Flux;
@@ -19,12 +19,12 @@ import reactor.core.publisher.Flux;
  * bad input) still becomes a proper HTTP status; exactly one chunk is requested per
  * chunk written, so a slow HTTP client slows the sidecar stream instead of filling
  * memory; a client that goes away, or an emitter timeout, cancels the subscription and
- * with it the sidecar call.
+ * with it the sidecar call (also while still waiting for the first chunk).
  */
 final class SseRelay extends BaseSubscriber<ChatResponse> {
 
     private final SseEmitter emitter;
-    private final CompletableFuture<SseEmitter> ready = new CompletableFuture<>();
+    private final DeferredResult<SseEmitter> ready = new DeferredResult<>();
     private final Function<ChatResponse, Map<String, Object>> doneEvent;
     private ChatResponse last;
 
@@ -34,13 +34,16 @@ final class SseRelay extends BaseSubscriber<ChatResponse> {
         emitter.onTimeout(this::dispose);
         emitter.onError(t -> dispose());
         emitter.onCompletion(this::dispose);
+        // Before the first chunk: the async request timed out or the client went away.
+        ready.onTimeout(this::dispose);
+        ready.onError(t -> dispose());
     }
 
     /**
-     * Subscribes to {@code source}; the future completes with the emitter once the first
-     * chunk is written, or exceptionally with the stream's error if it fails before that.
+     * Subscribes to {@code source}; the result is the emitter once the first chunk is
+     * written, or the stream's error if it fails before that.
      */
-    static CompletableFuture<SseEmitter> relay(Flux<ChatResponse> source, long timeoutMs,
+    static DeferredResult<SseEmitter> relay(Flux<ChatResponse> source, long timeoutMs,
                                                Function<ChatResponse, Map<String, Object>> doneEvent) {
         SseRelay relay = new SseRelay(new SseEmitter(timeoutMs), doneEvent);
         source.subscribe(relay);
@@ -64,13 +67,13 @@ final class SseRelay extends BaseSubscriber<ChatResponse> {
             dispose();  // the client is gone: cancel the sidecar call
             return;
         }
-        ready.complete(emitter);
+        ready.setResult(emitter);
         request(1);
     }
 
     @Override
     protected void hookOnComplete() {
-        ready.complete(emitter);
+        ready.setResult(emitter);
         try {
             emitter.send(SseEmitter.event().name("done").data(doneEvent.apply(last), MediaType.APPLICATION_JSON));
             emitter.complete();
@@ -81,7 +84,7 @@ final class SseRelay extends BaseSubscriber<ChatResponse> {
 
     @Override
     protected void hookOnError(Throwable error) {
-        if (ready.completeExceptionally(error)) {
+        if (ready.setErrorResult(error)) {
             return;  // nothing sent yet: the exception handler answers with a status code
         }
         try {

@@ -153,9 +153,10 @@ class ChatControllerTest {
                         .contentType(MediaType.APPLICATION_JSON).content("{\"message\":\"flow\"}"))
                 .andExpect(request().asyncStarted()).andReturn();
         MvcResult done = mvc.perform(asyncDispatch(started)).andReturn();
-        // SSE body is written asynchronously by the emitter; wait for the final event.
+        // The emitter writes asynchronously; wait until the final event is complete.
         long end = System.nanoTime() + 5_000_000_000L;
-        while (!done.getResponse().getContentAsString().contains("event:done") && System.nanoTime() < end) {
+        while (!done.getResponse().getContentAsString().matches("(?s).*event:done\\ndata:\\{.*}\\n\\n")
+                && System.nanoTime() < end) {
             Thread.sleep(10);
         }
         String body = done.getResponse().getContentAsString();

@@ -1,0 +1,121 @@
+package dev.sidecar.client;
+
+import static org.assertj.core.api.Assertions.assertThat;
+
+import io.grpc.Attributes;
+import io.grpc.EquivalentAddressGroup;
+import io.grpc.Grpc;
+import io.grpc.InsecureServerCredentials;
+import io.grpc.NameResolver;
+import io.grpc.NameResolverProvider;
+import io.grpc.NameResolverRegistry;
+import io.grpc.Server;
+import java.net.InetSocketAddress;
+import java.net.SocketAddress;
+import java.net.URI;
+import java.util.Collection;
+import java.util.List;
+import java.util.Set;
+import java.util.concurrent.TimeUnit;
+import org.junit.jupiter.api.AfterEach;
+import org.junit.jupiter.api.BeforeEach;
+import org.junit.jupiter.api.Test;
+
+/**
+ * Two replicas behind one name: the client's default policy spreads calls over both
+ * (as it does for the addresses of a {@code dns:///} name). A resolver under a private
+ * scheme stands in for DNS, which cannot return two ports for one host.
+ */
+class RoundRobinTest {
+
+    private static final String SCHEME = "sidecar-rr-test";
+
+    private final FakeInference a = new FakeInference();
+    private final FakeInference b = new FakeInference();
+    private Server serverA;
+    private Server serverB;
+    private NameResolverProvider provider;
+
+    @BeforeEach
+    void setUp() throws Exception {
+        serverA = Grpc.newServerBuilderForPort(0, InsecureServerCredentials.create()).addService(a).build().start();
+        serverB = Grpc.newServerBuilderForPort(0, InsecureServerCredentials.create()).addService(b).build().start();
+        List<SocketAddress> addresses = List.of(new InetSocketAddress("127.0.0.1", serverA.getPort()),
+                new InetSocketAddress("127.0.0.1", serverB.getPort()));
+        provider = new StaticProvider(addresses);
+        NameResolverRegistry.getDefaultRegistry().register(provider);
+    }
+
+    @AfterEach
+    void tearDown() throws Exception {
+        NameResolverRegistry.getDefaultRegistry().deregister(provider);
+        serverA.shutdownNow().awaitTermination(5, TimeUnit.SECONDS);
+        serverB.shutdownNow().awaitTermination(5, TimeUnit.SECONDS);
+    }
+
+    @Test
+    void callsAreSpreadOverAllReplicas() {
+        try (SidecarClient client = SidecarClient.builder().target(SCHEME + ":///sidecar").build()) {
+            // pick_first would send every call to one replica; round_robin reaches both
+            // once both connections are ready.
+            for (int i = 0; i < 500 && (a.calls.get() < 3 || b.calls.get() < 3); i++) {
+                client.stats();
+            }
+        }
+        assertThat(a.calls.get()).isGreaterThanOrEqualTo(3);
+        assertThat(b.calls.get()).isGreaterThanOrEqualTo(3);
+    }
+
+    private static final class StaticProvider extends NameResolverProvider {
+        private final List<SocketAddress> addresses;
+
+        StaticProvider(List<SocketAddress> addresses) {
+            this.addresses = addresses;
+        }
+
+        @Override
+        public NameResolver newNameResolver(URI targetUri, NameResolver.Args args) {
+            if (!SCHEME.equals(targetUri.getScheme())) {
+                return null;
+            }
+            return new NameResolver() {
+                @Override
+                public String getServiceAuthority() {
+                    return "sidecar";
+                }
+
+                @Override
+                public void start(Listener2 listener) {
+                    listener.onResult(ResolutionResult.newBuilder()
+                            .setAddressesOrError(io.grpc.StatusOr.fromValue(
+                                    addresses.stream().map(EquivalentAddressGroup::new).toList()))
+                            .setAttributes(Attributes.EMPTY).build());
+                }
+
+                @Override
+                public void shutdown() {
+                }
+            };
+        }
+
+        @Override
+        public String getDefaultScheme() {
+            return SCHEME;
+        }
+
+        @Override
+        protected boolean isAvailable() {
+            return true;
+        }
+
+        @Override
+        protected int priority() {
+            return 5;
+        }
+
+        @Override
+        public Collection<Class<? extends SocketAddress>> getProducedSocketAddressTypes() {
+            return Set.of(InetSocketAddress.class);
+        }
+    }
+}
