@@ -92,7 +92,8 @@ class InferenceService:
         self.auth = Authenticator(load_api_keys(cfg.server.api_keys, cfg.server.api_keys_file))
         self.limiter = RateLimiter(cfg.server.rate_limit_rps, cfg.server.rate_limit_burst,
                                    cfg.server.rate_limit_tpm)
-        self.metrics = Metrics(self._engine_stats, self.cache_glue.stats)
+        # Late-bound: attach() replaces cache_glue once the cache has loaded.
+        self.metrics = Metrics(self._engine_stats, lambda: self.cache_glue.stats())
         self._active_ids: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------

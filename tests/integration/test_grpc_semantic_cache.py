@@ -5,6 +5,7 @@ import math
 import time
 
 import grpc
+import httpx
 import pytest
 
 from sidecar.v1 import sidecar_pb2 as pb
@@ -16,7 +17,7 @@ B = (("authorization", "Bearer key-b"),)
 
 @pytest.fixture(scope="module")
 def server(sidecar_launcher):
-    with sidecar_launcher("--http-port", "-1", "--num-kv-blocks", "128", "--cache-threshold", "0.85",
+    with sidecar_launcher("--num-kv-blocks", "128", "--cache-threshold", "0.85",
                           "--api-key", "key-a:tenant-a", "--api-key", "key-b:tenant-b", semantic_cache=True) as sc:
         yield sc
 
@@ -127,3 +128,16 @@ def test_embed(stub):
     with pytest.raises(grpc.RpcError) as exc:
         stub.Embed(pb.EmbedRequest(inputs=["ok", ""]), metadata=A)
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.value.details().startswith("inputs[1]:")
+
+
+def test_cache_counters_in_metrics(server, stub):
+    stats = stub.GetStats(pb.GetStatsRequest(), metadata=A)
+    text = httpx.get(f"{server.http_base}/metrics", timeout=30).text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("sidecar_semantic_cache")}
+    assert values["sidecar_semantic_cache_lookups_total"] == stats.semantic_cache_lookups > 0
+    hits = values['sidecar_semantic_cache_hits_total{kind="exact"}'] + \
+        values['sidecar_semantic_cache_hits_total{kind="semantic"}']
+    assert hits == stats.semantic_cache_hits > 0
+    assert values["sidecar_semantic_cache_entries"] == stats.semantic_cache_entries > 0
+    assert values["sidecar_semantic_cache_bypasses_total"] >= 2  # skip and sampled above
