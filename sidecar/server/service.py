@@ -230,10 +230,11 @@ class InferenceService:
             await stream.aclose()
 
     def _new_id(self, wanted: Optional[str]) -> str:
-        rid = wanted or f"req-{uuid.uuid4().hex[:16]}"
+        base = wanted or f"req-{uuid.uuid4().hex[:16]}"
+        rid = base
         # Engine ids must be unique among live requests; a reused caller id gets a suffix.
         while rid in self._active_ids:
-            rid = f"{wanted}-{uuid.uuid4().hex[:6]}"
+            rid = f"{base}-{uuid.uuid4().hex[:6]}"
         return rid
 
     def _event(self, rid: str, out: Any, cache: CacheInfo) -> Event:
