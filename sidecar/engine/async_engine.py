@@ -131,9 +131,10 @@ class AsyncEngine:
                         if stream is not None:
                             stream.put(out)
                 self._stats = self.engine.stats()
-            except Exception:  # never let one bad step kill the loop
-                log.exception("engine loop error")
-                time.sleep(0.01)
+            except Exception as exc:  # never let one bad step kill the loop, nor retry it forever
+                log.exception("engine loop error; aborting all requests")
+                for rid in list(self.engine.requests):
+                    self.engine.abort(rid, f"error: {type(exc).__name__}: {exc}")
         # Anything still attached gets a terminal error instead of hanging.
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}

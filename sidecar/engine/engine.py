@@ -14,7 +14,7 @@ from sidecar.engine.request import (FinishReason, Request, RequestOutput, Reques
                                     random_request_id)
 from sidecar.engine.runner import ModelRunner
 from sidecar.engine.sampler import Sampler
-from sidecar.engine.scheduler import Scheduler
+from sidecar.engine.scheduler import Scheduler, SchedulerOutput
 from sidecar.model.loader import load_model
 
 log = logging.getLogger("sidecar.engine")
@@ -178,18 +178,22 @@ class LLMEngine:
             return outputs
         self.counters["num_steps"] += 1
         try:
-            sample_reqs, logits = self.runner.execute(sched, self.kv)
-        except Exception as exc:  # a failed forward fails its requests, never the engine
-            log.exception("model step failed; aborting %d requests", len(sched.scheduled))
+            self._run_scheduled(sched, outputs)
+        except Exception as exc:  # a failed step fails its requests, never the engine
+            log.exception("engine step failed; aborting %d requests", len(sched.scheduled))
             for s in sched.scheduled:
-                self._finish(s.request, FinishReason.ABORT, f"error: {type(exc).__name__}: {exc}")
-                outputs.append(s.request.make_output())
-            return outputs
+                if not s.request.is_finished:
+                    self._finish(s.request, FinishReason.ABORT, f"error: {type(exc).__name__}: {exc}")
+                    outputs.append(s.request.make_output())
+        return outputs
+
+    def _run_scheduled(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        sample_reqs, logits = self.runner.execute(sched, self.kv)
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(s.request)
         if not sample_reqs:
-            return outputs
+            return
         token_ids, logprobs = self.sampler(logits, sample_reqs)
         now = time.monotonic()
         for req, tok, lp in zip(sample_reqs, token_ids, logprobs):
@@ -205,7 +209,6 @@ class LLMEngine:
             else:
                 req.text = req.detok.visible_text(False)
             outputs.append(req.make_output())
-        return outputs
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -225,3 +225,23 @@ def test_async_engine_streams_and_cancel_frees_blocks(demo_dir):
         assert not ae.is_running
 
     asyncio.run(main())
+
+
+def test_failing_step_fails_its_requests_not_the_engine(demo_dir, monkeypatch):
+    eng = LLMEngine(EngineConfig(model=str(demo_dir), num_kv_blocks=64))
+    eng.add_request("boom", "hello", SamplingParams(max_tokens=4, ignore_eos=True))
+    real = eng.sampler.__call__
+
+    def broken(logits, reqs):
+        raise RuntimeError("sampler exploded")
+
+    monkeypatch.setattr(eng, "sampler", broken)
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("boom", "abort")]
+    assert outs[0].abort_reason.startswith("error: RuntimeError")
+    assert pool_whole(eng)
+    monkeypatch.setattr(eng, "sampler", real)
+    eng.add_request("ok", "hello", SamplingParams(max_tokens=3, ignore_eos=True))
+    done = drain(eng)
+    assert done["ok"].finish_reason == "length"
+    assert pool_whole(eng)
