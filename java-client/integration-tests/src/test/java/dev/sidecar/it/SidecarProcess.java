@@ -31,12 +31,14 @@ public final class SidecarProcess implements AutoCloseable {
             "--log-level", "warning");
 
     private final Process process;
+    private final Path dir;
     private final Path log;
     private final int grpcPort;
     private final int httpPort;
 
-    private SidecarProcess(Process process, Path log, int grpcPort, int httpPort) {
+    private SidecarProcess(Process process, Path dir, Path log, int grpcPort, int httpPort) {
         this.process = process;
+        this.dir = dir;
         this.log = log;
         this.grpcPort = grpcPort;
         this.httpPort = httpPort;
@@ -70,7 +72,8 @@ public final class SidecarProcess implements AutoCloseable {
         try {
             long deadline = System.nanoTime() + START_TIMEOUT.toNanos();
             String ports = waitForPortFile(process, portFile, log, deadline);
-            SidecarProcess sidecar = new SidecarProcess(process, log, field(ports, "grpc_port"), field(ports, "http_port"));
+            SidecarProcess sidecar = new SidecarProcess(process, dir, log, field(ports, "grpc_port"),
+                    field(ports, "http_port"));
             sidecar.waitServing(deadline);
             return sidecar;
         } catch (IOException | InterruptedException | RuntimeException e) {
@@ -163,9 +166,18 @@ public final class SidecarProcess implements AutoCloseable {
         }
     }
 
+    /** Stops the process and removes its port file and log. */
     @Override
     public void close() {
         stop(process);
+        try (var files = Files.list(dir)) {
+            for (Path f : files.toList()) {
+                Files.deleteIfExists(f);
+            }
+            Files.deleteIfExists(dir);
+        } catch (IOException e) {
+            // a leftover temp file is harmless; the process is what must not leak
+        }
     }
 
     private static void stop(Process p) {

@@ -41,7 +41,7 @@ public class SidecarAutoConfiguration {
                 .apiKey(props.getApiKey())
                 .tls(props.isTls())
                 .maxRetryAttempts(props.getMaxRetryAttempts())
-                .maxInboundMessageSize(Math.toIntExact(props.getMaxMessageSize().toBytes()));
+                .maxInboundMessageSize(maxMessageBytes(props));
         if (props.getDeadline() != null && !props.getDeadline().isZero()) {
             b.defaultDeadline(props.getDeadline());
         }
@@ -50,6 +50,15 @@ public class SidecarAutoConfiguration {
         }
         customizers.orderedStream().forEach(c -> c.customize(b));
         return b.build();
+    }
+
+    private static int maxMessageBytes(SidecarProperties props) {
+        long bytes = props.getMaxMessageSize() == null ? -1 : props.getMaxMessageSize().toBytes();
+        if (bytes <= 0 || bytes > Integer.MAX_VALUE) {
+            throw new IllegalArgumentException(SidecarProperties.PREFIX
+                    + ".max-message-size: must be between 1B and 2GB, got " + props.getMaxMessageSize());
+        }
+        return (int) bytes;
     }
 
     @Bean
