@@ -108,11 +108,12 @@ class _SafetensorsIndex:
             if not files:
                 raise ValueError(f"model: no *.safetensors weights in {model_dir}")
             weight_map = {}
-        self.handles = {f: safe_open(str(model_dir / f), framework="pt", device="cpu") for f in files}
+        self.paths = {f: str(model_dir / f) for f in files}
         if not weight_map:
-            for f, h in self.handles.items():
-                for k in h.keys():
-                    weight_map[k] = f
+            for f, path in self.paths.items():
+                with safe_open(path, framework="pt", device="cpu") as h:
+                    for k in h.keys():
+                        weight_map[k] = f
         self.weight_map: dict[str, str] = weight_map
 
     def __contains__(self, name: str) -> bool:
@@ -121,7 +122,13 @@ class _SafetensorsIndex:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise ValueError(f"model: checkpoint is missing tensor {name!r}")
-        return self.handles[self.weight_map[name]].get_tensor(name)
+        from safetensors import safe_open
+
+        # An open handle maps the whole file and every page read through it counts in this
+        # process's RSS until the handle closes; one handle per tensor keeps peak RSS near the
+        # final model size when quantizing on load (the returned tensor keeps only its own bytes).
+        with safe_open(self.paths[self.weight_map[name]], framework="pt", device="cpu") as h:
+            return h.get_tensor(name)
 
 
 def _set(module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
@@ -156,6 +163,14 @@ def _load_weights(model: LlamaForCausalLM, ckpt: _SafetensorsIndex, cfg: EngineC
 
     args = model.args
     _set(model.embed_tokens, "weight", ckpt.get("model.embed_tokens.weight"), dtype, device)
+    tied = args.tie_word_embeddings or "lm_head.weight" not in ckpt
+    if tied and cfg.quantization is not None and cfg.quantize_lm_head:
+        from sidecar.model.quant import quantize_tied_embedding
+
+        # Quantized before the layers load so the full-precision table never coexists with them;
+        # one quantized table serves both the embedding lookup and the tied lm_head.
+        model.embed_tokens, model.lm_head = quantize_tied_embedding(
+            model.embed_tokens, cfg.quantization, cfg.quant_group_size)
     for i, layer in enumerate(tqdm(model.layers, desc="loading layers", unit="layer", leave=False,
                                    disable=not log.isEnabledFor(logging.INFO))):
         p = f"model.layers.{i}"
@@ -170,14 +185,9 @@ def _load_weights(model: LlamaForCausalLM, ckpt: _SafetensorsIndex, cfg: EngineC
         for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
             _maybe_quantize(parent, attr, cfg)
     _set(model.norm, "weight", ckpt.get("model.norm.weight"), dtype, device)
-    if args.tie_word_embeddings or "lm_head.weight" not in ckpt:
-        model.lm_head.weight = model.embed_tokens.weight
-        if cfg.quantization is not None and cfg.quantize_lm_head:
-            from sidecar.model.quant import quantize_tied_embedding
-
-            # One quantized table serves both the embedding lookup and the tied lm_head.
-            model.embed_tokens, model.lm_head = quantize_tied_embedding(
-                model.embed_tokens, cfg.quantization, cfg.quant_group_size)
+    if tied:
+        if isinstance(model.embed_tokens, nn.Embedding):  # not already quantized together above
+            model.lm_head.weight = model.embed_tokens.weight
     else:
         _set(model.lm_head, "weight", ckpt.get("lm_head.weight"), dtype, device)
         if cfg.quantize_lm_head:

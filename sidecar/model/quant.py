@@ -70,11 +70,12 @@ def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tens
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     scales = torch.empty(w.shape[0], dtype=scale_dtype, device=w.device)
     for r in range(0, w.shape[0], _CHUNK_ROWS):
-        wc = w[r:r + _CHUNK_ROWS].float()
+        wc = w[r:r + _CHUNK_ROWS].to(torch.float32, copy=True)  # modified in place below
         # Codes are computed from the stored (rounded) scale so dequantization is exact to it.
         s = (wc.abs().amax(dim=1) / 127.0).clamp(min=1e-8).to(scale_dtype)
         scales[r:r + _CHUNK_ROWS] = s
-        q[r:r + _CHUNK_ROWS] = torch.round(wc / s.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+        # In place on the one fp32 temporary: quantizing dominates quantize-on-load time.
+        q[r:r + _CHUNK_ROWS] = wc.div_(s.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scales
 
 
@@ -92,12 +93,13 @@ def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype,
     scales = torch.empty(n, groups, dtype=scale_dtype, device=w.device)
     zeros = torch.empty(n, groups, dtype=scale_dtype, device=w.device)
     for r in range(0, n, _CHUNK_ROWS):
-        wc = F.pad(w[r:r + _CHUNK_ROWS].float(), (0, kp - k)).reshape(-1, groups, group_size)
-        lo, hi = wc.amin(dim=-1), wc.amax(dim=-1)
+        wc = w[r:r + _CHUNK_ROWS].to(torch.float32, copy=True)  # modified in place below
+        wc = (F.pad(wc, (0, kp - k)) if kp != k else wc).reshape(-1, groups, group_size)
+        lo, hi = torch.aminmax(wc, dim=-1)
         s = ((hi - lo) / 15.0).clamp(min=1e-8).to(scale_dtype)
         z = (lo + 8.0 * s.float()).to(scale_dtype)
         scales[r:r + _CHUNK_ROWS], zeros[r:r + _CHUNK_ROWS] = s, z
-        codes = torch.round((wc - z.float()[..., None]) / s.float()[..., None] + 8.0).clamp_(0, 15)
+        codes = wc.sub_(z.float()[..., None]).div_(s.float()[..., None]).add_(8.0).round_().clamp_(0, 15)
         codes = codes.to(torch.uint8).reshape(wc.shape[0], kp)
         qweight[r:r + _CHUNK_ROWS] = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return qweight, scales, zeros
@@ -226,12 +228,15 @@ class Int4Linear(_QuantLinearBase):
         sz = torch.stack((scales, zeros), dim=-1)
         sz = F.pad(sz, (0, 0, 0, 0, 0, n_pad)).transpose(0, 1).contiguous()
         self.register_buffer("scales_and_zeros", _aligned(sz.to(kernel_dtype(dtype, device))))
-        qweight = F.pad(qweight, (0, 0, 0, n_pad))
+        if n_pad:
+            qweight = F.pad(qweight, (0, 0, 0, n_pad))
         if device.type == "cpu":
-            packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                unpack_int4(qweight[r:r + _CHUNK_ROWS]).to(torch.int32), 1)
-                for r in range(0, qweight.shape[0], _CHUNK_ROWS)]
-            weight = torch.cat(packed) if len(packed) > 1 else packed[0]
+            # Packed chunk by chunk into one preallocated buffer: the int32 codes the op takes
+            # are 8x the packed size, too much scratch for a vocab-sized lm_head at once.
+            weight = torch.empty(qweight.shape, dtype=torch.uint8)
+            for r in range(0, qweight.shape[0], _CHUNK_ROWS):
+                codes = unpack_int4(qweight[r:r + _CHUNK_ROWS]).to(torch.int32)
+                weight[r:r + codes.shape[0]] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         else:
             # The CUDA kernel wants the even column in the high nibble.
             swapped = (qweight << 4) | (qweight >> 4)
@@ -255,6 +260,24 @@ def runtime_linear(stored: dict[str, torch.Tensor], mode: str, in_features: int,
     return Int4Linear(stored["qweight"], stored["scales"], stored["zeros"], in_features, bias, dtype)
 
 
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps freed blocks of the layer-by-layer
+    scratch otherwise, and peak RSS while quantizing on load grows with it). No-op elsewhere."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
+
+
 def quantize_linear(linear: nn.Linear, mode: str, group_size: int = 128, name: str = "") -> nn.Module:
     """Loader hook: the runtime module replacing ``linear``.
 
@@ -269,6 +292,7 @@ def quantize_linear(linear: nn.Linear, mode: str, group_size: int = 128, name: s
     del stored, w
     linear.weight = None  # drop our reference; memory is freed once the caller drops its own
     linear.bias = None
+    release_freed_memory()
     return module
 
 
@@ -323,6 +347,8 @@ def quantize_tied_embedding(embedding: nn.Embedding, mode: str,
     stored = quantize_weight(w, mode, group_size, w.dtype, "lm_head")
     modules = tied_modules(stored, mode, w.shape[1], w.dtype)
     embedding.weight = None
+    del stored, w
+    release_freed_memory()
     return modules
 
 

@@ -140,14 +140,17 @@ def load_quantized_model(model_dir: str, model: nn.Module, dtype: torch.dtype, d
 
     cfg = read_quant_config(model_dir)
     mode, device = cfg["mode"], torch.device(device)
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    handles = [safe_open(os.path.join(model_dir, f), framework="pt", device="cpu") for f in files]
-    where = {k: h for h in handles for k in h.keys()}
+    where: dict[str, str] = {}
+    for f in sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model_dir, f), framework="pt", device="cpu") as h:
+            where.update((k, os.path.join(model_dir, f)) for k in h.keys())
 
     def get(key: str, cast: bool = True) -> torch.Tensor:
         if key not in where:
             raise ValueError(f"{model_dir}: checkpoint has no tensor {key!r}")
-        t = where[key].get_tensor(key)
+        # A handle per tensor: an open handle keeps every page read through it in our RSS.
+        with safe_open(where[key], framework="pt", device="cpu") as h:
+            t = h.get_tensor(key)
         if cast and t.is_floating_point():
             t = t.to(dtype)
         return t.to(device)

@@ -1,0 +1,246 @@
+"""bf16 vs int8 vs int4 weight-only quantization: memory, load time, decode speed, quality.
+
+Every load runs in a fresh subprocess so peak RSS and load time are its own.
+Speed goes through ``LLM.generate`` (greedy, EOS ignored). Quality compares the
+teacher-forced next-token distributions of each quantized model with the bf16
+model over a fixed token stream (mean KL, top-1 agreement) and perplexity on a
+fixed text. Random weights give near-uniform distributions, so quality is also
+reported on the same shape with a larger init scale (peaked distributions) and
+on the demo model.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+TEXT = ("The sidecar keeps the model next to the service that calls it. Requests arrive over gRPC, "
+        "are batched continuously, and share cached prefixes; weights may be stored as 8-bit or 4-bit "
+        "integers to save memory and bandwidth. ") * 4
+MODES = ("bf16", "int8", "int4")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint dir (default: a random Qwen2-0.5B-shaped model)")
+    p.add_argument("--small", action="store_true", help="quick smoke: small random model, short runs")
+    p.add_argument("--group-size", type=int, default=None, help="int4 group size (default 128; 64 with --small)")
+    p.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
+                   help="keep lm_head (and a tied embedding) in bf16")
+    p.add_argument("--threads", type=int, default=2, help="torch threads in each measured process")
+    p.add_argument("--max-tokens", type=int, default=None, help="decode tokens per request (default 64; 16 small)")
+    p.add_argument("--stream-len", type=int, default=None, help="tokens in the quality stream (default 256)")
+    p.add_argument("--peaked-init", type=float, default=0.1, help="init scale of the peaked-quality model")
+    p.add_argument("--out", default="bench-results", help="output directory for JSON + PNG")
+
+
+# ------------------------------------------------------------------ worker (runs in a subprocess)
+
+def _rss_peak_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _weight_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load once, report memory and load time, then decode speed if asked."""
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    from sidecar import LLM, SamplingParams
+
+    base_rss = _rss_peak_bytes()
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype="bfloat16", quantization=spec.get("quantization"),
+              quant_group_size=spec.get("group_size", 128), quantize_lm_head=spec.get("quantize_lm_head", False),
+              num_kv_blocks=spec.get("num_kv_blocks", 256), block_size=16, num_threads=spec["threads"])
+    load_s = time.perf_counter() - t0
+    res = {"load_s": load_s, "load_peak_rss_bytes": _rss_peak_bytes() - base_rss,
+           "weight_bytes": _weight_bytes(llm.engine.loaded.model)}
+    n = spec.get("max_tokens", 0)
+    for batch in spec.get("batches", []):
+        prompts = [[3 + (7 * i + j) % 200 for j in range(8)] for i in range(batch)]
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        outs = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        wall = time.perf_counter() - t
+        assert all(len(o.token_ids) == n for o in outs)
+        res[f"decode_tok_s_b{batch}"] = batch * (n - 1) / max(wall - prefill, 1e-9)
+    return res
+
+
+def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    code = "import json,sys; from sidecar.bench.quant import _worker; print('RESULT' + json.dumps(_worker(json.loads(sys.argv[1]))))"
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT"):
+            return json.loads(line[len("RESULT"):])
+    raise RuntimeError(f"measurement process failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
+
+
+# ------------------------------------------------------------------ quality (in this process)
+
+def sequence_logprobs(loaded, ids: list[int]):
+    """Teacher-forced next-token log-probs [T, V] (float32) from one prefill through our decoder."""
+    import torch
+
+    from sidecar.model.attention import AttentionMetadata, PrefillSegment
+
+    a, bs, t = loaded.args, 16, len(ids)
+    nb = -(-t // bs)
+    caches = [tuple(torch.zeros(nb, bs, a.num_kv_heads, a.head_dim, dtype=loaded.dtype, device=loaded.device)
+                    for _ in range(2)) for _ in range(a.num_layers)]
+    rng = torch.arange(t, device=loaded.device)
+    meta = AttentionMetadata(slot_mapping=rng, block_size=bs,
+                             prefills=[PrefillSegment(0, t, t, torch.arange(nb, device=loaded.device))])
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(ids, device=loaded.device), rng, caches, meta)
+        return loaded.model.compute_logits(hidden).float().log_softmax(-1)
+
+
+def quality(model_dir: str, group_size: int, quantize_lm_head: bool, stream_len: int) -> dict[str, Any]:
+    """Per mode: mean KL(bf16 || mode), top-1 agreement with bf16, perplexity on TEXT."""
+    import torch
+
+    from sidecar.config import EngineConfig
+    from sidecar.model.loader import load_model
+
+    out: dict[str, Any] = {}
+    ref = None
+    for mode in MODES:
+        loaded = load_model(EngineConfig(model=model_dir, dtype="bfloat16", quantization=None if mode == "bf16"
+                                         else mode, quant_group_size=group_size, quantize_lm_head=quantize_lm_head,
+                                         device="cpu"))
+        vocab = loaded.args.vocab_size
+        g = torch.Generator().manual_seed(1234)
+        stream = torch.randint(0, vocab, (stream_len,), generator=g).tolist()
+        lp = sequence_logprobs(loaded, stream)
+        text_ids = loaded.tokenizer.encode(TEXT)[:stream_len]
+        tlp = sequence_logprobs(loaded, text_ids)
+        nll = -tlp[:-1].gather(1, torch.tensor(text_ids[1:])[:, None]).mean().item()
+        row: dict[str, Any] = {"perplexity": float(torch.tensor(nll).exp()),
+                               "entropy_nats": float(-(lp.exp() * lp).sum(-1).mean())}
+        if ref is None:
+            ref = lp
+        else:
+            row["kl_vs_bf16"] = float((ref.exp() * (ref - lp)).sum(-1).mean())
+            row["top1_agree_vs_bf16"] = float((ref.argmax(-1) == lp.argmax(-1)).float().mean())
+        out[mode] = row
+        del loaded, lp, tlp
+    return out
+
+
+def _peaked_checkpoint(shape: str, init_scale: float, out: Path) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from sidecar.bench.models import SHAPES
+    from sidecar.model.demo import ensure_demo_model
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**SHAPES[shape], eos_token_id=2, pad_token_id=0, bos_token_id=None,
+                      initializer_range=init_scale)
+    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    for f in ensure_demo_model().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+# ------------------------------------------------------------------ command
+
+def run(args: argparse.Namespace) -> int:
+    from sidecar.bench.models import random_checkpoint
+    from sidecar.bench.report import format_table, write_report
+    from sidecar.model.quant import check_quant_args
+
+    gs = args.group_size or (64 if args.small else 128)
+    check_quant_args("int4", gs)
+    if args.threads < 1:
+        raise ValueError(f"threads: must be >= 1, got {args.threads}")
+    shape = "small" if args.small else "qwen2-0.5b"
+    n = args.max_tokens or (16 if args.small else 64)
+    stream_len = args.stream_len or (64 if args.small else 256)
+    model_dir = args.model or str(random_checkpoint(shape))
+    bf16_file_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    tmp = Path(tempfile.mkdtemp(prefix="sidecar-bench-quant-"))
+    rows, result = [], {"model": model_dir, "group_size": gs, "quantize_lm_head": args.quantize_lm_head,
+                        "threads": args.threads, "max_tokens": n, "bf16_checkpoint_bytes": bf16_file_bytes}
+    try:
+        for mode in MODES:
+            spec = {"model": model_dir, "threads": args.threads, "max_tokens": n, "batches": [1, 16],
+                    "quantization": None if mode == "bf16" else mode, "group_size": gs,
+                    "quantize_lm_head": args.quantize_lm_head}
+            print(f"[{mode}] load + decode ...", flush=True)
+            row = {"mode": mode, **_run_worker(spec)}
+            if mode != "bf16":
+                qdir = tmp / mode
+                t = time.perf_counter()
+                cmd = [sys.executable, "-m", "sidecar", "quantize", "--model", model_dir, "--quantization", mode,
+                       "--group-size", str(gs), "--out", str(qdir), "--dtype", "bfloat16"]
+                cmd += ["--quantize-lm-head"] if args.quantize_lm_head else []
+                subprocess.run(cmd, check=True, capture_output=True)
+                row["quantize_cli_s"] = time.perf_counter() - t
+                pre = _run_worker({"model": str(qdir), "threads": args.threads})
+                row["prequantized_load_s"] = pre["load_s"]
+                row["prequantized_peak_rss_bytes"] = pre["load_peak_rss_bytes"]
+                shutil.rmtree(qdir, ignore_errors=True)
+            rows.append(row)
+        base = rows[0]
+        for r in rows:
+            r["weight_mib"] = r["weight_bytes"] / 2**20
+            r["weight_vs_bf16"] = r["weight_bytes"] / base["weight_bytes"]
+            r["peak_rss_vs_bf16_file"] = r["load_peak_rss_bytes"] / bf16_file_bytes
+            for b in (1, 16):
+                r[f"speedup_b{b}"] = r[f"decode_tok_s_b{b}"] / base[f"decode_tok_s_b{b}"]
+        result["runs"] = rows
+        print("[quality] main model ...", flush=True)
+        result["quality"] = {"main": quality(model_dir, gs, args.quantize_lm_head, stream_len)}
+        if not args.model:
+            print("[quality] peaked-init model and demo model ...", flush=True)
+            peaked = _peaked_checkpoint(shape, args.peaked_init, tmp / "peaked")
+            result["quality"][f"peaked_init_{args.peaked_init}"] = quality(str(peaked), gs, args.quantize_lm_head,
+                                                                          stream_len)
+            shutil.rmtree(peaked, ignore_errors=True)
+            from sidecar.model.demo import ensure_demo_model
+
+            # The demo model's intermediate size (704) is not a multiple of 128: int4 uses groups of 64 there.
+            result["quality"]["demo"] = quality(str(ensure_demo_model()), 64, args.quantize_lm_head, stream_len)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    cols = ["mode", "weight_mib", "weight_vs_bf16", "load_s", "prequantized_load_s", "quantize_cli_s",
+            "peak_rss_vs_bf16_file", "decode_tok_s_b1", "speedup_b1", "decode_tok_s_b16", "speedup_b16"]
+    print(format_table(rows, cols))
+    qrows = [{"model": name, "mode": m, **vals} for name, q in result["quality"].items() for m, vals in q.items()]
+    print(format_table(qrows, ["model", "mode", "kl_vs_bf16", "top1_agree_vs_bf16", "perplexity", "entropy_nats"]))
+    bars = {"weight memory (MiB)": {r["mode"]: r["weight_mib"] for r in rows},
+            "batch-1 decode (tok/s)": {r["mode"]: r["decode_tok_s_b1"] for r in rows},
+            "batch-16 decode (tok/s)": {r["mode"]: r["decode_tok_s_b16"] for r in rows},
+            "load time (s)": {r["mode"]: r["load_s"] for r in rows}}
+    jpath, ppath = write_report(args.out, "quant", result, bars)
+    print(f"wrote {jpath} and {ppath}")
+    return 0
+
+
+def _main(argv: Optional[list[str]] = None) -> int:  # python -m sidecar.bench.quant
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
