@@ -1,18 +1,22 @@
 """docker-compose.yml is a valid Compose file.
 
 `docker compose config` is the authority when the Compose CLI plugin is
-installed; where it is not (this project's machines have the docker CLI without
-the plugin and no engine), the same file is checked against the Compose
-Specification's JSON schema (vendored by check-jsonschema, no network) and the
-cross-references `config` resolves are checked by hand.
+installed (then its resolved services and environment must also equal what
+the other deploy tests read). Where the plugin is missing (a docker CLI alone,
+no engine, is the usual case on the project's machines) the file is checked
+against the Compose Specification's JSON schema (vendored by check-jsonschema,
+no network) and the cross-references `config` resolves are checked by hand.
+The schema check runs in both cases.
 """
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
-from test_deploy_files import COMPOSE, ROOT, load_compose
+from test_deploy_files import COMPOSE, ROOT, compose_env, load_compose
 
 PROFILES = ("gpu", "grafana")
 
@@ -45,10 +49,22 @@ def test_compose_schema_check_rejects_a_broken_file(tmp_path):
 def test_compose_config__docker_cli_when_installed_else_structural():
     """`docker compose config` for every profile if the plugin exists; else what it would resolve."""
     if _compose_cli():
+        # Only PATH/HOME: the file's own defaults apply, as in load_compose() with an empty env.
+        env = {k: os.environ[k] for k in ("PATH", "HOME") if k in os.environ}
         for args in ([], *[["--profile", p] for p in PROFILES]):
             out = subprocess.run(["docker", "compose", "-f", str(COMPOSE), *args, "config", "--quiet"],
-                                 cwd=ROOT, capture_output=True, text=True, timeout=60)
+                                 cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
             assert out.returncode == 0, out.stderr
+        out = subprocess.run(["docker", "compose", "-f", str(COMPOSE), *[a for p in PROFILES for a in ("--profile", p)],
+                              "config", "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                             env=env)
+        assert out.returncode == 0, out.stderr
+        resolved = json.loads(out.stdout)["services"]
+        ours = load_compose()["services"]
+        # The reader the consistency tests use sees the same services and environment as Compose.
+        assert set(resolved) == set(ours)
+        for name, svc in ours.items():
+            assert (resolved[name].get("environment") or {}) == compose_env(svc), name
         return
     c = load_compose()
     services = c["services"]
@@ -63,6 +79,9 @@ def test_compose_config__docker_cli_when_installed_else_structural():
             assert "profiles" in svc or "profiles" not in services[dep], f"{name} -> {dep}"
             if spec.get("condition") == "service_healthy":
                 assert "healthcheck" in services[dep], f"{name}: {dep} has no healthcheck"
+        for vol in svc.get("volumes", []):
+            src = str(vol).split(":")[0]
+            assert src.startswith((".", "/")) or src in (c.get("volumes") or {}), f"{name}: undeclared volume {src}"
         for port in svc.get("ports", []):
             host, container = str(port).rsplit(":", 1)
             assert 0 < int(host.rsplit(":", 1)[-1]) < 65536 and 0 < int(container) < 65536
