@@ -92,8 +92,8 @@ def test_referenced_files_exist(compose):
         for ref in kust.get("resources", []) + [p["path"] for p in kust.get("patches", [])]:
             assert (d / ref).exists(), f"{d.relative_to(ROOT)}/kustomization.yaml: {ref} missing"
     # The chat-demo image builds the Maven module named in its Dockerfile.
-    run = " ".join(rest for kw, rest in parse_dockerfile(DOCKERFILES["chat-demo"]).stages[0].instructions
-                   if kw == "RUN")
+    demo = parse_dockerfile(DOCKERFILES["chat-demo"])
+    run = " ".join(demo.runs(demo.stages[0]))
     module = re.search(r"-pl (\S+)", run).group(1)
     assert (ROOT / "java-client" / module / "pom.xml").is_file()
     assert f"<module>{module}</module>" in (ROOT / "java-client" / "pom.xml").read_text()

@@ -7,10 +7,8 @@ Also imported by tests/integration/test_deploy_entrypoint.py (by file path).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -35,6 +33,8 @@ CONTEXT = ROOT
 
 
 # --------------------------------------------------------------------------- Dockerfile
+# Tokenised by the `dockerfile` package (BuildKit's own parser); this layer only
+# picks out what the tests compare and insists on the exec (JSON) forms.
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Copy:
 class Stage:
     base: str
     name: Optional[str]
-    instructions: list[tuple[str, str]] = field(default_factory=list)
+    instructions: list[Any] = field(default_factory=list)  # dockerfile.Command, in order
 
 
 @dataclass
@@ -60,59 +60,57 @@ class Dockerfile:
     def final(self) -> Stage:
         return self.stages[-1]
 
-    def _last(self, keyword: str) -> Optional[str]:
-        values = [rest for kw, rest in self.final.instructions if kw == keyword]
-        return values[-1] if values else None
+    def _last(self, keyword: str):
+        found = [c for c in self.final.instructions if c.cmd == keyword]
+        return found[-1] if found else None
+
+    def _exec_form(self, keyword: str) -> list[str]:
+        c = self._last(keyword)
+        if c is None:
+            return []
+        assert c.json, f"{keyword} must use the exec (JSON) form so signals reach the process: {c.original}"
+        return list(c.value)
 
     @property
     def env(self) -> dict[str, str]:
         """ENV of the final stage, in order; values unexpanded (``$PATH`` stays literal)."""
         out: dict[str, str] = {}
-        for kw, rest in self.final.instructions:
-            if kw == "ENV":
-                out.update(parse_env(rest))
+        for c in self.final.instructions:
+            if c.cmd == "ENV":
+                out.update(zip(c.value[::2], c.value[1::2]))
         return out
 
     @property
     def entrypoint(self) -> list[str]:
-        return exec_form(self._last("ENTRYPOINT") or "[]", "ENTRYPOINT")
+        return self._exec_form("ENTRYPOINT")
 
     @property
     def cmd(self) -> list[str]:
-        return exec_form(self._last("CMD") or "[]", "CMD")
+        return self._exec_form("CMD")
 
     @property
     def healthcheck(self) -> tuple[dict[str, str], list[str]]:
         """(options such as interval, the CMD in exec form)."""
-        rest = self._last("HEALTHCHECK")
-        if rest is None:
+        c = self._last("HEALTHCHECK")
+        if c is None:
             return {}, []
-        opts: dict[str, str] = {}
-        while rest.startswith("--"):
-            opt, rest = rest.split(None, 1)
-            key, _, value = opt[2:].partition("=")
-            opts[key] = value
-        kw, rest = rest.split(None, 1)
-        assert kw == "CMD", f"HEALTHCHECK must use CMD, got {kw}"
-        return opts, exec_form(rest, "HEALTHCHECK CMD")
+        assert c.value[0] == "CMD" and c.json, f"HEALTHCHECK must be CMD in exec form: {c.original}"
+        return {f[2:].split("=", 1)[0]: f.split("=", 1)[1] for f in c.flags}, list(c.value[1:])
 
     @property
     def expose(self) -> list[int]:
-        ports: list[int] = []
-        for kw, rest in self.final.instructions:
-            if kw == "EXPOSE":
-                ports += [int(p.split("/")[0]) for p in rest.split()]
-        return ports
+        return [int(p.split("/")[0]) for c in self.final.instructions if c.cmd == "EXPOSE" for p in c.value]
+
+    def runs(self, stage: Stage) -> list[str]:
+        return [" ".join(c.value) for c in stage.instructions if c.cmd == "RUN"]
 
     def copies(self, stage: Optional[Stage] = None) -> list[Copy]:
         out = []
         for st in [stage] if stage else self.stages:
-            for kw, rest in st.instructions:
-                if kw in ("COPY", "ADD"):
-                    tokens = shlex.split(rest)
-                    flags = {t[2:].split("=", 1)[0]: t.split("=", 1)[-1] for t in tokens if t.startswith("--")}
-                    paths = [t for t in tokens if not t.startswith("--")]
-                    out.append(Copy(paths[:-1], paths[-1], flags.get("from")))
+            for c in st.instructions:
+                if c.cmd in ("COPY", "ADD"):
+                    flags = dict(f[2:].split("=", 1) for f in c.flags if "=" in f)
+                    out.append(Copy(list(c.value[:-1]), c.value[-1], flags.get("from")))
         return out
 
     def container_path_map(self) -> dict[str, Path]:
@@ -124,58 +122,22 @@ class Dockerfile:
         return out
 
 
-def _logical_lines(text: str) -> list[str]:
-    """Join backslash continuations; drop comments and blank lines (as the Dockerfile parser does)."""
-    lines, cur = [], ""
-    for raw in text.splitlines():
-        stripped = raw.strip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        if stripped.endswith("\\"):
-            cur += stripped[:-1] + " "
-            continue
-        lines.append(cur + stripped)
-        cur = ""
-    assert not cur, "Dockerfile ends inside a line continuation"
-    return lines
-
-
-def parse_env(rest: str) -> dict[str, str]:
-    tokens = shlex.split(rest)
-    if tokens and "=" not in tokens[0]:  # legacy "ENV key value"
-        return {tokens[0]: rest.split(None, 1)[1]}
-    out = {}
-    for t in tokens:
-        key, sep, value = t.partition("=")
-        assert sep, f"ENV token {t!r} is not key=value"
-        out[key] = value
-    return out
-
-
-def exec_form(rest: str, what: str) -> list[str]:
-    assert rest.strip().startswith("["), f"{what} must use the exec (JSON) form so signals reach the process: {rest}"
-    value = json.loads(rest)
-    assert isinstance(value, list) and all(isinstance(v, str) for v in value), what
-    return value
-
-
 def parse_dockerfile(path: Path) -> Dockerfile:
+    import dockerfile
+
     args: dict[str, str] = {}
     stages: list[Stage] = []
-    for line in _logical_lines(path.read_text()):
-        kw, _, rest = line.partition(" ")
-        kw, rest = kw.upper(), rest.strip()
-        if kw == "FROM":
-            parts = rest.split()
-            image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), ""), parts[0])
-            name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else None
+    for c in dockerfile.parse_file(str(path)):
+        if c.cmd == "FROM":
+            image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), ""), c.value[0])
+            name = c.value[2] if len(c.value) == 3 and c.value[1].upper() == "AS" else None
             stages.append(Stage(image, name))
         elif not stages:
-            assert kw == "ARG", f"only ARG may precede FROM, got {kw}"
-            key, _, default = rest.partition("=")
+            assert c.cmd == "ARG", f"only ARG may precede FROM, got {c.cmd}"
+            key, _, default = c.value[0].partition("=")
             args[key] = default
         else:
-            stages[-1].instructions.append((kw, rest))
+            stages[-1].instructions.append(c)
     assert stages, f"{path}: no FROM"
     return Dockerfile(args, stages)
 
