@@ -7,8 +7,10 @@ Prometheus metric names the server actually renders, and the files on disk.
 """
 from __future__ import annotations
 
+import fnmatch
 import importlib.util
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -99,6 +101,36 @@ def test_referenced_files_exist(compose):
     assert f"<module>{module}</module>" in (ROOT / "java-client" / "pom.xml").read_text()
     artifact = re.search(r"target/(\S+?)-\*", run).group(1)
     assert f"<artifactId>{artifact}</artifactId>" in (ROOT / "java-client" / module / "pom.xml").read_text()
+
+
+def _dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's .dockerignore rule: the last matching pattern wins; a match on a parent directory excludes
+    everything under it. fnmatch's `*` also crosses `/`, which covers the `**/x` patterns used here."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    ignored = False
+    for pat in patterns:
+        negate = pat.startswith("!")
+        pat = pat.lstrip("!").strip("/")
+        if any(fnmatch.fnmatchcase(c, pat) or fnmatch.fnmatchcase(c, pat.removeprefix("**/")) for c in candidates):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_every_copied_file():
+    patterns = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    assert _dockerignored("java-client/sidecar-client/target/x.class", patterns)  # the reader works
+    assert _dockerignored(".git/HEAD", patterns) and not _dockerignored("sidecar/cli.py", patterns)
+    for kind, path in DOCKERFILES.items():
+        for copy in parse_dockerfile(path).copies():
+            if copy.from_stage is not None:
+                continue
+            for src in copy.sources:
+                files = [f for f in tracked if f == src or f.startswith(src.rstrip("/") + "/")] or [src]
+                kept = [f for f in files if not _dockerignored(f, patterns)]
+                assert kept == files, f"{kind}: .dockerignore drops {sorted(set(files) - set(kept))[:5]}"
 
 
 def test_every_serve_flag_used_exists(compose, overlays, help_flags):
