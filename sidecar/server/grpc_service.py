@@ -239,7 +239,15 @@ def build_server(service: InferenceService, health: Health, max_message_bytes: i
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_concurrent_streams", max_concurrent_streams),
+        # A second server on the same port must fail to bind, not share it.
         ("grpc.so_reuseport", 0),
+        # Server pings find clients that vanished without closing; their calls are cancelled,
+        # which aborts their engine requests and frees their KV blocks.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # Accept client keepalive pings every 10 s, also between calls (grpc-java/netty clients use them).
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
     ]
     server = grpc.aio.server(options=options)
     pb_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
