@@ -17,7 +17,9 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def test_int8_round_trip_error_is_within_half_a_step_per_row():
     w = _weight(96, 200)
+    original = w.clone()
     q, s = quantize_int8(w, torch.float32)
+    assert torch.equal(w, original)  # quantizing never modifies the source weight
     assert q.dtype == torch.int8 and q.shape == w.shape and s.shape == (96,)
     assert q.abs().max() <= 127
     err = (dequantize_int8(q, s) - w).abs()
@@ -29,7 +31,9 @@ def test_int8_round_trip_error_is_within_half_a_step_per_row():
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_round_trip_error_is_within_half_a_step_per_group(group_size):
     w = _weight(40, 256, seed=1)
+    original = w.clone()
     q, s, z = quantize_int4(w, group_size, torch.float32)
+    assert torch.equal(w, original)
     groups = 256 // group_size
     assert q.dtype == torch.uint8 and q.shape == (40, 128) and s.shape == (40, groups) == z.shape
     codes = unpack_int4(q)
