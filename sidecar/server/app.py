@@ -112,7 +112,11 @@ class Sidecar:
         except RuntimeError as exc:
             raise StartupError(f"grpc_port: cannot bind {_hostport(s.host, s.grpc_port)}: {exc}") from None
         await self.grpc_server.start()
-        http_port = await self._start_http()
+        try:
+            http_port = await self._start_http()
+        except BaseException:
+            await self.grpc_server.stop(0)
+            raise
         print(f"sidecar: gRPC listening on {_hostport(s.host, grpc_port)}", flush=True)
         if http_port is not None:
             print(f"sidecar: HTTP listening on {_hostport(s.host, http_port)}", flush=True)

@@ -96,3 +96,20 @@ def test_cli_bad_config_is_one_line_and_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--api-keys-file", str(keys)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.startswith("sidecar serve: error: api_keys_file:1:")
+
+
+@pytest.mark.parametrize("flag", ["--grpc-port", "--http-port"])
+def test_port_in_use_is_a_one_line_error(flag):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        args = {"--grpc-port": "0", "--http-port": "-1", flag: port}
+        r = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--host", "127.0.0.1", "--no-semantic-cache",
+                            *[x for kv in args.items() for x in kv]], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    name = flag[2:].replace("-", "_")
+    assert r.stderr.strip().splitlines()[-1].startswith(f"sidecar serve: error: {name}: cannot bind 127.0.0.1:{port}")
+    assert "Traceback" not in r.stderr
