@@ -89,7 +89,8 @@ def test_compose_config__docker_cli_when_installed_else_structural():
     assert len(published) == len(set(published)), f"two services publish one host port: {published}"
 
 
-@pytest.mark.parametrize("var,expected", [("SIDECAR_MODEL", "/models/qwen"), ("SIDECAR_TARGET", "dns:///sidecar-gpu:50051")])
+@pytest.mark.parametrize("var,expected", [("SIDECAR_MODEL", "/models/qwen"),
+                                          ("SIDECAR_TARGET", "dns:///sidecar-gpu:50051")])
 def test_compose_variables_reach_the_containers(var, expected):
     c = load_compose({var: expected})
     env = {**c["services"]["sidecar"]["environment"], **c["services"]["chat-demo"]["environment"]}

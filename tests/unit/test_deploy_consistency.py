@@ -14,15 +14,13 @@ import subprocess
 
 import pytest
 import yaml
-from test_deploy_files import (COMPOSE, CONTEXT, DOCKERFILES, K8S, K8S_GPU, ROOT, by_kind, compose_env,
-                               container_ports, dashboard_metric_names, exported_metric_names, k8s_documents,
-                               load_compose, parse_dockerfile, serve_config, serve_help_flags, sidecar_env)
+from test_deploy_files import (CONTEXT, DOCKERFILES, K8S, K8S_GPU, POST_DRAIN_S, ROOT, compose_env, container_ports,
+                               dashboard_metric_names, exported_metric_names, image_config, k8s_documents,
+                               load_compose, parse_dockerfile, pod_template, serve_help_flags, sidecar_env)
 
 SIDECAR_SERVICES = ("sidecar", "sidecar-gpu")
 SIDECAR_DOCKERFILES = {"sidecar": "deploy/Dockerfile", "sidecar-gpu": "deploy/Dockerfile.cuda"}
-# Seconds the sidecar may still need after the drain: gRPC stop grace (2 s) and the
-# HTTP server's exit wait (5 s) in sidecar/server/app.py Sidecar._drain.
-POST_DRAIN_S = 7
+
 
 
 @pytest.fixture(scope="module")
@@ -38,38 +36,6 @@ def compose() -> dict:
 @pytest.fixture(scope="module")
 def overlays() -> dict[str, list[dict]]:
     return {"cpu": k8s_documents(K8S), "gpu": k8s_documents(K8S_GPU)}
-
-
-def _image_config(kind: str, extra_env: dict[str, str] | None = None):
-    """Effective config of an image's default command, with the baked YAML read from the repo."""
-    df = parse_dockerfile(DOCKERFILES[kind])
-    assert df.entrypoint == ["sidecar", "serve"], df.entrypoint
-    paths = df.container_path_map()
-    args = [str(paths.get(a, a)) for a in df.cmd]
-    return serve_config(args, {**sidecar_env(df.env), **(extra_env or {})})
-
-
-def _pod(docs: list[dict]) -> dict:
-    return by_kind(docs, "Deployment", "sidecar")["spec"]["template"]
-
-
-def _k8s_config(docs: list[dict], tmp_path):
-    """Effective config of the Deployment's container: its args, env and the mounted ConfigMap."""
-    pod = _pod(docs)
-    c = pod["spec"]["containers"][0]
-    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    cm_vol = next(v for v in pod["spec"]["volumes"] if "configMap" in v)
-    cm = by_kind(docs, "ConfigMap", cm_vol["configMap"]["name"])
-    files = {}
-    for key, text in cm["data"].items():
-        local = tmp_path / key
-        local.write_text(text)
-        files[f"{mounts[cm_vol['name']].rstrip('/')}/{key}"] = str(local)
-    args = [files.get(a, a) for a in c.get("args", [])]
-    assert "--config" in args and args[args.index("--config") + 1] in files.values(), \
-        f"--config must name a file of the mounted ConfigMap ({sorted(files)}), args={c.get('args')}"
-    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
-    return serve_config(args, sidecar_env(env)), c, pod
 
 
 def test_referenced_files_exist(compose):
@@ -141,7 +107,7 @@ def test_every_serve_flag_used_exists(compose, overlays, help_flags):
     for name in SIDECAR_SERVICES:
         used[f"compose {name}"] = compose["services"][name].get("command", [])
     for variant, docs in overlays.items():
-        used[f"k8s {variant}"] = _pod(docs)["spec"]["containers"][0].get("args", [])
+        used[f"k8s {variant}"] = pod_template(docs)["spec"]["containers"][0].get("args", [])
     assert any(used.values())
     for where, args in used.items():
         for a in args:
@@ -158,7 +124,7 @@ def test_every_sidecar_env_var_is_a_config_field(compose, overlays):
     for name in SIDECAR_SERVICES:
         sources[f"compose {name}"] = sidecar_env(compose_env(compose["services"][name]))
     for variant, docs in overlays.items():
-        c = _pod(docs)["spec"]["containers"][0]
+        c = pod_template(docs)["spec"]["containers"][0]
         sources[f"k8s {variant}"] = {e["name"]: e.get("value", "") for e in c.get("env", [])
                                      if e["name"].startswith("SIDECAR_")}
     assert sources["compose sidecar"], "compose configures the sidecar through SIDECAR_* variables"
@@ -182,7 +148,7 @@ def test_images_expose_and_probe_the_configured_ports():
 
     defaults = ServerConfig()
     for kind in ("cpu", "cuda"):
-        cfg = _image_config(kind)
+        cfg = image_config(kind)
         df = parse_dockerfile(DOCKERFILES[kind])
         assert sorted(df.expose) == sorted([cfg.server.grpc_port, cfg.server.http_port])
         assert (cfg.server.grpc_port, cfg.server.http_port) == (defaults.grpc_port, defaults.http_port)
@@ -200,7 +166,7 @@ def test_compose_sidecars_publish_the_ports_they_serve(compose):
         svc = compose["services"][name]
         assert svc["build"]["dockerfile"] == SIDECAR_DOCKERFILES[name]
         kind = "cpu" if name == "sidecar" else "cuda"
-        cfg = _image_config(kind, sidecar_env(compose_env(svc)))
+        cfg = image_config(kind, sidecar_env(compose_env(svc)))
         assert sorted(container_ports(svc)) == sorted([cfg.server.grpc_port, cfg.server.http_port]), name
         assert svc["healthcheck"]["test"][1:] == parse_dockerfile(DOCKERFILES[kind]).healthcheck[1], name
         grace = float(svc["stop_grace_period"].rstrip("s"))
@@ -208,7 +174,7 @@ def test_compose_sidecars_publish_the_ports_they_serve(compose):
     gpu = compose["services"]["sidecar-gpu"]
     assert gpu["profiles"] == ["gpu"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
-    assert _image_config("cuda", sidecar_env(compose_env(gpu))).engine.device == "cuda"
+    assert image_config("cuda", sidecar_env(compose_env(gpu))).engine.device == "cuda"
 
 
 def _java_properties(source: str) -> set[str]:
@@ -256,7 +222,7 @@ def test_chat_demo_settings_are_sidecar_properties(compose):
     assert container_ports(demo) == [port]
     # The target names the compose sidecar's gRPC port, and the demo waits for it to be healthy.
     host, tport = env["SIDECAR_CLIENT_TARGET"].removeprefix("dns:///").split(":")
-    assert host in compose["services"] and int(tport) == _image_config("cpu").server.grpc_port
+    assert host in compose["services"] and int(tport) == image_config("cpu").server.grpc_port
     assert demo["depends_on"][host]["condition"] == "service_healthy"
 
 
@@ -271,7 +237,7 @@ def test_prometheus_scrapes_every_compose_sidecar(compose):
     assert sorted(sd["names"]) == sorted(SIDECAR_SERVICES)
     for name in sd["names"]:
         svc = compose["services"][name]
-        cfg = _image_config("cpu" if name == "sidecar" else "cuda", sidecar_env(compose_env(svc)))
+        cfg = image_config("cpu" if name == "sidecar" else "cuda", sidecar_env(compose_env(svc)))
         assert sd["port"] == cfg.server.http_port and sd["port"] in container_ports(svc)
     mounts = [v for v in compose["services"]["prometheus"]["volumes"] if "prometheus.yml" in v]
     assert mounts and mounts[0].split(":")[0] == "./deploy/prometheus/prometheus.yml"
@@ -306,55 +272,3 @@ def test_dashboard_and_autoscaler_use_real_metric_names(compose):
     for metric in hpa["spec"]["metrics"]:
         if metric["type"] == "Pods":
             assert metric["pods"]["metric"]["name"] in names
-
-
-@pytest.mark.parametrize("variant", ["cpu", "gpu"])
-def test_k8s_deployment_wiring(overlays, variant, tmp_path):
-    docs = overlays[variant]
-    cfg, c, pod = _k8s_config(docs, tmp_path)
-    labels = pod["metadata"]["labels"]
-    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"grpc": cfg.server.grpc_port, "http": cfg.server.http_port}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"]["port"] == cfg.server.grpc_port, probe
-    ann = pod["metadata"]["annotations"]
-    assert int(ann["prometheus.io/port"]) == cfg.server.http_port and ann["prometheus.io/path"] == "/metrics"
-    # Drain fits inside the grace period; a draining pod is not restarted by its liveness probe.
-    drain = c["lifecycle"]["preStop"]["sleep"]["seconds"] + cfg.server.shutdown_timeout_s + POST_DRAIN_S
-    assert pod["spec"]["terminationGracePeriodSeconds"] > drain
-    live = c["livenessProbe"]
-    assert live["periodSeconds"] * live["failureThreshold"] > cfg.server.shutdown_timeout_s + POST_DRAIN_S
-    assert cfg.engine.device == ("cuda" if variant == "gpu" else "cpu")
-    if variant == "gpu":
-        assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["image"].endswith(":cuda")
-    else:
-        assert cfg.engine.kv_cache_memory_gb is not None, "CPU pods must size the KV cache below their memory limit"
-    for res in ("requests", "limits"):
-        assert {"cpu", "memory"} <= set(c["resources"][res])
-    sec = pod["spec"]["securityContext"]
-    assert sec["runAsNonRoot"] and sec["runAsUser"] == 10001  # the uid the Dockerfiles create
-    for kind, name in (("Service", "sidecar-headless"), ("Service", "sidecar"), ("PodDisruptionBudget", "sidecar")):
-        obj = by_kind(docs, kind, name)
-        sel = obj["spec"]["selector"]
-        sel = sel.get("matchLabels", sel)
-        assert sel and all(labels.get(k) == v for k, v in sel.items()), f"{kind} {name} selects no sidecar pod"
-    headless = by_kind(docs, "Service", "sidecar-headless")["spec"]
-    assert headless["clusterIP"] == "None"
-    assert [(p["port"], p["targetPort"]) for p in headless["ports"]] == [(cfg.server.grpc_port, "grpc")]
-    http = {p["name"]: (p["port"], p["targetPort"]) for p in by_kind(docs, "Service", "sidecar")["spec"]["ports"]}
-    assert http["http"] == (cfg.server.http_port, "http")
-
-
-def test_docs_name_the_real_headless_target(overlays):
-    docs = overlays["cpu"]
-    svc = by_kind(docs, "Service", "sidecar-headless")
-    ns = svc["metadata"]["namespace"]
-    port = svc["spec"]["ports"][0]["port"]
-    target = f"dns:///{svc['metadata']['name']}.{ns}.svc.cluster.local:{port}"
-    assert target in (ROOT / "docs/DEPLOY.md").read_text()
-    assert target in (K8S / "service-headless.yaml").read_text()
-    hpa = yaml.safe_load((K8S / "hpa.yaml").read_text())
-    deploy = by_kind(docs, "Deployment", "sidecar")
-    assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
-    assert hpa["metadata"]["namespace"] == deploy["metadata"]["namespace"] == ns
-    assert COMPOSE.is_file()

@@ -213,6 +213,10 @@ def k8s_files() -> list[Path]:
     return [f for f in files if f.name != "kustomization.yaml"]
 
 
+def pod_template(docs: list[dict]) -> dict:
+    return by_kind(docs, "Deployment", "sidecar")["spec"]["template"]
+
+
 def by_kind(docs: list[dict], kind: str, name: Optional[str] = None) -> dict:
     found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
     assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
@@ -256,7 +260,22 @@ def exported_metric_names(exposition: str) -> set[str]:
 
 
 def dashboard_metric_names(dashboard: dict) -> set[str]:
-    return {n for p in dashboard["panels"] for t in p.get("targets", []) for n in re.findall(r"\bsidecar_\w+", t["expr"])}
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    return {n for e in exprs for n in re.findall(r"\bsidecar_\w+", e)}
+
+
+# Seconds the sidecar may still need after the drain: gRPC stop grace (2 s) and the
+# HTTP server's exit wait (5 s) in sidecar/server/app.py Sidecar._drain.
+POST_DRAIN_S = 7
+
+
+def image_config(kind: str, extra_env: dict[str, str] | None = None):
+    """Effective config of an image's default command, with the baked YAML read from the repo."""
+    df = parse_dockerfile(DOCKERFILES[kind])
+    assert df.entrypoint == ["sidecar", "serve"], df.entrypoint
+    paths = df.container_path_map()
+    args = [str(paths.get(a, a)) for a in df.cmd]
+    return serve_config(args, {**sidecar_env(df.env), **(extra_env or {})})
 
 
 # --------------------------------------------------------------------------- tests of the readers
