@@ -18,28 +18,28 @@ from sidecar.config import CacheConfig, EngineConfig, ServerConfig, SidecarConfi
 FLAGS: list[tuple[str, str, str, str]] = [
     ("--model", "engine", "model", "model: 'demo', a local Hugging Face directory, or a hub id"),
     ("--dtype", "engine", "dtype", "weights/activations dtype: auto, float32, bfloat16, float16"),
-    ("--quantization", "engine", "quantization", "weight-only quantization: none, int8, int4"),
+    ("--quantization", "engine", "quantization", "weight-only quantization: none, int8, int4 (default: none)"),
     ("--quant-group-size", "engine", "quant_group_size", "int4 group size: 32, 64, 128, 256"),
     ("--quantize-lm-head", "engine", "quantize_lm_head", "also quantize the output projection (true/false)"),
     ("--block-size", "engine", "block_size", "tokens per KV block: 8, 16, 32, 64, 128"),
     ("--kv-cache-memory-gb", "engine", "kv_cache_memory_gb", "KV cache budget in GiB (default: a fraction of free memory)"),
     ("--kv-cache-memory-fraction", "engine", "kv_cache_memory_fraction",
      "fraction of free memory for the KV cache when no GiB budget is given"),
-    ("--num-kv-blocks", "engine", "num_kv_blocks", "exact number of KV blocks (overrides the memory budget)"),
+    ("--num-kv-blocks", "engine", "num_kv_blocks", "exact number of KV blocks (overrides the memory budget; default: from the budget)"),
     ("--max-num-seqs", "engine", "max_num_seqs", "most requests in the running batch"),
     ("--max-num-batched-tokens", "engine", "max_num_batched_tokens", "token budget per engine step"),
     ("--max-model-len", "engine", "max_model_len", "context length limit (default: the model's)"),
     ("--max-waiting-requests", "engine", "max_waiting_requests", "waiting queue bound; beyond it RESOURCE_EXHAUSTED"),
     ("--seed", "engine", "seed", "engine-wide random seed"),
     ("--device", "engine", "device", "auto, cpu, cuda or cuda:N"),
-    ("--num-threads", "engine", "num_threads", "torch intra-op threads on CPU"),
-    ("--revision", "engine", "revision", "hub revision of the model"),
-    ("--demo-dir", "engine", "demo_dir", "where the demo model is built/reused"),
+    ("--num-threads", "engine", "num_threads", "torch intra-op threads on CPU (default: torch's choice)"),
+    ("--revision", "engine", "revision", "hub revision of the model (default: the main branch)"),
+    ("--demo-dir", "engine", "demo_dir", "where the demo model is built/reused (default: the user cache dir)"),
     ("--host", "server", "host", "address both servers bind"),
     ("--grpc-port", "server", "grpc_port", "gRPC port; 0 picks a free port"),
     ("--http-port", "server", "http_port", "OpenAI HTTP port; 0 picks a free port, -1 disables HTTP"),
-    ("--port-file", "server", "port_file", "write {grpc_port, http_port, pid} JSON here once listening"),
-    ("--api-keys-file", "server", "api_keys_file", "file with one 'key' or 'key:tenant' per line"),
+    ("--port-file", "server", "port_file", "write {grpc_port, http_port, pid} JSON here once listening (default: none)"),
+    ("--api-keys-file", "server", "api_keys_file", "file with one 'key' or 'key:tenant' per line (default: none)"),
     ("--rate-limit-rps", "server", "rate_limit_rps", "per-key requests per second; 0 = unlimited"),
     ("--rate-limit-burst", "server", "rate_limit_burst", "per-key burst size; 0 = max(1, rps)"),
     ("--rate-limit-tpm", "server", "rate_limit_tpm", "per-key tokens (prompt + max_tokens) per minute; 0 = unlimited"),
@@ -77,12 +77,14 @@ def _dest(section: str, name: str) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="YAML", default=None,
+    parser.add_argument("--config", metavar="YAML", default=argparse.SUPPRESS,
                         help="YAML file with engine/cache/server sections (flags and SIDECAR_* env override it)")
     groups = {s: parser.add_argument_group(f"{s} settings (env SIDECAR_{s.upper()}_<NAME>)") for s in _SECTIONS}
     for flag, section, name, help_text in FLAGS:
+        default = _default(section, name)
+        shown = "" if default is None else f" [default: {default}]"  # None defaults are explained in the text
         groups[section].add_argument(flag, dest=_dest(section, name), default=argparse.SUPPRESS, metavar="V",
-                                     help=f"{help_text} [default: {_default(section, name)}]")
+                                     help=help_text + shown)
     groups["server"].add_argument("--api-key", dest=_dest("server", "api_keys"), action="append",
                                   default=argparse.SUPPRESS, metavar="KEY[:TENANT]",
                                   help="accept this API key (repeatable); the tenant isolates caches "
