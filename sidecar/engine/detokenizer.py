@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from sidecar.engine.request import SamplingParams
 
+MAX_PENDING_TOKENS = 4
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
@@ -38,7 +40,10 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        pending = len(self.ids) - self.read_offset
+        # A UTF-8 character spans at most 4 bytes, so more pending tokens than that ending in U+FFFD
+        # are invalid bytes, not a character still being written: commit them rather than wait forever.
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and pending <= MAX_PENDING_TOKENS):
             return None  # an incomplete character (or nothing printable) so far
         before = len(self.text)
         self.text += full[len(prefix):]

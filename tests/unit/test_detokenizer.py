@@ -48,3 +48,19 @@ def test_earliest_of_several_stop_strings_wins(tok):
     d, _ = stream(tok, "alpha beta gamma delta", stop=["gamma", "beta"])
     assert d.text == "alpha "
     assert d.stopped_by == "beta"
+
+
+def test_invalid_bytes_do_not_stall_the_stream(tok):
+    # Continuation bytes with no lead byte never form a character; text must still advance.
+    byte_tokens = [tok.convert_tokens_to_ids(c) for c in ("\u00ae", "\u00af", "\u00b0", "\u00b1", "\u00b2", "\u00b3")]
+    assert all(isinstance(t, int) and t >= 0 for t in byte_tokens)
+    d = IncrementalDetokenizer(tok, SamplingParams())
+    for t in byte_tokens[:4]:
+        d.add_token(t)
+    assert d.text == ""  # up to 4 pending bytes may still become a character
+    for t in byte_tokens[4:]:
+        d.add_token(t)
+    assert d.text != "" and set(d.text) == {"\ufffd"}
+    for t in tok.encode(" ok", add_special_tokens=False):
+        d.add_token(t)
+    assert d.text.endswith(" ok")
