@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,6 +123,7 @@ def start_sidecar(*extra_args: str, env: Optional[dict] = None, wait_serving: bo
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
