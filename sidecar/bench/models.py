@@ -21,9 +21,9 @@ SHAPES = {"qwen2-0.5b": QWEN2_0_5B, "small": SMALL}
 
 
 def bench_cache_dir() -> Path:
-    base = os.environ.get("SIDECAR_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "llm-sidecar")
-    return Path(base) / "bench-models"
+    from sidecar.model.demo import sidecar_home
+
+    return sidecar_home() / "bench-models"
 
 
 def random_checkpoint(shape: str = "qwen2-0.5b", seed: int = 0, out: Optional[Path] = None) -> Path:

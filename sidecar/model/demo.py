@@ -65,10 +65,16 @@ Hello world! Good morning. Thank you very much. You are welcome. See you tomorro
 """
 
 
-def default_demo_dir() -> Path:
-    base = os.environ.get("SIDECAR_CACHE_DIR") or os.path.join(
+def sidecar_home() -> Path:
+    """Where built artifacts (demo and benchmark models) live: $SIDECAR_HOME or the user cache dir.
+    (Not SIDECAR_CACHE_*: that prefix belongs to the semantic-cache settings.)"""
+    base = os.environ.get("SIDECAR_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "llm-sidecar")
-    return Path(base) / f"demo-model-v{DEMO_VERSION}"
+    return Path(base)
+
+
+def default_demo_dir() -> Path:
+    return sidecar_home() / f"demo-model-v{DEMO_VERSION}"
 
 
 def _build_tokenizer(vocab_size: int):
