@@ -123,7 +123,11 @@ class AsyncEngine:
                 if not running:
                     break
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
+                    outputs = self.engine.step()
+                    # Refresh the snapshot before anyone hears of these outputs, so a stats call made
+                    # after a response already sees that request's blocks returned.
+                    self._stats = self.engine.stats()
+                    for out in outputs:
                         with self._lock:
                             stream = self._streams.get(out.request_id)
                             if out.finished:
