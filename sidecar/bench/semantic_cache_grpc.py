@@ -9,12 +9,6 @@ and ``max_tokens`` tokens (``ignore_eos``, greedy), the cost a hit saves.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Iterator
 
@@ -25,45 +19,11 @@ QUESTION = "How do I check which process is using port 8080 on Linux?"
 
 @contextlib.contextmanager
 def serve(model: str, extra_args: tuple = (), timeout_s: float = 600.0) -> Iterator[str]:
-    """Yield the gRPC target of a fresh sidecar; SIGTERM it (SIGKILL if stuck) on exit."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    """Yield the gRPC target of a fresh sidecar (started and stopped by the serving bench's launcher)."""
+    from sidecar.bench.serve_load import launch
 
-    work = tempfile.mkdtemp(prefix="sidecar-bench-")
-    port_file, log_path = os.path.join(work, "ports.json"), os.path.join(work, "serve.log")
-    cmd = [sys.executable, "-m", "sidecar", "serve", "--model", model, "--grpc-port", "0", "--http-port", "0",
-           "--host", "127.0.0.1", "--port-file", port_file, "--log-level", "warning", *extra_args]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not os.path.exists(port_file):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"sidecar serve did not start; log {log_path}")
-            time.sleep(0.05)
-        with open(port_file, encoding="utf-8") as fh:
-            target = f"127.0.0.1:{json.load(fh)['grpc_port']}"
-        with grpc.insecure_channel(target) as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            while True:
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"sidecar serve never became SERVING; log {log_path}")
-                time.sleep(0.1)
-        yield target
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+    with launch(model, list(extra_args), timeout_s) as ports:
+        yield f"127.0.0.1:{ports['grpc_port']}"
 
 
 def measure_grpc(args) -> dict:

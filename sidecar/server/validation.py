@@ -73,7 +73,7 @@ def check_request(req: Any, model_name: str, vocab_size: Optional[int], max_prom
     if len(given) != 1:
         if req.messages is None:
             raise invalid("prompt", "exactly one of prompt and prompt_token_ids must be set"
-                          + (f", got both" if len(given) > 1 else ""))
+                          + (", got both" if len(given) > 1 else ""))
         raise invalid("messages", "set messages only, not a prompt as well")
     if req.messages is not None:
         check_messages(req.messages)
