@@ -36,7 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads in each measured process")
     p.add_argument("--max-tokens", type=int, default=None, help="decode tokens per request (default 64; 16 small)")
     p.add_argument("--stream-len", type=int, default=None, help="tokens in the quality stream (default 256)")
-    p.add_argument("--peaked-init", type=float, default=0.1, help="init scale of the peaked-quality model")
+    p.add_argument("--peaked-init", type=float, default=0.3,
+                   help="init scale of the extra quality model (same shape, peaked next-token distributions)")
+    p.add_argument("--skip-extra-quality", action="store_true",
+                   help="quality on the measured model only (not on the peaked-init and demo models)")
     p.add_argument("--out", default="bench-results", help="output directory for JSON + PNG")
 
 
@@ -83,7 +86,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    code = "import json,sys; from sidecar.bench.quant import _worker; print('RESULT' + json.dumps(_worker(json.loads(sys.argv[1]))))"
+    code = ("import json,sys; from sidecar.bench.quant import _worker; "
+            "print('RESULT' + json.dumps(_worker(json.loads(sys.argv[1]))))")
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
@@ -94,8 +98,8 @@ def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ quality (in this process)
 
-def sequence_logprobs(loaded, ids: list[int]):
-    """Teacher-forced next-token log-probs [T, V] (float32) from one prefill through our decoder."""
+def sequence_logits(loaded, ids: list[int]):
+    """Teacher-forced next-token logits [T, V] (float32) from one prefill through our decoder."""
     import torch
 
     from sidecar.model.attention import AttentionMetadata, PrefillSegment
@@ -109,7 +113,7 @@ def sequence_logprobs(loaded, ids: list[int]):
                              prefills=[PrefillSegment(0, t, t, torch.arange(nb, device=loaded.device))])
     with torch.inference_mode():
         hidden = loaded.model(torch.tensor(ids, device=loaded.device), rng, caches, meta)
-        return loaded.model.compute_logits(hidden).float().log_softmax(-1)
+        return loaded.model.compute_logits(hidden).float()
 
 
 def quality(model_dir: str, group_size: int, quantize_lm_head: bool, stream_len: int) -> dict[str, Any]:
@@ -128,19 +132,22 @@ def quality(model_dir: str, group_size: int, quantize_lm_head: bool, stream_len:
         vocab = loaded.args.vocab_size
         g = torch.Generator().manual_seed(1234)
         stream = torch.randint(0, vocab, (stream_len,), generator=g).tolist()
-        lp = sequence_logprobs(loaded, stream)
+        logits = sequence_logits(loaded, stream)
+        lp = logits.log_softmax(-1)
         text_ids = loaded.tokenizer.encode(TEXT)[:stream_len]
-        tlp = sequence_logprobs(loaded, text_ids)
+        tlp = sequence_logits(loaded, text_ids).log_softmax(-1)
         nll = -tlp[:-1].gather(1, torch.tensor(text_ids[1:])[:, None]).mean().item()
         row: dict[str, Any] = {"perplexity": float(torch.tensor(nll).exp()),
                                "entropy_nats": float(-(lp.exp() * lp).sum(-1).mean())}
         if ref is None:
-            ref = lp
+            ref, ref_logits = lp, logits
         else:
             row["kl_vs_bf16"] = float((ref.exp() * (ref - lp)).sum(-1).mean())
             row["top1_agree_vs_bf16"] = float((ref.argmax(-1) == lp.argmax(-1)).float().mean())
+            # Scale-free and meaningful even when the distributions are near uniform.
+            row["logit_rel_err"] = float((logits - ref_logits).norm() / ref_logits.norm())
         out[mode] = row
-        del loaded, lp, tlp
+        del loaded, lp, tlp, logits
     return out
 
 
@@ -210,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         result["runs"] = rows
         print("[quality] main model ...", flush=True)
         result["quality"] = {"main": quality(model_dir, gs, args.quantize_lm_head, stream_len)}
-        if not args.model:
+        if not args.model and not args.skip_extra_quality:
             print("[quality] peaked-init model and demo model ...", flush=True)
             peaked = _peaked_checkpoint(shape, args.peaked_init, tmp / "peaked")
             result["quality"][f"peaked_init_{args.peaked_init}"] = quality(str(peaked), gs, args.quantize_lm_head,
@@ -226,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
             "peak_rss_vs_bf16_file", "decode_tok_s_b1", "speedup_b1", "decode_tok_s_b16", "speedup_b16"]
     print(format_table(rows, cols))
     qrows = [{"model": name, "mode": m, **vals} for name, q in result["quality"].items() for m, vals in q.items()]
-    print(format_table(qrows, ["model", "mode", "kl_vs_bf16", "top1_agree_vs_bf16", "perplexity", "entropy_nats"]))
+    print(format_table(qrows, ["model", "mode", "kl_vs_bf16", "top1_agree_vs_bf16", "logit_rel_err", "perplexity",
+                               "entropy_nats"]))
     bars = {"weight memory (MiB)": {r["mode"]: r["weight_mib"] for r in rows},
             "batch-1 decode (tok/s)": {r["mode"]: r["decode_tok_s_b1"] for r in rows},
             "batch-16 decode (tok/s)": {r["mode"]: r["decode_tok_s_b16"] for r in rows},
