@@ -64,7 +64,7 @@ def _reference(linear_w: torch.Tensor, bias, mode: str, group_size: int) -> torc
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("n,k", [(64, 128), (50, 96), (7, 13), (33, 200), (130, 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
 def test_quantized_linear_matches_dequantized_matmul(mode, n, k, dtype, lead):
     torch.manual_seed(n * 1000 + k)
