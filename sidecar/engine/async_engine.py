@@ -154,9 +154,14 @@ class AsyncEngine:
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,
                        priority: int = 0, cache_salt: Optional[str] = None,
-                       deadline: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+                       deadline: Optional[float] = None,
+                       arrival_time: Optional[float] = None) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Errors (ValueError, QueueFullError) raise before any output.
-        Leaving the iteration early aborts the request in the engine."""
+        Leaving the iteration early aborts the request in the engine.
+
+        ``arrival_time`` (time.monotonic()) defaults to now: queue time and TTFT count from the moment
+        the request reached us, including the hand-over to the engine thread."""
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         if not self._accepting:
             raise EngineDeadError("engine is shutting down")
         if not self.is_running:
@@ -168,7 +173,8 @@ class AsyncEngine:
                 raise ValueError(f"request_id: {rid!r} is already in use")
             self._streams[rid] = stream
         self._commands.put(("add", rid, prompt, params,
-                            {"priority": priority, "cache_salt": cache_salt, "deadline": deadline}))
+                            {"priority": priority, "cache_salt": cache_salt, "deadline": deadline,
+                             "arrival_time": arrival_time}))
         finished = False
         try:
             while True:

@@ -141,6 +141,7 @@ class InferenceService:
 
     # -- generation ----------------------------------------------------------
     async def generate(self, caller: Caller, req: GenerationRequest) -> AsyncIterator[Event]:
+        arrival = time.monotonic()  # queue time and TTFT count from here, as clients see them
         self._check_serving()
         info = self.engine.engine.model_info
         check_request(req, self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
@@ -179,7 +180,7 @@ class InferenceService:
         deadline = time.monotonic() + req.timeout_s if req.timeout_s is not None else None
         self._active_ids.add(rid)
         stream = self.engine.generate(prompt, req.params, request_id=rid, priority=req.priority,
-                                      cache_salt=cache_salt, deadline=deadline)
+                                      cache_salt=cache_salt, deadline=deadline, arrival_time=arrival)
         first = True
         try:
             try:
