@@ -27,7 +27,7 @@ test-python: venv
 	$(PY) -m pytest -q tests
 
 test-java: venv
-	cd java-client && $(MVN) -B -q verify -Dsidecar.python=$(PY) -Dsidecar.repo=$(CURDIR)
+	cd java-client && $(MVN) -B -ntp verify -Dsidecar.python=$(PY) -Dsidecar.repo=$(CURDIR)
 
 bench: venv
 	$(PY) -m sidecar bench throughput
