@@ -128,17 +128,29 @@ def build_demo_model(out_dir: str | Path, seed: int = 0, config_overrides: Optio
     return out_dir
 
 
+def _is_current(path: Path) -> bool:
+    try:
+        return json.loads((path / "sidecar_demo.json").read_text()).get("version") == DEMO_VERSION
+    except (OSError, ValueError):
+        return False
+
+
 def ensure_demo_model(demo_dir: Optional[str] = None) -> Path:
-    """Return the demo model directory, building it once if missing or stale."""
+    """Return the demo model directory, building it once if missing or stale.
+
+    Safe when several processes start at once: the build runs under an exclusive file lock and the
+    others wait, then reuse it (a reader never sees a half-written or replaced directory)."""
+    import fcntl
+
     path = Path(demo_dir) if demo_dir else default_demo_dir()
-    marker = path / "sidecar_demo.json"
-    if marker.exists():
-        try:
-            if json.loads(marker.read_text()).get("version") == DEMO_VERSION:
-                return path
-        except (OSError, ValueError):
-            pass
-    return build_demo_model(path)
+    if _is_current(path):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not _is_current(path):
+            build_demo_model(path)
+    return path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

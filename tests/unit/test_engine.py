@@ -245,3 +245,19 @@ def test_failing_step_fails_its_requests_not_the_engine(demo_dir, monkeypatch):
     done = drain(eng)
     assert done["ok"].finish_reason == "length"
     assert pool_whole(eng)
+
+
+def test_demo_model_built_once_under_concurrent_starts(tmp_path):
+    import subprocess
+    import sys
+
+    target = tmp_path / "demo"
+    code = ("import sys; from sidecar.model.demo import ensure_demo_model; "
+            "print(ensure_demo_model(sys.argv[1]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for _ in range(3)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
+    assert {r[0].decode().strip() for r in results} == {str(target)}
+    assert (target / "config.json").exists() and (target / "model.safetensors").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".demo-build-")]
