@@ -113,14 +113,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        # Normalise in float32, scale in the model dtype (as HF does), with the fused kernel.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -137,12 +131,13 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
-        q = q.view(t, self.nh, self.hd)
-        k = k.view(t, self.nkv, self.hd)
-        v = v.view(t, self.nkv, self.hd)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        nqk = (self.nh + self.nkv) * self.hd
+        # q and k are adjacent in the fused projection: rotate them in one pass.
+        # rotate_half(x) == roll(x, hd/2) * [-1.., +1..]; the sign is folded into `sin` (see init_rope).
+        qk = qkv[:, :nqk].view(t, self.nh + self.nkv, self.hd)
+        qk = qk * cos + torch.roll(qk, self.hd // 2, dims=-1) * sin
+        q, k = qk[:, :self.nh], qk[:, self.nh:]
+        v = qkv[:, nqk:].view(t, self.nkv, self.hd)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(t, self.nh * self.hd))
 
@@ -191,7 +186,9 @@ class LlamaForCausalLM(nn.Module):
         freqs = pos[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rope_cos = emb.cos().to(dtype)
-        self.rope_sin = emb.sin().to(dtype)
+        # Sign of rotate_half folded in: first half negated (exact in any dtype).
+        sign = torch.cat((-torch.ones_like(freqs), torch.ones_like(freqs)), dim=-1)
+        self.rope_sin = (emb.sin() * sign).to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
