@@ -13,7 +13,7 @@ import argparse
 import gc
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -57,57 +57,49 @@ def _summarise(name: str, caching: bool, outs: list[Any], seconds: float, skip_f
     }
 
 
-def customer_service(args: argparse.Namespace, caching: bool, rng_seed: int) -> dict[str, Any]:
-    rng = random.Random(rng_seed)
-    system = [rng.randrange(3, 20000) for _ in range(args.system_tokens)]
-    engine = _engine(args, caching)
-    _run_wave(engine, [[7, 8, 9]], 2)  # warm-up, unrelated tokens
-    outs = []
-    t = time.perf_counter()
-    first = _run_wave(engine, [system + [rng.randrange(3, 20000) for _ in range(args.question_tokens)]],
-                      args.output_tokens)
-    outs += first
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 20000) for _ in range(n)]
+
+
+def customer_service(args: argparse.Namespace, run: Callable, rng: random.Random) -> list[Any]:
+    system = _tokens(rng, args.system_tokens)
+    outs = run([system + _tokens(rng, args.question_tokens)])
     for _ in range(args.waves):
-        wave = [system + [rng.randrange(3, 20000) for _ in range(args.question_tokens)] for _ in range(args.wave_size)]
-        outs += _run_wave(engine, wave, args.output_tokens)
-    dt = time.perf_counter() - t
-    res = _summarise("customer-service", caching, outs, dt, skip_first=1)
-    del engine
-    gc.collect()
-    return res
+        outs += run([system + _tokens(rng, args.question_tokens) for _ in range(args.wave_size)])
+    return outs
 
 
-def multi_turn(args: argparse.Namespace, caching: bool, rng_seed: int) -> dict[str, Any]:
-    rng = random.Random(rng_seed)
-    engine = _engine(args, caching)
-    _run_wave(engine, [[7, 8, 9]], 2)
-    convs = [[rng.randrange(3, 20000) for _ in range(args.question_tokens)] for _ in range(args.conversations)]
-    outs = []
-    t = time.perf_counter()
+def multi_turn(args: argparse.Namespace, run: Callable, rng: random.Random) -> list[Any]:
+    convs = [_tokens(rng, args.question_tokens) for _ in range(args.conversations)]
+    outs: list[Any] = []
     for _turn in range(args.turns):
-        results = _run_wave(engine, convs, args.output_tokens)
+        results = run(convs)
         outs += results
-        convs = [c + r.token_ids + [rng.randrange(3, 20000) for _ in range(args.question_tokens)]
-                 for c, r in zip(convs, results)]
-    dt = time.perf_counter() - t
-    res = _summarise("multi-turn", caching, outs, dt, skip_first=args.conversations)
-    del engine
-    gc.collect()
-    return res
+        convs = [c + r.token_ids + _tokens(rng, args.question_tokens) for c, r in zip(convs, results)]
+    return outs
 
 
-def no_sharing(args: argparse.Namespace, caching: bool, rng_seed: int) -> dict[str, Any]:
-    rng = random.Random(rng_seed)
+def no_sharing(args: argparse.Namespace, run: Callable, rng: random.Random) -> list[Any]:
+    return run([_tokens(rng, args.system_tokens // 2) for _ in range(args.wave_size * 4)])
+
+
+# name, scenario, leading requests left out of the "after first" figures
+SCENARIOS = [("customer-service", customer_service, lambda a: 1),
+             ("multi-turn", multi_turn, lambda a: a.conversations),
+             ("no-sharing", no_sharing, lambda a: 0)]
+
+
+def measure(args: argparse.Namespace, name: str, scenario: Callable, skip_first: int,
+            caching: bool) -> dict[str, Any]:
+    """Run one scenario on a fresh engine (warmed up on unrelated tokens), timing only the scenario."""
     engine = _engine(args, caching)
     _run_wave(engine, [[7, 8, 9]], 2)
-    prompts = [[rng.randrange(3, 20000) for _ in range(args.system_tokens // 2)] for _ in range(args.wave_size * 4)]
     t = time.perf_counter()
-    outs = _run_wave(engine, prompts, args.output_tokens)
+    outs = scenario(args, lambda prompts: _run_wave(engine, prompts, args.output_tokens), random.Random(args.seed))
     dt = time.perf_counter() - t
-    res = _summarise("no-sharing", caching, outs, dt)
-    del engine
+    engine = None  # free the model and KV cache before the next engine is built
     gc.collect()
-    return res
+    return _summarise(name, caching, outs, dt, skip_first=skip_first)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     args.model_dir = str(random_checkpoint(args.model) if args.model in SHAPES else resolve_model_dir(args.model))
     rows = []
-    for scenario in (customer_service, multi_turn, no_sharing):
+    for name, scenario, skip in SCENARIOS:
         for caching in (False, True):
-            rows.append(scenario(args, caching, args.seed))
+            rows.append(measure(args, name, scenario, skip(args), caching))
             r = rows[-1]
             print(f"{r['scenario']:17s} caching {r['prefix_caching']:3s}: {r['seconds']:.1f}s "
                   f"cached {r['cached_fraction']:.1%} ttft p50 {r['ttft_p50_ms']:.1f} ms", flush=True)
