@@ -115,8 +115,6 @@ class ModelRunner:
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dtables]).view(len(dtables), width)
             ctx = self._tensor([s.request.num_computed_tokens + 1 for s in decodes])
             meta.decode_mask = build_decode_mask(ctx, width, bs, self.sliding_window)
-            meta.decode_q_index = self._tensor(list(range(len(ids) - len(decodes), len(ids))))
-            meta.decode_is_contiguous = True
         hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
         if not sample_reqs:
             return [], None

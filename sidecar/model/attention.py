@@ -34,11 +34,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot for every new token
     block_size: int
     prefills: list[PrefillSegment] = field(default_factory=list)
-    # Batched decode: requests with exactly one new token.
-    decode_q_index: Optional[torch.Tensor] = None  # [Bd] long positions in the packed batch
+    # Batched decode: requests with exactly one new token. Their tokens are the last Bd of the
+    # packed batch (the runner places prefill segments first).
     decode_block_tables: Optional[torch.Tensor] = None  # [Bd, max_blocks] long (padded with 0)
     decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
-    decode_is_contiguous: bool = False  # decode tokens are exactly the packed-batch tail
 
 
 def build_decode_mask(ctx_lens: torch.Tensor, max_blocks: int, block_size: int,
@@ -100,25 +99,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                 mask &= kpos > qpos - sliding_window
             o = _sdpa(qs, ks, vs, mask[None, None], False, scale)
         out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
-    if meta.decode_q_index is not None:
+    if meta.decode_block_tables is not None:
         bt = meta.decode_block_tables
         b, nb = bt.shape
         nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         bs = k_cache.shape[1]
         kd = k_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
         vd = v_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
-        if meta.decode_is_contiguous:
-            qd = q[q.shape[0] - b:]
-        else:
-            qd = q.index_select(0, meta.decode_q_index)
+        qd = q[q.shape[0] - b:]
         # Grouped-query decode without copying K/V: the query heads sharing a KV head
         # become that head's query rows ([B, Hkv, rep, D] against [B, Hkv, L, D]).
         nh = qd.shape[1]
         qg = qd.reshape(b, nkv, nh // nkv, hd)
         o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         o = o.reshape(b, nh, hd)
-        if meta.decode_is_contiguous:
-            out[q.shape[0] - b:] = o
-        else:
-            out.index_copy_(0, meta.decode_q_index, o)
+        out[q.shape[0] - b:] = o
     return out
