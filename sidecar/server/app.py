@@ -98,7 +98,7 @@ class Sidecar:
         self.stop.set()
 
     async def main(self) -> int:
-        from sidecar.server.grpc_service import Health, build_server
+        from sidecar.server.grpc.servicer import Health, build_server
 
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -193,9 +193,9 @@ class Sidecar:
         if s.http_port < 0:
             return None
         try:
-            from sidecar.server.openai_api import create_app
+            from sidecar.server.openai.api import create_app
         except ModuleNotFoundError as exc:
-            if exc.name != "sidecar.server.openai_api":
+            if exc.name not in ("sidecar.server.openai", "sidecar.server.openai.api"):
                 raise
             log.warning("OpenAI HTTP API not available in this build; serving gRPC only")
             return None

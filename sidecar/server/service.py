@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Optional
 
 from sidecar.config import SidecarConfig
 from sidecar.engine.request import QueueFullError, SamplingParams
-from sidecar.server.cache_glue import CacheGlue, CacheInfo
+from sidecar.server.cache_step import CacheInfo, CacheStep
 from sidecar.server.metrics import Metrics
 from sidecar.server.security import AuthError, Authenticator, RateLimiter, load_api_keys
 from sidecar.server.validation import ServiceError, check_request, sampling_params
@@ -85,21 +85,21 @@ class InferenceService:
     def __init__(self, cfg: SidecarConfig) -> None:
         self.cfg = cfg
         self.engine: Any = None  # AsyncEngine once attached
-        self.cache_glue = CacheGlue(None, None, cfg.cache)
+        self.cache_step = CacheStep(None, None, cfg.cache)
         self.serving = False
         self.draining = False
         self.model_name = cfg.server.served_model_name or cfg.engine.model
         self.auth = Authenticator(load_api_keys(cfg.server.api_keys, cfg.server.api_keys_file))
         self.limiter = RateLimiter(cfg.server.rate_limit_rps, cfg.server.rate_limit_burst,
                                    cfg.server.rate_limit_tpm)
-        # Late-bound: attach() replaces cache_glue once the cache has loaded.
-        self.metrics = Metrics(self._engine_stats, lambda: self.cache_glue.stats())
+        # Late-bound: attach() replaces cache_step once the cache has loaded.
+        self.metrics = Metrics(self._engine_stats, lambda: self.cache_step.stats())
         self._active_ids: set[str] = set()
 
     # -- lifecycle ---------------------------------------------------------
     def attach(self, engine: Any, cache: Any = None, embedder: Any = None) -> None:
         self.engine = engine
-        self.cache_glue = CacheGlue(cache, embedder, self.cfg.cache)
+        self.cache_step = CacheStep(cache, embedder, self.cfg.cache)
         if not self.cfg.server.served_model_name:
             self.model_name = engine.engine.model_info.get("model") or self.cfg.engine.model
         self.serving = True
@@ -113,7 +113,7 @@ class InferenceService:
         return len(self._active_ids)
 
     async def close(self) -> None:
-        await self.cache_glue.close()
+        await self.cache_step.close()
 
     def render_metrics(self) -> tuple[bytes, str]:
         return self.metrics.render()
@@ -162,8 +162,8 @@ class InferenceService:
             self._rate_limit(caller, 0)
         unused = req.params.max_tokens  # charged up front; what is not generated is refunded at the end
 
-        plan = self.cache_glue.plan(caller.tenant, req, self.model_name)
-        hit = await self.cache_glue.lookup(plan) if plan.policy.lookup else None
+        plan = self.cache_step.plan(caller.tenant, req, self.model_name)
+        hit = await self.cache_step.lookup(plan) if plan.policy.lookup else None
         rid = self._new_id(req.request_id)
         if hit is not None:
             self.limiter.refund(caller.key_id or "anonymous", req.params.max_tokens)
@@ -208,7 +208,7 @@ class InferenceService:
                     self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s,
                                                   len(out.token_ids))
                     if plan.policy.store and out.finish_reason in ("stop", "length"):
-                        self.cache_glue.store_later(plan, out)
+                        self.cache_step.store_later(plan, out)
                     log.info("request finished", extra={
                         "request_id": rid, "tenant": caller.tenant, "finish_reason": out.finish_reason,
                         "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
@@ -266,7 +266,7 @@ class InferenceService:
         for i, t in enumerate(inputs):
             if not isinstance(t, str) or not t.strip():
                 raise ServiceError("invalid_argument", f"inputs[{i}]: must be a non-empty string", field="inputs")
-        embedder = await self.cache_glue.get_embedder()
+        embedder = await self.cache_step.get_embedder()
         n_tokens = embedder.count_tokens(inputs)
         self._rate_limit(caller, n_tokens)
         vecs = await embedder.aembed(inputs)
@@ -294,9 +294,9 @@ class InferenceService:
         info = dict(self.engine.engine.model_info) if self.engine is not None else {}
         from sidecar import __version__
 
-        info.update(model=self.model_name, version=__version__, semantic_cache=self.cache_glue.cache is not None,
-                    embedding_model=self.cache_glue.embedding_model_name(),
-                    embedding_dimensions=self.cache_glue.embedding_dim())
+        info.update(model=self.model_name, version=__version__, semantic_cache=self.cache_step.cache is not None,
+                    embedding_model=self.cache_step.embedding_model_name(),
+                    embedding_dimensions=self.cache_step.embedding_dim())
         return info
 
     def _engine_stats(self) -> dict:
@@ -304,7 +304,7 @@ class InferenceService:
 
     def stats(self) -> dict:
         s = dict(self._engine_stats())
-        c = self.cache_glue.stats() or {}
+        c = self.cache_step.stats() or {}
         s.update(semantic_cache_lookups=c.get("lookups", 0),
                  semantic_cache_hits=c.get("exact_hits", 0) + c.get("semantic_hits", 0),
                  semantic_cache_entries=c.get("entries", 0))

@@ -4,11 +4,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from sidecar.cache.policy import CACHE_CONTROLS
 from sidecar.engine.request import SamplingParams
 
 CODES = ("invalid_argument", "unauthenticated", "rate_limited", "queue_full", "unavailable", "not_found",
          "deadline_exceeded", "cache_miss", "internal")
-CACHE_CONTROLS = ("default", "skip", "refresh", "only")
 ROLES = ("system", "user", "assistant")
 MAX_REQUEST_ID = 128
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))

@@ -227,7 +227,7 @@ def test_chat_demo_settings_are_sidecar_properties(compose):
 
 
 def test_prometheus_scrapes_every_compose_sidecar(compose):
-    from sidecar.server.openai_api import create_app
+    from sidecar.server.openai.api import create_app
 
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     job = next(j for j in prom["scrape_configs"] if j["job_name"] == "sidecar")

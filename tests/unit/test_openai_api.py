@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from sidecar.server.openai_api import create_app
+from sidecar.server.openai.api import create_app
 from sidecar.server.validation import ServiceError
 from test_openai_support import FakeService, asgi_call, expected_text
 

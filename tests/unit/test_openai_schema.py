@@ -10,7 +10,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
-from sidecar.server.openai_api import create_app
+from sidecar.server.openai.api import create_app
 from test_openai_support import FakeService
 
 _service = FakeService()

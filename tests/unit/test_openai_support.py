@@ -11,7 +11,7 @@ import asyncio
 from typing import Any, Optional
 
 from sidecar.engine.request import TokenLogprob
-from sidecar.server.cache_glue import CacheInfo
+from sidecar.server.cache_step import CacheInfo
 from sidecar.server.service import Caller, Event, GenerationRequest
 from sidecar.server.validation import ServiceError
 

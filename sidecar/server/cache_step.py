@@ -1,8 +1,9 @@
-"""Connects the service to the semantic cache (sidecar.cache), imported lazily.
+"""The service's cache step: plan, look up and store a request in the semantic cache.
 
-The server must keep working with the cache disabled even where the cache
-module or its dependencies are missing, so nothing here imports
-``sidecar.cache`` at module level. A cache failure never fails a request: a
+The server must keep working with the cache disabled even where the cache's
+dependencies (FAISS, the embedder) are missing, so the only cache module
+imported at module level is the dependency-free ``sidecar.cache.policy``; the
+rest is imported when a cache exists. A cache failure never fails a request: a
 lookup error is a miss, a store error is logged.
 """
 from __future__ import annotations
@@ -12,12 +13,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
+from sidecar.cache.policy import CachePolicy, cache_policy
 from sidecar.config import CacheConfig
 from sidecar.server.validation import ServiceError
 
-log = logging.getLogger("sidecar.cache_glue")
+log = logging.getLogger("sidecar.cache_step")
 
 
 @dataclass
@@ -26,13 +28,6 @@ class CacheInfo:
     similarity: float = 0.0
     matched_query: str = ""
     bypass_reason: str = ""
-
-
-@dataclass
-class _Policy:
-    lookup: bool
-    store: bool
-    bypass_reason: Optional[str]
 
 
 @dataclass
@@ -52,20 +47,9 @@ def settings_key(params: Any) -> str:
     return json.dumps({k: getattr(params, k) for k in _SETTINGS}, sort_keys=True, separators=(",", ":"))
 
 
-def _fallback_policy(cache_control: str, temperature: float, cache_sampled: bool, enabled: bool,
-                     allow_sampled: bool) -> _Policy:
-    if not enabled:
-        return _Policy(False, False, "disabled")
-    if cache_control == "skip":
-        return _Policy(False, False, "skip")
-    if temperature > 0 and not (cache_sampled or allow_sampled):
-        return _Policy(False, False, "sampled")
-    if cache_control == "refresh":
-        return _Policy(False, True, "refresh")
-    return _Policy(True, cache_control != "only", None)
+class CacheStep:
+    """The service's view of the semantic cache; ``cache`` is None when it is disabled."""
 
-
-class CacheGlue:
     def __init__(self, cache: Any, embedder: Any, cfg: CacheConfig) -> None:
         self.cache = cache
         self.embedder = embedder
@@ -84,17 +68,15 @@ class CacheGlue:
 
     def plan(self, tenant: str, req: Any, model: str) -> Plan:
         """Decide lookup/store for a request and build its cache scope."""
-        policy_fn = _fallback_policy
-        if self.cache is not None:
-            from sidecar.cache.semantic import cache_policy as policy_fn  # noqa: F811
-        policy = policy_fn(req.cache_control, req.params.temperature, req.cache_sampled,
-                           self.cache is not None, self.cfg.allow_sampled)
+        # The request was validated before this step, so cache_policy's own checks cannot fail here.
+        policy = cache_policy(req.cache_control, req.params.temperature, req.cache_sampled,
+                              self.cache is not None, self.cfg.allow_sampled)
         reason = policy.bypass_reason
         # Token-id prompts have no question text; logprobs are not stored with answers.
         if (policy.lookup or policy.store) and req.prompt_token_ids:
-            policy, reason = _Policy(False, False, "token_ids"), "token_ids"
+            policy, reason = CachePolicy(False, False, "token_ids"), "token_ids"
         elif (policy.lookup or policy.store) and req.params.logprobs is not None:
-            policy, reason = _Policy(False, False, "logprobs"), "logprobs"
+            policy, reason = CachePolicy(False, False, "logprobs"), "logprobs"
         if not policy.lookup:
             info = CacheInfo(status="bypass", bypass_reason=reason or "")
             if self.cache is not None and reason:

@@ -9,7 +9,7 @@ Streaming responses are Server-Sent Events ending with ``data: [DONE]``. The
 first event of every choice is awaited before the response starts, so refusals
 (rate limit, unknown model, bad prompt) still get their status code and the
 ``x-sidecar-cache`` header can be set. Whatever way a call ends, its engine
-requests are aborted and their KV blocks freed (see ``openai_runner``).
+requests are aborted and their KV blocks freed (see ``runner``).
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sidecar import __version__
-from sidecar.server import openai_errors
-from sidecar.server import openai_format as fmt
-from sidecar.server.openai_limits import BodyLimit
-from sidecar.server.openai_models import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from sidecar.server.openai_runner import ChoiceRunner, first_events, guard_disconnect
-from sidecar.server.openai_translate import chat_requests, completion_requests
+from sidecar.server.openai import errors as openai_errors
+from sidecar.server.openai import format as fmt
+from sidecar.server.openai.limits import BodyLimit
+from sidecar.server.openai.models import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from sidecar.server.openai.runner import ChoiceRunner, first_events, guard_disconnect
+from sidecar.server.openai.translate import chat_requests, completion_requests
 from sidecar.server.validation import ServiceError
 
 log = logging.getLogger("sidecar.openai")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sidecar.server.openai_errors import error_body
+from sidecar.server.openai.errors import error_body
 
 
 class BodyTooLarge(Exception):

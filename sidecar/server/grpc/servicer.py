@@ -173,12 +173,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Embed(self, request, context):
         try:
             caller = self._caller(context, "Embed")
-            if request.model and request.model not in (self.service.cache_glue.embedding_model_name(),
+            if request.model and request.model not in (self.service.cache_step.embedding_model_name(),
                                                        self.service.cfg.cache.embedding_model, self.service.model_name):
                 raise ServiceError("not_found", f"model: unknown embedding model {request.model!r}", field="model")
             vecs, n = await self.service.embed(caller, list(request.inputs))
             return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vecs],
-                                    model=self.service.cache_glue.embedding_model_name(),
+                                    model=self.service.cache_step.embedding_model_name(),
                                     dimensions=len(vecs[0]) if vecs else 0, prompt_tokens=n)
         except ServiceError as err:
             await self._fail(context, err)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from sidecar.server.openai_models import ChatCompletionRequest, CompletionRequest, _Sampling
+from sidecar.server.openai.models import ChatCompletionRequest, CompletionRequest, _Sampling
 from sidecar.server.service import GenerationRequest
 from sidecar.server.validation import sampling_params
 

@@ -1,0 +1,1 @@
+"""gRPC transport: sidecar.v1.Inference, health and reflection over the service layer."""

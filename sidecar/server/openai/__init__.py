@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP transport (FastAPI) over the service layer."""
