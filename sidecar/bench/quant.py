@@ -176,7 +176,7 @@ def _peaked_checkpoint(shape: str, init_scale: float, out: Path) -> Path:
 def run(args: argparse.Namespace) -> int:
     from sidecar.bench.models import random_checkpoint
     from sidecar.bench.report import format_table, write_report
-    from sidecar.model.quant import check_quant_args
+    from sidecar.model.quant_format import check_quant_args
 
     gs = args.group_size or (64 if args.small else 128)
     check_quant_args("int4", gs)

@@ -19,10 +19,11 @@ import json
 import os
 import re
 import time
-from importlib import resources
 from typing import Optional
 
 import numpy as np
+
+from sidecar.bench.semantic_pairs import latency_summary, load_pairs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,26 +39,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="demo", help="model served for --grpc")
 
 
-def load_pairs(path: Optional[str]) -> list[dict]:
-    if path is None:
-        text = resources.files("sidecar.bench").joinpath("data/semantic_pairs.jsonl").read_text(encoding="utf-8")
-    else:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    pairs = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        for field in ("query", "cached", "label"):
-            if not isinstance(row.get(field), str) or not row[field]:
-                raise ValueError(f"pairs line {n}: {field}: must be a non-empty string")
-        if row["label"] not in ("hit", "miss"):
-            raise ValueError(f"pairs line {n}: label: must be hit or miss, got {row['label']!r}")
-        pairs.append(row)
-    return pairs
-
-
 def _words(text: str) -> list[str]:
     return re.findall(r"[\w']+", text.casefold())
 
@@ -69,12 +50,6 @@ def precision_recall(pred: np.ndarray, truth: np.ndarray) -> tuple[float, float,
     precision = tp / (tp + fp) if tp + fp else 1.0
     recall = tp / (tp + fn) if tp + fn else 0.0
     return precision, recall, tp, fp, fn
-
-
-def _percentiles(samples_s: list[float]) -> dict:
-    ms = np.asarray(samples_s) * 1000.0
-    return {"p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99)),
-            "mean_ms": float(ms.mean()), "n": int(ms.size)}
 
 
 async def _cache_decisions(cache, pairs: list[dict]) -> list[Optional[object]]:
@@ -111,7 +86,7 @@ async def _latency(cache, pairs: list[dict], n: int) -> dict:
             t0 = time.perf_counter()
             await cache.lookup(scope(q))
             samples.append(time.perf_counter() - t0)
-        out[name] = _percentiles(samples)
+        out[name] = latency_summary(samples)
     return out
 
 

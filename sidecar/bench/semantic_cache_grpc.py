@@ -12,7 +12,7 @@ import contextlib
 import time
 from typing import Iterator
 
-from sidecar.bench.semantic_cache import _percentiles, load_pairs
+from sidecar.bench.semantic_pairs import latency_summary, load_pairs
 
 QUESTION = "How do I check which process is using port 8080 on Linux?"
 
@@ -67,7 +67,7 @@ def measure_grpc(args) -> dict:
             if resp.cache.status != pb.CACHE_STATUS_HIT_EXACT:
                 raise RuntimeError(f"expected an exact hit, got cache status {resp.cache.status}")
             exact.append(dt)
-        out["exact_hit"] = _percentiles(exact)
+        out["exact_hit"] = latency_summary(exact)
 
         sample = positives[: min(20, len(positives))]
         for p in sample:
@@ -81,10 +81,10 @@ def measure_grpc(args) -> dict:
                 semantic.append(dt)
         out["semantic_statuses"] = statuses
         if semantic:
-            out["semantic_hit"] = _percentiles(semantic)
+            out["semantic_hit"] = latency_summary(semantic)
 
         generate = [timed(stub, request(QUESTION, pb.CACHE_CONTROL_SKIP))[0]
                     for _ in range(max(3, min(20, args.grpc_requests // 10)))]
-        out["generate"] = _percentiles(generate)
+        out["generate"] = latency_summary(generate)
         out["speedup_p50"] = out["generate"]["p50_ms"] / out["exact_hit"]["p50_ms"]
     return out

@@ -233,7 +233,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
     if quant_file.exists():
-        from sidecar.model.quant import load_quantized_model
+        from sidecar.model.quant_checkpoint import load_quantized_model
 
         if cfg.quantization is not None:
             saved = json.loads(quant_file.read_text()).get("mode")

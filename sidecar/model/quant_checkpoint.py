@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
-from sidecar.model.quant import (FORMAT_VERSION, check_quant_args, quantize_linear, quantize_tied_embedding,
-                                 quantize_weight, runtime_linear, tied_modules)
+from sidecar.model.quant import quantize_linear, quantize_tied_embedding, runtime_linear, tied_modules
+from sidecar.model.quant_format import FORMAT_VERSION, check_quant_args, quantize_weight
 
+PathLike = Union[str, os.PathLike]
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 # Decoder linears (ours are fused; the HF names let the same code quantize HF models in benchmarks).
@@ -63,8 +64,8 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 128, quantize_
             model.set_submodule(name, quantize_linear(model.get_submodule(name), mode, group_size, name))
 
 
-def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[str], out_dir: str, mode: str,
-                   group_size: int = 128, quantize_lm_head: bool = False) -> dict[str, Any]:
+def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[PathLike], out_dir: PathLike,
+                   mode: str, group_size: int = 128, quantize_lm_head: bool = False) -> dict[str, Any]:
     """Write a quantized checkpoint of a full-precision ``model``; returns the quantization config.
 
     Quantizes one linear at a time into the stored format, so peak memory is the
@@ -72,6 +73,8 @@ def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[str
     """
     from safetensors.torch import save_file
 
+    hf_config_dir = None if hf_config_dir is None else os.fspath(hf_config_dir)
+    out_dir = os.fspath(out_dir)
     check_quant_args(mode, group_size)
     targets = quant_targets(model, quantize_lm_head)
     dtype = next(model.parameters()).dtype
@@ -128,7 +131,7 @@ def read_quant_config(model_dir: str) -> dict[str, Any]:
     return cfg
 
 
-def load_quantized_model(model_dir: str, model: nn.Module, dtype: torch.dtype, device: Any) -> dict[str, Any]:
+def load_quantized_model(model_dir: PathLike, model: nn.Module, dtype: torch.dtype, device: Any) -> dict[str, Any]:
     """Materialise ``model`` (built on the meta device) from a quantized checkpoint, in place.
 
     Quantized linears become runtime modules built from their stored tensors one
@@ -138,6 +141,7 @@ def load_quantized_model(model_dir: str, model: nn.Module, dtype: torch.dtype, d
     """
     from safetensors import safe_open
 
+    model_dir = os.fspath(model_dir)
     cfg = read_quant_config(model_dir)
     mode, device = cfg["mode"], torch.device(device)
     where: dict[str, str] = {}

@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sidecar.config import EngineConfig
     from sidecar.model.loader import load_model
-    from sidecar.model.quant import check_quant_args, save_quantized
+    from sidecar.model.quant_checkpoint import save_quantized
+    from sidecar.model.quant_format import check_quant_args
 
     check_quant_args(args.quantization, args.group_size)
     t0 = time.perf_counter()

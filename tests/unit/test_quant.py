@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from sidecar.model.quant import (Int4Linear, Int8Linear, QuantEmbedding, check_quant_args, dequantize_int4,
-                                 dequantize_int8, quantize_int4, quantize_int8, quantize_linear,
-                                 quantize_tied_embedding, unpack_int4)
+from sidecar.model.quant import Int4Linear, Int8Linear, QuantEmbedding, quantize_linear, quantize_tied_embedding
+from sidecar.model.quant_format import (check_quant_args, dequantize_int4, dequantize_int8, quantize_int4,
+                                        quantize_int8, unpack_int4)
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -10,7 +10,8 @@ from torch import nn
 from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.model.loader import load_model
-from sidecar.model.quant import Int4Linear, Int8Linear, QuantEmbedding, save_quantized
+from sidecar.model.quant import Int4Linear, Int8Linear, QuantEmbedding
+from sidecar.model.quant_checkpoint import save_quantized
 
 
 def _stream(n: int, seed: int) -> list[int]:

@@ -4,7 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from sidecar.bench.semantic_cache import load_pairs, precision_recall
+from sidecar.bench.semantic_cache import precision_recall
+from sidecar.bench.semantic_pairs import load_pairs
 
 
 def test_bundled_eval_set_shape():
