@@ -13,33 +13,28 @@ import argparse
 import gc
 import random
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 
-def _engine(args: argparse.Namespace, caching: bool):
-    from sidecar.config import EngineConfig
-    from sidecar.engine.engine import LLMEngine
+def _llm(args: argparse.Namespace, caching: bool):
+    from sidecar import LLM
 
-    return LLMEngine(EngineConfig(model=args.model_dir, dtype=args.dtype, enable_prefix_caching=caching,
-                                  kv_cache_memory_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_waiting_requests=1 << 20))
-
-
-def _run_wave(engine, prompts: list[list[int]], max_tokens: int) -> list[Any]:
-    from sidecar.engine.request import SamplingParams
-
-    ids = [engine.add_request(None, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-    return [done[i] for i in ids]
+    return LLM(model=args.model_dir, dtype=args.dtype, enable_prefix_caching=caching,
+               kv_cache_memory_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
+               max_waiting_requests=1 << 20)
 
 
-def _summarise(name: str, caching: bool, outs: list[Any], seconds: float, skip_first: int = 0) -> dict[str, Any]:
+def _run_wave(llm, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+    """One batch: every prompt submitted at once, run to completion; outputs in prompt order."""
+    from sidecar import SamplingParams
+
+    return llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _summarise(name: str, caching: bool, outs: list[Any], seconds: float, skip_first: int = 0,
+               counters: Optional[dict[str, int]] = None) -> dict[str, Any]:
     from sidecar.bench.report import percentile
 
     prompt = sum(len(o.prompt_token_ids) for o in outs)
@@ -54,6 +49,8 @@ def _summarise(name: str, caching: bool, outs: list[Any], seconds: float, skip_f
                                         / max(1, sum(len(o.prompt_token_ids) for o in after))),
         "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
         "seconds": seconds, "output_tok_s": sum(len(o.token_ids) for o in outs) / seconds,
+        # The engine's own count of the scenario (LLM.stats() deltas): prefix-cache hit tokens, steps.
+        **(counters or {}),
     }
 
 
@@ -92,14 +89,18 @@ SCENARIOS = [("customer-service", customer_service, lambda a: 1),
 def measure(args: argparse.Namespace, name: str, scenario: Callable, skip_first: int,
             caching: bool) -> dict[str, Any]:
     """Run one scenario on a fresh engine (warmed up on unrelated tokens), timing only the scenario."""
-    engine = _engine(args, caching)
-    _run_wave(engine, [[7, 8, 9]], 2)
+    llm = _llm(args, caching)
+    _run_wave(llm, [[7, 8, 9]], 2)
+    before = llm.stats()
     t = time.perf_counter()
-    outs = scenario(args, lambda prompts: _run_wave(engine, prompts, args.output_tokens), random.Random(args.seed))
+    outs = scenario(args, lambda prompts: _run_wave(llm, prompts, args.output_tokens), random.Random(args.seed))
     dt = time.perf_counter() - t
-    engine = None  # free the model and KV cache before the next engine is built
+    after = llm.stats()
+    counters = {"engine_prefix_hit_tokens": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+                "engine_steps": after["num_steps"] - before["num_steps"]}
+    llm = None  # free the model and KV cache before the next engine is built
     gc.collect()
-    return _summarise(name, caching, outs, dt, skip_first=skip_first)
+    return _summarise(name, caching, outs, dt, skip_first=skip_first, counters=counters)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
