@@ -36,7 +36,8 @@ class OpenAiStarterIT {
 
     @DynamicPropertySource
     static void baseUrl(DynamicPropertyRegistry registry) {
-        registry.add("spring.ai.openai.base-url", () -> SIDECAR.process().httpBase());
+        // Spring AI 2.0 uses the official OpenAI Java SDK, whose base URL includes /v1.
+        registry.add("spring.ai.openai.base-url", () -> SIDECAR.process().httpBase() + "/v1");
     }
 
     @Autowired

@@ -7,8 +7,8 @@ import io.micrometer.observation.ObservationRegistry;
 import java.nio.file.Path;
 import org.springframework.ai.model.SpringAIModelProperties;
 import org.springframework.beans.factory.ObjectProvider;
-import org.springframework.boot.actuate.autoconfigure.health.ConditionalOnEnabledHealthIndicator;
-import org.springframework.boot.actuate.health.HealthIndicator;
+import org.springframework.boot.health.autoconfigure.contributor.ConditionalOnEnabledHealthIndicator;
+import org.springframework.boot.health.contributor.HealthIndicator;
 import org.springframework.boot.autoconfigure.AutoConfiguration;
 import org.springframework.boot.autoconfigure.condition.ConditionalOnBean;
 import org.springframework.boot.autoconfigure.condition.ConditionalOnClass;
@@ -27,7 +27,7 @@ import org.springframework.context.annotation.Configuration;
  * auto-configuration, whose {@code ChatClient.Builder} then wraps the chat model.
  */
 @AutoConfiguration(
-        afterName = "org.springframework.boot.actuate.autoconfigure.observation.ObservationAutoConfiguration",
+        afterName = "org.springframework.boot.micrometer.observation.autoconfigure.ObservationAutoConfiguration",
         beforeName = "org.springframework.ai.model.chat.client.autoconfigure.ChatClientAutoConfiguration")
 @ConditionalOnClass(SidecarClient.class)
 @EnableConfigurationProperties(SidecarProperties.class)
