@@ -30,6 +30,7 @@ public final class SidecarClientBuilder {
     private String apiKey;
     private Duration defaultDeadline;
     private Duration defaultStreamDeadline;
+    private boolean streamDeadlineSet;
     private Duration keepAliveTime;
     private Duration keepAliveTimeout;
     private boolean keepAliveWithoutCalls;
@@ -90,14 +91,15 @@ public final class SidecarClientBuilder {
 
     /**
      * Deadline of streaming calls ({@code chatStream}, {@code generateStream}), counted from
-     * subscription; a generation streams for much longer than a unary call waits. Unset, it
-     * is {@link #defaultDeadline(Duration)}.
+     * subscription; a generation streams for much longer than a unary call waits. Null means
+     * streams have no deadline; never called, streams use {@link #defaultDeadline(Duration)}.
      */
     public SidecarClientBuilder defaultStreamDeadline(Duration deadline) {
         if (deadline != null && (deadline.isNegative() || deadline.isZero())) {
             throw new IllegalArgumentException("defaultStreamDeadline: must be positive, got " + deadline);
         }
         this.defaultStreamDeadline = deadline;
+        this.streamDeadlineSet = true;
         return this;
     }
 
@@ -222,7 +224,7 @@ public final class SidecarClientBuilder {
         if (apiKey != null) {
             all.add(new BearerAuthInterceptor(apiKey));
         }
-        Duration streamDeadline = defaultStreamDeadline != null ? defaultStreamDeadline : defaultDeadline;
+        Duration streamDeadline = streamDeadlineSet ? defaultStreamDeadline : defaultDeadline;
         if (channel != null) {
             return new SidecarClient(channel, false, all, defaultDeadline, streamDeadline, maxInboundMessageSize,
                     shutdownTimeout);

@@ -72,6 +72,15 @@ class DeadlineTest {
     }
 
     @Test
+    void aNullStreamDefaultMeansStreamsHaveNoDeadline() throws Exception {
+        try (SidecarClient c = sidecar.clientBuilder().defaultDeadline(Duration.ofSeconds(20))
+                .defaultStreamDeadline(null).build()) {
+            c.chatStream(chat()).blockLast(Duration.ofSeconds(5));
+            assertThat(sidecar.service.lastDeadline).isNull();
+        }
+    }
+
+    @Test
     void aShortPerCallDeadlineEndsAHangingCall() throws Exception {
         sidecar.service.hang = true;
         assertThatThrownBy(() -> client.chat(chat(), Duration.ofMillis(200)))
