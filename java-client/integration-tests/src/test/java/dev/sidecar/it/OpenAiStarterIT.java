@@ -43,6 +43,17 @@ class OpenAiStarterIT {
     @Autowired
     private ChatModel chatModel;
 
+    @Autowired
+    private org.springframework.context.ApplicationContext context;
+
+    @Test
+    void theSidecarStarterOnTheClasspathCreatesNothingWhenAnotherProviderIsSelected() {
+        // spring.ai.model.chat=openai and spring.ai.model.embedding=none: no sidecar model is selected.
+        assertThat(context.getBeanNamesForType(dev.sidecar.client.SidecarClient.class)).isEmpty();
+        assertThat(context.getBeanNamesForType(dev.sidecar.spring.SidecarHealthIndicator.class)).isEmpty();
+        assertThat(context.getBeanNamesForType(dev.sidecar.spring.SidecarChatModel.class)).isEmpty();
+    }
+
     @Test
     void callCompletesWithUsage() {
         assertThat(chatModel).isInstanceOf(OpenAiChatModel.class);
