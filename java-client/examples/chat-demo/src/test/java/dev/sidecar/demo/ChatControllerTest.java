@@ -4,6 +4,7 @@ import static org.assertj.core.api.Assertions.assertThat;
 import static org.hamcrest.Matchers.matchesPattern;
 import static org.springframework.test.web.servlet.request.MockMvcRequestBuilders.asyncDispatch;
 import static org.springframework.test.web.servlet.request.MockMvcRequestBuilders.delete;
+import static org.springframework.test.web.servlet.request.MockMvcRequestBuilders.get;
 import static org.springframework.test.web.servlet.request.MockMvcRequestBuilders.post;
 import static org.springframework.test.web.servlet.result.MockMvcResultMatchers.content;
 import static org.springframework.test.web.servlet.result.MockMvcResultMatchers.header;
@@ -206,6 +207,15 @@ class ChatControllerTest {
         mvc.perform(asyncDispatch(started))
                 .andExpect(status().isServiceUnavailable())
                 .andExpect(header().string("X-Session-ID", matchesPattern("[0-9a-f-]{36}")));
+    }
+
+    @Test
+    void prometheusEndpointExposesSpringAisTokenUsageMeter() throws Exception {
+        mvc.perform(message("s-prom", "{\"message\":\"count me\"}")).andExpect(status().isOk());
+        String scrape = mvc.perform(get("/actuator/prometheus")).andExpect(status().isOk())
+                .andReturn().getResponse().getContentAsString();
+        assertThat(scrape).contains("gen_ai_client_token_usage_total{")
+                .contains("gen_ai_system=\"sidecar\"").contains("gen_ai_token_type=\"input\"");
     }
 
     @Test
