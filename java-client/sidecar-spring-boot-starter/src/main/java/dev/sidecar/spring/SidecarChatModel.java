@@ -134,8 +134,15 @@ public class SidecarChatModel implements ChatModel {
                     })
                     .map(chunk -> ChatMapping.toResponse(chunk, model))
                     .onErrorMap(SpringAiErrors::translate)
-                    .doOnError(observation::error)
-                    .doFinally(signal -> finish.run())
+                    // Stopped before the terminal signal travels downstream (not in doFinally,
+                    // which runs after it): when the subscriber sees the end, the observation
+                    // is complete.
+                    .doOnComplete(finish)
+                    .doOnError(e -> {
+                        observation.error(e);
+                        finish.run();
+                    })
+                    .doOnCancel(finish)
                     .contextWrite(ctx -> ctx.put(ObservationThreadLocalAccessor.KEY, observation));
         });
     }
