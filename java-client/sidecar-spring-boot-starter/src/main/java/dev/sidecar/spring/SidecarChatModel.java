@@ -73,8 +73,12 @@ public class SidecarChatModel implements ChatModel {
         this.observationConvention = convention;
     }
 
+    /**
+     * This model's default options: what ChatClient starts from (through {@code mutate()}) before
+     * combining a call's own options, so the sidecar fields survive the combination.
+     */
     @Override
-    public ChatOptions getDefaultOptions() {
+    public ChatOptions getOptions() {
         return defaultOptions.copy();
     }
 

@@ -75,7 +75,7 @@ class SidecarAutoConfigurationTest {
             assertThat(p.getApiKey()).isEqualTo("k1");
             assertThat(p.getMaxMessageSize()).isEqualTo(DataSize.ofMegabytes(1));
             assertThat(ctx.getBean(SidecarClient.class).defaultDeadline()).isEqualTo(Duration.ofSeconds(5));
-            SidecarChatOptions o = (SidecarChatOptions) ctx.getBean(ChatModel.class).getDefaultOptions();
+            SidecarChatOptions o = (SidecarChatOptions) ctx.getBean(ChatModel.class).getOptions();
             assertThat(o.getMaxTokens()).isEqualTo(48);
             assertThat(o.getTemperature()).isEqualTo(0.3);
             assertThat(o.getSeed()).isEqualTo(11L);

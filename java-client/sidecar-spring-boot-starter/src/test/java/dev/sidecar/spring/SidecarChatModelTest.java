@@ -115,6 +115,25 @@ class SidecarChatModelTest {
     }
 
     @Test
+    void chatClientOptionsBuilderCarriesTheSidecarFields() {
+        ChatClient.create(model).prompt().user("opts")
+                .options(SidecarChatOptions.builder().seed(7L).cacheControl(CacheControl.CACHE_CONTROL_REFRESH)
+                        .maxTokens(3))
+                .call().content();
+        ChatRequest sent = sidecar.chats.poll();
+        assertThat(sent.getSampling().getSeed()).isEqualTo(7);
+        assertThat(sent.getSampling().getMaxTokens()).isEqualTo(3);
+        assertThat(sent.getCacheControl()).isEqualTo(CacheControl.CACHE_CONTROL_REFRESH);
+        // the model's defaults still apply where the call set nothing
+        assertThat(sent.getSampling().getStopList()).containsExactly("\n\n");
+
+        SidecarChatOptions o = SidecarChatOptions.builder().seed(1L).timeout(Duration.ofSeconds(3)).build();
+        assertThat(o.mutate().build()).isEqualTo(o);
+        assertThat(SidecarChatOptions.builder().seed(2L).combineWith(o.mutate()).build().getTimeout())
+                .isEqualTo(Duration.ofSeconds(3));
+    }
+
+    @Test
     void streamEmitsDeltasAndFinishesWithUsage() {
         List<ChatResponse> chunks = model.stream(new Prompt("stream me")).collectList().block(Duration.ofSeconds(5));
 
