@@ -34,7 +34,8 @@ import reactor.core.publisher.Flux;
  * A stream's observation is a child of the observation in the subscriber's Reactor
  * context (e.g. ChatClient's), is itself put in the context of the stream, and records
  * the whole answer (all deltas, the last chunk's usage and finish reason) when the
- * stream completes, fails or is cancelled.
+ * stream completes, fails or is cancelled. The gRPC call is started with the chat
+ * observation in scope, so the client's gRPC observation (if any) is its child.
  */
 public class SidecarChatModel implements ChatModel {
 
@@ -129,7 +130,15 @@ public class SidecarChatModel implements ChatModel {
                     observation.stop();
                 }
             };
-            return client.chatStream(request, options.getTimeout())
+            Flux<CompletionChunk> call = client.chatStream(request, options.getTimeout());
+            // The gRPC call starts when subscribed: subscribing with this observation in scope
+            // makes it the parent of the call's own observation (gRPC client interceptor).
+            Flux<CompletionChunk> scoped = Flux.from(subscriber -> {
+                try (Observation.Scope ignored = observation.openScope()) {
+                    call.subscribe(subscriber);
+                }
+            });
+            return scoped
                     .doOnNext(chunk -> {
                         synchronized (text) {
                             text.append(chunk.getDelta());

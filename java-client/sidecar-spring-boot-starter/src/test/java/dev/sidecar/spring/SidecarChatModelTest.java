@@ -242,6 +242,22 @@ class SidecarChatModelTest {
     }
 
     @Test
+    void grpcCallObservationsAreChildrenOfTheChatModelObservation() {
+        try (SidecarClient observed = SidecarClient.builder().channelBuilder(sidecar.channelBuilder())
+                .interceptor(new io.micrometer.core.instrument.binder.grpc.ObservationGrpcClientInterceptor(
+                        observations)).build()) {
+            SidecarChatModel m = new SidecarChatModel(observed, null, observations);
+            m.call(new Prompt("unary"));
+            m.stream(new Prompt("streamed")).blockLast(Duration.ofSeconds(5));
+        }
+        List<Observation.Context> grpc = stopped.stream()
+                .filter(io.micrometer.core.instrument.binder.grpc.GrpcClientObservationContext.class::isInstance)
+                .toList();
+        assertThat(grpc).hasSize(2).allSatisfy(c -> assertThat(c.getParentObservation()).isNotNull()
+                .extracting(p -> p.getContextView()).isInstanceOf(ChatModelObservationContext.class));
+    }
+
+    @Test
     void blockingCallObservationIsAChildOfTheChatClientObservation() {
         ChatClient.create(model, observations).prompt().user("parent?").call().content();
 
