@@ -119,6 +119,10 @@ class ServerConfig:
     log_json: bool = False
     served_model_name: Optional[str] = None
     max_concurrent_streams: int = 1024
+    # A gRPC connection older than this gets GOAWAY, so clients reconnect and re-resolve
+    # DNS (grpc-java re-resolves only on disconnect) and find replicas added since.
+    max_connection_age_s: float = 300.0  # 0 = never
+    max_connection_age_grace_s: float = 120.0  # calls in flight at GOAWAY get this long to finish
 
     def __post_init__(self) -> None:
         self.validate()
@@ -131,6 +135,10 @@ class ServerConfig:
         _require(self.rate_limit_tpm >= 0, "rate_limit_tpm", f"must be >= 0, got {self.rate_limit_tpm}")
         _require(self.max_message_bytes >= 1024, "max_message_bytes",
                  f"must be >= 1024, got {self.max_message_bytes}")
+        _require(self.max_connection_age_s >= 0, "max_connection_age_s",
+                 f"must be >= 0 (0 = never), got {self.max_connection_age_s}")
+        _require(self.max_connection_age_grace_s >= 0, "max_connection_age_grace_s",
+                 f"must be >= 0, got {self.max_connection_age_grace_s}")
         _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s",
                  f"must be >= 0, got {self.shutdown_timeout_s}")
         _require(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level",

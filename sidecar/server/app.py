@@ -106,7 +106,8 @@ class Sidecar:
         s = self.cfg.server
         self.health = Health()
         await self.health.set(False)
-        self.grpc_server = build_server(self.service, self.health, s.max_message_bytes, s.max_concurrent_streams)
+        self.grpc_server = build_server(self.service, self.health, s.max_message_bytes, s.max_concurrent_streams,
+                                        s.max_connection_age_s, s.max_connection_age_grace_s)
         try:
             grpc_port = self.grpc_server.add_insecure_port(_hostport(s.host, s.grpc_port))
         except RuntimeError as exc:

@@ -234,7 +234,8 @@ class Health:
 
 
 def build_server(service: InferenceService, health: Health, max_message_bytes: int,
-                 max_concurrent_streams: int) -> grpc.aio.Server:
+                 max_concurrent_streams: int, max_connection_age_s: float = 0.0,
+                 max_connection_age_grace_s: float = 0.0) -> grpc.aio.Server:
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -249,6 +250,11 @@ def build_server(service: InferenceService, health: Health, max_message_bytes: i
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
+    if max_connection_age_s > 0:
+        # GOAWAY on connections older than this (gRPC core adds +-10% jitter): clients
+        # reconnect, re-resolve the target and spread over replicas added meanwhile.
+        options += [("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
+                    ("grpc.max_connection_age_grace_ms", round(max_connection_age_grace_s * 1000))]
     server = grpc.aio.server(options=options)
     pb_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)

@@ -2,8 +2,9 @@ package dev.sidecar.it;
 
 import static org.assertj.core.api.Assertions.assertThat;
 
-import com.fasterxml.jackson.databind.JsonNode;
-import com.fasterxml.jackson.databind.ObjectMapper;
+import tools.jackson.databind.JsonNode;
+import tools.jackson.databind.ObjectMapper;
+import tools.jackson.databind.json.JsonMapper;
 import dev.sidecar.demo.ChatDemoApplication;
 import java.net.URI;
 import java.net.http.HttpClient;
@@ -35,7 +36,7 @@ class DemoAppIT {
     private int port;
 
     private final HttpClient http = HttpClient.newBuilder().connectTimeout(Duration.ofSeconds(5)).build();
-    private final ObjectMapper json = new ObjectMapper();
+    private final ObjectMapper json = JsonMapper.builder().build();
 
     private HttpResponse<String> post(String path, String session, String message) throws Exception {
         HttpRequest req = HttpRequest.newBuilder(URI.create("http://127.0.0.1:" + port + path))

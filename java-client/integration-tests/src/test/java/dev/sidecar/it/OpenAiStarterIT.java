@@ -36,11 +36,23 @@ class OpenAiStarterIT {
 
     @DynamicPropertySource
     static void baseUrl(DynamicPropertyRegistry registry) {
-        registry.add("spring.ai.openai.base-url", () -> SIDECAR.process().httpBase());
+        // Spring AI 2.0 uses the official OpenAI Java SDK, whose base URL includes /v1.
+        registry.add("spring.ai.openai.base-url", () -> SIDECAR.process().httpBase() + "/v1");
     }
 
     @Autowired
     private ChatModel chatModel;
+
+    @Autowired
+    private org.springframework.context.ApplicationContext context;
+
+    @Test
+    void theSidecarStarterOnTheClasspathCreatesNothingWhenAnotherProviderIsSelected() {
+        // spring.ai.model.chat=openai and spring.ai.model.embedding=none: no sidecar model is selected.
+        assertThat(context.getBeanNamesForType(dev.sidecar.client.SidecarClient.class)).isEmpty();
+        assertThat(context.getBeanNamesForType(dev.sidecar.spring.SidecarHealthIndicator.class)).isEmpty();
+        assertThat(context.getBeanNamesForType(dev.sidecar.spring.SidecarChatModel.class)).isEmpty();
+    }
 
     @Test
     void callCompletesWithUsage() {

@@ -23,10 +23,20 @@ public final class RealSidecar implements BeforeAllCallback {
         this.args = args;
     }
 
-    /** A sidecar with the default flags plus these. */
+    /** A sidecar with the default flags plus these (no semantic cache). */
     public static RealSidecar with(String... extraArgs) {
         return new RealSidecar(Arrays.asList(extraArgs));
     }
+
+    /** A sidecar with the semantic cache and Embed enabled (loads the embedder), plus these flags. */
+    public static RealSidecar withSemanticCache(String... extraArgs) {
+        List<String> args = new java.util.ArrayList<>(List.of(SEMANTIC_CACHE));
+        args.addAll(Arrays.asList(extraArgs));
+        return new RealSidecar(args);
+    }
+
+    // Marks the variant in the shared store's key; not passed to the sidecar.
+    private static final String SEMANTIC_CACHE = "<semantic-cache>";
 
     @Override
     public void beforeAll(ExtensionContext context) {
@@ -54,7 +64,9 @@ public final class RealSidecar implements BeforeAllCallback {
         synchronized SidecarProcess get() {
             if (process == null && failure == null) {
                 try {
-                    process = SidecarProcess.start(args.toArray(String[]::new));
+                    boolean cache = args.contains(SEMANTIC_CACHE);
+                    process = SidecarProcess.start(cache, args.stream().filter(a -> !a.equals(SEMANTIC_CACHE))
+                            .toArray(String[]::new));
                 } catch (Exception e) {
                     if (e instanceof InterruptedException) {
                         Thread.currentThread().interrupt();

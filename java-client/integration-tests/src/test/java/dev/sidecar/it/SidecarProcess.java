@@ -27,8 +27,7 @@ public final class SidecarProcess implements AutoCloseable {
 
     static final Duration START_TIMEOUT = Duration.ofSeconds(120);
     private static final List<String> DEFAULT_ARGS = List.of("--model", "demo", "--device", "cpu",
-            "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--no-semantic-cache",
-            "--log-level", "warning");
+            "--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--log-level", "warning");
 
     private final Process process;
     private final Path dir;
@@ -44,8 +43,17 @@ public final class SidecarProcess implements AutoCloseable {
         this.httpPort = httpPort;
     }
 
-    /** Starts a sidecar with the default arguments followed by {@code extraArgs} (later flags win). */
+    /**
+     * Starts a sidecar with the default arguments followed by {@code extraArgs} (later flags
+     * win), without the semantic cache (no embedder to load).
+     */
     public static SidecarProcess start(String... extraArgs) throws IOException, InterruptedException {
+        return start(false, extraArgs);
+    }
+
+    /** As {@link #start(String...)}; {@code semanticCache} loads the embedder and enables the cache and Embed. */
+    public static SidecarProcess start(boolean semanticCache, String... extraArgs)
+            throws IOException, InterruptedException {
         String python = System.getProperty("sidecar.python");
         if (python == null || python.isBlank()) {
             throw new IllegalStateException("System property sidecar.python is not set: the integration tests "
@@ -63,6 +71,9 @@ public final class SidecarProcess implements AutoCloseable {
         Path log = dir.resolve("sidecar.log");
         List<String> cmd = new ArrayList<>(List.of(python, "-m", "sidecar", "serve"));
         cmd.addAll(DEFAULT_ARGS);
+        if (!semanticCache) {
+            cmd.add("--no-semantic-cache");
+        }
         cmd.addAll(List.of("--port-file", portFile.toString()));
         cmd.addAll(List.of(extraArgs));
         ProcessBuilder pb = new ProcessBuilder(cmd).directory(repo.toFile())
@@ -164,6 +175,15 @@ public final class SidecarProcess implements AutoCloseable {
         } catch (IOException e) {
             return "(no log: " + e.getMessage() + ")";
         }
+    }
+
+    /** Sends SIGTERM and returns at once: the sidecar reports NOT_SERVING and drains its running requests. */
+    public void beginDrain() {
+        process.destroy();
+    }
+
+    public boolean isAlive() {
+        return process.isAlive();
     }
 
     /** Stops the process and removes its port file and log. */

@@ -2,7 +2,7 @@ package dev.sidecar.client;
 
 import io.grpc.Status;
 
-/** NOT_FOUND: the semantic cache had no answer for a cache-only request (or the model name is unknown). */
+/** NOT_FOUND for a cache-only request: the semantic cache had no answer (an unknown model is a {@link ModelNotFoundException}). */
 public class CacheMissException extends SidecarException {
 
     public CacheMissException(Status.Code code, String message, Throwable cause) {

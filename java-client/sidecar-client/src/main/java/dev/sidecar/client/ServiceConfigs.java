@@ -7,7 +7,7 @@ import java.util.Map;
 /**
  * Builds the gRPC service config the client installs on channels it creates: the load
  * balancing policy and a retry policy for UNAVAILABLE (loading, draining or an
- * unreachable replica). grpc-java only replays a call that has not yet received a
+ * unreachable replica), and optionally client-side health checking. grpc-java only replays a call that has not yet received a
  * response, so a stream is never retried after its first chunk arrived.
  */
 final class ServiceConfigs {
@@ -18,7 +18,7 @@ final class ServiceConfigs {
     }
 
     static Map<String, Object> build(String loadBalancingPolicy, int maxAttempts, Duration initialBackoff,
-                                     Duration maxBackoff) {
+                                     Duration maxBackoff, boolean healthCheck) {
         Map<String, Object> method;
         if (maxAttempts > 1) {
             Map<String, Object> retry = Map.of(
@@ -31,9 +31,15 @@ final class ServiceConfigs {
         } else {
             method = Map.of("name", List.of(Map.of("service", SERVICE)));
         }
-        return Map.of(
-                "loadBalancingConfig", List.of(Map.of(loadBalancingPolicy, Map.of())),
-                "methodConfig", List.of(method));
+        Map<String, Object> config = new java.util.HashMap<>();
+        config.put("loadBalancingConfig", List.of(Map.of(loadBalancingPolicy, Map.of())));
+        config.put("methodConfig", List.of(method));
+        if (healthCheck) {
+            // Served by grpc-services' health-checking round_robin: a subchannel whose server
+            // reports anything but SERVING for this service is not picked.
+            config.put("healthCheckConfig", Map.of("serviceName", SERVICE));
+        }
+        return config;
     }
 
     // The service config's duration format: decimal seconds with an "s" suffix.

@@ -51,15 +51,18 @@ public final class SidecarClient implements AutoCloseable {
     private final boolean ownsChannel;
     private final Channel channel;
     private final Duration defaultDeadline;
+    private final Duration defaultStreamDeadline;
     private final Integer maxInboundMessageSize;
     private final Duration shutdownTimeout;
 
     SidecarClient(ManagedChannel managedChannel, boolean ownsChannel, List<ClientInterceptor> interceptors,
-                  Duration defaultDeadline, Integer maxInboundMessageSize, Duration shutdownTimeout) {
+                  Duration defaultDeadline, Duration defaultStreamDeadline, Integer maxInboundMessageSize,
+                  Duration shutdownTimeout) {
         this.managedChannel = managedChannel;
         this.ownsChannel = ownsChannel;
         this.channel = ClientInterceptors.intercept(managedChannel, interceptors);
         this.defaultDeadline = defaultDeadline;
+        this.defaultStreamDeadline = defaultStreamDeadline;
         this.maxInboundMessageSize = maxInboundMessageSize;
         this.shutdownTimeout = shutdownTimeout;
     }
@@ -84,13 +87,25 @@ public final class SidecarClient implements AutoCloseable {
     }
 
     // ---- chat / generate -------------------------------------------------------------
+    //
+    // Every call has an overload taking its own deadline: a positive Duration, or null for
+    // the client's default (defaultDeadline for unary calls, defaultStreamDeadline for
+    // streams). A deadline counts from the call's start (a stream's from subscription).
 
     public Completion chat(ChatRequest request) {
-        return blocking(s -> s.chat(request));
+        return chat(request, null);
+    }
+
+    public Completion chat(ChatRequest request, Duration deadline) {
+        return blocking(s -> s.chat(request), unary(deadline));
     }
 
     public Completion generate(GenerateRequest request) {
-        return blocking(s -> s.generate(request));
+        return generate(request, null);
+    }
+
+    public Completion generate(GenerateRequest request, Duration deadline) {
+        return blocking(s -> s.generate(request), unary(deadline));
     }
 
     /** Completes a raw text prompt with the server's default sampling settings. */
@@ -100,12 +115,20 @@ public final class SidecarClient implements AutoCloseable {
 
     /** Cancelling the returned future cancels the call. */
     public CompletableFuture<Completion> chatAsync(ChatRequest request) {
-        return async(futureStub().chat(request));
+        return chatAsync(request, null);
+    }
+
+    public CompletableFuture<Completion> chatAsync(ChatRequest request, Duration deadline) {
+        return async(futureStub(unary(deadline)).chat(request));
     }
 
     /** Cancelling the returned future cancels the call. */
     public CompletableFuture<Completion> generateAsync(GenerateRequest request) {
-        return async(futureStub().generate(request));
+        return generateAsync(request, null);
+    }
+
+    public CompletableFuture<Completion> generateAsync(GenerateRequest request, Duration deadline) {
+        return async(futureStub(unary(deadline)).generate(request));
     }
 
     /**
@@ -114,18 +137,32 @@ public final class SidecarClient implements AutoCloseable {
      * the subscription cancels the call (the sidecar aborts the request).
      */
     public Flux<CompletionChunk> chatStream(ChatRequest request) {
-        return StreamingCall.flux(channel, InferenceGrpc.getChatStreamMethod(), this::callOptions, request);
+        return chatStream(request, null);
+    }
+
+    public Flux<CompletionChunk> chatStream(ChatRequest request, Duration deadline) {
+        Duration d = stream(deadline);
+        return StreamingCall.flux(channel, InferenceGrpc.getChatStreamMethod(), () -> callOptions(d), request);
     }
 
     /** Streaming variant of {@link #generate(GenerateRequest)}; see {@link #chatStream}. */
     public Flux<CompletionChunk> generateStream(GenerateRequest request) {
-        return StreamingCall.flux(channel, InferenceGrpc.getGenerateStreamMethod(), this::callOptions, request);
+        return generateStream(request, null);
+    }
+
+    public Flux<CompletionChunk> generateStream(GenerateRequest request, Duration deadline) {
+        Duration d = stream(deadline);
+        return StreamingCall.flux(channel, InferenceGrpc.getGenerateStreamMethod(), () -> callOptions(d), request);
     }
 
     // ---- other RPCs ------------------------------------------------------------------
 
     public EmbedResponse embed(EmbedRequest request) {
-        return blocking(s -> s.embed(request));
+        return embed(request, null);
+    }
+
+    public EmbedResponse embed(EmbedRequest request, Duration deadline) {
+        return blocking(s -> s.embed(request), unary(deadline));
     }
 
     public EmbedResponse embed(List<String> inputs) {
@@ -133,7 +170,7 @@ public final class SidecarClient implements AutoCloseable {
     }
 
     public TokenizeResponse tokenize(TokenizeRequest request) {
-        return blocking(s -> s.tokenize(request));
+        return blocking(s -> s.tokenize(request), defaultDeadline);
     }
 
     public TokenizeResponse tokenize(String text) {
@@ -141,11 +178,11 @@ public final class SidecarClient implements AutoCloseable {
     }
 
     public ModelInfo modelInfo() {
-        return blocking(s -> s.getModelInfo(GetModelInfoRequest.getDefaultInstance()));
+        return blocking(s -> s.getModelInfo(GetModelInfoRequest.getDefaultInstance()), defaultDeadline);
     }
 
     public EngineStats stats() {
-        return blocking(s -> s.getStats(GetStatsRequest.getDefaultInstance()));
+        return blocking(s -> s.getStats(GetStatsRequest.getDefaultInstance()), defaultDeadline);
     }
 
     /**
@@ -156,9 +193,14 @@ public final class SidecarClient implements AutoCloseable {
         return channel;
     }
 
-    /** The default deadline applied to each call; null when calls have none. */
+    /** The default deadline of unary calls; null when they have none. */
     public Duration defaultDeadline() {
         return defaultDeadline;
+    }
+
+    /** The default deadline of streaming calls; null when they have none. */
+    public Duration defaultStreamDeadline() {
+        return defaultStreamDeadline;
     }
 
     /**
@@ -185,10 +227,25 @@ public final class SidecarClient implements AutoCloseable {
 
     // ---- internals -------------------------------------------------------------------
 
-    private CallOptions callOptions() {
+    private Duration unary(Duration deadline) {
+        return checked(deadline) != null ? deadline : defaultDeadline;
+    }
+
+    private Duration stream(Duration deadline) {
+        return checked(deadline) != null ? deadline : defaultStreamDeadline;
+    }
+
+    private static Duration checked(Duration deadline) {
+        if (deadline != null && (deadline.isNegative() || deadline.isZero())) {
+            throw new IllegalArgumentException("deadline: must be positive, got " + deadline);
+        }
+        return deadline;
+    }
+
+    private CallOptions callOptions(Duration deadline) {
         CallOptions options = CallOptions.DEFAULT;
-        if (defaultDeadline != null) {
-            options = options.withDeadlineAfter(defaultDeadline.toNanos(), TimeUnit.NANOSECONDS);
+        if (deadline != null) {
+            options = options.withDeadlineAfter(deadline.toNanos(), TimeUnit.NANOSECONDS);
         }
         if (maxInboundMessageSize != null) {
             options = options.withMaxInboundMessageSize(maxInboundMessageSize);
@@ -196,8 +253,8 @@ public final class SidecarClient implements AutoCloseable {
         return options;
     }
 
-    private <T> T blocking(Function<InferenceGrpc.InferenceBlockingStub, T> call) {
-        InferenceGrpc.InferenceBlockingStub stub = applyOptions(InferenceGrpc.newBlockingStub(channel));
+    private <T> T blocking(Function<InferenceGrpc.InferenceBlockingStub, T> call, Duration deadline) {
+        InferenceGrpc.InferenceBlockingStub stub = applyOptions(InferenceGrpc.newBlockingStub(channel), deadline);
         try {
             return call.apply(stub);
         } catch (StatusRuntimeException e) {
@@ -205,13 +262,13 @@ public final class SidecarClient implements AutoCloseable {
         }
     }
 
-    private InferenceGrpc.InferenceFutureStub futureStub() {
-        return applyOptions(InferenceGrpc.newFutureStub(channel));
+    private InferenceGrpc.InferenceFutureStub futureStub(Duration deadline) {
+        return applyOptions(InferenceGrpc.newFutureStub(channel), deadline);
     }
 
-    private <S extends io.grpc.stub.AbstractStub<S>> S applyOptions(S stub) {
-        if (defaultDeadline != null) {
-            stub = stub.withDeadlineAfter(defaultDeadline.toNanos(), TimeUnit.NANOSECONDS);
+    private <S extends io.grpc.stub.AbstractStub<S>> S applyOptions(S stub, Duration deadline) {
+        if (deadline != null) {
+            stub = stub.withDeadlineAfter(deadline.toNanos(), TimeUnit.NANOSECONDS);
         }
         if (maxInboundMessageSize != null) {
             stub = stub.withMaxInboundMessageSize(maxInboundMessageSize);

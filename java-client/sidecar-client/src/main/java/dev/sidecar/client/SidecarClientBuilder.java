@@ -14,6 +14,7 @@ import java.time.Duration;
 import java.util.ArrayList;
 import java.util.List;
 import java.util.Objects;
+import java.util.concurrent.TimeUnit;
 
 /**
  * Configures a {@link SidecarClient}. Exactly one source of the channel is used, in this
@@ -28,6 +29,13 @@ public final class SidecarClientBuilder {
     private Path trustedCertificates;
     private String apiKey;
     private Duration defaultDeadline;
+    private Duration defaultStreamDeadline;
+    private boolean streamDeadlineSet;
+    private Duration keepAliveTime;
+    private Duration keepAliveTimeout;
+    private boolean keepAliveWithoutCalls;
+    private Duration idleTimeout;
+    private boolean healthCheck;
     private int maxRetryAttempts = 3;
     private Duration retryInitialBackoff = Duration.ofMillis(100);
     private Duration retryMaxBackoff = Duration.ofSeconds(2);
@@ -78,6 +86,68 @@ public final class SidecarClientBuilder {
             throw new IllegalArgumentException("defaultDeadline: must be positive, got " + deadline);
         }
         this.defaultDeadline = deadline;
+        return this;
+    }
+
+    /**
+     * Deadline of streaming calls ({@code chatStream}, {@code generateStream}), counted from
+     * subscription; a generation streams for much longer than a unary call waits. Null means
+     * streams have no deadline; never called, streams use {@link #defaultDeadline(Duration)}.
+     */
+    public SidecarClientBuilder defaultStreamDeadline(Duration deadline) {
+        if (deadline != null && (deadline.isNegative() || deadline.isZero())) {
+            throw new IllegalArgumentException("defaultStreamDeadline: must be positive, got " + deadline);
+        }
+        this.defaultStreamDeadline = deadline;
+        this.streamDeadlineSet = true;
+        return this;
+    }
+
+    /**
+     * HTTP/2 keepalive pings on an idle transport every {@code time} (grpc-java raises
+     * anything below 10 s to 10 s; the sidecar accepts a ping every 10 s), dropping the
+     * connection when one is unanswered for {@code timeout}: a replica that vanished without
+     * closing its connections is detected and calls go to the others. Null disables
+     * keepalive (gRPC's default).
+     */
+    public SidecarClientBuilder keepAlive(Duration time, Duration timeout) {
+        if (time != null && (time.isNegative() || time.isZero())) {
+            throw new IllegalArgumentException("keepAliveTime: must be positive, got " + time);
+        }
+        if (timeout != null && (timeout.isNegative() || timeout.isZero())) {
+            throw new IllegalArgumentException("keepAliveTimeout: must be positive, got " + timeout);
+        }
+        this.keepAliveTime = time;
+        this.keepAliveTimeout = timeout;
+        return this;
+    }
+
+    /** Also ping while no call is running (default false). */
+    public SidecarClientBuilder keepAliveWithoutCalls(boolean enabled) {
+        this.keepAliveWithoutCalls = enabled;
+        return this;
+    }
+
+    /**
+     * After this long without calls the channel closes its connections and re-resolves the
+     * target on the next call. Null keeps gRPC's default (30 minutes).
+     */
+    public SidecarClientBuilder idleTimeout(Duration timeout) {
+        if (timeout != null && (timeout.isNegative() || timeout.isZero())) {
+            throw new IllegalArgumentException("idleTimeout: must be positive, got " + timeout);
+        }
+        this.idleTimeout = timeout;
+        return this;
+    }
+
+    /**
+     * Client-side health checking: each connection watches the server's
+     * {@code grpc.health.v1.Health} status of {@code sidecar.v1.Inference}, and the load
+     * balancer sends calls only to replicas reporting SERVING, so a draining or loading
+     * replica gets none. Default false.
+     */
+    public SidecarClientBuilder healthCheck(boolean enabled) {
+        this.healthCheck = enabled;
         return this;
     }
 
@@ -154,17 +224,30 @@ public final class SidecarClientBuilder {
         if (apiKey != null) {
             all.add(new BearerAuthInterceptor(apiKey));
         }
+        Duration streamDeadline = streamDeadlineSet ? defaultStreamDeadline : defaultDeadline;
         if (channel != null) {
-            return new SidecarClient(channel, false, all, defaultDeadline, maxInboundMessageSize, shutdownTimeout);
+            return new SidecarClient(channel, false, all, defaultDeadline, streamDeadline, maxInboundMessageSize,
+                    shutdownTimeout);
         }
         ManagedChannelBuilder<?> b = channelBuilder != null ? channelBuilder : Grpc.newChannelBuilder(target, credentials());
         configure(b);
-        return new SidecarClient(b.build(), true, all, defaultDeadline, maxInboundMessageSize, shutdownTimeout);
+        return new SidecarClient(b.build(), true, all, defaultDeadline, streamDeadline, maxInboundMessageSize,
+                shutdownTimeout);
     }
 
     private void configure(ManagedChannelBuilder<?> b) {
         b.defaultServiceConfig(ServiceConfigs.build(loadBalancingPolicy, maxRetryAttempts,
-                retryInitialBackoff, retryMaxBackoff));
+                retryInitialBackoff, retryMaxBackoff, healthCheck));
+        if (keepAliveTime != null) {
+            b.keepAliveTime(keepAliveTime.toNanos(), TimeUnit.NANOSECONDS);
+        }
+        if (keepAliveTimeout != null) {
+            b.keepAliveTimeout(keepAliveTimeout.toNanos(), TimeUnit.NANOSECONDS);
+        }
+        b.keepAliveWithoutCalls(keepAliveWithoutCalls);
+        if (idleTimeout != null) {
+            b.idleTimeout(idleTimeout.toNanos(), TimeUnit.NANOSECONDS);
+        }
         if (maxRetryAttempts > 1) {
             b.enableRetry();
         } else {

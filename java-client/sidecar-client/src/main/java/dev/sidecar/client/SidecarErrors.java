@@ -53,8 +53,12 @@ public final class SidecarErrors {
         Status.Code code = status.getCode();
         String message = code + (status.getDescription() == null ? "" : ": " + status.getDescription());
         if (code == Status.Code.RESOURCE_EXHAUSTED && isMessageTooLarge(status)) {
-            // Raised by the local transport, not the sidecar: retrying will not help.
-            return new SidecarException(code, message, cause);
+            // A size limit (the server's on the request, or ours on the response), not a rate
+            // limit: retrying the same call cannot succeed.
+            return new MessageTooLargeException(code, message, cause);
+        }
+        if (code == Status.Code.NOT_FOUND && !isCacheMiss(status)) {
+            return new ModelNotFoundException(code, message, cause);
         }
         return switch (code) {
             case RESOURCE_EXHAUSTED -> new RateLimitedException(code, message, cause, retryAfter(trailers));
@@ -67,10 +71,19 @@ public final class SidecarErrors {
         };
     }
 
-    // grpc-java's wording when a message exceeds maxInboundMessageSize.
+    // grpc-java's wording when a message exceeds maxInboundMessageSize ("... exceeds maximum
+    // size ..."), and gRPC core's on the server ("Received message larger than max (N vs. M)",
+    // "Sent message larger than max ...").
     private static boolean isMessageTooLarge(Status status) {
         String d = status.getDescription();
-        return d != null && d.contains("exceeds maximum size");
+        return d != null && (d.contains("exceeds maximum size") || d.contains("message larger than max"));
+    }
+
+    // The sidecar answers NOT_FOUND for a cache-only request without a cached answer
+    // ("semantic cache miss") and for an unknown model name ("model: unknown model ...").
+    private static boolean isCacheMiss(Status status) {
+        String d = status.getDescription();
+        return d != null && d.contains("cache miss");
     }
 
     /** Parses {@code retry-after-ms}; a missing or malformed value yields null (no hint). */

@@ -47,7 +47,7 @@ class ErrorMappingTest {
                 Arguments.of(Status.RESOURCE_EXHAUSTED, RateLimitedException.class),
                 Arguments.of(Status.UNAVAILABLE, SidecarUnavailableException.class),
                 Arguments.of(Status.DEADLINE_EXCEEDED, DeadlineExceededException.class),
-                Arguments.of(Status.NOT_FOUND, CacheMissException.class),
+                Arguments.of(Status.NOT_FOUND, ModelNotFoundException.class),
                 Arguments.of(Status.INTERNAL, SidecarException.class));
     }
 
@@ -105,10 +105,27 @@ class ErrorMappingTest {
     }
 
     @Test
-    void localMessageSizeLimitIsNotARateLimit() {
-        SidecarException e = SidecarErrors.from(Status.RESOURCE_EXHAUSTED
-                .withDescription("gRPC message exceeds maximum size 10: 20").asRuntimeException());
-        assertThat(e).isExactlyInstanceOf(SidecarException.class);
+    void messageSizeLimitsAreNotRateLimits() {
+        // ours, on a response
+        assertThat(SidecarErrors.from(Status.RESOURCE_EXHAUSTED
+                .withDescription("gRPC message exceeds maximum size 10: 20").asRuntimeException()))
+                .isExactlyInstanceOf(MessageTooLargeException.class);
+        // the sidecar's (gRPC core's wording), on a request over --max-message-bytes
+        failNext(Status.RESOURCE_EXHAUSTED.withDescription("Received message larger than max (5000000 vs. 4194304)"),
+                new Metadata());
+        assertThatThrownBy(() -> client.chat(chat())).isExactlyInstanceOf(MessageTooLargeException.class)
+                .isNotInstanceOf(RateLimitedException.class);
+    }
+
+    @Test
+    void notFoundIsACacheMissOnlyForTheCacheAndOtherwiseAnUnknownModel() {
+        failNext(Status.NOT_FOUND.withDescription("semantic cache miss"), new Metadata());
+        assertThatThrownBy(() -> client.chat(chat())).isExactlyInstanceOf(CacheMissException.class);
+
+        failNext(Status.NOT_FOUND.withDescription("model: unknown model 'gpt-4'; this sidecar serves 'demo'"),
+                new Metadata());
+        assertThatThrownBy(() -> client.chat(chat())).isExactlyInstanceOf(ModelNotFoundException.class)
+                .isInstanceOf(InvalidRequestException.class).hasMessageContaining("model: unknown model");
     }
 
     private static ChatRequest chat() {

@@ -44,6 +44,8 @@ final class FakeInference extends InferenceGrpc.InferenceImplBase {
     final AtomicInteger calls = new AtomicInteger();
     final ConcurrentLinkedQueue<Metadata> headers = new ConcurrentLinkedQueue<>();
     volatile Object lastRequest;
+    /** The deadline the last call arrived with (null when it had none). */
+    volatile io.grpc.Deadline lastDeadline;
 
     /** Number of chunks a stream sends (each only while the client has demand). */
     volatile int streamChunks = 5;
@@ -78,6 +80,7 @@ final class FakeInference extends InferenceGrpc.InferenceImplBase {
 
     private boolean failed(StreamObserver<?> observer) {
         calls.incrementAndGet();
+        lastDeadline = io.grpc.Context.current().getDeadline();
         Failure f = failNext.poll();
         if (f != null) {
             observer.onError(f.status().asRuntimeException(f.trailers()));

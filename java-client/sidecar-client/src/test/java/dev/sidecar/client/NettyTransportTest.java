@@ -49,7 +49,7 @@ class NettyTransportTest {
         try (SidecarClient small = SidecarClient.builder().target("127.0.0.1:" + server.getPort())
                 .maxInboundMessageSize(16 * 1024).build()) {
             assertThatThrownBy(() -> small.generate("big"))
-                    .isExactlyInstanceOf(SidecarException.class)
+                    .isExactlyInstanceOf(MessageTooLargeException.class)
                     .hasMessageContaining("exceeds maximum size");
         }
         try (SidecarClient large = SidecarClient.builder().target("127.0.0.1:" + server.getPort())

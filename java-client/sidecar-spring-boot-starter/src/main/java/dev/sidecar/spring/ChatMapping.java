@@ -110,6 +110,13 @@ final class ChatMapping {
                 c.hasCache() ? c.getCache() : null);
     }
 
+    /** The whole streamed answer: all deltas' text with the last chunk's usage, finish reason and metadata. */
+    static ChatResponse aggregate(String text, CompletionChunk last, String model) {
+        return response(text, last.getRequestId(), model, last.getFinishReason(),
+                last.hasUsage() ? last.getUsage() : null, last.hasTiming() ? last.getTiming() : null,
+                last.hasCache() ? last.getCache() : null);
+    }
+
     private static ChatResponse response(String text, String id, String model, FinishReason finish, Usage usage,
                                          Timing timing, CacheInfo cache) {
         Map<String, Object> extra = new HashMap<>();

@@ -2,8 +2,11 @@ package dev.sidecar.spring;
 
 import dev.sidecar.client.SidecarClient;
 import dev.sidecar.v1.ChatRequest;
+import dev.sidecar.v1.CompletionChunk;
 import io.micrometer.observation.Observation;
 import io.micrometer.observation.ObservationRegistry;
+import io.micrometer.observation.contextpropagation.ObservationThreadLocalAccessor;
+import java.util.concurrent.atomic.AtomicBoolean;
 import java.util.concurrent.atomic.AtomicReference;
 import org.springframework.ai.chat.model.ChatModel;
 import org.springframework.ai.chat.model.ChatResponse;
@@ -21,9 +24,18 @@ import reactor.core.publisher.Flux;
  * <p>Each {@link ChatResponse} carries usage (prompt, completion, total; the wire
  * {@code Usage} as native usage), the finish reason ("STOP", "LENGTH", "ABORT") and,
  * in both the response and the generation metadata, the keys below (cache status and
- * similarity, prefix-cached tokens, timings). Errors are the client's typed
- * {@link dev.sidecar.client.SidecarException}s. Calls are observed with Spring AI's
- * chat-model observation (gen_ai.* key values) on the given registry.
+ * similarity, prefix-cached tokens, timings). Failures are Spring AI's
+ * {@link org.springframework.ai.retry.TransientAiException} /
+ * {@link org.springframework.ai.retry.NonTransientAiException} with the client's typed
+ * {@link dev.sidecar.client.SidecarException} as cause (see {@link SpringAiErrors}).
+ * {@link SidecarChatOptions#getTimeout()} is the call's deadline.
+ *
+ * <p>Calls are observed with Spring AI's chat-model observation (gen_ai.* key values).
+ * A stream's observation is a child of the observation in the subscriber's Reactor
+ * context (e.g. ChatClient's), is itself put in the context of the stream, and records
+ * the whole answer (all deltas, the last chunk's usage and finish reason) when the
+ * stream completes, fails or is cancelled. The gRPC call is started with the chat
+ * observation in scope, so the client's gRPC observation (if any) is its child.
  */
 public class SidecarChatModel implements ChatModel {
 
@@ -36,7 +48,8 @@ public class SidecarChatModel implements ChatModel {
     public static final String TOTAL_MS = "sidecar.timing.total-ms";
     public static final String QUEUE_MS = "sidecar.timing.queue-ms";
 
-    static final String PROVIDER = "sidecar";
+    /** The provider name in observations, and the value of {@code spring.ai.model.chat} selecting this model. */
+    public static final String PROVIDER = "sidecar";
     private static final ChatModelObservationConvention DEFAULT_CONVENTION =
             new DefaultChatModelObservationConvention();
 
@@ -56,23 +69,33 @@ public class SidecarChatModel implements ChatModel {
         this.observationRegistry = observationRegistry == null ? ObservationRegistry.NOOP : observationRegistry;
     }
 
-    /** Replaces the default chat observation convention. */
+    /** Replaces the default chat observation convention (null restores it). */
     public void setObservationConvention(ChatModelObservationConvention convention) {
         this.observationConvention = convention;
     }
 
+    /**
+     * This model's default options: what ChatClient starts from (through {@code mutate()}) before
+     * combining a call's own options, so the sidecar fields survive the combination.
+     */
     @Override
-    public ChatOptions getDefaultOptions() {
+    public ChatOptions getOptions() {
         return defaultOptions.copy();
     }
 
     @Override
     public ChatResponse call(Prompt prompt) {
         Prompt effective = effectivePrompt(prompt);
-        ChatRequest request = ChatMapping.toRequest(effective, (SidecarChatOptions) effective.getOptions());
-        ChatModelObservationContext context = observationContext(effective);
+        SidecarChatOptions options = (SidecarChatOptions) effective.getOptions();
+        ChatRequest request = ChatMapping.toRequest(effective, options);
+        ChatModelObservationContext context = observationContext(effective, false);
         return observation(context).observe(() -> {
-            ChatResponse response = ChatMapping.toResponse(client.chat(request));
+            ChatResponse response;
+            try {
+                response = ChatMapping.toResponse(client.chat(request, options.getTimeout()));
+            } catch (RuntimeException e) {
+                throw SpringAiErrors.translate(e);
+            }
             context.setResponse(response);
             return response;
         });
@@ -84,21 +107,56 @@ public class SidecarChatModel implements ChatModel {
         SidecarChatOptions options = (SidecarChatOptions) effective.getOptions();
         ChatRequest request = ChatMapping.toRequest(effective, options);
         String model = options.getModel();
-        return Flux.defer(() -> {
-            ChatModelObservationContext context = observationContext(effective);
-            Observation observation = observation(context).start();
-            // The last chunk carries usage and finish reason: it is what the observation reports.
-            AtomicReference<ChatResponse> last = new AtomicReference<>();
-            return client.chatStream(request)
-                    .map(chunk -> ChatMapping.toResponse(chunk, model))
-                    .doOnNext(last::set)
-                    .doOnError(observation::error)
-                    .doFinally(signal -> {
-                        if (last.get() != null) {
-                            context.setResponse(last.get());
+        return Flux.deferContextual(contextView -> {
+            ChatModelObservationContext context = observationContext(effective, true);
+            Observation observation = observation(context);
+            Observation parent = contextView.getOrDefault(ObservationThreadLocalAccessor.KEY, null);
+            if (parent != null) {
+                observation.parentObservation(parent);
+            }
+            // Started with the parent in scope, so a tracer derives the span's parent from
+            // it rather than from whatever happens to be current on the subscribing thread.
+            try (Observation.Scope ignored = parent != null ? parent.openScope() : Observation.Scope.NOOP) {
+                observation.start();
+            }
+            StringBuilder text = new StringBuilder();
+            AtomicReference<CompletionChunk> last = new AtomicReference<>();
+            AtomicBoolean stopped = new AtomicBoolean();
+            Runnable finish = () -> {
+                if (stopped.compareAndSet(false, true)) {
+                    if (last.get() != null) {
+                        context.setResponse(ChatMapping.aggregate(text.toString(), last.get(), model));
+                    }
+                    observation.stop();
+                }
+            };
+            Flux<CompletionChunk> call = client.chatStream(request, options.getTimeout());
+            // The gRPC call starts when subscribed: subscribing with this observation in scope
+            // makes it the parent of the call's own observation (gRPC client interceptor).
+            Flux<CompletionChunk> scoped = Flux.from(subscriber -> {
+                try (Observation.Scope ignored = observation.openScope()) {
+                    call.subscribe(subscriber);
+                }
+            });
+            return scoped
+                    .doOnNext(chunk -> {
+                        synchronized (text) {
+                            text.append(chunk.getDelta());
                         }
-                        observation.stop();
-                    });
+                        last.set(chunk);
+                    })
+                    .map(chunk -> ChatMapping.toResponse(chunk, model))
+                    .onErrorMap(SpringAiErrors::translate)
+                    // Stopped before the terminal signal travels downstream (not in doFinally,
+                    // which runs after it): when the subscriber sees the end, the observation
+                    // is complete.
+                    .doOnComplete(finish)
+                    .doOnError(e -> {
+                        observation.error(e);
+                        finish.run();
+                    })
+                    .doOnCancel(finish)
+                    .contextWrite(ctx -> ctx.put(ObservationThreadLocalAccessor.KEY, observation));
         });
     }
 
@@ -108,8 +166,8 @@ public class SidecarChatModel implements ChatModel {
         return new Prompt(prompt.getInstructions(), merged);
     }
 
-    private ChatModelObservationContext observationContext(Prompt prompt) {
-        return ChatModelObservationContext.builder().prompt(prompt).provider(PROVIDER).build();
+    private ChatModelObservationContext observationContext(Prompt prompt, boolean streaming) {
+        return ChatModelObservationContext.builder().prompt(prompt).provider(PROVIDER).streaming(streaming).build();
     }
 
     private Observation observation(ChatModelObservationContext context) {

@@ -1,62 +1,88 @@
 package dev.sidecar.spring;
 
 import dev.sidecar.v1.CacheControl;
+import java.time.Duration;
 import java.util.List;
 import java.util.Objects;
 import org.springframework.ai.chat.prompt.ChatOptions;
+import org.springframework.ai.chat.prompt.DefaultChatOptionsBuilder;
 
 /**
  * Per-call options of {@link SidecarChatModel}. Unset (null) fields fall back to the
  * model's defaults, then to the sidecar's. Generic {@link ChatOptions} from other code
  * (e.g. {@code ChatOptions.builder().temperature(0.2)}) are honoured as well.
+ *
+ * <p>{@link #getTimeout()} is the call's gRPC deadline (a stream's counts from
+ * subscription); unset, the client's default for unary calls or streams applies.
+ * Instances are immutable: change one through {@link #mutate()}.
  */
 public class SidecarChatOptions implements ChatOptions {
 
-    private String model;
-    private Integer maxTokens;
-    private Double temperature;
-    private Double topP;
-    private Integer topK;
-    private Double minP;
-    private Double frequencyPenalty;
-    private Double presencePenalty;
-    private Double repetitionPenalty;
-    private Long seed;
-    private List<String> stop;
-    private CacheControl cacheControl;
-    private String cacheSalt;
-    private Integer priority;
+    private final String model;
+    private final Integer maxTokens;
+    private final Double temperature;
+    private final Double topP;
+    private final Integer topK;
+    private final Double minP;
+    private final Double frequencyPenalty;
+    private final Double presencePenalty;
+    private final Double repetitionPenalty;
+    private final Long seed;
+    private final List<String> stop;
+    private final CacheControl cacheControl;
+    private final String cacheSalt;
+    private final Integer priority;
+    private final Duration timeout;
+
+    protected SidecarChatOptions(String model, Integer maxTokens, Double temperature, Double topP, Integer topK,
+                                 Double minP, Double frequencyPenalty, Double presencePenalty,
+                                 Double repetitionPenalty, Long seed, List<String> stop, CacheControl cacheControl,
+                                 String cacheSalt, Integer priority, Duration timeout) {
+        this.model = model;
+        this.maxTokens = maxTokens;
+        this.temperature = temperature;
+        this.topP = topP;
+        this.topK = topK;
+        this.minP = minP;
+        this.frequencyPenalty = frequencyPenalty;
+        this.presencePenalty = presencePenalty;
+        this.repetitionPenalty = repetitionPenalty;
+        this.seed = seed;
+        this.stop = stop == null ? null : List.copyOf(stop);
+        this.cacheControl = cacheControl;
+        this.cacheSalt = cacheSalt;
+        this.priority = priority;
+        this.timeout = timeout;
+    }
 
     public static Builder builder() {
         return new Builder();
     }
 
     /**
-     * Overlays {@code override}'s non-null fields on {@code base}; either may be null.
-     * Sidecar-only fields are taken only when {@code override} is a SidecarChatOptions.
+     * Overlays {@code override}'s non-null fields on {@code base}; either may be null. Unlike
+     * Spring AI's {@code combineWith}, a set stop list replaces the base's. Sidecar-only
+     * fields are taken only when {@code override} is a SidecarChatOptions.
      */
     public static SidecarChatOptions merge(SidecarChatOptions base, ChatOptions override) {
-        SidecarChatOptions r = base == null ? new SidecarChatOptions() : base.copy();
+        SidecarChatOptions b = base == null ? builder().build() : base;
         if (override == null) {
-            return r;
+            return b.copy();
         }
-        r.model = pick(override.getModel(), r.model);
-        r.maxTokens = pick(override.getMaxTokens(), r.maxTokens);
-        r.temperature = pick(override.getTemperature(), r.temperature);
-        r.topP = pick(override.getTopP(), r.topP);
-        r.topK = pick(override.getTopK(), r.topK);
-        r.frequencyPenalty = pick(override.getFrequencyPenalty(), r.frequencyPenalty);
-        r.presencePenalty = pick(override.getPresencePenalty(), r.presencePenalty);
-        r.stop = pick(override.getStopSequences(), r.stop);
+        Builder r = b.mutate()
+                .model(pick(override.getModel(), b.model))
+                .maxTokens(pick(override.getMaxTokens(), b.maxTokens))
+                .temperature(pick(override.getTemperature(), b.temperature))
+                .topP(pick(override.getTopP(), b.topP))
+                .topK(pick(override.getTopK(), b.topK))
+                .frequencyPenalty(pick(override.getFrequencyPenalty(), b.frequencyPenalty))
+                .presencePenalty(pick(override.getPresencePenalty(), b.presencePenalty))
+                .stopSequences(pick(override.getStopSequences(), b.stop));
         if (override instanceof SidecarChatOptions s) {
-            r.minP = pick(s.minP, r.minP);
-            r.repetitionPenalty = pick(s.repetitionPenalty, r.repetitionPenalty);
-            r.seed = pick(s.seed, r.seed);
-            r.cacheControl = pick(s.cacheControl, r.cacheControl);
-            r.cacheSalt = pick(s.cacheSalt, r.cacheSalt);
-            r.priority = pick(s.priority, r.priority);
+            r.overlaySidecarFields(s.minP, s.repetitionPenalty, s.seed, s.cacheControl, s.cacheSalt, s.priority,
+                    s.timeout);
         }
-        return r;
+        return r.build();
     }
 
     private static <T> T pick(T preferred, T fallback) {
@@ -127,25 +153,23 @@ public class SidecarChatOptions implements ChatOptions {
         return priority;
     }
 
+    /** The call's deadline; null means the client's default (unary or stream). */
+    public Duration getTimeout() {
+        return timeout;
+    }
+
+    /** A builder holding this instance's values. */
     @Override
-    @SuppressWarnings("unchecked")
+    public Builder mutate() {
+        Builder b = builder().model(model).maxTokens(maxTokens).temperature(temperature).topP(topP).topK(topK)
+                .frequencyPenalty(frequencyPenalty).presencePenalty(presencePenalty).stopSequences(stop);
+        b.overlaySidecarFields(minP, repetitionPenalty, seed, cacheControl, cacheSalt, priority, timeout);
+        return b;
+    }
+
+    /** An equal, independent instance. */
     public SidecarChatOptions copy() {
-        SidecarChatOptions c = new SidecarChatOptions();
-        c.model = model;
-        c.maxTokens = maxTokens;
-        c.temperature = temperature;
-        c.topP = topP;
-        c.topK = topK;
-        c.minP = minP;
-        c.frequencyPenalty = frequencyPenalty;
-        c.presencePenalty = presencePenalty;
-        c.repetitionPenalty = repetitionPenalty;
-        c.seed = seed;
-        c.stop = stop == null ? null : List.copyOf(stop);
-        c.cacheControl = cacheControl;
-        c.cacheSalt = cacheSalt;
-        c.priority = priority;
-        return c;
+        return mutate().build();
     }
 
     @Override
@@ -160,97 +184,110 @@ public class SidecarChatOptions implements ChatOptions {
                 && Objects.equals(presencePenalty, c.presencePenalty)
                 && Objects.equals(repetitionPenalty, c.repetitionPenalty) && Objects.equals(seed, c.seed)
                 && Objects.equals(stop, c.stop) && cacheControl == c.cacheControl
-                && Objects.equals(cacheSalt, c.cacheSalt) && Objects.equals(priority, c.priority);
+                && Objects.equals(cacheSalt, c.cacheSalt) && Objects.equals(priority, c.priority)
+                && Objects.equals(timeout, c.timeout);
     }
 
     @Override
     public int hashCode() {
-        return Objects.hash(model, maxTokens, temperature, topP, topK, seed, stop, cacheControl);
+        return Objects.hash(model, maxTokens, temperature, topP, topK, seed, stop, cacheControl, timeout);
     }
 
     @Override
     public String toString() {
         return "SidecarChatOptions{model=" + model + ", maxTokens=" + maxTokens + ", temperature=" + temperature
                 + ", topP=" + topP + ", topK=" + topK + ", seed=" + seed + ", stop=" + stop
-                + ", cacheControl=" + cacheControl + "}";
+                + ", cacheControl=" + cacheControl + ", timeout=" + timeout + "}";
     }
 
-    public static final class Builder {
+    /**
+     * Builder of {@link SidecarChatOptions}; a Spring AI {@link ChatOptions.Builder}, so
+     * {@code ChatClient...options(SidecarChatOptions.builder().seed(7L))} works and
+     * {@link #combineWith} carries the sidecar fields.
+     */
+    public static class Builder extends DefaultChatOptionsBuilder<Builder> {
 
-        private final SidecarChatOptions o = new SidecarChatOptions();
+        private Double minP;
+        private Double repetitionPenalty;
+        private Long seed;
+        private CacheControl cacheControl;
+        private String cacheSalt;
+        private Integer priority;
+        private Duration timeout;
 
-        public Builder model(String v) {
-            o.model = v;
-            return this;
-        }
-
-        public Builder maxTokens(Integer v) {
-            o.maxTokens = v;
-            return this;
-        }
-
-        public Builder temperature(Double v) {
-            o.temperature = v;
-            return this;
-        }
-
-        public Builder topP(Double v) {
-            o.topP = v;
-            return this;
-        }
-
-        public Builder topK(Integer v) {
-            o.topK = v;
-            return this;
+        protected Builder() {
         }
 
         public Builder minP(Double v) {
-            o.minP = v;
-            return this;
-        }
-
-        public Builder frequencyPenalty(Double v) {
-            o.frequencyPenalty = v;
-            return this;
-        }
-
-        public Builder presencePenalty(Double v) {
-            o.presencePenalty = v;
-            return this;
+            this.minP = v;
+            return self();
         }
 
         public Builder repetitionPenalty(Double v) {
-            o.repetitionPenalty = v;
-            return this;
+            this.repetitionPenalty = v;
+            return self();
         }
 
         public Builder seed(Long v) {
-            o.seed = v;
-            return this;
+            this.seed = v;
+            return self();
         }
 
+        /** Same as {@link #stopSequences(List)}. */
         public Builder stop(List<String> v) {
-            o.stop = v == null ? null : List.copyOf(v);
-            return this;
+            return stopSequences(v);
         }
 
         public Builder cacheControl(CacheControl v) {
-            o.cacheControl = v;
-            return this;
+            this.cacheControl = v;
+            return self();
         }
 
         public Builder cacheSalt(String v) {
-            o.cacheSalt = v;
-            return this;
+            this.cacheSalt = v;
+            return self();
         }
 
         public Builder priority(Integer v) {
-            o.priority = v;
-            return this;
+            this.priority = v;
+            return self();
         }
 
+        /** The call's deadline (positive); null for the client's default. */
+        public Builder timeout(Duration v) {
+            if (v != null && (v.isNegative() || v.isZero())) {
+                throw new IllegalArgumentException("timeout: must be positive, got " + v);
+            }
+            this.timeout = v;
+            return self();
+        }
+
+        private void overlaySidecarFields(Double minP, Double repetitionPenalty, Long seed, CacheControl cacheControl,
+                                          String cacheSalt, Integer priority, Duration timeout) {
+            this.minP = pick(minP, this.minP);
+            this.repetitionPenalty = pick(repetitionPenalty, this.repetitionPenalty);
+            this.seed = pick(seed, this.seed);
+            this.cacheControl = pick(cacheControl, this.cacheControl);
+            this.cacheSalt = pick(cacheSalt, this.cacheSalt);
+            this.priority = pick(priority, this.priority);
+            this.timeout = pick(timeout, this.timeout);
+        }
+
+        @Override
+        public Builder combineWith(ChatOptions.Builder<?> other) {
+            super.combineWith(other);
+            if (other instanceof Builder that) {
+                overlaySidecarFields(that.minP, that.repetitionPenalty, that.seed, that.cacheControl, that.cacheSalt,
+                        that.priority, that.timeout);
+            }
+            return self();
+        }
+
+        @Override
         public SidecarChatOptions build() {
-            return o.copy();
+            return new SidecarChatOptions(model, maxTokens, temperature, topP, topK, minP, frequencyPenalty,
+                    presencePenalty, repetitionPenalty, seed, stopSequences, cacheControl, cacheSalt, priority,
+                    timeout);
         }
     }
 }

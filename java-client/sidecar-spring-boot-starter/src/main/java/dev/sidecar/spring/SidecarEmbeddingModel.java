@@ -3,6 +3,7 @@ package dev.sidecar.spring;
 import dev.sidecar.client.SidecarClient;
 import dev.sidecar.v1.EmbedRequest;
 import dev.sidecar.v1.EmbedResponse;
+import io.micrometer.observation.ObservationRegistry;
 import java.util.ArrayList;
 import java.util.List;
 import org.springframework.ai.chat.metadata.DefaultUsage;
@@ -12,18 +13,42 @@ import org.springframework.ai.embedding.EmbeddingModel;
 import org.springframework.ai.embedding.EmbeddingRequest;
 import org.springframework.ai.embedding.EmbeddingResponse;
 import org.springframework.ai.embedding.EmbeddingResponseMetadata;
+import org.springframework.ai.embedding.observation.DefaultEmbeddingModelObservationConvention;
+import org.springframework.ai.embedding.observation.EmbeddingModelObservationContext;
+import org.springframework.ai.embedding.observation.EmbeddingModelObservationConvention;
+import org.springframework.ai.embedding.observation.EmbeddingModelObservationDocumentation;
 
-/** Spring AI {@link EmbeddingModel} over the sidecar's Embed RPC (unit-length vectors). */
+/**
+ * Spring AI {@link EmbeddingModel} over the sidecar's Embed RPC (unit-length vectors).
+ * Each {@link #call} is observed with Spring AI's embedding-model observation (one
+ * observation even when the inputs are sent in several batches); failures are Spring AI's
+ * Transient/NonTransientAiException with the client's typed exception as cause.
+ */
 public class SidecarEmbeddingModel implements EmbeddingModel {
+
+    private static final EmbeddingModelObservationConvention DEFAULT_CONVENTION =
+            new DefaultEmbeddingModelObservationConvention();
 
     /** The Embed RPC's per-call input limit; larger requests are sent in batches. */
     static final int MAX_INPUTS = 256;
 
     private final SidecarClient client;
+    private final ObservationRegistry observationRegistry;
+    private EmbeddingModelObservationConvention observationConvention;
     private volatile Integer dimensions;
 
     public SidecarEmbeddingModel(SidecarClient client) {
+        this(client, ObservationRegistry.NOOP);
+    }
+
+    public SidecarEmbeddingModel(SidecarClient client, ObservationRegistry observationRegistry) {
         this.client = client;
+        this.observationRegistry = observationRegistry == null ? ObservationRegistry.NOOP : observationRegistry;
+    }
+
+    /** Replaces the default embedding observation convention (null restores it). */
+    public void setObservationConvention(EmbeddingModelObservationConvention convention) {
+        this.observationConvention = convention;
     }
 
     @Override
@@ -32,6 +57,23 @@ public class SidecarEmbeddingModel implements EmbeddingModel {
         if (inputs.isEmpty()) {
             throw new IllegalArgumentException("inputs: at least one text is required");
         }
+        EmbeddingModelObservationContext context = EmbeddingModelObservationContext.builder()
+                .embeddingRequest(request).provider(SidecarChatModel.PROVIDER).build();
+        return EmbeddingModelObservationDocumentation.EMBEDDING_MODEL_OPERATION
+                .observation(observationConvention, DEFAULT_CONVENTION, () -> context, observationRegistry)
+                .observe(() -> {
+                    EmbeddingResponse response;
+                    try {
+                        response = embedAll(request, inputs);
+                    } catch (RuntimeException e) {
+                        throw SpringAiErrors.translate(e);
+                    }
+                    context.setResponse(response);
+                    return response;
+                });
+    }
+
+    private EmbeddingResponse embedAll(EmbeddingRequest request, List<String> inputs) {
         String model = request.getOptions() != null && request.getOptions().getModel() != null
                 ? request.getOptions().getModel() : "";
         List<Embedding> embeddings = new ArrayList<>(inputs.size());
@@ -65,7 +107,12 @@ public class SidecarEmbeddingModel implements EmbeddingModel {
     public int dimensions() {
         Integer d = dimensions;
         if (d == null) {
-            int reported = client.modelInfo().getEmbeddingDimensions();
+            int reported;
+            try {
+                reported = client.modelInfo().getEmbeddingDimensions();
+            } catch (RuntimeException e) {
+                throw SpringAiErrors.translate(e);
+            }
             d = reported > 0 ? reported : EmbeddingModel.super.dimensions();
             dimensions = d;
         }

@@ -18,8 +18,41 @@ public class SidecarProperties {
     /** API key sent as {@code authorization: Bearer <key>}; empty sends none. */
     private String apiKey;
 
-    /** Deadline of every call; empty or zero means none. */
+    /** Deadline of every unary call (chat, generate, embed, ...); empty or zero means none. */
     private Duration deadline = Duration.ofSeconds(60);
+
+    /**
+     * Deadline of every streaming call, counted from subscription (a long answer streams for
+     * longer than a unary call waits); empty or zero means none. A prompt's
+     * {@code SidecarChatOptions.timeout} overrides both.
+     */
+    private Duration streamDeadline = Duration.ofMinutes(5);
+
+    /**
+     * Interval of HTTP/2 keepalive pings on a connection with calls in flight (at least 10 s,
+     * the sidecar's minimum), so a replica that vanished without closing its connections is
+     * detected; empty or zero disables keepalive.
+     */
+    private Duration keepAliveTime = Duration.ofSeconds(30);
+
+    /** How long a keepalive ping may go unanswered before the connection is dropped. */
+    private Duration keepAliveTimeout = Duration.ofSeconds(10);
+
+    /** Also send keepalive pings while no call is running. */
+    private boolean keepAliveWithoutCalls;
+
+    /**
+     * After this long without calls the channel drops its connections and re-resolves the
+     * target on the next call; empty means gRPC's default (30 minutes).
+     */
+    private Duration idleTimeout;
+
+    /**
+     * Client-side health checking: calls go only to replicas whose grpc.health.v1 status for
+     * sidecar.v1.Inference is SERVING, so a loading or draining replica gets none. Recommended
+     * with a dns:/// target over several replicas.
+     */
+    private boolean healthCheck;
 
     /** Use TLS (with the JVM's trusted roots unless trust-certificates is set). */
     private boolean tls;
@@ -43,12 +76,35 @@ public class SidecarProperties {
 
         /** Served model name; empty means the sidecar's model. */
         private String model;
+
+        /** Most tokens to generate; empty means the sidecar's default. */
         private Integer maxTokens;
+
+        /** Sampling temperature (0 = greedy); empty means the sidecar's default. */
         private Double temperature;
+
+        /** Nucleus sampling probability mass, in (0, 1]. */
         private Double topP;
+
+        /** Sample only among the k most likely tokens (0 = all). */
         private Integer topK;
+
+        /** Seed of the request's sampler, for reproducible sampled answers. */
         private Long seed;
+
+        /** Stop sequences: generation ends before any of them. */
         private List<String> stop = new ArrayList<>();
+
+        /** Deadline of each chat call (unary or stream); empty means sidecar.client.deadline / stream-deadline. */
+        private Duration timeout;
+
+        public Duration getTimeout() {
+            return timeout;
+        }
+
+        public void setTimeout(Duration timeout) {
+            this.timeout = timeout;
+        }
 
         public String getModel() {
             return model;
@@ -108,7 +164,8 @@ public class SidecarProperties {
 
         SidecarChatOptions toOptions() {
             return SidecarChatOptions.builder().model(model).maxTokens(maxTokens).temperature(temperature)
-                    .topP(topP).topK(topK).seed(seed).stop(stop.isEmpty() ? null : List.copyOf(stop)).build();
+                    .topP(topP).topK(topK).seed(seed).stop(stop.isEmpty() ? null : List.copyOf(stop))
+                    .timeout(timeout == null || timeout.isZero() ? null : timeout).build();
         }
     }
 
@@ -134,6 +191,54 @@ public class SidecarProperties {
 
     public void setDeadline(Duration deadline) {
         this.deadline = deadline;
+    }
+
+    public Duration getStreamDeadline() {
+        return streamDeadline;
+    }
+
+    public void setStreamDeadline(Duration streamDeadline) {
+        this.streamDeadline = streamDeadline;
+    }
+
+    public Duration getKeepAliveTime() {
+        return keepAliveTime;
+    }
+
+    public void setKeepAliveTime(Duration keepAliveTime) {
+        this.keepAliveTime = keepAliveTime;
+    }
+
+    public Duration getKeepAliveTimeout() {
+        return keepAliveTimeout;
+    }
+
+    public void setKeepAliveTimeout(Duration keepAliveTimeout) {
+        this.keepAliveTimeout = keepAliveTimeout;
+    }
+
+    public boolean isKeepAliveWithoutCalls() {
+        return keepAliveWithoutCalls;
+    }
+
+    public void setKeepAliveWithoutCalls(boolean keepAliveWithoutCalls) {
+        this.keepAliveWithoutCalls = keepAliveWithoutCalls;
+    }
+
+    public Duration getIdleTimeout() {
+        return idleTimeout;
+    }
+
+    public void setIdleTimeout(Duration idleTimeout) {
+        this.idleTimeout = idleTimeout;
+    }
+
+    public boolean isHealthCheck() {
+        return healthCheck;
+    }
+
+    public void setHealthCheck(boolean healthCheck) {
+        this.healthCheck = healthCheck;
     }
 
     public boolean isTls() {

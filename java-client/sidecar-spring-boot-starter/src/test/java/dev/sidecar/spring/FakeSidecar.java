@@ -46,6 +46,8 @@ final class FakeSidecar implements AutoCloseable {
     final AtomicInteger modelInfoCalls = new AtomicInteger();
     final HealthStatusManager health = new HealthStatusManager();
     volatile Status failWith;
+    /** The deadline each Inference call arrived with (null when it had none). */
+    final ConcurrentLinkedQueue<java.util.Optional<io.grpc.Deadline>> deadlines = new ConcurrentLinkedQueue<>();
     private final Server server;
 
     FakeSidecar() throws IOException {
@@ -56,6 +58,7 @@ final class FakeSidecar implements AutoCloseable {
                                                                         ServerCallHandler<Q, R> next) {
                         String auth = headers.get(Metadata.Key.of("authorization", Metadata.ASCII_STRING_MARSHALLER));
                         authorizations.add(auth == null ? "<none>" : auth);
+                        deadlines.add(java.util.Optional.ofNullable(io.grpc.Context.current().getDeadline()));
                         return next.startCall(call, headers);
                     }
                 }))

@@ -13,8 +13,20 @@ import org.springframework.ai.chat.client.ChatClient;
 import org.springframework.ai.chat.model.ChatModel;
 import org.springframework.ai.embedding.EmbeddingModel;
 import org.springframework.ai.model.chat.client.autoconfigure.ChatClientAutoConfiguration;
-import org.springframework.boot.actuate.health.Status;
+import org.springframework.boot.health.contributor.Status;
+import io.micrometer.core.instrument.MeterRegistry;
+import io.micrometer.core.instrument.simple.SimpleMeterRegistry;
+import io.micrometer.observation.tck.TestObservationRegistry;
+import io.micrometer.observation.tck.TestObservationRegistryAssert;
+import org.springframework.ai.chat.observation.ChatModelMeterObservationHandler;
+import org.springframework.ai.chat.observation.ChatModelObservationConvention;
+import org.springframework.ai.chat.observation.DefaultChatModelObservationConvention;
+import org.springframework.ai.embedding.observation.DefaultEmbeddingModelObservationConvention;
+import org.springframework.ai.embedding.observation.EmbeddingModelObservationConvention;
+import org.springframework.ai.model.chat.observation.autoconfigure.ChatObservationAutoConfiguration;
+import org.springframework.ai.model.embedding.observation.autoconfigure.EmbeddingObservationAutoConfiguration;
 import org.springframework.boot.autoconfigure.AutoConfigurations;
+import org.springframework.boot.micrometer.observation.autoconfigure.ObservationAutoConfiguration;
 import org.springframework.boot.test.context.runner.ApplicationContextRunner;
 import org.springframework.context.annotation.Bean;
 import org.springframework.context.annotation.Configuration;
@@ -63,7 +75,7 @@ class SidecarAutoConfigurationTest {
             assertThat(p.getApiKey()).isEqualTo("k1");
             assertThat(p.getMaxMessageSize()).isEqualTo(DataSize.ofMegabytes(1));
             assertThat(ctx.getBean(SidecarClient.class).defaultDeadline()).isEqualTo(Duration.ofSeconds(5));
-            SidecarChatOptions o = (SidecarChatOptions) ctx.getBean(ChatModel.class).getDefaultOptions();
+            SidecarChatOptions o = (SidecarChatOptions) ctx.getBean(ChatModel.class).getOptions();
             assertThat(o.getMaxTokens()).isEqualTo(48);
             assertThat(o.getTemperature()).isEqualTo(0.3);
             assertThat(o.getSeed()).isEqualTo(11L);
@@ -110,10 +122,68 @@ class SidecarAutoConfigurationTest {
     }
 
     @Test
-    void anotherSelectedProviderDisablesTheSidecarModels() {
-        runner.withPropertyValues("spring.ai.model.chat=openai", "spring.ai.model.embedding=none").run(ctx ->
+    void anotherSelectedProviderForBothModelsLeavesNoSidecarBeans() {
+        runner.withPropertyValues("spring.ai.model.chat=openai", "spring.ai.model.embedding=openai").run(ctx ->
                 assertThat(ctx).doesNotHaveBean(SidecarChatModel.class).doesNotHaveBean(SidecarEmbeddingModel.class)
-                        .hasSingleBean(SidecarClient.class));
+                        .doesNotHaveBean(SidecarClient.class).doesNotHaveBean(SidecarHealthIndicator.class)
+                        .doesNotHaveBean(SidecarProperties.class).doesNotHaveBean(SidecarAutoConfiguration.class));
+    }
+
+    @Test
+    void eachModelFollowsItsOwnSelectionProperty() {
+        // As with Spring AI's own starters, an unset property selects this starter's model.
+        runner.withPropertyValues("spring.ai.model.chat=openai").run(ctx ->
+                assertThat(ctx).doesNotHaveBean(SidecarChatModel.class).hasSingleBean(SidecarEmbeddingModel.class)
+                        .hasSingleBean(SidecarClient.class).hasSingleBean(SidecarHealthIndicator.class));
+        runner.withPropertyValues("spring.ai.model.chat=sidecar", "spring.ai.model.embedding=none").run(ctx ->
+                assertThat(ctx).hasSingleBean(SidecarChatModel.class).doesNotHaveBean(SidecarEmbeddingModel.class)
+                        .hasSingleBean(SidecarHealthIndicator.class));
+    }
+
+    @Test
+    void userObservationConventionsAreUsed() {
+        TestObservationRegistry registry = TestObservationRegistry.create();
+        runner.withBean(ObservationRegistry.class, () -> registry)
+                .withBean(ChatModelObservationConvention.class, () -> new DefaultChatModelObservationConvention() {
+                    @Override
+                    public String getName() {
+                        return "my.chat";
+                    }
+                })
+                .withBean(EmbeddingModelObservationConvention.class,
+                        () -> new DefaultEmbeddingModelObservationConvention() {
+                            @Override
+                            public String getName() {
+                                return "my.embedding";
+                            }
+                        })
+                .run(ctx -> {
+                    ctx.getBean(ChatModel.class).call("convention?");
+                    ctx.getBean(EmbeddingModel.class).embed("vector?");
+                });
+        TestObservationRegistryAssert.assertThat(registry).hasObservationWithNameEqualTo("my.chat");
+        TestObservationRegistryAssert.assertThat(registry).hasObservationWithNameEqualTo("my.embedding");
+    }
+
+    @Test
+    void tokenUsageMeterComesFromSpringAisObservationAutoConfiguration() {
+        SimpleMeterRegistry meters = new SimpleMeterRegistry();
+        runner.withConfiguration(AutoConfigurations.of(ObservationAutoConfiguration.class,
+                        ChatObservationAutoConfiguration.class, EmbeddingObservationAutoConfiguration.class))
+                .withBean(MeterRegistry.class, () -> meters)
+                .run(ctx -> {
+                    assertThat(ctx).hasSingleBean(ChatModelMeterObservationHandler.class);
+                    ctx.getBean(ChatModel.class).call("count my tokens");
+                    ctx.getBean(EmbeddingModel.class).embed("and these");
+                });
+        assertThat(meters.find("gen_ai.client.token.usage").tag("gen_ai.token.type", "input")
+                .tag("gen_ai.system", "sidecar").tag("gen_ai.operation.name", "chat").counter())
+                .as("chat input tokens").isNotNull()
+                .satisfies(c -> assertThat(c.count()).isEqualTo(12.0));
+        assertThat(meters.find("gen_ai.client.token.usage").tag("gen_ai.token.type", "output")
+                .tag("gen_ai.operation.name", "chat").counter().count()).isEqualTo(4.0);
+        assertThat(meters.find("gen_ai.client.token.usage").tag("gen_ai.token.type", "input")
+                .tag("gen_ai.operation.name", "embedding").counter().count()).isEqualTo(2.0);
     }
 
     @Test

@@ -3,11 +3,16 @@ package dev.sidecar.spring;
 import static org.assertj.core.api.Assertions.assertThat;
 import static org.assertj.core.api.Assertions.assertThatThrownBy;
 
+import dev.sidecar.client.InvalidRequestException;
+import dev.sidecar.client.ModelNotFoundException;
 import dev.sidecar.client.RateLimitedException;
+import dev.sidecar.client.SidecarUnavailableException;
 import dev.sidecar.client.SidecarClient;
 import dev.sidecar.v1.CacheControl;
 import dev.sidecar.v1.ChatRequest;
 import io.grpc.Status;
+import io.micrometer.observation.Observation;
+import io.micrometer.observation.ObservationHandler;
 import io.micrometer.observation.tck.TestObservationRegistry;
 import io.micrometer.observation.tck.TestObservationRegistryAssert;
 import java.time.Duration;
@@ -16,6 +21,11 @@ import org.junit.jupiter.api.AfterEach;
 import org.junit.jupiter.api.BeforeEach;
 import org.junit.jupiter.api.Test;
 import org.springframework.ai.chat.client.ChatClient;
+import org.springframework.ai.chat.client.advisor.observation.AdvisorObservationContext;
+import org.springframework.ai.chat.client.observation.ChatClientObservationContext;
+import org.springframework.ai.chat.observation.ChatModelObservationContext;
+import org.springframework.ai.retry.NonTransientAiException;
+import org.springframework.ai.retry.TransientAiException;
 import org.springframework.ai.chat.messages.AssistantMessage;
 import org.springframework.ai.chat.messages.SystemMessage;
 import org.springframework.ai.chat.messages.ToolResponseMessage;
@@ -29,6 +39,7 @@ class SidecarChatModelTest {
     private FakeSidecar sidecar;
     private SidecarClient client;
     private TestObservationRegistry observations;
+    private final List<Observation.Context> stopped = new java.util.concurrent.CopyOnWriteArrayList<>();
     private SidecarChatModel model;
 
     @BeforeEach
@@ -36,6 +47,18 @@ class SidecarChatModelTest {
         sidecar = new FakeSidecar();
         client = SidecarClient.builder().channelBuilder(sidecar.channelBuilder()).build();
         observations = TestObservationRegistry.create();
+        stopped.clear();
+        observations.observationConfig().observationHandler(new ObservationHandler<Observation.Context>() {
+            @Override
+            public boolean supportsContext(Observation.Context context) {
+                return true;
+            }
+
+            @Override
+            public void onStop(Observation.Context context) {
+                stopped.add(context);
+            }
+        });
         model = new SidecarChatModel(client,
                 SidecarChatOptions.builder().maxTokens(32).temperature(0.0).stop(List.of("\n\n")).build(),
                 observations);
@@ -92,6 +115,25 @@ class SidecarChatModelTest {
     }
 
     @Test
+    void chatClientOptionsBuilderCarriesTheSidecarFields() {
+        ChatClient.create(model).prompt().user("opts")
+                .options(SidecarChatOptions.builder().seed(7L).cacheControl(CacheControl.CACHE_CONTROL_REFRESH)
+                        .maxTokens(3))
+                .call().content();
+        ChatRequest sent = sidecar.chats.poll();
+        assertThat(sent.getSampling().getSeed()).isEqualTo(7);
+        assertThat(sent.getSampling().getMaxTokens()).isEqualTo(3);
+        assertThat(sent.getCacheControl()).isEqualTo(CacheControl.CACHE_CONTROL_REFRESH);
+        // the model's defaults still apply where the call set nothing
+        assertThat(sent.getSampling().getStopList()).containsExactly("\n\n");
+
+        SidecarChatOptions o = SidecarChatOptions.builder().seed(1L).timeout(Duration.ofSeconds(3)).build();
+        assertThat(o.mutate().build()).isEqualTo(o);
+        assertThat(SidecarChatOptions.builder().seed(2L).combineWith(o.mutate()).build().getTimeout())
+                .isEqualTo(Duration.ofSeconds(3));
+    }
+
+    @Test
     void streamEmitsDeltasAndFinishesWithUsage() {
         List<ChatResponse> chunks = model.stream(new Prompt("stream me")).collectList().block(Duration.ofSeconds(5));
 
@@ -118,13 +160,132 @@ class SidecarChatModelTest {
     }
 
     @Test
-    void errorsKeepTheirTypeAndAreObserved() {
+    void transientErrorsAreTransientAiExceptionsWithTheTypedCauseAndAreObserved() {
         sidecar.failWith = Status.RESOURCE_EXHAUSTED.withDescription("rate limit exceeded");
 
-        assertThatThrownBy(() -> model.call(new Prompt("x"))).isInstanceOf(RateLimitedException.class);
+        assertThatThrownBy(() -> model.call(new Prompt("x"))).isInstanceOf(TransientAiException.class)
+                .hasCauseInstanceOf(RateLimitedException.class).hasMessageContaining("rate limit exceeded");
         assertThatThrownBy(() -> model.stream(new Prompt("x")).blockLast(Duration.ofSeconds(5)))
-                .isInstanceOf(RateLimitedException.class);
-        TestObservationRegistryAssert.assertThat(observations).hasNumberOfObservationsEqualTo(2);
+                .isInstanceOf(TransientAiException.class).hasCauseInstanceOf(RateLimitedException.class);
+        TestObservationRegistryAssert.assertThat(observations).hasNumberOfObservationsEqualTo(2)
+                .forAllObservationsWithNameEqualTo("gen_ai.client.operation", o -> o.assertThatError()
+                        .isInstanceOf(TransientAiException.class));
+    }
+
+    @Test
+    void badInputAndUnknownModelsAreNonTransient() {
+        sidecar.failWith = Status.INVALID_ARGUMENT.withDescription("sampling.temperature: must be >= 0");
+        assertThatThrownBy(() -> model.call(new Prompt("x"))).isInstanceOf(NonTransientAiException.class)
+                .hasCauseInstanceOf(InvalidRequestException.class).hasMessageContaining("sampling.temperature");
+
+        sidecar.failWith = Status.NOT_FOUND.withDescription("model: unknown model 'gpt-4'; this sidecar serves 'demo'");
+        assertThatThrownBy(() -> model.stream(new Prompt("x")).blockLast(Duration.ofSeconds(5)))
+                .isInstanceOf(NonTransientAiException.class).hasCauseInstanceOf(ModelNotFoundException.class);
+
+        sidecar.failWith = Status.UNAVAILABLE.withDescription("draining");
+        try (SidecarClient noRetry = SidecarClient.builder().channelBuilder(sidecar.channelBuilder())
+                .maxRetryAttempts(1).build()) {
+            assertThatThrownBy(() -> new SidecarChatModel(noRetry).call(new Prompt("x")))
+                    .isInstanceOf(TransientAiException.class).hasCauseInstanceOf(SidecarUnavailableException.class);
+        }
+    }
+
+    @Test
+    void timeoutOptionIsTheCallsDeadline() {
+        try (SidecarClient c = SidecarClient.builder().channelBuilder(sidecar.channelBuilder())
+                .defaultDeadline(Duration.ofSeconds(20)).defaultStreamDeadline(Duration.ofSeconds(40)).build()) {
+            SidecarChatModel m = new SidecarChatModel(c);
+            m.call(new Prompt("a"));
+            assertThat(lastDeadlineSeconds()).isBetween(1L, 20L);
+            m.stream(new Prompt("b")).blockLast(Duration.ofSeconds(5));
+            assertThat(lastDeadlineSeconds()).isBetween(21L, 40L);
+            m.call(new Prompt("c", SidecarChatOptions.builder().timeout(Duration.ofSeconds(300)).build()));
+            assertThat(lastDeadlineSeconds()).isBetween(41L, 300L);
+            m.stream(new Prompt("d", SidecarChatOptions.builder().timeout(Duration.ofSeconds(200)).build()))
+                    .blockLast(Duration.ofSeconds(5));
+            assertThat(lastDeadlineSeconds()).isBetween(41L, 200L);
+        }
+    }
+
+    private long lastDeadlineSeconds() {
+        io.grpc.Deadline d = null;
+        for (var o : sidecar.deadlines) {
+            d = o.orElse(null);
+        }
+        assertThat(d).as("the call had a deadline").isNotNull();
+        return d.timeRemaining(java.util.concurrent.TimeUnit.SECONDS);
+    }
+
+    @Test
+    void streamObservationIsAChildOfTheChatClientObservationAndRecordsTheWholeAnswer() {
+        ChatClient chatClient = ChatClient.create(model, observations);
+
+        List<String> streamed = chatClient.prompt().user("aggregate me").stream().content().collectList()
+                .block(Duration.ofSeconds(5));
+        assertThat(String.join("", streamed)).isEqualTo("echo: aggregate me");
+
+        ChatModelObservationContext modelContext = stopped.stream().filter(ChatModelObservationContext.class::isInstance)
+                .map(ChatModelObservationContext.class::cast).findFirst().orElseThrow();
+        assertThat(modelContext.isStreaming()).isTrue();
+        // Parent: ChatClient's innermost advisor observation, itself under the ChatClient observation.
+        assertThat(modelContext.getParentObservation()).as("parent observation").isNotNull();
+        assertThat(modelContext.getParentObservation().getContextView()).isInstanceOf(AdvisorObservationContext.class);
+        assertThat(ancestors(modelContext)).hasAtLeastOneElementOfType(ChatClientObservationContext.class);
+        ChatResponse recorded = modelContext.getResponse();
+        assertThat(recorded.getResult().getOutput().getText()).isEqualTo("echo: aggregate me");
+        assertThat(recorded.getResult().getMetadata().getFinishReason()).isEqualTo("LENGTH");
+        assertThat(recorded.getMetadata().getUsage().getCompletionTokens()).isEqualTo(3);
+        TestObservationRegistryAssert.assertThat(observations)
+                .hasObservationWithNameEqualTo("gen_ai.client.operation").that()
+                .hasBeenStarted().hasBeenStopped()
+                .hasHighCardinalityKeyValue("gen_ai.usage.output_tokens", "3");
+    }
+
+    @Test
+    void grpcCallObservationsAreChildrenOfTheChatModelObservation() {
+        try (SidecarClient observed = SidecarClient.builder().channelBuilder(sidecar.channelBuilder())
+                .interceptor(new io.micrometer.core.instrument.binder.grpc.ObservationGrpcClientInterceptor(
+                        observations)).build()) {
+            SidecarChatModel m = new SidecarChatModel(observed, null, observations);
+            m.call(new Prompt("unary"));
+            m.stream(new Prompt("streamed")).blockLast(Duration.ofSeconds(5));
+        }
+        List<Observation.Context> grpc = stopped.stream()
+                .filter(io.micrometer.core.instrument.binder.grpc.GrpcClientObservationContext.class::isInstance)
+                .toList();
+        assertThat(grpc).hasSize(2).allSatisfy(c -> assertThat(c.getParentObservation()).isNotNull()
+                .extracting(p -> p.getContextView()).isInstanceOf(ChatModelObservationContext.class));
+    }
+
+    @Test
+    void blockingCallObservationIsAChildOfTheChatClientObservation() {
+        ChatClient.create(model, observations).prompt().user("parent?").call().content();
+
+        ChatModelObservationContext modelContext = stopped.stream().filter(ChatModelObservationContext.class::isInstance)
+                .map(ChatModelObservationContext.class::cast).findFirst().orElseThrow();
+        assertThat(modelContext.isStreaming()).isFalse();
+        assertThat(modelContext.getParentObservation().getContextView()).isInstanceOf(AdvisorObservationContext.class);
+        assertThat(ancestors(modelContext)).hasAtLeastOneElementOfType(ChatClientObservationContext.class);
+        assertThat(modelContext.getResponse().getResult().getOutput().getText()).isEqualTo("echo: parent?");
+    }
+
+    private static List<Object> ancestors(Observation.ContextView context) {
+        List<Object> out = new java.util.ArrayList<>();
+        for (var p = context.getParentObservation(); p != null; p = p.getContextView().getParentObservation()) {
+            out.add(p.getContextView());
+        }
+        return out;
+    }
+
+    @Test
+    void cancelledStreamRecordsThePartialAnswer() {
+        model.stream(new Prompt("partial answer")).take(2).blockLast(Duration.ofSeconds(5));
+
+        ChatModelObservationContext modelContext = stopped.stream().filter(ChatModelObservationContext.class::isInstance)
+                .map(ChatModelObservationContext.class::cast).findFirst().orElseThrow();
+        assertThat(modelContext.getResponse().getResult().getOutput().getText()).isEqualTo("echo: ");
+        TestObservationRegistryAssert.assertThat(observations)
+                .hasObservationWithNameEqualTo("gen_ai.client.operation").that().hasBeenStopped();
     }
 
     @Test

@@ -2,6 +2,9 @@ package dev.sidecar.demo;
 
 import dev.sidecar.demo.ChatApi.MessageReply;
 import dev.sidecar.demo.ChatApi.MessageRequest;
+import dev.sidecar.spring.SidecarProperties;
+import jakarta.servlet.http.HttpServletResponse;
+import java.time.Duration;
 import java.util.HashMap;
 import java.util.Map;
 import org.springframework.http.MediaType;
@@ -24,12 +27,20 @@ import org.springframework.web.servlet.mvc.method.annotation.SseEmitter;
 public class ChatController {
 
     static final String SESSION_HEADER = "X-Session-ID";
-    private static final long STREAM_TIMEOUT_MS = 300_000;
+    // The HTTP side of a stream outlives the sidecar call's deadline by this much, so the
+    // deadline ends the stream first and the client gets an "error" event naming it.
+    private static final Duration STREAM_TIMEOUT_MARGIN = Duration.ofSeconds(5);
 
     private final ChatService chat;
+    private final Long streamTimeoutMs;
 
-    public ChatController(ChatService chat) {
+    public ChatController(ChatService chat, SidecarProperties sidecar) {
         this.chat = chat;
+        // One source for every timeout of a stream: the sidecar stream deadline. Without one
+        // the servlet container's async timeout (spring.mvc.async.request-timeout) applies.
+        Duration deadline = sidecar.getStreamDeadline();
+        this.streamTimeoutMs = deadline == null || deadline.isZero() ? null
+                : deadline.plus(STREAM_TIMEOUT_MARGIN).toMillis();
     }
 
     /** One turn; answers {@link MessageReply} as JSON. */
@@ -51,10 +62,13 @@ public class ChatController {
     @PostMapping(path = "/stream", consumes = MediaType.APPLICATION_JSON_VALUE,
             produces = MediaType.TEXT_EVENT_STREAM_VALUE)
     public DeferredResult<SseEmitter> stream(@RequestHeader(name = SESSION_HEADER, required = false) String session,
-                                                @RequestBody(required = false) MessageRequest body) {
+                                                @RequestBody(required = false) MessageRequest body,
+                                                HttpServletResponse response) {
         String sessionId = chat.sessionId(session);
+        // Set before anything is written, so it is on the 200 event stream and on error answers.
+        response.setHeader(SESSION_HEADER, sessionId);
         String message = chat.validMessage(body);
-        return SseRelay.relay(chat.stream(sessionId, message), STREAM_TIMEOUT_MS, last -> {
+        return SseRelay.relay(chat.stream(sessionId, message), streamTimeoutMs, last -> {
             Map<String, Object> done = new HashMap<>();
             done.put("sessionId", sessionId);
             done.put("finishReason", last == null || last.getResult() == null ? null

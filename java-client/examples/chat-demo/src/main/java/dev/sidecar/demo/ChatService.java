@@ -27,11 +27,14 @@ public class ChatService {
     private final ChatClient chatClient;
     private final ConversationStore store;
     private final ChatDemoProperties props;
+    private final SessionRateLimiter limiter;
 
-    public ChatService(ChatClient.Builder builder, ConversationStore store, ChatDemoProperties props) {
+    public ChatService(ChatClient.Builder builder, ConversationStore store, ChatDemoProperties props,
+                       SessionRateLimiter limiter) {
         this.chatClient = builder.defaultSystem(props.systemPrompt()).build();
         this.store = store;
         this.props = props;
+        this.limiter = limiter;
     }
 
     /** The caller's session id, or a new one when absent; rejects ids that are not plain tokens. */
@@ -58,6 +61,7 @@ public class ChatService {
     }
 
     public MessageReply send(String sessionId, String message) {
+        limiter.acquire(sessionId);
         List<Message> history = store.history(sessionId);
         ChatResponse response = chatClient.prompt().messages(history).user(message).call().chatResponse();
         String reply = response == null || response.getResult() == null ? ""
@@ -68,6 +72,7 @@ public class ChatService {
 
     /** Streams the answer; the exchange is recorded when the stream completes normally. */
     public Flux<ChatResponse> stream(String sessionId, String message) {
+        limiter.acquire(sessionId);
         List<Message> history = store.history(sessionId);
         StringBuilder answer = new StringBuilder();
         return chatClient.prompt().messages(history).user(message).stream().chatResponse()

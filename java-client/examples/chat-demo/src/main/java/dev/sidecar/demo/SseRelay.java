@@ -24,12 +24,13 @@ import reactor.core.publisher.Flux;
 final class SseRelay extends BaseSubscriber<ChatResponse> {
 
     private final SseEmitter emitter;
-    private final DeferredResult<SseEmitter> ready = new DeferredResult<>();
+    private final DeferredResult<SseEmitter> ready;
     private final Function<ChatResponse, Map<String, Object>> doneEvent;
     private ChatResponse last;
 
-    private SseRelay(SseEmitter emitter, Function<ChatResponse, Map<String, Object>> doneEvent) {
+    private SseRelay(SseEmitter emitter, Long timeoutMs, Function<ChatResponse, Map<String, Object>> doneEvent) {
         this.emitter = emitter;
+        this.ready = new DeferredResult<>(timeoutMs);
         this.doneEvent = doneEvent;
         emitter.onTimeout(this::dispose);
         emitter.onError(t -> dispose());
@@ -41,11 +42,12 @@ final class SseRelay extends BaseSubscriber<ChatResponse> {
 
     /**
      * Subscribes to {@code source}; the result is the emitter once the first chunk is
-     * written, or the stream's error if it fails before that.
+     * written, or the stream's error if it fails before that. {@code timeoutMs} bounds both
+     * the wait for the first chunk and the whole stream (null: the MVC async default).
      */
-    static DeferredResult<SseEmitter> relay(Flux<ChatResponse> source, long timeoutMs,
+    static DeferredResult<SseEmitter> relay(Flux<ChatResponse> source, Long timeoutMs,
                                                Function<ChatResponse, Map<String, Object>> doneEvent) {
-        SseRelay relay = new SseRelay(new SseEmitter(timeoutMs), doneEvent);
+        SseRelay relay = new SseRelay(new SseEmitter(timeoutMs), timeoutMs, doneEvent);
         source.subscribe(relay);
         return relay.ready;
     }

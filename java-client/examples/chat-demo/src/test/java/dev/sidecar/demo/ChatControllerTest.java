@@ -4,6 +4,7 @@ import static org.assertj.core.api.Assertions.assertThat;
 import static org.hamcrest.Matchers.matchesPattern;
 import static org.springframework.test.web.servlet.request.MockMvcRequestBuilders.asyncDispatch;
 import static org.springframework.test.web.servlet.request.MockMvcRequestBuilders.delete;
+import static org.springframework.test.web.servlet.request.MockMvcRequestBuilders.get;
 import static org.springframework.test.web.servlet.request.MockMvcRequestBuilders.post;
 import static org.springframework.test.web.servlet.result.MockMvcResultMatchers.content;
 import static org.springframework.test.web.servlet.result.MockMvcResultMatchers.header;
@@ -19,7 +20,7 @@ import io.grpc.inprocess.InProcessChannelBuilder;
 import org.junit.jupiter.api.BeforeEach;
 import org.junit.jupiter.api.Test;
 import org.springframework.beans.factory.annotation.Autowired;
-import org.springframework.boot.test.autoconfigure.web.servlet.AutoConfigureMockMvc;
+import org.springframework.boot.webmvc.test.autoconfigure.AutoConfigureMockMvc;
 import org.springframework.boot.test.context.SpringBootTest;
 import org.springframework.boot.test.context.TestConfiguration;
 import org.springframework.context.annotation.Bean;
@@ -29,7 +30,7 @@ import org.springframework.test.web.servlet.MvcResult;
 import org.springframework.test.web.servlet.request.MockHttpServletRequestBuilder;
 
 @SpringBootTest(properties = {"sidecar.client.max-retry-attempts=1", "chat-demo.system-prompt=SYS",
-        "chat-demo.max-turns=3"})
+        "chat-demo.max-turns=3", "chat-demo.rate-limit.requests-per-minute=6", "chat-demo.rate-limit.burst=6"})
 @AutoConfigureMockMvc
 class ChatControllerTest {
 
@@ -164,6 +165,7 @@ class ChatControllerTest {
         assertThat(body).contains("event:delta", "{\"text\":\"echo: \"}", "{\"text\":\"flow\"}", "event:done",
                 "\"finishReason\":\"STOP\"");
         assertThat(body.indexOf("event:done")).isGreaterThan(body.lastIndexOf("event:delta"));
+        assertThat(done.getResponse().getHeader("X-Session-ID")).isEqualTo("s-stream");
 
         mvc.perform(message("s-stream", "{\"message\":\"next\"}")).andExpect(jsonPath("$.turns").value(2));
     }
@@ -179,6 +181,41 @@ class ChatControllerTest {
                 .andExpect(status().isTooManyRequests())
                 .andExpect(header().string("Retry-After", "1"))
                 .andExpect(content().contentTypeCompatibleWith(MediaType.APPLICATION_JSON));
+    }
+
+    @Test
+    void eachSessionHasItsOwnRateLimit() throws Exception {
+        for (int i = 0; i < 6; i++) {
+            mvc.perform(message("s-busy", "{\"message\":\"m" + i + "\"}")).andExpect(status().isOk());
+        }
+        mvc.perform(message("s-busy", "{\"message\":\"one too many\"}"))
+                .andExpect(status().isTooManyRequests())
+                .andExpect(header().string("Retry-After", matchesPattern("[1-9][0-9]*")))
+                .andExpect(jsonPath("$.error").value("rate_limited"))
+                .andExpect(jsonPath("$.message", matchesPattern("session s-busy: .*")));
+        // Another session is not affected, and the refused turn never reached the sidecar.
+        mvc.perform(message("s-quiet", "{\"message\":\"hi\"}")).andExpect(status().isOk());
+        assertThat(FakeSidecarServer.CHATS).hasSize(7);
+    }
+
+    @Test
+    void streamIssuesTheSessionHeaderEvenOnErrors() throws Exception {
+        FakeSidecarServer.failWith = Status.UNAVAILABLE.withDescription("draining");
+        MvcResult started = mvc.perform(post("/api/chat/stream")
+                        .contentType(MediaType.APPLICATION_JSON).content("{\"message\":\"x\"}"))
+                .andExpect(request().asyncStarted()).andReturn();
+        mvc.perform(asyncDispatch(started))
+                .andExpect(status().isServiceUnavailable())
+                .andExpect(header().string("X-Session-ID", matchesPattern("[0-9a-f-]{36}")));
+    }
+
+    @Test
+    void prometheusEndpointExposesSpringAisTokenUsageMeter() throws Exception {
+        mvc.perform(message("s-prom", "{\"message\":\"count me\"}")).andExpect(status().isOk());
+        String scrape = mvc.perform(get("/actuator/prometheus")).andExpect(status().isOk())
+                .andReturn().getResponse().getContentAsString();
+        assertThat(scrape).contains("gen_ai_client_token_usage_total{")
+                .contains("gen_ai_system=\"sidecar\"").contains("gen_ai_token_type=\"input\"");
     }
 
     @Test

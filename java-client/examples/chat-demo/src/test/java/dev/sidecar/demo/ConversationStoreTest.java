@@ -9,7 +9,7 @@ class ConversationStoreTest {
 
     @Test
     void keepsTheLatestTurnsPerSession() {
-        ConversationStore store = new ConversationStore(new ChatDemoProperties("s", 10, 2, 100));
+        ConversationStore store = new ConversationStore(new ChatDemoProperties("s", 10, 2, 100, new ChatDemoProperties.RateLimit(0, 1)));
         store.append("a", "u1", "a1");
         store.append("a", "u2", "a2");
         store.append("a", "u3", "a3");
@@ -20,7 +20,7 @@ class ConversationStoreTest {
 
     @Test
     void evictsTheLeastRecentlyUsedSession() {
-        ConversationStore store = new ConversationStore(new ChatDemoProperties("s", 2, 5, 100));
+        ConversationStore store = new ConversationStore(new ChatDemoProperties("s", 2, 5, 100, new ChatDemoProperties.RateLimit(0, 1)));
         store.append("a", "u", "x");
         store.append("b", "u", "x");
         store.history("a");  // touch a: b becomes the eldest
@@ -34,7 +34,7 @@ class ConversationStoreTest {
 
     @Test
     void zeroTurnsKeepsNoHistory() {
-        ConversationStore store = new ConversationStore(new ChatDemoProperties("s", 2, 0, 100));
+        ConversationStore store = new ConversationStore(new ChatDemoProperties("s", 2, 0, 100, new ChatDemoProperties.RateLimit(0, 1)));
         store.append("a", "u", "x");
         assertThat(store.history("a")).isEmpty();
         assertThat(store.sessionCount()).isZero();
