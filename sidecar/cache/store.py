@@ -133,10 +133,11 @@ class CacheStore:
                 self._db.execute("ROLLBACK")
                 raise
 
-    def touch(self, entry_id: int, when: float) -> None:
+    def touch(self, entry_id: int, when: float) -> bool:
         """Record a hit for LRU order across restarts (single autocommitted UPDATE)."""
         with self._lock:
             self._db.execute("UPDATE entries SET last_access=? WHERE id=?", (when, entry_id))
+        return True
 
     def count(self) -> int:
         with self._lock:
