@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import re
+import sqlite3
 import threading
 import time
 import unicodedata
@@ -128,6 +129,7 @@ class SemanticCache:
             self._insert_memory(e)
         self._store.delete(stale)
         self._counters["expired"] += len(stale)
+        self._counters["quarantined"] += self._store.quarantined_rows
         self._evict_over_capacity()
 
     # -- helpers (caller holds _lock) --------------------------------------
@@ -160,7 +162,10 @@ class SemanticCache:
 
     def _remove(self, ids: list[int], counter: str) -> None:
         ids = [i for i in ids if self._drop_memory(i) is not None]
-        self._store.delete(ids)
+        try:
+            self._store.delete(ids)
+        except sqlite3.Error as exc:  # rows left in the file are dropped again at the next start
+            log.warning("semantic cache: could not delete %d rows: %s", len(ids), exc)
         self._counters[counter] += len(ids)
 
     def _evict_over_capacity(self) -> None:
