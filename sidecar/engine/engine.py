@@ -125,7 +125,7 @@ class LLMEngine:
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         text, ids = self.tokenize(prompt)
         req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt or None,
-                      deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids)
+                      deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids, tenant=tenant)
         req.detok = IncrementalDetokenizer(self.tokenizer, params)
         self.scheduler.add(req)  # may raise QueueFullError
         self.requests[request_id] = req
