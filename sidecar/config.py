@@ -119,6 +119,10 @@ class ServerConfig:
     log_json: bool = False
     served_model_name: Optional[str] = None
     max_concurrent_streams: int = 1024
+    # HTTP: a request's headers, and each chunk of its body, must arrive within this many seconds.
+    http_read_timeout_s: float = 30.0
+    # Failed API-key checks per client address per minute before it is refused for a while; 0 = off.
+    auth_failures_per_min: int = 10
 
     def __post_init__(self) -> None:
         self.validate()
@@ -131,6 +135,10 @@ class ServerConfig:
         _require(self.rate_limit_tpm >= 0, "rate_limit_tpm", f"must be >= 0, got {self.rate_limit_tpm}")
         _require(self.max_message_bytes >= 1024, "max_message_bytes",
                  f"must be >= 1024, got {self.max_message_bytes}")
+        _require(self.http_read_timeout_s > 0, "http_read_timeout_s",
+                 f"must be > 0, got {self.http_read_timeout_s}")
+        _require(self.auth_failures_per_min >= 0, "auth_failures_per_min",
+                 f"must be >= 0, got {self.auth_failures_per_min}")
         _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s",
                  f"must be >= 0, got {self.shutdown_timeout_s}")
         _require(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level",

@@ -229,7 +229,10 @@ class Sidecar:
             sock.close()
             raise StartupError(f"http_port: cannot bind {_hostport(s.host, s.http_port)}: {exc.strerror}") from None
         port = sock.getsockname()[1]
+        from sidecar.server.openai.limits import TimedH11Protocol
+
         config = uvicorn.Config(create_app(self.service), log_config=None, access_log=False,
+                                http=TimedH11Protocol.with_timeout(s.http_read_timeout_s),
                                 timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)))
         server = _Server(config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
