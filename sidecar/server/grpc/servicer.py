@@ -233,6 +233,46 @@ class Health:
             await self.servicer.set(name, status)
 
 
+class _Malformed:
+    """Stands in for a request whose bytes are not a valid message of its type."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(parse: Any) -> Any:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # DecodeError and friends: the caller's fault, answered below
+            return _Malformed(str(exc))
+    return deserialize
+
+
+def _refusing_malformed(behaviour: Any, method: str, service: InferenceService) -> Any:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            # Without this grpc answers UNKNOWN and names the parser's exception class.
+            service.metrics.requests.labels(api="grpc", method=method).inc()
+            service.metrics.errors.labels(code="invalid_argument").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {method} request message (malformed protobuf)")
+        return await behaviour(request, context)
+    return handle
+
+
+def _method_handlers(servicer: InferenceServicer, service: InferenceService) -> dict:
+    """The generated handler table, with requests parsed leniently so bad bytes are INVALID_ARGUMENT."""
+    out = {}
+    for m in pb.DESCRIPTOR.services_by_name["Inference"].methods:
+        req_cls, resp_cls = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        out[m.name] = make(_refusing_malformed(getattr(servicer, m.name), m.name, service),
+                           request_deserializer=_lenient(req_cls.FromString),
+                           response_serializer=resp_cls.SerializeToString)
+    return out
+
+
 def build_server(service: InferenceService, health: Health, max_message_bytes: int,
                  max_concurrent_streams: int) -> grpc.aio.Server:
     options = [
@@ -250,7 +290,9 @@ def build_server(service: InferenceService, health: Health, max_message_bytes: i
         ("grpc.keepalive_permit_without_calls", 1),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
+    handlers = _method_handlers(InferenceServicer(service), service)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
