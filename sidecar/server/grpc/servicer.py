@@ -15,7 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from sidecar.server.service import Event, GenerationRequest, InferenceService, ServiceError
-from sidecar.server.validation import sampling_params
+from sidecar.server.validation import check_request_id, sampling_params
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 
@@ -55,16 +55,26 @@ def _params(s: pb.SamplingParams) -> Any:
 
 
 def _request(msg: Any, context: grpc.aio.ServicerContext, chat: bool) -> GenerationRequest:
+    check_request_id(msg.request_id)  # first: everything after may log it
     cc = CACHE_CONTROL.get(msg.cache_control, f"unknown({msg.cache_control})")
     req = GenerationRequest(params=_params(msg.sampling), request_id=msg.request_id or None, priority=msg.priority,
                             cache_control=cc, cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled,
-                            timeout_s=context.time_remaining(), model=msg.model or None)
+                            timeout_s=context.time_remaining(), model=msg.model or None,
+                            max_tokens_set=msg.sampling.HasField("max_tokens"))
     if chat:
         req.messages = [{"role": m.role, "content": m.content} for m in msg.messages]
     else:
         req.prompt = msg.prompt or None
         req.prompt_token_ids = list(msg.prompt_token_ids) or None
     return req
+
+
+def _peer_host(peer: str) -> str:
+    """"ipv4:127.0.0.1:5555" / "ipv6:[::1]:5555" -> the address without the port."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return peer
 
 
 def _cache(ev: Event) -> pb.CacheInfo:
@@ -88,6 +98,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     # -- plumbing --------------------------------------------------------------
     async def _fail(self, context: grpc.aio.ServicerContext, err: ServiceError, request_id: str = "") -> None:
+        # A caller's id is logged only once it passed validation; the formatter escapes the rest.
+        try:
+            check_request_id(request_id)
+        except ServiceError:
+            request_id = ""
         log.info("request refused", extra={"request_id": request_id or None, "code": err.code,
                                            "error": err.message})
         trailing = ()
@@ -99,7 +114,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _caller(self, context: grpc.aio.ServicerContext, method: str) -> Any:
         self.service.metrics.requests.labels(api="grpc", method=method).inc()
         md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-        return self.service.authenticate(md.get("authorization"))
+        return self.service.authenticate(md.get("authorization"), _peer_host(context.peer() or ""))
 
     def _logprobs(self, lps: Optional[list]) -> list:
         if not lps:
@@ -185,10 +200,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Tokenize(self, request, context):
         try:
-            self._caller(context, "Tokenize")
+            caller = self._caller(context, "Tokenize")
             messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
-            ids = self.service.tokenize(request.text or None, messages, request.add_special_tokens)
-            return pb.TokenizeResponse(token_ids=ids, count=len(ids), tokens=self.service.token_strings(ids),
+            ids, strings = await self.service.tokenize(caller, request.text or None, messages,
+                                                       request.add_special_tokens)
+            return pb.TokenizeResponse(token_ids=ids, count=len(ids), tokens=strings,
                                        max_model_len=int(self.service.model_info().get("max_model_len") or 0))
         except ServiceError as err:
             await self._fail(context, err)

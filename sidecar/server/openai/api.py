@@ -189,7 +189,8 @@ def create_app(service: Any, max_body_bytes: Optional[int] = None) -> FastAPI:
         validation, so refused requests are counted too (as the gRPC adapter counts them)."""
         def dependency(request: Request) -> Any:
             count_request(method)
-            return service.authenticate(request.headers.get("authorization"))
+            peer = request.client.host if request.client else ""
+            return service.authenticate(request.headers.get("authorization"), peer)
         return dependency
 
     def max_model_len() -> Optional[int]:
