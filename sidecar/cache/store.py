@@ -75,7 +75,9 @@ class CacheStore:
         try:
             self._open()
         except sqlite3.DatabaseError as exc:
-            if not path or not os.path.exists(path) or _is_busy(exc):
+            # Only a damaged SQLite file is moved aside; anything else at that path (a wrong path to
+            # someone's data) is a configuration error and is left untouched.
+            if not path or not _is_sqlite_file(path) or _is_busy(exc):
                 raise ValueError(f"cache.path: cannot open {path!r} as a cache database: {exc}") from None
             self._quarantine_file(str(exc))
             try:
@@ -234,6 +236,14 @@ class CacheStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _is_sqlite_file(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
 
 
 def _is_busy(exc: sqlite3.Error) -> bool:
