@@ -68,7 +68,9 @@ def load_api_keys(entries: Iterable[str], keys_file: Optional[str] = None) -> di
 
 
 class AuthError(Exception):
-    pass
+    def __init__(self, message: str, guess: bool = False) -> None:
+        super().__init__(message)
+        self.guess = guess  # a well-formed key that is wrong: what a key guesser sends
 
 
 class Authenticator:
@@ -97,7 +99,7 @@ class Authenticator:
             if hmac.compare_digest(key.encode("utf-8"), token.encode("utf-8")):
                 found = entry
         if found is None:
-            raise AuthError("invalid API key")
+            raise AuthError("invalid API key", guess=True)
         return found
 
 

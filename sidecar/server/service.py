@@ -136,7 +136,8 @@ class InferenceService:
         try:
             key = self.auth.check(authorization)
         except AuthError as exc:
-            self.auth_throttle.failed(peer)
+            if exc.guess:  # a missing or malformed header guesses nothing
+                self.auth_throttle.failed(peer)
             raise ServiceError("unauthenticated", str(exc)) from None
         return Caller() if key is None else Caller(tenant=key.tenant, key_id=key.key_id)
 
