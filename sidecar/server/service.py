@@ -23,8 +23,7 @@ from sidecar.engine.request import QueueFullError, SamplingParams
 from sidecar.server.cache_step import CacheInfo, CacheStep
 from sidecar.server.metrics import Metrics
 from sidecar.server.security import AuthError, AuthThrottle, Authenticator, RateLimiter, load_api_keys
-from sidecar.server.validation import (ServiceError, check_messages, check_request, check_text, invalid,
-                                       sampling_params)
+from sidecar.server.validation import ServiceError, check_request, check_text, invalid, sampling_params
 
 log = logging.getLogger("sidecar.service")
 
@@ -336,8 +335,9 @@ class InferenceService:
         limit = self.cfg.server.max_prompt_chars
         if text and messages:
             raise ServiceError("invalid_argument", "text: set either text or messages, not both", field="text")
-        if messages:
-            check_messages(messages)
+        if messages:  # roles and order are the template's business (encode_chat checks them)
+            for i, m in enumerate(messages):
+                check_text(f"messages[{i}].content", m["content"])
             chars = sum(len(m["content"]) for m in messages)
             if chars > limit:
                 raise invalid("messages", f"total content is {chars} characters, more than {limit}")
