@@ -123,6 +123,10 @@ class ServerConfig:
     # DNS (grpc-java re-resolves only on disconnect) and find replicas added since.
     max_connection_age_s: float = 300.0  # 0 = never
     max_connection_age_grace_s: float = 120.0  # calls in flight at GOAWAY get this long to finish
+    # HTTP: a request's headers, and each chunk of its body, must arrive within this many seconds.
+    http_read_timeout_s: float = 30.0
+    # Failed API-key checks per client address per minute before it is refused for a while; 0 = off.
+    auth_failures_per_min: int = 10
 
     def __post_init__(self) -> None:
         self.validate()
@@ -139,6 +143,10 @@ class ServerConfig:
                  f"must be >= 0 (0 = never), got {self.max_connection_age_s}")
         _require(self.max_connection_age_grace_s >= 0, "max_connection_age_grace_s",
                  f"must be >= 0, got {self.max_connection_age_grace_s}")
+        _require(self.http_read_timeout_s > 0, "http_read_timeout_s",
+                 f"must be > 0, got {self.http_read_timeout_s}")
+        _require(self.auth_failures_per_min >= 0, "auth_failures_per_min",
+                 f"must be >= 0, got {self.auth_failures_per_min}")
         _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s",
                  f"must be >= 0, got {self.shutdown_timeout_s}")
         _require(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level",

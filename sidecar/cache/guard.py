@@ -26,7 +26,9 @@ _NUMBER = re.compile(r"(?<![\w.])[-−]?\d+(?:[.,:]\d+)*(?:st|nd|rd|th)?", re.UN
 _NUMBER_IN_WORD = re.compile(r"\d+(?:[.,]\d+)*")
 # Arithmetic/comparison operators between operands that are numbers, single-letter variables or
 # parenthesised groups: "2+3", "x * y", "a >= b", "2^10" (but not "async/await" or "TCP/IP").
-_OPERAND = r"(?:\d[\d.,]*|\b[A-Za-z]\b|\))"
+# The lookbehind starts a numeric operand only at the head of its digit run: without it every
+# position of a long digit run restarts the scan, which is quadratic in the run's length.
+_OPERAND = r"(?:(?<![\d.,])\d[\d.,]*|\b[A-Za-z]\b|\))"
 _OPERATOR = re.compile(_OPERAND + r"\s*(\*\*|//|<=|>=|==|!=|<<|>>|[+*/^%<>=×÷−-])\s*(?=\d|\b[A-Za-z]\b|\()")
 # Identifiers: snake_case, dotted.names, camelCase, call(), --flags, /paths, `code`.
 _IDENT = re.compile(
@@ -36,9 +38,10 @@ _IDENT = re.compile(
     r"|\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+(?:\(\))?"
     r"|\b[A-Za-z]\w*_\w*"
     r"|\b[a-z]+[A-Z]\w*"
-    r"|[A-Za-z_]\w*\(\)"
+    # Starts only at a word's head (linear: a start inside a long word would rescan it to its end).
+    r"|(?<!\w)[A-Za-z_]\w*\(\)"
 )
-_SENTENCE_START = re.compile(r"(?:^|[.!?:;]\s+|\n)\s*[\"'(]*$")
+_OPENERS = "\"'("
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,24 @@ def _numbers(text: str, words: list[str]) -> frozenset:
     return frozenset(found)
 
 
+def _starts_sentence(text: str, pos: int) -> bool:
+    """True when the word at ``pos`` opens a sentence: only quotes/brackets and whitespace lie
+    between it and the text's start, a newline, or a ``.!?:;`` followed by whitespace.
+
+    Looks back only over the quotes and whitespace right before ``pos``, which belong to this word
+    alone, so all calls together are linear in the text (rescanning the prefix was quadratic).
+    """
+    i = pos
+    while i > 0 and text[i - 1] in _OPENERS:
+        i -= 1
+    j = i
+    while j > 0 and text[j - 1].isspace():
+        j -= 1
+    if j == 0 or "\n" in text[j:i]:
+        return True
+    return j < i and text[j - 1] in ".!?:;"
+
+
 def _entities(text: str) -> frozenset:
     ents = set()
     for m in _IDENT.finditer(text):
@@ -97,7 +118,7 @@ def _entities(text: str) -> frozenset:
         w = m.group(0)
         if w.isupper() and len(w) >= 2 and w.casefold() not in lx.COMMON_CAPS:
             ents.add(w.casefold())  # acronyms: HTTP, AWS, SQL
-        elif w[0].isupper() and not _SENTENCE_START.search(text[: m.start()]):
+        elif w[0].isupper() and not _starts_sentence(text, m.start()):
             if w.casefold() not in lx.COMMON_CAPS:
                 ents.add(w.casefold())
     return frozenset(ents)

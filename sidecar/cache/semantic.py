@@ -15,11 +15,13 @@ SQLite row, the exact-key mapping and the vector together.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import json
 import logging
 import re
+import sqlite3
 import threading
 import time
 import unicodedata
@@ -63,6 +65,7 @@ class CacheHit:
     similarity: float
     matched_query: str
     kind: str  # "exact" | "semantic"
+    entry_id: int = 0
 
 
 def normalize_query(query: str) -> str:
@@ -103,7 +106,8 @@ class SemanticCache:
         self._scopes: dict[str, ScopeIndex] = {}
         self._vectors: "OrderedDict[str, np.ndarray]" = OrderedDict()
         self._counters = dict(lookups=0, exact_hits=0, semantic_hits=0, misses=0, guard_rejections=0,
-                              bypasses=0, stores=0, store_refused=0, evictions=0, expired=0)
+                              bypasses=0, stores=0, store_refused=0, store_failed=0, store_busy=0,
+                              evictions=0, expired=0, quarantined=0)
         self._last_sweep = clock()
         try:
             self._store = CacheStore(cfg.path, self.embedder.model_name, self.embedder.dim)
@@ -125,6 +129,7 @@ class SemanticCache:
             self._insert_memory(e)
         self._store.delete(stale)
         self._counters["expired"] += len(stale)
+        self._counters["quarantined"] += self._store.quarantined_rows
         self._evict_over_capacity()
 
     # -- helpers (caller holds _lock) --------------------------------------
@@ -157,7 +162,10 @@ class SemanticCache:
 
     def _remove(self, ids: list[int], counter: str) -> None:
         ids = [i for i in ids if self._drop_memory(i) is not None]
-        self._store.delete(ids)
+        try:
+            self._store.delete(ids)
+        except sqlite3.Error as exc:  # rows left in the file are dropped again at the next start
+            log.warning("semantic cache: could not delete %d rows: %s", len(ids), exc)
         self._counters[counter] += len(ids)
 
     def _evict_over_capacity(self) -> None:
@@ -176,11 +184,18 @@ class SemanticCache:
     def _hit(self, e: Entry, similarity: float, kind: str, now: float) -> CacheHit:
         self._entries.move_to_end(e.id)
         e.last_access = now
-        self._store.touch(e.id, now)
         self._counters["exact_hits" if kind == "exact" else "semantic_hits"] += 1
         return CacheHit(text=e.text, token_ids=list(e.token_ids), finish_reason=e.finish_reason,
                         prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
-                        similarity=similarity, matched_query=e.query, kind=kind)
+                        similarity=similarity, matched_query=e.query, kind=kind, entry_id=e.id)
+
+    def _touch(self, hit: Optional[CacheHit], now: float) -> None:
+        """Persist a hit's LRU position; best effort, outside ``_lock`` (SQLite may wait for its lock)."""
+        if hit is None:
+            return
+        if not self._store.touch(hit.entry_id, now):
+            with self._lock:
+                self._counters["store_busy"] += 1
 
     def _memo(self, text: str, vec: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
         if vec is None:
@@ -202,25 +217,46 @@ class SemanticCache:
 
     # -- public API ---------------------------------------------------------
     async def lookup(self, scope: CacheScope) -> Optional[CacheHit]:
-        """Return a stored answer for this scope and query, or None."""
-        skey, ekey, now = scope_key(scope), exact_key(scope), self._clock()
+        """Return a stored answer for this scope and query, or None.
+
+        Everything CPU- or IO-heavy (hashing, FAISS, the guard, SQLite) runs in a worker thread, so a
+        huge query or a locked database file never holds the event loop.
+        """
+        now = self._clock()
+        hit, skey, query = await asyncio.to_thread(self._lookup_exact, scope, now)
+        if hit is not None or skey is None:
+            return hit
+        vec = await self._embed(query)
+        return await asyncio.to_thread(self._lookup_similar, skey, query, vec, now)
+
+    def _lookup_exact(self, scope: CacheScope, now: float) -> tuple:
+        """(hit, None, None) for an exact hit, (None, None, None) for a certain miss, else
+        (None, scope key, normalised query) for the similarity tier."""
+        skey, ekey = scope_key(scope), exact_key(scope)
         with self._lock:
             self._counters["lookups"] += 1
             eid = self._by_key.get(ekey)
+            hit = None
             if eid is not None:
                 e = self._entries[eid]
                 if not self._expired(e, now):
-                    return self._hit(e, 1.0, "exact", now)
-                self._remove([eid], "expired")
-            if skey not in self._scopes:  # nothing to compare against: skip the embedding
+                    hit = self._hit(e, 1.0, "exact", now)
+                else:
+                    self._remove([eid], "expired")
+            if hit is None and skey not in self._scopes:  # nothing to compare against: skip the embedding
                 self._counters["misses"] += 1
-                return None
-        query = normalize_query(scope.query)
-        vec = await self._embed(query)
+                return None, None, None
+        if hit is not None:
+            self._touch(hit, now)
+            return hit, None, None
+        return None, skey, normalize_query(scope.query)
+
+    def _lookup_similar(self, skey: str, query: str, vec: np.ndarray, now: float) -> Optional[CacheHit]:
         with self._lock:
             idx = self._scopes.get(skey)
             candidates = idx.search(vec, _CANDIDATES) if idx is not None else []
             rejected = False
+            hit = None
             for sim, eid in candidates:
                 if sim < self.cfg.threshold:
                     break
@@ -235,10 +271,13 @@ class SemanticCache:
                     rejected = True
                     log.debug("semantic hit refused (%s): %r vs %r sim=%.4f", reason, query, e.query, sim)
                     continue
-                return self._hit(e, min(sim, 1.0), "semantic", now)
-            self._counters["guard_rejections"] += int(rejected)
-            self._counters["misses"] += 1
-            return None
+                hit = self._hit(e, min(sim, 1.0), "semantic", now)
+                break
+            if hit is None:
+                self._counters["guard_rejections"] += int(rejected)
+                self._counters["misses"] += 1
+        self._touch(hit, now)
+        return hit
 
     async def store(self, scope: CacheScope, text: str, token_ids: list[int], finish_reason: str,
                     prompt_tokens: int, completion_tokens: int) -> None:
@@ -254,10 +293,18 @@ class SemanticCache:
                   token_ids=[int(t) for t in token_ids], finish_reason=finish_reason,
                   prompt_tokens=int(prompt_tokens), completion_tokens=int(completion_tokens),
                   vector=vec, created_at=now, last_access=now)
+        await asyncio.to_thread(self._commit, e, now)
+
+    def _commit(self, e: Entry, now: float) -> None:
         with self._lock:
             # One SQLite transaction replaces any row with this exact key; memory follows only
-            # once it committed, so memory never holds what the file lacks.
-            e.id = self._store.put(e)
+            # once it committed, so memory never holds what the file lacks. A busy or failing
+            # file raises here: the answer is simply not cached (counted, logged by the caller).
+            try:
+                e.id = self._store.put(e)
+            except Exception:
+                self._counters["store_failed"] += 1
+                raise
             old = self._by_key.get(e.exact_key)
             if old is not None:
                 self._drop_memory(old)

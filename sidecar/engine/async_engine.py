@@ -155,7 +155,7 @@ class AsyncEngine:
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,
                        priority: int = 0, cache_salt: Optional[str] = None,
                        deadline: Optional[float] = None,
-                       arrival_time: Optional[float] = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: Optional[float] = None, tenant: str = "") -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Errors (ValueError, QueueFullError) raise before any output.
         Leaving the iteration early aborts the request in the engine.
 
@@ -174,7 +174,7 @@ class AsyncEngine:
             self._streams[rid] = stream
         self._commands.put(("add", rid, prompt, params,
                             {"priority": priority, "cache_salt": cache_salt, "deadline": deadline,
-                             "arrival_time": arrival_time}))
+                             "arrival_time": arrival_time, "tenant": tenant}))
         finished = False
         try:
             while True:

@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from sidecar.config import EngineConfig
+from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.detokenizer import IncrementalDetokenizer
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
@@ -104,15 +105,13 @@ class LLMEngine:
                 raise ValueError(f"messages[{i}].role: must be system, user or assistant, got {m.get('role')!r}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: the model has no chat template; send a raw prompt instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return encode_chat(self.tokenizer, messages)  # content never forges turns (see chat_template)
 
     def add_request(self, request_id: Optional[str], prompt: Prompt, params: SamplingParams, priority: int = 0,
                     cache_salt: Optional[str] = None, deadline: Optional[float] = None,
-                    arrival_time: Optional[float] = None) -> str:
-        """Queue a request. Raises ValueError (bad input, naming the field) or QueueFullError."""
+                    arrival_time: Optional[float] = None, tenant: str = "") -> str:
+        """Queue a request. Raises ValueError (bad input, naming the field) or QueueFullError.
+        ``tenant`` groups requests for fair admission (see Scheduler)."""
         request_id = request_id or random_request_id()
         if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_LEN:
             raise ValueError(f"request_id: must be a string of at most {MAX_REQUEST_ID_LEN} characters")
@@ -125,7 +124,7 @@ class LLMEngine:
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         text, ids = self.tokenize(prompt)
         req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt or None,
-                      deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids)
+                      deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids, tenant=tenant)
         req.detok = IncrementalDetokenizer(self.tokenizer, params)
         self.scheduler.add(req)  # may raise QueueFullError
         self.requests[request_id] = req

@@ -148,8 +148,9 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: Optional[str] = None, priority: int = 0, cache_salt: Optional[str] = None,
                  deadline: Optional[float] = None, arrival_time: Optional[float] = None,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+                 eos_token_ids: tuple[int, ...] = (), tenant: str = "") -> None:
         self.request_id = request_id
+        self.tenant = tenant
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

@@ -6,10 +6,17 @@ left)``. A request needs ``num_tokens - num_computed_tokens`` tokens: its whole
 prompt at first (minus a prefix-cache hit), one token per step when decoding.
 When the KV pool runs dry the lowest-priority, newest running request is
 preempted: its blocks are freed and it is recomputed later.
+
+Fairness: among waiting requests of the best priority present, admission goes
+round-robin across tenants: the tenant admitted least recently goes first (its
+oldest request), so one tenant's thousand queued sequences delay another
+tenant's request by at most one admission per tenant ahead of it, not by the
+whole backlog. Priority still comes first; within a tenant order is FIFO.
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -53,6 +60,9 @@ class Scheduler:
         self.waiting: list[Request] = []  # kept sorted by Request.sort_key()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._waiting_tenants: Counter = Counter()  # tenant -> waiting requests
+        self._admissions = 0
+        self._last_admitted: dict[str, int] = {}  # tenant -> admission count at its last admission
 
     # -- queue management -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -66,13 +76,42 @@ class Scheduler:
         while i > 0 and self.waiting[i - 1].sort_key() > key:
             i -= 1
         self.waiting.insert(i, req)
+        self._waiting_tenants[req.tenant] += 1
+
+    def _take_waiting(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self._waiting_tenants[req.tenant] -= 1
+        if not self._waiting_tenants[req.tenant]:
+            del self._waiting_tenants[req.tenant]
+
+    def _next_waiting(self) -> Request:
+        """The oldest request of the least recently admitted tenant among the best priority waiting.
+
+        Scans only until every tenant with waiting work has been seen once (a tenant never admitted
+        wins at once), so one tenant's long queue costs a single step of the scan."""
+        top = self.waiting[0].priority
+        if len(self._waiting_tenants) == 1:
+            return self.waiting[0]
+        best, best_last, seen = None, 0, set()
+        for r in self.waiting:
+            if r.priority != top or len(seen) == len(self._waiting_tenants):
+                break
+            if r.tenant in seen:
+                continue
+            seen.add(r.tenant)
+            last = self._last_admitted.get(r.tenant, -1)
+            if best is None or last < best_last:
+                best, best_last = r, last
+                if last < 0:
+                    break
+        return best
 
     def remove(self, req: Request) -> None:
         """Take a request out of whichever queue holds it and free its blocks."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._take_waiting(req)
         self.kv.free(req)
 
     def has_unfinished(self) -> bool:
@@ -121,7 +160,7 @@ class Scheduler:
         # Then waiting requests, unless this step had to preempt (the pool is under pressure).
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
+                req = self._next_waiting()
                 hits, num_hit = ([], 0)
                 if req.num_computed_tokens == 0:
                     hits, num_hit = self.kv.get_computed_blocks(req)
@@ -129,11 +168,13 @@ class Scheduler:
                 if not self.kv.allocate_slots(req, n, hits):
                     if not self.running and not scheduled:
                         # Nothing else holds blocks, so waiting cannot help: give it up.
-                        self.waiting.pop(0)
+                        self._take_waiting(req)
                         out.unschedulable.append(req)
                         continue
                     break
-                self.waiting.pop(0)
+                self._take_waiting(req)
+                self._admissions += 1
+                self._last_admitted[req.tenant] = self._admissions
                 req.num_computed_tokens += num_hit
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit

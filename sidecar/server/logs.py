@@ -8,11 +8,21 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 
 # Attributes every LogRecord has; anything else came from ``extra=``.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName", "color_message"}
+
+
+# Line breaks and other control characters from clients (ids, prompts quoted in errors) must not
+# start a new log line: in text logs they are written as escapes. JSON lines escape them already.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape(text: str) -> str:
+    return _CONTROL.sub(lambda m: m.group(0).encode("unicode_escape").decode("ascii"), text)
 
 
 def _extras(record: logging.LogRecord) -> dict:
@@ -38,11 +48,14 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        base = super().format(record)
+        exc_text = None
+        if record.exc_info:  # the traceback is ours and multi-line by design: appended unescaped
+            exc_text = self.formatException(record.exc_info)
+        line = escape(f"{self.formatTime(record)} {record.levelname} {record.name}: {record.getMessage()}")
         extras = _extras(record)
         if extras:
-            base += " " + " ".join(f"{k}={v}" for k, v in extras.items())
-        return base
+            line += " " + " ".join(f"{k}={escape(str(v))}" for k, v in extras.items())
+        return line + ("\n" + exc_text if exc_text else "")
 
 
 def setup_logging(level: str = "info", json_lines: bool = False) -> None:

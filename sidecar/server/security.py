@@ -68,7 +68,9 @@ def load_api_keys(entries: Iterable[str], keys_file: Optional[str] = None) -> di
 
 
 class AuthError(Exception):
-    pass
+    def __init__(self, message: str, guess: bool = False) -> None:
+        super().__init__(message)
+        self.guess = guess  # a well-formed key that is wrong: what a key guesser sends
 
 
 class Authenticator:
@@ -97,8 +99,51 @@ class Authenticator:
             if hmac.compare_digest(key.encode("utf-8"), token.encode("utf-8")):
                 found = entry
         if found is None:
-            raise AuthError("invalid API key")
+            raise AuthError("invalid API key", guess=True)
         return found
+
+
+class AuthThrottle:
+    """Refuses a client address that failed ``limit`` key checks within ``window_s`` until the oldest
+    failure ages out, so keys cannot be guessed at line rate. While refused, even a correct key is
+    not checked (its answer would tell a guesser that the guess was right). ``limit`` 0 turns it off."""
+
+    def __init__(self, limit: int, window_s: float = 60.0, clock: Clock = time.monotonic) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._failures: dict[str, list[float]] = {}
+
+    def _recent(self, peer: str, now: float) -> list[float]:
+        times = [t for t in self._failures.get(peer, ()) if now - t < self.window_s]
+        if times:
+            self._failures[peer] = times
+        else:
+            self._failures.pop(peer, None)
+        return times
+
+    def wait(self, peer: str) -> Optional[float]:
+        """Seconds until ``peer`` may try again, or None when it may try now."""
+        if self.limit <= 0:
+            return None
+        with self._lock:
+            now = self._clock()
+            times = self._recent(peer, now)
+            if len(times) < self.limit:
+                return None
+            return max(0.001, times[-self.limit] + self.window_s - now)
+
+    def failed(self, peer: str) -> None:
+        if self.limit <= 0:
+            return
+        with self._lock:
+            now = self._clock()
+            times = self._recent(peer, now)
+            times.append(now)
+            self._failures[peer] = times[-self.limit:]
+            if len(self._failures) > 100_000:  # bound memory under a spray of addresses
+                self._failures.pop(next(iter(self._failures)))
 
 
 class TokenBucket:
@@ -191,6 +236,16 @@ class RateLimiter:
             if tok is not None:
                 tok.take(tokens)
             return None
+
+    def charge(self, key: str, tokens: int) -> None:
+        """Charge tokens after the fact (generated under a defaulted max_tokens); the bucket may go
+        below zero, which delays the key's next request."""
+        if self.tpm <= 0 or tokens <= 0:
+            return
+        with self._lock:
+            tok = self._tok.get(key)
+            if tok is not None:
+                tok.take(tokens)
 
     def refund(self, key: str, tokens: int) -> None:
         """Return tokens charged up front but not used (max_tokens not all generated)."""

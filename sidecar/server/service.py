@@ -10,6 +10,8 @@ closed, which aborts the engine request and frees its KV blocks.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -20,8 +22,8 @@ from sidecar.config import SidecarConfig
 from sidecar.engine.request import QueueFullError, SamplingParams
 from sidecar.server.cache_step import CacheInfo, CacheStep
 from sidecar.server.metrics import Metrics
-from sidecar.server.security import AuthError, Authenticator, RateLimiter, load_api_keys
-from sidecar.server.validation import ServiceError, check_request, sampling_params
+from sidecar.server.security import AuthError, AuthThrottle, Authenticator, RateLimiter, load_api_keys
+from sidecar.server.validation import ServiceError, check_request, check_text, invalid, sampling_params
 
 log = logging.getLogger("sidecar.service")
 
@@ -50,6 +52,7 @@ class GenerationRequest:
     cache_sampled: bool = False
     timeout_s: Optional[float] = None
     model: Optional[str] = None
+    max_tokens_set: bool = True  # False: params.max_tokens is a default, lowered to fit the context
 
 
 @dataclass
@@ -90,11 +93,12 @@ class InferenceService:
         self.draining = False
         self.model_name = cfg.server.served_model_name or cfg.engine.model
         self.auth = Authenticator(load_api_keys(cfg.server.api_keys, cfg.server.api_keys_file))
+        self.auth_throttle = AuthThrottle(cfg.server.auth_failures_per_min)
         self.limiter = RateLimiter(cfg.server.rate_limit_rps, cfg.server.rate_limit_burst,
                                    cfg.server.rate_limit_tpm)
         # Late-bound: attach() replaces cache_step once the cache has loaded.
         self.metrics = Metrics(self._engine_stats, lambda: self.cache_step.stats())
-        self._active_ids: set[str] = set()
+        self._active_ids: set[tuple[str, str]] = set()  # (tenant, request id) of running requests
 
     # -- lifecycle ---------------------------------------------------------
     def attach(self, engine: Any, cache: Any = None, embedder: Any = None) -> None:
@@ -119,10 +123,20 @@ class InferenceService:
         return self.metrics.render()
 
     # -- auth ----------------------------------------------------------------
-    def authenticate(self, authorization: Optional[str]) -> Caller:
+    def authenticate(self, authorization: Optional[str], peer: str = "") -> Caller:
+        """The caller behind ``authorization``; ``peer`` (the client's address) is throttled after
+        repeated failures."""
+        if not self.auth.enabled:
+            return Caller()
+        wait = self.auth_throttle.wait(peer)
+        if wait is not None:
+            raise ServiceError("rate_limited", "too many failed API-key checks from this address; "
+                               f"retry in {wait:.0f}s", retry_after_s=wait)
         try:
             key = self.auth.check(authorization)
         except AuthError as exc:
+            if exc.guess:  # a missing or malformed header guesses nothing
+                self.auth_throttle.failed(peer)
             raise ServiceError("unauthenticated", str(exc)) from None
         return Caller() if key is None else Caller(tenant=key.tenant, key_id=key.key_id)
 
@@ -134,68 +148,96 @@ class InferenceService:
     def _rate_limit(self, caller: Caller, tokens: int) -> None:
         wait = self.limiter.acquire(caller.key_id or "anonymous", tokens)
         if wait is not None:
-            if wait == float("inf"):
-                raise ServiceError("rate_limited", f"request needs {tokens} tokens, more than the per-key limit "
-                                   f"of {self.limiter.tpm:g} tokens/min", retry_after_s=60.0)
+            if wait == float("inf"):  # can never fit: retrying is pointless, so it is bad input
+                raise invalid("sampling.max_tokens", f"request needs {tokens} tokens (prompt + max_tokens), more "
+                              f"than the per-key limit of {self.limiter.tpm:g} tokens/min")
             raise ServiceError("rate_limited", f"rate limit exceeded; retry in {wait:.3f}s", retry_after_s=wait)
 
     # -- generation ----------------------------------------------------------
+    def _encode(self, req: GenerationRequest) -> list[int]:
+        """Prompt token ids (run in a worker thread: tokenizing a long prompt must not hold the loop)."""
+        eng = self.engine.engine
+        if req.messages is not None:
+            try:
+                return list(eng.encode_chat(req.messages))
+            except ValueError as exc:
+                raise ServiceError("invalid_argument", str(exc), field="messages") from None
+        if req.prompt_token_ids is not None:
+            return list(req.prompt_token_ids)
+        return list(eng.tokenizer.encode(req.prompt, add_special_tokens=True))
+
+    def _fit_max_tokens(self, req: GenerationRequest, n_prompt: int) -> None:
+        """A max_tokens the client set must fit the context next to the prompt (400 otherwise, as
+        vLLM does); a defaulted one is lowered to the room left."""
+        max_len = self.engine.engine.model_info.get("max_model_len")
+        if not max_len or n_prompt >= max_len:
+            return  # the engine refuses the prompt itself, naming it
+        room = max_len - n_prompt
+        if req.params.max_tokens > room:
+            if req.max_tokens_set:
+                raise invalid("sampling.max_tokens", f"{req.params.max_tokens} tokens plus the prompt's {n_prompt} "
+                              f"exceed the context length of {max_len} tokens; at most {room} fit")
+            req.params = dataclasses.replace(req.params, max_tokens=room)
+
     async def generate(self, caller: Caller, req: GenerationRequest) -> AsyncIterator[Event]:
         arrival = time.monotonic()  # queue time and TTFT count from here, as clients see them
         self._check_serving()
         info = self.engine.engine.model_info
         check_request(req, self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
-        prompt: Any
-        if req.messages is not None:
-            try:
-                prompt = self.engine.engine.encode_chat(req.messages)
-            except ValueError as exc:
-                raise ServiceError("invalid_argument", str(exc), field="messages") from None
-        elif req.prompt_token_ids is not None:
-            prompt = list(req.prompt_token_ids)
-        else:
-            prompt = req.prompt
-        if self.limiter.tpm > 0:
-            n_prompt = len(prompt) if isinstance(prompt, list) else len(self.engine.engine.tokenizer.encode(prompt))
-            self._rate_limit(caller, n_prompt + req.params.max_tokens)
-        else:
-            self._rate_limit(caller, 0)
-        unused = req.params.max_tokens  # charged up front; what is not generated is refunded at the end
+        prompt = await asyncio.to_thread(self._encode, req)
+        self._fit_max_tokens(req, len(prompt))
+        key = caller.key_id or "anonymous"
+        # A set max_tokens is charged up front and what is not generated refunded at the end; a
+        # defaulted one (the rest of the context) is charged as generated, after the fact.
+        upfront = req.params.max_tokens if req.max_tokens_set else 0
+        self._rate_limit(caller, len(prompt) + upfront if self.limiter.tpm > 0 else 0)
+        generated = 0
 
         plan = self.cache_step.plan(caller.tenant, req, self.model_name)
         hit = await self.cache_step.lookup(plan) if plan.policy.lookup else None
-        rid = self._new_id(req.request_id)
+        rid = self._new_id(req.request_id, caller.tenant)
         if hit is not None:
-            self.limiter.refund(caller.key_id or "anonymous", req.params.max_tokens)
+            self.limiter.refund(key, upfront)
             log.info("request answered from the semantic cache", extra={
                 "request_id": rid, "tenant": caller.tenant, "kind": hit.kind, "similarity": round(hit.similarity, 4)})
             yield self._replay(rid, hit, plan.lookup_ms)
             return
         if req.cache_control == "only":
-            self.limiter.refund(caller.key_id or "anonymous", req.params.max_tokens)
+            self.limiter.refund(key, upfront)
             raise ServiceError("cache_miss", "semantic cache miss")
 
         salt_parts = [p for p in (caller.tenant, req.cache_salt) if p]
         cache_salt = "\x1f".join(salt_parts) if salt_parts else None
         deadline = time.monotonic() + req.timeout_s if req.timeout_s is not None else None
-        self._active_ids.add(rid)
-        stream = self.engine.generate(prompt, req.params, request_id=rid, priority=req.priority,
-                                      cache_salt=cache_salt, deadline=deadline, arrival_time=arrival)
+        # Ids are scoped per tenant: the engine gets its own unique id, so a caller reusing another
+        # tenant's in-flight id neither collides with it nor learns that it exists.
+        engine_id = f"{uuid.uuid4().hex[:16]}:{rid}"[:128]
+        self._active_ids.add((caller.tenant, rid))
+        stream = self.engine.generate(prompt, req.params, request_id=engine_id, priority=req.priority,
+                                      cache_salt=cache_salt, deadline=deadline, arrival_time=arrival,
+                                      tenant=caller.tenant)
         first = True
+        queued = True  # the engine holds the request; ending without a final output is an abort
         try:
             try:
                 out = await stream.__anext__()
             except ValueError as exc:
+                queued = False
                 raise ServiceError("invalid_argument", _field_message(str(exc))) from None
             except QueueFullError:
+                queued = False
                 raise ServiceError("queue_full", "waiting queue is full; retry later",
                                    retry_after_s=QUEUE_FULL_RETRY_S) from None
             except RuntimeError as exc:  # engine refuses new work while shutting down
+                queued = False
                 raise ServiceError("unavailable", f"draining: {exc}") from None
             except StopAsyncIteration:
+                queued = False
                 raise ServiceError("internal", "engine produced no output") from None
             while True:
+                generated = len(out.token_ids)
                 if out.finished and out.finish_reason == "abort":
+                    queued = False
                     self.metrics.success.labels(finish_reason="abort").inc()
                     if out.abort_reason == "deadline":
                         raise ServiceError("deadline_exceeded", "deadline exceeded; request aborted")
@@ -203,8 +245,8 @@ class InferenceService:
                         raise ServiceError("unavailable", "draining: request aborted at shutdown")
                     raise ServiceError("internal", f"request aborted: {out.abort_reason}")
                 ev = self._event(rid, out, plan.info)
-                unused = req.params.max_tokens - len(out.token_ids)
                 if out.finished:
+                    queued = False
                     self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s,
                                                   len(out.token_ids))
                     if plan.policy.store and out.finish_reason in ("stop", "length"):
@@ -226,15 +268,20 @@ class InferenceService:
                 except RuntimeError as exc:  # engine stopped under a running request
                     raise ServiceError("unavailable", f"engine stopped: {exc}") from None
         finally:
-            self._active_ids.discard(rid)
-            self.limiter.refund(caller.key_id or "anonymous", unused)
+            if queued:  # the client left (cancel, disconnect, closed stream): the engine aborts it
+                self.metrics.success.labels(finish_reason="abort").inc()
+            self._active_ids.discard((caller.tenant, rid))
+            if req.max_tokens_set:
+                self.limiter.refund(key, upfront - generated)
+            else:
+                self.limiter.charge(key, generated)
             await stream.aclose()
 
-    def _new_id(self, wanted: Optional[str]) -> str:
+    def _new_id(self, wanted: Optional[str], tenant: str) -> str:
         base = wanted or f"req-{uuid.uuid4().hex[:16]}"
         rid = base
-        # Engine ids must be unique among live requests; a reused caller id gets a suffix.
-        while rid in self._active_ids:
+        # A caller reusing its own in-flight id gets a suffix, so its responses stay tellable apart.
+        while (tenant, rid) in self._active_ids:
             rid = f"{base}-{uuid.uuid4().hex[:6]}"
         return rid
 
@@ -263,28 +310,57 @@ class InferenceService:
             raise ServiceError("invalid_argument", "inputs: at least one text is required", field="inputs")
         if len(inputs) > 256:
             raise ServiceError("invalid_argument", f"inputs: at most 256 texts, got {len(inputs)}", field="inputs")
+        limit = self.cfg.server.max_prompt_chars
+        chars = 0
         for i, t in enumerate(inputs):
             if not isinstance(t, str) or not t.strip():
                 raise ServiceError("invalid_argument", f"inputs[{i}]: must be a non-empty string", field="inputs")
+            check_text(f"inputs[{i}]", t)
+            chars += len(t)
+        if chars > limit:  # the same bound prompts have: tokenizing is linear but not free
+            raise ServiceError("invalid_argument", f"inputs: {chars} characters in total, more than {limit}",
+                               field="inputs")
         embedder = await self.cache_step.get_embedder()
-        n_tokens = embedder.count_tokens(inputs)
+        n_tokens = await asyncio.to_thread(embedder.count_tokens, inputs)
         self._rate_limit(caller, n_tokens)
         vecs = await embedder.aembed(inputs)
         return [v.tolist() for v in vecs], n_tokens
 
-    def tokenize(self, text: Optional[str], messages: Optional[list[dict]], add_special_tokens: bool) -> list[int]:
+    async def tokenize(self, caller: Caller, text: Optional[str], messages: Optional[list[dict]],
+                       add_special_tokens: bool) -> tuple[list[int], list[str]]:
+        """Token ids and their strings. Same prompt limits and rate limits as generation; the
+        tokenizer runs in a worker thread, so a huge text never holds the event loop."""
         self._check_serving()
         eng = self.engine.engine
+        limit = self.cfg.server.max_prompt_chars
         if text and messages:
             raise ServiceError("invalid_argument", "text: set either text or messages, not both", field="text")
-        if messages:
-            try:
-                return list(eng.encode_chat(messages))
-            except ValueError as exc:
-                raise ServiceError("invalid_argument", str(exc), field="messages") from None
-        if not text:
+        if messages:  # roles and order are the template's business (encode_chat checks them)
+            for i, m in enumerate(messages):
+                check_text(f"messages[{i}].content", m["content"])
+            chars = sum(len(m["content"]) for m in messages)
+            if chars > limit:
+                raise invalid("messages", f"total content is {chars} characters, more than {limit}")
+        elif not text:
             raise ServiceError("invalid_argument", "text: set text or messages", field="text")
-        return list(eng.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        else:
+            check_text("text", text)
+            if len(text) > limit:
+                raise invalid("text", f"{len(text)} characters, more than {limit}")
+
+        def work() -> tuple[list[int], list[str]]:
+            if messages:
+                ids = list(eng.encode_chat(messages))
+            else:
+                ids = list(eng.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            return ids, self.token_strings(ids)
+
+        try:
+            ids, strings = await asyncio.to_thread(work)
+        except ValueError as exc:
+            raise ServiceError("invalid_argument", str(exc), field="messages") from None
+        self._rate_limit(caller, len(ids))
+        return ids, strings
 
     def token_strings(self, ids: list[int]) -> list[str]:
         tok = self.engine.engine.tokenizer

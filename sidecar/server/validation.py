@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Optional
 
 from sidecar.cache.policy import CACHE_CONTROLS
@@ -11,6 +12,7 @@ CODES = ("invalid_argument", "unauthenticated", "rate_limited", "queue_full", "u
          "deadline_exceeded", "cache_miss", "internal")
 ROLES = ("system", "user", "assistant")
 MAX_REQUEST_ID = 128
+_REQUEST_ID = re.compile(r"[\x21-\x7e]+")
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
@@ -46,6 +48,25 @@ def sampling_params(**kwargs: Any) -> SamplingParams:
         raise ServiceError("invalid_argument", f"sampling: {exc}", field="sampling") from None
 
 
+def check_request_id(rid: Any) -> None:
+    """Request ids are echoed and logged: visible ASCII only (no spaces, no line breaks), bounded."""
+    if not rid:
+        return
+    if not isinstance(rid, str) or len(rid) > MAX_REQUEST_ID:
+        raise invalid("request_id", f"at most {MAX_REQUEST_ID} characters")
+    if not _REQUEST_ID.fullmatch(rid):
+        raise invalid("request_id", "only visible ASCII characters (no spaces or control characters) are allowed")
+
+
+def check_text(field: str, value: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (JSON "\\ud800") names its field."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise invalid(field, f"contains an unpaired surrogate (U+{ord(value[exc.start]):04X}) at index "
+                      f"{exc.start}; text must be valid Unicode") from None
+
+
 def check_messages(messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "at least one message is required")
@@ -57,6 +78,7 @@ def check_messages(messages: Any) -> None:
             raise invalid(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(m.get("content"), str):
             raise invalid(f"messages[{i}].content", "must be a string")
+        check_text(f"messages[{i}].content", m["content"])
     if messages[-1]["role"] != "user":
         raise invalid("messages", f"the last message must be from the user, got {messages[-1]['role']!r}")
 
@@ -85,16 +107,12 @@ def check_request(req: Any, model_name: str, vocab_size: Optional[int], max_prom
             raise invalid("prompt", "must be a string")
         if len(req.prompt) > max_prompt_chars:
             raise invalid("prompt", f"{len(req.prompt)} characters, more than {max_prompt_chars}")
+        check_text("prompt", req.prompt)
     else:
         for i, t in enumerate(req.prompt_token_ids):
             if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise invalid("prompt_token_ids", f"token id {t!r} at index {i} is outside [0, {vocab_size})")
-    rid = req.request_id
-    if rid:
-        if len(rid) > MAX_REQUEST_ID:
-            raise invalid("request_id", f"at most {MAX_REQUEST_ID} characters, got {len(rid)}")
-        if not rid.isprintable():
-            raise invalid("request_id", "must contain printable characters only")
+    check_request_id(req.request_id)
     if not isinstance(req.priority, int) or not (-(2**31) <= req.priority < 2**31):
         raise invalid("priority", f"must be a 32-bit integer, got {req.priority!r}")
     if req.cache_control not in CACHE_CONTROLS:
@@ -103,6 +121,10 @@ def check_request(req: Any, model_name: str, vocab_size: Optional[int], max_prom
         raise invalid("cache_salt", "must be a string of at most 256 characters")
     if req.timeout_s is not None and req.timeout_s <= 0:
         raise ServiceError("deadline_exceeded", "deadline exceeded before the request started")
+    for i, stop in enumerate(req.params.stop):
+        if isinstance(stop, str):
+            check_text(f"sampling.stop[{i}]", stop)
+    check_text("cache_salt", req.cache_salt)
     try:
         req.params.validate(vocab_size)
     except ValueError as exc:

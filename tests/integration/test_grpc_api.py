@@ -185,7 +185,7 @@ def test_oversized_message_is_resource_exhausted(stub):
 
 
 def test_deadline_exceeded_frees_blocks(stub):
-    long = gen(prompt="deadline " * 40, max_tokens=2000, ignore_eos=True)
+    long = gen(prompt="deadline " * 40, max_tokens=1800, ignore_eos=True)
     with pytest.raises(grpc.RpcError) as exc:
         stub.Generate(long, timeout=0.5)
     assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -212,7 +212,7 @@ def test_cancel_mid_stream_under_load_frees_blocks_and_spares_others(stub):
         t.start()
     cancelled = []
     for _ in range(4):
-        call = stub.GenerateStream(gen(prompt="cancel me " * 20, max_tokens=2000, ignore_eos=True))
+        call = stub.GenerateStream(gen(prompt="cancel me " * 20, max_tokens=1800, ignore_eos=True))
         for i, _chunk in enumerate(call):
             if i == 2:
                 break

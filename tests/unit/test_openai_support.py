@@ -37,7 +37,7 @@ class FakeService:
         self.embed_calls: list[list[str]] = []
         self.max_produced: Optional[int] = None  # cap on tokens per request (fuzzing sends huge max_tokens)
 
-    def authenticate(self, authorization: Optional[str]) -> Caller:
+    def authenticate(self, authorization: Optional[str], peer: str = "") -> Caller:
         if self.api_key is not None and authorization != f"Bearer {self.api_key}":
             raise ServiceError("unauthenticated", "invalid API key")
         return Caller(tenant="t" if self.api_key else "", key_id=None)

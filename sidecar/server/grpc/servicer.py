@@ -15,7 +15,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from sidecar.server.service import Event, GenerationRequest, InferenceService, ServiceError
-from sidecar.server.validation import sampling_params
+from sidecar.server.validation import check_request_id, sampling_params
 from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pb_grpc
 
@@ -55,16 +55,26 @@ def _params(s: pb.SamplingParams) -> Any:
 
 
 def _request(msg: Any, context: grpc.aio.ServicerContext, chat: bool) -> GenerationRequest:
+    check_request_id(msg.request_id)  # first: everything after may log it
     cc = CACHE_CONTROL.get(msg.cache_control, f"unknown({msg.cache_control})")
     req = GenerationRequest(params=_params(msg.sampling), request_id=msg.request_id or None, priority=msg.priority,
                             cache_control=cc, cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled,
-                            timeout_s=context.time_remaining(), model=msg.model or None)
+                            timeout_s=context.time_remaining(), model=msg.model or None,
+                            max_tokens_set=msg.sampling.HasField("max_tokens"))
     if chat:
         req.messages = [{"role": m.role, "content": m.content} for m in msg.messages]
     else:
         req.prompt = msg.prompt or None
         req.prompt_token_ids = list(msg.prompt_token_ids) or None
     return req
+
+
+def _peer_host(peer: str) -> str:
+    """"ipv4:127.0.0.1:5555" / "ipv6:[::1]:5555" -> the address without the port."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0].strip("[]")
+    return peer
 
 
 def _cache(ev: Event) -> pb.CacheInfo:
@@ -88,6 +98,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     # -- plumbing --------------------------------------------------------------
     async def _fail(self, context: grpc.aio.ServicerContext, err: ServiceError, request_id: str = "") -> None:
+        # A caller's id is logged only once it passed validation; the formatter escapes the rest.
+        try:
+            check_request_id(request_id)
+        except ServiceError:
+            request_id = ""
         log.info("request refused", extra={"request_id": request_id or None, "code": err.code,
                                            "error": err.message})
         trailing = ()
@@ -99,7 +114,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _caller(self, context: grpc.aio.ServicerContext, method: str) -> Any:
         self.service.metrics.requests.labels(api="grpc", method=method).inc()
         md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
-        return self.service.authenticate(md.get("authorization"))
+        return self.service.authenticate(md.get("authorization"), _peer_host(context.peer() or ""))
 
     def _logprobs(self, lps: Optional[list]) -> list:
         if not lps:
@@ -185,10 +200,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Tokenize(self, request, context):
         try:
-            self._caller(context, "Tokenize")
+            caller = self._caller(context, "Tokenize")
             messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
-            ids = self.service.tokenize(request.text or None, messages, request.add_special_tokens)
-            return pb.TokenizeResponse(token_ids=ids, count=len(ids), tokens=self.service.token_strings(ids),
+            ids, strings = await self.service.tokenize(caller, request.text or None, messages,
+                                                       request.add_special_tokens)
+            return pb.TokenizeResponse(token_ids=ids, count=len(ids), tokens=strings,
                                        max_model_len=int(self.service.model_info().get("max_model_len") or 0))
         except ServiceError as err:
             await self._fail(context, err)
@@ -233,6 +249,46 @@ class Health:
             await self.servicer.set(name, status)
 
 
+class _Malformed:
+    """Stands in for a request whose bytes are not a valid message of its type."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(parse: Any) -> Any:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # DecodeError and friends: the caller's fault, answered below
+            return _Malformed(str(exc))
+    return deserialize
+
+
+def _refusing_malformed(behaviour: Any, method: str, service: InferenceService) -> Any:
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            # Without this grpc answers UNKNOWN and names the parser's exception class.
+            service.metrics.requests.labels(api="grpc", method=method).inc()
+            service.metrics.errors.labels(code="invalid_argument").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {method} request message (malformed protobuf)")
+        return await behaviour(request, context)
+    return handle
+
+
+def _method_handlers(servicer: InferenceServicer, service: InferenceService) -> dict:
+    """The generated handler table, with requests parsed leniently so bad bytes are INVALID_ARGUMENT."""
+    out = {}
+    for m in pb.DESCRIPTOR.services_by_name["Inference"].methods:
+        req_cls, resp_cls = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
+        out[m.name] = make(_refusing_malformed(getattr(servicer, m.name), m.name, service),
+                           request_deserializer=_lenient(req_cls.FromString),
+                           response_serializer=resp_cls.SerializeToString)
+    return out
+
+
 def build_server(service: InferenceService, health: Health, max_message_bytes: int,
                  max_concurrent_streams: int, max_connection_age_s: float = 0.0,
                  max_connection_age_grace_s: float = 0.0) -> grpc.aio.Server:
@@ -256,7 +312,9 @@ def build_server(service: InferenceService, health: Health, max_message_bytes: i
         options += [("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
                     ("grpc.max_connection_age_grace_ms", round(max_connection_age_grace_s * 1000))]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(service), server)
+    handlers = _method_handlers(InferenceServicer(service), service)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)

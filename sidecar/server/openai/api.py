@@ -169,7 +169,8 @@ def create_app(service: Any, max_body_bytes: Optional[int] = None) -> FastAPI:
     if max_body_bytes is None:
         server_cfg = getattr(getattr(service, "cfg", None), "server", None)
         max_body_bytes = getattr(server_cfg, "max_message_bytes", DEFAULT_MAX_BODY_BYTES)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    read_timeout = getattr(getattr(getattr(service, "cfg", None), "server", None), "http_read_timeout_s", 30.0)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, read_timeout_s=read_timeout)
     counters = getattr(service, "metrics", None)  # the service's Prometheus counters, shared with gRPC
 
     def count_request(method: str) -> None:
@@ -188,7 +189,8 @@ def create_app(service: Any, max_body_bytes: Optional[int] = None) -> FastAPI:
         validation, so refused requests are counted too (as the gRPC adapter counts them)."""
         def dependency(request: Request) -> Any:
             count_request(method)
-            return service.authenticate(request.headers.get("authorization"))
+            peer = request.client.host if request.client else ""
+            return service.authenticate(request.headers.get("authorization"), peer)
         return dependency
 
     def max_model_len() -> Optional[int]:

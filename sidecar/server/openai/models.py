@@ -23,6 +23,8 @@ from sidecar.engine.request import MAX_LOGPROBS, MAX_STOP_STRINGS
 MAX_CHOICES = 16  # n per prompt; each choice is one engine request
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions call
 MAX_EMBED_INPUTS = 256
+# Engine requests one call may create (prompts x n): one call must not take the whole server.
+MAX_SEQUENCES_PER_CALL = 64
 MAX_TOKEN_ID = 2**31 - 1  # range check only; the engine checks against the vocabulary
 
 _NONE = (None,)
@@ -160,6 +162,15 @@ Prompt = Union[
 class CompletionRequest(_Sampling):
     prompt: Prompt
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _bound_sequences(self) -> "CompletionRequest":
+        n, k = self.n or 1, len(self.prompts())
+        if n * k > MAX_SEQUENCES_PER_CALL:
+            raise PydanticCustomError("invalid_value", "n: {k} prompts x n={n} make {total} sequences, more than the "
+                                      "limit of {limit} per request", {"k": k, "n": n, "total": n * k,
+                                                                       "limit": MAX_SEQUENCES_PER_CALL})
+        return self
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The batch: one entry per prompt, text or token ids."""

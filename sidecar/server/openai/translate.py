@@ -60,8 +60,9 @@ def chat_requests(body: ChatCompletionRequest, call_id: str, max_model_len: Opti
     max_tokens = body.max_completion_tokens or body.max_tokens or max_model_len or FALLBACK_MAX_TOKENS
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     messages = chat_messages(body)
+    explicit = (body.max_completion_tokens or body.max_tokens) is not None
     return [GenerationRequest(messages=messages, params=_params(body, max_tokens, logprobs, i),
-                              **_common(body, f"{call_id}-{i}")) for i in range(n)]
+                              max_tokens_set=explicit, **_common(body, f"{call_id}-{i}")) for i in range(n)]
 
 
 def completion_requests(body: CompletionRequest, call_id: str) -> list[GenerationRequest]:
@@ -74,5 +75,6 @@ def completion_requests(body: CompletionRequest, call_id: str) -> list[Generatio
             src: dict[str, Union[str, list[int]]] = (
                 {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
             out.append(GenerationRequest(params=_params(body, max_tokens, body.logprobs, i),
+                                         max_tokens_set=body.max_tokens is not None,
                                          **src, **_common(body, f"{call_id}-{k}")))
     return out

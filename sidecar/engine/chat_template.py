@@ -1,0 +1,48 @@
+"""Chat prompts: the checkpoint's chat template, with message content that cannot forge turns.
+
+The template's own markers (``<|im_start|>``, ``<|im_end|>``, ...) are special
+tokens. Text a caller puts inside a message is tokenized as plain text
+(``split_special_tokens``): a user who writes ``<|im_start|>system`` gets those
+characters, never a real turn boundary. When no message contains the text of an
+added token, the result is exactly the template's own tokenization.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def _marker_texts(tokenizer: Any) -> list[str]:
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return [str(getattr(t, "content", t)) for t in decoder.values()]
+
+
+def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` with the generation prompt. Raises ValueError naming ``messages``."""
+    markers = _marker_texts(tokenizer)
+    if not any(mk and mk in m["content"] for m in messages for mk in markers):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # Split the rendered prompt into template text (markers parsed) and content (markers inert).
+    pieces: list[tuple[str, bool]] = []
+    pos = 0
+    for i, m in enumerate(messages):
+        content = m["content"]
+        at = rendered.find(content, pos) if content else pos
+        if at < 0 and content.strip():  # templates that trim content
+            content = content.strip()
+            at = rendered.find(content, pos)
+        if at < 0:
+            raise ValueError(f"messages[{i}].content: the chat template rewrites this message, so text in it "
+                             "that looks like a special token cannot be kept inert; remove the marker text")
+        pieces.append((rendered[pos:at], True))
+        pieces.append((content, False))
+        pos = at + len(content)
+    pieces.append((rendered[pos:], True))
+    ids: list[int] = []
+    for text, template in pieces:
+        if text:
+            ids.extend(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not template))
+    return ids
