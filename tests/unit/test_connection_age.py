@@ -33,7 +33,7 @@ def test_negative_values_are_rejected_naming_the_field(field):
 
 
 def test_server_options_carry_the_age_in_milliseconds(monkeypatch):
-    from sidecar.server import grpc_service
+    from sidecar.server.grpc import servicer as grpc_service
 
     seen = {}
 
