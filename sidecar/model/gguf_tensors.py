@@ -90,11 +90,11 @@ def dequantize(tensor) -> torch.Tensor:
     name = type_name(tensor)
     data = tensor.data
     if name == "F32":
-        return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        return torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the file is mapped read-only
     if name == "F16":
-        return torch.from_numpy(np.ascontiguousarray(data, dtype=np.float16))
+        return torch.from_numpy(np.array(data, dtype=np.float16))
     if name == "BF16":
-        raw = torch.from_numpy(np.ascontiguousarray(data).view(np.int16))
+        raw = torch.from_numpy(np.array(data).view(np.int16))
         return raw.view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, tensor.tensor_type),
                                                  dtype=np.float32))
