@@ -20,7 +20,7 @@ import torch
 
 # Types we read; anything else is rejected by name before conversion starts.
 FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 EXACT_INT4_TYPES = ("Q4_0", "Q4_1")
 INT4_GROUP = 32
 
