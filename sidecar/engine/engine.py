@@ -226,7 +226,7 @@ class LLMEngine:
 class LLM:
     """Offline facade: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 
-    def __init__(self, model: str = "demo", dtype: str = "auto", quantization: Optional[str] = None,
+    def __init__(self, model: Optional[str] = None, dtype: str = "auto", quantization: Optional[str] = None,
                  block_size: int = 16, kv_cache_memory_gb: Optional[float] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True, seed: int = 0,
                  **kwargs: Any) -> None:

@@ -1,6 +1,8 @@
 """Resolve a model reference and load it into our decoder.
 
-``"demo"`` builds/reuses the offline demo model; an existing directory is read
+``"demo"`` builds/reuses the offline demo model; a GGUF file (or a directory
+holding one), and the default model's name, are converted once into a cached
+checkpoint directory (gguf.py) and read from there; an existing directory is read
 as a Hugging Face checkpoint (config.json + *.safetensors, sharded or not); any
 other string is treated as a hub id and fetched with huggingface_hub.
 
@@ -224,7 +226,11 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     """Load config, tokenizer and weights for ``cfg.model``. Raises ValueError naming the problem."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
-    model_dir = resolve_model_dir(cfg.model, cfg.revision, cfg.demo_dir)
+    from sidecar.model.gguf import find_gguf, model_dir_for
+
+    gguf_file = None if cfg.model == "demo" else find_gguf(cfg.model)
+    model_dir = (model_dir_for(gguf_file, cfg.quantization, cfg.dtype) if gguf_file is not None
+                 else resolve_model_dir(cfg.model, cfg.revision, cfg.demo_dir))
     hf_config = json.loads((model_dir / "config.json").read_text())
     args = ModelArgs.from_hf_config(hf_config)
     dtype = pick_dtype(cfg.dtype, hf_config, device)

@@ -16,7 +16,8 @@ from sidecar.config import CacheConfig, EngineConfig, ServerConfig, SidecarConfi
 # (flag, section, field, help). Values are parsed by load_config, so a bad value
 # is reported with the config field's name, the same way as for env and YAML.
 FLAGS: list[tuple[str, str, str, str]] = [
-    ("--model", "engine", "model", "model: 'demo', a local Hugging Face directory, or a hub id"),
+    ("--model", "engine", "model", "model: SmolLM2-135M-Instruct (default), a .gguf file, a local Hugging "
+                                   "Face directory, a hub id, or 'demo' (tiny random model)"),
     ("--dtype", "engine", "dtype", "weights/activations dtype: auto, float32, bfloat16, float16"),
     ("--quantization", "engine", "quantization", "weight-only quantization: none, int8, int4 (default: none)"),
     ("--quant-group-size", "engine", "quant_group_size", "int4 group size: 32, 64, 128, 256"),

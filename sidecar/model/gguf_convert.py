@@ -1,0 +1,78 @@
+"""Write the two cached forms of a GGUF checkpoint (see gguf.py): full precision and exact int4."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from sidecar.model import gguf_tensors as gt
+from sidecar.model.quant import FORMAT_VERSION
+from sidecar.model.quant_checkpoint import CONFIG_NAME, WEIGHTS_NAME
+
+# Our fused linears and the HF projections they concatenate (along output rows).
+_FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+          "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+
+
+def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
+    """Every used tensor of the file in HF naming and layout (dequantized where block-quantized)."""
+    out = {}
+    for t in reader.tensors:
+        name = gt.hf_name(t.name)
+        if name is None:
+            continue
+        w = gt.dequantize(t)
+        heads = gt.rope_heads(name, cfg)
+        out[name] = gt.unpermute_rows(w, heads) if heads else w
+    return out
+
+
+def write_fp(reader, cfg: dict, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in gguf_state_dict(reader, cfg).items()}
+    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "source": "gguf"})
+
+
+def write_int4(reader, cfg: dict, out: Path) -> None:
+    """Quantized checkpoint (our module naming) whose int4 codes are the file's Q4 codes."""
+    from safetensors.torch import save_file
+
+    tensors = {t.name: t for t in reader.tensors}
+    state: dict[str, torch.Tensor] = {}
+    modules: list[str] = []
+    for i in range(cfg["num_hidden_layers"]):
+        for ours, parts in _FUSED.items():
+            q, s, z, biases = [], [], [], []
+            for part in parts:
+                t = tensors[f"blk.{i}.{part}.weight"]
+                heads = gt.rope_heads(gt.hf_name(t.name), cfg)
+                # Row permutations commute with the format: groups run along K, rows are independent.
+                for acc, x in zip((q, s, z), gt.int4_exact(t)):
+                    acc.append(gt.unpermute_rows(x, heads) if heads else x)
+                bias = tensors.get(f"blk.{i}.{part}.bias")
+                if bias is not None:
+                    b = gt.dequantize(bias)
+                    biases.append(gt.unpermute_rows(b, heads) if heads else b)
+            name = f"layers.{i}.{ours}"
+            modules.append(name)
+            state[f"{name}.qweight"] = torch.cat(q).contiguous()
+            state[f"{name}.scales"] = torch.cat(s).contiguous()
+            state[f"{name}.zeros"] = torch.cat(z).contiguous()
+            if biases:
+                state[f"{name}.bias"] = torch.cat(biases).contiguous()
+        for part, ours in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+            state[f"layers.{i}.{ours}.weight"] = gt.dequantize(tensors[f"blk.{i}.{part}.weight"]).contiguous()
+    state["embed_tokens.weight"] = gt.dequantize(tensors["token_embd.weight"]).contiguous()
+    state["norm.weight"] = gt.dequantize(tensors["output_norm.weight"]).contiguous()
+    aliases = {}
+    if "output.weight" in tensors:
+        state["lm_head.weight"] = gt.dequantize(tensors["output.weight"]).contiguous()
+    else:
+        aliases["lm_head.weight"] = "embed_tokens.weight"
+    save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "source": "gguf"})
+    qconfig = {"quant_method": "sidecar-weight-only", "format_version": FORMAT_VERSION, "mode": "int4",
+               "group_size": gt.INT4_GROUP, "quantize_lm_head": False, "tied_embedding": None,
+               "modules": modules, "aliases": aliases, "dtype": cfg["torch_dtype"], "source": "gguf"}
+    (out / CONFIG_NAME).write_text(json.dumps(qconfig, indent=2))

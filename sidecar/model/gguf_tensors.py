@@ -1,0 +1,125 @@
+"""GGUF tensors -> torch tensors in Hugging Face layout (names, shapes, rotary order).
+
+``gguf.GGUFReader`` gives each tensor as a numpy view of the memory-mapped file:
+float types as [rows, cols] arrays, block-quantized types as [rows, bytes per
+row] uint8. ``gguf.quants.dequantize`` turns any supported type into float32.
+
+Q4_0 and Q4_1 rows are additionally decoded *without* dequantizing into our int4
+stored format (quant.py: ``w = (code - 8) * scale + zero``, group 32, low nibble
+= even column): a GGUF block of 32 weights is exactly one group.
+- Q4_1 block: f16 d, f16 m, 16 bytes of codes; w = d * q + m  -> scale = d, zero = m + 8 d.
+- Q4_0 block: f16 d, 16 bytes of codes;        w = d * (q - 8) -> scale = d, zero = 0.
+In both, byte j of the codes holds element j (low nibble) and element j + 16 (high nibble).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+# Types we read; anything else is rejected by name before conversion starts.
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+EXACT_INT4_TYPES = ("Q4_0", "Q4_1")
+INT4_GROUP = 32
+
+# GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> Optional[str]:
+    """HF parameter name for a GGUF tensor name, or None for tensors we do not use (e.g. rope_freqs)."""
+    base, _, kind = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, idx, part = base.split(".", 2)
+        mapped = _LAYER_NAMES.get(part)
+        return None if mapped is None else f"model.layers.{idx}.{mapped}.{kind}"
+    mapped = _TOP_NAMES.get(base)
+    return None if mapped is None else f"{mapped}.{kind}"
+
+
+def type_name(tensor) -> str:
+    return tensor.tensor_type.name
+
+
+def check_types(reader, path: str) -> None:
+    """Raise ValueError naming the first tensor whose type we cannot read."""
+    for t in reader.tensors:
+        name = type_name(t)
+        if name not in FLOAT_TYPES + BLOCK_TYPES:
+            raise ValueError(f"model: {path}: tensor {t.name!r} has GGUF type {name}, which is not supported "
+                             f"(supported: {', '.join(FLOAT_TYPES + BLOCK_TYPES)})")
+
+
+def rope_heads(hf: str, cfg: dict) -> Optional[int]:
+    """Head count whose rotary rows llama.cpp's converter interleaved in this tensor, else None.
+
+    For llama-arch models the converter reorders each q/k head's rows from HF's
+    rotate-half layout (first half, second half) to GGML's pairwise layout; Qwen2
+    is stored unpermuted.
+    """
+    if cfg["model_type"] not in ("llama", "mistral"):
+        return None
+    if ".self_attn.q_proj." in hf:
+        return cfg["num_attention_heads"]
+    if ".self_attn.k_proj." in hf:
+        return cfg["num_key_value_heads"]
+    return None
+
+
+def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo the converter's per-head row interleave: GGML row 2i (+1) of a head is HF row i (+ half)."""
+    rows = t.shape[0]
+    return t.reshape(heads, rows // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def dequantize(tensor) -> torch.Tensor:
+    """A GGUF tensor as a torch tensor [rows, cols] (or [n] for vectors).
+
+    Float types keep their dtype (BF16 arrives as raw uint16 and is reinterpreted);
+    block types are dequantized to float32.
+    """
+    import gguf
+
+    name = type_name(tensor)
+    data = tensor.data
+    if name == "F32":
+        return torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the file is mapped read-only
+    if name == "F16":
+        return torch.from_numpy(np.array(data, dtype=np.float16))
+    if name == "BF16":
+        raw = torch.from_numpy(np.array(data).view(np.int16))
+        return raw.view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, tensor.tensor_type),
+                                                 dtype=np.float32))
+
+
+def int4_exact(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 tensor -> (qweight uint8 [N, K/2], scales f32 [N, K/32], zeros f32 [N, K/32]).
+
+    Codes are copied bit for bit; scales and zeros are the file's f16 values in float32.
+    """
+    name = type_name(tensor)
+    raw = np.ascontiguousarray(tensor.data)
+    n = raw.shape[0]
+    block_bytes = 20 if name == "Q4_1" else 18
+    blocks = raw.reshape(n, -1, block_bytes)
+    groups = blocks.shape[1]
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if name == "Q4_1":
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        zeros = m + 8.0 * d
+        qs = blocks[..., 4:]
+    else:
+        zeros = torch.zeros_like(d)
+        qs = blocks[..., 2:]
+    qs = torch.from_numpy(qs.copy())  # [N, G, 16]
+    codes = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(n, groups * INT4_GROUP)  # element order
+    qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return qweight.contiguous(), d, zeros
