@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from sidecar.model import gguf_tensors as gt
-from sidecar.model.quant import FORMAT_VERSION
+from sidecar.model.quant_format import FORMAT_VERSION
 from sidecar.model.quant_checkpoint import CONFIG_NAME, WEIGHTS_NAME
 
 # Our fused linears and the HF projections they concatenate (along output rows).
