@@ -15,6 +15,7 @@ from sidecar.engine.request import (FinishReason, Request, RequestOutput, Reques
 from sidecar.engine.runner import ModelRunner
 from sidecar.engine.sampler import Sampler
 from sidecar.engine.scheduler import Scheduler, SchedulerOutput
+from sidecar.engine.structured import StructuredDecoder
 from sidecar.model.loader import load_model
 
 log = logging.getLogger("sidecar.engine")
@@ -42,6 +43,7 @@ class LLMEngine:
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(loaded.device, config.seed)
+        self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests_finished": 0,
@@ -127,7 +129,12 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt or None,
                       deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids)
         req.detok = IncrementalDetokenizer(self.tokenizer, params)
-        self.scheduler.add(req)  # may raise QueueFullError
+        self.structured.attach(request_id, params.structured)  # may raise ValueError naming structured
+        try:
+            self.scheduler.add(req)  # may raise QueueFullError
+        except Exception:
+            self.structured.release(request_id)
+            raise
         self.requests[request_id] = req
         self.counters["prompt_tokens"] += len(ids)
         return request_id
@@ -150,6 +157,7 @@ class LLMEngine:
         req.finished_time = time.monotonic()
         req.text = req.detok.visible_text(True) if reason != FinishReason.ABORT else req.text
         self.scheduler.remove(req)
+        self.structured.release(req.request_id)
         self.requests.pop(req.request_id, None)
         self.counters["num_requests_finished"] += 1
 
@@ -188,13 +196,15 @@ class LLMEngine:
         return outputs
 
     def _run_scheduled(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        # Grammar masks are computed while the forward runs; None when no sampling request is constrained.
+        masks = self.structured.start_masks([s.request.request_id for s in sched.scheduled if s.completes_prompt])
         sample_reqs, logits = self.runner.execute(sched, self.kv)
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(s.request)
         if not sample_reqs:
             return
-        token_ids, logprobs = self.sampler(logits, sample_reqs)
+        token_ids, logprobs = self.structured.sample(self.sampler, logits, sample_reqs, masks)
         now = time.monotonic()
         for req, tok, lp in zip(sample_reqs, token_ids, logprobs):
             if req.first_token_time is None:
