@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Optional
 
 from sidecar.config import SidecarConfig
 from sidecar.engine.request import QueueFullError, SamplingParams
+from sidecar.server import tools
 from sidecar.server.cache_step import CacheInfo, CacheStep
 from sidecar.server.metrics import Metrics
 from sidecar.server.security import AuthError, Authenticator, RateLimiter, load_api_keys
@@ -50,6 +51,10 @@ class GenerationRequest:
     cache_sampled: bool = False
     timeout_s: Optional[float] = None
     model: Optional[str] = None
+    # Chat only: tools (sidecar.server.tools.ToolSpec), "none" | "auto" | "required" | "function:<name>".
+    tools: Optional[list] = None
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Event:
     ttft_ms: Optional[float]
     total_ms: Optional[float]
     cache: CacheInfo
+    tool_calls: list = field(default_factory=list)  # calls completed in this event (text holds no markup)
 
 
 def _ms(s: Optional[float]) -> Optional[float]:
@@ -146,9 +152,13 @@ class InferenceService:
         info = self.engine.engine.model_info
         check_request(req, self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
         prompt: Any
+        parser = tools.ToolCallParser() if req.messages is not None and tools.uses_tools(req) else None
         if req.messages is not None:
+            if req.tools is not None:
+                tools.check_tools(req.tools, req.tool_choice)
+                req.params = tools.chat_params(req)
             try:
-                prompt = self.engine.engine.encode_chat(req.messages)
+                prompt = tools.chat_prompt(self.engine.engine, req)
             except ValueError as exc:
                 raise ServiceError("invalid_argument", str(exc), field="messages") from None
         elif req.prompt_token_ids is not None:
@@ -169,7 +179,8 @@ class InferenceService:
             self.limiter.refund(caller.key_id or "anonymous", req.params.max_tokens)
             log.info("request answered from the semantic cache", extra={
                 "request_id": rid, "tenant": caller.tenant, "kind": hit.kind, "similarity": round(hit.similarity, 4)})
-            yield self._replay(rid, hit, plan.lookup_ms)
+            ev = self._replay(rid, hit, plan.lookup_ms)
+            yield tools.split_event(ev, parser) if parser else ev
             return
         if req.cache_control == "only":
             self.limiter.refund(caller.key_id or "anonymous", req.params.max_tokens)
@@ -203,6 +214,8 @@ class InferenceService:
                         raise ServiceError("unavailable", "draining: request aborted at shutdown")
                     raise ServiceError("internal", f"request aborted: {out.abort_reason}")
                 ev = self._event(rid, out, plan.info)
+                if parser is not None:
+                    tools.split_event(ev, parser)
                 unused = req.params.max_tokens - len(out.token_ids)
                 if out.finished:
                     self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s,
