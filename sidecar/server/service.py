@@ -285,14 +285,17 @@ class InferenceService:
         vecs = await embedder.aembed(inputs)
         return [v.tolist() for v in vecs], n_tokens
 
-    def tokenize(self, text: Optional[str], messages: Optional[list[dict]], add_special_tokens: bool) -> list[int]:
+    def tokenize(self, text: Optional[str], messages: Optional[list[dict]], add_special_tokens: bool,
+                 tool_specs: Optional[list] = None) -> list[int]:
         self._check_serving()
         eng = self.engine.engine
         if text and messages:
             raise ServiceError("invalid_argument", "text: set either text or messages, not both", field="text")
         if messages:
             try:
-                return list(eng.encode_chat(messages))
+                if tool_specs:
+                    tools.check_tools(tool_specs, "auto")
+                return list(tools.chat_prompt(eng, GenerationRequest(messages=messages, tools=tool_specs)))
             except ValueError as exc:
                 raise ServiceError("invalid_argument", str(exc), field="messages") from None
         if not text:
