@@ -231,7 +231,7 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            **self.counters,
+            **self.counters, **self.structured.counters(),
         }
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -131,6 +132,12 @@ class StructuredDecoder:
         self._lock = threading.Lock()
         self.num_masks = 0  # masks computed (counter for stats/benchmarks)
         self.num_resampled = 0  # lazy tokens refused by the grammar and re-sampled under the mask
+        self.mask_s = 0.0  # time spent computing masks (on the worker: overlapped with the forward)
+        self.wait_s = 0.0  # time the engine thread waited for masks after the forward
+
+    def counters(self) -> dict[str, float]:
+        return {"structured_masks": self.num_masks, "structured_resampled": self.num_resampled,
+                "structured_mask_s": self.mask_s, "structured_mask_wait_s": self.wait_s}
 
     def _tokenizer(self) -> Any:
         # Built on first use: the vocabulary trie costs up to ~1 s for large vocabularies.
@@ -175,16 +182,18 @@ class StructuredDecoder:
                 rows[rid] = len(rows)
         if not rows:
             return None
-        bitmask = torch.zeros((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)
+        bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)  # fill writes every word
         pairs = [(self.registry[rid].matcher, i) for rid, i in rows.items()]
         self.num_masks += len(pairs)
         fut = self._pool.submit(self._fill, pairs, bitmask)
         return rows, bitmask, fut
 
     def _fill(self, pairs: list, bitmask: torch.Tensor) -> None:
+        t = time.perf_counter()
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        self.mask_s += time.perf_counter() - t
         # A matcher in an error state allows nothing; let it end the request instead of sampling garbage.
-        for row in (bitmask == 0).all(dim=1).nonzero().flatten().tolist():
+        for row in [i for m, i in pairs if m.is_error()]:
             for e in self.eos_token_ids:
                 bit = 1 << (e % 32)
                 bitmask[row, e // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
@@ -196,7 +205,9 @@ class StructuredDecoder:
         masks = None
         if pending is not None:
             rows, bitmask, fut = pending
+            t = time.perf_counter()
             fut.result()
+            self.wait_s += time.perf_counter() - t
             idx = [i for i, r in enumerate(reqs) if r.request_id in rows]
             if idx:
                 masks = (idx, bitmask[[rows[reqs[i].request_id] for i in idx]])
@@ -224,11 +235,19 @@ class StructuredDecoder:
         return ids, lps
 
 
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
     """In place: set logits[rows[k], v] to -inf where bit v of bitmask[k] is 0."""
+    dev = logits.device
+    bits = _BITS.get(dev)
+    if bits is None:
+        bits = _BITS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
     v = logits.shape[-1]
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> bits) & 1).reshape(len(rows), -1)[:, :v]
-    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    sub = logits.index_select(0, idx).masked_fill_(allowed == 0, float("-inf"))
-    logits.index_copy_(0, idx, sub)
+    refused = ((bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :v] == 0
+    if len(rows) == logits.shape[0]:  # rows are 0..B-1 in order (the whole batch is constrained)
+        logits.masked_fill_(refused, float("-inf"))
+    else:
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        logits[idx] = logits[idx].masked_fill_(refused, float("-inf"))
