@@ -59,12 +59,10 @@ def run(args: argparse.Namespace) -> int:
     from sidecar import LLM, SamplingParams
     from sidecar.bench.models import SHAPES, random_checkpoint
     from sidecar.bench.report import format_table, write_report
-    from sidecar.model.loader import resolve_model_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = args.model if args.model == "demo" else str(
-        random_checkpoint(args.model) if args.model in SHAPES else resolve_model_dir(args.model))
+    model = str(random_checkpoint(args.model)) if args.model in SHAPES else args.model
     llm = LLM(model=model, dtype=args.dtype, seed=args.seed)
     n = args.output_tokens
     rows = []
