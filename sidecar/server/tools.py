@@ -76,6 +76,9 @@ def tool_constraint(tools: list[ToolSpec], tool_choice: str, parallel: bool,
     """The output constraint for a chat request with tools; None means free text."""
     if not tools or tool_choice == "none":
         return response_format
+    if tool_choice != "auto" and response_format is not None:
+        raise invalid("response_format", "cannot be combined with tool_choice required or a named function "
+                                         "(the calls are the answer)")
     if tool_choice.startswith("function:"):
         tools = [t for t in tools if t.name == tool_choice[len("function:"):]]
         parallel = False
