@@ -43,7 +43,8 @@ class LLMEngine:
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(loaded.device, config.seed)
-        self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            overlap=self.runner.host_overlaps_forward)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests_finished": 0,

@@ -5,8 +5,9 @@ A constrained request holds one ``llguidance.LLMatcher`` in ``StructuredDecoder.
 
 - The matcher has consumed exactly the request's output tokens. Preemption keeps the output
   tokens (recompute replays them as prompt), so the matcher needs no change to survive it.
-- Each step, the masks of the constrained requests that sample are computed on a worker thread
-  while the model's forward runs (both release the GIL); the sampler applies them as bitmasks.
+- Each step, the masks of the constrained requests that sample are computed before the forward
+  is launched; where the forward runs on an accelerator (``overlap``) they are computed on a worker
+  thread while it runs (both release the GIL). The sampler applies them as bitmasks.
 - A batch without constrained requests costs one dict-emptiness check per step.
 - A lazy constraint (tool calls under ``tool_choice=auto``) lets free text through unmasked: its
   grammar only checks each sampled token, and masks are computed from the moment the trigger
@@ -121,8 +122,9 @@ class _Grammar:
 class StructuredDecoder:
     """Compiles constraints, owns the per-request grammar state, produces masks each step."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], overlap: bool = True) -> None:
         self.hf_tokenizer = tokenizer
+        self.overlap = overlap  # masks on a worker thread during the forward; else computed before it
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.registry: dict[str, _Grammar] = {}
@@ -159,7 +161,11 @@ class StructuredDecoder:
         from llguidance import LLMatcher
 
         grammar = grammar_for(c)
-        matcher = LLMatcher(self._tokenizer(), grammar, log_level=0)
+        try:
+            lltok = self._tokenizer()
+        except ValueError as exc:  # e.g. a slow (non-Rust) tokenizer
+            raise ValueError(f"structured: not available for this model's tokenizer: {exc}") from None
+        matcher = LLMatcher(lltok, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured: {matcher.get_error()}")
         g = _Grammar(matcher, c.lazy_trigger)
@@ -172,7 +178,7 @@ class StructuredDecoder:
     # -- per step ----------------------------------------------------------------------------------
     def start_masks(self, request_ids: Sequence[str]) -> Optional[tuple[dict[str, int], torch.Tensor, Future]]:
         """Begin computing the masks of the given sampling requests that need one; None when none does.
-        Runs on a worker thread so it overlaps the forward pass."""
+        With ``overlap`` it runs on a worker thread, overlapping the forward pass."""
         if not self.registry:
             return None
         rows: dict[str, int] = {}
@@ -185,12 +191,22 @@ class StructuredDecoder:
         bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)  # fill writes every word
         pairs = [(self.registry[rid].matcher, i) for rid, i in rows.items()]
         self.num_masks += len(pairs)
-        fut = self._pool.submit(self._fill, pairs, bitmask)
+        if self.overlap:
+            fut = self._pool.submit(self._fill, pairs, bitmask)
+        else:
+            fut = Future()
+            self._fill(pairs, bitmask)
+            fut.set_result(None)
         return rows, bitmask, fut
 
     def _fill(self, pairs: list, bitmask: torch.Tensor) -> None:
         t = time.perf_counter()
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        row_bytes = bitmask.shape[1] * 4
+        if self.overlap:  # spread over the executor's threads
+            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        else:  # in this thread: no hand-off to threads that would compete with the forward for the cores
+            for m, i in pairs:
+                m.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * row_bytes, row_bytes)
         self.mask_s += time.perf_counter() - t
         # A matcher in an error state allows nothing; let it end the request instead of sampling garbage.
         for row in [i for m, i in pairs if m.is_error()]:

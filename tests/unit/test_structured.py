@@ -170,3 +170,20 @@ def test_unconstrained_batches_compute_no_masks(llm):
     llm.generate(["free text", "more free text"], SamplingParams(max_tokens=8))
     assert eng.structured.num_masks == before
     assert eng.structured.start_masks(["any"]) is None  # empty registry: one check, nothing else
+
+
+def test_masks_on_the_worker_thread_equal_masks_computed_inline(llm):
+    sd = llm.engine.structured
+    prompts = [f"row {i}" for i in range(4)]
+    params = SamplingParams(max_tokens=80, temperature=0.9, seed=2, structured=HIDDEN)
+    saved = sd.overlap
+    try:
+        sd.overlap = False
+        inline = [o.text for o in llm.generate(prompts, params)]
+        sd.overlap = True  # what an accelerator-backed runner uses
+        overlapped = [o.text for o in llm.generate(prompts, params)]
+    finally:
+        sd.overlap = saved
+    assert inline == overlapped
+    for t in inline:
+        jsonschema.validate(json.loads(t), HIDDEN)
