@@ -175,7 +175,7 @@ def test_unconstrained_batches_compute_no_masks(llm):
 def test_masks_on_the_worker_thread_equal_masks_computed_inline(llm):
     sd = llm.engine.structured
     prompts = [f"row {i}" for i in range(4)]
-    params = SamplingParams(max_tokens=80, temperature=0.9, seed=2, structured=HIDDEN)
+    params = SamplingParams(max_tokens=200, temperature=1.0, seed=2, structured=HIDDEN)
     saved = sd.overlap
     try:
         sd.overlap = False
