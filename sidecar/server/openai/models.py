@@ -162,6 +162,9 @@ class ToolCall(_Strict):
 
 
 class ChatMessage(_Strict):
+    # Published so generated clients and fuzzers know: content may be left out only with tool_calls.
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra={"anyOf": [{"required": ["content"]}, {"required": ["tool_calls"]}]})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, Annotated[list[TextPart], Field(min_length=1)], None] = None
     name: Optional[str] = Field(None, max_length=256)
