@@ -8,7 +8,7 @@ added token, the result is exactly the template's own tokenization.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 
 def _marker_texts(tokenizer: Any) -> list[str]:
@@ -16,15 +16,16 @@ def _marker_texts(tokenizer: Any) -> list[str]:
     return [str(getattr(t, "content", t)) for t in decoder.values()]
 
 
-def encode_chat(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Token ids of ``messages`` with the generation prompt. Raises ValueError naming ``messages``."""
+def encode_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+    """Token ids of ``messages`` (and ``tools``, OpenAI function specs, rendered by the template) with the
+    generation prompt. Raises ValueError naming ``messages``."""
     markers = _marker_texts(tokenizer)
     if not any(mk and mk in m["content"] for m in messages for mk in markers):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     # Split the rendered prompt into template text (markers parsed) and content (markers inert).
     pieces: list[tuple[str, bool]] = []
     pos = 0

@@ -16,6 +16,7 @@ from sidecar.engine.request import (FinishReason, Request, RequestOutput, Reques
 from sidecar.engine.runner import ModelRunner
 from sidecar.engine.sampler import Sampler
 from sidecar.engine.scheduler import Scheduler, SchedulerOutput
+from sidecar.engine.structured import StructuredDecoder
 from sidecar.model.loader import load_model
 
 log = logging.getLogger("sidecar.engine")
@@ -43,6 +44,8 @@ class LLMEngine:
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(loaded.device, config.seed)
+        self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            overlap=self.runner.host_overlaps_forward)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests_finished": 0,
@@ -94,18 +97,19 @@ class LLMEngine:
                              f"length of {self.max_model_len} tokens")
         return text, ids
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Apply the checkpoint's chat template (with the generation prompt)."""
+    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        """Apply the checkpoint's chat template (with the generation prompt); ``tools`` (OpenAI function
+        specs) and tool messages are passed to the template as Hugging Face defines them."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages: must be a non-empty list of {role, content}")
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}].content: must be a string")
-            if m.get("role") not in ("system", "user", "assistant"):
-                raise ValueError(f"messages[{i}].role: must be system, user or assistant, got {m.get('role')!r}")
+            if m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise ValueError(f"messages[{i}].role: must be system, user, assistant or tool, got {m.get('role')!r}")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("messages: the model has no chat template; send a raw prompt instead")
-        return encode_chat(self.tokenizer, messages)  # content never forges turns (see chat_template)
+        return encode_chat(self.tokenizer, messages, tools)  # content never forges turns (see chat_template)
 
     def add_request(self, request_id: Optional[str], prompt: Prompt, params: SamplingParams, priority: int = 0,
                     cache_salt: Optional[str] = None, deadline: Optional[float] = None,
@@ -126,7 +130,12 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt or None,
                       deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids, tenant=tenant)
         req.detok = IncrementalDetokenizer(self.tokenizer, params)
-        self.scheduler.add(req)  # may raise QueueFullError
+        self.structured.attach(request_id, params.structured)  # may raise ValueError naming structured
+        try:
+            self.scheduler.add(req)  # may raise QueueFullError
+        except Exception:
+            self.structured.release(request_id)
+            raise
         self.requests[request_id] = req
         self.counters["prompt_tokens"] += len(ids)
         return request_id
@@ -149,6 +158,7 @@ class LLMEngine:
         req.finished_time = time.monotonic()
         req.text = req.detok.visible_text(True) if reason != FinishReason.ABORT else req.text
         self.scheduler.remove(req)
+        self.structured.release(req.request_id)
         self.requests.pop(req.request_id, None)
         self.counters["num_requests_finished"] += 1
 
@@ -187,13 +197,15 @@ class LLMEngine:
         return outputs
 
     def _run_scheduled(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
+        # Grammar masks are computed while the forward runs; None when no sampling request is constrained.
+        masks = self.structured.start_masks([s.request.request_id for s in sched.scheduled if s.completes_prompt])
         sample_reqs, logits = self.runner.execute(sched, self.kv)
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_computed_blocks(s.request)
         if not sample_reqs:
             return
-        token_ids, logprobs = self.sampler(logits, sample_reqs)
+        token_ids, logprobs = self.structured.sample(self.sampler, logits, sample_reqs, masks)
         now = time.monotonic()
         for req, tok, lp in zip(sample_reqs, token_ids, logprobs):
             if req.first_token_time is None:
@@ -219,7 +231,7 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            **self.counters,
+            **self.counters, **self.structured.counters(),
         }
 
 

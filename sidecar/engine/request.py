@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from sidecar.engine.structured import to_constraint
+
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 
@@ -47,6 +49,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # top-n alternatives per generated token; None = off
     skip_special_tokens: bool = True
+    # Structured output: a JSON schema (dict), a regex (str), a choice list (list of str) or a
+    # sidecar.engine.structured.Constraint; normalized to a Constraint on validation.
+    structured: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +96,7 @@ class SamplingParams:
                 bad("stop_token_ids", f"must be token ids in [0, vocab size), got {t!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        self.structured = to_constraint(self.structured)
 
     @property
     def greedy(self) -> bool:

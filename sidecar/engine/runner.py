@@ -54,6 +54,9 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.model = loaded.model
         self.device = loaded.device
+        # The host is free while an accelerator runs the forward, so host work (grammar masks) can overlap
+        # it; on a CPU the forward already uses every core and a second thread only competes with it.
+        self.host_overlaps_forward = self.device.type != "cpu"
         self.dtype = loaded.dtype
         self.block_size = config.block_size
         self.num_blocks = plan_num_blocks(config, loaded)

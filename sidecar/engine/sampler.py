@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from sidecar.engine.request import Request, TokenLogprob
+from sidecar.engine.structured import apply_bitmask
 
 _U64 = (1 << 64) - 1
 
@@ -65,13 +66,18 @@ class Sampler:
 
     # Inference mode: the runner's logits are inference tensors and penalties update them in place.
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
-        """logits: [B, V] float32, row i for reqs[i]. Returns sampled ids and optional logprobs."""
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 masks: Optional[tuple[list[int], torch.Tensor]] = None) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        """logits: [B, V] float32, row i for reqs[i]. ``masks``: (rows, int32 bitmask [len(rows), ceil(V/32)])
+        of the structured-output requests; their disallowed tokens are never sampled. Returns sampled ids
+        and optional logprobs (of the unmasked distribution)."""
         want_lp = [r.params.logprobs is not None for r in reqs]
         raw_lp = logits.log_softmax(-1) if any(want_lp) else None
         for i, r in enumerate(reqs):
             if r.params.uses_penalties:
                 apply_penalties(logits[i], r)
+        if masks is not None:
+            apply_bitmask(logits, masks[0], masks[1])
         tokens = logits.argmax(-1)
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         for i in sampled_rows:

@@ -17,6 +17,7 @@ from typing import Any
 
 from sidecar.cache.policy import CachePolicy, cache_policy
 from sidecar.config import CacheConfig
+from sidecar.server.tools import tools_key
 from sidecar.server.validation import ServiceError
 
 log = logging.getLogger("sidecar.cache_step")
@@ -43,8 +44,16 @@ _SETTINGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition
              "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos")
 
 
-def settings_key(params: Any) -> str:
-    return json.dumps({k: getattr(params, k) for k in _SETTINGS}, sort_keys=True, separators=(",", ":"))
+def settings_key(params: Any, tools: str = "") -> str:
+    """What besides the conversation decides the answer. The output constraint and the tool setup are
+    part of it, so a tool-call answer is never served to a request without the same tools."""
+    d = {k: getattr(params, k) for k in _SETTINGS}
+    structured = getattr(params, "structured", None)
+    if structured is not None:  # absent for free text, so keys of free-text requests are unchanged
+        d["structured"] = structured.key()
+    if tools:
+        d["tools"] = tools
+    return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
 class CacheStep:
@@ -89,12 +98,16 @@ class CacheStep:
 
             scope_tenant = tenant + ("\x1f" + req.cache_salt if req.cache_salt else "")
             if req.messages:
-                context = json.dumps([[m["role"], m["content"]] for m in req.messages[:-1]],
-                                     ensure_ascii=False, separators=(",", ":"))
+                # Tool calls and tool results are part of the conversation; plain messages keep their key.
+                context = json.dumps([[m["role"], m["content"]] + ([m.get("tool_calls"), m.get("tool_call_id")]
+                                                                    if m.get("tool_calls") or m["role"] == "tool" else [])
+                                      for m in req.messages[:-1]], ensure_ascii=False, separators=(",", ":"))
                 query = req.messages[-1]["content"]
             else:
                 context, query = "", req.prompt
-            scope = CacheScope(tenant=scope_tenant, model=model, settings=settings_key(req.params),
+            tools = tools_key(getattr(req, "tools", None), getattr(req, "tool_choice", "none"),
+                              getattr(req, "parallel_tool_calls", True))
+            scope = CacheScope(tenant=scope_tenant, model=model, settings=settings_key(req.params, tools),
                                context=context, query=query)
         return Plan(policy=policy, scope=scope, info=info)
 

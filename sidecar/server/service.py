@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Optional
 
 from sidecar.config import SidecarConfig
 from sidecar.engine.request import QueueFullError, SamplingParams
+from sidecar.server import tools
 from sidecar.server.cache_step import CacheInfo, CacheStep
 from sidecar.server.metrics import Metrics
 from sidecar.server.security import AuthError, AuthThrottle, Authenticator, RateLimiter, load_api_keys
@@ -53,6 +54,10 @@ class GenerationRequest:
     timeout_s: Optional[float] = None
     model: Optional[str] = None
     max_tokens_set: bool = True  # False: params.max_tokens is a default, lowered to fit the context
+    # Chat only: tools (sidecar.server.tools.ToolSpec), "none" | "auto" | "required" | "function:<name>".
+    tools: Optional[list] = None
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -72,6 +77,7 @@ class Event:
     ttft_ms: Optional[float]
     total_ms: Optional[float]
     cache: CacheInfo
+    tool_calls: list = field(default_factory=list)  # calls completed in this event (text holds no markup)
 
 
 def _ms(s: Optional[float]) -> Optional[float]:
@@ -159,7 +165,7 @@ class InferenceService:
         eng = self.engine.engine
         if req.messages is not None:
             try:
-                return list(eng.encode_chat(req.messages))
+                return list(tools.chat_prompt(eng, req))
             except ValueError as exc:
                 raise ServiceError("invalid_argument", str(exc), field="messages") from None
         if req.prompt_token_ids is not None:
@@ -184,6 +190,10 @@ class InferenceService:
         self._check_serving()
         info = self.engine.engine.model_info
         check_request(req, self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
+        parser = tools.ToolCallParser() if req.messages is not None and tools.uses_tools(req) else None
+        if req.messages is not None and req.tools is not None:
+            tools.check_tools(req.tools, req.tool_choice)
+            req.params = tools.chat_params(req)
         prompt = await asyncio.to_thread(self._encode, req)
         self._fit_max_tokens(req, len(prompt))
         key = caller.key_id or "anonymous"
@@ -200,7 +210,8 @@ class InferenceService:
             self.limiter.refund(key, upfront)
             log.info("request answered from the semantic cache", extra={
                 "request_id": rid, "tenant": caller.tenant, "kind": hit.kind, "similarity": round(hit.similarity, 4)})
-            yield self._replay(rid, hit, plan.lookup_ms)
+            ev = self._replay(rid, hit, plan.lookup_ms)
+            yield tools.split_event(ev, parser) if parser else ev
             return
         if req.cache_control == "only":
             self.limiter.refund(key, upfront)
@@ -245,6 +256,8 @@ class InferenceService:
                         raise ServiceError("unavailable", "draining: request aborted at shutdown")
                     raise ServiceError("internal", f"request aborted: {out.abort_reason}")
                 ev = self._event(rid, out, plan.info)
+                if parser is not None:
+                    tools.split_event(ev, parser)
                 if out.finished:
                     queued = False
                     self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s,
@@ -327,9 +340,10 @@ class InferenceService:
         return [v.tolist() for v in vecs], n_tokens
 
     async def tokenize(self, caller: Caller, text: Optional[str], messages: Optional[list[dict]],
-                       add_special_tokens: bool) -> tuple[list[int], list[str]]:
-        """Token ids and their strings. Same prompt limits and rate limits as generation; the
-        tokenizer runs in a worker thread, so a huge text never holds the event loop."""
+                       add_special_tokens: bool, tool_specs: Optional[list] = None) -> tuple[list[int], list[str]]:
+        """Token ids and their strings (``messages`` rendered with ``tool_specs`` as Chat would). Same
+        prompt limits and rate limits as generation; the tokenizer runs in a worker thread, so a huge
+        text never holds the event loop."""
         self._check_serving()
         eng = self.engine.engine
         limit = self.cfg.server.max_prompt_chars
@@ -341,6 +355,8 @@ class InferenceService:
             chars = sum(len(m["content"]) for m in messages)
             if chars > limit:
                 raise invalid("messages", f"total content is {chars} characters, more than {limit}")
+            if tool_specs:
+                tools.check_tools(tool_specs, "auto")
         elif not text:
             raise ServiceError("invalid_argument", "text: set text or messages", field="text")
         else:
@@ -350,7 +366,7 @@ class InferenceService:
 
         def work() -> tuple[list[int], list[str]]:
             if messages:
-                ids = list(eng.encode_chat(messages))
+                ids = list(tools.chat_prompt(eng, GenerationRequest(messages=messages, tools=tool_specs)))
             else:
                 ids = list(eng.tokenizer.encode(text, add_special_tokens=add_special_tokens))
             return ids, self.token_strings(ids)

@@ -10,7 +10,7 @@ from sidecar.engine.request import SamplingParams
 
 CODES = ("invalid_argument", "unauthenticated", "rate_limited", "queue_full", "unavailable", "not_found",
          "deadline_exceeded", "cache_miss", "internal")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID = 128
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -79,8 +79,18 @@ def check_messages(messages: Any) -> None:
         if not isinstance(m.get("content"), str):
             raise invalid(f"messages[{i}].content", "must be a string")
         check_text(f"messages[{i}].content", m["content"])
-    if messages[-1]["role"] != "user":
-        raise invalid("messages", f"the last message must be from the user, got {messages[-1]['role']!r}")
+        if role == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
+            raise invalid(f"messages[{i}].tool_call_id", "required for a tool message")
+        for j, c in enumerate(m.get("tool_calls") or []):
+            if role != "assistant":
+                raise invalid(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str) or not c["name"]:
+                raise invalid(f"messages[{i}].tool_calls[{j}].name", "must be a non-empty string")
+            if not isinstance(c.get("arguments"), str):
+                raise invalid(f"messages[{i}].tool_calls[{j}].arguments", "must be a JSON string")
+            check_text(f"messages[{i}].tool_calls[{j}].arguments", c["arguments"])
+    if messages[-1]["role"] not in ("user", "tool"):
+        raise invalid("messages", f"the last message must be from the user or a tool, got {messages[-1]['role']!r}")
 
 
 def check_request(req: Any, model_name: str, vocab_size: Optional[int], max_prompt_chars: int) -> None:

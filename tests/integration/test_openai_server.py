@@ -132,9 +132,11 @@ def test_models_and_embeddings(client):
 
 
 @pytest.mark.parametrize("kwargs,param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"},
+                                                                 "strict": True}}},
+     "response_format.json_schema.schema"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"extra_body": {"not_a_field": 1}}, "not_a_field"),

@@ -95,9 +95,7 @@ def test_completions_batch_of_prompts_and_token_ids(client, svc):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("logit_bias", {"5": 1}), ("response_format", {"type": "json_object"}), ("functions", [{"name": "f"}]),
-    ("parallel_tool_calls", True), ("audio", {"voice": "x"}),
+    ("logit_bias", {"5": 1}), ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "x"}),
 ])
 def test_unsupported_chat_fields_are_refused_by_name(client, svc, field, value):
     r = client.post("/v1/chat/completions", json=chat_body(**{field: value}))
@@ -114,9 +112,9 @@ def test_unsupported_completion_fields_are_refused_by_name(client, field, value)
 
 
 def test_every_unknown_or_unsupported_field_is_named(client):
-    err = client.post("/v1/chat/completions", json=chat_body(tools=[{"type": "function"}], logit_bias={"1": 2},
+    err = client.post("/v1/chat/completions", json=chat_body(functions=[{"name": "f"}], logit_bias={"1": 2},
                                                              echo=False)).json()["error"]
-    assert err["message"] == "tools, logit_bias: not supported by this server" and err["param"] == "tools"
+    assert err["message"] == "functions, logit_bias: not supported by this server" and err["param"] == "functions"
     err = client.post("/v1/completions", json={"prompt": "x", "tempreature": 1, "max_token": 2}).json()["error"]
     assert err["message"] == "tempreature, max_token: unknown fields" and err["param"] == "tempreature"
 
@@ -139,7 +137,11 @@ def test_feature_off_values_of_unsupported_fields_are_accepted(client):
     (chat_body(top_logprobs=2), "top_logprobs"),
     (chat_body(stream_options={"include_usage": True}), "stream_options"),
     (chat_body(messages=[]), "messages"),
-    (chat_body(messages=[{"role": "tool", "content": "x"}]), "messages[0].role"),
+    (chat_body(messages=[{"role": "function", "content": "x"}]), "messages[0].role"),
+    (chat_body(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
+    (chat_body(messages=[{"role": "assistant"}]), "messages[0].content"),
+    (chat_body(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      "messages[0].content[0].type"),
     (chat_body(frobnicate=1), "frobnicate"),

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from sidecar.server.grpc import convert
 from sidecar.server.service import Event, GenerationRequest, InferenceService, ServiceError
 from sidecar.server.validation import check_request_id, sampling_params
 from sidecar.v1 import sidecar_pb2 as pb
@@ -36,7 +37,8 @@ STATUS = {
 }
 CACHE_CONTROL = {pb.CACHE_CONTROL_DEFAULT: "default", pb.CACHE_CONTROL_SKIP: "skip",
                  pb.CACHE_CONTROL_REFRESH: "refresh", pb.CACHE_CONTROL_ONLY: "only"}
-FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+          "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 CACHE_STATUS = {"miss": pb.CACHE_STATUS_MISS, "hit_exact": pb.CACHE_STATUS_HIT_EXACT,
                 "hit_semantic": pb.CACHE_STATUS_HIT_SEMANTIC, "bypass": pb.CACHE_STATUS_BYPASS}
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
@@ -61,8 +63,11 @@ def _request(msg: Any, context: grpc.aio.ServicerContext, chat: bool) -> Generat
                             cache_control=cc, cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled,
                             timeout_s=context.time_remaining(), model=msg.model or None,
                             max_tokens_set=msg.sampling.HasField("max_tokens"))
+    req.params.structured = convert.response_format(msg)
     if chat:
-        req.messages = [{"role": m.role, "content": m.content} for m in msg.messages]
+        req.messages = convert.messages(msg.messages)
+        for k, v in convert.tools(msg).items():
+            setattr(req, k, v)
     else:
         req.prompt = msg.prompt or None
         req.prompt_token_ids = list(msg.prompt_token_ids) or None
@@ -132,11 +137,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             caller = self._caller(context, method)
             req = _request(msg, context, chat)
-            last, lps = None, []
+            last, lps, calls = None, [], []
             agen = self.service.generate(caller, req)
             try:
                 async for ev in agen:
                     last = ev
+                    calls.extend(ev.tool_calls)
                     if ev.new_logprobs:
                         lps.extend(ev.new_logprobs)
             finally:
@@ -144,7 +150,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return pb.Completion(request_id=last.request_id, text=last.text, token_ids=last.token_ids,
                                  finish_reason=FINISH.get(last.finish_reason, 0), usage=_usage(last),
                                  timing=_timing(last), cache=_cache(last), logprobs=self._logprobs(lps),
-                                 model=self.service.model_name)
+                                 model=self.service.model_name, tool_calls=convert.tool_calls(calls))
         except ServiceError as err:
             await self._fail(context, err, msg.request_id)
 
@@ -157,7 +163,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 first = True
                 async for ev in agen:
                     chunk = pb.CompletionChunk(request_id=ev.request_id, delta=ev.delta_text,
-                                               token_ids=ev.new_token_ids, logprobs=self._logprobs(ev.new_logprobs))
+                                               token_ids=ev.new_token_ids, logprobs=self._logprobs(ev.new_logprobs),
+                                               tool_calls=convert.tool_calls(ev.tool_calls))
                     if first or ev.finished:
                         chunk.cache.CopyFrom(_cache(ev))
                     if ev.finished:
@@ -201,9 +208,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Tokenize(self, request, context):
         try:
             caller = self._caller(context, "Tokenize")
-            messages = [{"role": m.role, "content": m.content} for m in request.messages] or None
+            messages = convert.messages(request.messages) or None
+            specs = convert.tool_specs(request.tools) or None
             ids, strings = await self.service.tokenize(caller, request.text or None, messages,
-                                                       request.add_special_tokens)
+                                                       request.add_special_tokens, specs)
             return pb.TokenizeResponse(token_ids=ids, count=len(ids), tokens=strings,
                                        max_model_len=int(self.service.model_info().get("max_model_len") or 0))
         except ServiceError as err:

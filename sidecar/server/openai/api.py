@@ -89,6 +89,9 @@ class _Call:
                 lp = fmt.chat_logprobs(lps, self.token_text) if self.want_logprobs else None
                 out.append(fmt.chat_chunk(*args, {"content": ev.delta_text}, logprobs=lp,
                                           with_usage=self.include_usage))
+            if ev.tool_calls:  # each call whole, in OpenAI's delta shape
+                out.append(fmt.chat_chunk(*args, {"tool_calls": [fmt.tool_call(c, True) for c in ev.tool_calls]},
+                                          with_usage=self.include_usage))
             if ev.finished:
                 out.append(fmt.chat_chunk(*args, {}, finish_reason=ev.finish_reason, with_usage=self.include_usage))
         else:

@@ -93,9 +93,11 @@ class ChoiceState:
     cached_tokens: int = 0
     cache_status: str = "bypass"
     started: bool = False  # a chunk was already sent for this choice (chat: the role delta)
+    tool_calls: list = field(default_factory=list)
 
     def update(self, ev: Any) -> None:
         self.text = ev.text
+        self.tool_calls.extend(getattr(ev, "tool_calls", None) or [])
         if ev.new_logprobs:
             self.logprobs.extend(ev.new_logprobs)
         self.prompt_tokens = ev.prompt_tokens
@@ -119,12 +121,25 @@ def chat_response(rid: str, model: str, created: int, states: list[ChoiceState],
     for i, st in enumerate(states):
         choices.append({
             "index": i,
-            "message": {"role": "assistant", "content": st.text},
+            "message": chat_message(st),
             "logprobs": chat_logprobs(st.logprobs, token_text) if want_logprobs else None,
             "finish_reason": st.finish_reason,
         })
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": total_usage(states, n)}
+
+
+def tool_call(c: dict, with_index: bool = False) -> dict:
+    out = {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+    return dict(index=c["index"], **out) if with_index else out
+
+
+def chat_message(st: ChoiceState) -> dict:
+    if not st.tool_calls:
+        return {"role": "assistant", "content": st.text}
+    # OpenAI sends null content when a reply is only tool calls.
+    return {"role": "assistant", "content": st.text if st.text.strip() else None,
+            "tool_calls": [tool_call(c) for c in st.tool_calls]}
 
 
 def completion_response(rid: str, model: str, created: int, states: list[ChoiceState], n: int,

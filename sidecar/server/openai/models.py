@@ -2,7 +2,7 @@
 
 Every model forbids unknown fields, so a typo is a 400 naming the field rather
 than a silently ignored setting. Fields that OpenAI defines but this server
-cannot honour (tools, logit_bias, echo, ...) are listed in ``_UNSUPPORTED``
+cannot honour (logit_bias, echo, legacy functions, ...) are listed in ``_UNSUPPORTED``
 with the values that mean "feature off": those values are accepted and dropped
 (clients often send the defaults explicitly), any other value is refused with
 an ``unsupported_field`` error naming the field. Strict mode refuses "1" for a
@@ -30,21 +30,16 @@ MAX_TOKEN_ID = 2**31 - 1  # range check only; the engine checks against the voca
 _NONE = (None,)
 _UNSUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
     "ChatCompletionRequest": {
-        "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-        "function_call": (None, "none"), "parallel_tool_calls": _NONE,
-        "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "audio": _NONE,
+        "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}), "audio": _NONE,
         "modalities": (None, ["text"]), "prediction": _NONE, "reasoning_effort": _NONE,
         "web_search_options": _NONE, "service_tier": (None, "auto", "default"), "store": (None, False),
         "metadata": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": _NONE,
     },
     "CompletionRequest": {
         "suffix": _NONE, "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}),
-        "tools": (None, []), "response_format": (None, {"type": "text"}),
+        "tools": (None, []),
     },
-    "ChatMessage": {
-        "tool_calls": (None, []), "function_call": _NONE, "tool_call_id": _NONE, "audio": _NONE,
-        "refusal": _NONE,
-    },
+    "ChatMessage": {"function_call": _NONE, "audio": _NONE, "refusal": _NONE},
     "EmbeddingRequest": {"dimensions": _NONE},
 }
 
@@ -78,6 +73,26 @@ Stop = Union[Annotated[str, Field(min_length=1)],
 CacheControl = Literal["default", "skip", "refresh", "only"]
 
 
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("invalid_value", "response_format.json_schema: required exactly when "
+                                      "type is json_schema")
+        return self
+
+
 class StreamOptions(_Strict):
     include_usage: Optional[bool] = None
 
@@ -109,6 +124,21 @@ class _Sampling(_Strict):
     cache_control: Optional[CacheControl] = None
     cache_sampled: Optional[bool] = None
     cache_salt: Optional[str] = Field(None, max_length=256)
+    # Structured output: OpenAI's response_format, and vLLM's guided_* extensions for regex and choice.
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[dict[str, Any]] = None
+    guided_regex: Optional[Annotated[str, Field(min_length=1)]] = None
+    guided_choice: Optional[Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]] = None
+
+    @model_validator(mode="after")
+    def _one_format(self) -> "_Sampling":
+        given = [n for n in ("guided_json", "guided_regex", "guided_choice") if getattr(self, n) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise PydanticCustomError("invalid_value", "{field}: conflicts with {other}; send one output format",
+                                      {"field": given[1], "other": given[0]})
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> "_Sampling":
@@ -122,15 +152,54 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    arguments: str
+
+
+class ToolCall(_Strict):
+    id: Annotated[str, Field(min_length=1, max_length=256)]
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[str, Annotated[list[TextPart], Field(min_length=1)]]
+    # Published so generated clients and fuzzers know: content may be left out only with tool_calls.
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra={"anyOf": [{"required": ["content"]}, {"required": ["tool_calls"]}]})
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, Annotated[list[TextPart], Field(min_length=1)], None] = None
     name: Optional[str] = Field(None, max_length=256)
+    tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=128)]] = None
+    tool_call_id: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(p.text for p in self.content)
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -138,6 +207,26 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Optional[Annotated[list[ToolDef], Field(max_length=128)]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
+
+    @model_validator(mode="after")
+    def _check_messages_and_tools(self) -> "ChatCompletionRequest":
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise PydanticCustomError("invalid_value", "messages[{i}].content: required unless an assistant "
+                                          "message carries tool_calls", {"i": i})
+            if m.role == "tool" and m.tool_call_id is None:
+                raise PydanticCustomError("invalid_value", "messages[{i}].tool_call_id: required for a tool message",
+                                          {"i": i})
+        names = [t.function.name for t in self.tools or []]
+        if not isinstance(self.tool_choice, (str, type(None))) and self.tool_choice.function.name not in names:
+            raise PydanticCustomError("invalid_value", "tool_choice: names the function {name!r}, which is not in "
+                                      "tools", {"name": self.tool_choice.function.name})
+        if self.tool_choice == "required" and not names:
+            raise PydanticCustomError("invalid_value", "tool_choice: 'required' needs at least one tool")
+        return self
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> "ChatCompletionRequest":

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
+from sidecar.engine.structured import Constraint
 from sidecar.server.openai.models import ChatCompletionRequest, CompletionRequest, _Sampling
 from sidecar.server.service import GenerationRequest
+from sidecar.server.structured_check import check_constraint
+from sidecar.server.tools import ToolSpec
 from sidecar.server.validation import sampling_params
 
 # OpenAI's legacy /v1/completions default; chat runs to the end of the context by default.
@@ -36,7 +39,44 @@ def _params(body: _Sampling, max_tokens: int, logprobs: Optional[int], choice: i
         kw["top_k"] = max(body.top_k, 0)  # vLLM spells "disabled" as -1, the engine as 0
     if body.stop is not None:
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    kw["structured"] = output_constraint(body)
     return sampling_params(**kw)
+
+
+def output_constraint(body: _Sampling) -> Optional[Constraint]:
+    """response_format / guided_* -> the engine's constraint; a schema the grammar cannot compile is
+    a 400 naming the field."""
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        return check_constraint(Constraint("json_object"), "response_format")
+    if rf is not None and rf.type == "json_schema":
+        js = rf.json_schema
+        return check_constraint(Constraint("json", js.schema_ if js.schema_ is not None else {}, bool(js.strict)),
+                                "response_format.json_schema.schema")
+    if body.guided_json is not None:
+        return check_constraint(Constraint("json", body.guided_json), "guided_json")
+    if body.guided_regex is not None:
+        return check_constraint(Constraint("regex", body.guided_regex), "guided_regex")
+    if body.guided_choice is not None:
+        return check_constraint(Constraint("choice", list(body.guided_choice)), "guided_choice")
+    return None
+
+
+def chat_tools(body: ChatCompletionRequest) -> dict[str, Any]:
+    """tools / tool_choice / parallel_tool_calls -> GenerationRequest fields."""
+    if body.tools is None and body.tool_choice is None:
+        return {}
+    tools = [ToolSpec(t.function.name, t.function.description or "",
+                      t.function.parameters if t.function.parameters is not None
+                      else {"type": "object", "properties": {}}, bool(t.function.strict))
+             for t in body.tools or []]
+    choice = body.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    elif not isinstance(choice, str):
+        choice = "function:" + choice.function.name
+    return {"tools": tools, "tool_choice": choice,
+            "parallel_tool_calls": body.parallel_tool_calls is not False}
 
 
 def _common(body: _Sampling, request_id: str) -> dict[str, Any]:
@@ -51,8 +91,20 @@ def _common(body: _Sampling, request_id: str) -> dict[str, Any]:
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict]:
-    # "developer" is OpenAI's newer name for the system role; names are not part of chat templates.
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    # "developer" is OpenAI's newer name for the system role; names are not part of chat templates
+    # (except a tool message's, which names the tool that answered).
+    out = []
+    for m in body.messages:
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                               for c in m.tool_calls]
+        if m.role == "tool":
+            d["tool_call_id"] = m.tool_call_id
+            if m.name:
+                d["name"] = m.name
+        out.append(d)
+    return out
 
 
 def chat_requests(body: ChatCompletionRequest, call_id: str, max_model_len: Optional[int]) -> list[GenerationRequest]:
@@ -61,8 +113,9 @@ def chat_requests(body: ChatCompletionRequest, call_id: str, max_model_len: Opti
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     messages = chat_messages(body)
     explicit = (body.max_completion_tokens or body.max_tokens) is not None
+    tools = chat_tools(body)
     return [GenerationRequest(messages=messages, params=_params(body, max_tokens, logprobs, i),
-                              max_tokens_set=explicit, **_common(body, f"{call_id}-{i}")) for i in range(n)]
+                              max_tokens_set=explicit, **tools, **_common(body, f"{call_id}-{i}")) for i in range(n)]
 
 
 def completion_requests(body: CompletionRequest, call_id: str) -> list[GenerationRequest]:

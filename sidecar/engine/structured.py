@@ -1,0 +1,269 @@
+"""Grammar state for structured output (guided decoding), compiled and run by llguidance.
+
+A constrained request holds one ``llguidance.LLMatcher`` in ``StructuredDecoder.registry``
+(keyed by request id, also reachable as ``request.grammar``). Invariants:
+
+- The matcher has consumed exactly the request's output tokens. Preemption keeps the output
+  tokens (recompute replays them as prompt), so the matcher needs no change to survive it.
+- Each step, the masks of the constrained requests that sample are computed before the forward
+  is launched; where the forward runs on an accelerator (``overlap``) they are computed on a worker
+  thread while it runs (both release the GIL). The sampler applies them as bitmasks.
+- A batch without constrained requests costs one dict-emptiness check per step.
+- A lazy constraint (tool calls under ``tool_choice=auto``) lets free text through unmasked: its
+  grammar only checks each sampled token, and masks are computed from the moment the trigger
+  (the start of a tool call) may be forming. A checked token the grammar refuses is re-sampled
+  under the mask, so the output always stays inside the grammar.
+- ``release`` is called when the request finishes or is aborted; the registry is then empty
+  when no request is live.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A normalized output constraint. ``kind`` is json | json_object | regex | choice | lark."""
+
+    kind: str
+    value: Any = None
+    strict: bool = False
+    lazy_trigger: Optional[str] = None  # lark only: unconstrained until this text may start
+
+    def key(self) -> str:
+        """Canonical text for cache keys: equal constraints give equal keys."""
+        return json.dumps([self.kind, self.value, self.strict, self.lazy_trigger], sort_keys=True,
+                          separators=(",", ":"), ensure_ascii=False)
+
+
+def to_constraint(value: Any) -> Optional[Constraint]:
+    """SamplingParams.structured -> Constraint. A dict is a JSON schema, a list of strings a choice,
+    a string a regex. Raises ValueError naming ``structured``."""
+    if value is None or isinstance(value, Constraint):
+        if isinstance(value, Constraint) and value.kind not in ("json", "json_object", "regex", "choice", "lark"):
+            raise ValueError(f"structured: unknown constraint kind {value.kind!r}")
+        return value
+    if isinstance(value, dict):
+        return Constraint("json", value)
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("structured: a regex must not be empty")
+        return Constraint("regex", value)
+    if isinstance(value, (list, tuple)):
+        if not value or len(value) > MAX_CHOICES:
+            raise ValueError(f"structured: a choice list needs 1 to {MAX_CHOICES} strings, got {len(value)}")
+        if not all(isinstance(c, str) and c for c in value):
+            raise ValueError("structured: choices must be non-empty strings")
+        return Constraint("choice", list(value))
+    raise ValueError("structured: must be a JSON schema (dict), a regex (str) or a choice list (list of str), "
+                     f"got {type(value).__name__}")
+
+
+def _lark_literal(s: str) -> str:
+    return json.dumps(s)  # a JSON string literal is a valid lark string literal
+
+
+def grammar_for(c: Constraint) -> str:
+    """The llguidance grammar text of a constraint."""
+    from llguidance import LLMatcher
+
+    if c.kind in ("json", "json_object"):
+        schema = c.value if c.kind == "json" else {"type": "object"}
+        # Compact separators keep the output bounded; lenient (non-strict) ignores keywords the
+        # grammar cannot enforce instead of rejecting the schema.
+        opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+                "lenient": not c.strict}
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=opts)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"structured: invalid JSON schema: {exc}") from None
+    if c.kind == "regex":
+        return LLMatcher.grammar_from_regex(c.value)
+    if c.kind == "choice":
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_literal(x) for x in c.value))
+    return LLMatcher.grammar_from_lark(c.value)
+
+
+class _Grammar:
+    """One request's matcher plus its lazy-trigger tracking."""
+
+    __slots__ = ("matcher", "trigger", "triggered", "tail")
+
+    def __init__(self, matcher: Any, trigger: Optional[str]) -> None:
+        self.matcher = matcher
+        self.trigger = trigger
+        self.triggered = trigger is None
+        self.tail = ""  # last generated characters, enough to see a trigger forming
+
+    def needs_mask(self) -> bool:
+        if self.triggered:
+            return True
+        # Mask as soon as the text ends with a proper prefix of the trigger: the next token could
+        # complete the trigger and must then continue a valid call.
+        t = self.trigger
+        return any(self.tail.endswith(t[:k]) for k in range(1, len(t)))
+
+    def advance(self, token_text: str) -> None:
+        if not self.triggered:
+            self.tail = (self.tail + token_text)[-2 * len(self.trigger):]
+            self.triggered = self.trigger in self.tail
+
+
+class StructuredDecoder:
+    """Compiles constraints, owns the per-request grammar state, produces masks each step."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], overlap: bool = True) -> None:
+        self.hf_tokenizer = tokenizer
+        self.overlap = overlap  # masks on a worker thread during the forward; else computed before it
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.registry: dict[str, _Grammar] = {}
+        self._lltok: Any = None
+        self._executor: Any = None
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+        self.num_masks = 0  # masks computed (counter for stats/benchmarks)
+        self.num_resampled = 0  # lazy tokens refused by the grammar and re-sampled under the mask
+        self.mask_s = 0.0  # time spent computing masks (on the worker: overlapped with the forward)
+        self.wait_s = 0.0  # time the engine thread waited for masks after the forward
+
+    def counters(self) -> dict[str, float]:
+        return {"structured_masks": self.num_masks, "structured_resampled": self.num_resampled,
+                "structured_mask_s": self.mask_s, "structured_mask_wait_s": self.wait_s}
+
+    def _tokenizer(self) -> Any:
+        # Built on first use: the vocabulary trie costs up to ~1 s for large vocabularies.
+        with self._lock:
+            if self._lltok is None:
+                import llguidance
+                import llguidance.hf
+
+                self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                           eos_token=self.eos_token_ids or None)
+                self._executor = llguidance.LLExecutor(max(1, min(4, (os.cpu_count() or 2) // 2)))
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-mask")
+            return self._lltok
+
+    def attach(self, request_id: str, c: Optional[Constraint]) -> Optional[_Grammar]:
+        """Compile ``c`` for a new request. Raises ValueError naming ``structured``."""
+        if c is None:
+            return None
+        from llguidance import LLMatcher
+
+        grammar = grammar_for(c)
+        try:
+            lltok = self._tokenizer()
+        except ValueError as exc:  # e.g. a slow (non-Rust) tokenizer
+            raise ValueError(f"structured: not available for this model's tokenizer: {exc}") from None
+        matcher = LLMatcher(lltok, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"structured: {matcher.get_error()}")
+        g = _Grammar(matcher, c.lazy_trigger)
+        self.registry[request_id] = g
+        return g
+
+    def release(self, request_id: str) -> None:
+        self.registry.pop(request_id, None)
+
+    # -- per step ----------------------------------------------------------------------------------
+    def start_masks(self, request_ids: Sequence[str]) -> Optional[tuple[dict[str, int], torch.Tensor, Future]]:
+        """Begin computing the masks of the given sampling requests that need one; None when none does.
+        With ``overlap`` it runs on a worker thread, overlapping the forward pass."""
+        if not self.registry:
+            return None
+        rows: dict[str, int] = {}
+        for rid in request_ids:
+            g = self.registry.get(rid)
+            if g is not None and g.needs_mask():
+                rows[rid] = len(rows)
+        if not rows:
+            return None
+        bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)  # fill writes every word
+        pairs = [(self.registry[rid].matcher, i) for rid, i in rows.items()]
+        self.num_masks += len(pairs)
+        if self.overlap:
+            fut = self._pool.submit(self._fill, pairs, bitmask)
+        else:
+            fut = Future()
+            self._fill(pairs, bitmask)
+            fut.set_result(None)
+        return rows, bitmask, fut
+
+    def _fill(self, pairs: list, bitmask: torch.Tensor) -> None:
+        t = time.perf_counter()
+        row_bytes = bitmask.shape[1] * 4
+        if self.overlap:  # spread over the executor's threads
+            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        else:  # in this thread: no hand-off to threads that would compete with the forward for the cores
+            for m, i in pairs:
+                m.unsafe_compute_mask_ptr(bitmask.data_ptr() + i * row_bytes, row_bytes)
+        self.mask_s += time.perf_counter() - t
+        # A matcher in an error state allows nothing; let it end the request instead of sampling garbage.
+        for row in [i for m, i in pairs if m.is_error()]:
+            for e in self.eos_token_ids:
+                bit = 1 << (e % 32)
+                bitmask[row, e // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
+
+    def sample(self, sampler: Callable, logits: torch.Tensor, reqs: list, pending: Any) -> tuple[list, list]:
+        """Sample with the masks from ``start_masks`` applied, then advance every grammar with its token."""
+        if not self.registry:
+            return sampler(logits, reqs)
+        masks = None
+        if pending is not None:
+            rows, bitmask, fut = pending
+            t = time.perf_counter()
+            fut.result()
+            self.wait_s += time.perf_counter() - t
+            idx = [i for i, r in enumerate(reqs) if r.request_id in rows]
+            if idx:
+                masks = (idx, bitmask[[rows[reqs[i].request_id] for i in idx]])
+        lazy = [i for i, r in enumerate(reqs)
+                if r.request_id in self.registry and (masks is None or i not in masks[0])]
+        saved = logits[lazy].clone() if lazy else None  # unmasked rows, kept for a re-sample
+        ids, lps = sampler(logits, reqs, masks)
+        refused = [j for j, i in enumerate(lazy)
+                   if self.registry[reqs[i].request_id].matcher.validate_tokens([ids[i]]) != 1]
+        if refused:
+            sub = [reqs[lazy[j]] for j in refused]
+            bm = torch.zeros((len(sub), (self.vocab_size + 31) // 32), dtype=torch.int32)
+            self._fill([(self.registry[r.request_id].matcher, k) for k, r in enumerate(sub)], bm)
+            self.num_masks += len(sub)
+            self.num_resampled += len(sub)
+            ids2, lps2 = sampler(saved[refused], sub, (list(range(len(sub))), bm))
+            for j, t, lp in zip(refused, ids2, lps2):
+                ids[lazy[j]], lps[lazy[j]] = t, lp
+        for r, t in zip(reqs, ids):
+            g = self.registry.get(r.request_id)
+            if g is not None:
+                g.matcher.consume_token(t)
+                if not g.triggered:
+                    g.advance(self._lltok.decode_str([t]))
+        return ids, lps
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """In place: set logits[rows[k], v] to -inf where bit v of bitmask[k] is 0."""
+    dev = logits.device
+    bits = _BITS.get(dev)
+    if bits is None:
+        bits = _BITS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    v = logits.shape[-1]
+    refused = ((bitmask.to(dev, non_blocking=True).unsqueeze(-1) >> bits) & 1).view(len(rows), -1)[:, :v] == 0
+    if len(rows) == logits.shape[0]:  # rows are 0..B-1 in order (the whole batch is constrained)
+        logits.masked_fill_(refused, float("-inf"))
+    else:
+        idx = torch.tensor(rows, dtype=torch.long, device=dev)
+        logits[idx] = logits[idx].masked_fill_(refused, float("-inf"))

@@ -1,0 +1,288 @@
+"""Tool calling shared by both transports: validation, prompt rendering, the call grammar, parsing.
+
+Wire convention (the default template's, and Qwen2.5 / Hermes-style templates'): the model
+writes each call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. The grammar
+built here and the parser below agree on exactly that text, so with ``tool_choice`` required
+or a named function every call parses and its arguments match the tool's schema. Under
+``auto`` the grammar is lazy: free text costs no masks until a call may be starting.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sidecar.engine.structured import Constraint
+from sidecar.server.validation import invalid
+
+CALL_START = "<tool_call>"
+CALL_END = "</tool_call>"
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+@dataclass
+class ToolSpec:
+    name: str
+    description: str = ""
+    parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False
+
+
+def check_tools(tools: Any, tool_choice: Any) -> None:
+    """Raise ServiceError naming the field for a bad tool list or tool choice."""
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise invalid("tools", f"must be a list of at most {MAX_TOOLS} tools")
+    seen: set[str] = set()
+    for i, t in enumerate(tools):
+        if not isinstance(t, ToolSpec) or not isinstance(t.name, str) or not _NAME.match(t.name):
+            raise invalid(f"tools[{i}].name", "must match [A-Za-z0-9_-]{1,64}")
+        if t.name in seen:
+            raise invalid(f"tools[{i}].name", f"duplicate tool name {t.name!r}")
+        seen.add(t.name)
+        if not isinstance(t.parameters, dict):
+            raise invalid(f"tools[{i}].parameters", "must be a JSON schema object")
+    if tool_choice in TOOL_CHOICES:
+        if tool_choice == "required" and not tools:
+            raise invalid("tool_choice", "'required' needs at least one tool")
+        return
+    if not isinstance(tool_choice, str) or not tool_choice.startswith("function:"):
+        raise invalid("tool_choice", f"must be none, auto, required or a function, got {tool_choice!r}")
+    name = tool_choice[len("function:"):]
+    if name not in seen:
+        raise invalid("tool_choice", f"names the function {name!r}, which is not in tools")
+
+
+def tools_key(tools: Optional[list[ToolSpec]], tool_choice: str, parallel: bool) -> str:
+    """Canonical text of the tool setup for cache keys ('' without tools)."""
+    if not tools or tool_choice == "none":
+        return ""
+    return json.dumps([[t.name, t.description, t.parameters, t.strict] for t in tools] + [tool_choice, parallel],
+                      sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+# -- the grammar ------------------------------------------------------------------------------------
+def _call_schema(tools: list[ToolSpec]) -> dict:
+    variants = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+
+def tool_constraint(tools: list[ToolSpec], tool_choice: str, parallel: bool,
+                    response_format: Optional[Constraint]) -> Optional[Constraint]:
+    """The output constraint for a chat request with tools; None means free text."""
+    if not tools or tool_choice == "none":
+        return response_format
+    if tool_choice != "auto" and response_format is not None:
+        raise invalid("response_format", "cannot be combined with tool_choice required or a named function "
+                                         "(the calls are the answer)")
+    if tool_choice.startswith("function:"):
+        tools = [t for t in tools if t.name == tool_choice[len("function:"):]]
+        parallel = False
+    strict = any(t.strict for t in tools)
+    opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": not strict}
+    schema = dict(_call_schema(tools), **{"x-guidance": opts})
+    call = f'call: "{CALL_START}" %json {json.dumps(schema)} "{CALL_END}"'
+    calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+    if tool_choice != "auto":
+        return Constraint("lark", f"start: calls\n{calls}\n{call}\n")
+    if response_format is not None:
+        if response_format.kind not in ("json", "json_object"):
+            raise invalid("response_format", "only JSON formats can be combined with tools under tool_choice auto")
+        fmt = response_format.value if response_format.kind == "json" else {"type": "object"}
+        fmt_opts = dict(opts, lenient=not response_format.strict)
+        return Constraint("lark", f"start: answer | calls\nanswer: %json {json.dumps(dict(fmt, **{'x-guidance': fmt_opts}))}\n"
+                                  f"{calls}\n{call}\n")
+    # Free text that never contains the call marker, or such text up to the first marker followed
+    # by the calls. Each is one lexeme, so the lexer never has to backtrack over the marker. Lazy:
+    # the text costs no masks until a marker may be forming.
+    m = re.escape(CALL_START).replace("/", "\\/")
+    more = ' ("\\n" call)*' if parallel else ""
+    grammar = (f'start: TEXT | PRE_CALL body "{CALL_END}"{more}\n'
+               f'call: "{CALL_START}" body "{CALL_END}"\n'
+               f"body: %json {json.dumps(schema)}\n"
+               f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{m}(.|\\n)*/\n"
+               f"PRE_CALL: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/\n")
+    return Constraint("lark", grammar, lazy_trigger=CALL_START)
+
+
+# -- rendering -------------------------------------------------------------------------------------
+def _openai_tool(t: ToolSpec) -> dict:
+    return {"type": "function", "function": {"name": t.name, "description": t.description,
+                                             "parameters": t.parameters}}
+
+
+def default_tools_block(tools: list[ToolSpec]) -> str:
+    """The system text that lists the tools for a model whose chat template cannot (docs/API.md)."""
+    lines = ["You can call functions. To call one, reply with exactly",
+             f'{CALL_START}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{CALL_END}',
+             "and nothing else. Available functions (JSON):"]
+    lines += [json.dumps(_openai_tool(t)["function"], ensure_ascii=False) for t in tools]
+    return "\n".join(lines)
+
+
+def _call_text(call: dict) -> str:
+    args = call.get("arguments") or "{}"
+    try:
+        args_obj = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        args_obj = args
+    return CALL_START + json.dumps({"name": call["name"], "arguments": args_obj}, ensure_ascii=False) + CALL_END
+
+
+def render_messages(messages: list[dict], tools: Optional[list[ToolSpec]], template_has_tools: bool
+                    ) -> tuple[list[dict], Optional[list[dict]]]:
+    """Messages (with tool calls and tool results) -> (template messages, template tools or None).
+
+    A template that renders tools gets them and the structured messages as Hugging Face defines
+    them; otherwise tools become a system block and calls/results become plain text."""
+    if template_has_tools:
+        out = []
+        for m in messages:
+            m2 = {"role": m["role"], "content": m.get("content") or ""}
+            if m.get("tool_calls"):
+                m2["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+                    "name": c["name"], "arguments": _args_obj(c.get("arguments"))}} for c in m["tool_calls"]]
+            if m["role"] == "tool":
+                m2["tool_call_id"] = m.get("tool_call_id")
+                if m.get("name"):
+                    m2["name"] = m["name"]
+            out.append(m2)
+        return out, ([_openai_tool(t) for t in tools] if tools else None)
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+        elif m.get("tool_calls"):
+            text = (m.get("content") or "") + "".join(_call_text(c) for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": text})
+        else:
+            out.append({"role": m["role"], "content": m.get("content") or ""})
+    if tools:
+        block = default_tools_block(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out, None
+
+
+def _args_obj(args: Any) -> Any:
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args if args is not None else {}
+
+
+# -- parsing ---------------------------------------------------------------------------------------
+def _parse_call(body: str, index: int) -> Optional[dict]:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "name": obj["name"],
+            "arguments": json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args,
+            "index": index}
+
+
+class ToolCallParser:
+    """Splits streamed text into content deltas and complete tool calls.
+
+    Text that may be the start of a call marker is held back until it is known not to be one;
+    a call is emitted whole once its end marker arrives. ``finish`` flushes what is left (an
+    unterminated call, e.g. cut by max_tokens, is returned as content)."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.in_call = False
+        self.calls: list[dict] = []
+        self.content = ""
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        self.buf += delta
+        out, new = [], []
+        while True:
+            if not self.in_call:
+                i = self.buf.find(CALL_START)
+                if i < 0:
+                    keep = next((k for k in range(min(len(CALL_START) - 1, len(self.buf)), 0, -1)
+                                 if self.buf.endswith(CALL_START[:k])), 0)
+                    out.append(self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                out.append(self.buf[:i])
+                self.buf, self.in_call = self.buf[i + len(CALL_START):], True
+            j = self.buf.find(CALL_END)
+            if j < 0:
+                break
+            call = _parse_call(self.buf[:j], len(self.calls))
+            if call is None:  # not a call after all: it stays text
+                out.append(CALL_START + self.buf[:j + len(CALL_END)])
+            else:
+                self.calls.append(call)
+                new.append(call)
+            self.buf, self.in_call = self.buf[j + len(CALL_END):], False
+        text = "".join(out)
+        self.content += text
+        return text, new
+
+    def finish(self) -> str:
+        rest = (CALL_START if self.in_call else "") + self.buf
+        self.buf, self.in_call = "", False
+        self.content += rest
+        return rest
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Whole text -> (content without call markup, calls)."""
+    p = ToolCallParser()
+    p.feed(text)
+    p.finish()
+    return p.content, p.calls
+
+
+# -- the service's chat step ------------------------------------------------------------------------
+def uses_tools(req: Any) -> bool:
+    return bool(req.tools) and req.tool_choice != "none"
+
+
+def chat_prompt(engine: Any, req: Any) -> list[int]:
+    """Render a chat request's messages (and tools) with the model's template, or the default one."""
+    has_tool_messages = any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)
+    tools = req.tools if uses_tools(req) else None
+    if not tools and not has_tool_messages:
+        return engine.encode_chat(req.messages)
+    template = getattr(engine.tokenizer, "chat_template", None) or ""
+    msgs, tpl_tools = render_messages(req.messages, tools, "tools" in template and "tool_calls" in template)
+    return engine.encode_chat(msgs, tools=tpl_tools)
+
+
+def chat_params(req: Any) -> Any:
+    """The request's SamplingParams with the tool-call grammar folded into ``structured``."""
+    if not uses_tools(req):
+        return req.params
+    import dataclasses
+
+    from sidecar.server.structured_check import check_constraint
+
+    c = tool_constraint(req.tools, req.tool_choice, req.parallel_tool_calls, req.params.structured)
+    return dataclasses.replace(req.params, structured=check_constraint(c, "tools"))
+
+
+def split_event(ev: Any, parser: ToolCallParser) -> Any:
+    """Move tool-call markup out of an event's text into ``ev.tool_calls`` (in place)."""
+    delta, calls = parser.feed(ev.delta_text)
+    if ev.finished:
+        delta += parser.finish()
+        if parser.calls and ev.finish_reason == "stop":
+            ev.finish_reason = "tool_calls"
+    ev.delta_text, ev.text, ev.tool_calls = delta, parser.content, calls
+    return ev

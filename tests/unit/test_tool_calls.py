@@ -1,0 +1,88 @@
+"""Tool-call text handling shared by both transports: streaming parser, rendering, grammar, cache keys."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sidecar.config import CacheConfig
+from sidecar.engine.request import SamplingParams
+from sidecar.engine.structured import Constraint
+from sidecar.server.cache_step import CacheStep
+from sidecar.server.service import GenerationRequest
+from sidecar.server.tools import ToolCallParser, ToolSpec, parse_tool_calls, render_messages, tool_constraint
+from sidecar.server.validation import ServiceError
+
+ADD = ToolSpec("add", "adds", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+TEXT = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "add", ' \
+       '"arguments": {"a": 2}}</tool_call>'
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_streaming_parser_emits_content_and_whole_calls_whatever_the_chunking(step):
+    p = ToolCallParser()
+    content, calls = "", []
+    for i in range(0, len(TEXT), step):
+        c, new = p.feed(TEXT[i:i + step])
+        assert "<" not in c  # a possible marker start is held back, never leaked as content
+        content += c
+        calls += new
+    content += p.finish()
+    assert content == "Sure. \n"
+    assert [(c["name"], json.loads(c["arguments"]), c["index"]) for c in calls] == [("add", {"a": 1}, 0),
+                                                                                  ("add", {"a": 2}, 1)]
+    assert len({c["id"] for c in calls}) == 2
+
+
+def test_text_that_only_looks_like_a_call_stays_content():
+    assert parse_tool_calls("a <b> c <tool_ca") == ("a <b> c <tool_ca", [])
+    assert parse_tool_calls("x <tool_call>not json</tool_call> y") == ("x <tool_call>not json</tool_call> y", [])
+    assert parse_tool_calls('x <tool_call>{"name": "add"') == ('x <tool_call>{"name": "add"', [])
+
+
+def test_default_template_renders_tools_calls_and_results():
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "add", "arguments": '{"a": 1}'}]},
+            {"role": "tool", "content": "2", "tool_call_id": "c1"}]
+    out, tpl_tools = render_messages(msgs, [ADD], template_has_tools=False)
+    assert tpl_tools is None
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\nYou can call functions.")
+    assert '"name": "add"' in out[0]["content"]
+    assert out[2] == {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'}
+    assert out[3] == {"role": "user", "content": "<tool_response>\n2\n</tool_response>"}
+    out, tpl_tools = render_messages(msgs, [ADD], template_has_tools=True)
+    assert tpl_tools[0]["function"]["name"] == "add"
+    assert out[2]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 1}}
+    assert out[3]["tool_call_id"] == "c1"
+
+
+def test_tool_grammar_choices():
+    assert tool_constraint([ADD], "none", True, None) is None
+    assert tool_constraint([ADD], "auto", True, None).lazy_trigger == "<tool_call>"
+    assert tool_constraint([ADD], "required", True, None).lazy_trigger is None
+    with pytest.raises(ServiceError, match="^response_format: "):
+        tool_constraint([ADD], "required", True, Constraint("json_object"))
+    with pytest.raises(ServiceError, match="^response_format: "):
+        tool_constraint([ADD], "auto", True, Constraint("regex", "a+"))
+
+
+class _Cache:
+    def record_bypass(self, reason):
+        pass
+
+
+def _settings(**kw) -> str:
+    req = GenerationRequest(messages=[{"role": "user", "content": "add 1"}], **kw)
+    return CacheStep(_Cache(), None, CacheConfig()).plan("t", req, "m").scope.settings
+
+
+def test_cache_keys_include_output_constraint_and_tools():
+    plain = _settings()
+    with_tools = _settings(tools=[ADD], tool_choice="auto")
+    other_tools = _settings(tools=[ToolSpec("sub", "", ADD.parameters)], tool_choice="auto")
+    required = _settings(tools=[ADD], tool_choice="required")
+    schema = _settings(params=SamplingParams(structured={"type": "object"}))
+    keys = [plain, with_tools, other_tools, required, schema]
+    assert len(set(keys)) == len(keys)
+    assert _settings(tools=[ADD], tool_choice="none") == plain  # tools not offered: same answer as without
+    assert _settings(tools=[ADD], tool_choice="auto") == with_tools  # deterministic
