@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-extra-quality", action="store_true",
                    help="quality on the measured model only (not on the peaked-init and demo models)")
     p.add_argument("--out", default="bench-results", help="output directory for JSON + PNG")
+    from sidecar.bench.llamacpp import add_arguments as add_llamacpp_arguments
+
+    add_llamacpp_arguments(p)
 
 
 # ------------------------------------------------------------------ worker (runs in a subprocess)
@@ -173,6 +176,26 @@ def _peaked_checkpoint(shape: str, init_scale: float, out: Path) -> Path:
 
 # ------------------------------------------------------------------ command
 
+def _llamacpp_b1(args: argparse.Namespace, model_dir: str, n: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama-bench batch-1 decode per mode in the same precision class (BF16, Q8_0, Q4_0), when built."""
+    from sidecar.bench import llamacpp
+    from sidecar.bench.models import bench_cache_dir
+
+    tools = llamacpp.find_tools(args.llama_cpp, args.llama_cpp_src)
+    if tools is None:
+        print("llama.cpp baseline skipped: llama-bench/llama-server not found (--llama-cpp DIR or PATH)")
+        return {}
+    info: dict[str, Any] = {"version": llamacpp.version(tools), "threads": args.threads}
+    for r in rows:
+        precision = {"bf16": "bfloat16"}.get(r["mode"], r["mode"])
+        print(f"[llama.cpp {llamacpp.OUTTYPES[precision].upper()}] decode ...", flush=True)
+        gguf = llamacpp.gguf_for(tools, model_dir, precision, bench_cache_dir() / "gguf")
+        r["llamacpp_b1_tok_s"] = llamacpp.decode_b1(tools, gguf, n, args.threads)
+        r["b1_vs_llamacpp"] = r["decode_tok_s_b1"] / r["llamacpp_b1_tok_s"]
+        info[r["mode"]] = {"gguf": str(gguf), "b1_decode_tok_s": r["llamacpp_b1_tok_s"]}
+    return info
+
+
 def run(args: argparse.Namespace) -> int:
     from sidecar.bench.models import random_checkpoint
     from sidecar.bench.report import format_table, write_report
@@ -187,6 +210,9 @@ def run(args: argparse.Namespace) -> int:
     stream_len = args.stream_len or (64 if args.small else 256)
     model_dir = args.model or str(random_checkpoint(shape))
     bf16_file_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    from sidecar.model.hardware import isa_summary
+
+    print(f"cpu: {isa_summary()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="sidecar-bench-quant-"))
     rows, result = [], {"model": model_dir, "group_size": gs, "quantize_lm_head": args.quantize_lm_head,
                         "threads": args.threads, "max_tokens": n, "bf16_checkpoint_bytes": bf16_file_bytes}
@@ -210,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
                 row["prequantized_peak_rss_bytes"] = pre["load_peak_rss_bytes"]
                 shutil.rmtree(qdir, ignore_errors=True)
             rows.append(row)
+        result["llama_cpp"] = _llamacpp_b1(args, model_dir, n, rows)
         base = rows[0]
         for r in rows:
             r["weight_mib"] = r["weight_bytes"] / 2**20
@@ -234,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     cols = ["mode", "weight_mib", "weight_vs_bf16", "load_s", "prequantized_load_s", "quantize_cli_s",
             "peak_rss_vs_bf16_file", "decode_tok_s_b1", "speedup_b1", "decode_tok_s_b16", "speedup_b16"]
+    cols += ["llamacpp_b1_tok_s", "b1_vs_llamacpp"] if result.get("llama_cpp") else []
     print(format_table(rows, cols))
     qrows = [{"model": name, "mode": m, **vals} for name, q in result["quality"].items() for m, vals in q.items()]
     print(format_table(qrows, ["model", "mode", "kl_vs_bf16", "top1_agree_vs_bf16", "logit_rel_err", "perplexity",

@@ -22,6 +22,9 @@ def machine_info() -> dict[str, Any]:
                     break
     except OSError:
         pass
+    from sidecar.model.hardware import cpu_isa
+
+    info["cpu_isa"] = cpu_isa()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

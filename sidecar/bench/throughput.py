@@ -149,10 +149,30 @@ def run_hf_generate_batch(args: argparse.Namespace, work: list[tuple[list[int], 
             "output_tok_s": produced / dt, "completed": done}
 
 
+def _llamacpp(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """llama.cpp in the same precision class, when its tools are found: batch-1 decode and the workload
+    through llama-server -np N. Returns {} (and says so) when they are not."""
+    from sidecar.bench import llamacpp
+    from sidecar.bench.models import bench_cache_dir
+
+    tools = llamacpp.find_tools(args.llama_cpp, args.llama_cpp_src)
+    if tools is None:
+        print("llama.cpp baseline skipped: llama-bench/llama-server not found (--llama-cpp DIR or PATH)")
+        return {}
+    threads = torch.get_num_threads()
+    gguf = llamacpp.gguf_for(tools, args.model_dir, args.dtype, bench_cache_dir() / "gguf")
+    print(f"llama.cpp baseline: {gguf.name}, {threads} threads", flush=True)
+    res: dict[str, Any] = {"version": llamacpp.version(tools), "gguf": str(gguf), "threads": threads}
+    res["b1_decode_tok_s"] = llamacpp.decode_b1(tools, gguf, args.b1_tokens, threads)
+    res["rows"] = [llamacpp.server_workload(tools, gguf, work, threads, args.llama_cpp_parallel)]
+    return res
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="qwen2-0.5b",
                    help="checkpoint dir, hub id, 'demo', or a random benchmark shape: qwen2-0.5b | small")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="compute dtype for every system; auto: what the engine picks for this hardware")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", default="32:512", help="uniform range LO:HI of prompt tokens")
     p.add_argument("--output-len", default="16:256", help="uniform range LO:HI of generated tokens")
@@ -166,6 +186,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", default="hf-static,hf-batch",
                    help="comma list of hf-static, hf-batch (empty for none)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--llama-cpp-parallel", type=int, default=32, help="llama-server -np for the llama.cpp baseline")
+    from sidecar.bench.llamacpp import add_arguments as add_llamacpp_arguments
+
+    add_llamacpp_arguments(p)
     p.add_argument("--out", default="bench-results")
 
 
@@ -179,7 +203,15 @@ def run(args: argparse.Namespace) -> int:
     args.model_dir = str(random_checkpoint(args.model) if args.model in SHAPES else resolve_model_dir(args.model))
     import json
 
-    vocab = json.loads(open(f"{args.model_dir}/config.json").read())["vocab_size"]
+    from sidecar.model.hardware import isa_summary
+    from sidecar.model.loader import pick_dtype_with_reason
+
+    hf_config = json.loads(open(f"{args.model_dir}/config.json").read())
+    vocab = hf_config["vocab_size"]
+    # Every system runs the dtype the engine resolves, so the comparison stays like for like.
+    dtype, args.dtype_reason = pick_dtype_with_reason(args.dtype, hf_config, torch.device("cpu"))
+    args.requested_dtype, args.dtype = args.dtype, str(dtype).replace("torch.", "")
+    print(f"cpu: {isa_summary()}; dtype {args.dtype} ({args.dtype_reason})")
     work = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab,
                          args.seed)
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
@@ -195,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append(run_hf_generate_batch(args, work))
         else:
             raise ValueError(f"baselines: unknown baseline {b!r}")
+    llama = _llamacpp(args, work)
+    rows.extend(llama.pop("rows", []))
     for r in rows:
         r["speedup_vs"] = ours["output_tok_s"] / r["output_tok_s"] if r is not ours else 1.0
     bw = measure_bandwidth()
@@ -202,13 +236,18 @@ def run(args: argparse.Namespace) -> int:
     b1 = {"b1_decode_tok_s": ours["b1_decode_tok_s"], "read_bandwidth_gb_s": bw / 1e9,
           "weight_mib_per_token": ours["weight_bytes_per_token"] / 2**20, "roofline_tok_s": roofline,
           "fraction_of_roofline": ours["b1_decode_tok_s"] / roofline}
+    if "b1_decode_tok_s" in llama:
+        b1["llamacpp_b1_decode_tok_s"] = llama["b1_decode_tok_s"]
+        b1["b1_ratio_vs_llamacpp"] = ours["b1_decode_tok_s"] / llama["b1_decode_tok_s"]
     print(format_table(rows, ["system", "seconds", "output_tokens", "output_tok_s", "speedup_vs"]))
     print(format_table([b1], list(b1)))
     jpath, ppath = write_report(
         args.out, "throughput",
         {"command": "sidecar bench throughput", "args": {k: v for k, v in vars(args).items() if k != "_run"},
-         "results": rows, "batch1": b1},
+         "results": rows, "batch1": b1, "llama_cpp": llama},
         bars={"output tokens/s (mixed workload)": {r["system"]: r["output_tok_s"] for r in rows},
-              "batch-1 decode tokens/s": {"llm-sidecar": b1["b1_decode_tok_s"], "roofline": roofline}})
+              "batch-1 decode tokens/s": {"llm-sidecar": b1["b1_decode_tok_s"], "roofline": roofline,
+                                          **({"llama.cpp": llama["b1_decode_tok_s"]} if "b1_decode_tok_s" in llama
+                                             else {})}})
     print(f"wrote {jpath} and {ppath}")
     return 0

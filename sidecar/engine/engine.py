@@ -55,6 +55,7 @@ class LLMEngine:
             "model_dir": str(loaded.model_dir),
             "architecture": loaded.args.architecture,
             "dtype": str(loaded.dtype).replace("torch.", ""),
+            "dtype_reason": loaded.dtype_reason,
             "quantization": loaded.quantization or "none",
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
@@ -65,9 +66,10 @@ class LLMEngine:
         }
         weights = sum(t.numel() * t.element_size() for t in
                       list(loaded.model.parameters()) + list(loaded.model.buffers()))
-        log.info("engine ready: model=%s arch=%s dtype=%s quantization=%s device=%s weights=%.1f MiB "
+        log.info("engine ready: model=%s arch=%s dtype=%s (%s) quantization=%s device=%s weights=%.1f MiB "
                  "kv_blocks=%d x %d tokens (%d tokens, %.1f MiB) max_model_len=%d load=%.1fs",
-                 config.model, loaded.args.architecture, self.model_info["dtype"], self.model_info["quantization"],
+                 config.model, loaded.args.architecture, self.model_info["dtype"], loaded.dtype_reason,
+                 self.model_info["quantization"],
                  loaded.device, weights / 2**20, self.kv.num_blocks, config.block_size,
                  self.kv.num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len,
                  loaded.load_time_s)

@@ -44,6 +44,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     quantization: Optional[str]
     load_time_s: float
+    dtype_reason: str = ""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -86,13 +87,17 @@ def _checkpoint_dtype(hf_config: dict) -> torch.dtype:
     return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
 
 
-def pick_dtype(requested: str, hf_config: dict, device: torch.device) -> torch.dtype:
+def pick_dtype_with_reason(requested: str, hf_config: dict, device: torch.device) -> tuple[torch.dtype, str]:
+    """The compute dtype and why: an explicit dtype is always obeyed; "auto" asks the hardware."""
     if requested != "auto":
-        return _DTYPES[requested]
-    dtype = _checkpoint_dtype(hf_config)
-    if dtype == torch.float16 and device.type == "cpu":
-        return torch.bfloat16  # fp16 matmuls are slow and overflow-prone on CPU
-    return dtype
+        return _DTYPES[requested], f"requested {requested}"
+    from sidecar.model.hardware import auto_dtype
+
+    return auto_dtype(_checkpoint_dtype(hf_config), device)
+
+
+def pick_dtype(requested: str, hf_config: dict, device: torch.device) -> torch.dtype:
+    return pick_dtype_with_reason(requested, hf_config, device)[0]
 
 
 class _SafetensorsIndex:
@@ -233,7 +238,7 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
                  else resolve_model_dir(cfg.model, cfg.revision, cfg.demo_dir))
     hf_config = json.loads((model_dir / "config.json").read_text())
     args = ModelArgs.from_hf_config(hf_config)
-    dtype = pick_dtype(cfg.dtype, hf_config, device)
+    dtype, dtype_reason = pick_dtype_with_reason(cfg.dtype, hf_config, device)
     tokenizer = load_tokenizer(model_dir)
     quant_file = model_dir / "quantization_config.json"
     with torch.device("meta"):
@@ -262,4 +267,4 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, args=args, hf_config=hf_config, model_dir=model_dir,
                        dtype=dtype, device=device, max_model_len=max_len,
                        eos_token_ids=_eos_ids(model_dir, hf_config, tokenizer), quantization=quantization,
-                       load_time_s=time.perf_counter() - t0)
+                       load_time_s=time.perf_counter() - t0, dtype_reason=dtype_reason)

@@ -1,0 +1,42 @@
+"""The llama.cpp baseline is found only where its tools are, and never hides a missing converter."""
+import os
+
+import pytest
+
+from sidecar.bench import llamacpp
+
+
+def _tool(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n")
+    os.chmod(path, 0o755)
+
+
+def test_no_tools_means_no_baseline(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert llamacpp.find_tools(None, None) is None
+    assert llamacpp.find_tools(str(tmp_path), None) is None
+
+
+def test_build_dir_and_source_tree_are_found(tmp_path):
+    src = tmp_path / "llama.cpp"
+    (src / "convert_hf_to_gguf.py").parent.mkdir(parents=True)
+    (src / "convert_hf_to_gguf.py").write_text("")
+    for name in ("llama-bench", "llama-server"):
+        _tool(src / "build" / "bin" / name)
+    tools = llamacpp.find_tools(str(src / "build"), None)
+    assert tools["llama-bench"] == (src / "build" / "bin" / "llama-bench").resolve()
+    assert tools["src"] == src.resolve()
+    assert "llama-quantize" not in tools
+
+
+def test_missing_converter_is_named(tmp_path):
+    for name in ("llama-bench", "llama-server"):
+        _tool(tmp_path / "bin" / name)
+    with pytest.raises(ValueError, match="llama-cpp-src"):
+        llamacpp.find_tools(str(tmp_path / "bin"), str(tmp_path / "nowhere"))
+
+
+def test_precision_classes_match_llamacpp_types():
+    assert llamacpp.OUTTYPES == {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0",
+                                 "int4": "q4_0"}
