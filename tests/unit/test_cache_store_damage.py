@@ -1,6 +1,5 @@
 """The semantic cache's SQLite file: a locked, full or damaged file never stalls or stops the sidecar."""
 import asyncio
-import hashlib
 import sqlite3
 import time
 
@@ -9,26 +8,7 @@ import numpy as np
 from sidecar.cache.semantic import CacheScope, SemanticCache
 from sidecar.cache.store import CacheStore, Entry
 from sidecar.config import CacheConfig
-
-
-class HashEmbedder:
-    """Deterministic stand-in for the sentence model: the store does not care what vectors mean."""
-    model_name = "hash-embedder"
-    dim = 32
-
-    def embed(self, texts):
-        out = []
-        for t in texts:
-            seed = int.from_bytes(hashlib.sha256(t.encode()).digest()[:8], "little")
-            v = np.random.default_rng(seed).standard_normal(self.dim).astype(np.float32)
-            out.append(v / np.linalg.norm(v))
-        return np.stack(out)
-
-    async def aembed(self, texts):
-        return self.embed(texts)
-
-    def close(self):
-        pass
+from test_cache_crash import HashEmbedder  # the same deterministic stand-in the crash test's writers use
 
 
 def _scope(q):
