@@ -33,9 +33,12 @@ ALLOWED = {
 # engine on its own, or need a model directory on disk for a baseline; none reaches into the engine.
 BENCH_COMPONENT_IMPORTS = {
     "sidecar.bench.quant": {"sidecar.model.attention", "sidecar.model.loader", "sidecar.model.demo",
-                            "sidecar.model.quant_format"},  # quantized-layer kernels, load time and memory
+                            "sidecar.model.quant_format",  # quantized-layer kernels, load time and memory
+                            "sidecar.model.hardware"},  # the CPU ISA printed with the figures
     "sidecar.bench.models": {"sidecar.model.demo"},  # where benchmark checkpoints are built
-    "sidecar.bench.throughput": {"sidecar.model.loader"},  # model dir for the HF baselines
+    "sidecar.bench.report": {"sidecar.model.hardware"},  # the CPU ISA recorded in every report
+    # model dir for the HF and llama.cpp baselines; the dtype the engine resolves, so all systems match
+    "sidecar.bench.throughput": {"sidecar.model.loader", "sidecar.model.hardware"},
     "sidecar.bench.prefix": {"sidecar.model.loader"},  # model dir recorded with the results
     "sidecar.bench.semantic_cache": {"sidecar.cache.guard", "sidecar.cache.embedder",
                                      "sidecar.cache.semantic"},  # the cache's own precision/recall
