@@ -185,6 +185,17 @@ def test_mixed_types_load_as_dequantized_reference_and_match_hf(tmp_path, demo_d
     assert [o.token_ids for o in out] == expect
 
 
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1])
+def test_other_block_types_load_as_their_dequantized_weights(tmp_path, demo_dir, qtype):
+    path = tmp_path / "tiny.gguf"
+    ref = write_tiny_gguf(path, demo_dir, lambda name: qtype if name.endswith("proj.weight") else Q.F32)
+    m = load_model(EngineConfig(model=str(path), dtype="float32")).model
+    for i, layer in enumerate(m.layers):
+        qkv = torch.cat([ref[f"model.layers.{i}.self_attn.{x}_proj.weight"] for x in "qkv"])
+        assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+        assert torch.equal(layer.mlp.down_proj.weight, ref[f"model.layers.{i}.mlp.down_proj.weight"])
+
+
 @pytest.mark.parametrize("qtype", [Q.BF16, Q.F32, Q.F16])
 def test_float_gguf_greedy_equals_hf(tmp_path, demo_dir, qtype):
     path = tmp_path / "tiny.gguf"
