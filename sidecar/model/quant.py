@@ -4,7 +4,8 @@ The runtime half of quantization ("swap modules for runtime"): ``Int8Linear`` /
 ``Int4Linear`` hold the codes of the stored format (``quant_format.py``) in
 whatever layout the device's fused kernel wants (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm[_for_cpu]``) as buffers, and never materialise a
-dequantized weight. ``quantize_linear`` / ``quantize_tied_embedding`` are the
+dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS`` rows
+(decode) go through our own kernel (``kernels/int8_gemv.c``) when it builds. ``quantize_linear`` / ``quantize_tied_embedding`` are the
 loader's hooks for quantizing a full-precision model while it loads; saving and
 reloading quantized checkpoints is ``quant_checkpoint.py``.
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sidecar.model.kernels import int8_gemv
 from sidecar.model.quant_format import (CHUNK_ROWS, N_ALIGN_INT4, check_quant_args, dequantize_int4,
                                         padded_in_features, quantize_weight, unpack_int4)
 
@@ -54,15 +56,21 @@ class _QuantLinearBase(nn.Module):
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _few_rows(self, x2d: torch.Tensor) -> Optional[torch.Tensor]:
+        """Output of one of our own kernels for a decode-sized batch, or None (use ``_matmul``)."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
-        kdt = kernel_dtype(x.dtype, x.device)
-        if x2d.dtype != kdt:
-            x2d = x2d.to(kdt)
-        if self.k_padded != self.in_features:
-            x2d = F.pad(x2d, (0, self.k_padded - self.in_features))
-        y = self._matmul(_aligned(x2d))
+        y = self._few_rows(x2d)
+        if y is None:
+            kdt = kernel_dtype(x.dtype, x.device)
+            if x2d.dtype != kdt:
+                x2d = x2d.to(kdt)
+            if self.k_padded != self.in_features:
+                x2d = F.pad(x2d, (0, self.k_padded - self.in_features))
+            y = self._matmul(_aligned(x2d))
         if y.shape[-1] != self.out_features:
             y = y[:, :self.out_features]
         y = y.to(x.dtype)
@@ -86,6 +94,16 @@ class Int8Linear(_QuantLinearBase):
         w = qweight if qweight.shape[1] == kp else F.pad(qweight, (0, kp - qweight.shape[1]))
         self.register_buffer("weight", _aligned(w))
         self.register_buffer("scales", _aligned(scales.to(kernel_dtype(dtype, qweight.device))))
+        # Full-precision scales for our CPU decode kernel (which takes float32 activations).
+        self.register_buffer("scales_f32", scales.float().contiguous(), persistent=False)
+
+    def _few_rows(self, x2d: torch.Tensor) -> Optional[torch.Tensor]:
+        if x2d.device.type != "cpu" or x2d.shape[0] > int8_gemv.MAX_ROWS or not int8_gemv.available():
+            return None
+        xf = x2d.float()
+        if self.k_padded != self.in_features:
+            xf = F.pad(xf, (0, self.k_padded - self.in_features))
+        return int8_gemv.int8_matmul(xf, self.weight, self.scales_f32)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         scales = self.scales if self.scales.dtype == x2d.dtype else self.scales.to(x2d.dtype)

@@ -1,0 +1,59 @@
+"""Weight-only int8 matmul for decode-sized batches on CPU (``int8_gemv.c``) and its reference.
+
+``int8_matmul(x, weight, scales)`` computes ``(x @ weight.T) * scales`` for float32 ``x``
+[M, K], int8 ``weight`` [N, K] and float32 ``scales`` [N], returning float32 [M, N].
+``reference`` is the same product in torch (float64 accumulation), the oracle for tests.
+The kernel rounds each activation row to int16 with its own scale (15 bits, where the
+bf16 activations of torch's packed kernel keep 8); the products and sums are exact.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from sidecar.model.kernels import cpu_build
+
+# Above this many rows torch's packed kernel (tiled for reuse across rows) is the faster one.
+MAX_ROWS = 4
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    lib = cpu_build.load("int8_gemv")
+    if lib is not None and not getattr(lib, "_sidecar_typed", False):
+        fn = lib.sidecar_int8_matmul
+        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
+        fn.restype = _I
+        lib._sidecar_typed = True
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Requires ``available()``. All tensors on the CPU; ``x`` float32 [M, K] with M <= MAX_ROWS."""
+    lib = _lib()
+    assert lib is not None, "int8_gemv kernel is not available"
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.dtype != torch.int8 or scales.shape != (n,):
+        raise ValueError(f"int8_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
+                         f"scales {tuple(scales.shape)} do not fit")
+    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    weight = weight.contiguous()
+    scales = scales.contiguous() if scales.dtype == torch.float32 else scales.float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    xq = torch.empty(m, k, dtype=torch.int16)
+    xs = torch.empty(m, dtype=torch.float32)
+    lib.sidecar_int8_matmul(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), xq.data_ptr(),
+                            xs.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return ((x.double() @ weight.double().T) * scales.double()).float()
