@@ -34,7 +34,8 @@ SCHEMA = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="small", help="checkpoint dir, 'demo', or a benchmark shape")
-    p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
+                   help="as the engine: auto picks what the model and the hardware run best")
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated")
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5, help="alternating runs per side and batch size")
