@@ -5,7 +5,7 @@ The runtime half of quantization ("swap modules for runtime"): ``Int8Linear`` /
 whatever layout the device's fused kernel wants (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm[_for_cpu]``) as buffers, and never materialise a
 dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS`` rows
-(decode) go through our own kernel (``kernels/int8_gemv.c``) when it builds. ``quantize_linear`` / ``quantize_tied_embedding`` are the
+(decode steps) go through our own kernel (``kernels/int8_gemv.c``) when it builds. ``quantize_linear`` / ``quantize_tied_embedding`` are the
 loader's hooks for quantizing a full-precision model while it loads; saving and
 reloading quantized checkpoints is ``quant_checkpoint.py``.
 """

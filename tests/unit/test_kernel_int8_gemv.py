@@ -23,7 +23,7 @@ def test_kernel_builds_on_this_machine():
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 7, 13), (1, 896, 4864), (2, 50, 96), (3, 130, 200), (4, 33, 64),
-                                   (1, 5, 31), (2, 9, 65)])
+                                   (1, 5, 31), (2, 9, 65), (5, 40, 96), (9, 17, 130), (32, 64, 896)])
 def test_kernel_matches_reference(m, n, k):
     x, w, s = _case(m, n, k, seed=m * 7 + k)
     y = int8_gemv.int8_matmul(x, w, s)

@@ -1,4 +1,4 @@
-/* Weight-only int8 matmul for a few activation rows (batch-1 decode on CPU).
+/* Weight-only int8 matmul for decode-sized batches on CPU (up to a few dozen activation rows).
  *
  *   y[m, n] = scale[n] * sum_k x[m, k] * w[n, k]      x float32 [M, K], w int8 [N, K], y float32 [M, N]
  *
@@ -6,8 +6,9 @@
  * chosen so that no int32 lane can overflow for this K); weights are widened to int16 and
  * multiplied in pairs into int32 lanes (AVX-512 VNNI vpdpwssd, else AVX2 vpmaddwd). int16
  * activations keep up to 15 bits where the bf16 rounding around torch's packed kernel keeps 8,
- * and the integer sums are exact. Rows of w are split across threads; one pass reads each
- * weight byte once, which is what bounds decode: memory bandwidth.
+ * and the integer sums are exact. Rows of w are split across threads; each weight chunk is
+ * widened once for up to four activation rows, and one pass reads each weight byte once, which
+ * is what bounds decode: memory bandwidth.
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,41 +16,55 @@
 
 /* Lanes are summed in int64: each lane stays within int32 (see activation_qmax), the whole
  * dot product need not. */
-static int64_t dot_i16_i8(const int16_t* x, const int8_t* w, int K) {
-    int k = 0;
-    int64_t s = 0;
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+static inline int64_t hsum_wide(__m512i a) {
+    return _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)),
+                                                    _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1))));
+}
+#elif defined(__AVX2__)
+static inline int64_t hsum_wide(__m256i a) {
+    __m256i wide = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)),
+                                    _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a, 1)));
+    __m128i t = _mm_add_epi64(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+    return _mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1);
+}
+#endif
+
+/* out[i] = sum_k x[i * K + k] * w[k] for the MB activation rows i < MB: each weight chunk is
+ * widened once and used for every row. MB is a compile-time constant at every call site. */
+static inline __attribute__((always_inline)) void dot_rows(const int16_t* x, const int8_t* w, int K,
+                                                           const int MB, int64_t* out) {
+    int k = 0;
+    for (int i = 0; i < MB; i++) out[i] = 0;
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    __m512i a0[4], a1[4];
+    for (int i = 0; i < MB; i++) a0[i] = a1[i] = _mm512_setzero_si512();
     for (; k + 64 <= K; k += 64) {
         __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + k)));
         __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + k + 32)));
-        a0 = _mm512_dpwssd_epi32(a0, w0, _mm512_loadu_si512((const void*)(x + k)));
-        a1 = _mm512_dpwssd_epi32(a1, w1, _mm512_loadu_si512((const void*)(x + k + 32)));
+        for (int i = 0; i < MB; i++) {
+            const int16_t* xr = x + (int64_t)i * K + k;
+            a0[i] = _mm512_dpwssd_epi32(a0[i], w0, _mm512_loadu_si512((const void*)xr));
+            a1[i] = _mm512_dpwssd_epi32(a1[i], w1, _mm512_loadu_si512((const void*)(xr + 32)));
+        }
     }
-    __m512i wide = _mm512_add_epi64(
-        _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a0)),
-                         _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a0, 1))),
-        _mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a1)),
-                         _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a1, 1))));
-    s = _mm512_reduce_add_epi64(wide);
+    for (int i = 0; i < MB; i++) out[i] = hsum_wide(a0[i]) + hsum_wide(a1[i]);
 #elif defined(__AVX2__)
-    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    __m256i a0[4], a1[4];
+    for (int i = 0; i < MB; i++) a0[i] = a1[i] = _mm256_setzero_si256();
     for (; k + 32 <= K; k += 32) {
         __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k)));
         __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k + 16)));
-        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)(x + k))));
-        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(x + k + 16))));
+        for (int i = 0; i < MB; i++) {
+            const int16_t* xr = x + (int64_t)i * K + k;
+            a0[i] = _mm256_add_epi32(a0[i], _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xr)));
+            a1[i] = _mm256_add_epi32(a1[i], _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xr + 16))));
+        }
     }
-    __m256i wide = _mm256_add_epi64(
-        _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a0)),
-                         _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a0, 1))),
-        _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a1)),
-                         _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a1, 1))));
-    __m128i t = _mm_add_epi64(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
-    s = _mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1);
+    for (int i = 0; i < MB; i++) out[i] = hsum_wide(a0[i]) + hsum_wide(a1[i]);
 #endif
-    for (; k < K; k++) s += (int64_t)x[k] * (int64_t)w[k];
-    return s;
+    for (; k < K; k++)
+        for (int i = 0; i < MB; i++) out[i] += (int64_t)x[(int64_t)i * K + k] * (int64_t)w[k];
 }
 
 /* Largest activation code such that no int32 vector lane can overflow: a lane sums at most
@@ -81,8 +96,19 @@ int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, flo
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int n = 0; n < N; n++) {
         const int8_t* wr = w + (int64_t)n * K;
-        for (int m = 0; m < M; m++)
-            y[(int64_t)m * N + n] = (float)(double)dot_i16_i8(xq + (int64_t)m * K, wr, K) * xs[m] * scale[n];
+        int64_t acc[4];
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            const int16_t* xb = xq + (int64_t)m0 * K;
+            int mb = M - m0 < 4 ? M - m0 : 4;
+            switch (mb) {  /* constant row counts, so each case keeps its accumulators in registers */
+                case 1: dot_rows(xb, wr, K, 1, acc); break;
+                case 2: dot_rows(xb, wr, K, 2, acc); break;
+                case 3: dot_rows(xb, wr, K, 3, acc); break;
+                default: dot_rows(xb, wr, K, 4, acc); break;
+            }
+            for (int i = 0; i < mb; i++)
+                y[(int64_t)(m0 + i) * N + n] = (float)(double)acc[i] * xs[m0 + i] * scale[n];
+        }
     }
     return 0;
 }

@@ -15,8 +15,10 @@ import torch
 
 from sidecar.model.kernels import cpu_build
 
-# Above this many rows torch's packed kernel (tiled for reuse across rows) is the faster one.
-MAX_ROWS = 4
+# Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
+# Measured one thread, Qwen2-0.5B-shaped layers: 1.4-1.7x faster than torch's packed kernel from 1
+# to 32 rows, even at 64 rows; beyond that prefill chunks go to torch's kernel.
+MAX_ROWS = 32
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -36,7 +38,7 @@ def available() -> bool:
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Requires ``available()``. All tensors on the CPU; ``x`` float32 [M, K] with M <= MAX_ROWS."""
+    """Requires ``available()``. All tensors on the CPU; ``x`` float32 [M, K] (any M; used up to MAX_ROWS)."""
     lib = _lib()
     assert lib is not None, "int8_gemv kernel is not available"
     m, k = x.shape
