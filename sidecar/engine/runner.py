@@ -82,7 +82,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], Optional[torch.Tensor]]:
-        """Run one step. Returns the requests that sample a token this step and their logits [B, V]."""
+        """Run one step. Returns the requests that sample this step and their logits: one row each, or
+        1 + num_spec_tokens consecutive rows for a request verifying proposed tokens."""
         bs = self.block_size
         prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
         decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
@@ -102,12 +103,14 @@ class ModelRunner:
             max_block = max(max_block, max(table))
             start = len(ids)
             ids.extend(r.all_token_ids[c:c + n])
+            if s.num_spec_tokens:  # proposed tokens ride after the last real one, at positions c+1..
+                ids.extend(r.spec_token_ids[:s.num_spec_tokens])
             pos.extend(range(c, c + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             if n > 1:
                 segments.append(PrefillSegment(start, n, c + n, self._tensor(table[: -(-(c + n) // bs)])))
             if s.completes_prompt:
-                sample_idx.append(len(ids) - 1)
+                sample_idx.extend(range(len(ids) - 1 - s.num_spec_tokens, len(ids)))
                 sample_reqs.append(r)
         if max_block > self._zeroed_upto:
             self._zero_blocks(self._zeroed_upto + 1, max_block)
