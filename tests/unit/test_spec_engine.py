@@ -190,3 +190,17 @@ def test_adaptive_k_shrinks_and_backs_off():
 def test_config_errors_name_the_field(field, kw):
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="demo", **kw)
+
+
+def test_spec_metrics_exposed_from_engine_stats(demo_dir):
+    from sidecar.server.metrics import Metrics
+
+    llm = make_llm(demo_dir, "ngram")
+    llm.generate(repetitive_prompts(4, seed=2), SamplingParams(max_tokens=30, ignore_eos=True))
+    s = llm.stats()
+    text = Metrics(llm.stats).render()[0].decode()
+    assert f"sidecar_spec_decode_proposed_tokens_total {float(s['spec_decode_proposed_tokens'])}" in text
+    assert f"sidecar_spec_decode_accepted_tokens_total {float(s['spec_decode_accepted_tokens'])}" in text
+    assert f"sidecar_spec_decode_acceptance_count {float(s['spec_decode_verifications'])}" in text
+    assert f"sidecar_spec_decode_acceptance_sum {float(s['spec_decode_accepted_tokens'])}" in text
+    assert f'sidecar_spec_decode_acceptance_bucket{{le="0"}} {float(s["spec_decode_acceptance_hist"][0])}' in text
