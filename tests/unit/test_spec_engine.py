@@ -167,26 +167,33 @@ def test_opt_out_structured_penalties_and_large_batch_do_not_speculate(demo_dir)
         SamplingParams(speculative="yes")
 
 
-def test_adaptive_k_shrinks_and_backs_off():
-    st = SpecState(k=4)
-    st.update(4, 4, 4)
-    assert st.k == 4
-    st.update(4, 1, 4)
-    assert st.k == 2
-    st.update(2, 0, 4)
-    assert (st.k, st.cooldown) == (1, 0)
-    st.update(1, 0, 4)
-    assert st.cooldown == 2
-    st.update(1, 0, 4)
+def test_adaptive_k_follows_acceptance_and_backs_off():
+    st = SpecState(max_k=4, token_cost=0.15)
+    k0 = st.choose_k()
+    for _ in range(6):
+        st.update(4, 4)  # everything accepted: k grows to the maximum
+    assert st.choose_k() == 4 > k0
+    for _ in range(10):
+        st.update(4, 1)  # one in four: shorter proposals pay better
+    assert 1 <= st.choose_k() < 4
+    for _ in range(10):
+        st.update(1, 0)
+    assert st.choose_k() == 0 and st.cooldown == 2  # not worth it: off for 2 steps, then a k=1 probe
+    assert [st.choose_k(), st.choose_k()] == [0, 1]
+    st.update(1, 0)  # failed probe: off for longer
     assert st.cooldown == 4
-    st.update(1, 1, 4)
-    assert (st.k, st.misses) == (2, 0)
+    assert [st.choose_k() for _ in range(4)] == [0, 0, 0, 1]
+    free = SpecState(max_k=4, token_cost=0.0)  # verification free (e.g. a memory-bound GPU): always speculate
+    for _ in range(10):
+        free.update(4, 0)
+    assert free.choose_k() >= 1
 
 
 @pytest.mark.parametrize("field,kw", [("speculative", dict(speculative="bogus")),
                                       ("speculative", dict(speculative="draft:/nowhere")),
                                       ("num_speculative_tokens", dict(speculative="ngram", num_speculative_tokens=0)),
-                                      ("speculative_max_batch", dict(speculative="ngram", speculative_max_batch=0))])
+                                      ("speculative_max_batch", dict(speculative="ngram", speculative_max_batch=0)),
+                                      ("speculative_token_cost", dict(speculative_token_cost=-1))])
 def test_config_errors_name_the_field(field, kw):
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="demo", **kw)

@@ -32,32 +32,64 @@ from sidecar.engine.spec.ngram import propose_ngram
 from sidecar.engine.spec.verify import verify_greedy, verify_sampled
 
 MAX_COOLDOWN_STEPS = 32
+DECAY = 0.8  # weight of older verifications in the acceptance estimate (recent text predicts best)
+MIN_GAIN = 1.02  # speculate only when the expected tokens per unit of step cost beat plain decode by this
 
 
 @dataclass
 class SpecState:
     """Per-request adaptive proposal length.
 
-    ``k`` grows by one after a fully accepted proposal and falls to (accepted + 1) after a partial one;
-    a proposal with nothing accepted at k == 1 switches speculation off for that request for a number of
-    steps that doubles with every further miss (up to MAX_COOLDOWN_STEPS), so text the n-gram table cannot
-    predict costs at most an occasional extra verified token."""
-    k: int
+    The request's per-token acceptance probability ``alpha`` is estimated from its recent verifications
+    (a proposal stops at its first rejection, so a verification is ``accepted`` successes and, unless all
+    were accepted, one failure; older ones decay). With step cost ``1 + token_cost * k`` for k proposed
+    tokens, k is the one that maximises expected emitted tokens ``1 + alpha + ... + alpha^k`` per unit of
+    cost; when no k beats plain decode by MIN_GAIN, the request stops speculating for a number of steps
+    that doubles with every failed probe (up to MAX_COOLDOWN_STEPS) and then probes again with k = 1, so
+    text the n-gram table cannot predict costs at most an occasional extra verified token."""
+    max_k: int
+    token_cost: float
+    successes: float = 1.5  # prior: alpha = 0.6 before any verification
+    failures: float = 1.0
     cooldown: int = 0
     misses: int = 0
+    probing: bool = False
 
-    def update(self, proposed: int, accepted: int, max_k: int) -> None:
-        if accepted == proposed:
-            self.k = min(self.k + 1, max_k)
-            self.misses = 0
-        elif accepted > 0:
-            self.k = max(1, min(self.k, accepted + 1))
-            self.misses = 0
-        elif self.k > 1:
-            self.k = max(1, self.k // 2)
-        else:
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def choose_k(self) -> int:
+        """Proposal length for the next step (0: do not speculate)."""
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            if self.cooldown == 0:
+                self.probing = True
+                return 1
+            return 0
+        if self.probing:
+            return 1
+        a, best_k, best, expected = self.alpha, 0, MIN_GAIN, 1.0
+        for k in range(1, self.max_k + 1):
+            expected += a ** k
+            gain = expected / (1.0 + self.token_cost * k)
+            if gain > best:
+                best_k, best = k, gain
+        if best_k == 0:
             self.misses += 1
             self.cooldown = min(1 << self.misses, MAX_COOLDOWN_STEPS)
+        return best_k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.successes = DECAY * self.successes + accepted
+        self.failures = DECAY * self.failures + (1 if accepted < proposed else 0)
+        if self.probing:
+            self.probing = False
+            if accepted == 0:  # failed probe: back off again, longer
+                self.misses += 1
+                self.cooldown = min(1 << self.misses, MAX_COOLDOWN_STEPS)
+            else:
+                self.misses = 0
 
 
 class SpecDecoder:
@@ -65,6 +97,7 @@ class SpecDecoder:
         self.enabled = config.speculative is not None
         self.max_k = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
+        self.token_cost = config.speculative_token_cost
         self.kv = kv
         self.max_model_len = max_model_len
         self.num_proposed = 0
@@ -90,13 +123,10 @@ class SpecDecoder:
                 continue
             st = req.spec_state
             if st is None:
-                st = req.spec_state = SpecState(self.max_k)
-            if st.cooldown > 0:
-                st.cooldown -= 1
-                continue
+                st = req.spec_state = SpecState(self.max_k, self.token_cost)
             # The step always emits one token of the target's own after the accepted ones: never propose
             # past max_tokens or the context length.
-            k = min(st.k, req.params.max_tokens - len(req.output_token_ids) - 1,
+            k = min(st.choose_k(), req.params.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens - 1)
             if k > 0:
                 req.spec_token_ids = propose_ngram(req.all_token_ids, k)
@@ -153,7 +183,7 @@ class SpecDecoder:
         self.num_verifications += 1
         self.num_emitted += len(tokens)
         self.acceptance_hist[accepted] += 1
-        req.spec_state.update(len(proposed), accepted, self.max_k)
+        req.spec_state.update(len(proposed), accepted)
         return tokens, lps
 
     def counters(self) -> dict[str, Any]:
