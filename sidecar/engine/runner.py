@@ -85,8 +85,11 @@ class ModelRunner:
         """Run one step. Returns the requests that sample this step and their logits: one row each, or
         1 + num_spec_tokens consecutive rows for a request verifying proposed tokens."""
         bs = self.block_size
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        # A request verifying proposed tokens joins the decode group with one query row per token, each
+        # attending to its own context length: every row then goes through exactly the attention a plain
+        # decode of that token would, so verification reproduces plain decoding's numerics.
+        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1 and not s.num_spec_tokens]
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 or s.num_spec_tokens]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -107,7 +110,7 @@ class ModelRunner:
                 ids.extend(r.spec_token_ids[:s.num_spec_tokens])
             pos.extend(range(c, c + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-            if n > 1:
+            if n > 1 and not s.num_spec_tokens:
                 segments.append(PrefillSegment(start, n, c + n, self._tensor(table[: -(-(c + n) // bs)])))
             if s.completes_prompt:
                 sample_idx.extend(range(len(ids) - 1 - s.num_spec_tokens, len(ids)))
@@ -116,10 +119,14 @@ class ModelRunner:
             self._zero_blocks(self._zeroed_upto + 1, max_block)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=segments)
         if decodes:
-            dtables = tables[len(prefills):]
+            dtables, ctx_lens = [], []
+            for s, t in zip(decodes, tables[len(prefills):]):
+                c = s.request.num_computed_tokens
+                dtables.extend([t] * s.num_new_tokens)
+                ctx_lens.extend(range(c + 1, c + 1 + s.num_new_tokens))
             width = max(len(t) for t in dtables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dtables]).view(len(dtables), width)
-            ctx = self._tensor([s.request.num_computed_tokens + 1 for s in decodes])
+            ctx = self._tensor(ctx_lens)
             meta.decode_mask = build_decode_mask(ctx, width, bs, self.sliding_window)
         hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
         if not sample_reqs:

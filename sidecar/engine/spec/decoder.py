@@ -3,8 +3,8 @@
 Flow of one step for a request in decode:
 1. ``propose`` puts up to k tokens in ``request.spec_token_ids`` (n-gram prompt lookup).
 2. The scheduler budgets them with the request's last real token (``ScheduledRequest.num_spec_tokens``)
-   and the runner computes all k+1 positions in one forward through the paged prefill-segment path,
-   returning k+1 logit rows.
+   and the runner computes all k+1 positions in one forward as k+1 rows of the batched paged decode
+   attention, each with its own context length, returning k+1 logit rows.
 3. ``sample`` verifies the proposal against those rows: greedy keeps the longest prefix equal to the
    target's argmax plus the target's next token (exactly plain greedy); sampling uses rejection
    sampling, which leaves the output distributed as the target alone (see verify.py).
