@@ -53,9 +53,10 @@ class EngineConfig:
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 8
-    # Extra cost of one more token in a decode step's forward, relative to the whole step (measured on
-    # CPU for the default model: ~0.15); per-request k maximises expected tokens per unit of cost.
-    speculative_token_cost: float = 0.15
+    # Extra cost of one more verified token relative to a decode step; None = measure the step cost for
+    # 1..k+1 rows at start (GEMM kernels change algorithm with the row count). Per-request k maximises
+    # expected tokens per unit of cost.
+    speculative_token_cost: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -96,7 +97,8 @@ class EngineConfig:
                     if isinstance(self.speculative, str) and self.speculative.startswith("draft:") else ""))
         _require(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
                  "num_speculative_tokens", f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
-        _require(isinstance(self.speculative_token_cost, (int, float)) and 0.0 <= self.speculative_token_cost <= 1.0,
+        _require(self.speculative_token_cost is None or (isinstance(self.speculative_token_cost, (int, float))
+                                                         and 0.0 <= self.speculative_token_cost <= 1.0),
                  "speculative_token_cost", f"must be in [0, 1], got {self.speculative_token_cost!r}")
         _require(isinstance(self.speculative_max_batch, int) and self.speculative_max_batch >= 1,
                  "speculative_max_batch", f"must be an integer >= 1, got {self.speculative_max_batch!r}")

@@ -45,7 +45,7 @@ class LLMEngine:
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(loaded.device, config.seed)
-        self.spec = SpecDecoder(config, self.kv, self.max_model_len)
+        self.spec = SpecDecoder(config, self.kv, self.max_model_len, self.runner.time_decode_rows)
         self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             overlap=self.runner.host_overlaps_forward)
         self.requests: dict[str, Request] = {}

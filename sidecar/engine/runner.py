@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import psutil
@@ -79,6 +80,31 @@ class ModelRunner:
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
+
+    @torch.inference_mode()
+    def time_decode_rows(self, max_rows: int, repeats: int = 5) -> Optional[list[float]]:
+        """Median seconds of one forward plus logits for r decode rows of one request, r = 1..max_rows: the
+        price of verifying r - 1 speculative tokens on this device (GEMM kernels change algorithm with the
+        row count, so the price is measured, not assumed). Call before serving: it writes the KV of blocks
+        1.., which the lazy zeroing clears before their first real use. None when the pool is too small."""
+        bs = self.block_size
+        nb = -(-max_rows // bs)
+        if self._zeroed_upto > 0 or nb + 1 >= self.num_blocks:
+            return None
+        table = list(range(1, nb + 1))
+        out = []
+        for r in range(1, max_rows + 1):
+            meta = AttentionMetadata(slot_mapping=self._tensor([bs + i for i in range(r)]), block_size=bs)
+            meta.decode_block_tables = self._tensor(table * r).view(r, nb)
+            meta.decode_mask = build_decode_mask(self._tensor(list(range(1, r + 1))), nb, bs, self.sliding_window)
+            ids, pos = self._tensor([0] * r), self._tensor(list(range(r)))
+            times = []
+            for i in range(repeats + 1):
+                t = time.perf_counter()
+                self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta)).sum().item()
+                times.append(time.perf_counter() - t)
+            out.append(sorted(times[1:])[repeats // 2])  # the first run warms up
+        return out
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], Optional[torch.Tensor]]:

@@ -41,7 +41,7 @@ FLAGS: list[tuple[str, str, str, str]] = [
     ("--speculative-max-batch", "engine", "speculative_max_batch",
      "running-batch size from which a step does not speculate"),
     ("--speculative-token-cost", "engine", "speculative_token_cost",
-     "extra step cost of one more verified token, relative to a decode step (sets the adaptive k)"),
+     "extra step cost of one more verified token, relative to a decode step (default: measured at start)"),
     ("--demo-dir", "engine", "demo_dir", "where the demo model is built/reused (default: the user cache dir)"),
     ("--host", "server", "host", "address both servers bind"),
     ("--grpc-port", "server", "grpc_port", "gRPC port; 0 picks a free port"),

@@ -168,7 +168,7 @@ def test_opt_out_structured_penalties_and_large_batch_do_not_speculate(demo_dir)
 
 
 def test_adaptive_k_follows_acceptance_and_backs_off():
-    st = SpecState(max_k=4, token_cost=0.15)
+    st = SpecState([1.0, 1.15, 1.3, 1.45, 1.6])
     k0 = st.choose_k()
     for _ in range(6):
         st.update(4, 4)  # everything accepted: k grows to the maximum
@@ -183,7 +183,7 @@ def test_adaptive_k_follows_acceptance_and_backs_off():
     st.update(1, 0)  # failed probe: off for longer
     assert st.cooldown == 4
     assert [st.choose_k() for _ in range(4)] == [0, 0, 0, 1]
-    free = SpecState(max_k=4, token_cost=0.0)  # verification free (e.g. a memory-bound GPU): always speculate
+    free = SpecState([1.0] * 5)  # verification free (e.g. a memory-bound GPU): always speculate
     for _ in range(10):
         free.update(4, 0)
     assert free.choose_k() >= 1

@@ -20,7 +20,7 @@ without repetition/presence/frequency penalties (their distribution changes with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -42,13 +42,12 @@ class SpecState:
 
     The request's per-token acceptance probability ``alpha`` is estimated from its recent verifications
     (a proposal stops at its first rejection, so a verification is ``accepted`` successes and, unless all
-    were accepted, one failure; older ones decay). With step cost ``1 + token_cost * k`` for k proposed
-    tokens, k is the one that maximises expected emitted tokens ``1 + alpha + ... + alpha^k`` per unit of
-    cost; when no k beats plain decode by MIN_GAIN, the request stops speculating for a number of steps
+    were accepted, one failure; older ones decay). With ``costs[k]`` the step cost of verifying k proposed
+    tokens relative to a plain decode step, k is the one that maximises expected emitted tokens
+    ``1 + alpha + ... + alpha^k`` per unit of cost; when no k beats plain decode by MIN_GAIN, the request stops speculating for a number of steps
     that doubles with every failed probe (up to MAX_COOLDOWN_STEPS) and then probes again with k = 1, so
     text the n-gram table cannot predict costs at most an occasional extra verified token."""
-    max_k: int
-    token_cost: float
+    costs: list[float]  # costs[k]: relative step cost with k proposed tokens (costs[0] == 1)
     successes: float = 1.5  # prior: alpha = 0.6 before any verification
     failures: float = 1.0
     cooldown: int = 0
@@ -70,9 +69,9 @@ class SpecState:
         if self.probing:
             return 1
         a, best_k, best, expected = self.alpha, 0, MIN_GAIN, 1.0
-        for k in range(1, self.max_k + 1):
+        for k in range(1, len(self.costs)):
             expected += a ** k
-            gain = expected / (1.0 + self.token_cost * k)
+            gain = expected / self.costs[k]
             if gain > best:
                 best_k, best = k, gain
         if best_k == 0:
@@ -93,11 +92,21 @@ class SpecState:
 
 
 class SpecDecoder:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 time_rows: Optional[Callable[[int], Optional[list[float]]]] = None) -> None:
         self.enabled = config.speculative is not None
         self.max_k = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
-        self.token_cost = config.speculative_token_cost
+        # Relative price of verifying k tokens: measured on this device at start (time_rows), unless the
+        # config fixes a linear price per token.
+        measured = None
+        if self.enabled and config.speculative_token_cost is None and time_rows is not None:
+            measured = time_rows(self.max_k + 1)
+        if measured:
+            self.costs = [t / measured[0] for t in measured]
+        else:
+            c = 0.15 if config.speculative_token_cost is None else config.speculative_token_cost
+            self.costs = [1.0 + c * k for k in range(self.max_k + 1)]
         self.kv = kv
         self.max_model_len = max_model_len
         self.num_proposed = 0
@@ -123,7 +132,7 @@ class SpecDecoder:
                 continue
             st = req.spec_state
             if st is None:
-                st = req.spec_state = SpecState(self.max_k, self.token_cost)
+                st = req.spec_state = SpecState(self.costs)
             # The step always emits one token of the target's own after the accepted ones: never propose
             # past max_tokens or the context length.
             k = min(st.choose_k(), req.params.max_tokens - len(req.output_token_ids) - 1,
@@ -188,6 +197,7 @@ class SpecDecoder:
 
     def counters(self) -> dict[str, Any]:
         return {"spec_decode_proposed_tokens": self.num_proposed,
+                "spec_decode_step_costs": [round(c, 3) for c in self.costs],
                 "spec_decode_accepted_tokens": self.num_accepted,
                 "spec_decode_verifications": self.num_verifications,
                 "spec_decode_emitted_tokens": self.num_emitted,
