@@ -150,11 +150,12 @@ def test_abort_during_speculation_frees_everything(demo_dir):
     pool_whole(llm)
 
 
-def test_opt_out_structured_penalties_and_large_batch_do_not_speculate(demo_dir):
+def test_opt_out_structured_penalties_seeded_sampling_and_large_batch_do_not_speculate(demo_dir):
     prompts = repetitive_prompts(4, seed=9)
     llm = make_llm(demo_dir, "ngram")
     llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True, speculative=False))
     llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.2))
+    llm.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True, temperature=0.8, seed=1))
     out = llm.generate(prompts[:1], SamplingParams(max_tokens=20, structured=["yes", "no"]))[0]
     assert out.text in ("yes", "no")
     assert spec_counts(llm) == (0, 0)

@@ -14,8 +14,10 @@ Flow of one step for a request in decode:
    never enter ``all_token_ids`` before acceptance, so prefix-cache hashes never cover them.
 
 Which requests speculate: those that opted in (``SamplingParams.speculative``), without a grammar
-(structured output needs the grammar advanced per token; speculation is off for such requests), and
-without repetition/presence/frequency penalties (their distribution changes with every accepted token).
+(structured output needs the grammar advanced per token; speculation is off for such requests), without
+repetition/presence/frequency penalties (their distribution changes with every accepted token), and not
+seeded sampling: a seeded request's output must not depend on the rest of the batch, but whether and how
+far it speculates does (batch-size switch), and that changes how its generator's draws are used.
 """
 from __future__ import annotations
 
@@ -119,7 +121,8 @@ class SpecDecoder:
     @staticmethod
     def eligible(req: Request) -> bool:
         p = req.params
-        return p.speculative and p.structured is None and not p.uses_penalties
+        return (p.speculative and p.structured is None and not p.uses_penalties
+                and (p.greedy or p.seed is None))
 
     def propose(self, running: Sequence[Request]) -> None:
         """Fill ``spec_token_ids`` of the running requests that decode next step (and clear the rest)."""
