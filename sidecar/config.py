@@ -47,6 +47,16 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None = torch default
     revision: Optional[str] = None
     demo_dir: Optional[str] = None  # where "demo" is built/reused; None = user cache dir
+    # Speculative decoding: None (off) | "ngram" (prompt lookup). num_speculative_tokens is the most
+    # tokens proposed per request per step (k adapts below it); speculation is skipped in steps whose
+    # running batch has at least speculative_max_batch requests, where verifying extra tokens stops paying.
+    speculative: Optional[str] = None
+    num_speculative_tokens: int = 4
+    speculative_max_batch: int = 8
+    # Extra cost of one more verified token relative to a decode step; None = measure the step cost for
+    # 1..k+1 rows at start (GEMM kernels change algorithm with the row count). Per-request k maximises
+    # expected tokens per unit of cost.
+    speculative_token_cost: Optional[float] = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -79,6 +89,19 @@ class EngineConfig:
                  f"must be auto, cpu or cuda[:N], got {self.device!r}")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
                  f"must be >= 1, got {self.num_threads}")
+        if self.speculative in ("", "none", "off"):
+            self.speculative = None
+        _require(self.speculative in (None, "ngram"), "speculative",
+                 f"must be none or ngram, got {self.speculative!r}"
+                 + (" (the draft-model proposer is not available yet)"
+                    if isinstance(self.speculative, str) and self.speculative.startswith("draft:") else ""))
+        _require(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+                 "num_speculative_tokens", f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
+        _require(self.speculative_token_cost is None or (isinstance(self.speculative_token_cost, (int, float))
+                                                         and 0.0 <= self.speculative_token_cost <= 1.0),
+                 "speculative_token_cost", f"must be in [0, 1], got {self.speculative_token_cost!r}")
+        _require(isinstance(self.speculative_max_batch, int) and self.speculative_max_batch >= 1,
+                 "speculative_max_batch", f"must be an integer >= 1, got {self.speculative_max_batch!r}")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from sidecar.engine.request import (FinishReason, Request, RequestOutput, Reques
 from sidecar.engine.runner import ModelRunner
 from sidecar.engine.sampler import Sampler
 from sidecar.engine.scheduler import Scheduler, SchedulerOutput
+from sidecar.engine.spec.decoder import SpecDecoder
 from sidecar.engine.structured import StructuredDecoder
 from sidecar.model.loader import load_model
 
@@ -44,6 +45,7 @@ class LLMEngine:
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(loaded.device, config.seed)
+        self.spec = SpecDecoder(config, self.kv, self.max_model_len, self.runner.time_decode_rows)
         self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             overlap=self.runner.host_overlaps_forward)
         self.requests: dict[str, Request] = {}
@@ -181,6 +183,7 @@ class LLMEngine:
         for req in self.scheduler.expired(now):
             self._finish(req, FinishReason.ABORT, "deadline")
             outputs.append(req.make_output())
+        self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         for req in sched.unschedulable:
             self._finish(req, FinishReason.ABORT, "error: request does not fit the KV cache")
@@ -202,24 +205,31 @@ class LLMEngine:
         # Grammar masks are computed while the forward runs; None when no sampling request is constrained.
         masks = self.structured.start_masks([s.request.request_id for s in sched.scheduled if s.completes_prompt])
         sample_reqs, logits = self.runner.execute(sched, self.kv)
-        for s in sched.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+        for s in sched.scheduled:  # proposed tokens count as computed only once accepted (spec/decoder.py)
+            s.request.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
             self.kv.cache_computed_blocks(s.request)
         if not sample_reqs:
             return
-        token_ids, logprobs = self.structured.sample(self.sampler, logits, sample_reqs, masks)
+        num_spec = {s.request.request_id: s.num_spec_tokens for s in sched.scheduled if s.num_spec_tokens}
+        results = self.spec.sample(self.structured, self.sampler, logits, sample_reqs, num_spec, masks)
         now = time.monotonic()
-        for req, tok, lp in zip(sample_reqs, token_ids, logprobs):
+        for req, (token_ids, logprobs) in zip(sample_reqs, results):
             if req.first_token_time is None:
                 req.first_token_time = now
-            req.append_token(tok)
-            if lp is not None:
-                req.logprobs.append(lp)
-            self.counters["generation_tokens"] += 1
-            reason = self._check_stop(req, tok)
+            reason = None
+            for tok, lp in zip(token_ids, logprobs):  # tokens after a stop are dropped
+                req.append_token(tok)
+                if lp is not None:
+                    req.logprobs.append(lp)
+                self.counters["generation_tokens"] += 1
+                reason = self._check_stop(req, tok)
+                if reason is not None:
+                    break
             if reason is not None:
                 self._finish(req, reason)
             else:
+                if len(token_ids) > 1:
+                    self.kv.cache_computed_blocks(req)
                 req.text = req.detok.visible_text(False)
             outputs.append(req.make_output())
 
@@ -233,7 +243,7 @@ class LLMEngine:
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            **self.counters, **self.structured.counters(),
+            **self.counters, **self.structured.counters(), **self.spec.counters(),
         }
 
 
@@ -296,8 +306,9 @@ class LLM:
     def stats(self) -> dict[str, Any]:
         """A snapshot of the engine's cumulative counters, e.g. for benchmarks: ``prefix_cache_queries`` /
         ``prefix_cache_hits`` (prompt tokens looked up in / served from the prefix cache), ``num_steps``,
-        ``prompt_tokens``, ``generation_tokens``, ``num_requests_finished``, ``num_preemptions``, plus the
-        current KV pool state (``num_kv_blocks``, ``num_free_kv_blocks``, ``kv_cache_usage``)."""
+        ``prompt_tokens``, ``generation_tokens``, ``num_requests_finished``, ``num_preemptions``, the current
+        KV pool state (``num_kv_blocks``, ``num_free_kv_blocks``, ``kv_cache_usage``) and speculative decoding's
+        ``spec_decode_*`` (proposed / accepted / emitted tokens, verifications, acceptance histogram)."""
         return dict(self.engine.stats())
 
     def chat(self, conversations: Union[list[dict], Sequence[list[dict]]],

@@ -87,6 +87,16 @@ class KVCacheManager:
                 break  # earlier blocks were registered in an earlier step
             self.pool.cache_block(block, req.block_hashes[i], tuple(toks[i * bs:(i + 1) * bs]))
 
+    def trim(self, req: Request) -> None:
+        """Return the blocks past the request's computed tokens (they held only rejected speculative
+        tokens, so they were never full-and-computed, never hashed): tail first, evicted first."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = -(-req.num_computed_tokens // self.block_size)
+        if blocks and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free(reversed(tail))
+
     def free(self, req: Request) -> None:
         """Return every block of the request. Tail blocks are freed first so they are evicted first."""
         blocks = self.req_blocks.pop(req.request_id, None)

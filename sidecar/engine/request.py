@@ -52,6 +52,9 @@ class SamplingParams:
     # Structured output: a JSON schema (dict), a regex (str), a choice list (list of str) or a
     # sidecar.engine.structured.Constraint; normalized to a Constraint on validation.
     structured: Any = None
+    # Per-request opt-out of speculative decoding (when the engine has it on). Output is the same
+    # either way under greedy, and equally distributed under sampling.
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +99,8 @@ class SamplingParams:
                 bad("stop_token_ids", f"must be token ids in [0, vocab size), got {t!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.speculative, bool):
+            bad("speculative", f"must be true or false, got {self.speculative!r}")
         self.structured = to_constraint(self.structured)
 
     @property
@@ -181,6 +186,10 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.detok: Any = None
         self.generator: Any = None
+        # Speculative decoding: tokens proposed for this step (never part of all_token_ids, so never
+        # hashed into the prefix cache) and the proposer's per-request state (engine/spec).
+        self.spec_token_ids: list[int] = []
+        self.spec_state: Any = None
         self.text = ""
         self._emitted_tokens = 0
         self._emitted_text = 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import psutil
@@ -81,11 +82,40 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], Optional[torch.Tensor]]:
-        """Run one step. Returns the requests that sample a token this step and their logits [B, V]."""
+    def time_decode_rows(self, max_rows: int, repeats: int = 5) -> Optional[list[float]]:
+        """Median seconds of one forward plus logits for r decode rows of one request, r = 1..max_rows: the
+        price of verifying r - 1 speculative tokens on this device (GEMM kernels change algorithm with the
+        row count, so the price is measured, not assumed). Call before serving: it writes the KV of blocks
+        1.., which the lazy zeroing clears before their first real use. None when the pool is too small."""
         bs = self.block_size
-        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1]
+        nb = -(-max_rows // bs)
+        if self._zeroed_upto > 0 or nb + 1 >= self.num_blocks:
+            return None
+        table = list(range(1, nb + 1))
+        out = []
+        for r in range(1, max_rows + 1):
+            meta = AttentionMetadata(slot_mapping=self._tensor([bs + i for i in range(r)]), block_size=bs)
+            meta.decode_block_tables = self._tensor(table * r).view(r, nb)
+            meta.decode_mask = build_decode_mask(self._tensor(list(range(1, r + 1))), nb, bs, self.sliding_window)
+            ids, pos = self._tensor([0] * r), self._tensor(list(range(r)))
+            times = []
+            for i in range(repeats + 1):
+                t = time.perf_counter()
+                self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta)).sum().item()
+                times.append(time.perf_counter() - t)
+            out.append(sorted(times[1:])[repeats // 2])  # the first run warms up
+        return out
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], Optional[torch.Tensor]]:
+        """Run one step. Returns the requests that sample this step and their logits: one row each, or
+        1 + num_spec_tokens consecutive rows for a request verifying proposed tokens."""
+        bs = self.block_size
+        # A request verifying proposed tokens joins the decode group with one query row per token, each
+        # attending to its own context length: every row then goes through exactly the attention a plain
+        # decode of that token would, so verification reproduces plain decoding's numerics.
+        prefills = [s for s in sched.scheduled if s.num_new_tokens > 1 and not s.num_spec_tokens]
+        decodes = [s for s in sched.scheduled if s.num_new_tokens == 1 or s.num_spec_tokens]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -102,21 +132,27 @@ class ModelRunner:
             max_block = max(max_block, max(table))
             start = len(ids)
             ids.extend(r.all_token_ids[c:c + n])
+            if s.num_spec_tokens:  # proposed tokens ride after the last real one, at positions c+1..
+                ids.extend(r.spec_token_ids[:s.num_spec_tokens])
             pos.extend(range(c, c + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
-            if n > 1:
+            if n > 1 and not s.num_spec_tokens:
                 segments.append(PrefillSegment(start, n, c + n, self._tensor(table[: -(-(c + n) // bs)])))
             if s.completes_prompt:
-                sample_idx.append(len(ids) - 1)
+                sample_idx.extend(range(len(ids) - 1 - s.num_spec_tokens, len(ids)))
                 sample_reqs.append(r)
         if max_block > self._zeroed_upto:
             self._zero_blocks(self._zeroed_upto + 1, max_block)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=segments)
         if decodes:
-            dtables = tables[len(prefills):]
+            dtables, ctx_lens = [], []
+            for s, t in zip(decodes, tables[len(prefills):]):
+                c = s.request.num_computed_tokens
+                dtables.extend([t] * s.num_new_tokens)
+                ctx_lens.extend(range(c + 1, c + 1 + s.num_new_tokens))
             width = max(len(t) for t in dtables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dtables]).view(len(dtables), width)
-            ctx = self._tensor([s.request.num_computed_tokens + 1 for s in decodes])
+            ctx = self._tensor(ctx_lens)
             meta.decode_mask = build_decode_mask(ctx, width, bs, self.sliding_window)
         hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
         if not sample_reqs:

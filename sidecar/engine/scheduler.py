@@ -29,12 +29,14 @@ from sidecar.engine.request import QueueFullError, Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    # The last num_spec_tokens of num_new_tokens are proposed (speculative) tokens, request.spec_token_ids.
+    num_spec_tokens: int = 0
 
     @property
     def completes_prompt(self) -> bool:
         """True when this step reaches the request's last token, so a new token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - self.num_spec_tokens == r.num_tokens
 
 
 @dataclass
@@ -122,6 +124,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.spec_token_ids.clear()
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
@@ -138,11 +141,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            needed = req.num_tokens - req.num_computed_tokens
+            # Proposed tokens are budgeted like any others; a short budget trims the proposal.
+            n = min(needed + (len(req.spec_token_ids) if needed == 1 else 0), budget)
             if n <= 0:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
+                if n > needed:  # drop the proposal before preempting anyone for it
+                    n = needed
+                    continue
                 victim = self.running[-1]
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id).num_new_tokens
@@ -151,7 +159,9 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled[req.request_id] = ScheduledRequest(req, n)
+                num_spec = max(0, n - needed)
+                del req.spec_token_ids[num_spec:]
+                scheduled[req.request_id] = ScheduledRequest(req, n, num_spec)
                 budget -= n
                 i += 1
                 continue

@@ -34,7 +34,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot for every new token
     block_size: int
     prefills: list[PrefillSegment] = field(default_factory=list)
-    # Batched decode: requests with exactly one new token. Their tokens are the last Bd of the
+    # Batched decode: single query rows, each with its own context length (a plain decode token, or one
+    # of the tokens a request verifies in speculative decoding). Their tokens are the last Bd of the
     # packed batch (the runner places prefill segments first).
     decode_block_tables: Optional[torch.Tensor] = None  # [Bd, max_blocks] long (padded with 0)
     decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend

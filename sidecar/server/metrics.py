@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics,
                                generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -57,6 +57,21 @@ class _SnapshotCollector:
         yield counter("preemptions", "Requests preempted for lack of KV blocks", s.get("num_preemptions"))
         yield counter("prompt_tokens", "Prompt tokens processed", s.get("prompt_tokens"))
         yield counter("generation_tokens", "Tokens generated", s.get("generation_tokens"))
+        yield counter("spec_decode_proposed_tokens", "Speculative tokens proposed and verified",
+                      s.get("spec_decode_proposed_tokens"))
+        yield counter("spec_decode_accepted_tokens", "Speculative tokens accepted by verification",
+                      s.get("spec_decode_accepted_tokens"))
+        hist = s.get("spec_decode_acceptance_hist")
+        if hist:  # hist[a]: verifications that accepted exactly a proposed tokens; buckets are cumulative
+            h = HistogramMetricFamily("sidecar_spec_decode_acceptance",
+                                      "Proposed tokens accepted per speculative verification")
+            cum, buckets = 0, []
+            for a, n in enumerate(hist):
+                cum += n
+                buckets.append((str(a), cum))
+            buckets.append(("+Inf", cum))
+            h.add_metric([], buckets, sum_value=float(sum(a * n for a, n in enumerate(hist))))
+            yield h
         if self._cache_stats is not None:
             c = self._cache_stats() or {}
             yield counter("semantic_cache_lookups", "Semantic cache lookups", c.get("lookups"))

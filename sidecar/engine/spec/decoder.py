@@ -1,0 +1,214 @@
+"""Speculative decoding in the engine step: propose before scheduling, verify after the forward.
+
+Flow of one step for a request in decode:
+1. ``propose`` puts up to k tokens in ``request.spec_token_ids`` (n-gram prompt lookup).
+2. The scheduler budgets them with the request's last real token (``ScheduledRequest.num_spec_tokens``)
+   and the runner computes all k+1 positions in one forward as k+1 rows of the batched paged decode
+   attention, each with its own context length, returning k+1 logit rows.
+3. ``sample`` verifies the proposal against those rows: greedy keeps the longest prefix equal to the
+   target's argmax plus the target's next token (exactly plain greedy); sampling uses rejection
+   sampling, which leaves the output distributed as the target alone (see verify.py).
+4. Rollback: ``num_computed_tokens`` advances over the last real token and the accepted proposals only,
+   so the rejected positions' KV is never attended (attention reads up to the computed length) and is
+   overwritten later; blocks that held only rejected positions go back to the pool now. Proposed tokens
+   never enter ``all_token_ids`` before acceptance, so prefix-cache hashes never cover them.
+
+Which requests speculate: those that opted in (``SamplingParams.speculative``), without a grammar
+(structured output needs the grammar advanced per token; speculation is off for such requests), without
+repetition/presence/frequency penalties (their distribution changes with every accepted token), and not
+seeded sampling: a seeded request's output must not depend on the rest of the batch, but whether and how
+far it speculates does (batch-size switch), and that changes how its generator's draws are used.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from sidecar.config import EngineConfig
+from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.request import Request, TokenLogprob
+from sidecar.engine.sampler import filter_logits
+from sidecar.engine.spec.ngram import propose_ngram
+from sidecar.engine.spec.verify import verify_greedy, verify_sampled
+
+MAX_COOLDOWN_STEPS = 32
+DECAY = 0.8  # weight of older verifications in the acceptance estimate (recent text predicts best)
+MIN_GAIN = 1.02  # speculate only when the expected tokens per unit of step cost beat plain decode by this
+
+
+@dataclass
+class SpecState:
+    """Per-request adaptive proposal length.
+
+    The request's per-token acceptance probability ``alpha`` is estimated from its recent verifications
+    (a proposal stops at its first rejection, so a verification is ``accepted`` successes and, unless all
+    were accepted, one failure; older ones decay). With ``costs[k]`` the step cost of verifying k proposed
+    tokens relative to a plain decode step, k is the one that maximises expected emitted tokens
+    ``1 + alpha + ... + alpha^k`` per unit of cost; when no k beats plain decode by MIN_GAIN, the request stops speculating for a number of steps
+    that doubles with every failed probe (up to MAX_COOLDOWN_STEPS) and then probes again with k = 1, so
+    text the n-gram table cannot predict costs at most an occasional extra verified token."""
+    costs: list[float]  # costs[k]: relative step cost with k proposed tokens (costs[0] == 1)
+    successes: float = 1.5  # prior: alpha = 0.6 before any verification
+    failures: float = 1.0
+    cooldown: int = 0
+    misses: int = 0
+    probing: bool = False
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def choose_k(self) -> int:
+        """Proposal length for the next step (0: do not speculate)."""
+        if self.cooldown > 0:
+            self.cooldown -= 1
+            if self.cooldown == 0:
+                self.probing = True
+                return 1
+            return 0
+        if self.probing:
+            return 1
+        a, best_k, best, expected = self.alpha, 0, MIN_GAIN, 1.0
+        for k in range(1, len(self.costs)):
+            expected += a ** k
+            gain = expected / self.costs[k]
+            if gain > best:
+                best_k, best = k, gain
+        if best_k == 0:
+            self.misses += 1
+            self.cooldown = min(1 << self.misses, MAX_COOLDOWN_STEPS)
+        return best_k
+
+    def update(self, proposed: int, accepted: int) -> None:
+        self.successes = DECAY * self.successes + accepted
+        self.failures = DECAY * self.failures + (1 if accepted < proposed else 0)
+        if self.probing:
+            self.probing = False
+            if accepted == 0:  # failed probe: back off again, longer
+                self.misses += 1
+                self.cooldown = min(1 << self.misses, MAX_COOLDOWN_STEPS)
+            else:
+                self.misses = 0
+
+
+class SpecDecoder:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 time_rows: Optional[Callable[[int], Optional[list[float]]]] = None) -> None:
+        self.enabled = config.speculative is not None
+        self.max_k = config.num_speculative_tokens
+        self.max_batch = config.speculative_max_batch
+        # Relative price of verifying k tokens: measured on this device at start (time_rows), unless the
+        # config fixes a linear price per token.
+        measured = None
+        if self.enabled and config.speculative_token_cost is None and time_rows is not None:
+            measured = time_rows(self.max_k + 1)
+        if measured:
+            self.costs = [t / measured[0] for t in measured]
+        else:
+            c = 0.15 if config.speculative_token_cost is None else config.speculative_token_cost
+            self.costs = [1.0 + c * k for k in range(self.max_k + 1)]
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.num_proposed = 0
+        self.num_accepted = 0
+        self.num_verifications = 0
+        self.num_emitted = 0  # tokens emitted by verification steps (accepted + the target's own)
+        # acceptance_hist[a]: verifications that accepted exactly a proposed tokens.
+        self.acceptance_hist = [0] * (self.max_k + 1)
+
+    @staticmethod
+    def eligible(req: Request) -> bool:
+        p = req.params
+        return (p.speculative and p.structured is None and not p.uses_penalties
+                and (p.greedy or p.seed is None))
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Fill ``spec_token_ids`` of the running requests that decode next step (and clear the rest)."""
+        if not self.enabled:
+            return
+        off = len(running) >= self.max_batch  # a large batch is compute-bound: extra tokens cost full price
+        for req in running:
+            req.spec_token_ids = []
+            if off or req.num_tokens - req.num_computed_tokens != 1 or not self.eligible(req):
+                continue
+            st = req.spec_state
+            if st is None:
+                st = req.spec_state = SpecState(self.costs)
+            # The step always emits one token of the target's own after the accepted ones: never propose
+            # past max_tokens or the context length.
+            k = min(st.choose_k(), req.params.max_tokens - len(req.output_token_ids) - 1,
+                    self.max_model_len - req.num_tokens - 1)
+            if k > 0:
+                req.spec_token_ids = propose_ngram(req.all_token_ids, k)
+
+    # -- verification --------------------------------------------------------------------------------
+    def sample(self, structured: Any, sampler: Any, logits: torch.Tensor, reqs: list[Request],
+               num_spec: dict[str, int], masks: Any) -> list[tuple[list[int], list[Optional[TokenLogprob]]]]:
+        """Tokens (and logprobs) to emit per request, in order. ``num_spec[request_id]`` proposed tokens were
+        verified for a request (0 or absent: one logit row, sampled the ordinary way)."""
+        rows, plain, start = [], [], 0
+        for i, r in enumerate(reqs):
+            n = num_spec.get(r.request_id, 0)
+            rows.append((start, n))
+            if n == 0:
+                plain.append(i)
+            start += n + 1
+        results: list = [None] * len(reqs)
+        if plain:
+            sel = logits if len(plain) == len(reqs) else logits[[rows[i][0] for i in plain]]
+            ids, lps = structured.sample(sampler, sel, [reqs[i] for i in plain], masks)
+            for i, t, lp in zip(plain, ids, lps):
+                results[i] = ([t], [lp])
+        for i, r in enumerate(reqs):
+            if results[i] is None:
+                s, n = rows[i]
+                results[i] = self._verify(sampler, r, logits[s:s + n + 1])
+        return results
+
+    @torch.inference_mode()
+    def _verify(self, sampler: Any, req: Request, rows: torch.Tensor) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        proposed = list(req.spec_token_ids)
+        p = req.params
+        if p.greedy:
+            accepted, nxt = verify_greedy(proposed, rows.argmax(-1).tolist())
+        else:
+            probs = filter_logits_rows(rows.float() / p.temperature, p).softmax(-1)
+            accepted, nxt = verify_sampled(proposed, probs, None, sampler._generator_for(req))
+        tokens = proposed[:accepted] + [nxt]
+        lps: list[Optional[TokenLogprob]] = [None] * len(tokens)
+        if p.logprobs is not None:
+            raw = rows[:len(tokens)].float().log_softmax(-1)
+            for j, t in enumerate(tokens):
+                top = []
+                if p.logprobs:
+                    vals, idx = torch.topk(raw[j], p.logprobs)
+                    top = list(zip(idx.tolist(), vals.tolist()))
+                lps[j] = TokenLogprob(token_id=t, logprob=float(raw[j, t]), top=top)
+        # Rollback: only the last real token and the accepted proposals have valid KV.
+        req.num_computed_tokens += accepted
+        req.spec_token_ids = []
+        self.kv.trim(req)
+        self.num_proposed += len(proposed)
+        self.num_accepted += accepted
+        self.num_verifications += 1
+        self.num_emitted += len(tokens)
+        self.acceptance_hist[accepted] += 1
+        req.spec_state.update(len(proposed), accepted)
+        return tokens, lps
+
+    def counters(self) -> dict[str, Any]:
+        return {"spec_decode_proposed_tokens": self.num_proposed,
+                "spec_decode_step_costs": [round(c, 3) for c in self.costs],
+                "spec_decode_accepted_tokens": self.num_accepted,
+                "spec_decode_verifications": self.num_verifications,
+                "spec_decode_emitted_tokens": self.num_emitted,
+                "spec_decode_acceptance_hist": list(self.acceptance_hist)}
+
+
+def filter_logits_rows(rows: torch.Tensor, p: Any) -> torch.Tensor:
+    """top-k / top-p / min-p per row, exactly as the sampler filters its single row."""
+    if p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0:
+        return rows
+    return torch.stack([filter_logits(r, p.top_k, p.top_p, p.min_p) for r in rows])
