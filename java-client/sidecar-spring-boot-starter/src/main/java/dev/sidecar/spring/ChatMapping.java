@@ -11,12 +11,14 @@ import dev.sidecar.v1.SamplingParams;
 import dev.sidecar.v1.Timing;
 import dev.sidecar.v1.Tool;
 import dev.sidecar.v1.ToolCall;
+import dev.sidecar.v1.ToolChoice;
 import dev.sidecar.v1.Usage;
 import java.util.HashMap;
 import java.util.List;
 import java.util.Map;
 import org.springframework.ai.chat.messages.AssistantMessage;
 import org.springframework.ai.chat.messages.Message;
+import org.springframework.ai.chat.messages.MessageType;
 import org.springframework.ai.chat.messages.ToolResponseMessage;
 import org.springframework.ai.chat.metadata.ChatGenerationMetadata;
 import org.springframework.ai.chat.metadata.ChatResponseMetadata;
@@ -71,7 +73,7 @@ final class ChatMapping {
             req.addTools(tool);
         }
         if (options.getToolChoice() != null) {
-            req.setToolChoice(options.getToolChoice());
+            req.setToolChoice(turnToolChoice(options.getToolChoice(), messages));
         }
         if (options.getParallelToolCalls() != null) {
             req.setParallelToolCalls(options.getParallelToolCalls());
@@ -81,6 +83,18 @@ final class ChatMapping {
             req.setResponseFormat(format);
         }
         return req.build();
+    }
+
+    /**
+     * A forced choice (required, a named function) holds for a turn that asks; on the turn that
+     * brings the tools' results back (the last message is a tool message) it becomes auto, so a
+     * tool loop ends with an answer instead of calling again until a limit stops it.
+     */
+    static ToolChoice turnToolChoice(ToolChoice choice, List<Message> messages) {
+        boolean forced = choice.getMode() == ToolChoice.Mode.MODE_REQUIRED
+                || choice.getMode() == ToolChoice.Mode.MODE_FUNCTION;
+        boolean answersTools = messages.get(messages.size() - 1).getMessageType() == MessageType.TOOL;
+        return forced && answersTools ? ToolChoice.newBuilder().setMode(ToolChoice.Mode.MODE_AUTO).build() : choice;
     }
 
     private static void addMessage(ChatRequest.Builder req, Message m, String field) {

@@ -203,7 +203,12 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
         return toolContext;
     }
 
-    /** Whether and which tool the model must call; null: the sidecar's default (auto when tools are given). */
+    /**
+     * Whether and which tool the model must call; null: the sidecar's default (auto when tools are
+     * given). A forced choice (required, a named function) applies to turns that ask; the turn that
+     * carries the tools' results (the prompt ends with a tool message) is sent as auto, so
+     * ChatClient's tool loop ends with an answer.
+     */
     public ToolChoice getToolChoice() {
         return toolChoice;
     }

@@ -184,6 +184,8 @@ class SidecarToolCallingTest {
         assertThat(tool.getName()).isEqualTo("currentWeather");
         assertThat(tool.getContent()).isEqualTo("21 C in Oslo");
         assertThat(second.getToolsList()).extracting(dev.sidecar.v1.Tool::getName).containsExactly("currentWeather");
+        // the forced choice made the call; the turn with its result may answer in text
+        assertThat(second.getToolChoice().getMode()).isEqualTo(ToolChoice.Mode.MODE_AUTO);
         assertThat(sidecar.chats).isEmpty();
     }
 
