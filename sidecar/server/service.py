@@ -194,6 +194,10 @@ class InferenceService:
         if req.messages is not None and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
             req.params = tools.chat_params(req)
+        if not req.max_tokens_set and req.params.structured is not None and info.get("max_model_len"):
+            # A schema-bound reply or tool call cut at the small default is unusable: unset means the rest
+            # of the context (as on the OpenAI API), lowered to the room left by _fit_max_tokens.
+            req.params = dataclasses.replace(req.params, max_tokens=info["max_model_len"])
         prompt = await asyncio.to_thread(self._encode, req)
         self._fit_max_tokens(req, len(prompt))
         key = caller.key_id or "anonymous"

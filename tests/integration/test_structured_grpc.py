@@ -38,6 +38,19 @@ def test_chat_with_json_schema_response_format(stub):
     jsonschema.validate(json.loads(r.text), SCHEMA)
 
 
+def test_unset_max_tokens_lets_a_long_schema_reply_finish(stub):
+    # 40 three-digit numbers need well over the 64-token default of an unconstrained reply.
+    schema = {"type": "object", "properties": {"ids": {"type": "array", "minItems": 40, "maxItems": 40,
+                                                       "items": {"type": "integer", "minimum": 100,
+                                                                 "maximum": 999}}},
+              "required": ["ids"], "additionalProperties": False}
+    r = stub.Chat(pb.ChatRequest(messages=user("ids?"),
+                                 response_format=pb.ResponseFormat(type=pb.ResponseFormat.TYPE_JSON_SCHEMA,
+                                                                   json_schema=json.dumps(schema))))
+    assert r.finish_reason == pb.FINISH_REASON_STOP and r.usage.completion_tokens > 64
+    jsonschema.validate(json.loads(r.text), schema)
+
+
 def test_generate_with_choice_and_regex(stub):
     r = stub.Generate(pb.GenerateRequest(prompt="pick", sampling=pb.SamplingParams(max_tokens=10),
                                          response_format=pb.ResponseFormat(type=pb.ResponseFormat.TYPE_CHOICE,

@@ -8,6 +8,7 @@ import java.time.Duration;
 import java.util.List;
 import org.junit.jupiter.api.Test;
 import org.junit.jupiter.api.extension.RegisterExtension;
+import org.springframework.ai.chat.client.AdvisorParams;
 import org.springframework.ai.chat.client.ChatClient;
 import org.springframework.ai.model.chat.client.autoconfigure.ChatClientAutoConfiguration;
 import org.springframework.boot.autoconfigure.AutoConfigurations;
@@ -37,5 +38,25 @@ class RealModelIT {
                     .stream().content().collectList().block(Duration.ofSeconds(60));
             assertThat(String.join("", streamed)).isEqualTo(called);
         });
+    }
+
+    record Capital(String city, String country) {
+    }
+
+    @Test
+    void entityFillsARecordFromTheSchemaConstrainedAnswer() {
+        // No max tokens configured: with a response format the sidecar then lets the JSON run to its end.
+        new ApplicationContextRunner()
+                .withConfiguration(AutoConfigurations.of(SidecarAutoConfiguration.class,
+                        ChatClientAutoConfiguration.class))
+                .withPropertyValues("sidecar.client.target=" + SIDECAR.process().grpcTarget(),
+                        "sidecar.client.chat.temperature=0")
+                .run(ctx -> {
+                    Capital c = ChatClient.create(ctx.getBean(SidecarChatModel.class)).prompt()
+                            .user("What is the capital of France? Give the city and the country.")
+                            .advisors(AdvisorParams.ENABLE_NATIVE_STRUCTURED_OUTPUT).call().entity(Capital.class);
+                    assertThat(c.city()).contains("Paris");
+                    assertThat(c.country()).contains("France");
+                });
     }
 }

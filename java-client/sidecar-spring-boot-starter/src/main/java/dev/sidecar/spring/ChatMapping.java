@@ -6,20 +6,28 @@ import dev.sidecar.v1.ChatRequest;
 import dev.sidecar.v1.Completion;
 import dev.sidecar.v1.CompletionChunk;
 import dev.sidecar.v1.FinishReason;
+import dev.sidecar.v1.ResponseFormat;
 import dev.sidecar.v1.SamplingParams;
 import dev.sidecar.v1.Timing;
+import dev.sidecar.v1.Tool;
+import dev.sidecar.v1.ToolCall;
+import dev.sidecar.v1.ToolChoice;
 import dev.sidecar.v1.Usage;
 import java.util.HashMap;
 import java.util.List;
 import java.util.Map;
 import org.springframework.ai.chat.messages.AssistantMessage;
 import org.springframework.ai.chat.messages.Message;
+import org.springframework.ai.chat.messages.MessageType;
+import org.springframework.ai.chat.messages.ToolResponseMessage;
 import org.springframework.ai.chat.metadata.ChatGenerationMetadata;
 import org.springframework.ai.chat.metadata.ChatResponseMetadata;
 import org.springframework.ai.chat.metadata.DefaultUsage;
 import org.springframework.ai.chat.model.ChatResponse;
 import org.springframework.ai.chat.model.Generation;
 import org.springframework.ai.chat.prompt.Prompt;
+import org.springframework.ai.content.MediaContent;
+import org.springframework.ai.tool.definition.ToolDefinition;
 
 /** Converts Spring AI prompts to wire requests and wire completions to {@link ChatResponse}s. */
 final class ChatMapping {
@@ -27,22 +35,19 @@ final class ChatMapping {
     private ChatMapping() {
     }
 
-    static ChatRequest toRequest(Prompt prompt, SidecarChatOptions options) {
+    /**
+     * The wire request. {@code tools} are the definitions of the options' tool callbacks. Input
+     * the sidecar cannot take (media, an empty tool response) fails naming the field; nothing is
+     * dropped silently.
+     */
+    static ChatRequest toRequest(Prompt prompt, SidecarChatOptions options, List<ToolDefinition> tools) {
         List<Message> messages = prompt.getInstructions();
         if (messages.isEmpty()) {
             throw new IllegalArgumentException("prompt.messages: at least one message is required");
         }
         ChatRequest.Builder req = ChatRequest.newBuilder();
         for (int i = 0; i < messages.size(); i++) {
-            Message m = messages.get(i);
-            String role = switch (m.getMessageType()) {
-                case SYSTEM -> "system";
-                case USER -> "user";
-                case ASSISTANT -> "assistant";
-                case TOOL -> throw new IllegalArgumentException(
-                        "prompt.messages[" + i + "]: tool messages are not supported by the sidecar");
-            };
-            req.addMessages(ChatMessage.newBuilder().setRole(role).setContent(m.getText() == null ? "" : m.getText()));
+            addMessage(req, messages.get(i), "prompt.messages[" + i + "]");
         }
         req.setSampling(sampling(options));
         if (options.getModel() != null) {
@@ -57,7 +62,112 @@ final class ChatMapping {
         if (options.getPriority() != null) {
             req.setPriority(options.getPriority());
         }
+        for (ToolDefinition t : tools) {
+            Tool.Builder tool = Tool.newBuilder().setName(t.name());
+            if (t.description() != null) {
+                tool.setDescription(t.description());
+            }
+            if (t.inputSchema() != null) {
+                tool.setParameters(t.inputSchema());
+            }
+            req.addTools(tool);
+        }
+        if (options.getToolChoice() != null) {
+            req.setToolChoice(turnToolChoice(options.getToolChoice(), messages));
+        }
+        if (options.getParallelToolCalls() != null) {
+            req.setParallelToolCalls(options.getParallelToolCalls());
+        }
+        ResponseFormat format = responseFormat(options);
+        if (format != null) {
+            req.setResponseFormat(format);
+        }
         return req.build();
+    }
+
+    /**
+     * A forced choice (required, a named function) holds for a turn that asks; on the turn that
+     * brings the tools' results back (the last message is a tool message) it becomes auto, so a
+     * tool loop ends with an answer instead of calling again until a limit stops it.
+     */
+    static ToolChoice turnToolChoice(ToolChoice choice, List<Message> messages) {
+        boolean forced = choice.getMode() == ToolChoice.Mode.MODE_REQUIRED
+                || choice.getMode() == ToolChoice.Mode.MODE_FUNCTION;
+        boolean answersTools = messages.get(messages.size() - 1).getMessageType() == MessageType.TOOL;
+        return forced && answersTools ? ToolChoice.newBuilder().setMode(ToolChoice.Mode.MODE_AUTO).build() : choice;
+    }
+
+    private static void addMessage(ChatRequest.Builder req, Message m, String field) {
+        if (m instanceof MediaContent mc && mc.getMedia() != null && !mc.getMedia().isEmpty()) {
+            throw new IllegalArgumentException(field + ".media: the sidecar takes text only; "
+                    + mc.getMedia().size() + " media item(s) (" + mc.getMedia().get(0).getMimeType()
+                    + ") cannot be sent");
+        }
+        String text = m.getText() == null ? "" : m.getText();
+        switch (m.getMessageType()) {
+            case SYSTEM -> req.addMessages(ChatMessage.newBuilder().setRole("system").setContent(text));
+            case USER -> req.addMessages(ChatMessage.newBuilder().setRole("user").setContent(text));
+            case ASSISTANT -> {
+                ChatMessage.Builder msg = ChatMessage.newBuilder().setRole("assistant").setContent(text);
+                if (m instanceof AssistantMessage a) {
+                    List<AssistantMessage.ToolCall> calls = a.getToolCalls();
+                    for (int j = 0; j < calls.size(); j++) {
+                        msg.addToolCalls(toWire(calls.get(j), j, field + ".toolCalls[" + j + "]"));
+                    }
+                }
+                req.addMessages(msg);
+            }
+            case TOOL -> {
+                if (!(m instanceof ToolResponseMessage t) || t.getResponses().isEmpty()) {
+                    throw new IllegalArgumentException(field + ".responses: a tool message needs at least one "
+                            + "tool response");
+                }
+                // One wire message per response: each answers one call id.
+                for (int j = 0; j < t.getResponses().size(); j++) {
+                    ToolResponseMessage.ToolResponse r = t.getResponses().get(j);
+                    if (r.id() == null || r.id().isEmpty()) {
+                        throw new IllegalArgumentException(field + ".responses[" + j + "].id: required");
+                    }
+                    ChatMessage.Builder msg = ChatMessage.newBuilder().setRole("tool").setToolCallId(r.id())
+                            .setContent(r.responseData() == null ? "" : r.responseData());
+                    if (r.name() != null) {
+                        msg.setName(r.name());
+                    }
+                    req.addMessages(msg);
+                }
+            }
+        }
+    }
+
+    private static ToolCall toWire(AssistantMessage.ToolCall c, int index, String field) {
+        if (c.name() == null || c.name().isEmpty()) {
+            throw new IllegalArgumentException(field + ".name: required");
+        }
+        ToolCall.Builder w = ToolCall.newBuilder().setName(c.name()).setIndex(index)
+                .setType(c.type() == null || c.type().isEmpty() ? "function" : c.type())
+                .setArguments(c.arguments() == null ? "{}" : c.arguments());
+        if (c.id() != null) {
+            w.setId(c.id());
+        }
+        return w.build();
+    }
+
+    static AssistantMessage.ToolCall fromWire(ToolCall c) {
+        return new AssistantMessage.ToolCall(c.getId(), c.getType().isEmpty() ? "function" : c.getType(),
+                c.getName(), c.getArguments());
+    }
+
+    /** The explicit response format, else native structured output's schema; both set is a conflict. */
+    private static ResponseFormat responseFormat(SidecarChatOptions o) {
+        if (o.getOutputSchema() == null) {
+            return o.getResponseFormat();
+        }
+        if (o.getResponseFormat() != null) {
+            throw new IllegalArgumentException("options.responseFormat: conflicts with options.outputSchema "
+                    + "(native structured output); set one of them");
+        }
+        return ResponseFormat.newBuilder().setType(ResponseFormat.Type.TYPE_JSON_SCHEMA)
+                .setJsonSchema(o.getOutputSchema()).build();
     }
 
     // Only set fields are sent, so the sidecar's defaults apply to the rest; range checks
@@ -98,27 +208,30 @@ final class ChatMapping {
     }
 
     static ChatResponse toResponse(Completion c) {
-        return response(c.getText(), c.getRequestId(), c.getModel(), c.getFinishReason(),
+        return response(c.getText(), c.getToolCallsList(), c.getRequestId(), c.getModel(), c.getFinishReason(),
                 c.hasUsage() ? c.getUsage() : null, c.hasTiming() ? c.getTiming() : null,
                 c.hasCache() ? c.getCache() : null);
     }
 
     /** One streamed chunk; usage and finish reason are present on the last chunk only. */
     static ChatResponse toResponse(CompletionChunk c, String model) {
-        return response(c.getDelta(), c.getRequestId(), model, c.getFinishReason(),
+        return response(c.getDelta(), c.getToolCallsList(), c.getRequestId(), model, c.getFinishReason(),
                 c.hasUsage() ? c.getUsage() : null, c.hasTiming() ? c.getTiming() : null,
                 c.hasCache() ? c.getCache() : null);
     }
 
-    /** The whole streamed answer: all deltas' text with the last chunk's usage, finish reason and metadata. */
-    static ChatResponse aggregate(String text, CompletionChunk last, String model) {
-        return response(text, last.getRequestId(), model, last.getFinishReason(),
+    /**
+     * The whole streamed answer: all deltas' text and tool calls with the last chunk's usage, finish
+     * reason and metadata.
+     */
+    static ChatResponse aggregate(String text, List<ToolCall> calls, CompletionChunk last, String model) {
+        return response(text, calls, last.getRequestId(), model, last.getFinishReason(),
                 last.hasUsage() ? last.getUsage() : null, last.hasTiming() ? last.getTiming() : null,
                 last.hasCache() ? last.getCache() : null);
     }
 
-    private static ChatResponse response(String text, String id, String model, FinishReason finish, Usage usage,
-                                         Timing timing, CacheInfo cache) {
+    private static ChatResponse response(String text, List<ToolCall> calls, String id, String model,
+                                         FinishReason finish, Usage usage, Timing timing, CacheInfo cache) {
         Map<String, Object> extra = new HashMap<>();
         if (cache != null) {
             extra.put(SidecarChatModel.CACHE_STATUS, cacheStatus(cache));
@@ -152,15 +265,18 @@ final class ChatMapping {
                     usage.getTotalTokens() > 0 ? usage.getTotalTokens()
                             : usage.getPromptTokens() + usage.getCompletionTokens(), usage));
         }
-        return new ChatResponse(List.of(new Generation(new AssistantMessage(text), gen.build())), meta.build());
+        AssistantMessage output = AssistantMessage.builder().content(text)
+                .toolCalls(calls.stream().map(ChatMapping::fromWire).toList()).build();
+        return new ChatResponse(List.of(new Generation(output, gen.build())), meta.build());
     }
 
-    /** "STOP", "LENGTH", "ABORT"; null while a stream is still running. */
+    /** "STOP", "LENGTH", "ABORT", "TOOL_CALLS"; null while a stream is still running. */
     static String finishReason(FinishReason f) {
         return switch (f) {
             case FINISH_REASON_STOP -> "STOP";
             case FINISH_REASON_LENGTH -> "LENGTH";
             case FINISH_REASON_ABORT -> "ABORT";
+            case FINISH_REASON_TOOL_CALLS -> "TOOL_CALLS";
             default -> null;
         };
     }

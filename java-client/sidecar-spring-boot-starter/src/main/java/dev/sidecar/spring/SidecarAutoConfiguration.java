@@ -9,6 +9,7 @@ import java.time.Duration;
 import org.springframework.ai.chat.observation.ChatModelObservationConvention;
 import org.springframework.ai.embedding.observation.EmbeddingModelObservationConvention;
 import org.springframework.ai.model.SpringAIModelProperties;
+import org.springframework.ai.model.tool.ToolCallingManager;
 import org.springframework.beans.factory.ObjectProvider;
 import org.springframework.boot.health.autoconfigure.contributor.ConditionalOnEnabledHealthIndicator;
 import org.springframework.boot.health.contributor.HealthIndicator;
@@ -32,7 +33,8 @@ import org.springframework.context.annotation.Configuration;
  * rest exist only when at least one of the two is selected, so an application that picks
  * another provider for both gets no sidecar beans. Every bean backs off when the
  * application defines its own; user {@link ChatModelObservationConvention} /
- * {@link EmbeddingModelObservationConvention} beans are applied. Runs before Spring AI's
+ * {@link EmbeddingModelObservationConvention} beans are applied, and so is a unique
+ * {@link ToolCallingManager} bean (it resolves tool callbacks to the definitions sent). Runs before Spring AI's
  * ChatClient auto-configuration, whose {@code ChatClient.Builder} then wraps the chat model.
  */
 @AutoConfiguration(
@@ -102,9 +104,10 @@ public class SidecarAutoConfiguration {
             matchIfMissing = true)
     public SidecarChatModel sidecarChatModel(SidecarClient client, SidecarProperties props,
                                              ObjectProvider<ObservationRegistry> observationRegistry,
-                                             ObjectProvider<ChatModelObservationConvention> convention) {
+                                             ObjectProvider<ChatModelObservationConvention> convention,
+                                             ObjectProvider<ToolCallingManager> toolCallingManager) {
         SidecarChatModel model = new SidecarChatModel(client, props.getChat().toOptions(),
-                observationRegistry.getIfUnique(() -> ObservationRegistry.NOOP));
+                observationRegistry.getIfUnique(() -> ObservationRegistry.NOOP), toolCallingManager.getIfUnique());
         convention.ifAvailable(model::setObservationConvention);
         return model;
     }

@@ -3,9 +3,12 @@ package dev.sidecar.spring;
 import dev.sidecar.client.SidecarClient;
 import dev.sidecar.v1.ChatRequest;
 import dev.sidecar.v1.CompletionChunk;
+import dev.sidecar.v1.ToolCall;
 import io.micrometer.observation.Observation;
 import io.micrometer.observation.ObservationRegistry;
 import io.micrometer.observation.contextpropagation.ObservationThreadLocalAccessor;
+import java.util.List;
+import java.util.concurrent.CopyOnWriteArrayList;
 import java.util.concurrent.atomic.AtomicBoolean;
 import java.util.concurrent.atomic.AtomicReference;
 import org.springframework.ai.chat.model.ChatModel;
@@ -16,6 +19,7 @@ import org.springframework.ai.chat.observation.ChatModelObservationDocumentation
 import org.springframework.ai.chat.observation.DefaultChatModelObservationConvention;
 import org.springframework.ai.chat.prompt.ChatOptions;
 import org.springframework.ai.chat.prompt.Prompt;
+import org.springframework.ai.model.tool.ToolCallingManager;
 import reactor.core.publisher.Flux;
 
 /**
@@ -33,9 +37,21 @@ import reactor.core.publisher.Flux;
  * <p>Calls are observed with Spring AI's chat-model observation (gen_ai.* key values).
  * A stream's observation is a child of the observation in the subscriber's Reactor
  * context (e.g. ChatClient's), is itself put in the context of the stream, and records
- * the whole answer (all deltas, the last chunk's usage and finish reason) when the
- * stream completes, fails or is cancelled. The gRPC call is started with the chat
+ * the whole answer (all deltas and tool calls, the last chunk's usage and finish reason)
+ * when the stream completes, fails or is cancelled. The gRPC call is started with the chat
  * observation in scope, so the client's gRPC observation (if any) is its child.
+ *
+ * <p>Tools: the options' tool callbacks are resolved to definitions (name, description, input
+ * schema) through the {@link ToolCallingManager} and sent as {@code ChatRequest.tools}; the
+ * model's calls come back as {@link org.springframework.ai.chat.messages.AssistantMessage.ToolCall}s
+ * with finish reason "TOOL_CALLS" (in a stream each call arrives whole in one chunk). As with
+ * Spring AI 2.0's own chat models, the calls are executed by ChatClient's tool-calling advisor
+ * (Spring AI's {@code ToolCallingManager}, its eligibility checker, {@code returnDirect} and call
+ * limits), which sends the assistant calls and the {@code ToolResponseMessage} back here; a bare
+ * {@code call(prompt)} returns the calls to its caller. Native structured output (the options'
+ * output schema) is sent as a JSON-schema response format. With either, an unset max tokens
+ * lets the sidecar generate up to the rest of the context instead of its 64-token default, so
+ * JSON is not cut short.
  */
 public class SidecarChatModel implements ChatModel {
 
@@ -56,6 +72,7 @@ public class SidecarChatModel implements ChatModel {
     private final SidecarClient client;
     private final SidecarChatOptions defaultOptions;
     private final ObservationRegistry observationRegistry;
+    private final ToolCallingManager toolCallingManager;
     private ChatModelObservationConvention observationConvention;
 
     public SidecarChatModel(SidecarClient client) {
@@ -64,9 +81,20 @@ public class SidecarChatModel implements ChatModel {
 
     public SidecarChatModel(SidecarClient client, SidecarChatOptions defaultOptions,
                             ObservationRegistry observationRegistry) {
+        this(client, defaultOptions, observationRegistry, null);
+    }
+
+    /**
+     * @param toolCallingManager resolves the options' tool callbacks to the definitions sent to the
+     *                           sidecar; null for Spring AI's default manager
+     */
+    public SidecarChatModel(SidecarClient client, SidecarChatOptions defaultOptions,
+                            ObservationRegistry observationRegistry, ToolCallingManager toolCallingManager) {
         this.client = client;
         this.defaultOptions = defaultOptions == null ? SidecarChatOptions.builder().build() : defaultOptions.copy();
         this.observationRegistry = observationRegistry == null ? ObservationRegistry.NOOP : observationRegistry;
+        this.toolCallingManager = toolCallingManager == null ? ToolCallingManager.builder().build()
+                : toolCallingManager;
     }
 
     /** Replaces the default chat observation convention (null restores it). */
@@ -87,7 +115,8 @@ public class SidecarChatModel implements ChatModel {
     public ChatResponse call(Prompt prompt) {
         Prompt effective = effectivePrompt(prompt);
         SidecarChatOptions options = (SidecarChatOptions) effective.getOptions();
-        ChatRequest request = ChatMapping.toRequest(effective, options);
+        ChatRequest request = ChatMapping.toRequest(effective, options,
+                toolCallingManager.resolveToolDefinitions(options));
         ChatModelObservationContext context = observationContext(effective, false);
         return observation(context).observe(() -> {
             ChatResponse response;
@@ -105,7 +134,8 @@ public class SidecarChatModel implements ChatModel {
     public Flux<ChatResponse> stream(Prompt prompt) {
         Prompt effective = effectivePrompt(prompt);
         SidecarChatOptions options = (SidecarChatOptions) effective.getOptions();
-        ChatRequest request = ChatMapping.toRequest(effective, options);
+        ChatRequest request = ChatMapping.toRequest(effective, options,
+                toolCallingManager.resolveToolDefinitions(options));
         String model = options.getModel();
         return Flux.deferContextual(contextView -> {
             ChatModelObservationContext context = observationContext(effective, true);
@@ -120,12 +150,13 @@ public class SidecarChatModel implements ChatModel {
                 observation.start();
             }
             StringBuilder text = new StringBuilder();
+            List<ToolCall> calls = new CopyOnWriteArrayList<>();
             AtomicReference<CompletionChunk> last = new AtomicReference<>();
             AtomicBoolean stopped = new AtomicBoolean();
             Runnable finish = () -> {
                 if (stopped.compareAndSet(false, true)) {
                     if (last.get() != null) {
-                        context.setResponse(ChatMapping.aggregate(text.toString(), last.get(), model));
+                        context.setResponse(ChatMapping.aggregate(text.toString(), calls, last.get(), model));
                     }
                     observation.stop();
                 }
@@ -143,6 +174,7 @@ public class SidecarChatModel implements ChatModel {
                         synchronized (text) {
                             text.append(chunk.getDelta());
                         }
+                        calls.addAll(chunk.getToolCallsList());
                         last.set(chunk);
                     })
                     .map(chunk -> ChatMapping.toResponse(chunk, model))

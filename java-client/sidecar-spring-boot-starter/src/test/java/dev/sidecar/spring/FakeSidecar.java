@@ -46,6 +46,10 @@ final class FakeSidecar implements AutoCloseable {
     final AtomicInteger modelInfoCalls = new AtomicInteger();
     final HealthStatusManager health = new HealthStatusManager();
     volatile Status failWith;
+    /** Replies used, in order, instead of the echo while any are left. */
+    final ConcurrentLinkedQueue<Completion> replies = new ConcurrentLinkedQueue<>();
+    /** Streamed replies used, in order, instead of the echo while any are left. */
+    final ConcurrentLinkedQueue<List<CompletionChunk>> streamReplies = new ConcurrentLinkedQueue<>();
     /** The deadline each Inference call arrived with (null when it had none). */
     final ConcurrentLinkedQueue<java.util.Optional<io.grpc.Deadline>> deadlines = new ConcurrentLinkedQueue<>();
     private final Server server;
@@ -96,6 +100,12 @@ final class FakeSidecar implements AutoCloseable {
                 observer.onError(failWith.asRuntimeException());
                 return;
             }
+            Completion scripted = replies.poll();
+            if (scripted != null) {
+                observer.onNext(scripted);
+                observer.onCompleted();
+                return;
+            }
             String text = "echo: " + lastContent(request);
             observer.onNext(Completion.newBuilder().setRequestId("chat-1").setText(text).setModel("demo")
                     .setFinishReason(FinishReason.FINISH_REASON_STOP)
@@ -111,6 +121,12 @@ final class FakeSidecar implements AutoCloseable {
             chats.add(request);
             if (failWith != null) {
                 observer.onError(failWith.asRuntimeException());
+                return;
+            }
+            List<CompletionChunk> scripted = streamReplies.poll();
+            if (scripted != null) {
+                scripted.forEach(observer::onNext);
+                observer.onCompleted();
                 return;
             }
             List<String> words = List.of("echo:", " ", lastContent(request));

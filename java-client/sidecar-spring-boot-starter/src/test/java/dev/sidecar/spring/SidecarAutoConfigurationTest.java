@@ -31,6 +31,17 @@ import org.springframework.boot.test.context.runner.ApplicationContextRunner;
 import org.springframework.context.annotation.Bean;
 import org.springframework.context.annotation.Configuration;
 import org.springframework.util.unit.DataSize;
+import dev.sidecar.v1.Completion;
+import dev.sidecar.v1.FinishReason;
+import dev.sidecar.v1.ToolCall;
+import java.util.List;
+import java.util.concurrent.atomic.AtomicInteger;
+import org.springframework.ai.chat.model.ChatResponse;
+import org.springframework.ai.chat.prompt.Prompt;
+import org.springframework.ai.model.tool.ToolCallingChatOptions;
+import org.springframework.ai.model.tool.ToolCallingManager;
+import org.springframework.ai.model.tool.ToolExecutionResult;
+import org.springframework.ai.tool.definition.ToolDefinition;
 
 class SidecarAutoConfigurationTest {
 
@@ -61,6 +72,35 @@ class SidecarAutoConfigurationTest {
             String reply = ctx.getBean(ChatClient.Builder.class).build().prompt().user("wired").call().content();
             assertThat(reply).isEqualTo("echo: wired");
             assertThat(ctx.getBean(SidecarHealthIndicator.class).health().getStatus()).isEqualTo(Status.UP);
+        });
+    }
+
+    @Test
+    void toolsThroughTheAutoConfiguredChatClientUseTheApplicationsToolCallingManager() {
+        AtomicInteger resolved = new AtomicInteger();
+        ToolCallingManager standard = ToolCallingManager.builder().build();
+        ToolCallingManager counting = new ToolCallingManager() {
+            @Override
+            public List<ToolDefinition> resolveToolDefinitions(ToolCallingChatOptions options) {
+                resolved.incrementAndGet();
+                return standard.resolveToolDefinitions(options);
+            }
+
+            @Override
+            public ToolExecutionResult executeToolCalls(Prompt prompt, ChatResponse response) {
+                return standard.executeToolCalls(prompt, response);
+            }
+        };
+        sidecar.replies.add(Completion.newBuilder().addToolCalls(ToolCall.newBuilder()
+                        .setId("c1").setType("function").setName("currentWeather").setArguments("{\"city\":\"Oslo\"}"))
+                .setFinishReason(FinishReason.FINISH_REASON_TOOL_CALLS).build());
+        runner.withBean(ToolCallingManager.class, () -> counting).run(ctx -> {
+            SidecarToolCallingTest.WeatherTools tools = new SidecarToolCallingTest.WeatherTools();
+            String reply = ctx.getBean(ChatClient.Builder.class).build().prompt().user("weather?").tools(tools)
+                    .call().content();
+            assertThat(tools.calls).containsExactly("Oslo");
+            assertThat(reply).isEqualTo("echo: 21 C in Oslo");  // the fake echoes the tool message back
+            assertThat(resolved.get()).isEqualTo(2);  // each turn's definitions came from the bean
         });
     }
 

@@ -300,7 +300,7 @@ class SidecarChatModelTest {
     }
 
     @Test
-    void toolMessagesAreRejectedNamingTheField() {
+    void emptyToolMessagesAreRejectedNamingTheField() {
         Prompt prompt = new Prompt(List.of(new UserMessage("q"),
                 ToolResponseMessage.builder().responses(List.of()).build()));
         assertThatThrownBy(() -> model.call(prompt)).isInstanceOf(IllegalArgumentException.class)
