@@ -52,7 +52,7 @@ def test_chat_unary_shape_usage_and_cache_header(client, svc):
 def test_chat_translation_of_sampling_fields_and_roles(client, svc):
     body = chat_body(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1, repetition_penalty=1.1,
                      presence_penalty=0.5, frequency_penalty=-0.5, stop="END", max_tokens=None,
-                     max_completion_tokens=2, priority=3, cache_control="skip", cache_salt="s",
+                     max_completion_tokens=2, priority=3, cache_control="skip", cache_salt="s", speculative=False,
                      messages=[{"role": "developer", "content": "be brief"},
                                {"role": "user", "content": [{"type": "text", "text": "a"},
                                                             {"type": "text", "text": "b"}]}])
@@ -62,6 +62,7 @@ def test_chat_translation_of_sampling_fields_and_roles(client, svc):
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (0.7, 0.9, 0, 0.1, 1.1)
     assert (p.presence_penalty, p.frequency_penalty, p.stop, p.max_tokens) == (0.5, -0.5, ["END"], 2)
     assert (req.priority, req.cache_control, req.cache_salt, req.model) == (3, "skip", "s", "demo")
+    assert p.speculative is False  # the per-request opt-out of speculative decoding
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
 
 

@@ -42,7 +42,7 @@ FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abo
 CACHE_STATUS = {"miss": pb.CACHE_STATUS_MISS, "hit_exact": pb.CACHE_STATUS_HIT_EXACT,
                 "hit_semantic": pb.CACHE_STATUS_HIT_SEMANTIC, "bypass": pb.CACHE_STATUS_BYPASS}
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                      "presence_penalty", "frequency_penalty", "seed")
+                      "presence_penalty", "frequency_penalty", "seed", "speculative")
 
 
 def _params(s: pb.SamplingParams) -> Any:

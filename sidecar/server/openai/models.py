@@ -120,6 +120,8 @@ class _Sampling(_Strict):
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     priority: Optional[int] = Field(None, ge=-(2**31), lt=2**31)
+    speculative: Optional[bool] = Field(None, description="false: opt out of the sidecar's speculative decoding "
+                                        "(same output); unset: the sidecar's setting")
     # Sidecar extensions: semantic cache control and prefix-cache isolation.
     cache_control: Optional[CacheControl] = None
     cache_sampled: Optional[bool] = None

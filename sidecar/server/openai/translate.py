@@ -31,7 +31,7 @@ def _seed(seed: Optional[int], i: int) -> Optional[int]:
 def _params(body: _Sampling, max_tokens: int, logprobs: Optional[int], choice: int) -> Any:
     kw: dict[str, Any] = {"max_tokens": max_tokens, "seed": _seed(body.seed, choice), "logprobs": logprobs}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "ignore_eos", "skip_special_tokens", "stop_token_ids"):
+                 "ignore_eos", "skip_special_tokens", "stop_token_ids", "speculative"):
         value = getattr(body, name)
         if value is not None:
             kw[name] = value

@@ -1,0 +1,24 @@
+"""gRPC SamplingParams -> engine SamplingParams: optional fields keep the engine's defaults when unset."""
+import pytest
+
+from sidecar.server.grpc import servicer
+from sidecar.server.validation import ServiceError
+from sidecar.v1 import sidecar_pb2 as pb
+
+
+def test_unset_fields_keep_engine_defaults():
+    p = servicer._params(pb.SamplingParams())
+    assert (p.max_tokens, p.temperature, p.seed, p.speculative) == (64, 0.0, None, True)
+
+
+def test_speculative_opt_out_and_other_fields_reach_the_engine():
+    p = servicer._params(pb.SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, speculative=False,
+                                           stop=["x"], logprobs=2))
+    assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.speculative) == (7, 0.5, 3, 11, False)
+    assert (p.stop, p.logprobs) == (["x"], 2)
+    assert servicer._params(pb.SamplingParams(speculative=True)).speculative is True
+
+
+def test_bad_value_names_the_sampling_field():
+    with pytest.raises(ServiceError, match="sampling.top_p"):
+        servicer._params(pb.SamplingParams(top_p=2.0))
