@@ -42,7 +42,10 @@ def test_generation_routes_never_answer_5xx(base_url, path, mode):
     statuses: list[int] = []
 
     @given(case=operation.as_strategy(generation_mode=mode))
-    @settings(max_examples=15, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck),
+    # Schema-valid chat bodies are mostly refused on semantics the schema cannot express (a tool message
+    # needs content, the last message must be from the user or a tool, ...): 40 positive examples leave
+    # a few that reach the engine.
+    @settings(max_examples=15 if mode == GenerationMode.NEGATIVE else 40, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck),
               database=None)
     def run(case):
         _clamp(case.body)
@@ -52,4 +55,4 @@ def test_generation_routes_never_answer_5xx(base_url, path, mode):
 
     run()
     # Both kinds of data were really exercised: valid bodies are answered, invalid ones refused.
-    assert (200 in statuses) if mode == GenerationMode.POSITIVE else (400 in statuses)
+    assert (200 in statuses) if mode == GenerationMode.POSITIVE else (400 in statuses), statuses
