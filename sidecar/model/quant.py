@@ -11,6 +11,7 @@ reloading quantized checkpoints is ``quant_checkpoint.py``.
 """
 from __future__ import annotations
 
+import abc
 from typing import Optional
 
 import torch
@@ -46,31 +47,29 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _ALIGN_BYTES == 0 else t.clone()
 
 
-class _QuantLinearBase(nn.Module):
+class _QuantLinearBase(nn.Module, metaclass=abc.ABCMeta):
     def __init__(self, in_features: int, out_features: int, bias: Optional[torch.Tensor]):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.k_padded = padded_in_features(in_features)
         self.register_buffer("bias", bias)
 
+    @abc.abstractmethod
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """[M, k_padded] activations in the layer's dtype -> [M, >= out_features] outputs."""
 
-    def _few_rows(self, x2d: torch.Tensor) -> Optional[torch.Tensor]:
-        """Output of one of our own kernels for a decode-sized batch, or None (use ``_matmul``)."""
-        return None
+    @staticmethod
+    def _fused_input(x2d: torch.Tensor) -> torch.Tensor:
+        """Activations as torch's fused kernels take them: in the kernel dtype, 64-byte aligned."""
+        kdt = kernel_dtype(x2d.dtype, x2d.device)
+        return _aligned(x2d if x2d.dtype == kdt else x2d.to(kdt))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
-        y = self._few_rows(x2d)
-        if y is None:
-            kdt = kernel_dtype(x.dtype, x.device)
-            if x2d.dtype != kdt:
-                x2d = x2d.to(kdt)
-            if self.k_padded != self.in_features:
-                x2d = F.pad(x2d, (0, self.k_padded - self.in_features))
-            y = self._matmul(_aligned(x2d))
+        if self.k_padded != self.in_features:
+            x2d = F.pad(x2d, (0, self.k_padded - self.in_features))
+        y = self._matmul(x2d)
         if y.shape[-1] != self.out_features:
             y = y[:, :self.out_features]
         y = y.to(x.dtype)
@@ -97,15 +96,10 @@ class Int8Linear(_QuantLinearBase):
         # Full-precision scales for our CPU decode kernel (which takes float32 activations).
         self.register_buffer("scales_f32", scales.float().contiguous(), persistent=False)
 
-    def _few_rows(self, x2d: torch.Tensor) -> Optional[torch.Tensor]:
-        if x2d.device.type != "cpu" or x2d.shape[0] > int8_gemv.MAX_ROWS or not int8_gemv.available():
-            return None
-        xf = x2d.float()
-        if self.k_padded != self.in_features:
-            xf = F.pad(xf, (0, self.k_padded - self.in_features))
-        return int8_gemv.int8_matmul(xf, self.weight, self.scales_f32)
-
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and int8_gemv.available():
+            return int8_gemv.int8_matmul(x2d, self.weight, self.scales_f32)  # decode-sized batch: our kernel
+        x2d = self._fused_input(x2d)
         scales = self.scales if self.scales.dtype == x2d.dtype else self.scales.to(x2d.dtype)
         dev = x2d.device.type
         if _INT8_FUSED_OK.get(dev, True):
@@ -152,6 +146,7 @@ class Int4Linear(_QuantLinearBase):
         self.register_buffer("weight", _aligned(weight))
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        x2d = self._fused_input(x2d)
         sz = self.scales_and_zeros
         sz = sz if sz.dtype == x2d.dtype else sz.to(x2d.dtype)
         if x2d.device.type == "cpu":
