@@ -174,12 +174,16 @@ class InferenceService:
 
     def _fit_max_tokens(self, req: GenerationRequest, n_prompt: int) -> None:
         """A max_tokens the client set must fit the context next to the prompt (400 otherwise, as
-        vLLM does); a defaulted one is lowered to the room left."""
+        vLLM does); a defaulted one is lowered to the room left. With an output constraint (response
+        format, tools) the default is the room left: a schema-bound reply cut at a small default is
+        unusable, and on the OpenAI API unset means the rest of the context."""
         max_len = self.engine.engine.model_info.get("max_model_len")
         if not max_len or n_prompt >= max_len:
             return  # the engine refuses the prompt itself, naming it
         room = max_len - n_prompt
-        if req.params.max_tokens > room:
+        if not req.max_tokens_set and req.params.structured is not None:
+            req.params = dataclasses.replace(req.params, max_tokens=room)
+        elif req.params.max_tokens > room:
             if req.max_tokens_set:
                 raise invalid("sampling.max_tokens", f"{req.params.max_tokens} tokens plus the prompt's {n_prompt} "
                               f"exceed the context length of {max_len} tokens; at most {room} fit")
@@ -194,10 +198,6 @@ class InferenceService:
         if req.messages is not None and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
             req.params = tools.chat_params(req)
-        if not req.max_tokens_set and req.params.structured is not None and info.get("max_model_len"):
-            # A schema-bound reply or tool call cut at the small default is unusable: unset means the rest
-            # of the context (as on the OpenAI API), lowered to the room left by _fit_max_tokens.
-            req.params = dataclasses.replace(req.params, max_tokens=info["max_model_len"])
         prompt = await asyncio.to_thread(self._encode, req)
         self._fit_max_tokens(req, len(prompt))
         key = caller.key_id or "anonymous"
