@@ -47,16 +47,20 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None = torch default
     revision: Optional[str] = None
     demo_dir: Optional[str] = None  # where "demo" is built/reused; None = user cache dir
-    # Speculative decoding: None (off) | "ngram" (prompt lookup). num_speculative_tokens is the most
+    # Speculative decoding: None (off) | "ngram" (prompt lookup) | "draft:<model>" (a smaller checkpoint
+    # sharing the target's tokenizer proposes by decoding, with its own KV pool). num_speculative_tokens is the most
     # tokens proposed per request per step (k adapts below it); speculation is skipped in steps whose
     # running batch has at least speculative_max_batch requests, where verifying extra tokens stops paying.
     speculative: Optional[str] = None
     num_speculative_tokens: int = 4
     speculative_max_batch: int = 8
-    # Extra cost of one more verified token relative to a decode step; None = measure the step cost for
-    # 1..k+1 rows at start (GEMM kernels change algorithm with the row count). Per-request k maximises
-    # expected tokens per unit of cost.
+    # Extra cost of one more proposed token (verifying it, and for a draft model proposing it) relative to a
+    # decode step; None = measure at start the step cost for 1..k+1 rows (GEMM kernels change algorithm
+    # with the row count) and a draft step's cost. Per-request k maximises expected tokens per unit of cost.
     speculative_token_cost: Optional[float] = None
+    # Weight quantization of the draft model (draft:<model>); it otherwise loads like the target would
+    # (same dtype setting) without the target's quantization.
+    speculative_draft_quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -91,10 +95,12 @@ class EngineConfig:
                  f"must be >= 1, got {self.num_threads}")
         if self.speculative in ("", "none", "off"):
             self.speculative = None
-        _require(self.speculative in (None, "ngram"), "speculative",
-                 f"must be none or ngram, got {self.speculative!r}"
-                 + (" (the draft-model proposer is not available yet)"
-                    if isinstance(self.speculative, str) and self.speculative.startswith("draft:") else ""))
+        _require(self.speculative in (None, "ngram") or (isinstance(self.speculative, str)
+                                                        and self.speculative.startswith("draft:")
+                                                        and self.speculative[6:].strip() != ""), "speculative",
+                 f"must be none, ngram or draft:<model>, got {self.speculative!r}")
+        _require(self.speculative_draft_quantization in QUANT_MODES, "speculative_draft_quantization",
+                 f"must be one of none, int8, int4, got {self.speculative_draft_quantization!r}")
         _require(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
                  "num_speculative_tokens", f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
         _require(self.speculative_token_cost is None or (isinstance(self.speculative_token_cost, (int, float))

@@ -1,7 +1,7 @@
-"""Speculative decoding (n-gram prompt lookup): batch-1 decode speed on input-grounded prompts and on
+"""Speculative decoding (n-gram prompt lookup or a draft model): batch-1 decode speed on input-grounded prompts and on
 open-ended chat, and batch-32 throughput, speculation on vs off in the same run on the same engine.
 
-One engine with ``speculative="ngram"``; the "off" side sends the same requests with
+One engine with ``speculative="ngram"`` (or ``--speculative draft:<model>``); the "off" side sends the same requests with
 ``SamplingParams(speculative=False)``, so weights, KV pool, threads and prefix cache are shared and only
 speculation differs. Sides alternate (off, on, off, on, ...) and each reports its median, so drift on a
 shared machine hits both equally. Batch-1 decode speed is (output tokens - 1) / (e2e - ttft) per request,
@@ -52,6 +52,10 @@ CHAT = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint (default: the default trained model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"], help="the target's weights")
+    p.add_argument("--speculative", default="ngram", help="ngram (default) or draft:<model>")
+    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
+                   help="the draft model's weights (draft:<model> only)")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--speculative-max-batch", type=int, default=8)
     p.add_argument("--output-tokens", type=int, default=128)
@@ -93,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, dtype=args.dtype, speculative="ngram",
-              num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch)
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, speculative=args.speculative,
+              speculative_draft_quantization=args.draft_quantization, num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch)
     n = args.output_tokens
     sides = {"off": SamplingParams(max_tokens=n, speculative=False), "on": SamplingParams(max_tokens=n)}
     rows = []
@@ -133,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     jpath, ppath = write_report(
         args.out, "spec", {"command": "sidecar bench spec", "args": {k: v for k, v in vars(args).items()
                                                                       if k != "_run"},
-                           "model": info["model"], "dtype": info["dtype"], "loadavg": os.getloadavg(),
+                           "model": info["model"], "dtype": info["dtype"], "quantization": info["quantization"],
+                           "speculative": args.speculative, "loadavg": os.getloadavg(),
                            "results": rows},
         bars={"tokens/s": {f"{r['case']} {side}": r[f"{side}_tok_s"] for r in rows for side in ("off", "on")}})
     print(f"wrote {jpath} and {ppath}")

@@ -45,7 +45,7 @@ class LLMEngine:
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(loaded.device, config.seed)
-        self.spec = SpecDecoder(config, self.kv, self.max_model_len, self.runner.time_decode_rows)
+        self.spec = SpecDecoder(config, self.kv, self.max_model_len, self.runner, loaded)
         self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             overlap=self.runner.host_overlaps_forward)
         self.requests: dict[str, Request] = {}
@@ -71,8 +71,7 @@ class LLMEngine:
         log.info("engine ready: model=%s arch=%s dtype=%s (%s) quantization=%s device=%s weights=%.1f MiB "
                  "kv_blocks=%d x %d tokens (%d tokens, %.1f MiB) max_model_len=%d load=%.1fs",
                  config.model, loaded.args.architecture, self.model_info["dtype"], loaded.dtype_reason,
-                 self.model_info["quantization"],
-                 loaded.device, weights / 2**20, self.kv.num_blocks, config.block_size,
+                 self.model_info["quantization"], loaded.device, weights / 2**20, self.kv.num_blocks, config.block_size,
                  self.kv.num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len,
                  loaded.load_time_s)
 
@@ -163,6 +162,7 @@ class LLMEngine:
         req.text = req.detok.visible_text(True) if reason != FinishReason.ABORT else req.text
         self.scheduler.remove(req)
         self.structured.release(req.request_id)
+        self.spec.release(req.request_id)
         self.requests.pop(req.request_id, None)
         self.counters["num_requests_finished"] += 1
 

@@ -189,6 +189,7 @@ class Request:
         # Speculative decoding: tokens proposed for this step (never part of all_token_ids, so never
         # hashed into the prefix cache) and the proposer's per-request state (engine/spec).
         self.spec_token_ids: list[int] = []
+        self.spec_draft_probs: Optional[list[Any]] = None  # a draft's q row per proposed token (sampling)
         self.spec_state: Any = None
         self.text = ""
         self._emitted_tokens = 0

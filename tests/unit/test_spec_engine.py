@@ -191,7 +191,8 @@ def test_adaptive_k_follows_acceptance_and_backs_off():
 
 
 @pytest.mark.parametrize("field,kw", [("speculative", dict(speculative="bogus")),
-                                      ("speculative", dict(speculative="draft:/nowhere")),
+                                      ("speculative", dict(speculative="draft:")),
+                                      ("speculative", dict(speculative="draft: ")),
                                       ("num_speculative_tokens", dict(speculative="ngram", num_speculative_tokens=0)),
                                       ("speculative_max_batch", dict(speculative="ngram", speculative_max_batch=0)),
                                       ("speculative_token_cost", dict(speculative_token_cost=-1))])

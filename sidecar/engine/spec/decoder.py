@@ -1,7 +1,8 @@
 """Speculative decoding in the engine step: propose before scheduling, verify after the forward.
 
 Flow of one step for a request in decode:
-1. ``propose`` puts up to k tokens in ``request.spec_token_ids`` (n-gram prompt lookup).
+1. ``propose`` puts up to k tokens in ``request.spec_token_ids``: n-gram prompt lookup (spec/ngram.py) or
+   a draft model decoding them (spec/draft.py; for sampled requests also its distributions q).
 2. The scheduler budgets them with the request's last real token (``ScheduledRequest.num_spec_tokens``)
    and the runner computes all k+1 positions in one forward as k+1 rows of the batched paged decode
    attention, each with its own context length, returning k+1 logit rows.
@@ -22,7 +23,7 @@ far it speculates does (batch-size switch), and that changes how its generator's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -30,7 +31,10 @@ from sidecar.config import EngineConfig
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.request import Request, TokenLogprob
 from sidecar.engine.sampler import filter_logits
-from sidecar.engine.spec.ngram import propose_ngram
+from sidecar.engine.runner import ModelRunner
+from sidecar.engine.spec.draft import DraftProposer
+from sidecar.engine.spec.ngram import NgramProposer
+from sidecar.model.loader import LoadedModel
 from sidecar.engine.spec.verify import verify_greedy, verify_sampled
 
 MAX_COOLDOWN_STEPS = 32
@@ -95,17 +99,22 @@ class SpecState:
 
 class SpecDecoder:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
-                 time_rows: Optional[Callable[[int], Optional[list[float]]]] = None) -> None:
+                 runner: Optional[ModelRunner] = None, target: Optional[LoadedModel] = None) -> None:
         self.enabled = config.speculative is not None
+        self.proposer: Any = NgramProposer()
+        if self.enabled and config.speculative.startswith("draft:"):
+            assert runner is not None and target is not None, "a draft-model proposer needs the target"
+            self.proposer = DraftProposer(config, target, max_model_len, runner.num_blocks)
         self.max_k = config.num_speculative_tokens
         self.max_batch = config.speculative_max_batch
-        # Relative price of verifying k tokens: measured on this device at start (time_rows), unless the
-        # config fixes a linear price per token.
+        # Relative price of proposing and verifying k tokens: measured on this device at start (verifying
+        # k + 1 rows, plus k draft steps for a draft model), unless the config fixes a linear price per token.
         measured = None
-        if self.enabled and config.speculative_token_cost is None and time_rows is not None:
-            measured = time_rows(self.max_k + 1)
+        if self.enabled and config.speculative_token_cost is None and runner is not None:
+            measured = runner.time_decode_rows(self.max_k + 1)
         if measured:
-            self.costs = [t / measured[0] for t in measured]
+            d = self.proposer.step_cost(runner) if isinstance(self.proposer, DraftProposer) else 0.0
+            self.costs = [t / measured[0] + k * d for k, t in enumerate(measured)]
         else:
             c = 0.15 if config.speculative_token_cost is None else config.speculative_token_cost
             self.costs = [1.0 + c * k for k in range(self.max_k + 1)]
@@ -129,8 +138,10 @@ class SpecDecoder:
         if not self.enabled:
             return
         off = len(running) >= self.max_batch  # a large batch is compute-bound: extra tokens cost full price
+        wants = []
         for req in running:
             req.spec_token_ids = []
+            req.spec_draft_probs = None
             if off or req.num_tokens - req.num_computed_tokens != 1 or not self.eligible(req):
                 continue
             st = req.spec_state
@@ -141,7 +152,14 @@ class SpecDecoder:
             k = min(st.choose_k(), req.params.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens - 1)
             if k > 0:
-                req.spec_token_ids = propose_ngram(req.all_token_ids, k)
+                wants.append((req, k))
+        if wants:
+            self.proposer.propose(wants)
+
+    def release(self, request_id: str) -> None:
+        """The request finished: the proposer gives back what it holds for it (a draft's KV blocks)."""
+        if self.enabled:
+            self.proposer.release(request_id)
 
     # -- verification --------------------------------------------------------------------------------
     def sample(self, structured: Any, sampler: Any, logits: torch.Tensor, reqs: list[Request],
@@ -175,7 +193,9 @@ class SpecDecoder:
             accepted, nxt = verify_greedy(proposed, rows.argmax(-1).tolist())
         else:
             probs = filter_logits_rows(rows.float() / p.temperature, p).softmax(-1)
-            accepted, nxt = verify_sampled(proposed, probs, None, sampler._generator_for(req))
+            q = req.spec_draft_probs  # None: a deterministic proposal (n-gram)
+            q = torch.stack(q[:len(proposed)]).to(probs.device, probs.dtype) if q else None
+            accepted, nxt = verify_sampled(proposed, probs, q, sampler._generator_for(req))
         tokens = proposed[:accepted] + [nxt]
         lps: list[Optional[TokenLogprob]] = [None] * len(tokens)
         if p.logprobs is not None:
@@ -188,7 +208,7 @@ class SpecDecoder:
                 lps[j] = TokenLogprob(token_id=t, logprob=float(raw[j, t]), top=top)
         # Rollback: only the last real token and the accepted proposals have valid KV.
         req.num_computed_tokens += accepted
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_draft_probs = [], None
         self.kv.trim(req)
         self.num_proposed += len(proposed)
         self.num_accepted += accepted
@@ -204,7 +224,7 @@ class SpecDecoder:
                 "spec_decode_accepted_tokens": self.num_accepted,
                 "spec_decode_verifications": self.num_verifications,
                 "spec_decode_emitted_tokens": self.num_emitted,
-                "spec_decode_acceptance_hist": list(self.acceptance_hist)}
+                "spec_decode_acceptance_hist": list(self.acceptance_hist), **self.proposer.counters()}
 
 
 def filter_logits_rows(rows: torch.Tensor, p: Any) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """N-gram prompt lookup: propose the tokens that followed the latest earlier
 occurrence of the sequence's last n tokens (prompt and output so far)."""
-from typing import List, Sequence
+from typing import List, Sequence, Tuple
 
 
 def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> List[int]:
@@ -34,3 +34,17 @@ def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1)
     if best_len < min_n:
         return []
     return list(tokens[best_end + 1:best_end + 1 + k])
+
+
+class NgramProposer:
+    """Prompt lookup over each request's own tokens: no model, no state."""
+
+    def propose(self, wants: Sequence[Tuple[object, int]]) -> None:
+        for req, k in wants:
+            req.spec_token_ids = propose_ngram(req.all_token_ids, k)
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def counters(self) -> dict:
+        return {}
