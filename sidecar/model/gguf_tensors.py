@@ -123,3 +123,14 @@ def int4_exact(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     codes = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(n, groups * INT4_GROUP)  # element order
     qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return qweight.contiguous(), d, zeros
+
+
+def q8_0_exact(tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 tensor -> (codes int8 [N, K], scales f32 [N, K/32]): the file's blocks of 32, w = d * q,
+    codes copied bit for bit and d (f16) in float32."""
+    raw = np.ascontiguousarray(tensor.data)
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, 34)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8)).reshape(n, -1)
+    return codes.contiguous(), d.contiguous()

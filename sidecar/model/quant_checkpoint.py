@@ -163,6 +163,13 @@ def load_quantized_model(model_dir: PathLike, model: nn.Module, dtype: torch.dty
         keys = ("qweight", "scales") + (("zeros",) if mode == "int4" else ())
         return {k: get(f"{prefix}.{k}", cast=k != "qweight") for k in keys}
 
+    q8 = cfg.get("q8_0_tied_embedding")  # a GGUF Q8_0 token_embd shared with lm_head, kept as Q8_0
+    if q8:
+        from sidecar.model.q8_0 import tied_q8_0_modules
+
+        emb, head = tied_q8_0_modules(get(f"{q8}.q8_weight"), get(f"{q8}.q8_scales", cast=False).float(), dtype)
+        model.set_submodule(q8, emb)
+        model.set_submodule("lm_head", head)
     tied = cfg.get("tied_embedding")
     for name in cfg["modules"]:
         meta_linear = model.get_submodule(name)

@@ -266,3 +266,34 @@ def test_unsupported_architecture_and_type_name_the_problem(tmp_path, demo_dir):
 def test_unpermute_inverts_the_converter_interleave():
     w = torch.arange(4 * 8 * 3).reshape(32, 3)
     assert torch.equal(gt.unpermute_rows(torch.from_numpy(_permute(w.numpy(), 4)), 4), w)
+
+
+def test_tied_q8_0_embedding_stays_q8_0_next_to_int4_layers(tmp_path, demo_dir, monkeypatch):
+    """A Q4 file whose tied token_embd is Q8_0 (as llama.cpp writes SmolLM2 and Qwen2): the table is kept as
+    the file's Q8_0 blocks for both the embedding and lm_head, its values exactly the dequantized file's;
+    logits through the grouped int8 kernel equal those of the float table, and so does greedy decoding.
+    (Greedy against HF float32 for this form is tests/unit/test_default_model.py, on the real model.)"""
+    from sidecar.model.kernels import int8_gemv
+    from sidecar.model.q8_0 import Q8_0Embedding, Q8_0Linear, dequantize_g32
+
+    path = tmp_path / "q4q8.gguf"
+    types = lambda name: Q.Q4_0 if "layers" in name and name.endswith("proj.weight") else (  # noqa: E731
+        Q.Q8_0 if "embed_tokens" in name else Q.F32)
+    ref = write_tiny_gguf(path, demo_dir, types, tie=True, seed=2)
+    loaded = load_model(EngineConfig(model=str(path)))  # dtype auto: the exact int4 form
+    m = loaded.model
+    assert loaded.quantization == "int4"
+    assert isinstance(m.embed_tokens, Q8_0Embedding) and isinstance(m.lm_head, Q8_0Linear)
+    assert m.lm_head.weight is m.embed_tokens.weight  # one table
+    table = ref["model.embed_tokens.weight"]
+    assert torch.equal(dequantize_g32(m.lm_head.weight, m.lm_head.d), table)
+    ids = torch.tensor([[0, 5, 300], [7, 7, 1]])
+    assert torch.equal(m.embed_tokens(ids), table[ids])
+    h = torch.randn(5, table.shape[1])
+    expect_logits = h.double() @ table.double().T
+    assert (m.compute_logits(h) - expect_logits).abs().max() <= 2e-4 * expect_logits.abs().max()
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    fast = LLM(model=str(path), num_kv_blocks=64).generate(PROMPTS, params)
+    monkeypatch.setattr(int8_gemv, "available", lambda: False)  # lm_head over the dequantized float table
+    slow = LLM(model=str(path), num_kv_blocks=64).generate(PROMPTS, params)
+    assert [o.token_ids for o in fast] == [o.token_ids for o in slow]

@@ -100,3 +100,57 @@ def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_build, "_reasons", {})
     assert cpu_build.load("int8_gemv") is None
     assert "no C compiler" in cpu_build.reason("int8_gemv")
+
+
+def _case_g32(m, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    d = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4
+    return x, w, d
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 7, 32), (1, 4864, 896), (2, 50, 96), (3, 130, 576), (4, 33, 64),
+                                   (5, 40, 96), (9, 17, 1536), (32, 64, 896)])
+def test_grouped_kernel_matches_reference(m, n, k):
+    x, w, d = _case_g32(m, n, k, seed=m * 5 + k)
+    y = int8_gemv.int8_g32_matmul(x, w, d)
+    ref = int8_gemv.reference_g32(x, w, d)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert (y - ref).abs().max() <= 2e-4 * ref.abs().max()
+    # Scales really are per group: scaling one group of one row changes that output alone.
+    d2 = d.clone()
+    d2[0, -1] *= 3
+    y2 = int8_gemv.int8_g32_matmul(x, w, d2)
+    assert torch.equal(y2[:, 1:], y[:, 1:])
+    assert torch.allclose(y2[:, 0], int8_gemv.reference_g32(x, w, d2)[:, 0], rtol=1e-3, atol=1e-3)
+
+
+def test_grouped_kernel_refuses_shapes_and_keeps_non_finite_rows():
+    x, w, d = _case_g32(3, 6, 64)
+    with pytest.raises(ValueError, match="do not fit"):
+        int8_gemv.int8_g32_matmul(x[:, :48], w[:, :48], d[:, :1])
+    x[1, 5] = float("nan")
+    x[2] = 0.0
+    y = int8_gemv.int8_g32_matmul(x, w, d)
+    assert torch.isnan(y[1]).all() and torch.equal(y[2], torch.zeros(6))
+
+
+@pytest.mark.parametrize("rows", [1, 4, int8_gemv.MAX_ROWS, int8_gemv.MAX_ROWS + 7])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_q8_0_lm_head_and_embedding_match_the_dequantized_table(rows, kernels, monkeypatch):
+    from sidecar.model import q8_0
+
+    if not kernels:
+        monkeypatch.setattr(int8_gemv, "available", lambda: False)
+    monkeypatch.setattr(q8_0, "CHUNK_ROWS", 64)  # several chunks on the dequantizing path
+    _, w, d = _case_g32(1, 300, 96, seed=rows)
+    emb, head = q8_0.tied_q8_0_modules(w, d, torch.float32)
+    table = int8_gemv.dequantize_g32(w, d)
+    x = torch.randn(rows, 96)
+    ref = x.double() @ table.double().T
+    y = head(x)
+    assert y.shape == (rows, 300) and y.dtype == torch.float32
+    assert (y - ref).abs().max() <= 2e-4 * ref.abs().max()
+    ids = torch.randint(0, 300, (2, 5))
+    assert torch.equal(emb(ids), table[ids])

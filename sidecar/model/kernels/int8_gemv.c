@@ -75,24 +75,12 @@ static float activation_qmax(int K) {
     return (float)(q < 32767.0 ? floor(q) : 32767.0);
 }
 
+static void quantize_rows(const float* x, int16_t* xq, float* xs, int M, int K, float qmax);
+
 /* xq: scratch int16 [M, K]; xs: scratch float [M]. Returns 0. */
 int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, float* y, int16_t* xq,
                         float* xs, int M, int N, int K, int nthreads) {
-    const float qmax = activation_qmax(K);
-    for (int m = 0; m < M; m++) {
-        const float* xr = x + (int64_t)m * K;
-        float amax = 0.f;
-        int finite = 1;
-        for (int k = 0; k < K; k++) {
-            amax = fmaxf(amax, fabsf(xr[k]));
-            finite &= isfinite(xr[k]);
-        }
-        float inv = amax > 0.f && finite ? qmax / amax : 0.f;
-        /* A NaN or infinite activation makes its whole output row NaN, as a float matmul would. */
-        xs[m] = !finite ? NAN : (amax > 0.f ? amax / qmax : 0.f);
-        int16_t* q = xq + (int64_t)m * K;
-        for (int k = 0; k < K; k++) q[k] = (int16_t)lrintf(xr[k] * inv);
-    }
+    quantize_rows(x, xq, xs, M, K, activation_qmax(K));
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int n = 0; n < N; n++) {
         const int8_t* wr = w + (int64_t)n * K;
@@ -108,6 +96,104 @@ int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, flo
             }
             for (int i = 0; i < mb; i++)
                 y[(int64_t)(m0 + i) * N + n] = (float)(double)acc[i] * xs[m0 + i] * scale[n];
+        }
+    }
+    return 0;
+}
+
+/* Grouped variant (llama.cpp's Q8_0 blocks): w int8 [N, K] with one float scale per 32 columns,
+ * d [N, K / 32], K a multiple of 32:
+ *
+ *   y[m, n] = sum_g d[n, g] * sum_{k in g} x[m, k] * w[n, k]
+ *
+ * Each group's integer dot product is exact in int32 (32 products of |w| <= 127, |x| <= 32767)
+ * and is scaled in float32 lanes, so the weights are exactly the dequantized Q8_0 values. */
+static inline __attribute__((always_inline)) void dot_rows_g32(const int16_t* x, const int8_t* w, const float* d,
+                                                               int K, const int MB, float* out) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    __m512 acc[4];
+    for (int i = 0; i < MB; i++) acc[i] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + k)));
+        __m512 dg = _mm512_set1_ps(d[k >> 5]);
+        for (int i = 0; i < MB; i++) {
+            __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w0,
+                                            _mm512_loadu_si512((const void*)(x + (int64_t)i * K + k)));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), dg, acc[i]);
+        }
+    }
+    for (int i = 0; i < MB; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+#elif defined(__AVX2__)
+    __m256 acc[4];
+    for (int i = 0; i < MB; i++) acc[i] = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 32) {
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k)));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + k + 16)));
+        __m256 dg = _mm256_set1_ps(d[k >> 5]);
+        for (int i = 0; i < MB; i++) {
+            const int16_t* xr = x + (int64_t)i * K + k;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xr)),
+                                         _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xr + 16))));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dg, acc[i]);
+        }
+    }
+    for (int i = 0; i < MB; i++) {
+        __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+        t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_add_ss(t, _mm_movehdup_ps(t));
+        out[i] = _mm_cvtss_f32(t);
+    }
+#else
+    for (int i = 0; i < MB; i++) {
+        float a = 0.f;
+        for (int k = 0; k < K; k += 32) {
+            int32_t p = 0;
+            for (int j = 0; j < 32; j++) p += (int32_t)x[(int64_t)i * K + k + j] * (int32_t)w[k + j];
+            a += (float)p * d[k >> 5];
+        }
+        out[i] = a;
+    }
+#endif
+}
+
+static void quantize_rows(const float* x, int16_t* xq, float* xs, int M, int K, float qmax) {
+    for (int m = 0; m < M; m++) {
+        const float* xr = x + (int64_t)m * K;
+        float amax = 0.f;
+        int finite = 1;
+        for (int k = 0; k < K; k++) {
+            amax = fmaxf(amax, fabsf(xr[k]));
+            finite &= isfinite(xr[k]);
+        }
+        float inv = amax > 0.f && finite ? qmax / amax : 0.f;
+        /* A NaN or infinite activation makes its whole output row NaN, as a float matmul would. */
+        xs[m] = !finite ? NAN : (amax > 0.f ? amax / qmax : 0.f);
+        int16_t* q = xq + (int64_t)m * K;
+        for (int k = 0; k < K; k++) q[k] = (int16_t)lrintf(xr[k] * inv);
+    }
+}
+
+/* K must be a multiple of 32. xq: scratch int16 [M, K]; xs: scratch float [M]. Returns 0. */
+int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, float* y, int16_t* xq,
+                           float* xs, int M, int N, int K, int nthreads) {
+    if (K % 32) return 1;
+    quantize_rows(x, xq, xs, M, K, 32767.f);
+    const int G = K / 32;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const int8_t* wr = w + (int64_t)n * K;
+        const float* dr = d + (int64_t)n * G;
+        float acc[4];
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            const int16_t* xb = xq + (int64_t)m0 * K;
+            int mb = M - m0 < 4 ? M - m0 : 4;
+            switch (mb) {
+                case 1: dot_rows_g32(xb, wr, dr, K, 1, acc); break;
+                case 2: dot_rows_g32(xb, wr, dr, K, 2, acc); break;
+                case 3: dot_rows_g32(xb, wr, dr, K, 3, acc); break;
+                default: dot_rows_g32(xb, wr, dr, K, 4, acc); break;
+            }
+            for (int i = 0; i < mb; i++) y[(int64_t)(m0 + i) * N + n] = acc[i] * xs[m0 + i];
         }
     }
     return 0;

@@ -3,6 +3,8 @@
 ``int8_matmul(x, weight, scales)`` computes ``(x @ weight.T) * scales`` for float32 ``x``
 [M, K], int8 ``weight`` [N, K] and float32 ``scales`` [N], returning float32 [M, N].
 ``reference`` is the same product in torch (float64 accumulation), the oracle for tests.
+``int8_g32_matmul(x, weight, d)`` is the grouped form (llama.cpp's Q8_0 blocks): one float32 scale
+per 32 columns, ``d`` [N, K/32], ``reference_g32`` its oracle.
 The kernel rounds each activation row to int16 with its own scale (15 bits, where the
 bf16 activations of torch's packed kernel keep 8); the products and sums are exact.
 """
@@ -27,6 +29,9 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib = cpu_build.load("int8_gemv")
     if lib is not None and not getattr(lib, "_sidecar_typed", False):
         fn = lib.sidecar_int8_matmul
+        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
+        fn.restype = _I
+        fn = lib.sidecar_int8g32_matmul
         fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
         fn.restype = _I
         lib._sidecar_typed = True
@@ -59,3 +64,32 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return ((x.double() @ weight.double().T) * scales.double()).float()
+
+
+def int8_g32_matmul(x: torch.Tensor, weight: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Requires ``available()``. ``x`` float32 [M, K], ``weight`` int8 [N, K], ``d`` float32 [N, K/32]."""
+    lib = _lib()
+    assert lib is not None, "int8_gemv kernel is not available"
+    m, k = x.shape
+    n = weight.shape[0]
+    if k % 32 or weight.shape[1] != k or weight.dtype != torch.int8 or d.shape != (n, k // 32):
+        raise ValueError(f"int8_g32_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
+                         f"d {tuple(d.shape)} do not fit")
+    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    weight = weight.contiguous()
+    d = d.contiguous() if d.dtype == torch.float32 else d.float().contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    xq = torch.empty(m, k, dtype=torch.int16)
+    xs = torch.empty(m, dtype=torch.float32)
+    lib.sidecar_int8g32_matmul(x.data_ptr(), weight.data_ptr(), d.data_ptr(), y.data_ptr(), xq.data_ptr(),
+                               xs.data_ptr(), m, n, k, torch.get_num_threads())
+    return y
+
+
+def dequantize_g32(weight: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n, k = weight.shape
+    return (weight.view(n, k // 32, 32).to(torch.float32) * d.float()[:, :, None]).view(n, k).to(dtype)
+
+
+def reference_g32(x: torch.Tensor, weight: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ dequantize_g32(weight, d, torch.float64).T).float()
