@@ -169,3 +169,25 @@ def test_draft_that_does_not_share_the_tokenizer_or_exist_is_refused(demo_dir, t
         make_llm(demo_dir, tiny_models["llama"])
     with pytest.raises(ValueError, match="speculative: draft model"):
         make_llm(demo_dir, Path("/nowhere/at/all"))
+
+
+def test_failing_draft_forward_costs_speculation_not_requests(demo_dir, noisy_draft, monkeypatch):
+    prompts = repetitive_prompts(4, seed=9)
+    ref = [o.token_ids for o in LLM(model=str(demo_dir), dtype="float32").generate(prompts, GREEDY)]
+    llm = make_llm(demo_dir, noisy_draft)
+    prop = llm.engine.spec.proposer
+    calls = {"n": 0}
+    real = prop._forward
+
+    def flaky(batch):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("draft forward failed")
+        return real(batch)
+
+    monkeypatch.setattr(prop, "_forward", flaky)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert all(o.finish_reason == "length" for o in outs)
+    assert calls["n"] >= 3
+    draft_pool_whole(llm)

@@ -22,6 +22,7 @@ far it speculates does (batch-size switch), and that changes how its generator's
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -36,6 +37,8 @@ from sidecar.engine.spec.draft import DraftProposer
 from sidecar.engine.spec.ngram import NgramProposer
 from sidecar.model.loader import LoadedModel
 from sidecar.engine.spec.verify import verify_greedy, verify_sampled
+
+log = logging.getLogger("sidecar.engine")
 
 MAX_COOLDOWN_STEPS = 32
 DECAY = 0.8  # weight of older verifications in the acceptance estimate (recent text predicts best)
@@ -154,7 +157,13 @@ class SpecDecoder:
             if k > 0:
                 wants.append((req, k))
         if wants:
-            self.proposer.propose(wants)
+            try:
+                self.proposer.propose(wants)
+            except Exception:  # a failing proposer (a draft model's forward) costs speculation, not requests
+                log.exception("speculative proposer failed; %d requests decode without proposals", len(wants))
+                for req, _ in wants:
+                    req.spec_token_ids, req.spec_draft_probs = [], None
+                    self.proposer.release(req.request_id)
 
     def release(self, request_id: str) -> None:
         """The request finished: the proposer gives back what it holds for it (a draft's KV blocks)."""
