@@ -1,0 +1,153 @@
+"""Our CPU int4 decode kernel against its float64 reference, torch's packed layout, and Int4Linear's use of it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from sidecar.model.kernels import cpu_build, int4_gemv
+from sidecar.model.quant import Int4Linear, quantize_linear
+from sidecar.model.quant_format import dequantize_int4, quantize_int4
+
+# float32 activations and sums: error relative to the largest output near float32 rounding,
+# far inside the 2^-8 of the bf16 activations around torch's kernel.
+TOL = 2e-5
+
+
+def _case(m, n, k, gs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    s = torch.rand(k // gs, n, generator=g) * 0.02 + 1e-3
+    z = torch.randn(k // gs, n, generator=g) * 0.02
+    return x, codes, torch.stack((s, z), dim=-1).bfloat16()
+
+
+def _check(m, n, k, gs, layout=None, seed=0):
+    x, codes, sz = _case(m, n, k, gs, seed)
+    layout = layout or int4_gemv.torch_layout()
+    y = int4_gemv.int4_matmul(x, int4_gemv.pack(codes, *layout), gs, sz, layout=layout)
+    ref = int4_gemv.reference(x, codes, gs, sz)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert (y - ref).abs().max() <= TOL * ref.abs().max(), (m, n, k, gs, layout)
+
+
+def test_kernel_builds_on_this_machine():
+    assert int4_gemv.available(), cpu_build.reason("int4_gemv")
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (64, 64), (80, 96), (112, 64), (208, 128), (4864, 896)])
+def test_pack_writes_torchs_layout(n, k):
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n + k))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    assert torch.equal(int4_gemv.pack(codes, *int4_gemv.torch_layout()), packed.reshape(n, -1))
+
+
+def test_torch_avx2_layout_is_recognised_and_used():
+    # torch packs in blocks of 32 rows when it runs its AVX2 code, 64 with AVX-512.
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from sidecar.model.kernels import int4_gemv
+        from sidecar.model.quant import quantize_linear
+        from sidecar.model.quant_format import dequantize_int4, quantize_int4
+        assert int4_gemv.torch_layout() == (32, True), int4_gemv.torch_layout()
+        torch.manual_seed(0)
+        lin = nn.Linear(256, 208, bias=False)
+        w = lin.weight.detach().clone()
+        x = torch.randn(3, 256)
+        q, s, z = quantize_int4(w, 64, w.dtype)  # the layer keeps scales and zeros in bf16
+        ref = x.double() @ dequantize_int4(q, s.bfloat16(), z.bfloat16(), 256).double().T
+        y = quantize_linear(lin, "int4", 64)(x)
+        assert (y - ref).abs().max() <= 2e-5 * ref.abs().max(), (y - ref).abs().max()
+        print("ok")
+    """)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 17, 32])
+@pytest.mark.parametrize("n,k,gs", [(64, 64, 32), (896, 896, 128), (208, 576, 32), (80, 1536, 64)])
+def test_kernel_matches_reference(m, n, k, gs):
+    _check(m, n, k, gs, seed=m * 31 + n)
+
+
+@pytest.mark.parametrize("layout", int4_gemv.LAYOUTS)
+@pytest.mark.parametrize("m,n,k,gs", [(1, 112, 128, 32), (5, 176, 256, 64), (33, 48, 64, 32), (3, 4864, 896, 128),
+                                      (2, 896, 4864, 128)])
+def test_every_layout_matches_reference(layout, m, n, k, gs):
+    _check(m, n, k, gs, layout, seed=m + k)
+
+
+def test_avx2_build_matches_reference(monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")  # no AVX-512, as on Zen 2
+    assert int4_gemv.vector_bits() == 256, cpu_build.reason("int4_gemv")
+    for layout in int4_gemv.LAYOUTS:
+        for m, n, k, gs in [(1, 112, 128, 32), (3, 176, 576, 64), (8, 896, 896, 128), (17, 80, 96, 32)]:
+            _check(m, n, k, gs, layout, seed=m + n)
+    monkeypatch.delenv("SIDECAR_CPU_ARCH_FLAGS")
+    assert int4_gemv.vector_bits() in (256, 512)
+
+
+def test_non_finite_activations_give_non_finite_rows():
+    x, codes, sz = _case(3, 64, 64, 32)
+    x[1, 5] = float("nan")
+    x[2, 9] = float("inf")
+    y = int4_gemv.int4_matmul(x, int4_gemv.pack(codes, *int4_gemv.torch_layout()), 32, sz)
+    assert torch.isfinite(y[0]).all()
+    assert torch.isnan(y[1]).all() and not torch.isfinite(y[2]).any()  # never a silently finite answer
+
+
+def test_shape_mismatch_is_refused():
+    x, codes, sz = _case(1, 64, 64, 32)
+    w = int4_gemv.pack(codes, *int4_gemv.torch_layout())
+    with pytest.raises(ValueError, match="do not fit"):
+        int4_gemv.int4_matmul(x[:, :32], w, 32, sz)
+    with pytest.raises(ValueError, match="do not fit"):
+        int4_gemv.int4_matmul(x, w, 32, sz.half())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, int4_gemv.MAX_ROWS, int4_gemv.MAX_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("features,gs", [((200, 70), 32), ((896, 128), 128), ((576, 1536), 64)])
+def test_int4_linear_matches_the_dequantized_layer(rows, dtype, features, gs, monkeypatch):
+    calls = []
+    real = int4_gemv.int4_matmul
+    monkeypatch.setattr(int4_gemv, "int4_matmul", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(rows)
+    k, n = features  # 200 is padded to 224 columns, 70 to 80 rows (a 16-row tail block)
+    lin = nn.Linear(k, n, bias=True).to(dtype)
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    q, s, z = quantize_int4(w, gs, w.dtype)
+    deq = dequantize_int4(q, s.bfloat16(), z.bfloat16(), k)  # the layer keeps scales and zeros in bf16
+    qlin = quantize_linear(lin, "int4", gs)
+    assert isinstance(qlin, Int4Linear)
+    x = torch.randn(rows, k).to(dtype)
+    y = qlin(x)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    assert bool(calls) == (rows <= int4_gemv.MAX_ROWS)  # decode-sized batches take our kernel
+    ref = x.double() @ deq.double().T + b.double()
+    if dtype == torch.float32 and calls:
+        assert (y.double() - ref).abs().max() <= TOL * ref.abs().max()
+    else:  # bf16 output, or torch's kernel with bf16 activations
+        assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_switched_off_kernel_falls_back_to_torch(monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu_build, "_reasons", {})
+    assert not int4_gemv.available()
+    assert "SIDECAR_CPU_KERNELS" in cpu_build.reason("int4_gemv")
+    lin = nn.Linear(64, 32)
+    w = lin.weight.detach().clone()
+    qlin = quantize_linear(lin, "int4", 32)
+    x = torch.randn(1, 64)
+    ref = x @ dequantize_int4(*quantize_int4(w, 32, w.dtype), 64).T + qlin.bias
+    assert (qlin(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
