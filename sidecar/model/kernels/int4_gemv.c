@@ -1,12 +1,10 @@
 /* Weight-only int4 matmul for decode-sized batches on CPU (up to a few dozen activation rows).
  *
  *   y[m, n] = sum_g sum_{k in g} x[m, k] * ((q[n, k] - 8) * s[g, n] + z[g, n])
- *           = sum_g ( s[g, n] * sum_{k in g} x[m, k] q[n, k]  +  (z[g, n] - 8 s[g, n]) * sum_{k in g} x[m, k] )
  *
  * x float32 [M, K]; q the 4-bit codes in torch's packed CPU layout (uint8, see below), read in
  * place so the weights are stored once; sz bf16 [G, Np, 2] (scale, zero) for G groups of gs
- * columns; y float32 [M, Np]. The codes are widened to float and multiplied with the float32
- * activations (no rounding of x), summed per group in float32, then scaled.
+ * columns; y float32 [M, Np].
  *
  * Packed layout, rows in blocks of BN (64 or 32, torch picks by its own CPU capability):
  *  - a full block holds BN / 2 bytes per column k, one k after the other; "split" blocks keep
@@ -15,25 +13,251 @@
  *  - the last R = Np % BN rows (a multiple of 16) form an interleaved block of R rows.
  * The wrapper (int4_gemv.py) checks torch's layout against this once before using the kernel.
  *
- * Output rows are handled in tiles of 16 (one 512-bit vector of floats, two 256-bit ones). A
- * block's rows are split across threads; each 16-byte chunk of codes is widened once for up to
- * MB activation rows, so one pass reads each weight byte once, which is what bounds decode.
+ * Two ways to the dot products, by instruction set:
+ *  - AVX-512 with VNNI and VBMI: each activation row is rounded to 16-bit integers with one scale
+ *    per group (d = absmax / 32639), split into a high and a low signed byte (x = 256 h + l),
+ *    and multiplied with the codes as bytes, four columns per 32-bit lane (vpdpbusd; vpermt2b
+ *    gathers each row's four codes). Integer sums are exact; a group adds
+ *    s * d * (sum q x - 8 sum x) + z * sum x, the last with the float32 activations.
+ *  - otherwise (AVX2, or AVX-512 without them): codes are widened to float and multiplied with
+ *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
+ * Output rows go in tiles of 16; blocks of rows are split across threads; each chunk of codes is
+ * decoded once for several activation rows, and one pass reads each weight byte once, which is
+ * what bounds decode.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #include <immintrin.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "int4_gemv needs AVX2 and FMA"
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define INT_DOT 1
+#else
+#define INT_DOT 0
+#endif
 
+#define ROWS_CHUNK 32 /* activation rows whose outputs one block keeps at once */
+#define XQ_MAX 32639  /* 16-bit activation codes whose high and low bytes are both int8 */
+
+/* What one pass over a block decodes: its kind, and the byte offset of its first tile's codes. */
+enum { SPLIT64_ALL, SPLIT64_LO, SPLIT64_HI, SPLIT32_ALL, INTERLEAVED_1 };
+static inline int tiles_of(int kind) { return kind == SPLIT64_ALL ? 4 : (kind == INTERLEAVED_1 ? 1 : 2); }
+
+/* Per call: the activations and what every group needs of them. */
+typedef struct {
+    const float* x;   /* [M, K] */
+    int8_t* xb;       /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path) */
+    float* d;         /* [M, G] code scale (integer path) */
+    int32_t* xqsum;   /* [M, G] sum of the codes (integer path) */
+    float* xsum;      /* [M, G] sum of x */
+    int K, G, gs;
+} Act;
+
+static void prepare_group(const Act* a, int m, int g) {
+    const float* x = a->x + (int64_t)m * a->K + (int64_t)g * a->gs;
+    const int64_t mg = (int64_t)m * a->G + g;
+#if INT_DOT
+    __m512 sum = _mm512_setzero_ps(), amax = sum, bad = sum;
+    for (int k = 0; k < a->gs; k += 16) {
+        __m512 v = _mm512_loadu_ps(x + k);
+        sum = _mm512_add_ps(sum, v);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));  /* NaN once any x is not finite */
+    }
+    a->xsum[mg] = _mm512_reduce_add_ps(sum);
+    float mx = _mm512_reduce_max_ps(amax);
+    int finite = _mm512_reduce_add_ps(bad) == 0.f;
+    /* A NaN or infinite activation makes its whole output row NaN, as a float matmul would. */
+    __m512 inv = _mm512_set1_ps(finite && mx > 0.f ? (float)XQ_MAX / mx : 0.f);
+    a->d[mg] = !finite ? NAN : (mx > 0.f ? mx / (float)XQ_MAX : 0.f);
+    int8_t* hi = a->xb + (int64_t)m * 2 * a->K + (int64_t)g * a->gs;
+    int8_t* lo = hi + a->K;
+    __m512i qsum = _mm512_setzero_si512();
+    for (int k = 0; k < a->gs; k += 16) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));  /* nearest */
+        __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(q, 24), 24);                  /* q = 256 h + l */
+        _mm_storeu_si128((__m128i*)(lo + k), _mm512_cvtepi32_epi8(l));
+        _mm_storeu_si128((__m128i*)(hi + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(q, l), 8)));
+        qsum = _mm512_add_epi32(qsum, q);
+    }
+    a->xqsum[mg] = _mm512_reduce_add_epi32(qsum);
+#else
+    __m256 sum = _mm256_setzero_ps();
+    for (int k = 0; k < a->gs; k += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(x + k));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    a->xsum[mg] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+}
+
+#if INT_DOT
+/* ---------------------------------------------------------------- integer path (AVX-512 VNNI) */
+#define V_LANES 16
+#define MB_FULL ROWS_CHUNK /* every row count in one pass over all 64 rows of a split block */
+#define MB_PART ROWS_CHUNK
+typedef __m512i ACC;
+
+typedef struct { __m512i split64_lo, split64_hi, split32, interleaved, nibble; } Idx;
+
+static void make_idx(Idx* idx) {
+    uint8_t a[64], b[64], c[64], d[64];
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 4; j++) {  /* byte 4r + j of a tile: row r, column k + j */
+            a[4 * r + j] = (uint8_t)(32 * j + r);       /* two zmm: columns k, k+1 | k+2, k+3 */
+            b[4 * r + j] = (uint8_t)(32 * j + r + 16);
+            c[4 * r + j] = (uint8_t)(16 * j + r);       /* one zmm: columns k .. k+3 */
+            d[4 * r + j] = (uint8_t)(32 * (r % 2) + 8 * j + r / 2);  /* low | high nibbles */
+        }
+    idx->split64_lo = _mm512_loadu_si512(a);
+    idx->split64_hi = _mm512_loadu_si512(b);
+    idx->split32 = _mm512_loadu_si512(c);
+    idx->interleaved = _mm512_loadu_si512(d);
+    idx->nibble = _mm512_set1_epi8(0x0F);
+}
+
+/* The codes of columns k .. k+3 for the pass's tiles: byte 4r + j of c[t] is row 16 t + r, column k + j. */
+static inline __attribute__((always_inline)) void decode4(const uint8_t* p, int stride, const int kind,
+                                                          const Idx* idx, __m512i* c) {
+    const __m512i m = idx->nibble;
+    if (kind == INTERLEAVED_1) {
+        int64_t q[4];
+        for (int j = 0; j < 4; j++) memcpy(&q[j], p + (int64_t)j * stride, 8);
+        __m256i v = _mm256_set_epi64x(q[3], q[2], q[1], q[0]);
+        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+        c[0] = _mm512_permutexvar_epi8(idx->interleaved, _mm512_and_si512(both, m));
+    } else if (kind == SPLIT32_ALL) {
+        __m512i v = _mm512_loadu_si512((const void*)p);
+        c[0] = _mm512_permutexvar_epi8(idx->split32, _mm512_and_si512(v, m));
+        c[1] = _mm512_permutexvar_epi8(idx->split32, _mm512_and_si512(_mm512_srli_epi16(v, 4), m));
+    } else {
+        __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 64));
+        int t = 0;
+        if (kind != SPLIT64_HI) {
+            __m512i l0 = _mm512_and_si512(v0, m), l1 = _mm512_and_si512(v1, m);
+            c[t++] = _mm512_permutex2var_epi8(l0, idx->split64_lo, l1);
+            c[t++] = _mm512_permutex2var_epi8(l0, idx->split64_hi, l1);
+        }
+        if (kind != SPLIT64_LO) {
+            __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m);
+            __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m);
+            c[t++] = _mm512_permutex2var_epi8(h0, idx->split64_lo, h1);
+            c[t++] = _mm512_permutex2var_epi8(h0, idx->split64_hi, h1);
+        }
+    }
+}
+
+/* acc += the four products of unsigned bytes u and signed bytes b in each 32-bit lane (vpdpbusd).
+ * In assembly so that the accumulator stays in its register: the intrinsic makes some
+ * compilers copy it around every instruction. */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i u, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(b));
+    return acc;
+}
+
+static inline __m512i bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* (scale, zero) of 16 rows as floats */
+static inline void load_scales(const uint16_t* sz, __m512* s, __m512* z) {
+    __m512i v = _mm512_loadu_si512((const void*)sz);
+    *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* tot[i][16 t ..] += s d (sum q x - 8 sum x) + z sum x for activation row i and group g, from the
+ * two halves of sum q x - 8 sum x (high and low activation bytes; lo starts at -8 sum x). */
+static inline __attribute__((always_inline)) void fold(const Act* a, int i, int g, const int T, const __m512i* hi,
+                                                       const __m512i* lo, const __m512* s, const __m512* z,
+                                                       float (*tot)[64]) {
+    int64_t mg = (int64_t)i * a->G + g;
+    __m512 dx = _mm512_set1_ps(a->d[mg]), xs = _mm512_set1_ps(a->xsum[mg]);
+    for (int t = 0; t < T; t++) {
+        __m512i q = _mm512_add_epi32(_mm512_slli_epi32(hi[t], 8), lo[t]);
+        float* o = &tot[i][16 * t];
+        __m512 acc = _mm512_fmadd_ps(z[t], xs, _mm512_loadu_ps(o));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_mul_ps(s[t], dx), _mm512_cvtepi32_ps(q), acc));
+    }
+}
+
+/* One group for R (1 or 2) activation rows from row i: codes decoded straight into the dot products.
+ * pf, when not NULL: codes further on, fetched into the cache meanwhile (the hardware prefetcher
+ * stops at page boundaries; a group's codes are a page or less). */
+static inline __attribute__((always_inline)) void group_direct(const uint8_t* w, int stride, const int kind,
+                                                               const Idx* idx, const Act* a, int i, const int R,
+                                                               int g, const uint16_t* szg, float (*tot)[64],
+                                                               const uint8_t* pf) {
+    const int T = tiles_of(kind);
+    /* One row alternates between two sets of sums (the rows' sums are the two sets with R = 2), so
+     * that enough independent sums are in flight to hide the latency of vpdpbusd. */
+    __m512i hi[2][4], lo[2][4], c[4];
+    for (int r = 0; r < 2; r++) {
+        __m512i q8 = _mm512_set1_epi32(r < R ? -8 * a->xqsum[(int64_t)(i + r) * a->G + g] : 0);
+        for (int t = 0; t < T; t++) {
+            hi[r][t] = _mm512_setzero_si512();
+            lo[r][t] = q8;
+        }
+    }
+    const int8_t* xh = a->xb + (int64_t)i * 2 * a->K + (int64_t)g * a->gs;
+    for (int k = 0; k < a->gs; k += 8)  /* gs % 8 == 0 */
+        for (int u = 0; u < 2; u++) {
+            if (pf) {
+                _mm_prefetch((const char*)(pf + (int64_t)(k + 4 * u) * stride), _MM_HINT_T0);
+                _mm_prefetch((const char*)(pf + (int64_t)(k + 4 * u) * stride + 64), _MM_HINT_T0);
+            }
+            decode4(w + (int64_t)(k + 4 * u) * stride, stride, kind, idx, c);
+            for (int r = 0; r < R; r++) {
+                const int8_t* xr = xh + (int64_t)r * 2 * a->K + k + 4 * u;
+                __m512i bh = bcast4(xr), bl = bcast4(xr + a->K);
+                const int set = R == 2 ? r : u;
+                for (int t = 0; t < T; t++) {
+                    hi[set][t] = dpbusd(hi[set][t], c[t], bh);
+                    lo[set][t] = dpbusd(lo[set][t], c[t], bl);
+                }
+            }
+        }
+    if (R == 1)
+        for (int t = 0; t < T; t++) {
+            hi[0][t] = _mm512_add_epi32(hi[0][t], hi[1][t]);
+            lo[0][t] = _mm512_add_epi32(lo[0][t], lo[1][t]);
+        }
+    __m512 sc[4], ze[4];
+    for (int t = 0; t < T; t++) load_scales(szg + 32 * t, &sc[t], &ze[t]);
+    for (int r = 0; r < R; r++) fold(a, i + r, g, T, hi[r], lo[r], sc, ze, tot);
+}
+
+#define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
+                  float (*tot)[64]
+#define PREFETCH_BYTES 8192 /* how far ahead of the codes being read the next ones are fetched */
+/* One pass over a block: all groups, activation rows [0, mc), the kind's tiles into tot[.][0 ..).
+ * Rows go in pairs, each pair decoding the group's codes again (from L1). */
+static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind, const int MBX) {
+    (void)MBX;
+    for (int g = 0; g < a->G; g++) {
+        const uint8_t* wg = w + (int64_t)g * a->gs * stride;
+        const uint16_t* szg = sz + 2 * (int64_t)g * np;
+        const uint8_t* next = wg + PREFETCH_BYTES;  /* past the last group: the next block */
+        for (int j = 0; j < 4; j++)  /* the next block's scales: one stream per group, too many to detect */
+            _mm_prefetch((const char*)(szg + 2 * 64 + 32 * j), _MM_HINT_T0);
+        for (int i = 0; i + 1 < mc; i += 2) group_direct(wg, stride, kind, idx, a, i, 2, g, szg, tot, i ? NULL : next);
+        if (mc % 2) group_direct(wg, stride, kind, idx, a, mc - 1, 1, g, szg, tot, mc > 1 ? NULL : next);
+    }
+}
+#else
+/* ---------------------------------------------------------------- float path (AVX2 / AVX-512F) */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
+#define V_LANES 16
+#define MB_FULL 4
+#define MB_PART 4
 typedef __m512 V16;
-#define VECTOR_BITS 512
-#define MB_MAX 4
 static inline V16 v_zero(void) { return _mm512_setzero_ps(); }
-/* 16 codes (bytes 0..15) as 16 floats */
-static inline V16 v_codes(__m128i c) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)); }
+static inline V16 v_codes(__m128i c) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)); }  /* 16 codes */
 static inline V16 v_fma_x(V16 w, const float* x, V16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
 static inline V16 v_load(const float* p) { return _mm512_loadu_ps(p); }
 static inline void v_store(float* p, V16 v) { _mm512_storeu_ps(p, v); }
@@ -44,15 +268,14 @@ static inline void v_scales(const uint16_t* sz, V16* s, V16* zp) {
     V16 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
     *zp = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), *s, z);
 }
-/* tot + s * acc + zp * xs */
-static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) {
+static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) {  /* tot + s acc + zp xs */
     return _mm512_fmadd_ps(s, acc, _mm512_fmadd_ps(zp, _mm512_set1_ps(xs), tot));
 }
-#define SPLIT64_TILES 4 /* a 64-row split block in one pass */
 #else
+#define V_LANES 8
+#define MB_FULL 1
+#define MB_PART 2  /* 16 registers: a 64-row split block goes in two passes (low, high nibbles) */
 typedef struct { __m256 a, b; } V16;
-#define VECTOR_BITS 256
-#define MB_MAX 2
 static inline V16 v_zero(void) { V16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
 static inline V16 v_codes(__m128i c) {
     V16 r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)),
@@ -81,13 +304,12 @@ static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) {
              _mm256_fmadd_ps(s.b, acc.b, _mm256_fmadd_ps(zp.b, b, tot.b))};
     return r;
 }
-#define SPLIT64_TILES 2 /* 16 registers: a 64-row split block in two passes (low, high nibbles) */
 #endif
+typedef int Idx; /* unused here */
+static void make_idx(Idx* idx) { *idx = 0; }
 
-/* What one pass over a block decodes for each k: T tiles of 16 rows. */
-enum { SPLIT64_ALL, SPLIT64_LO, SPLIT64_HI, SPLIT32_ALL, INTERLEAVED_1 };
-
-static inline __attribute__((always_inline)) void decode(const uint8_t* p, const int kind, __m128i* c) {
+/* The codes of column k for the pass's tiles: byte r of c[t] is row 16 t + r. */
+static inline __attribute__((always_inline)) void decode1(const uint8_t* p, const int kind, __m128i* c) {
     if (kind == INTERLEAVED_1) {  /* 8 bytes: rows 2j (low nibble), 2j + 1 (high) */
         __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
         c[0] = _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x000F)),
@@ -98,161 +320,146 @@ static inline __attribute__((always_inline)) void decode(const uint8_t* p, const
         c[1] = _mm_and_si128(_mm_srli_epi16(v, 4), m);
     } else {  /* 32 bytes: rows j (low nibble), 32 + j (high) */
         __m256i v = _mm256_loadu_si256((const __m256i*)p), m = _mm256_set1_epi8(0x0F);
+        int t = 0;
         if (kind != SPLIT64_HI) {
             __m256i lo = _mm256_and_si256(v, m);
-            c[0] = _mm256_castsi256_si128(lo);
-            c[1] = _mm256_extracti128_si256(lo, 1);
+            c[t++] = _mm256_castsi256_si128(lo);
+            c[t++] = _mm256_extracti128_si256(lo, 1);
         }
         if (kind != SPLIT64_LO) {
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-            c[kind == SPLIT64_HI ? 0 : 2] = _mm256_castsi256_si128(hi);
-            c[kind == SPLIT64_HI ? 1 : 3] = _mm256_extracti128_si256(hi, 1);
+            c[t++] = _mm256_castsi256_si128(hi);
+            c[t++] = _mm256_extracti128_si256(hi, 1);
         }
     }
 }
 
-static inline int tiles_of(int kind) {
-    return kind == SPLIT64_ALL ? 4 : (kind == INTERLEAVED_1 ? 1 : 2);
-}
-
-/* acc[i][t] = sum over kn columns of x[i, k] * code[tile t, k] for the MB rows i of x (row stride
- * K). MB and kind are compile-time constants at every call site, so acc stays in registers. */
-static inline __attribute__((always_inline)) void group_dot(const uint8_t* w, int stride, const int kind,
-                                                            const float* x, int K, int kn, const int MB,
-                                                            V16 acc[MB_MAX][4]) {
+static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, int stride, const int kind,
+                                                             const Act* a, int i0, int g, const int MB,
+                                                             const V16* s, const V16* zp, float (*tot)[64]) {
     const int T = tiles_of(kind);
+    V16 acc[4][4];
     __m128i c[4];
     for (int i = 0; i < MB; i++)
         for (int t = 0; t < T; t++) acc[i][t] = v_zero();
-    for (int k = 0; k < kn; k++) {
-        decode(w + (int64_t)k * stride, kind, c);
+    const float* x = a->x + (int64_t)i0 * a->K + (int64_t)g * a->gs;
+    for (int k = 0; k < a->gs; k++) {
+        decode1(w + (int64_t)k * stride, kind, c);
         for (int t = 0; t < T; t++) {
             V16 f = v_codes(c[t]);
-            for (int i = 0; i < MB; i++) acc[i][t] = v_fma_x(f, x + (int64_t)i * K + k, acc[i][t]);
+            for (int i = 0; i < MB; i++) acc[i][t] = v_fma_x(f, x + (int64_t)i * a->K + k, acc[i][t]);
+        }
+    }
+    for (int i = 0; i < MB; i++) {
+        float xs = a->xsum[(int64_t)(i0 + i) * a->G + g];
+        for (int t = 0; t < T; t++) {
+            float* o = &tot[i0 + i][16 * t];
+            v_store(o, v_fold(v_load(o), s[t], acc[i][t], zp[t], xs));
         }
     }
 }
 
-#define ROWS_CHUNK 32 /* activation rows whose outputs one block keeps at once */
-
-/* One pass over a block: tot[i][16 t ...] for rows i < mc of x, output tiles t of the pass.
- * w: the block's codes at the pass's byte offset; sz: (scale, zero) of the pass's first row in
- * group 0; xs: per-row group sums [mc][G]. */
-static inline __attribute__((always_inline)) void block_pass(const uint8_t* w, int stride, const int kind,
-                                                             const uint16_t* sz, int np, const float* x,
-                                                             const float* xs, int K, int G, int gs, int mc,
-                                                             float tot[ROWS_CHUNK][64]) {
+#define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
+                  float (*tot)[64]
+static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind, const int MBX) {
     const int T = tiles_of(kind);
-    V16 acc[MB_MAX][4], s[4], zp[4];
-    for (int g = 0; g < G; g++) {
+    V16 s[4], zp[4];
+    (void)idx;
+    for (int g = 0; g < a->G; g++) {
         for (int t = 0; t < T; t++) v_scales(sz + 2 * ((int64_t)g * np + 16 * t), &s[t], &zp[t]);
-        const uint8_t* wg = w + (int64_t)g * gs * stride;
-        for (int m0 = 0; m0 < mc; m0 += MB_MAX) {
-            const float* xg = x + (int64_t)m0 * K + (int64_t)g * gs;
-            int mb = mc - m0 < MB_MAX ? mc - m0 : MB_MAX;
-            switch (mb) {  /* constant row counts, so each case keeps its accumulators in registers */
-                case 1: group_dot(wg, stride, kind, xg, K, gs, 1, acc); break;
-#if MB_MAX >= 2
-                case 2: group_dot(wg, stride, kind, xg, K, gs, 2, acc); break;
-#endif
-#if MB_MAX >= 3
-                case 3: group_dot(wg, stride, kind, xg, K, gs, 3, acc); break;
-#endif
-#if MB_MAX >= 4
-                case 4: group_dot(wg, stride, kind, xg, K, gs, 4, acc); break;
-#endif
-                default: break;
-            }
-            for (int i = 0; i < mb; i++) {
-                float xsum = xs[(int64_t)(m0 + i) * G + g];
-                for (int t = 0; t < T; t++) {
-                    float* o = &tot[m0 + i][16 * t];
-                    v_store(o, v_fold(v_load(o), s[t], acc[i][t], zp[t], xsum));
-                }
+        const uint8_t* wg = w + (int64_t)g * a->gs * stride;
+        for (int i0 = 0; i0 < mc; i0 += MBX) {
+            switch (mc - i0 < MBX ? mc - i0 : MBX) {  /* constant row counts keep the sums in registers */
+                case 1: group_rows(wg, stride, kind, a, i0, g, 1, s, zp, tot); break;
+                case 2: if (MBX >= 2) group_rows(wg, stride, kind, a, i0, g, 2, s, zp, tot); break;
+                case 3: if (MBX >= 3) group_rows(wg, stride, kind, a, i0, g, 3, s, zp, tot); break;
+                default: if (MBX >= 4) group_rows(wg, stride, kind, a, i0, g, 4, s, zp, tot); break;
             }
         }
     }
 }
+#endif
 
-static void block_pass_split64_all(const uint8_t* w, int stride, const uint16_t* sz, int np, const float* x,
-                                   const float* xs, int K, int G, int gs, int mc, float tot[ROWS_CHUNK][64]) {
-    block_pass(w, stride, SPLIT64_ALL, sz, np, x, xs, K, G, gs, mc, tot);
-}
-static void block_pass_split64_lo(const uint8_t* w, int stride, const uint16_t* sz, int np, const float* x,
-                                  const float* xs, int K, int G, int gs, int mc, float tot[ROWS_CHUNK][64]) {
-    block_pass(w, stride, SPLIT64_LO, sz, np, x, xs, K, G, gs, mc, tot);
-}
-static void block_pass_split64_hi(const uint8_t* w, int stride, const uint16_t* sz, int np, const float* x,
-                                  const float* xs, int K, int G, int gs, int mc, float tot[ROWS_CHUNK][64]) {
-    block_pass(w, stride, SPLIT64_HI, sz, np, x, xs, K, G, gs, mc, tot);
-}
-static void block_pass_split32(const uint8_t* w, int stride, const uint16_t* sz, int np, const float* x,
-                               const float* xs, int K, int G, int gs, int mc, float tot[ROWS_CHUNK][64]) {
-    block_pass(w, stride, SPLIT32_ALL, sz, np, x, xs, K, G, gs, mc, tot);
-}
-static void block_pass_interleaved(const uint8_t* w, int stride, const uint16_t* sz, int np, const float* x,
-                                   const float* xs, int K, int G, int gs, int mc, float tot[ROWS_CHUNK][64]) {
-    block_pass(w, stride, INTERLEAVED_1, sz, np, x, xs, K, G, gs, mc, tot);
-}
+/* ---------------------------------------------------------------- shared driver */
+static void pass_split64_all(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_ALL, MB_FULL); }
+static void pass_split64_lo(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_LO, MB_PART); }
+static void pass_split64_hi(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_HI, MB_PART); }
+static void pass_split32(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT32_ALL, MB_PART); }
+static void pass_interleaved(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, INTERLEAVED_1, MB_PART); }
 
-/* One block of rows [n0, n0 + rows) for activation rows [0, mc): outputs into tot. */
-static void run_block(const uint8_t* wb, int rows, int split, const uint16_t* sz, int np, const float* x,
-                      const float* xs, int K, int G, int gs, int mc, float tot[ROWS_CHUNK][64]) {
+/* One block of `rows` rows for activation rows [0, mc) of a: outputs into tot[.][0 .. rows). */
+static void run_block(const uint8_t* wb, int rows, int split, const Idx* idx, const uint16_t* sz, int np,
+                      const Act* a, int mc, float tot[ROWS_CHUNK][64]) {
     const int stride = rows / 2;
+    float part[ROWS_CHUNK][64];
     for (int i = 0; i < mc; i++) memset(tot[i], 0, sizeof tot[i]);
     if (split && rows == 64) {
-        if (SPLIT64_TILES == 4) {
-            block_pass_split64_all(wb, stride, sz, np, x, xs, K, G, gs, mc, tot);
-        } else {  /* tot columns of the high pass: rows 32..63 */
-            float hi[ROWS_CHUNK][64];
-            block_pass_split64_lo(wb, stride, sz, np, x, xs, K, G, gs, mc, tot);
-            for (int i = 0; i < mc; i++) memset(hi[i], 0, sizeof hi[i]);
-            block_pass_split64_hi(wb, stride, sz + 64, np, x, xs, K, G, gs, mc, hi);
-            for (int i = 0; i < mc; i++) memcpy(&tot[i][32], hi[i], sizeof(float) * 32);
+        if (mc <= MB_FULL) {
+            pass_split64_all(wb, stride, idx, sz, np, a, mc, tot);
+        } else {  /* rows 0..31 from the low nibbles, then 32..63 from the high ones */
+            pass_split64_lo(wb, stride, idx, sz, np, a, mc, tot);
+            for (int i = 0; i < mc; i++) memset(part[i], 0, sizeof part[i]);
+            pass_split64_hi(wb, stride, idx, sz + 64, np, a, mc, part);
+            for (int i = 0; i < mc; i++) memcpy(&tot[i][32], part[i], sizeof(float) * 32);
         }
     } else if (split && rows == 32) {
-        block_pass_split32(wb, stride, sz, np, x, xs, K, G, gs, mc, tot);
-    } else {  /* interleaved: one 16-row tile (8 bytes per k) at a time */
+        pass_split32(wb, stride, idx, sz, np, a, mc, tot);
+    } else {  /* interleaved: one 16-row tile (8 bytes per column) at a time */
         for (int t = 0; t < rows / 16; t++) {
-            float part[ROWS_CHUNK][64];
             for (int i = 0; i < mc; i++) memset(part[i], 0, sizeof part[i]);
-            block_pass_interleaved(wb + 8 * t, stride, sz + 32 * t, np, x, xs, K, G, gs, mc, part);
+            pass_interleaved(wb + 8 * t, stride, idx, sz + 32 * t, np, a, mc, part);
             for (int i = 0; i < mc; i++) memcpy(&tot[i][16 * t], part[i], sizeof(float) * 16);
         }
     }
 }
 
 /* The vector width this build uses: 512 or 256 bits. */
-int sidecar_int4_vector_bits(void) { return VECTOR_BITS; }
+int sidecar_int4_vector_bits(void) { return V_LANES * 32; }
+/* 1 when this build rounds activations to 16 bits (the integer path), 0 when it keeps them float32. */
+int sidecar_int4_integer_dot(void) { return INT_DOT; }
 
 /* x float32 [M, K]; w packed codes for np rows (np % 16 == 0) and K columns (K % gs == 0,
- * K even); sz bf16 [K / gs, np, 2]; y float32 [M, np]; xs scratch float [M, K / gs];
- * block_n 64 or 32; split 1 for split full blocks, 0 for interleaved ones.
- * Returns 0, or -1 for arguments it does not handle (nothing written). */
-int sidecar_int4_matmul(const float* x, const uint8_t* w, const uint16_t* sz, float* y, float* xs,
-                        int M, int np, int K, int gs, int block_n, int split, int nthreads) {
-    if (M < 0 || np % 16 || gs <= 0 || K % gs || K % 2 || (block_n != 64 && block_n != 32))
+ * gs % 16 == 0, gs <= 256); sz bf16 [K / gs, np, 2]; y float32 [M, np]; block_n 64 or 32; split 1 for split
+ * full blocks, 0 for interleaved ones. Returns 0, -1 for arguments it does not handle, -2 when out
+ * of memory (nothing written then). */
+int sidecar_int4_matmul(const float* x, const uint8_t* w, const uint16_t* sz, float* y, int M, int np, int K,
+                        int gs, int block_n, int split, int nthreads) {
+    if (M < 0 || np % 16 || gs <= 0 || gs > 256 || gs % 16 || K % gs || (block_n != 64 && block_n != 32))
         return -1;
     const int G = K / gs;
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
-            float s = 0.f;
-            for (int k = 0; k < gs; k++) s += x[(int64_t)m * K + (int64_t)g * gs + k];
-            xs[(int64_t)m * G + g] = s;
-        }
+    Act a = {x, NULL, NULL, NULL, NULL, K, G, gs};
+    char* scratch = malloc((size_t)M * G * 12 + (INT_DOT ? (size_t)M * 2 * K : 0) + 64);
+    if (scratch == NULL) return -2;
+    a.xsum = (float*)scratch;
+    a.d = a.xsum + (size_t)M * G;
+    a.xqsum = (int32_t*)(a.d + (size_t)M * G);
+    a.xb = (int8_t*)(a.xqsum + (size_t)M * G);
+    Idx idx;
+    make_idx(&idx);
     const int nfull = np / block_n, tail = np % block_n;
     const int nblocks = nfull + (tail ? 1 : 0);
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int b = 0; b < nblocks; b++) {
-        const int n0 = b * block_n, rows = b < nfull ? block_n : tail;
-        const uint8_t* wb = w + (int64_t)n0 * (K / 2);
-        float tot[ROWS_CHUNK][64];
-        for (int m0 = 0; m0 < M; m0 += ROWS_CHUNK) {
-            int mc = M - m0 < ROWS_CHUNK ? M - m0 : ROWS_CHUNK;
-            run_block(wb, rows, b < nfull ? split : 0, sz + 2 * (int64_t)n0, np, x + (int64_t)m0 * K,
-                      xs + (int64_t)m0 * G, K, G, gs, mc, tot);
-            for (int i = 0; i < mc; i++) memcpy(y + (int64_t)(m0 + i) * np + n0, tot[i], sizeof(float) * rows);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        #pragma omp for schedule(static)
+        for (int mg = 0; mg < M * G; mg++) prepare_group(&a, mg / G, mg % G);
+        #pragma omp for schedule(static)
+        for (int b = 0; b < nblocks; b++) {
+            const int n0 = b * block_n, rows = b < nfull ? block_n : tail;
+            const uint8_t* wb = w + (int64_t)n0 * (K / 2);
+            float tot[ROWS_CHUNK][64];
+            for (int m0 = 0; m0 < M; m0 += ROWS_CHUNK) {
+                int mc = M - m0 < ROWS_CHUNK ? M - m0 : ROWS_CHUNK;
+                Act am = a;  /* the activation rows from m0 */
+                am.x = x + (int64_t)m0 * K;
+                am.xb = a.xb + (int64_t)m0 * 2 * K;
+                am.d = a.d + (int64_t)m0 * G;
+                am.xqsum = a.xqsum + (int64_t)m0 * G;
+                am.xsum = a.xsum + (int64_t)m0 * G;
+                run_block(wb, rows, b < nfull ? split : 0, &idx, sz + 2 * (int64_t)n0, np, &am, mc, tot);
+                for (int i = 0; i < mc; i++) memcpy(y + (int64_t)(m0 + i) * np + n0, tot[i], sizeof(float) * rows);
+            }
         }
     }
+    free(scratch);
     return 0;
 }

@@ -4,7 +4,8 @@
 ``_weight_int4pack_mm_for_cpu`` as they are (``weight`` packed by
 ``_convert_weight_to_int4pack_for_cpu``, bf16 ``scales_and_zeros`` [G, N, 2]) and computes
 ``x @ w.T`` with ``w[n, k] = (code - 8) * scale + zero`` for float32 ``x`` [M, K], returning
-float32 [M, N]. Unlike torch's kernel it keeps the activations in float32 (no bf16 rounding).
+float32 [M, N]. Where torch's kernel rounds activations to bf16 (8 bits), ours keeps 16 bits
+(``integer_dot()``: AVX-512 VNNI, one scale per row and group) or all of float32 (elsewhere).
 ``reference`` is the same product from the plain codes in float64, the oracle for tests.
 
 torch's packed layout depends on the CPU capability torch runs with (blocks of 64 rows with
@@ -22,6 +23,9 @@ from sidecar.model.kernels import cpu_build
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
 MAX_ROWS = 32
+# The integer path rounds each activation to round(x * ACTIVATION_CODE_MAX / absmax of its group):
+# 16-bit codes whose high and low bytes are both int8.
+ACTIVATION_CODE_MAX = 32639
 LAYOUTS = ((64, True), (32, True), (32, False), (64, False))  # (rows per block, split nibbles)
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -32,9 +36,10 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib = cpu_build.load("int4_gemv")
     if lib is not None and not getattr(lib, "_sidecar_typed", False):
         fn = lib.sidecar_int4_matmul
-        fn.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]
+        fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]
         fn.restype = _I
         lib.sidecar_int4_vector_bits.restype = _I
+        lib.sidecar_int4_integer_dot.restype = _I
         lib._sidecar_typed = True
     return lib
 
@@ -82,6 +87,13 @@ def vector_bits() -> int:
     return 0 if lib is None else lib.sidecar_int4_vector_bits()
 
 
+def integer_dot() -> bool:
+    """Whether the built kernel rounds activations to 16-bit integers (``ACTIVATION_CODE_MAX``, one
+    scale per row and group) for its integer dot products (AVX-512 VNNI), else they stay float32."""
+    lib = _lib()
+    return lib is not None and bool(lib.sidecar_int4_integer_dot())
+
+
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
                 layout: Optional[tuple[int, bool]] = None) -> torch.Tensor:
     """Requires ``available()``. All on the CPU; ``x`` [M, K] (any M; used up to MAX_ROWS), ``weight``
@@ -91,18 +103,19 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_a
     assert lib is not None and layout is not None, "int4_gemv kernel is not available"
     m, k = x.shape
     n = weight.shape[0]
-    if (weight.shape != (n, k // 2) or weight.dtype != torch.uint8 or n % 16 or k % 2 or group_size <= 0
-            or k % group_size or scales_and_zeros.shape != (k // group_size, n, 2)
-            or scales_and_zeros.dtype != torch.bfloat16):
+    if (weight.shape != (n, k // 2) or weight.dtype != torch.uint8 or n % 16 or k % 2
+            or group_size not in range(16, 257, 16) or k % group_size
+            or scales_and_zeros.shape != (k // group_size, n, 2) or scales_and_zeros.dtype != torch.bfloat16):
         raise ValueError(f"int4_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"group_size {group_size}, scales_and_zeros {tuple(scales_and_zeros.shape)} "
                          f"{scales_and_zeros.dtype} do not fit")
     x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
     weight, sz = weight.contiguous(), scales_and_zeros.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
-    xs = torch.empty(m, k // group_size, dtype=torch.float32)
-    rc = lib.sidecar_int4_matmul(x.data_ptr(), weight.data_ptr(), sz.data_ptr(), y.data_ptr(), xs.data_ptr(),
-                                 m, n, k, group_size, layout[0], int(layout[1]), torch.get_num_threads())
+    rc = lib.sidecar_int4_matmul(x.data_ptr(), weight.data_ptr(), sz.data_ptr(), y.data_ptr(), m, n, k, group_size,
+                                 layout[0], int(layout[1]), torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("int4_matmul: no memory for the activation scratch")
     assert rc == 0, "int4_gemv refused arguments checked above"
     return y
 
