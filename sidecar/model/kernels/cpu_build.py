@@ -58,10 +58,9 @@ def _build(source: Path, out: Path, cc: str, flags: tuple[str, ...]) -> None:
 
 def load(name: str) -> Optional[ctypes.CDLL]:
     """The compiled library for ``kernels/<name>.c``, or None (see ``reason(name)``)."""
+    if name in _loaded:
+        return _loaded[name]
     flags = (*FLAGS, *arch_flags())
-    key = f"{name} {' '.join(flags)}"
-    if key in _loaded:
-        return _loaded[key]
     lib = None
     try:
         if not enabled():
@@ -71,11 +70,11 @@ def load(name: str) -> Optional[ctypes.CDLL]:
         if cc_path is None:
             raise RuntimeError(f"no C compiler ({cc}) on PATH")
         source = Path(__file__).with_name(f"{name}.c")
-        digest = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), cc_path, _cpu_flags()])
-                                .encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), cc_path, _cpu_flags()])
+                             .encode()).hexdigest()[:16]
         from sidecar.model.demo import sidecar_home
 
-        out = sidecar_home() / "kernels" / f"{name}-{digest}.so"
+        out = sidecar_home() / "kernels" / f"{name}-{key}.so"
         out.parent.mkdir(parents=True, exist_ok=True)
         if not out.exists():
             with open(out.parent / f".{out.name}.lock", "w") as lock:
@@ -86,7 +85,7 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         _reasons[name] = str(exc)
         log.info("CPU kernel %s not used (torch path instead): %s", name, exc)
-    _loaded[key] = lib
+    _loaded[name] = lib
     return lib
 
 

@@ -273,8 +273,8 @@ static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) {  /* tot + 
 }
 #else
 #define V_LANES 8
-#define MB_FULL 1
-#define MB_PART 2  /* 16 registers: a 64-row split block goes in two passes (low, high nibbles) */
+#define MB_FULL 0  /* 16 registers: a 64-row split block goes in two passes (low, high nibbles) */
+#define MB_PART 2
 typedef struct { __m256 a, b; } V16;
 static inline V16 v_zero(void) { V16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
 static inline V16 v_codes(__m128i c) {
@@ -336,7 +336,7 @@ static inline __attribute__((always_inline)) void decode1(const uint8_t* p, cons
 
 static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, int stride, const int kind,
                                                              const Act* a, int i0, int g, const int MB,
-                                                             const V16* s, const V16* zp, float (*tot)[64]) {
+                                                             const uint16_t* szg, float (*tot)[64]) {
     const int T = tiles_of(kind);
     V16 acc[4][4];
     __m128i c[4];
@@ -350,6 +350,8 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, i
             for (int i = 0; i < MB; i++) acc[i][t] = v_fma_x(f, x + (int64_t)i * a->K + k, acc[i][t]);
         }
     }
+    V16 s[4], zp[4];  /* loaded here, not held in registers through the loop above */
+    for (int t = 0; t < T; t++) v_scales(szg + 32 * t, &s[t], &zp[t]);
     for (int i = 0; i < MB; i++) {
         float xs = a->xsum[(int64_t)(i0 + i) * a->G + g];
         for (int t = 0; t < T; t++) {
@@ -362,18 +364,16 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, i
 #define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
                   float (*tot)[64]
 static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind, const int MBX) {
-    const int T = tiles_of(kind);
-    V16 s[4], zp[4];
     (void)idx;
     for (int g = 0; g < a->G; g++) {
-        for (int t = 0; t < T; t++) v_scales(sz + 2 * ((int64_t)g * np + 16 * t), &s[t], &zp[t]);
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
+        const uint16_t* szg = sz + 2 * (int64_t)g * np;
         for (int i0 = 0; i0 < mc; i0 += MBX) {
             switch (mc - i0 < MBX ? mc - i0 : MBX) {  /* constant row counts keep the sums in registers */
-                case 1: group_rows(wg, stride, kind, a, i0, g, 1, s, zp, tot); break;
-                case 2: if (MBX >= 2) group_rows(wg, stride, kind, a, i0, g, 2, s, zp, tot); break;
-                case 3: if (MBX >= 3) group_rows(wg, stride, kind, a, i0, g, 3, s, zp, tot); break;
-                default: if (MBX >= 4) group_rows(wg, stride, kind, a, i0, g, 4, s, zp, tot); break;
+                case 1: group_rows(wg, stride, kind, a, i0, g, 1, szg, tot); break;
+                case 2: if (MBX >= 2) group_rows(wg, stride, kind, a, i0, g, 2, szg, tot); break;
+                case 3: if (MBX >= 3) group_rows(wg, stride, kind, a, i0, g, 3, szg, tot); break;
+                default: if (MBX >= 4) group_rows(wg, stride, kind, a, i0, g, 4, szg, tot); break;
             }
         }
     }
@@ -437,27 +437,31 @@ int sidecar_int4_matmul(const float* x, const uint8_t* w, const uint16_t* sz, fl
     Idx idx;
     make_idx(&idx);
     const int nfull = np / block_n, tail = np % block_n;
-    const int nblocks = nfull + (tail ? 1 : 0);
+    const int nblocks = nfull + (tail ? 1 : 0), nchunks = (M + ROWS_CHUNK - 1) / ROWS_CHUNK;
+    const int block_major = (int64_t)M * K * (INT_DOT ? 2 : 4) <= (256 << 10);
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
         for (int mg = 0; mg < M * G; mg++) prepare_group(&a, mg / G, mg % G);
+        /* Work items: a block of rows for a chunk of activation rows, a thread's items consecutive.
+         * While all activations fit in L2, a block's chunks go one after the other (its codes stay
+         * in cache); beyond that, a chunk's blocks (its activations stay in cache). */
         #pragma omp for schedule(static)
-        for (int b = 0; b < nblocks; b++) {
+        for (int item = 0; item < nblocks * nchunks; item++) {
+            const int b = block_major ? item / nchunks : item % nblocks;
+            const int m0 = (block_major ? item % nchunks : item / nblocks) * ROWS_CHUNK;
             const int n0 = b * block_n, rows = b < nfull ? block_n : tail;
-            const uint8_t* wb = w + (int64_t)n0 * (K / 2);
+            const int mc = M - m0 < ROWS_CHUNK ? M - m0 : ROWS_CHUNK;
             float tot[ROWS_CHUNK][64];
-            for (int m0 = 0; m0 < M; m0 += ROWS_CHUNK) {
-                int mc = M - m0 < ROWS_CHUNK ? M - m0 : ROWS_CHUNK;
-                Act am = a;  /* the activation rows from m0 */
-                am.x = x + (int64_t)m0 * K;
-                am.xb = a.xb + (int64_t)m0 * 2 * K;
-                am.d = a.d + (int64_t)m0 * G;
-                am.xqsum = a.xqsum + (int64_t)m0 * G;
-                am.xsum = a.xsum + (int64_t)m0 * G;
-                run_block(wb, rows, b < nfull ? split : 0, &idx, sz + 2 * (int64_t)n0, np, &am, mc, tot);
-                for (int i = 0; i < mc; i++) memcpy(y + (int64_t)(m0 + i) * np + n0, tot[i], sizeof(float) * rows);
-            }
+            Act am = a;  /* the activation rows from m0 */
+            am.x = x + (int64_t)m0 * K;
+            am.xb = a.xb + (int64_t)m0 * 2 * K;
+            am.d = a.d + (int64_t)m0 * G;
+            am.xqsum = a.xqsum + (int64_t)m0 * G;
+            am.xsum = a.xsum + (int64_t)m0 * G;
+            run_block(w + (int64_t)n0 * (K / 2), rows, b < nfull ? split : 0, &idx, sz + 2 * (int64_t)n0, np, &am, mc,
+                      tot);
+            for (int i = 0; i < mc; i++) memcpy(y + (int64_t)(m0 + i) * np + n0, tot[i], sizeof(float) * rows);
         }
     }
     free(scratch);

@@ -22,7 +22,10 @@ import torch
 from sidecar.model.kernels import cpu_build
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
-MAX_ROWS = 32
+# Measured on Zen 5 (AVX-512 VNNI), Qwen2-0.5B-shaped layers, one and two threads: 1.9-2.8x faster
+# than torch's packed kernel at 1 to 32 rows and still ~2x at 2048 (the default token budget of a
+# step); beyond that torch's kernel.
+MAX_ROWS = 2048
 # The integer path rounds each activation to round(x * ACTIVATION_CODE_MAX / absmax of its group):
 # 16-bit codes whose high and low bytes are both int8.
 ACTIVATION_CODE_MAX = 32639
