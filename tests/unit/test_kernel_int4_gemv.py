@@ -93,6 +93,19 @@ def test_kernel_matches_reference(m, n, k, gs):
     _check(m, n, k, gs, seed=m * 31 + n)
 
 
+@pytest.mark.parametrize("m,n,k,gs", [(40, 112, 256, 64), (70, 208, 2048, 128), (33, 4864, 896, 32)])
+def test_prefill_sized_batches_match_reference(m, n, k, gs):
+    # 32-row chunks of activations; the second case's activations outgrow the kernel's L2 budget,
+    # which changes the order its work items go in
+    _check(m, n, k, gs, seed=m)
+
+
+def test_no_rows():
+    x, codes, sz = _case(1, 64, 64, 32)
+    y = int4_gemv.int4_matmul(x[:0], int4_gemv.pack(codes, *int4_gemv.torch_layout()), 32, sz)
+    assert y.shape == (0, 64)
+
+
 @pytest.mark.parametrize("layout", int4_gemv.LAYOUTS)
 @pytest.mark.parametrize("m,n,k,gs", [(1, 112, 128, 32), (5, 176, 256, 64), (33, 48, 64, 32), (3, 4864, 896, 128),
                                       (2, 896, 4864, 128)])

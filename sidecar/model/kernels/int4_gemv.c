@@ -1,4 +1,4 @@
-/* Weight-only int4 matmul for decode-sized batches on CPU (up to a few dozen activation rows).
+/* Weight-only int4 matmul on CPU, made for decode steps (a few activation rows), fine for prefill chunks.
  *
  *   y[m, n] = sum_g sum_{k in g} x[m, k] * ((q[n, k] - 8) * s[g, n] + z[g, n])
  *
@@ -21,9 +21,9 @@
  *    s * d * (sum q x - 8 sum x) + z * sum x, the last with the float32 activations.
  *  - otherwise (AVX2, or AVX-512 without them): codes are widened to float and multiplied with
  *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
- * Output rows go in tiles of 16; blocks of rows are split across threads; each chunk of codes is
- * decoded once for several activation rows, and one pass reads each weight byte once, which is
- * what bounds decode.
+ * Output rows go in tiles of 16; blocks of rows (and chunks of 32 activation rows) are split across
+ * threads; each chunk of codes is decoded once for one or more activation rows, and one pass reads
+ * each weight byte once, which is what bounds decode.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,7 +43,7 @@
 #define ROWS_CHUNK 32 /* activation rows whose outputs one block keeps at once */
 #define XQ_MAX 32639  /* 16-bit activation codes whose high and low bytes are both int8 */
 
-/* What one pass over a block decodes: its kind, and the byte offset of its first tile's codes. */
+/* What one pass over a block decodes (the tiles of 16 rows it covers). */
 enum { SPLIT64_ALL, SPLIT64_LO, SPLIT64_HI, SPLIT32_ALL, INTERLEAVED_1 };
 static inline int tiles_of(int kind) { return kind == SPLIT64_ALL ? 4 : (kind == INTERLEAVED_1 ? 1 : 2); }
 
@@ -97,11 +97,10 @@ static void prepare_group(const Act* a, int m, int g) {
 #if INT_DOT
 /* ---------------------------------------------------------------- integer path (AVX-512 VNNI) */
 #define V_LANES 16
-#define MB_FULL ROWS_CHUNK /* every row count in one pass over all 64 rows of a split block */
-#define MB_PART ROWS_CHUNK
-typedef __m512i ACC;
+#define SPLIT64_IN_HALVES 0 /* all 64 rows of a split block in one pass */
 
-typedef struct { __m512i split64_lo, split64_hi, split32, interleaved, nibble; } Idx;
+/* vpermb / vpermt2b indices gathering four columns of a row into each 32-bit lane, by layout */
+typedef struct { __m512i split64_rows0, split64_rows16, split32, interleaved, nibble; } Idx;
 
 static void make_idx(Idx* idx) {
     uint8_t a[64], b[64], c[64], d[64];
@@ -112,8 +111,8 @@ static void make_idx(Idx* idx) {
             c[4 * r + j] = (uint8_t)(16 * j + r);       /* one zmm: columns k .. k+3 */
             d[4 * r + j] = (uint8_t)(32 * (r % 2) + 8 * j + r / 2);  /* low | high nibbles */
         }
-    idx->split64_lo = _mm512_loadu_si512(a);
-    idx->split64_hi = _mm512_loadu_si512(b);
+    idx->split64_rows0 = _mm512_loadu_si512(a);
+    idx->split64_rows16 = _mm512_loadu_si512(b);
     idx->split32 = _mm512_loadu_si512(c);
     idx->interleaved = _mm512_loadu_si512(d);
     idx->nibble = _mm512_set1_epi8(0x0F);
@@ -138,14 +137,14 @@ static inline __attribute__((always_inline)) void decode4(const uint8_t* p, int 
         int t = 0;
         if (kind != SPLIT64_HI) {
             __m512i l0 = _mm512_and_si512(v0, m), l1 = _mm512_and_si512(v1, m);
-            c[t++] = _mm512_permutex2var_epi8(l0, idx->split64_lo, l1);
-            c[t++] = _mm512_permutex2var_epi8(l0, idx->split64_hi, l1);
+            c[t++] = _mm512_permutex2var_epi8(l0, idx->split64_rows0, l1);
+            c[t++] = _mm512_permutex2var_epi8(l0, idx->split64_rows16, l1);
         }
         if (kind != SPLIT64_LO) {
             __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m);
             __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m);
-            c[t++] = _mm512_permutex2var_epi8(h0, idx->split64_lo, h1);
-            c[t++] = _mm512_permutex2var_epi8(h0, idx->split64_hi, h1);
+            c[t++] = _mm512_permutex2var_epi8(h0, idx->split64_rows0, h1);
+            c[t++] = _mm512_permutex2var_epi8(h0, idx->split64_rows16, h1);
         }
     }
 }
@@ -237,8 +236,7 @@ static inline __attribute__((always_inline)) void group_direct(const uint8_t* w,
 #define PREFETCH_BYTES 8192 /* how far ahead of the codes being read the next ones are fetched */
 /* One pass over a block: all groups, activation rows [0, mc), the kind's tiles into tot[.][0 ..).
  * Rows go in pairs, each pair decoding the group's codes again (from L1). */
-static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind, const int MBX) {
-    (void)MBX;
+static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
     for (int g = 0; g < a->G; g++) {
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
@@ -253,8 +251,8 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
 /* ---------------------------------------------------------------- float path (AVX2 / AVX-512F) */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define V_LANES 16
-#define MB_FULL 4
-#define MB_PART 4
+#define SPLIT64_IN_HALVES 0
+#define MB_ROWS 4 /* activation rows whose sums stay in registers */
 typedef __m512 V16;
 static inline V16 v_zero(void) { return _mm512_setzero_ps(); }
 static inline V16 v_codes(__m128i c) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)); }  /* 16 codes */
@@ -273,8 +271,8 @@ static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) {  /* tot + 
 }
 #else
 #define V_LANES 8
-#define MB_FULL 0  /* 16 registers: a 64-row split block goes in two passes (low, high nibbles) */
-#define MB_PART 2
+#define SPLIT64_IN_HALVES 1 /* 16 registers: a 64-row split block in two passes (low, high nibbles) */
+#define MB_ROWS 2
 typedef struct { __m256 a, b; } V16;
 static inline V16 v_zero(void) { V16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
 static inline V16 v_codes(__m128i c) {
@@ -363,17 +361,17 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, i
 
 #define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
                   float (*tot)[64]
-static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind, const int MBX) {
+static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
     (void)idx;
     for (int g = 0; g < a->G; g++) {
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
-        for (int i0 = 0; i0 < mc; i0 += MBX) {
-            switch (mc - i0 < MBX ? mc - i0 : MBX) {  /* constant row counts keep the sums in registers */
+        for (int i0 = 0; i0 < mc; i0 += MB_ROWS) {
+            switch (mc - i0 < MB_ROWS ? mc - i0 : MB_ROWS) {  /* constant row counts keep the sums in registers */
                 case 1: group_rows(wg, stride, kind, a, i0, g, 1, szg, tot); break;
-                case 2: if (MBX >= 2) group_rows(wg, stride, kind, a, i0, g, 2, szg, tot); break;
-                case 3: if (MBX >= 3) group_rows(wg, stride, kind, a, i0, g, 3, szg, tot); break;
-                default: if (MBX >= 4) group_rows(wg, stride, kind, a, i0, g, 4, szg, tot); break;
+                case 2: if (MB_ROWS >= 2) group_rows(wg, stride, kind, a, i0, g, 2, szg, tot); break;
+                case 3: if (MB_ROWS >= 3) group_rows(wg, stride, kind, a, i0, g, 3, szg, tot); break;
+                default: if (MB_ROWS >= 4) group_rows(wg, stride, kind, a, i0, g, 4, szg, tot); break;
             }
         }
     }
@@ -381,11 +379,11 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
 #endif
 
 /* ---------------------------------------------------------------- shared driver */
-static void pass_split64_all(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_ALL, MB_FULL); }
-static void pass_split64_lo(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_LO, MB_PART); }
-static void pass_split64_hi(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_HI, MB_PART); }
-static void pass_split32(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT32_ALL, MB_PART); }
-static void pass_interleaved(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, INTERLEAVED_1, MB_PART); }
+static void pass_split64_all(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_ALL); }
+static void pass_split64_lo(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_LO); }
+static void pass_split64_hi(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_HI); }
+static void pass_split32(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT32_ALL); }
+static void pass_interleaved(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, INTERLEAVED_1); }
 
 /* One block of `rows` rows for activation rows [0, mc) of a: outputs into tot[.][0 .. rows). */
 static void run_block(const uint8_t* wb, int rows, int split, const Idx* idx, const uint16_t* sz, int np,
@@ -394,7 +392,7 @@ static void run_block(const uint8_t* wb, int rows, int split, const Idx* idx, co
     float part[ROWS_CHUNK][64];
     for (int i = 0; i < mc; i++) memset(tot[i], 0, sizeof tot[i]);
     if (split && rows == 64) {
-        if (mc <= MB_FULL) {
+        if (!SPLIT64_IN_HALVES) {
             pass_split64_all(wb, stride, idx, sz, np, a, mc, tot);
         } else {  /* rows 0..31 from the low nibbles, then 32..63 from the high ones */
             pass_split64_lo(wb, stride, idx, sz, np, a, mc, tot);
@@ -419,9 +417,9 @@ int sidecar_int4_vector_bits(void) { return V_LANES * 32; }
 int sidecar_int4_integer_dot(void) { return INT_DOT; }
 
 /* x float32 [M, K]; w packed codes for np rows (np % 16 == 0) and K columns (K % gs == 0,
- * gs % 16 == 0, gs <= 256); sz bf16 [K / gs, np, 2]; y float32 [M, np]; block_n 64 or 32; split 1 for split
- * full blocks, 0 for interleaved ones. Returns 0, -1 for arguments it does not handle, -2 when out
- * of memory (nothing written then). */
+ * gs % 16 == 0, gs <= 256); sz bf16 [K / gs, np, 2]; y float32 [M, np]; block_n 64 or 32; split 1
+ * for split full blocks, 0 for interleaved ones. Returns 0, -1 for arguments it does not handle,
+ * -2 when out of memory (nothing written then). */
 int sidecar_int4_matmul(const float* x, const uint8_t* w, const uint16_t* sz, float* y, int M, int np, int K,
                         int gs, int block_n, int split, int nthreads) {
     if (M < 0 || np % 16 || gs <= 0 || gs > 256 || gs % 16 || K % gs || (block_n != 64 && block_n != 32))
