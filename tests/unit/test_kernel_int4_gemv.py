@@ -40,10 +40,11 @@ def _case(m, n, k, gs, seed=0):
     return x, codes, torch.stack((s, z), dim=-1).bfloat16()
 
 
-def _check(m, n, k, gs, layout=None, seed=0):
+def _check(m, n, k, gs, layout=None, seed=0, dtype=torch.float32):
     x, codes, sz = _case(m, n, k, gs, seed)
+    x = x.to(dtype).float()  # the values the kernel sees
     layout = layout or int4_gemv.torch_layout()
-    y = int4_gemv.int4_matmul(x, int4_gemv.pack(codes, *layout), gs, sz, layout=layout)
+    y = int4_gemv.int4_matmul(x.to(dtype), int4_gemv.pack(codes, *layout), gs, sz, layout=layout)
     ref = int4_gemv.reference(x, codes, gs, sz)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     bound = _bound(x, codes, gs, sz[..., 0].T, sz[..., 1].T, int4_gemv.integer_dot())
@@ -100,6 +101,11 @@ def test_prefill_sized_batches_match_reference(m, n, k, gs):
     _check(m, n, k, gs, seed=m)
 
 
+@pytest.mark.parametrize("m,n,k,gs", [(1, 896, 896, 128), (5, 208, 576, 32), (40, 112, 256, 64)])
+def test_bf16_activations_are_read_as_they_are(m, n, k, gs):
+    _check(m, n, k, gs, seed=m, dtype=torch.bfloat16)
+
+
 def test_no_rows():
     x, codes, sz = _case(1, 64, 64, 32)
     y = int4_gemv.int4_matmul(x[:0], int4_gemv.pack(codes, *int4_gemv.torch_layout()), 32, sz)
@@ -121,6 +127,7 @@ def test_avx2_build_matches_reference(monkeypatch):
     for layout in int4_gemv.LAYOUTS:
         for m, n, k, gs in [(1, 112, 128, 32), (3, 176, 576, 64), (8, 896, 896, 128), (17, 80, 96, 32)]:
             _check(m, n, k, gs, layout, seed=m + n)
+    _check(5, 208, 576, 32, dtype=torch.bfloat16)
 
 
 def test_non_finite_activations_give_non_finite_rows():

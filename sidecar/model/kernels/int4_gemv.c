@@ -49,7 +49,8 @@ static inline int tiles_of(int kind) { return kind == SPLIT64_ALL ? 4 : (kind ==
 
 /* Per call: the activations and what every group needs of them. */
 typedef struct {
-    const float* x;   /* [M, K] */
+    const float* x;   /* [M, K] (float path; a float32 copy when the caller's are bf16) */
+    const uint16_t* x16;  /* [M, K] the caller's activations when they are bf16, else NULL */
     int8_t* xb;       /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path) */
     float* d;         /* [M, G] code scale (integer path) */
     int32_t* xqsum;   /* [M, G] sum of the codes (integer path) */
@@ -57,13 +58,22 @@ typedef struct {
     int K, G, gs;
 } Act;
 
+#if INT_DOT
+static inline __m512 load_x16(const float* x, const uint16_t* x16, int k) {  /* 16 activations as floats */
+    if (x16 == NULL) return _mm512_loadu_ps(x + k);
+    __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x16 + k)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+#endif
+
 static void prepare_group(const Act* a, int m, int g) {
-    const float* x = a->x + (int64_t)m * a->K + (int64_t)g * a->gs;
-    const int64_t mg = (int64_t)m * a->G + g;
+    const int64_t off = (int64_t)m * a->K + (int64_t)g * a->gs, mg = (int64_t)m * a->G + g;
+    const float* x = a->x + off;
+    const uint16_t* x16 = a->x16 ? a->x16 + off : NULL;
 #if INT_DOT
     __m512 sum = _mm512_setzero_ps(), amax = sum, bad = sum;
     for (int k = 0; k < a->gs; k += 16) {
-        __m512 v = _mm512_loadu_ps(x + k);
+        __m512 v = load_x16(x, x16, k);
         sum = _mm512_add_ps(sum, v);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
         bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));  /* NaN once any x is not finite */
@@ -78,7 +88,7 @@ static void prepare_group(const Act* a, int m, int g) {
     int8_t* lo = hi + a->K;
     __m512i qsum = _mm512_setzero_si512();
     for (int k = 0; k < a->gs; k += 16) {
-        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + k), inv));  /* nearest */
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_x16(x, x16, k), inv));  /* nearest */
         __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(q, 24), 24);                  /* q = 256 h + l */
         _mm_storeu_si128((__m128i*)(lo + k), _mm512_cvtepi32_epi8(l));
         _mm_storeu_si128((__m128i*)(hi + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(q, l), 8)));
@@ -86,6 +96,11 @@ static void prepare_group(const Act* a, int m, int g) {
     }
     a->xqsum[mg] = _mm512_reduce_add_epi32(qsum);
 #else
+    if (x16 != NULL)  /* the float path reads float32 activations: a->x is the scratch copy */
+        for (int k = 0; k < a->gs; k += 8) {
+            __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x16 + k)));
+            _mm256_storeu_ps((float*)x + k, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+        }
     __m256 sum = _mm256_setzero_ps();
     for (int k = 0; k < a->gs; k += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(x + k));
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
@@ -416,19 +431,22 @@ int sidecar_int4_vector_bits(void) { return V_LANES * 32; }
 /* 1 when this build rounds activations to 16 bits (the integer path), 0 when it keeps them float32. */
 int sidecar_int4_integer_dot(void) { return INT_DOT; }
 
-/* x float32 [M, K]; w packed codes for np rows (np % 16 == 0) and K columns (K % gs == 0,
+/* x [M, K], float32, or bf16 when x_bf16; w packed codes for np rows (np % 16 == 0) and K columns (K % gs == 0,
  * gs % 16 == 0, gs <= 256); sz bf16 [K / gs, np, 2]; y float32 [M, np]; block_n 64 or 32; split 1
  * for split full blocks, 0 for interleaved ones. Returns 0, -1 for arguments it does not handle,
  * -2 when out of memory (nothing written then). */
-int sidecar_int4_matmul(const float* x, const uint8_t* w, const uint16_t* sz, float* y, int M, int np, int K,
-                        int gs, int block_n, int split, int nthreads) {
+int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, float* y, int M, int np, int K,
+                        int gs, int block_n, int split, int x_bf16, int nthreads) {
     if (M < 0 || np % 16 || gs <= 0 || gs > 256 || gs % 16 || K % gs || (block_n != 64 && block_n != 32))
         return -1;
+    if (M == 0) return 0;
     const int G = K / gs;
-    Act a = {x, NULL, NULL, NULL, NULL, K, G, gs};
-    char* scratch = malloc((size_t)M * G * 12 + (INT_DOT ? (size_t)M * 2 * K : 0) + 64);
+    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, G, gs};
+    const size_t xcopy = !INT_DOT && x_bf16 ? (size_t)M * K * 4 : 0;  /* float copy for the float path */
+    char* scratch = malloc(xcopy + (size_t)M * G * 12 + (INT_DOT ? (size_t)M * 2 * K : 0) + 64);
     if (scratch == NULL) return -2;
-    a.xsum = (float*)scratch;
+    if (xcopy) a.x = (const float*)scratch;
+    a.xsum = (float*)(scratch + xcopy);
     a.d = a.xsum + (size_t)M * G;
     a.xqsum = (int32_t*)(a.d + (size_t)M * G);
     a.xb = (int8_t*)(a.xqsum + (size_t)M * G);
@@ -437,10 +455,16 @@ int sidecar_int4_matmul(const float* x, const uint8_t* w, const uint16_t* sz, fl
     const int nfull = np / block_n, tail = np % block_n;
     const int nblocks = nfull + (tail ? 1 : 0), nchunks = (M + ROWS_CHUNK - 1) / ROWS_CHUNK;
     const int block_major = (int64_t)M * K * (INT_DOT ? 2 : 4) <= (256 << 10);
+    const int prepare_alone = (int64_t)M * K <= 16384;  /* a few microseconds: not worth a barrier */
+    if (prepare_alone)
+        for (int mg = 0; mg < M * G; mg++) prepare_group(&a, mg / G, mg % G);
+    if (nthreads > nblocks * nchunks) nthreads = nblocks * nchunks;
     #pragma omp parallel num_threads(nthreads)
     {
-        #pragma omp for schedule(static)
-        for (int mg = 0; mg < M * G; mg++) prepare_group(&a, mg / G, mg % G);
+        if (!prepare_alone) {
+            #pragma omp for schedule(static)
+            for (int mg = 0; mg < M * G; mg++) prepare_group(&a, mg / G, mg % G);
+        }
         /* Work items: a block of rows for a chunk of activation rows, a thread's items consecutive.
          * While all activations fit in L2, a block's chunks go one after the other (its codes stay
          * in cache); beyond that, a chunk's blocks (its activations stay in cache). */
@@ -452,7 +476,7 @@ int sidecar_int4_matmul(const float* x, const uint8_t* w, const uint16_t* sz, fl
             const int mc = M - m0 < ROWS_CHUNK ? M - m0 : ROWS_CHUNK;
             float tot[ROWS_CHUNK][64];
             Act am = a;  /* the activation rows from m0 */
-            am.x = x + (int64_t)m0 * K;
+            am.x = a.x + (int64_t)m0 * K;
             am.xb = a.xb + (int64_t)m0 * 2 * K;
             am.d = a.d + (int64_t)m0 * G;
             am.xqsum = a.xqsum + (int64_t)m0 * G;

@@ -39,7 +39,7 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib = cpu_build.load("int4_gemv")
     if lib is not None and not getattr(lib, "_sidecar_typed", False):
         fn = lib.sidecar_int4_matmul
-        fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I]
+        fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I]
         fn.restype = _I
         lib.sidecar_int4_vector_bits.restype = _I
         lib.sidecar_int4_integer_dot.restype = _I
@@ -99,8 +99,9 @@ def integer_dot() -> bool:
 
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
                 layout: Optional[tuple[int, bool]] = None) -> torch.Tensor:
-    """Requires ``available()``. All on the CPU; ``x`` [M, K] (any M; used up to MAX_ROWS), ``weight``
-    packed uint8 [N, K / 2] (N % 16 == 0) in ``layout`` (default: torch's), ``scales_and_zeros`` bf16 [G, N, 2]."""
+    """Requires ``available()``. All on the CPU; ``x`` [M, K] (any M, float32 or bf16 read as they are, other
+    dtypes converted), ``weight`` packed uint8 [N, K / 2] (N % 16 == 0) in ``layout`` (default: torch's),
+    ``scales_and_zeros`` bf16 [K / group_size, N, 2], group_size a multiple of 16 up to 256."""
     lib = _lib()
     layout = layout or torch_layout()
     assert lib is not None and layout is not None, "int4_gemv kernel is not available"
@@ -112,11 +113,11 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_a
         raise ValueError(f"int4_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"group_size {group_size}, scales_and_zeros {tuple(scales_and_zeros.shape)} "
                          f"{scales_and_zeros.dtype} do not fit")
-    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    x = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
     weight, sz = weight.contiguous(), scales_and_zeros.contiguous()
     y = torch.empty(m, n, dtype=torch.float32)
     rc = lib.sidecar_int4_matmul(x.data_ptr(), weight.data_ptr(), sz.data_ptr(), y.data_ptr(), m, n, k, group_size,
-                                 layout[0], int(layout[1]), torch.get_num_threads())
+                                 layout[0], int(layout[1]), int(x.dtype == torch.bfloat16), torch.get_num_threads())
     if rc == -2:
         raise MemoryError("int4_matmul: no memory for the activation scratch")
     assert rc == 0, "int4_gemv refused arguments checked above"
