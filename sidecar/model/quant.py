@@ -150,8 +150,9 @@ class Int4Linear(_QuantLinearBase):
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         sz = self.scales_and_zeros
         if (x2d.device.type == "cpu" and x2d.shape[0] <= int4_gemv.MAX_ROWS and sz.dtype == torch.bfloat16
-                and int4_gemv.available()):  # decode-sized batch: our kernel, float32 activations
-            return int4_gemv.int4_matmul(x2d, self.weight, self.group_size, sz)
+                and int4_gemv.available()):  # our kernel: bf16 layers get bf16 out, others float32
+            out = torch.bfloat16 if x2d.dtype == torch.bfloat16 else torch.float32
+            return int4_gemv.int4_matmul(x2d, self.weight, self.group_size, sz, out_dtype=out)
         x2d = self._fused_input(x2d)
         sz = sz if sz.dtype == x2d.dtype else sz.to(x2d.dtype)
         if x2d.device.type == "cpu":

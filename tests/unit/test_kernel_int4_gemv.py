@@ -106,6 +106,24 @@ def test_bf16_activations_are_read_as_they_are(m, n, k, gs):
     _check(m, n, k, gs, seed=m, dtype=torch.bfloat16)
 
 
+def _check_bf16_out(m, n, k, gs):
+    x, codes, sz = _case(m, n, k, gs, seed=n)
+    x[0, 3] = float("nan")
+    x[-1] *= 1e37  # large exponents
+    w = int4_gemv.pack(codes, *int4_gemv.torch_layout())
+    y32 = int4_gemv.int4_matmul(x, w, gs, sz)
+    y16 = int4_gemv.int4_matmul(x, w, gs, sz, out_dtype=torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (m, n)
+    want = y32.to(torch.bfloat16)
+    assert torch.equal(y16.isnan(), want.isnan()) and y16.isnan()[0].all()
+    assert torch.equal(y16.nan_to_num(0.0), want.nan_to_num(0.0))  # rounded to nearest even, as torch does
+
+
+@pytest.mark.parametrize("m,n,k,gs", [(3, 208, 576, 32), (33, 896, 896, 128)])
+def test_bf16_output_is_the_float_output_rounded(m, n, k, gs):
+    _check_bf16_out(m, n, k, gs)
+
+
 def test_no_rows():
     x, codes, sz = _case(1, 64, 64, 32)
     y = int4_gemv.int4_matmul(x[:0], int4_gemv.pack(codes, *int4_gemv.torch_layout()), 32, sz)
@@ -128,6 +146,7 @@ def test_avx2_build_matches_reference(monkeypatch):
         for m, n, k, gs in [(1, 112, 128, 32), (3, 176, 576, 64), (8, 896, 896, 128), (17, 80, 96, 32)]:
             _check(m, n, k, gs, layout, seed=m + n)
     _check(5, 208, 576, 32, dtype=torch.bfloat16)
+    _check_bf16_out(3, 208, 576, 32)
 
 
 def test_non_finite_activations_give_non_finite_rows():
@@ -154,7 +173,7 @@ def test_shape_mismatch_is_refused():
 def test_int4_linear_matches_the_dequantized_layer(rows, dtype, features, gs, monkeypatch):
     calls = []
     real = int4_gemv.int4_matmul
-    monkeypatch.setattr(int4_gemv, "int4_matmul", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(int4_gemv, "int4_matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     torch.manual_seed(rows)
     k, n = features  # 200 is padded to 224 columns, 70 to 80 rows (a 16-row tail block)
     lin = nn.Linear(k, n, bias=True).to(dtype)

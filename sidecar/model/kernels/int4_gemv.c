@@ -2,9 +2,9 @@
  *
  *   y[m, n] = sum_g sum_{k in g} x[m, k] * ((q[n, k] - 8) * s[g, n] + z[g, n])
  *
- * x float32 [M, K]; q the 4-bit codes in torch's packed CPU layout (uint8, see below), read in
- * place so the weights are stored once; sz bf16 [G, Np, 2] (scale, zero) for G groups of gs
- * columns; y float32 [M, Np].
+ * x float32 or bf16 [M, K]; q the 4-bit codes in torch's packed CPU layout (uint8, see below),
+ * read in place so the weights are stored once; sz bf16 [G, Np, 2] (scale, zero) for G groups of
+ * gs columns; y float32 or bf16 [M, Np].
  *
  * Packed layout, rows in blocks of BN (64 or 32, torch picks by its own CPU capability):
  *  - a full block holds BN / 2 bytes per column k, one k after the other; "split" blocks keep
@@ -426,17 +426,35 @@ static void run_block(const uint8_t* wb, int rows, int split, const Idx* idx, co
     }
 }
 
+/* n floats (n % 16 == 0) to bf16, rounded to nearest even as torch does; NaN stays NaN. */
+static void store_bf16(uint16_t* out, const float* in, int n) {
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    for (int j = 0; j < n; j += 16) {
+        __m256i r[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i u = _mm256_loadu_si256((const __m256i*)(in + j + 8 * h));
+            __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+            __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+            r[h] = _mm256_srli_epi32(_mm256_blendv_epi8(up, quiet, nan), 16);
+        }
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+        _mm256_storeu_si256((__m256i*)(out + j), packed);
+    }
+}
+
 /* The vector width this build uses: 512 or 256 bits. */
 int sidecar_int4_vector_bits(void) { return V_LANES * 32; }
 /* 1 when this build rounds activations to 16 bits (the integer path), 0 when it keeps them float32. */
 int sidecar_int4_integer_dot(void) { return INT_DOT; }
 
-/* x [M, K], float32, or bf16 when x_bf16; w packed codes for np rows (np % 16 == 0) and K columns (K % gs == 0,
- * gs % 16 == 0, gs <= 256); sz bf16 [K / gs, np, 2]; y float32 [M, np]; block_n 64 or 32; split 1
+/* x [M, K], float32, or bf16 when x_bf16; y [M, np], float32, or bf16 when y_bf16; w packed codes for np rows (np % 16 == 0) and K columns (K % gs == 0,
+ * gs % 16 == 0, gs <= 256); sz bf16 [K / gs, np, 2]; block_n 64 or 32; split 1
  * for split full blocks, 0 for interleaved ones. Returns 0, -1 for arguments it does not handle,
  * -2 when out of memory (nothing written then). */
-int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, float* y, int M, int np, int K,
-                        int gs, int block_n, int split, int x_bf16, int nthreads) {
+int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, void* y, int M, int np, int K,
+                        int gs, int block_n, int split, int x_bf16, int y_bf16, int nthreads) {
     if (M < 0 || np % 16 || gs <= 0 || gs > 256 || gs % 16 || K % gs || (block_n != 64 && block_n != 32))
         return -1;
     if (M == 0) return 0;
@@ -483,7 +501,13 @@ int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, flo
             am.xsum = a.xsum + (int64_t)m0 * G;
             run_block(w + (int64_t)n0 * (K / 2), rows, b < nfull ? split : 0, &idx, sz + 2 * (int64_t)n0, np, &am, mc,
                       tot);
-            for (int i = 0; i < mc; i++) memcpy(y + (int64_t)(m0 + i) * np + n0, tot[i], sizeof(float) * rows);
+            for (int i = 0; i < mc; i++) {
+                const int64_t at = (int64_t)(m0 + i) * np + n0;
+                if (y_bf16)
+                    store_bf16((uint16_t*)y + at, tot[i], rows);
+                else
+                    memcpy((float*)y + at, tot[i], sizeof(float) * rows);
+            }
         }
     }
     free(scratch);

@@ -39,7 +39,7 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib = cpu_build.load("int4_gemv")
     if lib is not None and not getattr(lib, "_sidecar_typed", False):
         fn = lib.sidecar_int4_matmul
-        fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I]
+        fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I]
         fn.restype = _I
         lib.sidecar_int4_vector_bits.restype = _I
         lib.sidecar_int4_integer_dot.restype = _I
@@ -98,10 +98,11 @@ def integer_dot() -> bool:
 
 
 def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
-                layout: Optional[tuple[int, bool]] = None) -> torch.Tensor:
+                layout: Optional[tuple[int, bool]] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Requires ``available()``. All on the CPU; ``x`` [M, K] (any M, float32 or bf16 read as they are, other
     dtypes converted), ``weight`` packed uint8 [N, K / 2] (N % 16 == 0) in ``layout`` (default: torch's),
-    ``scales_and_zeros`` bf16 [K / group_size, N, 2], group_size a multiple of 16 up to 256."""
+    ``scales_and_zeros`` bf16 [K / group_size, N, 2], group_size a multiple of 16 up to 256. Returns
+    ``out_dtype`` [M, N]: float32, or bf16 (the float32 result rounded as ``Tensor.to`` does)."""
     lib = _lib()
     layout = layout or torch_layout()
     assert lib is not None and layout is not None, "int4_gemv kernel is not available"
@@ -109,15 +110,17 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_a
     n = weight.shape[0]
     if (weight.shape != (n, k // 2) or weight.dtype != torch.uint8 or n % 16 or k % 2
             or group_size not in range(16, 257, 16) or k % group_size
-            or scales_and_zeros.shape != (k // group_size, n, 2) or scales_and_zeros.dtype != torch.bfloat16):
+            or scales_and_zeros.shape != (k // group_size, n, 2) or scales_and_zeros.dtype != torch.bfloat16
+            or out_dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"int4_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"group_size {group_size}, scales_and_zeros {tuple(scales_and_zeros.shape)} "
-                         f"{scales_and_zeros.dtype} do not fit")
+                         f"{scales_and_zeros.dtype}, out_dtype {out_dtype} do not fit")
     x = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
     weight, sz = weight.contiguous(), scales_and_zeros.contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = torch.empty(m, n, dtype=out_dtype)
     rc = lib.sidecar_int4_matmul(x.data_ptr(), weight.data_ptr(), sz.data_ptr(), y.data_ptr(), m, n, k, group_size,
-                                 layout[0], int(layout[1]), int(x.dtype == torch.bfloat16), torch.get_num_threads())
+                                 layout[0], int(layout[1]), int(x.dtype == torch.bfloat16),
+                                 int(out_dtype == torch.bfloat16), torch.get_num_threads())
     if rc == -2:
         raise MemoryError("int4_matmul: no memory for the activation scratch")
     assert rc == 0, "int4_gemv refused arguments checked above"
