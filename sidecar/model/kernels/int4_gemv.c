@@ -449,10 +449,10 @@ int sidecar_int4_vector_bits(void) { return V_LANES * 32; }
 /* 1 when this build rounds activations to 16 bits (the integer path), 0 when it keeps them float32. */
 int sidecar_int4_integer_dot(void) { return INT_DOT; }
 
-/* x [M, K], float32, or bf16 when x_bf16; y [M, np], float32, or bf16 when y_bf16; w packed codes for np rows (np % 16 == 0) and K columns (K % gs == 0,
- * gs % 16 == 0, gs <= 256); sz bf16 [K / gs, np, 2]; block_n 64 or 32; split 1
- * for split full blocks, 0 for interleaved ones. Returns 0, -1 for arguments it does not handle,
- * -2 when out of memory (nothing written then). */
+/* x [M, K], float32, or bf16 when x_bf16; y [M, np], float32, or bf16 when y_bf16; w packed codes
+ * for np rows (np % 16 == 0) and K columns (K % gs == 0, gs % 16 == 0, gs <= 256); sz bf16
+ * [K / gs, np, 2]; block_n 64 or 32; split 1 for split full blocks, 0 for interleaved ones.
+ * Returns 0, -1 for arguments it does not handle, -2 when out of memory (nothing written then). */
 int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, void* y, int M, int np, int K,
                         int gs, int block_n, int split, int x_bf16, int y_bf16, int nthreads) {
     if (M < 0 || np % 16 || gs <= 0 || gs > 256 || gs % 16 || K % gs || (block_n != 64 && block_n != 32))

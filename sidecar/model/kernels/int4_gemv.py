@@ -1,12 +1,12 @@
-"""Weight-only int4 matmul for decode-sized batches on CPU (``int4_gemv.c``) and its reference.
+"""Weight-only int4 matmul on CPU (``int4_gemv.c``), for decode steps and prefill chunks, and its reference.
 
 ``int4_matmul(x, weight, group_size, scales_and_zeros)`` takes the operands of torch's
 ``_weight_int4pack_mm_for_cpu`` as they are (``weight`` packed by
 ``_convert_weight_to_int4pack_for_cpu``, bf16 ``scales_and_zeros`` [G, N, 2]) and computes
-``x @ w.T`` with ``w[n, k] = (code - 8) * scale + zero`` for float32 ``x`` [M, K], returning
-float32 [M, N]. Where torch's kernel rounds activations to bf16 (8 bits), ours keeps 16 bits
-(``integer_dot()``: AVX-512 VNNI, one scale per row and group) or all of float32 (elsewhere).
-``reference`` is the same product from the plain codes in float64, the oracle for tests.
+``x @ w.T`` with ``w[n, k] = (code - 8) * scale + zero`` for float32 or bf16 ``x`` [M, K],
+returning float32 (or bf16) [M, N]. Where torch's kernel rounds activations to bf16 (8 bits), ours
+keeps 16 bits (``integer_dot()``: AVX-512 VNNI, one scale per row and group) or all of float32
+(elsewhere). ``reference`` is the same product from the plain codes in float64, the oracle for tests.
 
 torch's packed layout depends on the CPU capability torch runs with (blocks of 64 rows with
 AVX-512, 32 with AVX2, nibble pairs otherwise; see the C source). ``pack`` writes each of these
@@ -22,9 +22,10 @@ import torch
 from sidecar.model.kernels import cpu_build
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
-# Measured on Zen 5 (AVX-512 VNNI), Qwen2-0.5B-shaped layers, one and two threads: 1.9-2.8x faster
-# than torch's packed kernel at 1 to 32 rows and still ~2x at 2048 (the default token budget of a
-# step); beyond that torch's kernel.
+# Measured on Zen 5 (AVX-512 VNNI), Qwen2-0.5B-shaped layers: 1.6-3x faster than torch's packed kernel
+# from 1 to 32 rows on one or two threads, and still ~2x at 2048 rows (the default token budget of a
+# step); beyond that torch's kernel. The AVX2 build, against torch's AVX2 kernel: 2.4x at 1 row, even
+# from 4 to 32.
 MAX_ROWS = 2048
 # The integer path rounds each activation to round(x * ACTIVATION_CODE_MAX / absmax of its group):
 # 16-bit codes whose high and low bytes are both int8.
