@@ -4,10 +4,12 @@ The runtime half of quantization ("swap modules for runtime"): ``Int8Linear`` /
 ``Int4Linear`` hold the codes of the stored format (``quant_format.py``) in
 whatever layout the device's fused kernel wants (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm[_for_cpu]``) as buffers, and never materialise a
-dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS`` rows
-(decode steps) go through our own kernel (``kernels/int8_gemv.c``) when it builds. ``quantize_linear`` / ``quantize_tied_embedding`` are the
-loader's hooks for quantizing a full-precision model while it loads; saving and
-reloading quantized checkpoints is ``quant_checkpoint.py``.
+dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS`` rows (decode steps)
+and int4 batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill chunks) go
+through our own kernels (``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's
+packed int4 layout in place) when they build. ``quantize_linear`` / ``quantize_tied_embedding`` are the loader's
+hooks for quantizing a full-precision model while it loads; saving and reloading quantized
+checkpoints is ``quant_checkpoint.py``.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sidecar.model.kernels import int8_gemv
+from sidecar.model.kernels import int4_gemv, int8_gemv
 from sidecar.model.quant_format import (CHUNK_ROWS, N_ALIGN_INT4, check_quant_args, dequantize_int4,
                                         padded_in_features, quantize_weight, unpack_int4)
 
@@ -146,8 +148,12 @@ class Int4Linear(_QuantLinearBase):
         self.register_buffer("weight", _aligned(weight))
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
-        x2d = self._fused_input(x2d)
         sz = self.scales_and_zeros
+        if (x2d.device.type == "cpu" and x2d.shape[0] <= int4_gemv.MAX_ROWS and sz.dtype == torch.bfloat16
+                and int4_gemv.available()):  # our kernel: bf16 layers get bf16 out, others float32
+            out = torch.bfloat16 if x2d.dtype == torch.bfloat16 else torch.float32
+            return int4_gemv.int4_matmul(x2d, self.weight, self.group_size, sz, out_dtype=out)
+        x2d = self._fused_input(x2d)
         sz = sz if sz.dtype == x2d.dtype else sz.to(x2d.dtype)
         if x2d.device.type == "cpu":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.weight, self.group_size, sz)

@@ -1,9 +1,10 @@
 """Build a C kernel for this very CPU once, cache the shared library, load it with ctypes.
 
 The source is compiled with the system C compiler (``$CC``, else ``cc``) for the host's
-instruction set (``-march=native``) with OpenMP. The library is cached under
-``$SIDECAR_HOME/kernels/`` keyed by the source, the flags, the compiler and the CPU's
-feature flags, so a machine with another CPU builds its own. Concurrent first uses
+instruction set (``-march=native``; ``$SIDECAR_CPU_ARCH_FLAGS`` replaces that, e.g.
+``-mavx2 -mfma`` builds a kernel's AVX2 path on an AVX-512 machine) with OpenMP. The library
+is cached under ``$SIDECAR_HOME/kernels/`` keyed by the source, the flags, the compiler and
+the CPU's feature flags, so a machine with another CPU builds its own. Concurrent first uses
 build once under a file lock. Anything that fails (no compiler, no OpenMP, a compile
 error) returns None with the reason, and the caller keeps its torch path.
 """
@@ -21,13 +22,17 @@ from typing import Optional
 
 log = logging.getLogger("sidecar.kernels")
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _reasons: dict[str, str] = {}
 
 
 def enabled() -> bool:
     return os.environ.get("SIDECAR_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def arch_flags() -> tuple[str, ...]:
+    return tuple(os.environ.get("SIDECAR_CPU_ARCH_FLAGS", "").split()) or ("-march=native",)
 
 
 def _cpu_flags() -> str:
@@ -41,9 +46,9 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(source: Path, out: Path, cc: str) -> None:
+def _build(source: Path, out: Path, cc: str, flags: tuple[str, ...]) -> None:
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cc, *FLAGS, str(source), "-o", str(tmp), "-lm"]
+    cmd = [cc, *flags, str(source), "-o", str(tmp), "-lm"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if res.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -55,6 +60,7 @@ def load(name: str) -> Optional[ctypes.CDLL]:
     """The compiled library for ``kernels/<name>.c``, or None (see ``reason(name)``)."""
     if name in _loaded:
         return _loaded[name]
+    flags = (*FLAGS, *arch_flags())
     lib = None
     try:
         if not enabled():
@@ -64,7 +70,7 @@ def load(name: str) -> Optional[ctypes.CDLL]:
         if cc_path is None:
             raise RuntimeError(f"no C compiler ({cc}) on PATH")
         source = Path(__file__).with_name(f"{name}.c")
-        key = hashlib.sha256("\0".join([source.read_text(), " ".join(FLAGS), cc_path, _cpu_flags()])
+        key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), cc_path, _cpu_flags()])
                              .encode()).hexdigest()[:16]
         from sidecar.model.demo import sidecar_home
 
@@ -74,7 +80,7 @@ def load(name: str) -> Optional[ctypes.CDLL]:
             with open(out.parent / f".{out.name}.lock", "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not out.exists():
-                    _build(source, out, cc_path)
+                    _build(source, out, cc_path, flags)
         lib = ctypes.CDLL(str(out))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         _reasons[name] = str(exc)

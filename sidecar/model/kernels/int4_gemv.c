@@ -1,0 +1,515 @@
+/* Weight-only int4 matmul on CPU, made for decode steps (a few activation rows), fine for prefill chunks.
+ *
+ *   y[m, n] = sum_g sum_{k in g} x[m, k] * ((q[n, k] - 8) * s[g, n] + z[g, n])
+ *
+ * x float32 or bf16 [M, K]; q the 4-bit codes in torch's packed CPU layout (uint8, see below),
+ * read in place so the weights are stored once; sz bf16 [G, Np, 2] (scale, zero) for G groups of
+ * gs columns; y float32 or bf16 [M, Np].
+ *
+ * Packed layout, rows in blocks of BN (64 or 32, torch picks by its own CPU capability):
+ *  - a full block holds BN / 2 bytes per column k, one k after the other; "split" blocks keep
+ *    row j of the block in the low nibble of byte j and row BN / 2 + j in its high nibble,
+ *    "interleaved" blocks keep rows 2j and 2j + 1 in byte j (low, high);
+ *  - the last R = Np % BN rows (a multiple of 16) form an interleaved block of R rows.
+ * The wrapper (int4_gemv.py) checks torch's layout against this once before using the kernel.
+ *
+ * Two ways to the dot products, by instruction set:
+ *  - AVX-512 with VNNI and VBMI: each activation row is rounded to 16-bit integers with one scale
+ *    per group (d = absmax / 32639), split into a high and a low signed byte (x = 256 h + l),
+ *    and multiplied with the codes as bytes, four columns per 32-bit lane (vpdpbusd; vpermt2b
+ *    gathers each row's four codes). Integer sums are exact; a group adds
+ *    s * d * (sum q x - 8 sum x) + z * sum x, the last with the float32 activations.
+ *  - otherwise (AVX2, or AVX-512 without them): codes are widened to float and multiplied with
+ *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
+ * Output rows go in tiles of 16; blocks of rows (and chunks of 32 activation rows) are split across
+ * threads; each chunk of codes is decoded once for one or more activation rows, and one pass reads
+ * each weight byte once, which is what bounds decode.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <immintrin.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "int4_gemv needs AVX2 and FMA"
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define INT_DOT 1
+#else
+#define INT_DOT 0
+#endif
+
+#define ROWS_CHUNK 32 /* activation rows whose outputs one block keeps at once */
+#define XQ_MAX 32639  /* 16-bit activation codes whose high and low bytes are both int8 */
+
+/* What one pass over a block decodes (the tiles of 16 rows it covers). */
+enum { SPLIT64_ALL, SPLIT64_LO, SPLIT64_HI, SPLIT32_ALL, INTERLEAVED_1 };
+static inline int tiles_of(int kind) { return kind == SPLIT64_ALL ? 4 : (kind == INTERLEAVED_1 ? 1 : 2); }
+
+/* Per call: the activations and what every group needs of them. */
+typedef struct {
+    const float* x;   /* [M, K] (float path; a float32 copy when the caller's are bf16) */
+    const uint16_t* x16;  /* [M, K] the caller's activations when they are bf16, else NULL */
+    int8_t* xb;       /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path) */
+    float* d;         /* [M, G] code scale (integer path) */
+    int32_t* xqsum;   /* [M, G] sum of the codes (integer path) */
+    float* xsum;      /* [M, G] sum of x */
+    int K, G, gs;
+} Act;
+
+#if INT_DOT
+static inline __m512 load_x16(const float* x, const uint16_t* x16, int k) {  /* 16 activations as floats */
+    if (x16 == NULL) return _mm512_loadu_ps(x + k);
+    __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x16 + k)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+#endif
+
+static void prepare_group(const Act* a, int m, int g) {
+    const int64_t off = (int64_t)m * a->K + (int64_t)g * a->gs, mg = (int64_t)m * a->G + g;
+    const float* x = a->x + off;
+    const uint16_t* x16 = a->x16 ? a->x16 + off : NULL;
+#if INT_DOT
+    __m512 sum = _mm512_setzero_ps(), amax = sum, bad = sum;
+    for (int k = 0; k < a->gs; k += 16) {
+        __m512 v = load_x16(x, x16, k);
+        sum = _mm512_add_ps(sum, v);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+        bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));  /* NaN once any x is not finite */
+    }
+    a->xsum[mg] = _mm512_reduce_add_ps(sum);
+    float mx = _mm512_reduce_max_ps(amax);
+    int finite = _mm512_reduce_add_ps(bad) == 0.f;
+    /* A NaN or infinite activation makes its whole output row NaN, as a float matmul would. */
+    __m512 inv = _mm512_set1_ps(finite && mx > 0.f ? (float)XQ_MAX / mx : 0.f);
+    a->d[mg] = !finite ? NAN : (mx > 0.f ? mx / (float)XQ_MAX : 0.f);
+    int8_t* hi = a->xb + (int64_t)m * 2 * a->K + (int64_t)g * a->gs;
+    int8_t* lo = hi + a->K;
+    __m512i qsum = _mm512_setzero_si512();
+    for (int k = 0; k < a->gs; k += 16) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_x16(x, x16, k), inv));  /* nearest */
+        __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(q, 24), 24);                  /* q = 256 h + l */
+        _mm_storeu_si128((__m128i*)(lo + k), _mm512_cvtepi32_epi8(l));
+        _mm_storeu_si128((__m128i*)(hi + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(q, l), 8)));
+        qsum = _mm512_add_epi32(qsum, q);
+    }
+    a->xqsum[mg] = _mm512_reduce_add_epi32(qsum);
+#else
+    if (x16 != NULL)  /* the float path reads float32 activations: a->x is the scratch copy */
+        for (int k = 0; k < a->gs; k += 8) {
+            __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x16 + k)));
+            _mm256_storeu_ps((float*)x + k, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+        }
+    __m256 sum = _mm256_setzero_ps();
+    for (int k = 0; k < a->gs; k += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(x + k));
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    a->xsum[mg] = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+#endif
+}
+
+#if INT_DOT
+/* ---------------------------------------------------------------- integer path (AVX-512 VNNI) */
+#define V_LANES 16
+#define SPLIT64_IN_HALVES 0 /* all 64 rows of a split block in one pass */
+
+/* vpermb / vpermt2b indices gathering four columns of a row into each 32-bit lane, by layout */
+typedef struct { __m512i split64_rows0, split64_rows16, split32, interleaved, nibble; } Idx;
+
+static void make_idx(Idx* idx) {
+    uint8_t a[64], b[64], c[64], d[64];
+    for (int r = 0; r < 16; r++)
+        for (int j = 0; j < 4; j++) {  /* byte 4r + j of a tile: row r, column k + j */
+            a[4 * r + j] = (uint8_t)(32 * j + r);       /* two zmm: columns k, k+1 | k+2, k+3 */
+            b[4 * r + j] = (uint8_t)(32 * j + r + 16);
+            c[4 * r + j] = (uint8_t)(16 * j + r);       /* one zmm: columns k .. k+3 */
+            d[4 * r + j] = (uint8_t)(32 * (r % 2) + 8 * j + r / 2);  /* low | high nibbles */
+        }
+    idx->split64_rows0 = _mm512_loadu_si512(a);
+    idx->split64_rows16 = _mm512_loadu_si512(b);
+    idx->split32 = _mm512_loadu_si512(c);
+    idx->interleaved = _mm512_loadu_si512(d);
+    idx->nibble = _mm512_set1_epi8(0x0F);
+}
+
+/* The codes of columns k .. k+3 for the pass's tiles: byte 4r + j of c[t] is row 16 t + r, column k + j. */
+static inline __attribute__((always_inline)) void decode4(const uint8_t* p, int stride, const int kind,
+                                                          const Idx* idx, __m512i* c) {
+    const __m512i m = idx->nibble;
+    if (kind == INTERLEAVED_1) {
+        int64_t q[4];
+        for (int j = 0; j < 4; j++) memcpy(&q[j], p + (int64_t)j * stride, 8);
+        __m256i v = _mm256_set_epi64x(q[3], q[2], q[1], q[0]);
+        __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+        c[0] = _mm512_permutexvar_epi8(idx->interleaved, _mm512_and_si512(both, m));
+    } else if (kind == SPLIT32_ALL) {
+        __m512i v = _mm512_loadu_si512((const void*)p);
+        c[0] = _mm512_permutexvar_epi8(idx->split32, _mm512_and_si512(v, m));
+        c[1] = _mm512_permutexvar_epi8(idx->split32, _mm512_and_si512(_mm512_srli_epi16(v, 4), m));
+    } else {
+        __m512i v0 = _mm512_loadu_si512((const void*)p), v1 = _mm512_loadu_si512((const void*)(p + 64));
+        int t = 0;
+        if (kind != SPLIT64_HI) {
+            __m512i l0 = _mm512_and_si512(v0, m), l1 = _mm512_and_si512(v1, m);
+            c[t++] = _mm512_permutex2var_epi8(l0, idx->split64_rows0, l1);
+            c[t++] = _mm512_permutex2var_epi8(l0, idx->split64_rows16, l1);
+        }
+        if (kind != SPLIT64_LO) {
+            __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m);
+            __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m);
+            c[t++] = _mm512_permutex2var_epi8(h0, idx->split64_rows0, h1);
+            c[t++] = _mm512_permutex2var_epi8(h0, idx->split64_rows16, h1);
+        }
+    }
+}
+
+/* acc += the four products of unsigned bytes u and signed bytes b in each 32-bit lane (vpdpbusd).
+ * In assembly so that the accumulator stays in its register: the intrinsic makes some
+ * compilers copy it around every instruction. */
+static inline __attribute__((always_inline)) __m512i dpbusd(__m512i acc, __m512i u, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(b));
+    return acc;
+}
+
+static inline __m512i bcast4(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* (scale, zero) of 16 rows as floats */
+static inline void load_scales(const uint16_t* sz, __m512* s, __m512* z) {
+    __m512i v = _mm512_loadu_si512((const void*)sz);
+    *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* tot[i][16 t ..] += s d (sum q x - 8 sum x) + z sum x for activation row i and group g, from the
+ * two halves of sum q x - 8 sum x (high and low activation bytes; lo starts at -8 sum x). */
+static inline __attribute__((always_inline)) void fold(const Act* a, int i, int g, const int T, const __m512i* hi,
+                                                       const __m512i* lo, const __m512* s, const __m512* z,
+                                                       float (*tot)[64]) {
+    int64_t mg = (int64_t)i * a->G + g;
+    __m512 dx = _mm512_set1_ps(a->d[mg]), xs = _mm512_set1_ps(a->xsum[mg]);
+    for (int t = 0; t < T; t++) {
+        __m512i q = _mm512_add_epi32(_mm512_slli_epi32(hi[t], 8), lo[t]);
+        float* o = &tot[i][16 * t];
+        __m512 acc = _mm512_fmadd_ps(z[t], xs, _mm512_loadu_ps(o));
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_mul_ps(s[t], dx), _mm512_cvtepi32_ps(q), acc));
+    }
+}
+
+/* One group for R (1 or 2) activation rows from row i: codes decoded straight into the dot products.
+ * pf, when not NULL: codes further on, fetched into the cache meanwhile (the hardware prefetcher
+ * stops at page boundaries; a group's codes are a page or less). */
+static inline __attribute__((always_inline)) void group_direct(const uint8_t* w, int stride, const int kind,
+                                                               const Idx* idx, const Act* a, int i, const int R,
+                                                               int g, const uint16_t* szg, float (*tot)[64],
+                                                               const uint8_t* pf) {
+    const int T = tiles_of(kind);
+    /* One row alternates between two sets of sums (the rows' sums are the two sets with R = 2), so
+     * that enough independent sums are in flight to hide the latency of vpdpbusd. */
+    __m512i hi[2][4], lo[2][4], c[4];
+    for (int r = 0; r < 2; r++) {
+        __m512i q8 = _mm512_set1_epi32(r < R ? -8 * a->xqsum[(int64_t)(i + r) * a->G + g] : 0);
+        for (int t = 0; t < T; t++) {
+            hi[r][t] = _mm512_setzero_si512();
+            lo[r][t] = q8;
+        }
+    }
+    const int8_t* xh = a->xb + (int64_t)i * 2 * a->K + (int64_t)g * a->gs;
+    for (int k = 0; k < a->gs; k += 8)  /* gs % 8 == 0 */
+        for (int u = 0; u < 2; u++) {
+            if (pf) {
+                _mm_prefetch((const char*)(pf + (int64_t)(k + 4 * u) * stride), _MM_HINT_T0);
+                _mm_prefetch((const char*)(pf + (int64_t)(k + 4 * u) * stride + 64), _MM_HINT_T0);
+            }
+            decode4(w + (int64_t)(k + 4 * u) * stride, stride, kind, idx, c);
+            for (int r = 0; r < R; r++) {
+                const int8_t* xr = xh + (int64_t)r * 2 * a->K + k + 4 * u;
+                __m512i bh = bcast4(xr), bl = bcast4(xr + a->K);
+                const int set = R == 2 ? r : u;
+                for (int t = 0; t < T; t++) {
+                    hi[set][t] = dpbusd(hi[set][t], c[t], bh);
+                    lo[set][t] = dpbusd(lo[set][t], c[t], bl);
+                }
+            }
+        }
+    if (R == 1)
+        for (int t = 0; t < T; t++) {
+            hi[0][t] = _mm512_add_epi32(hi[0][t], hi[1][t]);
+            lo[0][t] = _mm512_add_epi32(lo[0][t], lo[1][t]);
+        }
+    __m512 sc[4], ze[4];
+    for (int t = 0; t < T; t++) load_scales(szg + 32 * t, &sc[t], &ze[t]);
+    for (int r = 0; r < R; r++) fold(a, i + r, g, T, hi[r], lo[r], sc, ze, tot);
+}
+
+#define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
+                  float (*tot)[64]
+#define PREFETCH_BYTES 8192 /* how far ahead of the codes being read the next ones are fetched */
+/* One pass over a block: all groups, activation rows [0, mc), the kind's tiles into tot[.][0 ..).
+ * Rows go in pairs, each pair decoding the group's codes again (from L1). */
+static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
+    for (int g = 0; g < a->G; g++) {
+        const uint8_t* wg = w + (int64_t)g * a->gs * stride;
+        const uint16_t* szg = sz + 2 * (int64_t)g * np;
+        const uint8_t* next = wg + PREFETCH_BYTES;  /* past the last group: the next block */
+        for (int j = 0; j < 4; j++)  /* the next block's scales: one stream per group, too many to detect */
+            _mm_prefetch((const char*)(szg + 2 * 64 + 32 * j), _MM_HINT_T0);
+        for (int i = 0; i + 1 < mc; i += 2) group_direct(wg, stride, kind, idx, a, i, 2, g, szg, tot, i ? NULL : next);
+        if (mc % 2) group_direct(wg, stride, kind, idx, a, mc - 1, 1, g, szg, tot, mc > 1 ? NULL : next);
+    }
+}
+#else
+/* ---------------------------------------------------------------- float path (AVX2 / AVX-512F) */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define V_LANES 16
+#define SPLIT64_IN_HALVES 0
+#define MB_ROWS 4 /* activation rows whose sums stay in registers */
+typedef __m512 V16;
+static inline V16 v_zero(void) { return _mm512_setzero_ps(); }
+static inline V16 v_codes(__m128i c) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)); }  /* 16 codes */
+static inline V16 v_fma_x(V16 w, const float* x, V16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
+static inline V16 v_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline void v_store(float* p, V16 v) { _mm512_storeu_ps(p, v); }
+/* 16 (scale, zero) bf16 pairs -> scale and zero - 8 * scale as floats */
+static inline void v_scales(const uint16_t* sz, V16* s, V16* zp) {
+    __m512i v = _mm512_loadu_si512((const void*)sz);
+    *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    V16 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
+    *zp = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), *s, z);
+}
+static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) {  /* tot + s acc + zp xs */
+    return _mm512_fmadd_ps(s, acc, _mm512_fmadd_ps(zp, _mm512_set1_ps(xs), tot));
+}
+#else
+#define V_LANES 8
+#define SPLIT64_IN_HALVES 1 /* 16 registers: a 64-row split block in two passes (low, high nibbles) */
+#define MB_ROWS 2
+typedef struct { __m256 a, b; } V16;
+static inline V16 v_zero(void) { V16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+static inline V16 v_codes(__m128i c) {
+    V16 r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)),
+             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(c, c)))};
+    return r;
+}
+static inline V16 v_fma_x(V16 w, const float* x, V16 acc) {
+    __m256 b = _mm256_broadcast_ss(x);
+    V16 r = {_mm256_fmadd_ps(w.a, b, acc.a), _mm256_fmadd_ps(w.b, b, acc.b)};
+    return r;
+}
+static inline V16 v_load(const float* p) { V16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
+static inline void v_store(float* p, V16 v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+static inline void v_scales(const uint16_t* sz, V16* s, V16* zp) {
+    const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    __m256i v0 = _mm256_loadu_si256((const __m256i*)sz), v1 = _mm256_loadu_si256((const __m256i*)(sz + 16));
+    s->a = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+    s->b = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+    zp->a = _mm256_fnmadd_ps(eight, s->a, _mm256_castsi256_ps(_mm256_and_si256(v0, hi)));
+    zp->b = _mm256_fnmadd_ps(eight, s->b, _mm256_castsi256_ps(_mm256_and_si256(v1, hi)));
+}
+static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) {
+    __m256 b = _mm256_set1_ps(xs);
+    V16 r = {_mm256_fmadd_ps(s.a, acc.a, _mm256_fmadd_ps(zp.a, b, tot.a)),
+             _mm256_fmadd_ps(s.b, acc.b, _mm256_fmadd_ps(zp.b, b, tot.b))};
+    return r;
+}
+#endif
+typedef int Idx; /* unused here */
+static void make_idx(Idx* idx) { *idx = 0; }
+
+/* The codes of column k for the pass's tiles: byte r of c[t] is row 16 t + r. */
+static inline __attribute__((always_inline)) void decode1(const uint8_t* p, const int kind, __m128i* c) {
+    if (kind == INTERLEAVED_1) {  /* 8 bytes: rows 2j (low nibble), 2j + 1 (high) */
+        __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+        c[0] = _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x000F)),
+                            _mm_and_si128(_mm_slli_epi16(b, 4), _mm_set1_epi16(0x0F00)));
+    } else if (kind == SPLIT32_ALL) {  /* 16 bytes: rows j (low nibble), 16 + j (high) */
+        __m128i v = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(0x0F);
+        c[0] = _mm_and_si128(v, m);
+        c[1] = _mm_and_si128(_mm_srli_epi16(v, 4), m);
+    } else {  /* 32 bytes: rows j (low nibble), 32 + j (high) */
+        __m256i v = _mm256_loadu_si256((const __m256i*)p), m = _mm256_set1_epi8(0x0F);
+        int t = 0;
+        if (kind != SPLIT64_HI) {
+            __m256i lo = _mm256_and_si256(v, m);
+            c[t++] = _mm256_castsi256_si128(lo);
+            c[t++] = _mm256_extracti128_si256(lo, 1);
+        }
+        if (kind != SPLIT64_LO) {
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+            c[t++] = _mm256_castsi256_si128(hi);
+            c[t++] = _mm256_extracti128_si256(hi, 1);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, int stride, const int kind,
+                                                             const Act* a, int i0, int g, const int MB,
+                                                             const uint16_t* szg, float (*tot)[64]) {
+    const int T = tiles_of(kind);
+    V16 acc[4][4];
+    __m128i c[4];
+    for (int i = 0; i < MB; i++)
+        for (int t = 0; t < T; t++) acc[i][t] = v_zero();
+    const float* x = a->x + (int64_t)i0 * a->K + (int64_t)g * a->gs;
+    for (int k = 0; k < a->gs; k++) {
+        decode1(w + (int64_t)k * stride, kind, c);
+        for (int t = 0; t < T; t++) {
+            V16 f = v_codes(c[t]);
+            for (int i = 0; i < MB; i++) acc[i][t] = v_fma_x(f, x + (int64_t)i * a->K + k, acc[i][t]);
+        }
+    }
+    V16 s[4], zp[4];  /* loaded here, not held in registers through the loop above */
+    for (int t = 0; t < T; t++) v_scales(szg + 32 * t, &s[t], &zp[t]);
+    for (int i = 0; i < MB; i++) {
+        float xs = a->xsum[(int64_t)(i0 + i) * a->G + g];
+        for (int t = 0; t < T; t++) {
+            float* o = &tot[i0 + i][16 * t];
+            v_store(o, v_fold(v_load(o), s[t], acc[i][t], zp[t], xs));
+        }
+    }
+}
+
+#define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
+                  float (*tot)[64]
+static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
+    (void)idx;
+    for (int g = 0; g < a->G; g++) {
+        const uint8_t* wg = w + (int64_t)g * a->gs * stride;
+        const uint16_t* szg = sz + 2 * (int64_t)g * np;
+        for (int i0 = 0; i0 < mc; i0 += MB_ROWS) {
+            switch (mc - i0 < MB_ROWS ? mc - i0 : MB_ROWS) {  /* constant row counts keep the sums in registers */
+                case 1: group_rows(wg, stride, kind, a, i0, g, 1, szg, tot); break;
+                case 2: if (MB_ROWS >= 2) group_rows(wg, stride, kind, a, i0, g, 2, szg, tot); break;
+                case 3: if (MB_ROWS >= 3) group_rows(wg, stride, kind, a, i0, g, 3, szg, tot); break;
+                default: if (MB_ROWS >= 4) group_rows(wg, stride, kind, a, i0, g, 4, szg, tot); break;
+            }
+        }
+    }
+}
+#endif
+
+/* ---------------------------------------------------------------- shared driver */
+static void pass_split64_all(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_ALL); }
+static void pass_split64_lo(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_LO); }
+static void pass_split64_hi(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_HI); }
+static void pass_split32(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT32_ALL); }
+static void pass_interleaved(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, INTERLEAVED_1); }
+
+/* One block of `rows` rows for activation rows [0, mc) of a: outputs into tot[.][0 .. rows). */
+static void run_block(const uint8_t* wb, int rows, int split, const Idx* idx, const uint16_t* sz, int np,
+                      const Act* a, int mc, float tot[ROWS_CHUNK][64]) {
+    const int stride = rows / 2;
+    float part[ROWS_CHUNK][64];
+    for (int i = 0; i < mc; i++) memset(tot[i], 0, sizeof tot[i]);
+    if (split && rows == 64) {
+        if (!SPLIT64_IN_HALVES) {
+            pass_split64_all(wb, stride, idx, sz, np, a, mc, tot);
+        } else {  /* rows 0..31 from the low nibbles, then 32..63 from the high ones */
+            pass_split64_lo(wb, stride, idx, sz, np, a, mc, tot);
+            for (int i = 0; i < mc; i++) memset(part[i], 0, sizeof part[i]);
+            pass_split64_hi(wb, stride, idx, sz + 64, np, a, mc, part);
+            for (int i = 0; i < mc; i++) memcpy(&tot[i][32], part[i], sizeof(float) * 32);
+        }
+    } else if (split && rows == 32) {
+        pass_split32(wb, stride, idx, sz, np, a, mc, tot);
+    } else {  /* interleaved: one 16-row tile (8 bytes per column) at a time */
+        for (int t = 0; t < rows / 16; t++) {
+            for (int i = 0; i < mc; i++) memset(part[i], 0, sizeof part[i]);
+            pass_interleaved(wb + 8 * t, stride, idx, sz + 32 * t, np, a, mc, part);
+            for (int i = 0; i < mc; i++) memcpy(&tot[i][16 * t], part[i], sizeof(float) * 16);
+        }
+    }
+}
+
+/* n floats (n % 16 == 0) to bf16, rounded to nearest even as torch does; NaN stays NaN. */
+static void store_bf16(uint16_t* out, const float* in, int n) {
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7FFF);
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF), inf = _mm256_set1_epi32(0x7F800000);
+    for (int j = 0; j < n; j += 16) {
+        __m256i r[2];
+        for (int h = 0; h < 2; h++) {
+            __m256i u = _mm256_loadu_si256((const __m256i*)(in + j + 8 * h));
+            __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+            __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
+            __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
+            r[h] = _mm256_srli_epi32(_mm256_blendv_epi8(up, quiet, nan), 16);
+        }
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8);
+        _mm256_storeu_si256((__m256i*)(out + j), packed);
+    }
+}
+
+/* The vector width this build uses: 512 or 256 bits. */
+int sidecar_int4_vector_bits(void) { return V_LANES * 32; }
+/* 1 when this build rounds activations to 16 bits (the integer path), 0 when it keeps them float32. */
+int sidecar_int4_integer_dot(void) { return INT_DOT; }
+
+/* x [M, K], float32, or bf16 when x_bf16; y [M, np], float32, or bf16 when y_bf16; w packed codes
+ * for np rows (np % 16 == 0) and K columns (K % gs == 0, gs % 16 == 0, gs <= 256); sz bf16
+ * [K / gs, np, 2]; block_n 64 or 32; split 1 for split full blocks, 0 for interleaved ones.
+ * Returns 0, -1 for arguments it does not handle, -2 when out of memory (nothing written then). */
+int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, void* y, int M, int np, int K,
+                        int gs, int block_n, int split, int x_bf16, int y_bf16, int nthreads) {
+    if (M < 0 || np % 16 || gs <= 0 || gs > 256 || gs % 16 || K % gs || (block_n != 64 && block_n != 32))
+        return -1;
+    if (M == 0) return 0;
+    const int G = K / gs;
+    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, G, gs};
+    const size_t xcopy = !INT_DOT && x_bf16 ? (size_t)M * K * 4 : 0;  /* float copy for the float path */
+    char* scratch = malloc(xcopy + (size_t)M * G * 12 + (INT_DOT ? (size_t)M * 2 * K : 0) + 64);
+    if (scratch == NULL) return -2;
+    if (xcopy) a.x = (const float*)scratch;
+    a.xsum = (float*)(scratch + xcopy);
+    a.d = a.xsum + (size_t)M * G;
+    a.xqsum = (int32_t*)(a.d + (size_t)M * G);
+    a.xb = (int8_t*)(a.xqsum + (size_t)M * G);
+    Idx idx;
+    make_idx(&idx);
+    const int nfull = np / block_n, tail = np % block_n;
+    const int nblocks = nfull + (tail ? 1 : 0), nchunks = (M + ROWS_CHUNK - 1) / ROWS_CHUNK;
+    const int block_major = (int64_t)M * K * (INT_DOT ? 2 : 4) <= (256 << 10);
+    const int prepare_alone = (int64_t)M * K <= 16384;  /* a few microseconds: not worth a barrier */
+    if (prepare_alone)
+        for (int mg = 0; mg < M * G; mg++) prepare_group(&a, mg / G, mg % G);
+    if (nthreads > nblocks * nchunks) nthreads = nblocks * nchunks;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        if (!prepare_alone) {
+            #pragma omp for schedule(static)
+            for (int mg = 0; mg < M * G; mg++) prepare_group(&a, mg / G, mg % G);
+        }
+        /* Work items: a block of rows for a chunk of activation rows, a thread's items consecutive.
+         * While all activations fit in L2, a block's chunks go one after the other (its codes stay
+         * in cache); beyond that, a chunk's blocks (its activations stay in cache). */
+        #pragma omp for schedule(static)
+        for (int item = 0; item < nblocks * nchunks; item++) {
+            const int b = block_major ? item / nchunks : item % nblocks;
+            const int m0 = (block_major ? item % nchunks : item / nblocks) * ROWS_CHUNK;
+            const int n0 = b * block_n, rows = b < nfull ? block_n : tail;
+            const int mc = M - m0 < ROWS_CHUNK ? M - m0 : ROWS_CHUNK;
+            float tot[ROWS_CHUNK][64];
+            Act am = a;  /* the activation rows from m0 */
+            am.x = a.x + (int64_t)m0 * K;
+            am.xb = a.xb + (int64_t)m0 * 2 * K;
+            am.d = a.d + (int64_t)m0 * G;
+            am.xqsum = a.xqsum + (int64_t)m0 * G;
+            am.xsum = a.xsum + (int64_t)m0 * G;
+            run_block(w + (int64_t)n0 * (K / 2), rows, b < nfull ? split : 0, &idx, sz + 2 * (int64_t)n0, np, &am, mc,
+                      tot);
+            for (int i = 0; i < mc; i++) {
+                const int64_t at = (int64_t)(m0 + i) * np + n0;
+                if (y_bf16)
+                    store_bf16((uint16_t*)y + at, tot[i], rows);
+                else
+                    memcpy((float*)y + at, tot[i], sizeof(float) * rows);
+            }
+        }
+    }
+    free(scratch);
+    return 0;
+}

@@ -1,0 +1,209 @@
+"""Our CPU int4 decode kernel against its float64 reference, torch's packed layout, and Int4Linear's use of it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sidecar.model.kernels import cpu_build, int4_gemv
+from sidecar.model.quant import Int4Linear, quantize_linear
+from sidecar.model.quant_format import dequantize_int4, quantize_int4, unpack_int4
+
+
+def _bound(x, codes, gs, s, z, integer_dot):
+    """Per-output bound on |kernel - float64 reference| for x [M, K], codes [N, K], scales and zeros [N, G]:
+    float32 sums, plus (integer path) each activation rounded to 16 bits, by at most half its group's
+    absmax / ACTIVATION_CODE_MAX, times |(code - 8) * scale|. Far inside the 2^-8 of bf16 activations."""
+    x, s, z = x.double(), s.double(), z.double()
+    n, k = codes.shape
+    sw = (codes.double() - 8.0) * s.repeat_interleave(gs, dim=1)
+    w = sw + z.repeat_interleave(gs, dim=1)
+    bound = 1e-6 * (x.abs() @ w.abs().T) + 1e-30
+    if integer_dot:
+        step = x.abs().reshape(x.shape[0], -1, gs).amax(-1) / int4_gemv.ACTIVATION_CODE_MAX
+        bound += 0.51 * step @ sw.abs().reshape(n, -1, gs).sum(-1).T
+    return bound
+
+
+def _case(m, n, k, gs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    s = torch.rand(k // gs, n, generator=g) * 0.02 + 1e-3
+    z = torch.randn(k // gs, n, generator=g) * 0.02
+    return x, codes, torch.stack((s, z), dim=-1).bfloat16()
+
+
+def _check(m, n, k, gs, layout=None, seed=0, dtype=torch.float32):
+    x, codes, sz = _case(m, n, k, gs, seed)
+    x = x.to(dtype).float()  # the values the kernel sees
+    layout = layout or int4_gemv.torch_layout()
+    y = int4_gemv.int4_matmul(x.to(dtype), int4_gemv.pack(codes, *layout), gs, sz, layout=layout)
+    ref = int4_gemv.reference(x, codes, gs, sz)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    bound = _bound(x, codes, gs, sz[..., 0].T, sz[..., 1].T, int4_gemv.integer_dot())
+    assert ((y.double() - ref.double()).abs() <= bound).all(), (m, n, k, gs, layout)
+    # and far from the bf16 activations around torch's kernel
+    assert (y - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_kernel_builds_on_this_machine():
+    assert int4_gemv.available(), cpu_build.reason("int4_gemv")
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (48, 64), (64, 64), (80, 96), (112, 64), (208, 128), (4864, 896)])
+def test_pack_writes_torchs_layout(n, k):
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(n + k))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    assert torch.equal(int4_gemv.pack(codes, *int4_gemv.torch_layout()), packed.reshape(n, -1))
+
+
+def test_torch_avx2_layout_is_recognised_and_used():
+    # torch packs in blocks of 32 rows when it runs its AVX2 code, 64 with AVX-512.
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from sidecar.model.kernels import int4_gemv
+        from sidecar.model.quant import quantize_linear
+        from sidecar.model.quant_format import dequantize_int4, quantize_int4
+        assert int4_gemv.torch_layout() == (32, True), int4_gemv.torch_layout()
+        torch.manual_seed(0)
+        lin = nn.Linear(256, 208, bias=False)
+        w = lin.weight.detach().clone()
+        x = torch.randn(3, 256)
+        q, s, z = quantize_int4(w, 64, w.dtype)  # the layer keeps scales and zeros in bf16
+        ref = x.double() @ dequantize_int4(q, s.bfloat16(), z.bfloat16(), 256).double().T
+        y = quantize_linear(lin, "int4", 64)(x)
+        assert (y - ref).abs().max() <= 1e-4 * ref.abs().max(), (y - ref).abs().max()
+        print("ok")
+    """)
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 17, 32])
+@pytest.mark.parametrize("n,k,gs", [(64, 64, 32), (896, 896, 128), (208, 576, 32), (80, 1536, 64)])
+def test_kernel_matches_reference(m, n, k, gs):
+    _check(m, n, k, gs, seed=m * 31 + n)
+
+
+@pytest.mark.parametrize("m,n,k,gs", [(40, 112, 256, 64), (70, 208, 2048, 128), (33, 4864, 896, 32)])
+def test_prefill_sized_batches_match_reference(m, n, k, gs):
+    # 32-row chunks of activations; the second case's activations outgrow the kernel's L2 budget,
+    # which changes the order its work items go in
+    _check(m, n, k, gs, seed=m)
+
+
+@pytest.mark.parametrize("m,n,k,gs", [(1, 896, 896, 128), (5, 208, 576, 32), (40, 112, 256, 64)])
+def test_bf16_activations_are_read_as_they_are(m, n, k, gs):
+    _check(m, n, k, gs, seed=m, dtype=torch.bfloat16)
+
+
+def _check_bf16_out(m, n, k, gs):
+    x, codes, sz = _case(m, n, k, gs, seed=n)
+    x[0, 3] = float("nan")
+    x[-1] *= 1e37  # large exponents
+    w = int4_gemv.pack(codes, *int4_gemv.torch_layout())
+    y32 = int4_gemv.int4_matmul(x, w, gs, sz)
+    y16 = int4_gemv.int4_matmul(x, w, gs, sz, out_dtype=torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and y16.shape == (m, n)
+    want = y32.to(torch.bfloat16)
+    assert torch.equal(y16.isnan(), want.isnan()) and y16.isnan()[0].all()
+    assert torch.equal(y16.nan_to_num(0.0), want.nan_to_num(0.0))  # rounded to nearest even, as torch does
+
+
+@pytest.mark.parametrize("m,n,k,gs", [(3, 208, 576, 32), (33, 896, 896, 128)])
+def test_bf16_output_is_the_float_output_rounded(m, n, k, gs):
+    _check_bf16_out(m, n, k, gs)
+
+
+def test_no_rows():
+    x, codes, sz = _case(1, 64, 64, 32)
+    y = int4_gemv.int4_matmul(x[:0], int4_gemv.pack(codes, *int4_gemv.torch_layout()), 32, sz)
+    assert y.shape == (0, 64)
+
+
+@pytest.mark.parametrize("layout", int4_gemv.LAYOUTS)
+@pytest.mark.parametrize("m,n,k,gs", [(1, 112, 128, 32), (5, 176, 256, 64), (33, 48, 64, 32), (3, 4864, 896, 128),
+                                      (2, 896, 4864, 128)])
+def test_every_layout_matches_reference(layout, m, n, k, gs):
+    _check(m, n, k, gs, layout, seed=m + k)
+
+
+def test_avx2_build_matches_reference(monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")  # no AVX-512, as on Zen 2
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert int4_gemv.vector_bits() == 256, cpu_build.reason("int4_gemv")
+    assert not int4_gemv.integer_dot()  # float32 activations: the bound is float32 rounding alone
+    for layout in int4_gemv.LAYOUTS:
+        for m, n, k, gs in [(1, 112, 128, 32), (3, 176, 576, 64), (8, 896, 896, 128), (17, 80, 96, 32)]:
+            _check(m, n, k, gs, layout, seed=m + n)
+    _check(5, 208, 576, 32, dtype=torch.bfloat16)
+    _check_bf16_out(3, 208, 576, 32)
+
+
+def test_non_finite_activations_give_non_finite_rows():
+    x, codes, sz = _case(3, 64, 64, 32)
+    x[1, 5] = float("nan")
+    x[2, 9] = float("inf")
+    y = int4_gemv.int4_matmul(x, int4_gemv.pack(codes, *int4_gemv.torch_layout()), 32, sz)
+    assert torch.isfinite(y[0]).all()
+    assert torch.isnan(y[1]).all() and not torch.isfinite(y[2]).any()  # never a silently finite answer
+
+
+def test_shape_mismatch_is_refused():
+    x, codes, sz = _case(1, 64, 64, 32)
+    w = int4_gemv.pack(codes, *int4_gemv.torch_layout())
+    with pytest.raises(ValueError, match="do not fit"):
+        int4_gemv.int4_matmul(x[:, :32], w, 32, sz)
+    with pytest.raises(ValueError, match="do not fit"):
+        int4_gemv.int4_matmul(x, w, 32, sz.half())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, int4_gemv.MAX_ROWS, int4_gemv.MAX_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("features,gs", [((200, 70), 32), ((896, 128), 128), ((576, 1536), 64)])
+def test_int4_linear_matches_the_dequantized_layer(rows, dtype, features, gs, monkeypatch):
+    calls = []
+    real = int4_gemv.int4_matmul
+    monkeypatch.setattr(int4_gemv, "int4_matmul", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    torch.manual_seed(rows)
+    k, n = features  # 200 is padded to 224 columns, 70 to 80 rows (a 16-row tail block)
+    lin = nn.Linear(k, n, bias=True).to(dtype)
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    q, s, z = quantize_int4(w, gs, w.dtype)
+    s, z = s.bfloat16(), z.bfloat16()  # the layer keeps scales and zeros in bf16
+    deq = dequantize_int4(q, s, z, k)
+    qlin = quantize_linear(lin, "int4", gs)
+    assert isinstance(qlin, Int4Linear)
+    x = torch.randn(rows, k).to(dtype)
+    y = qlin(x)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    assert bool(calls) == (rows <= int4_gemv.MAX_ROWS)  # decode-sized batches take our kernel
+    ref = x.double() @ deq.double().T + b.double()
+    if dtype == torch.float32 and calls:
+        xp = F.pad(x, (0, q.shape[1] * 2 - k))  # the layer pads in_features to whole groups
+        assert ((y.double() - ref).abs() <= _bound(xp, unpack_int4(q), gs, s, z, int4_gemv.integer_dot())).all()
+    else:  # bf16 output, or torch's kernel with bf16 activations
+        assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_switched_off_kernel_falls_back_to_torch(monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu_build, "_reasons", {})
+    assert not int4_gemv.available()
+    assert "SIDECAR_CPU_KERNELS" in cpu_build.reason("int4_gemv")
+    lin = nn.Linear(64, 32)
+    w = lin.weight.detach().clone()
+    qlin = quantize_linear(lin, "int4", 32)
+    x = torch.randn(1, 64)
+    ref = x @ dequantize_int4(*quantize_int4(w, 32, w.dtype), 64).T + qlin.bias
+    assert (qlin(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
