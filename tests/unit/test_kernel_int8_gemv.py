@@ -154,3 +154,19 @@ def test_q8_0_lm_head_and_embedding_match_the_dequantized_table(rows, kernels, m
     assert (y - ref).abs().max() <= 2e-4 * ref.abs().max()
     ids = torch.randint(0, 300, (2, 5))
     assert torch.equal(emb(ids), table[ids])
+
+
+@pytest.mark.parametrize("arch", ["-mavx2 -mfma", "-mtune=generic"])  # AVX2 only (as on Zen 2); plain x86-64
+def test_other_instruction_sets_match_reference(arch, monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", arch)
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert int8_gemv.available(), cpu_build.reason("int8_gemv")
+    for m, n, k in [(1, 7, 13), (3, 130, 200), (5, 41, 96), (9, 17, 1536), (16, 33, 4864), (2, 9, 65)]:
+        x, w, s = _case(m, n, k, seed=m + k)
+        ref = int8_gemv.reference(x, w, s)
+        assert (int8_gemv.int8_matmul(x, w, s) - ref).abs().max() <= 2e-4 * ref.abs().max()
+        if k % 32 == 0:
+            x, w, d = _case_g32(m, n, k, seed=m + k)
+            ref = int8_gemv.reference_g32(x, w, d)
+            assert (int8_gemv.int8_g32_matmul(x, w, d) - ref).abs().max() <= 2e-4 * ref.abs().max()
+    test_worst_case_sums_do_not_overflow()
