@@ -150,7 +150,14 @@ static inline __attribute__((always_inline)) void dot_tile(const int16_t* x, con
             out[i * NB + j] = 0;
         }
     }
-    for (; k + 32 <= K; k += 32) chunk_dot(x, w, K, k, MB, NB, acc);
+    /* The tiles of a thread are consecutive rows, one contiguous stretch of memory: prefetch the
+     * tile after next at the pace this one is consumed (128 bytes per chunk covers NT rows). */
+    const char* ahead = (const char*)(w + (int64_t)2 * NB * K);
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
+        _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T0);
+        chunk_dot(x, w, K, k, MB, NB, acc);
+    }
     for (int i = 0; i < MB; i++) {
         for (int j = 0; j < NB; j++) {
             int64_t s = lanes_sum(acc[i][j]);
@@ -167,7 +174,10 @@ static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x,
     const int G = K / 32;
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = FLANES_ZERO();
+    const char* ahead = (const char*)(w + (int64_t)2 * NB * K);  /* as in dot_tile */
     for (int k = 0; k < K; k += 32) {
+        _mm_prefetch(ahead + 4 * k, _MM_HINT_T0);
+        _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T0);
         lanes_t p[MT][NT];
         for (int i = 0; i < MB; i++)
             for (int j = 0; j < NB; j++) p[i][j] = LANES_ZERO();
