@@ -14,7 +14,7 @@ from sidecar.engine.spec.draft import DraftProposer
 
 from test_engine_vs_hf import assert_pool_whole, hf_greedy
 from test_spec_engine import repetitive_prompts
-from test_spec_exact import chi2_critical, target_joint
+from test_spec_exact import chi2_critical, chi2_statistic, target_joint
 
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
 
@@ -148,18 +148,9 @@ def test_rejection_sampling_with_draft_distribution_preserves_target_distributio
     assert hist[0] > 100 and sum(hist[1:]) > 100
     probs = target_joint(hf, prompt, n_tok, temperature, top_k)
     assert set(counts) <= set(probs)
-    cells, rare_obs, rare_exp = [], 0, 0.0
-    for seq, p in probs.items():
-        e, o = p * n_samples, counts.get(seq, 0)
-        if e < 5:
-            rare_obs, rare_exp = rare_obs + o, rare_exp + e
-        else:
-            cells.append((o, e))
-    if rare_exp > 0:
-        cells.append((rare_obs, rare_exp))
-    stat = sum((o - e) ** 2 / e for o, e in cells)
-    assert len(cells) >= 6
-    assert stat < chi2_critical(len(cells) - 1), (stat, len(cells))
+    stat, dof = chi2_statistic(counts, probs, n_samples)
+    assert dof >= 5
+    assert stat < chi2_critical(dof), (stat, dof)
     draft_pool_whole(llm)
 
 
@@ -189,5 +180,24 @@ def test_failing_draft_forward_costs_speculation_not_requests(demo_dir, noisy_dr
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == ref
     assert all(o.finish_reason == "length" for o in outs)
-    assert calls["n"] >= 3
+    assert calls["n"] >= 3 and llm.stats()["spec_decode_proposer_failures"] == calls["n"] // 3
+    draft_pool_whole(llm)
+
+
+def test_requests_past_the_drafts_context_decode_without_it(demo_dir, noisy_draft, tmp_path):
+    import json
+
+    short = tmp_path / "short"
+    shutil.copytree(noisy_draft, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 48
+    (short / "config.json").write_text(json.dumps(cfg))
+    prompts = [p for p in repetitive_prompts(8, seed=10) if len(p) < 40]
+    ref = [o.token_ids for o in LLM(model=str(demo_dir), dtype="float32").generate(prompts, GREEDY)]
+    llm = make_llm(demo_dir, short)
+    assert llm.engine.spec.proposer.max_len == 48
+    outs = llm.generate(prompts, GREEDY)  # 40 new tokens: every request outgrows the draft's 48 positions
+    assert [o.token_ids for o in outs] == ref
+    s = llm.stats()
+    assert s["spec_decode_proposed_tokens"] > 0 and s["spec_decode_proposer_failures"] == 0
     draft_pool_whole(llm)

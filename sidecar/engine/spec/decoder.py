@@ -126,6 +126,7 @@ class SpecDecoder:
         self.num_proposed = 0
         self.num_accepted = 0
         self.num_verifications = 0
+        self.num_proposer_failures = 0
         self.num_emitted = 0  # tokens emitted by verification steps (accepted + the target's own)
         # acceptance_hist[a]: verifications that accepted exactly a proposed tokens.
         self.acceptance_hist = [0] * (self.max_k + 1)
@@ -161,6 +162,7 @@ class SpecDecoder:
                 self.proposer.propose(wants)
             except Exception:  # a failing proposer (a draft model's forward) costs speculation, not requests
                 log.exception("speculative proposer failed; %d requests decode without proposals", len(wants))
+                self.num_proposer_failures += 1
                 for req, _ in wants:
                     req.spec_token_ids, req.spec_draft_probs = [], None
                     self.proposer.release(req.request_id)
@@ -229,6 +231,7 @@ class SpecDecoder:
 
     def counters(self) -> dict[str, Any]:
         return {"spec_decode_proposed_tokens": self.num_proposed,
+                "spec_decode_proposer_failures": self.num_proposer_failures,
                 "spec_decode_step_costs": [round(c, 3) for c in self.costs],
                 "spec_decode_accepted_tokens": self.num_accepted,
                 "spec_decode_verifications": self.num_verifications,

@@ -64,6 +64,7 @@ class DraftProposer:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.model = self.loaded.model
         self.max_batched_tokens = config.max_num_batched_tokens
+        self.max_len = min(self.loaded.max_model_len, self.runner.num_blocks * config.block_size)
         self.shadows: "OrderedDict[str, Request]" = OrderedDict()  # least recently used first
         self.generator = torch.Generator(device=self.loaded.device)
         self.generator.manual_seed(config.seed + 1)
@@ -128,6 +129,9 @@ class DraftProposer:
         keep = {r.request_id for r, _ in wants}
         budget = self.max_batched_tokens
         for req, k in wants:
+            if req.num_tokens + k > self.max_len:  # past the draft's context: the target decodes alone
+                self.release(req.request_id)
+                continue
             shadow = self._sync(req)
             need = shadow.num_tokens - shadow.num_computed_tokens
             if need > budget:  # a long catch-up: this step brings the draft closer, proposes nothing

@@ -42,24 +42,28 @@ def available() -> bool:
     return _lib() is not None
 
 
-def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Requires ``available()``. All tensors on the CPU; ``x`` float32 [M, K] (any M; used up to MAX_ROWS)."""
+def _run(fn: str, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     lib = _lib()
     assert lib is not None, "int8_gemv kernel is not available"
     m, k = x.shape
-    n = weight.shape[0]
+    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    scales = scales.contiguous() if scales.dtype == torch.float32 else scales.float().contiguous()
+    weight = weight.contiguous()  # held here: a temporary's memory would be freed before the call
+    y = torch.empty(m, weight.shape[0], dtype=torch.float32)
+    xq = torch.empty(m, k, dtype=torch.int16)  # scratch: the activations as int16
+    xs = torch.empty(m, dtype=torch.float32)  # scratch: their scales
+    getattr(lib, fn)(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), xq.data_ptr(),
+                     xs.data_ptr(), m, weight.shape[0], k, torch.get_num_threads())
+    return y
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Requires ``available()``. All tensors on the CPU; ``x`` float32 [M, K] (any M; used up to MAX_ROWS)."""
+    n, k = weight.shape[0], x.shape[1]
     if weight.shape[1] != k or weight.dtype != torch.int8 or scales.shape != (n,):
         raise ValueError(f"int8_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"scales {tuple(scales.shape)} do not fit")
-    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
-    weight = weight.contiguous()
-    scales = scales.contiguous() if scales.dtype == torch.float32 else scales.float().contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    xq = torch.empty(m, k, dtype=torch.int16)
-    xs = torch.empty(m, dtype=torch.float32)
-    lib.sidecar_int8_matmul(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), xq.data_ptr(),
-                            xs.data_ptr(), m, n, k, torch.get_num_threads())
-    return y
+    return _run("sidecar_int8_matmul", x, weight, scales)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -68,22 +72,11 @@ def reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> to
 
 def int8_g32_matmul(x: torch.Tensor, weight: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """Requires ``available()``. ``x`` float32 [M, K], ``weight`` int8 [N, K], ``d`` float32 [N, K/32]."""
-    lib = _lib()
-    assert lib is not None, "int8_gemv kernel is not available"
-    m, k = x.shape
-    n = weight.shape[0]
+    n, k = weight.shape[0], x.shape[1]
     if k % 32 or weight.shape[1] != k or weight.dtype != torch.int8 or d.shape != (n, k // 32):
         raise ValueError(f"int8_g32_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
                          f"d {tuple(d.shape)} do not fit")
-    x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
-    weight = weight.contiguous()
-    d = d.contiguous() if d.dtype == torch.float32 else d.float().contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
-    xq = torch.empty(m, k, dtype=torch.int16)
-    xs = torch.empty(m, dtype=torch.float32)
-    lib.sidecar_int8g32_matmul(x.data_ptr(), weight.data_ptr(), d.data_ptr(), y.data_ptr(), xq.data_ptr(),
-                               xs.data_ptr(), m, n, k, torch.get_num_threads())
-    return y
+    return _run("sidecar_int8g32_matmul", x, weight, d)
 
 
 def dequantize_g32(weight: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
