@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sidecar.model.attention import AttentionMetadata, paged_attention
+from sidecar.model.kernels.bf16_gemv import Linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -121,8 +122,8 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.nh, self.nkv, self.hd = args.num_heads, args.num_kv_heads, args.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=args.attention_bias)
-        self.o_proj = nn.Linear(self.nh * self.hd, args.hidden_size, bias=args.attention_bias
+        self.qkv_proj = Linear(args.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=args.attention_bias)
+        self.o_proj = Linear(self.nh * self.hd, args.hidden_size, bias=args.attention_bias
                                 and args.architecture != "Qwen2ForCausalLM")
         self.scale = self.hd ** -0.5
         self.sliding_window = args.sliding_window
@@ -146,8 +147,8 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.inter = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -175,7 +176,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope_cos: Optional[torch.Tensor] = None
         self.rope_sin: Optional[torch.Tensor] = None
 

@@ -1,0 +1,85 @@
+/* bf16 matmul for decode-sized batches on CPUs with AVX-512 BF16:
+ *
+ *   y[m, n] = bias[n] + sum_k x[m, k] * w[n, k]      x, w bf16 [M, K] / [N, K]; y float32 [M, N]
+ *
+ * Pairs of bf16 products are accumulated in float32 lanes (vdpbf16ps), exactly as torch's bf16
+ * matmul accumulates (in float32), only in another order. Work goes in register tiles of up to 4
+ * activation rows x 4 weight rows, so each weight chunk is loaded once for every row of the batch and
+ * each activation chunk once per 4 weight rows; weights are prefetched two tiles ahead, since at a
+ * few rows one pass over them is the whole cost. Tiles of weight rows are split across threads.
+ */
+#include <stdint.h>
+#include <immintrin.h>
+
+#define NT 4
+#define MT 4
+
+int sidecar_bf16_supported(void) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+/* out[i * NB + j] = sum_k x[i, k] * w[j, k]; K a multiple of 32. */
+static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, const uint16_t* w, int64_t K,
+                                                           const int MB, const int NB, float* out) {
+    __m512 acc[MT][NT];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
+    const char* ahead = (const char*)(w + 2 * NB * K);
+    for (int64_t k = 0; k < K; k += 32) {
+        /* NB rows x 64 bytes consumed per chunk: keep the prefetch at that pace (4 lines for NB = 4) */
+        for (int j = 0; j < NB; j++) _mm_prefetch(ahead + 2 * NB * k + 64 * j, _MM_HINT_T0);
+        __m512bh wv[NT];
+        for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512((const void*)(w + j * K + k));
+        for (int i = 0; i < MB; i++) {
+            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + i * K + k));
+            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) out[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+#endif
+
+/* bias: float32 [N] or NULL. K must be a multiple of 32. Returns 0, or 1 without AVX-512 BF16. */
+int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int M, int N, int K,
+                        int nthreads) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    if (K % 32) return 1;
+    const int tiles = (N + NT - 1) / NT;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int t = 0; t < tiles; t++) {
+        const int n0 = t * NT;
+        const int nb = N - n0 >= NT ? NT : 1;
+        for (int n1 = n0; n1 < n0 + NT && n1 < N; n1 += nb) {
+            const uint16_t* wr = w + (int64_t)n1 * K;
+            float acc[MT * NT];
+            for (int m0 = 0; m0 < M; m0 += MT) {
+                const uint16_t* xb = x + (int64_t)m0 * K;
+                const int mb = M - m0 < MT ? M - m0 : MT;
+                switch (mb * 8 + nb) {
+                    case 1 * 8 + NT: dot_tile(xb, wr, K, 1, NT, acc); break;
+                    case 2 * 8 + NT: dot_tile(xb, wr, K, 2, NT, acc); break;
+                    case 3 * 8 + NT: dot_tile(xb, wr, K, 3, NT, acc); break;
+                    case 4 * 8 + NT: dot_tile(xb, wr, K, 4, NT, acc); break;
+                    case 1 * 8 + 1: dot_tile(xb, wr, K, 1, 1, acc); break;
+                    case 2 * 8 + 1: dot_tile(xb, wr, K, 2, 1, acc); break;
+                    case 3 * 8 + 1: dot_tile(xb, wr, K, 3, 1, acc); break;
+                    default: dot_tile(xb, wr, K, 4, 1, acc); break;
+                }
+                for (int i = 0; i < mb; i++)
+                    for (int j = 0; j < nb; j++)
+                        y[(int64_t)(m0 + i) * N + n1 + j] = acc[i * nb + j] + (bias ? bias[n1 + j] : 0.f);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    return 1;
+#endif
+}

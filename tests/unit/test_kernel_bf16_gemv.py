@@ -1,0 +1,77 @@
+"""Our CPU bf16 decode kernel against its float64 reference, and the models' Linear that uses it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.model.kernels import bf16_gemv, cpu_build
+
+
+def _refused_without_bf16(*args) -> bool:
+    """On a CPU without AVX-512 BF16 the kernel refuses to run (Linear then uses F.linear)."""
+    if bf16_gemv.available():
+        return False
+    with pytest.raises((RuntimeError, AssertionError)):
+        bf16_gemv.bf16_matmul(*args)
+    return True
+
+
+def _case(m, n, k, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+def test_availability_follows_the_cpu():
+    flags = open("/proc/cpuinfo").read()
+    assert bf16_gemv.available() == ("avx512_bf16" in flags), cpu_build.reason("bf16_gemv")
+
+
+@pytest.mark.parametrize("m,n,k,bias", [(1, 7, 32, True), (1, 4864, 896, False), (2, 50, 96, True),
+                                        (3, 130, 576, False), (4, 33, 64, True), (5, 41, 896, True),
+                                        (9, 17, 1536, False), (16, 64, 4864, True)])
+def test_kernel_matches_reference(m, n, k, bias):
+    x, w, b = _case(m, n, k, bias, seed=m * 7 + n)
+    if _refused_without_bf16(x, w, b):
+        return
+    y = bf16_gemv.bf16_matmul(x, w, b)
+    ref = bf16_gemv.reference(x, w, b)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    # bf16 inputs are exact in float32; only the float32 accumulation order differs from float64.
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_bad_shapes_are_refused():
+    x, w, b = _case(1, 4, 64, True, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        bf16_gemv.bf16_matmul(x[:, :48], w[:, :48], b)  # K not a multiple of 32
+    with pytest.raises(ValueError, match="do not fit"):
+        bf16_gemv.bf16_matmul(x.float(), w, b)
+
+
+@pytest.mark.parametrize("rows", [1, 3, bf16_gemv.MAX_ROWS, bf16_gemv.MAX_ROWS + 1])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, monkeypatch):
+    calls = []
+    real = bf16_gemv.bf16_matmul
+    monkeypatch.setattr(bf16_gemv, "bf16_matmul", lambda *a: calls.append(1) or real(*a))
+    if not kernels:
+        monkeypatch.setattr(bf16_gemv, "available", lambda: False)
+    torch.manual_seed(rows)
+    lin = bf16_gemv.Linear(96, 70, bias=True).bfloat16()
+    x = torch.randn(2, rows, 96).bfloat16()
+    y = lin(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, rows, 70)
+    assert bool(calls) == (kernels and bf16_gemv.available() and 2 * rows <= bf16_gemv.MAX_ROWS)
+    ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+    assert (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()  # one bf16 rounding of the output
+    assert lin.float()(x.float()).dtype == torch.float32  # float32 layers are F.linear's
+
+
+def test_a_cpu_without_avx512_bf16_builds_and_reports_it(monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")  # as on Zen 2
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert cpu_build.load("bf16_gemv") is not None, cpu_build.reason("bf16_gemv")
+    assert not bf16_gemv.available()
