@@ -82,11 +82,12 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def time_decode_rows(self, max_rows: int, repeats: int = 5) -> Optional[list[float]]:
-        """Median seconds of one forward plus logits for r decode rows of one request, r = 1..max_rows: the
-        price of verifying r - 1 speculative tokens on this device (GEMM kernels change algorithm with the
-        row count, so the price is measured, not assumed). Call before serving: it writes the KV of blocks
-        1.., which the lazy zeroing clears before their first real use. None when the pool is too small."""
+    def time_decode_rows(self, max_rows: int, repeats: int = 7) -> Optional[list[float]]:
+        """Fastest seconds (of ``repeats``) of one forward plus logits for r decode rows of one request,
+        r = 1..max_rows: the price of verifying r - 1 speculative tokens on this device (GEMM kernels change
+        algorithm with the row count, so the price is measured, not assumed). Call before serving: it writes
+        the KV of blocks 1.., which the lazy zeroing clears before their first real use. None when the pool
+        is too small."""
         bs = self.block_size
         nb = -(-max_rows // bs)
         if self._zeroed_upto > 0 or nb + 1 >= self.num_blocks:
@@ -103,7 +104,9 @@ class ModelRunner:
                 t = time.perf_counter()
                 self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta)).sum().item()
                 times.append(time.perf_counter() - t)
-            out.append(sorted(times[1:])[repeats // 2])  # the first run warms up
+            # The first run warms up; the fastest of the rest is the one least disturbed by anything else
+            # running on the machine (a median still moves with a busy neighbour).
+            out.append(min(times[1:]))
         return out
 
     @torch.inference_mode()

@@ -213,3 +213,18 @@ def test_spec_metrics_exposed_from_engine_stats(demo_dir):
     assert f"sidecar_spec_decode_acceptance_count {float(s['spec_decode_verifications'])}" in text
     assert f"sidecar_spec_decode_acceptance_sum {float(s['spec_decode_accepted_tokens'])}" in text
     assert f'sidecar_spec_decode_acceptance_bucket{{le="0"}} {float(s["spec_decode_acceptance_hist"][0])}' in text
+
+
+def test_measured_price_never_makes_longer_proposals_cheaper():
+    from sidecar.engine.kv_cache import KVCacheManager
+    from sidecar.engine.spec.decoder import SpecDecoder
+
+    class NoisyRunner:
+        num_blocks = 64
+
+        def time_decode_rows(self, rows):
+            return [0.010, 0.009, 0.013, 0.012, 0.020][:rows]  # a neighbour disturbed the 1- and 3-token runs
+
+    cfg = EngineConfig(model="demo", speculative="ngram", num_speculative_tokens=4)
+    spec = SpecDecoder(cfg, KVCacheManager(64, 16), 512, NoisyRunner())
+    assert spec.costs == pytest.approx([1.0, 1.0, 1.3, 1.3, 2.0])

@@ -22,6 +22,7 @@ far it speculates does (batch-size switch), and that changes how its generator's
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -117,7 +118,10 @@ class SpecDecoder:
             measured = runner.time_decode_rows(self.max_k + 1)
         if measured:
             d = self.proposer.step_cost(runner) if isinstance(self.proposer, DraftProposer) else 0.0
-            self.costs = [t / measured[0] + k * d for k, t in enumerate(measured)]
+            # Verifying more tokens never costs less than verifying fewer: noise in the timing must not
+            # make a longer proposal look cheaper.
+            self.costs = list(itertools.accumulate((max(1.0, t / measured[0]) + k * d
+                                                    for k, t in enumerate(measured)), max))
         else:
             c = 0.15 if config.speculative_token_cost is None else config.speculative_token_cost
             self.costs = [1.0 + c * k for k in range(self.max_k + 1)]
