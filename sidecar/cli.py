@@ -20,7 +20,8 @@ COMMANDS = {
 BENCHMARKS = {
     "throughput": ("sidecar.bench.throughput", "offline throughput vs HF generate / generate_batch, roofline"),
     "prefix": ("sidecar.bench.prefix", "prefix caching: shared system prompt and multi-turn scenarios"),
-    "spec": ("sidecar.bench.spec", "speculative decoding (n-gram or draft model): batch-1 decode and batch-32 throughput, on vs off"),
+    "spec": ("sidecar.bench.spec",
+             "speculative decoding (n-gram or draft model): batch-1 decode and batch-32 throughput, on vs off"),
     "structured": ("sidecar.bench.structured", "guided decoding (JSON schema) overhead per output token vs free text"),
     "quant": ("sidecar.bench.quant", "bf16 vs int8 vs int4: memory, load time, speed, quality"),
     "quality": ("sidecar.bench.quality", "perplexity, top-1 agreement and KL vs full precision; decode speed"),

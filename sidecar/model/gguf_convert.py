@@ -78,6 +78,7 @@ def write_int4(reader, cfg: dict, out: Path) -> None:
         aliases["lm_head.weight"] = "embed_tokens.weight"
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "source": "gguf"})
     qconfig = {"quant_method": "sidecar-weight-only", "format_version": FORMAT_VERSION, "mode": "int4",
-               "group_size": gt.INT4_GROUP, "quantize_lm_head": False, "tied_embedding": None, "q8_0_tied_embedding": q8_tied,
+               "group_size": gt.INT4_GROUP, "quantize_lm_head": False, "tied_embedding": None,
+               "q8_0_tied_embedding": q8_tied,
                "modules": modules, "aliases": aliases, "dtype": cfg["torch_dtype"], "source": "gguf"}
     (out / CONFIG_NAME).write_text(json.dumps(qconfig, indent=2))
