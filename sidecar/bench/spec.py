@@ -3,8 +3,8 @@ prompts and on open-ended chat, and batch-32 throughput, speculation on vs off i
 same engine.
 
 One engine with ``speculative="ngram"`` (or ``--speculative draft:<model>``); the "off" side sends the
-same requests with ``SamplingParams(speculative=False)``, so weights, KV pool, threads and prefix cache are shared and only
-speculation differs. Sides alternate (off, on, off, on, ...) and each reports its median, so drift on a
+same requests with ``SamplingParams(speculative=False)``, so weights, KV pool, threads and prefix cache
+are shared and only speculation differs. Sides alternate (off, on, off, on, ...) and each reports its median, so drift on a
 shared machine hits both equally. Batch-1 decode speed is (output tokens - 1) / (e2e - ttft) per request,
 excluding the prompt's prefill; batch 32 reports generated tokens per wall second of the whole batch.
 Greedy outputs are compared token for token between the sides.
