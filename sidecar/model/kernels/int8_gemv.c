@@ -210,37 +210,12 @@ static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x,
 #define NB1_CASES(CALL)
 #endif
 
-/* xq: scratch int16 [M, K]; xs: scratch float [M]. Returns 0. */
-int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, float* y, int16_t* xq,
-                        float* xs, int M, int N, int K, int nthreads) {
-    quantize_rows(x, xq, xs, M, K, activation_qmax(K));
-    const int tiles = (N + NT - 1) / NT;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        const int n0 = t * NT;
-        const int nb = N - n0 >= NT ? NT : 1;
-        for (int n1 = n0; n1 < n0 + NT && n1 < N; n1 += nb) {
-            const int8_t* wr = w + (int64_t)n1 * K;
-            int64_t acc[MT * NT];
-            for (int m0 = 0; m0 < M; m0 += MT) {
-                const int16_t* xb = xq + (int64_t)m0 * K;
-                const int mb = M - m0 < MT ? M - m0 : MT;
-#define INT8_CALL(A, B) dot_tile(xb, wr, K, A, B, acc)
-                TILE_CASES(INT8_CALL)
-                for (int i = 0; i < mb; i++)
-                    for (int j = 0; j < nb; j++)
-                        y[(int64_t)(m0 + i) * N + n1 + j] = (float)(double)acc[i * nb + j] * xs[m0 + i] * scale[n1 + j];
-            }
-        }
-    }
-    return 0;
-}
-
-/* K must be a multiple of 32. xq: scratch int16 [M, K]; xs: scratch float [M]. Returns 0. */
-int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, float* y, int16_t* xq,
-                           float* xs, int M, int N, int K, int nthreads) {
-    if (K % 32) return 1;
-    quantize_rows(x, xq, xs, M, K, 32767.f);  /* each group's lanes start from zero: no overflow */
+/* Both forms: s is the per-row scale [N], or with grouped the per-group scales d [N, K / 32].
+ * xq: scratch int16 [M, K]; xs: scratch float [M]. */
+static void matmul(const float* x, const int8_t* w, const float* s, float* y, int16_t* xq, float* xs, int M,
+                   int N, int K, int nthreads, int grouped) {
+    /* a group's lanes start from zero, so the grouped form never nears int32's range */
+    quantize_rows(x, xq, xs, M, K, grouped ? 32767.f : activation_qmax(K));
     const int G = K / 32, tiles = (N + NT - 1) / NT;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int t = 0; t < tiles; t++) {
@@ -248,17 +223,38 @@ int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, floa
         const int nb = N - n0 >= NT ? NT : 1;
         for (int n1 = n0; n1 < n0 + NT && n1 < N; n1 += nb) {
             const int8_t* wr = w + (int64_t)n1 * K;
-            const float* dr = d + (int64_t)n1 * G;
-            float acc[MT * NT];
+            const float* dr = s + (int64_t)n1 * G;
             for (int m0 = 0; m0 < M; m0 += MT) {
                 const int16_t* xb = xq + (int64_t)m0 * K;
                 const int mb = M - m0 < MT ? M - m0 : MT;
-#define G32_CALL(A, B) dot_tile_g32(xb, wr, dr, K, A, B, acc)
-                TILE_CASES(G32_CALL)
+                float out[MT * NT];
+                if (grouped) {
+#define G32_CALL(A, B) dot_tile_g32(xb, wr, dr, K, A, B, out)
+                    TILE_CASES(G32_CALL)
+                } else {
+                    int64_t acc[MT * NT];
+#define INT8_CALL(A, B) dot_tile(xb, wr, K, A, B, acc)
+                    TILE_CASES(INT8_CALL)
+                    for (int i = 0; i < mb * nb; i++) out[i] = (float)(double)acc[i] * s[n1 + i % nb];
+                }
                 for (int i = 0; i < mb; i++)
-                    for (int j = 0; j < nb; j++) y[(int64_t)(m0 + i) * N + n1 + j] = acc[i * nb + j] * xs[m0 + i];
+                    for (int j = 0; j < nb; j++) y[(int64_t)(m0 + i) * N + n1 + j] = out[i * nb + j] * xs[m0 + i];
             }
         }
     }
+}
+
+/* y = (x @ w.T) * scale. Returns 0. */
+int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, float* y, int16_t* xq,
+                        float* xs, int M, int N, int K, int nthreads) {
+    matmul(x, w, scale, y, xq, xs, M, N, K, nthreads, 0);
+    return 0;
+}
+
+/* The grouped (Q8_0) form. K must be a multiple of 32. Returns 0, or 1 when it is not. */
+int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, float* y, int16_t* xq,
+                           float* xs, int M, int N, int K, int nthreads) {
+    if (K % 32) return 1;
+    matmul(x, w, d, y, xq, xs, M, N, K, nthreads, 1);
     return 0;
 }
