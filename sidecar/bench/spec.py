@@ -4,9 +4,10 @@ same engine.
 
 One engine with ``speculative="ngram"`` (or ``--speculative draft:<model>``); the "off" side sends the
 same requests with ``SamplingParams(speculative=False)``, so weights, KV pool, threads and prefix cache
-are shared and only speculation differs. Sides alternate (off, on, off, on, ...) and each reports its median, so drift on a
-shared machine hits both equally. Batch-1 decode speed is (output tokens - 1) / (e2e - ttft) per request,
-excluding the prompt's prefill; batch 32 reports generated tokens per wall second of the whole batch.
+are shared and only speculation differs. Sides alternate (off, on, off, on, ...) and each reports its
+median, so drift on a shared machine hits both equally. Batch-1 decode speed is (output tokens - 1) /
+(e2e - ttft) per request, excluding the prompt's prefill; batch 32 reports generated tokens per wall
+second of the whole batch.
 Greedy outputs are compared token for token between the sides.
 """
 from __future__ import annotations
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, speculative=args.speculative,
-              speculative_draft_quantization=args.draft_quantization, num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch)
+              speculative_draft_quantization=args.draft_quantization,
+              num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch)
     n = args.output_tokens
     sides = {"off": SamplingParams(max_tokens=n, speculative=False), "on": SamplingParams(max_tokens=n)}
     rows = []

@@ -62,10 +62,10 @@ class DraftProposer:
         check_compatible(name, self.loaded, target)
         self.runner = ModelRunner(self.loaded, dcfg)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.model = self.loaded.model
         self.max_batched_tokens = config.max_num_batched_tokens
         self.max_len = min(self.loaded.max_model_len, self.runner.num_blocks * config.block_size)
         self.shadows: "OrderedDict[str, Request]" = OrderedDict()  # least recently used first
+        self.synced: dict[str, int] = {}  # request id -> the target's token count at the last sync
         self.generator = torch.Generator(device=self.loaded.device)
         self.generator.manual_seed(config.seed + 1)
         self.draft_forwards = 0
@@ -81,6 +81,7 @@ class DraftProposer:
     # -- per-request state ----------------------------------------------------------------------------
     def release(self, request_id: str) -> None:
         shadow = self.shadows.pop(request_id, None)
+        self.synced.pop(request_id, None)
         if shadow is not None:
             self.kv.free(shadow)
 
@@ -93,15 +94,20 @@ class DraftProposer:
         else:
             self.shadows.move_to_end(req.request_id)
             old, new = shadow.all_token_ids, req.all_token_ids
-            common = 0
+            # The target only appends: its tokens up to the last sync are the shadow's, and past them the
+            # shadow holds the draft's proposals, kept as far as the target accepted them.
+            common = min(self.synced[req.request_id], shadow.num_computed_tokens)
             limit = min(shadow.num_computed_tokens, len(new))
             while common < limit and old[common] == new[common]:
                 common += 1
-            shadow.all_token_ids = list(new)
+            del old[common:]
+            old.extend(new[common:])
             shadow.num_computed_tokens = common
-            del shadow.block_hashes[common // self.kv.block_size:]
             self.kv.trim(shadow)
-            self.kv.cache_computed_blocks(shadow)  # confirmed tokens only
+            # Block hashes only ever cover the target's tokens (they are extended here and on a fresh
+            # shadow's prefix lookup, never over proposals), so they stay valid across rollbacks.
+            self.kv.cache_computed_blocks(shadow)
+        self.synced[req.request_id] = req.num_tokens
         return shadow
 
     def _allocate(self, shadow: Request, n: int, keep: set[str]) -> int:

@@ -29,6 +29,7 @@ def _lib() -> Optional[ctypes.CDLL]:
         lib.sidecar_bf16_matmul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
         lib.sidecar_bf16_matmul.restype = _I
         lib.sidecar_bf16_supported.restype = _I
+        lib._sidecar_bf16 = bool(lib.sidecar_bf16_supported())  # asked once: every Linear forward checks it
         lib._sidecar_typed = True
     return lib
 
@@ -36,7 +37,7 @@ def _lib() -> Optional[ctypes.CDLL]:
 def available() -> bool:
     """Built for this CPU and the CPU has AVX-512 BF16."""
     lib = _lib()
-    return lib is not None and bool(lib.sidecar_bf16_supported())
+    return lib is not None and lib._sidecar_bf16
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
