@@ -12,7 +12,7 @@ from sidecar.config import EngineConfig
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
-from sidecar.model.attention import AttentionMetadata, PrefillSegment, build_decode_mask
+from sidecar.model.attention import AttentionMetadata, PrefillSegment
 from sidecar.model.loader import LoadedModel
 
 log = logging.getLogger("sidecar.engine")
@@ -69,7 +69,6 @@ class ModelRunner:
                            torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(a.num_layers)]
         self._zeroed_upto = 0
         self._zero_blocks(0, 0)
-        self.sliding_window = a.sliding_window
         self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(loaded, self.block_size)
 
     def _zero_blocks(self, lo: int, hi: int) -> None:
@@ -97,7 +96,7 @@ class ModelRunner:
         for r in range(1, max_rows + 1):
             meta = AttentionMetadata(slot_mapping=self._tensor([bs + i for i in range(r)]), block_size=bs)
             meta.decode_block_tables = self._tensor(table * r).view(r, nb)
-            meta.decode_mask = build_decode_mask(self._tensor(list(range(1, r + 1))), nb, bs, self.sliding_window)
+            meta.decode_ctx_lens = self._tensor(list(range(1, r + 1)))
             ids, pos = self._tensor([0] * r), self._tensor(list(range(r)))
             times = []
             for i in range(repeats + 1):
@@ -155,8 +154,7 @@ class ModelRunner:
                 ctx_lens.extend(range(c + 1, c + 1 + s.num_new_tokens))
             width = max(len(t) for t in dtables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dtables]).view(len(dtables), width)
-            ctx = self._tensor(ctx_lens)
-            meta.decode_mask = build_decode_mask(ctx, width, bs, self.sliding_window)
+            meta.decode_ctx_lens = self._tensor(ctx_lens)
         hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
         if not sample_reqs:
             return [], None

@@ -7,8 +7,10 @@ A token at position ``p`` of a request lives in slot
 The torch reference path (CPU and any device) gathers each request's blocks and
 calls ``scaled_dot_product_attention``. Decode tokens of a step are attended in
 one batched call (padded to the longest context, masked); prefill chunks are
-attended per request. A fused CUDA kernel can replace ``paged_attention`` here
-without touching any caller.
+attended per request. On CPU the decode rows go through our kernel instead
+(``kernels/paged_attention.c``: reads the blocks in place, no copy, no mask),
+with the torch path as fallback and test oracle. A fused CUDA kernel can replace
+``paged_attention`` here without touching any caller.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from sidecar.model.kernels import paged_attention as cpu_kernel
 
 
 @dataclass
@@ -38,7 +42,16 @@ class AttentionMetadata:
     # of the tokens a request verifies in speculative decoding). Their tokens are the last Bd of the
     # packed batch (the runner places prefill segments first).
     decode_block_tables: Optional[torch.Tensor] = None  # [Bd, max_blocks] long (padded with 0)
-    decode_mask: Optional[torch.Tensor] = None  # [Bd, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_ctx_lens: Optional[torch.Tensor] = None  # [Bd] long: keys [0, ctx) are the row's context
+    use_cpu_kernel: bool = True  # False: the torch path even where the CPU kernel could run (tests, benches)
+    _decode_mask: Optional[torch.Tensor] = None
+
+    def decode_mask(self, sliding_window: Optional[int]) -> torch.Tensor:
+        """[Bd, 1, 1, max_blocks * block_size] bool, True = attend; built once per step, on first use."""
+        if self._decode_mask is None:
+            self._decode_mask = build_decode_mask(self.decode_ctx_lens, self.decode_block_tables.shape[1],
+                                                  self.block_size, sliding_window)
+        return self._decode_mask
 
 
 def build_decode_mask(ctx_lens: torch.Tensor, max_blocks: int, block_size: int,
@@ -103,16 +116,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.decode_block_tables is not None:
         bt = meta.decode_block_tables
         b, nb = bt.shape
+        qd = q[q.shape[0] - b:]
+        if meta.use_cpu_kernel:
+            o = cpu_kernel.decode_attention(qd, k_cache, v_cache, bt, meta.decode_ctx_lens, scale, sliding_window)
+            if o is not None:
+                out[q.shape[0] - b:] = o
+                return out
         nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         bs = k_cache.shape[1]
         kd = k_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
         vd = v_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
-        qd = q[q.shape[0] - b:]
         # Grouped-query decode without copying K/V: the query heads sharing a KV head
         # become that head's query rows ([B, Hkv, rep, D] against [B, Hkv, L, D]).
         nh = qd.shape[1]
         qg = qd.reshape(b, nkv, nh // nkv, hd)
-        o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=meta.decode_mask(sliding_window), scale=scale)
         o = o.reshape(b, nh, hd)
         out[q.shape[0] - b:] = o
     return out

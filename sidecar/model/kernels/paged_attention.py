@@ -1,0 +1,70 @@
+"""Paged decode attention on CPU (``paged_attention.c``).
+
+``decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, window)`` attends each query row
+of ``q`` [B, H, D] to positions ``[max(0, ctx - window), ctx)`` of its own sequence, read in place from
+the paged cache [num_blocks, block_size, Hkv, D] through its row of ``block_tables`` [B, max_blocks].
+It returns [B, H, D] in ``q``'s dtype (float32 or bfloat16), or None when the kernel cannot take these
+inputs (not built, another dtype or device, a head size it does not handle); the caller then uses the
+torch path (``sidecar.model.attention``), which is also the oracle the tests hold it to.
+
+Why a kernel: torch's path gathers every row's blocks into a contiguous copy and calls SDPA with a
+mask; with k speculative tokens that is k copies of the same context. Here nothing is copied. Measured
+per layer on a 2-core Zen 5, bf16: 5 verification rows at a 400-token context with SmolLM2-135M's heads
+51 us (torch path 203 us); 32 sequences at 300 tokens with Qwen2-0.5B's heads 322 us (668 us). In the
+engine that took a 5-row SmolLM2 step from 13.9 to 11.0 ms and a 32-row Qwen2-0.5B step from ~112 to
+~90-99 ms.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from sidecar.model.kernels import cpu_build
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    lib = cpu_build.load("paged_attention")
+    if lib is not None and not getattr(lib, "_sidecar_typed", False):
+        fn = lib.sidecar_paged_decode_attention
+        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
+        fn.restype = _I
+        lib.sidecar_paged_attention_vector_width.restype = _I
+        lib._sidecar_width = lib.sidecar_paged_attention_vector_width()
+        lib._sidecar_typed = True
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     ctx_lens: torch.Tensor, scale: float, window: Optional[int] = None) -> Optional[torch.Tensor]:
+    if q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    b, nh, hd = q.shape
+    _, bs, nkv, _ = k_cache.shape
+    if hd % lib._sidecar_width or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    ctx = ctx_lens.contiguous()
+    if tables.dtype != torch.long or ctx.dtype != torch.long:
+        raise ValueError(f"decode_attention: block tables {tables.dtype} and context lengths {ctx.dtype} "
+                         f"must be int64")
+    out = torch.empty_like(q)
+    rc = lib.sidecar_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                            ctx.data_ptr(), out.data_ptr(), b, nh, nkv, hd, bs, tables.shape[1],
+                                            window or 0, scale, _DTYPES[q.dtype], torch.get_num_threads())
+    if rc == 2:
+        raise MemoryError("decode_attention: out of memory for the kernel's scratch buffers")
+    return out if rc == 0 else None
