@@ -32,6 +32,14 @@ static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline float v_sum(vf x) { return _mm512_reduce_add_ps(x); }
+/* out[i] = sum of the lanes of a_i */
+static inline void v_sum4(vf a0, vf a1, vf a2, vf a3, float* out) {
+    vf t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    vf t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    vf u = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, 0x44), _mm512_shuffle_ps(t01, t23, 0xEE));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
 static inline vf v_load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
@@ -69,6 +77,12 @@ static inline float v_sum(vf x) {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+static inline void v_sum4(vf a0, vf a1, vf a2, vf a3, float* out) {
+    vf t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    vf t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    vf u = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, 0x44), _mm256_shuffle_ps(t01, t23, 0xEE));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
 }
 static inline vf v_load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -119,31 +133,54 @@ int sidecar_paged_attention_vector_width(void) {
 /* One (row, KV head) task. qf: the rep queries in float32, already scaled; s: scratch [rep][n]; of: [rep][hd].
  * Inlined per head size, so the common ones (64, 128) run with the vector count known. */
 static inline __attribute__((always_inline)) void attend(const float* qf, const char* kc, const char* vc, const int64_t* table, int lo, int hi,
-                   int rep, int nkv, int g, int hd, int bs, int dtype, float* s, float* of) {
+                   int rep, int nkv, int g, int hd, int bs, int dtype, float* s, float* of,
+                   size_t* offs) {
     const int n = hi - lo;
     const size_t row = (size_t)nkv * hd;  /* elements per slot */
-    /* scores */
-    for (int j = 0; j < n; j++) {
-        const int p = lo + j;
-        const size_t off = ((size_t)table[p / bs] * bs + p % bs) * row + (size_t)g * hd;
+    /* where each key of the context lives, block by block (no division per key) */
+    for (int j = 0, p = lo; j < n;) {
+        const size_t base = ((size_t)table[p / bs] * bs) * row + (size_t)g * hd;
+        for (int slot = p % bs; slot < bs && j < n; slot++, j++, p++) offs[j] = base + (size_t)slot * row;
+    }
+    /* scores, four keys at a time: each key is loaded (and widened) once for all rep queries, and the
+     * four dot products are reduced together; a key's score is the same arithmetic wherever it falls */
 #ifdef VL
-        vf kv[MAX_HD / VL];
-        for (int c = 0; c < hd / VL; c++)
-            kv[c] = dtype ? v_load_bf16((const uint16_t*)kc + off + c * VL) : v_load((const float*)kc + off + c * VL);
-        for (int r = 0; r < rep; r++) {
-            vf acc = v_zero();
-            for (int c = 0; c < hd / VL; c++) acc = v_fma(v_load(qf + r * hd + c * VL), kv[c], acc);
-            s[(size_t)r * n + j] = v_sum(acc);
+    for (int j = 0; j < n; j += 4) {
+        vf k4[4][MAX_HD / VL];
+        for (int i = 0; i < 4; i++) {
+            if (j + i >= n) {
+                for (int c = 0; c < hd / VL; c++) k4[i][c] = v_zero();
+                continue;
+            }
+            const size_t off = offs[j + i];
+            for (int c = 0; c < hd / VL; c++)
+                k4[i][c] = dtype ? v_load_bf16((const uint16_t*)kc + off + c * VL) : v_load((const float*)kc + off + c * VL);
         }
+        for (int r = 0; r < rep; r++) {
+            vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+            for (int c = 0; c < hd / VL; c++) {
+                const vf qv = v_load(qf + r * hd + c * VL);
+                a0 = v_fma(qv, k4[0][c], a0);
+                a1 = v_fma(qv, k4[1][c], a1);
+                a2 = v_fma(qv, k4[2][c], a2);
+                a3 = v_fma(qv, k4[3][c], a3);
+            }
+            float sums[4];
+            v_sum4(a0, a1, a2, a3, sums);
+            for (int i = 0; i < 4 && j + i < n; i++) s[(size_t)r * n + j + i] = sums[i];
+        }
+    }
 #else
+    for (int j = 0; j < n; j++) {
+        const size_t off = offs[j];
         for (int r = 0; r < rep; r++) {
             float acc = 0.f;
             for (int d = 0; d < hd; d++)
                 acc += qf[r * hd + d] * (dtype ? bf16_to_f32(((const uint16_t*)kc)[off + d]) : ((const float*)kc)[off + d]);
             s[(size_t)r * n + j] = acc;
         }
-#endif
     }
+#endif
     /* softmax per query, then the weighted sum of values */
     for (int r = 0; r < rep; r++) {
         float* sr = s + (size_t)r * n;
@@ -182,9 +219,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
         vf a0[MAX_HD / VL], a1[MAX_HD / VL];
         for (int c = 0; c < hd / VL; c++) a0[c] = a1[c] = v_zero();
         for (j = 0; j + 1 < n; j += 2) {
-            const int p0 = lo + j, p1 = p0 + 1;
-            const size_t off0 = ((size_t)table[p0 / bs] * bs + p0 % bs) * row + (size_t)g * hd;
-            const size_t off1 = ((size_t)table[p1 / bs] * bs + p1 % bs) * row + (size_t)g * hd;
+            const size_t off0 = offs[j], off1 = offs[j + 1];
             const vf w0 = v_set1(sr[j]), w1 = v_set1(sr[j + 1]);
             for (int c = 0; c < hd / VL; c++) {
                 a0[c] = v_fma(w0, dtype ? v_load_bf16((const uint16_t*)vc + off0 + c * VL)
@@ -194,8 +229,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
             }
         }
         if (j < n) {
-            const int p0 = lo + j;
-            const size_t off0 = ((size_t)table[p0 / bs] * bs + p0 % bs) * row + (size_t)g * hd;
+            const size_t off0 = offs[j];
             const vf w0 = v_set1(sr[j]);
             for (int c = 0; c < hd / VL; c++)
                 a0[c] = v_fma(w0, dtype ? v_load_bf16((const uint16_t*)vc + off0 + c * VL)
@@ -206,8 +240,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
 #else
         for (int d = 0; d < hd; d++) o[d] = 0.f;
         for (j = 0; j < n; j++) {
-            const int p = lo + j;
-            const size_t off = ((size_t)table[p / bs] * bs + p % bs) * row + (size_t)g * hd;
+            const size_t off = offs[j];
             const float w = sr[j];
             for (int d = 0; d < hd; d++)
                 o[d] += w * (dtype ? bf16_to_f32(((const uint16_t*)vc)[off + d]) : ((const float*)vc)[off + d]);
@@ -237,13 +270,14 @@ int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc
         float* s = (float*)malloc(sizeof(float) * (size_t)rep * (size_t)longest);
         float* qf = (float*)malloc(sizeof(float) * (size_t)rep * hd);
         float* of = (float*)malloc(sizeof(float) * (size_t)rep * hd);
-        if (!s || !qf || !of) {
+        size_t* offs = (size_t*)malloc(sizeof(size_t) * (size_t)longest);
+        if (!s || !qf || !of || !offs) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < B * nkv; t++) {
-            if (!s || !qf || !of) continue;
+            if (!s || !qf || !of || !offs) continue;
             const int b = t / nkv, g = t % nkv;
             const int hi = (int)ctx[b];
             const int lo = window > 0 && hi > window ? hi - window : 0;
@@ -251,15 +285,16 @@ int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc
             for (int i = 0; i < rep * hd; i++)
                 qf[i] = scale * (dtype ? bf16_to_f32(((const uint16_t*)q)[q0 + i]) : ((const float*)q)[q0 + i]);
             const int64_t* table = tables + (size_t)b * max_blocks;
-            if (hd == 64) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 64, bs, dtype, s, of);
-            else if (hd == 128) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 128, bs, dtype, s, of);
-            else attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, hd, bs, dtype, s, of);
+            if (hd == 64) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 64, bs, dtype, s, of, offs);
+            else if (hd == 128) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 128, bs, dtype, s, of, offs);
+            else attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, hd, bs, dtype, s, of, offs);
             for (int i = 0; i < rep * hd; i++) {
                 if (dtype) ((uint16_t*)out)[q0 + i] = f32_to_bf16(of[i]);
                 else ((float*)out)[q0 + i] = of[i];
             }
         }
         free(s);
+        free(offs);
         free(qf);
         free(of);
     }
