@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import psutil
 import torch
@@ -81,19 +81,21 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def time_decode_rows(self, max_rows: int, repeats: int = 7) -> Optional[list[float]]:
-        """Fastest seconds (of ``repeats``) of one forward plus logits for r decode rows of one request,
-        r = 1..max_rows: the price of verifying r - 1 speculative tokens on this device (GEMM kernels change
-        algorithm with the row count, so the price is measured, not assumed). Call before serving: it writes
-        the KV of blocks 1.., which the lazy zeroing clears before their first real use. None when the pool
-        is too small."""
+    def time_decode_rows(self, rows: Union[int, Sequence[int]], repeats: int = 7) -> Optional[list[float]]:
+        """Fastest seconds (of ``repeats``) of one forward plus logits for r decode rows, for each r in
+        ``rows`` (an int n: r = 1..n): the price of verifying r - 1 speculative tokens of one request, or
+        of a batch's rows, on this device (GEMM kernels change algorithm with the row count, so the price
+        is measured, not assumed). Call before serving: it writes the KV of blocks 1.., which the lazy
+        zeroing clears before their first real use. None when the pool is too small."""
+        counts = list(range(1, rows + 1)) if isinstance(rows, int) else list(rows)
+        max_rows = max(counts)
         bs = self.block_size
         nb = -(-max_rows // bs)
         if self._zeroed_upto > 0 or nb + 1 >= self.num_blocks:
             return None
         table = list(range(1, nb + 1))
         out = []
-        for r in range(1, max_rows + 1):
+        for r in counts:
             meta = AttentionMetadata(slot_mapping=self._tensor([bs + i for i in range(r)]), block_size=bs)
             meta.decode_block_tables = self._tensor(table * r).view(r, nb)
             meta.decode_ctx_lens = self._tensor(list(range(1, r + 1)))

@@ -221,10 +221,20 @@ def test_measured_price_never_makes_longer_proposals_cheaper():
 
     class NoisyRunner:
         num_blocks = 64
+        timed: list = []
 
         def time_decode_rows(self, rows):
-            return [0.010, 0.009, 0.013, 0.012, 0.020][:rows]  # a neighbour disturbed the 1- and 3-token runs
+            self.timed = list(rows)
+            # a neighbour disturbed the 1- and 3-token runs; past 5 rows each row costs 2 ms
+            return [{1: 0.010, 2: 0.009, 3: 0.013, 4: 0.012, 5: 0.020}.get(r, 0.010 + 0.002 * r) for r in rows]
 
-    cfg = EngineConfig(model="demo", speculative="ngram", num_speculative_tokens=4)
-    spec = SpecDecoder(cfg, KVCacheManager(64, 16), 512, NoisyRunner())
+    cfg = EngineConfig(model="demo", speculative="ngram", num_speculative_tokens=4, speculative_max_batch=4)
+    runner = NoisyRunner()
+    spec = SpecDecoder(cfg, KVCacheManager(64, 16), 512, runner)
     assert spec.costs == pytest.approx([1.0, 1.0, 1.3, 1.3, 2.0])
+    # Batches up to 3 requests: a batch of 3 verifying k tokens each runs 3 (k + 1) rows, up to 15.
+    assert runner.timed[:5] == [1, 2, 3, 4, 5] and runner.timed[-1] == 15 and runner.timed == sorted(runner.timed)
+    t = lambda r: 0.010 + 0.002 * r  # noqa: E731 (exact at measured counts, and linear between them)
+    assert spec.batch_costs[1] == spec.costs
+    assert spec.batch_costs[3] == pytest.approx([1.0] + [t(3 * (k + 1)) / 0.013 for k in range(1, 5)])
+    assert len(spec.batch_costs) == 4  # a batch of 4 does not speculate

@@ -22,6 +22,7 @@ far it speculates does (batch-size switch), and that changes how its generator's
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 from dataclasses import dataclass
@@ -68,8 +69,10 @@ class SpecState:
     def alpha(self) -> float:
         return self.successes / (self.successes + self.failures)
 
-    def choose_k(self) -> int:
-        """Proposal length for the next step (0: do not speculate)."""
+    def choose_k(self, costs: Optional[Sequence[float]] = None) -> int:
+        """Proposal length for the next step (0: do not speculate), priced by ``costs`` (default: the
+        request's own, those of a batch of one)."""
+        costs = self.costs if costs is None else costs
         if self.cooldown > 0:
             self.cooldown -= 1
             if self.cooldown == 0:
@@ -79,9 +82,9 @@ class SpecState:
         if self.probing:
             return 1
         a, best_k, best, expected = self.alpha, 0, MIN_GAIN, 1.0
-        for k in range(1, len(self.costs)):
+        for k in range(1, len(costs)):
             expected += a ** k
-            gain = expected / self.costs[k]
+            gain = expected / costs[k]
             if gain > best:
                 best_k, best = k, gain
         if best_k == 0:
@@ -113,18 +116,33 @@ class SpecDecoder:
         self.max_batch = config.speculative_max_batch
         # Relative price of proposing and verifying k tokens: measured on this device at start (verifying
         # k + 1 rows, plus k draft steps for a draft model), unless the config fixes a linear price per token.
-        measured = None
+        # batch_costs[b] prices k for a request in a batch of b running requests, as if all of them
+        # proposed k: a step of b (k + 1) rows against one of b rows (batch_costs[1] == costs). Extra
+        # rows are nearly free while a step streams the weights once, and cost full price once it is
+        # compute-bound, which on a CPU starts at a few rows.
+        timed = None
         if self.enabled and config.speculative_token_cost is None and runner is not None:
-            measured = runner.time_decode_rows(self.max_k + 1)
-        if measured:
+            timed = runner.time_decode_rows(self._timing_grid())
+        if timed:
+            grid = self._timing_grid()
             d = self.proposer.step_cost(runner) if isinstance(self.proposer, DraftProposer) else 0.0
+
+            def t(r: int) -> float:  # linear between measured row counts
+                i = bisect.bisect_left(grid, r)
+                if grid[i] == r:
+                    return timed[i]
+                lo, hi = grid[i - 1], grid[i]
+                return timed[i - 1] + (timed[i] - timed[i - 1]) * (r - lo) / (hi - lo)
+
             # Verifying more tokens never costs less than verifying fewer: noise in the timing must not
             # make a longer proposal look cheaper.
-            self.costs = list(itertools.accumulate((max(1.0, t / measured[0]) + k * d
-                                                    for k, t in enumerate(measured)), max))
+            self.batch_costs = [[]] + [list(itertools.accumulate(
+                (max(1.0, t(b * (k + 1)) / t(b)) + k * d for k in range(self.max_k + 1)), max))
+                for b in range(1, max(self.max_batch, 2))]
         else:
             c = 0.15 if config.speculative_token_cost is None else config.speculative_token_cost
-            self.costs = [1.0 + c * k for k in range(self.max_k + 1)]
+            self.batch_costs = [[]] + [[1.0 + c * k for k in range(self.max_k + 1)]] * max(self.max_batch - 1, 1)
+        self.costs = self.batch_costs[1]
         self.kv = kv
         self.max_model_len = max_model_len
         self.num_proposed = 0
@@ -134,6 +152,17 @@ class SpecDecoder:
         self.num_emitted = 0  # tokens emitted by verification steps (accepted + the target's own)
         # acceptance_hist[a]: verifications that accepted exactly a proposed tokens.
         self.acceptance_hist = [0] * (self.max_k + 1)
+
+    def _timing_grid(self) -> list[int]:
+        """Row counts to time: 1..k+1 (one request) and a geometric grid up to the largest batch that
+        speculates, each row verifying the longest proposal."""
+        top = max(self.max_batch - 1, 1) * (self.max_k + 1)
+        grid = set(range(1, self.max_k + 2))
+        r = float(self.max_k + 1)
+        while r < top:
+            r *= 1.4
+            grid.add(min(int(round(r)), top))
+        return sorted(grid)
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -157,7 +186,7 @@ class SpecDecoder:
                 st = req.spec_state = SpecState(self.costs)
             # The step always emits one token of the target's own after the accepted ones: never propose
             # past max_tokens or the context length.
-            k = min(st.choose_k(), req.params.max_tokens - len(req.output_token_ids) - 1,
+            k = min(st.choose_k(self.batch_costs[len(running)]), req.params.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens - 1)
             if k > 0:
                 wants.append((req, k))

@@ -1,23 +1,42 @@
-"""N-gram prompt lookup: propose the tokens that followed the latest earlier
-occurrence of the sequence's last n tokens (prompt and output so far)."""
+"""N-gram prompt lookup: propose what most often followed the sequence's last n tokens earlier in the
+prompt and the output so far."""
+from collections import Counter
 from typing import List, Sequence, Tuple
 
+MAX_N = 6
 
-def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1) -> List[int]:
-    """Returns up to k proposed token ids; [] when no suffix of length min_n..max_n
-    recurs earlier in `tokens`. Longer matches win (they predict better); among equal
-    lengths one that is followed by k tokens wins (in a loop of period p the latest
-    occurrence is followed by only p tokens), then the most recent (it reflects the
-    current context).
 
-    One backward pass over the sequence: every earlier position holding the last token
-    is a candidate match end, extended backwards up to max_n tokens."""
+def propose_ngram(tokens: Sequence[int], k: int, max_n: int = MAX_N, min_n: int = 1) -> List[int]:
+    """Returns up to k proposed token ids; [] when no suffix of length min_n..max_n recurs earlier in
+    `tokens`.
+
+    The longest recurring suffix wins (it predicts best). Its earlier occurrences vote on the
+    continuation one token at a time: the most frequent next token is proposed and only the
+    occurrences that agree with it vote on the token after. A tie goes to the earliest occurrence:
+    an answer that copies from its input (summaries, rewrites, extraction, code edits) copies the
+    prompt, and the prompt comes first (on the input-grounded prompts of ``sidecar bench spec`` this
+    predicted better than the most recent occurrence, which the output itself may have just varied). When every remaining occurrence runs into the end of the sequence
+    (a loop whose period is shorter than k), the proposal so far is appended and the lookup repeats,
+    so the loop is continued. One backward pass over the sequence per lookup: every earlier position
+    holding the last token is a candidate match end, extended backwards up to max_n tokens."""
+    out: List[int] = []
+    seq = tokens
+    while len(out) < k:
+        more = _vote(seq, k - len(out), max_n, min_n)
+        if not more:
+            break
+        out.extend(more)
+        if len(out) < k:
+            seq = list(seq) + more
+    return out
+
+
+def _vote(tokens: Sequence[int], k: int, max_n: int, min_n: int) -> List[int]:
     L = len(tokens)
     if k <= 0 or L < 2:
         return []
     last = tokens[L - 1]
-    best: tuple = (0, 0)
-    best_end = -1
+    best_len, ends = 0, []
     for e in range(L - 2, -1, -1):
         if tokens[e] != last:
             continue
@@ -25,15 +44,23 @@ def propose_ngram(tokens: Sequence[int], k: int, max_n: int = 4, min_n: int = 1)
         limit = min(max_n, e + 1)
         while m < limit and tokens[e - m] == tokens[L - 1 - m]:
             m += 1
-        score = (m, min(k, L - 1 - e))
-        if score > best:
-            best, best_end = score, e
-            if score == (max_n, k):
-                break
-    best_len = best[0]
+        if m > best_len:
+            best_len, ends = m, [e]
+        elif m == best_len:
+            ends.append(e)  # most recent first
     if best_len < min_n:
         return []
-    return list(tokens[best_end + 1:best_end + 1 + k])
+    out: List[int] = []
+    for i in range(1, k + 1):
+        ends = [e for e in ends if e + i < L]
+        if not ends:
+            break
+        votes = Counter(tokens[e + i] for e in ends)
+        top = max(votes.values())
+        tok = next(tokens[e + i] for e in reversed(ends) if votes[tokens[e + i]] == top)  # the earliest of the tied
+        out.append(tok)
+        ends = [e for e in ends if tokens[e + i] == tok]
+    return out
 
 
 class NgramProposer:
