@@ -118,3 +118,50 @@ def test_other_instruction_sets_match_torch_path(arch, monkeypatch):
             out = kernel.decode_attention(q, kc, vc, tables, ctx, 0.1, window)
             ref = _torch_path(q, kc, vc, tables, ctx, 0.1, window)
             assert (out.float() - ref.float()).abs().max() <= (2e-6 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_prompt_chunks_and_decode_rows_in_one_step_match_torch_path(dtype, window, monkeypatch):
+    """A step as the runner packs it: a whole prompt, a later chunk of a longer prompt (its first part
+    already cached), then decode rows; the kernel takes prompt tokens as rows whose context ends at
+    themselves."""
+    g = torch.Generator().manual_seed(3)
+    bs, nkv, nh, hd = 16, 2, 6, 64
+    kc = torch.randn(40, bs, nkv, hd, generator=g).to(dtype)
+    vc = torch.randn(40, bs, nkv, hd, generator=g).to(dtype)
+    whole = (37, torch.tensor([3, 9, 4]))  # 37 new tokens, context 37
+    chunk = (30, 70, torch.tensor([11, 12, 13, 14, 15]))  # tokens 40..69 new, 0..39 cached
+    dec_tables = torch.tensor([[20, 21, 0], [22, 23, 24]])
+    dec_ctx = torch.tensor([20, 40])
+    t = whole[0] + chunk[0] + 2
+    q = torch.randn(t, nh, hd, generator=g).to(dtype)
+    k = torch.randn(t, nkv, hd, generator=g).to(dtype)
+    v = torch.randn(t, nkv, hd, generator=g).to(dtype)
+    slots = [whole[1][p // bs] * bs + p % bs for p in range(37)]
+    slots += [chunk[2][p // bs] * bs + p % bs for p in range(40, 70)]
+    slots += [dec_tables[i, (c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(dec_ctx.tolist())]
+    taken = []
+    real = kernel.decode_attention
+    monkeypatch.setattr(attention.cpu_kernel, "decode_attention",
+                        lambda *a: taken.append(real(*a) is not None) or real(*a))
+    outs = []
+    for kernel_on in (True, False):
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), block_size=bs,
+            prefills=[attention.PrefillSegment(0, 37, 37, whole[1]), attention.PrefillSegment(37, 30, 70, chunk[2])],
+            decode_block_tables=dec_tables, decode_ctx_lens=dec_ctx, use_cpu_kernel=kernel_on)
+        outs.append(paged_attention(q, k, v, kc.clone(), vc.clone(), meta, hd ** -0.5, window))
+    assert taken == [True, True, True]  # both prompt segments and the decode rows, with the kernel on only
+    tol = 2e-6 if dtype == torch.float32 else 2e-2
+    assert (outs[0].float() - outs[1].float()).abs().max() <= tol
+
+
+def test_a_prompt_token_equals_the_same_token_decoded():
+    """A prompt token's row and a decode row at the same position give the same bits."""
+    q, kc, vc, tables, _ = _case([90], 9, 3, 64, seed=11)
+    rows = torch.randn(90, 9, 64, generator=torch.Generator().manual_seed(1))
+    prefill = kernel.decode_attention(rows, kc, vc, tables[0], torch.arange(1, 91), 0.125)
+    for p in (0, 15, 16, 89):
+        alone = kernel.decode_attention(rows[p:p + 1], kc, vc, tables, torch.tensor([p + 1]), 0.125)
+        assert torch.equal(prefill[p:p + 1], alone)
