@@ -41,6 +41,12 @@ def test_kernel_matches_reference(m, n, k, bias):
     assert y.dtype == torch.float32 and y.shape == (m, n)
     # bf16 inputs are exact in float32; only the float32 accumulation order differs from float64.
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # bf16 out: the same sums rounded once to nearest even, as torch rounds float32 to bf16; a bf16
+    # bias and its float32 copy give the same bits.
+    y16 = bf16_gemv.bf16_matmul(x, w, b, torch.bfloat16)
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16, y.to(torch.bfloat16))
+    if b is not None:
+        assert torch.equal(bf16_gemv.bf16_matmul(x, w, b.float(), torch.bfloat16), y16)
 
 
 def test_bad_shapes_are_refused():

@@ -1,6 +1,9 @@
 /* bf16 matmul for decode-sized batches on CPUs with AVX-512 BF16:
  *
- *   y[m, n] = bias[n] + sum_k x[m, k] * w[n, k]      x, w bf16 [M, K] / [N, K]; y float32 [M, N]
+ *   y[m, n] = bias[n] + sum_k x[m, k] * w[n, k]      x, w bf16 [M, K] / [N, K]; y float32 or bf16 [M, N]
+ *
+ * A bf16 y is the float32 result rounded once to nearest even (what torch's bf16 linear returns); a bias
+ * may be float32 or bf16.
  *
  * Pairs of bf16 products are accumulated in float32 lanes (vdpbf16ps), exactly as torch's bf16
  * matmul accumulates (in float32), only in another order. Work goes in register tiles of up to 4
@@ -45,9 +48,24 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
 }
 #endif
 
-/* bias: float32 [N] or NULL. K must be a multiple of 32. Returns 0, or 1 without AVX-512 BF16. */
-int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const float* bias, float* y, int M, int N, int K,
-                        int nthreads) {
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
+
+/* bias: [N] (float32, or bf16 when bias_bf16) or NULL; y: float32, or bf16 when out_bf16. K must be a
+ * multiple of 32. Returns 0, or 1 without AVX-512 BF16. */
+int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, void* y, int M, int N, int K,
+                        int nthreads, int bias_bf16, int out_bf16) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
     if (K % 32) return 1;
     const int tiles = (N + NT - 1) / NT;
@@ -72,14 +90,20 @@ int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const float* bias,
                     default: dot_tile(xb, wr, K, 4, 1, acc); break;
                 }
                 for (int i = 0; i < mb; i++)
-                    for (int j = 0; j < nb; j++)
-                        y[(int64_t)(m0 + i) * N + n1 + j] = acc[i * nb + j] + (bias ? bias[n1 + j] : 0.f);
+                    for (int j = 0; j < nb; j++) {
+                        const float b = !bias ? 0.f : bias_bf16 ? from_bf16(((const uint16_t*)bias)[n1 + j])
+                                                                : ((const float*)bias)[n1 + j];
+                        const float v = acc[i * nb + j] + b;
+                        const int64_t at = (int64_t)(m0 + i) * N + n1 + j;
+                        if (out_bf16) ((uint16_t*)y)[at] = to_bf16(v);
+                        else ((float*)y)[at] = v;
+                    }
             }
         }
     }
     return 0;
 #else
-    (void)x; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    (void)x; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads; (void)bias_bf16; (void)out_bf16;
     return 1;
 #endif
 }

@@ -1,7 +1,8 @@
 """bf16 matmul for decode-sized batches on CPUs with AVX-512 BF16 (``bf16_gemv.c``) and its reference.
 
-``bf16_matmul(x, weight, bias)`` computes ``x @ weight.T + bias`` for bf16 ``x`` [M, K] and ``weight``
-[N, K] (K a multiple of 32), accumulating in float32 like torch's bf16 matmul, and returns float32 [M, N].
+``bf16_matmul(x, weight, bias, out_dtype)`` computes ``x @ weight.T + bias`` for bf16 ``x`` [M, K] and
+``weight`` [N, K] (K a multiple of 32), accumulating in float32 like torch's bf16 matmul, and returns
+[M, N] in float32, or rounded once to bf16 (what torch's bf16 linear returns) with ``out_dtype=bfloat16``.
 Torch's CPU bf16 GEMM is several times slower at 2-8 rows than at 1 (measured on Zen 5: 2.4-2.8x at 4
 rows for Qwen2-0.5B's layers), where this kernel's cost barely grows; at one row it streams the weights
 10-15% faster. ``Linear`` is the ``nn.Linear`` the models build: it takes this kernel for bf16 batches of
@@ -26,7 +27,7 @@ _I = ctypes.c_int
 def _lib() -> Optional[ctypes.CDLL]:
     lib = cpu_build.load("bf16_gemv")
     if lib is not None and not getattr(lib, "_sidecar_typed", False):
-        lib.sidecar_bf16_matmul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I]
+        lib.sidecar_bf16_matmul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
         lib.sidecar_bf16_matmul.restype = _I
         lib.sidecar_bf16_supported.restype = _I
         lib._sidecar_bf16 = bool(lib.sidecar_bf16_supported())  # asked once: every Linear forward checks it
@@ -40,21 +41,25 @@ def available() -> bool:
     return lib is not None and lib._sidecar_bf16
 
 
-def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Requires ``available()``. All tensors on the CPU."""
     lib = _lib()
     assert lib is not None, "bf16_gemv kernel is not available"
     m, k = x.shape
     n = weight.shape[0]
     if (k % 32 or weight.shape[1] != k or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or (bias is not None and bias.shape != (n,))):
+            or (bias is not None and bias.shape != (n,)) or out_dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"bf16_matmul: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
-                         f"{'' if bias is None else f', bias {tuple(bias.shape)}'} do not fit")
+                         f"{'' if bias is None else f', bias {tuple(bias.shape)}'}, out {out_dtype} do not fit")
     x, weight = x.contiguous(), weight.contiguous()  # held here: a temporary would be freed before the call
-    b = None if bias is None else bias.float().contiguous()
-    y = torch.empty(m, n, dtype=torch.float32)
+    b = None
+    if bias is not None:
+        b = bias.contiguous() if bias.dtype == torch.bfloat16 else bias.float().contiguous()
+    y = torch.empty(m, n, dtype=out_dtype)
     rc = lib.sidecar_bf16_matmul(x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(),
-                                 y.data_ptr(), m, n, k, torch.get_num_threads())
+                                 y.data_ptr(), m, n, k, torch.get_num_threads(),
+                                 int(b is not None and b.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16))
     if rc != 0:
         raise RuntimeError("bf16_matmul: the kernel was built without AVX-512 BF16")
     return y
@@ -73,7 +78,6 @@ class Linear(nn.Linear):
         w = self.weight
         if (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
                 and self.in_features % 32 == 0 and x.numel() <= MAX_ROWS * self.in_features and available()):
-            lead = x.shape[:-1]
-            y = bf16_matmul(x.reshape(-1, self.in_features), w, self.bias)
-            return y.to(torch.bfloat16).reshape(*lead, self.out_features)
+            y = bf16_matmul(x.reshape(-1, self.in_features), w, self.bias, torch.bfloat16)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, w, self.bias)
