@@ -40,3 +40,14 @@ def test_missing_converter_is_named(tmp_path):
 def test_precision_classes_match_llamacpp_types():
     assert llamacpp.OUTTYPES == {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0",
                                  "int4": "q4_0"}
+
+
+def test_batch1_speed_is_the_mean_or_the_fastest_run(tmp_path):
+    bench = tmp_path / "llama-bench"
+    bench.write_text("#!/bin/sh\n"  # llama-bench -o json: a prompt row, then the generation row with its runs
+                     "echo '[{\"n_prompt\": 512, \"n_gen\": 0, \"avg_ts\": 900.0, \"samples_ts\": [900.0]},"
+                     " {\"n_prompt\": 0, \"n_gen\": 64, \"avg_ts\": 50.0, \"samples_ts\": [40.0, 60.0, 50.0]}]'\n")
+    os.chmod(bench, 0o755)
+    tools = {"llama-bench": bench}
+    assert llamacpp.decode_b1(tools, tmp_path / "m.gguf", 64, 2) == 50.0
+    assert llamacpp.decode_b1(tools, tmp_path / "m.gguf", 64, 2, best=True) == 60.0
