@@ -7,10 +7,9 @@ A token at position ``p`` of a request lives in slot
 The torch reference path (CPU and any device) gathers each request's blocks and
 calls ``scaled_dot_product_attention``. Decode tokens of a step are attended in
 one batched call (padded to the longest context, masked); prefill chunks are
-attended per request. On CPU every query row goes through our kernel instead
-(``kernels/paged_attention.c``: reads the blocks in place, no copy, no mask; a
-prompt token is a row whose context ends at itself), with the torch path as
-fallback and test oracle. A fused CUDA kernel can replace
+attended per request. On CPU the decode rows go through our kernel instead
+(``kernels/paged_attention.c``: reads the blocks in place, no copy, no mask),
+with the torch path as fallback and test oracle. A fused CUDA kernel can replace
 ``paged_attention`` here without touching any caller.
 """
 from __future__ import annotations
@@ -24,13 +23,6 @@ import torch.nn.functional as F
 from sidecar.model.kernels import paged_attention as cpu_kernel
 
 
-# Prompt chunks whose context reaches past this go to SDPA even on CPU: the kernel's cost per (query, key)
-# pair is flat while SDPA's flash path amortises better the longer the prompt (measured on Zen 5, bf16,
-# Qwen2-0.5B's heads, whole prompts: kernel 0.9 vs SDPA 1.9 ms at 256 tokens, 13.1 vs 17.5 at 1,024,
-# 49 vs 61 at 2,048, 240 vs 225 at 4,096).
-CPU_KERNEL_MAX_PREFILL_CTX = 2048
-
-
 @dataclass
 class PrefillSegment:
     """A request contributing ``q_len`` > 1 tokens (or a chunk) to this step."""
@@ -39,14 +31,6 @@ class PrefillSegment:
     q_len: int
     ctx_len: int  # tokens in its context after this step (cached + new)
     block_table: torch.Tensor  # [n_blocks] long, covering ctx_len
-    _ctx_lens: Optional[torch.Tensor] = None
-
-    def ctx_lens(self) -> torch.Tensor:
-        """[q_len] long: the context of each of its tokens (itself and every earlier one)."""
-        if self._ctx_lens is None:
-            self._ctx_lens = torch.arange(self.ctx_len - self.q_len + 1, self.ctx_len + 1,
-                                          device=self.block_table.device)
-        return self._ctx_lens
 
 
 @dataclass
@@ -112,12 +96,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     for seg in meta.prefills:
-        if meta.use_cpu_kernel and seg.ctx_len <= CPU_KERNEL_MAX_PREFILL_CTX:
-            o = cpu_kernel.decode_attention(q[seg.q_start:seg.q_start + seg.q_len], k_cache, v_cache,
-                                            seg.block_table, seg.ctx_lens(), scale, sliding_window)
-            if o is not None:
-                out[seg.q_start:seg.q_start + seg.q_len] = o
-                continue
         qs = q[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
         start = seg.ctx_len - seg.q_len
         if start == 0 and sliding_window is None:

@@ -7,8 +7,6 @@
  * ([num_blocks, bs, nkv, hd]), rep = nh / nkv query heads share a KV head (grouped-query attention),
  * and lo_b = max(0, ctx_b - window) with a sliding window (window <= 0: none).
  *
- * A row is any query token: a decode token, one of the tokens a request verifies in speculative decoding,
- * or a prompt token (context: the prompt up to and including itself, causal attention row by row).
  * Every (row, KV head) pair is one task: its rep queries are scored against the keys in one pass
  * (each key loaded once for all of them), softmax in float32 with a vectorised exp, then the values
  * are summed in float32. A row's result depends only on its own query and context, never on which
@@ -252,14 +250,11 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
     }
 }
 
-/* q, out: [B, nh, hd] contiguous; row b's block table: max_blocks int64 at tables + b * table_stride
- * (table_stride 0: every row shares one table, as the tokens of one prompt do); ctx: [B] int64
- * (1 <= ctx <= max_blocks * bs).
+/* q, out: [B, nh, hd] contiguous; tables: [B, max_blocks] int64; ctx: [B] int64 (1 <= ctx <= max_blocks * bs).
  * Returns 0, or 1 when the shapes are outside what this kernel handles (the caller keeps its torch path). */
 int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* tables,
                                    const int64_t* ctx, void* out, int B, int nh, int nkv, int hd, int bs,
-                                   int max_blocks, int table_stride, int window, float scale, int dtype,
-                                   int nthreads) {
+                                   int max_blocks, int window, float scale, int dtype, int nthreads) {
     if (nkv <= 0 || nh % nkv || nh / nkv > MAX_REP || hd > MAX_HD || bs <= 0) return 1;
 #ifdef VL
     if (hd % VL) return 1;
@@ -289,7 +284,7 @@ int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc
             const size_t q0 = ((size_t)b * nh + (size_t)g * rep) * hd;
             for (int i = 0; i < rep * hd; i++)
                 qf[i] = scale * (dtype ? bf16_to_f32(((const uint16_t*)q)[q0 + i]) : ((const float*)q)[q0 + i]);
-            const int64_t* table = tables + (size_t)b * table_stride;
+            const int64_t* table = tables + (size_t)b * max_blocks;
             if (hd == 64) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 64, bs, dtype, s, of, offs);
             else if (hd == 128) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 128, bs, dtype, s, of, offs);
             else attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, hd, bs, dtype, s, of, offs);

@@ -1,10 +1,8 @@
-"""Paged attention over query rows on CPU (``paged_attention.c``).
+"""Paged decode attention on CPU (``paged_attention.c``).
 
 ``decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, window)`` attends each query row
 of ``q`` [B, H, D] to positions ``[max(0, ctx - window), ctx)`` of its own sequence, read in place from
-the paged cache [num_blocks, block_size, Hkv, D] through its row of ``block_tables`` [B, max_blocks], or
-through one shared table [max_blocks] (the tokens of one prompt: row i of a prompt chunk starting at
-position s has ctx s + i + 1, which is causal attention).
+the paged cache [num_blocks, block_size, Hkv, D] through its row of ``block_tables`` [B, max_blocks].
 It returns [B, H, D] in ``q``'s dtype (float32 or bfloat16), or None when the kernel cannot take these
 inputs (not built, another dtype or device, a head size it does not handle); the caller then uses the
 torch path (``sidecar.model.attention``), which is also the oracle the tests hold it to.
@@ -34,7 +32,7 @@ def _lib() -> Optional[ctypes.CDLL]:
     lib = cpu_build.load("paged_attention")
     if lib is not None and not getattr(lib, "_sidecar_typed", False):
         fn = lib.sidecar_paged_decode_attention
-        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
+        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
         fn.restype = _I
         lib.sidecar_paged_attention_vector_width.restype = _I
         lib._sidecar_width = lib.sidecar_paged_attention_vector_width()
@@ -64,11 +62,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"decode_attention: block tables {tables.dtype} and context lengths {ctx.dtype} "
                          f"must be int64")
     out = torch.empty_like(q)
-    shared = tables.dim() == 1
     rc = lib.sidecar_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                            ctx.data_ptr(), out.data_ptr(), b, nh, nkv, hd, bs, tables.shape[-1],
-                                            0 if shared else tables.shape[1], window or 0, scale, _DTYPES[q.dtype],
-                                            torch.get_num_threads())
+                                            ctx.data_ptr(), out.data_ptr(), b, nh, nkv, hd, bs, tables.shape[1],
+                                            window or 0, scale, _DTYPES[q.dtype], torch.get_num_threads())
     if rc == 2:
         raise MemoryError("decode_attention: out of memory for the kernel's scratch buffers")
     return out if rc == 0 else None
