@@ -196,7 +196,8 @@ def _llamacpp_b1(args: argparse.Namespace, model_dir: str, n: int, gs: int,
         # speed moves by tens of percent over minutes, so the two sides are measured at the same moments.
         ours, theirs = [], []
         for i in range(args.b1_rounds):
-            print(f"[{r['mode']} vs llama.cpp {llamacpp.OUTTYPES[precision].upper()}] batch-1 round {i + 1}", flush=True)
+            print(f"[{r['mode']} vs llama.cpp {llamacpp.OUTTYPES[precision].upper()}] batch-1 round {i + 1}",
+                  flush=True)
             ours.append(_run_worker({"model": model_dir, "threads": args.threads, "max_tokens": n, "batches": [1],
                                      "quantization": None if r["mode"] == "bf16" else r["mode"], "group_size": gs,
                                      "quantize_lm_head": args.quantize_lm_head})["decode_tok_s_b1"])

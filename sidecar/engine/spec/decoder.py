@@ -186,8 +186,8 @@ class SpecDecoder:
                 st = req.spec_state = SpecState(self.costs)
             # The step always emits one token of the target's own after the accepted ones: never propose
             # past max_tokens or the context length.
-            k = min(st.choose_k(self.batch_costs[len(running)]), req.params.max_tokens - len(req.output_token_ids) - 1,
-                    self.max_model_len - req.num_tokens - 1)
+            k = min(st.choose_k(self.batch_costs[len(running)]),
+                    req.params.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens - 1)
             if k > 0:
                 wants.append((req, k))
         if wants:

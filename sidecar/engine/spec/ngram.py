@@ -15,10 +15,11 @@ def propose_ngram(tokens: Sequence[int], k: int, max_n: int = MAX_N, min_n: int 
     occurrences that agree with it vote on the token after. A tie goes to the earliest occurrence:
     an answer that copies from its input (summaries, rewrites, extraction, code edits) copies the
     prompt, and the prompt comes first (on the input-grounded prompts of ``sidecar bench spec`` this
-    predicted better than the most recent occurrence, which the output itself may have just varied). When every remaining occurrence runs into the end of the sequence
-    (a loop whose period is shorter than k), the proposal so far is appended and the lookup repeats,
-    so the loop is continued. One backward pass over the sequence per lookup: every earlier position
-    holding the last token is a candidate match end, extended backwards up to max_n tokens."""
+    predicted better than the most recent occurrence, which the output itself may have just varied).
+    When every remaining occurrence runs into the end of the sequence (a loop whose period is shorter
+    than k), the proposal so far is appended and the lookup repeats, so the loop is continued. One
+    backward pass over the sequence per lookup: every earlier position holding the last token is a
+    candidate match end, extended backwards up to max_n tokens."""
     out: List[int] = []
     seq = tokens
     while len(out) < k:
