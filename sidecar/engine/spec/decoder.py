@@ -120,12 +120,11 @@ class SpecDecoder:
         # proposed k: a step of b (k + 1) rows against one of b rows (batch_costs[1] == costs). Extra
         # rows are nearly free while a step streams the weights once, and cost full price once it is
         # compute-bound, which on a CPU starts at a few rows.
-        timed = None
+        timed, grid = None, self._timing_grid()
         if self.enabled and config.speculative_token_cost is None and runner is not None:
-            timed = runner.time_decode_rows(self._timing_grid())
+            timed = runner.time_decode_rows(grid)
         if timed:
-            grid = self._timing_grid()
-            d = self.proposer.step_cost(runner) if isinstance(self.proposer, DraftProposer) else 0.0
+            d = self.proposer.step_cost(timed[0]) if isinstance(self.proposer, DraftProposer) else 0.0
 
             def t(r: int) -> float:  # linear between measured row counts
                 i = bisect.bisect_left(grid, r)

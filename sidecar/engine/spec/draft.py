@@ -73,10 +73,11 @@ class DraftProposer:
                  self.loaded.args.architecture, str(self.loaded.dtype).replace("torch.", ""),
                  self.loaded.quantization or "none", self.kv.num_blocks)
 
-    def step_cost(self, target_runner: ModelRunner) -> float:
-        """A draft decode step's time relative to the target's, measured (0.5 if it cannot be)."""
-        t, base = self.runner.time_decode_rows(1), target_runner.time_decode_rows(1)
-        return t[0] / base[0] if t and base else 0.5
+    def step_cost(self, target_step_s: float) -> float:
+        """A draft decode step's time relative to the target's (``target_step_s``, timed by the caller),
+        measured (0.5 if it cannot be)."""
+        t = self.runner.time_decode_rows(1)
+        return t[0] / target_step_s if t and target_step_s > 0 else 0.5
 
     # -- per-request state ----------------------------------------------------------------------------
     def release(self, request_id: str) -> None:
