@@ -24,15 +24,15 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int
 
 
+def _configure(lib: ctypes.CDLL) -> None:
+    lib.sidecar_bf16_matmul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
+    lib.sidecar_bf16_matmul.restype = _I
+    lib.sidecar_bf16_supported.restype = _I
+    lib._sidecar_bf16 = bool(lib.sidecar_bf16_supported())  # asked once: every Linear forward checks it
+
+
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = cpu_build.load("bf16_gemv")
-    if lib is not None and not getattr(lib, "_sidecar_typed", False):
-        lib.sidecar_bf16_matmul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
-        lib.sidecar_bf16_matmul.restype = _I
-        lib.sidecar_bf16_supported.restype = _I
-        lib._sidecar_bf16 = bool(lib.sidecar_bf16_supported())  # asked once: every Linear forward checks it
-        lib._sidecar_typed = True
-    return lib
+    return cpu_build.load("bf16_gemv", _configure)
 
 
 def available() -> bool:

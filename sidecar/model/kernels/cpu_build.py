@@ -18,7 +18,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 log = logging.getLogger("sidecar.kernels")
 
@@ -56,10 +56,21 @@ def _build(source: Path, out: Path, cc: str, flags: tuple[str, ...]) -> None:
     os.replace(tmp, out)
 
 
-def load(name: str) -> Optional[ctypes.CDLL]:
-    """The compiled library for ``kernels/<name>.c``, or None (see ``reason(name)``)."""
+def _configure(lib: ctypes.CDLL, configure: Optional[Callable[[ctypes.CDLL], None]]) -> ctypes.CDLL:
+    if configure is not None and not getattr(lib, "_sidecar_configured", False):
+        configure(lib)
+        lib._sidecar_configured = True
+    return lib
+
+
+def load(name: str, configure: Optional[Callable[[ctypes.CDLL], None]] = None) -> Optional[ctypes.CDLL]:
+    """The compiled library for ``kernels/<name>.c``, or None (see ``reason(name)``). ``configure`` runs
+    once on a library (argument types, values asked of it once) before anyone gets it."""
     if name in _loaded:
-        return _loaded[name]
+        lib = _loaded[name]
+        if lib is not None:
+            _configure(lib, configure)
+        return lib
     flags = (*FLAGS, *arch_flags())
     lib = None
     try:
@@ -81,8 +92,9 @@ def load(name: str) -> Optional[ctypes.CDLL]:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 if not out.exists():
                     _build(source, out, cc_path, flags)
-        lib = ctypes.CDLL(str(out))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        lib = _configure(ctypes.CDLL(str(out)), configure)
+    except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
+        lib = None
         _reasons[name] = str(exc)
         log.info("CPU kernel %s not used (torch path instead): %s", name, exc)
     _loaded[name] = lib

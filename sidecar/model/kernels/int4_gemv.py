@@ -36,16 +36,15 @@ _I = ctypes.c_int
 _layout: list[Optional[tuple[int, bool]]] = []
 
 
+def _configure(lib: ctypes.CDLL) -> None:
+    lib.sidecar_int4_matmul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I]
+    lib.sidecar_int4_matmul.restype = _I
+    lib.sidecar_int4_vector_bits.restype = _I
+    lib.sidecar_int4_integer_dot.restype = _I
+
+
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = cpu_build.load("int4_gemv")
-    if lib is not None and not getattr(lib, "_sidecar_typed", False):
-        fn = lib.sidecar_int4_matmul
-        fn.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I]
-        fn.restype = _I
-        lib.sidecar_int4_vector_bits.restype = _I
-        lib.sidecar_int4_integer_dot.restype = _I
-        lib._sidecar_typed = True
-    return lib
+    return cpu_build.load("int4_gemv", _configure)
 
 
 def pack(codes: torch.Tensor, block_n: int, split: bool) -> torch.Tensor:

@@ -25,17 +25,14 @@ _P = ctypes.c_void_p
 _I = ctypes.c_int
 
 
+def _configure(lib: ctypes.CDLL) -> None:
+    for fn in (lib.sidecar_int8_matmul, lib.sidecar_int8g32_matmul):
+        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
+        fn.restype = _I
+
+
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = cpu_build.load("int8_gemv")
-    if lib is not None and not getattr(lib, "_sidecar_typed", False):
-        fn = lib.sidecar_int8_matmul
-        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
-        fn.restype = _I
-        fn = lib.sidecar_int8g32_matmul
-        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
-        fn.restype = _I
-        lib._sidecar_typed = True
-    return lib
+    return cpu_build.load("int8_gemv", _configure)
 
 
 def available() -> bool:

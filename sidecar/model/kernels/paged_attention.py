@@ -28,16 +28,16 @@ _I = ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _configure(lib: ctypes.CDLL) -> None:
+    fn = lib.sidecar_paged_decode_attention
+    fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
+    fn.restype = _I
+    lib.sidecar_paged_attention_vector_width.restype = _I
+    lib._sidecar_width = lib.sidecar_paged_attention_vector_width()
+
+
 def _lib() -> Optional[ctypes.CDLL]:
-    lib = cpu_build.load("paged_attention")
-    if lib is not None and not getattr(lib, "_sidecar_typed", False):
-        fn = lib.sidecar_paged_decode_attention
-        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
-        fn.restype = _I
-        lib.sidecar_paged_attention_vector_width.restype = _I
-        lib._sidecar_width = lib.sidecar_paged_attention_vector_width()
-        lib._sidecar_typed = True
-    return lib
+    return cpu_build.load("paged_attention", _configure)
 
 
 def available() -> bool:
