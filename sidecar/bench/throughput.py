@@ -44,18 +44,17 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes a decode step must read: every parameter/buffer except the embedding table
-    (one row is read), counting a tied lm_head once."""
-    seen: set[int] = set()
-    total = 0
+    """Bytes a decode step must read: every parameter/buffer except the embedding table (one row is
+    read), counting a tied lm_head's table once (as the plain table or as its packed copy)."""
     emb = model.embed_tokens.weight
-    tied = model.lm_head.weight is emb
+    head = model.lm_head
+    tied = getattr(head, "weight", None) is emb
+    seen: set[int] = {id(emb)}
+    total = emb.numel() * emb.element_size() if tied and getattr(head, "packed", None) is None else 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.data_ptr() in seen or name.startswith("rope_"):
+        if id(t) in seen or name.startswith("rope_"):
             continue
-        seen.add(t.data_ptr())
-        if t is emb and not tied:
-            continue
+        seen.add(id(t))
         total += t.numel() * t.element_size()
     return total
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sidecar.model.attention import AttentionMetadata, paged_attention
-from sidecar.model.kernels.bf16_gemv import Linear
+from sidecar.model.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from sidecar.config import EngineConfig
+from sidecar.model.linear import pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
 log = logging.getLogger("sidecar.model")
@@ -227,8 +228,11 @@ def _eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...
     return tuple(dict.fromkeys(ids))
 
 
-def load_model(cfg: EngineConfig) -> LoadedModel:
-    """Load config, tokenizer and weights for ``cfg.model``. Raises ValueError naming the problem."""
+def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
+    """Load config, tokenizer and weights for ``cfg.model``. Raises ValueError naming the problem.
+
+    On CPU the full-precision linear layers are then packed for oneDNN (``linear.pack_weights``);
+    ``pack=False`` keeps plain weights, for callers that read or save them."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     from sidecar.model.gguf import find_gguf, model_dir_for
@@ -264,6 +268,8 @@ def load_model(cfg: EngineConfig) -> LoadedModel:
         max_len = cfg.max_model_len
     model.init_rope(max_len, device, dtype)
     model.eval()
+    if pack and device.type == "cpu":
+        pack_weights(model)
     return LoadedModel(model=model, tokenizer=tokenizer, args=args, hf_config=hf_config, model_dir=model_dir,
                        dtype=dtype, device=device, max_model_len=max_len,
                        eos_token_ids=_eos_ids(model_dir, hf_config, tokenizer), quantization=quantization,

@@ -76,6 +76,8 @@ def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[Pat
     hf_config_dir = None if hf_config_dir is None else os.fspath(hf_config_dir)
     out_dir = os.fspath(out_dir)
     check_quant_args(mode, group_size)
+    if any(getattr(m, "packed", None) is not None for m in model.modules()):
+        raise ValueError("save_quantized: the model holds packed weights; load it with load_model(..., pack=False)")
     targets = quant_targets(model, quantize_lm_head)
     dtype = next(model.parameters()).dtype
     state: dict[str, torch.Tensor] = {}

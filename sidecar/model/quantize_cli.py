@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     # Validated like the engine would; the model itself is loaded in full precision.
     EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
                  quant_group_size=args.group_size, quantize_lm_head=args.quantize_lm_head)
-    loaded = load_model(EngineConfig(model=args.model, dtype=args.dtype, device="cpu"))
+    loaded = load_model(EngineConfig(model=args.model, dtype=args.dtype, device="cpu"), pack=False)
     if (loaded.model_dir / "quantization_config.json").exists():
         raise ValueError(f"model: {args.model!r} is already a quantized checkpoint")
     qcfg = save_quantized(loaded.model, loaded.tokenizer, loaded.model_dir, args.out, args.quantization,

@@ -166,12 +166,12 @@ def test_mixed_types_load_as_dequantized_reference_and_match_hf(tmp_path, demo_d
     m = loaded.model
     layer = m.layers[1]
     qkv = torch.cat([ref[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
-    assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
+    assert torch.equal(layer.self_attn.qkv_proj.dense_weight(), qkv)
     gate_up = torch.cat([ref[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up")])
-    assert torch.equal(layer.mlp.gate_up_proj.weight, gate_up)
-    assert torch.equal(layer.mlp.down_proj.weight, ref["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(layer.mlp.gate_up_proj.dense_weight(), gate_up)
+    assert torch.equal(layer.mlp.down_proj.dense_weight(), ref["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(m.embed_tokens.weight, ref["model.embed_tokens.weight"])
-    assert torch.equal(m.lm_head.weight, ref["lm_head.weight"])
+    assert torch.equal(m.lm_head.dense_weight(), ref["lm_head.weight"])
     # Tokenizer and chat template come from the file's metadata.
     tok = loaded.tokenizer
     assert tok.decode(tok.encode("Hello world", add_special_tokens=False)) == "Hello world"
@@ -192,8 +192,8 @@ def test_other_block_types_load_as_their_dequantized_weights(tmp_path, demo_dir,
     m = load_model(EngineConfig(model=str(path), dtype="float32")).model
     for i, layer in enumerate(m.layers):
         qkv = torch.cat([ref[f"model.layers.{i}.self_attn.{x}_proj.weight"] for x in "qkv"])
-        assert torch.equal(layer.self_attn.qkv_proj.weight, qkv)
-        assert torch.equal(layer.mlp.down_proj.weight, ref[f"model.layers.{i}.mlp.down_proj.weight"])
+        assert torch.equal(layer.self_attn.qkv_proj.dense_weight(), qkv)
+        assert torch.equal(layer.mlp.down_proj.dense_weight(), ref[f"model.layers.{i}.mlp.down_proj.weight"])
 
 
 @pytest.mark.parametrize("qtype", [Q.BF16, Q.F32, Q.F16])
@@ -231,7 +231,7 @@ def test_q4_blocks_load_as_exact_int4(tmp_path, demo_dir, qtype):
     # Without int4 asked and with an explicit dtype the file is dequantized instead.
     fp = load_model(EngineConfig(model=str(path), dtype="float32"))
     assert fp.quantization is None
-    assert torch.equal(fp.model.layers[0].self_attn.qkv_proj.weight, expect)
+    assert torch.equal(fp.model.layers[0].self_attn.qkv_proj.dense_weight(), expect)
 
 
 def test_conversion_is_cached(tmp_path, demo_dir):

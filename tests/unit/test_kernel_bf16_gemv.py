@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from sidecar.model.kernels import bf16_gemv, cpu_build
+from sidecar.model.linear import Linear
 
 
 def _refused_without_bf16(*args) -> bool:
@@ -66,7 +67,7 @@ def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, monke
     if not kernels:
         monkeypatch.setattr(bf16_gemv, "available", lambda: False)
     torch.manual_seed(rows)
-    lin = bf16_gemv.Linear(96, 70, bias=True).bfloat16()
+    lin = Linear(96, 70, bias=True).bfloat16()
     x = torch.randn(2, rows, 96).bfloat16()
     y = lin(x)
     assert y.dtype == torch.bfloat16 and y.shape == (2, rows, 70)

@@ -49,7 +49,7 @@ def test_saved_checkpoint_reloads_to_identical_outputs(tiny_models, tmp_path, ki
     src = tiny_models[kind]
     cfg = dict(quantization=mode, quant_group_size=gs, quantize_lm_head=True)
     on_load = load_model(EngineConfig(model=str(src), dtype="float32", **cfg))
-    full = load_model(EngineConfig(model=str(src), dtype="float32"))
+    full = load_model(EngineConfig(model=str(src), dtype="float32"), pack=False)
     out = tmp_path / "q"
     qcfg = save_quantized(full.model, full.tokenizer, full.model_dir, str(out), mode, gs, quantize_lm_head=True)
     saved = json.loads((out / "quantization_config.json").read_text())

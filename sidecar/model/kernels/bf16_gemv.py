@@ -5,8 +5,8 @@
 [M, N] in float32, or rounded once to bf16 (what torch's bf16 linear returns) with ``out_dtype=bfloat16``.
 Torch's CPU bf16 GEMM is several times slower at 2-8 rows than at 1 (measured on Zen 5: 2.4-2.8x at 4
 rows for Qwen2-0.5B's layers), where this kernel's cost barely grows; at one row it streams the weights
-10-15% faster. ``Linear`` is the ``nn.Linear`` the models build: it takes this kernel for bf16 batches of
-up to MAX_ROWS rows on such CPUs and ``F.linear`` otherwise.
+10-15% faster. ``sidecar.model.linear.Linear`` takes it for bf16 batches of up to MAX_ROWS rows on a
+plain weight (a tied lm_head's table; other layers hold oneDNN's packed layout).
 """
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ import ctypes
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from sidecar.model.kernels import cpu_build
 
@@ -68,16 +66,3 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     y = x.double() @ weight.double().T
     return (y if bias is None else y + bias.double()).float()
-
-
-class Linear(nn.Linear):
-    """``nn.Linear`` whose small bf16 batches on CPU go through ``bf16_matmul`` (same parameters, same
-    state dict; everything else is ``F.linear``)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and self.in_features % 32 == 0 and x.numel() <= MAX_ROWS * self.in_features and available()):
-            y = bf16_matmul(x.reshape(-1, self.in_features), w, self.bias, torch.bfloat16)
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, w, self.bias)

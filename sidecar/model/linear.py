@@ -1,0 +1,90 @@
+"""The models' linear layer: ``nn.Linear`` with the CPU fast paths chosen per call.
+
+On CPU a float32 or bf16 weight is held in oneDNN's blocked layout once at load
+(``pack``), the layout torch's own oneDNN GEMM otherwise builds from the plain weight
+on every call. At the batch sizes of a decode step that per-call reorder costs as much
+as the product itself: measured on Zen 5 (2 threads, Qwen2-0.5B's layers), a 32-row
+bf16 gate/up product 1.50 -> 0.93 ms and the 32-row lm_head 23.5 -> 15.6 ms, and
+float32 -- where torch's default CPU GEMM runs far below the machine's speed on AMD --
+4.3x faster at 32 rows and 4.1x at one row. bf16 results are bit-identical to
+``F.linear``; float32 ones differ in summation order only.
+
+The packed layout replaces the plain weight, except where another module reads that
+weight too (a tied lm_head shares the embedding table); there the plain table stays,
+and bf16 batches of up to ``bf16_gemv.MAX_ROWS`` rows take our AVX-512 BF16 kernel on
+it, which streams the table faster than oneDNN at such sizes.
+
+``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the
+reference the fast paths are tested against.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sidecar.model.kernels import bf16_gemv, cpu_build
+
+log = logging.getLogger("sidecar.model")
+
+PACK_ROWS_HINT = 32  # the batch size oneDNN picks its blocking for; measured best for 1-1024 rows
+
+
+def can_pack(weight: Optional[torch.Tensor]) -> bool:
+    """Whether oneDNN on this CPU takes this weight packed (float32 anywhere, bf16 where supported)."""
+    if weight is None or weight.device.type != "cpu" or weight.dim() != 2 or not cpu_build.enabled():
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.float32:
+        return True
+    return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters and state dict until packed) whose CPU forward uses a packed
+    oneDNN weight when it has one, our bf16 kernel for small bf16 batches on a plain weight, and
+    ``F.linear`` otherwise."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.register_buffer("packed", None, persistent=False)
+
+    def pack(self, keep_weight: bool = False) -> bool:
+        """Hold the weight in oneDNN's layout; drop the plain one unless ``keep_weight``."""
+        if self.packed is not None or not can_pack(self.weight):
+            return False
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), PACK_ROWS_HINT)
+        if not keep_weight:
+            self.weight = None
+        return True
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a plain [out, in] tensor (a copy when only the packed form is held)."""
+        return self.weight if self.weight is not None else self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, packed = self.weight, self.packed
+        if (w is not None and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and self.in_features % 32 == 0 and x.numel() <= bf16_gemv.MAX_ROWS * self.in_features
+                and bf16_gemv.available()):
+            y = bf16_gemv.bf16_matmul(x.reshape(-1, self.in_features), w, self.bias, torch.bfloat16)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [None], "")
+        return F.linear(x, self.dense_weight(), self.bias)
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Pack every full-precision ``Linear`` of a CPU model; returns how many were packed. A weight
+    another module holds too (a tied lm_head's embedding table) is kept beside its packed copy."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
+              for p in m.parameters(recurse=False)}
+    n = sum(lin.pack(keep_weight=lin.weight is not None and lin.weight.data_ptr() in others) for lin in linears)
+    if n:
+        log.info("linear layers: %d of %d held in oneDNN's packed layout", n, len(linears))
+    return n

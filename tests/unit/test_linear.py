@@ -1,0 +1,126 @@
+"""The models' Linear with weights packed for oneDNN, against F.linear on the plain weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sidecar.config import EngineConfig
+from sidecar.model.kernels import bf16_gemv
+from sidecar.model.linear import Linear, can_pack, pack_weights
+from sidecar.model.llama import LlamaForCausalLM, ModelArgs
+
+BF16_PACKS = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def _layer(n, k, dtype, bias, seed=0):
+    torch.manual_seed(seed)
+    lin = Linear(k, n, bias=bias).to(dtype)
+    return lin, lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_layer_computes_what_f_linear_computes(dtype, rows, bias):
+    if dtype == torch.bfloat16 and not BF16_PACKS:
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU: bf16 weights stay plain (checked below)")
+    lin, w, b = _layer(200, 96, dtype, bias, seed=rows)
+    assert lin.pack()
+    assert lin.weight is None and lin.packed is not None  # the plain copy is gone
+    assert torch.equal(lin.dense_weight(), w)
+    x = torch.randn(rows, 96).to(dtype)
+    y = lin(x)
+    assert y.dtype == dtype and y.shape == (rows, 200)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    if dtype == torch.float32:
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    else:
+        # Float32 accumulation, one rounding to bf16 -- and the same bits as torch's bf16 GEMM.
+        assert (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+        if rows > 1:
+            assert torch.equal(y, F.linear(x, w, b))
+    # Leading dimensions and non-contiguous inputs, as the models pass them.
+    x3 = torch.randn(2, rows, 192).to(dtype)[..., ::2]
+    assert torch.allclose(lin(x3).double(), F.linear(x3.double(), w.double(), None if b is None else b.double()),
+                          rtol=0, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_empty_batch_and_packing_once():
+    lin, w, b = _layer(40, 64, torch.float32, True)
+    assert lin.pack()
+    assert lin(torch.empty(0, 64)).shape == (0, 40)
+    assert not lin.pack()  # packed once
+
+
+def test_what_is_not_packed(monkeypatch):
+    assert not can_pack(None)
+    assert not can_pack(torch.randn(4, 4, dtype=torch.float16)) or torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert not can_pack(torch.randn(4))
+    assert can_pack(torch.randn(4, 4)) == torch.backends.mkldnn.is_available()
+    if not BF16_PACKS:
+        assert not can_pack(torch.randn(4, 4).bfloat16())
+    monkeypatch.setenv("SIDECAR_CPU_KERNELS", "0")  # the reference path: plain weights, F.linear
+    assert not can_pack(torch.randn(4, 4))
+    lin, w, _ = _layer(8, 32, torch.float32, False)
+    assert not lin.pack() and lin.weight is not None and lin.packed is None
+
+
+def _tiny_model(dtype):
+    args = ModelArgs(architecture="Qwen2ForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=96,
+                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
+                     rope_scaling=None, max_position_embeddings=128, tie_word_embeddings=True,
+                     attention_bias=True, mlp_bias=False, sliding_window=None)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(args).to(dtype)
+    m.lm_head.weight = m.embed_tokens.weight
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype):
+    if dtype == torch.bfloat16 and not BF16_PACKS:
+        pytest.skip("oneDNN has no bf16 GEMM on this CPU")
+    m = _tiny_model(dtype)
+    plain = {n: l.weight.detach().clone() for n, l in m.named_modules() if isinstance(l, Linear)}
+    h = torch.randn(20, 64).to(dtype)
+    before = m.layers[0].mlp.gate_up_proj(h)
+    assert pack_weights(m) == len(plain) == 9  # 4 per layer + lm_head
+    for n, l in m.named_modules():
+        if isinstance(l, Linear):
+            assert torch.equal(l.dense_weight(), plain[n])
+            assert (l.weight is None) == (n != "lm_head")
+    assert m.lm_head.weight is m.embed_tokens.weight  # the embedding still reads its table
+    assert pack_weights(m) == 0
+    after = m.layers[0].mlp.gate_up_proj(h)
+    assert torch.allclose(after.float(), before.float(), rtol=0, atol=1e-5 if dtype == torch.float32 else 0)
+
+
+def test_tied_bf16_head_takes_our_kernel_for_small_batches_only(monkeypatch):
+    if not (BF16_PACKS and bf16_gemv.available()):
+        pytest.skip("needs AVX-512 BF16")
+    m = _tiny_model(torch.bfloat16)
+    pack_weights(m)
+    calls = []
+    real = bf16_gemv.bf16_matmul
+    monkeypatch.setattr(bf16_gemv, "bf16_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    table = m.embed_tokens.weight.detach()
+    for rows in (1, bf16_gemv.MAX_ROWS, bf16_gemv.MAX_ROWS + 1, 40):
+        h = torch.randn(rows, 64).bfloat16()
+        logits = m.compute_logits(h)
+        ref = h.double() @ table.double().T
+        assert (logits.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    assert calls == [1, bf16_gemv.MAX_ROWS]  # the larger batches ran on the packed copy
+
+
+def test_load_model_packs_on_cpu_unless_asked_not_to(demo_dir):
+    from sidecar.model.loader import load_model
+    from sidecar.model.quant_checkpoint import save_quantized
+
+    packed = load_model(EngineConfig(model="demo", demo_dir=str(demo_dir), dtype="float32"))
+    plain = load_model(EngineConfig(model="demo", demo_dir=str(demo_dir), dtype="float32"), pack=False)
+    lp, lq = packed.model.layers[0].mlp.down_proj, plain.model.layers[0].mlp.down_proj
+    assert lp.weight is None and lp.packed is not None and lq.weight is not None and lq.packed is None
+    assert torch.equal(lp.dense_weight(), lq.weight)
+    with pytest.raises(ValueError, match="pack=False"):
+        save_quantized(packed.model, None, None, "/nonexistent", "int8")
