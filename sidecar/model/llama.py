@@ -13,10 +13,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sidecar.model.attention import AttentionMetadata, paged_attention
+from sidecar.model.kernels import norm_act
 from sidecar.model.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -113,9 +113,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the model dtype (as HF does), with the fused kernel.
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a residual, (norm(x), x). One pass on CPU."""
+        return norm_act.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -146,13 +146,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.inter = args.intermediate_size
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(norm_act.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -163,10 +161,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, delta: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``h`` arrives without the previous layer's output ``delta`` added (the add is
+        fused into this layer's first norm); returns the stream and this layer's output, likewise."""
+        x, h = self.input_layernorm(h, delta)
+        x, h = self.post_attention_layernorm(h, self.self_attn(x, cos, sin, kv, meta))
+        return h, self.mlp(x)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -195,11 +196,12 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
+        delta = None
         cos = self.rope_cos.index_select(0, positions)[:, None, :]
         sin = self.rope_sin.index_select(0, positions)[:, None, :]
         for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv, meta)
-        return self.norm(h)
+            h, delta = layer(h, delta, cos, sin, kv, meta)
+        return self.norm(h, delta)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,9 +1,9 @@
 """Build a C kernel for this very CPU once, cache the shared library, load it with ctypes.
 
-The source is compiled with the system C compiler (``$CC``, else ``cc``) for the host's
-instruction set (``-march=native``; ``$SIDECAR_CPU_ARCH_FLAGS`` replaces that, e.g.
+The source (with the headers beside it, ``vec.h``) is compiled with the system C compiler (``$CC``,
+else ``cc``) for the host's instruction set (``-march=native``; ``$SIDECAR_CPU_ARCH_FLAGS`` replaces that, e.g.
 ``-mavx2 -mfma`` builds a kernel's AVX2 path on an AVX-512 machine) with OpenMP. The library
-is cached under ``$SIDECAR_HOME/kernels/`` keyed by the source, the flags, the compiler and
+is cached under ``$SIDECAR_HOME/kernels/`` keyed by the source and headers, the flags, the compiler and
 the CPU's feature flags, so a machine with another CPU builds its own. Concurrent first uses
 build once under a file lock. Anything that fails (no compiler, no OpenMP, a compile
 error) returns None with the reason, and the caller keeps its torch path.
@@ -81,7 +81,8 @@ def load(name: str, configure: Optional[Callable[[ctypes.CDLL], None]] = None) -
         if cc_path is None:
             raise RuntimeError(f"no C compiler ({cc}) on PATH")
         source = Path(__file__).with_name(f"{name}.c")
-        key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), cc_path, _cpu_flags()])
+        headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
+        key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), cc_path, _cpu_flags()])
                              .encode()).hexdigest()[:16]
         from sidecar.model.demo import sidecar_home
 

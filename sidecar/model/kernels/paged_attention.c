@@ -14,110 +14,12 @@
  * separate decode steps give. Inputs and output are float32 (dtype 0) or bfloat16 (dtype 1; products
  * and sums still in float32, the output rounded to nearest even).
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <immintrin.h>
 
-#if defined(__AVX512F__)
-#define VL 16
-typedef __m512 vf;
-static inline vf v_load(const float* p) { return _mm512_loadu_ps(p); }
-static inline void v_store(float* p, vf x) { _mm512_storeu_ps(p, x); }
-static inline vf v_set1(float x) { return _mm512_set1_ps(x); }
-static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vf v_zero(void) { return _mm512_setzero_ps(); }
-static inline vf v_add(vf a, vf b) { return _mm512_add_ps(a, b); }
-static inline vf v_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
-static inline vf v_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
-static inline float v_sum(vf x) { return _mm512_reduce_add_ps(x); }
-/* out[i] = sum of the lanes of a_i */
-static inline void v_sum4(vf a0, vf a1, vf a2, vf a3, float* out) {
-    vf t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    vf t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    vf u = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, 0x44), _mm512_shuffle_ps(t01, t23, 0xEE));
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-static inline vf v_load_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
-static inline vf v_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
-static inline vf v_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vf v_pow2(vf n) {  /* 2^n for integral n in the normal range */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define VL 8
-typedef __m256 vf;
-static inline vf v_load(const float* p) { return _mm256_loadu_ps(p); }
-static inline void v_store(float* p, vf x) { _mm256_storeu_ps(p, x); }
-static inline vf v_set1(float x) { return _mm256_set1_ps(x); }
-static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline vf v_zero(void) { return _mm256_setzero_ps(); }
-static inline vf v_add(vf a, vf b) { return _mm256_add_ps(a, b); }
-static inline vf v_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
-static inline vf v_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
-static inline float v_sum(vf x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline void v_sum4(vf a0, vf a1, vf a2, vf a3, float* out) {
-    vf t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
-    vf t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
-    vf u = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, 0x44), _mm256_shuffle_ps(t01, t23, 0xEE));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
-}
-static inline vf v_load_bf16(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
-static inline vf v_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
-static inline vf v_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vf v_pow2(vf n) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
-}
-#endif
-
-#ifdef VL
-/* exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
- * degree-6 polynomial; below -87 the result flushes to 0. */
-static inline vf v_exp(vf x) {
-    x = v_max(x, v_set1(-87.0f));
-    const vf n = v_round(v_mul(x, v_set1(1.44269504088896341f)));
-    vf r = v_fnma(n, v_set1(0.693359375f), x);
-    r = v_fnma(n, v_set1(-2.12194440e-4f), r);
-    vf p = v_set1(1.9875691500e-4f);
-    p = v_fma(p, r, v_set1(1.3981999507e-3f));
-    p = v_fma(p, r, v_set1(8.3334519073e-3f));
-    p = v_fma(p, r, v_set1(4.1665795894e-2f));
-    p = v_fma(p, r, v_set1(1.6666665459e-1f));
-    p = v_fma(p, r, v_set1(5.0000001201e-1f));
-    p = v_fma(p, v_mul(r, r), v_add(r, v_set1(1.0f)));
-    return v_mul(p, v_pow2(n));
-}
-#endif
+#include "vec.h"
 
 #define MAX_REP 64
 #define MAX_HD 256
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 int sidecar_paged_attention_vector_width(void) {
 #ifdef VL

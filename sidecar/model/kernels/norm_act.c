@@ -1,0 +1,113 @@
+/* The decoder's elementwise steps fused into one pass each, for float32 (dtype 0) and bf16 (dtype 1):
+ *
+ *   sidecar_silu_mul:     out[t, i] = silu(gu[t, i]) * gu[t, I + i]        (gu: the fused gate/up output)
+ *   sidecar_add_rms_norm: s[t] = h[t] + delta[t] (written to hout; s = h without delta),
+ *                         out[t] = w * (s[t] / sqrt(mean(s[t]^2) + eps))
+ *
+ * Rounding follows torch's unfused ops step by step, so only the order of the float32 sums and the exp
+ * differ from it: bf16 rounds silu(g) before the product, the residual sum, and the normalised row before
+ * the weight multiplies it (as Hugging Face's RMSNorm does); mean(h^2) is accumulated in float32.
+ * torch runs silu and the product as two passes over strided halves of gu, and the norm as five
+ * (upcast, square, mean, scale, downcast) plus the weight and the residual add.
+ */
+#include <stdlib.h>
+
+#include "vec.h"
+
+static inline float load1(const void* p, size_t i, int dtype) {
+    return dtype ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline float to_dtype(float x, int dtype) { return dtype ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+static inline void store1(void* p, size_t i, float x, int dtype) {
+    if (dtype) ((uint16_t*)p)[i] = f32_to_bf16(x);
+    else ((float*)p)[i] = x;
+}
+
+static inline float silu1(float g) {
+    const float e = expf(-fabsf(g));
+    return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
+}
+
+#ifdef VL
+static inline vf vload(const void* p, size_t i, int dtype) {
+    return dtype ? v_load_bf16((const uint16_t*)p + i) : v_load((const float*)p + i);
+}
+
+static inline void vstore(void* p, size_t i, vf x, int dtype) {
+    if (dtype) v_store_bf16((uint16_t*)p + i, x);
+    else v_store((float*)p + i, x);
+}
+
+/* x rounded to the dtype and back (identity for float32) */
+static inline vf vround(vf x, int dtype) { return dtype ? v_round_bf16(x) : x; }
+
+/* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1 so that nothing overflows */
+static inline vf vsilu(vf g) {
+    const vf ng = v_min(g, v_sub(v_zero(), g));      /* -|g| */
+    const vf e = v_blend_ge0(v_add(ng, v_set1(87.0f)), v_exp(ng), v_zero());  /* v_exp stops at -87 */
+    const vf num = v_blend_ge0(g, v_set1(1.0f), e);  /* g >= 0 ? 1 : e */
+    return v_mul(g, v_div(num, v_add(v_set1(1.0f), e)));
+}
+#endif
+
+void sidecar_silu_mul(const void* gu, void* out, int rows, int inter, int dtype, int nthreads) {
+    const size_t n = (size_t)rows * inter;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 32768)
+    for (int t = 0; t < rows; t++) {
+        const size_t g0 = (size_t)t * 2 * inter, u0 = g0 + inter, o0 = (size_t)t * inter;
+        int i = 0;
+#ifdef VL
+        for (; i + VL <= inter; i += VL) {
+            const vf s = vround(vsilu(vload(gu, g0 + i, dtype)), dtype);
+            vstore(out, o0 + i, v_mul(s, vload(gu, u0 + i, dtype)), dtype);
+        }
+#endif
+        for (; i < inter; i++) {
+            const float s = to_dtype(silu1(load1(gu, g0 + i, dtype)), dtype);
+            store1(out, o0 + i, s * load1(gu, u0 + i, dtype), dtype);
+        }
+    }
+}
+
+void sidecar_add_rms_norm(const void* h, const void* delta, const void* w, void* hout, void* out, int rows,
+                          int dim, float eps, int dtype, int nthreads) {
+    const void* s = delta ? hout : h;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if ((size_t)rows * dim >= 32768)
+    for (int t = 0; t < rows; t++) {
+        const size_t r0 = (size_t)t * dim;
+        float ss = 0.0f;
+        int i = 0;
+#ifdef VL
+        vf acc = v_zero();
+        for (; i + VL <= dim; i += VL) {
+            vf x = vload(h, r0 + i, dtype);
+            if (delta) {
+                x = vround(v_add(x, vload(delta, r0 + i, dtype)), dtype);
+                vstore(hout, r0 + i, x, dtype);
+            }
+            acc = v_fma(x, x, acc);
+        }
+        ss = v_sum(acc);
+#endif
+        for (; i < dim; i++) {
+            float x = load1(h, r0 + i, dtype);
+            if (delta) {
+                x = to_dtype(x + load1(delta, r0 + i, dtype), dtype);
+                store1(hout, r0 + i, x, dtype);
+            }
+            ss += x * x;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        i = 0;
+#ifdef VL
+        const vf vinv = v_set1(inv);
+        for (; i + VL <= dim; i += VL) {
+            const vf y = vround(v_mul(vload(s, r0 + i, dtype), vinv), dtype);
+            vstore(out, r0 + i, v_mul(vload(w, i, dtype), y), dtype);
+        }
+#endif
+        for (; i < dim; i++) store1(out, r0 + i, load1(w, i, dtype) * to_dtype(load1(s, r0 + i, dtype) * inv, dtype), dtype);
+    }
+}

@@ -1,0 +1,85 @@
+"""The decoder's elementwise steps in one pass each on CPU (``norm_act.c``), and their torch references.
+
+``silu_mul(gu)`` is ``silu(gate) * up`` over the fused gate/up projection's output [T, 2I] -> [T, I].
+``add_rms_norm(h, delta, weight, eps)`` is the residual add and the RMSNorm that follows it:
+``s = h + delta`` (``h`` itself without a delta), returns ``(weight * rms_norm(s), s)``.
+
+Both round where torch's unfused ops round (bf16 after silu, after the residual add and before the
+weight), so they differ from the references only in the order of float32 sums and in the exp; the
+references (``*_reference``) are what runs on other devices, other dtypes, without the kernel and with
+``SIDECAR_CPU_KERNELS=0``, and what the tests hold the kernel to. Torch runs silu * up as two passes over
+the strided halves of the projection and the norm as upcast, square, mean, scale, downcast, weight and
+the add, each allocating its result.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from sidecar.model.kernels import cpu_build
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _configure(lib: ctypes.CDLL) -> None:
+    lib.sidecar_silu_mul.argtypes = [_P, _P, _I, _I, _I, _I]
+    lib.sidecar_silu_mul.restype = None
+    lib.sidecar_add_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I, _I, ctypes.c_float, _I, _I]
+    lib.sidecar_add_rms_norm.restype = None
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    return cpu_build.load("norm_act", _configure)
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def _takes(*tensors: torch.Tensor) -> bool:
+    t0 = tensors[0]
+    return (t0.device.type == "cpu" and t0.dtype in _DTYPES and t0.dim() == 2
+            and all(t.dtype == t0.dtype and t.device == t0.device and t.is_contiguous() for t in tensors))
+
+
+def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    lib = _lib()
+    if lib is None or not _takes(gu) or gu.shape[-1] % 2:
+        return silu_mul_reference(gu)
+    rows, inter = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gu.dtype)
+    lib.sidecar_silu_mul(gu.data_ptr(), out.data_ptr(), rows, inter, _DTYPES[gu.dtype], torch.get_num_threads())
+    return out
+
+
+def add_rms_norm_reference(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = h if delta is None else h + delta
+    # Normalise in float32, scale in the model dtype (as Hugging Face does), with torch's fused norm.
+    return weight * F.rms_norm(s.float(), (s.shape[-1],), eps=eps).to(s.dtype), s
+
+
+def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = _lib()
+    tensors = (h, weight) if delta is None else (h, weight, delta)
+    if (lib is None or not _takes(h) or not all(t.dtype == h.dtype and t.is_contiguous() for t in tensors)
+            or weight.shape != (h.shape[1],) or (delta is not None and delta.shape != h.shape)):
+        return add_rms_norm_reference(h, delta, weight, eps)
+    rows, dim = h.shape
+    out = torch.empty_like(h)
+    s = h if delta is None else torch.empty_like(h)
+    lib.sidecar_add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
+                             s.data_ptr(), out.data_ptr(), rows, dim, float(eps), _DTYPES[h.dtype],
+                             torch.get_num_threads())
+    return out, s

@@ -1,0 +1,95 @@
+"""Our fused CPU silu*mul and residual-add + RMSNorm against their torch references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.model.kernels import cpu_build, norm_act
+
+ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7}  # spacing relative to the value, at most
+
+
+def _close(out, ref, dtype, ulps):
+    """Within `ulps` units in the last place of the larger magnitude, element by element."""
+    a, b = out.double(), ref.double()
+    return bool(((a - b).abs() <= ulps * ULP[dtype] * torch.maximum(a.abs(), b.abs()) + 1e-30).all())
+
+
+def test_kernel_builds_on_this_machine():
+    assert norm_act.available(), cpu_build.reason("norm_act")
+
+
+def _gate_up(rows, inter, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    gu = torch.randn(rows, 2 * inter, generator=g) * 6
+    gu[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -0.0])  # far tails (no overflow) and zero
+    return gu.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 4864), (3, 37), (32, 1536), (300, 96)])
+def test_silu_mul_matches_torch(rows, inter, dtype):
+    gu = _gate_up(rows, inter, dtype, rows + inter)
+    out = norm_act.silu_mul(gu)
+    ref = norm_act.silu_mul_reference(gu)
+    assert out.dtype == dtype and out.shape == (rows, inter)
+    assert torch.isfinite(out).all()
+    # Only the exp differs: float32 within a few ulps; bf16 rounds silu and the product as torch does,
+    # so it can differ by one bf16 ulp where the float32 value sat on a rounding boundary.
+    assert _close(out, ref, dtype, 8 if dtype == torch.float32 else 1)
+    if dtype == torch.bfloat16:
+        assert (out != ref).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim", [(1, 896), (5, 100), (64, 576), (1024, 896)])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_torch(rows, dim, with_delta, dtype):
+    g = torch.Generator().manual_seed(rows * dim)
+    h = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    delta = torch.randn(rows, dim, generator=g).to(dtype) if with_delta else None
+    w = torch.randn(dim, generator=g).to(dtype)
+    h_before = h.clone()
+    out, s = norm_act.add_rms_norm(h, delta, w, 1e-6)
+    ref_out, ref_s = norm_act.add_rms_norm_reference(h, delta, w, 1e-6)
+    assert torch.equal(h, h_before)  # the input stream is not written
+    assert torch.equal(s, ref_s)  # the residual sum rounds exactly as torch's add
+    assert out.dtype == dtype and out.shape == (rows, dim)
+    # The mean of squares is summed in another order: float32 within a few ulps (times |w|), bf16 at
+    # most one ulp of the normalised value and one of the product, and rarely.
+    assert _close(out, ref_out, dtype, 8 if dtype == torch.float32 else 2)
+    if dtype == torch.bfloat16:
+        assert (out != ref_out).float().mean() < 1e-3
+
+
+def test_inputs_it_does_not_take_use_the_reference(monkeypatch):
+    calls = []
+    lib = norm_act._lib()
+    monkeypatch.setattr(norm_act, "_lib", lambda: calls.append(1) or lib)
+    gu = torch.randn(4, 10, dtype=torch.float64)  # a dtype it does not take
+    assert torch.equal(norm_act.silu_mul(gu), norm_act.silu_mul_reference(gu))
+    h = torch.randn(3, 8)
+    w = torch.randn(8)
+    nc = torch.randn(8, 3).t()  # not contiguous
+    out, s = norm_act.add_rms_norm(h, nc, w, 1e-5)
+    ref, ref_s = norm_act.add_rms_norm_reference(h, nc, w, 1e-5)
+    assert torch.equal(out, ref) and torch.equal(s, ref_s)
+    assert calls  # they asked, and took the reference
+    monkeypatch.setattr(norm_act, "_lib", lambda: None)  # no kernel (no compiler, SIDECAR_CPU_KERNELS=0)
+    gu = torch.randn(4, 10)
+    assert torch.equal(norm_act.silu_mul(gu), norm_act.silu_mul_reference(gu))
+
+
+@pytest.mark.parametrize("arch", ["-mavx2 -mfma", "-mtune=generic"])  # AVX2 only (as on Zen 2); plain x86-64
+def test_other_instruction_sets_match_torch(arch, monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", arch)
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert norm_act.available(), cpu_build.reason("norm_act")
+    for dtype in (torch.float32, torch.bfloat16):
+        gu = _gate_up(9, 4864 + 3, dtype, 1)
+        assert _close(norm_act.silu_mul(gu), norm_act.silu_mul_reference(gu), dtype,
+                      8 if dtype == torch.float32 else 1)
+        h, d, w = (torch.randn(7, 899).to(dtype), torch.randn(7, 899).to(dtype), torch.randn(899).to(dtype))
+        out, s = norm_act.add_rms_norm(h, d, w, 1e-6)
+        ref, ref_s = norm_act.add_rms_norm_reference(h, d, w, 1e-6)
+        assert torch.equal(s, ref_s) and _close(out, ref, dtype, 8 if dtype == torch.float32 else 2)
