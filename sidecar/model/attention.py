@@ -86,14 +86,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: Optional[int] = None) -> torch.Tensor:
+                    sliding_window: Optional[int] = None, kv_written: bool = False) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D].
 
-    Writes the new K/V into the cache first, so every query sees its own token.
+    Writes the new K/V into the cache first (unless ``kv_written``: the caller did, and then ``k`` may be
+    None in a step without prompt rows), so every query sees its own token.
     """
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if not kv_written:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    decoded = None  # the decode rows' result from our CPU kernel
+    if meta.decode_block_tables is not None and meta.use_cpu_kernel:
+        b = meta.decode_block_tables.shape[0]
+        decoded = cpu_kernel.decode_attention(q[q.shape[0] - b:], k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_ctx_lens, scale, sliding_window)
+        if decoded is not None and not meta.prefills:  # every row is a decode row
+            return decoded
     out = torch.empty_like(q)
     for seg in meta.prefills:
         qs = q[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
@@ -117,11 +126,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         bt = meta.decode_block_tables
         b, nb = bt.shape
         qd = q[q.shape[0] - b:]
-        if meta.use_cpu_kernel:
-            o = cpu_kernel.decode_attention(qd, k_cache, v_cache, bt, meta.decode_ctx_lens, scale, sliding_window)
-            if o is not None:
-                out[q.shape[0] - b:] = o
-                return out
+        if decoded is not None:
+            out[q.shape[0] - b:] = decoded
+            return out
         nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         bs = k_cache.shape[1]
         kd = k_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)

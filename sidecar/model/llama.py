@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from sidecar.model.attention import AttentionMetadata, paged_attention
-from sidecar.model.kernels import norm_act
+from sidecar.model.kernels import norm_act, rope_kv
 from sidecar.model.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -132,6 +132,12 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
+        if meta.use_cpu_kernel:
+            fused = rope_kv.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv,
+                                          self.hd, want_k=bool(meta.prefills))
+            if fused is not None:  # rotated and written to the cache in one pass
+                o = paged_attention(*fused, kv[0], kv[1], meta, self.scale, self.sliding_window, kv_written=True)
+                return self.o_proj(o.reshape(t, self.nh * self.hd))
         nqk = (self.nh + self.nkv) * self.hd
         # q and k are adjacent in the fused projection: rotate them in one pass.
         # rotate_half(x) == roll(x, hd/2) * [-1.., +1..]; the sign is folded into `sin` (see init_rope).

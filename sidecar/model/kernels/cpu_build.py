@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 log = logging.getLogger("sidecar.kernels")
 
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")  # fma only where written
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _reasons: dict[str, str] = {}
 

@@ -1,0 +1,62 @@
+"""Rotary embedding of q and k and the KV-cache write of a step's new tokens, in one pass on CPU
+(``rope_kv.c``).
+
+``rope_store_kv(qkv, cos, sin, slots, k_cache, v_cache, nh, nkv, hd, want_k)`` takes the fused qkv
+projection [T, (nh + 2 nkv) hd], the step's rotary tables [T, hd] (rotate-half's sign folded into
+``sin``) and the cache slot of each token; it writes rope(k) and v into the caches and returns
+``(q, k, v)``: rope(q) [T, nh, hd], rope(k) [T, nkv, hd] when ``want_k`` (prompt rows attend to it;
+None otherwise) and v as a view of ``qkv``. It returns None when the kernel cannot take the inputs;
+the caller then runs the torch path (``llama.Attention`` + ``attention.write_kv``), which computes
+the same bits: the kernel rounds where torch's ops round and uses no fused multiply-add. It replaces
+a dozen small torch ops per layer (slices, two products, a roll, a sum, two index copies), which at
+batch 1 cost more than the arithmetic.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from sidecar.model.kernels import cpu_build
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _configure(lib: ctypes.CDLL) -> None:
+    lib.sidecar_rope_store_kv.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
+    lib.sidecar_rope_store_kv.restype = None
+
+
+def _lib() -> Optional[ctypes.CDLL]:
+    return cpu_build.load("rope_kv", _configure)
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, nh: int, nkv: int, hd: int,
+                  want_k: bool) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
+    dtype = qkv.dtype
+    if (qkv.device.type != "cpu" or dtype not in _DTYPES or hd % 2 or qkv.dim() != 2
+            or qkv.shape[1] != (nh + 2 * nkv) * hd or not qkv.is_contiguous()):
+        return None
+    t = qkv.shape[0]
+    if (any(x.dtype != dtype or not x.is_contiguous() for x in (cos, sin, k_cache, v_cache))
+            or cos.numel() != t * hd or sin.numel() != t * hd or slots.dtype != torch.long
+            or slots.shape != (t,) or k_cache.shape[-2:] != (nkv, hd) or v_cache.shape[-2:] != (nkv, hd)):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    slots = slots.contiguous()
+    q = torch.empty(t, nh, hd, dtype=dtype)
+    k = torch.empty(t, nkv, hd, dtype=dtype) if want_k else None
+    lib.sidecar_rope_store_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                              v_cache.data_ptr(), q.data_ptr(), None if k is None else k.data_ptr(), t, nh, nkv,
+                              hd, _DTYPES[dtype], torch.get_num_threads())
+    return q, k, qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
