@@ -1,15 +1,18 @@
 """llm-sidecar: an LLM inference engine and gRPC/OpenAI sidecar for Java and Spring services."""
-from sidecar.engine.request import SamplingParams
-
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # LLM pulls in torch and transformers; import it only when asked for.
+    # Both pull in torch (LLM also transformers): imported only when asked for, so that the command
+    # line starts without them.
     if name == "LLM":
         from sidecar.engine.engine import LLM
 
         return LLM
+    if name == "SamplingParams":
+        from sidecar.engine.request import SamplingParams
+
+        return SamplingParams
     raise AttributeError(f"module 'sidecar' has no attribute {name!r}")
 
 
