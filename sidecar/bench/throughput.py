@@ -44,18 +44,19 @@ def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
-    """Bytes a decode step must read: every parameter/buffer except the embedding table (one row is
-    read), counting a tied lm_head's table once (as the plain table or as its packed copy)."""
-    emb = model.embed_tokens.weight
-    head = model.lm_head
-    tied = getattr(head, "weight", None) is emb
-    seen: set[int] = {id(emb)}
-    total = emb.numel() * emb.element_size() if tied and getattr(head, "packed", None) is None else 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) in seen or name.startswith("rope_"):
+    """Bytes a decode step must read: every module's parameters and buffers once, except the embedding
+    table (one row is read); a layer holding its weight both packed and plain reads one of them."""
+    total, seen = 0, set()
+    for module in model.modules():
+        if module is model.embed_tokens:
             continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
+        weight = getattr(module, "weight", None)
+        packed = getattr(module, "packed", None) is not None
+        for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if name.startswith("rope_") or id(t) in seen or (packed and t is weight):
+                continue
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
     return total
 
 

@@ -5,14 +5,16 @@ On CPU a float32 or bf16 weight is held in oneDNN's blocked layout once at load
 on every call. At the batch sizes of a decode step that per-call reorder costs as much
 as the product itself: measured on Zen 5 (2 threads, Qwen2-0.5B's layers), a 32-row
 bf16 gate/up product 1.50 -> 0.93 ms and the 32-row lm_head 23.5 -> 15.6 ms, and
-float32 -- where torch's default CPU GEMM runs far below the machine's speed on AMD --
+float32 -- where torch's default CPU GEMM runs far below this AMD machine's speed --
 4.3x faster at 32 rows and 4.1x at one row. bf16 results are bit-identical to
 ``F.linear``; float32 ones differ in summation order only.
 
 The packed layout replaces the plain weight, except where another module reads that
-weight too (a tied lm_head shares the embedding table); there the plain table stays,
-and bf16 batches of up to ``bf16_gemv.MAX_ROWS`` rows take our AVX-512 BF16 kernel on
-it, which streams the table faster than oneDNN at such sizes.
+weight too (a tied lm_head shares the embedding table) and, on CPUs where our AVX-512
+BF16 kernel runs, for bf16 weights whose plain copies fit in a tenth of the machine's
+memory: bf16 batches of up to ``bf16_gemv.MAX_ROWS`` rows take that kernel on the plain
+weight, which decodes one row ~7-12% faster than oneDNN on the packed one (Qwen2-0.5B,
+Zen 5, whole model); larger batches take the packed one.
 
 ``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the
 reference the fast paths are tested against.
@@ -20,6 +22,7 @@ reference the fast paths are tested against.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -31,6 +34,9 @@ from sidecar.model.kernels import bf16_gemv, cpu_build
 log = logging.getLogger("sidecar.model")
 
 PACK_ROWS_HINT = 32  # the batch size oneDNN picks its blocking for; measured best for 1-1024 rows
+# bf16 plain weights are kept beside the packed ones (for our kernel's small batches) while they take at
+# most this share of the machine's memory.
+KEEP_PLAIN_FRACTION = 0.1
 
 
 def can_pack(weight: Optional[torch.Tensor]) -> bool:
@@ -78,13 +84,31 @@ class Linear(nn.Linear):
         return F.linear(x, self.dense_weight(), self.bias)
 
 
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 def pack_weights(model: nn.Module) -> int:
     """Pack every full-precision ``Linear`` of a CPU model; returns how many were packed. A weight
-    another module holds too (a tied lm_head's embedding table) is kept beside its packed copy."""
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    another module holds too (a tied lm_head's embedding table) is kept beside its packed copy, and so
+    are bf16 weights where our bf16 kernel runs, when those plain copies take at most
+    ``KEEP_PLAIN_FRACTION`` of the machine's memory: the kernel decodes one row from them faster than
+    oneDNN does from the packed layout."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None and can_pack(m.weight)]
     others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}
-    n = sum(lin.pack(keep_weight=lin.weight is not None and lin.weight.data_ptr() in others) for lin in linears)
+    bf16 = [m for m in linears if m.weight.dtype == torch.bfloat16]
+    plain_bytes = sum(m.weight.numel() * 2 for m in bf16)
+    keep_bf16 = bool(bf16) and bf16_gemv.available() and plain_bytes <= KEEP_PLAIN_FRACTION * _physical_memory()
+    n = 0
+    for lin in linears:
+        shared = lin.weight.data_ptr() in others
+        n += lin.pack(keep_weight=shared or (keep_bf16 and lin.weight.dtype == torch.bfloat16))
     if n:
-        log.info("linear layers: %d of %d held in oneDNN's packed layout", n, len(linears))
+        log.info("linear layers: %d held in oneDNN's packed layout%s", n,
+                 f"; their plain bf16 copies kept for batches of up to {bf16_gemv.MAX_ROWS} rows "
+                 f"({plain_bytes / 2**20:.0f} MiB)" if keep_bf16 else "")
     return n
