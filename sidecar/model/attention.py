@@ -125,10 +125,10 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
     if meta.decode_block_tables is not None:
         bt = meta.decode_block_tables
         b, nb = bt.shape
-        qd = q[q.shape[0] - b:]
         if decoded is not None:
             out[q.shape[0] - b:] = decoded
             return out
+        qd = q[q.shape[0] - b:]
         nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         bs = k_cache.shape[1]
         kd = k_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)

@@ -100,13 +100,14 @@ def pack_weights(model: nn.Module) -> int:
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None and can_pack(m.weight)]
     others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}
-    bf16 = [m for m in linears if m.weight.dtype == torch.bfloat16]
-    plain_bytes = sum(m.weight.numel() * 2 for m in bf16)
+    shared = {id(m) for m in linears if m.weight.data_ptr() in others}
+    bf16 = [m for m in linears if m.weight.dtype == torch.bfloat16 and id(m) not in shared]
+    plain_bytes = sum(m.weight.numel() * 2 for m in bf16)  # what keeping them costs (shared ones stay anyway)
     keep_bf16 = bool(bf16) and bf16_gemv.available() and plain_bytes <= KEEP_PLAIN_FRACTION * _physical_memory()
     n = 0
     for lin in linears:
-        shared = lin.weight.data_ptr() in others
-        n += lin.pack(keep_weight=shared or (keep_bf16 and lin.weight.dtype == torch.bfloat16))
+        keep = id(lin) in shared or (keep_bf16 and lin.weight.dtype == torch.bfloat16)
+        n += lin.pack(keep_weight=keep)
     if n:
         log.info("linear layers: %d held in oneDNN's packed layout%s", n,
                  f"; their plain bf16 copies kept for batches of up to {bf16_gemv.MAX_ROWS} rows "

@@ -11,8 +11,7 @@
  * each activation chunk once per 4 weight rows; weights are prefetched two tiles ahead, since at a
  * few rows one pass over them is the whole cost. Tiles of weight rows are split across threads.
  */
-#include <stdint.h>
-#include <immintrin.h>
+#include "vec.h"
 
 #define NT 4
 #define MT 4
@@ -48,20 +47,6 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
 }
 #endif
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
-
 /* bias: [N] (float32, or bf16 when bias_bf16) or NULL; y: float32, or bf16 when out_bf16. K must be a
  * multiple of 32. Returns 0, or 1 without AVX-512 BF16. */
 int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, void* y, int M, int N, int K,
@@ -91,11 +76,11 @@ int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, 
                 }
                 for (int i = 0; i < mb; i++)
                     for (int j = 0; j < nb; j++) {
-                        const float b = !bias ? 0.f : bias_bf16 ? from_bf16(((const uint16_t*)bias)[n1 + j])
+                        const float b = !bias ? 0.f : bias_bf16 ? bf16_to_f32(((const uint16_t*)bias)[n1 + j])
                                                                 : ((const float*)bias)[n1 + j];
                         const float v = acc[i * nb + j] + b;
                         const int64_t at = (int64_t)(m0 + i) * N + n1 + j;
-                        if (out_bf16) ((uint16_t*)y)[at] = to_bf16(v);
+                        if (out_bf16) ((uint16_t*)y)[at] = f32_to_bf16(v);
                         else ((float*)y)[at] = v;
                     }
             }

@@ -5,8 +5,8 @@
 [M, N] in float32, or rounded once to bf16 (what torch's bf16 linear returns) with ``out_dtype=bfloat16``.
 Torch's CPU bf16 GEMM is several times slower at 2-8 rows than at 1 (measured on Zen 5: 2.4-2.8x at 4
 rows for Qwen2-0.5B's layers), where this kernel's cost barely grows; at one row it streams the weights
-10-15% faster. ``sidecar.model.linear.Linear`` takes it for bf16 batches of up to MAX_ROWS rows on a
-plain weight (a tied lm_head's table; other layers hold oneDNN's packed layout).
+10-15% faster. ``sidecar.model.linear.Linear`` takes it for bf16 batches of up to MAX_ROWS rows where
+it holds a plain weight (see ``pack_weights``).
 """
 from __future__ import annotations
 

@@ -14,35 +14,12 @@
 
 #include "vec.h"
 
-static inline float load1(const void* p, size_t i, int dtype) {
-    return dtype ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
-}
-
-static inline float to_dtype(float x, int dtype) { return dtype ? bf16_to_f32(f32_to_bf16(x)) : x; }
-
-static inline void store1(void* p, size_t i, float x, int dtype) {
-    if (dtype) ((uint16_t*)p)[i] = f32_to_bf16(x);
-    else ((float*)p)[i] = x;
-}
-
 static inline float silu1(float g) {
     const float e = expf(-fabsf(g));
     return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
 }
 
 #ifdef VL
-static inline vf vload(const void* p, size_t i, int dtype) {
-    return dtype ? v_load_bf16((const uint16_t*)p + i) : v_load((const float*)p + i);
-}
-
-static inline void vstore(void* p, size_t i, vf x, int dtype) {
-    if (dtype) v_store_bf16((uint16_t*)p + i, x);
-    else v_store((float*)p + i, x);
-}
-
-/* x rounded to the dtype and back (identity for float32) */
-static inline vf vround(vf x, int dtype) { return dtype ? v_round_bf16(x) : x; }
-
 /* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1 so that nothing overflows */
 static inline vf vsilu(vf g) {
     const vf ng = v_min(g, v_sub(v_zero(), g));      /* -|g| */
@@ -60,13 +37,13 @@ void sidecar_silu_mul(const void* gu, void* out, int rows, int inter, int dtype,
         int i = 0;
 #ifdef VL
         for (; i + VL <= inter; i += VL) {
-            const vf s = vround(vsilu(vload(gu, g0 + i, dtype)), dtype);
-            vstore(out, o0 + i, v_mul(s, vload(gu, u0 + i, dtype)), dtype);
+            const vf s = v_dt_round(vsilu(v_dt_load(gu, g0 + i, dtype)), dtype);
+            v_dt_store(out, o0 + i, v_mul(s, v_dt_load(gu, u0 + i, dtype)), dtype);
         }
 #endif
         for (; i < inter; i++) {
-            const float s = to_dtype(silu1(load1(gu, g0 + i, dtype)), dtype);
-            store1(out, o0 + i, s * load1(gu, u0 + i, dtype), dtype);
+            const float s = dt_round(silu1(dt_load(gu, g0 + i, dtype)), dtype);
+            dt_store(out, o0 + i, s * dt_load(gu, u0 + i, dtype), dtype);
         }
     }
 }
@@ -82,20 +59,20 @@ void sidecar_add_rms_norm(const void* h, const void* delta, const void* w, void*
 #ifdef VL
         vf acc = v_zero();
         for (; i + VL <= dim; i += VL) {
-            vf x = vload(h, r0 + i, dtype);
+            vf x = v_dt_load(h, r0 + i, dtype);
             if (delta) {
-                x = vround(v_add(x, vload(delta, r0 + i, dtype)), dtype);
-                vstore(hout, r0 + i, x, dtype);
+                x = v_dt_round(v_add(x, v_dt_load(delta, r0 + i, dtype)), dtype);
+                v_dt_store(hout, r0 + i, x, dtype);
             }
             acc = v_fma(x, x, acc);
         }
         ss = v_sum(acc);
 #endif
         for (; i < dim; i++) {
-            float x = load1(h, r0 + i, dtype);
+            float x = dt_load(h, r0 + i, dtype);
             if (delta) {
-                x = to_dtype(x + load1(delta, r0 + i, dtype), dtype);
-                store1(hout, r0 + i, x, dtype);
+                x = dt_round(x + dt_load(delta, r0 + i, dtype), dtype);
+                dt_store(hout, r0 + i, x, dtype);
             }
             ss += x * x;
         }
@@ -104,10 +81,10 @@ void sidecar_add_rms_norm(const void* h, const void* delta, const void* w, void*
 #ifdef VL
         const vf vinv = v_set1(inv);
         for (; i + VL <= dim; i += VL) {
-            const vf y = vround(v_mul(vload(s, r0 + i, dtype), vinv), dtype);
-            vstore(out, r0 + i, v_mul(vload(w, i, dtype), y), dtype);
+            const vf y = v_dt_round(v_mul(v_dt_load(s, r0 + i, dtype), vinv), dtype);
+            v_dt_store(out, r0 + i, v_mul(v_dt_load(w, i, dtype), y), dtype);
         }
 #endif
-        for (; i < dim; i++) store1(out, r0 + i, load1(w, i, dtype) * to_dtype(load1(s, r0 + i, dtype) * inv, dtype), dtype);
+        for (; i < dim; i++) dt_store(out, r0 + i, dt_load(w, i, dtype) * dt_round(dt_load(s, r0 + i, dtype) * inv, dtype), dtype);
     }
 }

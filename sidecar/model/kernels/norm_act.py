@@ -73,8 +73,8 @@ def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.T
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     lib = _lib()
     tensors = (h, weight) if delta is None else (h, weight, delta)
-    if (lib is None or not _takes(h) or not all(t.dtype == h.dtype and t.is_contiguous() for t in tensors)
-            or weight.shape != (h.shape[1],) or (delta is not None and delta.shape != h.shape)):
+    if (lib is None or not _takes(*tensors) or weight.shape != (h.shape[1],)
+            or (delta is not None and delta.shape != h.shape)):
         return add_rms_norm_reference(h, delta, weight, eps)
     rows, dim = h.shape
     out = torch.empty_like(h)

@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
         for (int r = 0; r < rep; r++) {
             float acc = 0.f;
             for (int d = 0; d < hd; d++)
-                acc += qf[r * hd + d] * (dtype ? bf16_to_f32(((const uint16_t*)kc)[off + d]) : ((const float*)kc)[off + d]);
+                acc += qf[r * hd + d] * dt_load(kc, off + d, dtype);
             s[(size_t)r * n + j] = acc;
         }
     }
@@ -142,7 +142,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
             const size_t off = offs[j];
             const float w = sr[j];
             for (int d = 0; d < hd; d++)
-                o[d] += w * (dtype ? bf16_to_f32(((const uint16_t*)vc)[off + d]) : ((const float*)vc)[off + d]);
+                o[d] += w * dt_load(vc, off + d, dtype);
         }
         for (int d = 0; d < hd; d++) o[d] *= inv;
 #endif
@@ -182,15 +182,12 @@ int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc
             const int lo = window > 0 && hi > window ? hi - window : 0;
             const size_t q0 = ((size_t)b * nh + (size_t)g * rep) * hd;
             for (int i = 0; i < rep * hd; i++)
-                qf[i] = scale * (dtype ? bf16_to_f32(((const uint16_t*)q)[q0 + i]) : ((const float*)q)[q0 + i]);
+                qf[i] = scale * dt_load(q, q0 + i, dtype);
             const int64_t* table = tables + (size_t)b * max_blocks;
             if (hd == 64) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 64, bs, dtype, s, of, offs);
             else if (hd == 128) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 128, bs, dtype, s, of, offs);
             else attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, hd, bs, dtype, s, of, offs);
-            for (int i = 0; i < rep * hd; i++) {
-                if (dtype) ((uint16_t*)out)[q0 + i] = f32_to_bf16(of[i]);
-                else ((float*)out)[q0 + i] = of[i];
-            }
+            for (int i = 0; i < rep * hd; i++) dt_store(out, q0 + i, of[i], dtype);
         }
         free(s);
         free(offs);

@@ -15,30 +15,6 @@
 
 #include "vec.h"
 
-static inline float ld(const void* p, size_t i, int dtype) {
-    return dtype ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
-}
-
-static inline float rnd(float x, int dtype) { return dtype ? bf16_to_f32(f32_to_bf16(x)) : x; }
-
-static inline void st(void* p, size_t i, float x, int dtype) {
-    if (dtype) ((uint16_t*)p)[i] = f32_to_bf16(x);
-    else ((float*)p)[i] = x;
-}
-
-#ifdef VL
-static inline vf vld(const void* p, size_t i, int dtype) {
-    return dtype ? v_load_bf16((const uint16_t*)p + i) : v_load((const float*)p + i);
-}
-
-static inline vf vrnd(vf x, int dtype) { return dtype ? v_round_bf16(x) : x; }
-
-static inline void vst(void* p, size_t i, vf x, int dtype) {
-    if (dtype) v_store_bf16((uint16_t*)p + i, x);
-    else v_store((float*)p + i, x);
-}
-#endif
-
 /* One head: x at src[0..hd), written to dst (and dst2 when not NULL). */
 static inline void rope_head(const void* src, size_t s0, const void* cs, const void* sn, size_t c0, void* dst,
                              size_t d0, void* dst2, size_t e0, int hd, int dtype) {
@@ -47,16 +23,17 @@ static inline void rope_head(const void* src, size_t s0, const void* cs, const v
 #ifdef VL
     if (half % VL == 0) {
         for (; i < half; i += VL) {
-            const vf lo = vld(src, s0 + i, dtype), hi = vld(src, s0 + half + i, dtype);
-            const vf out_lo = vrnd(v_add(vrnd(v_mul(lo, vld(cs, c0 + i, dtype)), dtype),
-                                         vrnd(v_mul(hi, vld(sn, c0 + i, dtype)), dtype)), dtype);
-            const vf out_hi = vrnd(v_add(vrnd(v_mul(hi, vld(cs, c0 + half + i, dtype)), dtype),
-                                         vrnd(v_mul(lo, vld(sn, c0 + half + i, dtype)), dtype)), dtype);
-            vst(dst, d0 + i, out_lo, dtype);
-            vst(dst, d0 + half + i, out_hi, dtype);
+            const vf lo = v_dt_load(src, s0 + i, dtype), hi = v_dt_load(src, s0 + half + i, dtype);
+            const vf lo_c = v_dt_round(v_mul(lo, v_dt_load(cs, c0 + i, dtype)), dtype);
+            const vf hi_s = v_dt_round(v_mul(hi, v_dt_load(sn, c0 + i, dtype)), dtype);
+            const vf hi_c = v_dt_round(v_mul(hi, v_dt_load(cs, c0 + half + i, dtype)), dtype);
+            const vf lo_s = v_dt_round(v_mul(lo, v_dt_load(sn, c0 + half + i, dtype)), dtype);
+            const vf out_lo = v_dt_round(v_add(lo_c, hi_s), dtype), out_hi = v_dt_round(v_add(hi_c, lo_s), dtype);
+            v_dt_store(dst, d0 + i, out_lo, dtype);
+            v_dt_store(dst, d0 + half + i, out_hi, dtype);
             if (dst2) {
-                vst(dst2, e0 + i, out_lo, dtype);
-                vst(dst2, e0 + half + i, out_hi, dtype);
+                v_dt_store(dst2, e0 + i, out_lo, dtype);
+                v_dt_store(dst2, e0 + half + i, out_hi, dtype);
             }
         }
         return;
@@ -64,10 +41,10 @@ static inline void rope_head(const void* src, size_t s0, const void* cs, const v
 #endif
     for (; i < hd; i++) {
         const int j = i < half ? i + half : i - half;
-        const float a = rnd(ld(src, s0 + i, dtype) * ld(cs, c0 + i, dtype), dtype);
-        const float b = rnd(ld(src, s0 + j, dtype) * ld(sn, c0 + i, dtype), dtype);
-        st(dst, d0 + i, a + b, dtype);
-        if (dst2) st(dst2, e0 + i, a + b, dtype);
+        const float a = dt_round(dt_load(src, s0 + i, dtype) * dt_load(cs, c0 + i, dtype), dtype);
+        const float b = dt_round(dt_load(src, s0 + j, dtype) * dt_load(sn, c0 + i, dtype), dtype);
+        dt_store(dst, d0 + i, a + b, dtype);
+        if (dst2) dt_store(dst2, e0 + i, a + b, dtype);
     }
 }
 

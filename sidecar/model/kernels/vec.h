@@ -1,6 +1,7 @@
 /* Vector primitives shared by our CPU kernels: one float32 vector type `vf` of VL lanes over AVX-512 or
  * AVX2 + FMA (VL undefined on other CPUs: callers keep a plain-C path), bf16 <-> float32 conversions
- * (round to nearest even, as torch rounds), and exp for non-positive arguments. */
+ * (round to nearest even, as torch rounds), exp for non-positive arguments, and element access over
+ * float32 or bf16 arrays by a dtype flag. */
 #ifndef SIDECAR_VEC_H
 #define SIDECAR_VEC_H
 #include <math.h>
@@ -143,6 +144,33 @@ static inline void v_store_bf16(uint16_t* p, vf x) {
     const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(v_round_bf16(x)), 16);
     _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
 #endif
+}
+#endif
+
+/* Elements of a float32 (dtype 0) or bf16 (dtype 1) array, handled as float32: load element i, round x
+ * to the dtype and back (identity for float32), store x rounded to the dtype. */
+static inline float dt_load(const void* p, size_t i, int dtype) {
+    return dtype ? bf16_to_f32(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+static inline float dt_round(float x, int dtype) { return dtype ? bf16_to_f32(f32_to_bf16(x)) : x; }
+
+static inline void dt_store(void* p, size_t i, float x, int dtype) {
+    if (dtype) ((uint16_t*)p)[i] = f32_to_bf16(x);
+    else ((float*)p)[i] = x;
+}
+
+#ifdef VL
+/* The same, VL elements at a time. */
+static inline vf v_dt_load(const void* p, size_t i, int dtype) {
+    return dtype ? v_load_bf16((const uint16_t*)p + i) : v_load((const float*)p + i);
+}
+
+static inline vf v_dt_round(vf x, int dtype) { return dtype ? v_round_bf16(x) : x; }
+
+static inline void v_dt_store(void* p, size_t i, vf x, int dtype) {
+    if (dtype) v_store_bf16((uint16_t*)p + i, x);
+    else v_store((float*)p + i, x);
 }
 #endif
 
