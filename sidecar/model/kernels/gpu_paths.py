@@ -1,0 +1,65 @@
+"""Which device fast paths a loaded model may take: the switchboard between the model and the runner.
+
+The model owns one ``FastPaths`` object and hands the same instance to every layer at construction, so
+flipping a field takes effect everywhere at once. Every field starts off: a fast path is turned on only
+by the runner, after its start-up self-check has compared it with the torch reference on this device
+(``engine/self_check.py``), and turned back off with a logged reason when that check fails. So a broken
+kernel costs speed, never a wrong answer.
+
+A layer takes a Triton path when its field is on and the tensor is on CUDA, or, for tests on a machine
+without a GPU, when Triton runs in its interpreter (``TRITON_INTERPRET=1``, which must be set before the
+kernel modules are imported) on CPU tensors.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+PATH_NAMES = ("attention", "rope_kv", "norm", "silu_mul", "weight_only", "cuda_graphs", "device_sampler")
+
+
+def triton_interpreted() -> bool:
+    """True when Triton kernels run in the interpreter on CPU tensors (tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401  (the GPU image and the dev venv both ship it; a CPU-only install may not)
+    except Exception:
+        return False
+    return True
+
+
+@dataclass
+class FastPaths:
+    attention: bool = False      # Triton paged decode attention (reads K/V in place through the block table)
+    rope_kv: bool = False        # Triton rotary embedding + KV-cache write
+    norm: bool = False           # Triton residual add + RMSNorm
+    silu_mul: bool = False       # Triton silu(gate) * up
+    weight_only: bool = False    # Triton int8 / int4 weight-only GEMM
+    cuda_graphs: bool = False    # decode steps replayed from captured graphs
+    device_sampler: bool = False  # sampling of the whole batch on the device, one copy of the ids
+    reasons: Optional[dict] = None  # path -> why it is off (filled by the self-check)
+
+    def takes(self, name: str, t: torch.Tensor) -> bool:
+        """Whether the Triton form of path ``name`` runs for tensor ``t``."""
+        if not getattr(self, name):
+            return False
+        return t.is_cuda or (t.device.type == "cpu" and triton_interpreted())
+
+    def active(self) -> list[str]:
+        return [f.name for f in fields(self) if f.name in PATH_NAMES and getattr(self, f.name)]
+
+    def disable(self, name: str, reason: str) -> None:
+        setattr(self, name, False)
+        if self.reasons is None:
+            self.reasons = {}
+        self.reasons[name] = reason
+
+    def set_all(self, on: bool) -> None:
+        for name in PATH_NAMES:
+            setattr(self, name, on)
