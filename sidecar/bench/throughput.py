@@ -32,15 +32,24 @@ def make_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], voca
             for _ in range(n)]
 
 
-def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Sustained read bandwidth in bytes/s (sum over a buffer far larger than the caches)."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+def measure_bandwidth(gib: float = 1.0, repeats: int = 5, device: str = "cpu") -> float:
+    """Sustained read bandwidth of ``device``'s memory in bytes/s (a sum over a buffer far larger than the
+    caches; on CUDA the GPU's HBM, timed after a synchronize)."""
+    dev = torch.device(device)
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device=dev)
     x.sum()
+    _sync(dev)
     t = time.perf_counter()
     for _ in range(repeats):
         x.sum()
+    _sync(dev)
     dt = (time.perf_counter() - t) / repeats
     return x.numel() * 4 / dt
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
@@ -64,7 +73,8 @@ def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dic
     from sidecar import LLM, SamplingParams
 
     llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb)
+              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb,
+              device=args.device, **({"enforce_eager": True} if args.enforce_eager else {}))
     llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
     t = time.perf_counter()
@@ -83,6 +93,9 @@ def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dic
         rates.append((n - 1) / (o.e2e_s - o.ttft_s))
     res["b1_decode_tok_s"] = max(rates)
     res["weight_bytes_per_token"] = weight_bytes_per_token(llm.engine.loaded.model)
+    # Which device fast paths served the run (graphs, kernels, sampler) and why any fell back.
+    res["fast_paths"] = llm.engine.model_info.get("fast_paths", [])
+    res["fast_path_fallbacks"] = llm.engine.model_info.get("fast_path_fallbacks", {})
     del llm
     gc.collect()
     return res
@@ -93,6 +106,7 @@ def _hf_model(args: argparse.Namespace):
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype)
+    model.to(args.device)
     model.eval()
     return model
 
@@ -110,12 +124,13 @@ def run_hf_static(args: argparse.Namespace, work: list[tuple[list[int], int]]) -
         for i in tqdm(range(0, len(work), args.hf_batch_size), desc="hf static", unit="batch"):
             batch = work[i:i + args.hf_batch_size]
             width = max(len(p) for p, _ in batch)
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=args.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=args.device)
             max_new = max(n for _, n in batch)
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
                            do_sample=False, eos_token_id=None, pad_token_id=pad)
             useful += sum(n for _, n in batch)
+    _sync(torch.device(args.device))
     dt = time.perf_counter() - t
     del model
     gc.collect()
@@ -190,6 +205,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baselines", default="hf-static,hf-batch",
                    help="comma list of hf-static, hf-batch (empty for none)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu | cuda | cuda:N: where our engine and the HF baselines run (the same device)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="our engine without graphs or custom device kernels (the reference path)")
     p.add_argument("--llama-cpp-parallel", type=int, default=32, help="llama-server -np for the llama.cpp baseline")
     from sidecar.bench.llamacpp import add_arguments as add_llamacpp_arguments
 
@@ -213,9 +232,11 @@ def run(args: argparse.Namespace) -> int:
     hf_config = json.loads(open(f"{args.model_dir}/config.json").read())
     vocab = hf_config["vocab_size"]
     # Every system runs the dtype the engine resolves, so the comparison stays like for like.
-    dtype, args.dtype_reason = pick_dtype_with_reason(args.dtype, hf_config, torch.device("cpu"))
+    dtype, args.dtype_reason = pick_dtype_with_reason(args.dtype, hf_config, torch.device(args.device))
     args.requested_dtype, args.dtype = args.dtype, str(dtype).replace("torch.", "")
-    print(f"cpu: {isa_summary()}; dtype {args.dtype} ({args.dtype_reason})")
+    where = (f"gpu: {torch.cuda.get_device_name(torch.device(args.device))}" if args.device.startswith("cuda")
+             else f"cpu: {isa_summary()}")
+    print(f"{where}; dtype {args.dtype} ({args.dtype_reason})")
     work = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab,
                          args.seed)
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
@@ -231,11 +252,11 @@ def run(args: argparse.Namespace) -> int:
             rows.append(run_hf_generate_batch(args, work))
         else:
             raise ValueError(f"baselines: unknown baseline {b!r}")
-    llama = _llamacpp(args, work)
+    llama = _llamacpp(args, work) if args.device == "cpu" else {}
     rows.extend(llama.pop("rows", []))
     for r in rows:
         r["speedup_vs"] = ours["output_tok_s"] / r["output_tok_s"] if r is not ours else 1.0
-    bw = measure_bandwidth()
+    bw = measure_bandwidth(device=args.device)
     roofline = bw / ours["weight_bytes_per_token"]
     b1 = {"b1_decode_tok_s": ours["b1_decode_tok_s"], "read_bandwidth_gb_s": bw / 1e9,
           "weight_mib_per_token": ours["weight_bytes_per_token"] / 2**20, "roofline_tok_s": roofline,
@@ -244,6 +265,9 @@ def run(args: argparse.Namespace) -> int:
         b1["llamacpp_b1_decode_tok_s"] = llama["b1_decode_tok_s"]
         b1["b1_ratio_vs_llamacpp"] = ours["b1_decode_tok_s"] / llama["b1_decode_tok_s"]
     print(format_table(rows, ["system", "seconds", "output_tokens", "output_tok_s", "speedup_vs"]))
+    if args.device != "cpu":
+        print(f"fast paths: {', '.join(ours.get('fast_paths') or ['none'])}; "
+              f"fallbacks: {ours.get('fast_path_fallbacks') or 'none'}")
     print(format_table([b1], list(b1)))
     jpath, ppath = write_report(
         args.out, "throughput",
