@@ -27,7 +27,7 @@ import triton.language as tl
 
 from triton import next_power_of_2 as next_pow2
 
-from sidecar.model.kernels.triton_common import dot_in_f32, mma
+from sidecar.model.kernels.triton_common import dot_in_f32, mma, narrow
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_N = 32  # keys per tile; >= 16 so both dots have K >= 16 on a real GPU
@@ -43,7 +43,8 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_pt
                       n_parts, max_blocks,
                       GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr):
+                      HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr,
+                      BF16: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -84,13 +85,12 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_pt
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh + d[None, :],
                     mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, F32)
+        acc = acc * alpha[:, None] + mma(narrow(p, v_ptr, BF16), v, F32)
         m_i = m_new
     out_mask = g_ok[:, None] & d_ok[None, :]
     if DIRECT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + row * s_ob + heads[:, None] * s_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        tl.store(out_ptr + row * s_ob + heads[:, None] * s_oh + d[None, :], narrow(o, out_ptr, BF16), mask=out_mask)
     else:
         # Scratch layout: [B, H, n_parts] for m and l, [B, H, n_parts, D_PAD] for acc.
         base = (row * GROUP * tl.num_programs(1) + heads) * n_parts + part
@@ -101,7 +101,7 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_pt
 
 @triton.jit
 def _decode_reduce(m_ptr, l_ptr, acc_ptr, out_ptr, n_parts, s_ob, s_oh,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr):
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr, BF16: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.arange(0, P_PAD)
@@ -116,7 +116,7 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, out_ptr, n_parts, s_ob, s_oh,
     w = tl.exp(m - m_safe)  # empty partitions have m = -inf and weigh 0
     total = tl.sum(l * w, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * s_ob + head * s_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out_ptr + row * s_ob + head * s_oh + d, narrow(o, out_ptr, BF16), mask=d < HEAD_DIM)
 
 
 def num_partitions(max_len: int, programs: int, partition_size: Optional[int]) -> tuple[int, int]:
@@ -177,8 +177,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         n_parts, max_blocks,
         GROUP=group, G_PAD=max(16, next_pow2(group)), HEAD_DIM=hd, D_PAD=d_pad, BLOCK_SIZE=bs, PART=part,
         BLOCK_N=BLOCK_N, HAS_WINDOW=window is not None, DIRECT=direct,
-        F32=dot_in_f32(q.dtype))
+        F32=dot_in_f32(q.dtype), BF16=q.dtype == torch.bfloat16)
     if not direct:
         _decode_reduce[(b, nh)](m, l, acc, out, n_parts, out.stride(0), out.stride(1),
-                                HEAD_DIM=hd, D_PAD=d_pad, P_PAD=next_pow2(n_parts))
+                                HEAD_DIM=hd, D_PAD=d_pad, P_PAD=next_pow2(n_parts),
+                                BF16=q.dtype == torch.bfloat16)
     return out

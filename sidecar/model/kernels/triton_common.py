@@ -24,3 +24,22 @@ def mma(a, b, F32: tl.constexpr):
 def dot_in_f32(dtype: torch.dtype) -> bool:
     """The ``F32`` argument of ``mma`` for operands of ``dtype``."""
     return dtype == torch.float32 or triton_interpreted()
+
+
+@triton.jit
+def round_bf16(x):
+    """float32 -> bfloat16, rounding to nearest even (what torch does), through the bits.
+
+    ``x.to(tl.bfloat16)`` rounds so on a GPU but truncates under the interpreter; this is the same on
+    both. (A NaN whose mantissa is all ones comes out as infinity; no kernel here produces one.)"""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def narrow(x, like_ptr, BF16: tl.constexpr):
+    """float32 ``x`` in the element dtype of ``like_ptr``; ``BF16`` says that dtype is bfloat16."""
+    if BF16:
+        return round_bf16(x)
+    return x.to(like_ptr.dtype.element_ty)
