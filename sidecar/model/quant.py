@@ -52,12 +52,17 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _ALIGN_BYTES == 0 else t.clone()
 
 
+# CPU layers keep no plain int4 codes (no Triton on CPU); tests of the Triton kernel under its
+# interpreter set this before loading a model.
+PLAIN_INT4_ON_CPU = False
+
+
 def _keeps_plain_int4(device: torch.device) -> bool:
     """Whether an int4 layer keeps its nibble-packed codes beside the device kernel's layout, for the
-    Triton kernel: on CUDA with Triton (and on CPU under the Triton interpreter, for tests)."""
+    Triton kernel: on CUDA with Triton."""
     if device.type == "cuda":
         return triton_available()
-    return device.type == "cpu" and triton_interpreted() and triton_available()
+    return device.type == "cpu" and PLAIN_INT4_ON_CPU and triton_interpreted()
 
 
 class _QuantLinearBase(nn.Module, metaclass=abc.ABCMeta):

@@ -62,8 +62,10 @@ def _spy(monkeypatch, module, name, calls):
 
 @pytest.mark.parametrize("kind,quant", [("llama", None), ("qwen2", "int8"), ("llama", "int4")])
 def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, device, monkeypatch):
+    from sidecar.model import quant as quant_layers
     from sidecar.model.kernels import triton_attention, triton_ops, triton_wo
 
+    monkeypatch.setattr(quant_layers, "PLAIN_INT4_ON_CPU", True)  # as every int4 layer on CUDA does
     cfg = EngineConfig(model=str(tiny_models[kind]), dtype="float32", device=device.type, quantization=quant,
                        quant_group_size=32)
     model = load_model(cfg).model
