@@ -11,7 +11,9 @@
 
 Each rounds where torch's unfused ops round (after every product and sum in the model dtype; the norm
 in float32, cast to the model dtype before the weight, as Hugging Face does), so they differ from the
-torch references only by the GPU's exp / rsqrt and by how a GPU compiler contracts a product and a sum.
+torch references only by the GPU's exp / rsqrt and the order of the norm's sum: they are compiled
+without fused multiply-adds (``enable_fp_fusion=False``), so a product and the sum after it round
+separately, as torch's separate ops do.
 Every wrapper returns None for inputs it does not take (another dtype, a non-contiguous tensor); the
 caller then runs the torch path. Imports Triton: import only where ``gpu_paths.triton_available()``.
 """
@@ -75,7 +77,7 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
         _rope_kv[(t, nh + 2 * nkv)](qkv, cos, sin, slots.contiguous(), k_cache, v_cache, q,
                                     q if k is None else k, qkv.stride(0), nkv * hd,
                                     NH=nh, NKV=nkv, HD=hd, D_PAD=triton.next_power_of_2(hd), WANT_K=want_k,
-                                    BF16=dtype == torch.bfloat16)
+                                    BF16=dtype == torch.bfloat16, enable_fp_fusion=False)
     return q, k, qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
 
 
@@ -106,10 +108,12 @@ def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.T
     rows, dim = h.shape
     out = torch.empty_like(h)
     s = h if delta is None else torch.empty_like(h)
+    block = triton.next_power_of_2(dim)
     if rows:
         _add_rms_norm[(rows,)](h, h if delta is None else delta, weight, s, out, dim, float(eps),
-                               HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(dim),
-                               BF16=h.dtype == torch.bfloat16)
+                               HAS_DELTA=delta is not None, BLOCK=block, BF16=h.dtype == torch.bfloat16,
+                               num_warps=8 if block >= 4096 else 4,  # wide rows: fewer values per thread
+                               enable_fp_fusion=False)
     return out, s
 
 
@@ -132,5 +136,6 @@ def silu_mul(gu: torch.Tensor) -> Optional[torch.Tensor]:
     out = torch.empty(rows, inter, dtype=gu.dtype, device=gu.device)
     block = min(1024, triton.next_power_of_2(max(inter, 1)))
     if rows and inter:
-        _silu_mul[(rows, triton.cdiv(inter, block))](gu, out, inter, BLOCK=block, BF16=gu.dtype == torch.bfloat16)
+        _silu_mul[(rows, triton.cdiv(inter, block))](gu, out, inter, BLOCK=block, BF16=gu.dtype == torch.bfloat16,
+                                                           enable_fp_fusion=False)
     return out
