@@ -9,8 +9,9 @@ calls ``scaled_dot_product_attention``. Decode tokens of a step are attended in
 one batched call (padded to the longest context, masked); prefill chunks are
 attended per request. On CPU the decode rows go through our kernel instead
 (``kernels/paged_attention.c``: reads the blocks in place, no copy, no mask),
-with the torch path as fallback and test oracle. A fused CUDA kernel can replace
-``paged_attention`` here without touching any caller.
+with the torch path as fallback and test oracle. When the model's ``FastPaths.attention`` is on and the
+tensors are on CUDA (or Triton runs in its interpreter), the decode rows go through the Triton kernel
+(``kernels/triton_attention.py``) instead; prefill segments keep the torch path.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from sidecar.model.kernels import paged_attention as cpu_kernel
+from sidecar.model.kernels.gpu_paths import FastPaths
 
 
 @dataclass
@@ -88,16 +90,27 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
 
 def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: Optional[int] = None, kv_written: bool = False) -> torch.Tensor:
+                    sliding_window: Optional[int] = None, kv_written: bool = False,
+                    paths: Optional[FastPaths] = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D].
 
     Writes the new K/V into the cache first (unless ``kv_written``: the caller did, and then ``k`` may be
-    None in a step without prompt rows), so every query sees its own token.
+    None in a step without prompt rows), so every query sees its own token. ``paths``: the model's
+    switchboard; its ``attention`` field sends the decode rows to the Triton kernel.
     """
     if not kv_written:
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    decoded = None  # the decode rows' result from our CPU kernel
-    if meta.decode_block_tables is not None and meta.use_cpu_kernel:
+    decoded = None  # the decode rows' result from one of our kernels
+    if meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
+        from sidecar.model.kernels import triton_attention
+
+        b = meta.decode_block_tables.shape[0]
+        decoded = triton_attention.paged_decode_attention(q[q.shape[0] - b:], k_cache, v_cache,
+                                                          meta.decode_block_tables, meta.decode_ctx_lens,
+                                                          scale, sliding_window)
+        if decoded is not None and not meta.prefills:
+            return decoded
+    if decoded is None and meta.decode_block_tables is not None and meta.use_cpu_kernel:
         b = meta.decode_block_tables.shape[0]
         decoded = cpu_kernel.decode_attention(q[q.shape[0] - b:], k_cache, v_cache, meta.decode_block_tables,
                                               meta.decode_ctx_lens, scale, sliding_window)

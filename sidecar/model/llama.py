@@ -5,6 +5,11 @@ concatenated) with their positions; attention metadata tells each token which
 KV blocks form its context. Projections are fused (qkv, gate+up) at load time.
 Numerics follow Hugging Face transformers (RMSNorm in float32, rotate-half
 RoPE, residual adds in the model dtype) so float32 greedy output matches it.
+
+Device fast paths: the model owns one ``FastPaths`` (``fast_paths``) and every layer holds that same
+instance; a layer takes the Triton form of a step (``kernels/triton_ops.py``, ``triton_attention.py``,
+``triton_wo.py``) when ``fast_paths.takes(name, tensor)``, and otherwise the path it takes with every
+field off. Fields are flipped in place on the shared instance, never by assigning a new one.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from torch import nn
 
 from sidecar.model.attention import AttentionMetadata, paged_attention
 from sidecar.model.kernels import norm_act, rope_kv
+from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -107,20 +113,33 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
     raise ValueError(f"model: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
 
 
+def _triton(paths: Optional[FastPaths], name: str, t: torch.Tensor):
+    """The Triton ops module when path ``name`` runs for ``t``, else None (imported only then)."""
+    if paths is None or not paths.takes(name, t):
+        return None
+    from sidecar.model.kernels import triton_ops
+
+    return triton_ops
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, paths: Optional[FastPaths] = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fast_paths = paths
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); without a residual, (norm(x), x). One pass on CPU."""
-        return norm_act.add_rms_norm(x, residual, self.weight, self.eps)
+        ops = _triton(self.fast_paths, "norm", x)
+        out = None if ops is None else ops.add_rms_norm(x, residual, self.weight, self.eps)
+        return out if out is not None else norm_act.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, paths: Optional[FastPaths] = None) -> None:
         super().__init__()
+        self.fast_paths = paths
         self.nh, self.nkv, self.hd = args.num_heads, args.num_kv_heads, args.head_dim
         self.qkv_proj = Linear(args.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=args.attention_bias)
         self.o_proj = Linear(self.nh * self.hd, args.hidden_size, bias=args.attention_bias
@@ -132,12 +151,19 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if meta.use_cpu_kernel:
+        paths = self.fast_paths
+        ops = _triton(paths, "rope_kv", qkv)
+        fused = None
+        if ops is not None:
+            fused = ops.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv, self.hd,
+                                      want_k=bool(meta.prefills))
+        if fused is None and meta.use_cpu_kernel:
             fused = rope_kv.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv,
                                           self.hd, want_k=bool(meta.prefills))
-            if fused is not None:  # rotated and written to the cache in one pass
-                o = paged_attention(*fused, kv[0], kv[1], meta, self.scale, self.sliding_window, kv_written=True)
-                return self.o_proj(o.reshape(t, self.nh * self.hd))
+        if fused is not None:  # rotated and written to the cache in one pass
+            o = paged_attention(*fused, kv[0], kv[1], meta, self.scale, self.sliding_window, kv_written=True,
+                                paths=paths)
+            return self.o_proj(o.reshape(t, self.nh * self.hd))
         nqk = (self.nh + self.nkv) * self.hd
         # q and k are adjacent in the fused projection: rotate them in one pass.
         # rotate_half(x) == roll(x, hd/2) * [-1.., +1..]; the sign is folded into `sin` (see init_rope).
@@ -145,27 +171,31 @@ class Attention(nn.Module):
         qk = qk * cos + torch.roll(qk, self.hd // 2, dims=-1) * sin
         q, k = qk[:, :self.nh], qk[:, self.nh:]
         v = qkv[:, nqk:].view(t, self.nkv, self.hd)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window, paths=paths)
         return self.o_proj(o.reshape(t, self.nh * self.hd))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, paths: Optional[FastPaths] = None) -> None:
         super().__init__()
+        self.fast_paths = paths
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(norm_act.silu_mul(self.gate_up_proj(x)))
+        gu = self.gate_up_proj(x)
+        ops = _triton(self.fast_paths, "silu_mul", gu)
+        act = None if ops is None else ops.silu_mul(gu)
+        return self.down_proj(act if act is not None else norm_act.silu_mul(gu))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, paths: Optional[FastPaths] = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
+        self.self_attn = Attention(args, paths)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
+        self.mlp = MLP(args, paths)
 
     def forward(self, h: torch.Tensor, delta: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                 kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,12 +210,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.args = args
+        self.fast_paths = FastPaths()  # all off: the runner's self-check turns paths on
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(args, self.fast_paths) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, self.fast_paths)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope_cos: Optional[torch.Tensor] = None
         self.rope_sin: Optional[torch.Tensor] = None
+
+    def share_fast_paths(self) -> None:
+        """Hands ``fast_paths`` to the modules swapped in after construction (quantized linears, which
+        take it through ``set_fast_paths``). The loader calls it once the weights are in place."""
+        for module in self.modules():
+            if hasattr(module, "set_fast_paths"):
+                module.set_fast_paths(self.fast_paths)
 
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         """Precompute cos/sin for positions [0, max_positions) (float32 math, stored in the model dtype)."""

@@ -267,6 +267,7 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
                              f"max_position_embeddings {max_len}")
         max_len = cfg.max_model_len
     model.init_rope(max_len, device, dtype)
+    model.share_fast_paths()
     model.eval()
     if pack and device.type == "cpu":
         pack_weights(model)

@@ -9,7 +9,9 @@ and int4 batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill 
 through our own kernels (``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's
 packed int4 layout in place) when they build. ``quantize_linear`` / ``quantize_tied_embedding`` are the loader's
 hooks for quantizing a full-precision model while it loads; saving and reloading quantized
-checkpoints is ``quant_checkpoint.py``.
+checkpoints is ``quant_checkpoint.py``. With the model's ``FastPaths.weight_only`` on (set through
+``set_fast_paths``), decode-sized batches on CUDA go through the Triton kernels of
+``kernels/triton_wo.py`` instead, which read the stored format.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sidecar.model.kernels import int4_gemv, int8_gemv
+from sidecar.model.kernels.gpu_paths import FastPaths, triton_available, triton_interpreted
 from sidecar.model.quant_format import (CHUNK_ROWS, N_ALIGN_INT4, check_quant_args, dequantize_int4,
                                         padded_in_features, quantize_weight, unpack_int4)
 
@@ -49,12 +52,33 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _ALIGN_BYTES == 0 else t.clone()
 
 
+# CPU layers keep no plain int4 codes (no Triton on CPU); tests of the Triton kernel under its
+# interpreter set this before loading a model.
+PLAIN_INT4_ON_CPU = False
+
+
+def _keeps_plain_int4(device: torch.device) -> bool:
+    """Whether an int4 layer keeps its nibble-packed codes beside the device kernel's layout, for the
+    Triton kernel: on CUDA with Triton."""
+    if device.type == "cuda":
+        return triton_available()
+    return device.type == "cpu" and PLAIN_INT4_ON_CPU and triton_interpreted()
+
+
 class _QuantLinearBase(nn.Module, metaclass=abc.ABCMeta):
+    fast_paths: Optional[FastPaths] = None  # the model's switchboard, shared by every layer
+
     def __init__(self, in_features: int, out_features: int, bias: Optional[torch.Tensor]):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.k_padded = padded_in_features(in_features)
         self.register_buffer("bias", bias)
+
+    def set_fast_paths(self, paths: Optional[FastPaths]) -> None:
+        self.fast_paths = paths
+
+    def _takes_triton(self, x2d: torch.Tensor) -> bool:
+        return self.fast_paths is not None and self.fast_paths.takes("weight_only", x2d)
 
     @abc.abstractmethod
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
@@ -99,6 +123,12 @@ class Int8Linear(_QuantLinearBase):
         self.register_buffer("scales_f32", scales.float().contiguous(), persistent=False)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self._takes_triton(x2d):
+            from sidecar.model.kernels import triton_wo
+
+            y = triton_wo.int8_matmul(x2d, self.weight, self.scales_f32)
+            if y is not None:  # None: more rows than a decode step, the fused path below
+                return y
         if x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and int8_gemv.available():
             return int8_gemv.int8_matmul(x2d, self.weight, self.scales_f32)  # decode-sized batch: our kernel
         x2d = self._fused_input(x2d)
@@ -133,6 +163,10 @@ class Int4Linear(_QuantLinearBase):
         self.register_buffer("scales_and_zeros", _aligned(sz.to(kernel_dtype(dtype, device))))
         if n_pad:
             qweight = F.pad(qweight, (0, 0, 0, n_pad))
+        # The stored nibbles as they are, for the Triton kernel (which reads scales_and_zeros too).
+        # The price: a second copy of the codes, as large as the packed weight.
+        plain = qweight.contiguous() if _keeps_plain_int4(device) else None
+        self.register_buffer("qweight_plain", plain, persistent=False)
         if device.type == "cpu":
             # Packed chunk by chunk into one preallocated buffer: the int32 codes the op takes
             # are 8x the packed size, too much scratch for a vocab-sized lm_head at once.
@@ -149,6 +183,12 @@ class Int4Linear(_QuantLinearBase):
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         sz = self.scales_and_zeros
+        if self.qweight_plain is not None and self._takes_triton(x2d):
+            from sidecar.model.kernels import triton_wo
+
+            y = triton_wo.int4_matmul(x2d, self.qweight_plain, sz, self.group_size)
+            if y is not None:  # None: more rows than a decode step, the fused path below
+                return y
         if (x2d.device.type == "cpu" and x2d.shape[0] <= int4_gemv.MAX_ROWS and sz.dtype == torch.bfloat16
                 and int4_gemv.available()):  # our kernel: bf16 layers get bf16 out, others float32
             out = torch.bfloat16 if x2d.dtype == torch.bfloat16 else torch.float32

@@ -1,0 +1,45 @@
+"""Pieces shared by the Triton kernels. Imports Triton: import it only where ``gpu_paths.triton_available()``.
+
+``mma(a, b, F32)`` is the kernels' one matrix product, accumulating in float32. With ``F32`` both operands
+are taken to float32 and multiplied at full precision (``input_precision="ieee"``: no TF32 rounding, so a
+float32 model gets float32 answers). Without it 16-bit operands go to the tensor cores as they are.
+``F32`` is also forced under the interpreter, whose ``tl.dot`` multiplies bf16 operands' raw bits as
+integers; there the operands are rounded to their 16-bit dtype first, so the interpreter sees the same
+inputs a GPU would.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from sidecar.model.kernels.gpu_paths import triton_interpreted
+
+
+@triton.jit
+def mma(a, b, F32: tl.constexpr):
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+def dot_in_f32(dtype: torch.dtype) -> bool:
+    """The ``F32`` argument of ``mma`` for operands of ``dtype``."""
+    return dtype == torch.float32 or triton_interpreted()
+
+
+@triton.jit
+def round_bf16(x):
+    """float32 -> bfloat16, rounding to nearest even (what torch does), through the bits.
+
+    ``x.to(tl.bfloat16)`` rounds so on a GPU but truncates under the interpreter; this is the same on
+    both. (A NaN whose mantissa is all ones comes out as infinity; no kernel here produces one.)"""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def narrow(x, like_ptr, BF16: tl.constexpr):
+    """float32 ``x`` in the element dtype of ``like_ptr``; ``BF16`` says that dtype is bfloat16."""
+    if BF16:
+        return round_bf16(x)
+    return x.to(like_ptr.dtype.element_ty)

@@ -1,0 +1,90 @@
+"""The Triton elementwise kernels (rope + KV write, residual add + RMSNorm, silu * up) against the torch
+references they replace."""
+import pytest
+import torch
+
+from sidecar.model.attention import write_kv
+from sidecar.model.kernels import norm_act, triton_ops
+
+# Torch rounds after every op in the model dtype; the kernels do too, so only the order of the norm's
+# float32 sum and exp / rsqrt may differ: a few float32 ulps, or one bf16 rounding step.
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=8e-3)}
+
+
+def _rope_torch(qkv, cos, sin, slots, kc, vc, nh, nkv, hd):
+    t = qkv.shape[0]
+    nqk = (nh + nkv) * hd
+    qk = qkv[:, :nqk].view(t, nh + nkv, hd)
+    qk = qk * cos + torch.roll(qk, hd // 2, dims=-1) * sin
+    q, k = qk[:, :nh], qk[:, nh:]
+    v = qkv[:, nqk:].view(t, nkv, hd)
+    write_kv(kc, vc, k, v, slots)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,nh,nkv,hd,want_k", [(1, 4, 2, 16, False), (5, 4, 4, 24, True), (3, 8, 2, 32, True)])
+def test_rope_store_kv_matches_torch(t, nh, nkv, hd, want_k, dtype, device):
+    g = torch.Generator().manual_seed(t * hd)
+    to = dict(dtype=dtype, device=device)
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=g).to(**to)
+    ang = torch.randn(t, 1, hd, generator=g)
+    sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2)))
+    cos, sin = ang.cos().to(**to), (ang.sin() * sign).to(**to)
+    bs, blocks = 4, 6
+    slots = torch.randperm(bs * blocks, generator=g)[:t].to(device)
+    kc = torch.randn(blocks, bs, nkv, hd, generator=g).to(**to)
+    vc = torch.randn(blocks, bs, nkv, hd, generator=g).to(**to)
+    kc2, vc2 = kc.clone(), vc.clone()
+    q, k, v = triton_ops.rope_store_kv(qkv, cos, sin, slots.int(), kc, vc, nh, nkv, hd, want_k)
+    rq, rk, rv = _rope_torch(qkv, cos, sin, slots, kc2, vc2, nh, nkv, hd)
+    # Products and the sum round as torch's do, and the interpreter contracts nothing: same bits here.
+    exact = dict(atol=0, rtol=0) if not torch.cuda.is_available() else TOL[dtype]
+    torch.testing.assert_close(q, rq, **exact)
+    torch.testing.assert_close(kc, kc2, **exact)  # rope(k) written at its slot, other slots untouched
+    assert torch.equal(vc, vc2)
+    assert (k is None) != want_k and (k is None or torch.equal(k, rk))
+    assert torch.equal(v, rv) and v.data_ptr() == qkv[:, (nh + nkv) * hd:].data_ptr()
+
+
+def test_rope_store_kv_skips_negative_slots_and_refuses_what_it_cannot_take(device):
+    nh, nkv, hd = 2, 1, 16
+    qkv = torch.randn(2, (nh + 2 * nkv) * hd, device=device)
+    cos, sin = torch.ones(2, 1, hd, device=device), torch.zeros(2, 1, hd, device=device)
+    kc, vc = torch.zeros(2, 4, nkv, hd, device=device), torch.zeros(2, 4, nkv, hd, device=device)
+    triton_ops.rope_store_kv(qkv, cos, sin, torch.tensor([5, -1], device=device), kc, vc, nh, nkv, hd, False)
+    assert torch.equal(kc.view(-1, hd)[5], qkv[0, nh * hd:(nh + 1) * hd])
+    assert torch.count_nonzero(kc.view(-1, hd).abs().sum(1)) == 1 and torch.count_nonzero(vc.view(-1, hd).sum(1)) == 1
+    assert triton_ops.rope_store_kv(qkv, cos.double(), sin, torch.tensor([0, 1], device=device), kc, vc,
+                                    nh, nkv, hd, False) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,dim,with_delta", [(1, 64, True), (3, 100, True), (2, 48, False)])
+def test_add_rms_norm_matches_reference(rows, dim, with_delta, dtype, device):
+    g = torch.Generator().manual_seed(rows + dim)
+    to = dict(dtype=dtype, device=device)
+    h = (torch.randn(rows, dim, generator=g) * 3).to(**to)
+    delta = torch.randn(rows, dim, generator=g).to(**to) if with_delta else None
+    w = torch.randn(dim, generator=g).to(**to)
+    out, s = triton_ops.add_rms_norm(h, delta, w, 1e-6)
+    ref_out, ref_s = norm_act.add_rms_norm_reference(h, delta, w, 1e-6)
+    assert torch.equal(s, ref_s) and (with_delta or s is h)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 16), (4, 1500)])  # 1500: two programs per row, the last one partial
+def test_silu_mul_matches_reference(rows, inter, dtype, device):
+    g = torch.Generator().manual_seed(inter)
+    gu = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype=dtype, device=device)
+    out = triton_ops.silu_mul(gu)
+    assert out.shape == (rows, inter)
+    torch.testing.assert_close(out, norm_act.silu_mul_reference(gu), **TOL[dtype])
+
+
+def test_ops_refuse_inputs_they_do_not_take(device):
+    assert triton_ops.silu_mul(torch.randn(2, 7, device=device)) is None  # odd width: no gate/up halves
+    assert triton_ops.silu_mul(torch.randn(4, 8, device=device).t()) is None
+    h = torch.randn(2, 8, device=device)
+    assert triton_ops.add_rms_norm(h, None, torch.ones(9, device=device), 1e-6) is None
