@@ -17,6 +17,7 @@ from torch import nn
 
 from sidecar.model.attention import AttentionMetadata, paged_attention
 from sidecar.model.kernels import norm_act, rope_kv
+from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.linear import Linear
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -186,6 +187,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope_cos: Optional[torch.Tensor] = None
         self.rope_sin: Optional[torch.Tensor] = None
+        # The one switchboard of device fast paths every layer reads (all off until the runner's self-check).
+        self.fast_paths = FastPaths()
 
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         """Precompute cos/sin for positions [0, max_positions) (float32 math, stored in the model dtype)."""
