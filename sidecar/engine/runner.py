@@ -12,7 +12,6 @@ import logging
 import time
 from typing import Optional, Sequence, Union
 
-import psutil
 import torch
 
 from sidecar.config import EngineConfig
@@ -50,6 +49,8 @@ def plan_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
             free, _ = torch.cuda.mem_get_info(loaded.device)
             budget = int(free * config.kv_cache_memory_fraction)
         else:
+            import psutil  # only here: the CUDA image need not ship it
+
             budget = min(int(psutil.virtual_memory().available * config.kv_cache_memory_fraction),
                          CPU_DEFAULT_KV_CAP_BYTES)
         blocks_per_seq = -(-loaded.max_model_len // config.block_size)
