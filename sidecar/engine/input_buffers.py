@@ -68,6 +68,8 @@ class DecodeInputs:
             self.buffer[i * m:(i + 1) * m] for i in range(5))
         self._tables_flat = self.buffer[self._table_off:]
         self.tables_i32 = torch.zeros(max_batch * max_blocks, dtype=torch.int32, device=device)
+        # Set after each copy on CUDA: the staging buffer is written again only once the copy has read it.
+        self._copied = None
         self.bucket = 0  # rows of the last fill (real + padded)
         self.width = 0  # table columns of the last fill
         self.num_sampled = 0
@@ -79,6 +81,8 @@ class DecodeInputs:
         if not n <= bucket <= self.max_batch or not 1 <= width <= self.max_blocks:
             raise ValueError(f"decode batch: {n} rows in a bucket of {bucket} (at most {self.max_batch}) with "
                              f"{width} table columns (at most {self.max_blocks}) does not fit the buffers")
+        if self._copied is not None:
+            self._copied.synchronize()  # normally long done: the step's results were read since
         h, m, pad = self._host, self.max_batch, bucket - n
         h[0:n] = [r.token for r in rows]
         h[m:m + n] = [r.position for r in rows]
@@ -101,6 +105,9 @@ class DecodeInputs:
         h[off + n * width:off + bucket * width] = 0
         used = off + bucket * width  # every staged value lies in this prefix
         self.buffer[:used].copy_(self.staging[:used], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         self.bucket, self.width, self.num_sampled = bucket, width, len(sample)
 
     def fill_padding(self, bucket: int, width: int) -> None:

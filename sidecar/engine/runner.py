@@ -118,6 +118,7 @@ class ModelRunner:
         self_check.run(self)
         self.capture_graphs()
 
+    @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture one decode graph per bucket when the ``cuda_graphs`` path is on (padded buckets then)."""
         self.graphs.clear()

@@ -125,18 +125,19 @@ def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[S
     fp.set_all(False)
     fp.reasons = {}
     bs, vocab = runner.block_size, runner.model.args.vocab_size
+    seqs = min(PROBE_SEQS, runner.inputs.max_batch)
     prompt_len = bs + 3  # one full block and a partial one: both block-table cases
     nb = -(-(prompt_len + DECODE_STEPS) // bs)
-    if PROBE_SEQS * nb >= runner.num_blocks or not runner.fits_decode_buffers(PROBE_SEQS, nb):
+    if seqs * nb >= runner.num_blocks or not runner.fits_decode_buffers(seqs, nb):
         for p in paths:
             fp.disable(p, "self-check: the KV pool or decode buffers are too small for the probe")
         return dict(fp.reasons)
     gen = torch.Generator().manual_seed(1234)
-    prompts = [torch.randint(0, vocab, (prompt_len - i,), generator=gen).tolist() for i in range(PROBE_SEQS)]
-    steps = [torch.randint(0, vocab, (PROBE_SEQS,), generator=gen).tolist() for _ in range(DECODE_STEPS)]
+    prompts = [torch.randint(0, vocab, (prompt_len - i,), generator=gen).tolist() for i in range(seqs)]
+    steps = [torch.randint(0, vocab, (seqs,), generator=gen).tolist() for _ in range(DECODE_STEPS)]
     tol = TOLERANCE.get(runner.dtype, 6e-2)
     passed = []
-    with _scratch_blocks(runner, PROBE_SEQS * nb) as blocks:
+    with _scratch_blocks(runner, seqs * nb) as blocks:
         ref = _probe(runner, blocks, prompts, steps)
         for name in paths:
             fp.set_all(False)
