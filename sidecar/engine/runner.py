@@ -125,7 +125,8 @@ class ModelRunner:
         self.set_decode_padding(self.fast_paths.cuda_graphs)
         if not self.fast_paths.cuda_graphs:
             return
-        reason = capture_or_none(self.graphs, self.buckets, lambda b: self.inputs.fill_padding(b, self.inputs.max_blocks))
+        reason = capture_or_none(self.graphs, self.buckets,
+                                 lambda b: self.inputs.fill_padding(b, self.inputs.max_blocks))
         if reason is not None:
             log.warning("decode graphs off: %s", reason)
             self.fast_paths.disable("cuda_graphs", reason)

@@ -49,7 +49,8 @@ def test_every_bucket_boundary(tiny_models, prompts):
     buckets = graphs.engine.runner.buckets
     seen = []
     fill = graphs.engine.runner.inputs.fill
-    graphs.engine.runner.inputs.fill = lambda rows, sample, b, w: (seen.append((len(rows), b)), fill(rows, sample, b, w))
+    graphs.engine.runner.inputs.fill = lambda rows, sample, b, w: (seen.append((len(rows), b)),
+                                                                  fill(rows, sample, b, w))
     for b in buckets:
         for n in (b, b + 1):
             if n > MAX_SEQS:
