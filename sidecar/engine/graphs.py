@@ -70,7 +70,7 @@ class DecodeGraphs:
         """Drop every graph and the pool (before capturing again under other fast-path settings)."""
         self._graphs.clear()
         self._pool = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and torch.cuda.is_initialized():  # nothing to wait for otherwise
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 

@@ -186,3 +186,20 @@ def test_model_info_proto_carries_fast_paths():
     m = pb.ModelInfo(model="m", fast_paths=["cuda_graphs"], fast_path_fallbacks={"attention": "boom"})
     back = pb.ModelInfo.FromString(m.SerializeToString())
     assert list(back.fast_paths) == ["cuda_graphs"] and dict(back.fast_path_fallbacks) == {"attention": "boom"}
+
+
+def test_failed_capture_falls_back_to_eager_decode(demo_llm, monkeypatch):
+    """A capture that raises (here: CUDA capture asked for on a machine without CUDA) turns the graphs path
+    off with its reason; decoding goes on eagerly at exact sizes with the same output."""
+    runner = demo_llm.engine.runner
+    ps = [[3, 4, 5], [6, 7, 8, 9]]
+    before = _generate(demo_llm, ps, [5, 5])
+    runner.fast_paths.cuda_graphs = True
+    monkeypatch.setattr(runner.graphs, "device", torch.device("cuda"))
+    runner.capture_graphs()
+    assert not runner.fast_paths.cuda_graphs and not runner.graphs.captured
+    assert runner.fast_path_info()["fast_path_fallbacks"]["cuda_graphs"].startswith("capture failed")
+    assert runner.buckets == list(range(1, runner.inputs.max_batch + 1))
+    monkeypatch.undo()
+    assert _generate(demo_llm, ps, [5, 5]) == before
+    assert_pool_whole(demo_llm)
