@@ -61,6 +61,9 @@ class EngineConfig:
     # Weight quantization of the draft model (draft:<model>); it otherwise loads like the target would
     # (same dtype setting) without the target's quantization.
     speculative_draft_quantization: Optional[str] = None
+    # True: the eager torch reference everywhere on the device (no CUDA graphs, no custom GPU kernels);
+    # False: the runner's start-up self-check turns on each fast path that agrees with that reference.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -108,6 +111,8 @@ class EngineConfig:
                  "speculative_token_cost", f"must be in [0, 1], got {self.speculative_token_cost!r}")
         _require(isinstance(self.speculative_max_batch, int) and self.speculative_max_batch >= 1,
                  "speculative_max_batch", f"must be an integer >= 1, got {self.speculative_max_batch!r}")
+        _require(isinstance(self.enforce_eager, bool), "enforce_eager",
+                 f"must be true or false, got {self.enforce_eager!r}")
 
 
 @dataclass

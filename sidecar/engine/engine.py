@@ -60,11 +60,10 @@ class LLMEngine:
             "dtype_reason": loaded.dtype_reason,
             "quantization": loaded.quantization or "none",
             "max_model_len": self.max_model_len,
-            "vocab_size": self.vocab_size,
-            "block_size": config.block_size,
+            "vocab_size": self.vocab_size, "block_size": config.block_size,
             "num_kv_blocks": self.kv.num_blocks,
             "prefix_caching": config.enable_prefix_caching,
-            "device": str(loaded.device),
+            "device": str(loaded.device), **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
         }
         weights = sum(t.numel() * t.element_size() for t in
                       list(loaded.model.parameters()) + list(loaded.model.buffers()))
@@ -244,6 +243,7 @@ class LLMEngine:
             "prefix_cache_hits": self.kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters, **self.structured.counters(), **self.spec.counters(),
+            "fast_path_active": self.runner.fast_path_states(),
         }
 
 

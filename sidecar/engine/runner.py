@@ -1,18 +1,27 @@
-"""ModelRunner: SchedulerOutput -> packed tensors -> model -> logits of the sampled positions."""
+"""ModelRunner: SchedulerOutput -> packed tensors -> model -> logits of the sampled positions.
+
+A pure-decode step (every scheduled request has exactly one new token, none verifies proposed tokens)
+runs through persistent input buffers (``input_buffers.py``) and, on CUDA, a captured graph per
+batch-size bucket (``graphs.py``); steps with prompt chunks or verification rows run eagerly from
+tensors built for the step. Which device fast paths the model takes is decided once at start by the
+self-check (``self_check.py``) unless ``enforce_eager``.
+"""
 from __future__ import annotations
 
 import logging
 import time
 from typing import Optional, Sequence, Union
 
-import psutil
 import torch
 
 from sidecar.config import EngineConfig
+from sidecar.engine.graphs import DecodeGraphs, capture_or_none
+from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
 from sidecar.model.attention import AttentionMetadata, PrefillSegment
+from sidecar.model.kernels.gpu_paths import PATH_NAMES, FastPaths
 from sidecar.model.loader import LoadedModel
 
 log = logging.getLogger("sidecar.engine")
@@ -40,6 +49,8 @@ def plan_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
             free, _ = torch.cuda.mem_get_info(loaded.device)
             budget = int(free * config.kv_cache_memory_fraction)
         else:
+            import psutil  # only here: the CUDA image need not ship it
+
             budget = min(int(psutil.virtual_memory().available * config.kv_cache_memory_fraction),
                          CPU_DEFAULT_KV_CAP_BYTES)
         blocks_per_seq = -(-loaded.max_model_len // config.block_size)
@@ -70,6 +81,64 @@ class ModelRunner:
         self._zeroed_upto = 0
         self._zero_blocks(0, 0)
         self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(loaded, self.block_size)
+        if getattr(self.model, "fast_paths", None) is None:
+            self.model.fast_paths = FastPaths()
+        self.fast_paths: FastPaths = self.model.fast_paths
+        self.enforce_eager = config.enforce_eager
+        self.quantized = bool(loaded.quantization)
+        max_len = min(loaded.max_model_len, self.num_blocks * self.block_size)
+        self.inputs = DecodeInputs(config.max_num_seqs, -(-max_len // self.block_size) + 1, self.block_size,
+                                   self.device)
+        self.graphs = DecodeGraphs(self._decode_step, self.device)
+        self.set_decode_padding(False)
+        if self.device.type == "cuda" or self.enforce_eager:
+            self.prepare_fast_paths()
+
+    def set_decode_padding(self, padded: bool) -> None:
+        """Bucket pure-decode batches (1, 2, 4, 8, 16, ...: what graphs need) or run them at their exact size
+        (no padding cost: the default wherever no graphs are captured)."""
+        self.buckets = decode_buckets(self.inputs.max_batch, padded)
+
+    def prepare_fast_paths(self, force_check: bool = False) -> None:
+        """Decide the device fast paths: all off with ``enforce_eager``; otherwise the self-check turns on each
+        path that agrees with the eager reference (on CUDA, or on any device when ``force_check``), then
+        decode graphs are captured for every bucket when that path survived. Call before serving."""
+        from sidecar.engine import self_check
+
+        self.graphs.clear()
+        self.fast_paths.set_all(False)
+        self.fast_paths.reasons = {}
+        self.set_decode_padding(False)
+        if self.enforce_eager:
+            for name in PATH_NAMES:
+                self.fast_paths.disable(name, "enforce_eager")
+            return
+        if not (self.device.type == "cuda" or force_check):
+            return  # on CPU our C kernels are the fast path; the device fields stay off
+        self_check.run(self)
+        self.capture_graphs()
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture one decode graph per bucket when the ``cuda_graphs`` path is on (padded buckets then)."""
+        self.graphs.clear()
+        self.set_decode_padding(self.fast_paths.cuda_graphs)
+        if not self.fast_paths.cuda_graphs:
+            return
+        reason = capture_or_none(self.graphs, self.buckets,
+                                 lambda b: self.inputs.fill_padding(b, self.inputs.max_blocks))
+        if reason is not None:
+            log.warning("decode graphs off: %s", reason)
+            self.fast_paths.disable("cuda_graphs", reason)
+            self.set_decode_padding(False)
+
+    def fast_path_states(self) -> dict[str, bool]:
+        """Every device fast path -> whether it is on (the ``sidecar_fast_path_active`` gauge)."""
+        return {name: bool(getattr(self.fast_paths, name)) for name in PATH_NAMES}
+
+    def fast_path_info(self) -> dict:
+        """``fast_paths``: the active device fast paths; ``fast_path_fallbacks``: path -> why it is off."""
+        return {"fast_paths": self.fast_paths.active(), "fast_path_fallbacks": dict(self.fast_paths.reasons or {})}
 
     def _zero_blocks(self, lo: int, hi: int) -> None:
         for k, v in self.kv_caches:
@@ -110,10 +179,54 @@ class ModelRunner:
             out.append(min(times[1:]))
         return out
 
+    def _decode_step(self, bucket: int) -> torch.Tensor:
+        return decode_step(self.model, self.kv_caches, self.inputs, bucket)
+
+    def fits_decode_buffers(self, n: int, width: int) -> bool:
+        return n <= self.inputs.max_batch and width <= self.inputs.max_blocks
+
+    @torch.inference_mode()
+    def decode_rows(self, rows: Sequence[DecodeRow], sample: Sequence[int]) -> Optional[torch.Tensor]:
+        """One decode step of ``rows`` through the persistent buffers (and a graph where captured); returns
+        the logits of rows ``sample`` (in that order), selected on the device, or None when none samples."""
+        bucket = pick_bucket(self.buckets, len(rows))
+        captured = bucket in self.graphs.captured  # a graph's tables are always max_blocks wide
+        width = self.inputs.max_blocks if captured else max(len(r.table) for r in rows)
+        self.inputs.fill(rows, sample, bucket, width)
+        hidden = self.graphs.run(bucket)
+        if not sample:
+            return None
+        return self.model.compute_logits(hidden.index_select(0, self.inputs.sample_rows[:len(sample)]))
+
+    def _execute_decode(self, sched: SchedulerOutput,
+                        kv: KVCacheManager) -> Optional[tuple[list[Request], Optional[torch.Tensor]]]:
+        """A pure-decode step through the buffers; None (nothing run) when the batch does not fit them."""
+        bs = self.block_size
+        tables = [kv.block_ids(s.request) for s in sched.scheduled]
+        if not self.fits_decode_buffers(len(tables), max(len(t) for t in tables)):
+            return None
+        rows, sample, sample_reqs = [], [], []
+        for i, (s, table) in enumerate(zip(sched.scheduled, tables)):
+            r = s.request
+            c = r.num_computed_tokens
+            rows.append(DecodeRow(r.all_token_ids[c], c, table[c // bs] * bs + c % bs, c + 1, table))
+            if s.completes_prompt:
+                sample.append(i)
+                sample_reqs.append(r)
+        max_block = max(max(t) for t in tables)
+        if max_block > self._zeroed_upto:
+            self._zero_blocks(self._zeroed_upto + 1, max_block)
+        logits = self.decode_rows(rows, sample)
+        return (sample_reqs, logits) if sample_reqs else ([], None)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], Optional[torch.Tensor]]:
         """Run one step. Returns the requests that sample this step and their logits: one row each, or
         1 + num_spec_tokens consecutive rows for a request verifying proposed tokens."""
+        if sched.scheduled and all(s.num_new_tokens == 1 and not s.num_spec_tokens for s in sched.scheduled):
+            done = self._execute_decode(sched, kv)
+            if done is not None:
+                return done
         bs = self.block_size
         # A request verifying proposed tokens joins the decode group with one query row per token, each
         # attending to its own context length: every row then goes through exactly the attention a plain

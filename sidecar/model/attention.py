@@ -45,6 +45,9 @@ class AttentionMetadata:
     # packed batch (the runner places prefill segments first).
     decode_block_tables: Optional[torch.Tensor] = None  # [Bd, max_blocks] long (padded with 0)
     decode_ctx_lens: Optional[torch.Tensor] = None  # [Bd] long: keys [0, ctx) are the row's context
+    # The same tables as int32, for device kernels indexing with 32-bit ids; set by the runner's persistent
+    # decode buffers when the attention fast path is on, None otherwise.
+    decode_block_tables_i32: Optional[torch.Tensor] = None
     use_cpu_kernel: bool = True  # False: the torch path even where the CPU kernel could run (tests, benches)
     _decode_mask: Optional[torch.Tensor] = None
 

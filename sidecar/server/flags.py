@@ -80,6 +80,8 @@ FLAGS: list[tuple[str, str, str, str]] = [
 # (flag, section, field, value stored when given, help)
 SWITCHES: list[tuple[str, str, str, bool, str]] = [
     ("--no-prefix-caching", "engine", "enable_prefix_caching", False, "disable KV prefix caching"),
+    ("--enforce-eager", "engine", "enforce_eager", True,
+     "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels"),
     ("--log-json", "server", "log_json", True, "log one JSON object per line"),
     ("--no-semantic-cache", "cache", "enabled", False, "disable the semantic cache"),
     ("--cache-allow-sampled", "cache", "allow_sampled", True, "cache answers of sampled (temperature > 0) requests"),

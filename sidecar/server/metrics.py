@@ -61,6 +61,12 @@ class _SnapshotCollector:
                       s.get("spec_decode_proposed_tokens"))
         yield counter("spec_decode_accepted_tokens", "Speculative tokens accepted by verification",
                       s.get("spec_decode_accepted_tokens"))
+        paths = s.get("fast_path_active")
+        if paths:  # which device fast paths (graphs, kernels, device sampler) the start-up self-check left on
+            fp = GaugeMetricFamily("sidecar_fast_path_active", "1 when the device fast path is on", labels=["path"])
+            for name, on in sorted(paths.items()):
+                fp.add_metric([name], 1.0 if on else 0.0)
+            yield fp
         hist = s.get("spec_decode_acceptance_hist")
         if hist:  # hist[a]: verifications that accepted exactly a proposed tokens; buckets are cumulative
             h = HistogramMetricFamily("sidecar_spec_decode_acceptance",

@@ -229,7 +229,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 vocab_size=int(i.get("vocab_size") or 0), block_size=int(i.get("block_size") or 0),
                 num_kv_blocks=int(i.get("num_kv_blocks") or 0), prefix_caching=bool(i.get("prefix_caching")),
                 embedding_model=i.get("embedding_model", ""), embedding_dimensions=i.get("embedding_dimensions", 0),
-                semantic_cache=bool(i.get("semantic_cache")), version=i["version"], device=str(i.get("device", "")))
+                semantic_cache=bool(i.get("semantic_cache")), version=i["version"], device=str(i.get("device", "")),
+                fast_paths=list(i.get("fast_paths") or ()),
+                fast_path_fallbacks=dict(i.get("fast_path_fallbacks") or {}))
         except ServiceError as err:
             await self._fail(context, err)
 

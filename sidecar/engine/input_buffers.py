@@ -1,0 +1,137 @@
+"""Persistent decode inputs: device buffers allocated once, filled in place from one host staging buffer.
+
+A pure-decode step (every row one token) reads its token ids, positions, KV slots, context lengths,
+block tables and the rows to sample from views of one int64 device buffer. The host packs all of them
+into one staging buffer (pinned on CUDA) and moves them with ONE non-blocking copy, so a step costs no
+``torch.tensor(list, device=...)`` (each a blocking copy that syncs the stream) and a captured graph
+reads the same addresses on every replay.
+
+Rows are padded up to a batch-size bucket. A padded row decodes token 0 at position 0 with a context
+of one token, writes its KV into the reserved block 0 (slot ``j % block_size`` for padded row j) and
+reads only that block; its hidden state is computed and never selected.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import NamedTuple, Sequence
+
+import torch
+
+from sidecar.model.attention import AttentionMetadata
+
+
+def decode_buckets(max_batch: int, padded: bool) -> list[int]:
+    """Batch sizes a decode step is run at. ``padded``: 1, 2, 4, 8, steps of 8 up to 64, steps of 16
+    after, and ``max_batch`` itself (what captured graphs need: few shapes); otherwise every size
+    1..max_batch (no padding: what the CPU runs, where a padded row costs its full compute)."""
+    if max_batch < 1:
+        raise ValueError(f"max_num_seqs: must be >= 1, got {max_batch}")
+    if not padded:
+        return list(range(1, max_batch + 1))
+    sizes = [1, 2, 4, 8] + list(range(16, 65, 8)) + list(range(80, max_batch + 1, 16))
+    return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def pick_bucket(buckets: Sequence[int], n: int) -> int:
+    """The smallest bucket holding ``n`` rows (``buckets`` ascending). Raises ValueError beyond the largest."""
+    i = bisect.bisect_left(buckets, n)
+    if n < 1 or i == len(buckets):
+        raise ValueError(f"decode batch: {n} rows is outside the buckets 1..{buckets[-1]}")
+    return buckets[i]
+
+
+class DecodeRow(NamedTuple):
+    token: int
+    position: int
+    slot: int
+    ctx_len: int  # keys [0, ctx_len) of the row's sequence are its context (its own token included)
+    table: list[int]  # the sequence's KV block ids (at least ceil(ctx_len / block_size) of them)
+
+
+class DecodeInputs:
+    """One int64 device buffer laid out as ids | positions | slots | ctx lens | sample rows | tables
+    (each of the first five ``max_batch`` long, the tables ``max_batch * max_blocks``), its host staging
+    twin, and an int32 copy of the tables for device kernels that index with 32-bit ids. The buffers are
+    never reallocated: their ``data_ptr``s are what captured graphs hold."""
+
+    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+        self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
+        self.device = device
+        self._table_off = 5 * max_batch
+        total = self._table_off + max_batch * max_blocks
+        pin = device.type == "cuda"
+        self.staging = torch.zeros(total, dtype=torch.long, pin_memory=pin)
+        self._host = self.staging.numpy()
+        self.buffer = torch.zeros(total, dtype=torch.long, device=device)
+        m = max_batch
+        self.ids, self.positions, self.slots, self.ctx_lens, self.sample_rows = (
+            self.buffer[i * m:(i + 1) * m] for i in range(5))
+        self._tables_flat = self.buffer[self._table_off:]
+        self.tables_i32 = torch.zeros(max_batch * max_blocks, dtype=torch.int32, device=device)
+        # Set after each copy on CUDA: the staging buffer is written again only once the copy has read it.
+        self._copied = None
+        self.bucket = 0  # rows of the last fill (real + padded)
+        self.width = 0  # table columns of the last fill
+        self.num_sampled = 0
+
+    def fill(self, rows: Sequence[DecodeRow], sample: Sequence[int], bucket: int, width: int) -> None:
+        """Stage ``rows`` padded to ``bucket`` rows with tables ``width`` columns wide (0-padded), and the
+        indices of the rows to sample; then one host->device copy. Raises ValueError when they do not fit."""
+        n, bs = len(rows), self.block_size
+        if not n <= bucket <= self.max_batch or not 1 <= width <= self.max_blocks:
+            raise ValueError(f"decode batch: {n} rows in a bucket of {bucket} (at most {self.max_batch}) with "
+                             f"{width} table columns (at most {self.max_blocks}) does not fit the buffers")
+        if self._copied is not None:
+            self._copied.synchronize()  # normally long done: the step's results were read since
+        h, m, pad = self._host, self.max_batch, bucket - n
+        h[0:n] = [r.token for r in rows]
+        h[m:m + n] = [r.position for r in rows]
+        h[2 * m:2 * m + n] = [r.slot for r in rows]
+        h[3 * m:3 * m + n] = [r.ctx_len for r in rows]
+        if pad:
+            h[n:bucket] = 0
+            h[m + n:m + bucket] = 0
+            h[2 * m + n:2 * m + bucket] = [j % bs for j in range(pad)]
+            h[3 * m + n:3 * m + bucket] = 1
+        h[4 * m:4 * m + len(sample)] = sample
+        flat: list[int] = []
+        for r in rows:
+            if len(r.table) > width:
+                raise ValueError(f"decode batch: a block table of {len(r.table)} blocks exceeds {width} columns")
+            flat.extend(r.table)
+            flat.extend([0] * (width - len(r.table)))
+        off = self._table_off
+        h[off:off + n * width] = flat
+        h[off + n * width:off + bucket * width] = 0
+        used = off + bucket * width  # every staged value lies in this prefix
+        self.buffer[:used].copy_(self.staging[:used], non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self.bucket, self.width, self.num_sampled = bucket, width, len(sample)
+
+    def fill_padding(self, bucket: int, width: int) -> None:
+        """Every row a padded row (for warm-up and capture: they touch block 0 only)."""
+        self.fill([], [], bucket, width)
+
+    def tables(self, bucket: int, width: int) -> torch.Tensor:
+        """[bucket, width] view of the int64 tables (contiguous: rows are ``width`` apart)."""
+        return self._tables_flat[:bucket * width].view(bucket, width)
+
+    def tables_int32(self, bucket: int, width: int) -> torch.Tensor:
+        """[bucket, width] int32 copy of the tables, refreshed on the device by this call."""
+        out = self.tables_i32[:bucket * width]
+        out.copy_(self._tables_flat[:bucket * width])
+        return out.view(bucket, width)
+
+
+def decode_step(model, kv_caches: list, inputs: DecodeInputs, bucket: int) -> torch.Tensor:
+    """Hidden states [bucket, H] of the rows in ``inputs``: the function decode graphs capture. It reads
+    the buffers only through views and nothing of their contents on the host (no ``.item()``, no
+    ``.tolist()``, no data-dependent shapes), so a replay computes from what the buffers hold then."""
+    meta = AttentionMetadata(slot_mapping=inputs.slots[:bucket], block_size=inputs.block_size)
+    meta.decode_block_tables = inputs.tables(bucket, inputs.width)
+    meta.decode_ctx_lens = inputs.ctx_lens[:bucket]
+    if model.fast_paths.attention:
+        meta.decode_block_tables_i32 = inputs.tables_int32(bucket, inputs.width)
+    return model(inputs.ids[:bucket], inputs.positions[:bucket], kv_caches, meta)

@@ -1,0 +1,178 @@
+"""Start-up self-check of the device fast paths against the eager torch reference.
+
+After loading and before serving, a small probe (a few short sequences: one prompt pass, then a few
+teacher-forced decode steps through the runner's decode path) runs once with every fast path off --
+the reference -- and once per fast path with only that path on. A path whose run raises, produces
+non-finite logits, logits further from the reference than the dtype's tolerance, or another greedy
+token where the reference's choice is clear, is turned off with the reason logged and recorded
+(``FastPaths.disable``); the others stay on. The survivors are then probed together once; if that run
+disagrees, all of them go off (a wrong answer is never worth the speed).
+
+The probe uses KV blocks 1..n of the pool (and the reserved block 0 for padded rows) and puts back
+their contents afterwards, so it can run at any time no request is being stepped; decode graphs it
+captures are dropped, and the runner's buckets are restored.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from sidecar.engine.input_buffers import DecodeRow, pick_bucket
+from sidecar.model.attention import AttentionMetadata, PrefillSegment
+from sidecar.model.kernels.gpu_paths import PATH_NAMES, triton_available
+
+log = logging.getLogger("sidecar.engine")
+
+PROBE_SEQS = 3
+DECODE_STEPS = 3
+# Largest |fast - reference| logit difference allowed, relative to the largest reference logit (at least 1):
+# float32 kernels differ from torch in summation order only; half precision rounds every intermediate.
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+TRITON_PATHS = ("attention", "rope_kv", "norm", "silu_mul", "weight_only")
+
+SamplerCheck = Callable[[torch.Tensor], Optional[str]]
+
+
+def default_paths(runner) -> list[str]:
+    """The paths worth checking on this runner: every model path (int8/int4 GEMM only for a quantized
+    model); the device sampler only when a check for it is given (see ``run``)."""
+    return [n for n in PATH_NAMES if n != "device_sampler" and (n != "weight_only" or runner.quantized)]
+
+
+@contextlib.contextmanager
+def _scratch_blocks(runner, num: int) -> Iterator[list[int]]:
+    """Blocks 1..num for the probe; their contents (and block 0's) are restored on exit."""
+    saved = [(k[:num + 1].clone(), v[:num + 1].clone()) for k, v in runner.kv_caches]
+    try:
+        yield list(range(1, num + 1))
+    finally:
+        for (k, v), (ks, vs) in zip(runner.kv_caches, saved):
+            k[:num + 1].copy_(ks)
+            v[:num + 1].copy_(vs)
+
+
+def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
+    """Logits [PROBE_SEQS, V] of the prompt pass and of each decode step, under the current fast paths."""
+    bs, dev = runner.block_size, runner.device
+    nb = len(blocks) // len(prompts)
+    tables = [blocks[i * nb:(i + 1) * nb] for i in range(len(prompts))]
+    ids, pos, slots, segments, last = [], [], [], [], []
+    for p, t in zip(prompts, tables):
+        segments.append(PrefillSegment(len(ids), len(p), len(p),
+                                       torch.tensor(t[:-(-len(p) // bs)], dtype=torch.long, device=dev)))
+        ids.extend(p)
+        pos.extend(range(len(p)))
+        slots.extend(t[i // bs] * bs + i % bs for i in range(len(p)))
+        last.append(len(ids) - 1)
+    as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731  (start-up only)
+    meta = AttentionMetadata(slot_mapping=as_t(slots), block_size=bs, prefills=segments)
+    hidden = runner.model(as_t(ids), as_t(pos), runner.kv_caches, meta)
+    out = [runner.model.compute_logits(hidden.index_select(0, as_t(last))).float()]
+    graphs = runner.fast_paths.cuda_graphs
+    if graphs:  # the probe's own bucket captured (and replayed) under the current kernel settings
+        runner.set_decode_padding(True)
+        bucket = pick_bucket(runner.buckets, len(prompts))
+        runner.graphs.capture([bucket], lambda b: runner.inputs.fill_padding(b, runner.inputs.max_blocks))
+    try:
+        for k, toks in enumerate(steps):
+            rows = []
+            for p, t, tok in zip(prompts, tables, toks):
+                c = len(p) + k
+                rows.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[:c // bs + 1]))
+            out.append(runner.decode_rows(rows, list(range(len(rows)))).float())
+    finally:
+        if graphs:
+            runner.graphs.clear()
+            runner.set_decode_padding(False)
+    return out
+
+
+def _disagreement(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float) -> Optional[str]:
+    for i, (g, r) in enumerate(zip(got, ref)):
+        where = "prompt pass" if i == 0 else f"decode step {i}"
+        if not bool(torch.isfinite(g).all()):
+            return f"non-finite logits in the {where}"
+        scale = max(1.0, float(r.abs().max()))
+        diff = float((g - r).abs().max())
+        if diff > tol * scale:
+            return f"logits differ from the reference by {diff:.3g} in the {where} (tolerance {tol * scale:.3g})"
+        top2 = r.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff  # no rounding within the measured error flips these
+        if bool(((g.argmax(-1) != r.argmax(-1)) & clear).any()):
+            return f"greedy token differs from the reference in the {where}"
+    return None
+
+
+def _attempt(runner, blocks, prompts, steps, ref, tol) -> Optional[str]:
+    try:
+        return _disagreement(_probe(runner, blocks, prompts, steps), ref, tol)
+    except Exception as exc:  # a failing path is switched off, never fatal
+        return f"{type(exc).__name__}: {exc}"
+
+
+@torch.inference_mode()
+def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[SamplerCheck] = None) -> dict:
+    """Check ``paths`` (default: ``default_paths``) and leave on only those that agree with the reference.
+    ``sampler_check(logits)`` checks the device sampler on reference logits (None = agrees, else the
+    reason). Returns the fallbacks: path -> reason. The runner's graphs are left uncaptured."""
+    fp = runner.fast_paths
+    paths = [p for p in (default_paths(runner) if paths is None else paths) if p in PATH_NAMES]
+    if sampler_check is not None and "device_sampler" not in paths:
+        paths.append("device_sampler")
+    fp.set_all(False)
+    fp.reasons = {}
+    bs, vocab = runner.block_size, runner.model.args.vocab_size
+    seqs = min(PROBE_SEQS, runner.inputs.max_batch)
+    prompt_len = bs + 3  # one full block and a partial one: both block-table cases
+    nb = -(-(prompt_len + DECODE_STEPS) // bs)
+    if seqs * nb >= runner.num_blocks or not runner.fits_decode_buffers(seqs, nb):
+        for p in paths:
+            fp.disable(p, "self-check: the KV pool or decode buffers are too small for the probe")
+        return dict(fp.reasons)
+    gen = torch.Generator().manual_seed(1234)
+    prompts = [torch.randint(0, vocab, (prompt_len - i,), generator=gen).tolist() for i in range(seqs)]
+    steps = [torch.randint(0, vocab, (seqs,), generator=gen).tolist() for _ in range(DECODE_STEPS)]
+    tol = TOLERANCE.get(runner.dtype, 6e-2)
+    passed = []
+    with _scratch_blocks(runner, seqs * nb) as blocks:
+        ref = _probe(runner, blocks, prompts, steps)
+        for name in paths:
+            fp.set_all(False)
+            if name in TRITON_PATHS and not triton_available():
+                reason: Optional[str] = "triton is not installed"
+            elif name == "device_sampler":
+                setattr(fp, name, True)
+                reason = _attempt_sampler(sampler_check, ref[-1])
+            else:
+                setattr(fp, name, True)
+                reason = _attempt(runner, blocks, prompts, steps, ref, tol)
+            if reason is None:
+                passed.append(name)
+            else:
+                fp.disable(name, reason)
+                log.warning("fast path %s off: %s", name, reason)
+        fp.set_all(False)
+        for name in passed:
+            setattr(fp, name, True)
+        model_paths = [p for p in passed if p != "device_sampler"]
+        if len(model_paths) > 1:
+            reason = _attempt(runner, blocks, prompts, steps, ref, tol)
+            if reason is not None:
+                for name in model_paths:
+                    fp.disable(name, f"together with {', '.join(p for p in model_paths if p != name)}: {reason}")
+                log.warning("fast paths %s off: together they disagree with the reference: %s",
+                            ", ".join(model_paths), reason)
+    log.info("fast paths on: %s", ", ".join(fp.active()) or "none")
+    return dict(fp.reasons)
+
+
+def _attempt_sampler(check: Optional[SamplerCheck], logits: torch.Tensor) -> Optional[str]:
+    if check is None:
+        return "no check for the device sampler"
+    try:
+        return check(logits)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
