@@ -217,8 +217,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope_cos: Optional[torch.Tensor] = None
         self.rope_sin: Optional[torch.Tensor] = None
-        # The one switchboard of device fast paths every layer reads (all off until the runner's self-check).
-        self.fast_paths = FastPaths()
 
     def share_fast_paths(self) -> None:
         """Hands ``fast_paths`` to the modules swapped in after construction (quantized linears, which
