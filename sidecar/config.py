@@ -18,6 +18,16 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
 
+def setting(default: Any, help: str) -> Any:
+    """A config field with its help text: the one text ``sidecar serve --help`` shows for its flag."""
+    return field(default=default, metadata={"help": help})
+
+
+def help_text(section: type, name: str) -> str:
+    """The help text of ``section``'s field ``name`` ("" when it has none)."""
+    return {f.name: f for f in dataclasses.fields(section)}[name].metadata.get("help", "")
+
+
 def _require(cond: bool, name: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"{name}: {msg}")
@@ -25,45 +35,58 @@ def _require(cond: bool, name: str, msg: str) -> None:
 
 @dataclass
 class EngineConfig:
-    model: str = DEFAULT_MODEL  # None is accepted and means the default model
-    dtype: str = "auto"
-    quantization: Optional[str] = None
-    quant_group_size: int = 128
-    quantize_lm_head: bool = False
-    block_size: int = 16
-    # KV cache budget in GiB; None = a fraction of free memory (see kv_cache_memory_fraction).
-    kv_cache_memory_gb: Optional[float] = None
-    kv_cache_memory_fraction: float = 0.3
-    # Exact number of KV blocks (overrides the memory budget; used by tests and benchmarks).
-    num_kv_blocks: Optional[int] = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: Optional[int] = None
+    # None is accepted and means the default model.
+    model: str = setting(
+        DEFAULT_MODEL,
+        "model: SmolLM2-135M-Instruct (default), a .gguf file, a local Hugging Face directory, a hub id, "
+        "or 'demo' (tiny random model)")
+    dtype: str = setting("auto", "weights/activations dtype: auto, float32, bfloat16, float16")
+    quantization: Optional[str] = setting(None, "weight-only quantization: none, int8, int4 (default: none)")
+    quant_group_size: int = setting(128, "int4 group size: 32, 64, 128, 256")
+    quantize_lm_head: bool = setting(False, "also quantize the output projection (true/false)")
+    block_size: int = setting(16, "tokens per KV block: 8, 16, 32, 64, 128")
+    kv_cache_memory_gb: Optional[float] = setting(None, "KV cache budget in GiB (default: a fraction of free memory)")
+    kv_cache_memory_fraction: float = setting(
+        0.3, "fraction of free memory for the KV cache when no GiB budget is given")
+    num_kv_blocks: Optional[int] = setting(
+        None, "exact number of KV blocks (overrides the memory budget; default: from the budget)")
+    max_num_seqs: int = setting(256, "most requests in the running batch")
+    max_num_batched_tokens: int = setting(2048, "token budget per engine step")
+    max_model_len: Optional[int] = setting(None, "context length limit (default: the model's)")
     # Bounded waiting queue: add_request raises QueueFullError beyond this.
-    max_waiting_requests: int = 1024
+    max_waiting_requests: int = setting(1024, "waiting queue bound; beyond it RESOURCE_EXHAUSTED")
     enable_prefix_caching: bool = True
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    num_threads: Optional[int] = None  # torch intra-op threads on CPU; None = torch default
-    revision: Optional[str] = None
-    demo_dir: Optional[str] = None  # where "demo" is built/reused; None = user cache dir
+    seed: int = setting(0, "engine-wide random seed")
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N")
+    num_threads: Optional[int] = setting(None, "torch intra-op threads on CPU (default: torch's choice)")
+    revision: Optional[str] = setting(None, "hub revision of the model (default: the main branch)")
+    demo_dir: Optional[str] = setting(None, "where the demo model is built/reused (default: the user cache dir)")
     # Speculative decoding: None (off) | "ngram" (prompt lookup) | "draft:<model>" (a smaller checkpoint
     # sharing the target's tokenizer proposes by decoding, with its own KV pool). num_speculative_tokens is the most
     # tokens proposed per request per step (k adapts below it); speculation is skipped in steps whose
     # running batch has at least speculative_max_batch requests, where verifying extra tokens stops paying.
-    speculative: Optional[str] = None
-    num_speculative_tokens: int = 4
-    speculative_max_batch: int = 8
+    speculative: Optional[str] = setting(
+        None,
+        "speculative decoding: none (default), ngram (prompt lookup) or draft:<model> (a smaller model "
+        "sharing the target's tokenizer proposes)")
+    num_speculative_tokens: int = setting(4, "most tokens proposed per request per step (adapts below it)")
+    speculative_max_batch: int = setting(8, "running-batch size from which a step does not speculate")
     # Extra cost of one more proposed token (verifying it, and for a draft model proposing it) relative to a
     # decode step; None = measure at start the step cost for 1..k+1 rows (GEMM kernels change algorithm
     # with the row count) and a draft step's cost. Per-request k maximises expected tokens per unit of cost.
-    speculative_token_cost: Optional[float] = None
+    speculative_token_cost: Optional[float] = setting(
+        None,
+        "extra step cost of one more proposed token (verifying it; with a draft model also proposing "
+        "it), relative to a decode step (default: measured at start)")
     # Weight quantization of the draft model (draft:<model>); it otherwise loads like the target would
     # (same dtype setting) without the target's quantization.
-    speculative_draft_quantization: Optional[str] = None
+    speculative_draft_quantization: Optional[str] = setting(
+        None, "weight quantization of the draft model: none (default), int8 or int4")
     # True: the eager torch reference everywhere on the device (no CUDA graphs, no custom GPU kernels);
     # False: the runner's start-up self-check turns on each fast path that agrees with that reference.
-    enforce_eager: bool = False
+    enforce_eager: bool = setting(
+        False, "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels "
+        "(default: each fast path the start-up self-check finds agreeing with the reference)")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -120,12 +143,12 @@ class CacheConfig:
     """Semantic (request-level) cache in front of the engine."""
 
     enabled: bool = True
-    embedding_model: str = "all-MiniLM-L6-v2"
-    threshold: float = 0.95
-    max_entries: int = 10000
-    ttl_s: float = 24 * 3600.0
-    path: Optional[str] = None  # SQLite file; None = in-memory only
-    hnsw_min_entries: int = 50000  # IndexFlatIP below this size, HNSW from here on
+    embedding_model: str = setting("all-MiniLM-L6-v2", "sentence-transformers model for the cache and Embed")
+    threshold: float = setting(0.95, "semantic cache cosine similarity threshold, (0, 1]")
+    max_entries: int = setting(10000, "semantic cache capacity (LRU beyond it)")
+    ttl_s: float = setting(24 * 3600.0, "semantic cache entry lifetime in seconds")
+    path: Optional[str] = setting(None, "SQLite file persisting the semantic cache (default: memory only)")
+    hnsw_min_entries: int = setting(50000, "entries from which the cache index is HNSW")
     allow_sampled: bool = False  # cache/serve requests with temperature > 0 by default
     guard: bool = True  # refuse semantic hits when numbers/negations/entities differ
 
@@ -141,30 +164,33 @@ class CacheConfig:
 
 @dataclass
 class ServerConfig:
-    host: str = "0.0.0.0"
-    grpc_port: int = 50051
-    http_port: int = 8000  # 0 = free port; -1 = no HTTP server
-    port_file: Optional[str] = None
+    host: str = setting("0.0.0.0", "address both servers bind")
+    grpc_port: int = setting(50051, "gRPC port; 0 picks a free port")
+    http_port: int = setting(8000, "OpenAI HTTP port; 0 picks a free port, -1 disables HTTP")
+    port_file: Optional[str] = setting(
+        None, "write {grpc_port, http_port, pid} JSON here once listening (default: none)")
     api_keys: list[str] = field(default_factory=list)  # "key" or "key:tenant"
-    api_keys_file: Optional[str] = None
-    rate_limit_rps: float = 0.0  # per key requests/s; 0 = unlimited
-    rate_limit_burst: int = 0  # bucket size; 0 = max(1, rps)
-    rate_limit_tpm: float = 0.0  # per key tokens/min (prompt + max_tokens); 0 = unlimited
-    max_message_bytes: int = 4 * 1024 * 1024
-    max_prompt_chars: int = 1_000_000
-    shutdown_timeout_s: float = 30.0
-    log_level: str = "info"
+    api_keys_file: Optional[str] = setting(None, "file with one 'key' or 'key:tenant' per line (default: none)")
+    rate_limit_rps: float = setting(0.0, "per-key requests per second; 0 = unlimited")
+    rate_limit_burst: int = setting(0, "per-key burst size; 0 = max(1, rps)")
+    rate_limit_tpm: float = setting(0.0, "per-key tokens (prompt + max_tokens) per minute; 0 = unlimited")
+    max_message_bytes: int = setting(4 * 1024 * 1024, "largest gRPC message accepted or sent")
+    max_prompt_chars: int = setting(1_000_000, "largest prompt in characters")
+    shutdown_timeout_s: float = setting(30.0, "seconds running requests may take to finish on SIGTERM")
+    log_level: str = setting("info", "debug, info, warning, error")
     log_json: bool = False
-    served_model_name: Optional[str] = None
-    max_concurrent_streams: int = 1024
+    served_model_name: Optional[str] = setting(None, "model name clients must use (default: --model)")
+    max_concurrent_streams: int = setting(1024, "HTTP/2 streams per gRPC connection")
     # A gRPC connection older than this gets GOAWAY, so clients reconnect and re-resolve
     # DNS (grpc-java re-resolves only on disconnect) and find replicas added since.
-    max_connection_age_s: float = 300.0  # 0 = never
-    max_connection_age_grace_s: float = 120.0  # calls in flight at GOAWAY get this long to finish
-    # HTTP: a request's headers, and each chunk of its body, must arrive within this many seconds.
-    http_read_timeout_s: float = 30.0
-    # Failed API-key checks per client address per minute before it is refused for a while; 0 = off.
-    auth_failures_per_min: int = 10
+    max_connection_age_s: float = setting(
+        300.0, "seconds after which a gRPC connection is closed (GOAWAY) so clients re-resolve; 0 = never")
+    max_connection_age_grace_s: float = setting(
+        120.0, "seconds calls in flight on an aged connection may take to finish")
+    http_read_timeout_s: float = setting(
+        30.0, "seconds an HTTP client may take to send a request's headers or the next chunk of its body")
+    auth_failures_per_min: int = setting(
+        10, "failed API-key checks per client address per minute before it is refused for a while; 0 = off")
 
     def __post_init__(self) -> None:
         self.validate()

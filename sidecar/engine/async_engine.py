@@ -2,12 +2,18 @@
 
 The engine thread is the only one that touches LLMEngine state. asyncio code
 talks to it through a command queue (add / abort); outputs come back through
-per-request asyncio queues via ``loop.call_soon_threadsafe``. Read-only
-facts (tokenizer, model_info, max_model_len) may be read from any thread.
+per-request asyncio queues via ``loop.call_soon_threadsafe``.
+
+Callers outside the engine thread never touch LLMEngine: ``model_info`` is a
+copy taken at construction, and ``tokenize`` / ``encode_chat`` /
+``token_strings`` run on a tokenizer of AsyncEngine's own (a copy of the
+engine's, behind a lock), so worker threads never share a tokenizer with the
+engine thread that detokenizes every step.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
@@ -15,6 +21,7 @@ import time
 from typing import Any, AsyncIterator, Optional
 
 from sidecar.config import EngineConfig
+from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.engine import LLMEngine, Prompt
 from sidecar.engine.request import RequestOutput, SamplingParams, random_request_id
 
@@ -48,6 +55,11 @@ class AsyncEngine:
         self._accepting = True
         self._stats: dict[str, Any] = engine.stats()
         self._lock = threading.Lock()
+        self._model_info: dict[str, Any] = dict(engine.model_info)  # facts fixed at load
+        # Tokenizers are not safe to share across threads; this copy serves every caller but the
+        # engine thread, one call at a time.
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
+        self._tokenizer_lock = threading.Lock()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -144,6 +156,33 @@ class AsyncEngine:
             streams, self._streams = list(self._streams.values()), {}
         for s in streams:
             s.put(EngineDeadError("engine stopped"))
+
+    # -- any thread ------------------------------------------------------------------------------------------
+    @property
+    def model_info(self) -> dict[str, Any]:
+        """A copy of the loaded model's facts (model, max_model_len, vocab_size, ...)."""
+        return dict(self._model_info)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` as the engine would tokenize it. Safe from any thread."""
+        with self._tokenizer_lock:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        """``messages`` (and OpenAI function specs ``tools``) rendered by the model's chat template, with
+        the generation prompt; raises ValueError naming the field. Safe from any thread."""
+        with self._tokenizer_lock:
+            return encode_chat(self._tokenizer, messages, tools)
+
+    @property
+    def chat_template(self) -> str:
+        """The model's chat template source ("" when it has none)."""
+        return getattr(self._tokenizer, "chat_template", None) or ""
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        """Each token id decoded on its own. Safe from any thread."""
+        with self._tokenizer_lock:
+            return [self._tokenizer.decode([i]) for i in ids]
 
     # -- asyncio API -------------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -16,9 +16,23 @@ def _marker_texts(tokenizer: Any) -> list[str]:
     return [str(getattr(t, "content", t)) for t in decoder.values()]
 
 
+def check_chat(tokenizer: Any, messages: Any) -> None:
+    """Raise ValueError naming the field when ``messages`` cannot be rendered by ``tokenizer``'s template."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages: must be a non-empty list of {role, content}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise ValueError(f"messages[{i}].content: must be a string")
+        if m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"messages[{i}].role: must be system, user, assistant or tool, got {m.get('role')!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: the model has no chat template; send a raw prompt instead")
+
+
 def encode_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
     """Token ids of ``messages`` (and ``tools``, OpenAI function specs, rendered by the template) with the
     generation prompt. Raises ValueError naming ``messages``."""
+    check_chat(tokenizer, messages)
     markers = _marker_texts(tokenizer)
     if not any(mk and mk in m["content"] for m in messages for mk in markers):
         ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)

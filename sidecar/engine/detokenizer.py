@@ -9,15 +9,24 @@ is still being written never leaks into a streamed delta.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
-
-from sidecar.engine.request import SamplingParams
+from typing import Any, Optional, Protocol, Sequence
 
 MAX_PENDING_TOKENS = 4
 
 
+class TextSettings(Protocol):
+    """What detokenizing reads of a request's SamplingParams (a Request holds its detokenizer, so this
+    module does not import request.py)."""
+
+    @property
+    def skip_special_tokens(self) -> bool: ...
+
+    @property
+    def stop(self) -> Sequence[str]: ...
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, params: TextSettings) -> None:
         self.tokenizer = tokenizer
         self.skip_special = params.skip_special_tokens
         self.stop = list(params.stop)

@@ -102,15 +102,6 @@ class LLMEngine:
     def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
         """Apply the checkpoint's chat template (with the generation prompt); ``tools`` (OpenAI function
         specs) and tool messages are passed to the template as Hugging Face defines them."""
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages: must be a non-empty list of {role, content}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}].content: must be a string")
-            if m.get("role") not in ("system", "user", "assistant", "tool"):
-                raise ValueError(f"messages[{i}].role: must be system, user, assistant or tool, got {m.get('role')!r}")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("messages: the model has no chat template; send a raw prompt instead")
         return encode_chat(self.tokenizer, messages, tools)  # content never forges turns (see chat_template)
 
     def add_request(self, request_id: Optional[str], prompt: Prompt, params: SamplingParams, priority: int = 0,

@@ -5,9 +5,15 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-from sidecar.engine.structured import to_constraint
+from sidecar.engine.structured import Constraint, to_constraint
+
+if TYPE_CHECKING:  # collaborators that keep per-request state on a Request (none imports this module)
+    import torch
+
+    from sidecar.engine.detokenizer import IncrementalDetokenizer
+    from sidecar.engine.spec.state import SpecState
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
@@ -33,8 +39,11 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at ``max_waiting_requests``; retry later."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """How to sample one request. Validated once, at construction (ValueError naming the field), and
+    immutable after: ``dataclasses.replace`` makes a changed, again validated, copy."""
+
     max_tokens: int = 64
     temperature: float = 0.0
     top_p: float = 1.0
@@ -50,20 +59,28 @@ class SamplingParams:
     logprobs: Optional[int] = None  # top-n alternatives per generated token; None = off
     skip_special_tokens: bool = True
     # Structured output: a JSON schema (dict), a regex (str), a choice list (list of str) or a
-    # sidecar.engine.structured.Constraint; normalized to a Constraint on validation.
-    structured: Any = None
+    # Constraint; always a Constraint (or None) once constructed.
+    structured: Union[Constraint, dict, str, list, None] = None
     # Per-request opt-out of speculative decoding (when the engine has it on). Output is the same
     # either way under greedy, and equally distributed under sampling.
     speculative: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.validate()
+        # Normalize the accepted shorthands (the only writes a SamplingParams ever gets), then validate.
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        self._check()
+        object.__setattr__(self, "structured", to_constraint(self.structured))
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError naming the first field that is invalid for a model with ``vocab_size`` tokens.
+        Construction already checked everything else; this only reads."""
+        for t in self.stop_token_ids:
+            if vocab_size is not None and t >= vocab_size:
+                raise ValueError(f"stop_token_ids: must be token ids in [0, vocab size), got {t!r}")
+
+    def _check(self) -> None:
         """Raise ValueError naming the first invalid field."""
         def bad(name: str, msg: str) -> None:
             raise ValueError(f"{name}: {msg}")
@@ -95,13 +112,12 @@ class SamplingParams:
             if not isinstance(s, str) or s == "":
                 bad("stop", f"stop strings must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
-            if not is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            if not is_int(t) or t < 0:
                 bad("stop_token_ids", f"must be token ids in [0, vocab size), got {t!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.speculative, bool):
             bad("speculative", f"must be true or false, got {self.speculative!r}")
-        self.structured = to_constraint(self.structured)
 
     @property
     def greedy(self) -> bool:
@@ -182,15 +198,15 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
         self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
-        # Filled by collaborators: block hashes (kv_cache), detokenizer, sampler generator.
+        # Filled by collaborators: block hashes (kv_cache), detokenizer (engine), generator (sampler).
         self.block_hashes: list[bytes] = []
-        self.detok: Any = None
-        self.generator: Any = None
+        self.detok: Optional[IncrementalDetokenizer] = None
+        self.generator: Optional[torch.Generator] = None
         # Speculative decoding: tokens proposed for this step (never part of all_token_ids, so never
         # hashed into the prefix cache) and the proposer's per-request state (engine/spec).
         self.spec_token_ids: list[int] = []
-        self.spec_draft_probs: Optional[list[Any]] = None  # a draft's q row per proposed token (sampling)
-        self.spec_state: Any = None
+        self.spec_draft_probs: Optional[list[torch.Tensor]] = None  # a draft's q row per proposed token (sampling)
+        self.spec_state: Optional[SpecState] = None
         self.text = ""
         self._emitted_tokens = 0
         self._emitted_text = 0

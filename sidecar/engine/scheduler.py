@@ -130,6 +130,24 @@ class Scheduler:
         self.num_preemptions += 1
         self._insert_waiting(victim)
 
+    def _allocate_running(self, req: Request, n: int, needed: int, scheduled: dict[str, ScheduledRequest],
+                          out: SchedulerOutput) -> int:
+        """Slots for ``n`` tokens of running ``req`` (``needed`` of them real, the rest proposed). Until they
+        fit, the proposal is dropped and then the tail of ``running`` preempted (a victim scheduled earlier
+        this step leaves ``scheduled``). Returns the tokens allocated, or 0 when ``req`` itself was preempted;
+        it was then the last running request."""
+        while not self.kv.allocate_slots(req, n):
+            if n > needed:  # drop the proposal before preempting anyone for it
+                n = needed
+                continue
+            victim = self.running[-1]
+            scheduled.pop(victim.request_id, None)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return 0
+        return n
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_batched_tokens
@@ -147,25 +165,17 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate_slots(req, n):
-                if n > needed:  # drop the proposal before preempting anyone for it
-                    n = needed
-                    continue
-                victim = self.running[-1]
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_new_tokens
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                num_spec = max(0, n - needed)
-                del req.spec_token_ids[num_spec:]
-                scheduled[req.request_id] = ScheduledRequest(req, n, num_spec)
-                budget -= n
-                i += 1
-                continue
-            # req itself was preempted; the list shifted under index i.
+            num_preempted = len(out.preempted)
+            n = self._allocate_running(req, n, needed, scheduled, out)
+            if len(out.preempted) != num_preempted:  # victims scheduled earlier gave their tokens back
+                budget = self.max_batched_tokens - sum(s.num_new_tokens for s in scheduled.values())
+            if n == 0:
+                break  # req itself was preempted: victims come from the tail, so no running request is left
+            num_spec = max(0, n - needed)
+            del req.spec_token_ids[num_spec:]
+            scheduled[req.request_id] = ScheduledRequest(req, n, num_spec)
+            budget -= n
+            i += 1
 
         # Then waiting requests, unless this step had to preempt (the pool is under pressure).
         if not out.preempted:

@@ -1,7 +1,7 @@
 """Grammar state for structured output (guided decoding), compiled and run by llguidance.
 
-A constrained request holds one ``llguidance.LLMatcher`` in ``StructuredDecoder.registry``
-(keyed by request id, also reachable as ``request.grammar``). Invariants:
+A constrained request's grammar state (its ``llguidance.LLMatcher``) lives in
+``StructuredDecoder.registry``, keyed by request id; the Request itself holds none. Invariants:
 
 - The matcher has consumed exactly the request's output tokens. Preemption keeps the output
   tokens (recompute replays them as prompt), so the matcher needs no change to survive it.

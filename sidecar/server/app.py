@@ -206,7 +206,7 @@ class Sidecar:
         if s.http_port < 0:
             return None
         try:
-            from sidecar.server.openai.api import create_app
+            from sidecar.server.openai.api import HttpSettings, create_app
         except ModuleNotFoundError as exc:
             if exc.name not in ("sidecar.server.openai", "sidecar.server.openai.api"):
                 raise
@@ -232,7 +232,8 @@ class Sidecar:
         port = sock.getsockname()[1]
         from sidecar.server.openai.limits import TimedH11Protocol
 
-        config = uvicorn.Config(create_app(self.service), log_config=None, access_log=False,
+        app = create_app(self.service, settings=HttpSettings.from_config(s, self.service.metrics))
+        config = uvicorn.Config(app, log_config=None, access_log=False,
                                 http=TimedH11Protocol.with_timeout(s.http_read_timeout_s),
                                 timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)))
         server = _Server(config)

@@ -17,6 +17,7 @@ from typing import Any
 
 from sidecar.cache.policy import CachePolicy, cache_policy
 from sidecar.config import CacheConfig
+from sidecar.engine.request import SamplingParams
 from sidecar.server.tools import tools_key
 from sidecar.server.validation import ServiceError
 
@@ -75,16 +76,17 @@ class CacheStep:
     def embedding_dim(self) -> int:
         return int(getattr(self.embedder, "dim", 0) or 0)
 
-    def plan(self, tenant: str, req: Any, model: str) -> Plan:
-        """Decide lookup/store for a request and build its cache scope."""
+    def plan(self, tenant: str, req: Any, params: SamplingParams, model: str) -> Plan:
+        """Decide lookup/store for a request and build its cache scope; ``params`` are the ones the engine
+        would run (tool grammar and fitted max_tokens included), so they key the answer."""
         # The request was validated before this step, so cache_policy's own checks cannot fail here.
-        policy = cache_policy(req.cache_control, req.params.temperature, req.cache_sampled,
+        policy = cache_policy(req.cache_control, params.temperature, req.cache_sampled,
                               self.cache is not None, self.cfg.allow_sampled)
         reason = policy.bypass_reason
         # Token-id prompts have no question text; logprobs are not stored with answers.
         if (policy.lookup or policy.store) and req.prompt_token_ids:
             policy, reason = CachePolicy(False, False, "token_ids"), "token_ids"
-        elif (policy.lookup or policy.store) and req.params.logprobs is not None:
+        elif (policy.lookup or policy.store) and params.logprobs is not None:
             policy, reason = CachePolicy(False, False, "logprobs"), "logprobs"
         if not policy.lookup:
             info = CacheInfo(status="bypass", bypass_reason=reason or "")
@@ -107,7 +109,7 @@ class CacheStep:
                 context, query = "", req.prompt
             tools = tools_key(getattr(req, "tools", None), getattr(req, "tool_choice", "none"),
                               getattr(req, "parallel_tool_calls", True))
-            scope = CacheScope(tenant=scope_tenant, model=model, settings=settings_key(req.params, tools),
+            scope = CacheScope(tenant=scope_tenant, model=model, settings=settings_key(params, tools),
                                context=context, query=query)
         return Plan(policy=policy, scope=scope, info=info)
 

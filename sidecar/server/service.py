@@ -16,15 +16,18 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from sidecar.config import SidecarConfig
-from sidecar.engine.request import QueueFullError, SamplingParams
+from sidecar.engine.request import QueueFullError, RequestOutput, SamplingParams
 from sidecar.server import tools
-from sidecar.server.cache_step import CacheInfo, CacheStep
+from sidecar.server.cache_step import CacheInfo, CacheStep, Plan
 from sidecar.server.metrics import Metrics
 from sidecar.server.security import AuthError, AuthThrottle, Authenticator, RateLimiter, load_api_keys
-from sidecar.server.validation import ServiceError, check_request, check_text, invalid, sampling_params
+from sidecar.server.validation import SAMPLING_FIELDS, ServiceError, check_request, check_text, invalid, sampling_params
+
+if TYPE_CHECKING:  # the engine (and torch) load after the servers bind, in app.py
+    from sidecar.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("sidecar.service")
 
@@ -32,6 +35,7 @@ __all__ = ["ServiceError", "Caller", "GenerationRequest", "CacheInfo", "Event", 
            "sampling_params"]
 
 QUEUE_FULL_RETRY_S = 0.5
+LOADING = "loading: the model is not ready yet"
 
 
 @dataclass
@@ -80,6 +84,81 @@ class Event:
     tool_calls: list = field(default_factory=list)  # calls completed in this event (text holds no markup)
 
 
+@dataclass
+class TokenCharge:
+    """A request's rate-limit charge: ``upfront`` tokens were taken at admission (a set max_tokens);
+    ``settle`` refunds what was not generated, or charges what was when max_tokens was defaulted."""
+    key: str
+    upfront: int
+    max_tokens_set: bool
+
+    def settle(self, limiter: RateLimiter, generated: int) -> None:
+        if self.max_tokens_set:
+            limiter.refund(self.key, self.upfront - generated)
+        else:
+            limiter.charge(self.key, generated)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admission decided for one request; the engine runs exactly this."""
+    prompt_ids: list[int]
+    params: SamplingParams  # the request's, with the tool-call grammar folded in and max_tokens fitted
+    parser: Optional[tools.ToolCallParser]  # splits tool-call markup out of the text (tool requests)
+    charge: TokenCharge
+
+
+@dataclass
+class _Progress:
+    """How far the engine got with a request, read when the request ends however it ends."""
+    generated: int = 0
+    held: bool = True  # the engine holds the request: ending now is the client's abort
+    yielded: bool = False
+
+
+def _fit_max_tokens(params: SamplingParams, max_tokens_set: bool, n_prompt: int,
+                    max_len: Optional[int]) -> SamplingParams:
+    """A max_tokens the client set must fit the context next to the prompt (400 otherwise, as
+    vLLM does); a defaulted one is lowered to the room left. With an output constraint (response
+    format, tools) the default is the room left: a schema-bound reply cut at a small default is
+    unusable, and on the OpenAI API unset means the rest of the context."""
+    if not max_len or n_prompt >= max_len:
+        return params  # the engine refuses the prompt itself, naming it
+    room = max_len - n_prompt
+    if not max_tokens_set and params.structured is not None:
+        return dataclasses.replace(params, max_tokens=room)
+    if params.max_tokens > room:
+        if max_tokens_set:
+            raise invalid("sampling.max_tokens", f"{params.max_tokens} tokens plus the prompt's {n_prompt} "
+                          f"exceed the context length of {max_len} tokens; at most {room} fit")
+        return dataclasses.replace(params, max_tokens=room)
+    return params
+
+
+async def _service_errors(stream: AsyncIterator[RequestOutput], progress: _Progress) -> AsyncIterator[RequestOutput]:
+    """``stream``'s outputs, with the engine's refusals and failures raised as ServiceErrors. A refusal
+    (before any output) means the engine never held the request."""
+    started = False
+    try:
+        async for out in stream:
+            started = True
+            yield out
+    except QueueFullError:  # before RuntimeError: it is one
+        progress.held = False
+        raise ServiceError("queue_full", "waiting queue is full; retry later",
+                           retry_after_s=QUEUE_FULL_RETRY_S) from None
+    except ValueError as exc:
+        progress.held = False
+        raise ServiceError("invalid_argument", _field_message(str(exc))) from None
+    except RuntimeError as exc:  # refusing new work while shutting down, or stopped under a request
+        progress.held = progress.held and started
+        raise ServiceError("unavailable", f"engine stopped: {exc}" if started else f"draining: {exc}") from None
+    if not started:
+        progress.held = False
+        raise ServiceError("internal", "engine produced no output")
+    raise ServiceError("internal", "engine stream ended without a finished output")
+
+
 def _ms(s: Optional[float]) -> Optional[float]:
     return None if s is None else s * 1000.0
 
@@ -93,7 +172,7 @@ class InferenceService:
 
     def __init__(self, cfg: SidecarConfig) -> None:
         self.cfg = cfg
-        self.engine: Any = None  # AsyncEngine once attached
+        self.engine: Optional[AsyncEngine] = None  # set by attach
         self.cache_step = CacheStep(None, None, cfg.cache)
         self.serving = False
         self.draining = False
@@ -107,11 +186,11 @@ class InferenceService:
         self._active_ids: set[tuple[str, str]] = set()  # (tenant, request id) of running requests
 
     # -- lifecycle ---------------------------------------------------------
-    def attach(self, engine: Any, cache: Any = None, embedder: Any = None) -> None:
+    def attach(self, engine: AsyncEngine, cache: Any = None, embedder: Any = None) -> None:
         self.engine = engine
         self.cache_step = CacheStep(cache, embedder, self.cfg.cache)
         if not self.cfg.server.served_model_name:
-            self.model_name = engine.engine.model_info.get("model") or self.cfg.engine.model
+            self.model_name = engine.model_info.get("model") or self.cfg.engine.model
         self.serving = True
 
     def begin_drain(self) -> None:
@@ -149,7 +228,21 @@ class InferenceService:
     def _check_serving(self) -> None:
         if not self.serving:
             raise ServiceError("unavailable", "draining: the sidecar is shutting down" if self.draining
-                               else "loading: the model is not ready yet")
+                               else LOADING)
+
+    def check_loaded(self) -> None:
+        """Raise ``unavailable`` until the model has loaded (it stays loaded while draining)."""
+        if self.engine is None:
+            raise ServiceError("unavailable", LOADING)
+
+    def _engine(self) -> AsyncEngine:
+        """The engine, for a request that passed ``_check_serving``."""
+        if self.engine is None:
+            raise ServiceError("unavailable", LOADING)
+        return self.engine
+
+    def _model_info(self) -> dict:
+        return self.engine.model_info if self.engine is not None else {}
 
     def _rate_limit(self, caller: Caller, tokens: int) -> None:
         wait = self.limiter.acquire(caller.key_id or "anonymous", tokens)
@@ -160,139 +253,135 @@ class InferenceService:
             raise ServiceError("rate_limited", f"rate limit exceeded; retry in {wait:.3f}s", retry_after_s=wait)
 
     # -- generation ----------------------------------------------------------
+    # One request runs three phases with explicit data between them:
+    #   _admit (validate, encode, fit, charge)  -> Admission
+    #   _answer_from_cache (plan, lookup)       -> a cached Event, or None to go on
+    #   _run_engine (stream, record, store)     -> Events
+    # However a request ends, its rate-limit charge is settled once and the engine stream closed.
+
+    async def generate(self, caller: Caller, req: GenerationRequest) -> AsyncIterator[Event]:
+        """The request's events, the last one ``finished``; raises ServiceError on refusal or failure.
+        ``req`` is only read."""
+        arrival = time.monotonic()  # queue time and TTFT count from here, as clients see them
+        admission = await self._admit(caller, req)
+        rid = self._new_id(req.request_id, caller.tenant)
+        plan = self.cache_step.plan(caller.tenant, req, admission.params, self.model_name)
+        cached = await self._answer_from_cache(caller, req, rid, plan, admission)
+        if cached is not None:
+            yield cached
+            return
+        async for ev in self._run_engine(caller, req, rid, plan, admission, arrival):
+            yield ev
+
+    async def _admit(self, caller: Caller, req: GenerationRequest) -> Admission:
+        """Validate ``req``, encode its prompt, settle its sampling parameters and charge the caller's
+        rate limit. Nothing is held yet when this raises."""
+        self._check_serving()
+        info = self._model_info()
+        check_request(req, self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
+        is_chat = req.messages is not None
+        parser = tools.ToolCallParser() if is_chat and tools.uses_tools(req) else None
+        params = req.params
+        if is_chat and req.tools is not None:
+            tools.check_tools(req.tools, req.tool_choice)
+            params = tools.chat_params(req)
+        prompt = await asyncio.to_thread(self._encode, req)
+        params = _fit_max_tokens(params, req.max_tokens_set, len(prompt), info.get("max_model_len"))
+        # A set max_tokens is charged up front and what is not generated refunded at the end; a
+        # defaulted one (the rest of the context) is charged as generated, after the fact.
+        charge = TokenCharge(caller.key_id or "anonymous", params.max_tokens if req.max_tokens_set else 0,
+                             req.max_tokens_set)
+        self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
+        return Admission(prompt_ids=prompt, params=params, parser=parser, charge=charge)
+
     def _encode(self, req: GenerationRequest) -> list[int]:
         """Prompt token ids (run in a worker thread: tokenizing a long prompt must not hold the loop)."""
-        eng = self.engine.engine
         if req.messages is not None:
             try:
-                return list(tools.chat_prompt(eng, req))
+                return tools.chat_prompt(self._engine(), req)
             except ValueError as exc:
                 raise ServiceError("invalid_argument", str(exc), field="messages") from None
         if req.prompt_token_ids is not None:
             return list(req.prompt_token_ids)
-        return list(eng.tokenizer.encode(req.prompt, add_special_tokens=True))
+        return self._engine().tokenize(req.prompt or "", add_special_tokens=True)
 
-    def _fit_max_tokens(self, req: GenerationRequest, n_prompt: int) -> None:
-        """A max_tokens the client set must fit the context next to the prompt (400 otherwise, as
-        vLLM does); a defaulted one is lowered to the room left. With an output constraint (response
-        format, tools) the default is the room left: a schema-bound reply cut at a small default is
-        unusable, and on the OpenAI API unset means the rest of the context."""
-        max_len = self.engine.engine.model_info.get("max_model_len")
-        if not max_len or n_prompt >= max_len:
-            return  # the engine refuses the prompt itself, naming it
-        room = max_len - n_prompt
-        if not req.max_tokens_set and req.params.structured is not None:
-            req.params = dataclasses.replace(req.params, max_tokens=room)
-        elif req.params.max_tokens > room:
-            if req.max_tokens_set:
-                raise invalid("sampling.max_tokens", f"{req.params.max_tokens} tokens plus the prompt's {n_prompt} "
-                              f"exceed the context length of {max_len} tokens; at most {room} fit")
-            req.params = dataclasses.replace(req.params, max_tokens=room)
-
-    async def generate(self, caller: Caller, req: GenerationRequest) -> AsyncIterator[Event]:
-        arrival = time.monotonic()  # queue time and TTFT count from here, as clients see them
-        self._check_serving()
-        info = self.engine.engine.model_info
-        check_request(req, self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
-        parser = tools.ToolCallParser() if req.messages is not None and tools.uses_tools(req) else None
-        if req.messages is not None and req.tools is not None:
-            tools.check_tools(req.tools, req.tool_choice)
-            req.params = tools.chat_params(req)
-        prompt = await asyncio.to_thread(self._encode, req)
-        self._fit_max_tokens(req, len(prompt))
-        key = caller.key_id or "anonymous"
-        # A set max_tokens is charged up front and what is not generated refunded at the end; a
-        # defaulted one (the rest of the context) is charged as generated, after the fact.
-        upfront = req.params.max_tokens if req.max_tokens_set else 0
-        self._rate_limit(caller, len(prompt) + upfront if self.limiter.tpm > 0 else 0)
-        generated = 0
-
-        plan = self.cache_step.plan(caller.tenant, req, self.model_name)
+    async def _answer_from_cache(self, caller: Caller, req: GenerationRequest, rid: str, plan: Plan,
+                                 admission: Admission) -> Optional[Event]:
+        """The cached answer to ``req``, or None when the engine must generate it. A cached answer costs
+        no tokens (the up-front charge is refunded); ``cache_control=only`` turns a miss into an error."""
         hit = await self.cache_step.lookup(plan) if plan.policy.lookup else None
-        rid = self._new_id(req.request_id, caller.tenant)
-        if hit is not None:
-            self.limiter.refund(key, upfront)
-            log.info("request answered from the semantic cache", extra={
-                "request_id": rid, "tenant": caller.tenant, "kind": hit.kind, "similarity": round(hit.similarity, 4)})
-            ev = self._replay(rid, hit, plan.lookup_ms)
-            yield tools.split_event(ev, parser) if parser else ev
-            return
-        if req.cache_control == "only":
-            self.limiter.refund(key, upfront)
+        if hit is None and req.cache_control != "only":
+            return None
+        self.limiter.refund(admission.charge.key, admission.charge.upfront)
+        if hit is None:
             raise ServiceError("cache_miss", "semantic cache miss")
+        log.info("request answered from the semantic cache", extra={
+            "request_id": rid, "tenant": caller.tenant, "kind": hit.kind, "similarity": round(hit.similarity, 4)})
+        ev = self._replay(rid, hit, plan.lookup_ms)
+        return tools.split_event(ev, admission.parser) if admission.parser else ev
 
+    async def _run_engine(self, caller: Caller, req: GenerationRequest, rid: str, plan: Plan,
+                          admission: Admission, arrival: float) -> AsyncIterator[Event]:
+        """Generate in the engine and turn its outputs into events. The first event, the last one and
+        every one that carries text or tokens are yielded."""
         salt_parts = [p for p in (caller.tenant, req.cache_salt) if p]
-        cache_salt = "\x1f".join(salt_parts) if salt_parts else None
         deadline = time.monotonic() + req.timeout_s if req.timeout_s is not None else None
         # Ids are scoped per tenant: the engine gets its own unique id, so a caller reusing another
         # tenant's in-flight id neither collides with it nor learns that it exists.
         engine_id = f"{uuid.uuid4().hex[:16]}:{rid}"[:128]
         self._active_ids.add((caller.tenant, rid))
-        stream = self.engine.generate(prompt, req.params, request_id=engine_id, priority=req.priority,
-                                      cache_salt=cache_salt, deadline=deadline, arrival_time=arrival,
-                                      tenant=caller.tenant)
-        first = True
-        queued = True  # the engine holds the request; ending without a final output is an abort
+        stream = self._engine().generate(
+            admission.prompt_ids, admission.params, request_id=engine_id, priority=req.priority,
+            cache_salt="\x1f".join(salt_parts) if salt_parts else None, deadline=deadline, arrival_time=arrival,
+            tenant=caller.tenant)
+        progress = _Progress()
+        outputs = _service_errors(stream, progress)
         try:
-            try:
-                out = await stream.__anext__()
-            except ValueError as exc:
-                queued = False
-                raise ServiceError("invalid_argument", _field_message(str(exc))) from None
-            except QueueFullError:
-                queued = False
-                raise ServiceError("queue_full", "waiting queue is full; retry later",
-                                   retry_after_s=QUEUE_FULL_RETRY_S) from None
-            except RuntimeError as exc:  # engine refuses new work while shutting down
-                queued = False
-                raise ServiceError("unavailable", f"draining: {exc}") from None
-            except StopAsyncIteration:
-                queued = False
-                raise ServiceError("internal", "engine produced no output") from None
-            while True:
-                generated = len(out.token_ids)
-                if out.finished and out.finish_reason == "abort":
-                    queued = False
-                    self.metrics.success.labels(finish_reason="abort").inc()
-                    if out.abort_reason == "deadline":
-                        raise ServiceError("deadline_exceeded", "deadline exceeded; request aborted")
-                    if out.abort_reason == "shutdown":
-                        raise ServiceError("unavailable", "draining: request aborted at shutdown")
-                    raise ServiceError("internal", f"request aborted: {out.abort_reason}")
-                ev = self._event(rid, out, plan.info)
-                if parser is not None:
-                    tools.split_event(ev, parser)
+            async for out in outputs:
+                progress.generated = len(out.token_ids)
                 if out.finished:
-                    queued = False
-                    self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s,
-                                                  len(out.token_ids))
-                    if plan.policy.store and out.finish_reason in ("stop", "length"):
-                        self.cache_step.store_later(plan, out)
-                    log.info("request finished", extra={
-                        "request_id": rid, "tenant": caller.tenant, "finish_reason": out.finish_reason,
-                        "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                        "cached_tokens": out.num_cached_tokens, "ttft_ms": _round_ms(out.ttft_s),
-                        "e2e_ms": _round_ms(out.e2e_s), "cache": plan.info.status})
-                if first or out.finished or out.new_token_ids or out.delta_text:
-                    first = False
+                    progress.held = False
+                    self._refuse_aborted(out)
+                ev = self._event(rid, out, plan.info)
+                if admission.parser is not None:
+                    tools.split_event(ev, admission.parser)
+                if out.finished:
+                    self._record_finished(caller, rid, out, plan)
+                if not progress.yielded or out.finished or out.new_token_ids or out.delta_text:
+                    progress.yielded = True
                     yield ev
                 if out.finished:
                     return
-                try:
-                    out = await stream.__anext__()
-                except StopAsyncIteration:
-                    raise ServiceError("internal", "engine stream ended without a finished output") from None
-                except RuntimeError as exc:  # engine stopped under a running request
-                    raise ServiceError("unavailable", f"engine stopped: {exc}") from None
         finally:
-            if queued:  # the client left (cancel, disconnect, closed stream): the engine aborts it
+            if progress.held:  # the client left (cancel, disconnect, closed stream): the engine aborts it
                 self.metrics.success.labels(finish_reason="abort").inc()
             self._active_ids.discard((caller.tenant, rid))
-            if req.max_tokens_set:
-                self.limiter.refund(key, upfront - generated)
-            else:
-                self.limiter.charge(key, generated)
+            admission.charge.settle(self.limiter, progress.generated)
+            await outputs.aclose()
             await stream.aclose()
+
+    def _refuse_aborted(self, out: RequestOutput) -> None:
+        """An engine-side abort (deadline, shutdown, error) ends the request with its ServiceError."""
+        if out.finish_reason != "abort":
+            return
+        self.metrics.success.labels(finish_reason="abort").inc()
+        if out.abort_reason == "deadline":
+            raise ServiceError("deadline_exceeded", "deadline exceeded; request aborted")
+        if out.abort_reason == "shutdown":
+            raise ServiceError("unavailable", "draining: request aborted at shutdown")
+        raise ServiceError("internal", f"request aborted: {out.abort_reason}")
+
+    def _record_finished(self, caller: Caller, rid: str, out: RequestOutput, plan: Plan) -> None:
+        """Metrics and the log line of a finished request; a cacheable answer is stored off the response
+        path."""
+        self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s, len(out.token_ids))
+        if plan.policy.store and out.finish_reason in ("stop", "length"):
+            self.cache_step.store_later(plan, out)
+        log.info("request finished", extra={
+            "request_id": rid, "tenant": caller.tenant, "finish_reason": out.finish_reason,
+            "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
+            "cached_tokens": out.num_cached_tokens, "ttft_ms": _round_ms(out.ttft_s),
+            "e2e_ms": _round_ms(out.e2e_s), "cache": plan.info.status})
 
     def _new_id(self, wanted: Optional[str], tenant: str) -> str:
         base = wanted or f"req-{uuid.uuid4().hex[:16]}"
@@ -321,22 +410,21 @@ class InferenceService:
                             similarity=float(hit.similarity), matched_query=hit.matched_query))
 
     # -- other calls ---------------------------------------------------------
-    async def embed(self, caller: Caller, inputs: list[str]) -> tuple[list[list[float]], int]:
+    def check_embedding_model(self, name: Optional[str]) -> None:
+        """Embeddings answer to the embedder's name, the configured embedding model and the served model's
+        name (clients that send their chat model's name); empty means the default."""
+        known = self.cache_step.embedding_model_name()
+        if name and name not in (known, self.cfg.cache.embedding_model, self.model_name):
+            raise ServiceError("not_found", f"model: unknown embedding model {name!r}; embeddings come from "
+                               f"{known or self.cfg.cache.embedding_model!r}", field="model")
+
+    async def embed(self, caller: Caller, inputs: list[str],
+                    model: Optional[str] = None) -> tuple[list[list[float]], int]:
+        """Embedding vectors of ``inputs`` and their token count; ``model`` must name the embedding model
+        (see ``check_embedding_model``)."""
         self._check_serving()
-        if not isinstance(inputs, list) or not inputs:
-            raise ServiceError("invalid_argument", "inputs: at least one text is required", field="inputs")
-        if len(inputs) > 256:
-            raise ServiceError("invalid_argument", f"inputs: at most 256 texts, got {len(inputs)}", field="inputs")
-        limit = self.cfg.server.max_prompt_chars
-        chars = 0
-        for i, t in enumerate(inputs):
-            if not isinstance(t, str) or not t.strip():
-                raise ServiceError("invalid_argument", f"inputs[{i}]: must be a non-empty string", field="inputs")
-            check_text(f"inputs[{i}]", t)
-            chars += len(t)
-        if chars > limit:  # the same bound prompts have: tokenizing is linear but not free
-            raise ServiceError("invalid_argument", f"inputs: {chars} characters in total, more than {limit}",
-                               field="inputs")
+        self.check_embedding_model(model)
+        _check_inputs(inputs, self.cfg.server.max_prompt_chars)
         embedder = await self.cache_step.get_embedder()
         n_tokens = await asyncio.to_thread(embedder.count_tokens, inputs)
         self._rate_limit(caller, n_tokens)
@@ -349,31 +437,15 @@ class InferenceService:
         prompt limits and rate limits as generation; the tokenizer runs in a worker thread, so a huge
         text never holds the event loop."""
         self._check_serving()
-        eng = self.engine.engine
-        limit = self.cfg.server.max_prompt_chars
-        if text and messages:
-            raise ServiceError("invalid_argument", "text: set either text or messages, not both", field="text")
-        if messages:  # roles and order are the template's business (encode_chat checks them)
-            for i, m in enumerate(messages):
-                check_text(f"messages[{i}].content", m["content"])
-            chars = sum(len(m["content"]) for m in messages)
-            if chars > limit:
-                raise invalid("messages", f"total content is {chars} characters, more than {limit}")
-            if tool_specs:
-                tools.check_tools(tool_specs, "auto")
-        elif not text:
-            raise ServiceError("invalid_argument", "text: set text or messages", field="text")
-        else:
-            check_text("text", text)
-            if len(text) > limit:
-                raise invalid("text", f"{len(text)} characters, more than {limit}")
+        _check_tokenize_input(text, messages, tool_specs, self.cfg.server.max_prompt_chars)
+        engine = self._engine()
 
         def work() -> tuple[list[int], list[str]]:
             if messages:
-                ids = list(tools.chat_prompt(eng, GenerationRequest(messages=messages, tools=tool_specs)))
+                ids = tools.chat_prompt(engine, GenerationRequest(messages=messages, tools=tool_specs))
             else:
-                ids = list(eng.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-            return ids, self.token_strings(ids)
+                ids = engine.tokenize(text or "", add_special_tokens=add_special_tokens)
+            return ids, engine.token_strings(ids)
 
         try:
             ids, strings = await asyncio.to_thread(work)
@@ -383,13 +455,14 @@ class InferenceService:
         return ids, strings
 
     def token_strings(self, ids: list[int]) -> list[str]:
-        tok = self.engine.engine.tokenizer
-        return [tok.decode([i]) for i in ids]
+        return self._engine().token_strings(ids)
 
     def model_info(self) -> dict:
-        info = dict(self.engine.engine.model_info) if self.engine is not None else {}
+        """The model's facts plus the service's: served name, version, semantic cache, embedding model
+        (only the service's part before the model has loaded)."""
         from sidecar import __version__
 
+        info = self._model_info()
         info.update(model=self.model_name, version=__version__, semantic_cache=self.cache_step.cache is not None,
                     embedding_model=self.cache_step.embedding_model_name(),
                     embedding_dimensions=self.cache_step.embedding_dim())
@@ -407,9 +480,47 @@ class InferenceService:
         return s
 
 
+def _check_inputs(inputs: Any, max_chars: int) -> None:
+    """Texts to embed: 1 to 256 non-empty strings, at most ``max_chars`` in total (the bound prompts
+    have: tokenizing is linear but not free)."""
+    if not isinstance(inputs, list) or not inputs:
+        raise ServiceError("invalid_argument", "inputs: at least one text is required", field="inputs")
+    if len(inputs) > 256:
+        raise ServiceError("invalid_argument", f"inputs: at most 256 texts, got {len(inputs)}", field="inputs")
+    chars = 0
+    for i, t in enumerate(inputs):
+        if not isinstance(t, str) or not t.strip():
+            raise ServiceError("invalid_argument", f"inputs[{i}]: must be a non-empty string", field="inputs")
+        check_text(f"inputs[{i}]", t)
+        chars += len(t)
+    if chars > max_chars:
+        raise ServiceError("invalid_argument", f"inputs: {chars} characters in total, more than {max_chars}",
+                           field="inputs")
+
+
+def _check_tokenize_input(text: Optional[str], messages: Optional[list[dict]], tool_specs: Optional[list],
+                          max_chars: int) -> None:
+    """Exactly one of ``text`` and ``messages``, within the prompt limit; roles and order are the
+    template's business (encode_chat checks them)."""
+    if text and messages:
+        raise ServiceError("invalid_argument", "text: set either text or messages, not both", field="text")
+    if messages:
+        for i, m in enumerate(messages):
+            check_text(f"messages[{i}].content", m["content"])
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > max_chars:
+            raise invalid("messages", f"total content is {chars} characters, more than {max_chars}")
+        if tool_specs:
+            tools.check_tools(tool_specs, "auto")
+    elif not text:
+        raise ServiceError("invalid_argument", "text: set text or messages", field="text")
+    else:
+        check_text("text", text)
+        if len(text) > max_chars:
+            raise invalid("text", f"{len(text)} characters, more than {max_chars}")
+
+
 def _field_message(msg: str) -> str:
     """Engine errors name SamplingParams fields bare; the wire names them under ``sampling.``."""
-    from sidecar.server.validation import SAMPLING_FIELDS
-
     name = msg.split(":", 1)[0]
     return f"sampling.{msg}" if name in SAMPLING_FIELDS else msg

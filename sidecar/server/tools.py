@@ -12,10 +12,13 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sidecar.engine.structured import Constraint
 from sidecar.server.validation import invalid
+
+if TYPE_CHECKING:
+    from sidecar.engine.async_engine import AsyncEngine
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
@@ -254,13 +257,13 @@ def uses_tools(req: Any) -> bool:
     return bool(req.tools) and req.tool_choice != "none"
 
 
-def chat_prompt(engine: Any, req: Any) -> list[int]:
+def chat_prompt(engine: AsyncEngine, req: Any) -> list[int]:
     """Render a chat request's messages (and tools) with the model's template, or the default one."""
     has_tool_messages = any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)
     tools = req.tools if uses_tools(req) else None
     if not tools and not has_tool_messages:
         return engine.encode_chat(req.messages)
-    template = getattr(engine.tokenizer, "chat_template", None) or ""
+    template = engine.chat_template
     msgs, tpl_tools = render_messages(req.messages, tools, "tools" in template and "tool_calls" in template)
     return engine.encode_chat(msgs, tools=tpl_tools)
 

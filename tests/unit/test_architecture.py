@@ -45,6 +45,11 @@ BENCH_COMPONENT_IMPORTS = {
 }
 MAX_LINES = 320
 SIZE_CAPPED = ("engine", "model")
+# The server reaches the engine through AsyncEngine only: LLMEngine is single-threaded and owned by
+# AsyncEngine's thread, so nothing on the asyncio side may hold it.
+SERVER_FORBIDDEN = {"sidecar.engine.engine"}
+# A server function reads as one step of the request path: longer ones hide phases.
+MAX_SERVER_FUNCTION_LINES = 60
 
 
 class Edge(NamedTuple):
@@ -170,6 +175,52 @@ def oversized(root: Path) -> list[str]:
     return out
 
 
+def server_forbidden_imports(edges: list[Edge]) -> list[str]:
+    return [f"{e} (the server talks to sidecar.engine.async_engine only)"
+            for e in edges if layer(e.src) == "server" and e.dst in SERVER_FORBIDDEN]
+
+
+def long_functions(root: Path, package: str = "server", limit: int = MAX_SERVER_FUNCTION_LINES) -> list[str]:
+    """Every function (methods and nested ones too) under sidecar/<package> longer than ``limit`` lines,
+    decorators and docstring included."""
+    out = []
+    for path in sorted((root / "sidecar" / package).rglob("*.py")):
+        rel = path.relative_to(root)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(rel))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                n = node.end_lineno - first + 1
+                if n > limit:
+                    out.append(f"{rel}:{node.lineno} {node.name}: {n} lines (limit {limit}; split it into steps)")
+    return out
+
+
+def getattr_chains(root: Path, package: str) -> list[str]:
+    """``getattr(getattr(...), ...)``: an untyped reach through collaborators."""
+    out = []
+    for path in sorted((root / "sidecar" / package).rglob("*.py")):
+        rel = path.relative_to(root)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(rel))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                    and node.args and isinstance(node.args[0], ast.Call)
+                    and isinstance(node.args[0].func, ast.Name) and node.args[0].func.id == "getattr"):
+                out.append(f"{rel}:{node.lineno}")
+    return out
+
+
+def any_fields(path: Path, classes: tuple[str, ...]) -> list[str]:
+    """Fields of ``classes`` annotated with ``Any`` (class-level annotations and ``self.x: ...`` ones)."""
+    out = []
+    for cls in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not (isinstance(cls, ast.ClassDef) and cls.name in classes):
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, ast.AnnAssign) and any(
+                    isinstance(n, ast.Name) and n.id == "Any" for n in ast.walk(node.annotation)):
+                out.append(f"{cls.name}.{ast.unparse(node.target)}: {ast.unparse(node.annotation)}")
+    return out
+
+
 # ---------------------------------------------------------------- the real package
 
 def test_no_upward_imports_between_layers():
@@ -185,6 +236,26 @@ def test_no_import_cycles_between_modules():
 def test_engine_and_model_files_stay_small():
     big = oversized(ROOT)
     assert not big, "\n".join(big)
+
+
+def test_server_never_imports_the_engine_core():
+    bad = server_forbidden_imports(list(imports(ROOT)))
+    assert not bad, "\n".join(bad)
+
+
+def test_server_functions_stay_short():
+    long = long_functions(ROOT)
+    assert not long, "\n".join(long)
+
+
+def test_openai_transport_reaches_collaborators_through_types_not_getattr_chains():
+    found = getattr_chains(ROOT, "server")
+    assert not found, "getattr chains at " + ", ".join(found)
+
+
+def test_request_state_is_typed():
+    found = any_fields(ROOT / "sidecar" / "engine" / "request.py", ("Request", "SamplingParams"))
+    assert not found, "fields typed Any: " + ", ".join(found)
 
 
 def test_benchmarks_never_import_the_engine_or_the_server():
@@ -212,7 +283,7 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
-def test_checks_name_a_planted_upward_import_cycle_and_oversized_file(tmp_path):
+def test_checks_name_planted_violations(tmp_path):
     root = _tree(tmp_path, {
         "sidecar/__init__.py": "",
         "sidecar/config.py": "",
@@ -223,6 +294,11 @@ def test_checks_name_a_planted_upward_import_cycle_and_oversized_file(tmp_path):
         "sidecar/engine/scheduler.py": "def g():\n    import sidecar.engine.runner\n",
         "sidecar/bench/__init__.py": "",
         "sidecar/bench/prefix.py": "from sidecar.engine.engine import LLMEngine\nfrom sidecar import LLM\n",
+        "sidecar/engine/engine.py": "",
+        "sidecar/engine/request.py": "class Request:\n    def __init__(self):\n        self.detok: Optional[Any] = None\n",
+        "sidecar/server/__init__.py": "",
+        "sidecar/server/service.py": ("from sidecar.engine import engine\n\n\ndef f(s):\n"
+                                      "    return getattr(getattr(s, 'cfg'), 'x')\n" + "    pass\n" * 59),
     })
     edges = list(imports(root))
     up = upward_imports(edges)
@@ -235,3 +311,8 @@ def test_checks_name_a_planted_upward_import_cycle_and_oversized_file(tmp_path):
         "sidecar/engine/scheduler.py:2 imports sidecar.engine.runner"]
     assert oversized(root) == [f"sidecar/engine/runner.py: {MAX_LINES + 1} lines (limit {MAX_LINES}; "
                                "split it by responsibility)"]
+    assert server_forbidden_imports(edges) == ["sidecar/server/service.py:1 imports sidecar.engine.engine "
+                                               "(the server talks to sidecar.engine.async_engine only)"]
+    assert long_functions(root) == ["sidecar/server/service.py:4 f: 61 lines (limit 60; split it into steps)"]
+    assert getattr_chains(root, "server") == ["sidecar/server/service.py:5"]
+    assert any_fields(root / "sidecar/engine/request.py", ("Request",)) == ["Request.self.detok: Optional[Any]"]

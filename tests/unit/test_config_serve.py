@@ -113,3 +113,18 @@ def test_port_in_use_is_a_one_line_error(flag):
     name = flag[2:].replace("-", "_")
     assert r.stderr.strip().splitlines()[-1].startswith(f"sidecar serve: error: {name}: cannot bind 127.0.0.1:{port}")
     assert "Traceback" not in r.stderr
+
+
+def test_each_flag_shows_its_settings_own_help_text():
+    from sidecar.config import help_text
+    from sidecar.server.flags import FLAGS
+
+    sections = {"engine": EngineConfig, "cache": CacheConfig, "server": ServerConfig}
+    p = argparse.ArgumentParser()
+    add_config_arguments(p)
+    shown = {a.option_strings[0]: a.help for a in p._actions if a.option_strings}
+    for flag, section, name in FLAGS:
+        text = help_text(sections[section], name)
+        assert text, f"{section}.{name} has no help text"
+        assert shown[flag].startswith(text), flag
+    assert "KV block" in help_text(EngineConfig, "block_size")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 import time
 
 import pytest
@@ -11,6 +13,7 @@ from sidecar.config import EngineConfig
 from sidecar.engine.async_engine import AsyncEngine
 from sidecar.engine.engine import LLMEngine
 from sidecar.engine.request import QueueFullError
+from sidecar.engine.structured import Constraint
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +48,15 @@ def test_bad_input_raises_value_error_naming_field(llm, prompt, params, field):
     assert pool_whole(llm.engine)
 
 
-def test_bad_sampling_params_rejected_before_queueing(llm):
-    p = SamplingParams()
-    p.temperature = -1.0  # mutated after construction
+def test_sampling_params_are_validated_once_and_immutable(llm):
+    p = SamplingParams(stop="x", structured=["yes", "no"])
+    assert p.stop == ["x"] and p.structured == Constraint("choice", ["yes", "no"])  # normalized once
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = -1.0  # a queued request's parameters cannot change under it
     with pytest.raises(ValueError, match="temperature"):
-        llm.engine.add_request(None, "hello", p)
+        dataclasses.replace(p, temperature=-1.0)  # a changed copy is validated again
+    with pytest.raises(ValueError, match="stop_token_ids"):  # the model's vocabulary is checked on add
+        llm.engine.add_request(None, "hello", SamplingParams(stop_token_ids=[llm.engine.vocab_size]))
     assert not llm.engine.requests
 
 
@@ -225,6 +232,35 @@ def test_async_engine_streams_and_cancel_frees_blocks(demo_dir):
         assert not ae.is_running
 
     asyncio.run(main())
+
+
+def test_async_engine_tokenizes_on_its_own_tokenizer_from_any_thread(demo_dir):
+    """Worker threads tokenize through AsyncEngine, never on the tokenizer the engine thread decodes with,
+    and get exactly the engine's token ids."""
+    eng = LLMEngine(EngineConfig(model=str(demo_dir), num_kv_blocks=64))
+    ae = AsyncEngine(eng)
+    assert ae._tokenizer is not eng.tokenizer
+    msgs = [{"role": "user", "content": "hi <|im_start|>system"}]
+    assert ae.encode_chat(msgs) == eng.encode_chat(msgs)
+    texts = [f"text number {i} with some words" for i in range(40)]
+    want = [eng.tokenize(t)[1] for t in texts]
+    got: dict[int, list[int]] = {}
+
+    def work(i: int) -> None:
+        got[i] = ae.tokenize(texts[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(texts))] == want
+    assert ae.token_strings(want[0]) == [eng.tokenizer.decode([i]) for i in want[0]]
+    info = ae.model_info
+    info["max_model_len"] = -1  # a copy: callers cannot change the engine's facts
+    assert ae.model_info["max_model_len"] == eng.max_model_len
+    with pytest.raises(ValueError, match=r"messages\[0\].role"):
+        ae.encode_chat([{"role": "robot", "content": "x"}])
 
 
 def test_failing_step_fails_its_requests_not_the_engine(demo_dir, monkeypatch):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from sidecar.server.openai.api import create_app
+from sidecar.server.openai.api import HttpSettings, create_app
 from sidecar.server.validation import ServiceError
 from test_openai_support import FakeService, asgi_call, expected_text
 
@@ -326,7 +326,7 @@ def test_requests_and_refusals_are_counted_in_the_shared_metrics(svc):
     from sidecar.server.metrics import Metrics
 
     svc.metrics = Metrics(lambda: {})
-    c = TestClient(create_app(svc))
+    c = TestClient(create_app(svc, settings=HttpSettings(metrics=svc.metrics)))
     c.post("/v1/chat/completions", json=chat_body())
     c.post("/v1/chat/completions", json=chat_body(temperature=-1))
     c.post("/v1/completions", json={"prompt": "x", "model": "nope"})

@@ -83,9 +83,12 @@ class FakeService:
             if not finished:
                 self.closed_early.append(rid)
 
-    async def embed(self, caller: Caller, inputs: list[str]) -> tuple[list[list[float]], int]:
+    async def embed(self, caller: Caller, inputs: list[str],
+                    model: Optional[str] = None) -> tuple[list[list[float]], int]:
         if not self.serving:
             raise ServiceError("unavailable", "loading")
+        if model and model not in (self.model_info()["embedding_model"], self.model_name):
+            raise ServiceError("not_found", f"model: unknown embedding model {model!r}", field="model")
         for i, t in enumerate(inputs):
             if not t.strip():
                 raise ServiceError("invalid_argument", f"inputs[{i}]: must be a non-empty string", field="inputs")

@@ -8,7 +8,7 @@ import pytest
 from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.engine.block_pool import hash_block
-from sidecar.engine.spec.decoder import SpecState
+from sidecar.engine.spec.state import SpecState
 
 
 def make_llm(model_dir, spec, **kw):

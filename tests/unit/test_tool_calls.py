@@ -73,7 +73,7 @@ class _Cache:
 
 def _settings(**kw) -> str:
     req = GenerationRequest(messages=[{"role": "user", "content": "add 1"}], **kw)
-    return CacheStep(_Cache(), None, CacheConfig()).plan("t", req, "m").scope.settings
+    return CacheStep(_Cache(), None, CacheConfig()).plan("t", req, req.params, "m").scope.settings
 
 
 def test_cache_keys_include_output_constraint_and_tools():

@@ -10,39 +10,33 @@ it holds a plain weight (see ``pack_weights``).
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
 
 from sidecar.model.kernels import cpu_build
+from sidecar.model.kernels.cpu_build import I, P
 
 MAX_ROWS = 16
-_P = ctypes.c_void_p
-_I = ctypes.c_int
 
 
-def _configure(lib: ctypes.CDLL) -> None:
-    lib.sidecar_bf16_matmul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
-    lib.sidecar_bf16_matmul.restype = _I
-    lib.sidecar_bf16_supported.restype = _I
-    lib._sidecar_bf16 = bool(lib.sidecar_bf16_supported())  # asked once: every Linear forward checks it
-
-
-def _lib() -> Optional[ctypes.CDLL]:
-    return cpu_build.load("bf16_gemv", _configure)
+# Whether the CPU has AVX-512 BF16 is asked of the library once: every Linear forward checks it.
+_KERNEL = cpu_build.Kernel("bf16_gemv", {
+    "sidecar_bf16_matmul": ([P] * 4 + [I] * 6, I),
+    "sidecar_bf16_supported": ([], I),
+}, setup=lambda lib: setattr(lib, "_sidecar_bf16", bool(lib.sidecar_bf16_supported())))
 
 
 def available() -> bool:
     """Built for this CPU and the CPU has AVX-512 BF16."""
-    lib = _lib()
+    lib = _KERNEL.lib()
     return lib is not None and lib._sidecar_bf16
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Requires ``available()``. All tensors on the CPU."""
-    lib = _lib()
+    lib = _KERNEL.lib()
     assert lib is not None, "bf16_gemv kernel is not available"
     m, k = x.shape
     n = weight.shape[0]

@@ -7,6 +7,9 @@ is cached under ``$SIDECAR_HOME/kernels/`` keyed by the source and headers, the 
 the CPU's feature flags, so a machine with another CPU builds its own. Concurrent first uses
 build once under a file lock. Anything that fails (no compiler, no OpenMP, a compile
 error) returns None with the reason, and the caller keeps its torch path.
+
+Each wrapper module declares its kernel once as a ``Kernel``: the source's name and the C signatures of
+the functions it exports (``P`` a tensor's ``data_ptr()``, ``I`` an int, ``F`` a float).
 """
 from __future__ import annotations
 
@@ -18,11 +21,14 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 log = logging.getLogger("sidecar.kernels")
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")  # fma only where written
+P = ctypes.c_void_p
+I = ctypes.c_int
+F = ctypes.c_float
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _reasons: dict[str, str] = {}
 
@@ -105,3 +111,30 @@ def load(name: str, configure: Optional[Callable[[ctypes.CDLL], None]] = None) -
 def reason(name: str) -> str:
     """Why ``load(name)`` returned None ('' when it did not)."""
     return _reasons.get(name, "")
+
+
+class Kernel:
+    """``kernels/<name>.c`` as its wrapper sees it: ``signatures`` maps each exported function to its
+    (argument types, result type); ``setup`` runs once on the loaded library after they are set (values
+    asked of the library once, e.g. what the build supports)."""
+
+    def __init__(self, name: str, signatures: dict[str, tuple[Sequence[type], Optional[type]]],
+                 setup: Optional[Callable[[ctypes.CDLL], None]] = None) -> None:
+        self.name = name
+        self._signatures = signatures
+        self._setup = setup
+
+    def _configure(self, lib: ctypes.CDLL) -> None:
+        for fn, (argtypes, restype) in self._signatures.items():
+            func = getattr(lib, fn)
+            func.argtypes = list(argtypes)
+            func.restype = restype
+        if self._setup is not None:
+            self._setup(lib)
+
+    def lib(self) -> Optional[ctypes.CDLL]:
+        """The configured library, or None (``reason(name)`` says why)."""
+        return load(self.name, self._configure)
+
+    def available(self) -> bool:
+        return self.lib() is not None

@@ -14,12 +14,12 @@ layouts; the kernel is only used once ``pack`` has been found to match torch's o
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
 
 from sidecar.model.kernels import cpu_build
+from sidecar.model.kernels.cpu_build import I, P
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
 # Measured on Zen 5 (AVX-512 VNNI), Qwen2-0.5B-shaped layers: 1.6-3x faster than torch's packed kernel
@@ -31,20 +31,14 @@ MAX_ROWS = 2048
 # 16-bit codes whose high and low bytes are both int8.
 ACTIVATION_CODE_MAX = 32639
 LAYOUTS = ((64, True), (32, True), (32, False), (64, False))  # (rows per block, split nibbles)
-_P = ctypes.c_void_p
-_I = ctypes.c_int
 _layout: list[Optional[tuple[int, bool]]] = []
 
 
-def _configure(lib: ctypes.CDLL) -> None:
-    lib.sidecar_int4_matmul.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I]
-    lib.sidecar_int4_matmul.restype = _I
-    lib.sidecar_int4_vector_bits.restype = _I
-    lib.sidecar_int4_integer_dot.restype = _I
-
-
-def _lib() -> Optional[ctypes.CDLL]:
-    return cpu_build.load("int4_gemv", _configure)
+_KERNEL = cpu_build.Kernel("int4_gemv", {
+    "sidecar_int4_matmul": ([P] * 4 + [I] * 9, I),
+    "sidecar_int4_vector_bits": ([], I),
+    "sidecar_int4_integer_dot": ([], I),
+})
 
 
 def pack(codes: torch.Tensor, block_n: int, split: bool) -> torch.Tensor:
@@ -81,19 +75,19 @@ def torch_layout() -> Optional[tuple[int, bool]]:
 
 
 def available() -> bool:
-    return _lib() is not None and torch_layout() is not None
+    return _KERNEL.lib() is not None and torch_layout() is not None
 
 
 def vector_bits() -> int:
     """The vector width the built kernel uses (512 with AVX-512, else 256); 0 when not built."""
-    lib = _lib()
+    lib = _KERNEL.lib()
     return 0 if lib is None else lib.sidecar_int4_vector_bits()
 
 
 def integer_dot() -> bool:
     """Whether the built kernel rounds activations to 16-bit integers (``ACTIVATION_CODE_MAX``, one
     scale per row and group) for its integer dot products (AVX-512 VNNI), else they stay float32."""
-    lib = _lib()
+    lib = _KERNEL.lib()
     return lib is not None and bool(lib.sidecar_int4_integer_dot())
 
 
@@ -103,7 +97,7 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_a
     dtypes converted), ``weight`` packed uint8 [N, K / 2] (N % 16 == 0) in ``layout`` (default: torch's),
     ``scales_and_zeros`` bf16 [K / group_size, N, 2], group_size a multiple of 16 up to 256. Returns
     ``out_dtype`` [M, N]: float32, or bf16 (the float32 result rounded as ``Tensor.to`` does)."""
-    lib = _lib()
+    lib = _KERNEL.lib()
     layout = layout or torch_layout()
     assert lib is not None and layout is not None, "int4_gemv kernel is not available"
     m, k = x.shape

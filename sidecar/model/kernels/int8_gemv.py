@@ -10,37 +10,27 @@ bf16 activations of torch's packed kernel keep 8); the products and sums are exa
 """
 from __future__ import annotations
 
-import ctypes
-from typing import Optional
 
 import torch
 
 from sidecar.model.kernels import cpu_build
+from sidecar.model.kernels.cpu_build import I, P
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
 # Measured one thread, Qwen2-0.5B-shaped layers: 1.4-1.7x faster than torch's packed kernel from 1
 # to 32 rows, even at 64 rows; beyond that prefill chunks go to torch's kernel.
 MAX_ROWS = 32
-_P = ctypes.c_void_p
-_I = ctypes.c_int
 
 
-def _configure(lib: ctypes.CDLL) -> None:
-    for fn in (lib.sidecar_int8_matmul, lib.sidecar_int8g32_matmul):
-        fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I]
-        fn.restype = _I
+_KERNEL = cpu_build.Kernel("int8_gemv", {fn: ([P] * 6 + [I] * 4, I)
+                                        for fn in ("sidecar_int8_matmul", "sidecar_int8g32_matmul")})
 
 
-def _lib() -> Optional[ctypes.CDLL]:
-    return cpu_build.load("int8_gemv", _configure)
-
-
-def available() -> bool:
-    return _lib() is not None
+available = _KERNEL.available
 
 
 def _run(fn: str, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    lib = _lib()
+    lib = _KERNEL.lib()
     assert lib is not None, "int8_gemv kernel is not available"
     m, k = x.shape
     x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()

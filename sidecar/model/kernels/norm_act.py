@@ -20,25 +20,18 @@ import torch
 import torch.nn.functional as F
 
 from sidecar.model.kernels import cpu_build
+from sidecar.model.kernels.cpu_build import I, P
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _configure(lib: ctypes.CDLL) -> None:
-    lib.sidecar_silu_mul.argtypes = [_P, _P, _I, _I, _I, _I]
-    lib.sidecar_silu_mul.restype = None
-    lib.sidecar_add_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I, _I, ctypes.c_float, _I, _I]
-    lib.sidecar_add_rms_norm.restype = None
+_KERNEL = cpu_build.Kernel("norm_act", {
+    "sidecar_silu_mul": ([P, P, I, I, I, I], None),
+    "sidecar_add_rms_norm": ([P] * 5 + [I, I, ctypes.c_float, I, I], None),
+})
 
 
-def _lib() -> Optional[ctypes.CDLL]:
-    return cpu_build.load("norm_act", _configure)
-
-
-def available() -> bool:
-    return _lib() is not None
+available = _KERNEL.available
 
 
 def _takes(*tensors: torch.Tensor) -> bool:
@@ -53,7 +46,7 @@ def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    lib = _lib()
+    lib = _KERNEL.lib()
     if lib is None or not _takes(gu) or gu.shape[-1] % 2:
         return silu_mul_reference(gu)
     rows, inter = gu.shape[0], gu.shape[1] // 2
@@ -71,7 +64,7 @@ def add_rms_norm_reference(h: torch.Tensor, delta: Optional[torch.Tensor], weigh
 
 def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    lib = _lib()
+    lib = _KERNEL.lib()
     tensors = (h, weight) if delta is None else (h, weight, delta)
     if (lib is None or not _takes(*tensors) or weight.shape != (h.shape[1],)
             or (delta is not None and delta.shape != h.shape)):

@@ -16,39 +16,30 @@ engine that took a 5-row SmolLM2 step from 13.9 to 11.0 ms and a 32-row Qwen2-0.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
 
 from sidecar.model.kernels import cpu_build
+from sidecar.model.kernels.cpu_build import F, I, P
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _configure(lib: ctypes.CDLL) -> None:
-    fn = lib.sidecar_paged_decode_attention
-    fn.argtypes = [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _I, _I]
-    fn.restype = _I
-    lib.sidecar_paged_attention_vector_width.restype = _I
-    lib._sidecar_width = lib.sidecar_paged_attention_vector_width()
+_KERNEL = cpu_build.Kernel("paged_attention", {
+    "sidecar_paged_decode_attention": ([P] * 6 + [I] * 7 + [F, I, I], I),
+    "sidecar_paged_attention_vector_width": ([], I),
+}, setup=lambda lib: setattr(lib, "_sidecar_width", lib.sidecar_paged_attention_vector_width()))
 
 
-def _lib() -> Optional[ctypes.CDLL]:
-    return cpu_build.load("paged_attention", _configure)
-
-
-def available() -> bool:
-    return _lib() is not None
+available = _KERNEL.available
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      ctx_lens: torch.Tensor, scale: float, window: Optional[int] = None) -> Optional[torch.Tensor]:
     if q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return None
-    lib = _lib()
+    lib = _KERNEL.lib()
     if lib is None:
         return None
     b, nh, hd = q.shape

@@ -13,29 +13,20 @@ batch 1 cost more than the arithmetic.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
 
 from sidecar.model.kernels import cpu_build
+from sidecar.model.kernels.cpu_build import I, P
 
-_P = ctypes.c_void_p
-_I = ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-def _configure(lib: ctypes.CDLL) -> None:
-    lib.sidecar_rope_store_kv.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I]
-    lib.sidecar_rope_store_kv.restype = None
+_KERNEL = cpu_build.Kernel("rope_kv", {"sidecar_rope_store_kv": ([P] * 8 + [I] * 6, None)})
 
 
-def _lib() -> Optional[ctypes.CDLL]:
-    return cpu_build.load("rope_kv", _configure)
-
-
-def available() -> bool:
-    return _lib() is not None
+available = _KERNEL.available
 
 
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
@@ -50,7 +41,7 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
             or cos.numel() != t * hd or sin.numel() != t * hd or slots.dtype != torch.long
             or slots.shape != (t,) or k_cache.shape[-2:] != (nkv, hd) or v_cache.shape[-2:] != (nkv, hd)):
         return None
-    lib = _lib()
+    lib = _KERNEL.lib()
     if lib is None:
         return None
     slots = slots.contiguous()

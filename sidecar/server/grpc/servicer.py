@@ -6,6 +6,7 @@ closes the service stream, which aborts the engine request.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional
 
@@ -14,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from sidecar.engine.request import SamplingParams
 from sidecar.server.grpc import convert
 from sidecar.server.service import Event, GenerationRequest, InferenceService, ServiceError
 from sidecar.server.validation import check_request_id, sampling_params
@@ -45,7 +47,7 @@ _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "r
                       "presence_penalty", "frequency_penalty", "seed", "speculative")
 
 
-def _params(s: pb.SamplingParams) -> Any:
+def _params(s: pb.SamplingParams) -> SamplingParams:
     kw: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
         if name in kw:  # proto floats are float32; round so 0.9 stays 0.9 in messages and cache keys
@@ -57,21 +59,23 @@ def _params(s: pb.SamplingParams) -> Any:
 
 
 def _request(msg: Any, context: grpc.aio.ServicerContext, chat: bool) -> GenerationRequest:
+    """The GenerationRequest of a GenerateRequest / ChatRequest; fields are checked in wire order
+    (sampling, response_format, messages, tools) and the first problem raised, naming its field."""
     check_request_id(msg.request_id)  # first: everything after may log it
-    cc = CACHE_CONTROL.get(msg.cache_control, f"unknown({msg.cache_control})")
-    req = GenerationRequest(params=_params(msg.sampling), request_id=msg.request_id or None, priority=msg.priority,
-                            cache_control=cc, cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled,
-                            timeout_s=context.time_remaining(), model=msg.model or None,
-                            max_tokens_set=msg.sampling.HasField("max_tokens"))
-    req.params.structured = convert.response_format(msg)
+    params = _params(msg.sampling)
+    structured = convert.response_format(msg)
+    if structured is not None:
+        params = dataclasses.replace(params, structured=structured)
+    common: dict[str, Any] = dict(
+        params=params, request_id=msg.request_id or None, priority=msg.priority,
+        cache_control=CACHE_CONTROL.get(msg.cache_control, f"unknown({msg.cache_control})"),
+        cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled, timeout_s=context.time_remaining(),
+        model=msg.model or None, max_tokens_set=msg.sampling.HasField("max_tokens"))
     if chat:
-        req.messages = convert.messages(msg.messages)
-        for k, v in convert.tools(msg).items():
-            setattr(req, k, v)
-    else:
-        req.prompt = msg.prompt or None
-        req.prompt_token_ids = list(msg.prompt_token_ids) or None
-    return req
+        messages = convert.messages(msg.messages)
+        return GenerationRequest(messages=messages, **convert.tools(msg), **common)
+    return GenerationRequest(prompt=msg.prompt or None, prompt_token_ids=list(msg.prompt_token_ids) or None,
+                             **common)
 
 
 def _peer_host(peer: str) -> str:
@@ -195,10 +199,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Embed(self, request, context):
         try:
             caller = self._caller(context, "Embed")
-            if request.model and request.model not in (self.service.cache_step.embedding_model_name(),
-                                                       self.service.cfg.cache.embedding_model, self.service.model_name):
-                raise ServiceError("not_found", f"model: unknown embedding model {request.model!r}", field="model")
-            vecs, n = await self.service.embed(caller, list(request.inputs))
+            vecs, n = await self.service.embed(caller, list(request.inputs), model=request.model or None)
             return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vecs],
                                     model=self.service.cache_step.embedding_model_name(),
                                     dimensions=len(vecs[0]) if vecs else 0, prompt_tokens=n)
@@ -220,8 +221,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetModelInfo(self, request, context):
         try:
             self._caller(context, "GetModelInfo")
-            if self.service.engine is None:
-                raise ServiceError("unavailable", "loading: the model is not ready yet")
+            self.service.check_loaded()
             i = self.service.model_info()
             return pb.ModelInfo(
                 model=i["model"], architecture=str(i.get("architecture", "")), dtype=str(i.get("dtype", "")),
@@ -238,8 +238,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def GetStats(self, request, context):
         try:
             self._caller(context, "GetStats")
-            if self.service.engine is None:
-                raise ServiceError("unavailable", "loading: the model is not ready yet")
+            self.service.check_loaded()
             s = self.service.stats()
             fields = {f.name for f in pb.EngineStats.DESCRIPTOR.fields}
             return pb.EngineStats(**{k: v for k, v in s.items() if k in fields and v is not None})

@@ -14,21 +14,26 @@ requests are aborted and their KV blocks freed (see ``runner``).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional
+from dataclasses import dataclass
+from typing import Annotated, Any, AsyncIterator, Callable, Optional, Protocol, Union
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sidecar import __version__
+from sidecar.config import ServerConfig
+from sidecar.server.metrics import Metrics
 from sidecar.server.openai import errors as openai_errors
 from sidecar.server.openai import format as fmt
 from sidecar.server.openai.limits import BodyLimit
 from sidecar.server.openai.models import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from sidecar.server.openai.runner import ChoiceRunner, first_events, guard_disconnect
 from sidecar.server.openai.translate import chat_requests, completion_requests
+from sidecar.server.service import Caller, Event, GenerationRequest
 from sidecar.server.validation import ServiceError
 
 log = logging.getLogger("sidecar.openai")
@@ -37,6 +42,49 @@ CACHE_HEADER = "x-sidecar-cache"
 # What a handler returns when the client left before the answer was ready: nobody reads it.
 CLIENT_CLOSED = 499
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+class OpenAIService(Protocol):
+    """What the HTTP transport needs of ``InferenceService`` (tests pass a fake)."""
+
+    model_name: str
+    serving: bool
+    draining: bool
+
+    def authenticate(self, authorization: Optional[str], peer: str = "") -> Caller: ...
+
+    def generate(self, caller: Caller, req: GenerationRequest) -> AsyncIterator[Event]: ...
+
+    async def embed(self, caller: Caller, inputs: list[str],
+                    model: Optional[str] = None) -> tuple[list[list[float]], int]: ...
+
+    def token_strings(self, ids: list[int]) -> list[str]: ...
+
+    def model_info(self) -> dict: ...
+
+    def render_metrics(self) -> tuple[bytes, str]: ...
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """The HTTP server's own limits, and the Prometheus counters it shares with gRPC (None: uncounted)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    read_timeout_s: float = 30.0
+    metrics: Optional[Metrics] = None
+
+    @classmethod
+    def from_config(cls, server: ServerConfig, metrics: Optional[Metrics]) -> "HttpSettings":
+        """Bodies are limited like gRPC messages (``max_message_bytes``)."""
+        return cls(server.max_message_bytes, server.http_read_timeout_s, metrics)
+
+    def count_request(self, method: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(api="openai", method=method).inc()
+
+    def count_error(self, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.errors.labels(code=code).inc()
 
 
 class _EventStream(StreamingResponse):
@@ -64,7 +112,8 @@ def _stream_headers(rid: str, cache: str) -> dict:
 class _Call:
     """One chat or completion call: its choices, their state, and how to render them."""
 
-    def __init__(self, service: Any, body: Any, kind: str, rid: str, model: str, n: int, requests: list) -> None:
+    def __init__(self, service: OpenAIService, body: Union[ChatCompletionRequest, CompletionRequest], kind: str,
+                 rid: str, model: str, n: int, requests: list[GenerationRequest]) -> None:
         self.service, self.body, self.kind, self.rid, self.model, self.n = service, body, kind, rid, model, n
         self.requests = requests
         self.created = fmt.now()
@@ -76,7 +125,7 @@ class _Call:
     def token_text(self, ids: list[int]) -> list[str]:
         return self.service.token_strings(ids)
 
-    def chunks(self, k: int, ev: Any) -> list[dict]:
+    def chunks(self, k: int, ev: Event) -> list[dict]:
         """Chunks for one event of choice ``k``; updates that choice's state."""
         st = self.states[k]
         out = []
@@ -129,7 +178,7 @@ class _Call:
         yield fmt.SSE_DONE
 
 
-async def _run(request: Request, call: _Call, caller: Any) -> Response:
+async def _run(request: Request, call: _Call, caller: Caller) -> Response:
     runner = ChoiceRunner(call.service, caller, call.requests).start()
     events = runner.events()
     handed_over = False
@@ -138,7 +187,7 @@ async def _run(request: Request, call: _Call, caller: Any) -> Response:
             buffered = await guard_disconnect(request, runner, first_events(runner, len(call.requests), events))
             if buffered is None:
                 return Response(status_code=CLIENT_CLOSED)
-            firsts: dict[int, Any] = {}
+            firsts: dict[int, Event] = {}
             for k, ev in buffered:
                 firsts.setdefault(k, ev)
             cache = fmt.cache_header([ev.cache.status for ev in firsts.values()])
@@ -159,118 +208,128 @@ async def _run(request: Request, call: _Call, caller: Any) -> Response:
             runner.cancel()
 
 
-def create_app(service: Any, max_body_bytes: Optional[int] = None) -> FastAPI:
+# -- routes: collaborators come from the app's state through typed dependencies ----------------------
+
+def _service(request: Request) -> OpenAIService:
+    return request.app.state.service
+
+
+def _settings(request: Request) -> HttpSettings:
+    return request.app.state.settings
+
+
+Service = Annotated[OpenAIService, Depends(_service)]
+
+
+def _caller(method: str) -> Callable[[Request], Caller]:
+    """Dependency: count the call, then authenticate. Dependencies run before body validation, so
+    refused requests are counted too (as the gRPC adapter counts them)."""
+    def dependency(request: Request) -> Caller:
+        _settings(request).count_request(method)
+        peer = request.client.host if request.client else ""
+        return _service(request).authenticate(request.headers.get("authorization"), peer)
+    return dependency
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request, service: Service,
+                           who: Caller = Depends(_caller("chat.completions"))):
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    reqs = chat_requests(body, rid, service.model_info().get("max_model_len"))
+    call = _Call(service, body, "chat", rid, body.model or service.model_name, body.n or 1, reqs)
+    return await _run(request, call, who)
+
+
+async def completions(body: CompletionRequest, request: Request, service: Service,
+                      who: Caller = Depends(_caller("completions"))):
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    reqs = completion_requests(body, rid)
+    call = _Call(service, body, "completion", rid, body.model or service.model_name, body.n or 1, reqs)
+    return await _run(request, call, who)
+
+
+def _models(service: OpenAIService, created: int) -> list[dict]:
+    """The served model and, when it has another name, the embedding model."""
+    if not service.serving:
+        raise ServiceError("unavailable", "the model is not ready (loading or draining)")
+    info = service.model_info()
+    out = [{"id": service.model_name, "object": "model", "created": created, "owned_by": "llm-sidecar",
+            "max_model_len": info.get("max_model_len"), "fast_paths": info.get("fast_paths") or [],
+            "fast_path_fallbacks": info.get("fast_path_fallbacks") or {}}]
+    emb = info.get("embedding_model")
+    if emb and emb != service.model_name:
+        out.append({"id": emb, "object": "model", "created": created, "owned_by": "llm-sidecar"})
+    return out
+
+
+async def list_models(request: Request, service: Service, who: Caller = Depends(_caller("models"))):
+    return {"object": "list", "data": _models(service, request.app.state.created)}
+
+
+async def get_model(model_id: str, request: Request, service: Service, who: Caller = Depends(_caller("models"))):
+    for m in _models(service, request.app.state.created):
+        if m["id"] == model_id:
+            return m
+    raise ServiceError("not_found", f"model: unknown model {model_id!r}", field="model")
+
+
+async def embeddings(body: EmbeddingRequest, service: Service, who: Caller = Depends(_caller("embeddings"))):
+    try:
+        vectors, tokens = await service.embed(who, body.texts(), model=body.model or None)
+    except ServiceError as exc:
+        if exc.code == "invalid_argument" and exc.message.startswith("inputs"):
+            # The service's field is "inputs"; OpenAI's is "input".
+            raise ServiceError(exc.code, "input" + exc.message[len("inputs"):], field="input") from None
+        raise
+    data = []
+    for i, v in enumerate(vectors):
+        vec: Any = v
+        if body.encoding_format == "base64":
+            vec = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+        data.append({"object": "embedding", "index": i, "embedding": vec})
+    return {"object": "list", "data": data, "model": service.model_info().get("embedding_model") or body.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def health(service: Service):
+    if service.serving:
+        return {"status": "serving"}
+    return JSONResponse({"status": "draining" if service.draining else "loading"}, status_code=503)
+
+
+async def metrics(service: Service):
+    data, content_type = service.render_metrics()
+    return Response(data, media_type=content_type)
+
+
+_ROUTES = (  # path, endpoint, method, tag
+    ("/v1/chat/completions", chat_completions, "POST", "openai"),
+    ("/v1/completions", completions, "POST", "openai"),
+    ("/v1/models", list_models, "GET", "openai"),
+    ("/v1/models/{model_id:path}", get_model, "GET", "openai"),
+    ("/v1/embeddings", embeddings, "POST", "openai"),
+    ("/health", health, "GET", "ops"),
+    ("/metrics", metrics, "GET", "ops"),
+)
+
+
+def create_app(service: OpenAIService, max_body_bytes: Optional[int] = None,
+               settings: Optional[HttpSettings] = None) -> FastAPI:
     """The OpenAI-compatible app over ``service`` (an ``InferenceService``).
 
-    Request bodies are limited to ``max_body_bytes`` (default: the server's
-    ``max_message_bytes``, the same limit gRPC messages have).
+    ``settings`` default to ``HttpSettings()`` (no metrics); ``max_body_bytes``, when given, overrides
+    their body limit.
     """
+    settings = settings or HttpSettings()
+    if max_body_bytes is not None:
+        settings = dataclasses.replace(settings, max_body_bytes=max_body_bytes)
     app = FastAPI(title="llm-sidecar OpenAI-compatible API", version=__version__,
                   docs_url="/docs", redoc_url=None)
     app.state.service = service
-    app_created = fmt.now()  # "created" of the listed models: when this server started
-    if max_body_bytes is None:
-        server_cfg = getattr(getattr(service, "cfg", None), "server", None)
-        max_body_bytes = getattr(server_cfg, "max_message_bytes", DEFAULT_MAX_BODY_BYTES)
-    read_timeout = getattr(getattr(getattr(service, "cfg", None), "server", None), "http_read_timeout_s", 30.0)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, read_timeout_s=read_timeout)
-    counters = getattr(service, "metrics", None)  # the service's Prometheus counters, shared with gRPC
-
-    def count_request(method: str) -> None:
-        if counters is not None:
-            counters.requests.labels(api="openai", method=method).inc()
-
-    def count_error(code: str) -> None:
-        if counters is not None:
-            counters.errors.labels(code=code).inc()
-
-    openai_errors.install(app, count_error)
+    app.state.settings = settings
+    app.state.created = fmt.now()  # "created" of the listed models: when this server started
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, read_timeout_s=settings.read_timeout_s)
+    openai_errors.install(app, settings.count_error)
     openai_errors.document_errors(app)
-
-    def caller(method: str) -> Callable[[Request], Any]:
-        """Dependency: count the call, then authenticate. Dependencies run before body
-        validation, so refused requests are counted too (as the gRPC adapter counts them)."""
-        def dependency(request: Request) -> Any:
-            count_request(method)
-            peer = request.client.host if request.client else ""
-            return service.authenticate(request.headers.get("authorization"), peer)
-        return dependency
-
-    def max_model_len() -> Optional[int]:
-        return service.model_info().get("max_model_len")
-
-    @app.post("/v1/chat/completions", tags=["openai"])
-    async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               who: Any = Depends(caller("chat.completions"))):
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        reqs = chat_requests(body, rid, max_model_len())
-        return await _run(request, _Call(service, body, "chat", rid, body.model or service.model_name,
-                                         body.n or 1, reqs), who)
-
-    @app.post("/v1/completions", tags=["openai"])
-    async def completions(body: CompletionRequest, request: Request,
-                          who: Any = Depends(caller("completions"))):
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        reqs = completion_requests(body, rid)
-        return await _run(request, _Call(service, body, "completion", rid, body.model or service.model_name,
-                                         body.n or 1, reqs), who)
-
-    def _models() -> list[dict]:
-        if not service.serving:
-            raise ServiceError("unavailable", "the model is not ready (loading or draining)")
-        info = service.model_info()
-        created = int(getattr(service, "started_at", 0) or app_created)
-        out = [{"id": service.model_name, "object": "model", "created": created, "owned_by": "llm-sidecar",
-                "max_model_len": info.get("max_model_len"), "fast_paths": info.get("fast_paths") or [],
-                "fast_path_fallbacks": info.get("fast_path_fallbacks") or {}}]
-        emb = info.get("embedding_model")
-        if emb and emb != service.model_name:
-            out.append({"id": emb, "object": "model", "created": created, "owned_by": "llm-sidecar"})
-        return out
-
-    @app.get("/v1/models", tags=["openai"])
-    async def list_models(who: Any = Depends(caller("models"))):
-        return {"object": "list", "data": _models()}
-
-    @app.get("/v1/models/{model_id:path}", tags=["openai"])
-    async def get_model(model_id: str, who: Any = Depends(caller("models"))):
-        for m in _models():
-            if m["id"] == model_id:
-                return m
-        raise ServiceError("not_found", f"model: unknown model {model_id!r}", field="model")
-
-    @app.post("/v1/embeddings", tags=["openai"])
-    async def embeddings(body: EmbeddingRequest, who: Any = Depends(caller("embeddings"))):
-        emb_name = service.model_info().get("embedding_model") if service.serving else None
-        if body.model and body.model not in (emb_name, service.model_name):
-            raise ServiceError("not_found", f"model: unknown model {body.model!r}; embeddings come from "
-                               f"{emb_name!r}", field="model")
-        try:
-            vectors, tokens = await service.embed(who, body.texts())
-        except ServiceError as exc:
-            if exc.code == "invalid_argument" and exc.message.startswith("inputs"):
-                # The service's field is "inputs"; OpenAI's is "input".
-                raise ServiceError(exc.code, "input" + exc.message[len("inputs"):], field="input") from None
-            raise
-        data = []
-        for i, v in enumerate(vectors):
-            vec: Any = v
-            if body.encoding_format == "base64":
-                vec = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
-            data.append({"object": "embedding", "index": i, "embedding": vec})
-        return {"object": "list", "data": data, "model": emb_name or body.model,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-    @app.get("/health", tags=["ops"])
-    async def health():
-        if service.serving:
-            return {"status": "serving"}
-        state = "draining" if getattr(service, "draining", False) else "loading"
-        return JSONResponse({"status": state}, status_code=503)
-
-    @app.get("/metrics", tags=["ops"])
-    async def metrics():
-        data, content_type = service.render_metrics()
-        return Response(data, media_type=content_type)
-
+    for path, endpoint, method, tag in _ROUTES:
+        app.add_api_route(path, endpoint, methods=[method], tags=[tag])
     return app

@@ -220,16 +220,6 @@ final class ChatMapping {
                 c.hasCache() ? c.getCache() : null);
     }
 
-    /**
-     * The whole streamed answer: all deltas' text and tool calls with the last chunk's usage, finish
-     * reason and metadata.
-     */
-    static ChatResponse aggregate(String text, List<ToolCall> calls, CompletionChunk last, String model) {
-        return response(text, calls, last.getRequestId(), model, last.getFinishReason(),
-                last.hasUsage() ? last.getUsage() : null, last.hasTiming() ? last.getTiming() : null,
-                last.hasCache() ? last.getCache() : null);
-    }
-
     private static ChatResponse response(String text, List<ToolCall> calls, String id, String model,
                                          FinishReason finish, Usage usage, Timing timing, CacheInfo cache) {
         Map<String, Object> extra = new HashMap<>();

@@ -106,10 +106,13 @@ public class SidecarAutoConfiguration {
                                              ObjectProvider<ObservationRegistry> observationRegistry,
                                              ObjectProvider<ChatModelObservationConvention> convention,
                                              ObjectProvider<ToolCallingManager> toolCallingManager) {
-        SidecarChatModel model = new SidecarChatModel(client, props.getChat().toOptions(),
-                observationRegistry.getIfUnique(() -> ObservationRegistry.NOOP), toolCallingManager.getIfUnique());
-        convention.ifAvailable(model::setObservationConvention);
-        return model;
+        return SidecarChatModel.builder()
+                .client(client)
+                .defaultOptions(props.getChat().toOptions())
+                .observationRegistry(observationRegistry.getIfUnique(() -> ObservationRegistry.NOOP))
+                .toolCallingManager(toolCallingManager.getIfUnique())
+                .observationConvention(convention.getIfAvailable())
+                .build();
     }
 
     @Bean

@@ -3,16 +3,14 @@ package dev.sidecar.spring;
 import dev.sidecar.client.SidecarClient;
 import dev.sidecar.v1.ChatRequest;
 import dev.sidecar.v1.CompletionChunk;
-import dev.sidecar.v1.ToolCall;
 import io.micrometer.observation.Observation;
 import io.micrometer.observation.ObservationRegistry;
 import io.micrometer.observation.contextpropagation.ObservationThreadLocalAccessor;
-import java.util.List;
-import java.util.concurrent.CopyOnWriteArrayList;
+import java.util.Objects;
 import java.util.concurrent.atomic.AtomicBoolean;
-import java.util.concurrent.atomic.AtomicReference;
 import org.springframework.ai.chat.model.ChatModel;
 import org.springframework.ai.chat.model.ChatResponse;
+import org.springframework.ai.chat.model.MessageAggregator;
 import org.springframework.ai.chat.observation.ChatModelObservationContext;
 import org.springframework.ai.chat.observation.ChatModelObservationConvention;
 import org.springframework.ai.chat.observation.ChatModelObservationDocumentation;
@@ -36,10 +34,11 @@ import reactor.core.publisher.Flux;
  *
  * <p>Calls are observed with Spring AI's chat-model observation (gen_ai.* key values).
  * A stream's observation is a child of the observation in the subscriber's Reactor
- * context (e.g. ChatClient's), is itself put in the context of the stream, and records
- * the whole answer (all deltas and tool calls, the last chunk's usage and finish reason)
- * when the stream completes, fails or is cancelled. The gRPC call is started with the chat
- * observation in scope, so the client's gRPC observation (if any) is its child.
+ * context (e.g. ChatClient's), is itself put in the context of the stream, records the whole
+ * answer (Spring AI's {@link MessageAggregator}: all deltas and tool calls, the last chunk's usage
+ * and finish reason) when the stream completes, and is stopped however the stream ends
+ * (completed, failed or cancelled). The gRPC call is started with the chat observation in
+ * scope, so the client's gRPC observation (if any) is its child.
  *
  * <p>Tools: the options' tool callbacks are resolved to definitions (name, description, input
  * schema) through the {@link ToolCallingManager} and sent as {@code ChatRequest.tools}; the
@@ -52,6 +51,8 @@ import reactor.core.publisher.Flux;
  * output schema) is sent as a JSON-schema response format. With either, an unset max tokens
  * lets the sidecar generate up to the rest of the context instead of its 64-token default, so
  * JSON is not cut short.
+ *
+ * <p>Built with {@link #builder()}: {@code SidecarChatModel.builder().client(client).build()}.
  */
 public class SidecarChatModel implements ChatModel {
 
@@ -75,26 +76,17 @@ public class SidecarChatModel implements ChatModel {
     private final ToolCallingManager toolCallingManager;
     private ChatModelObservationConvention observationConvention;
 
-    public SidecarChatModel(SidecarClient client) {
-        this(client, SidecarChatOptions.builder().build(), ObservationRegistry.NOOP);
+    private SidecarChatModel(Builder b) {
+        this.client = Objects.requireNonNull(b.client, "client");
+        this.defaultOptions = b.defaultOptions == null ? SidecarChatOptions.builder().build() : b.defaultOptions.copy();
+        this.observationRegistry = b.observationRegistry == null ? ObservationRegistry.NOOP : b.observationRegistry;
+        this.toolCallingManager = b.toolCallingManager == null ? ToolCallingManager.builder().build()
+                : b.toolCallingManager;
+        this.observationConvention = b.observationConvention;
     }
 
-    public SidecarChatModel(SidecarClient client, SidecarChatOptions defaultOptions,
-                            ObservationRegistry observationRegistry) {
-        this(client, defaultOptions, observationRegistry, null);
-    }
-
-    /**
-     * @param toolCallingManager resolves the options' tool callbacks to the definitions sent to the
-     *                           sidecar; null for Spring AI's default manager
-     */
-    public SidecarChatModel(SidecarClient client, SidecarChatOptions defaultOptions,
-                            ObservationRegistry observationRegistry, ToolCallingManager toolCallingManager) {
-        this.client = client;
-        this.defaultOptions = defaultOptions == null ? SidecarChatOptions.builder().build() : defaultOptions.copy();
-        this.observationRegistry = observationRegistry == null ? ObservationRegistry.NOOP : observationRegistry;
-        this.toolCallingManager = toolCallingManager == null ? ToolCallingManager.builder().build()
-                : toolCallingManager;
+    public static Builder builder() {
+        return new Builder();
     }
 
     /** Replaces the default chat observation convention (null restores it). */
@@ -149,45 +141,29 @@ public class SidecarChatModel implements ChatModel {
             try (Observation.Scope ignored = parent != null ? parent.openScope() : Observation.Scope.NOOP) {
                 observation.start();
             }
-            StringBuilder text = new StringBuilder();
-            List<ToolCall> calls = new CopyOnWriteArrayList<>();
-            AtomicReference<CompletionChunk> last = new AtomicReference<>();
-            AtomicBoolean stopped = new AtomicBoolean();
-            Runnable finish = () -> {
-                if (stopped.compareAndSet(false, true)) {
-                    if (last.get() != null) {
-                        context.setResponse(ChatMapping.aggregate(text.toString(), calls, last.get(), model));
-                    }
-                    observation.stop();
-                }
-            };
             Flux<CompletionChunk> call = client.chatStream(request, options.getTimeout());
             // The gRPC call starts when subscribed: subscribing with this observation in scope
             // makes it the parent of the call's own observation (gRPC client interceptor).
-            Flux<CompletionChunk> scoped = Flux.from(subscriber -> {
+            Flux<ChatResponse> responses = Flux.<CompletionChunk>from(subscriber -> {
                 try (Observation.Scope ignored = observation.openScope()) {
                     call.subscribe(subscriber);
                 }
-            });
-            return scoped
-                    .doOnNext(chunk -> {
-                        synchronized (text) {
-                            text.append(chunk.getDelta());
-                        }
-                        calls.addAll(chunk.getToolCallsList());
-                        last.set(chunk);
-                    })
-                    .map(chunk -> ChatMapping.toResponse(chunk, model))
-                    .onErrorMap(SpringAiErrors::translate)
-                    // Stopped before the terminal signal travels downstream (not in doFinally,
-                    // which runs after it): when the subscriber sees the end, the observation
-                    // is complete.
-                    .doOnComplete(finish)
+            }).map(chunk -> ChatMapping.toResponse(chunk, model)).onErrorMap(SpringAiErrors::translate);
+            AtomicBoolean stopped = new AtomicBoolean();  // complete, error and cancel race on cancellation
+            Runnable stop = () -> {
+                if (stopped.compareAndSet(false, true)) {
+                    observation.stop();
+                }
+            };
+            // Stopped before the terminal signal travels downstream (not in doFinally, which runs
+            // after it): when the subscriber sees the end, the observation holds the whole answer.
+            return new MessageAggregator().aggregate(responses, context::setResponse)
+                    .doOnComplete(stop)
                     .doOnError(e -> {
                         observation.error(e);
-                        finish.run();
+                        stop.run();
                     })
-                    .doOnCancel(finish)
+                    .doOnCancel(stop)
                     .contextWrite(ctx -> ctx.put(ObservationThreadLocalAccessor.KEY, observation));
         });
     }
@@ -205,5 +181,51 @@ public class SidecarChatModel implements ChatModel {
     private Observation observation(ChatModelObservationContext context) {
         return ChatModelObservationDocumentation.CHAT_MODEL_OPERATION.observation(observationConvention,
                 DEFAULT_CONVENTION, () -> context, observationRegistry);
+    }
+
+    /** Builds a {@link SidecarChatModel}; only the client is required. */
+    public static final class Builder {
+
+        private SidecarClient client;
+        private SidecarChatOptions defaultOptions;
+        private ObservationRegistry observationRegistry;
+        private ToolCallingManager toolCallingManager;
+        private ChatModelObservationConvention observationConvention;
+
+        private Builder() {
+        }
+
+        public Builder client(SidecarClient client) {
+            this.client = client;
+            return this;
+        }
+
+        /** Options every call starts from (copied); default: the sidecar's own defaults. */
+        public Builder defaultOptions(SidecarChatOptions defaultOptions) {
+            this.defaultOptions = defaultOptions;
+            return this;
+        }
+
+        /** Default: {@link ObservationRegistry#NOOP}. */
+        public Builder observationRegistry(ObservationRegistry observationRegistry) {
+            this.observationRegistry = observationRegistry;
+            return this;
+        }
+
+        /** Resolves the options' tool callbacks to the definitions sent; default: Spring AI's manager. */
+        public Builder toolCallingManager(ToolCallingManager toolCallingManager) {
+            this.toolCallingManager = toolCallingManager;
+            return this;
+        }
+
+        /** Default: Spring AI's {@link DefaultChatModelObservationConvention}. */
+        public Builder observationConvention(ChatModelObservationConvention observationConvention) {
+            this.observationConvention = observationConvention;
+            return this;
+        }
+
+        public SidecarChatModel build() {
+            return new SidecarChatModel(this);
+        }
     }
 }

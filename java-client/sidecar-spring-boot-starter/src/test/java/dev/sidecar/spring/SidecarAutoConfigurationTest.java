@@ -136,7 +136,7 @@ class SidecarAutoConfigurationTest {
 
     @Configuration(proxyBeanMethods = false)
     static class OwnBeans {
-        static final SidecarChatModel MODEL = new SidecarChatModel(SidecarClient.builder().build());
+        static final SidecarChatModel MODEL = SidecarChatModel.builder().client(SidecarClient.builder().build()).build();
 
         @Bean
         SidecarChatModel myChatModel() {

@@ -70,8 +70,11 @@ class SidecarToolCallingTest {
     void setUp() throws Exception {
         sidecar = new FakeSidecar();
         client = SidecarClient.builder().channelBuilder(sidecar.channelBuilder()).build();
-        model = new SidecarChatModel(client, SidecarChatOptions.builder().temperature(0.0).build(),
-                ObservationRegistry.NOOP);
+        model = SidecarChatModel.builder()
+                .client(client)
+                .defaultOptions(SidecarChatOptions.builder().temperature(0.0).build())
+                .observationRegistry(ObservationRegistry.NOOP)
+                .build();
     }
 
     @AfterEach
