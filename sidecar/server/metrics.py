@@ -57,6 +57,8 @@ class _SnapshotCollector:
         yield counter("preemptions", "Requests preempted for lack of KV blocks", s.get("num_preemptions"))
         yield counter("prompt_tokens", "Prompt tokens processed", s.get("prompt_tokens"))
         yield counter("generation_tokens", "Tokens generated", s.get("generation_tokens"))
+        yield counter("engine_requests_finished", "Requests the engine finished (stop, length or abort)",
+                      s.get("num_requests_finished"))
         yield counter("spec_decode_proposed_tokens", "Speculative tokens proposed and verified",
                       s.get("spec_decode_proposed_tokens"))
         yield counter("spec_decode_accepted_tokens", "Speculative tokens accepted by verification",
@@ -85,6 +87,8 @@ class _SnapshotCollector:
             yield counter("semantic_cache_bypasses", "Requests that did not consult the cache", c.get("bypasses"))
             yield counter("semantic_cache_stores", "Answers stored in the cache", c.get("stores"))
             yield gauge("semantic_cache_entries", "Entries in the semantic cache", c.get("entries"))
+            yield counter("cache_coalesced", "Requests that followed an identical in-flight generation",
+                          c.get("coalesced"))
 
 
 class Metrics:

@@ -228,9 +228,10 @@ class InferenceService:
         # tenant's in-flight id neither collides with it nor learns that it exists.
         engine_id = f"{uuid.uuid4().hex[:16]}:{rid}"[:128]
         self._active_ids.add((caller.tenant, rid))
-        stream = self.engine.generate(prompt, req.params, request_id=engine_id, priority=req.priority,
-                                      cache_salt=cache_salt, deadline=deadline, arrival_time=arrival,
-                                      tenant=caller.tenant)
+        # Identical cacheable requests in flight share one generation (server/coalesce.py).
+        stream = self.cache_step.engine_stream(plan, prompt, req.model, deadline, lambda: self.engine.generate(
+            prompt, req.params, request_id=engine_id, priority=req.priority, cache_salt=cache_salt,
+            deadline=deadline, arrival_time=arrival, tenant=caller.tenant))
         first = True
         queued = True  # the engine holds the request; ending without a final output is an abort
         try:
@@ -267,7 +268,7 @@ class InferenceService:
                     self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s,
                                                   len(out.token_ids))
                     if plan.policy.store and out.finish_reason in ("stop", "length"):
-                        self.cache_step.store_later(plan, out)
+                        await self.cache_step.remember(plan, out)  # in memory before the answer leaves
                     log.info("request finished", extra={
                         "request_id": rid, "tenant": caller.tenant, "finish_reason": out.finish_reason,
                         "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
