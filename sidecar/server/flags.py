@@ -74,6 +74,9 @@ FLAGS: list[tuple[str, str, str, str]] = [
     ("--cache-max-entries", "cache", "max_entries", "semantic cache capacity (LRU beyond it)"),
     ("--cache-ttl", "cache", "ttl_s", "semantic cache entry lifetime in seconds"),
     ("--cache-path", "cache", "path", "SQLite file persisting the semantic cache (default: memory only)"),
+    ("--cache-backend", "cache", "backend",
+     "shared semantic-cache tier for replicas: redis://host:6379/0 or rediss://... (password from "
+     "SIDECAR_REDIS_PASSWORD; default: the SQLite file at --cache-path)"),
     ("--embedding-model", "cache", "embedding_model", "sentence-transformers model for the cache and Embed"),
     ("--cache-hnsw-min-entries", "cache", "hnsw_min_entries", "entries from which the cache index is HNSW"),
 ]
