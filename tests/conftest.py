@@ -116,3 +116,12 @@ def redis_server(tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server(tmp_path_factory):
+    """``redis_server`` shared by a module's tests (e.g. by replicas started once per module)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
