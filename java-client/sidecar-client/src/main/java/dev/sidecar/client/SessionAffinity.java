@@ -56,10 +56,16 @@ public final class SessionAffinity {
         return INTERCEPTOR;
     }
 
-    /** Runs {@code body} (blocking or async calls it starts on this thread) with {@code key} as affinity key. */
+    /**
+     * Runs {@code body} (blocking or async calls it starts on this thread) with {@code key} as affinity
+     * key; a null key runs it as is (round-robin).
+     */
     public static <T> T call(String key, Callable<T> body) {
         Objects.requireNonNull(body, "body");
         try {
+            if (key == null) {
+                return body.call();
+            }
             return Context.current().withValue(CONTEXT, checked(key)).call(body);
         } catch (RuntimeException | Error e) {
             throw e;
@@ -68,9 +74,12 @@ public final class SessionAffinity {
         }
     }
 
-    /** A Flux whose call, started at subscription, carries {@code key}. */
+    /** A Flux whose call, started at subscription, carries {@code key}; a null key adds nothing. */
     public static <T> Flux<T> flux(String key, Supplier<Flux<T>> body) {
         Objects.requireNonNull(body, "body");
+        if (key == null) {
+            return body.get();
+        }
         Context ctx = Context.current().withValue(CONTEXT, checked(key));
         return Flux.from(subscriber -> {
             Context previous = ctx.attach();

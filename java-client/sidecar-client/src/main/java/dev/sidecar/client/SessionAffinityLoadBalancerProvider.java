@@ -3,6 +3,7 @@ package dev.sidecar.client;
 import io.grpc.LoadBalancer;
 import io.grpc.LoadBalancerProvider;
 import io.grpc.NameResolver;
+import io.grpc.protobuf.services.HealthCheckingLoadBalancerUtil;
 import java.util.Map;
 
 /**
@@ -32,7 +33,16 @@ public final class SessionAffinityLoadBalancerProvider extends LoadBalancerProvi
 
     @Override
     public LoadBalancer newLoadBalancer(LoadBalancer.Helper helper) {
-        return new SessionAffinityLoadBalancer(helper);
+        // With a healthCheckConfig in the service config (SidecarClientBuilder.healthCheck(true)), a replica
+        // whose health service reports anything but SERVING (loading, draining) is not READY to the balancer,
+        // so its sessions move to the next replica on the ring until it serves again.
+        LoadBalancer.Factory factory = new LoadBalancer.Factory() {
+            @Override
+            public LoadBalancer newLoadBalancer(LoadBalancer.Helper h) {
+                return new SessionAffinityLoadBalancer(h);
+            }
+        };
+        return HealthCheckingLoadBalancerUtil.newHealthCheckingLoadBalancer(factory, helper);
     }
 
     @Override

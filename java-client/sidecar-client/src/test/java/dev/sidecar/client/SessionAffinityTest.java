@@ -12,6 +12,8 @@ import io.grpc.NameResolver;
 import io.grpc.NameResolverProvider;
 import io.grpc.NameResolverRegistry;
 import io.grpc.Server;
+import io.grpc.health.v1.HealthCheckResponse;
+import io.grpc.protobuf.services.HealthStatusManager;
 import java.net.InetSocketAddress;
 import java.net.SocketAddress;
 import java.net.URI;
@@ -38,13 +40,18 @@ class SessionAffinityTest {
 
     private final List<FakeInference> fakes = List.of(new FakeInference(), new FakeInference(), new FakeInference());
     private final List<Server> servers = new ArrayList<>();
+    private final List<HealthStatusManager> health = new ArrayList<>();
     private NameResolverProvider provider;
 
     @BeforeEach
     void setUp() throws Exception {
         List<SocketAddress> addresses = new ArrayList<>();
         for (FakeInference f : fakes) {
-            Server s = Grpc.newServerBuilderForPort(0, InsecureServerCredentials.create()).addService(f).build().start();
+            HealthStatusManager h = new HealthStatusManager();
+            h.setStatus(ServiceConfigs.SERVICE, HealthCheckResponse.ServingStatus.SERVING);
+            health.add(h);
+            Server s = Grpc.newServerBuilderForPort(0, InsecureServerCredentials.create()).addService(f)
+                    .addService(h.getHealthService()).build().start();
             servers.add(s);
             addresses.add(new InetSocketAddress("127.0.0.1", s.getPort()));
         }
@@ -130,6 +137,34 @@ class SessionAffinityTest {
                 }
             }
             assertThat(movedCount).isPositive();
+        }
+    }
+
+    @Test
+    void withHealthCheckingANotServingReplicaLosesItsSessionsUntilItServesAgain() throws Exception {
+        try (SidecarClient client = SidecarClient.builder().target(SCHEME + ":///sidecar").healthCheck(true)
+                .loadBalancingPolicy(SessionAffinityLoadBalancerProvider.POLICY).build()) {
+            awaitAllReady(client);
+            String session = null;
+            for (int s = 0; session == null; s++) {
+                if (serve(client, "hc-" + s, 1) == 1) {
+                    session = "hc-" + s;
+                }
+            }
+            health.get(1).setStatus(ServiceConfigs.SERVICE, HealthCheckResponse.ServingStatus.NOT_SERVING);
+            int now = 1;
+            for (int i = 0; i < 500 && now == 1; i++) {
+                now = serve(client, session, 1);
+                Thread.sleep(2);
+            }
+            assertThat(now).isIn(0, 2);
+            assertThat(serve(client, session, 5)).isEqualTo(now);
+            health.get(1).setStatus(ServiceConfigs.SERVICE, HealthCheckResponse.ServingStatus.SERVING);
+            for (int i = 0; i < 500 && now != 1; i++) {
+                now = serve(client, session, 1);
+                Thread.sleep(2);
+            }
+            assertThat(now).isEqualTo(1);  // back on its ring position once SERVING
         }
     }
 
