@@ -111,6 +111,7 @@ class SemanticCache:
         self._by_key: dict[str, int] = {}
         self._scopes: dict[str, ScopeIndex] = {}
         self._vectors: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._embedding: dict[str, asyncio.Task] = {}  # embeddings in flight, by text (event loop only)
         self._counters = dict(lookups=0, exact_hits=0, semantic_hits=0, misses=0, guard_rejections=0,
                               bypasses=0, stores=0, store_refused=0, store_failed=0, store_busy=0,
                               evictions=0, expired=0, quarantined=0)
@@ -226,13 +227,27 @@ class SemanticCache:
         return vec
 
     async def _embed(self, text: str) -> np.ndarray:
+        """The query's vector, memoised. Concurrent callers with one text share one embedding (a burst
+        of identical questions embeds once); it runs as its own task, so a caller that is cancelled
+        never cancels it for the others."""
         with self._lock:
             vec = self._memo(text)
-        if vec is None:
+        if vec is not None:
+            return vec
+        loop = asyncio.get_running_loop()
+        task = self._embedding.get(text)
+        if task is None or task.get_loop() is not loop:
+            task = self._embedding[text] = loop.create_task(self._embed_now(text))
+        return await asyncio.shield(task)
+
+    async def _embed_now(self, text: str) -> np.ndarray:
+        try:
             vec = (await self.embedder.aembed([text]))[0]
             with self._lock:
                 self._memo(text, vec)
-        return vec
+            return vec
+        finally:
+            self._embedding.pop(text, None)
 
     # -- public API ---------------------------------------------------------
     async def lookup(self, scope: CacheScope) -> Optional[CacheHit]:

@@ -138,19 +138,19 @@ class CacheStep:
         will be stored starts embedding its query now, so the vector is ready when the answer is."""
         if self.cache is None or plan.scope is None:
             return start()
-        if plan.policy.store:
+        stream: Any = None
+        if plan.policy.lookup and plan.policy.store:  # skip / refresh: a generation of its own
+            from sidecar.cache.semantic import scope_key
+
+            def followed() -> None:
+                plan.info.coalesced = True
+
+            key = flight_key(scope_key(plan.scope) + "\x1f" + plan.scope.query, prompt, model)
+            stream = plan.participant = self.coalescer.stream(key, start, deadline, followed)
+        if plan.policy.store and not plan.info.coalesced:  # a follower stores nothing, so needs no vector
             plan.vector = asyncio.get_running_loop().create_task(self.cache.query_vector(plan.scope))
             plan.vector.add_done_callback(_quiet)
-        if not (plan.policy.lookup and plan.policy.store):  # skip / refresh: a generation of its own
-            return start()
-        from sidecar.cache.semantic import scope_key
-
-        def followed() -> None:
-            plan.info.coalesced = True
-
-        key = flight_key(scope_key(plan.scope) + "\x1f" + plan.scope.query, prompt, model)
-        plan.participant = self.coalescer.stream(key, start, deadline, followed)
-        return plan.participant
+        return stream if stream is not None else start()
 
     async def remember(self, plan: Plan, out: Any) -> None:
         """Put a finished answer into the cache's in-memory tiers before it is returned, so the next

@@ -214,3 +214,36 @@ def test_store_reuses_the_lookup_embedding(demo_dir, embedder):
             cache.close()
 
     asyncio.run(main())
+
+
+def test_concurrent_identical_queries_embed_once_and_a_cancelled_caller_does_not_cancel_it(embedder):
+    async def main():
+        cache = SemanticCache(CacheConfig(), embedder=embedder)
+        try:
+            await cache.store(CacheScope("t", "m", "s", "", "What is the capital of France?"), "Paris", [1],
+                              "stop", 3, 1)
+            calls = []
+            real = embedder.aembed
+
+            async def counting(texts):
+                calls.append(list(texts))
+                return await real(texts)
+
+            embedder.aembed = counting
+            try:
+                s = CacheScope("t", "m", "s", "", "Which city is the capital of France?")
+                first = asyncio.create_task(cache.lookup(s))
+                while not cache._embedding:  # until the first caller has started the embedding
+                    await asyncio.sleep(0.0005)
+                others = [asyncio.create_task(cache.lookup(s)) for _ in range(9)]
+                await asyncio.sleep(0)
+                first.cancel()  # the embedding it started goes on for the others
+                results = await asyncio.gather(*others)
+            finally:
+                embedder.aembed = real
+            assert len(calls) == 1
+            assert len({None if r is None else r.text for r in results}) == 1
+        finally:
+            cache.close()
+
+    asyncio.run(main())
