@@ -70,7 +70,6 @@ class CacheStep:
         self.embedder = embedder
         self.cfg = cfg
         self._embedder_lock = asyncio.Lock()
-        self._pending: set[asyncio.Task] = set()
         self.coalescer = Coalescer()
 
     def stats(self) -> dict:
@@ -169,19 +168,6 @@ class CacheStep:
             fut = self.cache.persist(entry)
             fut.add_done_callback(_persisted)
 
-    def store_later(self, plan: Plan, out: Any) -> None:
-        """Store off the response path; the task is kept so shutdown can wait for it."""
-        task = asyncio.get_running_loop().create_task(self.cache.store(
-            plan.scope, out.text, list(out.token_ids), out.finish_reason,
-            len(out.prompt_token_ids), len(out.token_ids)))
-        self._pending.add(task)
-        task.add_done_callback(self._stored)
-
-    def _stored(self, task: asyncio.Task) -> None:
-        self._pending.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("semantic cache store failed: %s", task.exception())
-
     async def get_embedder(self) -> Any:
         """The shared embedder; built on first use when the cache is off."""
         async with self._embedder_lock:
@@ -194,10 +180,8 @@ class CacheStep:
             return self.embedder
 
     async def close(self) -> None:
-        if self._pending:
-            await asyncio.wait(list(self._pending), timeout=5.0)
-        if self.cache is not None:
-            self.cache.close()
+        if self.cache is not None:  # waits (off the loop) for the writes still queued behind responses
+            await asyncio.to_thread(self.cache.close)
         if self.embedder is not None and hasattr(self.embedder, "close"):
             self.embedder.close()
 
