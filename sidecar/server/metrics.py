@@ -89,6 +89,13 @@ class _SnapshotCollector:
             yield gauge("semantic_cache_entries", "Entries in the semantic cache", c.get("entries"))
             yield counter("cache_coalesced", "Requests that followed an identical in-flight generation",
                           c.get("coalesced"))
+            if "backend_up" in c:  # a shared (Redis) tier is configured
+                yield gauge("semantic_cache_backend_up", "1 while the shared cache tier is reachable",
+                            c.get("backend_up"))
+                yield counter("semantic_cache_backend_errors", "Failed calls to the shared cache tier",
+                              c.get("backend_errors"))
+                yield counter("semantic_cache_malformed", "Shared-tier entries skipped as malformed",
+                              c.get("malformed"))
 
 
 class Metrics:

@@ -158,3 +158,20 @@ def test_backend_url_is_checked():
             CacheConfig(backend=bad)
         assert str(err.value).startswith("cache.backend:")
     assert CacheConfig(backend="rediss://cache.internal:6380/1").backend == "rediss://cache.internal:6380/1"
+
+
+def test_the_flag_reaches_the_config_and_the_metrics_show_the_tier(replicas, redis_server):
+    import argparse
+
+    from sidecar.server.flags import add_config_arguments, config_from_args
+    from sidecar.server.metrics import Metrics
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    cfg = config_from_args(parser.parse_args(["--cache-backend", redis_server.url]), env={})
+    assert cfg.cache.backend == redis_server.url
+    assert config_from_args(parser.parse_args([]), env={}).cache.backend is None
+    a = replicas()
+    text = Metrics(lambda: {}, a.stats).render()[0].decode()
+    assert "sidecar_semantic_cache_backend_up 1.0" in text
+    assert "sidecar_semantic_cache_malformed_total 0.0" in text
