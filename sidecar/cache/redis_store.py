@@ -12,7 +12,8 @@ stores another serves within one stream round trip.
 Failure model: Redis down or slow never fails or delays a request. Calls run in the cache's writer
 thread or the follower thread, each with short socket timeouts. While Redis is unreachable, puts are
 kept (bounded) and the follower reconnects with exponential backoff; once back it re-sends the kept
-puts and resyncs the mirror from the entry keys. An entry that cannot be decoded, is too large, or
+puts and resyncs the mirror from the entry keys. Deletes made during an outage are not kept: the
+entries they would remove expire by TTL. An entry that cannot be decoded, is too large, or
 has the wrong vector size is skipped and counted in ``malformed``.
 """
 from __future__ import annotations

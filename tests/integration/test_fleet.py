@@ -93,6 +93,35 @@ def test_a_burst_of_identical_requests_runs_one_generation(fleet):
     assert sum(r.headers.get("x-sidecar-coalesced") == "true" for r in rs) == followed
 
 
+def test_streaming_followers_get_the_whole_answer(fleet):
+    _, b, _ = fleet
+
+    async def burst():
+        body = {"model": "demo", "messages": [{"role": "user", "content": "Stream the burst answer."}],
+                "max_tokens": 160, "temperature": 0, "ignore_eos": True, "stream": True}
+
+        async def one(client):
+            async with client.stream("POST", f"{b}/v1/chat/completions", json=body, headers=ALICE) as r:
+                assert r.status_code == 200
+                text = ""
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunk = json.loads(line[6:])
+                        if chunk["choices"]:
+                            text += chunk["choices"][0]["delta"].get("content") or ""
+                return text, r.headers.get("x-sidecar-coalesced")
+
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[one(client) for _ in range(10)])
+
+    before = metric(b, "sidecar_engine_requests_finished_total")
+    results = asyncio.run(burst())
+    assert len({text for text, _ in results}) == 1 and results[0][0]
+    time.sleep(0.5)
+    assert metric(b, "sidecar_engine_requests_finished_total") - before == 1
+    assert any(flag == "true" for _, flag in results)
+
+
 def _pairs(n):
     seen, out = set(), []
     for line in DATA.read_text().splitlines():
