@@ -151,6 +151,10 @@ class CacheConfig:
     hnsw_min_entries: int = setting(50000, "entries from which the cache index is HNSW")
     allow_sampled: bool = False  # cache/serve requests with temperature > 0 by default
     guard: bool = True  # refuse semantic hits when numbers/negations/entities differ
+    # None: entries persist in the SQLite file at ``path``.
+    backend: Optional[str] = setting(
+        None, "shared semantic-cache tier for replicas: redis://host:6379/0 or rediss://... (password from "
+        "SIDECAR_REDIS_PASSWORD only; default: the SQLite file at --cache-path)")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -160,6 +164,31 @@ class CacheConfig:
         _require(self.max_entries >= 1, "cache.max_entries", f"must be >= 1, got {self.max_entries}")
         _require(self.ttl_s > 0, "cache.ttl_s", f"must be > 0, got {self.ttl_s}")
         _require(self.hnsw_min_entries >= 1, "cache.hnsw_min_entries", f"must be >= 1, got {self.hnsw_min_entries}")
+        if self.backend in ("", "sqlite"):
+            self.backend = None
+        if self.backend is not None:
+            _check_backend_url(self.backend)
+
+
+REDIS_PASSWORD_ENV = "SIDECAR_REDIS_PASSWORD"
+
+
+def _check_backend_url(url: str) -> None:
+    """``cache.backend`` must be redis:// or rediss:// with a host and no password in it (a URL shows in
+    process lists and config files; the password comes from the environment)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(str(url))
+    _require(parts.scheme in ("redis", "rediss"), "cache.backend",
+             f"expected redis://host:port/db or rediss://host:port/db, got {url!r}")
+    _require(bool(parts.hostname), "cache.backend", f"no host in {url!r}")
+    _require(not parts.password, "cache.backend", f"do not put the password in the URL; set {REDIS_PASSWORD_ENV}")
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"cache.backend: bad port in {url!r}") from None
+    db = parts.path.strip("/")
+    _require(not db or db.isdigit(), "cache.backend", f"the database must be a number, got {db!r}")
 
 
 @dataclass

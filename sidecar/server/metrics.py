@@ -57,6 +57,8 @@ class _SnapshotCollector:
         yield counter("preemptions", "Requests preempted for lack of KV blocks", s.get("num_preemptions"))
         yield counter("prompt_tokens", "Prompt tokens processed", s.get("prompt_tokens"))
         yield counter("generation_tokens", "Tokens generated", s.get("generation_tokens"))
+        yield counter("engine_requests_finished", "Requests the engine finished (stop, length or abort)",
+                      s.get("num_requests_finished"))
         yield counter("spec_decode_proposed_tokens", "Speculative tokens proposed and verified",
                       s.get("spec_decode_proposed_tokens"))
         yield counter("spec_decode_accepted_tokens", "Speculative tokens accepted by verification",
@@ -91,6 +93,15 @@ class _SnapshotCollector:
             yield counter("semantic_cache_bypasses", "Requests that did not consult the cache", c.get("bypasses"))
             yield counter("semantic_cache_stores", "Answers stored in the cache", c.get("stores"))
             yield gauge("semantic_cache_entries", "Entries in the semantic cache", c.get("entries"))
+            yield counter("cache_coalesced", "Requests that followed an identical in-flight generation",
+                          c.get("coalesced"))
+            if "backend_up" in c:  # a shared (Redis) tier is configured
+                yield gauge("semantic_cache_backend_up", "1 while the shared cache tier is reachable",
+                            c.get("backend_up"))
+                yield counter("semantic_cache_backend_errors", "Failed calls to the shared cache tier",
+                              c.get("backend_errors"))
+                yield counter("semantic_cache_malformed", "Shared-tier entries skipped as malformed",
+                              c.get("malformed"))
 
 
 class Metrics:

@@ -330,10 +330,11 @@ class InferenceService:
         # tenant's in-flight id neither collides with it nor learns that it exists.
         engine_id = f"{uuid.uuid4().hex[:16]}:{rid}"[:128]
         self._active_ids.add((caller.tenant, rid))
-        stream = self._engine().generate(
+        # Identical cacheable requests in flight share one generation (server/coalesce.py).
+        stream = self.cache_step.engine_stream(plan, admission.prompt_ids, req.model, deadline, lambda: self._engine().generate(
             admission.prompt_ids, admission.params, request_id=engine_id, priority=req.priority,
             cache_salt="\x1f".join(salt_parts) if salt_parts else None, deadline=deadline, arrival_time=arrival,
-            tenant=caller.tenant)
+            tenant=caller.tenant))
         progress = _Progress()
         outputs = _service_errors(stream, progress)
         try:
@@ -346,7 +347,7 @@ class InferenceService:
                 if admission.parser is not None:
                     tools.split_event(ev, admission.parser)
                 if out.finished:
-                    self._record_finished(caller, rid, out, plan)
+                    await self._record_finished(caller, rid, out, plan)
                 if not progress.yielded or out.finished or out.new_token_ids or out.delta_text:
                     progress.yielded = True
                     yield ev
@@ -371,12 +372,12 @@ class InferenceService:
             raise ServiceError("unavailable", "draining: request aborted at shutdown")
         raise ServiceError("internal", f"request aborted: {out.abort_reason}")
 
-    def _record_finished(self, caller: Caller, rid: str, out: RequestOutput, plan: Plan) -> None:
-        """Metrics and the log line of a finished request; a cacheable answer is stored off the response
-        path."""
+    async def _record_finished(self, caller: Caller, rid: str, out: RequestOutput, plan: Plan) -> None:
+        """Metrics and the log line of a finished request; a cacheable answer is in the cache's in-memory
+        tiers before its last event leaves (persistence follows on the cache's writer thread)."""
         self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s, len(out.token_ids))
         if plan.policy.store and out.finish_reason in ("stop", "length"):
-            self.cache_step.store_later(plan, out)
+            await self.cache_step.remember(plan, out)
         log.info("request finished", extra={
             "request_id": rid, "tenant": caller.tenant, "finish_reason": out.finish_reason,
             "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),

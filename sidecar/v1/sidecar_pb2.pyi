@@ -239,16 +239,18 @@ class Timing(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class CacheInfo(_message.Message):
-    __slots__ = ("status", "similarity", "matched_query", "bypass_reason")
+    __slots__ = ("status", "similarity", "matched_query", "bypass_reason", "coalesced")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     SIMILARITY_FIELD_NUMBER: _ClassVar[int]
     MATCHED_QUERY_FIELD_NUMBER: _ClassVar[int]
     BYPASS_REASON_FIELD_NUMBER: _ClassVar[int]
+    COALESCED_FIELD_NUMBER: _ClassVar[int]
     status: CacheStatus
     similarity: float
     matched_query: str
     bypass_reason: str
-    def __init__(self, status: _Optional[_Union[CacheStatus, str]] = ..., similarity: _Optional[float] = ..., matched_query: _Optional[str] = ..., bypass_reason: _Optional[str] = ...) -> None: ...
+    coalesced: bool
+    def __init__(self, status: _Optional[_Union[CacheStatus, str]] = ..., similarity: _Optional[float] = ..., matched_query: _Optional[str] = ..., bypass_reason: _Optional[str] = ..., coalesced: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob")

@@ -18,7 +18,7 @@ import sys
 import pytest
 from test_deploy_files import COMPOSE, ROOT, compose_env, load_compose
 
-PROFILES = ("gpu", "grafana")
+PROFILES = ("gpu", "grafana", "fleet")
 
 
 def _compose_cli() -> bool:

@@ -89,7 +89,7 @@ def _peer_host(peer: str) -> str:
 def _cache(ev: Event) -> pb.CacheInfo:
     c = ev.cache
     return pb.CacheInfo(status=CACHE_STATUS.get(c.status, pb.CACHE_STATUS_UNSPECIFIED), similarity=c.similarity,
-                        matched_query=c.matched_query, bypass_reason=c.bypass_reason)
+                        matched_query=c.matched_query, bypass_reason=c.bypass_reason, coalesced=c.coalesced)
 
 
 def _usage(ev: Event) -> pb.Usage:

@@ -192,7 +192,9 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
                 firsts.setdefault(k, ev)
             cache = fmt.cache_header([ev.cache.status for ev in firsts.values()])
             handed_over = True  # from here the response owns the runner
-            return _EventStream(call.stream(buffered, events), runner.cancel, _stream_headers(call.rid, cache))
+            headers = {**_stream_headers(call.rid, cache),
+                       **fmt.coalesced_header([ev.cache.coalesced for ev in firsts.values()])}
+            return _EventStream(call.stream(buffered, events), runner.cancel, headers)
 
         async def drain() -> bool:
             async for k, ev in events:
@@ -202,7 +204,8 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
         if await guard_disconnect(request, runner, drain()) is None:
             return Response(status_code=CLIENT_CLOSED)
         cache = fmt.cache_header([s.cache_status for s in call.states])
-        return JSONResponse(call.response(), headers={CACHE_HEADER: cache, "x-request-id": call.rid})
+        return JSONResponse(call.response(), headers={CACHE_HEADER: cache, "x-request-id": call.rid,
+                                                      **fmt.coalesced_header([s.coalesced for s in call.states])})
     finally:
         if not handed_over:
             runner.cancel()

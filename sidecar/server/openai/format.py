@@ -49,6 +49,14 @@ def cache_header(statuses: list[str]) -> str:
     return "bypass"
 
 
+COALESCED_HEADER = "x-sidecar-coalesced"
+
+
+def coalesced_header(flags: list[bool]) -> dict:
+    """``x-sidecar-coalesced: true`` when every choice followed an identical in-flight generation."""
+    return {COALESCED_HEADER: "true"} if flags and all(flags) else {}
+
+
 def chat_logprobs(lps: list[Any], token_text: TokenText) -> dict:
     """``choices[].logprobs`` of a chat completion for engine TokenLogprob entries."""
     ids = [lp.token_id for lp in lps] + [t for lp in lps for t, _ in lp.top]
@@ -92,6 +100,7 @@ class ChoiceState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     cache_status: str = "bypass"
+    coalesced: bool = False
     started: bool = False  # a chunk was already sent for this choice (chat: the role delta)
     tool_calls: list = field(default_factory=list)
 
@@ -104,6 +113,7 @@ class ChoiceState:
         self.completion_tokens = ev.completion_tokens
         self.cached_tokens = ev.cached_tokens
         self.cache_status = ev.cache.status
+        self.coalesced = bool(getattr(ev.cache, "coalesced", False))
         if ev.finished:
             self.finish_reason = ev.finish_reason
 

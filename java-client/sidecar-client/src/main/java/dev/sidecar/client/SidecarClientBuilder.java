@@ -170,7 +170,11 @@ public final class SidecarClientBuilder {
         return this;
     }
 
-    /** Load balancing policy name; default {@code round_robin}. */
+    /**
+     * Load balancing policy name; default {@code round_robin}. {@code sidecar_session_affinity}
+     * ({@link SessionAffinityLoadBalancerProvider#POLICY}) keeps each session on one replica
+     * (see {@link SessionAffinity}) and balances calls without a session round-robin.
+     */
     public SidecarClientBuilder loadBalancingPolicy(String policy) {
         if (policy == null || policy.isBlank()) {
             throw new IllegalArgumentException("loadBalancingPolicy: must not be blank");
@@ -221,6 +225,7 @@ public final class SidecarClientBuilder {
 
     public SidecarClient build() {
         List<ClientInterceptor> all = new ArrayList<>(interceptors);
+        all.add(SessionAffinity.interceptor());  // a session's key reaches the sidecar_session_affinity balancer
         if (apiKey != null) {
             all.add(new BearerAuthInterceptor(apiKey));
         }

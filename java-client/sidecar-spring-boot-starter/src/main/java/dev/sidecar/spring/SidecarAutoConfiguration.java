@@ -76,6 +76,7 @@ public class SidecarAutoConfiguration {
                 .keepAliveWithoutCalls(props.isKeepAliveWithoutCalls())
                 .idleTimeout(positive(props.getIdleTimeout()))
                 .healthCheck(props.isHealthCheck())
+                .loadBalancingPolicy(props.getLoadBalancingPolicy())
                 .defaultDeadline(positive(props.getDeadline()))
                 .defaultStreamDeadline(positive(props.getStreamDeadline()));
         if (props.getTrustCertificates() != null && !props.getTrustCertificates().isBlank()) {

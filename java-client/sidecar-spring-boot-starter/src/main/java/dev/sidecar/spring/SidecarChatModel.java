@@ -1,5 +1,6 @@
 package dev.sidecar.spring;
 
+import dev.sidecar.client.SessionAffinity;
 import dev.sidecar.client.SidecarClient;
 import dev.sidecar.v1.ChatRequest;
 import dev.sidecar.v1.CompletionChunk;
@@ -113,7 +114,8 @@ public class SidecarChatModel implements ChatModel {
         return observation(context).observe(() -> {
             ChatResponse response;
             try {
-                response = ChatMapping.toResponse(client.chat(request, options.getTimeout()));
+                response = ChatMapping.toResponse(
+                        SessionAffinity.call(options.getSessionId(), () -> client.chat(request, options.getTimeout())));
             } catch (RuntimeException e) {
                 throw SpringAiErrors.translate(e);
             }
@@ -141,7 +143,8 @@ public class SidecarChatModel implements ChatModel {
             try (Observation.Scope ignored = parent != null ? parent.openScope() : Observation.Scope.NOOP) {
                 observation.start();
             }
-            Flux<CompletionChunk> call = client.chatStream(request, options.getTimeout());
+            Flux<CompletionChunk> call = SessionAffinity.flux(options.getSessionId(),
+                    () -> client.chatStream(request, options.getTimeout()));
             // The gRPC call starts when subscribed: subscribing with this observation in scope
             // makes it the parent of the call's own observation (gRPC client interceptor).
             Flux<ChatResponse> responses = Flux.<CompletionChunk>from(subscriber -> {

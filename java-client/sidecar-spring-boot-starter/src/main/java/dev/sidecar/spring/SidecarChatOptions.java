@@ -56,6 +56,7 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
     private final Boolean parallelToolCalls;
     private final ResponseFormat responseFormat;
     private final String outputSchema;
+    private final String sessionId;
 
     /** The generic fields come separately: they are the Spring AI builder's, protected in its package. */
     protected SidecarChatOptions(Builder b, String model, Integer maxTokens, Double temperature, Double topP,
@@ -83,6 +84,7 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
         this.parallelToolCalls = b.parallelToolCalls;
         this.responseFormat = b.responseFormat;
         this.outputSchema = b.outputSchema;
+        this.sessionId = b.sessionId;
     }
 
     public static Builder builder() {
@@ -186,6 +188,14 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
         return priority;
     }
 
+    /**
+     * The conversation's affinity key: with the {@code sidecar_session_affinity} load-balancing policy
+     * every call carrying it goes to the same READY replica (whose prefix cache holds the earlier turns).
+     */
+    public String getSessionId() {
+        return sessionId;
+    }
+
     /** The call's deadline; null means the client's default (unary or stream). */
     public Duration getTimeout() {
         return timeout;
@@ -260,7 +270,8 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
                 && Objects.equals(timeout, c.timeout) && Objects.equals(toolCallbacks, c.toolCallbacks)
                 && Objects.equals(toolContext, c.toolContext) && Objects.equals(toolChoice, c.toolChoice)
                 && Objects.equals(parallelToolCalls, c.parallelToolCalls)
-                && Objects.equals(responseFormat, c.responseFormat) && Objects.equals(outputSchema, c.outputSchema);
+                && Objects.equals(responseFormat, c.responseFormat) && Objects.equals(outputSchema, c.outputSchema)
+                && Objects.equals(sessionId, c.sessionId);
     }
 
     @Override
@@ -294,6 +305,7 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
         private Long seed;
         private CacheControl cacheControl;
         private String cacheSalt;
+        private String sessionId;
         private Integer priority;
         private Duration timeout;
         private List<ToolCallback> toolCallbacks = new ArrayList<>();
@@ -333,6 +345,15 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
 
         public Builder cacheSalt(String v) {
             this.cacheSalt = v;
+            return self();
+        }
+
+        /** See {@link SidecarChatOptions#getSessionId()}; blank is refused. */
+        public Builder sessionId(String v) {
+            if (v != null && v.isBlank()) {
+                throw new IllegalArgumentException("sessionId: must not be blank");
+            }
+            this.sessionId = v;
             return self();
         }
 
@@ -444,6 +465,7 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
             this.seed = pick(s.seed, this.seed);
             this.cacheControl = pick(s.cacheControl, this.cacheControl);
             this.cacheSalt = pick(s.cacheSalt, this.cacheSalt);
+            this.sessionId = pick(s.sessionId, this.sessionId);
             this.priority = pick(s.priority, this.priority);
             this.timeout = pick(s.timeout, this.timeout);
             this.toolChoice = pick(s.toolChoice, this.toolChoice);

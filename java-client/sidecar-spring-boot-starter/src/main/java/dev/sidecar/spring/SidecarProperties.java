@@ -54,6 +54,12 @@ public class SidecarProperties {
      */
     private boolean healthCheck;
 
+    /**
+     * Load-balancing policy over the target's addresses: {@code round_robin}, or
+     * {@code sidecar_session_affinity} to keep each chat session (SidecarChatOptions.sessionId) on one replica.
+     */
+    private String loadBalancingPolicy = "round_robin";
+
     /** Use TLS (with the JVM's trusted roots unless trust-certificates is set). */
     private boolean tls;
 
@@ -239,6 +245,14 @@ public class SidecarProperties {
 
     public void setHealthCheck(boolean healthCheck) {
         this.healthCheck = healthCheck;
+    }
+
+    public String getLoadBalancingPolicy() {
+        return loadBalancingPolicy;
+    }
+
+    public void setLoadBalancingPolicy(String loadBalancingPolicy) {
+        this.loadBalancingPolicy = loadBalancingPolicy;
     }
 
     public boolean isTls() {

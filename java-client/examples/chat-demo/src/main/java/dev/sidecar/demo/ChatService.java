@@ -3,6 +3,7 @@ package dev.sidecar.demo;
 import dev.sidecar.demo.ChatApi.MessageReply;
 import dev.sidecar.demo.ChatApi.UsageView;
 import dev.sidecar.spring.SidecarChatModel;
+import dev.sidecar.spring.SidecarChatOptions;
 import java.util.List;
 import java.util.regex.Pattern;
 import org.springframework.ai.chat.client.ChatClient;
@@ -63,7 +64,7 @@ public class ChatService {
     public MessageReply send(String sessionId, String message) {
         limiter.acquire(sessionId);
         List<Message> history = store.history(sessionId);
-        ChatResponse response = chatClient.prompt().messages(history).user(message).call().chatResponse();
+        ChatResponse response = chatClient.prompt().messages(history).user(message).options(affinity(sessionId)).call().chatResponse();
         String reply = response == null || response.getResult() == null ? ""
                 : String.valueOf(response.getResult().getOutput().getText());
         store.append(sessionId, message, reply);
@@ -75,13 +76,20 @@ public class ChatService {
         limiter.acquire(sessionId);
         List<Message> history = store.history(sessionId);
         StringBuilder answer = new StringBuilder();
-        return chatClient.prompt().messages(history).user(message).stream().chatResponse()
+        return chatClient.prompt().messages(history).user(message).options(affinity(sessionId)).stream()
+                .chatResponse()
                 .doOnNext(r -> {
                     if (r.getResult() != null && r.getResult().getOutput().getText() != null) {
                         answer.append(r.getResult().getOutput().getText());
                     }
                 })
                 .doOnComplete(() -> store.append(sessionId, message, answer.toString()));
+    }
+
+    // With sidecar.client.load-balancing-policy=sidecar_session_affinity every turn of a conversation reaches
+    // the replica whose prefix cache holds the earlier turns.
+    private static SidecarChatOptions.Builder affinity(String sessionId) {
+        return SidecarChatOptions.builder().sessionId(sessionId);
     }
 
     public int turns(String sessionId) {
