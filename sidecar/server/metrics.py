@@ -34,74 +34,81 @@ class _SnapshotCollector:
         return []
 
     def collect(self):
-        s = self._engine_stats() or {}
-
-        def gauge(name: str, doc: str, value) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"sidecar_{name}", doc)
-            g.add_metric([], float(value or 0))
-            return g
-
-        def counter(name: str, doc: str, value) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"sidecar_{name}", doc)
-            c.add_metric([], float(value or 0))
-            return c
-
-        yield gauge("num_requests_running", "Requests in the running batch", s.get("num_running"))
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled", s.get("num_waiting"))
-        yield gauge("kv_cache_usage_ratio", "Fraction of KV blocks held by requests", s.get("kv_cache_usage"))
-        yield gauge("kv_cache_free_blocks", "KV blocks not held by any request", s.get("num_free_kv_blocks"))
-        yield gauge("kv_cache_total_blocks", "KV blocks in the pool", s.get("num_kv_blocks"))
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                      s.get("prefix_cache_queries"))
-        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.get("prefix_cache_hits"))
-        yield counter("preemptions", "Requests preempted for lack of KV blocks", s.get("num_preemptions"))
-        yield counter("prompt_tokens", "Prompt tokens processed", s.get("prompt_tokens"))
-        yield counter("generation_tokens", "Tokens generated", s.get("generation_tokens"))
-        yield counter("engine_requests_finished", "Requests the engine finished (stop, length or abort)",
-                      s.get("num_requests_finished"))
-        yield counter("spec_decode_proposed_tokens", "Speculative tokens proposed and verified",
-                      s.get("spec_decode_proposed_tokens"))
-        yield counter("spec_decode_accepted_tokens", "Speculative tokens accepted by verification",
-                      s.get("spec_decode_accepted_tokens"))
-        paths = s.get("fast_path_active")
-        if paths:  # which device fast paths (graphs, kernels, device sampler) the start-up self-check left on
-            fp = GaugeMetricFamily("sidecar_fast_path_active", "1 when the device fast path is on", labels=["path"])
-            for name, on in sorted(paths.items()):
-                fp.add_metric([name], 1.0 if on else 0.0)
-            yield fp
-        hist = s.get("spec_decode_acceptance_hist")
-        if hist:  # hist[a]: verifications that accepted exactly a proposed tokens; buckets are cumulative
-            h = HistogramMetricFamily("sidecar_spec_decode_acceptance",
-                                      "Proposed tokens accepted per speculative verification")
-            cum, buckets = 0, []
-            for a, n in enumerate(hist):
-                cum += n
-                buckets.append((str(a), cum))
-            buckets.append(("+Inf", cum))
-            h.add_metric([], buckets, sum_value=float(sum(a * n for a, n in enumerate(hist))))
-            yield h
+        yield from _engine_metrics(self._engine_stats() or {})
         if self._cache_stats is not None:
-            c = self._cache_stats() or {}
-            yield counter("semantic_cache_lookups", "Semantic cache lookups", c.get("lookups"))
-            hits = CounterMetricFamily("sidecar_semantic_cache_hits", "Semantic cache hits", labels=["kind"])
-            hits.add_metric(["exact"], float(c.get("exact_hits", 0)))
-            hits.add_metric(["semantic"], float(c.get("semantic_hits", 0)))
-            yield hits
-            yield counter("semantic_cache_guard_rejections",
-                          "Similar entries refused because numbers/negations/entities differ",
-                          c.get("guard_rejections"))
-            yield counter("semantic_cache_bypasses", "Requests that did not consult the cache", c.get("bypasses"))
-            yield counter("semantic_cache_stores", "Answers stored in the cache", c.get("stores"))
-            yield gauge("semantic_cache_entries", "Entries in the semantic cache", c.get("entries"))
-            yield counter("cache_coalesced", "Requests that followed an identical in-flight generation",
-                          c.get("coalesced"))
-            if "backend_up" in c:  # a shared (Redis) tier is configured
-                yield gauge("semantic_cache_backend_up", "1 while the shared cache tier is reachable",
-                            c.get("backend_up"))
-                yield counter("semantic_cache_backend_errors", "Failed calls to the shared cache tier",
-                              c.get("backend_errors"))
-                yield counter("semantic_cache_malformed", "Shared-tier entries skipped as malformed",
-                              c.get("malformed"))
+            yield from _cache_metrics(self._cache_stats() or {})
+
+
+def gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(f"sidecar_{name}", doc)
+    g.add_metric([], float(value or 0))
+    return g
+
+
+def counter(name: str, doc: str, value) -> CounterMetricFamily:
+    c = CounterMetricFamily(f"sidecar_{name}", doc)
+    c.add_metric([], float(value or 0))
+    return c
+
+
+def _engine_metrics(s: dict):
+    yield gauge("num_requests_running", "Requests in the running batch", s.get("num_running"))
+    yield gauge("num_requests_waiting", "Requests waiting to be scheduled", s.get("num_waiting"))
+    yield gauge("kv_cache_usage_ratio", "Fraction of KV blocks held by requests", s.get("kv_cache_usage"))
+    yield gauge("kv_cache_free_blocks", "KV blocks not held by any request", s.get("num_free_kv_blocks"))
+    yield gauge("kv_cache_total_blocks", "KV blocks in the pool", s.get("num_kv_blocks"))
+    yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                  s.get("prefix_cache_queries"))
+    yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.get("prefix_cache_hits"))
+    yield counter("preemptions", "Requests preempted for lack of KV blocks", s.get("num_preemptions"))
+    yield counter("prompt_tokens", "Prompt tokens processed", s.get("prompt_tokens"))
+    yield counter("generation_tokens", "Tokens generated", s.get("generation_tokens"))
+    yield counter("engine_requests_finished", "Requests the engine finished (stop, length or abort)",
+                  s.get("num_requests_finished"))
+    yield counter("spec_decode_proposed_tokens", "Speculative tokens proposed and verified",
+                  s.get("spec_decode_proposed_tokens"))
+    yield counter("spec_decode_accepted_tokens", "Speculative tokens accepted by verification",
+                  s.get("spec_decode_accepted_tokens"))
+    paths = s.get("fast_path_active")
+    if paths:  # which device fast paths (graphs, kernels, device sampler) the start-up self-check left on
+        fp = GaugeMetricFamily("sidecar_fast_path_active", "1 when the device fast path is on", labels=["path"])
+        for name, on in sorted(paths.items()):
+            fp.add_metric([name], 1.0 if on else 0.0)
+        yield fp
+    hist = s.get("spec_decode_acceptance_hist")
+    if hist:  # hist[a]: verifications that accepted exactly a proposed tokens; buckets are cumulative
+        h = HistogramMetricFamily("sidecar_spec_decode_acceptance",
+                                  "Proposed tokens accepted per speculative verification")
+        cum, buckets = 0, []
+        for a, n in enumerate(hist):
+            cum += n
+            buckets.append((str(a), cum))
+        buckets.append(("+Inf", cum))
+        h.add_metric([], buckets, sum_value=float(sum(a * n for a, n in enumerate(hist))))
+        yield h
+
+
+def _cache_metrics(c: dict):
+    yield counter("semantic_cache_lookups", "Semantic cache lookups", c.get("lookups"))
+    hits = CounterMetricFamily("sidecar_semantic_cache_hits", "Semantic cache hits", labels=["kind"])
+    hits.add_metric(["exact"], float(c.get("exact_hits", 0)))
+    hits.add_metric(["semantic"], float(c.get("semantic_hits", 0)))
+    yield hits
+    yield counter("semantic_cache_guard_rejections",
+                  "Similar entries refused because numbers/negations/entities differ",
+                  c.get("guard_rejections"))
+    yield counter("semantic_cache_bypasses", "Requests that did not consult the cache", c.get("bypasses"))
+    yield counter("semantic_cache_stores", "Answers stored in the cache", c.get("stores"))
+    yield gauge("semantic_cache_entries", "Entries in the semantic cache", c.get("entries"))
+    yield counter("cache_coalesced", "Requests that followed an identical in-flight generation",
+                  c.get("coalesced"))
+    if "backend_up" in c:  # a shared (Redis) tier is configured
+        yield gauge("semantic_cache_backend_up", "1 while the shared cache tier is reachable",
+                    c.get("backend_up"))
+        yield counter("semantic_cache_backend_errors", "Failed calls to the shared cache tier",
+                      c.get("backend_errors"))
+        yield counter("semantic_cache_malformed", "Shared-tier entries skipped as malformed",
+                      c.get("malformed"))
 
 
 class Metrics:

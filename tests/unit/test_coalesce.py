@@ -125,7 +125,8 @@ def test_leader_cancel_hands_the_generation_to_a_follower(demo_dir, embedder):
             assert ev.cache.coalesced
             await asyncio.sleep(0.1)
             assert _pool_whole(engine) and len(svc.cache_step.coalescer) == 0
-            hit = await svc.cache_step.cache.lookup(svc.cache_step.plan("", _req("count the waves", max_tokens=64),
+            probe = _req("count the waves", max_tokens=64)
+            hit = await svc.cache_step.cache.lookup(svc.cache_step.plan("", probe, probe.params,
                                                                         svc.model_name).scope)
             assert hit is not None and hit.text == ref.text  # the follower that took over stored it
         finally:
