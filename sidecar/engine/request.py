@@ -182,10 +182,11 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
         self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
-        # Filled by collaborators: block hashes (kv_cache), detokenizer, sampler generator.
+        # Filled by collaborators: block hashes (kv_cache), detokenizer, the sampler's state (its random
+        # stream and penalty slot: engine/sampling_tensors.py).
         self.block_hashes: list[bytes] = []
         self.detok: Any = None
-        self.generator: Any = None
+        self.sampling: Any = None
         # Speculative decoding: tokens proposed for this step (never part of all_token_ids, so never
         # hashed into the prefix cache) and the proposer's per-request state (engine/spec).
         self.spec_token_ids: list[int] = []

@@ -230,17 +230,16 @@ def test_async_engine_streams_and_cancel_frees_blocks(demo_dir):
 def test_failing_step_fails_its_requests_not_the_engine(demo_dir, monkeypatch):
     eng = LLMEngine(EngineConfig(model=str(demo_dir), num_kv_blocks=64))
     eng.add_request("boom", "hello", SamplingParams(max_tokens=4, ignore_eos=True))
-    real = eng.sampler.__call__
 
-    def broken(logits, reqs):
+    def broken(*args, **kwargs):
         raise RuntimeError("sampler exploded")
 
-    monkeypatch.setattr(eng, "sampler", broken)
+    monkeypatch.setattr(eng.sampler, "sample", broken)
     outs = eng.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("boom", "abort")]
     assert outs[0].abort_reason.startswith("error: RuntimeError")
     assert pool_whole(eng)
-    monkeypatch.setattr(eng, "sampler", real)
+    monkeypatch.undo()
     eng.add_request("ok", "hello", SamplingParams(max_tokens=3, ignore_eos=True))
     done = drain(eng)
     assert done["ok"].finish_reason == "length"
