@@ -70,6 +70,7 @@ class SamplingTensors:
         self.owners: list[Any] = []  # request holding each slot, or None
         self.last_use: list[int] = []
         self.clock = 0
+        self.num_rebuilds = 0  # slots built from token lists (once per request, unless evicted or stale)
 
     def _alloc_rows(self, n: int) -> None:
         pin = self.device.type == "cuda"
@@ -162,6 +163,7 @@ class SamplingTensors:
         self.last_use += [0] * (n - len(self.last_use))
 
     def _rebuild(self, slot: int, req: Any) -> None:
+        self.num_rebuilds += 1
         self.seen[slot].zero_()
         self.seen[slot, torch.tensor(req.all_token_ids, dtype=torch.long, device=self.device)] = True
         self.counts[slot].zero_()

@@ -20,7 +20,8 @@ def llm(demo_dir):
 
 def pool_whole(engine: LLMEngine) -> bool:
     return (not engine.requests and engine.kv.num_free_blocks() == engine.kv.num_blocks
-            and all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:]))
+            and all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:])
+            and engine.sampler.tensors.slots_in_use() == 0)
 
 
 def drain(engine: LLMEngine) -> dict:
@@ -164,6 +165,23 @@ def test_seeded_sampling_independent_of_batch(llm):
     mixed = llm.generate(["tell me a story", "x", "another prompt here", "y z"], [p] + others)[0].token_ids
     assert alone == mixed
     assert pool_whole(llm.engine)
+
+
+def test_penalty_slots_are_returned_on_finish_and_abort(llm):
+    eng = llm.engine
+    pen = SamplingParams(max_tokens=30, temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4,
+                         ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"pen{i}", "penalised prompt", pen if i else SamplingParams(
+            max_tokens=3, repetition_penalty=1.2, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    assert eng.sampler.tensors.slots_in_use() == 2  # pen0 finished (3 tokens) and gave its slot back
+    eng.abort("pen1")
+    eng.step()
+    assert eng.sampler.tensors.slots_in_use() == 1
+    drain(eng)
+    assert pool_whole(eng)
 
 
 def test_every_sampling_option_runs_through_the_engine(llm):
