@@ -15,9 +15,8 @@ import torch
 
 from sidecar.engine.request import Request, TokenLogprob
 from sidecar.engine.sampling_rng import SALT_REDRAW, SALT_TOKEN, KeyedDraws, gumbel, row_keys
-from sidecar.engine.sampling_tensors import (F_FREQ, F_MIN_P, F_PRES, F_REP, F_TEMP, F_TOP_P, I_LROWS, I_POS,
-                                             I_SLOT, I_SROWS, I_STREAM, I_TOPK, I_PROWS, SamplingTensors,
-                                             StepParams)
+from sidecar.engine.sampling_tensors import (F_MIN_P, F_REP, F_TEMP, F_TOP_P, I_LROWS, I_POS, I_PROWS, I_SLOT,
+                                             I_SROWS, I_STREAM, I_TOPK, SamplingTensors, StepParams)
 from sidecar.engine.structured import apply_bitmask
 
 _NEG_INF = float("-inf")
@@ -66,20 +65,22 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return out[0] if logits.dim() == 1 else out
 
 
-def apply_penalties(logits: torch.Tensor, step: StepParams, seen: torch.Tensor, counts: torch.Tensor,
+def apply_penalties(logits: torch.Tensor, step: StepParams, seen: torch.Tensor, subtract: torch.Tensor,
                     num_rows: int) -> None:
-    """In place on the penalised rows of logits [B, V], from their slots' device state."""
+    """In place on the penalised rows of logits [B, V], from their slots' device state: repetition (HF: a
+    seen token's logit is divided by the penalty when positive, multiplied when not), then presence and
+    frequency (the slot's ``subtract`` row)."""
     everyone = len(step.penalised) == num_rows
     rows = None if everyone else step.ints[:len(step.penalised), I_PROWS]
     ints = step.ints if everyone else step.ints[rows]
     f = step.floats if everyone else step.floats[rows]
     x = logits if everyone else logits[rows]
     slots = ints[:, I_SLOT]
-    rep = f[:, F_REP:F_REP + 1]
-    # HF: a seen token's logit is divided by the penalty when positive, multiplied when not.
-    x = torch.where(seen[slots], torch.where(x > 0, x * rep.reciprocal(), x * rep), x)
-    c = counts[slots].to(x.dtype)
-    x = x - (f[:, F_FREQ:F_FREQ + 1] * c + f[:, F_PRES:F_PRES + 1] * (c > 0).to(x.dtype))
+    if step.any_repetition:
+        rep = f[:, F_REP:F_REP + 1]
+        x = torch.where(seen[slots], torch.where(x > 0, x / rep, x * rep), x)
+    if step.any_presence:
+        x = x - subtract[slots]
     if everyone:
         logits.copy_(x)
     else:
@@ -127,7 +128,7 @@ class Sampler:
             raw = logits if len(step.logprobs) == n else logits[step.ints[:len(step.logprobs), I_LROWS]]
             raw_lp = raw.log_softmax(-1)
         if step is not None and step.penalised:
-            apply_penalties(logits, step, self.tensors.seen, self.tensors.counts, n)
+            apply_penalties(logits, step, self.tensors.seen, self.tensors.subtract, n)
         if masks is not None:
             apply_bitmask(logits, masks[0], masks[1])
         if step is None or not step.sampled:
@@ -143,7 +144,7 @@ class Sampler:
         rows = None if everyone else step.ints[:len(step.sampled), I_SROWS]
         ints = step.ints if everyone else step.ints[rows]
         f = step.floats if everyone else step.floats[rows]
-        x = (logits if everyone else logits[rows]) * f[:, F_TEMP:F_TEMP + 1].reciprocal()
+        x = (logits if everyone else logits[rows]) / f[:, F_TEMP:F_TEMP + 1]
         x = filter_logits_batch(x, ints[:, I_TOPK], f[:, F_TOP_P], f[:, F_MIN_P], step.top_k_max,
                                 step.full_sort, step.any_top_p, step.any_min_p)
         # Gumbel-max over the filtered logits: the exponential race argmax(p / E) in log space.

@@ -3,13 +3,17 @@
 Parameters: every request's row (stream, position, top-k, penalty slot, and as float32 pairs temperature,
 top-p, min-p and the three penalties) is written into one persistent int64 host buffer, pinned on CUDA,
 and reaches the device in a single copy per step; the float columns are a float32 view of the same rows.
+The host buffer is rewritten only after the previous step's device->host copy of its ids, which waits for
+every earlier copy, so a pinned asynchronous copy never reads a half-written row.
 
 Penalty state: a request with penalties holds a slot, a row of ``seen`` (bool [slots, V]: prompt and output
-tokens, for the repetition penalty) and of ``counts`` (int32 [slots, V]: output tokens, for presence and
-frequency). A slot is built from the request's token lists once, then updated on the device with each
-sampled token. ``counted`` records how many output tokens the slot covers; when the request's output
-differs in length (a grammar re-draw replaced a token) the slot is rebuilt, so the state can never drift
-from the tokens the request really has. Slots are a cache: the least recently used one of a request
+tokens, for the repetition penalty), of ``counts`` (int32 [slots, V]: output tokens) and of ``subtract``
+(float32 [slots, V]: frequency * count + presence * (count > 0), what presence and frequency take off each
+logit, kept so a step reads one tensor instead of recomputing it over the vocabulary). A slot is built
+from the request's token lists once, then updated on the device with each sampled token. ``counted``
+records how many output tokens the slot covers; when the request's output differs in length (a grammar
+re-draw replaced a token) the slot is rebuilt, so the state can never drift from the tokens the request
+really has. Slots are a cache: the least recently used one of a request
 outside the current batch is taken over when none is free (its owner rebuilds on return), and
 ``release`` gives a finished request's slot back at once.
 """
@@ -56,6 +60,8 @@ class StepParams:
     full_sort: bool  # some sampled row needs a nucleus without a top-k
     any_top_p: bool
     any_min_p: bool
+    any_repetition: bool  # some penalised row has a repetition penalty
+    any_presence: bool  # some penalised row has a presence or frequency penalty
 
 
 class SamplingTensors:
@@ -66,6 +72,7 @@ class SamplingTensors:
         self._alloc_rows(max(max_num_seqs, 1))
         self.seen: Optional[torch.Tensor] = None
         self.counts: Optional[torch.Tensor] = None
+        self.subtract: Optional[torch.Tensor] = None
         self.max_slots = max(max_num_seqs, 1)
         self.owners: list[Any] = []  # request holding each slot, or None
         self.last_use: list[int] = []
@@ -121,7 +128,9 @@ class SamplingTensors:
             top_n_max=max((reqs[i].params.logprobs for i in lps), default=0),
             top_k_max=max((ks[i] for i in sampled), default=0),
             full_sort=any(tp and ks[i] == 0 for tp, i in zip(top_p, sampled)), any_top_p=any(top_p),
-            any_min_p=any(states[i].floats[2] > 0.0 for i in sampled))
+            any_min_p=any(states[i].floats[2] > 0.0 for i in sampled),
+            any_repetition=any(states[i].floats[3] != 1.0 for i in penalised),
+            any_presence=any(states[i].floats[4] != 0.0 or states[i].floats[5] != 0.0 for i in penalised))
 
     # -- penalty slots -------------------------------------------------------------------------------
     def _take_slots(self, reqs: list, vocab: int) -> None:
@@ -155,10 +164,11 @@ class SamplingTensors:
     def _grow(self, vocab: int, n: int) -> None:
         seen = torch.zeros((n, vocab), dtype=torch.bool, device=self.device)
         counts = torch.zeros((n, vocab), dtype=torch.int32, device=self.device)
+        subtract = torch.zeros((n, vocab), dtype=torch.float32, device=self.device)
         if self.seen is not None:
-            seen[:self.seen.shape[0]] = self.seen
-            counts[:self.counts.shape[0]] = self.counts
-        self.seen, self.counts = seen, counts
+            m = self.seen.shape[0]
+            seen[:m], counts[:m], subtract[:m] = self.seen, self.counts, self.subtract
+        self.seen, self.counts, self.subtract = seen, counts, subtract
         self.owners += [None] * (n - len(self.owners))
         self.last_use += [0] * (n - len(self.last_use))
 
@@ -167,9 +177,13 @@ class SamplingTensors:
         self.seen[slot].zero_()
         self.seen[slot, torch.tensor(req.all_token_ids, dtype=torch.long, device=self.device)] = True
         self.counts[slot].zero_()
+        self.subtract[slot].zero_()
         if req.output_token_ids:
             out = torch.tensor(req.output_token_ids, dtype=torch.long, device=self.device)
             self.counts[slot] = torch.bincount(out, minlength=self.counts.shape[1]).to(torch.int32)
+            _, _, _, _, presence, frequency = req.sampling.floats
+            c = self.counts[slot].float()
+            self.subtract[slot] = torch.tensor(frequency) * c + torch.tensor(presence) * (c > 0).float()
 
     def record(self, step: StepParams, tokens: torch.Tensor, reqs: list) -> None:
         """Count the sampled tokens of the penalised rows, on the device (no host round trip)."""
@@ -181,6 +195,10 @@ class SamplingTensors:
         self.seen.index_put_((slots, toks), torch.ones((), dtype=torch.bool, device=self.device))
         self.counts.index_put_((slots, toks), torch.ones((), dtype=torch.int32, device=self.device),
                                accumulate=True)
+        if step.any_presence:  # the same float32 expression as a rebuild, for the entries that changed
+            f = step.floats if rows is None else step.floats[rows]
+            c = self.counts[slots, toks].float()
+            self.subtract[slots, toks] = f[:, F_FREQ] * c + f[:, F_PRES] * (c > 0).float()
         for i in step.penalised:
             reqs[i].sampling.counted += 1
 
