@@ -82,11 +82,17 @@ def _offsets(device: torch.device, n: int) -> torch.Tensor:
     return t
 
 
+def unit_float(h: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms in (0, 1) from 64-bit hashes: the top 23 bits select a cell of a 2^23 grid and the
+    value is the cell's centre. Every centre (k + 0.5) * 2^-23 is exact in float32, so the extremes are
+    2^-24 and 1 - 2^-24: neither 0 nor 1 occurs, and both logs of the exponential race stay finite (a
+    24-bit grid would round its top centre to 1.0, whose noise is infinite)."""
+    return torch.bitwise_right_shift(h, 41).bitwise_and_((1 << 23) - 1).float().add_(0.5).mul_(2.0 ** -23)
+
+
 def uniform(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """float32 [B, n] uniforms in (0, 1): element (b, i) of the sequence keyed by keys[b] (24-bit grid,
-    centred cells, so neither 0 nor 1 occurs and log() is always finite)."""
-    h = fmix_(keys.unsqueeze(-1) + _offsets(keys.device, n))
-    return torch.bitwise_right_shift(h, 40).bitwise_and_((1 << 24) - 1).float().add_(0.5).mul_(2.0 ** -24)
+    """float32 [B, n] uniforms in (0, 1): element (b, i) of the sequence keyed by keys[b]."""
+    return unit_float(fmix_(keys.unsqueeze(-1) + _offsets(keys.device, n)))
 
 
 def gumbel(keys: torch.Tensor, n: int) -> torch.Tensor:
@@ -105,9 +111,10 @@ class KeyedDraws:
         self.position = position
 
     def uniform(self, i: int) -> float:
-        """The acceptance-test uniform in (0, 1) for the token at ``position + i`` (53-bit grid)."""
+        """The acceptance-test uniform in (0, 1) for the token at ``position + i`` (cell centres of a 2^52
+        grid, all exact in float64, as in ``unit_float``)."""
         h = fmix_int(row_key_int(self.stream, self.position + i, SALT_ACCEPT) + GOLDEN) & _U64
-        return ((h >> 11) + 0.5) * 2.0 ** -53
+        return ((h >> 12) + 0.5) * 2.0 ** -52
 
     def categorical(self, probs: torch.Tensor, i: int) -> int:
         """A draw from ``probs`` (unnormalised weights, [V]) for the token at ``position + i``: the

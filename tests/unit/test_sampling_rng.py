@@ -7,7 +7,7 @@ import math
 import torch
 
 from sidecar.engine.sampling_rng import (NUM_SALTS, fmix_, fmix_int, gumbel, row_key_int, row_keys, stream_for,
-                                         to_s64, uniform)
+                                         to_s64, uniform, unit_float)
 
 from test_sampler_batched import chi2_critical
 
@@ -57,3 +57,16 @@ def test_streams():
     unseeded = {stream_for(None, 0, i) for i in range(1000)}
     assert len(unseeded) == 1000
     assert stream_for(None, 0, 1) == stream_for(None, 0, 1) != stream_for(None, 1, 1)
+
+
+def test_extreme_hashes_give_finite_noise():
+    """The largest and smallest hash values map strictly inside (0, 1), so the exponential and Gumbel
+    noise stay finite and a masked (-inf) token can never win a draw."""
+    h = torch.tensor([0, -1, 2**63 - 1, -(2**63)])  # all-zero, all-one and the two sign-boundary patterns
+    u = unit_float(h)
+    assert (u > 0).all() and (u < 1).all()
+    e = -u.log()
+    assert (e > 0).all() and torch.isfinite(e).all()
+    g = -e.log()
+    assert torch.isfinite(g).all()
+    assert u.max().item() == 1 - 2.0 ** -24 and u.min().item() == 2.0 ** -24

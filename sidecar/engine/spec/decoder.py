@@ -18,7 +18,8 @@ Which requests speculate: those that opted in (``SamplingParams.speculative``), 
 (structured output needs the grammar advanced per token; speculation is off for such requests), without
 repetition/presence/frequency penalties (their distribution changes with every accepted token), and not
 seeded sampling: a seeded request's output must not depend on the rest of the batch, but whether and how
-far it speculates does (batch-size switch), and that changes how its generator's draws are used.
+far it speculates does (batch-size switch), and a verified token comes from an acceptance test or a
+residual draw instead of the plain draw: the same law from the same keyed draws, not the same token.
 """
 from __future__ import annotations
 
