@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from sidecar.engine.request import Request, TokenLogprob
-from sidecar.engine.sampling_rng import SALT_REDRAW, SALT_TOKEN, KeyedDraws, gumbel, row_keys
+from sidecar.engine.sampling_rng import SALT_TOKEN, KeyedDraws, gumbel, row_keys
 from sidecar.engine.sampling_tensors import (F_MIN_P, F_REP, F_TEMP, F_TOP_P, I_LROWS, I_POS, I_PROWS, I_SLOT,
                                              I_SROWS, I_STREAM, I_TOPK, SamplingTensors, StepParams)
 from sidecar.engine.structured import apply_bitmask
@@ -95,6 +95,9 @@ class SamplerOutput:
 
 
 class Sampler:
+    """One token per row of a batch. ``seed`` keys the unseeded requests' streams; ``max_num_seqs`` sizes the
+    persistent parameter buffer and the penalty slots (a larger batch grows them)."""
+
     def __init__(self, device: torch.device, seed: int = 0, max_num_seqs: int = 256) -> None:
         self.device = device
         self.tensors = SamplingTensors(device, seed, max_num_seqs)
@@ -110,6 +113,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
                  masks: Optional[tuple[list[int], torch.Tensor]] = None,
                  salt: int = SALT_TOKEN) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        """``sample`` for callers that want host lists only: (ids, logprobs)."""
         out = self.sample(logits, reqs, masks, salt)
         return out.ids, out.logprobs
 

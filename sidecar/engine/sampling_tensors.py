@@ -116,8 +116,8 @@ class SamplingTensors:
         lists = [sampled, penalised, lps]
         self.host[:n, :_F0] = torch.tensor(
             [(s.stream, r.num_tokens, k, -1 if s.slot is None else s.slot,
-              *(rows[i] if i < len(rows) else 0 for rows in lists)) for i, (s, r, k) in enumerate(zip(states, reqs, ks))],
-            dtype=torch.int64)
+              *(rows[i] if i < len(rows) else 0 for rows in lists))
+             for i, (s, r, k) in enumerate(zip(states, reqs, ks))], dtype=torch.int64)
         self.host.view(torch.float32)[:n, 2 * _F0:2 * _F0 + 6] = torch.tensor([s.floats for s in states])
         dev = self.dev[:n]
         if dev.data_ptr() != self.host.data_ptr():
