@@ -44,7 +44,7 @@ class LLMEngine:
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
-        self.sampler = Sampler(loaded.device, config.seed)
+        self.sampler = Sampler(loaded.device, config.seed, config.max_num_seqs)
         self.spec = SpecDecoder(config, self.kv, self.max_model_len, self.runner, loaded)
         self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             overlap=self.runner.host_overlaps_forward)
@@ -83,8 +83,7 @@ class LLMEngine:
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             text: Optional[str] = prompt
         elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-            text = None
+            ids, text = list(prompt), None
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise ValueError("prompt: token ids must be integers")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -153,6 +152,7 @@ class LLMEngine:
         self.scheduler.remove(req)
         self.structured.release(req.request_id)
         self.spec.release(req.request_id)
+        self.sampler.release(req)
         self.requests.pop(req.request_id, None)
         self.counters["num_requests_finished"] += 1
 

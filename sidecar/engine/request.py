@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from sidecar.engine.structured import Constraint, to_constraint
 
 if TYPE_CHECKING:  # collaborators that keep per-request state on a Request (none imports this module)
-    import torch
-
     from sidecar.engine.detokenizer import IncrementalDetokenizer
+    from sidecar.engine.sampling_tensors import RequestSampling
     from sidecar.engine.spec.state import SpecState
 
 MAX_STOP_STRINGS = 16
@@ -198,10 +197,11 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
         self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
-        # Filled by collaborators: block hashes (kv_cache), detokenizer (engine), generator (sampler).
+        # Filled by collaborators: block hashes (kv_cache), detokenizer (engine), the sampler's state (its
+        # random stream and penalty slot: engine/sampling_tensors.py).
         self.block_hashes: list[bytes] = []
         self.detok: Optional[IncrementalDetokenizer] = None
-        self.generator: Optional[torch.Generator] = None
+        self.sampling: Optional[RequestSampling] = None
         # Speculative decoding: tokens proposed for this step (never part of all_token_ids, so never
         # hashed into the prefix cache) and the proposer's per-request state (engine/spec).
         self.spec_token_ids: list[int] = []

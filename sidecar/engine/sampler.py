@@ -1,103 +1,183 @@
-"""Batched sampling with per-request settings.
+"""Batched sampling on the logits' device: one pass over the whole batch, one device->host copy per step.
 
-Seeded requests draw from their own ``torch.Generator`` and consume exactly one
-vocabulary-sized draw per token, so their output does not depend on what else
-is in the batch. Unseeded requests share the engine's generator.
+Per row: penalties (repetition over prompt + output, HF semantics; presence / frequency over the output,
+OpenAI semantics) from device-resident token state, the grammar bitmask, then either the argmax (greedy)
+or temperature, top-k / top-p / min-p and a draw. Draws are counter-based (sampling_rng.py): keyed by the
+request's stream and the position of the token, so a seeded request's tokens do not depend on what else
+is in the batch, and unseeded requests differ from each other without a shared generator.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from sidecar.engine.request import Request, TokenLogprob
+from sidecar.engine.sampling_rng import SALT_TOKEN, KeyedDraws, gumbel, row_keys
+from sidecar.engine.sampling_tensors import (F_MIN_P, F_REP, F_TEMP, F_TOP_P, I_LROWS, I_POS, I_PROWS, I_SLOT,
+                                             I_SROWS, I_STREAM, I_TOPK, SamplingTensors, StepParams)
 from sidecar.engine.structured import apply_bitmask
 
-_U64 = (1 << 64) - 1
+_NEG_INF = float("-inf")
 
 
-def apply_penalties(logits: torch.Tensor, req: Request) -> None:
-    """In place on one row. Repetition penalty (prompt + output, HF semantics);
-    presence/frequency penalties (output only, OpenAI semantics)."""
-    p = req.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=logits.device)
-        vals = logits.index_select(0, seen)
-        vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        logits.index_copy_(0, seen, vals)
-    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+def filter_logits_batch(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                        top_k_max: int, full_sort: bool, any_top_p: bool, any_min_p: bool) -> torch.Tensor:
+    """Mask (to -inf) each row's tokens outside its top-k / nucleus top-p / min-p set, in that order.
+
+    x: [B, V] logits already divided by the temperature. top_k: int64 [B] (0: off, and < V); top_p, min_p:
+    float32 [B] (1 / 0: off). The host-side summary says what any row needs: ``top_k_max`` the largest
+    top-k, ``full_sort`` some row has a nucleus but no top-k (so the nucleus may reach past top_k_max).
+    One sort (or one top-k of width top_k_max) serves every row: thresholds are per-row values, and a token
+    tied with a row's last kept token is kept too. Returns a new tensor."""
+    if full_sort or top_k_max > 0:
+        vals = x.sort(-1, descending=True).values if full_sort else x.topk(top_k_max, -1).values
+        k = top_k.clamp(max=vals.shape[-1]).unsqueeze(-1)
+        kth = vals.gather(-1, (k - 1).clamp(min=0))
+        thr = kth.masked_fill(k == 0, _NEG_INF)
+        if any_top_p:
+            probs = vals.masked_fill(vals < thr, _NEG_INF).softmax(-1)
+            # Drop a token when the mass before it already reaches top_p (the top token always stays).
+            keep = ((probs.cumsum(-1) - probs) < top_p.unsqueeze(-1)).sum(-1, keepdim=True).clamp(min=1)
+            nucleus = vals.gather(-1, keep - 1).masked_fill(top_p.unsqueeze(-1) >= 1.0, _NEG_INF)
+            thr = torch.maximum(thr, nucleus)
+        x = x.masked_fill(x < thr, _NEG_INF)
+    if any_min_p:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p.unsqueeze(-1) * probs.amax(-1, keepdim=True), _NEG_INF)
+    return x
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask (to -inf) tokens outside top-k / nucleus top-p / min-p, for one row [V]."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p (the top token always stays).
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, idx, sorted_logits)
-    if min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    return logits
+    """Mask (to -inf) tokens outside top-k / nucleus top-p / min-p: one row [V] or rows [N, V] sharing the
+    settings. The same filter the sampler applies to its batch."""
+    x = logits.unsqueeze(0) if logits.dim() == 1 else logits
+    n, v = x.shape
+    k = top_k if 0 < top_k < v else 0
+    if k == 0 and top_p >= 1.0 and min_p <= 0.0:
+        return logits
+    dev = x.device
+    out = filter_logits_batch(x, torch.full((n,), k, dtype=torch.int64, device=dev),
+                              torch.full((n,), top_p, dtype=torch.float32, device=dev),
+                              torch.full((n,), min_p, dtype=torch.float32, device=dev),
+                              k, top_p < 1.0 and k == 0, top_p < 1.0, min_p > 0.0)
+    return out[0] if logits.dim() == 1 else out
+
+
+def apply_penalties(logits: torch.Tensor, step: StepParams, seen: torch.Tensor, subtract: torch.Tensor,
+                    num_rows: int) -> None:
+    """In place on the penalised rows of logits [B, V], from their slots' device state: repetition (HF: a
+    seen token's logit is divided by the penalty when positive, multiplied when not), then presence and
+    frequency (the slot's ``subtract`` row)."""
+    everyone = len(step.penalised) == num_rows
+    rows = None if everyone else step.ints[:len(step.penalised), I_PROWS]
+    ints = step.ints if everyone else step.ints[rows]
+    f = step.floats if everyone else step.floats[rows]
+    x = logits if everyone else logits[rows]
+    slots = ints[:, I_SLOT]
+    if step.any_repetition:
+        rep = f[:, F_REP:F_REP + 1]
+        x = torch.where(seen[slots], torch.where(x > 0, x / rep, x * rep), x)
+    if step.any_presence:
+        x = x - subtract[slots]
+    if everyone:
+        logits.copy_(x)
+    else:
+        logits[rows] = x
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # int64 [B] on the logits' device (for a runner feeding the next step)
+    ids: list[int]  # the same ids on the host (the step's one device->host copy)
+    logprobs: list[Optional[TokenLogprob]]
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
-        self.device = device
-        self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed & _U64)
+    """One token per row of a batch. ``seed`` keys the unseeded requests' streams; ``max_num_seqs`` sizes the
+    persistent parameter buffer and the penalty slots (a larger batch grows them)."""
 
-    def _generator_for(self, req: Request) -> torch.Generator:
-        if req.params.seed is None:
-            return self.generator
-        if req.generator is None:
-            g = torch.Generator(device=self.device)
-            g.manual_seed(req.params.seed & _U64)
-            req.generator = g
-        return req.generator
+    def __init__(self, device: torch.device, seed: int = 0, max_num_seqs: int = 256) -> None:
+        self.device = device
+        self.tensors = SamplingTensors(device, seed, max_num_seqs)
+
+    def draws_for(self, req: Request) -> KeyedDraws:
+        """The request's keyed draws from its next token on (speculative verification)."""
+        return KeyedDraws(self.tensors.state(req).stream, req.num_tokens)
+
+    def release(self, req: Request) -> None:
+        """The request ended (finished, failed or aborted): return what the sampler holds for it."""
+        self.tensors.release(req)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 masks: Optional[tuple[list[int], torch.Tensor]] = None,
+                 salt: int = SALT_TOKEN) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        """``sample`` for callers that want host lists only: (ids, logprobs)."""
+        out = self.sample(logits, reqs, masks, salt)
+        return out.ids, out.logprobs
 
     # Inference mode: the runner's logits are inference tensors and penalties update them in place.
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, reqs: list[Request],
-                 masks: Optional[tuple[list[int], torch.Tensor]] = None) -> tuple[list[int], list[Optional[TokenLogprob]]]:
-        """logits: [B, V] float32, row i for reqs[i]. ``masks``: (rows, int32 bitmask [len(rows), ceil(V/32)])
-        of the structured-output requests; their disallowed tokens are never sampled. Returns sampled ids
-        and optional logprobs (of the unmasked distribution)."""
-        want_lp = [r.params.logprobs is not None for r in reqs]
-        raw_lp = logits.log_softmax(-1) if any(want_lp) else None
-        for i, r in enumerate(reqs):
-            if r.params.uses_penalties:
-                apply_penalties(logits[i], r)
+    def sample(self, logits: torch.Tensor, reqs: list[Request],
+               masks: Optional[tuple[list[int], torch.Tensor]] = None, salt: int = SALT_TOKEN) -> SamplerOutput:
+        """logits: [B, V] float32, row i for reqs[i]; penalised rows are updated in place. ``masks``: (rows,
+        int32 bitmask [len(rows), ceil(V/32)]) of the structured-output requests; their disallowed tokens are
+        never sampled. ``salt``: SALT_REDRAW for a second draw at the same positions (a grammar refused the
+        first). Logprobs are of the unpenalised, unmasked distribution."""
+        n, v = logits.shape
+        step = self.tensors.prepare(reqs, v)
+        raw_lp = None
+        if step is not None and step.logprobs:
+            raw = logits if len(step.logprobs) == n else logits[step.ints[:len(step.logprobs), I_LROWS]]
+            raw_lp = raw.log_softmax(-1)
+        if step is not None and step.penalised:
+            apply_penalties(logits, step, self.tensors.seen, self.tensors.subtract, n)
         if masks is not None:
             apply_bitmask(logits, masks[0], masks[1])
-        tokens = logits.argmax(-1)
-        sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        for i in sampled_rows:
-            p = reqs[i].params
-            row = filter_logits(logits[i] / p.temperature, p.top_k, p.top_p, p.min_p)
-            probs = row.softmax(-1)
-            # Exponential race: argmax(p / E), E ~ Exp(1), is a draw from p using one generator call.
-            q = torch.empty_like(probs).exponential_(generator=self._generator_for(reqs[i]))
-            tokens[i] = (probs / q).argmax()
-        ids = tokens.tolist()
-        lps: list[Optional[TokenLogprob]] = []
-        for i, r in enumerate(reqs):
-            if not want_lp[i]:
-                lps.append(None)
-                continue
-            row = raw_lp[i]
-            n = r.params.logprobs
-            top = []
-            if n:
-                vals, idx = torch.topk(row, n)
-                top = list(zip(idx.tolist(), vals.tolist()))
-            lps.append(TokenLogprob(token_id=ids[i], logprob=float(row[ids[i]]), top=top))
-        return ids, lps
+        if step is None or not step.sampled:
+            tokens = logits.argmax(-1)
+        else:
+            tokens = self._draw(logits, step, salt)
+        if step is not None:
+            self.tensors.record(step, tokens, reqs)
+        return self._to_host(tokens, raw_lp, step, reqs)
+
+    def _draw(self, logits: torch.Tensor, step: StepParams, salt: int) -> torch.Tensor:
+        everyone = len(step.sampled) == logits.shape[0]
+        rows = None if everyone else step.ints[:len(step.sampled), I_SROWS]
+        ints = step.ints if everyone else step.ints[rows]
+        f = step.floats if everyone else step.floats[rows]
+        x = (logits if everyone else logits[rows]) / f[:, F_TEMP:F_TEMP + 1]
+        x = filter_logits_batch(x, ints[:, I_TOPK], f[:, F_TOP_P], f[:, F_MIN_P], step.top_k_max,
+                                step.full_sort, step.any_top_p, step.any_min_p)
+        # Gumbel-max over the filtered logits: the exponential race argmax(p / E) in log space.
+        drawn = (x + gumbel(row_keys(ints[:, I_STREAM], ints[:, I_POS], salt), x.shape[-1])).argmax(-1)
+        if everyone:
+            return drawn
+        return logits.argmax(-1).index_copy_(0, rows, drawn)
+
+    @staticmethod
+    def _to_host(tokens: torch.Tensor, raw_lp: Optional[torch.Tensor], step: Optional[StepParams],
+                 reqs: list[Request]) -> SamplerOutput:
+        """Ids (and logprobs) to the host in one copy: with logprobs, ids, chosen and top-n values travel
+        together as float64 (token ids are exact in float64)."""
+        n = len(reqs)
+        if raw_lp is None:
+            return SamplerOutput(tokens, tokens.tolist(), [None] * n)
+        lrows = step.logprobs
+        chosen = tokens if len(lrows) == n else tokens[step.ints[:len(lrows), I_LROWS]]
+        parts = [tokens.double(), raw_lp.gather(-1, chosen.unsqueeze(-1)).double().flatten()]
+        if step.top_n_max:
+            vals, idx = raw_lp.topk(step.top_n_max, -1)
+            parts += [vals.double().flatten(), idx.double().flatten()]
+        flat = torch.cat(parts).tolist()
+        ids = [int(t) for t in flat[:n]]
+        m, top = len(lrows), step.top_n_max
+        lps: list[Optional[TokenLogprob]] = [None] * n
+        for j, i in enumerate(lrows):
+            k = reqs[i].params.logprobs
+            base = n + m + j * top
+            pairs = [(int(flat[base + m * top + t]), flat[base + t]) for t in range(k)]
+            lps[i] = TokenLogprob(token_id=ids[i], logprob=flat[n + j], top=pairs)
+        return SamplerOutput(tokens, ids, lps)

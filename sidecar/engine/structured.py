@@ -28,6 +28,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from sidecar.engine.sampling_rng import SALT_REDRAW
+
 MAX_CHOICES = 1024
 
 
@@ -239,7 +241,8 @@ class StructuredDecoder:
             self._fill([(self.registry[r.request_id].matcher, k) for k, r in enumerate(sub)], bm)
             self.num_masks += len(sub)
             self.num_resampled += len(sub)
-            ids2, lps2 = sampler(saved[refused], sub, (list(range(len(sub))), bm))
+            # An independent draw (another salt): reusing the refused draw's noise would bias the re-draw.
+            ids2, lps2 = sampler(saved[refused], sub, (list(range(len(sub))), bm), salt=SALT_REDRAW)
             for j, t, lp in zip(refused, ids2, lps2):
                 ids[lazy[j]], lps[lazy[j]] = t, lp
         for r, t in zip(reqs, ids):

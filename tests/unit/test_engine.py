@@ -23,7 +23,8 @@ def llm(demo_dir):
 
 def pool_whole(engine: LLMEngine) -> bool:
     return (not engine.requests and engine.kv.num_free_blocks() == engine.kv.num_blocks
-            and all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:]))
+            and all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:])
+            and engine.sampler.tensors.slots_in_use() == 0)
 
 
 def drain(engine: LLMEngine) -> dict:
@@ -173,6 +174,23 @@ def test_seeded_sampling_independent_of_batch(llm):
     assert pool_whole(llm.engine)
 
 
+def test_penalty_slots_are_returned_on_finish_and_abort(llm):
+    eng = llm.engine
+    pen = SamplingParams(max_tokens=30, temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4,
+                         ignore_eos=True)
+    for i in range(3):
+        eng.add_request(f"pen{i}", "penalised prompt", pen if i else SamplingParams(
+            max_tokens=3, repetition_penalty=1.2, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    assert eng.sampler.tensors.slots_in_use() == 2  # pen0 finished (3 tokens) and gave its slot back
+    eng.abort("pen1")
+    eng.step()
+    assert eng.sampler.tensors.slots_in_use() == 1
+    drain(eng)
+    assert pool_whole(eng)
+
+
 def test_every_sampling_option_runs_through_the_engine(llm):
     p = SamplingParams(max_tokens=6, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.3,
                        presence_penalty=0.5, frequency_penalty=0.5, seed=7, logprobs=2, ignore_eos=True)
@@ -266,17 +284,16 @@ def test_async_engine_tokenizes_on_its_own_tokenizer_from_any_thread(demo_dir):
 def test_failing_step_fails_its_requests_not_the_engine(demo_dir, monkeypatch):
     eng = LLMEngine(EngineConfig(model=str(demo_dir), num_kv_blocks=64))
     eng.add_request("boom", "hello", SamplingParams(max_tokens=4, ignore_eos=True))
-    real = eng.sampler.__call__
 
-    def broken(logits, reqs):
+    def broken(*args, **kwargs):
         raise RuntimeError("sampler exploded")
 
-    monkeypatch.setattr(eng, "sampler", broken)
+    monkeypatch.setattr(eng.sampler, "sample", broken)
     outs = eng.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("boom", "abort")]
     assert outs[0].abort_reason.startswith("error: RuntimeError")
     assert pool_whole(eng)
-    monkeypatch.setattr(eng, "sampler", real)
+    monkeypatch.undo()
     eng.add_request("ok", "hello", SamplingParams(max_tokens=3, ignore_eos=True))
     done = drain(eng)
     assert done["ok"].finish_reason == "length"

@@ -96,8 +96,8 @@ def test_rejection_sampling_preserves_target_distribution(demo_dir):
     # A fixed price (not one measured on this machine) keeps k, and so the seeded run, the same everywhere.
     llm = LLM(model=str(d), dtype="float32", speculative="ngram", speculative_max_batch=10**6,
               speculative_token_cost=0.0)
-    # Unseeded: drawn from the engine's generator (seeded by the engine's seed); seeded requests do not
-    # speculate (their output must not depend on the batch).
+    # Unseeded: each request draws from its own keyed stream, derived from the engine's seed; seeded
+    # requests do not speculate (their output must not depend on the batch).
     params = SamplingParams(max_tokens=n_tok, ignore_eos=True, temperature=temperature, top_k=top_k)
     counts: dict[tuple, int] = {}
     for o in llm.generate([prompt] * n_samples, [params] * n_samples):

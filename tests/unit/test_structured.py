@@ -78,7 +78,10 @@ def test_required_tool_choice_always_gives_schema_valid_arguments(llm, parallel)
     c = tool_constraint([WEATHER, ADD], "required", parallel, None)
     params = [SamplingParams(max_tokens=150, temperature=1.0, seed=i, structured=c) for i in range(20)]
     for o in llm.generate([f"call {i}" for i in range(20)], params):
-        content, calls = parse_tool_calls(o.text)
+        text = o.text
+        if o.finish_reason == "length":  # max_tokens cut a further call short: the complete ones are checked
+            text = text[:text.rfind("<tool_call")]
+        content, calls = parse_tool_calls(text)
         assert calls and content.strip() == "", o.text
         assert parallel or len(calls) == 1
         for call in calls:
@@ -179,11 +182,13 @@ def test_masks_on_the_worker_thread_equal_masks_computed_inline(llm):
     saved = sd.overlap
     try:
         sd.overlap = False
-        inline = [o.text for o in llm.generate(prompts, params)]
+        inline = [(o.text, o.finish_reason) for o in llm.generate(prompts, params)]
         sd.overlap = True  # what an accelerator-backed runner uses
-        overlapped = [o.text for o in llm.generate(prompts, params)]
+        overlapped = [(o.text, o.finish_reason) for o in llm.generate(prompts, params)]
     finally:
         sd.overlap = saved
     assert inline == overlapped
-    for t in inline:
+    done = [t for t, reason in inline if reason == "stop"]  # a long number may run into max_tokens
+    assert done
+    for t in done:
         jsonschema.validate(json.loads(t), HIDDEN)

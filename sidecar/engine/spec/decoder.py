@@ -18,7 +18,8 @@ Which requests speculate: those that opted in (``SamplingParams.speculative``), 
 (structured output needs the grammar advanced per token; speculation is off for such requests), without
 repetition/presence/frequency penalties (their distribution changes with every accepted token), and not
 seeded sampling: a seeded request's output must not depend on the rest of the batch, but whether and how
-far it speculates does (batch-size switch), and that changes how its generator's draws are used.
+far it speculates does (batch-size switch), and a verified token comes from an acceptance test or a
+residual draw instead of the plain draw: the same law from the same keyed draws, not the same token.
 """
 from __future__ import annotations
 
@@ -176,7 +177,7 @@ class SpecDecoder:
             probs = filter_logits_rows(rows.float() / p.temperature, p).softmax(-1)
             q = req.spec_draft_probs  # None: a deterministic proposal (n-gram)
             q = torch.stack(q[:len(proposed)]).to(probs.device, probs.dtype) if q else None
-            accepted, nxt = verify_sampled(proposed, probs, q, sampler._generator_for(req))
+            accepted, nxt = verify_sampled(proposed, probs, q, sampler.draws_for(req))
         tokens = proposed[:accepted] + [nxt]
         lps: list[Optional[TokenLogprob]] = [None] * len(tokens)
         if p.logprobs is not None:
@@ -210,7 +211,5 @@ class SpecDecoder:
 
 
 def filter_logits_rows(rows: torch.Tensor, p: Any) -> torch.Tensor:
-    """top-k / top-p / min-p per row, exactly as the sampler filters its single row."""
-    if p.top_k == 0 and p.top_p >= 1.0 and p.min_p == 0.0:
-        return rows
-    return torch.stack([filter_logits(r, p.top_k, p.top_p, p.min_p) for r in rows])
+    """top-k / top-p / min-p on every row, exactly as the sampler filters its batch."""
+    return filter_logits(rows, p.top_k, p.top_p, p.min_p)

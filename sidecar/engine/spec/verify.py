@@ -1,8 +1,16 @@
 """Speculative verification: decides how many proposed tokens the target accepts and
 which token follows them, so that the output distribution equals the target's alone."""
-from typing import List, Optional, Tuple
+from typing import List, Optional, Protocol, Tuple
 
 import torch
+
+
+class Draws(Protocol):
+    """Independent random draws per proposal index i (the token at the request's position + i)."""
+
+    def uniform(self, i: int) -> float: ...
+
+    def categorical(self, probs: torch.Tensor, i: int) -> int: ...
 
 
 def verify_greedy(proposed: List[int], target_argmax: List[int]) -> Tuple[int, int]:
@@ -16,15 +24,18 @@ def verify_greedy(proposed: List[int], target_argmax: List[int]) -> Tuple[int, i
 
 
 def verify_sampled(proposed: List[int], p: torch.Tensor, q: Optional[torch.Tensor],
-                   gen: torch.Generator) -> Tuple[int, int]:
+                   draws: Draws) -> Tuple[int, int]:
     """p: [k+1, V] target probabilities; q: [k, V] proposal probabilities, or None for a
     deterministic proposer (q is a point mass, so acceptance is p(x) and the residual is p
     with x removed). Standard rejection sampling: accept x with min(1, p(x)/q(x)); on
-    reject sample from norm(max(0, p - q)); after all accepted sample the bonus from p[k]."""
+    reject sample from norm(max(0, p - q)); after all accepted sample the bonus from p[k].
+    ``draws`` (the sampler's keyed draws of the request) gives the uniform of the test at i and the
+    draw of the token at i; they are independent of each other and of the proposal, which is what
+    keeps the output distributed as the target."""
     for i, x in enumerate(proposed):
         px = p[i, x]
         qx = q[i, x] if q is not None else torch.ones((), dtype=p.dtype)
-        u = torch.rand((), generator=gen, dtype=torch.float64).item()
+        u = draws.uniform(i)
         if u < min(1.0, (px / qx).item() if qx > 0 else 1.0):
             continue
         if q is not None:
@@ -32,11 +43,7 @@ def verify_sampled(proposed: List[int], p: torch.Tensor, q: Optional[torch.Tenso
         else:
             resid = p[i].clone()
             resid[x] = 0
-        total = resid.sum()
-        if total <= 0:  # p == q: rejection has probability 0; fall back to p for safety.
+        if resid.sum() <= 0:  # p == q: rejection has probability 0; fall back to p for safety.
             resid = p[i]
-            total = resid.sum()
-        tok = int(torch.multinomial((resid / total).float(), 1, generator=gen).item())
-        return i, tok
-    tok = int(torch.multinomial(p[len(proposed)].float(), 1, generator=gen).item())
-    return len(proposed), tok
+        return i, draws.categorical(resid, i)
+    return len(proposed), draws.categorical(p[len(proposed)], len(proposed))
