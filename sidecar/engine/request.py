@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 from sidecar.engine.structured import Constraint, to_constraint
 
 if TYPE_CHECKING:  # collaborators that keep per-request state on a Request (none imports this module)
+    import torch
+
     from sidecar.engine.detokenizer import IncrementalDetokenizer
     from sidecar.engine.sampling_tensors import RequestSampling
     from sidecar.engine.spec.state import SpecState
