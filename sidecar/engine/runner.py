@@ -143,9 +143,7 @@ class ModelRunner:
         return {"fast_paths": self.fast_paths.active(), "fast_path_fallbacks": dict(self.fast_paths.reasons or {})}
 
     def _zero_blocks(self, lo: int, hi: int) -> None:
-        for layer in self.kv_caches:
-            for t in layer:
-                t[lo:hi + 1].zero_()
+        kv_quant.zero_blocks(self.kv_caches, lo, hi)
         self._zeroed_upto = max(self._zeroed_upto, hi)
 
     def kv_info(self) -> dict:

@@ -77,13 +77,18 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (codes.float() * scale[..., None]).to(dtype)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp8 codes as their bytes (copies and index ops lack fp8 kernels on some devices); int8 as is."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def write(cache: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store new tokens' K/V [T, nkv, hd] at cache slots [T] of a quantized layer cache."""
     kc, vc, ks, vs = cache
     nkv, hd = kc.shape[-2], kc.shape[-1]
     for x, codes, scales in ((k, kc, ks), (v, vc, vs)):
         q, s = quantize(x, codes.dtype)
-        codes.view(-1, nkv, hd).index_copy_(0, slots, q)
+        _bits(codes).view(-1, nkv, hd).index_copy_(0, slots, _bits(q))
         scales.view(-1, nkv).index_copy_(0, slots, s)
 
 
@@ -93,10 +98,17 @@ def gather(codes: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor,
     cut to ``length`` tokens when given (then ``block_table`` is one row)."""
     nkv, hd = codes.shape[-2], codes.shape[-1]
     lead = block_table.shape
-    c = codes.index_select(0, block_table.reshape(-1))
+    c = _bits(codes).index_select(0, block_table.reshape(-1)).view(codes.dtype)
     s = scales.index_select(0, block_table.reshape(-1))
     out = dequantize(c, s, dtype).reshape(*lead[:-1], -1, nkv, hd)
     return out if length is None else out[:length]
+
+
+def zero_blocks(caches: list[tuple[torch.Tensor, ...]], lo: int, hi: int) -> None:
+    """Blocks lo..hi (inclusive) of every layer's tensors set to zero (codes and scales)."""
+    for layer in caches:
+        for t in layer:
+            _bits(t)[lo:hi + 1].zero_()
 
 
 def block_nbytes(caches: list[tuple[torch.Tensor, ...]]) -> int:
@@ -112,12 +124,14 @@ def read_block(caches: list[tuple[torch.Tensor, ...]], block_id: int) -> torch.T
 
 def write_block(caches: list[tuple[torch.Tensor, ...]], block_id: int, data: torch.Tensor) -> None:
     """The inverse of ``read_block``: ``data`` (uint8, ``block_nbytes`` long) into block ``block_id``."""
+    need = block_nbytes(caches)
+    if data.dtype != torch.uint8 or data.numel() != need:  # checked first: a bad buffer writes nothing
+        raise ValueError(f"block data: {data.numel()} bytes of {data.dtype} for a block of {need} bytes")
     off = 0
     for layer in caches:
         for t in layer:
             dst = t[block_id]
             n = dst.numel() * t.element_size()
-            dst.copy_(data[off:off + n].view(t.dtype).view(dst.shape))
+            dst = _bits(dst)
+            dst.copy_(data[off:off + n].view(dst.dtype).view(dst.shape))
             off += n
-    if off != data.numel():
-        raise ValueError(f"block data: {data.numel()} bytes for a block of {off}")
