@@ -33,6 +33,7 @@ ALLOWED = {
 # engine on its own, or need a model directory on disk for a baseline; none reaches into the engine.
 BENCH_COMPONENT_IMPORTS = {
     "sidecar.bench.quant": {"sidecar.model.attention", "sidecar.model.loader", "sidecar.model.demo",
+                            "sidecar.model.kv_quant",  # the KV cache of teacher-forced perplexity
                             "sidecar.model.quant_format",  # quantized-layer kernels, load time and memory
                             "sidecar.model.hardware"},  # the CPU ISA printed with the figures
     "sidecar.bench.models": {"sidecar.model.demo"},  # where benchmark checkpoints are built
