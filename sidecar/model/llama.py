@@ -153,20 +153,20 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         paths = self.fast_paths
-        # The fused rope + KV-write kernels store plain values; a quantized cache is written by
-        # paged_attention through kv_quant.write after the torch rope below.
+        # The Triton rope + KV-write kernel stores plain values only: with a quantized cache the CPU kernel
+        # (int8) quantizes on write, or else paged_attention writes through kv_quant.write after the torch rope.
         scales = kv[2:] if len(kv) == 4 else None
         ops = None if scales else _triton(paths, "rope_kv", qkv)
         fused = None
         if ops is not None:
             fused = ops.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv, self.hd,
                                       want_k=bool(meta.prefills))
-        if fused is None and meta.use_cpu_kernel and not scales:
+        if fused is None and meta.use_cpu_kernel:  # quantizes on write for an int8 cache
             fused = rope_kv.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv,
-                                          self.hd, want_k=bool(meta.prefills))
+                                          self.hd, want_k=bool(meta.prefills), kv_scales=scales)
         if fused is not None:  # rotated and written to the cache in one pass
             o = paged_attention(*fused, kv[0], kv[1], meta, self.scale, self.sliding_window, kv_written=True,
-                                paths=paths)
+                                paths=paths, kv_scales=scales)
             return self.o_proj(o.reshape(t, self.nh * self.hd))
         nqk = (self.nh + self.nkv) * self.hd
         # q and k are adjacent in the fused projection: rotate them in one pass.

@@ -175,3 +175,39 @@ def test_prefill_rows_quantize_on_write_and_attend_through_the_cache():
         for h in range(nh):
             w = torch.softmax(0.125 * (kd[:p + 1, h // 2] @ q[p, h].double()), 0)
             assert (out[p, h].double() - w @ vd[:p + 1, h // 2]).abs().max() <= 2e-5
+
+
+@pytest.mark.parametrize("arch", [None, "-mavx2 -mfma", "-mtune=generic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_kernel_quantizes_on_write_bit_for_bit_as_kv_quant(dtype, arch, monkeypatch):
+    """The fused rope + KV write stores the int8 codes and scales kv_quant.write stores for the torch path's
+    rope(k) and v (the quantizer is one definition, whichever path writes)."""
+    from sidecar.model.kernels import rope_kv
+
+    if arch:
+        monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", arch)
+        monkeypatch.setattr(cpu_build, "_loaded", {})
+    g = torch.Generator().manual_seed(4)
+    t, nh, nkv, hd, slots_n = 37, 9, 3, 64, 90
+    qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 4).to(dtype)
+    qkv[3, (nh + nkv) * hd:(nh + nkv + 1) * hd] = 0  # an all-zero V row: scale 1
+    ang = torch.randn(t, hd // 2, generator=g).repeat(1, 2) * 50
+    sign = torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
+    cos, sin = ang.cos().to(dtype), (ang.sin() * sign).to(dtype)
+    slots = torch.randperm(slots_n, generator=g)[:t]
+    cache = kv_quant.allocate(slots_n, 1, nkv, hd, torch.int8, torch.device("cpu"))
+    for x in cache:
+        x.zero_()
+    ref = tuple(x.clone() for x in cache)
+    out = rope_kv.rope_store_kv(qkv, cos, sin, slots, cache[0], cache[1], nh, nkv, hd, True, kv_scales=cache[2:])
+    assert out is not None
+    nqk = (nh + nkv) * hd
+    qk = qkv[:, :nqk].view(t, nh + nkv, hd)
+    qk = qk * cos[:, None, :] + torch.roll(qk, hd // 2, dims=-1) * sin[:, None, :]
+    kv_quant.write(ref, qk[:, nh:], qkv[:, nqk:].view(t, nkv, hd), slots)
+    assert torch.equal(out[0], qk[:, :nh]) and torch.equal(out[1], qk[:, nh:])
+    for got, want in zip(cache, ref):
+        assert torch.equal(got, want)
+    # An fp8 cache is not the kernel's: the caller's torch path writes it.
+    fp8 = kv_quant.allocate(slots_n, 1, nkv, hd, torch.float8_e4m3fn, torch.device("cpu"))
+    assert rope_kv.rope_store_kv(qkv, cos, sin, slots, fp8[0], fp8[1], nh, nkv, hd, True, kv_scales=fp8[2:]) is None
