@@ -307,8 +307,8 @@ class LLM:
         """A snapshot of the engine's cumulative counters, e.g. for benchmarks: ``prefix_cache_queries`` /
         ``prefix_cache_hits`` (prompt tokens looked up in / served from the prefix cache), ``num_steps``,
         ``prompt_tokens``, ``generation_tokens``, ``num_requests_finished``, ``num_preemptions``, the current
-        KV pool state (``num_kv_blocks``, ``num_free_kv_blocks``, ``kv_cache_usage``) and ``spec_decode_*`` (tokens
-        proposed / accepted / emitted, verifications, acceptance histogram, step costs, proposer failures)."""
+        KV pool state (``num_kv_blocks``, ``num_free_kv_blocks``, ``kv_cache_usage``, ``kv_cache_tokens``), ``kv_offload_*``
+        (offloaded / loaded blocks and bytes, tier hits, hit rates, load time) and ``spec_decode_*``."""
         return dict(self.engine.stats())
 
     def chat(self, conversations: Union[list[dict], Sequence[list[dict]]],

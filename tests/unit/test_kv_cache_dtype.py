@@ -122,3 +122,17 @@ def test_prefix_reuse_and_preemption_on_int8_blocks_give_the_same_tokens(tiny_mo
     assert tight.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in outs] == ref
     assert pool_whole(tight)
+
+
+def test_speculative_decoding_on_int8_blocks_keeps_greedy_output(tiny_models):
+    """Verification rows read the int8 blocks through the same decode kernel as plain decoding, so n-gram
+    speculation changes no token."""
+    model = str(tiny_models["qwen2"])
+    ps = [p * 3 for p in prompts(6, seed=11, lo=8, hi=20)]  # repeats give the n-gram proposer matches
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = LLM(model=model, dtype="float32", kv_cache_dtype="int8")
+    want = [o.token_ids for o in plain.generate(ps, params)]
+    spec = LLM(model=model, dtype="float32", kv_cache_dtype="int8", speculative="ngram", speculative_token_cost=0.0)
+    assert [o.token_ids for o in spec.generate(ps, params)] == want
+    assert spec.stats()["spec_decode_proposed_tokens"] > 0
+    assert pool_whole(spec)
