@@ -207,3 +207,19 @@ def test_abort_right_after_a_load_and_preemption_around_loads_keep_pool_and_tier
     assert [o.token_ids for o in outs] == want
     assert pool_whole(llm) and host_whole(llm)
     assert llm.generate([DOC], GREEDY)[0].token_ids == reference
+
+
+def test_metrics_and_model_info_carry_the_pool_and_the_tiers(demo_dir, tmp_path):
+    from sidecar.server.metrics import Metrics
+
+    llm = make(demo_dir, kv_offload_gb=0.01, kv_cache_dtype="int8")
+    llm.generate([DOC], GREEDY)
+    evict_doc(llm)
+    llm.generate([DOC], GREEDY)
+    stats = llm.stats()
+    body = Metrics(llm.stats).render()[0].decode()
+    assert f"sidecar_kv_cache_tokens {float(stats['kv_cache_tokens'])}" in body
+    assert stats["kv_cache_tokens"] == 23 * BS == llm.engine.model_info["kv_cache_tokens"]
+    assert "sidecar_kv_offload_loaded_blocks_total 12.0" in body
+    assert "sidecar_kv_offload_host_hits_total 12.0" in body
+    assert llm.engine.model_info["kv_cache_dtype"] == "int8"
