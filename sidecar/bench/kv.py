@@ -1,6 +1,9 @@
 """KV memory: long-context decode with the int8 KV cache against the plain one, and TTFT of a shared
 document whose prefix blocks were evicted, served from the offload tiers against recomputing it.
 
+attention: our CPU decode-attention kernel alone, one step of ``--batch`` rows at ``--context`` tokens over
+``--layers`` distinct caches (as many bytes as the model's cache would read), plain cache vs int8.
+
 decode: ``--batch`` requests with distinct ``--context``-token prompts, per KV cache dtype (``--kv-dtypes``)
 on fresh engines in one run. Each batch is prefilled once (max_tokens=1), then run again so every full block
 is a prefix-cache hit and the step time is the decode of ``--decode-tokens`` tokens over the long contexts:
@@ -26,7 +29,11 @@ from typing import Any
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the default model, SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (the plain KV cache has it)")
-    p.add_argument("--parts", default="decode,offload", help="comma-separated: decode, offload")
+    p.add_argument("--parts", default="attention,decode,offload",
+                   help="comma-separated: attention (the decode attention kernel alone), decode, offload")
+    p.add_argument("--heads", default="9,3,64", help="attention: query heads, KV heads, head size (SmolLM2-135M's)")
+    p.add_argument("--layers", type=int, default=30, help="attention: layers (distinct caches) per step")
+    p.add_argument("--repeats", type=int, default=5, help="attention: steps timed (the fastest is reported)")
     p.add_argument("--kv-dtypes", default="auto,int8", help="KV cache dtypes compared by the decode part")
     p.add_argument("--batch", type=int, default=16, help="decode: concurrent requests")
     p.add_argument("--context", type=int, default=2048, help="decode: prompt tokens per request")
@@ -64,6 +71,48 @@ def _decode(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     del llm
     gc.collect()
     return row
+
+
+def _attention(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The decode attention alone (our CPU kernel), one step over ``--layers`` layers of distinct caches, for
+    the plain cache (``--dtype``) and int8: the part of a decode step that reads the KV cache."""
+    import torch
+
+    from sidecar.model import kv_quant
+    from sidecar.model.kernels import paged_attention as kernel
+
+    nh, nkv, hd = (int(x) for x in args.heads.split(","))
+    bs, b, ctx = 16, args.batch, args.context
+    nb = -(-ctx // bs)
+    dtype = getattr(torch, args.dtype)
+    tables = torch.arange(1, b * nb + 1).view(b, nb)
+    lens = torch.full((b,), ctx, dtype=torch.long)
+    q = torch.randn(b, nh, hd).to(dtype)
+    rows = []
+    for kv_dtype in (dtype, torch.int8):
+        layers = []
+        for _ in range(args.layers):
+            cache = kv_quant.allocate(b * nb + 1, bs, nkv, hd, kv_dtype, torch.device("cpu"))
+            x = torch.randn(2, (b * nb + 1) * bs, nkv, hd)
+            if kv_dtype == torch.int8:
+                kv_quant.write(cache, x[0], x[1], torch.arange(x.shape[1]))
+            else:
+                cache[0].view(-1, nkv, hd).copy_(x[0])
+                cache[1].view(-1, nkv, hd).copy_(x[1])
+            layers.append(cache)
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for c in layers:
+                kernel.decode_attention(q, c[0], c[1], tables, lens, hd ** -0.5, None, c[2:] or None)
+            best = min(best, time.perf_counter() - t0)
+        kv_bytes = sum(t.numel() * t.element_size() for c in layers for t in c)
+        rows.append({"kv_cache_dtype": kv_quant.kv_dtype_name(kv_dtype), "batch": b, "context": ctx,
+                     "layers": args.layers, "step_ms": best * 1e3, "kv_mib": kv_bytes / 2**20})
+        del layers
+    for r in rows:
+        r["speedup"] = rows[0]["step_ms"] / r["step_ms"]
+    return rows
 
 
 def _ttft(llm, prompt: list[int]) -> tuple[float, Any]:
@@ -131,11 +180,17 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if not parts or parts - {"decode", "offload"}:
-        raise ValueError(f"--parts: choose from decode, offload, got {args.parts!r}")
+    if not parts or parts - {"attention", "decode", "offload"}:
+        raise ValueError(f"--parts: choose from attention, decode, offload, got {args.parts!r}")
     payload: dict[str, Any] = {"benchmark": "kv", "model": args.model or "default", "dtype": args.dtype,
                                "isa": machine_info().get("cpu")}
     bars: dict[str, dict[str, float]] = {}
+    if "attention" in parts:
+        rows = _attention(args)
+        print(format_table(rows, ["kv_cache_dtype", "batch", "context", "layers", "step_ms", "speedup", "kv_mib"]),
+              flush=True)
+        payload["attention"] = rows
+        bars["decode attention per step (ms)"] = {r["kv_cache_dtype"]: r["step_ms"] for r in rows}
     if "decode" in parts:
         rows = [_decode(args, d.strip()) for d in args.kv_dtypes.split(",") if d.strip()]
         for r in rows:
