@@ -75,7 +75,8 @@ class KVCacheManager:
     def _load_offloaded(self, req: Request, hits: list[KVBlock], stop: int) -> list[KVBlock]:
         """Continue the chain of ``hits`` from the offload tiers: each found block is loaded into a fresh pool
         block registered under its hash and left free (ref 0), like a freed cached block, so the caller
-        treats it as a hit. Stops at the first block no tier has, or when the pool has no free block."""
+        treats it as a hit. Stops at the first block no tier has (the pool untouched by that miss), or when
+        the pool has no free block."""
         bs = self.block_size
         toks = req.all_token_ids
         self.pool.touch(hits)  # the chain found so far must not become a load target
@@ -85,19 +86,20 @@ class KVCacheManager:
                 if self.pool.num_free_blocks() == 0:
                     break
                 tokens = tuple(toks[i * bs:(i + 1) * bs])
+                data = self.offload.fetch(req.block_hashes[i], tokens)  # a miss leaves the pool untouched
+                if data is None:
+                    break
                 block = self.pool.allocate(1)[0]
                 loaded.append(block)
-                if not self.offload.load(req.block_hashes[i], tokens, block.block_id):
-                    loaded.pop()
-                    self.pool.free([block])
+                if not self.offload.install(block.block_id, data):
                     break
                 self.pool.cache_block(block, req.block_hashes[i], tokens)
         finally:
-            # Back to ref 0 (later blocks of a chain are evicted first, as in free()); a failed load leaves
-            # its block unregistered, so it is plain free space again.
+            # Back to ref 0 (later blocks of a chain are evicted first, as in free()); a block whose install
+            # failed was never registered, so it is plain free space again and not returned as a hit.
             self.pool.free(reversed(loaded))
             self.pool.free(reversed(hits))
-        return loaded
+        return [b for b in loaded if b.block_hash is not None]
 
     # -- allocation -----------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int,

@@ -177,7 +177,7 @@ class DiskTier:
 
 
 class KVOffload:
-    """The tiers behind a pool: ``offload`` copies an evicted block out, ``load`` brings one back.
+    """The tiers behind a pool: ``offload`` copies an evicted block out, ``fetch`` + ``install`` bring one back.
 
     ``read_block(block_id)`` / ``write_block(block_id, data)`` move one block's bytes between the device
     cache and the host (the runner's)."""
@@ -205,9 +205,9 @@ class KVOffload:
         self.counters["kv_offload_blocks"] += 1
         self.counters["kv_offload_bytes"] += data.numel()
 
-    def load(self, block_hash: bytes, tokens: tuple[int, ...], block_id: int) -> bool:
-        """Fill pool block ``block_id`` with the offloaded block of this hash and tokens; False when no tier
-        has it (nothing written)."""
+    def fetch(self, block_hash: bytes, tokens: tuple[int, ...]) -> Optional[torch.Tensor]:
+        """The offloaded bytes of the block with this hash and tokens (host tier first, then disk, which
+        promotes a hit to the host tier), or None when no tier has it."""
         t = time.perf_counter()
         c = self.counters
         data = None
@@ -222,13 +222,19 @@ class KVOffload:
                 c["kv_offload_disk_hits"] += 1
                 if self.host is not None:
                     self.host.put(block_hash, tokens, data)
-        if data is None:
-            return False
+        c["kv_offload_load_time_s"] += time.perf_counter() - t
+        return data
+
+    def install(self, block_id: int, data: torch.Tensor) -> bool:
+        """Write fetched bytes into pool block ``block_id``; False (block contents undefined, so the caller
+        must not register it) when they do not fit the pool's layout."""
+        t = time.perf_counter()
         try:
             self.write_block(block_id, data)
         except (RuntimeError, ValueError) as exc:  # a block of another layout: recompute it instead
             log.warning("KV offload: cannot load a block (%s); recomputing it", exc)
             return False
+        c = self.counters
         c["kv_offload_loaded_blocks"] += 1
         c["kv_offload_loaded_bytes"] += data.numel()
         c["kv_offload_load_time_s"] += time.perf_counter() - t
