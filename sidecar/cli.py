@@ -29,6 +29,7 @@ BENCHMARKS = {
              "speculative decoding (n-gram or draft model): batch-1 decode and batch-32 throughput, on vs off"),
     "structured": ("sidecar.bench.structured", "guided decoding (JSON schema) overhead per output token vs free text"),
     "quant": ("sidecar.bench.quant", "bf16 vs int8 vs int4: memory, load time, speed, quality"),
+    "kv": ("sidecar.bench.kv", "KV memory: long-context decode int8 vs plain KV cache; TTFT from the offload tiers"),
     "quality": ("sidecar.bench.quality", "perplexity, top-1 agreement and KL vs full precision; decode speed"),
     "serve": ("sidecar.bench.serve", "load generator over gRPC or the OpenAI HTTP API"),
     "semantic-cache": ("sidecar.bench.semantic_cache", "semantic cache precision/recall and latency"),

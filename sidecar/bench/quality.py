@@ -3,7 +3,8 @@
 The reference is the model in float32 (a GGUF file dequantized exactly). Every
 other mode -- bf16, int8 (per-channel, requantized), int4 (for a Q4_0/Q4_1
 GGUF: the file's own codes, loaded exactly; otherwise quantized on load), int4
-with float32 around the kernels -- is scored on the same held-out English text
+with float32 around the kernels, bf16 with the int8 KV cache (``--modes bf16,bf16+kv-int8`` puts it
+against the bf16 KV cache; ``--window 2048`` scores long contexts) -- is scored on the same held-out English text
 (``sidecar/bench/data/heldout_en.txt``, written for this benchmark, never
 published before, so no model trained on it): teacher-forced perplexity over
 windows of ``--window`` tokens, and at every position the top-1 agreement and
@@ -19,19 +20,21 @@ from pathlib import Path
 from typing import Any
 
 TEXT_PATH = Path(__file__).parent / "data" / "heldout_en.txt"
-# label -> (dtype, quantization); the first is the reference.
+# label -> (dtype, quantization, KV cache dtype); the first is the reference.
 MODES = {
-    "fp32": ("float32", None),
-    "bf16": ("bfloat16", None),
-    "int8": ("bfloat16", "int8"),
-    "int4": ("bfloat16", "int4"),
-    "int4+fp32": ("float32", "int4"),
+    "fp32": ("float32", None, "auto"),
+    "bf16": ("bfloat16", None, "auto"),
+    "int8": ("bfloat16", "int8", "auto"),
+    "int4": ("bfloat16", "int4", "auto"),
+    "int4+fp32": ("float32", "int4", "auto"),
+    "bf16+kv-int8": ("bfloat16", None, "int8"),  # bf16 weights, int8 KV cache (compare with bf16)
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the default model, SmolLM2-135M-Instruct)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(m for m in MODES if m != "bf16+kv-int8"),
+                   help=f"comma-separated subset of {', '.join(MODES)}")
     p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
     p.add_argument("--max-windows", type=int, default=0, help="limit the number of windows (0 = the whole text)")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per batch-1 decode measurement")
@@ -77,21 +80,23 @@ def run(args: argparse.Namespace) -> int:
     ref = None
     rows: list[dict[str, Any]] = []
     for label in modes:
-        dtype, quant = MODES[label]
+        dtype, quant, kv_dtype = MODES[label]
         t0 = time.perf_counter()
-        llm = LLM(model=args.model, dtype=dtype, quantization=quant, device="cpu", kv_cache_memory_gb=0.25)
+        llm = LLM(model=args.model, dtype=dtype, quantization=quant, device="cpu", kv_cache_memory_gb=0.25,
+                  kv_cache_dtype=kv_dtype)
         load_s = time.perf_counter() - t0
         loaded = llm.engine.loaded
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
         wins = _windows(ids, args.window, args.max_windows)
         nll_sum, count, lps = 0.0, 0, []
         for w in wins:
-            lp = sequence_logits(loaded, w).log_softmax(-1)[:-1]
+            lp = sequence_logits(loaded, w, kv_dtype).log_softmax(-1)[:-1]
             nll_sum += float(-lp.gather(1, torch.tensor(w[1:])[:, None]).sum())
             count += len(w) - 1
             lps.append(lp)
         lp = torch.cat(lps)
         row: dict[str, Any] = {"mode": label, "dtype": dtype, "quantization": loaded.quantization or "none",
+                               "kv_cache_dtype": llm.engine.model_info["kv_cache_dtype"],
                                "perplexity": float(torch.tensor(nll_sum / count).exp()), "tokens": count,
                                "load_s": load_s}
         if ref is None:
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     base = rows[0]["perplexity"]
     for r in rows:
         r["ppl_vs_ref"] = r["perplexity"] / base
-    cols = ["mode", "quantization", "perplexity", "ppl_vs_ref", "top1_agree_vs_ref", "kl_vs_ref",
+    cols = ["mode", "quantization", "kv_cache_dtype", "perplexity", "ppl_vs_ref", "top1_agree_vs_ref", "kl_vs_ref",
             "decode_tok_s_b1"]
     print(format_table(rows, cols))
     payload = {"benchmark": "quality", "model": args.model or "default", "text": str(TEXT_PATH.name),

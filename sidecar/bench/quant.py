@@ -106,16 +106,20 @@ def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ quality (in this process)
 
-def sequence_logits(loaded, ids: list[int]):
-    """Teacher-forced next-token logits [T, V] (float32) from one prefill through our decoder."""
+def sequence_logits(loaded, ids: list[int], kv_cache_dtype: str = "auto"):
+    """Teacher-forced next-token logits [T, V] (float32) from one prefill through our decoder, over a KV cache
+    of ``kv_cache_dtype`` (a quantized one is attended through, as the engine does)."""
     import torch
 
+    from sidecar.model import kv_quant
     from sidecar.model.attention import AttentionMetadata, PrefillSegment
 
     a, bs, t = loaded.args, 16, len(ids)
     nb = -(-t // bs)
-    caches = [tuple(torch.zeros(nb, bs, a.num_kv_heads, a.head_dim, dtype=loaded.dtype, device=loaded.device)
-                    for _ in range(2)) for _ in range(a.num_layers)]
+    kv_dtype = kv_quant.resolve_kv_dtype(kv_cache_dtype, loaded.device, loaded.dtype)[0]
+    caches = [kv_quant.allocate(nb, bs, a.num_kv_heads, a.head_dim, kv_dtype, loaded.device)
+              for _ in range(a.num_layers)]
+    kv_quant.zero_blocks(caches, 0, nb - 1)
     rng = torch.arange(t, device=loaded.device)
     meta = AttentionMetadata(slot_mapping=rng, block_size=bs,
                              prefills=[PrefillSegment(0, t, t, torch.arange(nb, device=loaded.device))])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 
 class KVBlock:
@@ -93,6 +93,9 @@ class BlockPool:
         self.blocks[0].ref_cnt = 1  # reserved padding block, never freed
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
+        # Called with a cached block (its hash and tokens still set, its data intact) just before
+        # allocate() drops its hash for new content: the offload tiers copy it out here.
+        self.on_evict: Optional[Callable[[KVBlock], None]] = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -121,6 +124,8 @@ class BlockPool:
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 if self.cached.get(block.block_hash) is block:
+                    if self.on_evict is not None:
+                        self.on_evict(block)
                     del self.cached[block.block_hash]
                 block.block_hash = None
                 block.token_ids = None

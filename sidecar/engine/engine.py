@@ -40,7 +40,7 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.args.vocab_size
         self.runner = ModelRunner(loaded, config)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager.build(config, self.runner, loaded)  # with the offload tiers asked for
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
@@ -64,15 +64,15 @@ class LLMEngine:
             "num_kv_blocks": self.kv.num_blocks,
             "prefix_caching": config.enable_prefix_caching,
             "device": str(loaded.device), **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
+            **self.runner.kv_info(),  # kv_cache_dtype (+ reason), kv_cache_tokens
         }
         weights = sum(t.numel() * t.element_size() for t in
                       list(loaded.model.parameters()) + list(loaded.model.buffers()))
-        log.info("engine ready: model=%s arch=%s dtype=%s (%s) quantization=%s device=%s weights=%.1f MiB "
-                 "kv_blocks=%d x %d tokens (%d tokens, %.1f MiB) max_model_len=%d load=%.1fs",
-                 config.model, loaded.args.architecture, self.model_info["dtype"], loaded.dtype_reason,
-                 self.model_info["quantization"], loaded.device, weights / 2**20, self.kv.num_blocks, config.block_size,
-                 self.kv.num_blocks * config.block_size, self.runner.kv_cache_bytes / 2**20, self.max_model_len,
-                 loaded.load_time_s)
+        log.info("engine ready: model=%s arch=%s dtype=%s (%s) quantization=%s device=%s weights=%.1f MiB kv_blocks=%d x "
+                 "%d tokens (%d tokens, %s, %.1f MiB) max_model_len=%d load=%.1fs", config.model, loaded.args.architecture,
+                 self.model_info["dtype"], loaded.dtype_reason, self.model_info["quantization"], loaded.device,
+                 weights / 2**20, self.kv.num_blocks, config.block_size, self.model_info["kv_cache_tokens"],
+                 self.model_info["kv_cache_dtype"], self.runner.kv_cache_bytes / 2**20, self.max_model_len, loaded.load_time_s)
 
     # -- input ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
@@ -227,8 +227,8 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_kv_blocks": self.kv.num_blocks,
-            "num_free_kv_blocks": self.kv.num_free_blocks(),
+            "num_kv_blocks": self.kv.num_blocks, "kv_cache_tokens": self.model_info["kv_cache_tokens"],
+            "num_free_kv_blocks": self.kv.num_free_blocks(), **self.kv.offload_stats(),
             "kv_cache_usage": self.kv.usage(),
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
@@ -298,8 +298,8 @@ class LLM:
         """A snapshot of the engine's cumulative counters, e.g. for benchmarks: ``prefix_cache_queries`` /
         ``prefix_cache_hits`` (prompt tokens looked up in / served from the prefix cache), ``num_steps``,
         ``prompt_tokens``, ``generation_tokens``, ``num_requests_finished``, ``num_preemptions``, the current
-        KV pool state (``num_kv_blocks``, ``num_free_kv_blocks``, ``kv_cache_usage``) and ``spec_decode_*`` (tokens
-        proposed / accepted / emitted, verifications, acceptance histogram, step costs, proposer failures)."""
+        KV pool state (``num_kv_blocks``, ``num_free_kv_blocks``, ``kv_cache_usage``, ``kv_cache_tokens``), ``kv_offload_*``
+        (offloaded / loaded blocks and bytes, tier hits, hit rates, load time) and ``spec_decode_*``."""
         return dict(self.engine.stats())
 
     def chat(self, conversations: Union[list[dict], Sequence[list[dict]]],

@@ -1,20 +1,42 @@
-"""KVCacheManager: per-request block tables over the shared BlockPool, with prefix caching."""
+"""KVCacheManager: per-request block tables over the shared BlockPool, with prefix caching and (given
+a ``KVOffload``) a second tier that keeps evicted prefix blocks and loads them back on a later hit."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
+from sidecar.config import EngineConfig
 from sidecar.engine.block_pool import BlockPool, KVBlock, hash_block
+from sidecar.engine.kv_offload import KVOffload, model_identity, offload_stats
 from sidecar.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 offload: Optional[KVOffload] = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.offload = offload if enable_caching else None
+        if self.offload is not None:
+            self.pool.on_evict = lambda b: self.offload.offload(b.block_id, b.block_hash, b.token_ids)
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens served from cache
+
+    @classmethod
+    def build(cls, config: EngineConfig, runner, loaded) -> "KVCacheManager":
+        """The manager of ``runner``'s pool, with the offload tiers the config asks for."""
+        offload = None
+        if config.enable_prefix_caching and (config.kv_offload_gb > 0 or config.kv_offload_dir):
+            identity = model_identity(loaded, runner.kv_info()["kv_cache_dtype"], config.block_size)
+            offload = KVOffload(int(config.kv_offload_gb * (1 << 30)), config.kv_offload_dir,
+                                int(config.kv_offload_disk_gb * (1 << 30)), identity, runner.read_block,
+                                runner.write_block)
+        return cls(runner.num_blocks, config.block_size, config.enable_prefix_caching, offload)
+
+    def offload_stats(self) -> dict:
+        """The offload tiers' counters (all zero without tiers)."""
+        return offload_stats(self.offload)
 
     # -- prefix cache -------------------------------------------------------
     def _update_hashes(self, req: Request) -> None:
@@ -44,9 +66,40 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.offload is not None and len(hits) < max_blocks:
+            hits += self._load_offloaded(req, hits, max_blocks)
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def _load_offloaded(self, req: Request, hits: list[KVBlock], stop: int) -> list[KVBlock]:
+        """Continue the chain of ``hits`` from the offload tiers: each found block is loaded into a fresh pool
+        block registered under its hash and left free (ref 0), like a freed cached block, so the caller
+        treats it as a hit. Stops at the first block no tier has (the pool untouched by that miss), or when
+        the pool has no free block."""
+        bs = self.block_size
+        toks = req.all_token_ids
+        self.pool.touch(hits)  # the chain found so far must not become a load target
+        loaded: list[KVBlock] = []
+        try:
+            for i in range(len(hits), stop):
+                if self.pool.num_free_blocks() == 0:
+                    break
+                tokens = tuple(toks[i * bs:(i + 1) * bs])
+                data = self.offload.fetch(req.block_hashes[i], tokens)  # a miss leaves the pool untouched
+                if data is None:
+                    break
+                block = self.pool.allocate(1)[0]
+                loaded.append(block)
+                if not self.offload.install(block.block_id, data):
+                    break
+                self.pool.cache_block(block, req.block_hashes[i], tokens)
+        finally:
+            # Back to ref 0 (later blocks of a chain are evicted first, as in free()); a block whose install
+            # failed was never registered, so it is plain free space again and not returned as a hit.
+            self.pool.free(reversed(loaded))
+            self.pool.free(reversed(hits))
+        return [b for b in loaded if b.block_hash is not None]
 
     # -- allocation -----------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int,

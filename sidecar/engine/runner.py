@@ -20,6 +20,7 @@ from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
+from sidecar.model import kv_quant
 from sidecar.model.attention import AttentionMetadata, PrefillSegment
 from sidecar.model.kernels.gpu_paths import PATH_NAMES, FastPaths
 from sidecar.model.loader import LoadedModel
@@ -31,17 +32,18 @@ log = logging.getLogger("sidecar.engine")
 CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: Optional[torch.dtype] = None) -> int:
+    """Cache bytes of one block over all layers, K and V, with the scales of a quantized cache."""
     a = loaded.args
-    elem = torch.tensor([], dtype=loaded.dtype).element_size()
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * elem
+    per_head = kv_quant.bytes_per_token_head(kv_dtype or loaded.dtype, a.head_dim)
+    return 2 * a.num_layers * block_size * a.num_kv_heads * per_head
 
 
-def plan_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
-    """Number of KV blocks (including the reserved padding block 0)."""
+def plan_num_blocks(config: EngineConfig, loaded: LoadedModel, kv_dtype: Optional[torch.dtype] = None) -> int:
+    """Number of KV blocks (including the reserved padding block 0); a smaller element holds more tokens."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(loaded, config.block_size)
+    per_block = kv_bytes_per_block(loaded, config.block_size, kv_dtype)
     if config.kv_cache_memory_gb is not None:
         budget = int(config.kv_cache_memory_gb * (1 << 30))
     else:
@@ -71,16 +73,16 @@ class ModelRunner:
         self.host_overlaps_forward = self.device.type != "cpu"
         self.dtype = loaded.dtype
         self.block_size = config.block_size
-        self.num_blocks = plan_num_blocks(config, loaded)
+        self.kv_dtype, self.kv_dtype_reason = kv_quant.resolve_kv_dtype(config.kv_cache_dtype, self.device, self.dtype)
+        self.num_blocks = plan_num_blocks(config, loaded, self.kv_dtype)
         a = loaded.args
-        shape = (self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        # Blocks are zeroed lazily the first time they are used (see _zero_new_blocks): the pool hands
+        # Blocks are zeroed lazily the first time they are used (see _zero_blocks): the pool hands
         # out never-used blocks in ascending id order, so the used ids always form a prefix 1..hwm.
-        self.kv_caches = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                           torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(a.num_layers)]
+        self.kv_caches = [kv_quant.allocate(self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
+                                            self.kv_dtype, self.device) for _ in range(a.num_layers)]
         self._zeroed_upto = 0
         self._zero_blocks(0, 0)
-        self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(loaded, self.block_size)
+        self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(loaded, self.block_size, self.kv_dtype)
         if getattr(self.model, "fast_paths", None) is None:
             self.model.fast_paths = FastPaths()
         self.fast_paths: FastPaths = self.model.fast_paths
@@ -141,10 +143,24 @@ class ModelRunner:
         return {"fast_paths": self.fast_paths.active(), "fast_path_fallbacks": dict(self.fast_paths.reasons or {})}
 
     def _zero_blocks(self, lo: int, hi: int) -> None:
-        for k, v in self.kv_caches:
-            k[lo:hi + 1].zero_()
-            v[lo:hi + 1].zero_()
+        kv_quant.zero_blocks(self.kv_caches, lo, hi)
         self._zeroed_upto = max(self._zeroed_upto, hi)
+
+    def kv_info(self) -> dict:
+        """The KV cache's element type (and why, for a fallback) and its capacity in tokens."""
+        return {"kv_cache_dtype": kv_quant.kv_dtype_name(self.kv_dtype), "kv_cache_dtype_reason": self.kv_dtype_reason,
+                "kv_cache_tokens": (self.num_blocks - 1) * self.block_size}
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """One block of every layer (values and scales) as host bytes (``kv_quant.read_block``)."""
+        return kv_quant.read_block(self.kv_caches, block_id)
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """Fill a block from ``read_block``'s bytes. Lazy zeroing is brought past it first, so the first
+        step that uses the block does not wipe what was loaded."""
+        if block_id > self._zeroed_upto:
+            self._zero_blocks(self._zeroed_upto + 1, block_id)
+        kv_quant.write_block(self.kv_caches, block_id, data)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

@@ -45,13 +45,13 @@ def default_paths(runner) -> list[str]:
 @contextlib.contextmanager
 def _scratch_blocks(runner, num: int) -> Iterator[list[int]]:
     """Blocks 1..num for the probe; their contents (and block 0's) are restored on exit."""
-    saved = [(k[:num + 1].clone(), v[:num + 1].clone()) for k, v in runner.kv_caches]
+    saved = [[t[:num + 1].clone() for t in layer] for layer in runner.kv_caches]  # values (and scales)
     try:
         yield list(range(1, num + 1))
     finally:
-        for (k, v), (ks, vs) in zip(runner.kv_caches, saved):
-            k[:num + 1].copy_(ks)
-            v[:num + 1].copy_(vs)
+        for layer, kept in zip(runner.kv_caches, saved):
+            for t, old in zip(layer, kept):
+                t[:num + 1].copy_(old)
 
 
 def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:

@@ -12,6 +12,13 @@ attended per request. On CPU the decode rows go through our kernel instead
 with the torch path as fallback and test oracle. When the model's ``FastPaths.attention`` is on and the
 tensors are on CUDA (or Triton runs in its interpreter), the decode rows go through the Triton kernel
 (``kernels/triton_attention.py``) instead; prefill segments keep the torch path.
+
+Quantized caches (``kv_quant.py``: int8 / fp8 codes with per-token, per-KV-head scales, passed as
+``kv_scales``) are written through ``kv_quant.write``; the CPU kernel reads the codes in place and scales in
+registers, the torch path dequantizes the gathered blocks. The Triton kernel does not read them yet, so a
+quantized cache takes the torch path on CUDA. Every query attends through the cache when it is quantized
+(a whole prompt too), so a token sees the same dequantized keys however its prompt was chunked, cached or
+recomputed.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from sidecar.model import kv_quant
 from sidecar.model.kernels import paged_attention as cpu_kernel
 from sidecar.model.kernels.gpu_paths import FastPaths
 
@@ -94,17 +102,24 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
 def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, kv_written: bool = False,
-                    paths: Optional[FastPaths] = None) -> torch.Tensor:
+                    paths: Optional[FastPaths] = None,
+                    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D].
 
     Writes the new K/V into the cache first (unless ``kv_written``: the caller did, and then ``k`` may be
     None in a step without prompt rows), so every query sees its own token. ``paths``: the model's
-    switchboard; its ``attention`` field sends the decode rows to the Triton kernel.
+    switchboard; its ``attention`` field sends the decode rows to the Triton kernel. ``kv_scales``: the
+    (k_scale, v_scale) of a quantized cache (None: the cache holds plain values).
     """
+    quant = kv_scales is not None
     if not kv_written:
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if quant:
+            kv_quant.write((k_cache, v_cache, *kv_scales), k, v, meta.slot_mapping)
+        else:
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     decoded = None  # the decode rows' result from one of our kernels
-    if meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
+    if (meta.decode_block_tables is not None and not quant and paths is not None
+            and paths.takes("attention", q)):
         from sidecar.model.kernels import triton_attention
 
         b = meta.decode_block_tables.shape[0]
@@ -116,21 +131,26 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
     if decoded is None and meta.decode_block_tables is not None and meta.use_cpu_kernel:
         b = meta.decode_block_tables.shape[0]
         decoded = cpu_kernel.decode_attention(q[q.shape[0] - b:], k_cache, v_cache, meta.decode_block_tables,
-                                              meta.decode_ctx_lens, scale, sliding_window)
+                                              meta.decode_ctx_lens, scale, sliding_window, kv_scales)
         if decoded is not None and not meta.prefills:  # every row is a decode row
             return decoded
     out = torch.empty_like(q)
     for seg in meta.prefills:
         qs = q[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
         start = seg.ctx_len - seg.q_len
-        if start == 0 and sliding_window is None:
+        if start == 0 and sliding_window is None and not quant:
             # Whole prompt in this step: attend to the fresh K/V, plain causal mask.
             ks = k[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
             vs = v[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
             o = _sdpa(qs, ks, vs, None, True, scale)
         else:
-            ks = _gather(k_cache, seg.block_table, seg.ctx_len).transpose(0, 1)[None]
-            vs = _gather(v_cache, seg.block_table, seg.ctx_len).transpose(0, 1)[None]
+            if quant:
+                ks = kv_quant.gather(k_cache, kv_scales[0], seg.block_table, seg.ctx_len, q.dtype)
+                vs = kv_quant.gather(v_cache, kv_scales[1], seg.block_table, seg.ctx_len, q.dtype)
+            else:
+                ks = _gather(k_cache, seg.block_table, seg.ctx_len)
+                vs = _gather(v_cache, seg.block_table, seg.ctx_len)
+            ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]
             qpos = torch.arange(start, seg.ctx_len, device=q.device)[:, None]
             kpos = torch.arange(seg.ctx_len, device=q.device)[None, :]
             mask = kpos <= qpos
@@ -147,8 +167,12 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
         qd = q[q.shape[0] - b:]
         nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         bs = k_cache.shape[1]
-        kd = k_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
-        vd = v_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
+        if quant:
+            kd = kv_quant.gather(k_cache, kv_scales[0], bt, None, q.dtype).transpose(1, 2)
+            vd = kv_quant.gather(v_cache, kv_scales[1], bt, None, q.dtype).transpose(1, 2)
+        else:
+            kd = k_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
+            vd = v_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
         # Grouped-query decode without copying K/V: the query heads sharing a KV head
         # become that head's query rows ([B, Hkv, rep, D] against [B, Hkv, L, D]).
         nh = qd.shape[1]

@@ -147,22 +147,26 @@ class Attention(nn.Module):
         self.scale = self.hd ** -0.5
         self.sliding_window = args.sliding_window
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata) -> torch.Tensor:
+        """``kv``: this layer's cache, (k, v) or a quantized (k, v, k_scale, v_scale) (see kv_quant)."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         paths = self.fast_paths
-        ops = _triton(paths, "rope_kv", qkv)
+        # The Triton rope + KV-write kernel stores plain values only: with a quantized cache the CPU kernel
+        # (int8) quantizes on write, or else paged_attention writes through kv_quant.write after the torch rope.
+        scales = kv[2:] if len(kv) == 4 else None
+        ops = None if scales else _triton(paths, "rope_kv", qkv)
         fused = None
         if ops is not None:
             fused = ops.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv, self.hd,
                                       want_k=bool(meta.prefills))
-        if fused is None and meta.use_cpu_kernel:
+        if fused is None and meta.use_cpu_kernel:  # quantizes on write for an int8 cache
             fused = rope_kv.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv,
-                                          self.hd, want_k=bool(meta.prefills))
+                                          self.hd, want_k=bool(meta.prefills), kv_scales=scales)
         if fused is not None:  # rotated and written to the cache in one pass
             o = paged_attention(*fused, kv[0], kv[1], meta, self.scale, self.sliding_window, kv_written=True,
-                                paths=paths)
+                                paths=paths, kv_scales=scales)
             return self.o_proj(o.reshape(t, self.nh * self.hd))
         nqk = (self.nh + self.nkv) * self.hd
         # q and k are adjacent in the fused projection: rotate them in one pass.
@@ -171,7 +175,8 @@ class Attention(nn.Module):
         qk = qk * cos + torch.roll(qk, self.hd // 2, dims=-1) * sin
         q, k = qk[:, :self.nh], qk[:, self.nh:]
         v = qkv[:, nqk:].view(t, self.nkv, self.hd)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window, paths=paths)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window, paths=paths,
+                            kv_scales=scales)
         return self.o_proj(o.reshape(t, self.nh * self.hd))
 
 
@@ -198,7 +203,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args, paths)
 
     def forward(self, h: torch.Tensor, delta: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream ``h`` arrives without the previous layer's output ``delta`` added (the add is
         fused into this layer's first norm); returns the stream and this layer's output, likewise."""
         x, h = self.input_layernorm(h, delta)
@@ -237,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope_sin = (emb.sin() * sign).to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
         delta = None

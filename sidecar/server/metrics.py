@@ -57,6 +57,8 @@ def _engine_metrics(s: dict):
     yield gauge("kv_cache_usage_ratio", "Fraction of KV blocks held by requests", s.get("kv_cache_usage"))
     yield gauge("kv_cache_free_blocks", "KV blocks not held by any request", s.get("num_free_kv_blocks"))
     yield gauge("kv_cache_total_blocks", "KV blocks in the pool", s.get("num_kv_blocks"))
+    yield gauge("kv_cache_tokens", "Tokens the KV pool holds (its capacity)", s.get("kv_cache_tokens"))
+    yield from _offload_metrics(s)
     yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                   s.get("prefix_cache_queries"))
     yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.get("prefix_cache_hits"))
@@ -86,6 +88,23 @@ def _engine_metrics(s: dict):
         buckets.append(("+Inf", cum))
         h.add_metric([], buckets, sum_value=float(sum(a * n for a, n in enumerate(hist))))
         yield h
+
+
+def _offload_metrics(s: dict):
+    for key, doc in (("blocks", "Prefix blocks copied to the offload tiers when they left the pool"),
+                     ("bytes", "Bytes copied to the offload tiers"),
+                     ("loaded_blocks", "Offloaded blocks loaded back into the pool"),
+                     ("loaded_bytes", "Bytes loaded back from the offload tiers"),
+                     ("host_lookups", "Offload lookups in the host (RAM) tier"),
+                     ("host_hits", "Offload lookups the host tier answered"),
+                     ("disk_lookups", "Offload lookups in the disk tier"),
+                     ("disk_hits", "Offload lookups the disk tier answered"),
+                     ("disk_corrupt", "Disk-tier files dropped because they failed a check"),
+                     ("load_time_s", "Seconds spent loading offloaded blocks")):
+        yield counter(f"kv_offload_{key}", doc, s.get(f"kv_offload_{key}"))
+    yield gauge("kv_offload_host_hit_rate", "Share of host-tier lookups that hit", s.get("kv_offload_host_hit_rate"))
+    yield gauge("kv_offload_disk_hit_rate", "Share of disk-tier lookups that hit", s.get("kv_offload_disk_hit_rate"))
+    yield gauge("kv_offload_disk_enabled", "1 while the disk tier is on", s.get("kv_offload_disk_enabled"))
 
 
 def _cache_metrics(c: dict):

@@ -375,7 +375,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "quantization", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "prefix_caching", "embedding_model", "embedding_dimensions", "semantic_cache", "version", "device", "fast_paths", "fast_path_fallbacks")
+    __slots__ = ("model", "architecture", "dtype", "quantization", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "prefix_caching", "embedding_model", "embedding_dimensions", "semantic_cache", "version", "device", "fast_paths", "fast_path_fallbacks", "kv_cache_dtype", "kv_cache_tokens")
     class FastPathFallbacksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +399,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     FAST_PATHS_FIELD_NUMBER: _ClassVar[int]
     FAST_PATH_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -415,14 +417,16 @@ class ModelInfo(_message.Message):
     device: str
     fast_paths: _containers.RepeatedScalarFieldContainer[str]
     fast_path_fallbacks: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., embedding_model: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    kv_cache_dtype: str
+    kv_cache_tokens: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., embedding_model: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "semantic_cache_lookups", "semantic_cache_hits", "semantic_cache_entries")
+    __slots__ = ("num_running", "num_waiting", "num_kv_blocks", "num_free_kv_blocks", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "semantic_cache_lookups", "semantic_cache_hits", "semantic_cache_entries", "kv_cache_tokens", "kv_offload_blocks", "kv_offload_loaded_blocks", "kv_offload_host_hits", "kv_offload_disk_hits")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +440,11 @@ class EngineStats(_message.Message):
     SEMANTIC_CACHE_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     SEMANTIC_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     SEMANTIC_CACHE_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_HOST_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_DISK_HITS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_kv_blocks: int
@@ -449,4 +458,9 @@ class EngineStats(_message.Message):
     semantic_cache_lookups: int
     semantic_cache_hits: int
     semantic_cache_entries: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., semantic_cache_lookups: _Optional[int] = ..., semantic_cache_hits: _Optional[int] = ..., semantic_cache_entries: _Optional[int] = ...) -> None: ...
+    kv_cache_tokens: int
+    kv_offload_blocks: int
+    kv_offload_loaded_blocks: int
+    kv_offload_host_hits: int
+    kv_offload_disk_hits: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_kv_blocks: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., semantic_cache_lookups: _Optional[int] = ..., semantic_cache_hits: _Optional[int] = ..., semantic_cache_entries: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., kv_offload_blocks: _Optional[int] = ..., kv_offload_loaded_blocks: _Optional[int] = ..., kv_offload_host_hits: _Optional[int] = ..., kv_offload_disk_hits: _Optional[int] = ...) -> None: ...

@@ -33,9 +33,12 @@ ALLOWED = {
 # engine on its own, or need a model directory on disk for a baseline; none reaches into the engine.
 BENCH_COMPONENT_IMPORTS = {
     "sidecar.bench.quant": {"sidecar.model.attention", "sidecar.model.loader", "sidecar.model.demo",
+                            "sidecar.model.kv_quant",  # the KV cache of teacher-forced perplexity
                             "sidecar.model.quant_format",  # quantized-layer kernels, load time and memory
                             "sidecar.model.hardware"},  # the CPU ISA printed with the figures
     "sidecar.bench.models": {"sidecar.model.demo"},  # where benchmark checkpoints are built
+    # the decode attention kernel alone over plain and int8 caches (the KV bytes a decode step reads)
+    "sidecar.bench.kv": {"sidecar.model.kv_quant", "sidecar.model.kernels.paged_attention"},
     "sidecar.bench.report": {"sidecar.model.hardware"},  # the CPU ISA recorded in every report
     # model dir for the HF and llama.cpp baselines; the dtype the engine resolves, so all systems match
     "sidecar.bench.throughput": {"sidecar.model.loader", "sidecar.model.hardware"},

@@ -13,6 +13,10 @@
  * other rows share the call, so verifying k speculative tokens in one call gives bit for bit what k
  * separate decode steps give. Inputs and output are float32 (dtype 0) or bfloat16 (dtype 1; products
  * and sums still in float32, the output rounded to nearest even).
+ *
+ * Quantized cache (ks, vs not NULL): K/V hold int8 codes and ks/vs ([num_blocks, bs, nkv] float32) one scale
+ * per token and KV head, K[j] = kq[j] * ks[j]. The codes are widened to float32 in registers; a key's scale
+ * multiplies its finished dot product and a value's scale its softmax weight, so no dequantized copy exists.
  */
 #include <stdlib.h>
 
@@ -20,6 +24,19 @@
 
 #define MAX_REP 64
 #define MAX_HD 256
+#define KV_INT8 2 /* kv element mode beside dtype 0 / 1: int8 codes with scales */
+
+/* Element i of a KV cache as float32: float32, bf16 or int8 codes (the scale is applied by the caller). */
+static inline float kv_load(const void* p, size_t i, int kvm) {
+    return kvm == KV_INT8 ? (float)((const int8_t*)p)[i] : dt_load(p, i, kvm);
+}
+
+#ifdef VL
+static inline vf v_kv_load(const char* p, size_t i, int kvm) {
+    if (kvm == KV_INT8) return v_load_i8((const int8_t*)p + i);
+    return kvm ? v_load_bf16((const uint16_t*)p + i) : v_load((const float*)p + i);
+}
+#endif
 
 int sidecar_paged_attention_vector_width(void) {
 #ifdef VL
@@ -32,8 +49,8 @@ int sidecar_paged_attention_vector_width(void) {
 /* One (row, KV head) task. qf: the rep queries in float32, already scaled; s: scratch [rep][n]; of: [rep][hd].
  * Inlined per head size, so the common ones (64, 128) run with the vector count known. */
 static inline __attribute__((always_inline)) void attend(const float* qf, const char* kc, const char* vc, const int64_t* table, int lo, int hi,
-                   int rep, int nkv, int g, int hd, int bs, int dtype, float* s, float* of,
-                   size_t* offs) {
+                   int rep, int nkv, int g, int hd, int bs, int kvm, float* s, float* of,
+                   size_t* offs, const float* ks, const float* vs) {
     const int n = hi - lo;
     const size_t row = (size_t)nkv * hd;  /* elements per slot */
     /* where each key of the context lives, block by block (no division per key) */
@@ -52,8 +69,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
                 continue;
             }
             const size_t off = offs[j + i];
-            for (int c = 0; c < hd / VL; c++)
-                k4[i][c] = dtype ? v_load_bf16((const uint16_t*)kc + off + c * VL) : v_load((const float*)kc + off + c * VL);
+            for (int c = 0; c < hd / VL; c++) k4[i][c] = v_kv_load(kc, off + c * VL, kvm);
         }
         for (int r = 0; r < rep; r++) {
             vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
@@ -66,7 +82,8 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
             }
             float sums[4];
             v_sum4(a0, a1, a2, a3, sums);
-            for (int i = 0; i < 4 && j + i < n; i++) s[(size_t)r * n + j + i] = sums[i];
+            for (int i = 0; i < 4 && j + i < n; i++)
+                s[(size_t)r * n + j + i] = ks ? sums[i] * ks[offs[j + i] / hd] : sums[i];
         }
     }
 #else
@@ -75,8 +92,8 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
         for (int r = 0; r < rep; r++) {
             float acc = 0.f;
             for (int d = 0; d < hd; d++)
-                acc += qf[r * hd + d] * dt_load(kc, off + d, dtype);
-            s[(size_t)r * n + j] = acc;
+                acc += qf[r * hd + d] * kv_load(kc, off + d, kvm);
+            s[(size_t)r * n + j] = ks ? acc * ks[off / hd] : acc;
         }
     }
 #endif
@@ -113,6 +130,9 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
 #endif
         const float inv = 1.0f / total;
         float* o = of + (size_t)r * hd;
+        /* a value's scale joins its weight (after the normaliser was summed from the unscaled weights) */
+        if (vs)
+            for (j = 0; j < n; j++) sr[j] *= vs[offs[j] / hd];
 #ifdef VL
         /* values summed in registers, even and odd keys in separate accumulators (two FMA chains) */
         vf a0[MAX_HD / VL], a1[MAX_HD / VL];
@@ -121,18 +141,14 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
             const size_t off0 = offs[j], off1 = offs[j + 1];
             const vf w0 = v_set1(sr[j]), w1 = v_set1(sr[j + 1]);
             for (int c = 0; c < hd / VL; c++) {
-                a0[c] = v_fma(w0, dtype ? v_load_bf16((const uint16_t*)vc + off0 + c * VL)
-                                        : v_load((const float*)vc + off0 + c * VL), a0[c]);
-                a1[c] = v_fma(w1, dtype ? v_load_bf16((const uint16_t*)vc + off1 + c * VL)
-                                        : v_load((const float*)vc + off1 + c * VL), a1[c]);
+                a0[c] = v_fma(w0, v_kv_load(vc, off0 + c * VL, kvm), a0[c]);
+                a1[c] = v_fma(w1, v_kv_load(vc, off1 + c * VL, kvm), a1[c]);
             }
         }
         if (j < n) {
             const size_t off0 = offs[j];
             const vf w0 = v_set1(sr[j]);
-            for (int c = 0; c < hd / VL; c++)
-                a0[c] = v_fma(w0, dtype ? v_load_bf16((const uint16_t*)vc + off0 + c * VL)
-                                        : v_load((const float*)vc + off0 + c * VL), a0[c]);
+            for (int c = 0; c < hd / VL; c++) a0[c] = v_fma(w0, v_kv_load(vc, off0 + c * VL, kvm), a0[c]);
         }
         const vf vinv = v_set1(inv);
         for (int c = 0; c < hd / VL; c++) v_store(o + c * VL, v_mul(v_add(a0[c], a1[c]), vinv));
@@ -142,18 +158,22 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
             const size_t off = offs[j];
             const float w = sr[j];
             for (int d = 0; d < hd; d++)
-                o[d] += w * dt_load(vc, off + d, dtype);
+                o[d] += w * kv_load(vc, off + d, kvm);
         }
         for (int d = 0; d < hd; d++) o[d] *= inv;
 #endif
     }
 }
 
-/* q, out: [B, nh, hd] contiguous; tables: [B, max_blocks] int64; ctx: [B] int64 (1 <= ctx <= max_blocks * bs).
- * Returns 0, or 1 when the shapes are outside what this kernel handles (the caller keeps its torch path). */
+/* q, out: [B, nh, hd] contiguous; tables: [B, max_blocks] int64; ctx: [B] int64 (1 <= ctx <= max_blocks * bs);
+ * ks, vs: NULL (K/V in q's dtype) or the scales of an int8 cache. Returns 0, 2 when out of memory, or 1 when
+ * the shapes are outside what this kernel handles (the caller keeps its torch path). */
 int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* tables,
                                    const int64_t* ctx, void* out, int B, int nh, int nkv, int hd, int bs,
-                                   int max_blocks, int window, float scale, int dtype, int nthreads) {
+                                   int max_blocks, int window, float scale, int dtype, int nthreads,
+                                   const float* ks, const float* vs) {
+    if ((ks == NULL) != (vs == NULL)) return 1;
+    const int kvm = ks ? KV_INT8 : dtype;
     if (nkv <= 0 || nh % nkv || nh / nkv > MAX_REP || hd > MAX_HD || bs <= 0) return 1;
 #ifdef VL
     if (hd % VL) return 1;
@@ -184,9 +204,10 @@ int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc
             for (int i = 0; i < rep * hd; i++)
                 qf[i] = scale * dt_load(q, q0 + i, dtype);
             const int64_t* table = tables + (size_t)b * max_blocks;
-            if (hd == 64) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 64, bs, dtype, s, of, offs);
-            else if (hd == 128) attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, 128, bs, dtype, s, of, offs);
-            else attend(qf, (const char*)kc, (const char*)vc, table, lo, hi, rep, nkv, g, hd, bs, dtype, s, of, offs);
+            const char *k8 = (const char*)kc, *v8 = (const char*)vc;
+            if (hd == 64) attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 64, bs, kvm, s, of, offs, ks, vs);
+            else if (hd == 128) attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 128, bs, kvm, s, of, offs, ks, vs);
+            else attend(qf, k8, v8, table, lo, hi, rep, nkv, g, hd, bs, kvm, s, of, offs, ks, vs);
             for (int i = 0; i < rep * hd; i++) dt_store(out, q0 + i, of[i], dtype);
         }
         free(s);

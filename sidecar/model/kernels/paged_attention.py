@@ -3,6 +3,8 @@
 ``decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, window)`` attends each query row
 of ``q`` [B, H, D] to positions ``[max(0, ctx - window), ctx)`` of its own sequence, read in place from
 the paged cache [num_blocks, block_size, Hkv, D] through its row of ``block_tables`` [B, max_blocks].
+With ``kv_scales`` = (k_scale, v_scale) [num_blocks, block_size, Hkv] float32 the caches hold int8 codes
+(``sidecar.model.kv_quant``), read in place and scaled in registers.
 It returns [B, H, D] in ``q``'s dtype (float32 or bfloat16), or None when the kernel cannot take these
 inputs (not built, another dtype or device, a head size it does not handle); the caller then uses the
 torch path (``sidecar.model.attention``), which is also the oracle the tests hold it to.
@@ -27,7 +29,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 _KERNEL = cpu_build.Kernel("paged_attention", {
-    "sidecar_paged_decode_attention": ([P] * 6 + [I] * 7 + [F, I, I], I),
+    "sidecar_paged_decode_attention": ([P] * 6 + [I] * 7 + [F, I, I, P, P], I),
     "sidecar_paged_attention_vector_width": ([], I),
 }, setup=lambda lib: setattr(lib, "_sidecar_width", lib.sidecar_paged_attention_vector_width()))
 
@@ -36,8 +38,13 @@ available = _KERNEL.available
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     ctx_lens: torch.Tensor, scale: float, window: Optional[int] = None) -> Optional[torch.Tensor]:
-    if q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+                     ctx_lens: torch.Tensor, scale: float, window: Optional[int] = None,
+                     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+    kv_dtype = q.dtype if kv_scales is None else torch.int8
+    if q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != kv_dtype or v_cache.dtype != kv_dtype:
+        return None
+    if kv_scales is not None and any(s.dtype != torch.float32 or not s.is_contiguous()
+                                     or s.shape != k_cache.shape[:3] for s in kv_scales):
         return None
     lib = _KERNEL.lib()
     if lib is None:
@@ -55,7 +62,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q)
     rc = lib.sidecar_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                             ctx.data_ptr(), out.data_ptr(), b, nh, nkv, hd, bs, tables.shape[1],
-                                            window or 0, scale, _DTYPES[q.dtype], torch.get_num_threads())
+                                            window or 0, scale, _DTYPES[q.dtype], torch.get_num_threads(),
+                                            *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(),
+                                                                                        kv_scales[1].data_ptr())))
     if rc == 2:
         raise MemoryError("decode_attention: out of memory for the kernel's scratch buffers")
     return out if rc == 0 else None

@@ -10,6 +10,11 @@
  * with rotate-half's sign already folded into sin (its first half negated), as the model's torch path
  * computes it: each product rounded to the dtype, then the sum (no fused multiply-add: built with
  * -ffp-contract=off), so the results are bit for bit the torch path's.
+ *
+ * Quantized cache (ks, vs not NULL): kc / vc hold int8 codes and ks / vs ([slots, nkv] float32) a scale per
+ * token and KV head. Each K row (after rope, rounded to the dtype) and V row is stored as
+ *   s = max|x| / 127 (1 when that is not > 0),  code = round_half_even(x / s) clamped to [-127, 127],
+ * the same float32 operations as kv_quant.quantize, so the codes and scales are the torch path's bit for bit.
  */
 #include <stdlib.h>
 
@@ -48,9 +53,26 @@ static inline void rope_head(const void* src, size_t s0, const void* cs, const v
     }
 }
 
+/* One row of hd values (src, dtype) -> int8 codes at dst and its scale at *scale. */
+static inline void quantize_row(const void* src, size_t s0, int dtype, int8_t* dst, float* scale, int hd) {
+    float amax = 0.f;
+    for (int i = 0; i < hd; i++) {
+        const float a = fabsf(dt_load(src, s0 + i, dtype));
+        amax = a > amax ? a : amax;
+    }
+    float s = amax / 127.0f;
+    if (!(s > 0.f)) s = 1.0f;
+    for (int i = 0; i < hd; i++) {
+        float c = nearbyintf(dt_load(src, s0 + i, dtype) / s);
+        c = c > 127.f ? 127.f : (c < -127.f ? -127.f : c);
+        dst[i] = (int8_t)c;
+    }
+    *scale = s;
+}
+
 void sidecar_rope_store_kv(const void* qkv, const void* cs, const void* sn, const int64_t* slots, void* kc,
                            void* vc, void* q_out, void* k_out, int T, int nh, int nkv, int hd, int dtype,
-                           int nthreads) {
+                           int nthreads, float* ks, float* vs) {
     const size_t row = (size_t)(nh + 2 * nkv) * hd, kv_row = (size_t)nkv * hd;
     const size_t esize = dtype ? 2 : 4;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if ((size_t)T * row >= 65536)
@@ -58,6 +80,18 @@ void sidecar_rope_store_kv(const void* qkv, const void* cs, const void* sn, cons
         const size_t r0 = (size_t)t * row, c0 = (size_t)t * hd, slot = (size_t)slots[t] * kv_row;
         for (int h = 0; h < nh; h++)
             rope_head(qkv, r0 + (size_t)h * hd, cs, sn, c0, q_out, ((size_t)t * nh + h) * hd, NULL, 0, hd, dtype);
+        if (ks) {  /* quantized cache: rope(k) through a row buffer in the dtype, then codes and scales */
+            float buf[512];  /* hd <= 256 values of the dtype (the wrapper checks) */
+            const size_t srow = (size_t)slots[t] * nkv;
+            for (int g = 0; g < nkv; g++) {
+                rope_head(qkv, r0 + (size_t)(nh + g) * hd, cs, sn, c0, buf, 0, k_out, (size_t)t * kv_row + (size_t)g * hd,
+                          hd, dtype);
+                quantize_row(buf, 0, dtype, (int8_t*)kc + slot + (size_t)g * hd, ks + srow + g, hd);
+                quantize_row(qkv, r0 + (size_t)(nh + nkv + g) * hd, dtype, (int8_t*)vc + slot + (size_t)g * hd,
+                             vs + srow + g, hd);
+            }
+            continue;
+        }
         for (int g = 0; g < nkv; g++)
             rope_head(qkv, r0 + (size_t)(nh + g) * hd, cs, sn, c0, kc, slot + (size_t)g * hd, k_out,
                       (size_t)t * kv_row + (size_t)g * hd, hd, dtype);

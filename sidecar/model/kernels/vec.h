@@ -32,6 +32,9 @@ static inline void v_sum4(vf a0, vf a1, vf a2, vf a3, float* out) {
 static inline vf v_load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+static inline vf v_load_i8(const int8_t* p) {  /* VL int8 codes widened to float32 */
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
 static inline vf v_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline vf v_min(vf a, vf b) { return _mm512_min_ps(a, b); }
 static inline vf v_div(vf a, vf b) { return _mm512_div_ps(a, b); }
@@ -69,6 +72,9 @@ static inline void v_sum4(vf a0, vf a1, vf a2, vf a3, float* out) {
 }
 static inline vf v_load_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline vf v_load_i8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 static inline vf v_max(vf a, vf b) { return _mm256_max_ps(a, b); }
 static inline vf v_min(vf a, vf b) { return _mm256_min_ps(a, b); }

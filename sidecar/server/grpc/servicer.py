@@ -231,7 +231,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 embedding_model=i.get("embedding_model", ""), embedding_dimensions=i.get("embedding_dimensions", 0),
                 semantic_cache=bool(i.get("semantic_cache")), version=i["version"], device=str(i.get("device", "")),
                 fast_paths=list(i.get("fast_paths") or ()),
-                fast_path_fallbacks=dict(i.get("fast_path_fallbacks") or {}))
+                fast_path_fallbacks=dict(i.get("fast_path_fallbacks") or {}),
+                kv_cache_dtype=str(i.get("kv_cache_dtype") or ""), kv_cache_tokens=int(i.get("kv_cache_tokens") or 0))
         except ServiceError as err:
             await self._fail(context, err)
 

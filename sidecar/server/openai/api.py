@@ -257,7 +257,8 @@ def _models(service: OpenAIService, created: int) -> list[dict]:
     info = service.model_info()
     out = [{"id": service.model_name, "object": "model", "created": created, "owned_by": "llm-sidecar",
             "max_model_len": info.get("max_model_len"), "fast_paths": info.get("fast_paths") or [],
-            "fast_path_fallbacks": info.get("fast_path_fallbacks") or {}}]
+            "fast_path_fallbacks": info.get("fast_path_fallbacks") or {},
+            "kv_cache_dtype": info.get("kv_cache_dtype"), "kv_cache_tokens": info.get("kv_cache_tokens")}]
     emb = info.get("embedding_model")
     if emb and emb != service.model_name:
         out.append({"id": emb, "object": "model", "created": created, "owned_by": "llm-sidecar"})
