@@ -3,6 +3,7 @@ penalties and logprobs equal; sampled distributions by chi-square; seeded draws 
 penalty state kept on the device across steps, rebuilt when it could be stale, returned on release."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -129,7 +130,7 @@ def test_penalty_state_follows_the_tokens_across_steps():
     s = Sampler(CPU, seed=1, max_num_seqs=4)
     reqs = random_requests(6, rng, greedy=False)
     for r in reqs:
-        r.params.repetition_penalty, r.params.frequency_penalty = 1.4, 0.3
+        r.params = dataclasses.replace(r.params, repetition_penalty=1.4, frequency_penalty=0.3)
         r.sampling = None
     gen = torch.Generator().manual_seed(2)
     for step in range(12):
