@@ -68,8 +68,17 @@ class Scheduler:
 
     # -- queue management -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        self.check_room()
+        self._insert_waiting(req)
+
+    def check_room(self) -> None:
+        """Raises QueueFullError when the waiting queue holds ``max_waiting`` requests."""
         if len(self.waiting) >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
+
+    def readmit(self, req: Request) -> None:
+        """Queue a request admitted earlier and held back outside the scheduler (no queue bound: it
+        was counted when it arrived)."""
         self._insert_waiting(req)
 
     def _insert_waiting(self, req: Request) -> None:
