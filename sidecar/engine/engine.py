@@ -20,6 +20,7 @@ from sidecar.engine.scheduler import Scheduler, SchedulerOutput
 from sidecar.engine.spec.decoder import SpecDecoder
 from sidecar.engine.structured import StructuredDecoder
 from sidecar.model.loader import load_model
+from sidecar.model.lora import part_shapes
 
 log = logging.getLogger("sidecar.engine")
 
@@ -70,6 +71,8 @@ class LLMEngine:
             "num_kv_blocks": self.kv.num_blocks,
             "prefix_caching": config.enable_prefix_caching,
             "device": str(loaded.device), **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
+            # what a LoRA adapter for this base must fit: layers and each target's (in, out) features
+            "num_layers": loaded.args.num_layers, "lora_target_shapes": part_shapes(loaded.args),
         }
         weights = sum(t.numel() * t.element_size() for t in
                       list(loaded.model.parameters()) + list(loaded.model.buffers()))

@@ -12,7 +12,11 @@ unchanged. For a fused projection with ``n`` parts (qkv: 3, gate_up: 2, o and do
 its A padded with zero rows below its rank and its B^T nonzero only over the part's output columns. One
 step then costs two GEMMs per projection whatever the mix of adapters (Punica's BGMV, gather-free):
 ``((x @ a[:k].T) * mask) @ bt[:k]`` where row ``t`` of ``mask`` keeps only the columns of its token's slot
-(none for base-model tokens) and ``k`` covers the slots up to the highest one in the batch.
+(none for base-model tokens) and ``k`` covers the slots up to the highest one in the batch, rounded up
+to a power of two. On CPUs where oneDNN takes them, the weights of each such prefix are also held in its
+packed layout (``linear.py``: torch's default float32 GEMM runs several times slower than oneDNN on packed
+weights, and would make the update cost more than the base layers it rides on); a slot's load repacks
+the prefixes holding it before the next forward.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+
+from sidecar.model.linear import PACK_ROWS_HINT, can_pack
 
 # PEFT module name -> (fused projection, part index within it).
 TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -170,6 +176,12 @@ class LoraLayers:
                 getattr(module, fused).register_forward_hook(self._hook(i, fused, n))
         self._masks: Optional[dict[int, torch.Tensor]] = None  # parts n -> [T, k*n*R] for this batch
         self._k = 0
+        a0 = next(iter(self.slots.values()))[0]
+        self.prefixes = [1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras] + [max_loras]
+        # (layer, fused, k) -> (a[:k*n*R], bt[:k*n*R].T) packed for oneDNN; rebuilt for prefixes in _stale
+        self._packed: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._can_pack = can_pack(a0)
+        self._stale: set[int] = set()
 
     def load(self, slot: int, adapter: Adapter) -> None:
         """Write ``adapter`` into ``slot`` (every target it lacks becomes zero)."""
@@ -187,14 +199,27 @@ class LoraLayers:
                 r0 = base + j * R
                 a[r0:r0 + A.shape[0]].copy_(A)
                 bt[r0:r0 + A.shape[0], offsets[j]:offsets[j + 1]].copy_(B.t())
+        if self._can_pack:
+            self._stale.update(k for k in self.prefixes if k > slot)
 
+    def _repack(self) -> None:
+        R = self.max_rank
+        for k in sorted(self._stale):
+            for (layer, fused), (a, bt, _) in self.slots.items():
+                rows = k * PARTS[fused] * R
+                reorder = torch.ops.mkldnn._reorder_linear_weight
+                self._packed[(layer, fused, k)] = (reorder(a[:rows].contiguous(), PACK_ROWS_HINT),
+                                                   reorder(bt[:rows].t().contiguous(), PACK_ROWS_HINT))
+        self._stale.clear()
     def set_batch(self, token_slots: Optional[Sequence[int]]) -> None:
         """Slot (or -1: base model) of every token of the next forward, in order; None ends the batch."""
         if token_slots is None or all(s < 0 for s in token_slots):
             self._masks, self._k = None, 0
             return
         R = self.max_rank
-        self._k = max(token_slots) + 1
+        self._k = next(k for k in self.prefixes if k > max(token_slots))
+        if self._stale:
+            self._repack()
         slots = torch.tensor(list(token_slots), device=self.device)
         self._masks = {}
         for n in set(PARTS.values()):
@@ -206,9 +231,15 @@ class LoraLayers:
             masks = self._masks
             if masks is None:
                 return None
+            x = inputs[0]
+            packed = self._packed.get((layer, fused, self._k)) if x.device.type == "cpu" else None
+            if packed is not None and x.dtype == packed[0].dtype and x.dim() == 2:
+                # The mask product and the residual add ride in the GEMMs' epilogues: two kernels in all,
+                # which matters as much as the FLOPs at decode sizes.
+                lin = torch.ops.mkldnn._linear_pointwise.binary
+                return lin(lin(x, masks[n], packed[0], None, "mul"), out.contiguous(), packed[1], None, "add")
             a, bt, _ = self.slots[(layer, fused)]
             k = self._k * n * self.max_rank
-            x = inputs[0]
-            return out + ((x @ a[:k].t()) * masks[n]) @ bt[:k]
+            return torch.addmm(out, (x @ a[:k].t()) * masks[n], bt[:k])
 
         return hook
