@@ -40,8 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results")
 
 
-def write_adapter(out: Path, shapes: dict[str, list[int]], num_layers: int, rank: int, seed: int) -> Path:
-    """A PEFT LoRA adapter directory with random weights for a base of these target shapes."""
+def write_adapter(out: Path, shapes: dict[str, list[int]], num_layers: int, rank: int, seed: int,
+                  b_std: float = 0.01) -> Path:
+    """A PEFT LoRA adapter directory with random weights for a base of these target shapes (B entries of
+    standard deviation ``b_std``: small, as after fine-tuning; larger to change a model's answers)."""
     import torch
     from safetensors.torch import save_file
 
@@ -52,7 +54,7 @@ def write_adapter(out: Path, shapes: dict[str, list[int]], num_layers: int, rank
             part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{name}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=gen) * fin ** -0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=gen) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=gen) * b_std
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps({
