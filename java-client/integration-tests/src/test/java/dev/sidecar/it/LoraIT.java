@@ -92,7 +92,7 @@ class LoraIT {
         runner().run(ctx -> {
             SidecarChatModel model = ctx.getBean(SidecarChatModel.class);
             String viaAdapter = ChatClient.create(model).prompt()
-                    .options(SidecarChatOptions.builder().model("support").build())
+                    .options(SidecarChatOptions.builder().model("support"))
                     .user(QUESTION).call().content();
             String viaBase = ChatClient.create(model).prompt().user(QUESTION).call().content();
             assertThat(viaAdapter).isEqualTo(expected.get("support"));
@@ -105,7 +105,7 @@ class LoraIT {
         runner().run(ctx -> {
             SidecarChatModel model = ctx.getBean(SidecarChatModel.class);
             assertThatThrownBy(() -> ChatClient.create(model).prompt()
-                    .options(SidecarChatOptions.builder().model("nope").build())
+                    .options(SidecarChatOptions.builder().model("nope"))
                     .user(QUESTION).call().content())
                     .hasMessageContaining("model")
                     .hasMessageContaining("nope");
