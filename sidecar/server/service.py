@@ -502,7 +502,8 @@ class InferenceService:
             await self._engine().load_lora(name, path)
         except ValueError as exc:  # AdapterError names the file and field; the rest name lora_name / lora
             msg = str(exc)
-            raise ServiceError("invalid_argument", msg, field="lora_name" if msg.startswith("lora") else "lora_path") from None
+            field_name = "lora_name" if msg.startswith("lora") else "lora_path"
+            raise ServiceError("invalid_argument", msg, field=field_name) from None
         log.info("lora adapter loaded", extra={"tenant": caller.tenant, "lora_name": name, "lora_path": path})
 
     async def unload_lora(self, caller: Caller, name: str) -> None:

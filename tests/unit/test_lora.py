@@ -211,3 +211,16 @@ def test_malformed_adapters_are_refused_naming_file_and_field(tiny_models, adapt
     llm.load_lora("ok", str(good))
     assert llm.generate(PROMPTS[:1], GREEDY, lora="ok")[0].finish_reason == "length"
     assert_pool_whole(llm)
+
+
+def test_structured_output_holds_for_adapter_rows_mixed_with_the_base(tiny_models, adapters):
+    import re
+
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", max_lora_rank=16,
+              lora_modules={n: str(p) for n, p in adapters["llama"].items()})
+    params = SamplingParams(max_tokens=12, structured=r"[0-9]{3}-[a-z]{2}")
+    solo = [llm.generate(PROMPTS[:1], params, lora=n)[0].text for n in ("all", "mlp", None)]
+    mixed = [o.text for o in llm.generate(PROMPTS[:1] * 3, params, lora=["all", "mlp", None])]
+    assert mixed == solo
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", t) for t in mixed), mixed
+    assert_pool_whole(llm)
