@@ -133,7 +133,7 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt or None,
                       deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids, tenant=tenant)
         req.detok = IncrementalDetokenizer(self.tokenizer, params)
-        self.scheduler.check_room()  # may raise QueueFullError
+        self.scheduler.check_room(len(self.lora.parked))  # may raise QueueFullError
         admitted = self.lora.admit(req, lora)  # may raise AdapterNotFoundError; False: parked for a slot
         self.structured.attach(request_id, params.structured)  # may raise ValueError naming structured
         try:

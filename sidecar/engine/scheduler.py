@@ -71,9 +71,10 @@ class Scheduler:
         self.check_room()
         self._insert_waiting(req)
 
-    def check_room(self) -> None:
-        """Raises QueueFullError when the waiting queue holds ``max_waiting`` requests."""
-        if len(self.waiting) >= self.max_waiting:
+    def check_room(self, held_elsewhere: int = 0) -> None:
+        """Raises QueueFullError when the waiting queue, plus ``held_elsewhere`` requests waiting outside it
+        to enter, holds ``max_waiting`` requests."""
+        if len(self.waiting) + held_elsewhere >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
 
     def readmit(self, req: Request) -> None:

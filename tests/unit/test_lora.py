@@ -224,3 +224,19 @@ def test_structured_output_holds_for_adapter_rows_mixed_with_the_base(tiny_model
     assert mixed == solo
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", t) for t in mixed), mixed
     assert_pool_whole(llm)
+
+
+def test_parked_requests_count_toward_the_waiting_queue_bound(tiny_models, adapters):
+    from sidecar.engine.request import QueueFullError
+
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", max_loras=1, max_lora_rank=16,
+              max_waiting_requests=2, lora_modules={n: str(p) for n, p in adapters["llama"].items()})
+    eng = llm.engine
+    eng.add_request(None, PROMPTS[0], GREEDY, lora="attn")  # pins the only slot
+    eng.add_request(None, PROMPTS[0], GREEDY, lora="mlp")  # parked
+    with pytest.raises(QueueFullError):
+        eng.add_request(None, PROMPTS[0], GREEDY, lora="all")
+    assert eng.lora.stats()["lora_parked"] == 1
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_pool_whole(llm)
