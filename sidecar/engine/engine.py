@@ -185,7 +185,7 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return the outputs of every request that changed."""
         outputs, self._pending = self._pending, []
         now = time.monotonic()
-        for req in self.scheduler.expired(now):
+        for req in self.scheduler.expired(now) + self.lora.expired(now):
             self._finish(req, FinishReason.ABORT, "deadline")
             outputs.append(req.make_output())
         for req in self.lora.unpark():  # its adapter got a slot: it queues as if it arrived now

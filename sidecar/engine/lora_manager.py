@@ -150,6 +150,10 @@ class LoraManager:
             out.append(self.parked.popleft())
         return out
 
+    def expired(self, now: float) -> list:
+        """Parked requests whose deadline (time.monotonic()) has passed; the caller finishes them."""
+        return [r for r in self.parked if r.deadline is not None and r.deadline <= now]
+
     def token_slots(self, reqs_and_counts: Sequence[tuple[object, int]]) -> Optional[list[int]]:
         """Per-token slot list for a forward of these (request, tokens) spans, or None when none uses an adapter."""
         if not any(getattr(r, "lora_slot", None) is not None for r, _ in reqs_and_counts):

@@ -240,3 +240,19 @@ def test_parked_requests_count_toward_the_waiting_queue_bound(tiny_models, adapt
     while eng.has_unfinished_requests():
         eng.step()
     assert_pool_whole(llm)
+
+
+def test_a_parked_request_past_its_deadline_is_aborted(tiny_models, adapters):
+    import time
+
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", max_loras=1, max_lora_rank=16,
+              lora_modules={n: str(p) for n, p in adapters["llama"].items()})
+    eng = llm.engine
+    a = eng.add_request(None, PROMPTS[0], GREEDY, lora="attn")
+    b = eng.add_request(None, PROMPTS[0], GREEDY, lora="mlp", deadline=time.monotonic() - 1)
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs[b].finish_reason == "abort" and outs[b].abort_reason == "deadline"
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step()})
+    assert outs[a].finish_reason == "length"
+    assert_pool_whole(llm)
