@@ -6,7 +6,7 @@ def __getattr__(name: str):
     # Both pull in torch (LLM also transformers): imported only when asked for, so that the command
     # line starts without them.
     if name == "LLM":
-        from sidecar.engine.engine import LLM
+        from sidecar.engine.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -99,6 +99,14 @@ class EngineConfig:
         None, "directory of the disk tier for evicted prefix blocks, kept across restarts (default: none)")
     kv_offload_disk_gb: float = setting(10.0, "most GiB the disk tier keeps in --kv-offload-dir")
 
+    # LoRA adapters (PEFT format): name -> directory, served by request model name; max_loras resident at once
+    # (the rest loaded on demand, least recently used evicted first); rank above max_lora_rank is refused.
+    lora_modules: dict = field(default_factory=dict, metadata={
+        "help": "LoRA adapter served under a model name: NAME=PATH to a PEFT adapter directory (repeatable)"})
+    max_loras: int = setting(4, "LoRA adapters resident at once (more are loaded on demand, LRU)")
+    max_lora_rank: int = setting(16, "largest LoRA rank accepted (adapter slots are sized for it)")
+    enable_lora: bool = setting(False, "accept LoRA adapters loaded at run time even when none is given at start")
+
     def __post_init__(self) -> None:
         if self.model is None:
             self.model = DEFAULT_MODEL
@@ -155,6 +163,13 @@ class EngineConfig:
                      f"must be a number >= 0, got {value!r}")
         _require(self.kv_offload_dir is None or (isinstance(self.kv_offload_dir, str) and self.kv_offload_dir.strip()),
                  "kv_offload_dir", f"must be a directory path or None, got {self.kv_offload_dir!r}")
+        _require(isinstance(self.lora_modules, dict) and all(
+            isinstance(k, str) and k.strip() and isinstance(v, str) and v.strip() for k, v in self.lora_modules.items()),
+            "lora_modules", f"must map adapter names to adapter directories, got {self.lora_modules!r}")
+        _require(isinstance(self.max_loras, int) and 1 <= self.max_loras <= 64, "max_loras",
+                 f"must be an integer in [1, 64], got {self.max_loras!r}")
+        _require(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512, "max_lora_rank",
+                 f"must be an integer in [1, 512], got {self.max_lora_rank!r}")
 
 
 @dataclass
@@ -274,9 +289,15 @@ class SidecarConfig:
 
 def _coerce(value: Any, current: Any, ftype: Any, name: str) -> Any:
     """Turn a string from env/CLI into the field's type, naming the field on failure."""
+    t = str(ftype)
+    if t == "dict" and isinstance(value, (str, list)):  # NAME=VALUE entries: comma-separated or repeated
+        items = [v.strip() for part in ([value] if isinstance(value, str) else value) for v in str(part).split(",")]
+        bad = [v for v in items if v and (v.count("=") < 1 or not v.split("=", 1)[0].strip())]
+        if bad:
+            raise ValueError(f"{name}: expected NAME=PATH, got {bad[0]!r}")
+        return {k.strip(): v.strip() for k, v in (i.split("=", 1) for i in items if i)}
     if not isinstance(value, str):
         return value
-    t = str(ftype)
     try:
         if "bool" in t:
             low = value.strip().lower()

@@ -23,11 +23,21 @@ from typing import Any, AsyncIterator, Optional
 from sidecar.config import EngineConfig
 from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.engine import LLMEngine, Prompt
+from sidecar.engine.lora_manager import check_name
 from sidecar.engine.request import RequestOutput, SamplingParams, random_request_id
 
 log = logging.getLogger("sidecar.engine")
 
 _STOP = object()
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: Optional[BaseException]) -> None:
+    if fut.done():  # the caller was cancelled
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
 
 
 class EngineDeadError(RuntimeError):
@@ -60,6 +70,7 @@ class AsyncEngine:
         # engine thread, one call at a time.
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._tokenizer_lock = threading.Lock()
+        self._loras: dict[str, str] = engine.lora.names()  # name -> path; replaced whole on each change
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -112,6 +123,13 @@ class AsyncEngine:
                     stream.put(exc)
         elif kind == "abort":
             self.engine.abort(cmd[1], cmd[2])
+        elif kind == "call":  # fn(engine) on this thread; its result or exception goes to the caller's future
+            _, fn, fut, loop = cmd
+            try:
+                result, exc = fn(self.engine), None
+            except Exception as e:
+                result, exc = None, e
+            loop.call_soon_threadsafe(_settle, fut, result, exc)
         return True
 
     def _drop(self, rid: str) -> None:
@@ -191,12 +209,47 @@ class AsyncEngine:
     async def abort(self, request_id: str, reason: str = "client") -> None:
         self._commands.put(("abort", request_id, reason))
 
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded LoRA adapter name -> its path. Safe from any thread."""
+        return dict(self._loras)
+
+    async def _call(self, fn: Any) -> Any:
+        if not self.is_running:
+            raise EngineDeadError("engine is not running")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._commands.put(("call", fn, fut, loop))
+        return await fut
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` as ``name``. The files are read and validated off the engine
+        thread (requests in flight keep running); raises AdapterError / ValueError naming the field."""
+        check_name(name)
+        adapter = await asyncio.get_running_loop().run_in_executor(None, self.engine.lora.read, path)
+
+        def register(engine: LLMEngine) -> dict[str, str]:
+            engine.lora.register(name, adapter)
+            return engine.lora.names()
+
+        self._loras = await self._call(register)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` (requests already using it finish with it); raises
+        AdapterNotFoundError when it is not loaded."""
+        def unregister(engine: LLMEngine) -> dict[str, str]:
+            engine.lora.unregister(name)
+            return engine.lora.names()
+
+        self._loras = await self._call(unregister)
+
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,
                        priority: int = 0, cache_salt: Optional[str] = None,
                        deadline: Optional[float] = None,
-                       arrival_time: Optional[float] = None, tenant: str = "") -> AsyncIterator[RequestOutput]:
-        """Stream outputs of one request. Errors (ValueError, QueueFullError) raise before any output.
-        Leaving the iteration early aborts the request in the engine.
+                       arrival_time: Optional[float] = None, tenant: str = "",
+                       lora: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Stream outputs of one request. Errors (ValueError, AdapterNotFoundError, QueueFullError) raise
+        before any output. Leaving the iteration early aborts the request in the engine. ``lora``: the
+        adapter it runs with (None: the base model).
 
         ``arrival_time`` (time.monotonic()) defaults to now: queue time and TTFT count from the moment
         the request reached us, including the hand-over to the engine thread."""
@@ -213,7 +266,7 @@ class AsyncEngine:
             self._streams[rid] = stream
         self._commands.put(("add", rid, prompt, params,
                             {"priority": priority, "cache_salt": cache_salt, "deadline": deadline,
-                             "arrival_time": arrival_time, "tenant": tenant}))
+                             "arrival_time": arrival_time, "tenant": tenant, "lora": lora}))
         finished = False
         try:
             while True:

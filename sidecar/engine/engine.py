@@ -11,6 +11,7 @@ from sidecar.config import EngineConfig
 from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.detokenizer import IncrementalDetokenizer
 from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.lora_manager import LoraManager
 from sidecar.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
                                     random_request_id)
 from sidecar.engine.runner import ModelRunner
@@ -19,6 +20,7 @@ from sidecar.engine.scheduler import Scheduler, SchedulerOutput
 from sidecar.engine.spec.decoder import SpecDecoder
 from sidecar.engine.structured import StructuredDecoder
 from sidecar.model.loader import load_model
+from sidecar.model.lora import part_shapes
 
 log = logging.getLogger("sidecar.engine")
 
@@ -40,6 +42,11 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.args.vocab_size
         self.runner = ModelRunner(loaded, config)
+        self.lora = LoraManager(loaded.model, loaded.args, config.max_loras, config.max_lora_rank,
+                                enabled=bool(config.lora_modules) or config.enable_lora)
+        for name, path in config.lora_modules.items():
+            self.lora.register(name, self.lora.read(path))
+        self.runner.lora = self.lora
         self.kv = KVCacheManager.build(config, self.runner, loaded)  # with the offload tiers asked for
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
@@ -65,6 +72,8 @@ class LLMEngine:
             "prefix_caching": config.enable_prefix_caching,
             "device": str(loaded.device), **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
             **self.runner.kv_info(),  # kv_cache_dtype (+ reason), kv_cache_tokens
+            # what a LoRA adapter for this base must fit: layers and each target's (in, out) features
+            "num_layers": loaded.args.num_layers, "lora_target_shapes": part_shapes(loaded.args),
         }
         weights = sum(t.numel() * t.element_size() for t in
                       list(loaded.model.parameters()) + list(loaded.model.buffers()))
@@ -105,9 +114,10 @@ class LLMEngine:
 
     def add_request(self, request_id: Optional[str], prompt: Prompt, params: SamplingParams, priority: int = 0,
                     cache_salt: Optional[str] = None, deadline: Optional[float] = None,
-                    arrival_time: Optional[float] = None, tenant: str = "") -> str:
-        """Queue a request. Raises ValueError (bad input, naming the field) or QueueFullError.
-        ``tenant`` groups requests for fair admission (see Scheduler)."""
+                    arrival_time: Optional[float] = None, tenant: str = "", lora: Optional[str] = None) -> str:
+        """Queue a request. Raises ValueError (bad input, naming the field), AdapterNotFoundError (``lora``
+        names no loaded adapter) or QueueFullError. ``tenant`` groups requests for fair admission (see
+        Scheduler); ``lora`` is the adapter it runs with (None: the base model)."""
         request_id = request_id or random_request_id()
         if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_LEN:
             raise ValueError(f"request_id: must be a string of at most {MAX_REQUEST_ID_LEN} characters")
@@ -122,11 +132,15 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt or None,
                       deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids, tenant=tenant)
         req.detok = IncrementalDetokenizer(self.tokenizer, params)
+        self.scheduler.check_room(len(self.lora.parked))  # may raise QueueFullError
+        admitted = self.lora.admit(req, lora)  # may raise AdapterNotFoundError; False: parked for a slot
         self.structured.attach(request_id, params.structured)  # may raise ValueError naming structured
         try:
-            self.scheduler.add(req)  # may raise QueueFullError
+            if admitted:
+                self.scheduler.add(req)
         except Exception:
             self.structured.release(request_id)
+            self.lora.release(req)
             raise
         self.requests[request_id] = req
         self.counters["prompt_tokens"] += len(ids)
@@ -150,6 +164,7 @@ class LLMEngine:
         req.finished_time = time.monotonic()
         req.text = req.detok.visible_text(True) if reason != FinishReason.ABORT else req.text
         self.scheduler.remove(req)
+        self.lora.release(req)
         self.structured.release(req.request_id)
         self.spec.release(req.request_id)
         self.sampler.release(req)
@@ -170,9 +185,11 @@ class LLMEngine:
         """Schedule, run the model once, sample, and return the outputs of every request that changed."""
         outputs, self._pending = self._pending, []
         now = time.monotonic()
-        for req in self.scheduler.expired(now):
+        for req in self.scheduler.expired(now) + self.lora.expired(now):
             self._finish(req, FinishReason.ABORT, "deadline")
             outputs.append(req.make_output())
+        for req in self.lora.unpark():  # its adapter got a slot: it queues as if it arrived now
+            self.scheduler.readmit(req)
         self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         for req in sched.unschedulable:
@@ -234,78 +251,5 @@ class LLMEngine:
             "prefix_cache_hits": self.kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters, **self.structured.counters(), **self.spec.counters(),
-            "fast_path_active": self.runner.fast_path_states(),
+            "fast_path_active": self.runner.fast_path_states(), **self.lora.stats(),
         }
-
-
-class LLM:
-    """Offline facade: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
-
-    def __init__(self, model: Optional[str] = None, dtype: str = "auto", quantization: Optional[str] = None,
-                 block_size: int = 16, kv_cache_memory_gb: Optional[float] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True, seed: int = 0,
-                 **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, quantization=quantization, block_size=block_size,
-            kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            seed=seed, max_waiting_requests=kwargs.pop("max_waiting_requests", 1 << 30), **kwargs))
-        self.tokenizer = self.engine.tokenizer
-
-    def _run(self, prompts: list[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None],
-             use_tqdm: bool) -> list[RequestOutput]:
-        if params is None:
-            params = SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"params: got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        ids: list[str] = []
-        try:
-            for p, sp in zip(prompts, plist):
-                ids.append(self.engine.add_request(None, p, sp))
-        except Exception:
-            for rid in ids:
-                self.engine.abort(rid, "error: batch rejected")
-            self.engine.step()
-            raise
-        done: dict[str, RequestOutput] = {}
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm)
-        try:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-        finally:
-            bar.close()
-            for rid in ids:  # interrupted (e.g. KeyboardInterrupt): give every block back
-                if rid not in done:
-                    self.engine.abort(rid, "shutdown")
-        return [done[i] for i in ids]
-
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for a prompt or a list of prompts (strings or token-id lists); outputs in input order."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run(list(prompts), params, use_tqdm)
-
-    def stats(self) -> dict[str, Any]:
-        """A snapshot of the engine's cumulative counters, e.g. for benchmarks: ``prefix_cache_queries`` /
-        ``prefix_cache_hits`` (prompt tokens looked up in / served from the prefix cache), ``num_steps``,
-        ``prompt_tokens``, ``generation_tokens``, ``num_requests_finished``, ``num_preemptions``, the current
-        KV pool state (``num_kv_blocks``, ``num_free_kv_blocks``, ``kv_cache_usage``, ``kv_cache_tokens``), ``kv_offload_*``
-        (offloaded / loaded blocks and bytes, tier hits, hit rates, load time) and ``spec_decode_*``."""
-        return dict(self.engine.stats())
-
-    def chat(self, conversations: Union[list[dict], Sequence[list[dict]]],
-             params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate replies for one conversation or a list of them (chat template applied)."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
-        return self._run([self.engine.encode_chat(list(c)) for c in conversations], params, use_tqdm)

@@ -184,6 +184,8 @@ class Request:
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora = None  # the adapter's registration (LoraManager) or None: the base model
+        self.lora_slot: Optional[int] = None  # the resident slot it pins while unfinished
         self.deadline = deadline  # time.monotonic() value, or None
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.eos_token_ids = eos_token_ids

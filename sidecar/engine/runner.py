@@ -87,6 +87,7 @@ class ModelRunner:
             self.model.fast_paths = FastPaths()
         self.fast_paths: FastPaths = self.model.fast_paths
         self.enforce_eager = config.enforce_eager
+        self.lora = None  # the engine's LoraManager: which adapter slot each request's tokens use
         self.quantized = bool(loaded.quantization)
         max_len = min(loaded.max_model_len, self.num_blocks * self.block_size)
         self.inputs = DecodeInputs(config.max_num_seqs, -(-max_len // self.block_size) + 1, self.block_size,
@@ -239,7 +240,11 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], Optional[torch.Tensor]]:
         """Run one step. Returns the requests that sample this step and their logits: one row each, or
         1 + num_spec_tokens consecutive rows for a request verifying proposed tokens."""
-        if sched.scheduled and all(s.num_new_tokens == 1 and not s.num_spec_tokens for s in sched.scheduled):
+        spans = [(s.request, s.num_new_tokens) for s in sched.scheduled]
+        token_slots = self.lora.token_slots(spans) if self.lora is not None else None
+        # A batch with adapter rows runs eagerly (below): the captured decode graphs hold the base model only.
+        if token_slots is None and sched.scheduled and all(s.num_new_tokens == 1 and not s.num_spec_tokens
+                                                           for s in sched.scheduled):
             done = self._execute_decode(sched, kv)
             if done is not None:
                 return done
@@ -286,7 +291,14 @@ class ModelRunner:
             width = max(len(t) for t in dtables)
             meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dtables]).view(len(dtables), width)
             meta.decode_ctx_lens = self._tensor(ctx_lens)
-        hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
+        if token_slots is None:
+            hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
+        else:  # one slot per token, in the packed order: prefills, then decodes
+            self.lora.set_batch(self.lora.token_slots([(s.request, s.num_new_tokens) for s in prefills + decodes]))
+            try:
+                hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
+            finally:
+                self.lora.set_batch(None)
         if not sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_idx)))

@@ -68,8 +68,18 @@ class Scheduler:
 
     # -- queue management -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        if len(self.waiting) >= self.max_waiting:
+        self.check_room()
+        self._insert_waiting(req)
+
+    def check_room(self, held_elsewhere: int = 0) -> None:
+        """Raises QueueFullError when the waiting queue, plus ``held_elsewhere`` requests waiting outside it
+        to enter, holds ``max_waiting`` requests."""
+        if len(self.waiting) + held_elsewhere >= self.max_waiting:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
+
+    def readmit(self, req: Request) -> None:
+        """Queue a request admitted earlier and held back outside the scheduler (no queue bound: it
+        was counted when it arrived)."""
         self._insert_waiting(req)
 
     def _insert_waiting(self, req: Request) -> None:

@@ -43,6 +43,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--kv-offload-dir", "engine", "kv_offload_dir"),
     ("--kv-offload-disk-gb", "engine", "kv_offload_disk_gb"),
     ("--demo-dir", "engine", "demo_dir"),
+    ("--max-loras", "engine", "max_loras"),
+    ("--max-lora-rank", "engine", "max_lora_rank"),
     ("--host", "server", "host"),
     ("--grpc-port", "server", "grpc_port"),
     ("--http-port", "server", "http_port"),
@@ -72,6 +74,8 @@ FLAGS: list[tuple[str, str, str]] = [
 # (flag, section, field, value stored when given, help)
 SWITCHES: list[tuple[str, str, str, bool, str]] = [
     ("--no-prefix-caching", "engine", "enable_prefix_caching", False, "disable KV prefix caching"),
+    ("--enable-lora", "engine", "enable_lora", True,
+     "accept LoRA adapters loaded at run time (POST /v1/load_lora_adapter) even when no --lora is given"),
     ("--enforce-eager", "engine", "enforce_eager", True,
      "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels"),
     ("--log-json", "server", "log_json", True, "log one JSON object per line"),
@@ -104,6 +108,9 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                                   default=argparse.SUPPRESS, metavar="KEY[:TENANT]",
                                   help="accept this API key (repeatable); the tenant isolates caches "
                                        "[default: no keys, auth off]")
+    groups["engine"].add_argument("--lora", dest=_dest("engine", "lora_modules"), action="append",
+                                  default=argparse.SUPPRESS, metavar="NAME=PATH",
+                                  help=help_text(EngineConfig, "lora_modules"))
     for flag, section, name, value, switch_help in SWITCHES:
         groups[section].add_argument(flag, dest=_dest(section, name), action="store_const", const=value,
                                      default=argparse.SUPPRESS, help=switch_help)

@@ -106,6 +106,7 @@ class Admission:
     params: SamplingParams  # the request's, with the tool-call grammar folded in and max_tokens fitted
     parser: Optional[tools.ToolCallParser]  # splits tool-call markup out of the text (tool requests)
     charge: TokenCharge
+    lora: Optional[str] = None  # the LoRA adapter the request names, None for the base model
 
 
 @dataclass
@@ -150,6 +151,9 @@ async def _service_errors(stream: AsyncIterator[RequestOutput], progress: _Progr
     except ValueError as exc:
         progress.held = False
         raise ServiceError("invalid_argument", _field_message(str(exc))) from None
+    except LookupError as exc:  # the adapter was unloaded after admission
+        progress.held = False
+        raise ServiceError("not_found", str(exc), field="model") from None
     except RuntimeError as exc:  # refusing new work while shutting down, or stopped under a request
         progress.held = progress.held and started
         raise ServiceError("unavailable", f"engine stopped: {exc}" if started else f"draining: {exc}") from None
@@ -265,7 +269,8 @@ class InferenceService:
         arrival = time.monotonic()  # queue time and TTFT count from here, as clients see them
         admission = await self._admit(caller, req)
         rid = self._new_id(req.request_id, caller.tenant)
-        plan = self.cache_step.plan(caller.tenant, req, admission.params, self.model_name)
+        # The adapter is part of the semantic cache's scope: its answers are never another model's.
+        plan = self.cache_step.plan(caller.tenant, req, admission.params, admission.lora or self.model_name)
         cached = await self._answer_from_cache(caller, req, rid, plan, admission)
         if cached is not None:
             yield cached
@@ -278,7 +283,8 @@ class InferenceService:
         rate limit. Nothing is held yet when this raises."""
         self._check_serving()
         info = self._model_info()
-        check_request(req, self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
+        lora = self._adapter(req.model)
+        check_request(req, lora or self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
         is_chat = req.messages is not None
         parser = tools.ToolCallParser() if is_chat and tools.uses_tools(req) else None
         params = req.params
@@ -292,7 +298,19 @@ class InferenceService:
         charge = TokenCharge(caller.key_id or "anonymous", params.max_tokens if req.max_tokens_set else 0,
                              req.max_tokens_set)
         self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
-        return Admission(prompt_ids=prompt, params=params, parser=parser, charge=charge)
+        return Admission(prompt_ids=prompt, params=params, parser=parser, charge=charge, lora=lora)
+
+    def _adapter(self, model: Optional[str]) -> Optional[str]:
+        """The LoRA adapter ``model`` names; None for the base model (its name or none). Raises not_found
+        naming ``model`` when it is neither."""
+        if not model or model == self.model_name:
+            return None
+        adapters = self._engine().lora_adapters()
+        if model not in adapters:
+            known = ", ".join(repr(n) for n in [self.model_name, *adapters])
+            raise ServiceError("not_found", f"model: unknown model {model!r}; this sidecar serves {known}",
+                               field="model")
+        return model
 
     def _encode(self, req: GenerationRequest) -> list[int]:
         """Prompt token ids (run in a worker thread: tokenizing a long prompt must not hold the loop)."""
@@ -334,7 +352,7 @@ class InferenceService:
         stream = self.cache_step.engine_stream(plan, admission.prompt_ids, req.model, deadline, lambda: self._engine().generate(
             admission.prompt_ids, admission.params, request_id=engine_id, priority=req.priority,
             cache_salt="\x1f".join(salt_parts) if salt_parts else None, deadline=deadline, arrival_time=arrival,
-            tenant=caller.tenant))
+            tenant=caller.tenant, lora=admission.lora))
         progress = _Progress()
         outputs = _service_errors(stream, progress)
         try:
@@ -466,8 +484,37 @@ class InferenceService:
         info = self._model_info()
         info.update(model=self.model_name, version=__version__, semantic_cache=self.cache_step.cache is not None,
                     embedding_model=self.cache_step.embedding_model_name(),
-                    embedding_dimensions=self.cache_step.embedding_dim())
+                    embedding_dimensions=self.cache_step.embedding_dim(),
+                    lora_adapters=self.engine.lora_adapters() if self.engine is not None else {})
         return info
+
+    # -- LoRA adapters at run time ---------------------------------------------
+    async def load_lora(self, caller: Caller, name: str, path: str) -> None:
+        """Serve the PEFT adapter at ``path`` (a directory on this host) under model name ``name``.
+        Raises ServiceError: invalid_argument naming lora_name / lora_path (bad name, taken, malformed or
+        incompatible adapter, LoRA not enabled)."""
+        self._check_serving()
+        if not isinstance(name, str) or not name or name == self.model_name:
+            raise invalid("lora_name", f"must be a non-empty name other than the base model's, got {name!r}")
+        if not isinstance(path, str) or not path:
+            raise invalid("lora_path", "must be the path of a PEFT adapter directory")
+        try:
+            await self._engine().load_lora(name, path)
+        except ValueError as exc:  # AdapterError names the file and field; the rest name lora_name / lora
+            msg = str(exc)
+            field_name = "lora_name" if msg.startswith("lora") else "lora_path"
+            raise ServiceError("invalid_argument", msg, field=field_name) from None
+        log.info("lora adapter loaded", extra={"tenant": caller.tenant, "lora_name": name, "lora_path": path})
+
+    async def unload_lora(self, caller: Caller, name: str) -> None:
+        """Stop serving adapter ``name``; requests using it finish with it. Raises not_found naming
+        lora_name when no adapter has that name."""
+        self._check_serving()
+        try:
+            await self._engine().unload_lora(name)
+        except LookupError as exc:
+            raise ServiceError("not_found", str(exc), field="lora_name") from None
+        log.info("lora adapter unloaded", extra={"tenant": caller.tenant, "lora_name": name})
 
     def _engine_stats(self) -> dict:
         return self.engine.stats() if self.engine is not None else {}

@@ -375,7 +375,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "quantization", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "prefix_caching", "embedding_model", "embedding_dimensions", "semantic_cache", "version", "device", "fast_paths", "fast_path_fallbacks", "kv_cache_dtype", "kv_cache_tokens")
+    __slots__ = ("model", "architecture", "dtype", "quantization", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "prefix_caching", "embedding_model", "embedding_dimensions", "semantic_cache", "version", "device", "fast_paths", "fast_path_fallbacks", "kv_cache_dtype", "kv_cache_tokens", "lora_adapters")
     class FastPathFallbacksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +401,7 @@ class ModelInfo(_message.Message):
     FAST_PATH_FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -419,7 +420,40 @@ class ModelInfo(_message.Message):
     fast_path_fallbacks: _containers.ScalarMap[str, str]
     kv_cache_dtype: str
     kv_cache_tokens: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., embedding_model: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., embedding_model: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "base_model")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    base_model: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., base_model: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_name", "status")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    status: str
+    def __init__(self, lora_name: _Optional[str] = ..., status: _Optional[str] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()

@@ -74,6 +74,16 @@ class InferenceStub:
                 request_serializer=sidecar_dot_v1_dot_sidecar__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.EngineStats.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/sidecar.v1.Inference/LoadLoraAdapter',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/sidecar.v1.Inference/UnloadLoraAdapter',
+                request_serializer=sidecar_dot_v1_dot_sidecar__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -136,6 +146,21 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serves a PEFT LoRA adapter (a directory on the sidecar's host) under a model name; requests then
+        select it with `model`. INVALID_ARGUMENT names lora_name or lora_path (and the adapter's file and field).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving an adapter; requests already using it finish with it. NOT_FOUND names lora_name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -178,6 +203,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.GetStatsRequest.FromString,
                     response_serializer=sidecar_dot_v1_dot_sidecar__pb2.EngineStats.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=sidecar_dot_v1_dot_sidecar__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=sidecar_dot_v1_dot_sidecar__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -396,6 +431,60 @@ class Inference:
             '/sidecar.v1.Inference/GetStats',
             sidecar_dot_v1_dot_sidecar__pb2.GetStatsRequest.SerializeToString,
             sidecar_dot_v1_dot_sidecar__pb2.EngineStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.Inference/LoadLoraAdapter',
+            sidecar_dot_v1_dot_sidecar__pb2.LoadLoraAdapterRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sidecar.v1.Inference/UnloadLoraAdapter',
+            sidecar_dot_v1_dot_sidecar__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            sidecar_dot_v1_dot_sidecar__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

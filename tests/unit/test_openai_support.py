@@ -36,6 +36,7 @@ class FakeService:
         self.cache_status = "miss"
         self.embed_calls: list[list[str]] = []
         self.max_produced: Optional[int] = None  # cap on tokens per request (fuzzing sends huge max_tokens)
+        self.loras: dict[str, str] = {}  # LoRA adapters loaded at run time: name -> path
 
     def authenticate(self, authorization: Optional[str], peer: str = "") -> Caller:
         if self.api_key is not None and authorization != f"Bearer {self.api_key}":
@@ -95,11 +96,23 @@ class FakeService:
         self.embed_calls.append(inputs)
         return [[float(len(t)), 0.5, -1.0] for t in inputs], sum(len(t) for t in inputs)
 
+    async def load_lora(self, caller: Caller, name: str, path: str) -> None:
+        if name in self.loras or name == self.model_name:
+            raise ServiceError("invalid_argument", f"lora_name: adapter {name!r} is already loaded", field="lora_name")
+        if not path.startswith("/"):
+            raise ServiceError("invalid_argument", f"lora_path: {path}: not a directory", field="lora_path")
+        self.loras[name] = path
+
+    async def unload_lora(self, caller: Caller, name: str) -> None:
+        if self.loras.pop(name, None) is None:
+            raise ServiceError("not_found", f"lora_name: adapter {name!r} is not loaded", field="lora_name")
+
     def token_strings(self, ids: list[int]) -> list[str]:
         return [f"<{i}>" for i in ids]
 
     def model_info(self) -> dict:
-        return {"model": "demo", "max_model_len": 40, "embedding_model": "all-MiniLM-L6-v2"}
+        return {"model": "demo", "max_model_len": 40, "embedding_model": "all-MiniLM-L6-v2",
+                "lora_adapters": dict(self.loras)}
 
     def render_metrics(self) -> tuple[bytes, str]:
         return b"sidecar_kv_cache_free_blocks 7.0\n", "text/plain; version=0.0.4; charset=utf-8"

@@ -33,6 +33,9 @@ class ScriptedEngine:
     def stats(self) -> dict:
         return {}
 
+    def lora_adapters(self) -> dict[str, str]:
+        return {}
+
     async def generate(self, prompt: list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         self.calls.append((prompt, params))
         k = len(self.closed)

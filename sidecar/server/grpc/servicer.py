@@ -154,7 +154,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return pb.Completion(request_id=last.request_id, text=last.text, token_ids=last.token_ids,
                                  finish_reason=FINISH.get(last.finish_reason, 0), usage=_usage(last),
                                  timing=_timing(last), cache=_cache(last), logprobs=self._logprobs(lps),
-                                 model=self.service.model_name, tool_calls=convert.tool_calls(calls))
+                                 model=msg.model or self.service.model_name, tool_calls=convert.tool_calls(calls))
         except ServiceError as err:
             await self._fail(context, err, msg.request_id)
 
@@ -232,7 +232,25 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 semantic_cache=bool(i.get("semantic_cache")), version=i["version"], device=str(i.get("device", "")),
                 fast_paths=list(i.get("fast_paths") or ()),
                 fast_path_fallbacks=dict(i.get("fast_path_fallbacks") or {}),
-                kv_cache_dtype=str(i.get("kv_cache_dtype") or ""), kv_cache_tokens=int(i.get("kv_cache_tokens") or 0))
+                kv_cache_dtype=str(i.get("kv_cache_dtype") or ""), kv_cache_tokens=int(i.get("kv_cache_tokens") or 0),
+                lora_adapters=[pb.LoraAdapter(name=n, path=p, base_model=i["model"])
+                               for n, p in sorted((i.get("lora_adapters") or {}).items())])
+        except ServiceError as err:
+            await self._fail(context, err)
+
+    async def LoadLoraAdapter(self, request, context):
+        try:
+            caller = self._caller(context, "LoadLoraAdapter")
+            await self.service.load_lora(caller, request.lora_name, request.lora_path)
+            return pb.LoraAdapterResponse(lora_name=request.lora_name, status="loaded")
+        except ServiceError as err:
+            await self._fail(context, err)
+
+    async def UnloadLoraAdapter(self, request, context):
+        try:
+            caller = self._caller(context, "UnloadLoraAdapter")
+            await self.service.unload_lora(caller, request.lora_name)
+            return pb.LoraAdapterResponse(lora_name=request.lora_name, status="unloaded")
         except ServiceError as err:
             await self._fail(context, err)
 

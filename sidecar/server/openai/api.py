@@ -30,7 +30,8 @@ from sidecar.server.metrics import Metrics
 from sidecar.server.openai import errors as openai_errors
 from sidecar.server.openai import format as fmt
 from sidecar.server.openai.limits import BodyLimit
-from sidecar.server.openai.models import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from sidecar.server.openai.models import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
+                                          LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
 from sidecar.server.openai.runner import ChoiceRunner, first_events, guard_disconnect
 from sidecar.server.openai.translate import chat_requests, completion_requests
 from sidecar.server.service import Caller, Event, GenerationRequest
@@ -63,6 +64,10 @@ class OpenAIService(Protocol):
     def model_info(self) -> dict: ...
 
     def render_metrics(self) -> tuple[bytes, str]: ...
+
+    async def load_lora(self, caller: Caller, name: str, path: str) -> None: ...
+
+    async def unload_lora(self, caller: Caller, name: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -251,7 +256,8 @@ async def completions(body: CompletionRequest, request: Request, service: Servic
 
 
 def _models(service: OpenAIService, created: int) -> list[dict]:
-    """The served model and, when it has another name, the embedding model."""
+    """The served model, its LoRA adapters (``parent``: the base model; ``root``: the adapter's path, as vLLM
+    lists them) and, when it has another name, the embedding model."""
     if not service.serving:
         raise ServiceError("unavailable", "the model is not ready (loading or draining)")
     info = service.model_info()
@@ -259,6 +265,9 @@ def _models(service: OpenAIService, created: int) -> list[dict]:
             "max_model_len": info.get("max_model_len"), "fast_paths": info.get("fast_paths") or [],
             "fast_path_fallbacks": info.get("fast_path_fallbacks") or {},
             "kv_cache_dtype": info.get("kv_cache_dtype"), "kv_cache_tokens": info.get("kv_cache_tokens")}]
+    for name, path in sorted((info.get("lora_adapters") or {}).items()):
+        out.append({"id": name, "object": "model", "created": created, "owned_by": "llm-sidecar", "root": path,
+                    "parent": service.model_name, "max_model_len": info.get("max_model_len")})
     emb = info.get("embedding_model")
     if emb and emb != service.model_name:
         out.append({"id": emb, "object": "model", "created": created, "owned_by": "llm-sidecar"})
@@ -274,6 +283,20 @@ async def get_model(model_id: str, request: Request, service: Service, who: Call
         if m["id"] == model_id:
             return m
     raise ServiceError("not_found", f"model: unknown model {model_id!r}", field="model")
+
+
+async def load_lora_adapter(body: LoadLoraAdapterRequest, service: Service,
+                            who: Caller = Depends(_caller("load_lora_adapter"))):
+    await service.load_lora(who, body.lora_name, body.lora_path)
+    return {"object": "lora_adapter", "id": body.lora_name, "status": "loaded",
+            "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
+
+
+async def unload_lora_adapter(body: UnloadLoraAdapterRequest, service: Service,
+                              who: Caller = Depends(_caller("unload_lora_adapter"))):
+    await service.unload_lora(who, body.lora_name)
+    return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded",
+            "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
 
 
 async def embeddings(body: EmbeddingRequest, service: Service, who: Caller = Depends(_caller("embeddings"))):
@@ -311,6 +334,8 @@ _ROUTES = (  # path, endpoint, method, tag
     ("/v1/models", list_models, "GET", "openai"),
     ("/v1/models/{model_id:path}", get_model, "GET", "openai"),
     ("/v1/embeddings", embeddings, "POST", "openai"),
+    ("/v1/load_lora_adapter", load_lora_adapter, "POST", "openai"),
+    ("/v1/unload_lora_adapter", unload_lora_adapter, "POST", "openai"),
     ("/health", health, "GET", "ops"),
     ("/metrics", metrics, "GET", "ops"),
 )

@@ -295,3 +295,14 @@ class EmbeddingRequest(_Strict):
 
     def texts(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+class LoadLoraAdapterRequest(_Strict):
+    """POST /v1/load_lora_adapter (as vLLM has it): serve the PEFT adapter at ``lora_path`` as ``lora_name``."""
+    lora_name: str = Field(min_length=1, max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """POST /v1/unload_lora_adapter: stop serving ``lora_name``."""
+    lora_name: str = Field(min_length=1, max_length=128)

@@ -37,7 +37,7 @@ class SidecarSessionAffinityTest {
             }
         };
         client = SidecarClient.builder().channelBuilder(sidecar.channelBuilder()).interceptor(recorder).build();
-        model = new SidecarChatModel(client);
+        model = SidecarChatModel.builder().client(client).build();
     }
 
     @AfterEach

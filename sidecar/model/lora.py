@@ -1,0 +1,245 @@
+"""LoRA adapters in the PEFT format, and the batched low-rank update applied on top of the base layers.
+
+An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (``adapter_model.bin``
+is refused: pickles are not loaded). ``read_adapter`` validates it against the base model (targets among
+q/k/v/o and gate/up/down, rank <= the configured maximum, every shape the base's) and returns its weights
+with the scaling (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA) folded into B.
+
+``LoraLayers`` holds ``max_loras`` resident slots as stacked weights per fused projection and adds the
+update to each projection's output through a forward hook, so the base layers (dense, int8, int4) run
+unchanged. For a fused projection with ``n`` parts (qkv: 3, gate_up: 2, o and down: 1) slot ``s`` owns rows
+``[s*n*R, (s+1)*n*R)`` of ``a`` ([S*n*R, in]) and ``bt`` ([S*n*R, out]); part ``j`` owns its ``R`` rows,
+its A padded with zero rows below its rank and its B^T nonzero only over the part's output columns. One
+step then costs two GEMMs per projection whatever the mix of adapters (Punica's BGMV, gather-free):
+``((x @ a[:k].T) * mask) @ bt[:k]`` where row ``t`` of ``mask`` keeps only the columns of its token's slot
+(none for base-model tokens) and ``k`` covers the slots up to the highest one in the batch, rounded up
+to a power of two. On CPUs where oneDNN takes them, the weights of each such prefix are also held in its
+packed layout (``linear.py``: torch's default float32 GEMM runs several times slower than oneDNN on packed
+weights, and would make the update cost more than the base layers it rides on); a slot's load repacks
+the prefixes holding it before the next forward.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from sidecar.model.linear import PACK_ROWS_HINT, can_pack
+
+# PEFT module name -> (fused projection, part index within it).
+TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+           "down_proj": ("down_proj", 0)}
+PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
+                  r"(?:\.[\w-]+)?\.weight$")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class AdapterError(ValueError):
+    """A malformed or incompatible adapter; the message names the file and the field."""
+
+
+@dataclass
+class Adapter:
+    """A validated adapter: ``weights[(layer, peft_module)] = (A [r, in], B [out, r] * scaling)`` in float32."""
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def part_shapes(args) -> dict[str, tuple[int, int]]:
+    """PEFT module name -> (in_features, out_features) of that part in the base model ``args``."""
+    h, hd = args.hidden_size, args.head_dim
+    q, kv, inter = args.num_heads * hd, args.num_kv_heads * hd, args.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+
+def _read_config(path: Path, max_rank: int) -> dict:
+    cfg_file = path / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise AdapterError(f"{cfg_file}: not found (a PEFT LoRA adapter directory has {CONFIG_FILE} "
+                           f"and {WEIGHTS_FILE})")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{cfg_file}: not valid JSON ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{cfg_file}: must hold a JSON object")
+
+    def bad(field: str, msg: str) -> AdapterError:
+        return AdapterError(f"{cfg_file}: {field}: {msg}")
+
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise bad("peft_type", f"must be LORA, got {cfg.get('peft_type')!r}")
+    r = cfg.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise bad("r", f"must be a positive integer, got {r!r}")
+    if r > max_rank:
+        raise bad("r", f"rank {r} is above max_lora_rank {max_rank}")
+    alpha = cfg.get("lora_alpha", r)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise bad("lora_alpha", f"must be a number, got {alpha!r}")
+    for field, ok in (("use_dora", not cfg.get("use_dora")), ("fan_in_fan_out", not cfg.get("fan_in_fan_out")),
+                      ("bias", cfg.get("bias", "none") in (None, "none")),
+                      ("modules_to_save", not cfg.get("modules_to_save")),
+                      ("rank_pattern", not cfg.get("rank_pattern")), ("alpha_pattern", not cfg.get("alpha_pattern"))):
+        if not ok:
+            raise bad(field, f"{cfg.get(field)!r} is not supported")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, (list, tuple)):
+        unknown = sorted(str(t).rsplit(".", 1)[-1] for t in targets if str(t).rsplit(".", 1)[-1] not in TARGETS)
+        if unknown:
+            raise bad("target_modules", f"{', '.join(unknown)} not supported (supported: {', '.join(TARGETS)})")
+    cfg["_scaling"] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    return cfg
+
+
+def read_adapter(path: str, args, max_rank: int) -> Adapter:
+    """Load and validate the PEFT adapter at ``path`` for the base model ``args``. Raises AdapterError
+    naming the file and the field (or tensor) at fault."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise AdapterError(f"{root}: not a directory (a PEFT LoRA adapter directory is expected)")
+    cfg = _read_config(root, max_rank)
+    wfile = root / WEIGHTS_FILE
+    if not wfile.is_file():
+        raise AdapterError(f"{wfile}: not found (only safetensors adapters are loaded)")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(wfile), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # a truncated or foreign file: safetensors raises several types
+        raise AdapterError(f"{wfile}: not a readable safetensors file ({exc})") from None
+    shapes = part_shapes(args)
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None or m.group(2) not in TARGETS:
+            raise AdapterError(f"{wfile}: {key}: not a LoRA weight of a supported target module "
+                               f"({', '.join(TARGETS)})")
+        layer, name, ab = int(m.group(1)), m.group(2), m.group(3)
+        if layer >= args.num_layers:
+            raise AdapterError(f"{wfile}: {key}: layer {layer} does not exist (the base model has "
+                               f"{args.num_layers} layers)")
+        fin, fout = shapes[name]
+        want = (cfg["r"], fin) if ab == "A" else (fout, cfg["r"])
+        if tuple(t.shape) != want:
+            raise AdapterError(f"{wfile}: {key}: shape {tuple(t.shape)} does not fit the base model (expected "
+                               f"{want} for rank {cfg['r']}; was the adapter trained on another base?)")
+        found.setdefault((layer, name), {})[ab] = t
+    weights = {}
+    for (layer, name), ab in found.items():
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{wfile}: model.layers.{layer}.{name}: has lora_{''.join(ab)} without its pair")
+        weights[(layer, name)] = (ab["A"].float(), ab["B"].float() * cfg["_scaling"])
+    if not weights:
+        raise AdapterError(f"{wfile}: holds no LoRA weights")
+    return Adapter(str(root), cfg["r"], cfg["_scaling"], weights)
+
+
+class LoraLayers:
+    """``max_loras`` resident adapter slots on ``model``'s projections. ``set_batch`` tells the hooks which
+    slot each token of the next forward uses; outside a batch (or when every token is the base model's)
+    the hooks return the base output untouched."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
+        args = model.args
+        shapes = part_shapes(args)
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.max_loras, self.max_rank = max_loras, max_rank
+        # (layer, fused) -> [a [S*n*R, in], bt [S*n*R, out], part output offsets]
+        self.slots: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+        for i, layer in enumerate(model.layers):
+            for fused, n in PARTS.items():
+                parts = [name for name, (f, _) in TARGETS.items() if f == fused]
+                fin = shapes[parts[0]][0]
+                offsets = [0]
+                for name in parts:
+                    offsets.append(offsets[-1] + shapes[name][1])
+                rows = max_loras * n * max_rank
+                self.slots[(i, fused)] = (torch.zeros(rows, fin, dtype=self.dtype, device=self.device),
+                                          torch.zeros(rows, offsets[-1], dtype=self.dtype, device=self.device),
+                                          offsets)
+                module = layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp
+                getattr(module, fused).register_forward_hook(self._hook(i, fused, n))
+        self._masks: Optional[dict[int, torch.Tensor]] = None  # parts n -> [T, k*n*R] for this batch
+        self._k = 0
+        a0 = next(iter(self.slots.values()))[0]
+        self.prefixes = [1 << i for i in range(max_loras.bit_length()) if 1 << i < max_loras] + [max_loras]
+        # (layer, fused, k) -> (a[:k*n*R], bt[:k*n*R].T) packed for oneDNN; rebuilt for prefixes in _stale
+        self._packed: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._can_pack = can_pack(a0)
+        self._stale: set[int] = set()
+
+    def load(self, slot: int, adapter: Adapter) -> None:
+        """Write ``adapter`` into ``slot`` (every target it lacks becomes zero)."""
+        R = self.max_rank
+        for (layer, fused), (a, bt, offsets) in self.slots.items():
+            n = PARTS[fused]
+            base = slot * n * R
+            a[base:base + n * R].zero_()
+            bt[base:base + n * R].zero_()
+            for name, (f, j) in TARGETS.items():
+                w = adapter.weights.get((layer, name)) if f == fused else None
+                if w is None:
+                    continue
+                A, B = w
+                r0 = base + j * R
+                a[r0:r0 + A.shape[0]].copy_(A)
+                bt[r0:r0 + A.shape[0], offsets[j]:offsets[j + 1]].copy_(B.t())
+        if self._can_pack:
+            self._stale.update(k for k in self.prefixes if k > slot)
+
+    def _repack(self) -> None:
+        R = self.max_rank
+        for k in sorted(self._stale):
+            for (layer, fused), (a, bt, _) in self.slots.items():
+                rows = k * PARTS[fused] * R
+                reorder = torch.ops.mkldnn._reorder_linear_weight
+                self._packed[(layer, fused, k)] = (reorder(a[:rows].contiguous(), PACK_ROWS_HINT),
+                                                   reorder(bt[:rows].t().contiguous(), PACK_ROWS_HINT))
+        self._stale.clear()
+    def set_batch(self, token_slots: Optional[Sequence[int]]) -> None:
+        """Slot (or -1: base model) of every token of the next forward, in order; None ends the batch."""
+        if token_slots is None or all(s < 0 for s in token_slots):
+            self._masks, self._k = None, 0
+            return
+        R = self.max_rank
+        self._k = next(k for k in self.prefixes if k > max(token_slots))
+        if self._stale:
+            self._repack()
+        slots = torch.tensor(list(token_slots), device=self.device)
+        self._masks = {}
+        for n in set(PARTS.values()):
+            col_slot = torch.arange(self._k * n * R, device=self.device) // (n * R)
+            self._masks[n] = (col_slot[None, :] == slots[:, None]).to(self.dtype)
+
+    def _hook(self, layer: int, fused: str, n: int):
+        def hook(module: nn.Module, inputs: tuple, out: torch.Tensor) -> Optional[torch.Tensor]:
+            masks = self._masks
+            if masks is None:
+                return None
+            x = inputs[0]
+            packed = self._packed.get((layer, fused, self._k)) if x.device.type == "cpu" else None
+            if packed is not None and x.dtype == packed[0].dtype and x.dim() == 2:
+                # The mask product and the residual add ride in the GEMMs' epilogues: two kernels in all,
+                # which matters as much as the FLOPs at decode sizes.
+                lin = torch.ops.mkldnn._linear_pointwise.binary
+                return lin(lin(x, masks[n], packed[0], None, "mul"), out.contiguous(), packed[1], None, "add")
+            a, bt, _ = self.slots[(layer, fused)]
+            k = self._k * n * self.max_rank
+            return torch.addmm(out, (x @ a[:k].t()) * masks[n], bt[:k])
+
+        return hook
