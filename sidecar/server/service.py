@@ -209,19 +209,22 @@ class InferenceService:
 
     # -- auth ----------------------------------------------------------------
     def authenticate(self, authorization: Optional[str], peer: str = "") -> Caller:
-        """The caller behind ``authorization``; ``peer`` (the client's address) is throttled after
-        repeated failures."""
+        """The caller behind ``authorization``. A configured key is accepted whatever its address did:
+        callers of a sidecar share an address (one pod, one gateway), so another caller's wrong keys
+        must not lock them out. Wrong keys from an address that failed too often are answered
+        ``rate_limited`` instead of ``unauthenticated``; keys must carry enough entropy that guessing
+        them is hopeless anyway (the throttle bounds the noise and work, not the odds)."""
         if not self.auth.enabled:
             return Caller()
-        wait = self.auth_throttle.wait(peer)
-        if wait is not None:
-            raise ServiceError("rate_limited", "too many failed API-key checks from this address; "
-                               f"retry in {wait:.0f}s", retry_after_s=wait)
         try:
             key = self.auth.check(authorization)
         except AuthError as exc:
+            wait = self.auth_throttle.wait(peer)
             if exc.guess:  # a missing or malformed header guesses nothing
                 self.auth_throttle.failed(peer)
+            if wait is not None:
+                raise ServiceError("rate_limited", "too many failed API-key checks from this address; "
+                                   f"retry in {wait:.0f}s", retry_after_s=wait) from None
             raise ServiceError("unauthenticated", str(exc)) from None
         return Caller() if key is None else Caller(tenant=key.tenant, key_id=key.key_id)
 
