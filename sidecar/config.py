@@ -220,9 +220,19 @@ class ServerConfig:
         30.0, "seconds an HTTP client may take to send a request's headers or the next chunk of its body")
     auth_failures_per_min: int = setting(
         10, "failed API-key checks per client address per minute before it is refused for a while; 0 = off")
+    http_docs: str = setting(
+        "auto", "serve /docs and /openapi.json: auto (only while no API keys are set), on or off")
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def serves_docs(self) -> bool:
+        """Whether /docs and /openapi.json are served: with keys set, the API's shape is not public
+        unless the operator says so (``http_docs=on``)."""
+        if self.http_docs == "auto":
+            return not (self.api_keys or self.api_keys_file)
+        return self.http_docs == "on"
 
     def validate(self) -> None:
         _require(0 <= self.grpc_port <= 65535, "grpc_port", f"must be in [0, 65535], got {self.grpc_port}")
@@ -240,6 +250,8 @@ class ServerConfig:
                  f"must be > 0, got {self.http_read_timeout_s}")
         _require(self.auth_failures_per_min >= 0, "auth_failures_per_min",
                  f"must be >= 0, got {self.auth_failures_per_min}")
+        _require(self.http_docs in ("auto", "on", "off"), "http_docs",
+                 f"must be auto, on or off, got {self.http_docs!r}")
         _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s",
                  f"must be >= 0, got {self.shutdown_timeout_s}")
         _require(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level",

@@ -54,6 +54,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--max-connection-age-grace", "server", "max_connection_age_grace_s"),
     ("--http-read-timeout", "server", "http_read_timeout_s"),
     ("--auth-failures-per-min", "server", "auth_failures_per_min"),
+    ("--http-docs", "server", "http_docs"),
     ("--shutdown-timeout", "server", "shutdown_timeout_s"),
     ("--log-level", "server", "log_level"),
     ("--served-model-name", "server", "served_model_name"),

@@ -312,6 +312,13 @@ def test_failed_keys_are_throttled_per_address(srv):
     assert call("ka", "127.0.0.1") == 200      # other addresses are unaffected
 
 
+def test_api_docs_are_not_public_when_keys_are_set(http):
+    # --http-docs defaults to auto: with API keys the API's shape is not published.
+    assert http.get("/docs").status_code == 404
+    assert http.get("/openapi.json").status_code == 404
+    assert http.get("/v1/models", headers=A).status_code == 200
+
+
 def test_request_ids_are_scoped_per_tenant(stub):
     held = stub.GenerateStream(pb.GenerateRequest(prompt="long", request_id="shared-id",
                                                   sampling=pb.SamplingParams(max_tokens=400, ignore_eos=True)),

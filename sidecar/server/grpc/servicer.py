@@ -13,7 +13,7 @@ from typing import Any, Optional
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sidecar.engine.request import SamplingParams
 from sidecar.server.grpc import convert
@@ -325,6 +325,41 @@ def build_server(service: InferenceService, health: Health, max_message_bytes: i
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    _enable_reflection(server)
     return server
+
+
+# grpcurl, Postman and current grpc-java ask grpc.reflection.v1 first; older tools only know v1alpha.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+class _Reflection(reflection.aio.ReflectionServicer):
+    """grpc's reflection servicer, also finding the file of a method (``pkg.Service.Method``), which
+    ``grpcurl describe`` asks for and the protobuf pool does not index."""
+
+    def _file_containing_symbol(self, request, fully_qualified_name):
+        service_name, _, method = fully_qualified_name.rpartition(".")
+        try:
+            self._pool.FindFileContainingSymbol(fully_qualified_name)
+        except KeyError:
+            try:
+                if method in self._pool.FindServiceByName(service_name).methods_by_name:
+                    fully_qualified_name = service_name
+            except KeyError:
+                pass  # not a method either: the base class answers NOT_FOUND
+        return super()._file_containing_symbol(request, fully_qualified_name)
+
+
+def _enable_reflection(server: grpc.aio.Server) -> None:
+    """Serve reflection under both ``grpc.reflection.v1`` and ``v1alpha``: the two protos declare the
+    same messages with the same field numbers, so one servicer answers both on the wire."""
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             REFLECTION_V1, reflection.SERVICE_NAME)
+    servicer = _Reflection(names)
+    for service_name in (REFLECTION_V1, reflection.SERVICE_NAME):
+        handler = grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service_name, {"ServerReflectionInfo": handler}),))

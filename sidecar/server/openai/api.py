@@ -72,11 +72,12 @@ class HttpSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     read_timeout_s: float = 30.0
     metrics: Optional[Metrics] = None
+    docs: bool = True  # serve /docs and /openapi.json
 
     @classmethod
     def from_config(cls, server: ServerConfig, metrics: Optional[Metrics]) -> "HttpSettings":
         """Bodies are limited like gRPC messages (``max_message_bytes``)."""
-        return cls(server.max_message_bytes, server.http_read_timeout_s, metrics)
+        return cls(server.max_message_bytes, server.http_read_timeout_s, metrics, server.serves_docs)
 
     def count_request(self, method: str) -> None:
         if self.metrics is not None:
@@ -325,8 +326,9 @@ def create_app(service: OpenAIService, max_body_bytes: Optional[int] = None,
     settings = settings or HttpSettings()
     if max_body_bytes is not None:
         settings = dataclasses.replace(settings, max_body_bytes=max_body_bytes)
-    app = FastAPI(title="llm-sidecar OpenAI-compatible API", version=__version__,
-                  docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="llm-sidecar OpenAI-compatible API", version=__version__, redoc_url=None,
+                  docs_url="/docs" if settings.docs else None,
+                  openapi_url="/openapi.json" if settings.docs else None)
     app.state.service = service
     app.state.settings = settings
     app.state.created = fmt.now()  # "created" of the listed models: when this server started
