@@ -31,6 +31,7 @@ BENCHMARKS = {
     "quant": ("sidecar.bench.quant", "bf16 vs int8 vs int4: memory, load time, speed, quality"),
     "quality": ("sidecar.bench.quality", "perplexity, top-1 agreement and KL vs full precision; decode speed"),
     "serve": ("sidecar.bench.serve", "load generator over gRPC or the OpenAI HTTP API"),
+    "soak": ("sidecar.bench.soak", "memory soak: N mixed requests against a real server, RSS sampled and plotted"),
     "semantic-cache": ("sidecar.bench.semantic_cache", "semantic cache precision/recall and latency"),
 }
 

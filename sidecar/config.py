@@ -45,9 +45,14 @@ class EngineConfig:
     quant_group_size: int = setting(128, "int4 group size: 32, 64, 128, 256")
     quantize_lm_head: bool = setting(False, "also quantize the output projection (true/false)")
     block_size: int = setting(16, "tokens per KV block: 8, 16, 32, 64, 128")
-    kv_cache_memory_gb: Optional[float] = setting(None, "KV cache budget in GiB (default: a fraction of free memory)")
+    kv_cache_memory_gb: Optional[float] = setting(
+        None, "KV cache budget in GiB (default: max_num_seqs x context, bounded by kv_cache_memory_fraction of the "
+        "memory left in the container or host; on CPU at most 4 GiB)")
     kv_cache_memory_fraction: float = setting(
         0.3, "fraction of free memory for the KV cache when no GiB budget is given")
+    kv_cache_commit: bool = setting(
+        True, "write the whole KV pool at start, so its memory is resident from the start and does not creep "
+        "(true/false)")
     num_kv_blocks: Optional[int] = setting(
         None, "exact number of KV blocks (overrides the memory budget; default: from the budget)")
     max_num_seqs: int = setting(256, "most requests in the running batch")

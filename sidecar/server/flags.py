@@ -25,6 +25,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--kv-cache-memory-gb", "engine", "kv_cache_memory_gb"),
     ("--kv-cache-memory-fraction", "engine", "kv_cache_memory_fraction"),
     ("--num-kv-blocks", "engine", "num_kv_blocks"),
+    ("--kv-cache-commit", "engine", "kv_cache_commit"),
     ("--max-num-seqs", "engine", "max_num_seqs"),
     ("--max-num-batched-tokens", "engine", "max_num_batched_tokens"),
     ("--max-model-len", "engine", "max_model_len"),
