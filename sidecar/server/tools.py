@@ -183,11 +183,10 @@ def _args_obj(args: Any) -> Any:
 
 
 # -- parsing ---------------------------------------------------------------------------------------
-def _parse_call(body: str, index: int) -> Optional[dict]:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+_JSON = json.JSONDecoder()
+
+
+def _call(obj: Any, index: int) -> Optional[dict]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", {})
@@ -199,9 +198,12 @@ def _parse_call(body: str, index: int) -> Optional[dict]:
 class ToolCallParser:
     """Splits streamed text into content deltas and complete tool calls.
 
-    Text that may be the start of a call marker is held back until it is known not to be one;
-    a call is emitted whole once its end marker arrives. ``finish`` flushes what is left (an
-    unterminated call, e.g. cut by max_tokens, is returned as content)."""
+    A call is read by the grammar's structure -- the start marker, one complete JSON value, the end
+    marker -- never by searching for the end marker, so an argument that contains the end marker's
+    text (copied from data) stays inside its string. Text that may be the start of a call marker is
+    held back until it is known not to be one; a call is emitted whole once its end marker follows
+    the JSON value. ``finish`` flushes what is left (an unterminated call, e.g. cut by max_tokens, is
+    returned as content)."""
 
     def __init__(self) -> None:
         self.buf = ""
@@ -209,9 +211,31 @@ class ToolCallParser:
         self.calls: list[dict] = []
         self.content = ""
 
+    def _take_call(self, out: list[str], new: list[dict]) -> bool:
+        """Consume a call body at the head of ``buf`` if complete; False while more text is needed."""
+        if "}" not in self.buf:
+            return False  # a call body is a JSON object: nothing is complete before its closing brace
+        try:
+            obj, end = _JSON.raw_decode(self.buf)
+        except ValueError:
+            return False  # incomplete so far (the grammar only lets valid JSON through)
+        rest = self.buf[end:]
+        if len(rest) < len(CALL_END) and CALL_END.startswith(rest):
+            return False
+        call = _call(obj, len(self.calls)) if rest.startswith(CALL_END) else None
+        if call is None:  # not a call after all: it stays text
+            out.append(CALL_START + self.buf[:end])
+            self.buf, self.in_call = rest, False
+            return True
+        self.calls.append(call)
+        new.append(call)
+        self.buf, self.in_call = rest[len(CALL_END):], False
+        return True
+
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         self.buf += delta
-        out, new = [], []
+        out: list[str] = []
+        new: list[dict] = []
         while True:
             if not self.in_call:
                 i = self.buf.find(CALL_START)
@@ -223,16 +247,8 @@ class ToolCallParser:
                     break
                 out.append(self.buf[:i])
                 self.buf, self.in_call = self.buf[i + len(CALL_START):], True
-            j = self.buf.find(CALL_END)
-            if j < 0:
+            if not self._take_call(out, new):
                 break
-            call = _parse_call(self.buf[:j], len(self.calls))
-            if call is None:  # not a call after all: it stays text
-                out.append(CALL_START + self.buf[:j + len(CALL_END)])
-            else:
-                self.calls.append(call)
-                new.append(call)
-            self.buf, self.in_call = self.buf[j + len(CALL_END):], False
         text = "".join(out)
         self.content += text
         return text, new

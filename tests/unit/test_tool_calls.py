@@ -40,6 +40,27 @@ def test_text_that_only_looks_like_a_call_stays_content():
     assert parse_tool_calls('x <tool_call>{"name": "add"') == ('x <tool_call>{"name": "add"', [])
 
 
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_an_argument_holding_the_end_marker_stays_in_its_call(step):
+    # Copied from data: the argument's text contains the end marker (and a start marker, and braces).
+    args = {"a": 'see </tool_call> and <tool_call>{"x": 1}</tool_call> here'}
+    text = "ok " + "<tool_call>" + json.dumps({"name": "add", "arguments": args}) + "</tool_call>"
+    p = ToolCallParser()
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        c, new = p.feed(text[i:i + step])
+        content += c
+        calls += new
+    content += p.finish()
+    assert content == "ok "
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", args)]
+
+
+def test_a_json_value_not_followed_by_the_end_marker_is_text():
+    assert parse_tool_calls('<tool_call>{"name": "add"} tail') == ('<tool_call>{"name": "add"} tail', [])
+    assert parse_tool_calls('<tool_call>{"nom": 1}</tool_call>') == ('<tool_call>{"nom": 1}</tool_call>', [])
+
+
 def test_default_template_renders_tools_calls_and_results():
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
             {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "add", "arguments": '{"a": 1}'}]},
