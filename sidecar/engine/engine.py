@@ -218,7 +218,10 @@ class LLMEngine:
                 reason = self._check_stop(req, tok)
                 if reason is not None:
                     break
-            if reason is not None:
+            broken = self.structured.failed.pop(req.request_id, None)  # its grammar cannot go on
+            if broken is not None:
+                self._finish(req, FinishReason.ABORT, f"error: structured: cannot be enforced: {broken}")
+            elif reason is not None:
                 self._finish(req, reason)
             else:
                 if len(token_ids) > 1:

@@ -284,11 +284,10 @@ class InferenceService:
         check_request(req, self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
         is_chat = req.messages is not None
         parser = tools.ToolCallParser() if is_chat and tools.uses_tools(req) else None
-        params = req.params
         if is_chat and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
-            params = tools.chat_params(req)
-        prompt = await asyncio.to_thread(self._encode, req)
+        # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
+        params, prompt = await asyncio.to_thread(self._prepare, req)
         params = _fit_max_tokens(params, req.max_tokens_set, len(prompt), info.get("max_model_len"))
         # A set max_tokens is charged up front and what is not generated refunded at the end; a
         # defaulted one (the rest of the context) is charged as generated, after the fact.
@@ -296,6 +295,11 @@ class InferenceService:
                              req.max_tokens_set)
         self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
         return Admission(prompt_ids=prompt, params=params, parser=parser, charge=charge)
+
+    def _prepare(self, req: GenerationRequest) -> tuple[SamplingParams, list[int]]:
+        """The request's params with any tool-call grammar folded in, and its prompt ids (worker thread)."""
+        params = tools.chat_params(req) if req.messages is not None and req.tools is not None else req.params
+        return params, self._encode(req)
 
     def _encode(self, req: GenerationRequest) -> list[int]:
         """Prompt token ids (run in a worker thread: tokenizing a long prompt must not hold the loop)."""
@@ -373,6 +377,8 @@ class InferenceService:
             raise ServiceError("deadline_exceeded", "deadline exceeded; request aborted")
         if out.abort_reason == "shutdown":
             raise ServiceError("unavailable", "draining: request aborted at shutdown")
+        if (out.abort_reason or "").startswith("error: structured: "):  # the request's own constraint
+            raise ServiceError("invalid_argument", out.abort_reason.removeprefix("error: "))
         raise ServiceError("internal", f"request aborted: {out.abort_reason}")
 
     async def _record_finished(self, caller: Caller, rid: str, out: RequestOutput, plan: Plan) -> None:

@@ -6,6 +6,8 @@ closes the service stream, which aborts the engine request.
 """
 from __future__ import annotations
 
+import asyncio
+
 import dataclasses
 import logging
 from typing import Any, Optional
@@ -58,7 +60,7 @@ def _params(s: pb.SamplingParams) -> SamplingParams:
     return sampling_params(**kw)
 
 
-def _request(msg: Any, context: grpc.aio.ServicerContext, chat: bool) -> GenerationRequest:
+def _request(msg: Any, timeout_s: Optional[float], chat: bool) -> GenerationRequest:
     """The GenerationRequest of a GenerateRequest / ChatRequest; fields are checked in wire order
     (sampling, response_format, messages, tools) and the first problem raised, naming its field."""
     check_request_id(msg.request_id)  # first: everything after may log it
@@ -69,7 +71,7 @@ def _request(msg: Any, context: grpc.aio.ServicerContext, chat: bool) -> Generat
     common: dict[str, Any] = dict(
         params=params, request_id=msg.request_id or None, priority=msg.priority,
         cache_control=CACHE_CONTROL.get(msg.cache_control, f"unknown({msg.cache_control})"),
-        cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled, timeout_s=context.time_remaining(),
+        cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled, timeout_s=timeout_s,
         model=msg.model or None, max_tokens_set=msg.sampling.HasField("max_tokens"))
     if chat:
         messages = convert.messages(msg.messages)
@@ -140,7 +142,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _unary(self, msg: Any, context: grpc.aio.ServicerContext, chat: bool, method: str) -> pb.Completion:
         try:
             caller = self._caller(context, method)
-            req = _request(msg, context, chat)
+            req = await asyncio.to_thread(_request, msg, context.time_remaining(), chat)  # compiles grammars
             last, lps, calls = None, [], []
             agen = self.service.generate(caller, req)
             try:
@@ -161,7 +163,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _stream(self, msg: Any, context: grpc.aio.ServicerContext, chat: bool, method: str) -> None:
         try:
             caller = self._caller(context, method)
-            req = _request(msg, context, chat)
+            req = await asyncio.to_thread(_request, msg, context.time_remaining(), chat)  # compiles grammars
             agen = self.service.generate(caller, req)
             try:
                 first = True

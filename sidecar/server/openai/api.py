@@ -13,6 +13,8 @@ requests are aborted and their KV blocks freed (see ``runner``).
 """
 from __future__ import annotations
 
+import asyncio
+
 import base64
 import dataclasses
 import logging
@@ -238,7 +240,8 @@ def _caller(method: str) -> Callable[[Request], Caller]:
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: Service,
                            who: Caller = Depends(_caller("chat.completions"))):
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    reqs = chat_requests(body, rid, service.model_info().get("max_model_len"))
+    # Translating compiles any schema or grammar: a worker thread's job, never the event loop's.
+    reqs = await asyncio.to_thread(chat_requests, body, rid, service.model_info().get("max_model_len"))
     call = _Call(service, body, "chat", rid, body.model or service.model_name, body.n or 1, reqs)
     return await _run(request, call, who)
 
@@ -246,7 +249,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
 async def completions(body: CompletionRequest, request: Request, service: Service,
                       who: Caller = Depends(_caller("completions"))):
     rid = f"cmpl-{uuid.uuid4().hex}"
-    reqs = completion_requests(body, rid)
+    reqs = await asyncio.to_thread(completion_requests, body, rid)
     call = _Call(service, body, "completion", rid, body.model or service.model_name, body.n or 1, reqs)
     return await _run(request, call, who)
 
