@@ -117,16 +117,17 @@ class _Progress:
 
 
 def _fit_max_tokens(params: SamplingParams, max_tokens_set: bool, n_prompt: int,
-                    max_len: Optional[int]) -> SamplingParams:
+                    max_len: Optional[int], structured_default: Optional[int] = None) -> SamplingParams:
     """A max_tokens the client set must fit the context next to the prompt (400 otherwise, as
     vLLM does); a defaulted one is lowered to the room left. With an output constraint (response
     format, tools) the default is the room left: a schema-bound reply cut at a small default is
-    unusable, and on the OpenAI API unset means the rest of the context."""
+    unusable, and on the OpenAI API unset means the rest of the context -- except where
+    ``structured_default`` bounds it (forced tool calls: enough for the calls, not a runaway)."""
     if not max_len or n_prompt >= max_len:
         return params  # the engine refuses the prompt itself, naming it
     room = max_len - n_prompt
     if not max_tokens_set and params.structured is not None:
-        return dataclasses.replace(params, max_tokens=room)
+        return dataclasses.replace(params, max_tokens=min(room, structured_default or room))
     if params.max_tokens > room:
         if max_tokens_set:
             raise invalid("sampling.max_tokens", f"{params.max_tokens} tokens plus the prompt's {n_prompt} "
@@ -288,7 +289,9 @@ class InferenceService:
             tools.check_tools(req.tools, req.tool_choice)
         # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
         params, prompt = await asyncio.to_thread(self._prepare, req)
-        params = _fit_max_tokens(params, req.max_tokens_set, len(prompt), info.get("max_model_len"))
+        tool_default = (tools.default_tool_max_tokens(req.tool_choice, req.parallel_tool_calls)
+                        if is_chat and tools.uses_tools(req) else None)
+        params = _fit_max_tokens(params, req.max_tokens_set, len(prompt), info.get("max_model_len"), tool_default)
         # A set max_tokens is charged up front and what is not generated refunded at the end; a
         # defaulted one (the rest of the context) is charged as generated, after the fact.
         charge = TokenCharge(caller.key_id or "anonymous", params.max_tokens if req.max_tokens_set else 0,
