@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from typing import Any, AsyncIterator, Optional
 
 from sidecar.config import EngineConfig
@@ -35,15 +36,35 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    __slots__ = ("queue", "loop", "finished")
+    """One request's outputs on their way to its consumer. Bounded whatever the consumer does: an output
+    that arrives while the previous one is still unread is merged into it (deltas concatenated, the
+    cumulative fields taken from the newer), so a stream nobody reads holds one pending output, not a
+    copy of the text per token. Errors are never merged, nor anything into a finished output."""
+
+    __slots__ = ("items", "ready", "loop", "finished")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: deque = deque()
+        self.ready = asyncio.Event()
         self.loop = loop
         self.finished = False
 
     def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self._deliver, item)
+
+    def _deliver(self, item: Any) -> None:
+        last = self.items[-1] if self.items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            self.items[-1] = item.merged_after(last)
+        else:
+            self.items.append(item)
+        self.ready.set()
+
+    async def get(self) -> Any:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.items.popleft()
 
 
 class AsyncEngine:
@@ -217,7 +238,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
