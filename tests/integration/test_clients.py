@@ -14,7 +14,6 @@ from pydantic import BaseModel, Field
 
 from sidecar.config import DEFAULT_MODEL
 
-pytest.importorskip("langchain_openai", reason="dev dependency: pip install -e '.[dev]'")
 
 
 class Verdict(BaseModel):
@@ -73,7 +72,8 @@ def test_langchain_bind_tools_required_returns_a_call_without_max_tokens(chat_mo
 
 
 def test_litellm_completion_with_tools(server):
-    litellm = pytest.importorskip("litellm")
+    import litellm
+
     resp = litellm.completion(model=f"openai/{DEFAULT_MODEL}", api_base=f"{server.http_base}/v1", api_key="unused",
                               messages=[{"role": "user", "content": "What is the weather in Rome?"}],
                               tools=[WEATHER_TOOL], tool_choice="required", temperature=0)
