@@ -15,7 +15,6 @@ from pydantic import BaseModel, Field
 from sidecar.config import DEFAULT_MODEL
 
 
-
 class Verdict(BaseModel):
     """Whether the statement is true."""
     answer: Literal["yes", "no"]
