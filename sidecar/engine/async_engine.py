@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Optional
 
 from sidecar.config import EngineConfig
@@ -81,6 +82,7 @@ class AsyncEngine:
         # engine thread, one call at a time.
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._tokenizer_lock = threading.Lock()
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-grammar")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -226,6 +228,12 @@ class AsyncEngine:
             raise EngineDeadError("engine is shutting down")
         if not self.is_running:
             raise EngineDeadError("engine is not running")
+        if params.structured is not None:
+            # Compiled here, on the grammar thread: the engine thread keeps stepping meanwhile, and one thread
+            # means the n choices of a request compile their grammar once (the rest find it compiled) without
+            # taking the shared workers that tokenize other tenants' prompts.
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.structured.compiled,
+                                                             params.structured)
         rid = request_id or random_request_id()
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:

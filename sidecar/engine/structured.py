@@ -141,6 +141,7 @@ class StructuredDecoder:
         self._executor: Any = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
+        self._compile_lock = threading.Lock()  # guards _compiled (worker threads compile too)
         self.num_masks = 0  # masks computed (counter for stats/benchmarks)
         self.num_resampled = 0  # lazy tokens refused by the grammar and re-sampled under the mask
         self.mask_s = 0.0  # time spent computing masks (on the worker: overlapped with the forward)
@@ -163,31 +164,39 @@ class StructuredDecoder:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-mask")
             return self._lltok
 
-    def attach(self, request_id: str, c: Optional[Constraint]) -> Optional[_Grammar]:
-        """Compile ``c`` for a new request. Raises ValueError naming ``structured``."""
-        if c is None:
-            return None
+    def compiled(self, c: Constraint) -> Any:
+        """The compiled, unused matcher of ``c``, compiling it on a miss. Safe from any thread: AsyncEngine
+        calls it from a worker thread before handing the request to the engine thread, so a large grammar
+        compiles while the engine keeps stepping. Raises ValueError naming ``structured``."""
         from llguidance import LLMatcher
 
         key = c.key()
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            grammar = grammar_for(c)
-            try:
-                lltok = self._tokenizer()
-            except ValueError as exc:  # e.g. a slow (non-Rust) tokenizer
-                raise ValueError(f"structured: not available for this model's tokenizer: {exc}") from None
-            compiled = LLMatcher(lltok, grammar, log_level=0)
-            if not compiled.is_error():
-                compiled.compute_bitmask()  # the first mask hits the limits a grammar breaks at once: refuse it now
-            if compiled.is_error():
-                raise ValueError(f"structured: {compiled.get_error()}")
-            self._compiled[key] = compiled
+        with self._compile_lock:
+            found = self._compiled.get(key)
+            if found is not None:
+                self._compiled.move_to_end(key)
+                return found
+        grammar = grammar_for(c)
+        try:
+            lltok = self._tokenizer()
+        except ValueError as exc:  # e.g. a slow (non-Rust) tokenizer
+            raise ValueError(f"structured: not available for this model's tokenizer: {exc}") from None
+        matcher = LLMatcher(lltok, grammar, log_level=0)  # drops the GIL while it builds
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the first mask hits the limits a grammar breaks at once: refuse it now
+        if matcher.is_error():
+            raise ValueError(f"structured: {matcher.get_error()}")
+        with self._compile_lock:
+            self._compiled[key] = matcher
             while len(self._compiled) > COMPILED_CACHE_SIZE:
                 self._compiled.popitem(last=False)
-        else:
-            self._compiled.move_to_end(key)
-        g = _Grammar(compiled.deep_copy(), c.lazy_trigger)
+        return matcher
+
+    def attach(self, request_id: str, c: Optional[Constraint]) -> Optional[_Grammar]:
+        """Give a new request its own copy of ``c``'s compiled grammar. Raises ValueError naming ``structured``."""
+        if c is None:
+            return None
+        g = _Grammar(self.compiled(c).deep_copy(), c.lazy_trigger)
         self.registry[request_id] = g
         return g
 
