@@ -32,6 +32,7 @@ BENCHMARKS = {
     "kv": ("sidecar.bench.kv", "KV memory: long-context decode int8 vs plain KV cache; TTFT from the offload tiers"),
     "quality": ("sidecar.bench.quality", "perplexity, top-1 agreement and KL vs full precision; decode speed"),
     "serve": ("sidecar.bench.serve", "load generator over gRPC or the OpenAI HTTP API"),
+    "soak": ("sidecar.bench.soak", "memory soak: N mixed requests against a real server, RSS sampled and plotted"),
     "semantic-cache": ("sidecar.bench.semantic_cache", "semantic cache precision/recall and latency"),
     "lora": ("sidecar.bench.lora", "multi-LoRA: 4 adapters mixed in one batch vs the base model alone; "
              "per-token cost of one more adapter"),

@@ -46,9 +46,14 @@ class EngineConfig:
     quant_group_size: int = setting(128, "int4 group size: 32, 64, 128, 256")
     quantize_lm_head: bool = setting(False, "also quantize the output projection (true/false)")
     block_size: int = setting(16, "tokens per KV block: 8, 16, 32, 64, 128")
-    kv_cache_memory_gb: Optional[float] = setting(None, "KV cache budget in GiB (default: a fraction of free memory)")
+    kv_cache_memory_gb: Optional[float] = setting(
+        None, "KV cache budget in GiB (default: max_num_seqs x context, bounded by kv_cache_memory_fraction of the "
+        "memory left in the container or host; on CPU at most 4 GiB)")
     kv_cache_memory_fraction: float = setting(
         0.3, "fraction of free memory for the KV cache when no GiB budget is given")
+    kv_cache_commit: bool = setting(
+        True, "write the whole KV pool at start, so its memory is resident from the start and does not creep "
+        "(true/false)")
     num_kv_blocks: Optional[int] = setting(
         None, "exact number of KV blocks (overrides the memory budget; default: from the budget)")
     max_num_seqs: int = setting(256, "most requests in the running batch")
@@ -254,9 +259,19 @@ class ServerConfig:
         30.0, "seconds an HTTP client may take to send a request's headers or the next chunk of its body")
     auth_failures_per_min: int = setting(
         10, "failed API-key checks per client address per minute before it is refused for a while; 0 = off")
+    http_docs: str = setting(
+        "auto", "serve /docs and /openapi.json: auto (only while no API keys are set), on or off")
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def serves_docs(self) -> bool:
+        """Whether /docs and /openapi.json are served: with keys set, the API's shape is not public
+        unless the operator says so (``http_docs=on``)."""
+        if self.http_docs == "auto":
+            return not (self.api_keys or self.api_keys_file)
+        return self.http_docs == "on"
 
     def validate(self) -> None:
         _require(0 <= self.grpc_port <= 65535, "grpc_port", f"must be in [0, 65535], got {self.grpc_port}")
@@ -274,6 +289,8 @@ class ServerConfig:
                  f"must be > 0, got {self.http_read_timeout_s}")
         _require(self.auth_failures_per_min >= 0, "auth_failures_per_min",
                  f"must be >= 0, got {self.auth_failures_per_min}")
+        _require(self.http_docs in ("auto", "on", "off"), "http_docs",
+                 f"must be auto, on or off, got {self.http_docs!r}")
         _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s",
                  f"must be >= 0, got {self.shutdown_timeout_s}")
         _require(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level",

@@ -18,6 +18,8 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Optional
 
 from sidecar.config import EngineConfig
@@ -45,15 +47,35 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    __slots__ = ("queue", "loop", "finished")
+    """One request's outputs on their way to its consumer. Bounded whatever the consumer does: an output
+    that arrives while the previous one is still unread is merged into it (deltas concatenated, the
+    cumulative fields taken from the newer), so a stream nobody reads holds one pending output, not a
+    copy of the text per token. Errors are never merged, nor anything into a finished output."""
+
+    __slots__ = ("items", "ready", "loop", "finished")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.items: deque = deque()
+        self.ready = asyncio.Event()
         self.loop = loop
         self.finished = False
 
     def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self._deliver, item)
+
+    def _deliver(self, item: Any) -> None:
+        last = self.items[-1] if self.items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            self.items[-1] = item.merged_after(last)
+        else:
+            self.items.append(item)
+        self.ready.set()
+
+    async def get(self) -> Any:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        return self.items.popleft()
 
 
 class AsyncEngine:
@@ -71,6 +93,7 @@ class AsyncEngine:
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._tokenizer_lock = threading.Lock()
         self._loras: dict[str, str] = engine.lora.names()  # name -> path; replaced whole on each change
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-grammar")
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -258,6 +281,12 @@ class AsyncEngine:
             raise EngineDeadError("engine is shutting down")
         if not self.is_running:
             raise EngineDeadError("engine is not running")
+        if params.structured is not None:
+            # Compiled here, on the grammar thread: the engine thread keeps stepping meanwhile, and one thread
+            # means the n choices of a request compile their grammar once (the rest find it compiled) without
+            # taking the shared workers that tokenize other tenants' prompts.
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.structured.compiled,
+                                                             params.structured)
         rid = request_id or random_request_id()
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:
@@ -270,7 +299,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

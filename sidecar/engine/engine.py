@@ -68,7 +68,7 @@ class LLMEngine:
             "quantization": loaded.quantization or "none",
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size, "block_size": config.block_size,
-            "num_kv_blocks": self.kv.num_blocks,
+            "num_kv_blocks": self.kv.num_blocks, "kv_cache_bytes": self.runner.kv_cache_bytes,
             "prefix_caching": config.enable_prefix_caching,
             "device": str(loaded.device), **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
             **self.runner.kv_info(),  # kv_cache_dtype (+ reason), kv_cache_tokens
@@ -77,11 +77,16 @@ class LLMEngine:
         }
         weights = sum(t.numel() * t.element_size() for t in
                       list(loaded.model.parameters()) + list(loaded.model.buffers()))
-        log.info("engine ready: model=%s arch=%s dtype=%s (%s) quantization=%s device=%s weights=%.1f MiB kv_blocks=%d x "
-                 "%d tokens (%d tokens, %s, %.1f MiB) max_model_len=%d load=%.1fs", config.model, loaded.args.architecture,
-                 self.model_info["dtype"], loaded.dtype_reason, self.model_info["quantization"], loaded.device,
-                 weights / 2**20, self.kv.num_blocks, config.block_size, self.model_info["kv_cache_tokens"],
-                 self.model_info["kv_cache_dtype"], self.runner.kv_cache_bytes / 2**20, self.max_model_len, loaded.load_time_s)
+        kvb = self.runner.kv_budget
+        log.info("engine ready: model=%s arch=%s dtype=%s (%s) quantization=%s device=%s weights=%.1f MiB "
+                 "kv_blocks=%d x %d tokens (%d tokens, %s, %.1f MiB, %s, sized by %s; container limit %s) "
+                 "max_model_len=%d load=%.1fs", config.model, loaded.args.architecture, self.model_info["dtype"],
+                 loaded.dtype_reason, self.model_info["quantization"], loaded.device, weights / 2**20,
+                 self.kv.num_blocks, config.block_size, self.model_info["kv_cache_tokens"],
+                 self.model_info["kv_cache_dtype"], kvb.bytes / 2**20,
+                 "committed" if config.kv_cache_commit else "lazy", kvb.source,
+                 "none" if kvb.container_limit_bytes is None else f"{kvb.container_limit_bytes / 2**20:.0f} MiB",
+                 self.max_model_len, loaded.load_time_s)
 
     # -- input ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
@@ -232,7 +237,10 @@ class LLMEngine:
                 reason = self._check_stop(req, tok)
                 if reason is not None:
                     break
-            if reason is not None:
+            broken = self.structured.failed.pop(req.request_id, None)  # its grammar cannot go on
+            if broken is not None:
+                self._finish(req, FinishReason.ABORT, f"error: structured: cannot be enforced: {broken}")
+            elif reason is not None:
                 self._finish(req, reason)
             else:
                 if len(token_ids) > 1:
@@ -245,6 +253,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "num_kv_blocks": self.kv.num_blocks, "kv_cache_tokens": self.model_info["kv_cache_tokens"],
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
             "num_free_kv_blocks": self.kv.num_free_blocks(), **self.kv.offload_stats(),
             "kv_cache_usage": self.kv.usage(),
             "prefix_cache_queries": self.kv.prefix_queries,

@@ -1,6 +1,8 @@
 """Request-level types: SamplingParams, Request, RequestOutput, FinishReason."""
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 import itertools
 import time
@@ -161,6 +163,14 @@ class RequestOutput:
     e2e_s: Optional[float] = None
     logprobs: Optional[list[TokenLogprob]] = None
     new_logprobs: Optional[list[TokenLogprob]] = None
+
+    def merged_after(self, older: "RequestOutput") -> "RequestOutput":
+        """This output as if it also carried the changes of ``older`` (the previous, unread output of the
+        same request): deltas are concatenated, cumulative fields are this one's."""
+        lps = None if older.new_logprobs is None and self.new_logprobs is None else \
+            (older.new_logprobs or []) + (self.new_logprobs or [])
+        return dataclasses.replace(self, new_token_ids=older.new_token_ids + self.new_token_ids,
+                                   delta_text=older.delta_text + self.delta_text, new_logprobs=lps)
 
 
 _ids = itertools.count()

@@ -17,6 +17,7 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.graphs import DecodeGraphs, capture_or_none
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
+from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
@@ -26,42 +27,6 @@ from sidecar.model.kernels.gpu_paths import PATH_NAMES, FastPaths
 from sidecar.model.loader import LoadedModel
 
 log = logging.getLogger("sidecar.engine")
-
-# Without an explicit budget the KV cache takes a fraction of free memory, but never more than
-# every sequence at full length could use, and on CPU at most this much.
-CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
-
-
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: Optional[torch.dtype] = None) -> int:
-    """Cache bytes of one block over all layers, K and V, with the scales of a quantized cache."""
-    a = loaded.args
-    per_head = kv_quant.bytes_per_token_head(kv_dtype or loaded.dtype, a.head_dim)
-    return 2 * a.num_layers * block_size * a.num_kv_heads * per_head
-
-
-def plan_num_blocks(config: EngineConfig, loaded: LoadedModel, kv_dtype: Optional[torch.dtype] = None) -> int:
-    """Number of KV blocks (including the reserved padding block 0); a smaller element holds more tokens."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    per_block = kv_bytes_per_block(loaded, config.block_size, kv_dtype)
-    if config.kv_cache_memory_gb is not None:
-        budget = int(config.kv_cache_memory_gb * (1 << 30))
-    else:
-        if loaded.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(loaded.device)
-            budget = int(free * config.kv_cache_memory_fraction)
-        else:
-            import psutil  # only here: the CUDA image need not ship it
-
-            budget = min(int(psutil.virtual_memory().available * config.kv_cache_memory_fraction),
-                         CPU_DEFAULT_KV_CAP_BYTES)
-        blocks_per_seq = -(-loaded.max_model_len // config.block_size)
-        budget = min(budget, config.max_num_seqs * blocks_per_seq * per_block)
-    blocks = budget // per_block + 1
-    if blocks < 2:
-        raise ValueError(f"kv_cache_memory_gb: budget {budget} bytes holds no KV block "
-                         f"({per_block} bytes each)")
-    return blocks
 
 
 class ModelRunner:
@@ -74,15 +39,18 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.block_size = config.block_size
         self.kv_dtype, self.kv_dtype_reason = kv_quant.resolve_kv_dtype(config.kv_cache_dtype, self.device, self.dtype)
-        self.num_blocks = plan_num_blocks(config, loaded, self.kv_dtype)
+        self.kv_budget = plan_kv_budget(config, loaded, self.kv_dtype)  # the smaller element holds more tokens
+        self.num_blocks = self.kv_budget.num_blocks
         a = loaded.args
-        # Blocks are zeroed lazily the first time they are used (see _zero_blocks): the pool hands
-        # out never-used blocks in ascending id order, so the used ids always form a prefix 1..hwm.
         self.kv_caches = [kv_quant.allocate(self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
                                             self.kv_dtype, self.device) for _ in range(a.num_layers)]
+        # Committed (written) at start, the pool's memory is resident before the first request: a budget
+        # the container cannot hold fails now, and the process does not grow as blocks are first used.
+        # Uncommitted, blocks are zeroed lazily on first use: the pool hands out never-used blocks in
+        # ascending id order, so the used ids always form a prefix 1..hwm (see _zero_blocks).
         self._zeroed_upto = 0
-        self._zero_blocks(0, 0)
-        self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(loaded, self.block_size, self.kv_dtype)
+        self._zero_blocks(0, self.num_blocks - 1 if config.kv_cache_commit else 0)
+        self.kv_cache_bytes = self.kv_budget.bytes
         if getattr(self.model, "fast_paths", None) is None:
             self.model.fast_paths = FastPaths()
         self.fast_paths: FastPaths = self.model.fast_paths

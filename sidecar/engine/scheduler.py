@@ -12,6 +12,13 @@ round-robin across tenants: the tenant admitted least recently goes first (its
 oldest request), so one tenant's thousand queued sequences delay another
 tenant's request by at most one admission per tenant ahead of it, not by the
 whole backlog. Priority still comes first; within a tenant order is FIFO.
+
+Running slots are shared the same way: when every slot is taken and a tenant with waiting work runs
+fewer than its share (``max_num_seqs`` / tenants with work) while another runs more, the over-share
+tenant's newest running request of no better priority is preempted (recomputed later, its prefix blocks
+stay cached), one per step, and the freed slot goes to the tenant admitted least recently. A tenant
+holding every slot with streams it never reads thus delays another's request by a step, not by its
+streams' lifetime.
 """
 from __future__ import annotations
 
@@ -158,6 +165,24 @@ class Scheduler:
                 return 0
         return n
 
+    def _yield_slot_to_starved_tenant(self, out: SchedulerOutput) -> None:
+        """All slots taken, a waiting tenant below its share, another above it: preempt the over-share
+        tenant's newest running request (``running`` is sorted, so the last is newest and least urgent)."""
+        if not self.waiting or len(self.running) < self.max_num_seqs:
+            return
+        running = Counter(r.tenant for r in self.running)
+        share = max(1, self.max_num_seqs // len(set(running) | set(self._waiting_tenants)))
+        best_starved = min((r.priority for r in self.waiting if running[r.tenant] < share), default=None)
+        if best_starved is None:
+            return
+        top, count = running.most_common(1)[0]
+        if count <= share:
+            return
+        victim = next(r for r in reversed(self.running) if r.tenant == top)
+        if victim.priority >= best_starved:  # never for a request of lower priority (larger value)
+            self._preempt(victim)
+            out.preempted.append(victim)
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_batched_tokens
@@ -166,6 +191,8 @@ class Scheduler:
 
         # Running requests first, in priority order, so preemption victims come from the tail.
         self.running.sort(key=Request.sort_key)
+        self._yield_slot_to_starved_tenant(out)
+        num_fair = len(out.preempted)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -187,8 +214,8 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Then waiting requests, unless this step had to preempt (the pool is under pressure).
-        if not out.preempted:
+        # Then waiting requests, unless this step had to preempt for memory (the pool is under pressure).
+        if len(out.preempted) == num_fair:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self._next_waiting()
                 hits, num_hit = ([], 0)

@@ -15,6 +15,11 @@ A constrained request's grammar state (its ``llguidance.LLMatcher``) lives in
   under the mask, so the output always stays inside the grammar.
 - ``release`` is called when the request finishes or is aborted; the registry is then empty
   when no request is live.
+- A grammar that fails while decoding (the matcher's limits, e.g. too many alternatives in a row)
+  never ends its request as if the output were complete: the request id lands in ``failed`` with
+  the matcher's error, and the engine aborts the request with it.
+- Compiled grammars are kept by content (bounded LRU, ``COMPILED_CACHE_SIZE``); each request gets a
+  copy of the compiled matcher, so n choices or repeated requests with one schema compile it once.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import json
 import os
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -31,6 +37,7 @@ import torch
 from sidecar.engine.sampling_rng import SALT_REDRAW
 
 MAX_CHOICES = 1024
+COMPILED_CACHE_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -130,10 +137,13 @@ class StructuredDecoder:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.registry: dict[str, _Grammar] = {}
+        self.failed: dict[str, str] = {}  # request id -> the error of a grammar that failed while decoding
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # constraint key -> unused compiled matcher
         self._lltok: Any = None
         self._executor: Any = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
+        self._compile_lock = threading.Lock()  # guards _compiled (worker threads compile too)
         self.num_masks = 0  # masks computed (counter for stats/benchmarks)
         self.num_resampled = 0  # lazy tokens refused by the grammar and re-sampled under the mask
         self.mask_s = 0.0  # time spent computing masks (on the worker: overlapped with the forward)
@@ -156,26 +166,45 @@ class StructuredDecoder:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-mask")
             return self._lltok
 
-    def attach(self, request_id: str, c: Optional[Constraint]) -> Optional[_Grammar]:
-        """Compile ``c`` for a new request. Raises ValueError naming ``structured``."""
-        if c is None:
-            return None
+    def compiled(self, c: Constraint) -> Any:
+        """The compiled, unused matcher of ``c``, compiling it on a miss. Safe from any thread: AsyncEngine
+        calls it from a worker thread before handing the request to the engine thread, so a large grammar
+        compiles while the engine keeps stepping. Raises ValueError naming ``structured``."""
         from llguidance import LLMatcher
 
+        key = c.key()
+        with self._compile_lock:
+            found = self._compiled.get(key)
+            if found is not None:
+                self._compiled.move_to_end(key)
+                return found
         grammar = grammar_for(c)
         try:
             lltok = self._tokenizer()
         except ValueError as exc:  # e.g. a slow (non-Rust) tokenizer
             raise ValueError(f"structured: not available for this model's tokenizer: {exc}") from None
-        matcher = LLMatcher(lltok, grammar, log_level=0)
+        matcher = LLMatcher(lltok, grammar, log_level=0)  # drops the GIL while it builds
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # the first mask hits the limits a grammar breaks at once: refuse it now
         if matcher.is_error():
             raise ValueError(f"structured: {matcher.get_error()}")
-        g = _Grammar(matcher, c.lazy_trigger)
+        with self._compile_lock:
+            self._compiled[key] = matcher
+            while len(self._compiled) > COMPILED_CACHE_SIZE:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def attach(self, request_id: str, c: Optional[Constraint]) -> Optional[_Grammar]:
+        """Give a new request its own copy of ``c``'s compiled grammar. Raises ValueError naming ``structured``."""
+        if c is None:
+            return None
+        g = _Grammar(self.compiled(c).deep_copy(), c.lazy_trigger)
         self.registry[request_id] = g
         return g
 
     def release(self, request_id: str) -> None:
         self.registry.pop(request_id, None)
+        self.failed.pop(request_id, None)
 
     # -- per step ----------------------------------------------------------------------------------
     def start_masks(self, request_ids: Sequence[str]) -> Optional[tuple[dict[str, int], torch.Tensor, Future]]:
@@ -249,6 +278,8 @@ class StructuredDecoder:
             g = self.registry.get(r.request_id)
             if g is not None:
                 g.matcher.consume_token(t)
+                if g.matcher.is_error():
+                    self.failed[r.request_id] = g.matcher.get_error()[:500]
                 if not g.triggered:
                     g.advance(self._lltok.decode_str([t]))
         return ids, lps

@@ -59,6 +59,7 @@ def _engine_metrics(s: dict):
     yield gauge("kv_cache_total_blocks", "KV blocks in the pool", s.get("num_kv_blocks"))
     yield gauge("kv_cache_tokens", "Tokens the KV pool holds (its capacity)", s.get("kv_cache_tokens"))
     yield from _offload_metrics(s)
+    yield gauge("kv_cache_bytes", "Bytes of the KV pool (sized once at start)", s.get("kv_cache_bytes"))
     yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                   s.get("prefix_cache_queries"))
     yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache", s.get("prefix_cache_hits"))

@@ -104,9 +104,10 @@ class Authenticator:
 
 
 class AuthThrottle:
-    """Refuses a client address that failed ``limit`` key checks within ``window_s`` until the oldest
-    failure ages out, so keys cannot be guessed at line rate. While refused, even a correct key is
-    not checked (its answer would tell a guesser that the guess was right). ``limit`` 0 turns it off."""
+    """Counts failed key checks per client address: once ``limit`` failed within ``window_s``, further
+    wrong keys from it are refused as rate-limited until the oldest failure ages out. A correct key is
+    never refused by it (callers behind one address must not lock each other out). ``limit`` 0 turns
+    it off."""
 
     def __init__(self, limit: int, window_s: float = 60.0, clock: Clock = time.monotonic) -> None:
         self.limit = limit

@@ -118,16 +118,17 @@ class _Progress:
 
 
 def _fit_max_tokens(params: SamplingParams, max_tokens_set: bool, n_prompt: int,
-                    max_len: Optional[int]) -> SamplingParams:
+                    max_len: Optional[int], structured_default: Optional[int] = None) -> SamplingParams:
     """A max_tokens the client set must fit the context next to the prompt (400 otherwise, as
     vLLM does); a defaulted one is lowered to the room left. With an output constraint (response
     format, tools) the default is the room left: a schema-bound reply cut at a small default is
-    unusable, and on the OpenAI API unset means the rest of the context."""
+    unusable, and on the OpenAI API unset means the rest of the context -- except where
+    ``structured_default`` bounds it (forced tool calls: enough for the calls, not a runaway)."""
     if not max_len or n_prompt >= max_len:
         return params  # the engine refuses the prompt itself, naming it
     room = max_len - n_prompt
     if not max_tokens_set and params.structured is not None:
-        return dataclasses.replace(params, max_tokens=room)
+        return dataclasses.replace(params, max_tokens=min(room, structured_default or room))
     if params.max_tokens > room:
         if max_tokens_set:
             raise invalid("sampling.max_tokens", f"{params.max_tokens} tokens plus the prompt's {n_prompt} "
@@ -213,19 +214,22 @@ class InferenceService:
 
     # -- auth ----------------------------------------------------------------
     def authenticate(self, authorization: Optional[str], peer: str = "") -> Caller:
-        """The caller behind ``authorization``; ``peer`` (the client's address) is throttled after
-        repeated failures."""
+        """The caller behind ``authorization``. A configured key is accepted whatever its address did:
+        callers of a sidecar share an address (one pod, one gateway), so another caller's wrong keys
+        must not lock them out. Wrong keys from an address that failed too often are answered
+        ``rate_limited`` instead of ``unauthenticated``; keys must carry enough entropy that guessing
+        them is hopeless anyway (the throttle bounds the noise and work, not the odds)."""
         if not self.auth.enabled:
             return Caller()
-        wait = self.auth_throttle.wait(peer)
-        if wait is not None:
-            raise ServiceError("rate_limited", "too many failed API-key checks from this address; "
-                               f"retry in {wait:.0f}s", retry_after_s=wait)
         try:
             key = self.auth.check(authorization)
         except AuthError as exc:
+            wait = self.auth_throttle.wait(peer)
             if exc.guess:  # a missing or malformed header guesses nothing
                 self.auth_throttle.failed(peer)
+            if wait is not None:
+                raise ServiceError("rate_limited", "too many failed API-key checks from this address; "
+                                   f"retry in {wait:.0f}s", retry_after_s=wait) from None
             raise ServiceError("unauthenticated", str(exc)) from None
         return Caller() if key is None else Caller(tenant=key.tenant, key_id=key.key_id)
 
@@ -287,12 +291,13 @@ class InferenceService:
         check_request(req, lora or self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
         is_chat = req.messages is not None
         parser = tools.ToolCallParser() if is_chat and tools.uses_tools(req) else None
-        params = req.params
         if is_chat and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
-            params = tools.chat_params(req)
-        prompt = await asyncio.to_thread(self._encode, req)
-        params = _fit_max_tokens(params, req.max_tokens_set, len(prompt), info.get("max_model_len"))
+        # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
+        params, prompt = await asyncio.to_thread(self._prepare, req)
+        tool_default = (tools.default_tool_max_tokens(req.tool_choice, req.parallel_tool_calls)
+                        if is_chat and tools.uses_tools(req) else None)
+        params = _fit_max_tokens(params, req.max_tokens_set, len(prompt), info.get("max_model_len"), tool_default)
         # A set max_tokens is charged up front and what is not generated refunded at the end; a
         # defaulted one (the rest of the context) is charged as generated, after the fact.
         charge = TokenCharge(caller.key_id or "anonymous", params.max_tokens if req.max_tokens_set else 0,
@@ -311,6 +316,11 @@ class InferenceService:
             raise ServiceError("not_found", f"model: unknown model {model!r}; this sidecar serves {known}",
                                field="model")
         return model
+
+    def _prepare(self, req: GenerationRequest) -> tuple[SamplingParams, list[int]]:
+        """The request's params with any tool-call grammar folded in, and its prompt ids (worker thread)."""
+        params = tools.chat_params(req) if req.messages is not None and req.tools is not None else req.params
+        return params, self._encode(req)
 
     def _encode(self, req: GenerationRequest) -> list[int]:
         """Prompt token ids (run in a worker thread: tokenizing a long prompt must not hold the loop)."""
@@ -388,6 +398,8 @@ class InferenceService:
             raise ServiceError("deadline_exceeded", "deadline exceeded; request aborted")
         if out.abort_reason == "shutdown":
             raise ServiceError("unavailable", "draining: request aborted at shutdown")
+        if (out.abort_reason or "").startswith("error: structured: "):  # the request's own constraint
+            raise ServiceError("invalid_argument", out.abort_reason.removeprefix("error: "))
         raise ServiceError("internal", f"request aborted: {out.abort_reason}")
 
     async def _record_finished(self, caller: Caller, rid: str, out: RequestOutput, plan: Plan) -> None:

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 MAX_TOOLS = 128
+# Most calls in one reply. Small models given "one or more" repeat a call until max_tokens; a bound
+# ends the turn whatever the model does (one call with parallel_tool_calls false or a named function).
+MAX_PARALLEL_CALLS = 4
+# An unset max_tokens under tool_choice required / named is this per allowed call: enough for the
+# arguments of any sensible call, far below the rest of the context a runaway reply would otherwise take.
+TOKENS_PER_CALL = 1024
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -68,8 +74,48 @@ def tools_key(tools: Optional[list[ToolSpec]], tool_choice: str, parallel: bool)
 
 
 # -- the grammar ------------------------------------------------------------------------------------
+_SUBSCHEMA_KEYS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def close_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """A copy of ``schema`` where every object schema that does not say ``additionalProperties`` allows
+    only its declared properties (as with vLLM's default grammar backend): clients' generated schemas
+    (Pydantic, LangChain, LiteLLM) rarely say it, and an open object lets a model invent properties
+    until max_tokens. ``additionalProperties: true`` keeps an object open. Members of an ``allOf`` are
+    left open: each declares only part of the object."""
+    if isinstance(schema, list):
+        return [close_objects(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SUBSCHEMA_KEYS:
+        if k in out:
+            out[k] = close_objects(out[k])
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [close_objects(x) for x in out[k]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [close_objects(x, in_all_of=True) for x in out["allOf"]]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: close_objects(sub) for name, sub in out[k].items()}
+    is_object = out.get("type") == "object" or "properties" in out
+    if is_object and "additionalProperties" not in out and not in_all_of and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def default_tool_max_tokens(tool_choice: str, parallel: bool) -> Optional[int]:
+    """The max_tokens of a request with tools that did not set one; None: the rest of the context."""
+    if tool_choice in ("none", "auto"):
+        return None
+    return TOKENS_PER_CALL * (MAX_PARALLEL_CALLS if parallel and tool_choice == "required" else 1)
+
+
 def _call_schema(tools: list[ToolSpec]) -> dict:
-    variants = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+    variants = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": close_objects(t.parameters)},
                  "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
 
@@ -89,7 +135,8 @@ def tool_constraint(tools: list[ToolSpec], tool_choice: str, parallel: bool,
     opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": not strict}
     schema = dict(_call_schema(tools), **{"x-guidance": opts})
     call = f'call: "{CALL_START}" %json {json.dumps(schema)} "{CALL_END}"'
-    calls = 'calls: call ("\\n" call)*' if parallel else "calls: call"
+    more = "".join(' ("\\n" call' for _ in range(MAX_PARALLEL_CALLS - 1)) + ")?" * (MAX_PARALLEL_CALLS - 1)
+    calls = f"calls: call{more}" if parallel else "calls: call"
     if tool_choice != "auto":
         return Constraint("lark", f"start: calls\n{calls}\n{call}\n")
     if response_format is not None:
@@ -103,8 +150,7 @@ def tool_constraint(tools: list[ToolSpec], tool_choice: str, parallel: bool,
     # by the calls. Each is one lexeme, so the lexer never has to backtrack over the marker. Lazy:
     # the text costs no masks until a marker may be forming.
     m = re.escape(CALL_START).replace("/", "\\/")
-    more = ' ("\\n" call)*' if parallel else ""
-    grammar = (f'start: TEXT | PRE_CALL body "{CALL_END}"{more}\n'
+    grammar = (f'start: TEXT | PRE_CALL body "{CALL_END}"{more if parallel else ""}\n'
                f'call: "{CALL_START}" body "{CALL_END}"\n'
                f"body: %json {json.dumps(schema)}\n"
                f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{m}(.|\\n)*/\n"
@@ -183,11 +229,10 @@ def _args_obj(args: Any) -> Any:
 
 
 # -- parsing ---------------------------------------------------------------------------------------
-def _parse_call(body: str, index: int) -> Optional[dict]:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+_JSON = json.JSONDecoder()
+
+
+def _call(obj: Any, index: int) -> Optional[dict]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", {})
@@ -199,9 +244,12 @@ def _parse_call(body: str, index: int) -> Optional[dict]:
 class ToolCallParser:
     """Splits streamed text into content deltas and complete tool calls.
 
-    Text that may be the start of a call marker is held back until it is known not to be one;
-    a call is emitted whole once its end marker arrives. ``finish`` flushes what is left (an
-    unterminated call, e.g. cut by max_tokens, is returned as content)."""
+    A call is read by the grammar's structure -- the start marker, one complete JSON value, the end
+    marker -- never by searching for the end marker, so an argument that contains the end marker's
+    text (copied from data) stays inside its string. Text that may be the start of a call marker is
+    held back until it is known not to be one; a call is emitted whole once its end marker follows
+    the JSON value. ``finish`` flushes what is left (an unterminated call, e.g. cut by max_tokens, is
+    returned as content)."""
 
     def __init__(self) -> None:
         self.buf = ""
@@ -209,9 +257,31 @@ class ToolCallParser:
         self.calls: list[dict] = []
         self.content = ""
 
+    def _take_call(self, out: list[str], new: list[dict]) -> bool:
+        """Consume a call body at the head of ``buf`` if complete; False while more text is needed."""
+        if "}" not in self.buf:
+            return False  # a call body is a JSON object: nothing is complete before its closing brace
+        try:
+            obj, end = _JSON.raw_decode(self.buf)
+        except ValueError:
+            return False  # incomplete so far (the grammar only lets valid JSON through)
+        rest = self.buf[end:]
+        if len(rest) < len(CALL_END) and CALL_END.startswith(rest):
+            return False
+        call = _call(obj, len(self.calls)) if rest.startswith(CALL_END) else None
+        if call is None:  # not a call after all: it stays text
+            out.append(CALL_START + self.buf[:end])
+            self.buf, self.in_call = rest, False
+            return True
+        self.calls.append(call)
+        new.append(call)
+        self.buf, self.in_call = rest[len(CALL_END):], False
+        return True
+
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         self.buf += delta
-        out, new = [], []
+        out: list[str] = []
+        new: list[dict] = []
         while True:
             if not self.in_call:
                 i = self.buf.find(CALL_START)
@@ -223,16 +293,8 @@ class ToolCallParser:
                     break
                 out.append(self.buf[:i])
                 self.buf, self.in_call = self.buf[i + len(CALL_START):], True
-            j = self.buf.find(CALL_END)
-            if j < 0:
+            if not self._take_call(out, new):
                 break
-            call = _parse_call(self.buf[:j], len(self.calls))
-            if call is None:  # not a call after all: it stays text
-                out.append(CALL_START + self.buf[:j + len(CALL_END)])
-            else:
-                self.calls.append(call)
-                new.append(call)
-            self.buf, self.in_call = self.buf[j + len(CALL_END):], False
         text = "".join(out)
         self.content += text
         return text, new

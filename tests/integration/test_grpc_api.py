@@ -6,6 +6,7 @@ import time
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -53,6 +54,36 @@ def test_health_serving_and_reflection(server):
         resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in resp.list_services_response.service}
     assert {"sidecar.v1.Inference", "grpc.health.v1.Health"} <= names
+
+
+def reflection_v1(target: str, *requests: reflection_pb2.ServerReflectionRequest) -> list:
+    """Ask ``grpc.reflection.v1`` (what grpcurl and current grpc-java try first). Its messages are the
+    v1alpha ones on the wire, so v1alpha's classes encode them; only the method path differs."""
+    with grpc.insecure_channel(target) as ch:
+        call = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        return list(call(iter(requests), timeout=10))
+
+
+def test_reflection_v1_lists_services_and_describes_a_method(server):
+    listed, described = reflection_v1(server.grpc_target,
+                                      reflection_pb2.ServerReflectionRequest(list_services=""),
+                                      reflection_pb2.ServerReflectionRequest(
+                                          file_containing_symbol="sidecar.v1.Inference.Generate"))
+    names = {s.name for s in listed.list_services_response.service}
+    assert {"sidecar.v1.Inference", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
+             for raw in described.file_descriptor_response.file_descriptor_proto]
+    (ours,) = [f for f in files if f.package == "sidecar.v1"]
+    (inference,) = [s for s in ours.service if s.name == "Inference"]
+    methods = {m.name: m for m in inference.method}
+    assert methods["Generate"].input_type == ".sidecar.v1.GenerateRequest"
+    assert methods["Generate"].output_type == ".sidecar.v1.Completion"
+    assert methods["ChatStream"].server_streaming
+    # The messages a describe needs next are in the same file.
+    assert "GenerateRequest" in {m.name for m in ours.message_type}
 
 
 def test_unary_generate_fills_usage_timing_and_text(stub):

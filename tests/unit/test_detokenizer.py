@@ -64,3 +64,26 @@ def test_invalid_bytes_do_not_stall_the_stream(tok):
     for t in tok.encode(" ok", add_special_tokens=False):
         d.add_token(t)
     assert d.text.endswith(" ok")
+
+
+def test_a_long_stop_string_holds_back_only_what_could_still_match(tok):
+    long_stop = "Z" + "q" * 4999  # 5,000 characters; the text never starts writing it
+    text = "one two three four five six seven eight nine ten"
+    d, deltas = stream(tok, text, stop=[long_stop])
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len([x for x in deltas if x]) == len(ids)  # every token streams at once, not one chunk at the end
+    assert "".join(deltas) == text and d.stopped_by is None
+
+
+def test_a_partly_written_stop_string_is_held_until_it_cannot_match(tok):
+    d = IncrementalDetokenizer(tok, SamplingParams(stop=["END OF ANSWER"]))
+    shown = ""
+    for t in tok.encode("done END OF ANSWEx", add_special_tokens=False):
+        d.add_token(t)
+        visible = d.visible_text(False)
+        assert visible.startswith(shown)
+        shown = visible
+        assert not shown.endswith(" END")  # a stop prefix is never shown while it may still complete
+    assert shown == "done END OF ANSWEx"  # once it cannot, it is released
+    d2, deltas = stream(tok, "ab abcab abcabd tail", stop=["abcabd"])  # a border: KMP falls back correctly
+    assert d2.text == "ab abcab " and d2.stopped_by == "abcabd"

@@ -67,3 +67,39 @@ def test_single_tenant_keeps_fifo_and_queue_counts_stay_whole():
         s.add(req(f"a{i}", "", float(i)))
     assert admit_all(s) == ["a0", "a1", "a2", "a3"]
     assert not s._waiting_tenants
+
+
+def long_req(rid, tenant, t, priority=0):
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=100), priority=priority, arrival_time=t, tenant=tenant)
+
+
+def running_ids(s):
+    return sorted(r.request_id for r in s.running)
+
+
+def test_a_tenant_holding_every_slot_yields_one_to_another_tenant():
+    s = make(max_num_seqs=4)
+    for i in range(6):
+        s.add(long_req(f"a{i}", "alice", float(i)))
+    s.schedule()
+    assert running_ids(s) == ["a0", "a1", "a2", "a3"]
+    s.schedule()  # alice alone: her running requests keep their slots
+    assert running_ids(s) == ["a0", "a1", "a2", "a3"] and s.num_preemptions == 0
+    s.add(long_req("b0", "bob", 10.0))
+    out = s.schedule()
+    assert [r.request_id for r in out.preempted] == ["a3"]  # alice's newest running request
+    assert "b0" in [x.request.request_id for x in out.scheduled]
+    assert running_ids(s) == ["a0", "a1", "a2", "b0"]
+    out = s.schedule()  # alice (3) is not below her share (2): nothing more is preempted
+    assert out.preempted == [] and running_ids(s) == ["a0", "a1", "a2", "b0"]
+    assert s.kv.num_free_blocks() == s.kv.num_blocks - 4  # the victim's block went back to the pool
+
+
+def test_a_lower_priority_tenant_does_not_preempt():
+    s = make(max_num_seqs=2)
+    s.add(long_req("a0", "alice", 0.0))
+    s.add(long_req("a1", "alice", 1.0))
+    s.schedule()
+    s.add(long_req("b0", "bob", 2.0, priority=5))
+    out = s.schedule()
+    assert out.preempted == [] and running_ids(s) == ["a0", "a1"]

@@ -10,10 +10,12 @@ from sidecar.engine.request import SamplingParams
 from sidecar.engine.structured import Constraint
 from sidecar.server.cache_step import CacheStep
 from sidecar.server.service import GenerationRequest
-from sidecar.server.tools import ToolCallParser, ToolSpec, parse_tool_calls, render_messages, tool_constraint
+from sidecar.server.tools import (MAX_PARALLEL_CALLS, TOKENS_PER_CALL, ToolCallParser, ToolSpec, close_objects,
+                                  default_tool_max_tokens, parse_tool_calls, render_messages, tool_constraint)
 from sidecar.server.validation import ServiceError
 
 ADD = ToolSpec("add", "adds", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+ADD_OPEN = ToolSpec("add", "adds", {"type": "object", "properties": {"a": {"type": "integer"}}})  # as clients send
 TEXT = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "add", ' \
        '"arguments": {"a": 2}}</tool_call>'
 
@@ -38,6 +40,27 @@ def test_text_that_only_looks_like_a_call_stays_content():
     assert parse_tool_calls("a <b> c <tool_ca") == ("a <b> c <tool_ca", [])
     assert parse_tool_calls("x <tool_call>not json</tool_call> y") == ("x <tool_call>not json</tool_call> y", [])
     assert parse_tool_calls('x <tool_call>{"name": "add"') == ('x <tool_call>{"name": "add"', [])
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_an_argument_holding_the_end_marker_stays_in_its_call(step):
+    # Copied from data: the argument's text contains the end marker (and a start marker, and braces).
+    args = {"a": 'see </tool_call> and <tool_call>{"x": 1}</tool_call> here'}
+    text = "ok " + "<tool_call>" + json.dumps({"name": "add", "arguments": args}) + "</tool_call>"
+    p = ToolCallParser()
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        c, new = p.feed(text[i:i + step])
+        content += c
+        calls += new
+    content += p.finish()
+    assert content == "ok "
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", args)]
+
+
+def test_a_json_value_not_followed_by_the_end_marker_is_text():
+    assert parse_tool_calls('<tool_call>{"name": "add"} tail') == ('<tool_call>{"name": "add"} tail', [])
+    assert parse_tool_calls('<tool_call>{"nom": 1}</tool_call>') == ('<tool_call>{"nom": 1}</tool_call>', [])
 
 
 def test_default_template_renders_tools_calls_and_results():
@@ -86,3 +109,60 @@ def test_cache_keys_include_output_constraint_and_tools():
     assert len(set(keys)) == len(keys)
     assert _settings(tools=[ADD], tool_choice="none") == plain  # tools not offered: same answer as without
     assert _settings(tools=[ADD], tool_choice="auto") == with_tools  # deterministic
+
+
+def test_client_schemas_without_additional_properties_are_closed():
+    pydantic_like = {"type": "object", "title": "Weather",
+                     "properties": {"city": {"type": "string"},
+                                    "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+                                    "tags": {"type": "array", "items": {"properties": {"k": {"type": "string"}}}},
+                                    "alt": {"anyOf": [{"$ref": "#/$defs/Loc"}, {"type": "null"}]}},
+                     "$defs": {"Loc": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+                     "required": ["city"]}
+    closed = close_objects(pydantic_like)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["where"]["additionalProperties"] is False
+    assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["Loc"]["additionalProperties"] is False
+    assert "additionalProperties" not in pydantic_like  # the client's schema is not changed
+    opened = close_objects({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True})
+    assert opened["additionalProperties"] is True  # the per-request opt-out
+    parts = close_objects({"allOf": [{"type": "object", "properties": {"a": {}}},
+                                     {"type": "object", "properties": {"b": {}}}]})
+    assert all("additionalProperties" not in p for p in parts["allOf"])  # each member is only a part
+
+
+def test_forced_calls_get_a_bounded_default_max_tokens():
+    assert default_tool_max_tokens("auto", True) is None
+    assert default_tool_max_tokens("required", False) == TOKENS_PER_CALL
+    assert default_tool_max_tokens("required", True) == TOKENS_PER_CALL * MAX_PARALLEL_CALLS
+    assert default_tool_max_tokens("function:add", True) == TOKENS_PER_CALL
+
+
+@pytest.fixture(scope="module")
+def matcher_for(demo_dir):
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    from sidecar.engine.structured import grammar_for
+
+    hf = AutoTokenizer.from_pretrained(demo_dir)
+    lltok = llguidance.hf.from_tokenizer(hf)
+
+    def accepts(c: Constraint, text: str) -> bool:
+        m = LLMatcher(lltok, grammar_for(c), log_level=0)
+        ids = hf.encode(text, add_special_tokens=False)
+        return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+    return accepts
+
+
+def test_required_calls_close_and_end(matcher_for):
+    one = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    c = tool_constraint([ADD_OPEN], "required", True, None)
+    assert matcher_for(c, one)
+    assert not matcher_for(c, one.replace('{"a": 1}', '{"a": 1, "b": 2}'))  # no invented property
+    assert matcher_for(c, "\n".join([one] * MAX_PARALLEL_CALLS))
+    assert not matcher_for(c, "\n".join([one] * (MAX_PARALLEL_CALLS + 1)))  # the turn ends
+    single = tool_constraint([ADD_OPEN], "required", False, None)
+    assert matcher_for(single, one) and not matcher_for(single, one + "\n" + one)

@@ -6,6 +6,8 @@ closes the service stream, which aborts the engine request.
 """
 from __future__ import annotations
 
+import asyncio
+
 import dataclasses
 import logging
 from typing import Any, Optional
@@ -13,7 +15,7 @@ from typing import Any, Optional
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sidecar.engine.request import SamplingParams
 from sidecar.server.grpc import convert
@@ -58,7 +60,7 @@ def _params(s: pb.SamplingParams) -> SamplingParams:
     return sampling_params(**kw)
 
 
-def _request(msg: Any, context: grpc.aio.ServicerContext, chat: bool) -> GenerationRequest:
+def _request(msg: Any, timeout_s: Optional[float], chat: bool) -> GenerationRequest:
     """The GenerationRequest of a GenerateRequest / ChatRequest; fields are checked in wire order
     (sampling, response_format, messages, tools) and the first problem raised, naming its field."""
     check_request_id(msg.request_id)  # first: everything after may log it
@@ -69,7 +71,7 @@ def _request(msg: Any, context: grpc.aio.ServicerContext, chat: bool) -> Generat
     common: dict[str, Any] = dict(
         params=params, request_id=msg.request_id or None, priority=msg.priority,
         cache_control=CACHE_CONTROL.get(msg.cache_control, f"unknown({msg.cache_control})"),
-        cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled, timeout_s=context.time_remaining(),
+        cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled, timeout_s=timeout_s,
         model=msg.model or None, max_tokens_set=msg.sampling.HasField("max_tokens"))
     if chat:
         messages = convert.messages(msg.messages)
@@ -140,7 +142,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _unary(self, msg: Any, context: grpc.aio.ServicerContext, chat: bool, method: str) -> pb.Completion:
         try:
             caller = self._caller(context, method)
-            req = _request(msg, context, chat)
+            req = await asyncio.to_thread(_request, msg, context.time_remaining(), chat)  # compiles grammars
             last, lps, calls = None, [], []
             agen = self.service.generate(caller, req)
             try:
@@ -161,7 +163,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _stream(self, msg: Any, context: grpc.aio.ServicerContext, chat: bool, method: str) -> None:
         try:
             caller = self._caller(context, method)
-            req = _request(msg, context, chat)
+            req = await asyncio.to_thread(_request, msg, context.time_remaining(), chat)  # compiles grammars
             agen = self.service.generate(caller, req)
             try:
                 first = True
@@ -344,6 +346,41 @@ def build_server(service: InferenceService, health: Health, max_message_bytes: i
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    _enable_reflection(server)
     return server
+
+
+# grpcurl, Postman and current grpc-java ask grpc.reflection.v1 first; older tools only know v1alpha.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+class _Reflection(reflection.aio.ReflectionServicer):
+    """grpc's reflection servicer, also finding the file of a method (``pkg.Service.Method``), which
+    ``grpcurl describe`` asks for and the protobuf pool does not index."""
+
+    def _file_containing_symbol(self, request, fully_qualified_name):
+        service_name, _, method = fully_qualified_name.rpartition(".")
+        try:
+            self._pool.FindFileContainingSymbol(fully_qualified_name)
+        except KeyError:
+            try:
+                if method in self._pool.FindServiceByName(service_name).methods_by_name:
+                    fully_qualified_name = service_name
+            except KeyError:
+                pass  # not a method either: the base class answers NOT_FOUND
+        return super()._file_containing_symbol(request, fully_qualified_name)
+
+
+def _enable_reflection(server: grpc.aio.Server) -> None:
+    """Serve reflection under both ``grpc.reflection.v1`` and ``v1alpha``: the two protos declare the
+    same messages with the same field numbers, so one servicer answers both on the wire."""
+    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             REFLECTION_V1, reflection.SERVICE_NAME)
+    servicer = _Reflection(names)
+    for service_name in (REFLECTION_V1, reflection.SERVICE_NAME):
+        handler = grpc.stream_stream_rpc_method_handler(
+            servicer.ServerReflectionInfo,
+            request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service_name, {"ServerReflectionInfo": handler}),))

@@ -13,6 +13,8 @@ requests are aborted and their KV blocks freed (see ``runner``).
 """
 from __future__ import annotations
 
+import asyncio
+
 import base64
 import dataclasses
 import logging
@@ -77,11 +79,12 @@ class HttpSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     read_timeout_s: float = 30.0
     metrics: Optional[Metrics] = None
+    docs: bool = True  # serve /docs and /openapi.json
 
     @classmethod
     def from_config(cls, server: ServerConfig, metrics: Optional[Metrics]) -> "HttpSettings":
         """Bodies are limited like gRPC messages (``max_message_bytes``)."""
-        return cls(server.max_message_bytes, server.http_read_timeout_s, metrics)
+        return cls(server.max_message_bytes, server.http_read_timeout_s, metrics, server.serves_docs)
 
     def count_request(self, method: str) -> None:
         if self.metrics is not None:
@@ -242,7 +245,8 @@ def _caller(method: str) -> Callable[[Request], Caller]:
 async def chat_completions(body: ChatCompletionRequest, request: Request, service: Service,
                            who: Caller = Depends(_caller("chat.completions"))):
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    reqs = chat_requests(body, rid, service.model_info().get("max_model_len"))
+    # Translating compiles any schema or grammar: a worker thread's job, never the event loop's.
+    reqs = await asyncio.to_thread(chat_requests, body, rid, service.model_info().get("max_model_len"))
     call = _Call(service, body, "chat", rid, body.model or service.model_name, body.n or 1, reqs)
     return await _run(request, call, who)
 
@@ -250,7 +254,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
 async def completions(body: CompletionRequest, request: Request, service: Service,
                       who: Caller = Depends(_caller("completions"))):
     rid = f"cmpl-{uuid.uuid4().hex}"
-    reqs = completion_requests(body, rid)
+    reqs = await asyncio.to_thread(completion_requests, body, rid)
     call = _Call(service, body, "completion", rid, body.model or service.model_name, body.n or 1, reqs)
     return await _run(request, call, who)
 
@@ -351,8 +355,9 @@ def create_app(service: OpenAIService, max_body_bytes: Optional[int] = None,
     settings = settings or HttpSettings()
     if max_body_bytes is not None:
         settings = dataclasses.replace(settings, max_body_bytes=max_body_bytes)
-    app = FastAPI(title="llm-sidecar OpenAI-compatible API", version=__version__,
-                  docs_url="/docs", redoc_url=None)
+    app = FastAPI(title="llm-sidecar OpenAI-compatible API", version=__version__, redoc_url=None,
+                  docs_url="/docs" if settings.docs else None,
+                  openapi_url="/openapi.json" if settings.docs else None)
     app.state.service = service
     app.state.settings = settings
     app.state.created = fmt.now()  # "created" of the listed models: when this server started

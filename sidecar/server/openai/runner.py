@@ -20,6 +20,10 @@ from typing import Any, AsyncIterator, Optional
 from starlette.requests import Request
 
 _END = object()
+# Events buffered per choice between the engine side and the HTTP writer. Full, the choices' pumps wait
+# (backpressure): a client that does not read leaves its engine outputs merged into one pending output
+# per request (AsyncEngine's stream), never a growing list of cumulative copies.
+EVENTS_PER_CHOICE = 8
 # Tasks still unwinding after cancel(); held here so they are not garbage-collected mid-cleanup.
 _closing: set[asyncio.Task] = set()
 
@@ -29,7 +33,7 @@ class ChoiceRunner:
         self._service = service
         self._caller = caller
         self._requests = requests
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue: asyncio.Queue = asyncio.Queue(maxsize=EVENTS_PER_CHOICE * max(1, len(requests)))
         self._tasks: list[asyncio.Task] = []
         self._open = 0
 
@@ -46,12 +50,12 @@ class ChoiceRunner:
             if inspect.isawaitable(it):  # `async def` returning an iterator, or an async generator
                 it = await it
             async for event in it:
-                self._queue.put_nowait((index, event))
-            self._queue.put_nowait((index, _END))
+                await self._queue.put((index, event))
+            await self._queue.put((index, _END))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # handed to the reader, which maps it to an HTTP error
-            self._queue.put_nowait((index, exc))
+            await self._queue.put((index, exc))
         finally:
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
