@@ -87,6 +87,11 @@ class EngineConfig:
     enforce_eager: bool = setting(
         False, "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels "
         "(default: each fast path the start-up self-check finds agreeing with the reference)")
+    # Overlapped decode steps (engine/overlap.py): the host reads back and emits step N-1 while the device
+    # runs step N. None: on where the device runs apart from the host (CUDA without enforce_eager).
+    overlap_steps: Optional[bool] = setting(
+        None, "overlap pure-decode steps: the host finishes one step while the device runs the next "
+        "(default: on for CUDA unless enforce_eager; true/false to force)")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -136,6 +141,8 @@ class EngineConfig:
                  "speculative_max_batch", f"must be an integer >= 1, got {self.speculative_max_batch!r}")
         _require(isinstance(self.enforce_eager, bool), "enforce_eager",
                  f"must be true or false, got {self.enforce_eager!r}")
+        _require(self.overlap_steps is None or isinstance(self.overlap_steps, bool), "overlap_steps",
+                 f"must be true, false or unset, got {self.overlap_steps!r}")
 
 
 @dataclass
