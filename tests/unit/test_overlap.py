@@ -256,3 +256,52 @@ def test_cuda_engine_without_device_sampler_samples_on_cpu():
     eng.runner.device = torch.device("cpu")
     fp.device_sampler = False
     assert LLMEngine._sampling_device(eng) == torch.device("cpu")
+
+
+# -- the device sampler under the start-up self-check ---------------------------------------------------
+def test_sampler_check_agrees_on_cpu_and_catches_a_skewed_sampler(monkeypatch):
+    from sidecar.engine import sampler_check
+
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)) * 4
+    assert sampler_check.compare(torch.device("cpu"), 0, logits) is None
+    made = []
+
+    class Skewed(sampler_mod.Sampler):  # the first sampler made (the "device" one) favours token 7
+        def sample(self, x, reqs, masks=None, salt=0):
+            if self is made[0]:
+                x[:, 7] += 3.0
+            return super().sample(x, reqs, masks)
+
+        def __init__(self, *a):
+            super().__init__(*a)
+            made.append(self)
+
+    monkeypatch.setattr(sampler_check, "Sampler", Skewed)
+    reason = sampler_check.compare(torch.device("cpu"), 0, logits)
+    assert reason is not None and "differs from the CPU reference" in reason
+
+
+def test_engine_self_check_turns_the_device_sampler_on_or_off_with_a_reason(demo_pair, monkeypatch):
+    plain, llm = demo_pair
+    runner = llm.engine.runner
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0.8, seed=9, ignore_eos=True)]
+    ref = _summary(plain.generate(prompts, params))
+    try:
+        runner.prepare_fast_paths(force_check=True)  # the engine gave the runner its sampler check
+        assert "device_sampler" in runner.fast_paths.active()
+        assert _summary(llm.generate(prompts, params)) == ref
+
+        def broken_draw(self, logits, step, salt):
+            raise RuntimeError("draw kernel failed")
+
+        monkeypatch.setattr(sampler_mod.Sampler, "_draw", broken_draw)
+        runner.prepare_fast_paths(force_check=True)
+        assert runner.fast_path_info()["fast_path_fallbacks"]["device_sampler"] == "RuntimeError: draw kernel failed"
+        assert "device_sampler" not in runner.fast_paths.active()
+        monkeypatch.undo()
+        assert _summary(llm.generate(prompts, params)) == ref  # the engine still samples right
+    finally:
+        runner.prepare_fast_paths()  # back to the CPU default
+    _pool_whole(llm)
