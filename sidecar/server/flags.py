@@ -39,6 +39,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--speculative-token-cost", "engine", "speculative_token_cost"),
     ("--speculative-draft-quantization", "engine", "speculative_draft_quantization"),
     ("--demo-dir", "engine", "demo_dir"),
+    ("--overlap-steps", "engine", "overlap_steps"),
     ("--host", "server", "host"),
     ("--grpc-port", "server", "grpc_port"),
     ("--http-port", "server", "http_port"),
