@@ -120,7 +120,9 @@ class OverlapPipeline:
     def _launch_next(self, p: InFlight) -> Optional[list[Request]]:
         e = self.engine
         alive = [r for r in p.reqs if r.status == RequestStatus.RUNNING]
-        if (not alive or e.scheduler.waiting or len(alive) > e.config.max_num_batched_tokens
+        # A waiting request drains the pipeline only when the synchronous step could admit it.
+        admits = e.scheduler.waiting and len(e.scheduler.running) < e.config.max_num_seqs
+        if (not alive or admits or len(alive) > e.config.max_num_batched_tokens
                 or {id(r) for r in e.scheduler.running} != {id(r) for r in alive} or not self._eligible(alive)):
             return None
         nxt = [r for r in alive if len(r.output_token_ids) + 1 < r.params.max_tokens

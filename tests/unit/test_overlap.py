@@ -305,3 +305,27 @@ def test_engine_self_check_turns_the_device_sampler_on_or_off_with_a_reason(demo
     finally:
         runner.prepare_fast_paths()  # back to the CPU default
     _pool_whole(llm)
+
+
+def test_full_batch_keeps_overlapping_with_a_backlog(demo_dir):
+    """At max_num_seqs a waiting request cannot be admitted anyway: the pipeline goes on, and each admission
+    (when a request finishes) drains it; outputs equal the synchronous engine's."""
+    prompts = make_prompts(5, 200, 3, 12, seed=4)
+    params = [SamplingParams(max_tokens=4 + 2 * i, ignore_eos=True) for i in range(5)]
+    outs = {}
+    for overlap in (False, True):
+        llm = _llm(demo_dir, overlap, num_kv_blocks=64, max_num_seqs=2)
+        trace = llm.engine.overlap.trace = []
+        waiting_at_launch = []
+        launch = llm.engine.overlap._launch_next
+
+        def spy(p, eng=llm.engine, launch=launch):
+            nxt = launch(p)
+            waiting_at_launch.append(nxt is not None and bool(eng.scheduler.waiting))
+            return nxt
+
+        llm.engine.overlap._launch_next = spy
+        outs[overlap] = _summary(llm.generate(prompts, params))
+        _pool_whole(llm)
+    assert outs[True] == outs[False]
+    assert any(waiting_at_launch) and sum(e[0] == "launch" for e in trace) > 5
