@@ -111,8 +111,12 @@ def _reference_tokens(plain: LLM, prompts, n=8):
     return [o.token_ids for o in plain.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))]
 
 
-def test_stop_tokens_eos_and_max_tokens_at_every_position(demo_pair):
+def test_stop_tokens_eos_and_max_tokens_at_every_position(demo_pair, monkeypatch):
     plain, llm = demo_pair
+    computed = []  # at finish: every token but the last computed, never a discarded in-flight row counted
+    finish = LLMEngine._finish
+    monkeypatch.setattr(LLMEngine, "_finish", lambda self, req, *a: (
+        computed.append(req.num_computed_tokens == req.num_tokens - 1), finish(self, req, *a))[1])
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     toks = _reference_tokens(plain, prompts)
     for j in range(8):  # the stop lands on every step of the pipeline, for each request at another one
@@ -133,6 +137,7 @@ def test_stop_tokens_eos_and_max_tokens_at_every_position(demo_pair):
             _pool_whole(llm)
     finally:
         plain.engine.eos_token_ids, llm.engine.eos_token_ids = saved
+    assert len(computed) > 100 and all(computed)
 
 
 def test_stop_strings_at_every_position(demo_pair):
