@@ -111,6 +111,11 @@ class EngineConfig:
     max_loras: int = setting(4, "LoRA adapters resident at once (more are loaded on demand, LRU)")
     max_lora_rank: int = setting(16, "largest LoRA rank accepted (adapter slots are sized for it)")
     enable_lora: bool = setting(False, "accept LoRA adapters loaded at run time even when none is given at start")
+    # Overlapped decode steps (engine/overlap.py): the host reads back and emits step N-1 while the device
+    # runs step N. None: on where the device runs apart from the host (CUDA without enforce_eager).
+    overlap_steps: Optional[bool] = setting(
+        None, "overlap pure-decode steps: the host finishes one step while the device runs the next "
+        "(default: on for CUDA unless enforce_eager; true/false to force)")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -175,6 +180,8 @@ class EngineConfig:
                  f"must be an integer in [1, 64], got {self.max_loras!r}")
         _require(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512, "max_lora_rank",
                  f"must be an integer in [1, 512], got {self.max_lora_rank!r}")
+        _require(self.overlap_steps is None or isinstance(self.overlap_steps, bool), "overlap_steps",
+                 f"must be true, false or unset, got {self.overlap_steps!r}")
 
 
 @dataclass

@@ -12,10 +12,12 @@ from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.detokenizer import IncrementalDetokenizer
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.lora_manager import LoraManager
+from sidecar.engine.overlap import OverlapPipeline, append_sampled
 from sidecar.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
                                     random_request_id)
 from sidecar.engine.runner import ModelRunner
 from sidecar.engine.sampler import Sampler
+from sidecar.engine.sampler_check import device_sampler_check
 from sidecar.engine.scheduler import Scheduler, SchedulerOutput
 from sidecar.engine.spec.decoder import SpecDecoder
 from sidecar.engine.structured import StructuredDecoder
@@ -41,7 +43,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.args.vocab_size
-        self.runner = ModelRunner(loaded, config)
+        self.runner = ModelRunner(loaded, config, device_sampler_check(loaded.device, config.seed))
         self.lora = LoraManager(loaded.model, loaded.args, config.max_loras, config.max_lora_rank,
                                 enabled=bool(config.lora_modules) or config.enable_lora)
         for name, path in config.lora_modules.items():
@@ -51,11 +53,14 @@ class LLMEngine:
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
-        self.sampler = Sampler(loaded.device, config.seed, config.max_num_seqs)
+        self.sampler = Sampler(self._sampling_device(), config.seed, config.max_num_seqs)
         self.spec = SpecDecoder(config, self.kv, self.max_model_len, self.runner, loaded)
         self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids,
                                             overlap=self.runner.host_overlaps_forward)
         self.requests: dict[str, Request] = {}
+        overlap = config.overlap_steps
+        self.overlap = OverlapPipeline(self, (loaded.device.type == "cuda" and not config.enforce_eager)
+                                       if overlap is None else overlap)
         self._pending: list[RequestOutput] = []
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests_finished": 0,
                          "num_steps": 0}
@@ -159,7 +164,20 @@ class LLMEngine:
             self._pending.append(req.make_output())
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        return bool(self.requests) or bool(self._pending) or self.overlap.inflight is not None
+
+    def _sampling_device(self) -> torch.device:
+        """The logits' device, unless the self-check turned the device sampler off there: then the CPU (the
+        reference sampler, on a copy of the logits)."""
+        dev = self.runner.device
+        if dev.type == "cpu" or self.runner.fast_paths.device_sampler:
+            return dev
+        why = (self.runner.fast_paths.reasons or {}).get("device_sampler", "not checked")
+        log.warning("device sampler off (%s): sampling on a CPU copy of the logits", why)
+        return torch.device("cpu")
+
+    def sampling_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if logits.device == self.sampler.device else logits.to(self.sampler.device)
 
     # -- the step -------------------------------------------------------------------------------------
     def _finish(self, req: Request, reason: FinishReason, abort_reason: Optional[str] = None) -> None:
@@ -195,6 +213,8 @@ class LLMEngine:
             outputs.append(req.make_output())
         for req in self.lora.unpark():  # its adapter got a slot: it queues as if it arrived now
             self.scheduler.readmit(req)
+        if self.overlap.advance(outputs):  # the next step was launched from the in-flight step's device ids
+            return outputs
         self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         for req in sched.unschedulable:
@@ -204,7 +224,8 @@ class LLMEngine:
             return outputs
         self.counters["num_steps"] += 1
         try:
-            self._run_scheduled(sched, outputs)
+            if not self.overlap.launch_scheduled(sched):
+                self._run_scheduled(sched, outputs)
         except Exception as exc:  # a failed step fails its requests, never the engine
             log.exception("engine step failed; aborting %d requests", len(sched.scheduled))
             for s in sched.scheduled:
@@ -223,30 +244,11 @@ class LLMEngine:
         if not sample_reqs:
             return
         num_spec = {s.request.request_id: s.num_spec_tokens for s in sched.scheduled if s.num_spec_tokens}
-        results = self.spec.sample(self.structured, self.sampler, logits, sample_reqs, num_spec, masks)
+        results = self.spec.sample(self.structured, self.sampler, self.sampling_logits(logits), sample_reqs,
+                                   num_spec, masks)
         now = time.monotonic()
         for req, (token_ids, logprobs) in zip(sample_reqs, results):
-            if req.first_token_time is None:
-                req.first_token_time = now
-            reason = None
-            for tok, lp in zip(token_ids, logprobs):  # tokens after a stop are dropped
-                req.append_token(tok)
-                if lp is not None:
-                    req.logprobs.append(lp)
-                self.counters["generation_tokens"] += 1
-                reason = self._check_stop(req, tok)
-                if reason is not None:
-                    break
-            broken = self.structured.failed.pop(req.request_id, None)  # its grammar cannot go on
-            if broken is not None:
-                self._finish(req, FinishReason.ABORT, f"error: structured: cannot be enforced: {broken}")
-            elif reason is not None:
-                self._finish(req, reason)
-            else:
-                if len(token_ids) > 1:
-                    self.kv.cache_computed_blocks(req)
-                req.text = req.detok.visible_text(False)
-            outputs.append(req.make_output())
+            append_sampled(self, req, token_ids, logprobs, now, outputs)
 
     def stats(self) -> dict[str, Any]:
         return {

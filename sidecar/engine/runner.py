@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -30,8 +30,10 @@ log = logging.getLogger("sidecar.engine")
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig,
+                 sampler_check: Optional[Callable[[torch.Tensor], Optional[str]]] = None) -> None:
         self.model = loaded.model
+        self.sampler_check = sampler_check  # the device sampler's self-check (None: that path stays off)
         self.device = loaded.device
         # The host is free while an accelerator runs the forward, so host work (grammar masks) can overlap
         # it; on a CPU the forward already uses every core and a second thread only competes with it.
@@ -86,7 +88,7 @@ class ModelRunner:
             return
         if not (self.device.type == "cuda" or force_check):
             return  # on CPU our C kernels are the fast path; the device fields stay off
-        self_check.run(self)
+        self_check.run(self, sampler_check=self.sampler_check)
         self.capture_graphs()
 
     @torch.inference_mode()
@@ -171,17 +173,45 @@ class ModelRunner:
         return n <= self.inputs.max_batch and width <= self.inputs.max_blocks
 
     @torch.inference_mode()
-    def decode_rows(self, rows: Sequence[DecodeRow], sample: Sequence[int]) -> Optional[torch.Tensor]:
+    def decode_rows(self, rows: Sequence[DecodeRow], sample: Sequence[int],
+                    prev_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """One decode step of ``rows`` through the persistent buffers (and a graph where captured); returns
-        the logits of rows ``sample`` (in that order), selected on the device, or None when none samples."""
+        the logits of rows ``sample`` (in that order), selected on the device, or None when none samples.
+        With ``prev_ids`` (a device tensor, e.g. the previous step's sampled ids) each row's ``token`` is an
+        index into it and the input id is gathered on the device: the host never needs its value."""
         bucket = pick_bucket(self.buckets, len(rows))
         captured = bucket in self.graphs.captured  # a graph's tables are always max_blocks wide
         width = self.inputs.max_blocks if captured else max(len(r.table) for r in rows)
         self.inputs.fill(rows, sample, bucket, width)
+        if prev_ids is not None:  # stream-ordered after the fill's copy and before the forward reads it
+            ids = self.inputs.ids[:len(rows)]
+            ids.copy_(prev_ids.index_select(0, ids))
         hidden = self.graphs.run(bucket)
         if not sample:
             return None
         return self.model.compute_logits(hidden.index_select(0, self.inputs.sample_rows[:len(sample)]))
+
+    @torch.inference_mode()
+    def launch_decode(self, reqs: Sequence[Request], kv: KVCacheManager,
+                      prev_ids: Optional[torch.Tensor] = None,
+                      src: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
+        """Queue a pure-decode step in which every request computes the token at its ``num_computed_tokens``
+        (slots already allocated) and samples; returns the logits (rows in ``reqs`` order) without waiting
+        for the device, or None (nothing run) when the batch does not fit the buffers. With ``prev_ids``,
+        request i's input token is ``prev_ids[src[i]]`` (gathered on the device), not read from the host."""
+        bs = self.block_size
+        tables = [kv.block_ids(r) for r in reqs]
+        if not reqs or not self.fits_decode_buffers(len(tables), max(len(t) for t in tables)):
+            return None
+        rows = []
+        for i, (r, table) in enumerate(zip(reqs, tables)):
+            c = r.num_computed_tokens
+            tok = src[i] if prev_ids is not None else r.all_token_ids[c]
+            rows.append(DecodeRow(tok, c, table[c // bs] * bs + c % bs, c + 1, table))
+        max_block = max(max(t) for t in tables)
+        if max_block > self._zeroed_upto:
+            self._zero_blocks(self._zeroed_upto + 1, max_block)
+        return self.decode_rows(rows, list(range(len(rows))), prev_ids)
 
     def _execute_decode(self, sched: SchedulerOutput,
                         kv: KVCacheManager) -> Optional[tuple[list[Request], Optional[torch.Tensor]]]:

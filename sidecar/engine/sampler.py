@@ -94,6 +94,55 @@ class SamplerOutput:
     logprobs: list[Optional[TokenLogprob]]
 
 
+class PendingSample:
+    """A step's sampled ids (and logprobs) on their way to the host. ``token_ids`` stays on the device, where
+    the next step may read it at once; ``result()`` waits for the one device->host copy, started (to
+    pinned memory, behind an event) when this object was made, and then reads it."""
+
+    def __init__(self, tokens: torch.Tensor, flat: torch.Tensor, reqs: list[Request],
+                 step: Optional[StepParams], with_logprobs: bool) -> None:
+        self.token_ids = tokens
+        self.reqs, self._step, self._with_lp = reqs, step, with_logprobs
+        self._event = None
+        if flat.device.type == "cuda":
+            self._host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            self._host.copy_(flat, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flat
+        self._out: Optional[SamplerOutput] = None
+
+    def ready(self) -> bool:
+        """Whether ``result()`` would return without waiting for the device."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> SamplerOutput:
+        if self._out is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._out = _parse(self.token_ids, self._host.tolist(), self._step, self.reqs, self._with_lp)
+        return self._out
+
+
+def _parse(tokens: torch.Tensor, flat: list, step: Optional[StepParams], reqs: list[Request],
+           with_logprobs: bool) -> SamplerOutput:
+    """The host lists of ``Sampler._flatten``'s layout: ids, then (with logprobs) chosen and top-n values."""
+    n = len(reqs)
+    if not with_logprobs:
+        return SamplerOutput(tokens, [int(t) for t in flat], [None] * n)
+    ids = [int(t) for t in flat[:n]]
+    lrows, top = step.logprobs, step.top_n_max
+    m = len(lrows)
+    lps: list[Optional[TokenLogprob]] = [None] * n
+    for j, i in enumerate(lrows):
+        k = reqs[i].params.logprobs
+        base = n + m + j * top
+        pairs = [(int(flat[base + m * top + t]), flat[base + t]) for t in range(k)]
+        lps[i] = TokenLogprob(token_id=ids[i], logprob=flat[n + j], top=pairs)
+    return SamplerOutput(tokens, ids, lps)
+
+
 class Sampler:
     """One token per row of a batch. ``seed`` keys the unseeded requests' streams; ``max_num_seqs`` sizes the
     persistent parameter buffer and the penalty slots (a larger batch grows them)."""
@@ -125,8 +174,17 @@ class Sampler:
         int32 bitmask [len(rows), ceil(V/32)]) of the structured-output requests; their disallowed tokens are
         never sampled. ``salt``: SALT_REDRAW for a second draw at the same positions (a grammar refused the
         first). Logprobs are of the unpenalised, unmasked distribution."""
+        return self.sample_async(logits, reqs, masks, salt).result()
+
+    @torch.inference_mode()
+    def sample_async(self, logits: torch.Tensor, reqs: list[Request],
+                     masks: Optional[tuple[list[int], torch.Tensor]] = None, salt: int = SALT_TOKEN,
+                     ahead: int = 0) -> PendingSample:
+        """``sample`` without waiting for the ids: the draws are queued on the device and their copy to the
+        host started. ``ahead``: tokens every request sampled that the host has not appended yet (an
+        overlapped step; see SamplingTensors.prepare)."""
         n, v = logits.shape
-        step = self.tensors.prepare(reqs, v)
+        step = self.tensors.prepare(reqs, v, ahead)
         raw_lp = None
         if step is not None and step.logprobs:
             raw = logits if len(step.logprobs) == n else logits[step.ints[:len(step.logprobs), I_LROWS]]
@@ -159,25 +217,16 @@ class Sampler:
 
     @staticmethod
     def _to_host(tokens: torch.Tensor, raw_lp: Optional[torch.Tensor], step: Optional[StepParams],
-                 reqs: list[Request]) -> SamplerOutput:
-        """Ids (and logprobs) to the host in one copy: with logprobs, ids, chosen and top-n values travel
+                 reqs: list[Request]) -> PendingSample:
+        """Ids (and logprobs) start to the host in one copy: with logprobs, ids, chosen and top-n values travel
         together as float64 (token ids are exact in float64)."""
         n = len(reqs)
         if raw_lp is None:
-            return SamplerOutput(tokens, tokens.tolist(), [None] * n)
+            return PendingSample(tokens, tokens, reqs, step, False)
         lrows = step.logprobs
         chosen = tokens if len(lrows) == n else tokens[step.ints[:len(lrows), I_LROWS]]
         parts = [tokens.double(), raw_lp.gather(-1, chosen.unsqueeze(-1)).double().flatten()]
         if step.top_n_max:
             vals, idx = raw_lp.topk(step.top_n_max, -1)
             parts += [vals.double().flatten(), idx.double().flatten()]
-        flat = torch.cat(parts).tolist()
-        ids = [int(t) for t in flat[:n]]
-        m, top = len(lrows), step.top_n_max
-        lps: list[Optional[TokenLogprob]] = [None] * n
-        for j, i in enumerate(lrows):
-            k = reqs[i].params.logprobs
-            base = n + m + j * top
-            pairs = [(int(flat[base + m * top + t]), flat[base + t]) for t in range(k)]
-            lps[i] = TokenLogprob(token_id=ids[i], logprob=flat[n + j], top=pairs)
-        return SamplerOutput(tokens, ids, lps)
+        return PendingSample(tokens, torch.cat(parts), reqs, step, True)

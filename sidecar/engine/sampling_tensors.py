@@ -3,8 +3,9 @@
 Parameters: every request's row (stream, position, top-k, penalty slot, and as float32 pairs temperature,
 top-p, min-p and the three penalties) is written into one persistent int64 host buffer, pinned on CUDA,
 and reaches the device in a single copy per step; the float columns are a float32 view of the same rows.
-The host buffer is rewritten only after the previous step's device->host copy of its ids, which waits for
-every earlier copy, so a pinned asynchronous copy never reads a half-written row.
+Two such host buffers are used in turn, and one is rewritten only after an event says its last copy has
+run, so a pinned asynchronous copy never reads a half-written row, even while an overlapped step's copy
+still waits behind its forward.
 
 Penalty state: a request with penalties holds a slot, a row of ``seen`` (bool [slots, V]: prompt and output
 tokens, for the repetition penalty), of ``counts`` (int32 [slots, V]: output tokens) and of ``subtract``
@@ -81,9 +82,23 @@ class SamplingTensors:
 
     def _alloc_rows(self, n: int) -> None:
         pin = self.device.type == "cuda"
-        self.host = torch.zeros((n, _WIDTH), dtype=torch.int64, pin_memory=pin)
+        # Two host buffers used in turn, each with the event of its last copy: with overlapped steps the
+        # next step's rows are written while the previous step's copy may still wait behind its forward.
+        self._hosts = [torch.zeros((n, _WIDTH), dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._copied: list[Any] = [None, None]
+        self._turn = 0
+        self.host = self._hosts[0]
         self.dev = self.host if self.device.type == "cpu" else torch.zeros((n, _WIDTH), dtype=torch.int64,
                                                                             device=self.device)
+
+    def _next_host(self) -> None:
+        """Switch to the other host buffer once the copy that last read it is done (two steps ago)."""
+        if self.device.type == "cpu":
+            return
+        self._turn ^= 1
+        if self._copied[self._turn] is not None:
+            self._copied[self._turn].synchronize()
+        self.host = self._hosts[self._turn]
 
     def state(self, req: Any) -> RequestSampling:
         st = req.sampling
@@ -98,9 +113,10 @@ class SamplingTensors:
                 sampled=not p.greedy, penalised=p.uses_penalties)
         return st
 
-    def prepare(self, reqs: list, vocab: int) -> Optional[StepParams]:
+    def prepare(self, reqs: list, vocab: int, ahead: int = 0) -> Optional[StepParams]:
         """Rows of this step on the device, or None when every row is a plain argmax without logprobs
-        (nothing to copy)."""
+        (nothing to copy). ``ahead``: tokens each request has sampled whose ids the host has not appended
+        yet (an overlapped step): positions and penalty counts include them."""
         states = [self.state(r) for r in reqs]
         sampled = [i for i, s in enumerate(states) if s.sampled]
         penalised = [i for i, s in enumerate(states) if s.penalised]
@@ -111,17 +127,21 @@ class SamplingTensors:
         if n > self.host.shape[0]:
             self._alloc_rows(max(n, 2 * self.host.shape[0]))
         if penalised:
-            self._take_slots([reqs[i] for i in penalised], vocab)
+            self._take_slots([reqs[i] for i in penalised], vocab, ahead)
+        self._next_host()
         ks = [s.top_k if s.sampled and 0 < s.top_k < vocab else 0 for s in states]
         lists = [sampled, penalised, lps]
         self.host[:n, :_F0] = torch.tensor(
-            [(s.stream, r.num_tokens, k, -1 if s.slot is None else s.slot,
+            [(s.stream, r.num_tokens + ahead, k, -1 if s.slot is None else s.slot,
               *(rows[i] if i < len(rows) else 0 for rows in lists))
              for i, (s, r, k) in enumerate(zip(states, reqs, ks))], dtype=torch.int64)
         self.host.view(torch.float32)[:n, 2 * _F0:2 * _F0 + 6] = torch.tensor([s.floats for s in states])
         dev = self.dev[:n]
         if dev.data_ptr() != self.host.data_ptr():
             dev.copy_(self.host[:n], non_blocking=True)  # the one host->device copy of the step
+            self._copied[self._turn] = torch.cuda.Event() if self.device.type == "cuda" else None
+            if self._copied[self._turn] is not None:
+                self._copied[self._turn].record()
         top_p = [states[i].floats[1] < 1.0 for i in sampled]
         return StepParams(
             ints=dev, floats=dev.view(torch.float32), sampled=sampled, penalised=penalised, logprobs=lps,
@@ -133,7 +153,7 @@ class SamplingTensors:
             any_presence=any(states[i].floats[4] != 0.0 or states[i].floats[5] != 0.0 for i in penalised))
 
     # -- penalty slots -------------------------------------------------------------------------------
-    def _take_slots(self, reqs: list, vocab: int) -> None:
+    def _take_slots(self, reqs: list, vocab: int, ahead: int = 0) -> None:
         self.clock += 1
         batch = {id(r) for r in reqs}
         for r in reqs:
@@ -142,7 +162,9 @@ class SamplingTensors:
                 st.slot = self._free_slot(batch, vocab)
                 self.owners[st.slot] = r
                 st.counted = -1
-            if st.counted != len(r.output_token_ids):
+            if st.counted != len(r.output_token_ids) + ahead:
+                if ahead:  # a rebuild reads the host's token lists, which lack the tokens still in flight
+                    raise RuntimeError(f"penalty state of {r.request_id!r} is stale during an overlapped step")
                 self._rebuild(st.slot, r)
                 st.counted = len(r.output_token_ids)
             self.last_use[st.slot] = self.clock

@@ -46,6 +46,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--demo-dir", "engine", "demo_dir"),
     ("--max-loras", "engine", "max_loras"),
     ("--max-lora-rank", "engine", "max_lora_rank"),
+    ("--overlap-steps", "engine", "overlap_steps"),
     ("--host", "server", "host"),
     ("--grpc-port", "server", "grpc_port"),
     ("--http-port", "server", "http_port"),
