@@ -50,11 +50,13 @@ def test_each_adapter_matches_hf_peft_merged(tiny_models, adapters, kind):
     assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("max_loras", [4, 2])
-def test_mixed_batch_gives_each_row_its_solo_output(tiny_models, adapters, max_loras):
-    """Three adapters and the base in one batch; with two slots, requests park and adapters are evicted."""
+@pytest.mark.parametrize("max_loras,overlap", [(4, False), (2, False), (4, True)])
+def test_mixed_batch_gives_each_row_its_solo_output(tiny_models, adapters, max_loras, overlap):
+    """Three adapters and the base in one batch; with two slots, requests park and adapters are evicted.
+    With overlapped steps forced on, a batch with adapter rows is never launched ahead (it runs eagerly
+    with its low-rank updates), so each row still gets its adapter's output."""
     llm = LLM(model=str(tiny_models["llama"]), dtype="float32", max_loras=max_loras, max_lora_rank=16,
-              lora_modules={n: str(p) for n, p in adapters["llama"].items()})
+              lora_modules={n: str(p) for n, p in adapters["llama"].items()}, overlap_steps=overlap)
     names = ["attn", "all", "mlp", None]
     solo = {n: [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora=n)] for n in names}
     prompts = [p for p in PROMPTS for _ in names]
