@@ -4,6 +4,7 @@ tenant holding every running slot does not keep another tenant's small request w
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import httpx
@@ -69,10 +70,14 @@ def test_a_tenant_holding_every_slot_does_not_hold_another_tenants_request(srv):
     with grpc.insecure_channel(srv.grpc_target) as ch:
         stub = pbg.InferenceStub(ch)
         long = pb.GenerateRequest(prompt="long", sampling=pb.SamplingParams(max_tokens=4000, ignore_eos=True))
-        held = [stub.GenerateStream(long, metadata=A) for _ in range(SLOTS + 2)]  # never read past the first
+        held = [stub.GenerateStream(long, metadata=A) for _ in range(SLOTS + 2)]  # never read
         try:
-            for call in held[:SLOTS]:
-                next(call)
+            # Which SLOTS of hers run first is the server's choice: wait for the engine's count, not for
+            # particular calls (reading a call that is still waiting would block until a slot frees).
+            deadline = time.monotonic() + 60
+            while stub.GetStats(pb.GetStatsRequest(), metadata=A).num_running < SLOTS:
+                assert time.monotonic() < deadline, "alice's streams never filled the running slots"
+                time.sleep(0.02)
             before = stub.GetStats(pb.GetStatsRequest(), metadata=A).num_preemptions  # the pool has room: 0
             small = stub.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4)),
                                   metadata=B, timeout=120)

@@ -15,6 +15,14 @@ from tests.unit.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prom
 MAX_NEW = 10
 
 
+@pytest.fixture(autouse=True)
+def _no_triton_interpreter(monkeypatch):
+    """These tests stand simulated kernels behind the switches on the CPU code paths; with Triton's
+    interpreter on (tests/unit/triton sets it for the session), a switched-on path would run the Triton
+    kernel on CPU tensors instead of the simulated one."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 @pytest.fixture(scope="module")
 def prompts():
     return make_prompts(7, 900, 3, 40, seed=3)
