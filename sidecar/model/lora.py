@@ -211,6 +211,7 @@ class LoraLayers:
                 self._packed[(layer, fused, k)] = (reorder(a[:rows].contiguous(), PACK_ROWS_HINT),
                                                    reorder(bt[:rows].t().contiguous(), PACK_ROWS_HINT))
         self._stale.clear()
+
     def set_batch(self, token_slots: Optional[Sequence[int]]) -> None:
         """Slot (or -1: base model) of every token of the next forward, in order; None ends the batch."""
         if token_slots is None or all(s < 0 for s in token_slots):

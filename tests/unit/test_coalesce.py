@@ -1,7 +1,6 @@
 """In-flight coalescing and visible-at-once stores, through the real service, engine (demo model) and
 semantic cache (bundled embedder)."""
 import asyncio
-import time
 
 import pytest
 
