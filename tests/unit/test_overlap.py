@@ -12,6 +12,7 @@ from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.engine import sampler as sampler_mod
 from sidecar.engine.engine import LLMEngine
+from tests.unit.test_engine import drain
 from tests.unit.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
 
 MAX_NEW = 10
@@ -35,15 +36,6 @@ def _pool_whole(llm: LLM) -> None:
     assert_pool_whole(llm)
     assert llm.engine.overlap.inflight is None
     assert llm.engine.sampler.tensors.slots_in_use() == 0
-
-
-def _drain(engine: LLMEngine) -> dict:
-    done = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-    return done
 
 
 def test_overlap_defaults_off_on_cpu_and_validates(demo_pair, demo_dir):
@@ -101,7 +93,7 @@ def test_overlap_equals_plain_and_hf(tiny_models, kind):
         for _ in range(3):  # later arrivals drain the pipeline to be admitted
             eng.step()
         ids += [eng.add_request(None, p, sp) for p, sp in zip(prompts[3:], params[3:])]
-        done = _drain(eng)
+        done = drain(eng)
         outs[overlap] = [(done[i].token_ids, done[i].finish_reason) for i in ids]
         _pool_whole(llm)
     assert outs[True] == outs[False] == [(r[:n], "length") for r, n in zip(ref, lens)]
@@ -188,7 +180,7 @@ def test_abort_and_deadline_between_launch_and_readback(demo_pair):
     assert eng.overlap.inflight is not None
     eng.abort(ids[0])  # its in-flight row is never read
     eng.requests[ids[1]].deadline = time.monotonic() - 1  # expires at the next step, also in flight
-    done = _drain(eng)
+    done = drain(eng)
     assert done[ids[0]].finish_reason == "abort" and done[ids[0]].token_ids == emitted[ids[0]]
     assert done[ids[1]].abort_reason == "deadline" and done[ids[1]].token_ids == emitted[ids[1]]
     assert emitted[ids[0]] == ref[0][:len(emitted[ids[0]])] and emitted[ids[1]] == ref[1][:len(emitted[ids[1]])]
@@ -205,7 +197,7 @@ def test_preemption_between_launch_and_readback(demo_pair):
     _until_in_flight(eng, 4)
     victim = eng.requests[ids[1]]
     eng.scheduler._preempt(victim)  # as the scheduler would under pool pressure: its in-flight row is dropped
-    done = _drain(eng)
+    done = drain(eng)
     assert [done[i].token_ids for i in ids] == ref and victim.num_preemptions == 1
     _pool_whole(llm)
 
@@ -229,7 +221,7 @@ def test_failed_overlapped_step_fails_its_requests(demo_dir, monkeypatch):
     _until_in_flight(eng, 2)
     launch = eng.runner.launch_decode
     monkeypatch.setattr(eng.runner, "launch_decode", lambda *a: (_ for _ in ()).throw(RuntimeError("device lost")))
-    done = _drain(eng)
+    done = drain(eng)
     assert all(done[i].finish_reason == "abort" and "device lost" in done[i].abort_reason for i in ids)
     monkeypatch.setattr(eng.runner, "launch_decode", launch)
     _pool_whole(llm)

@@ -4,11 +4,8 @@ import static org.assertj.core.api.Assertions.assertThat;
 import static org.assertj.core.api.Assertions.assertThatThrownBy;
 
 import dev.sidecar.v1.CompletionChunk;
-import io.grpc.Attributes;
-import io.grpc.EquivalentAddressGroup;
 import io.grpc.Grpc;
 import io.grpc.InsecureServerCredentials;
-import io.grpc.NameResolver;
 import io.grpc.NameResolverProvider;
 import io.grpc.NameResolverRegistry;
 import io.grpc.Server;
@@ -16,13 +13,10 @@ import io.grpc.health.v1.HealthCheckResponse;
 import io.grpc.protobuf.services.HealthStatusManager;
 import java.net.InetSocketAddress;
 import java.net.SocketAddress;
-import java.net.URI;
 import java.util.ArrayList;
-import java.util.Collection;
 import java.util.HashMap;
 import java.util.List;
 import java.util.Map;
-import java.util.Set;
 import java.util.concurrent.TimeUnit;
 import org.junit.jupiter.api.AfterEach;
 import org.junit.jupiter.api.BeforeEach;
@@ -55,7 +49,7 @@ class SessionAffinityTest {
             servers.add(s);
             addresses.add(new InetSocketAddress("127.0.0.1", s.getPort()));
         }
-        provider = new StaticProvider(addresses);
+        provider = new StaticProvider(SCHEME, addresses);
         NameResolverRegistry.getDefaultRegistry().register(provider);
     }
 
@@ -231,58 +225,5 @@ class SessionAffinityTest {
             }
         }
         assertThat(moved).isBetween(keys / 4 - keys / 10, keys / 4 + keys / 10);
-    }
-
-    private static final class StaticProvider extends NameResolverProvider {
-        private final List<SocketAddress> addresses;
-
-        StaticProvider(List<SocketAddress> addresses) {
-            this.addresses = addresses;
-        }
-
-        @Override
-        public NameResolver newNameResolver(URI targetUri, NameResolver.Args args) {
-            if (!SCHEME.equals(targetUri.getScheme())) {
-                return null;
-            }
-            return new NameResolver() {
-                @Override
-                public String getServiceAuthority() {
-                    return "sidecar";
-                }
-
-                @Override
-                public void start(Listener2 listener) {
-                    listener.onResult(ResolutionResult.newBuilder()
-                            .setAddressesOrError(io.grpc.StatusOr.fromValue(
-                                    addresses.stream().map(EquivalentAddressGroup::new).toList()))
-                            .setAttributes(Attributes.EMPTY).build());
-                }
-
-                @Override
-                public void shutdown() {
-                }
-            };
-        }
-
-        @Override
-        public String getDefaultScheme() {
-            return SCHEME;
-        }
-
-        @Override
-        protected boolean isAvailable() {
-            return true;
-        }
-
-        @Override
-        protected int priority() {
-            return 5;
-        }
-
-        @Override
-        public Collection<Class<? extends SocketAddress>> getProducedSocketAddressTypes() {
-            return Set.of(InetSocketAddress.class);
-        }
     }
 }
