@@ -251,9 +251,12 @@ final class ChatMapping {
             meta.model(model);
         }
         if (usage != null) {
+            // Prompt tokens served from the replica's prefix cache are Spring AI's cache-read input tokens
+            // (what its OpenAI and Anthropic models report there); nothing is written to a cache on request.
             meta.usage(new DefaultUsage(usage.getPromptTokens(), usage.getCompletionTokens(),
                     usage.getTotalTokens() > 0 ? usage.getTotalTokens()
-                            : usage.getPromptTokens() + usage.getCompletionTokens(), usage));
+                            : usage.getPromptTokens() + usage.getCompletionTokens(), usage,
+                    (long) usage.getCachedTokens(), null));
         }
         AssistantMessage output = AssistantMessage.builder().content(text)
                 .toolCalls(calls.stream().map(ChatMapping::fromWire).toList()).build();

@@ -24,8 +24,8 @@ import reactor.core.publisher.Flux;
 /**
  * Spring AI {@link ChatModel} (blocking and streaming) over the sidecar's Chat RPCs.
  *
- * <p>Each {@link ChatResponse} carries usage (prompt, completion, total; the wire
- * {@code Usage} as native usage), the finish reason ("STOP", "LENGTH", "ABORT") and,
+ * <p>Each {@link ChatResponse} carries usage (prompt, completion, total; prompt tokens served from the
+ * prefix cache as {@code getCacheReadInputTokens()}; the wire {@code Usage} as native usage), the finish reason ("STOP", "LENGTH", "ABORT") and,
  * in both the response and the generation metadata, the keys below (cache status and
  * similarity, prefix-cached tokens, timings). Failures are Spring AI's
  * {@link org.springframework.ai.retry.TransientAiException} /

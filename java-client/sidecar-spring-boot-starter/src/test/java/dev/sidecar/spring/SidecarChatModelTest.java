@@ -94,6 +94,7 @@ class SidecarChatModelTest {
         assertThat((String) r.getMetadata().get(SidecarChatModel.CACHE_STATUS)).isEqualTo("HIT_SEMANTIC");
         assertThat((Double) r.getMetadata().get(SidecarChatModel.CACHE_SIMILARITY)).isCloseTo(0.93, org.assertj.core.data.Offset.offset(1e-6));
         assertThat((Integer) r.getMetadata().get(SidecarChatModel.CACHED_TOKENS)).isEqualTo(8);
+        assertThat(r.getMetadata().getUsage().getCacheReadInputTokens()).isEqualTo(8L);
         assertThat((String) r.getResult().getMetadata().get(SidecarChatModel.CACHE_STATUS)).isEqualTo("HIT_SEMANTIC");
     }
 
