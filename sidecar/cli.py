@@ -34,6 +34,8 @@ BENCHMARKS = {
     "serve": ("sidecar.bench.serve", "load generator over gRPC or the OpenAI HTTP API"),
     "soak": ("sidecar.bench.soak", "memory soak: N mixed requests against a real server, RSS sampled and plotted"),
     "semantic-cache": ("sidecar.bench.semantic_cache", "semantic cache precision/recall and latency"),
+    "fleet": ("sidecar.bench.fleet", "multi-turn conversations over N replicas: cached prompt share with session "
+              "affinity vs round-robin vs one replica"),
     "lora": ("sidecar.bench.lora", "multi-LoRA: 4 adapters mixed in one batch vs the base model alone; "
              "per-token cost of one more adapter"),
 }
