@@ -49,6 +49,7 @@ log = logging.getLogger("sidecar.cache")
 STORABLE_FINISH = ("stop", "length")
 _CANDIDATES = 4          # neighbours checked by the guard before giving up
 _VECTOR_MEMO = 2048      # recent query vectors, so store() after a miss does not re-embed
+_INLINE_CHARS = 8192     # lookups of a scope + query up to this size run on the event loop (see lookup)
 _WS = re.compile(r"\s+")
 
 
@@ -210,10 +211,13 @@ class SemanticCache:
         return hit
 
     def _touch(self, hit: Optional[CacheHit], now: float) -> None:
-        """Persist a hit's LRU position; best effort, outside ``_lock`` (SQLite may wait for its lock)."""
-        if hit is None:
-            return
-        if not self._backend.touch(hit._entry, now):
+        """Persist a hit's LRU position behind the answer, on the writer thread (in order with the other
+        writes); best effort: a busy or failing file is counted, never waited for by the hit."""
+        if hit is not None:
+            self._writer.submit(self._persist_touch, hit._entry, now)
+
+    def _persist_touch(self, e: Entry, now: float) -> None:
+        if not self._backend.touch(e, now):
             with self._lock:
                 self._counters["store_busy"] += 1
 
@@ -253,14 +257,22 @@ class SemanticCache:
     async def lookup(self, scope: CacheScope) -> Optional[CacheHit]:
         """Return a stored answer for this scope and query, or None.
 
-        Everything CPU- or IO-heavy (hashing, FAISS, the guard, SQLite) runs in a worker thread, so a
-        huge query or a locked database file never holds the event loop.
+        Lookups read memory only (a hit's persisted LRU position is written behind it). For a scope and
+        query under ``_INLINE_CHARS`` the hashing, the FAISS search and the guard take microseconds and
+        run on the event loop, saving two thread hand-offs per lookup; larger ones run in a worker thread,
+        so a huge query never holds the loop. The embedding always runs on the embedder's thread.
         """
         now = self._clock()
-        hit, skey, query = await asyncio.to_thread(self._lookup_exact, scope, now)
+        small = len(scope.context) + len(scope.query) <= _INLINE_CHARS
+        if small:
+            hit, skey, query = self._lookup_exact(scope, now)
+        else:
+            hit, skey, query = await asyncio.to_thread(self._lookup_exact, scope, now)
         if hit is not None or skey is None:
             return hit
         vec = await self._embed(query)
+        if small:
+            return self._lookup_similar(skey, query, vec, now)
         return await asyncio.to_thread(self._lookup_similar, skey, query, vec, now)
 
     def _lookup_exact(self, scope: CacheScope, now: float) -> tuple:

@@ -308,3 +308,32 @@ def test_count_tokens_while_embedding_in_the_worker(embedder):
 
     outs, counts = run(go())
     assert len(outs) == 64 and counts and len(set(counts)) == 1
+
+
+def test_embeddings_equal_sentence_transformers_encode(embedder):
+    texts = ["How do I reset my password?", "hello", "Which process listens on port 8080 on Linux?"]
+    ours = embedder.embed(texts)
+    ref = embedder._model.encode(texts, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False)
+    ref = np.asarray(ref, dtype=np.float32)
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    assert np.allclose(ours, ref, atol=1e-3)
+    assert np.min(np.sum(ours * ref, axis=1)) > 0.9999
+
+
+def test_large_scopes_are_looked_up_off_the_loop_and_hits_are_touched_behind(embedder, tmp_path):
+    path = str(tmp_path / "cache.db")
+    clock = Clock()
+    cache = SemanticCache(CacheConfig(path=path), embedder=embedder, clock=clock)
+    long_context = "earlier turn " * 1000  # over the inline size: hashed and searched in a worker thread
+    try:
+        run(put(cache, "How can I clear the browser cache in Chrome?", "Settings > Privacy", context=long_context))
+        run(put(cache, "How can I clear the browser cache in Chrome?", "short scope"))
+        clock.t += 50
+        hit = run(cache.lookup(scope("How do I clear the cache in Chrome?", context=long_context)))
+        assert hit.kind == "semantic" and hit.text == "Settings > Privacy"
+        clock.t += 50
+        assert run(cache.lookup(scope("How can I clear the browser cache in chrome"))).text == "short scope"
+    finally:
+        cache.close()  # waits for the writes queued behind the hits
+    rows = sorted(sqlite3.connect(path).execute("SELECT text, last_access FROM entries").fetchall())
+    assert rows == [("Settings > Privacy", clock.t - 50), ("short scope", clock.t)]
