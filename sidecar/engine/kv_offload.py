@@ -3,7 +3,8 @@
 A full block with a prefix hash that leaves the pool (its hash is dropped when the block is reused,
 ``BlockPool.on_evict``) is copied to the host tier and, when a directory is given, written to the disk
 tier (write-through, so the disk holds every offloaded block until its own bound evicts it, and a restart
-finds them). A later request whose chain of block hashes continues past the pool's hits finds the next
+finds them; a writer thread does the writing, so an eviction on a request's path never waits for the disk,
+and a block still queued is served from the queue). A later request whose chain of block hashes continues past the pool's hits finds the next
 blocks here; ``KVCacheManager`` loads each into a fresh pool block and registers it under its hash, so
 the scheduler counts those tokens as cached exactly like pool hits.
 
@@ -21,7 +22,9 @@ import errno
 import hashlib
 import logging
 import os
+import queue
 import struct
+import threading
 import time
 import zlib
 from collections import OrderedDict
@@ -77,6 +80,12 @@ class DiskTier:
         self.errors = 0  # writes or reads that failed for another reason
         self.used = 0
         self.files: "OrderedDict[bytes, int]" = OrderedDict()  # block hash -> file size, oldest use first
+        # Blocks queued for the writer thread (served from here until written); the lock guards files, used
+        # and pending, which the writer updates too.
+        self.pending: dict[bytes, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self._lock = threading.RLock()
+        self._queue: "queue.Queue[bytes]" = queue.Queue()
+        self._writer: Optional[threading.Thread] = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             found = sorted(self.dir.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime)
@@ -99,7 +108,9 @@ class DiskTier:
         return self.dir / (block_hash.hex() + _SUFFIX)
 
     def _drop(self, block_hash: bytes) -> None:
-        self.used -= self.files.pop(block_hash, 0)
+        with self._lock:
+            self.used -= self.files.pop(block_hash, 0)
+            self.pending.pop(block_hash, None)
         try:
             self._path(block_hash).unlink()
         except OSError:
@@ -110,14 +121,41 @@ class DiskTier:
             self._drop(next(iter(self.files)))
 
     def put(self, block_hash: bytes, tokens: tuple[int, ...], data: torch.Tensor) -> None:
-        if not self.enabled or block_hash in self.files:
+        """Queue the block for the writer thread (an eviction never waits for the disk); until written, a
+        ``get`` serves it from the queue."""
+        size = _HEADER.size + 8 * len(tokens) + data.numel()
+        if not self.enabled or block_hash in self.files or size > self.capacity:
             return
-        payload = data.numpy().tobytes()
+        with self._lock:
+            self.files[block_hash] = size
+            self.used += size
+            self.pending[block_hash] = (tokens, data)
+            self._shrink()
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-offload-disk", daemon=True)
+            self._writer.start()
+        self._queue.put(block_hash)
+
+    def flush(self) -> None:
+        """Wait until every queued block is on disk (or dropped)."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def _write_loop(self) -> None:
+        while True:
+            block_hash = self._queue.get()
+            try:
+                with self._lock:
+                    entry = self.pending.get(block_hash)
+                if entry is not None and self.enabled:
+                    self._write(block_hash, *entry)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, block_hash: bytes, tokens: tuple[int, ...], data: torch.Tensor) -> None:
+        payload = data.numpy().data
         toks = struct.pack(f"<{len(tokens)}q", *tokens)
         head = _HEADER.pack(MAGIC, self.digest, block_hash, len(tokens), len(payload), zlib.crc32(payload))
-        size = len(head) + len(toks) + len(payload)
-        if size > self.capacity:
-            return
         path = self._path(block_hash)
         tmp = path.with_suffix(".tmp")
         try:
@@ -131,36 +169,60 @@ class DiskTier:
                 tmp.unlink()
             except OSError:
                 pass
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
-                self._disable(exc)
-            else:
-                self.errors += 1
+            with self._lock:
+                self.pending.pop(block_hash, None)
+                self.used -= self.files.pop(block_hash, 0)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+                    if self.enabled:
+                        self._disable(exc)
+                else:
+                    self.errors += 1
             return
-        self.files[block_hash] = size
-        self.used += size
-        self._shrink()
+        with self._lock:
+            self.pending.pop(block_hash, None)
+            gone = block_hash not in self.files  # dropped by the bound while it was being written
+        if gone:
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
     def get(self, block_hash: bytes, tokens: tuple[int, ...]) -> Optional[torch.Tensor]:
         """The block's bytes, or None: absent, another block's tokens, or a file that fails a check (then
         deleted and counted)."""
         if not self.enabled or block_hash not in self.files:
             return None
+        with self._lock:
+            entry = self.pending.get(block_hash)
+            if entry is not None:
+                self.files.move_to_end(block_hash)
+                return entry[1] if entry[0] == tokens else None
+        data = self._read(block_hash, tokens)
+        if data is None:
+            return None
+        with self._lock:
+            if block_hash in self.files:
+                self.files.move_to_end(block_hash)
+        return data
+
+    def _read(self, block_hash: bytes, tokens: tuple[int, ...]) -> Optional[torch.Tensor]:
+        path = self._path(block_hash)
         try:
-            raw = self._path(block_hash).read_bytes()
+            with open(path, "rb") as fh:
+                raw = bytearray(os.fstat(fh.fileno()).st_size)
+                n = fh.readinto(raw)
         except OSError:
             self.errors += 1
             self._drop(block_hash)
             return None
-        data = self._parse(raw, block_hash, tokens)
+        data = self._parse(memoryview(raw)[:n], block_hash, tokens)
         if data is None:
             self.corrupt += 1
-            log.warning("KV offload: dropped a damaged block file %s", self._path(block_hash).name)
+            log.warning("KV offload: dropped a damaged block file %s", path.name)
             self._drop(block_hash)
-            return None
-        self.files.move_to_end(block_hash)
         return data
 
-    def _parse(self, raw: bytes, block_hash: bytes, tokens: tuple[int, ...]) -> Optional[torch.Tensor]:
+    def _parse(self, raw: memoryview, block_hash: bytes, tokens: tuple[int, ...]) -> Optional[torch.Tensor]:
         if len(raw) < _HEADER.size:
             return None
         magic, digest, stored_hash, n, nbytes, crc = _HEADER.unpack_from(raw)
@@ -168,26 +230,27 @@ class DiskTier:
         if (magic != MAGIC or digest != self.digest or stored_hash != block_hash or n != len(tokens)
                 or len(raw) != start + nbytes):
             return None
-        if struct.unpack_from(f"<{n}q", raw, _HEADER.size) != tokens:
+        if struct.unpack_from(f"<{n}q", raw, _HEADER.size) != tuple(tokens):
             return None
-        payload = memoryview(raw)[start:]
+        payload = raw[start:]
         if zlib.crc32(payload) != crc:
             return None
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        return torch.frombuffer(payload, dtype=torch.uint8)  # the read buffer itself, no copy
 
 
 class KVOffload:
     """The tiers behind a pool: ``offload`` copies an evicted block out, ``fetch`` + ``install`` bring one back.
 
-    ``read_block(block_id)`` / ``write_block(block_id, data)`` move one block's bytes between the device
-    cache and the host (the runner's)."""
+    ``read_block(block_id)`` / ``write_blocks(block_ids, datas)`` move blocks' bytes between the device
+    cache and the host (the runner's); a load writes a whole chain of blocks in one call."""
 
     def __init__(self, host_bytes: int, disk_dir: Optional[str], disk_bytes: int, identity: str,
-                 read_block: Callable[[int], torch.Tensor], write_block: Callable[[int, torch.Tensor], None]) -> None:
+                 read_block: Callable[[int], torch.Tensor],
+                 write_blocks: Callable[[list[int], list[torch.Tensor]], None]) -> None:
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.disk = DiskTier(disk_dir, disk_bytes, identity) if disk_dir else None
         self.read_block = read_block
-        self.write_block = write_block
+        self.write_blocks = write_blocks
         self.counters = {"kv_offload_blocks": 0, "kv_offload_bytes": 0, "kv_offload_loaded_blocks": 0,
                          "kv_offload_loaded_bytes": 0, "kv_offload_host_lookups": 0, "kv_offload_host_hits": 0,
                          "kv_offload_disk_lookups": 0, "kv_offload_disk_hits": 0, "kv_offload_load_time_s": 0.0}
@@ -225,18 +288,18 @@ class KVOffload:
         c["kv_offload_load_time_s"] += time.perf_counter() - t
         return data
 
-    def install(self, block_id: int, data: torch.Tensor) -> bool:
-        """Write fetched bytes into pool block ``block_id``; False (block contents undefined, so the caller
-        must not register it) when they do not fit the pool's layout."""
+    def install(self, block_ids: list[int], datas: list[torch.Tensor]) -> bool:
+        """Write fetched bytes into pool blocks ``block_ids`` (one call for a chain); False (their contents
+        undefined, so the caller must not register them) when they do not fit the pool's layout."""
         t = time.perf_counter()
         try:
-            self.write_block(block_id, data)
+            self.write_blocks(block_ids, datas)
         except (RuntimeError, ValueError) as exc:  # a block of another layout: recompute it instead
-            log.warning("KV offload: cannot load a block (%s); recomputing it", exc)
+            log.warning("KV offload: cannot load %d block(s) (%s); recomputing them", len(block_ids), exc)
             return False
         c = self.counters
-        c["kv_offload_loaded_blocks"] += 1
-        c["kv_offload_loaded_bytes"] += data.numel()
+        c["kv_offload_loaded_blocks"] += len(block_ids)
+        c["kv_offload_loaded_bytes"] += sum(d.numel() for d in datas)
         c["kv_offload_load_time_s"] += time.perf_counter() - t
         return True
 
@@ -258,7 +321,7 @@ def offload_stats(offload: Optional[KVOffload]) -> dict:
     """``offload.stats()``, or the same keys at zero without tiers (metrics and stats() always carry them)."""
     if offload is not None:
         return offload.stats()
-    return KVOffload(0, None, 0, "", read_block=None, write_block=None).stats()
+    return KVOffload(0, None, 0, "", read_block=None, write_blocks=None).stats()
 
 
 def model_identity(loaded, kv_dtype_name: str, block_size: int) -> str:

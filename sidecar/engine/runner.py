@@ -126,12 +126,13 @@ class ModelRunner:
         """One block of every layer (values and scales) as host bytes (``kv_quant.read_block``)."""
         return kv_quant.read_block(self.kv_caches, block_id)
 
-    def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        """Fill a block from ``read_block``'s bytes. Lazy zeroing is brought past it first, so the first
-        step that uses the block does not wipe what was loaded."""
-        if block_id > self._zeroed_upto:
-            self._zero_blocks(self._zeroed_upto + 1, block_id)
-        kv_quant.write_block(self.kv_caches, block_id, data)
+    def write_blocks(self, block_ids: list[int], datas: list[torch.Tensor]) -> None:
+        """Fill blocks from ``read_block``'s bytes. Lazy zeroing is brought past them first, so the first
+        step that uses a block does not wipe what was loaded."""
+        top = max(block_ids, default=-1)
+        if top > self._zeroed_upto:
+            self._zero_blocks(self._zeroed_upto + 1, top)
+        kv_quant.write_blocks(self.kv_caches, block_ids, datas)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

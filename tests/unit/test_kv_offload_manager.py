@@ -21,9 +21,10 @@ class FakeDevice:
     def read(self, block_id: int) -> torch.Tensor:
         return self.data[block_id].clone()
 
-    def write(self, block_id: int, data: torch.Tensor) -> None:
-        self.writes.append(block_id)
-        self.data[block_id] = data.clone()
+    def write(self, block_ids: list[int], datas: list[torch.Tensor]) -> None:
+        for block_id, data in zip(block_ids, datas):
+            self.writes.append(block_id)
+            self.data[block_id] = data.clone()
 
 
 def setup(num_blocks: int = 7):
