@@ -34,13 +34,18 @@ def main(arch: int) -> None:
     for dt in ("bf16", "fp32"):
         f32, bf16 = dt == "fp32", dt == "bf16"
         p = f"*{dt}"
-        for group, direct, window in ((1, True, False), (7, False, True)):
+        # Plain cache; int8 codes; fp8 e4m3 codes (passed as bytes). Scales are float32.
+        for group, direct, window, codes in ((1, True, False, None), (7, False, True, None), (3, True, False, "*i8"),
+                                             (7, False, True, "*u8")):
+            kv = codes or p
             build(triton_attention._decode_partition,
-                  dict(q_ptr=p, k_ptr=p, v_ptr=p, bt_ptr="*i32", ctx_ptr="*i64", out_ptr=p, m_ptr="*fp32",
+                  dict(q_ptr=p, k_ptr=kv, v_ptr=kv, ks_ptr="*fp32" if codes else p, vs_ptr="*fp32" if codes else p,
+                       bt_ptr="*i32", ctx_ptr="*i64", out_ptr=p, m_ptr="*fp32",
                        l_ptr="*fp32", acc_ptr="*fp32", scale="fp32", window="i32",
-                       **ints("s_qb s_qh s_kb s_ks s_kh s_vb s_vs s_vh s_bt s_ob s_oh n_parts max_blocks")),
+                       **ints("s_qb s_qh s_kb s_ks s_kh s_vb s_vs s_vh s_sb s_ss s_bt s_ob s_oh n_parts max_blocks")),
                   dict(GROUP=group, G_PAD=16, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=16, PART=256, BLOCK_N=32,
-                       HAS_WINDOW=window, DIRECT=direct, F32=f32, BF16=bf16), arch)
+                       HAS_WINDOW=window, DIRECT=direct, F32=f32, BF16=bf16, QUANT=codes is not None,
+                       FP8=codes == "*u8"), arch)
         build(triton_attention._decode_reduce,
               dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=p, **ints("n_parts s_ob s_oh")),
               dict(HEAD_DIM=64, D_PAD=64, P_PAD=8, BF16=bf16), arch)
