@@ -127,17 +127,23 @@ def write_block(caches: list[tuple[torch.Tensor, ...]], block_id: int, data: tor
     write_blocks(caches, [block_id], [data])
 
 
-def write_blocks(caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], datas: list[torch.Tensor]) -> None:
+def write_blocks(caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], datas) -> None:
     """``write_block`` for many blocks at once: one indexed copy per cache tensor for all of them (a long
-    prefix loads in as many copies as the cache has tensors, not that times its blocks)."""
+    prefix loads in as many copies as the cache has tensors, not that times its blocks). ``datas``: a list
+    of block buffers, or one uint8 tensor [n, block bytes] (already staged)."""
     need = block_nbytes(caches)
     for data in datas:  # checked first: a bad buffer writes nothing
         if data.dtype != torch.uint8 or data.numel() != need:
             raise ValueError(f"block data: {data.numel()} bytes of {data.dtype} for a block of {need} bytes")
-    if not datas:
+    if len(datas) != len(block_ids):
+        raise ValueError(f"block data: {len(datas)} buffers for {len(block_ids)} blocks")
+    if not len(datas):
         return
     first = caches[0][0]
-    rows = torch.stack(datas) if len(datas) > 1 else datas[0][None]
+    if isinstance(datas, torch.Tensor):
+        rows = datas
+    else:
+        rows = torch.stack(datas) if len(datas) > 1 else datas[0][None]
     rows = rows.to(first.device, non_blocking=True)
     ids = torch.tensor(block_ids, dtype=torch.long, device=first.device)
     off = 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sidecar import LLM, SamplingParams
-from sidecar.engine import kv_offload
+from sidecar.engine import kv_disk
 from sidecar.engine.block_pool import hash_block
 from sidecar.engine.kv_offload import DiskTier
 
@@ -165,7 +165,7 @@ def test_a_full_disk_disables_the_tier_with_one_log_line(demo_dir, reference, tm
         raise OSError(errno.ENOSPC, "No space left on device")
 
     llm = make(demo_dir, kv_offload_dir=str(tmp_path), kv_offload_gb=0.01)
-    monkeypatch.setattr(kv_offload, "open", full, raising=False)
+    monkeypatch.setattr(kv_disk, "open", full, raising=False)
     with caplog.at_level(logging.WARNING, logger="sidecar.engine"):
         llm.generate([DOC], GREEDY)
         evict_doc(llm)
