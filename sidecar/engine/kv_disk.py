@@ -2,6 +2,7 @@
 ``<dir>/<identity digest>/``, written by a writer thread and bounded by bytes (LRU by use)."""
 from __future__ import annotations
 
+import atexit
 import errno
 import hashlib
 import logging
@@ -9,6 +10,7 @@ import os
 import queue
 import struct
 import threading
+import weakref
 import zlib
 from collections import OrderedDict
 from pathlib import Path
@@ -23,6 +25,14 @@ log = logging.getLogger("sidecar.engine")
 MAGIC = b"SKV1"
 _HEADER = struct.Struct("<4s32s32sIQI")  # magic, identity digest, block hash, n tokens, payload bytes, crc32
 _SUFFIX = ".kvb"
+_LIVE: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()  # tiers whose writer may hold queued blocks
+
+
+@atexit.register
+def _flush_all() -> None:
+    """Queued blocks reach the disk before the process exits (a restart finds them)."""
+    for tier in list(_LIVE):
+        tier.flush()
 
 
 class DiskTier:
@@ -43,6 +53,10 @@ class DiskTier:
         self._lock = threading.RLock()
         self._queue: "queue.Queue[bytes]" = queue.Queue()
         self._writer: Optional[threading.Thread] = None
+        for other in list(_LIVE):  # an earlier engine on this directory: its queued blocks first
+            if other.dir == self.dir:
+                other.flush()
+        _LIVE.add(self)
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             found = sorted(self.dir.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,20 @@ def test_metrics_and_model_info_carry_the_pool_and_the_tiers(demo_dir, tmp_path)
     assert "sidecar_kv_offload_loaded_blocks_total 12.0" in body
     assert "sidecar_kv_offload_host_hits_total 12.0" in body
     assert llm.engine.model_info["kv_cache_dtype"] == "int8"
+
+
+def test_a_new_tier_on_the_directory_waits_for_the_blocks_an_earlier_one_still_has_queued(tmp_path, monkeypatch):
+    slow = threading.Event()
+    a = DiskTier(str(tmp_path), 1 << 20, "m")
+    real = a._write
+
+    def delayed(*args):
+        slow.wait(5)
+        real(*args)
+
+    monkeypatch.setattr(a, "_write", delayed)
+    data, h, toks = torch.arange(50, dtype=torch.uint8), b"\x03" * 32, (4, 5)
+    a.put(h, toks, data)
+    threading.Timer(0.2, slow.set).start()  # the write completes only a moment later
+    b = DiskTier(str(tmp_path), 1 << 20, "m")  # a restart in the same process: sees the file
+    assert h in b.files and torch.equal(b.get(h, toks), data)
