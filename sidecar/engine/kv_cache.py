@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import torch
+
 from sidecar.config import EngineConfig
 from sidecar.engine.block_pool import BlockPool, KVBlock, hash_block
 from sidecar.engine.kv_offload import KVOffload, model_identity, offload_stats
@@ -31,7 +33,7 @@ class KVCacheManager:
             identity = model_identity(loaded, runner.kv_info()["kv_cache_dtype"], config.block_size)
             offload = KVOffload(int(config.kv_offload_gb * (1 << 30)), config.kv_offload_dir,
                                 int(config.kv_offload_disk_gb * (1 << 30)), identity, runner.read_block,
-                                runner.write_block)
+                                runner.write_blocks)
         return cls(runner.num_blocks, config.block_size, config.enable_prefix_caching, offload)
 
     def offload_stats(self) -> dict:
@@ -80,23 +82,23 @@ class KVCacheManager:
         bs = self.block_size
         toks = req.all_token_ids
         self.pool.touch(hits)  # the chain found so far must not become a load target
+        found: list[tuple[int, tuple[int, ...], torch.Tensor]] = []
+        for i in range(len(hits), min(stop, len(hits) + self.pool.num_free_blocks())):
+            tokens = tuple(toks[i * bs:(i + 1) * bs])
+            data = self.offload.fetch(req.block_hashes[i], tokens)  # a miss leaves the pool untouched
+            if data is None:
+                break
+            found.append((i, tokens, data))
         loaded: list[KVBlock] = []
         try:
-            for i in range(len(hits), stop):
-                if self.pool.num_free_blocks() == 0:
-                    break
-                tokens = tuple(toks[i * bs:(i + 1) * bs])
-                data = self.offload.fetch(req.block_hashes[i], tokens)  # a miss leaves the pool untouched
-                if data is None:
-                    break
-                block = self.pool.allocate(1)[0]
-                loaded.append(block)
-                if not self.offload.install(block.block_id, data):
-                    break
-                self.pool.cache_block(block, req.block_hashes[i], tokens)
+            if found:
+                loaded = self.pool.allocate(len(found))
+                if self.offload.install([b.block_id for b in loaded], [d for _, _, d in found]):
+                    for block, (i, tokens, _) in zip(loaded, found):
+                        self.pool.cache_block(block, req.block_hashes[i], tokens)
         finally:
-            # Back to ref 0 (later blocks of a chain are evicted first, as in free()); a block whose install
-            # failed was never registered, so it is plain free space again and not returned as a hit.
+            # Back to ref 0 (later blocks of a chain are evicted first, as in free()); blocks whose install
+            # failed were never registered, so they are plain free space again and not returned as hits.
             self.pool.free(reversed(loaded))
             self.pool.free(reversed(hits))
         return [b for b in loaded if b.block_hash is not None]

@@ -3,7 +3,8 @@
 A full block with a prefix hash that leaves the pool (its hash is dropped when the block is reused,
 ``BlockPool.on_evict``) is copied to the host tier and, when a directory is given, written to the disk
 tier (write-through, so the disk holds every offloaded block until its own bound evicts it, and a restart
-finds them). A later request whose chain of block hashes continues past the pool's hits finds the next
+finds them; a writer thread does the writing, so an eviction on a request's path never waits for the disk,
+and a block still queued is served from the queue). A later request whose chain of block hashes continues past the pool's hits finds the next
 blocks here; ``KVCacheManager`` loads each into a fresh pool block and registers it under its hash, so
 the scheduler counts those tokens as cached exactly like pool hits.
 
@@ -17,24 +18,20 @@ disables the disk tier with one log line; requests never fail because of a tier.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
-import os
-import struct
 import time
-import zlib
 from collections import OrderedDict
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from sidecar.engine.kv_disk import DiskTier
+
+__all__ = ["DiskTier", "HostTier", "KVOffload", "model_identity", "offload_stats"]
+
 log = logging.getLogger("sidecar.engine")
 
-MAGIC = b"SKV1"
-_HEADER = struct.Struct("<4s32s32sIQI")  # magic, identity digest, block hash, n tokens, payload bytes, crc32
-_SUFFIX = ".kvb"
 
 
 class HostTier:
@@ -65,129 +62,19 @@ class HostTier:
         return entry[1]
 
 
-class DiskTier:
-    """One checksummed file per block in ``root/<identity digest>/``, bounded by bytes (LRU by use)."""
-
-    def __init__(self, root: str, capacity_bytes: int, identity: str) -> None:
-        self.capacity = capacity_bytes
-        self.digest = hashlib.sha256(identity.encode()).digest()
-        self.dir = Path(root) / self.digest.hex()[:32]
-        self.enabled = True
-        self.corrupt = 0  # files dropped because they failed a check
-        self.errors = 0  # writes or reads that failed for another reason
-        self.used = 0
-        self.files: "OrderedDict[bytes, int]" = OrderedDict()  # block hash -> file size, oldest use first
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            found = sorted(self.dir.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime)
-        except OSError as exc:
-            self._disable(exc)
-            return
-        for path in found:
-            try:
-                self.files[bytes.fromhex(path.stem)] = size = path.stat().st_size
-                self.used += size
-            except (OSError, ValueError):
-                continue
-        self._shrink()
-
-    def _disable(self, exc: OSError) -> None:
-        self.enabled = False
-        log.warning("KV offload disk tier off (%s): %s", self.dir, exc)
-
-    def _path(self, block_hash: bytes) -> Path:
-        return self.dir / (block_hash.hex() + _SUFFIX)
-
-    def _drop(self, block_hash: bytes) -> None:
-        self.used -= self.files.pop(block_hash, 0)
-        try:
-            self._path(block_hash).unlink()
-        except OSError:
-            pass
-
-    def _shrink(self) -> None:
-        while self.used > self.capacity and self.files:
-            self._drop(next(iter(self.files)))
-
-    def put(self, block_hash: bytes, tokens: tuple[int, ...], data: torch.Tensor) -> None:
-        if not self.enabled or block_hash in self.files:
-            return
-        payload = data.numpy().tobytes()
-        toks = struct.pack(f"<{len(tokens)}q", *tokens)
-        head = _HEADER.pack(MAGIC, self.digest, block_hash, len(tokens), len(payload), zlib.crc32(payload))
-        size = len(head) + len(toks) + len(payload)
-        if size > self.capacity:
-            return
-        path = self._path(block_hash)
-        tmp = path.with_suffix(".tmp")
-        try:
-            with open(tmp, "wb") as fh:
-                fh.write(head)
-                fh.write(toks)
-                fh.write(payload)
-            os.replace(tmp, path)  # readers see a whole file or none
-        except OSError as exc:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
-                self._disable(exc)
-            else:
-                self.errors += 1
-            return
-        self.files[block_hash] = size
-        self.used += size
-        self._shrink()
-
-    def get(self, block_hash: bytes, tokens: tuple[int, ...]) -> Optional[torch.Tensor]:
-        """The block's bytes, or None: absent, another block's tokens, or a file that fails a check (then
-        deleted and counted)."""
-        if not self.enabled or block_hash not in self.files:
-            return None
-        try:
-            raw = self._path(block_hash).read_bytes()
-        except OSError:
-            self.errors += 1
-            self._drop(block_hash)
-            return None
-        data = self._parse(raw, block_hash, tokens)
-        if data is None:
-            self.corrupt += 1
-            log.warning("KV offload: dropped a damaged block file %s", self._path(block_hash).name)
-            self._drop(block_hash)
-            return None
-        self.files.move_to_end(block_hash)
-        return data
-
-    def _parse(self, raw: bytes, block_hash: bytes, tokens: tuple[int, ...]) -> Optional[torch.Tensor]:
-        if len(raw) < _HEADER.size:
-            return None
-        magic, digest, stored_hash, n, nbytes, crc = _HEADER.unpack_from(raw)
-        start = _HEADER.size + 8 * n
-        if (magic != MAGIC or digest != self.digest or stored_hash != block_hash or n != len(tokens)
-                or len(raw) != start + nbytes):
-            return None
-        if struct.unpack_from(f"<{n}q", raw, _HEADER.size) != tokens:
-            return None
-        payload = memoryview(raw)[start:]
-        if zlib.crc32(payload) != crc:
-            return None
-        return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-
-
 class KVOffload:
     """The tiers behind a pool: ``offload`` copies an evicted block out, ``fetch`` + ``install`` bring one back.
 
-    ``read_block(block_id)`` / ``write_block(block_id, data)`` move one block's bytes between the device
-    cache and the host (the runner's)."""
+    ``read_block(block_id)`` / ``write_blocks(block_ids, datas)`` move blocks' bytes between the device
+    cache and the host (the runner's); a load writes a whole chain of blocks in one call."""
 
     def __init__(self, host_bytes: int, disk_dir: Optional[str], disk_bytes: int, identity: str,
-                 read_block: Callable[[int], torch.Tensor], write_block: Callable[[int, torch.Tensor], None]) -> None:
+                 read_block: Callable[[int], torch.Tensor],
+                 write_blocks: Callable[[list[int], list[torch.Tensor]], None]) -> None:
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.disk = DiskTier(disk_dir, disk_bytes, identity) if disk_dir else None
         self.read_block = read_block
-        self.write_block = write_block
+        self.write_blocks = write_blocks
         self.counters = {"kv_offload_blocks": 0, "kv_offload_bytes": 0, "kv_offload_loaded_blocks": 0,
                          "kv_offload_loaded_bytes": 0, "kv_offload_host_lookups": 0, "kv_offload_host_hits": 0,
                          "kv_offload_disk_lookups": 0, "kv_offload_disk_hits": 0, "kv_offload_load_time_s": 0.0}
@@ -225,18 +112,18 @@ class KVOffload:
         c["kv_offload_load_time_s"] += time.perf_counter() - t
         return data
 
-    def install(self, block_id: int, data: torch.Tensor) -> bool:
-        """Write fetched bytes into pool block ``block_id``; False (block contents undefined, so the caller
-        must not register it) when they do not fit the pool's layout."""
+    def install(self, block_ids: list[int], datas: list[torch.Tensor]) -> bool:
+        """Write fetched bytes into pool blocks ``block_ids`` (one call for a chain); False (their contents
+        undefined, so the caller must not register them) when they do not fit the pool's layout."""
         t = time.perf_counter()
         try:
-            self.write_block(block_id, data)
+            self.write_blocks(block_ids, datas)
         except (RuntimeError, ValueError) as exc:  # a block of another layout: recompute it instead
-            log.warning("KV offload: cannot load a block (%s); recomputing it", exc)
+            log.warning("KV offload: cannot load %d block(s) (%s); recomputing them", len(block_ids), exc)
             return False
         c = self.counters
-        c["kv_offload_loaded_blocks"] += 1
-        c["kv_offload_loaded_bytes"] += data.numel()
+        c["kv_offload_loaded_blocks"] += len(block_ids)
+        c["kv_offload_loaded_bytes"] += sum(d.numel() for d in datas)
         c["kv_offload_load_time_s"] += time.perf_counter() - t
         return True
 
@@ -258,7 +145,7 @@ def offload_stats(offload: Optional[KVOffload]) -> dict:
     """``offload.stats()``, or the same keys at zero without tiers (metrics and stats() always carry them)."""
     if offload is not None:
         return offload.stats()
-    return KVOffload(0, None, 0, "", read_block=None, write_block=None).stats()
+    return KVOffload(0, None, 0, "", read_block=None, write_blocks=None).stats()
 
 
 def model_identity(loaded, kv_dtype_name: str, block_size: int) -> str:

@@ -19,6 +19,7 @@ from sidecar.engine.graphs import DecodeGraphs, capture_or_none
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.kv_copy import BlockCopier
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
 from sidecar.model import kv_quant
@@ -46,6 +47,7 @@ class ModelRunner:
         a = loaded.args
         self.kv_caches = [kv_quant.allocate(self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
                                             self.kv_dtype, self.device) for _ in range(a.num_layers)]
+        self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
         # Committed (written) at start, the pool's memory is resident before the first request: a budget
         # the container cannot hold fails now, and the process does not grow as blocks are first used.
         # Uncommitted, blocks are zeroed lazily on first use: the pool hands out never-used blocks in
@@ -123,15 +125,17 @@ class ModelRunner:
                 "kv_cache_tokens": (self.num_blocks - 1) * self.block_size}
 
     def read_block(self, block_id: int) -> torch.Tensor:
-        """One block of every layer (values and scales) as host bytes (``kv_quant.read_block``)."""
-        return kv_quant.read_block(self.kv_caches, block_id)
+        """One block of every layer (values and scales) as host bytes (``kv_quant.read_block``; on CUDA a
+        side-stream copy into pinned memory, ``kv_copy``)."""
+        return self.copier.read(block_id)
 
-    def write_block(self, block_id: int, data: torch.Tensor) -> None:
-        """Fill a block from ``read_block``'s bytes. Lazy zeroing is brought past it first, so the first
-        step that uses the block does not wipe what was loaded."""
-        if block_id > self._zeroed_upto:
-            self._zero_blocks(self._zeroed_upto + 1, block_id)
-        kv_quant.write_block(self.kv_caches, block_id, data)
+    def write_blocks(self, block_ids: list[int], datas: list[torch.Tensor]) -> None:
+        """Fill blocks from ``read_block``'s bytes. Lazy zeroing is brought past them first, so the first
+        step that uses a block does not wipe what was loaded."""
+        top = max(block_ids, default=-1)
+        if top > self._zeroed_upto:
+            self._zero_blocks(self._zeroed_upto + 1, top)
+        self.copier.write(block_ids, datas)
 
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)

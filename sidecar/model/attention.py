@@ -15,8 +15,8 @@ tensors are on CUDA (or Triton runs in its interpreter), the decode rows go thro
 
 Quantized caches (``kv_quant.py``: int8 / fp8 codes with per-token, per-KV-head scales, passed as
 ``kv_scales``) are written through ``kv_quant.write``; the CPU kernel reads the codes in place and scales in
-registers, the torch path dequantizes the gathered blocks. The Triton kernel does not read them yet, so a
-quantized cache takes the torch path on CUDA. Every query attends through the cache when it is quantized
+registers, the torch path dequantizes the gathered blocks, and so does the Triton decode kernel (int8, and
+fp8 e4m3 on CUDA sm89+). Every query attends through the cache when it is quantized
 (a whole prompt too), so a token sees the same dequantized keys however its prompt was chunked, cached or
 recomputed.
 """
@@ -118,14 +118,13 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
         else:
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     decoded = None  # the decode rows' result from one of our kernels
-    if (meta.decode_block_tables is not None and not quant and paths is not None
-            and paths.takes("attention", q)):
+    if meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
         from sidecar.model.kernels import triton_attention
 
         b = meta.decode_block_tables.shape[0]
         decoded = triton_attention.paged_decode_attention(q[q.shape[0] - b:], k_cache, v_cache,
                                                           meta.decode_block_tables, meta.decode_ctx_lens,
-                                                          scale, sliding_window)
+                                                          scale, sliding_window, kv_scales=kv_scales)
         if decoded is not None and not meta.prefills:
             return decoded
     if decoded is None and meta.decode_block_tables is not None and meta.use_cpu_kernel:

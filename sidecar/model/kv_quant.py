@@ -124,14 +124,33 @@ def read_block(caches: list[tuple[torch.Tensor, ...]], block_id: int) -> torch.T
 
 def write_block(caches: list[tuple[torch.Tensor, ...]], block_id: int, data: torch.Tensor) -> None:
     """The inverse of ``read_block``: ``data`` (uint8, ``block_nbytes`` long) into block ``block_id``."""
+    write_blocks(caches, [block_id], [data])
+
+
+def write_blocks(caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], datas) -> None:
+    """``write_block`` for many blocks at once: one indexed copy per cache tensor for all of them (a long
+    prefix loads in as many copies as the cache has tensors, not that times its blocks). ``datas``: a list
+    of block buffers, or one uint8 tensor [n, block bytes] (already staged)."""
     need = block_nbytes(caches)
-    if data.dtype != torch.uint8 or data.numel() != need:  # checked first: a bad buffer writes nothing
-        raise ValueError(f"block data: {data.numel()} bytes of {data.dtype} for a block of {need} bytes")
+    for data in datas:  # checked first: a bad buffer writes nothing
+        if data.dtype != torch.uint8 or data.numel() != need:
+            raise ValueError(f"block data: {data.numel()} bytes of {data.dtype} for a block of {need} bytes")
+    if len(datas) != len(block_ids):
+        raise ValueError(f"block data: {len(datas)} buffers for {len(block_ids)} blocks")
+    if not len(datas):
+        return
+    first = caches[0][0]
+    if isinstance(datas, torch.Tensor):
+        rows = datas
+    else:
+        rows = torch.stack(datas) if len(datas) > 1 else datas[0][None]
+    rows = rows.to(first.device, non_blocking=True)
+    ids = torch.tensor(block_ids, dtype=torch.long, device=first.device)
     off = 0
     for layer in caches:
         for t in layer:
-            dst = t[block_id]
-            n = dst.numel() * t.element_size()
-            dst = _bits(dst)
-            dst.copy_(data[off:off + n].view(dst.dtype).view(dst.shape))
+            dst = _bits(t)
+            n = dst[0].numel() * dst.element_size()
+            src = rows[:, off:off + n].contiguous().view(dst.dtype).view(len(datas), *dst.shape[1:])
+            dst.index_copy_(0, ids, src)
             off += n

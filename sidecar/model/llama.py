@@ -153,14 +153,14 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         paths = self.fast_paths
-        # The Triton rope + KV-write kernel stores plain values only: with a quantized cache the CPU kernel
-        # (int8) quantizes on write, or else paged_attention writes through kv_quant.write after the torch rope.
+        # With an int8 cache the rope + KV-write kernels (Triton, CPU) quantize on write; an fp8 one is written
+        # by paged_attention through kv_quant.write after the torch rope.
         scales = kv[2:] if len(kv) == 4 else None
-        ops = None if scales else _triton(paths, "rope_kv", qkv)
+        ops = _triton(paths, "rope_kv", qkv)
         fused = None
         if ops is not None:
             fused = ops.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv, self.hd,
-                                      want_k=bool(meta.prefills))
+                                      want_k=bool(meta.prefills), kv_scales=scales)
         if fused is None and meta.use_cpu_kernel:  # quantizes on write for an int8 cache
             fused = rope_kv.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv,
                                           self.hd, want_k=bool(meta.prefills), kv_scales=scales)

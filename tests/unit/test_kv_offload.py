@@ -6,13 +6,14 @@ from __future__ import annotations
 import errno
 import logging
 import random
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from sidecar import LLM, SamplingParams
-from sidecar.engine import kv_offload
+from sidecar.engine import kv_disk
 from sidecar.engine.block_pool import hash_block
 from sidecar.engine.kv_offload import DiskTier
 
@@ -81,6 +82,7 @@ def test_disk_tier_then_restart_then_another_model(demo_dir, reference, tmp_path
     again = llm.generate([DOC], GREEDY)[0]
     assert again.token_ids == reference and again.num_cached_tokens == 12 * BS
     assert llm.stats()["kv_offload_disk_hits"] == 12
+    llm.engine.kv.offload.disk.flush()
     del llm
 
     restarted = make(demo_dir, kv_offload_dir=str(tmp_path), kv_offload_gb=0.01)
@@ -100,6 +102,7 @@ def test_damaged_files_are_dropped_counted_and_recomputed(demo_dir, reference, t
     llm = make(demo_dir, kv_offload_dir=str(tmp_path))
     llm.generate([DOC], GREEDY)
     evict_doc(llm)
+    llm.engine.kv.offload.disk.flush()
     (sub,) = Path(tmp_path).iterdir()
     hashes = doc_hashes()
     corrupt, truncated = sub / (hashes[5].hex() + ".kvb"), sub / (hashes[9].hex() + ".kvb")
@@ -133,7 +136,9 @@ def test_a_file_of_another_identity_is_never_served(tmp_path):
     data = torch.arange(64, dtype=torch.uint8)
     h, toks = b"\x01" * 32, (5, 6, 7)
     a.put(h, toks, data)
-    assert torch.equal(a.get(h, toks), data)
+    assert torch.equal(a.get(h, toks), data)  # served from the writer's queue or from the file
+    a.flush()
+    assert torch.equal(a.get(h, toks), data)  # from the file
     assert b.get(h, toks) is None  # another model's directory holds nothing
     # Even a file copied into b's directory is refused (the header names a's identity) and dropped.
     (b.dir / (h.hex() + ".kvb")).write_bytes((a.dir / (h.hex() + ".kvb")).read_bytes())
@@ -152,6 +157,7 @@ def test_disk_bound_evicts_least_recently_used_files(tmp_path):
     tier.get(keys[0], (1,))  # used: now the most recent
     tier.put(keys[3], (1,), data)
     assert set(tier.files) == {keys[0], keys[2], keys[3]} and tier.used <= 600
+    tier.flush()
     assert len(list(tier.dir.glob("*.kvb"))) == 3
 
 
@@ -160,11 +166,12 @@ def test_a_full_disk_disables_the_tier_with_one_log_line(demo_dir, reference, tm
         raise OSError(errno.ENOSPC, "No space left on device")
 
     llm = make(demo_dir, kv_offload_dir=str(tmp_path), kv_offload_gb=0.01)
-    monkeypatch.setattr(kv_offload, "open", full, raising=False)
+    monkeypatch.setattr(kv_disk, "open", full, raising=False)
     with caplog.at_level(logging.WARNING, logger="sidecar.engine"):
         llm.generate([DOC], GREEDY)
         evict_doc(llm)
         out = llm.generate([DOC], GREEDY)[0]
+        llm.engine.kv.offload.disk.flush()
     assert out.token_ids == reference and out.num_cached_tokens == 12 * BS  # the host tier still serves
     assert caplog.text.count("disk tier off") == 1
     assert llm.stats()["kv_offload_disk_enabled"] is False
@@ -223,3 +230,20 @@ def test_metrics_and_model_info_carry_the_pool_and_the_tiers(demo_dir, tmp_path)
     assert "sidecar_kv_offload_loaded_blocks_total 12.0" in body
     assert "sidecar_kv_offload_host_hits_total 12.0" in body
     assert llm.engine.model_info["kv_cache_dtype"] == "int8"
+
+
+def test_a_new_tier_on_the_directory_waits_for_the_blocks_an_earlier_one_still_has_queued(tmp_path, monkeypatch):
+    slow = threading.Event()
+    a = DiskTier(str(tmp_path), 1 << 20, "m")
+    real = a._write
+
+    def delayed(*args):
+        slow.wait(5)
+        real(*args)
+
+    monkeypatch.setattr(a, "_write", delayed)
+    data, h, toks = torch.arange(50, dtype=torch.uint8), b"\x03" * 32, (4, 5)
+    a.put(h, toks, data)
+    threading.Timer(0.2, slow.set).start()  # the write completes only a moment later
+    b = DiskTier(str(tmp_path), 1 << 20, "m")  # a restart in the same process: sees the file
+    assert h in b.files and torch.equal(b.get(h, toks), data)

@@ -21,9 +21,10 @@ class FakeDevice:
     def read(self, block_id: int) -> torch.Tensor:
         return self.data[block_id].clone()
 
-    def write(self, block_id: int, data: torch.Tensor) -> None:
-        self.writes.append(block_id)
-        self.data[block_id] = data.clone()
+    def write(self, block_ids: list[int], datas: list[torch.Tensor]) -> None:
+        for block_id, data in zip(block_ids, datas):
+            self.writes.append(block_id)
+            self.data[block_id] = data.clone()
 
 
 def setup(num_blocks: int = 7):
@@ -101,3 +102,35 @@ def test_without_free_blocks_a_load_stops_and_changes_nothing():
     assert (hits, n) == ([], 0) and dev.writes == []
     kv.free(holder)
     assert kv.num_free_blocks() == kv.num_blocks
+
+
+def test_block_copies_take_the_plain_path_on_cpu_and_the_disk_writer_waits_for_a_copy(tmp_path, monkeypatch):
+    """On CPU the copier has no side stream and moves bytes like kv_quant; a buffer carrying a copy event
+    (what a CUDA eviction returns) is waited on before the disk writer reads it."""
+    from sidecar.engine import kv_copy
+    from sidecar.engine.kv_disk import DiskTier
+    from sidecar.model import kv_quant
+
+    caches = [kv_quant.allocate(5, BS, 2, 8, torch.int8, torch.device("cpu")) for _ in range(2)]
+    for layer in caches:
+        for t in layer:
+            t.copy_(torch.randint(-50, 50, t.shape).to(t.dtype))
+    copier = kv_copy.BlockCopier(caches, torch.device("cpu"))
+    assert copier.stream is None
+    a, b = copier.read(1), copier.read(2)
+    assert torch.equal(a, kv_quant.read_block(caches, 1))
+    copier.write([3, 4], [b, a])
+    assert torch.equal(copier.read(3), b) and torch.equal(copier.read(4), a)
+
+    class Event:
+        waited = 0
+
+        def synchronize(self):
+            Event.waited += 1
+
+    data = torch.arange(40, dtype=torch.uint8)
+    data.kv_copy_event = Event()
+    tier = DiskTier(str(tmp_path), 1 << 20, "m")
+    tier.put(b"\x02" * 32, (1, 2), data)
+    tier.flush()
+    assert Event.waited == 1 and torch.equal(tier._read(b"\x02" * 32, (1, 2)), data)

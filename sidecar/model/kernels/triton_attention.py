@@ -3,7 +3,8 @@
 ``paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, scale, window, partition_size)``
 attends every row of ``q`` [B, H, D] to keys ``[max(0, ctx - window), ctx)`` of its own sequence, held
 in the paged cache [num_blocks, block_size, Hkv, D] at the blocks named by its row of ``block_tables``
-[B, max_blocks] (int32 or int64). It returns [B, H, D] in ``q``'s dtype, or None when the inputs are not
+[B, max_blocks] (int32 or int64); a quantized cache (int8 or fp8 e4m3 codes with a float32 scale per
+token and KV head, ``kv_quant``) is read as codes and dequantized in registers. It returns [B, H, D] in ``q``'s dtype, or None when the inputs are not
 ones the kernel takes (the caller then runs the torch path of ``sidecar.model.attention``, which is also
 the oracle the tests hold this kernel to).
 
@@ -37,11 +38,19 @@ SPLIT_MAX_PROGRAMS = 256
 
 
 @triton.jit
-def _decode_partition(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
+def _codes(x, FP8: tl.constexpr):
+    """Loaded cache codes as float32: int8 as is, fp8 e4m3 from its bytes (the cache is passed as uint8)."""
+    if FP8:
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _decode_partition(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
                       scale, window,
-                      s_qb, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt, s_ob, s_oh,
+                      s_qb, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_sb, s_ss, s_bt, s_ob, s_oh,
                       n_parts, max_blocks,
-                      GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                      QUANT: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr,
                       BF16: tl.constexpr):
@@ -75,7 +84,10 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_pt
         slot = pos % BLOCK_SIZE
         kv_mask = visible[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + blk[:, None] * s_kb + slot[:, None] * s_ks + kvh * s_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0)
+        if QUANT:  # codes times the token's scale, in float32, then q's dtype (as kv_quant.dequantize)
+            k_s = tl.load(ks_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
+            k = narrow(_codes(k, FP8) * k_s[:, None], q_ptr, BF16)
         s = mma(q, tl.trans(k), F32) * scale
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -84,8 +96,11 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_pt
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + mma(narrow(p, v_ptr, BF16), v, F32)
+                    mask=kv_mask, other=0)
+        if QUANT:
+            v_s = tl.load(vs_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
+            v = narrow(_codes(v, FP8) * v_s[:, None], q_ptr, BF16)
+        acc = acc * alpha[:, None] + mma(narrow(p, q_ptr, BF16), v, F32)
         m_i = m_new
     out_mask = g_ok[:, None] & d_ok[None, :]
     if DIRECT:
@@ -119,6 +134,13 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, out_ptr, n_parts, s_ob, s_oh,
     tl.store(out_ptr + row * s_ob + head * s_oh + d, narrow(o, out_ptr, BF16), mask=d < HEAD_DIM)
 
 
+def _scales_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales) -> bool:
+    """Scales the kernel can index: float32 [num_blocks, block_size, Hkv], both of one layout, heads adjacent."""
+    ks, vs = kv_scales
+    return (ks.dtype == vs.dtype == torch.float32 and ks.shape == vs.shape == k_cache.shape[:3]
+            and ks.stride() == vs.stride() and ks.stride(2) == 1)
+
+
 def num_partitions(max_len: int, programs: int, partition_size: Optional[int]) -> tuple[int, int]:
     """(partitions, tokens per partition) for a context bound ``max_len``; shapes only, no device reads.
 
@@ -135,18 +157,29 @@ def num_partitions(max_len: int, programs: int, partition_size: Optional[int]) -
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
                            window: Optional[int] = None, partition_size: Optional[int] = None,
-                           out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                           out: Optional[torch.Tensor] = None,
+                           kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """Decode attention of ``q`` [B, H, D] over the paged cache; see the module docstring.
 
     ``partition_size`` forces the split-KV partition (tokens, rounded up to a multiple of ``BLOCK_N``);
-    ``out`` [B, H, D] receives the result when given (a persistent buffer of the runner)."""
+    ``out`` [B, H, D] receives the result when given (a persistent buffer of the runner). ``kv_scales``:
+    the (k_scale, v_scale) [num_blocks, block_size, Hkv] float32 of a quantized cache (int8 or fp8 e4m3
+    codes, ``kv_quant``), dequantized in registers as the tiles are loaded."""
     if q.dim() != 3 or k_cache.dim() != 4 or q.dtype not in _DTYPES:
         return None
     b, nh, hd = q.shape
     _, bs, nkv, hd_k = k_cache.shape
-    if (k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or v_cache.shape != k_cache.shape or hd_k != hd
-            or nh % nkv or q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1):
+    quant = kv_scales is not None
+    if quant and not _scales_fit(k_cache, v_cache, kv_scales):
         return None
+    want = (torch.int8, torch.float8_e4m3fn) if quant else (q.dtype,)
+    if (k_cache.dtype not in want or v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape
+            or hd_k != hd or nh % nkv or q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1):
+        return None
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8:  # passed as bytes; the kernel bit-casts them
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    ks, vs = kv_scales if quant else (q, q)  # unused without QUANT
     if block_tables.dtype not in (torch.int32, torch.int64) or ctx_lens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"decode_block_tables / decode_ctx_lens: must be int32 or int64, got "
                          f"{block_tables.dtype} / {ctx_lens.dtype}")
@@ -171,11 +204,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         l = torch.empty_like(m)
         acc = torch.empty(b, nh, n_parts, d_pad, dtype=torch.float32, device=q.device)
     _decode_partition[(b, nkv, n_parts)](
-        q, k_cache, v_cache, tables, ctx, out, m, l, acc, float(scale), int(window or 0),
+        q, k_cache, v_cache, ks, vs, tables, ctx, out, m, l, acc, float(scale), int(window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), tables.stride(0), out.stride(0), out.stride(1),
-        n_parts, max_blocks,
-        GROUP=group, G_PAD=max(16, next_pow2(group)), HEAD_DIM=hd, D_PAD=d_pad, BLOCK_SIZE=bs, PART=part,
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ks.stride(0), ks.stride(1 if quant else 0),
+        tables.stride(0), out.stride(0), out.stride(1), n_parts, max_blocks,
+        QUANT=quant, FP8=fp8, GROUP=group, G_PAD=max(16, next_pow2(group)), HEAD_DIM=hd, D_PAD=d_pad, BLOCK_SIZE=bs, PART=part,
         BLOCK_N=BLOCK_N, HAS_WINDOW=window is not None, DIRECT=direct,
         F32=dot_in_f32(q.dtype), BF16=q.dtype == torch.bfloat16)
     if not direct:

@@ -4,7 +4,8 @@
   ``rope_kv.rope_store_kv``: rotary embedding of q and k out of the fused qkv projection [T, (nh+2nkv) hd]
   (rotate-half's sign folded into ``sin``), rope(k) and v written to the caches at ``slots``; returns
   ``(q [T, nh, hd], k [T, nkv, hd] or None, v view of qkv)``. A negative slot writes nothing (a padded
-  row of a fixed-size batch).
+  row of a fixed-size batch). With ``kv_scales`` (an int8 cache) rope(k) and v are quantized on write,
+  bit for bit as ``kv_quant.write``.
 - ``add_rms_norm(h, delta, weight, eps)``: as ``norm_act.add_rms_norm``: ``s = h + delta`` (``h`` without
   a delta), returns ``(weight * rms_norm(s), s)``.
 - ``silu_mul(gu)``: as ``norm_act.silu_mul``: ``silu(gate) * up`` over [T, 2I] -> [T, I].
@@ -29,9 +30,27 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, q_ptr, k_ptr, s_qkv, s_kc_slot,
+def _store_codes(c_ptr, s_ptr, slot, h, x, d, ok, NKV: tl.constexpr, HD: tl.constexpr):
+    """int8 codes and scale of one row, as ``kv_quant.quantize``: s = max|x| / 127 (1 for a zero row),
+    codes = round-half-even(x / s) in [-127, 127]; IEEE divisions, so the codes are torch's bit for bit."""
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.where(ok, tl.abs(xf), 0.0), 0)
+    scale = tl.math.div_rn(amax, 127.0)
+    scale = tl.where(scale > 0, scale, 1.0)
+    y = tl.math.div_rn(xf, scale)
+    fl = tl.floor(y)
+    frac = y - fl
+    odd = fl - 2.0 * tl.floor(fl * 0.5)  # 1 for an odd floor, else 0
+    r = tl.where(frac > 0.5, fl + 1.0, tl.where(frac < 0.5, fl, fl + odd))
+    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+    tl.store(c_ptr + slot * (NKV * HD) + h * HD + d, r.to(tl.int8), mask=ok)
+    tl.store(s_ptr + slot * NKV + h, scale)
+
+
+@triton.jit
+def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, q_ptr, k_ptr, s_qkv, s_kc_slot,
              NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr, WANT_K: tl.constexpr,
-             BF16: tl.constexpr):
+             QUANT: tl.constexpr, BF16: tl.constexpr):
     t = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads of the fused projection
     d = tl.arange(0, D_PAD)
@@ -52,32 +71,47 @@ def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, q_ptr, k_ptr, 
         else:
             kh = head - NH
             if slot >= 0:
-                tl.store(kc_ptr + slot * s_kc_slot + kh * HD + d, y, mask=ok)
+                if QUANT:
+                    _store_codes(kc_ptr, ks_ptr, slot, kh, y, d, ok, NKV, HD)
+                else:
+                    tl.store(kc_ptr + slot * s_kc_slot + kh * HD + d, y, mask=ok)
             if WANT_K:
                 tl.store(k_ptr + (t * NKV + kh) * HD + d, y, mask=ok)
     elif slot >= 0:
-        tl.store(vc_ptr + slot * s_kc_slot + (head - NH - NKV) * HD + d, x, mask=ok)
+        if QUANT:
+            _store_codes(vc_ptr, vs_ptr, slot, head - NH - NKV, x, d, ok, NKV, HD)
+        else:
+            tl.store(vc_ptr + slot * s_kc_slot + (head - NH - NKV) * HD + d, x, mask=ok)
 
 
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, nh: int, nkv: int, hd: int,
-                  want_k: bool) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
+                  want_k: bool, kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                  ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
     dtype = qkv.dtype
     if (dtype not in _DTYPES or hd % 2 or qkv.dim() != 2 or qkv.shape[1] != (nh + 2 * nkv) * hd
             or qkv.stride(1) != 1):
         return None
     t = qkv.shape[0]
-    if (any(x.dtype != dtype or not x.is_contiguous() for x in (cos, sin, k_cache, v_cache))
+    quant = kv_scales is not None
+    if quant and (k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8  # fp8: the torch path writes it
+                  or any(x.dtype != torch.float32 or not x.is_contiguous() or x.shape != k_cache.shape[:-1]
+                         for x in kv_scales)):
+        return None
+    cache_dtype = torch.int8 if quant else dtype
+    if (any(x.dtype != dtype or not x.is_contiguous() for x in (cos, sin))
+            or any(x.dtype != cache_dtype or not x.is_contiguous() for x in (k_cache, v_cache))
             or cos.numel() != t * hd or sin.numel() != t * hd or slots.dtype not in (torch.int32, torch.int64)
             or slots.shape != (t,) or k_cache.shape != v_cache.shape or k_cache.shape[-2:] != (nkv, hd)):
         return None
     q = torch.empty(t, nh, hd, dtype=dtype, device=qkv.device)
     k = torch.empty(t, nkv, hd, dtype=dtype, device=qkv.device) if want_k else None
     if t:
-        _rope_kv[(t, nh + 2 * nkv)](qkv, cos, sin, slots.contiguous(), k_cache, v_cache, q,
+        ks, vs = kv_scales if quant else (q, q)  # unused without QUANT
+        _rope_kv[(t, nh + 2 * nkv)](qkv, cos, sin, slots.contiguous(), k_cache, v_cache, ks, vs, q,
                                     q if k is None else k, qkv.stride(0), nkv * hd,
                                     NH=nh, NKV=nkv, HD=hd, D_PAD=triton.next_power_of_2(hd), WANT_K=want_k,
-                                    BF16=dtype == torch.bfloat16, enable_fp_fusion=False)
+                                    QUANT=quant, BF16=dtype == torch.bfloat16, enable_fp_fusion=False)
     return q, k, qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
 
 

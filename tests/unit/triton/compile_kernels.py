@@ -34,20 +34,27 @@ def main(arch: int) -> None:
     for dt in ("bf16", "fp32"):
         f32, bf16 = dt == "fp32", dt == "bf16"
         p = f"*{dt}"
-        for group, direct, window in ((1, True, False), (7, False, True)):
+        # Plain cache; int8 codes; fp8 e4m3 codes (passed as bytes). Scales are float32.
+        for group, direct, window, codes in ((1, True, False, None), (7, False, True, None), (3, True, False, "*i8"),
+                                             (7, False, True, "*u8")):
+            kv = codes or p
             build(triton_attention._decode_partition,
-                  dict(q_ptr=p, k_ptr=p, v_ptr=p, bt_ptr="*i32", ctx_ptr="*i64", out_ptr=p, m_ptr="*fp32",
+                  dict(q_ptr=p, k_ptr=kv, v_ptr=kv, ks_ptr="*fp32" if codes else p, vs_ptr="*fp32" if codes else p,
+                       bt_ptr="*i32", ctx_ptr="*i64", out_ptr=p, m_ptr="*fp32",
                        l_ptr="*fp32", acc_ptr="*fp32", scale="fp32", window="i32",
-                       **ints("s_qb s_qh s_kb s_ks s_kh s_vb s_vs s_vh s_bt s_ob s_oh n_parts max_blocks")),
+                       **ints("s_qb s_qh s_kb s_ks s_kh s_vb s_vs s_vh s_sb s_ss s_bt s_ob s_oh n_parts max_blocks")),
                   dict(GROUP=group, G_PAD=16, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=16, PART=256, BLOCK_N=32,
-                       HAS_WINDOW=window, DIRECT=direct, F32=f32, BF16=bf16), arch)
+                       HAS_WINDOW=window, DIRECT=direct, F32=f32, BF16=bf16, QUANT=codes is not None,
+                       FP8=codes == "*u8"), arch)
         build(triton_attention._decode_reduce,
               dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=p, **ints("n_parts s_ob s_oh")),
               dict(HEAD_DIM=64, D_PAD=64, P_PAD=8, BF16=bf16), arch)
-        build(triton_ops._rope_kv,
-              dict(qkv_ptr=p, cos_ptr=p, sin_ptr=p, slot_ptr="*i64", kc_ptr=p, vc_ptr=p, q_ptr=p, k_ptr=p,
-                   **ints("s_qkv s_kc_slot")),
-              dict(NH=14, NKV=2, HD=64, D_PAD=64, WANT_K=True, BF16=bf16), arch)
+        for quant in (False, True):  # plain cache; int8 codes + float32 scales
+            c, sc = ("*i8", "*fp32") if quant else (p, p)
+            build(triton_ops._rope_kv,
+                  dict(qkv_ptr=p, cos_ptr=p, sin_ptr=p, slot_ptr="*i64", kc_ptr=c, vc_ptr=c, ks_ptr=sc, vs_ptr=sc,
+                       q_ptr=p, k_ptr=p, **ints("s_qkv s_kc_slot")),
+                  dict(NH=14, NKV=2, HD=64, D_PAD=64, WANT_K=True, QUANT=quant, BF16=bf16), arch)
         build(triton_ops._add_rms_norm, dict(h_ptr=p, d_ptr=p, w_ptr=p, s_ptr=p, out_ptr=p, dim="i32", eps="fp32"),
               dict(HAS_DELTA=True, BLOCK=1024, BF16=bf16), arch)
         build(triton_ops._silu_mul, dict(gu_ptr=p, out_ptr=p, inter="i32"), dict(BLOCK=1024, BF16=bf16), arch)

@@ -119,7 +119,8 @@ def test_attention_module_takes_kernel_for_decode_rows_only(window, device, monk
     v = torch.randn(7, nkv, hd, generator=g).to(device)
     calls = []
     real = ta.paged_decode_attention
-    monkeypatch.setattr(ta, "paged_decode_attention", lambda qd, *a: calls.append(qd.shape[0]) or real(qd, *a))
+    monkeypatch.setattr(ta, "paged_decode_attention",
+                        lambda qd, *a, **k: calls.append(qd.shape[0]) or real(qd, *a, **k))
     outs = []
     for on in (False, True):
         paths = FastPaths(attention=on)
@@ -128,3 +129,87 @@ def test_attention_module_takes_kernel_for_decode_rows_only(window, device, monk
         outs.append(paged_attention(q, k, v, kc.clone(), vc.clone(), meta, hd ** -0.5, window, paths=paths))
     assert calls == [2]  # once, for the two decode rows, and only with the path on
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+def _quant_case(ctx_lens, nh, nkv, hd, bs, qdtype, kv_dtype, device, seed=0):
+    """A quantized pool (codes + float32 scales per token and KV head, written by kv_quant) in shuffled blocks."""
+    from sidecar.model import kv_quant
+
+    q, kc, vc, tables, ctx = _case(ctx_lens, nh, nkv, hd, bs, torch.float32, torch.device("cpu"), seed=seed)
+    cache = kv_quant.allocate(kc.shape[0], bs, nkv, hd, kv_dtype, torch.device("cpu"))
+    kv_quant.write(cache, kc.view(-1, nkv, hd) * 3, vc.view(-1, nkv, hd), torch.arange(kc.shape[0] * bs))
+    return q.to(qdtype).to(device), tuple(t.to(device) for t in cache), tables.to(device), ctx.to(device)
+
+
+def _torch_decode(q, cache, tables, ctx, scale, window):
+    """The torch path of attention.py over the quantized cache (it dequantizes to q's dtype, as the kernel)."""
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=q.device),
+                             block_size=cache[0].shape[1], decode_block_tables=tables.long(), decode_ctx_lens=ctx,
+                             use_cpu_kernel=False)
+    return paged_attention(q, None, None, cache[0], cache[1], meta, scale, window, kv_written=True,
+                           kv_scales=cache[2:])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx_lens,nh,nkv,hd,bs,window,part", [
+    ([1], 2, 2, 16, 16, None, None),  # one key
+    ([17, 16, 15, 33], 4, 2, 32, 16, None, 32),  # block edges, split into partitions; GQA 2
+    ([100, 9, 64], 8, 2, 24, 8, 20, 32),  # GQA 4, sliding window, head size not a power of two
+    ([70, 40], 6, 3, 16, 4, 33, None),  # window; blocks smaller than a tile
+])
+def test_kernel_reads_quantized_blocks_like_the_torch_path(ctx_lens, nh, nkv, hd, bs, window, part, qdtype,
+                                                           kv_dtype, device):
+    q, cache, tables, ctx = _quant_case(ctx_lens, nh, nkv, hd, bs, qdtype, kv_dtype, device, seed=hd + bs)
+    out = ta.paged_decode_attention(q, cache[0], cache[1], tables.int(), ctx, hd ** -0.5, window, part,
+                                    kv_scales=cache[2:])
+    assert out is not None and out.dtype == qdtype and out.shape == q.shape
+    ref = _torch_decode(q, cache, tables, ctx, hd ** -0.5, window)
+    tol = TOL[qdtype] * (3 if qdtype == torch.bfloat16 else 1)  # values up to ~3x the plain case's
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=tol, rtol=tol)
+
+
+def test_quantized_cache_needs_its_scales_of_the_pool_layout(device):
+    q, cache, tables, ctx = _quant_case([20], 2, 2, 16, 16, torch.float32, torch.int8, device)
+    assert ta.paged_decode_attention(q, cache[0], cache[1], tables, ctx, 0.25) is None  # codes without scales
+    bad = (cache[2][:, :8], cache[3][:, :8])
+    assert ta.paged_decode_attention(q, cache[0], cache[1], tables, ctx, 0.25, kv_scales=bad) is None
+
+
+def test_attention_module_sends_quantized_decode_rows_to_the_kernel(device, monkeypatch):
+    q, cache, tables, ctx = _quant_case([40, 3], 4, 2, 16, 8, torch.float32, torch.int8, device, seed=2)
+    calls = []
+    real = ta.paged_decode_attention
+    monkeypatch.setattr(ta, "paged_decode_attention",
+                        lambda qd, *a, **k: calls.append(k.get("kv_scales") is not None) or real(qd, *a, **k))
+    outs = []
+    for on in (False, True):
+        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=device), block_size=8,
+                                 decode_block_tables=tables, decode_ctx_lens=ctx, use_cpu_kernel=False)
+        outs.append(paged_attention(q, None, None, cache[0], cache[1], meta, 0.25, None, kv_written=True,
+                                    paths=FastPaths(attention=on), kv_scales=cache[2:]))
+    assert calls == [True]
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
+
+
+def test_self_check_keeps_the_kernel_on_an_int8_cache(tiny_models, monkeypatch):
+    """The start-up self-check probes the runner's own (int8) cache, so the path it turns on is the kernel
+    reading codes and scales; greedy tokens are those of the torch path."""
+    from sidecar import LLM, SamplingParams
+    from sidecar.engine import self_check
+
+    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", kv_cache_dtype="int8", num_kv_blocks=40)
+    runner = llm.engine.runner
+    assert len(runner.kv_caches[0]) == 4  # codes and scales
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 100, 7, 3] * 4, [11, 12, 13]]
+    ref = [o.token_ids for o in llm.generate(prompts, params)]
+    seen = []
+    real = ta.paged_decode_attention
+    monkeypatch.setattr(ta, "paged_decode_attention",
+                        lambda qd, *a, **k: seen.append(k.get("kv_scales") is not None) or real(qd, *a, **k))
+    assert self_check.run(runner, ["attention"]) == {}
+    assert runner.fast_paths.attention and seen and all(seen)
+    seen.clear()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ref
+    assert seen and all(seen)

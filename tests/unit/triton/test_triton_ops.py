@@ -88,3 +88,40 @@ def test_ops_refuse_inputs_they_do_not_take(device):
     assert triton_ops.silu_mul(torch.randn(4, 8, device=device).t()) is None
     h = torch.randn(2, 8, device=device)
     assert triton_ops.add_rms_norm(h, None, torch.ones(9, device=device), 1e-6) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_quantizes_on_write_as_kv_quant(dtype, device):
+    """With an int8 cache the kernel stores kv_quant.write's codes and scales for rope(k) and v: an all-zero
+    row (scale 1) and exact halves (round half to even) included."""
+    from sidecar.model import kv_quant
+
+    g = torch.Generator().manual_seed(3)
+    t, nh, nkv, hd, bs, blocks = 6, 4, 2, 16, 4, 5
+    to = dict(dtype=dtype, device=device)
+    qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 4).to(**to)
+    vo = (nh + nkv) * hd
+    qkv[1, vo:vo + hd] = 0  # a zero V row
+    qkv[2, vo:vo + hd] = torch.tensor([254.0] + [float(2 * i + 1) for i in range(hd - 1)])  # scale 2: halves
+    ang = torch.randn(t, 1, hd, generator=g)
+    sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2)))
+    cos, sin = ang.cos().to(**to), (ang.sin() * sign).to(**to)
+    slots = torch.randperm(bs * blocks, generator=g)[:t].to(device)
+    cache = kv_quant.allocate(blocks, bs, nkv, hd, torch.int8, torch.device(device))
+    for x in cache:
+        x.zero_()
+    ref = tuple(x.clone() for x in cache)
+    q, k, v = triton_ops.rope_store_kv(qkv, cos, sin, slots.int(), cache[0], cache[1], nh, nkv, hd, True,
+                                       kv_scales=cache[2:])
+    rq, rk, rv = _rope_torch(qkv, cos, sin, slots, torch.empty_like(qkv[:1]).new_zeros(blocks, bs, nkv, hd),
+                             torch.zeros(blocks, bs, nkv, hd, **to), nh, nkv, hd)
+    kv_quant.write(ref, rk, rv, slots)
+    if torch.cuda.is_available():  # rope may round differently: codes within one step
+        assert (cache[0].int() - ref[0].int()).abs().max() <= 1
+        assert torch.equal(cache[1], ref[1]) and torch.equal(cache[3], ref[3])
+    else:
+        for got, want in zip(cache, ref):
+            assert torch.equal(got, want)
+    assert torch.equal(cache[1].view(-1, nkv, hd)[slots[2], 0, :4].cpu(), torch.tensor([127, 0, 2, 2], dtype=torch.int8))
+    fp8 = kv_quant.allocate(blocks, bs, nkv, hd, torch.float8_e4m3fn, torch.device(device))
+    assert triton_ops.rope_store_kv(qkv, cos, sin, slots, fp8[0], fp8[1], nh, nkv, hd, True, kv_scales=fp8[2:]) is None
