@@ -7,7 +7,7 @@ Invariants:
   and repeated requests with the same constraint, compile it once and are refused at once when it failed.
 - A compiled grammar is tried before it is handed out: its first masks are computed along a short walk
   (``PROBE_TOKENS`` tokens, each the lowest allowed token id that is not end-of-sequence, plus the tokens
-  the grammar forces, e.g. a tool call's fixed opening). A matcher
+  the grammar forces, e.g. a tool call's fixed opening, seen as masks with one token). A matcher
   breaks its limits (too many lexer expressions, too many items in a parser row) on the first tokens of
   the structure it explodes on, so those constraints are refused up front instead of failing mid-decode.
   What still breaks later is reported by ``StructuredDecoder`` while decoding (the request ends with the
@@ -16,6 +16,8 @@ Invariants:
   the calling thread), so a loaded machine does not turn a valid grammar into a refused one: compiling
   plus the first mask at most ``COMPILE_BUDGET_S``, any one mask of the walk at most ``MASK_BUDGET_S``
   (a grammar whose masks cost more would slow every step of every request batched with it).
+- Only llguidance calls that release the GIL are used here (building, masks, consuming tokens); not
+  ``compute_ff_tokens``, which holds it (about 2 s on ``(x{1000}){1000}``, whose forced text is huge).
 - Compiling never runs on the event loop nor on the engine's step thread: ``AsyncEngine`` calls
   ``compiled`` from its grammar thread, which runs at a lower OS priority than the step loop and the
   servers (``lower_thread_priority``), so it takes only CPU they leave.
@@ -144,17 +146,8 @@ class GrammarCompiler:
         """Try the first tokens on a copy of ``matcher``; the error text when it breaks or a mask is over budget."""
         import numpy as np
 
-        m, mask, forced = matcher.deep_copy(), first, 0
-        for _ in range(PROBE_TOKENS):
-            ff = m.compute_ff_tokens()[:PROBE_FORCED_TOKENS - forced]
-            if ff:
-                forced += len(ff)
-                m.consume_tokens(ff)
-                if m.is_error():
-                    return f"cannot be enforced: {_first_error_line(m.get_error())}"
-                if m.is_stopped():
-                    return None
-                mask = m.compute_bitmask()
+        m, mask, steps, forced = matcher.deep_copy(), first, 0, 0
+        while steps < PROBE_TOKENS:
             words = np.frombuffer(mask, dtype=np.uint32).copy()
             for e in self.eos_token_ids:
                 if e // 32 < len(words):
@@ -162,6 +155,10 @@ class GrammarCompiler:
             nz = np.flatnonzero(words)
             if not len(nz):
                 return None  # only the end is allowed: nothing further to try
+            if len(nz) == 1 and int(words[nz[0]]).bit_count() == 1 and forced < PROBE_FORCED_TOKENS:
+                forced += 1  # a forced token (fixed text): taken on top of the walk's steps
+            else:
+                steps += 1
             w = int(nz[0])
             token = w * 32 + (int(words[w]) & -int(words[w])).bit_length() - 1
             if token >= self.vocab_size:
