@@ -33,6 +33,8 @@ BENCHMARKS = {
     "quality": ("sidecar.bench.quality", "perplexity, top-1 agreement and KL vs full precision; decode speed"),
     "serve": ("sidecar.bench.serve", "load generator over gRPC or the OpenAI HTTP API"),
     "soak": ("sidecar.bench.soak", "memory soak: N mixed requests against a real server, RSS sampled and plotted"),
+    "grammar-stall": ("sidecar.bench.grammar_stall",
+                      "heavy output constraints from one tenant vs /health and another tenant's small request"),
     "semantic-cache": ("sidecar.bench.semantic_cache", "semantic cache precision/recall and latency"),
     "fleet": ("sidecar.bench.fleet", "multi-turn conversations over N replicas: cached prompt share with session "
               "affinity vs round-robin vs one replica"),

@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Optional
 from sidecar.config import EngineConfig
 from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.engine import LLMEngine, Prompt
+from sidecar.engine.grammar_compile import lower_thread_priority
 from sidecar.engine.lora_manager import check_name
 from sidecar.engine.request import RequestOutput, SamplingParams, random_request_id
 
@@ -93,7 +94,10 @@ class AsyncEngine:
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._tokenizer_lock = threading.Lock()
         self._loras: dict[str, str] = engine.lora.names()  # name -> path; replaced whole on each change
-        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-grammar")
+        engine.structured.prepare()  # holds the GIL ~1 s: before serving, never under a first grammar request
+        # Below the step loop's and the servers' CPU priority: compiling takes only what they leave.
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-grammar",
+                                                initializer=lower_thread_priority)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -265,6 +269,14 @@ class AsyncEngine:
 
         self._loras = await self._call(unregister)
 
+    async def compile_grammar(self, constraint: Any) -> None:
+        """Compile (and try) a constraint on the grammar thread, never the engine's (which keeps stepping);
+        raises ValueError("structured: ..."). One thread: a request's n choices compile it once, without
+        taking the shared workers that tokenize other tenants' prompts."""
+        if constraint is not None:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.structured.compiled,
+                                                             constraint)
+
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,
                        priority: int = 0, cache_salt: Optional[str] = None,
                        deadline: Optional[float] = None,
@@ -281,12 +293,7 @@ class AsyncEngine:
             raise EngineDeadError("engine is shutting down")
         if not self.is_running:
             raise EngineDeadError("engine is not running")
-        if params.structured is not None:
-            # Compiled here, on the grammar thread: the engine thread keeps stepping meanwhile, and one thread
-            # means the n choices of a request compile their grammar once (the rest find it compiled) without
-            # taking the shared workers that tokenize other tenants' prompts.
-            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.structured.compiled,
-                                                             params.structured)
+        await self.compile_grammar(params.structured)
         rid = request_id or random_request_id()
         stream = _Stream(asyncio.get_running_loop())
         with self._lock:

@@ -18,26 +18,31 @@ A constrained request's grammar state (its ``llguidance.LLMatcher``) lives in
 - A grammar that fails while decoding (the matcher's limits, e.g. too many alternatives in a row)
   never ends its request as if the output were complete: the request id lands in ``failed`` with
   the matcher's error, and the engine aborts the request with it.
-- Compiled grammars are kept by content (bounded LRU, ``COMPILED_CACHE_SIZE``); each request gets a
-  copy of the compiled matcher, so n choices or repeated requests with one schema compile it once.
+- Grammars are compiled and tried by ``grammar_compile.GrammarCompiler`` (kept by content, failures
+  included, budgets, a short walk that refuses constraints breaking their limits up front); each request
+  gets a copy of the compiled matcher, so n choices or repeated requests with one schema compile it once.
+- Rows whose matchers are in the same state (the same grammar after the same tokens: the n choices of a
+  request at their first token, or greedy ones all along) share one mask computation per step.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from sidecar.engine.grammar_compile import GrammarCompiler, grammar_for
 from sidecar.engine.sampling_rng import SALT_REDRAW
 
+__all__ = ["Constraint", "StructuredDecoder", "apply_bitmask", "grammar_for", "to_constraint"]
+
 MAX_CHOICES = 1024
-COMPILED_CACHE_SIZE = 64
 
 
 @dataclass(frozen=True)
@@ -48,11 +53,24 @@ class Constraint:
     value: Any = None
     strict: bool = False
     lazy_trigger: Optional[str] = None  # lark only: unconstrained until this text may start
+    # The request field it came from (e.g. "guided_json", "tools"), for errors; not part of its identity.
+    origin: str = field(default="", compare=False)
 
     def key(self) -> str:
-        """Canonical text for cache keys: equal constraints give equal keys."""
-        return json.dumps([self.kind, self.value, self.strict, self.lazy_trigger], sort_keys=True,
-                          separators=(",", ":"), ensure_ascii=False)
+        """Canonical text for cache keys: equal constraints give equal keys. Computed once per object (a
+        schema's text can be 100,000 characters; the event loop and the engine thread both ask for it)."""
+        k = self.__dict__.get("_key")
+        if k is None:
+            k = json.dumps([self.kind, self.value, self.strict, self.lazy_trigger], sort_keys=True,
+                           separators=(",", ":"), ensure_ascii=False)
+            object.__setattr__(self, "_key", k)
+        return k
+
+    def with_origin(self, origin: str) -> "Constraint":
+        """This constraint marked with the request field it came from (its key carried over)."""
+        c = dataclasses.replace(self, origin=origin)
+        object.__setattr__(c, "_key", self.key())
+        return c
 
 
 def to_constraint(value: Any) -> Optional[Constraint]:
@@ -78,38 +96,15 @@ def to_constraint(value: Any) -> Optional[Constraint]:
                      f"got {type(value).__name__}")
 
 
-def _lark_literal(s: str) -> str:
-    return json.dumps(s)  # a JSON string literal is a valid lark string literal
-
-
-def grammar_for(c: Constraint) -> str:
-    """The llguidance grammar text of a constraint."""
-    from llguidance import LLMatcher
-
-    if c.kind in ("json", "json_object"):
-        schema = c.value if c.kind == "json" else {"type": "object"}
-        # Compact separators keep the output bounded; lenient (non-strict) ignores keywords the
-        # grammar cannot enforce instead of rejecting the schema.
-        opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-                "lenient": not c.strict}
-        try:
-            return LLMatcher.grammar_from_json_schema(schema, defaults=opts)
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"structured: invalid JSON schema: {exc}") from None
-    if c.kind == "regex":
-        return LLMatcher.grammar_from_regex(c.value)
-    if c.kind == "choice":
-        return LLMatcher.grammar_from_lark("start: " + " | ".join(_lark_literal(x) for x in c.value))
-    return LLMatcher.grammar_from_lark(c.value)
-
-
 class _Grammar:
-    """One request's matcher plus its lazy-trigger tracking."""
+    """One request's matcher plus its lazy-trigger tracking. ``state``: a digest of (grammar, tokens consumed);
+    equal states have equal masks."""
 
-    __slots__ = ("matcher", "trigger", "triggered", "tail")
+    __slots__ = ("matcher", "trigger", "triggered", "tail", "state")
 
-    def __init__(self, matcher: Any, trigger: Optional[str]) -> None:
+    def __init__(self, matcher: Any, trigger: Optional[str], key: str) -> None:
         self.matcher = matcher
+        self.state = hash(key)
         self.trigger = trigger
         self.triggered = trigger is None
         self.tail = ""  # last generated characters, enough to see a trigger forming
@@ -138,12 +133,11 @@ class StructuredDecoder:
         self.eos_token_ids = list(eos_token_ids)
         self.registry: dict[str, _Grammar] = {}
         self.failed: dict[str, str] = {}  # request id -> the error of a grammar that failed while decoding
-        self._compiled: OrderedDict[str, Any] = OrderedDict()  # constraint key -> unused compiled matcher
+        self.compiler = GrammarCompiler(self._tokenizer, vocab_size, self.eos_token_ids)
         self._lltok: Any = None
         self._executor: Any = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
-        self._compile_lock = threading.Lock()  # guards _compiled (worker threads compile too)
         self.num_masks = 0  # masks computed (counter for stats/benchmarks)
         self.num_resampled = 0  # lazy tokens refused by the grammar and re-sampled under the mask
         self.mask_s = 0.0  # time spent computing masks (on the worker: overlapped with the forward)
@@ -153,8 +147,16 @@ class StructuredDecoder:
         return {"structured_masks": self.num_masks, "structured_resampled": self.num_resampled,
                 "structured_mask_s": self.mask_s, "structured_mask_wait_s": self.wait_s}
 
+    def prepare(self) -> None:
+        """Build the grammar tokenizer now (a server does before it serves): building the vocabulary trie
+        holds the GIL for up to ~1 s, which under a first grammar request would stall every other thread."""
+        try:
+            self._tokenizer()
+        except Exception:  # a tokenizer llguidance cannot use: each constrained request is refused with why
+            pass
+
     def _tokenizer(self) -> Any:
-        # Built on first use: the vocabulary trie costs up to ~1 s for large vocabularies.
+        # Built on first use (or by prepare): the vocabulary trie costs up to ~1 s for large vocabularies.
         with self._lock:
             if self._lltok is None:
                 import llguidance
@@ -167,38 +169,16 @@ class StructuredDecoder:
             return self._lltok
 
     def compiled(self, c: Constraint) -> Any:
-        """The compiled, unused matcher of ``c``, compiling it on a miss. Safe from any thread: AsyncEngine
-        calls it from a worker thread before handing the request to the engine thread, so a large grammar
+        """The compiled, unused matcher of ``c`` (``GrammarCompiler.compiled``). Safe from any thread: AsyncEngine
+        calls it from its grammar thread before handing the request to the engine thread, so a large grammar
         compiles while the engine keeps stepping. Raises ValueError naming ``structured``."""
-        from llguidance import LLMatcher
-
-        key = c.key()
-        with self._compile_lock:
-            found = self._compiled.get(key)
-            if found is not None:
-                self._compiled.move_to_end(key)
-                return found
-        grammar = grammar_for(c)
-        try:
-            lltok = self._tokenizer()
-        except ValueError as exc:  # e.g. a slow (non-Rust) tokenizer
-            raise ValueError(f"structured: not available for this model's tokenizer: {exc}") from None
-        matcher = LLMatcher(lltok, grammar, log_level=0)  # drops the GIL while it builds
-        if not matcher.is_error():
-            matcher.compute_bitmask()  # the first mask hits the limits a grammar breaks at once: refuse it now
-        if matcher.is_error():
-            raise ValueError(f"structured: {matcher.get_error()}")
-        with self._compile_lock:
-            self._compiled[key] = matcher
-            while len(self._compiled) > COMPILED_CACHE_SIZE:
-                self._compiled.popitem(last=False)
-        return matcher
+        return self.compiler.compiled(c)
 
     def attach(self, request_id: str, c: Optional[Constraint]) -> Optional[_Grammar]:
         """Give a new request its own copy of ``c``'s compiled grammar. Raises ValueError naming ``structured``."""
         if c is None:
             return None
-        g = _Grammar(self.compiled(c).deep_copy(), c.lazy_trigger)
+        g = _Grammar(self.compiled(c).deep_copy(), c.lazy_trigger, c.key())
         self.registry[request_id] = g
         return g
 
@@ -212,15 +192,18 @@ class StructuredDecoder:
         With ``overlap`` it runs on a worker thread, overlapping the forward pass."""
         if not self.registry:
             return None
-        rows: dict[str, int] = {}
+        rows: dict[str, int] = {}  # request id -> its mask's row; requests in one state share a row
+        first: dict[int, tuple[Any, int]] = {}  # state -> (the matcher computing it, its row)
         for rid in request_ids:
             g = self.registry.get(rid)
             if g is not None and g.needs_mask():
-                rows[rid] = len(rows)
+                if g.state not in first:
+                    first[g.state] = (g.matcher, len(first))
+                rows[rid] = first[g.state][1]
         if not rows:
             return None
-        bitmask = torch.empty((len(rows), (self.vocab_size + 31) // 32), dtype=torch.int32)  # fill writes every word
-        pairs = [(self.registry[rid].matcher, i) for rid, i in rows.items()]
+        bitmask = torch.empty((len(first), (self.vocab_size + 31) // 32), dtype=torch.int32)  # fill writes every word
+        pairs = list(first.values())
         self.num_masks += len(pairs)
         if self.overlap:
             fut = self._pool.submit(self._fill, pairs, bitmask)
@@ -278,6 +261,7 @@ class StructuredDecoder:
             g = self.registry.get(r.request_id)
             if g is not None:
                 g.matcher.consume_token(t)
+                g.state = hash((g.state, t))
                 if g.matcher.is_error():
                     self.failed[r.request_id] = g.matcher.get_error()[:500]
                 if not g.triggered:

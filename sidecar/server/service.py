@@ -295,6 +295,7 @@ class InferenceService:
             tools.check_tools(req.tools, req.tool_choice)
         # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
         params, prompt = await asyncio.to_thread(self._prepare, req)
+        await self._compile_grammar(params.structured)
         tool_default = (tools.default_tool_max_tokens(req.tool_choice, req.parallel_tool_calls)
                         if is_chat and tools.uses_tools(req) else None)
         params = _fit_max_tokens(params, req.max_tokens_set, len(prompt), info.get("max_model_len"), tool_default)
@@ -304,6 +305,16 @@ class InferenceService:
                              req.max_tokens_set)
         self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
         return Admission(prompt_ids=prompt, params=params, parser=parser, charge=charge, lora=lora)
+
+    async def _compile_grammar(self, c: Any) -> None:
+        """Have the engine compile and try the request's constraint before it is admitted (off the event loop
+        and the engine thread); one that cannot be enforced is refused naming the field it came from."""
+        if c is None:
+            return
+        try:
+            await self._engine().compile_grammar(c)
+        except ValueError as exc:
+            raise invalid(getattr(c, "origin", "") or "structured", str(exc).removeprefix("structured: ")) from None
 
     def _adapter(self, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter ``model`` names; None for the base model (its name or none). Raises not_found
@@ -370,7 +381,7 @@ class InferenceService:
                 progress.generated = len(out.token_ids)
                 if out.finished:
                     progress.held = False
-                    self._refuse_aborted(out)
+                    self._refuse_aborted(out, admission.params.structured)
                 ev = self._event(rid, out, plan.info)
                 if admission.parser is not None:
                     tools.split_event(ev, admission.parser)
@@ -389,8 +400,9 @@ class InferenceService:
             await outputs.aclose()
             await stream.aclose()
 
-    def _refuse_aborted(self, out: RequestOutput) -> None:
-        """An engine-side abort (deadline, shutdown, error) ends the request with its ServiceError."""
+    def _refuse_aborted(self, out: RequestOutput, constraint: Any = None) -> None:
+        """An engine-side abort (deadline, shutdown, error) ends the request with its ServiceError; a
+        constraint that broke while decoding names the field it came from."""
         if out.finish_reason != "abort":
             return
         self.metrics.success.labels(finish_reason="abort").inc()
@@ -399,7 +411,8 @@ class InferenceService:
         if out.abort_reason == "shutdown":
             raise ServiceError("unavailable", "draining: request aborted at shutdown")
         if (out.abort_reason or "").startswith("error: structured: "):  # the request's own constraint
-            raise ServiceError("invalid_argument", out.abort_reason.removeprefix("error: "))
+            field_name = getattr(constraint, "origin", "") or "structured"
+            raise invalid(field_name, out.abort_reason.removeprefix("error: structured: "))
         raise ServiceError("internal", f"request aborted: {out.abort_reason}")
 
     async def _record_finished(self, caller: Caller, rid: str, out: RequestOutput, plan: Plan) -> None:

@@ -11,6 +11,10 @@ path:
   compiling (grammar work grows with it, and no answer format needs more);
 - verdicts are remembered by content (bounded LRU), so the n choices of one request, and repeated
   requests with the same schema, compile it once.
+
+What only the vocabulary shows (the matcher's limits on the first tokens, the compile and mask budgets) is
+found when the service has the engine compile the constraint, before the request is admitted; the
+constraint's ``origin`` (set here) names the field in that refusal.
 """
 from __future__ import annotations
 
@@ -39,8 +43,9 @@ def _verdict(c: Constraint) -> str:
 
 
 def check_constraint(c: Optional[Constraint], field: str) -> Optional[Constraint]:
-    """Return ``c`` unchanged, or raise ServiceError (invalid_argument) naming ``field``. Blocks for as
-    long as compiling takes: call it from a worker thread."""
+    """Return ``c`` marked with ``field`` as its origin (the engine's later refusals name it), or raise
+    ServiceError (invalid_argument) naming ``field``. Blocks for as long as compiling takes: call it from
+    a worker thread."""
     if c is None:
         return None
     key = c.key()
@@ -59,4 +64,4 @@ def check_constraint(c: Optional[Constraint], field: str) -> Optional[Constraint
                 _verdicts.popitem(last=False)
     if err:
         raise invalid(field, err)
-    return c
+    return c.with_origin(field)

@@ -1,9 +1,11 @@
 """Reliability round 2 against a real ``sidecar serve --model demo``: constraints that cannot be enforced are
-errors the client sees, oversized ones are refused up front, a long stop string still streams, and one
-tenant holding every running slot does not keep another tenant's small request waiting."""
+refused up front naming their field (oversized ones before compiling, ones that break the matcher's limits
+after a short trial), compiling one holds up neither /health nor another tenant, a long stop string still
+streams, and one tenant holding every running slot does not keep another tenant's small request waiting."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import grpc
@@ -40,15 +42,55 @@ def sse(text: str) -> list:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_constraint_that_breaks_while_decoding_is_an_error_not_stop(http, stream):
+def test_a_constraint_that_breaks_its_limits_is_refused_up_front_naming_the_field(http, stream):
     r = http.post("/v1/completions", json=completion(guided_regex="(x{1000}){1000}", stream=stream))
-    if r.status_code == 400:  # failed before the first token went out: a plain error response
-        assert "cannot be enforced" in r.json()["error"]["message"]
-        return
-    assert stream and r.status_code == 200  # a stream already under way ends with an error event
-    events = sse(r.text)
-    assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices", []))
-    assert "cannot be enforced" in events[-1]["error"]["message"]
+    assert r.status_code == 400, r.text  # refused before admission: no token was ever generated
+    err = r.json()["error"]
+    assert err["param"] == "guided_regex" and "cannot be enforced" in err["message"]
+
+
+def wide_schema(n: int) -> dict:
+    return {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(n)]}
+
+
+def test_a_schema_within_the_size_budget_that_breaks_the_matcher_is_refused_naming_the_field(http):
+    # 1,500 alternatives fit the size budget, but the matcher's parser row overflows on the opening brace.
+    body = {"model": "demo", "messages": [{"role": "user", "content": "x"}], "n": 16, "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": wide_schema(1500)}}}
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format.json_schema.schema" and "max is 2000" in err["message"]
+    wrapped = {"type": "object", "properties": {"pick": wide_schema(1500)}, "required": ["pick"]}
+    tools = [{"type": "function", "function": {"name": "pick", "parameters": wrapped}}]
+    r = http.post("/v1/chat/completions", json={"model": "demo", "messages": [{"role": "user", "content": "x"}],
+                                                "tools": tools, "tool_choice": "required", "max_tokens": 8})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_another_tenant_is_served_while_a_grammar_compiles(srv, http):
+    """A constraint that takes seconds to compile (then fails) holds neither /health nor another tenant: both
+    answer while the grammar request is still compiling."""
+    heavy: dict = {}
+
+    def send() -> None:
+        heavy["response"] = http.post("/v1/completions", json=completion(guided_regex="(z{1000}){1000}", n=4))
+
+    worker = threading.Thread(target=send)
+    worker.start()
+    try:
+        time.sleep(0.3)  # its request is in; the grammar thread is compiling
+        with httpx.Client(base_url=srv.http_base, timeout=120, headers={"authorization": "Bearer kb"}) as bob:
+            for i in range(3):
+                assert bob.get("/health").status_code == 200
+                r = bob.post("/v1/chat/completions", json={"model": "demo", "max_tokens": 4, "temperature": 0,
+                                                          "messages": [{"role": "user", "content": f"hi {i}"}],
+                                                          "cache_control": "skip"})
+                assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert worker.is_alive() and "response" not in heavy  # Bob was answered while Alice's grammar compiled
+    finally:
+        worker.join(300)
+    assert heavy["response"].status_code == 400 and heavy["response"].json()["error"]["param"] == "guided_regex"
 
 
 def test_an_oversized_schema_is_refused_naming_the_field(http):

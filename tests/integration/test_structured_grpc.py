@@ -93,6 +93,10 @@ def test_tool_messages_are_accepted(stub):
     (pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x")],
                     response_format=pb.ResponseFormat(type=pb.ResponseFormat.TYPE_JSON_SCHEMA, json_schema="{")),
      "response_format.json_schema"),
+    # compiles, but breaks the matcher's limits on its first tokens: refused before any decoding
+    (pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x")],
+                    response_format=pb.ResponseFormat(type=pb.ResponseFormat.TYPE_REGEX, regex="(x{1000}){1000}")),
+     "response_format.regex"),
     (pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x")], tools=[LOOKUP],
                     tool_choice=pb.ToolChoice(mode=pb.ToolChoice.MODE_FUNCTION, function_name="nope")), "tool_choice"),
     (pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="x")], tools=[pb.Tool(name="bad name")]),

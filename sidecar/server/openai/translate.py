@@ -28,7 +28,8 @@ def _seed(seed: Optional[int], i: int) -> Optional[int]:
     return s - 2**64 if s >= 2**64 else s  # stays in the signed/unsigned 64-bit range SamplingParams accepts
 
 
-def _params(body: _Sampling, max_tokens: int, logprobs: Optional[int], choice: int) -> Any:
+def _params(body: _Sampling, max_tokens: int, logprobs: Optional[int], choice: int,
+            structured: Optional[Constraint]) -> Any:
     kw: dict[str, Any] = {"max_tokens": max_tokens, "seed": _seed(body.seed, choice), "logprobs": logprobs}
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
                  "ignore_eos", "skip_special_tokens", "stop_token_ids", "speculative"):
@@ -39,7 +40,7 @@ def _params(body: _Sampling, max_tokens: int, logprobs: Optional[int], choice: i
         kw["top_k"] = max(body.top_k, 0)  # vLLM spells "disabled" as -1, the engine as 0
     if body.stop is not None:
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
-    kw["structured"] = output_constraint(body)
+    kw["structured"] = structured  # one object for every choice: checked, keyed and compiled once
     return sampling_params(**kw)
 
 
@@ -114,7 +115,8 @@ def chat_requests(body: ChatCompletionRequest, call_id: str, max_model_len: Opti
     messages = chat_messages(body)
     explicit = (body.max_completion_tokens or body.max_tokens) is not None
     tools = chat_tools(body)
-    return [GenerationRequest(messages=messages, params=_params(body, max_tokens, logprobs, i),
+    structured = output_constraint(body)
+    return [GenerationRequest(messages=messages, params=_params(body, max_tokens, logprobs, i, structured),
                               max_tokens_set=explicit, **tools, **_common(body, f"{call_id}-{i}")) for i in range(n)]
 
 
@@ -122,12 +124,13 @@ def completion_requests(body: CompletionRequest, call_id: str) -> list[Generatio
     n = body.n or 1
     max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
     out = []
+    structured = output_constraint(body)
     for p, prompt in enumerate(body.prompts()):
         for i in range(n):
             k = p * n + i
             src: dict[str, Union[str, list[int]]] = (
                 {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
-            out.append(GenerationRequest(params=_params(body, max_tokens, body.logprobs, i),
+            out.append(GenerationRequest(params=_params(body, max_tokens, body.logprobs, i, structured),
                                          max_tokens_set=body.max_tokens is not None,
                                          **src, **_common(body, f"{call_id}-{k}")))
     return out
