@@ -59,7 +59,8 @@ def enable_torch_allocator() -> bool:
 
 
 def anon_regions(smaps: str = "/proc/self/smaps") -> dict[tuple[int, int], dict[str, int]]:
-    """Writable private anonymous mappings (the heap included): (start, end) -> {Rss, AnonHugePages} bytes."""
+    """Writable private anonymous mappings (the heap included): (start, end) -> {Rss, AnonHugePages} bytes,
+    ``advised`` 1 where the mapping carries MADV_HUGEPAGE."""
     out: dict[tuple[int, int], dict[str, int]] = {}
     current: Optional[dict[str, int]] = None
     try:
@@ -74,9 +75,11 @@ def anon_regions(smaps: str = "/proc/self/smaps") -> dict[tuple[int, int], dict[
             path = head[5] if len(head) > 5 else ""
             if perms.startswith("rw") and perms.endswith("p") and inode == "0" and path in ("", "[heap]"):
                 lo, hi = (int(x, 16) for x in head[0].split("-"))
-                current = out.setdefault((lo, hi), {"Rss": 0, "AnonHugePages": 0})
+                current = out.setdefault((lo, hi), {"Rss": 0, "AnonHugePages": 0, "advised": 0})
         elif current is not None and head and head[0] in ("Rss:", "AnonHugePages:"):
             current[head[0][:-1]] = int(head[1]) * 1024
+        elif current is not None and head and head[0] == "VmFlags:":
+            current["advised"] = int("hg" in head[1:])
     return out
 
 
@@ -101,6 +104,7 @@ def advise_new(before: set[tuple[int, int]]) -> dict[str, object]:
     t = time.perf_counter()
     advised = collapsed = 0
     collapse_ok = True
+    refused: dict[str, int] = {}  # MADV_COLLAPSE is best effort: no free huge page now is EAGAIN / ENOMEM
     for (lo, hi), info in anon_regions().items():
         if (lo, hi) in before or hi - lo < HUGE:
             continue
@@ -111,8 +115,11 @@ def advise_new(before: set[tuple[int, int]]) -> dict[str, object]:
             err = _madvise(libc, lo, hi - lo, MADV_COLLAPSE)
             collapse_ok = err != 22  # EINVAL: a kernel without MADV_COLLAPSE; khugepaged collapses later
             collapsed += err == 0
+            if err:
+                refused[os.strerror(err)] = refused.get(os.strerror(err), 0) + 1
     huge = sum(v["AnonHugePages"] for k, v in anon_regions().items() if k not in before)
     state = "collapsed" if collapsed else "advised"
-    log.info("huge pages: %d new regions advised, %d collapsed, %.0f MiB in huge pages (%.2f s)", advised,
-             collapsed, huge / 2**20, time.perf_counter() - t)
-    return {"state": state, "advised": advised, "collapsed": collapsed, "huge_bytes": huge}
+    log.info("huge pages: %d new regions advised, %d collapsed%s, %.0f MiB in huge pages (%.2f s)", advised,
+             collapsed, f" (refused: {refused})" if refused else "", huge / 2**20, time.perf_counter() - t)
+    return {"state": state, "advised": advised, "collapsed": collapsed, "collapse_refused": refused,
+            "huge_bytes": huge}

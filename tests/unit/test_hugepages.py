@@ -64,7 +64,8 @@ def region(t):
 small_pages = region(x)["AnonHugePages"]
 res = hugepages.advise_new(before)
 print(json.dumps({"res": res, "before": small_pages, "after": region(x)["AnonHugePages"],
-                  "lazy_rss": region(lazy)["Rss"]}))
+                  "advised": region(x)["advised"], "lazy_rss": region(lazy)["Rss"],
+                  "lazy_advised": region(lazy)["advised"]}))
 """
 
 
@@ -74,9 +75,14 @@ def test_memory_already_allocated_is_collapsed_into_huge_pages():
         assert got["res"]["state"].startswith("off")
         return
     assert got["res"]["state"] in ("advised", "collapsed")
+    assert got["advised"] == 1 and got["lazy_advised"] == 1  # both carry MADV_HUGEPAGE now
     if MODE == "madvise":
-        assert got["before"] == 0 and got["res"]["state"] == "collapsed"
-    assert got["after"] >= 48 << 20  # all but the region's unaligned ends
+        assert got["before"] == 0
+    # Collapsing is best effort: the kernel refuses it (EAGAIN / ENOMEM) while no free huge page can be made.
+    if got["res"]["collapse_refused"]:
+        assert got["res"]["state"] == "advised" or got["res"]["collapsed"] >= 1
+    else:
+        assert got["after"] >= 48 << 20  # all but the region's unaligned ends
     assert got["lazy_rss"] < 64 << 20  # untouched memory is advised, not committed
 
 
