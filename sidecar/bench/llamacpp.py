@@ -97,17 +97,29 @@ def gguf_for(tools: dict[str, Path], model_dir: str, precision: str, cache_dir: 
     return out
 
 
+def llama_bench(tools: dict[str, Path], gguf: Path, n_prompt: int, n_gen: int, threads: int,
+                repeats: int = 3) -> dict[str, Any]:
+    """One llama-bench test (``-p n_prompt -n n_gen``; one of them 0): tokens/s as the mean of its
+    ``repeats`` runs (``tok_s``) and the fastest run (``best_tok_s``), and llama-bench's peak RSS."""
+    from sidecar.bench.rss import run_measured
+
+    cmd = [str(tools["llama-bench"]), "-m", str(gguf), "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads),
+           "-r", str(repeats), "-o", "json"]
+    out, rc, peak = run_measured(cmd)
+    if rc != 0:
+        raise RuntimeError(f"llama-bench exited with {rc}: {' '.join(cmd)}")
+    key = "n_gen" if n_gen else "n_prompt"
+    row = next(r for r in json.loads(out) if r.get(key))
+    samples = row.get("samples_ts") or [row["avg_ts"]]
+    return {"tok_s": float(row["avg_ts"]), "best_tok_s": float(max(samples)), "peak_rss_bytes": peak}
+
+
 def decode_b1(tools: dict[str, Path], gguf: Path, n_tokens: int, threads: int, repeats: int = 3,
               best: bool = False) -> float:
     """llama-bench's batch-1 decode speed (tg test: no prompt, ``n_tokens`` generated), tokens/s: the mean
     of its ``repeats`` runs, or the fastest of them with ``best`` (to match a best-of-N figure of ours)."""
-    out = subprocess.run([str(tools["llama-bench"]), "-m", str(gguf), "-p", "0", "-n", str(n_tokens),
-                          "-t", str(threads), "-r", str(repeats), "-o", "json"],
-                         capture_output=True, text=True, check=True)
-    rows = json.loads(out.stdout)
-    row = next(r for r in rows if r.get("n_gen"))
-    samples = row.get("samples_ts") or []
-    return float(max(samples)) if best and samples else float(row["avg_ts"])
+    r = llama_bench(tools, gguf, 0, n_tokens, threads, repeats)
+    return r["best_tok_s"] if best else r["tok_s"]
 
 
 def _free_port() -> int:
@@ -126,7 +138,10 @@ def server_workload(tools: dict[str, Path], gguf: Path, work: list[tuple[list[in
                     parallel: int, timeout: float = 3600.0) -> dict[str, Any]:
     """The workload through ``llama-server -np parallel`` (continuous batching), all requests sent at once.
 
-    Each slot gets the context of the longest request; prompts are token ids, EOS ignored, greedy."""
+    Each slot gets the context of the longest request; prompts are token ids, EOS ignored, greedy.
+    ``peak_rss_bytes``: the server's peak RSS, read before it is stopped."""
+    from sidecar.bench.rss import peak_rss_bytes
+
     per_slot = max(len(p) + n for p, n in work) + 16
     port = _free_port()
     cmd = [str(tools["llama-server"]), "-m", str(gguf), "-np", str(parallel), "-c", str(per_slot * parallel),
@@ -160,6 +175,7 @@ def server_workload(tools: dict[str, Path], gguf: Path, work: list[tuple[list[in
         with ThreadPoolExecutor(len(work)) as pool:
             produced = sum(pool.map(one, work))
         dt = time.perf_counter() - t
+        peak = peak_rss_bytes(proc.pid)
     finally:
         proc.terminate()
         try:
@@ -168,4 +184,4 @@ def server_workload(tools: dict[str, Path], gguf: Path, work: list[tuple[list[in
             proc.kill()
             proc.wait()
     return {"system": f"llama.cpp llama-server -np {parallel} ({gguf.name.rsplit('-', 1)[-1][:-5].upper()})",
-            "seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt}
+            "seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt, "peak_rss_bytes": peak}

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from sidecar.bench.llamacpp import add_arguments as add_llamacpp_arguments
 
     add_llamacpp_arguments(p)
+    from sidecar.bench.vllm_cpu import add_arguments as add_vllm_cpu_arguments
+
+    add_vllm_cpu_arguments(p)
 
 
 # ------------------------------------------------------------------ worker (runs in a subprocess)
@@ -90,6 +93,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
             assert all(len(o.token_ids) == n for o in outs)
             best = max(best, batch * (n - 1) / max(wall - prefill, 1e-9))
         res[f"decode_tok_s_b{batch}"] = best
+    res["peak_rss_bytes"] = _rss_peak_bytes()  # the whole process's, load and decode included
     return res
 
 
@@ -182,36 +186,83 @@ def _peaked_checkpoint(shape: str, init_scale: float, out: Path) -> Path:
 
 # ------------------------------------------------------------------ command
 
-def _llamacpp_b1(args: argparse.Namespace, model_dir: str, n: int, gs: int,
-                 rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """llama-bench batch-1 decode per mode in the same precision class (BF16, Q8_0, Q4_0), when built."""
+B1_PROMPT = [3 + j % 200 for j in range(8)]  # the worker's batch-1 prompt (batch row 0)
+
+
+def _paired_b1(args: argparse.Namespace, model_dir: str, n: int, gs: int,
+               rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Paired batch-1 rounds against the baselines found: llama-bench per mode in the same precision class
+    (BF16, Q8_0, Q4_0), vLLM-CPU for bf16 (``--vllm-cpu``; loaded once, before the rounds, not timed)."""
     from sidecar.bench import llamacpp
-    from sidecar.bench.models import bench_cache_dir
 
     tools = llamacpp.find_tools(args.llama_cpp, args.llama_cpp_src)
     if tools is None:
         print("llama.cpp baseline skipped: llama-bench/llama-server not found (--llama-cpp DIR or PATH)")
+    if not args.vllm_cpu:
+        print("vLLM-CPU baseline skipped: no --vllm-cpu VENV")
+    if tools is None and not args.vllm_cpu:
         return {}
-    info: dict[str, Any] = {"version": llamacpp.version(tools), "threads": args.threads, "rounds": args.b1_rounds}
-    for r in rows:
-        precision = {"bf16": "bfloat16"}.get(r["mode"], r["mode"])
-        gguf = llamacpp.gguf_for(tools, model_dir, precision, bench_cache_dir() / "gguf")
-        # Paired rounds, ours then llama-bench seconds apart, each side's fastest: on a shared machine the
-        # speed moves by tens of percent over minutes, so the two sides are measured at the same moments.
-        ours, theirs = [], []
-        for i in range(args.b1_rounds):
-            print(f"[{r['mode']} vs llama.cpp {llamacpp.OUTTYPES[precision].upper()}] batch-1 round {i + 1}",
-                  flush=True)
-            ours.append(_run_worker({"model": model_dir, "threads": args.threads, "max_tokens": n, "batches": [1],
-                                     "quantization": None if r["mode"] == "bf16" else r["mode"], "group_size": gs,
-                                     "quantize_lm_head": args.quantize_lm_head})["decode_tok_s_b1"])
-            theirs.append(llamacpp.decode_b1(tools, gguf, n, args.threads, best=True))
-        r["b1_paired_tok_s"] = max(ours)
+    info: dict[str, Any] = {"threads": args.threads, "rounds": args.b1_rounds}
+    if tools is not None:
+        info["version"] = llamacpp.version(tools)
+    vllm = None
+    if args.vllm_cpu:
+        from sidecar.bench.vllm_cpu import VllmCpu
+
+        print("[bf16 vs vLLM-CPU] loading vLLM (not timed) ...", flush=True)
+        vllm = VllmCpu(args.vllm_cpu, model_dir, "bfloat16", args.threads, max_num_seqs=16, max_model_len=256,
+                       kv_cache_gb=1)
+        info["vllm_cpu"] = {"version": vllm.version, "load_s": vllm.load_s}
+    try:
+        for r in rows:
+            _paired_mode(args, model_dir, n, gs, r, tools, vllm if r["mode"] == "bf16" else None, info)
+    finally:
+        if vllm is not None:
+            vllm.close()
+    return info
+
+
+def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: dict[str, Any],
+                 tools: Optional[dict], vllm, info: dict[str, Any]) -> None:
+    """One mode's paired rounds: ours, then each baseline seconds apart, each side's fastest: on a shared
+    machine the speed moves by tens of percent over minutes, so the sides are measured at the same moments."""
+    from sidecar.bench import llamacpp
+    from sidecar.bench.models import bench_cache_dir
+
+    precision = {"bf16": "bfloat16"}.get(r["mode"], r["mode"])
+    gguf = llamacpp.gguf_for(tools, model_dir, precision, bench_cache_dir() / "gguf") if tools else None
+    if gguf is None and vllm is None:
+        return
+    ours, theirs, vl, rss = [], [], [], {"ours": 0, "llamacpp": 0, "vllm": 0}
+    for i in range(args.b1_rounds):
+        print(f"[{r['mode']}] paired batch-1 round {i + 1}", flush=True)
+        w = _run_worker({"model": model_dir, "threads": args.threads, "max_tokens": n, "batches": [1],
+                         "quantization": None if r["mode"] == "bf16" else r["mode"], "group_size": gs,
+                         "quantize_lm_head": args.quantize_lm_head})
+        ours.append(w["decode_tok_s_b1"])
+        rss["ours"] = max(rss["ours"], w["peak_rss_bytes"])
+        if gguf is not None:
+            lb = llamacpp.llama_bench(tools, gguf, 0, n, args.threads)
+            theirs.append(lb["best_tok_s"])
+            rss["llamacpp"] = max(rss["llamacpp"], lb["peak_rss_bytes"])
+        if vllm is not None:
+            v = vllm.call("b1", prompt=B1_PROMPT, n=n, repeats=2)
+            vl.append(v["b1_decode_tok_s"])
+            rss["vllm"] = max(rss["vllm"], v["peak_rss_bytes"])
+    r["b1_paired_tok_s"] = max(ours)
+    r["b1_paired_peak_rss_mib"] = rss["ours"] / 2**20
+    entry: dict[str, Any] = {"ours_by_round": ours}
+    if theirs:
         r["llamacpp_b1_tok_s"] = max(theirs)
         r["b1_vs_llamacpp"] = r["b1_paired_tok_s"] / r["llamacpp_b1_tok_s"]
-        info[r["mode"]] = {"gguf": str(gguf), "b1_decode_tok_s": r["llamacpp_b1_tok_s"], "ours_by_round": ours,
-                           "llamacpp_by_round": theirs}
-    return info
+        r["llamacpp_peak_rss_mib"] = rss["llamacpp"] / 2**20
+        entry.update(gguf=str(gguf), b1_decode_tok_s=r["llamacpp_b1_tok_s"], llamacpp_by_round=theirs)
+    if vl:
+        r["vllm_cpu_b1_tok_s"] = max(vl)
+        r["b1_vs_vllm_cpu"] = r["b1_paired_tok_s"] / r["vllm_cpu_b1_tok_s"]
+        r["vllm_cpu_peak_rss_mib"] = rss["vllm"] / 2**20
+        entry["vllm_cpu_by_round"] = vl
+    info[r["mode"]] = entry
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,6 +276,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"threads: must be >= 1, got {args.threads}")
     if args.b1_rounds < 1:
         raise ValueError(f"b1-rounds: must be >= 1, got {args.b1_rounds}")
+    if args.vllm_cpu:  # a missing venv fails here, before anything is measured
+        from sidecar.bench.vllm_cpu import venv_python
+
+        venv_python(args.vllm_cpu)
     shape = "small" if args.small else "qwen2-0.5b"
     n = args.max_tokens or (16 if args.small else 64)
     stream_len = args.stream_len or (64 if args.small else 256)
@@ -256,12 +311,13 @@ def run(args: argparse.Namespace) -> int:
                 row["prequantized_peak_rss_bytes"] = pre["load_peak_rss_bytes"]
                 shutil.rmtree(qdir, ignore_errors=True)
             rows.append(row)
-        result["llama_cpp"] = _llamacpp_b1(args, model_dir, n, gs, rows)
+        result["baselines"] = _paired_b1(args, model_dir, n, gs, rows)
         base = rows[0]
         for r in rows:
             r["weight_mib"] = r["weight_bytes"] / 2**20
             r["weight_vs_bf16"] = r["weight_bytes"] / base["weight_bytes"]
             r["peak_rss_vs_bf16_file"] = r["load_peak_rss_bytes"] / bf16_file_bytes
+            r["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
             for b in (1, 16):
                 r[f"speedup_b{b}"] = r[f"decode_tok_s_b{b}"] / base[f"decode_tok_s_b{b}"]
         result["runs"] = rows
@@ -280,8 +336,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     cols = ["mode", "weight_mib", "weight_vs_bf16", "load_s", "prequantized_load_s", "quantize_cli_s",
-            "peak_rss_vs_bf16_file", "decode_tok_s_b1", "speedup_b1", "decode_tok_s_b16", "speedup_b16"]
-    cols += ["b1_paired_tok_s", "llamacpp_b1_tok_s", "b1_vs_llamacpp"] if result.get("llama_cpp") else []
+            "peak_rss_vs_bf16_file", "decode_tok_s_b1", "speedup_b1", "decode_tok_s_b16", "speedup_b16", "peak_rss_mib"]
+    base = result.get("baselines") or {}
+    cols += ["b1_paired_tok_s", "b1_paired_peak_rss_mib"] if base else []
+    cols += ["llamacpp_b1_tok_s", "b1_vs_llamacpp", "llamacpp_peak_rss_mib"] if "version" in base else []
+    cols += ["vllm_cpu_b1_tok_s", "b1_vs_vllm_cpu", "vllm_cpu_peak_rss_mib"] if "vllm_cpu" in base else []
     print(format_table(rows, cols))
     qrows = [{"model": name, "mode": m, **vals} for name, q in result["quality"].items() for m, vals in q.items()]
     print(format_table(qrows, ["model", "mode", "kl_vs_bf16", "top1_agree_vs_bf16", "logit_rel_err", "perplexity",

@@ -4,7 +4,9 @@ All three run the same model, dtype and mixed workload (random prompt and
 output lengths, fixed seed, EOS ignored so every system produces exactly the
 requested tokens). Also measures batch-1 decode speed against the
 memory-bandwidth roofline: bytes of weights read per token / measured read
-bandwidth.
+bandwidth, and the prefill speed of one --prefill-tokens prompt. On CPU, llama.cpp
+(``--llama-cpp``) and vLLM's CPU backend (``--vllm-cpu VENV``) run the same figures
+in the same run. Every system's peak RSS is reported next to its speed.
 """
 from __future__ import annotations
 
@@ -69,9 +71,17 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     return total
 
 
+def prefill_prompts(n_tokens: int, vocab: int, seed: int, count: int = 3) -> list[list[int]]:
+    """``count`` distinct prompts of ``n_tokens`` for the prefill figure (distinct: no prefix-cache hits)."""
+    rng = random.Random(seed + 7919)
+    return [[rng.randrange(3, min(vocab, 30000)) for _ in range(n_tokens)] for _ in range(count)]
+
+
 def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
     from sidecar import LLM, SamplingParams
+    from sidecar.bench.rss import peak_rss_bytes, reset_peak
 
+    reset_peak()
     llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb,
               device=args.device, **({"enforce_eager": True} if args.enforce_eager else {}))
@@ -92,7 +102,20 @@ def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dic
         o = llm.generate([work[0][0][:32]], SamplingParams(max_tokens=n, ignore_eos=True))[0]
         rates.append((n - 1) / (o.e2e_s - o.ttft_s))
     res["b1_decode_tok_s"] = max(rates)
+    # Prefill: one request of --prefill-tokens at a time, timed to its first token, the fastest of 3
+    # (the vLLM-CPU baseline times the same prompts the same way).
+    prefill = []
+    for p in args.prefill_prompts:
+        t = time.perf_counter()
+        llm.generate([p], SamplingParams(max_tokens=1, ignore_eos=True))
+        prefill.append(len(p) / (time.perf_counter() - t))
+    res["prefill_tok_s"] = max(prefill)
+    res["peak_rss_bytes"] = peak_rss_bytes()
     res["weight_bytes_per_token"] = weight_bytes_per_token(llm.engine.loaded.model)
+    # What the weights hold in memory: a layer keeping a plain copy beside its packed one counts both.
+    model = llm.engine.loaded.model
+    res["weights_held_mib"] = sum(t.numel() * t.element_size() for t in
+                                  {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()) / 2**20
     # Which device fast paths served the run (graphs, kernels, sampler) and why any fell back.
     res["fast_paths"] = llm.engine.model_info.get("fast_paths", [])
     res["fast_path_fallbacks"] = llm.engine.model_info.get("fast_path_fallbacks", {})
@@ -116,6 +139,9 @@ def run_hf_static(args: argparse.Namespace, work: list[tuple[list[int], int]]) -
     its longest output is done; only the requested tokens count as output."""
     from tqdm.auto import tqdm
 
+    from sidecar.bench.rss import peak_rss_bytes, reset_peak
+
+    reset_peak()
     model = _hf_model(args)
     pad = 0
     useful = 0
@@ -132,10 +158,11 @@ def run_hf_static(args: argparse.Namespace, work: list[tuple[list[int], int]]) -
             useful += sum(n for _, n in batch)
     _sync(torch.device(args.device))
     dt = time.perf_counter() - t
+    peak = peak_rss_bytes()
     del model
     gc.collect()
     return {"system": f"HF generate (static, batch {args.hf_batch_size})", "seconds": dt, "output_tokens": useful,
-            "output_tok_s": useful / dt}
+            "output_tok_s": useful / dt, "peak_rss_bytes": peak}
 
 
 def run_hf_generate_batch(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
@@ -143,6 +170,9 @@ def run_hf_generate_batch(args: argparse.Namespace, work: list[tuple[list[int], 
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.continuous_api import WorkloadHints
 
+    from sidecar.bench.rss import peak_rss_bytes, reset_peak
+
+    reset_peak()
     model = _hf_model(args)
     cfg = GenerationConfig(max_new_tokens=max(n for _, n in work), do_sample=False, eos_token_id=-1,
                            pad_token_id=0)
@@ -162,10 +192,11 @@ def run_hf_generate_batch(args: argparse.Namespace, work: list[tuple[list[int], 
                 done += 1
                 produced += len(r.generated_tokens)
     dt = time.perf_counter() - t
+    peak = peak_rss_bytes()
     del model
     gc.collect()
     return {"system": "HF generate_batch (continuous)", "seconds": dt, "output_tokens": produced,
-            "output_tok_s": produced / dt, "completed": done}
+            "output_tok_s": produced / dt, "completed": done, "peak_rss_bytes": peak}
 
 
 def _llamacpp(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
@@ -182,8 +213,34 @@ def _llamacpp(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> di
     gguf = llamacpp.gguf_for(tools, args.model_dir, args.dtype, bench_cache_dir() / "gguf")
     print(f"llama.cpp baseline: {gguf.name}, {threads} threads", flush=True)
     res: dict[str, Any] = {"version": llamacpp.version(tools), "gguf": str(gguf), "threads": threads}
-    res["b1_decode_tok_s"] = llamacpp.decode_b1(tools, gguf, args.b1_tokens, threads, best=True)
+    b1 = llamacpp.llama_bench(tools, gguf, 0, args.b1_tokens, threads)
+    pre = llamacpp.llama_bench(tools, gguf, args.prefill_tokens, 0, threads)
+    res.update(b1_decode_tok_s=b1["best_tok_s"], b1_peak_rss_bytes=b1["peak_rss_bytes"],
+               prefill_tok_s=pre["best_tok_s"])
     res["rows"] = [llamacpp.server_workload(tools, gguf, work, threads, args.llama_cpp_parallel)]
+    return res
+
+
+def _vllm_cpu(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """vLLM's CPU backend on the same model, dtype and workload, when ``--vllm-cpu VENV`` is given: batch-1
+    decode, prefill and the workload, each measured as ours is. Returns {} (and says so) otherwise."""
+    from sidecar.bench.vllm_cpu import VllmCpu
+
+    if not args.vllm_cpu:
+        print("vLLM-CPU baseline skipped: no --vllm-cpu VENV")
+        return {}
+    threads = torch.get_num_threads()
+    longest = max([len(p) + n for p, n in work] + [args.prefill_tokens + 1, 32 + args.b1_tokens])
+    print(f"vLLM-CPU baseline: {args.vllm_cpu}, {threads} threads; loading (not timed) ...", flush=True)
+    with VllmCpu(args.vllm_cpu, args.model_dir, args.dtype, threads, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
+                 kv_cache_gb=args.kv_cache_gb) as vllm:
+        b1 = vllm.call("b1", prompt=work[0][0][:32], n=args.b1_tokens, repeats=3)
+        pre = vllm.call("prefill", prompts=args.prefill_prompts)
+        row = vllm.call("workload", work=work)
+        res = {"version": vllm.version, "load_s": vllm.load_s, "threads": threads,
+               "b1_decode_tok_s": b1["b1_decode_tok_s"], "prefill_tok_s": pre["prefill_tok_s"]}
+    res["rows"] = [{"system": f"vLLM-CPU {res['version']}", **row}]
     return res
 
 
@@ -202,6 +259,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static HF baseline")
     p.add_argument("--hf-timeout", type=float, default=3600.0, help="give up on generate_batch after this long")
     p.add_argument("--b1-tokens", type=int, default=64, help="tokens generated for the batch-1 decode figure")
+    p.add_argument("--prefill-tokens", type=int, default=256, help="prompt tokens of the prefill figure")
     p.add_argument("--baselines", default="hf-static,hf-batch",
                    help="comma list of hf-static, hf-batch (empty for none)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -213,6 +271,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from sidecar.bench.llamacpp import add_arguments as add_llamacpp_arguments
 
     add_llamacpp_arguments(p)
+    from sidecar.bench.vllm_cpu import add_arguments as add_vllm_cpu_arguments
+
+    add_vllm_cpu_arguments(p)
     p.add_argument("--out", default="bench-results")
 
 
@@ -239,6 +300,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"{where}; dtype {args.dtype} ({args.dtype_reason})")
     work = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab,
                          args.seed)
+    if args.prefill_tokens < 1:
+        raise ValueError(f"prefill-tokens: must be >= 1, got {args.prefill_tokens}")
+    args.prefill_prompts = prefill_prompts(args.prefill_tokens, vocab, args.seed)
+    if args.vllm_cpu:  # a missing venv fails here, before anything is measured
+        from sidecar.bench.vllm_cpu import venv_python
+
+        venv_python(args.vllm_cpu)
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
           f"{sum(n for _, n in work)} output tokens; model {args.model} ({args.dtype}); "
           f"{torch.get_num_threads()} threads")
@@ -254,17 +322,30 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"baselines: unknown baseline {b!r}")
     llama = _llamacpp(args, work) if args.device == "cpu" else {}
     rows.extend(llama.pop("rows", []))
+    vllm = _vllm_cpu(args, work) if args.device == "cpu" else {}
+    rows.extend(vllm.pop("rows", []))
     for r in rows:
         r["speedup_vs"] = ours["output_tok_s"] / r["output_tok_s"] if r is not ours else 1.0
+        r["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20 if r.get("peak_rss_bytes") else None
     bw = measure_bandwidth(device=args.device)
     roofline = bw / ours["weight_bytes_per_token"]
-    b1 = {"b1_decode_tok_s": ours["b1_decode_tok_s"], "read_bandwidth_gb_s": bw / 1e9,
+    b1 = {"b1_decode_tok_s": ours["b1_decode_tok_s"], "prefill_tok_s": ours["prefill_tok_s"],
+          "peak_rss_mib": ours["peak_rss_bytes"] / 2**20, "weights_held_mib": ours["weights_held_mib"],
+          "read_bandwidth_gb_s": bw / 1e9,
           "weight_mib_per_token": ours["weight_bytes_per_token"] / 2**20, "roofline_tok_s": roofline,
           "fraction_of_roofline": ours["b1_decode_tok_s"] / roofline}
     if "b1_decode_tok_s" in llama:
         b1["llamacpp_b1_decode_tok_s"] = llama["b1_decode_tok_s"]
         b1["b1_ratio_vs_llamacpp"] = ours["b1_decode_tok_s"] / llama["b1_decode_tok_s"]
-    print(format_table(rows, ["system", "seconds", "output_tokens", "output_tok_s", "speedup_vs"]))
+        b1["llamacpp_prefill_tok_s"] = llama["prefill_tok_s"]
+        b1["prefill_ratio_vs_llamacpp"] = ours["prefill_tok_s"] / llama["prefill_tok_s"]
+        b1["llamacpp_bench_peak_rss_mib"] = llama["b1_peak_rss_bytes"] / 2**20
+    if "b1_decode_tok_s" in vllm:
+        b1["vllm_cpu_b1_decode_tok_s"] = vllm["b1_decode_tok_s"]
+        b1["b1_ratio_vs_vllm_cpu"] = ours["b1_decode_tok_s"] / vllm["b1_decode_tok_s"]
+        b1["vllm_cpu_prefill_tok_s"] = vllm["prefill_tok_s"]
+        b1["prefill_ratio_vs_vllm_cpu"] = ours["prefill_tok_s"] / vllm["prefill_tok_s"]
+    print(format_table(rows, ["system", "seconds", "output_tokens", "output_tok_s", "speedup_vs", "peak_rss_mib"]))
     if args.device != "cpu":
         print(f"fast paths: {', '.join(ours.get('fast_paths') or ['none'])}; "
               f"fallbacks: {ours.get('fast_path_fallbacks') or 'none'}")
@@ -272,10 +353,11 @@ def run(args: argparse.Namespace) -> int:
     jpath, ppath = write_report(
         args.out, "throughput",
         {"command": "sidecar bench throughput", "args": {k: v for k, v in vars(args).items() if k != "_run"},
-         "results": rows, "batch1": b1, "llama_cpp": llama},
+         "results": rows, "batch1": b1, "llama_cpp": llama, "vllm_cpu": vllm},
         bars={"output tokens/s (mixed workload)": {r["system"]: r["output_tok_s"] for r in rows},
               "batch-1 decode tokens/s": {"llm-sidecar": b1["b1_decode_tok_s"], "roofline": roofline,
                                           **({"llama.cpp": llama["b1_decode_tok_s"]} if "b1_decode_tok_s" in llama
-                                             else {})}})
+                                             else {}),
+                                          **({"vLLM-CPU": vllm["b1_decode_tok_s"]} if vllm else {})}})
     print(f"wrote {jpath} and {ppath}")
     return 0

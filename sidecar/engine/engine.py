@@ -21,6 +21,7 @@ from sidecar.engine.sampler_check import device_sampler_check
 from sidecar.engine.scheduler import Scheduler, SchedulerOutput
 from sidecar.engine.spec.decoder import SpecDecoder
 from sidecar.engine.structured import StructuredDecoder
+from sidecar.model import hugepages
 from sidecar.model.loader import load_model
 from sidecar.model.lora import part_shapes
 
@@ -38,6 +39,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        mapped_before = hugepages.snapshot()
         loaded = load_model(config)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -50,6 +52,9 @@ class LLMEngine:
             self.lora.register(name, self.lora.read(path))
         self.runner.lora = self.lora
         self.kv = KVCacheManager.build(config, self.runner, loaded)  # with the offload tiers asked for
+        # Weights and KV pool in transparent huge pages where torch's allocator did not already place them.
+        self.huge_pages = (hugepages.advise_new(mapped_before) if loaded.device.type == "cpu"
+                           else {"state": f"off (device {loaded.device.type})"})
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)

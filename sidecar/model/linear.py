@@ -101,12 +101,15 @@ def pack_weights(model: nn.Module) -> int:
     others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}
     shared = {id(m) for m in linears if m.weight.data_ptr() in others}
-    bf16 = [m for m in linears if m.weight.dtype == torch.bfloat16 and id(m) not in shared]
+    # Plain copies only where the kernel can read them (a row length of whole 32-element chunks).
+    bf16 = [m for m in linears if m.weight.dtype == torch.bfloat16 and id(m) not in shared
+            and m.in_features % 32 == 0]
     plain_bytes = sum(m.weight.numel() * 2 for m in bf16)  # what keeping them costs (shared ones stay anyway)
+    kernel_read = {id(m) for m in bf16}
     keep_bf16 = bool(bf16) and bf16_gemv.available() and plain_bytes <= KEEP_PLAIN_FRACTION * _physical_memory()
     n = 0
     for lin in linears:
-        keep = id(lin) in shared or (keep_bf16 and lin.weight.dtype == torch.bfloat16)
+        keep = id(lin) in shared or (keep_bf16 and id(lin) in kernel_read)
         n += lin.pack(keep_weight=keep)
     if n:
         log.info("linear layers: %d held in oneDNN's packed layout%s", n,

@@ -51,3 +51,20 @@ def test_batch1_speed_is_the_mean_or_the_fastest_run(tmp_path):
     tools = {"llama-bench": bench}
     assert llamacpp.decode_b1(tools, tmp_path / "m.gguf", 64, 2) == 50.0
     assert llamacpp.decode_b1(tools, tmp_path / "m.gguf", 64, 2, best=True) == 60.0
+
+
+def test_llama_bench_reads_the_row_asked_for_and_its_peak_rss(tmp_path):
+    bench = tmp_path / "llama-bench"
+    bench.write_text("#!/bin/sh\nsleep 0.3\n"
+                     "echo '[{\"n_prompt\": 256, \"n_gen\": 0, \"avg_ts\": 400.0, \"samples_ts\": [380.0, 420.0]}]'\n")
+    os.chmod(bench, 0o755)
+    r = llamacpp.llama_bench({"llama-bench": bench}, tmp_path / "m.gguf", 256, 0, 2)
+    assert r["tok_s"] == 400.0 and r["best_tok_s"] == 420.0 and r["peak_rss_bytes"] > 0
+
+
+def test_a_failing_llama_bench_is_an_error(tmp_path):
+    bench = tmp_path / "llama-bench"
+    bench.write_text("#!/bin/sh\nexit 1\n")
+    os.chmod(bench, 0o755)
+    with pytest.raises(RuntimeError, match="llama-bench exited with 1"):
+        llamacpp.llama_bench({"llama-bench": bench}, tmp_path / "m.gguf", 0, 64, 2)

@@ -135,3 +135,22 @@ def test_load_model_packs_on_cpu_unless_asked_not_to(demo_dir):
     assert torch.equal(lp.dense_weight(), lq.weight)
     with pytest.raises(ValueError, match="pack=False"):
         save_quantized(packed.model, None, None, "/nonexistent", "int8")
+
+
+def test_no_plain_copy_where_our_kernel_cannot_read_it(monkeypatch):
+    monkeypatch.setattr(linear_mod, "KEEP_PLAIN_FRACTION", 0.1)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(Linear(64, 32), Linear(48, 32)).to(torch.bfloat16)  # rows of 64 and of 48 elements
+    ref = [l.weight.detach().clone() for l in m]
+    if not BF16_PACKS:
+        assert pack_weights(m) == 0
+        return
+    assert pack_weights(m) == 2
+    assert all(torch.equal(l.dense_weight(), r) for l, r in zip(m, ref))
+    # A row of 48 elements is not whole 32-element chunks: the kernel never reads that layer, so only the
+    # packed copy is held; the 64-wide layer keeps its plain copy where the kernel runs.
+    assert m[1].weight is None
+    assert (m[0].weight is not None) == bf16_gemv.available()
+    x = torch.randn(3, 48).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(m[1](x), torch.nn.functional.linear(x, ref[1], m[1].bias))

@@ -1,0 +1,120 @@
+"""The vLLM-CPU baseline's plumbing: finding the venv, the worker's environment and protocol, errors.
+
+vLLM itself is never a dependency of the project, so the end-to-end tests run the real worker script in
+a real subprocess of a real virtual environment whose ``vllm`` package is a small stand-in that
+generates the requested number of tokens."""
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sidecar.bench import vllm_cpu, vllm_cpu_worker
+
+STAND_IN = textwrap.dedent("""
+    import os, time
+    __version__ = "0.0-stand-in"
+    if os.environ.get("STAND_IN_FAIL_LOAD"):
+        raise ImportError("no CPU backend in this build")
+
+    class SamplingParams:
+        def __init__(self, max_tokens, temperature, ignore_eos, detokenize):
+            assert temperature == 0.0 and ignore_eos
+            self.max_tokens = max_tokens
+
+    class _Completion:
+        def __init__(self, ids):
+            self.token_ids = ids
+
+    class _Output:
+        def __init__(self, ids):
+            self.outputs = [_Completion(ids)]
+
+    class LLM:
+        def __init__(self, model, dtype, **kw):
+            self.kw = kw
+            print("INFO stand-in loading", model, dtype, flush=True)  # vLLM's logs go to stdout too
+
+        def generate(self, prompts, params, use_tqdm):
+            assert len(prompts) == len(params)
+            time.sleep(0.001 * sum(p.max_tokens for p in params))
+            return [_Output(list(range(sp.max_tokens))) for p, sp in zip(prompts, params)]
+""")
+
+
+@pytest.fixture(scope="module")
+def stand_in_venv(tmp_path_factory):
+    root = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next(root.glob("lib/python3*")) / "site-packages"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(STAND_IN)
+    return root
+
+
+def test_missing_venv_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"vllm-cpu: .*nowhere is not a directory"):
+        vllm_cpu.venv_python(str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match=r"vllm-cpu: .* \(no bin/python\)"):
+        vllm_cpu.venv_python(str(tmp_path))
+
+
+def test_venv_without_vllm_is_named(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(sys.executable)
+    with pytest.raises(ValueError, match="vllm-cpu: vLLM is not installed in"):
+        vllm_cpu.venv_python(str(tmp_path))
+
+
+def test_worker_environment_binds_threads_and_keeps_ours_out():
+    env = vllm_cpu.environment(2, 2.0, {"PYTHONPATH": "/repo", "GLIBC_TUNABLES": "x", "HOME": "/h"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "PYTHONPATH" not in env and "GLIBC_TUNABLES" not in env and env["HOME"] == "/h"
+    assert vllm_cpu.environment(1, 0.2, {})["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert vllm_cpu.environment(1, 0.2, {})["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    with pytest.raises(ValueError, match="threads"):
+        vllm_cpu.environment(0, 1.0, {})
+
+
+def test_command_runs_the_worker_script_with_the_spec():
+    cmd = vllm_cpu.command(Path("/v/bin/python"), {"model": "/m", "dtype": "bfloat16"})
+    assert cmd[0] == "/v/bin/python" and Path(cmd[1]).is_file() and cmd[1].endswith("vllm_cpu_worker.py")
+    assert json.loads(cmd[2]) == {"model": "/m", "dtype": "bfloat16"}
+
+
+def test_answer_lines_are_told_apart_from_logs():
+    mark = vllm_cpu_worker.MARK
+    assert vllm_cpu.parse_line(f'{mark}RESULT {{"output_tok_s": 12.5}}\n') == ("RESULT", {"output_tok_s": 12.5})
+    assert vllm_cpu.parse_line(f'{mark}ERROR {{"error": "x"}}') == ("ERROR", {"error": "x"})
+    assert vllm_cpu.parse_line("INFO 11-24 RESULT {}") is None
+    assert vllm_cpu.parse_line(f"{mark}PROGRESS {{}}") is None
+
+
+def test_b1_rate_excludes_the_first_token():
+    assert vllm_cpu_worker.b1_rate(65, 0.5, 2.5) == pytest.approx(32.0)
+
+
+def test_worker_measures_through_the_protocol(stand_in_venv, tmp_path):
+    work = [([5] * 10, 3), ([6] * 20, 5)]
+    with vllm_cpu.VllmCpu(str(stand_in_venv), str(tmp_path), "bfloat16", 2, load_timeout=120) as v:
+        assert v.version == "0.0-stand-in"
+        b1 = v.call("b1", prompt=[1, 2, 3], n=8, repeats=2)
+        assert len(b1["b1_by_run"]) == 2 and b1["b1_decode_tok_s"] == max(b1["b1_by_run"]) > 0
+        pre = v.call("prefill", prompts=[[1] * 32, [2] * 32])
+        assert pre["prefill_tokens"] == 32 and len(pre["prefill_by_run"]) == 2
+        row = v.call("workload", work=work)
+        assert row["output_tokens"] == 8 and row["output_tok_s"] > 0 and row["peak_rss_bytes"] > 0
+        with pytest.raises(RuntimeError, match="op: unknown command 'nope'"):
+            v.call("nope")
+        assert v.call("workload", work=work)["output_tokens"] == 8  # still serving after an error
+        proc = v.proc
+    assert proc.returncode == 0
+
+
+def test_a_failed_load_is_reported_with_its_reason(stand_in_venv, tmp_path, monkeypatch):
+    monkeypatch.setenv("STAND_IN_FAIL_LOAD", "1")
+    with pytest.raises(RuntimeError, match="vLLM failed to load the model: ImportError: no CPU backend"):
+        vllm_cpu.VllmCpu(str(stand_in_venv), str(tmp_path), "bfloat16", 1, load_timeout=120)
