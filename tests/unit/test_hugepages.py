@@ -31,23 +31,25 @@ import torch
 from sidecar.model import hugepages
 x = torch.ones(16 << 20, dtype=torch.uint8)
 p = x.data_ptr()
-huge = next(v for (lo, hi), v in hugepages.anon_regions().items() if lo <= p < hi)["AnonHugePages"]
-print(json.dumps({"env": os.environ.get("THP_MEM_ALLOC_ENABLE"), "huge": huge}))
+r = next(v for (lo, hi), v in hugepages.anon_regions().items() if lo <= p < hi)
+print(json.dumps({"env": os.environ.get("THP_MEM_ALLOC_ENABLE"), "huge": r["AnonHugePages"], "advised": r["advised"]}))
 """
 
 
 def test_the_python_api_asks_torch_for_huge_pages():
     got = _python(ALLOCATOR)
     assert got["env"] == ("1" if THP_ON else None)
-    if THP_ON:
-        assert got["huge"] >= 12 << 20  # torch's allocator advised its block: faulted in huge pages
+    if MODE == "madvise":
+        # torch's allocator advised its block; how many huge pages the kernel finds for it depends on
+        # free memory at that moment, the advice itself does not
+        assert got["advised"] == 1
 
 
 def test_the_user_can_keep_it_off_or_choose():
     off = _python(ALLOCATOR, SIDECAR_HUGE_PAGES="0")
     assert off["env"] is None
     if MODE == "madvise":
-        assert off["huge"] == 0
+        assert off["huge"] == 0 and off["advised"] == 0
     assert _python(ALLOCATOR, THP_MEM_ALLOC_ENABLE="0")["env"] == "0"
 
 
