@@ -51,6 +51,8 @@ def append_sampled(engine, req: Request, token_ids: list[int], logprobs: list[Op
         if reason is not None:
             break
     broken = engine.structured.failed.pop(req.request_id, None)  # its grammar cannot go on
+    if reason is None and req.request_id in engine.structured.ended:  # its grammar's end rule ends it here
+        reason = FinishReason.STOP
     if broken is not None:
         engine._finish(req, FinishReason.ABORT, f"error: structured: cannot be enforced: {broken}")
     elif reason is not None:

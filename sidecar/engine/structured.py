@@ -13,6 +13,9 @@ A constrained request's grammar state (its ``llguidance.LLMatcher``) lives in
   grammar only checks each sampled token, and masks are computed from the moment the trigger
   (the start of a tool call) may be forming. A checked token the grammar refuses is re-sampled
   under the mask, so the output always stays inside the grammar.
+- Where an ``open_end`` grammar may end, the model samples unmasked and a refused token becomes
+  the end of the output; an ``end_on_repeat`` grammar whose last unit repeats an earlier one puts
+  its request id in ``ended`` and the engine finishes it with "stop" (rules: grammar_state.py).
 - ``release`` is called when the request finishes or is aborted; the registry is then empty
   when no request is live.
 - A grammar that fails while decoding (the matcher's limits, e.g. too many alternatives in a row)
@@ -38,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from sidecar.engine.grammar_compile import GrammarCompiler, grammar_for
+from sidecar.engine.grammar_state import GrammarState
 from sidecar.engine.sampling_rng import SALT_REDRAW
 
 __all__ = ["Constraint", "StructuredDecoder", "apply_bitmask", "grammar_for", "to_constraint"]
@@ -53,6 +57,8 @@ class Constraint:
     value: Any = None
     strict: bool = False
     lazy_trigger: Optional[str] = None  # lark only: unconstrained until this text may start
+    open_end: bool = False  # where the grammar may end, a token it refuses ends the output (grammar_state.py)
+    end_on_repeat: bool = False  # a unit (e.g. a tool call) equal to an earlier one ends the output
     # The request field it came from (e.g. "guided_json", "tools"), for errors; not part of its identity.
     origin: str = field(default="", compare=False)
 
@@ -61,8 +67,8 @@ class Constraint:
         schema's text can be 100,000 characters; the event loop and the engine thread both ask for it)."""
         k = self.__dict__.get("_key")
         if k is None:
-            k = json.dumps([self.kind, self.value, self.strict, self.lazy_trigger], sort_keys=True,
-                           separators=(",", ":"), ensure_ascii=False)
+            k = json.dumps([self.kind, self.value, self.strict, self.lazy_trigger, self.open_end,
+                            self.end_on_repeat], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
             object.__setattr__(self, "_key", k)
         return k
 
@@ -96,31 +102,6 @@ def to_constraint(value: Any) -> Optional[Constraint]:
                      f"got {type(value).__name__}")
 
 
-class _Grammar:
-    """One request's matcher plus its lazy-trigger tracking. ``state``: a digest of (grammar, tokens consumed);
-    equal states have equal masks."""
-
-    __slots__ = ("matcher", "trigger", "triggered", "tail", "state")
-
-    def __init__(self, matcher: Any, trigger: Optional[str], key: str) -> None:
-        self.matcher = matcher
-        self.state = hash(key)
-        self.trigger = trigger
-        self.triggered = trigger is None
-        self.tail = ""  # last generated characters, enough to see a trigger forming
-
-    def needs_mask(self) -> bool:
-        if self.triggered:
-            return True
-        # Mask as soon as the text ends with a proper prefix of the trigger: the next token could
-        # complete the trigger and must then continue a valid call.
-        t = self.trigger
-        return any(self.tail.endswith(t[:k]) for k in range(1, len(t)))
-
-    def advance(self, token_text: str) -> None:
-        if not self.triggered:
-            self.tail = (self.tail + token_text)[-2 * len(self.trigger):]
-            self.triggered = self.trigger in self.tail
 
 
 class StructuredDecoder:
@@ -131,15 +112,16 @@ class StructuredDecoder:
         self.overlap = overlap  # masks on a worker thread during the forward; else computed before it
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self.registry: dict[str, _Grammar] = {}
+        self.registry: dict[str, GrammarState] = {}
         self.failed: dict[str, str] = {}  # request id -> the error of a grammar that failed while decoding
         self.compiler = GrammarCompiler(self._tokenizer, vocab_size, self.eos_token_ids)
+        self.ended: set[str] = set()  # request ids whose output ends at their last token (a repeated unit)
         self._lltok: Any = None
         self._executor: Any = None
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
         self.num_masks = 0  # masks computed (counter for stats/benchmarks)
-        self.num_resampled = 0  # lazy tokens refused by the grammar and re-sampled under the mask
+        self.num_resampled = 0  # unmasked tokens refused by the grammar: re-sampled under the mask, or the end
         self.mask_s = 0.0  # time spent computing masks (on the worker: overlapped with the forward)
         self.wait_s = 0.0  # time the engine thread waited for masks after the forward
 
@@ -174,17 +156,18 @@ class StructuredDecoder:
         compiles while the engine keeps stepping. Raises ValueError naming ``structured``."""
         return self.compiler.compiled(c)
 
-    def attach(self, request_id: str, c: Optional[Constraint]) -> Optional[_Grammar]:
+    def attach(self, request_id: str, c: Optional[Constraint]) -> Optional[GrammarState]:
         """Give a new request its own copy of ``c``'s compiled grammar. Raises ValueError naming ``structured``."""
         if c is None:
             return None
-        g = _Grammar(self.compiled(c).deep_copy(), c.lazy_trigger, c.key())
+        g = GrammarState(self.compiled(c).deep_copy(), c.lazy_trigger, c.open_end, c.end_on_repeat, c.key())
         self.registry[request_id] = g
         return g
 
     def release(self, request_id: str) -> None:
         self.registry.pop(request_id, None)
         self.failed.pop(request_id, None)
+        self.ended.discard(request_id)
 
     # -- per step ----------------------------------------------------------------------------------
     def start_masks(self, request_ids: Sequence[str]) -> Optional[tuple[dict[str, int], torch.Tensor, Future]]:
@@ -224,9 +207,12 @@ class StructuredDecoder:
         self.mask_s += time.perf_counter() - t
         # A matcher in an error state allows nothing; let it end the request instead of sampling garbage.
         for row in [i for m, i in pairs if m.is_error()]:
-            for e in self.eos_token_ids:
-                bit = 1 << (e % 32)
-                bitmask[row, e // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
+            self._allow_eos(bitmask, row)
+
+    def _allow_eos(self, bitmask: torch.Tensor, row: int) -> None:
+        for e in self.eos_token_ids:
+            bit = 1 << (e % 32)
+            bitmask[row, e // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
 
     def sample(self, sampler: Callable, logits: torch.Tensor, reqs: list, pending: Any) -> tuple[list, list]:
         """Sample with the masks from ``start_masks`` applied, then advance every grammar with its token."""
@@ -251,6 +237,10 @@ class StructuredDecoder:
             sub = [reqs[lazy[j]] for j in refused]
             bm = torch.zeros((len(sub), (self.vocab_size + 31) // 32), dtype=torch.int32)
             self._fill([(self.registry[r.request_id].matcher, k) for k, r in enumerate(sub)], bm)
+            for k, r in enumerate(sub):  # refused where the grammar may end and the model decides: the end
+                if self.registry[r.request_id].open_here():
+                    bm[k].zero_()
+                    self._allow_eos(bm, k)
             self.num_masks += len(sub)
             self.num_resampled += len(sub)
             # An independent draw (another salt): reusing the refused draw's noise would bias the re-draw.
@@ -264,8 +254,10 @@ class StructuredDecoder:
                 g.state = hash((g.state, t))
                 if g.matcher.is_error():
                     self.failed[r.request_id] = g.matcher.get_error()[:500]
-                if not g.triggered:
-                    g.advance(self._lltok.decode_str([t]))
+                if not g.triggered or g.units is not None:
+                    g.advance(self._lltok.decode_bytes([t]))
+                    if g.ended:
+                        self.ended.add(r.request_id)
         return ids, lps
 
 

@@ -122,7 +122,13 @@ def _call_schema(tools: list[ToolSpec]) -> dict:
 
 def tool_constraint(tools: list[ToolSpec], tool_choice: str, parallel: bool,
                     response_format: Optional[Constraint]) -> Optional[Constraint]:
-    """The output constraint for a chat request with tools; None means free text."""
+    """The output constraint for a chat request with tools; None means free text.
+
+    Calls follow each other, a newline apart, up to ``MAX_PARALLEL_CALLS`` (one without parallel
+    calls or with a named function). The end of the turn is the model's own choice: where the
+    grammar may end (after each complete call, and after a newline that follows one), the model
+    samples unmasked and anything but the start of another call ends the turn (``open_end``); a
+    call that repeats an earlier one ends it too, and is dropped by the parser (``end_on_repeat``)."""
     if not tools or tool_choice == "none":
         return response_format
     if tool_choice != "auto" and response_format is not None:
@@ -135,27 +141,29 @@ def tool_constraint(tools: list[ToolSpec], tool_choice: str, parallel: bool,
     opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": not strict}
     schema = dict(_call_schema(tools), **{"x-guidance": opts})
     call = f'call: "{CALL_START}" %json {json.dumps(schema)} "{CALL_END}"'
-    more = "".join(' ("\\n" call' for _ in range(MAX_PARALLEL_CALLS - 1)) + ")?" * (MAX_PARALLEL_CALLS - 1)
-    calls = f"calls: call{more}" if parallel else "calls: call"
+    more = ("".join(' ("\\n" call' for _ in range(MAX_PARALLEL_CALLS - 1)) + ")?" * (MAX_PARALLEL_CALLS - 1)
+            + ' "\\n"?') if parallel else ""
+    calls = f"calls: call{more}"
     if tool_choice != "auto":
-        return Constraint("lark", f"start: calls\n{calls}\n{call}\n")
+        return Constraint("lark", f"start: calls\n{calls}\n{call}\n", open_end=True, end_on_repeat=True)
     if response_format is not None:
         if response_format.kind not in ("json", "json_object"):
             raise invalid("response_format", "only JSON formats can be combined with tools under tool_choice auto")
         fmt = response_format.value if response_format.kind == "json" else {"type": "object"}
         fmt_opts = dict(opts, lenient=not response_format.strict)
         return Constraint("lark", f"start: answer | calls\nanswer: %json {json.dumps(dict(fmt, **{'x-guidance': fmt_opts}))}\n"
-                                  f"{calls}\n{call}\n")
+                                  f"{calls}\n{call}\n", open_end=True, end_on_repeat=True)
     # Free text that never contains the call marker, or such text up to the first marker followed
     # by the calls. Each is one lexeme, so the lexer never has to backtrack over the marker. Lazy:
-    # the text costs no masks until a marker may be forming.
+    # the text costs no masks until a marker may be forming. (No end_on_repeat: the first call's
+    # unit starts inside the marker; the parser still drops a repeated call.)
     m = re.escape(CALL_START).replace("/", "\\/")
-    grammar = (f'start: TEXT | PRE_CALL body "{CALL_END}"{more if parallel else ""}\n'
+    grammar = (f'start: TEXT | PRE_CALL body "{CALL_END}"{more}\n'
                f'call: "{CALL_START}" body "{CALL_END}"\n'
                f"body: %json {json.dumps(schema)}\n"
                f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{m}(.|\\n)*/\n"
                f"PRE_CALL: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/\n")
-    return Constraint("lark", grammar, lazy_trigger=CALL_START)
+    return Constraint("lark", grammar, lazy_trigger=CALL_START, open_end=True)
 
 
 # -- rendering -------------------------------------------------------------------------------------
@@ -249,13 +257,20 @@ class ToolCallParser:
     text (copied from data) stays inside its string. Text that may be the start of a call marker is
     held back until it is known not to be one; a call is emitted whole once its end marker follows
     the JSON value. ``finish`` flushes what is left (an unterminated call, e.g. cut by max_tokens, is
-    returned as content)."""
+    returned as content).
+
+    A call equal to an earlier one of the reply (same name, same arguments as JSON values) ends the
+    reply: it is dropped with everything after it (the grammar's ``end_on_repeat`` stops generation
+    right there). Small models otherwise repeat their call, and a repeat tells the caller nothing new."""
 
     def __init__(self) -> None:
         self.buf = ""
         self.in_call = False
         self.calls: list[dict] = []
         self.content = ""
+        self.ended = False  # a repeated call ended the reply: later text is dropped
+        self.gap = False  # right after a call, until something other than whitespace follows
+        self._seen: set[str] = set()
 
     def _take_call(self, out: list[str], new: list[dict]) -> bool:
         """Consume a call body at the head of ``buf`` if complete; False while more text is needed."""
@@ -273,16 +288,27 @@ class ToolCallParser:
             out.append(CALL_START + self.buf[:end])
             self.buf, self.in_call = rest, False
             return True
+        key = json.dumps([obj["name"], obj.get("arguments", {})], sort_keys=True, ensure_ascii=False)
+        if key in self._seen:  # a repeat ends the reply
+            self.buf, self.in_call, self.ended = "", False, True
+            return False
+        self._seen.add(key)
+        self.gap = True
         self.calls.append(call)
         new.append(call)
         self.buf, self.in_call = rest[len(CALL_END):], False
         return True
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
+        if self.ended:
+            return "", []
         self.buf += delta
         out: list[str] = []
         new: list[dict] = []
         while True:
+            if not self.in_call and self.gap:  # whitespace right after a call separates calls: not content
+                self.buf = self.buf.lstrip()
+                self.gap = not self.buf
             if not self.in_call:
                 i = self.buf.find(CALL_START)
                 if i < 0:

@@ -61,13 +61,18 @@ def test_langchain_structured_output(chat_model):
     assert verdict.answer in ("yes", "no") and 0 <= verdict.confidence <= 10
 
 
-def test_langchain_bind_tools_required_returns_a_call_without_max_tokens(chat_model):
-    msg = chat_model.bind_tools([get_weather], tool_choice="required").invoke("What is the weather in Paris?")
+@pytest.mark.parametrize("question", ["What is the weather in Paris?", "Weather in Tokyo please",
+                                      "Is it raining in London?"])
+def test_langchain_bind_tools_required_returns_one_call_and_ends_without_max_tokens(chat_model, question):
+    msg = chat_model.bind_tools([get_weather], tool_choice="required").invoke(question)
+    assert msg.response_metadata["finish_reason"] == "tool_calls", msg
+    # "required" is one or more calls, then the end of the turn: never the same call again.
     assert msg.tool_calls, msg
-    call = msg.tool_calls[0]
-    assert call["name"] == "get_weather"
-    assert set(call["args"]) == {"city"} and isinstance(call["args"]["city"], str)
-    assert msg.response_metadata["finish_reason"] == "tool_calls"
+    assert len({json.dumps([c["name"], c["args"]], sort_keys=True) for c in msg.tool_calls}) == len(msg.tool_calls)
+    for call in msg.tool_calls:
+        assert call["name"] == "get_weather"
+        assert set(call["args"]) == {"city"} and isinstance(call["args"]["city"], str)
+    assert not msg.content
 
 
 def test_litellm_completion_with_tools(server):
@@ -92,3 +97,40 @@ def test_openai_parse_returns_the_pydantic_model(server):
                                          messages=[{"role": "user", "content": "Is water wet? Answer yes or no."}])
     parsed = done.choices[0].message.parsed
     assert isinstance(parsed, Verdict) and parsed.answer in ("yes", "no")
+
+
+def _client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server.http_base}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def test_openai_parallel_tool_calls_false_gives_exactly_one_call(server):
+    for question in ("What is the weather in Rome?", "Weather in Oslo and in Lima?"):
+        r = _client(server).chat.completions.create(
+            model=DEFAULT_MODEL, temperature=0, messages=[{"role": "user", "content": question}],
+            tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+        assert set(json.loads(choice.message.tool_calls[0].function.arguments)) == {"city"}
+
+
+class Lookup(BaseModel):
+    """Look up a word in the dictionary."""
+    word: str
+    language: Literal["en", "fr", "de"] = "en"
+
+
+def test_openai_pydantic_model_tool_ends_with_a_valid_call(server):
+    tool = {"type": "function", "function": {"name": "Lookup", "description": Lookup.__doc__,
+                                             "parameters": Lookup.model_json_schema()}}  # no additionalProperties
+    r = _client(server).chat.completions.create(
+        model=DEFAULT_MODEL, temperature=0, messages=[{"role": "user", "content": "What does 'ephemeral' mean?"}],
+        tools=[tool], tool_choice="required")
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    args = [c.function.arguments for c in choice.message.tool_calls]
+    assert args and len(set(args)) == len(args)
+    for a in args:
+        assert isinstance(Lookup.model_validate_json(a), Lookup)
+        assert set(json.loads(a)) <= {"word", "language"}

@@ -30,7 +30,7 @@ def test_streaming_parser_emits_content_and_whole_calls_whatever_the_chunking(st
         content += c
         calls += new
     content += p.finish()
-    assert content == "Sure. \n"
+    assert content == "Sure. "  # the newline between the calls separates them: it is not content
     assert [(c["name"], json.loads(c["arguments"]), c["index"]) for c in calls] == [("add", {"a": 1}, 0),
                                                                                   ("add", {"a": 2}, 1)]
     assert len({c["id"] for c in calls}) == 2
@@ -164,5 +164,52 @@ def test_required_calls_close_and_end(matcher_for):
     assert not matcher_for(c, one.replace('{"a": 1}', '{"a": 1, "b": 2}'))  # no invented property
     assert matcher_for(c, "\n".join([one] * MAX_PARALLEL_CALLS))
     assert not matcher_for(c, "\n".join([one] * (MAX_PARALLEL_CALLS + 1)))  # the turn ends
+    assert matcher_for(c, one + "\n")  # the newline the model writes after a call may end the turn
     single = tool_constraint([ADD_OPEN], "required", False, None)
     assert matcher_for(single, one) and not matcher_for(single, one + "\n" + one)
+    assert not matcher_for(single, one + "\n")
+    named = tool_constraint([ADD_OPEN], "function:add", True, None)
+    assert matcher_for(named, one) and not matcher_for(named, one + "\n" + one)
+
+
+def test_tool_grammars_end_where_the_model_stops_calling():
+    for choice in ("required", "function:add"):
+        c = tool_constraint([ADD], choice, True, None)
+        assert c.open_end and c.end_on_repeat
+    auto = tool_constraint([ADD], "auto", True, None)
+    assert auto.open_end and not auto.end_on_repeat  # its first unit starts inside the marker
+    assert tool_constraint([ADD], "required", True, None).key() != Constraint("lark", tool_constraint(
+        [ADD], "required", True, None).value).key()  # the end rules are part of the constraint's identity
+
+
+CALL_A1 = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+CALL_A2 = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_a_repeated_call_ends_the_reply_and_is_dropped(step):
+    same_reordered = '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>'  # equal as JSON values
+    text = CALL_A1 + "\n" + CALL_A2 + "\n" + same_reordered + "\n" + '<tool_call>{"name": "add", "arguments": ' \
+        '{"a": 3}}</tool_call> tail'
+    p = ToolCallParser()
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        c, new = p.feed(text[i:i + step])
+        content += c
+        calls += new
+    content += p.finish()
+    assert [json.loads(c["arguments"]) for c in calls] == [{"a": 1}, {"a": 2}]  # nothing after the repeat
+    assert content == "" and p.ended
+    assert [c["index"] for c in calls] == [0, 1]
+
+
+def test_calls_that_differ_are_all_kept():
+    other_tool = CALL_A1.replace('"add"', '"sub"')
+    content, calls = parse_tool_calls(CALL_A1 + "\n" + other_tool + "\n" + CALL_A2 + "\n")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", {"a": 1}), ("sub", {"a": 1}),
+                                                                        ("add", {"a": 2})]
+    assert content == ""
+
+
+def test_text_after_a_call_keeps_its_inner_whitespace():
+    assert parse_tool_calls(CALL_A1 + "\n\nso  it is\n")[0] == "so  it is\n"
