@@ -1,0 +1,117 @@
+/* The low-rank update of LoRA adapters, one adapter per row, added in place to a projection's output:
+ *
+ *   out[t, offs[j]:offs[j+1]] += B_{s,j} (A_{s,j} x[t])      for each listed row t, its slot s, part j < n
+ *
+ * float32 throughout. ``at`` holds each slot's A transposed, [S, K, ldr]: part j's rank rows at columns
+ * j*R..j*R+R-1, zero where the adapter's rank is below R and in the padding up to ``ldr`` (a multiple of
+ * 16). ``bt`` holds B transposed, [S, n, R, N], part j's rows nonzero only over that part's output columns,
+ * which are the only ones read. Only the listed rows are touched (base-model rows are not listed), so a row
+ * costs its own adapter's rank-R products, whatever the other rows of the batch use.
+ *
+ * The caller lists the rows grouped by slot. Up to MT consecutive rows of one slot form a tile that reads
+ * each weight chunk once for all its rows; tiles are split across threads. Every output element is summed
+ * in one fixed order (fused multiply-adds over k, then over the rank) whatever the tile size, so a row's
+ * result does not depend on the batch around it.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MT 4  /* rows per tile */
+#define CB 64 /* output columns accumulated in registers at a time */
+#define RMAX 1024
+
+/* y[i * ldr + r] = sum_k x[i, k] * as[k, r] for r in [r0, r0 + W) */
+static inline __attribute__((always_inline)) void shrink(const float* const* xs, int K, const float* as, int ldr,
+                                                         int r0, const int MB, const int W, float* y) {
+    float acc[MT][32];
+    for (int i = 0; i < MB; i++)
+        for (int c = 0; c < W; c++) acc[i][c] = 0.f;
+    for (int k = 0; k < K; k++) {
+        const float* a = as + (int64_t)k * ldr + r0;
+        for (int i = 0; i < MB; i++) {
+            const float xv = xs[i][k];
+            for (int c = 0; c < W; c++) acc[i][c] = fmaf(xv, a[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int c = 0; c < W; c++) y[i * ldr + r0 + c] = acc[i][c];
+}
+
+/* out_i[c0 + c] += sum_r y[i * ldr + r] * b[r, c0 + c] for c < W (W = CB, or fewer at a part's end) */
+static inline __attribute__((always_inline)) void expand(const float* y, int ldr, const float* b, int R, int N,
+                                                         int c0, const int MB, const int W, float* const* outs) {
+    float acc[MT][CB];
+    for (int i = 0; i < MB; i++)
+        for (int c = 0; c < W; c++) acc[i][c] = 0.f;
+    for (int r = 0; r < R; r++) {
+        const float* br = b + (int64_t)r * N + c0;
+        for (int i = 0; i < MB; i++) {
+            const float yv = y[i * ldr + r];
+            for (int c = 0; c < W; c++) acc[i][c] = fmaf(yv, br[c], acc[i][c]);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int c = 0; c < W; c++) outs[i][c0 + c] += acc[i][c];
+}
+
+static void tile(const float* const* xs, float* const* outs, const int MB, const float* as, const float* bs,
+                 const int32_t* offs, int n, int R, int K, int N, int ldr) {
+    float y[MT * RMAX];
+    for (int r0 = 0; r0 < ldr; r0 += 32) {
+        const int wide = ldr - r0 >= 32;
+        switch (MB * 2 + wide) {
+            case 2: shrink(xs, K, as, ldr, r0, 1, 16, y); break;
+            case 3: shrink(xs, K, as, ldr, r0, 1, 32, y); break;
+            case 4: shrink(xs, K, as, ldr, r0, 2, 16, y); break;
+            case 5: shrink(xs, K, as, ldr, r0, 2, 32, y); break;
+            case 6: shrink(xs, K, as, ldr, r0, 3, 16, y); break;
+            case 7: shrink(xs, K, as, ldr, r0, 3, 32, y); break;
+            case 8: shrink(xs, K, as, ldr, r0, 4, 16, y); break;
+            default: shrink(xs, K, as, ldr, r0, 4, 32, y); break;
+        }
+    }
+    for (int j = 0; j < n; j++) {
+        const float* b = bs + (int64_t)j * R * N;
+        for (int c0 = offs[j]; c0 < offs[j + 1]; c0 += CB) {
+            const int w = offs[j + 1] - c0;
+            if (w >= CB) {
+                switch (MB) {
+                    case 1: expand(y + j * R, ldr, b, R, N, c0, 1, CB, outs); break;
+                    case 2: expand(y + j * R, ldr, b, R, N, c0, 2, CB, outs); break;
+                    case 3: expand(y + j * R, ldr, b, R, N, c0, 3, CB, outs); break;
+                    default: expand(y + j * R, ldr, b, R, N, c0, 4, CB, outs); break;
+                }
+            } else {
+                expand(y + j * R, ldr, b, R, N, c0, MB, w, outs);
+            }
+        }
+    }
+}
+
+/* Returns 0, or 1 when the shapes are outside what the kernel handles (ldr not a multiple of 16 or too wide). */
+int sidecar_lora_apply(const float* x, const float* at, const float* bt, const int64_t* rows,
+                       const int64_t* slots, const int32_t* offs, float* out, int nrows, int n, int R, int K,
+                       int N, int ldr, int nthreads) {
+    if (ldr % 16 || ldr > RMAX || n * R > ldr) return 1;
+    int* starts = malloc(sizeof(int) * (nrows + 1));
+    if (!starts) return 1;
+    int ntiles = 0;
+    for (int i = 0; i < nrows; i++)
+        if (i == 0 || slots[i] != slots[i - 1] || i - starts[ntiles - 1] == MT) starts[ntiles++] = i;
+    starts[ntiles] = nrows;
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (ntiles > 1)
+    for (int t = 0; t < ntiles; t++) {
+        const int i0 = starts[t], mb = starts[t + 1] - starts[t];
+        const float* xs[MT];
+        float* outs[MT];
+        for (int i = 0; i < mb; i++) {
+            xs[i] = x + rows[i0 + i] * (int64_t)K;
+            outs[i] = out + rows[i0 + i] * (int64_t)N;
+        }
+        const int64_t s = slots[i0];
+        tile(xs, outs, mb, at + s * (int64_t)K * ldr, bt + s * (int64_t)n * R * N, offs, n, R, K, N, ldr);
+    }
+    free(starts);
+    return 0;
+}
