@@ -42,18 +42,23 @@ def test_text_that_only_looks_like_a_call_stays_content():
     assert parse_tool_calls('x <tool_call>{"name": "add"') == ('x <tool_call>{"name": "add"', [])
 
 
-@pytest.mark.parametrize("step", [1, 3, 1000])
-def test_an_argument_holding_the_end_marker_stays_in_its_call(step):
-    # Copied from data: the argument's text contains the end marker (and a start marker, and braces).
-    args = {"a": 'see </tool_call> and <tool_call>{"x": 1}</tool_call> here'}
-    text = "ok " + "<tool_call>" + json.dumps({"name": "add", "arguments": args}) + "</tool_call>"
+def _feed_in_chunks(text: str, step: int) -> tuple[ToolCallParser, str, list]:
+    """The parser after ``text`` fed ``step`` characters at a time, its content and its calls."""
     p = ToolCallParser()
     content, calls = "", []
     for i in range(0, len(text), step):
         c, new = p.feed(text[i:i + step])
         content += c
         calls += new
-    content += p.finish()
+    return p, content + p.finish(), calls
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_an_argument_holding_the_end_marker_stays_in_its_call(step):
+    # Copied from data: the argument's text contains the end marker (and a start marker, and braces).
+    args = {"a": 'see </tool_call> and <tool_call>{"x": 1}</tool_call> here'}
+    text = "ok " + "<tool_call>" + json.dumps({"name": "add", "arguments": args}) + "</tool_call>"
+    _, content, calls = _feed_in_chunks(text, step)
     assert content == "ok "
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", args)]
 
@@ -191,13 +196,7 @@ def test_a_repeated_call_ends_the_reply_and_is_dropped(step):
     same_reordered = '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>'  # equal as JSON values
     text = CALL_A1 + "\n" + CALL_A2 + "\n" + same_reordered + "\n" + '<tool_call>{"name": "add", "arguments": ' \
         '{"a": 3}}</tool_call> tail'
-    p = ToolCallParser()
-    content, calls = "", []
-    for i in range(0, len(text), step):
-        c, new = p.feed(text[i:i + step])
-        content += c
-        calls += new
-    content += p.finish()
+    p, content, calls = _feed_in_chunks(text, step)
     assert [json.loads(c["arguments"]) for c in calls] == [{"a": 1}, {"a": 2}]  # nothing after the repeat
     assert content == "" and p.ended
     assert [c["index"] for c in calls] == [0, 1]
