@@ -105,7 +105,9 @@ def test_a_long_stop_string_does_not_hold_the_stream_back(http):
     r = http.post("/v1/completions", json=completion(stream=True, ignore_eos=True, max_tokens=20,
                                                      stop=["Z" + "q" * 4999]))
     texts = [c["text"] for e in sse(r.text) for c in e["choices"] if c.get("text")]
-    assert len(texts) >= 10  # tokens arrive as they are made, not as one chunk at the end
+    # Tokens arrive as they are made, not as one chunk at the end (held back for a possible match). A client
+    # that reads late may find a few outputs merged into one chunk, so the count is a floor, not 20.
+    assert len(texts) >= 5
 
 
 def test_a_tenant_holding_every_slot_does_not_hold_another_tenants_request(srv):
