@@ -140,6 +140,11 @@ def write_blocks(caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], d
     if not len(datas):
         return
     first = caches[0][0]
+    if not isinstance(datas, torch.Tensor) and first.device.type == "cpu":
+        from sidecar.model.kernels import block_copy
+
+        if block_copy.scatter_blocks([_bits(t) for layer in caches for t in layer], block_ids, datas):
+            return
     if isinstance(datas, torch.Tensor):
         rows = datas
     else:
