@@ -93,10 +93,38 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
           causal: bool, scale: float) -> torch.Tensor:
     """q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]. Expands KV heads for grouped-query attention."""
     rep = q.shape[1] // k.shape[1]
+    if rep > 1 and mask is not None and not causal and q.shape[0] == 1:
+        # Grouped-query heads folded into query rows ([1, Hkv, rep * Lq, D] against [1, Hkv, Lk, D]): the
+        # keys and values are read as they are instead of copied rep times.
+        _, h, lq, d = q.shape
+        qg = q.reshape(1, k.shape[1], rep * lq, d)
+        m = mask.expand(1, 1, lq, mask.shape[-1]).repeat(1, 1, rep, 1)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
+        return o.reshape(1, h, lq, d)
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+# A prefill segment of at most this many query rows that attends to a cached context (a prompt's tail after
+# a prefix hit, a short chunk) goes through the decode kernel, one row per query with its causal context
+# length: it reads the blocks in place, where the torch path copies the whole context (gather, and again to
+# repeat grouped KV heads) before an SDPA that is mostly that copy for a few rows. Longer segments keep SDPA,
+# whose blocked matrix products win once the rows are many.
+KERNEL_PREFILL_ROWS = 32
+
+
+def _segment_through_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
+                            scale: float, sliding_window: Optional[int],
+                            kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]]) -> Optional[torch.Tensor]:
+    """The segment's rows as decode rows (row i sees keys [0, start + i]) through the CPU kernel; None
+    when the kernel does not take these inputs."""
+    start = seg.ctx_len - seg.q_len
+    tables = seg.block_table[None].expand(seg.q_len, -1)
+    ctx = torch.arange(start + 1, seg.ctx_len + 1, dtype=torch.long, device=q.device)
+    return cpu_kernel.decode_attention(q[seg.q_start:seg.q_start + seg.q_len], k_cache, v_cache, tables, ctx, scale,
+                                       sliding_window, kv_scales)
 
 
 def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, k_cache: torch.Tensor,
@@ -135,8 +163,13 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
             return decoded
     out = torch.empty_like(q)
     for seg in meta.prefills:
-        qs = q[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
         start = seg.ctx_len - seg.q_len
+        if (start > 0 or quant) and meta.use_cpu_kernel and seg.q_len <= KERNEL_PREFILL_ROWS:
+            rows = _segment_through_kernel(q, k_cache, v_cache, seg, scale, sliding_window, kv_scales)
+            if rows is not None:
+                out[seg.q_start:seg.q_start + seg.q_len] = rows
+                continue
+        qs = q[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
         if start == 0 and sliding_window is None and not quant:
             # Whole prompt in this step: attend to the fresh K/V, plain causal mask.
             ks = k[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
