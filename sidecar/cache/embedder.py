@@ -20,6 +20,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from sidecar.cache import lean_encoder
+from sidecar.cache.lean_encoder import LeanEncoder
+
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 _BUNDLED_ALIASES = (DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2")
 # Upper bound on texts encoded in one forward pass; more waiting work runs in the next pass.
@@ -67,6 +70,8 @@ class Embedder:
         get_dim = getattr(self._model, "get_embedding_dimension", None) or \
             self._model.get_sentence_embedding_dimension
         self.dim: int = int(get_dim())
+        self._lean: Optional[LeanEncoder] = None
+        self._lean = lean_encoder.checked(self._model, LeanEncoder.build(self._model), self._reference)
         # The model is not safe to call from two threads at once, and a fast tokenizer raises
         # "Already borrowed" when used concurrently: counting (on the caller's thread) gets its own copy.
         self._model_lock = threading.Lock()
@@ -96,13 +101,24 @@ class Embedder:
     def _forward(self, texts: list[str]) -> np.ndarray:
         """One forward pass through the model's modules (transformer, pooling, normalisation), as
         ``SentenceTransformer.encode`` runs them, without its per-call bookkeeping (input sorting,
-        modality checks, batching loop): ~13% of one short query's embedding, measured in one process."""
+        modality checks, batching loop): ~13% of one short query's embedding, measured in one process.
+        A BERT-family model takes the lean forward (``lean_encoder``) when it passed its start-up check."""
         model = self._model
         with torch.inference_mode():
             features = (getattr(model, "preprocess", None) or model.tokenize)(texts)
             features = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in features.items()}
+            if self._lean is not None:
+                return self._lean(features).cpu().numpy()
             emb = torch.nn.functional.normalize(model(features)["sentence_embedding"], p=2, dim=1)
             return emb.float().cpu().numpy()
+
+    def _reference(self, texts: list[str]) -> np.ndarray:
+        """The sentence-transformers path alone (the lean forward's oracle)."""
+        lean, self._lean = self._lean, None
+        try:
+            return self._forward(texts)
+        finally:
+            self._lean = lean
 
     def count_tokens(self, texts: list[str]) -> int:
         """Tokens the embedding model sees for these texts (special tokens included, truncation applied)."""
