@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -189,6 +190,7 @@ def launch(model: str, extra_args: list[str], timeout_s: float = 600.0) -> Itera
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _wait_ready(proc: subprocess.Popen, port_file: str, log_path: str, timeout_s: float) -> dict:
@@ -209,4 +211,4 @@ def _wait_ready(proc: subprocess.Popen, port_file: str, log_path: str, timeout_s
             if status == health_pb2.HealthCheckResponse.SERVING:
                 return ports
         time.sleep(0.2)
-    raise RuntimeError(f"sidecar not ready within {timeout_s}s; log: {log_path}")
+    raise RuntimeError(f"sidecar not ready within {timeout_s}s; its log ends:\n{open(log_path).read()[-3000:]}")

@@ -73,11 +73,24 @@ async def _drive(base: str, model: str, pid: int, args: argparse.Namespace) -> d
             done += 1
             if done % args.sample_every == 0:
                 samples.append((done, proc.memory_info().rss / 2**20))
+                _progress(args, samples, errors, time.perf_counter() - t0)
 
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         await asyncio.gather(*(worker(client) for _ in range(args.concurrency)))
     samples.append((done, proc.memory_info().rss / 2**20))
     return {"samples": samples, "errors": errors, "wall_s": time.perf_counter() - t0}
+
+
+def _progress(args: argparse.Namespace, samples: list[tuple[int, float]], errors: int, elapsed: float) -> None:
+    """One line per sample on stderr and the samples so far in ``soak.partial.json``: a long soak can be watched."""
+    import sys
+
+    n, rss = samples[-1]
+    print(f"soak: {n}/{args.num_requests} requests, RSS {rss:.0f} MiB, {errors} errors, {elapsed:.0f}s",
+          file=sys.stderr, flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.partial.json").write_text(json.dumps({"samples": samples, "errors": errors, "elapsed_s": elapsed}))
 
 
 def summarize(samples: list[tuple[int, float]], warmup_requests: int) -> dict[str, float]:
