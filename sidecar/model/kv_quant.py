@@ -118,6 +118,12 @@ def block_nbytes(caches: list[tuple[torch.Tensor, ...]]) -> int:
 
 def read_block(caches: list[tuple[torch.Tensor, ...]], block_id: int) -> torch.Tensor:
     """Block ``block_id`` of every layer's tensors, in order, as one uint8 tensor on the host."""
+    if caches[0][0].device.type == "cpu":
+        from sidecar.model.kernels import block_copy
+
+        data = block_copy.gather_block([_bits(t) for layer in caches for t in layer], block_id)
+        if data is not None:
+            return data
     parts = [t[block_id].reshape(-1).view(torch.uint8) for layer in caches for t in layer]
     return torch.cat(parts).cpu()
 

@@ -62,3 +62,16 @@ def test_a_block_outside_the_pool_is_refused_before_any_copy():
     with pytest.raises(ValueError, match="outside"):
         block_copy.scatter_blocks([t for layer in caches for t in layer], [3, 9], [data, data])
     assert all(torch.equal(a, b) for a, b in zip(before, [t for layer in caches for t in layer]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_gather_gives_the_bytes_of_every_tensor_in_order(dtype):
+    caches = _caches(dtype)
+    flat = [t for layer in caches for t in layer]
+    for b in (0, 3, 8):
+        want = torch.cat([t[b].reshape(-1).view(torch.uint8) for t in flat])
+        got = block_copy.gather_block(flat, b)
+        assert got is not None and got.dtype == torch.uint8 and torch.equal(got, want)
+        assert torch.equal(kv_quant.read_block(caches, b), want)
+    with pytest.raises(ValueError, match="outside"):
+        block_copy.gather_block(flat, 9)
