@@ -24,7 +24,7 @@ from sidecar.cache.store import CacheStore, Entry
 from sidecar.config import REDIS_PASSWORD_ENV
 
 class SqliteBackend:
-    """The local SQLite file at ``cache.path`` (in memory when no path is set)."""
+    """The local SQLite file at ``cache.path``."""
 
     def __init__(self, path: Any, embedding_model: str, dim: int) -> None:
         self.store = CacheStore(path, embedding_model, dim)
@@ -55,8 +55,40 @@ class SqliteBackend:
         self.store.close()
 
 
+class MemoryBackend:
+    """No persistence (no ``cache.path``, no shared tier): the cache's in-memory tiers are all there is, so
+    nothing keeps a second copy of every entry (an in-memory SQLite database did: about half of a
+    memory-only cache's bytes)."""
+
+    quarantined = 0
+
+    def load_all(self) -> Iterable[Entry]:
+        return ()
+
+    def put(self, e: Entry) -> None:
+        pass
+
+    def delete(self, entries: list[Entry]) -> None:
+        pass
+
+    def touch(self, e: Entry, when: float) -> bool:
+        return True
+
+    def start(self, sink: Any) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 def open_backend(cfg: Any, embedding_model: str, dim: int) -> Any:
-    """The backend ``cfg.backend`` names (None: SQLite at ``cfg.path``); ``cfg`` is validated."""
+    """The backend ``cfg.backend`` names (None: SQLite at ``cfg.path``, or memory only without a path);
+    ``cfg`` is validated."""
+    if not cfg.backend and not cfg.path:
+        return MemoryBackend()
     if not cfg.backend:
         return SqliteBackend(cfg.path, embedding_model, dim)
     from sidecar.cache.redis_store import RedisBackend

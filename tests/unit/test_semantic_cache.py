@@ -337,3 +337,16 @@ def test_large_scopes_are_looked_up_off_the_loop_and_hits_are_touched_behind(emb
         cache.close()  # waits for the writes queued behind the hits
     rows = sorted(sqlite3.connect(path).execute("SELECT text, last_access FROM entries").fetchall())
     assert rows == [("Settings > Privacy", clock.t - 50), ("short scope", clock.t)]
+
+
+def test_a_memory_only_cache_keeps_no_second_copy_of_its_entries(make, tmp_path):
+    from sidecar.cache.backend import MemoryBackend, SqliteBackend
+
+    mem = make()
+    assert isinstance(mem._backend, MemoryBackend) and mem._store is None
+    run(put(mem, "How do I reset my password?", answer="use the reset link"))
+    hit = run(mem.lookup(scope("How do I reset my password?")))
+    assert hit is not None and hit.text == "use the reset link"
+    assert mem.stats()["entries"] == 1 and mem.stats()["quarantined"] == 0
+    filed = make(path=str(tmp_path / "c.db"))  # with a path the entries persist in SQLite, as before
+    assert isinstance(filed._backend, SqliteBackend)
