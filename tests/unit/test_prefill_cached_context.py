@@ -64,7 +64,8 @@ def _run(q, caches, scales, ids, ctx_len, scale, window, use_kernel):
     (7, 129, 9, 3, None, True),  # int8 cache
     (70, 160, 9, 3, 64, True),  # int8 cache, window, through the torch path
 ])
-def test_both_paths_match_float64(q_len, ctx_len, nh, nkv, window, quant):
+def test_both_paths_match_float64(q_len, ctx_len, nh, nkv, window, quant, monkeypatch):
+    monkeypatch.setattr(attention, "KERNEL_PREFILL_MIN_CACHED", 1)  # small contexts through the kernel too
     hd = 64
     caches, scales, ids, deq = _pool(ctx_len, nkv, hd, seed=q_len + ctx_len, quant=quant)
     q = torch.randn(q_len, nh, hd, generator=torch.Generator().manual_seed(1))
@@ -74,20 +75,23 @@ def test_both_paths_match_float64(q_len, ctx_len, nh, nkv, window, quant):
         assert (out.double() - ref).abs().max() < 2e-5, use_kernel
 
 
-def test_short_segments_take_the_kernel_and_long_ones_sdpa(monkeypatch):
+def test_short_segments_after_a_long_context_take_the_kernel_and_the_rest_sdpa(monkeypatch):
     calls = []
     real = attention.cpu_kernel.decode_attention
     monkeypatch.setattr(attention.cpu_kernel, "decode_attention", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    caches, scales, ids, _ = _pool(300, 2, 64, seed=3)
-    for q_len in (3, attention.KERNEL_PREFILL_ROWS, attention.KERNEL_PREFILL_ROWS + 1):
-        _run(torch.randn(q_len, 8, 64), caches, scales, ids, 300, 0.125, None, True)
-    assert calls == [3, attention.KERNEL_PREFILL_ROWS]
-    # a whole prompt (nothing cached) keeps the plain causal SDPA over its own keys
+    rows = attention.KERNEL_PREFILL_ROWS
+    ctx = attention.KERNEL_PREFILL_MIN_CACHED + rows + 1
+    caches, scales, ids, _ = _pool(ctx, 2, 64, seed=3)
+    for q_len in (3, rows, rows + 1):
+        _run(torch.randn(q_len, 8, 64), caches, scales, ids, ctx, 0.125, None, True)
+    assert calls == [3, rows]
+    # less context than that: SDPA (bit for bit what an uncached run gives); nothing cached: plain causal SDPA
+    _run(torch.randn(3, 8, 64), caches, scales, ids, attention.KERNEL_PREFILL_MIN_CACHED + 2, 0.125, None, True)
     k = torch.randn(10, 2, 64)
     seg = PrefillSegment(q_start=0, q_len=10, ctx_len=10, block_table=ids[:1])
     meta = AttentionMetadata(slot_mapping=ids[0] * BS + torch.arange(10), block_size=BS, prefills=[seg])
     paged_attention(torch.randn(10, 8, 64), k, k.clone(), caches[0], caches[1], meta, 0.125)
-    assert calls == [3, attention.KERNEL_PREFILL_ROWS]
+    assert calls == [3, rows]
 
 
 def test_folded_grouped_heads_equal_repeated_heads():
