@@ -71,3 +71,25 @@ def test_models_it_does_not_handle_keep_the_reference_path(emb, caplog):
         assert lean_encoder.LeanEncoder.build(emb._model) is None
     finally:
         pooling.pooling_mode = saved
+
+
+def test_every_short_length_is_run_once_at_start_and_a_failing_warm_up_is_harmless(emb, caplog):
+    seen = []
+    lean = emb._lean
+    try:
+        emb._lean = lambda feats: seen.append(tuple(feats["input_ids"].shape)) or lean(feats)
+        emb._warm_shapes()
+    finally:
+        emb._lean = lean
+    assert seen == [(1, n) for n in range(3, 65)]  # [CLS] ... [SEP]: lengths 3 to 64 tokens
+
+    def broken(feats):
+        raise RuntimeError("no kernel for this shape")
+
+    emb._lean = broken
+    try:
+        with caplog.at_level(logging.INFO, logger="sidecar.cache"):
+            emb._warm_shapes()
+    finally:
+        emb._lean = lean
+    assert "not prepared at start" in caplog.text
