@@ -15,13 +15,14 @@ from typing import Callable, Iterable, Optional
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "parent_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: Optional[bytes] = None
         self.token_ids: Optional[tuple[int, ...]] = None  # stored to verify prefix hits
+        self.parent_hash: Optional[bytes] = None  # the previous block's key in its chain (None: the first)
         self.prev_free: Optional[KVBlock] = None
         self.next_free: Optional[KVBlock] = None
 
@@ -129,6 +130,7 @@ class BlockPool:
                     del self.cached[block.block_hash]
                 block.block_hash = None
                 block.token_ids = None
+                block.parent_hash = None
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -149,13 +151,15 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes, token_ids: tuple[int, ...]) -> None:
-        """Register a full block under its key; an existing entry for the key wins (the duplicate
-        block simply stays unregistered and is recycled when freed)."""
+    def cache_block(self, block: KVBlock, block_hash: bytes, token_ids: tuple[int, ...],
+                    parent_hash: Optional[bytes] = None) -> None:
+        """Register a full block under its key (``parent_hash``: the chain's previous block's); an existing
+        entry for the key wins (the duplicate block simply stays unregistered and is recycled when freed)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
         block.token_ids = token_ids
+        block.parent_hash = parent_hash
         self.cached.setdefault(block_hash, block)
 
     def reset_prefix_cache(self) -> None:
@@ -163,4 +167,5 @@ class BlockPool:
             if block.ref_cnt == 0:
                 block.block_hash = None
                 block.token_ids = None
+                block.parent_hash = None
         self.cached = {h: b for h, b in self.cached.items() if b.ref_cnt > 0}

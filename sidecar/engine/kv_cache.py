@@ -20,7 +20,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.offload = offload if enable_caching else None
         if self.offload is not None:
-            self.pool.on_evict = lambda b: self.offload.offload(b.block_id, b.block_hash, b.token_ids)
+            self.pool.on_evict = self._offload_evicted
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens served from cache
@@ -35,6 +35,21 @@ class KVCacheManager:
                                 int(config.kv_offload_disk_gb * (1 << 30)), identity, runner.read_block,
                                 runner.write_blocks)
         return cls(runner.num_blocks, config.block_size, config.enable_prefix_caching, offload)
+
+    def _offload_evicted(self, block: KVBlock) -> None:
+        """``BlockPool.on_evict``: the block goes to the tiers, and so do the blocks before it in its chain
+        that are still in the pool and not yet on disk. The pool evicts a chain's tail first, so its head
+        may never leave; a lookup walks a chain from its first block, so without the head a restart (which
+        finds only the disk) could reach none of it."""
+        self.offload.offload(block.block_id, block.block_hash, block.token_ids)
+        disk = self.offload.disk
+        parent = block.parent_hash
+        while disk is not None and disk.enabled and parent is not None and parent not in disk.files:
+            head = self.pool.cached.get(parent)
+            if head is None:
+                break
+            self.offload.offload(head.block_id, head.block_hash, head.token_ids, disk_only=True)
+            parent = head.parent_hash
 
     def offload_stats(self) -> dict:
         """The offload tiers' counters (all zero without tiers)."""
@@ -95,7 +110,7 @@ class KVCacheManager:
                 loaded = self.pool.allocate(len(found))
                 if self.offload.install([b.block_id for b in loaded], [d for _, _, d in found]):
                     for block, (i, tokens, _) in zip(loaded, found):
-                        self.pool.cache_block(block, req.block_hashes[i], tokens)
+                        self.pool.cache_block(block, req.block_hashes[i], tokens, _parent(req, i))
         finally:
             # Back to ref 0 (later blocks of a chain are evicted first, as in free()); blocks whose install
             # failed were never registered, so they are plain free space again and not returned as hits.
@@ -140,7 +155,7 @@ class KVCacheManager:
             block = blocks[i]
             if block.block_hash is not None:
                 break  # earlier blocks were registered in an earlier step
-            self.pool.cache_block(block, req.block_hashes[i], tuple(toks[i * bs:(i + 1) * bs]))
+            self.pool.cache_block(block, req.block_hashes[i], tuple(toks[i * bs:(i + 1) * bs]), _parent(req, i))
 
     def trim(self, req: Request) -> None:
         """Return the blocks past the request's computed tokens (they held only rejected speculative
@@ -171,3 +186,7 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.pool.usage()
+
+
+def _parent(req: Request, i: int) -> Optional[bytes]:
+    return req.block_hashes[i - 1] if i > 0 else None

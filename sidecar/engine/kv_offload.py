@@ -79,13 +79,15 @@ class KVOffload:
                          "kv_offload_loaded_bytes": 0, "kv_offload_host_lookups": 0, "kv_offload_host_hits": 0,
                          "kv_offload_disk_lookups": 0, "kv_offload_disk_hits": 0, "kv_offload_load_time_s": 0.0}
 
-    def offload(self, block_id: int, block_hash: bytes, tokens: tuple[int, ...]) -> None:
-        """Copy a block whose hash is about to be dropped from the pool into the tiers."""
+    def offload(self, block_id: int, block_hash: bytes, tokens: tuple[int, ...], disk_only: bool = False) -> None:
+        """Copy a block whose hash is about to be dropped from the pool into the tiers (``disk_only``: a
+        block that stays in the pool, written to the disk tier so that a restart finds its chain)."""
         to_disk = self.disk is not None and self.disk.enabled and block_hash not in self.disk.files
-        if self.host is None and not to_disk:
+        to_host = self.host is not None and not disk_only
+        if not to_host and not to_disk:
             return
         data = self.read_block(block_id)
-        if self.host is not None:
+        if to_host:
             self.host.put(block_hash, tokens, data)
         if to_disk:
             self.disk.put(block_hash, tokens, data)

@@ -98,6 +98,24 @@ def test_disk_tier_then_restart_then_another_model(demo_dir, reference, tmp_path
     assert len(list(Path(tmp_path).iterdir())) == 3  # one directory per model identity
 
 
+def test_a_chain_whose_head_stayed_in_the_pool_is_whole_on_disk_after_a_restart(demo_dir, reference, tmp_path):
+    """The pool evicts a chain's tail first, so a document's first blocks may never leave it; the disk tier
+    still gets them (when the first of their chain is evicted), so a restart can walk the chain from its root."""
+    llm = make(demo_dir, kv_offload_dir=str(tmp_path))
+    llm.generate([DOC], GREEDY)
+    llm.generate([FILLERS[0][:150]], GREEDY)  # takes the never-used blocks, then the doc's tail
+    in_pool = [h in llm.engine.kv.pool.cached for h in doc_hashes()]
+    assert in_pool[0] and not all(in_pool)  # the head stayed, the tail left
+    disk = llm.engine.kv.offload.disk
+    disk.flush()
+    assert all(h in disk.files for h in doc_hashes())  # the head written too, though never evicted
+    del llm
+    restarted = make(demo_dir, kv_offload_dir=str(tmp_path))
+    out = restarted.generate([DOC], GREEDY)[0]
+    assert out.token_ids == reference and out.num_cached_tokens == 12 * BS
+    assert restarted.stats()["kv_offload_disk_hits"] == 12
+
+
 def test_damaged_files_are_dropped_counted_and_recomputed(demo_dir, reference, tmp_path, caplog):
     llm = make(demo_dir, kv_offload_dir=str(tmp_path))
     llm.generate([DOC], GREEDY)
