@@ -114,14 +114,6 @@ def llama_bench(tools: dict[str, Path], gguf: Path, n_prompt: int, n_gen: int, t
     return {"tok_s": float(row["avg_ts"]), "best_tok_s": float(max(samples)), "peak_rss_bytes": peak}
 
 
-def decode_b1(tools: dict[str, Path], gguf: Path, n_tokens: int, threads: int, repeats: int = 3,
-              best: bool = False) -> float:
-    """llama-bench's batch-1 decode speed (tg test: no prompt, ``n_tokens`` generated), tokens/s: the mean
-    of its ``repeats`` runs, or the fastest of them with ``best`` (to match a best-of-N figure of ours)."""
-    r = llama_bench(tools, gguf, 0, n_tokens, threads, repeats)
-    return r["best_tok_s"] if best else r["tok_s"]
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -49,8 +49,8 @@ def test_batch1_speed_is_the_mean_or_the_fastest_run(tmp_path):
                      " {\"n_prompt\": 0, \"n_gen\": 64, \"avg_ts\": 50.0, \"samples_ts\": [40.0, 60.0, 50.0]}]'\n")
     os.chmod(bench, 0o755)
     tools = {"llama-bench": bench}
-    assert llamacpp.decode_b1(tools, tmp_path / "m.gguf", 64, 2) == 50.0
-    assert llamacpp.decode_b1(tools, tmp_path / "m.gguf", 64, 2, best=True) == 60.0
+    r = llamacpp.llama_bench(tools, tmp_path / "m.gguf", 0, 64, 2)
+    assert (r["tok_s"], r["best_tok_s"]) == (50.0, 60.0)
 
 
 def test_llama_bench_reads_the_row_asked_for_and_its_peak_rss(tmp_path):
