@@ -1,8 +1,9 @@
 """Copies of KV blocks between the pool and host memory, for the offload tiers.
 
-On CPU a block's bytes are gathered with one concatenation and loads are indexed copies (``kv_quant``); the
-host tier is simply kept memory. On CUDA both directions run on a side stream through pinned host memory,
-so the compute stream never waits for a PCIe transfer it does not need:
+On CPU ``kv_quant`` moves the bytes (our block-copy kernel: every (block, tensor) span copied straight
+between the pool and the host buffers); the host tier is simply kept memory. On CUDA both directions run
+on a side stream through pinned host memory, so the compute stream never waits for a PCIe transfer it
+does not need:
 - device -> host (an evicted block): the side stream first waits for the work queued so far (the block's
   last writes), copies into a pinned buffer, and records an event; the compute stream waits for that event
   before anything queued later can reuse the block. A host reader of the bytes (the disk writer) waits

@@ -4,9 +4,9 @@ A full block with a prefix hash that leaves the pool (its hash is dropped when t
 ``BlockPool.on_evict``) is copied to the host tier and, when a directory is given, written to the disk
 tier (write-through, so the disk holds every offloaded block until its own bound evicts it, and a restart
 finds them; a writer thread does the writing, so an eviction on a request's path never waits for the disk,
-and a block still queued is served from the queue). A later request whose chain of block hashes continues past the pool's hits finds the next
-blocks here; ``KVCacheManager`` loads each into a fresh pool block and registers it under its hash, so
-the scheduler counts those tokens as cached exactly like pool hits.
+and a block still queued is served from the queue). A later request whose chain of block hashes continues
+past the pool's hits finds the next blocks here; ``KVCacheManager`` loads each into a fresh pool block
+and registers it under its hash, so the scheduler counts those tokens as cached exactly like pool hits.
 
 Entries are keyed by the chained block hash and verified against the block's token ids, as pool hits
 are. The disk tier keeps one file per block under ``<dir>/<identity digest>/``, where the identity names
@@ -31,7 +31,6 @@ from sidecar.engine.kv_disk import DiskTier
 __all__ = ["DiskTier", "HostTier", "KVOffload", "model_identity", "offload_stats"]
 
 log = logging.getLogger("sidecar.engine")
-
 
 
 class HostTier:

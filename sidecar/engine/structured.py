@@ -102,8 +102,6 @@ def to_constraint(value: Any) -> Optional[Constraint]:
                      f"got {type(value).__name__}")
 
 
-
-
 class StructuredDecoder:
     """Compiles constraints, owns the per-request grammar state, produces masks each step."""
 

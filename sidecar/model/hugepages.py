@@ -99,7 +99,8 @@ def advise_new(before: set[tuple[int, int]]) -> dict[str, object]:
     ``before``. Returns what was done: ``state`` (off | advised | collapsed), regions, bytes in huge pages."""
     mode = thp_mode()
     if not wanted() or mode in ("", "never"):
-        return {"state": f"off ({'SIDECAR_HUGE_PAGES=0' if not wanted() else f'transparent huge pages: {mode or None}'})"}
+        why = "SIDECAR_HUGE_PAGES=0" if not wanted() else f"transparent huge pages: {mode or None}"
+        return {"state": f"off ({why})"}
     libc = ctypes.CDLL(None, use_errno=True)
     t = time.perf_counter()
     advised = collapsed = 0

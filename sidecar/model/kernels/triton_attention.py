@@ -4,9 +4,9 @@
 attends every row of ``q`` [B, H, D] to keys ``[max(0, ctx - window), ctx)`` of its own sequence, held
 in the paged cache [num_blocks, block_size, Hkv, D] at the blocks named by its row of ``block_tables``
 [B, max_blocks] (int32 or int64); a quantized cache (int8 or fp8 e4m3 codes with a float32 scale per
-token and KV head, ``kv_quant``) is read as codes and dequantized in registers. It returns [B, H, D] in ``q``'s dtype, or None when the inputs are not
-ones the kernel takes (the caller then runs the torch path of ``sidecar.model.attention``, which is also
-the oracle the tests hold this kernel to).
+token and KV head, ``kv_quant``) is read as codes and dequantized in registers. It returns [B, H, D] in
+``q``'s dtype, or None when the inputs are not ones the kernel takes (the caller then runs the torch path
+of ``sidecar.model.attention``, which is also the oracle the tests hold this kernel to).
 
 Shape of the work:
 - One program per (row, KV head, context partition). All H / Hkv query heads of a KV head are that
@@ -50,7 +50,8 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_
                       scale, window,
                       s_qb, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_sb, s_ss, s_bt, s_ob, s_oh,
                       n_parts, max_blocks,
-                      QUANT: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                      QUANT: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
                       HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr,
                       BF16: tl.constexpr):
@@ -208,7 +209,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ks.stride(0), ks.stride(1 if quant else 0),
         tables.stride(0), out.stride(0), out.stride(1), n_parts, max_blocks,
-        QUANT=quant, FP8=fp8, GROUP=group, G_PAD=max(16, next_pow2(group)), HEAD_DIM=hd, D_PAD=d_pad, BLOCK_SIZE=bs, PART=part,
+        QUANT=quant, FP8=fp8, GROUP=group, G_PAD=max(16, next_pow2(group)), HEAD_DIM=hd, D_PAD=d_pad,
+        BLOCK_SIZE=bs, PART=part,
         BLOCK_N=BLOCK_N, HAS_WINDOW=window is not None, DIRECT=direct,
         F32=dot_in_f32(q.dtype), BF16=q.dtype == torch.bfloat16)
     if not direct:
