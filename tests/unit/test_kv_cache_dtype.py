@@ -23,12 +23,43 @@ def pool_whole(llm: LLM) -> bool:
             and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks[1:]))
 
 
-def teacher_forced_agreement(llm: LLM, ps: list[list[int]], ref: list[list[int]]) -> float:
-    """Share of positions where ``llm``'s greedy token equals ``ref``'s, each scored on ref's own prefix (one
-    early difference does not count twice)."""
-    cases = [(p + r[:i], r[i]) for p, r in zip(ps, ref) for i in range(len(r))]
-    outs = llm.generate([c for c, _ in cases], SamplingParams(max_tokens=1, ignore_eos=True))
-    return sum(o.token_ids[0] == want for o, (_, want) in zip(outs, cases)) / len(cases)
+ONE_WITH_LOGPROBS = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=5)
+
+
+def teacher_forced_cases(llm: LLM, ps: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """Every prefix of ``llm``'s greedy continuations: each position is scored on the same context by every
+    configuration, so one early difference does not count twice."""
+    ref = [o.token_ids for o in llm.generate(ps, params)]
+    return [p + r[:i] for p, r in zip(ps, ref) for i in range(len(r))]
+
+
+def next_token_logprobs(llm: LLM, cases: list[list[int]]):
+    return [o.logprobs[0] for o in llm.generate(cases, ONE_WITH_LOGPROBS)]
+
+
+def assert_int8_changes_top1_no_more_than_float32(plain: LLM, quant: LLM, exact: LLM, cases: list[list[int]]):
+    """Greedy top-1 of ``quant`` (int8 KV) against ``plain`` (bf16 KV) on the same contexts, next to that of
+    ``exact`` (float32 compute and cache) against the same bf16 run.
+
+    Where a checkpoint's logits hold near-ties, any change of numerics moves some top-1 tokens: on the
+    tiny random checkpoints the bf16 logits tie exactly at ~1% of positions and float32 compute agrees
+    with bf16 on only 94-95% of them; a fake-quantized 10-bit KV cache still changes ~3% of the default
+    model's. So the bar is relative: int8 may not change top-1 more often than float32 compute does (2%
+    slack), and where it changes it, bf16 must hold int8's token within 0.5 nats of its own (a near-tie;
+    a wrong scale or block gives tokens nats apart, and agreement far below). Measured (Zen 4, 576
+    positions): default 0.972 (float32 0.983), largest gap 0.31; tiny llama / qwen2 / mistral 0.950 /
+    0.941 / 0.934 (float32 0.955 / 0.939 / 0.944), largest gap 0.47.
+    """
+    ref = next_token_logprobs(plain, cases)
+    got = next_token_logprobs(quant, cases)
+    f32 = next_token_logprobs(exact, cases)
+    agree = sum(a.token_id == b.token_id for a, b in zip(ref, got)) / len(cases)
+    agree_f32 = sum(a.token_id == b.token_id for a, b in zip(ref, f32)) / len(cases)
+    assert agree >= agree_f32 - 0.02, (agree, agree_f32)
+    for a, b in zip(ref, got):
+        if a.token_id != b.token_id:
+            alt = dict(a.top).get(b.token_id)
+            assert alt is not None and a.logprob - alt <= 0.5, (a, b)
 
 
 def test_settings_are_validated_naming_the_field():
@@ -74,32 +105,37 @@ def test_the_same_budget_holds_more_tokens_and_info_reports_the_dtype(demo_dir):
     assert "sm89" in fp8.engine.model_info["kv_cache_dtype_reason"]
 
 
-# The tiny llama checkpoint only: on the tiny qwen2 / mistral ones bf16 itself agrees with float32 on only
-# ~95% of positions (their random weights leave near-ties), below the bar this test sets.
-@pytest.mark.parametrize("kind", ["llama"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_greedy_top1_agreement_with_the_bf16_cache_on_tiny_checkpoints(tiny_models, kind):
-    ps = prompts(12, seed=1)
-    ref = [o.token_ids for o in LLM(model=str(tiny_models[kind]), dtype="bfloat16").generate(ps, GREEDY)]
-    quant = LLM(model=str(tiny_models[kind]), dtype="bfloat16", kv_cache_dtype="int8")
-    assert teacher_forced_agreement(quant, ps, ref) >= 0.98
+    model = str(tiny_models[kind])
+    plain = LLM(model=model, dtype="bfloat16")
+    cases = teacher_forced_cases(plain, prompts(48, seed=1), GREEDY)
+    quant = LLM(model=model, dtype="bfloat16", kv_cache_dtype="int8")
+    assert_int8_changes_top1_no_more_than_float32(plain, quant, LLM(model=model, dtype="float32"), cases)
     assert pool_whole(quant)
 
 
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
+             "Write a haiku about the sea.", "What does a CPU do?", "How do I make a cup of tea?",
+             "What is photosynthesis?", "List two fruits that are red.", "Explain recursion to a child.",
+             "What are the benefits of exercise?", "Describe the water cycle.", "How does a rainbow form?",
+             "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
+             "Give me a tip for learning Python.", "Why do leaves change color in autumn?", "What is a black hole?",
+             "Summarize the plot of Cinderella.", "How many legs does a spider have?", "What is machine learning?",
+             "Suggest a name for a cat.", "What causes earthquakes?", "Translate 'good morning' to Spanish.",
+             "What is the speed of light?"]
+
+
 def test_greedy_top1_agreement_with_the_bf16_cache_on_the_default_model():
-    plain = LLM(dtype="bfloat16", kv_cache_memory_gb=0.1)
+    plain = LLM(dtype="bfloat16", kv_cache_memory_gb=0.2)
     tok = plain.tokenizer
-    questions = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
-                 "Write a haiku about the sea.", "What does a CPU do?", "How do I make a cup of tea?",
-                 "What is photosynthesis?", "List two fruits that are red."]
     ps = [list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True,
-                                       return_dict=False)) for q in questions]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    ref = [o.token_ids for o in plain.generate(ps, params)]
-    del plain
-    quant = LLM(dtype="bfloat16", kv_cache_memory_gb=0.1, kv_cache_dtype="int8")
-    # Measured 0.961 here (bf16 against its own greedy run: 0.992; float32 against bf16: 0.992): per-token
-    # int8 keys cost SmolLM2 about 3% of top-1 positions (perplexity +0.2%, sidecar bench quality).
-    assert teacher_forced_agreement(quant, ps, ref) >= 0.95
+                                       return_dict=False)) for q in QUESTIONS]
+    cases = teacher_forced_cases(plain, ps, SamplingParams(max_tokens=24, ignore_eos=True))
+    quant = LLM(dtype="bfloat16", kv_cache_memory_gb=0.2, kv_cache_dtype="int8")
+    exact = LLM(dtype="float32", kv_cache_memory_gb=0.2)
+    assert_int8_changes_top1_no_more_than_float32(plain, quant, exact, cases)
+    assert pool_whole(quant)
 
 
 def test_prefix_reuse_and_preemption_on_int8_blocks_give_the_same_tokens(tiny_models):
