@@ -10,11 +10,13 @@ float32 -- where torch's default CPU GEMM runs far below this AMD machine's spee
 ``F.linear``; float32 ones differ in summation order only.
 
 The packed layout replaces the plain weight, except where another module reads that
-weight too (a tied lm_head shares the embedding table) and, on CPUs where our AVX-512
-BF16 kernel runs, for bf16 weights whose plain copies fit in a tenth of the machine's
-memory: bf16 batches of up to ``bf16_gemv.MAX_ROWS`` rows take that kernel on the plain
-weight, which decodes one row ~7-12% faster than oneDNN on the packed one (Qwen2-0.5B,
-Zen 5, whole model); larger batches take the packed one.
+weight too (a tied lm_head shares the embedding table). On CPUs where our AVX-512 BF16
+kernel runs, bf16 weights whose copies fit in a tenth of the machine's memory also get a
+copy in that kernel's tiled layout (``bf16_gemv.tile_weight``), which replaces the plain
+one: bf16 batches of up to ``bf16_gemv.MAX_ROWS`` rows take the kernel on it, which decodes
+one row faster than oneDNN on the packed weight (~7-12% from plain rows on Zen 5, whole
+Qwen2-0.5B; the tiled rows stream ~12% faster again on Zen 4); larger batches take the
+packed one. A shared weight stays plain and the kernel reads it in place.
 
 ``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the
 reference the fast paths are tested against.
@@ -34,9 +36,9 @@ from sidecar.model.kernels import bf16_gemv, cpu_build
 log = logging.getLogger("sidecar.model")
 
 PACK_ROWS_HINT = 32  # the batch size oneDNN picks its blocking for; measured best for 1-1024 rows
-# bf16 plain weights are kept beside the packed ones (for our kernel's small batches) while they take at
-# most this share of the machine's memory.
-KEEP_PLAIN_FRACTION = 0.1
+# bf16 weights get a copy in our kernel's tiled layout beside the packed one (for its small batches) while
+# those copies take at most this share of the machine's memory.
+TILED_FRACTION = 0.1
 
 
 def can_pack(weight: Optional[torch.Tensor]) -> bool:
@@ -58,12 +60,16 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("packed", None, persistent=False)
+        self.register_buffer("tiled", None, persistent=False)
 
-    def pack(self, keep_weight: bool = False) -> bool:
-        """Hold the weight in oneDNN's layout; drop the plain one unless ``keep_weight``."""
+    def pack(self, keep_weight: bool = False, tile: bool = False) -> bool:
+        """Hold the weight in oneDNN's layout, and in our bf16 kernel's tiled layout when ``tile``; drop the
+        plain one unless ``keep_weight``."""
         if self.packed is not None or not can_pack(self.weight):
             return False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), PACK_ROWS_HINT)
+        if tile:
+            self.tiled = bf16_gemv.tile_weight(self.weight.detach())
         if not keep_weight:
             self.weight = None
         return True
@@ -73,12 +79,17 @@ class Linear(nn.Linear):
         return self.weight if self.weight is not None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, packed = self.weight, self.packed
-        if (w is not None and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and self.in_features % 32 == 0 and x.numel() <= bf16_gemv.MAX_ROWS * self.in_features
-                and bf16_gemv.available()):
-            y = bf16_gemv.bf16_matmul(x.reshape(-1, self.in_features), w, self.bias, torch.bfloat16)
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        w, packed, tiled = self.weight, self.packed, self.tiled
+        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.in_features % 32 == 0
+                and x.numel() <= bf16_gemv.MAX_ROWS * self.in_features and bf16_gemv.available()):
+            rows = x.reshape(-1, self.in_features)
+            y = None
+            if tiled is not None and tiled.dtype == torch.bfloat16:
+                y = bf16_gemv.bf16_matmul_tiled(rows, tiled, self.out_features, self.bias, torch.bfloat16)
+            elif w is not None and w.dtype == torch.bfloat16:
+                y = bf16_gemv.bf16_matmul(rows, w, self.bias, torch.bfloat16)
+            if y is not None:
+                return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [None], "")
         return F.linear(x, self.dense_weight(), self.bias)
@@ -93,10 +104,10 @@ def _physical_memory() -> int:
 
 def pack_weights(model: nn.Module) -> int:
     """Pack every full-precision ``Linear`` of a CPU model; returns how many were packed. A weight
-    another module holds too (a tied lm_head's embedding table) is kept beside its packed copy, and so
-    are bf16 weights where our bf16 kernel runs, when those plain copies take at most
-    ``KEEP_PLAIN_FRACTION`` of the machine's memory: the kernel decodes one row from them faster than
-    oneDNN does from the packed layout."""
+    another module holds too (a tied lm_head's embedding table) is kept beside its packed copy; other
+    bf16 weights, where our bf16 kernel runs, get a copy in its tiled layout when those copies take at
+    most ``TILED_FRACTION`` of the machine's memory: the kernel decodes one row from them faster
+    than oneDNN does from the packed layout."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None and can_pack(m.weight)]
     others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}
@@ -104,15 +115,14 @@ def pack_weights(model: nn.Module) -> int:
     # Plain copies only where the kernel can read them (a row length of whole 32-element chunks).
     bf16 = [m for m in linears if m.weight.dtype == torch.bfloat16 and id(m) not in shared
             and m.in_features % 32 == 0]
-    plain_bytes = sum(m.weight.numel() * 2 for m in bf16)  # what keeping them costs (shared ones stay anyway)
+    tiled_bytes = sum(m.weight.numel() * 2 for m in bf16)  # what the copies cost (shared ones stay plain anyway)
     kernel_read = {id(m) for m in bf16}
-    keep_bf16 = bool(bf16) and bf16_gemv.available() and plain_bytes <= KEEP_PLAIN_FRACTION * _physical_memory()
+    tile = bool(bf16) and bf16_gemv.available() and tiled_bytes <= TILED_FRACTION * _physical_memory()
     n = 0
     for lin in linears:
-        keep = id(lin) in shared or (keep_bf16 and id(lin) in kernel_read)
-        n += lin.pack(keep_weight=keep)
+        n += lin.pack(keep_weight=id(lin) in shared, tile=tile and id(lin) in kernel_read)
     if n:
         log.info("linear layers: %d held in oneDNN's packed layout%s", n,
-                 f"; their plain bf16 copies kept for batches of up to {bf16_gemv.MAX_ROWS} rows "
-                 f"({plain_bytes / 2**20:.0f} MiB)" if keep_bf16 else "")
+                 f"; bf16 copies in the decode kernel's tiled layout for batches of up to {bf16_gemv.MAX_ROWS} "
+                 f"rows ({tiled_bytes / 2**20:.0f} MiB)" if tile else "")
     return n

@@ -50,6 +50,36 @@ def test_kernel_matches_reference(m, n, k, bias):
         assert torch.equal(bf16_gemv.bf16_matmul(x, w, b.float(), torch.bfloat16), y16)
 
 
+@pytest.mark.parametrize("m,n,k,bias", [(1, 7, 32, True), (1, 4864, 896, False), (3, 130, 576, True),
+                                        (4, 33, 64, False), (5, 41, 896, True), (16, 66, 4864, True)])
+def test_the_tiled_layout_gives_the_plain_layouts_bits(m, n, k, bias):
+    """Same sums in the same order from either layout; row counts that leave a padded last tile included."""
+    x, w, b = _case(m, n, k, bias, seed=m * 11 + n)
+    tiled = bf16_gemv.tile_weight(w)
+    assert tiled.shape == (-(-n // 4), k // 32, 4, 32)
+    assert torch.equal(tiled.transpose(1, 2).reshape(-1, k)[:n], w)  # four rows a tile, in order
+    assert not tiled.transpose(1, 2).reshape(-1, k)[n:].any()  # padding rows are zero
+    if not bf16_gemv.available():
+        with pytest.raises((RuntimeError, AssertionError)):
+            bf16_gemv.bf16_matmul_tiled(x, tiled, n, b)
+        return
+    for out in (torch.float32, torch.bfloat16):
+        assert torch.equal(bf16_gemv.bf16_matmul_tiled(x, tiled, n, b, out), bf16_gemv.bf16_matmul(x, w, b, out))
+
+
+def test_bad_tiled_shapes_are_refused():
+    x, w, b = _case(2, 10, 64, True, 0)
+    tiled = bf16_gemv.tile_weight(w)
+    with pytest.raises(ValueError, match="do not fit"):
+        bf16_gemv.tile_weight(w[:, :48])
+    with pytest.raises(ValueError, match="do not fit"):
+        bf16_gemv.bf16_matmul_tiled(x, tiled, 13, None)  # 13 rows need 4 tiles, not 3
+    with pytest.raises(ValueError, match="do not fit"):
+        bf16_gemv.bf16_matmul_tiled(x[:, :32], tiled, 10, b)
+    with pytest.raises(ValueError, match="do not fit"):
+        bf16_gemv.bf16_matmul_tiled(x, tiled, 10, b[:9])
+
+
 def test_bad_shapes_are_refused():
     x, w, b = _case(1, 4, 64, True, 0)
     with pytest.raises(ValueError, match="do not fit"):
@@ -60,14 +90,18 @@ def test_bad_shapes_are_refused():
 
 @pytest.mark.parametrize("rows", [1, 3, bf16_gemv.MAX_ROWS, bf16_gemv.MAX_ROWS + 1])
 @pytest.mark.parametrize("kernels", [True, False])
-def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, monkeypatch):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, tiled, monkeypatch):
     calls = []
-    real = bf16_gemv.bf16_matmul
-    monkeypatch.setattr(bf16_gemv, "bf16_matmul", lambda *a: calls.append(1) or real(*a))
+    name = "bf16_matmul_tiled" if tiled else "bf16_matmul"
+    real = getattr(bf16_gemv, name)
+    monkeypatch.setattr(bf16_gemv, name, lambda *a: calls.append(1) or real(*a))
     if not kernels:
         monkeypatch.setattr(bf16_gemv, "available", lambda: False)
     torch.manual_seed(rows)
     lin = Linear(96, 70, bias=True).bfloat16()
+    if tiled:  # what pack_weights gives a bf16 layer where the kernel runs (the plain weight kept here for ref)
+        lin.tiled = bf16_gemv.tile_weight(lin.weight.detach())
     x = torch.randn(2, rows, 96).bfloat16()
     y = lin(x)
     assert y.dtype == torch.bfloat16 and y.shape == (2, rows, 70)

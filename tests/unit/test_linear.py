@@ -83,9 +83,9 @@ def _tiny_model(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("plain_budget", [0.0, 0.1])
-def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, plain_budget, monkeypatch):
-    monkeypatch.setattr(linear_mod, "KEEP_PLAIN_FRACTION", plain_budget)
+@pytest.mark.parametrize("tiled_budget", [0.0, 0.1])
+def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget, monkeypatch):
+    monkeypatch.setattr(linear_mod, "TILED_FRACTION", tiled_budget)
     m = _tiny_model(dtype)
     plain = {n: l.weight.detach().clone() for n, l in m.named_modules() if isinstance(l, Linear)}
     h = torch.randn(20, 64).to(dtype)
@@ -96,12 +96,16 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, plain_budget,
                    for n, l in m.named_modules() if isinstance(l, Linear))
         return
     assert pack_weights(m) == len(plain) == 9  # 4 per layer + lm_head
-    # bf16 plain copies stay for our kernel where it runs and they fit the budget (this model: a few KB)
-    keep_all = dtype == torch.bfloat16 and bf16_gemv.available() and plain_budget > 0
+    # bf16 copies in our kernel's tiled layout where it runs and they fit the budget (this model: a few KB);
+    # no layer but the tied head keeps its plain weight
+    tiled = dtype == torch.bfloat16 and bf16_gemv.available() and tiled_budget > 0
     for n, l in m.named_modules():
         if isinstance(l, Linear):
             assert l.packed is not None and torch.equal(l.dense_weight(), plain[n])
-            assert (l.weight is not None) == (n == "lm_head" or keep_all)
+            assert (l.weight is not None) == (n == "lm_head")
+            assert (l.tiled is not None) == (tiled and n != "lm_head")
+            if l.tiled is not None:
+                assert torch.equal(l.tiled, bf16_gemv.tile_weight(plain[n]))
     assert m.lm_head.weight is m.embed_tokens.weight  # the embedding still reads its table
     assert pack_weights(m) == 0
     after = m.layers[0].mlp.gate_up_proj(h)
@@ -137,8 +141,8 @@ def test_load_model_packs_on_cpu_unless_asked_not_to(demo_dir):
         save_quantized(packed.model, None, None, "/nonexistent", "int8")
 
 
-def test_no_plain_copy_where_our_kernel_cannot_read_it(monkeypatch):
-    monkeypatch.setattr(linear_mod, "KEEP_PLAIN_FRACTION", 0.1)
+def test_no_tiled_copy_where_our_kernel_cannot_read_it(monkeypatch):
+    monkeypatch.setattr(linear_mod, "TILED_FRACTION", 0.1)
     torch.manual_seed(0)
     m = torch.nn.Sequential(Linear(64, 32), Linear(48, 32)).to(torch.bfloat16)  # rows of 64 and of 48 elements
     ref = [l.weight.detach().clone() for l in m]
@@ -148,9 +152,9 @@ def test_no_plain_copy_where_our_kernel_cannot_read_it(monkeypatch):
     assert pack_weights(m) == 2
     assert all(torch.equal(l.dense_weight(), r) for l, r in zip(m, ref))
     # A row of 48 elements is not whole 32-element chunks: the kernel never reads that layer, so only the
-    # packed copy is held; the 64-wide layer keeps its plain copy where the kernel runs.
-    assert m[1].weight is None
-    assert (m[0].weight is not None) == bf16_gemv.available()
+    # packed copy is held; the 64-wide layer gets a tiled copy where the kernel runs.
+    assert m[1].weight is None and m[1].tiled is None and m[0].weight is None
+    assert (m[0].tiled is not None) == bf16_gemv.available()
     x = torch.randn(3, 48).bfloat16()
     with torch.inference_mode():
         assert torch.equal(m[1](x), torch.nn.functional.linear(x, ref[1], m[1].bias))
