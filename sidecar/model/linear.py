@@ -13,10 +13,12 @@ The packed layout replaces the plain weight, except where another module reads t
 weight too (a tied lm_head shares the embedding table). On CPUs where our AVX-512 BF16
 kernel runs, bf16 weights whose copies fit in a tenth of the machine's memory also get a
 copy in that kernel's tiled layout (``bf16_gemv.tile_weight``), which replaces the plain
-one: bf16 batches of up to ``bf16_gemv.MAX_ROWS`` rows take the kernel on it, which decodes
-one row faster than oneDNN on the packed weight (~7-12% from plain rows on Zen 5, whole
+one: bf16 batches of up to ``kernel_rows`` rows take the kernel on it, which decodes one
+row faster than oneDNN on the packed weight (~7-12% from plain rows on Zen 5, whole
 Qwen2-0.5B; the tiled rows stream ~12% faster again on Zen 4); larger batches take the
-packed one. A shared weight stays plain and the kernel reads it in place.
+packed one. A shared weight stays plain and the kernel reads it in place. ``kernel_rows``
+(at most ``bf16_gemv.MAX_ROWS``) is measured once at pack time, where oneDNN overtakes the
+kernel on this CPU (``bf16_gemv.measure_rows_limit``).
 
 ``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the
 reference the fast paths are tested against.
@@ -57,6 +59,8 @@ class Linear(nn.Linear):
     oneDNN weight when it has one, our bf16 kernel for small bf16 batches on a plain weight, and
     ``F.linear`` otherwise."""
 
+    kernel_rows = bf16_gemv.MAX_ROWS  # bf16 batches of up to this many rows take our kernel (see pack_weights)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("packed", None, persistent=False)
@@ -81,7 +85,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, packed, tiled = self.weight, self.packed, self.tiled
         if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.in_features % 32 == 0
-                and x.numel() <= bf16_gemv.MAX_ROWS * self.in_features and bf16_gemv.available()):
+                and x.numel() <= self.kernel_rows * self.in_features and bf16_gemv.available()):
             rows = x.reshape(-1, self.in_features)
             y = None
             if tiled is not None and tiled.dtype == torch.bfloat16:
@@ -121,8 +125,16 @@ def pack_weights(model: nn.Module) -> int:
     n = 0
     for lin in linears:
         n += lin.pack(keep_weight=id(lin) in shared, tile=tile and id(lin) in kernel_read)
+    if tile:
+        # Where oneDNN overtakes our kernel on this CPU, measured over the tiled layers; every bf16 layer the
+        # kernel reads (the shared plain ones too) switches there.
+        rows = bf16_gemv.measure_rows_limit([(m.tiled, m.out_features, m.packed) for m in linears
+                                             if m.tiled is not None])
+        for lin in linears:
+            if lin.weight is not None or lin.tiled is not None:
+                lin.kernel_rows = rows
     if n:
         log.info("linear layers: %d held in oneDNN's packed layout%s", n,
-                 f"; bf16 copies in the decode kernel's tiled layout for batches of up to {bf16_gemv.MAX_ROWS} "
-                 f"rows ({tiled_bytes / 2**20:.0f} MiB)" if tile else "")
+                 f"; bf16 copies in the decode kernel's tiled layout ({tiled_bytes / 2**20:.0f} MiB), which "
+                 f"takes batches of up to {rows} rows" if tile else "")
     return n

@@ -80,6 +80,35 @@ def test_bad_tiled_shapes_are_refused():
         bf16_gemv.bf16_matmul_tiled(x, tiled, 10, b[:9])
 
 
+def test_the_row_limit_is_where_the_kernel_stops_keeping_up():
+    def ms(table):
+        return lambda m: table[m] / 1e3
+    ones = {m: 1.0 for m in bf16_gemv.CALIBRATION_ROWS}
+    # oneDNN overtakes at 8 rows (Zen 4's shape): the kernel keeps 4 (a tie within the margin stays ours)
+    assert bf16_gemv.rows_limit(ms({2: 0.3, 4: 0.53, 8: 1.05, 16: 1.73}), ms({2: 0.4, 4: 0.51, 8: 0.66, 16: 1.33})) == 4
+    assert bf16_gemv.rows_limit(ms(ones), ms(ones)) == bf16_gemv.MAX_ROWS == bf16_gemv.CALIBRATION_ROWS[-1]
+    assert bf16_gemv.rows_limit(ms({m: 2.0 for m in ones}), ms(ones)) == 1
+    # the first count it loses at ends the range, even if it would win again above
+    assert bf16_gemv.rows_limit(ms({2: 1.0, 4: 2.0, 8: 1.0, 16: 1.0}), ms(ones)) == 2
+
+
+def test_the_measured_limit_and_its_override(monkeypatch):
+    x, w, _ = _case(1, 64, 128, False, 0)
+    tiled = bf16_gemv.tile_weight(w)
+    monkeypatch.setenv(bf16_gemv.ROWS_ENV, "6")
+    assert bf16_gemv.measure_rows_limit([(tiled, 64, None)]) == 6  # nothing measured
+    for bad in ("0", "17", "x"):
+        monkeypatch.setenv(bf16_gemv.ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=bf16_gemv.ROWS_ENV):
+            bf16_gemv.measure_rows_limit([(tiled, 64, None)])
+    monkeypatch.delenv(bf16_gemv.ROWS_ENV)
+    if not bf16_gemv.available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    monkeypatch.setattr(bf16_gemv, "CALIBRATION_BYTES", 1 << 20)
+    assert bf16_gemv.measure_rows_limit([(tiled, 64, packed)], reps=2) in (1, *bf16_gemv.CALIBRATION_ROWS)
+
+
 def test_bad_shapes_are_refused():
     x, w, b = _case(1, 4, 64, True, 0)
     with pytest.raises(ValueError, match="do not fit"):

@@ -15,7 +15,10 @@ header), the same bits.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+import os
+import time
+from typing import Callable, Optional
 
 import torch
 
@@ -23,6 +26,9 @@ from sidecar.model.kernels import cpu_build
 from sidecar.model.kernels.cpu_build import I, P
 
 MAX_ROWS = 16
+# Row counts at which pack time compares this kernel with oneDNN's packed GEMM (``measure_rows_limit``).
+CALIBRATION_ROWS = (2, 4, 8, 16)
+ROWS_ENV = "SIDECAR_BF16_KERNEL_ROWS"  # a fixed limit instead of the measured one (1..MAX_ROWS)
 
 
 # Whether the CPU has AVX-512 BF16 is asked of the library once: every Linear forward checks it.
@@ -101,6 +107,67 @@ def bf16_matmul_tiled(x: torch.Tensor, tiled: torch.Tensor, n: int, bias: Option
     if rc != 0:
         raise RuntimeError("bf16_matmul_tiled: the kernel was built without AVX-512 BF16")
     return y
+
+
+def rows_limit(ours: Callable[[int], float], other: Callable[[int], float], margin: float = 1.2) -> int:
+    """The largest of ``CALIBRATION_ROWS`` up to which ``ours(m)`` (seconds for m rows) stays within ``margin``
+    of ``other(m)`` at every count (1 at least: one row is a stream of the weights, where this kernel
+    leads). The margin keeps a near-tie on this kernel, so noise does not flip the choice between starts
+    (the two round bf16 outputs differently: a flip could change a greedy near-tie)."""
+    limit = 1
+    for m in CALIBRATION_ROWS:
+        if ours(m) > margin * other(m):
+            break
+        limit = m
+    return limit
+
+
+CALIBRATION_BYTES = 96 << 20  # weights one timed pass reads: beyond the caches, as a decode step reads them
+
+
+def measure_rows_limit(layers: list[tuple[torch.Tensor, int, torch.Tensor]], reps: int = 5) -> int:
+    """``rows_limit`` of this kernel against oneDNN's packed GEMM, each timed over one pass through
+    ``layers`` ((tiled, rows, packed) of the same weights, in model order) up to ``CALIBRATION_BYTES``
+    of them, so that the weights of a large model come from memory as in a decode step (a model that
+    fits the caches is read from them then too); the fastest of ``reps`` passes.
+    ``$SIDECAR_BF16_KERNEL_ROWS`` replaces the measurement.
+
+    Why measure: where oneDNN's packed GEMM overtakes this kernel depends on the CPU. On a 2-core Zen 4
+    over Qwen2-0.5B's layers (96 MiB a pass) this kernel takes 0.68-0.71x oneDNN's time at 2 rows,
+    0.81-0.92x at 4, 1.0-1.13x at 8 and 1.27-1.37x at 16 (limit: 8), where on a Zen 5 it led up to 16."""
+    fixed = os.environ.get(ROWS_ENV, "").strip()
+    if fixed:
+        if not fixed.isdigit() or not 1 <= int(fixed) <= MAX_ROWS:
+            raise ValueError(f"{ROWS_ENV}: must be an integer in [1, {MAX_ROWS}], got {fixed!r}")
+        return int(fixed)
+    chosen, total = [], 0
+    for layer in layers:
+        if total >= CALIBRATION_BYTES:
+            break
+        chosen.append(layer)
+        total += layer[0].numel() * 2
+    g = torch.Generator().manual_seed(0)
+    xs = {}
+
+    def timer(one: Callable[[torch.Tensor, tuple[torch.Tensor, int, torch.Tensor]], torch.Tensor]):
+        def seconds(m: int) -> float:
+            for tiled, _, _ in chosen:
+                key = (m, tiled.shape[1])
+                if key not in xs:
+                    xs[key] = torch.randn(m, tiled.shape[1] * 32, generator=g).bfloat16()
+            best = math.inf
+            for _ in range(reps + 1):  # the first pass warms up
+                t = time.perf_counter()
+                for layer in chosen:
+                    one(xs[(m, layer[0].shape[1])], layer)
+                best = min(best, time.perf_counter() - t)
+            return best
+        return seconds
+
+    with torch.inference_mode():
+        return rows_limit(timer(lambda x, layer: bf16_matmul_tiled(x, layer[0], layer[1], None, torch.bfloat16)),
+                          timer(lambda x, layer: torch.ops.mkldnn._linear_pointwise(x, layer[2], None, "none",
+                                                                                    [None], "")))
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
