@@ -101,10 +101,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
         m = mask.expand(1, 1, lq, mask.shape[-1]).repeat(1, 1, rep, 1)
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
         return o.reshape(1, h, lq, d)
-    if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    # Grouped-query heads are read in place (enable_gqa: the same bits as repeating K/V, without the copies;
+    # no measurable change in a 4,774-token prefill on Qwen2-0.5B's heads, bf16, 2 threads: 9.45-9.71 s
+    # against 9.46-9.48 s).
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=rep > 1)
 
 
 # A prefill segment of at most KERNEL_PREFILL_ROWS query rows after at least KERNEL_PREFILL_MIN_CACHED
