@@ -32,18 +32,24 @@ int sidecar_bf16_supported(void) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-/* out[i * NB + j] = sum_k x[i, k] * w[j, k]; K a multiple of 32. */
+/* out[i * NB + j] = sum_k x[i, k] * w[j, k]; K a multiple of 32. Weight row j's chunk c (values 32c..32c+31)
+ * is at w + j * row_step + c * chunk_step: plain rows (row_step K, chunk_step 32, prefetched two tiles
+ * ahead) or one tile of the tiled layout (row_step 32, chunk_step 32 * NT, a stream the hardware follows). */
 static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, const uint16_t* w, int64_t K,
-                                                           const int MB, const int NB, float* out) {
+                                                           const int MB, const int NB, const int64_t row_step,
+                                                           const int64_t chunk_step, const int prefetch,
+                                                           float* out) {
     __m512 acc[MT][NT];
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
     const char* ahead = (const char*)(w + 2 * NB * K);
     for (int64_t k = 0; k < K; k += 32) {
         /* NB rows x 64 bytes consumed per chunk: keep the prefetch at that pace (4 lines for NB = 4) */
-        for (int j = 0; j < NB; j++) _mm_prefetch(ahead + 2 * NB * k + 64 * j, _MM_HINT_T0);
+        if (prefetch)
+            for (int j = 0; j < NB; j++) _mm_prefetch(ahead + 2 * NB * k + 64 * j, _MM_HINT_T0);
+        const uint16_t* wc = w + (k / 32) * chunk_step;
         __m512bh wv[NT];
-        for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512((const void*)(w + j * K + k));
+        for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512((const void*)(wc + j * row_step));
         for (int i = 0; i < MB; i++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + i * K + k));
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
@@ -51,26 +57,6 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
     }
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++) out[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
-}
-#endif
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-/* out[i * NT + j] = sum_k x[i, k] * w[j, k] over one tile of the tiled layout; K a multiple of 32. */
-static inline __attribute__((always_inline)) void dot_tile_tiled(const uint16_t* x, const uint16_t* w, int64_t K,
-                                                                 const int MB, float* out) {
-    __m512 acc[MT][NT];
-    for (int i = 0; i < MB; i++)
-        for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32, w += 32 * NT) {
-        __m512bh wv[NT];
-        for (int j = 0; j < NT; j++) wv[j] = (__m512bh)_mm512_loadu_si512((const void*)(w + 32 * j));
-        for (int i = 0; i < MB; i++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + i * K + k));
-            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
-        }
-    }
-    for (int i = 0; i < MB; i++)
-        for (int j = 0; j < NT; j++) out[i * NT + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 #endif
 
@@ -103,10 +89,10 @@ int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void*
             const uint16_t* xb = x + (int64_t)m0 * K;
             const int mb = M - m0 < MT ? M - m0 : MT;
             switch (mb) {
-                case 1: dot_tile_tiled(xb, wr, K, 1, acc); break;
-                case 2: dot_tile_tiled(xb, wr, K, 2, acc); break;
-                case 3: dot_tile_tiled(xb, wr, K, 3, acc); break;
-                default: dot_tile_tiled(xb, wr, K, 4, acc); break;
+                case 1: dot_tile(xb, wr, K, 1, NT, 32, 32 * NT, 0, acc); break;
+                case 2: dot_tile(xb, wr, K, 2, NT, 32, 32 * NT, 0, acc); break;
+                case 3: dot_tile(xb, wr, K, 3, NT, 32, 32 * NT, 0, acc); break;
+                default: dot_tile(xb, wr, K, 4, NT, 32, 32 * NT, 0, acc); break;
             }
             for (int i = 0; i < mb; i++)  /* the tile's valid columns (a padded last tile has fewer) */
                 for (int j = 0; j < nb; j++) kept[i * nb + j] = acc[i * NT + j];
@@ -139,14 +125,14 @@ int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, 
                 const uint16_t* xb = x + (int64_t)m0 * K;
                 const int mb = M - m0 < MT ? M - m0 : MT;
                 switch (mb * 8 + nb) {
-                    case 1 * 8 + NT: dot_tile(xb, wr, K, 1, NT, acc); break;
-                    case 2 * 8 + NT: dot_tile(xb, wr, K, 2, NT, acc); break;
-                    case 3 * 8 + NT: dot_tile(xb, wr, K, 3, NT, acc); break;
-                    case 4 * 8 + NT: dot_tile(xb, wr, K, 4, NT, acc); break;
-                    case 1 * 8 + 1: dot_tile(xb, wr, K, 1, 1, acc); break;
-                    case 2 * 8 + 1: dot_tile(xb, wr, K, 2, 1, acc); break;
-                    case 3 * 8 + 1: dot_tile(xb, wr, K, 3, 1, acc); break;
-                    default: dot_tile(xb, wr, K, 4, 1, acc); break;
+                    case 1 * 8 + NT: dot_tile(xb, wr, K, 1, NT, K, 32, 1, acc); break;
+                    case 2 * 8 + NT: dot_tile(xb, wr, K, 2, NT, K, 32, 1, acc); break;
+                    case 3 * 8 + NT: dot_tile(xb, wr, K, 3, NT, K, 32, 1, acc); break;
+                    case 4 * 8 + NT: dot_tile(xb, wr, K, 4, NT, K, 32, 1, acc); break;
+                    case 1 * 8 + 1: dot_tile(xb, wr, K, 1, 1, K, 32, 1, acc); break;
+                    case 2 * 8 + 1: dot_tile(xb, wr, K, 2, 1, K, 32, 1, acc); break;
+                    case 3 * 8 + 1: dot_tile(xb, wr, K, 3, 1, K, 32, 1, acc); break;
+                    default: dot_tile(xb, wr, K, 4, 1, K, 32, 1, acc); break;
                 }
                 store_tile(acc, mb, nb, m0, n1, N, bias, bias_bf16, y, out_bf16);
             }

@@ -50,22 +50,28 @@ def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     """Requires ``available()``. All tensors on the CPU."""
     lib = _KERNEL.lib()
     assert lib is not None, "bf16_gemv kernel is not available"
-    m, k = x.shape
+    k = x.shape[1]
     n = weight.shape[0]
     if (k % 32 or weight.shape[1] != k or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or (bias is not None and bias.shape != (n,)) or out_dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"bf16_matmul: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
                          f"{'' if bias is None else f', bias {tuple(bias.shape)}'}, out {out_dtype} do not fit")
-    x, weight = x.contiguous(), weight.contiguous()  # held here: a temporary would be freed before the call
+    return _call(lib.sidecar_bf16_matmul, "bf16_matmul", x, weight.contiguous(), n, bias, out_dtype)
+
+
+def _call(fn, name: str, x: torch.Tensor, weight: torch.Tensor, n: int, bias: Optional[torch.Tensor],
+          out_dtype: torch.dtype) -> torch.Tensor:
+    """One call of a checked product: y [M, n] = x @ weight.T + bias (``weight`` in fn's layout)."""
+    x = x.contiguous()  # held here (as ``weight`` is by the caller): a temporary would be freed before the call
     b = None
     if bias is not None:
         b = bias.contiguous() if bias.dtype == torch.bfloat16 else bias.float().contiguous()
-    y = torch.empty(m, n, dtype=out_dtype)
-    rc = lib.sidecar_bf16_matmul(x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(),
-                                 y.data_ptr(), m, n, k, torch.get_num_threads(),
-                                 int(b is not None and b.dtype == torch.bfloat16), int(out_dtype == torch.bfloat16))
+    y = torch.empty(x.shape[0], n, dtype=out_dtype)
+    rc = fn(x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), x.shape[0], n,
+            x.shape[1], torch.get_num_threads(), int(b is not None and b.dtype == torch.bfloat16),
+            int(out_dtype == torch.bfloat16))
     if rc != 0:
-        raise RuntimeError("bf16_matmul: the kernel was built without AVX-512 BF16")
+        raise RuntimeError(f"{name}: the kernel was built without AVX-512 BF16")
     return y
 
 
@@ -88,25 +94,14 @@ def bf16_matmul_tiled(x: torch.Tensor, tiled: torch.Tensor, n: int, bias: Option
     """``bf16_matmul`` over a ``tile_weight`` layout of a weight with ``n`` rows. Requires ``available()``."""
     lib = _KERNEL.lib()
     assert lib is not None, "bf16_gemv kernel is not available"
-    m, k = x.shape
+    k = x.shape[1]
     if (tiled.dim() != 4 or tiled.shape[1:] != (k // 32, TILE, 32) or tiled.shape[0] != -(-n // TILE) or k % 32
             or x.dtype != torch.bfloat16 or tiled.dtype != torch.bfloat16 or not tiled.is_contiguous()
             or (bias is not None and bias.shape != (n,)) or out_dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"bf16_matmul_tiled: x {tuple(x.shape)} {x.dtype}, tiled {tuple(tiled.shape)} "
                          f"{tiled.dtype} for {n} rows{'' if bias is None else f', bias {tuple(bias.shape)}'}, "
                          f"out {out_dtype} do not fit")
-    x = x.contiguous()
-    b = None
-    if bias is not None:
-        b = bias.contiguous() if bias.dtype == torch.bfloat16 else bias.float().contiguous()
-    y = torch.empty(m, n, dtype=out_dtype)
-    rc = lib.sidecar_bf16_matmul_tiled(x.data_ptr(), tiled.data_ptr(), None if b is None else b.data_ptr(),
-                                       y.data_ptr(), m, n, k, torch.get_num_threads(),
-                                       int(b is not None and b.dtype == torch.bfloat16),
-                                       int(out_dtype == torch.bfloat16))
-    if rc != 0:
-        raise RuntimeError("bf16_matmul_tiled: the kernel was built without AVX-512 BF16")
-    return y
+    return _call(lib.sidecar_bf16_matmul_tiled, "bf16_matmul_tiled", x, tiled, n, bias, out_dtype)
 
 
 def rows_limit(ours: Callable[[int], float], other: Callable[[int], float], margin: float = 1.2) -> int:
