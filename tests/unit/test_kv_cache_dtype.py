@@ -44,22 +44,24 @@ def assert_int8_changes_top1_no_more_than_float32(plain: LLM, quant: LLM, exact:
     Where a checkpoint's logits hold near-ties, any change of numerics moves some top-1 tokens: on the
     tiny random checkpoints the bf16 logits tie exactly at ~1% of positions and float32 compute agrees
     with bf16 on only 94-95% of them; a fake-quantized 10-bit KV cache still changes ~3% of the default
-    model's. So the bar is relative: int8 may not change top-1 more often than float32 compute does (2%
-    slack), and where it changes it, bf16 must hold int8's token within 0.5 nats of its own (a near-tie;
-    a wrong scale or block gives tokens nats apart, and agreement far below). Measured (Zen 4, 576
-    positions): default 0.972 (float32 0.983), largest gap 0.31; tiny llama / qwen2 / mistral 0.950 /
-    0.941 / 0.934 (float32 0.955 / 0.939 / 0.944), largest gap 0.47.
+    model's. So the bar is relative: int8 may not change top-1 more often than float32 compute does, and
+    where it changes it, bf16 must hold int8's token within 1 nat of its own (a near-tie; a wrong scale or
+    block gives tokens nats apart, and agreement far below: dequantized values 1.3x too large drop it to
+    ~0.6). Measured (Zen 4, 576 positions): default 0.972 (float32 0.983), largest gap 0.31; tiny llama /
+    qwen2 / mistral 0.950 / 0.941 / 0.934 (float32 0.955 / 0.939 / 0.944), largest gap 0.47. The slack
+    (3% of positions, 1 nat) is for other CPUs, whose bf16 kernels round differently: at 576 positions
+    the two agreements' difference has a spread of ~1%.
     """
     ref = next_token_logprobs(plain, cases)
     got = next_token_logprobs(quant, cases)
     f32 = next_token_logprobs(exact, cases)
     agree = sum(a.token_id == b.token_id for a, b in zip(ref, got)) / len(cases)
     agree_f32 = sum(a.token_id == b.token_id for a, b in zip(ref, f32)) / len(cases)
-    assert agree >= agree_f32 - 0.02, (agree, agree_f32)
+    assert agree >= agree_f32 - 0.03, (agree, agree_f32)
     for a, b in zip(ref, got):
         if a.token_id != b.token_id:
             alt = dict(a.top).get(b.token_id)
-            assert alt is not None and a.logprob - alt <= 0.5, (a, b)
+            assert alt is not None and a.logprob - alt <= 1.0, (a, b)
 
 
 def test_settings_are_validated_naming_the_field():
