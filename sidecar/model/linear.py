@@ -56,8 +56,8 @@ def can_pack(weight: Optional[torch.Tensor]) -> bool:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and state dict until packed) whose CPU forward uses a packed
-    oneDNN weight when it has one, our bf16 kernel for small bf16 batches on a plain weight, and
-    ``F.linear`` otherwise."""
+    oneDNN weight when it has one, our bf16 kernel for small bf16 batches on its tiled copy (or a shared
+    plain weight), and ``F.linear`` otherwise."""
 
     kernel_rows = bf16_gemv.MAX_ROWS  # bf16 batches of up to this many rows take our kernel (see pack_weights)
 
@@ -116,7 +116,7 @@ def pack_weights(model: nn.Module) -> int:
     others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}
     shared = {id(m) for m in linears if m.weight.data_ptr() in others}
-    # Plain copies only where the kernel can read them (a row length of whole 32-element chunks).
+    # Tiled copies only where the kernel can read them (a row length of whole 32-element chunks).
     bf16 = [m for m in linears if m.weight.dtype == torch.bfloat16 and id(m) not in shared
             and m.in_features % 32 == 0]
     tiled_bytes = sum(m.weight.numel() * 2 for m in bf16)  # what the copies cost (shared ones stay plain anyway)

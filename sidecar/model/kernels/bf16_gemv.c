@@ -42,7 +42,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
     __m512 acc[MT][NT];
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
-    const char* ahead = (const char*)(w + 2 * NB * K);
+    const char* ahead = prefetch ? (const char*)(w + 2 * NB * K) : NULL;  /* plain rows: two tiles on */
     for (int64_t k = 0; k < K; k += 32) {
         /* NB rows x 64 bytes consumed per chunk: keep the prefetch at that pace (4 lines for NB = 4) */
         if (prefetch)
