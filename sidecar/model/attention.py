@@ -8,8 +8,10 @@ The torch reference path (CPU and any device) gathers each request's blocks and
 calls ``scaled_dot_product_attention``. Decode tokens of a step are attended in
 one batched call (padded to the longest context, masked); prefill chunks are
 attended per request. On CPU the decode rows go through our kernel instead
-(``kernels/paged_attention.c``: reads the blocks in place, no copy, no mask),
-with the torch path as fallback and test oracle. When the model's ``FastPaths.attention`` is on and the
+(``kernels/paged_attention.c``: reads the blocks in place, no copy, no mask), and
+so do bf16 prompt segments (``kernels/prefill_attention.c``: blocked float32 products,
+several times torch's CPU SDPA at prompt sizes), with the torch path as fallback and
+test oracle; float32 prompts keep SDPA, the exact path the Hugging Face comparisons use. When the model's ``FastPaths.attention`` is on and the
 tensors are on CUDA (or Triton runs in its interpreter), the decode rows go through the Triton kernel
 (``kernels/triton_attention.py``) instead; prefill segments keep the torch path.
 
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from sidecar.model import kv_quant
 from sidecar.model.kernels import paged_attention as cpu_kernel
+from sidecar.model.kernels import prefill_attention as prefill_kernel
 from sidecar.model.kernels.gpu_paths import FastPaths
 
 
@@ -171,6 +174,12 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
         start = seg.ctx_len - seg.q_len
         if start >= KERNEL_PREFILL_MIN_CACHED and meta.use_cpu_kernel and seg.q_len <= KERNEL_PREFILL_ROWS:
             rows = _segment_through_kernel(q, k_cache, v_cache, seg, scale, sliding_window, kv_scales)
+            if rows is not None:
+                out[seg.q_start:seg.q_start + seg.q_len] = rows
+                continue
+        if meta.use_cpu_kernel and q.dtype == torch.bfloat16:
+            rows = prefill_kernel.prefill_attention(q[seg.q_start:seg.q_start + seg.q_len], k_cache, v_cache,
+                                                    seg.block_table, seg.ctx_len, scale, sliding_window, kv_scales)
             if rows is not None:
                 out[seg.q_start:seg.q_start + seg.q_len] = rows
                 continue

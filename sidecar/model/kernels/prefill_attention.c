@@ -1,0 +1,247 @@
+/* Causal attention for a prompt segment (a whole prompt, or a chunk of one after its cached context) on CPU,
+ * reading K/V in place from the paged cache:
+ *
+ *   out[i, h, :] = softmax_j(scale * q[i, h, :] . K[j, h / rep, :]) V[j, h / rep, :],  lo_i <= j <= p_i
+ *
+ * for the segment's L rows at positions p_i = start + i (start = ctx - L: the tokens cached before it),
+ * where position j lives in slot table[j / bs] * bs + j % bs of the cache ([num_blocks, bs, nkv, hd]),
+ * rep = nh / nkv query heads share a KV head, and lo_i = max(0, p_i + 1 - window) with a sliding window
+ * (window <= 0: none, lo_i = 0).
+ *
+ * Why: torch's CPU SDPA runs these shapes (a few hundred rows, head size 64-128, grouped-query heads) at
+ * ~35 GFLOP/s on 2 Zen 4 cores, against ~400 for the projections around it, so at 256-token prompts it was a
+ * tenth of a prefill step. Here the work goes in blocks that keep the vector units busy:
+ *  1. once per call, every KV head's keys are widened to float32 and laid out in blocks of VL keys,
+ *     transposed ([hd][VL]: one vector holds one dimension of VL keys), and its values widened to rows of
+ *     float32 (an int8 cache's codes times their scales, so no dequantized copy of the cache is kept);
+ *  2. a task is one KV head and QB consecutive rows: its rep * QB queries (scaled by `scale` first) are
+ *     scored against the keys four queries at a time, each key vector loaded once for the four (one
+ *     broadcast multiply-add per dimension, no horizontal sums);
+ *  3. softmax per query over its own causal range in float32 (masked keys get weight 0), then the weighted
+ *     sum of value rows, four queries at a time, and the result rounded once to the output dtype.
+ * Products and sums are float32 throughout (torch's bf16 SDPA rounds its softmax weights to bf16 before
+ * the value product; these stay float32). A row's result depends only on its own query and keys, not on
+ * which task or thread ran it.
+ *
+ * Quantized cache (ks, vs not NULL): K/V hold int8 codes and ks/vs ([num_blocks, bs, nkv] float32) one scale
+ * per token and KV head.
+ */
+#include <stdlib.h>
+
+#include "vec.h"
+
+#define QT 4            /* queries scored together */
+#define MAX_QUERIES 256 /* queries a task holds: rep * rows */
+#define MAX_SCRATCH (256LL << 20)  /* bytes of widened keys and values; beyond it the caller's torch path */
+
+int sidecar_prefill_attention_supported(void) {
+#ifdef VL
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef VL
+/* Element c * VL .. of token slot `off` of a cache as float32 (int8 codes times the token's scale). */
+static inline vf kv_vec(const void* cache, size_t off, int kvm, const float* scales, size_t hd) {
+    if (kvm == 2) return v_mul(v_load_i8((const int8_t*)cache + off), v_set1(scales[off / hd]));
+    return kvm ? v_load_bf16((const uint16_t*)cache + off) : v_load((const float*)cache + off);
+}
+
+/* Scores of n4 (<= QT) queries qf[t * hd ..] against key blocks [b0, b1) of kt: s[t * sld + (b - b0) * VL + i]. */
+static inline __attribute__((always_inline)) void score(const float* qf, int n4, const float* kt, int b0, int b1,
+                                                        int hd, float* s, size_t sld) {
+    for (int b = b0; b < b1; b++) {
+        const float* kb = kt + (size_t)b * hd * VL;
+        vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+        for (int d = 0; d < hd; d++) {
+            const vf k = v_load(kb + (size_t)d * VL);
+            a0 = v_fma(v_set1(qf[d]), k, a0);
+            if (n4 > 1) a1 = v_fma(v_set1(qf[hd + d]), k, a1);
+            if (n4 > 2) a2 = v_fma(v_set1(qf[2 * hd + d]), k, a2);
+            if (n4 > 3) a3 = v_fma(v_set1(qf[3 * hd + d]), k, a3);
+        }
+        float* at = s + (size_t)(b - b0) * VL;
+        v_store(at, a0);
+        if (n4 > 1) v_store(at + sld, a1);
+        if (n4 > 2) v_store(at + 2 * sld, a2);
+        if (n4 > 3) v_store(at + 3 * sld, a3);
+    }
+}
+
+/* w[j] = exp(w[j] - max) for j in [lo, hi), 0 elsewhere in [0, n); returns the sum of the weights. */
+static inline float softmax_weights(float* w, int lo, int hi, int n) {
+    float m = w[lo];
+    for (int j = lo + 1; j < hi; j++) m = w[j] > m ? w[j] : m;
+    for (int j = 0; j < lo; j++) w[j] = 0.f;
+    for (int j = hi; j < n; j++) w[j] = 0.f;
+    const vf vm = v_set1(m);
+    vf total = v_zero();
+    int j = lo;
+    for (; j + VL <= hi; j += VL) {
+        const vf e = v_exp(v_sub(v_load(w + j), vm));
+        v_store(w + j, e);
+        total = v_add(total, e);
+    }
+    float sum = v_sum(total);
+    if (j < hi) {  /* the tail through the same exp, padded with lanes it discards */
+        float tmp[VL];
+        for (int i = 0; i < VL; i++) tmp[i] = j + i < hi ? w[j + i] - m : -87.f;
+        v_store(tmp, v_exp(v_load(tmp)));
+        for (int i = 0; j < hi; i++, j++) {
+            w[j] = tmp[i];
+            sum += w[j];
+        }
+    }
+    return sum;
+}
+
+/* o[t][:] = sum_j w[t * sld + j] vf[j][:] for j in [0, n), t < nt (nt * hd / VL accumulators <= 16). */
+static inline __attribute__((always_inline)) void weigh(const float* w, size_t sld, int nt, const float* vf_rows,
+                                                        int n, int hd, vf* acc) {
+    const int nc = hd / VL;
+    for (int i = 0; i < nt * nc; i++) acc[i] = v_zero();
+    for (int j = 0; j < n; j++) {
+        const float* vr = vf_rows + (size_t)j * hd;
+        for (int c = 0; c < nc; c++) {
+            const vf v = v_load(vr + c * VL);
+            for (int t = 0; t < nt; t++) acc[t * nc + c] = v_fma(v_set1(w[t * sld + j]), v, acc[t * nc + c]);
+        }
+    }
+}
+
+/* One task's qn queries (query u: row r0 + u / rep of the segment, at position p0 + u / rep, head
+ * g * rep + u % rep; qf scaled): scores against key blocks [b0, mblk) of the keys from `base` (kt: their
+ * transposed blocks; the first b0 blocks are before every query's window), softmax over each query's causal
+ * range, weighted values (vg: their rows), out rounded to dtype. Inlined per head size, so the common ones run
+ * with the vector count known. */
+static inline __attribute__((always_inline)) void attend_rows(const float* qf, int qn, const float* kt, const float* vg,
+                                                              float* s, size_t sld, int b0, int mblk, int m, int r0, int p0,
+                                                              int base, int rep, int window, int g, int nh,
+                                                              const int hd, void* out, int dtype) {
+    const int nc = hd / VL;
+    const int k0 = b0 * VL;  /* the first key scored, s[u * sld] its score */
+    int u = 0;
+    for (; u + QT <= qn; u += QT) score(qf + (size_t)u * hd, QT, kt, b0, mblk, hd, s + (size_t)u * sld, sld);
+    for (; u < qn; u++) score(qf + (size_t)u * hd, 1, kt, b0, mblk, hd, s + (size_t)u * sld, sld);
+    float inv[MAX_QUERIES];
+    for (u = 0; u < qn; u++) {
+        const int p = p0 + u / rep;
+        const int lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
+        inv[u] = 1.0f / softmax_weights(s + (size_t)u * sld, lo - base - k0, p + 1 - base - k0, m - k0);
+    }
+    const int nt = 16 / nc > QT ? QT : 16 / nc;  /* queries summed together: nt * nc <= 16 accumulators */
+    for (u = 0; u < qn;) {
+        const int k = qn - u >= nt ? nt : 1;
+        vf acc[16];
+        const float* vk = vg + (size_t)k0 * hd;
+        if (k == nt) weigh(s + (size_t)u * sld, sld, nt, vk, m - k0, hd, acc);
+        else weigh(s + (size_t)u * sld, sld, 1, vk, m - k0, hd, acc);
+        for (int t = 0; t < k; t++, u++) {
+            const size_t at = ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd;
+            const vf vi = v_set1(inv[u]);
+            for (int c = 0; c < nc; c++) v_dt_store(out, at + c * VL, v_mul(acc[t * nc + c], vi), dtype);
+        }
+    }
+}
+#endif
+
+/* q, out: [L, nh, hd] contiguous (q's dtype: 0 float32, 1 bf16; a cache of int8 codes when ks/vs are given,
+ * else of q's dtype); table: the segment's blocks (at least ceil(ctx / bs)). Returns 0, 2 when out of memory,
+ * or 1 when the inputs are outside what this kernel handles (the caller keeps its torch path). */
+int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, const int64_t* table, void* out, int L,
+                              int ctx, int nh, int nkv, int hd, int bs, int window, float scale, int dtype,
+                              int nthreads, const float* ks, const float* vs) {
+#ifdef VL
+    if ((ks == NULL) != (vs == NULL)) return 1;
+    if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd / VL > 16 || bs <= 0)
+        return 1;
+    const int kvm = ks ? 2 : dtype, rep = nh / nkv, nc = hd / VL;
+    const int start = ctx - L;
+    const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;  /* first key any row sees */
+    const int n = ctx - base, nblk = (n + VL - 1) / VL;
+    const size_t per_head = (size_t)nblk * VL * hd;  /* floats of widened keys (and of values) per KV head */
+    if ((long long)(2 * per_head * nkv * sizeof(float)) > MAX_SCRATCH) return 1;
+    float* kt = (float*)malloc(sizeof(float) * per_head * nkv);
+    float* vrows = (float*)malloc(sizeof(float) * per_head * nkv);
+    if (!kt || !vrows) {
+        free(kt);
+        free(vrows);
+        return 2;
+    }
+    /* rows per task: rep * QB queries, about 32 */
+    const int QB = rep >= 32 ? 1 : 32 / rep;
+    const int nqb = (L + QB - 1) / QB;
+    const size_t row = (size_t)nkv * hd;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        /* 1. keys transposed in blocks of VL, values as rows; keys past the context are zero */
+        #pragma omp for schedule(static)
+        for (int t = 0; t < nkv * nblk; t++) {
+            const int g = t / nblk, b = t % nblk;
+            float* kb = kt + (size_t)g * per_head + (size_t)b * VL * hd;
+            float* vb = vrows + (size_t)g * per_head + (size_t)b * VL * hd;
+            float tmp[VL * 256];
+            for (int i = 0; i < VL; i++) {
+                const int p = base + b * VL + i;
+                if (p >= ctx) {
+                    for (int c = 0; c < nc; c++) {
+                        v_store(tmp + i * hd + c * VL, v_zero());
+                        v_store(vb + (size_t)i * hd + c * VL, v_zero());
+                    }
+                    continue;
+                }
+                const size_t off = ((size_t)table[p / bs] * bs + p % bs) * row + (size_t)g * hd;
+                for (int c = 0; c < nc; c++) {
+                    v_store(tmp + i * hd + c * VL, kv_vec(kc, off + c * VL, kvm, ks, hd));
+                    v_store(vb + (size_t)i * hd + c * VL, kv_vec(vc, off + c * VL, kvm, vs, hd));
+                }
+            }
+            for (int d = 0; d < hd; d++)
+                for (int i = 0; i < VL; i++) kb[d * VL + i] = tmp[i * hd + d];
+        }
+        /* 2-3. tasks: a KV head and QB rows, the longest (last rows) first */
+        const int nq = rep * QB;
+        float* qf = (float*)malloc(sizeof(float) * (size_t)nq * hd);
+        float* s = (float*)malloc(sizeof(float) * (size_t)nq * nblk * VL);
+        if (!qf || !s) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < nkv * nqb; t++) {
+            if (!qf || !s) continue;
+            const int g = t % nkv, r0 = (nqb - 1 - t / nkv) * QB;
+            const int rows = L - r0 < QB ? L - r0 : QB;
+            const int hi = start + r0 + rows;  /* keys of the task: [base, hi) at most */
+            const int m = hi - base, mblk = (m + VL - 1) / VL;
+            const int p_first = start + r0;  /* the task's first row sees keys from lo_first */
+            const int lo_first = window > 0 && p_first + 1 > window ? p_first + 1 - window : 0;
+            const int b0 = (lo_first - base) / VL;
+            const size_t sld = (size_t)mblk * VL;
+            const int qn = rows * rep;  /* query u: row r0 + u / rep, head g * rep + u % rep */
+            for (int u = 0; u < qn; u++) {
+                const size_t at = ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd;
+                for (int c = 0; c < nc; c++)
+                    v_store(qf + (size_t)u * hd + c * VL, v_mul(v_dt_load(q, at + c * VL, dtype), v_set1(scale)));
+            }
+            const float* ktg = kt + (size_t)g * per_head;
+            const float* vg = vrows + (size_t)g * per_head;
+            if (hd == 64) attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh, 64, out, dtype);
+            else if (hd == 128) attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh, 128, out, dtype);
+            else attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh, hd, out, dtype);
+        }
+        free(qf);
+        free(s);
+    }
+    free(kt);
+    free(vrows);
+    return failed ? 2 : 0;
+#else
+    (void)q; (void)kc; (void)vc; (void)table; (void)out; (void)L; (void)ctx; (void)nh; (void)nkv; (void)hd; (void)bs;
+    (void)window; (void)scale; (void)dtype; (void)nthreads; (void)ks; (void)vs;
+    return 1;
+#endif
+}
