@@ -44,7 +44,10 @@ class Q8_0Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
-        if x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and int8_gemv.available():
+        if (x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and int8_gemv.available()
+                and x.dtype in (torch.float32, torch.bfloat16) and self.d.dtype == torch.float32):
+            y = int8_gemv.int8_linear(x2d, self.weight, self.d, None, x.dtype, grouped=True)
+        elif x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and int8_gemv.available():
             y = int8_gemv.int8_g32_matmul(x2d, self.weight, self.d).to(x.dtype)
         else:
             y = torch.empty(x2d.shape[0], self.out_features, dtype=x.dtype, device=x.device)

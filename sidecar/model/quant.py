@@ -122,6 +122,16 @@ class Int8Linear(_QuantLinearBase):
         # Full-precision scales for our CPU decode kernel (which takes float32 activations).
         self.register_buffer("scales_f32", scales.float().contiguous(), persistent=False)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if (x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and self.k_padded == self.in_features
+                and x.dtype in (torch.float32, torch.bfloat16) and not self._takes_triton(x2d)
+                and int8_gemv.available()):
+            # A decode-sized batch: our kernel reads the activations as they are and adds the bias itself.
+            y = int8_gemv.int8_linear(x2d, self.weight, self.scales_f32, self.bias, x.dtype)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self._takes_triton(x2d):
             from sidecar.model.kernels import triton_wo

@@ -60,22 +60,53 @@ def test_shape_mismatch_is_refused():
 
 @pytest.mark.parametrize("rows", [1, 3, int8_gemv.MAX_ROWS, int8_gemv.MAX_ROWS + 1, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_few_and_many_rows_match_the_dequantized_layer(rows, dtype, monkeypatch):
+@pytest.mark.parametrize("features", [200, 256])  # 200 is padded to 224 columns; 256 is taken as it is
+def test_int8_linear_few_and_many_rows_match_the_dequantized_layer(rows, dtype, features, monkeypatch):
     calls = []
-    real = int8_gemv.int8_matmul
-    monkeypatch.setattr(int8_gemv, "int8_matmul", lambda *a: calls.append(1) or real(*a))
+    for name in ("int8_matmul", "int8_linear"):
+        monkeypatch.setattr(int8_gemv, name, lambda *a, real=getattr(int8_gemv, name), **k: calls.append(1)
+                            or real(*a, **k))
     torch.manual_seed(rows)
-    lin = nn.Linear(200, 70, bias=True).to(dtype)  # 200 is padded to 224 columns
+    lin = nn.Linear(features, 70, bias=True).to(dtype)
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
     deq = dequantize_int8(*quantize_int8(w, w.dtype))
     qlin = quantize_linear(lin, "int8")
-    x = torch.randn(rows, 200).to(dtype)
+    x = torch.randn(rows, features).to(dtype)
     y = qlin(x)
     assert y.dtype == dtype and y.shape == (rows, 70)
     assert bool(calls) == (rows <= int8_gemv.MAX_ROWS)  # decode-sized batches take our kernel
     ref = x.float() @ deq.float().T + b.float()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
     assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("x_dtype,out_dtype,bias_dtype", [
+    (torch.float32, torch.float32, None), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32, torch.float32), (torch.float32, torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16, None)])
+def test_one_call_layer_is_the_separate_steps_rounded_once(grouped, x_dtype, out_dtype, bias_dtype):
+    """int8_linear reads bf16 activations as they are, adds the bias and rounds a bf16 result once: the same bits
+    as the float32 kernel call, a float32 bias add and one cast."""
+    for m, n, k in ((1, 37, 96), (5, 130, 896), (32, 64, 4864)):
+        x, w, s = _case_g32(m, n, k, seed=m) if grouped else _case(m, n, k, seed=m)
+        x = x.to(x_dtype)
+        bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
+        y = int8_gemv.int8_linear(x, w, s, bias, out_dtype, grouped=grouped)
+        ref = (int8_gemv.int8_g32_matmul if grouped else int8_gemv.int8_matmul)(x.float(), w, s)
+        if bias is not None:
+            ref = ref + bias.float()
+        assert y.dtype == out_dtype and torch.equal(y, ref.to(out_dtype))
+
+
+def test_one_call_layer_refuses_what_does_not_fit():
+    x, w, s = _case(2, 8, 64)
+    for bad in (dict(x=x.half()), dict(scales=s.bfloat16()), dict(bias=torch.zeros(7)), dict(out_dtype=torch.half),
+                dict(scales=torch.ones(8, 2), grouped=False), dict(x=x[:, :40], w=w[:, :40], grouped=True)):
+        args = dict(x=x, w=w, scales=s, bias=None, out_dtype=torch.float32, grouped=False) | bad
+        with pytest.raises(ValueError, match="do not fit"):
+            int8_gemv.int8_linear(args["x"], args["w"], args["scales"], args["bias"], args["out_dtype"],
+                                  grouped=args["grouped"])
 
 
 def test_switched_off_kernel_falls_back_to_torch(monkeypatch):
@@ -165,6 +196,9 @@ def test_other_instruction_sets_match_reference(arch, monkeypatch):
         x, w, s = _case(m, n, k, seed=m + k)
         ref = int8_gemv.reference(x, w, s)
         assert (int8_gemv.int8_matmul(x, w, s) - ref).abs().max() <= 2e-4 * ref.abs().max()
+        xb = x.bfloat16()
+        assert torch.equal(int8_gemv.int8_linear(xb, w, s, None, torch.bfloat16),
+                           int8_gemv.int8_matmul(xb.float(), w, s).bfloat16())
         if k % 32 == 0:
             x, w, d = _case_g32(m, n, k, seed=m + k)
             ref = int8_gemv.reference_g32(x, w, d)

@@ -20,6 +20,8 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <immintrin.h>
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -46,9 +48,22 @@ static float activation_qmax(int K) {
     return (float)(q < 32767.0 ? floor(q) : 32767.0);
 }
 
-static void quantize_rows(const float* x, int16_t* xq, float* xs, int M, int K, float qmax) {
+static inline float x_at(const void* x, int64_t i, int x_bf16) {
+    if (!x_bf16) return ((const float*)x)[i];
+    const uint32_t u = (uint32_t)((const uint16_t*)x)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x: float32, or bf16 when x_bf16 (then each row is widened into row [K] first) */
+static void quantize_rows(const void* x, int x_bf16, float* row, int16_t* xq, float* xs, int M, int K, float qmax) {
     for (int m = 0; m < M; m++) {
-        const float* xr = x + (int64_t)m * K;
+        const float* xr = (const float*)x + (int64_t)m * K;
+        if (x_bf16) {
+            for (int k = 0; k < K; k++) row[k] = x_at(x, (int64_t)m * K + k, 1);
+            xr = row;
+        }
         float amax = 0.f;
         int finite = 1;
         for (int k = 0; k < K; k++) {
@@ -210,12 +225,26 @@ static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x,
 #define NB1_CASES(CALL)
 #endif
 
-/* Both forms: s is the per-row scale [N], or with grouped the per-group scales d [N, K / 32].
- * xq: scratch int16 [M, K]; xs: scratch float [M]. */
-static void matmul(const float* x, const int8_t* w, const float* s, float* y, int16_t* xq, float* xs, int M,
-                   int N, int K, int nthreads, int grouped) {
+static inline uint16_t to_bf16(float f) {  /* round to nearest even; a NaN stays a NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#define X_BF16 1     /* flags: x is bf16 (else float32) */
+#define Y_BF16 2     /* y is bf16, the float32 result rounded once (else float32) */
+#define BIAS_BF16 4  /* bias is bf16 (else float32) */
+#define GROUPED 8    /* s is the grouped form's d [N, K / 32] (else one scale per row [N]) */
+
+/* Both forms: s is the per-row scale [N], or with GROUPED the per-group scales d [N, K / 32]; bias [N] or
+ * NULL, added before the rounding of a bf16 y. xq: scratch int16 [M, K]; xs: scratch float [M]; row: scratch
+ * float [K] for a bf16 x. */
+static void matmul(const void* x, const int8_t* w, const float* s, const void* bias, void* y, int16_t* xq,
+                   float* xs, float* row, int M, int N, int K, int nthreads, int flags) {
+    const int grouped = (flags & GROUPED) != 0;
     /* a group's lanes start from zero, so the grouped form never nears int32's range */
-    quantize_rows(x, xq, xs, M, K, grouped ? 32767.f : activation_qmax(K));
+    quantize_rows(x, flags & X_BF16, row, xq, xs, M, K, grouped ? 32767.f : activation_qmax(K));
     const int G = K / 32, tiles = (N + NT - 1) / NT;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int t = 0; t < tiles; t++) {
@@ -238,16 +267,23 @@ static void matmul(const float* x, const int8_t* w, const float* s, float* y, in
                     for (int i = 0; i < mb * nb; i++) out[i] = (float)(double)acc[i] * s[n1 + i % nb];
                 }
                 for (int i = 0; i < mb; i++)
-                    for (int j = 0; j < nb; j++) y[(int64_t)(m0 + i) * N + n1 + j] = out[i * nb + j] * xs[m0 + i];
+                    for (int j = 0; j < nb; j++) {
+                        float v = out[i * nb + j] * xs[m0 + i];
+                        if (bias)
+                            v += flags & BIAS_BF16 ? x_at(bias, n1 + j, 1) : ((const float*)bias)[n1 + j];
+                        const int64_t at = (int64_t)(m0 + i) * N + n1 + j;
+                        if (flags & Y_BF16) ((uint16_t*)y)[at] = to_bf16(v);
+                        else ((float*)y)[at] = v;
+                    }
             }
         }
     }
 }
 
-/* y = (x @ w.T) * scale. Returns 0. */
+/* y = (x @ w.T) * scale, float32. Returns 0. */
 int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, float* y, int16_t* xq,
                         float* xs, int M, int N, int K, int nthreads) {
-    matmul(x, w, scale, y, xq, xs, M, N, K, nthreads, 0);
+    matmul(x, w, scale, NULL, y, xq, xs, NULL, M, N, K, nthreads, 0);
     return 0;
 }
 
@@ -255,6 +291,25 @@ int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, flo
 int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, float* y, int16_t* xq,
                            float* xs, int M, int N, int K, int nthreads) {
     if (K % 32) return 1;
-    matmul(x, w, d, y, xq, xs, M, N, K, nthreads, 1);
+    matmul(x, w, d, NULL, y, xq, xs, NULL, M, N, K, nthreads, GROUPED);
+    return 0;
+}
+
+/* A whole linear layer in one call: y = (x @ w.T) * scale + bias with x and y float32 or bf16 and the
+ * scratch allocated here (flags: X_BF16, Y_BF16, BIAS_BF16, GROUPED above). Returns 0, 1 when K does not
+ * fit the grouped form, 2 when out of memory. */
+int sidecar_int8_linear(const void* x, const int8_t* w, const float* s, const void* bias, void* y, int M, int N,
+                        int K, int nthreads, int flags) {
+    if ((flags & GROUPED) && K % 32) return 1;
+    int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * (size_t)M * K);
+    float* xs = (float*)malloc(sizeof(float) * ((size_t)M + K));  /* [M] scales, then a widened row [K] */
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return 2;
+    }
+    matmul(x, w, s, bias, y, xq, xs, xs + M, M, N, K, nthreads, flags);
+    free(xq);
+    free(xs);
     return 0;
 }
