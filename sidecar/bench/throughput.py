@@ -56,7 +56,7 @@ def _sync(device: torch.device) -> None:
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes a decode step must read: every module's parameters and buffers once, except the embedding
-    table (one row is read); a layer holding its weight both packed and plain reads one of them."""
+    table (one row is read); a layer holding its weight packed and plain (or tiled) reads one of them."""
     total, seen = 0, set()
     for module in model.modules():
         if module is model.embed_tokens:
@@ -64,7 +64,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
         weight = getattr(module, "weight", None)
         packed = getattr(module, "packed", None) is not None
         for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            if name.startswith("rope_") or id(t) in seen or (packed and t is weight):
+            if name.startswith("rope_") or id(t) in seen or (packed and (t is weight or name == "tiled")):
                 continue
             seen.add(id(t))
             total += t.numel() * t.element_size()

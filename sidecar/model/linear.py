@@ -99,6 +99,40 @@ class Linear(nn.Linear):
         return F.linear(x, self.dense_weight(), self.bias)
 
 
+class TiledEmbedding(nn.Module):
+    """The lookup of an embedding table held in our bf16 kernel's tiled layout (``bf16_gemv.tile_weight``):
+    the copy of a tied lm_head, so that one table serves both. Row ``i`` is read out of its tile."""
+
+    def __init__(self, tiled: torch.Tensor, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("tiled", tiled, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
+            raise IndexError(f"embedding: token id out of range [0, {self.num_embeddings})")
+        rows = self.tiled[flat // bf16_gemv.TILE, :, flat % bf16_gemv.TILE, :]  # [n, K / 32, 32]
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, layout=tiled"
+
+
+def _embedding_holders(model: nn.Module, weight: torch.Tensor) -> Optional[list[tuple[nn.Module, str]]]:
+    """(parent, attribute) of every module other than a Linear holding ``weight``, when all of them are plain
+    lookups (nn.Embedding without max_norm); None when some other kind of module reads it."""
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if isinstance(child, Linear) or not any(p is weight for p in child.parameters(recurse=False)):
+                continue
+            if not isinstance(child, nn.Embedding) or child.max_norm is not None:
+                return None
+            found.append((parent, name))
+    return found or None
+
+
 def _physical_memory() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -122,8 +156,24 @@ def pack_weights(model: nn.Module) -> int:
     tiled_bytes = sum(m.weight.numel() * 2 for m in bf16)  # what the copies cost (shared ones stay plain anyway)
     kernel_read = {id(m) for m in bf16}
     tile = bool(bf16) and bf16_gemv.available() and tiled_bytes <= TILED_FRACTION * _physical_memory()
+    # A tied lm_head's table moves to the tiled layout too where the kernel runs, when only embedding lookups
+    # share it: they read their rows out of the tiles, so the one copy serves the head's kernel (a faster stream
+    # than plain rows) and the lookups, in the memory the plain table took.
+    tied = {}
+    if tile:
+        for m in linears:
+            if (id(m) in shared and m.weight.dtype == torch.bfloat16 and m.in_features % 32 == 0
+                    and (holders := _embedding_holders(model, m.weight)) is not None):
+                tied[id(m)] = holders
     n = 0
     for lin in linears:
+        if id(lin) in tied:
+            table = lin.weight
+            n += lin.pack(tile=True)
+            for parent, name in tied[id(lin)]:
+                setattr(parent, name, TiledEmbedding(lin.tiled, table.shape[0], table.shape[1]))
+            del table
+            continue
         n += lin.pack(keep_weight=id(lin) in shared, tile=tile and id(lin) in kernel_read)
     if tile:
         # Where oneDNN overtakes our kernel on this CPU, measured over the tiled layers; every bf16 layer the

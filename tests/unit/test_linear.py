@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from sidecar.config import EngineConfig
 from sidecar.model import linear as linear_mod
 from sidecar.model.kernels import bf16_gemv
-from sidecar.model.linear import Linear, can_pack, pack_weights
+from sidecar.model.linear import Linear, TiledEmbedding, can_pack, pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
 BF16_PACKS = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -97,16 +97,25 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget,
         return
     assert pack_weights(m) == len(plain) == 9  # 4 per layer + lm_head
     # bf16 copies in our kernel's tiled layout where it runs and they fit the budget (this model: a few KB);
-    # no layer but the tied head keeps its plain weight
+    # no layer but the tied head keeps its plain weight, and that one only where no tiled copies are made
     tiled = dtype == torch.bfloat16 and bf16_gemv.available() and tiled_budget > 0
     for n, l in m.named_modules():
         if isinstance(l, Linear):
             assert l.packed is not None and torch.equal(l.dense_weight(), plain[n])
-            assert (l.weight is not None) == (n == "lm_head")
-            assert (l.tiled is not None) == (tiled and n != "lm_head")
+            assert (l.weight is not None) == (n == "lm_head" and not tiled)
+            assert (l.tiled is not None) == tiled
             if l.tiled is not None:
                 assert torch.equal(l.tiled, bf16_gemv.tile_weight(plain[n]))
-    assert m.lm_head.weight is m.embed_tokens.weight  # the embedding still reads its table
+    ids = torch.tensor([[0, 5, 99], [3, 3, 1]])
+    if tiled:  # the tied table went to the tiled layout: one copy for the head and the lookups
+        assert isinstance(m.embed_tokens, TiledEmbedding) and m.embed_tokens.tiled is m.lm_head.tiled
+        with pytest.raises(IndexError, match="out of range"):
+            m.embed_tokens(torch.tensor([300]))
+        with pytest.raises(IndexError, match="out of range"):
+            m.embed_tokens(torch.tensor([-1]))
+    else:
+        assert m.lm_head.weight is m.embed_tokens.weight  # the embedding still reads its table
+    assert torch.equal(m.embed_tokens(ids), plain["lm_head"][ids])
     assert pack_weights(m) == 0
     after = m.layers[0].mlp.gate_up_proj(h)
     assert torch.allclose(after.float(), before.float(), rtol=0, atol=1e-5 if dtype == torch.float32 else 0)
@@ -114,11 +123,12 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget,
 
 def test_tied_bf16_head_takes_our_kernel_for_small_batches_only(monkeypatch):
     m = _tiny_model(torch.bfloat16)
+    table = m.embed_tokens.weight.detach().clone()
     pack_weights(m)
     calls = []
-    real = bf16_gemv.bf16_matmul
-    monkeypatch.setattr(bf16_gemv, "bf16_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    table = m.embed_tokens.weight.detach()
+    for name in ("bf16_matmul", "bf16_matmul_tiled"):  # the tied table is tiled where the kernel runs
+        monkeypatch.setattr(bf16_gemv, name, lambda *a, real=getattr(bf16_gemv, name): calls.append(a[0].shape[0])
+                            or real(*a))
     limit = m.lm_head.kernel_rows  # measured at pack time, within 1..MAX_ROWS
     assert 1 <= limit <= bf16_gemv.MAX_ROWS
     for rows in (1, limit, limit + 1, 40):

@@ -16,12 +16,20 @@
  * tiles as one forward stream of 256-byte steps that the hardware prefetcher follows: measured on a
  * 2-core Zen 4, 2 threads over Qwen2-0.5B's gate/up weight, 29.1 GB/s against 25.9 for the plain rows
  * (a plain streaming read of the same bytes: 29.3). Each output is the same float32 arithmetic in the
- * same order as from the plain layout, so the two give the same bits.
+ * same order as from the plain layout, so the two give the same bits. Over tiles a register tile holds up
+ * to 6 activation rows (24 accumulators), the rows of a batch go in panels of equal size, and a thread's
+ * tiles in blocks that stay in L2 while every panel passes over them; the finished sums of a row (one
+ * tree for every path: a row's result does not depend on the batch it came in) are stored four at a time.
+ * Whole Qwen2-0.5B on a 2-core Zen 4, 2 threads, against oneDNN's packed GEMM: 212 against 196 GFLOP/s
+ * at 8 rows, 293 against 301 at 16, 346 against 363 at 32 (from 298 against 338 with 4-row tiles).
  */
+#include <omp.h>
+
 #include "vec.h"
 
 #define NT 4
-#define MT 4
+#define MT 4        /* activation rows a register tile holds over plain rows */
+#define MT_TILED 6  /* ... and over the tiled layout: 24 accumulators, 4 weight vectors, 1 activation vector */
 
 int sidecar_bf16_supported(void) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -39,7 +47,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
                                                            const int MB, const int NB, const int64_t row_step,
                                                            const int64_t chunk_step, const int prefetch,
                                                            float* out) {
-    __m512 acc[MT][NT];
+    __m512 acc[MT_TILED][NT];
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_setzero_ps();
     const char* ahead = prefetch ? (const char*)(w + 2 * NB * K) : NULL;  /* plain rows: two tiles on */
@@ -55,8 +63,36 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
         }
     }
-    for (int i = 0; i < MB; i++)
-        for (int j = 0; j < NB; j++) out[i * NB + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int i = 0; i < MB; i++) {
+        if (NB == NT) {
+            v_sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], out + i * NB);
+        } else {  /* the same tree (v_sum4's lanes are independent), so both layouts give the same bits */
+            float four[NT];
+            v_sum4(acc[i][0], acc[i][0], acc[i][0], acc[i][0], four);
+            out[i * NB] = four[0];
+        }
+    }
+}
+
+/* Four finished sums (one row of a full tile) plus bias, stored at y + at: float32, or rounded to bf16 as
+ * f32_to_bf16 rounds (nearest even; a NaN stays a NaN). */
+static inline void store_four(const float* sums, const void* bias, int bias_bf16, int n1, void* y, int64_t at,
+                              int out_bf16) {
+    __m128 v = _mm_loadu_ps(sums);
+    if (bias)
+        v = _mm_add_ps(v, bias_bf16 ? _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(
+                                          _mm_loadl_epi64((const __m128i*)((const uint16_t*)bias + n1))), 16))
+                                    : _mm_loadu_ps((const float*)bias + n1));
+    if (!out_bf16) {
+        _mm_storeu_ps((float*)y + at, v);
+        return;
+    }
+    const __m128i u = _mm_castps_si128(v);
+    __m128i r = _mm_add_epi32(u, _mm_add_epi32(_mm_set1_epi32(0x7fff),
+                                               _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1))));
+    r = _mm_blendv_epi8(r, _mm_or_si128(u, _mm_set1_epi32(0x400000)), _mm_castps_si128(_mm_cmpunord_ps(v, v)));
+    r = _mm_srli_epi32(r, 16);
+    _mm_storel_epi64((__m128i*)((uint16_t*)y + at), _mm_packus_epi32(r, r));
 }
 #endif
 
@@ -74,29 +110,55 @@ static inline void store_tile(const float* acc, int mb, int nb, int m0, int n1, 
         }
 }
 
+/* Weight tiles a thread takes per block: the block (BLOCK_BYTES, in the L2 cache) is reused by every panel
+ * of up to MT_TILED activation rows before the next block is read, so at prefill sizes each weight byte comes
+ * from memory once per call; a panel (up to 6 x K values) stays in L1/L2 while the block's tiles pass. */
+#define BLOCK_BYTES (256 << 10)
+
 /* y = x @ w.T + bias with w in the tiled layout; arguments as sidecar_bf16_matmul. */
 int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void* bias, void* y, int M, int N,
                               int K, int nthreads, int bias_bf16, int out_bf16) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
     if (K % 32) return 1;
     const int tiles = (N + NT - 1) / NT;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        const int n0 = t * NT, nb = N - n0 < NT ? N - n0 : NT;
-        const uint16_t* wr = wt + (int64_t)t * NT * K;
-        float acc[MT * NT], kept[MT * NT];
-        for (int m0 = 0; m0 < M; m0 += MT) {
-            const uint16_t* xb = x + (int64_t)m0 * K;
-            const int mb = M - m0 < MT ? M - m0 : MT;
-            switch (mb) {
-                case 1: dot_tile(xb, wr, K, 1, NT, 32, 32 * NT, 0, acc); break;
-                case 2: dot_tile(xb, wr, K, 2, NT, 32, 32 * NT, 0, acc); break;
-                case 3: dot_tile(xb, wr, K, 3, NT, 32, 32 * NT, 0, acc); break;
-                default: dot_tile(xb, wr, K, 4, NT, 32, 32 * NT, 0, acc); break;
+    int per_block = (int)(BLOCK_BYTES / ((int64_t)NT * K * 2));
+    per_block = per_block < 1 ? 1 : per_block;
+    /* panels of equal size (32 rows: 6, 6, 5, 5, 5, 5), none far below a full register tile */
+    const int panels = (M + MT_TILED - 1) / MT_TILED;
+    #pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
+    {
+        /* each thread a contiguous range of tiles: one forward stream over its weights */
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int t_begin = (int)((int64_t)tiles * me / nt), t_end = (int)((int64_t)tiles * (me + 1) / nt);
+        float acc[MT_TILED * NT];
+        for (int b0 = t_begin; b0 < t_end; b0 += per_block) {
+            const int b1 = b0 + per_block < t_end ? b0 + per_block : t_end;
+            for (int p = 0, m0 = 0; p < panels; p++) {
+                const int mb = M / panels + (p < M % panels);
+                const uint16_t* xb = x + (int64_t)m0 * K;
+                for (int t = b0; t < b1; t++) {
+                    const int n0 = t * NT, nb = N - n0 < NT ? N - n0 : NT;
+                    const uint16_t* wr = wt + (int64_t)t * NT * K;
+                    switch (mb) {
+                        case 1: dot_tile(xb, wr, K, 1, NT, 32, 32 * NT, 0, acc); break;
+                        case 2: dot_tile(xb, wr, K, 2, NT, 32, 32 * NT, 0, acc); break;
+                        case 3: dot_tile(xb, wr, K, 3, NT, 32, 32 * NT, 0, acc); break;
+                        case 4: dot_tile(xb, wr, K, 4, NT, 32, 32 * NT, 0, acc); break;
+                        case 5: dot_tile(xb, wr, K, 5, NT, 32, 32 * NT, 0, acc); break;
+                        default: dot_tile(xb, wr, K, 6, NT, 32, 32 * NT, 0, acc); break;
+                    }
+                    if (nb == NT) {
+                        for (int i = 0; i < mb; i++)
+                            store_four(acc + i * NT, bias, bias_bf16, n0, y, (int64_t)(m0 + i) * N + n0, out_bf16);
+                    } else {  /* a padded last tile: its valid columns */
+                        float kept[MT_TILED * NT];
+                        for (int i = 0; i < mb; i++)
+                            for (int j = 0; j < nb; j++) kept[i * nb + j] = acc[i * NT + j];
+                        store_tile(kept, mb, nb, m0, n0, N, bias, bias_bf16, y, out_bf16);
+                    }
+                }
+                m0 += mb;
             }
-            for (int i = 0; i < mb; i++)  /* the tile's valid columns (a padded last tile has fewer) */
-                for (int j = 0; j < nb; j++) kept[i * nb + j] = acc[i * NT + j];
-            store_tile(kept, mb, nb, m0, n0, N, bias, bias_bf16, y, out_bf16);
         }
     }
     return 0;
