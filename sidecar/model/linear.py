@@ -20,6 +20,12 @@ packed one. A shared weight stays plain and the kernel reads it in place. ``kern
 (at most ``bf16_gemv.MAX_ROWS``) is measured once at pack time, where oneDNN overtakes the
 kernel on this CPU (``bf16_gemv.measure_rows_limit``).
 
+Where oneDNN has no bf16 GEMM (AVX2-only CPUs: AMD Zen 2/3, older Intel), torch's bf16 matmul
+is its own slow loop (measured on a 2-core Zen 3: ~8 GFLOP/s at every batch size, 2 GB/s at one row),
+and our kernel's AVX2 path (bf16 widened to float32, FMAs) takes bf16 layers of every batch size: their
+weights are held in its tiled layout alone (``tile_only``), the plain copy dropped, so bf16 costs half
+the memory of float32 there as everywhere.
+
 ``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the
 reference the fast paths are tested against.
 """
@@ -37,6 +43,7 @@ from sidecar.model.kernels import bf16_gemv, cpu_build
 
 log = logging.getLogger("sidecar.model")
 
+UNLIMITED_ROWS = 1 << 62  # kernel_rows of a layer our kernel takes at every batch size (no oneDNN bf16 here)
 PACK_ROWS_HINT = 32  # the batch size oneDNN picks its blocking for; measured best for 1-1024 rows
 # bf16 weights get a copy in our kernel's tiled layout beside the packed one (for its small batches) while
 # those copies take at most this share of the machine's memory.
@@ -54,6 +61,14 @@ def can_pack(weight: Optional[torch.Tensor]) -> bool:
     return weight.dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def tile_only(weight: Optional[torch.Tensor]) -> bool:
+    """Whether this weight is a bf16 one that oneDNN cannot pack on this CPU but our bf16 kernel reads (rows of
+    whole 32-element chunks): it is then held in the kernel's tiled layout alone."""
+    return (weight is not None and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and cpu_build.enabled()
+            and not can_pack(weight) and bf16_gemv.available())
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and state dict until packed) whose CPU forward uses a packed
     oneDNN weight when it has one, our bf16 kernel for small bf16 batches on its tiled copy (or a shared
@@ -67,20 +82,32 @@ class Linear(nn.Linear):
         self.register_buffer("tiled", None, persistent=False)
 
     def pack(self, keep_weight: bool = False, tile: bool = False) -> bool:
-        """Hold the weight in oneDNN's layout, and in our bf16 kernel's tiled layout when ``tile``; drop the
-        plain one unless ``keep_weight``."""
-        if self.packed is not None or not can_pack(self.weight):
+        """Hold the weight in oneDNN's layout, and in our bf16 kernel's tiled layout when ``tile``; where oneDNN
+        cannot pack it (``tile_only``), in the tiled layout alone, for every batch size. Drop the plain one
+        unless ``keep_weight``."""
+        if self.packed is not None or self.tiled is not None:
             return False
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(), PACK_ROWS_HINT)
-        if tile:
+        if can_pack(self.weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(),
+                                                                  PACK_ROWS_HINT)
+            if tile:
+                self.tiled = bf16_gemv.tile_weight(self.weight.detach())
+        elif tile_only(self.weight):
             self.tiled = bf16_gemv.tile_weight(self.weight.detach())
+            self.kernel_rows = UNLIMITED_ROWS
+        else:
+            return False
         if not keep_weight:
             self.weight = None
         return True
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight as a plain [out, in] tensor (a copy when only the packed form is held)."""
-        return self.weight if self.weight is not None else self.packed.to_dense()
+        """The weight as a plain [out, in] tensor (a copy when only the packed or tiled form is held)."""
+        if self.weight is not None:
+            return self.weight
+        if self.packed is not None:
+            return self.packed.to_dense()
+        return bf16_gemv.untile_weight(self.tiled, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, packed, tiled = self.weight, self.packed, self.tiled
@@ -145,7 +172,9 @@ def pack_weights(model: nn.Module) -> int:
     another module holds too (a tied lm_head's embedding table) is kept beside its packed copy; other
     bf16 weights, where our bf16 kernel runs, get a copy in its tiled layout when those copies take at
     most ``TILED_FRACTION`` of the machine's memory: the kernel decodes one row from them faster
-    than oneDNN does from the packed layout."""
+    than oneDNN does from the packed layout. bf16 weights oneDNN cannot pack here go to the tiled layout
+    alone (``tile_only``)."""
+    n = _tile_alone(model)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None and can_pack(m.weight)]
     others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}
@@ -165,16 +194,12 @@ def pack_weights(model: nn.Module) -> int:
             if (id(m) in shared and m.weight.dtype == torch.bfloat16 and m.in_features % 32 == 0
                     and (holders := _embedding_holders(model, m.weight)) is not None):
                 tied[id(m)] = holders
-    n = 0
+    packed = 0
     for lin in linears:
         if id(lin) in tied:
-            table = lin.weight
-            n += lin.pack(tile=True)
-            for parent, name in tied[id(lin)]:
-                setattr(parent, name, TiledEmbedding(lin.tiled, table.shape[0], table.shape[1]))
-            del table
+            packed += _tile_table(lin, tied[id(lin)])
             continue
-        n += lin.pack(keep_weight=id(lin) in shared, tile=tile and id(lin) in kernel_read)
+        packed += lin.pack(keep_weight=id(lin) in shared, tile=tile and id(lin) in kernel_read)
     if tile:
         # Where oneDNN overtakes our kernel on this CPU, measured over the tiled layers; every bf16 layer the
         # kernel reads (the shared plain ones too) switches there.
@@ -183,8 +208,40 @@ def pack_weights(model: nn.Module) -> int:
         for lin in linears:
             if lin.weight is not None or lin.tiled is not None:
                 lin.kernel_rows = rows
-    if n:
-        log.info("linear layers: %d held in oneDNN's packed layout%s", n,
+    if packed:
+        log.info("linear layers: %d held in oneDNN's packed layout%s", packed,
                  f"; bf16 copies in the decode kernel's tiled layout ({tiled_bytes / 2**20:.0f} MiB), which "
                  f"takes batches of up to {rows} rows" if tile else "")
+    return n + packed
+
+
+def _tile_table(lin: Linear, holders: list[tuple[nn.Module, str]]) -> bool:
+    """A tied head's table to the tiled layout, the embedding lookups reading their rows out of the tiles."""
+    table = lin.weight
+    done = lin.pack(tile=True)
+    if done:
+        for parent, name in holders:
+            setattr(parent, name, TiledEmbedding(lin.tiled, table.shape[0], table.shape[1]))
+    return done
+
+
+def _tile_alone(model: nn.Module) -> int:
+    """bf16 layers oneDNN cannot pack on this CPU (``tile_only``) to our kernel's tiled layout, which replaces the
+    plain weight and takes every batch size; a tied table too when only embedding lookups share it (else it stays
+    plain and the kernel reads its rows in place). Returns how many layers moved."""
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m.tiled is None and tile_only(m.weight)]
+    if not linears:
+        return 0
+    others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
+              for p in m.parameters(recurse=False)}
+    n = 0
+    for lin in linears:
+        if lin.weight.data_ptr() not in others:
+            n += lin.pack()
+        elif (holders := _embedding_holders(model, lin.weight)) is not None:
+            n += _tile_table(lin, holders)
+        else:
+            lin.kernel_rows = UNLIMITED_ROWS  # plain rows, read in place
+    log.info("linear layers: %d bf16 ones in our kernel's tiled layout alone (%s path; no oneDNN bf16 on this "
+             "CPU), every batch size", n, bf16_gemv.isa())
     return n

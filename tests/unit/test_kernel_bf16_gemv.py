@@ -9,7 +9,7 @@ from sidecar.model.linear import Linear
 
 
 def _refused_without_bf16(*args) -> bool:
-    """On a CPU without AVX-512 BF16 the kernel refuses to run (Linear then uses F.linear)."""
+    """On a CPU with neither AVX-512 BF16 nor AVX2 + FMA the kernel refuses to run (Linear then uses F.linear)."""
     if bf16_gemv.available():
         return False
     with pytest.raises((RuntimeError, AssertionError)):
@@ -26,8 +26,10 @@ def _case(m, n, k, bias, seed):
 
 
 def test_availability_follows_the_cpu():
-    flags = open("/proc/cpuinfo").read()
-    assert bf16_gemv.available() == ("avx512_bf16" in flags), cpu_build.reason("bf16_gemv")
+    flags = open("/proc/cpuinfo").read().split()
+    expected = "avx512_bf16" if "avx512_bf16" in flags else "avx2" if "avx2" in flags and "fma" in flags else ""
+    assert bf16_gemv.isa() == expected, cpu_build.reason("bf16_gemv")
+    assert bf16_gemv.available() == bool(expected)
 
 
 @pytest.mark.parametrize("m,n,k,bias", [(1, 7, 32, True), (1, 4864, 896, False), (2, 50, 96, True),
@@ -140,8 +142,30 @@ def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, tiled
     assert lin.float()(x.float()).dtype == torch.float32  # float32 layers are F.linear's
 
 
-def test_a_cpu_without_avx512_bf16_builds_and_reports_it(monkeypatch):
-    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")  # as on Zen 2
+@pytest.mark.parametrize("m,n,k", [(1, 4864, 896), (2, 130, 576), (3, 33, 64), (4, 41, 896), (7, 66, 1536),
+                                   (16, 64, 4864), (40, 9, 96)])
+def test_the_avx2_path_on_any_avx2_cpu(m, n, k, monkeypatch):
+    """The path an AVX2-only CPU (Zen 2/3) runs, built with -mavx2 -mfma wherever the CPU has them (an AVX-512
+    machine too): float32 sums of exact products, tiled = plain bits, and a row's result whatever its batch."""
+    flags = open("/proc/cpuinfo").read().split()
+    if "avx2" not in flags or "fma" not in flags:  # a pre-x86-64-v3 CPU: no path, Linear keeps F.linear
+        assert not bf16_gemv.available() or bf16_gemv.isa() == "avx512_bf16"
+        return
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")
     monkeypatch.setattr(cpu_build, "_loaded", {})
-    assert cpu_build.load("bf16_gemv") is not None, cpu_build.reason("bf16_gemv")
-    assert not bf16_gemv.available()
+    assert bf16_gemv.isa() == "avx2", cpu_build.reason("bf16_gemv")
+    x, w, b = _case(m, n, k, True, seed=m * 13 + n)
+    y = bf16_gemv.bf16_matmul(x, w, b)
+    ref = bf16_gemv.reference(x, w, b)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    tiled = bf16_gemv.tile_weight(w)
+    for out in (torch.float32, torch.bfloat16):
+        plain = bf16_gemv.bf16_matmul(x, w, b, out)
+        assert torch.equal(bf16_gemv.bf16_matmul_tiled(x, tiled, n, b, out), plain)
+        # each row alone gives the bits it got in the batch (one order of sums, whatever the register tile)
+        for i in (0, m - 1):
+            assert torch.equal(bf16_gemv.bf16_matmul_tiled(x[i:i + 1], tiled, n, b, out), plain[i:i + 1])
+    assert torch.equal(bf16_gemv.untile_weight(tiled, n), w)
+    nan = x.clone()
+    nan[0, 5] = float("nan")
+    assert bf16_gemv.bf16_matmul_tiled(nan, tiled, n, b)[0].isnan().all()  # a NaN input poisons its row only

@@ -12,6 +12,8 @@ from sidecar.model.linear import Linear, TiledEmbedding, can_pack, pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
 BF16_PACKS = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+# An AVX2-only CPU (Zen 2/3): no oneDNN bf16, and our kernel's AVX2 path holds bf16 layers in its tiled layout alone
+TILE_ONLY = not BF16_PACKS and bf16_gemv.available()
 
 
 def _layer(n, k, dtype, bias, seed=0):
@@ -25,7 +27,19 @@ def _layer(n, k, dtype, bias, seed=0):
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_layer_computes_what_f_linear_computes(dtype, rows, bias):
     lin, w, b = _layer(200, 96, dtype, bias, seed=rows)
-    if dtype == torch.bfloat16 and not BF16_PACKS:  # a CPU without oneDNN bf16: the weight stays plain
+    if dtype == torch.bfloat16 and TILE_ONLY:  # no oneDNN bf16: the tiled layout alone, our kernel at every size
+        assert lin.pack() and not lin.pack()
+        assert lin.weight is None and lin.packed is None and torch.equal(lin.dense_weight(), w)
+        x = torch.randn(rows, 96).bfloat16()
+        y = lin(x)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert y.dtype == torch.bfloat16 and (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+        assert torch.equal(y, bf16_gemv.bf16_matmul_tiled(x, lin.tiled, 200, b, torch.bfloat16))
+        x3 = torch.randn(2, rows, 192).bfloat16()[..., ::2]
+        assert torch.allclose(lin(x3).double(), F.linear(x3.double(), w.double(), None if b is None else b.double()),
+                              rtol=0, atol=2e-2 * float(ref.abs().max()))
+        return
+    if dtype == torch.bfloat16 and not BF16_PACKS:  # neither oneDNN bf16 nor our kernel: the weight stays plain
         assert not lin.pack() and lin.packed is None and torch.equal(lin.weight, w)
         x = torch.randn(rows, 96).bfloat16()
         ref = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -90,7 +104,20 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget,
     plain = {n: l.weight.detach().clone() for n, l in m.named_modules() if isinstance(l, Linear)}
     h = torch.randn(20, 64).to(dtype)
     before = m.layers[0].mlp.gate_up_proj(h)
-    if dtype == torch.bfloat16 and not BF16_PACKS:  # a CPU without oneDNN bf16: nothing to pack
+    if dtype == torch.bfloat16 and TILE_ONLY:  # every layer to the tiled layout alone, the tied table too
+        assert pack_weights(m) == len(plain) == 9
+        for n, l in m.named_modules():
+            if isinstance(l, Linear):
+                assert l.weight is None and l.packed is None and l.kernel_rows > 1 << 40
+                assert torch.equal(l.tiled, bf16_gemv.tile_weight(plain[n])) and torch.equal(l.dense_weight(), plain[n])
+        assert isinstance(m.embed_tokens, TiledEmbedding) and m.embed_tokens.tiled is m.lm_head.tiled
+        ids = torch.tensor([[0, 5, 99], [3, 3, 1]])
+        assert torch.equal(m.embed_tokens(ids), plain["lm_head"][ids])
+        ref = h.double() @ plain["layers.0.mlp.gate_up_proj"].double().T
+        assert (m.layers[0].mlp.gate_up_proj(h).double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+        assert pack_weights(m) == 0
+        return
+    if dtype == torch.bfloat16 and not BF16_PACKS:  # a CPU without oneDNN bf16 or our kernel: nothing to pack
         assert pack_weights(m) == 0
         assert all(l.packed is None and torch.equal(l.weight, plain[n])
                    for n, l in m.named_modules() if isinstance(l, Linear))
@@ -129,15 +156,19 @@ def test_tied_bf16_head_takes_our_kernel_for_small_batches_only(monkeypatch):
     for name in ("bf16_matmul", "bf16_matmul_tiled"):  # the tied table is tiled where the kernel runs
         monkeypatch.setattr(bf16_gemv, name, lambda *a, real=getattr(bf16_gemv, name): calls.append(a[0].shape[0])
                             or real(*a))
-    limit = m.lm_head.kernel_rows  # measured at pack time, within 1..MAX_ROWS
-    assert 1 <= limit <= bf16_gemv.MAX_ROWS
-    for rows in (1, limit, limit + 1, 40):
+    limit = m.lm_head.kernel_rows  # measured at pack time, within 1..MAX_ROWS; every size without oneDNN bf16
+    assert limit > 1 << 40 if TILE_ONLY else 1 <= limit <= bf16_gemv.MAX_ROWS
+    sizes = (1, 40, 300) if TILE_ONLY else (1, limit, limit + 1, 40)
+    for rows in sizes:
         h = torch.randn(rows, 64).bfloat16()
         logits = m.compute_logits(h)
         ref = h.double() @ table.double().T
         assert (logits.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
-    # The larger batches ran on the packed copy (or F.linear); without AVX-512 BF16 none ran on the kernel.
-    assert calls == ([1, limit] if bf16_gemv.available() and limit > 1 else [1] if bf16_gemv.available() else [])
+    # The larger batches ran on the packed copy (or F.linear); without our kernel none ran on it.
+    if TILE_ONLY:
+        assert calls == list(sizes)
+    else:
+        assert calls == ([1, limit] if bf16_gemv.available() and limit > 1 else [1] if bf16_gemv.available() else [])
 
 
 def test_load_model_packs_on_cpu_unless_asked_not_to(demo_dir):
@@ -158,6 +189,13 @@ def test_no_tiled_copy_where_our_kernel_cannot_read_it(monkeypatch):
     torch.manual_seed(0)
     m = torch.nn.Sequential(Linear(64, 32), Linear(48, 32)).to(torch.bfloat16)  # rows of 64 and of 48 elements
     ref = [l.weight.detach().clone() for l in m]
+    if TILE_ONLY:  # the 64-wide layer to the tiled layout alone; the 48-wide one stays plain for F.linear
+        assert pack_weights(m) == 1
+        assert m[0].weight is None and m[0].tiled is not None and m[1].tiled is None and m[1].packed is None
+        x = torch.randn(3, 48).bfloat16()
+        with torch.inference_mode():
+            assert torch.equal(m[1](x), torch.nn.functional.linear(x, ref[1], m[1].bias))
+        return
     if not BF16_PACKS:
         assert pack_weights(m) == 0
         return

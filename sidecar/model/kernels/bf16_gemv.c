@@ -24,22 +24,34 @@
  * at 8 rows, 293 against 301 at 16, 346 against 363 at 32 (from 298 against 338 with 4-row tiles).
  */
 #include <omp.h>
+#include <stdlib.h>
 
 #include "vec.h"
 
 #define NT 4
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16_PATH 512
 #define MT 4        /* activation rows a register tile holds over plain rows */
 #define MT_TILED 6  /* ... and over the tiled layout: 24 accumulators, 4 weight vectors, 1 activation vector */
+typedef uint16_t xel;  /* activations as the products read them: bf16 pairs (vdpbf16ps) */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define BF16_PATH 2
+#define MT 3        /* 12 accumulators, a weight vector and its two float32 halves: 15 of 16 registers */
+#define MT_TILED 3
+typedef float xel;  /* activations widened once to float32, each 16-value block as its 8 even then 8 odd values */
+#endif
 
+/* Which path this build runs: 512 (AVX-512 BF16), 2 (AVX2 + FMA: bf16 widened to float32), 0 (none). */
 int sidecar_bf16_supported(void) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    return 1;
+#ifdef BF16_PATH
+    return BF16_PATH;
 #else
     return 0;
 #endif
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if BF16_PATH == 512
 /* out[i * NB + j] = sum_k x[i, k] * w[j, k]; K a multiple of 32. Weight row j's chunk c (values 32c..32c+31)
  * is at w + j * row_step + c * chunk_step: plain rows (row_step K, chunk_step 32, prefetched two tiles
  * ahead) or one tile of the tiled layout (row_step 32, chunk_step 32 * NT, a stream the hardware follows). */
@@ -72,6 +84,75 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
             out[i * NB] = four[0];
         }
     }
+}
+#elif BF16_PATH == 2
+/* The same contract over float32 activations in the layout ``widen_rows`` gives. A weight chunk's 16-value half
+ * is one 256-bit load of eight bf16 pairs: each 32-bit lane shifted left by 16 is its even value as float32, the
+ * lane with its low half masked off its odd value (both exact), so two vector operations widen 16 values and
+ * each FMA pairs them with the activations' matching even or odd half. Every sum is float32 FMAs over exact bf16
+ * products in one fixed order (per chunk: the even, then the odd values of its first half, then of its second),
+ * whatever the batch and the layout. */
+static inline __attribute__((always_inline)) void dot_tile(const float* x, const uint16_t* w, int64_t K,
+                                                           const int MB, const int NB, const int64_t row_step,
+                                                           const int64_t chunk_step, const int prefetch,
+                                                           float* out) {
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    __m256 acc[MT_TILED][NT];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) acc[i][j] = _mm256_setzero_ps();
+    const char* ahead = prefetch ? (const char*)(w + 2 * NB * K) : NULL;
+    for (int64_t k = 0; k < K; k += 32) {
+        if (prefetch)
+            for (int j = 0; j < NB; j++) _mm_prefetch(ahead + 2 * NB * k + 64 * j, _MM_HINT_T0);
+        const uint16_t* wc = w + (k / 32) * chunk_step;
+        for (int h = 0; h < 32; h += 16) {
+            for (int j = 0; j < NB; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(wc + j * row_step + h));
+                const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                for (int i = 0; i < MB; i++) {
+                    const float* xr = x + i * K + k + h;
+                    acc[i][j] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xr), acc[i][j]);
+                    acc[i][j] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xr + 8), acc[i][j]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < MB; i++) {
+        if (NB == NT) {
+            v_sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], out + i * NB);
+        } else {
+            float four[NT];
+            v_sum4(acc[i][0], acc[i][0], acc[i][0], acc[i][0], four);
+            out[i * NB] = four[0];
+        }
+    }
+}
+#endif
+
+#ifdef BF16_PATH
+/* The activations as dot_tile reads them: x itself on the AVX-512 BF16 path; on the AVX2 path a float32 copy
+ * (returned in *owned, for the caller to free; NULL when it cannot be allocated) with each 16-value block laid
+ * out as its 8 even then its 8 odd values, the order in which dot_tile widens the weights. */
+static const xel* widen_rows(const uint16_t* x, int M, int K, int nthreads, xel** owned) {
+    *owned = NULL;
+#if BF16_PATH == 512
+    (void)M; (void)K; (void)nthreads;
+    return x;
+#else
+    const int64_t n = (int64_t)M * K;
+    float* xw = (float*)aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
+    if (!xw) return NULL;
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
+    #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= (1 << 16))
+    for (int64_t b = 0; b < n; b += 16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(x + b));
+        _mm256_storeu_ps(xw + b, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        _mm256_storeu_ps(xw + b + 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+    }
+    *owned = xw;
+    return xw;
+#endif
 }
 
 /* Four finished sums (one row of a full tile) plus bias, stored at y + at: float32, or rounded to bf16 as
@@ -112,20 +193,24 @@ static inline void store_tile(const float* acc, int mb, int nb, int m0, int n1, 
 
 /* Weight tiles a thread takes per block: the block (BLOCK_BYTES, in the L2 cache) is reused by every panel
  * of up to MT_TILED activation rows before the next block is read, so at prefill sizes each weight byte comes
- * from memory once per call; a panel (up to 6 x K values) stays in L1/L2 while the block's tiles pass. */
+ * from memory once per call; a panel (up to MT_TILED x K values) stays in L1/L2 while the block's tiles pass. */
 #define BLOCK_BYTES (256 << 10)
 
 /* y = x @ w.T + bias with w in the tiled layout; arguments as sidecar_bf16_matmul. */
 int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void* bias, void* y, int M, int N,
                               int K, int nthreads, int bias_bf16, int out_bf16) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef BF16_PATH
     if (K % 32) return 1;
+    nthreads = nthreads < 1 ? 1 : nthreads;
+    xel* owned;
+    const xel* xa = widen_rows(x, M, K, nthreads, &owned);
+    if (!xa) return 2;
     const int tiles = (N + NT - 1) / NT;
     int per_block = (int)(BLOCK_BYTES / ((int64_t)NT * K * 2));
     per_block = per_block < 1 ? 1 : per_block;
-    /* panels of equal size (32 rows: 6, 6, 5, 5, 5, 5), none far below a full register tile */
+    /* panels of equal size (32 rows over 6-row tiles: 6, 6, 5, 5, 5, 5), none far below a full register tile */
     const int panels = (M + MT_TILED - 1) / MT_TILED;
-    #pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
+    #pragma omp parallel num_threads(nthreads)
     {
         /* each thread a contiguous range of tiles: one forward stream over its weights */
         const int nt = omp_get_num_threads(), me = omp_get_thread_num();
@@ -135,17 +220,21 @@ int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void*
             const int b1 = b0 + per_block < t_end ? b0 + per_block : t_end;
             for (int p = 0, m0 = 0; p < panels; p++) {
                 const int mb = M / panels + (p < M % panels);
-                const uint16_t* xb = x + (int64_t)m0 * K;
+                const xel* xb = xa + (int64_t)m0 * K;
                 for (int t = b0; t < b1; t++) {
                     const int n0 = t * NT, nb = N - n0 < NT ? N - n0 : NT;
                     const uint16_t* wr = wt + (int64_t)t * NT * K;
                     switch (mb) {
                         case 1: dot_tile(xb, wr, K, 1, NT, 32, 32 * NT, 0, acc); break;
                         case 2: dot_tile(xb, wr, K, 2, NT, 32, 32 * NT, 0, acc); break;
+#if MT_TILED > 3
                         case 3: dot_tile(xb, wr, K, 3, NT, 32, 32 * NT, 0, acc); break;
                         case 4: dot_tile(xb, wr, K, 4, NT, 32, 32 * NT, 0, acc); break;
                         case 5: dot_tile(xb, wr, K, 5, NT, 32, 32 * NT, 0, acc); break;
                         default: dot_tile(xb, wr, K, 6, NT, 32, 32 * NT, 0, acc); break;
+#else
+                        default: dot_tile(xb, wr, K, 3, NT, 32, 32 * NT, 0, acc); break;
+#endif
                     }
                     if (nb == NT) {
                         for (int i = 0; i < mb; i++)
@@ -161,6 +250,7 @@ int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void*
             }
         }
     }
+    free(owned);
     return 0;
 #else
     (void)x; (void)wt; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads; (void)bias_bf16;
@@ -170,11 +260,16 @@ int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void*
 }
 
 /* bias: [N] (float32, or bf16 when bias_bf16) or NULL; y: float32, or bf16 when out_bf16. K must be a
- * multiple of 32. Returns 0, or 1 without AVX-512 BF16. */
+ * multiple of 32. Returns 0; 1 on a CPU without either path (or K not a multiple of 32); 2 when the AVX2
+ * path's float32 copy of x cannot be allocated. */
 int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, void* y, int M, int N, int K,
                         int nthreads, int bias_bf16, int out_bf16) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef BF16_PATH
     if (K % 32) return 1;
+    nthreads = nthreads < 1 ? 1 : nthreads;
+    xel* owned;
+    const xel* xa = widen_rows(x, M, K, nthreads, &owned);
+    if (!xa) return 2;
     const int tiles = (N + NT - 1) / NT;
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int t = 0; t < tiles; t++) {
@@ -184,22 +279,29 @@ int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, 
             const uint16_t* wr = w + (int64_t)n1 * K;
             float acc[MT * NT];
             for (int m0 = 0; m0 < M; m0 += MT) {
-                const uint16_t* xb = x + (int64_t)m0 * K;
+                const xel* xb = xa + (int64_t)m0 * K;
                 const int mb = M - m0 < MT ? M - m0 : MT;
                 switch (mb * 8 + nb) {
                     case 1 * 8 + NT: dot_tile(xb, wr, K, 1, NT, K, 32, 1, acc); break;
                     case 2 * 8 + NT: dot_tile(xb, wr, K, 2, NT, K, 32, 1, acc); break;
                     case 3 * 8 + NT: dot_tile(xb, wr, K, 3, NT, K, 32, 1, acc); break;
+#if MT > 3
                     case 4 * 8 + NT: dot_tile(xb, wr, K, 4, NT, K, 32, 1, acc); break;
+#endif
                     case 1 * 8 + 1: dot_tile(xb, wr, K, 1, 1, K, 32, 1, acc); break;
                     case 2 * 8 + 1: dot_tile(xb, wr, K, 2, 1, K, 32, 1, acc); break;
+#if MT > 3
                     case 3 * 8 + 1: dot_tile(xb, wr, K, 3, 1, K, 32, 1, acc); break;
                     default: dot_tile(xb, wr, K, 4, 1, K, 32, 1, acc); break;
+#else
+                    default: dot_tile(xb, wr, K, 3, 1, K, 32, 1, acc); break;
+#endif
                 }
                 store_tile(acc, mb, nb, m0, n1, N, bias, bias_bf16, y, out_bf16);
             }
         }
     }
+    free(owned);
     return 0;
 #else
     (void)x; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads; (void)bias_bf16; (void)out_bf16;

@@ -1,4 +1,4 @@
-"""bf16 matmul for decode-sized batches on CPUs with AVX-512 BF16 (``bf16_gemv.c``) and its reference.
+"""bf16 matmul on CPUs with AVX-512 BF16 or AVX2 + FMA (``bf16_gemv.c``) and its reference.
 
 ``bf16_matmul(x, weight, bias, out_dtype)`` computes ``x @ weight.T + bias`` for bf16 ``x`` [M, K] and
 ``weight`` [N, K] (K a multiple of 32), accumulating in float32 like torch's bf16 matmul, and returns
@@ -7,6 +7,11 @@ Torch's CPU bf16 GEMM is several times slower at 2-8 rows than at 1 (measured on
 rows for Qwen2-0.5B's layers), where this kernel's cost barely grows; at one row it streams the weights
 10-15% faster. ``sidecar.model.linear.Linear`` takes it for bf16 batches of up to MAX_ROWS rows where
 it holds a plain weight (see ``pack_weights``).
+
+On a CPU without AVX-512 BF16 (AVX2 only: AMD Zen 2/3, older Intel) the same kernel widens the bf16 values
+to float32 (exact) and multiplies with FMAs, in one fixed order as well. oneDNN has no bf16 GEMM there, and
+torch's own bf16 matmul runs at a fraction of the float32 one, so there the kernel takes bf16 layers of every
+batch size (``isa()`` says which path was built).
 
 ``tile_weight(weight)`` lays a weight out as [ceil(N/4), K/32, 4, 32] (four rows' 32-value chunks side by
 side, zero rows padding the last tile) and ``bf16_matmul_tiled(x, tiled, n, bias, out_dtype)`` takes that
@@ -31,18 +36,26 @@ CALIBRATION_ROWS = (2, 4, 8, 16)
 ROWS_ENV = "SIDECAR_BF16_KERNEL_ROWS"  # a fixed limit instead of the measured one (1..MAX_ROWS)
 
 
-# Whether the CPU has AVX-512 BF16 is asked of the library once: every Linear forward checks it.
+# Which path the build runs is asked of the library once: every Linear forward checks it.
 _KERNEL = cpu_build.Kernel("bf16_gemv", {
     "sidecar_bf16_matmul": ([P] * 4 + [I] * 6, I),
     "sidecar_bf16_matmul_tiled": ([P] * 4 + [I] * 6, I),
     "sidecar_bf16_supported": ([], I),
-}, setup=lambda lib: setattr(lib, "_sidecar_bf16", bool(lib.sidecar_bf16_supported())))
+}, setup=lambda lib: setattr(lib, "_sidecar_bf16", int(lib.sidecar_bf16_supported())))
+_ISAS = {512: "avx512_bf16", 2: "avx2"}
 
 
 def available() -> bool:
-    """Built for this CPU and the CPU has AVX-512 BF16."""
+    """Built for this CPU, and the CPU has AVX-512 BF16 or AVX2 + FMA."""
     lib = _KERNEL.lib()
-    return lib is not None and lib._sidecar_bf16
+    return lib is not None and lib._sidecar_bf16 != 0
+
+
+def isa() -> str:
+    """The path the kernel runs here: "avx512_bf16" (vdpbf16ps on bf16 pairs), "avx2" (bf16 widened to
+    float32, FMAs) or "" (not available)."""
+    lib = _KERNEL.lib()
+    return "" if lib is None else _ISAS.get(lib._sidecar_bf16, "")
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -70,8 +83,10 @@ def _call(fn, name: str, x: torch.Tensor, weight: torch.Tensor, n: int, bias: Op
     rc = fn(x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), x.shape[0], n,
             x.shape[1], torch.get_num_threads(), int(b is not None and b.dtype == torch.bfloat16),
             int(out_dtype == torch.bfloat16))
+    if rc == 2:
+        raise MemoryError(f"{name}: no memory for the float32 copy of {x.shape[0]} x {x.shape[1]} activations")
     if rc != 0:
-        raise RuntimeError(f"{name}: the kernel was built without AVX-512 BF16")
+        raise RuntimeError(f"{name}: the kernel was built without AVX-512 BF16 and without AVX2")
     return y
 
 
@@ -87,6 +102,11 @@ def tile_weight(weight: torch.Tensor) -> torch.Tensor:
     pad = -n % TILE
     w = torch.cat([weight, weight.new_zeros(pad, k)]) if pad else weight
     return w.reshape(-1, TILE, k // 32, 32).transpose(1, 2).contiguous()
+
+
+def untile_weight(tiled: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain [n, K] weight back from its ``tile_weight`` layout (a copy)."""
+    return tiled.transpose(1, 2).reshape(-1, tiled.shape[1] * 32)[:n].contiguous()
 
 
 def bf16_matmul_tiled(x: torch.Tensor, tiled: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
