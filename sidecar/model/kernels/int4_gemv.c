@@ -19,7 +19,12 @@
  *    and multiplied with the codes as bytes, four columns per 32-bit lane (vpdpbusd; vpermt2b
  *    gathers each row's four codes). Integer sums are exact; a group adds
  *    s * d * (sum q x - 8 sum x) + z * sum x, the last with the float32 activations.
- *  - otherwise (AVX2, or AVX-512 without them): codes are widened to float and multiplied with
+ *  - AVX2 without AVX-512: the same 16-bit activation codes and the same exact integer sums, from
+ *    vpmaddubsw: a 32-byte vector holds 16 rows' codes of two adjacent columns side by side (unpacked
+ *    from the layout), multiplied with a column pair of high or low activation bytes; the 16-bit pair
+ *    sums of 8 column pairs (at most 8 * 2 * 15 * 128 = 30720) are summed as 16-bit, then widened to
+ *    32 bits. About half the instructions per code of the float path on Zen 3.
+ *  - otherwise (AVX-512 without VNNI and VBMI): codes are widened to float and multiplied with
  *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
  * Output rows go in tiles of 16; blocks of rows (and chunks of 32 activation rows) are split across
  * threads; each chunk of codes is decoded once for one or more activation rows, and one pass reads
@@ -36,6 +41,8 @@
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define INT_DOT 1
+#elif !defined(__AVX512F__)
+#define INT_DOT 2  /* AVX2 only: the same 16-bit activations, bytes multiplied in pairs (vpmaddubsw) */
 #else
 #define INT_DOT 0
 #endif
@@ -58,7 +65,14 @@ typedef struct {
     int K, G, gs;
 } Act;
 
-#if INT_DOT
+static inline float bf16_value(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if INT_DOT == 1
 static inline __m512 load_x16(const float* x, const uint16_t* x16, int k) {  /* 16 activations as floats */
     if (x16 == NULL) return _mm512_loadu_ps(x + k);
     __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x16 + k)));
@@ -70,7 +84,7 @@ static void prepare_group(const Act* a, int m, int g) {
     const int64_t off = (int64_t)m * a->K + (int64_t)g * a->gs, mg = (int64_t)m * a->G + g;
     const float* x = a->x + off;
     const uint16_t* x16 = a->x16 ? a->x16 + off : NULL;
-#if INT_DOT
+#if INT_DOT == 1
     __m512 sum = _mm512_setzero_ps(), amax = sum, bad = sum;
     for (int k = 0; k < a->gs; k += 16) {
         __m512 v = load_x16(x, x16, k);
@@ -95,6 +109,29 @@ static void prepare_group(const Act* a, int m, int g) {
         qsum = _mm512_add_epi32(qsum, q);
     }
     a->xqsum[mg] = _mm512_reduce_add_epi32(qsum);
+#elif INT_DOT == 2
+    float sum = 0.f, mx = 0.f;
+    int finite = 1;
+    for (int k = 0; k < a->gs; k++) {
+        const float v = x16 ? bf16_value(x16[k]) : x[k];
+        sum += v;
+        mx = fmaxf(mx, fabsf(v));
+        finite &= isfinite(v);
+    }
+    a->xsum[mg] = sum;
+    const float inv = finite && mx > 0.f ? (float)XQ_MAX / mx : 0.f;
+    a->d[mg] = !finite ? NAN : (mx > 0.f ? mx / (float)XQ_MAX : 0.f);
+    int8_t* hi = a->xb + (int64_t)m * 2 * a->K + (int64_t)g * a->gs;
+    int8_t* lo = hi + a->K;
+    int32_t qsum = 0;
+    for (int k = 0; k < a->gs; k++) {
+        const int32_t q = (int32_t)lrintf((x16 ? bf16_value(x16[k]) : x[k]) * inv);  /* nearest even */
+        const int32_t l = (int32_t)(int8_t)(uint8_t)(q & 0xFF);                       /* q = 256 h + l */
+        lo[k] = (int8_t)l;
+        hi[k] = (int8_t)((q - l) / 256);
+        qsum += q;
+    }
+    a->xqsum[mg] = qsum;
 #else
     if (x16 != NULL)  /* the float path reads float32 activations: a->x is the scratch copy */
         for (int k = 0; k < a->gs; k += 8) {
@@ -109,7 +146,7 @@ static void prepare_group(const Act* a, int m, int g) {
 #endif
 }
 
-#if INT_DOT
+#if INT_DOT == 1
 /* ---------------------------------------------------------------- integer path (AVX-512 VNNI) */
 #define V_LANES 16
 #define SPLIT64_IN_HALVES 0 /* all 64 rows of a split block in one pass */
@@ -262,8 +299,122 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
         if (mc % 2) group_direct(wg, stride, kind, idx, a, mc - 1, 1, g, szg, tot, mc > 1 ? NULL : next);
     }
 }
+#elif INT_DOT == 2
+/* ---------------------------------------------------------------- integer path (AVX2) */
+#define V_LANES 8
+#define SPLIT64_IN_HALVES 1 /* 16 registers: a 64-row split block in two passes (low, high nibbles) */
+typedef struct { __m256i nibble, pairs; } Idx;
+
+static void make_idx(Idx* idx) {
+    idx->nibble = _mm256_set1_epi8(0x0F);
+    /* within each 128-bit lane: bytes 0..7 (column k) and 8..15 (column k+1) interleaved */
+    idx->pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                  0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+}
+
+/* 16 codes of column k (rows 0..15 in order) of an interleaved block: byte j holds rows 2j, 2j + 1 */
+static inline __m128i interleaved16(const uint8_t* p) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
+    return _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x000F)), _mm_and_si128(_mm_slli_epi16(b, 4), _mm_set1_epi16(0x0F00)));
+}
+
+/* The codes of columns k and k + 1 for the pass's tiles: bytes 2r, 2r + 1 of u[t] are row 16 t + r of
+ * column k, k + 1 (rows counted from the pass's first row). */
+static inline __attribute__((always_inline)) void decode_pair(const uint8_t* p, int stride, const int kind,
+                                                              const Idx* idx, __m256i* u) {
+    const __m256i m = idx->nibble;
+    if (kind == INTERLEAVED_1) {
+        const __m128i c0 = interleaved16(p), c1 = interleaved16(p + stride);
+        u[0] = _mm256_set_m128i(_mm_unpackhi_epi8(c0, c1), _mm_unpacklo_epi8(c0, c1));
+    } else if (kind == SPLIT32_ALL) {  /* 16 bytes a column: rows j (low nibble), 16 + j (high); k + 1 next */
+        const __m256i v = _mm256_loadu_si256((const __m256i*)p);
+        const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+        u[0] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(lo, 0xD8), idx->pairs);
+        u[1] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(hi, 0xD8), idx->pairs);
+    } else {  /* 32 bytes a column: rows j (low nibble), 32 + j (high); one pass takes one nibble */
+        __m256i c0 = _mm256_loadu_si256((const __m256i*)p), c1 = _mm256_loadu_si256((const __m256i*)(p + stride));
+        if (kind == SPLIT64_HI) {
+            c0 = _mm256_srli_epi16(c0, 4);
+            c1 = _mm256_srli_epi16(c1, 4);
+        }
+        c0 = _mm256_and_si256(c0, m);
+        c1 = _mm256_and_si256(c1, m);
+        const __m256i a = _mm256_unpacklo_epi8(c0, c1), b = _mm256_unpackhi_epi8(c0, c1);  /* rows 0-7|16-23, 8-15|24-31 */
+        u[0] = _mm256_permute2x128_si256(a, b, 0x20);
+        u[1] = _mm256_permute2x128_si256(a, b, 0x31);
+    }
+}
+
+static inline __m256i bcast2(const int8_t* p) {
+    int16_t v;
+    memcpy(&v, p, 2);
+    return _mm256_set1_epi16(v);
+}
+
+/* One group for activation row i: tot[i][16 t ..] += s d (sum q x - 8 sum x) + z sum x, the integer sums
+ * exact, folded as the AVX-512 path folds them. */
+static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, int stride, const int kind,
+                                                              const Idx* idx, const Act* a, int i, int g,
+                                                              const uint16_t* szg, float (*tot)[64]) {
+    const int T = kind == INTERLEAVED_1 ? 1 : 2;
+    /* 32-bit sums of the even and the odd rows of each tile (vpmaddwd with (f, 0) / (0, f) picks one row of a
+     * pair of 16-bit lanes and scales it: 256 for the high bytes' sums, 1 for the low ones') */
+    const __m256i hi_even = _mm256_set1_epi32(256), hi_odd = _mm256_set1_epi32(256 << 16);
+    const __m256i lo_even = _mm256_set1_epi32(1), lo_odd = _mm256_set1_epi32(1 << 16);
+    __m256i even[2], odd[2], u[2];
+    for (int t = 0; t < T; t++) even[t] = odd[t] = _mm256_setzero_si256();
+    const int8_t* xh = a->xb + (int64_t)i * 2 * a->K + (int64_t)g * a->gs;
+    const int8_t* xl = xh + a->K;
+    for (int k0 = 0; k0 < a->gs; k0 += 16) {  /* gs % 16 == 0 */
+        __m256i h16[2], l16[2];
+        for (int t = 0; t < T; t++) h16[t] = l16[t] = _mm256_setzero_si256();
+        for (int k = k0; k < k0 + 16; k += 2) {
+            decode_pair(w + (int64_t)k * stride, stride, kind, idx, u);
+            const __m256i bh = bcast2(xh + k), bl = bcast2(xl + k);
+            for (int t = 0; t < T; t++) {
+                h16[t] = _mm256_add_epi16(h16[t], _mm256_maddubs_epi16(u[t], bh));
+                l16[t] = _mm256_add_epi16(l16[t], _mm256_maddubs_epi16(u[t], bl));
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            even[t] = _mm256_add_epi32(even[t], _mm256_add_epi32(_mm256_madd_epi16(h16[t], hi_even),
+                                                                 _mm256_madd_epi16(l16[t], lo_even)));
+            odd[t] = _mm256_add_epi32(odd[t], _mm256_add_epi32(_mm256_madd_epi16(h16[t], hi_odd),
+                                                               _mm256_madd_epi16(l16[t], lo_odd)));
+        }
+    }
+    const int64_t mg = (int64_t)i * a->G + g;
+    const __m256 dx = _mm256_set1_ps(a->d[mg]), xs = _mm256_set1_ps(a->xsum[mg]);
+    const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int t = 0; t < T; t++) {
+        const __m256i lo4 = _mm256_unpacklo_epi32(even[t], odd[t]), hi4 = _mm256_unpackhi_epi32(even[t], odd[t]);
+        const __m256i rows[2] = {_mm256_permute2x128_si256(lo4, hi4, 0x20), _mm256_permute2x128_si256(lo4, hi4, 0x31)};
+        for (int h = 0; h < 2; h++) {  /* rows 16 t + 8 h .. + 7 */
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h));  /* (scale, zero) pairs */
+            const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            float* o = &tot[i][16 * t + 8 * h];
+            const __m256 acc = _mm256_fmadd_ps(ze, xs, _mm256_loadu_ps(o));
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_add_epi32(rows[h], q8));
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_mul_ps(sc, dx), q, acc));
+        }
+    }
+}
+
+#define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
+                  float (*tot)[64]
+/* One pass over a block: all groups, activation rows [0, mc), each row decoding the group's codes again
+ * (from L1 after the first). */
+static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
+    for (int g = 0; g < a->G; g++) {
+        const uint8_t* wg = w + (int64_t)g * a->gs * stride;
+        const uint16_t* szg = sz + 2 * (int64_t)g * np;
+        for (int i = 0; i < mc; i++) group_pairs(wg, stride, kind, idx, a, i, g, szg, tot);
+    }
+}
 #else
-/* ---------------------------------------------------------------- float path (AVX2 / AVX-512F) */
+/* ---------------------------------------------------------------- float path (AVX-512F without VNNI/VBMI) */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define V_LANES 16
 #define SPLIT64_IN_HALVES 0
@@ -446,7 +597,8 @@ static void store_bf16(uint16_t* out, const float* in, int n) {
 
 /* The vector width this build uses: 512 or 256 bits. */
 int sidecar_int4_vector_bits(void) { return V_LANES * 32; }
-/* 1 when this build rounds activations to 16 bits (the integer path), 0 when it keeps them float32. */
+/* 1 (AVX-512 VNNI) or 2 (AVX2) when this build rounds activations to 16 bits (the integer paths), 0 when it
+ * keeps them float32. */
 int sidecar_int4_integer_dot(void) { return INT_DOT; }
 
 /* x [M, K], float32, or bf16 when x_bf16; y [M, np], float32, or bf16 when y_bf16; w packed codes

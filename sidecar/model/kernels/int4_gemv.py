@@ -5,8 +5,8 @@
 ``_convert_weight_to_int4pack_for_cpu``, bf16 ``scales_and_zeros`` [G, N, 2]) and computes
 ``x @ w.T`` with ``w[n, k] = (code - 8) * scale + zero`` for float32 or bf16 ``x`` [M, K],
 returning float32 (or bf16) [M, N]. Where torch's kernel rounds activations to bf16 (8 bits), ours
-keeps 16 bits (``integer_dot()``: AVX-512 VNNI, one scale per row and group) or all of float32
-(elsewhere). ``reference`` is the same product from the plain codes in float64, the oracle for tests.
+keeps 16 bits (``integer_dot()``: AVX-512 VNNI, or AVX2 alone; one scale per row and group) or all of
+float32 (AVX-512 without VNNI and VBMI). ``reference`` is the same product from the plain codes in float64, the oracle for tests.
 
 torch's packed layout depends on the CPU capability torch runs with (blocks of 64 rows with
 AVX-512, 32 with AVX2, nibble pairs otherwise; see the C source). ``pack`` writes each of these
