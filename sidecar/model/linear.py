@@ -80,6 +80,7 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("tiled", None, persistent=False)
+        self._tiled_layer: Optional[bf16_gemv.TiledLayer] = None  # the kernel's checked view of ``tiled``
 
     def pack(self, keep_weight: bool = False, tile: bool = False) -> bool:
         """Hold the weight in oneDNN's layout, and in our bf16 kernel's tiled layout when ``tile``; where oneDNN
@@ -111,6 +112,15 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, packed, tiled = self.weight, self.packed, self.tiled
+        if tiled is not None and x.dtype is torch.bfloat16 and x.numel() <= self.kernel_rows * self.in_features:
+            # A tiled copy exists only on the CPU where the kernel runs: its operands are checked once.
+            layer = self._tiled_layer
+            if layer is None or not layer.matches(tiled, self.bias):
+                layer = self._tiled_layer = (bf16_gemv.TiledLayer(tiled, self.out_features, self.bias)
+                                             if tiled.device.type == "cpu" and bf16_gemv.available() else None)
+            if layer is not None:
+                y = layer(x.reshape(-1, self.in_features))
+                return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.in_features % 32 == 0
                 and x.numel() <= self.kernel_rows * self.in_features and bf16_gemv.available()):
             rows = x.reshape(-1, self.in_features)

@@ -121,16 +121,26 @@ class Int8Linear(_QuantLinearBase):
         self.register_buffer("scales", _aligned(scales.to(kernel_dtype(dtype, qweight.device))))
         # Full-precision scales for our CPU decode kernel (which takes float32 activations).
         self.register_buffer("scales_f32", scales.float().contiguous(), persistent=False)
+        self._cpu_layer: Optional[int8_gemv.Layer] = None  # our kernel's checked operands, made at first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if (x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and self.k_padded == self.in_features
-                and x.dtype in (torch.float32, torch.bfloat16) and not self._takes_triton(x2d)
-                and int8_gemv.available()):
+        if (x2d.shape[0] <= int8_gemv.MAX_ROWS and x2d.device.type == "cpu" and self.k_padded == self.in_features
+                and (x.dtype is torch.float32 or x.dtype is torch.bfloat16) and not self._takes_triton(x2d)
+                and (layer := self._kernel_layer()) is not None):
             # A decode-sized batch: our kernel reads the activations as they are and adds the bias itself.
-            y = int8_gemv.int8_linear(x2d, self.weight, self.scales_f32, self.bias, x.dtype)
-            return y.reshape(*x.shape[:-1], self.out_features)
+            return layer(x2d, x.dtype).reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
+
+    def _kernel_layer(self) -> Optional["int8_gemv.Layer"]:
+        """Our CPU kernel's view of this layer's buffers (checked once), or None without the kernel."""
+        layer, weight, scales, bias = self._cpu_layer, self.weight, self.scales_f32, self.bias
+        if layer is not None and layer.matches(weight, scales, bias):
+            return layer
+        if weight.device.type != "cpu" or not int8_gemv.available():
+            return None
+        self._cpu_layer = int8_gemv.Layer(weight, scales, bias)
+        return self._cpu_layer
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self._takes_triton(x2d):
@@ -190,6 +200,32 @@ class Int4Linear(_QuantLinearBase):
             inner_k_tiles = 8 if self.k_padded % 128 == 0 else (4 if self.k_padded % 64 == 0 else 2)
             weight = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
         self.register_buffer("weight", _aligned(weight))
+        self._cpu_layer: Optional[int4_gemv.Layer] = None  # our kernel's checked operands, made at first use
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        if (x2d.shape[0] <= int4_gemv.MAX_ROWS and x2d.device.type == "cpu" and self.k_padded == self.in_features
+                and (x.dtype is torch.bfloat16 or x.dtype is torch.float32)
+                and (layer := self._kernel_layer()) is not None):
+            # Our kernel on operands checked once: bf16 layers get bf16 out (one rounding), others float32.
+            y = layer(x2d, x.dtype)
+            if y.shape[1] != self.out_features:
+                y = y[:, :self.out_features]
+            if self.bias is not None:
+                y = y + self.bias
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+    def _kernel_layer(self) -> Optional["int4_gemv.Layer"]:
+        """Our CPU kernel's view of this layer's buffers, or None where the kernel does not take them."""
+        layer, weight, sz = self._cpu_layer, self.weight, self.scales_and_zeros
+        if layer is not None and layer.matches(weight, sz):
+            return layer
+        if (weight.device.type != "cpu" or sz.dtype != torch.bfloat16 or self.qweight_plain is not None
+                or not int4_gemv.available()):
+            return None  # the Triton kernel (interpreted on CPU) reads the plain codes: _matmul decides
+        self._cpu_layer = int4_gemv.Layer(weight, self.group_size, sz)
+        return self._cpu_layer
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         sz = self.scales_and_zeros

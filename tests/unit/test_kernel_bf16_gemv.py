@@ -124,9 +124,12 @@ def test_bad_shapes_are_refused():
 @pytest.mark.parametrize("tiled", [False, True])
 def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, tiled, monkeypatch):
     calls = []
-    name = "bf16_matmul_tiled" if tiled else "bf16_matmul"
-    real = getattr(bf16_gemv, name)
-    monkeypatch.setattr(bf16_gemv, name, lambda *a: calls.append(1) or real(*a))
+    if tiled:  # a tiled copy is read through its checked layer
+        real_call = bf16_gemv.TiledLayer.__call__
+        monkeypatch.setattr(bf16_gemv.TiledLayer, "__call__", lambda *a: calls.append(1) or real_call(*a))
+    else:
+        real = bf16_gemv.bf16_matmul
+        monkeypatch.setattr(bf16_gemv, "bf16_matmul", lambda *a: calls.append(1) or real(*a))
     if not kernels:
         monkeypatch.setattr(bf16_gemv, "available", lambda: False)
     torch.manual_seed(rows)
@@ -169,3 +172,33 @@ def test_the_avx2_path_on_any_avx2_cpu(m, n, k, monkeypatch):
     nan = x.clone()
     nan[0, 5] = float("nan")
     assert bf16_gemv.bf16_matmul_tiled(nan, tiled, n, b)[0].isnan().all()  # a NaN input poisons its row only
+
+
+def test_a_checked_tiled_layer_gives_the_calls_bits_and_follows_its_buffers():
+    """bf16_gemv.TiledLayer (what Linear holds for its tiled copy) computes what bf16_matmul_tiled computes; a
+    Linear whose tiled buffer or bias is replaced builds a new one."""
+    if not bf16_gemv.available():
+        with pytest.raises(RuntimeError, match="not available"):
+            bf16_gemv.TiledLayer(bf16_gemv.tile_weight(torch.zeros(4, 32).bfloat16()), 4, None)
+        return
+    x, w, b = _case(5, 70, 96, True, seed=2)
+    tiled = bf16_gemv.tile_weight(w)
+    layer = bf16_gemv.TiledLayer(tiled, 70, b)
+    for out in (torch.float32, torch.bfloat16):
+        assert torch.equal(layer(x, out), bf16_gemv.bf16_matmul_tiled(x, tiled, 70, b, out))
+    with pytest.raises(ValueError, match="96 bf16 inputs"):
+        layer(x.float(), torch.bfloat16)
+    with pytest.raises(ValueError, match="do not fit"):
+        bf16_gemv.TiledLayer(tiled, 75, b)
+    lin = Linear(96, 70, bias=True).bfloat16()
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(b)
+    lin.tiled = tiled
+    y = lin(x)
+    first = lin._tiled_layer
+    assert first is not None and torch.equal(y, bf16_gemv.bf16_matmul_tiled(x, tiled, 70, b, torch.bfloat16))
+    lin.bias = torch.nn.Parameter(b + 1)
+    y2 = lin(x)
+    assert lin._tiled_layer is not first and torch.equal(y2, bf16_gemv.bf16_matmul_tiled(x, tiled, 70, b + 1,
+                                                                                          torch.bfloat16))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sidecar.model.kernels import cpu_build, int4_gemv
-from sidecar.model.quant import Int4Linear, quantize_linear
+from sidecar.model.quant import Int4Linear, _QuantLinearBase, quantize_linear
 from sidecar.model.quant_format import dequantize_int4, quantize_int4, unpack_int4
 
 
@@ -208,3 +208,33 @@ def test_switched_off_kernel_falls_back_to_torch(monkeypatch):
     x = torch.randn(1, 64)
     ref = x @ dequantize_int4(*quantize_int4(w, 32, w.dtype), 64).T + qlin.bias
     assert (qlin(x) - ref).abs().max() <= 2e-2 * ref.abs().max()
+
+
+def test_a_checked_layer_gives_the_calls_bits_and_follows_its_buffers():
+    """int4_gemv.Layer (operands checked once, as Int4Linear holds them) computes what int4_matmul computes,
+    and an Int4Linear whose buffers are replaced builds a new one instead of reading the old tensors."""
+    torch.manual_seed(3)
+    lin = nn.Linear(256, 96, bias=True).bfloat16()
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    q = quantize_linear(lin, "int4", 64)
+    x = torch.randn(3, 256).bfloat16()
+    layer = int4_gemv.Layer(q.weight, q.group_size, q.scales_and_zeros)
+    for out in (torch.float32, torch.bfloat16):
+        assert torch.equal(layer(x, out), int4_gemv.int4_matmul(x, q.weight, q.group_size, q.scales_and_zeros,
+                                                                 out_dtype=out))
+    assert torch.equal(layer(x.float()[:, ::1], torch.float32), int4_gemv.int4_matmul(x.float(), q.weight, 64,
+                                                                                       q.scales_and_zeros))
+    with pytest.raises(ValueError, match="256 inputs"):
+        layer(torch.randn(2, 128), torch.float32)
+    with pytest.raises(ValueError, match="do not fit"):
+        int4_gemv.Layer(q.weight[:, :64], 64, q.scales_and_zeros)
+    y = q(x)  # the checked layer's path: the same bits as the general path through int4_matmul
+    assert torch.equal(y, _QuantLinearBase.forward(q, x))
+    ref = F.linear(x.float(), w.float(), b.float())
+    assert (y.float() - ref).abs().max() <= 0.1 * ref.abs().max()  # int4 weights
+    first = q._cpu_layer
+    assert first is not None and first.matches(q.weight, q.scales_and_zeros)
+    q.scales_and_zeros = q.scales_and_zeros * 2  # a new buffer: the layer is rebuilt around it
+    y2 = q(x)
+    assert q._cpu_layer is not first and q._cpu_layer.sz is q.scales_and_zeros
+    assert (y2.float() - y.float()).abs().max() > 0

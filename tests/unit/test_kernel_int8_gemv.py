@@ -66,6 +66,8 @@ def test_int8_linear_few_and_many_rows_match_the_dequantized_layer(rows, dtype, 
     for name in ("int8_matmul", "int8_linear"):
         monkeypatch.setattr(int8_gemv, name, lambda *a, real=getattr(int8_gemv, name), **k: calls.append(1)
                             or real(*a, **k))
+    real_call = int8_gemv.Layer.__call__
+    monkeypatch.setattr(int8_gemv.Layer, "__call__", lambda *a: calls.append(1) or real_call(*a))
     torch.manual_seed(rows)
     lin = nn.Linear(features, 70, bias=True).to(dtype)
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
@@ -93,6 +95,8 @@ def test_one_call_layer_is_the_separate_steps_rounded_once(grouped, x_dtype, out
         x = x.to(x_dtype)
         bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
         y = int8_gemv.int8_linear(x, w, s, bias, out_dtype, grouped=grouped)
+        # the same call on operands checked once (what Int8Linear holds)
+        assert torch.equal(int8_gemv.Layer(w, s, bias, grouped)(x, out_dtype), y)
         ref = (int8_gemv.int8_g32_matmul if grouped else int8_gemv.int8_matmul)(x.float(), w, s)
         if bias is not None:
             ref = ref + bias.float()
@@ -204,3 +208,18 @@ def test_other_instruction_sets_match_reference(arch, monkeypatch):
             ref = int8_gemv.reference_g32(x, w, d)
             assert (int8_gemv.int8_g32_matmul(x, w, d) - ref).abs().max() <= 2e-4 * ref.abs().max()
     test_worst_case_sums_do_not_overflow()
+
+
+def test_int8_layer_follows_replaced_buffers_and_refuses_bad_activations():
+    torch.manual_seed(0)
+    qlin = quantize_linear(nn.Linear(96, 40, bias=True), "int8")
+    x = torch.randn(2, 96)
+    y = qlin(x)
+    first = qlin._cpu_layer
+    assert first is not None and first.matches(qlin.weight, qlin.scales_f32, qlin.bias)
+    qlin.bias = qlin.bias + 1  # a new buffer: the checked layer is rebuilt around it, never reads the old one
+    assert torch.allclose(qlin(x), y + 1, atol=1e-5) and qlin._cpu_layer is not first
+    with pytest.raises(ValueError, match="96 float32 or bf16 inputs"):
+        qlin._cpu_layer(torch.randn(2, 64), torch.float32)
+    with pytest.raises(ValueError, match="96 float32 or bf16 inputs"):
+        qlin._cpu_layer(x.half(), torch.float32)

@@ -124,6 +124,46 @@ def bf16_matmul_tiled(x: torch.Tensor, tiled: torch.Tensor, n: int, bias: Option
     return _call(lib.sidecar_bf16_matmul_tiled, "bf16_matmul_tiled", x, tiled, n, bias, out_dtype)
 
 
+class TiledLayer:
+    """A layer's tiled weight (``tile_weight`` of n rows) and bias checked once, so that a call checks only the
+    activations (the checks around the product cost as much as a small layer's product in a decode step).
+    ``matches`` says whether it still holds these tensors."""
+
+    __slots__ = ("tiled", "bias", "n", "k", "fn", "bias_bf16")
+
+    def __init__(self, tiled: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> None:
+        lib = _KERNEL.lib()
+        if lib is None or not lib._sidecar_bf16:
+            raise RuntimeError("bf16_gemv kernel is not available")
+        if tiled.device.type != "cpu" or (bias is not None and bias.device.type != "cpu"):
+            raise ValueError("bf16 tiled layer: the kernel reads CPU tensors only")
+        k = tiled.shape[1] * 32
+        bf16_matmul_tiled(torch.zeros(1, k, dtype=torch.bfloat16), tiled, n, bias)  # the checks, once
+        if bias is not None and bias.dtype not in (torch.bfloat16, torch.float32) or not tiled.is_contiguous():
+            raise ValueError("bf16 tiled layer: a bf16 or float32 bias and a contiguous tiled weight")
+        self.tiled, self.bias, self.n, self.k = tiled, bias, n, k
+        self.bias_bf16 = bias is not None and bias.dtype == torch.bfloat16
+        self.fn = lib.sidecar_bf16_matmul_tiled
+
+    def matches(self, tiled: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+        return tiled is self.tiled and bias is self.bias and (bias is None or bias.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``bf16_matmul_tiled`` for bf16 ``x`` [M, K] on the CPU."""
+        if x.dtype is not torch.bfloat16 or x.shape[1] != self.k or x.device.type != "cpu":
+            raise ValueError(f"bf16 tiled layer: x {tuple(x.shape)} {x.dtype} for {self.k} bf16 inputs")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
+        b = self.bias
+        rc = self.fn(x.data_ptr(), self.tiled.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                     x.shape[0], self.n, self.k, torch.get_num_threads(), self.bias_bf16, out_dtype is torch.bfloat16)
+        if rc == 2:
+            raise MemoryError(f"bf16 tiled layer: no memory for the float32 copy of {x.shape[0]} activation rows")
+        assert rc == 0, "bf16_gemv refused arguments checked at construction"
+        return y
+
+
 def rows_limit(ours: Callable[[int], float], other: Callable[[int], float], margin: float = 1.2) -> int:
     """The largest of ``CALIBRATION_ROWS`` up to which ``ours(m)`` (seconds for m rows) stays within ``margin``
     of ``other(m)`` at every count (1 at least: one row is a stream of the weights, where this kernel

@@ -90,6 +90,50 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
     return y
 
 
+class Layer:
+    """A layer's static operands for ``int8_linear`` (``weight``, ``scales``, ``bias``, ``grouped``) checked once,
+    so that a call checks only the activations: in a decode step the checks around the product cost about
+    as much as a small layer's product. ``matches`` says whether it still holds these tensors."""
+
+    __slots__ = ("weight", "scales", "bias", "grouped", "n", "k", "fn", "flags")
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
+                 grouped: bool = False) -> None:
+        lib = _KERNEL.lib()
+        if lib is None:
+            raise RuntimeError("int8_gemv kernel is not available")
+        n, k = weight.shape
+        int8_linear(torch.zeros(1, k), weight, scales, bias, grouped=grouped)  # the checks, once
+        if not all(t.is_contiguous() and t.device.type == "cpu" for t in (weight, scales) + (() if bias is None
+                                                                                           else (bias,))):
+            raise ValueError("int8 layer: contiguous CPU operands")
+        self.weight, self.scales, self.bias, self.grouped, self.n, self.k = weight, scales, bias, grouped, n, k
+        self.fn = lib.sidecar_int8_linear
+        self.flags = ((_BIAS_BF16 if bias is not None and bias.dtype == torch.bfloat16 else 0)
+                      | (_GROUPED if grouped else 0))
+
+    def matches(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+        return weight is self.weight and scales is self.scales and bias is self.bias
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``int8_linear`` for float32 or bf16 ``x`` [M, K] on the CPU; ``out_dtype`` float32 or bf16."""
+        if (x.dtype is not torch.bfloat16 and x.dtype is not torch.float32) or x.shape[1] != self.k \
+                or x.device.type != "cpu":
+            raise ValueError(f"int8 layer: x {tuple(x.shape)} {x.dtype} for {self.k} float32 or bf16 inputs")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=out_dtype)
+        b = self.bias
+        flags = (self.flags | (_X_BF16 if x.dtype is torch.bfloat16 else 0)
+                 | (_Y_BF16 if out_dtype is torch.bfloat16 else 0))
+        rc = self.fn(x.data_ptr(), self.weight.data_ptr(), self.scales.data_ptr(), None if b is None else b.data_ptr(),
+                     y.data_ptr(), m, self.n, self.k, torch.get_num_threads(), flags)
+        if rc == 2:
+            raise MemoryError("int8_linear: out of memory for the activation scratch")
+        return y
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return ((x.double() @ weight.double().T) * scales.double()).float()
 
