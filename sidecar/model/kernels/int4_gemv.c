@@ -315,7 +315,8 @@ static void make_idx(Idx* idx) {
 /* 16 codes of column k (rows 0..15 in order) of an interleaved block: byte j holds rows 2j, 2j + 1 */
 static inline __m128i interleaved16(const uint8_t* p) {
     __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
-    return _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x000F)), _mm_and_si128(_mm_slli_epi16(b, 4), _mm_set1_epi16(0x0F00)));
+    return _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x000F)),
+                        _mm_and_si128(_mm_slli_epi16(b, 4), _mm_set1_epi16(0x0F00)));
 }
 
 /* The codes of columns k and k + 1 for the pass's tiles: bytes 2r, 2r + 1 of u[t] are row 16 t + r of
@@ -339,7 +340,8 @@ static inline __attribute__((always_inline)) void decode_pair(const uint8_t* p, 
         }
         c0 = _mm256_and_si256(c0, m);
         c1 = _mm256_and_si256(c1, m);
-        const __m256i a = _mm256_unpacklo_epi8(c0, c1), b = _mm256_unpackhi_epi8(c0, c1);  /* rows 0-7|16-23, 8-15|24-31 */
+        /* rows 0-7 | 16-23, then 8-15 | 24-31 */
+        const __m256i a = _mm256_unpacklo_epi8(c0, c1), b = _mm256_unpackhi_epi8(c0, c1);
         u[0] = _mm256_permute2x128_si256(a, b, 0x20);
         u[1] = _mm256_permute2x128_si256(a, b, 0x31);
     }

@@ -6,7 +6,8 @@
 ``x @ w.T`` with ``w[n, k] = (code - 8) * scale + zero`` for float32 or bf16 ``x`` [M, K],
 returning float32 (or bf16) [M, N]. Where torch's kernel rounds activations to bf16 (8 bits), ours
 keeps 16 bits (``integer_dot()``: AVX-512 VNNI, or AVX2 alone; one scale per row and group) or all of
-float32 (AVX-512 without VNNI and VBMI). ``reference`` is the same product from the plain codes in float64, the oracle for tests.
+float32 (AVX-512 without VNNI and VBMI). ``reference`` is the same product from the plain codes in float64,
+the oracle for tests.
 
 torch's packed layout depends on the CPU capability torch runs with (blocks of 64 rows with
 AVX-512, 32 with AVX2, nibble pairs otherwise; see the C source). ``pack`` writes each of these
@@ -24,8 +25,8 @@ from sidecar.model.kernels.cpu_build import I, P
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
 # Measured on Zen 5 (AVX-512 VNNI), Qwen2-0.5B-shaped layers: 1.6-3x faster than torch's packed kernel
 # from 1 to 32 rows on one or two threads, and still ~2x at 2048 rows (the default token budget of a
-# step); beyond that torch's kernel. The AVX2 build, against torch's AVX2 kernel: 2.4x at 1 row, even
-# from 4 to 32.
+# step); beyond that torch's kernel. The AVX2 build's float path, against torch's AVX2 kernel: 2.4x at 1 row,
+# even from 4 to 32; its integer path (Zen 3, 4,864 x 896): 1.5x the float path at 1 row, 1.2x at 256.
 MAX_ROWS = 2048
 # The integer path rounds each activation to round(x * ACTIVATION_CODE_MAX / absmax of its group):
 # 16-bit codes whose high and low bytes are both int8.
@@ -158,8 +159,8 @@ class Layer:
             raise ValueError(f"int4 layer: x {tuple(x.shape)} for a layer of {self.k} inputs")
         y = torch.empty(m, self.n, dtype=out_dtype)
         fn, gs, block_n, split = self.fn
-        rc = fn(x.data_ptr(), self.weight.data_ptr(), self.sz.data_ptr(), y.data_ptr(), m, self.n, k, gs, block_n, split,
-                x.dtype is torch.bfloat16, out_dtype is torch.bfloat16, torch.get_num_threads())
+        rc = fn(x.data_ptr(), self.weight.data_ptr(), self.sz.data_ptr(), y.data_ptr(), m, self.n, k, gs, block_n,
+                split, x.dtype is torch.bfloat16, out_dtype is torch.bfloat16, torch.get_num_threads())
         if rc == -2:
             raise MemoryError("int4_matmul: no memory for the activation scratch")
         assert rc == 0, "int4_gemv refused arguments checked at construction"
