@@ -25,7 +25,7 @@ from torch import nn
 from sidecar.model.kernels import int4_gemv, int8_gemv
 from sidecar.model.kernels.gpu_paths import FastPaths, triton_available, triton_interpreted
 from sidecar.model.quant_format import (CHUNK_ROWS, N_ALIGN_INT4, check_quant_args, dequantize_int4,
-                                        padded_in_features, quantize_weight, unpack_int4)
+                                        padded_in_features, quantize_weight, release_freed_memory, unpack_int4)
 
 
 def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -67,6 +67,13 @@ def _keeps_plain_int4(device: torch.device) -> bool:
 
 class _QuantLinearBase(nn.Module, metaclass=abc.ABCMeta):
     fast_paths: Optional[FastPaths] = None  # the model's switchboard, shared by every layer
+    _cpu_layer = None  # our CPU kernel's view of the buffers, checked once (int8_gemv.Layer / int4_gemv.Layer)
+
+    def _checked(self, make, *operands):
+        """``_cpu_layer`` for these buffers, made by ``make(*operands)`` at first use or when one was replaced."""
+        if self._cpu_layer is None or not self._cpu_layer.matches(*operands):
+            self._cpu_layer = make(*operands)
+        return self._cpu_layer
 
     def __init__(self, in_features: int, out_features: int, bias: Optional[torch.Tensor]):
         super().__init__()
@@ -121,26 +128,16 @@ class Int8Linear(_QuantLinearBase):
         self.register_buffer("scales", _aligned(scales.to(kernel_dtype(dtype, qweight.device))))
         # Full-precision scales for our CPU decode kernel (which takes float32 activations).
         self.register_buffer("scales_f32", scales.float().contiguous(), persistent=False)
-        self._cpu_layer: Optional[int8_gemv.Layer] = None  # our kernel's checked operands, made at first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
         if (x2d.shape[0] <= int8_gemv.MAX_ROWS and x2d.device.type == "cpu" and self.k_padded == self.in_features
                 and (x.dtype is torch.float32 or x.dtype is torch.bfloat16) and not self._takes_triton(x2d)
-                and (layer := self._kernel_layer()) is not None):
+                and self.weight.device.type == "cpu" and int8_gemv.available()):
             # A decode-sized batch: our kernel reads the activations as they are and adds the bias itself.
+            layer = self._checked(int8_gemv.Layer, self.weight, self.scales_f32, self.bias)
             return layer(x2d, x.dtype).reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
-
-    def _kernel_layer(self) -> Optional["int8_gemv.Layer"]:
-        """Our CPU kernel's view of this layer's buffers (checked once), or None without the kernel."""
-        layer, weight, scales, bias = self._cpu_layer, self.weight, self.scales_f32, self.bias
-        if layer is not None and layer.matches(weight, scales, bias):
-            return layer
-        if weight.device.type != "cpu" or not int8_gemv.available():
-            return None
-        self._cpu_layer = int8_gemv.Layer(weight, scales, bias)
-        return self._cpu_layer
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self._takes_triton(x2d):
@@ -200,32 +197,17 @@ class Int4Linear(_QuantLinearBase):
             inner_k_tiles = 8 if self.k_padded % 128 == 0 else (4 if self.k_padded % 64 == 0 else 2)
             weight = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), inner_k_tiles)
         self.register_buffer("weight", _aligned(weight))
-        self._cpu_layer: Optional[int4_gemv.Layer] = None  # our kernel's checked operands, made at first use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.in_features)
+        x2d, sz = x.reshape(-1, self.in_features), self.scales_and_zeros
+        # Our kernel on operands checked once (with plain codes kept for Triton, _matmul decides instead).
         if (x2d.shape[0] <= int4_gemv.MAX_ROWS and x2d.device.type == "cpu" and self.k_padded == self.in_features
-                and (x.dtype is torch.bfloat16 or x.dtype is torch.float32)
-                and (layer := self._kernel_layer()) is not None):
-            # Our kernel on operands checked once: bf16 layers get bf16 out (one rounding), others float32.
-            y = layer(x2d, x.dtype)
-            if y.shape[1] != self.out_features:
-                y = y[:, :self.out_features]
-            if self.bias is not None:
-                y = y + self.bias
-            return y.reshape(*x.shape[:-1], self.out_features)
+                and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and self.qweight_plain is None
+                and sz.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and int4_gemv.available()):
+            y = self._checked(lambda w, s: int4_gemv.Layer(w, self.group_size, s), self.weight, sz)(x2d, x.dtype)
+            y = y if y.shape[1] == self.out_features else y[:, :self.out_features]  # bf16 in: bf16 out, one rounding
+            return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
-
-    def _kernel_layer(self) -> Optional["int4_gemv.Layer"]:
-        """Our CPU kernel's view of this layer's buffers, or None where the kernel does not take them."""
-        layer, weight, sz = self._cpu_layer, self.weight, self.scales_and_zeros
-        if layer is not None and layer.matches(weight, sz):
-            return layer
-        if (weight.device.type != "cpu" or sz.dtype != torch.bfloat16 or self.qweight_plain is not None
-                or not int4_gemv.available()):
-            return None  # the Triton kernel (interpreted on CPU) reads the plain codes: _matmul decides
-        self._cpu_layer = int4_gemv.Layer(weight, self.group_size, sz)
-        return self._cpu_layer
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         sz = self.scales_and_zeros
@@ -252,24 +234,6 @@ def runtime_linear(stored: dict[str, torch.Tensor], mode: str, in_features: int,
     if mode == "int8":
         return Int8Linear(stored["qweight"], stored["scales"], in_features, bias, dtype)
     return Int4Linear(stored["qweight"], stored["scales"], stored["zeros"], in_features, bias, dtype)
-
-
-def release_freed_memory() -> None:
-    """Hand freed heap memory back to the OS (glibc keeps freed blocks of the layer-by-layer
-    scratch otherwise, and peak RSS while quantizing on load grows with it). No-op elsewhere."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            import ctypes
-
-            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
-        _MALLOC_TRIM(0)
-
-
-_MALLOC_TRIM = None
 
 
 def quantize_linear(linear: nn.Linear, mode: str, group_size: int = 128, name: str = "") -> nn.Module:

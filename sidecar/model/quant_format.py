@@ -120,3 +120,21 @@ def quantize_weight(w: torch.Tensor, mode: str, group_size: int, scale_dtype: to
         return {"qweight": q, "scales": s}
     q, s, z = quantize_int4(w, group_size, scale_dtype, name)
     return {"qweight": q, "scales": s, "zeros": z}
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps freed blocks of the layer-by-layer
+    scratch otherwise, and peak RSS while quantizing on load grows with it). No-op elsewhere."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
