@@ -37,14 +37,21 @@ _KERNEL = cpu_build.Kernel("paged_attention", {
 available = _KERNEL.available
 
 
+def cache_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Whether our CPU attention kernels read these: CPU queries of a float dtype they take over a cache of the same
+    dtype, or an int8 cache with float32 scales [blocks, block_size, kv_heads] (see kv_quant)."""
+    kv_dtype = q.dtype if kv_scales is None else torch.int8
+    if q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != kv_dtype or v_cache.dtype != kv_dtype:
+        return False
+    return kv_scales is None or all(s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:3]
+                                    for s in kv_scales)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      ctx_lens: torch.Tensor, scale: float, window: Optional[int] = None,
                      kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
-    kv_dtype = q.dtype if kv_scales is None else torch.int8
-    if q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != kv_dtype or v_cache.dtype != kv_dtype:
-        return None
-    if kv_scales is not None and any(s.dtype != torch.float32 or not s.is_contiguous()
-                                     or s.shape != k_cache.shape[:3] for s in kv_scales):
+    if not cache_fits(q, k_cache, v_cache, kv_scales):
         return None
     lib = _KERNEL.lib()
     if lib is None:

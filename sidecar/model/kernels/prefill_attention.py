@@ -21,6 +21,7 @@ import torch
 
 from sidecar.model.kernels import cpu_build
 from sidecar.model.kernels.cpu_build import F, I, P
+from sidecar.model.kernels.paged_attention import cache_fits
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -39,11 +40,7 @@ def available() -> bool:
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                       ctx_len: int, scale: float, window: Optional[int] = None,
                       kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
-    kv_dtype = q.dtype if kv_scales is None else torch.int8
-    if q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != kv_dtype or v_cache.dtype != kv_dtype:
-        return None
-    if kv_scales is not None and any(s.dtype != torch.float32 or not s.is_contiguous()
-                                     or s.shape != k_cache.shape[:3] for s in kv_scales):
+    if not cache_fits(q, k_cache, v_cache, kv_scales):
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not available():
         return None
