@@ -1,6 +1,7 @@
 """Our CPU int4 decode kernel against its float64 reference, torch's packed layout, and Int4Linear's use of it."""
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -238,3 +239,5 @@ def test_a_checked_layer_gives_the_calls_bits_and_follows_its_buffers():
     y2 = q(x)
     assert q._cpu_layer is not first and q._cpu_layer.sz is q.scales_and_zeros
     assert (y2.float() - y.float()).abs().max() > 0
+    twin = copy.deepcopy(q)  # a copy drops the view (it holds a C function) and builds its own over its buffers
+    assert twin._cpu_layer is None and torch.equal(twin(x), y2) and twin._cpu_layer.weight is twin.weight

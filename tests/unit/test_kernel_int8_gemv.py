@@ -1,6 +1,8 @@
 """Our CPU int8 decode kernel against its torch reference, and Int8Linear's use of it."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -223,3 +225,5 @@ def test_int8_layer_follows_replaced_buffers_and_refuses_bad_activations():
         qlin._cpu_layer(torch.randn(2, 64), torch.float32)
     with pytest.raises(ValueError, match="96 float32 or bf16 inputs"):
         qlin._cpu_layer(x.half(), torch.float32)
+    twin = copy.deepcopy(qlin)  # the copy drops the view (a C function) and builds its own over its buffers
+    assert twin._cpu_layer is None and torch.equal(twin(x), qlin(x)) and twin._cpu_layer.weight is twin.weight
