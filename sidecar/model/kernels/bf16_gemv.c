@@ -92,6 +92,15 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
  * each FMA pairs them with the activations' matching even or odd half. Every sum is float32 FMAs over exact bf16
  * products in one fixed order (per chunk: the even, then the odd values of its first half, then of its second),
  * whatever the batch and the layout. */
+/* out[i] = sum of the 8 lanes of a_i (the AVX2 path also runs on AVX-512 CPUs without BF16, where vec.h's vf is
+ * 512 bits wide) */
+static inline void sum4_256(__m256 a0, __m256 a1, __m256 a2, __m256 a3, float* out) {
+    const __m256 t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    const __m256 t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, 0x44), _mm256_shuffle_ps(t01, t23, 0xEE));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+}
+
 static inline __attribute__((always_inline)) void dot_tile(const float* x, const uint16_t* w, int64_t K,
                                                            const int MB, const int NB, const int64_t row_step,
                                                            const int64_t chunk_step, const int prefetch,
@@ -120,10 +129,10 @@ static inline __attribute__((always_inline)) void dot_tile(const float* x, const
     }
     for (int i = 0; i < MB; i++) {
         if (NB == NT) {
-            v_sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3], out + i * NB);
+            sum4_256(acc[i][0], acc[i][1], acc[i][2], acc[i][3], out + i * NB);
         } else {
             float four[NT];
-            v_sum4(acc[i][0], acc[i][0], acc[i][0], acc[i][0], four);
+            sum4_256(acc[i][0], acc[i][0], acc[i][0], acc[i][0], four);
             out[i * NB] = four[0];
         }
     }
