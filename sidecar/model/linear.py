@@ -121,16 +121,11 @@ class Linear(nn.Linear):
             if layer is not None:
                 y = layer(x.reshape(-1, self.in_features))
                 return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-        if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and self.in_features % 32 == 0
-                and x.numel() <= self.kernel_rows * self.in_features and bf16_gemv.available()):
-            rows = x.reshape(-1, self.in_features)
-            y = None
-            if tiled is not None and tiled.dtype == torch.bfloat16:
-                y = bf16_gemv.bf16_matmul_tiled(rows, tiled, self.out_features, self.bias, torch.bfloat16)
-            elif w is not None and w.dtype == torch.bfloat16:
-                y = bf16_gemv.bf16_matmul(rows, w, self.bias, torch.bfloat16)
-            if y is not None:
-                return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        if (w is not None and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+                and self.in_features % 32 == 0 and x.numel() <= self.kernel_rows * self.in_features
+                and bf16_gemv.available()):  # a shared plain weight (a tied table), read in place
+            y = bf16_gemv.bf16_matmul(x.reshape(-1, self.in_features), w, self.bias, torch.bfloat16)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [None], "")
         return F.linear(x, self.dense_weight(), self.bias)

@@ -124,11 +124,7 @@ def bf16_matmul_tiled(x: torch.Tensor, tiled: torch.Tensor, n: int, bias: Option
     return _call(lib.sidecar_bf16_matmul_tiled, "bf16_matmul_tiled", x, tiled, n, bias, out_dtype)
 
 
-def _dropped() -> None:
-    return None
-
-
-class TiledLayer:
+class TiledLayer(cpu_build.LayerView):
     """A layer's tiled weight (``tile_weight`` of n rows) and bias checked once, so that a call checks only the
     activations (the checks around the product cost as much as a small layer's product in a decode step).
     ``matches`` says whether it still holds these tensors."""
@@ -148,10 +144,6 @@ class TiledLayer:
         self.tiled, self.bias, self.n, self.k = tiled, bias, n, k
         self.bias_bf16 = bias is not None and bias.dtype == torch.bfloat16
         self.fn = lib.sidecar_bf16_matmul_tiled
-
-    def __reduce__(self):
-        """Copies and pickles of a module drop this view (it holds a C function); the copy builds its own."""
-        return (_dropped, ())
 
     def matches(self, tiled: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         return tiled is self.tiled and bias is self.bias and (bias is None or bias.is_contiguous())

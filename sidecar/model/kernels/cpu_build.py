@@ -138,3 +138,18 @@ class Kernel:
 
     def available(self) -> bool:
         return self.lib() is not None
+
+
+def _dropped() -> None:
+    return None
+
+
+class LayerView:
+    """Base of the kernels' checked views of a layer's operands (``int4_gemv.Layer``, ``int8_gemv.Layer``,
+    ``bf16_gemv.TiledLayer``): a copy or pickle of the module holding one drops it (it holds a C function),
+    and the copy builds its own over its own buffers."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return (_dropped, ())

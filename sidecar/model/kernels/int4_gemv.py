@@ -122,11 +122,7 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_a
     return y
 
 
-def _dropped() -> None:
-    return None
-
-
-class Layer:
+class Layer(cpu_build.LayerView):
     """One layer's static operands (``weight``, ``group_size``, ``scales_and_zeros`` as ``int4_matmul`` takes
     them, torch's layout) checked once, so that a call checks only the activations: in a decode step the
     checks and conversions around the product cost more than the product itself for most layers (~45 of
@@ -148,10 +144,6 @@ class Layer:
         self.weight, self.sz = weight, scales_and_zeros
         self.n, self.k = n, k
         self.fn = (lib.sidecar_int4_matmul, group_size, layout[0], int(layout[1]))
-
-    def __reduce__(self):
-        """Copies and pickles of a module drop this view (it holds a C function); the copy builds its own."""
-        return (_dropped, ())
 
     def matches(self, weight: torch.Tensor, scales_and_zeros: torch.Tensor) -> bool:
         return weight is self.weight and scales_and_zeros is self.sz

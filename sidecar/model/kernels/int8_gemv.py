@@ -90,11 +90,7 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
     return y
 
 
-def _dropped() -> None:
-    return None
-
-
-class Layer:
+class Layer(cpu_build.LayerView):
     """A layer's static operands for ``int8_linear`` (``weight``, ``scales``, ``bias``, ``grouped``) checked once,
     so that a call checks only the activations: in a decode step the checks around the product cost about
     as much as a small layer's product. ``matches`` says whether it still holds these tensors."""
@@ -115,10 +111,6 @@ class Layer:
         self.fn = lib.sidecar_int8_linear
         self.flags = ((_BIAS_BF16 if bias is not None and bias.dtype == torch.bfloat16 else 0)
                       | (_GROUPED if grouped else 0))
-
-    def __reduce__(self):
-        """Copies and pickles of a module drop this view (it holds a C function); the copy builds its own."""
-        return (_dropped, ())
 
     def matches(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         return weight is self.weight and scales is self.scales and bias is self.bias
