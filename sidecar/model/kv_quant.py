@@ -64,7 +64,10 @@ def allocate(num_blocks: int, block_size: int, nkv: int, hd: int, dtype: torch.d
 def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., hd] -> (codes [..., hd] of ``dtype``, scales [...] float32); see the module invariant."""
     xf = x.float()
-    scale = xf.abs().amax(-1) / QMAX[dtype]
+    amax = xf.abs().amax(-1)
+    # Divided by a tensor, not a Python number: CUDA multiplies by the reciprocal of a scalar divisor,
+    # which can land one unit off the division every other writer (the CPU, the Triton kernels) rounds.
+    scale = amax / amax.new_full((), QMAX[dtype])
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = xf / scale[..., None]
     if dtype == torch.int8:

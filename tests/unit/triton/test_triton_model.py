@@ -91,8 +91,12 @@ def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, dev
     assert torch.equal(fast.argmax(-1), ref.argmax(-1))
     # Quantized layers: with the path off, prefill-sized batches run torch's fused CPU kernels on bf16-rounded
     # activations (quant.kernel_dtype); the Triton kernels multiply float32 activations at full precision.
-    tol = 1e-2 if quant else 2e-4
-    torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
+    # On CUDA both paths compute those layers in bf16, rounding at different points: bf16's error, relative.
+    if quant and device.type == "cuda":
+        assert float((fast - ref).norm() / ref.norm()) < 2e-2
+    else:
+        tol = 1e-2 if quant else 2e-4
+        torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
     _set(model.fast_paths, False)
     assert torch.equal(_run(model, device), ref)  # off again: today's path, bit for bit
 

@@ -1,0 +1,80 @@
+"""Device fast paths on this GPU for quantized KV caches and quantized weights: none falls back at the
+self-check; with int8/fp8 KV (float32 arithmetic) greedy output equals the eager reference of the same
+configuration; the Triton weight-only layers agree with the reference layers at the real model's shapes,
+split over K or not, for every decode-sized batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar import LLM, SamplingParams
+from sidecar.model.kernels import triton_wo
+from sidecar.model.kernels.gpu_paths import FastPaths
+from sidecar.model.quant import Int4Linear, Int8Linear
+from sidecar.model.quant_format import quantize_int4, quantize_int8
+from tests.gpu.test_decode_graphs import _greedy, _llm
+from tests.unit.test_engine_vs_hf import assert_pool_whole, make_prompts
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_paths_survive_and_match_eager(tiny_models, kv_cache_dtype):
+    fast = _llm(tiny_models["qwen2"], kv_cache_dtype=kv_cache_dtype)
+    eager = _llm(tiny_models["qwen2"], enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
+    info = fast.engine.model_info
+    assert info["fast_path_fallbacks"] == {}, info["fast_path_fallbacks"]
+    assert {"attention", "rope_kv", "norm", "silu_mul", "cuda_graphs"} <= set(info["fast_paths"])
+    prompts = make_prompts(9, 900, 3, 60, seed=5)
+    assert _greedy(fast, prompts) == _greedy(eager, prompts)
+    assert_pool_whole(fast)
+    assert_pool_whole(eager)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_weight_only_path_survives_the_self_check(tiny_models, quantization, dtype):
+    llm = LLM(model=str(tiny_models["qwen2"]), dtype=dtype, device="cuda", max_num_seqs=8, num_kv_blocks=128,
+              quantization=quantization, quant_group_size=32)
+    info = llm.engine.model_info
+    assert info["fast_path_fallbacks"] == {}, info["fast_path_fallbacks"]
+    assert "weight_only" in info["fast_paths"] and "cuda_graphs" in info["fast_paths"]
+    outs = llm.generate(make_prompts(4, 900, 3, 30, seed=7), SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [6] * 4
+    assert_pool_whole(llm)
+
+
+def _layer(mode: str, n: int, k: int, dtype: torch.dtype, bias: bool):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    b = torch.randn(n, generator=gen).to(dtype).cuda() if bias else None
+    if mode == "int8":
+        q, s = quantize_int8(w, torch.float32)
+        layer = Int8Linear(q.cuda(), s.cuda(), k, b, dtype)
+    else:
+        q, s, z = quantize_int4(w, 128, torch.float32)
+        layer = Int4Linear(q.cuda(), s.cuda(), z.cuda(), k, b, dtype)
+    paths = FastPaths()
+    layer.set_fast_paths(paths)
+    return layer.cuda(), paths
+
+
+# The Qwen2-0.5B decode layers (qkv with bias, o, gate/up, down): split over K where the columns alone
+# would leave multiprocessors idle, and not.
+@pytest.mark.parametrize("n,k,bias", [(1152, 896, True), (896, 896, False), (9728, 896, False), (896, 4864, False)])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_layers_match_the_reference_layers(mode, n, k, bias, dtype):
+    layer, paths = _layer(mode, n, k, dtype, bias)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, k, generator=gen).to(dtype).cuda()
+    with torch.inference_mode():
+        ref = layer(x).float()
+        paths.weight_only = True
+        for rows in (1, 3, 16, 64):
+            got = layer(x[:rows])
+            assert got.dtype == dtype and got.shape == (rows, n)
+            err = (got.float() - ref[:rows]).norm() / ref[:rows].norm()
+            assert err < 1e-2, (rows, err.item())  # both round the activations and outputs to bf16
+        assert torch.equal(layer(x[:1]), layer(x[:5])[:1])  # a row's result does not depend on its batch
+    parts = triton_wo.splits(n, k, triton_wo._block_n(n), triton_wo.INT8_BLOCK_K,
+                             torch.cuda.get_device_properties(0).multi_processor_count)[0]
+    assert (parts > 1) == (n <= 1152)
