@@ -87,6 +87,13 @@ class _QuantLinearBase(nn.Module, metaclass=abc.ABCMeta):
     def _takes_triton(self, x2d: torch.Tensor) -> bool:
         return self.fast_paths is not None and self.fast_paths.takes("weight_only", x2d)
 
+    @staticmethod
+    def _triton_input(x2d: torch.Tensor) -> torch.Tensor:
+        """On CUDA the Triton kernels take activations as torch's fused kernels there (the reference) do, in
+        the kernel dtype; under the interpreter as they are."""
+        kdt = kernel_dtype(x2d.dtype, x2d.device)
+        return x2d.to(kdt) if x2d.is_cuda and x2d.dtype != kdt else x2d
+
     @abc.abstractmethod
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         """[M, k_padded] activations in the layer's dtype -> [M, >= out_features] outputs."""
@@ -143,7 +150,7 @@ class Int8Linear(_QuantLinearBase):
         if self._takes_triton(x2d):
             from sidecar.model.kernels import triton_wo
 
-            y = triton_wo.int8_matmul(x2d, self.weight, self.scales_f32)
+            y = triton_wo.int8_matmul(self._triton_input(x2d), self.weight, self.scales_f32)
             if y is not None:  # None: more rows than a decode step, the fused path below
                 return y
         if x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and int8_gemv.available():
@@ -214,7 +221,7 @@ class Int4Linear(_QuantLinearBase):
         if self.qweight_plain is not None and self._takes_triton(x2d):
             from sidecar.model.kernels import triton_wo
 
-            y = triton_wo.int4_matmul(x2d, self.qweight_plain, sz, self.group_size)
+            y = triton_wo.int4_matmul(self._triton_input(x2d), self.qweight_plain, sz, self.group_size)
             if y is not None:  # None: more rows than a decode step, the fused path below
                 return y
         if (x2d.device.type == "cpu" and x2d.shape[0] <= int4_gemv.MAX_ROWS and sz.dtype == torch.bfloat16

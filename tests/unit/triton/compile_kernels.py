@@ -58,11 +58,16 @@ def main(arch: int) -> None:
         build(triton_ops._add_rms_norm, dict(h_ptr=p, d_ptr=p, w_ptr=p, s_ptr=p, out_ptr=p, dim="i32", eps="fp32"),
               dict(HAS_DELTA=True, BLOCK=1024, BF16=bf16), arch)
         build(triton_ops._silu_mul, dict(gu_ptr=p, out_ptr=p, inter="i32"), dict(BLOCK=1024, BF16=bf16), arch)
-        tiles = dict(BLOCK_M=16, BLOCK_N=32, F32=f32, BF16=bf16)
-        build(triton_wo._int8_mm, dict(x_ptr=p, w_ptr="*i8", s_ptr="*fp32", y_ptr=p, **ints("m n k s_xm s_wn s_ym")),
-              dict(tiles, BLOCK_K=64), arch)
-        build(triton_wo._int4_mm, dict(x_ptr=p, q_ptr="*u8", sz_ptr="*bf16", y_ptr=p,
-                                       **ints("m n k s_xm s_qn s_ym group_size")), dict(tiles, BLOCK_K=32), arch)
+        for split in (1, 4):  # the whole K in one program; ranges of K into float32 partials
+            tiles = dict(BLOCK_M=16, BLOCK_N=32, F32=f32, BF16=bf16, SPLIT=split)
+            build(triton_wo._int8_mm, dict(x_ptr=p, w_ptr="*i8", s_ptr="*fp32", y_ptr=p, p_ptr="*fp32",
+                                           **ints("m n k k_per s_xm s_wn s_ym")), dict(tiles, BLOCK_K=128), arch)
+            for block_k in (32, 128):
+                build(triton_wo._int4_mm, dict(x_ptr=p, q_ptr="*u8", sz_ptr="*bf16", y_ptr=p, p_ptr="*fp32",
+                                               **ints("m n k k_per s_xm s_qn s_ym group_size")),
+                      dict(tiles, BLOCK_K=block_k), arch)
+            build(triton_wo._sum_parts, dict(p_ptr="*fp32", s_ptr="*fp32", y_ptr=p, **ints("m n s_ym")),
+                  dict(SPLIT=split, SCALE=True, BLOCK=256, BF16=bf16), arch)
         print(f"sm_{arch} {dt}: every kernel compiles")
 
 
