@@ -10,7 +10,8 @@ float32 -- where torch's default CPU GEMM runs far below this AMD machine's spee
 ``F.linear``; float32 ones differ in summation order only.
 
 The packed layout replaces the plain weight, except where another module reads that
-weight too (a tied lm_head shares the embedding table). On CPUs where our AVX-512 BF16
+weight too (a tied lm_head shares the embedding table); a float32 table kept so serves the head's
+batches of up to ``F32_KERNEL_ROWS`` rows through our float32 kernel (``f32_gemv``), faster there. On CPUs where our AVX-512 BF16
 kernel runs, bf16 weights whose copies fit in a tenth of the machine's memory also get a
 copy in that kernel's tiled layout (``bf16_gemv.tile_weight``), which replaces the plain
 one: bf16 batches of up to ``kernel_rows`` rows take the kernel on it, which decodes one
@@ -39,11 +40,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sidecar.model.kernels import bf16_gemv, cpu_build
+from sidecar.model.kernels import bf16_gemv, cpu_build, f32_gemv
 
 log = logging.getLogger("sidecar.model")
 
 UNLIMITED_ROWS = 1 << 62  # kernel_rows of a layer our kernel takes at every batch size (no oneDNN bf16 here)
+# A float32 layer kept plain beside its packed copy (a tied head) takes our float32 kernel up to this many rows:
+# measured on a 2-core Zen 3, Qwen2-0.5B's head (151,936 x 896), against oneDNN on the packed copy: 1.15x at one
+# row, 1.5-1.6x at 2-4, 1.3x at 8, even at 16, slower from there (the kernel reads the weight once per call, but
+# its register tiles of 3 rows x 4 weight rows run under oneDNN's arithmetic rate).
+F32_KERNEL_ROWS = 8
 PACK_ROWS_HINT = 32  # the batch size oneDNN picks its blocking for; measured best for 1-1024 rows
 # bf16 weights get a copy in our kernel's tiled layout beside the packed one (for its small batches) while
 # those copies take at most this share of the machine's memory.
@@ -125,6 +131,12 @@ class Linear(nn.Linear):
                 and self.in_features % 32 == 0 and x.numel() <= self.kernel_rows * self.in_features
                 and bf16_gemv.available()):  # a shared plain weight (a tied table), read in place
             y = bf16_gemv.bf16_matmul(x.reshape(-1, self.in_features), w, self.bias, torch.bfloat16)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        if (packed is not None and w is not None and x.dtype is torch.float32 and w.dtype is torch.float32
+                and x.numel() <= F32_KERNEL_ROWS * self.in_features and f32_gemv.takes(w)):
+            # A float32 weight kept plain beside its packed copy (a tied head's table): few rows stream faster
+            # through our kernel on the plain rows than through oneDNN on the packed ones.
+            y = f32_gemv.f32_matmul(x.reshape(-1, self.in_features), w, self.bias)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if packed is not None and x.dtype == packed.dtype and x.device.type == "cpu":
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [None], "")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from sidecar.config import EngineConfig
 from sidecar.model import linear as linear_mod
-from sidecar.model.kernels import bf16_gemv
+from sidecar.model.kernels import bf16_gemv, f32_gemv
 from sidecar.model.linear import Linear, TiledEmbedding, can_pack, pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
@@ -171,6 +171,25 @@ def test_tied_bf16_head_takes_our_kernel_for_small_batches_only(monkeypatch):
         assert calls == list(sizes)
     else:
         assert calls == ([1, limit] if bf16_gemv.available() and limit > 1 else [1] if bf16_gemv.available() else [])
+
+
+@pytest.mark.skipif(not can_pack(torch.zeros(4, 64)), reason="needs oneDNN and our CPU kernels")
+def test_tied_float32_head_takes_our_kernel_for_few_rows_only(monkeypatch):
+    m = _tiny_model(torch.float32)
+    table = m.embed_tokens.weight.detach().clone()
+    pack_weights(m)
+    assert m.lm_head.packed is not None and m.lm_head.weight is m.embed_tokens.weight  # the one plain copy
+    calls = []
+    monkeypatch.setattr(f32_gemv, "f32_matmul", lambda x, *a, real=f32_gemv.f32_matmul: calls.append(x.shape[0])
+                        or real(x, *a))
+    limit = linear_mod.F32_KERNEL_ROWS
+    for rows in (1, 3, limit, limit + 1, 40):
+        h = torch.randn(rows, 64)
+        ref = h.double() @ table.double().T
+        assert (m.compute_logits(h).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert calls == ([1, 3, limit] if f32_gemv.available() else [])
+    h = torch.randn(2, 3, 64)  # a 3-d batch keeps its shape
+    assert m.lm_head(h).shape == (2, 3, m.lm_head.out_features) and calls[-1] == 6
 
 
 def test_load_model_packs_on_cpu_unless_asked_not_to(demo_dir):
