@@ -8,7 +8,6 @@ import torch
 from sidecar import LLM, SamplingParams
 from sidecar.engine.input_buffers import DecodeRow
 from sidecar.model.attention import AttentionMetadata, PrefillSegment
-from sidecar.model.kernels import triton_ops
 from tests.unit.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
 
 MAX_NEW = 8
@@ -126,6 +125,10 @@ def test_replay_follows_changed_buffers(tiny_models):
 
 
 def test_self_check_falls_back_when_a_kernel_fails(tiny_models, prompts, monkeypatch):
+    # Imported here: a Triton module imported at collection on CPU would be built before tests/unit/triton
+    # turns the interpreter on for the session.
+    from sidecar.model.kernels import triton_ops
+
     llm = _llm(tiny_models["llama"])
     runner = llm.engine.runner
     before = _greedy(llm, prompts[:3])
