@@ -153,8 +153,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         paths = self.fast_paths
-        # With an int8 cache the rope + KV-write kernels (Triton, CPU) quantize on write; an fp8 one is written
-        # by paged_attention through kv_quant.write after the torch rope.
+        # With a quantized cache the rope + KV-write kernels quantize on write (Triton: int8 and fp8; CPU: int8);
+        # otherwise paged_attention writes it through kv_quant.write after the torch rope.
         scales = kv[2:] if len(kv) == 4 else None
         ops = _triton(paths, "rope_kv", qkv)
         fused = None

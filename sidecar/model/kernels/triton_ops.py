@@ -4,8 +4,8 @@
   ``rope_kv.rope_store_kv``: rotary embedding of q and k out of the fused qkv projection [T, (nh+2nkv) hd]
   (rotate-half's sign folded into ``sin``), rope(k) and v written to the caches at ``slots``; returns
   ``(q [T, nh, hd], k [T, nkv, hd] or None, v view of qkv)``. A negative slot writes nothing (a padded
-  row of a fixed-size batch). With ``kv_scales`` (an int8 cache) rope(k) and v are quantized on write,
-  bit for bit as ``kv_quant.write``.
+  row of a fixed-size batch). With ``kv_scales`` (an int8 or fp8 e4m3 cache) rope(k) and v are quantized
+  on write, bit for bit as ``kv_quant.write``.
 - ``add_rms_norm(h, delta, weight, eps)``: as ``norm_act.add_rms_norm``: ``s = h + delta`` (``h`` without
   a delta), returns ``(weight * rms_norm(s), s)``.
 - ``silu_mul(gu)``: as ``norm_act.silu_mul``: ``silu(gate) * up`` over [T, 2I] -> [T, I].
@@ -30,27 +30,50 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _store_codes(c_ptr, s_ptr, slot, h, x, d, ok, NKV: tl.constexpr, HD: tl.constexpr):
-    """int8 codes and scale of one row, as ``kv_quant.quantize``: s = max|x| / 127 (1 for a zero row),
-    codes = round-half-even(x / s) in [-127, 127]; IEEE divisions, so the codes are torch's bit for bit."""
-    xf = x.to(tl.float32)
-    amax = tl.max(tl.where(ok, tl.abs(xf), 0.0), 0)
-    scale = tl.math.div_rn(amax, 127.0)
-    scale = tl.where(scale > 0, scale, 1.0)
-    y = tl.math.div_rn(xf, scale)
+def _round_half_even(y):
     fl = tl.floor(y)
     frac = y - fl
     odd = fl - 2.0 * tl.floor(fl * 0.5)  # 1 for an odd floor, else 0
-    r = tl.where(frac > 0.5, fl + 1.0, tl.where(frac < 0.5, fl, fl + odd))
-    r = tl.minimum(tl.maximum(r, -127.0), 127.0)
-    tl.store(c_ptr + slot * (NKV * HD) + h * HD + d, r.to(tl.int8), mask=ok)
+    return tl.where(frac > 0.5, fl + 1.0, tl.where(frac < 0.5, fl, fl + odd))
+
+
+@triton.jit
+def _e4m3_bits(y):
+    """float32 ``y`` with |y| <= 448 -> the byte of its float8 e4m3fn value, rounded to nearest even as torch's
+    conversion rounds (subnormals included), from the bits: the interpreter has no fp8 type."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = (bits >> 31) << 7
+    a = bits & 0x7FFFFFFF
+    # Normal (|y| >= 2^-6): round the 23-bit mantissa to 3 at bit 20 (a carry moves into the exponent), rebias 127 -> 7.
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
+    # Subnormal: multiples of 2^-9, rounded half to even (8 of them is the smallest normal, code 8: the same byte).
+    sub = _round_half_even(tl.abs(y) * 512.0).to(tl.uint32)
+    return (tl.where(a >= 0x3C800000, normal, sub) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _store_codes(c_ptr, s_ptr, slot, h, x, d, ok, NKV: tl.constexpr, HD: tl.constexpr, FP8: tl.constexpr):
+    """Codes and scale of one row, as ``kv_quant.quantize``: s = max|x| / QMAX (1 for a zero row); int8:
+    codes = round-half-even(x / s) in [-127, 127]; fp8 (``c_ptr`` the cache's bytes): x / s clamped to
+    +-448 in e4m3, rounded to nearest even. IEEE divisions, so the codes are torch's bit for bit."""
+    xf = x.to(tl.float32)
+    amax = tl.max(tl.where(ok, tl.abs(xf), 0.0), 0)
+    scale = tl.math.div_rn(amax, 448.0 if FP8 else 127.0)
+    scale = tl.where(scale > 0, scale, 1.0)
+    y = tl.math.div_rn(xf, scale)
+    at = c_ptr + slot * (NKV * HD) + h * HD + d
+    if FP8:
+        tl.store(at, _e4m3_bits(tl.minimum(tl.maximum(y, -448.0), 448.0)), mask=ok)
+    else:
+        r = tl.minimum(tl.maximum(_round_half_even(y), -127.0), 127.0)
+        tl.store(at, r.to(tl.int8), mask=ok)
     tl.store(s_ptr + slot * NKV + h, scale)
 
 
 @triton.jit
 def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, q_ptr, k_ptr, s_qkv, s_kc_slot,
              NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr, WANT_K: tl.constexpr,
-             QUANT: tl.constexpr, BF16: tl.constexpr):
+             QUANT: tl.constexpr, FP8: tl.constexpr, BF16: tl.constexpr):
     t = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads of the fused projection
     d = tl.arange(0, D_PAD)
@@ -72,14 +95,14 @@ def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr
             kh = head - NH
             if slot >= 0:
                 if QUANT:
-                    _store_codes(kc_ptr, ks_ptr, slot, kh, y, d, ok, NKV, HD)
+                    _store_codes(kc_ptr, ks_ptr, slot, kh, y, d, ok, NKV, HD, FP8)
                 else:
                     tl.store(kc_ptr + slot * s_kc_slot + kh * HD + d, y, mask=ok)
             if WANT_K:
                 tl.store(k_ptr + (t * NKV + kh) * HD + d, y, mask=ok)
     elif slot >= 0:
         if QUANT:
-            _store_codes(vc_ptr, vs_ptr, slot, head - NH - NKV, x, d, ok, NKV, HD)
+            _store_codes(vc_ptr, vs_ptr, slot, head - NH - NKV, x, d, ok, NKV, HD, FP8)
         else:
             tl.store(vc_ptr + slot * s_kc_slot + (head - NH - NKV) * HD + d, x, mask=ok)
 
@@ -94,11 +117,12 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
         return None
     t = qkv.shape[0]
     quant = kv_scales is not None
-    if quant and (k_cache.dtype != torch.int8 or v_cache.dtype != torch.int8  # fp8: the torch path writes it
+    fp8 = quant and k_cache.dtype == torch.float8_e4m3fn
+    if quant and (k_cache.dtype not in (torch.int8, torch.float8_e4m3fn)
                   or any(x.dtype != torch.float32 or not x.is_contiguous() or x.shape != k_cache.shape[:-1]
                          for x in kv_scales)):
         return None
-    cache_dtype = torch.int8 if quant else dtype
+    cache_dtype = k_cache.dtype if quant else dtype
     if (any(x.dtype != dtype or not x.is_contiguous() for x in (cos, sin))
             or any(x.dtype != cache_dtype or not x.is_contiguous() for x in (k_cache, v_cache))
             or cos.numel() != t * hd or sin.numel() != t * hd or slots.dtype not in (torch.int32, torch.int64)
@@ -108,10 +132,11 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
     k = torch.empty(t, nkv, hd, dtype=dtype, device=qkv.device) if want_k else None
     if t:
         ks, vs = kv_scales if quant else (q, q)  # unused without QUANT
-        _rope_kv[(t, nh + 2 * nkv)](qkv, cos, sin, slots.contiguous(), k_cache, v_cache, ks, vs, q,
+        kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)  # the bytes
+        _rope_kv[(t, nh + 2 * nkv)](qkv, cos, sin, slots.contiguous(), kc, vc, ks, vs, q,
                                     q if k is None else k, qkv.stride(0), nkv * hd,
                                     NH=nh, NKV=nkv, HD=hd, D_PAD=triton.next_power_of_2(hd), WANT_K=want_k,
-                                    QUANT=quant, BF16=dtype == torch.bfloat16, enable_fp_fusion=False)
+                                    QUANT=quant, FP8=fp8, BF16=dtype == torch.bfloat16, enable_fp_fusion=False)
     return q, k, qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
 
 

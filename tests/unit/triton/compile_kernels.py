@@ -49,12 +49,13 @@ def main(arch: int) -> None:
         build(triton_attention._decode_reduce,
               dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=p, **ints("n_parts s_ob s_oh")),
               dict(HEAD_DIM=64, D_PAD=64, P_PAD=8, BF16=bf16), arch)
-        for quant in (False, True):  # plain cache; int8 codes + float32 scales
-            c, sc = ("*i8", "*fp32") if quant else (p, p)
+        for codes in (None, "*i8", "*u8"):  # plain cache; int8 codes; fp8 e4m3 codes as bytes (+ float32 scales)
+            c, sc = (codes, "*fp32") if codes else (p, p)
             build(triton_ops._rope_kv,
                   dict(qkv_ptr=p, cos_ptr=p, sin_ptr=p, slot_ptr="*i64", kc_ptr=c, vc_ptr=c, ks_ptr=sc, vs_ptr=sc,
                        q_ptr=p, k_ptr=p, **ints("s_qkv s_kc_slot")),
-                  dict(NH=14, NKV=2, HD=64, D_PAD=64, WANT_K=True, QUANT=quant, BF16=bf16), arch)
+                  dict(NH=14, NKV=2, HD=64, D_PAD=64, WANT_K=True, QUANT=codes is not None, FP8=codes == "*u8",
+                       BF16=bf16), arch)
         build(triton_ops._add_rms_norm, dict(h_ptr=p, d_ptr=p, w_ptr=p, s_ptr=p, out_ptr=p, dim="i32", eps="fp32"),
               dict(HAS_DELTA=True, BLOCK=1024, BF16=bf16), arch)
         build(triton_ops._silu_mul, dict(gu_ptr=p, out_ptr=p, inter="i32"), dict(BLOCK=1024, BF16=bf16), arch)

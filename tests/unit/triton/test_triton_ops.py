@@ -123,5 +123,47 @@ def test_rope_store_kv_quantizes_on_write_as_kv_quant(dtype, device):
         for got, want in zip(cache, ref):
             assert torch.equal(got, want)
     assert torch.equal(cache[1].view(-1, nkv, hd)[slots[2], 0, :4].cpu(), torch.tensor([127, 0, 2, 2], dtype=torch.int8))
-    fp8 = kv_quant.allocate(blocks, bs, nkv, hd, torch.float8_e4m3fn, torch.device(device))
-    assert triton_ops.rope_store_kv(qkv, cos, sin, slots, fp8[0], fp8[1], nh, nkv, hd, True, kv_scales=fp8[2:]) is None
+
+
+# e4m3 rounding cases at scale 1 (the row's largest value is 448): halfway between normals (to the even
+# mantissa), subnormals (multiples of 2^-9) and their halves, the largest subnormal rounding up into the smallest
+# normal, a carry into the exponent, negative zero and the sign.
+_E4M3_ROW = [448.0, 1.0625, 1.1875, -1.1875, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -6 - 2.0 ** -10, 2.0 ** -6,
+             -5 * 2.0 ** -10, 15.5, 31.0, 0.0, -0.0, 232.0, 1.0 + 2.0 ** -4 + 2.0 ** -20, -448.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_kv_writes_fp8_as_kv_quant(dtype, device):
+    """With an fp8 e4m3 cache the kernel stores kv_quant.write's bytes and scales for rope(k) and v."""
+    from sidecar.model import kv_quant
+
+    g = torch.Generator().manual_seed(4)
+    t, nh, nkv, hd, bs, blocks = 5, 4, 2, 16, 4, 5
+    to = dict(dtype=dtype, device=device)
+    qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 4).to(**to)
+    vo = (nh + nkv) * hd
+    qkv[1, vo:vo + hd] = 0  # a zero V row: scale 1
+    if dtype == torch.float32:  # the rounding cases need float32 inputs to reach the kernel as they are
+        qkv[3, vo:vo + hd] = torch.tensor(_E4M3_ROW)
+    ang = torch.randn(t, 1, hd, generator=g)
+    sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2)))
+    cos, sin = ang.cos().to(**to), (ang.sin() * sign).to(**to)
+    slots = torch.randperm(bs * blocks, generator=g)[:t].to(device)
+    cache = kv_quant.allocate(blocks, bs, nkv, hd, torch.float8_e4m3fn, torch.device(device))
+    for x in cache:
+        x.view(torch.uint8).zero_() if x.dtype == torch.float8_e4m3fn else x.zero_()
+    ref = tuple(x.clone() for x in cache)
+    assert triton_ops.rope_store_kv(qkv, cos, sin, slots.int(), cache[0], cache[1], nh, nkv, hd, True,
+                                    kv_scales=cache[2:]) is not None
+    _, rk, rv = _rope_torch(qkv, cos, sin, slots, torch.zeros(blocks, bs, nkv, hd, **to),
+                            torch.zeros(blocks, bs, nkv, hd, **to), nh, nkv, hd)
+    kv_quant.write(ref, rk, rv, slots)
+    bits = lambda x: x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x  # noqa: E731
+    assert torch.equal(bits(cache[1]), bits(ref[1])) and torch.equal(cache[3], ref[3])  # V: no rope, exact
+    if torch.cuda.is_available():  # rope may round differently: K codes within one step
+        assert (bits(cache[0]).int() - bits(ref[0]).int()).abs().max() <= 1
+    else:
+        assert torch.equal(bits(cache[0]), bits(ref[0])) and torch.equal(cache[2], ref[2])
+    if dtype == torch.float32:
+        row = bits(cache[1]).view(-1, nkv, hd)[slots[3], 0].cpu()
+        assert torch.equal(row, torch.tensor(_E4M3_ROW).to(torch.float8_e4m3fn).view(torch.uint8))
