@@ -33,9 +33,9 @@ test-java: venv
 	cd java-client && $(MVN) -B -ntp verify -Dsidecar.python=$(PY) -Dsidecar.repo=$(CURDIR)
 
 # On a machine with a CUDA GPU: the CUDA-only tests and the Triton kernel tests (on the GPU there, in the
-# interpreter elsewhere), then the throughput bench on the GPU against HF transformers on the same device. It runs with the machine's own python and its preinstalled torch,
-# Triton and transformers (GPU hosts often have no network), so it bootstraps no virtualenv; GPU_PYTHON
-# picks the interpreter.
+# interpreter elsewhere), then the throughput bench on the GPU against HF transformers on the same device.
+# It runs with the machine's own python and its preinstalled torch, Triton and transformers (GPU hosts
+# often have no network), so it bootstraps no virtualenv; GPU_PYTHON picks the interpreter.
 GPU_PYTHON ?= python3
 test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu tests/unit/triton

@@ -9,23 +9,22 @@ float32 -- where torch's default CPU GEMM runs far below this AMD machine's spee
 4.3x faster at 32 rows and 4.1x at one row. bf16 results are bit-identical to
 ``F.linear``; float32 ones differ in summation order only.
 
-The packed layout replaces the plain weight, except where another module reads that
-weight too (a tied lm_head shares the embedding table); a float32 table kept so serves the head's
-batches of up to ``F32_KERNEL_ROWS`` rows through our float32 kernel (``f32_gemv``), faster there. On CPUs where our AVX-512 BF16
-kernel runs, bf16 weights whose copies fit in a tenth of the machine's memory also get a
-copy in that kernel's tiled layout (``bf16_gemv.tile_weight``), which replaces the plain
-one: bf16 batches of up to ``kernel_rows`` rows take the kernel on it, which decodes one
-row faster than oneDNN on the packed weight (~7-12% from plain rows on Zen 5, whole
-Qwen2-0.5B; the tiled rows stream ~12% faster again on Zen 4); larger batches take the
-packed one. A shared weight stays plain and the kernel reads it in place. ``kernel_rows``
-(at most ``bf16_gemv.MAX_ROWS``) is measured once at pack time, where oneDNN overtakes the
-kernel on this CPU (``bf16_gemv.measure_rows_limit``).
+The packed layout replaces the plain weight, except where another module reads that weight too (a tied lm_head
+shares the embedding table); a float32 table kept so serves the head's batches of up to ``F32_KERNEL_ROWS``
+rows through our float32 kernel (``f32_gemv``), faster there. On CPUs where our AVX-512 BF16 kernel runs, bf16
+weights whose copies fit in a tenth of the machine's memory also get a copy in that kernel's tiled layout
+(``bf16_gemv.tile_weight``), which replaces the plain one: bf16 batches of up to ``kernel_rows`` rows take the
+kernel on it, which decodes one row faster than oneDNN on the packed weight (~7-12% from plain rows on Zen 5,
+whole Qwen2-0.5B; the tiled rows stream ~12% faster again on Zen 4); larger batches take the packed one. A
+shared weight stays plain and the kernel reads it in place. ``kernel_rows`` (at most ``bf16_gemv.MAX_ROWS``)
+is measured once at pack time, where oneDNN overtakes the kernel on this CPU
+(``bf16_gemv.measure_rows_limit``).
 
-Where oneDNN has no bf16 GEMM (AVX2-only CPUs: AMD Zen 2/3, older Intel), torch's bf16 matmul
-is its own slow loop (measured on a 2-core Zen 3, a 4,864 x 896 layer: ~17 GFLOP/s from 16 rows up, a
-sixth of our kernel; 2.5x its time at one row), and our kernel's AVX2 path (bf16 widened to float32, FMAs) takes bf16 layers of every batch size: their
-weights are held in its tiled layout alone (``tile_only``), the plain copy dropped, so bf16 costs half
-the memory of float32 there as everywhere.
+Where oneDNN has no bf16 GEMM (AVX2-only CPUs: AMD Zen 2/3, older Intel), torch's bf16 matmul is its own slow
+loop (measured on a 2-core Zen 3, a 4,864 x 896 layer: ~17 GFLOP/s from 16 rows up, a sixth of our kernel;
+2.5x its time at one row), and our kernel's AVX2 path (bf16 widened to float32, FMAs) takes bf16 layers of
+every batch size: their weights are held in its tiled layout alone (``tile_only``), the plain copy dropped, so
+bf16 costs half the memory of float32 there as everywhere.
 
 ``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the
 reference the fast paths are tested against.
