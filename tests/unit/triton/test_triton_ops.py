@@ -90,23 +90,33 @@ def test_ops_refuse_inputs_they_do_not_take(device):
     assert triton_ops.add_rms_norm(h, None, torch.ones(9, device=device), 1e-6) is None
 
 
+_Q = (4, 2, 16, 4, 5)  # the quantized-cache cases: q heads, KV heads, head dim, block size, blocks
+
+
+def _quant_case(seed: int, t: int, v_rows: dict, to: dict):
+    """(qkv [t, ...], cos, sin, slots) of random tokens, the first V head of each token in ``v_rows`` set."""
+    nh, nkv, hd, bs, blocks = _Q
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 4).to(**to)
+    vo = (nh + nkv) * hd
+    for row, values in v_rows.items():
+        qkv[row, vo:vo + hd] = torch.tensor(values)
+    ang = torch.randn(t, 1, hd, generator=g)
+    sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2)))
+    slots = torch.randperm(bs * blocks, generator=g)[:t].to(to["device"])
+    return qkv, ang.cos().to(**to), (ang.sin() * sign).to(**to), slots
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_store_kv_quantizes_on_write_as_kv_quant(dtype, device):
     """With an int8 cache the kernel stores kv_quant.write's codes and scales for rope(k) and v: an all-zero
     row (scale 1) and exact halves (round half to even) included."""
     from sidecar.model import kv_quant
 
-    g = torch.Generator().manual_seed(3)
-    t, nh, nkv, hd, bs, blocks = 6, 4, 2, 16, 4, 5
+    nh, nkv, hd, bs, blocks = _Q
     to = dict(dtype=dtype, device=device)
-    qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 4).to(**to)
-    vo = (nh + nkv) * hd
-    qkv[1, vo:vo + hd] = 0  # a zero V row
-    qkv[2, vo:vo + hd] = torch.tensor([254.0] + [float(2 * i + 1) for i in range(hd - 1)])  # scale 2: halves
-    ang = torch.randn(t, 1, hd, generator=g)
-    sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2)))
-    cos, sin = ang.cos().to(**to), (ang.sin() * sign).to(**to)
-    slots = torch.randperm(bs * blocks, generator=g)[:t].to(device)
+    halves = [254.0] + [float(2 * i + 1) for i in range(hd - 1)]  # scale 2: exact halves
+    qkv, cos, sin, slots = _quant_case(3, 6, {1: [0.0] * hd, 2: halves}, to)  # a zero V row: scale 1
     cache = kv_quant.allocate(blocks, bs, nkv, hd, torch.int8, torch.device(device))
     for x in cache:
         x.zero_()
@@ -137,18 +147,12 @@ def test_rope_store_kv_writes_fp8_as_kv_quant(dtype, device):
     """With an fp8 e4m3 cache the kernel stores kv_quant.write's bytes and scales for rope(k) and v."""
     from sidecar.model import kv_quant
 
-    g = torch.Generator().manual_seed(4)
-    t, nh, nkv, hd, bs, blocks = 5, 4, 2, 16, 4, 5
+    nh, nkv, hd, bs, blocks = _Q
     to = dict(dtype=dtype, device=device)
-    qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 4).to(**to)
-    vo = (nh + nkv) * hd
-    qkv[1, vo:vo + hd] = 0  # a zero V row: scale 1
+    rows = {1: [0.0] * hd}  # a zero V row: scale 1
     if dtype == torch.float32:  # the rounding cases need float32 inputs to reach the kernel as they are
-        qkv[3, vo:vo + hd] = torch.tensor(_E4M3_ROW)
-    ang = torch.randn(t, 1, hd, generator=g)
-    sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2)))
-    cos, sin = ang.cos().to(**to), (ang.sin() * sign).to(**to)
-    slots = torch.randperm(bs * blocks, generator=g)[:t].to(device)
+        rows[3] = _E4M3_ROW
+    qkv, cos, sin, slots = _quant_case(4, 5, rows, to)
     cache = kv_quant.allocate(blocks, bs, nkv, hd, torch.float8_e4m3fn, torch.device(device))
     for x in cache:
         x.view(torch.uint8).zero_() if x.dtype == torch.float8_e4m3fn else x.zero_()
