@@ -5,9 +5,15 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in the interpreter (tests/unit/triton). TRITON_INTERPRET is read when a kernel
+# is decorated, so it is set here, before any test module can import a kernel module, whatever the collection
+# order. Every FastPaths field is off by default, so it changes no test that does not turn a Triton path on.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.3)

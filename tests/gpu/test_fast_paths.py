@@ -62,7 +62,7 @@ def _layer(mode: str, n: int, k: int, dtype: torch.dtype, bias: bool):
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_layers_match_the_reference_layers(mode, n, k, bias, dtype):
-    from sidecar.model.kernels import triton_wo  # not at collection: see test_decode_graphs
+    from sidecar.model.kernels import triton_wo  # here: a CPU-only install may lack Triton
 
     layer, paths = _layer(mode, n, k, dtype, bias)
     gen = torch.Generator().manual_seed(1)

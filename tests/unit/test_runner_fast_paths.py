@@ -18,7 +18,7 @@ MAX_NEW = 10
 @pytest.fixture(autouse=True)
 def _no_triton_interpreter(monkeypatch):
     """These tests stand simulated kernels behind the switches on the CPU code paths; with Triton's
-    interpreter on (tests/unit/triton sets it for the session), a switched-on path would run the Triton
+    interpreter on (the root conftest sets it for the session without a GPU), a switched-on path would run the Triton
     kernel on CPU tensors instead of the simulated one."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
