@@ -62,7 +62,8 @@ class DecodeInputs:
         pin = device.type == "cuda"
         self.staging = torch.zeros(total, dtype=torch.long, pin_memory=pin)
         self._host = self.staging.numpy()
-        self.buffer = torch.zeros(total, dtype=torch.long, device=device)
+        # On the CPU the staging buffer is the buffer: nothing to copy.
+        self.buffer = self.staging if device.type == "cpu" else torch.zeros(total, dtype=torch.long, device=device)
         m = max_batch
         self.ids, self.positions, self.slots, self.ctx_lens, self.sample_rows = (
             self.buffer[i * m:(i + 1) * m] for i in range(5))
@@ -94,17 +95,20 @@ class DecodeInputs:
             h[2 * m + n:2 * m + bucket] = [j % bs for j in range(pad)]
             h[3 * m + n:3 * m + bucket] = 1
         h[4 * m:4 * m + len(sample)] = sample
-        flat: list[int] = []
-        for r in rows:
-            if len(r.table) > width:
-                raise ValueError(f"decode batch: a block table of {len(r.table)} blocks exceeds {width} columns")
-            flat.extend(r.table)
-            flat.extend([0] * (width - len(r.table)))
         off = self._table_off
-        h[off:off + n * width] = flat
+        if any(len(r.table) > width for r in rows):
+            raise ValueError(f"decode batch: a block table of {max(len(r.table) for r in rows)} blocks exceeds "
+                             f"{width} columns")
+        if width <= 8:  # narrow tables: one assignment of the padded rows
+            h[off:off + n * width] = [b for r in rows for b in (r.table + [0] * (width - len(r.table)))]
+        else:  # wide ones (max_blocks for graphs and replays): zeros, then each row's blocks
+            h[off:off + n * width] = 0
+            for i, r in enumerate(rows):
+                h[off + i * width:off + i * width + len(r.table)] = r.table
         h[off + n * width:off + bucket * width] = 0
         used = off + bucket * width  # every staged value lies in this prefix
-        self.buffer[:used].copy_(self.staging[:used], non_blocking=True)
+        if self.buffer is not self.staging:
+            self.buffer[:used].copy_(self.staging[:used], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()

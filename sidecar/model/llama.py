@@ -244,10 +244,29 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
-        h = self.embed_tokens(input_ids)
+        cos, sin = self.rope_rows(positions)
+        return self.forward_embedded(self.embed_tokens(input_ids), cos, sin, kv_caches, meta)
+
+    def rope_rows(self, positions: torch.Tensor, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, head_dim] of ``positions`` [T]; written into ``out`` ([>= T, 1, head_dim] each)
+        when given."""
+        if out is None:
+            return (self.rope_cos.index_select(0, positions)[:, None, :],
+                    self.rope_sin.index_select(0, positions)[:, None, :])
+        t = positions.shape[0]
+        rows = []
+        for table, buf in zip((self.rope_cos, self.rope_sin), out):
+            torch.index_select(table, 0, positions, out=buf[:t, 0])
+            rows.append(buf[:t])
+        return rows[0], rows[1]
+
+    def forward_embedded(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder over embedded tokens ``h`` [T, hidden] with their rope rows (``rope_rows``): final hidden
+        states [T, hidden]. On a CPU with our kernels every operation in it runs in one of them (what lets a
+        decode step be replayed from C: ``engine/cpu_graphs.py``)."""
         delta = None
-        cos = self.rope_cos.index_select(0, positions)[:, None, :]
-        sin = self.rope_sin.index_select(0, positions)[:, None, :]
         for layer, kv in zip(self.layers, kv_caches):
             h, delta = layer(h, delta, cos, sin, kv, meta)
         return self.norm(h, delta)[0]

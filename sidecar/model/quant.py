@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sidecar.model.kernels import int4_gemv, int8_gemv
+from sidecar.model.kernels import int4_gemv, int8_gemv, norm_act
 from sidecar.model.kernels.gpu_paths import FastPaths, triton_available, triton_interpreted
 from sidecar.model.quant_format import (CHUNK_ROWS, N_ALIGN_INT4, check_quant_args, dequantize_int4,
                                         padded_in_features, quantize_weight, release_freed_memory, unpack_int4)
@@ -212,8 +212,13 @@ class Int4Linear(_QuantLinearBase):
                 and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and self.qweight_plain is None
                 and sz.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and int4_gemv.available()):
             y = self._checked(lambda w, s: int4_gemv.Layer(w, self.group_size, s), self.weight, sz)(x2d, x.dtype)
-            y = y if y.shape[1] == self.out_features else y[:, :self.out_features]  # bf16 in: bf16 out, one rounding
-            return (y if self.bias is None else y + self.bias).reshape(*x.shape[:-1], self.out_features)
+            if y.shape[1] != self.out_features:
+                y = y[:, :self.out_features]  # bf16 in: bf16 out, one rounding
+                if self.bias is not None:
+                    y = y + self.bias
+            elif self.bias is not None:
+                y = norm_act.add_bias(y, self.bias)  # in place, in our kernel (a replayed step runs no torch op)
+            return y.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:

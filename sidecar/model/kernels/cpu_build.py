@@ -9,7 +9,9 @@ build once under a file lock. Anything that fails (no compiler, no OpenMP, a com
 error) returns None with the reason, and the caller keeps its torch path.
 
 Each wrapper module declares its kernel once as a ``Kernel``: the source's name and the C signatures of
-the functions it exports (``P`` a tensor's ``data_ptr()``, ``I`` an int, ``F`` a float).
+the functions it exports (``P`` a tensor's ``data_ptr()``, ``I`` an int, ``F`` a float). The library's
+attribute for each is a ``KernelFunction``: the ctypes function, and the hook through which a decode step's
+calls are recorded for replay from C (``replay.py``) while a recorder is installed (``set_recorder``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,32 @@ I = ctypes.c_int
 F = ctypes.c_float
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _reasons: dict[str, str] = {}
+_recorder: Optional[Callable[["KernelFunction", tuple], None]] = None
+
+
+def set_recorder(recorder: Optional[Callable[["KernelFunction", tuple], None]]) -> None:
+    """While set, every kernel call (through any ``Kernel``'s library) is passed to ``recorder(function,
+    args)`` before it runs; None stops that."""
+    global _recorder
+    _recorder = recorder
+
+
+class KernelFunction:
+    """One exported C function as its wrappers call it: ``self(*args)`` calls the ctypes function (and hands
+    the call to the recorder, when one is set). ``address``, ``argtypes`` and ``restype`` describe it for a
+    replay."""
+
+    __slots__ = ("function", "name", "argtypes", "restype", "address")
+
+    def __init__(self, function, name: str, argtypes: Sequence[type], restype: Optional[type]) -> None:
+        self.function, self.name = function, name
+        self.argtypes, self.restype = tuple(argtypes), restype
+        self.address = ctypes.cast(function, ctypes.c_void_p).value
+
+    def __call__(self, *args):
+        if _recorder is not None:
+            _recorder(self, args)
+        return self.function(*args)
 
 
 def enabled() -> bool:
@@ -129,6 +157,7 @@ class Kernel:
             func = getattr(lib, fn)
             func.argtypes = list(argtypes)
             func.restype = restype
+            setattr(lib, fn, KernelFunction(func, fn, argtypes, restype))
         if self._setup is not None:
             self._setup(lib)
 

@@ -3,6 +3,7 @@
  *   sidecar_silu_mul:     out[t, i] = silu(gu[t, i]) * gu[t, I + i]        (gu: the fused gate/up output)
  *   sidecar_add_rms_norm: s[t] = h[t] + delta[t] (written to hout; s = h without delta),
  *                         out[t] = w * (s[t] / sqrt(mean(s[t]^2) + eps))
+ *   sidecar_add_bias:     y[t, i] += b[i], in place (rows of a product whose kernel adds no bias)
  *
  * Rounding follows torch's unfused ops step by step, so only the order of the float32 sums and the exp
  * differ from it: bf16 rounds silu(g) before the product, the residual sum, and the normalised row before
@@ -86,5 +87,16 @@ void sidecar_add_rms_norm(const void* h, const void* delta, const void* w, void*
         }
 #endif
         for (; i < dim; i++) dt_store(out, r0 + i, dt_load(w, i, dtype) * dt_round(dt_load(s, r0 + i, dtype) * inv, dtype), dtype);
+    }
+}
+
+void sidecar_add_bias(void* y, const void* b, int rows, int n, int dtype) {
+    for (int t = 0; t < rows; t++) {
+        const size_t r0 = (size_t)t * n;
+        int i = 0;
+#ifdef VL
+        for (; i + VL <= n; i += VL) v_dt_store(y, r0 + i, v_add(v_dt_load(y, r0 + i, dtype), v_dt_load(b, i, dtype)), dtype);
+#endif
+        for (; i < n; i++) dt_store(y, r0 + i, dt_load(y, r0 + i, dtype) + dt_load(b, i, dtype), dtype);
     }
 }

@@ -28,6 +28,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _KERNEL = cpu_build.Kernel("norm_act", {
     "sidecar_silu_mul": ([P, P, I, I, I, I], None),
     "sidecar_add_rms_norm": ([P] * 5 + [I, I, ctypes.c_float, I, I], None),
+    "sidecar_add_bias": ([P, P, I, I, I], None),
 })
 
 
@@ -76,3 +77,14 @@ def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.T
                              s.data_ptr(), out.data_ptr(), rows, dim, float(eps), _DTYPES[h.dtype],
                              torch.get_num_threads())
     return out, s
+
+
+def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``y + bias`` for a product's rows ``y`` [M, N] (float32 or bf16, the bias of its dtype): in place, in one
+    pass, where the kernel takes them (the sum rounded to the dtype once, as torch's add does); else torch's
+    add, a new tensor."""
+    lib = _KERNEL.lib()
+    if lib is None or not _takes(y, bias) or bias.shape != (y.shape[1],):
+        return y + bias
+    lib.sidecar_add_bias(y.data_ptr(), bias.data_ptr(), y.shape[0], y.shape[1], _DTYPES[y.dtype])
+    return y

@@ -1,0 +1,145 @@
+"""CPU decode steps replayed from C: the CPU's form of decode graphs (``model/kernels/replay.py``).
+
+A pure-decode step reads its rows from the persistent buffers (``input_buffers.DecodeInputs``). Here the
+part of it that runs outside our kernels -- the embedding lookup and the rope rows of the positions, a
+few torch operators -- is done first into persistent buffers of its own (``stage``), and the decoder over
+them (``LlamaForCausalLM.forward_embedded``), all in our kernels, is the part recorded once per batch
+size and replayed from C afterwards: the same kernels with the same operands, without ~220 Python calls
+and their checks and allocations a step.
+
+A batch size runs eagerly the first time it is seen (lazy set-ups happen there: layer views, kernel
+builds), is recorded the second time (an eager run that notes its calls) and replayed from then on. One
+scratch arena holds every plan's intermediate tensors; plans are replayed one at a time by the engine's
+one thread. The block tables are ``max_blocks`` columns wide in every step while replays are on (a plan
+holds the width it was recorded with; the attention kernel reads only a row's own context).
+
+Before serving, ``self_check`` records and replays a step and compares its hidden states with the eager
+run's, bit for bit (the same kernels on the same inputs). Where it differs, where the step runs a torch
+operator (a configuration whose layers take torch paths: float32 layers in oneDNN, LoRA, the torch
+fallbacks) or where the replay cannot be built, every step runs eagerly and ``reason`` says why.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from sidecar.engine.input_buffers import DecodeInputs
+from sidecar.model.attention import AttentionMetadata
+from sidecar.model.kernels import replay
+
+log = logging.getLogger("sidecar.engine")
+
+
+class CpuDecodePlans:
+    def __init__(self, model, kv_caches: list, inputs: DecodeInputs) -> None:
+        self.model, self.kv_caches, self.inputs = model, kv_caches, inputs
+        self.enabled = False
+        self.reason: Optional[str] = "not checked"  # why steps run eagerly (None: replays are on)
+        self._plans: dict[int, replay.Plan] = {}
+        self._seen: set[int] = set()
+        self._arena = torch.empty(0, dtype=torch.uint8)
+        self._hidden: Optional[torch.Tensor] = None
+        self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    @property
+    def recorded(self) -> list[int]:
+        return sorted(self._plans)
+
+    @property
+    def arena_bytes(self) -> int:
+        return self._arena.numel()
+
+    def stage(self, bucket: int) -> None:
+        """The step's inputs outside the decoder: embeddings and rope rows of the buffers' rows."""
+        inputs = self.inputs
+        rows = self.model.embed_tokens(inputs.ids[:bucket])
+        if self._hidden is None or self._hidden.dtype != rows.dtype:
+            m, cos = inputs.max_batch, self.model.rope_cos
+            self.clear()  # plans hold these buffers' addresses
+            self._hidden = torch.empty(m, rows.shape[-1], dtype=rows.dtype)
+            self._rope = (torch.empty(m, 1, cos.shape[-1], dtype=cos.dtype),
+                          torch.empty(m, 1, cos.shape[-1], dtype=cos.dtype))
+        self._hidden[:bucket].copy_(rows)
+        self.model.rope_rows(inputs.positions[:bucket], out=self._rope)
+
+    def body(self, bucket: int) -> torch.Tensor:
+        """The decoder over the staged rows, eagerly: the step a plan records."""
+        inputs = self.inputs
+        meta = AttentionMetadata(slot_mapping=inputs.slots[:bucket], block_size=inputs.block_size)
+        meta.decode_block_tables = inputs.tables(bucket, inputs.width)
+        meta.decode_ctx_lens = inputs.ctx_lens[:bucket]
+        cos, sin = self._rope
+        return self.model.forward_embedded(self._hidden[:bucket], cos[:bucket], sin[:bucket], self.kv_caches, meta)
+
+    def run(self, bucket: int) -> torch.Tensor:
+        """Hidden states [bucket, H] of the rows in the buffers: replayed when a plan exists, else eagerly
+        (recording a plan the second time a batch size is seen). The result of a replay is overwritten by
+        the next step."""
+        self.stage(bucket)
+        if not self.enabled:
+            return self.body(bucket)
+        plan = self._plans.get(bucket)
+        if plan is not None:
+            if plan.replay(self._arena):
+                return plan.output(self._arena)
+            self.disable(f"the {plan.failed_op(self._arena)} kernel refused its recorded arguments")
+            return self.body(bucket)
+        if bucket not in self._seen or self.inputs.width != self.inputs.max_blocks:
+            self._seen.add(bucket)
+            return self.body(bucket)
+        return self._record(bucket)
+
+    def _record(self, bucket: int) -> torch.Tensor:
+        try:
+            out, plan = replay.record(lambda: self.body(bucket))
+        except replay.Unreplayable as exc:  # the step ran eagerly all the same: its result is right
+            self.disable(str(exc))
+            return self.body(bucket)
+        self._plans[bucket] = plan
+        if plan.arena_bytes > self._arena.numel():
+            self._arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+        return out
+
+    def disable(self, reason: str) -> None:
+        if self.enabled:
+            log.warning("CPU decode replays off, steps run eagerly: %s", reason)
+        self.enabled, self.reason = False, reason
+        self.clear()
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._seen.clear()
+        self._arena = torch.empty(0, dtype=torch.uint8)
+
+    @torch.inference_mode()
+    def self_check(self, prepare) -> Optional[str]:
+        """Turn replays on when a recorded step replays to the eager step's bits; returns None, or why they
+        stay off. ``prepare(bucket)`` fills the buffers with padding rows (block 0 only), max-width tables."""
+        self.clear()
+        self.enabled = False
+        reason = replay.unavailable_reason()
+        if reason is None:
+            try:
+                for bucket in (1, 2) if self.inputs.max_batch >= 2 else (1,):
+                    prepare(bucket)
+                    self.stage(bucket)
+                    eager = self.body(bucket).clone()
+                    _, plan = replay.record(lambda: self.body(bucket))
+                    arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+                    if not plan.replay(arena):
+                        reason = f"the {plan.failed_op(arena)} kernel refused its recorded arguments"
+                        break
+                    if not torch.equal(plan.output(arena), eager):
+                        reason = f"a replayed step of {bucket} rows differs from the eager one"
+                        break
+            except replay.Unreplayable as exc:
+                reason = str(exc)
+        self.clear()
+        self.enabled, self.reason = reason is None, reason
+        if reason is None:
+            log.info("CPU decode steps replayed from C after their first runs")
+        else:
+            log.info("CPU decode replays off, steps run eagerly: %s", reason)
+        return reason

@@ -1,0 +1,162 @@
+"""CPU decode steps replayed from C (``model/kernels/replay.py``, ``engine/cpu_graphs.py``): a recorded step's
+kernel calls replayed over new buffer contents give the eager step's bits; a step running a torch operator is
+refused; the engine's replayed decoding equals its eager decoding token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar import LLM, SamplingParams
+from sidecar.model.kernels import norm_act, replay
+
+pytestmark = pytest.mark.skipif(replay.unavailable_reason() is not None,
+                                reason="replay needs the C kernels (a C compiler with OpenMP)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replay_over_new_inputs_gives_the_eager_bits(dtype):
+    g = torch.Generator().manual_seed(0)
+    rows, dim = 3, 64
+    h = torch.randn(rows, dim, generator=g).to(dtype)
+    delta = torch.randn(rows, dim, generator=g).to(dtype)
+    w = torch.randn(dim, generator=g).to(dtype)
+    bias = torch.randn(dim // 2, generator=g).to(dtype)
+
+    def step():
+        x, s = norm_act.add_rms_norm(h, delta, w, 1e-6)  # a float argument, two on the stack
+        y, _ = norm_act.add_rms_norm(x, s, w, 1e-5)
+        a = norm_act.silu_mul(y)  # [rows, dim / 2]
+        return norm_act.add_bias(a, bias)
+
+    def eager_now():  # the step run eagerly (not recorded) over the current contents
+        return step().clone()
+
+    out, plan = replay.record(step)
+    assert plan.num_ops == 4 and plan.names == ["sidecar_add_rms_norm"] * 2 + ["sidecar_silu_mul", "sidecar_add_bias"]
+    assert torch.equal(out, eager_now())
+    arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+    for _ in range(3):  # new contents, same addresses: the replay reads them then
+        h.copy_(torch.randn(rows, dim, generator=g).to(dtype))
+        delta.copy_(torch.randn(rows, dim, generator=g).to(dtype))
+        bias.copy_(torch.randn(dim // 2, generator=g).to(dtype))
+        assert plan.replay(arena)
+        assert torch.equal(plan.output(arena), eager_now())
+
+
+def test_arena_shares_the_bytes_of_tensors_whose_uses_do_not_overlap():
+    x = torch.randn(4, 256)
+    w = torch.ones(256)
+
+    def step():
+        y = x
+        for _ in range(12):  # each output is read by the next call only
+            y, _ = norm_act.add_rms_norm(y, None, w, 1e-6)
+        return y
+
+    out, plan = replay.record(step)
+    one = 4 * 256 * 4
+    assert plan.num_ops == 12 and plan.arena_bytes <= 3 * one  # not 12 tensors' worth
+    arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+    x.copy_(torch.randn(4, 256))
+    assert plan.replay(arena) and torch.equal(plan.output(arena), step())
+
+
+def test_a_torch_operator_in_the_step_is_refused_by_name():
+    x = torch.randn(2, 64)
+    w = torch.ones(64)
+
+    def step():
+        y, _ = norm_act.add_rms_norm(x, None, w, 1e-6)
+        return y * 2.0  # computes outside our kernels: a replay would skip it
+
+    with pytest.raises(replay.Unreplayable, match="aten::mul"):
+        replay.record(step)
+    with pytest.raises(replay.Unreplayable, match="no kernel calls"):
+        replay.record(lambda: torch.empty(3))
+
+
+def test_a_kernel_refusing_at_replay_stops_it_and_is_named():
+    from sidecar.model.kernels.replay import _KERNEL
+
+    x = torch.randn(2, 64)
+    w = torch.ones(64)
+    refuses = _KERNEL.lib().sidecar_replay_ints  # returns 20: a non-zero result of a checked call
+
+    def step():
+        y, _ = norm_act.add_rms_norm(x, None, w, 1e-6)
+        refuses()
+        z, _ = norm_act.add_rms_norm(y, None, w, 1e-6)
+        return z
+
+    _, plan = replay.record(step)
+    arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+    assert not plan.replay(arena)
+    assert plan.failed_op(arena) == "sidecar_replay_ints"
+    with pytest.raises(ValueError, match="arena"):
+        plan.replay(torch.empty(0, dtype=torch.uint8))
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def _decode(llm: LLM, prompts, max_tokens):
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens])
+    return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_engine_replays_decode_exactly_as_eager(demo_dir, quantization):
+    kw = dict(model=str(demo_dir), dtype="bfloat16", quantization=quantization, block_size=8, num_kv_blocks=96,
+              max_num_seqs=4, quant_group_size=64)
+    eager = LLM(enforce_eager=True, **kw)
+    fast = LLM(**kw)
+    assert eager.engine.model_info["cpu_decode_replay"] is False
+    assert fast.engine.model_info["cpu_decode_replay"] is True, fast.engine.model_info["cpu_decode_replay_reason"]
+    # different lengths: the batch shrinks 3 -> 2 -> 1 rows, each size recorded on its second step
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [18, 19]]
+    lens = [9, 14, 20]
+    assert _decode(fast, prompts, lens)[0] == _decode(eager, prompts, lens)[0]
+    plans = fast.engine.runner.cpu_plans
+    assert plans.enabled and set(plans.recorded) == {1, 2, 3} and plans.arena_bytes > 0
+    # once recorded, every step of these sizes is a replay: still the same tokens, blocks returned
+    assert _decode(fast, prompts, lens)[0] == _decode(eager, prompts, lens)[0]
+    eng = fast.engine
+    assert not eng.requests and eng.kv.num_free_blocks() == eng.kv.num_blocks
+
+
+def test_float32_layers_outside_our_kernels_keep_steps_eager(demo_dir):
+    # float32 layers run in oneDNN (a torch operator): the self-check names it and decoding stays eager
+    llm = LLM(model=str(demo_dir), dtype="float32", block_size=8, num_kv_blocks=64)
+    info = llm.engine.model_info
+    assert info["cpu_decode_replay"] is False and "outside our kernels" in info["cpu_decode_replay_reason"]
+    llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert llm.engine.runner.cpu_plans.recorded == []
+
+
+def test_self_check_keeps_replays_off_when_a_replay_differs(demo_dir, monkeypatch):
+    llm = LLM(model=str(demo_dir), dtype="bfloat16", block_size=8, num_kv_blocks=64)
+    runner = llm.engine.runner
+    assert runner.cpu_plans.enabled
+    monkeypatch.setattr(replay.Plan, "replay", lambda self, arena: True)  # runs nothing: the arena's zeros
+    assert "differs" in runner.check_cpu_replay()
+    assert llm.engine.runner.cpu_replay_info() == {"cpu_decode_replay": False,
+                                                    "cpu_decode_replay_reason": runner.cpu_plans.reason}
+
+
+def test_a_replay_refused_while_serving_falls_back_to_eager(demo_dir, monkeypatch):
+    kw = dict(model=str(demo_dir), dtype="bfloat16", block_size=8, num_kv_blocks=64)
+    prompts, lens = [[3, 4, 5, 6], [7, 8]], [12, 6]
+    want = _decode(LLM(enforce_eager=True, **kw), prompts, lens)[0]
+    llm = LLM(**kw)
+    calls = []
+    real = replay.Plan.replay
+
+    def refuse_third(self, arena):
+        calls.append(1)
+        return real(self, arena) and len(calls) < 3
+
+    monkeypatch.setattr(replay.Plan, "replay", refuse_third)
+    assert _decode(llm, prompts, lens)[0] == want  # the refused step ran eagerly
+    plans = llm.engine.runner.cpu_plans
+    assert not plans.enabled and "refused" in plans.reason and plans.recorded == []
+    assert _decode(llm, prompts, lens)[0] == want
