@@ -62,6 +62,29 @@ def test_add_rms_norm_matches_torch(rows, dim, with_delta, dtype):
         assert (out != ref_out).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 1152), (3, 37), (17, 896)])
+def test_add_bias_rounds_as_torch_add(rows, n, dtype):
+    g = torch.Generator().manual_seed(rows + n)
+    y = (torch.randn(rows, n, generator=g) * 4).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    b[:2] = torch.tensor([float("nan"), float("inf")])
+    ref = y + b
+    out = norm_act.add_bias(y, b)
+    assert out.data_ptr() == y.data_ptr()  # in place
+    assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[:, 2:],
+                       ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[:, 2:])  # bit for bit
+    assert out[:, 0].isnan().all() and (out[:, 1] == float("inf")).all()
+    # another dtype for the bias, or rows not contiguous: torch's add, a new tensor
+    b = torch.randn(n, generator=g).to(dtype)
+    y2 = torch.randn(rows, n, generator=g).to(dtype)
+    mixed = norm_act.add_bias(y2, b.double())
+    assert mixed.data_ptr() != y2.data_ptr() and torch.equal(mixed, y2 + b.double())
+    wide = torch.randn(max(rows, 2), 2 * n, generator=g).to(dtype)[:, :n]  # rows n apart: not contiguous
+    out = norm_act.add_bias(wide, b)
+    assert out.data_ptr() != wide.data_ptr() and torch.equal(out, wide + b)
+
+
 def test_inputs_it_does_not_take_use_the_reference(monkeypatch):
     calls = []
     lib = norm_act._KERNEL.lib()
