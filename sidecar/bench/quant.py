@@ -77,7 +77,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
               num_kv_blocks=spec.get("num_kv_blocks", 256), block_size=16, num_threads=spec["threads"])
     load_s = time.perf_counter() - t0
     res = {"load_s": load_s, "load_peak_rss_bytes": _rss_peak_bytes() - base_rss,
-           "weight_bytes": _weight_bytes(llm.engine.loaded.model)}
+           "weight_bytes": _weight_bytes(llm.engine.loaded.model),
+           "cpu_decode_replay": llm.engine.model_info.get("cpu_decode_replay")}
     n = spec.get("max_tokens", 0)
     for batch in spec.get("batches", []):
         prompts = [[3 + (7 * i + j) % 200 for j in range(8)] for i in range(batch)]

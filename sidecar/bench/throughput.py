@@ -119,6 +119,10 @@ def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dic
     # Which device fast paths served the run (graphs, kernels, sampler) and why any fell back.
     res["fast_paths"] = llm.engine.model_info.get("fast_paths", [])
     res["fast_path_fallbacks"] = llm.engine.model_info.get("fast_path_fallbacks", {})
+    # On CPU: whether decode steps were replayed from C, and why not.
+    for key in ("cpu_decode_replay", "cpu_decode_replay_reason"):
+        if key in llm.engine.model_info:
+            res[key] = llm.engine.model_info[key]
     del llm
     gc.collect()
     return res
@@ -378,6 +382,9 @@ def run(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         print(f"fast paths: {', '.join(ours.get('fast_paths') or ['none'])}; "
               f"fallbacks: {ours.get('fast_path_fallbacks') or 'none'}")
+    elif "cpu_decode_replay" in ours:
+        print("decode steps replayed from C" if ours["cpu_decode_replay"]
+              else f"decode steps eager: {ours.get('cpu_decode_replay_reason')}")
     print(format_table([b1], list(b1)))
     jpath, ppath = write_report(
         args.out, "throughput",

@@ -160,3 +160,24 @@ def test_a_replay_refused_while_serving_falls_back_to_eager(demo_dir, monkeypatc
     plans = llm.engine.runner.cpu_plans
     assert not plans.enabled and "refused" in plans.reason and plans.recorded == []
     assert _decode(llm, prompts, lens)[0] == want
+
+
+def test_only_the_recording_thread_is_recorded():
+    import threading
+
+    x = torch.randn(2, 64)
+    w = torch.ones(64)
+    others = []
+
+    def other_thread():  # another engine's kernel calls while this thread records
+        for _ in range(20):
+            others.append(norm_act.add_rms_norm(x, None, w, 1e-6)[0])
+
+    def step():
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        return norm_act.add_rms_norm(x, None, w, 1e-6)[0]
+
+    _, plan = replay.record(step)
+    assert len(others) == 20 and plan.num_ops == 1

@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -33,14 +34,13 @@ I = ctypes.c_int
 F = ctypes.c_float
 _loaded: dict[str, Optional[ctypes.CDLL]] = {}
 _reasons: dict[str, str] = {}
-_recorder: Optional[Callable[["KernelFunction", tuple], None]] = None
+_recording = threading.local()  # .recorder: the calling thread's, when set
 
 
 def set_recorder(recorder: Optional[Callable[["KernelFunction", tuple], None]]) -> None:
-    """While set, every kernel call (through any ``Kernel``'s library) is passed to ``recorder(function,
-    args)`` before it runs; None stops that."""
-    global _recorder
-    _recorder = recorder
+    """While set, every kernel call the calling thread makes (through any ``Kernel``'s library) is passed to
+    ``recorder(function, args)`` before it runs; other threads' calls are not. None stops that."""
+    _recording.recorder = recorder
 
 
 class KernelFunction:
@@ -56,8 +56,9 @@ class KernelFunction:
         self.address = ctypes.cast(function, ctypes.c_void_p).value
 
     def __call__(self, *args):
-        if _recorder is not None:
-            _recorder(self, args)
+        recorder = getattr(_recording, "recorder", None)
+        if recorder is not None:
+            recorder(self, args)
         return self.function(*args)
 
 
