@@ -35,8 +35,10 @@ log = logging.getLogger("sidecar.engine")
 class CpuDecodePlans:
     def __init__(self, model, kv_caches: list, inputs: DecodeInputs) -> None:
         self.model, self.kv_caches, self.inputs = model, kv_caches, inputs
+        self.on_cpu = inputs.device.type == "cpu"
         self.enabled = False
-        self.reason: Optional[str] = "not checked"  # why steps run eagerly (None: replays are on)
+        # why steps run eagerly (None: replays are on)
+        self.reason: Optional[str] = "not checked" if self.on_cpu else "not a CPU model"
         self._plans: dict[int, replay.Plan] = {}
         self._seen: set[int] = set()
         self._arena = torch.empty(0, dtype=torch.uint8)
@@ -73,6 +75,11 @@ class CpuDecodePlans:
         cos, sin = self._rope
         return self.model.forward_embedded(self._hidden[:bucket], cos[:bucket], sin[:bucket], self.kv_caches, meta)
 
+    def replays(self) -> bool:
+        """Whether decode steps go through ``run`` now (on, and no device fast path -- Triton under its
+        interpreter in tests -- active: those steps are not the recorded ones)."""
+        return self.enabled and not self.model.fast_paths.active()
+
     def run(self, bucket: int) -> torch.Tensor:
         """Hidden states [bucket, H] of the rows in the buffers: replayed when a plan exists, else eagerly
         (recording a plan the second time a batch size is seen). The result of a replay is overwritten by
@@ -102,6 +109,13 @@ class CpuDecodePlans:
             self._arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
         return out
 
+    def info(self) -> dict:
+        """On CPU, ``cpu_decode_replay``: whether decode steps are replayed from C, and
+        ``cpu_decode_replay_reason``: why not; elsewhere nothing."""
+        if not self.on_cpu:
+            return {}
+        return {"cpu_decode_replay": self.enabled, "cpu_decode_replay_reason": self.reason or ""}
+
     def disable(self, reason: str) -> None:
         if self.enabled:
             log.warning("CPU decode replays off, steps run eagerly: %s", reason)
@@ -114,16 +128,16 @@ class CpuDecodePlans:
         self._arena = torch.empty(0, dtype=torch.uint8)
 
     @torch.inference_mode()
-    def self_check(self, prepare) -> Optional[str]:
+    def self_check(self) -> Optional[str]:
         """Turn replays on when a recorded step replays to the eager step's bits; returns None, or why they
-        stay off. ``prepare(bucket)`` fills the buffers with padding rows (block 0 only), max-width tables."""
+        stay off. Call before serving: its steps are padding rows, which write the reserved block 0 only."""
         self.clear()
         self.enabled = False
-        reason = replay.unavailable_reason()
+        reason = replay.unavailable_reason() if self.on_cpu else "not a CPU model"
         if reason is None:
             try:
                 for bucket in (1, 2) if self.inputs.max_batch >= 2 else (1,):
-                    prepare(bucket)
+                    self.inputs.fill_padding(bucket, self.inputs.max_blocks)
                     self.stage(bucket)
                     eager = self.body(bucket).clone()
                     _, plan = replay.record(lambda: self.body(bucket))

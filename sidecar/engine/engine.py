@@ -81,7 +81,7 @@ class LLMEngine:
             "num_kv_blocks": self.kv.num_blocks, "kv_cache_bytes": self.runner.kv_cache_bytes,
             "prefix_caching": config.enable_prefix_caching,
             "device": str(loaded.device), **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
-            **self.runner.cpu_replay_info(),  # on CPU: cpu_decode_replay (+ reason)
+            **self.runner.cpu_plans.info(),  # on CPU: cpu_decode_replay (+ reason)
             **self.runner.kv_info(),  # kv_cache_dtype (+ reason), kv_cache_tokens
             # what a LoRA adapter for this base must fit: layers and each target's (in, out) features
             "num_layers": loaded.args.num_layers, "lora_target_shapes": part_shapes(loaded.args),

@@ -66,14 +66,12 @@ class ModelRunner:
         self.inputs = DecodeInputs(config.max_num_seqs, -(-max_len // self.block_size) + 1, self.block_size,
                                    self.device)
         self.graphs = DecodeGraphs(self._decode_step, self.device)
-        # On CPU a decode step is replayed from C once recorded (the CPU's decode graphs), after a self-check.
-        self.cpu_plans = (CpuDecodePlans(self.model, self.kv_caches, self.inputs)
-                          if self.device.type == "cpu" else None)
+        self.cpu_plans = CpuDecodePlans(self.model, self.kv_caches, self.inputs)  # the CPU's decode graphs
         self.set_decode_padding(False)
         if self.device.type == "cuda" or self.enforce_eager:
             self.prepare_fast_paths()
-        else:
-            self.check_cpu_replay()
+        else:  # on CPU: decode steps replayed from C once a replayed step matches the eager one
+            self.cpu_plans.self_check()
 
     def set_decode_padding(self, padded: bool) -> None:
         """Bucket pure-decode batches (1, 2, 4, 8, 16, ...: what graphs need) or run them at their exact size
@@ -93,8 +91,7 @@ class ModelRunner:
         if self.enforce_eager:
             for name in PATH_NAMES:
                 self.fast_paths.disable(name, "enforce_eager")
-            if self.cpu_plans is not None:
-                self.cpu_plans.disable("enforce_eager")
+            self.cpu_plans.disable("enforce_eager")
             return
         if not (self.device.type == "cuda" or force_check):
             return  # on CPU our C kernels are the fast path; the device fields stay off
@@ -114,25 +111,6 @@ class ModelRunner:
             log.warning("decode graphs off: %s", reason)
             self.fast_paths.disable("cuda_graphs", reason)
             self.set_decode_padding(False)
-
-    def check_cpu_replay(self) -> Optional[str]:
-        """On CPU: turn decode-step replays on when a replayed step matches the eager one (None), else the
-        reason they stay off. Call before serving (it writes the reserved block 0 only)."""
-        if self.cpu_plans is None:
-            return "not a CPU model"
-        if self.enforce_eager:
-            self.cpu_plans.disable("enforce_eager")
-            return "enforce_eager"
-        return self.cpu_plans.self_check(lambda b: self.inputs.fill_padding(b, self.inputs.max_blocks))
-
-    def cpu_replay_info(self) -> dict:
-        """On CPU, ``cpu_decode_replay``: whether decode steps are replayed from C; its reason when not."""
-        if self.cpu_plans is None:
-            return {}
-        return {"cpu_decode_replay": self.cpu_plans.enabled, "cpu_decode_replay_reason": self.cpu_plans.reason or ""}
-
-    def _replays_cpu(self) -> bool:
-        return self.cpu_plans is not None and self.cpu_plans.enabled and not self.fast_paths.active()
 
     def fast_path_states(self) -> dict[str, bool]:
         """Every device fast path -> whether it is on (the ``sidecar_fast_path_active`` gauge)."""
@@ -198,7 +176,7 @@ class ModelRunner:
         return out
 
     def _decode_step(self, bucket: int) -> torch.Tensor:
-        if self._replays_cpu():
+        if self.cpu_plans.replays():
             return self.cpu_plans.run(bucket)
         return decode_step(self.model, self.kv_caches, self.inputs, bucket)
 
@@ -214,7 +192,7 @@ class ModelRunner:
         index into it and the input id is gathered on the device: the host never needs its value."""
         bucket = pick_bucket(self.buckets, len(rows))
         # A graph's tables are always max_blocks wide, and so are a CPU replay's.
-        fixed = bucket in self.graphs.captured or self._replays_cpu()
+        fixed = bucket in self.graphs.captured or self.cpu_plans.replays()
         width = self.inputs.max_blocks if fixed else max(len(r.table) for r in rows)
         self.inputs.fill(rows, sample, bucket, width)
         if prev_ids is not None:  # stream-ordered after the fill's copy and before the forward reads it

@@ -212,12 +212,8 @@ class Int4Linear(_QuantLinearBase):
                 and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and self.qweight_plain is None
                 and sz.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and int4_gemv.available()):
             y = self._checked(lambda w, s: int4_gemv.Layer(w, self.group_size, s), self.weight, sz)(x2d, x.dtype)
-            if y.shape[1] != self.out_features:
-                y = y[:, :self.out_features]  # bf16 in: bf16 out, one rounding
-                if self.bias is not None:
-                    y = y + self.bias
-            elif self.bias is not None:
-                y = norm_act.add_bias(y, self.bias)  # in place, in our kernel (a replayed step runs no torch op)
+            y = y if y.shape[1] == self.out_features else y[:, :self.out_features]  # bf16 in: bf16 out, one rounding
+            y = y if self.bias is None else norm_act.add_bias(y, self.bias)  # a kernel: replays run no torch op
             return y.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
 

@@ -138,9 +138,9 @@ def test_self_check_keeps_replays_off_when_a_replay_differs(demo_dir, monkeypatc
     runner = llm.engine.runner
     assert runner.cpu_plans.enabled
     monkeypatch.setattr(replay.Plan, "replay", lambda self, arena: True)  # runs nothing: the arena's zeros
-    assert "differs" in runner.check_cpu_replay()
-    assert llm.engine.runner.cpu_replay_info() == {"cpu_decode_replay": False,
-                                                    "cpu_decode_replay_reason": runner.cpu_plans.reason}
+    assert "differs" in runner.cpu_plans.self_check()
+    assert runner.cpu_plans.info() == {"cpu_decode_replay": False, "cpu_decode_replay_reason": runner.cpu_plans.reason}
+    assert not runner.cpu_plans.replays()
 
 
 def test_a_replay_refused_while_serving_falls_back_to_eager(demo_dir, monkeypatch):
