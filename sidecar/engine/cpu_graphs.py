@@ -14,9 +14,11 @@ one thread. The block tables are ``max_blocks`` columns wide in every step while
 holds the width it was recorded with; the attention kernel reads only a row's own context).
 
 Before serving, ``self_check`` records and replays a step and compares its hidden states with the eager
-run's, bit for bit (the same kernels on the same inputs). Where it differs, where the step runs a torch
-operator (a configuration whose layers take torch paths: float32 layers in oneDNN, LoRA, the torch
-fallbacks) or where the replay cannot be built, every step runs eagerly and ``reason`` says why.
+run's, bit for bit (the same kernels on the same inputs). Where it differs, where a one-row step runs a torch
+operator (a configuration whose layers take torch paths: float32 layers in oneDNN, the torch fallbacks) or
+where the replay cannot be built, every step runs eagerly and ``reason`` says why. A batch size whose step
+runs a torch operator (bf16 batches past our kernel's rows go to oneDNN where it has bf16) runs eagerly
+alone (``eager_sizes``).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ class CpuDecodePlans:
         self.reason: Optional[str] = "not checked" if self.on_cpu else "not a CPU model"
         self._plans: dict[int, replay.Plan] = {}
         self._seen: set[int] = set()
+        self._eager: dict[int, str] = {}  # batch size -> why its step cannot be recorded (it runs eagerly)
         self._arena = torch.empty(0, dtype=torch.uint8)
         self._hidden: Optional[torch.Tensor] = None
         self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -48,6 +51,12 @@ class CpuDecodePlans:
     @property
     def recorded(self) -> list[int]:
         return sorted(self._plans)
+
+    @property
+    def eager_sizes(self) -> dict[int, str]:
+        """Batch sizes whose steps run eagerly, and why (e.g. bf16 batches past our kernel's rows, which
+        oneDNN takes where it has bf16)."""
+        return dict(self._eager)
 
     @property
     def arena_bytes(self) -> int:
@@ -93,7 +102,7 @@ class CpuDecodePlans:
                 return plan.output(self._arena)
             self.disable(f"the {plan.failed_op(self._arena)} kernel refused its recorded arguments")
             return self.body(bucket)
-        if bucket not in self._seen or self.inputs.width != self.inputs.max_blocks:
+        if bucket not in self._seen or bucket in self._eager or self.inputs.width != self.inputs.max_blocks:
             self._seen.add(bucket)
             return self.body(bucket)
         return self._record(bucket)
@@ -101,8 +110,9 @@ class CpuDecodePlans:
     def _record(self, bucket: int) -> torch.Tensor:
         try:
             out, plan = replay.record(lambda: self.body(bucket))
-        except replay.Unreplayable as exc:  # the step ran eagerly all the same: its result is right
-            self.disable(str(exc))
+        except replay.Unreplayable as exc:  # this size stays eager; its recording run's result is right
+            self._eager[bucket] = str(exc)
+            log.info("CPU decode steps of %d rows run eagerly: %s", bucket, exc)
             return self.body(bucket)
         self._plans[bucket] = plan
         if plan.arena_bytes > self._arena.numel():
@@ -125,12 +135,15 @@ class CpuDecodePlans:
     def clear(self) -> None:
         self._plans.clear()
         self._seen.clear()
+        self._eager.clear()
         self._arena = torch.empty(0, dtype=torch.uint8)
 
     @torch.inference_mode()
     def self_check(self) -> Optional[str]:
         """Turn replays on when a recorded step replays to the eager step's bits; returns None, or why they
-        stay off. Call before serving: its steps are padding rows, which write the reserved block 0 only."""
+        stay off. A step of one row must record; one of two rows is checked where it records (where it does
+        not, that size runs eagerly when serving). Call before serving: its steps are padding rows, which
+        write the reserved block 0 only."""
         self.clear()
         self.enabled = False
         reason = replay.unavailable_reason() if self.on_cpu else "not a CPU model"
@@ -140,7 +153,12 @@ class CpuDecodePlans:
                     self.inputs.fill_padding(bucket, self.inputs.max_blocks)
                     self.stage(bucket)
                     eager = self.body(bucket).clone()
-                    _, plan = replay.record(lambda: self.body(bucket))
+                    try:
+                        _, plan = replay.record(lambda: self.body(bucket))
+                    except replay.Unreplayable:
+                        if bucket == 1:
+                            raise
+                        break
                     arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
                     if not plan.replay(arena):
                         reason = f"the {plan.failed_op(arena)} kernel refused its recorded arguments"

@@ -117,7 +117,10 @@ def test_engine_replays_decode_exactly_as_eager(demo_dir, quantization):
     lens = [9, 14, 20]
     assert _decode(fast, prompts, lens)[0] == _decode(eager, prompts, lens)[0]
     plans = fast.engine.runner.cpu_plans
-    assert plans.enabled and set(plans.recorded) == {1, 2, 3} and plans.arena_bytes > 0
+    # bf16 batches past our kernel's rows go to oneDNN where it has bf16 (AVX-512 BF16, AMX): those sizes stay eager
+    assert plans.enabled and set(plans.recorded) | set(plans.eager_sizes) == {1, 2, 3} and plans.arena_bytes > 0
+    assert 1 in plans.recorded and (quantization is None or set(plans.recorded) == {1, 2, 3})
+    assert all("outside our kernels" in why for why in plans.eager_sizes.values())
     # once recorded, every step of these sizes is a replay: still the same tokens, blocks returned
     assert _decode(fast, prompts, lens)[0] == _decode(eager, prompts, lens)[0]
     eng = fast.engine
@@ -181,3 +184,19 @@ def test_only_the_recording_thread_is_recorded():
 
     _, plan = replay.record(step)
     assert len(others) == 20 and plan.num_ops == 1
+
+
+def test_a_batch_size_running_a_torch_operator_stays_eager_alone(demo_dir, monkeypatch):
+    kw = dict(model=str(demo_dir), dtype="bfloat16", block_size=8, num_kv_blocks=96, max_num_seqs=4)
+    prompts, lens = [[3, 4, 5, 6], [7, 8, 9], [10, 11]], [6, 10, 16]
+    kernel = norm_act.silu_mul
+    # from 2 rows on, silu * up through torch (as bf16 layers past our kernel's rows go to oneDNN on some CPUs)
+    monkeypatch.setattr(norm_act, "silu_mul", lambda gu: kernel(gu) if gu.shape[0] == 1
+                        else norm_act.silu_mul_reference(gu))
+    want = _decode(LLM(enforce_eager=True, **kw), prompts, lens)[0]
+    llm = LLM(**kw)
+    plans = llm.engine.runner.cpu_plans
+    assert plans.enabled, plans.reason  # one row records; the two-row check does not turn replays off
+    assert _decode(llm, prompts, lens)[0] == want
+    assert plans.recorded == [1] and set(plans.eager_sizes) == {2, 3}
+    assert all("outside our kernels" in why for why in plans.eager_sizes.values())
