@@ -159,7 +159,8 @@ class CpuDecodePlans:
                         if bucket == 1:
                             raise
                         break
-                    arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
+                    # all-ones bytes (NaN in float32 and bf16): a replay that leaves its result unwritten fails
+                    arena = torch.full((plan.arena_bytes,), 0xFF, dtype=torch.uint8)
                     if not plan.replay(arena):
                         reason = f"the {plan.failed_op(arena)} kernel refused its recorded arguments"
                         break

@@ -140,7 +140,7 @@ def test_self_check_keeps_replays_off_when_a_replay_differs(demo_dir, monkeypatc
     llm = LLM(model=str(demo_dir), dtype="bfloat16", block_size=8, num_kv_blocks=64)
     runner = llm.engine.runner
     assert runner.cpu_plans.enabled
-    monkeypatch.setattr(replay.Plan, "replay", lambda self, arena: True)  # runs nothing: the arena's zeros
+    monkeypatch.setattr(replay.Plan, "replay", lambda self, arena: True)  # runs nothing: the result unwritten
     assert "differs" in runner.cpu_plans.self_check()
     assert runner.cpu_plans.info() == {"cpu_decode_replay": False, "cpu_decode_replay_reason": runner.cpu_plans.reason}
     assert not runner.cpu_plans.replays()
