@@ -110,7 +110,7 @@ class CpuDecodePlans:
     def _record(self, bucket: int) -> torch.Tensor:
         try:
             out, plan = replay.record(lambda: self.body(bucket))
-        except replay.Unreplayable as exc:  # this size stays eager; its recording run's result is right
+        except replay.Unreplayable as exc:  # this size stays eager; the step runs again (the same KV writes)
             self._eager[bucket] = str(exc)
             log.info("CPU decode steps of %d rows run eagerly: %s", bucket, exc)
             return self.body(bucket)
