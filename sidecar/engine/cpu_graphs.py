@@ -100,9 +100,9 @@ class CpuDecodePlans:
         if plan is not None:
             if plan.replay(self._arena):
                 return plan.output(self._arena)
-            self.disable(f"the {plan.failed_op(self._arena)} kernel refused its recorded arguments")
+            self.disable(f"the {plan.refused} kernel refused its recorded arguments")
             return self.body(bucket)
-        if bucket not in self._seen or bucket in self._eager or self.inputs.width != self.inputs.max_blocks:
+        if bucket not in self._seen or bucket in self._eager:
             self._seen.add(bucket)
             return self.body(bucket)
         return self._record(bucket)
@@ -162,7 +162,7 @@ class CpuDecodePlans:
                     # all-ones bytes (NaN in float32 and bf16): a replay that leaves its result unwritten fails
                     arena = torch.full((plan.arena_bytes,), 0xFF, dtype=torch.uint8)
                     if not plan.replay(arena):
-                        reason = f"the {plan.failed_op(arena)} kernel refused its recorded arguments"
+                        reason = f"the {plan.refused} kernel refused its recorded arguments"
                         break
                     if not torch.equal(plan.output(arena), eager):
                         reason = f"a replayed step of {bucket} rows differs from the eager one"

@@ -99,13 +99,9 @@ class DecodeInputs:
         if any(len(r.table) > width for r in rows):
             raise ValueError(f"decode batch: a block table of {max(len(r.table) for r in rows)} blocks exceeds "
                              f"{width} columns")
-        if width <= 8:  # narrow tables: one assignment of the padded rows
-            h[off:off + n * width] = [b for r in rows for b in (r.table + [0] * (width - len(r.table)))]
-        else:  # wide ones (max_blocks for graphs and replays): zeros, then each row's blocks
-            h[off:off + n * width] = 0
-            for i, r in enumerate(rows):
-                h[off + i * width:off + i * width + len(r.table)] = r.table
-        h[off + n * width:off + bucket * width] = 0
+        h[off:off + bucket * width] = 0  # then each row's blocks (wide tables: max_blocks for graphs and replays)
+        for i, r in enumerate(rows):
+            h[off + i * width:off + i * width + len(r.table)] = r.table
         used = off + bucket * width  # every staged value lies in this prefix
         if self.buffer is not self.staging:
             self.buffer[:used].copy_(self.staging[:used], non_blocking=True)

@@ -91,7 +91,7 @@ def test_a_kernel_refusing_at_replay_stops_it_and_is_named():
     _, plan = replay.record(step)
     arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
     assert not plan.replay(arena)
-    assert plan.failed_op(arena) == "sidecar_replay_ints"
+    assert plan.refused == "sidecar_replay_ints"
     with pytest.raises(ValueError, match="arena"):
         plan.replay(torch.empty(0, dtype=torch.uint8))
 

@@ -114,21 +114,16 @@ class Plan:
         self._fn = _KERNEL.lib().sidecar_replay.function  # the raw ctypes function: never itself recorded
         self._ptr = ctypes.addressof(self._ops)
         self._view: Optional[tuple[int, torch.Tensor]] = None
+        self.refused: Optional[str] = None  # the kernel that stopped the last replay
 
     def replay(self, arena: torch.Tensor) -> bool:
-        """Run the recorded calls over ``arena``; False when a kernel refused its arguments (the step is then
-        incomplete: run it eagerly)."""
-        return self._rc(arena) == 0
-
-    def failed_op(self, arena: torch.Tensor) -> Optional[str]:
-        """Replays the calls and names the kernel that refused (None when none did)."""
-        rc = self._rc(arena)
-        return None if rc == 0 else self.names[rc - 1]
-
-    def _rc(self, arena: torch.Tensor) -> int:
+        """Run the recorded calls over ``arena``; False when a kernel refused its arguments (``refused`` names
+        it; the step is then incomplete: run it eagerly)."""
         if arena.dtype != torch.uint8 or arena.device.type != "cpu" or arena.numel() < self.arena_bytes:
             raise ValueError(f"replay: an arena of {self.arena_bytes} bytes (uint8, CPU) is needed")
-        return self._fn(self._ptr, self.num_ops, arena.data_ptr())
+        rc = self._fn(self._ptr, self.num_ops, arena.data_ptr())
+        self.refused = None if rc == 0 else self.names[rc - 1]
+        return rc == 0
 
     def output(self, arena: torch.Tensor) -> torch.Tensor:
         """The step's result as the last replay over ``arena`` left it."""
