@@ -27,8 +27,7 @@ from typing import Optional
 
 import torch
 
-from sidecar.engine.input_buffers import DecodeInputs
-from sidecar.model.attention import AttentionMetadata
+from sidecar.engine.input_buffers import DecodeInputs, decode_metadata
 from sidecar.model.kernels import replay
 
 log = logging.getLogger("sidecar.engine")
@@ -77,12 +76,9 @@ class CpuDecodePlans:
 
     def body(self, bucket: int) -> torch.Tensor:
         """The decoder over the staged rows, eagerly: the step a plan records."""
-        inputs = self.inputs
-        meta = AttentionMetadata(slot_mapping=inputs.slots[:bucket], block_size=inputs.block_size)
-        meta.decode_block_tables = inputs.tables(bucket, inputs.width)
-        meta.decode_ctx_lens = inputs.ctx_lens[:bucket]
         cos, sin = self._rope
-        return self.model.forward_embedded(self._hidden[:bucket], cos[:bucket], sin[:bucket], self.kv_caches, meta)
+        return self.model.forward_embedded(self._hidden[:bucket], cos[:bucket], sin[:bucket], self.kv_caches,
+                                           decode_metadata(self.inputs, bucket))
 
     def replays(self) -> bool:
         """Whether decode steps go through ``run`` now (on, and no device fast path -- Triton under its

@@ -129,9 +129,15 @@ def decode_step(model, kv_caches: list, inputs: DecodeInputs, bucket: int) -> to
     """Hidden states [bucket, H] of the rows in ``inputs``: the function decode graphs capture. It reads
     the buffers only through views and nothing of their contents on the host (no ``.item()``, no
     ``.tolist()``, no data-dependent shapes), so a replay computes from what the buffers hold then."""
-    meta = AttentionMetadata(slot_mapping=inputs.slots[:bucket], block_size=inputs.block_size)
-    meta.decode_block_tables = inputs.tables(bucket, inputs.width)
-    meta.decode_ctx_lens = inputs.ctx_lens[:bucket]
+    meta = decode_metadata(inputs, bucket)
     if model.fast_paths.attention:
         meta.decode_block_tables_i32 = inputs.tables_int32(bucket, inputs.width)
     return model(inputs.ids[:bucket], inputs.positions[:bucket], kv_caches, meta)
+
+
+def decode_metadata(inputs: DecodeInputs, bucket: int) -> AttentionMetadata:
+    """The attention metadata of the first ``bucket`` rows in the buffers: views of them, no copies."""
+    meta = AttentionMetadata(slot_mapping=inputs.slots[:bucket], block_size=inputs.block_size)
+    meta.decode_block_tables = inputs.tables(bucket, inputs.width)
+    meta.decode_ctx_lens = inputs.ctx_lens[:bucket]
+    return meta
