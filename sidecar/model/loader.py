@@ -94,7 +94,16 @@ def pick_dtype_with_reason(requested: str, hf_config: dict, device: torch.device
         return _DTYPES[requested], f"requested {requested}"
     from sidecar.model.hardware import auto_dtype
 
-    return auto_dtype(_checkpoint_dtype(hf_config), device)
+    return auto_dtype(_checkpoint_dtype(hf_config), device, _linear_in_features(hf_config))
+
+
+def _linear_in_features(hf_config: dict) -> tuple[int, ...]:
+    """The input widths of a decoder's linear layers: the hidden size (q/k/v, gate/up, the head), the attention
+    output's (o_proj) and the MLP's (down_proj)."""
+    hidden = int(hf_config.get("hidden_size") or 0)
+    heads = int(hf_config.get("num_attention_heads") or 0)
+    head_dim = int(hf_config.get("head_dim") or (hidden // heads if heads else 0))
+    return tuple(n for n in (hidden, heads * head_dim, int(hf_config.get("intermediate_size") or 0)) if n)
 
 
 def pick_dtype(requested: str, hf_config: dict, device: torch.device) -> torch.dtype:

@@ -118,3 +118,31 @@ def test_a_failed_load_is_reported_with_its_reason(stand_in_venv, tmp_path, monk
     monkeypatch.setenv("STAND_IN_FAIL_LOAD", "1")
     with pytest.raises(RuntimeError, match="vLLM failed to load the model: ImportError: no CPU backend"):
         vllm_cpu.VllmCpu(str(stand_in_venv), str(tmp_path), "bfloat16", 1, load_timeout=120)
+
+
+def test_the_throughput_bench_runs_the_baseline_in_its_own_dtype(stand_in_venv, tmp_path, monkeypatch):
+    """``--baseline-dtype`` reaches the vLLM worker (vLLM-CPU in float32 beside our bf16 on an AVX2-only CPU);
+    without it the baseline runs ours."""
+    import argparse
+
+    from sidecar.bench import throughput
+
+    seen = []
+    real_init = vllm_cpu.VllmCpu.__init__
+
+    def spy(self, venv, model_dir, dtype, *a, **kw):
+        seen.append(dtype)
+        real_init(self, venv, model_dir, dtype, *a, load_timeout=120, **kw)
+
+    monkeypatch.setattr(vllm_cpu.VllmCpu, "__init__", spy)
+    work = [([5] * 10, 3), ([6] * 20, 5)]
+    for given, expected in ((None, "bfloat16"), ("float32", "float32")):
+        parser = argparse.ArgumentParser()
+        throughput.add_arguments(parser)
+        args = parser.parse_args(["--dtype", "bfloat16", "--vllm-cpu", str(stand_in_venv), "--b1-tokens", "4"]
+                                 + ([] if given is None else ["--baseline-dtype", given]))
+        args.baseline_dtype = args.baseline_dtype or args.dtype  # as the bench resolves it
+        args.model_dir, args.prefill_prompts = str(tmp_path), [[1] * 8, [2] * 8]
+        res = throughput._vllm_cpu(args, work)
+        assert res["rows"][0]["output_tokens"] == 8
+        assert seen[-1] == expected

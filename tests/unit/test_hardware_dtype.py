@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from sidecar.model import hardware
+from sidecar.model.kernels import bf16_gemv
 from sidecar.model.loader import pick_dtype, pick_dtype_with_reason
 
 BF16_CKPT = {"torch_dtype": "bfloat16"}
 FP16_CKPT = {"torch_dtype": "float16"}
 FP32_CKPT = {"torch_dtype": "float32"}
+QWEN2_05B = {"torch_dtype": "bfloat16", "hidden_size": 896, "num_attention_heads": 14, "intermediate_size": 4864}
 CPU = torch.device("cpu")
 
 
@@ -35,16 +37,39 @@ def _no_probes(monkeypatch):
     hardware._measured_bf16_faster.cache_clear()
 
 
-def test_avx2_only_cpu_runs_bf16_checkpoint_in_float32(monkeypatch):
+def _kernel(monkeypatch, isa: str) -> None:
+    """Our bf16 kernel's path as a machine of that kind builds it ("" where it is not available)."""
+    monkeypatch.setattr(bf16_gemv, "isa", lambda: isa)
+
+
+def test_avx2_only_cpu_runs_half_checkpoints_in_bf16_through_our_kernel(monkeypatch):
     _cpu(monkeypatch, avx2=True)
-    dtype, why = pick_dtype_with_reason("auto", BF16_CKPT, CPU)
+    _kernel(monkeypatch, "avx2")
+    dtype, why = pick_dtype_with_reason("auto", QWEN2_05B, CPU)
+    assert dtype == torch.bfloat16
+    assert "neither AVX-512 BF16 nor AMX" in why and "our AVX2 kernel" in why
+    assert pick_dtype("auto", FP16_CKPT, CPU) == torch.bfloat16
+    assert pick_dtype("auto", FP32_CKPT, CPU) == torch.float32  # a float32 checkpoint keeps its precision
+
+
+def test_avx2_only_cpu_without_our_kernel_or_with_odd_layers_runs_float32(monkeypatch):
+    _cpu(monkeypatch, avx2=True)
+    _kernel(monkeypatch, "avx2")
+    # a layer whose inputs are not whole 32-value chunks would take torch's emulated bf16 matmul
+    dtype, why = pick_dtype_with_reason("auto", {**QWEN2_05B, "intermediate_size": 4860}, CPU)
+    assert dtype == torch.float32 and "[4860]" in why and "float32 is faster" in why
+    _kernel(monkeypatch, "")  # the kernel could not be built, or CPU kernels are off
+    dtype, why = pick_dtype_with_reason("auto", QWEN2_05B, CPU)
     assert dtype == torch.float32
-    assert "neither AVX-512 BF16 nor AMX" in why
-    assert pick_dtype("auto", FP16_CKPT, CPU) == torch.float32
+    assert "neither AVX-512 BF16 nor AMX" in why and "not available" in why
+    _cpu(monkeypatch, avx2=False)  # not even AVX2
+    _kernel(monkeypatch, "avx2")
+    assert pick_dtype("auto", QWEN2_05B, CPU) == torch.float32
 
 
 def test_avx512_without_bf16_is_float32(monkeypatch):
     _cpu(monkeypatch, avx512=True)
+    _kernel(monkeypatch, "avx2")  # our AVX2 kernel runs there too, but oneDNN's float32 is twice as wide
     assert pick_dtype("auto", BF16_CKPT, CPU) == torch.float32
 
 
