@@ -127,7 +127,7 @@ def avx2_bf16_kernel(in_features: Iterable[int] = ()) -> tuple[bool, str]:
     odd = sorted({n for n in in_features if n % 32})
     if odd:
         return False, f"layer inputs of {odd} values are not whole 32-value chunks for our bf16 kernel"
-    return True, "AVX2 CPU: bf16 layers through our AVX2 kernel (half the bytes of float32 per token)"
+    return True, "bf16 layers through our AVX2 kernel (half the bytes of float32 a token)"
 
 
 def cuda_half_dtype(device: torch.device) -> tuple[torch.dtype, str]:
@@ -156,6 +156,7 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device: torch.device,
     if native:
         return torch.bfloat16, f"auto: half-precision checkpoint; {why}"
     kernel, kernel_why = avx2_bf16_kernel(in_features)
-    if kernel:
-        return torch.bfloat16, f"auto: half-precision checkpoint; {why}; {kernel_why}"
+    if kernel:  # (torch's bf16 matmul would be emulated, but no layer runs it)
+        return torch.bfloat16, (f"auto: half-precision checkpoint; CPU has neither AVX-512 BF16 nor AMX: "
+                                f"{kernel_why}")
     return torch.float32, f"auto: {why}; {kernel_why}; float32 is faster"
