@@ -310,6 +310,7 @@ static inline void store_sums(const float* acc, int mb, int nb, int m0, int n0, 
  * weights passes over them (at 2,048 rows of Qwen2-0.5B's down projection, 40 MiB of activations read again
  * for each block ran at 0.75x the speed of 256 rows). */
 #define CHUNK_BYTES (4 << 20)
+#define BLOCKS_PER_THREAD 8
 
 /* sidecar_bf16_matmul_tiled's loops over dot_half (see there). Rows go in chunks; within a chunk a thread's
  * block of tiles (their weights over one pass of up to KC_WIDE values of K: BLOCK_BYTES) stays in L2 while every
@@ -319,7 +320,12 @@ static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, v
     const int tiles = (N + NT - 1) / NT;
     const int64_t kc = K <= KC_WIDE ? K : KC_WIDE;
     int per_block = (int)(BLOCK_BYTES / ((int64_t)NT * kc * 2));
+    /* ... and at least BLOCKS_PER_THREAD blocks a thread: blocks go to whichever thread is free (the cores of a
+     * shared machine run at unequal speeds: an even split left the faster one waiting ~5% of a prefill) */
+    const int fair = (tiles + nthreads * BLOCKS_PER_THREAD - 1) / (nthreads * BLOCKS_PER_THREAD);
+    per_block = per_block > fair ? fair : per_block;
     per_block = per_block < 1 ? 1 : per_block;
+    const int blocks = (tiles + per_block - 1) / per_block;
     int mc = (int)(CHUNK_BYTES / ((int64_t)K * 4) / MT_WIDE * MT_WIDE);
     mc = mc < MT_WIDE ? MT_WIDE : mc;
     /* a thread's accumulators between passes: 2 halves x 12 vectors for each (panel of a chunk, tile of a block) */
@@ -341,20 +347,17 @@ static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, v
         return 2;
     #pragma omp parallel num_threads(nthreads)
     {
-        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
-        const int t_begin = (int)((int64_t)tiles * me / nt), t_end = (int)((int64_t)tiles * (me + 1) / nt);
-        __m256* kept = kept_all ? kept_all + kept_per * me : NULL;
+        __m256* kept = kept_all ? kept_all + kept_per * omp_get_thread_num() : NULL;
         float sums[MT_WIDE * NT];
         for (int c0 = 0; c0 < M; c0 += mc) {
             const int rows = M - c0 < mc ? M - c0 : mc;
-            if (c0) {
-                #pragma omp barrier  /* every thread is done with the previous chunk */
-            }
             #pragma omp for schedule(static)  /* (its implied barrier: the chunk is whole before any thread reads it) */
             for (int r = 0; r < rows; r++) widen_span(x + (int64_t)(c0 + r) * K, xa + (int64_t)r * K, K);
             const int panels = (rows + MT_WIDE - 1) / MT_WIDE;  /* of equal size, as over the narrow tiles */
-            for (int b0 = t_begin; b0 < t_end; b0 += per_block) {
-                const int b1 = b0 + per_block < t_end ? b0 + per_block : t_end;
+            /* (the implied barrier at the end: every thread is done with the chunk before the next is widened) */
+            #pragma omp for schedule(dynamic, 1)
+            for (int blk = 0; blk < blocks; blk++) {
+                const int b0 = blk * per_block, b1 = b0 + per_block < tiles ? b0 + per_block : tiles;
                 for (int64_t k0 = 0; k0 < K; k0 += kc) {
                     const int64_t k1 = k0 + kc < K ? k0 + kc : K;
                     for (int p = 0, m0 = c0; p < panels; p++) {
