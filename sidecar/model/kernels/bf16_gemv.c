@@ -148,12 +148,8 @@ static inline __attribute__((always_inline)) void dot_tile(const float* x, const
  * A pass covers at most KC_WIDE values of K, so that the panel's float32 activations stay in L1 while the block's
  * tiles pass over them; between passes the 12 accumulators wait in memory (float32 kept exactly). */
 #define MT_WIDE 6
-#ifndef KC_WIDE
 #define KC_WIDE 1024
-#endif
-#ifndef WIDE_ROWS
 #define WIDE_ROWS 4
-#endif
 
 /* acc[i][0..1] (i < MB) continued over k in [k0, k1) with weight rows (w, w + 32) of one tile's chunks. */
 static inline __attribute__((always_inline)) void dot_half(const float* x, int64_t K, const uint16_t* w, int64_t k0,
@@ -298,10 +294,10 @@ static inline void store_sums(const float* acc, int mb, int nb, int m0, int n0, 
             store_four(acc + i * NT, bias, bias_bf16, n0, y, (int64_t)(m0 + i) * N + n0, out_bf16);
         return;
     }
-    float kept[MT_TILED * NT > 6 * NT ? MT_TILED * NT : 6 * NT];  /* a padded last tile: its valid columns */
+    float valid[MT_TILED * NT > 6 * NT ? MT_TILED * NT : 6 * NT];  /* a padded last tile: its valid columns */
     for (int i = 0; i < mb; i++)
-        for (int j = 0; j < nb; j++) kept[i * nb + j] = acc[i * NT + j];
-    store_tile(kept, mb, nb, m0, n0, N, bias, bias_bf16, y, out_bf16);
+        for (int j = 0; j < nb; j++) valid[i * nb + j] = acc[i * NT + j];
+    store_tile(valid, mb, nb, m0, n0, N, bias, bias_bf16, y, out_bf16);
 }
 #endif
 
