@@ -18,6 +18,7 @@ from sidecar.engine.sampling_rng import SALT_TOKEN, KeyedDraws, gumbel, row_keys
 from sidecar.engine.sampling_tensors import (F_MIN_P, F_REP, F_TEMP, F_TOP_P, I_LROWS, I_POS, I_PROWS, I_SLOT,
                                              I_SROWS, I_STREAM, I_TOPK, SamplingTensors, StepParams)
 from sidecar.engine.structured import apply_bitmask
+from sidecar.model.kernels import keyed_uniform
 
 _NEG_INF = float("-inf")
 
@@ -150,6 +151,8 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0, max_num_seqs: int = 256) -> None:
         self.device = device
         self.tensors = SamplingTensors(device, seed, max_num_seqs)
+        if device.type == "cpu":
+            keyed_uniform.available()  # its kernel built (or found cached) now, not at the first sampled step
 
     def draws_for(self, req: Request) -> KeyedDraws:
         """The request's keyed draws from its next token on (speculative verification)."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from sidecar.model.kernels import keyed_uniform
+
 _U64 = (1 << 64) - 1
 NUM_SALTS = 4  # salts per position; a salt is in [0, NUM_SALTS)
 SALT_TOKEN = 0  # the draw of the token itself (sampling, and a verification's residual or bonus draw)
@@ -91,7 +93,15 @@ def unit_float(h: torch.Tensor) -> torch.Tensor:
 
 
 def uniform(keys: torch.Tensor, n: int) -> torch.Tensor:
-    """float32 [B, n] uniforms in (0, 1): element (b, i) of the sequence keyed by keys[b]."""
+    """float32 [B, n] uniforms in (0, 1): element (b, i) of the sequence keyed by keys[b]. On the CPU one C
+    pass computes the same bits (``keyed_uniform``) where the torch form's dozen passes over [B, n] would take
+    most of a sampled step's host time."""
+    fast = keyed_uniform.uniform(keys, n)
+    return fast if fast is not None else uniform_torch(keys, n)
+
+
+def uniform_torch(keys: torch.Tensor, n: int) -> torch.Tensor:
+    """``uniform`` in torch operators on any device: the definition."""
     return unit_float(fmix_(keys.unsqueeze(-1) + _offsets(keys.device, n)))
 
 
