@@ -127,10 +127,12 @@ def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 def server_workload(tools: dict[str, Path], gguf: Path, work: list[tuple[list[int], int]], threads: int,
-                    parallel: int, timeout: float = 3600.0) -> dict[str, Any]:
+                    parallel: int, timeout: float = 3600.0, temperature: float = 0.0) -> dict[str, Any]:
     """The workload through ``llama-server -np parallel`` (continuous batching), all requests sent at once.
 
-    Each slot gets the context of the longest request; prompts are token ids, EOS ignored, greedy.
+    Each slot gets the context of the longest request; prompts are token ids, EOS ignored, greedy or (at
+    ``temperature`` > 0) plain temperature sampling: llama-server's other samplers (top-k 40, top-p 0.95,
+    min-p 0.05 by default) turned off.
     ``peak_rss_bytes``: the server's peak RSS, read before it is stopped."""
     from sidecar.bench.rss import peak_rss_bytes
 
@@ -157,10 +159,12 @@ def server_workload(tools: dict[str, Path], gguf: Path, work: list[tuple[list[in
         _post(base + "/completion", {"prompt": work[0][0][:16], "n_predict": 2, "ignore_eos": True,
                                      "temperature": 0.0, "cache_prompt": False}, timeout)  # warm-up
 
+        sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+
         def one(item: tuple[list[int], int]) -> int:
             prompt, n = item
             r = _post(base + "/completion", {"prompt": prompt, "n_predict": n, "ignore_eos": True,
-                                             "temperature": 0.0, "cache_prompt": False}, timeout)
+                                             "cache_prompt": False, **sampling}, timeout)
             return int(r.get("tokens_predicted", 0))
 
         t = time.perf_counter()

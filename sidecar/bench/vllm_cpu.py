@@ -84,10 +84,10 @@ class VllmCpu:
 
     def __init__(self, venv: str, model_dir: str, dtype: str, threads: int, *, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 1024, max_model_len: int = 4096, kv_cache_gb: float = 2.0,
-                 load_timeout: float = LOAD_TIMEOUT_S) -> None:
+                 load_timeout: float = LOAD_TIMEOUT_S, temperature: float = 0.0) -> None:
         python = venv_python(venv)
         spec = {"model": model_dir, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-                "max_num_batched_tokens": max(max_num_batched_tokens, max_model_len)}
+                "max_num_batched_tokens": max(max_num_batched_tokens, max_model_len), "temperature": temperature}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sidecar-vllm-cpu-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(command(python, spec), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, bufsize=1,

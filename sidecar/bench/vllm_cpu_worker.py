@@ -57,14 +57,15 @@ class Runner:
                        enable_prefix_caching=False, seed=0, skip_tokenizer_init=spec.get("skip_tokenizer_init", False))
         self.load_s = time.perf_counter() - t
         self.detokenize = not spec.get("skip_tokenizer_init", False)
+        self.temperature = float(spec.get("temperature", 0.0))  # the workload's; b1 and prefill stay greedy
 
-    def _params(self, n: int):
-        return self.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=self.detokenize)
+    def _params(self, n: int, temperature: float = 0.0):
+        return self.SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True, detokenize=self.detokenize)
 
-    def _generate(self, prompts: list, ns: list) -> tuple[float, int]:
+    def _generate(self, prompts: list, ns: list, temperature: float = 0.0) -> tuple[float, int]:
         t = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], [self._params(n) for n in ns],
-                                 use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
+                                 [self._params(n, temperature) for n in ns], use_tqdm=False)
         dt = time.perf_counter() - t
         return dt, sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -85,8 +86,8 @@ class Runner:
         return {"prefill_tok_s": max(rates), "prefill_tokens": len(prompts[0]), "prefill_by_run": rates}
 
     def workload(self, work: list) -> dict:
-        self._generate([work[0][0][:16]], [2])  # warm-up
-        dt, produced = self._generate([p for p, _ in work], [n for _, n in work])
+        self._generate([work[0][0][:16]], [2], self.temperature)  # warm-up
+        dt, produced = self._generate([p for p, _ in work], [n for _, n in work], self.temperature)
         return {"seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt}
 
 

