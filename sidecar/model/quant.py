@@ -4,8 +4,8 @@ The runtime half of quantization ("swap modules for runtime"): ``Int8Linear`` /
 ``Int4Linear`` hold the codes of the stored format (``quant_format.py``) in
 whatever layout the device's fused kernel wants (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm[_for_cpu]``) as buffers, and never materialise a
-dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS`` rows (decode steps)
-and int4 batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill chunks) go
+dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS`` rows (decode steps; prefills
+too where the AVX2 path over the codes is built: ``int8_gemv.takes``) and int4 batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill chunks) go
 through our own kernels (``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's
 packed int4 layout in place) when they build. ``quantize_linear`` / ``quantize_tied_embedding`` are the loader's
 hooks for quantizing a full-precision model while it loads; saving and reloading quantized
@@ -138,10 +138,11 @@ class Int8Linear(_QuantLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if (x2d.shape[0] <= int8_gemv.MAX_ROWS and x2d.device.type == "cpu" and self.k_padded == self.in_features
+        if (x2d.device.type == "cpu" and int8_gemv.takes(x2d.shape[0]) and self.k_padded == self.in_features
                 and (x.dtype is torch.float32 or x.dtype is torch.bfloat16) and not self._takes_triton(x2d)
                 and self.weight.device.type == "cpu" and int8_gemv.available()):
-            # A decode-sized batch: our kernel reads the activations as they are and adds the bias itself.
+            # Our kernels (a decode-sized batch, or a prefill's over the codes where the AVX2 path is
+            # built) read the activations as they are and add the bias themselves.
             layer = self._checked(int8_gemv.Layer, self.weight, self.scales_f32, self.bias)
             return layer(x2d, x.dtype).reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from sidecar.model.kernels import cpu_build, int8_gemv
+from sidecar.model.kernels import bf16_gemv, cpu_build, int8_gemv
 from sidecar.model.quant import Int8Linear, quantize_linear
 from sidecar.model.quant_format import dequantize_int8, quantize_int8
 
@@ -78,7 +78,9 @@ def test_int8_linear_few_and_many_rows_match_the_dequantized_layer(rows, dtype, 
     x = torch.randn(rows, features).to(dtype)
     y = qlin(x)
     assert y.dtype == dtype and y.shape == (rows, 70)
-    assert bool(calls) == (rows <= int8_gemv.MAX_ROWS)  # decode-sized batches take our kernel
+    # decode-sized batches take our kernel, larger ones too where the AVX2 path over the codes is built (whole
+    # 32-value chunks only: 200 features are padded, and those layers go to torch)
+    assert bool(calls) == (rows <= int8_gemv.MAX_ROWS or (features % 32 == 0 and bf16_gemv.int8_wide_available()))
     ref = x.float() @ deq.float().T + b.float()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
     assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
@@ -227,3 +229,60 @@ def test_int8_layer_follows_replaced_buffers_and_refuses_bad_activations():
         qlin._cpu_layer(x.half(), torch.float32)
     twin = copy.deepcopy(qlin)  # the copy drops the view (a C function) and builds its own over its buffers
     assert twin._cpu_layer is None and torch.equal(twin(x), qlin(x)) and twin._cpu_layer.weight is twin.weight
+
+
+@pytest.fixture
+def avx2_build(monkeypatch):
+    """The kernels built for AVX2 + FMA (as on a Zen 2/3), whatever this CPU has beyond."""
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert bf16_gemv.int8_wide_available(), cpu_build.reason("bf16_gemv")
+    assert int8_gemv.takes(int8_gemv.MAX_ROWS + 1)
+
+
+# past MAX_ROWS; a padded last tile (7, 130 rows), two passes over K (1,056), two row chunks (220 x 4,864)
+WIDE_CASES = [(33, 7, 64), (40, 130, 1056), (64, 96, 896), (220, 40, 4864)]
+
+
+@pytest.mark.parametrize("m,n,k", WIDE_CASES)
+def test_wide_path_is_the_bf16_prefill_kernel_over_the_codes(m, n, k, avx2_build):
+    """Prefill batches over int8 codes: the bf16 kernel's sums over the codes as bf16 weights (exact: small
+    integers), bit for bit, then times the row's scale, plus the bias, rounded once."""
+    x, w, s = _case(m, n, k, seed=m + n)
+    xb = x.bfloat16()
+    sums = int8_gemv.bf16_gemv.bf16_matmul_tiled(xb, bf16_gemv.tile_weight(w.bfloat16()), n)
+    assert torch.equal(bf16_gemv.int8_matmul_wide(xb, w, torch.ones(n)), sums)
+    for bias in (None, torch.randn(n), torch.randn(n).bfloat16()):
+        for out in (torch.float32, torch.bfloat16):
+            y = bf16_gemv.int8_matmul_wide(xb, w, s, bias, out)
+            ref = sums * s if bias is None else sums * s + bias.float()
+            assert y.dtype == out and torch.equal(y, ref.to(out))
+
+
+@pytest.mark.parametrize("m,n,k", WIDE_CASES)
+def test_wide_path_reads_float32_activations_as_they_are(m, n, k, avx2_build):
+    x, w, s = _case(m, n, k, seed=m * 3 + k)
+    y = bf16_gemv.int8_matmul_wide(x, w, s)
+    ref = int8_gemv.reference(x, w, s)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 sums of exact products
+    # a row's result does not depend on the batch it came in
+    assert torch.equal(bf16_gemv.int8_matmul_wide(x[5:6].expand(m, k).contiguous(), w, s)[m - 1], y[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_layer_prefill_takes_the_wide_path(dtype, avx2_build, monkeypatch):
+    calls = []
+    real = bf16_gemv.int8_matmul_wide
+    monkeypatch.setattr(bf16_gemv, "int8_matmul_wide", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    torch.manual_seed(1)
+    lin = nn.Linear(896, 150, bias=True).to(dtype)
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    qlin = quantize_linear(lin, "int8")
+    x = torch.randn(2, 50, 896).to(dtype)
+    y = qlin(x)
+    assert calls == [100] and y.dtype == dtype and y.shape == (2, 50, 150)
+    ref = real(x.reshape(100, 896), qlin.weight, qlin.scales_f32, qlin.bias, dtype).reshape(2, 50, 150)
+    assert torch.equal(y, ref)
+    deq = dequantize_int8(*quantize_int8(w, w.dtype))
+    close = x.float() @ deq.float().T + b.float()
+    assert (y.float() - close).abs().max() <= 1e-2 * close.abs().max()

@@ -151,11 +151,11 @@ static inline __attribute__((always_inline)) void dot_tile(const float* x, const
 #define KC_WIDE 1024
 #define WIDE_ROWS 4
 
-/* acc[i][0..1] (i < MB) continued over k in [k0, k1) with weight rows (w, w + 32) of one tile's chunks. */
-static inline __attribute__((always_inline)) void dot_half(const float* x, int64_t K, const uint16_t* w, int64_t k0,
+/* acc[i][0..1] (i < MB) continued over k in [k0, k1) with weight rows (wc, wc + 32) of one tile's chunks, wc
+ * pointing at the chunk of k0. */
+static inline __attribute__((always_inline)) void dot_half(const float* x, int64_t K, const uint16_t* wc, int64_t k0,
                                                            int64_t k1, const int MB, __m256 acc[MT_WIDE][2]) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-    const uint16_t* wc = w + (k0 / 32) * (32 * NT);
     for (int64_t k = k0; k < k1; k += 32, wc += 32 * NT) {
         for (int h = 0; h < 32; h += 16) {
             const __m256i* w0 = (const __m256i*)(wc + h);
@@ -180,15 +180,16 @@ static inline __attribute__((always_inline)) void dot_half(const float* x, int64
     }
 }
 
-/* One pass [k0, k1) of an MB-row panel over half `half` of tile `wr`: accumulators from zero (k0 == 0) or from
- * `kept`; left in `kept` unless the pass ends K, when the rows' two finished sums go to sums[i * NT + 2 * half]. */
-static inline __attribute__((always_inline)) void wide_pass(const float* xb, int64_t K, const uint16_t* wr, int half,
+/* One pass [k0, k1) of an MB-row panel over half `half` of a tile whose chunk of k0 is at `wk`: accumulators
+ * from zero (k0 == 0) or from `kept`; left in `kept` unless the pass ends K, when the rows' two finished sums go
+ * to sums[i * NT + 2 * half]. */
+static inline __attribute__((always_inline)) void wide_pass(const float* xb, int64_t K, const uint16_t* wk, int half,
                                                             int64_t k0, int64_t k1, const int MB, __m256* kept,
                                                             float* sums) {
     __m256 acc[MT_WIDE][2];
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < 2; j++) acc[i][j] = k0 ? kept[i * 2 + j] : _mm256_setzero_ps();
-    dot_half(xb, K, wr + half * 64, k0, k1, MB, acc);
+    dot_half(xb, K, wk + half * 64, k0, k1, MB, acc);
     if (k1 < K) {
         for (int i = 0; i < MB; i++)
             for (int j = 0; j < 2; j++) kept[i * 2 + j] = acc[i][j];
@@ -205,9 +206,9 @@ static inline __attribute__((always_inline)) void wide_pass(const float* xb, int
 /* wide_pass for each panel height, each its own function: register allocation inside the driver's loops spills
  * the accumulators (stores and reloads in every FMA chain: 2-2.5x slower on a Zen 3) */
 #define WIDE_PASS(MB)                                                                                           \
-    static __attribute__((noinline)) void wide_pass_##MB(const float* xb, int64_t K, const uint16_t* wr, int half, \
+    static __attribute__((noinline)) void wide_pass_##MB(const float* xb, int64_t K, const uint16_t* wk, int half, \
                                                          int64_t k0, int64_t k1, __m256* kept, float* sums) {   \
-        wide_pass(xb, K, wr, half, k0, k1, MB, kept, sums);                                                    \
+        wide_pass(xb, K, wk, half, k0, k1, MB, kept, sums);                                                    \
     }
 WIDE_PASS(1) WIDE_PASS(2) WIDE_PASS(3) WIDE_PASS(4) WIDE_PASS(5) WIDE_PASS(6)
 #endif
@@ -308,11 +309,49 @@ static inline void store_sums(const float* acc, int mb, int nb, int m0, int n0, 
 #define CHUNK_BYTES (4 << 20)
 #define BLOCKS_PER_THREAD 8
 
-/* sidecar_bf16_matmul_tiled's loops over dot_half (see there). Rows go in chunks; within a chunk a thread's
- * block of tiles (their weights over one pass of up to KC_WIDE values of K: BLOCK_BYTES) stays in L2 while every
- * panel of up to MT_WIDE rows passes over it; a panel's accumulators wait in memory between passes. */
-static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, void* y, int M, int N, int K,
-                      int nthreads, int bias_bf16, int out_bf16) {
+/* n float32 values (n a multiple of 16) in widen_span's order. */
+static inline void permute_span(const float* x, float* xw, int64_t n) {
+    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    for (int64_t b = 0; b < n; b += 16) {
+        const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + b), even);      /* 0 2 4 6 | 1 3 5 7 */
+        const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + b + 8), even);  /* 8 ... 14 | 9 ... 15 */
+        _mm256_storeu_ps(xw + b, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(xw + b + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+}
+
+/* The tiles b0..b1 of int8 codes w [N, K] over k in [k0, k1), as bf16 in the tiled layout (tile t at
+ * out + (t - b0) * NT * stride, its chunk c at + c * 32 * NT): the codes are integers of at most 7 bits, exact
+ * in bf16, so the products below are those of the codes themselves. Rows past N are zeros. */
+static void codes_to_tiles(const int8_t* w, int N, int64_t K, int b0, int b1, int64_t k0, int64_t k1,
+                           int64_t stride, uint16_t* out) {
+    for (int t = b0; t < b1; t++)
+        for (int r = 0; r < NT; r++) {
+            const int n = t * NT + r;
+            uint16_t* o = out + (int64_t)(t - b0) * NT * stride + r * 32;
+            const int8_t* q = w + (int64_t)n * K;
+            for (int64_t k = k0; k < k1; k += 32, o += 32 * NT) {
+                if (n >= N) {
+                    for (int j = 0; j < 32; j++) o[j] = 0;
+                    continue;
+                }
+                for (int j = 0; j < 32; j++) {
+                    const float f = (float)q[k + j];
+                    uint32_t u;
+                    memcpy(&u, &f, 4);
+                    o[j] = (uint16_t)(u >> 16);
+                }
+            }
+        }
+}
+
+/* sidecar_bf16_matmul_tiled's loops over dot_half (see there), and sidecar_int8_matmul_wide's: weights either
+ * bf16 in the tiled layout (wt) or int8 codes [N, K] with a scale per row (wq, scale), converted a block of tiles
+ * at a time into a buffer of the thread; activations bf16, or float32 (x_f32). Rows go in chunks; within a chunk
+ * a thread's block of tiles (their weights over one pass of up to KC_WIDE values of K: BLOCK_BYTES) stays in L2
+ * while every panel of up to MT_WIDE rows passes over it; a panel's accumulators wait in memory between passes. */
+static int tiled_wide(const void* x, int x_f32, const uint16_t* wt, const int8_t* wq, const float* scale,
+                      const void* bias, void* y, int M, int N, int K, int nthreads, int bias_bf16, int out_bf16) {
     const int tiles = (N + NT - 1) / NT;
     const int64_t kc = K <= KC_WIDE ? K : KC_WIDE;
     int per_block = (int)(BLOCK_BYTES / ((int64_t)NT * kc * 2));
@@ -341,14 +380,24 @@ static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, v
     __m256* kept_all = NULL;
     if (kept_per && !(kept_all = (__m256*)aligned_alloc(32, (size_t)(kept_per * nthreads * sizeof(__m256)))))
         return 2;
+    const int64_t block_codes = (int64_t)per_block * NT * kc;  /* a block's bf16 tiles from codes, per thread */
+    uint16_t* codes_all = NULL;
+    if (wq && !(codes_all = (uint16_t*)aligned_alloc(64, (size_t)((block_codes * nthreads * 2 + 63) / 64 * 64)))) {
+        free(kept_all);
+        return 2;
+    }
     #pragma omp parallel num_threads(nthreads)
     {
         __m256* kept = kept_all ? kept_all + kept_per * omp_get_thread_num() : NULL;
+        uint16_t* codes = codes_all ? codes_all + block_codes * omp_get_thread_num() : NULL;
         float sums[MT_WIDE * NT];
         for (int c0 = 0; c0 < M; c0 += mc) {
             const int rows = M - c0 < mc ? M - c0 : mc;
             #pragma omp for schedule(static)  /* (its implied barrier: the chunk is whole before any thread reads it) */
-            for (int r = 0; r < rows; r++) widen_span(x + (int64_t)(c0 + r) * K, xa + (int64_t)r * K, K);
+            for (int r = 0; r < rows; r++) {
+                if (x_f32) permute_span((const float*)x + (int64_t)(c0 + r) * K, xa + (int64_t)r * K, K);
+                else widen_span((const uint16_t*)x + (int64_t)(c0 + r) * K, xa + (int64_t)r * K, K);
+            }
             const int panels = (rows + MT_WIDE - 1) / MT_WIDE;  /* of equal size, as over the narrow tiles */
             /* (the implied barrier at the end: every thread is done with the chunk before the next is widened) */
             #pragma omp for schedule(dynamic, 1)
@@ -356,27 +405,31 @@ static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, v
                 const int b0 = blk * per_block, b1 = b0 + per_block < tiles ? b0 + per_block : tiles;
                 for (int64_t k0 = 0; k0 < K; k0 += kc) {
                     const int64_t k1 = k0 + kc < K ? k0 + kc : K;
+                    if (codes) codes_to_tiles(wq, N, K, b0, b1, k0, k1, kc, codes);
                     for (int p = 0, m0 = c0; p < panels; p++) {
                         const int mb = rows / panels + (p < rows % panels);
                         const float* xb = xa + (int64_t)(m0 - c0) * K;
                         for (int t = b0; t < b1; t++) {
-                            const uint16_t* wr = wt + (int64_t)t * NT * K;
+                            const uint16_t* wk = codes ? codes + (int64_t)(t - b0) * NT * kc
+                                                       : wt + (int64_t)t * NT * K + k0 / 32 * (32 * NT);
                             for (int half = 0; half < 2; half++) {
                                 __m256* kp = kept ? kept + (((int64_t)p * per_block + t - b0) * 2 + half) * MT_WIDE * 2
                                                   : NULL;
                                 switch (mb) {
-                                    case 1: wide_pass_1(xb, K, wr, half, k0, k1, kp, sums); break;
-                                    case 2: wide_pass_2(xb, K, wr, half, k0, k1, kp, sums); break;
-                                    case 3: wide_pass_3(xb, K, wr, half, k0, k1, kp, sums); break;
-                                    case 4: wide_pass_4(xb, K, wr, half, k0, k1, kp, sums); break;
-                                    case 5: wide_pass_5(xb, K, wr, half, k0, k1, kp, sums); break;
-                                    default: wide_pass_6(xb, K, wr, half, k0, k1, kp, sums); break;
+                                    case 1: wide_pass_1(xb, K, wk, half, k0, k1, kp, sums); break;
+                                    case 2: wide_pass_2(xb, K, wk, half, k0, k1, kp, sums); break;
+                                    case 3: wide_pass_3(xb, K, wk, half, k0, k1, kp, sums); break;
+                                    case 4: wide_pass_4(xb, K, wk, half, k0, k1, kp, sums); break;
+                                    case 5: wide_pass_5(xb, K, wk, half, k0, k1, kp, sums); break;
+                                    default: wide_pass_6(xb, K, wk, half, k0, k1, kp, sums); break;
                                 }
                             }
                             if (k1 == K) {
-                                const int n0 = t * NT;
-                                store_sums(sums, mb, N - n0 < NT ? N - n0 : NT, m0, n0, N, bias, bias_bf16, y,
-                                           out_bf16);
+                                const int n0 = t * NT, nb = N - n0 < NT ? N - n0 : NT;
+                                if (scale)  /* codes: the row's sum times its scale, then the bias */
+                                    for (int i = 0; i < mb; i++)
+                                        for (int j = 0; j < nb; j++) sums[i * NT + j] *= scale[n0 + j];
+                                store_sums(sums, mb, nb, m0, n0, N, bias, bias_bf16, y, out_bf16);
                             }
                         }
                         m0 += mb;
@@ -385,6 +438,7 @@ static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, v
             }
         }
     }
+    free(codes_all);
     free(kept_all);
     return 0;
 }
@@ -397,7 +451,7 @@ int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void*
     if (K % 32) return 1;
     nthreads = nthreads < 1 ? 1 : nthreads;
 #if BF16_PATH == 2
-    if (M >= WIDE_ROWS) return tiled_wide(x, wt, bias, y, M, N, K, nthreads, bias_bf16, out_bf16);
+    if (M >= WIDE_ROWS) return tiled_wide(x, 0, wt, NULL, NULL, bias, y, M, N, K, nthreads, bias_bf16, out_bf16);
 #endif
     xel* owned;
     const xel* xa = widen_rows(x, M, K, nthreads, &owned);
@@ -494,6 +548,25 @@ int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, 
     return 0;
 #else
     (void)x; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads; (void)bias_bf16; (void)out_bf16;
+    return 1;
+#endif
+}
+
+/* y = (x @ w.T) * scale + bias for int8 codes w [N, K] with one float32 scale a row: the AVX2 prefill path above
+ * over the codes (a block of tiles converted to bf16 in the thread's buffer, exactly: the codes are small
+ * integers), so a prefill over int8 weights runs at bf16's pace instead of torch's packed int8 kernel (half of
+ * it on a Zen 3). x: bf16, or float32 when x_f32 (each value as it is: no rounding); bias, y as
+ * sidecar_bf16_matmul. The sums are float32 in the order of every path here. Returns 0; 1 without the AVX2
+ * path (an AVX-512 build has none: its caller keeps torch's kernel) or when K is not a multiple of 32; 2 when
+ * out of memory. */
+int sidecar_int8_matmul_wide(const void* x, int x_f32, const int8_t* w, const float* scale, const void* bias,
+                             void* y, int M, int N, int K, int nthreads, int bias_bf16, int out_bf16) {
+#if defined(BF16_PATH) && BF16_PATH == 2
+    if (K % 32 || M < 1) return 1;
+    return tiled_wide(x, x_f32, NULL, w, scale, bias, y, M, N, K, nthreads < 1 ? 1 : nthreads, bias_bf16, out_bf16);
+#else
+    (void)x; (void)x_f32; (void)w; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    (void)bias_bf16; (void)out_bf16;
     return 1;
 #endif
 }

@@ -44,6 +44,7 @@ _KERNEL = cpu_build.Kernel("bf16_gemv", {
     "sidecar_bf16_matmul": ([P] * 4 + [I] * 6, I),
     "sidecar_bf16_matmul_tiled": ([P] * 4 + [I] * 6, I),
     "sidecar_bf16_supported": ([], I),
+    "sidecar_int8_matmul_wide": ([P, I] + [P] * 4 + [I] * 6, I),
 }, setup=lambda lib: setattr(lib, "_sidecar_bf16", int(lib.sidecar_bf16_supported())))
 _ISAS = {512: "avx512_bf16", 2: "avx2"}
 
@@ -59,6 +60,32 @@ def isa() -> str:
     float32, FMAs) or "" (not available)."""
     lib = _KERNEL.lib()
     return "" if lib is None else _ISAS.get(lib._sidecar_bf16, "")
+
+
+def int8_wide_available() -> bool:
+    """Whether ``int8_matmul_wide`` runs here: the AVX2 path's prefill loops (an AVX-512 build has none)."""
+    return isa() == "avx2"
+
+
+def int8_matmul_wide(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(x @ weight.T) * scales + bias`` for int8 codes ``weight`` [N, K] (K a multiple of 32) with float32
+    ``scales`` [N], over the AVX2 prefill path: float32 sums of the products of ``x`` (bf16, or float32 read as
+    it is) and the codes, each times its row's scale, then the bias; [M, N] in ``out_dtype`` (float32 or bf16,
+    rounded once). Requires ``int8_wide_available()``; the caller has checked the static operands."""
+    lib = _KERNEL.lib()
+    x = x if x.is_contiguous() else x.contiguous()  # held for the call
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+    rc = lib.sidecar_int8_matmul_wide(x.data_ptr(), int(x.dtype == torch.float32), weight.data_ptr(),
+                                      scales.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                                      x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads(),
+                                      int(bias is not None and bias.dtype == torch.bfloat16),
+                                      int(out_dtype == torch.bfloat16))
+    if rc == 2:
+        raise MemoryError(f"int8_matmul_wide: no memory for {x.shape[0]} activation rows' float32 copy")
+    if rc != 0:
+        raise RuntimeError("int8_matmul_wide: no AVX2 path in this build, or K not a multiple of 32")
+    return y
 
 
 def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -17,13 +17,20 @@ from typing import Optional
 
 import torch
 
-from sidecar.model.kernels import cpu_build
+from sidecar.model.kernels import bf16_gemv, cpu_build
 from sidecar.model.kernels.cpu_build import I, P
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
 # Measured one thread, Qwen2-0.5B-shaped layers: 1.4-1.7x faster than torch's packed kernel from 1
-# to 32 rows, even at 64 rows; beyond that prefill chunks go to torch's kernel.
+# to 32 rows, even at 64 rows; beyond that prefill chunks go to the AVX2 prefill path over the codes
+# (``bf16_gemv.int8_matmul_wide``: twice torch's packed kernel on a Zen 3) where it is built, else to torch's.
 MAX_ROWS = 32
+
+
+def takes(rows: int) -> bool:
+    """Whether a layer of per-row scales (``Layer``) runs a batch of ``rows`` itself: decode-sized batches, and
+    any batch where the wide path is built."""
+    return rows <= MAX_ROWS or bf16_gemv.int8_wide_available()
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
@@ -95,7 +102,7 @@ class Layer(cpu_build.LayerView):
     so that a call checks only the activations: in a decode step the checks around the product cost about
     as much as a small layer's product. ``matches`` says whether it still holds these tensors."""
 
-    __slots__ = ("weight", "scales", "bias", "grouped", "n", "k", "fn", "flags")
+    __slots__ = ("weight", "scales", "bias", "grouped", "n", "k", "fn", "flags", "wide")
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
                  grouped: bool = False) -> None:
@@ -111,6 +118,8 @@ class Layer(cpu_build.LayerView):
         self.fn = lib.sidecar_int8_linear
         self.flags = ((_BIAS_BF16 if bias is not None and bias.dtype == torch.bfloat16 else 0)
                       | (_GROUPED if grouped else 0))
+        # batches past MAX_ROWS: the AVX2 prefill path over the codes, for per-row scales
+        self.wide = not grouped and k % 32 == 0 and bf16_gemv.int8_wide_available()
 
     def matches(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         return weight is self.weight and scales is self.scales and bias is self.bias
@@ -123,6 +132,8 @@ class Layer(cpu_build.LayerView):
         if not x.is_contiguous():
             x = x.contiguous()
         m = x.shape[0]
+        if m > MAX_ROWS and self.wide:
+            return bf16_gemv.int8_matmul_wide(x, self.weight, self.scales, self.bias, out_dtype)
         y = torch.empty(m, self.n, dtype=out_dtype)
         b = self.bias
         flags = (self.flags | (_X_BF16 if x.dtype is torch.bfloat16 else 0)
