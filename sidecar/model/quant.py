@@ -2,12 +2,11 @@
 
 The runtime half of quantization ("swap modules for runtime"): ``Int8Linear`` /
 ``Int4Linear`` hold the codes of the stored format (``quant_format.py``) in
-whatever layout the device's fused kernel wants (``_weight_int8pack_mm``,
-``_weight_int4pack_mm[_for_cpu]``) as buffers, and never materialise a
-dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS`` rows (decode steps; prefills
-too where the AVX2 path over the codes is built: ``int8_gemv.takes``) and int4 batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill chunks) go
-through our own kernels (``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's
-packed int4 layout in place) when they build. ``quantize_linear`` / ``quantize_tied_embedding`` are the loader's
+whatever layout the device's fused kernel wants (``_weight_int8pack_mm``, ``_weight_int4pack_mm[_for_cpu]``)
+as buffers, and never materialise a dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS``
+rows (decode steps; prefills too where the AVX2 path over the codes is built: ``int8_gemv.takes``) and int4
+batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill chunks) go through our own kernels
+(``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's packed int4 layout in place) when they build. ``quantize_linear`` / ``quantize_tied_embedding`` are the loader's
 hooks for quantizing a full-precision model while it loads; saving and reloading quantized
 checkpoints is ``quant_checkpoint.py``. With the model's ``FastPaths.weight_only`` on (set through
 ``set_fast_paths``), decode-sized batches on CUDA go through the Triton kernels of
