@@ -6,11 +6,11 @@ whatever layout the device's fused kernel wants (``_weight_int8pack_mm``, ``_wei
 as buffers, and never materialise a dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS``
 rows (decode steps; prefills too where the AVX2 path over the codes is built: ``int8_gemv.takes``) and int4
 batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill chunks) go through our own kernels
-(``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's packed int4 layout in place) when they build. ``quantize_linear`` / ``quantize_tied_embedding`` are the loader's
-hooks for quantizing a full-precision model while it loads; saving and reloading quantized
-checkpoints is ``quant_checkpoint.py``. With the model's ``FastPaths.weight_only`` on (set through
-``set_fast_paths``), decode-sized batches on CUDA go through the Triton kernels of
-``kernels/triton_wo.py`` instead, which read the stored format.
+(``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's packed int4 layout in place) when they
+build. ``quantize_linear`` / ``quantize_tied_embedding`` are the loader's hooks for quantizing a full-precision
+model while it loads; saving and reloading quantized checkpoints is ``quant_checkpoint.py``. With the model's
+``FastPaths.weight_only`` on (set through ``set_fast_paths``), decode-sized batches on CUDA go through the Triton
+kernels of ``kernels/triton_wo.py`` instead, which read the stored format.
 """
 from __future__ import annotations
 

@@ -321,7 +321,7 @@ static inline void permute_span(const float* x, float* xw, int64_t n) {
 }
 
 /* The tiles b0..b1 of int8 codes w [N, K] over k in [k0, k1), as bf16 in the tiled layout (tile t at
- * out + (t - b0) * NT * stride, its chunk c at + c * 32 * NT): the codes are integers of at most 7 bits, exact
+ * out + (t - b0) * NT * stride, its chunk c at + c * 32 * NT): the codes are integers of magnitude 128 at most, exact
  * in bf16, so the products below are those of the codes themselves. Rows past N are zeros. */
 static void codes_to_tiles(const int8_t* w, int N, int64_t K, int b0, int b1, int64_t k0, int64_t k1,
                            int64_t stride, uint16_t* out) {
