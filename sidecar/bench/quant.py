@@ -260,7 +260,8 @@ def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: d
             lb = llamacpp.llama_bench(tools, gguf, 0, n, args.threads)
             theirs.append(lb["best_tok_s"])
             rss["llamacpp"] = max(rss["llamacpp"], lb["peak_rss_bytes"])
-            pre["llamacpp"].append(llamacpp.llama_bench(tools, gguf, args.prefill_tokens, 0, args.threads)["best_tok_s"])
+            lp = llamacpp.llama_bench(tools, gguf, args.prefill_tokens, 0, args.threads)
+            pre["llamacpp"].append(lp["best_tok_s"])
         if vllm is not None:
             v = vllm.call("b1", prompt=B1_PROMPT, n=n, repeats=2)
             vl.append(v["b1_decode_tok_s"])

@@ -267,6 +267,9 @@ def test_wide_path_reads_float32_activations_as_they_are(m, n, k, avx2_build):
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 sums of exact products
     # a row's result does not depend on the batch it came in
     assert torch.equal(bf16_gemv.int8_matmul_wide(x[5:6].expand(m, k).contiguous(), w, s)[m - 1], y[5])
+    for bad in (x.half(), x[:, :k - 32], x[0]):
+        with pytest.raises(ValueError, match="int8_matmul_wide"):
+            bf16_gemv.int8_matmul_wide(bad, w, s)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -74,6 +74,8 @@ def int8_matmul_wide(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
     it is) and the codes, each times its row's scale, then the bias; [M, N] in ``out_dtype`` (float32 or bf16,
     rounded once). Requires ``int8_wide_available()``; the caller has checked the static operands."""
     lib = _KERNEL.lib()
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"int8_matmul_wide: x {tuple(x.shape)} {x.dtype} for weight {tuple(weight.shape)}")
     x = x if x.is_contiguous() else x.contiguous()  # held for the call
     y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
     rc = lib.sidecar_int8_matmul_wide(x.data_ptr(), int(x.dtype == torch.float32), weight.data_ptr(),
