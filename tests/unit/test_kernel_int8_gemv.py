@@ -250,7 +250,7 @@ def test_wide_path_is_the_bf16_prefill_kernel_over_the_codes(m, n, k, avx2_build
     integers), bit for bit, then times the row's scale, plus the bias, rounded once."""
     x, w, s = _case(m, n, k, seed=m + n)
     xb = x.bfloat16()
-    sums = int8_gemv.bf16_gemv.bf16_matmul_tiled(xb, bf16_gemv.tile_weight(w.bfloat16()), n)
+    sums = bf16_gemv.bf16_matmul_tiled(xb, bf16_gemv.tile_weight(w.bfloat16()), n)
     assert torch.equal(bf16_gemv.int8_matmul_wide(xb, w, torch.ones(n)), sums)
     for bias in (None, torch.randn(n), torch.randn(n).bfloat16()):
         for out in (torch.float32, torch.bfloat16):
