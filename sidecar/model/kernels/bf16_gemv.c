@@ -22,6 +22,10 @@
  * tree for every path: a row's result does not depend on the batch it came in) are stored four at a time.
  * Whole Qwen2-0.5B on a 2-core Zen 4, 2 threads, against oneDNN's packed GEMM: 212 against 196 GFLOP/s
  * at 8 rows, 293 against 301 at 16, 346 against 363 at 32 (from 298 against 338 with 4-row tiles).
+ *
+ * On AVX2 (bf16 widened to float32), prefill-sized batches take two more arrangements of the same sums in the
+ * same order: tiled_wide (dot products over half tiles, from WIDE_ROWS rows) and tiled_outer (outer products over
+ * groups of 16 weight rows converted a block at a time, from OUTER_ROWS rows; the int8 prefill path too).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -309,49 +313,275 @@ static inline void store_sums(const float* acc, int mb, int nb, int m0, int n0, 
 #define CHUNK_BYTES (4 << 20)
 #define BLOCKS_PER_THREAD 8
 
-/* n float32 values (n a multiple of 16) in widen_span's order. */
-static inline void permute_span(const float* x, float* xw, int64_t n) {
-    const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    for (int64_t b = 0; b < n; b += 16) {
-        const __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + b), even);      /* 0 2 4 6 | 1 3 5 7 */
-        const __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(x + b + 8), even);  /* 8 ... 14 | 9 ... 15 */
-        _mm256_storeu_ps(xw + b, _mm256_permute2f128_ps(lo, hi, 0x20));
-        _mm256_storeu_ps(xw + b + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+/* A chunk's float32 activations: a buffer of the calling thread of at least n values, kept for its next call (a
+ * fresh one of megabytes would be new zeroed pages every call); NULL when it cannot be allocated. */
+static float* chunk_buffer(int64_t n) {
+    static __thread float* buf = NULL;
+    static __thread int64_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        cap = 0;
+        if (!(buf = (float*)aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64)))) return NULL;
+        cap = n;
+    }
+    return buf;
+}
+
+/* Prefill-sized batches (OUTER_ROWS rows on) again, as outer products: the same sums in the same order, with
+ * weights and activations rearranged so that every FMA takes a vector of 8 outputs' weights and one activation
+ * broadcast from memory. Over dot_half above, 8 of its 16 loads per 24 FMAs stream activation vectors through L1
+ * and the FMAs run at ~80% of the core's rate; here a register tile is up to 6 activation rows x 16 weight rows
+ * (12 accumulators, one vector of 16 bf16 weights widened into two, one broadcast) and runs at the FMA rate
+ * (Zen 3, one thread, weights in L2: 97 GFLOP/s against 78).
+ *
+ * The order: the sum for output n is kept as 8 partial sums s_l (l = 0..7), s_l accumulating, for each
+ * 16-value block b of K in turn, the products at k = 16b + 2l and then 16b + 2l + 1 -- lane l of dot_tile's and
+ * dot_half's accumulators -- and the 8 are added as sum4_256 adds the lanes. So a step of the tile is one k
+ * (values k of 16 weight rows, one vector), and the steps of s_l are the k above in order: weights and
+ * activations are laid out lane by lane:
+ *   weights, for a group of 16 rows (4 tiles) over a pass [k0, k1): [l][b][k & 1][16 rows], as bf16, converted
+ *     a block of groups at a time into a buffer of the thread, where every panel of the rows passes over them;
+ *     the rows in the order 0-3, 8-11, 4-7, 12-15, so that widening the low and the high half of each 128-bit
+ *     lane (unpack with zeros) gives rows 0-7 and 8-15;
+ *   activations, each row as float32 (a bf16 value widened exactly) in the order [l][K / 16][k & 1]. */
+#ifndef OUTER_ROWS
+#define OUTER_ROWS 16        /* from this many rows on (below, converting a block costs more than it saves) */
+#endif
+#ifndef KC_OUTER
+#define KC_OUTER 1024        /* values of K a pass: a lane's activations for a panel (<= 3 KiB) stay in L1 */
+#endif
+#ifndef OUTER_BLOCK_BYTES
+#define OUTER_BLOCK_BYTES (192 << 10)  /* a thread's converted weights, in L2 beside the tiles they come from */
+#endif
+#define GR 16  /* weight rows a group */
+
+/* 16 rows of 16 bf16 values (r[i]: row i) transposed: r[k] becomes value k of the 16 rows, row i at element i. */
+static inline void transpose16(__m256i r[16]) {
+    __m256i t[16], u[16];
+    for (int j = 0; j < 8; j++) {  /* t[j]: rows 2j, 2j+1 at k 0-3 (each 128-bit lane: + 8); t[8 + j]: k 4-7 */
+        t[j] = _mm256_unpacklo_epi16(r[2 * j], r[2 * j + 1]);
+        t[8 + j] = _mm256_unpackhi_epi16(r[2 * j], r[2 * j + 1]);
+    }
+    for (int h = 0; h < 2; h++)  /* u[q + 4m]: rows 4q..4q+3 at k 2m, 2m+1 (+ 8) */
+        for (int q = 0; q < 4; q++) {
+            u[q + 8 * h] = _mm256_unpacklo_epi32(t[2 * q + 8 * h], t[2 * q + 1 + 8 * h]);
+            u[q + 8 * h + 4] = _mm256_unpackhi_epi32(t[2 * q + 8 * h], t[2 * q + 1 + 8 * h]);
+        }
+    for (int m = 0; m < 4; m++)  /* t[2k + half]: rows 8 half .. 8 half + 7 at k (+ 8) */
+        for (int hq = 0; hq < 2; hq++) {
+            t[4 * m + hq] = _mm256_unpacklo_epi64(u[2 * hq + 4 * m], u[2 * hq + 1 + 4 * m]);
+            t[4 * m + 2 + hq] = _mm256_unpackhi_epi64(u[2 * hq + 4 * m], u[2 * hq + 1 + 4 * m]);
+        }
+    for (int k = 0; k < 8; k++) {
+        r[k] = _mm256_permute2x128_si256(t[2 * k], t[2 * k + 1], 0x20);
+        r[k + 8] = _mm256_permute2x128_si256(t[2 * k], t[2 * k + 1], 0x31);
     }
 }
 
-/* The tiles b0..b1 of int8 codes w [N, K] over k in [k0, k1), as bf16 in the tiled layout (tile t at
- * out + (t - b0) * NT * stride, its chunk c at + c * 32 * NT): the codes are integers of magnitude 128 at most, exact
- * in bf16, so the products below are those of the codes themselves. Rows past N are zeros. */
-static void codes_to_tiles(const int8_t* w, int N, int64_t K, int b0, int b1, int64_t k0, int64_t k1,
-                           int64_t stride, uint16_t* out) {
-    for (int t = b0; t < b1; t++)
-        for (int r = 0; r < NT; r++) {
-            const int n = t * NT + r;
-            uint16_t* o = out + (int64_t)(t - b0) * NT * stride + r * 32;
-            const int8_t* q = w + (int64_t)n * K;
-            for (int64_t k = k0; k < k1; k += 32, o += 32 * NT) {
+/* The row a group's position i holds (see above: widening then gives rows 0-7 and 8-15 in order). */
+static inline int outer_row(int i) { return (i & 3) | ((i & 4) << 1) | ((i & 8) >> 1); }
+
+/* Group g of the weights over [k0, k1) in the layout above, at out: from the tiled layout (wt; tiles past the
+ * last are zero rows) or from int8 codes w [N, K] (wq; exact in bf16; rows past N are zeros). */
+static void group_to_lanes(const uint16_t* wt, const int8_t* wq, int N, int64_t K, int g, int64_t k0, int64_t k1,
+                           uint16_t* out) {
+    const int tiles = (N + NT - 1) / NT;
+    const int64_t nbk = (k1 - k0) / 16;
+    for (int64_t b = 0; b < nbk; b++) {
+        const int64_t k = k0 + 16 * b;
+        __m256i r[16];
+        for (int i = 0; i < GR; i++) {
+            const int n = g * GR + outer_row(i);
+            if (wq) {
                 if (n >= N) {
-                    for (int j = 0; j < 32; j++) o[j] = 0;
+                    r[i] = _mm256_setzero_si256();
                     continue;
                 }
-                for (int j = 0; j < 32; j++) {
-                    const float f = (float)q[k + j];
-                    uint32_t u;
-                    memcpy(&u, &f, 4);
-                    o[j] = (uint16_t)(u >> 16);
+                const __m128i c = _mm_loadu_si128((const __m128i*)(wq + (int64_t)n * K + k));
+                const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c))), 16);
+                const __m256i hi = _mm256_srli_epi32(
+                    _mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)))), 16);
+                r[i] = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+            } else {
+                const int t = n / NT;
+                r[i] = t >= tiles ? _mm256_setzero_si256()
+                                  : _mm256_loadu_si256((const __m256i*)(wt + (int64_t)t * NT * K + k / 32 * (32 * NT) +
+                                                                        (n % NT) * 32 + k % 32));
+            }
+        }
+        transpose16(r);
+        for (int j = 0; j < 16; j++)  /* value j of the block: lane j / 2, step j & 1 */
+            _mm256_store_si256((__m256i*)(out + (((j / 2) * nbk + b) * 2 + (j & 1)) * GR), r[j]);
+    }
+}
+
+/* Row r of x (bf16, or float32 when x_f32) in the activations' layout above, at out: the pair of values of lane l
+ * in block b at out + (l * K / 16 + b) * 2. */
+static void row_to_lanes(const void* x, int x_f32, int64_t r, int64_t K, float* out) {
+    const int64_t nbk = K / 16;
+    for (int64_t b = 0; b < nbk; b++) {
+        __m256 v[2];
+        for (int h = 0; h < 2; h++)
+            v[h] = x_f32 ? _mm256_loadu_ps((const float*)x + r * K + 16 * b + 8 * h)
+                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                               (const __m128i*)((const uint16_t*)x + r * K + 16 * b + 8 * h))), 16));
+        for (int h = 0; h < 2; h++) {
+            const __m128 lo = _mm256_castps256_ps128(v[h]), hi = _mm256_extractf128_ps(v[h], 1);
+            _mm_storel_pi((__m64*)(out + ((4 * h + 0) * nbk + b) * 2), lo);
+            _mm_storeh_pi((__m64*)(out + ((4 * h + 1) * nbk + b) * 2), lo);
+            _mm_storel_pi((__m64*)(out + ((4 * h + 2) * nbk + b) * 2), hi);
+            _mm_storeh_pi((__m64*)(out + ((4 * h + 3) * nbk + b) * 2), hi);
+        }
+    }
+}
+
+/* steps steps of one lane of an MB-row panel over one group: acc[i * 2 + h] (rows 8h..8h+7 of the group) from
+ * zero (when zero) or as they are, continued with the products of w (16 bf16 a step) and row i's activations
+ * (xp + i * K, one a step). */
+static inline __attribute__((always_inline)) void outer_lane(const float* xp, int64_t K, const uint16_t* w,
+                                                             int64_t steps, int zero, const int MB, __m256* acc) {
+    const __m256i z = _mm256_setzero_si256();
+    __m256 a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11;
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = _mm256_setzero_ps();
+#define OUTER_LOAD(i, lo, hi) if (MB > i && !zero) { lo = acc[2 * i]; hi = acc[2 * i + 1]; }
+    OUTER_LOAD(0, a0, a1) OUTER_LOAD(1, a2, a3) OUTER_LOAD(2, a4, a5)
+    OUTER_LOAD(3, a6, a7) OUTER_LOAD(4, a8, a9) OUTER_LOAD(5, a10, a11)
+    for (int64_t s = 0; s < steps; s++, w += GR, xp++) {
+        const __m256i v = _mm256_load_si256((const __m256i*)w);
+        const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+        const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+#define OUTER_FMA(i, l, h)                                  \
+        if (MB > i) {                                       \
+            const __m256 xv = _mm256_broadcast_ss(xp + i * K); \
+            l = _mm256_fmadd_ps(lo, xv, l);                 \
+            h = _mm256_fmadd_ps(hi, xv, h);                 \
+        }
+        OUTER_FMA(0, a0, a1) OUTER_FMA(1, a2, a3) OUTER_FMA(2, a4, a5)
+        OUTER_FMA(3, a6, a7) OUTER_FMA(4, a8, a9) OUTER_FMA(5, a10, a11)
+    }
+#define OUTER_SAVE(i, lo, hi) if (MB > i) { acc[2 * i] = lo; acc[2 * i + 1] = hi; }
+    OUTER_SAVE(0, a0, a1) OUTER_SAVE(1, a2, a3) OUTER_SAVE(2, a4, a5)
+    OUTER_SAVE(3, a6, a7) OUTER_SAVE(4, a8, a9) OUTER_SAVE(5, a10, a11)
+}
+
+#define OUTER_LANE(MB)                                                                                            \
+    static __attribute__((noinline)) void outer_lane_##MB(const float* xp, int64_t K, const uint16_t* w,          \
+                                                          int64_t steps, int zero, __m256* acc) {                 \
+        outer_lane(xp, K, w, steps, zero, MB, acc);                                                               \
+    }
+OUTER_LANE(1) OUTER_LANE(2) OUTER_LANE(3) OUTER_LANE(4) OUTER_LANE(5) OUTER_LANE(6)
+
+/* A panel's finished sums over group g (acc: 8 lanes of MT_WIDE * 2 vectors), added as sum4_256 adds the lanes,
+ * times the row scale (codes), plus bias, stored in rows m0.. of y. */
+static void outer_store(const __m256* acc, int mb, int g, int m0, int N, const float* scale, const void* bias,
+                        int bias_bf16, void* y, int out_bf16) {
+    for (int i = 0; i < mb; i++) {
+        float sums[GR];
+        for (int h = 0; h < 2; h++) {
+            const __m256* a = acc + i * 2 + h;
+            const int L = MT_WIDE * 2;
+            _mm256_storeu_ps(sums + 8 * h,
+                             _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[2 * L]), _mm256_add_ps(a[L], a[3 * L])),
+                                           _mm256_add_ps(_mm256_add_ps(a[4 * L], a[6 * L]),
+                                                         _mm256_add_ps(a[5 * L], a[7 * L]))));
+        }
+        for (int t = 0; t < GR / NT; t++) {
+            const int n0 = g * GR + t * NT;
+            if (n0 >= N) break;
+            const int nb = N - n0 < NT ? N - n0 : NT;
+            if (scale)
+                for (int j = 0; j < nb; j++) sums[t * NT + j] *= scale[n0 + j];
+            if (nb == NT) store_four(sums + t * NT, bias, bias_bf16, n0, y, (int64_t)(m0 + i) * N + n0, out_bf16);
+            else store_tile(sums + t * NT, 1, nb, m0 + i, n0, N, bias, bias_bf16, y, out_bf16);
+        }
+    }
+}
+
+/* The loops over outer_lane, for the callers of tiled_wide from OUTER_ROWS rows on (arguments as there). Rows go
+ * in chunks (their panels in the layout above); blocks of groups go to whichever thread is free; for each pass
+ * over K a thread converts its block's weights, then every panel passes over them, lane by lane (the lane's
+ * activations stay in L1 while the block's weights for it stream from L2); a panel's accumulators (8 lanes x 12
+ * vectors a group) wait in memory between lanes and passes. */
+static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_t* wq, const float* scale,
+                       const void* bias, void* y, int M, int N, int K, int nthreads, int bias_bf16, int out_bf16) {
+    const int groups = (N + GR - 1) / GR;
+    const int64_t kc = K <= KC_OUTER ? K : KC_OUTER;
+    int per_block = (int)(OUTER_BLOCK_BYTES / ((int64_t)GR * kc * 2));
+    const int fair = (groups + nthreads * BLOCKS_PER_THREAD - 1) / (nthreads * BLOCKS_PER_THREAD);
+    per_block = per_block > fair ? fair : per_block;
+    per_block = per_block < 1 ? 1 : per_block;
+    const int blocks = (groups + per_block - 1) / per_block;
+    int mc = (int)(CHUNK_BYTES / ((int64_t)K * 4) / MT_WIDE * MT_WIDE);
+    mc = mc < MT_WIDE ? MT_WIDE : mc;
+    const int chunk_panels = ((M < mc ? M : mc) + MT_WIDE - 1) / MT_WIDE;
+    const int64_t per_group = 8 * MT_WIDE * 2;  /* accumulators of a (panel, group) */
+    const int64_t acc_per = (kc < K ? chunk_panels : 1) * per_block * per_group;
+    float* const xa = chunk_buffer((int64_t)(M < mc ? M : mc) * K);
+    if (!xa) return 2;
+    const int64_t wbuf_per = (int64_t)per_block * GR * kc;
+    __m256* acc_all = (__m256*)aligned_alloc(32, (size_t)(acc_per * nthreads * sizeof(__m256)));
+    uint16_t* wbuf_all = (uint16_t*)aligned_alloc(64, (size_t)((wbuf_per * nthreads * 2 + 63) / 64 * 64));
+    if (!acc_all || !wbuf_all) {
+        free(acc_all);
+        free(wbuf_all);
+        return 2;
+    }
+    #pragma omp parallel num_threads(nthreads)
+    {
+        __m256* const accs = acc_all + acc_per * omp_get_thread_num();
+        uint16_t* const wbuf = wbuf_all + wbuf_per * omp_get_thread_num();
+        for (int c0 = 0; c0 < M; c0 += mc) {
+            const int rows = M - c0 < mc ? M - c0 : mc;
+            const int panels = (rows + MT_WIDE - 1) / MT_WIDE;  /* of equal size, as over the narrow tiles */
+            /* (the implied barrier: the chunk is whole before any thread reads it) */
+            #pragma omp for schedule(static)
+            for (int r = 0; r < rows; r++) row_to_lanes(x, x_f32, c0 + r, K, xa + (int64_t)r * K);
+            /* (the implied barrier at the end: every thread is done with the chunk before the next is packed) */
+            #pragma omp for schedule(dynamic, 1)
+            for (int blk = 0; blk < blocks; blk++) {
+                const int g0 = blk * per_block, g1 = g0 + per_block < groups ? g0 + per_block : groups;
+                for (int64_t k0 = 0; k0 < K; k0 += kc) {
+                    const int64_t k1 = k0 + kc < K ? k0 + kc : K, steps = (k1 - k0) / 8;
+                    for (int g = g0; g < g1; g++) group_to_lanes(wt, wq, N, K, g, k0, k1, wbuf + (g - g0) * GR * kc);
+                    for (int p = 0, m0 = 0; p < panels; p++) {
+                        const int mb = rows / panels + (p < rows % panels);
+                        const float* xp = xa + (int64_t)m0 * K + k0 / 8;
+                        __m256* pa = accs + (kc < K ? p : 0) * per_block * per_group;
+                        for (int l = 0; l < 8; l++)
+                            for (int g = g0; g < g1; g++) {
+                                const float* xl = xp + (int64_t)l * (K / 8);
+                                const uint16_t* wl = wbuf + (g - g0) * GR * kc + l * steps * GR;
+                                __m256* a = pa + (g - g0) * per_group + l * MT_WIDE * 2;
+                                switch (mb) {
+                                    case 1: outer_lane_1(xl, K, wl, steps, k0 == 0, a); break;
+                                    case 2: outer_lane_2(xl, K, wl, steps, k0 == 0, a); break;
+                                    case 3: outer_lane_3(xl, K, wl, steps, k0 == 0, a); break;
+                                    case 4: outer_lane_4(xl, K, wl, steps, k0 == 0, a); break;
+                                    case 5: outer_lane_5(xl, K, wl, steps, k0 == 0, a); break;
+                                    default: outer_lane_6(xl, K, wl, steps, k0 == 0, a); break;
+                                }
+                            }
+                        if (k1 == K)
+                            for (int g = g0; g < g1; g++)
+                                outer_store(pa + (g - g0) * per_group, mb, g, c0 + m0, N, scale, bias, bias_bf16, y,
+                                            out_bf16);
+                        m0 += mb;
+                    }
                 }
             }
         }
+    }
+    free(acc_all);
+    free(wbuf_all);
+    return 0;
 }
 
-/* sidecar_bf16_matmul_tiled's loops over dot_half (see there), and sidecar_int8_matmul_wide's: weights either
- * bf16 in the tiled layout (wt) or int8 codes [N, K] with a scale per row (wq, scale), converted a block of tiles
- * at a time into a buffer of the thread; activations bf16, or float32 (x_f32). Rows go in chunks; within a chunk
- * a thread's block of tiles (their weights over one pass of up to KC_WIDE values of K: BLOCK_BYTES) stays in L2
- * while every panel of up to MT_WIDE rows passes over it; a panel's accumulators wait in memory between passes. */
-static int tiled_wide(const void* x, int x_f32, const uint16_t* wt, const int8_t* wq, const float* scale,
-                      const void* bias, void* y, int M, int N, int K, int nthreads, int bias_bf16, int out_bf16) {
+/* sidecar_bf16_matmul_tiled's loops over dot_half (see there) from WIDE_ROWS to OUTER_ROWS rows. Rows go in
+ * chunks; within a chunk a thread's block of tiles (their weights over one pass of up to KC_WIDE values of K:
+ * BLOCK_BYTES) stays in L2 while every panel of up to MT_WIDE rows passes over it; a panel's accumulators wait in
+ * memory between passes. */
+static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, void* y, int M, int N, int K,
+                      int nthreads, int bias_bf16, int out_bf16) {
     const int tiles = (N + NT - 1) / NT;
     const int64_t kc = K <= KC_WIDE ? K : KC_WIDE;
     int per_block = (int)(BLOCK_BYTES / ((int64_t)NT * kc * 2));
@@ -365,38 +595,20 @@ static int tiled_wide(const void* x, int x_f32, const uint16_t* wt, const int8_t
     mc = mc < MT_WIDE ? MT_WIDE : mc;
     /* a thread's accumulators between passes: 2 halves x 12 vectors for each (panel of a chunk, tile of a block) */
     const int64_t kept_per = kc < K ? (int64_t)(mc / MT_WIDE) * per_block * 2 * MT_WIDE * 2 : 0;
-    /* the chunk's float32 activations: a buffer of the calling thread, kept for its next call (a fresh one of
-     * megabytes would be new zeroed pages every call) */
-    static __thread float* chunk_buf = NULL;
-    static __thread int64_t chunk_cap = 0;
-    const int64_t need = (int64_t)(M < mc ? M : mc) * K;
-    if (need > chunk_cap) {
-        free(chunk_buf);
-        chunk_cap = 0;
-        if (!(chunk_buf = (float*)aligned_alloc(64, (size_t)((need * 4 + 63) / 64 * 64)))) return 2;
-        chunk_cap = need;
-    }
-    float* const xa = chunk_buf;
+    float* const xa = chunk_buffer((int64_t)(M < mc ? M : mc) * K);
+    if (!xa) return 2;
     __m256* kept_all = NULL;
     if (kept_per && !(kept_all = (__m256*)aligned_alloc(32, (size_t)(kept_per * nthreads * sizeof(__m256)))))
         return 2;
-    const int64_t block_codes = (int64_t)per_block * NT * kc;  /* a block's bf16 tiles from codes, per thread */
-    uint16_t* codes_all = NULL;
-    if (wq && !(codes_all = (uint16_t*)aligned_alloc(64, (size_t)((block_codes * nthreads * 2 + 63) / 64 * 64)))) {
-        free(kept_all);
-        return 2;
-    }
     #pragma omp parallel num_threads(nthreads)
     {
         __m256* kept = kept_all ? kept_all + kept_per * omp_get_thread_num() : NULL;
-        uint16_t* codes = codes_all ? codes_all + block_codes * omp_get_thread_num() : NULL;
         float sums[MT_WIDE * NT];
         for (int c0 = 0; c0 < M; c0 += mc) {
             const int rows = M - c0 < mc ? M - c0 : mc;
             #pragma omp for schedule(static)  /* (its implied barrier: the chunk is whole before any thread reads it) */
             for (int r = 0; r < rows; r++) {
-                if (x_f32) permute_span((const float*)x + (int64_t)(c0 + r) * K, xa + (int64_t)r * K, K);
-                else widen_span((const uint16_t*)x + (int64_t)(c0 + r) * K, xa + (int64_t)r * K, K);
+                widen_span(x + (int64_t)(c0 + r) * K, xa + (int64_t)r * K, K);
             }
             const int panels = (rows + MT_WIDE - 1) / MT_WIDE;  /* of equal size, as over the narrow tiles */
             /* (the implied barrier at the end: every thread is done with the chunk before the next is widened) */
@@ -405,13 +617,11 @@ static int tiled_wide(const void* x, int x_f32, const uint16_t* wt, const int8_t
                 const int b0 = blk * per_block, b1 = b0 + per_block < tiles ? b0 + per_block : tiles;
                 for (int64_t k0 = 0; k0 < K; k0 += kc) {
                     const int64_t k1 = k0 + kc < K ? k0 + kc : K;
-                    if (codes) codes_to_tiles(wq, N, K, b0, b1, k0, k1, kc, codes);
                     for (int p = 0, m0 = c0; p < panels; p++) {
                         const int mb = rows / panels + (p < rows % panels);
                         const float* xb = xa + (int64_t)(m0 - c0) * K;
                         for (int t = b0; t < b1; t++) {
-                            const uint16_t* wk = codes ? codes + (int64_t)(t - b0) * NT * kc
-                                                       : wt + (int64_t)t * NT * K + k0 / 32 * (32 * NT);
+                            const uint16_t* wk = wt + (int64_t)t * NT * K + k0 / 32 * (32 * NT);
                             for (int half = 0; half < 2; half++) {
                                 __m256* kp = kept ? kept + (((int64_t)p * per_block + t - b0) * 2 + half) * MT_WIDE * 2
                                                   : NULL;
@@ -426,9 +636,6 @@ static int tiled_wide(const void* x, int x_f32, const uint16_t* wt, const int8_t
                             }
                             if (k1 == K) {
                                 const int n0 = t * NT, nb = N - n0 < NT ? N - n0 : NT;
-                                if (scale)  /* codes: the row's sum times its scale, then the bias */
-                                    for (int i = 0; i < mb; i++)
-                                        for (int j = 0; j < nb; j++) sums[i * NT + j] *= scale[n0 + j];
                                 store_sums(sums, mb, nb, m0, n0, N, bias, bias_bf16, y, out_bf16);
                             }
                         }
@@ -438,7 +645,6 @@ static int tiled_wide(const void* x, int x_f32, const uint16_t* wt, const int8_t
             }
         }
     }
-    free(codes_all);
     free(kept_all);
     return 0;
 }
@@ -451,7 +657,8 @@ int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void*
     if (K % 32) return 1;
     nthreads = nthreads < 1 ? 1 : nthreads;
 #if BF16_PATH == 2
-    if (M >= WIDE_ROWS) return tiled_wide(x, 0, wt, NULL, NULL, bias, y, M, N, K, nthreads, bias_bf16, out_bf16);
+    if (M >= OUTER_ROWS) return tiled_outer(x, 0, wt, NULL, NULL, bias, y, M, N, K, nthreads, bias_bf16, out_bf16);
+    if (M >= WIDE_ROWS) return tiled_wide(x, wt, bias, y, M, N, K, nthreads, bias_bf16, out_bf16);
 #endif
     xel* owned;
     const xel* xa = widen_rows(x, M, K, nthreads, &owned);
@@ -553,9 +760,9 @@ int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, 
 }
 
 /* y = (x @ w.T) * scale + bias for int8 codes w [N, K] with one float32 scale a row: the AVX2 prefill path above
- * over the codes (a block of tiles converted to bf16 in the thread's buffer, exactly: the codes are small
- * integers), so a prefill over int8 weights runs at bf16's pace instead of torch's packed int8 kernel (half of
- * it on a Zen 3). x: bf16, or float32 when x_f32 (each value as it is: no rounding); bias, y as
+ * (tiled_outer) over the codes (a block of groups converted to bf16 in the thread's buffer, exactly: the codes are
+ * small integers), so a prefill over int8 weights runs at bf16's pace instead of torch's packed int8 kernel (half
+ * of it on a Zen 3). x: bf16, or float32 when x_f32 (each value as it is: no rounding); bias, y as
  * sidecar_bf16_matmul. The sums are float32 in the order of every path here. Returns 0; 1 without the AVX2
  * path (an AVX-512 build has none: its caller keeps torch's kernel) or when K is not a multiple of 32; 2 when
  * out of memory. */
@@ -563,7 +770,7 @@ int sidecar_int8_matmul_wide(const void* x, int x_f32, const int8_t* w, const fl
                              void* y, int M, int N, int K, int nthreads, int bias_bf16, int out_bf16) {
 #if defined(BF16_PATH) && BF16_PATH == 2
     if (K % 32 || M < 1) return 1;
-    return tiled_wide(x, x_f32, NULL, w, scale, bias, y, M, N, K, nthreads < 1 ? 1 : nthreads, bias_bf16, out_bf16);
+    return tiled_outer(x, x_f32, NULL, w, scale, bias, y, M, N, K, nthreads < 1 ? 1 : nthreads, bias_bf16, out_bf16);
 #else
     (void)x; (void)x_f32; (void)w; (void)scale; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
     (void)bias_bf16; (void)out_bf16;
