@@ -314,6 +314,22 @@ static inline void store_sums(const float* acc, int mb, int nb, int m0, int n0, 
 #define CHUNK_BYTES (2 << 20)
 #define BLOCKS_PER_THREAD 8
 
+/* Units (tiles, or groups of weight rows) a block of at most block_bytes, unit_bytes each, and at least
+ * BLOCKS_PER_THREAD blocks a thread: blocks go to whichever thread is free (the cores of a shared machine run at
+ * unequal speeds: an even split left the faster one waiting ~5% of a prefill). */
+static int units_per_block(int units, int64_t unit_bytes, int64_t block_bytes, int nthreads) {
+    const int fair = (units + nthreads * BLOCKS_PER_THREAD - 1) / (nthreads * BLOCKS_PER_THREAD);
+    int per = (int)(block_bytes / unit_bytes);
+    per = per > fair ? fair : per;
+    return per < 1 ? 1 : per;
+}
+
+/* Rows of a chunk over K: CHUNK_BYTES of float32 activations, whole panels of MT_WIDE rows, at least one. */
+static int chunk_rows(int K) {
+    const int mc = (int)(CHUNK_BYTES / ((int64_t)K * 4) / MT_WIDE * MT_WIDE);
+    return mc < MT_WIDE ? MT_WIDE : mc;
+}
+
 /* A chunk's float32 activations: a buffer of the calling thread of at least n values, kept for its next call (a
  * fresh one of megabytes would be new zeroed pages every call); NULL when it cannot be allocated. */
 static float* chunk_buffer(int64_t n) {
@@ -399,9 +415,10 @@ static void group_to_lanes(const uint16_t* wt, const int8_t* wq, int N, int64_t 
                     continue;
                 }
                 const __m128i c = _mm_loadu_si128((const __m128i*)(wq + (int64_t)n * K + k));
-                const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c))), 16);
-                const __m256i hi = _mm256_srli_epi32(
-                    _mm256_castps_si256(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)))), 16);
+                const __m256 flo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c));
+                const __m256 fhi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)));
+                const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(flo), 16);
+                const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(fhi), 16);
                 r[i] = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
             } else {
                 const int t = n / NT;
@@ -507,13 +524,8 @@ static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_
                        const void* bias, void* y, int M, int N, int K, int nthreads, int bias_bf16, int out_bf16) {
     const int groups = (N + GR - 1) / GR;
     const int64_t kc = K <= KC_OUTER ? K : KC_OUTER;
-    int per_block = (int)(OUTER_BLOCK_BYTES / ((int64_t)GR * kc * 2));
-    const int fair = (groups + nthreads * BLOCKS_PER_THREAD - 1) / (nthreads * BLOCKS_PER_THREAD);
-    per_block = per_block > fair ? fair : per_block;
-    per_block = per_block < 1 ? 1 : per_block;
-    const int blocks = (groups + per_block - 1) / per_block;
-    int mc = (int)(CHUNK_BYTES / ((int64_t)K * 4) / MT_WIDE * MT_WIDE);
-    mc = mc < MT_WIDE ? MT_WIDE : mc;
+    const int per_block = units_per_block(groups, (int64_t)GR * kc * 2, OUTER_BLOCK_BYTES, nthreads);
+    const int blocks = (groups + per_block - 1) / per_block, mc = chunk_rows(K);
     const int chunk_panels = ((M < mc ? M : mc) + MT_WIDE - 1) / MT_WIDE;
     const int64_t per_group = 8 * MT_WIDE * 2;  /* accumulators of a (panel, group) */
     const int64_t acc_per = (kc < K ? chunk_panels : 1) * per_block * per_group;
@@ -585,15 +597,8 @@ static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, v
                       int nthreads, int bias_bf16, int out_bf16) {
     const int tiles = (N + NT - 1) / NT;
     const int64_t kc = K <= KC_WIDE ? K : KC_WIDE;
-    int per_block = (int)(BLOCK_BYTES / ((int64_t)NT * kc * 2));
-    /* ... and at least BLOCKS_PER_THREAD blocks a thread: blocks go to whichever thread is free (the cores of a
-     * shared machine run at unequal speeds: an even split left the faster one waiting ~5% of a prefill) */
-    const int fair = (tiles + nthreads * BLOCKS_PER_THREAD - 1) / (nthreads * BLOCKS_PER_THREAD);
-    per_block = per_block > fair ? fair : per_block;
-    per_block = per_block < 1 ? 1 : per_block;
-    const int blocks = (tiles + per_block - 1) / per_block;
-    int mc = (int)(CHUNK_BYTES / ((int64_t)K * 4) / MT_WIDE * MT_WIDE);
-    mc = mc < MT_WIDE ? MT_WIDE : mc;
+    const int per_block = units_per_block(tiles, (int64_t)NT * kc * 2, BLOCK_BYTES, nthreads);
+    const int blocks = (tiles + per_block - 1) / per_block, mc = chunk_rows(K);
     /* a thread's accumulators between passes: 2 halves x 12 vectors for each (panel of a chunk, tile of a block) */
     const int64_t kept_per = kc < K ? (int64_t)(mc / MT_WIDE) * per_block * 2 * MT_WIDE * 2 : 0;
     float* const xa = chunk_buffer((int64_t)(M < mc ? M : mc) * K);
