@@ -146,7 +146,7 @@ def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, tiled
 
 
 # 1-3 rows: dot_tile; 4-15: dot products over half tiles; from 16: outer products over groups of 16 weight rows
-# (a padded last group: 9, 130 rows), several passes over K (4,864; 2,080 ends in one of 32), two row chunks (220)
+# (a padded last group: 9, 130 rows), several passes over K (4,864; 2,080 ends in one of 32), three row chunks (220)
 @pytest.mark.parametrize("m,n,k", [(1, 4864, 896), (2, 130, 576), (3, 33, 64), (4, 41, 896), (7, 66, 1536),
                                    (15, 40, 1056), (16, 64, 4864), (17, 130, 2080), (40, 9, 96), (220, 9, 4864)])
 def test_the_avx2_path_on_any_avx2_cpu(m, n, k, monkeypatch):

@@ -241,7 +241,7 @@ def avx2_build(monkeypatch):
 
 
 # past MAX_ROWS, and fewer (the path takes any batch: panels of 1 to 6 rows); a padded last group of 16 weight
-# rows (7, 130 rows), two passes over K (1,056), two row chunks (220 x 4,864)
+# rows (7, 130 rows), two passes over K (1,056), three row chunks of 2 MiB (220 x 4,864)
 WIDE_CASES = [(3, 40, 96), (33, 7, 64), (40, 130, 1056), (64, 96, 896), (220, 40, 4864)]
 
 
