@@ -361,15 +361,9 @@ static float* chunk_buffer(int64_t n) {
  *     the rows in the order 0-3, 8-11, 4-7, 12-15, so that widening the low and the high half of each 128-bit
  *     lane (unpack with zeros) gives rows 0-7 and 8-15;
  *   activations, each row as float32 (a bf16 value widened exactly) in the order [l][K / 16][k & 1]. */
-#ifndef OUTER_ROWS
 #define OUTER_ROWS 16        /* from this many rows on (below, converting a block costs more than it saves) */
-#endif
-#ifndef KC_OUTER
 #define KC_OUTER 1024        /* values of K a pass: a lane's activations for a panel (<= 3 KiB) stay in L1 */
-#endif
-#ifndef OUTER_BLOCK_BYTES
 #define OUTER_BLOCK_BYTES (192 << 10)  /* a thread's converted weights, in L2 beside the tiles they come from */
-#endif
 #define GR 16  /* weight rows a group */
 
 /* 16 rows of 16 bf16 values (r[i]: row i) transposed: r[k] becomes value k of the 16 rows, row i at element i. */
@@ -656,7 +650,8 @@ static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, v
 }
 #endif
 
-/* y = x @ w.T + bias with w in the tiled layout; arguments as sidecar_bf16_matmul. */
+/* y = x @ w.T + bias with w in the tiled layout; arguments and returns as sidecar_bf16_matmul (2 also when the
+ * prefill paths' buffers cannot be allocated). */
 int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void* bias, void* y, int M, int N,
                               int K, int nthreads, int bias_bf16, int out_bf16) {
 #ifdef BF16_PATH

@@ -84,7 +84,7 @@ def int8_matmul_wide(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
                                       int(bias is not None and bias.dtype == torch.bfloat16),
                                       int(out_dtype == torch.bfloat16))
     if rc == 2:
-        raise MemoryError(f"int8_matmul_wide: no memory for {x.shape[0]} activation rows' float32 copy")
+        raise MemoryError(f"int8_matmul_wide: no memory for the working buffers of {x.shape[0]} activation rows")
     if rc != 0:
         raise RuntimeError("int8_matmul_wide: no AVX2 path in this build, or K not a multiple of 32")
     return y
@@ -116,7 +116,7 @@ def _call(fn, name: str, x: torch.Tensor, weight: torch.Tensor, n: int, bias: Op
             x.shape[1], torch.get_num_threads(), int(b is not None and b.dtype == torch.bfloat16),
             int(out_dtype == torch.bfloat16))
     if rc == 2:
-        raise MemoryError(f"{name}: no memory for the float32 copy of {x.shape[0]} x {x.shape[1]} activations")
+        raise MemoryError(f"{name}: no memory for the working buffers of {x.shape[0]} x {x.shape[1]} activations")
     if rc != 0:
         raise RuntimeError(f"{name}: the kernel was built without AVX-512 BF16 and without AVX2")
     return y
@@ -191,7 +191,7 @@ class TiledLayer(cpu_build.LayerView):
         rc = self.fn(x.data_ptr(), self.tiled.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
                      x.shape[0], self.n, self.k, torch.get_num_threads(), self.bias_bf16, out_dtype is torch.bfloat16)
         if rc == 2:
-            raise MemoryError(f"bf16 tiled layer: no memory for the float32 copy of {x.shape[0]} activation rows")
+            raise MemoryError(f"bf16 tiled layer: no memory for the working buffers of {x.shape[0]} activation rows")
         assert rc == 0, "bf16_gemv refused arguments checked at construction"
         return y
 
