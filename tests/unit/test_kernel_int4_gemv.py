@@ -138,6 +138,30 @@ def test_every_layout_matches_reference(layout, m, n, k, gs):
     _check(m, n, k, gs, layout, seed=m + k)
 
 
+def _check_rows_alone(layout):
+    """Each output row bit for bit as the row alone gives it: calls of 1-2 rows and of more rows take different
+    loops (with AVX2: bytes of the activation codes against pairs of codes, or the 16-bit codes against codes
+    decoded once for every row), the same exact integer sums and the same float steps after them."""
+    for m, n, k, gs in [(3, 112, 128, 32), (4, 176, 576, 64), (7, 896, 896, 128), (33, 80, 96, 32),
+                        (70, 64, 512, 256), (5, 48, 256, 16)]:
+        x, codes, sz = _case(m, n, k, gs, seed=m + n)
+        x[1] *= 1e3  # rows of very different sizes: each has its own code scale per group
+        x[2, :gs] = 0.0  # and a group of zeros (code scale 0)
+        w = int4_gemv.pack(codes, *layout)
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = x.to(dtype)
+            y = int4_gemv.int4_matmul(xs, w, gs, sz, layout=layout)
+            alone = torch.cat([int4_gemv.int4_matmul(xs[i:i + 1], w, gs, sz, layout=layout) for i in range(m)])
+            assert torch.equal(y, alone), (layout, m, n, k, gs, dtype, (y - alone).abs().max())
+            pairs = torch.cat([int4_gemv.int4_matmul(xs[i:i + 2], w, gs, sz, layout=layout) for i in range(0, m, 2)])
+            assert torch.equal(y, pairs), (layout, m, n, k, gs, dtype)
+
+
+@pytest.mark.parametrize("layout", int4_gemv.LAYOUTS)
+def test_a_rows_outputs_do_not_depend_on_its_batch(layout):
+    _check_rows_alone(layout)
+
+
 def test_avx2_build_matches_reference(monkeypatch):
     monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")  # no AVX-512, as on Zen 2
     monkeypatch.setattr(cpu_build, "_loaded", {})
@@ -149,6 +173,8 @@ def test_avx2_build_matches_reference(monkeypatch):
             _check(m, n, k, gs, layout, seed=m + n)
     _check(5, 208, 576, 32, dtype=torch.bfloat16)
     _check_bf16_out(3, 208, 576, 32)
+    for layout in int4_gemv.LAYOUTS:
+        _check_rows_alone(layout)
 
 
 def test_non_finite_activations_give_non_finite_rows():

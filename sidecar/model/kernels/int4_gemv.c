@@ -23,7 +23,10 @@
  *    vpmaddubsw: a 32-byte vector holds 16 rows' codes of two adjacent columns side by side (unpacked
  *    from the layout), multiplied with a column pair of high or low activation bytes; the 16-bit pair
  *    sums of 8 column pairs (at most 8 * 2 * 15 * 128 = 30720) are summed as 16-bit, then widened to
- *    32 bits. About half the instructions per code of the float path on Zen 3.
+ *    32 bits. About half the instructions per code of the float path on Zen 3. That is for calls of
+ *    1-2 rows (decode); from 3 rows on (panel_group) a group's codes are decoded once per block to
+ *    int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16 products a vector into
+ *    exact 32-bit sums, twice the rate of float32 FMAs), the same integers either way.
  *  - otherwise (AVX-512 without VNNI and VBMI): codes are widened to float and multiplied with
  *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
  * Output rows go in tiles of 16; blocks of rows (and chunks of 32 activation rows) are split across
@@ -49,6 +52,8 @@
 
 #define ROWS_CHUNK 32 /* activation rows whose outputs one block keeps at once */
 #define XQ_MAX 32639  /* 16-bit activation codes whose high and low bytes are both int8 */
+#define XB_ROW (INT_DOT == 2 ? 4 : 2)  /* bytes of Act.xb per activation row and column */
+#define PANEL_MIN 3  /* AVX2: activation rows from which a call takes the panels (see panel_group) */
 
 /* What one pass over a block decodes (the tiles of 16 rows it covers). */
 enum { SPLIT64_ALL, SPLIT64_LO, SPLIT64_HI, SPLIT32_ALL, INTERLEAVED_1 };
@@ -58,11 +63,15 @@ static inline int tiles_of(int kind) { return kind == SPLIT64_ALL ? 4 : (kind ==
 typedef struct {
     const float* x;   /* [M, K] (float path; a float32 copy when the caller's are bf16) */
     const uint16_t* x16;  /* [M, K] the caller's activations when they are bf16, else NULL */
-    int8_t* xb;       /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path) */
+    int8_t* xb;       /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path). With AVX2,
+                       * XB_ROW * K bytes a row, pairs of columns as int32 (a float broadcast makes a vector of them,
+                       * where an integer broadcast from memory is several times slower on Zen 3): high bytes then
+                       * low bytes, a pair's two bytes twice (panels 0), or the int16 codes (panels 1) */
     float* d;         /* [M, G] code scale (integer path) */
     int32_t* xqsum;   /* [M, G] sum of the codes (integer path) */
     float* xsum;      /* [M, G] sum of x */
     int K, G, gs;
+    int panels;       /* AVX2: the call has PANEL_MIN rows or more (xb holds int16 codes, pairs as int32) */
 } Act;
 
 static inline float bf16_value(uint16_t h) {
@@ -98,7 +107,7 @@ static void prepare_group(const Act* a, int m, int g) {
     /* A NaN or infinite activation makes its whole output row NaN, as a float matmul would. */
     __m512 inv = _mm512_set1_ps(finite && mx > 0.f ? (float)XQ_MAX / mx : 0.f);
     a->d[mg] = !finite ? NAN : (mx > 0.f ? mx / (float)XQ_MAX : 0.f);
-    int8_t* hi = a->xb + (int64_t)m * 2 * a->K + (int64_t)g * a->gs;
+    int8_t* hi = a->xb + (int64_t)m * XB_ROW * a->K + (int64_t)g * a->gs;
     int8_t* lo = hi + a->K;
     __m512i qsum = _mm512_setzero_si512();
     for (int k = 0; k < a->gs; k += 16) {
@@ -121,15 +130,25 @@ static void prepare_group(const Act* a, int m, int g) {
     a->xsum[mg] = sum;
     const float inv = finite && mx > 0.f ? (float)XQ_MAX / mx : 0.f;
     a->d[mg] = !finite ? NAN : (mx > 0.f ? mx / (float)XQ_MAX : 0.f);
-    int8_t* hi = a->xb + (int64_t)m * 2 * a->K + (int64_t)g * a->gs;
-    int8_t* lo = hi + a->K;
+    uint32_t* hi = (uint32_t*)(a->xb + (int64_t)m * XB_ROW * a->K) + (int64_t)g * a->gs / 2;
+    uint32_t* lo = hi + a->K / 2;
     int32_t qsum = 0;
-    for (int k = 0; k < a->gs; k++) {
-        const int32_t q = (int32_t)lrintf((x16 ? bf16_value(x16[k]) : x[k]) * inv);  /* nearest even */
-        const int32_t l = (int32_t)(int8_t)(uint8_t)(q & 0xFF);                       /* q = 256 h + l */
-        lo[k] = (int8_t)l;
-        hi[k] = (int8_t)((q - l) / 256);
-        qsum += q;
+    for (int k = 0; k < a->gs; k += 2) {
+        uint32_t h2 = 0, l2 = 0, q2 = 0;
+        for (int j = 0; j < 2; j++) {
+            const int32_t q = (int32_t)lrintf((x16 ? bf16_value(x16[k + j]) : x[k + j]) * inv);  /* nearest even */
+            const int32_t l = (int32_t)(int8_t)(uint8_t)(q & 0xFF);                               /* q = 256 h + l */
+            l2 |= (uint32_t)(uint8_t)l << (8 * j);
+            h2 |= (uint32_t)(uint8_t)((q - l) / 256) << (8 * j);
+            q2 |= (uint32_t)(uint16_t)q << (16 * j);
+            qsum += q;
+        }
+        if (a->panels) {  /* the codes of columns k, k + 1 as int16, one int32 a pair */
+            hi[k / 2] = q2;
+        } else {  /* high bytes, then low bytes: a pair's two bytes twice */
+            lo[k / 2] = l2 | l2 << 16;
+            hi[k / 2] = h2 | h2 << 16;
+        }
     }
     a->xqsum[mg] = qsum;
 #else
@@ -347,10 +366,8 @@ static inline __attribute__((always_inline)) void decode_pair(const uint8_t* p, 
     }
 }
 
-static inline __m256i bcast2(const int8_t* p) {
-    int16_t v;
-    memcpy(&v, p, 2);
-    return _mm256_set1_epi16(v);
+static inline __m256i bcast2(const uint32_t* p) {  /* a pair of activation bytes (twice in *p) 16 times */
+    return _mm256_castps_si256(_mm256_broadcast_ss((const float*)p));
 }
 
 /* One group for activation row i: tot[i][16 t ..] += s d (sum q x - 8 sum x) + z sum x, the integer sums
@@ -365,14 +382,14 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
     const __m256i lo_even = _mm256_set1_epi32(1), lo_odd = _mm256_set1_epi32(1 << 16);
     __m256i even[2], odd[2], u[2];
     for (int t = 0; t < T; t++) even[t] = odd[t] = _mm256_setzero_si256();
-    const int8_t* xh = a->xb + (int64_t)i * 2 * a->K + (int64_t)g * a->gs;
-    const int8_t* xl = xh + a->K;
+    const uint32_t* xh = (const uint32_t*)(a->xb + (int64_t)i * XB_ROW * a->K) + (int64_t)g * a->gs / 2;
+    const uint32_t* xl = xh + a->K / 2;
     for (int k0 = 0; k0 < a->gs; k0 += 16) {  /* gs % 16 == 0 */
         __m256i h16[2], l16[2];
         for (int t = 0; t < T; t++) h16[t] = l16[t] = _mm256_setzero_si256();
         for (int k = k0; k < k0 + 16; k += 2) {
             decode_pair(w + (int64_t)k * stride, stride, kind, idx, u);
-            const __m256i bh = bcast2(xh + k), bl = bcast2(xl + k);
+            const __m256i bh = bcast2(xh + k / 2), bl = bcast2(xl + k / 2);
             for (int t = 0; t < T; t++) {
                 h16[t] = _mm256_add_epi16(h16[t], _mm256_maddubs_epi16(u[t], bh));
                 l16[t] = _mm256_add_epi16(l16[t], _mm256_maddubs_epi16(u[t], bl));
@@ -404,15 +421,97 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
     }
 }
 
+/* From PANEL_MIN activation rows on (prefill chunks, batched decode steps) the codes are used as 16-bit integers:
+ * a block decodes a group's codes once (a vector of 8 rows' code pairs (k, k + 1) as int16 pairs), and panels of
+ * up to PANEL_ROWS activation rows multiply them with a row's 16-bit activation pair (vpmaddwd: exact 32-bit sums,
+ * no splitting into bytes, no 16-bit partial sums to widen), every sum of a step in a register (2 rows x 2 tiles x
+ * 2 vectors). The integer sums are the same exact integers as group_pairs' and the fold into tot the same float
+ * operations, so a row's outputs do not depend on its batch. */
+#define PANEL_ROWS 2
+
+static inline __attribute__((always_inline)) void decode_group(const uint8_t* w, int stride, const int kind,
+                                                               const Idx* idx, int gs, __m256i* ub) {
+    const int T = kind == INTERLEAVED_1 ? 1 : 2;
+    for (int k = 0; k < gs; k += 2) {
+        __m256i u[2];
+        decode_pair(w + (int64_t)k * stride, stride, kind, idx, u);
+        for (int t = 0; t < T; t++) {  /* rows 0-7, then 8-15 of tile t */
+            ub[(k / 2 * T + t) * 2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u[t]));
+            ub[(k / 2 * T + t) * 2 + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u[t], 1));
+        }
+    }
+}
+
+/* tot[i0 + i][16 t ..] += s d (sum q x - 8 sum x) + z sum x for the MB rows from i0, over one group whose codes
+ * decode_group left in ub. */
+static inline __attribute__((always_inline)) void panel_group(const __m256i* ub, const int kind, const Act* a,
+                                                              int i0, int g, const int MB, const uint16_t* szg,
+                                                              float (*tot)[64]) {
+    const int T = kind == INTERLEAVED_1 ? 1 : 2;
+    const float* xp[PANEL_ROWS];  /* a row's activation pairs, read with a float broadcast (see Act) */
+    for (int i = 0; i < MB; i++) xp[i] = (const float*)(a->xb + (int64_t)(i0 + i) * XB_ROW * a->K) + g * a->gs / 2;
+    /* s<i><t><h>: row i's sums over rows 8h .. 8h + 7 of tile t (named, each row's pinned after its step:
+     * otherwise the compiler computes all products first and spills the sums) */
+    __m256i s000, s001, s010, s011, s100, s101, s110, s111;
+    s000 = s001 = s010 = s011 = s100 = s101 = s110 = s111 = _mm256_setzero_si256();
+    const __m256i* u = ub;
+    for (int j = 0; j < a->gs / 2; j++, u += 2 * T) {
+#define PANEL_STEP(i, a0, a1, b0, b1)                                                      \
+        if (MB > i) {                                                                      \
+            const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(xp[i] + j));         \
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(u[0], x));                         \
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(u[1], x));                         \
+            if (T > 1) {                                                                   \
+                b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(u[2], x));                     \
+                b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(u[3], x));                     \
+            }                                                                              \
+            __asm__("" : "+x"(a0), "+x"(a1), "+x"(b0), "+x"(b1));                          \
+        }
+        PANEL_STEP(0, s000, s001, s010, s011) PANEL_STEP(1, s100, s101, s110, s111)
+#undef PANEL_STEP
+    }
+    const __m256i sums[PANEL_ROWS][2][2] = {{{s000, s001}, {s010, s011}}, {{s100, s101}, {s110, s111}}};
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    for (int i = 0; i < MB; i++) {  /* as group_pairs folds its sums */
+        const int64_t mg = (int64_t)(i0 + i) * a->G + g;
+        const __m256 dx = _mm256_set1_ps(a->d[mg]), xs = _mm256_set1_ps(a->xsum[mg]);
+        const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
+        for (int t = 0; t < T; t++)
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h));
+                const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                float* o = &tot[i0 + i][16 * t + 8 * h];
+                const __m256 acc = _mm256_fmadd_ps(ze, xs, _mm256_loadu_ps(o));
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_add_epi32(sums[i][t][h], q8));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_mul_ps(sc, dx), q, acc));
+            }
+    }
+}
+
 #define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
                   float (*tot)[64]
-/* One pass over a block: all groups, activation rows [0, mc), each row decoding the group's codes again
- * (from L1 after the first). */
+/* One pass over a block: all groups, activation rows [0, mc); for calls of fewer than PANEL_MIN rows each row
+ * decodes the group's codes again (from L1 after the first), from there on they are decoded once (panel_group). */
 static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
+    __m256i ub[512] __attribute__((aligned(32)));  /* a group's decoded codes: gs / 2 pairs x 2 tiles x 2 */
     for (int g = 0; g < a->G; g++) {
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
-        for (int i = 0; i < mc; i++) group_pairs(wg, stride, kind, idx, a, i, g, szg, tot);
+        if (!a->panels) {
+            for (int i = 0; i < mc; i++) group_pairs(wg, stride, kind, idx, a, i, g, szg, tot);
+            continue;
+        }
+        decode_group(wg, stride, kind, idx, a->gs, ub);
+        const int panels = (mc + PANEL_ROWS - 1) / PANEL_ROWS;
+        for (int p = 0, i0 = 0; p < panels; p++) {  /* panels of equal size, give or take a row */
+            const int mb = mc / panels + (p < mc % panels);
+            switch (mb) {  /* constant row counts keep the sums in registers */
+                case 1: panel_group(ub, kind, a, i0, g, 1, szg, tot); break;
+                default: panel_group(ub, kind, a, i0, g, 2, szg, tot); break;
+            }
+            i0 += mb;
+        }
     }
 }
 #else
@@ -613,9 +712,10 @@ int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, voi
         return -1;
     if (M == 0) return 0;
     const int G = K / gs;
-    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, G, gs};
+    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, G, gs,
+             INT_DOT == 2 && M >= PANEL_MIN};
     const size_t xcopy = !INT_DOT && x_bf16 ? (size_t)M * K * 4 : 0;  /* float copy for the float path */
-    char* scratch = malloc(xcopy + (size_t)M * G * 12 + (INT_DOT ? (size_t)M * 2 * K : 0) + 64);
+    char* scratch = malloc(xcopy + (size_t)M * G * 12 + (INT_DOT ? (size_t)M * XB_ROW * K : 0) + 64);
     if (scratch == NULL) return -2;
     if (xcopy) a.x = (const float*)scratch;
     a.xsum = (float*)(scratch + xcopy);
@@ -649,7 +749,7 @@ int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, voi
             float tot[ROWS_CHUNK][64];
             Act am = a;  /* the activation rows from m0 */
             am.x = a.x + (int64_t)m0 * K;
-            am.xb = a.xb + (int64_t)m0 * 2 * K;
+            am.xb = a.xb + (int64_t)m0 * XB_ROW * K;
             am.d = a.d + (int64_t)m0 * G;
             am.xqsum = a.xqsum + (int64_t)m0 * G;
             am.xsum = a.xsum + (int64_t)m0 * G;
