@@ -52,7 +52,6 @@
 
 #define ROWS_CHUNK 32 /* activation rows whose outputs one block keeps at once */
 #define XQ_MAX 32639  /* 16-bit activation codes whose high and low bytes are both int8 */
-#define XB_ROW (INT_DOT == 2 ? 4 : 2)  /* bytes of Act.xb per activation row and column */
 #define PANEL_MIN 3  /* AVX2: activation rows from which a call takes the panels (see panel_group) */
 
 /* What one pass over a block decodes (the tiles of 16 rows it covers). */
@@ -64,7 +63,7 @@ typedef struct {
     const float* x;   /* [M, K] (float path; a float32 copy when the caller's are bf16) */
     const uint16_t* x16;  /* [M, K] the caller's activations when they are bf16, else NULL */
     int8_t* xb;       /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path). With AVX2,
-                       * XB_ROW * K bytes a row, pairs of columns as int32 (a float broadcast makes a vector of them,
+                       * xb_row * K bytes a row, pairs of columns as int32 (a float broadcast makes a vector of them,
                        * where an integer broadcast from memory is several times slower on Zen 3): high bytes then
                        * low bytes, a pair's two bytes twice (panels 0), or the int16 codes (panels 1) */
     float* d;         /* [M, G] code scale (integer path) */
@@ -72,6 +71,7 @@ typedef struct {
     float* xsum;      /* [M, G] sum of x */
     int K, G, gs;
     int panels;       /* AVX2: the call has PANEL_MIN rows or more (xb holds int16 codes, pairs as int32) */
+    int xb_row;       /* bytes of xb per row and column: 4 for AVX2's byte pairs, else 2 */
 } Act;
 
 static inline float bf16_value(uint16_t h) {
@@ -107,7 +107,7 @@ static void prepare_group(const Act* a, int m, int g) {
     /* A NaN or infinite activation makes its whole output row NaN, as a float matmul would. */
     __m512 inv = _mm512_set1_ps(finite && mx > 0.f ? (float)XQ_MAX / mx : 0.f);
     a->d[mg] = !finite ? NAN : (mx > 0.f ? mx / (float)XQ_MAX : 0.f);
-    int8_t* hi = a->xb + (int64_t)m * XB_ROW * a->K + (int64_t)g * a->gs;
+    int8_t* hi = a->xb + (int64_t)m * a->xb_row * a->K + (int64_t)g * a->gs;
     int8_t* lo = hi + a->K;
     __m512i qsum = _mm512_setzero_si512();
     for (int k = 0; k < a->gs; k += 16) {
@@ -130,22 +130,24 @@ static void prepare_group(const Act* a, int m, int g) {
     a->xsum[mg] = sum;
     const float inv = finite && mx > 0.f ? (float)XQ_MAX / mx : 0.f;
     a->d[mg] = !finite ? NAN : (mx > 0.f ? mx / (float)XQ_MAX : 0.f);
-    uint32_t* hi = (uint32_t*)(a->xb + (int64_t)m * XB_ROW * a->K) + (int64_t)g * a->gs / 2;
+    uint32_t* hi = (uint32_t*)(a->xb + (int64_t)m * a->xb_row * a->K) + (int64_t)g * a->gs / 2;
     uint32_t* lo = hi + a->K / 2;
     int32_t qsum = 0;
     for (int k = 0; k < a->gs; k += 2) {
-        uint32_t h2 = 0, l2 = 0, q2 = 0;
+        int32_t q[2];
         for (int j = 0; j < 2; j++) {
-            const int32_t q = (int32_t)lrintf((x16 ? bf16_value(x16[k + j]) : x[k + j]) * inv);  /* nearest even */
-            const int32_t l = (int32_t)(int8_t)(uint8_t)(q & 0xFF);                               /* q = 256 h + l */
-            l2 |= (uint32_t)(uint8_t)l << (8 * j);
-            h2 |= (uint32_t)(uint8_t)((q - l) / 256) << (8 * j);
-            q2 |= (uint32_t)(uint16_t)q << (16 * j);
-            qsum += q;
+            q[j] = (int32_t)lrintf((x16 ? bf16_value(x16[k + j]) : x[k + j]) * inv);  /* nearest even */
+            qsum += q[j];
         }
         if (a->panels) {  /* the codes of columns k, k + 1 as int16, one int32 a pair */
-            hi[k / 2] = q2;
-        } else {  /* high bytes, then low bytes: a pair's two bytes twice */
+            hi[k / 2] = (uint32_t)(uint16_t)q[0] | (uint32_t)(uint16_t)q[1] << 16;
+        } else {  /* q = 256 h + l (l a signed byte): high bytes, then low bytes, a pair's two bytes twice */
+            uint32_t h2 = 0, l2 = 0;
+            for (int j = 0; j < 2; j++) {
+                const int32_t l = (int32_t)(int8_t)(uint8_t)(q[j] & 0xFF);
+                l2 |= (uint32_t)(uint8_t)l << (8 * j);
+                h2 |= (uint32_t)(uint8_t)((q[j] - l) / 256) << (8 * j);
+            }
             lo[k / 2] = l2 | l2 << 16;
             hi[k / 2] = h2 | h2 << 16;
         }
@@ -382,7 +384,7 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
     const __m256i lo_even = _mm256_set1_epi32(1), lo_odd = _mm256_set1_epi32(1 << 16);
     __m256i even[2], odd[2], u[2];
     for (int t = 0; t < T; t++) even[t] = odd[t] = _mm256_setzero_si256();
-    const uint32_t* xh = (const uint32_t*)(a->xb + (int64_t)i * XB_ROW * a->K) + (int64_t)g * a->gs / 2;
+    const uint32_t* xh = (const uint32_t*)(a->xb + (int64_t)i * a->xb_row * a->K) + (int64_t)g * a->gs / 2;
     const uint32_t* xl = xh + a->K / 2;
     for (int k0 = 0; k0 < a->gs; k0 += 16) {  /* gs % 16 == 0 */
         __m256i h16[2], l16[2];
@@ -449,7 +451,7 @@ static inline __attribute__((always_inline)) void panel_group(const __m256i* ub,
                                                               float (*tot)[64]) {
     const int T = kind == INTERLEAVED_1 ? 1 : 2;
     const float* xp[PANEL_ROWS];  /* a row's activation pairs, read with a float broadcast (see Act) */
-    for (int i = 0; i < MB; i++) xp[i] = (const float*)(a->xb + (int64_t)(i0 + i) * XB_ROW * a->K) + g * a->gs / 2;
+    for (int i = 0; i < MB; i++) xp[i] = (const float*)(a->xb + (int64_t)(i0 + i) * a->xb_row * a->K) + g * a->gs / 2;
     /* s<i><t><h>: row i's sums over rows 8h .. 8h + 7 of tile t (named, each row's pinned after its step:
      * otherwise the compiler computes all products first and spills the sums) */
     __m256i s000, s001, s010, s011, s100, s101, s110, s111;
@@ -712,10 +714,11 @@ int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, voi
         return -1;
     if (M == 0) return 0;
     const int G = K / gs;
-    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, G, gs,
-             INT_DOT == 2 && M >= PANEL_MIN};
+    const int panels = INT_DOT == 2 && M >= PANEL_MIN;
+    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, G, gs, panels,
+             INT_DOT == 2 && !panels ? 4 : 2};
     const size_t xcopy = !INT_DOT && x_bf16 ? (size_t)M * K * 4 : 0;  /* float copy for the float path */
-    char* scratch = malloc(xcopy + (size_t)M * G * 12 + (INT_DOT ? (size_t)M * XB_ROW * K : 0) + 64);
+    char* scratch = malloc(xcopy + (size_t)M * G * 12 + (INT_DOT ? (size_t)M * a.xb_row * K : 0) + 64);
     if (scratch == NULL) return -2;
     if (xcopy) a.x = (const float*)scratch;
     a.xsum = (float*)(scratch + xcopy);
@@ -749,7 +752,7 @@ int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, voi
             float tot[ROWS_CHUNK][64];
             Act am = a;  /* the activation rows from m0 */
             am.x = a.x + (int64_t)m0 * K;
-            am.xb = a.xb + (int64_t)m0 * XB_ROW * K;
+            am.xb = a.xb + (int64_t)m0 * a.xb_row * K;
             am.d = a.d + (int64_t)m0 * G;
             am.xqsum = a.xqsum + (int64_t)m0 * G;
             am.xsum = a.xsum + (int64_t)m0 * G;
