@@ -87,19 +87,21 @@ class Linear(nn.Linear):
         self.register_buffer("tiled", None, persistent=False)
         self._tiled_layer: Optional[bf16_gemv.TiledLayer] = None  # the kernel's checked view of ``tiled``
 
-    def pack(self, keep_weight: bool = False, tile: bool = False) -> bool:
+    def pack(self, keep_weight: bool = False, tile: bool = False, consume: bool = False) -> bool:
         """Hold the weight in oneDNN's layout, and in our bf16 kernel's tiled layout when ``tile``; where oneDNN
         cannot pack it (``tile_only``), in the tiled layout alone, for every batch size. Drop the plain one
-        unless ``keep_weight``."""
+        unless ``keep_weight``. ``consume``: nothing outside this model reads the plain weight, so a dropped one's
+        pages are given back as the tiled copy is made (``bf16_gemv.tile_weight``'s ``release_source``)."""
         if self.packed is not None or self.tiled is not None:
             return False
+        release = consume and not keep_weight  # the plain weight is read for the last time
         if can_pack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(),
                                                                   PACK_ROWS_HINT)
             if tile:
-                self.tiled = bf16_gemv.tile_weight(self.weight.detach())
+                self.tiled = bf16_gemv.tile_weight(self.weight.detach(), release)
         elif tile_only(self.weight):
-            self.tiled = bf16_gemv.tile_weight(self.weight.detach())
+            self.tiled = bf16_gemv.tile_weight(self.weight.detach(), release)
             self.kernel_rows = UNLIMITED_ROWS
         else:
             return False
@@ -183,14 +185,15 @@ def _physical_memory() -> int:
         return 0
 
 
-def pack_weights(model: nn.Module) -> int:
+def pack_weights(model: nn.Module, consume: bool = False) -> int:
     """Pack every full-precision ``Linear`` of a CPU model; returns how many were packed. A weight
     another module holds too (a tied lm_head's embedding table) is kept beside its packed copy; other
     bf16 weights, where our bf16 kernel runs, get a copy in its tiled layout when those copies take at
     most ``TILED_FRACTION`` of the machine's memory: the kernel decodes one row from them faster
     than oneDNN does from the packed layout. bf16 weights oneDNN cannot pack here go to the tiled layout
-    alone (``tile_only``)."""
-    n = _tile_alone(model)
+    alone (``tile_only``). ``consume``: the model's plain weights are its own (the loader's, just read), so a
+    plain weight that is dropped gives its pages back while its tiled copy is made (``Linear.pack``)."""
+    n = _tile_alone(model, consume)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None and can_pack(m.weight)]
     others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
               for p in m.parameters(recurse=False)}
@@ -213,9 +216,9 @@ def pack_weights(model: nn.Module) -> int:
     packed = 0
     for lin in linears:
         if id(lin) in tied:
-            packed += _tile_table(lin, tied[id(lin)])
+            packed += _tile_table(lin, tied[id(lin)], consume)
             continue
-        packed += lin.pack(keep_weight=id(lin) in shared, tile=tile and id(lin) in kernel_read)
+        packed += lin.pack(keep_weight=id(lin) in shared, tile=tile and id(lin) in kernel_read, consume=consume)
     if tile:
         # Where oneDNN overtakes our kernel on this CPU, measured over the tiled layers; every bf16 layer the
         # kernel reads (the shared plain ones too) switches there.
@@ -231,17 +234,17 @@ def pack_weights(model: nn.Module) -> int:
     return n + packed
 
 
-def _tile_table(lin: Linear, holders: list[tuple[nn.Module, str]]) -> bool:
+def _tile_table(lin: Linear, holders: list[tuple[nn.Module, str]], consume: bool = False) -> bool:
     """A tied head's table to the tiled layout, the embedding lookups reading their rows out of the tiles."""
     table = lin.weight
-    done = lin.pack(tile=True)
+    done = lin.pack(tile=True, consume=consume)
     if done:
         for parent, name in holders:
             setattr(parent, name, TiledEmbedding(lin.tiled, table.shape[0], table.shape[1]))
     return done
 
 
-def _tile_alone(model: nn.Module) -> int:
+def _tile_alone(model: nn.Module, consume: bool = False) -> int:
     """bf16 layers oneDNN cannot pack on this CPU (``tile_only``) to our kernel's tiled layout, which replaces the
     plain weight and takes every batch size; a tied table too when only embedding lookups share it (else it stays
     plain and the kernel reads its rows in place). Returns how many layers moved."""
@@ -253,9 +256,9 @@ def _tile_alone(model: nn.Module) -> int:
     n = 0
     for lin in linears:
         if lin.weight.data_ptr() not in others:
-            n += lin.pack()
+            n += lin.pack(consume=consume)
         elif (holders := _embedding_holders(model, lin.weight)) is not None:
-            n += _tile_table(lin, holders)
+            n += _tile_table(lin, holders, consume)
         else:
             lin.kernel_rows = UNLIMITED_ROWS  # plain rows, read in place
     log.info("linear layers: %d bf16 ones in our kernel's tiled layout alone (%s path; no oneDNN bf16 on this "

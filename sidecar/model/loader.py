@@ -279,7 +279,7 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
     model.share_fast_paths()
     model.eval()
     if pack and device.type == "cpu":
-        pack_weights(model)
+        pack_weights(model, consume=True)  # the weights were just read: nothing else holds them
     return LoadedModel(model=model, tokenizer=tokenizer, args=args, hf_config=hf_config, model_dir=model_dir,
                        dtype=dtype, device=device, max_model_len=max_len,
                        eos_token_ids=_eos_ids(model_dir, hf_config, tokenizer), quantization=quantization,

@@ -69,6 +69,38 @@ def test_the_tiled_layout_gives_the_plain_layouts_bits(m, n, k, bias):
         assert torch.equal(bf16_gemv.bf16_matmul_tiled(x, tiled, n, b, out), bf16_gemv.bf16_matmul(x, w, b, out))
 
 
+@pytest.mark.parametrize("n,k", [(8, 32), (13, 96), (4097, 256)])
+def test_tiling_that_releases_its_source_gives_the_same_layout_and_frees_the_plain_pages(n, k):
+    """tile_weight(w, release_source=True) (the loader's: a plain weight read for the last time) lays the rows out
+    as the copying tile_weight does, and gives the whole pages of the plain weight back as it goes (anonymous
+    memory reads as zeros after); a view of a larger tensor is left as it is."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)).bfloat16()
+    src = w.clone()
+    assert torch.equal(bf16_gemv.tile_weight(src, release_source=True), bf16_gemv.tile_weight(w))
+    if src.numel() * 2 >= 4 * 4096:  # whole pages inside it: released (randn gives no exact zero)
+        assert int((src == 0).sum()) * 2 >= src.numel() * 2 - 2 * 4096
+    big = torch.cat([w, w])
+    view = big[n:]
+    assert torch.equal(bf16_gemv.tile_weight(view, release_source=True), bf16_gemv.tile_weight(w))
+    assert torch.equal(big[n:], w) and torch.equal(big[:n], w)
+
+
+def test_tiling_a_weight_read_from_a_checkpoint_leaves_the_file_as_it_was(tmp_path):
+    """The loader's weights may be pages of a private mapping of the checkpoint (safetensors): releasing them
+    drops them from this process, the file keeps its bytes (a second load reads the same weight)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    w = torch.randn(2048, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    save_file({"w": w}, str(tmp_path / "m.safetensors"))
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt", device="cpu") as h:
+        first = h.get_tensor("w")
+    assert torch.equal(bf16_gemv.tile_weight(first, release_source=True), bf16_gemv.tile_weight(w))
+    del first
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt", device="cpu") as h:
+        assert torch.equal(h.get_tensor("w"), w)
+
+
 def test_bad_tiled_shapes_are_refused():
     x, w, b = _case(2, 10, 64, True, 0)
     tiled = bf16_gemv.tile_weight(w)

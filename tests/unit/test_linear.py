@@ -98,14 +98,15 @@ def _tiny_model(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tiled_budget", [0.0, 0.1])
-def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget, monkeypatch):
+@pytest.mark.parametrize("consume", [False, True])
+def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget, consume, monkeypatch):
     monkeypatch.setattr(linear_mod, "TILED_FRACTION", tiled_budget)
     m = _tiny_model(dtype)
     plain = {n: l.weight.detach().clone() for n, l in m.named_modules() if isinstance(l, Linear)}
     h = torch.randn(20, 64).to(dtype)
     before = m.layers[0].mlp.gate_up_proj(h)
     if dtype == torch.bfloat16 and TILE_ONLY:  # every layer to the tiled layout alone, the tied table too
-        assert pack_weights(m) == len(plain) == 9
+        assert pack_weights(m, consume=consume) == len(plain) == 9
         for n, l in m.named_modules():
             if isinstance(l, Linear):
                 assert l.weight is None and l.packed is None and l.kernel_rows > 1 << 40
@@ -122,7 +123,7 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget,
         assert all(l.packed is None and torch.equal(l.weight, plain[n])
                    for n, l in m.named_modules() if isinstance(l, Linear))
         return
-    assert pack_weights(m) == len(plain) == 9  # 4 per layer + lm_head
+    assert pack_weights(m, consume=consume) == len(plain) == 9  # 4 per layer + lm_head
     # bf16 copies in our kernel's tiled layout where it runs and they fit the budget (this model: a few KB);
     # no layer but the tied head keeps its plain weight, and that one only where no tiled copies are made
     tiled = dtype == torch.bfloat16 and bf16_gemv.available() and tiled_budget > 0

@@ -125,15 +125,52 @@ def _call(fn, name: str, x: torch.Tensor, weight: torch.Tensor, n: int, bias: Op
 TILE = 4  # weight rows a tile of the tiled layout holds
 
 
-def tile_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 weight [N, K] (K a multiple of 32) in the tiled layout [ceil(N / 4), K / 32, 4, 32]."""
+TILE_CHUNK_BYTES = 4 << 20  # what tile_weight copies at a time when it releases its source
+MADV_DONTNEED = 4
+_PAGE = 4096
+
+
+def _release_pages(t: torch.Tensor) -> None:
+    """Give the whole pages inside ``t``'s bytes back to the kernel (``MADV_DONTNEED``): a file-backed weight's
+    pages leave this process's resident set, an anonymous one's are freed (they read as zeros after)."""
+    import ctypes
+
+    start = -(-t.data_ptr() // _PAGE) * _PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // _PAGE * _PAGE
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(MADV_DONTNEED))
+
+
+def tile_weight(weight: torch.Tensor, release_source: bool = False) -> torch.Tensor:
+    """A bf16 weight [N, K] (K a multiple of 32) in the tiled layout [ceil(N / 4), K / 32, 4, 32].
+    ``release_source``: the plain weight is read for the last time (nothing else reads it after): it is copied a
+    few MiB at a time and each part's pages are given back once copied (``_release_pages``), so moving a layer
+    (a 259 MiB embedding table) costs no second copy of it at its peak. The copy is fresh memory of torch's
+    allocator (huge pages where they are on), wherever the plain weight lived (a file mapping)."""
     n, k = weight.shape
     if k % 32 or weight.dtype != torch.bfloat16:
         raise ValueError(f"tile_weight: weight {tuple(weight.shape)} {weight.dtype} do not fit a layout of "
                          f"32-value chunks")
-    pad = -n % TILE
-    w = torch.cat([weight, weight.new_zeros(pad, k)]) if pad else weight
-    return w.reshape(-1, TILE, k // 32, 32).transpose(1, 2).contiguous()
+    src = weight.detach()
+    whole = src.storage_offset() == 0 and src.untyped_storage().nbytes() == src.numel() * 2  # no view of more
+    if not (release_source and whole and src.is_contiguous() and src.device.type == "cpu"):
+        pad = -n % TILE
+        w = torch.cat([src, src.new_zeros(pad, k)]) if pad else src
+        return w.reshape(-1, TILE, k // 32, 32).transpose(1, 2).contiguous()
+    tiles, full = -(-n // TILE), n // TILE
+    out = torch.empty(tiles, k // 32, TILE, 32, dtype=torch.bfloat16)
+    step = max(1, TILE_CHUNK_BYTES // (TILE * k * 2))
+    for t in range(0, full, step):
+        e = min(full, t + step)
+        part = src[t * TILE:e * TILE]
+        out[t:e] = part.view(e - t, TILE, k // 32, 32).transpose(1, 2)
+        _release_pages(part)
+    if full < tiles:  # the last tile's rows, then zero rows
+        last = src.new_zeros(TILE, k)
+        last[:n - full * TILE] = src[full * TILE:]
+        out[full] = last.view(TILE, k // 32, 32).transpose(0, 1)
+    return out
 
 
 def untile_weight(tiled: torch.Tensor, n: int) -> torch.Tensor:
