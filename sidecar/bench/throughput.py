@@ -7,10 +7,16 @@ memory-bandwidth roofline: bytes of weights read per token / measured read
 bandwidth, and the prefill speed of one --prefill-tokens prompt. On CPU, llama.cpp
 (``--llama-cpp``) and vLLM's CPU backend (``--vllm-cpu VENV``) run the same figures
 in the same run. Every system's peak RSS is reported next to its speed.
+
+``--rounds N`` runs N workloads (seeds seed..seed+N-1) through every system in turn, the order rotating from
+round to round, with our engine and vLLM-CPU loaded throughout: on a machine whose speed drifts (a shared
+host), each round compares the systems on the same work within minutes, and the totals over the rounds are
+the figures (each round's ratio reported too).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import random
 import time
@@ -77,23 +83,40 @@ def prefill_prompts(n_tokens: int, vocab: int, seed: int, count: int = 3) -> lis
     return [[rng.randrange(3, min(vocab, 30000)) for _ in range(n_tokens)] for _ in range(count)]
 
 
-def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+def load_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]):
+    """Our engine loaded as the bench runs it, warmed up on the workload's first prompt."""
     from sidecar import LLM, SamplingParams
-    from sidecar.bench.rss import peak_rss_bytes, reset_peak
+    from sidecar.bench.rss import reset_peak
 
     reset_peak()
     llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb,
               device=args.device, **({"enforce_eager": True} if args.enforce_eager else {}))
     llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    return llm
+
+
+def ours_workload(llm, args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """One timed run of the workload through ``llm.generate``."""
+    from sidecar import SamplingParams
+
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature) for _, n in work]
+    steps, preempted = llm.engine.counters["num_steps"], llm.engine.scheduler.num_preemptions
     t = time.perf_counter()
     outs = llm.generate([p for p, _ in work], params, use_tqdm=True)
     dt = time.perf_counter() - t
     out_tokens = sum(len(o.token_ids) for o in outs)
-    res = {"system": "llm-sidecar", "seconds": dt, "output_tokens": out_tokens,
-           "output_tok_s": out_tokens / dt, "steps": llm.engine.counters["num_steps"],
-           "preemptions": llm.engine.scheduler.num_preemptions}
+    return {"system": "llm-sidecar", "seconds": dt, "output_tokens": out_tokens, "output_tok_s": out_tokens / dt,
+            "steps": llm.engine.counters["num_steps"] - steps,
+            "preemptions": llm.engine.scheduler.num_preemptions - preempted}
+
+
+def ours_figures(llm, args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """Batch-1 decode, prefill, peak RSS and what the engine ran with, after the workload."""
+    from sidecar import SamplingParams
+    from sidecar.bench.rss import peak_rss_bytes
+
+    res: dict[str, Any] = {}
     # Batch-1 decode speed: one request, decode time only, the fastest of 3 runs (llama-bench's figure
     # below is the fastest of its 3 runs too).
     n = args.b1_tokens
@@ -123,9 +146,47 @@ def run_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dic
     for key in ("cpu_decode_replay", "cpu_decode_replay_reason"):
         if key in llm.engine.model_info:
             res[key] = llm.engine.model_info[key]
-    del llm
-    gc.collect()
     return res
+
+
+def combine_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's rows over the rounds as one: seconds and tokens summed (every system ran the same
+    workloads), peak RSS the largest, each round's seconds kept (``round_seconds``)."""
+    out = dict(rows[0])
+    if len(rows) > 1:
+        for key in ("seconds", "output_tokens", "steps", "preemptions"):
+            if key in out:
+                out[key] = sum(r[key] for r in rows)
+        out["output_tok_s"] = out["output_tokens"] / out["seconds"]
+        if any(r.get("peak_rss_bytes") for r in rows):
+            out["peak_rss_bytes"] = max(r.get("peak_rss_bytes") or 0 for r in rows)
+    out["round_seconds"] = [r["seconds"] for r in rows]
+    return out
+
+
+def interleave(works: list[list[tuple[list[int], int]]], systems: list[tuple[str, Any]]) -> dict[str, list]:
+    """Each workload of ``works`` (one a round) through every system, back to back, the order rotating from
+    round to round, so that a machine whose speed drifts (a shared host) moves every system alike and each
+    round compares them on the same work within minutes. ``systems``: (name, run(work) -> row), ours first. A
+    baseline that fails (RuntimeError) is reported and left out of the later rounds, its rows so far dropped
+    too; a failure of ours is raised."""
+    rows: dict[str, list] = {name: [] for name, _ in systems}
+    live = list(systems)
+    for r, work in enumerate(works):
+        order = live[r % len(live):] + live[:r % len(live)]
+        for name, fn in order:
+            try:
+                rows[name].append(fn(work))
+            except RuntimeError as exc:
+                if name == systems[0][0]:
+                    raise
+                print(f"{name} failed in round {r + 1}, reported without it: {exc}", flush=True)
+                live = [s for s in live if s[0] != name]
+                rows[name] = None
+        if len(works) > 1:
+            print(f"round {r + 1}/{len(works)}: " + ", ".join(f"{n} {rows[n][-1]['seconds']:.1f} s"
+                                                           for n, _ in live if rows[n]), flush=True)
+    return {name: got for name, got in rows.items() if got}
 
 
 def _hf_model(args: argparse.Namespace):
@@ -232,54 +293,68 @@ def run_hf_generate_batch(args: argparse.Namespace, work: list[tuple[list[int], 
             "output_tok_s": produced / dt, "completed": done, "peak_rss_bytes": peak}
 
 
-def _llamacpp(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
-    """llama.cpp in the same precision class, when its tools are found: batch-1 decode and the workload
-    through llama-server -np N. Returns {} (and says so) when they are not."""
+def _llamacpp_tools(args: argparse.Namespace):
+    """(tools, gguf, threads) of the llama.cpp baseline, or None (said so) when its tools are not found."""
     from sidecar.bench import llamacpp
     from sidecar.bench.models import bench_cache_dir
 
     tools = llamacpp.find_tools(args.llama_cpp, args.llama_cpp_src)
     if tools is None:
         print("llama.cpp baseline skipped: llama-bench/llama-server not found (--llama-cpp DIR or PATH)")
-        return {}
+        return None
     threads = torch.get_num_threads()
     gguf = llamacpp.gguf_for(tools, args.model_dir, args.baseline_dtype, bench_cache_dir() / "gguf")
     print(f"llama.cpp baseline: {gguf.name}, {threads} threads", flush=True)
+    return tools, gguf, threads
+
+
+def _llamacpp_workload(args: argparse.Namespace, found, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    from sidecar.bench import llamacpp
+
+    tools, gguf, threads = found
+    return llamacpp.server_workload(tools, gguf, work, threads, args.llama_cpp_parallel,
+                                    temperature=args.temperature)
+
+
+def _llamacpp_figures(args: argparse.Namespace, found) -> dict[str, Any]:
+    """llama-bench's batch-1 decode and prefill in the same precision class."""
+    from sidecar.bench import llamacpp
+
+    tools, gguf, threads = found
     res: dict[str, Any] = {"version": llamacpp.version(tools), "gguf": str(gguf), "threads": threads}
     b1 = llamacpp.llama_bench(tools, gguf, 0, args.b1_tokens, threads)
     pre = llamacpp.llama_bench(tools, gguf, args.prefill_tokens, 0, threads)
     res.update(b1_decode_tok_s=b1["best_tok_s"], b1_peak_rss_bytes=b1["peak_rss_bytes"],
                prefill_tok_s=pre["best_tok_s"])
-    res["rows"] = [llamacpp.server_workload(tools, gguf, work, threads, args.llama_cpp_parallel,
-                                            temperature=args.temperature)]
     return res
 
 
-def _vllm_cpu(args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
-    """vLLM's CPU backend on the same model, dtype and workload, when ``--vllm-cpu VENV`` is given: batch-1
-    decode, prefill and the workload, each measured as ours is. Returns {} (and says so) otherwise."""
+def _open_vllm_cpu(args: argparse.Namespace, works: list[list[tuple[list[int], int]]]):
+    """vLLM's CPU backend loaded for the workloads (``VllmCpu``; close it), or None (said so) when no
+    ``--vllm-cpu VENV`` is given; RuntimeError when it fails to load."""
     from sidecar.bench.vllm_cpu import VllmCpu
 
     if not args.vllm_cpu:
         print("vLLM-CPU baseline skipped: no --vllm-cpu VENV")
-        return {}
+        return None
     threads = torch.get_num_threads()
-    longest = max([len(p) + n for p, n in work] + [args.prefill_tokens + 1, 32 + args.b1_tokens])
+    longest = max([len(p) + n for work in works for p, n in work] + [args.prefill_tokens + 1, 32 + args.b1_tokens])
     print(f"vLLM-CPU baseline: {args.vllm_cpu}, {threads} threads; loading (not timed) ...", flush=True)
-    try:
-        with VllmCpu(args.vllm_cpu, args.model_dir, args.baseline_dtype, threads, max_num_seqs=args.max_num_seqs,
-                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
-                     kv_cache_gb=args.kv_cache_gb, temperature=args.temperature) as vllm:
-            b1 = vllm.call("b1", prompt=work[0][0][:32], n=args.b1_tokens, repeats=3)
-            pre = vllm.call("prefill", prompts=args.prefill_prompts)
-            row = vllm.call("workload", work=work)
-            res = {"version": vllm.version, "load_s": vllm.load_s, "threads": threads,
-                   "b1_decode_tok_s": b1["b1_decode_tok_s"], "prefill_tok_s": pre["prefill_tok_s"]}
-    except RuntimeError as exc:  # the other systems' figures, measured already, are still reported
-        print(f"vLLM-CPU baseline failed, reported without it: {exc}", flush=True)
-        return {"error": str(exc)}
-    res["rows"] = [{"system": f"vLLM-CPU {res['version']}", **row}]
-    return res
+    return VllmCpu(args.vllm_cpu, args.model_dir, args.baseline_dtype, threads, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
+                   kv_cache_gb=args.kv_cache_gb, temperature=args.temperature)
+
+
+def _vllm_cpu_workload(vllm, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    return {"system": f"vLLM-CPU {vllm.version}", **vllm.call("workload", work=work)}
+
+
+def _vllm_cpu_figures(args: argparse.Namespace, vllm, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """vLLM-CPU's batch-1 decode and prefill, measured as ours are."""
+    b1 = vllm.call("b1", prompt=work[0][0][:32], n=args.b1_tokens, repeats=3)
+    pre = vllm.call("prefill", prompts=args.prefill_prompts)
+    return {"version": vllm.version, "load_s": vllm.load_s, "threads": vllm.threads,
+            "b1_decode_tok_s": b1["b1_decode_tok_s"], "prefill_tok_s": pre["prefill_tok_s"]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -295,6 +370,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", default="32:512", help="uniform range LO:HI of prompt tokens")
     p.add_argument("--output-len", default="16:256", help="uniform range LO:HI of generated tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="workloads every system runs in turn (round r: seed + r, the order rotating each round; "
+                        "our engine and vLLM-CPU stay loaded throughout): the figures are the totals, each round "
+                        "reported, so that a machine whose speed drifts moves every system alike")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
@@ -346,8 +425,11 @@ def run(args: argparse.Namespace) -> int:
     args.baseline_dtype = args.baseline_dtype or args.dtype
     print(f"{where}; dtype {args.dtype} ({args.dtype_reason})"
           + ("" if args.baseline_dtype == args.dtype else f"; baselines in {args.baseline_dtype}"))
-    work = make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab,
-                         args.seed)
+    if args.rounds < 1:
+        raise ValueError(f"rounds: must be >= 1, got {args.rounds}")
+    works = [make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab,
+                           args.seed + r) for r in range(args.rounds)]
+    work = works[0]
     if args.prefill_tokens < 1:
         raise ValueError(f"prefill-tokens: must be >= 1, got {args.prefill_tokens}")
     if not 0.0 <= args.temperature <= 100.0:
@@ -360,9 +442,42 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
           f"{sum(n for _, n in work)} output tokens; model {args.model} ({args.dtype}); "
           f"{torch.get_num_threads()} threads"
-          + (f"; sampled at temperature {args.temperature:g}" if args.temperature > 0 else "; greedy"))
-    rows = [run_ours(args, work)]
-    ours = rows[0]
+          + (f"; sampled at temperature {args.temperature:g}" if args.temperature > 0 else "; greedy")
+          + (f"; {args.rounds} rounds (seeds {args.seed}..{args.seed + args.rounds - 1}), every system in turn"
+             if args.rounds > 1 else ""))
+    on_cpu = args.device == "cpu"
+    llm = load_ours(args, work)
+    found = _llamacpp_tools(args) if on_cpu else None
+    llama: dict[str, Any] = {}
+    vllm: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        session = None
+        if on_cpu:
+            try:
+                session = _open_vllm_cpu(args, works)
+            except RuntimeError as exc:  # the other systems are still measured
+                print(f"vLLM-CPU baseline failed, reported without it: {exc}", flush=True)
+                vllm = {"error": str(exc)}
+            if session is not None:
+                stack.enter_context(session)
+        systems = [("llm-sidecar", lambda w: ours_workload(llm, args, w))]
+        if session is not None:
+            systems.append(("vLLM-CPU", lambda w: _vllm_cpu_workload(session, w)))
+        if found is not None:
+            systems.append(("llama.cpp", lambda w: _llamacpp_workload(args, found, w)))
+        by_system = interleave(works, systems)
+        if session is not None and "vLLM-CPU" in by_system:
+            try:
+                vllm = _vllm_cpu_figures(args, session, work)
+            except RuntimeError as exc:
+                print(f"vLLM-CPU baseline failed, reported without it: {exc}", flush=True)
+                vllm = {"error": str(exc)}
+                del by_system["vLLM-CPU"]
+    ours = combine_rounds(by_system["llm-sidecar"])
+    ours.update(ours_figures(llm, args, work))
+    del llm
+    gc.collect()
+    rows = [ours]
     baselines = [b for b in args.baselines.split(",") if b]
     for b in baselines:
         if b == "hf-static":
@@ -371,10 +486,17 @@ def run(args: argparse.Namespace) -> int:
             rows.append(run_hf_generate_batch(args, work))
         else:
             raise ValueError(f"baselines: unknown baseline {b!r}")
-    llama = _llamacpp(args, work) if args.device == "cpu" else {}
-    rows.extend(llama.pop("rows", []))
-    vllm = _vllm_cpu(args, work) if args.device == "cpu" else {}
-    rows.extend(vllm.pop("rows", []))
+    if "llama.cpp" in by_system:
+        llama = _llamacpp_figures(args, found)
+        rows.append(combine_rounds(by_system["llama.cpp"]))
+    if "vLLM-CPU" in by_system and "error" not in vllm:
+        rows.append(combine_rounds(by_system["vLLM-CPU"]))
+    if len(works) > 1:  # each round's ratio: the same work, minutes apart
+        for r in rows[1:]:
+            if "round_seconds" in r:
+                r["round_speedups"] = [t / o for t, o in zip(r["round_seconds"], ours["round_seconds"])]
+                print(f"ours against {r['system']} by round: "
+                      + " ".join(f"{x:.2f}x" for x in r["round_speedups"]), flush=True)
     for r in rows:
         r["speedup_vs"] = ours["output_tok_s"] / r["output_tok_s"] if r is not ours else 1.0
         r["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20 if r.get("peak_rss_bytes") else None

@@ -144,8 +144,8 @@ def test_the_throughput_bench_runs_the_baseline_in_its_own_dtype(stand_in_venv, 
                                  + ([] if given is None else ["--baseline-dtype", given]))
         args.baseline_dtype = args.baseline_dtype or args.dtype  # as the bench resolves it
         args.model_dir, args.prefill_prompts = str(tmp_path), [[1] * 8, [2] * 8]
-        res = throughput._vllm_cpu(args, work)
-        assert res["rows"][0]["output_tokens"] == 8
+        with throughput._open_vllm_cpu(args, [work]) as session:
+            assert throughput._vllm_cpu_workload(session, work)["output_tokens"] == 8
         assert seen[-1] == expected
 
 
@@ -164,6 +164,69 @@ def test_the_throughput_bench_samples_the_baselines_workload_at_its_temperature(
                                   "--temperature", temperature])
         args.baseline_dtype = args.dtype
         args.model_dir, args.prefill_prompts = str(tmp_path), [[1] * 8, [2] * 8]
-        res = throughput._vllm_cpu(args, work)
-        assert "error" not in res, res
-        assert res["rows"][0]["output_tokens"] == tokens and res["b1_decode_tok_s"] > 0
+        with throughput._open_vllm_cpu(args, [work]) as session:
+            assert throughput._vllm_cpu_workload(session, work)["output_tokens"] == tokens
+            assert throughput._vllm_cpu_figures(args, session, work)["b1_decode_tok_s"] > 0
+
+
+def test_rounds_take_turns_and_a_failing_baseline_drops_out():
+    """``interleave``: every system runs each round's workload, the order rotating from round to round; a
+    baseline that fails leaves the later rounds (its rows dropped, the others kept); ours failing is raised."""
+    from sidecar.bench import throughput
+
+    calls = []
+
+    def system(name, fail_in=None):
+        def run(work):
+            calls.append((name, work))
+            if work == fail_in:
+                raise RuntimeError(f"{name} broke")
+            return {"system": name, "seconds": 1.0 + len(calls), "output_tokens": 10, "output_tok_s": 1.0}
+        return name, run
+
+    works = ["w0", "w1", "w2"]
+    got = throughput.interleave(works, [system("ours"), system("a"), system("b")])
+    assert calls == [("ours", "w0"), ("a", "w0"), ("b", "w0"), ("a", "w1"), ("b", "w1"), ("ours", "w1"),
+                     ("b", "w2"), ("ours", "w2"), ("a", "w2")]
+    assert [r["seconds"] for r in got["ours"]] == [2.0, 7.0, 9.0]
+    total = throughput.combine_rounds(got["ours"])
+    assert total["seconds"] == 18.0 and total["output_tokens"] == 30 and total["round_seconds"] == [2.0, 7.0, 9.0]
+    assert total["output_tok_s"] == 30 / 18.0
+    calls.clear()
+    got = throughput.interleave(works, [system("ours"), system("a", fail_in="w1"), system("b")])
+    assert set(got) == {"ours", "b"} and len(got["ours"]) == len(got["b"]) == 3
+    assert [c for c in calls if c[0] == "a"] == [("a", "w0"), ("a", "w1")]
+    with pytest.raises(RuntimeError, match="ours broke"):
+        throughput.interleave(works, [system("ours", fail_in="w0"), system("a")])
+
+
+def test_the_throughput_bench_runs_rounds_against_the_baseline(stand_in_venv, tmp_path, monkeypatch):
+    """``sidecar bench throughput --rounds 2``: our engine (the demo model) and the vLLM-CPU worker stay loaded
+    and take turns over two workloads; the report holds each round's seconds and ratio, and totals that are
+    their sums."""
+    import argparse
+
+    from sidecar.bench import throughput
+
+    monkeypatch.setattr(throughput, "_llamacpp_tools", lambda args: None)  # no llama.cpp build in this test
+    monkeypatch.setattr(throughput, "measure_bandwidth", lambda device="cpu": 1e10)
+    parser = argparse.ArgumentParser()
+    throughput.add_arguments(parser)
+    args = parser.parse_args(["--model", "demo", "--dtype", "float32", "--num-requests", "3", "--prompt-len", "4:8",
+                              "--output-len", "2:4", "--rounds", "2", "--baselines", "", "--b1-tokens", "4",
+                              "--prefill-tokens", "8", "--threads", "1", "--vllm-cpu", str(stand_in_venv),
+                              "--out", str(tmp_path)])
+    assert throughput.run(args) == 0
+    report = json.loads(next(tmp_path.glob("throughput*.json")).read_text())
+    ours, vllm = report["results"]
+    assert ours["system"] == "llm-sidecar" and vllm["system"].startswith("vLLM-CPU 0.0-stand-in")
+    vocab = json.loads((Path(report["args"]["model_dir"]) / "config.json").read_text())["vocab_size"]
+    works = [throughput.make_workload(3, (4, 8), (2, 4), vocab, seed) for seed in (0, 1)]
+    assert ours["output_tokens"] == vllm["output_tokens"] == sum(n for w in works for _, n in w)
+    for row in (ours, vllm):
+        assert len(row["round_seconds"]) == 2 and row["seconds"] == pytest.approx(sum(row["round_seconds"]))
+    assert vllm["round_speedups"] == pytest.approx([v / o for v, o in zip(vllm["round_seconds"],
+                                                                           ours["round_seconds"])])
+    assert report["batch1"]["b1_ratio_vs_vllm_cpu"] > 0
+    with pytest.raises(ValueError, match="rounds: must be >= 1"):
+        throughput.run(parser.parse_args(["--model", "demo", "--rounds", "0", "--baselines", ""]))
