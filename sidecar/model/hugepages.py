@@ -14,6 +14,9 @@ few kilobytes. The ``sidecar`` command gets that from glibc (it restarts itself 
 
 Nothing happens where transparent huge pages are off (``never``), off Linux, or with
 ``SIDECAR_HUGE_PAGES=0``.
+
+``release(start, nbytes)`` gives memory nothing reads again back to the kernel (the loader's plain weights as their
+tiled copies are made: ``bf16_gemv.tile_weight``), whatever the huge-page setting.
 """
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ from typing import Optional
 log = logging.getLogger("sidecar.model")
 
 ALLOCATOR_ENV = "THP_MEM_ALLOC_ENABLE"
+MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 HUGE = 2 << 20
+PAGE = 4096
 RESIDENT_TO_COLLAPSE = 0.75  # collapse a region when at least this share of it is resident already
 _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
@@ -92,6 +97,16 @@ def _madvise(libc, start: int, length: int, advice: int) -> int:
     if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), ctypes.c_int(advice)) == 0:
         return 0
     return ctypes.get_errno()
+
+
+def release(start: int, nbytes: int) -> int:
+    """Give the whole pages inside ``[start, start + nbytes)`` back to the kernel (``MADV_DONTNEED``; not a huge-page
+    matter, so not subject to ``wanted()``): pages of a file mapping leave this process's resident set, anonymous ones
+    are freed and read as zeros after. For memory nothing reads again. Returns 0 or the errno (0 off Linux)."""
+    first, end = -(-start // PAGE) * PAGE, (start + nbytes) // PAGE * PAGE
+    if end <= first or not sys.platform.startswith("linux"):
+        return 0
+    return _madvise(ctypes.CDLL(None, use_errno=True), first, end - first, MADV_DONTNEED)
 
 
 def advise_new(before: set[tuple[int, int]]) -> dict[str, object]:

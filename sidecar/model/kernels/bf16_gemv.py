@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
+from sidecar.model import hugepages
 from sidecar.model.kernels import cpu_build
 from sidecar.model.kernels.cpu_build import I, P
 
@@ -123,29 +124,13 @@ def _call(fn, name: str, x: torch.Tensor, weight: torch.Tensor, n: int, bias: Op
 
 
 TILE = 4  # weight rows a tile of the tiled layout holds
-
-
 TILE_CHUNK_BYTES = 4 << 20  # what tile_weight copies at a time when it releases its source
-MADV_DONTNEED = 4
-_PAGE = 4096
-
-
-def _release_pages(t: torch.Tensor) -> None:
-    """Give the whole pages inside ``t``'s bytes back to the kernel (``MADV_DONTNEED``): a file-backed weight's
-    pages leave this process's resident set, an anonymous one's are freed (they read as zeros after)."""
-    import ctypes
-
-    start = -(-t.data_ptr() // _PAGE) * _PAGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _PAGE * _PAGE
-    if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), ctypes.c_int(MADV_DONTNEED))
 
 
 def tile_weight(weight: torch.Tensor, release_source: bool = False) -> torch.Tensor:
     """A bf16 weight [N, K] (K a multiple of 32) in the tiled layout [ceil(N / 4), K / 32, 4, 32].
     ``release_source``: the plain weight is read for the last time (nothing else reads it after): it is copied a
-    few MiB at a time and each part's pages are given back once copied (``_release_pages``), so moving a layer
+    few MiB at a time and each part's pages are given back once copied (``hugepages.release``), so moving a layer
     (a 259 MiB embedding table) costs no second copy of it at its peak. The copy is fresh memory of torch's
     allocator (huge pages where they are on), wherever the plain weight lived (a file mapping)."""
     n, k = weight.shape
@@ -165,7 +150,7 @@ def tile_weight(weight: torch.Tensor, release_source: bool = False) -> torch.Ten
         e = min(full, t + step)
         part = src[t * TILE:e * TILE]
         out[t:e] = part.view(e - t, TILE, k // 32, 32).transpose(1, 2)
-        _release_pages(part)
+        hugepages.release(part.data_ptr(), part.numel() * 2)
     if full < tiles:  # the last tile's rows, then zero rows
         last = src.new_zeros(TILE, k)
         last[:n - full * TILE] = src[full * TILE:]
