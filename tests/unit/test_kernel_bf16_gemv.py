@@ -177,10 +177,12 @@ def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, tiled
     assert lin.float()(x.float()).dtype == torch.float32  # float32 layers are F.linear's
 
 
-# 1-3 rows: dot_tile; 4-15: dot products over half tiles; from 16: outer products over groups of 16 weight rows
-# (a padded last group: 9, 130 rows), several passes over K (4,864; 2,080 ends in one of 32), three row chunks (220)
+# 1-3 rows: dot_tile; 4-7: dot products over half tiles; from 8: outer products over groups of 16 weight rows
+# (a padded last group: 9, 70, 130, 1,030 rows), several passes over K (4,864; 2,080 ends in one of 32), three row
+# chunks (220); up to 64 rows a thread reads its next pass or block ahead (many blocks: 1,030 rows)
 @pytest.mark.parametrize("m,n,k", [(1, 4864, 896), (2, 130, 576), (3, 33, 64), (4, 41, 896), (7, 66, 1536),
-                                   (15, 40, 1056), (16, 64, 4864), (17, 130, 2080), (40, 9, 96), (220, 9, 4864)])
+                                   (8, 70, 896), (15, 40, 1056), (16, 64, 4864), (17, 130, 2080), (33, 1030, 2080),
+                                   (40, 9, 96), (64, 1024, 896), (220, 9, 4864)])
 def test_the_avx2_path_on_any_avx2_cpu(m, n, k, monkeypatch):
     """The path an AVX2-only CPU (Zen 2/3) runs, built with -mavx2 -mfma wherever the CPU has them (an AVX-512
     machine too): float32 sums of exact products, tiled = plain bits, and a row's result whatever its batch."""

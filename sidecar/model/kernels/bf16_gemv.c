@@ -23,9 +23,10 @@
  * Whole Qwen2-0.5B on a 2-core Zen 4, 2 threads, against oneDNN's packed GEMM: 212 against 196 GFLOP/s
  * at 8 rows, 293 against 301 at 16, 346 against 363 at 32 (from 298 against 338 with 4-row tiles).
  *
- * On AVX2 (bf16 widened to float32), prefill-sized batches take two more arrangements of the same sums in the
- * same order: tiled_wide (dot products over half tiles, from WIDE_ROWS rows) and tiled_outer (outer products over
- * groups of 16 weight rows converted a block at a time, from OUTER_ROWS rows; the int8 prefill path too).
+ * On AVX2 (bf16 widened to float32), batches from WIDE_ROWS rows on take two more arrangements of the same sums in
+ * the same order: tiled_wide (dot products over half tiles, up to OUTER_ROWS rows) and tiled_outer (outer products
+ * over groups of 16 weight rows converted a block at a time, from OUTER_ROWS rows: the decode steps of 8 rows and
+ * more, and prefill; the int8 prefill path too).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -344,7 +345,7 @@ static float* chunk_buffer(int64_t n) {
     return buf;
 }
 
-/* Prefill-sized batches (OUTER_ROWS rows on) again, as outer products: the same sums in the same order, with
+/* Batches of OUTER_ROWS rows and more again, as outer products: the same sums in the same order, with
  * weights and activations rearranged so that every FMA takes a vector of 8 outputs' weights and one activation
  * broadcast from memory. Over dot_half above, 8 of its 16 loads per 24 FMAs stream activation vectors through L1
  * and the FMAs run at ~80% of the core's rate; here a register tile is up to 6 activation rows x 16 weight rows
@@ -361,10 +362,11 @@ static float* chunk_buffer(int64_t n) {
  *     the rows in the order 0-3, 8-11, 4-7, 12-15, so that widening the low and the high half of each 128-bit
  *     lane (unpack with zeros) gives rows 0-7 and 8-15;
  *   activations, each row as float32 (a bf16 value widened exactly) in the order [l][K / 16][k & 1]. */
-#define OUTER_ROWS 16        /* from this many rows on (below, converting a block costs more than it saves) */
+#define OUTER_ROWS 8         /* from this many rows on (below, converting a block costs more than it saves) */
 #define KC_OUTER 1024        /* values of K a pass: a lane's activations for a panel (<= 3 KiB) stay in L1 */
 #define OUTER_BLOCK_BYTES (192 << 10)  /* a thread's converted weights, in L2 beside the tiles they come from */
 #define GR 16  /* weight rows a group */
+#define PREFETCH_ROWS 64     /* chunks of up to this many rows read the next block's weights ahead (see tiled_outer) */
 
 /* 16 rows of 16 bf16 values (r[i]: row i) transposed: r[k] becomes value k of the 16 rows, row i at element i. */
 static inline void transpose16(__m256i r[16]) {
@@ -424,6 +426,48 @@ static void group_to_lanes(const uint16_t* wt, const int8_t* wq, int N, int64_t 
         transpose16(r);
         for (int j = 0; j < 16; j++)  /* value j of the block: lane j / 2, step j & 1 */
             _mm256_store_si256((__m256i*)(out + (((j / 2) * nbk + b) * 2 + (j & 1)) * GR), r[j]);
+    }
+}
+
+/* group_to_lanes for a group whose 4 tiles all exist, from the tiled layout: each 16 x 16 block as two 8 x 8
+ * transposes within the 128-bit lanes, lane 0 over rows 0-3 and 8-11, lane 1 over rows 4-7 and 12-15 (the order
+ * above), so that no value crosses lanes and the 8 vectors in flight stay in registers. */
+static void group_to_lanes_tiled(const uint16_t* wt, int64_t K, int g, int64_t k0, int64_t k1, uint16_t* out) {
+    const int64_t nbk = (k1 - k0) / 16;
+    const uint16_t* lo[8];  /* the rows of lane 0 (i: position i of that lane), then those of lane 1 */
+    const uint16_t* hi[8];
+    for (int i = 0; i < 8; i++) {
+        const int r0 = (i & 3) | ((i & 4) << 1), r1 = r0 + 4;  /* row n: tile 4g + n / 4, its row n % 4 */
+        lo[i] = wt + (int64_t)(4 * g + r0 / 4) * NT * K + k0 * NT + (r0 % 4) * 32;
+        hi[i] = wt + (int64_t)(4 * g + r1 / 4) * NT * K + k0 * NT + (r1 % 4) * 32;
+    }
+    for (int64_t b = 0; b < nbk; b++) {
+        const int64_t off = (b >> 1) * (32 * NT) + (b & 1) * 16;  /* block b: half b & 1 of chunk b / 2 */
+        for (int h = 0; h < 2; h++) {  /* values 8h .. 8h + 7 of the block */
+            __m256i a[8], t[8];
+            for (int i = 0; i < 8; i++)
+                a[i] = _mm256_inserti128_si256(
+                    _mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)(lo[i] + off + 8 * h))),
+                    _mm_loadu_si128((const __m128i*)(hi[i] + off + 8 * h)), 1);
+            for (int j = 0; j < 4; j++) {  /* t[2j], t[2j + 1]: positions 2j, 2j + 1 at values 0-3, 4-7 */
+                t[2 * j] = _mm256_unpacklo_epi16(a[2 * j], a[2 * j + 1]);
+                t[2 * j + 1] = _mm256_unpackhi_epi16(a[2 * j], a[2 * j + 1]);
+            }
+            for (int q = 0; q < 2; q++) {  /* a[4q + m]: positions 4q .. 4q + 3 at values 2m, 2m + 1 */
+                a[4 * q + 0] = _mm256_unpacklo_epi32(t[4 * q + 0], t[4 * q + 2]);
+                a[4 * q + 1] = _mm256_unpackhi_epi32(t[4 * q + 0], t[4 * q + 2]);
+                a[4 * q + 2] = _mm256_unpacklo_epi32(t[4 * q + 1], t[4 * q + 3]);
+                a[4 * q + 3] = _mm256_unpackhi_epi32(t[4 * q + 1], t[4 * q + 3]);
+            }
+            for (int m = 0; m < 4; m++) {  /* t[v]: value v, all 8 positions */
+                t[2 * m] = _mm256_unpacklo_epi64(a[m], a[m + 4]);
+                t[2 * m + 1] = _mm256_unpackhi_epi64(a[m], a[m + 4]);
+            }
+            for (int v = 0; v < 8; v++) {
+                const int j = 8 * h + v;  /* value j of the block: lane j / 2, step j & 1 */
+                _mm256_store_si256((__m256i*)(out + (((j / 2) * nbk + b) * 2 + (j & 1)) * GR), t[v]);
+            }
+        }
     }
 }
 
@@ -509,14 +553,65 @@ static void outer_store(const __m256* acc, int mb, int g, int m0, int N, const f
     }
 }
 
+/* The source of a block's weights over [k0, k1) (its groups' tiles, or int8 rows): read into L2 a few cache lines at
+ * a time while the panels pass over the block before it, so that converting it does not wait on memory (at 32
+ * rows that wait was a quarter of the time on a Zen 3). One contiguous range a tile, or a row of codes. */
+struct prefetch {
+    const char *at, *end;  /* the next line to read, the end of the current range */
+    int unit, units;       /* the current range, ranges in all (done when unit == units) */
+    int64_t lines;         /* lines in all, about (for the share read before each lane of a panel) */
+    const uint16_t* wt;
+    const int8_t* wq;
+    int64_t K, k0, k1;
+    int u0;
+};
+
+static void prefetch_range(struct prefetch* p) {
+    const char* start;
+    if (p->wt) {  /* tile u0 + unit: [K / 32][4][32] values, a pass's part of it contiguous */
+        start = (const char*)(p->wt + (int64_t)(p->u0 + p->unit) * NT * p->K + p->k0 * NT);
+        p->end = start + (p->k1 - p->k0) * NT * 2;
+    } else {  /* row u0 + unit of the codes */
+        start = (const char*)(p->wq + (int64_t)(p->u0 + p->unit) * p->K + p->k0);
+        p->end = start + (p->k1 - p->k0);
+    }
+    p->at = (const char*)((uintptr_t)start & ~(uintptr_t)63);
+}
+
+/* Nothing to read (g0 == g1) leaves p done. */
+static void prefetch_init(struct prefetch* p, const uint16_t* wt, const int8_t* wq, int N, int64_t K, int g0, int g1,
+                          int64_t k0, int64_t k1) {
+    p->wt = wt, p->wq = wq, p->K = K, p->k0 = k0, p->k1 = k1, p->unit = 0;
+    if (wq) {
+        p->u0 = g0 * GR;
+        p->units = (g1 * GR < N ? g1 * GR : N) - p->u0;
+        p->lines = (int64_t)p->units * ((k1 - k0 + 63) / 64 + 1);
+    } else {
+        const int tiles = (N + NT - 1) / NT;
+        p->u0 = g0 * (GR / NT);
+        p->units = (g1 * (GR / NT) < tiles ? g1 * (GR / NT) : tiles) - p->u0;
+        p->lines = (int64_t)p->units * ((k1 - k0) * NT * 2 / 64);
+    }
+    if (p->units <= 0) p->units = 0;
+    else prefetch_range(p);
+}
+
+static inline void prefetch_some(struct prefetch* p, int64_t lines) {
+    for (; lines > 0 && p->unit < p->units; lines--) {
+        _mm_prefetch(p->at, _MM_HINT_T1);
+        if ((p->at += 64) >= p->end && ++p->unit < p->units) prefetch_range(p);
+    }
+}
+
 /* The loops over outer_lane, for the callers of tiled_wide from OUTER_ROWS rows on (arguments as there). Rows go
  * in chunks (their panels in the layout above); blocks of groups go to whichever thread is free; for each pass
  * over K a thread converts its block's weights, then every panel passes over them, lane by lane (the lane's
- * activations stay in L1 while the block's weights for it stream from L2); a panel's accumulators (8 lanes x 12
- * vectors a group) wait in memory between lanes and passes. */
+ * activations stay in L1 while the block's weights for it stream from L2), reading the source of its next pass or
+ * block ahead when the chunk has few rows (struct prefetch); a panel's accumulators (8 lanes x 12 vectors a group)
+ * wait in memory between lanes and passes. */
 static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_t* wq, const float* scale,
                        const void* bias, void* y, int M, int N, int K, int nthreads, int bias_bf16, int out_bf16) {
-    const int groups = (N + GR - 1) / GR;
+    const int groups = (N + GR - 1) / GR, tiles = (N + NT - 1) / NT;
     const int64_t kc = K <= KC_OUTER ? K : KC_OUTER;
     const int per_block = units_per_block(groups, (int64_t)GR * kc * 2, OUTER_BLOCK_BYTES, nthreads);
     const int blocks = (groups + per_block - 1) / per_block, mc = chunk_rows(K);
@@ -528,9 +623,11 @@ static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_
     const int64_t wbuf_per = (int64_t)per_block * GR * kc;
     __m256* acc_all = (__m256*)aligned_alloc(32, (size_t)(acc_per * nthreads * sizeof(__m256)));
     uint16_t* wbuf_all = (uint16_t*)aligned_alloc(64, (size_t)((wbuf_per * nthreads * 2 + 63) / 64 * 64));
-    if (!acc_all || !wbuf_all) {
+    int* claims = (int*)calloc((size_t)((M + mc - 1) / mc), sizeof(int));
+    if (!acc_all || !wbuf_all || !claims) {
         free(acc_all);
         free(wbuf_all);
+        free(claims);
         return 2;
     }
     #pragma omp parallel num_threads(nthreads)
@@ -543,13 +640,31 @@ static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_
             /* (the implied barrier: the chunk is whole before any thread reads it) */
             #pragma omp for schedule(static)
             for (int r = 0; r < rows; r++) row_to_lanes(x, x_f32, c0 + r, K, xa + (int64_t)r * K);
-            /* (the implied barrier at the end: every thread is done with the chunk before the next is packed) */
-            #pragma omp for schedule(dynamic, 1)
-            for (int blk = 0; blk < blocks; blk++) {
+            /* blocks go to whichever thread asks first; over a chunk of up to PREFETCH_ROWS rows a thread asks for
+             * its next block before this one (not near the end: holding a block while the other thread waits would
+             * cost more), so that it can read that block's weights ahead */
+            int* const claim = &claims[c0 / mc];
+            const int ahead = rows <= PREFETCH_ROWS;
+            int blk = __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED);
+            while (blk < blocks) {
+                const int nxt = ahead && __atomic_load_n(claim, __ATOMIC_RELAXED) < blocks - nthreads
+                                    ? __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED) : -1;
                 const int g0 = blk * per_block, g1 = g0 + per_block < groups ? g0 + per_block : groups;
                 for (int64_t k0 = 0; k0 < K; k0 += kc) {
                     const int64_t k1 = k0 + kc < K ? k0 + kc : K, steps = (k1 - k0) / 8;
-                    for (int g = g0; g < g1; g++) group_to_lanes(wt, wq, N, K, g, k0, k1, wbuf + (g - g0) * GR * kc);
+                    for (int g = g0; g < g1; g++) {
+                        uint16_t* const out = wbuf + (g - g0) * GR * kc;
+                        if (!wq && 4 * g + 3 < tiles) group_to_lanes_tiled(wt, K, g, k0, k1, out);
+                        else group_to_lanes(wt, wq, N, K, g, k0, k1, out);
+                    }
+                    /* ahead: the block's next pass, else the next block's first */
+                    struct prefetch pf = {.unit = 0, .units = 0, .lines = 0};
+                    if (ahead && k1 < K) prefetch_init(&pf, wt, wq, N, K, g0, g1, k1, k1 + kc < K ? k1 + kc : K);
+                    else if (ahead && nxt >= 0 && nxt < blocks)
+                        prefetch_init(&pf, wt, wq, N, K, nxt * per_block,
+                                      (nxt + 1) * per_block < groups ? (nxt + 1) * per_block : groups, 0, kc);
+                    const int64_t calls = (int64_t)panels * 8 * (g1 - g0);
+                    const int64_t quota = (pf.lines + calls - 1) / calls;
                     for (int p = 0, m0 = 0; p < panels; p++) {
                         const int mb = rows / panels + (p < rows % panels);
                         const float* xp = xa + (int64_t)m0 * K + k0 / 8;
@@ -559,6 +674,7 @@ static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_
                                 const float* xl = xp + (int64_t)l * (K / 8);
                                 const uint16_t* wl = wbuf + (g - g0) * GR * kc + l * steps * GR;
                                 __m256* a = pa + (g - g0) * per_group + l * MT_WIDE * 2;
+                                if (pf.unit < pf.units) prefetch_some(&pf, quota);
                                 switch (mb) {
                                     case 1: outer_lane_1(xl, K, wl, steps, k0 == 0, a); break;
                                     case 2: outer_lane_2(xl, K, wl, steps, k0 == 0, a); break;
@@ -575,9 +691,13 @@ static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_
                         m0 += mb;
                     }
                 }
+                blk = nxt >= 0 ? nxt : __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED);
             }
+            /* every thread is done with the chunk before the next is packed */
+            #pragma omp barrier
         }
     }
+    free(claims);
     free(acc_all);
     free(wbuf_all);
     return 0;
