@@ -555,7 +555,8 @@ static void outer_store(const __m256* acc, int mb, int g, int m0, int N, const f
 
 /* The source of a block's weights over [k0, k1) (its groups' tiles, or int8 rows): read into L2 a few cache lines at
  * a time while the panels pass over the block before it, so that converting it does not wait on memory (at 32
- * rows that wait was a quarter of the time on a Zen 3). One contiguous range a tile, or a row of codes. */
+ * rows the conversion took a quarter of the time on a Zen 3, half of it waiting). One contiguous range a tile, or
+ * a row of codes. */
 struct prefetch {
     const char *at, *end;  /* the next line to read, the end of the current range */
     int unit, units;       /* the current range, ranges in all (done when unit == units) */
