@@ -24,11 +24,13 @@ recomputed.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sidecar.model import kv_quant
 from sidecar.model.kernels import paged_attention as cpu_kernel
@@ -90,6 +92,19 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     nkv, hd = cache.shape[-2], cache.shape[-1]
     return cache.index_select(0, block_table).view(-1, nkv, hd)[:length]
+
+
+# On CUDA, torch may send bf16 / fp16 attention to cuDNN's fused kernel, which builds an execution plan for every
+# new shape: 40-150 ms the first time a sequence length is seen (H100, torch 2.11), against 0.05 ms once built.
+# A server's prompts come in every length, so its first minutes of prefill stalled on plan builds (64 requests of
+# 32-512 tokens: 10.8 s, against 1.1 s without cuDNN). Flash and memory-efficient attention have no per-shape
+# build; the model's forward runs with these backends alone (``sdpa_backends``).
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The attention backends the model's forward allows for tensors like ``t``: on CUDA all but cuDNN's."""
+    return sdpa_kernel(CUDA_SDPA_BACKENDS) if t.is_cuda else contextlib.nullcontext()
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],

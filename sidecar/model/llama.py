@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sidecar.model.attention import AttentionMetadata, paged_attention
+from sidecar.model.attention import AttentionMetadata, paged_attention, sdpa_backends
 from sidecar.model.kernels import norm_act, rope_kv
 from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.linear import Linear
@@ -267,8 +267,9 @@ class LlamaForCausalLM(nn.Module):
         states [T, hidden]. On a CPU with our kernels every operation in it runs in one of them (what lets a
         decode step be replayed from C: ``engine/cpu_graphs.py``)."""
         delta = None
-        for layer, kv in zip(self.layers, kv_caches):
-            h, delta = layer(h, delta, cos, sin, kv, meta)
+        with sdpa_backends(h):
+            for layer, kv in zip(self.layers, kv_caches):
+                h, delta = layer(h, delta, cos, sin, kv, meta)
         return self.norm(h, delta)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
