@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -98,16 +99,19 @@ def gguf_for(tools: dict[str, Path], model_dir: str, precision: str, cache_dir: 
 
 
 def llama_bench(tools: dict[str, Path], gguf: Path, n_prompt: int, n_gen: int, threads: int,
-                repeats: int = 3) -> dict[str, Any]:
-    """One llama-bench test (``-p n_prompt -n n_gen``; one of them 0): tokens/s as the mean of its
-    ``repeats`` runs (``tok_s``) and the fastest run (``best_tok_s``), and llama-bench's peak RSS."""
+                repeats: int = 3, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One llama-bench test (``-p n_prompt -n n_gen``; one of them 0; ``extra``: more of its options): tokens/s
+    as the mean of its ``repeats`` runs (``tok_s``) and the fastest run (``best_tok_s``), and llama-bench's peak
+    RSS. RuntimeError naming the exit status (or the signal that killed it) when it fails."""
     from sidecar.bench.rss import run_measured
 
     cmd = [str(tools["llama-bench"]), "-m", str(gguf), "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads),
-           "-r", str(repeats), "-o", "json"]
+           "-r", str(repeats), "-o", "json", *extra]
     out, rc, peak = run_measured(cmd)
     if rc != 0:
-        raise RuntimeError(f"llama-bench exited with {rc}: {' '.join(cmd)}")
+        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else \
+            f"exited with {rc}"
+        raise RuntimeError(f"llama-bench {how}: {' '.join(cmd)}")
     key = "n_gen" if n_gen else "n_prompt"
     row = next(r for r in json.loads(out) if r.get(key))
     samples = row.get("samples_ts") or [row["avg_ts"]]

@@ -233,6 +233,27 @@ def _paired_b1(args: argparse.Namespace, model_dir: str, n: int, gs: int,
     return info
 
 
+# What llama-bench runs with when its defaults fail on a figure: weights in the file's own layout (its repacked
+# layouts are CPU-specific code paths; on a Xeon with AMX, Q8_0 prompt processing crashed in them).
+LLAMA_FALLBACK = ("--repack", "0")
+
+
+def _llama_figure(tools: dict, gguf, n_prompt: int, n_gen: int, threads: int,
+                  failures: dict[str, str]) -> dict[str, Any]:
+    """One llama-bench figure with its default settings; where those fail, said once and recorded in
+    ``failures``, the figure is measured with ``LLAMA_FALLBACK`` from then on (and a failure there raises)."""
+    from sidecar.bench import llamacpp
+
+    what = f"pp{n_prompt}" if n_prompt else f"tg{n_gen}"
+    if what not in failures:
+        try:
+            return llamacpp.llama_bench(tools, gguf, n_prompt, n_gen, threads)
+        except RuntimeError as exc:
+            failures[what] = f"{exc}; measured with {' '.join(LLAMA_FALLBACK)} instead"
+            print(f"llama.cpp {gguf.name} {what}: {failures[what]}", flush=True)
+    return llamacpp.llama_bench(tools, gguf, n_prompt, n_gen, threads, extra=LLAMA_FALLBACK)
+
+
 def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: dict[str, Any],
                  tools: Optional[dict], vllm, info: dict[str, Any]) -> None:
     """One mode's paired rounds: ours, then each baseline seconds apart, each side's fastest: on a shared
@@ -248,6 +269,7 @@ def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: d
     ours, theirs, vl, rss = [], [], [], {"ours": 0, "llamacpp": 0, "vllm": 0}
     pre: dict[str, list[float]] = {"ours": [], "llamacpp": [], "vllm": []}
     prompt = [3 + (7 * j) % 30000 for j in range(args.prefill_tokens)]
+    failures: dict[str, str] = {}  # llama.cpp figures its default settings failed on: why
     for i in range(args.b1_rounds):
         print(f"[{r['mode']}] paired batch-1 round {i + 1}", flush=True)
         w = _run_worker({"model": model_dir, "threads": args.threads, "max_tokens": n, "batches": [1],
@@ -257,10 +279,10 @@ def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: d
         pre["ours"].append(w["prefill_tok_s"])
         rss["ours"] = max(rss["ours"], w["peak_rss_bytes"])
         if gguf is not None:
-            lb = llamacpp.llama_bench(tools, gguf, 0, n, args.threads)
+            lb = _llama_figure(tools, gguf, 0, n, args.threads, failures)
             theirs.append(lb["best_tok_s"])
             rss["llamacpp"] = max(rss["llamacpp"], lb["peak_rss_bytes"])
-            lp = llamacpp.llama_bench(tools, gguf, args.prefill_tokens, 0, args.threads)
+            lp = _llama_figure(tools, gguf, args.prefill_tokens, 0, args.threads, failures)
             pre["llamacpp"].append(lp["best_tok_s"])
         if vllm is not None:
             v = vllm.call("b1", prompt=B1_PROMPT, n=n, repeats=2)
@@ -279,6 +301,8 @@ def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: d
         r["prefill_vs_llamacpp"] = r["prefill_paired_tok_s"] / r["llamacpp_prefill_tok_s"]
         entry.update(gguf=str(gguf), b1_decode_tok_s=r["llamacpp_b1_tok_s"], llamacpp_by_round=theirs,
                      llamacpp_prefill_by_round=pre["llamacpp"])
+        if failures:
+            entry["llamacpp_failures"] = failures
     if vl:
         r["vllm_cpu_b1_tok_s"] = max(vl)
         r["b1_vs_vllm_cpu"] = r["b1_paired_tok_s"] / r["vllm_cpu_b1_tok_s"]

@@ -68,3 +68,35 @@ def test_a_failing_llama_bench_is_an_error(tmp_path):
     os.chmod(bench, 0o755)
     with pytest.raises(RuntimeError, match="llama-bench exited with 1"):
         llamacpp.llama_bench({"llama-bench": bench}, tmp_path / "m.gguf", 0, 64, 2)
+
+
+def test_a_llama_bench_killed_by_a_signal_names_it(tmp_path):
+    bench = tmp_path / "llama-bench"
+    bench.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    os.chmod(bench, 0o755)
+    with pytest.raises(RuntimeError, match="llama-bench was killed by SIGSEGV"):
+        llamacpp.llama_bench({"llama-bench": bench}, tmp_path / "m.gguf", 256, 0, 2)
+
+
+def test_a_figure_its_defaults_crash_on_is_measured_without_repacking_and_the_crash_kept(tmp_path):
+    # llama-bench that crashes on prompt processing unless weights stay in the file's layout (--repack 0),
+    # as llama.cpp's repacked Q8_0 prompt path did on a Xeon with AMX; it logs every call's arguments
+    from sidecar.bench.quant import _llama_figure
+
+    bench, calls = tmp_path / "llama-bench", tmp_path / "calls"
+    bench.write_text("#!/bin/sh\n"
+                     f"echo \"$*\" >> {calls}\n"
+                     "case \"$*\" in *'-p 256'*) case \"$*\" in *'--repack 0'*) ;; *) kill -SEGV $$ ;; esac ;; esac\n"
+                     "echo '[{\"n_prompt\": 256, \"n_gen\": 0, \"avg_ts\": 300.0, \"samples_ts\": [300.0]},"
+                     " {\"n_prompt\": 0, \"n_gen\": 64, \"avg_ts\": 50.0, \"samples_ts\": [50.0]}]'\n")
+    os.chmod(bench, 0o755)
+    tools, failures = {"llama-bench": bench}, {}
+    gguf = tmp_path / "m-q8_0.gguf"
+    assert _llama_figure(tools, gguf, 0, 64, 2, failures)["best_tok_s"] == 50.0
+    assert failures == {}
+    for _ in range(2):  # the second round goes straight to the setting that works
+        assert _llama_figure(tools, gguf, 256, 0, 2, failures)["best_tok_s"] == 300.0
+    assert list(failures) == ["pp256"] and "SIGSEGV" in failures["pp256"] and "--repack 0" in failures["pp256"]
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 4 and "--repack" not in lines[0] + lines[1]
+    assert lines[2].endswith("--repack 0") and lines[3].endswith("--repack 0")
