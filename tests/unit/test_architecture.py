@@ -40,8 +40,9 @@ BENCH_COMPONENT_IMPORTS = {
     # the decode attention kernel alone over plain and int8 caches (the KV bytes a decode step reads)
     "sidecar.bench.kv": {"sidecar.model.kv_quant", "sidecar.model.kernels.paged_attention"},
     "sidecar.bench.report": {"sidecar.model.hardware"},  # the CPU ISA recorded in every report
-    # model dir for the HF and llama.cpp baselines; the dtype the engine resolves, so all systems match
-    "sidecar.bench.throughput": {"sidecar.model.loader", "sidecar.model.hardware"},
+    # model dir for the HF and llama.cpp baselines; the dtype the engine resolves and the attention backends it
+    # allows on CUDA, so all systems match
+    "sidecar.bench.throughput": {"sidecar.model.loader", "sidecar.model.hardware", "sidecar.model.attention"},
     "sidecar.bench.prefix": {"sidecar.model.loader"},  # model dir recorded with the results
     "sidecar.bench.semantic_cache": {"sidecar.cache.guard", "sidecar.cache.embedder",
                                      "sidecar.cache.semantic"},  # the cache's own precision/recall
