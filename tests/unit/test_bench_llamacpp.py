@@ -62,20 +62,14 @@ def test_llama_bench_reads_the_row_asked_for_and_its_peak_rss(tmp_path):
     assert r["tok_s"] == 400.0 and r["best_tok_s"] == 420.0 and r["peak_rss_bytes"] > 0
 
 
-def test_a_failing_llama_bench_is_an_error(tmp_path):
+@pytest.mark.parametrize("script, said", [("exit 1", "llama-bench exited with 1"),
+                                          ("kill -SEGV $$", "llama-bench was killed by SIGSEGV")])
+def test_a_failing_llama_bench_is_an_error_naming_how_it_failed(tmp_path, script, said):
     bench = tmp_path / "llama-bench"
-    bench.write_text("#!/bin/sh\nexit 1\n")
+    bench.write_text(f"#!/bin/sh\n{script}\n")
     os.chmod(bench, 0o755)
-    with pytest.raises(RuntimeError, match="llama-bench exited with 1"):
+    with pytest.raises(RuntimeError, match=said):
         llamacpp.llama_bench({"llama-bench": bench}, tmp_path / "m.gguf", 0, 64, 2)
-
-
-def test_a_llama_bench_killed_by_a_signal_names_it(tmp_path):
-    bench = tmp_path / "llama-bench"
-    bench.write_text("#!/bin/sh\nkill -SEGV $$\n")
-    os.chmod(bench, 0o755)
-    with pytest.raises(RuntimeError, match="llama-bench was killed by SIGSEGV"):
-        llamacpp.llama_bench({"llama-bench": bench}, tmp_path / "m.gguf", 256, 0, 2)
 
 
 def test_a_figure_its_defaults_crash_on_is_measured_without_repacking_and_the_crash_kept(tmp_path):
