@@ -57,11 +57,10 @@ int sidecar_bf16_supported(void) {
 }
 
 #if BF16_PATH == 512
-/* Software read-ahead goes to L2 (_MM_HINT_T1): measured on a 2-core Xeon with AMX, a one-row pass over Qwen2-0.5B
- * streamed 13% faster with the tiled layout read ahead into L2 than with none (the hardware prefetcher alone) and
- * than with the same read-ahead into L1, whose few fill buffers the prefetches then hold; plain rows 3-10%. */
-#define READ_AHEAD_HINT _MM_HINT_T1
-#define TILED_READ_AHEAD 1  /* one-row calls over the tiled layout read two tiles ahead too */
+/* One-row calls over the tiled layout read two tiles ahead too, into L2 like every read-ahead here: on a 2-core Xeon
+ * with AMX a one-row pass over Qwen2-0.5B streamed 13% faster than with none (the hardware prefetcher alone) or with
+ * the same read-ahead into L1, whose few fill buffers the prefetches then hold; plain rows 3-10% faster than into L1. */
+#define TILED_READ_AHEAD 1
 /* out[i * NB + j] = sum_k x[i, k] * w[j, k]; K a multiple of 32. Weight row j's chunk c (values 32c..32c+31)
  * is at w + j * row_step + c * chunk_step: plain rows (row_step K, chunk_step 32, prefetched two tiles
  * ahead) or one tile of the tiled layout (row_step 32, chunk_step 32 * NT, a stream the hardware follows; a
@@ -77,7 +76,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
     for (int64_t k = 0; k < K; k += 32) {
         /* NB rows x 64 bytes consumed per chunk: keep the prefetch at that pace (4 lines for NB = 4) */
         if (prefetch)
-            for (int j = 0; j < NB; j++) _mm_prefetch(ahead + 2 * NB * k + 64 * j, READ_AHEAD_HINT);
+            for (int j = 0; j < NB; j++) _mm_prefetch(ahead + 2 * NB * k + 64 * j, _MM_HINT_T1);
         const uint16_t* wc = w + (k / 32) * chunk_step;
         __m512bh wv[NT];
         for (int j = 0; j < NB; j++) wv[j] = (__m512bh)_mm512_loadu_si512((const void*)(wc + j * row_step));
