@@ -246,7 +246,7 @@ def run_hf_static(args: argparse.Namespace, work: list[tuple[list[int], int]]) -
     t = time.perf_counter()
     # the attention backends our engine allows on this device (on CUDA no cuDNN SDPA, whose plan build for every
     # new shape would cost HF's growing decode shapes tens of milliseconds a step): like for like
-    with torch.inference_mode(), sdpa_backends(torch.empty(0, device=args.device)):
+    with torch.inference_mode(), sdpa_backends(torch.device(args.device)):
         for i in tqdm(range(0, len(work), args.hf_batch_size), desc="hf static", unit="batch"):
             batch = work[i:i + args.hf_batch_size]
             width = max(len(p) for p, _ in batch)
@@ -273,7 +273,7 @@ def _hf_b1_decode(model, prompt: list[int], n: int, device: torch.device) -> flo
 
     def timed(new: int) -> float:
         t = time.perf_counter()
-        with sdpa_backends(ids):
+        with sdpa_backends(device):
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                            min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
         _sync(device)

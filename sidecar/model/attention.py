@@ -102,9 +102,9 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa_backends(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """The attention backends the model's forward allows for tensors like ``t``: on CUDA all but cuDNN's."""
-    return sdpa_kernel(CUDA_SDPA_BACKENDS) if t.is_cuda else contextlib.nullcontext()
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The attention backends the model's forward allows on ``device``: on CUDA all but cuDNN's."""
+    return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],

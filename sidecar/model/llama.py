@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         states [T, hidden]. On a CPU with our kernels every operation in it runs in one of them (what lets a
         decode step be replayed from C: ``engine/cpu_graphs.py``)."""
         delta = None
-        with sdpa_backends(h):
+        with sdpa_backends(h.device):
             for layer, kv in zip(self.layers, kv_caches):
                 h, delta = layer(h, delta, cos, sin, kv, meta)
         return self.norm(h, delta)[0]
