@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sidecar.model.kernels import bf16_gemv, cpu_build, f32_gemv
+from sidecar.model.kernels import amx_gemm, bf16_gemv, cpu_build, f32_gemv
 
 log = logging.getLogger("sidecar.model")
 
@@ -85,17 +85,21 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("tiled", None, persistent=False)
+        self.register_buffer("amx", None, persistent=False)  # the weight in AMX's tile layout (amx_gemm.pack)
         self._tiled_layer: Optional[bf16_gemv.TiledLayer] = None  # the kernel's checked view of ``tiled``
+        self._amx_layer: Optional[amx_gemm.AmxLayer] = None  # ... and of ``amx``
 
     def pack(self, keep_weight: bool = False, tile: bool = False, consume: bool = False) -> bool:
         """Hold the weight in oneDNN's layout, and in our bf16 kernel's tiled layout when ``tile``; where oneDNN
         cannot pack it (``tile_only``), in the tiled layout alone, for every batch size. Drop the plain one
         unless ``keep_weight``. ``consume``: nothing outside this model reads the plain weight, so a dropped one's
         pages are given back as the tiled copy is made (``bf16_gemv.tile_weight``'s ``release_source``)."""
-        if self.packed is not None or self.tiled is not None:
+        if self.packed is not None or self.tiled is not None or self.amx is not None:
             return False
         release = consume and not keep_weight  # the plain weight is read for the last time
-        if can_pack(self.weight):
+        if amx_gemm.takes(self.weight):  # AMX: one layout for every batch size
+            self.amx = amx_gemm.pack(self.weight.detach(), release)
+        elif can_pack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(),
                                                                   PACK_ROWS_HINT)
             if tile:
@@ -115,10 +119,18 @@ class Linear(nn.Linear):
             return self.weight
         if self.packed is not None:
             return self.packed.to_dense()
+        if self.amx is not None:
+            return amx_gemm.unpack(self.amx, self.out_features)
         return bf16_gemv.untile_weight(self.tiled, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, packed, tiled = self.weight, self.packed, self.tiled
+        if self.amx is not None and x.dtype is torch.bfloat16 and x.device.type == "cpu":
+            layer = self._amx_layer
+            if layer is None or not layer.matches(self.amx, self.bias):
+                layer = self._amx_layer = amx_gemm.AmxLayer(self.amx, self.out_features, self.bias)
+            y = layer(x.reshape(-1, self.in_features))
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
         if tiled is not None and x.dtype is torch.bfloat16 and x.numel() <= self.kernel_rows * self.in_features:
             # A tiled copy exists only on the CPU where the kernel runs: its operands are checked once.
             layer = self._tiled_layer
@@ -145,23 +157,28 @@ class Linear(nn.Linear):
 
 
 class TiledEmbedding(nn.Module):
-    """The lookup of an embedding table held in our bf16 kernel's tiled layout (``bf16_gemv.tile_weight``):
-    the copy of a tied lm_head, so that one table serves both. Row ``i`` is read out of its tile."""
+    """The lookup of an embedding table held in our bf16 kernel's tiled layout (``bf16_gemv.tile_weight``) or in
+    AMX's tile layout (``amx_gemm.pack``, ``layout="amx"``): the copy of a tied lm_head, so that one table serves
+    both. Row ``i`` is read out of its tiles."""
 
-    def __init__(self, tiled: torch.Tensor, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, tiled: torch.Tensor, num_embeddings: int, embedding_dim: int, layout: str = "tiled") -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        if layout not in ("tiled", "amx"):
+            raise ValueError(f"embedding layout {layout!r}: 'tiled' or 'amx'")
+        self.num_embeddings, self.embedding_dim, self.layout = num_embeddings, embedding_dim, layout
         self.register_buffer("tiled", tiled, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"embedding: token id out of range [0, {self.num_embeddings})")
+        if self.layout == "amx":
+            return amx_gemm.rows(self.tiled, ids)
         rows = self.tiled[flat // bf16_gemv.TILE, :, flat % bf16_gemv.TILE, :]  # [n, K / 32, 32]
         return rows.reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, layout=tiled"
+        return f"{self.num_embeddings}, {self.embedding_dim}, layout={self.layout}"
 
 
 def _embedding_holders(model: nn.Module, weight: torch.Tensor) -> Optional[list[tuple[nn.Module, str]]]:
@@ -203,12 +220,14 @@ def pack_weights(model: nn.Module, consume: bool = False) -> int:
             and m.in_features % 32 == 0]
     tiled_bytes = sum(m.weight.numel() * 2 for m in bf16)  # what the copies cost (shared ones stay plain anyway)
     kernel_read = {id(m) for m in bf16}
-    tile = bool(bf16) and bf16_gemv.available() and tiled_bytes <= TILED_FRACTION * _physical_memory()
+    amx = bool(bf16) and amx_gemm.takes(bf16[0].weight)  # AMX: bf16 weights in its tile layout alone (Linear.pack)
+    tile = (bool(bf16) and not amx and bf16_gemv.available()
+            and tiled_bytes <= TILED_FRACTION * _physical_memory())
     # A tied lm_head's table moves to the tiled layout too where the kernel runs, when only embedding lookups
     # share it: they read their rows out of the tiles, so the one copy serves the head's kernel (a faster stream
     # than plain rows) and the lookups, in the memory the plain table took.
     tied = {}
-    if tile:
+    if tile or amx:
         for m in linears:
             if (id(m) in shared and m.weight.dtype == torch.bfloat16 and m.in_features % 32 == 0
                     and (holders := _embedding_holders(model, m.weight)) is not None):
@@ -228,9 +247,10 @@ def pack_weights(model: nn.Module, consume: bool = False) -> int:
             if lin.weight is not None or lin.tiled is not None:
                 lin.kernel_rows = rows
     if packed:
-        log.info("linear layers: %d held in oneDNN's packed layout%s", packed,
+        log.info("linear layers: %d packed%s", packed,
                  f"; bf16 copies in the decode kernel's tiled layout ({tiled_bytes / 2**20:.0f} MiB), which "
-                 f"takes batches of up to {rows} rows" if tile else "")
+                 f"takes batches of up to {rows} rows" if tile else
+                 "; bf16 ones in AMX's tile layout alone, every batch size" if amx else " for oneDNN")
     return n + packed
 
 
@@ -239,8 +259,10 @@ def _tile_table(lin: Linear, holders: list[tuple[nn.Module, str]], consume: bool
     table = lin.weight
     done = lin.pack(tile=True, consume=consume)
     if done:
+        layout = "tiled" if lin.amx is None else "amx"
         for parent, name in holders:
-            setattr(parent, name, TiledEmbedding(lin.tiled, table.shape[0], table.shape[1]))
+            setattr(parent, name, TiledEmbedding(lin.tiled if lin.amx is None else lin.amx, table.shape[0],
+                                                 table.shape[1], layout))
     return done
 
 

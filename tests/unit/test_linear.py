@@ -7,13 +7,15 @@ import torch.nn.functional as F
 
 from sidecar.config import EngineConfig
 from sidecar.model import linear as linear_mod
-from sidecar.model.kernels import bf16_gemv, f32_gemv
+from sidecar.model.kernels import amx_gemm, bf16_gemv, f32_gemv
 from sidecar.model.linear import Linear, TiledEmbedding, can_pack, pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
 BF16_PACKS = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 # An AVX2-only CPU (Zen 2/3): no oneDNN bf16, and our kernel's AVX2 path holds bf16 layers in its tiled layout alone
 TILE_ONLY = not BF16_PACKS and bf16_gemv.available()
+# A CPU with AMX: bf16 layers in its tile layout alone, our AMX kernel at every batch size
+AMX = amx_gemm.available()
 
 
 def _layer(n, k, dtype, bias, seed=0):
@@ -35,6 +37,19 @@ def test_packed_layer_computes_what_f_linear_computes(dtype, rows, bias):
         ref = x.double() @ w.double().T + (0 if b is None else b.double())
         assert y.dtype == torch.bfloat16 and (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
         assert torch.equal(y, bf16_gemv.bf16_matmul_tiled(x, lin.tiled, 200, b, torch.bfloat16))
+        x3 = torch.randn(2, rows, 192).bfloat16()[..., ::2]
+        assert torch.allclose(lin(x3).double(), F.linear(x3.double(), w.double(), None if b is None else b.double()),
+                              rtol=0, atol=2e-2 * float(ref.abs().max()))
+        return
+    if dtype == torch.bfloat16 and AMX:
+        assert lin.pack() and not lin.pack()
+        assert lin.weight is None and lin.packed is None and lin.tiled is None and torch.equal(lin.dense_weight(), w)
+        x = torch.randn(rows, 96).bfloat16()
+        y = lin(x)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert y.dtype == torch.bfloat16 and (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+        assert torch.equal(y, amx_gemm.AmxLayer(lin.amx, 200, b)(x))
+        assert torch.equal(lin(x[-1:]), y[-1:])  # a row's result does not depend on its batch
         x3 = torch.randn(2, rows, 192).bfloat16()[..., ::2]
         assert torch.allclose(lin(x3).double(), F.linear(x3.double(), w.double(), None if b is None else b.double()),
                               rtol=0, atol=2e-2 * float(ref.abs().max()))
@@ -118,6 +133,22 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget,
         assert (m.layers[0].mlp.gate_up_proj(h).double() - ref).abs().max() <= 1e-2 * ref.abs().max()
         assert pack_weights(m) == 0
         return
+    if dtype == torch.bfloat16 and AMX:  # every layer to AMX's layout alone, the tied table too, whatever the budget
+        assert pack_weights(m, consume=consume) == len(plain) == 9
+        for n, l in m.named_modules():
+            if isinstance(l, Linear):
+                assert l.weight is None and l.packed is None and l.tiled is None
+                assert torch.equal(l.amx, amx_gemm.pack(plain[n])) and torch.equal(l.dense_weight(), plain[n])
+        assert isinstance(m.embed_tokens, TiledEmbedding) and m.embed_tokens.tiled is m.lm_head.amx
+        ids = torch.tensor([[0, 5, 99], [3, 3, 1]])
+        assert torch.equal(m.embed_tokens(ids), plain["lm_head"][ids])
+        with pytest.raises(IndexError, match="out of range"):
+            m.embed_tokens(torch.tensor([300]))
+        after = m.layers[0].mlp.gate_up_proj(h)
+        ref = h.double() @ plain["layers.0.mlp.gate_up_proj"].double().T
+        assert (after.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+        assert pack_weights(m) == 0
+        return
     if dtype == torch.bfloat16 and not BF16_PACKS:  # a CPU without oneDNN bf16 or our kernel: nothing to pack
         assert pack_weights(m) == 0
         assert all(l.packed is None and torch.equal(l.weight, plain[n])
@@ -154,6 +185,16 @@ def test_tied_bf16_head_takes_our_kernel_for_small_batches_only(monkeypatch):
     table = m.embed_tokens.weight.detach().clone()
     pack_weights(m)
     calls = []
+    if AMX:  # the table in AMX's layout alone: every batch size takes that kernel
+        real_amx = amx_gemm.AmxLayer.__call__
+        monkeypatch.setattr(amx_gemm.AmxLayer, "__call__", lambda self, x, *a: calls.append(x.shape[0])
+                            or real_amx(self, x, *a))
+        for rows in (1, 17, 300):
+            h = torch.randn(rows, 64).bfloat16()
+            ref = h.double() @ table.double().T
+            assert (m.compute_logits(h).double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+        assert calls == [1, 17, 300] and m.lm_head.packed is None and m.lm_head.tiled is None
+        return
     monkeypatch.setattr(bf16_gemv, "bf16_matmul", lambda *a, real=bf16_gemv.bf16_matmul: calls.append(a[0].shape[0])
                         or real(*a))
     real_call = bf16_gemv.TiledLayer.__call__  # the tied table is tiled where the kernel runs
@@ -225,8 +266,9 @@ def test_no_tiled_copy_where_our_kernel_cannot_read_it(monkeypatch):
     assert all(torch.equal(l.dense_weight(), r) for l, r in zip(m, ref))
     # A row of 48 elements is not whole 32-element chunks: the kernel never reads that layer, so only the
     # packed copy is held; the 64-wide layer gets a tiled copy where the kernel runs.
-    assert m[1].weight is None and m[1].tiled is None and m[0].weight is None
-    assert (m[0].tiled is not None) == bf16_gemv.available()
+    assert m[1].weight is None and m[1].tiled is None and m[1].amx is None and m[0].weight is None
+    assert (m[0].tiled is not None) == (bf16_gemv.available() and not AMX)  # with AMX: its layout alone
+    assert (m[0].amx is not None) == AMX and (m[0].packed is None) == AMX
     x = torch.randn(3, 48).bfloat16()
     with torch.inference_mode():
         assert torch.equal(m[1](x), torch.nn.functional.linear(x, ref[1], m[1].bias))

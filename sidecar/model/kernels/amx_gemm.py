@@ -1,0 +1,188 @@
+"""bf16 matmul through AMX tile products (``amx_gemm.c``) on CPUs that have them (Intel Sapphire Rapids on).
+
+``pack(weight)`` lays a bf16 weight [N, K] (K a multiple of 32) out as the tiles the product reads
+([ceil(N / 32), K / 32, 2, 16, 16, 2], see the C header) and ``AmxLayer(packed, n, bias)`` is a layer's checked
+view of it: ``layer(x)`` is ``x @ weight.T + bias`` for bf16 ``x`` [M, K] of any M, accumulated in float32,
+returned in float32 or rounded once to bf16. ``sidecar.model.linear.Linear`` holds its bf16 weights in this layout
+alone where ``available()``: one copy serves decode steps and prefill, faster than oneDNN's packed GEMM at every
+batch size measured (the C header has the figures). ``rows(packed, ids)`` reads embedding rows out of it (a tied
+head's table serves the lookups too) and ``unpack`` gives the plain weight back.
+
+``available()`` is the library built with the AMX path, the tile state granted to the process, and a start-up
+self-check of the kernel against a float64 product (odd shapes, both bias and output dtypes, a row alone against
+the same row in a batch); where any of that fails the reason is logged and the layers keep oneDNN's packed GEMM.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from sidecar.model import hugepages
+from sidecar.model.kernels import cpu_build
+from sidecar.model.kernels.cpu_build import I, P
+
+log = logging.getLogger("sidecar.kernels")
+
+GROUP = 32  # output rows a group of the layout holds (two 16-row tiles)
+CHUNK_BYTES = 4 << 20  # what pack copies at a time when it releases its source
+
+_KERNEL = cpu_build.Kernel("amx_gemm", {
+    "sidecar_amx_bf16_matmul": ([P] * 4 + [I] * 6, I),
+    "sidecar_amx_supported": ([], I),
+})
+_checked: dict[str, str] = {}  # "reason": why the path is off ('' when it is on), once checked
+
+
+def _lib():
+    lib = _KERNEL.lib()
+    return lib if lib is not None and lib.sidecar_amx_supported() else None
+
+
+def reason() -> str:
+    """Why ``available()`` is False ('' when it is True)."""
+    available()
+    return _checked["reason"]
+
+
+def available() -> bool:
+    """The AMX path is built, granted and has passed its self-check (run once, at the first ask)."""
+    if "reason" not in _checked:
+        lib = _KERNEL.lib()
+        if lib is None:
+            why = f"the kernel did not build: {cpu_build.reason('amx_gemm')}"
+        elif not lib.sidecar_amx_supported():
+            why = "no AMX BF16 on this CPU, or the kernel did not grant the tile state"
+        else:
+            why = _self_check()
+        _checked["reason"] = why
+        if why and lib is not None and lib.sidecar_amx_supported():
+            log.warning("AMX bf16 matmul off, layers keep oneDNN's packed GEMM: %s", why)
+    return not _checked["reason"]
+
+
+def takes(weight: Optional[torch.Tensor]) -> bool:
+    """Whether a layer's weight goes to this layout: a bf16 CPU matrix of rows of whole 32-value chunks, with the
+    path available."""
+    return (weight is not None and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and weight.shape[1] > 0
+            and cpu_build.enabled() and available())
+
+
+def _tiles(w: torch.Tensor) -> torch.Tensor:
+    """Whole groups of plain rows [32 g, K] as their tiles [g, K / 32, 2, 16, 16, 2]."""
+    g, k = w.shape[0] // GROUP, w.shape[1]
+    return w.view(g, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5)
+
+
+def pack(weight: torch.Tensor, release_source: bool = False) -> torch.Tensor:
+    """A bf16 weight [N, K] in the tile layout. ``release_source``: the plain weight is read for the last time, so
+    it is copied a few MiB at a time and each part's pages are given back once copied (``hugepages.release``): no
+    second copy at the peak (as ``bf16_gemv.tile_weight``)."""
+    n, k = weight.shape
+    if k % 32 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"amx pack: weight {tuple(weight.shape)} {weight.dtype} is not bf16 rows of 32-value chunks")
+    src = weight.detach()
+    groups, full = -(-n // GROUP), n // GROUP
+    out = torch.empty(groups, k // 32, 2, 16, 16, 2, dtype=torch.bfloat16)
+    whole = src.storage_offset() == 0 and src.untyped_storage().nbytes() == src.numel() * 2
+    release = release_source and whole and src.is_contiguous() and src.device.type == "cpu"
+    step = max(1, CHUNK_BYTES // (GROUP * k * 2))
+    for g in range(0, full, step):
+        e = min(full, g + step)
+        part = src[g * GROUP:e * GROUP]
+        out[g:e] = _tiles(part.contiguous())
+        if release:
+            hugepages.release(part.data_ptr(), part.numel() * 2)
+    if full < groups:  # the last group's rows, then zero rows
+        last = src.new_zeros(GROUP, k)
+        last[:n - full * GROUP] = src[full * GROUP:]
+        out[full] = _tiles(last)[0]
+    return out
+
+
+def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The plain [n, K] weight back from its ``pack`` layout (a copy)."""
+    g, kb = packed.shape[:2]
+    return packed.permute(0, 2, 4, 1, 3, 5).reshape(g * GROUP, kb * 32)[:n].contiguous()
+
+
+def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (int64, any shape, in range) of the weight held as ``packed``: [*ids.shape, K]."""
+    flat = ids.reshape(-1)
+    g, h, j = flat // GROUP, (flat % GROUP) // 16, flat % 16
+    out = packed[g, :, h, :, j, :]  # [n, K / 32, 16, 2]
+    return out.reshape(*ids.shape, packed.shape[1] * 32)
+
+
+class AmxLayer(cpu_build.LayerView):
+    """A layer's packed weight (``pack`` of n rows) and bias checked once, so that a call checks only the
+    activations. ``matches`` says whether it still holds these tensors."""
+
+    __slots__ = ("packed", "bias", "n", "k", "fn", "bias_bf16")
+
+    def __init__(self, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> None:
+        lib = _lib()
+        if lib is None:
+            raise RuntimeError("amx_gemm: the AMX path is not available")
+        if packed.dim() != 6 or packed.shape[2:] != (2, 16, 16, 2) or packed.dtype != torch.bfloat16:
+            raise ValueError(f"amx layer: {tuple(packed.shape)} {packed.dtype} is not a packed bf16 weight")
+        k = packed.shape[1] * 32
+        if packed.shape[0] != -(-n // GROUP) or not packed.is_contiguous() or packed.device.type != "cpu" or k == 0:
+            raise ValueError(f"amx layer: {tuple(packed.shape)} does not hold {n} contiguous CPU rows")
+        if bias is not None and (bias.shape != (n,) or bias.dtype not in (torch.bfloat16, torch.float32)
+                                 or bias.device.type != "cpu"):
+            raise ValueError(f"amx layer: bias {tuple(bias.shape)} {bias.dtype} for {n} outputs")
+        self.packed, self.bias, self.n, self.k = packed, bias, n, k
+        self.bias_bf16 = bias is not None and bias.dtype == torch.bfloat16
+        self.fn = lib.sidecar_amx_bf16_matmul
+
+    def matches(self, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+        return packed is self.packed and bias is self.bias and (bias is None or bias.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``x @ weight.T + bias`` for bf16 ``x`` [M, K] on the CPU, in ``out_dtype`` (bf16 or float32)."""
+        if x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
+            raise ValueError(f"amx layer: x {tuple(x.shape)} {x.dtype} for {self.k} bf16 inputs")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"amx layer: output {out_dtype}, not bf16 or float32")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
+        b = self.bias
+        if b is not None and not b.is_contiguous():
+            raise ValueError("amx layer: the bias is no longer contiguous")
+        rc = self.fn(x.data_ptr(), self.packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
+                     x.shape[0], self.n, self.k, torch.get_num_threads(), self.bias_bf16, out_dtype is torch.bfloat16)
+        if rc == 2:
+            raise MemoryError(f"amx layer: no memory for the working sums of {x.shape[0]} activation rows")
+        assert rc == 0, "amx_gemm refused arguments checked at construction"
+        return y
+
+
+def _self_check() -> str:
+    """'' when the kernel computes what a float64 product computes (to float32 summation error), for a row alone
+    as in a batch; else what went wrong."""
+    g = torch.Generator().manual_seed(0)
+    try:
+        for m, n, k, bias_dtype, out_dtype in ((37, 70, 96, torch.float32, torch.float32),
+                                               (1, 45, 64, torch.bfloat16, torch.bfloat16),
+                                               (70, 64, 32, None, torch.bfloat16)):
+            w = torch.randn(n, k, generator=g).bfloat16()
+            x = torch.randn(m, k, generator=g).bfloat16()
+            b = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
+            layer = AmxLayer(pack(w), n, b)
+            y = layer(x, out_dtype)
+            ref = x.double() @ w.double().T + (0 if b is None else b.double())
+            err = float((y.double() - ref).abs().max())
+            bound = (1e-5 if out_dtype is torch.float32 else 1e-2) * float(ref.abs().max())
+            if not err <= bound:
+                return f"{m} x {n} x {k}: off by {err:.3g} from the float64 product (bound {bound:.3g})"
+            if not torch.equal(layer(x[m // 2:m // 2 + 1], out_dtype), y[m // 2:m // 2 + 1]):
+                return f"{m} x {n} x {k}: a row alone differs from the same row in its batch"
+            if not torch.equal(unpack(layer.packed, n), w):
+                return "the packed layout does not give the weight back"
+    except (RuntimeError, ValueError) as e:
+        return f"self-check failed: {e}"
+    return ""

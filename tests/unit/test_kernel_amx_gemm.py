@@ -1,0 +1,131 @@
+"""Our AMX bf16 matmul against its float64 reference, its weight layout, and its start-up check.
+
+The layout (pack, unpack, rows) is torch code and is tested on every CPU; the kernel runs where the CPU has AMX
+BF16 and the kernel grants the tile state, and elsewhere must say so (``available()`` False, with a reason)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar.model.kernels import amx_gemm
+
+FLAGS = open("/proc/cpuinfo").read().split()
+CPU_HAS_AMX = "amx_bf16" in FLAGS and "amx_tile" in FLAGS
+
+
+def _case(m, n, k, seed, bias_dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
+    return x, w, b
+
+
+def test_availability_follows_the_cpu():
+    if not CPU_HAS_AMX:
+        assert not amx_gemm.available() and amx_gemm.reason()
+        with pytest.raises(RuntimeError, match="not available"):
+            amx_gemm.AmxLayer(amx_gemm.pack(torch.zeros(32, 32).bfloat16()), 32, None)
+        return
+    assert amx_gemm.available() and not amx_gemm.reason(), amx_gemm.reason()
+
+
+@pytest.mark.parametrize("n,k", [(1, 32), (31, 64), (33, 96), (64, 896), (70, 4864), (151, 160)])
+def test_layout_round_trips_and_serves_lookups(n, k):
+    _, w, _ = _case(1, n, k, seed=n)
+    packed = amx_gemm.pack(w)
+    assert packed.shape == (-(-n // 32), k // 32, 2, 16, 16, 2)
+    assert torch.equal(amx_gemm.unpack(packed, n), w)
+    # the tile layout itself: group g, chunk c, half h, pair row r, output j, element e
+    g, c, h, r, j, e = (n - 1) // 32, k // 32 - 1, ((n - 1) % 32) // 16, 15, (n - 1) % 16, 1
+    assert packed[g, c, h, r, j, e] == w[32 * g + 16 * h + j, 32 * c + 2 * r + e]
+    if n % 32:  # the last group's missing rows are zeros
+        assert not amx_gemm.unpack(packed, -(-n // 32) * 32)[n:].any()
+    ids = torch.tensor([[0, n - 1], [n // 2, 0]])
+    assert torch.equal(amx_gemm.rows(packed, ids), w[ids])
+    # releasing the source as it is copied gives the same layout
+    assert torch.equal(amx_gemm.pack(w.clone(), release_source=True), packed)
+
+
+def test_pack_refuses_what_the_layout_cannot_hold():
+    with pytest.raises(ValueError, match="32-value chunks"):
+        amx_gemm.pack(torch.zeros(8, 48).bfloat16())
+    with pytest.raises(ValueError, match="32-value chunks"):
+        amx_gemm.pack(torch.zeros(8, 64))
+    assert not amx_gemm.takes(torch.zeros(8, 48).bfloat16()) and not amx_gemm.takes(torch.zeros(8, 64))
+
+
+def _runs() -> bool:
+    """Whether the kernel runs here. On a CPU without AMX it must refuse to (Linear keeps oneDNN's GEMM there);
+    on one with AMX it must be on."""
+    if not CPU_HAS_AMX:
+        with pytest.raises(RuntimeError, match="not available"):
+            amx_gemm.AmxLayer(amx_gemm.pack(torch.zeros(32, 32).bfloat16()), 32, None)
+        return False
+    assert amx_gemm.available(), amx_gemm.reason()
+    return True
+
+
+# m: 1 row, partial and whole tiles, two panels, k-blocked batches (> 64 rows) and more than one block of rows
+@pytest.mark.parametrize("m,n,k", [(1, 7, 32), (1, 4864, 896), (3, 50, 96), (16, 64, 4864), (17, 130, 576),
+                                   (32, 33, 64), (45, 96, 1536), (65, 40, 288), (300, 100, 4864), (1100, 70, 96)])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_kernel_matches_reference(m, n, k, bias_dtype):
+    if not _runs():
+        return
+    x, w, b = _case(m, n, k, seed=m * 7 + n, bias_dtype=bias_dtype)
+    layer = amx_gemm.AmxLayer(amx_gemm.pack(w), n, b)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    y32 = layer(x, torch.float32)
+    assert y32.dtype == torch.float32 and y32.shape == (m, n)
+    # float32 sums of exact products: off by summation order only
+    assert (y32.double() - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max()))
+    y16 = layer(x)  # bf16: the float32 result rounded once, to nearest even
+    assert torch.equal(y16, y32.bfloat16())
+
+
+def test_a_row_does_not_depend_on_its_batch_or_the_threads():
+    if not _runs():
+        return
+    x, w, b = _case(200, 130, 896, seed=3, bias_dtype=torch.float32)
+    layer = amx_gemm.AmxLayer(amx_gemm.pack(w), 130, b)
+    y = layer(x)
+    for rows in (slice(0, 1), slice(37, 38), slice(5, 21), slice(150, 200), slice(0, 64), slice(0, 65)):
+        assert torch.equal(layer(x[rows]), y[rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(layer(x), y)
+    finally:
+        torch.set_num_threads(threads)
+    assert layer(x[:0]).shape == (0, 130)
+
+
+def test_layer_checks_its_operands():
+    if not _runs():
+        return
+    _, w, b = _case(1, 40, 64, seed=1, bias_dtype=torch.float32)
+    packed = amx_gemm.pack(w)
+    with pytest.raises(ValueError, match="does not hold 73"):
+        amx_gemm.AmxLayer(packed, 41 + 32, None)
+    with pytest.raises(ValueError, match="bias"):
+        amx_gemm.AmxLayer(packed, 40, torch.zeros(39))
+    layer = amx_gemm.AmxLayer(packed, 40, b)
+    with pytest.raises(ValueError, match="64 bf16 inputs"):
+        layer(torch.zeros(2, 32).bfloat16())
+    with pytest.raises(ValueError, match="64 bf16 inputs"):
+        layer(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="not bf16 or float32"):
+        layer(torch.zeros(2, 64).bfloat16(), torch.float16)
+    assert layer.matches(packed, b) and not layer.matches(packed.clone(), b)
+
+
+def test_a_failing_self_check_turns_the_path_off(monkeypatch, caplog):
+    if not _runs():
+        return
+    monkeypatch.setattr(amx_gemm, "_checked", {})
+    monkeypatch.setattr(amx_gemm, "unpack", lambda packed, n: torch.zeros(n, packed.shape[1] * 32).bfloat16())
+    with caplog.at_level("WARNING", logger="sidecar.kernels"):
+        assert not amx_gemm.available()
+    assert "does not give the weight back" in amx_gemm.reason()
+    assert "oneDNN" in caplog.text and not amx_gemm.takes(torch.zeros(8, 64).bfloat16())
