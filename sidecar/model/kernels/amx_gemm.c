@@ -16,15 +16,20 @@
  * of its batch.
  *
  * Why own the kernel: at decode sizes the product is a stream of the weights, and oneDNN's packed GEMM reads
- * them well below the memory's speed. Measured on a 2-core Xeon with AMX (2026-11-27), one pass over
- * Qwen2-0.5B's 942 MiB of layers: 40.5 ms at 1 row (our AVX-512 kernel on its tiled layout: 40.1; oneDNN:
- * 50.3), 42.4 at 16 (oneDNN 50.9), 44.6 at 32 (56.4). At prefill sizes (1,024 rows) the down projection
- * (896 x 4,864) takes 4.1 ms against oneDNN's 8.7, the attention projections 0.9 / 0.7 against 1.7 / 1.3, the
- * gate/up projection (9,728 x 896) 8.3 against 7.3. One layout then serves every batch size, where oneDNN's
- * packed copy and the tiled one for small batches held each weight twice.
+ * them well below the memory's speed. Measured on a 2-core Xeon with AMX (2026-11-27), one pass over Qwen2-0.5B's
+ * 942 MiB of layers: 35.7 ms at 1 row (oneDNN: 44.5; our AVX-512 kernel on its tiled layout ran level with this
+ * one), 40.2 at 16 rows (45.7), 43.3 at 32 (51.5), 57.4 at 64 (61.5), 64.3 at 96 (76.1). At prefill sizes,
+ * 1,024 rows: the down projection (896 x 4,864) 3.4-3.6 ms against oneDNN's 7.0-7.2, the attention projections
+ * 0.7 / 0.5 against 1.2 / 1.0, the gate/up projection (9,728 x 896) 6.0-6.2 against 5.6-5.7; 256 rows: 1.40-1.51
+ * against 1.35-1.41 for gate/up, 0.90 against 0.96-0.99 for down. One layout then serves every batch size, where
+ * oneDNN's packed copy and the tiled one for small batches held each weight twice.
  *
- * Rows of a large batch go in blocks whose activations (about BLOCK_BYTES) stay in L2 while the thread's groups
- * pass over them; within a block, panels of 32 rows reuse each group's weights from L2. */
+ * Up to 64 rows the weights pass once, in order, read ahead READ_AHEAD bytes into L2. Larger batches go in blocks
+ * of rows whose activations (about BLOCK_BYTES) stay in L2 while the thread's groups pass over them; a group's
+ * chunks go in k blocks of KC (16 KiB, held in L1 while every 32-row panel of the block multiplies with them, the
+ * panels' sums kept in memory between k blocks), and each panel reads its share of the next k block into L2 as it
+ * goes, so the weights arrive before they are multiplied (without that, 1.78 against 1.40 ms for gate/up at 256
+ * rows). */
 #include <omp.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
@@ -89,8 +94,10 @@ static void store_panel(const float* buf, int mr, int m0, int n0, int N, const v
 }
 
 /* The tile products of one panel (activation rows xa.., 16 + r1 of them, or fewer in tile 0 alone when r1 is 0) with
- * chunks k0..k1 of a group's weights wg, added to the panel's sums s ([32][32] float32; zero before chunk 0). */
-static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg, int k0, int k1, int r1, float* s) {
+ * chunks k0..k1 of a group's weights wg, added to the panel's sums s ([32][32] float32; zero before chunk 0). A panel
+ * of more than 16 rows reads `lines` cache lines from `ahead` on into L2 as it goes, spread over its k steps. */
+static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg, int k0, int k1, int r1, float* s,
+                                  const char* ahead, int lines) {
     if (k0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
@@ -105,10 +112,10 @@ static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg,
         }
     }
     if (r1) {
-        for (int c = k0; c < k1; c++) {
+        const int per = (lines + k1 - k0 - 1) / (k1 - k0);
+        for (int c = k0; c < k1; c++, ahead += 64 * per) {
             const uint16_t* b = wg + (size_t)c * 1024;
-            const char* ahead = (const char*)b + READ_AHEAD;
-            for (int l = 0; l < 32; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+            for (int l = 0; l < per; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
             _tile_loadd(6, b, 64);
             _tile_loadd(7, b + 512, 64);
             _tile_loadd(4, xa + c * 32, K * 2);
@@ -188,7 +195,17 @@ int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* b
                             c1 = r1;
                         }
                         float* s = sums + (size_t)(m0 - mb) * 32;  /* the panel's [32][32] sums between k blocks */
-                        multiply_panel(x + (size_t)m0 * K, K, wg, k0, k1, r1, s);
+                        const char* ahead;
+                        int lines;
+                        if (kc == KB) {  /* one pass over the weights: READ_AHEAD bytes ahead of each chunk */
+                            ahead = (const char*)(wg + (size_t)k0 * 1024) + READ_AHEAD;
+                            lines = 32 * (k1 - k0);
+                        } else {  /* the block's panels share the next k block's read (the next group's first) */
+                            const int panels = (me - mb + 31) / 32, share = (kc * 32 + panels - 1) / panels;
+                            ahead = (const char*)(wg + (size_t)k1 * 1024) + (size_t)64 * share * ((m0 - mb) / 32);
+                            lines = share;
+                        }
+                        multiply_panel(x + (size_t)m0 * K, K, wg, k0, k1, r1, s, ahead, lines);
                         if (k1 == KB) store_panel(s, mr, m0, 32 * g, N, bias, bias_bf16, y, out_bf16);
                     }
                 }
