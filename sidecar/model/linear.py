@@ -20,6 +20,13 @@ shared weight stays plain and the kernel reads it in place. ``kernel_rows`` (at 
 is measured once at pack time, where oneDNN overtakes the kernel on this CPU
 (``bf16_gemv.measure_rows_limit``).
 
+On a CPU with AMX (Intel Sapphire Rapids on), bf16 weights are held in AMX's tile layout alone
+(``amx_gemm.pack``) and our AMX kernel takes every batch size: faster than oneDNN's packed GEMM from one row to
+prefill on a 2-core Xeon (the kernel's header has the figures), in one copy of each weight instead of oneDNN's
+packed copy beside the tiled one; a tied head's table serves the embedding lookups from the same layout. Its
+results are float32 sums in another order than oneDNN's (not F.linear's bits), the same for a row whatever its
+batch. Where the kernel's start-up self-check fails, the layers keep oneDNN (``amx_gemm.available``).
+
 Where oneDNN has no bf16 GEMM (AVX2-only CPUs: AMD Zen 2/3, older Intel), torch's bf16 matmul is its own slow
 loop (measured on a 2-core Zen 3, a 4,864 x 896 layer: ~17 GFLOP/s from 16 rows up, a sixth of our kernel;
 2.5x its time at one row), and our kernel's AVX2 path (bf16 widened to float32, FMAs) takes bf16 layers of
