@@ -23,12 +23,22 @@
  * the value product; these stay float32). A row's result depends only on its own query and keys, not on
  * which task or thread ran it.
  *
+ * On CPUs with AMX, bf16 prompts over a bf16 cache take tile products instead (AMX_PATH below: the same tasks,
+ * the weights rounded to bf16 like torch's): measured on a 2-core Xeon with AMX, Qwen2-0.5B's heads, a layer of
+ * a 256-token prompt 0.87-0.91 -> 0.33 ms, of a 1,024-token one 11.8-12.7 -> 3.3 ms.
+ *
  * Quantized cache (ks, vs not NULL): K/V hold int8 codes and ks/vs ([num_blocks, bs, nkv] float32) one scale
  * per token and KV head.
  */
 #include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "vec.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && VL == 16
+#define AMX_PATH 1
+#endif
 
 #define QT 4            /* queries scored together */
 #define MAX_QUERIES 256 /* queries a task holds: rep * rows */
@@ -147,6 +157,236 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
 }
 #endif
 
+
+#ifdef AMX_PATH
+/* bf16 prompts over a bf16 cache on CPUs with AMX: the products as tile products (Intel Sapphire Rapids on).
+ * Keys and values are laid out once per call in 32-key chunks counted from a multiple of 32 (so a key's place in its
+ * chunk, and with it every sum's order, does not depend on where the segment starts):
+ *   kb[g][ck][c][h][r][j][e] = K[32 ck + 16 h + j][32 c + 2 r + e]   (the scores' weight tiles, 1 KiB each)
+ *   vb[g][ck][t][r][d][e]    = V[32 ck + 2 r + e][16 t + d]          (the value product's weight tiles)
+ * A task's queries (bf16, as they came, in tiles of 16 rows) times kb are the scores, float32; the softmax is taken
+ * in float32 (the scale applied first), its weights rounded to bf16 (as torch's bf16 SDPA rounds them) and multiplied
+ * with vb in tiles, the sums float32, divided by the float32 normaliser and rounded once to bf16. */
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_granted(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+
+static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Chunk ck's keys and values of KV head g (positions k_first + 32 ck ..; past ctx: zeros) into their tiles. */
+static void amx_layout_chunk(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int bs, size_t row, int g,
+                             int hd, int k_first, int ck, int ctx, uint16_t* kb, uint16_t* vb) {
+    uint32_t* kd = (uint32_t*)kb;
+    for (int j = 0; j < 32; j++) {
+        const int p = k_first + 32 * ck + j;
+        const uint16_t *kr = NULL, *vr = NULL;
+        if (p >= 0 && p < ctx) {
+            const size_t off = ((size_t)table[p / bs] * bs + p % bs) * row + (size_t)g * hd;
+            kr = kc + off;
+            vr = vc + off;
+        }
+        const int h = j / 16, jj = j % 16;
+        for (int pr = 0; pr < hd / 2; pr++) {  /* the key's pair of dimensions 2 pr, 2 pr + 1 */
+            uint32_t v = 0;
+            if (kr) memcpy(&v, kr + 2 * pr, 4);
+            kd[(((size_t)(pr / 16) * 2 + h) * 16 + pr % 16) * 16 + jj] = v;
+        }
+        const int r = j / 2, e = j % 2;
+        for (int d = 0; d < hd; d++)
+            vb[(((size_t)(d / 16) * 16 + r) * 16 + d % 16) * 2 + e] = vr ? vr[d] : 0;
+    }
+}
+
+/* pr[j] = exp(scale * (w[j] - max)) rounded to bf16 for j in [lo, hi) (max over that range), 0 elsewhere in [0, n);
+ * returns the float32 sum of the weights before rounding. */
+static inline float softmax_bf16(const float* w, int lo, int hi, int n, float scale, uint16_t* pr) {
+    vf vm = v_set1(w[lo]);
+    int j = lo;
+    for (; j + VL <= hi; j += VL) vm = v_max(vm, v_load(w + j));
+    float m = _mm512_reduce_max_ps(vm);
+    for (; j < hi; j++) m = w[j] > m ? w[j] : m;
+    memset(pr, 0, sizeof(uint16_t) * lo);
+    memset(pr + hi, 0, sizeof(uint16_t) * (n - hi));
+    const vf mv = v_set1(m), sv = v_set1(scale);
+    vf total = v_zero();
+    for (j = lo; j + VL <= hi; j += VL) {
+        const vf e = v_exp(v_mul(v_sub(v_load(w + j), mv), sv));
+        total = v_add(total, e);
+        v_store_bf16(pr + j, e);
+    }
+    float sum = v_sum(total);
+    if (j < hi) {  /* the tail through the same exp, padded with lanes it discards */
+        float tmp[VL];
+        for (int i = 0; i < VL; i++) tmp[i] = j + i < hi ? (w[j + i] - m) * scale : -87.f;
+        v_store(tmp, v_exp(v_load(tmp)));
+        for (int i = 0; j < hi; i++, j++) {
+            pr[j] = f32_to_bf16(tmp[i]);
+            sum += tmp[i];
+        }
+    }
+    return sum;
+}
+
+/* One task on the tile path: qn queries (query u: row u / rep of `out`, at position p0 + u / rep, head
+ * g * rep + u % rep; q16: their bf16 rows, qn rounded up to 16 with zero rows), keys from chunk ck0 to ck1 of the
+ * layouts (chunk 0 starting at position k_first), out rounded to bf16. s: [qn16][sld] float32 scores then weights,
+ * pw: the weights as bf16; o: [16][64] float32. */
+static void amx_attend_rows(const uint16_t* q16, int qn, const uint16_t* kb, const uint16_t* vb, int ck0, int ck1,
+                            int k_first, int p0, int rep, int window, int g, int nh, int hd, float scale, float* s,
+                            uint16_t* pw, size_t sld, float* o, uint16_t* out) {
+    const int nc = hd / 32, nt = hd / 16, qn16 = (qn + 15) / 16 * 16;
+    const size_t chunk_k = (size_t)nc * 1024, chunk_v = (size_t)nt * 512;  /* bf16 values per chunk */
+    for (int qt = 0; qt < qn16; qt += 16) {  /* scores, a chunk (two 16-key tiles) at a time */
+        for (int ck = ck0; ck < ck1; ck++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int c = 0; c < nc; c++) {
+                const uint16_t* b = kb + (size_t)ck * chunk_k + (size_t)c * 1024;
+                _tile_loadd(4, q16 + (size_t)qt * hd + 32 * c, hd * 2);
+                _tile_loadd(6, b, 64);
+                _tile_loadd(7, b + 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            float* at = s + (size_t)qt * sld + (size_t)(ck - ck0) * 32;
+            _tile_stored(0, at, sld * 4);
+            _tile_stored(1, at + 16, sld * 4);
+        }
+    }
+    const int k0 = ck0 * 32, n = (ck1 - ck0) * 32;
+    float inv[MAX_QUERIES + 16];
+    for (int u = 0; u < qn16; u++) {  /* softmax over each query's causal range, weights to bf16 */
+        uint16_t* pr = pw + (size_t)u * sld;
+        if (u >= qn) {
+            memset(pr, 0, sizeof(uint16_t) * n);
+            continue;
+        }
+        const int p = p0 + u / rep;
+        const int lo = (window > 0 && p + 1 > window ? p + 1 - window : 0) - k_first - k0, hi = p + 1 - k_first - k0;
+        inv[u] = 1.0f / softmax_bf16(s + (size_t)u * sld, lo, hi, n, scale, pr);
+    }
+    for (int qt = 0; qt < qn16; qt += 16)  /* weighted values, four 16-dimension tiles at a time */
+        for (int t0 = 0; t0 < nt; t0 += 4) {
+            const int tn = nt - t0 < 4 ? nt - t0 : 4;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int ck = ck0; ck < ck1; ck++) {
+                const uint16_t* b = vb + (size_t)ck * chunk_v + (size_t)t0 * 512;
+                _tile_loadd(4, pw + (size_t)qt * sld + (size_t)(ck - ck0) * 32, sld * 2);
+                _tile_loadd(6, b, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (tn > 1) {
+                    _tile_loadd(7, b + 512, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (tn > 2) {
+                    _tile_loadd(6, b + 1024, 64);
+                    _tile_dpbf16ps(2, 4, 6);
+                }
+                if (tn > 3) {
+                    _tile_loadd(7, b + 1536, 64);
+                    _tile_dpbf16ps(3, 4, 7);
+                }
+            }
+            _tile_stored(0, o, 256);
+            _tile_stored(1, o + 16, 256);
+            _tile_stored(2, o + 32, 256);
+            _tile_stored(3, o + 48, 256);
+            for (int i = 0; i < 16 && qt + i < qn; i++) {
+                const int u = qt + i;
+                const size_t at = ((size_t)(u / rep) * nh + (size_t)g * rep + u % rep) * hd + (size_t)t0 * 16;
+                const vf vi = v_set1(inv[u]);
+                for (int t = 0; t < tn; t++) v_store_bf16(out + at + 16 * t, v_mul(v_load(o + i * 64 + 16 * t), vi));
+            }
+        }
+}
+
+/* The whole call on the tile path (see above); the same contract as sidecar_prefill_attention. */
+static int prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, uint16_t* out,
+                       int L, int ctx, int nh, int nkv, int hd, int bs, int window, float scale, int nthreads) {
+    const int rep = nh / nkv, start = ctx - L;
+    const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;  /* first key any row sees */
+    const int k_first = base / 32 * 32, nck = (ctx - k_first + 31) / 32;
+    const size_t per_k = (size_t)nck * (hd / 32) * 1024, per_v = (size_t)nck * (hd / 16) * 512;  /* bf16s a head */
+    if ((long long)((per_k + per_v) * nkv * sizeof(uint16_t)) > MAX_SCRATCH) return 1;
+    uint16_t* kb = (uint16_t*)malloc(sizeof(uint16_t) * per_k * nkv);
+    uint16_t* vb = (uint16_t*)malloc(sizeof(uint16_t) * per_v * nkv);
+    if (!kb || !vb) {
+        free(kb);
+        free(vb);
+        return 2;
+    }
+    const int QB = rep >= 32 ? 1 : 32 / rep, nqb = (L + QB - 1) / QB;  /* rows per task: rep * QB queries, ~32 */
+    const size_t row = (size_t)nkv * hd, sld = (size_t)nck * 32;
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        #pragma omp for schedule(static)
+        for (int t = 0; t < nkv * nck; t++) {
+            const int g = t / nck, ck = t % nck;
+            amx_layout_chunk(kc, vc, table, bs, row, g, hd, k_first, ck, ctx, kb + g * per_k + (size_t)ck * (hd / 32) * 1024,
+                             vb + g * per_v + (size_t)ck * (hd / 16) * 512);
+        }
+        const int nq16 = (rep * QB + 15) / 16 * 16;
+        float* s = (float*)malloc(sizeof(float) * nq16 * sld);
+        uint16_t* pw = (uint16_t*)malloc(sizeof(uint16_t) * nq16 * sld);
+        uint16_t* q16 = (uint16_t*)malloc(sizeof(uint16_t) * nq16 * hd);
+        float* o = (float*)aligned_alloc(64, sizeof(float) * 16 * 64);
+        const int ready = s && pw && q16 && o;
+        if (!ready) {
+            #pragma omp atomic write
+            failed = 1;
+        } else {
+            amx_configure();
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < nkv * nqb; t++) {
+            if (!ready) continue;
+            const int g = t % nkv, r0 = (nqb - 1 - t / nkv) * QB;  /* the longest (last rows) first */
+            const int rows = L - r0 < QB ? L - r0 : QB, qn = rows * rep;
+            const int p_first = start + r0, hi = p_first + rows;  /* keys of the task: before hi */
+            const int lo_first = window > 0 && p_first + 1 > window ? p_first + 1 - window : 0;
+            for (int u = 0; u < qn; u++)
+                memcpy(q16 + (size_t)u * hd, q + ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd,
+                       sizeof(uint16_t) * hd);
+            memset(q16 + (size_t)qn * hd, 0, sizeof(uint16_t) * (size_t)((qn + 15) / 16 * 16 - qn) * hd);
+            amx_attend_rows(q16, qn, kb + g * per_k, vb + g * per_v, (lo_first - k_first) / 32,
+                            (hi - k_first + 31) / 32, k_first, p_first, rep, window, g, nh, hd, scale, s, pw, sld, o,
+                            out + (size_t)r0 * nh * hd);
+        }
+        if (ready) _tile_release();
+        free(s);
+        free(pw);
+        free(q16);
+        free(o);
+    }
+    free(kb);
+    free(vb);
+    return failed ? 2 : 0;
+}
+#endif
+
 /* q, out: [L, nh, hd] contiguous (q's dtype: 0 float32, 1 bf16; a cache of int8 codes when ks/vs are given,
  * else of q's dtype); table: the segment's blocks (at least ceil(ctx / bs)). Returns 0, 2 when out of memory,
  * or 1 when the inputs are outside what this kernel handles (the caller keeps its torch path). */
@@ -158,6 +398,11 @@ int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, con
     if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd / VL > 16 || bs <= 0)
         return 1;
     const int kvm = ks ? 2 : dtype, rep = nh / nkv, nc = hd / VL;
+#ifdef AMX_PATH
+    if (kvm == 1 && hd % 32 == 0 && amx_granted())
+        return prefill_amx((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, table, (uint16_t*)out, L, ctx,
+                           nh, nkv, hd, bs, window, scale, nthreads);
+#endif
     const int start = ctx - L;
     const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;  /* first key any row sees */
     const int n = ctx - base, nblk = (n + VL - 1) / VL;
