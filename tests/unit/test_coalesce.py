@@ -224,21 +224,25 @@ def test_concurrent_identical_queries_embed_once_and_a_cancelled_caller_does_not
                               "stop", 3, 1)
             calls = []
             real = embedder.aembed
+            release = asyncio.Event()
 
             async def counting(texts):
                 calls.append(list(texts))
+                await release.wait()  # the embedding stays in flight until every caller has come
                 return await real(texts)
 
             embedder.aembed = counting
             try:
                 s = CacheScope("t", "m", "s", "", "Which city is the capital of France?")
                 first = asyncio.create_task(cache.lookup(s))
-                while not cache._embedding:  # until the first caller has started the embedding
+                while not calls:  # until the first caller has started the embedding
                     await asyncio.sleep(0.0005)
                 others = [asyncio.create_task(cache.lookup(s)) for _ in range(9)]
                 await asyncio.sleep(0)
                 first.cancel()  # the embedding it started goes on for the others
-                results = await asyncio.gather(*others)
+                await asyncio.sleep(0)
+                release.set()
+                results = await asyncio.wait_for(asyncio.gather(*others), 60)
             finally:
                 embedder.aembed = real
             assert len(calls) == 1
