@@ -87,6 +87,7 @@ class Linear(nn.Linear):
     plain weight), and ``F.linear`` otherwise."""
 
     kernel_rows = bf16_gemv.MAX_ROWS  # bf16 batches of up to this many rows take our kernel (see pack_weights)
+    gate_up_halves = 0  # a fused gate/up projection's intermediate size (set by the MLP): AMX holds it in pairs
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -95,6 +96,7 @@ class Linear(nn.Linear):
         self.register_buffer("amx", None, persistent=False)  # the weight in AMX's tile layout (amx_gemm.pack)
         self._tiled_layer: Optional[bf16_gemv.TiledLayer] = None  # the kernel's checked view of ``tiled``
         self._amx_layer: Optional[amx_gemm.AmxLayer] = None  # ... and of ``amx``
+        self.amx_pairs = 0  # ``amx`` holds a gate/up projection's rows in pairs of this many (amx_gemm.pack)
 
     def pack(self, keep_weight: bool = False, tile: bool = False, consume: bool = False) -> bool:
         """Hold the weight in oneDNN's layout, and in our bf16 kernel's tiled layout when ``tile``; where oneDNN
@@ -105,7 +107,8 @@ class Linear(nn.Linear):
             return False
         release = consume and not keep_weight  # the plain weight is read for the last time
         if amx_gemm.takes(self.weight):  # AMX: one layout for every batch size
-            self.amx = amx_gemm.pack(self.weight.detach(), release)
+            self.amx_pairs = amx_gemm.pairs_of(self.weight, self.gate_up_halves)
+            self.amx = amx_gemm.pack(self.weight.detach(), release, self.amx_pairs)
         elif can_pack(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(),
                                                                   PACK_ROWS_HINT)
@@ -120,6 +123,22 @@ class Linear(nn.Linear):
             self.weight = None
         return True
 
+    def _amx_forward(self, x: torch.Tensor, silu: bool) -> torch.Tensor:
+        layer = self._amx_layer
+        if layer is None or not layer.matches(self.amx, self.bias):
+            layer = self._amx_layer = amx_gemm.AmxLayer(self.amx, self.out_features, self.bias, self.amx_pairs)
+        y = layer(x.reshape(-1, self.in_features), silu=silu)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    def silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """silu(gate) * up of this fused gate/up projection's output in one pass (bf16 on a CPU with AMX, the layer
+        held in pairs, no hook reading its output: an adapter's delta joins the projection before the activation);
+        the bits ``norm_act.silu_mul`` gives from ``self(x)``. None where it does not apply."""
+        if (self.amx is None or not self.amx_pairs or x.dtype is not torch.bfloat16 or self._forward_hooks
+                or self._forward_pre_hooks):
+            return None
+        return self._amx_forward(x, True)
+
     def dense_weight(self) -> torch.Tensor:
         """The weight as a plain [out, in] tensor (a copy when only the packed or tiled form is held)."""
         if self.weight is not None:
@@ -127,17 +146,13 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return self.packed.to_dense()
         if self.amx is not None:
-            return amx_gemm.unpack(self.amx, self.out_features)
+            return amx_gemm.unpack(self.amx, self.out_features, self.amx_pairs)
         return bf16_gemv.untile_weight(self.tiled, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, packed, tiled = self.weight, self.packed, self.tiled
         if self.amx is not None and x.dtype is torch.bfloat16 and x.device.type == "cpu":
-            layer = self._amx_layer
-            if layer is None or not layer.matches(self.amx, self.bias):
-                layer = self._amx_layer = amx_gemm.AmxLayer(self.amx, self.out_features, self.bias)
-            y = layer(x.reshape(-1, self.in_features))
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+            return self._amx_forward(x, False)
         if tiled is not None and x.dtype is torch.bfloat16 and x.numel() <= self.kernel_rows * self.in_features:
             # A tiled copy exists only on the CPU where the kernel runs: its operands are checked once.
             layer = self._tiled_layer

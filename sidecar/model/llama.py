@@ -185,9 +185,14 @@ class MLP(nn.Module):
         super().__init__()
         self.fast_paths = paths
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.gate_up_proj.gate_up_halves = args.intermediate_size
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj, "silu_mul", None)  # our Linear on AMX offers it; quantized layers do not
+        act = fused(x) if fused is not None else None
+        if act is not None:
+            return self.down_proj(act)
         gu = self.gate_up_proj(x)
         ops = _triton(self.fast_paths, "silu_mul", gu)
         act = None if ops is None else ops.silu_mul(gu)

@@ -189,10 +189,10 @@ def test_only_the_recording_thread_is_recorded():
 def test_a_batch_size_running_a_torch_operator_stays_eager_alone(demo_dir, monkeypatch):
     kw = dict(model=str(demo_dir), dtype="bfloat16", block_size=8, num_kv_blocks=96, max_num_seqs=4)
     prompts, lens = [[3, 4, 5, 6], [7, 8, 9], [10, 11]], [6, 10, 16]
-    kernel = norm_act.silu_mul
-    # from 2 rows on, silu * up through torch (as bf16 layers past our kernel's rows go to oneDNN on some CPUs)
-    monkeypatch.setattr(norm_act, "silu_mul", lambda gu: kernel(gu) if gu.shape[0] == 1
-                        else norm_act.silu_mul_reference(gu))
+    kernel = norm_act.add_rms_norm
+    # from 2 rows on, the norms through torch (as bf16 layers past our kernel's rows go to oneDNN on some CPUs)
+    monkeypatch.setattr(norm_act, "add_rms_norm", lambda h, *a: kernel(h, *a) if h.shape[0] == 1
+                        else norm_act.add_rms_norm_reference(h, *a))
     want = _decode(LLM(enforce_eager=True, **kw), prompts, lens)[0]
     llm = LLM(**kw)
     plans = llm.engine.runner.cpu_plans

@@ -115,7 +115,7 @@ def test_layer_checks_its_operands():
         layer(torch.zeros(2, 32).bfloat16())
     with pytest.raises(ValueError, match="64 bf16 inputs"):
         layer(torch.zeros(2, 64))
-    with pytest.raises(ValueError, match="not bf16 or float32"):
+    with pytest.raises(ValueError, match="float16 is not what it gives"):
         layer(torch.zeros(2, 64).bfloat16(), torch.float16)
     assert layer.matches(packed, b) and not layer.matches(packed.clone(), b)
 
@@ -129,3 +129,40 @@ def test_a_failing_self_check_turns_the_path_off(monkeypatch, caplog):
         assert not amx_gemm.available()
     assert "does not give the weight back" in amx_gemm.reason()
     assert "oneDNN" in caplog.text and not amx_gemm.takes(torch.zeros(8, 64).bfloat16())
+
+
+def test_gate_up_pairs_layout():
+    _, w, _ = _case(1, 64, 96, seed=5)
+    assert amx_gemm.pairs_of(w, 32) == 32 and amx_gemm.pairs_of(w, 16) == 0 and amx_gemm.pairs_of(w, 0) == 0
+    assert amx_gemm.pairs_of(torch.zeros(40, 32).bfloat16(), 20) == 0  # 20 is not a multiple of 16
+    packed = amx_gemm.pack(w, pairs=32)
+    # group 1's first half: gate rows 16..31; its second half: up rows 48..63
+    assert torch.equal(packed[1, :, 0], amx_gemm.pack(w[16:32].repeat(2, 1))[0, :, 0])
+    assert torch.equal(packed[1, :, 1], amx_gemm.pack(w[48:64].repeat(2, 1))[0, :, 0])
+    assert torch.equal(amx_gemm.unpack(packed, 64, 32), w)
+    assert torch.equal(amx_gemm.pack(w.clone(), release_source=True, pairs=32), packed)
+    with pytest.raises(ValueError, match="gate/up pairs"):
+        amx_gemm.pack(w, pairs=16)
+
+
+@pytest.mark.parametrize("m", [1, 5, 32, 70, 300])
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
+def test_gate_up_pairs_give_the_projection_and_its_activation(m, bias_dtype):
+    """Held in pairs, a gate/up projection gives its own outputs (the same bits as the plain layout) or, in one pass,
+    silu(gate) * up -- the bits norm_act.silu_mul gives from those outputs."""
+    if not _runs():
+        return
+    from sidecar.model.kernels import norm_act
+    x, w, b = _case(m, 2 * 48, 160, seed=m, bias_dtype=bias_dtype)
+    plain = amx_gemm.AmxLayer(amx_gemm.pack(w), 96, b)(x)
+    paired = amx_gemm.AmxLayer(amx_gemm.pack(w, pairs=48), 96, b, pairs=48)
+    assert torch.equal(paired(x), plain)
+    assert torch.equal(paired(x, torch.float32), amx_gemm.AmxLayer(amx_gemm.pack(w), 96, b)(x, torch.float32))
+    act = paired(x, silu=True)
+    assert act.shape == (m, 48) and torch.equal(act, norm_act.silu_mul(plain))
+    with pytest.raises(ValueError, match="is not what it gives"):
+        amx_gemm.AmxLayer(amx_gemm.pack(w), 96, b)(x, silu=True)
+    with pytest.raises(ValueError, match="is not what it gives"):
+        paired(x, torch.float32, silu=True)
+    with pytest.raises(ValueError, match="not gate/up pairs"):
+        amx_gemm.AmxLayer(amx_gemm.pack(w), 96, b, pairs=40)

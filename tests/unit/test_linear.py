@@ -138,7 +138,8 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget,
         for n, l in m.named_modules():
             if isinstance(l, Linear):
                 assert l.weight is None and l.packed is None and l.tiled is None
-                assert torch.equal(l.amx, amx_gemm.pack(plain[n])) and torch.equal(l.dense_weight(), plain[n])
+                assert torch.equal(l.amx, amx_gemm.pack(plain[n], pairs=l.amx_pairs))  # gate/up: in pairs
+                assert torch.equal(l.dense_weight(), plain[n])
         assert isinstance(m.embed_tokens, TiledEmbedding) and m.embed_tokens.tiled is m.lm_head.amx
         ids = torch.tensor([[0, 5, 99], [3, 3, 1]])
         assert torch.equal(m.embed_tokens(ids), plain["lm_head"][ids])
@@ -187,8 +188,8 @@ def test_tied_bf16_head_takes_our_kernel_for_small_batches_only(monkeypatch):
     calls = []
     if AMX:  # the table in AMX's layout alone: every batch size takes that kernel
         real_amx = amx_gemm.AmxLayer.__call__
-        monkeypatch.setattr(amx_gemm.AmxLayer, "__call__", lambda self, x, *a: calls.append(x.shape[0])
-                            or real_amx(self, x, *a))
+        monkeypatch.setattr(amx_gemm.AmxLayer, "__call__", lambda self, x, *a, **k: calls.append(x.shape[0])
+                            or real_amx(self, x, *a, **k))
         for rows in (1, 17, 300):
             h = torch.randn(rows, 64).bfloat16()
             ref = h.double() @ table.double().T
@@ -272,3 +273,26 @@ def test_no_tiled_copy_where_our_kernel_cannot_read_it(monkeypatch):
     x = torch.randn(3, 48).bfloat16()
     with torch.inference_mode():
         assert torch.equal(m[1](x), torch.nn.functional.linear(x, ref[1], m[1].bias))
+
+
+def test_mlp_takes_silu_from_the_gate_up_kernel_where_it_offers_it():
+    """On a CPU with AMX the MLP's gate/up projection is held in pairs and gives silu(gate) * up in one pass: the same
+    bits as the projection then norm_act.silu_mul. A hook on the projection (an adapter's delta) turns it off, so the
+    delta joins before the activation. Elsewhere the projection offers nothing and the MLP runs the two steps."""
+    from sidecar.model.kernels import norm_act
+    m = _tiny_model(torch.bfloat16)
+    pack_weights(m)
+    mlp = m.layers[0].mlp
+    x = torch.randn(21, 64).bfloat16()
+    with torch.inference_mode():
+        two_steps = mlp.down_proj(norm_act.silu_mul(mlp.gate_up_proj(x)))
+        fused = mlp.gate_up_proj.silu_mul(x)
+        assert (fused is not None) == AMX and mlp.gate_up_proj.amx_pairs == (96 if AMX else 0)
+        assert torch.equal(mlp(x), two_steps)
+        handle = mlp.gate_up_proj.register_forward_hook(lambda mod, inp, out: out * 2)
+        try:
+            assert mlp.gate_up_proj.silu_mul(x) is None
+            assert torch.equal(mlp(x), mlp.down_proj(norm_act.silu_mul(mlp.gate_up_proj(x))))
+            assert not torch.equal(mlp(x), two_steps)
+        finally:
+            handle.remove()

@@ -93,6 +93,27 @@ static void store_panel(const float* buf, int mr, int m0, int n0, int N, const v
     }
 }
 
+/* The same for a gate/up projection held in pairs (see sidecar_amx_bf16_gate_up): the group's first half is gate
+ * outputs 16 g.., its second the matching up outputs I + 16 g..; stored in those columns of y [M, 2 I], or with
+ * silu, out[m, 16 g + j] = bf16(bf16(silu(gate)) * up) from the bf16-rounded gate and up, as norm_act's silu_mul
+ * computes it from their stored values (y [M, I] bf16). */
+static void store_pairs(const float* buf, int mr, int m0, int g, int I, const void* bias, int bias_bf16, void* y,
+                        int out_bf16, int silu) {
+    const size_t c0 = (size_t)16 * g;
+    const vf bg = bias ? v_dt_load(bias, c0, bias_bf16) : v_zero();
+    const vf bu = bias ? v_dt_load(bias, (size_t)I + c0, bias_bf16) : v_zero();
+    for (int r = 0; r < mr; r++) {
+        const vf gv = v_add(v_load(buf + r * 32), bg), uv = v_add(v_load(buf + r * 32 + 16), bu);
+        if (silu) {
+            const vf act = v_round_bf16(vsilu(v_round_bf16(gv)));
+            v_store_bf16((uint16_t*)y + (size_t)(m0 + r) * I + c0, v_mul(act, v_round_bf16(uv)));
+        } else {
+            v_dt_store(y, (size_t)(m0 + r) * 2 * I + c0, gv, out_bf16);
+            v_dt_store(y, (size_t)(m0 + r) * 2 * I + I + c0, uv, out_bf16);
+        }
+    }
+}
+
 /* The tile products of one panel (activation rows xa.., 16 + r1 of them, or fewer in tile 0 alone when r1 is 0) with
  * chunks k0..k1 of a group's weights wg, added to the panel's sums s ([32][32] float32; zero before chunk 0). A panel
  * of more than 16 rows reads `lines` cache lines from `ahead` on into L2 as it goes, spread over its k steps. */
@@ -158,9 +179,10 @@ int sidecar_amx_supported(void) {
 /* x: [M, K] bf16 rows; wp: the weight in the layout above; bias: NULL, float32 or bf16 (bias_bf16) [N]; y: [M, N]
  * float32 or bf16 (out_bf16). K a multiple of 32. Returns 0, 1 without the AMX path (nothing written), 2 out of
  * memory for the working sums. */
-int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K,
-                            int nthreads, int bias_bf16, int out_bf16) {
 #ifdef AMX_PATH
+/* pairs: 0, or I for a gate/up layout (N = 2 I) stored as store_pairs does (silu: its epilogue). */
+static int matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K, int nthreads,
+                  int bias_bf16, int out_bf16, int pairs, int silu) {
     if (K % 32 || M < 0 || N < 0 || !sidecar_amx_supported()) return 1;
     if (M == 0 || N == 0) return 0;
     const int KB = K / 32, G = (N + 31) / 32;
@@ -206,7 +228,9 @@ int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* b
                             lines = share;
                         }
                         multiply_panel(x + (size_t)m0 * K, K, wg, k0, k1, r1, s, ahead, lines);
-                        if (k1 == KB) store_panel(s, mr, m0, 32 * g, N, bias, bias_bf16, y, out_bf16);
+                        if (k1 < KB) continue;
+                        if (pairs) store_pairs(s, mr, m0, g, pairs, bias, bias_bf16, y, out_bf16, silu);
+                        else store_panel(s, mr, m0, 32 * g, N, bias, bias_bf16, y, out_bf16);
                     }
                 }
             }
@@ -215,9 +239,32 @@ int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* b
         free(sums);
     }
     return failed ? 2 : 0;
+}
+#endif
+
+int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K,
+                            int nthreads, int bias_bf16, int out_bf16) {
+#ifdef AMX_PATH
+    return matmul(x, wp, bias, y, M, N, K, nthreads, bias_bf16, out_bf16, 0, 0);
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads, (void)bias_bf16,
         (void)out_bf16;
+    return 1;
+#endif
+}
+
+/* A fused gate/up projection (gate rows 0..I-1, up rows I..2I-1 of the weight; I a multiple of 16) held with its gate
+ * and up rows in pairs: group g holds gate rows 16 g.. and up rows 16 g.. (``amx_gemm.pack(pairs=I)``). y: [M, 2 I]
+ * in the projection's own column order (silu 0), or [M, I] bf16 = silu(gate) * up as norm_act's silu_mul gives it
+ * from the bf16 projection (silu 1: out_bf16 must be 1) -- one pass, no 2 I-wide output. Returns as above. */
+int sidecar_amx_bf16_gate_up(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int I, int K,
+                             int nthreads, int bias_bf16, int out_bf16, int silu) {
+#ifdef AMX_PATH
+    if (I <= 0 || I % 16 || (silu && !out_bf16)) return 1;
+    return matmul(x, wp, bias, y, M, 2 * I, K, nthreads, bias_bf16, out_bf16, I, silu);
+#else
+    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)I, (void)K, (void)nthreads, (void)bias_bf16,
+        (void)out_bf16, (void)silu;
     return 1;
 #endif
 }

@@ -30,6 +30,7 @@ CHUNK_BYTES = 4 << 20  # what pack copies at a time when it releases its source
 
 _KERNEL = cpu_build.Kernel("amx_gemm", {
     "sidecar_amx_bf16_matmul": ([P] * 4 + [I] * 6, I),
+    "sidecar_amx_bf16_gate_up": ([P] * 4 + [I] * 7, I),
     "sidecar_amx_supported": ([], I),
 })
 _checked: dict[str, str] = {}  # "reason": why the path is off ('' when it is on), once checked
@@ -76,13 +77,23 @@ def _tiles(w: torch.Tensor) -> torch.Tensor:
     return w.view(g, 2, 16, k // 32, 16, 2).permute(0, 3, 1, 4, 2, 5)
 
 
-def pack(weight: torch.Tensor, release_source: bool = False) -> torch.Tensor:
+def pairs_of(weight: Optional[torch.Tensor], halves: int) -> int:
+    """``halves`` where a weight of 2 x ``halves`` rows (a fused gate/up projection) can be held in gate/up pairs
+    (``pack(pairs=halves)``: the kernel then offers silu(gate) * up in its epilogue), else 0."""
+    return halves if halves > 0 and halves % 16 == 0 and weight is not None and weight.shape[0] == 2 * halves else 0
+
+
+def pack(weight: torch.Tensor, release_source: bool = False, pairs: int = 0) -> torch.Tensor:
     """A bf16 weight [N, K] in the tile layout. ``release_source``: the plain weight is read for the last time, so
     it is copied a few MiB at a time and each part's pages are given back once copied (``hugepages.release``): no
-    second copy at the peak (as ``bf16_gemv.tile_weight``)."""
+    second copy at the peak (as ``bf16_gemv.tile_weight``). ``pairs`` (``pairs_of``): the rows of a fused gate/up
+    projection, gate rows 0..pairs-1 and up rows pairs..N-1, go in pairs -- group g holds gate rows 16 g.. and the
+    up rows 16 g.. (``AmxLayer`` gives the projection's own column order back, or silu(gate) * up)."""
     n, k = weight.shape
     if k % 32 or weight.dtype != torch.bfloat16:
         raise ValueError(f"amx pack: weight {tuple(weight.shape)} {weight.dtype} is not bf16 rows of 32-value chunks")
+    if pairs and pairs_of(weight, pairs) != pairs:
+        raise ValueError(f"amx pack: {n} rows are not gate/up pairs of {pairs} (a multiple of 16, half the rows)")
     src = weight.detach()
     groups, full = -(-n // GROUP), n // GROUP
     out = torch.empty(groups, k // 32, 2, 16, 16, 2, dtype=torch.bfloat16)
@@ -91,10 +102,16 @@ def pack(weight: torch.Tensor, release_source: bool = False) -> torch.Tensor:
     step = max(1, CHUNK_BYTES // (GROUP * k * 2))
     for g in range(0, full, step):
         e = min(full, g + step)
-        part = src[g * GROUP:e * GROUP]
-        out[g:e] = _tiles(part.contiguous())
+        if pairs:  # each group: gate rows 16 g.., then up rows 16 g..
+            halves = (src[g * 16:e * 16], src[pairs + g * 16:pairs + e * 16])
+            part = torch.stack([h.reshape(e - g, 16, k) for h in halves], 1).reshape(-1, k)
+        else:
+            halves = (src[g * GROUP:e * GROUP],)
+            part = halves[0].contiguous()
+        out[g:e] = _tiles(part)
         if release:
-            hugepages.release(part.data_ptr(), part.numel() * 2)
+            for h in halves:
+                hugepages.release(h.data_ptr(), h.numel() * 2)
     if full < groups:  # the last group's rows, then zero rows
         last = src.new_zeros(GROUP, k)
         last[:n - full * GROUP] = src[full * GROUP:]
@@ -102,10 +119,13 @@ def pack(weight: torch.Tensor, release_source: bool = False) -> torch.Tensor:
     return out
 
 
-def unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+def unpack(packed: torch.Tensor, n: int, pairs: int = 0) -> torch.Tensor:
     """The plain [n, K] weight back from its ``pack`` layout (a copy)."""
     g, kb = packed.shape[:2]
-    return packed.permute(0, 2, 4, 1, 3, 5).reshape(g * GROUP, kb * 32)[:n].contiguous()
+    rows = packed.permute(0, 2, 4, 1, 3, 5).reshape(g * GROUP, kb * 32)
+    if pairs:  # [group][gate | up][16] back to [gate | up][group][16]
+        return rows.view(g, 2, 16, kb * 32).transpose(0, 1).reshape(n, kb * 32).contiguous()
+    return rows[:n].contiguous()
 
 
 def rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -120,9 +140,9 @@ class AmxLayer(cpu_build.LayerView):
     """A layer's packed weight (``pack`` of n rows) and bias checked once, so that a call checks only the
     activations. ``matches`` says whether it still holds these tensors."""
 
-    __slots__ = ("packed", "bias", "n", "k", "fn", "bias_bf16")
+    __slots__ = ("packed", "bias", "n", "k", "fn", "bias_bf16", "pairs", "gate_up")
 
-    def __init__(self, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor]) -> None:
+    def __init__(self, packed: torch.Tensor, n: int, bias: Optional[torch.Tensor], pairs: int = 0) -> None:
         lib = _lib()
         if lib is None:
             raise RuntimeError("amx_gemm: the AMX path is not available")
@@ -134,27 +154,35 @@ class AmxLayer(cpu_build.LayerView):
         if bias is not None and (bias.shape != (n,) or bias.dtype not in (torch.bfloat16, torch.float32)
                                  or bias.device.type != "cpu"):
             raise ValueError(f"amx layer: bias {tuple(bias.shape)} {bias.dtype} for {n} outputs")
-        self.packed, self.bias, self.n, self.k = packed, bias, n, k
+        if pairs and (pairs % 16 or n != 2 * pairs):
+            raise ValueError(f"amx layer: {n} outputs are not gate/up pairs of {pairs}")
+        self.packed, self.bias, self.n, self.k, self.pairs = packed, bias, n, k, pairs
         self.bias_bf16 = bias is not None and bias.dtype == torch.bfloat16
         self.fn = lib.sidecar_amx_bf16_matmul
+        self.gate_up = lib.sidecar_amx_bf16_gate_up
 
     def matches(self, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         return packed is self.packed and bias is self.bias and (bias is None or bias.is_contiguous())
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """``x @ weight.T + bias`` for bf16 ``x`` [M, K] on the CPU, in ``out_dtype`` (bf16 or float32)."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, silu: bool = False) -> torch.Tensor:
+        """``x @ weight.T + bias`` for bf16 ``x`` [M, K] on the CPU, in ``out_dtype`` (bf16 or float32). ``silu``, for
+        a layer held in gate/up pairs: silu(gate) * up [M, n / 2] in bf16, the bits ``norm_act.silu_mul`` gives from
+        the bf16 projection, in one pass."""
         if x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
             raise ValueError(f"amx layer: x {tuple(x.shape)} {x.dtype} for {self.k} bf16 inputs")
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"amx layer: output {out_dtype}, not bf16 or float32")
+        if out_dtype not in (torch.bfloat16, torch.float32) or silu and (out_dtype is not torch.bfloat16
+                                                                          or not self.pairs):
+            raise ValueError(f"amx layer: output {out_dtype}{' with silu' if silu else ''} is not what it gives")
         if not x.is_contiguous():
             x = x.contiguous()
-        y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
+        y = torch.empty(x.shape[0], self.n // 2 if silu else self.n, dtype=out_dtype)
         b = self.bias
         if b is not None and not b.is_contiguous():
             raise ValueError("amx layer: the bias is no longer contiguous")
-        rc = self.fn(x.data_ptr(), self.packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                     x.shape[0], self.n, self.k, torch.get_num_threads(), self.bias_bf16, out_dtype is torch.bfloat16)
+        args = (x.data_ptr(), self.packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), x.shape[0])
+        threads, bf16_out = torch.get_num_threads(), out_dtype is torch.bfloat16
+        rc = (self.gate_up(*args, self.pairs, self.k, threads, self.bias_bf16, bf16_out, silu) if self.pairs
+              else self.fn(*args, self.n, self.k, threads, self.bias_bf16, bf16_out))
         if rc == 2:
             raise MemoryError(f"amx layer: no memory for the working sums of {x.shape[0]} activation rows")
         assert rc == 0, "amx_gemm refused arguments checked at construction"
@@ -183,6 +211,16 @@ def _self_check() -> str:
                 return f"{m} x {n} x {k}: a row alone differs from the same row in its batch"
             if not torch.equal(unpack(layer.packed, n), w):
                 return "the packed layout does not give the weight back"
+        w = torch.randn(64, 96, generator=g).bfloat16()  # a gate/up projection of 2 x 32 outputs, held in pairs
+        x = torch.randn(19, 96, generator=g).bfloat16()
+        b = torch.randn(64, generator=g).bfloat16()
+        paired = AmxLayer(pack(w, pairs=32), 64, b, pairs=32)
+        gu = AmxLayer(pack(w), 64, b)(x)
+        if not torch.equal(paired(x), gu) or not torch.equal(unpack(paired.packed, 64, 32), w):
+            return "the gate/up pairs do not give the projection's own outputs"
+        act = (torch.nn.functional.silu(gu[:, :32].float()).bfloat16().float() * gu[:, 32:].float()).bfloat16()
+        if not (paired(x, silu=True).float() - act.float()).abs().max() <= 1e-2 * float(act.float().abs().max()):
+            return "silu(gate) * up from the gate/up pairs is off"
     except (RuntimeError, ValueError) as e:
         return f"self-check failed: {e}"
     return ""

@@ -15,21 +15,6 @@
 
 #include "vec.h"
 
-static inline float silu1(float g) {
-    const float e = expf(-fabsf(g));
-    return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
-}
-
-#ifdef VL
-/* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1 so that nothing overflows */
-static inline vf vsilu(vf g) {
-    const vf ng = v_min(g, v_sub(v_zero(), g));      /* -|g| */
-    const vf e = v_blend_ge0(v_add(ng, v_set1(87.0f)), v_exp(ng), v_zero());  /* v_exp stops at -87 */
-    const vf num = v_blend_ge0(g, v_set1(1.0f), e);  /* g >= 0 ? 1 : e */
-    return v_mul(g, v_div(num, v_add(v_set1(1.0f), e)));
-}
-#endif
-
 void sidecar_silu_mul(const void* gu, void* out, int rows, int inter, int dtype, int nthreads) {
     const size_t n = (size_t)rows * inter;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 32768)

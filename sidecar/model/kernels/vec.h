@@ -153,6 +153,22 @@ static inline void v_store_bf16(uint16_t* p, vf x) {
 }
 #endif
 
+/* silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1 so that nothing overflows (norm_act's silu_mul, and
+ * the AMX matmul's gate/up epilogue, which must give the same bits) */
+static inline float silu1(float g) {
+    const float e = expf(-fabsf(g));
+    return g * (g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e));
+}
+
+#ifdef VL
+static inline vf vsilu(vf g) {
+    const vf ng = v_min(g, v_sub(v_zero(), g));      /* -|g| */
+    const vf e = v_blend_ge0(v_add(ng, v_set1(87.0f)), v_exp(ng), v_zero());  /* v_exp stops at -87 */
+    const vf num = v_blend_ge0(g, v_set1(1.0f), e);  /* g >= 0 ? 1 : e */
+    return v_mul(g, v_div(num, v_add(v_set1(1.0f), e)));
+}
+#endif
+
 /* Elements of a float32 (dtype 0) or bf16 (dtype 1) array, handled as float32: load element i, round x
  * to the dtype and back (identity for float32), store x rounded to the dtype. */
 static inline float dt_load(const void* p, size_t i, int dtype) {
