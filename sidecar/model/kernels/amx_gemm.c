@@ -32,29 +32,17 @@
  * rows). */
 #include <omp.h>
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "vec.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define AMX_PATH 1
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define BLOCK_BYTES (1 << 20)
 /* Weight bytes read ahead into L2 while a k step's tiles are multiplied, for panels of more than 16 rows (fewer
  * rows leave the stream to the hardware prefetcher, which measured as fast there). Measured on a 2-core Xeon with
  * AMX over Qwen2-0.5B at 32 rows: 44.6 ms a pass with 2 KiB, 49.0 without. */
 #define READ_AHEAD 2048
 #define KC 8  /* chunks a k block holds: a group's 16 KiB of them stay in L1 while the block's panels pass */
-
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
 
 /* Tiles: accumulators 0 (rows 0-15 x outputs 0-15), 1 (rows 0-15 x outputs 16-31), 2 and 3 (rows 16-31); activation
  * tiles 4 (rows 0-15) and 5 (rows 16-31); weight tiles 6 and 7. r0 / r1: the panel's rows in each half. */
@@ -168,9 +156,7 @@ static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg,
 /* 1 where this build has the AMX path and the kernel granted this process the tile state (asked once), else 0. */
 int sidecar_amx_supported(void) {
 #ifdef AMX_PATH
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return granted;
+    return amx_granted();
 #else
     return 0;
 #endif

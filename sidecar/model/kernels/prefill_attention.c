@@ -31,8 +31,6 @@
  * per token and KV head.
  */
 #include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "vec.h"
 
@@ -167,20 +165,6 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
  * A task's queries (bf16, as they came, in tiles of 16 rows) times kb are the scores, float32; the softmax is taken
  * in float32 (the scale applied first), its weights rounded to bf16 (as torch's bf16 SDPA rounds them) and multiplied
  * with vb in tiles, the sums float32, divided by the float32 normaliser and rounded once to bf16. */
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-static int amx_granted(void) {
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return granted;
-}
-
 static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
     tile_config c;
     memset(&c, 0, sizeof c);

@@ -196,4 +196,25 @@ static inline void v_dt_store(void* p, size_t i, vf x, int dtype) {
 }
 #endif
 
+/* AMX (Intel Sapphire Rapids on): the tile configuration register's layout (palette 1), and whether the kernel grants
+ * this process the tile state (asked once per library; Linux 5.16+). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static inline int amx_granted(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+}
+#endif
+
 #endif
