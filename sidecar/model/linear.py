@@ -102,7 +102,9 @@ class Linear(nn.Linear):
         """Hold the weight in oneDNN's layout, and in our bf16 kernel's tiled layout when ``tile``; where oneDNN
         cannot pack it (``tile_only``), in the tiled layout alone, for every batch size. Drop the plain one
         unless ``keep_weight``. ``consume``: nothing outside this model reads the plain weight, so a dropped one's
-        pages are given back as the tiled copy is made (``bf16_gemv.tile_weight``'s ``release_source``)."""
+        pages are given back as the tiled copy is made (``bf16_gemv.tile_weight``'s ``release_source``). On a CPU
+        with AMX a bf16 weight goes to AMX's tile layout instead, alone (``amx_gemm.pack``; a gate/up projection's
+        rows in pairs, ``gate_up_halves``)."""
         if self.packed is not None or self.tiled is not None or self.amx is not None:
             return False
         release = consume and not keep_weight  # the plain weight is read for the last time

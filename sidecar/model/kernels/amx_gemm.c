@@ -162,11 +162,9 @@ int sidecar_amx_supported(void) {
 #endif
 }
 
-/* x: [M, K] bf16 rows; wp: the weight in the layout above; bias: NULL, float32 or bf16 (bias_bf16) [N]; y: [M, N]
- * float32 or bf16 (out_bf16). K a multiple of 32. Returns 0, 1 without the AMX path (nothing written), 2 out of
- * memory for the working sums. */
 #ifdef AMX_PATH
-/* pairs: 0, or I for a gate/up layout (N = 2 I) stored as store_pairs does (silu: its epilogue). */
+/* The product (see sidecar_amx_bf16_matmul); pairs: 0, or I for a gate/up layout (N = 2 I) stored as store_pairs
+ * stores it (silu: its epilogue). */
 static int matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K, int nthreads,
                   int bias_bf16, int out_bf16, int pairs, int silu) {
     if (K % 32 || M < 0 || N < 0 || !sidecar_amx_supported()) return 1;
@@ -228,6 +226,9 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void*
 }
 #endif
 
+/* x: [M, K] bf16 rows; wp: the weight in the layout above; bias: NULL, float32 or bf16 (bias_bf16) [N]; y: [M, N]
+ * float32 or bf16 (out_bf16). K a multiple of 32. Returns 0, 1 without the AMX path (nothing written), 2 out of
+ * memory for the working sums. */
 int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K,
                             int nthreads, int bias_bf16, int out_bf16) {
 #ifdef AMX_PATH
