@@ -176,9 +176,7 @@ class AmxLayer(cpu_build.LayerView):
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.n // 2 if silu else self.n, dtype=out_dtype)
-        b = self.bias
-        if b is not None and not b.is_contiguous():
-            raise ValueError("amx layer: the bias is no longer contiguous")
+        b = self.bias  # checked at construction (a replaced bias is another layer: ``matches``)
         args = (x.data_ptr(), self.packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), x.shape[0])
         threads, bf16_out = torch.get_num_threads(), out_dtype is torch.bfloat16
         rc = (self.gate_up(*args, self.pairs, self.k, threads, self.bias_bf16, bf16_out, silu) if self.pairs

@@ -50,7 +50,6 @@ int sidecar_paged_attention_vector_width(void) {
 #endif
 }
 
-
 #ifdef VL
 /* Queries a grouped pass over the values holds: 8 x 2 vectors of sums on AVX-512 (16 of 32 registers), 4 x 2 on AVX2 */
 #define QG (VL == 16 ? 8 : 4)
@@ -95,7 +94,19 @@ static void values_dispatch(const float* s, int n, int R, int nv, const char* vc
 }
 #endif
 
-/* One (row, KV head) task. qf: the rep queries in float32, already scaled; s: scratch [rep][n]; of: [rep][hd].
+/* Whether the scores take bf16 keys and queries as they are (vdpbf16ps, attend's first branch); the float32 copy of
+ * the queries is then not made. */
+static inline int bf16_scores(int kvm, int hd) {
+#if defined(__AVX512BF16__) && VL == 16
+    return kvm == 1 && hd % 32 == 0;
+#else
+    (void)kvm, (void)hd;
+    return 0;
+#endif
+}
+
+/* One (row, KV head) task. qf: the rep queries in float32, already scaled (unless bf16_scores); s: scratch [rep][n];
+ * of: [rep][hd].
  * Inlined per head size, so the common ones (64, 128) run with the vector count known. */
 static inline __attribute__((always_inline)) void attend(const float* qf, const char* kc, const char* vc, const int64_t* table, int lo, int hi,
                    int rep, int nkv, int g, int hd, int bs, int kvm, float* s, float* of,
@@ -111,7 +122,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
     /* scores, four keys at a time: each key is loaded (and widened) once for all rep queries, and the
      * four dot products are reduced together; a key's score is the same arithmetic wherever it falls */
 #if defined(__AVX512BF16__) && VL == 16
-    if (kvm == 1 && hd % 32 == 0) {
+    if (bf16_scores(kvm, hd)) {
         /* bf16 keys and queries: pairs of exact products summed in float32 lanes (vdpbf16ps), no widening; the
          * scale multiplies the finished dot product */
         for (int j = 0; j < n; j += 4) {
@@ -289,8 +300,8 @@ int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc
             const int hi = (int)ctx[b];
             const int lo = window > 0 && hi > window ? hi - window : 0;
             const size_t q0 = ((size_t)b * nh + (size_t)g * rep) * hd;
-            for (int i = 0; i < rep * hd; i++)
-                qf[i] = scale * dt_load(q, q0 + i, dtype);
+            if (!bf16_scores(kvm, hd))
+                for (int i = 0; i < rep * hd; i++) qf[i] = scale * dt_load(q, q0 + i, dtype);
             const int64_t* table = tables + (size_t)b * max_blocks;
             const uint16_t* qb = dtype == 1 ? (const uint16_t*)q + q0 : NULL;  /* bf16 queries as they came */
             const char *k8 = (const char*)kc, *v8 = (const char*)vc;
