@@ -19,6 +19,8 @@ from sidecar.engine.sampling_tensors import (F_MIN_P, F_REP, F_TEMP, F_TOP_P, I_
                                              I_SROWS, I_STREAM, I_TOPK, SamplingTensors, StepParams)
 from sidecar.engine.structured import apply_bitmask
 from sidecar.model.kernels import keyed_uniform
+from sidecar.model.kernels import argmax as argmax_kernel
+from sidecar.model.kernels.argmax import argmax
 
 _NEG_INF = float("-inf")
 
@@ -153,6 +155,7 @@ class Sampler:
         self.tensors = SamplingTensors(device, seed, max_num_seqs)
         if device.type == "cpu":
             keyed_uniform.available()  # its kernel built (or found cached) now, not at the first sampled step
+            argmax_kernel.available()
 
     def draws_for(self, req: Request) -> KeyedDraws:
         """The request's keyed draws from its next token on (speculative verification)."""
@@ -197,7 +200,7 @@ class Sampler:
         if masks is not None:
             apply_bitmask(logits, masks[0], masks[1])
         if step is None or not step.sampled:
-            tokens = logits.argmax(-1)
+            tokens = argmax(logits)
         else:
             tokens = self._draw(logits, step, salt)
         if step is not None:
@@ -213,10 +216,10 @@ class Sampler:
         x = filter_logits_batch(x, ints[:, I_TOPK], f[:, F_TOP_P], f[:, F_MIN_P], step.top_k_max,
                                 step.full_sort, step.any_top_p, step.any_min_p)
         # Gumbel-max over the filtered logits: the exponential race argmax(p / E) in log space.
-        drawn = (x + gumbel(row_keys(ints[:, I_STREAM], ints[:, I_POS], salt), x.shape[-1])).argmax(-1)
+        drawn = argmax(x + gumbel(row_keys(ints[:, I_STREAM], ints[:, I_POS], salt), x.shape[-1]))
         if everyone:
             return drawn
-        return logits.argmax(-1).index_copy_(0, rows, drawn)
+        return argmax(logits).index_copy_(0, rows, drawn)
 
     @staticmethod
     def _to_host(tokens: torch.Tensor, raw_lp: Optional[torch.Tensor], step: Optional[StepParams],

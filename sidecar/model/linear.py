@@ -125,12 +125,18 @@ class Linear(nn.Linear):
             self.weight = None
         return True
 
-    def _amx_forward(self, x: torch.Tensor, silu: bool) -> torch.Tensor:
+    def _amx_forward(self, x: torch.Tensor, silu: bool, widened: bool = False) -> torch.Tensor:
         layer = self._amx_layer
         if layer is None or not layer.matches(self.amx, self.bias):
             layer = self._amx_layer = amx_gemm.AmxLayer(self.amx, self.out_features, self.bias, self.amx_pairs)
-        y = layer(x.reshape(-1, self.in_features), silu=silu)
+        y = layer(x.reshape(-1, self.in_features), torch.float32 if widened else torch.bfloat16, silu, widened)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+    def float_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """``self(x).float()`` in one pass (bf16 on a CPU with AMX, no hook on the output: a model's logits)."""
+        if self.amx is None or x.dtype is not torch.bfloat16 or self._forward_hooks or self._forward_pre_hooks:
+            return None
+        return self._amx_forward(x, False, True)
 
     def silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """silu(gate) * up of this fused gate/up projection's output in one pass (bf16 on a CPU with AMX, the layer

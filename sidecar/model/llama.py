@@ -278,4 +278,6 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h, delta)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        widened = getattr(self.lm_head, "float_forward", None)  # our Linear's (AMX); quantized heads lack it
+        logits = widened(hidden) if widened is not None else None
+        return logits if logits is not None else self.lm_head(hidden).float()

@@ -82,6 +82,8 @@ def test_kernel_matches_reference(m, n, k, bias_dtype):
     assert (y32.double() - ref).abs().max() <= 1e-5 * max(1.0, float(ref.abs().max()))
     y16 = layer(x)  # bf16: the float32 result rounded once, to nearest even
     assert torch.equal(y16, y32.bfloat16())
+    widened = layer(x, torch.float32, widened=True)  # the bf16 values as float32, in the same pass
+    assert widened.dtype == torch.float32 and torch.equal(widened, y16.float())
 
 
 def test_a_row_does_not_depend_on_its_batch_or_the_threads():
@@ -117,6 +119,8 @@ def test_layer_checks_its_operands():
         layer(torch.zeros(2, 64))
     with pytest.raises(ValueError, match="float16 is not what it gives"):
         layer(torch.zeros(2, 64).bfloat16(), torch.float16)
+    with pytest.raises(ValueError, match="bfloat16 widened is not what it gives"):
+        layer(torch.zeros(2, 64).bfloat16(), torch.bfloat16, widened=True)
     assert layer.matches(packed, b) and not layer.matches(packed.clone(), b)
 
 

@@ -296,3 +296,24 @@ def test_mlp_takes_silu_from_the_gate_up_kernel_where_it_offers_it():
             assert not torch.equal(mlp(x), two_steps)
         finally:
             handle.remove()
+
+
+def test_logits_come_widened_from_the_head_kernel_where_it_offers_it():
+    """On a CPU with AMX a bf16 head writes float32 logits holding its bf16 values in one pass: the bits of
+    ``lm_head(h).float()``. A hook on the head turns it off (the hook sees the bf16 output); elsewhere the head offers
+    nothing and the logits are the widened bf16 output."""
+    m = _tiny_model(torch.bfloat16)
+    pack_weights(m)
+    h = torch.randn(9, 64).bfloat16()
+    with torch.inference_mode():
+        two_steps = m.lm_head(h).float()
+        widened = m.lm_head.float_forward(h)
+        assert (widened is not None) == AMX
+        logits = m.compute_logits(h)
+        assert logits.dtype == torch.float32 and torch.equal(logits, two_steps)
+        handle = m.lm_head.register_forward_hook(lambda mod, inp, out: out * 2)
+        try:
+            assert m.lm_head.float_forward(h) is None
+            assert torch.equal(m.compute_logits(h), (two_steps.bfloat16() * 2).float())
+        finally:
+            handle.remove()

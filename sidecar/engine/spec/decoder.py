@@ -34,6 +34,7 @@ from sidecar.config import EngineConfig
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.request import Request, TokenLogprob
 from sidecar.engine.sampler import filter_logits
+from sidecar.model.kernels.argmax import argmax
 from sidecar.engine.runner import ModelRunner
 from sidecar.engine.spec.draft import DraftProposer
 from sidecar.engine.spec.ngram import NgramProposer
@@ -172,7 +173,7 @@ class SpecDecoder:
         proposed = list(req.spec_token_ids)
         p = req.params
         if p.greedy:
-            accepted, nxt = verify_greedy(proposed, rows.argmax(-1).tolist())
+            accepted, nxt = verify_greedy(proposed, argmax(rows).tolist())
         else:
             probs = filter_logits_rows(rows.float() / p.temperature, p).softmax(-1)
             q = req.spec_draft_probs  # None: a deterministic proposal (n-gram)

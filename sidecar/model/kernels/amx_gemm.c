@@ -57,9 +57,19 @@ static void configure(int r0, int r1) {
     _tile_loadconfig(&c);
 }
 
+/* Output modes: float32, bf16, or float32 holding the values rounded to bf16 (the bf16 output widened, in the same
+ * pass: a model's logits). */
+#define OUT_F32 0
+#define OUT_BF16 1
+#define OUT_F32_OF_BF16 2
+
+static inline void out_store(void* y, size_t at, vf v, int out) {
+    v_dt_store(y, at, out == OUT_F32_OF_BF16 ? v_round_bf16(v) : v, out == OUT_BF16);
+}
+
 /* A panel's finished sums (buf: [32][32] float32) plus bias, stored in rows m0.. and columns n0.. of y. */
 static void store_panel(const float* buf, int mr, int m0, int n0, int N, const void* bias, int bias_bf16, void* y,
-                        int out_bf16) {
+                        int out) {
     const int nc = N - n0 < 32 ? N - n0 : 32;
     vf b0 = v_zero(), b1 = v_zero();
     if (bias && nc == 32) {
@@ -70,13 +80,13 @@ static void store_panel(const float* buf, int mr, int m0, int n0, int N, const v
         const float* s = buf + r * 32;
         const size_t at = (size_t)(m0 + r) * N + n0;
         if (nc == 32) {
-            v_dt_store(y, at, v_add(v_load(s), b0), out_bf16);
-            v_dt_store(y, at + 16, v_add(v_load(s + 16), b1), out_bf16);
+            out_store(y, at, v_add(v_load(s), b0), out);
+            out_store(y, at + 16, v_add(v_load(s + 16), b1), out);
             continue;
         }
         for (int j = 0; j < nc; j++) {
             const float v = s[j] + (bias ? dt_load(bias, (size_t)n0 + j, bias_bf16) : 0.f);
-            dt_store(y, at + j, v, out_bf16);
+            dt_store(y, at + j, out == OUT_F32_OF_BF16 ? dt_round(v, 1) : v, out == OUT_BF16);
         }
     }
 }
@@ -86,7 +96,7 @@ static void store_panel(const float* buf, int mr, int m0, int n0, int N, const v
  * silu, out[m, 16 g + j] = bf16(bf16(silu(gate)) * up) from the bf16-rounded gate and up, as norm_act's silu_mul
  * computes it from their stored values (y [M, I] bf16). */
 static void store_pairs(const float* buf, int mr, int m0, int g, int I, const void* bias, int bias_bf16, void* y,
-                        int out_bf16, int silu) {
+                        int out, int silu) {
     const size_t c0 = (size_t)16 * g;
     const vf bg = bias ? v_dt_load(bias, c0, bias_bf16) : v_zero();
     const vf bu = bias ? v_dt_load(bias, (size_t)I + c0, bias_bf16) : v_zero();
@@ -96,8 +106,8 @@ static void store_pairs(const float* buf, int mr, int m0, int g, int I, const vo
             const vf act = v_round_bf16(vsilu(v_round_bf16(gv)));
             v_store_bf16((uint16_t*)y + (size_t)(m0 + r) * I + c0, v_mul(act, v_round_bf16(uv)));
         } else {
-            v_dt_store(y, (size_t)(m0 + r) * 2 * I + c0, gv, out_bf16);
-            v_dt_store(y, (size_t)(m0 + r) * 2 * I + I + c0, uv, out_bf16);
+            out_store(y, (size_t)(m0 + r) * 2 * I + c0, gv, out);
+            out_store(y, (size_t)(m0 + r) * 2 * I + I + c0, uv, out);
         }
     }
 }
@@ -166,8 +176,8 @@ int sidecar_amx_supported(void) {
 /* The product (see sidecar_amx_bf16_matmul); pairs: 0, or I for a gate/up layout (N = 2 I) stored as store_pairs
  * stores it (silu: its epilogue). */
 static int matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K, int nthreads,
-                  int bias_bf16, int out_bf16, int pairs, int silu) {
-    if (K % 32 || M < 0 || N < 0 || !sidecar_amx_supported()) return 1;
+                  int bias_bf16, int out, int pairs, int silu) {
+    if (K % 32 || M < 0 || N < 0 || out < OUT_F32 || out > OUT_F32_OF_BF16 || !sidecar_amx_supported()) return 1;
     if (M == 0 || N == 0) return 0;
     const int KB = K / 32, G = (N + 31) / 32;
     const size_t group = (size_t)KB * 1024;  /* bf16 values per group */
@@ -213,8 +223,8 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void*
                         }
                         multiply_panel(x + (size_t)m0 * K, K, wg, k0, k1, r1, s, ahead, lines);
                         if (k1 < KB) continue;
-                        if (pairs) store_pairs(s, mr, m0, g, pairs, bias, bias_bf16, y, out_bf16, silu);
-                        else store_panel(s, mr, m0, 32 * g, N, bias, bias_bf16, y, out_bf16);
+                        if (pairs) store_pairs(s, mr, m0, g, pairs, bias, bias_bf16, y, out, silu);
+                        else store_panel(s, mr, m0, 32 * g, N, bias, bias_bf16, y, out);
                     }
                 }
             }
@@ -227,15 +237,15 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void*
 #endif
 
 /* x: [M, K] bf16 rows; wp: the weight in the layout above; bias: NULL, float32 or bf16 (bias_bf16) [N]; y: [M, N]
- * float32 or bf16 (out_bf16). K a multiple of 32. Returns 0, 1 without the AMX path (nothing written), 2 out of
- * memory for the working sums. */
+ * as `out` says: 0 float32, 1 bf16, 2 float32 holding the values rounded to bf16. K a multiple of 32. Returns 0,
+ * 1 without the AMX path or for arguments it does not take (nothing written), 2 out of memory for the working sums. */
 int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K,
-                            int nthreads, int bias_bf16, int out_bf16) {
+                            int nthreads, int bias_bf16, int out) {
 #ifdef AMX_PATH
-    return matmul(x, wp, bias, y, M, N, K, nthreads, bias_bf16, out_bf16, 0, 0);
+    return matmul(x, wp, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads, (void)bias_bf16,
-        (void)out_bf16;
+        (void)out;
     return 1;
 #endif
 }
@@ -243,15 +253,15 @@ int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* b
 /* A fused gate/up projection (gate rows 0..I-1, up rows I..2I-1 of the weight; I a multiple of 16) held with its gate
  * and up rows in pairs: group g holds gate rows 16 g.. and up rows 16 g.. (``amx_gemm.pack(pairs=I)``). y: [M, 2 I]
  * in the projection's own column order (silu 0), or [M, I] bf16 = silu(gate) * up as norm_act's silu_mul gives it
- * from the bf16 projection (silu 1: out_bf16 must be 1) -- one pass, no 2 I-wide output. Returns as above. */
+ * from the bf16 projection (silu 1: out must be 1, bf16) -- one pass, no 2 I-wide output. Returns as above. */
 int sidecar_amx_bf16_gate_up(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int I, int K,
-                             int nthreads, int bias_bf16, int out_bf16, int silu) {
+                             int nthreads, int bias_bf16, int out, int silu) {
 #ifdef AMX_PATH
-    if (I <= 0 || I % 16 || (silu && !out_bf16)) return 1;
-    return matmul(x, wp, bias, y, M, 2 * I, K, nthreads, bias_bf16, out_bf16, I, silu);
+    if (I <= 0 || I % 16 || (silu && out != OUT_BF16)) return 1;
+    return matmul(x, wp, bias, y, M, 2 * I, K, nthreads, bias_bf16, out, I, silu);
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)I, (void)K, (void)nthreads, (void)bias_bf16,
-        (void)out_bf16, (void)silu;
+        (void)out, (void)silu;
     return 1;
 #endif
 }

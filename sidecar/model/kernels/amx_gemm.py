@@ -27,6 +27,7 @@ log = logging.getLogger("sidecar.kernels")
 
 GROUP = 32  # output rows a group of the layout holds (two 16-row tiles)
 CHUNK_BYTES = 4 << 20  # what pack copies at a time when it releases its source
+OUT_F32, OUT_BF16, OUT_F32_OF_BF16 = 0, 1, 2  # the kernel's output modes (amx_gemm.c)
 
 _KERNEL = cpu_build.Kernel("amx_gemm", {
     "sidecar_amx_bf16_matmul": ([P] * 4 + [I] * 6, I),
@@ -164,23 +165,28 @@ class AmxLayer(cpu_build.LayerView):
     def matches(self, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         return packed is self.packed and bias is self.bias and (bias is None or bias.is_contiguous())
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, silu: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, silu: bool = False,
+                 widened: bool = False) -> torch.Tensor:
         """``x @ weight.T + bias`` for bf16 ``x`` [M, K] on the CPU, in ``out_dtype`` (bf16 or float32). ``silu``, for
         a layer held in gate/up pairs: silu(gate) * up [M, n / 2] in bf16, the bits ``norm_act.silu_mul`` gives from
-        the bf16 projection, in one pass."""
+        the bf16 projection, in one pass. ``widened`` (float32 only): the bf16 output's values, as float32 -- the
+        bits of ``self(x).float()`` without the second pass."""
         if x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
             raise ValueError(f"amx layer: x {tuple(x.shape)} {x.dtype} for {self.k} bf16 inputs")
-        if out_dtype not in (torch.bfloat16, torch.float32) or silu and (out_dtype is not torch.bfloat16
-                                                                          or not self.pairs):
-            raise ValueError(f"amx layer: output {out_dtype}{' with silu' if silu else ''} is not what it gives")
+        if (out_dtype not in (torch.bfloat16, torch.float32) or silu and (out_dtype is not torch.bfloat16
+                                                                           or not self.pairs)
+                or widened and (out_dtype is not torch.float32 or silu)):
+            raise ValueError(f"amx layer: output {out_dtype}{' with silu' if silu else ''}"
+                             f"{' widened' if widened else ''} is not what it gives")
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.n // 2 if silu else self.n, dtype=out_dtype)
         b = self.bias  # checked at construction (a replaced bias is another layer: ``matches``)
         args = (x.data_ptr(), self.packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), x.shape[0])
-        threads, bf16_out = torch.get_num_threads(), out_dtype is torch.bfloat16
-        rc = (self.gate_up(*args, self.pairs, self.k, threads, self.bias_bf16, bf16_out, silu) if self.pairs
-              else self.fn(*args, self.n, self.k, threads, self.bias_bf16, bf16_out))
+        threads = torch.get_num_threads()
+        out = OUT_F32_OF_BF16 if widened else OUT_BF16 if out_dtype is torch.bfloat16 else OUT_F32
+        rc = (self.gate_up(*args, self.pairs, self.k, threads, self.bias_bf16, out, silu) if self.pairs
+              else self.fn(*args, self.n, self.k, threads, self.bias_bf16, out))
         if rc == 2:
             raise MemoryError(f"amx layer: no memory for the working sums of {x.shape[0]} activation rows")
         assert rc == 0, "amx_gemm refused arguments checked at construction"
@@ -205,6 +211,8 @@ def _self_check() -> str:
             bound = (1e-5 if out_dtype is torch.float32 else 1e-2) * float(ref.abs().max())
             if not err <= bound:
                 return f"{m} x {n} x {k}: off by {err:.3g} from the float64 product (bound {bound:.3g})"
+            if out_dtype is torch.bfloat16 and not torch.equal(layer(x, torch.float32, widened=True), y.float()):
+                return f"{m} x {n} x {k}: the widened float32 output is not the bf16 output's values"
             if not torch.equal(layer(x[m // 2:m // 2 + 1], out_dtype), y[m // 2:m // 2 + 1]):
                 return f"{m} x {n} x {k}: a row alone differs from the same row in its batch"
             if not torch.equal(unpack(layer.packed, n), w):
