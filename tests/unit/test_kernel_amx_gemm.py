@@ -67,8 +67,10 @@ def _runs() -> bool:
 
 
 # m: 1 row, partial and whole tiles, two panels, k-blocked batches (> 64 rows) and more than one block of rows
+# (300, 100, 4,864), (600, 230, 2,112): rows that go in slabs of chunks, blocks and a partial panel
 @pytest.mark.parametrize("m,n,k", [(1, 7, 32), (1, 4864, 896), (3, 50, 96), (16, 64, 4864), (17, 130, 576),
-                                   (32, 33, 64), (45, 96, 1536), (65, 40, 288), (300, 100, 4864), (1100, 70, 96)])
+                                   (32, 33, 64), (45, 96, 1536), (65, 40, 288), (300, 100, 4864), (1100, 70, 96),
+                                   (600, 230, 2112)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
 def test_kernel_matches_reference(m, n, k, bias_dtype):
     if not _runs():
@@ -101,6 +103,11 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads():
     finally:
         torch.set_num_threads(threads)
     assert layer(x[:0]).shape == (0, 130)
+    x, w, b = _case(300, 70, 4864, seed=4, bias_dtype=torch.bfloat16)  # long rows: the batch goes in slabs of chunks
+    layer = amx_gemm.AmxLayer(amx_gemm.pack(w), 70, b)
+    y = layer(x)
+    for rows in (slice(0, 1), slice(299, 300), slice(0, 64), slice(40, 297)):
+        assert torch.equal(layer(x[rows]), y[rows])
 
 
 def test_layer_checks_its_operands():
@@ -149,15 +156,16 @@ def test_gate_up_pairs_layout():
         amx_gemm.pack(w, pairs=16)
 
 
-@pytest.mark.parametrize("m", [1, 5, 32, 70, 300])
+@pytest.mark.parametrize("m,k", [(1, 160), (5, 160), (32, 160), (70, 160), (300, 160), (300, 2112)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
-def test_gate_up_pairs_give_the_projection_and_its_activation(m, bias_dtype):
+def test_gate_up_pairs_give_the_projection_and_its_activation(m, k, bias_dtype):
     """Held in pairs, a gate/up projection gives its own outputs (the same bits as the plain layout) or, in one pass,
-    silu(gate) * up -- the bits norm_act.silu_mul gives from those outputs."""
+    silu(gate) * up -- the bits norm_act.silu_mul gives from those outputs. (300, 2112): rows long enough to go in
+    slabs of chunks."""
     if not _runs():
         return
     from sidecar.model.kernels import norm_act
-    x, w, b = _case(m, 2 * 48, 160, seed=m, bias_dtype=bias_dtype)
+    x, w, b = _case(m, 2 * 48, k, seed=m, bias_dtype=bias_dtype)
     plain = amx_gemm.AmxLayer(amx_gemm.pack(w), 96, b)(x)
     paired = amx_gemm.AmxLayer(amx_gemm.pack(w, pairs=48), 96, b, pairs=48)
     assert torch.equal(paired(x), plain)
