@@ -88,6 +88,24 @@ def test_kernel_matches_reference(m, n, k, bias_dtype):
     assert widened.dtype == torch.float32 and torch.equal(widened, y16.float())
 
 
+def test_large_outputs_are_streamed_with_the_same_values():
+    """Outputs of 8 MiB or more (a model's logits) are written around the caches: the same values as a small batch's
+    (a row alone), in every output mode, with a partial last group of columns."""
+    if not _runs():
+        return
+    for m, n, out_dtype, widened in ((70, 30_000, torch.float32, False), (70, 30_016, torch.float32, True),
+                                     (140, 30_016, torch.bfloat16, False)):
+        x, w, b = _case(m, n, 64, seed=n, bias_dtype=torch.float32)
+        layer = amx_gemm.AmxLayer(amx_gemm.pack(w), n, b)
+        y = layer(x, out_dtype, widened=widened)
+        assert y.numel() * y.element_size() >= 8 << 20
+        ref = x.double() @ w.double().T + b.double()
+        bound = (1e-2 if out_dtype is torch.bfloat16 or widened else 1e-5) * float(ref.abs().max())
+        assert float((y.double() - ref).abs().max()) <= bound
+        for r in (0, 33, m - 1):
+            assert torch.equal(layer(x[r:r + 1], out_dtype, widened=widened), y[r:r + 1])
+
+
 def test_a_row_does_not_depend_on_its_batch_or_the_threads():
     if not _runs():
         return
