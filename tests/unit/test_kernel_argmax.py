@@ -71,3 +71,12 @@ def test_greedy_and_sampled_steps_pick_through_it(monkeypatch):
     assert calls and all(shape[1] == 1000 for shape in calls)
     assert ids[0] == int(logits[0].argmax()) and ids[2] == int(logits[2].argmax())
     assert 0 <= ids[1] < 1000
+
+
+@pytest.mark.parametrize("arch", ["-mavx2 -mfma", "-mtune=generic"])  # AVX2 only (as on Zen 2); plain x86-64
+def test_other_instruction_sets_give_torchs_indices(arch, monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", arch)
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert argmax_kernel.available(), cpu_build.reason("argmax")
+    for x in _cases():
+        assert torch.equal(row_argmax(x), x.argmax(-1)), x
