@@ -35,6 +35,20 @@ static inline float kv_load(const void* p, size_t i, int kvm) {
     return kvm == KV_INT8 ? (float)((const int8_t*)p)[i] : dt_load(p, i, kvm);
 }
 
+/* Keys are read this many ahead into L1, with each key's value as the key is scored: a head's rows are strided
+ * within a block and the blocks scattered, which the hardware's prefetchers follow poorly. Measured on a 2-core Xeon
+ * with AMX, 24 layers of Qwen2-0.5B's heads, 32 rows of 150-260 tokens, bf16, the cache cold: blocks in random order
+ * 8.0-11.1 -> 6.2-6.3 ms (the keys alone read ahead: 7.5), in order 8.3-9.6 -> 6.0-6.2; the 32-request workload's
+ * 63 decode steps 3.57-3.81 -> 3.46-3.59 s. */
+#define READ_AHEAD_KEYS 16
+
+/* Element offset `off`'s hd elements of a cache, toward L1. */
+static inline void prefetch_row(const void* cache, size_t off, int hd, int kvm) {
+    const int es = kvm == KV_INT8 ? 1 : kvm ? 2 : 4;
+    const char* p = (const char*)cache + off * es;
+    for (int l = 0; l < hd * es; l += 64) __builtin_prefetch(p + l, 0, 3);
+}
+
 #ifdef VL
 static inline vf v_kv_load(const char* p, size_t i, int kvm) {
     if (kvm == KV_INT8) return v_load_i8((const int8_t*)p + i);
@@ -126,6 +140,10 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
         /* bf16 keys and queries: pairs of exact products summed in float32 lanes (vdpbf16ps), no widening; the
          * scale multiplies the finished dot product */
         for (int j = 0; j < n; j += 4) {
+            for (int i = j; i < j + 4 && i < n; i++) {
+                if (i + READ_AHEAD_KEYS < n) prefetch_row(kc, offs[i + READ_AHEAD_KEYS], hd, kvm);
+                prefetch_row(vc, offs[i], hd, kvm);
+            }
             __m512bh k4[4][MAX_HD / 32];
             for (int i = 0; i < 4; i++) {
                 const uint16_t* key = (const uint16_t*)kc + (j + i < n ? offs[j + i] : 0);
@@ -151,6 +169,10 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
 #endif
 #ifdef VL
     for (int j = 0; j < n; j += 4) {
+        for (int i = j; i < j + 4 && i < n; i++) {
+            if (i + READ_AHEAD_KEYS < n) prefetch_row(kc, offs[i + READ_AHEAD_KEYS], hd, kvm);
+            prefetch_row(vc, offs[i], hd, kvm);
+        }
         vf k4[4][MAX_HD / VL];
         for (int i = 0; i < 4; i++) {
             if (j + i >= n) {
