@@ -34,11 +34,11 @@ from sidecar.config import EngineConfig
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.request import Request, TokenLogprob
 from sidecar.engine.sampler import filter_logits
-from sidecar.model.kernels.argmax import argmax
 from sidecar.engine.runner import ModelRunner
 from sidecar.engine.spec.draft import DraftProposer
 from sidecar.engine.spec.ngram import NgramProposer
 from sidecar.engine.spec.state import SpecState
+from sidecar.model.kernels.argmax import argmax
 from sidecar.model.loader import LoadedModel
 from sidecar.engine.spec.verify import verify_greedy, verify_sampled
 
