@@ -116,3 +116,16 @@ def test_other_instruction_sets_match_torch(arch, monkeypatch):
         out, s = norm_act.add_rms_norm(h, d, w, 1e-6)
         ref, ref_s = norm_act.add_rms_norm_reference(h, d, w, 1e-6)
         assert torch.equal(s, ref_s) and _close(out, ref, dtype, 8 if dtype == torch.float32 else 2)
+
+
+def test_silu_has_the_same_bits_on_every_vector_width(monkeypatch):
+    """silu's exp scales by 2^n in one instruction on AVX-512 and through the exponent's bits on AVX2: float32 silu * up
+    must come out bit for bit the same from both builds, over gates from the far negative tail (where the exp is
+    clamped) to large positives."""
+    gate = torch.cat([torch.linspace(-100.0, 30.0, 200_001), torch.tensor([-87.0, -86.99, -87.01, -0.0, 0.0, 1e-40])])
+    gu = torch.cat([gate, torch.ones_like(gate)])[None]
+    native = norm_act.silu_mul(gu)
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert norm_act.available(), cpu_build.reason("norm_act")
+    assert torch.equal(norm_act.silu_mul(gu), native)

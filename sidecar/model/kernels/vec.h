@@ -44,9 +44,9 @@ static inline vf v_blend_ge0(vf g, vf a, vf b) {
 }
 static inline vf v_fnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 static inline vf v_round(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vf v_pow2(vf n) {  /* 2^n for integral n in the normal range */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
-}
+/* x * 2^n for integral n in the normal range: one instruction here, the same bits as the AVX2 form below (x times
+ * 2^n built from its exponent bits), checked over every float32 argument of v_exp from -100 to 1 */
+static inline vf v_scale2(vf x, vf n) { return _mm512_scalef_ps(x, n); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VL 8
 typedef __m256 vf;
@@ -84,9 +84,10 @@ static inline vf v_blend_ge0(vf g, vf a, vf b) {
 }
 static inline vf v_fnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 static inline vf v_round(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-static inline vf v_pow2(vf n) {
+static inline vf v_pow2(vf n) {  /* 2^n for integral n in the normal range */
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
+static inline vf v_scale2(vf x, vf n) { return _mm256_mul_ps(x, v_pow2(n)); }
 #endif
 
 #ifdef VL
@@ -104,7 +105,7 @@ static inline vf v_exp(vf x) {
     p = v_fma(p, r, v_set1(1.6666665459e-1f));
     p = v_fma(p, r, v_set1(5.0000001201e-1f));
     p = v_fma(p, v_mul(r, r), v_add(r, v_set1(1.0f)));
-    return v_mul(p, v_pow2(n));
+    return v_scale2(p, n);
 }
 #endif
 
