@@ -62,7 +62,7 @@ static void configure(int r0, int r1) {
     c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)r0;
     c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)(r1 ? r1 : 1);
     c.rows[6] = c.rows[7] = 16;
-    _tile_loadconfig(&c);
+    load_tile_config(&c);
 }
 
 /* Output modes: float32, bf16, or float32 holding the values rounded to bf16 (the bf16 output widened, in the same

@@ -173,7 +173,7 @@ static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
         c.colsb[t] = 64;
         c.rows[t] = 16;
     }
-    _tile_loadconfig(&c);
+    load_tile_config(&c);
 }
 
 /* Chunk ck's keys and values of KV head g (positions k_first + 32 ck ..; past ctx: zeros) into their tiles. */

@@ -211,6 +211,11 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* Loads a tile configuration. Through an asm operand that reads the whole struct: with _tile_loadconfig, GCC 12 was
+ * seen to drop the stores that fill the struct's rows and columns (a configuration with none: the load faults, SIGILL,
+ * where no self-check can catch it). */
+static inline void load_tile_config(const tile_config* c) { __asm__ volatile("ldtilecfg %0" : : "m"(*c)); }
+
 static inline int amx_granted(void) {
     static int granted = -1;
     if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
