@@ -4,7 +4,8 @@ The runtime half of quantization ("swap modules for runtime"): ``Int8Linear`` /
 ``Int4Linear`` hold the codes of the stored format (``quant_format.py``) in
 whatever layout the device's fused kernel wants (``_weight_int8pack_mm``, ``_weight_int4pack_mm[_for_cpu]``)
 as buffers, and never materialise a dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS``
-rows (decode steps; prefills too where the AVX2 path over the codes is built: ``int8_gemv.takes``) and int4
+rows (decode steps; bf16 prefills too through AMX's tile products over the widened codes, or wherever the AVX2
+path over the codes is built: ``int8_gemv.takes``) and int4
 batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill chunks) go through our own kernels
 (``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's packed int4 layout in place) when they
 build. ``quantize_linear`` / ``quantize_tied_embedding`` are the loader's hooks for quantizing a full-precision
@@ -137,7 +138,7 @@ class Int8Linear(_QuantLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if (x2d.device.type == "cpu" and int8_gemv.takes(x2d.shape[0]) and self.k_padded == self.in_features
+        if (x2d.device.type == "cpu" and int8_gemv.takes(x2d.shape[0], x.dtype) and self.k_padded == self.in_features
                 and (x.dtype is torch.float32 or x.dtype is torch.bfloat16) and not self._takes_triton(x2d)
                 and self.weight.device.type == "cpu" and int8_gemv.available()):
             # Our kernels (a decode-sized batch, or a prefill's over the codes where the AVX2 path is

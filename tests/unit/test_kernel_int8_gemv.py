@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from sidecar.model.kernels import bf16_gemv, cpu_build, int8_gemv
+from sidecar.model.kernels import amx_gemm, bf16_gemv, cpu_build, int8_gemv
 from sidecar.model.quant import Int8Linear, quantize_linear
 from sidecar.model.quant_format import dequantize_int8, quantize_int8
 
@@ -78,9 +78,10 @@ def test_int8_linear_few_and_many_rows_match_the_dequantized_layer(rows, dtype, 
     x = torch.randn(rows, features).to(dtype)
     y = qlin(x)
     assert y.dtype == dtype and y.shape == (rows, 70)
-    # decode-sized batches take our kernel, larger ones too where the AVX2 path over the codes is built (whole
-    # 32-value chunks only: 200 features are padded, and those layers go to torch)
-    assert bool(calls) == (rows <= int8_gemv.MAX_ROWS or (features % 32 == 0 and bf16_gemv.int8_wide_available()))
+    # decode-sized batches take our kernel, larger ones too where the AVX2 path over the codes is built, or AMX's for
+    # bf16 (whole 32-value chunks only: 200 features are padded, and those layers go to torch)
+    assert bool(calls) == (rows <= int8_gemv.MAX_ROWS or features % 32 == 0 and (
+        bf16_gemv.int8_wide_available() or dtype == torch.bfloat16 and amx_gemm.available()))
     ref = x.float() @ deq.float().T + b.float()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
     assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
@@ -291,3 +292,53 @@ def test_int8_layer_prefill_takes_the_wide_path(dtype, avx2_build, monkeypatch):
     deq = dequantize_int8(*quantize_int8(w, w.dtype))
     close = x.float() @ deq.float().T + b.float()
     assert (y.float() - close).abs().max() <= 1e-2 * close.abs().max()
+
+
+FLAGS = open("/proc/cpuinfo").read().split()
+CPU_HAS_AMX = "amx_bf16" in FLAGS and "amx_tile" in FLAGS
+
+
+# past MAX_ROWS: a single pass (33, 64 rows), k blocks (65+), blocks of rows (1,100 x 96), slabs of chunks (300 x
+# 4,864), a partial last group of weight rows (45, 130), output past 8 MiB streamed (600 x 4,000)
+AMX_CASES = [(33, 45, 96), (64, 130, 896), (65, 64, 4864), (300, 96, 4864), (1100, 70, 96), (600, 4000, 896)]
+
+
+@pytest.mark.parametrize("m,n,k", AMX_CASES)
+def test_amx_path_is_the_bf16_tile_product_over_the_codes(m, n, k):
+    """Prefill batches over int8 codes on a CPU with AMX: the bf16 tile kernel's sums over the codes as bf16 weights
+    (exact: small integers), bit for bit, then times the row's scale, plus the bias, rounded once; a row alone gives
+    its bits in the batch. Without AMX the path says so (None) and the layer keeps its other paths."""
+    x, w, s = _case(m, n, k, seed=m + n)
+    xb = x.bfloat16()
+    if not (CPU_HAS_AMX and amx_gemm.available()):
+        assert amx_gemm.int8_matmul(xb, w, s) is None
+        return
+    sums = amx_gemm.AmxLayer(amx_gemm.pack(w.bfloat16()), n, None)(xb, torch.float32)
+    assert torch.equal(amx_gemm.int8_matmul(xb, w, torch.ones(n)), sums)
+    exact = (xb.double() @ w.double().T) * s.double()
+    for bias in (None, torch.randn(n), torch.randn(n).bfloat16()):
+        for out in (torch.float32, torch.bfloat16):
+            y = amx_gemm.int8_matmul(xb, w, s, bias, out)
+            ref = sums * s if bias is None else sums * s + bias.float()
+            assert y.dtype == out and torch.equal(y, ref.to(out))
+    y = amx_gemm.int8_matmul(xb, w, s)
+    assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert torch.equal(amx_gemm.int8_matmul(xb[m // 2:m // 2 + 1], w, s), y[m // 2:m // 2 + 1])
+
+
+def test_int8_layer_prefill_takes_the_amx_path_for_bf16(monkeypatch):
+    """An int8 layer's bf16 prefill batch goes through the tile path where AMX runs (the dequantized layer's values);
+    float32 activations keep the layer's other paths."""
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 96, bias=True).bfloat16()
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    deq = dequantize_int8(*quantize_int8(w, w.dtype))
+    qlin = quantize_linear(lin, "int8")
+    x = torch.randn(100, 256).bfloat16()
+    calls = []
+    real = amx_gemm.int8_matmul
+    monkeypatch.setattr(amx_gemm, "int8_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    y = qlin(x)
+    assert calls == ([100] if CPU_HAS_AMX and amx_gemm.available() else [])
+    ref = x.float() @ deq.float().T + b.float()
+    assert y.dtype == torch.bfloat16 and (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()

@@ -33,6 +33,7 @@ _KERNEL = cpu_build.Kernel("amx_gemm", {
     "sidecar_amx_bf16_matmul": ([P] * 4 + [I] * 6, I),
     "sidecar_amx_bf16_gate_up": ([P] * 4 + [I] * 7, I),
     "sidecar_amx_supported": ([], I),
+    "sidecar_amx_int8_matmul": ([P] * 5 + [I] * 6, I),
 })
 _checked: dict[str, str] = {}  # "reason": why the path is off ('' when it is on), once checked
 
@@ -193,6 +194,27 @@ class AmxLayer(cpu_build.LayerView):
         return y
 
 
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                out_dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+    """``(x @ weight.T) * scales + bias`` for bf16 ``x`` [M, K] and int8 codes ``weight`` [N, K] (K a multiple of 32)
+    with float32 ``scales`` [N], through tile products over the codes widened to bf16 (exact): float32 sums, times the
+    row's scale, then the bias, rounded once to ``out_dtype`` (float32 or bf16). None where the path is not available;
+    the caller has checked the static operands (contiguous, on the CPU)."""
+    lib = _lib()
+    if lib is None or not available() or x.dtype is not torch.bfloat16 or x.dim() != 2 or weight.shape[1] % 32:
+        return None
+    x = x if x.is_contiguous() else x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+    rc = lib.sidecar_amx_int8_matmul(x.data_ptr(), weight.data_ptr(), scales.data_ptr(),
+                                     None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0],
+                                     weight.shape[0], weight.shape[1], torch.get_num_threads(),
+                                     int(bias is not None and bias.dtype == torch.bfloat16),
+                                     OUT_BF16 if out_dtype is torch.bfloat16 else OUT_F32)
+    if rc == 2:
+        raise MemoryError(f"amx int8 matmul: no memory for the working buffers of {x.shape[0]} activation rows")
+    return y if rc == 0 else None
+
+
 def _self_check() -> str:
     """'' when the kernel computes what a float64 product computes (to float32 summation error), for a row alone
     as in a batch; else what went wrong."""
@@ -227,6 +249,17 @@ def _self_check() -> str:
         act = (torch.nn.functional.silu(gu[:, :32].float()).bfloat16().float() * gu[:, 32:].float()).bfloat16()
         if not (paired(x, silu=True).float() - act.float()).abs().max() <= 1e-2 * float(act.float().abs().max()):
             return "silu(gate) * up from the gate/up pairs is off"
+        codes = torch.randint(-127, 128, (70, 96), generator=g, dtype=torch.int8)  # int8 codes, per-row scales
+        scales = torch.rand(70, generator=g) + 0.5
+        x = torch.randn(67, 96, generator=g).bfloat16()
+        lib = _lib()
+        y8 = torch.empty(67, 70)
+        if lib.sidecar_amx_int8_matmul(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), None, y8.data_ptr(), 67, 70,
+                                       96, torch.get_num_threads(), 0, OUT_F32) != 0:
+            return "the int8 product refused its arguments"
+        ref = (x.double() @ codes.double().T) * scales.double()
+        if not float((y8.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max()):
+            return "the int8 product is off from its float64 reference"
     except (RuntimeError, ValueError) as e:
         return f"self-check failed: {e}"
     return ""

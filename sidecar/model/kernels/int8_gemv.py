@@ -17,20 +17,25 @@ from typing import Optional
 
 import torch
 
-from sidecar.model.kernels import bf16_gemv, cpu_build
+from sidecar.model.kernels import amx_gemm, bf16_gemv, cpu_build
 from sidecar.model.kernels.cpu_build import I, P
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
 # Measured one thread, Qwen2-0.5B-shaped layers: 1.4-1.7x faster than torch's packed kernel from 1
-# to 32 rows, even at 64 rows; beyond that prefill chunks go to the AVX2 prefill path over the codes
-# (``bf16_gemv.int8_matmul_wide``: twice torch's packed kernel on a Zen 3) where it is built, else to torch's.
+# to 32 rows, even at 64 rows; beyond that bf16 prefill chunks go to AMX's tile products over the widened codes
+# (``amx_gemm.int8_matmul``: a 256-token prefill 219 -> ~1,700 tok/s on a 2-core Xeon) where it runs, to the AVX2
+# prefill path over the codes (``bf16_gemv.int8_matmul_wide``: twice torch's packed kernel on a Zen 3) where that is
+# built, else to torch's.
 MAX_ROWS = 32
 
 
-def takes(rows: int) -> bool:
-    """Whether a layer of per-row scales (``Layer``) runs a batch of ``rows`` itself: decode-sized batches, and
-    any batch where the wide path is built."""
-    return rows <= MAX_ROWS or bf16_gemv.int8_wide_available()
+def takes(rows: int, dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether a layer of per-row scales (``Layer``) runs a batch of ``rows`` (activations of ``dtype``) itself:
+    decode-sized batches, any batch where the wide path is built, and bf16 batches where AMX's is."""
+    return (rows <= MAX_ROWS or bf16_gemv.int8_wide_available()
+            or dtype is torch.bfloat16 and amx_gemm.available())
+
+
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
@@ -102,7 +107,7 @@ class Layer(cpu_build.LayerView):
     so that a call checks only the activations: in a decode step the checks around the product cost about
     as much as a small layer's product. ``matches`` says whether it still holds these tensors."""
 
-    __slots__ = ("weight", "scales", "bias", "grouped", "n", "k", "fn", "flags", "wide")
+    __slots__ = ("weight", "scales", "bias", "grouped", "n", "k", "fn", "flags", "wide", "amx")
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
                  grouped: bool = False) -> None:
@@ -120,6 +125,8 @@ class Layer(cpu_build.LayerView):
                       | (_GROUPED if grouped else 0))
         # batches past MAX_ROWS: the AVX2 prefill path over the codes, for per-row scales
         self.wide = not grouped and k % 32 == 0 and bf16_gemv.int8_wide_available()
+        # ... and on CPUs with AMX, bf16 batches past MAX_ROWS through tile products over the widened codes
+        self.amx = not grouped and k % 32 == 0 and scales.dtype == torch.float32 and amx_gemm.available()
 
     def matches(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         return weight is self.weight and scales is self.scales and bias is self.bias
@@ -132,6 +139,10 @@ class Layer(cpu_build.LayerView):
         if not x.is_contiguous():
             x = x.contiguous()
         m = x.shape[0]
+        if m > MAX_ROWS and self.amx and x.dtype is torch.bfloat16:
+            y = amx_gemm.int8_matmul(x, self.weight, self.scales, self.bias, out_dtype)
+            if y is not None:
+                return y
         if m > MAX_ROWS and self.wide:
             return bf16_gemv.int8_matmul_wide(x, self.weight, self.scales, self.bias, out_dtype)
         y = torch.empty(m, self.n, dtype=out_dtype)
