@@ -49,6 +49,14 @@ static inline void prefetch_row(const void* cache, size_t off, int hd, int kvm) 
     for (int l = 0; l < hd * es; l += 64) __builtin_prefetch(p + l, 0, 3);
 }
 
+/* As keys j..j+3 (of n) are scored: the keys READ_AHEAD_KEYS on, and these keys' values, toward L1. */
+static inline void read_ahead(const void* kc, const void* vc, const size_t* offs, int j, int n, int hd, int kvm) {
+    for (int i = j; i < j + 4 && i < n; i++) {
+        if (i + READ_AHEAD_KEYS < n) prefetch_row(kc, offs[i + READ_AHEAD_KEYS], hd, kvm);
+        prefetch_row(vc, offs[i], hd, kvm);
+    }
+}
+
 #ifdef VL
 static inline vf v_kv_load(const char* p, size_t i, int kvm) {
     if (kvm == KV_INT8) return v_load_i8((const int8_t*)p + i);
@@ -140,10 +148,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
         /* bf16 keys and queries: pairs of exact products summed in float32 lanes (vdpbf16ps), no widening; the
          * scale multiplies the finished dot product */
         for (int j = 0; j < n; j += 4) {
-            for (int i = j; i < j + 4 && i < n; i++) {
-                if (i + READ_AHEAD_KEYS < n) prefetch_row(kc, offs[i + READ_AHEAD_KEYS], hd, kvm);
-                prefetch_row(vc, offs[i], hd, kvm);
-            }
+            read_ahead(kc, vc, offs, j, n, hd, kvm);
             __m512bh k4[4][MAX_HD / 32];
             for (int i = 0; i < 4; i++) {
                 const uint16_t* key = (const uint16_t*)kc + (j + i < n ? offs[j + i] : 0);
@@ -169,10 +174,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
 #endif
 #ifdef VL
     for (int j = 0; j < n; j += 4) {
-        for (int i = j; i < j + 4 && i < n; i++) {
-            if (i + READ_AHEAD_KEYS < n) prefetch_row(kc, offs[i + READ_AHEAD_KEYS], hd, kvm);
-            prefetch_row(vc, offs[i], hd, kvm);
-        }
+        read_ahead(kc, vc, offs, j, n, hd, kvm);
         vf k4[4][MAX_HD / VL];
         for (int i = 0; i < 4; i++) {
             if (j + i >= n) {
