@@ -23,9 +23,11 @@ is measured once at pack time, where oneDNN overtakes the kernel on this CPU
 On a CPU with AMX (Intel Sapphire Rapids on), bf16 weights are held in AMX's tile layout alone
 (``amx_gemm.pack``) and our AMX kernel takes every batch size: faster than oneDNN's packed GEMM from one row to
 prefill on a 2-core Xeon (the kernel's header has the figures), in one copy of each weight instead of oneDNN's
-packed copy beside the tiled one; a tied head's table serves the embedding lookups from the same layout. Its
-results are float32 sums in another order than oneDNN's (not F.linear's bits), the same for a row whatever its
-batch. Where the kernel's start-up self-check fails, the layers keep oneDNN (``amx_gemm.available``).
+packed copy beside the tiled one; a tied head's table serves the embedding lookups from the same layout. With
+AVX-512 BF16 but no AMX (AMD Zen 4, 5) the same layout and loops run dot products (``amx_gemm.path()``): level
+with oneDNN from 16 rows on, ahead below, in one copy there too. Results are float32 sums in another order than
+oneDNN's (not F.linear's bits), the same for a row whatever its batch. Where the kernel's start-up self-check
+fails, the layers keep oneDNN (``amx_gemm.available``).
 
 Where oneDNN has no bf16 GEMM (AVX2-only CPUs: AMD Zen 2/3, older Intel), torch's bf16 matmul is its own slow
 loop (measured on a 2-core Zen 3, a 4,864 x 896 layer: ~17 GFLOP/s from 16 rows up, a sixth of our kernel;
@@ -87,13 +89,13 @@ class Linear(nn.Linear):
     plain weight), and ``F.linear`` otherwise."""
 
     kernel_rows = bf16_gemv.MAX_ROWS  # bf16 batches of up to this many rows take our kernel (see pack_weights)
-    gate_up_halves = 0  # a fused gate/up projection's intermediate size (set by the MLP): AMX holds it in pairs
+    gate_up_halves = 0  # a fused gate/up projection's intermediate size (set by the MLP): the tile layout pairs it
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("tiled", None, persistent=False)
-        self.register_buffer("amx", None, persistent=False)  # the weight in AMX's tile layout (amx_gemm.pack)
+        self.register_buffer("amx", None, persistent=False)  # the weight in the tile layout (amx_gemm.pack)
         self._tiled_layer: Optional[bf16_gemv.TiledLayer] = None  # the kernel's checked view of ``tiled``
         self._amx_layer: Optional[amx_gemm.AmxLayer] = None  # ... and of ``amx``
         self.amx_pairs = 0  # ``amx`` holds a gate/up projection's rows in pairs of this many (amx_gemm.pack)
@@ -102,13 +104,13 @@ class Linear(nn.Linear):
         """Hold the weight in oneDNN's layout, and in our bf16 kernel's tiled layout when ``tile``; where oneDNN
         cannot pack it (``tile_only``), in the tiled layout alone, for every batch size. Drop the plain one
         unless ``keep_weight``. ``consume``: nothing outside this model reads the plain weight, so a dropped one's
-        pages are given back as the tiled copy is made (``bf16_gemv.tile_weight``'s ``release_source``). On a CPU
-        with AMX a bf16 weight goes to AMX's tile layout instead, alone (``amx_gemm.pack``; a gate/up projection's
-        rows in pairs, ``gate_up_halves``)."""
+        pages are given back as the tiled copy is made (``bf16_gemv.tile_weight``'s ``release_source``). With AMX
+        or AVX-512 BF16 a bf16 weight goes to the tile layout instead, alone (``amx_gemm.pack``; a gate/up
+        projection's rows in pairs, ``gate_up_halves``)."""
         if self.packed is not None or self.tiled is not None or self.amx is not None:
             return False
         release = consume and not keep_weight  # the plain weight is read for the last time
-        if amx_gemm.takes(self.weight):  # AMX: one layout for every batch size
+        if amx_gemm.takes(self.weight):  # AMX or AVX-512 BF16: one layout for every batch size
             self.amx_pairs = amx_gemm.pairs_of(self.weight, self.gate_up_halves)
             self.amx = amx_gemm.pack(self.weight.detach(), release, self.amx_pairs)
         elif can_pack(self.weight):
@@ -133,13 +135,13 @@ class Linear(nn.Linear):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def float_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """``self(x).float()`` in one pass (bf16 on a CPU with AMX, no hook on the output: a model's logits)."""
+        """``self(x).float()`` in one pass (bf16 in the tile layout, no hook on the output: a model's logits)."""
         if self.amx is None or x.dtype is not torch.bfloat16 or self._forward_hooks or self._forward_pre_hooks:
             return None
         return self._amx_forward(x, False, True)
 
     def silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """silu(gate) * up of this fused gate/up projection's output in one pass (bf16 on a CPU with AMX, the layer
+        """silu(gate) * up of this fused gate/up projection's output in one pass (bf16 in the tile layout, the layer
         held in pairs, no hook reading its output: an adapter's delta joins the projection before the activation);
         the bits ``norm_act.silu_mul`` gives from ``self(x)``. None where it does not apply."""
         if (self.amx is None or not self.amx_pairs or x.dtype is not torch.bfloat16 or self._forward_hooks
@@ -250,7 +252,7 @@ def pack_weights(model: nn.Module, consume: bool = False) -> int:
             and m.in_features % 32 == 0]
     tiled_bytes = sum(m.weight.numel() * 2 for m in bf16)  # what the copies cost (shared ones stay plain anyway)
     kernel_read = {id(m) for m in bf16}
-    amx = bool(bf16) and amx_gemm.takes(bf16[0].weight)  # AMX: bf16 weights in its tile layout alone (Linear.pack)
+    amx = bool(bf16) and amx_gemm.takes(bf16[0].weight)  # bf16 weights in the tile layout alone (Linear.pack)
     tile = (bool(bf16) and not amx and bf16_gemv.available()
             and tiled_bytes <= TILED_FRACTION * _physical_memory())
     # A tied lm_head's table moves to the tiled layout too where the kernel runs, when only embedding lookups
@@ -280,7 +282,7 @@ def pack_weights(model: nn.Module, consume: bool = False) -> int:
         log.info("linear layers: %d packed%s", packed,
                  f"; bf16 copies in the decode kernel's tiled layout ({tiled_bytes / 2**20:.0f} MiB), which "
                  f"takes batches of up to {rows} rows" if tile else
-                 "; bf16 ones in AMX's tile layout alone, every batch size" if amx else " for oneDNN")
+                 f"; bf16 ones in the tile layout alone ({amx_gemm.path()})" if amx else " for oneDNN")
     return n + packed
 
 

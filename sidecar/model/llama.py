@@ -189,7 +189,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj, "silu_mul", None)  # our Linear on AMX offers it; quantized layers do not
+        fused = getattr(self.gate_up_proj, "silu_mul", None)  # our Linear's (tile layout); quantized layers lack it
         act = fused(x) if fused is not None else None
         if act is not None:
             return self.down_proj(act)
@@ -278,6 +278,6 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h, delta)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        widened = getattr(self.lm_head, "float_forward", None)  # our Linear's (AMX); quantized heads lack it
+        widened = getattr(self.lm_head, "float_forward", None)  # our Linear's (tile layout); quantized heads lack it
         logits = widened(hidden) if widened is not None else None
         return logits if logits is not None else self.lm_head(hidden).float()

@@ -4,7 +4,7 @@ The runtime half of quantization ("swap modules for runtime"): ``Int8Linear`` /
 ``Int4Linear`` hold the codes of the stored format (``quant_format.py``) in
 whatever layout the device's fused kernel wants (``_weight_int8pack_mm``, ``_weight_int4pack_mm[_for_cpu]``)
 as buffers, and never materialise a dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS``
-rows (decode steps; bf16 prefills too through AMX's tile products over the widened codes, or wherever the AVX2
+rows (decode steps; bf16 prefills too through the tile-layout kernel over the widened codes, or wherever the AVX2
 path over the codes is built: ``int8_gemv.takes``) and int4
 batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill chunks) go through our own kernels
 (``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's packed int4 layout in place) when they

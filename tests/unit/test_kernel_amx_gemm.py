@@ -1,16 +1,34 @@
-"""Our AMX bf16 matmul against its float64 reference, its weight layout, and its start-up check.
+"""Our tile-layout bf16 matmul against its float64 reference, its weight layout, and its start-up check.
 
-The layout (pack, unpack, rows) is torch code and is tested on every CPU; the kernel runs where the CPU has AMX
-BF16 and the kernel grants the tile state, and elsewhere must say so (``available()`` False, with a reason)."""
+The layout (pack, unpack, rows) is torch code and is tested on every CPU. The kernel runs where the CPU has AMX BF16
+(tile products) or AVX-512 BF16 (dot products over the same layout), and elsewhere must say so (``available()``
+False, with a reason). Each kernel test runs twice: the build for this CPU, and one with AMX left out (the AVX-512
+BF16 path, as on an AMD Zen 4; on a CPU without AVX-512 BF16 that build must refuse too)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sidecar.model.kernels import amx_gemm
+from sidecar.model.kernels import amx_gemm, cpu_build
 
 FLAGS = open("/proc/cpuinfo").read().split()
 CPU_HAS_AMX = "amx_bf16" in FLAGS and "amx_tile" in FLAGS
+CPU_HAS_AVX512_BF16 = "avx512_bf16" in FLAGS
+NO_AMX = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+@pytest.fixture(params=["native", "no-amx"])
+def build(request, monkeypatch):
+    """The kernel as built for this CPU, or without AMX: its path ('AMX', 'AVX-512 BF16'; '' where none runs)."""
+    if request.param == "no-amx":
+        monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", NO_AMX)
+        expected = "AVX-512 BF16" if CPU_HAS_AVX512_BF16 else ""
+    else:
+        expected = "AMX" if CPU_HAS_AMX else "AVX-512 BF16" if CPU_HAS_AVX512_BF16 else ""
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(amx_gemm, "_checked", {})
+    assert amx_gemm.path() == expected
+    return expected
 
 
 def _case(m, n, k, seed, bias_dtype=None):
@@ -21,8 +39,8 @@ def _case(m, n, k, seed, bias_dtype=None):
     return x, w, b
 
 
-def test_availability_follows_the_cpu():
-    if not CPU_HAS_AMX:
+def test_availability_follows_the_cpu(build):
+    if not build:
         assert not amx_gemm.available() and amx_gemm.reason()
         with pytest.raises(RuntimeError, match="not available"):
             amx_gemm.AmxLayer(amx_gemm.pack(torch.zeros(32, 32).bfloat16()), 32, None)
@@ -55,10 +73,10 @@ def test_pack_refuses_what_the_layout_cannot_hold():
     assert not amx_gemm.takes(torch.zeros(8, 48).bfloat16()) and not amx_gemm.takes(torch.zeros(8, 64))
 
 
-def _runs() -> bool:
-    """Whether the kernel runs here. On a CPU without AMX it must refuse to (Linear keeps oneDNN's GEMM there);
-    on one with AMX it must be on."""
-    if not CPU_HAS_AMX:
+def _runs(build: str) -> bool:
+    """Whether the kernel runs in this build. Without AMX or AVX-512 BF16 it must refuse to (Linear keeps oneDNN's
+    GEMM or our tiled kernel there); with either it must be on."""
+    if not build:
         with pytest.raises(RuntimeError, match="not available"):
             amx_gemm.AmxLayer(amx_gemm.pack(torch.zeros(32, 32).bfloat16()), 32, None)
         return False
@@ -72,8 +90,8 @@ def _runs() -> bool:
                                    (32, 33, 64), (45, 96, 1536), (65, 40, 288), (300, 100, 4864), (1100, 70, 96),
                                    (600, 230, 2112)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(m, n, k, bias_dtype):
-    if not _runs():
+def test_kernel_matches_reference(m, n, k, bias_dtype, build):
+    if not _runs(build):
         return
     x, w, b = _case(m, n, k, seed=m * 7 + n, bias_dtype=bias_dtype)
     layer = amx_gemm.AmxLayer(amx_gemm.pack(w), n, b)
@@ -88,10 +106,10 @@ def test_kernel_matches_reference(m, n, k, bias_dtype):
     assert widened.dtype == torch.float32 and torch.equal(widened, y16.float())
 
 
-def test_large_outputs_are_streamed_with_the_same_values():
+def test_large_outputs_are_streamed_with_the_same_values(build):
     """Outputs of 8 MiB or more (a model's logits) are written around the caches: the same values as a small batch's
     (a row alone), in every output mode, with a partial last group of columns."""
-    if not _runs():
+    if not _runs(build):
         return
     for m, n, out_dtype, widened in ((70, 30_000, torch.float32, False), (70, 30_016, torch.float32, True),
                                      (140, 30_016, torch.bfloat16, False)):
@@ -106,8 +124,8 @@ def test_large_outputs_are_streamed_with_the_same_values():
             assert torch.equal(layer(x[r:r + 1], out_dtype, widened=widened), y[r:r + 1])
 
 
-def test_a_row_does_not_depend_on_its_batch_or_the_threads():
-    if not _runs():
+def test_a_row_does_not_depend_on_its_batch_or_the_threads(build):
+    if not _runs(build):
         return
     x, w, b = _case(200, 130, 896, seed=3, bias_dtype=torch.float32)
     layer = amx_gemm.AmxLayer(amx_gemm.pack(w), 130, b)
@@ -128,8 +146,8 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads():
         assert torch.equal(layer(x[rows]), y[rows])
 
 
-def test_layer_checks_its_operands():
-    if not _runs():
+def test_layer_checks_its_operands(build):
+    if not _runs(build):
         return
     _, w, b = _case(1, 40, 64, seed=1, bias_dtype=torch.float32)
     packed = amx_gemm.pack(w)
@@ -149,8 +167,8 @@ def test_layer_checks_its_operands():
     assert layer.matches(packed, b) and not layer.matches(packed.clone(), b)
 
 
-def test_a_failing_self_check_turns_the_path_off(monkeypatch, caplog):
-    if not _runs():
+def test_a_failing_self_check_turns_the_path_off(monkeypatch, caplog, build):
+    if not _runs(build):
         return
     monkeypatch.setattr(amx_gemm, "_checked", {})
     monkeypatch.setattr(amx_gemm, "unpack", lambda packed, n: torch.zeros(n, packed.shape[1] * 32).bfloat16())
@@ -176,11 +194,11 @@ def test_gate_up_pairs_layout():
 
 @pytest.mark.parametrize("m,k", [(1, 160), (5, 160), (32, 160), (70, 160), (300, 160), (300, 2112)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
-def test_gate_up_pairs_give_the_projection_and_its_activation(m, k, bias_dtype):
+def test_gate_up_pairs_give_the_projection_and_its_activation(m, k, bias_dtype, build):
     """Held in pairs, a gate/up projection gives its own outputs (the same bits as the plain layout) or, in one pass,
     silu(gate) * up -- the bits norm_act.silu_mul gives from those outputs. (300, 2112): rows long enough to go in
     slabs of chunks."""
-    if not _runs():
+    if not _runs(build):
         return
     from sidecar.model.kernels import norm_act
     x, w, b = _case(m, 2 * 48, k, seed=m, bias_dtype=bias_dtype)

@@ -296,6 +296,7 @@ def test_int8_layer_prefill_takes_the_wide_path(dtype, avx2_build, monkeypatch):
 
 FLAGS = open("/proc/cpuinfo").read().split()
 CPU_HAS_AMX = "amx_bf16" in FLAGS and "amx_tile" in FLAGS
+CPU_HAS_AVX512_BF16 = "avx512_bf16" in FLAGS
 
 
 # past MAX_ROWS: a single pass (33, 64 rows), k blocks (65+), blocks of rows (1,100 x 96), slabs of chunks (300 x
@@ -304,13 +305,20 @@ AMX_CASES = [(33, 45, 96), (64, 130, 896), (65, 64, 4864), (300, 96, 4864), (110
 
 
 @pytest.mark.parametrize("m,n,k", AMX_CASES)
-def test_amx_path_is_the_bf16_tile_product_over_the_codes(m, n, k):
-    """Prefill batches over int8 codes on a CPU with AMX: the bf16 tile kernel's sums over the codes as bf16 weights
-    (exact: small integers), bit for bit, then times the row's scale, plus the bias, rounded once; a row alone gives
-    its bits in the batch. Without AMX the path says so (None) and the layer keeps its other paths."""
+@pytest.mark.parametrize("arch", [None, "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"])
+def test_amx_path_is_the_bf16_tile_product_over_the_codes(m, n, k, arch, monkeypatch):
+    """Prefill batches over int8 codes on a CPU with AMX or AVX-512 BF16 (the build for this CPU, and one without AMX):
+    the bf16 tile-layout kernel's sums over the codes as bf16 weights (exact: small integers), bit for bit, then times
+    the row's scale, plus the bias, rounded once; a row alone gives its bits in the batch. Without either the path
+    says so (None) and the layer keeps its other paths."""
+    if arch:
+        monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", arch)
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(amx_gemm, "_checked", {})
     x, w, s = _case(m, n, k, seed=m + n)
     xb = x.bfloat16()
-    if not (CPU_HAS_AMX and amx_gemm.available()):
+    assert amx_gemm.available() == (CPU_HAS_AMX and not arch or CPU_HAS_AVX512_BF16)
+    if not amx_gemm.available():
         assert amx_gemm.int8_matmul(xb, w, s) is None
         return
     sums = amx_gemm.AmxLayer(amx_gemm.pack(w.bfloat16()), n, None)(xb, torch.float32)
@@ -327,8 +335,8 @@ def test_amx_path_is_the_bf16_tile_product_over_the_codes(m, n, k):
 
 
 def test_int8_layer_prefill_takes_the_amx_path_for_bf16(monkeypatch):
-    """An int8 layer's bf16 prefill batch goes through the tile path where AMX runs (the dequantized layer's values);
-    float32 activations keep the layer's other paths."""
+    """An int8 layer's bf16 prefill batch goes through the tile-layout path where it runs (AMX or AVX-512 BF16: the
+    dequantized layer's values); float32 activations keep the layer's other paths."""
     torch.manual_seed(0)
     lin = nn.Linear(256, 96, bias=True).bfloat16()
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
@@ -339,6 +347,6 @@ def test_int8_layer_prefill_takes_the_amx_path_for_bf16(monkeypatch):
     real = amx_gemm.int8_matmul
     monkeypatch.setattr(amx_gemm, "int8_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     y = qlin(x)
-    assert calls == ([100] if CPU_HAS_AMX and amx_gemm.available() else [])
+    assert calls == ([100] if amx_gemm.available() else [])
     ref = x.float() @ deq.float().T + b.float()
     assert y.dtype == torch.bfloat16 and (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()

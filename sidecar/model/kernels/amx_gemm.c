@@ -1,4 +1,5 @@
-/* bf16 matmul on CPUs with AMX (Intel Sapphire Rapids and later), for every batch size:
+/* bf16 matmul on CPUs with AMX (Intel Sapphire Rapids and later), for every batch size (and, on CPUs with AVX-512
+ * BF16 but no AMX, the same layout and loops through dot products: DOT_PATH below):
  *
  *   y[m, n] = bias[n] + sum_k x[m, k] * w[n, k]      x bf16 [M, K], w bf16 [N, K]; y float32 or bf16 [M, N]
  *
@@ -44,6 +45,12 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define AMX_PATH 1
+#elif defined(__AVX512BF16__) && defined(__AVX512F__)
+#define DOT_PATH 1  /* no AMX: the same layout and loops, each panel's products as AVX-512 BF16 dot products */
+#endif
+
+#if defined(AMX_PATH) || defined(DOT_PATH)
+#define TILE_LAYOUT 1
 #define BLOCK_BYTES (1 << 20)
 /* Weight bytes read ahead into L2 while a k step's tiles are multiplied, for panels of more than 16 rows (fewer
  * rows leave the stream to the hardware prefetcher, which measured as fast there). Measured on a 2-core Xeon with
@@ -55,7 +62,9 @@
  * Qwen2-0.5B's head (151,936 x 896) at 64 rows: 25.6 -> ~15 ms with float32 logits. */
 #define STREAM_BYTES (8 << 20)
 #define KC 8  /* chunks a k block holds: a group's 16 KiB of them stay in L1 while the block's panels pass */
+#endif
 
+#ifdef AMX_PATH
 /* Tiles: accumulators 0 (rows 0-15 x outputs 0-15), 1 (rows 0-15 x outputs 16-31), 2 and 3 (rows 16-31); activation
  * tiles 4 (rows 0-15) and 5 (rows 16-31); weight tiles 6 and 7. r0 / r1: the panel's rows in each half. */
 static void configure(int r0, int r1) {
@@ -68,7 +77,9 @@ static void configure(int r0, int r1) {
     c.rows[6] = c.rows[7] = 16;
     load_tile_config(&c);
 }
+#endif
 
+#ifdef TILE_LAYOUT
 /* Output modes: float32, bf16, or float32 holding the values rounded to bf16 (the bf16 output widened, in the same
  * pass: a model's logits). */
 #define OUT_F32 0
@@ -243,12 +254,14 @@ static void widen_codes(const int8_t* w8, int N, int K, int g, int k0, int k1, i
 }
 #endif
 
+#ifdef AMX_PATH
 /* The tile products of one panel (activation rows xa.., 16 + r1 of them, or fewer in tile 0 alone when r1 is 0) with
  * chunks k0..k1 of a group's weights wg, added to the panel's sums s ([32][32] float32; zero before chunk 0). A panel
  * of more than 16 rows reads `lines` cache lines from `ahead` on into L2 as it goes, spread over its k steps. The
  * pending panel's outputs are stored as the k steps go, every row of them by the last. */
-static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg, int k0, int k1, int r1, float* s,
-                                  const char* ahead, int lines, const outputs* o, pending* p) {
+static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg, int k0, int k1, int mr, int r1,
+                                  float* s, const char* ahead, int lines, const outputs* o, pending* p) {
+    (void)mr;  /* the tile configuration holds the panel's rows */
     const int rows = (p->mr - p->done + k1 - k0 - 1) / (k1 - k0);  /* pending rows stored a k step */
     if (k0 == 0) {
         _tile_zero(0);
@@ -298,16 +311,93 @@ static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg,
 }
 #endif
 
-/* 1 where this build has the AMX path and the kernel granted this process the tile state (asked once), else 0. */
+#ifdef DOT_PATH
+/* Without AMX (AVX-512 BF16: AMD Zen 4 and 5, Intel Cooper Lake) the panel's products go as dot products over the
+ * same layout: a tile row of the weights (the pair of values 2 r, 2 r + 1 of a chunk for 16 outputs) is one vector,
+ * and vdpbf16ps adds to each output's float32 sum the two products of that pair with the pair of an activation row,
+ * broadcast. A register tile holds up to DOT_ROWS rows x the group's 32 outputs (24 accumulators, 2 weight vectors,
+ * the activations broadcast from memory); every output is one float32 sum over the pairs in order, whatever the
+ * batch, its panels and k blocks (the sums wait in s between k blocks, exactly). */
+#define DOT_ROWS 12
+
+/* rows xa.. (MR <= DOT_ROWS) x the group's 32 outputs over chunks k0..k1, added to s ([MR][32] of a panel's sums, row
+ * stride 32; zero before chunk 0); `per` cache lines from `ahead` on read into L2 each chunk. */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t* xa, int K, const uint16_t* wg, int k0,
+                                                           int k1, float* s, const char* ahead, int per, const int MR) {
+    __m512 a[DOT_ROWS][2];
+    for (int i = 0; i < MR; i++) {
+        a[i][0] = k0 ? _mm512_loadu_ps(s + i * 32) : _mm512_setzero_ps();
+        a[i][1] = k0 ? _mm512_loadu_ps(s + i * 32 + 16) : _mm512_setzero_ps();
+    }
+    for (int c = k0; c < k1; c++) {
+        const uint16_t* b = wg + (size_t)c * 1024;
+        const uint16_t* xc = xa + (size_t)c * 32;
+        for (int l = 0; l < per; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+        ahead += 64 * per;
+        for (int r = 0; r < 16; r++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)(b + r * 32));
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void*)(b + 512 + r * 32));
+            for (int i = 0; i < MR; i++) {
+                uint32_t pair;
+                memcpy(&pair, xc + (size_t)i * K + 2 * r, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+                a[i][0] = _mm512_dpbf16_ps(a[i][0], w0, xv);
+                a[i][1] = _mm512_dpbf16_ps(a[i][1], w1, xv);
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(s + i * 32, a[i][0]);
+        _mm512_storeu_ps(s + i * 32 + 16, a[i][1]);
+    }
+}
+
+/* each height its own function: inside the panel's loop the compiler spills the accumulators */
+#define DOT_ROWS_FN(MR)                                                                                          \
+    static __attribute__((noinline)) void dot_rows_##MR(const uint16_t* xa, int K, const uint16_t* wg, int k0,  \
+                                                        int k1, float* s, const char* ahead, int per) {         \
+        dot_rows(xa, K, wg, k0, k1, s, ahead, per, MR);                                                         \
+    }
+DOT_ROWS_FN(1) DOT_ROWS_FN(2) DOT_ROWS_FN(3) DOT_ROWS_FN(4) DOT_ROWS_FN(5) DOT_ROWS_FN(6)
+DOT_ROWS_FN(7) DOT_ROWS_FN(8) DOT_ROWS_FN(9) DOT_ROWS_FN(10) DOT_ROWS_FN(11) DOT_ROWS_FN(12)
+
+typedef void (*dot_rows_fn)(const uint16_t*, int, const uint16_t*, int, int, float*, const char*, int);
+static const dot_rows_fn DOT_ROWS_OF[DOT_ROWS + 1] = {
+    NULL, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6,
+    dot_rows_7, dot_rows_8, dot_rows_9, dot_rows_10, dot_rows_11, dot_rows_12};
+
+/* The AMX multiply_panel's contract over dot products: the panel's mr rows in register tiles of nearly equal height
+ * (32 rows: 11, 11, 10), the first reading the `lines` ahead -- at every panel height: here the products of a few rows
+ * take about as long as their weights' stream, and without the read-ahead the two take turns (Qwen2-0.5B's layers on
+ * a 2-core Xeon, AMX left out: 75.3 -> 42.4 ms a pass at 8 rows, 101.6 -> 69.2 at 16). The pending panel's outputs
+ * are stored first (the vector units do both; nothing runs beside them). */
+static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg, int k0, int k1, int mr, int r1,
+                                  float* s, const char* ahead, int lines, const outputs* o, pending* p) {
+    (void)r1;
+    store_rows(o, p, p->mr);
+    const int parts = (mr + DOT_ROWS - 1) / DOT_ROWS, per = (lines + k1 - k0 - 1) / (k1 - k0);
+    for (int q = 0, i0 = 0; q < parts; q++) {
+        const int h = mr / parts + (q < mr % parts);
+        DOT_ROWS_OF[h](xa + (size_t)i0 * K, K, wg, k0, k1, s + i0 * 32, q ? NULL : ahead, q ? 0 : per);
+        i0 += h;
+    }
+}
+#endif
+#endif  /* TILE_LAYOUT */
+
+/* Which path this build runs: 1 AMX tile products (the kernel granted this process the tile state, asked once), 2
+ * AVX-512 BF16 dot products over the same layout (a CPU without AMX), 0 neither. */
 int sidecar_amx_supported(void) {
-#ifdef AMX_PATH
+#if defined(AMX_PATH)
     return amx_granted();
+#elif defined(DOT_PATH)
+    return 2;
 #else
     return 0;
 #endif
 }
 
-#ifdef AMX_PATH
+#ifdef TILE_LAYOUT
 /* The product (see sidecar_amx_bf16_matmul); pairs: 0, or I for a gate/up layout (N = 2 I) stored as store_pairs
  * stores it (silu: its epilogue). w8 (wp NULL): int8 codes [N, K] with per-row scales instead, each thread widening
  * a group's k block to bf16 tiles (widen_codes) for every panel of the block to multiply. */
@@ -367,7 +457,9 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
                         for (int m0 = mb; m0 < me; m0 += 32) {
                             const int mr = me - m0 < 32 ? me - m0 : 32, r0 = mr < 16 ? mr : 16, r1 = mr - r0;
                             if (r0 != c0 || r1 != c1) {
+#ifdef AMX_PATH
                                 configure(r0, r1);
+#endif
                                 c0 = r0;
                                 c1 = r1;
                             }
@@ -385,7 +477,7 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
                                 ahead = (const char*)next + (size_t)64 * share * ((m0 - mb) / 32);
                                 lines = share;
                             }
-                            multiply_panel(x + (size_t)m0 * K, K, wg, k0, k1, r1, s, ahead, lines, &o, &p);
+                            multiply_panel(x + (size_t)m0 * K, K, wg, k0, k1, mr, r1, s, ahead, lines, &o, &p);
                             if (k1 < KB) continue;
                             p = (pending){s, mr, m0, g, 0};  /* stored while the next panel multiplies */
                         }
@@ -394,7 +486,9 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
             }
         }
         store_rows(&o, &p, 32);  /* the last panel's */
+#ifdef AMX_PATH
         if (c0 >= 0) _tile_release();
+#endif
         if (stream) _mm_sfence();  /* the streamed lines reach memory before the caller reads them */
         free(sums);
         free(wide);
@@ -408,7 +502,7 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
  * 1 without the AMX path or for arguments it does not take (nothing written), 2 out of memory for the working sums. */
 int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K,
                             int nthreads, int bias_bf16, int out) {
-#ifdef AMX_PATH
+#ifdef TILE_LAYOUT
     return matmul(x, wp, NULL, NULL, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads, (void)bias_bf16,
@@ -423,7 +517,7 @@ int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* b
  * from the bf16 projection (silu 1: out must be 1, bf16) -- one pass, no 2 I-wide output. Returns as above. */
 int sidecar_amx_bf16_gate_up(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int I, int K,
                              int nthreads, int bias_bf16, int out, int silu) {
-#ifdef AMX_PATH
+#ifdef TILE_LAYOUT
     if (I <= 0 || I % 16 || (silu && out != OUT_BF16)) return 1;
     return matmul(x, wp, NULL, NULL, bias, y, M, 2 * I, K, nthreads, bias_bf16, out, I, silu);
 #else
@@ -439,7 +533,7 @@ int sidecar_amx_bf16_gate_up(const uint16_t* x, const uint16_t* wp, const void* 
  * each group's k block is widened once for all of a block's rows. Returns as above. */
 int sidecar_amx_int8_matmul(const uint16_t* x, const int8_t* w8, const float* scales, const void* bias, void* y, int M,
                             int N, int K, int nthreads, int bias_bf16, int out) {
-#if defined(AMX_PATH) && defined(INT8_PATH)
+#if defined(TILE_LAYOUT) && defined(INT8_PATH)
     if (!w8 || !scales) return 1;
     return matmul(x, NULL, w8, scales, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
 #else

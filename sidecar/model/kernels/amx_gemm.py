@@ -1,16 +1,20 @@
-"""bf16 matmul through AMX tile products (``amx_gemm.c``) on CPUs that have them (Intel Sapphire Rapids on).
+"""bf16 matmul through AMX tile products (``amx_gemm.c``) on CPUs that have them (Intel Sapphire Rapids on), and
+through AVX-512 BF16 dot products over the same layout and loops on CPUs with AVX-512 BF16 but no AMX (AMD Zen 4 and
+5, Intel Cooper Lake): ``path()`` says which.
 
 ``pack(weight)`` lays a bf16 weight [N, K] (K a multiple of 32) out as the tiles the product reads
 ([ceil(N / 32), K / 32, 2, 16, 16, 2], see the C header) and ``AmxLayer(packed, n, bias)`` is a layer's checked
 view of it: ``layer(x)`` is ``x @ weight.T + bias`` for bf16 ``x`` [M, K] of any M, accumulated in float32,
 returned in float32 or rounded once to bf16. ``sidecar.model.linear.Linear`` holds its bf16 weights in this layout
-alone where ``available()``: one copy serves decode steps and prefill, faster than oneDNN's packed GEMM at every
-batch size measured (the C header has the figures). ``rows(packed, ids)`` reads embedding rows out of it (a tied
-head's table serves the lookups too) and ``unpack`` gives the plain weight back.
+alone where ``available()``: one copy serves decode steps and prefill, with AMX faster than oneDNN's packed GEMM at
+every batch size measured, without it level from 16 rows on and faster below (the C header has the figures).
+``rows(packed, ids)`` reads embedding rows out of it (a tied head's table serves the lookups too) and ``unpack``
+gives the plain weight back.
 
-``available()`` is the library built with the AMX path, the tile state granted to the process, and a start-up
-self-check of the kernel against a float64 product (odd shapes, both bias and output dtypes, a row alone against
-the same row in a batch); where any of that fails the reason is logged and the layers keep oneDNN's packed GEMM.
+``available()`` is the library built with either path (for AMX, the tile state granted to the process), and a
+start-up self-check of the kernel against a float64 product (odd shapes, both bias and output dtypes, a row alone
+against the same row in a batch); where any of that fails the reason is logged and the layers keep oneDNN's packed
+GEMM.
 """
 from __future__ import annotations
 
@@ -56,13 +60,20 @@ def available() -> bool:
         if lib is None:
             why = f"the kernel did not build: {cpu_build.reason('amx_gemm')}"
         elif not lib.sidecar_amx_supported():
-            why = "no AMX BF16 on this CPU, or the kernel did not grant the tile state"
+            why = "neither AMX BF16 nor AVX-512 BF16 on this CPU, or the kernel did not grant the tile state"
         else:
             why = _self_check()
         _checked["reason"] = why
         if why and lib is not None and lib.sidecar_amx_supported():
-            log.warning("AMX bf16 matmul off, layers keep oneDNN's packed GEMM: %s", why)
+            log.warning("%s bf16 matmul off, layers keep oneDNN's packed GEMM: %s", path(), why)
     return not _checked["reason"]
+
+
+def path() -> str:
+    """What multiplies in this layout here: 'AMX' (tile products), 'AVX-512 BF16' (dot products over the same
+    layout, on a CPU without AMX), or '' (neither: the kernel did not build or the CPU has neither)."""
+    lib = _KERNEL.lib()
+    return {1: "AMX", 2: "AVX-512 BF16"}.get(lib.sidecar_amx_supported() if lib is not None else 0, "")
 
 
 def takes(weight: Optional[torch.Tensor]) -> bool:

@@ -22,8 +22,9 @@ from sidecar.model.kernels.cpu_build import I, P
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
 # Measured one thread, Qwen2-0.5B-shaped layers: 1.4-1.7x faster than torch's packed kernel from 1
-# to 32 rows, even at 64 rows; beyond that bf16 prefill chunks go to AMX's tile products over the widened codes
-# (``amx_gemm.int8_matmul``: a 256-token prefill 219 -> ~1,700 tok/s on a 2-core Xeon) where it runs, to the AVX2
+# to 32 rows, even at 64 rows; beyond that bf16 prefill chunks go to the tile-layout kernel over the widened codes
+# (``amx_gemm.int8_matmul``: a 256-token prefill 219 -> ~1,700 tok/s on a 2-core Xeon with AMX; without AMX, AVX-512
+# BF16 dot products over them: 1.33x torch's packed kernel at 256 rows) where it runs, to the AVX2
 # prefill path over the codes (``bf16_gemv.int8_matmul_wide``: twice torch's packed kernel on a Zen 3) where that is
 # built, else to torch's.
 MAX_ROWS = 32
@@ -31,7 +32,7 @@ MAX_ROWS = 32
 
 def takes(rows: int, dtype: Optional[torch.dtype] = None) -> bool:
     """Whether a layer of per-row scales (``Layer``) runs a batch of ``rows`` (activations of ``dtype``) itself:
-    decode-sized batches, any batch where the wide path is built, and bf16 batches where AMX's is."""
+    decode-sized batches, any batch where the wide path is built, and bf16 batches where the tile-layout one is."""
     return (rows <= MAX_ROWS or bf16_gemv.int8_wide_available()
             or dtype is torch.bfloat16 and amx_gemm.available())
 
@@ -125,7 +126,7 @@ class Layer(cpu_build.LayerView):
                       | (_GROUPED if grouped else 0))
         # batches past MAX_ROWS: the AVX2 prefill path over the codes, for per-row scales
         self.wide = not grouped and k % 32 == 0 and bf16_gemv.int8_wide_available()
-        # ... and on CPUs with AMX, bf16 batches past MAX_ROWS through tile products over the widened codes
+        # ... and with AMX or AVX-512 BF16, bf16 batches past MAX_ROWS through the tile-layout kernel over the codes
         self.amx = not grouped and k % 32 == 0 and scales.dtype == torch.float32 and amx_gemm.available()
 
     def matches(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
