@@ -332,8 +332,10 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t* xa, i
     for (int c = k0; c < k1; c++) {
         const uint16_t* b = wg + (size_t)c * 1024;
         const uint16_t* xc = xa + (size_t)c * 32;
-        for (int l = 0; l < per; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
-        ahead += 64 * per;
+        if (per) {
+            for (int l = 0; l < per; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+            ahead += 64 * per;
+        }
         for (int r = 0; r < 16; r++) {
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)(b + r * 32));
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void*)(b + 512 + r * 32));
@@ -499,7 +501,7 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
 
 /* x: [M, K] bf16 rows; wp: the weight in the layout above; bias: NULL, float32 or bf16 (bias_bf16) [N]; y: [M, N]
  * as `out` says: 0 float32, 1 bf16, 2 float32 holding the values rounded to bf16. K a multiple of 32. Returns 0,
- * 1 without the AMX path or for arguments it does not take (nothing written), 2 out of memory for the working sums. */
+ * 1 without either path or for arguments it does not take (nothing written), 2 out of memory for the working sums. */
 int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K,
                             int nthreads, int bias_bf16, int out) {
 #ifdef TILE_LAYOUT
