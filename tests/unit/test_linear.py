@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from sidecar.config import EngineConfig
 from sidecar.model import linear as linear_mod
-from sidecar.model.kernels import amx_gemm, bf16_gemv, f32_gemv
+from sidecar.model.kernels import amx_gemm, bf16_gemv, cpu_build, f32_gemv
 from sidecar.model.linear import Linear, TiledEmbedding, can_pack, pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
@@ -317,3 +317,45 @@ def test_logits_come_widened_from_the_head_kernel_where_it_offers_it():
             assert torch.equal(m.compute_logits(h), (two_steps.bfloat16() * 2).float())
         finally:
             handle.remove()
+
+
+def test_the_tile_layout_without_amx_serves_the_model(monkeypatch):
+    """A CPU with AVX-512 BF16 and no AMX (AMD Zen 4/5), as the build without AMX runs it here: every bf16 layer of a
+    model in the tile layout alone (no oneDNN copy, no tiled one, the tied table too), the dot-product path at every
+    batch size -- F.linear's values to one bf16 rounding, a row alone its bits in the batch -- the MLP's silu and the
+    head's widened logits from the kernel, the embedding lookups from the head's layout. Without AVX-512 BF16 that
+    build has no such path and the layers keep the others."""
+    from sidecar.model.kernels import norm_act
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(amx_gemm, "_checked", {})
+    has = "avx512_bf16" in open("/proc/cpuinfo").read().split()
+    assert amx_gemm.path() == ("AVX-512 BF16" if has else "")
+    m = _tiny_model(torch.bfloat16)
+    lins = {name: mod for name, mod in m.named_modules() if isinstance(mod, Linear)}
+    plain = {name: (mod.weight.detach().clone(), None if mod.bias is None else mod.bias.detach().clone())
+             for name, mod in lins.items()}
+    table = m.embed_tokens.weight.detach().clone()
+    pack_weights(m)
+    if not has:
+        assert all(mod.amx is None for mod in lins.values())
+        return
+    assert all(mod.amx is not None and mod.packed is None and mod.tiled is None and mod.weight is None
+               for mod in lins.values())
+    ids = torch.tensor([0, 7, 299])
+    assert torch.equal(m.embed_tokens(ids), table[ids])
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        for name, mod in lins.items():
+            w, b = plain[name]
+            x = torch.randn(70, w.shape[1]).bfloat16()
+            y = mod(x)
+            ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+            assert y.dtype == torch.bfloat16 and (y.float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+            for rows in (slice(0, 1), slice(33, 34), slice(5, 38)):
+                assert torch.equal(mod(x[rows]), y[rows])
+        mlp = m.layers[0].mlp
+        x = torch.randn(21, 64).bfloat16()
+        assert torch.equal(mlp.gate_up_proj.silu_mul(x), norm_act.silu_mul(mlp.gate_up_proj(x)))
+        h = torch.randn(9, 64).bfloat16()
+        assert torch.equal(m.lm_head.float_forward(h), m.lm_head(h).float())
