@@ -33,6 +33,24 @@ from sidecar.model.kernels import replay
 log = logging.getLogger("sidecar.engine")
 
 
+def linear_layouts(model) -> dict[str, int]:
+    """How many of the model's linear layers hold their weights in each layout: 'tile layout (AMX)' or '(AVX-512
+    BF16)' (``amx_gemm``, every batch size), 'oneDNN packed + tiled copy', 'oneDNN packed', 'tiled layout'
+    (``bf16_gemv``), 'plain' (F.linear, or a quantized layer's own kernels)."""
+    from sidecar.model.kernels import amx_gemm
+    from sidecar.model.linear import Linear
+
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, Linear):
+            kind = (f"tile layout ({amx_gemm.path()})" if m.amx is not None
+                    else "oneDNN packed + tiled copy" if m.packed is not None and m.tiled is not None
+                    else "oneDNN packed" if m.packed is not None else "tiled layout" if m.tiled is not None
+                    else "plain")
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
 class CpuDecodePlans:
     def __init__(self, model, kv_caches: list, inputs: DecodeInputs) -> None:
         self.model, self.kv_caches, self.inputs = model, kv_caches, inputs
@@ -117,10 +135,12 @@ class CpuDecodePlans:
 
     def info(self) -> dict:
         """On CPU, ``cpu_decode_replay``: whether decode steps are replayed from C, and
-        ``cpu_decode_replay_reason``: why not; elsewhere nothing."""
+        ``cpu_decode_replay_reason``: why not; ``cpu_linear_layouts``: how the linear layers hold their
+        weights (``linear_layouts``); elsewhere nothing."""
         if not self.on_cpu:
             return {}
-        return {"cpu_decode_replay": self.enabled, "cpu_decode_replay_reason": self.reason or ""}
+        return {"cpu_decode_replay": self.enabled, "cpu_decode_replay_reason": self.reason or "",
+                "cpu_linear_layouts": linear_layouts(self.model)}
 
     def disable(self, reason: str) -> None:
         if self.enabled:

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from sidecar import LLM, SamplingParams
-from sidecar.model.kernels import norm_act, replay
+from sidecar.engine.cpu_graphs import linear_layouts
+from sidecar.model.kernels import amx_gemm, norm_act, replay
+from sidecar.model.linear import Linear
 
 pytestmark = pytest.mark.skipif(replay.unavailable_reason() is not None,
                                 reason="replay needs the C kernels (a C compiler with OpenMP)")
@@ -112,6 +114,12 @@ def test_engine_replays_decode_exactly_as_eager(demo_dir, quantization):
     fast = LLM(**kw)
     assert eager.engine.model_info["cpu_decode_replay"] is False
     assert fast.engine.model_info["cpu_decode_replay"] is True, fast.engine.model_info["cpu_decode_replay_reason"]
+    # how the linear layers hold their weights: every one counted once; bf16 ones in the tile layout where it runs
+    layouts = fast.engine.model_info["cpu_linear_layouts"]
+    linears = [m for m in fast.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert sum(layouts.values()) == len(linears) > 0
+    if quantization is None and amx_gemm.available():
+        assert layouts == {f"tile layout ({amx_gemm.path()})": len(linears)}
     # different lengths: the batch shrinks 3 -> 2 -> 1 rows, each size recorded on its second step
     prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [18, 19]]
     lens = [9, 14, 20]
@@ -132,6 +140,7 @@ def test_float32_layers_outside_our_kernels_keep_steps_eager(demo_dir):
     llm = LLM(model=str(demo_dir), dtype="float32", block_size=8, num_kv_blocks=64)
     info = llm.engine.model_info
     assert info["cpu_decode_replay"] is False and "outside our kernels" in info["cpu_decode_replay_reason"]
+    assert not any(kind.startswith("tile layout") for kind in info["cpu_linear_layouts"])  # float32: not bf16's
     llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert llm.engine.runner.cpu_plans.recorded == []
 
@@ -142,7 +151,8 @@ def test_self_check_keeps_replays_off_when_a_replay_differs(demo_dir, monkeypatc
     assert runner.cpu_plans.enabled
     monkeypatch.setattr(replay.Plan, "replay", lambda self, arena: True)  # runs nothing: the result unwritten
     assert "differs" in runner.cpu_plans.self_check()
-    assert runner.cpu_plans.info() == {"cpu_decode_replay": False, "cpu_decode_replay_reason": runner.cpu_plans.reason}
+    assert runner.cpu_plans.info() == {"cpu_decode_replay": False, "cpu_decode_replay_reason": runner.cpu_plans.reason,
+                                       "cpu_linear_layouts": linear_layouts(runner.model)}
     assert not runner.cpu_plans.replays()
 
 
