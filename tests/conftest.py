@@ -15,6 +15,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+CPU_FLAGS = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+
+
+@pytest.fixture(params=["native", "no-amx"])
+def tile_build(request, monkeypatch) -> str:
+    """Our CPU kernels as built for this CPU, or with AMX left out (the paths of a CPU with AVX-512 BF16 and no AMX,
+    such as a Zen 4), loaded afresh for the test: the tile-layout matmul's path in that build ('AMX', 'AVX-512 BF16';
+    '' where neither runs, and the kernel must say so)."""
+    from sidecar.model.kernels import amx_gemm, cpu_build
+
+    if request.param == "no-amx":
+        monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(amx_gemm, "_checked", {})
+    amx = request.param == "native" and "amx_bf16" in CPU_FLAGS and "amx_tile" in CPU_FLAGS
+    expected = "AMX" if amx else "AVX-512 BF16" if "avx512_bf16" in CPU_FLAGS else ""
+    assert amx_gemm.path() == expected, cpu_build.reason("amx_gemm")
+    return expected
+
+
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.3)
 

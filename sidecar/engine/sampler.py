@@ -18,8 +18,7 @@ from sidecar.engine.sampling_rng import SALT_TOKEN, KeyedDraws, gumbel, row_keys
 from sidecar.engine.sampling_tensors import (F_MIN_P, F_REP, F_TEMP, F_TOP_P, I_LROWS, I_POS, I_PROWS, I_SLOT,
                                              I_SROWS, I_STREAM, I_TOPK, SamplingTensors, StepParams)
 from sidecar.engine.structured import apply_bitmask
-from sidecar.model.kernels import keyed_uniform
-from sidecar.model.kernels import argmax as argmax_kernel
+from sidecar.model.kernels import argmax as argmax_kernel, keyed_uniform
 from sidecar.model.kernels.argmax import argmax
 
 _NEG_INF = float("-inf")

@@ -3,32 +3,14 @@
 The layout (pack, unpack, rows) is torch code and is tested on every CPU. The kernel runs where the CPU has AMX BF16
 (tile products) or AVX-512 BF16 (dot products over the same layout), and elsewhere must say so (``available()``
 False, with a reason). Each kernel test runs twice: the build for this CPU, and one with AMX left out (the AVX-512
-BF16 path, as on an AMD Zen 4; on a CPU without AVX-512 BF16 that build must refuse too)."""
+BF16 path, as on an AMD Zen 4; on a CPU without AVX-512 BF16 that build must refuse too): the
+``tile_build`` fixture of tests/conftest.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sidecar.model.kernels import amx_gemm, cpu_build
-
-FLAGS = open("/proc/cpuinfo").read().split()
-CPU_HAS_AMX = "amx_bf16" in FLAGS and "amx_tile" in FLAGS
-CPU_HAS_AVX512_BF16 = "avx512_bf16" in FLAGS
-NO_AMX = "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-
-
-@pytest.fixture(params=["native", "no-amx"])
-def build(request, monkeypatch):
-    """The kernel as built for this CPU, or without AMX: its path ('AMX', 'AVX-512 BF16'; '' where none runs)."""
-    if request.param == "no-amx":
-        monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", NO_AMX)
-        expected = "AVX-512 BF16" if CPU_HAS_AVX512_BF16 else ""
-    else:
-        expected = "AMX" if CPU_HAS_AMX else "AVX-512 BF16" if CPU_HAS_AVX512_BF16 else ""
-    monkeypatch.setattr(cpu_build, "_loaded", {})
-    monkeypatch.setattr(amx_gemm, "_checked", {})
-    assert amx_gemm.path() == expected
-    return expected
+from sidecar.model.kernels import amx_gemm
 
 
 def _case(m, n, k, seed, bias_dtype=None):
@@ -39,8 +21,8 @@ def _case(m, n, k, seed, bias_dtype=None):
     return x, w, b
 
 
-def test_availability_follows_the_cpu(build):
-    if not build:
+def test_availability_follows_the_cpu(tile_build):
+    if not tile_build:
         assert not amx_gemm.available() and amx_gemm.reason()
         with pytest.raises(RuntimeError, match="not available"):
             amx_gemm.AmxLayer(amx_gemm.pack(torch.zeros(32, 32).bfloat16()), 32, None)
@@ -90,8 +72,8 @@ def _runs(build: str) -> bool:
                                    (32, 33, 64), (45, 96, 1536), (65, 40, 288), (300, 100, 4864), (1100, 70, 96),
                                    (600, 230, 2112)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(m, n, k, bias_dtype, build):
-    if not _runs(build):
+def test_kernel_matches_reference(m, n, k, bias_dtype, tile_build):
+    if not _runs(tile_build):
         return
     x, w, b = _case(m, n, k, seed=m * 7 + n, bias_dtype=bias_dtype)
     layer = amx_gemm.AmxLayer(amx_gemm.pack(w), n, b)
@@ -106,10 +88,10 @@ def test_kernel_matches_reference(m, n, k, bias_dtype, build):
     assert widened.dtype == torch.float32 and torch.equal(widened, y16.float())
 
 
-def test_large_outputs_are_streamed_with_the_same_values(build):
+def test_large_outputs_are_streamed_with_the_same_values(tile_build):
     """Outputs of 8 MiB or more (a model's logits) are written around the caches: the same values as a small batch's
     (a row alone), in every output mode, with a partial last group of columns."""
-    if not _runs(build):
+    if not _runs(tile_build):
         return
     for m, n, out_dtype, widened in ((70, 30_000, torch.float32, False), (70, 30_016, torch.float32, True),
                                      (140, 30_016, torch.bfloat16, False)):
@@ -124,8 +106,8 @@ def test_large_outputs_are_streamed_with_the_same_values(build):
             assert torch.equal(layer(x[r:r + 1], out_dtype, widened=widened), y[r:r + 1])
 
 
-def test_a_row_does_not_depend_on_its_batch_or_the_threads(build):
-    if not _runs(build):
+def test_a_row_does_not_depend_on_its_batch_or_the_threads(tile_build):
+    if not _runs(tile_build):
         return
     x, w, b = _case(200, 130, 896, seed=3, bias_dtype=torch.float32)
     layer = amx_gemm.AmxLayer(amx_gemm.pack(w), 130, b)
@@ -146,8 +128,8 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(build):
         assert torch.equal(layer(x[rows]), y[rows])
 
 
-def test_layer_checks_its_operands(build):
-    if not _runs(build):
+def test_layer_checks_its_operands(tile_build):
+    if not _runs(tile_build):
         return
     _, w, b = _case(1, 40, 64, seed=1, bias_dtype=torch.float32)
     packed = amx_gemm.pack(w)
@@ -167,8 +149,8 @@ def test_layer_checks_its_operands(build):
     assert layer.matches(packed, b) and not layer.matches(packed.clone(), b)
 
 
-def test_a_failing_self_check_turns_the_path_off(monkeypatch, caplog, build):
-    if not _runs(build):
+def test_a_failing_self_check_turns_the_path_off(monkeypatch, caplog, tile_build):
+    if not _runs(tile_build):
         return
     monkeypatch.setattr(amx_gemm, "_checked", {})
     monkeypatch.setattr(amx_gemm, "unpack", lambda packed, n: torch.zeros(n, packed.shape[1] * 32).bfloat16())
@@ -194,11 +176,11 @@ def test_gate_up_pairs_layout():
 
 @pytest.mark.parametrize("m,k", [(1, 160), (5, 160), (32, 160), (70, 160), (300, 160), (300, 2112)])
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
-def test_gate_up_pairs_give_the_projection_and_its_activation(m, k, bias_dtype, build):
+def test_gate_up_pairs_give_the_projection_and_its_activation(m, k, bias_dtype, tile_build):
     """Held in pairs, a gate/up projection gives its own outputs (the same bits as the plain layout) or, in one pass,
     silu(gate) * up -- the bits norm_act.silu_mul gives from those outputs. (300, 2112): rows long enough to go in
     slabs of chunks."""
-    if not _runs(build):
+    if not _runs(tile_build):
         return
     from sidecar.model.kernels import norm_act
     x, w, b = _case(m, 2 * 48, k, seed=m, bias_dtype=bias_dtype)

@@ -294,31 +294,21 @@ def test_int8_layer_prefill_takes_the_wide_path(dtype, avx2_build, monkeypatch):
     assert (y.float() - close).abs().max() <= 1e-2 * close.abs().max()
 
 
-FLAGS = open("/proc/cpuinfo").read().split()
-CPU_HAS_AVX512_BF16 = "avx512_bf16" in FLAGS
-
-
 # past MAX_ROWS: a single pass (33, 64 rows), k blocks (65+), blocks of rows (1,100 x 96), slabs of chunks (300 x
 # 4,864), a partial last group of weight rows (45, 130), output past 8 MiB streamed (600 x 4,000)
 AMX_CASES = [(33, 45, 96), (64, 130, 896), (65, 64, 4864), (300, 96, 4864), (1100, 70, 96), (600, 4000, 896)]
 
 
 @pytest.mark.parametrize("m,n,k", AMX_CASES)
-@pytest.mark.parametrize("arch", [None, "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"])
-def test_amx_path_is_the_bf16_tile_product_over_the_codes(m, n, k, arch, monkeypatch):
+def test_amx_path_is_the_bf16_tile_product_over_the_codes(m, n, k, tile_build):
     """Prefill batches over int8 codes on a CPU with AMX or AVX-512 BF16 (the build for this CPU, and one without AMX):
     the bf16 tile-layout kernel's sums over the codes as bf16 weights (exact: small integers), bit for bit, then times
     the row's scale, plus the bias, rounded once; a row alone gives its bits in the batch. Without either the path
     says so (None) and the layer keeps its other paths."""
-    if arch:
-        monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", arch)
-    monkeypatch.setattr(cpu_build, "_loaded", {})
-    monkeypatch.setattr(amx_gemm, "_checked", {})
     x, w, s = _case(m, n, k, seed=m + n)
     xb = x.bfloat16()
-    if arch:  # AMX left out: the dot-product path wherever the CPU has AVX-512 BF16
-        assert amx_gemm.available() == CPU_HAS_AVX512_BF16, amx_gemm.reason()
-    if not amx_gemm.available():
+    assert amx_gemm.available() == bool(tile_build), amx_gemm.reason()
+    if not tile_build:
         assert amx_gemm.int8_matmul(xb, w, s) is None
         return
     sums = amx_gemm.AmxLayer(amx_gemm.pack(w.bfloat16()), n, None)(xb, torch.float32)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from sidecar.config import EngineConfig
 from sidecar.model import linear as linear_mod
-from sidecar.model.kernels import amx_gemm, bf16_gemv, cpu_build, f32_gemv
+from sidecar.model.kernels import amx_gemm, bf16_gemv, f32_gemv
 from sidecar.model.linear import Linear, TiledEmbedding, can_pack, pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
@@ -319,25 +319,20 @@ def test_logits_come_widened_from_the_head_kernel_where_it_offers_it():
             handle.remove()
 
 
-def test_the_tile_layout_without_amx_serves_the_model(monkeypatch):
-    """A CPU with AVX-512 BF16 and no AMX (AMD Zen 4/5), as the build without AMX runs it here: every bf16 layer of a
-    model in the tile layout alone (no oneDNN copy, no tiled one, the tied table too), the dot-product path at every
-    batch size -- F.linear's values to one bf16 rounding, a row alone its bits in the batch -- the MLP's silu and the
-    head's widened logits from the kernel, the embedding lookups from the head's layout. Without AVX-512 BF16 that
-    build has no such path and the layers keep the others."""
+def test_the_tile_layout_serves_the_model(tile_build):
+    """Where the tile-layout kernel runs -- with AMX, and with AVX-512 BF16 and no AMX (AMD Zen 4/5: the build without
+    AMX here) -- every bf16 layer of a model is held in that layout alone (no oneDNN copy, no tiled one, the tied table
+    too) for every batch size: F.linear's values to one bf16 rounding, a row alone its bits in the batch, the MLP's
+    silu and the head's widened logits from the kernel, the embedding lookups from the head's layout. Where it does
+    not run, the layers keep the other layouts."""
     from sidecar.model.kernels import norm_act
-    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
-    monkeypatch.setattr(cpu_build, "_loaded", {})
-    monkeypatch.setattr(amx_gemm, "_checked", {})
-    has = "avx512_bf16" in open("/proc/cpuinfo").read().split()
-    assert amx_gemm.path() == ("AVX-512 BF16" if has else "")
     m = _tiny_model(torch.bfloat16)
     lins = {name: mod for name, mod in m.named_modules() if isinstance(mod, Linear)}
     plain = {name: (mod.weight.detach().clone(), None if mod.bias is None else mod.bias.detach().clone())
              for name, mod in lins.items()}
     table = m.embed_tokens.weight.detach().clone()
     pack_weights(m)
-    if not has:
+    if not tile_build:
         assert all(mod.amx is None for mod in lins.values())
         return
     assert all(mod.amx is not None and mod.packed is None and mod.tiled is None and mod.weight is None
