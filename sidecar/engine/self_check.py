@@ -1,12 +1,12 @@
 """Start-up self-check of the device fast paths against the eager torch reference.
 
 After loading and before serving, a small probe (a few short sequences: one prompt pass, then a few
-teacher-forced decode steps through the runner's decode path) runs once with every fast path off --
-the reference -- and once per fast path with only that path on. A path whose run raises, produces
-non-finite logits, logits further from the reference than the dtype's tolerance, or another greedy
-token where the reference's choice is clear, is turned off with the reason logged and recorded
-(``FastPaths.disable``); the others stay on. The survivors are then probed together once; if that run
-disagrees, all of them go off (a wrong answer is never worth the speed).
+teacher-forced decode steps through the runner's decode path, the last with the first sequence alone)
+runs once with every fast path off -- the reference -- and once per fast path with only that path on.
+A path whose run raises, produces non-finite logits, logits further from the reference than the dtype's
+tolerance, or another greedy token where the reference's choice is clear, is turned off with the reason
+logged and recorded (``FastPaths.disable``); the others stay on. The survivors are then probed together
+once; if that run disagrees, all of them go off (a wrong answer is never worth the speed).
 
 The probe uses KV blocks 1..n of the pool (and the reserved block 0 for padded rows) and puts back
 their contents afterwards, so it can run at any time no request is being stepped; decode graphs it
@@ -32,15 +32,17 @@ DECODE_STEPS = 3
 # Largest |fast - reference| logit difference allowed, relative to the largest reference logit (at least 1):
 # float32 kernels differ from torch in summation order only; half precision rounds every intermediate.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
-TRITON_PATHS = ("attention", "rope_kv", "norm", "silu_mul", "weight_only")
+TRITON_PATHS = ("attention", "rope_kv", "norm", "silu_mul", "gemv", "weight_only")
 
 SamplerCheck = Callable[[torch.Tensor], Optional[str]]
 
 
 def default_paths(runner) -> list[str]:
     """The paths worth checking on this runner: every model path (int8/int4 GEMM only for a quantized
-    model); the device sampler only when a check for it is given (see ``run``)."""
-    return [n for n in PATH_NAMES if n != "device_sampler" and (n != "weight_only" or runner.quantized)]
+    model, the fused products only for one with plain weights); the device sampler only when a check for
+    it is given (see ``run``)."""
+    skip = {"device_sampler", "gemv" if runner.quantized else "weight_only"}
+    return [n for n in PATH_NAMES if n not in skip]
 
 
 @contextlib.contextmanager
@@ -73,16 +75,18 @@ def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list
     hidden = runner.model(as_t(ids), as_t(pos), runner.kv_caches, meta)
     out = [runner.model.compute_logits(hidden.index_select(0, as_t(last))).float()]
     graphs = runner.fast_paths.cuda_graphs
-    if graphs:  # the probe's own bucket captured (and replayed) under the current kernel settings
+    if graphs:  # the probe's own buckets captured (and replayed) under the current kernel settings
         runner.set_decode_padding(True)
-        bucket = pick_bucket(runner.buckets, len(prompts))
-        runner.graphs.capture([bucket], lambda b: runner.inputs.fill_padding(b, runner.inputs.max_blocks))
+        buckets = sorted({pick_bucket(runner.buckets, n) for n in (1, len(prompts))})
+        runner.graphs.capture(buckets, lambda b: runner.inputs.fill_padding(b, runner.inputs.max_blocks))
     try:
         for k, toks in enumerate(steps):
             rows = []
             for p, t, tok in zip(prompts, tables, toks):
                 c = len(p) + k
                 rows.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[:c // bs + 1]))
+            if k == len(steps) - 1:
+                rows = rows[:1]  # the last step: the first sequence alone (the batch-1 step)
             out.append(runner.decode_rows(rows, list(range(len(rows)))).float())
     finally:
         if graphs:
@@ -150,7 +154,7 @@ def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[S
                 reason: Optional[str] = "triton is not installed"
             elif name == "device_sampler":
                 setattr(fp, name, True)
-                reason = _attempt_sampler(sampler_check, ref[-1])
+                reason = _attempt_sampler(sampler_check, ref[-2])  # the last step of every sequence
             else:
                 setattr(fp, name, True)
                 reason = _attempt(runner, blocks, prompts, steps, ref, tol)

@@ -114,12 +114,24 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 def _triton(paths: Optional[FastPaths], name: str, t: torch.Tensor):
-    """The Triton ops module when path ``name`` runs for ``t``, else None (imported only then)."""
+    """The Triton ops module when path ``name`` runs for ``t`` (``triton_gemv`` for ``gemv``), else None
+    (imported only then)."""
     if paths is None or not paths.takes(name, t):
         return None
+    if name == "gemv":
+        from sidecar.model.kernels import triton_gemv
+
+        return triton_gemv
     from sidecar.model.kernels import triton_ops
 
     return triton_ops
+
+
+def _plain(lin: nn.Module) -> bool:
+    """A linear layer whose forward is ``F.linear`` on its own weight: no packed or quantized form, no hooks
+    (LoRA adds its update through forward hooks)."""
+    return (type(lin) is Linear and lin.weight is not None and not lin._forward_hooks
+            and not lin._forward_pre_hooks)
 
 
 class RMSNorm(nn.Module):
@@ -150,8 +162,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata) -> torch.Tensor:
         """``kv``: this layer's cache, (k, v) or a quantized (k, v, k_scale, v_scale) (see kv_quant)."""
-        t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, kv, meta))
+
+    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, ...],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """Rope, the KV write and attention over the fused projection ``qkv``: [T, heads * head_dim]."""
+        t = qkv.shape[0]
         paths = self.fast_paths
         # With a quantized cache the rope + KV-write kernels quantize on write (Triton: int8 and fp8; CPU: int8);
         # otherwise paged_attention writes it through kv_quant.write after the torch rope.
@@ -167,7 +183,7 @@ class Attention(nn.Module):
         if fused is not None:  # rotated and written to the cache in one pass
             o = paged_attention(*fused, kv[0], kv[1], meta, self.scale, self.sliding_window, kv_written=True,
                                 paths=paths, kv_scales=scales)
-            return self.o_proj(o.reshape(t, self.nh * self.hd))
+            return o.reshape(t, self.nh * self.hd)
         nqk = (self.nh + self.nkv) * self.hd
         # q and k are adjacent in the fused projection: rotate them in one pass.
         # rotate_half(x) == roll(x, hd/2) * [-1.., +1..]; the sign is folded into `sin` (see init_rope).
@@ -177,7 +193,7 @@ class Attention(nn.Module):
         v = qkv[:, nqk:].view(t, self.nkv, self.hd)
         o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window, paths=paths,
                             kv_scales=scales)
-        return self.o_proj(o.reshape(t, self.nh * self.hd))
+        return o.reshape(t, self.nh * self.hd)
 
 
 class MLP(nn.Module):
@@ -211,9 +227,24 @@ class DecoderLayer(nn.Module):
                 kv: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream ``h`` arrives without the previous layer's output ``delta`` added (the add is
         fused into this layer's first norm); returns the stream and this layer's output, likewise."""
+        ops = _triton(self.input_layernorm.fast_paths, "gemv", h)
+        if ops is not None and self._fusable(ops, h, delta):  # one row: four kernels, the norms and silu fused in
+            attn, mlp = self.self_attn, self.mlp
+            qkv, h = ops.norm_matmul(h, delta, self.input_layernorm.weight, self.input_layernorm.eps,
+                                     attn.qkv_proj.weight, attn.qkv_proj.bias)
+            o = ops.matmul(attn.attend(qkv, cos, sin, kv, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias)
+            gu, h = ops.norm_matmul(h, o, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
+                                    mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            return h, ops.silu_matmul(gu, mlp.down_proj.weight, mlp.down_proj.bias)
         x, h = self.input_layernorm(h, delta)
         x, h = self.post_attention_layernorm(h, self.self_attn(x, cos, sin, kv, meta))
         return h, self.mlp(x)
+
+    def _fusable(self, ops, h: torch.Tensor, delta: Optional[torch.Tensor]) -> bool:
+        lins = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        return (all(_plain(lin) and ops.takes(h, lin.weight, lin.bias, lin.in_features) for lin in lins)
+                and (delta is None or (delta.shape == h.shape and delta.is_contiguous()))
+                and all(n.weight.dtype == h.dtype for n in (self.input_layernorm, self.post_attention_layernorm)))
 
 
 class LlamaForCausalLM(nn.Module):

@@ -94,7 +94,7 @@ def test_self_check_turns_off_only_the_failing_paths(demo_llm, monkeypatch):
     assert "RuntimeError: norm kernel failed to launch" in info["fast_path_fallbacks"]["norm"]
     assert "differ" in info["fast_path_fallbacks"]["silu_mul"]
     # weight_only: not quantized; device_sampler: the engine hands the runner its check
-    assert set(info["fast_paths"]) == {"attention", "rope_kv", "cuda_graphs", "device_sampler"}
+    assert set(info["fast_paths"]) == {"attention", "rope_kv", "gemv", "cuda_graphs", "device_sampler"}
     assert runner.buckets == [1, 2, 4, 8]  # graphs on: padded buckets (replayed eagerly on CPU)
     assert all(torch.equal(bits(k), k0) and torch.equal(bits(v), v0)
                for (k, v), (k0, v0) in zip(runner.kv_caches, kv_before))  # the probe put the pool back

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-PATH_NAMES = ("attention", "rope_kv", "norm", "silu_mul", "weight_only", "cuda_graphs", "device_sampler")
+PATH_NAMES = ("attention", "rope_kv", "norm", "silu_mul", "gemv", "weight_only", "cuda_graphs", "device_sampler")
 
 
 def triton_interpreted() -> bool:
@@ -40,6 +40,7 @@ class FastPaths:
     rope_kv: bool = False        # Triton rotary embedding + KV-cache write
     norm: bool = False           # Triton residual add + RMSNorm
     silu_mul: bool = False       # Triton silu(gate) * up
+    gemv: bool = False           # a one-row step's layer products in Triton, the norms and silu * up fused in
     weight_only: bool = False    # Triton int8 / int4 weight-only GEMM
     cuda_graphs: bool = False    # decode steps replayed from captured graphs
     device_sampler: bool = False  # sampling of the whole batch on the device, one copy of the ids

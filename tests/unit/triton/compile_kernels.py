@@ -13,7 +13,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from sidecar.model.kernels import triton_attention, triton_ops, triton_wo  # noqa: E402
+from sidecar.model.kernels import triton_attention, triton_gemv, triton_ops, triton_wo  # noqa: E402
 
 
 def build(fn, args: dict, constexprs: dict, arch: int) -> None:
@@ -69,6 +69,13 @@ def main(arch: int) -> None:
                       dict(tiles, BLOCK_K=block_k), arch)
             build(triton_wo._sum_parts, dict(p_ptr="*fp32", s_ptr="*fp32", y_ptr=p, **ints("m n s_ym")),
                   dict(SPLIT=split, SCALE=True, BLOCK=256, BF16=bf16), arch)
+        # A layer's fused products: plain (o), add + norm before (qkv, gate/up), silu * up before (down).
+        for pro, block_n, block_k, one_step in ((0, 2, 1024, True), (1, 8, 1024, True), (1, 4, 512, False),
+                                                (2, 4, 1024, False)):
+            build(triton_gemv._gemv, dict(x_ptr=p, d_ptr=p, nw_ptr=p, s_ptr=p, w_ptr=p, b_ptr=p, y_ptr=p,
+                                          eps="fp32", **ints("n k")),
+                  dict(PRO=pro, HAS_DELTA=pro == 1, HAS_BIAS=pro != 2, BLOCK_N=block_n, BLOCK_K=block_k,
+                       ONE_STEP=one_step, BF16=bf16), arch)
         print(f"sm_{arch} {dt}: every kernel compiles")
 
 

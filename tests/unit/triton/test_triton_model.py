@@ -11,7 +11,7 @@ from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.loader import load_model
 from sidecar.model.quant import Int4Linear, Int8Linear
 
-KERNEL_PATHS = ("attention", "rope_kv", "norm", "silu_mul", "weight_only")
+KERNEL_PATHS = ("attention", "rope_kv", "norm", "silu_mul", "gemv", "weight_only")
 
 
 def _set(paths: FastPaths, on: bool) -> None:
@@ -19,8 +19,9 @@ def _set(paths: FastPaths, on: bool) -> None:
         setattr(paths, name, on)
 
 
-def _run(model, device, bs=4, steps=3):
-    """Two prompts prefilled in one step, then batched decode steps; returns every step's logits."""
+def _run(model, device, bs=4, steps=3, one_row=True):
+    """Two prompts prefilled in one step, then batched decode steps, then (``one_row``) a step of the first
+    alone; returns every step's logits, one row a sequence."""
     args = model.args
     kv = [(torch.zeros(10, bs, args.num_kv_heads, args.head_dim, device=device, dtype=model.rope_cos.dtype),
            torch.zeros(10, bs, args.num_kv_heads, args.head_dim, device=device, dtype=model.rope_cos.dtype))
@@ -52,7 +53,13 @@ def _run(model, device, bs=4, steps=3):
             meta = AttentionMetadata(slot_mapping=t([slot(r, p[r]) for r in range(2)]), block_size=bs,
                                      decode_block_tables=t(tables), decode_ctx_lens=t([x + 1 for x in p]))
             out = model.compute_logits(model(t(nxt), t(p), kv, meta))
-    return torch.stack(logits)
+        if one_row:  # the last batched step's logits, then the first sequence alone (the fused products' path)
+            logits.append(out)
+            nxt, p = out[0].argmax(-1).item(), len(seqs[0])
+            meta = AttentionMetadata(slot_mapping=t([slot(0, p)]), block_size=bs, decode_block_tables=t(tables[:1]),
+                                     decode_ctx_lens=t([p + 1]))
+            logits.append(model.compute_logits(model(t([nxt]), t([p]), kv, meta)))
+    return torch.cat(logits)
 
 
 def _spy(monkeypatch, module, name, calls):
@@ -63,12 +70,12 @@ def _spy(monkeypatch, module, name, calls):
 @pytest.mark.parametrize("kind,quant", [("llama", None), ("qwen2", "int8"), ("llama", "int4")])
 def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, device, monkeypatch):
     from sidecar.model import quant as quant_layers
-    from sidecar.model.kernels import triton_attention, triton_ops, triton_wo
+    from sidecar.model.kernels import triton_attention, triton_gemv, triton_ops, triton_wo
 
     monkeypatch.setattr(quant_layers, "PLAIN_INT4_ON_CPU", True)  # as every int4 layer on CUDA does
     cfg = EngineConfig(model=str(tiny_models[kind]), dtype="float32", device=device.type, quantization=quant,
                        quant_group_size=32)
-    model = load_model(cfg).model
+    model = load_model(cfg, pack=False).model  # plain weights, as on CUDA
     layer = model.layers[0]
     # One switchboard, shared by every layer and every quantized linear.
     assert layer.input_layernorm.fast_paths is model.fast_paths and layer.self_attn.fast_paths is model.fast_paths
@@ -76,17 +83,21 @@ def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, dev
     if quant:
         assert isinstance(layer.mlp.down_proj, (Int8Linear, Int4Linear))
         assert layer.mlp.down_proj.fast_paths is model.fast_paths
-    ref = _run(model, device)
+    one_row = not quant  # quantized layers do not take the fused products: their comparison as before
+    ref = _run(model, device, one_row=one_row)
     calls = []
     for mod, name in ((triton_attention, "paged_decode_attention"), (triton_ops, "rope_store_kv"),
                       (triton_ops, "add_rms_norm"), (triton_ops, "silu_mul"), (triton_wo, "int8_matmul"),
-                      (triton_wo, "int4_matmul")):
+                      (triton_wo, "int4_matmul"), (triton_gemv, "norm_matmul"), (triton_gemv, "matmul"),
+                      (triton_gemv, "silu_matmul")):
         _spy(monkeypatch, mod, name, calls)
     _set(model.fast_paths, True)
-    fast = _run(model, device)
+    fast = _run(model, device, one_row=one_row)
     expected = {"paged_decode_attention", "rope_store_kv", "add_rms_norm", "silu_mul"}
     if quant:
         expected.add(f"{quant}_matmul")
+    else:  # the one-row step: a layer's products with the norms and silu fused in (more rows: the rest)
+        expected |= {"norm_matmul", "matmul", "silu_matmul"}
     assert set(calls) == expected  # every path ran
     assert torch.equal(fast.argmax(-1), ref.argmax(-1))
     # Quantized layers: with the path off, prefill-sized batches run torch's fused CPU kernels on bf16-rounded
@@ -98,7 +109,7 @@ def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, dev
         tol = 1e-2 if quant else 2e-4
         torch.testing.assert_close(fast, ref, atol=tol, rtol=tol)
     _set(model.fast_paths, False)
-    assert torch.equal(_run(model, device), ref)  # off again: today's path, bit for bit
+    assert torch.equal(_run(model, device, one_row=one_row), ref)  # off again: today's path, bit for bit
 
 
 def test_engine_greedy_tokens_unchanged_with_triton_paths(tiny_models, device):
@@ -109,3 +120,20 @@ def test_engine_greedy_tokens_unchanged_with_triton_paths(tiny_models, device):
     _set(llm.engine.runner.model.fast_paths, True)
     fast = [o.token_ids for o in llm.generate(prompts, params)]
     assert fast == ref and all(len(t) == 6 for t in ref)
+
+
+def test_a_projection_with_a_hook_keeps_it_under_the_fused_path(tiny_models, device, monkeypatch):
+    """LoRA adds its update through forward hooks: a layer with one takes the separate kernels, hook and all;
+    the other layers still fuse."""
+    from sidecar.model.kernels import triton_gemv
+
+    cfg = EngineConfig(model=str(tiny_models["llama"]), dtype="float32", device=device.type)
+    model = load_model(cfg, pack=False).model
+    model.layers[0].mlp.down_proj.register_forward_hook(lambda module, inputs, out: out * 0.5)
+    ref = _run(model, device)
+    calls = []
+    _spy(monkeypatch, triton_gemv, "norm_matmul", calls)
+    _set(model.fast_paths, True)
+    fast = _run(model, device)
+    assert len(calls) == 2 * (len(model.layers) - 1)  # the one-row step: every layer but the hooked one
+    torch.testing.assert_close(fast, ref, atol=2e-4, rtol=2e-4)
