@@ -128,10 +128,11 @@ def _triton(paths: Optional[FastPaths], name: str, t: torch.Tensor):
 
 
 def _plain(lin: nn.Module) -> bool:
-    """A linear layer whose forward is ``F.linear`` on its own weight: no packed or quantized form, no hooks
-    (LoRA adds its update through forward hooks)."""
-    return (type(lin) is Linear and lin.weight is not None and not lin._forward_hooks
-            and not lin._forward_pre_hooks)
+    """A linear layer whose forward is ``F.linear`` on its own weight: no packed or quantized form, no hook that
+    would change its output now (LoRA adds its update through forward hooks, idle outside a batch with adapter
+    rows: ``hook.idle()``)."""
+    return (type(lin) is Linear and lin.weight is not None and not lin._forward_pre_hooks
+            and all(getattr(h, "idle", None) is not None and h.idle() for h in lin._forward_hooks.values()))
 
 
 class RMSNorm(nn.Module):

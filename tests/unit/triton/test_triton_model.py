@@ -137,3 +137,31 @@ def test_a_projection_with_a_hook_keeps_it_under_the_fused_path(tiny_models, dev
     fast = _run(model, device)
     assert len(calls) == 2 * (len(model.layers) - 1)  # the one-row step: every layer but the hooked one
     torch.testing.assert_close(fast, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_lora_hooks_leave_base_model_steps_to_the_fused_path(tiny_models, device, monkeypatch, tmp_path):
+    """With adapter slots the projections carry LoRA's hooks: a step without adapter rows (idle hooks) still takes
+    the fused products, a step with them takes the separate kernels and gets the adapter's update."""
+    from sidecar.model.kernels import triton_gemv
+    from sidecar.model.lora import LoraLayers, read_adapter
+    from tests.unit.lora_helpers import ATTN, MLP, make_adapter
+
+    cfg = EngineConfig(model=str(tiny_models["llama"]), dtype="float32", device=device.type)
+    model = load_model(cfg, pack=False).model
+    lora = LoraLayers(model, max_loras=1, max_rank=4)
+    lora.load(0, read_adapter(str(make_adapter(tiny_models["llama"], tmp_path / "a", r=4, targets=ATTN + MLP)),
+                              model.args, 4))
+    calls = []
+    _spy(monkeypatch, triton_gemv, "norm_matmul", calls)
+    base = _run(model, device)
+    _set(model.fast_paths, True)
+    torch.testing.assert_close(_run(model, device), base, atol=2e-4, rtol=2e-4)
+    assert len(calls) == 2 * len(model.layers)  # the one-row step, every layer fused
+    calls.clear()
+    model.register_forward_pre_hook(lambda module, args: lora.set_batch([0] * args[0].shape[0]))  # every token
+    fast = _run(model, device)
+    assert calls == []  # adapter rows: the separate kernels, hooks and all
+    _set(model.fast_paths, False)
+    adapted = _run(model, device)
+    assert (adapted - base).abs().max() > 1e-2  # the adapter changes the output: the comparison proves something
+    torch.testing.assert_close(fast, adapted, atol=2e-4, rtol=2e-4)
