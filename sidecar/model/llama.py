@@ -244,7 +244,7 @@ class DecoderLayer(nn.Module):
     def _fusable(self, ops, h: torch.Tensor, delta: Optional[torch.Tensor]) -> bool:
         lins = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         return (all(_plain(lin) and ops.takes(h, lin.weight, lin.bias, lin.in_features) for lin in lins)
-                and (delta is None or (delta.shape == h.shape and delta.is_contiguous()))
+                and (delta is None or (delta.shape == h.shape and delta.dtype == h.dtype and delta.is_contiguous()))
                 and all(n.weight.dtype == h.dtype for n in (self.input_layernorm, self.post_attention_layernorm)))
 
 
