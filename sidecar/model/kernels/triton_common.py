@@ -13,6 +13,19 @@ import triton.language as tl
 
 from sidecar.model.kernels.gpu_paths import triton_interpreted
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (asked once); 4 elsewhere (the interpreter), so tests still see small
+    layers spread over several programs."""
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
 
 @triton.jit
 def mma(a, b, F32: tl.constexpr):

@@ -29,29 +29,19 @@ import torch
 import triton
 import triton.language as tl
 
-from sidecar.model.kernels.triton_common import narrow
+from sidecar.model.kernels.triton_common import narrow, sm_count
 
 MAX_ROWS = 1  # measured on an H100: from two rows on, cuBLAS and the separate kernels are faster
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SM_COUNT: dict[int, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: small layers still get several programs
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def config(n: int, k: int, sm_count: int) -> tuple[int, int, int]:
+def config(n: int, k: int, sms: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) for an [n, k] weight: K in steps of up to 1,024; 8, 4 or 2 outputs a program,
     the most that still give two programs a multiprocessor (one for a long K, whose programs stream more); 8
     warps for a long K. Measured on an H100 over a 0.5B model's layers (qkv 4 outputs, o 2, gate/up 8, down 4)."""
     block_k = min(triton.next_power_of_2(k), 1024)
     long_k = k > 2 * block_k
-    want = sm_count if long_k else 2 * sm_count
+    want = sms if long_k else 2 * sms
     block_n = 8
     while block_n > 2 and triton.cdiv(n, block_n) < want:
         block_n //= 2
@@ -138,7 +128,7 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = 
 def _launch(x, d, nw, s, weight, bias, k, eps, pro) -> torch.Tensor:
     n = weight.shape[0]
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = config(n, k, _sm_count(x.device))
+    block_n, block_k, warps = config(n, k, sm_count(x.device))
     _gemv[(triton.cdiv(n, block_n),)](
         x, x if d is None else d, x if nw is None else nw, x if s is None else s, weight,
         weight if bias is None else bias, y, n, k, float(eps),

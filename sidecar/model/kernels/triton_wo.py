@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sidecar.model.kernels.triton_common import dot_in_f32, mma, narrow
+from sidecar.model.kernels.triton_common import dot_in_f32, mma, narrow, sm_count
 
 MAX_ROWS = 64
 BLOCK_M = 16  # tl.dot needs 16 rows; decode rows are padded up to it by masking
@@ -34,7 +34,6 @@ INT4_BLOCK_KS = (128, 64, 32)  # the largest that divides the group size: a K ti
 INT4_BLOCK_K = 32  # every group size is a multiple of it
 PROGRAMS_PER_SM = 2  # programs the split aims for: enough loads in flight to stream the weight
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_SM_COUNT: dict[int, int] = {}
 
 
 def _block_n(n: int) -> int:
@@ -42,24 +41,14 @@ def _block_n(n: int) -> int:
     return 32 if n <= 4096 else 64
 
 
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device; 4 elsewhere (the interpreter), so tests split small layers."""
-    if device.type != "cuda":
-        return 4
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def splits(n: int, k: int, block_n: int, block_k: int, sm_count: int) -> tuple[int, int]:
+def splits(n: int, k: int, block_n: int, block_k: int, sms: int) -> tuple[int, int]:
     """(number of K ranges, K per range, a multiple of ``block_k``) for an [N, K] weight. Column tiles that
     cover every multiprocessor need no split (a split costs a second launch); fewer get as many ranges as
     bring the programs to ``PROGRAMS_PER_SM`` per multiprocessor, none of them empty."""
     tiles_n, tiles_k = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
-    if tiles_n >= sm_count:
+    if tiles_n >= sms:
         return 1, tiles_k * block_k
-    want = max(1, min(tiles_k, triton.cdiv(PROGRAMS_PER_SM * sm_count, tiles_n)))
+    want = max(1, min(tiles_k, triton.cdiv(PROGRAMS_PER_SM * sms, tiles_n)))
     per = triton.cdiv(tiles_k, want) * block_k
     return triton.cdiv(k, per), per
 
@@ -152,7 +141,7 @@ def _launch(kernel, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, n: int, b
     (m, k) = x.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bn = _block_n(n)
-    parts, per = splits(n, k, bn, block_k, _sm_count(x.device))
+    parts, per = splits(n, k, bn, block_k, sm_count(x.device))
     if split is not None:  # tests: a given number of ranges
         per = triton.cdiv(triton.cdiv(k, block_k), split) * block_k
         parts = triton.cdiv(k, per)
