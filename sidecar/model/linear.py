@@ -1,13 +1,11 @@
 """The models' linear layer: ``nn.Linear`` with the CPU fast paths chosen per call.
 
-On CPU a float32 or bf16 weight is held in oneDNN's blocked layout once at load
-(``pack``), the layout torch's own oneDNN GEMM otherwise builds from the plain weight
-on every call. At the batch sizes of a decode step that per-call reorder costs as much
-as the product itself: measured on Zen 5 (2 threads, Qwen2-0.5B's layers), a 32-row
-bf16 gate/up product 1.50 -> 0.93 ms and the 32-row lm_head 23.5 -> 15.6 ms, and
-float32 -- where torch's default CPU GEMM runs far below this AMD machine's speed --
-4.3x faster at 32 rows and 4.1x at one row. bf16 results are bit-identical to
-``F.linear``; float32 ones differ in summation order only.
+On CPU a float32 or bf16 weight is held in oneDNN's blocked layout once at load (``pack``), the layout torch's own
+oneDNN GEMM otherwise builds from the plain weight on every call. At the batch sizes of a decode step that per-call
+reorder costs as much as the product itself: measured on Zen 5 (2 threads, Qwen2-0.5B's layers), a 32-row bf16
+gate/up product 1.50 -> 0.93 ms and the 32-row lm_head 23.5 -> 15.6 ms, and float32 -- where torch's default CPU
+GEMM runs far below this AMD machine's speed -- 4.3x faster at 32 rows and 4.1x at one row. bf16 results are
+bit-identical to ``F.linear``; float32 ones differ in summation order only.
 
 The packed layout replaces the plain weight, except where another module reads that weight too (a tied lm_head
 shares the embedding table); a float32 table kept so serves the head's batches of up to ``F32_KERNEL_ROWS``
@@ -35,8 +33,8 @@ loop (measured on a 2-core Zen 3, a 4,864 x 896 layer: ~17 GFLOP/s from 16 rows 
 every batch size: their weights are held in its tiled layout alone (``tile_only``), the plain copy dropped, so
 bf16 costs half the memory of float32 there as everywhere.
 
-``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the
-reference the fast paths are tested against.
+``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the reference the fast paths are
+tested against. Paths that skip a layer's module call (fused epilogues, the GPU's fused products) need ``hooks_idle``.
 """
 from __future__ import annotations
 
@@ -59,16 +57,20 @@ UNLIMITED_ROWS = 1 << 62  # kernel_rows of a layer our kernel takes at every bat
 # its register tiles of 3 rows x 4 weight rows run under oneDNN's arithmetic rate).
 F32_KERNEL_ROWS = 8
 PACK_ROWS_HINT = 32  # the batch size oneDNN picks its blocking for; measured best for 1-1024 rows
-# bf16 weights get a copy in our kernel's tiled layout beside the packed one (for its small batches) while
-# those copies take at most this share of the machine's memory.
+# bf16 weights also get a copy in our kernel's tiled layout (its small batches) while the copies fit this share of RAM
 TILED_FRACTION = 0.1
+
+
+def hooks_idle(module: nn.Module) -> bool:
+    """No hook would change ``module``'s output now: none before it, and each one after it says it is idle."""
+    return not module._forward_pre_hooks and all(getattr(h, "idle", None) is not None and h.idle()
+                                                 for h in module._forward_hooks.values())
 
 
 def can_pack(weight: Optional[torch.Tensor]) -> bool:
     """Whether oneDNN on this CPU takes this weight packed (float32 anywhere, bf16 where supported)."""
-    if weight is None or weight.device.type != "cpu" or weight.dim() != 2 or not cpu_build.enabled():
-        return False
-    if not torch.backends.mkldnn.is_available():
+    if (weight is None or weight.device.type != "cpu" or weight.dim() != 2 or not cpu_build.enabled()
+            or not torch.backends.mkldnn.is_available()):
         return False
     if weight.dtype == torch.float32:
         return True
@@ -84,9 +86,8 @@ def tile_only(weight: Optional[torch.Tensor]) -> bool:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters and state dict until packed) whose CPU forward uses a packed
-    oneDNN weight when it has one, our bf16 kernel for small bf16 batches on its tiled copy (or a shared
-    plain weight), and ``F.linear`` otherwise."""
+    """``nn.Linear`` (same parameters and state dict until packed) whose CPU forward takes a packed oneDNN weight
+    if it has one, our bf16 kernel for small bf16 batches on its tiled copy (or shared plain weight), else F.linear."""
 
     kernel_rows = bf16_gemv.MAX_ROWS  # bf16 batches of up to this many rows take our kernel (see pack_weights)
     gate_up_halves = 0  # a fused gate/up projection's intermediate size (set by the MLP): the tile layout pairs it
@@ -135,17 +136,16 @@ class Linear(nn.Linear):
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def float_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
-        """``self(x).float()`` in one pass (bf16 in the tile layout, no hook on the output: a model's logits)."""
-        if self.amx is None or x.dtype is not torch.bfloat16 or self._forward_hooks or self._forward_pre_hooks:
+        """``self(x).float()`` in one pass (bf16 in the tile layout, no hook acting on the output: a model's logits)."""
+        if self.amx is None or x.dtype is not torch.bfloat16 or not hooks_idle(self):
             return None
         return self._amx_forward(x, False, True)
 
     def silu_mul(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         """silu(gate) * up of this fused gate/up projection's output in one pass (bf16 in the tile layout, the layer
-        held in pairs, no hook reading its output: an adapter's delta joins the projection before the activation);
+        held in pairs, no hook acting on its output: an adapter's delta joins the projection before the activation);
         the bits ``norm_act.silu_mul`` gives from ``self(x)``. None where it does not apply."""
-        if (self.amx is None or not self.amx_pairs or x.dtype is not torch.bfloat16 or self._forward_hooks
-                or self._forward_pre_hooks):
+        if self.amx is None or not self.amx_pairs or x.dtype is not torch.bfloat16 or not hooks_idle(self):
             return None
         return self._amx_forward(x, True)
 

@@ -23,7 +23,7 @@ from torch import nn
 from sidecar.model.attention import AttentionMetadata, paged_attention, sdpa_backends
 from sidecar.model.kernels import norm_act, rope_kv
 from sidecar.model.kernels.gpu_paths import FastPaths
-from sidecar.model.linear import Linear
+from sidecar.model.linear import Linear, hooks_idle
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
@@ -129,10 +129,8 @@ def _triton(paths: Optional[FastPaths], name: str, t: torch.Tensor):
 
 def _plain(lin: nn.Module) -> bool:
     """A linear layer whose forward is ``F.linear`` on its own weight: no packed or quantized form, no hook that
-    would change its output now (LoRA adds its update through forward hooks, idle outside a batch with adapter
-    rows: ``hook.idle()``)."""
-    return (type(lin) is Linear and lin.weight is not None and not lin._forward_pre_hooks
-            and all(getattr(h, "idle", None) is not None and h.idle() for h in lin._forward_hooks.values()))
+    would change its output now (``hooks_idle``: LoRA's, outside a forward with adapter rows)."""
+    return type(lin) is Linear and lin.weight is not None and hooks_idle(lin)
 
 
 class RMSNorm(nn.Module):

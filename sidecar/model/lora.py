@@ -268,7 +268,7 @@ class LoraLayers:
             k = self._k * n * self.max_rank
             return torch.addmm(out, (x @ a[:k].t()) * masks[n], bt[:k])
 
-        # Outside a batch with adapter rows the hook changes nothing: the model may then run the projection
-        # without it (the fused one-row products, llama._plain).
+        # Outside a batch with adapter rows the hook changes nothing: fused paths may then skip the projection's
+        # module call (linear.hooks_idle).
         hook.idle = lambda: self._masks is None and self._rows is None
         return hook

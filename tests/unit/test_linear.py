@@ -278,7 +278,8 @@ def test_no_tiled_copy_where_our_kernel_cannot_read_it(monkeypatch):
 def test_mlp_takes_silu_from_the_gate_up_kernel_where_it_offers_it():
     """On a CPU with AMX the MLP's gate/up projection is held in pairs and gives silu(gate) * up in one pass: the same
     bits as the projection then norm_act.silu_mul. A hook on the projection (an adapter's delta) turns it off, so the
-    delta joins before the activation. Elsewhere the projection offers nothing and the MLP runs the two steps."""
+    delta joins before the activation, unless the hook says it is idle (LoRA's outside a batch with adapter rows).
+    Elsewhere the projection offers nothing and the MLP runs the two steps."""
     from sidecar.model.kernels import norm_act
     m = _tiny_model(torch.bfloat16)
     pack_weights(m)
@@ -289,8 +290,17 @@ def test_mlp_takes_silu_from_the_gate_up_kernel_where_it_offers_it():
         fused = mlp.gate_up_proj.silu_mul(x)
         assert (fused is not None) == AMX and mlp.gate_up_proj.amx_pairs == (96 if AMX else 0)
         assert torch.equal(mlp(x), two_steps)
-        handle = mlp.gate_up_proj.register_forward_hook(lambda mod, inp, out: out * 2)
+        active = [False]
+
+        def hook(mod, inp, out):
+            return out * 2 if active[0] else None
+
+        hook.idle = lambda: not active[0]
+        handle = mlp.gate_up_proj.register_forward_hook(hook)
         try:
+            assert (mlp.gate_up_proj.silu_mul(x) is not None) == AMX  # idle: the one pass stays
+            assert torch.equal(mlp(x), two_steps)
+            active[0] = True
             assert mlp.gate_up_proj.silu_mul(x) is None
             assert torch.equal(mlp(x), mlp.down_proj(norm_act.silu_mul(mlp.gate_up_proj(x))))
             assert not torch.equal(mlp(x), two_steps)
