@@ -7,18 +7,24 @@ them (``LlamaForCausalLM.forward_embedded``), all in our kernels, is the part re
 size and replayed from C afterwards: the same kernels with the same operands, without ~220 Python calls
 and their checks and allocations a step.
 
-A batch size runs eagerly the first time it is seen (lazy set-ups happen there: layer views, kernel
-builds), is recorded the second time (an eager run that notes its calls) and replayed from then on. One
-scratch arena holds every plan's intermediate tensors; plans are replayed one at a time by the engine's
-one thread. The block tables are ``max_blocks`` columns wide in every step while replays are on (a plan
-holds the width it was recorded with; the attention kernel reads only a row's own context).
+Every batch size 1..max_num_seqs is planned when the engine starts (``plan_ahead``): the step's Python runs
+with every kernel call noted and none made (``replay.record(dry=True)``: ~9 ms a size for Qwen2-0.5B, nothing
+computed or written), and the plan is replayed from the size's first step. On the CPU each size is its own
+bucket, and a workload whose batch shrinks as requests finish meets dozens of them: before, each size ran
+eagerly the first time it was seen and was recorded (an eager run noting its calls) the second, which cost
+the 32-request workload ~0.5 s of its ~5.5 s a round on a 2-core Xeon in its first rounds. A size that cannot
+be planned so (its step runs a torch operator, or keeps what it allocated) is recorded at its first step and
+replayed from then on. One scratch arena holds every plan's intermediate tensors; plans are replayed one at a
+time by the engine's one thread. The block tables are ``max_blocks`` columns wide in every step while replays
+are on (a plan holds the width it was recorded with; the attention kernel reads only a row's own context).
 
 Before serving, ``self_check`` records and replays a step and compares its hidden states with the eager
-run's, bit for bit (the same kernels on the same inputs). Where it differs, where a one-row step runs a torch
-operator (a configuration whose layers take torch paths: float32 layers in oneDNN, the torch fallbacks) or
-where the replay cannot be built, every step runs eagerly and ``reason`` says why. A batch size whose step
-runs a torch operator (bf16 batches past our kernel's rows go to oneDNN where it has bf16) runs eagerly
-alone (``eager_sizes``).
+run's, bit for bit (the same kernels on the same inputs), and plans it dry: the plan must make the
+recording's calls and replay to the same bits, or sizes are recorded, not planned (``plans_dry`` off,
+``dry_reason`` says why). Where a replay differs, where a one-row step runs a torch operator (a configuration
+whose layers take torch paths: float32 layers in oneDNN, the torch fallbacks) or where the replay cannot be
+built, every step runs eagerly and ``reason`` says why. A batch size whose step runs a torch operator (bf16
+batches past our kernel's rows go to oneDNN where it has bf16) runs eagerly alone (``eager_sizes``).
 """
 from __future__ import annotations
 
@@ -61,6 +67,8 @@ class CpuDecodePlans:
         self._plans: dict[int, replay.Plan] = {}
         self._seen: set[int] = set()
         self._eager: dict[int, str] = {}  # batch size -> why its step cannot be recorded (it runs eagerly)
+        self.plans_dry = False  # a size seen first is planned dry and replayed (self_check turns it on)
+        self.dry_reason: Optional[str] = "not checked"
         self._arena = torch.empty(0, dtype=torch.uint8)
         self._hidden: Optional[torch.Tensor] = None
         self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
@@ -104,13 +112,17 @@ class CpuDecodePlans:
         return self.enabled and not self.model.fast_paths.active()
 
     def run(self, bucket: int) -> torch.Tensor:
-        """Hidden states [bucket, H] of the rows in the buffers: replayed when a plan exists, else eagerly
-        (recording a plan the second time a batch size is seen). The result of a replay is overwritten by
-        the next step."""
+        """Hidden states [bucket, H] of the rows in the buffers: replayed when a plan exists (planned ahead, or
+        planned dry when first seen), else eagerly (recording a plan the second time a batch size is seen). The
+        result of a replay is overwritten by the next step."""
         self.stage(bucket)
         if not self.enabled:
             return self.body(bucket)
         plan = self._plans.get(bucket)
+        if plan is None and self.plans_dry and bucket not in self._seen:
+            self._seen.add(bucket)
+            if self._plan(bucket) is None:
+                plan = self._plans[bucket]
         if plan is not None:
             if plan.replay(self._arena):
                 return plan.output(self._arena)
@@ -121,6 +133,32 @@ class CpuDecodePlans:
             return self.body(bucket)
         return self._record(bucket)
 
+    @torch.inference_mode()
+    def plan_ahead(self, sizes) -> None:
+        """Plan these batch sizes now (dry passes: nothing computed), so that their first steps replay too. A size
+        that cannot be planned so is recorded at its first step instead."""
+        refused: dict[str, list[int]] = {}
+        for bucket in sizes:
+            if bucket not in self._plans and bucket not in self._seen:
+                self.stage(bucket)  # (the buffers' rows as they are: a dry pass reads no values)
+                self._seen.add(bucket)
+                why = self._plan(bucket)
+                if why is not None:
+                    refused.setdefault(why, []).append(bucket)
+        for why, buckets in refused.items():
+            log.info("CPU decode steps of %s rows recorded at their first step, not planned ahead: %s",
+                     _spans(buckets), why)
+
+    def _plan(self, bucket: int) -> Optional[str]:
+        """Plan this size from a dry pass (nothing computed or written) and keep it; None, or why the pass refused
+        it (nothing kept)."""
+        try:
+            _, plan = replay.record(lambda: self.body(bucket), dry=True)
+        except replay.Unreplayable as exc:
+            return str(exc)
+        self._keep(bucket, plan)
+        return None
+
     def _record(self, bucket: int) -> torch.Tensor:
         try:
             out, plan = replay.record(lambda: self.body(bucket))
@@ -128,24 +166,30 @@ class CpuDecodePlans:
             self._eager[bucket] = str(exc)
             log.info("CPU decode steps of %d rows run eagerly: %s", bucket, exc)
             return self.body(bucket)
+        self._keep(bucket, plan)
+        return out
+
+    def _keep(self, bucket: int, plan: replay.Plan) -> None:
         self._plans[bucket] = plan
         if plan.arena_bytes > self._arena.numel():
             self._arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
-        return out
 
     def info(self) -> dict:
         """On CPU, ``cpu_decode_replay``: whether decode steps are replayed from C, and
-        ``cpu_decode_replay_reason``: why not; ``cpu_linear_layouts``: how the linear layers hold their
+        ``cpu_decode_replay_reason``: why not; ``cpu_decode_planned``: whether a size is planned when first seen
+        (``cpu_decode_planned_reason``: why not); ``cpu_linear_layouts``: how the linear layers hold their
         weights (``linear_layouts``); elsewhere nothing."""
         if not self.on_cpu:
             return {}
         return {"cpu_decode_replay": self.enabled, "cpu_decode_replay_reason": self.reason or "",
+                "cpu_decode_planned": self.plans_dry, "cpu_decode_planned_reason": self.dry_reason or "",
                 "cpu_linear_layouts": linear_layouts(self.model)}
 
     def disable(self, reason: str) -> None:
         if self.enabled:
             log.warning("CPU decode replays off, steps run eagerly: %s", reason)
-        self.enabled, self.reason = False, reason
+        self.enabled = self.plans_dry = False
+        self.reason = self.dry_reason = reason
         self.clear()
 
     def clear(self) -> None:
@@ -158,11 +202,13 @@ class CpuDecodePlans:
     def self_check(self) -> Optional[str]:
         """Turn replays on when a recorded step replays to the eager step's bits; returns None, or why they
         stay off. A step of one row must record; one of two rows is checked where it records (where it does
-        not, that size runs eagerly when serving). Call before serving: its steps are padding rows, which
-        write the reserved block 0 only."""
+        not, that size runs eagerly when serving). Each recorded size is planned dry too: sizes are planned
+        ahead when serving (``plans_dry``) where every such plan makes the recording's calls and replays to the
+        eager bits. Call before serving: its steps are padding rows, which write the reserved block 0 only."""
         self.clear()
-        self.enabled = False
+        self.enabled = self.plans_dry = False
         reason = replay.unavailable_reason() if self.on_cpu else "not a CPU model"
+        dry_reason = None
         if reason is None:
             try:
                 for bucket in (1, 2) if self.inputs.max_batch >= 2 else (1,):
@@ -175,20 +221,53 @@ class CpuDecodePlans:
                         if bucket == 1:
                             raise
                         break
-                    # all-ones bytes (NaN in float32 and bf16): a replay that leaves its result unwritten fails
-                    arena = torch.full((plan.arena_bytes,), 0xFF, dtype=torch.uint8)
-                    if not plan.replay(arena):
-                        reason = f"the {plan.refused} kernel refused its recorded arguments"
+                    reason = self._check_plan(plan, eager, bucket)
+                    if reason is not None:
                         break
-                    if not torch.equal(plan.output(arena), eager):
-                        reason = f"a replayed step of {bucket} rows differs from the eager one"
-                        break
+                    dry_reason = dry_reason or self._check_dry(plan, eager, bucket)
             except replay.Unreplayable as exc:
                 reason = str(exc)
         self.clear()
         self.enabled, self.reason = reason is None, reason
+        self.plans_dry, self.dry_reason = self.enabled and dry_reason is None, reason or dry_reason
+        if self.plans_dry:
+            self.plan_ahead(range(1, self.inputs.max_batch + 1))
         if reason is None:
-            log.info("CPU decode steps replayed from C after their first runs")
+            log.info("CPU decode steps replayed from C %s", "from their first runs, each size planned ahead"
+                     if self.plans_dry else f"after their first runs (not planned ahead: {dry_reason})")
         else:
             log.info("CPU decode replays off, steps run eagerly: %s", reason)
         return reason
+
+    @staticmethod
+    def _check_plan(plan: replay.Plan, eager: torch.Tensor, bucket: int, what: str = "replayed") -> Optional[str]:
+        """None when ``plan`` replays to ``eager``'s bits, else why not."""
+        # all-ones bytes (NaN in float32 and bf16): a replay that leaves its result unwritten fails
+        arena = torch.full((plan.arena_bytes,), 0xFF, dtype=torch.uint8)
+        if not plan.replay(arena):
+            return f"the {plan.refused} kernel refused its recorded arguments"
+        if not torch.equal(plan.output(arena), eager):
+            return f"a {what} step of {bucket} rows differs from the eager one"
+        return None
+
+    def _check_dry(self, recorded: replay.Plan, eager: torch.Tensor, bucket: int) -> Optional[str]:
+        """None when the step planned dry makes the recording's calls and replays to the eager bits."""
+        try:
+            _, plan = replay.record(lambda: self.body(bucket), dry=True)
+        except replay.Unreplayable as exc:
+            return f"a step of {bucket} rows planned dry: {exc}"
+        if not plan.same_calls(recorded):
+            return f"a step of {bucket} rows planned dry makes other calls than its recording"
+        return self._check_plan(plan, eager, bucket, "planned")
+
+
+def _spans(sizes: list[int]) -> str:
+    """1, 2, 3, 5 -> '1-3, 5'."""
+    out, start = [], None
+    for i, n in enumerate(sizes):
+        if start is None:
+            start = n
+        if i + 1 == len(sizes) or sizes[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out)

@@ -1,13 +1,14 @@
 """CPU decode steps replayed from C (``model/kernels/replay.py``, ``engine/cpu_graphs.py``): a recorded step's
-kernel calls replayed over new buffer contents give the eager step's bits; a step running a torch operator is
-refused; the engine's replayed decoding equals its eager decoding token for token."""
+kernel calls replayed over new buffer contents give the eager step's bits; a step planned dry makes the same
+calls and writes nothing; a step running a torch operator is refused; the engine plans every batch size when it
+starts, and its replayed decoding equals its eager decoding token for token."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from sidecar import LLM, SamplingParams
-from sidecar.engine.cpu_graphs import linear_layouts
+from sidecar.engine.cpu_graphs import _spans, linear_layouts
 from sidecar.model.kernels import amx_gemm, norm_act, replay
 from sidecar.model.linear import Linear
 
@@ -77,6 +78,66 @@ def test_a_torch_operator_in_the_step_is_refused_by_name():
         replay.record(lambda: torch.empty(3))
 
 
+def test_a_step_planned_dry_makes_the_recorded_calls_and_writes_nothing():
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(64, generator=g).to(torch.bfloat16)
+    acc = torch.randn(3, 32, generator=g).to(torch.bfloat16)  # state the step adds to in place (as a KV write)
+    bias = torch.randn(32, generator=g).to(torch.bfloat16)
+
+    def step():
+        y, _ = norm_act.add_rms_norm(h, None, w, 1e-6)
+        norm_act.add_bias(acc, bias)
+        return norm_act.silu_mul(y)
+
+    before = acc.clone()
+    out, dry = replay.record(step, dry=True)
+    assert torch.equal(acc, before)  # no kernel ran
+    assert dry.names == ["sidecar_add_rms_norm", "sidecar_add_bias", "sidecar_silu_mul"]
+    want = step().clone()  # eagerly: acc + bias once
+    acc.copy_(before)
+    _, recorded = replay.record(step)
+    assert dry.same_calls(recorded)
+    acc.copy_(before)
+    arena = torch.full((dry.arena_bytes,), 0xFF, dtype=torch.uint8)
+    assert dry.replay(arena)
+    assert torch.equal(dry.output(arena), want) and torch.equal(acc, before + bias)
+
+
+def test_a_dry_pass_stops_at_a_torch_operator_before_it_runs():
+    x = torch.ones(2, 64)
+    w = torch.ones(64)
+
+    def step():
+        x.mul_(2.0)  # computes outside our kernels
+        return norm_act.add_rms_norm(x, None, w, 1e-6)[0]
+
+    with pytest.raises(replay.Unreplayable, match="aten::mul_"):
+        replay.record(step, dry=True)
+    assert torch.equal(x, torch.ones(2, 64))  # stopped before it ran on tensors no kernel had filled
+
+
+def test_a_dry_pass_refuses_a_step_that_keeps_what_it_allocated():
+    x = torch.randn(2, 64)
+    w = torch.ones(64)
+    kept = []
+
+    def lazy_setup_step():  # state a kernel fills once and the step keeps: a dry pass would leave it unfilled
+        if not kept:
+            kept.append(norm_act.add_rms_norm(x, None, w, 1e-6)[0])
+        return norm_act.add_rms_norm(kept[0], None, w, 1e-6)[0]
+
+    with pytest.raises(replay.Unreplayable, match=r"\(2, 64\) tensor the step allocated is held after it"):
+        replay.record(lazy_setup_step, dry=True)
+    kept.clear()
+    out, plan = replay.record(lazy_setup_step)  # recorded (run), it is filled
+    assert plan.num_ops == 2 and torch.equal(out, norm_act.add_rms_norm(kept[0], None, w, 1e-6)[0])
+
+
+def test_spans_of_sizes():
+    assert _spans([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8" and _spans([4]) == "4"
+
+
 def test_a_kernel_refusing_at_replay_stops_it_and_is_named():
     from sidecar.model.kernels.replay import _KERNEL
 
@@ -120,16 +181,22 @@ def test_engine_replays_decode_exactly_as_eager(demo_dir, quantization):
     assert sum(layouts.values()) == len(linears) > 0
     if quantization is None and amx_gemm.available():
         assert layouts == {f"tile layout ({amx_gemm.path()})": len(linears)}
-    # different lengths: the batch shrinks 3 -> 2 -> 1 rows, each size recorded on its second step
+    plans = fast.engine.runner.cpu_plans
+    # every size planned when the engine started, except where bf16 batches past our kernel's rows go to oneDNN
+    # (where it has bf16 and AMX does not serve them): those are recorded at their first step, and refused
+    assert fast.engine.model_info["cpu_decode_planned"] is True, fast.engine.model_info["cpu_decode_planned_reason"]
+    assert 1 in plans.recorded and set(plans.recorded) <= {1, 2, 3, 4} and plans.arena_bytes > 0
+    if quantization is not None or amx_gemm.available():
+        assert plans.recorded == [1, 2, 3, 4]
+    planned = list(plans.recorded)
+    # different lengths: the batch shrinks 3 -> 2 -> 1 rows
     prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [18, 19]]
     lens = [9, 14, 20]
     assert _decode(fast, prompts, lens)[0] == _decode(eager, prompts, lens)[0]
-    plans = fast.engine.runner.cpu_plans
-    # bf16 batches past our kernel's rows go to oneDNN where it has bf16 (AVX-512 BF16, AMX): those sizes stay eager
-    assert plans.enabled and set(plans.recorded) | set(plans.eager_sizes) == {1, 2, 3} and plans.arena_bytes > 0
-    assert 1 in plans.recorded and (quantization is None or set(plans.recorded) == {1, 2, 3})
+    assert plans.enabled and {1, 2, 3} <= set(plans.recorded) | set(plans.eager_sizes)
+    assert plans.recorded == planned and not set(plans.eager_sizes) & set(planned)
     assert all("outside our kernels" in why for why in plans.eager_sizes.values())
-    # once recorded, every step of these sizes is a replay: still the same tokens, blocks returned
+    # every step of these sizes is a replay now: still the same tokens, blocks returned
     assert _decode(fast, prompts, lens)[0] == _decode(eager, prompts, lens)[0]
     eng = fast.engine
     assert not eng.requests and eng.kv.num_free_blocks() == eng.kv.num_blocks
@@ -151,9 +218,51 @@ def test_self_check_keeps_replays_off_when_a_replay_differs(demo_dir, monkeypatc
     assert runner.cpu_plans.enabled
     monkeypatch.setattr(replay.Plan, "replay", lambda self, arena: True)  # runs nothing: the result unwritten
     assert "differs" in runner.cpu_plans.self_check()
-    assert runner.cpu_plans.info() == {"cpu_decode_replay": False, "cpu_decode_replay_reason": runner.cpu_plans.reason,
+    reason = runner.cpu_plans.reason
+    assert runner.cpu_plans.info() == {"cpu_decode_replay": False, "cpu_decode_replay_reason": reason,
+                                       "cpu_decode_planned": False, "cpu_decode_planned_reason": reason,
                                        "cpu_linear_layouts": linear_layouts(runner.model)}
-    assert not runner.cpu_plans.replays()
+    assert not runner.cpu_plans.replays() and runner.cpu_plans.recorded == []
+
+
+def test_steps_planned_dry_unlike_their_recording_are_recorded_instead(demo_dir, monkeypatch):
+    kw = dict(model=str(demo_dir), dtype="bfloat16", block_size=8, num_kv_blocks=96, max_num_seqs=4)
+    prompts, lens = [[3, 4, 5, 6], [7, 8, 9], [10, 11]], [6, 10, 16]
+    want = _decode(LLM(enforce_eager=True, **kw), prompts, lens)[0]
+    monkeypatch.setattr(replay.Plan, "same_calls", lambda self, other: False)
+    llm = LLM(**kw)
+    plans = llm.engine.runner.cpu_plans
+    info = llm.engine.model_info
+    assert info["cpu_decode_replay"] is True and info["cpu_decode_planned"] is False
+    assert "makes other calls than its recording" in info["cpu_decode_planned_reason"]
+    assert plans.recorded == []  # nothing planned ahead: each size runs eagerly, then is recorded
+    assert _decode(llm, prompts, lens)[0] == want
+    assert 1 in plans.recorded and set(plans.recorded) | set(plans.eager_sizes) <= {1, 2, 3}
+
+
+def test_planned_steps_replay_from_the_first_step(demo_dir, monkeypatch):
+    kw = dict(model=str(demo_dir), dtype="bfloat16", block_size=8, num_kv_blocks=96, max_num_seqs=3,
+              quantization="int8")  # int8 layers: our kernels at every size on every CPU
+    prompts, lens = [[3, 4, 5, 6], [7, 8, 9], [10, 11]], [6, 10, 16]
+    want = _decode(LLM(enforce_eager=True, **kw), prompts, lens)[0]
+    llm = LLM(**kw)
+    plans = llm.engine.runner.cpu_plans
+    assert plans.recorded == [1, 2, 3]
+    ran = {"replays": 0, "eager": 0}
+    real_replay, real_body = replay.Plan.replay, type(plans).body
+
+    def counted_replay(self, arena):
+        ran["replays"] += 1
+        return real_replay(self, arena)
+
+    def counted_body(self, bucket):
+        ran["eager"] += 1
+        return real_body(self, bucket)
+
+    monkeypatch.setattr(replay.Plan, "replay", counted_replay)
+    monkeypatch.setattr(type(plans), "body", counted_body)
+    assert _decode(llm, prompts, lens)[0] == want
+    assert ran["eager"] == 0 and ran["replays"] == 15  # every decode step (16 - 1 tokens after the prefill)
 
 
 def test_a_replay_refused_while_serving_falls_back_to_eager(demo_dir, monkeypatch):

@@ -11,7 +11,8 @@ error) returns None with the reason, and the caller keeps its torch path.
 Each wrapper module declares its kernel once as a ``Kernel``: the source's name and the C signatures of
 the functions it exports (``P`` a tensor's ``data_ptr()``, ``I`` an int, ``F`` a float). The library's
 attribute for each is a ``KernelFunction``: the ctypes function, and the hook through which a decode step's
-calls are recorded for replay from C (``replay.py``) while a recorder is installed (``set_recorder``).
+calls are recorded for replay from C (``replay.py``) while a recorder is installed (``set_recorder``); a
+recorder answering true plans the step instead: the call is noted and not made.
 """
 from __future__ import annotations
 
@@ -37,9 +38,11 @@ _reasons: dict[str, str] = {}
 _recording = threading.local()  # .recorder: the calling thread's, when set
 
 
-def set_recorder(recorder: Optional[Callable[["KernelFunction", tuple], None]]) -> None:
+def set_recorder(recorder: Optional[Callable[["KernelFunction", tuple], bool]]) -> None:
     """While set, every kernel call the calling thread makes (through any ``Kernel``'s library) is passed to
-    ``recorder(function, args)`` before it runs; other threads' calls are not. None stops that."""
+    ``recorder(function, args)`` before it runs; other threads' calls are not. Where the recorder returns true
+    the call is not made (a plan's pass: nothing is computed) and returns 0 (None for a void function), as
+    a call that succeeded. None stops that."""
     _recording.recorder = recorder
 
 
@@ -57,8 +60,8 @@ class KernelFunction:
 
     def __call__(self, *args):
         recorder = getattr(_recording, "recorder", None)
-        if recorder is not None:
-            recorder(self, args)
+        if recorder is not None and recorder(self, args):  # a planning pass: noted, not made
+            return None if self.restype is None else 0
         return self.function(*args)
 
 
