@@ -90,6 +90,21 @@ def test_extreme_scores_stay_finite_and_exact_where_one_key_dominates():
     assert (out - ref).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pos", [0, 7, 15, 16, 31, 32, 47, 48, 52])
+def test_the_softmax_finds_the_largest_score_wherever_it_is(pos, dtype):
+    # 53 keys: whole vectors of scores and a tail; one key's score ~hundreds above the rest, so a maximum that
+    # missed it would overflow the exp
+    q, kc, vc, tables, ctx = _case([53], 2, 1, 64, dtype=dtype, seed=pos)
+    slot = tables[0, pos // 16] * 16 + pos % 16
+    kc.view(-1, 1, 64)[slot, 0] = (q[0, 0].float() * 12.0).to(dtype)
+    out = kernel.decode_attention(q, kc, vc, tables, ctx, 1.0)
+    ref = _torch_path(q, kc, vc, tables, ctx, 1.0, None)
+    assert torch.isfinite(out).all()
+    assert (out.float() - ref.float()).abs().max() <= (1e-5 if dtype is torch.float32 else 2e-2)
+    assert torch.allclose(out[0, 0].float(), vc.view(-1, 1, 64)[slot, 0].float(), atol=1e-2)  # that key's value
+
+
 def test_inputs_it_does_not_take_fall_back_to_torch(monkeypatch):
     q, kc, vc, tables, ctx = _case([20, 30], 4, 2, 64)
     assert kernel.decode_attention(q.half(), kc.half(), vc.half(), tables, ctx, 0.125) is None
