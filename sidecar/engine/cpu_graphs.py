@@ -7,9 +7,10 @@ them (``LlamaForCausalLM.forward_embedded``), all in our kernels, is the part re
 size and replayed from C afterwards: the same kernels with the same operands, without ~220 Python calls
 and their checks and allocations a step.
 
-Every batch size 1..max_num_seqs is planned when the engine starts (``plan_ahead``): the step's Python runs
-with every kernel call noted and none made (``replay.record(dry=True)``: ~9 ms a size for Qwen2-0.5B, nothing
-computed or written), and the plan is replayed from the size's first step. On the CPU each size is its own
+Every batch size is planned before its first step -- sizes up to ``PLAN_AHEAD`` when the engine starts
+(``plan_ahead``), larger ones when first seen: the step's Python runs with every kernel call noted and none made
+(``replay.record(dry=True)``: ~9 ms a size for Qwen2-0.5B, nothing computed or written), and the plan is replayed
+from the size's first step. On the CPU each size is its own
 bucket, and a workload whose batch shrinks as requests finish meets dozens of them: before, each size ran
 eagerly the first time it was seen and was recorded (an eager run noting its calls) the second, which cost
 the 32-request workload ~0.5 s of its ~5.5 s a round on a 2-core Xeon in its first rounds. A size that cannot
@@ -35,6 +36,15 @@ import torch
 
 from sidecar.engine.input_buffers import DecodeInputs, decode_metadata
 from sidecar.model.kernels import replay
+from sidecar.model.quant_format import release_freed_memory
+
+# Batch sizes planned when the engine starts (larger ones when first seen): a dry pass costs ~9 ms a size for
+# Qwen2-0.5B up to 128 rows and ~15 ms past it (its larger allocations are mapped and unmapped), so planning all of
+# max_num_seqs 256 ahead took 3.5 s of a 3.9 s load on a 2-core Xeon.
+PLAN_AHEAD = 64
+# Dry passes between which the freed heap is handed back: glibc kept what 256 passes freed resident (+110-190 MiB
+# for Qwen2-0.5B, bf16 / int8), where the plans themselves hold ~13 MiB.
+TRIM_EVERY = 8
 
 log = logging.getLogger("sidecar.engine")
 
@@ -138,13 +148,16 @@ class CpuDecodePlans:
         """Plan these batch sizes now (dry passes: nothing computed), so that their first steps replay too. A size
         that cannot be planned so is recorded at its first step instead."""
         refused: dict[str, list[int]] = {}
-        for bucket in sizes:
+        for i, bucket in enumerate(sizes):
             if bucket not in self._plans and bucket not in self._seen:
                 self.stage(bucket)  # (the buffers' rows as they are: a dry pass reads no values)
                 self._seen.add(bucket)
                 why = self._plan(bucket)
                 if why is not None:
                     refused.setdefault(why, []).append(bucket)
+            if i % TRIM_EVERY == TRIM_EVERY - 1:
+                release_freed_memory()
+        release_freed_memory()
         for why, buckets in refused.items():
             log.info("CPU decode steps of %s rows recorded at their first step, not planned ahead: %s",
                      _spans(buckets), why)
@@ -231,7 +244,7 @@ class CpuDecodePlans:
         self.enabled, self.reason = reason is None, reason
         self.plans_dry, self.dry_reason = self.enabled and dry_reason is None, reason or dry_reason
         if self.plans_dry:
-            self.plan_ahead(range(1, self.inputs.max_batch + 1))
+            self.plan_ahead(range(1, min(self.inputs.max_batch, PLAN_AHEAD) + 1))
         if reason is None:
             log.info("CPU decode steps replayed from C %s", "from their first runs, each size planned ahead"
                      if self.plans_dry else f"after their first runs (not planned ahead: {dry_reason})")

@@ -241,28 +241,39 @@ def test_steps_planned_dry_unlike_their_recording_are_recorded_instead(demo_dir,
 
 
 def test_planned_steps_replay_from_the_first_step(demo_dir, monkeypatch):
+    from sidecar.engine import cpu_graphs
+
     kw = dict(model=str(demo_dir), dtype="bfloat16", block_size=8, num_kv_blocks=96, max_num_seqs=3,
               quantization="int8")  # int8 layers: our kernels at every size on every CPU
     prompts, lens = [[3, 4, 5, 6], [7, 8, 9], [10, 11]], [6, 10, 16]
     want = _decode(LLM(enforce_eager=True, **kw), prompts, lens)[0]
+    monkeypatch.setattr(cpu_graphs, "PLAN_AHEAD", 2)  # sizes past it: planned when first seen
     llm = LLM(**kw)
     plans = llm.engine.runner.cpu_plans
-    assert plans.recorded == [1, 2, 3]
-    ran = {"replays": 0, "eager": 0}
-    real_replay, real_body = replay.Plan.replay, type(plans).body
+    assert plans.recorded == [1, 2]
+    ran = {"replays": 0, "body": 0, "dry": 0, "recorded": 0}
+    real_replay, real_body, real_record = replay.Plan.replay, type(plans).body, replay.record
 
     def counted_replay(self, arena):
         ran["replays"] += 1
         return real_replay(self, arena)
 
     def counted_body(self, bucket):
-        ran["eager"] += 1
+        ran["body"] += 1
         return real_body(self, bucket)
+
+    def counted_record(step, dry=False):
+        ran["dry" if dry else "recorded"] += 1
+        return real_record(step, dry)
 
     monkeypatch.setattr(replay.Plan, "replay", counted_replay)
     monkeypatch.setattr(type(plans), "body", counted_body)
+    monkeypatch.setattr(replay, "record", counted_record)
     assert _decode(llm, prompts, lens)[0] == want
-    assert ran["eager"] == 0 and ran["replays"] == 15  # every decode step (16 - 1 tokens after the prefill)
+    # every decode step (16 - 1 tokens after the prefill) a replay; the one pass of the step's Python was size 3's
+    # dry pass, when first seen; nothing ran eagerly or was recorded
+    assert ran == {"replays": 15, "body": 1, "dry": 1, "recorded": 0}
+    assert plans.recorded == [1, 2, 3]
 
 
 def test_a_replay_refused_while_serving_falls_back_to_eager(demo_dir, monkeypatch):
