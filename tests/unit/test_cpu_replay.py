@@ -134,6 +134,14 @@ def test_a_dry_pass_refuses_a_step_that_keeps_what_it_allocated():
     assert plan.num_ops == 2 and torch.equal(out, norm_act.add_rms_norm(kept[0], None, w, 1e-6)[0])
 
 
+def test_a_dry_pass_is_refused_where_torch_cannot_count_a_storage_s_holders(monkeypatch):
+    x = torch.randn(2, 64)
+    w = torch.ones(64)
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+    with pytest.raises(replay.Unreplayable, match="how many tensors hold a storage"):
+        replay.record(lambda: norm_act.add_rms_norm(x, None, w, 1e-6)[0], dry=True)
+
+
 def test_spans_of_sizes():
     assert _spans([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8" and _spans([4]) == "4"
 

@@ -261,9 +261,12 @@ def record(step: Callable[[], Any], dry: bool = False) -> tuple[Any, Plan]:
 def _check_released(kept: list[torch.Tensor], out: torch.Tensor) -> None:
     """Raises ``Unreplayable`` when a storage the step allocated (other than its result's) is referenced by more
     than its one tensor in ``kept``: something outside the step keeps it."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        raise Unreplayable("this torch does not say how many tensors hold a storage")
     result = out.untyped_storage().data_ptr()
     for t in kept:
         st = t.untyped_storage()
         # references: t's own, and ``st`` (this Python handle) -- any other is a tensor or view held elsewhere
-        if st.data_ptr() != result and st.nbytes() and torch._C._storage_Use_Count(st._cdata) > 2:
+        if st.data_ptr() != result and st.nbytes() and use_count(st._cdata) > 2:
             raise Unreplayable(f"a {tuple(t.shape)} tensor the step allocated is held after it")
