@@ -150,7 +150,8 @@ def ours_info(llm) -> dict[str, Any]:
     res["fast_path_fallbacks"] = llm.engine.model_info.get("fast_path_fallbacks", {})
     # On CPU: whether decode steps were replayed from C (and why not), planned when first seen; how the linear
     # layers held their weights.
-    for key in ("cpu_decode_replay", "cpu_decode_replay_reason", "cpu_decode_planned", "cpu_linear_layouts"):
+    for key in ("cpu_decode_replay", "cpu_decode_replay_reason", "cpu_decode_planned", "cpu_decode_planned_reason",
+                "cpu_linear_layouts"):
         if key in llm.engine.model_info:
             res[key] = llm.engine.model_info[key]
     return res

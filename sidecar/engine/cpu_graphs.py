@@ -148,9 +148,10 @@ class CpuDecodePlans:
         """Plan these batch sizes now (dry passes: nothing computed), so that their first steps replay too. A size
         that cannot be planned so is recorded at its first step instead."""
         refused: dict[str, list[int]] = {}
+        if self._hidden is None:  # the staging buffers a plan reads from (a dry pass reads no values: once is enough)
+            self.stage(1)
         for i, bucket in enumerate(sizes):
             if bucket not in self._plans and bucket not in self._seen:
-                self.stage(bucket)  # (the buffers' rows as they are: a dry pass reads no values)
                 self._seen.add(bucket)
                 why = self._plan(bucket)
                 if why is not None:
