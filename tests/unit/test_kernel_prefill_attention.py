@@ -59,6 +59,8 @@ def test_kernel_builds_on_this_machine():
     (64, 64, 32, 1, 64, 32),  # 32 query heads on one KV head: one row per task
     (20, 90, 6, 2, 48, 8),  # a head size of three AVX-512 vectors, small blocks
     (257, 257, 2, 1, 32, 16),  # more rows than a block of keys, a head size of two vectors
+    (9, 40, 40, 1, 64, 16),  # 40 query heads on one KV head: a task's queries in blocks of 32 and 8
+    (300, 1100, 14, 2, 64, 16),  # a long context after a cached part: rows of scores wider than a page
 ])
 def test_kernel_matches_reference(rows, ctx, nh, nkv, hd, bs, dtype):
     q, kc, vc, table = _case(rows, ctx, nh, nkv, hd, bs, dtype, seed=rows + hd)

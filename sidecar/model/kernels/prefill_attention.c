@@ -25,7 +25,11 @@
  *
  * On CPUs with AMX, bf16 prompts over a bf16 cache take tile products instead (AMX_PATH below: the same tasks,
  * the weights rounded to bf16 like torch's): measured on a 2-core Xeon with AMX, Qwen2-0.5B's heads, a layer of
- * a 256-token prompt 0.87-0.91 -> 0.33 ms, of a 1,024-token one 11.8-12.7 -> 3.3 ms.
+ * a 256-token prompt 0.87-0.91 -> 0.33 ms, of a 1,024-token one 11.8-12.7 -> 3.3 ms. Then, with 32 queries x 32
+ * keys a step (four accumulators) where 16 queries had taken two, and rows of scores and weights no longer a power
+ * of two apart (a 2,048-token prompt's had put the sixteen rows of every tile in one L1 set): Qwen2-0.5B's 24 layers
+ * of a 2,048-token prompt 362-394 -> 235-255 ms, of a 1,024-token one 110-113 -> 73, of a 256-token one 8.4-8.9 ->
+ * 6.9-7.4; the same bits.
  *
  * Quantized cache (ks, vs not NULL): K/V hold int8 codes and ks/vs ([num_blocks, bs, nkv] float32) one scale
  * per token and KV head.
@@ -201,7 +205,8 @@ static void amx_layout_chunk(const uint16_t* kc, const uint16_t* vc, const int64
 }
 
 /* pr[j] = exp(scale * (w[j] - max)) rounded to bf16 for j in [lo, hi) (max over that range), 0 elsewhere in [0, n);
- * returns the float32 sum of the weights before rounding. */
+ * returns the float32 sum of the weights before rounding. The weights are normal numbers (v_exp stops at -87), which
+ * the instruction's conversion rounds to nearest even as v_store_bf16 does. */
 static inline float softmax_bf16(const float* w, int lo, int hi, int n, float scale, uint16_t* pr) {
     vf vm = v_set1(w[lo]);
     int j = lo;
@@ -215,7 +220,7 @@ static inline float softmax_bf16(const float* w, int lo, int hi, int n, float sc
     for (j = lo; j + VL <= hi; j += VL) {
         const vf e = v_exp(v_mul(v_sub(v_load(w + j), mv), sv));
         total = v_add(total, e);
-        v_store_bf16(pr + j, e);
+        _mm256_storeu_si256((__m256i*)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
     float sum = v_sum(total);
     if (j < hi) {  /* the tail through the same exp, padded with lanes it discards */
@@ -231,79 +236,99 @@ static inline float softmax_bf16(const float* w, int lo, int hi, int n, float sc
 }
 
 /* One task on the tile path: qn queries (query u: row u / rep of `out`, at position p0 + u / rep, head
- * g * rep + u % rep; q16: their bf16 rows, qn rounded up to 16 with zero rows), keys from chunk ck0 to ck1 of the
- * layouts (chunk 0 starting at position k_first), out rounded to bf16. s: [qn16][sld] float32 scores then weights,
- * pw: the weights as bf16; o: [16][64] float32. */
-static void amx_attend_rows(const uint16_t* q16, int qn, const uint16_t* kb, const uint16_t* vb, int ck0, int ck1,
-                            int k_first, int p0, int rep, int window, int g, int nh, int hd, float scale, float* s,
-                            uint16_t* pw, size_t sld, float* o, uint16_t* out) {
-    const int nc = hd / 32, nt = hd / 16, qn16 = (qn + 15) / 16 * 16;
+ * g * rep + u % rep; q16: their bf16 rows, qn rounded up to 32 with zero rows), keys from chunk ck0 to ck1 of the
+ * layouts (chunk 0 starting at position k_first), out rounded to bf16. s: float32 scores then weights, rows of
+ * (ck1 - ck0) * 32 + 16 (a row's lines then fall in other cache sets than the last's, where a power of two put all
+ * sixteen rows of a tile in one); pw: the weights as bf16, rows of (ck1 - ck0) * 32 + 32; o: [32][64] float32. */
+static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb, int ck0,
+                             int ck1, int k_first, int p0, int rep, int window, int g, int nh, int hd, float scale,
+                             float* s, uint16_t* pw, float* o, uint16_t* out) {
+    const int nc = hd / 32, nt = hd / 16, two = qn > 16;
     const size_t chunk_k = (size_t)nc * 1024, chunk_v = (size_t)nt * 512;  /* bf16 values per chunk */
-    for (int qt = 0; qt < qn16; qt += 16) {  /* scores, a chunk (two 16-key tiles) at a time */
-        for (int ck = ck0; ck < ck1; ck++) {
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int c = 0; c < nc; c++) {
-                const uint16_t* b = kb + (size_t)ck * chunk_k + (size_t)c * 1024;
-                _tile_loadd(4, q16 + (size_t)qt * hd + 32 * c, hd * 2);
-                _tile_loadd(6, b, 64);
-                _tile_loadd(7, b + 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
+    const int k0 = ck0 * 32, n = (ck1 - ck0) * 32;
+    const size_t sld = (size_t)n + 16, pld = (size_t)n + 32;
+    /* scores: 32 queries x a chunk's 32 keys in four accumulators, the queries' tiles 4 and 5, the keys' 6 and 7 */
+    for (int ck = ck0; ck < ck1; ck++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int c = 0; c < nc; c++) {
+            const uint16_t* b = kb + (size_t)ck * chunk_k + (size_t)c * 1024;
+            _tile_loadd(4, q16 + 32 * c, hd * 2);
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, q16 + (size_t)16 * hd + 32 * c, hd * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
             }
-            float* at = s + (size_t)qt * sld + (size_t)(ck - ck0) * 32;
-            _tile_stored(0, at, sld * 4);
-            _tile_stored(1, at + 16, sld * 4);
+        }
+        float* at = s + (size_t)(ck - ck0) * 32;
+        _tile_stored(0, at, sld * 4);
+        _tile_stored(1, at + 16, sld * 4);
+        if (two) {
+            _tile_stored(2, at + 16 * sld, sld * 4);
+            _tile_stored(3, at + 16 * sld + 16, sld * 4);
         }
     }
-    const int k0 = ck0 * 32, n = (ck1 - ck0) * 32;
-    float inv[MAX_QUERIES + 16];
+    const int qn16 = two ? 32 : 16;
+    float inv[32];
     for (int u = 0; u < qn16; u++) {  /* softmax over each query's causal range, weights to bf16 */
-        uint16_t* pr = pw + (size_t)u * sld;
+        uint16_t* pr = pw + (size_t)u * pld;
         if (u >= qn) {
             memset(pr, 0, sizeof(uint16_t) * n);
             continue;
         }
-        const int p = p0 + u / rep;
+        const int p = p0 + (u0 + u) / rep;
         const int lo = (window > 0 && p + 1 > window ? p + 1 - window : 0) - k_first - k0, hi = p + 1 - k_first - k0;
         inv[u] = 1.0f / softmax_bf16(s + (size_t)u * sld, lo, hi, n, scale, pr);
     }
-    for (int qt = 0; qt < qn16; qt += 16)  /* weighted values, four 16-dimension tiles at a time */
-        for (int t0 = 0; t0 < nt; t0 += 4) {
-            const int tn = nt - t0 < 4 ? nt - t0 : 4;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int ck = ck0; ck < ck1; ck++) {
-                const uint16_t* b = vb + (size_t)ck * chunk_v + (size_t)t0 * 512;
-                _tile_loadd(4, pw + (size_t)qt * sld + (size_t)(ck - ck0) * 32, sld * 2);
-                _tile_loadd(6, b, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (tn > 1) {
-                    _tile_loadd(7, b + 512, 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                if (tn > 2) {
-                    _tile_loadd(6, b + 1024, 64);
-                    _tile_dpbf16ps(2, 4, 6);
-                }
-                if (tn > 3) {
-                    _tile_loadd(7, b + 1536, 64);
-                    _tile_dpbf16ps(3, 4, 7);
-                }
+    /* weighted values: both query tiles x two 16-dimension tiles at a time */
+    for (int t0 = 0; t0 < nt; t0 += 2) {
+        const int pair = nt - t0 > 1;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int ck = ck0; ck < ck1; ck++) {
+            const uint16_t* b = vb + (size_t)ck * chunk_v + (size_t)t0 * 512;
+            _tile_loadd(4, pw + (size_t)(ck - ck0) * 32, pld * 2);
+            _tile_loadd(6, b, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (pair) {
+                _tile_loadd(7, b + 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
             }
-            _tile_stored(0, o, 256);
-            _tile_stored(1, o + 16, 256);
-            _tile_stored(2, o + 32, 256);
-            _tile_stored(3, o + 48, 256);
-            for (int i = 0; i < 16 && qt + i < qn; i++) {
-                const int u = qt + i;
-                const size_t at = ((size_t)(u / rep) * nh + (size_t)g * rep + u % rep) * hd + (size_t)t0 * 16;
-                const vf vi = v_set1(inv[u]);
-                for (int t = 0; t < tn; t++) v_store_bf16(out + at + 16 * t, v_mul(v_load(o + i * 64 + 16 * t), vi));
+            if (two) {
+                _tile_loadd(5, pw + (size_t)16 * pld + (size_t)(ck - ck0) * 32, pld * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                if (pair) _tile_dpbf16ps(3, 5, 7);
             }
         }
+        _tile_stored(0, o, 128);
+        _tile_stored(1, o + 16, 128);
+        _tile_stored(2, o + 16 * 32, 128);
+        _tile_stored(3, o + 16 * 32 + 16, 128);
+        for (int u = 0; u < qn; u++) {
+            const int uq = u0 + u;
+            const size_t at = ((size_t)(uq / rep) * nh + (size_t)g * rep + uq % rep) * hd + (size_t)t0 * 16;
+            const vf vi = v_set1(inv[u]);
+            v_store_bf16(out + at, v_mul(v_load(o + u * 32), vi));
+            if (pair) v_store_bf16(out + at + 16, v_mul(v_load(o + u * 32 + 16), vi));
+        }
+    }
+}
+
+/* A task's qn queries (see amx_attend_block), 32 at a time (q16: qn rounded up to 32 with zero rows). */
+static void amx_attend_rows(const uint16_t* q16, int qn, const uint16_t* kb, const uint16_t* vb, int ck0, int ck1,
+                            int k_first, int p0, int rep, int window, int g, int nh, int hd, float scale, float* s,
+                            uint16_t* pw, float* o, uint16_t* out) {
+    for (int u0 = 0; u0 < qn; u0 += 32)
+        amx_attend_block(q16 + (size_t)u0 * hd, qn - u0 < 32 ? qn - u0 : 32, u0, kb, vb, ck0, ck1, k_first, p0, rep,
+                         window, g, nh, hd, scale, s, pw, o, out);
 }
 
 /* The whole call on the tile path (see above); the same contract as sidecar_prefill_attention. */
@@ -332,11 +357,11 @@ static int prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc
             amx_layout_chunk(kc, vc, table, bs, row, g, hd, k_first, ck, ctx, kb + g * per_k + (size_t)ck * (hd / 32) * 1024,
                              vb + g * per_v + (size_t)ck * (hd / 16) * 512);
         }
-        const int nq16 = (rep * QB + 15) / 16 * 16;
-        float* s = (float*)malloc(sizeof(float) * nq16 * sld);
-        uint16_t* pw = (uint16_t*)malloc(sizeof(uint16_t) * nq16 * sld);
+        const int nq16 = (rep * QB + 31) / 32 * 32;
+        float* s = (float*)aligned_alloc(64, sizeof(float) * 32 * (sld + 16));
+        uint16_t* pw = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 32 * (sld + 32));
         uint16_t* q16 = (uint16_t*)malloc(sizeof(uint16_t) * nq16 * hd);
-        float* o = (float*)aligned_alloc(64, sizeof(float) * 16 * 64);
+        float* o = (float*)aligned_alloc(64, sizeof(float) * 32 * 32);
         const int ready = s && pw && q16 && o;
         if (!ready) {
             #pragma omp atomic write
@@ -354,9 +379,9 @@ static int prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc
             for (int u = 0; u < qn; u++)
                 memcpy(q16 + (size_t)u * hd, q + ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd,
                        sizeof(uint16_t) * hd);
-            memset(q16 + (size_t)qn * hd, 0, sizeof(uint16_t) * (size_t)((qn + 15) / 16 * 16 - qn) * hd);
+            memset(q16 + (size_t)qn * hd, 0, sizeof(uint16_t) * (size_t)((qn + 31) / 32 * 32 - qn) * hd);
             amx_attend_rows(q16, qn, kb + g * per_k, vb + g * per_v, (lo_first - k_first) / 32,
-                            (hi - k_first + 31) / 32, k_first, p_first, rep, window, g, nh, hd, scale, s, pw, sld, o,
+                            (hi - k_first + 31) / 32, k_first, p_first, rep, window, g, nh, hd, scale, s, pw, o,
                             out + (size_t)r0 * nh * hd);
         }
         if (ready) _tile_release();
