@@ -184,3 +184,23 @@ def test_other_instruction_sets(arch, monkeypatch):
     else:
         assert kernel.available()
         assert (out - _reference(q, kc, vc, table, 100, 0.125, 30)).abs().max() <= 2e-6
+
+
+def test_bf16_prompts_without_amx(monkeypatch):
+    """The build without AMX (an AVX-512 BF16 CPU such as a Zen 4 takes bf16 prompts through dot products over the
+    tile layout; without AVX-512 BF16, the float32 path): the reference within bf16's tolerance, every query block
+    of a task (40 heads on one KV head: 32 and 8), and a row's bits whatever the split of its prompt."""
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert kernel.available(), cpu_build.reason("prefill_attention")
+    for rows, ctx, nh, nkv, hd in ((37, 37, 14, 2, 64), (100, 300, 8, 8, 128), (9, 40, 40, 1, 64), (300, 1100, 14, 2, 64)):
+        q, kc, vc, table = _case(rows, ctx, nh, nkv, hd, dtype=torch.bfloat16, seed=rows)
+        out = kernel.prefill_attention(q, kc, vc, table, ctx, hd ** -0.5)
+        assert (out.float() - _reference(q, kc, vc, table, ctx, hd ** -0.5)).abs().max() <= 2e-2
+    q, kc, vc, table = _case(90, 90, 14, 2, 64, dtype=torch.bfloat16, seed=11)
+    for window in (None, 10):
+        whole = kernel.prefill_attention(q, kc, vc, table, 90, 0.125, window)
+        parts = [kernel.prefill_attention(q[a:b], kc, vc, table, b, 0.125, window)
+                 for a, b in ((0, 13), (13, 50), (50, 90))]
+        assert torch.equal(whole, torch.cat(parts))
+        assert (whole.float() - _reference(q, kc, vc, table, 90, 0.125, window)).abs().max() <= 2e-2

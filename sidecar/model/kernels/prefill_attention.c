@@ -23,13 +23,10 @@
  * the value product; these stay float32). A row's result depends only on its own query and keys, not on
  * which task or thread ran it.
  *
- * On CPUs with AMX, bf16 prompts over a bf16 cache take tile products instead (AMX_PATH below: the same tasks,
- * the weights rounded to bf16 like torch's): measured on a 2-core Xeon with AMX, Qwen2-0.5B's heads, a layer of
- * a 256-token prompt 0.87-0.91 -> 0.33 ms, of a 1,024-token one 11.8-12.7 -> 3.3 ms. Then, with 32 queries x 32
- * keys a step (four accumulators) where 16 queries had taken two, and rows of scores and weights no longer a power
- * of two apart (a 2,048-token prompt's had put the sixteen rows of every tile in one L1 set): Qwen2-0.5B's 24 layers
- * of a 2,048-token prompt 362-394 -> 235-255 ms, of a 1,024-token one 110-113 -> 73, of a 256-token one 8.4-8.9 ->
- * 6.9-7.4; the same bits.
+ * On CPUs with AVX-512 BF16, bf16 prompts over a bf16 cache take products of bf16 pairs instead (TILE_LAYOUT
+ * below: the same tasks, the weights rounded to bf16 like torch's): AMX tile products where the CPU has AMX --
+ * measured on a 2-core Xeon with AMX, Qwen2-0.5B's heads, a layer of a 256-token prompt 0.87-0.91 -> 0.33 ms, of a
+ * 1,024-token one 11.8-12.7 -> 3.3 ms -- and AVX-512 BF16 dot products where it has not.
  *
  * Quantized cache (ks, vs not NULL): K/V hold int8 codes and ks/vs ([num_blocks, bs, nkv] float32) one scale
  * per token and KV head.
@@ -38,8 +35,11 @@
 
 #include "vec.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && VL == 16
+#if defined(__AVX512BF16__) && VL == 16
+#define TILE_LAYOUT 1  /* bf16 prompts over a bf16 cache through products of bf16 pairs (see below) */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define AMX_PATH 1
+#endif
 #endif
 
 #define QT 4            /* queries scored together */
@@ -160,29 +160,26 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
 #endif
 
 
-#ifdef AMX_PATH
-/* bf16 prompts over a bf16 cache on CPUs with AMX: the products as tile products (Intel Sapphire Rapids on).
- * Keys and values are laid out once per call in 32-key chunks counted from a multiple of 32 (so a key's place in its
- * chunk, and with it every sum's order, does not depend on where the segment starts):
+#ifdef TILE_LAYOUT
+/* bf16 prompts over a bf16 cache on CPUs with AVX-512 BF16: the products of bf16 pairs, as AMX tile products where
+ * the CPU has AMX (Intel Sapphire Rapids on) and the kernel grants it, else as AVX-512 BF16 dot products (AMD Zen 4
+ * and 5, Intel Cooper Lake). Keys and values are laid out once per call in 32-key chunks counted from a multiple of
+ * 32 (so a key's place in its chunk, and with it every sum's order, does not depend on where the segment starts):
  *   kb[g][ck][c][h][r][j][e] = K[32 ck + 16 h + j][32 c + 2 r + e]   (the scores' weight tiles, 1 KiB each)
  *   vb[g][ck][t][r][d][e]    = V[32 ck + 2 r + e][16 t + d]          (the value product's weight tiles)
- * A task's queries (bf16, as they came, in tiles of 16 rows) times kb are the scores, float32; the softmax is taken
- * in float32 (the scale applied first), its weights rounded to bf16 (as torch's bf16 SDPA rounds them) and multiplied
- * with vb in tiles, the sums float32, divided by the float32 normaliser and rounded once to bf16. */
-static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = 16;
-    }
-    load_tile_config(&c);
-}
+ * A tile row (r) is also one vector of a dot product: 16 keys' (or dimensions') pair of values. A task's queries
+ * (bf16, as they came) times kb are the scores, float32; the softmax is taken in float32 (the scale applied first),
+ * its weights rounded to bf16 (as torch's bf16 SDPA rounds them) and multiplied with vb, the sums float32, divided
+ * by the float32 normaliser and rounded once to bf16. The two forms sum in their own orders (each fixed by the
+ * layout, not by the batch): a CPU gives the same bits however a prompt is split, not the other form's bits.
+ * Without AMX, measured on a 2-core Xeon with AMX left out (its AVX-512 BF16 dot products), Qwen2-0.5B's 24 layers
+ * of a 2,048-token prompt: 1,420-1,490 ms through the float32 path above, 1,070 through the dot products (at the
+ * instructions' rate: 77% of the time in them); 512 tokens 119 -> 71 ms, 256 tokens 25.4 -> 20.5; below ~150 tokens
+ * a little slower (64 tokens 1.7 -> 2.5 ms, of a prefill of ~300). */
 
 /* Chunk ck's keys and values of KV head g (positions k_first + 32 ck ..; past ctx: zeros) into their tiles. */
-static void amx_layout_chunk(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int bs, size_t row, int g,
-                             int hd, int k_first, int ck, int ctx, uint16_t* kb, uint16_t* vb) {
+static void layout_chunk(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int bs, size_t row, int g,
+                         int hd, int k_first, int ck, int ctx, uint16_t* kb, uint16_t* vb) {
     uint32_t* kd = (uint32_t*)kb;
     for (int j = 0; j < 32; j++) {
         const int p = k_first + 32 * ck + j;
@@ -235,11 +232,56 @@ static inline float softmax_bf16(const float* w, int lo, int hi, int n, float sc
     return sum;
 }
 
-/* One task on the tile path: qn queries (query u: row u / rep of `out`, at position p0 + u / rep, head
- * g * rep + u % rep; q16: their bf16 rows, qn rounded up to 32 with zero rows), keys from chunk ck0 to ck1 of the
- * layouts (chunk 0 starting at position k_first), out rounded to bf16. s: float32 scores then weights, rows of
- * (ck1 - ck0) * 32 + 16 (a row's lines then fall in other cache sets than the last's, where a power of two put all
- * sixteen rows of a tile in one); pw: the weights as bf16, rows of (ck1 - ck0) * 32 + 32; o: [32][64] float32. */
+/* The softmax of a block's queries 0..rows-1 (query u of the task: u0 + u; past qn: rows of zero weights), scores s
+ * (rows sld apart) to weights pw (rows pld apart) over the block's n keys from key k0; inv[u]: 1 / the row's sum. */
+static void block_weights(const float* s, size_t sld, uint16_t* pw, size_t pld, int rows, int qn, int u0, int n,
+                          int k0, int k_first, int p0, int rep, int window, float scale, float* inv) {
+    for (int u = 0; u < rows; u++) {
+        uint16_t* pr = pw + (size_t)u * pld;
+        if (u >= qn) {
+            memset(pr, 0, sizeof(uint16_t) * n);
+            continue;
+        }
+        const int p = p0 + (u0 + u) / rep;
+        const int lo = (window > 0 && p + 1 > window ? p + 1 - window : 0) - k_first - k0, hi = p + 1 - k_first - k0;
+        inv[u] = 1.0f / softmax_bf16(s + (size_t)u * sld, lo, hi, n, scale, pr);
+    }
+}
+
+/* Row u of the block (query u0 + u) times inv[u], dimensions d0.. (32, or 16 where only one tile is left) of its
+ * output row, rounded to bf16; o: the block's sums, rows 32 apart. */
+static void block_store(const float* o, const float* inv, int qn, int u0, int rep, int g, int nh, int hd, int d0,
+                        int pair, uint16_t* out) {
+    for (int u = 0; u < qn; u++) {
+        const int uq = u0 + u;
+        const size_t at = ((size_t)(uq / rep) * nh + (size_t)g * rep + uq % rep) * hd + (size_t)d0;
+        const vf vi = v_set1(inv[u]);
+        v_store_bf16(out + at, v_mul(v_load(o + u * 32), vi));
+        if (pair) v_store_bf16(out + at + 16, v_mul(v_load(o + u * 32 + 16), vi));
+    }
+}
+
+#ifdef AMX_PATH
+static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    load_tile_config(&c);
+}
+
+/* One block of a task on the tile products: qn <= 32 queries (query u: the task's u0 + u, row (u0 + u) / rep of
+ * `out`, at position p0 + (u0 + u) / rep, head g * rep + (u0 + u) % rep; q16: their bf16 rows, qn rounded up to 32
+ * with zero rows), keys from chunk ck0 to ck1 of the layouts (chunk 0 starting at position k_first), out rounded to
+ * bf16. s: float32 scores, rows of (ck1 - ck0) * 32 + 16 (a row's lines then fall in other cache sets than the
+ * last's, where a power of two put all sixteen rows of a tile in one); pw: the weights as bf16, rows of
+ * (ck1 - ck0) * 32 + 32; o: [32][32] float32. 32 queries x 32 keys (or dimensions) a step in four accumulators,
+ * where 16 queries had taken two: measured on a 2-core Xeon with AMX, Qwen2-0.5B's 24 layers of a 2,048-token
+ * prompt 362-394 -> 235-255 ms with the rows' padding, of a 1,024-token one 110-113 -> 73, of a 256-token one
+ * 8.4-8.9 -> 6.9-7.4; the same bits. */
 static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb, int ck0,
                              int ck1, int k_first, int p0, int rep, int window, int g, int nh, int hd, float scale,
                              float* s, uint16_t* pw, float* o, uint16_t* out) {
@@ -274,18 +316,8 @@ static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
             _tile_stored(3, at + 16 * sld + 16, sld * 4);
         }
     }
-    const int qn16 = two ? 32 : 16;
     float inv[32];
-    for (int u = 0; u < qn16; u++) {  /* softmax over each query's causal range, weights to bf16 */
-        uint16_t* pr = pw + (size_t)u * pld;
-        if (u >= qn) {
-            memset(pr, 0, sizeof(uint16_t) * n);
-            continue;
-        }
-        const int p = p0 + (u0 + u) / rep;
-        const int lo = (window > 0 && p + 1 > window ? p + 1 - window : 0) - k_first - k0, hi = p + 1 - k_first - k0;
-        inv[u] = 1.0f / softmax_bf16(s + (size_t)u * sld, lo, hi, n, scale, pr);
-    }
+    block_weights(s, sld, pw, pld, two ? 32 : 16, qn, u0, n, k0, k_first, p0, rep, window, scale, inv);
     /* weighted values: both query tiles x two 16-dimension tiles at a time */
     for (int t0 = 0; t0 < nt; t0 += 2) {
         const int pair = nt - t0 > 1;
@@ -312,28 +344,90 @@ static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
         _tile_stored(1, o + 16, 128);
         _tile_stored(2, o + 16 * 32, 128);
         _tile_stored(3, o + 16 * 32 + 16, 128);
-        for (int u = 0; u < qn; u++) {
-            const int uq = u0 + u;
-            const size_t at = ((size_t)(uq / rep) * nh + (size_t)g * rep + uq % rep) * hd + (size_t)t0 * 16;
-            const vf vi = v_set1(inv[u]);
-            v_store_bf16(out + at, v_mul(v_load(o + u * 32), vi));
-            if (pair) v_store_bf16(out + at + 16, v_mul(v_load(o + u * 32 + 16), vi));
+        block_store(o, inv, qn, u0, rep, g, nh, hd, t0 * 16, pair, out);
+    }
+}
+#endif
+
+#define DOT_ROWS 12  /* rows a register tile holds: 12 x 32 outputs, 24 accumulators */
+
+/* The dot products of rows x.. (MR <= DOT_ROWS, lda bf16 values apart) with blocks 0..nb-1 of a layout (block b at
+ * w + b * bstride: 16 vectors of 16 outputs' pairs, then the 16 of the next 16 outputs 512 values on): out[i][0..31]
+ * (rows ldo apart) = sum over b, then r of the pair x[i][32 b + 2 r ..] times vector r of block b. */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t* x, size_t lda, const uint16_t* w,
+                                                           size_t bstride, int nb, float* out, size_t ldo, const int MR) {
+    __m512 a[DOT_ROWS][2];
+    for (int i = 0; i < MR; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint16_t* wb = w + (size_t)b * bstride;
+        const uint16_t* xb = x + (size_t)b * 32;
+        for (int r = 0; r < 16; r++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)(wb + r * 32));
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void*)(wb + 512 + r * 32));
+            for (int i = 0; i < MR; i++) {
+                uint32_t pair;
+                memcpy(&pair, xb + (size_t)i * lda + 2 * r, sizeof pair);
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+                a[i][0] = _mm512_dpbf16_ps(a[i][0], w0, xv);
+                a[i][1] = _mm512_dpbf16_ps(a[i][1], w1, xv);
+            }
         }
+    }
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(out + (size_t)i * ldo, a[i][0]);
+        _mm512_storeu_ps(out + (size_t)i * ldo + 16, a[i][1]);
     }
 }
 
-/* A task's qn queries (see amx_attend_block), 32 at a time (q16: qn rounded up to 32 with zero rows). */
-static void amx_attend_rows(const uint16_t* q16, int qn, const uint16_t* kb, const uint16_t* vb, int ck0, int ck1,
-                            int k_first, int p0, int rep, int window, int g, int nh, int hd, float scale, float* s,
-                            uint16_t* pw, float* o, uint16_t* out) {
-    for (int u0 = 0; u0 < qn; u0 += 32)
-        amx_attend_block(q16 + (size_t)u0 * hd, qn - u0 < 32 ? qn - u0 : 32, u0, kb, vb, ck0, ck1, k_first, p0, rep,
-                         window, g, nh, hd, scale, s, pw, o, out);
+/* each height its own function, so that the accumulators stay in registers */
+#define DOT_ROWS_FN(MR)                                                                                           \
+    static __attribute__((noinline)) void dot_rows_##MR(const uint16_t* x, size_t lda, const uint16_t* w,       \
+                                                        size_t bstride, int nb, float* out, size_t ldo) {        \
+        dot_rows(x, lda, w, bstride, nb, out, ldo, MR);                                                          \
+    }
+DOT_ROWS_FN(1) DOT_ROWS_FN(2) DOT_ROWS_FN(3) DOT_ROWS_FN(4) DOT_ROWS_FN(5) DOT_ROWS_FN(6)
+DOT_ROWS_FN(7) DOT_ROWS_FN(8) DOT_ROWS_FN(9) DOT_ROWS_FN(10) DOT_ROWS_FN(11) DOT_ROWS_FN(12)
+
+typedef void (*dot_rows_fn)(const uint16_t*, size_t, const uint16_t*, size_t, int, float*, size_t);
+static const dot_rows_fn DOT_ROWS_OF[DOT_ROWS + 1] = {
+    NULL, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6,
+    dot_rows_7, dot_rows_8, dot_rows_9, dot_rows_10, dot_rows_11, dot_rows_12};
+
+/* amx_attend_block's contract through dot products (q16's rows past qn are not read): the block's queries in
+ * register tiles of nearly equal height (32 queries: 11, 11, 10) times each chunk's 32 keys, then times the values'
+ * dimensions 32 at a time over all the block's keys. */
+static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb, int ck0,
+                             int ck1, int k_first, int p0, int rep, int window, int g, int nh, int hd, float scale,
+                             float* s, uint16_t* pw, float* o, uint16_t* out) {
+    const int nc = hd / 32, nt = hd / 16, parts = (qn + DOT_ROWS - 1) / DOT_ROWS;
+    const size_t chunk_k = (size_t)nc * 1024, chunk_v = (size_t)nt * 512;
+    const int k0 = ck0 * 32, n = (ck1 - ck0) * 32;
+    const size_t sld = (size_t)n + 16, pld = (size_t)n + 32;
+    for (int ck = ck0; ck < ck1; ck++)
+        for (int q = 0, i0 = 0; q < parts; q++) {
+            const int h = qn / parts + (q < qn % parts);
+            DOT_ROWS_OF[h](q16 + (size_t)i0 * hd, hd, kb + (size_t)ck * chunk_k, 1024, nc,
+                           s + (size_t)i0 * sld + (size_t)(ck - ck0) * 32, sld);
+            i0 += h;
+        }
+    float inv[32];
+    block_weights(s, sld, pw, pld, qn, qn, u0, n, k0, k_first, p0, rep, window, scale, inv);
+    for (int t0 = 0; t0 < nt; t0 += 2) {  /* nt is even: hd is a multiple of 32 */
+        for (int q = 0, i0 = 0; q < parts; q++) {
+            const int h = qn / parts + (q < qn % parts);
+            DOT_ROWS_OF[h](pw + (size_t)i0 * pld, pld, vb + (size_t)ck0 * chunk_v + (size_t)t0 * 512, chunk_v,
+                           ck1 - ck0, o + (size_t)i0 * 32, 32);
+            i0 += h;
+        }
+        block_store(o, inv, qn, u0, rep, g, nh, hd, t0 * 16, 1, out);
+    }
 }
 
-/* The whole call on the tile path (see above); the same contract as sidecar_prefill_attention. */
-static int prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, uint16_t* out,
-                       int L, int ctx, int nh, int nkv, int hd, int bs, int window, float scale, int nthreads) {
+/* The whole call on the tile layout (see above); the same contract as sidecar_prefill_attention. amx: the tile
+ * products (the tile state granted), else the dot products. */
+static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, uint16_t* out,
+                         int L, int ctx, int nh, int nkv, int hd, int bs, int window, float scale, int nthreads,
+                         int amx) {
     const int rep = nh / nkv, start = ctx - L;
     const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;  /* first key any row sees */
     const int k_first = base / 32 * 32, nck = (ctx - k_first + 31) / 32;
@@ -354,8 +448,8 @@ static int prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc
         #pragma omp for schedule(static)
         for (int t = 0; t < nkv * nck; t++) {
             const int g = t / nck, ck = t % nck;
-            amx_layout_chunk(kc, vc, table, bs, row, g, hd, k_first, ck, ctx, kb + g * per_k + (size_t)ck * (hd / 32) * 1024,
-                             vb + g * per_v + (size_t)ck * (hd / 16) * 512);
+            layout_chunk(kc, vc, table, bs, row, g, hd, k_first, ck, ctx, kb + g * per_k + (size_t)ck * (hd / 32) * 1024,
+                         vb + g * per_v + (size_t)ck * (hd / 16) * 512);
         }
         const int nq16 = (rep * QB + 31) / 32 * 32;
         float* s = (float*)aligned_alloc(64, sizeof(float) * 32 * (sld + 16));
@@ -366,9 +460,10 @@ static int prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc
         if (!ready) {
             #pragma omp atomic write
             failed = 1;
-        } else {
-            amx_configure();
         }
+#ifdef AMX_PATH
+        if (ready && amx) amx_configure();
+#endif
         #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < nkv * nqb; t++) {
             if (!ready) continue;
@@ -380,11 +475,24 @@ static int prefill_amx(const uint16_t* q, const uint16_t* kc, const uint16_t* vc
                 memcpy(q16 + (size_t)u * hd, q + ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd,
                        sizeof(uint16_t) * hd);
             memset(q16 + (size_t)qn * hd, 0, sizeof(uint16_t) * (size_t)((qn + 31) / 32 * 32 - qn) * hd);
-            amx_attend_rows(q16, qn, kb + g * per_k, vb + g * per_v, (lo_first - k_first) / 32,
-                            (hi - k_first + 31) / 32, k_first, p_first, rep, window, g, nh, hd, scale, s, pw, o,
-                            out + (size_t)r0 * nh * hd);
+            for (int u0 = 0; u0 < qn; u0 += 32) {  /* the task's queries, 32 at a time */
+                const int bn = qn - u0 < 32 ? qn - u0 : 32, ck0 = (lo_first - k_first) / 32;
+                const int ck1 = (hi - k_first + 31) / 32;
+                uint16_t* o_rows = out + (size_t)r0 * nh * hd;
+#ifdef AMX_PATH
+                if (amx) {
+                    amx_attend_block(q16 + (size_t)u0 * hd, bn, u0, kb + g * per_k, vb + g * per_v, ck0, ck1, k_first,
+                                     p_first, rep, window, g, nh, hd, scale, s, pw, o, o_rows);
+                    continue;
+                }
+#endif
+                dot_attend_block(q16 + (size_t)u0 * hd, bn, u0, kb + g * per_k, vb + g * per_v, ck0, ck1, k_first,
+                                 p_first, rep, window, g, nh, hd, scale, s, pw, o, o_rows);
+            }
         }
-        if (ready) _tile_release();
+#ifdef AMX_PATH
+        if (ready && amx) _tile_release();
+#endif
         free(s);
         free(pw);
         free(q16);
@@ -407,10 +515,15 @@ int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, con
     if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd / VL > 16 || bs <= 0)
         return 1;
     const int kvm = ks ? 2 : dtype, rep = nh / nkv, nc = hd / VL;
+#ifdef TILE_LAYOUT
 #ifdef AMX_PATH
-    if (kvm == 1 && hd % 32 == 0 && amx_granted())
-        return prefill_amx((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, table, (uint16_t*)out, L, ctx,
-                           nh, nkv, hd, bs, window, scale, nthreads);
+    const int amx = amx_granted();
+#else
+    const int amx = 0;
+#endif
+    if (kvm == 1 && hd % 32 == 0)
+        return prefill_tiles((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, table, (uint16_t*)out, L, ctx,
+                             nh, nkv, hd, bs, window, scale, nthreads, amx);
 #endif
     const int start = ctx - L;
     const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;  /* first key any row sees */
