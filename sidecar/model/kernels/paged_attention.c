@@ -116,25 +116,6 @@ static void values_dispatch(const float* s, int n, int R, int nv, const char* vc
 }
 #endif
 
-/* The largest of x[0..n), n >= 1, as the scalar loop `m = x[j] > m ? x[j] : m` from m = x[0] finds it (a NaN past x[0]
- * passed over, one at x[0] kept), a vector at a time: that loop, one dependent compare per score, was a fifth of the
- * decode attention's time (32 rows of 150-260 tokens, Qwen2-0.5B's 7 queries per KV head, a 2-core Xeon). */
-static inline float row_max(const float* x, int n) {
-    float m = x[0];
-    int j = 0;
-#ifdef VL
-    if (n >= VL) {
-        vf a = v_set1(m);
-        for (; j + VL <= n; j += VL) a = v_max(v_load(x + j), a);  /* max(new, a): a where new is NaN */
-        float lanes[VL];
-        v_store(lanes, a);
-        for (int i = 0; i < VL; i++) m = lanes[i] > m ? lanes[i] : m;
-    }
-#endif
-    for (; j < n; j++) m = x[j] > m ? x[j] : m;
-    return m;
-}
-
 /* Whether the scores take bf16 keys and queries as they are (vdpbf16ps, attend's first branch); the float32 copy of
  * the queries is then not made. */
 static inline int bf16_scores(int kvm, int hd) {

@@ -84,8 +84,7 @@ static inline __attribute__((always_inline)) void score(const float* qf, int n4,
 
 /* w[j] = exp(w[j] - max) for j in [lo, hi), 0 elsewhere in [0, n); returns the sum of the weights. */
 static inline float softmax_weights(float* w, int lo, int hi, int n) {
-    float m = w[lo];
-    for (int j = lo + 1; j < hi; j++) m = w[j] > m ? w[j] : m;
+    const float m = row_max(w + lo, hi - lo);
     for (int j = 0; j < lo; j++) w[j] = 0.f;
     for (int j = hi; j < n; j++) w[j] = 0.f;
     const vf vm = v_set1(m);
@@ -172,10 +171,11 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
  * its weights rounded to bf16 (as torch's bf16 SDPA rounds them) and multiplied with vb, the sums float32, divided
  * by the float32 normaliser and rounded once to bf16. The two forms sum in their own orders (each fixed by the
  * layout, not by the batch): a CPU gives the same bits however a prompt is split, not the other form's bits.
- * Without AMX, measured on a 2-core Xeon with AMX left out (its AVX-512 BF16 dot products), Qwen2-0.5B's 24 layers
- * of a 2,048-token prompt: 1,420-1,490 ms through the float32 path above, 1,070 through the dot products (at the
- * instructions' rate: 77% of the time in them); 512 tokens 119 -> 71 ms, 256 tokens 25.4 -> 20.5; below ~150 tokens
- * a little slower (64 tokens 1.7 -> 2.5 ms, of a prefill of ~300). */
+ * Without AMX, measured on a 2-core Xeon with AMX left out, Qwen2-0.5B's 24 layers of a 2,048-token prompt: 1,060-1,090
+ * ms through the dot products (77% of the time in them), 1,045-1,055 through the float32 path above, 256 tokens 21-22
+ * against 18-20 ms: level there, where a vdpbf16ps (32 products) retires at 0.6 of a float32 FMA's rate (16 products;
+ * 1.72 against 2.8 G/s a core), 1.2x the arithmetic; a CPU that issues the dot product at the FMA's rate gets twice
+ * its arithmetic, and the weights are rounded as on the AMX path. Not measured on such a CPU yet. */
 
 /* Chunk ck's keys and values of KV head g (positions k_first + 32 ck ..; past ctx: zeros) into their tiles. */
 static void layout_chunk(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int bs, size_t row, int g,
