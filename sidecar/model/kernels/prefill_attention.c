@@ -61,10 +61,57 @@ static inline vf kv_vec(const void* cache, size_t off, int kvm, const float* sca
     return kvm ? v_load_bf16((const uint16_t*)cache + off) : v_load((const float*)cache + off);
 }
 
-/* Scores of n4 (<= QT) queries qf[t * hd ..] against key blocks [b0, b1) of kt: s[t * sld + (b - b0) * VL + i]. */
+/* Scores of n4 (<= QT) queries qf[t * hd ..] against key blocks [b0, b1) of kt: s[t * sld + (b - b0) * VL + i].
+ * Two key blocks a step where there are two: eight sums in flight instead of four (four dependent chains of FMAs had
+ * left the units waiting on each one's latency), each score still one sum over d in order. Measured on a 2-core Xeon,
+ * Qwen2-0.5B's 24 layers of a 2,048-token prompt, AVX2: 1,928 -> 1,696-1,726 ms (256 tokens 32.5 -> 29.2); AVX-512
+ * level (its two FMA results a cycle were already kept busy). */
 static inline __attribute__((always_inline)) void score(const float* qf, int n4, const float* kt, int b0, int b1,
                                                         int hd, float* s, size_t sld) {
-    for (int b = b0; b < b1; b++) {
+    int b = b0;
+    for (; b + 2 <= b1; b += 2) {
+        const float* kb = kt + (size_t)b * hd * VL;
+        const float* kn = kb + (size_t)hd * VL;
+        vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+        vf c0 = v_zero(), c1 = v_zero(), c2 = v_zero(), c3 = v_zero();
+        for (int d = 0; d < hd; d++) {
+            const vf k = v_load(kb + (size_t)d * VL), kk = v_load(kn + (size_t)d * VL);
+            const vf q0 = v_set1(qf[d]);
+            a0 = v_fma(q0, k, a0);
+            c0 = v_fma(q0, kk, c0);
+            if (n4 > 1) {
+                const vf q1 = v_set1(qf[hd + d]);
+                a1 = v_fma(q1, k, a1);
+                c1 = v_fma(q1, kk, c1);
+            }
+            if (n4 > 2) {
+                const vf q2 = v_set1(qf[2 * hd + d]);
+                a2 = v_fma(q2, k, a2);
+                c2 = v_fma(q2, kk, c2);
+            }
+            if (n4 > 3) {
+                const vf q3 = v_set1(qf[3 * hd + d]);
+                a3 = v_fma(q3, k, a3);
+                c3 = v_fma(q3, kk, c3);
+            }
+        }
+        float* at = s + (size_t)(b - b0) * VL;
+        v_store(at, a0);
+        v_store(at + VL, c0);
+        if (n4 > 1) {
+            v_store(at + sld, a1);
+            v_store(at + sld + VL, c1);
+        }
+        if (n4 > 2) {
+            v_store(at + 2 * sld, a2);
+            v_store(at + 2 * sld + VL, c2);
+        }
+        if (n4 > 3) {
+            v_store(at + 3 * sld, a3);
+            v_store(at + 3 * sld + VL, c3);
+        }
+    }
+    for (; b < b1; b++) {
         const float* kb = kt + (size_t)b * hd * VL;
         vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
         for (int d = 0; d < hd; d++) {
