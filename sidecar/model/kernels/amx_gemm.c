@@ -337,17 +337,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t* xa, i
             for (int l = 0; l < per; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
             ahead += 64 * per;
         }
-        for (int r = 0; r < 16; r++) {
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)(b + r * 32));
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void*)(b + 512 + r * 32));
-            for (int i = 0; i < MR; i++) {
-                uint32_t pair;
-                memcpy(&pair, xc + (size_t)i * K + 2 * r, sizeof pair);
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-                a[i][0] = _mm512_dpbf16_ps(a[i][0], w0, xv);
-                a[i][1] = _mm512_dpbf16_ps(a[i][1], w1, xv);
-            }
-        }
+        dot_block(a, xc, (size_t)K, b, MR);
     }
     for (int i = 0; i < MR; i++) {
         _mm512_storeu_ps(s + i * 32, a[i][0]);

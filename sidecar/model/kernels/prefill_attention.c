@@ -405,21 +405,7 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t* x, si
                                                            size_t bstride, int nb, float* out, size_t ldo, const int MR) {
     __m512 a[DOT_ROWS][2];
     for (int i = 0; i < MR; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint16_t* wb = w + (size_t)b * bstride;
-        const uint16_t* xb = x + (size_t)b * 32;
-        for (int r = 0; r < 16; r++) {
-            const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)(wb + r * 32));
-            const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void*)(wb + 512 + r * 32));
-            for (int i = 0; i < MR; i++) {
-                uint32_t pair;
-                memcpy(&pair, xb + (size_t)i * lda + 2 * r, sizeof pair);
-                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
-                a[i][0] = _mm512_dpbf16_ps(a[i][0], w0, xv);
-                a[i][1] = _mm512_dpbf16_ps(a[i][1], w1, xv);
-            }
-        }
-    }
+    for (int b = 0; b < nb; b++) dot_block(a, x + (size_t)b * 32, lda, w + (size_t)b * bstride, MR);
     for (int i = 0; i < MR; i++) {
         _mm512_storeu_ps(out + (size_t)i * ldo, a[i][0]);
         _mm512_storeu_ps(out + (size_t)i * ldo + 16, a[i][1]);

@@ -219,6 +219,27 @@ static inline void v_dt_store(void* p, size_t i, vf x, int dtype) {
 
 /* AMX (Intel Sapphire Rapids on): the tile configuration register's layout (palette 1), and whether the kernel grants
  * this process the tile state (asked once per library; Linux 5.16+). */
+#if defined(__AVX512BF16__) && VL == 16
+/* One block of a dot-product register tile (the AVX-512 BF16 paths of amx_gemm.c and prefill_attention.c): rows
+ * 0..MR-1 of x (lda bf16 values apart) times a block of the tile layout (w: 16 vectors of 16 outputs' pairs of values,
+ * then the next 16 outputs' 512 values on), added to the sums: a[i][h] += w's vector r of half h . (x[i][2 r],
+ * x[i][2 r + 1]) for r in order. Inlined into a function per height, the sums stay in registers. */
+static inline __attribute__((always_inline)) void dot_block(__m512 (*a)[2], const uint16_t* x, size_t lda,
+                                                            const uint16_t* w, const int MR) {
+    for (int r = 0; r < 16; r++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void*)(w + r * 32));
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void*)(w + 512 + r * 32));
+        for (int i = 0; i < MR; i++) {
+            uint32_t pair;
+            memcpy(&pair, x + (size_t)i * lda + 2 * r, sizeof pair);
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)pair);
+            a[i][0] = _mm512_dpbf16_ps(a[i][0], w0, xv);
+            a[i][1] = _mm512_dpbf16_ps(a[i][1], w1, xv);
+        }
+    }
+}
+#endif
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <sys/syscall.h>
 #include <unistd.h>
