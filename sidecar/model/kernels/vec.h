@@ -217,8 +217,6 @@ static inline void v_dt_store(void* p, size_t i, vf x, int dtype) {
 }
 #endif
 
-/* AMX (Intel Sapphire Rapids on): the tile configuration register's layout (palette 1), and whether the kernel grants
- * this process the tile state (asked once per library; Linux 5.16+). */
 #if defined(__AVX512BF16__) && VL == 16
 /* One block of a dot-product register tile (the AVX-512 BF16 paths of amx_gemm.c and prefill_attention.c): rows
  * 0..MR-1 of x (lda bf16 values apart) times a block of the tile layout (w: 16 vectors of 16 outputs' pairs of values,
@@ -240,6 +238,8 @@ static inline __attribute__((always_inline)) void dot_block(__m512 (*a)[2], cons
 }
 #endif
 
+/* AMX (Intel Sapphire Rapids on): the tile configuration register's layout (palette 1), and whether the kernel grants
+ * this process the tile state (asked once per library; Linux 5.16+). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #include <sys/syscall.h>
 #include <unistd.h>
