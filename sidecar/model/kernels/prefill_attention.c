@@ -252,11 +252,8 @@ static void layout_chunk(const uint16_t* kc, const uint16_t* vc, const int64_t* 
  * returns the float32 sum of the weights before rounding. The weights are normal numbers (v_exp stops at -87), which
  * the instruction's conversion rounds to nearest even as v_store_bf16 does. */
 static inline float softmax_bf16(const float* w, int lo, int hi, int n, float scale, uint16_t* pr) {
-    vf vm = v_set1(w[lo]);
-    int j = lo;
-    for (; j + VL <= hi; j += VL) vm = v_max(vm, v_load(w + j));
-    float m = _mm512_reduce_max_ps(vm);
-    for (; j < hi; j++) m = w[j] > m ? w[j] : m;
+    const float m = row_max(w + lo, hi - lo);
+    int j;
     memset(pr, 0, sizeof(uint16_t) * lo);
     memset(pr + hi, 0, sizeof(uint16_t) * (n - hi));
     const vf mv = v_set1(m), sv = v_set1(scale);
@@ -295,16 +292,16 @@ static void block_weights(const float* s, size_t sld, uint16_t* pw, size_t pld, 
     }
 }
 
-/* Row u of the block (query u0 + u) times inv[u], dimensions d0.. (32, or 16 where only one tile is left) of its
- * output row, rounded to bf16; o: the block's sums, rows 32 apart. */
+/* Row u of the block (query u0 + u) times inv[u], dimensions d0..d0 + 31 of its output row, rounded to bf16; o: the
+ * block's sums, rows 32 apart. */
 static void block_store(const float* o, const float* inv, int qn, int u0, int rep, int g, int nh, int hd, int d0,
-                        int pair, uint16_t* out) {
+                        uint16_t* out) {
     for (int u = 0; u < qn; u++) {
         const int uq = u0 + u;
         const size_t at = ((size_t)(uq / rep) * nh + (size_t)g * rep + uq % rep) * hd + (size_t)d0;
         const vf vi = v_set1(inv[u]);
         v_store_bf16(out + at, v_mul(v_load(o + u * 32), vi));
-        if (pair) v_store_bf16(out + at + 16, v_mul(v_load(o + u * 32 + 16), vi));
+        v_store_bf16(out + at + 16, v_mul(v_load(o + u * 32 + 16), vi));
     }
 }
 
@@ -365,9 +362,8 @@ static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
     }
     float inv[32];
     block_weights(s, sld, pw, pld, two ? 32 : 16, qn, u0, n, k0, k_first, p0, rep, window, scale, inv);
-    /* weighted values: both query tiles x two 16-dimension tiles at a time */
+    /* weighted values: both query tiles x two 16-dimension tiles at a time (nt is even: hd is a multiple of 32) */
     for (int t0 = 0; t0 < nt; t0 += 2) {
-        const int pair = nt - t0 > 1;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -377,21 +373,19 @@ static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
             _tile_loadd(4, pw + (size_t)(ck - ck0) * 32, pld * 2);
             _tile_loadd(6, b, 64);
             _tile_dpbf16ps(0, 4, 6);
-            if (pair) {
-                _tile_loadd(7, b + 512, 64);
-                _tile_dpbf16ps(1, 4, 7);
-            }
+            _tile_loadd(7, b + 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
             if (two) {
                 _tile_loadd(5, pw + (size_t)16 * pld + (size_t)(ck - ck0) * 32, pld * 2);
                 _tile_dpbf16ps(2, 5, 6);
-                if (pair) _tile_dpbf16ps(3, 5, 7);
+                _tile_dpbf16ps(3, 5, 7);
             }
         }
         _tile_stored(0, o, 128);
         _tile_stored(1, o + 16, 128);
         _tile_stored(2, o + 16 * 32, 128);
         _tile_stored(3, o + 16 * 32 + 16, 128);
-        block_store(o, inv, qn, u0, rep, g, nh, hd, t0 * 16, pair, out);
+        block_store(o, inv, qn, u0, rep, g, nh, hd, t0 * 16, out);
     }
 }
 #endif
@@ -452,7 +446,7 @@ static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
                            ck1 - ck0, o + (size_t)i0 * 32, 32);
             i0 += h;
         }
-        block_store(o, inv, qn, u0, rep, g, nh, hd, t0 * 16, 1, out);
+        block_store(o, inv, qn, u0, rep, g, nh, hd, t0 * 16, out);
     }
 }
 
@@ -484,10 +478,10 @@ static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* 
             layout_chunk(kc, vc, table, bs, row, g, hd, k_first, ck, ctx, kb + g * per_k + (size_t)ck * (hd / 32) * 1024,
                          vb + g * per_v + (size_t)ck * (hd / 16) * 512);
         }
-        const int nq16 = (rep * QB + 31) / 32 * 32;
+        const int nq32 = (rep * QB + 31) / 32 * 32;
         float* s = (float*)aligned_alloc(64, sizeof(float) * 32 * (sld + 16));
         uint16_t* pw = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 32 * (sld + 32));
-        uint16_t* q16 = (uint16_t*)malloc(sizeof(uint16_t) * nq16 * hd);
+        uint16_t* q16 = (uint16_t*)malloc(sizeof(uint16_t) * nq32 * hd);
         float* o = (float*)aligned_alloc(64, sizeof(float) * 32 * 32);
         const int ready = s && pw && q16 && o;
         if (!ready) {
@@ -508,10 +502,10 @@ static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* 
                 memcpy(q16 + (size_t)u * hd, q + ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd,
                        sizeof(uint16_t) * hd);
             memset(q16 + (size_t)qn * hd, 0, sizeof(uint16_t) * (size_t)((qn + 31) / 32 * 32 - qn) * hd);
+            const int ck0 = (lo_first - k_first) / 32, ck1 = (hi - k_first + 31) / 32;
+            uint16_t* o_rows = out + (size_t)r0 * nh * hd;
             for (int u0 = 0; u0 < qn; u0 += 32) {  /* the task's queries, 32 at a time */
-                const int bn = qn - u0 < 32 ? qn - u0 : 32, ck0 = (lo_first - k_first) / 32;
-                const int ck1 = (hi - k_first + 31) / 32;
-                uint16_t* o_rows = out + (size_t)r0 * nh * hd;
+                const int bn = qn - u0 < 32 ? qn - u0 : 32;
 #ifdef AMX_PATH
                 if (amx) {
                     amx_attend_block(q16 + (size_t)u0 * hd, bn, u0, kb + g * per_k, vb + g * per_v, ck0, ck1, k_first,
