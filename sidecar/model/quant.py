@@ -5,11 +5,10 @@ The runtime half of quantization ("swap modules for runtime"): ``Int8Linear`` /
 whatever layout the device's fused kernel wants (``_weight_int8pack_mm``, ``_weight_int4pack_mm[_for_cpu]``)
 as buffers, and never materialise a dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS``
 rows (decode steps; bf16 prefills too through the tile-layout kernel over the widened codes, or wherever the AVX2
-path over the codes is built: ``int8_gemv.takes``) and int4
-batches of up to ``int4_gemv.MAX_ROWS`` rows (decode steps and prefill chunks) go through our own kernels
-(``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``, which reads torch's packed int4 layout in place) when they
-build. ``quantize_linear`` / ``quantize_tied_embedding`` are the loader's hooks for quantizing a full-precision
-model while it loads; saving and reloading quantized checkpoints is ``quant_checkpoint.py``. With the model's
+path over the codes is built: ``int8_gemv.takes``) and int4 batches of up to ``int4_gemv.MAX_ROWS`` rows (any
+number with AMX: ``tiles_take``) go through our own kernels (``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``,
+which reads torch's packed int4 layout in place, and ``kernels/amx_gemm.c``) when they build. ``quantize_linear``
+/ ``quantize_tied_embedding`` are the loader's hooks for quantizing a full-precision model while it loads; saving and reloading quantized checkpoints is ``quant_checkpoint.py``. With the model's
 ``FastPaths.weight_only`` on (set through ``set_fast_paths``), decode-sized batches on CUDA go through the Triton
 kernels of ``kernels/triton_wo.py`` instead, which read the stored format.
 """
@@ -209,7 +208,8 @@ class Int4Linear(_QuantLinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d, sz = x.reshape(-1, self.in_features), self.scales_and_zeros
         # Our kernel on operands checked once (with plain codes kept for Triton, _matmul decides instead).
-        if (x2d.shape[0] <= int4_gemv.MAX_ROWS and x2d.device.type == "cpu" and self.k_padded == self.in_features
+        rows_ok = x2d.shape[0] <= int4_gemv.MAX_ROWS or int4_gemv.tiles_take(self.group_size, self.k_padded, x.dtype)
+        if (rows_ok and x2d.device.type == "cpu" and self.k_padded == self.in_features
                 and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and self.qweight_plain is None
                 and sz.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and int4_gemv.available()):
             y = self._checked(lambda w, s: int4_gemv.Layer(w, self.group_size, s), self.weight, sz)(x2d, x.dtype)

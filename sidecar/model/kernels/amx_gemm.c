@@ -37,7 +37,13 @@
  *
  * Weight-only int8 (sidecar_amx_int8_matmul) runs the same loops over int8_gemv's plain codes: each thread widens a
  * group's k block to bf16 tiles (exact) once for every panel of the row block, and the epilogue multiplies by the
- * row's scale (a 256-token prefill of int8 Qwen2-0.5B: 219 -> ~1,700 tok/s, where torch's packed int8 kernel ran). */
+ * row's scale (a 256-token prefill of int8 Qwen2-0.5B: 219 -> ~1,700 tok/s, where torch's packed int8 kernel ran).
+ *
+ * Weight-only int4 (sidecar_amx_int4_matmul, AMX only) reads torch's packed CPU layout in place (int4_gemv.c has it)
+ * and widens a k block's codes to the bf16 values code - 8 (exact) in the same tiles. A quantization group (gs
+ * values, gs / 32 chunks) has its own scale and zero per output row, so its tile products start from zero and are
+ * folded into the panel's sums as sums * scale + zero * (the row's sum of the group's activations), in order of the
+ * groups; each fold runs between the next group's tile products (the vector units beside the AMX unit). */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -166,6 +172,18 @@ static void store_pairs(const float* buf, int ra, int rb, int m0, int g, int I, 
 }
 
 /* Where a product's outputs go (see store_panel, store_pairs). */
+/* Where a product's weights come from: the packed bf16 layout (wp), or codes widened a k block at a time -- int8 [N, K]
+ * with per-row scales (w8), or int4 in torch's packed CPU layout (w4: blocks of bn rows, split or interleaved nibbles)
+ * with bf16 (scale, zero) pairs sz [K / gs][N][2] per group of gs values (a multiple of 32). */
+typedef struct {
+    const uint16_t* wp;
+    const int8_t* w8;
+    const float* scales;
+    const uint8_t* w4;
+    const uint16_t* sz;
+    int gs, bn, split;
+} weights;
+
 typedef struct {
     void* y;
     const void* bias;
@@ -251,6 +269,152 @@ static void widen_codes(const int8_t* w8, int N, int K, int g, int k0, int k1, i
             transpose16(r);
             for (int i = 0; i < 16; i++) _mm512_store_si512(wb + (size_t)c * 1024 + h * 512 + i * 32, r[i]);
         }
+}
+#endif
+
+#if defined(AMX_PATH) && defined(__AVX512VBMI__)
+#define INT4_PATH 1
+/* The code (0..15) of row n, column k of int4 codes in torch's packed CPU layout (see int4_gemv.c): full blocks of bn
+ * rows, bn / 2 bytes a column, split (row j < bn / 2 in the low nibble of byte j, the others in the high nibble of
+ * byte j - bn / 2) or interleaved (rows 2 j, 2 j + 1 in byte j); the last N % bn rows an interleaved block. */
+static inline int int4_code(const weights* W, int N, int K, int n, int k) {
+    const int bn = W->bn, full = N / bn * bn;
+    int byte, hi;
+    if (n < full) {
+        const int j = n % bn;
+        const uint8_t* col = W->w4 + (size_t)(n / bn) * (bn / 2) * K + (size_t)k * (bn / 2);
+        byte = col[W->split ? j % (bn / 2) : j / 2];
+        hi = W->split ? j >= bn / 2 : j & 1;
+    } else {
+        const int j = n - full;
+        byte = W->w4[(size_t)full * K / 2 + (size_t)k * ((N - full) / 2) + j / 2];
+        hi = j & 1;
+    }
+    return hi ? byte >> 4 : byte & 15;
+}
+
+/* Chunks k0..k1 of group g of int4 codes as the bf16 values code - 8 (exact) in the tile layout, at wb + c * 1024 (rows
+ * past N zero); chunks k1..k2 read toward L2. A group inside a split block of 64 rows (torch's layout with AVX-512)
+ * goes by vectors: its 32 rows are the low or the high nibbles of a column's 32 bytes, so the cache line of columns
+ * 2 r, 2 r + 1 holds row r of both its tiles (the pairs of those columns for rows 0-15, then 16-31): its nibbles, put
+ * in pair order by one byte permutation, are looked up as their bf16 values. */
+static void widen_int4(const weights* W, int N, int K, int g, int k0, int k1, int k2, uint16_t* wb) {
+    const int n0 = 32 * g;
+    uint16_t value[32];
+    for (int c = 0; c < 32; c++) value[c] = f32_to_bf16((float)((c & 15) - 8));
+    if (W->bn == 64 && W->split && n0 + 32 <= N / 64 * 64) {
+        const uint8_t* base = W->w4 + (size_t)(n0 / 64) * 32 * K;  /* column k: 32 bytes at base + 32 k */
+        const __m128i shift = _mm_cvtsi32_si128(n0 % 64 ? 4 : 0);
+        const __m512i low = _mm512_set1_epi8(15), table = _mm512_loadu_si512(value);
+        uint8_t order[64];  /* byte 2 j + e of the pair order: row j of column 2 r + e */
+        for (int i = 0; i < 64; i++) order[i] = (uint8_t)(32 * (i & 1) + i / 2);
+        const __m512i pairs = _mm512_loadu_si512(order);
+        for (int c = k1; c < k2; c++)
+            for (int l = 0; l < 16; l++) _mm_prefetch((const char*)(base + (size_t)c * 1024 + 64 * l), _MM_HINT_T1);
+        for (int c = k0; c < k1; c++) {
+            const uint8_t* line = base + (size_t)c * 1024;
+            uint16_t* t = wb + (size_t)c * 1024;
+            for (int r = 0; r < 16; r++) {
+                const __m512i q = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(line + 64 * r), shift), low);
+                const __m512i p = _mm512_permutexvar_epi8(pairs, q);
+                _mm512_store_si512(t + r * 32, _mm512_permutexvar_epi16(
+                    _mm512_cvtepu8_epi16(_mm512_castsi512_si256(p)), table));
+                _mm512_store_si512(t + 512 + r * 32, _mm512_permutexvar_epi16(
+                    _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(p, 1)), table));
+            }
+        }
+        return;
+    }
+    for (int c = k0; c < k1; c++)
+        for (int h = 0; h < 2; h++)
+            for (int r = 0; r < 16; r++)
+                for (int j = 0; j < 16; j++) {
+                    const int n = n0 + 16 * h + j;
+                    for (int e = 0; e < 2; e++)
+                        wb[(size_t)c * 1024 + h * 512 + r * 32 + 2 * j + e] =
+                            n < N ? value[int4_code(W, N, K, n, 32 * c + 2 * r + e)] : 0;
+                }
+}
+
+/* The (scale, zero) pairs of quantization groups q0..q1 for group g's 32 rows as float32: qs[(q - q0) * 64 + i] the
+ * scale of row 32 g + i, qs[.. + 32 + i] its zero (rows past N: 0). */
+static void group_scales(const uint16_t* sz, int N, int g, int q0, int q1, float* qs) {
+    const int valid = N - 32 * g < 32 ? N - 32 * g : 32;
+    for (int q = q0; q < q1; q++, qs += 64)
+        for (int h = 0; h < 2; h++) {
+            const int v = valid - 16 * h;
+            const __mmask16 m = v >= 16 ? 0xffff : v <= 0 ? 0 : (__mmask16)((1u << v) - 1);
+            const __m512i p = _mm512_maskz_loadu_epi32(m, sz + 2 * ((size_t)q * N + 32 * g + 16 * h));
+            _mm512_store_ps(qs + 16 * h, _mm512_castsi512_ps(_mm512_slli_epi32(p, 16)));
+            _mm512_store_ps(qs + 32 + 16 * h,
+                            _mm512_castsi512_ps(_mm512_and_si512(p, _mm512_set1_epi32((int)0xffff0000u))));
+        }
+}
+
+/* Rows ra..rb-1 of a quantization group's tile sums acc ([32][32]) folded into the panel's sums s: s = acc * scale +
+ * (xs * zero + s), s taken as 0 for the first group; xs[r * xstride] the row's sum of the group's activations. */
+static inline void fold_rows(const float* acc, float* s, const float* qs, const float* xs, int xstride, int ra, int rb,
+                             int first) {
+    const vf s0 = v_load(qs), s1 = v_load(qs + 16), z0 = v_load(qs + 32), z1 = v_load(qs + 48);
+    for (int r = ra; r < rb; r++) {
+        const vf xv = v_set1(xs[(size_t)r * xstride]);
+        const vf b0 = first ? v_mul(xv, z0) : v_fma(xv, z0, v_load(s + r * 32));
+        const vf b1 = first ? v_mul(xv, z1) : v_fma(xv, z1, v_load(s + r * 32 + 16));
+        v_store(s + r * 32, v_fma(v_load(acc + r * 32), s0, b0));
+        v_store(s + r * 32 + 16, v_fma(v_load(acc + r * 32 + 16), s1, b1));
+    }
+}
+
+/* multiply_panel for int4 codes (wg: the k block widened), quantization groups of cq chunks: each group's tile
+ * products start from zero, go to acc (two [32][32] buffers, in turn) and are folded into s (fold_rows) between the
+ * next group's tile products; the last group's after them. qs: the k block's scales and zeros (group_scales); xs: the
+ * panel's first row's sums of each quantization group's activations (xstride a row), from group 0. */
+static inline void multiply_panel_q(const uint16_t* xa, int K, const uint16_t* wg, int k0, int k1, int mr, int r1,
+                                    float* s, const float* qs, const float* xs, int xstride, int cq, float* acc,
+                                    const outputs* o, pending* p) {
+    /* pending rows stored a k step, all of them during the first group's steps: the pending panel may be this one's
+     * sums of the previous group of 32 outputs (a batch of one panel), which the folds then write */
+    const int rows = (p->mr - p->done + cq - 1) / cq;
+    const int per = (mr + cq - 1) / cq;  /* rows of the previous group folded a k step */
+    int fdone = mr, fi = 0;  /* the group being folded (index in the block) and its rows done */
+    for (int c0 = k0, i = 0; c0 < k1; c0 += cq, i++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (r1) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int c = c0; c < c0 + cq; c++) {
+            const uint16_t* b = wg + (size_t)c * 1024;
+            _tile_loadd(6, b, 64);
+            _tile_loadd(7, b + 512, 64);
+            _tile_loadd(4, xa + c * 32, K * 2);
+            if (r1) _tile_loadd(5, xa + (size_t)16 * K + c * 32, K * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (r1) {
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            if (fdone < mr) {
+                const int e = fdone + per < mr ? fdone + per : mr, q = k0 / cq + fi;
+                fold_rows(acc + (fi & 1) * 1024, s, qs + fi * 64, xs + q, xstride, fdone, e, q == 0);
+                fdone = e;
+            }
+            if (rows && p->done < p->mr) store_rows(o, p, p->done + rows);
+        }
+        float* a = acc + (i & 1) * 1024;
+        _tile_stored(0, a, 128);
+        _tile_stored(1, a + 16, 128);
+        if (r1) {
+            _tile_stored(2, a + 16 * 32, 128);
+            _tile_stored(3, a + 16 * 32 + 16, 128);
+        }
+        fi = i;
+        fdone = 0;
+    }
+    const int q = k0 / cq + fi;
+    fold_rows(acc + (fi & 1) * 1024, s, qs + fi * 64, xs + q, xstride, fdone, mr, q == 0);
 }
 #endif
 
@@ -400,13 +564,29 @@ int sidecar_amx_supported(void) {
 
 #ifdef TILE_LAYOUT
 /* The product (see sidecar_amx_bf16_matmul); pairs: 0, or I for a gate/up layout (N = 2 I) stored as store_pairs
- * stores it (silu: its epilogue). w8 (wp NULL): int8 codes [N, K] with per-row scales instead, each thread widening
- * a group's k block to bf16 tiles (widen_codes) for every panel of the block to multiply. */
-static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const float* scales, const void* bias,
-                  void* y, int M, int N, int K, int nthreads, int bias_bf16, int out, int pairs, int silu) {
+ * stores it (silu: its epilogue). Codes (W's w8 or w4) instead of the packed layout: each thread widens a group's k
+ * block to bf16 tiles (widen_codes, widen_int4) for every panel of the block to multiply. */
+static int matmul(const uint16_t* x, const weights* W, const void* bias, void* y, int M, int N, int K, int nthreads,
+                  int bias_bf16, int out, int pairs, int silu) {
     if (K % 32 || M < 0 || N < 0 || out < OUT_F32 || out > OUT_F32_OF_BF16 || !sidecar_amx_supported()) return 1;
     if (M == 0 || N == 0) return 0;
     const int KB = K / 32, G = (N + 31) / 32;
+    const uint16_t* wp = W->wp;
+    const int codes = W->w8 || W->w4;
+    const int cq = W->w4 ? W->gs / 32 : 0, Gq = W->w4 ? K / W->gs : 0;  /* chunks a quantization group, groups a row */
+    (void)cq;
+    float* xsum = NULL;  /* int4: [M][Gq] each row's sum of each quantization group's activations */
+    if (W->w4) {
+        xsum = (float*)malloc(sizeof(float) * (size_t)M * Gq);
+        if (!xsum) return 2;
+        #pragma omp parallel for num_threads(nthreads)
+        for (int m = 0; m < M; m++)
+            for (int q = 0; q < Gq; q++) {
+                vf v = v_zero();
+                for (int k = q * W->gs; k < (q + 1) * W->gs; k += VL) v = v_add(v, v_load_bf16(x + (size_t)m * K + k));
+                xsum[(size_t)m * Gq + q] = v_sum(v);
+            }
+    }
     const size_t group = (size_t)KB * 1024;  /* bf16 values per group */
     int mc = BLOCK_BYTES / (2 * K) / 32 * 32;
     mc = mc < 32 ? 32 : mc > 512 ? 512 : mc;
@@ -428,14 +608,16 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
         /* [32][32] sums a panel between k blocks; in slabs, for every panel of the block in every group */
         const size_t nsums = (size_t)32 * mc * (ks < KB ? g1 - g0 : 1);
         float* sums = g0 < g1 ? (float*)aligned_alloc(64, sizeof(float) * nsums) : NULL;
-        uint16_t* wide = w8 && g0 < g1 ? (uint16_t*)aligned_alloc(64, group * sizeof(uint16_t)) : NULL;
-        if (g0 < g1 && (!sums || (w8 && !wide))) {
+        uint16_t* wide = codes && g0 < g1 ? (uint16_t*)aligned_alloc(64, group * sizeof(uint16_t)) : NULL;
+        /* int4: the k block's scales and zeros (64 floats a quantization group), then two [32][32] group sums */
+        float* qs = W->w4 && g0 < g1 ? (float*)aligned_alloc(64, sizeof(float) * (64 * (size_t)Gq + 2048)) : NULL;
+        if (g0 < g1 && (!sums || (codes && !wide) || (W->w4 && !qs))) {
             #pragma omp atomic write
             failed = 1;
             free(sums);
             sums = NULL;
         }
-        const outputs o = {y, bias, scales, N, bias_bf16, out, pairs, silu, stream};
+        const outputs o = {y, bias, W->scales, N, bias_bf16, out, pairs, silu, stream};
         pending p = {NULL, 0, 0, 0, 0};
         int c0 = -1, c1 = -1;
         for (int mb = 0; mb < M && sums; mb += mc) {
@@ -443,16 +625,23 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
             for (int s0 = 0; s0 < KB; s0 += ks) {
                 const int s1 = s0 + ks < KB ? s0 + ks : KB;
                 for (int g = g0; g < g1; g++) {
-                    const uint16_t* wg = w8 ? wide : wp + (size_t)g * group;
+                    const uint16_t* wg = codes ? wide : wp + (size_t)g * group;
                     float* gs = sums + (ks < KB ? (size_t)(g - g0) * 32 * mc : 0);
                     for (int k0 = s0; k0 < s1; k0 += kc) {
                         const int k1 = k0 + kc < s1 ? k0 + kc : s1;
                         /* the k block the thread multiplies next: this group's, the next group's in this slab,
                          * or the first group's in the next slab (or row block) */
+                        const int k2 = k1 < s1 ? (k1 + kc < s1 ? k1 + kc : s1) : k1;  /* the next k block's end */
 #ifdef INT8_PATH
-                        if (w8) widen_codes(w8, N, K, g, k0, k1, k1 < s1 ? (k1 + kc < s1 ? k1 + kc : s1) : k1, wide);
+                        if (W->w8) widen_codes(W->w8, N, K, g, k0, k1, k2, wide);
 #endif
-                        const uint16_t* next = w8 ? NULL : k1 < s1 ? wg + (size_t)k1 * 1024
+#ifdef INT4_PATH
+                        if (W->w4) {
+                            widen_int4(W, N, K, g, k0, k1, k2, wide);
+                            group_scales(W->sz, N, g, k0 / cq, k1 / cq, qs);
+                        }
+#endif
+                        const uint16_t* next = codes ? NULL : k1 < s1 ? wg + (size_t)k1 * 1024
                                                : g + 1 < g1 ? wg + group + (size_t)s0 * 1024
                                                : wp + (size_t)g0 * group + (size_t)(s1 < KB ? s1 : 0) * 1024;
                         for (int m0 = mb; m0 < me; m0 += 32) {
@@ -467,7 +656,7 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
                             float* s = gs + (size_t)(m0 - mb) * 32;
                             const char* ahead;
                             int lines;
-                            if (w8) {  /* the codes were read ahead as they were widened */
+                            if (codes) {  /* the codes were read ahead as they were widened */
                                 ahead = NULL;
                                 lines = 0;
                             } else if (kc == KB) {  /* one pass over the weights: READ_AHEAD bytes ahead a chunk */
@@ -481,11 +670,17 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
                             const char* after = NULL;  /* the dot products' second read-ahead (DOT_PATH) */
                             int after_lines = 0;
 #ifdef DOT_PATH
-                            if (!w8 && kc == KB && g + 1 < g1) {  /* the next group, shared by the block's panels */
+                            if (!codes && kc == KB && g + 1 < g1) {  /* the next group, shared by the block's panels */
                                 const int panels = (me - mb + 31) / 32, share = (32 * KB + panels - 1) / panels;
                                 after = (const char*)(wg + group) + (size_t)64 * share * ((m0 - mb) / 32);
                                 after_lines = share;
                             }
+#endif
+#ifdef INT4_PATH
+                            if (W->w4)
+                                multiply_panel_q(x + (size_t)m0 * K, K, wg, k0, k1, mr, r1, s, qs,
+                                                 xsum + (size_t)m0 * Gq, Gq, cq, qs + 64 * (size_t)Gq, &o, &p);
+                            else
 #endif
                             multiply_panel(x + (size_t)m0 * K, K, wg, k0, k1, mr, r1, s, ahead, lines, after,
                                            after_lines, &o, &p);
@@ -503,7 +698,9 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
         if (stream) _mm_sfence();  /* the streamed lines reach memory before the caller reads them */
         free(sums);
         free(wide);
+        free(qs);
     }
+    free(xsum);
     return failed ? 2 : 0;
 }
 #endif
@@ -514,7 +711,8 @@ static int matmul(const uint16_t* x, const uint16_t* wp, const int8_t* w8, const
 int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N, int K,
                             int nthreads, int bias_bf16, int out) {
 #ifdef TILE_LAYOUT
-    return matmul(x, wp, NULL, NULL, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
+    const weights W = {wp, NULL, NULL, NULL, NULL, 0, 0, 0};
+    return matmul(x, &W, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads, (void)bias_bf16,
         (void)out;
@@ -530,7 +728,8 @@ int sidecar_amx_bf16_gate_up(const uint16_t* x, const uint16_t* wp, const void* 
                              int nthreads, int bias_bf16, int out, int silu) {
 #ifdef TILE_LAYOUT
     if (I <= 0 || I % 16 || (silu && out != OUT_BF16)) return 1;
-    return matmul(x, wp, NULL, NULL, bias, y, M, 2 * I, K, nthreads, bias_bf16, out, I, silu);
+    const weights W = {wp, NULL, NULL, NULL, NULL, 0, 0, 0};
+    return matmul(x, &W, bias, y, M, 2 * I, K, nthreads, bias_bf16, out, I, silu);
 #else
     (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)I, (void)K, (void)nthreads, (void)bias_bf16,
         (void)out, (void)silu;
@@ -546,10 +745,32 @@ int sidecar_amx_int8_matmul(const uint16_t* x, const int8_t* w8, const float* sc
                             int N, int K, int nthreads, int bias_bf16, int out) {
 #if defined(TILE_LAYOUT) && defined(INT8_PATH)
     if (!w8 || !scales) return 1;
-    return matmul(x, NULL, w8, scales, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
+    const weights W = {NULL, w8, scales, NULL, NULL, 0, 0, 0};
+    return matmul(x, &W, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
 #else
     (void)x, (void)w8, (void)scales, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads, (void)bias_bf16,
         (void)out;
+    return 1;
+#endif
+}
+
+/* Weight-only int4 on the tile path (AMX only): y[m, n] = sum_q (scale[q, n] * sum_{k in q} x[m, k] (code[n, k] - 8)
+ * + zero[q, n] * sum_{k in q} x[m, k]) (+ bias[n]) over the quantization groups q of gs values (a multiple of 32), x
+ * bf16 [M, K], w4 the codes of N rows (a multiple of 16) in torch's packed CPU layout (blocks of bn = 32 or 64 rows,
+ * split or interleaved nibbles: int4_gemv.c), read in place, sz bf16 [K / gs][N][2] (scale, zero). The products of
+ * bf16 and a code are exact, a group's float32 sums as the tile product forms them, the groups folded in order: a
+ * row's result does not depend on the other rows of its batch. Returns as above. */
+int sidecar_amx_int4_matmul(const uint16_t* x, const uint8_t* w4, const uint16_t* sz, const void* bias, void* y, int M,
+                            int N, int K, int gs, int bn, int split, int nthreads, int bias_bf16, int out) {
+#if defined(TILE_LAYOUT) && defined(INT4_PATH)
+    if (!w4 || !sz || gs <= 0 || gs % 32 || gs > 32 * KC || K % gs || N % 16 || (bn != 32 && bn != 64)
+        || sidecar_amx_supported() != 1)
+        return 1;
+    const weights W = {NULL, NULL, NULL, w4, sz, gs, bn, split != 0};
+    return matmul(x, &W, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
+#else
+    (void)x, (void)w4, (void)sz, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)gs, (void)bn, (void)split,
+        (void)nthreads, (void)bias_bf16, (void)out;
     return 1;
 #endif
 }

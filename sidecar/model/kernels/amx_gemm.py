@@ -38,6 +38,7 @@ _KERNEL = cpu_build.Kernel("amx_gemm", {
     "sidecar_amx_bf16_gate_up": ([P] * 4 + [I] * 7, I),
     "sidecar_amx_supported": ([], I),
     "sidecar_amx_int8_matmul": ([P] * 5 + [I] * 6, I),
+    "sidecar_amx_int4_matmul": ([P] * 5 + [I] * 9, I),
 })
 _checked: dict[str, str] = {}  # "reason": why the path is off ('' when it is on), once checked
 
