@@ -9,7 +9,7 @@ import torch
 
 from sidecar import LLM, SamplingParams
 from sidecar.engine.cpu_graphs import _spans, linear_layouts
-from sidecar.model.kernels import amx_gemm, norm_act, replay
+from sidecar.model.kernels import amx_gemm, int4_gemv, int8_gemv, norm_act, replay
 from sidecar.model.linear import Linear
 
 pytestmark = pytest.mark.skipif(replay.unavailable_reason() is not None,
@@ -208,6 +208,30 @@ def test_engine_replays_decode_exactly_as_eager(demo_dir, quantization):
     assert _decode(fast, prompts, lens)[0] == _decode(eager, prompts, lens)[0]
     eng = fast.engine
     assert not eng.requests and eng.kv.num_free_blocks() == eng.kv.num_blocks
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_decode_batches_on_the_tile_path_over_codes_replay(demo_dir, quantization, monkeypatch):
+    """Decode batches that take AMX's tile path over int8 / int4 codes (here from 2 rows; where AMX runs) are planned
+    and replayed like every other size: the path asks the library nothing at a call that a recording would keep."""
+    monkeypatch.setattr(int8_gemv, "TILE_MIN_ROWS", 2)
+    monkeypatch.setattr(int4_gemv, "TILE_MIN_ROWS", 2)
+    kw = dict(model=str(demo_dir), dtype="bfloat16", quantization=quantization, block_size=8, num_kv_blocks=96,
+              max_num_seqs=4, quant_group_size=64)
+    eager = LLM(enforce_eager=True, **kw)
+    fast = LLM(**kw)
+    assert fast.engine.model_info["cpu_decode_replay"] is True, fast.engine.model_info["cpu_decode_replay_reason"]
+    plans = fast.engine.runner.cpu_plans
+    assert plans.recorded == [1, 2, 3, 4] and not plans.eager_sizes
+    layers = [m._cpu_layer for m in fast.engine.runner.model.modules() if getattr(m, "_cpu_layer", None) is not None]
+    assert layers
+    prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [18, 19]]
+    lens = [9, 14, 20]
+    assert _decode(fast, prompts, lens)[0] == _decode(eager, prompts, lens)[0]
+    assert plans.recorded == [1, 2, 3, 4] and not plans.eager_sizes
+    amx = amx_gemm.available() and amx_gemm.path() == "AMX"
+    on_tiles = [(layer.from_rows == 2) if quantization == "int8" else (layer.tiles is not None) for layer in layers]
+    assert all(on_tiles) == (amx and (quantization == "int8" or int4_gemv.tiles_available())), (amx, on_tiles)
 
 
 def test_float32_layers_outside_our_kernels_keep_steps_eager(demo_dir):

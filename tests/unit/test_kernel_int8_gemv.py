@@ -100,8 +100,11 @@ def test_one_call_layer_is_the_separate_steps_rounded_once(grouped, x_dtype, out
         x = x.to(x_dtype)
         bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
         y = int8_gemv.int8_linear(x, w, s, bias, out_dtype, grouped=grouped)
-        # the same call on operands checked once (what Int8Linear holds)
-        assert torch.equal(int8_gemv.Layer(w, s, bias, grouped)(x, out_dtype), y)
+        # the same call on operands checked once (what Int8Linear holds); with AMX, bf16 batches of TILE_MIN_ROWS
+        # rows or more go to the tile path
+        layer = int8_gemv.Layer(w, s, bias, grouped)
+        tiles = layer.amx and x_dtype is torch.bfloat16 and m >= layer.from_rows
+        assert torch.equal(layer(x, out_dtype), amx_gemm.int8_matmul(x, w, s, bias, out_dtype) if tiles else y)
         ref = (int8_gemv.int8_g32_matmul if grouped else int8_gemv.int8_matmul)(x.float(), w, s)
         if bias is not None:
             ref = ref + bias.float()
@@ -326,17 +329,27 @@ def test_amx_path_is_the_bf16_tile_product_over_the_codes(m, n, k, tile_build):
 
 def test_int8_layer_prefill_takes_the_amx_path_for_bf16(monkeypatch):
     """An int8 layer's bf16 prefill batch goes through the tile-layout path where it runs (AMX or AVX-512 BF16: the
-    dequantized layer's values); float32 activations keep the layer's other paths."""
+    dequantized layer's values), with AMX from TILE_MIN_ROWS rows (decode batches too); float32 activations keep the
+    layer's other paths."""
     torch.manual_seed(0)
     lin = nn.Linear(256, 96, bias=True).bfloat16()
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
     deq = dequantize_int8(*quantize_int8(w, w.dtype))
     qlin = quantize_linear(lin, "int8")
-    x = torch.randn(100, 256).bfloat16()
     calls = []
     real = amx_gemm.int8_matmul
     monkeypatch.setattr(amx_gemm, "int8_matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    y = qlin(x)
-    assert calls == ([100] if amx_gemm.available() else [])
-    ref = x.float() @ deq.float().T + b.float()
-    assert y.dtype == torch.bfloat16 and (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+    amx = amx_gemm.available() and amx_gemm.path() == "AMX"
+    for rows in (100, int8_gemv.MAX_ROWS, int8_gemv.TILE_MIN_ROWS, int8_gemv.TILE_MIN_ROWS - 1):
+        calls.clear()
+        x = torch.randn(rows, 256).bfloat16()
+        y = qlin(x)
+        tiles = amx_gemm.available() and (rows > int8_gemv.MAX_ROWS or amx and rows >= int8_gemv.TILE_MIN_ROWS)
+        assert calls == ([rows] if tiles else []), rows
+        ref = x.float() @ deq.float().T + b.float()
+        assert y.dtype == torch.bfloat16 and (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+        if tiles:  # the tile path's bits: a row's result the same in a batch of any size that takes it
+            assert torch.equal(qlin(torch.cat([x, x[:1]])), torch.cat([y, y[:1]]))
+    calls.clear()
+    qlin(torch.randn(20, 256))
+    assert calls == []

@@ -44,8 +44,8 @@ _checked: dict[str, str] = {}  # "reason": why the path is off ('' when it is on
 
 
 def _lib():
-    lib = _KERNEL.lib()
-    return lib if lib is not None and lib.sidecar_amx_supported() else None
+    lib = _KERNEL.lib()  # asked through the raw function: a call a decode step's recording would keep and replay
+    return lib if lib is not None and lib.sidecar_amx_supported.function() else None
 
 
 def reason() -> str:

@@ -41,8 +41,9 @@ ACTIVATION_CODE_MAX = 32639
 LAYOUTS = ((64, True), (32, True), (32, False), (64, False))  # (rows per block, split nibbles)
 _layout: list[Optional[tuple[int, bool]]] = []
 # From this many rows, bf16 activations go through the AMX tile path over the codes where it runs. Measured on a
-# 2-core Xeon with AMX, 4,864 x 896 and 896 x 4,864 layers, two threads: 8 rows 0.18 against 0.20-0.23 ms, 32 rows
-# 0.25-0.27 against 0.74-0.78, 256 rows 1.22-1.33 against 5.9-6.1 (4 rows: 0.16-0.17 against 0.12-0.14).
+# 2-core Xeon with AMX, two threads, against this kernel: with the weights coming from memory as in a decode step
+# (Qwen2-0.5B's int4 head, 151,936 x 896), 4 rows 5.4 against 3.5 ms, 8 rows 5.7 against 5.7, 12 rows 6.3 against 8.9,
+# 32 rows 10.3 against 26.0; 4,864 x 896 and 896 x 4,864 layers held in the caches, 256 rows 1.22-1.33 against 5.9-6.1.
 TILE_MIN_ROWS = 8
 _tiles: dict[str, str] = {}  # "reason": why the tile path is off ('' when on), once checked
 
