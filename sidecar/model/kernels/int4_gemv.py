@@ -97,7 +97,8 @@ def tiles_available() -> bool:
     both kernels built, torch's layout known, and a self-check against ``reference`` passed (once; a failure is
     logged and leaves every batch on this kernel)."""
     if "reason" not in _tiles:
-        why = ("" if available() and amx_gemm.path() == "AMX" and amx_gemm.available() else "no AMX tile path here")
+        why = ("the int4 kernel is not available" if not available()
+               else "" if amx_gemm.path() == "AMX" and amx_gemm.available() else "no AMX tile path here")
         _tiles["reason"] = why or _tile_self_check()
         if why == "" and _tiles["reason"]:
             log.warning("int4 tile path off, every batch on the int4 kernel: %s", _tiles["reason"])
