@@ -8,9 +8,10 @@ rows (decode steps; bf16 prefills too through the tile-layout kernel over the wi
 path over the codes is built: ``int8_gemv.takes``) and int4 batches of up to ``int4_gemv.MAX_ROWS`` rows (any
 number with AMX: ``tiles_take``) go through our own kernels (``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``,
 which reads torch's packed int4 layout in place, and ``kernels/amx_gemm.c``) when they build. ``quantize_linear``
-/ ``quantize_tied_embedding`` are the loader's hooks for quantizing a full-precision model while it loads; saving and reloading quantized checkpoints is ``quant_checkpoint.py``. With the model's
-``FastPaths.weight_only`` on (set through ``set_fast_paths``), decode-sized batches on CUDA go through the Triton
-kernels of ``kernels/triton_wo.py`` instead, which read the stored format.
+/ ``quantize_tied_embedding`` are the loader's hooks for quantizing a full-precision model while it loads; saving
+and reloading quantized checkpoints is ``quant_checkpoint.py``. With the model's ``FastPaths.weight_only`` on
+(set through ``set_fast_paths``), decode-sized batches on CUDA go through the Triton kernels of
+``kernels/triton_wo.py`` instead, which read the stored format.
 """
 from __future__ import annotations
 

@@ -43,7 +43,8 @@
  * and widens a k block's codes to the bf16 values code - 8 (exact) in the same tiles. A quantization group (gs
  * values, gs / 32 chunks) has its own scale and zero per output row, so its tile products start from zero and are
  * folded into the panel's sums as sums * scale + zero * (the row's sum of the group's activations), in order of the
- * groups; each fold runs between the next group's tile products (the vector units beside the AMX unit). */
+ * groups; each fold is issued between the next group's tile products. The widening and the folds are vector work the
+ * tile unit measurably waits for (one thread, 256 x 4,864 x 896: 2.51 ms, 1.46 without either; bf16 tiles 1.57). */
 #include <omp.h>
 #include <stdlib.h>
 
