@@ -43,7 +43,7 @@
  * and widens a k block's codes to the bf16 values code - 8 (exact) in the same tiles. A quantization group (gs
  * values, gs / 32 chunks) has its own scale and zero per output row, so its tile products start from zero and are
  * folded into the panel's sums as sums * scale + zero * (the row's sum of the group's activations), in order of the
- * groups; each fold is issued between the next group's tile products. The widening and the folds are vector work the
+ * groups, two groups a pass over the sums; each fold is issued between the next groups' tile products. The widening and the folds are vector work the
  * tile unit measurably waits for (one thread, 256 x 4,864 x 896: 2.51 ms, 1.46 without either; bf16 tiles 1.57). */
 #include <omp.h>
 #include <stdlib.h>
@@ -352,33 +352,44 @@ static void group_scales(const uint16_t* sz, int N, int g, int q0, int q1, float
         }
 }
 
-/* Rows ra..rb-1 of a quantization group's tile sums acc ([32][32]) folded into the panel's sums s: s = acc * scale +
- * (xs * zero + s), s taken as 0 for the first group; xs[r * xstride] the row's sum of the group's activations. */
-static inline void fold_rows(const float* acc, float* s, const float* qs, const float* xs, int xstride, int ra, int rb,
-                             int first) {
+/* Rows ra..rb-1 of n (1 or 2) quantization groups' tile sums acc[0], acc[n - 1] ([32][32] each) folded into the
+ * panel's sums s in order: s = acc * scale + (xs * zero + s) a group, s taken as 0 before the first group of K (first);
+ * qs[0], qs[n - 1]: their scales and zeros (64 floats a group); xs[r * xstride + 0 / 1]: row r's sums of the groups'
+ * activations. Two groups in one pass: the sums between them stay in registers (the same operations, the same bits). */
+static inline void fold_rows(const float* const* acc, int n, float* s, const float* qs, const float* xs, int xstride,
+                             int ra, int rb, int first) {
     const vf s0 = v_load(qs), s1 = v_load(qs + 16), z0 = v_load(qs + 32), z1 = v_load(qs + 48);
+    const float* q2 = qs + 64 * (n - 1);
+    const vf t0 = v_load(q2), t1 = v_load(q2 + 16), w0 = v_load(q2 + 32), w1 = v_load(q2 + 48);
     for (int r = ra; r < rb; r++) {
         const vf xv = v_set1(xs[(size_t)r * xstride]);
         const vf b0 = first ? v_mul(xv, z0) : v_fma(xv, z0, v_load(s + r * 32));
         const vf b1 = first ? v_mul(xv, z1) : v_fma(xv, z1, v_load(s + r * 32 + 16));
-        v_store(s + r * 32, v_fma(v_load(acc + r * 32), s0, b0));
-        v_store(s + r * 32 + 16, v_fma(v_load(acc + r * 32 + 16), s1, b1));
+        vf a0 = v_fma(v_load(acc[0] + r * 32), s0, b0), a1 = v_fma(v_load(acc[0] + r * 32 + 16), s1, b1);
+        if (n == 2) {
+            const vf xw = v_set1(xs[(size_t)r * xstride + 1]);
+            a0 = v_fma(v_load(acc[1] + r * 32), t0, v_fma(xw, w0, a0));
+            a1 = v_fma(v_load(acc[1] + r * 32 + 16), t1, v_fma(xw, w1, a1));
+        }
+        v_store(s + r * 32, a0);
+        v_store(s + r * 32 + 16, a1);
     }
 }
 
 /* multiply_panel for int4 codes (wg: the k block widened), quantization groups of cq chunks: each group's tile
- * products start from zero, go to acc (two [32][32] buffers, in turn) and are folded into s (fold_rows) between the
- * next group's tile products; the last group's after them. qs: the k block's scales and zeros (group_scales); xs: the
- * panel's first row's sums of each quantization group's activations (xstride a row), from group 0. */
+ * products start from zero and go to one of four [32][32] buffers of acc in turn; groups are folded into s two at a
+ * time (fold_rows), between the next two groups' tile products, the last pair (or single group) after them. qs: the k
+ * block's scales and zeros (group_scales); xs: the panel's first row's sums of each quantization group's activations
+ * (xstride a row), from group 0. */
 static inline void multiply_panel_q(const uint16_t* xa, int K, const uint16_t* wg, int k0, int k1, int mr, int r1,
                                     float* s, const float* qs, const float* xs, int xstride, int cq, float* acc,
                                     const outputs* o, pending* p) {
     /* pending rows stored a k step, all of them during the first group's steps: the pending panel may be this one's
      * sums of the previous group of 32 outputs (a batch of one panel), which the folds then write */
-    const int rows = (p->mr - p->done + cq - 1) / cq;
-    const int per = (mr + cq - 1) / cq;  /* rows of the previous group folded a k step */
-    int fdone = mr, fi = 0;  /* the group being folded (index in the block) and its rows done */
-    for (int c0 = k0, i = 0; c0 < k1; c0 += cq, i++) {
+    const int rows = (p->mr - p->done + cq - 1) / cq, nq = (k1 - k0) / cq, q0 = k0 / cq;
+    int fa = 0, fn = 0, fdone = mr, per = mr;  /* the groups being folded: fa.., fn of them; rows done, a step */
+    for (int i = 0; i < nq; i++) {
+        const int c0 = k0 + i * cq;
         _tile_zero(0);
         _tile_zero(1);
         if (r1) {
@@ -398,24 +409,36 @@ static inline void multiply_panel_q(const uint16_t* xa, int K, const uint16_t* w
                 _tile_dpbf16ps(3, 5, 7);
             }
             if (fdone < mr) {
-                const int e = fdone + per < mr ? fdone + per : mr, q = k0 / cq + fi;
-                fold_rows(acc + (fi & 1) * 1024, s, qs + fi * 64, xs + q, xstride, fdone, e, q == 0);
+                const int e = fdone + per < mr ? fdone + per : mr;
+                const float* const pair[2] = {acc + (fa & 3) * 1024, acc + ((fa + 1) & 3) * 1024};
+                fold_rows(pair, fn, s, qs + fa * 64, xs + q0 + fa, xstride, fdone, e, q0 + fa == 0);
                 fdone = e;
             }
             if (rows && p->done < p->mr) store_rows(o, p, p->done + rows);
         }
-        float* a = acc + (i & 1) * 1024;
+        float* a = acc + (i & 3) * 1024;
         _tile_stored(0, a, 128);
         _tile_stored(1, a + 16, 128);
         if (r1) {
             _tile_stored(2, a + 16 * 32, 128);
             _tile_stored(3, a + 16 * 32 + 16, 128);
         }
-        fi = i;
-        fdone = 0;
+        if (i % 2 == 1 || i == nq - 1) {  /* a pair (or the last group) to fold while the next ones multiply */
+            if (fdone < mr) {
+                const float* const pair[2] = {acc + (fa & 3) * 1024, acc + ((fa + 1) & 3) * 1024};
+                fold_rows(pair, fn, s, qs + fa * 64, xs + q0 + fa, xstride, fdone, mr, q0 + fa == 0);
+            }
+            fn = i % 2 == 1 ? 2 : 1;
+            fa = i + 1 - fn;
+            fdone = 0;
+            const int steps = cq * (nq - 1 - i < 2 ? nq - 1 - i : 2);  /* the next groups' k steps */
+            per = steps ? (mr + steps - 1) / steps : mr;
+        }
     }
-    const int q = k0 / cq + fi;
-    fold_rows(acc + (fi & 1) * 1024, s, qs + fi * 64, xs + q, xstride, fdone, mr, q == 0);
+    if (fdone < mr) {
+        const float* const pair[2] = {acc + (fa & 3) * 1024, acc + ((fa + 1) & 3) * 1024};
+        fold_rows(pair, fn, s, qs + fa * 64, xs + q0 + fa, xstride, fdone, mr, q0 + fa == 0);
+    }
 }
 #endif
 
@@ -610,8 +633,8 @@ static int matmul(const uint16_t* x, const weights* W, const void* bias, void* y
         const size_t nsums = (size_t)32 * mc * (ks < KB ? g1 - g0 : 1);
         float* sums = g0 < g1 ? (float*)aligned_alloc(64, sizeof(float) * nsums) : NULL;
         uint16_t* wide = codes && g0 < g1 ? (uint16_t*)aligned_alloc(64, group * sizeof(uint16_t)) : NULL;
-        /* int4: the k block's scales and zeros (64 floats a quantization group), then two [32][32] group sums */
-        float* qs = W->w4 && g0 < g1 ? (float*)aligned_alloc(64, sizeof(float) * (64 * (size_t)Gq + 2048)) : NULL;
+        /* int4: the k block's scales and zeros (64 floats a quantization group), then four [32][32] group sums */
+        float* qs = W->w4 && g0 < g1 ? (float*)aligned_alloc(64, sizeof(float) * (64 * (size_t)Gq + 4096)) : NULL;
         if (g0 < g1 && (!sums || (codes && !wide) || (W->w4 && !qs))) {
             #pragma omp atomic write
             failed = 1;
