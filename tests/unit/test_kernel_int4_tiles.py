@@ -74,11 +74,12 @@ def test_a_rows_tile_outputs_do_not_depend_on_its_batch(tiles, layout):
     for step in (1, 8, 40, 97):
         parts = [int4_gemv.tile_matmul(x[i:i + step], w, 128, sz, layout) for i in range(0, 300, step)]
         assert torch.equal(torch.cat(parts), y), step
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         assert torch.equal(int4_gemv.tile_matmul(x, w, 128, sz, layout), y)
     finally:
-        torch.set_num_threads(2)
+        torch.set_num_threads(threads)
 
 
 def test_the_layer_takes_tiles_for_bf16_batches_from_tile_min_rows(tiles):
