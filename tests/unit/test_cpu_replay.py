@@ -9,7 +9,7 @@ import torch
 
 from sidecar import LLM, SamplingParams
 from sidecar.engine.cpu_graphs import _spans, linear_layouts
-from sidecar.model.kernels import amx_gemm, int4_gemv, int8_gemv, norm_act, replay
+from sidecar.model.kernels import amx_gemm, cpu_build, int4_gemv, int8_gemv, norm_act, replay
 from sidecar.model.linear import Linear
 
 pytestmark = pytest.mark.skipif(replay.unavailable_reason() is not None,
@@ -142,27 +142,45 @@ def test_a_dry_pass_is_refused_where_torch_cannot_count_a_storage_s_holders(monk
         replay.record(lambda: norm_act.add_rms_norm(x, None, w, 1e-6)[0], dry=True)
 
 
+def test_a_librarys_answers_about_itself_are_never_recorded():
+    """A call without arguments (what a library was built with, what the CPU grants it) reads no step's buffers: a
+    recording or a planning pass lets it answer as itself, where a recorded one replayed as a refusal (its nonzero
+    answer) and a planned one answered 0."""
+    seen = []
+    lib = int4_gemv._KERNEL.lib()
+    bits = lib.sidecar_int4_vector_bits()
+    assert bits in (256, 512)
+    cpu_build.set_recorder(lambda fn, args: seen.append(fn.name) or True)  # a planning pass: nothing is made
+    try:
+        assert lib.sidecar_int4_vector_bits() == bits
+        x = torch.zeros(1, 64).bfloat16()
+        w = torch.zeros(32, 32, dtype=torch.uint8)
+        lib.sidecar_int4_matmul(x.data_ptr(), w.data_ptr(), torch.zeros(2, 32, 2).bfloat16().data_ptr(),
+                                torch.zeros(1, 32).data_ptr(), 1, 32, 64, 32, *int4_gemv.torch_layout(), 1, 0, 1)
+    finally:
+        cpu_build.set_recorder(None)
+    assert seen == ["sidecar_int4_matmul"]
+
+
 def test_spans_of_sizes():
     assert _spans([1, 2, 3, 5, 7, 8]) == "1-3, 5, 7-8" and _spans([4]) == "4"
 
 
 def test_a_kernel_refusing_at_replay_stops_it_and_is_named():
-    from sidecar.model.kernels.replay import _KERNEL
-
     x = torch.randn(2, 64)
     w = torch.ones(64)
-    refuses = _KERNEL.lib().sidecar_replay_ints  # returns 20: a non-zero result of a checked call
+    matmul = amx_gemm._KERNEL.lib().sidecar_amx_int4_matmul  # refuses no codes with 1, in every build
 
     def step():
         y, _ = norm_act.add_rms_norm(x, None, w, 1e-6)
-        refuses()
+        matmul(None, None, None, None, None, 0, 0, 0, 0, 0, 0, 1, 0, 0)
         z, _ = norm_act.add_rms_norm(y, None, w, 1e-6)
         return z
 
     _, plan = replay.record(step)
     arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
     assert not plan.replay(arena)
-    assert plan.refused == "sidecar_replay_ints"
+    assert plan.refused == "sidecar_amx_int4_matmul"
     with pytest.raises(ValueError, match="arena"):
         plan.replay(torch.empty(0, dtype=torch.uint8))
 

@@ -44,8 +44,8 @@ _checked: dict[str, str] = {}  # "reason": why the path is off ('' when it is on
 
 
 def _lib():
-    lib = _KERNEL.lib()  # asked through the raw function: a call a decode step's recording would keep and replay
-    return lib if lib is not None and lib.sidecar_amx_supported.function() else None
+    lib = _KERNEL.lib()
+    return lib if lib is not None and lib.sidecar_amx_supported() else None
 
 
 def reason() -> str:
@@ -73,8 +73,8 @@ def available() -> bool:
 def path() -> str:
     """What multiplies in this layout here: 'AMX' (tile products), 'AVX-512 BF16' (dot products over the same
     layout, on a CPU without AMX), or '' (neither: the kernel did not build or the CPU has neither)."""
-    lib = _KERNEL.lib()  # asked through the raw function, as _lib does: never a recorded call
-    return {1: "AMX", 2: "AVX-512 BF16"}.get(lib.sidecar_amx_supported.function() if lib is not None else 0, "")
+    lib = _KERNEL.lib()
+    return {1: "AMX", 2: "AVX-512 BF16"}.get(lib.sidecar_amx_supported() if lib is not None else 0, "")
 
 
 def takes(weight: Optional[torch.Tensor]) -> bool:

@@ -40,7 +40,9 @@ _recording = threading.local()  # .recorder: the calling thread's, when set
 
 def set_recorder(recorder: Optional[Callable[["KernelFunction", tuple], bool]]) -> None:
     """While set, every kernel call the calling thread makes (through any ``Kernel``'s library) is passed to
-    ``recorder(function, args)`` before it runs; other threads' calls are not. Where the recorder returns true
+    ``recorder(function, args)`` before it runs; other threads' calls are not, nor calls without arguments (a
+    library's answers about itself -- what it was built with, what the CPU grants it -- which read no step's
+    buffers and must answer as themselves while a step is recorded or planned). Where the recorder returns true
     the call is not made (a plan's pass: nothing is computed) and returns 0 (None for a void function), as
     a call that succeeded. None stops that."""
     _recording.recorder = recorder
@@ -59,7 +61,7 @@ class KernelFunction:
         self.address = ctypes.cast(function, ctypes.c_void_p).value
 
     def __call__(self, *args):
-        recorder = getattr(_recording, "recorder", None)
+        recorder = getattr(_recording, "recorder", None) if args else None  # a query is never recorded
         if recorder is not None and recorder(self, args):  # a planning pass: noted, not made
             return None if self.restype is None else 0
         return self.function(*args)
