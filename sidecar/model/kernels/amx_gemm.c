@@ -599,18 +599,9 @@ static int matmul(const uint16_t* x, const weights* W, const void* bias, void* y
     const int codes = W->w8 || W->w4;
     const int cq = W->w4 ? W->gs / 32 : 0, Gq = W->w4 ? K / W->gs : 0;  /* chunks a quantization group, groups a row */
     (void)cq;
-    float* xsum = NULL;  /* int4: [M][Gq] each row's sum of each quantization group's activations */
-    if (W->w4) {
-        xsum = (float*)malloc(sizeof(float) * (size_t)M * Gq);
-        if (!xsum) return 2;
-        #pragma omp parallel for num_threads(nthreads)
-        for (int m = 0; m < M; m++)
-            for (int q = 0; q < Gq; q++) {
-                vf v = v_zero();
-                for (int k = q * W->gs; k < (q + 1) * W->gs; k += VL) v = v_add(v, v_load_bf16(x + (size_t)m * K + k));
-                xsum[(size_t)m * Gq + q] = v_sum(v);
-            }
-    }
+    /* int4: [M][Gq] each row's sum of each quantization group's activations (the threads' first work, below) */
+    float* xsum = W->w4 ? (float*)malloc(sizeof(float) * (size_t)M * Gq) : NULL;
+    if (W->w4 && !xsum) return 2;
     const size_t group = (size_t)KB * 1024;  /* bf16 values per group */
     int mc = BLOCK_BYTES / (2 * K) / 32 * 32;
     mc = mc < 32 ? 32 : mc > 512 ? 512 : mc;
@@ -627,6 +618,16 @@ static int matmul(const uint16_t* x, const weights* W, const void* bias, void* y
     int failed = 0;
     #pragma omp parallel num_threads(nthreads)
     {
+        if (xsum) {
+            #pragma omp for schedule(static)
+            for (int m = 0; m < M; m++)
+                for (int q = 0; q < Gq; q++) {
+                    vf v = v_zero();
+                    for (int k = q * W->gs; k < (q + 1) * W->gs; k += VL)
+                        v = v_add(v, v_load_bf16(x + (size_t)m * K + k));
+                    xsum[(size_t)m * Gq + q] = v_sum(v);
+                }
+        }
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int g0 = (int)((int64_t)G * t / nt), g1 = (int)((int64_t)G * (t + 1) / nt);
         /* [32][32] sums a panel between k blocks; in slabs, for every panel of the block in every group */
