@@ -505,47 +505,8 @@ static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg,
  * same layout: a tile row of the weights (the pair of values 2 r, 2 r + 1 of a chunk for 16 outputs) is one vector,
  * and vdpbf16ps adds to each output's float32 sum the two products of that pair with the pair of an activation row,
  * broadcast. A register tile holds up to DOT_ROWS rows x the group's 32 outputs (24 accumulators, 2 weight vectors,
- * the activations broadcast from memory); every output is one float32 sum over the pairs in order, whatever the
- * batch, its panels and k blocks (the sums wait in s between k blocks, exactly). */
-#define DOT_ROWS 12
-
-/* rows xa.. (MR <= DOT_ROWS) x the group's 32 outputs over chunks k0..k1, added to s ([MR][32] of a panel's sums, row
- * stride 32; zero before chunk 0); `per` cache lines from `ahead` on read into L2 each chunk. */
-static inline __attribute__((always_inline)) void dot_rows(const uint16_t* xa, int K, const uint16_t* wg, int k0,
-                                                           int k1, float* s, const char* ahead, int per, const int MR) {
-    __m512 a[DOT_ROWS][2];
-    for (int i = 0; i < MR; i++) {
-        a[i][0] = k0 ? _mm512_loadu_ps(s + i * 32) : _mm512_setzero_ps();
-        a[i][1] = k0 ? _mm512_loadu_ps(s + i * 32 + 16) : _mm512_setzero_ps();
-    }
-    for (int c = k0; c < k1; c++) {
-        const uint16_t* b = wg + (size_t)c * 1024;
-        const uint16_t* xc = xa + (size_t)c * 32;
-        if (per) {
-            for (int l = 0; l < per; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
-            ahead += 64 * per;
-        }
-        dot_block(a, xc, (size_t)K, b, MR);
-    }
-    for (int i = 0; i < MR; i++) {
-        _mm512_storeu_ps(s + i * 32, a[i][0]);
-        _mm512_storeu_ps(s + i * 32 + 16, a[i][1]);
-    }
-}
-
-/* each height its own function: inside the panel's loop the compiler spills the accumulators */
-#define DOT_ROWS_FN(MR)                                                                                          \
-    static __attribute__((noinline)) void dot_rows_##MR(const uint16_t* xa, int K, const uint16_t* wg, int k0,  \
-                                                        int k1, float* s, const char* ahead, int per) {         \
-        dot_rows(xa, K, wg, k0, k1, s, ahead, per, MR);                                                         \
-    }
-DOT_ROWS_FN(1) DOT_ROWS_FN(2) DOT_ROWS_FN(3) DOT_ROWS_FN(4) DOT_ROWS_FN(5) DOT_ROWS_FN(6)
-DOT_ROWS_FN(7) DOT_ROWS_FN(8) DOT_ROWS_FN(9) DOT_ROWS_FN(10) DOT_ROWS_FN(11) DOT_ROWS_FN(12)
-
-typedef void (*dot_rows_fn)(const uint16_t*, int, const uint16_t*, int, int, float*, const char*, int);
-static const dot_rows_fn DOT_ROWS_OF[DOT_ROWS + 1] = {
-    NULL, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6,
-    dot_rows_7, dot_rows_8, dot_rows_9, dot_rows_10, dot_rows_11, dot_rows_12};
+ * the activations broadcast from memory: vec.h's dot_rows); every output is one float32 sum over the pairs in order,
+ * whatever the batch, its panels and k blocks (the sums wait in s between k blocks, exactly). */
 
 /* The AMX multiply_panel's contract over dot products: the panel's mr rows in register tiles of nearly equal height
  * (32 rows: 11, 11, 10), the first reading the `lines` ahead -- at every panel height: here the products of a few rows
@@ -563,10 +524,11 @@ static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg,
     const int later = parts > 1 && after ? (after_lines + parts - 2) / (parts - 1) : 0;
     for (int q = 0, i0 = 0; q < parts; q++) {
         const int h = mr / parts + (q < mr % parts);
+        const uint16_t* xr = xa + (size_t)i0 * K + (size_t)k0 * 32;
         if (q == 0)
-            DOT_ROWS_OF[h](xa + (size_t)i0 * K, K, wg, k0, k1, s + i0 * 32, ahead, per);
+            DOT_ROWS_OF[h](xr, K, wg + (size_t)k0 * 1024, 1024, k1 - k0, s + i0 * 32, 32, k0 != 0, ahead, per);
         else
-            DOT_ROWS_OF[h](xa + (size_t)i0 * K, K, wg, k0, k1, s + i0 * 32,
+            DOT_ROWS_OF[h](xr, K, wg + (size_t)k0 * 1024, 1024, k1 - k0, s + i0 * 32, 32, k0 != 0,
                            later ? after + (size_t)64 * later * (q - 1) : NULL, (later + k1 - k0 - 1) / (k1 - k0));
         i0 += h;
     }

@@ -390,36 +390,6 @@ static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
 }
 #endif
 
-#define DOT_ROWS 12  /* rows a register tile holds: 12 x 32 outputs, 24 accumulators */
-
-/* The dot products of rows x.. (MR <= DOT_ROWS, lda bf16 values apart) with blocks 0..nb-1 of a layout (block b at
- * w + b * bstride: 16 vectors of 16 outputs' pairs, then the 16 of the next 16 outputs 512 values on): out[i][0..31]
- * (rows ldo apart) = sum over b, then r of the pair x[i][32 b + 2 r ..] times vector r of block b. */
-static inline __attribute__((always_inline)) void dot_rows(const uint16_t* x, size_t lda, const uint16_t* w,
-                                                           size_t bstride, int nb, float* out, size_t ldo, const int MR) {
-    __m512 a[DOT_ROWS][2];
-    for (int i = 0; i < MR; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) dot_block(a, x + (size_t)b * 32, lda, w + (size_t)b * bstride, MR);
-    for (int i = 0; i < MR; i++) {
-        _mm512_storeu_ps(out + (size_t)i * ldo, a[i][0]);
-        _mm512_storeu_ps(out + (size_t)i * ldo + 16, a[i][1]);
-    }
-}
-
-/* each height its own function, so that the accumulators stay in registers */
-#define DOT_ROWS_FN(MR)                                                                                           \
-    static __attribute__((noinline)) void dot_rows_##MR(const uint16_t* x, size_t lda, const uint16_t* w,       \
-                                                        size_t bstride, int nb, float* out, size_t ldo) {        \
-        dot_rows(x, lda, w, bstride, nb, out, ldo, MR);                                                          \
-    }
-DOT_ROWS_FN(1) DOT_ROWS_FN(2) DOT_ROWS_FN(3) DOT_ROWS_FN(4) DOT_ROWS_FN(5) DOT_ROWS_FN(6)
-DOT_ROWS_FN(7) DOT_ROWS_FN(8) DOT_ROWS_FN(9) DOT_ROWS_FN(10) DOT_ROWS_FN(11) DOT_ROWS_FN(12)
-
-typedef void (*dot_rows_fn)(const uint16_t*, size_t, const uint16_t*, size_t, int, float*, size_t);
-static const dot_rows_fn DOT_ROWS_OF[DOT_ROWS + 1] = {
-    NULL, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6,
-    dot_rows_7, dot_rows_8, dot_rows_9, dot_rows_10, dot_rows_11, dot_rows_12};
-
 /* amx_attend_block's contract through dot products (q16's rows past qn are not read): the block's queries in
  * register tiles of nearly equal height (32 queries: 11, 11, 10) times each chunk's 32 keys, then times the values'
  * dimensions 32 at a time over all the block's keys. */
@@ -434,7 +404,7 @@ static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
         for (int q = 0, i0 = 0; q < parts; q++) {
             const int h = qn / parts + (q < qn % parts);
             DOT_ROWS_OF[h](q16 + (size_t)i0 * hd, hd, kb + (size_t)ck * chunk_k, 1024, nc,
-                           s + (size_t)i0 * sld + (size_t)(ck - ck0) * 32, sld);
+                           s + (size_t)i0 * sld + (size_t)(ck - ck0) * 32, sld, 0, NULL, 0);
             i0 += h;
         }
     float inv[32];
@@ -443,7 +413,7 @@ static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
         for (int q = 0, i0 = 0; q < parts; q++) {
             const int h = qn / parts + (q < qn % parts);
             DOT_ROWS_OF[h](pw + (size_t)i0 * pld, pld, vb + (size_t)ck0 * chunk_v + (size_t)t0 * 512, chunk_v,
-                           ck1 - ck0, o + (size_t)i0 * 32, 32);
+                           ck1 - ck0, o + (size_t)i0 * 32, 32, 0, NULL, 0);
             i0 += h;
         }
         block_store(o, inv, qn, u0, rep, g, nh, hd, t0 * 16, out);
@@ -455,6 +425,7 @@ static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
 static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, uint16_t* out,
                          int L, int ctx, int nh, int nkv, int hd, int bs, int window, float scale, int nthreads,
                          int amx) {
+    (void)amx;  /* a build without AMX has only the dot products */
     const int rep = nh / nkv, start = ctx - L;
     const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;  /* first key any row sees */
     const int k_first = base / 32 * 32, nck = (ctx - k_first + 31) / 32;

@@ -236,6 +236,50 @@ static inline __attribute__((always_inline)) void dot_block(__m512 (*a)[2], cons
         }
     }
 }
+
+#define DOT_ROWS 12  /* rows a dot-product register tile holds: 12 x 32 outputs, 24 accumulators */
+
+/* Rows x.. (MR <= DOT_ROWS, lda bf16 values apart) times blocks 0..nb-1 of a tile layout (block b at w + b * bstride,
+ * its pairs of x at x + 32 b), dot_block after dot_block: out[i][0..31] (rows ldo apart) = the sums, from out's own
+ * values where `acc` (else from zero); `per` cache lines from `ahead` on read into L2 a block. */
+static inline __attribute__((always_inline)) void dot_rows(const uint16_t* x, size_t lda, const uint16_t* w,
+                                                           size_t bstride, int nb, float* out, size_t ldo, int acc,
+                                                           const char* ahead, int per, const int MR) {
+    __m512 a[DOT_ROWS][2];
+    for (int i = 0; i < MR; i++) {
+        a[i][0] = acc ? _mm512_loadu_ps(out + (size_t)i * ldo) : _mm512_setzero_ps();
+        a[i][1] = acc ? _mm512_loadu_ps(out + (size_t)i * ldo + 16) : _mm512_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        if (per) {
+            for (int l = 0; l < per; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+            ahead += 64 * per;
+        }
+        dot_block(a, x + (size_t)b * 32, lda, w + (size_t)b * bstride, MR);
+    }
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(out + (size_t)i * ldo, a[i][0]);
+        _mm512_storeu_ps(out + (size_t)i * ldo + 16, a[i][1]);
+    }
+}
+
+/* each height its own function, so that the accumulators stay in registers (inside a caller's loop the compiler
+ * spills them); DOT_ROWS_OF[h] runs h rows (unused in a file without a dot-product path: dropped there) */
+#define DOT_ROWS_FN(MR)                                                                                            \
+    static __attribute__((noinline, unused)) void dot_rows_##MR(const uint16_t* x, size_t lda, const uint16_t* w, \
+                                                                size_t bstride, int nb, float* out, size_t ldo,   \
+                                                                int acc, const char* ahead, int per) {            \
+        dot_rows(x, lda, w, bstride, nb, out, ldo, acc, ahead, per, MR);                                          \
+    }
+DOT_ROWS_FN(1) DOT_ROWS_FN(2) DOT_ROWS_FN(3) DOT_ROWS_FN(4) DOT_ROWS_FN(5) DOT_ROWS_FN(6)
+DOT_ROWS_FN(7) DOT_ROWS_FN(8) DOT_ROWS_FN(9) DOT_ROWS_FN(10) DOT_ROWS_FN(11) DOT_ROWS_FN(12)
+#undef DOT_ROWS_FN
+
+typedef void (*dot_rows_fn)(const uint16_t*, size_t, const uint16_t*, size_t, int, float*, size_t, int, const char*,
+                            int);
+static const dot_rows_fn DOT_ROWS_OF[DOT_ROWS + 1] __attribute__((unused)) = {
+    NULL, dot_rows_1, dot_rows_2, dot_rows_3, dot_rows_4, dot_rows_5, dot_rows_6,
+    dot_rows_7, dot_rows_8, dot_rows_9, dot_rows_10, dot_rows_11, dot_rows_12};
 #endif
 
 /* AMX (Intel Sapphire Rapids on): the tile configuration register's layout (palette 1), and whether the kernel grants
