@@ -23,10 +23,9 @@
  * Whole Qwen2-0.5B on a 2-core Zen 4, 2 threads, against oneDNN's packed GEMM: 212 against 196 GFLOP/s
  * at 8 rows, 293 against 301 at 16, 346 against 363 at 32 (from 298 against 338 with 4-row tiles).
  *
- * On AVX2 (bf16 widened to float32), batches from WIDE_ROWS rows on take two more arrangements of the same sums in
- * the same order: tiled_wide (dot products over half tiles, up to OUTER_ROWS rows) and tiled_outer (outer products
- * over groups of 16 weight rows converted a block at a time, from OUTER_ROWS rows: the decode steps of 8 rows and
- * more, and prefill; the int8 prefill path too).
+ * On AVX2 (bf16 widened to float32), batches from OUTER_ROWS rows on take another arrangement of the same sums in
+ * the same order: tiled_outer (outer products over groups of 16 weight rows converted a block at a time: the decode
+ * steps of 4 rows and more, and prefill; the int8 prefill path too).
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -154,85 +153,13 @@ static inline __attribute__((always_inline)) void dot_tile(const float* x, const
     }
 }
 
-/* Prefill-sized batches over the tiled layout (sidecar_bf16_matmul_tiled from WIDE_ROWS rows on): the same sums in
- * the same order, arranged for arithmetic instead of the weight stream. dot_tile above loads an activation vector
- * for every FMA (15 of 16 registers go to accumulators and weights), so loads, not FMAs, set its pace: 86 GFLOP/s
- * against oneDNN's float32 122 on Qwen2-0.5B's layers at 256 rows, 2-core Zen 3. Here a register tile is up to 6
- * activation rows x 2 weight rows (half a tile, 12 accumulators): the weights' even values are widened for both
- * rows and every activation row takes its even-values vector once for both, then the odd values likewise, so
- * each accumulator still gets, per 16-value half of a chunk, its even then its odd products, as in dot_tile.
- * A pass covers at most KC_WIDE values of K, so that the panel's float32 activations stay in L1 while the block's
- * tiles pass over them; between passes the 12 accumulators wait in memory (float32 kept exactly). */
-#define MT_WIDE 6
-#define KC_WIDE 1024
-#define WIDE_ROWS 4
-
-/* acc[i][0..1] (i < MB) continued over k in [k0, k1) with weight rows (wc, wc + 32) of one tile's chunks, wc
- * pointing at the chunk of k0. */
-static inline __attribute__((always_inline)) void dot_half(const float* x, int64_t K, const uint16_t* wc, int64_t k0,
-                                                           int64_t k1, const int MB, __m256 acc[MT_WIDE][2]) {
-    const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
-    for (int64_t k = k0; k < k1; k += 32, wc += 32 * NT) {
-        for (int h = 0; h < 32; h += 16) {
-            const __m256i* w0 = (const __m256i*)(wc + h);
-            const __m256i* w1 = (const __m256i*)(wc + 32 + h);
-            __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w0), 16));
-            __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256(w1), 16));
-            for (int i = 0; i < MB; i++) {
-                __m256 xv = _mm256_loadu_ps(x + i * K + k + h);
-                __asm__("" : "+x"(xv));  /* one load for both weight rows (not folded into each FMA) */
-                acc[i][0] = _mm256_fmadd_ps(a, xv, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(b, xv, acc[i][1]);
-            }
-            a = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w0), high));
-            b = _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256(w1), high));
-            for (int i = 0; i < MB; i++) {
-                __m256 xv = _mm256_loadu_ps(x + i * K + k + h + 8);
-                __asm__("" : "+x"(xv));
-                acc[i][0] = _mm256_fmadd_ps(a, xv, acc[i][0]);
-                acc[i][1] = _mm256_fmadd_ps(b, xv, acc[i][1]);
-            }
-        }
-    }
-}
-
-/* One pass [k0, k1) of an MB-row panel over half `half` of a tile whose chunk of k0 is at `wk`: accumulators
- * from zero (k0 == 0) or from `kept`; left in `kept` unless the pass ends K, when the rows' two finished sums go
- * to sums[i * NT + 2 * half]. */
-static inline __attribute__((always_inline)) void wide_pass(const float* xb, int64_t K, const uint16_t* wk, int half,
-                                                            int64_t k0, int64_t k1, const int MB, __m256* kept,
-                                                            float* sums) {
-    __m256 acc[MT_WIDE][2];
-    for (int i = 0; i < MB; i++)
-        for (int j = 0; j < 2; j++) acc[i][j] = k0 ? kept[i * 2 + j] : _mm256_setzero_ps();
-    dot_half(xb, K, wk + half * 64, k0, k1, MB, acc);
-    if (k1 < K) {
-        for (int i = 0; i < MB; i++)
-            for (int j = 0; j < 2; j++) kept[i * 2 + j] = acc[i][j];
-        return;
-    }
-    for (int i = 0; i < MB; i++) {  /* the tree of every path (sum4_256's lanes are independent) */
-        float four[NT];
-        sum4_256(acc[i][0], acc[i][1], acc[i][0], acc[i][1], four);
-        sums[i * NT + 2 * half] = four[0];
-        sums[i * NT + 2 * half + 1] = four[1];
-    }
-}
-
-/* wide_pass for each panel height, each its own function: register allocation inside the driver's loops spills
- * the accumulators (stores and reloads in every FMA chain: 2-2.5x slower on a Zen 3) */
-#define WIDE_PASS(MB)                                                                                           \
-    static __attribute__((noinline)) void wide_pass_##MB(const float* xb, int64_t K, const uint16_t* wk, int half, \
-                                                         int64_t k0, int64_t k1, __m256* kept, float* sums) {   \
-        wide_pass(xb, K, wk, half, k0, k1, MB, kept, sums);                                                    \
-    }
-WIDE_PASS(1) WIDE_PASS(2) WIDE_PASS(3) WIDE_PASS(4) WIDE_PASS(5) WIDE_PASS(6)
+#define MT_WIDE 6  /* activation rows a panel of the outer products holds (see tiled_outer) */
 #endif
 
 #ifdef BF16_PATH
 #if BF16_PATH == 2
 /* n bf16 values (n a multiple of 16) as float32, each 16-value block as its 8 even then its 8 odd values: the
- * order in which dot_tile and dot_half widen the weights. */
+ * order in which dot_tile widens the weights. */
 static inline void widen_span(const uint16_t* x, float* xw, int64_t n) {
     const __m256i high = _mm256_set1_epi32((int)0xffff0000u);
     for (int64_t b = 0; b < n; b += 16) {
@@ -358,14 +285,14 @@ static float* chunk_buffer(int64_t n) {
 
 /* Batches of OUTER_ROWS rows and more again, as outer products: the same sums in the same order, with
  * weights and activations rearranged so that every FMA takes a vector of 8 outputs' weights and one activation
- * broadcast from memory. Over dot_half above, 8 of its 16 loads per 24 FMAs stream activation vectors through L1
- * and the FMAs run at ~80% of the core's rate; here a register tile is up to 6 activation rows x 16 weight rows
+ * broadcast from memory. Dot products over half tiles (6 x 2 register tiles) loaded an activation vector for every
+ * two FMAs and ran at ~80% of the core's FMA rate; here a register tile is up to 6 activation rows x 16 weight rows
  * (12 accumulators, one vector of 16 bf16 weights widened into two, one broadcast) and runs at the FMA rate
  * (Zen 3, one thread, weights in L2: 97 GFLOP/s against 78).
  *
  * The order: the sum for output n is kept as 8 partial sums s_l (l = 0..7), s_l accumulating, for each
- * 16-value block b of K in turn, the products at k = 16b + 2l and then 16b + 2l + 1 -- lane l of dot_tile's and
- * dot_half's accumulators -- and the 8 are added as sum4_256 adds the lanes. So a step of the tile is one k
+ * 16-value block b of K in turn, the products at k = 16b + 2l and then 16b + 2l + 1 -- lane l of dot_tile's
+ * accumulators -- and the 8 are added as sum4_256 adds the lanes. So a step of the tile is one k
  * (values k of 16 weight rows, one vector), and the steps of s_l are the k above in order: weights and
  * activations are laid out lane by lane:
  *   weights, for a group of 16 rows (4 tiles) over a pass [k0, k1): [l][b][k & 1][16 rows], as bf16, converted
@@ -373,7 +300,9 @@ static float* chunk_buffer(int64_t n) {
  *     the rows in the order 0-3, 8-11, 4-7, 12-15, so that widening the low and the high half of each 128-bit
  *     lane (unpack with zeros) gives rows 0-7 and 8-15;
  *   activations, each row as float32 (a bf16 value widened exactly) in the order [l][K / 16][k & 1]. */
-#define OUTER_ROWS 8         /* from this many rows on (below, converting a block costs more than it saves) */
+/* From this many rows on (below, converting a block costs more than it saves: 2-3 rows 0.84-0.86x the dot products'
+ * speed; 4-7 rows 1.28-1.43x the dot products over half tiles this replaced, 2 threads, AVX2 build on a Xeon) */
+#define OUTER_ROWS 4
 #define KC_OUTER 1024        /* values of K a pass: a lane's activations for a panel (<= 3 KiB) stay in L1 */
 #define OUTER_BLOCK_BYTES (192 << 10)  /* a thread's converted weights, in L2 beside the tiles they come from */
 #define GR 16  /* weight rows a group */
@@ -555,7 +484,7 @@ static inline __m256i round8_bf16(__m256 v) {
 static void outer_store(const __m256* acc, int mb, int g, int m0, int N, const float* scale, const void* bias,
                         int bias_bf16, void* y, int out_bf16) {
     const int n0 = g * GR;
-    __m256 sc[2], bs[2];
+    __m256 sc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, bs[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int h = 0; h < 2 && n0 + GR <= N; h++) {
         sc[h] = scale ? _mm256_loadu_ps(scale + n0 + 8 * h) : _mm256_setzero_ps();
         bs[h] = !bias ? _mm256_setzero_ps()
@@ -648,7 +577,7 @@ static inline void prefetch_some(struct prefetch* p, int64_t lines) {
     }
 }
 
-/* The loops over outer_lane, for the callers of tiled_wide from OUTER_ROWS rows on (arguments as there). Rows go
+/* The loops over outer_lane, for sidecar_bf16_matmul_tiled from OUTER_ROWS rows on and for the int8 prefill path. Rows go
  * in chunks (their panels in the layout above); blocks of groups go to whichever thread is free; for each pass
  * over K a thread converts its block's weights, then every panel passes over them, lane by lane (the lane's
  * activations stay in L1 while the block's weights for it stream from L2), reading the source of its next pass or
@@ -747,72 +676,6 @@ static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_
     free(wbuf_all);
     return 0;
 }
-
-/* sidecar_bf16_matmul_tiled's loops over dot_half (see there) from WIDE_ROWS to OUTER_ROWS rows. Rows go in
- * chunks; within a chunk a thread's block of tiles (their weights over one pass of up to KC_WIDE values of K:
- * BLOCK_BYTES) stays in L2 while every panel of up to MT_WIDE rows passes over it; a panel's accumulators wait in
- * memory between passes. */
-static int tiled_wide(const uint16_t* x, const uint16_t* wt, const void* bias, void* y, int M, int N, int K,
-                      int nthreads, int bias_bf16, int out_bf16) {
-    const int tiles = (N + NT - 1) / NT;
-    const int64_t kc = K <= KC_WIDE ? K : KC_WIDE;
-    const int per_block = units_per_block(tiles, (int64_t)NT * kc * 2, BLOCK_BYTES, nthreads);
-    const int blocks = (tiles + per_block - 1) / per_block, mc = chunk_rows(K);
-    /* a thread's accumulators between passes: 2 halves x 12 vectors for each (panel of a chunk, tile of a block) */
-    const int64_t kept_per = kc < K ? (int64_t)(mc / MT_WIDE) * per_block * 2 * MT_WIDE * 2 : 0;
-    float* const xa = chunk_buffer((int64_t)(M < mc ? M : mc) * K);
-    if (!xa) return 2;
-    __m256* kept_all = NULL;
-    if (kept_per && !(kept_all = (__m256*)aligned_alloc(32, (size_t)(kept_per * nthreads * sizeof(__m256)))))
-        return 2;
-    #pragma omp parallel num_threads(nthreads)
-    {
-        __m256* kept = kept_all ? kept_all + kept_per * omp_get_thread_num() : NULL;
-        float sums[MT_WIDE * NT];
-        for (int c0 = 0; c0 < M; c0 += mc) {
-            const int rows = M - c0 < mc ? M - c0 : mc;
-            #pragma omp for schedule(static)  /* (its implied barrier: the chunk is whole before any thread reads it) */
-            for (int r = 0; r < rows; r++) {
-                widen_span(x + (int64_t)(c0 + r) * K, xa + (int64_t)r * K, K);
-            }
-            const int panels = (rows + MT_WIDE - 1) / MT_WIDE;  /* of equal size, as over the narrow tiles */
-            /* (the implied barrier at the end: every thread is done with the chunk before the next is widened) */
-            #pragma omp for schedule(dynamic, 1)
-            for (int blk = 0; blk < blocks; blk++) {
-                const int b0 = blk * per_block, b1 = b0 + per_block < tiles ? b0 + per_block : tiles;
-                for (int64_t k0 = 0; k0 < K; k0 += kc) {
-                    const int64_t k1 = k0 + kc < K ? k0 + kc : K;
-                    for (int p = 0, m0 = c0; p < panels; p++) {
-                        const int mb = rows / panels + (p < rows % panels);
-                        const float* xb = xa + (int64_t)(m0 - c0) * K;
-                        for (int t = b0; t < b1; t++) {
-                            const uint16_t* wk = wt + (int64_t)t * NT * K + k0 / 32 * (32 * NT);
-                            for (int half = 0; half < 2; half++) {
-                                __m256* kp = kept ? kept + (((int64_t)p * per_block + t - b0) * 2 + half) * MT_WIDE * 2
-                                                  : NULL;
-                                switch (mb) {
-                                    case 1: wide_pass_1(xb, K, wk, half, k0, k1, kp, sums); break;
-                                    case 2: wide_pass_2(xb, K, wk, half, k0, k1, kp, sums); break;
-                                    case 3: wide_pass_3(xb, K, wk, half, k0, k1, kp, sums); break;
-                                    case 4: wide_pass_4(xb, K, wk, half, k0, k1, kp, sums); break;
-                                    case 5: wide_pass_5(xb, K, wk, half, k0, k1, kp, sums); break;
-                                    default: wide_pass_6(xb, K, wk, half, k0, k1, kp, sums); break;
-                                }
-                            }
-                            if (k1 == K) {
-                                const int n0 = t * NT, nb = N - n0 < NT ? N - n0 : NT;
-                                store_sums(sums, mb, nb, m0, n0, N, bias, bias_bf16, y, out_bf16);
-                            }
-                        }
-                        m0 += mb;
-                    }
-                }
-            }
-        }
-    }
-    free(kept_all);
-    return 0;
-}
 #endif
 
 /* y = x @ w.T + bias with w in the tiled layout; arguments and returns as sidecar_bf16_matmul (2 also when the
@@ -824,7 +687,6 @@ int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void*
     nthreads = nthreads < 1 ? 1 : nthreads;
 #if BF16_PATH == 2
     if (M >= OUTER_ROWS) return tiled_outer(x, 0, wt, NULL, NULL, bias, y, M, N, K, nthreads, bias_bf16, out_bf16);
-    if (M >= WIDE_ROWS) return tiled_wide(x, wt, bias, y, M, N, K, nthreads, bias_bf16, out_bf16);
 #endif
     xel* owned;
     const xel* xa = widen_rows(x, M, K, nthreads, &owned);

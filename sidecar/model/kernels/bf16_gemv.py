@@ -12,9 +12,9 @@ On a CPU without AVX-512 BF16 (AVX2 only: AMD Zen 2/3, older Intel) the same ker
 to float32 (exact) and multiplies with FMAs, in one fixed order as well. oneDNN has no bf16 GEMM there, and
 torch's own bf16 matmul runs at a fraction of the float32 one, so there the kernel takes bf16 layers of every
 batch size (``isa()`` says which path was built); from 4 rows on it arranges the same sums for arithmetic
-rather than for the weight stream (6 x 2 register tiles, rows in chunks that stay in L3: at prefill sizes
-about as fast as oneDNN's float32 GEMM on half the weight bytes), which is why ``dtype="auto"`` picks bf16 on
-such CPUs (``hardware.avx2_bf16_kernel``).
+rather than for the weight stream (outer products, 6 x 16 register tiles, rows in chunks that stay in L3: at
+prefill sizes about as fast as oneDNN's float32 GEMM on half the weight bytes), which is why ``dtype="auto"``
+picks bf16 on such CPUs (``hardware.avx2_bf16_kernel``).
 
 ``tile_weight(weight)`` lays a weight out as [ceil(N/4), K/32, 4, 32] (four rows' 32-value chunks side by
 side, zero rows padding the last tile) and ``bf16_matmul_tiled(x, tiled, n, bias, out_dtype)`` takes that
