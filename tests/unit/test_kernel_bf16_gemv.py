@@ -177,8 +177,8 @@ def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, tiled
     assert lin.float()(x.float()).dtype == torch.float32  # float32 layers are F.linear's
 
 
-# 1-3 rows: dot_tile; from 4: outer products over groups of 16 weight rows (panels of 4-6 rows; 7: 4 + 3)
-# (a padded last group: 9, 41, 66, 70, 130, 1,030 rows), several passes over K (4,864; 2,080 ends in one of 32), three row
+# 1-3 rows: dot_tile; from 4: outer products over groups of 16 weight rows (panels of 4-6 rows; 7: 4 + 3; a padded
+# last group: 9, 41, 66, 70, 130, 1,030 rows), several passes over K (4,864; 2,080 ends in one of 32), three row
 # chunks (220); a thread reads its next pass or block ahead (many blocks: 1,030 rows)
 @pytest.mark.parametrize("m,n,k", [(1, 4864, 896), (2, 130, 576), (3, 33, 64), (4, 41, 896), (7, 66, 1536),
                                    (8, 70, 896), (15, 40, 1056), (16, 64, 4864), (17, 130, 2080), (33, 1030, 2080),

@@ -577,9 +577,9 @@ static inline void prefetch_some(struct prefetch* p, int64_t lines) {
     }
 }
 
-/* The loops over outer_lane, for sidecar_bf16_matmul_tiled from OUTER_ROWS rows on and for the int8 prefill path. Rows go
- * in chunks (their panels in the layout above); blocks of groups go to whichever thread is free; for each pass
- * over K a thread converts its block's weights, then every panel passes over them, lane by lane (the lane's
+/* The loops over outer_lane, for sidecar_bf16_matmul_tiled from OUTER_ROWS rows on and for the int8 prefill path.
+ * Rows go in chunks (their panels in the layout above); blocks of groups go to whichever thread is free; for each
+ * pass over K a thread converts its block's weights, then every panel passes over them, lane by lane (the lane's
  * activations stay in L1 while the block's weights for it stream from L2), reading the source of its next pass or
  * block ahead (struct prefetch); a panel's accumulators (8 lanes x 12 vectors a group) wait in memory between lanes
  * and passes. */
