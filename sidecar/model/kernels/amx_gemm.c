@@ -43,8 +43,9 @@
  * and widens a k block's codes to the bf16 values code - 8 (exact) in the same tiles. A quantization group (gs
  * values, gs / 32 chunks) has its own scale and zero per output row, so its tile products start from zero and are
  * folded into the panel's sums as sums * scale + zero * (the row's sum of the group's activations), in order of the
- * groups, two groups a pass over the sums; each fold is issued between the next groups' tile products. The widening and the folds are vector work the
- * tile unit measurably waits for (one thread, 256 x 4,864 x 896: 2.51 ms, 1.46 without either; bf16 tiles 1.57). */
+ * groups, two groups a pass over the sums; each fold is issued between the next groups' tile products. The widening
+ * and the folds are vector work the tile unit measurably waits for (one thread, 256 x 4,864 x 896: 2.51 ms, 1.46
+ * without either; bf16 tiles 1.57). */
 #include <omp.h>
 #include <stdlib.h>
 
@@ -376,6 +377,14 @@ static inline void fold_rows(const float* const* acc, int n, float* s, const flo
     }
 }
 
+/* fold_rows of rows ra..rb-1 for the fn (1 or 2) groups from fa of a k block (their tile sums in acc's four
+ * [32][32] buffers in turn, q0 the block's first group of K); arguments otherwise as multiply_panel_q's. */
+static inline void fold_groups(const float* acc, int fa, int fn, float* s, const float* qs, const float* xs,
+                               int xstride, int q0, int ra, int rb) {
+    const float* const pair[2] = {acc + (fa & 3) * 1024, acc + ((fa + 1) & 3) * 1024};
+    fold_rows(pair, fn, s, qs + fa * 64, xs + q0 + fa, xstride, ra, rb, q0 + fa == 0);
+}
+
 /* multiply_panel for int4 codes (wg: the k block widened), quantization groups of cq chunks: each group's tile
  * products start from zero and go to one of four [32][32] buffers of acc in turn; groups are folded into s two at a
  * time (fold_rows), between the next two groups' tile products, the last pair (or single group) after them. qs: the k
@@ -410,8 +419,7 @@ static inline void multiply_panel_q(const uint16_t* xa, int K, const uint16_t* w
             }
             if (fdone < mr) {
                 const int e = fdone + per < mr ? fdone + per : mr;
-                const float* const pair[2] = {acc + (fa & 3) * 1024, acc + ((fa + 1) & 3) * 1024};
-                fold_rows(pair, fn, s, qs + fa * 64, xs + q0 + fa, xstride, fdone, e, q0 + fa == 0);
+                fold_groups(acc, fa, fn, s, qs, xs, xstride, q0, fdone, e);
                 fdone = e;
             }
             if (rows && p->done < p->mr) store_rows(o, p, p->done + rows);
@@ -424,10 +432,7 @@ static inline void multiply_panel_q(const uint16_t* xa, int K, const uint16_t* w
             _tile_stored(3, a + 16 * 32 + 16, 128);
         }
         if (i % 2 == 1 || i == nq - 1) {  /* a pair (or the last group) to fold while the next ones multiply */
-            if (fdone < mr) {
-                const float* const pair[2] = {acc + (fa & 3) * 1024, acc + ((fa + 1) & 3) * 1024};
-                fold_rows(pair, fn, s, qs + fa * 64, xs + q0 + fa, xstride, fdone, mr, q0 + fa == 0);
-            }
+            if (fdone < mr) fold_groups(acc, fa, fn, s, qs, xs, xstride, q0, fdone, mr);
             fn = i % 2 == 1 ? 2 : 1;
             fa = i + 1 - fn;
             fdone = 0;
@@ -435,10 +440,7 @@ static inline void multiply_panel_q(const uint16_t* xa, int K, const uint16_t* w
             per = steps ? (mr + steps - 1) / steps : mr;
         }
     }
-    if (fdone < mr) {
-        const float* const pair[2] = {acc + (fa & 3) * 1024, acc + ((fa + 1) & 3) * 1024};
-        fold_rows(pair, fn, s, qs + fa * 64, xs + q0 + fa, xstride, fdone, mr, q0 + fa == 0);
-    }
+    if (fdone < mr) fold_groups(acc, fa, fn, s, qs, xs, xstride, q0, fdone, mr);
 }
 #endif
 
