@@ -21,7 +21,7 @@ from sidecar.engine.sampler_check import device_sampler_check
 from sidecar.engine.scheduler import Scheduler, SchedulerOutput
 from sidecar.engine.spec.decoder import SpecDecoder
 from sidecar.engine.structured import StructuredDecoder
-from sidecar.model import hugepages
+from sidecar.model import heap, hugepages
 from sidecar.model.loader import load_model
 from sidecar.model.lora import part_shapes
 
@@ -55,6 +55,9 @@ class LLMEngine:
         # Weights and KV pool in transparent huge pages where torch's allocator did not already place them.
         self.huge_pages = (hugepages.advise_new(mapped_before) if loaded.device.type == "cpu"
                            else {"state": f"off (device {loaded.device.type})"})
+        # A step's large intermediates (logits, a prompt chunk's MLP) reused from the heap, not mapped anew each step.
+        self.heap = (heap.keep_step_blocks() if loaded.device.type == "cpu"
+                     else {"state": f"off (device {loaded.device.type})"})
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
