@@ -238,7 +238,7 @@ static inline void store_sums(const float* acc, int mb, int nb, int m0, int n0, 
             store_four(acc + i * NT, bias, bias_bf16, n0, y, (int64_t)(m0 + i) * N + n0, out_bf16);
         return;
     }
-    float valid[MT_TILED * NT > 6 * NT ? MT_TILED * NT : 6 * NT];  /* a padded last tile: its valid columns */
+    float valid[MT_TILED * NT];  /* a padded last tile: its valid columns (mb <= MT_TILED) */
     for (int i = 0; i < mb; i++)
         for (int j = 0; j < nb; j++) valid[i * nb + j] = acc[i * NT + j];
     store_tile(valid, mb, nb, m0, n0, N, bias, bias_bf16, y, out_bf16);
