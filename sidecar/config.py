@@ -4,6 +4,7 @@ One config tree is built once (CLI flags > env ``SIDECAR_*`` > YAML file >
 defaults), validated, and passed down; components read what they need in their
 constructor. Nothing here imports torch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,22 +41,29 @@ class EngineConfig:
     model: str = setting(
         DEFAULT_MODEL,
         "model: SmolLM2-135M-Instruct (default), a .gguf file, a local Hugging Face directory, a hub id, "
-        "or 'demo' (tiny random model)")
+        "or 'demo' (tiny random model)",
+    )
     dtype: str = setting("auto", "weights/activations dtype: auto, float32, bfloat16, float16")
     quantization: Optional[str] = setting(None, "weight-only quantization: none, int8, int4 (default: none)")
     quant_group_size: int = setting(128, "int4 group size: 32, 64, 128, 256")
     quantize_lm_head: bool = setting(False, "also quantize the output projection (true/false)")
     block_size: int = setting(16, "tokens per KV block: 8, 16, 32, 64, 128")
     kv_cache_memory_gb: Optional[float] = setting(
-        None, "KV cache budget in GiB (default: max_num_seqs x context, bounded by kv_cache_memory_fraction of the "
-        "memory left in the container or host; on CPU at most 4 GiB)")
+        None,
+        "KV cache budget in GiB (default: max_num_seqs x context, bounded by kv_cache_memory_fraction of the "
+        "memory left in the container or host; on CPU at most 4 GiB)",
+    )
     kv_cache_memory_fraction: float = setting(
-        0.3, "fraction of free memory for the KV cache when no GiB budget is given")
+        0.3, "fraction of free memory for the KV cache when no GiB budget is given"
+    )
     kv_cache_commit: bool = setting(
-        True, "write the whole KV pool at start, so its memory is resident from the start and does not creep "
-        "(true/false)")
+        True,
+        "write the whole KV pool at start, so its memory is resident from the start and does not creep "
+        "(true/false)",
+    )
     num_kv_blocks: Optional[int] = setting(
-        None, "exact number of KV blocks (overrides the memory budget; default: from the budget)")
+        None, "exact number of KV blocks (overrides the memory budget; default: from the budget)"
+    )
     max_num_seqs: int = setting(256, "most requests in the running batch")
     max_num_batched_tokens: int = setting(2048, "token budget per engine step")
     max_model_len: Optional[int] = setting(None, "context length limit (default: the model's)")
@@ -66,7 +74,9 @@ class EngineConfig:
     device: str = setting("auto", "auto, cpu, cuda or cuda:N")
     num_threads: Optional[int] = setting(None, "torch intra-op threads on CPU (default: torch's choice)")
     revision: Optional[str] = setting(None, "hub revision of the model (default: the main branch)")
-    demo_dir: Optional[str] = setting(None, "where the demo model is built/reused (default: the user cache dir)")
+    demo_dir: Optional[str] = setting(
+        None, "where the demo model is built/reused (default: the user cache dir)"
+    )
     # Speculative decoding: None (off) | "ngram" (prompt lookup) | "draft:<model>" (a smaller checkpoint
     # sharing the target's tokenizer proposes by decoding, with its own KV pool). num_speculative_tokens is the most
     # tokens proposed per request per step (k adapts below it); speculation is skipped in steps whose
@@ -74,7 +84,8 @@ class EngineConfig:
     speculative: Optional[str] = setting(
         None,
         "speculative decoding: none (default), ngram (prompt lookup) or draft:<model> (a smaller model "
-        "sharing the target's tokenizer proposes)")
+        "sharing the target's tokenizer proposes)",
+    )
     num_speculative_tokens: int = setting(4, "most tokens proposed per request per step (adapts below it)")
     speculative_max_batch: int = setting(8, "running-batch size from which a step does not speculate")
     # Extra cost of one more proposed token (verifying it, and for a draft model proposing it) relative to a
@@ -83,39 +94,55 @@ class EngineConfig:
     speculative_token_cost: Optional[float] = setting(
         None,
         "extra step cost of one more proposed token (verifying it; with a draft model also proposing "
-        "it), relative to a decode step (default: measured at start)")
+        "it), relative to a decode step (default: measured at start)",
+    )
     # Weight quantization of the draft model (draft:<model>); it otherwise loads like the target would
     # (same dtype setting) without the target's quantization.
     speculative_draft_quantization: Optional[str] = setting(
-        None, "weight quantization of the draft model: none (default), int8 or int4")
+        None, "weight quantization of the draft model: none (default), int8 or int4"
+    )
     # True: the eager torch reference everywhere on the device (no CUDA graphs, no custom GPU kernels);
     # False: the runner's start-up self-check turns on each fast path that agrees with that reference.
     enforce_eager: bool = setting(
-        False, "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels "
-        "(default: each fast path the start-up self-check finds agreeing with the reference)")
+        False,
+        "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels "
+        "(default: each fast path the start-up self-check finds agreeing with the reference)",
+    )
     kv_cache_dtype: str = setting(
-        "auto", "KV cache element type: auto (the compute dtype), int8 (a float32 scale per token and KV head "
+        "auto",
+        "KV cache element type: auto (the compute dtype), int8 (a float32 scale per token and KV head "
         "beside the block; about twice the tokens in the same memory), fp8 (e4m3 with the same scales on "
-        "CUDA sm89+, int8 elsewhere)")
+        "CUDA sm89+, int8 elsewhere)",
+    )
     # Second tier for evicted prefix blocks: host RAM, then an optional disk directory that survives restarts.
     kv_offload_gb: float = setting(
-        0.0, "host RAM in GiB that keeps prefix blocks evicted from the KV pool for reuse; 0 = none")
+        0.0, "host RAM in GiB that keeps prefix blocks evicted from the KV pool for reuse; 0 = none"
+    )
     kv_offload_dir: Optional[str] = setting(
-        None, "directory of the disk tier for evicted prefix blocks, kept across restarts (default: none)")
+        None, "directory of the disk tier for evicted prefix blocks, kept across restarts (default: none)"
+    )
     kv_offload_disk_gb: float = setting(10.0, "most GiB the disk tier keeps in --kv-offload-dir")
 
     # LoRA adapters (PEFT format): name -> directory, served by request model name; max_loras resident at once
     # (the rest loaded on demand, least recently used evicted first); rank above max_lora_rank is refused.
-    lora_modules: dict = field(default_factory=dict, metadata={
-        "help": "LoRA adapter served under a model name: NAME=PATH to a PEFT adapter directory (repeatable)"})
+    lora_modules: dict = field(
+        default_factory=dict,
+        metadata={
+            "help": "LoRA adapter served under a model name: NAME=PATH to a PEFT adapter directory (repeatable)"
+        },
+    )
     max_loras: int = setting(4, "LoRA adapters resident at once (more are loaded on demand, LRU)")
     max_lora_rank: int = setting(16, "largest LoRA rank accepted (adapter slots are sized for it)")
-    enable_lora: bool = setting(False, "accept LoRA adapters loaded at run time even when none is given at start")
+    enable_lora: bool = setting(
+        False, "accept LoRA adapters loaded at run time even when none is given at start"
+    )
     # Overlapped decode steps (engine/overlap.py): the host reads back and emits step N-1 while the device
     # runs step N. None: on where the device runs apart from the host (CUDA without enforce_eager).
     overlap_steps: Optional[bool] = setting(
-        None, "overlap pure-decode steps: the host finishes one step while the device runs the next "
-        "(default: on for CUDA unless enforce_eager; true/false to force)")
+        None,
+        "overlap pure-decode steps: the host finishes one step while the device runs the next "
+        "(default: on for CUDA unless enforce_eager; true/false to force)",
+    )
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -123,65 +150,149 @@ class EngineConfig:
         self.validate()
 
     def validate(self) -> None:
-        _require(isinstance(self.model, str) and self.model.strip() != "", "model", "must be a non-empty string")
+        _require(
+            isinstance(self.model, str) and self.model.strip() != "", "model", "must be a non-empty string"
+        )
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        _require(self.quantization in QUANT_MODES, "quantization",
-                 f"must be one of none, int8, int4, got {self.quantization!r}")
-        _require(self.quant_group_size in INT4_GROUP_SIZES, "quant_group_size",
-                 f"must be one of {INT4_GROUP_SIZES}, got {self.quant_group_size}")
-        _require(self.block_size in (8, 16, 32, 64, 128), "block_size",
-                 f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        _require(self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0, "kv_cache_memory_gb",
-                 f"must be > 0, got {self.kv_cache_memory_gb}")
-        _require(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction",
-                 f"must be in (0, 0.95], got {self.kv_cache_memory_fraction}")
-        _require(self.num_kv_blocks is None or self.num_kv_blocks >= 2, "num_kv_blocks",
-                 f"must be >= 2, got {self.num_kv_blocks}")
+        _require(
+            self.quantization in QUANT_MODES,
+            "quantization",
+            f"must be one of none, int8, int4, got {self.quantization!r}",
+        )
+        _require(
+            self.quant_group_size in INT4_GROUP_SIZES,
+            "quant_group_size",
+            f"must be one of {INT4_GROUP_SIZES}, got {self.quant_group_size}",
+        )
+        _require(
+            self.block_size in (8, 16, 32, 64, 128),
+            "block_size",
+            f"must be one of 8, 16, 32, 64, 128, got {self.block_size}",
+        )
+        _require(
+            self.kv_cache_memory_gb is None or self.kv_cache_memory_gb > 0,
+            "kv_cache_memory_gb",
+            f"must be > 0, got {self.kv_cache_memory_gb}",
+        )
+        _require(
+            0 < self.kv_cache_memory_fraction <= 0.95,
+            "kv_cache_memory_fraction",
+            f"must be in (0, 0.95], got {self.kv_cache_memory_fraction}",
+        )
+        _require(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+            "num_kv_blocks",
+            f"must be >= 2, got {self.num_kv_blocks}",
+        )
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-                 f"must be >= 1, got {self.max_num_batched_tokens}")
-        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
-                 f"must be >= 2, got {self.max_model_len}")
-        _require(self.max_waiting_requests >= 1, "max_waiting_requests",
-                 f"must be >= 1, got {self.max_waiting_requests}")
-        _require(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"), "device",
-                 f"must be auto, cpu or cuda[:N], got {self.device!r}")
-        _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
-                 f"must be >= 1, got {self.num_threads}")
+        _require(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            f"must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        _require(
+            self.max_model_len is None or self.max_model_len >= 2,
+            "max_model_len",
+            f"must be >= 2, got {self.max_model_len}",
+        )
+        _require(
+            self.max_waiting_requests >= 1,
+            "max_waiting_requests",
+            f"must be >= 1, got {self.max_waiting_requests}",
+        )
+        _require(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            "device",
+            f"must be auto, cpu or cuda[:N], got {self.device!r}",
+        )
+        _require(
+            self.num_threads is None or self.num_threads >= 1,
+            "num_threads",
+            f"must be >= 1, got {self.num_threads}",
+        )
         if self.speculative in ("", "none", "off"):
             self.speculative = None
-        _require(self.speculative in (None, "ngram") or (isinstance(self.speculative, str)
-                                                        and self.speculative.startswith("draft:")
-                                                        and self.speculative[6:].strip() != ""), "speculative",
-                 f"must be none, ngram or draft:<model>, got {self.speculative!r}")
-        _require(self.speculative_draft_quantization in QUANT_MODES, "speculative_draft_quantization",
-                 f"must be one of none, int8, int4, got {self.speculative_draft_quantization!r}")
-        _require(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
-                 "num_speculative_tokens", f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}")
-        _require(self.speculative_token_cost is None or (isinstance(self.speculative_token_cost, (int, float))
-                                                         and 0.0 <= self.speculative_token_cost <= 1.0),
-                 "speculative_token_cost", f"must be in [0, 1], got {self.speculative_token_cost!r}")
-        _require(isinstance(self.speculative_max_batch, int) and self.speculative_max_batch >= 1,
-                 "speculative_max_batch", f"must be an integer >= 1, got {self.speculative_max_batch!r}")
-        _require(isinstance(self.enforce_eager, bool), "enforce_eager",
-                 f"must be true or false, got {self.enforce_eager!r}")
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-                 f"must be one of auto, int8, fp8, got {self.kv_cache_dtype!r}")
+        _require(
+            self.speculative in (None, "ngram")
+            or (
+                isinstance(self.speculative, str)
+                and self.speculative.startswith("draft:")
+                and self.speculative[6:].strip() != ""
+            ),
+            "speculative",
+            f"must be none, ngram or draft:<model>, got {self.speculative!r}",
+        )
+        _require(
+            self.speculative_draft_quantization in QUANT_MODES,
+            "speculative_draft_quantization",
+            f"must be one of none, int8, int4, got {self.speculative_draft_quantization!r}",
+        )
+        _require(
+            isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= 16,
+            "num_speculative_tokens",
+            f"must be an integer in [1, 16], got {self.num_speculative_tokens!r}",
+        )
+        _require(
+            self.speculative_token_cost is None
+            or (
+                isinstance(self.speculative_token_cost, (int, float))
+                and 0.0 <= self.speculative_token_cost <= 1.0
+            ),
+            "speculative_token_cost",
+            f"must be in [0, 1], got {self.speculative_token_cost!r}",
+        )
+        _require(
+            isinstance(self.speculative_max_batch, int) and self.speculative_max_batch >= 1,
+            "speculative_max_batch",
+            f"must be an integer >= 1, got {self.speculative_max_batch!r}",
+        )
+        _require(
+            isinstance(self.enforce_eager, bool),
+            "enforce_eager",
+            f"must be true or false, got {self.enforce_eager!r}",
+        )
+        _require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            f"must be one of auto, int8, fp8, got {self.kv_cache_dtype!r}",
+        )
         for name in ("kv_offload_gb", "kv_offload_disk_gb"):
             value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0, name,
-                     f"must be a number >= 0, got {value!r}")
-        _require(self.kv_offload_dir is None or (isinstance(self.kv_offload_dir, str) and self.kv_offload_dir.strip()),
-                 "kv_offload_dir", f"must be a directory path or None, got {self.kv_offload_dir!r}")
-        _require(isinstance(self.lora_modules, dict) and all(
-            isinstance(k, str) and k.strip() and isinstance(v, str) and v.strip() for k, v in self.lora_modules.items()),
-            "lora_modules", f"must map adapter names to adapter directories, got {self.lora_modules!r}")
-        _require(isinstance(self.max_loras, int) and 1 <= self.max_loras <= 64, "max_loras",
-                 f"must be an integer in [1, 64], got {self.max_loras!r}")
-        _require(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512, "max_lora_rank",
-                 f"must be an integer in [1, 512], got {self.max_lora_rank!r}")
-        _require(self.overlap_steps is None or isinstance(self.overlap_steps, bool), "overlap_steps",
-                 f"must be true, false or unset, got {self.overlap_steps!r}")
+            _require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+                name,
+                f"must be a number >= 0, got {value!r}",
+            )
+        _require(
+            self.kv_offload_dir is None
+            or (isinstance(self.kv_offload_dir, str) and self.kv_offload_dir.strip()),
+            "kv_offload_dir",
+            f"must be a directory path or None, got {self.kv_offload_dir!r}",
+        )
+        _require(
+            isinstance(self.lora_modules, dict)
+            and all(
+                isinstance(k, str) and k.strip() and isinstance(v, str) and v.strip()
+                for k, v in self.lora_modules.items()
+            ),
+            "lora_modules",
+            f"must map adapter names to adapter directories, got {self.lora_modules!r}",
+        )
+        _require(
+            isinstance(self.max_loras, int) and 1 <= self.max_loras <= 64,
+            "max_loras",
+            f"must be an integer in [1, 64], got {self.max_loras!r}",
+        )
+        _require(
+            isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512,
+            "max_lora_rank",
+            f"must be an integer in [1, 512], got {self.max_lora_rank!r}",
+        )
+        _require(
+            self.overlap_steps is None or isinstance(self.overlap_steps, bool),
+            "overlap_steps",
+            f"must be true, false or unset, got {self.overlap_steps!r}",
+        )
 
 
 @dataclass
@@ -199,8 +310,10 @@ class CacheConfig:
     guard: bool = True  # refuse semantic hits when numbers/negations/entities differ
     # None: entries persist in the SQLite file at ``path``.
     backend: Optional[str] = setting(
-        None, "shared semantic-cache tier for replicas: redis://host:6379/0 or rediss://... (password from "
-        "SIDECAR_REDIS_PASSWORD only; default: the SQLite file at --cache-path)")
+        None,
+        "shared semantic-cache tier for replicas: redis://host:6379/0 or rediss://... (password from "
+        "SIDECAR_REDIS_PASSWORD only; default: the SQLite file at --cache-path)",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -209,7 +322,9 @@ class CacheConfig:
         _require(0.0 < self.threshold <= 1.0, "cache.threshold", f"must be in (0, 1], got {self.threshold}")
         _require(self.max_entries >= 1, "cache.max_entries", f"must be >= 1, got {self.max_entries}")
         _require(self.ttl_s > 0, "cache.ttl_s", f"must be > 0, got {self.ttl_s}")
-        _require(self.hnsw_min_entries >= 1, "cache.hnsw_min_entries", f"must be >= 1, got {self.hnsw_min_entries}")
+        _require(
+            self.hnsw_min_entries >= 1, "cache.hnsw_min_entries", f"must be >= 1, got {self.hnsw_min_entries}"
+        )
         if self.backend in ("", "sqlite"):
             self.backend = None
         if self.backend is not None:
@@ -225,10 +340,15 @@ def _check_backend_url(url: str) -> None:
     from urllib.parse import urlsplit
 
     parts = urlsplit(str(url))
-    _require(parts.scheme in ("redis", "rediss"), "cache.backend",
-             f"expected redis://host:port/db or rediss://host:port/db, got {url!r}")
+    _require(
+        parts.scheme in ("redis", "rediss"),
+        "cache.backend",
+        f"expected redis://host:port/db or rediss://host:port/db, got {url!r}",
+    )
     _require(bool(parts.hostname), "cache.backend", f"no host in {url!r}")
-    _require(not parts.password, "cache.backend", f"do not put the password in the URL; set {REDIS_PASSWORD_ENV}")
+    _require(
+        not parts.password, "cache.backend", f"do not put the password in the URL; set {REDIS_PASSWORD_ENV}"
+    )
     try:
         parts.port
     except ValueError:
@@ -243,9 +363,12 @@ class ServerConfig:
     grpc_port: int = setting(50051, "gRPC port; 0 picks a free port")
     http_port: int = setting(8000, "OpenAI HTTP port; 0 picks a free port, -1 disables HTTP")
     port_file: Optional[str] = setting(
-        None, "write {grpc_port, http_port, pid} JSON here once listening (default: none)")
+        None, "write {grpc_port, http_port, pid} JSON here once listening (default: none)"
+    )
     api_keys: list[str] = field(default_factory=list)  # "key" or "key:tenant"
-    api_keys_file: Optional[str] = setting(None, "file with one 'key' or 'key:tenant' per line (default: none)")
+    api_keys_file: Optional[str] = setting(
+        None, "file with one 'key' or 'key:tenant' per line (default: none)"
+    )
     rate_limit_rps: float = setting(0.0, "per-key requests per second; 0 = unlimited")
     rate_limit_burst: int = setting(0, "per-key burst size; 0 = max(1, rps)")
     rate_limit_tpm: float = setting(0.0, "per-key tokens (prompt + max_tokens) per minute; 0 = unlimited")
@@ -259,15 +382,20 @@ class ServerConfig:
     # A gRPC connection older than this gets GOAWAY, so clients reconnect and re-resolve
     # DNS (grpc-java re-resolves only on disconnect) and find replicas added since.
     max_connection_age_s: float = setting(
-        300.0, "seconds after which a gRPC connection is closed (GOAWAY) so clients re-resolve; 0 = never")
+        300.0, "seconds after which a gRPC connection is closed (GOAWAY) so clients re-resolve; 0 = never"
+    )
     max_connection_age_grace_s: float = setting(
-        120.0, "seconds calls in flight on an aged connection may take to finish")
+        120.0, "seconds calls in flight on an aged connection may take to finish"
+    )
     http_read_timeout_s: float = setting(
-        30.0, "seconds an HTTP client may take to send a request's headers or the next chunk of its body")
+        30.0, "seconds an HTTP client may take to send a request's headers or the next chunk of its body"
+    )
     auth_failures_per_min: int = setting(
-        10, "failed API-key checks per client address per minute before it is refused for a while; 0 = off")
+        10, "failed API-key checks per client address per minute before it is refused for a while; 0 = off"
+    )
     http_docs: str = setting(
-        "auto", "serve /docs and /openapi.json: auto (only while no API keys are set), on or off")
+        "auto", "serve /docs and /openapi.json: auto (only while no API keys are set), on or off"
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -286,22 +414,44 @@ class ServerConfig:
         _require(self.rate_limit_rps >= 0, "rate_limit_rps", f"must be >= 0, got {self.rate_limit_rps}")
         _require(self.rate_limit_burst >= 0, "rate_limit_burst", f"must be >= 0, got {self.rate_limit_burst}")
         _require(self.rate_limit_tpm >= 0, "rate_limit_tpm", f"must be >= 0, got {self.rate_limit_tpm}")
-        _require(self.max_message_bytes >= 1024, "max_message_bytes",
-                 f"must be >= 1024, got {self.max_message_bytes}")
-        _require(self.max_connection_age_s >= 0, "max_connection_age_s",
-                 f"must be >= 0 (0 = never), got {self.max_connection_age_s}")
-        _require(self.max_connection_age_grace_s >= 0, "max_connection_age_grace_s",
-                 f"must be >= 0, got {self.max_connection_age_grace_s}")
-        _require(self.http_read_timeout_s > 0, "http_read_timeout_s",
-                 f"must be > 0, got {self.http_read_timeout_s}")
-        _require(self.auth_failures_per_min >= 0, "auth_failures_per_min",
-                 f"must be >= 0, got {self.auth_failures_per_min}")
-        _require(self.http_docs in ("auto", "on", "off"), "http_docs",
-                 f"must be auto, on or off, got {self.http_docs!r}")
-        _require(self.shutdown_timeout_s >= 0, "shutdown_timeout_s",
-                 f"must be >= 0, got {self.shutdown_timeout_s}")
-        _require(self.log_level.lower() in ("debug", "info", "warning", "error"), "log_level",
-                 f"must be debug, info, warning or error, got {self.log_level!r}")
+        _require(
+            self.max_message_bytes >= 1024,
+            "max_message_bytes",
+            f"must be >= 1024, got {self.max_message_bytes}",
+        )
+        _require(
+            self.max_connection_age_s >= 0,
+            "max_connection_age_s",
+            f"must be >= 0 (0 = never), got {self.max_connection_age_s}",
+        )
+        _require(
+            self.max_connection_age_grace_s >= 0,
+            "max_connection_age_grace_s",
+            f"must be >= 0, got {self.max_connection_age_grace_s}",
+        )
+        _require(
+            self.http_read_timeout_s > 0,
+            "http_read_timeout_s",
+            f"must be > 0, got {self.http_read_timeout_s}",
+        )
+        _require(
+            self.auth_failures_per_min >= 0,
+            "auth_failures_per_min",
+            f"must be >= 0, got {self.auth_failures_per_min}",
+        )
+        _require(
+            self.http_docs in ("auto", "on", "off"),
+            "http_docs",
+            f"must be auto, on or off, got {self.http_docs!r}",
+        )
+        _require(
+            self.shutdown_timeout_s >= 0, "shutdown_timeout_s", f"must be >= 0, got {self.shutdown_timeout_s}"
+        )
+        _require(
+            self.log_level.lower() in ("debug", "info", "warning", "error"),
+            "log_level",
+            f"must be debug, info, warning or error, got {self.log_level!r}",
+        )
 
 
 @dataclass
@@ -315,7 +465,9 @@ def _coerce(value: Any, current: Any, ftype: Any, name: str) -> Any:
     """Turn a string from env/CLI into the field's type, naming the field on failure."""
     t = str(ftype)
     if t == "dict" and isinstance(value, (str, list)):  # NAME=VALUE entries: comma-separated or repeated
-        items = [v.strip() for part in ([value] if isinstance(value, str) else value) for v in str(part).split(",")]
+        items = [
+            v.strip() for part in ([value] if isinstance(value, str) else value) for v in str(part).split(",")
+        ]
         bad = [v for v in items if v and (v.count("=") < 1 or not v.split("=", 1)[0].strip())]
         if bad:
             raise ValueError(f"{name}: expected NAME=PATH, got {bad[0]!r}")
@@ -352,8 +504,11 @@ def _apply(obj: Any, values: dict[str, Any], section: str) -> None:
         setattr(obj, key, _coerce(value, getattr(obj, key), fields[key].type, f"{section}.{key}"))
 
 
-def load_config(yaml_path: Optional[str] = None, env: Optional[dict[str, str]] = None,
-                overrides: Optional[dict[str, dict[str, Any]]] = None) -> SidecarConfig:
+def load_config(
+    yaml_path: Optional[str] = None,
+    env: Optional[dict[str, str]] = None,
+    overrides: Optional[dict[str, dict[str, Any]]] = None,
+) -> SidecarConfig:
     """Build the config tree: defaults < YAML file < env SIDECAR_<SECTION>_<NAME> < overrides.
 
     Raises ValueError naming the offending setting.
@@ -384,7 +539,7 @@ def load_config(yaml_path: Optional[str] = None, env: Optional[dict[str, str]] =
     env = os.environ if env is None else env
     for section, obj in sections.items():
         prefix = f"SIDECAR_{section.upper()}_"
-        values = {k[len(prefix):].lower(): v for k, v in env.items() if k.startswith(prefix)}
+        values = {k[len(prefix) :].lower(): v for k, v in env.items() if k.startswith(prefix)}
         if values:
             _apply(obj, values, section)
     for section, values in (overrides or {}).items():

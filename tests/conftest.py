@@ -1,4 +1,5 @@
 """Shared fixtures: tiny random Hugging Face checkpoints built offline."""
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,9 @@ def tile_build(request, monkeypatch) -> str:
     from sidecar.model.kernels import amx_gemm, cpu_build
 
     if request.param == "no-amx":
-        monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+        monkeypatch.setenv(
+            "SIDECAR_CPU_ARCH_FLAGS", "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+        )
     monkeypatch.setattr(cpu_build, "_loaded", {})
     monkeypatch.setattr(amx_gemm, "_checked", {})
     amx = request.param == "native" and "amx_bf16" in CPU_FLAGS and "amx_tile" in CPU_FLAGS
@@ -35,8 +38,16 @@ def tile_build(request, monkeypatch) -> str:
     return expected
 
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.3)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.3,
+)
 
 
 def build_tiny_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
@@ -49,13 +60,26 @@ def build_tiny_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int =
     import torch
     import transformers as tf
 
-    common = dict(TINY, vocab_size=len(tf.AutoTokenizer.from_pretrained(str(tokenizer_dir))),
-                  eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    common = dict(
+        TINY,
+        vocab_size=len(tf.AutoTokenizer.from_pretrained(str(tokenizer_dir))),
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     if kind == "llama":
-        cfg = tf.LlamaConfig(**common, tie_word_embeddings=False,
-                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
-                             rope_theta=500000.0)
+        cfg = tf.LlamaConfig(
+            **common,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+            rope_theta=500000.0,
+        )
         model_cls = tf.LlamaForCausalLM
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(**common, tie_word_embeddings=True)
@@ -110,9 +134,23 @@ class RedisServer:
 
         import redis
 
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         client = redis.Redis.from_url(self.url)
         for _ in range(200):
             try:

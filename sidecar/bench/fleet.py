@@ -15,6 +15,7 @@ identical token for token. Reported per routing: the cached share of prompt toke
 ``usage.cached_tokens``) over all turns and over turns after the first, and the share of later turns that
 landed on the replica of their previous turn. Target: affinity within 10% of one replica's share.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,10 @@ POINTS = 160  # ring points per replica, as in the Java balancer
 _MASK = (1 << 64) - 1
 MODES = ("one", "affinity", "round-robin")
 
-_WORDS = ("brake chain wheel saddle pedal frame fork tyre valve spoke hub gear cable lever bell light rack "
-          "mudguard pump helmet lock bottle cleat derailleur cassette crank headset stem grip tube rim").split()
+_WORDS = (
+    "brake chain wheel saddle pedal frame fork tyre valve spoke hub gear cable lever bell light rack "
+    "mudguard pump helmet lock bottle cleat derailleur cassette crank headset stem grip tube rim"
+).split()
 
 
 def ring_hash(text: str) -> int:
@@ -109,6 +112,7 @@ class TurnRecord:
 def summarise(records: list[TurnRecord]) -> dict:
     """Cached share of prompt tokens overall and after each conversation's first turn, calls per replica, and
     the share of later turns that stayed on the replica of their previous turn."""
+
     def share(rows: list[TurnRecord]) -> float:
         prompt = sum(r.prompt_tokens for r in rows)
         return sum(r.cached_tokens for r in rows) / prompt if prompt else 0.0
@@ -121,9 +125,11 @@ def summarise(records: list[TurnRecord]) -> dict:
         calls[r.replica] = calls.get(r.replica, 0) + 1
     ttft = sorted(r.ttft_ms for r in later)
     return {
-        "turns": len(records), "prompt_tokens": sum(r.prompt_tokens for r in records),
+        "turns": len(records),
+        "prompt_tokens": sum(r.prompt_tokens for r in records),
         "cached_tokens": sum(r.cached_tokens for r in records),
-        "cached_share": share(records), "cached_share_after_first_turn": share(later),
+        "cached_share": share(records),
+        "cached_share_after_first_turn": share(later),
         "same_replica_as_previous_turn": stayed / len(later) if later else 0.0,
         "calls_per_replica": dict(sorted(calls.items())),
         "ttft_p50_ms_after_first_turn": ttft[len(ttft) // 2] if ttft else 0.0,
@@ -133,14 +139,26 @@ def summarise(records: list[TurnRecord]) -> dict:
 def conversations(n: int, turns: int, system_words: int, question_words: int, seed: int) -> list[dict]:
     """Deterministic scripts: a system prompt shared by all (a support desk's) and each conversation's questions."""
     rng = random.Random(seed)
-    system = "You are the support desk of a bicycle shop. " + " ".join(rng.choice(_WORDS) for _ in range(system_words))
-    return [{"id": f"conversation-{i}", "system": system,
-             "questions": [f"Question {t + 1} of customer {i}: " + " ".join(rng.choice(_WORDS)
-                                                                        for _ in range(question_words))
-                           for t in range(turns)]} for i in range(n)]
+    system = "You are the support desk of a bicycle shop. " + " ".join(
+        rng.choice(_WORDS) for _ in range(system_words)
+    )
+    return [
+        {
+            "id": f"conversation-{i}",
+            "system": system,
+            "questions": [
+                f"Question {t + 1} of customer {i}: "
+                + " ".join(rng.choice(_WORDS) for _ in range(question_words))
+                for t in range(turns)
+            ],
+        }
+        for i in range(n)
+    ]
 
 
-def converse(script: dict, pick: Callable[[str], int], call: Callable[[int, list[dict]], tuple]) -> list[TurnRecord]:
+def converse(
+    script: dict, pick: Callable[[str], int], call: Callable[[int, list[dict]], tuple]
+) -> list[TurnRecord]:
     """One conversation: every turn sends the whole history to ``pick(conversation id)``; ``call(replica,
     messages)`` returns (answer text, prompt tokens, cached tokens, ttft ms)."""
     history = [{"role": "system", "content": script["system"]}]
@@ -154,7 +172,9 @@ def converse(script: dict, pick: Callable[[str], int], call: Callable[[int, list
     return out
 
 
-def run_routing(mode: str, scripts: list[dict], replicas: list[str], call: Callable, concurrency: int) -> list:
+def run_routing(
+    mode: str, scripts: list[dict], replicas: list[str], call: Callable, concurrency: int
+) -> list:
     pick = router(mode, replicas).pick
     with ThreadPoolExecutor(concurrency) as pool:
         return [r for rows in pool.map(lambda s: converse(s, pick, call), scripts) for r in rows]
@@ -162,8 +182,12 @@ def run_routing(mode: str, scripts: list[dict], replicas: list[str], call: Calla
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replicas", type=int, default=3, help="sidecar serve processes")
-    p.add_argument("--model", default="demo", help="model every replica serves ('demo', or a path/name; "
-                                                   "SmolLM2-135M-Instruct is the trained default)")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="model every replica serves ('demo', or a path/name; "
+        "SmolLM2-135M-Instruct is the trained default)",
+    )
     p.add_argument("--routing", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--turns", type=int, default=4)
@@ -173,7 +197,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=24, help="tokens per answer (greedy, EOS ignored)")
     p.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per replica")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--launch-arg", action="append", default=[], help="extra `sidecar serve` flag (repeatable)")
+    p.add_argument(
+        "--launch-arg", action="append", default=[], help="extra `sidecar serve` flag (repeatable)"
+    )
     p.add_argument("--out", default="bench-results")
 
 
@@ -183,8 +209,11 @@ def _grpc_call(stubs: list, max_tokens: int, salt: str) -> Callable[[int, list[d
     sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     def call(replica: int, messages: list[dict]) -> tuple:
-        req = pb.ChatRequest(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
-                             sampling=sampling, cache_salt=salt)
+        req = pb.ChatRequest(
+            messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+            sampling=sampling,
+            cache_salt=salt,
+        )
         c = stubs[replica].Chat(req, timeout=600)
         return c.text, c.usage.prompt_tokens, c.usage.cached_tokens, c.timing.ttft_ms
 
@@ -212,25 +241,50 @@ def run(args: argparse.Namespace) -> int:
         stubs = [pbg.InferenceStub(stack.enter_context(grpc.insecure_channel(a))) for a in addresses]
         for run_no, mode in enumerate(modes):
             t0 = time.perf_counter()
-            rows = run_routing(mode, scripts, addresses, _grpc_call(stubs, args.max_tokens, f"fleet-{run_no}-{mode}"),
-                               args.concurrency)
+            rows = run_routing(
+                mode,
+                scripts,
+                addresses,
+                _grpc_call(stubs, args.max_tokens, f"fleet-{run_no}-{mode}"),
+                args.concurrency,
+            )
             results[mode] = dict(summarise(rows), routing=mode, seconds=time.perf_counter() - t0)
             r = results[mode]
-            print(f"{mode:12s}: cached share {r['cached_share']:.1%} (after turn 1: "
-                  f"{r['cached_share_after_first_turn']:.1%}), same replica as previous turn "
-                  f"{r['same_replica_as_previous_turn']:.0%}, calls per replica {r['calls_per_replica']}", flush=True)
+            print(
+                f"{mode:12s}: cached share {r['cached_share']:.1%} (after turn 1: "
+                f"{r['cached_share_after_first_turn']:.1%}), same replica as previous turn "
+                f"{r['same_replica_as_previous_turn']:.0%}, calls per replica {r['calls_per_replica']}",
+                flush=True,
+            )
     summary = _ratios(results)
-    cols = ["routing", "turns", "prompt_tokens", "cached_tokens", "cached_share", "cached_share_after_first_turn",
-            "same_replica_as_previous_turn", "ttft_p50_ms_after_first_turn", "seconds"]
+    cols = [
+        "routing",
+        "turns",
+        "prompt_tokens",
+        "cached_tokens",
+        "cached_share",
+        "cached_share_after_first_turn",
+        "same_replica_as_previous_turn",
+        "ttft_p50_ms_after_first_turn",
+        "seconds",
+    ]
     print(format_table(list(results.values()), cols))
     if summary:
         print(format_table([summary], list(summary)))
     jpath, ppath = write_report(
-        args.out, "fleet", {"command": "sidecar bench fleet", "args": {k: v for k, v in vars(args).items()
-                                                                     if k != "_run"},
-                            "results": results, "summary": summary},
-        bars={"cached share of prompt tokens": {m: r["cached_share"] for m, r in results.items()},
-              "after the first turn": {m: r["cached_share_after_first_turn"] for m, r in results.items()}})
+        args.out,
+        "fleet",
+        {
+            "command": "sidecar bench fleet",
+            "args": {k: v for k, v in vars(args).items() if k != "_run"},
+            "results": results,
+            "summary": summary,
+        },
+        bars={
+            "cached share of prompt tokens": {m: r["cached_share"] for m, r in results.items()},
+            "after the first turn": {m: r["cached_share_after_first_turn"] for m, r in results.items()},
+        },
+    )
     print(f"wrote {jpath} and {ppath}")
     return 0
 

@@ -8,6 +8,7 @@ n=16 -- while two loops run beside it: GET /health every ``--health-interval`` s
 4-token chat requests back to back. Per probe the report gives A's status and time, /health p50 / p99 /
 max, B's latencies (max, p50, count) and the 1-minute load average before and after. JSON in ``--out``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,19 +28,32 @@ KEY_A, KEY_B = "stall-a", "stall-b"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="model the launched sidecar serves")
-    p.add_argument("--target", default=None,
-                   help="host:port of a running HTTP server started with --api-key stall-a:a --api-key stall-b:b")
-    p.add_argument("--launch-arg", action="append", default=[], metavar="ARG", help="extra `sidecar serve` argument")
+    p.add_argument(
+        "--target",
+        default=None,
+        help="host:port of a running HTTP server started with --api-key stall-a:a --api-key stall-b:b",
+    )
+    p.add_argument(
+        "--launch-arg", action="append", default=[], metavar="ARG", help="extra `sidecar serve` argument"
+    )
     p.add_argument("--probe", action="append", default=[], help="run only these probes (repeatable)")
     p.add_argument("--health-interval", type=float, default=0.02)
-    p.add_argument("--settle-s", type=float, default=1.0, help="the loops keep measuring this long after a probe")
+    p.add_argument(
+        "--settle-s", type=float, default=1.0, help="the loops keep measuring this long after a probe"
+    )
     p.add_argument("--out", default="bench-results")
 
 
 def _obj(i: int) -> dict:
-    return {"type": "object", "additionalProperties": False, "required": [f"field_{i}", f"value_{i}"],
-            "properties": {f"field_{i}": {"type": "string", "maxLength": 20},
-                           f"value_{i}": {"type": "integer", "minimum": 0}}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": [f"field_{i}", f"value_{i}"],
+        "properties": {
+            f"field_{i}": {"type": "string", "maxLength": 20},
+            f"value_{i}": {"type": "integer", "minimum": 0},
+        },
+    }
 
 
 def _chat(**kw: Any) -> tuple[str, dict]:
@@ -47,9 +61,23 @@ def _chat(**kw: Any) -> tuple[str, dict]:
 
 
 def _tools(n: int, props: int) -> list[dict]:
-    return [{"type": "function", "function": {"name": f"tool_{t}", "description": f"tool number {t}", "parameters": {
-        "type": "object", "properties": {f"p{t}_{k}": {"type": "string", "description": f"property {k}"}
-                                         for k in range(props)}, "required": [f"p{t}_0"]}}} for t in range(n)]
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{t}",
+                "description": f"tool number {t}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        f"p{t}_{k}": {"type": "string", "description": f"property {k}"} for k in range(props)
+                    },
+                    "required": [f"p{t}_0"],
+                },
+            },
+        }
+        for t in range(n)
+    ]
 
 
 def probes() -> dict[str, tuple[str, dict]]:
@@ -57,15 +85,34 @@ def probes() -> dict[str, tuple[str, dict]]:
     return {
         "idle_5s": ("", {}),  # no constraint: the same loops with nothing else running, for comparison
         "json_anyof2000_chat_n16": _chat(guided_json=big, n=16, max_tokens=32),
-        "json_anyof2000_completions_4x16": ("/v1/completions", {"prompt": ["a", "b", "c", "d"], "n": 16,
-                                                                "guided_json": big, "max_tokens": 32}),
+        "json_anyof2000_completions_4x16": (
+            "/v1/completions",
+            {"prompt": ["a", "b", "c", "d"], "n": 16, "guided_json": big, "max_tokens": 32},
+        ),
         "tools_128x50": _chat(tools=_tools(128, 50), tool_choice="required", max_tokens=32),
-        "regex_x1000x1000": ("/v1/completions", {"prompt": "x", "guided_regex": "(x{1000}){1000}", "max_tokens": 32}),
-        "json_anyof4000": _chat(guided_json={"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
-                                                       for i in range(4000)]}, max_tokens=32),
-        "json_anyof1500_under_budget": _chat(guided_json={"anyOf": [
-            {"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(1500)]}, max_tokens=32),
-        "json_anyof500_valid_n16": _chat(guided_json={"anyOf": [_obj(i) for i in range(500)]}, n=16, max_tokens=32),
+        "regex_x1000x1000": (
+            "/v1/completions",
+            {"prompt": "x", "guided_regex": "(x{1000}){1000}", "max_tokens": 32},
+        ),
+        "json_anyof4000": _chat(
+            guided_json={
+                "anyOf": [
+                    {"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(4000)
+                ]
+            },
+            max_tokens=32,
+        ),
+        "json_anyof1500_under_budget": _chat(
+            guided_json={
+                "anyOf": [
+                    {"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(1500)
+                ]
+            },
+            max_tokens=32,
+        ),
+        "json_anyof500_valid_n16": _chat(
+            guided_json={"anyOf": [_obj(i) for i in range(500)]}, n=16, max_tokens=32
+        ),
     }
 
 
@@ -109,8 +156,13 @@ def _run_probe(base: str, model: str, name: str, path: str, body: dict, args: ar
     calls = iter(range(10**9))
 
     def small() -> bool:  # a new prompt each time, never from the semantic cache
-        body = {"model": model, "messages": [{"role": "user", "content": f"hi {next(calls)}"}], "max_tokens": 4,
-                "temperature": 0, "cache_control": "skip"}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": f"hi {next(calls)}"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "cache_control": "skip",
+        }
         return b.post("/v1/chat/completions", json=body).status_code == 200
 
     health = _Loop(lambda: h.get("/health").status_code == 200, args.health_interval)
@@ -140,13 +192,24 @@ def _run_probe(base: str, model: str, name: str, path: str, body: dict, args: ar
         err, finish = r.text[:300], []
     for c in (a, b, h):
         c.close()
-    return {"probe": name, "status": r.status_code, "probe_s": t1 - t0,
-            "error": err, "finish_reasons": sorted(set(f for f in finish if f)),
-            "health_n": len(hs), "health_p50_ms": 1e3 * (_pct(hs, 0.5) or 0), "health_p99_ms": 1e3 * (_pct(hs, 0.99) or 0),
-            "health_max_ms": 1e3 * max(hs, default=0), "health_failures": sum(not s[2] for s in health.window(t0, t1)),
-            "other_n": len(bs), "other_p50_s": _pct(bs, 0.5), "other_max_s": max(bs, default=None),
-            "other_failures": sum(not s[2] for s in other.window(t0, t1)),
-            "load_1m_before": load_before, "load_1m_after": os.getloadavg()[0]}
+    return {
+        "probe": name,
+        "status": r.status_code,
+        "probe_s": t1 - t0,
+        "error": err,
+        "finish_reasons": sorted(set(f for f in finish if f)),
+        "health_n": len(hs),
+        "health_p50_ms": 1e3 * (_pct(hs, 0.5) or 0),
+        "health_p99_ms": 1e3 * (_pct(hs, 0.99) or 0),
+        "health_max_ms": 1e3 * max(hs, default=0),
+        "health_failures": sum(not s[2] for s in health.window(t0, t1)),
+        "other_n": len(bs),
+        "other_p50_s": _pct(bs, 0.5),
+        "other_max_s": max(bs, default=None),
+        "other_failures": sum(not s[2] for s in other.window(t0, t1)),
+        "load_1m_before": load_before,
+        "load_1m_after": os.getloadavg()[0],
+    }
 
 
 def _drive(base: str, model: str, args: argparse.Namespace) -> list[dict]:
@@ -155,11 +218,14 @@ def _drive(base: str, model: str, args: argparse.Namespace) -> list[dict]:
     for name, (path, body) in chosen.items():
         row = _run_probe(base, model, name, path, body, args)
         out.append(row)
-        print(f"{name}: {row['status']} in {row['probe_s']:.2f}s | /health p50 {row['health_p50_ms']:.1f} "
-              f"p99 {row['health_p99_ms']:.1f} max {row['health_max_ms']:.1f} ms (n={row['health_n']}) | "
-              f"other tenant max {row['other_max_s'] or 0:.2f}s p50 {row['other_p50_s'] or 0:.2f}s "
-              f"(n={row['other_n']}) | load {row['load_1m_before']:.2f}->{row['load_1m_after']:.2f} | "
-              f"{(json.dumps(row['error']) if row['error'] else row['finish_reasons'])[:160]}", flush=True)
+        print(
+            f"{name}: {row['status']} in {row['probe_s']:.2f}s | /health p50 {row['health_p50_ms']:.1f} "
+            f"p99 {row['health_p99_ms']:.1f} max {row['health_max_ms']:.1f} ms (n={row['health_n']}) | "
+            f"other tenant max {row['other_max_s'] or 0:.2f}s p50 {row['other_p50_s'] or 0:.2f}s "
+            f"(n={row['other_n']}) | load {row['load_1m_before']:.2f}->{row['load_1m_after']:.2f} | "
+            f"{(json.dumps(row['error']) if row['error'] else row['finish_reasons'])[:160]}",
+            flush=True,
+        )
     return out
 
 
@@ -175,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
             rows = _drive(f"http://127.0.0.1:{ports['http_port']}", args.model, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "grammar_stall.json").write_text(json.dumps({"rows": rows, "model": args.model,
-                                                        "machine": machine_info()}, indent=2))
+    (out / "grammar_stall.json").write_text(
+        json.dumps({"rows": rows, "model": args.model, "machine": machine_info()}, indent=2)
+    )
     print(f"wrote {out / 'grammar_stall.json'}")
     return 0

@@ -16,6 +16,7 @@ disk tier (a second engine with only a disk tier; the files are in the page cach
 from the disk tier after a restart (a third engine on the same directory). Every answer is checked
 against the recomputed one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,14 @@ from typing import Any
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the default model, SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype (the plain KV cache has it)")
-    p.add_argument("--parts", default="attention,decode,offload",
-                   help="comma-separated: attention (the decode attention kernel alone), decode, offload")
-    p.add_argument("--heads", default="9,3,64", help="attention: query heads, KV heads, head size (SmolLM2-135M's)")
+    p.add_argument(
+        "--parts",
+        default="attention,decode,offload",
+        help="comma-separated: attention (the decode attention kernel alone), decode, offload",
+    )
+    p.add_argument(
+        "--heads", default="9,3,64", help="attention: query heads, KV heads, head size (SmolLM2-135M's)"
+    )
     p.add_argument("--layers", type=int, default=30, help="attention: layers (distinct caches) per step")
     p.add_argument("--repeats", type=int, default=5, help="attention: steps timed (the fastest is reported)")
     p.add_argument("--kv-dtypes", default="auto,int8", help="KV cache dtypes compared by the decode part")
@@ -53,8 +59,14 @@ def _tokens(n: int, seed: int, vocab: int) -> list[int]:
 def _decode(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     from sidecar import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=kv_dtype, kv_cache_memory_gb=args.kv_cache_gb,
-              max_num_batched_tokens=max(2048, args.context), max_num_seqs=max(args.batch, 16))
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_dtype=kv_dtype,
+        kv_cache_memory_gb=args.kv_cache_gb,
+        max_num_batched_tokens=max(2048, args.context),
+        max_num_seqs=max(args.batch, 16),
+    )
     vocab = llm.engine.vocab_size
     prompts = [_tokens(args.context, i, vocab) for i in range(args.batch)]
     llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))  # prefill; blocks stay cached
@@ -64,10 +76,18 @@ def _decode(args: argparse.Namespace, kv_dtype: str) -> dict[str, Any]:
     first = max(o.ttft_s for o in outs)
     decode_s = max(o.e2e_s for o in outs) - first
     s = llm.stats()
-    row = {"kv_cache_dtype": llm.engine.model_info["kv_cache_dtype"], "batch": args.batch, "context": args.context,
-           "decode_tok_s": args.batch * args.decode_tokens / decode_s, "decode_s": decode_s, "total_s": total,
-           "kv_cache_tokens": s["kv_cache_tokens"], "kv_cache_gb": args.kv_cache_gb,
-           "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs), "num_preemptions": s["num_preemptions"]}
+    row = {
+        "kv_cache_dtype": llm.engine.model_info["kv_cache_dtype"],
+        "batch": args.batch,
+        "context": args.context,
+        "decode_tok_s": args.batch * args.decode_tokens / decode_s,
+        "decode_s": decode_s,
+        "total_s": total,
+        "kv_cache_tokens": s["kv_cache_tokens"],
+        "kv_cache_gb": args.kv_cache_gb,
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
+        "num_preemptions": s["num_preemptions"],
+    }
     del llm
     gc.collect()
     return row
@@ -104,11 +124,19 @@ def _attention(args: argparse.Namespace) -> list[dict[str, Any]]:
         for _ in range(args.repeats):
             t0 = time.perf_counter()
             for c in layers:
-                kernel.decode_attention(q, c[0], c[1], tables, lens, hd ** -0.5, None, c[2:] or None)
+                kernel.decode_attention(q, c[0], c[1], tables, lens, hd**-0.5, None, c[2:] or None)
             best = min(best, time.perf_counter() - t0)
         kv_bytes = sum(t.numel() * t.element_size() for c in layers for t in c)
-        rows.append({"kv_cache_dtype": kv_quant.kv_dtype_name(kv_dtype), "batch": b, "context": ctx,
-                     "layers": args.layers, "step_ms": best * 1e3, "kv_mib": kv_bytes / 2**20})
+        rows.append(
+            {
+                "kv_cache_dtype": kv_quant.kv_dtype_name(kv_dtype),
+                "batch": b,
+                "context": ctx,
+                "layers": args.layers,
+                "step_ms": best * 1e3,
+                "kv_mib": kv_bytes / 2**20,
+            }
+        )
         del layers
     for r in rows:
         r["speedup"] = rows[0]["step_ms"] / r["step_ms"]
@@ -128,24 +156,35 @@ def _offload(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     block = 16
     pool_blocks = -(-(args.doc_tokens + 64) // block) + 4  # the document and its answer, little more
-    common = dict(model=args.model, dtype=args.dtype, num_kv_blocks=pool_blocks + 1,
-                  max_num_batched_tokens=2048)
+    common = dict(
+        model=args.model, dtype=args.dtype, num_kv_blocks=pool_blocks + 1, max_num_batched_tokens=2048
+    )
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="sidecar-kv-bench-") as tier_dir:
+
         def scenario(name: str, llm, doc: list[int], filler: list[int], q: int, base=None):
             question = _tokens(16, 1000 + q, llm.engine.vocab_size)
             ttft_first, first = _ttft(llm, doc + question)
             if base is None:
-                rows.append({"tier": "recompute", "ttft_s": ttft_first, "cached_tokens": first.num_cached_tokens})
+                rows.append(
+                    {"tier": "recompute", "ttft_s": ttft_first, "cached_tokens": first.num_cached_tokens}
+                )
             if filler:
                 _ttft(llm, filler)
                 ttft, out = _ttft(llm, doc + question)
             else:  # after a restart the first request is the one the disk tier serves
                 ttft, out = ttft_first, first
             s = llm.stats()
-            rows.append({"tier": name, "ttft_s": ttft, "cached_tokens": out.num_cached_tokens,
-                         "loaded_blocks": s["kv_offload_loaded_blocks"], "load_s": s["kv_offload_load_time_s"],
-                         "same_tokens": out.token_ids == (base or first).token_ids})
+            rows.append(
+                {
+                    "tier": name,
+                    "ttft_s": ttft,
+                    "cached_tokens": out.num_cached_tokens,
+                    "loaded_blocks": s["kv_offload_loaded_blocks"],
+                    "load_s": s["kv_offload_load_time_s"],
+                    "same_tokens": out.token_ids == (base or first).token_ids,
+                }
+            )
             return first
 
         llm = LLM(kv_offload_gb=args.offload_gb, **common)
@@ -184,13 +223,21 @@ def run(args: argparse.Namespace) -> int:
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     if not parts or parts - {"attention", "decode", "offload"}:
         raise ValueError(f"--parts: choose from attention, decode, offload, got {args.parts!r}")
-    payload: dict[str, Any] = {"benchmark": "kv", "model": args.model or "default", "dtype": args.dtype,
-                               "isa": machine_info().get("cpu")}
+    payload: dict[str, Any] = {
+        "benchmark": "kv",
+        "model": args.model or "default",
+        "dtype": args.dtype,
+        "isa": machine_info().get("cpu"),
+    }
     bars: dict[str, dict[str, float]] = {}
     if "attention" in parts:
         rows = _attention(args)
-        print(format_table(rows, ["kv_cache_dtype", "batch", "context", "layers", "step_ms", "speedup", "kv_mib"]),
-              flush=True)
+        print(
+            format_table(
+                rows, ["kv_cache_dtype", "batch", "context", "layers", "step_ms", "speedup", "kv_mib"]
+            ),
+            flush=True,
+        )
         payload["attention"] = rows
         bars["decode attention per step (ms)"] = {r["kv_cache_dtype"]: r["step_ms"] for r in rows}
     if "decode" in parts:
@@ -198,15 +245,42 @@ def run(args: argparse.Namespace) -> int:
         for r in rows:
             r["decode_vs_first"] = r["decode_tok_s"] / rows[0]["decode_tok_s"]
             r["tokens_vs_first"] = r["kv_cache_tokens"] / rows[0]["kv_cache_tokens"]
-        print(format_table(rows, ["kv_cache_dtype", "batch", "context", "decode_tok_s", "decode_vs_first",
-                                  "kv_cache_tokens", "tokens_vs_first", "num_preemptions"]), flush=True)
+        print(
+            format_table(
+                rows,
+                [
+                    "kv_cache_dtype",
+                    "batch",
+                    "context",
+                    "decode_tok_s",
+                    "decode_vs_first",
+                    "kv_cache_tokens",
+                    "tokens_vs_first",
+                    "num_preemptions",
+                ],
+            ),
+            flush=True,
+        )
         payload["decode"] = rows
         bars["decode tok/s"] = {r["kv_cache_dtype"]: r["decode_tok_s"] for r in rows}
         bars["KV tokens in the same budget"] = {r["kv_cache_dtype"]: r["kv_cache_tokens"] for r in rows}
     if "offload" in parts:
         rows = _offload(args)
-        print(format_table(rows, ["tier", "ttft_s", "speedup_vs_recompute", "cached_tokens", "loaded_blocks",
-                                  "load_s", "same_tokens"]), flush=True)
+        print(
+            format_table(
+                rows,
+                [
+                    "tier",
+                    "ttft_s",
+                    "speedup_vs_recompute",
+                    "cached_tokens",
+                    "loaded_blocks",
+                    "load_s",
+                    "same_tokens",
+                ],
+            ),
+            flush=True,
+        )
         payload["offload"] = {"doc_tokens": args.doc_tokens, "rows": rows}
         bars["TTFT of the evicted document (s)"] = {r["tier"]: r["ttft_s"] for r in rows}
     jpath, ppath = write_report(args.out, "kv", payload, bars)

@@ -8,6 +8,7 @@ float32 -> F32, bfloat16 -> BF16, float16 -> F16, int8 -> Q8_0, int4 -> Q4_0 (fr
 llama-quantize). Benchmarks feed token ids, so the pre-tokenizer of the random bench checkpoints'
 byte-level tokenizer is irrelevant: the conversion maps it to Qwen2's instead of refusing it.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,11 +42,17 @@ runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--llama-cpp", default=os.environ.get("SIDECAR_LLAMA_CPP"),
-                   help="llama.cpp build dir (or its bin/) for the llama.cpp baseline; default $SIDECAR_LLAMA_CPP, "
-                        "then PATH; the baseline is skipped when its tools are not found")
-    p.add_argument("--llama-cpp-src", default=os.environ.get("SIDECAR_LLAMA_CPP_SRC"),
-                   help="llama.cpp source tree holding convert_hf_to_gguf.py (default: above the build dir)")
+    p.add_argument(
+        "--llama-cpp",
+        default=os.environ.get("SIDECAR_LLAMA_CPP"),
+        help="llama.cpp build dir (or its bin/) for the llama.cpp baseline; default $SIDECAR_LLAMA_CPP, "
+        "then PATH; the baseline is skipped when its tools are not found",
+    )
+    p.add_argument(
+        "--llama-cpp-src",
+        default=os.environ.get("SIDECAR_LLAMA_CPP_SRC"),
+        help="llama.cpp source tree holding convert_hf_to_gguf.py (default: above the build dir)",
+    )
 
 
 def find_tools(build: Optional[str], src: Optional[str]) -> Optional[dict[str, Path]]:
@@ -70,7 +77,9 @@ def find_tools(build: Optional[str], src: Optional[str]) -> Optional[dict[str, P
 
 
 def version(tools: dict[str, Path]) -> str:
-    out = subprocess.run([str(tools["llama-server"]), "--version"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(tools["llama-server"]), "--version"], capture_output=True, text=True, timeout=60
+    )
     return " ".join((out.stdout + out.stderr).split())[:200]
 
 
@@ -85,32 +94,72 @@ def gguf_for(tools: dict[str, Path], model_dir: str, precision: str, cache_dir: 
     src = out if direct == outtype else cache_dir / f"{Path(model_dir).name}-{direct}.gguf"
     if not src.exists():
         tmp = src.with_suffix(".tmp")
-        subprocess.run([sys.executable, "-c", _CONVERT, str(tools["src"]), model_dir, "--outtype", direct,
-                        "--outfile", str(tmp)], check=True, capture_output=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _CONVERT,
+                str(tools["src"]),
+                model_dir,
+                "--outtype",
+                direct,
+                "--outfile",
+                str(tmp),
+            ],
+            check=True,
+            capture_output=True,
+        )
         os.replace(tmp, src)
     if not out.exists():
         if "llama-quantize" not in tools:
             raise ValueError("llama-cpp: llama-quantize is needed for the Q4_0 baseline")
         tmp = out.with_suffix(".tmp")
-        subprocess.run([str(tools["llama-quantize"]), str(src), str(tmp), outtype.upper()], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [str(tools["llama-quantize"]), str(src), str(tmp), outtype.upper()],
+            check=True,
+            capture_output=True,
+        )
         os.replace(tmp, out)
     return out
 
 
-def llama_bench(tools: dict[str, Path], gguf: Path, n_prompt: int, n_gen: int, threads: int,
-                repeats: int = 3, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+def llama_bench(
+    tools: dict[str, Path],
+    gguf: Path,
+    n_prompt: int,
+    n_gen: int,
+    threads: int,
+    repeats: int = 3,
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:
     """One llama-bench test (``-p n_prompt -n n_gen``; one of them 0; ``extra``: more of its options): tokens/s
     as the mean of its ``repeats`` runs (``tok_s``) and the fastest run (``best_tok_s``), and llama-bench's peak
     RSS. RuntimeError naming the exit status (or the signal that killed it) when it fails."""
     from sidecar.bench.rss import run_measured
 
-    cmd = [str(tools["llama-bench"]), "-m", str(gguf), "-p", str(n_prompt), "-n", str(n_gen), "-t", str(threads),
-           "-r", str(repeats), "-o", "json", *extra]
+    cmd = [
+        str(tools["llama-bench"]),
+        "-m",
+        str(gguf),
+        "-p",
+        str(n_prompt),
+        "-n",
+        str(n_gen),
+        "-t",
+        str(threads),
+        "-r",
+        str(repeats),
+        "-o",
+        "json",
+        *extra,
+    ]
     out, rc, peak = run_measured(cmd)
     if rc != 0:
-        how = f"was killed by {signal.Signals(-rc).name}" if rc < 0 and -rc in signal.valid_signals() else \
-            f"exited with {rc}"
+        how = (
+            f"was killed by {signal.Signals(-rc).name}"
+            if rc < 0 and -rc in signal.valid_signals()
+            else f"exited with {rc}"
+        )
         raise RuntimeError(f"llama-bench {how}: {' '.join(cmd)}")
     key = "n_gen" if n_gen else "n_prompt"
     row = next(r for r in json.loads(out) if r.get(key))
@@ -125,13 +174,22 @@ def _free_port() -> int:
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
-def server_workload(tools: dict[str, Path], gguf: Path, work: list[tuple[list[int], int]], threads: int,
-                    parallel: int, timeout: float = 3600.0, temperature: float = 0.0) -> dict[str, Any]:
+def server_workload(
+    tools: dict[str, Path],
+    gguf: Path,
+    work: list[tuple[list[int], int]],
+    threads: int,
+    parallel: int,
+    timeout: float = 3600.0,
+    temperature: float = 0.0,
+) -> dict[str, Any]:
     """The workload through ``llama-server -np parallel`` (continuous batching), all requests sent at once.
 
     Each slot gets the context of the longest request; prompts are token ids, EOS ignored, greedy or (at
@@ -142,8 +200,21 @@ def server_workload(tools: dict[str, Path], gguf: Path, work: list[tuple[list[in
 
     per_slot = max(len(p) + n for p, n in work) + 16
     port = _free_port()
-    cmd = [str(tools["llama-server"]), "-m", str(gguf), "-np", str(parallel), "-c", str(per_slot * parallel),
-           "-t", str(threads), "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        str(tools["llama-server"]),
+        "-m",
+        str(gguf),
+        "-np",
+        str(parallel),
+        "-c",
+        str(per_slot * parallel),
+        "-t",
+        str(threads),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -160,15 +231,27 @@ def server_workload(tools: dict[str, Path], gguf: Path, work: list[tuple[list[in
             if time.monotonic() > deadline:
                 raise RuntimeError("llama-server did not become healthy within 300 s")
             time.sleep(0.5)
-        _post(base + "/completion", {"prompt": work[0][0][:16], "n_predict": 2, "ignore_eos": True,
-                                     "temperature": 0.0, "cache_prompt": False}, timeout)  # warm-up
+        _post(
+            base + "/completion",
+            {
+                "prompt": work[0][0][:16],
+                "n_predict": 2,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "cache_prompt": False,
+            },
+            timeout,
+        )  # warm-up
 
         sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
         def one(item: tuple[list[int], int]) -> int:
             prompt, n = item
-            r = _post(base + "/completion", {"prompt": prompt, "n_predict": n, "ignore_eos": True,
-                                             "cache_prompt": False, **sampling}, timeout)
+            r = _post(
+                base + "/completion",
+                {"prompt": prompt, "n_predict": n, "ignore_eos": True, "cache_prompt": False, **sampling},
+                timeout,
+            )
             return int(r.get("tokens_predicted", 0))
 
         t = time.perf_counter()
@@ -183,5 +266,10 @@ def server_workload(tools: dict[str, Path], gguf: Path, work: list[tuple[list[in
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return {"system": f"llama.cpp llama-server -np {parallel} ({gguf.name.rsplit('-', 1)[-1][:-5].upper()})",
-            "seconds": dt, "output_tokens": produced, "output_tok_s": produced / dt, "peak_rss_bytes": peak}
+    return {
+        "system": f"llama.cpp llama-server -np {parallel} ({gguf.name.rsplit('-', 1)[-1][:-5].upper()})",
+        "seconds": dt,
+        "output_tokens": produced,
+        "output_tok_s": produced / dt,
+        "peak_rss_bytes": peak,
+    }

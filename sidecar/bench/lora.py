@@ -9,6 +9,7 @@ tokens per wall second of the whole batch, and per CPU second of this process (o
 other work, wall time also measures the neighbours). The cost of one extra adapter is the slope of wall seconds per
 generated token over the number of distinct adapters in the batch (1, 2, 4), least squares.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 PROMPTS = [
-    "Write a short poem about the sea at night.", "What are some good habits for learning a new language?",
-    "Tell me a story about a robot who wants to become a chef.", "Why is the sky blue? Explain it simply.",
-    "Give me three ideas for a weekend trip in the mountains.", "What should I consider when adopting a dog?",
-    "Describe your ideal breakfast.", "How do I stay motivated when working from home?",
+    "Write a short poem about the sea at night.",
+    "What are some good habits for learning a new language?",
+    "Tell me a story about a robot who wants to become a chef.",
+    "Why is the sky blue? Explain it simply.",
+    "Give me three ideas for a weekend trip in the mountains.",
+    "What should I consider when adopting a dog?",
+    "Describe your ideal breakfast.",
+    "How do I stay motivated when working from home?",
 ]
 
 
@@ -41,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results")
 
 
-def write_adapter(out: Path, shapes: dict[str, list[int]], num_layers: int, rank: int, seed: int,
-                  b_std: float = 0.01) -> Path:
+def write_adapter(
+    out: Path, shapes: dict[str, list[int]], num_layers: int, rank: int, seed: int, b_std: float = 0.01
+) -> Path:
     """A PEFT LoRA adapter directory with random weights for a base of these target shapes (B entries of
     standard deviation ``b_std``: small, as after fine-tuning; larger to change a model's answers)."""
     import torch
@@ -54,17 +60,29 @@ def write_adapter(out: Path, shapes: dict[str, list[int]], num_layers: int, rank
         for name, (fin, fout) in shapes.items():
             part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{part}.{name}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=gen) * fin ** -0.5
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=gen) * fin**-0.5
             tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=gen) * b_std
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(shapes),
-        "bias": "none", "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}))
+    (out / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "target_modules": sorted(shapes),
+                "bias": "none",
+                "lora_dropout": 0.0,
+                "task_type": "CAUSAL_LM",
+            }
+        )
+    )
     return out
 
 
-def _run_case(llm: Any, prompts: list[str], params: Any, loras: list[Optional[str]]) -> tuple[float, float, int]:
+def _run_case(
+    llm: Any, prompts: list[str], params: Any, loras: list[Optional[str]]
+) -> tuple[float, float, int]:
     """Wall seconds, CPU seconds of this process (what the work cost, even when other processes hold
     the cores for part of the wall time) and generated tokens."""
     conv = [[{"role": "user", "content": p}] for p in prompts]
@@ -91,10 +109,19 @@ def run(args: argparse.Namespace) -> int:
     del probe
     tmp = Path(tempfile.mkdtemp(prefix="sidecar-lora-bench-"))
     names = [f"adapter{i}" for i in range(args.adapters)]
-    mods = {n: str(write_adapter(tmp / n, info["lora_target_shapes"], info["num_layers"], args.rank, i))
-            for i, n in enumerate(names)}
-    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, lora_modules=mods,
-              max_loras=len(names), max_lora_rank=args.rank, enable_prefix_caching=False)
+    mods = {
+        n: str(write_adapter(tmp / n, info["lora_target_shapes"], info["num_layers"], args.rank, i))
+        for i, n in enumerate(names)
+    }
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        lora_modules=mods,
+        max_loras=len(names),
+        max_lora_rank=args.rank,
+        enable_prefix_caching=False,
+    )
     params = SamplingParams(max_tokens=args.output_tokens, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
     ks = sorted({1, 2, len(names)})
@@ -112,8 +139,18 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for case in cases:
         dt, ct = statistics.median(secs[case]), statistics.median(cpu[case])
-        rows.append({"case": case, "requests": len(prompts), "tokens": tokens, "seconds": dt, "tok_s": tokens / dt,
-                     "cpu_seconds": ct, "tok_per_cpu_s": tokens / ct, "ms_per_token": 1000 * dt / tokens})
+        rows.append(
+            {
+                "case": case,
+                "requests": len(prompts),
+                "tokens": tokens,
+                "seconds": dt,
+                "tok_s": tokens / dt,
+                "cpu_seconds": ct,
+                "tok_per_cpu_s": tokens / ct,
+                "ms_per_token": 1000 * dt / tokens,
+            }
+        )
     base, base_cpu = rows[0]["tok_s"], rows[0]["tok_per_cpu_s"]
     for r in rows:
         r["vs_base"] = r["tok_s"] / base
@@ -121,16 +158,28 @@ def run(args: argparse.Namespace) -> int:
     mixed = rows[-1]
     slope_ms = _slope([float(k) for k in ks], [r["ms_per_token"] for r in rows[1:]])
     print(format_table(rows, list(rows[0])))
-    print(f"\n{len(names)} adapters mixed evenly over {len(prompts)} requests: {mixed['vs_base']:.3f}x the base "
-          f"model's throughput (target >= 0.8x); one more adapter in the batch costs {slope_ms * 1000:.1f} us "
-          f"per generated token ({100 * slope_ms / rows[0]['ms_per_token']:.1f}% of the base's per-token time); "
-          f"the first adapter {1000 * (rows[1]['ms_per_token'] - rows[0]['ms_per_token']):.1f} us per token; "
-          f"in CPU time the mixed batch runs at {mixed['vs_base_cpu']:.3f}x the base")
+    print(
+        f"\n{len(names)} adapters mixed evenly over {len(prompts)} requests: {mixed['vs_base']:.3f}x the base "
+        f"model's throughput (target >= 0.8x); one more adapter in the batch costs {slope_ms * 1000:.1f} us "
+        f"per generated token ({100 * slope_ms / rows[0]['ms_per_token']:.1f}% of the base's per-token time); "
+        f"the first adapter {1000 * (rows[1]['ms_per_token'] - rows[0]['ms_per_token']):.1f} us per token; "
+        f"in CPU time the mixed batch runs at {mixed['vs_base_cpu']:.3f}x the base"
+    )
     jpath, ppath = write_report(
-        args.out, "lora", {"command": "sidecar bench lora", "args": {k: v for k, v in vars(args).items() if k != "_run"},
-                           "model": info["model"], "dtype": info["dtype"], "quantization": info["quantization"],
-                           "loadavg": os.getloadavg(), "results": rows, "mixed_vs_base": mixed["vs_base"],
-                           "extra_adapter_ms_per_token": slope_ms},
-        bars={"tokens/s": {r["case"]: r["tok_s"] for r in rows}})
+        args.out,
+        "lora",
+        {
+            "command": "sidecar bench lora",
+            "args": {k: v for k, v in vars(args).items() if k != "_run"},
+            "model": info["model"],
+            "dtype": info["dtype"],
+            "quantization": info["quantization"],
+            "loadavg": os.getloadavg(),
+            "results": rows,
+            "mixed_vs_base": mixed["vs_base"],
+            "extra_adapter_ms_per_token": slope_ms,
+        },
+        bars={"tokens/s": {r["case"]: r["tok_s"] for r in rows}},
+    )
     print(f"wrote {jpath} and {ppath}")
     return 0

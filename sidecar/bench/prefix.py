@@ -7,6 +7,7 @@ Scenarios, each run with prefix caching on and off on fresh engines in one run:
 - no-sharing: unique prompts, to show what caching costs at a 0% hit rate.
 Reported: prefill tokens computed, cache hit fraction, TTFT p50/p99, throughput.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,14 @@ import torch
 def _llm(args: argparse.Namespace, caching: bool):
     from sidecar import LLM
 
-    return LLM(model=args.model_dir, dtype=args.dtype, enable_prefix_caching=caching,
-               kv_cache_memory_gb=args.kv_cache_gb, max_num_batched_tokens=args.max_num_batched_tokens,
-               max_waiting_requests=1 << 20)
+    return LLM(
+        model=args.model_dir,
+        dtype=args.dtype,
+        enable_prefix_caching=caching,
+        kv_cache_memory_gb=args.kv_cache_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting_requests=1 << 20,
+    )
 
 
 def _run_wave(llm, prompts: list[list[int]], max_tokens: int) -> list[Any]:
@@ -33,8 +39,14 @@ def _run_wave(llm, prompts: list[list[int]], max_tokens: int) -> list[Any]:
     return llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def _summarise(name: str, caching: bool, outs: list[Any], seconds: float, skip_first: int = 0,
-               counters: Optional[dict[str, int]] = None) -> dict[str, Any]:
+def _summarise(
+    name: str,
+    caching: bool,
+    outs: list[Any],
+    seconds: float,
+    skip_first: int = 0,
+    counters: Optional[dict[str, int]] = None,
+) -> dict[str, Any]:
     from sidecar.bench.report import percentile
 
     prompt = sum(len(o.prompt_token_ids) for o in outs)
@@ -42,13 +54,19 @@ def _summarise(name: str, caching: bool, outs: list[Any], seconds: float, skip_f
     after = outs[skip_first:]
     ttft = [o.ttft_s * 1000 for o in after]
     return {
-        "scenario": name, "prefix_caching": "on" if caching else "off", "requests": len(outs),
-        "prompt_tokens": prompt, "prefill_tokens_computed": prompt - cached,
+        "scenario": name,
+        "prefix_caching": "on" if caching else "off",
+        "requests": len(outs),
+        "prompt_tokens": prompt,
+        "prefill_tokens_computed": prompt - cached,
         "cached_fraction": cached / prompt if prompt else 0.0,
-        "cached_fraction_after_first": (sum(o.num_cached_tokens for o in after)
-                                        / max(1, sum(len(o.prompt_token_ids) for o in after))),
-        "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
-        "seconds": seconds, "output_tok_s": sum(len(o.token_ids) for o in outs) / seconds,
+        "cached_fraction_after_first": (
+            sum(o.num_cached_tokens for o in after) / max(1, sum(len(o.prompt_token_ids) for o in after))
+        ),
+        "ttft_p50_ms": percentile(ttft, 50),
+        "ttft_p99_ms": percentile(ttft, 99),
+        "seconds": seconds,
+        "output_tok_s": sum(len(o.token_ids) for o in outs) / seconds,
         # The engine's own count of the scenario (LLM.stats() deltas): prefix-cache hit tokens, steps.
         **(counters or {}),
     }
@@ -81,23 +99,30 @@ def no_sharing(args: argparse.Namespace, run: Callable, rng: random.Random) -> l
 
 
 # name, scenario, leading requests left out of the "after first" figures
-SCENARIOS = [("customer-service", customer_service, lambda a: 1),
-             ("multi-turn", multi_turn, lambda a: a.conversations),
-             ("no-sharing", no_sharing, lambda a: 0)]
+SCENARIOS = [
+    ("customer-service", customer_service, lambda a: 1),
+    ("multi-turn", multi_turn, lambda a: a.conversations),
+    ("no-sharing", no_sharing, lambda a: 0),
+]
 
 
-def measure(args: argparse.Namespace, name: str, scenario: Callable, skip_first: int,
-            caching: bool) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, name: str, scenario: Callable, skip_first: int, caching: bool
+) -> dict[str, Any]:
     """Run one scenario on a fresh engine (warmed up on unrelated tokens), timing only the scenario."""
     llm = _llm(args, caching)
     _run_wave(llm, [[7, 8, 9]], 2)
     before = llm.stats()
     t = time.perf_counter()
-    outs = scenario(args, lambda prompts: _run_wave(llm, prompts, args.output_tokens), random.Random(args.seed))
+    outs = scenario(
+        args, lambda prompts: _run_wave(llm, prompts, args.output_tokens), random.Random(args.seed)
+    )
     dt = time.perf_counter() - t
     after = llm.stats()
-    counters = {"engine_prefix_hit_tokens": after["prefix_cache_hits"] - before["prefix_cache_hits"],
-                "engine_steps": after["num_steps"] - before["num_steps"]}
+    counters = {
+        "engine_prefix_hit_tokens": after["prefix_cache_hits"] - before["prefix_cache_hits"],
+        "engine_steps": after["num_steps"] - before["num_steps"],
+    }
     llm = None  # free the model and KV cache before the next engine is built
     gc.collect()
     return _summarise(name, caching, outs, dt, skip_first=skip_first, counters=counters)
@@ -127,35 +152,66 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.model_dir = str(random_checkpoint(args.model) if args.model in SHAPES else resolve_model_dir(args.model))
+    args.model_dir = str(
+        random_checkpoint(args.model) if args.model in SHAPES else resolve_model_dir(args.model)
+    )
     rows = []
     for name, scenario, skip in SCENARIOS:
         for caching in (False, True):
             rows.append(measure(args, name, scenario, skip(args), caching))
             r = rows[-1]
-            print(f"{r['scenario']:17s} caching {r['prefix_caching']:3s}: {r['seconds']:.1f}s "
-                  f"cached {r['cached_fraction']:.1%} ttft p50 {r['ttft_p50_ms']:.1f} ms", flush=True)
-    cols = ["scenario", "prefix_caching", "requests", "prompt_tokens", "prefill_tokens_computed",
-            "cached_fraction_after_first", "ttft_p50_ms", "ttft_p99_ms", "output_tok_s"]
+            print(
+                f"{r['scenario']:17s} caching {r['prefix_caching']:3s}: {r['seconds']:.1f}s "
+                f"cached {r['cached_fraction']:.1%} ttft p50 {r['ttft_p50_ms']:.1f} ms",
+                flush=True,
+            )
+    cols = [
+        "scenario",
+        "prefix_caching",
+        "requests",
+        "prompt_tokens",
+        "prefill_tokens_computed",
+        "cached_fraction_after_first",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "output_tok_s",
+    ]
     print(format_table(rows, cols))
     by = {(r["scenario"], r["prefix_caching"]): r for r in rows}
     cs_on, cs_off = by[("customer-service", "on")], by[("customer-service", "off")]
     ns_on, ns_off = by[("no-sharing", "on")], by[("no-sharing", "off")]
     summary = {
         "customer_service_cached_fraction_after_first": cs_on["cached_fraction_after_first"],
-        "customer_service_prefill_reduction": 1 - cs_on["prefill_tokens_computed"] / cs_off["prefill_tokens_computed"],
+        "customer_service_prefill_reduction": 1
+        - cs_on["prefill_tokens_computed"] / cs_off["prefill_tokens_computed"],
         "ttft_p50_speedup_warm_vs_cold": cs_off["ttft_p50_ms"] / cs_on["ttft_p50_ms"],
         "no_sharing_throughput_on_vs_off": ns_on["output_tok_s"] / ns_off["output_tok_s"],
-        "multi_turn_cached_fraction_after_first_turn": by[("multi-turn", "on")]["cached_fraction_after_first"],
+        "multi_turn_cached_fraction_after_first_turn": by[("multi-turn", "on")][
+            "cached_fraction_after_first"
+        ],
     }
     print(format_table([summary], list(summary)))
     jpath, ppath = write_report(
-        args.out, "prefix", {"command": "sidecar bench prefix",
-                             "args": {k: v for k, v in vars(args).items() if k != "_run"},
-                             "results": rows, "summary": summary},
-        bars={"TTFT p50 (ms)": {f"{s} {c}": by[(s, c)]["ttft_p50_ms"] for s in ("customer-service", "multi-turn")
-                                for c in ("off", "on")},
-              "prefill tokens computed": {f"{s} {c}": by[(s, c)]["prefill_tokens_computed"]
-                                          for s in ("customer-service", "multi-turn") for c in ("off", "on")}})
+        args.out,
+        "prefix",
+        {
+            "command": "sidecar bench prefix",
+            "args": {k: v for k, v in vars(args).items() if k != "_run"},
+            "results": rows,
+            "summary": summary,
+        },
+        bars={
+            "TTFT p50 (ms)": {
+                f"{s} {c}": by[(s, c)]["ttft_p50_ms"]
+                for s in ("customer-service", "multi-turn")
+                for c in ("off", "on")
+            },
+            "prefill tokens computed": {
+                f"{s} {c}": by[(s, c)]["prefill_tokens_computed"]
+                for s in ("customer-service", "multi-turn")
+                for c in ("off", "on")
+            },
+        },
+    )
     print(f"wrote {jpath} and {ppath}")
     return 0

@@ -12,6 +12,7 @@ KL(reference || mode) of the next-token distributions. Batch-1 greedy decode
 speed is measured per mode through ``LLM.generate`` (EOS ignored, best of
 ``--repeats``), so quality and speed of each default candidate sit side by side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,10 +34,15 @@ MODES = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model (default: the default model, SmolLM2-135M-Instruct)")
-    p.add_argument("--modes", default=",".join(m for m in MODES if m != "bf16+kv-int8"),
-                   help=f"comma-separated subset of {', '.join(MODES)}")
+    p.add_argument(
+        "--modes",
+        default=",".join(m for m in MODES if m != "bf16+kv-int8"),
+        help=f"comma-separated subset of {', '.join(MODES)}",
+    )
     p.add_argument("--window", type=int, default=512, help="tokens per perplexity window")
-    p.add_argument("--max-windows", type=int, default=0, help="limit the number of windows (0 = the whole text)")
+    p.add_argument(
+        "--max-windows", type=int, default=0, help="limit the number of windows (0 = the whole text)"
+    )
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens per batch-1 decode measurement")
     p.add_argument("--repeats", type=int, default=3, help="decode measurements per mode (best is reported)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -44,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _windows(ids: list[int], window: int, limit: int) -> list[list[int]]:
-    wins = [ids[i:i + window] for i in range(0, len(ids) - 1, window)]
+    wins = [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
     wins = [w for w in wins if len(w) >= 2]
     return wins[:limit] if limit else wins
 
@@ -82,8 +88,14 @@ def run(args: argparse.Namespace) -> int:
     for label in modes:
         dtype, quant, kv_dtype = MODES[label]
         t0 = time.perf_counter()
-        llm = LLM(model=args.model, dtype=dtype, quantization=quant, device="cpu", kv_cache_memory_gb=0.25,
-                  kv_cache_dtype=kv_dtype)
+        llm = LLM(
+            model=args.model,
+            dtype=dtype,
+            quantization=quant,
+            device="cpu",
+            kv_cache_memory_gb=0.25,
+            kv_cache_dtype=kv_dtype,
+        )
         load_s = time.perf_counter() - t0
         loaded = llm.engine.loaded
         ids = llm.tokenizer.encode(text, add_special_tokens=False)
@@ -95,10 +107,15 @@ def run(args: argparse.Namespace) -> int:
             count += len(w) - 1
             lps.append(lp)
         lp = torch.cat(lps)
-        row: dict[str, Any] = {"mode": label, "dtype": dtype, "quantization": loaded.quantization or "none",
-                               "kv_cache_dtype": llm.engine.model_info["kv_cache_dtype"],
-                               "perplexity": float(torch.tensor(nll_sum / count).exp()), "tokens": count,
-                               "load_s": load_s}
+        row: dict[str, Any] = {
+            "mode": label,
+            "dtype": dtype,
+            "quantization": loaded.quantization or "none",
+            "kv_cache_dtype": llm.engine.model_info["kv_cache_dtype"],
+            "perplexity": float(torch.tensor(nll_sum / count).exp()),
+            "tokens": count,
+            "load_s": load_s,
+        }
         if ref is None:
             ref = lp
         else:
@@ -111,15 +128,31 @@ def run(args: argparse.Namespace) -> int:
     base = rows[0]["perplexity"]
     for r in rows:
         r["ppl_vs_ref"] = r["perplexity"] / base
-    cols = ["mode", "quantization", "kv_cache_dtype", "perplexity", "ppl_vs_ref", "top1_agree_vs_ref", "kl_vs_ref",
-            "decode_tok_s_b1"]
+    cols = [
+        "mode",
+        "quantization",
+        "kv_cache_dtype",
+        "perplexity",
+        "ppl_vs_ref",
+        "top1_agree_vs_ref",
+        "kl_vs_ref",
+        "decode_tok_s_b1",
+    ]
     print(format_table(rows, cols))
-    payload = {"benchmark": "quality", "model": args.model or "default", "text": str(TEXT_PATH.name),
-               "window": args.window, "rows": rows, "reference": modes[0], "isa": machine_info().get("cpu")}
-    bars = {"perplexity (lower is better)": {r["mode"]: r["perplexity"] for r in rows},
-            "top-1 agreement vs reference": {r["mode"]: r.get("top1_agree_vs_ref", 1.0) for r in rows},
-            "batch-1 decode (tok/s)": {r["mode"]: r["decode_tok_s_b1"] for r in rows}}
+    payload = {
+        "benchmark": "quality",
+        "model": args.model or "default",
+        "text": str(TEXT_PATH.name),
+        "window": args.window,
+        "rows": rows,
+        "reference": modes[0],
+        "isa": machine_info().get("cpu"),
+    }
+    bars = {
+        "perplexity (lower is better)": {r["mode"]: r["perplexity"] for r in rows},
+        "top-1 agreement vs reference": {r["mode"]: r.get("top1_agree_vs_ref", 1.0) for r in rows},
+        "batch-1 decode (tok/s)": {r["mode"]: r["decode_tok_s_b1"] for r in rows},
+    }
     jpath, ppath = write_report(args.out, "quality", payload, bars)
     print(f"wrote {jpath} and {ppath}")
     return 0
-

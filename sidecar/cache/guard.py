@@ -10,6 +10,7 @@ the model, which costs time but never serves a wrong answer.
 
 Every rule only ever refuses; none can turn a miss into a hit.
 """
+
 from __future__ import annotations
 
 import re
@@ -51,11 +52,11 @@ class Features:
     negated: bool
     antonyms: frozenset  # (group id, side)
     entities: frozenset  # casefolded
-    words: frozenset     # casefolded words, for "the other side mentions it too"
+    words: frozenset  # casefolded words, for "the other side mentions it too"
     units: frozenset
     dates: frozenset
     language: Optional[str]
-    order: tuple         # numbers, entities and units in order of appearance (first mention)
+    order: tuple  # numbers, entities and units in order of appearance (first mention)
 
 
 def _norm(text: str) -> str:

@@ -9,6 +9,7 @@ Consistency invariant: ``search`` only ever returns ids currently in
 HNSW and GPU indexes cannot, so deleted ids are tombstoned, filtered out of
 results, and the index is rebuilt from ``self._vectors`` once tombstones pile up.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,7 +50,7 @@ class ScopeIndex:
 
     @property
     def kind(self) -> str:
-        """"flat" or "hnsw" (plus "-gpu" when on the GPU)."""
+        """ "flat" or "hnsw" (plus "-gpu" when on the GPU)."""
         return self._kind + ("-gpu" if self.use_gpu and self._kind == "flat" else "")
 
     def _base(self, n: int):
@@ -91,8 +92,11 @@ class ScopeIndex:
         self._vectors[entry_id] = vec
         # A tombstoned copy of this id is still inside the index and would be taken for the
         # new vector: rebuild instead of adding next to it.
-        if self._index is None or entry_id in self._tombstones or \
-                (self._kind == "flat" and len(self._vectors) >= self.hnsw_min_entries):
+        if (
+            self._index is None
+            or entry_id in self._tombstones
+            or (self._kind == "flat" and len(self._vectors) >= self.hnsw_min_entries)
+        ):
             self._build()  # first use, reused id, or crossing into HNSW territory
         else:
             self._index.add_with_ids(vec.reshape(1, -1), np.array([entry_id], dtype=np.int64))

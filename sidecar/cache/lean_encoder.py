@@ -11,6 +11,7 @@ Zen 4 (bf16). Mean pooling is done in float32.
 architecture, pooling mode, position embedding or activation); the embedder then keeps the
 sentence-transformers path, which is also the oracle the start-up check holds this to.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,8 +27,12 @@ log = logging.getLogger("sidecar.cache")
 # differ by bf16 rounding order only (measured cosines >= 0.99999 in bf16; a padding mask left out of a
 # batch costs ~0.01-0.05).
 _CHECK_MIN_COSINE = 0.9999
-_PROBES = ["How do I reset my password?", "What are the steps to reset my password on a Linux machine with sudo?",
-           "hi", "Ceci n'est pas une pipe."]
+_PROBES = [
+    "How do I reset my password?",
+    "What are the steps to reset my password on a Linux machine with sudo?",
+    "hi",
+    "Ceci n'est pas une pipe.",
+]
 
 
 class LeanEncoder:
@@ -39,8 +44,17 @@ class LeanEncoder:
             a = layer.attention.self
             wqkv = torch.cat([a.query.weight, a.key.weight, a.value.weight]).detach().contiguous()
             bqkv = torch.cat([a.query.bias, a.key.bias, a.value.bias]).detach().contiguous()
-            self.layers.append((wqkv, bqkv, layer.attention.output.dense, layer.attention.output.LayerNorm,
-                                layer.intermediate.dense, layer.output.dense, layer.output.LayerNorm))
+            self.layers.append(
+                (
+                    wqkv,
+                    bqkv,
+                    layer.attention.output.dense,
+                    layer.attention.output.LayerNorm,
+                    layer.intermediate.dense,
+                    layer.output.dense,
+                    layer.output.LayerNorm,
+                )
+            )
 
     @classmethod
     def build(cls, st_model: Any) -> Optional["LeanEncoder"]:
@@ -103,18 +117,27 @@ def checked(st_model: Any, lean: Optional[LeanEncoder], reference) -> Optional[L
     try:
         with torch.inference_mode():
             for texts in [[p] for p in _PROBES] + [_PROBES]:
-                feats = {k: v.to(st_model.device) if isinstance(v, torch.Tensor) else v
-                         for k, v in prepare(texts).items()}
+                feats = {
+                    k: v.to(st_model.device) if isinstance(v, torch.Tensor) else v
+                    for k, v in prepare(texts).items()
+                }
                 got = lean(feats).double().cpu().numpy()
                 ref = np.asarray(reference(texts), dtype=np.float64)
                 ref /= np.maximum(np.linalg.norm(ref, axis=1, keepdims=True), 1e-12)
                 worst = float((got * ref).sum(axis=1).min())
                 if not worst >= _CHECK_MIN_COSINE:
-                    log.warning("semantic cache embedder: lean forward agrees to cosine %.5f on %d text(s); "
-                                "using the sentence-transformers path", worst, len(texts))
+                    log.warning(
+                        "semantic cache embedder: lean forward agrees to cosine %.5f on %d text(s); "
+                        "using the sentence-transformers path",
+                        worst,
+                        len(texts),
+                    )
                     return None
     except Exception as exc:  # any failure of the fast path costs speed, never an answer
-        log.warning("semantic cache embedder: lean forward failed its check (%s); using the "
-                    "sentence-transformers path", exc)
+        log.warning(
+            "semantic cache embedder: lean forward failed its check (%s); using the "
+            "sentence-transformers path",
+            exc,
+        )
         return None
     return lean

@@ -4,13 +4,16 @@ Lists are deliberately general (everyday English, common technical vocabulary);
 they describe the kinds of words whose change flips an answer, not particular
 questions.
 """
+
 from __future__ import annotations
 
-NEGATIONS = frozenset("""
+NEGATIONS = frozenset(
+    """
 not no never none nobody nothing neither nor cannot cant dont doesnt didnt isnt arent wasnt werent
 wont wouldnt shouldnt couldnt hasnt havent hadnt mustnt without nowhere
 nicht kein keine nie niemals pas jamais aucun sans nunca ningún ninguna sin non mai
-""".split())
+""".split()
+)
 
 # Each line is one group of opposites; words on the same side are separated by "/".
 # A query mentioning one side and a cached query mentioning another side of the same
@@ -83,15 +86,54 @@ for _gid, _line in enumerate(l for l in _ANTONYM_GROUPS.strip().splitlines() if 
                 ANTONYM_INDEX.setdefault(_w, (_gid, _side))
 
 NUMBER_WORDS = {
-    "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
-    "seven": "7", "eight": "8", "nine": "9", "ten": "10", "eleven": "11", "twelve": "12",
-    "thirteen": "13", "fourteen": "14", "fifteen": "15", "sixteen": "16", "seventeen": "17",
-    "eighteen": "18", "nineteen": "19", "twenty": "20", "thirty": "30", "forty": "40", "fifty": "50",
-    "sixty": "60", "seventy": "70", "eighty": "80", "ninety": "90", "hundred": "100",
-    "thousand": "1000", "million": "1000000", "billion": "1000000000", "dozen": "12",
-    "half": "0.5", "quarter": "0.25", "double": "x2", "twice": "x2", "triple": "x3", "thrice": "x3",
-    "second": "2", "third": "3", "fourth": "4", "fifth": "5", "sixth": "6", "seventh": "7",
-    "eighth": "8", "ninth": "9", "tenth": "10",
+    "zero": "0",
+    "one": "1",
+    "two": "2",
+    "three": "3",
+    "four": "4",
+    "five": "5",
+    "six": "6",
+    "seven": "7",
+    "eight": "8",
+    "nine": "9",
+    "ten": "10",
+    "eleven": "11",
+    "twelve": "12",
+    "thirteen": "13",
+    "fourteen": "14",
+    "fifteen": "15",
+    "sixteen": "16",
+    "seventeen": "17",
+    "eighteen": "18",
+    "nineteen": "19",
+    "twenty": "20",
+    "thirty": "30",
+    "forty": "40",
+    "fifty": "50",
+    "sixty": "60",
+    "seventy": "70",
+    "eighty": "80",
+    "ninety": "90",
+    "hundred": "100",
+    "thousand": "1000",
+    "million": "1000000",
+    "billion": "1000000000",
+    "dozen": "12",
+    "half": "0.5",
+    "quarter": "0.25",
+    "double": "x2",
+    "twice": "x2",
+    "triple": "x3",
+    "thrice": "x3",
+    "second": "2",
+    "third": "3",
+    "fourth": "4",
+    "fifth": "5",
+    "sixth": "6",
+    "seventh": "7",
+    "eighth": "8",
+    "ninth": "9",
+    "tenth": "10",
 }
 
 _UNIT_GROUPS = """
@@ -167,19 +209,45 @@ for _ambiguous in ("second", "in", "a", "m", "us", "min", "k", "g", "l", "b", "v
     UNITS.pop(_ambiguous, None)
 
 DATE_WORDS = {}
-for _i, _names in enumerate("""
+for _i, _names in enumerate(
+    """
 january jan | february feb | march mar | april apr | may | june jun | july jul | august aug |
 september sep sept | october oct | november nov | december dec
-""".replace("\n", " ").split("|")):
+""".replace("\n", " ").split("|")
+):
     for _n in _names.split():
         DATE_WORDS[_n] = f"month{_i + 1}"
-for _i, _names in enumerate("monday mon | tuesday tue tues | wednesday wed | thursday thu thurs | "
-                            "friday fri | saturday sat | sunday sun".split("|")):
+for _i, _names in enumerate(
+    "monday mon | tuesday tue tues | wednesday wed | thursday thu thurs | "
+    "friday fri | saturday sat | sunday sun".split("|")
+):
     for _n in _names.split():
         DATE_WORDS[_n] = f"weekday{_i + 1}"
-for _n in ("today", "tonight", "tomorrow", "yesterday", "weekend", "weekday", "weekdays",
-           "morning", "afternoon", "evening", "night", "midnight", "noon",
-           "spring", "summer", "autumn", "fall", "winter", "now", "currently", "ago", "next", "previous"):
+for _n in (
+    "today",
+    "tonight",
+    "tomorrow",
+    "yesterday",
+    "weekend",
+    "weekday",
+    "weekdays",
+    "morning",
+    "afternoon",
+    "evening",
+    "night",
+    "midnight",
+    "noon",
+    "spring",
+    "summer",
+    "autumn",
+    "fall",
+    "winter",
+    "now",
+    "currently",
+    "ago",
+    "next",
+    "previous",
+):
     DATE_WORDS[_n] = _n
 DATE_WORDS.pop("may", None)  # modal verb far more often than the month
 DATE_WORDS.pop("sat", None)
@@ -189,23 +257,39 @@ DATE_WORDS.pop("fall", None)
 DATE_WORDS.pop("dec", None)
 
 STOPWORDS = {
-    "en": frozenset("the a an is are was were what how why when where who which do does did can could "
-                    "should would i you my your it this that of to in on for with and or be have has".split()),
-    "de": frozenset("der die das ist sind war wie was warum wann wo wer welche ich du mein dein es ein eine "
-                    "und oder mit für von zu auf nicht kann können ich wird werden".split()),
-    "fr": frozenset("le la les est sont était comment quoi pourquoi quand où qui quel quelle je tu mon ton "
-                    "il elle un une et ou avec pour de du des dans sur pas peut puis ce cette".split()),
-    "es": frozenset("el la los las es son era cómo como qué que por porqué cuándo dónde quién cuál yo tu mi "
-                    "un una y o con para de del en sobre no puedo puede este esta".split()),
-    "it": frozenset("il lo la gli le è sono era come cosa perché quando dove chi quale io tu mio un una e o "
-                    "con per di del in su non posso può questo questa".split()),
-    "pt": frozenset("o a os as é são era como que porque quando onde quem qual eu tu meu um uma e ou com "
-                    "para de do da em sobre não posso pode este esta".split()),
-    "nl": frozenset("de het een is zijn was hoe wat waarom wanneer waar wie welke ik jij mijn en of met voor "
-                    "van naar op niet kan kunnen dit deze".split()),
+    "en": frozenset(
+        "the a an is are was were what how why when where who which do does did can could "
+        "should would i you my your it this that of to in on for with and or be have has".split()
+    ),
+    "de": frozenset(
+        "der die das ist sind war wie was warum wann wo wer welche ich du mein dein es ein eine "
+        "und oder mit für von zu auf nicht kann können ich wird werden".split()
+    ),
+    "fr": frozenset(
+        "le la les est sont était comment quoi pourquoi quand où qui quel quelle je tu mon ton "
+        "il elle un une et ou avec pour de du des dans sur pas peut puis ce cette".split()
+    ),
+    "es": frozenset(
+        "el la los las es son era cómo como qué que por porqué cuándo dónde quién cuál yo tu mi "
+        "un una y o con para de del en sobre no puedo puede este esta".split()
+    ),
+    "it": frozenset(
+        "il lo la gli le è sono era come cosa perché quando dove chi quale io tu mio un una e o "
+        "con per di del in su non posso può questo questa".split()
+    ),
+    "pt": frozenset(
+        "o a os as é são era como que porque quando onde quem qual eu tu meu um uma e ou com "
+        "para de do da em sobre não posso pode este esta".split()
+    ),
+    "nl": frozenset(
+        "de het een is zijn was hoe wat waarom wanneer waar wie welke ik jij mijn en of met voor "
+        "van naar op niet kan kunnen dit deze".split()
+    ),
 }
 
 # Capitalised words that are not names: sentence-internal "I", shouting, titles of common things.
-COMMON_CAPS = frozenset("""
+COMMON_CAPS = frozenset(
+    """
 i i'm i've i'd i'll ok okay hi hello hey please thanks thank faq vs etc e.g i.e
-""".split())
+""".split()
+)

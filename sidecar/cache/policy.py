@@ -1,4 +1,5 @@
 """Per-request cache policy: whether to look up and whether to store."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,8 +15,9 @@ class CachePolicy:
     bypass_reason: Optional[str]  # set when the request does not consult the cache
 
 
-def cache_policy(cache_control: str, temperature: float, cache_sampled: bool, enabled: bool,
-                 allow_sampled: bool) -> CachePolicy:
+def cache_policy(
+    cache_control: str, temperature: float, cache_sampled: bool, enabled: bool, allow_sampled: bool
+) -> CachePolicy:
     """Decide what the cache does for one request.
 
     - ``default``: look up, store the generation on a miss.

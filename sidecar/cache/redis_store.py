@@ -16,6 +16,7 @@ puts and resyncs the mirror from the entry keys. Deletes made during an outage a
 entries they would remove expire by TTL. An entry that cannot be decoded, is too large, or
 has the wrong vector size is skipped and counted in ``malformed``.
 """
+
 from __future__ import annotations
 
 import base64
@@ -36,19 +37,31 @@ from sidecar.cache.store import Entry
 log = logging.getLogger("sidecar.cache.redis")
 
 MAX_ENTRY_BYTES = 512 * 1024  # larger entries are neither written nor read
-_PENDING_MAX = 2000           # puts kept while Redis is unreachable; the oldest go first
+_PENDING_MAX = 2000  # puts kept while Redis is unreachable; the oldest go first
 _SOCKET_TIMEOUT_S = 0.5
-_BLOCK_MS = 500               # stream read wait; the follower's socket timeout is above it
+_BLOCK_MS = 500  # stream read wait; the follower's socket timeout is above it
 _BACKOFF_S = (0.05, 5.0)
 _SCAN_BATCH = 500
 
 
 def encode_entry(e: Entry) -> bytes:
     vec = np.ascontiguousarray(e.vector, dtype=np.float32).tobytes()
-    return json.dumps({"k": e.exact_key, "s": e.scope_key, "q": e.query, "t": e.text, "ids": e.token_ids,
-                       "f": e.finish_reason, "pt": e.prompt_tokens, "ct": e.completion_tokens,
-                       "c": e.created_at, "v": base64.b64encode(vec).decode()},
-                      ensure_ascii=False, separators=(",", ":")).encode()
+    return json.dumps(
+        {
+            "k": e.exact_key,
+            "s": e.scope_key,
+            "q": e.query,
+            "t": e.text,
+            "ids": e.token_ids,
+            "f": e.finish_reason,
+            "pt": e.prompt_tokens,
+            "ct": e.completion_tokens,
+            "c": e.created_at,
+            "v": base64.b64encode(vec).decode(),
+        },
+        ensure_ascii=False,
+        separators=(",", ":"),
+    ).encode()
 
 
 def decode_entry(raw: Any, dim: int) -> Entry:
@@ -66,8 +79,9 @@ def decode_entry(raw: Any, dim: int) -> Entry:
     if not all(isinstance(x, str) for x in strs):
         raise TypeError("text field is not a string")
     created = float(d["c"])
-    return Entry(0, strs[0], strs[1], strs[2], strs[3], ids, strs[4], int(d["pt"]), int(d["ct"]), vec,
-                 created, created)
+    return Entry(
+        0, strs[0], strs[1], strs[2], strs[3], ids, strs[4], int(d["pt"]), int(d["ct"]), vec, created, created
+    )
 
 
 def _str(v: Any) -> str:
@@ -77,8 +91,15 @@ def _str(v: Any) -> str:
 class RedisBackend:
     """See the module docstring; the backend contract is in ``sidecar.cache.backend``."""
 
-    def __init__(self, url: str, embedding_model: str, dim: int, ttl_s: float, max_entries: int,
-                 password: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        embedding_model: str,
+        dim: int,
+        ttl_s: float,
+        max_entries: int,
+        password: Optional[str] = None,
+    ) -> None:
         import redis
 
         self._redis = redis
@@ -98,8 +119,9 @@ class RedisBackend:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._sink: Any = None
-        self.counters = dict(malformed=0, backend_errors=0, remote_puts=0, remote_deletes=0, resyncs=0,
-                             oversized=0)
+        self.counters = dict(
+            malformed=0, backend_errors=0, remote_puts=0, remote_deletes=0, resyncs=0, oversized=0
+        )
 
     # -- contract ---------------------------------------------------------------
     def load_all(self) -> Iterable[Entry]:
@@ -141,8 +163,12 @@ class RedisBackend:
             p = self._client.pipeline(transaction=True)
             for e in entries:
                 p.delete(self.ns + "e:" + e.exact_key)
-                p.xadd(self.stream, {"op": "del", "src": self.replica, "k": e.exact_key, "c": repr(e.created_at)},
-                       maxlen=self.stream_max, approximate=True)
+                p.xadd(
+                    self.stream,
+                    {"op": "del", "src": self.replica, "k": e.exact_key, "c": repr(e.created_at)},
+                    maxlen=self.stream_max,
+                    approximate=True,
+                )
             p.execute()
         except self._redis.RedisError as exc:
             self._count("backend_errors")
@@ -199,8 +225,12 @@ class RedisBackend:
             return
         p = self._client.pipeline(transaction=True)
         p.set(self.ns + "e:" + e.exact_key, raw, ex=max(1, math.ceil(left)))
-        p.xadd(self.stream, {"op": "put", "src": self.replica, "k": e.exact_key, "e": raw},
-               maxlen=self.stream_max, approximate=True)
+        p.xadd(
+            self.stream,
+            {"op": "put", "src": self.replica, "k": e.exact_key, "e": raw},
+            maxlen=self.stream_max,
+            approximate=True,
+        )
         p.execute()
 
     def _stream_tail(self) -> str:
@@ -256,7 +286,9 @@ class RedisBackend:
                     need_resync = True
             except self._redis.RedisError as exc:
                 if self._up:
-                    log.warning("semantic cache: lost Redis (%s); serving from local tiers, reconnecting", exc)
+                    log.warning(
+                        "semantic cache: lost Redis (%s); serving from local tiers, reconnecting", exc
+                    )
                 self._count("backend_errors")
                 self._set_up(False)
                 need_resync = True

@@ -18,6 +18,7 @@ Visibility: an answer is in the in-memory tiers (exact key and vector) as soon a
 ``sidecar.cache.backend``) follows on one writer thread, in order. With Redis, other
 replicas' entries arrive through ``apply_put`` / ``apply_delete``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -47,9 +48,9 @@ from sidecar.config import CacheConfig
 log = logging.getLogger("sidecar.cache")
 
 STORABLE_FINISH = ("stop", "length")
-_CANDIDATES = 4          # neighbours checked by the guard before giving up
-_VECTOR_MEMO = 2048      # recent query vectors, so store() after a miss does not re-embed
-_INLINE_CHARS = 8192     # lookups of a scope + query up to this size run on the event loop (see lookup)
+_CANDIDATES = 4  # neighbours checked by the guard before giving up
+_VECTOR_MEMO = 2048  # recent query vectors, so store() after a miss does not re-embed
+_INLINE_CHARS = 8192  # lookups of a scope + query up to this size run on the event loop (see lookup)
 _WS = re.compile(r"\s+")
 
 
@@ -98,8 +99,13 @@ def exact_key(scope: CacheScope) -> str:
 class SemanticCache:
     """See the module docstring. ``clock`` returns wall-clock seconds (injectable for TTL tests)."""
 
-    def __init__(self, cfg: CacheConfig, embedder: Optional[Embedder] = None,
-                 clock: Callable[[], float] = time.time, use_gpu: Optional[bool] = None):
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        embedder: Optional[Embedder] = None,
+        clock: Callable[[], float] = time.time,
+        use_gpu: Optional[bool] = None,
+    ):
         cfg.validate()
         self.cfg = cfg
         self._own_embedder = embedder is None
@@ -113,9 +119,21 @@ class SemanticCache:
         self._scopes: dict[str, ScopeIndex] = {}
         self._vectors: "OrderedDict[str, np.ndarray]" = OrderedDict()
         self._embedding: dict[str, asyncio.Task] = {}  # embeddings in flight, by text (event loop only)
-        self._counters = dict(lookups=0, exact_hits=0, semantic_hits=0, misses=0, guard_rejections=0,
-                              bypasses=0, stores=0, store_refused=0, store_failed=0, store_busy=0,
-                              evictions=0, expired=0, quarantined=0)
+        self._counters = dict(
+            lookups=0,
+            exact_hits=0,
+            semantic_hits=0,
+            misses=0,
+            guard_rejections=0,
+            bypasses=0,
+            stores=0,
+            store_refused=0,
+            store_failed=0,
+            store_busy=0,
+            evictions=0,
+            expired=0,
+            quarantined=0,
+        )
         self._last_sweep = clock()
         self._ids = itertools.count(1)  # in-memory ids; the backend knows entries by exact key
         # One writer thread: persistence happens in the order the memory changed.
@@ -204,9 +222,17 @@ class SemanticCache:
         self._entries.move_to_end(e.id)
         e.last_access = now
         self._counters["exact_hits" if kind == "exact" else "semantic_hits"] += 1
-        hit = CacheHit(text=e.text, token_ids=list(e.token_ids), finish_reason=e.finish_reason,
-                       prompt_tokens=e.prompt_tokens, completion_tokens=e.completion_tokens,
-                       similarity=similarity, matched_query=e.query, kind=kind, entry_id=e.id)
+        hit = CacheHit(
+            text=e.text,
+            token_ids=list(e.token_ids),
+            finish_reason=e.finish_reason,
+            prompt_tokens=e.prompt_tokens,
+            completion_tokens=e.completion_tokens,
+            similarity=similarity,
+            matched_query=e.query,
+            kind=kind,
+            entry_id=e.id,
+        )
         hit._entry = e  # for the touch after the lock is released
         return hit
 
@@ -329,8 +355,16 @@ class SemanticCache:
         """The embedding of the scope's normalised query (memoised: a lookup's vector is reused)."""
         return await self._embed(normalize_query(scope.query))
 
-    def insert(self, scope: CacheScope, text: str, token_ids: list[int], finish_reason: str,
-               prompt_tokens: int, completion_tokens: int, vec: np.ndarray) -> Optional[Entry]:
+    def insert(
+        self,
+        scope: CacheScope,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        vec: np.ndarray,
+    ) -> Optional[Entry]:
         """Put an answer into the in-memory tiers now (replacing one with the same exact key) and return
         it for ``persist``; None (counted) when ``finish_reason`` is not storable. Blocking only on
         ``_lock``: run it in a worker thread."""
@@ -339,10 +373,20 @@ class SemanticCache:
                 self._counters["store_refused"] += 1
             return None
         now = self._clock()
-        e = Entry(id=0, exact_key=exact_key(scope), scope_key=scope_key(scope), query=normalize_query(scope.query),
-                  text=text, token_ids=[int(t) for t in token_ids], finish_reason=finish_reason,
-                  prompt_tokens=int(prompt_tokens), completion_tokens=int(completion_tokens),
-                  vector=np.asarray(vec, dtype=np.float32), created_at=now, last_access=now)
+        e = Entry(
+            id=0,
+            exact_key=exact_key(scope),
+            scope_key=scope_key(scope),
+            query=normalize_query(scope.query),
+            text=text,
+            token_ids=[int(t) for t in token_ids],
+            finish_reason=finish_reason,
+            prompt_tokens=int(prompt_tokens),
+            completion_tokens=int(completion_tokens),
+            vector=np.asarray(vec, dtype=np.float32),
+            created_at=now,
+            last_access=now,
+        )
         with self._lock:
             self._replace_memory(e)
             self._counters["stores"] += 1
@@ -370,8 +414,15 @@ class SemanticCache:
                 self._counters["store_failed"] += 1
             raise
 
-    async def store(self, scope: CacheScope, text: str, token_ids: list[int], finish_reason: str,
-                    prompt_tokens: int, completion_tokens: int) -> None:
+    async def store(
+        self,
+        scope: CacheScope,
+        text: str,
+        token_ids: list[int],
+        finish_reason: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
         """Store a completed generation (finish ``stop``/``length``; anything else is refused) and wait
         until it is persisted; a persistence error is raised (the entry stays in memory)."""
         if finish_reason not in STORABLE_FINISH:
@@ -379,8 +430,9 @@ class SemanticCache:
                 self._counters["store_refused"] += 1
             return
         vec = await self.query_vector(scope)
-        e = await asyncio.to_thread(self.insert, scope, text, token_ids, finish_reason, prompt_tokens,
-                                    completion_tokens, vec)
+        e = await asyncio.to_thread(
+            self.insert, scope, text, token_ids, finish_reason, prompt_tokens, completion_tokens, vec
+        )
         await asyncio.wrap_future(self.persist(e))
 
     # -- other replicas' changes (called by the backend's follower thread) ----------

@@ -9,6 +9,7 @@ can drop the newest commits, and even then never corrupts the file.
 
 ``path=None`` keeps everything in an in-memory database through the same code.
 """
+
 from __future__ import annotations
 
 import json
@@ -114,8 +115,12 @@ class CacheStore:
             if os.path.exists(self.path + suffix):
                 os.replace(self.path + suffix, moved + suffix)
         self.quarantined_file = moved
-        log.error("semantic cache file %s is damaged (%s); moved it to %s and starting empty",
-                  self.path, reason, moved)
+        log.error(
+            "semantic cache file %s is damaged (%s); moved it to %s and starting empty",
+            self.path,
+            reason,
+            moved,
+        )
 
     def _check_model(self, embedding_model: str, dim: int) -> None:
         """Vectors from another embedding model are meaningless here: drop them rather than mix."""
@@ -188,8 +193,20 @@ class CacheStore:
                     "INSERT INTO entries(exact_key, scope_key, query, text, token_ids, finish_reason,"
                     " prompt_tokens, completion_tokens, vector, created_at, last_access)"
                     " VALUES(?,?,?,?,?,?,?,?,?,?,?)",
-                    (e.exact_key, e.scope_key, e.query, e.text, json.dumps(e.token_ids), e.finish_reason,
-                     e.prompt_tokens, e.completion_tokens, vec, e.created_at, e.last_access))
+                    (
+                        e.exact_key,
+                        e.scope_key,
+                        e.query,
+                        e.text,
+                        json.dumps(e.token_ids),
+                        e.finish_reason,
+                        e.prompt_tokens,
+                        e.completion_tokens,
+                        vec,
+                        e.created_at,
+                        e.last_access,
+                    ),
+                )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._rollback()
@@ -287,5 +304,17 @@ def _decode_row(r: tuple) -> Entry:
         raise ValueError("token_ids is not a list of integers")
     if not isinstance(r[9], bytes) or len(r[9]) % 4:
         raise ValueError("vector is not float32 data")
-    return Entry(r[0], _text(r[1]), _text(r[2]), _text(r[3]), _text(r[4]), ids, _text(r[6]), int(r[7]), int(r[8]),
-                 np.frombuffer(r[9], dtype=np.float32).copy(), float(r[10]), float(r[11]))
+    return Entry(
+        r[0],
+        _text(r[1]),
+        _text(r[2]),
+        _text(r[3]),
+        _text(r[4]),
+        ids,
+        _text(r[6]),
+        int(r[7]),
+        int(r[8]),
+        np.frombuffer(r[9], dtype=np.float32).copy(),
+        float(r[10]),
+        float(r[11]),
+    )

@@ -10,6 +10,7 @@ copy taken at construction, and ``tokenize`` / ``encode_chat`` /
 engine's, behind a lock), so worker threads never share a tokenizer with the
 engine thread that detokenizes every step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -96,8 +97,9 @@ class AsyncEngine:
         self._loras: dict[str, str] = engine.lora.names()  # name -> path; replaced whole on each change
         engine.structured.prepare()  # holds the GIL ~1 s: before serving, never under a first grammar request
         # Below the step loop's and the servers' CPU priority: compiling takes only what they leave.
-        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-grammar",
-                                                initializer=lower_thread_priority)
+        self._grammar_pool = ThreadPoolExecutor(
+            1, thread_name_prefix="sidecar-grammar", initializer=lower_thread_priority
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -263,6 +265,7 @@ class AsyncEngine:
     async def unload_lora(self, name: str) -> None:
         """Stop serving adapter ``name`` (requests already using it finish with it); raises
         AdapterNotFoundError when it is not loaded."""
+
         def unregister(engine: LLMEngine) -> dict[str, str]:
             engine.lora.unregister(name)
             return engine.lora.names()
@@ -274,14 +277,22 @@ class AsyncEngine:
         raises ValueError("structured: ..."). One thread: a request's n choices compile it once, without
         taking the shared workers that tokenize other tenants' prompts."""
         if constraint is not None:
-            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.engine.structured.compiled,
-                                                             constraint)
+            await asyncio.get_running_loop().run_in_executor(
+                self._grammar_pool, self.engine.structured.compiled, constraint
+            )
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: Optional[str] = None,
-                       priority: int = 0, cache_salt: Optional[str] = None,
-                       deadline: Optional[float] = None,
-                       arrival_time: Optional[float] = None, tenant: str = "",
-                       lora: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: Optional[str] = None,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+        deadline: Optional[float] = None,
+        arrival_time: Optional[float] = None,
+        tenant: str = "",
+        lora: Optional[str] = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream outputs of one request. Errors (ValueError, AdapterNotFoundError, QueueFullError) raise
         before any output. Leaving the iteration early aborts the request in the engine. ``lora``: the
         adapter it runs with (None: the base model).
@@ -300,9 +311,22 @@ class AsyncEngine:
             if rid in self._streams:
                 raise ValueError(f"request_id: {rid!r} is already in use")
             self._streams[rid] = stream
-        self._commands.put(("add", rid, prompt, params,
-                            {"priority": priority, "cache_salt": cache_salt, "deadline": deadline,
-                             "arrival_time": arrival_time, "tenant": tenant, "lora": lora}))
+        self._commands.put(
+            (
+                "add",
+                rid,
+                prompt,
+                params,
+                {
+                    "priority": priority,
+                    "cache_salt": cache_salt,
+                    "deadline": deadline,
+                    "arrival_time": arrival_time,
+                    "tenant": tenant,
+                    "lora": lora,
+                },
+            )
+        )
         finished = False
         try:
             while True:

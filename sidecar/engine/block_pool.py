@@ -7,6 +7,7 @@ Invariants:
   (eviction happens at reuse, oldest-freed first).
 - Block 0 is never handed out: it is the padding target of block tables.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -151,8 +152,13 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes, token_ids: tuple[int, ...],
-                    parent_hash: Optional[bytes] = None) -> None:
+    def cache_block(
+        self,
+        block: KVBlock,
+        block_hash: bytes,
+        token_ids: tuple[int, ...],
+        parent_hash: Optional[bytes] = None,
+    ) -> None:
         """Register a full block under its key (``parent_hash``: the chain's previous block's); an existing
         entry for the key wins (the duplicate block simply stays unregistered and is recycled when freed)."""
         if not self.enable_caching or block.block_hash is not None:

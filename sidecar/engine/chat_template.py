@@ -6,6 +6,7 @@ tokens. Text a caller puts inside a message is tokenized as plain text
 characters, never a real turn boundary. When no message contains the text of an
 added token, the result is exactly the template's own tokenization.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -24,7 +25,9 @@ def check_chat(tokenizer: Any, messages: Any) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("content"), str):
             raise ValueError(f"messages[{i}].content: must be a string")
         if m.get("role") not in ("system", "user", "assistant", "tool"):
-            raise ValueError(f"messages[{i}].role: must be system, user, assistant or tool, got {m.get('role')!r}")
+            raise ValueError(
+                f"messages[{i}].role: must be system, user, assistant or tool, got {m.get('role')!r}"
+            )
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: the model has no chat template; send a raw prompt instead")
 
@@ -39,7 +42,9 @@ def encode_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
-    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
     # Split the rendered prompt into template text (markers parsed) and content (markers inert).
     pieces: list[tuple[str, bool]] = []
     pos = 0
@@ -50,8 +55,10 @@ def encode_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]
             content = content.strip()
             at = rendered.find(content, pos)
         if at < 0:
-            raise ValueError(f"messages[{i}].content: the chat template rewrites this message, so text in it "
-                             "that looks like a special token cannot be kept inert; remove the marker text")
+            raise ValueError(
+                f"messages[{i}].content: the chat template rewrites this message, so text in it "
+                "that looks like a special token cannot be kept inert; remove the marker text"
+            )
         pieces.append((rendered[pos:at], True))
         pieces.append((content, False))
         pos = at + len(content)

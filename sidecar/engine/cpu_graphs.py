@@ -27,6 +27,7 @@ whose layers take torch paths: float32 layers in oneDNN, the torch fallbacks) or
 built, every step runs eagerly and ``reason`` says why. A batch size whose step runs a torch operator (bf16
 batches past our kernel's rows go to oneDNN where it has bf16) runs eagerly alone (``eager_sizes``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,10 +60,17 @@ def linear_layouts(model) -> dict[str, int]:
     counts: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, Linear):
-            kind = (f"tile layout ({amx_gemm.path()})" if m.amx is not None
-                    else "oneDNN packed + tiled copy" if m.packed is not None and m.tiled is not None
-                    else "oneDNN packed" if m.packed is not None else "tiled layout" if m.tiled is not None
-                    else "plain")
+            kind = (
+                f"tile layout ({amx_gemm.path()})"
+                if m.amx is not None
+                else "oneDNN packed + tiled copy"
+                if m.packed is not None and m.tiled is not None
+                else "oneDNN packed"
+                if m.packed is not None
+                else "tiled layout"
+                if m.tiled is not None
+                else "plain"
+            )
             counts[kind] = counts.get(kind, 0) + 1
     return counts
 
@@ -105,16 +113,23 @@ class CpuDecodePlans:
             m, cos = inputs.max_batch, self.model.rope_cos
             self.clear()  # plans hold these buffers' addresses
             self._hidden = torch.empty(m, rows.shape[-1], dtype=rows.dtype)
-            self._rope = (torch.empty(m, 1, cos.shape[-1], dtype=cos.dtype),
-                          torch.empty(m, 1, cos.shape[-1], dtype=cos.dtype))
+            self._rope = (
+                torch.empty(m, 1, cos.shape[-1], dtype=cos.dtype),
+                torch.empty(m, 1, cos.shape[-1], dtype=cos.dtype),
+            )
         self._hidden[:bucket].copy_(rows)
         self.model.rope_rows(inputs.positions[:bucket], out=self._rope)
 
     def body(self, bucket: int) -> torch.Tensor:
         """The decoder over the staged rows, eagerly: the step a plan records."""
         cos, sin = self._rope
-        return self.model.forward_embedded(self._hidden[:bucket], cos[:bucket], sin[:bucket], self.kv_caches,
-                                           decode_metadata(self.inputs, bucket))
+        return self.model.forward_embedded(
+            self._hidden[:bucket],
+            cos[:bucket],
+            sin[:bucket],
+            self.kv_caches,
+            decode_metadata(self.inputs, bucket),
+        )
 
     def replays(self) -> bool:
         """Whether decode steps go through ``run`` now (on, and no device fast path -- Triton under its
@@ -148,7 +163,9 @@ class CpuDecodePlans:
         """Plan these batch sizes now (dry passes: nothing computed), so that their first steps replay too. A size
         that cannot be planned so is recorded at its first step instead."""
         refused: dict[str, list[int]] = {}
-        if self._hidden is None:  # the staging buffers a plan reads from (a dry pass reads no values: once is enough)
+        if (
+            self._hidden is None
+        ):  # the staging buffers a plan reads from (a dry pass reads no values: once is enough)
             self.stage(1)
         for i, bucket in enumerate(sizes):
             if bucket not in self._plans and bucket not in self._seen:
@@ -160,8 +177,11 @@ class CpuDecodePlans:
                 release_freed_memory()
         release_freed_memory()
         for why, buckets in refused.items():
-            log.info("CPU decode steps of %s rows recorded at their first step, not planned ahead: %s",
-                     _spans(buckets), why)
+            log.info(
+                "CPU decode steps of %s rows recorded at their first step, not planned ahead: %s",
+                _spans(buckets),
+                why,
+            )
 
     def _plan(self, bucket: int) -> Optional[str]:
         """Plan this size from a dry pass (nothing computed or written) and keep it; None, or why the pass refused
@@ -195,9 +215,13 @@ class CpuDecodePlans:
         weights (``linear_layouts``); elsewhere nothing."""
         if not self.on_cpu:
             return {}
-        return {"cpu_decode_replay": self.enabled, "cpu_decode_replay_reason": self.reason or "",
-                "cpu_decode_planned": self.plans_dry, "cpu_decode_planned_reason": self.dry_reason or "",
-                "cpu_linear_layouts": linear_layouts(self.model)}
+        return {
+            "cpu_decode_replay": self.enabled,
+            "cpu_decode_replay_reason": self.reason or "",
+            "cpu_decode_planned": self.plans_dry,
+            "cpu_decode_planned_reason": self.dry_reason or "",
+            "cpu_linear_layouts": linear_layouts(self.model),
+        }
 
     def disable(self, reason: str) -> None:
         if self.enabled:
@@ -247,14 +271,20 @@ class CpuDecodePlans:
         if self.plans_dry:
             self.plan_ahead(range(1, min(self.inputs.max_batch, PLAN_AHEAD) + 1))
         if reason is None:
-            log.info("CPU decode steps replayed from C %s", "from their first runs, each size planned ahead"
-                     if self.plans_dry else f"after their first runs (not planned ahead: {dry_reason})")
+            log.info(
+                "CPU decode steps replayed from C %s",
+                "from their first runs, each size planned ahead"
+                if self.plans_dry
+                else f"after their first runs (not planned ahead: {dry_reason})",
+            )
         else:
             log.info("CPU decode replays off, steps run eagerly: %s", reason)
         return reason
 
     @staticmethod
-    def _check_plan(plan: replay.Plan, eager: torch.Tensor, bucket: int, what: str = "replayed") -> Optional[str]:
+    def _check_plan(
+        plan: replay.Plan, eager: torch.Tensor, bucket: int, what: str = "replayed"
+    ) -> Optional[str]:
         """None when ``plan`` replays to ``eager``'s bits, else why not."""
         # all-ones bytes (NaN in float32 and bf16): a replay that leaves its result unwritten fails
         arena = torch.full((plan.arena_bytes,), 0xFF, dtype=torch.uint8)

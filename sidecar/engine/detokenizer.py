@@ -9,6 +9,7 @@ While a request runs, only the text that could still become a stop match is held
 end of the text that begins some stop string -- so a stop string that is still being written never
 leaks into a streamed delta, and a long stop string does not turn a stream into one chunk at the end.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Protocol, Sequence
@@ -73,8 +74,9 @@ class IncrementalDetokenizer:
         self.stopped_by: Optional[str] = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special, clean_up_tokenization_spaces=False
+        )
 
     def add_token(self, token_id: int) -> Optional[str]:
         """Append one token; returns the stop string if the text now contains one
@@ -82,15 +84,15 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None:
             return self.stopped_by
         self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         pending = len(self.ids) - self.read_offset
         # A UTF-8 character spans at most 4 bytes, so more pending tokens than that ending in U+FFFD
         # are invalid bytes, not a character still being written: commit them rather than wait forever.
         if len(full) <= len(prefix) or (full.endswith("\ufffd") and pending <= MAX_PENDING_TOKENS):
             return None  # an incomplete character (or nothing printable) so far
         before = len(self.text)
-        self.text += full[len(prefix):]
+        self.text += full[len(prefix) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         new = self.text[before:]
@@ -102,12 +104,16 @@ class IncrementalDetokenizer:
                 if best is None or start < best[0]:
                     best = (start, m.stop)
         if best is not None:
-            self.text = self.text[:best[0]]
+            self.text = self.text[: best[0]]
             self.stopped_by = best[1]
         return self.stopped_by
 
     def visible_text(self, finished: bool) -> str:
         """Text safe to show: everything once finished, else minus its end that may still grow into a
         stop string."""
-        held = 0 if finished or self.stopped_by is not None else max((m.state for m in self._matchers), default=0)
-        return self.text[:len(self.text) - held] if held else self.text
+        held = (
+            0
+            if finished or self.stopped_by is not None
+            else max((m.state for m in self._matchers), default=0)
+        )
+        return self.text[: len(self.text) - held] if held else self.text

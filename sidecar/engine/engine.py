@@ -1,4 +1,5 @@
 """LLMEngine (add_request / step / abort) and LLM, the offline facade."""
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,14 @@ from sidecar.engine.detokenizer import IncrementalDetokenizer
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.lora_manager import LoraManager
 from sidecar.engine.overlap import OverlapPipeline, append_sampled
-from sidecar.engine.request import (FinishReason, Request, RequestOutput, RequestStatus, SamplingParams,
-                                    random_request_id)
+from sidecar.engine.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    random_request_id,
+)
 from sidecar.engine.runner import ModelRunner
 from sidecar.engine.sampler import Sampler
 from sidecar.engine.sampler_check import device_sampler_check
@@ -46,32 +53,49 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.args.vocab_size
         self.runner = ModelRunner(loaded, config, device_sampler_check(loaded.device, config.seed))
-        self.lora = LoraManager(loaded.model, loaded.args, config.max_loras, config.max_lora_rank,
-                                enabled=bool(config.lora_modules) or config.enable_lora)
+        self.lora = LoraManager(
+            loaded.model,
+            loaded.args,
+            config.max_loras,
+            config.max_lora_rank,
+            enabled=bool(config.lora_modules) or config.enable_lora,
+        )
         for name, path in config.lora_modules.items():
             self.lora.register(name, self.lora.read(path))
         self.runner.lora = self.lora
         self.kv = KVCacheManager.build(config, self.runner, loaded)  # with the offload tiers asked for
         # Weights and KV pool in transparent huge pages where torch's allocator did not already place them.
-        self.huge_pages = (hugepages.advise_new(mapped_before) if loaded.device.type == "cpu"
-                           else {"state": f"off (device {loaded.device.type})"})
+        self.huge_pages = (
+            hugepages.advise_new(mapped_before)
+            if loaded.device.type == "cpu"
+            else {"state": f"off (device {loaded.device.type})"}
+        )
         # A step's large intermediates (logits, a prompt chunk's MLP) reused from the heap, not mapped anew each step.
-        self.heap = (heap.keep_step_blocks() if loaded.device.type == "cpu"
-                     else {"state": f"off (device {loaded.device.type})"})
+        self.heap = (
+            heap.keep_step_blocks()
+            if loaded.device.type == "cpu"
+            else {"state": f"off (device {loaded.device.type})"}
+        )
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(self._sampling_device(), config.seed, config.max_num_seqs)
         self.spec = SpecDecoder(config, self.kv, self.max_model_len, self.runner, loaded)
-        self.structured = StructuredDecoder(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                            overlap=self.runner.host_overlaps_forward)
+        self.structured = StructuredDecoder(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, overlap=self.runner.host_overlaps_forward
+        )
         self.requests: dict[str, Request] = {}
         overlap = config.overlap_steps
-        self.overlap = OverlapPipeline(self, (loaded.device.type == "cuda" and not config.enforce_eager)
-                                       if overlap is None else overlap)
+        self.overlap = OverlapPipeline(
+            self, (loaded.device.type == "cuda" and not config.enforce_eager) if overlap is None else overlap
+        )
         self._pending: list[RequestOutput] = []
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_requests_finished": 0,
-                         "num_steps": 0}
+        self.counters = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "num_requests_finished": 0,
+            "num_steps": 0,
+        }
         self.model_info = {
             "model": config.model,
             "model_dir": str(loaded.model_dir),
@@ -80,27 +104,46 @@ class LLMEngine:
             "dtype_reason": loaded.dtype_reason,
             "quantization": loaded.quantization or "none",
             "max_model_len": self.max_model_len,
-            "vocab_size": self.vocab_size, "block_size": config.block_size,
-            "num_kv_blocks": self.kv.num_blocks, "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "vocab_size": self.vocab_size,
+            "block_size": config.block_size,
+            "num_kv_blocks": self.kv.num_blocks,
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
             "prefix_caching": config.enable_prefix_caching,
-            "device": str(loaded.device), **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
+            "device": str(loaded.device),
+            **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
             **self.runner.cpu_plans.info(),  # on CPU: cpu_decode_replay (+ reason)
             **self.runner.kv_info(),  # kv_cache_dtype (+ reason), kv_cache_tokens
             # what a LoRA adapter for this base must fit: layers and each target's (in, out) features
-            "num_layers": loaded.args.num_layers, "lora_target_shapes": part_shapes(loaded.args),
+            "num_layers": loaded.args.num_layers,
+            "lora_target_shapes": part_shapes(loaded.args),
         }
-        weights = sum(t.numel() * t.element_size() for t in
-                      list(loaded.model.parameters()) + list(loaded.model.buffers()))
+        weights = sum(
+            t.numel() * t.element_size()
+            for t in list(loaded.model.parameters()) + list(loaded.model.buffers())
+        )
         kvb = self.runner.kv_budget
-        log.info("engine ready: model=%s arch=%s dtype=%s (%s) quantization=%s device=%s weights=%.1f MiB "
-                 "kv_blocks=%d x %d tokens (%d tokens, %s, %.1f MiB, %s, sized by %s; container limit %s) "
-                 "max_model_len=%d load=%.1fs", config.model, loaded.args.architecture, self.model_info["dtype"],
-                 loaded.dtype_reason, self.model_info["quantization"], loaded.device, weights / 2**20,
-                 self.kv.num_blocks, config.block_size, self.model_info["kv_cache_tokens"],
-                 self.model_info["kv_cache_dtype"], kvb.bytes / 2**20,
-                 "committed" if config.kv_cache_commit else "lazy", kvb.source,
-                 "none" if kvb.container_limit_bytes is None else f"{kvb.container_limit_bytes / 2**20:.0f} MiB",
-                 self.max_model_len, loaded.load_time_s)
+        log.info(
+            "engine ready: model=%s arch=%s dtype=%s (%s) quantization=%s device=%s weights=%.1f MiB "
+            "kv_blocks=%d x %d tokens (%d tokens, %s, %.1f MiB, %s, sized by %s; container limit %s) "
+            "max_model_len=%d load=%.1fs",
+            config.model,
+            loaded.args.architecture,
+            self.model_info["dtype"],
+            loaded.dtype_reason,
+            self.model_info["quantization"],
+            loaded.device,
+            weights / 2**20,
+            self.kv.num_blocks,
+            config.block_size,
+            self.model_info["kv_cache_tokens"],
+            self.model_info["kv_cache_dtype"],
+            kvb.bytes / 2**20,
+            "committed" if config.kv_cache_commit else "lazy",
+            kvb.source,
+            "none" if kvb.container_limit_bytes is None else f"{kvb.container_limit_bytes / 2**20:.0f} MiB",
+            self.max_model_len,
+            loaded.load_time_s,
+        )
 
     # -- input ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
@@ -116,14 +159,18 @@ class LLMEngine:
                 raise ValueError("prompt: token ids must be integers")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(
+                    f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
         else:
             raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the context "
-                             f"length of {self.max_model_len} tokens")
+            raise ValueError(
+                f"prompt: {len(ids)} tokens leave no room to generate within the context "
+                f"length of {self.max_model_len} tokens"
+            )
         return text, ids
 
     def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
@@ -131,9 +178,18 @@ class LLMEngine:
         specs) and tool messages are passed to the template as Hugging Face defines them."""
         return encode_chat(self.tokenizer, messages, tools)  # content never forges turns (see chat_template)
 
-    def add_request(self, request_id: Optional[str], prompt: Prompt, params: SamplingParams, priority: int = 0,
-                    cache_salt: Optional[str] = None, deadline: Optional[float] = None,
-                    arrival_time: Optional[float] = None, tenant: str = "", lora: Optional[str] = None) -> str:
+    def add_request(
+        self,
+        request_id: Optional[str],
+        prompt: Prompt,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+        deadline: Optional[float] = None,
+        arrival_time: Optional[float] = None,
+        tenant: str = "",
+        lora: Optional[str] = None,
+    ) -> str:
         """Queue a request. Raises ValueError (bad input, naming the field), AdapterNotFoundError (``lora``
         names no loaded adapter) or QueueFullError. ``tenant`` groups requests for fair admission (see
         Scheduler); ``lora`` is the adapter it runs with (None: the base model)."""
@@ -148,8 +204,18 @@ class LLMEngine:
         if not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         text, ids = self.tokenize(prompt)
-        req = Request(request_id, ids, params, prompt=text, priority=priority, cache_salt=cache_salt or None,
-                      deadline=deadline, arrival_time=arrival_time, eos_token_ids=self.eos_token_ids, tenant=tenant)
+        req = Request(
+            request_id,
+            ids,
+            params,
+            prompt=text,
+            priority=priority,
+            cache_salt=cache_salt or None,
+            deadline=deadline,
+            arrival_time=arrival_time,
+            eos_token_ids=self.eos_token_ids,
+            tenant=tenant,
+        )
         req.detok = IncrementalDetokenizer(self.tokenizer, params)
         self.scheduler.check_room(len(self.lora.parked))  # may raise QueueFullError
         admitted = self.lora.admit(req, lora)  # may raise AdapterNotFoundError; False: parked for a slot
@@ -245,7 +311,9 @@ class LLMEngine:
 
     def _run_scheduled(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> None:
         # Grammar masks are computed while the forward runs; None when no sampling request is constrained.
-        masks = self.structured.start_masks([s.request.request_id for s in sched.scheduled if s.completes_prompt])
+        masks = self.structured.start_masks(
+            [s.request.request_id for s in sched.scheduled if s.completes_prompt]
+        )
         sample_reqs, logits = self.runner.execute(sched, self.kv)
         for s in sched.scheduled:  # proposed tokens count as computed only once accepted (spec/decoder.py)
             s.request.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
@@ -253,8 +321,9 @@ class LLMEngine:
         if not sample_reqs:
             return
         num_spec = {s.request.request_id: s.num_spec_tokens for s in sched.scheduled if s.num_spec_tokens}
-        results = self.spec.sample(self.structured, self.sampler, self.sampling_logits(logits), sample_reqs,
-                                   num_spec, masks)
+        results = self.spec.sample(
+            self.structured, self.sampler, self.sampling_logits(logits), sample_reqs, num_spec, masks
+        )
         now = time.monotonic()
         for req, (token_ids, logprobs) in zip(sample_reqs, results):
             append_sampled(self, req, token_ids, logprobs, now, outputs)
@@ -263,13 +332,18 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
-            "num_kv_blocks": self.kv.num_blocks, "kv_cache_tokens": self.model_info["kv_cache_tokens"],
+            "num_kv_blocks": self.kv.num_blocks,
+            "kv_cache_tokens": self.model_info["kv_cache_tokens"],
             "kv_cache_bytes": self.runner.kv_cache_bytes,
-            "num_free_kv_blocks": self.kv.num_free_blocks(), **self.kv.offload_stats(),
+            "num_free_kv_blocks": self.kv.num_free_blocks(),
+            **self.kv.offload_stats(),
             "kv_cache_usage": self.kv.usage(),
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "num_preemptions": self.scheduler.num_preemptions,
-            **self.counters, **self.structured.counters(), **self.spec.counters(),
-            "fast_path_active": self.runner.fast_path_states(), **self.lora.stats(),
+            **self.counters,
+            **self.structured.counters(),
+            **self.spec.counters(),
+            "fast_path_active": self.runner.fast_path_states(),
+            **self.lora.stats(),
         }

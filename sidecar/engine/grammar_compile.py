@@ -22,6 +22,7 @@ Invariants:
   ``compiled`` from its grammar thread, which runs at a lower OS priority than the step loop and the
   servers (``lower_thread_priority``), so it takes only CPU they leave.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,12 @@ def grammar_for(c: Any) -> str:
         schema = c.value if c.kind == "json" else {"type": "object"}
         # Compact separators keep the output bounded; lenient (non-strict) ignores keywords the
         # grammar cannot enforce instead of rejecting the schema.
-        opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
-                "lenient": not c.strict}
+        opts = {
+            "whitespace_flexible": False,
+            "item_separator": ", ",
+            "key_separator": ": ",
+            "lenient": not c.strict,
+        }
         try:
             return LLMatcher.grammar_from_json_schema(schema, defaults=opts)
         except (ValueError, TypeError) as exc:
@@ -138,8 +143,10 @@ class GrammarCompiler:
         if matcher.is_error():
             return f"cannot be enforced: {_first_error_line(matcher.get_error())}"
         if spent > COMPILE_BUDGET_S:
-            return (f"too complex: compiling it took {spent:.1f} s of CPU, the budget is {COMPILE_BUDGET_S:.0f} s; "
-                    "use fewer alternatives or shorter repetitions")
+            return (
+                f"too complex: compiling it took {spent:.1f} s of CPU, the budget is {COMPILE_BUDGET_S:.0f} s; "
+                "use fewer alternatives or shorter repetitions"
+            )
         return self._walk(matcher, first) or matcher
 
     def _walk(self, matcher: Any, first: bytes) -> Optional[str]:
@@ -174,6 +181,8 @@ class GrammarCompiler:
             if m.is_error():
                 return f"cannot be enforced: {_first_error_line(m.get_error())}"
             if spent > MASK_BUDGET_S:
-                return (f"too complex: one token's mask took {spent * 1000:.0f} ms of CPU, the budget is "
-                        f"{MASK_BUDGET_S * 1000:.0f} ms")
+                return (
+                    f"too complex: one token's mask took {spent * 1000:.0f} ms of CPU, the budget is "
+                    f"{MASK_BUDGET_S * 1000:.0f} ms"
+                )
         return None

@@ -13,6 +13,7 @@ Two end rules, each a flag of the request's ``Constraint``; tool-call grammars t
   ends right after it (``ended``); the reader of the output drops the repeat. The grammar fixes the
   formatting (separators, property order), so an identical value is identical text.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -23,8 +24,14 @@ class GrammarState:
 
     __slots__ = ("matcher", "state", "trigger", "triggered", "tail", "open_end", "units", "unit", "ended")
 
-    def __init__(self, matcher: Any, trigger: Optional[str], open_end: bool = False,
-                 end_on_repeat: bool = False, key: str = "") -> None:
+    def __init__(
+        self,
+        matcher: Any,
+        trigger: Optional[str],
+        open_end: bool = False,
+        end_on_repeat: bool = False,
+        key: str = "",
+    ) -> None:
         self.matcher = matcher
         self.state = hash(key)  # a digest of (grammar, tokens consumed): equal states have equal masks
         self.trigger = trigger
@@ -52,7 +59,7 @@ class GrammarState:
     def advance(self, token_bytes: bytes) -> None:
         """Account for a token the matcher has just consumed."""
         if not self.triggered:
-            self.tail = (self.tail + token_bytes.decode("utf-8", "replace"))[-2 * len(self.trigger):]
+            self.tail = (self.tail + token_bytes.decode("utf-8", "replace"))[-2 * len(self.trigger) :]
             self.triggered = self.trigger in self.tail
         if self.units is None or self.matcher.is_error():
             return

@@ -10,6 +10,7 @@ Invariant the step function keeps for capture: no host reads (``.item()``, ``.to
 indexing, ``nonzero``) and no Python value derived from the buffers' contents, so a replay computes
 from whatever the buffers hold at replay time (tests run it on the ``meta`` device to prove this).
 """
+
 from __future__ import annotations
 
 import logging
@@ -75,7 +76,9 @@ class DecodeGraphs:
             torch.cuda.empty_cache()
 
 
-def capture_or_none(graphs: DecodeGraphs, buckets: Iterable[int], prepare: Callable[[int], None]) -> Optional[str]:
+def capture_or_none(
+    graphs: DecodeGraphs, buckets: Iterable[int], prepare: Callable[[int], None]
+) -> Optional[str]:
     """Capture, returning None, or the reason capture failed (the graphs are then cleared)."""
     try:
         graphs.capture(buckets, prepare)

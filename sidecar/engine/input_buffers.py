@@ -10,6 +10,7 @@ Rows are padded up to a batch-size bucket. A padded row decodes token 0 at posit
 of one token, writes its KV into the reserved block 0 (slot ``j % block_size`` for padded row j) and
 reads only that block; its hidden state is computed and never selected.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -63,11 +64,14 @@ class DecodeInputs:
         self.staging = torch.zeros(total, dtype=torch.long, pin_memory=pin)
         self._host = self.staging.numpy()
         # On the CPU the staging buffer is the buffer: nothing to copy.
-        self.buffer = self.staging if device.type == "cpu" else torch.zeros(total, dtype=torch.long, device=device)
+        self.buffer = (
+            self.staging if device.type == "cpu" else torch.zeros(total, dtype=torch.long, device=device)
+        )
         m = max_batch
         self.ids, self.positions, self.slots, self.ctx_lens, self.sample_rows = (
-            self.buffer[i * m:(i + 1) * m] for i in range(5))
-        self._tables_flat = self.buffer[self._table_off:]
+            self.buffer[i * m : (i + 1) * m] for i in range(5)
+        )
+        self._tables_flat = self.buffer[self._table_off :]
         self.tables_i32 = torch.zeros(max_batch * max_blocks, dtype=torch.int32, device=device)
         # Set after each copy on CUDA: the staging buffer is written again only once the copy has read it.
         self._copied = None
@@ -80,28 +84,34 @@ class DecodeInputs:
         indices of the rows to sample; then one host->device copy. Raises ValueError when they do not fit."""
         n, bs = len(rows), self.block_size
         if not n <= bucket <= self.max_batch or not 1 <= width <= self.max_blocks:
-            raise ValueError(f"decode batch: {n} rows in a bucket of {bucket} (at most {self.max_batch}) with "
-                             f"{width} table columns (at most {self.max_blocks}) does not fit the buffers")
+            raise ValueError(
+                f"decode batch: {n} rows in a bucket of {bucket} (at most {self.max_batch}) with "
+                f"{width} table columns (at most {self.max_blocks}) does not fit the buffers"
+            )
         if self._copied is not None:
             self._copied.synchronize()  # normally long done: the step's results were read since
         h, m, pad = self._host, self.max_batch, bucket - n
         h[0:n] = [r.token for r in rows]
-        h[m:m + n] = [r.position for r in rows]
-        h[2 * m:2 * m + n] = [r.slot for r in rows]
-        h[3 * m:3 * m + n] = [r.ctx_len for r in rows]
+        h[m : m + n] = [r.position for r in rows]
+        h[2 * m : 2 * m + n] = [r.slot for r in rows]
+        h[3 * m : 3 * m + n] = [r.ctx_len for r in rows]
         if pad:
             h[n:bucket] = 0
-            h[m + n:m + bucket] = 0
-            h[2 * m + n:2 * m + bucket] = [j % bs for j in range(pad)]
-            h[3 * m + n:3 * m + bucket] = 1
-        h[4 * m:4 * m + len(sample)] = sample
+            h[m + n : m + bucket] = 0
+            h[2 * m + n : 2 * m + bucket] = [j % bs for j in range(pad)]
+            h[3 * m + n : 3 * m + bucket] = 1
+        h[4 * m : 4 * m + len(sample)] = sample
         off = self._table_off
         if any(len(r.table) > width for r in rows):
-            raise ValueError(f"decode batch: a block table of {max(len(r.table) for r in rows)} blocks exceeds "
-                             f"{width} columns")
-        h[off:off + bucket * width] = 0  # then each row's blocks (wide tables: max_blocks for graphs and replays)
+            raise ValueError(
+                f"decode batch: a block table of {max(len(r.table) for r in rows)} blocks exceeds "
+                f"{width} columns"
+            )
+        h[off : off + bucket * width] = (
+            0  # then each row's blocks (wide tables: max_blocks for graphs and replays)
+        )
         for i, r in enumerate(rows):
-            h[off + i * width:off + i * width + len(r.table)] = r.table
+            h[off + i * width : off + i * width + len(r.table)] = r.table
         used = off + bucket * width  # every staged value lies in this prefix
         if self.buffer is not self.staging:
             self.buffer[:used].copy_(self.staging[:used], non_blocking=True)
@@ -116,12 +126,12 @@ class DecodeInputs:
 
     def tables(self, bucket: int, width: int) -> torch.Tensor:
         """[bucket, width] view of the int64 tables (contiguous: rows are ``width`` apart)."""
-        return self._tables_flat[:bucket * width].view(bucket, width)
+        return self._tables_flat[: bucket * width].view(bucket, width)
 
     def tables_int32(self, bucket: int, width: int) -> torch.Tensor:
         """[bucket, width] int32 copy of the tables, refreshed on the device by this call."""
-        out = self.tables_i32[:bucket * width]
-        out.copy_(self._tables_flat[:bucket * width])
+        out = self.tables_i32[: bucket * width]
+        out.copy_(self._tables_flat[: bucket * width])
         return out.view(bucket, width)
 
 

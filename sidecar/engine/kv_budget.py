@@ -8,6 +8,7 @@ rather than the node's free memory. On CPU a ceiling (``CPU_DEFAULT_KV_CAP_BYTES
 The runner commits the whole pool at start (``EngineConfig.kv_cache_commit``), so a budget that does
 not fit fails at start and the resident size does not creep while blocks are first used.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,8 +54,9 @@ def _read_int(paths: tuple[str, ...]) -> Optional[int]:
     return None
 
 
-def container_memory(limits: tuple[str, ...] = _CGROUP_LIMITS,
-                     usage: tuple[str, ...] = _CGROUP_USAGE) -> tuple[Optional[int], Optional[int]]:
+def container_memory(
+    limits: tuple[str, ...] = _CGROUP_LIMITS, usage: tuple[str, ...] = _CGROUP_USAGE
+) -> tuple[Optional[int], Optional[int]]:
     """(limit, headroom) in bytes of this process's memory cgroup; (None, None) when unlimited or unknown."""
     limit = _read_int(limits)
     if limit is None:
@@ -76,7 +78,9 @@ def _cpu_memory_bound(config: EngineConfig) -> tuple[int, str, Optional[int]]:
     return bound, "memory fraction", limit
 
 
-def plan_kv_budget(config: EngineConfig, loaded: LoadedModel, kv_dtype: Optional[torch.dtype] = None) -> KVBudget:
+def plan_kv_budget(
+    config: EngineConfig, loaded: LoadedModel, kv_dtype: Optional[torch.dtype] = None
+) -> KVBudget:
     """The pool's size and what decided it, for cache elements of ``kv_dtype`` (default: the model's dtype;
     a quantized cache holds more tokens in the same budget). Raises ValueError naming
     ``kv_cache_memory_gb`` when the budget holds no block."""
@@ -99,8 +103,9 @@ def plan_kv_budget(config: EngineConfig, loaded: LoadedModel, kv_dtype: Optional
             budget, source = need, "max_num_seqs x context"
     blocks = budget // per_block + 1
     if blocks < 2:
-        raise ValueError(f"kv_cache_memory_gb: budget {budget} bytes holds no KV block "
-                         f"({per_block} bytes each)")
+        raise ValueError(
+            f"kv_cache_memory_gb: budget {budget} bytes holds no KV block ({per_block} bytes each)"
+        )
     return KVBudget(blocks, blocks * per_block, source, limit)
 
 

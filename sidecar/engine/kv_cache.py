@@ -1,5 +1,6 @@
 """KVCacheManager: per-request block tables over the shared BlockPool, with prefix caching and (given
 a ``KVOffload``) a second tier that keeps evicted prefix blocks and loads them back on a later hit."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -13,8 +14,13 @@ from sidecar.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 offload: Optional[KVOffload] = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        offload: Optional[KVOffload] = None,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -31,9 +37,14 @@ class KVCacheManager:
         offload = None
         if config.enable_prefix_caching and (config.kv_offload_gb > 0 or config.kv_offload_dir):
             identity = model_identity(loaded, runner.kv_info()["kv_cache_dtype"], config.block_size)
-            offload = KVOffload(int(config.kv_offload_gb * (1 << 30)), config.kv_offload_dir,
-                                int(config.kv_offload_disk_gb * (1 << 30)), identity, runner.read_block,
-                                runner.write_blocks)
+            offload = KVOffload(
+                int(config.kv_offload_gb * (1 << 30)),
+                config.kv_offload_dir,
+                int(config.kv_offload_disk_gb * (1 << 30)),
+                identity,
+                runner.read_block,
+                runner.write_blocks,
+            )
         return cls(runner.num_blocks, config.block_size, config.enable_prefix_caching, offload)
 
     def _offload_evicted(self, block: KVBlock) -> None:
@@ -64,7 +75,7 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(toks):
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tuple(toks[i * bs:(i + 1) * bs]), req.cache_salt))
+            hashes.append(hash_block(parent, tuple(toks[i * bs : (i + 1) * bs]), req.cache_salt))
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest chain of cached blocks matching the request's leading tokens.
@@ -79,7 +90,7 @@ class KVCacheManager:
         toks = req.all_token_ids
         hits: list[KVBlock] = []
         for i in range(max_blocks):
-            block = self.pool.get_cached(req.block_hashes[i], tuple(toks[i * bs:(i + 1) * bs]))
+            block = self.pool.get_cached(req.block_hashes[i], tuple(toks[i * bs : (i + 1) * bs]))
             if block is None:
                 break
             hits.append(block)
@@ -99,7 +110,7 @@ class KVCacheManager:
         self.pool.touch(hits)  # the chain found so far must not become a load target
         found: list[tuple[int, tuple[int, ...], torch.Tensor]] = []
         for i in range(len(hits), min(stop, len(hits) + self.pool.num_free_blocks())):
-            tokens = tuple(toks[i * bs:(i + 1) * bs])
+            tokens = tuple(toks[i * bs : (i + 1) * bs])
             data = self.offload.fetch(req.block_hashes[i], tokens)  # a miss leaves the pool untouched
             if data is None:
                 break
@@ -119,8 +130,9 @@ class KVCacheManager:
         return [b for b in loaded if b.block_hash is not None]
 
     # -- allocation -----------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVBlock] = ()) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
+    ) -> bool:
         """Make room for ``num_new_tokens`` after the request's computed (and newly hit) tokens.
 
         Returns False, changing nothing, when the pool cannot supply the blocks."""
@@ -155,7 +167,9 @@ class KVCacheManager:
             block = blocks[i]
             if block.block_hash is not None:
                 break  # earlier blocks were registered in an earlier step
-            self.pool.cache_block(block, req.block_hashes[i], tuple(toks[i * bs:(i + 1) * bs]), _parent(req, i))
+            self.pool.cache_block(
+                block, req.block_hashes[i], tuple(toks[i * bs : (i + 1) * bs]), _parent(req, i)
+            )
 
     def trim(self, req: Request) -> None:
         """Return the blocks past the request's computed tokens (they held only rejected speculative

@@ -11,6 +11,7 @@ does not need:
 - host -> device (a load): the chain's bytes are staged in one pinned buffer and copied in on the side
   stream; the compute stream waits for its event before the step that reads the blocks.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -33,7 +34,9 @@ class BlockCopier:
     def __init__(self, caches: list[tuple[torch.Tensor, ...]], device: torch.device) -> None:
         self.caches = caches
         self.device = device
-        self.stream: Optional["torch.cuda.Stream"] = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream: Optional["torch.cuda.Stream"] = (
+            torch.cuda.Stream(device) if device.type == "cuda" else None
+        )
 
     def read(self, block_id: int) -> torch.Tensor:
         if self.stream is None:
@@ -45,7 +48,7 @@ class BlockCopier:
         with torch.cuda.stream(self.stream):
             off = 0
             for p in parts:
-                out[off:off + p.numel()].copy_(p, non_blocking=True)
+                out[off : off + p.numel()].copy_(p, non_blocking=True)
                 off += p.numel()
             event = torch.cuda.Event()
             event.record(self.stream)

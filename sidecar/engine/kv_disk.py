@@ -1,5 +1,6 @@
 """The disk tier of the KV offload (``kv_offload.py``): one checksummed file per block under
 ``<dir>/<identity digest>/``, written by a writer thread and bounded by bytes (LRU by use)."""
+
 from __future__ import annotations
 
 import atexit
@@ -199,8 +200,13 @@ class DiskTier:
             return None
         magic, digest, stored_hash, n, nbytes, crc = _HEADER.unpack_from(raw)
         start = _HEADER.size + 8 * n
-        if (magic != MAGIC or digest != self.digest or stored_hash != block_hash or n != len(tokens)
-                or len(raw) != start + nbytes):
+        if (
+            magic != MAGIC
+            or digest != self.digest
+            or stored_hash != block_hash
+            or n != len(tokens)
+            or len(raw) != start + nbytes
+        ):
             return None
         if struct.unpack_from(f"<{n}q", raw, _HEADER.size) != tuple(tokens):
             return None

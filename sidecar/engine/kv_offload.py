@@ -16,6 +16,7 @@ payload; a corrupt, truncated or unreadable file is deleted, counted and reporte
 recomputed). A write that fails for want of space or permission (or a directory that cannot be made)
 disables the disk tier with one log line; requests never fail because of a tier.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -67,18 +68,34 @@ class KVOffload:
     ``read_block(block_id)`` / ``write_blocks(block_ids, datas)`` move blocks' bytes between the device
     cache and the host (the runner's); a load writes a whole chain of blocks in one call."""
 
-    def __init__(self, host_bytes: int, disk_dir: Optional[str], disk_bytes: int, identity: str,
-                 read_block: Callable[[int], torch.Tensor],
-                 write_blocks: Callable[[list[int], list[torch.Tensor]], None]) -> None:
+    def __init__(
+        self,
+        host_bytes: int,
+        disk_dir: Optional[str],
+        disk_bytes: int,
+        identity: str,
+        read_block: Callable[[int], torch.Tensor],
+        write_blocks: Callable[[list[int], list[torch.Tensor]], None],
+    ) -> None:
         self.host = HostTier(host_bytes) if host_bytes > 0 else None
         self.disk = DiskTier(disk_dir, disk_bytes, identity) if disk_dir else None
         self.read_block = read_block
         self.write_blocks = write_blocks
-        self.counters = {"kv_offload_blocks": 0, "kv_offload_bytes": 0, "kv_offload_loaded_blocks": 0,
-                         "kv_offload_loaded_bytes": 0, "kv_offload_host_lookups": 0, "kv_offload_host_hits": 0,
-                         "kv_offload_disk_lookups": 0, "kv_offload_disk_hits": 0, "kv_offload_load_time_s": 0.0}
+        self.counters = {
+            "kv_offload_blocks": 0,
+            "kv_offload_bytes": 0,
+            "kv_offload_loaded_blocks": 0,
+            "kv_offload_loaded_bytes": 0,
+            "kv_offload_host_lookups": 0,
+            "kv_offload_host_hits": 0,
+            "kv_offload_disk_lookups": 0,
+            "kv_offload_disk_hits": 0,
+            "kv_offload_load_time_s": 0.0,
+        }
 
-    def offload(self, block_id: int, block_hash: bytes, tokens: tuple[int, ...], disk_only: bool = False) -> None:
+    def offload(
+        self, block_id: int, block_hash: bytes, tokens: tuple[int, ...], disk_only: bool = False
+    ) -> None:
         """Copy a block whose hash is about to be dropped from the pool into the tiers (``disk_only``: a
         block that stays in the pool, written to the disk tier so that a restart finds its chain)."""
         to_disk = self.disk is not None and self.disk.enabled and block_hash not in self.disk.files
@@ -156,6 +173,19 @@ def model_identity(loaded, kv_dtype_name: str, block_size: int) -> str:
     first = next(iter(loaded.model.parameters())).detach().reshape(-1)
     sample = first[: (1 << 20) // first.element_size()].contiguous().cpu()
     fingerprint = hashlib.sha256(sample.view(torch.uint8).numpy().tobytes()).hexdigest()[:32]
-    return "|".join(str(x) for x in (
-        loaded.model_dir, a.architecture, a.num_layers, a.num_kv_heads, a.head_dim, a.vocab_size, loaded.dtype,
-        loaded.quantization or "none", kv_dtype_name, block_size, fingerprint))
+    return "|".join(
+        str(x)
+        for x in (
+            loaded.model_dir,
+            a.architecture,
+            a.num_layers,
+            a.num_kv_heads,
+            a.head_dim,
+            a.vocab_size,
+            loaded.dtype,
+            loaded.quantization or "none",
+            kv_dtype_name,
+            block_size,
+            fingerprint,
+        )
+    )

@@ -1,4 +1,5 @@
 """LLM: the offline facade over LLMEngine (``LLM(model=...).generate(prompts, SamplingParams(...))``)."""
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
@@ -11,15 +12,34 @@ from sidecar.engine.request import RequestOutput, SamplingParams
 class LLM:
     """Offline facade: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 
-    def __init__(self, model: Optional[str] = None, dtype: str = "auto", quantization: Optional[str] = None,
-                 block_size: int = 16, kv_cache_memory_gb: Optional[float] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True, seed: int = 0,
-                 **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, quantization=quantization, block_size=block_size,
-            kv_cache_memory_gb=kv_cache_memory_gb, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            seed=seed, max_waiting_requests=kwargs.pop("max_waiting_requests", 1 << 30), **kwargs))
+    def __init__(
+        self,
+        model: Optional[str] = None,
+        dtype: str = "auto",
+        quantization: Optional[str] = None,
+        block_size: int = 16,
+        kv_cache_memory_gb: Optional[float] = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                quantization=quantization,
+                block_size=block_size,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_prefix_caching=enable_prefix_caching,
+                seed=seed,
+                max_waiting_requests=kwargs.pop("max_waiting_requests", 1 << 30),
+                **kwargs,
+            )
+        )
         self.tokenizer = self.engine.tokenizer
 
     def load_lora(self, name: str, path: str) -> None:
@@ -30,8 +50,13 @@ class LLM:
         """Stop serving adapter ``name``. Raises LookupError when it is not loaded."""
         self.engine.lora.unregister(name)
 
-    def _run(self, prompts: list[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None],
-             use_tqdm: bool, lora: Union[str, None, Sequence[Optional[str]]] = None) -> list[RequestOutput]:
+    def _run(
+        self,
+        prompts: list[Prompt],
+        params: Union[SamplingParams, Sequence[SamplingParams], None],
+        use_tqdm: bool,
+        lora: Union[str, None, Sequence[Optional[str]]] = None,
+    ) -> list[RequestOutput]:
         if params is None:
             params = SamplingParams()
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
@@ -66,13 +91,18 @@ class LLM:
                     self.engine.abort(rid, "shutdown")
         return [done[i] for i in ids]
 
-    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
-                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False, lora: Union[str, None, Sequence[Optional[str]]] = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = False,
+        lora: Union[str, None, Sequence[Optional[str]]] = None,
+    ) -> list[RequestOutput]:
         """Generate for a prompt or a list of prompts (strings or token-id lists); outputs in input order.
         ``lora``: the adapter every prompt uses, or a list with one name (or None: the base model) per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         return self._run(list(prompts), params, use_tqdm, lora)
 
@@ -86,9 +116,13 @@ class LLM:
         histogram, step costs, proposer failures)."""
         return dict(self.engine.stats())
 
-    def chat(self, conversations: Union[list[dict], Sequence[list[dict]]],
-             params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = False, lora: Union[str, None, Sequence[Optional[str]]] = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: Union[list[dict], Sequence[list[dict]]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = False,
+        lora: Union[str, None, Sequence[Optional[str]]] = None,
+    ) -> list[RequestOutput]:
         """Generate replies for one conversation or a list of them (chat template applied); ``lora`` as in
         ``generate``."""
         if conversations and isinstance(conversations[0], dict):

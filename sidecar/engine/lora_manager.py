@@ -11,6 +11,7 @@ Invariants:
 - Each registration gets a fresh ``uid`` that enters the prefix-cache key of every block of its requests:
   adapter A never reuses adapter B's KV, nor a re-registered adapter the KV of the adapter it replaced.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -39,8 +40,15 @@ class Registered:
 
 
 def check_name(name: object) -> str:
-    if not isinstance(name, str) or not name.strip() or len(name) > MAX_NAME_LEN or any(c in name for c in "\x00\x1f"):
-        raise ValueError(f"lora_name: must be a non-empty string of at most {MAX_NAME_LEN} characters, got {name!r}")
+    if (
+        not isinstance(name, str)
+        or not name.strip()
+        or len(name) > MAX_NAME_LEN
+        or any(c in name for c in "\x00\x1f")
+    ):
+        raise ValueError(
+            f"lora_name: must be a non-empty string of at most {MAX_NAME_LEN} characters, got {name!r}"
+        )
     return name
 
 
@@ -67,7 +75,9 @@ class LoraManager:
     def register(self, name: str, adapter: Adapter) -> None:
         """Make ``adapter`` servable as ``name``. Raises ValueError when LoRA is off or the name is taken."""
         if not self.enabled:
-            raise ValueError("lora: adapters are not enabled (start with lora_modules / --lora, or enable_lora)")
+            raise ValueError(
+                "lora: adapters are not enabled (start with lora_modules / --lora, or enable_lora)"
+            )
         check_name(name)
         if name in self.registry:
             raise ValueError(f"lora_name: adapter {name!r} is already loaded (unload it first)")
@@ -170,5 +180,10 @@ class LoraManager:
             self.layers.set_batch(token_slots)
 
     def stats(self) -> dict:
-        return {"lora_adapters": len(self.registry), "lora_resident": sum(o is not None for o in self.slot_owner),
-                "lora_pinned": sum(1 for p in self.pins if p), "lora_parked": len(self.parked), **self.counters}
+        return {
+            "lora_adapters": len(self.registry),
+            "lora_resident": sum(o is not None for o in self.slot_owner),
+            "lora_pinned": sum(1 for p in self.pins if p),
+            "lora_parked": len(self.parked),
+            **self.counters,
+        }

@@ -21,6 +21,7 @@ Invariants:
   aborted, expired or preempted after their launch are dropped at readback.
 - Requests that step N-1's token certainly finishes by length take no row in step N.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,8 +35,15 @@ from sidecar.engine.sampler import PendingSample
 log = logging.getLogger("sidecar.engine")
 
 
-def append_sampled(engine, req: Request, token_ids: list[int], logprobs: list[Optional[TokenLogprob]],
-                   now: float, outputs: list[RequestOutput], in_flight: int = 0) -> None:
+def append_sampled(
+    engine,
+    req: Request,
+    token_ids: list[int],
+    logprobs: list[Optional[TokenLogprob]],
+    now: float,
+    outputs: list[RequestOutput],
+    in_flight: int = 0,
+) -> None:
     """Append a request's newly sampled tokens (those after a stop are dropped), finish it on a stop, and
     emit its output. ``in_flight``: rows of it launched since these tokens were sampled; they are discarded
     when it finishes here."""
@@ -86,15 +94,19 @@ class OverlapPipeline:
     def _eligible(self, reqs: list[Request]) -> bool:
         # Grammar rows need the previous token on the host first; adapter rows run eagerly with their
         # low-rank updates (the launched step is the base model's).
-        return self.enabled and not self.engine.spec.enabled and all(
-            r.params.structured is None and r.lora is None for r in reqs)
+        return (
+            self.enabled
+            and not self.engine.spec.enabled
+            and all(r.params.structured is None and r.lora is None for r in reqs)
+        )
 
     def launch_scheduled(self, sched) -> bool:
         """Start a pipeline with the scheduler's step when it is a plain decode of every row; False (nothing
         run) otherwise."""
         ss = sched.scheduled
-        if self.inflight is not None or not all(s.num_new_tokens == 1 and not s.num_spec_tokens
-                                                and s.completes_prompt for s in ss):
+        if self.inflight is not None or not all(
+            s.num_new_tokens == 1 and not s.num_spec_tokens and s.completes_prompt for s in ss
+        ):
             return False
         e, reqs = self.engine, [s.request for s in ss]
         if not self._eligible(reqs):
@@ -130,11 +142,19 @@ class OverlapPipeline:
         alive = [r for r in p.reqs if r.status == RequestStatus.RUNNING]
         # A waiting request drains the pipeline only when the synchronous step could admit it.
         admits = e.scheduler.waiting and len(e.scheduler.running) < e.config.max_num_seqs
-        if (not alive or admits or len(alive) > e.config.max_num_batched_tokens
-                or {id(r) for r in e.scheduler.running} != {id(r) for r in alive} or not self._eligible(alive)):
+        if (
+            not alive
+            or admits
+            or len(alive) > e.config.max_num_batched_tokens
+            or {id(r) for r in e.scheduler.running} != {id(r) for r in alive}
+            or not self._eligible(alive)
+        ):
             return None
-        nxt = [r for r in alive if len(r.output_token_ids) + 1 < r.params.max_tokens
-               and r.num_tokens + 1 < e.max_model_len]
+        nxt = [
+            r
+            for r in alive
+            if len(r.output_token_ids) + 1 < r.params.max_tokens and r.num_tokens + 1 < e.max_model_len
+        ]
         if not nxt or not all(e.kv.allocate_slots(r, 1) for r in nxt):
             return None  # a slot already given stays the request's: the synchronous step needs it too
         row_of = {id(r): i for i, r in enumerate(p.reqs)}

@@ -1,4 +1,5 @@
 """Request-level types: SamplingParams, Request, RequestOutput, FinishReason."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -85,6 +86,7 @@ class SamplingParams:
 
     def _check(self) -> None:
         """Raise ValueError naming the first invalid field."""
+
         def bad(name: str, msg: str) -> None:
             raise ValueError(f"{name}: {msg}")
 
@@ -101,7 +103,9 @@ class SamplingParams:
             bad("top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
         if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p <= 1.0):
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or not (0.0 < self.repetition_penalty <= 10.0):
+        if not isinstance(self.repetition_penalty, (int, float)) or not (
+            0.0 < self.repetition_penalty <= 10.0
+        ):
             bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
@@ -117,7 +121,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0:
                 bad("stop_token_ids", f"must be token ids in [0, vocab size), got {t!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)):
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not (0 <= self.logprobs <= MAX_LOGPROBS)
+        ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.speculative, bool):
             bad("speculative", f"must be true or false, got {self.speculative!r}")
@@ -128,8 +134,7 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass
@@ -167,10 +172,17 @@ class RequestOutput:
     def merged_after(self, older: "RequestOutput") -> "RequestOutput":
         """This output as if it also carried the changes of ``older`` (the previous, unread output of the
         same request): deltas are concatenated, cumulative fields are this one's."""
-        lps = None if older.new_logprobs is None and self.new_logprobs is None else \
-            (older.new_logprobs or []) + (self.new_logprobs or [])
-        return dataclasses.replace(self, new_token_ids=older.new_token_ids + self.new_token_ids,
-                                   delta_text=older.delta_text + self.delta_text, new_logprobs=lps)
+        lps = (
+            None
+            if older.new_logprobs is None and self.new_logprobs is None
+            else (older.new_logprobs or []) + (self.new_logprobs or [])
+        )
+        return dataclasses.replace(
+            self,
+            new_token_ids=older.new_token_ids + self.new_token_ids,
+            delta_text=older.delta_text + self.delta_text,
+            new_logprobs=lps,
+        )
 
 
 _ids = itertools.count()
@@ -183,10 +195,19 @@ def random_request_id() -> str:
 class Request:
     """Mutable engine-side state of one request. Owned by the engine thread."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: Optional[str] = None, priority: int = 0, cache_salt: Optional[str] = None,
-                 deadline: Optional[float] = None, arrival_time: Optional[float] = None,
-                 eos_token_ids: tuple[int, ...] = (), tenant: str = "") -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: Optional[str] = None,
+        priority: int = 0,
+        cache_salt: Optional[str] = None,
+        deadline: Optional[float] = None,
+        arrival_time: Optional[float] = None,
+        eos_token_ids: tuple[int, ...] = (),
+        tenant: str = "",
+    ) -> None:
         self.request_id = request_id
         self.tenant = tenant
         self.prompt = prompt
@@ -219,7 +240,9 @@ class Request:
         # Speculative decoding: tokens proposed for this step (never part of all_token_ids, so never
         # hashed into the prefix cache) and the proposer's per-request state (engine/spec).
         self.spec_token_ids: list[int] = []
-        self.spec_draft_probs: Optional[list[torch.Tensor]] = None  # a draft's q row per proposed token (sampling)
+        self.spec_draft_probs: Optional[list[torch.Tensor]] = (
+            None  # a draft's q row per proposed token (sampling)
+        )
         self.spec_state: Optional[SpecState] = None
         self.text = ""
         self._emitted_tokens = 0
@@ -248,11 +271,11 @@ class Request:
 
     def make_output(self) -> RequestOutput:
         """Snapshot with deltas since the previous snapshot."""
-        new_ids = self.output_token_ids[self._emitted_tokens:]
-        delta = self.text[self._emitted_text:]
+        new_ids = self.output_token_ids[self._emitted_tokens :]
+        delta = self.text[self._emitted_text :]
         new_lp = None
         if self.logprobs is not None:
-            new_lp = self.logprobs[self._emitted_logprobs:]
+            new_lp = self.logprobs[self._emitted_logprobs :]
             self._emitted_logprobs = len(self.logprobs)
         self._emitted_tokens = len(self.output_token_ids)
         self._emitted_text = len(self.text)

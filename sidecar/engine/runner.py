@@ -6,6 +6,7 @@ batch-size bucket (``graphs.py``); steps with prompt chunks or verification rows
 tensors built for the step. Which device fast paths the model takes is decided once at start by the
 self-check (``self_check.py``) unless ``enforce_eager``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +33,12 @@ log = logging.getLogger("sidecar.engine")
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig,
-                 sampler_check: Optional[Callable[[torch.Tensor], Optional[str]]] = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        sampler_check: Optional[Callable[[torch.Tensor], Optional[str]]] = None,
+    ) -> None:
         self.model = loaded.model
         self.sampler_check = sampler_check  # the device sampler's self-check (None: that path stays off)
         self.device = loaded.device
@@ -42,12 +47,20 @@ class ModelRunner:
         self.host_overlaps_forward = self.device.type != "cpu"
         self.dtype = loaded.dtype
         self.block_size = config.block_size
-        self.kv_dtype, self.kv_dtype_reason = kv_quant.resolve_kv_dtype(config.kv_cache_dtype, self.device, self.dtype)
-        self.kv_budget = plan_kv_budget(config, loaded, self.kv_dtype)  # the smaller element holds more tokens
+        self.kv_dtype, self.kv_dtype_reason = kv_quant.resolve_kv_dtype(
+            config.kv_cache_dtype, self.device, self.dtype
+        )
+        self.kv_budget = plan_kv_budget(
+            config, loaded, self.kv_dtype
+        )  # the smaller element holds more tokens
         self.num_blocks = self.kv_budget.num_blocks
         a = loaded.args
-        self.kv_caches = [kv_quant.allocate(self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                                            self.kv_dtype, self.device) for _ in range(a.num_layers)]
+        self.kv_caches = [
+            kv_quant.allocate(
+                self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device
+            )
+            for _ in range(a.num_layers)
+        ]
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
         # Committed (written) at start, the pool's memory is resident before the first request: a budget
         # the container cannot hold fails now, and the process does not grow as blocks are first used.
@@ -63,8 +76,9 @@ class ModelRunner:
         self.lora = None  # the engine's LoraManager: which adapter slot each request's tokens use
         self.quantized = bool(loaded.quantization)
         max_len = min(loaded.max_model_len, self.num_blocks * self.block_size)
-        self.inputs = DecodeInputs(config.max_num_seqs, -(-max_len // self.block_size) + 1, self.block_size,
-                                   self.device)
+        self.inputs = DecodeInputs(
+            config.max_num_seqs, -(-max_len // self.block_size) + 1, self.block_size, self.device
+        )
         self.graphs = DecodeGraphs(self._decode_step, self.device)
         self.cpu_plans = CpuDecodePlans(self.model, self.kv_caches, self.inputs)  # the CPU's decode graphs
         self.set_decode_padding(False)
@@ -105,8 +119,9 @@ class ModelRunner:
         self.set_decode_padding(self.fast_paths.cuda_graphs)
         if not self.fast_paths.cuda_graphs:
             return
-        reason = capture_or_none(self.graphs, self.buckets,
-                                 lambda b: self.inputs.fill_padding(b, self.inputs.max_blocks))
+        reason = capture_or_none(
+            self.graphs, self.buckets, lambda b: self.inputs.fill_padding(b, self.inputs.max_blocks)
+        )
         if reason is not None:
             log.warning("decode graphs off: %s", reason)
             self.fast_paths.disable("cuda_graphs", reason)
@@ -118,7 +133,10 @@ class ModelRunner:
 
     def fast_path_info(self) -> dict:
         """``fast_paths``: the active device fast paths; ``fast_path_fallbacks``: path -> why it is off."""
-        return {"fast_paths": self.fast_paths.active(), "fast_path_fallbacks": dict(self.fast_paths.reasons or {})}
+        return {
+            "fast_paths": self.fast_paths.active(),
+            "fast_path_fallbacks": dict(self.fast_paths.reasons or {}),
+        }
 
     def _zero_blocks(self, lo: int, hi: int) -> None:
         kv_quant.zero_blocks(self.kv_caches, lo, hi)
@@ -126,8 +144,11 @@ class ModelRunner:
 
     def kv_info(self) -> dict:
         """The KV cache's element type (and why, for a fallback) and its capacity in tokens."""
-        return {"kv_cache_dtype": kv_quant.kv_dtype_name(self.kv_dtype), "kv_cache_dtype_reason": self.kv_dtype_reason,
-                "kv_cache_tokens": (self.num_blocks - 1) * self.block_size}
+        return {
+            "kv_cache_dtype": kv_quant.kv_dtype_name(self.kv_dtype),
+            "kv_cache_dtype_reason": self.kv_dtype_reason,
+            "kv_cache_tokens": (self.num_blocks - 1) * self.block_size,
+        }
 
     def read_block(self, block_id: int) -> torch.Tensor:
         """One block of every layer (values and scales) as host bytes (``kv_quant.read_block``; on CUDA a
@@ -184,8 +205,9 @@ class ModelRunner:
         return n <= self.inputs.max_batch and width <= self.inputs.max_blocks
 
     @torch.inference_mode()
-    def decode_rows(self, rows: Sequence[DecodeRow], sample: Sequence[int],
-                    prev_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def decode_rows(
+        self, rows: Sequence[DecodeRow], sample: Sequence[int], prev_ids: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
         """One decode step of ``rows`` through the persistent buffers (and a graph where captured); returns
         the logits of rows ``sample`` (in that order), selected on the device, or None when none samples.
         With ``prev_ids`` (a device tensor, e.g. the previous step's sampled ids) each row's ``token`` is an
@@ -196,17 +218,21 @@ class ModelRunner:
         width = self.inputs.max_blocks if fixed else max(len(r.table) for r in rows)
         self.inputs.fill(rows, sample, bucket, width)
         if prev_ids is not None:  # stream-ordered after the fill's copy and before the forward reads it
-            ids = self.inputs.ids[:len(rows)]
+            ids = self.inputs.ids[: len(rows)]
             ids.copy_(prev_ids.index_select(0, ids))
         hidden = self.graphs.run(bucket)
         if not sample:
             return None
-        return self.model.compute_logits(hidden.index_select(0, self.inputs.sample_rows[:len(sample)]))
+        return self.model.compute_logits(hidden.index_select(0, self.inputs.sample_rows[: len(sample)]))
 
     @torch.inference_mode()
-    def launch_decode(self, reqs: Sequence[Request], kv: KVCacheManager,
-                      prev_ids: Optional[torch.Tensor] = None,
-                      src: Optional[Sequence[int]] = None) -> Optional[torch.Tensor]:
+    def launch_decode(
+        self,
+        reqs: Sequence[Request],
+        kv: KVCacheManager,
+        prev_ids: Optional[torch.Tensor] = None,
+        src: Optional[Sequence[int]] = None,
+    ) -> Optional[torch.Tensor]:
         """Queue a pure-decode step in which every request computes the token at its ``num_computed_tokens``
         (slots already allocated) and samples; returns the logits (rows in ``reqs`` order) without waiting
         for the device, or None (nothing run) when the batch does not fit the buffers. With ``prev_ids``,
@@ -225,8 +251,9 @@ class ModelRunner:
             self._zero_blocks(self._zeroed_upto + 1, max_block)
         return self.decode_rows(rows, list(range(len(rows))), prev_ids)
 
-    def _execute_decode(self, sched: SchedulerOutput,
-                        kv: KVCacheManager) -> Optional[tuple[list[Request], Optional[torch.Tensor]]]:
+    def _execute_decode(
+        self, sched: SchedulerOutput, kv: KVCacheManager
+    ) -> Optional[tuple[list[Request], Optional[torch.Tensor]]]:
         """A pure-decode step through the buffers; None (nothing run) when the batch does not fit them."""
         bs = self.block_size
         tables = [kv.block_ids(s.request) for s in sched.scheduled]
@@ -247,14 +274,19 @@ class ModelRunner:
         return (sample_reqs, logits) if sample_reqs else ([], None)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> tuple[list[Request], Optional[torch.Tensor]]:
+    def execute(
+        self, sched: SchedulerOutput, kv: KVCacheManager
+    ) -> tuple[list[Request], Optional[torch.Tensor]]:
         """Run one step. Returns the requests that sample this step and their logits: one row each, or
         1 + num_spec_tokens consecutive rows for a request verifying proposed tokens."""
         spans = [(s.request, s.num_new_tokens) for s in sched.scheduled]
         token_slots = self.lora.token_slots(spans) if self.lora is not None else None
         # A batch with adapter rows runs eagerly (below): the captured decode graphs hold the base model only.
-        if token_slots is None and sched.scheduled and all(s.num_new_tokens == 1 and not s.num_spec_tokens
-                                                           for s in sched.scheduled):
+        if (
+            token_slots is None
+            and sched.scheduled
+            and all(s.num_new_tokens == 1 and not s.num_spec_tokens for s in sched.scheduled)
+        ):
             done = self._execute_decode(sched, kv)
             if done is not None:
                 return done
@@ -279,9 +311,9 @@ class ModelRunner:
             tables.append(table)
             max_block = max(max_block, max(table))
             start = len(ids)
-            ids.extend(r.all_token_ids[c:c + n])
+            ids.extend(r.all_token_ids[c : c + n])
             if s.num_spec_tokens:  # proposed tokens ride after the last real one, at positions c+1..
-                ids.extend(r.spec_token_ids[:s.num_spec_tokens])
+                ids.extend(r.spec_token_ids[: s.num_spec_tokens])
             pos.extend(range(c, c + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             if n > 1 and not s.num_spec_tokens:
@@ -294,17 +326,21 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=segments)
         if decodes:
             dtables, ctx_lens = [], []
-            for s, t in zip(decodes, tables[len(prefills):]):
+            for s, t in zip(decodes, tables[len(prefills) :]):
                 c = s.request.num_computed_tokens
                 dtables.extend([t] * s.num_new_tokens)
                 ctx_lens.extend(range(c + 1, c + 1 + s.num_new_tokens))
             width = max(len(t) for t in dtables)
-            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dtables]).view(len(dtables), width)
+            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dtables]).view(
+                len(dtables), width
+            )
             meta.decode_ctx_lens = self._tensor(ctx_lens)
         if token_slots is None:
             hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
         else:  # one slot per token, in the packed order: prefills, then decodes
-            self.lora.set_batch(self.lora.token_slots([(s.request, s.num_new_tokens) for s in prefills + decodes]))
+            self.lora.set_batch(
+                self.lora.token_slots([(s.request, s.num_new_tokens) for s in prefills + decodes])
+            )
             try:
                 hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
             finally:

@@ -6,6 +6,7 @@ or temperature, top-k / top-p / min-p and a draw. Draws are counter-based (sampl
 request's stream and the position of the token, so a seeded request's tokens do not depend on what else
 is in the batch, and unseeded requests differ from each other without a shared generator.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,21 @@ import torch
 
 from sidecar.engine.request import Request, TokenLogprob
 from sidecar.engine.sampling_rng import SALT_TOKEN, KeyedDraws, gumbel, row_keys
-from sidecar.engine.sampling_tensors import (F_MIN_P, F_REP, F_TEMP, F_TOP_P, I_LROWS, I_POS, I_PROWS, I_SLOT,
-                                             I_SROWS, I_STREAM, I_TOPK, SamplingTensors, StepParams)
+from sidecar.engine.sampling_tensors import (
+    F_MIN_P,
+    F_REP,
+    F_TEMP,
+    F_TOP_P,
+    I_LROWS,
+    I_POS,
+    I_PROWS,
+    I_SLOT,
+    I_SROWS,
+    I_STREAM,
+    I_TOPK,
+    SamplingTensors,
+    StepParams,
+)
 from sidecar.engine.structured import apply_bitmask
 from sidecar.model.kernels import argmax as argmax_kernel, keyed_uniform
 from sidecar.model.kernels.argmax import argmax
@@ -24,8 +38,16 @@ from sidecar.model.kernels.argmax import argmax
 _NEG_INF = float("-inf")
 
 
-def filter_logits_batch(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                        top_k_max: int, full_sort: bool, any_top_p: bool, any_min_p: bool) -> torch.Tensor:
+def filter_logits_batch(
+    x: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    top_k_max: int,
+    full_sort: bool,
+    any_top_p: bool,
+    any_min_p: bool,
+) -> torch.Tensor:
     """Mask (to -inf) each row's tokens outside its top-k / nucleus top-p / min-p set, in that order.
 
     x: [B, V] logits already divided by the temperature. top_k: int64 [B] (0: off, and < V); top_p, min_p:
@@ -60,26 +82,33 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     if k == 0 and top_p >= 1.0 and min_p <= 0.0:
         return logits
     dev = x.device
-    out = filter_logits_batch(x, torch.full((n,), k, dtype=torch.int64, device=dev),
-                              torch.full((n,), top_p, dtype=torch.float32, device=dev),
-                              torch.full((n,), min_p, dtype=torch.float32, device=dev),
-                              k, top_p < 1.0 and k == 0, top_p < 1.0, min_p > 0.0)
+    out = filter_logits_batch(
+        x,
+        torch.full((n,), k, dtype=torch.int64, device=dev),
+        torch.full((n,), top_p, dtype=torch.float32, device=dev),
+        torch.full((n,), min_p, dtype=torch.float32, device=dev),
+        k,
+        top_p < 1.0 and k == 0,
+        top_p < 1.0,
+        min_p > 0.0,
+    )
     return out[0] if logits.dim() == 1 else out
 
 
-def apply_penalties(logits: torch.Tensor, step: StepParams, seen: torch.Tensor, subtract: torch.Tensor,
-                    num_rows: int) -> None:
+def apply_penalties(
+    logits: torch.Tensor, step: StepParams, seen: torch.Tensor, subtract: torch.Tensor, num_rows: int
+) -> None:
     """In place on the penalised rows of logits [B, V], from their slots' device state: repetition (HF: a
     seen token's logit is divided by the penalty when positive, multiplied when not), then presence and
     frequency (the slot's ``subtract`` row)."""
     everyone = len(step.penalised) == num_rows
-    rows = None if everyone else step.ints[:len(step.penalised), I_PROWS]
+    rows = None if everyone else step.ints[: len(step.penalised), I_PROWS]
     ints = step.ints if everyone else step.ints[rows]
     f = step.floats if everyone else step.floats[rows]
     x = logits if everyone else logits[rows]
     slots = ints[:, I_SLOT]
     if step.any_repetition:
-        rep = f[:, F_REP:F_REP + 1]
+        rep = f[:, F_REP : F_REP + 1]
         x = torch.where(seen[slots], torch.where(x > 0, x / rep, x * rep), x)
     if step.any_presence:
         x = x - subtract[slots]
@@ -101,8 +130,14 @@ class PendingSample:
     the next step may read it at once; ``result()`` waits for the one device->host copy, started (to
     pinned memory, behind an event) when this object was made, and then reads it."""
 
-    def __init__(self, tokens: torch.Tensor, flat: torch.Tensor, reqs: list[Request],
-                 step: Optional[StepParams], with_logprobs: bool) -> None:
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        flat: torch.Tensor,
+        reqs: list[Request],
+        step: Optional[StepParams],
+        with_logprobs: bool,
+    ) -> None:
         self.token_ids = tokens
         self.reqs, self._step, self._with_lp = reqs, step, with_logprobs
         self._event = None
@@ -127,8 +162,9 @@ class PendingSample:
         return self._out
 
 
-def _parse(tokens: torch.Tensor, flat: list, step: Optional[StepParams], reqs: list[Request],
-           with_logprobs: bool) -> SamplerOutput:
+def _parse(
+    tokens: torch.Tensor, flat: list, step: Optional[StepParams], reqs: list[Request], with_logprobs: bool
+) -> SamplerOutput:
     """The host lists of ``Sampler._flatten``'s layout: ids, then (with logprobs) chosen and top-n values."""
     n = len(reqs)
     if not with_logprobs:
@@ -164,17 +200,26 @@ class Sampler:
         """The request ended (finished, failed or aborted): return what the sampler holds for it."""
         self.tensors.release(req)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request],
-                 masks: Optional[tuple[list[int], torch.Tensor]] = None,
-                 salt: int = SALT_TOKEN) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        masks: Optional[tuple[list[int], torch.Tensor]] = None,
+        salt: int = SALT_TOKEN,
+    ) -> tuple[list[int], list[Optional[TokenLogprob]]]:
         """``sample`` for callers that want host lists only: (ids, logprobs)."""
         out = self.sample(logits, reqs, masks, salt)
         return out.ids, out.logprobs
 
     # Inference mode: the runner's logits are inference tensors and penalties update them in place.
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, reqs: list[Request],
-               masks: Optional[tuple[list[int], torch.Tensor]] = None, salt: int = SALT_TOKEN) -> SamplerOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        masks: Optional[tuple[list[int], torch.Tensor]] = None,
+        salt: int = SALT_TOKEN,
+    ) -> SamplerOutput:
         """logits: [B, V] float32, row i for reqs[i]; penalised rows are updated in place. ``masks``: (rows,
         int32 bitmask [len(rows), ceil(V/32)]) of the structured-output requests; their disallowed tokens are
         never sampled. ``salt``: SALT_REDRAW for a second draw at the same positions (a grammar refused the
@@ -182,9 +227,14 @@ class Sampler:
         return self.sample_async(logits, reqs, masks, salt).result()
 
     @torch.inference_mode()
-    def sample_async(self, logits: torch.Tensor, reqs: list[Request],
-                     masks: Optional[tuple[list[int], torch.Tensor]] = None, salt: int = SALT_TOKEN,
-                     ahead: int = 0) -> PendingSample:
+    def sample_async(
+        self,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        masks: Optional[tuple[list[int], torch.Tensor]] = None,
+        salt: int = SALT_TOKEN,
+        ahead: int = 0,
+    ) -> PendingSample:
         """``sample`` without waiting for the ids: the draws are queued on the device and their copy to the
         host started. ``ahead``: tokens every request sampled that the host has not appended yet (an
         overlapped step; see SamplingTensors.prepare)."""
@@ -192,7 +242,7 @@ class Sampler:
         step = self.tensors.prepare(reqs, v, ahead)
         raw_lp = None
         if step is not None and step.logprobs:
-            raw = logits if len(step.logprobs) == n else logits[step.ints[:len(step.logprobs), I_LROWS]]
+            raw = logits if len(step.logprobs) == n else logits[step.ints[: len(step.logprobs), I_LROWS]]
             raw_lp = raw.log_softmax(-1)
         if step is not None and step.penalised:
             apply_penalties(logits, step, self.tensors.seen, self.tensors.subtract, n)
@@ -208,12 +258,20 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, step: StepParams, salt: int) -> torch.Tensor:
         everyone = len(step.sampled) == logits.shape[0]
-        rows = None if everyone else step.ints[:len(step.sampled), I_SROWS]
+        rows = None if everyone else step.ints[: len(step.sampled), I_SROWS]
         ints = step.ints if everyone else step.ints[rows]
         f = step.floats if everyone else step.floats[rows]
-        x = (logits if everyone else logits[rows]) / f[:, F_TEMP:F_TEMP + 1]
-        x = filter_logits_batch(x, ints[:, I_TOPK], f[:, F_TOP_P], f[:, F_MIN_P], step.top_k_max,
-                                step.full_sort, step.any_top_p, step.any_min_p)
+        x = (logits if everyone else logits[rows]) / f[:, F_TEMP : F_TEMP + 1]
+        x = filter_logits_batch(
+            x,
+            ints[:, I_TOPK],
+            f[:, F_TOP_P],
+            f[:, F_MIN_P],
+            step.top_k_max,
+            step.full_sort,
+            step.any_top_p,
+            step.any_min_p,
+        )
         # Gumbel-max over the filtered logits: the exponential race argmax(p / E) in log space.
         drawn = argmax(x + gumbel(row_keys(ints[:, I_STREAM], ints[:, I_POS], salt), x.shape[-1]))
         if everyone:
@@ -221,15 +279,16 @@ class Sampler:
         return argmax(logits).index_copy_(0, rows, drawn)
 
     @staticmethod
-    def _to_host(tokens: torch.Tensor, raw_lp: Optional[torch.Tensor], step: Optional[StepParams],
-                 reqs: list[Request]) -> PendingSample:
+    def _to_host(
+        tokens: torch.Tensor, raw_lp: Optional[torch.Tensor], step: Optional[StepParams], reqs: list[Request]
+    ) -> PendingSample:
         """Ids (and logprobs) start to the host in one copy: with logprobs, ids, chosen and top-n values travel
         together as float64 (token ids are exact in float64)."""
         n = len(reqs)
         if raw_lp is None:
             return PendingSample(tokens, tokens, reqs, step, False)
         lrows = step.logprobs
-        chosen = tokens if len(lrows) == n else tokens[step.ints[:len(lrows), I_LROWS]]
+        chosen = tokens if len(lrows) == n else tokens[step.ints[: len(lrows), I_LROWS]]
         parts = [tokens.double(), raw_lp.gather(-1, chosen.unsqueeze(-1)).double().flatten()]
         if step.top_n_max:
             vals, idx = raw_lp.topk(step.top_n_max, -1)

@@ -7,6 +7,7 @@ rows must pick the same token; the sampled rows' final probabilities (after pena
 filters) must agree within ``PROB_TOLERANCE``, and then their draws must be the same token; logprobs
 must agree within the same tolerance. Any difference, or an exception, is the reason the path stays off.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -25,8 +26,16 @@ CASES = (
     SamplingParams(temperature=1.0, top_k=5, seed=12),
     SamplingParams(temperature=0.7, top_p=0.9, seed=13),
     SamplingParams(temperature=1.2, min_p=0.05, seed=14),
-    SamplingParams(temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.4,
-                   frequency_penalty=0.3, seed=15, logprobs=2),
+    SamplingParams(
+        temperature=0.9,
+        top_k=20,
+        top_p=0.95,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+        seed=15,
+        logprobs=2,
+    ),
 )
 
 
@@ -68,8 +77,13 @@ def compare(device: torch.device, seed: int, logits: torch.Tensor) -> Optional[s
             kind = "greedy token" if p.greedy else "seeded draw"
             return f"{kind} differs from the CPU reference in row {i}: {got.ids[i]} != {ref.ids[i]}"
         g, r = got.logprobs[i], ref.logprobs[i]
-        if (g is None) != (r is None) or (g is not None and (
-                abs(g.logprob - r.logprob) > PROB_TOLERANCE or len(g.top) != len(r.top)
-                or any(abs(a - b) > PROB_TOLERANCE for (_, a), (_, b) in zip(g.top, r.top)))):
+        if (g is None) != (r is None) or (
+            g is not None
+            and (
+                abs(g.logprob - r.logprob) > PROB_TOLERANCE
+                or len(g.top) != len(r.top)
+                or any(abs(a - b) > PROB_TOLERANCE for (_, a), (_, b) in zip(g.top, r.top))
+            )
+        ):
             return f"logprobs differ from the CPU reference in row {i}"
     return None

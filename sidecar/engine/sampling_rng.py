@@ -11,6 +11,7 @@ The hash is splitmix64: element i of the sequence keyed by k is fmix(k + (i + 1)
 wrap on overflow on every torch device, which is exactly the mod-2^64 arithmetic the hash needs; right
 shifts of signed ints are arithmetic, so logical shifts mask the sign copies off.
 """
+
 from __future__ import annotations
 
 import torch
@@ -89,7 +90,7 @@ def unit_float(h: torch.Tensor) -> torch.Tensor:
     value is the cell's centre. Every centre (k + 0.5) * 2^-23 is exact in float32, so the extremes are
     2^-24 and 1 - 2^-24: neither 0 nor 1 occurs, and both logs of the exponential race stay finite (a
     24-bit grid would round its top centre to 1.0, whose noise is infinite)."""
-    return torch.bitwise_right_shift(h, 41).bitwise_and_((1 << 23) - 1).float().add_(0.5).mul_(2.0 ** -23)
+    return torch.bitwise_right_shift(h, 41).bitwise_and_((1 << 23) - 1).float().add_(0.5).mul_(2.0**-23)
 
 
 def uniform(keys: torch.Tensor, n: int) -> torch.Tensor:
@@ -124,7 +125,7 @@ class KeyedDraws:
         """The acceptance-test uniform in (0, 1) for the token at ``position + i`` (cell centres of a 2^52
         grid, all exact in float64, as in ``unit_float``)."""
         h = fmix_int(row_key_int(self.stream, self.position + i, SALT_ACCEPT) + GOLDEN) & _U64
-        return ((h >> 12) + 0.5) * 2.0 ** -52
+        return ((h >> 12) + 0.5) * 2.0**-52
 
     def categorical(self, probs: torch.Tensor, i: int) -> int:
         """A draw from ``probs`` (unnormalised weights, [V]) for the token at ``position + i``: the

@@ -18,6 +18,7 @@ really has. Slots are a cache: the least recently used one of a request
 outside the current batch is taken over when none is free (its owner rebuilds on return), and
 ``release`` gives a finished request's slot back at once.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ _MIN_SLOTS = 8
 @dataclass
 class RequestSampling:
     """The sampler's state of one request (``Request.sampling``)."""
+
     stream: int
     top_k: int
     floats: tuple[float, float, float, float, float, float]
@@ -51,6 +53,7 @@ class RequestSampling:
 @dataclass
 class StepParams:
     """One step's batch as the sampler sees it. Row lists are host-side; tensors live on the device."""
+
     ints: torch.Tensor  # int64 [B, _WIDTH]
     floats: torch.Tensor  # float32 [B, 2 * _WIDTH]
     sampled: list[int]  # rows drawn at random (the others take the argmax)
@@ -88,8 +91,11 @@ class SamplingTensors:
         self._copied: list[Any] = [None, None]
         self._turn = 0
         self.host = self._hosts[0]
-        self.dev = self.host if self.device.type == "cpu" else torch.zeros((n, _WIDTH), dtype=torch.int64,
-                                                                            device=self.device)
+        self.dev = (
+            self.host
+            if self.device.type == "cpu"
+            else torch.zeros((n, _WIDTH), dtype=torch.int64, device=self.device)
+        )
 
     def _next_host(self) -> None:
         """Switch to the other host buffer once the copy that last read it is done (two steps ago)."""
@@ -107,10 +113,19 @@ class SamplingTensors:
             stream = stream_for(p.seed, self.seed, self.num_streams)
             self.num_streams += 1
             st = req.sampling = RequestSampling(
-                stream=stream, top_k=p.top_k,
-                floats=(max(p.temperature, 1e-5), p.top_p, p.min_p, p.repetition_penalty,
-                        p.presence_penalty, p.frequency_penalty),
-                sampled=not p.greedy, penalised=p.uses_penalties)
+                stream=stream,
+                top_k=p.top_k,
+                floats=(
+                    max(p.temperature, 1e-5),
+                    p.top_p,
+                    p.min_p,
+                    p.repetition_penalty,
+                    p.presence_penalty,
+                    p.frequency_penalty,
+                ),
+                sampled=not p.greedy,
+                penalised=p.uses_penalties,
+            )
         return st
 
     def prepare(self, reqs: list, vocab: int, ahead: int = 0) -> Optional[StepParams]:
@@ -132,10 +147,19 @@ class SamplingTensors:
         ks = [s.top_k if s.sampled and 0 < s.top_k < vocab else 0 for s in states]
         lists = [sampled, penalised, lps]
         self.host[:n, :_F0] = torch.tensor(
-            [(s.stream, r.num_tokens + ahead, k, -1 if s.slot is None else s.slot,
-              *(rows[i] if i < len(rows) else 0 for rows in lists))
-             for i, (s, r, k) in enumerate(zip(states, reqs, ks))], dtype=torch.int64)
-        self.host.view(torch.float32)[:n, 2 * _F0:2 * _F0 + 6] = torch.tensor([s.floats for s in states])
+            [
+                (
+                    s.stream,
+                    r.num_tokens + ahead,
+                    k,
+                    -1 if s.slot is None else s.slot,
+                    *(rows[i] if i < len(rows) else 0 for rows in lists),
+                )
+                for i, (s, r, k) in enumerate(zip(states, reqs, ks))
+            ],
+            dtype=torch.int64,
+        )
+        self.host.view(torch.float32)[:n, 2 * _F0 : 2 * _F0 + 6] = torch.tensor([s.floats for s in states])
         dev = self.dev[:n]
         if dev.data_ptr() != self.host.data_ptr():
             dev.copy_(self.host[:n], non_blocking=True)  # the one host->device copy of the step
@@ -144,13 +168,19 @@ class SamplingTensors:
                 self._copied[self._turn].record()
         top_p = [states[i].floats[1] < 1.0 for i in sampled]
         return StepParams(
-            ints=dev, floats=dev.view(torch.float32), sampled=sampled, penalised=penalised, logprobs=lps,
+            ints=dev,
+            floats=dev.view(torch.float32),
+            sampled=sampled,
+            penalised=penalised,
+            logprobs=lps,
             top_n_max=max((reqs[i].params.logprobs for i in lps), default=0),
             top_k_max=max((ks[i] for i in sampled), default=0),
-            full_sort=any(tp and ks[i] == 0 for tp, i in zip(top_p, sampled)), any_top_p=any(top_p),
+            full_sort=any(tp and ks[i] == 0 for tp, i in zip(top_p, sampled)),
+            any_top_p=any(top_p),
             any_min_p=any(states[i].floats[2] > 0.0 for i in sampled),
             any_repetition=any(states[i].floats[3] != 1.0 for i in penalised),
-            any_presence=any(states[i].floats[4] != 0.0 or states[i].floats[5] != 0.0 for i in penalised))
+            any_presence=any(states[i].floats[4] != 0.0 or states[i].floats[5] != 0.0 for i in penalised),
+        )
 
     # -- penalty slots -------------------------------------------------------------------------------
     def _take_slots(self, reqs: list, vocab: int, ahead: int = 0) -> None:
@@ -164,7 +194,9 @@ class SamplingTensors:
                 st.counted = -1
             if st.counted != len(r.output_token_ids) + ahead:
                 if ahead:  # a rebuild reads the host's token lists, which lack the tokens still in flight
-                    raise RuntimeError(f"penalty state of {r.request_id!r} is stale during an overlapped step")
+                    raise RuntimeError(
+                        f"penalty state of {r.request_id!r} is stale during an overlapped step"
+                    )
                 self._rebuild(st.slot, r)
                 st.counted = len(r.output_token_ids)
             self.last_use[st.slot] = self.clock
@@ -179,7 +211,9 @@ class SamplingTensors:
         if all(id(o) in batch for o in self.owners):  # a batch above max_num_seqs (direct callers only)
             self._grow(vocab, n + 1)
             return n
-        victim = min((i for i, o in enumerate(self.owners) if id(o) not in batch), key=self.last_use.__getitem__)
+        victim = min(
+            (i for i, o in enumerate(self.owners) if id(o) not in batch), key=self.last_use.__getitem__
+        )
         self.owners[victim].sampling.slot = None  # its owner rebuilds from its token lists on return
         return victim
 
@@ -211,12 +245,13 @@ class SamplingTensors:
         """Count the sampled tokens of the penalised rows, on the device (no host round trip)."""
         if not step.penalised:
             return
-        rows = step.ints[:len(step.penalised), I_PROWS] if len(step.penalised) < len(reqs) else None
+        rows = step.ints[: len(step.penalised), I_PROWS] if len(step.penalised) < len(reqs) else None
         slots = step.ints[:, I_SLOT] if rows is None else step.ints[rows, I_SLOT]
         toks = tokens if rows is None else tokens[rows]
         self.seen.index_put_((slots, toks), torch.ones((), dtype=torch.bool, device=self.device))
-        self.counts.index_put_((slots, toks), torch.ones((), dtype=torch.int32, device=self.device),
-                               accumulate=True)
+        self.counts.index_put_(
+            (slots, toks), torch.ones((), dtype=torch.int32, device=self.device), accumulate=True
+        )
         if step.any_presence:  # the same float32 expression as a rebuild, for the entries that changed
             f = step.floats if rows is None else step.floats[rows]
             c = self.counts[slots, toks].float()

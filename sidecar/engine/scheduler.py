@@ -20,6 +20,7 @@ stay cached), one per step, and the freed slot goes to the tenant admitted least
 holding every slot with streams it never reads thus delays another's request by a step, not by its
 streams' lifetime.
 """
+
 from __future__ import annotations
 
 import time
@@ -147,8 +148,9 @@ class Scheduler:
         self.num_preemptions += 1
         self._insert_waiting(victim)
 
-    def _allocate_running(self, req: Request, n: int, needed: int, scheduled: dict[str, ScheduledRequest],
-                          out: SchedulerOutput) -> int:
+    def _allocate_running(
+        self, req: Request, n: int, needed: int, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput
+    ) -> int:
         """Slots for ``n`` tokens of running ``req`` (``needed`` of them real, the rest proposed). Until they
         fit, the proposal is dropped and then the tail of ``running`` preempted (a victim scheduled earlier
         this step leaves ``scheduled``). Returns the tokens allocated, or 0 when ``req`` itself was preempted;

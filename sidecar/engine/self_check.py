@@ -12,6 +12,7 @@ The probe uses KV blocks 1..n of the pool (and the reserved block 0 for padded r
 their contents afterwards, so it can run at any time no request is being stepped; decode graphs it
 captures are dropped, and the runner's buckets are restored.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,24 +49,27 @@ def default_paths(runner) -> list[str]:
 @contextlib.contextmanager
 def _scratch_blocks(runner, num: int) -> Iterator[list[int]]:
     """Blocks 1..num for the probe; their contents (and block 0's) are restored on exit."""
-    saved = [[t[:num + 1].clone() for t in layer] for layer in runner.kv_caches]  # values (and scales)
+    saved = [[t[: num + 1].clone() for t in layer] for layer in runner.kv_caches]  # values (and scales)
     try:
         yield list(range(1, num + 1))
     finally:
         for layer, kept in zip(runner.kv_caches, saved):
             for t, old in zip(layer, kept):
-                t[:num + 1].copy_(old)
+                t[: num + 1].copy_(old)
 
 
 def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
     """Logits [PROBE_SEQS, V] of the prompt pass and of each decode step, under the current fast paths."""
     bs, dev = runner.block_size, runner.device
     nb = len(blocks) // len(prompts)
-    tables = [blocks[i * nb:(i + 1) * nb] for i in range(len(prompts))]
+    tables = [blocks[i * nb : (i + 1) * nb] for i in range(len(prompts))]
     ids, pos, slots, segments, last = [], [], [], [], []
     for p, t in zip(prompts, tables):
-        segments.append(PrefillSegment(len(ids), len(p), len(p),
-                                       torch.tensor(t[:-(-len(p) // bs)], dtype=torch.long, device=dev)))
+        segments.append(
+            PrefillSegment(
+                len(ids), len(p), len(p), torch.tensor(t[: -(-len(p) // bs)], dtype=torch.long, device=dev)
+            )
+        )
         ids.extend(p)
         pos.extend(range(len(p)))
         slots.extend(t[i // bs] * bs + i % bs for i in range(len(p)))
@@ -84,7 +88,7 @@ def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list
             rows = []
             for p, t, tok in zip(prompts, tables, toks):
                 c = len(p) + k
-                rows.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[:c // bs + 1]))
+                rows.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[: c // bs + 1]))
             if k == len(steps) - 1:
                 rows = rows[:1]  # the last step: the first sequence alone (the batch-1 step)
             out.append(runner.decode_rows(rows, list(range(len(rows)))).float())
@@ -103,7 +107,9 @@ def _disagreement(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float) 
         scale = max(1.0, float(r.abs().max()))
         diff = float((g - r).abs().max())
         if diff > tol * scale:
-            return f"logits differ from the reference by {diff:.3g} in the {where} (tolerance {tol * scale:.3g})"
+            return (
+                f"logits differ from the reference by {diff:.3g} in the {where} (tolerance {tol * scale:.3g})"
+            )
         top2 = r.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 2 * diff  # no rounding within the measured error flips these
         if bool(((g.argmax(-1) != r.argmax(-1)) & clear).any()):
@@ -143,7 +149,9 @@ def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[S
     prompts = [torch.randint(0, vocab, (prompt_len - i,), generator=gen).tolist() for i in range(seqs)]
     steps = [torch.randint(0, vocab, (seqs,), generator=gen).tolist() for _ in range(DECODE_STEPS)]
     tol = TOLERANCE.get(runner.dtype, 6e-2)
-    if runner.quantized and runner.device.type == "cuda":  # quantized layers compute in bf16 there (reference too)
+    if (
+        runner.quantized and runner.device.type == "cuda"
+    ):  # quantized layers compute in bf16 there (reference too)
         tol = max(tol, TOLERANCE[kernel_dtype(runner.dtype, runner.device)])
     passed = []
     with _scratch_blocks(runner, seqs * nb) as blocks:
@@ -171,9 +179,14 @@ def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[S
             reason = _attempt(runner, blocks, prompts, steps, ref, tol)
             if reason is not None:
                 for name in model_paths:
-                    fp.disable(name, f"together with {', '.join(p for p in model_paths if p != name)}: {reason}")
-                log.warning("fast paths %s off: together they disagree with the reference: %s",
-                            ", ".join(model_paths), reason)
+                    fp.disable(
+                        name, f"together with {', '.join(p for p in model_paths if p != name)}: {reason}"
+                    )
+                log.warning(
+                    "fast paths %s off: together they disagree with the reference: %s",
+                    ", ".join(model_paths),
+                    reason,
+                )
     log.info("fast paths on: %s", ", ".join(fp.active()) or "none")
     return dict(fp.reasons)
 

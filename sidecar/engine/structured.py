@@ -27,6 +27,7 @@ A constrained request's grammar state (its ``llguidance.LLMatcher``) lives in
 - Rows whose matchers are in the same state (the same grammar after the same tokens: the n choices of a
   request at their first token, or greedy ones all along) share one mask computation per step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,8 +68,12 @@ class Constraint:
         schema's text can be 100,000 characters; the event loop and the engine thread both ask for it)."""
         k = self.__dict__.get("_key")
         if k is None:
-            k = json.dumps([self.kind, self.value, self.strict, self.lazy_trigger, self.open_end,
-                            self.end_on_repeat], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            k = json.dumps(
+                [self.kind, self.value, self.strict, self.lazy_trigger, self.open_end, self.end_on_repeat],
+                sort_keys=True,
+                separators=(",", ":"),
+                ensure_ascii=False,
+            )
             object.__setattr__(self, "_key", k)
         return k
 
@@ -83,7 +88,13 @@ def to_constraint(value: Any) -> Optional[Constraint]:
     """SamplingParams.structured -> Constraint. A dict is a JSON schema, a list of strings a choice,
     a string a regex. Raises ValueError naming ``structured``."""
     if value is None or isinstance(value, Constraint):
-        if isinstance(value, Constraint) and value.kind not in ("json", "json_object", "regex", "choice", "lark"):
+        if isinstance(value, Constraint) and value.kind not in (
+            "json",
+            "json_object",
+            "regex",
+            "choice",
+            "lark",
+        ):
             raise ValueError(f"structured: unknown constraint kind {value.kind!r}")
         return value
     if isinstance(value, dict):
@@ -98,14 +109,18 @@ def to_constraint(value: Any) -> Optional[Constraint]:
         if not all(isinstance(c, str) and c for c in value):
             raise ValueError("structured: choices must be non-empty strings")
         return Constraint("choice", list(value))
-    raise ValueError("structured: must be a JSON schema (dict), a regex (str) or a choice list (list of str), "
-                     f"got {type(value).__name__}")
+    raise ValueError(
+        "structured: must be a JSON schema (dict), a regex (str) or a choice list (list of str), "
+        f"got {type(value).__name__}"
+    )
 
 
 class StructuredDecoder:
     """Compiles constraints, owns the per-request grammar state, produces masks each step."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], overlap: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int], overlap: bool = True
+    ) -> None:
         self.hf_tokenizer = tokenizer
         self.overlap = overlap  # masks on a worker thread during the forward; else computed before it
         self.vocab_size = vocab_size
@@ -119,13 +134,19 @@ class StructuredDecoder:
         self._pool: Optional[ThreadPoolExecutor] = None
         self._lock = threading.Lock()
         self.num_masks = 0  # masks computed (counter for stats/benchmarks)
-        self.num_resampled = 0  # unmasked tokens refused by the grammar: re-sampled under the mask, or the end
+        self.num_resampled = (
+            0  # unmasked tokens refused by the grammar: re-sampled under the mask, or the end
+        )
         self.mask_s = 0.0  # time spent computing masks (on the worker: overlapped with the forward)
         self.wait_s = 0.0  # time the engine thread waited for masks after the forward
 
     def counters(self) -> dict[str, float]:
-        return {"structured_masks": self.num_masks, "structured_resampled": self.num_resampled,
-                "structured_mask_s": self.mask_s, "structured_mask_wait_s": self.wait_s}
+        return {
+            "structured_masks": self.num_masks,
+            "structured_resampled": self.num_resampled,
+            "structured_mask_s": self.mask_s,
+            "structured_mask_wait_s": self.wait_s,
+        }
 
     def prepare(self) -> None:
         """Build the grammar tokenizer now (a server does before it serves): building the vocabulary trie
@@ -142,8 +163,9 @@ class StructuredDecoder:
                 import llguidance
                 import llguidance.hf
 
-                self._lltok = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_ids or None)
+                self._lltok = llguidance.hf.from_tokenizer(
+                    self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+                )
                 self._executor = llguidance.LLExecutor(max(1, min(4, (os.cpu_count() or 2) // 2)))
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="sidecar-mask")
             return self._lltok
@@ -168,7 +190,9 @@ class StructuredDecoder:
         self.ended.discard(request_id)
 
     # -- per step ----------------------------------------------------------------------------------
-    def start_masks(self, request_ids: Sequence[str]) -> Optional[tuple[dict[str, int], torch.Tensor, Future]]:
+    def start_masks(
+        self, request_ids: Sequence[str]
+    ) -> Optional[tuple[dict[str, int], torch.Tensor, Future]]:
         """Begin computing the masks of the given sampling requests that need one; None when none does.
         With ``overlap`` it runs on a worker thread, overlapping the forward pass."""
         if not self.registry:
@@ -183,7 +207,9 @@ class StructuredDecoder:
                 rows[rid] = first[g.state][1]
         if not rows:
             return None
-        bitmask = torch.empty((len(first), (self.vocab_size + 31) // 32), dtype=torch.int32)  # fill writes every word
+        bitmask = torch.empty(
+            (len(first), (self.vocab_size + 31) // 32), dtype=torch.int32
+        )  # fill writes every word
         pairs = list(first.values())
         self.num_masks += len(pairs)
         if self.overlap:
@@ -225,12 +251,18 @@ class StructuredDecoder:
             idx = [i for i, r in enumerate(reqs) if r.request_id in rows]
             if idx:
                 masks = (idx, bitmask[[rows[reqs[i].request_id] for i in idx]])
-        lazy = [i for i, r in enumerate(reqs)
-                if r.request_id in self.registry and (masks is None or i not in masks[0])]
+        lazy = [
+            i
+            for i, r in enumerate(reqs)
+            if r.request_id in self.registry and (masks is None or i not in masks[0])
+        ]
         saved = logits[lazy].clone() if lazy else None  # unmasked rows, kept for a re-sample
         ids, lps = sampler(logits, reqs, masks)
-        refused = [j for j, i in enumerate(lazy)
-                   if self.registry[reqs[i].request_id].matcher.validate_tokens([ids[i]]) != 1]
+        refused = [
+            j
+            for j, i in enumerate(lazy)
+            if self.registry[reqs[i].request_id].matcher.validate_tokens([ids[i]]) != 1
+        ]
         if refused:
             sub = [reqs[lazy[j]] for j in refused]
             bm = torch.zeros((len(sub), (self.vocab_size + 31) // 32), dtype=torch.int32)

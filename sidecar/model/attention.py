@@ -11,7 +11,8 @@ attended per request. On CPU the decode rows go through our kernel instead
 (``kernels/paged_attention.c``: reads the blocks in place, no copy, no mask), and
 so do bf16 prompt segments (``kernels/prefill_attention.c``: blocked float32 products,
 several times torch's CPU SDPA at prompt sizes), with the torch path as fallback and
-test oracle; float32 prompts keep SDPA, the exact path the Hugging Face comparisons use. When the model's ``FastPaths.attention`` is on and the
+test oracle; float32 prompts keep SDPA, the exact path the Hugging Face comparisons use. When the model's
+``FastPaths.attention`` is on and the
 tensors are on CUDA (or Triton runs in its interpreter), the decode rows go through the Triton kernel
 (``kernels/triton_attention.py``) instead; prefill segments keep the torch path.
 
@@ -22,6 +23,7 @@ fp8 e4m3 on CUDA sm89+). Every query attends through the cache when it is quanti
 (a whole prompt too), so a token sees the same dequantized keys however its prompt was chunked, cached or
 recomputed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,13 +69,15 @@ class AttentionMetadata:
     def decode_mask(self, sliding_window: Optional[int]) -> torch.Tensor:
         """[Bd, 1, 1, max_blocks * block_size] bool, True = attend; built once per step, on first use."""
         if self._decode_mask is None:
-            self._decode_mask = build_decode_mask(self.decode_ctx_lens, self.decode_block_tables.shape[1],
-                                                  self.block_size, sliding_window)
+            self._decode_mask = build_decode_mask(
+                self.decode_ctx_lens, self.decode_block_tables.shape[1], self.block_size, sliding_window
+            )
         return self._decode_mask
 
 
-def build_decode_mask(ctx_lens: torch.Tensor, max_blocks: int, block_size: int,
-                      sliding_window: Optional[int]) -> torch.Tensor:
+def build_decode_mask(
+    ctx_lens: torch.Tensor, max_blocks: int, block_size: int, sliding_window: Optional[int]
+) -> torch.Tensor:
     """Mask of shape [B, 1, 1, max_blocks*block_size]: key j visible iff j < ctx_len (and in window)."""
     pos = torch.arange(max_blocks * block_size, device=ctx_lens.device)
     mask = pos[None, :] < ctx_lens[:, None]
@@ -82,8 +86,9 @@ def build_decode_mask(ctx_lens: torch.Tensor, max_blocks: int, block_size: int,
     return mask[:, None, None, :]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
     k_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, nkv, hd).index_copy_(0, slot_mapping, v)
@@ -107,8 +112,14 @@ def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager:
     return sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-          causal: bool, scale: float) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    causal: bool,
+    scale: float,
+) -> torch.Tensor:
     """q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]. Expands KV heads for grouped-query attention."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1 and mask is not None and not causal and q.shape[0] == 1:
@@ -122,8 +133,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torc
     # Grouped-query heads are read in place (enable_gqa: the same bits as repeating K/V, without the copies;
     # no measurable change in a 4,774-token prefill on Qwen2-0.5B's heads, bf16, 2 threads: 9.45-9.71 s
     # against 9.46-9.48 s).
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=rep > 1)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=rep > 1
+    )
 
 
 # A prefill segment of at most KERNEL_PREFILL_ROWS query rows after at least KERNEL_PREFILL_MIN_CACHED
@@ -138,23 +150,45 @@ KERNEL_PREFILL_ROWS = 32
 KERNEL_PREFILL_MIN_CACHED = 1024
 
 
-def _segment_through_kernel(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
-                            scale: float, sliding_window: Optional[int],
-                            kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]]) -> Optional[torch.Tensor]:
+def _segment_through_kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: PrefillSegment,
+    scale: float,
+    sliding_window: Optional[int],
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]],
+) -> Optional[torch.Tensor]:
     """The segment's rows as decode rows (row i sees keys [0, start + i]) through the CPU kernel; None
     when the kernel does not take these inputs."""
     start = seg.ctx_len - seg.q_len
     tables = seg.block_table[None].expand(seg.q_len, -1)
     ctx = torch.arange(start + 1, seg.ctx_len + 1, dtype=torch.long, device=q.device)
-    return cpu_kernel.decode_attention(q[seg.q_start:seg.q_start + seg.q_len], k_cache, v_cache, tables, ctx, scale,
-                                       sliding_window, kv_scales)
+    return cpu_kernel.decode_attention(
+        q[seg.q_start : seg.q_start + seg.q_len],
+        k_cache,
+        v_cache,
+        tables,
+        ctx,
+        scale,
+        sliding_window,
+        kv_scales,
+    )
 
 
-def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: Optional[int] = None, kv_written: bool = False,
-                    paths: Optional[FastPaths] = None,
-                    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    kv_written: bool = False,
+    paths: Optional[FastPaths] = None,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D].
 
     Writes the new K/V into the cache first (unless ``kv_written``: the caller did, and then ``k`` may be
@@ -173,15 +207,30 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
         from sidecar.model.kernels import triton_attention
 
         b = meta.decode_block_tables.shape[0]
-        decoded = triton_attention.paged_decode_attention(q[q.shape[0] - b:], k_cache, v_cache,
-                                                          meta.decode_block_tables, meta.decode_ctx_lens,
-                                                          scale, sliding_window, kv_scales=kv_scales)
+        decoded = triton_attention.paged_decode_attention(
+            q[q.shape[0] - b :],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_ctx_lens,
+            scale,
+            sliding_window,
+            kv_scales=kv_scales,
+        )
         if decoded is not None and not meta.prefills:
             return decoded
     if decoded is None and meta.decode_block_tables is not None and meta.use_cpu_kernel:
         b = meta.decode_block_tables.shape[0]
-        decoded = cpu_kernel.decode_attention(q[q.shape[0] - b:], k_cache, v_cache, meta.decode_block_tables,
-                                              meta.decode_ctx_lens, scale, sliding_window, kv_scales)
+        decoded = cpu_kernel.decode_attention(
+            q[q.shape[0] - b :],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_ctx_lens,
+            scale,
+            sliding_window,
+            kv_scales,
+        )
         if decoded is not None and not meta.prefills:  # every row is a decode row
             return decoded
     out = torch.empty_like(q)
@@ -190,19 +239,27 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
         if start >= KERNEL_PREFILL_MIN_CACHED and meta.use_cpu_kernel and seg.q_len <= KERNEL_PREFILL_ROWS:
             rows = _segment_through_kernel(q, k_cache, v_cache, seg, scale, sliding_window, kv_scales)
             if rows is not None:
-                out[seg.q_start:seg.q_start + seg.q_len] = rows
+                out[seg.q_start : seg.q_start + seg.q_len] = rows
                 continue
         if meta.use_cpu_kernel and q.dtype == torch.bfloat16:
-            rows = prefill_kernel.prefill_attention(q[seg.q_start:seg.q_start + seg.q_len], k_cache, v_cache,
-                                                    seg.block_table, seg.ctx_len, scale, sliding_window, kv_scales)
+            rows = prefill_kernel.prefill_attention(
+                q[seg.q_start : seg.q_start + seg.q_len],
+                k_cache,
+                v_cache,
+                seg.block_table,
+                seg.ctx_len,
+                scale,
+                sliding_window,
+                kv_scales,
+            )
             if rows is not None:
-                out[seg.q_start:seg.q_start + seg.q_len] = rows
+                out[seg.q_start : seg.q_start + seg.q_len] = rows
                 continue
-        qs = q[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
+        qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
         if start == 0 and sliding_window is None and not quant:
             # Whole prompt in this step: attend to the fresh K/V, plain causal mask.
-            ks = k[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
-            vs = v[seg.q_start:seg.q_start + seg.q_len].transpose(0, 1)[None]
+            ks = k[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
+            vs = v[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
             o = _sdpa(qs, ks, vs, None, True, scale)
         else:
             if quant:
@@ -218,14 +275,14 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
             o = _sdpa(qs, ks, vs, mask[None, None], False, scale)
-        out[seg.q_start:seg.q_start + seg.q_len] = o[0].transpose(0, 1)
+        out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
     if meta.decode_block_tables is not None:
         bt = meta.decode_block_tables
         b, nb = bt.shape
         if decoded is not None:
-            out[q.shape[0] - b:] = decoded
+            out[q.shape[0] - b :] = decoded
             return out
-        qd = q[q.shape[0] - b:]
+        qd = q[q.shape[0] - b :]
         nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         bs = k_cache.shape[1]
         if quant:
@@ -238,7 +295,9 @@ def paged_attention(q: torch.Tensor, k: Optional[torch.Tensor], v: torch.Tensor,
         # become that head's query rows ([B, Hkv, rep, D] against [B, Hkv, L, D]).
         nh = qd.shape[1]
         qg = qd.reshape(b, nkv, nh // nkv, hd)
-        o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=meta.decode_mask(sliding_window), scale=scale)
+        o = F.scaled_dot_product_attention(
+            qg, kd, vd, attn_mask=meta.decode_mask(sliding_window), scale=scale
+        )
         o = o.reshape(b, nh, hd)
-        out[q.shape[0] - b:] = o
+        out[q.shape[0] - b :] = o
     return out

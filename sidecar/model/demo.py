@@ -5,6 +5,7 @@ text (Chinese, emoji) round-trips; the chat template is ChatML. The result is a
 regular Hugging Face directory (config.json, model.safetensors, tokenizer.json,
 generation_config.json) that transformers and our loader both read.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,7 +70,8 @@ def sidecar_home() -> Path:
     """Where built artifacts (demo and benchmark models) live: $SIDECAR_HOME or the user cache dir.
     (Not SIDECAR_CACHE_*: that prefix belongs to the semantic-cache settings.)"""
     base = os.environ.get("SIDECAR_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "llm-sidecar")
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "llm-sidecar"
+    )
     return Path(base)
 
 
@@ -85,18 +87,29 @@ def _build_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=1,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     lines = [line for line in _CORPUS.splitlines() if line.strip()]
     tok.train_from_iterator(lines * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build_demo_model(out_dir: str | Path, seed: int = 0, config_overrides: Optional[dict] = None,
-                     vocab_size: int = 1024) -> Path:
+def build_demo_model(
+    out_dir: str | Path, seed: int = 0, config_overrides: Optional[dict] = None, vocab_size: int = 1024
+) -> Path:
     """Write the demo checkpoint to ``out_dir`` atomically (built in a temp dir, then renamed)."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -111,12 +124,15 @@ def build_demo_model(out_dir: str | Path, seed: int = 0, config_overrides: Optio
         cfg.pop("model_type")
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-        config = Qwen2Config(vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **cfg)
+        config = Qwen2Config(
+            vocab_size=len(tokenizer), eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **cfg
+        )
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
         model.save_pretrained(tmp, safe_serialization=True)
-        GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None,
-                         do_sample=False).save_pretrained(tmp)
+        GenerationConfig(
+            eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None, do_sample=False
+        ).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "sidecar_demo.json").write_text(json.dumps({"version": DEMO_VERSION, "seed": seed}))
         if out_dir.exists():
@@ -156,7 +172,9 @@ def ensure_demo_model(demo_dir: Optional[str] = None) -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", nargs="?", default=None, help="output directory (default: the user cache dir)")
     parser.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the directory holds a demo model")
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if the directory holds a demo model"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

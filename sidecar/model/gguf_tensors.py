@@ -11,6 +11,7 @@ stored format (quant.py: ``w = (code - 8) * scale + zero``, group 32, low nibble
 - Q4_0 block: f16 d, 16 bytes of codes;        w = d * (q - 8) -> scale = d, zero = 0.
 In both, byte j of the codes holds element j (low nibble) and element j + 16 (high nibble).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -26,9 +27,15 @@ INT4_GROUP = 32
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -53,8 +60,10 @@ def check_types(reader, path: str) -> None:
     for t in reader.tensors:
         name = type_name(t)
         if name not in FLOAT_TYPES + BLOCK_TYPES:
-            raise ValueError(f"model: {path}: tensor {t.name!r} has GGUF type {name}, which is not supported "
-                             f"(supported: {', '.join(FLOAT_TYPES + BLOCK_TYPES)})")
+            raise ValueError(
+                f"model: {path}: tensor {t.name!r} has GGUF type {name}, which is not supported "
+                f"(supported: {', '.join(FLOAT_TYPES + BLOCK_TYPES)})"
+            )
 
 
 def rope_heads(hf: str, cfg: dict) -> Optional[int]:
@@ -96,8 +105,9 @@ def dequantize(tensor) -> torch.Tensor:
     if name == "BF16":
         raw = torch.from_numpy(np.array(data).view(np.int16))
         return raw.view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, tensor.tensor_type),
-                                                 dtype=np.float32))
+    return torch.from_numpy(
+        np.ascontiguousarray(gguf.quants.dequantize(data, tensor.tensor_type), dtype=np.float32)
+    )
 
 
 def int4_exact(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ GPUs run fp16 natively.
 The answer comes from torch's own capability reporting. Only when that reporting is missing (an
 older or unusual torch build) is a short matmul timed once per process to decide.
 """
+
 from __future__ import annotations
 
 import functools
@@ -69,10 +70,20 @@ def cpu_isa() -> dict:
 def isa_summary(isa: Optional[dict] = None) -> str:
     """One line such as ``Intel Xeon: AVX2 AVX-512 AVX-512-BF16 AMX (torch AVX512, 2 threads)``."""
     isa = isa or cpu_isa()
-    names = [label for key, label in (("avx2", "AVX2"), ("avx512", "AVX-512"), ("avx512_bf16", "AVX-512-BF16"),
-                                       ("amx", "AMX")) if isa.get(key)]
-    return (f"{isa['model_name']}: {' '.join(names) or 'no AVX2'} "
-            f"(torch {isa['torch_capability']}, {isa['num_threads']} threads)")
+    names = [
+        label
+        for key, label in (
+            ("avx2", "AVX2"),
+            ("avx512", "AVX-512"),
+            ("avx512_bf16", "AVX-512-BF16"),
+            ("amx", "AMX"),
+        )
+        if isa.get(key)
+    ]
+    return (
+        f"{isa['model_name']}: {' '.join(names) or 'no AVX2'} "
+        f"(torch {isa['torch_capability']}, {isa['num_threads']} threads)"
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -119,8 +130,12 @@ def avx2_bf16_kernel(in_features: Iterable[int] = ()) -> tuple[bool, str]:
     stays float32 there."""
     from sidecar.model.kernels import bf16_gemv
 
-    if (_probe("_is_avx512_supported") is not False or not _probe("_is_avx2_supported")
-            or _probe("_is_avx512_bf16_supported") is not False or _probe("_is_amx_tile_supported") is not False):
+    if (
+        _probe("_is_avx512_supported") is not False
+        or not _probe("_is_avx2_supported")
+        or _probe("_is_avx512_bf16_supported") is not False
+        or _probe("_is_amx_tile_supported") is not False
+    ):
         return False, "not an AVX2 CPU known to lack AVX-512"
     if bf16_gemv.isa() != "avx2":
         return False, "our AVX2 bf16 kernel is not available"
@@ -138,8 +153,9 @@ def cuda_half_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     return torch.float16, f"CUDA sm{major}{minor} has no native bf16, fp16 instead"
 
 
-def auto_dtype(checkpoint_dtype: torch.dtype, device: torch.device,
-               in_features: Iterable[int] = ()) -> tuple[torch.dtype, str]:
+def auto_dtype(
+    checkpoint_dtype: torch.dtype, device: torch.device, in_features: Iterable[int] = ()
+) -> tuple[torch.dtype, str]:
     """The compute dtype for ``dtype="auto"`` and the reason, for the start-up line.
 
     A float32 checkpoint stays float32 (its published precision). A half-precision checkpoint runs
@@ -157,6 +173,7 @@ def auto_dtype(checkpoint_dtype: torch.dtype, device: torch.device,
         return torch.bfloat16, f"auto: half-precision checkpoint; {why}"
     kernel, kernel_why = avx2_bf16_kernel(in_features)
     if kernel:  # (torch's bf16 matmul would be emulated, but no layer runs it)
-        return torch.bfloat16, (f"auto: half-precision checkpoint; CPU has neither AVX-512 BF16 nor AMX: "
-                                f"{kernel_why}")
+        return torch.bfloat16, (
+            f"auto: half-precision checkpoint; CPU has neither AVX-512 BF16 nor AMX: {kernel_why}"
+        )
     return torch.float32, f"auto: {why}; {kernel_why}; float32 is faster"

@@ -3,7 +3,8 @@
 Every step allocates the same large intermediates again: the logits of a decode batch (32 rows of a
 151,936-token vocabulary in float32: 19 MiB a step), a prompt chunk's gate/up output (2,048 tokens of
 Qwen2-0.5B: 20-40 MiB a layer). With glibc's own mmap threshold (128 KiB at start, adjusted by glibc as mapped
-blocks are freed) each was a fresh mapping, unmapped on free: traced, one 19 MiB mapping every 32-row decode step and one 20 MiB mapping a layer in a 2,048-token
+blocks are freed) each was a fresh mapping, unmapped on free: traced, one 19 MiB mapping every 32-row decode
+step and one 20 MiB mapping a layer in a 2,048-token
 prefill, each faulted in and zeroed again (on a 2-vCPU Xeon: ~4.7 ms of a 32-row Qwen2-0.5B decode step, ~7% of
 a 2,048-token prefill).
 
@@ -16,6 +17,7 @@ blocks near that size are still mapped.
 Left alone where the user chose (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or these settings in
 ``GLIBC_TUNABLES``), with ``SIDECAR_KEEP_FREED=0``, off Linux, and where the C library is not glibc.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -60,10 +62,19 @@ def keep_step_blocks(environ=None) -> dict[str, object]:
         except (OSError, AttributeError):
             why = "not glibc"
     if not why:
-        done = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+        done = (
+            mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+        )
         why = "" if done else "mallopt refused"
-    _state.update({"state": f"off ({why})"} if why else
-                  {"state": "kept", "mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD})
-    log.info("freed step blocks: %s", _state["state"] if why else
-             f"kept (heap up to {MMAP_THRESHOLD >> 20} MiB a block, {TRIM_THRESHOLD >> 20} MiB kept free)")
+    _state.update(
+        {"state": f"off ({why})"}
+        if why
+        else {"state": "kept", "mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}
+    )
+    log.info(
+        "freed step blocks: %s",
+        _state["state"]
+        if why
+        else f"kept (heap up to {MMAP_THRESHOLD >> 20} MiB a block, {TRIM_THRESHOLD >> 20} MiB kept free)",
+    )
     return dict(_state)

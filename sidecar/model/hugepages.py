@@ -18,6 +18,7 @@ Nothing happens where transparent huge pages are off (``never``), off Linux, or 
 ``release(start, nbytes)`` gives memory nothing reads again back to the kernel (the loader's plain weights as their
 tiled copies are made: ``bf16_gemv.tile_weight``), whatever the huge-page setting.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -40,8 +41,9 @@ _THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def wanted() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("SIDECAR_HUGE_PAGES", "1").strip().lower() not in (
-        "0", "false", "no", "off")
+    return sys.platform.startswith("linux") and os.environ.get(
+        "SIDECAR_HUGE_PAGES", "1"
+    ).strip().lower() not in ("0", "false", "no", "off")
 
 
 def thp_mode(path: str = _THP_SETTING) -> str:
@@ -51,7 +53,7 @@ def thp_mode(path: str = _THP_SETTING) -> str:
     except OSError:
         return ""
     start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else ""
+    return text[start + 1 : end] if 0 <= start < end else ""
 
 
 def enable_torch_allocator() -> bool:
@@ -126,8 +128,11 @@ def advise_new(before: set[tuple[int, int]]) -> dict[str, object]:
             continue
         if _madvise(libc, lo, hi - lo, MADV_HUGEPAGE) == 0:
             advised += 1
-        if collapse_ok and info["Rss"] - info["AnonHugePages"] >= HUGE and info["Rss"] >= RESIDENT_TO_COLLAPSE * (
-                hi - lo):
+        if (
+            collapse_ok
+            and info["Rss"] - info["AnonHugePages"] >= HUGE
+            and info["Rss"] >= RESIDENT_TO_COLLAPSE * (hi - lo)
+        ):
             err = _madvise(libc, lo, hi - lo, MADV_COLLAPSE)
             collapse_ok = err != 22  # EINVAL: a kernel without MADV_COLLAPSE; khugepaged collapses later
             collapsed += err == 0
@@ -135,7 +140,18 @@ def advise_new(before: set[tuple[int, int]]) -> dict[str, object]:
                 refused[os.strerror(err)] = refused.get(os.strerror(err), 0) + 1
     huge = sum(v["AnonHugePages"] for k, v in anon_regions().items() if k not in before)
     state = "collapsed" if collapsed else "advised"
-    log.info("huge pages: %d new regions advised, %d collapsed%s, %.0f MiB in huge pages (%.2f s)", advised,
-             collapsed, f" (refused: {refused})" if refused else "", huge / 2**20, time.perf_counter() - t)
-    return {"state": state, "advised": advised, "collapsed": collapsed, "collapse_refused": refused,
-            "huge_bytes": huge}
+    log.info(
+        "huge pages: %d new regions advised, %d collapsed%s, %.0f MiB in huge pages (%.2f s)",
+        advised,
+        collapsed,
+        f" (refused: {refused})" if refused else "",
+        huge / 2**20,
+        time.perf_counter() - t,
+    )
+    return {
+        "state": state,
+        "advised": advised,
+        "collapsed": collapsed,
+        "collapse_refused": refused,
+        "huge_bytes": huge,
+    }

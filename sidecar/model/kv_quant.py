@@ -10,6 +10,7 @@ Invariant: a stored row ``x`` (hd values of one token and KV head) is ``q * s`` 
 in [-127, 127]) or ``x / s`` rounded to e4m3 (fp8). Every writer goes through ``write``, so the torch
 reference, the CPU kernel and any device kernel read the same codes and scales.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,9 @@ def bytes_per_token_head(dtype: torch.dtype, head_dim: int) -> int:
     return head_dim * elem + (4 if is_quantized(dtype) else 0)
 
 
-def allocate(num_blocks: int, block_size: int, nkv: int, hd: int, dtype: torch.dtype,
-             device: torch.device) -> tuple[torch.Tensor, ...]:
+def allocate(
+    num_blocks: int, block_size: int, nkv: int, hd: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """One layer's cache: ``(k, v)``, or ``(k, v, k_scale, v_scale)`` for a quantized dtype (uninitialised)."""
     shape = (num_blocks, block_size, nkv, hd)
     out = [torch.empty(shape, dtype=dtype, device=device) for _ in range(2)]
@@ -95,8 +97,13 @@ def write(cache: tuple[torch.Tensor, ...], k: torch.Tensor, v: torch.Tensor, slo
         scales.view(-1, nkv).index_copy_(0, slots, s)
 
 
-def gather(codes: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, length: Optional[int],
-           dtype: torch.dtype) -> torch.Tensor:
+def gather(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    block_table: torch.Tensor,
+    length: Optional[int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
     """The blocks of ``block_table`` (any leading shape) dequantized to ``dtype``: [..., n * bs, nkv, hd],
     cut to ``length`` tokens when given (then ``block_table`` is one row)."""
     nkv, hd = codes.shape[-2], codes.shape[-1]
@@ -111,7 +118,7 @@ def zero_blocks(caches: list[tuple[torch.Tensor, ...]], lo: int, hi: int) -> Non
     """Blocks lo..hi (inclusive) of every layer's tensors set to zero (codes and scales)."""
     for layer in caches:
         for t in layer:
-            _bits(t)[lo:hi + 1].zero_()
+            _bits(t)[lo : hi + 1].zero_()
 
 
 def block_nbytes(caches: list[tuple[torch.Tensor, ...]]) -> int:
@@ -165,6 +172,6 @@ def write_blocks(caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], d
         for t in layer:
             dst = _bits(t)
             n = dst[0].numel() * dst.element_size()
-            src = rows[:, off:off + n].contiguous().view(dst.dtype).view(len(datas), *dst.shape[1:])
+            src = rows[:, off : off + n].contiguous().view(dst.dtype).view(len(datas), *dst.shape[1:])
             dst.index_copy_(0, ids, src)
             off += n

@@ -36,6 +36,7 @@ bf16 costs half the memory of float32 there as everywhere.
 ``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the reference the fast paths are
 tested against. Paths that skip a layer's module call (fused epilogues, the GPU's fused products) need ``hooks_idle``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,14 +64,20 @@ TILED_FRACTION = 0.1
 
 def hooks_idle(module: nn.Module) -> bool:
     """No hook would change ``module``'s output now: none before it, and each one after it says it is idle."""
-    return not module._forward_pre_hooks and all(getattr(h, "idle", None) is not None and h.idle()
-                                                 for h in module._forward_hooks.values())
+    return not module._forward_pre_hooks and all(
+        getattr(h, "idle", None) is not None and h.idle() for h in module._forward_hooks.values()
+    )
 
 
 def can_pack(weight: Optional[torch.Tensor]) -> bool:
     """Whether oneDNN on this CPU takes this weight packed (float32 anywhere, bf16 where supported)."""
-    if (weight is None or weight.device.type != "cpu" or weight.dim() != 2 or not cpu_build.enabled()
-            or not torch.backends.mkldnn.is_available()):
+    if (
+        weight is None
+        or weight.device.type != "cpu"
+        or weight.dim() != 2
+        or not cpu_build.enabled()
+        or not torch.backends.mkldnn.is_available()
+    ):
         return False
     if weight.dtype == torch.float32:
         return True
@@ -80,17 +87,28 @@ def can_pack(weight: Optional[torch.Tensor]) -> bool:
 def tile_only(weight: Optional[torch.Tensor]) -> bool:
     """Whether this weight is a bf16 one that oneDNN cannot pack on this CPU but our bf16 kernel reads (rows of
     whole 32-element chunks): it is then held in the kernel's tiled layout alone."""
-    return (weight is not None and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and cpu_build.enabled()
-            and not can_pack(weight) and bf16_gemv.available())
+    return (
+        weight is not None
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.shape[1] % 32 == 0
+        and cpu_build.enabled()
+        and not can_pack(weight)
+        and bf16_gemv.available()
+    )
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters and state dict until packed) whose CPU forward takes a packed oneDNN weight
     if it has one, our bf16 kernel for small bf16 batches on its tiled copy (or shared plain weight), else F.linear."""
 
-    kernel_rows = bf16_gemv.MAX_ROWS  # bf16 batches of up to this many rows take our kernel (see pack_weights)
-    gate_up_halves = 0  # a fused gate/up projection's intermediate size (set by the MLP): the tile layout pairs it
+    kernel_rows = (
+        bf16_gemv.MAX_ROWS
+    )  # bf16 batches of up to this many rows take our kernel (see pack_weights)
+    gate_up_halves = (
+        0  # a fused gate/up projection's intermediate size (set by the MLP): the tile layout pairs it
+    )
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -115,8 +133,9 @@ class Linear(nn.Linear):
             self.amx_pairs = amx_gemm.pairs_of(self.weight, self.gate_up_halves)
             self.amx = amx_gemm.pack(self.weight.detach(), release, self.amx_pairs)
         elif can_pack(self.weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous(),
-                                                                  PACK_ROWS_HINT)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(
+                self.weight.detach().contiguous(), PACK_ROWS_HINT
+            )
             if tile:
                 self.tiled = bf16_gemv.tile_weight(self.weight.detach(), release)
         elif tile_only(self.weight):
@@ -131,8 +150,12 @@ class Linear(nn.Linear):
     def _amx_forward(self, x: torch.Tensor, silu: bool, widened: bool = False) -> torch.Tensor:
         layer = self._amx_layer
         if layer is None or not layer.matches(self.amx, self.bias):
-            layer = self._amx_layer = amx_gemm.AmxLayer(self.amx, self.out_features, self.bias, self.amx_pairs)
-        y = layer(x.reshape(-1, self.in_features), torch.float32 if widened else torch.bfloat16, silu, widened)
+            layer = self._amx_layer = amx_gemm.AmxLayer(
+                self.amx, self.out_features, self.bias, self.amx_pairs
+            )
+        y = layer(
+            x.reshape(-1, self.in_features), torch.float32 if widened else torch.bfloat16, silu, widened
+        )
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def float_forward(self, x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -163,22 +186,41 @@ class Linear(nn.Linear):
         w, packed, tiled = self.weight, self.packed, self.tiled
         if self.amx is not None and x.dtype is torch.bfloat16 and x.device.type == "cpu":
             return self._amx_forward(x, False)
-        if tiled is not None and x.dtype is torch.bfloat16 and x.numel() <= self.kernel_rows * self.in_features:
+        if (
+            tiled is not None
+            and x.dtype is torch.bfloat16
+            and x.numel() <= self.kernel_rows * self.in_features
+        ):
             # A tiled copy exists only on the CPU where the kernel runs: its operands are checked once.
             layer = self._tiled_layer
             if layer is None or not layer.matches(tiled, self.bias):
-                layer = self._tiled_layer = (bf16_gemv.TiledLayer(tiled, self.out_features, self.bias)
-                                             if tiled.device.type == "cpu" and bf16_gemv.available() else None)
+                layer = self._tiled_layer = (
+                    bf16_gemv.TiledLayer(tiled, self.out_features, self.bias)
+                    if tiled.device.type == "cpu" and bf16_gemv.available()
+                    else None
+                )
             if layer is not None:
                 y = layer(x.reshape(-1, self.in_features))
                 return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-        if (w is not None and w.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
-                and self.in_features % 32 == 0 and x.numel() <= self.kernel_rows * self.in_features
-                and bf16_gemv.available()):  # a shared plain weight (a tied table), read in place
+        if (
+            w is not None
+            and w.dtype == torch.bfloat16
+            and x.dtype == torch.bfloat16
+            and x.device.type == "cpu"
+            and self.in_features % 32 == 0
+            and x.numel() <= self.kernel_rows * self.in_features
+            and bf16_gemv.available()
+        ):  # a shared plain weight (a tied table), read in place
             y = bf16_gemv.bf16_matmul(x.reshape(-1, self.in_features), w, self.bias, torch.bfloat16)
             return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
-        if (packed is not None and w is not None and x.dtype is torch.float32 and w.dtype is torch.float32
-                and x.numel() <= F32_KERNEL_ROWS * self.in_features and f32_gemv.takes(w)):
+        if (
+            packed is not None
+            and w is not None
+            and x.dtype is torch.float32
+            and w.dtype is torch.float32
+            and x.numel() <= F32_KERNEL_ROWS * self.in_features
+            and f32_gemv.takes(w)
+        ):
             # A float32 weight kept plain beside its packed copy (a tied head's table): few rows stream faster
             # through our kernel on the plain rows than through oneDNN on the packed ones.
             y = f32_gemv.f32_matmul(x.reshape(-1, self.in_features), w, self.bias)
@@ -193,7 +235,9 @@ class TiledEmbedding(nn.Module):
     AMX's tile layout (``amx_gemm.pack``, ``layout="amx"``): the copy of a tied lm_head, so that one table serves
     both. Row ``i`` is read out of its tiles."""
 
-    def __init__(self, tiled: torch.Tensor, num_embeddings: int, embedding_dim: int, layout: str = "tiled") -> None:
+    def __init__(
+        self, tiled: torch.Tensor, num_embeddings: int, embedding_dim: int, layout: str = "tiled"
+    ) -> None:
         super().__init__()
         if layout not in ("tiled", "amx"):
             raise ValueError(f"embedding layout {layout!r}: 'tiled' or 'amx'")
@@ -243,46 +287,74 @@ def pack_weights(model: nn.Module, consume: bool = False) -> int:
     alone (``tile_only``). ``consume``: the model's plain weights are its own (the loader's, just read), so a
     plain weight that is dropped gives its pages back while its tiled copy is made (``Linear.pack``)."""
     n = _tile_alone(model, consume)
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None and can_pack(m.weight)]
-    others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
-              for p in m.parameters(recurse=False)}
+    linears = [
+        m for m in model.modules() if isinstance(m, Linear) and m.packed is None and can_pack(m.weight)
+    ]
+    others = {
+        p.data_ptr()
+        for m in model.modules()
+        if not isinstance(m, Linear)
+        for p in m.parameters(recurse=False)
+    }
     shared = {id(m) for m in linears if m.weight.data_ptr() in others}
     # Tiled copies only where the kernel can read them (a row length of whole 32-element chunks).
-    bf16 = [m for m in linears if m.weight.dtype == torch.bfloat16 and id(m) not in shared
-            and m.in_features % 32 == 0]
-    tiled_bytes = sum(m.weight.numel() * 2 for m in bf16)  # what the copies cost (shared ones stay plain anyway)
+    bf16 = [
+        m
+        for m in linears
+        if m.weight.dtype == torch.bfloat16 and id(m) not in shared and m.in_features % 32 == 0
+    ]
+    tiled_bytes = sum(
+        m.weight.numel() * 2 for m in bf16
+    )  # what the copies cost (shared ones stay plain anyway)
     kernel_read = {id(m) for m in bf16}
     amx = bool(bf16) and amx_gemm.takes(bf16[0].weight)  # bf16 weights in the tile layout alone (Linear.pack)
-    tile = (bool(bf16) and not amx and bf16_gemv.available()
-            and tiled_bytes <= TILED_FRACTION * _physical_memory())
+    tile = (
+        bool(bf16)
+        and not amx
+        and bf16_gemv.available()
+        and tiled_bytes <= TILED_FRACTION * _physical_memory()
+    )
     # A tied lm_head's table moves to the tiled layout too where the kernel runs, when only embedding lookups
     # share it: they read their rows out of the tiles, so the one copy serves the head's kernel (a faster stream
     # than plain rows) and the lookups, in the memory the plain table took.
     tied = {}
     if tile or amx:
         for m in linears:
-            if (id(m) in shared and m.weight.dtype == torch.bfloat16 and m.in_features % 32 == 0
-                    and (holders := _embedding_holders(model, m.weight)) is not None):
+            if (
+                id(m) in shared
+                and m.weight.dtype == torch.bfloat16
+                and m.in_features % 32 == 0
+                and (holders := _embedding_holders(model, m.weight)) is not None
+            ):
                 tied[id(m)] = holders
     packed = 0
     for lin in linears:
         if id(lin) in tied:
             packed += _tile_table(lin, tied[id(lin)], consume)
             continue
-        packed += lin.pack(keep_weight=id(lin) in shared, tile=tile and id(lin) in kernel_read, consume=consume)
+        packed += lin.pack(
+            keep_weight=id(lin) in shared, tile=tile and id(lin) in kernel_read, consume=consume
+        )
     if tile:
         # Where oneDNN overtakes our kernel on this CPU, measured over the tiled layers; every bf16 layer the
         # kernel reads (the shared plain ones too) switches there.
-        rows = bf16_gemv.measure_rows_limit([(m.tiled, m.out_features, m.packed) for m in linears
-                                             if m.tiled is not None])
+        rows = bf16_gemv.measure_rows_limit(
+            [(m.tiled, m.out_features, m.packed) for m in linears if m.tiled is not None]
+        )
         for lin in linears:
             if lin.weight is not None or lin.tiled is not None:
                 lin.kernel_rows = rows
     if packed:
-        log.info("linear layers: %d packed%s", packed,
-                 f"; bf16 copies in the decode kernel's tiled layout ({tiled_bytes / 2**20:.0f} MiB), which "
-                 f"takes batches of up to {rows} rows" if tile else
-                 f"; bf16 ones in the tile layout alone ({amx_gemm.path()})" if amx else " for oneDNN")
+        log.info(
+            "linear layers: %d packed%s",
+            packed,
+            f"; bf16 copies in the decode kernel's tiled layout ({tiled_bytes / 2**20:.0f} MiB), which "
+            f"takes batches of up to {rows} rows"
+            if tile
+            else f"; bf16 ones in the tile layout alone ({amx_gemm.path()})"
+            if amx
+            else " for oneDNN",
+        )
     return n + packed
 
 
@@ -293,8 +365,13 @@ def _tile_table(lin: Linear, holders: list[tuple[nn.Module, str]], consume: bool
     if done:
         layout = "tiled" if lin.amx is None else "amx"
         for parent, name in holders:
-            setattr(parent, name, TiledEmbedding(lin.tiled if lin.amx is None else lin.amx, table.shape[0],
-                                                 table.shape[1], layout))
+            setattr(
+                parent,
+                name,
+                TiledEmbedding(
+                    lin.tiled if lin.amx is None else lin.amx, table.shape[0], table.shape[1], layout
+                ),
+            )
     return done
 
 
@@ -302,11 +379,17 @@ def _tile_alone(model: nn.Module, consume: bool = False) -> int:
     """bf16 layers oneDNN cannot pack on this CPU (``tile_only``) to our kernel's tiled layout, which replaces the
     plain weight and takes every batch size; a tied table too when only embedding lookups share it (else it stays
     plain and the kernel reads its rows in place). Returns how many layers moved."""
-    linears = [m for m in model.modules() if isinstance(m, Linear) and m.tiled is None and tile_only(m.weight)]
+    linears = [
+        m for m in model.modules() if isinstance(m, Linear) and m.tiled is None and tile_only(m.weight)
+    ]
     if not linears:
         return 0
-    others = {p.data_ptr() for m in model.modules() if not isinstance(m, Linear)
-              for p in m.parameters(recurse=False)}
+    others = {
+        p.data_ptr()
+        for m in model.modules()
+        if not isinstance(m, Linear)
+        for p in m.parameters(recurse=False)
+    }
     n = 0
     for lin in linears:
         if lin.weight.data_ptr() not in others:
@@ -315,6 +398,10 @@ def _tile_alone(model: nn.Module, consume: bool = False) -> int:
             n += _tile_table(lin, holders, consume)
         else:
             lin.kernel_rows = UNLIMITED_ROWS  # plain rows, read in place
-    log.info("linear layers: %d bf16 ones in our kernel's tiled layout alone (%s path; no oneDNN bf16 on this "
-             "CPU), every batch size", n, bf16_gemv.isa())
+    log.info(
+        "linear layers: %d bf16 ones in our kernel's tiled layout alone (%s path; no oneDNN bf16 on this "
+        "CPU), every batch size",
+        n,
+        bf16_gemv.isa(),
+    )
     return n

@@ -11,6 +11,7 @@ instance; a layer takes the Triton form of a step (``kernels/triton_ops.py``, ``
 ``triton_wo.py``) when ``fast_paths.takes(name, tensor)``, and otherwise the path it takes with every
 field off. Fields are flipped in place on the shared instance, never by assigning a new one.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,11 +51,20 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                       "mistral": "MistralForCausalLM"}.get(cfg.get("model_type", ""), "")
+        arch = (
+            archs[0]
+            if archs
+            else {
+                "llama": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM",
+                "mistral": "MistralForCausalLM",
+            }.get(cfg.get("model_type", ""), "")
+        )
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"model: architecture {arch or cfg.get('model_type')!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+            raise ValueError(
+                f"model: architecture {arch or cfg.get('model_type')!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
         hidden = cfg["hidden_size"]
         heads = cfg["num_attention_heads"]
         # transformers 5 nests rope settings in rope_parameters; 4.x keeps rope_theta + rope_scaling.
@@ -140,7 +150,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fast_paths = paths
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual); without a residual, (norm(x), x). One pass on CPU."""
         ops = _triton(self.fast_paths, "norm", x)
         out = None if ops is None else ops.add_rms_norm(x, residual, self.weight, self.eps)
@@ -153,18 +165,33 @@ class Attention(nn.Module):
         self.fast_paths = paths
         self.nh, self.nkv, self.hd = args.num_heads, args.num_kv_heads, args.head_dim
         self.qkv_proj = Linear(args.hidden_size, (self.nh + 2 * self.nkv) * self.hd, bias=args.attention_bias)
-        self.o_proj = Linear(self.nh * self.hd, args.hidden_size, bias=args.attention_bias
-                                and args.architecture != "Qwen2ForCausalLM")
-        self.scale = self.hd ** -0.5
+        self.o_proj = Linear(
+            self.nh * self.hd,
+            args.hidden_size,
+            bias=args.attention_bias and args.architecture != "Qwen2ForCausalLM",
+        )
+        self.scale = self.hd**-0.5
         self.sliding_window = args.sliding_window
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, ...],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """``kv``: this layer's cache, (k, v) or a quantized (k, v, k_scale, v_scale) (see kv_quant)."""
         return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, kv, meta))
 
-    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, ...],
-               meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Rope, the KV write and attention over the fused projection ``qkv``: [T, heads * head_dim]."""
         t = qkv.shape[0]
         paths = self.fast_paths
@@ -174,24 +201,56 @@ class Attention(nn.Module):
         ops = _triton(paths, "rope_kv", qkv)
         fused = None
         if ops is not None:
-            fused = ops.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv, self.hd,
-                                      want_k=bool(meta.prefills), kv_scales=scales)
+            fused = ops.rope_store_kv(
+                qkv,
+                cos,
+                sin,
+                meta.slot_mapping,
+                kv[0],
+                kv[1],
+                self.nh,
+                self.nkv,
+                self.hd,
+                want_k=bool(meta.prefills),
+                kv_scales=scales,
+            )
         if fused is None and meta.use_cpu_kernel:  # quantizes on write for an int8 cache
-            fused = rope_kv.rope_store_kv(qkv, cos, sin, meta.slot_mapping, kv[0], kv[1], self.nh, self.nkv,
-                                          self.hd, want_k=bool(meta.prefills), kv_scales=scales)
+            fused = rope_kv.rope_store_kv(
+                qkv,
+                cos,
+                sin,
+                meta.slot_mapping,
+                kv[0],
+                kv[1],
+                self.nh,
+                self.nkv,
+                self.hd,
+                want_k=bool(meta.prefills),
+                kv_scales=scales,
+            )
         if fused is not None:  # rotated and written to the cache in one pass
-            o = paged_attention(*fused, kv[0], kv[1], meta, self.scale, self.sliding_window, kv_written=True,
-                                paths=paths, kv_scales=scales)
+            o = paged_attention(
+                *fused,
+                kv[0],
+                kv[1],
+                meta,
+                self.scale,
+                self.sliding_window,
+                kv_written=True,
+                paths=paths,
+                kv_scales=scales,
+            )
             return o.reshape(t, self.nh * self.hd)
         nqk = (self.nh + self.nkv) * self.hd
         # q and k are adjacent in the fused projection: rotate them in one pass.
         # rotate_half(x) == roll(x, hd/2) * [-1.., +1..]; the sign is folded into `sin` (see init_rope).
         qk = qkv[:, :nqk].view(t, self.nh + self.nkv, self.hd)
         qk = qk * cos + torch.roll(qk, self.hd // 2, dims=-1) * sin
-        q, k = qk[:, :self.nh], qk[:, self.nh:]
+        q, k = qk[:, : self.nh], qk[:, self.nh :]
         v = qkv[:, nqk:].view(t, self.nkv, self.hd)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window, paths=paths,
-                            kv_scales=scales)
+        o = paged_attention(
+            q, k, v, kv[0], kv[1], meta, self.scale, self.sliding_window, paths=paths, kv_scales=scales
+        )
         return o.reshape(t, self.nh * self.hd)
 
 
@@ -204,7 +263,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj, "silu_mul", None)  # our Linear's (tile layout); quantized layers lack it
+        fused = getattr(
+            self.gate_up_proj, "silu_mul", None
+        )  # our Linear's (tile layout); quantized layers lack it
         act = fused(x) if fused is not None else None
         if act is not None:
             return self.down_proj(act)
@@ -222,18 +283,41 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
         self.mlp = MLP(args, paths)
 
-    def forward(self, h: torch.Tensor, delta: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                kv: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        h: torch.Tensor,
+        delta: Optional[torch.Tensor],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv: tuple[torch.Tensor, ...],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream ``h`` arrives without the previous layer's output ``delta`` added (the add is
         fused into this layer's first norm); returns the stream and this layer's output, likewise."""
         ops = _triton(self.input_layernorm.fast_paths, "gemv", h)
-        if ops is not None and self._fusable(ops, h, delta):  # one row: four kernels, the norms and silu fused in
+        if ops is not None and self._fusable(
+            ops, h, delta
+        ):  # one row: four kernels, the norms and silu fused in
             attn, mlp = self.self_attn, self.mlp
-            qkv, h = ops.norm_matmul(h, delta, self.input_layernorm.weight, self.input_layernorm.eps,
-                                     attn.qkv_proj.weight, attn.qkv_proj.bias)
-            o = ops.matmul(attn.attend(qkv, cos, sin, kv, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias)
-            gu, h = ops.norm_matmul(h, o, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps,
-                                    mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+            qkv, h = ops.norm_matmul(
+                h,
+                delta,
+                self.input_layernorm.weight,
+                self.input_layernorm.eps,
+                attn.qkv_proj.weight,
+                attn.qkv_proj.bias,
+            )
+            o = ops.matmul(
+                attn.attend(qkv, cos, sin, kv, meta).contiguous(), attn.o_proj.weight, attn.o_proj.bias
+            )
+            gu, h = ops.norm_matmul(
+                h,
+                o,
+                self.post_attention_layernorm.weight,
+                self.post_attention_layernorm.eps,
+                mlp.gate_up_proj.weight,
+                mlp.gate_up_proj.bias,
+            )
             return h, ops.silu_matmul(gu, mlp.down_proj.weight, mlp.down_proj.bias)
         x, h = self.input_layernorm(h, delta)
         x, h = self.post_attention_layernorm(h, self.self_attn(x, cos, sin, kv, meta))
@@ -241,9 +325,13 @@ class DecoderLayer(nn.Module):
 
     def _fusable(self, ops, h: torch.Tensor, delta: Optional[torch.Tensor]) -> bool:
         lins = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return (all(_plain(lin) and ops.takes(h, lin.weight, lin.bias, lin.in_features) for lin in lins)
-                and (delta is None or (delta.shape == h.shape and delta.dtype == h.dtype and delta.is_contiguous()))
-                and all(n.weight.dtype == h.dtype for n in (self.input_layernorm, self.post_attention_layernorm)))
+        return (
+            all(_plain(lin) and ops.takes(h, lin.weight, lin.bias, lin.in_features) for lin in lins)
+            and (
+                delta is None or (delta.shape == h.shape and delta.dtype == h.dtype and delta.is_contiguous())
+            )
+            and all(n.weight.dtype == h.dtype for n in (self.input_layernorm, self.post_attention_layernorm))
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -276,19 +364,29 @@ class LlamaForCausalLM(nn.Module):
         sign = torch.cat((-torch.ones_like(freqs), torch.ones_like(freqs)), dim=-1)
         self.rope_sin = (emb.sin() * sign).to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         cos, sin = self.rope_rows(positions)
         return self.forward_embedded(self.embed_tokens(input_ids), cos, sin, kv_caches, meta)
 
-    def rope_rows(self, positions: torch.Tensor, out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_rows(
+        self,
+        positions: torch.Tensor,
+        out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, 1, head_dim] of ``positions`` [T]; written into ``out`` ([>= T, 1, head_dim] each)
         when given."""
         if out is None:
-            return (self.rope_cos.index_select(0, positions)[:, None, :],
-                    self.rope_sin.index_select(0, positions)[:, None, :])
+            return (
+                self.rope_cos.index_select(0, positions)[:, None, :],
+                self.rope_sin.index_select(0, positions)[:, None, :],
+            )
         t = positions.shape[0]
         rows = []
         for table, buf in zip((self.rope_cos, self.rope_sin), out):
@@ -296,8 +394,14 @@ class LlamaForCausalLM(nn.Module):
             rows.append(buf[:t])
         return rows[0], rows[1]
 
-    def forward_embedded(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward_embedded(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, ...]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """The decoder over embedded tokens ``h`` [T, hidden] with their rope rows (``rope_rows``): final hidden
         states [T, hidden]. On a CPU with our kernels every operation in it runs in one of them (what lets a
         decode step be replayed from C: ``engine/cpu_graphs.py``)."""
@@ -308,6 +412,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h, delta)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        widened = getattr(self.lm_head, "float_forward", None)  # our Linear's (tile layout); quantized heads lack it
+        widened = getattr(
+            self.lm_head, "float_forward", None
+        )  # our Linear's (tile layout); quantized heads lack it
         logits = widened(hidden) if widened is not None else None
         return logits if logits is not None else self.lm_head(hidden).float()

@@ -10,6 +10,7 @@ Weights are materialised one decoder layer at a time from memory-mapped
 safetensors into a model built on the meta device, so peak memory stays near
 the final model size (plus one layer) even when quantizing on load.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,12 +75,24 @@ def resolve_model_dir(model: str, revision: Optional[str] = None, demo_dir: Opti
     try:
         from huggingface_hub import snapshot_download
 
-        local = snapshot_download(model, revision=revision,
-                                  allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model",
-                                                  "*.txt", "*.tiktoken"])
+        local = snapshot_download(
+            model,
+            revision=revision,
+            allow_patterns=[
+                "*.json",
+                "*.safetensors",
+                "*.jinja",
+                "tokenizer*",
+                "*.model",
+                "*.txt",
+                "*.tiktoken",
+            ],
+        )
     except Exception as exc:  # network errors, unknown repo, offline mode
-        raise ValueError(f"model: {model!r} is neither a local directory nor a reachable hub id "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise ValueError(
+            f"model: {model!r} is neither a local directory nor a reachable hub id "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     return Path(local)
 
 
@@ -148,16 +161,21 @@ class _SafetensorsIndex:
             return h.get_tensor(name)
 
 
-def _set(module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+def _set(
+    module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> None:
     old = getattr(module, name)
     if tuple(old.shape) != tuple(tensor.shape):
-        raise ValueError(f"model: tensor for {type(module).__name__}.{name} has shape {tuple(tensor.shape)}, "
-                         f"expected {tuple(old.shape)}")
+        raise ValueError(
+            f"model: tensor for {type(module).__name__}.{name} has shape {tuple(tensor.shape)}, "
+            f"expected {tuple(old.shape)}"
+        )
     setattr(module, name, nn.Parameter(tensor.to(device=device, dtype=dtype), requires_grad=False))
 
 
-def _load_linear(linear: nn.Linear, ckpt: _SafetensorsIndex, names: Iterable[str], dtype: torch.dtype,
-                 device: torch.device) -> None:
+def _load_linear(
+    linear: nn.Linear, ckpt: _SafetensorsIndex, names: Iterable[str], dtype: torch.dtype, device: torch.device
+) -> None:
     names = list(names)
     weights = [ckpt.get(f"{n}.weight") for n in names]
     _set(linear, "weight", torch.cat(weights, 0) if len(weights) > 1 else weights[0], dtype, device)
@@ -174,8 +192,13 @@ def _maybe_quantize(parent: nn.Module, attr: str, cfg: EngineConfig) -> None:
     setattr(parent, attr, quantize_linear(getattr(parent, attr), cfg.quantization, cfg.quant_group_size))
 
 
-def _load_weights(model: LlamaForCausalLM, ckpt: _SafetensorsIndex, cfg: EngineConfig, dtype: torch.dtype,
-                  device: torch.device) -> None:
+def _load_weights(
+    model: LlamaForCausalLM,
+    ckpt: _SafetensorsIndex,
+    cfg: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     from tqdm.auto import tqdm
 
     args = model.args
@@ -187,9 +210,17 @@ def _load_weights(model: LlamaForCausalLM, ckpt: _SafetensorsIndex, cfg: EngineC
         # Quantized before the layers load so the full-precision table never coexists with them;
         # one quantized table serves both the embedding lookup and the tied lm_head.
         model.embed_tokens, model.lm_head = quantize_tied_embedding(
-            model.embed_tokens, cfg.quantization, cfg.quant_group_size)
-    for i, layer in enumerate(tqdm(model.layers, desc="loading layers", unit="layer", leave=False,
-                                   disable=not log.isEnabledFor(logging.INFO))):
+            model.embed_tokens, cfg.quantization, cfg.quant_group_size
+        )
+    for i, layer in enumerate(
+        tqdm(
+            model.layers,
+            desc="loading layers",
+            unit="layer",
+            leave=False,
+            disable=not log.isEnabledFor(logging.INFO),
+        )
+    ):
         p = f"model.layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         _load_linear(attn.qkv_proj, ckpt, [f"{p}.self_attn.{x}_proj" for x in "qkv"], dtype, device)
@@ -197,8 +228,13 @@ def _load_weights(model: LlamaForCausalLM, ckpt: _SafetensorsIndex, cfg: EngineC
         _load_linear(mlp.gate_up_proj, ckpt, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], dtype, device)
         _load_linear(mlp.down_proj, ckpt, [f"{p}.mlp.down_proj"], dtype, device)
         _set(layer.input_layernorm, "weight", ckpt.get(f"{p}.input_layernorm.weight"), dtype, device)
-        _set(layer.post_attention_layernorm, "weight", ckpt.get(f"{p}.post_attention_layernorm.weight"),
-             dtype, device)
+        _set(
+            layer.post_attention_layernorm,
+            "weight",
+            ckpt.get(f"{p}.post_attention_layernorm.weight"),
+            dtype,
+            device,
+        )
         for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
             _maybe_quantize(parent, attr, cfg)
     _set(model.norm, "weight", ckpt.get("model.norm.weight"), dtype, device)
@@ -247,8 +283,11 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
     from sidecar.model.gguf import find_gguf, model_dir_for
 
     gguf_file = None if cfg.model == "demo" else find_gguf(cfg.model)
-    model_dir = (model_dir_for(gguf_file, cfg.quantization, cfg.dtype) if gguf_file is not None
-                 else resolve_model_dir(cfg.model, cfg.revision, cfg.demo_dir))
+    model_dir = (
+        model_dir_for(gguf_file, cfg.quantization, cfg.dtype)
+        if gguf_file is not None
+        else resolve_model_dir(cfg.model, cfg.revision, cfg.demo_dir)
+    )
     hf_config = json.loads((model_dir / "config.json").read_text())
     args = ModelArgs.from_hf_config(hf_config)
     dtype, dtype_reason = pick_dtype_with_reason(cfg.dtype, hf_config, device)
@@ -262,8 +301,10 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
         if cfg.quantization is not None:
             saved = json.loads(quant_file.read_text()).get("mode")
             if saved != cfg.quantization:
-                raise ValueError(f"quantization: checkpoint {model_dir} is already quantized as {saved!r}, "
-                                 f"cannot load it as {cfg.quantization!r}")
+                raise ValueError(
+                    f"quantization: checkpoint {model_dir} is already quantized as {saved!r}, "
+                    f"cannot load it as {cfg.quantization!r}"
+                )
         load_quantized_model(model_dir, model, dtype, device)
         quantization = json.loads(quant_file.read_text()).get("mode")
     else:
@@ -272,15 +313,26 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:
-            raise ValueError(f"max_model_len: {cfg.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {max_len}")
+            raise ValueError(
+                f"max_model_len: {cfg.max_model_len} exceeds the model's max_position_embeddings {max_len}"
+            )
         max_len = cfg.max_model_len
     model.init_rope(max_len, device, dtype)
     model.share_fast_paths()
     model.eval()
     if pack and device.type == "cpu":
         pack_weights(model, consume=True)  # the weights were just read: nothing else holds them
-    return LoadedModel(model=model, tokenizer=tokenizer, args=args, hf_config=hf_config, model_dir=model_dir,
-                       dtype=dtype, device=device, max_model_len=max_len,
-                       eos_token_ids=_eos_ids(model_dir, hf_config, tokenizer), quantization=quantization,
-                       load_time_s=time.perf_counter() - t0, dtype_reason=dtype_reason)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        args=args,
+        hf_config=hf_config,
+        model_dir=model_dir,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_len,
+        eos_token_ids=_eos_ids(model_dir, hf_config, tokenizer),
+        quantization=quantization,
+        load_time_s=time.perf_counter() - t0,
+        dtype_reason=dtype_reason,
+    )

@@ -24,6 +24,7 @@ to a power of two. On CPUs where oneDNN takes them, the weights of each such pre
 packed layout (``linear.py``: torch's default float32 GEMM runs several times slower than oneDNN on packed
 weights); a slot's load repacks the prefixes holding it before the next forward.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,12 +41,20 @@ from sidecar.model.kernels import lora_bgmv
 from sidecar.model.linear import PACK_ROWS_HINT, can_pack
 
 # PEFT module name -> (fused projection, part index within it).
-TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "o_proj": ("o_proj", 0), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-           "down_proj": ("down_proj", 0)}
+TARGETS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
 PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
-                  r"(?:\.[\w-]+)?\.weight$")
+_KEY = re.compile(
+    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
+    r"(?:\.[\w-]+)?\.weight$"
+)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
@@ -57,6 +66,7 @@ class AdapterError(ValueError):
 @dataclass
 class Adapter:
     """A validated adapter: ``weights[(layer, peft_module)] = (A [r, in], B [out, r] * scaling)`` in float32."""
+
     path: str
     rank: int
     scaling: float
@@ -67,15 +77,23 @@ def part_shapes(args) -> dict[str, tuple[int, int]]:
     """PEFT module name -> (in_features, out_features) of that part in the base model ``args``."""
     h, hd = args.hidden_size, args.head_dim
     q, kv, inter = args.num_heads * hd, args.num_kv_heads * hd, args.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    return {
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, inter),
+        "up_proj": (h, inter),
+        "down_proj": (inter, h),
+    }
 
 
 def _read_config(path: Path, max_rank: int) -> dict:
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
-        raise AdapterError(f"{cfg_file}: not found (a PEFT LoRA adapter directory has {CONFIG_FILE} "
-                           f"and {WEIGHTS_FILE})")
+        raise AdapterError(
+            f"{cfg_file}: not found (a PEFT LoRA adapter directory has {CONFIG_FILE} and {WEIGHTS_FILE})"
+        )
     try:
         cfg = json.loads(cfg_file.read_text())
     except (OSError, ValueError) as exc:
@@ -96,17 +114,25 @@ def _read_config(path: Path, max_rank: int) -> dict:
     alpha = cfg.get("lora_alpha", r)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise bad("lora_alpha", f"must be a number, got {alpha!r}")
-    for field, ok in (("use_dora", not cfg.get("use_dora")), ("fan_in_fan_out", not cfg.get("fan_in_fan_out")),
-                      ("bias", cfg.get("bias", "none") in (None, "none")),
-                      ("modules_to_save", not cfg.get("modules_to_save")),
-                      ("rank_pattern", not cfg.get("rank_pattern")), ("alpha_pattern", not cfg.get("alpha_pattern"))):
+    for field, ok in (
+        ("use_dora", not cfg.get("use_dora")),
+        ("fan_in_fan_out", not cfg.get("fan_in_fan_out")),
+        ("bias", cfg.get("bias", "none") in (None, "none")),
+        ("modules_to_save", not cfg.get("modules_to_save")),
+        ("rank_pattern", not cfg.get("rank_pattern")),
+        ("alpha_pattern", not cfg.get("alpha_pattern")),
+    ):
         if not ok:
             raise bad(field, f"{cfg.get(field)!r} is not supported")
     targets = cfg.get("target_modules")
     if isinstance(targets, (list, tuple)):
-        unknown = sorted(str(t).rsplit(".", 1)[-1] for t in targets if str(t).rsplit(".", 1)[-1] not in TARGETS)
+        unknown = sorted(
+            str(t).rsplit(".", 1)[-1] for t in targets if str(t).rsplit(".", 1)[-1] not in TARGETS
+        )
         if unknown:
-            raise bad("target_modules", f"{', '.join(unknown)} not supported (supported: {', '.join(TARGETS)})")
+            raise bad(
+                "target_modules", f"{', '.join(unknown)} not supported (supported: {', '.join(TARGETS)})"
+            )
     cfg["_scaling"] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return cfg
 
@@ -133,22 +159,28 @@ def read_adapter(path: str, args, max_rank: int) -> Adapter:
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None or m.group(2) not in TARGETS:
-            raise AdapterError(f"{wfile}: {key}: not a LoRA weight of a supported target module "
-                               f"({', '.join(TARGETS)})")
+            raise AdapterError(
+                f"{wfile}: {key}: not a LoRA weight of a supported target module ({', '.join(TARGETS)})"
+            )
         layer, name, ab = int(m.group(1)), m.group(2), m.group(3)
         if layer >= args.num_layers:
-            raise AdapterError(f"{wfile}: {key}: layer {layer} does not exist (the base model has "
-                               f"{args.num_layers} layers)")
+            raise AdapterError(
+                f"{wfile}: {key}: layer {layer} does not exist (the base model has {args.num_layers} layers)"
+            )
         fin, fout = shapes[name]
         want = (cfg["r"], fin) if ab == "A" else (fout, cfg["r"])
         if tuple(t.shape) != want:
-            raise AdapterError(f"{wfile}: {key}: shape {tuple(t.shape)} does not fit the base model (expected "
-                               f"{want} for rank {cfg['r']}; was the adapter trained on another base?)")
+            raise AdapterError(
+                f"{wfile}: {key}: shape {tuple(t.shape)} does not fit the base model (expected "
+                f"{want} for rank {cfg['r']}; was the adapter trained on another base?)"
+            )
         found.setdefault((layer, name), {})[ab] = t
     weights = {}
     for (layer, name), ab in found.items():
         if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{wfile}: model.layers.{layer}.{name}: has lora_{''.join(ab)} without its pair")
+            raise AdapterError(
+                f"{wfile}: model.layers.{layer}.{name}: has lora_{''.join(ab)} without its pair"
+            )
         weights[(layer, name)] = (ab["A"].float(), ab["B"].float() * cfg["_scaling"])
     if not weights:
         raise AdapterError(f"{wfile}: holds no LoRA weights")
@@ -176,9 +208,11 @@ class LoraLayers:
                 for name in parts:
                     offsets.append(offsets[-1] + shapes[name][1])
                 rows = max_loras * n * max_rank
-                self.slots[(i, fused)] = (torch.zeros(rows, fin, dtype=self.dtype, device=self.device),
-                                          torch.zeros(rows, offsets[-1], dtype=self.dtype, device=self.device),
-                                          offsets)
+                self.slots[(i, fused)] = (
+                    torch.zeros(rows, fin, dtype=self.dtype, device=self.device),
+                    torch.zeros(rows, offsets[-1], dtype=self.dtype, device=self.device),
+                    offsets,
+                )
                 module = layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp
                 getattr(module, fused).register_forward_hook(self._hook(i, fused, n))
         self._masks: Optional[dict[int, torch.Tensor]] = None  # parts n -> [T, k*n*R] for this batch
@@ -191,8 +225,14 @@ class LoraLayers:
         # slot, [S, in, n*R]; the masked GEMMs (and their packed weights) are then never used.
         self._bgmv = self.dtype == torch.float32 and self.device.type == "cpu" and lora_bgmv.available()
         width = {f: lora_bgmv.at_width(n, max_rank) for f, n in PARTS.items()}
-        self.at = {key: torch.zeros(max_loras, a.shape[1], width[key[1]], dtype=self.dtype)
-                   for key, (a, _, _) in self.slots.items()} if self._bgmv else {}
+        self.at = (
+            {
+                key: torch.zeros(max_loras, a.shape[1], width[key[1]], dtype=self.dtype)
+                for key, (a, _, _) in self.slots.items()
+            }
+            if self._bgmv
+            else {}
+        )
         self.offs = {f: torch.tensor(o, dtype=torch.int32) for (_, f), (_, _, o) in self.slots.items()}
         self._rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # adapter rows, grouped by slot; slots
         self._can_pack = can_pack(a0) and not self._bgmv
@@ -204,18 +244,18 @@ class LoraLayers:
         for (layer, fused), (a, bt, offsets) in self.slots.items():
             n = PARTS[fused]
             base = slot * n * R
-            a[base:base + n * R].zero_()
-            bt[base:base + n * R].zero_()
+            a[base : base + n * R].zero_()
+            bt[base : base + n * R].zero_()
             for name, (f, j) in TARGETS.items():
                 w = adapter.weights.get((layer, name)) if f == fused else None
                 if w is None:
                     continue
                 A, B = w
                 r0 = base + j * R
-                a[r0:r0 + A.shape[0]].copy_(A)
-                bt[r0:r0 + A.shape[0], offsets[j]:offsets[j + 1]].copy_(B.t())
+                a[r0 : r0 + A.shape[0]].copy_(A)
+                bt[r0 : r0 + A.shape[0], offsets[j] : offsets[j + 1]].copy_(B.t())
             if self._bgmv:
-                self.at[(layer, fused)][slot, :, :n * R].copy_(a[base:base + n * R].t())
+                self.at[(layer, fused)][slot, :, : n * R].copy_(a[base : base + n * R].t())
         if self._can_pack:
             self._stale.update(k for k in self.prefixes if k > slot)
 
@@ -225,8 +265,10 @@ class LoraLayers:
             for (layer, fused), (a, bt, _) in self.slots.items():
                 rows = k * PARTS[fused] * R
                 reorder = torch.ops.mkldnn._reorder_linear_weight
-                self._packed[(layer, fused, k)] = (reorder(a[:rows].contiguous(), PACK_ROWS_HINT),
-                                                   reorder(bt[:rows].t().contiguous(), PACK_ROWS_HINT))
+                self._packed[(layer, fused, k)] = (
+                    reorder(a[:rows].contiguous(), PACK_ROWS_HINT),
+                    reorder(bt[:rows].t().contiguous(), PACK_ROWS_HINT),
+                )
         self._stale.clear()
 
     def set_batch(self, token_slots: Optional[Sequence[int]]) -> None:
@@ -253,8 +295,17 @@ class LoraLayers:
             x, masks, plan = inputs[0], self._masks, self._rows
             if plan is not None:  # in place: only the adapter rows of ``out`` change
                 out = out if out.is_contiguous() else out.contiguous()
-                lora_bgmv.lora_apply(x.contiguous(), self.at[(layer, fused)], self.slots[(layer, fused)][1],
-                                     plan[0], plan[1], self.offs[fused], out, n, self.max_rank)
+                lora_bgmv.lora_apply(
+                    x.contiguous(),
+                    self.at[(layer, fused)],
+                    self.slots[(layer, fused)][1],
+                    plan[0],
+                    plan[1],
+                    self.offs[fused],
+                    out,
+                    n,
+                    self.max_rank,
+                )
                 return out
             if masks is None:
                 return None

@@ -6,6 +6,7 @@ lm_head runs decode-sized batches through our grouped int8 kernel (``kernels/int
 ones, or any batch without the kernel, over float tables dequantized a chunk of rows at a time; the
 embedding dequantizes the rows it looks up. Elsewhere the table is dequantized once at load.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,23 +45,30 @@ class Q8_0Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
-        if (x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and int8_gemv.available()
-                and x.dtype in (torch.float32, torch.bfloat16) and self.d.dtype == torch.float32):
+        if (
+            x2d.device.type == "cpu"
+            and x2d.shape[0] <= int8_gemv.MAX_ROWS
+            and int8_gemv.available()
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and self.d.dtype == torch.float32
+        ):
             y = int8_gemv.int8_linear(x2d, self.weight, self.d, None, x.dtype, grouped=True)
         elif x2d.device.type == "cpu" and x2d.shape[0] <= int8_gemv.MAX_ROWS and int8_gemv.available():
             y = int8_gemv.int8_g32_matmul(x2d, self.weight, self.d).to(x.dtype)
         else:
             y = torch.empty(x2d.shape[0], self.out_features, dtype=x.dtype, device=x.device)
             for r in range(0, self.out_features, CHUNK_ROWS):
-                w = dequantize_g32(self.weight[r:r + CHUNK_ROWS], self.d[r:r + CHUNK_ROWS], x.dtype)
-                y[:, r:r + w.shape[0]] = F.linear(x2d, w)
+                w = dequantize_g32(self.weight[r : r + CHUNK_ROWS], self.d[r : r + CHUNK_ROWS], x.dtype)
+                y[:, r : r + w.shape[0]] = F.linear(x2d, w)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format=Q8_0"
 
 
-def tied_q8_0_modules(weight: torch.Tensor, d: torch.Tensor, dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+def tied_q8_0_modules(
+    weight: torch.Tensor, d: torch.Tensor, dtype: torch.dtype
+) -> tuple[nn.Module, nn.Module]:
     """(embedding, lm_head) over one Q8_0 table (int8 ``weight`` [N, K], float32 ``d`` [N, K/32])."""
     if weight.device.type == "cpu":
         return Q8_0Embedding(weight, d, dtype), Q8_0Linear(weight, d)

@@ -13,6 +13,7 @@ and reloading quantized checkpoints is ``quant_checkpoint.py``. With the model's
 (set through ``set_fast_paths``), decode-sized batches on CUDA go through the Triton kernels of
 ``kernels/triton_wo.py`` instead, which read the stored format.
 """
+
 from __future__ import annotations
 
 import abc
@@ -24,8 +25,16 @@ from torch import nn
 
 from sidecar.model.kernels import int4_gemv, int8_gemv, norm_act
 from sidecar.model.kernels.gpu_paths import FastPaths, triton_available, triton_interpreted
-from sidecar.model.quant_format import (CHUNK_ROWS, N_ALIGN_INT4, check_quant_args, dequantize_int4,
-                                        padded_in_features, quantize_weight, release_freed_memory, unpack_int4)
+from sidecar.model.quant_format import (
+    CHUNK_ROWS,
+    N_ALIGN_INT4,
+    check_quant_args,
+    dequantize_int4,
+    padded_in_features,
+    quantize_weight,
+    release_freed_memory,
+    unpack_int4,
+)
 
 
 def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -67,7 +76,9 @@ def _keeps_plain_int4(device: torch.device) -> bool:
 
 class _QuantLinearBase(nn.Module, metaclass=abc.ABCMeta):
     fast_paths: Optional[FastPaths] = None  # the model's switchboard, shared by every layer
-    _cpu_layer = None  # our CPU kernel's view of the buffers, checked once (int8_gemv.Layer / int4_gemv.Layer)
+    _cpu_layer = (
+        None  # our CPU kernel's view of the buffers, checked once (int8_gemv.Layer / int4_gemv.Layer)
+    )
 
     def _checked(self, make, *operands):
         """``_cpu_layer`` for these buffers, made by ``make(*operands)`` at first use or when one was replaced."""
@@ -111,14 +122,16 @@ class _QuantLinearBase(nn.Module, metaclass=abc.ABCMeta):
             x2d = F.pad(x2d, (0, self.k_padded - self.in_features))
         y = self._matmul(x2d)
         if y.shape[-1] != self.out_features:
-            y = y[:, :self.out_features]
+            y = y[:, : self.out_features]
         y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        )
 
 
 class Int8Linear(_QuantLinearBase):
@@ -126,8 +139,14 @@ class Int8Linear(_QuantLinearBase):
 
     mode = "int8"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, in_features: int,
-                 bias: Optional[torch.Tensor], dtype: torch.dtype):
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        in_features: int,
+        bias: Optional[torch.Tensor],
+        dtype: torch.dtype,
+    ):
         super().__init__(in_features, qweight.shape[0], bias)
         kp = self.k_padded
         w = qweight if qweight.shape[1] == kp else F.pad(qweight, (0, kp - qweight.shape[1]))
@@ -138,9 +157,15 @@ class Int8Linear(_QuantLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if (x2d.device.type == "cpu" and int8_gemv.takes(x2d.shape[0], x.dtype) and self.k_padded == self.in_features
-                and (x.dtype is torch.float32 or x.dtype is torch.bfloat16) and not self._takes_triton(x2d)
-                and self.weight.device.type == "cpu" and int8_gemv.available()):
+        if (
+            x2d.device.type == "cpu"
+            and int8_gemv.takes(x2d.shape[0], x.dtype)
+            and self.k_padded == self.in_features
+            and (x.dtype is torch.float32 or x.dtype is torch.bfloat16)
+            and not self._takes_triton(x2d)
+            and self.weight.device.type == "cpu"
+            and int8_gemv.available()
+        ):
             # Our kernels (a decode-sized batch, or a prefill's over the codes where the AVX2 path is
             # built) read the activations as they are and add the bias themselves.
             layer = self._checked(int8_gemv.Layer, self.weight, self.scales_f32, self.bias)
@@ -175,8 +200,15 @@ class Int4Linear(_QuantLinearBase):
 
     mode = "int4"
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 in_features: int, bias: Optional[torch.Tensor], dtype: torch.dtype):
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        in_features: int,
+        bias: Optional[torch.Tensor],
+        dtype: torch.dtype,
+    ):
         super().__init__(in_features, qweight.shape[0], bias)
         n, groups = scales.shape
         self.group_size = self.k_padded // groups
@@ -197,8 +229,8 @@ class Int4Linear(_QuantLinearBase):
             # are 8x the packed size, too much scratch for a vocab-sized lm_head at once.
             weight = torch.empty(qweight.shape, dtype=torch.uint8)
             for r in range(0, qweight.shape[0], CHUNK_ROWS):
-                codes = unpack_int4(qweight[r:r + CHUNK_ROWS]).to(torch.int32)
-                weight[r:r + codes.shape[0]] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+                codes = unpack_int4(qweight[r : r + CHUNK_ROWS]).to(torch.int32)
+                weight[r : r + codes.shape[0]] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
         else:
             # The CUDA kernel wants the even column in the high nibble.
             swapped = (qweight << 4) | (qweight >> 4)
@@ -209,13 +241,28 @@ class Int4Linear(_QuantLinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d, sz = x.reshape(-1, self.in_features), self.scales_and_zeros
         # Our kernel on operands checked once (with plain codes kept for Triton, _matmul decides instead).
-        rows_ok = x2d.shape[0] <= int4_gemv.MAX_ROWS or int4_gemv.tiles_take(self.group_size, self.k_padded, x.dtype)
-        if (rows_ok and x2d.device.type == "cpu" and self.k_padded == self.in_features
-                and (x.dtype is torch.bfloat16 or x.dtype is torch.float32) and self.qweight_plain is None
-                and sz.dtype == torch.bfloat16 and self.weight.device.type == "cpu" and int4_gemv.available()):
-            y = self._checked(lambda w, s: int4_gemv.Layer(w, self.group_size, s), self.weight, sz)(x2d, x.dtype)
-            y = y if y.shape[1] == self.out_features else y[:, :self.out_features]  # bf16 in: bf16 out, one rounding
-            y = y if self.bias is None else norm_act.add_bias(y, self.bias)  # a kernel: replays run no torch op
+        rows_ok = x2d.shape[0] <= int4_gemv.MAX_ROWS or int4_gemv.tiles_take(
+            self.group_size, self.k_padded, x.dtype
+        )
+        if (
+            rows_ok
+            and x2d.device.type == "cpu"
+            and self.k_padded == self.in_features
+            and (x.dtype is torch.bfloat16 or x.dtype is torch.float32)
+            and self.qweight_plain is None
+            and sz.dtype == torch.bfloat16
+            and self.weight.device.type == "cpu"
+            and int4_gemv.available()
+        ):
+            y = self._checked(lambda w, s: int4_gemv.Layer(w, self.group_size, s), self.weight, sz)(
+                x2d, x.dtype
+            )
+            y = (
+                y if y.shape[1] == self.out_features else y[:, : self.out_features]
+            )  # bf16 in: bf16 out, one rounding
+            y = (
+                y if self.bias is None else norm_act.add_bias(y, self.bias)
+            )  # a kernel: replays run no torch op
             return y.reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)
 
@@ -227,8 +274,12 @@ class Int4Linear(_QuantLinearBase):
             y = triton_wo.int4_matmul(self._triton_input(x2d), self.qweight_plain, sz, self.group_size)
             if y is not None:  # None: more rows than a decode step, the fused path below
                 return y
-        if (x2d.device.type == "cpu" and x2d.shape[0] <= int4_gemv.MAX_ROWS and sz.dtype == torch.bfloat16
-                and int4_gemv.available()):  # our kernel: bf16 layers get bf16 out, others float32
+        if (
+            x2d.device.type == "cpu"
+            and x2d.shape[0] <= int4_gemv.MAX_ROWS
+            and sz.dtype == torch.bfloat16
+            and int4_gemv.available()
+        ):  # our kernel: bf16 layers get bf16 out, others float32
             out = torch.bfloat16 if x2d.dtype == torch.bfloat16 else torch.float32
             return int4_gemv.int4_matmul(x2d, self.weight, self.group_size, sz, out_dtype=out)
         x2d = self._fused_input(x2d)
@@ -238,8 +289,13 @@ class Int4Linear(_QuantLinearBase):
         return torch.ops.aten._weight_int4pack_mm(x2d, self.weight, self.group_size, sz)
 
 
-def runtime_linear(stored: dict[str, torch.Tensor], mode: str, in_features: int,
-                   bias: Optional[torch.Tensor], dtype: torch.dtype) -> nn.Module:
+def runtime_linear(
+    stored: dict[str, torch.Tensor],
+    mode: str,
+    in_features: int,
+    bias: Optional[torch.Tensor],
+    dtype: torch.dtype,
+) -> nn.Module:
     """Runtime module from stored tensors (already on the target device)."""
     if mode == "int8":
         return Int8Linear(stored["qweight"], stored["scales"], in_features, bias, dtype)
@@ -272,8 +328,15 @@ class QuantEmbedding(nn.Module):
     specific and cannot be gathered by row.
     """
 
-    def __init__(self, mode: str, embedding_dim: int, dtype: torch.dtype, qweight: torch.Tensor,
-                 scales: torch.Tensor, zeros: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        mode: str,
+        embedding_dim: int,
+        dtype: torch.dtype,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: Optional[torch.Tensor] = None,
+    ):
         super().__init__()
         self.mode, self.embedding_dim, self.dtype = mode, embedding_dim, dtype
         self.num_embeddings = qweight.shape[0]
@@ -284,16 +347,18 @@ class QuantEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
         if self.mode == "int8":
-            rows = self.qweight[flat, :self.embedding_dim].to(self.dtype)
+            rows = self.qweight[flat, : self.embedding_dim].to(self.dtype)
             out = rows * self.scales[flat].to(self.dtype)[:, None]
         else:
-            out = dequantize_int4(self.qweight[flat], self.scales[flat], self.zeros[flat],
-                                  self.embedding_dim).to(self.dtype)
+            out = dequantize_int4(
+                self.qweight[flat], self.scales[flat], self.zeros[flat], self.embedding_dim
+            ).to(self.dtype)
         return out.reshape(*ids.shape, self.embedding_dim)
 
 
-def tied_modules(stored: dict[str, torch.Tensor], mode: str, embedding_dim: int,
-                 dtype: torch.dtype) -> tuple[QuantEmbedding, nn.Module]:
+def tied_modules(
+    stored: dict[str, torch.Tensor], mode: str, embedding_dim: int, dtype: torch.dtype
+) -> tuple[QuantEmbedding, nn.Module]:
     """(embedding, lm_head) runtime modules sharing one quantized table."""
     lm_head = runtime_linear(stored, mode, embedding_dim, None, dtype)
     if mode == "int8":
@@ -304,8 +369,9 @@ def tied_modules(stored: dict[str, torch.Tensor], mode: str, embedding_dim: int,
     return emb, lm_head
 
 
-def quantize_tied_embedding(embedding: nn.Embedding, mode: str,
-                            group_size: int = 128) -> tuple[QuantEmbedding, nn.Module]:
+def quantize_tied_embedding(
+    embedding: nn.Embedding, mode: str, group_size: int = 128
+) -> tuple[QuantEmbedding, nn.Module]:
     """Loader hook for a tied lm_head: quantize the shared table once.
 
     Returns (embedding, lm_head) replacements and drops ``embedding``'s weight.

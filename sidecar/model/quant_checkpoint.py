@@ -6,6 +6,7 @@ tensors for everything else), ``quantization_config.json`` (the mode and format
 recorded with the artifact), the HF ``config.json`` and the tokenizer files, so
 ``LLM(model=DIR)`` loads it without quantizing again.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,17 @@ PathLike = Union[str, os.PathLike]
 CONFIG_NAME = "quantization_config.json"
 WEIGHTS_NAME = "model.safetensors"
 # Decoder linears (ours are fused; the HF names let the same code quantize HF models in benchmarks).
-TARGET_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj",
-                "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+TARGET_NAMES = (
+    "qkv_proj",
+    "o_proj",
+    "gate_up_proj",
+    "down_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+)
 _HF_FILES = ("config.json", "generation_config.json")
 
 
@@ -33,7 +43,9 @@ def quant_targets(model: nn.Module, quantize_lm_head: bool) -> list[str]:
     names = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and (leaf in TARGET_NAMES or (quantize_lm_head and leaf == "lm_head")):
+        if isinstance(module, nn.Linear) and (
+            leaf in TARGET_NAMES or (quantize_lm_head and leaf == "lm_head")
+        ):
             names.append(name)
     return names
 
@@ -50,7 +62,9 @@ def tied_embedding_name(model: nn.Module, lm_head_name: str) -> Optional[str]:
     return None
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int = 128, quantize_lm_head: bool = False) -> None:
+def quantize_model(
+    model: nn.Module, mode: str, group_size: int = 128, quantize_lm_head: bool = False
+) -> None:
     """Swap a materialised model's linears for quantized modules, one at a time."""
     check_quant_args(mode, group_size)
     targets = quant_targets(model, quantize_lm_head)
@@ -64,8 +78,15 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 128, quantize_
             model.set_submodule(name, quantize_linear(model.get_submodule(name), mode, group_size, name))
 
 
-def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[PathLike], out_dir: PathLike,
-                   mode: str, group_size: int = 128, quantize_lm_head: bool = False) -> dict[str, Any]:
+def save_quantized(
+    model: nn.Module,
+    tokenizer: Any,
+    hf_config_dir: Optional[PathLike],
+    out_dir: PathLike,
+    mode: str,
+    group_size: int = 128,
+    quantize_lm_head: bool = False,
+) -> dict[str, Any]:
     """Write a quantized checkpoint of a full-precision ``model``; returns the quantization config.
 
     Quantizes one linear at a time into the stored format, so peak memory is the
@@ -77,7 +98,9 @@ def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[Pat
     out_dir = os.fspath(out_dir)
     check_quant_args(mode, group_size)
     if any(getattr(m, "packed", None) is not None for m in model.modules()):
-        raise ValueError("save_quantized: the model holds packed weights; load it with load_model(..., pack=False)")
+        raise ValueError(
+            "save_quantized: the model holds packed weights; load it with load_model(..., pack=False)"
+        )
     targets = quant_targets(model, quantize_lm_head)
     dtype = next(model.parameters()).dtype
     state: dict[str, torch.Tensor] = {}
@@ -108,15 +131,26 @@ def save_quantized(model: nn.Module, tokenizer: Any, hf_config_dir: Optional[Pat
     aliases = {k: v for k, v in aliases.items() if v in state}
     os.makedirs(out_dir, exist_ok=True)
     save_file(state, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
-    qconfig = {"quant_method": "sidecar-weight-only", "format_version": FORMAT_VERSION, "mode": mode,
-               "group_size": group_size if mode == "int4" else None, "quantize_lm_head": quantize_lm_head,
-               "tied_embedding": tied_embedding, "modules": targets, "aliases": aliases,
-               "dtype": str(dtype).replace("torch.", "")}
+    qconfig = {
+        "quant_method": "sidecar-weight-only",
+        "format_version": FORMAT_VERSION,
+        "mode": mode,
+        "group_size": group_size if mode == "int4" else None,
+        "quantize_lm_head": quantize_lm_head,
+        "tied_embedding": tied_embedding,
+        "modules": targets,
+        "aliases": aliases,
+        "dtype": str(dtype).replace("torch.", ""),
+    }
     with open(os.path.join(out_dir, CONFIG_NAME), "w", encoding="utf-8") as fh:
         json.dump(qconfig, fh, indent=2)
     for fname in _HF_FILES:
         src = os.path.join(hf_config_dir, fname) if hf_config_dir else None
-        if src and os.path.isfile(src) and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, fname)):
+        if (
+            src
+            and os.path.isfile(src)
+            and os.path.abspath(src) != os.path.abspath(os.path.join(out_dir, fname))
+        ):
             shutil.copyfile(src, os.path.join(out_dir, fname))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
@@ -128,12 +162,16 @@ def read_quant_config(model_dir: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
         cfg = json.load(fh)
     if cfg.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: format_version must be {FORMAT_VERSION}, got {cfg.get('format_version')!r}")
+        raise ValueError(
+            f"{path}: format_version must be {FORMAT_VERSION}, got {cfg.get('format_version')!r}"
+        )
     check_quant_args(cfg.get("mode"), cfg.get("group_size") or 128)
     return cfg
 
 
-def load_quantized_model(model_dir: PathLike, model: nn.Module, dtype: torch.dtype, device: Any) -> dict[str, Any]:
+def load_quantized_model(
+    model_dir: PathLike, model: nn.Module, dtype: torch.dtype, device: Any
+) -> dict[str, Any]:
     """Materialise ``model`` (built on the meta device) from a quantized checkpoint, in place.
 
     Quantized linears become runtime modules built from their stored tensors one
@@ -169,7 +207,9 @@ def load_quantized_model(model_dir: PathLike, model: nn.Module, dtype: torch.dty
     if q8:
         from sidecar.model.q8_0 import tied_q8_0_modules
 
-        emb, head = tied_q8_0_modules(get(f"{q8}.q8_weight"), get(f"{q8}.q8_scales", cast=False).float(), dtype)
+        emb, head = tied_q8_0_modules(
+            get(f"{q8}.q8_weight"), get(f"{q8}.q8_scales", cast=False).float(), dtype
+        )
         model.set_submodule(q8, emb)
         model.set_submodule("lm_head", head)
     tied = cfg.get("tied_embedding")

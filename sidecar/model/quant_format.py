@@ -15,6 +15,7 @@ Formats (``FORMAT_VERSION``):
   ``w ~= (code - 8) * scale + zero`` -- the convention of torch's int4 kernels,
   so the stored values feed them without re-rounding.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -53,8 +54,10 @@ def _int4_groups(k: int, group_size: int, name: str = "") -> int:
     if kp % group_size:
         where = f" of {name}" if name else ""
         ok = [g for g in GROUP_SIZES if kp % g == 0]
-        raise ValueError(f"quant_group_size: {group_size} does not divide in_features {k}{where} "
-                         f"(padded to {kp}); use one of {ok}")
+        raise ValueError(
+            f"quant_group_size: {group_size} does not divide in_features {k}{where} "
+            f"(padded to {kp}); use one of {ok}"
+        )
     return kp // group_size
 
 
@@ -63,12 +66,12 @@ def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tens
     q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
     scales = torch.empty(w.shape[0], dtype=scale_dtype, device=w.device)
     for r in range(0, w.shape[0], CHUNK_ROWS):
-        wc = w[r:r + CHUNK_ROWS].to(torch.float32, copy=True)  # modified in place below
+        wc = w[r : r + CHUNK_ROWS].to(torch.float32, copy=True)  # modified in place below
         # Codes are computed from the stored (rounded) scale so dequantization is exact to it.
         s = (wc.abs().amax(dim=1) / 127.0).clamp(min=1e-8).to(scale_dtype)
-        scales[r:r + CHUNK_ROWS] = s
+        scales[r : r + CHUNK_ROWS] = s
         # In place on the one fp32 temporary: quantizing dominates quantize-on-load time.
-        q[r:r + CHUNK_ROWS] = wc.div_(s.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        q[r : r + CHUNK_ROWS] = wc.div_(s.float()[:, None]).round_().clamp_(-127, 127).to(torch.int8)
     return q, scales
 
 
@@ -76,8 +79,9 @@ def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return qweight.float() * scales.float()[:, None]
 
 
-def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype,
-                  name: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    w: torch.Tensor, group_size: int, scale_dtype: torch.dtype, name: str = ""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w [N, K] float -> (qweight uint8 [N, Kp/2], scales [N, G], zeros [N, G])."""
     n, k = w.shape
     groups = _int4_groups(k, group_size, name)
@@ -86,15 +90,15 @@ def quantize_int4(w: torch.Tensor, group_size: int, scale_dtype: torch.dtype,
     scales = torch.empty(n, groups, dtype=scale_dtype, device=w.device)
     zeros = torch.empty(n, groups, dtype=scale_dtype, device=w.device)
     for r in range(0, n, CHUNK_ROWS):
-        wc = w[r:r + CHUNK_ROWS].to(torch.float32, copy=True)  # modified in place below
+        wc = w[r : r + CHUNK_ROWS].to(torch.float32, copy=True)  # modified in place below
         wc = (F.pad(wc, (0, kp - k)) if kp != k else wc).reshape(-1, groups, group_size)
         lo, hi = torch.aminmax(wc, dim=-1)
         s = ((hi - lo) / 15.0).clamp(min=1e-8).to(scale_dtype)
         z = (lo + 8.0 * s.float()).to(scale_dtype)
-        scales[r:r + CHUNK_ROWS], zeros[r:r + CHUNK_ROWS] = s, z
+        scales[r : r + CHUNK_ROWS], zeros[r : r + CHUNK_ROWS] = s, z
         codes = wc.sub_(z.float()[..., None]).div_(s.float()[..., None]).add_(8.0).round_().clamp_(0, 15)
         codes = codes.to(torch.uint8).reshape(wc.shape[0], kp)
-        qweight[r:r + CHUNK_ROWS] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        qweight[r : r + CHUNK_ROWS] = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return qweight, scales, zeros
 
 
@@ -103,16 +107,18 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
 
 
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    in_features: int) -> torch.Tensor:
+def dequantize_int4(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int
+) -> torch.Tensor:
     codes = unpack_int4(qweight).float()
     n, groups = scales.shape
     w = (codes.reshape(n, groups, -1) - 8.0) * scales.float()[..., None] + zeros.float()[..., None]
     return w.reshape(n, -1)[:, :in_features]
 
 
-def quantize_weight(w: torch.Tensor, mode: str, group_size: int, scale_dtype: torch.dtype,
-                    name: str = "") -> dict[str, torch.Tensor]:
+def quantize_weight(
+    w: torch.Tensor, mode: str, group_size: int, scale_dtype: torch.dtype, name: str = ""
+) -> dict[str, torch.Tensor]:
     """The stored tensors for one weight (keys: qweight, scales[, zeros])."""
     check_quant_args(mode, group_size)
     if mode == "int8":

@@ -6,6 +6,7 @@ NOT_SERVING, new calls get UNAVAILABLE, running requests get up to
 ``--shutdown-timeout`` seconds to finish, the rest are aborted; exit 0. A second
 signal cuts the grace period short.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -118,8 +119,14 @@ class Sidecar:
         s = self.cfg.server
         self.health = Health()
         await self.health.set(False)
-        self.grpc_server = build_server(self.service, self.health, s.max_message_bytes, s.max_concurrent_streams,
-                                        s.max_connection_age_s, s.max_connection_age_grace_s)
+        self.grpc_server = build_server(
+            self.service,
+            self.health,
+            s.max_message_bytes,
+            s.max_concurrent_streams,
+            s.max_connection_age_s,
+            s.max_connection_age_grace_s,
+        )
         try:
             grpc_port = self.grpc_server.add_insecure_port(_hostport(s.host, s.grpc_port))
         except RuntimeError as exc:
@@ -143,8 +150,10 @@ class Sidecar:
                 raise
             if loaded:
                 await self.health.set(True)
-                log.info("ready", extra={"model": self.service.model_name, "grpc_port": grpc_port,
-                                         "http_port": http_port})
+                log.info(
+                    "ready",
+                    extra={"model": self.service.model_name, "grpc_port": grpc_port, "http_port": http_port},
+                )
                 print(f"sidecar: serving {self.service.model_name}", flush=True)
                 await self.stop.wait()
             await self._drain()
@@ -156,6 +165,7 @@ class Sidecar:
 
     async def _load(self) -> bool:
         """Load engine and cache; False when a signal arrived first."""
+
         def load_engine() -> Any:
             # Imported here, off the event loop: torch import alone takes seconds, and health
             # checks must keep answering NOT_SERVING meanwhile.
@@ -228,14 +238,20 @@ class Sidecar:
             sock.bind((s.host, s.http_port))
         except OSError as exc:
             sock.close()
-            raise StartupError(f"http_port: cannot bind {_hostport(s.host, s.http_port)}: {exc.strerror}") from None
+            raise StartupError(
+                f"http_port: cannot bind {_hostport(s.host, s.http_port)}: {exc.strerror}"
+            ) from None
         port = sock.getsockname()[1]
         from sidecar.server.openai.limits import TimedH11Protocol
 
         app = create_app(self.service, settings=HttpSettings.from_config(s, self.service.metrics))
-        config = uvicorn.Config(app, log_config=None, access_log=False,
-                                http=TimedH11Protocol.with_timeout(s.http_read_timeout_s),
-                                timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)))
+        config = uvicorn.Config(
+            app,
+            log_config=None,
+            access_log=False,
+            http=TimedH11Protocol.with_timeout(s.http_read_timeout_s),
+            timeout_graceful_shutdown=max(1, int(s.shutdown_timeout_s)),
+        )
         server = _Server(config)
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:
@@ -247,8 +263,10 @@ class Sidecar:
         return port
 
     async def _drain(self) -> None:
-        log.info("draining", extra={"timeout_s": self.cfg.server.shutdown_timeout_s,
-                                    "active": self.service.num_active})
+        log.info(
+            "draining",
+            extra={"timeout_s": self.cfg.server.shutdown_timeout_s, "active": self.service.num_active},
+        )
         self.service.begin_drain()
         await self.health.set(False)
         engine = self.service.engine

@@ -6,6 +6,7 @@ imported at module level is the dependency-free ``sidecar.cache.policy``; the
 rest is imported when a cache exists. A cache failure never fails a request: a
 lookup error is a miss, a store error is logged.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,6 @@ class CacheInfo:
     coalesced: bool = False  # answered by following an identical request's generation
 
 
-
-
 @dataclass
 class Plan:
     policy: Any
@@ -47,8 +46,20 @@ class Plan:
 
 
 # Sampling fields that change the answer; logprobs/skip_special_tokens do not change the text.
-_SETTINGS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos")
+_SETTINGS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+)
 
 
 def settings_key(params: Any, tools: str = "") -> str:
@@ -88,8 +99,13 @@ class CacheStep:
         """Decide lookup/store for a request and build its cache scope; ``params`` are the ones the engine
         would run (tool grammar and fitted max_tokens included), so they key the answer."""
         # The request was validated before this step, so cache_policy's own checks cannot fail here.
-        policy = cache_policy(req.cache_control, params.temperature, req.cache_sampled,
-                              self.cache is not None, self.cfg.allow_sampled)
+        policy = cache_policy(
+            req.cache_control,
+            params.temperature,
+            req.cache_sampled,
+            self.cache is not None,
+            self.cfg.allow_sampled,
+        )
         reason = policy.bypass_reason
         # Token-id prompts have no question text; logprobs are not stored with answers.
         if (policy.lookup or policy.store) and req.prompt_token_ids:
@@ -109,16 +125,34 @@ class CacheStep:
             scope_tenant = tenant + ("\x1f" + req.cache_salt if req.cache_salt else "")
             if req.messages:
                 # Tool calls and tool results are part of the conversation; plain messages keep their key.
-                context = json.dumps([[m["role"], m["content"]] + ([m.get("tool_calls"), m.get("tool_call_id")]
-                                                                    if m.get("tool_calls") or m["role"] == "tool" else [])
-                                      for m in req.messages[:-1]], ensure_ascii=False, separators=(",", ":"))
+                context = json.dumps(
+                    [
+                        [m["role"], m["content"]]
+                        + (
+                            [m.get("tool_calls"), m.get("tool_call_id")]
+                            if m.get("tool_calls") or m["role"] == "tool"
+                            else []
+                        )
+                        for m in req.messages[:-1]
+                    ],
+                    ensure_ascii=False,
+                    separators=(",", ":"),
+                )
                 query = req.messages[-1]["content"]
             else:
                 context, query = "", req.prompt
-            tools = tools_key(getattr(req, "tools", None), getattr(req, "tool_choice", "none"),
-                              getattr(req, "parallel_tool_calls", True))
-            scope = CacheScope(tenant=scope_tenant, model=model, settings=settings_key(params, tools),
-                               context=context, query=query)
+            tools = tools_key(
+                getattr(req, "tools", None),
+                getattr(req, "tool_choice", "none"),
+                getattr(req, "parallel_tool_calls", True),
+            )
+            scope = CacheScope(
+                tenant=scope_tenant,
+                model=model,
+                settings=settings_key(params, tools),
+                context=context,
+                query=query,
+            )
         return Plan(policy=policy, scope=scope, info=info)
 
     async def lookup(self, plan: Plan) -> Any:
@@ -131,8 +165,14 @@ class CacheStep:
         plan.lookup_ms = (time.perf_counter() - t0) * 1000.0
         return hit
 
-    def engine_stream(self, plan: Plan, prompt: list[int], model: Optional[str], deadline: Optional[float],
-                      start: Callable[[], AsyncIterator[Any]]) -> AsyncIterator[Any]:
+    def engine_stream(
+        self,
+        plan: Plan,
+        prompt: list[int],
+        model: Optional[str],
+        deadline: Optional[float],
+        start: Callable[[], AsyncIterator[Any]],
+    ) -> AsyncIterator[Any]:
         """The output stream for a request the cache did not answer. ``start()`` opens its own engine
         stream. A request the cache would look up and store joins identical in-flight requests
         (``sidecar.server.coalesce``) and starts the engine only if it leads. A request whose answer
@@ -161,8 +201,16 @@ class CacheStep:
             return
         try:
             vec = await plan.vector if plan.vector is not None else await self.cache.query_vector(plan.scope)
-            entry = await asyncio.to_thread(self.cache.insert, plan.scope, out.text, list(out.token_ids),
-                                            out.finish_reason, len(out.prompt_token_ids), len(out.token_ids), vec)
+            entry = await asyncio.to_thread(
+                self.cache.insert,
+                plan.scope,
+                out.text,
+                list(out.token_ids),
+                out.finish_reason,
+                len(out.prompt_token_ids),
+                len(out.token_ids),
+                vec,
+            )
         except Exception:
             log.warning("semantic cache store failed", exc_info=True)
             return
@@ -195,5 +243,6 @@ def _quiet(task: asyncio.Task) -> None:
 
 def _persisted(fut: Any) -> None:
     if not fut.cancelled() and fut.exception() is not None:
-        log.warning("semantic cache: persisting an answer failed (it stays served from memory): %s",
-                    fut.exception())
+        log.warning(
+            "semantic cache: persisting an answer failed (it stays served from memory): %s", fut.exception()
+        )

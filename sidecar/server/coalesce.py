@@ -13,6 +13,7 @@ decoding reproduces the same prefix. No participant ever fails because another o
 
 Everything here runs on the event loop; no locks are needed.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -56,8 +57,14 @@ class Participant:
     passes gets an ``abort`` output with ``abort_reason="deadline"``.
     """
 
-    def __init__(self, coalescer: "Coalescer", flight: Flight, factory: StreamFactory, deadline: Optional[float],
-                 on_follow: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        coalescer: "Coalescer",
+        flight: Flight,
+        factory: StreamFactory,
+        deadline: Optional[float],
+        on_follow: Callable[[], None],
+    ) -> None:
         self._co = coalescer
         self.flight = flight
         self._factory = factory
@@ -92,8 +99,12 @@ class Participant:
                 return await self._next_as_leader()
             f = self.flight
             out = f.latest
-            if out is not None and (not self._yielded or f.done or len(out.text) > self._chars
-                                    or len(out.token_ids) > self._tokens):
+            if out is not None and (
+                not self._yielded
+                or f.done
+                or len(out.text) > self._chars
+                or len(out.token_ids) > self._tokens
+            ):
                 return self._view(out)
             if f.leader is None and not f.done:  # the leader left: this follower generates from here on
                 self._took_over = True
@@ -130,8 +141,8 @@ class Participant:
 
     def _view(self, out: Any) -> Any:
         """``out`` as this participant sees it: deltas relative to what it has delivered already."""
-        delta = out.text[self._chars:] if len(out.text) > self._chars else ""
-        new_ids = list(out.token_ids[self._tokens:]) if len(out.token_ids) > self._tokens else []
+        delta = out.text[self._chars :] if len(out.text) > self._chars else ""
+        new_ids = list(out.token_ids[self._tokens :]) if len(out.token_ids) > self._tokens else []
         self._chars, self._tokens = max(self._chars, len(out.text)), max(self._tokens, len(out.token_ids))
         self._yielded = True
         if out.finished and out.finish_reason != "abort":
@@ -144,10 +155,25 @@ class Participant:
         if out is None:  # nothing generated yet: an empty output in the engine's own shape
             from sidecar.engine.request import RequestOutput
 
-            out = RequestOutput(request_id="", prompt=None, prompt_token_ids=[], token_ids=[], text="",
-                                new_token_ids=[], delta_text="", finished=False)
-        return dataclasses.replace(out, finished=True, finish_reason="abort", abort_reason="deadline",
-                                   delta_text="", new_token_ids=[], new_logprobs=None)
+            out = RequestOutput(
+                request_id="",
+                prompt=None,
+                prompt_token_ids=[],
+                token_ids=[],
+                text="",
+                new_token_ids=[],
+                delta_text="",
+                finished=False,
+            )
+        return dataclasses.replace(
+            out,
+            finished=True,
+            finish_reason="abort",
+            abort_reason="deadline",
+            delta_text="",
+            new_token_ids=[],
+            new_logprobs=None,
+        )
 
     async def aclose(self) -> None:
         """Leave the flight; a leader's engine request is aborted and a follower takes over."""
@@ -177,8 +203,13 @@ class Coalescer:
     def __len__(self) -> int:
         return len(self._flights)
 
-    def stream(self, key: str, factory: StreamFactory, deadline: Optional[float] = None,
-               on_follow: Callable[[], None] = lambda: None) -> Participant:
+    def stream(
+        self,
+        key: str,
+        factory: StreamFactory,
+        deadline: Optional[float] = None,
+        on_follow: Callable[[], None] = lambda: None,
+    ) -> Participant:
         """Join (or open) the flight for ``key``. ``factory`` starts this caller's own engine stream and is
         called only if this caller leads; ``on_follow`` runs when it joins as a follower."""
         f = self._flights.get(key)

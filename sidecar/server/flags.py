@@ -4,6 +4,7 @@ Precedence: flags > env ``SIDECAR_<SECTION>_<NAME>`` > ``--config`` YAML > defau
 Flags default to "not given" (argparse.SUPPRESS) so only what the user typed
 overrides the lower layers; the help text shows the built-in default instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,13 +78,29 @@ FLAGS: list[tuple[str, str, str]] = [
 # (flag, section, field, value stored when given, help)
 SWITCHES: list[tuple[str, str, str, bool, str]] = [
     ("--no-prefix-caching", "engine", "enable_prefix_caching", False, "disable KV prefix caching"),
-    ("--enable-lora", "engine", "enable_lora", True,
-     "accept LoRA adapters loaded at run time (POST /v1/load_lora_adapter) even when no --lora is given"),
-    ("--enforce-eager", "engine", "enforce_eager", True,
-     "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels"),
+    (
+        "--enable-lora",
+        "engine",
+        "enable_lora",
+        True,
+        "accept LoRA adapters loaded at run time (POST /v1/load_lora_adapter) even when no --lora is given",
+    ),
+    (
+        "--enforce-eager",
+        "engine",
+        "enforce_eager",
+        True,
+        "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels",
+    ),
     ("--log-json", "server", "log_json", True, "log one JSON object per line"),
     ("--no-semantic-cache", "cache", "enabled", False, "disable the semantic cache"),
-    ("--cache-allow-sampled", "cache", "allow_sampled", True, "cache answers of sampled (temperature > 0) requests"),
+    (
+        "--cache-allow-sampled",
+        "cache",
+        "allow_sampled",
+        True,
+        "cache answers of sampled (temperature > 0) requests",
+    ),
     ("--no-cache-guard", "cache", "guard", False, "serve semantic hits even when numbers/negations differ"),
 ]
 _SECTIONS = {"engine": EngineConfig, "cache": CacheConfig, "server": ServerConfig}
@@ -99,24 +116,50 @@ def _dest(section: str, name: str) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="YAML", default=argparse.SUPPRESS,
-                        help="YAML file with engine/cache/server sections (flags and SIDECAR_* env override it)")
-    groups = {s: parser.add_argument_group(f"{s} settings (env SIDECAR_{s.upper()}_<NAME>)") for s in _SECTIONS}
+    parser.add_argument(
+        "--config",
+        metavar="YAML",
+        default=argparse.SUPPRESS,
+        help="YAML file with engine/cache/server sections (flags and SIDECAR_* env override it)",
+    )
+    groups = {
+        s: parser.add_argument_group(f"{s} settings (env SIDECAR_{s.upper()}_<NAME>)") for s in _SECTIONS
+    }
     for flag, section, name in FLAGS:
         default = _default(section, name)
         shown = "" if default is None else f" [default: {default}]"  # None defaults are explained in the text
-        groups[section].add_argument(flag, dest=_dest(section, name), default=argparse.SUPPRESS, metavar="V",
-                                     help=help_text(_SECTIONS[section], name) + shown)
-    groups["server"].add_argument("--api-key", dest=_dest("server", "api_keys"), action="append",
-                                  default=argparse.SUPPRESS, metavar="KEY[:TENANT]",
-                                  help="accept this API key (repeatable); the tenant isolates caches "
-                                       "[default: no keys, auth off]")
-    groups["engine"].add_argument("--lora", dest=_dest("engine", "lora_modules"), action="append",
-                                  default=argparse.SUPPRESS, metavar="NAME=PATH",
-                                  help=help_text(EngineConfig, "lora_modules"))
+        groups[section].add_argument(
+            flag,
+            dest=_dest(section, name),
+            default=argparse.SUPPRESS,
+            metavar="V",
+            help=help_text(_SECTIONS[section], name) + shown,
+        )
+    groups["server"].add_argument(
+        "--api-key",
+        dest=_dest("server", "api_keys"),
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="KEY[:TENANT]",
+        help="accept this API key (repeatable); the tenant isolates caches [default: no keys, auth off]",
+    )
+    groups["engine"].add_argument(
+        "--lora",
+        dest=_dest("engine", "lora_modules"),
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="NAME=PATH",
+        help=help_text(EngineConfig, "lora_modules"),
+    )
     for flag, section, name, value, switch_help in SWITCHES:
-        groups[section].add_argument(flag, dest=_dest(section, name), action="store_const", const=value,
-                                     default=argparse.SUPPRESS, help=switch_help)
+        groups[section].add_argument(
+            flag,
+            dest=_dest(section, name),
+            action="store_const",
+            const=value,
+            default=argparse.SUPPRESS,
+            help=switch_help,
+        )
 
 
 def config_from_args(args: argparse.Namespace, env: Optional[dict[str, str]] = None) -> SidecarConfig:

@@ -4,6 +4,7 @@ Request-scoped log calls pass ``extra={"request_id": ..., ...}``; the JSON
 formatter emits every such extra field, the text formatter appends them as
 ``key=value`` pairs.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,12 @@ import sys
 import time
 
 # Attributes every LogRecord has; anything else came from ``extra=``.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName", "color_message"}
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {
+    "message",
+    "asctime",
+    "taskName",
+    "color_message",
+}
 
 
 # Line breaks and other control characters from clients (ids, prompts quoted in errors) must not
@@ -32,7 +38,8 @@ def _extras(record: logging.LogRecord) -> dict:
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),

@@ -7,6 +7,7 @@ keys never share prefix-cache blocks or semantic-cache entries unless the
 operator says so by giving them the same tenant. With no keys configured auth
 is off and every caller is the anonymous tenant "".
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,7 +63,9 @@ def load_api_keys(entries: Iterable[str], keys_file: Optional[str] = None) -> di
     for k in parsed:
         prev = keys.get(k.key)
         if prev is not None and prev.tenant != k.tenant:
-            raise ValueError(f"api_keys: key {k.key_id} listed with two tenants ({prev.tenant!r}, {k.tenant!r})")
+            raise ValueError(
+                f"api_keys: key {k.key_id} listed with two tenants ({prev.tenant!r}, {k.tenant!r})"
+            )
         keys[k.key] = k
     return keys
 
@@ -142,7 +145,7 @@ class AuthThrottle:
             now = self._clock()
             times = self._recent(peer, now)
             times.append(now)
-            self._failures[peer] = times[-self.limit:]
+            self._failures[peer] = times[-self.limit :]
             if len(self._failures) > 100_000:  # bound memory under a spray of addresses
                 self._failures.pop(next(iter(self._failures)))
 
@@ -198,7 +201,9 @@ class RateLimiter:
     buckets are checked before either is charged, so a refused request costs nothing.
     """
 
-    def __init__(self, rps: float = 0.0, burst: int = 0, tpm: float = 0.0, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self, rps: float = 0.0, burst: int = 0, tpm: float = 0.0, clock: Clock = time.monotonic
+    ) -> None:
         self.rps = rps
         self.burst = burst if burst > 0 else max(1, int(rps + 0.999))
         self.tpm = tpm

@@ -8,6 +8,7 @@ Resource contract: ``generate`` is an async generator; however it ends (last
 event, error, the consumer closing it, task cancellation) the engine stream is
 closed, which aborts the engine request and frees its KV blocks.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,15 +25,29 @@ from sidecar.server import tools
 from sidecar.server.cache_step import CacheInfo, CacheStep, Plan
 from sidecar.server.metrics import Metrics
 from sidecar.server.security import AuthError, AuthThrottle, Authenticator, RateLimiter, load_api_keys
-from sidecar.server.validation import SAMPLING_FIELDS, ServiceError, check_request, check_text, invalid, sampling_params
+from sidecar.server.validation import (
+    SAMPLING_FIELDS,
+    ServiceError,
+    check_request,
+    check_text,
+    invalid,
+    sampling_params,
+)
 
 if TYPE_CHECKING:  # the engine (and torch) load after the servers bind, in app.py
     from sidecar.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("sidecar.service")
 
-__all__ = ["ServiceError", "Caller", "GenerationRequest", "CacheInfo", "Event", "InferenceService",
-           "sampling_params"]
+__all__ = [
+    "ServiceError",
+    "Caller",
+    "GenerationRequest",
+    "CacheInfo",
+    "Event",
+    "InferenceService",
+    "sampling_params",
+]
 
 QUEUE_FULL_RETRY_S = 0.5
 LOADING = "loading: the model is not ready yet"
@@ -88,6 +103,7 @@ class Event:
 class TokenCharge:
     """A request's rate-limit charge: ``upfront`` tokens were taken at admission (a set max_tokens);
     ``settle`` refunds what was not generated, or charges what was when max_tokens was defaulted."""
+
     key: str
     upfront: int
     max_tokens_set: bool
@@ -102,6 +118,7 @@ class TokenCharge:
 @dataclass(frozen=True)
 class Admission:
     """What admission decided for one request; the engine runs exactly this."""
+
     prompt_ids: list[int]
     params: SamplingParams  # the request's, with the tool-call grammar folded in and max_tokens fitted
     parser: Optional[tools.ToolCallParser]  # splits tool-call markup out of the text (tool requests)
@@ -112,13 +129,19 @@ class Admission:
 @dataclass
 class _Progress:
     """How far the engine got with a request, read when the request ends however it ends."""
+
     generated: int = 0
     held: bool = True  # the engine holds the request: ending now is the client's abort
     yielded: bool = False
 
 
-def _fit_max_tokens(params: SamplingParams, max_tokens_set: bool, n_prompt: int,
-                    max_len: Optional[int], structured_default: Optional[int] = None) -> SamplingParams:
+def _fit_max_tokens(
+    params: SamplingParams,
+    max_tokens_set: bool,
+    n_prompt: int,
+    max_len: Optional[int],
+    structured_default: Optional[int] = None,
+) -> SamplingParams:
     """A max_tokens the client set must fit the context next to the prompt (400 otherwise, as
     vLLM does); a defaulted one is lowered to the room left. With an output constraint (response
     format, tools) the default is the room left: a schema-bound reply cut at a small default is
@@ -131,13 +154,18 @@ def _fit_max_tokens(params: SamplingParams, max_tokens_set: bool, n_prompt: int,
         return dataclasses.replace(params, max_tokens=min(room, structured_default or room))
     if params.max_tokens > room:
         if max_tokens_set:
-            raise invalid("sampling.max_tokens", f"{params.max_tokens} tokens plus the prompt's {n_prompt} "
-                          f"exceed the context length of {max_len} tokens; at most {room} fit")
+            raise invalid(
+                "sampling.max_tokens",
+                f"{params.max_tokens} tokens plus the prompt's {n_prompt} "
+                f"exceed the context length of {max_len} tokens; at most {room} fit",
+            )
         return dataclasses.replace(params, max_tokens=room)
     return params
 
 
-async def _service_errors(stream: AsyncIterator[RequestOutput], progress: _Progress) -> AsyncIterator[RequestOutput]:
+async def _service_errors(
+    stream: AsyncIterator[RequestOutput], progress: _Progress
+) -> AsyncIterator[RequestOutput]:
     """``stream``'s outputs, with the engine's refusals and failures raised as ServiceErrors. A refusal
     (before any output) means the engine never held the request."""
     started = False
@@ -147,8 +175,9 @@ async def _service_errors(stream: AsyncIterator[RequestOutput], progress: _Progr
             yield out
     except QueueFullError:  # before RuntimeError: it is one
         progress.held = False
-        raise ServiceError("queue_full", "waiting queue is full; retry later",
-                           retry_after_s=QUEUE_FULL_RETRY_S) from None
+        raise ServiceError(
+            "queue_full", "waiting queue is full; retry later", retry_after_s=QUEUE_FULL_RETRY_S
+        ) from None
     except ValueError as exc:
         progress.held = False
         raise ServiceError("invalid_argument", _field_message(str(exc))) from None
@@ -157,7 +186,9 @@ async def _service_errors(stream: AsyncIterator[RequestOutput], progress: _Progr
         raise ServiceError("not_found", str(exc), field="model") from None
     except RuntimeError as exc:  # refusing new work while shutting down, or stopped under a request
         progress.held = progress.held and started
-        raise ServiceError("unavailable", f"engine stopped: {exc}" if started else f"draining: {exc}") from None
+        raise ServiceError(
+            "unavailable", f"engine stopped: {exc}" if started else f"draining: {exc}"
+        ) from None
     if not started:
         progress.held = False
         raise ServiceError("internal", "engine produced no output")
@@ -184,8 +215,9 @@ class InferenceService:
         self.model_name = cfg.server.served_model_name or cfg.engine.model
         self.auth = Authenticator(load_api_keys(cfg.server.api_keys, cfg.server.api_keys_file))
         self.auth_throttle = AuthThrottle(cfg.server.auth_failures_per_min)
-        self.limiter = RateLimiter(cfg.server.rate_limit_rps, cfg.server.rate_limit_burst,
-                                   cfg.server.rate_limit_tpm)
+        self.limiter = RateLimiter(
+            cfg.server.rate_limit_rps, cfg.server.rate_limit_burst, cfg.server.rate_limit_tpm
+        )
         # Late-bound: attach() replaces cache_step once the cache has loaded.
         self.metrics = Metrics(self._engine_stats, lambda: self.cache_step.stats())
         self._active_ids: set[tuple[str, str]] = set()  # (tenant, request id) of running requests
@@ -228,15 +260,19 @@ class InferenceService:
             if exc.guess:  # a missing or malformed header guesses nothing
                 self.auth_throttle.failed(peer)
             if wait is not None:
-                raise ServiceError("rate_limited", "too many failed API-key checks from this address; "
-                                   f"retry in {wait:.0f}s", retry_after_s=wait) from None
+                raise ServiceError(
+                    "rate_limited",
+                    f"too many failed API-key checks from this address; retry in {wait:.0f}s",
+                    retry_after_s=wait,
+                ) from None
             raise ServiceError("unauthenticated", str(exc)) from None
         return Caller() if key is None else Caller(tenant=key.tenant, key_id=key.key_id)
 
     def _check_serving(self) -> None:
         if not self.serving:
-            raise ServiceError("unavailable", "draining: the sidecar is shutting down" if self.draining
-                               else LOADING)
+            raise ServiceError(
+                "unavailable", "draining: the sidecar is shutting down" if self.draining else LOADING
+            )
 
     def check_loaded(self) -> None:
         """Raise ``unavailable`` until the model has loaded (it stays loaded while draining)."""
@@ -256,9 +292,14 @@ class InferenceService:
         wait = self.limiter.acquire(caller.key_id or "anonymous", tokens)
         if wait is not None:
             if wait == float("inf"):  # can never fit: retrying is pointless, so it is bad input
-                raise invalid("sampling.max_tokens", f"request needs {tokens} tokens (prompt + max_tokens), more "
-                              f"than the per-key limit of {self.limiter.tpm:g} tokens/min")
-            raise ServiceError("rate_limited", f"rate limit exceeded; retry in {wait:.3f}s", retry_after_s=wait)
+                raise invalid(
+                    "sampling.max_tokens",
+                    f"request needs {tokens} tokens (prompt + max_tokens), more "
+                    f"than the per-key limit of {self.limiter.tpm:g} tokens/min",
+                )
+            raise ServiceError(
+                "rate_limited", f"rate limit exceeded; retry in {wait:.3f}s", retry_after_s=wait
+            )
 
     # -- generation ----------------------------------------------------------
     # One request runs three phases with explicit data between them:
@@ -296,13 +337,19 @@ class InferenceService:
         # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
         params, prompt = await asyncio.to_thread(self._prepare, req)
         await self._compile_grammar(params.structured)
-        tool_default = (tools.default_tool_max_tokens(req.tool_choice, req.parallel_tool_calls)
-                        if is_chat and tools.uses_tools(req) else None)
-        params = _fit_max_tokens(params, req.max_tokens_set, len(prompt), info.get("max_model_len"), tool_default)
+        tool_default = (
+            tools.default_tool_max_tokens(req.tool_choice, req.parallel_tool_calls)
+            if is_chat and tools.uses_tools(req)
+            else None
+        )
+        params = _fit_max_tokens(
+            params, req.max_tokens_set, len(prompt), info.get("max_model_len"), tool_default
+        )
         # A set max_tokens is charged up front and what is not generated refunded at the end; a
         # defaulted one (the rest of the context) is charged as generated, after the fact.
-        charge = TokenCharge(caller.key_id or "anonymous", params.max_tokens if req.max_tokens_set else 0,
-                             req.max_tokens_set)
+        charge = TokenCharge(
+            caller.key_id or "anonymous", params.max_tokens if req.max_tokens_set else 0, req.max_tokens_set
+        )
         self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
         return Admission(prompt_ids=prompt, params=params, parser=parser, charge=charge, lora=lora)
 
@@ -314,7 +361,9 @@ class InferenceService:
         try:
             await self._engine().compile_grammar(c)
         except ValueError as exc:
-            raise invalid(getattr(c, "origin", "") or "structured", str(exc).removeprefix("structured: ")) from None
+            raise invalid(
+                getattr(c, "origin", "") or "structured", str(exc).removeprefix("structured: ")
+            ) from None
 
     def _adapter(self, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter ``model`` names; None for the base model (its name or none). Raises not_found
@@ -324,8 +373,9 @@ class InferenceService:
         adapters = self._engine().lora_adapters()
         if model not in adapters:
             known = ", ".join(repr(n) for n in [self.model_name, *adapters])
-            raise ServiceError("not_found", f"model: unknown model {model!r}; this sidecar serves {known}",
-                               field="model")
+            raise ServiceError(
+                "not_found", f"model: unknown model {model!r}; this sidecar serves {known}", field="model"
+            )
         return model
 
     def _prepare(self, req: GenerationRequest) -> tuple[SamplingParams, list[int]]:
@@ -344,8 +394,9 @@ class InferenceService:
             return list(req.prompt_token_ids)
         return self._engine().tokenize(req.prompt or "", add_special_tokens=True)
 
-    async def _answer_from_cache(self, caller: Caller, req: GenerationRequest, rid: str, plan: Plan,
-                                 admission: Admission) -> Optional[Event]:
+    async def _answer_from_cache(
+        self, caller: Caller, req: GenerationRequest, rid: str, plan: Plan, admission: Admission
+    ) -> Optional[Event]:
         """The cached answer to ``req``, or None when the engine must generate it. A cached answer costs
         no tokens (the up-front charge is refunded); ``cache_control=only`` turns a miss into an error."""
         hit = await self.cache_step.lookup(plan) if plan.policy.lookup else None
@@ -354,13 +405,27 @@ class InferenceService:
         self.limiter.refund(admission.charge.key, admission.charge.upfront)
         if hit is None:
             raise ServiceError("cache_miss", "semantic cache miss")
-        log.info("request answered from the semantic cache", extra={
-            "request_id": rid, "tenant": caller.tenant, "kind": hit.kind, "similarity": round(hit.similarity, 4)})
+        log.info(
+            "request answered from the semantic cache",
+            extra={
+                "request_id": rid,
+                "tenant": caller.tenant,
+                "kind": hit.kind,
+                "similarity": round(hit.similarity, 4),
+            },
+        )
         ev = self._replay(rid, hit, plan.lookup_ms)
         return tools.split_event(ev, admission.parser) if admission.parser else ev
 
-    async def _run_engine(self, caller: Caller, req: GenerationRequest, rid: str, plan: Plan,
-                          admission: Admission, arrival: float) -> AsyncIterator[Event]:
+    async def _run_engine(
+        self,
+        caller: Caller,
+        req: GenerationRequest,
+        rid: str,
+        plan: Plan,
+        admission: Admission,
+        arrival: float,
+    ) -> AsyncIterator[Event]:
         """Generate in the engine and turn its outputs into events. The first event, the last one and
         every one that carries text or tokens are yielded."""
         salt_parts = [p for p in (caller.tenant, req.cache_salt) if p]
@@ -370,10 +435,23 @@ class InferenceService:
         engine_id = f"{uuid.uuid4().hex[:16]}:{rid}"[:128]
         self._active_ids.add((caller.tenant, rid))
         # Identical cacheable requests in flight share one generation (server/coalesce.py).
-        stream = self.cache_step.engine_stream(plan, admission.prompt_ids, req.model, deadline, lambda: self._engine().generate(
-            admission.prompt_ids, admission.params, request_id=engine_id, priority=req.priority,
-            cache_salt="\x1f".join(salt_parts) if salt_parts else None, deadline=deadline, arrival_time=arrival,
-            tenant=caller.tenant, lora=admission.lora))
+        stream = self.cache_step.engine_stream(
+            plan,
+            admission.prompt_ids,
+            req.model,
+            deadline,
+            lambda: self._engine().generate(
+                admission.prompt_ids,
+                admission.params,
+                request_id=engine_id,
+                priority=req.priority,
+                cache_salt="\x1f".join(salt_parts) if salt_parts else None,
+                deadline=deadline,
+                arrival_time=arrival,
+                tenant=caller.tenant,
+                lora=admission.lora,
+            ),
+        )
         progress = _Progress()
         outputs = _service_errors(stream, progress)
         try:
@@ -418,14 +496,25 @@ class InferenceService:
     async def _record_finished(self, caller: Caller, rid: str, out: RequestOutput, plan: Plan) -> None:
         """Metrics and the log line of a finished request; a cacheable answer is in the cache's in-memory
         tiers before its last event leaves (persistence follows on the cache's writer thread)."""
-        self.metrics.observe_finished(out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s, len(out.token_ids))
+        self.metrics.observe_finished(
+            out.finish_reason, out.queue_s, out.ttft_s, out.e2e_s, len(out.token_ids)
+        )
         if plan.policy.store and out.finish_reason in ("stop", "length"):
             await self.cache_step.remember(plan, out)
-        log.info("request finished", extra={
-            "request_id": rid, "tenant": caller.tenant, "finish_reason": out.finish_reason,
-            "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-            "cached_tokens": out.num_cached_tokens, "ttft_ms": _round_ms(out.ttft_s),
-            "e2e_ms": _round_ms(out.e2e_s), "cache": plan.info.status})
+        log.info(
+            "request finished",
+            extra={
+                "request_id": rid,
+                "tenant": caller.tenant,
+                "finish_reason": out.finish_reason,
+                "prompt_tokens": len(out.prompt_token_ids),
+                "completion_tokens": len(out.token_ids),
+                "cached_tokens": out.num_cached_tokens,
+                "ttft_ms": _round_ms(out.ttft_s),
+                "e2e_ms": _round_ms(out.e2e_s),
+                "cache": plan.info.status,
+            },
+        )
 
     def _new_id(self, wanted: Optional[str], tenant: str) -> str:
         base = wanted or f"req-{uuid.uuid4().hex[:16]}"
@@ -437,21 +526,46 @@ class InferenceService:
 
     def _event(self, rid: str, out: Any, cache: CacheInfo) -> Event:
         return Event(
-            request_id=rid, delta_text=out.delta_text, new_token_ids=list(out.new_token_ids),
-            new_logprobs=out.new_logprobs, finished=out.finished, finish_reason=out.finish_reason,
-            text=out.text, token_ids=list(out.token_ids), prompt_tokens=len(out.prompt_token_ids),
-            completion_tokens=len(out.token_ids), cached_tokens=out.num_cached_tokens,
-            queue_ms=_ms(out.queue_s), ttft_ms=_ms(out.ttft_s), total_ms=_ms(out.e2e_s), cache=cache)
+            request_id=rid,
+            delta_text=out.delta_text,
+            new_token_ids=list(out.new_token_ids),
+            new_logprobs=out.new_logprobs,
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            text=out.text,
+            token_ids=list(out.token_ids),
+            prompt_tokens=len(out.prompt_token_ids),
+            completion_tokens=len(out.token_ids),
+            cached_tokens=out.num_cached_tokens,
+            queue_ms=_ms(out.queue_s),
+            ttft_ms=_ms(out.ttft_s),
+            total_ms=_ms(out.e2e_s),
+            cache=cache,
+        )
 
     def _replay(self, rid: str, hit: Any, lookup_ms: float) -> Event:
         self.metrics.success.labels(finish_reason=hit.finish_reason).inc()
         return Event(
-            request_id=rid, delta_text=hit.text, new_token_ids=list(hit.token_ids), new_logprobs=None,
-            finished=True, finish_reason=hit.finish_reason, text=hit.text, token_ids=list(hit.token_ids),
-            prompt_tokens=hit.prompt_tokens, completion_tokens=hit.completion_tokens, cached_tokens=0,
-            queue_ms=0.0, ttft_ms=lookup_ms, total_ms=lookup_ms,
-            cache=CacheInfo(status="hit_exact" if hit.kind == "exact" else "hit_semantic",
-                            similarity=float(hit.similarity), matched_query=hit.matched_query))
+            request_id=rid,
+            delta_text=hit.text,
+            new_token_ids=list(hit.token_ids),
+            new_logprobs=None,
+            finished=True,
+            finish_reason=hit.finish_reason,
+            text=hit.text,
+            token_ids=list(hit.token_ids),
+            prompt_tokens=hit.prompt_tokens,
+            completion_tokens=hit.completion_tokens,
+            cached_tokens=0,
+            queue_ms=0.0,
+            ttft_ms=lookup_ms,
+            total_ms=lookup_ms,
+            cache=CacheInfo(
+                status="hit_exact" if hit.kind == "exact" else "hit_semantic",
+                similarity=float(hit.similarity),
+                matched_query=hit.matched_query,
+            ),
+        )
 
     # -- other calls ---------------------------------------------------------
     def check_embedding_model(self, name: Optional[str]) -> None:
@@ -459,11 +573,16 @@ class InferenceService:
         name (clients that send their chat model's name); empty means the default."""
         known = self.cache_step.embedding_model_name()
         if name and name not in (known, self.cfg.cache.embedding_model, self.model_name):
-            raise ServiceError("not_found", f"model: unknown embedding model {name!r}; embeddings come from "
-                               f"{known or self.cfg.cache.embedding_model!r}", field="model")
+            raise ServiceError(
+                "not_found",
+                f"model: unknown embedding model {name!r}; embeddings come from "
+                f"{known or self.cfg.cache.embedding_model!r}",
+                field="model",
+            )
 
-    async def embed(self, caller: Caller, inputs: list[str],
-                    model: Optional[str] = None) -> tuple[list[list[float]], int]:
+    async def embed(
+        self, caller: Caller, inputs: list[str], model: Optional[str] = None
+    ) -> tuple[list[list[float]], int]:
         """Embedding vectors of ``inputs`` and their token count; ``model`` must name the embedding model
         (see ``check_embedding_model``)."""
         self._check_serving()
@@ -475,8 +594,14 @@ class InferenceService:
         vecs = await embedder.aembed(inputs)
         return [v.tolist() for v in vecs], n_tokens
 
-    async def tokenize(self, caller: Caller, text: Optional[str], messages: Optional[list[dict]],
-                       add_special_tokens: bool, tool_specs: Optional[list] = None) -> tuple[list[int], list[str]]:
+    async def tokenize(
+        self,
+        caller: Caller,
+        text: Optional[str],
+        messages: Optional[list[dict]],
+        add_special_tokens: bool,
+        tool_specs: Optional[list] = None,
+    ) -> tuple[list[int], list[str]]:
         """Token ids and their strings (``messages`` rendered with ``tool_specs`` as Chat would). Same
         prompt limits and rate limits as generation; the tokenizer runs in a worker thread, so a huge
         text never holds the event loop."""
@@ -507,10 +632,14 @@ class InferenceService:
         from sidecar import __version__
 
         info = self._model_info()
-        info.update(model=self.model_name, version=__version__, semantic_cache=self.cache_step.cache is not None,
-                    embedding_model=self.cache_step.embedding_model_name(),
-                    embedding_dimensions=self.cache_step.embedding_dim(),
-                    lora_adapters=self.engine.lora_adapters() if self.engine is not None else {})
+        info.update(
+            model=self.model_name,
+            version=__version__,
+            semantic_cache=self.cache_step.cache is not None,
+            embedding_model=self.cache_step.embedding_model_name(),
+            embedding_dimensions=self.cache_step.embedding_dim(),
+            lora_adapters=self.engine.lora_adapters() if self.engine is not None else {},
+        )
         return info
 
     # -- LoRA adapters at run time ---------------------------------------------
@@ -547,9 +676,11 @@ class InferenceService:
     def stats(self) -> dict:
         s = dict(self._engine_stats())
         c = self.cache_step.stats() or {}
-        s.update(semantic_cache_lookups=c.get("lookups", 0),
-                 semantic_cache_hits=c.get("exact_hits", 0) + c.get("semantic_hits", 0),
-                 semantic_cache_entries=c.get("entries", 0))
+        s.update(
+            semantic_cache_lookups=c.get("lookups", 0),
+            semantic_cache_hits=c.get("exact_hits", 0) + c.get("semantic_hits", 0),
+            semantic_cache_entries=c.get("entries", 0),
+        )
         return s
 
 
@@ -559,7 +690,9 @@ def _check_inputs(inputs: Any, max_chars: int) -> None:
     if not isinstance(inputs, list) or not inputs:
         raise ServiceError("invalid_argument", "inputs: at least one text is required", field="inputs")
     if len(inputs) > 256:
-        raise ServiceError("invalid_argument", f"inputs: at most 256 texts, got {len(inputs)}", field="inputs")
+        raise ServiceError(
+            "invalid_argument", f"inputs: at most 256 texts, got {len(inputs)}", field="inputs"
+        )
     chars = 0
     for i, t in enumerate(inputs):
         if not isinstance(t, str) or not t.strip():
@@ -567,12 +700,14 @@ def _check_inputs(inputs: Any, max_chars: int) -> None:
         check_text(f"inputs[{i}]", t)
         chars += len(t)
     if chars > max_chars:
-        raise ServiceError("invalid_argument", f"inputs: {chars} characters in total, more than {max_chars}",
-                           field="inputs")
+        raise ServiceError(
+            "invalid_argument", f"inputs: {chars} characters in total, more than {max_chars}", field="inputs"
+        )
 
 
-def _check_tokenize_input(text: Optional[str], messages: Optional[list[dict]], tool_specs: Optional[list],
-                          max_chars: int) -> None:
+def _check_tokenize_input(
+    text: Optional[str], messages: Optional[list[dict]], tool_specs: Optional[list], max_chars: int
+) -> None:
     """Exactly one of ``text`` and ``messages``, within the prompt limit; roles and order are the
     template's business (encode_chat checks them)."""
     if text and messages:

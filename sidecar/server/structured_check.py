@@ -16,6 +16,7 @@ What only the vocabulary shows (the matcher's limits on the first tokens, the co
 found when the service has the engine compile the constraint, before the request is admitted; the
 constraint's ``origin`` (set here) names the field in that refusal.
 """
+
 from __future__ import annotations
 
 import threading
@@ -50,8 +51,9 @@ def check_constraint(c: Optional[Constraint], field: str) -> Optional[Constraint
         return None
     key = c.key()
     if len(key) > MAX_CONSTRAINT_CHARS:
-        raise invalid(field, f"too large: {len(key)} characters of schema or grammar, at most "
-                             f"{MAX_CONSTRAINT_CHARS}")
+        raise invalid(
+            field, f"too large: {len(key)} characters of schema or grammar, at most {MAX_CONSTRAINT_CHARS}"
+        )
     with _lock:
         err = _verdicts.get(key)
         if err is not None:

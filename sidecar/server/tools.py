@@ -6,6 +6,7 @@ built here and the parser below agree on exactly that text, so with ``tool_choic
 or a named function every call parses and its arguments match the tool's schema. Under
 ``auto`` the grammar is lazy: free text costs no masks until a call may be starting.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,7 +61,7 @@ def check_tools(tools: Any, tool_choice: Any) -> None:
         return
     if not isinstance(tool_choice, str) or not tool_choice.startswith("function:"):
         raise invalid("tool_choice", f"must be none, auto, required or a function, got {tool_choice!r}")
-    name = tool_choice[len("function:"):]
+    name = tool_choice[len("function:") :]
     if name not in seen:
         raise invalid("tool_choice", f"names the function {name!r}, which is not in tools")
 
@@ -69,8 +70,12 @@ def tools_key(tools: Optional[list[ToolSpec]], tool_choice: str, parallel: bool)
     """Canonical text of the tool setup for cache keys ('' without tools)."""
     if not tools or tool_choice == "none":
         return ""
-    return json.dumps([[t.name, t.description, t.parameters, t.strict] for t in tools] + [tool_choice, parallel],
-                      sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(
+        [[t.name, t.description, t.parameters, t.strict] for t in tools] + [tool_choice, parallel],
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
 
 
 # -- the grammar ------------------------------------------------------------------------------------
@@ -115,13 +120,21 @@ def default_tool_max_tokens(tool_choice: str, parallel: bool) -> Optional[int]:
 
 
 def _call_schema(tools: list[ToolSpec]) -> dict:
-    variants = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": close_objects(t.parameters)},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    variants = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": close_objects(t.parameters)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
-def tool_constraint(tools: list[ToolSpec], tool_choice: str, parallel: bool,
-                    response_format: Optional[Constraint]) -> Optional[Constraint]:
+def tool_constraint(
+    tools: list[ToolSpec], tool_choice: str, parallel: bool, response_format: Optional[Constraint]
+) -> Optional[Constraint]:
     """The output constraint for a chat request with tools; None means free text.
 
     Calls follow each other, a newline apart, up to ``MAX_PARALLEL_CALLS`` (one without parallel
@@ -132,51 +145,78 @@ def tool_constraint(tools: list[ToolSpec], tool_choice: str, parallel: bool,
     if not tools or tool_choice == "none":
         return response_format
     if tool_choice != "auto" and response_format is not None:
-        raise invalid("response_format", "cannot be combined with tool_choice required or a named function "
-                                         "(the calls are the answer)")
+        raise invalid(
+            "response_format",
+            "cannot be combined with tool_choice required or a named function (the calls are the answer)",
+        )
     if tool_choice.startswith("function:"):
-        tools = [t for t in tools if t.name == tool_choice[len("function:"):]]
+        tools = [t for t in tools if t.name == tool_choice[len("function:") :]]
         parallel = False
     strict = any(t.strict for t in tools)
-    opts = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": not strict}
+    opts = {
+        "whitespace_flexible": False,
+        "item_separator": ", ",
+        "key_separator": ": ",
+        "lenient": not strict,
+    }
     schema = dict(_call_schema(tools), **{"x-guidance": opts})
     call = f'call: "{CALL_START}" %json {json.dumps(schema)} "{CALL_END}"'
-    more = ("".join(' ("\\n" call' for _ in range(MAX_PARALLEL_CALLS - 1)) + ")?" * (MAX_PARALLEL_CALLS - 1)
-            + ' "\\n"?') if parallel else ""
+    more = (
+        (
+            "".join(' ("\\n" call' for _ in range(MAX_PARALLEL_CALLS - 1))
+            + ")?" * (MAX_PARALLEL_CALLS - 1)
+            + ' "\\n"?'
+        )
+        if parallel
+        else ""
+    )
     calls = f"calls: call{more}"
     if tool_choice != "auto":
         return Constraint("lark", f"start: calls\n{calls}\n{call}\n", open_end=True, end_on_repeat=True)
     if response_format is not None:
         if response_format.kind not in ("json", "json_object"):
-            raise invalid("response_format", "only JSON formats can be combined with tools under tool_choice auto")
+            raise invalid(
+                "response_format", "only JSON formats can be combined with tools under tool_choice auto"
+            )
         fmt = response_format.value if response_format.kind == "json" else {"type": "object"}
         fmt_opts = dict(opts, lenient=not response_format.strict)
-        return Constraint("lark", f"start: answer | calls\nanswer: %json {json.dumps(dict(fmt, **{'x-guidance': fmt_opts}))}\n"
-                                  f"{calls}\n{call}\n", open_end=True, end_on_repeat=True)
+        return Constraint(
+            "lark",
+            f"start: answer | calls\nanswer: %json {json.dumps(dict(fmt, **{'x-guidance': fmt_opts}))}\n"
+            f"{calls}\n{call}\n",
+            open_end=True,
+            end_on_repeat=True,
+        )
     # Free text that never contains the call marker, or such text up to the first marker followed
     # by the calls. Each is one lexeme, so the lexer never has to backtrack over the marker. Lazy:
     # the text costs no masks until a marker may be forming. (No end_on_repeat: the first call's
     # unit starts inside the marker; the parser still drops a repeated call.)
     m = re.escape(CALL_START).replace("/", "\\/")
-    grammar = (f'start: TEXT | PRE_CALL body "{CALL_END}"{more}\n'
-               f'call: "{CALL_START}" body "{CALL_END}"\n'
-               f"body: %json {json.dumps(schema)}\n"
-               f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{m}(.|\\n)*/\n"
-               f"PRE_CALL: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/\n")
+    grammar = (
+        f'start: TEXT | PRE_CALL body "{CALL_END}"{more}\n'
+        f'call: "{CALL_START}" body "{CALL_END}"\n'
+        f"body: %json {json.dumps(schema)}\n"
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{m}(.|\\n)*/\n"
+        f"PRE_CALL: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/\n"
+    )
     return Constraint("lark", grammar, lazy_trigger=CALL_START, open_end=True)
 
 
 # -- rendering -------------------------------------------------------------------------------------
 def _openai_tool(t: ToolSpec) -> dict:
-    return {"type": "function", "function": {"name": t.name, "description": t.description,
-                                             "parameters": t.parameters}}
+    return {
+        "type": "function",
+        "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+    }
 
 
 def default_tools_block(tools: list[ToolSpec]) -> str:
     """The system text that lists the tools for a model whose chat template cannot (docs/API.md)."""
-    lines = ["You can call functions. To call one, reply with exactly",
-             f'{CALL_START}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{CALL_END}',
-             "and nothing else. Available functions (JSON):"]
+    lines = [
+        "You can call functions. To call one, reply with exactly",
+        f'{CALL_START}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{CALL_END}',
+        "and nothing else. Available functions (JSON):",
+    ]
     lines += [json.dumps(_openai_tool(t)["function"], ensure_ascii=False) for t in tools]
     return "\n".join(lines)
 
@@ -187,11 +227,14 @@ def _call_text(call: dict) -> str:
         args_obj = json.loads(args) if isinstance(args, str) else args
     except ValueError:
         args_obj = args
-    return CALL_START + json.dumps({"name": call["name"], "arguments": args_obj}, ensure_ascii=False) + CALL_END
+    return (
+        CALL_START + json.dumps({"name": call["name"], "arguments": args_obj}, ensure_ascii=False) + CALL_END
+    )
 
 
-def render_messages(messages: list[dict], tools: Optional[list[ToolSpec]], template_has_tools: bool
-                    ) -> tuple[list[dict], Optional[list[dict]]]:
+def render_messages(
+    messages: list[dict], tools: Optional[list[ToolSpec]], template_has_tools: bool
+) -> tuple[list[dict], Optional[list[dict]]]:
     """Messages (with tool calls and tool results) -> (template messages, template tools or None).
 
     A template that renders tools gets them and the structured messages as Hugging Face defines
@@ -201,8 +244,14 @@ def render_messages(messages: list[dict], tools: Optional[list[ToolSpec]], templ
         for m in messages:
             m2 = {"role": m["role"], "content": m.get("content") or ""}
             if m.get("tool_calls"):
-                m2["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
-                    "name": c["name"], "arguments": _args_obj(c.get("arguments"))}} for c in m["tool_calls"]]
+                m2["tool_calls"] = [
+                    {
+                        "id": c.get("id"),
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": _args_obj(c.get("arguments"))},
+                    }
+                    for c in m["tool_calls"]
+                ]
             if m["role"] == "tool":
                 m2["tool_call_id"] = m.get("tool_call_id")
                 if m.get("name"):
@@ -212,7 +261,9 @@ def render_messages(messages: list[dict], tools: Optional[list[ToolSpec]], templ
     out = []
     for m in messages:
         if m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+            out.append(
+                {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+            )
         elif m.get("tool_calls"):
             text = (m.get("content") or "") + "".join(_call_text(c) for c in m["tool_calls"])
             out.append({"role": "assistant", "content": text})
@@ -244,9 +295,13 @@ def _call(obj: Any, index: int) -> Optional[dict]:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", {})
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "name": obj["name"],
-            "arguments": json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args,
-            "index": index}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "name": obj["name"],
+        "arguments": json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args,
+        "index": index,
+    }
 
 
 class ToolCallParser:
@@ -296,7 +351,7 @@ class ToolCallParser:
         self.gap = True
         self.calls.append(call)
         new.append(call)
-        self.buf, self.in_call = rest[len(CALL_END):], False
+        self.buf, self.in_call = rest[len(CALL_END) :], False
         return True
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
@@ -312,13 +367,19 @@ class ToolCallParser:
             if not self.in_call:
                 i = self.buf.find(CALL_START)
                 if i < 0:
-                    keep = next((k for k in range(min(len(CALL_START) - 1, len(self.buf)), 0, -1)
-                                 if self.buf.endswith(CALL_START[:k])), 0)
-                    out.append(self.buf[:len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep:]
+                    keep = next(
+                        (
+                            k
+                            for k in range(min(len(CALL_START) - 1, len(self.buf)), 0, -1)
+                            if self.buf.endswith(CALL_START[:k])
+                        ),
+                        0,
+                    )
+                    out.append(self.buf[: len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep :]
                     break
                 out.append(self.buf[:i])
-                self.buf, self.in_call = self.buf[i + len(CALL_START):], True
+                self.buf, self.in_call = self.buf[i + len(CALL_START) :], True
             if not self._take_call(out, new):
                 break
         text = "".join(out)

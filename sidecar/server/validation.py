@@ -1,4 +1,5 @@
 """Request validation shared by every API. Errors name the wire field."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,17 @@ from typing import Any, Optional
 from sidecar.cache.policy import CACHE_CONTROLS
 from sidecar.engine.request import SamplingParams
 
-CODES = ("invalid_argument", "unauthenticated", "rate_limited", "queue_full", "unavailable", "not_found",
-         "deadline_exceeded", "cache_miss", "internal")
+CODES = (
+    "invalid_argument",
+    "unauthenticated",
+    "rate_limited",
+    "queue_full",
+    "unavailable",
+    "not_found",
+    "deadline_exceeded",
+    "cache_miss",
+    "internal",
+)
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REQUEST_ID = 128
 _REQUEST_ID = re.compile(r"[\x21-\x7e]+")
@@ -19,8 +29,9 @@ SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 class ServiceError(Exception):
     """A refusal with a protocol-neutral code; adapters map it to a status."""
 
-    def __init__(self, code: str, message: str, field: Optional[str] = None,
-                 retry_after_s: Optional[float] = None) -> None:
+    def __init__(
+        self, code: str, message: str, field: Optional[str] = None, retry_after_s: Optional[float] = None
+    ) -> None:
         assert code in CODES, code
         super().__init__(message)
         self.code = code
@@ -55,7 +66,9 @@ def check_request_id(rid: Any) -> None:
     if not isinstance(rid, str) or len(rid) > MAX_REQUEST_ID:
         raise invalid("request_id", f"at most {MAX_REQUEST_ID} characters")
     if not _REQUEST_ID.fullmatch(rid):
-        raise invalid("request_id", "only visible ASCII characters (no spaces or control characters) are allowed")
+        raise invalid(
+            "request_id", "only visible ASCII characters (no spaces or control characters) are allowed"
+        )
 
 
 def check_text(field: str, value: str) -> None:
@@ -63,8 +76,11 @@ def check_text(field: str, value: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise invalid(field, f"contains an unpaired surrogate (U+{ord(value[exc.start]):04X}) at index "
-                      f"{exc.start}; text must be valid Unicode") from None
+        raise invalid(
+            field,
+            f"contains an unpaired surrogate (U+{ord(value[exc.start]):04X}) at index "
+            f"{exc.start}; text must be valid Unicode",
+        ) from None
 
 
 def check_messages(messages: Any) -> None:
@@ -90,22 +106,37 @@ def check_messages(messages: Any) -> None:
                 raise invalid(f"messages[{i}].tool_calls[{j}].arguments", "must be a JSON string")
             check_text(f"messages[{i}].tool_calls[{j}].arguments", c["arguments"])
     if messages[-1]["role"] not in ("user", "tool"):
-        raise invalid("messages", f"the last message must be from the user or a tool, got {messages[-1]['role']!r}")
+        raise invalid(
+            "messages", f"the last message must be from the user or a tool, got {messages[-1]['role']!r}"
+        )
 
 
 def check_request(req: Any, model_name: str, vocab_size: Optional[int], max_prompt_chars: int) -> None:
     """Validate a GenerationRequest in wire order; raises ServiceError on the first problem."""
     if req.model and req.model != model_name:
-        raise ServiceError("not_found", f"model: unknown model {req.model!r}; this sidecar serves {model_name!r}",
-                           field="model")
-    given = [n for n, v in (("prompt", req.prompt), ("prompt_token_ids", req.prompt_token_ids),
-                            ("messages", req.messages)) if v]
+        raise ServiceError(
+            "not_found",
+            f"model: unknown model {req.model!r}; this sidecar serves {model_name!r}",
+            field="model",
+        )
+    given = [
+        n
+        for n, v in (
+            ("prompt", req.prompt),
+            ("prompt_token_ids", req.prompt_token_ids),
+            ("messages", req.messages),
+        )
+        if v
+    ]
     if req.messages is not None and not req.messages:
         raise invalid("messages", "at least one message is required")
     if len(given) != 1:
         if req.messages is None:
-            raise invalid("prompt", "exactly one of prompt and prompt_token_ids must be set"
-                          + (", got both" if len(given) > 1 else ""))
+            raise invalid(
+                "prompt",
+                "exactly one of prompt and prompt_token_ids must be set"
+                + (", got both" if len(given) > 1 else ""),
+            )
         raise invalid("messages", "set messages only, not a prompt as well")
     if req.messages is not None:
         check_messages(req.messages)
@@ -126,7 +157,9 @@ def check_request(req: Any, model_name: str, vocab_size: Optional[int], max_prom
     if not isinstance(req.priority, int) or not (-(2**31) <= req.priority < 2**31):
         raise invalid("priority", f"must be a 32-bit integer, got {req.priority!r}")
     if req.cache_control not in CACHE_CONTROLS:
-        raise invalid("cache_control", f"must be one of {', '.join(CACHE_CONTROLS)}, got {req.cache_control!r}")
+        raise invalid(
+            "cache_control", f"must be one of {', '.join(CACHE_CONTROLS)}, got {req.cache_control!r}"
+        )
     if not isinstance(req.cache_salt, str) or len(req.cache_salt) > 256:
         raise invalid("cache_salt", "must be a string of at most 256 characters")
     if req.timeout_s is not None and req.timeout_s <= 0:

@@ -1,4 +1,5 @@
 """CUDA-only tests: the whole directory is skipped where no CUDA device is available (the only skip)."""
+
 from __future__ import annotations
 
 import pytest

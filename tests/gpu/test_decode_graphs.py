@@ -1,5 +1,6 @@
 """Decode graphs on CUDA: greedy output with graphs on equals graphs off and HF float32, at every bucket
 boundary; aborts during graph batches; captured graphs follow their buffers; the self-check falls back."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,9 @@ MAX_SEQS = 20  # buckets 1, 2, 4, 8, 16, 20
 
 
 def _llm(path, **kw):
-    return LLM(model=str(path), dtype="float32", device="cuda", max_num_seqs=MAX_SEQS, num_kv_blocks=256, **kw)
+    return LLM(
+        model=str(path), dtype="float32", device="cuda", max_num_seqs=MAX_SEQS, num_kv_blocks=256, **kw
+    )
 
 
 def _greedy(llm, prompts, max_new=MAX_NEW):
@@ -32,7 +35,9 @@ def prompts():
 def test_graphs_on_equal_graphs_off_and_hf(tiny_models, prompts, kind):
     graphs = _llm(tiny_models[kind])
     eager = _llm(tiny_models[kind], enforce_eager=True)
-    assert "cuda_graphs" in graphs.engine.model_info["fast_paths"], graphs.engine.model_info["fast_path_fallbacks"]
+    assert "cuda_graphs" in graphs.engine.model_info["fast_paths"], graphs.engine.model_info[
+        "fast_path_fallbacks"
+    ]
     assert graphs.engine.runner.graphs.captured == graphs.engine.runner.buckets == [1, 2, 4, 8, 16, 20]
     assert eager.engine.model_info["fast_paths"] == [] and not eager.engine.runner.graphs.captured
     few = prompts[:6]
@@ -48,8 +53,10 @@ def test_every_bucket_boundary(tiny_models, prompts):
     buckets = graphs.engine.runner.buckets
     seen = []
     fill = graphs.engine.runner.inputs.fill
-    graphs.engine.runner.inputs.fill = lambda rows, sample, b, w: (seen.append((len(rows), b)),
-                                                                  fill(rows, sample, b, w))
+    graphs.engine.runner.inputs.fill = lambda rows, sample, b, w: (
+        seen.append((len(rows), b)),
+        fill(rows, sample, b, w),
+    )
     for b in buckets:
         for n in (b, b + 1):
             if n > MAX_SEQS:
@@ -93,32 +100,43 @@ def test_replay_follows_changed_buffers(tiny_models):
     tables = [[1, 2], [3, 4], [5, 6]]
     ids, pos, slots, segs = [], [], [], []
     for p, t in zip(ps, tables):
-        segs.append(PrefillSegment(len(ids), len(p), len(p), torch.tensor(t[:-(-len(p) // bs)], device=dev)))
+        segs.append(PrefillSegment(len(ids), len(p), len(p), torch.tensor(t[: -(-len(p) // bs)], device=dev)))
         ids += p
         pos += range(len(p))
         slots += [t[i // bs] * bs + i % bs for i in range(len(p))]
     with torch.inference_mode():
-        runner.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), runner.kv_caches,
-                     AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), block_size=bs, prefills=segs))
+        runner.model(
+            torch.tensor(ids, device=dev),
+            torch.tensor(pos, device=dev),
+            runner.kv_caches,
+            AttentionMetadata(slot_mapping=torch.tensor(slots, device=dev), block_size=bs, prefills=segs),
+        )
 
     def rows(tokens, step):
         out = []
         for p, t, tok in zip(ps, tables, tokens):
             c = len(p) + step
-            out.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[:c // bs + 1]))
+            out.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[: c // bs + 1]))
         return out
 
     runner.decode_rows(rows([50, 51, 52], 0), [0, 1, 2])
     new = rows([60, 61, 62], 1)[:2] + rows([63, 64, 65], 0)[2:]  # new tokens, positions, lengths
     got = runner.decode_rows(new, [0, 1, 2]).clone()
-    assert 4 in runner.graphs.captured and (runner.inputs.buffer.data_ptr(), runner.inputs.staging.data_ptr()) == ptrs
+    assert (
+        4 in runner.graphs.captured
+        and (runner.inputs.buffer.data_ptr(), runner.inputs.staging.data_ptr()) == ptrs
+    )
     width = max(len(r.table) for r in new)
     meta = AttentionMetadata(slot_mapping=torch.tensor([r.slot for r in new], device=dev), block_size=bs)
     meta.decode_block_tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in new], device=dev)
     meta.decode_ctx_lens = torch.tensor([r.ctx_len for r in new], device=dev)
     with torch.inference_mode():
-        h = runner.model(torch.tensor([r.token for r in new], device=dev),
-                         torch.tensor([r.position for r in new], device=dev), runner.kv_caches, meta)
+        h = runner.model(
+            torch.tensor([r.token for r in new], device=dev),
+            torch.tensor([r.position for r in new], device=dev),
+            runner.kv_caches,
+            meta,
+        )
         ref = runner.model.compute_logits(h)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert got.argmax(-1).tolist() == ref.argmax(-1).tolist()

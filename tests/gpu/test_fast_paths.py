@@ -4,6 +4,7 @@ configuration; the Triton weight-only layers agree with the reference layers at 
 split over K or not, for every decode-sized batch. The one-row fused products survive the self-check, give
 HF's float32 tokens one request at a time (the batch-1 graph), and agree with cuBLAS and the separate
 kernels at the real model's shapes."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,15 @@ def test_quantized_kv_paths_survive_and_match_eager(tiny_models, kv_cache_dtype)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_weight_only_path_survives_the_self_check(tiny_models, quantization, dtype):
-    llm = LLM(model=str(tiny_models["qwen2"]), dtype=dtype, device="cuda", max_num_seqs=8, num_kv_blocks=128,
-              quantization=quantization, quant_group_size=32)
+    llm = LLM(
+        model=str(tiny_models["qwen2"]),
+        dtype=dtype,
+        device="cuda",
+        max_num_seqs=8,
+        num_kv_blocks=128,
+        quantization=quantization,
+        quant_group_size=32,
+    )
     info = llm.engine.model_info
     assert info["fast_path_fallbacks"] == {}, info["fast_path_fallbacks"]
     assert "weight_only" in info["fast_paths"] and "cuda_graphs" in info["fast_paths"]
@@ -45,7 +53,7 @@ def test_weight_only_path_survives_the_self_check(tiny_models, quantization, dty
 
 def _layer(mode: str, n: int, k: int, dtype: torch.dtype, bias: bool):
     gen = torch.Generator().manual_seed(n + k)
-    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    w = torch.randn(n, k, generator=gen) / k**0.5
     b = torch.randn(n, generator=gen).to(dtype).cuda() if bias else None
     if mode == "int8":
         q, s = quantize_int8(w, torch.float32)
@@ -60,7 +68,9 @@ def _layer(mode: str, n: int, k: int, dtype: torch.dtype, bias: bool):
 
 # The Qwen2-0.5B decode layers (qkv with bias, o, gate/up, down): split over K where the columns alone
 # would leave multiprocessors idle, and not.
-@pytest.mark.parametrize("n,k,bias", [(1152, 896, True), (896, 896, False), (9728, 896, False), (896, 4864, False)])
+@pytest.mark.parametrize(
+    "n,k,bias", [(1152, 896, True), (896, 896, False), (9728, 896, False), (896, 4864, False)]
+)
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_layers_match_the_reference_layers(mode, n, k, bias, dtype):
@@ -78,8 +88,13 @@ def test_triton_layers_match_the_reference_layers(mode, n, k, bias, dtype):
             err = (got.float() - ref[:rows]).norm() / ref[:rows].norm()
             assert err < 1e-2, (rows, err.item())  # both round the activations and outputs to bf16
         assert torch.equal(layer(x[:1]), layer(x[:5])[:1])  # a row's result does not depend on its batch
-    parts = triton_wo.splits(n, k, triton_wo._block_n(n), triton_wo.INT8_BLOCK_K,
-                             torch.cuda.get_device_properties(0).multi_processor_count)[0]
+    parts = triton_wo.splits(
+        n,
+        k,
+        triton_wo._block_n(n),
+        triton_wo.INT8_BLOCK_K,
+        torch.cuda.get_device_properties(0).multi_processor_count,
+    )[0]
     assert (parts > 1) == (n <= 1152)
 
 
@@ -97,7 +112,9 @@ def test_fused_products_survive_and_give_hf_tokens_at_batch_1(tiny_models, dtype
     assert_pool_whole(llm)
 
 
-@pytest.mark.parametrize("n,k,bias", [(1152, 896, True), (896, 896, False), (9728, 896, False), (896, 4864, False)])
+@pytest.mark.parametrize(
+    "n,k,bias", [(1152, 896, True), (896, 896, False), (9728, 896, False), (896, 4864, False)]
+)
 def test_fused_products_match_the_separate_kernels_at_real_shapes(n, k, bias):
     import torch.nn.functional as F
 
@@ -107,7 +124,7 @@ def test_fused_products_match_the_separate_kernels_at_real_shapes(n, k, bias):
     bf = dict(dtype=torch.bfloat16, device="cuda")
     h, delta = torch.randn(1, k, generator=gen).to(**bf), torch.randn(1, k, generator=gen).to(**bf)
     nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(**bf)
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(**bf)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(**bf)
     b = torch.randn(n, generator=gen).to(**bf) if bias else None
     rel = lambda got, ref: float((got.float() - ref.float()).norm() / ref.float().norm())  # noqa: E731
     with torch.inference_mode():

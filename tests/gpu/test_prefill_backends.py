@@ -1,6 +1,7 @@
 """Prompt attention on CUDA never takes cuDNN's fused SDPA kernel, which builds an execution plan for every new
 sequence length (tens of milliseconds each on an H100): every prompt length, whole or chunked, attends through
 flash or memory-efficient attention, and the process's own backend settings are left as they were."""
+
 from __future__ import annotations
 
 import torch
@@ -21,8 +22,14 @@ def test_prompt_attention_avoids_cudnn_and_restores_the_flags(tiny_models, monke
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     before = torch.backends.cuda.cudnn_sdp_enabled()
     # chunks of at most 24 tokens: the longer prompts' later chunks attend over the cache with a mask
-    llm = LLM(model=str(tiny_models["qwen2"]), dtype="bfloat16", device="cuda", max_num_seqs=8, num_kv_blocks=128,
-              max_num_batched_tokens=24)
+    llm = LLM(
+        model=str(tiny_models["qwen2"]),
+        dtype="bfloat16",
+        device="cuda",
+        max_num_seqs=8,
+        num_kv_blocks=128,
+        max_num_batched_tokens=24,
+    )
     calls.clear()
     prompts = make_prompts(8, 900, 3, 60, seed=3)
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))

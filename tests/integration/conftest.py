@@ -6,6 +6,7 @@ SERVING and stops the process (SIGTERM, then SIGKILL) on exit. Later flags
 override the defaults (argparse keeps the last value), e.g.
 ``start_sidecar("--http-port", "-1", "--api-key", "k:t")``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,20 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DEFAULT_ARGS = ("--model", "demo", "--device", "cpu", "--host", "127.0.0.1", "--grpc-port", "0",
-                "--http-port", "0", "--log-level", "warning")
+DEFAULT_ARGS = (
+    "--model",
+    "demo",
+    "--device",
+    "cpu",
+    "--host",
+    "127.0.0.1",
+    "--grpc-port",
+    "0",
+    "--http-port",
+    "0",
+    "--log-level",
+    "warning",
+)
 START_TIMEOUT_S = float(os.environ.get("SIDECAR_TEST_START_TIMEOUT", "300"))
 
 
@@ -52,8 +65,11 @@ class Sidecar:
 
     def health(self, service: str = "") -> int:
         with grpc.insecure_channel(self.grpc_target) as ch:
-            return health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=5).status
+            return (
+                health_pb2_grpc.HealthStub(ch)
+                .Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                .status
+            )
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         self.proc.send_signal(sig)
@@ -74,7 +90,9 @@ def _wait_port_file(proc: subprocess.Popen, port_file: pathlib.Path, log_path: p
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"sidecar exited with {proc.returncode} during startup:\n{log_path.read_text()[-4000:]}")
+            raise RuntimeError(
+                f"sidecar exited with {proc.returncode} during startup:\n{log_path.read_text()[-4000:]}"
+            )
         if port_file.exists():
             return json.loads(port_file.read_text())
         time.sleep(0.05)
@@ -96,14 +114,24 @@ def _wait_serving(sc: Sidecar) -> None:
 
 
 @contextlib.contextmanager
-def start_sidecar(*extra_args: str, env: Optional[dict] = None, wait_serving: bool = True,
-                  semantic_cache: bool = False) -> Iterator[Sidecar]:
+def start_sidecar(
+    *extra_args: str, env: Optional[dict] = None, wait_serving: bool = True, semantic_cache: bool = False
+) -> Iterator[Sidecar]:
     """Start `sidecar serve` on free ports; the semantic cache (embedder load) only when asked for."""
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="sidecar-test-"))
     port_file, log_path = workdir / "ports.json", workdir / "sidecar.log"
     cache_args = () if semantic_cache else ("--no-semantic-cache",)
-    cmd = [sys.executable, "-m", "sidecar", "serve", *DEFAULT_ARGS, *cache_args, "--port-file", str(port_file),
-           *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "serve",
+        *DEFAULT_ARGS,
+        *cache_args,
+        "--port-file",
+        str(port_file),
+        *extra_args,
+    ]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log_path, "wb") as log_fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log_fh, stderr=subprocess.STDOUT)

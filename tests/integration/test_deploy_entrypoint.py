@@ -10,6 +10,7 @@ the way a user would do it with the image:
   (what `docker run -p` would map), SIDECAR_ENGINE_MODEL=demo and
   SIDECAR_ENGINE_DEMO_DIR reuse the test session's demo model.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -32,7 +33,9 @@ from sidecar.v1 import sidecar_pb2 as pb
 from sidecar.v1 import sidecar_pb2_grpc as pbg
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("deploy_files", ROOT / "tests" / "unit" / "test_deploy_files.py")
+_spec = importlib.util.spec_from_file_location(
+    "deploy_files", ROOT / "tests" / "unit" / "test_deploy_files.py"
+)
 deploy_files = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = deploy_files  # dataclasses look their module up there
 _spec.loader.exec_module(deploy_files)
@@ -86,16 +89,27 @@ def container(image, tmp_path_factory, demo_dir):
         (root / vol.lstrip("/")).mkdir()
     grpc_port, http_port = _free_port(), _free_port()
     env = _host_env(image.env, root)
-    env.update(SIDECAR_SERVER_HOST="127.0.0.1", SIDECAR_SERVER_GRPC_PORT=str(grpc_port),
-               SIDECAR_SERVER_HTTP_PORT=str(http_port), SIDECAR_ENGINE_MODEL="demo",
-               SIDECAR_ENGINE_DEMO_DIR=str(demo_dir), PYTHONUNBUFFERED="1")
+    env.update(
+        SIDECAR_SERVER_HOST="127.0.0.1",
+        SIDECAR_SERVER_GRPC_PORT=str(grpc_port),
+        SIDECAR_SERVER_HTTP_PORT=str(http_port),
+        SIDECAR_ENGINE_MODEL="demo",
+        SIDECAR_ENGINE_DEMO_DIR=str(demo_dir),
+        PYTHONUNBUFFERED="1",
+    )
     paths = image.container_path_map()
     argv = _host_argv(image.entrypoint + image.cmd, paths)
     log_path = root / "container.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
-    ctx = dict(proc=proc, env=env, grpc=f"127.0.0.1:{grpc_port}", http=f"http://127.0.0.1:{http_port}",
-               log=log_path, healthcheck=_host_argv(image.healthcheck[1], paths))
+    ctx = dict(
+        proc=proc,
+        env=env,
+        grpc=f"127.0.0.1:{grpc_port}",
+        http=f"http://127.0.0.1:{http_port}",
+        log=log_path,
+        healthcheck=_host_argv(image.healthcheck[1], paths),
+    )
     try:
         _wait_serving(ctx)
         yield ctx
@@ -130,8 +144,10 @@ def _run_healthcheck(ctx: dict) -> subprocess.CompletedProcess:
 
 def test_entrypoint_serves_grpc_and_http(container):
     with grpc.insecure_channel(container["grpc"]) as ch:
-        r = pbg.InferenceStub(ch).Generate(pb.GenerateRequest(
-            prompt="Hello", sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True)), timeout=60)
+        r = pbg.InferenceStub(ch).Generate(
+            pb.GenerateRequest(prompt="Hello", sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True)),
+            timeout=60,
+        )
     assert r.usage.completion_tokens == 4 and r.model == "demo"
     assert httpx.get(container["http"] + "/health", timeout=10).json() == {"status": "serving"}
     metrics = httpx.get(container["http"] + "/metrics", timeout=10).text

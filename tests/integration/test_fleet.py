@@ -1,6 +1,7 @@
 """Two `sidecar serve` replicas sharing one Redis cache tier, over the OpenAI HTTP API: cross-replica
 hits, tenant isolation, a burst of identical requests running one generation, back-to-back recall
 equal to paused recall, and a Redis outage that fails no request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,8 +21,20 @@ BOB = {"authorization": "Bearer key-bob"}
 
 @pytest.fixture(scope="module")
 def fleet(sidecar_launcher, module_redis_server):
-    args = ("--cache-backend", module_redis_server.url, "--num-kv-blocks", "128", "--max-num-seqs", "8",
-            "--grpc-port", "0", "--api-key", "key-alice:alice", "--api-key", "key-bob:bob")
+    args = (
+        "--cache-backend",
+        module_redis_server.url,
+        "--num-kv-blocks",
+        "128",
+        "--max-num-seqs",
+        "8",
+        "--grpc-port",
+        "0",
+        "--api-key",
+        "key-alice:alice",
+        "--api-key",
+        "key-bob:bob",
+    )
     with contextlib.ExitStack() as stack:
         a = stack.enter_context(sidecar_launcher(*args, semantic_cache=True))
         b = stack.enter_context(sidecar_launcher(*args, semantic_cache=True))
@@ -29,8 +42,13 @@ def fleet(sidecar_launcher, module_redis_server):
 
 
 def chat(base, question, headers=ALICE, max_tokens=8, **kw):
-    body = {"model": "demo", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0, **kw}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **kw,
+    }
     return httpx.post(f"{base}/v1/chat/completions", json=body, headers=headers, timeout=120)
 
 
@@ -76,10 +94,16 @@ def test_a_burst_of_identical_requests_runs_one_generation(fleet):
 
     async def burst():
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=60)) as client:
-            body = {"model": "demo", "messages": [{"role": "user", "content": "Explain the burst test."}],
-                    "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-            return await asyncio.gather(*[client.post(f"{a}/v1/chat/completions", json=body, headers=ALICE)
-                                          for _ in range(50)])
+            body = {
+                "model": "demo",
+                "messages": [{"role": "user", "content": "Explain the burst test."}],
+                "max_tokens": 48,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            return await asyncio.gather(
+                *[client.post(f"{a}/v1/chat/completions", json=body, headers=ALICE) for _ in range(50)]
+            )
 
     rs = asyncio.run(burst())
     assert [r.status_code for r in rs] == [200] * 50
@@ -97,8 +121,14 @@ def test_streaming_followers_get_the_whole_answer(fleet):
     _, b, _ = fleet
 
     async def burst():
-        body = {"model": "demo", "messages": [{"role": "user", "content": "Stream the burst answer."}],
-                "max_tokens": 160, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": "Stream the burst answer."}],
+            "max_tokens": 160,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
 
         async def one(client):
             async with client.stream("POST", f"{b}/v1/chat/completions", json=body, headers=ALICE) as r:

@@ -1,4 +1,5 @@
 """gRPC API against a real `sidecar serve --model demo`: results, streaming, errors, deadlines, cancellation."""
+
 from __future__ import annotations
 
 import threading
@@ -19,8 +20,18 @@ MAX_MESSAGE = 64 * 1024
 
 @pytest.fixture(scope="module")
 def server(sidecar_launcher):
-    with sidecar_launcher("--num-kv-blocks", str(NUM_BLOCKS), "--block-size", "16", "--max-num-seqs", "16",
-                          "--max-message-bytes", str(MAX_MESSAGE), "--http-port", "-1") as sc:
+    with sidecar_launcher(
+        "--num-kv-blocks",
+        str(NUM_BLOCKS),
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        "16",
+        "--max-message-bytes",
+        str(MAX_MESSAGE),
+        "--http-port",
+        "-1",
+    ) as sc:
         yield sc
 
 
@@ -51,7 +62,9 @@ def test_health_serving_and_reflection(server):
     assert server.health("sidecar.v1.Inference") == health_pb2.HealthCheckResponse.SERVING
     with grpc.insecure_channel(server.grpc_target) as ch:
         refl = reflection_pb2_grpc.ServerReflectionStub(ch)
-        resp = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        resp = next(
+            refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        )
     names = {s.name for s in resp.list_services_response.service}
     assert {"sidecar.v1.Inference", "grpc.health.v1.Health"} <= names
 
@@ -60,22 +73,31 @@ def reflection_v1(target: str, *requests: reflection_pb2.ServerReflectionRequest
     """Ask ``grpc.reflection.v1`` (what grpcurl and current grpc-java try first). Its messages are the
     v1alpha ones on the wire, so v1alpha's classes encode them; only the method path differs."""
     with grpc.insecure_channel(target) as ch:
-        call = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-                                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
-                                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        call = ch.stream_stream(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
         return list(call(iter(requests), timeout=10))
 
 
 def test_reflection_v1_lists_services_and_describes_a_method(server):
-    listed, described = reflection_v1(server.grpc_target,
-                                      reflection_pb2.ServerReflectionRequest(list_services=""),
-                                      reflection_pb2.ServerReflectionRequest(
-                                          file_containing_symbol="sidecar.v1.Inference.Generate"))
+    listed, described = reflection_v1(
+        server.grpc_target,
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="sidecar.v1.Inference.Generate"),
+    )
     names = {s.name for s in listed.list_services_response.service}
-    assert {"sidecar.v1.Inference", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
-            "grpc.reflection.v1alpha.ServerReflection"} <= names
-    files = [descriptor_pb2.FileDescriptorProto.FromString(raw)
-             for raw in described.file_descriptor_response.file_descriptor_proto]
+    assert {
+        "sidecar.v1.Inference",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= names
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(raw)
+        for raw in described.file_descriptor_response.file_descriptor_proto
+    ]
     (ours,) = [f for f in files if f.package == "sidecar.v1"]
     (inference,) = [s for s in ours.service if s.name == "Inference"]
     methods = {m.name: m for m in inference.method}
@@ -101,7 +123,9 @@ def test_unary_generate_fills_usage_timing_and_text(stub):
 
 
 def test_stream_deltas_concatenate_to_unary_text_same_seed(stub):
-    req = gen(prompt="Once upon a time", max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    req = gen(
+        prompt="Once upon a time", max_tokens=12, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True
+    )
     unary = stub.Generate(req)
     chunks = list(stub.GenerateStream(req))
     assert "".join(c.delta for c in chunks) == unary.text
@@ -114,9 +138,13 @@ def test_stream_deltas_concatenate_to_unary_text_same_seed(stub):
 
 
 def test_chat_unary_and_stream_agree(stub):
-    req = pb.ChatRequest(messages=[pb.ChatMessage(role="system", content="Be brief."),
-                                   pb.ChatMessage(role="user", content="Hi there")],
-                         sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True))
+    req = pb.ChatRequest(
+        messages=[
+            pb.ChatMessage(role="system", content="Be brief."),
+            pb.ChatMessage(role="user", content="Hi there"),
+        ],
+        sampling=pb.SamplingParams(max_tokens=8, ignore_eos=True),
+    )
     unary = stub.Chat(req)
     chunks = list(stub.ChatStream(req))
     assert "".join(c.delta for c in chunks) == unary.text
@@ -163,14 +191,25 @@ BAD_REQUESTS = [
     (gen(stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop:"),
     (gen(stop_token_ids=[10**9]), grpc.StatusCode.INVALID_ARGUMENT, "sampling.stop_token_ids:"),
     (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "prompt: exactly one of"),
-    (pb.GenerateRequest(prompt="a", prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT, "prompt: exactly one"),
+    (
+        pb.GenerateRequest(prompt="a", prompt_token_ids=[1]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prompt: exactly one",
+    ),
     (pb.GenerateRequest(prompt_token_ids=[10**9]), grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids:"),
     (pb.GenerateRequest(prompt="a", request_id="r" * 129), grpc.StatusCode.INVALID_ARGUMENT, "request_id:"),
     (pb.GenerateRequest(prompt="a", cache_control=7), grpc.StatusCode.INVALID_ARGUMENT, "cache_control:"),
-    (pb.GenerateRequest(prompt="a", model="gpt-4"), grpc.StatusCode.NOT_FOUND, "model: unknown model 'gpt-4'"),
+    (
+        pb.GenerateRequest(prompt="a", model="gpt-4"),
+        grpc.StatusCode.NOT_FOUND,
+        "model: unknown model 'gpt-4'",
+    ),
     (pb.GenerateRequest(prompt="word " * 5000), grpc.StatusCode.INVALID_ARGUMENT, "prompt:"),
-    (pb.GenerateRequest(prompt="a", cache_control=pb.CACHE_CONTROL_ONLY), grpc.StatusCode.NOT_FOUND,
-     "semantic cache miss"),
+    (
+        pb.GenerateRequest(prompt="a", cache_control=pb.CACHE_CONTROL_ONLY),
+        grpc.StatusCode.NOT_FOUND,
+        "semantic cache miss",
+    ),
 ]
 
 
@@ -227,7 +266,9 @@ def test_deadline_exceeded_frees_blocks(stub):
 
 
 def test_cancel_mid_stream_under_load_frees_blocks_and_spares_others(stub):
-    others_req = gen(prompt="Other streams keep going", max_tokens=24, temperature=0.7, seed=7, ignore_eos=True)
+    others_req = gen(
+        prompt="Other streams keep going", max_tokens=24, temperature=0.7, seed=7, ignore_eos=True
+    )
     expected = stub.Generate(others_req).text
     results: dict[int, str] = {}
     errors: list[BaseException] = []

@@ -1,4 +1,5 @@
 """Health while loading and draining, graceful SIGTERM with streams in flight, clean abort after the timeout."""
+
 from __future__ import annotations
 
 import signal
@@ -16,7 +17,9 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-def stream_in_thread(target: str, req: pb.GenerateRequest, first_chunk: threading.Event, out: dict) -> threading.Thread:
+def stream_in_thread(
+    target: str, req: pb.GenerateRequest, first_chunk: threading.Event, out: dict
+) -> threading.Thread:
     def run() -> None:
         chunks = []
         try:
@@ -50,8 +53,9 @@ def wait_health(sc, want: int, timeout: float = 30.0) -> None:
 
 def test_not_serving_while_loading_then_serving(sidecar_launcher, tmp_path):
     # A fresh demo dir makes the server build the demo model, so loading takes a while.
-    with sidecar_launcher("--http-port", "-1", "--num-kv-blocks", "64", "--demo-dir", str(tmp_path / "demo"),
-                          wait_serving=False) as sc:
+    with sidecar_launcher(
+        "--http-port", "-1", "--num-kv-blocks", "64", "--demo-dir", str(tmp_path / "demo"), wait_serving=False
+    ) as sc:
         assert sc.health("sidecar.v1.Inference") == NOT_SERVING
         with grpc.insecure_channel(sc.grpc_target) as ch:
             with pytest.raises(grpc.RpcError) as exc:
@@ -64,7 +68,9 @@ def test_not_serving_while_loading_then_serving(sidecar_launcher, tmp_path):
 
 def test_sigterm_lets_streams_finish_and_refuses_new_calls(sidecar_launcher):
     with sidecar_launcher("--http-port", "-1", "--num-kv-blocks", "128", "--shutdown-timeout", "120") as sc:
-        req = pb.GenerateRequest(prompt="Drain me gently", sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True))
+        req = pb.GenerateRequest(
+            prompt="Drain me gently", sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True)
+        )
         outs = [dict() for _ in range(3)]
         firsts = [threading.Event() for _ in outs]
         threads = [stream_in_thread(sc.grpc_target, req, f, o) for f, o in zip(firsts, outs)]
@@ -89,7 +95,9 @@ def test_sigterm_lets_streams_finish_and_refuses_new_calls(sidecar_launcher):
 
 def test_shutdown_timeout_aborts_remaining_streams_cleanly(sidecar_launcher):
     with sidecar_launcher("--http-port", "-1", "--num-kv-blocks", "256", "--shutdown-timeout", "1") as sc:
-        req = pb.GenerateRequest(prompt="Never ending", sampling=pb.SamplingParams(max_tokens=1900, ignore_eos=True))
+        req = pb.GenerateRequest(
+            prompt="Never ending", sampling=pb.SamplingParams(max_tokens=1900, ignore_eos=True)
+        )
         out: dict = {}
         first = threading.Event()
         t = stream_in_thread(sc.grpc_target, req, first, out)
@@ -105,7 +113,9 @@ def test_shutdown_timeout_aborts_remaining_streams_cleanly(sidecar_launcher):
 
 def test_second_signal_cuts_the_grace_period(sidecar_launcher):
     with sidecar_launcher("--http-port", "-1", "--num-kv-blocks", "256", "--shutdown-timeout", "600") as sc:
-        req = pb.GenerateRequest(prompt="Keep going", sampling=pb.SamplingParams(max_tokens=1900, ignore_eos=True))
+        req = pb.GenerateRequest(
+            prompt="Keep going", sampling=pb.SamplingParams(max_tokens=1900, ignore_eos=True)
+        )
         out: dict = {}
         first = threading.Event()
         t = stream_in_thread(sc.grpc_target, req, first, out)

@@ -1,4 +1,5 @@
 """100 concurrent streaming clients: only intended RESOURCE_EXHAUSTED errors, no leaked KV blocks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,16 +19,29 @@ MAX_WAITING = 24
 
 @pytest.fixture(scope="module")
 def server(sidecar_launcher):
-    with sidecar_launcher("--http-port", "-1", "--num-kv-blocks", "160", "--max-num-seqs", str(MAX_SEQS),
-                          "--max-waiting-requests", str(MAX_WAITING), "--max-num-batched-tokens", "512") as sc:
+    with sidecar_launcher(
+        "--http-port",
+        "-1",
+        "--num-kv-blocks",
+        "160",
+        "--max-num-seqs",
+        str(MAX_SEQS),
+        "--max-waiting-requests",
+        str(MAX_WAITING),
+        "--max-num-batched-tokens",
+        "512",
+    ) as sc:
         yield sc
 
 
 def request(rng: random.Random, i: int) -> pb.GenerateRequest:
     shared = "You are a helpful assistant for the load test. " if rng.random() < 0.5 else ""
-    return pb.GenerateRequest(prompt=f"{shared}Client {i} asks question {rng.randint(0, 999)}",
-                              sampling=pb.SamplingParams(max_tokens=rng.randint(4, 24), temperature=0.8,
-                                                         seed=rng.randint(0, 2**31), ignore_eos=True))
+    return pb.GenerateRequest(
+        prompt=f"{shared}Client {i} asks question {rng.randint(0, 999)}",
+        sampling=pb.SamplingParams(
+            max_tokens=rng.randint(4, 24), temperature=0.8, seed=rng.randint(0, 2**31), ignore_eos=True
+        ),
+    )
 
 
 async def all_blocks_free(stub) -> pb.EngineStats:
@@ -43,8 +57,12 @@ def test_burst_beyond_queue_is_refused_at_once_with_retry_after(server):
     async def main():
         async with grpc.aio.insecure_channel(server.grpc_target) as ch:
             stub = pbg.InferenceStub(ch)
-            req = pb.GenerateRequest(prompt="burst", sampling=pb.SamplingParams(max_tokens=32, ignore_eos=True))
-            results = await asyncio.gather(*(stub.Generate(req) for _ in range(CLIENTS)), return_exceptions=True)
+            req = pb.GenerateRequest(
+                prompt="burst", sampling=pb.SamplingParams(max_tokens=32, ignore_eos=True)
+            )
+            results = await asyncio.gather(
+                *(stub.Generate(req) for _ in range(CLIENTS)), return_exceptions=True
+            )
             ok = [r for r in results if isinstance(r, pb.Completion)]
             refused = [r for r in results if not isinstance(r, pb.Completion)]
             for e in refused:

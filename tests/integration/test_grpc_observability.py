@@ -1,4 +1,5 @@
 """One process serves gRPC and HTTP over one engine; Prometheus metrics and JSON logs with request ids."""
+
 from __future__ import annotations
 
 import json
@@ -39,11 +40,15 @@ def test_port_file_has_both_ports(server):
 
 def test_grpc_and_http_share_one_engine(server, stub):
     before = stub.GetStats(pb.GetStatsRequest()).generation_tokens
-    r = httpx.post(f"{server.http_base}/v1/completions", timeout=120,
-                   json={"model": "demo", "prompt": "shared engine", "max_tokens": 5, "ignore_eos": True})
+    r = httpx.post(
+        f"{server.http_base}/v1/completions",
+        timeout=120,
+        json={"model": "demo", "prompt": "shared engine", "max_tokens": 5, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
-    stub.Generate(pb.GenerateRequest(prompt="shared engine", sampling=pb.SamplingParams(max_tokens=5,
-                                                                                       ignore_eos=True)))
+    stub.Generate(
+        pb.GenerateRequest(prompt="shared engine", sampling=pb.SamplingParams(max_tokens=5, ignore_eos=True))
+    )
     # Stats are a snapshot the engine thread refreshes after each step: poll until it settles.
     for _ in range(200):
         stats = stub.GetStats(pb.GetStatsRequest())
@@ -54,8 +59,9 @@ def test_grpc_and_http_share_one_engine(server, stub):
 
 
 def test_prometheus_metrics(server, stub):
-    stub.Generate(pb.GenerateRequest(prompt="metrics please", sampling=pb.SamplingParams(max_tokens=4,
-                                                                                        ignore_eos=True)))
+    stub.Generate(
+        pb.GenerateRequest(prompt="metrics please", sampling=pb.SamplingParams(max_tokens=4, ignore_eos=True))
+    )
     with pytest.raises(grpc.RpcError):
         stub.Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(top_p=2)))
     for _ in range(200):  # let the engine's stats snapshot settle first
@@ -73,16 +79,26 @@ def test_prometheus_metrics(server, stub):
     assert metric(text, "sidecar_kv_cache_total_blocks") == stats.num_kv_blocks
     assert metric(text, "sidecar_generation_tokens_total") == stats.generation_tokens
     assert metric(text, "sidecar_prompt_tokens_total") == stats.prompt_tokens
-    for name in ("sidecar_num_requests_running", "sidecar_num_requests_waiting", "sidecar_kv_cache_usage_ratio",
-                 "sidecar_kv_cache_free_blocks", "sidecar_prefix_cache_queries_total",
-                 "sidecar_prefix_cache_hits_total", "sidecar_preemptions_total"):
+    for name in (
+        "sidecar_num_requests_running",
+        "sidecar_num_requests_waiting",
+        "sidecar_kv_cache_usage_ratio",
+        "sidecar_kv_cache_free_blocks",
+        "sidecar_prefix_cache_queries_total",
+        "sidecar_prefix_cache_hits_total",
+        "sidecar_preemptions_total",
+    ):
         metric(text, name)
 
 
 def test_json_logs_carry_request_ids(server, stub):
-    stub.Generate(pb.GenerateRequest(prompt="log me", request_id="trace-42", sampling=pb.SamplingParams(max_tokens=2)))
+    stub.Generate(
+        pb.GenerateRequest(prompt="log me", request_id="trace-42", sampling=pb.SamplingParams(max_tokens=2))
+    )
     with pytest.raises(grpc.RpcError):
-        stub.Generate(pb.GenerateRequest(prompt="x", request_id="trace-43", sampling=pb.SamplingParams(top_k=-1)))
+        stub.Generate(
+            pb.GenerateRequest(prompt="x", request_id="trace-43", sampling=pb.SamplingParams(top_k=-1))
+        )
     for _ in range(100):
         records = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
         done = [r for r in records if r.get("request_id") == "trace-42" and r["msg"] == "request finished"]
@@ -91,4 +107,8 @@ def test_json_logs_carry_request_ids(server, stub):
             break
         time.sleep(0.05)
     assert done and done[0]["completion_tokens"] >= 1 and done[0]["level"] == "info"
-    assert refused and refused[0]["code"] == "invalid_argument" and refused[0]["error"].startswith("sampling.top_k:")
+    assert (
+        refused
+        and refused[0]["code"] == "invalid_argument"
+        and refused[0]["error"].startswith("sampling.top_k:")
+    )

@@ -1,4 +1,5 @@
 """API keys, per-key rate limits and tenant isolation over gRPC against a real sidecar."""
+
 from __future__ import annotations
 
 import grpc
@@ -14,10 +15,32 @@ TPM = 200
 def server(sidecar_launcher, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("# file keys\nfile-key:filetenant\n")
-    with sidecar_launcher("--num-kv-blocks", "128", "--http-port", "-1", "--api-keys-file", str(keys),
-                          "--api-key", "good:acme", "--api-key", "rate", "--api-key", "tpm",
-                          "--api-key", "iso-a:tenant-a", "--api-key", "iso-a2:tenant-a", "--api-key", "iso-b:tenant-b",
-                          "--rate-limit-rps", "0.2", "--rate-limit-burst", "3", "--rate-limit-tpm", str(TPM)) as sc:
+    with sidecar_launcher(
+        "--num-kv-blocks",
+        "128",
+        "--http-port",
+        "-1",
+        "--api-keys-file",
+        str(keys),
+        "--api-key",
+        "good:acme",
+        "--api-key",
+        "rate",
+        "--api-key",
+        "tpm",
+        "--api-key",
+        "iso-a:tenant-a",
+        "--api-key",
+        "iso-a2:tenant-a",
+        "--api-key",
+        "iso-b:tenant-b",
+        "--rate-limit-rps",
+        "0.2",
+        "--rate-limit-burst",
+        "3",
+        "--rate-limit-tpm",
+        str(TPM),
+    ) as sc:
         yield sc
 
 
@@ -35,16 +58,21 @@ def small(prompt="hello", max_tokens=2):
     return pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens))
 
 
-@pytest.mark.parametrize("metadata, message", [
-    ((), "missing API key"),
-    (auth("wrong"), "invalid API key"),
-    ((("authorization", "Basic good"),), "malformed authorization"),
-])
+@pytest.mark.parametrize(
+    "metadata, message",
+    [
+        ((), "missing API key"),
+        (auth("wrong"), "invalid API key"),
+        ((("authorization", "Basic good"),), "malformed authorization"),
+    ],
+)
 def test_missing_or_wrong_key_is_unauthenticated(stub, metadata, message):
-    for call in (lambda: stub.Generate(small(), metadata=metadata),
-                 lambda: list(stub.GenerateStream(small(), metadata=metadata)),
-                 lambda: stub.GetStats(pb.GetStatsRequest(), metadata=metadata),
-                 lambda: stub.Tokenize(pb.TokenizeRequest(text="x"), metadata=metadata)):
+    for call in (
+        lambda: stub.Generate(small(), metadata=metadata),
+        lambda: list(stub.GenerateStream(small(), metadata=metadata)),
+        lambda: stub.GetStats(pb.GetStatsRequest(), metadata=metadata),
+        lambda: stub.Tokenize(pb.TokenizeRequest(text="x"), metadata=metadata),
+    ):
         with pytest.raises(grpc.RpcError) as exc:
             call()
         assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -94,5 +122,7 @@ def test_tenants_never_share_prefix_cache_blocks(stub):
     assert stub.Generate(req, metadata=auth("iso-a2")).usage.cached_tokens >= 16
     # ...another tenant does not, nor does the same tenant with a different cache salt.
     assert stub.Generate(req, metadata=auth("iso-b")).usage.cached_tokens == 0
-    salted = pb.GenerateRequest(prompt=prompt, cache_salt="conversation-2", sampling=pb.SamplingParams(max_tokens=1))
+    salted = pb.GenerateRequest(
+        prompt=prompt, cache_salt="conversation-2", sampling=pb.SamplingParams(max_tokens=1)
+    )
     assert stub.Generate(salted, metadata=auth("iso-a")).usage.cached_tokens == 0

@@ -1,4 +1,5 @@
 """Semantic cache and embeddings through the gRPC API (cache enabled, real embedder)."""
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,17 @@ B = (("authorization", "Bearer key-b"),)
 
 @pytest.fixture(scope="module")
 def server(sidecar_launcher):
-    with sidecar_launcher("--num-kv-blocks", "128", "--cache-threshold", "0.85",
-                          "--api-key", "key-a:tenant-a", "--api-key", "key-b:tenant-b", semantic_cache=True) as sc:
+    with sidecar_launcher(
+        "--num-kv-blocks",
+        "128",
+        "--cache-threshold",
+        "0.85",
+        "--api-key",
+        "key-a:tenant-a",
+        "--api-key",
+        "key-b:tenant-b",
+        semantic_cache=True,
+    ) as sc:
         yield sc
 
 
@@ -44,7 +54,11 @@ def wait_entries(stub, n, metadata=A):
 
 def test_model_info_reports_cache_and_embedder(stub):
     info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=A)
-    assert info.semantic_cache and info.embedding_model == "all-MiniLM-L6-v2" and info.embedding_dimensions == 384
+    assert (
+        info.semantic_cache
+        and info.embedding_model == "all-MiniLM-L6-v2"
+        and info.embedding_dimensions == 384
+    )
 
 
 def test_miss_then_exact_hit_unary_and_streamed(stub):
@@ -59,7 +73,10 @@ def test_miss_then_exact_hit_unary_and_streamed(stub):
     assert hit.finish_reason == first.finish_reason
     chunks = list(stub.GenerateStream(ask(q), metadata=A))
     assert "".join(c.delta for c in chunks) == first.text
-    assert chunks[0].cache.status == pb.CACHE_STATUS_HIT_EXACT and chunks[-1].finish_reason == first.finish_reason
+    assert (
+        chunks[0].cache.status == pb.CACHE_STATUS_HIT_EXACT
+        and chunks[-1].finish_reason == first.finish_reason
+    )
     after = stub.GetStats(pb.GetStatsRequest(), metadata=A)
     assert after.semantic_cache_hits >= before.semantic_cache_hits + 2
     # The model did not run for the hits.
@@ -104,8 +121,10 @@ def test_tenants_do_not_share_cache_entries(stub):
 
 
 def test_chat_cache_hit(stub):
-    req = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="Say hello to the team")],
-                         sampling=pb.SamplingParams(max_tokens=6))
+    req = pb.ChatRequest(
+        messages=[pb.ChatMessage(role="user", content="Say hello to the team")],
+        sampling=pb.SamplingParams(max_tokens=6),
+    )
     first = stub.Chat(req, metadata=A)
     assert first.cache.status == pb.CACHE_STATUS_MISS
     for _ in range(200):
@@ -127,17 +146,24 @@ def test_embed(stub):
     assert exc.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as exc:
         stub.Embed(pb.EmbedRequest(inputs=["ok", ""]), metadata=A)
-    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.value.details().startswith("inputs[1]:")
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.value.details().startswith(
+        "inputs[1]:"
+    )
 
 
 def test_cache_counters_in_metrics(server, stub):
     stats = stub.GetStats(pb.GetStatsRequest(), metadata=A)
     text = httpx.get(f"{server.http_base}/metrics", timeout=30).text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line.startswith("sidecar_semantic_cache")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line.startswith("sidecar_semantic_cache")
+    }
     assert values["sidecar_semantic_cache_lookups_total"] == stats.semantic_cache_lookups > 0
-    hits = values['sidecar_semantic_cache_hits_total{kind="exact"}'] + \
-        values['sidecar_semantic_cache_hits_total{kind="semantic"}']
+    hits = (
+        values['sidecar_semantic_cache_hits_total{kind="exact"}']
+        + values['sidecar_semantic_cache_hits_total{kind="semantic"}']
+    )
     assert hits == stats.semantic_cache_hits > 0
     assert values["sidecar_semantic_cache_entries"] == stats.semantic_cache_entries > 0
     assert values["sidecar_semantic_cache_bypasses_total"] >= 2  # skip and sampled above

@@ -4,6 +4,7 @@ The shared launcher always passes ``--no-semantic-cache``, so this module starts
 its own ``sidecar serve`` with the cache on (embedding model from the offline
 PyPI copy of all-MiniLM-L6-v2).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,26 @@ START_TIMEOUT_S = float(os.environ.get("SIDECAR_TEST_START_TIMEOUT", "300"))
 def base():
     work = pathlib.Path(tempfile.mkdtemp(prefix="sidecar-openai-cache-"))
     port_file, log_path = work / "ports.json", work / "sidecar.log"
-    cmd = [sys.executable, "-m", "sidecar", "serve", "--model", "demo", "--device", "cpu", "--host", "127.0.0.1",
-           "--grpc-port", "0", "--http-port", "0", "--port-file", str(port_file), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sidecar",
+        "serve",
+        "--model",
+        "demo",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--port-file",
+        str(port_file),
+        "--log-level",
+        "warning",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -57,8 +76,13 @@ def base():
 
 
 def _chat(base: str, question: str, **kw) -> httpx.Response:
-    body = {"model": "demo", "messages": [{"role": "user", "content": question}], "max_tokens": 8,
-            "temperature": 0, **kw}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 8,
+        "temperature": 0,
+        **kw,
+    }
     return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
 
 
@@ -74,12 +98,20 @@ def test_second_identical_question_is_a_cache_hit(base):
     assert again.json()["choices"][0]["message"] == first.json()["choices"][0]["message"]
     assert again.json()["usage"]["completion_tokens"] == first.json()["usage"]["completion_tokens"]
 
-    body = {"model": "demo", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 8, "temperature": 0, "stream": True}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
         assert r.headers["x-sidecar-cache"] == "hit"
-        chunks = [json.loads(line[6:]) for line in r.iter_lines()
-                  if line.startswith("data: ") and line != "data: [DONE]"]
+        chunks = [
+            json.loads(line[6:])
+            for line in r.iter_lines()
+            if line.startswith("data: ") and line != "data: [DONE]"
+        ]
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == first.json()["choices"][0]["message"]["content"]
 

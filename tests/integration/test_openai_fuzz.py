@@ -6,6 +6,7 @@ sampling settings, token ids and prompts reach the model. Generated lengths are
 clamped (max_tokens <= 4, at most 2 choices and 2 prompts) so the run stays short
 on CPU; everything else is as generated.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,13 @@ def test_generation_routes_never_answer_5xx(base_url, path, mode):
     # Schema-valid chat bodies are mostly refused on semantics the schema cannot express (a tool message
     # needs content, the last message must be from the user or a tool, ...): 40 positive examples leave
     # a few that reach the engine.
-    @settings(max_examples=15 if mode == GenerationMode.NEGATIVE else 40, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck),
-              database=None)
+    @settings(
+        max_examples=15 if mode == GenerationMode.NEGATIVE else 40,
+        derandomize=True,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+    )
     def run(case):
         _clamp(case.body)
         response = case.call(base_url=base_url, timeout=60)

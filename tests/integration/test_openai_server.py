@@ -1,4 +1,5 @@
 """The OpenAI HTTP API of a real ``sidecar serve`` (demo model, CPU), called with the ``openai`` package."""
+
 from __future__ import annotations
 
 import re
@@ -30,8 +31,9 @@ def metric(base: str, name: str) -> float:
 
 
 def chat(client: OpenAI, **kw):
-    args = dict(model="demo", messages=[{"role": "user", "content": "Tell me about paged attention."}],
-                max_tokens=12)
+    args = dict(
+        model="demo", messages=[{"role": "user", "content": "Tell me about paged attention."}], max_tokens=12
+    )
     args.update(kw)
     return client.chat.completions.create(**args)
 
@@ -60,14 +62,17 @@ def test_completions_text_token_ids_and_batch(client):
     assert r.object == "text_completion" and r.usage.completion_tokens <= 5
     ids = client.completions.create(model="demo", prompt=[[72, 101, 108], [108, 111]], max_tokens=3)
     assert [c.index for c in ids.choices] == [0, 1]
-    batch = client.completions.create(model="demo", prompt=["The sidecar", "Other"], max_tokens=5, temperature=0)
+    batch = client.completions.create(
+        model="demo", prompt=["The sidecar", "Other"], max_tokens=5, temperature=0
+    )
     assert batch.choices[0].text == r.choices[0].text  # greedy: batching does not change the answer
 
 
 def test_streaming_deltas_join_to_unary_text_for_the_same_seed(client, server):
     unary = chat(client, temperature=0.9, seed=123, max_tokens=16)
-    stream = chat(client, temperature=0.9, seed=123, max_tokens=16, stream=True,
-                  stream_options={"include_usage": True})
+    stream = chat(
+        client, temperature=0.9, seed=123, max_tokens=16, stream=True, stream_options={"include_usage": True}
+    )
     parts, finish, usage = [], None, None
     for chunk in stream:
         if chunk.usage is not None:
@@ -79,10 +84,19 @@ def test_streaming_deltas_join_to_unary_text_for_the_same_seed(client, server):
     assert finish == unary.choices[0].finish_reason
     assert usage.completion_tokens == unary.usage.completion_tokens
 
-    text = "".join(c.choices[0].text for c in client.completions.create(
-        model="demo", prompt="Once", max_tokens=8, temperature=0.7, seed=9, stream=True) if c.choices)
-    assert text == client.completions.create(model="demo", prompt="Once", max_tokens=8, temperature=0.7,
-                                             seed=9).choices[0].text
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="demo", prompt="Once", max_tokens=8, temperature=0.7, seed=9, stream=True
+        )
+        if c.choices
+    )
+    assert (
+        text
+        == client.completions.create(model="demo", prompt="Once", max_tokens=8, temperature=0.7, seed=9)
+        .choices[0]
+        .text
+    )
 
 
 def test_streaming_response_carries_cache_header(server):
@@ -96,16 +110,22 @@ def test_streaming_response_carries_cache_header(server):
 def test_n_choices_use_seed_plus_index(client):
     r = chat(client, n=3, temperature=1.0, seed=5, max_tokens=10)
     assert [c.index for c in r.choices] == [0, 1, 2]
-    singles = [chat(client, temperature=1.0, seed=5 + i, max_tokens=10).choices[0].message.content
-               for i in range(3)]
+    singles = [
+        chat(client, temperature=1.0, seed=5 + i, max_tokens=10).choices[0].message.content for i in range(3)
+    ]
     assert [c.message.content for c in r.choices] == singles
 
 
 def test_penalties_and_vllm_extras_are_honoured(client):
     quick = client.with_options(timeout=60)
     plain = chat(quick, max_tokens=12, extra_body={"ignore_eos": True})
-    penalised = chat(quick, max_tokens=12, presence_penalty=2.0, frequency_penalty=2.0,
-                     extra_body={"repetition_penalty": 5.0, "top_k": -1, "min_p": 0.0, "ignore_eos": True})
+    penalised = chat(
+        quick,
+        max_tokens=12,
+        presence_penalty=2.0,
+        frequency_penalty=2.0,
+        extra_body={"repetition_penalty": 5.0, "top_k": -1, "min_p": 0.0, "ignore_eos": True},
+    )
     assert plain.usage.completion_tokens == penalised.usage.completion_tokens == 12
     r = chat(quick, max_tokens=4, temperature=0.5, seed=3, extra_body={"top_k": 5, "min_p": 0.05})
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -131,16 +151,25 @@ def test_models_and_embeddings(client):
     assert e.usage.prompt_tokens > 0
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"},
-                                                                 "strict": True}}},
-     "response_format.json_schema.schema"),
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"extra_body": {"not_a_field": 1}}, "not_a_field"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "frobnicate"}, "strict": True},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"extra_body": {"not_a_field": 1}}, "not_a_field"),
+    ],
+)
 def test_bad_requests_are_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as e:
         chat(client, **kwargs)
@@ -157,16 +186,25 @@ def test_bad_token_id_and_unknown_model(client):
 
 
 def test_malformed_json_is_400(server):
-    r = httpx.post(f"{server.http_base}/v1/chat/completions", content=b"{oops",
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.http_base}/v1/chat/completions",
+        content=b"{oops",
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
 def test_client_disconnect_aborts_the_request_and_frees_blocks(server):
     base = server.http_base
     total = metric(base, "sidecar_kv_cache_total_blocks")
-    body = {"model": "demo", "messages": [{"role": "user", "content": "go " * 100}], "max_tokens": 3000,
-            "stream": True, "temperature": 0.8, "seed": 1}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "go " * 100}],
+        "max_tokens": 3000,
+        "stream": True,
+        "temperature": 0.8,
+        "seed": 1,
+    }
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = 0
@@ -179,8 +217,10 @@ def test_client_disconnect_aborts_the_request_and_frees_blocks(server):
     # 3000 tokens take far longer than this window on CPU: only an abort frees the blocks in time.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if (metric(base, "sidecar_num_requests_running") == 0
-                and metric(base, "sidecar_kv_cache_free_blocks") == total):
+        if (
+            metric(base, "sidecar_num_requests_running") == 0
+            and metric(base, "sidecar_kv_cache_free_blocks") == total
+        ):
             break
         time.sleep(0.1)
     assert metric(base, "sidecar_num_requests_running") == 0
@@ -198,8 +238,18 @@ def test_health_and_metrics(server):
 
 def test_auth_rate_limit_and_drain(sidecar_launcher):
     # A short shutdown timeout bounds the drain: the long stream below is aborted after 5 s.
-    with sidecar_launcher("--api-key", "a", "--api-key", "b", "--rate-limit-rps", "0.2",
-                          "--rate-limit-burst", "1", "--shutdown-timeout", "5") as sc:
+    with sidecar_launcher(
+        "--api-key",
+        "a",
+        "--api-key",
+        "b",
+        "--rate-limit-rps",
+        "0.2",
+        "--rate-limit-burst",
+        "1",
+        "--shutdown-timeout",
+        "5",
+    ) as sc:
         url = f"{sc.http_base}/v1"
         with pytest.raises(openai.AuthenticationError):
             OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
@@ -223,6 +273,7 @@ def test_auth_rate_limit_and_drain(sidecar_launcher):
                 chat(a, max_tokens=2)
             except openai.APIStatusError as exc:
                 seen["status"] = exc.status_code
+
         sc.signal()
         t = threading.Thread(target=drain_probe)
         t.start()

@@ -2,6 +2,7 @@
 refused up front naming their field (oversized ones before compiling, ones that break the matcher's limits
 after a short trial), compiling one holds up neither /health nor another tenant, a long stop string still
 streams, and one tenant holding every running slot does not keep another tenant's small request waiting."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,16 @@ SLOTS = 4
 
 @pytest.fixture(scope="module")
 def srv(sidecar_launcher):
-    with sidecar_launcher("--api-key", "ka:alice", "--api-key", "kb:bob", "--max-num-seqs", str(SLOTS),
-                          "--num-kv-blocks", "2048") as sc:
+    with sidecar_launcher(
+        "--api-key",
+        "ka:alice",
+        "--api-key",
+        "kb:bob",
+        "--max-num-seqs",
+        str(SLOTS),
+        "--num-kv-blocks",
+        "2048",
+    ) as sc:
         yield sc
 
 
@@ -38,7 +47,7 @@ def completion(**kw):
 
 
 def sse(text: str) -> list:
-    return [json.loads(x[len("data: "):]) for x in text.split("\n\n") if x.startswith("data: {")]
+    return [json.loads(x[len("data: ") :]) for x in text.split("\n\n") if x.startswith("data: {")]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -55,16 +64,29 @@ def wide_schema(n: int) -> dict:
 
 def test_a_schema_within_the_size_budget_that_breaks_the_matcher_is_refused_naming_the_field(http):
     # 1,500 alternatives fit the size budget, but the matcher's parser row overflows on the opening brace.
-    body = {"model": "demo", "messages": [{"role": "user", "content": "x"}], "n": 16, "max_tokens": 8,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": wide_schema(1500)}}}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "x"}],
+        "n": 16,
+        "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": wide_schema(1500)}},
+    }
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "response_format.json_schema.schema" and "max is 2000" in err["message"]
     wrapped = {"type": "object", "properties": {"pick": wide_schema(1500)}, "required": ["pick"]}
     tools = [{"type": "function", "function": {"name": "pick", "parameters": wrapped}}]
-    r = http.post("/v1/chat/completions", json={"model": "demo", "messages": [{"role": "user", "content": "x"}],
-                                                "tools": tools, "tool_choice": "required", "max_tokens": 8})
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "demo",
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": tools,
+            "tool_choice": "required",
+            "max_tokens": 8,
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
 
 
@@ -74,7 +96,9 @@ def test_another_tenant_is_served_while_a_grammar_compiles(srv, http):
     heavy: dict = {}
 
     def send(letter: str) -> None:
-        heavy[letter] = http.post("/v1/completions", json=completion(guided_regex=f"({letter}{{1000}}){{1000}}", n=4))
+        heavy[letter] = http.post(
+            "/v1/completions", json=completion(guided_regex=f"({letter}{{1000}}){{1000}}", n=4)
+        )
 
     # Four distinct constraints, each ~0.7 s of compiling on a fast CPU, so that Bob's requests (a few hundred
     # milliseconds in all) are done while some of them still compile, however fast the machine.
@@ -86,9 +110,16 @@ def test_another_tenant_is_served_while_a_grammar_compiles(srv, http):
         with httpx.Client(base_url=srv.http_base, timeout=120, headers={"authorization": "Bearer kb"}) as bob:
             for i in range(3):
                 assert bob.get("/health").status_code == 200
-                r = bob.post("/v1/chat/completions", json={"model": "demo", "max_tokens": 4, "temperature": 0,
-                                                          "messages": [{"role": "user", "content": f"hi {i}"}],
-                                                          "cache_control": "skip"})
+                r = bob.post(
+                    "/v1/chat/completions",
+                    json={
+                        "model": "demo",
+                        "max_tokens": 4,
+                        "temperature": 0,
+                        "messages": [{"role": "user", "content": f"hi {i}"}],
+                        "cache_control": "skip",
+                    },
+                )
                 assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         pending = [w for w in workers if w.is_alive()]
         assert pending and len(heavy) < 4  # Bob was answered while Alice's grammars compiled
@@ -100,16 +131,27 @@ def test_another_tenant_is_served_while_a_grammar_compiles(srv, http):
 
 
 def test_an_oversized_schema_is_refused_naming_the_field(http):
-    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(4000)]}
-    r = http.post("/v1/chat/completions", json={"model": "demo", "messages": [{"role": "user", "content": "x"}],
-                                                "guided_json": schema, "n": 16})
+    schema = {
+        "anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(4000)]
+    }
+    r = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "demo",
+            "messages": [{"role": "user", "content": "x"}],
+            "guided_json": schema,
+            "n": 16,
+        },
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_json"
     assert http.get("/health").status_code == 200
 
 
 def test_a_long_stop_string_does_not_hold_the_stream_back(http):
-    r = http.post("/v1/completions", json=completion(stream=True, ignore_eos=True, max_tokens=20,
-                                                     stop=["Z" + "q" * 4999]))
+    r = http.post(
+        "/v1/completions",
+        json=completion(stream=True, ignore_eos=True, max_tokens=20, stop=["Z" + "q" * 4999]),
+    )
     texts = [c["text"] for e in sse(r.text) for c in e["choices"] if c.get("text")]
     # Tokens arrive as they are made, not as one chunk at the end (held back for a possible match). A client
     # that reads late may find a few outputs merged into one chunk, so the count is a floor, not 20.
@@ -129,8 +171,11 @@ def test_a_tenant_holding_every_slot_does_not_hold_another_tenants_request(srv):
                 assert time.monotonic() < deadline, "alice's streams never filled the running slots"
                 time.sleep(0.02)
             before = stub.GetStats(pb.GetStatsRequest(), metadata=A).num_preemptions  # the pool has room: 0
-            small = stub.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4)),
-                                  metadata=B, timeout=120)
+            small = stub.Generate(
+                pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4)),
+                metadata=B,
+                timeout=120,
+            )
             assert small.usage.completion_tokens == 4
             after = stub.GetStats(pb.GetStatsRequest(), metadata=A)
             # Alice held every slot with 4,000-token streams; one of them yielded its slot to Bob.

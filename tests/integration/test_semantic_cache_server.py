@@ -1,4 +1,5 @@
 """Semantic cache through a real `sidecar serve` over gRPC: hits, streamed replay, only-mode, tenants."""
+
 from __future__ import annotations
 
 import time
@@ -16,15 +17,30 @@ BOB = (("authorization", "Bearer key-bob"),)
 
 @pytest.fixture(scope="module")
 def stub():
-    args = ("--device", "cpu", "--num-kv-blocks", "64", "--max-num-seqs", "4", "--http-port", "-1",
-            "--api-key", "key-alice:alice", "--api-key", "key-bob:bob")
+    args = (
+        "--device",
+        "cpu",
+        "--num-kv-blocks",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--http-port",
+        "-1",
+        "--api-key",
+        "key-alice:alice",
+        "--api-key",
+        "key-bob:bob",
+    )
     with serve("demo", extra_args=args, timeout_s=300) as target, grpc.insecure_channel(target) as ch:
         yield pbg.InferenceStub(ch)
 
 
 def req(prompt, control=pb.CACHE_CONTROL_DEFAULT, max_tokens=12, **kw):
-    return pb.GenerateRequest(prompt=prompt, cache_control=control,
-                              sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw))
+    return pb.GenerateRequest(
+        prompt=prompt,
+        cache_control=control,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw),
+    )
 
 
 def until_cached(stub, prompt, md=ALICE, timeout=30.0):
@@ -60,8 +76,11 @@ def test_paraphrase_is_a_semantic_hit_and_near_miss_is_not(stub):
     assert hit.cache.similarity >= 0.95 and hit.cache.matched_query == q
     assert hit.text == first.text
     with pytest.raises(grpc.RpcError) as err:
-        stub.Generate(req("How can I clear the browser cache in Firefox?", pb.CACHE_CONTROL_ONLY),
-                      metadata=ALICE, timeout=30)
+        stub.Generate(
+            req("How can I clear the browser cache in Firefox?", pb.CACHE_CONTROL_ONLY),
+            metadata=ALICE,
+            timeout=30,
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -78,8 +97,11 @@ def test_streaming_hit_is_replayed_as_a_stream(stub):
 
 def test_only_mode_miss_is_not_found_and_runs_nothing(stub):
     with pytest.raises(grpc.RpcError) as err:
-        stub.Generate(req("A question nobody asked before: why is the sky green?", pb.CACHE_CONTROL_ONLY),
-                      metadata=ALICE, timeout=30)
+        stub.Generate(
+            req("A question nobody asked before: why is the sky green?", pb.CACHE_CONTROL_ONLY),
+            metadata=ALICE,
+            timeout=30,
+        )
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "cache miss" in err.value.details()
 
@@ -96,5 +118,7 @@ def test_tenants_do_not_share_answers(stub):
 
 
 def test_sampled_request_bypasses(stub):
-    r = stub.Generate(req("Who wrote Pride and Prejudice?", temperature=0.8, seed=1), metadata=ALICE, timeout=120)
+    r = stub.Generate(
+        req("Who wrote Pride and Prejudice?", temperature=0.8, seed=1), metadata=ALICE, timeout=120
+    )
     assert r.cache.status == pb.CACHE_STATUS_BYPASS and r.cache.bypass_reason

@@ -1,5 +1,6 @@
 """Structured output and tool calling through the OpenAI HTTP API of a real ``sidecar serve``
 (random demo model, CPU), called with the ``openai`` package exactly as users call OpenAI."""
+
 from __future__ import annotations
 
 import json
@@ -11,17 +12,38 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel, Field
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "unit", "days"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "parameters": {"type": "object", "properties": {
-        "a": {"type": "integer", "minimum": -99, "maximum": 99}, "b": {"type": "integer", "minimum": -99, "maximum": 99}},
-        "required": ["a", "b"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": -99, "maximum": 99},
+                "b": {"type": "integer", "minimum": -99, "maximum": 99},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
 
 
@@ -49,8 +71,14 @@ def user(q: str) -> list[dict]:
 
 def test_parse_with_a_pydantic_response_format(client):
     for seed in range(3):
-        r = client.chat.completions.parse(model="demo", messages=user("Weather in Paris?"), response_format=Forecast,
-                                          max_tokens=120, temperature=1.0, seed=seed)
+        r = client.chat.completions.parse(
+            model="demo",
+            messages=user("Weather in Paris?"),
+            response_format=Forecast,
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+        )
         msg = r.choices[0].message
         assert r.choices[0].finish_reason == "stop"
         assert isinstance(msg.parsed, Forecast), msg.content
@@ -58,25 +86,39 @@ def test_parse_with_a_pydantic_response_format(client):
 
 
 def test_json_object_and_regex_and_choice(client):
-    r = client.chat.completions.create(model="demo", messages=user("json please"), max_tokens=200,
-                                       response_format={"type": "json_object"}, temperature=0.0)
+    r = client.chat.completions.create(
+        model="demo",
+        messages=user("json please"),
+        max_tokens=200,
+        response_format={"type": "json_object"},
+        temperature=0.0,
+    )
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
     else:  # cut by max_tokens: still a prefix of JSON that starts an object
         assert r.choices[0].message.content.startswith("{")
-    r = client.chat.completions.create(model="demo", messages=user("code?"), max_tokens=20,
-                                       extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"})
+    r = client.chat.completions.create(
+        model="demo", messages=user("code?"), max_tokens=20, extra_body={"guided_regex": "[A-Z]{3}-[0-9]{2}"}
+    )
     assert r.choices[0].finish_reason == "stop"
     assert len(r.choices[0].message.content) == 6 and r.choices[0].message.content[3] == "-"
-    r = client.completions.create(model="demo", prompt="yes or no?", max_tokens=10,
-                                  extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    r = client.completions.create(
+        model="demo", prompt="yes or no?", max_tokens=10, extra_body={"guided_choice": ["yes", "no", "maybe"]}
+    )
     assert r.choices[0].text in ("yes", "no", "maybe") and r.choices[0].finish_reason == "stop"
 
 
 def test_required_tool_call_has_schema_valid_arguments(client):
     for seed in range(4):
-        r = client.chat.completions.create(model="demo", messages=user("Weather in Oslo and 2+3?"), tools=[WEATHER, ADD],
-                                           tool_choice="required", max_tokens=200, temperature=1.0, seed=seed)
+        r = client.chat.completions.create(
+            model="demo",
+            messages=user("Weather in Oslo and 2+3?"),
+            tools=[WEATHER, ADD],
+            tool_choice="required",
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.tool_calls
@@ -87,17 +129,28 @@ def test_required_tool_call_has_schema_valid_arguments(client):
 
 
 def test_named_tool_choice_and_single_call(client):
-    r = client.chat.completions.create(model="demo", messages=user("add"), tools=[WEATHER, ADD],
-                                       tool_choice={"type": "function", "function": {"name": "add"}},
-                                       parallel_tool_calls=False, max_tokens=100)
+    r = client.chat.completions.create(
+        model="demo",
+        messages=user("add"),
+        tools=[WEATHER, ADD],
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        parallel_tool_calls=False,
+        max_tokens=100,
+    )
     calls = r.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name == "add"
     jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS["add"])
 
 
 def test_streamed_tool_call_in_openai_chunk_shape(client):
-    stream = client.chat.completions.create(model="demo", messages=user("Weather in Lima?"), tools=[WEATHER],
-                                            tool_choice="required", max_tokens=120, stream=True)
+    stream = client.chat.completions.create(
+        model="demo",
+        messages=user("Weather in Lima?"),
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=120,
+        stream=True,
+    )
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -116,9 +169,22 @@ def test_streamed_tool_call_in_openai_chunk_shape(client):
 
 def test_tool_results_continue_the_conversation(client):
     messages = user("Weather in Paris?") + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius", "days": 1}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Paris", "unit": "celsius", "days": 1}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'},
+    ]
     r = client.chat.completions.create(model="demo", messages=messages, tools=[WEATHER], max_tokens=8)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     assert r.usage.prompt_tokens > 0
@@ -126,10 +192,20 @@ def test_tool_results_continue_the_conversation(client):
 
 def test_bad_schema_and_bad_tool_choice_are_400_naming_the_field(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="demo", messages=user("x"), response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}, "strict": True}})
+        client.chat.completions.create(
+            model="demo",
+            messages=user("x"),
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "frobnicate"}, "strict": True},
+            },
+        )
     assert e.value.body["param"].startswith("response_format")
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="demo", messages=user("x"), tools=[WEATHER],
-                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+        client.chat.completions.create(
+            model="demo",
+            messages=user("x"),
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
     assert e.value.body["param"] == "tool_choice"

@@ -1,10 +1,19 @@
 """Routing and aggregation of ``sidecar bench fleet`` (no servers: replicas are simulated prefix caches)."""
+
 from __future__ import annotations
 
 import pytest
 
-from sidecar.bench.fleet import (HashRing, RoundRobin, TurnRecord, conversations, router, ring_hash, run_routing,
-                                 summarise)
+from sidecar.bench.fleet import (
+    HashRing,
+    RoundRobin,
+    TurnRecord,
+    conversations,
+    router,
+    ring_hash,
+    run_routing,
+    summarise,
+)
 
 
 def test_ring_hash_equals_the_java_balancers_hash():
@@ -52,8 +61,13 @@ def test_unknown_routing_is_refused_by_name():
 
 
 def test_summarise_counts_shares_and_stickiness():
-    rows = [TurnRecord("c0", 0, 0, 100, 0), TurnRecord("c0", 1, 0, 200, 96), TurnRecord("c0", 2, 1, 300, 0),
-            TurnRecord("c1", 0, 1, 100, 0), TurnRecord("c1", 1, 1, 200, 96)]
+    rows = [
+        TurnRecord("c0", 0, 0, 100, 0),
+        TurnRecord("c0", 1, 0, 200, 96),
+        TurnRecord("c0", 2, 1, 300, 0),
+        TurnRecord("c1", 0, 1, 100, 0),
+        TurnRecord("c1", 1, 1, 200, 96),
+    ]
     s = summarise(rows)
     assert s["prompt_tokens"] == 900 and s["cached_tokens"] == 192
     assert s["cached_share"] == pytest.approx(192 / 900)

@@ -1,4 +1,5 @@
 """Peak RSS figures of the benches: a tool's own peak, and this process's peak per phase."""
+
 import sys
 
 from sidecar.bench import rss
@@ -10,7 +11,9 @@ def test_a_tool_run_reports_its_own_peak():
     out, rc, peak = rss.run_measured([sys.executable, "-c", code])
     assert rc == 0 and out.strip() == str(96 << 20)
     assert peak >= 96 << 20
-    out, rc, small = rss.run_measured([sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(3)"])
+    out, rc, small = rss.run_measured(
+        [sys.executable, "-c", "import time; time.sleep(0.5); raise SystemExit(3)"]
+    )
     assert rc == 3 and small < peak - (64 << 20)
 
 

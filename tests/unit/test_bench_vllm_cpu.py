@@ -3,6 +3,7 @@
 vLLM itself is never a dependency of the project, so the end-to-end tests run the real worker script in
 a real subprocess of a real virtual environment whose ``vllm`` package is a small stand-in that
 generates the requested number of tokens."""
+
 import json
 import subprocess
 import sys
@@ -88,7 +89,10 @@ def test_command_runs_the_worker_script_with_the_spec():
 
 def test_answer_lines_are_told_apart_from_logs():
     mark = vllm_cpu_worker.MARK
-    assert vllm_cpu.parse_line(f'{mark}RESULT {{"output_tok_s": 12.5}}\n') == ("RESULT", {"output_tok_s": 12.5})
+    assert vllm_cpu.parse_line(f'{mark}RESULT {{"output_tok_s": 12.5}}\n') == (
+        "RESULT",
+        {"output_tok_s": 12.5},
+    )
     assert vllm_cpu.parse_line(f'{mark}ERROR {{"error": "x"}}') == ("ERROR", {"error": "x"})
     assert vllm_cpu.parse_line("INFO 11-24 RESULT {}") is None
     assert vllm_cpu.parse_line(f"{mark}PROGRESS {{}}") is None
@@ -140,8 +144,10 @@ def test_the_throughput_bench_runs_the_baseline_in_its_own_dtype(stand_in_venv, 
     for given, expected in ((None, "bfloat16"), ("float32", "float32")):
         parser = argparse.ArgumentParser()
         throughput.add_arguments(parser)
-        args = parser.parse_args(["--dtype", "bfloat16", "--vllm-cpu", str(stand_in_venv), "--b1-tokens", "4"]
-                                 + ([] if given is None else ["--baseline-dtype", given]))
+        args = parser.parse_args(
+            ["--dtype", "bfloat16", "--vllm-cpu", str(stand_in_venv), "--b1-tokens", "4"]
+            + ([] if given is None else ["--baseline-dtype", given])
+        )
         args.baseline_dtype = args.baseline_dtype or args.dtype  # as the bench resolves it
         args.model_dir, args.prefill_prompts = str(tmp_path), [[1] * 8, [2] * 8]
         with throughput._open_vllm_cpu(args, [work], [args.prefill_prompts]) as session:
@@ -160,13 +166,25 @@ def test_the_throughput_bench_samples_the_baselines_workload_at_its_temperature(
     for temperature, tokens in (("0", 8), ("0.7", 10)):
         parser = argparse.ArgumentParser()
         throughput.add_arguments(parser)
-        args = parser.parse_args(["--dtype", "bfloat16", "--vllm-cpu", str(stand_in_venv), "--b1-tokens", "4",
-                                  "--temperature", temperature])
+        args = parser.parse_args(
+            [
+                "--dtype",
+                "bfloat16",
+                "--vllm-cpu",
+                str(stand_in_venv),
+                "--b1-tokens",
+                "4",
+                "--temperature",
+                temperature,
+            ]
+        )
         args.baseline_dtype = args.dtype
         args.model_dir, args.prefill_prompts = str(tmp_path), [[1] * 8, [2] * 8]
         with throughput._open_vllm_cpu(args, [work], [args.prefill_prompts]) as session:
             assert throughput._vllm_cpu_workload(session, work)["output_tokens"] == tokens
-            assert throughput._vllm_cpu_figures(args, session, work, args.prefill_prompts)["b1_decode_tok_s"] > 0
+            assert (
+                throughput._vllm_cpu_figures(args, session, work, args.prefill_prompts)["b1_decode_tok_s"] > 0
+            )
 
 
 def test_rounds_take_turns_and_a_failing_baseline_drops_out():
@@ -186,19 +204,39 @@ def test_rounds_take_turns_and_a_failing_baseline_drops_out():
                 if kind == "figures":
                     return {"b1_decode_tok_s": 10.0 + (r == 1), "prefill_tok_s": 100.0 - r, "version": "v"}
                 return {"system": name, "seconds": 1.0 + len(calls), "output_tokens": 10, "output_tok_s": 1.0}
+
             return run
+
         return name, {"workload": phase("workload"), "figures": phase("figures")}
 
     got = throughput.interleave(3, [system("ours"), system("a"), system("b")])
-    assert calls == [("ours", "workload", 0), ("a", "workload", 0), ("b", "workload", 0),
-                     ("ours", "figures", 0), ("a", "figures", 0), ("b", "figures", 0),
-                     ("a", "workload", 1), ("b", "workload", 1), ("ours", "workload", 1),
-                     ("a", "figures", 1), ("b", "figures", 1), ("ours", "figures", 1),
-                     ("b", "workload", 2), ("ours", "workload", 2), ("a", "workload", 2),
-                     ("b", "figures", 2), ("ours", "figures", 2), ("a", "figures", 2)]
+    assert calls == [
+        ("ours", "workload", 0),
+        ("a", "workload", 0),
+        ("b", "workload", 0),
+        ("ours", "figures", 0),
+        ("a", "figures", 0),
+        ("b", "figures", 0),
+        ("a", "workload", 1),
+        ("b", "workload", 1),
+        ("ours", "workload", 1),
+        ("a", "figures", 1),
+        ("b", "figures", 1),
+        ("ours", "figures", 1),
+        ("b", "workload", 2),
+        ("ours", "workload", 2),
+        ("a", "workload", 2),
+        ("b", "figures", 2),
+        ("ours", "figures", 2),
+        ("a", "figures", 2),
+    ]
     assert [r["seconds"] for r in got["ours"]["workload"]] == [2.0, 10.0, 15.0]
     total = throughput.combine_rounds(got["ours"]["workload"])
-    assert total["seconds"] == 27.0 and total["output_tokens"] == 30 and total["round_seconds"] == [2.0, 10.0, 15.0]
+    assert (
+        total["seconds"] == 27.0
+        and total["output_tokens"] == 30
+        and total["round_seconds"] == [2.0, 10.0, 15.0]
+    )
     assert total["output_tok_s"] == 30 / 27.0
     best = throughput.best_figures(got["ours"]["figures"])
     assert best["b1_decode_tok_s"] == 11.0 and best["prefill_tok_s"] == 100.0 and best["version"] == "v"
@@ -206,8 +244,12 @@ def test_rounds_take_turns_and_a_failing_baseline_drops_out():
     calls.clear()
     got = throughput.interleave(3, [system("ours"), system("a", fail_in=("figures", 1)), system("b")])
     assert set(got) == {"ours", "b"} and len(got["ours"]["workload"]) == len(got["b"]["figures"]) == 3
-    assert [c for c in calls if c[0] == "a"] == [("a", "workload", 0), ("a", "figures", 0), ("a", "workload", 1),
-                                                 ("a", "figures", 1)]
+    assert [c for c in calls if c[0] == "a"] == [
+        ("a", "workload", 0),
+        ("a", "figures", 0),
+        ("a", "workload", 1),
+        ("a", "figures", 1),
+    ]
     with pytest.raises(RuntimeError, match="ours broke"):
         throughput.interleave(2, [system("ours", fail_in=("workload", 1)), system("a")])
 
@@ -224,10 +266,34 @@ def test_the_throughput_bench_runs_rounds_against_the_baseline(stand_in_venv, tm
     monkeypatch.setattr(throughput, "measure_bandwidth", lambda device="cpu": 1e10)
     parser = argparse.ArgumentParser()
     throughput.add_arguments(parser)
-    args = parser.parse_args(["--model", "demo", "--dtype", "float32", "--num-requests", "3", "--prompt-len", "4:8",
-                              "--output-len", "2:4", "--rounds", "2", "--baselines", "", "--b1-tokens", "4",
-                              "--prefill-tokens", "8", "--threads", "1", "--vllm-cpu", str(stand_in_venv),
-                              "--out", str(tmp_path)])
+    args = parser.parse_args(
+        [
+            "--model",
+            "demo",
+            "--dtype",
+            "float32",
+            "--num-requests",
+            "3",
+            "--prompt-len",
+            "4:8",
+            "--output-len",
+            "2:4",
+            "--rounds",
+            "2",
+            "--baselines",
+            "",
+            "--b1-tokens",
+            "4",
+            "--prefill-tokens",
+            "8",
+            "--threads",
+            "1",
+            "--vllm-cpu",
+            str(stand_in_venv),
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert throughput.run(args) == 0
     report = json.loads(next(tmp_path.glob("throughput*.json")).read_text())
     ours, vllm = report["results"]
@@ -237,10 +303,13 @@ def test_the_throughput_bench_runs_rounds_against_the_baseline(stand_in_venv, tm
     assert ours["output_tokens"] == vllm["output_tokens"] == sum(n for w in works for _, n in w)
     for row in (ours, vllm):
         assert len(row["round_seconds"]) == 2 and row["seconds"] == pytest.approx(sum(row["round_seconds"]))
-    assert vllm["round_speedups"] == pytest.approx([v / o for v, o in zip(vllm["round_seconds"],
-                                                                           ours["round_seconds"])])
+    assert vllm["round_speedups"] == pytest.approx(
+        [v / o for v, o in zip(vllm["round_seconds"], ours["round_seconds"])]
+    )
     assert report["batch1"]["b1_ratio_vs_vllm_cpu"] > 0
     for row in (ours, report["vllm_cpu"]):  # the figures measured each round, the fastest reported
-        assert len(row["prefill_tok_s_by_round"]) == 2 and row["prefill_tok_s"] == max(row["prefill_tok_s_by_round"])
+        assert len(row["prefill_tok_s_by_round"]) == 2 and row["prefill_tok_s"] == max(
+            row["prefill_tok_s_by_round"]
+        )
     with pytest.raises(ValueError, match="rounds: must be >= 1"):
         throughput.run(parser.parse_args(["--model", "demo", "--rounds", "0", "--baselines", ""]))

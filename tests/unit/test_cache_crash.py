@@ -5,6 +5,7 @@ lands inside a transaction) and is killed with SIGKILL at a random moment. The
 reopened cache must pass SQLite's integrity check, hold every entry committed
 before the kill (at most the one in flight is lost), serve them, and accept writes.
 """
+
 import asyncio
 import os
 import pathlib
@@ -45,7 +46,7 @@ FAKE_EMBEDDER = textwrap.dedent('''
             pass
 ''')
 
-WRITER = FAKE_EMBEDDER + textwrap.dedent('''
+WRITER = FAKE_EMBEDDER + textwrap.dedent("""
     import asyncio, sys
     from sidecar.cache.semantic import CacheScope, SemanticCache
     from sidecar.config import CacheConfig
@@ -60,7 +61,7 @@ WRITER = FAKE_EMBEDDER + textwrap.dedent('''
             i += 1
 
     asyncio.run(main(sys.argv[1], int(sys.argv[2])))
-''')
+""")
 
 namespace: dict = {}
 exec(FAKE_EMBEDDER, namespace)
@@ -83,8 +84,12 @@ def test_sigkill_during_writes_never_corrupts_the_store(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = 0
     for round_ in range(3):
-        child = subprocess.Popen([sys.executable, "-c", WRITER, path, str(start)], env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        child = subprocess.Popen(
+            [sys.executable, "-c", WRITER, path, str(start)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         try:
             deadline = time.monotonic() + 60
             while committed_rows(path) < start + 5:

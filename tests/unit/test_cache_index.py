@@ -1,4 +1,5 @@
 """ScopeIndex stays consistent with its vectors through adds, removals and the HNSW switch."""
+
 import numpy as np
 
 from sidecar.cache.index import ScopeIndex

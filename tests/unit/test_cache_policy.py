@@ -1,4 +1,5 @@
 """cache_policy: bypass rules and cache_control modes."""
+
 import pytest
 
 from sidecar.cache.semantic import cache_policy

@@ -1,6 +1,7 @@
 """The Redis tier of the semantic cache against a real redis-server (started by the ``redis_server``
 fixture): replicas mirror each other through the stream, TTL is the key's expiry, tenants stay apart,
 malformed entries are skipped and counted, and an outage degrades to local operation then resyncs."""
+
 import asyncio
 import time
 
@@ -132,7 +133,9 @@ def test_redis_outage_serves_locally_then_resyncs(replicas, redis_server):
     redis_server.start()  # back, empty (no persistence): a re-sends what it kept, b resyncs
     assert wait_for(lambda: lookup(b, "Is there parking nearby?"), timeout=20).text == "Yes, on Main Street."
     # a re-sends its kept entry before it reloads its mirror and counts itself up (b can see the entry first)
-    assert wait_for(lambda: a.stats()["backend_up"] == 1 and a.stats()["resyncs"] >= 1 and b.stats()["resyncs"] >= 1)
+    assert wait_for(
+        lambda: a.stats()["backend_up"] == 1 and a.stats()["resyncs"] >= 1 and b.stats()["resyncs"] >= 1
+    )
     assert a.stats()["backend_pending"] == 0
     c = replicas()
     assert lookup(c, "Is there parking nearby?") is not None
@@ -153,8 +156,12 @@ def test_start_without_redis_then_it_appears(embedder, redis_server):
 
 
 def test_backend_url_is_checked():
-    for bad, word in [("http://x:1/0", "redis://"), ("redis://:secret@h:6379/0", "SIDECAR_REDIS_PASSWORD"),
-                      ("redis://h:6379/zero", "number"), ("redis:///0", "host")]:
+    for bad, word in [
+        ("http://x:1/0", "redis://"),
+        ("redis://:secret@h:6379/0", "SIDECAR_REDIS_PASSWORD"),
+        ("redis://h:6379/zero", "number"),
+        ("redis:///0", "host"),
+    ]:
         with pytest.raises(ValueError, match=word) as err:
             CacheConfig(backend=bad)
         assert str(err.value).startswith("cache.backend:")

@@ -1,4 +1,5 @@
 """The semantic cache's SQLite file: a locked, full or damaged file never stalls or stops the sidecar."""
+
 import asyncio
 import sqlite3
 import time
@@ -18,8 +19,9 @@ def _scope(q):
 def _fill(path, n=40):
     cache = SemanticCache(CacheConfig(path=str(path)), embedder=HashEmbedder())
     for i in range(n):
-        asyncio.run(cache.store(_scope(f"question number {i} " + "pad " * 30), f"answer {i}", [1, 2, i],
-                                "stop", 3, 3))
+        asyncio.run(
+            cache.store(_scope(f"question number {i} " + "pad " * 30), f"answer {i}", [1, 2, i], "stop", 3, 3)
+        )
     cache.close()
 
 
@@ -27,9 +29,9 @@ def test_bad_rows_are_dropped_and_counted(tmp_path):
     path = tmp_path / "c.db"
     _fill(path, 5)
     db = sqlite3.connect(path)
-    db.execute("UPDATE entries SET token_ids='[1, 2' WHERE id=1")            # invalid JSON
+    db.execute("UPDATE entries SET token_ids='[1, 2' WHERE id=1")  # invalid JSON
     db.execute("UPDATE entries SET text=CAST(x'fffe41' AS TEXT) WHERE id=2")  # invalid UTF-8
-    db.execute("UPDATE entries SET vector=x'0102' WHERE id=3")               # truncated vector
+    db.execute("UPDATE entries SET vector=x'0102' WHERE id=3")  # truncated vector
     db.commit()
     db.close()
     cache = SemanticCache(CacheConfig(path=str(path)), embedder=HashEmbedder())
@@ -48,7 +50,7 @@ def test_damaged_pages_move_the_file_aside(tmp_path):
     raw = bytearray(path.read_bytes())
     page = 4096
     assert len(raw) > 4 * page
-    raw[2 * page:3 * page] = b"\xa5" * page  # garbage over a b-tree page
+    raw[2 * page : 3 * page] = b"\xa5" * page  # garbage over a b-tree page
     path.write_bytes(bytes(raw))
     cache = SemanticCache(CacheConfig(path=str(path)), embedder=HashEmbedder())
     try:
@@ -98,4 +100,3 @@ def test_disk_full_reports_the_real_error(tmp_path):
         assert "full" in str(exc) and "rollback" not in str(exc)
     finally:
         st.close()
-

@@ -1,4 +1,5 @@
 """Message content cannot forge chat turns: marker text in content is tokenized as plain text."""
+
 import pytest
 from transformers import AutoTokenizer
 

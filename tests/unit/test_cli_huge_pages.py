@@ -1,4 +1,5 @@
 """The command line restarts itself once with glibc's huge-page tunable; Python callers are left alone."""
+
 from __future__ import annotations
 
 import os
@@ -29,9 +30,14 @@ def test_restarts_with_the_tunable_and_the_same_command_line(execs):
     assert {k: v for k, v in env.items() if k != "GLIBC_TUNABLES"} == dict(os.environ)
 
 
-@pytest.mark.parametrize("var,value", [("GLIBC_TUNABLES", "glibc.malloc.arena_max=2"),  # the user's own
-                                       ("GLIBC_TUNABLES", cli.HUGE_PAGES_TUNABLE),  # the restarted run
-                                       ("SIDECAR_HUGE_PAGES", "0")])
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("GLIBC_TUNABLES", "glibc.malloc.arena_max=2"),  # the user's own
+        ("GLIBC_TUNABLES", cli.HUGE_PAGES_TUNABLE),  # the restarted run
+        ("SIDECAR_HUGE_PAGES", "0"),
+    ],
+)
 def test_left_alone_when_set_or_switched_off(execs, monkeypatch, var, value):
     monkeypatch.setenv(var, value)
     cli.reexec_with_huge_pages()
@@ -49,7 +55,12 @@ def test_a_real_command_runs_with_the_tunable():
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "SIDECAR_HUGE_PAGES")}
     code = "import os; print(os.environ.get('GLIBC_TUNABLES'))"
     # The process restarts itself (same command line) and the second run finds the tunable set.
-    res = subprocess.run([sys.executable, "-c", f"from sidecar import cli; cli.reexec_with_huge_pages(); {code}"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", f"from sidecar import cli; cli.reexec_with_huge_pages(); {code}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == cli.HUGE_PAGES_TUNABLE

@@ -1,5 +1,6 @@
 """In-flight coalescing and visible-at-once stores, through the real service, engine (demo model) and
 semantic cache (bundled embedder)."""
+
 import asyncio
 
 import pytest
@@ -20,9 +21,12 @@ def embedder():
 
 
 def _req(prompt, control="default", max_tokens=48, timeout_s=None):
-    return GenerationRequest(prompt=prompt, params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                  ignore_eos=True),
-                             cache_control=control, timeout_s=timeout_s)
+    return GenerationRequest(
+        prompt=prompt,
+        params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        cache_control=control,
+        timeout_s=timeout_s,
+    )
 
 
 async def _service(demo_dir, embedder):
@@ -83,7 +87,9 @@ def test_followers_share_one_generation_unary_and_streaming(demo_dir, embedder):
             started = asyncio.Event()
             leader = asyncio.create_task(_collect(svc, _req("tell me a story about ships"), started))
             await started.wait()  # the leader is generating: followers arrive mid-flight
-            followers = [asyncio.create_task(_collect(svc, _req("tell me a story about ships"))) for _ in range(5)]
+            followers = [
+                asyncio.create_task(_collect(svc, _req("tell me a story about ships"))) for _ in range(5)
+            ]
             (ldeltas, lev), *rest = await asyncio.gather(leader, *followers)
             assert lev.finished and lev.completion_tokens == 48 and not lev.cache.coalesced
             for deltas, ev in rest:
@@ -125,8 +131,9 @@ def test_leader_cancel_hands_the_generation_to_a_follower(demo_dir, embedder):
             await asyncio.sleep(0.1)
             assert _pool_whole(engine) and len(svc.cache_step.coalescer) == 0
             probe = _req("count the waves", max_tokens=64)
-            hit = await svc.cache_step.cache.lookup(svc.cache_step.plan("", probe, probe.params,
-                                                                        svc.model_name).scope)
+            hit = await svc.cache_step.cache.lookup(
+                svc.cache_step.plan("", probe, probe.params, svc.model_name).scope
+            )
             assert hit is not None and hit.text == ref.text  # the follower that took over stored it
         finally:
             await _close(svc, engine)
@@ -157,7 +164,9 @@ def test_skip_bypasses_coalescing(demo_dir, embedder):
         svc, engine = await _service(demo_dir, embedder)
         try:
             before = _finished(engine)
-            results = await asyncio.gather(*[_collect(svc, _req("skip me", control="skip")) for _ in range(3)])
+            results = await asyncio.gather(
+                *[_collect(svc, _req("skip me", control="skip")) for _ in range(3)]
+            )
             assert all(not ev.cache.coalesced for _, ev in results)
             assert await _settled(engine, before + 3) == before + 3
             assert svc.cache_step.stats()["coalesced"] == 0
@@ -220,8 +229,9 @@ def test_concurrent_identical_queries_embed_once_and_a_cancelled_caller_does_not
     async def main():
         cache = SemanticCache(CacheConfig(), embedder=embedder)
         try:
-            await cache.store(CacheScope("t", "m", "s", "", "What is the capital of France?"), "Paris", [1],
-                              "stop", 3, 1)
+            await cache.store(
+                CacheScope("t", "m", "s", "", "What is the capital of France?"), "Paris", [1], "stop", 3, 1
+            )
             calls = []
             real = embedder.aembed
             release = asyncio.Event()

@@ -1,4 +1,5 @@
 """`sidecar serve` configuration: flags > env > YAML > defaults, one validated tree, clear errors."""
+
 import argparse
 import dataclasses
 import subprocess
@@ -24,11 +25,40 @@ def test_defaults_without_flags_env_or_yaml():
 
 
 def test_flags_map_to_fields_and_types():
-    cfg = config_from_args(parse("--model", "m", "--quantization", "int8", "--block-size", "32",
-                                 "--num-kv-blocks", "64", "--no-prefix-caching", "--kv-cache-memory-gb", "1.5",
-                                 "--grpc-port", "0", "--http-port", "-1", "--api-key", "a", "--api-key", "b:t",
-                                 "--rate-limit-rps", "2.5", "--shutdown-timeout", "3", "--log-json",
-                                 "--no-semantic-cache", "--cache-threshold", "0.9", "--cache-ttl", "60"), env={})
+    cfg = config_from_args(
+        parse(
+            "--model",
+            "m",
+            "--quantization",
+            "int8",
+            "--block-size",
+            "32",
+            "--num-kv-blocks",
+            "64",
+            "--no-prefix-caching",
+            "--kv-cache-memory-gb",
+            "1.5",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "-1",
+            "--api-key",
+            "a",
+            "--api-key",
+            "b:t",
+            "--rate-limit-rps",
+            "2.5",
+            "--shutdown-timeout",
+            "3",
+            "--log-json",
+            "--no-semantic-cache",
+            "--cache-threshold",
+            "0.9",
+            "--cache-ttl",
+            "60",
+        ),
+        env={},
+    )
     e, s, c = cfg.engine, cfg.server, cfg.cache
     assert (e.model, e.quantization, e.block_size, e.num_kv_blocks) == ("m", "int8", 32, 64)
     assert e.enable_prefix_caching is False and e.kv_cache_memory_gb == 1.5
@@ -40,8 +70,10 @@ def test_flags_map_to_fields_and_types():
 
 def test_precedence_flag_over_env_over_yaml(tmp_path):
     y = tmp_path / "sidecar.yaml"
-    y.write_text("engine:\n  block_size: 8\n  max_num_seqs: 7\n  seed: 3\nserver:\n  grpc_port: 1111\n"
-                 "cache:\n  max_entries: 5\n")
+    y.write_text(
+        "engine:\n  block_size: 8\n  max_num_seqs: 7\n  seed: 3\nserver:\n  grpc_port: 1111\n"
+        "cache:\n  max_entries: 5\n"
+    )
     env = {"SIDECAR_ENGINE_MAX_NUM_SEQS": "9", "SIDECAR_ENGINE_SEED": "4", "SIDECAR_SERVER_API_KEYS": "x,y:t"}
     cfg = config_from_args(parse("--config", str(y), "--seed", "5"), env=env)
     assert cfg.engine.block_size == 8  # YAML only
@@ -51,17 +83,20 @@ def test_precedence_flag_over_env_over_yaml(tmp_path):
     assert cfg.server.api_keys == ["x", "y:t"]
 
 
-@pytest.mark.parametrize("argv, env, yaml_text, message", [
-    (["--block-size", "7"], {}, None, "block_size: must be one of"),
-    (["--block-size", "x"], {}, None, "engine.block_size: cannot parse 'x'"),
-    (["--grpc-port", "70000"], {}, None, "grpc_port: must be in"),
-    (["--cache-threshold", "1.5"], {}, None, "cache.threshold: must be in (0, 1]"),
-    ([], {"SIDECAR_SERVER_RATE_LIMIT_RPS": "-1"}, None, "rate_limit_rps: must be >= 0"),
-    ([], {"SIDECAR_ENGINE_BOGUS": "1"}, None, "engine.bogus: unknown setting"),
-    ([], {}, "server:\n  nope: 1\n", "server.nope: unknown setting"),
-    ([], {}, "other: {}\n", "other: unknown config section"),
-    (["--log-level", "loud"], {}, None, "log_level: must be"),
-])
+@pytest.mark.parametrize(
+    "argv, env, yaml_text, message",
+    [
+        (["--block-size", "7"], {}, None, "block_size: must be one of"),
+        (["--block-size", "x"], {}, None, "engine.block_size: cannot parse 'x'"),
+        (["--grpc-port", "70000"], {}, None, "grpc_port: must be in"),
+        (["--cache-threshold", "1.5"], {}, None, "cache.threshold: must be in (0, 1]"),
+        ([], {"SIDECAR_SERVER_RATE_LIMIT_RPS": "-1"}, None, "rate_limit_rps: must be >= 0"),
+        ([], {"SIDECAR_ENGINE_BOGUS": "1"}, None, "engine.bogus: unknown setting"),
+        ([], {}, "server:\n  nope: 1\n", "server.nope: unknown setting"),
+        ([], {}, "other: {}\n", "other: unknown config section"),
+        (["--log-level", "loud"], {}, None, "log_level: must be"),
+    ],
+)
 def test_errors_name_the_field(tmp_path, argv, env, yaml_text, message):
     if yaml_text is not None:
         y = tmp_path / "c.yaml"
@@ -87,14 +122,22 @@ def test_every_config_field_has_a_flag_in_help():
 
 
 def test_cli_bad_config_is_one_line_and_exit_2(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--max-num-seqs", "0"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--max-num-seqs", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["sidecar serve: error: max_num_seqs: must be >= 1, got 0"]
     keys = tmp_path / "keys"
     keys.write_text(":x\n")
-    r = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--api-keys-file", str(keys)],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--api-keys-file", str(keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and r.stderr.startswith("sidecar serve: error: api_keys_file:1:")
 
 
@@ -107,11 +150,28 @@ def test_port_in_use_is_a_one_line_error(flag):
         busy.listen()
         port = str(busy.getsockname()[1])
         args = {"--grpc-port": "0", "--http-port": "-1", flag: port}
-        r = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--host", "127.0.0.1", "--no-semantic-cache",
-                            *[x for kv in args.items() for x in kv]], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--no-semantic-cache",
+                *[x for kv in args.items() for x in kv],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode == 1
     name = flag[2:].replace("-", "_")
-    assert r.stderr.strip().splitlines()[-1].startswith(f"sidecar serve: error: {name}: cannot bind 127.0.0.1:{port}")
+    assert (
+        r.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"sidecar serve: error: {name}: cannot bind 127.0.0.1:{port}")
+    )
     assert "Traceback" not in r.stderr
 
 

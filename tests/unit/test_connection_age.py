@@ -1,4 +1,5 @@
 """gRPC max connection age: config fields, `sidecar serve` flags and the server options they become."""
+
 import argparse
 
 import grpc

@@ -2,6 +2,7 @@
 kernel calls replayed over new buffer contents give the eager step's bits; a step planned dry makes the same
 calls and writes nothing; a step running a torch operator is refused; the engine plans every batch size when it
 starts, and its replayed decoding equals its eager decoding token for token."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,9 @@ from sidecar.engine.cpu_graphs import _spans, linear_layouts
 from sidecar.model.kernels import amx_gemm, cpu_build, int4_gemv, int8_gemv, norm_act, replay
 from sidecar.model.linear import Linear
 
-pytestmark = pytest.mark.skipif(replay.unavailable_reason() is not None,
-                                reason="replay needs the C kernels (a C compiler with OpenMP)")
+pytestmark = pytest.mark.skipif(
+    replay.unavailable_reason() is not None, reason="replay needs the C kernels (a C compiler with OpenMP)"
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -35,7 +37,10 @@ def test_replay_over_new_inputs_gives_the_eager_bits(dtype):
         return step().clone()
 
     out, plan = replay.record(step)
-    assert plan.num_ops == 4 and plan.names == ["sidecar_add_rms_norm"] * 2 + ["sidecar_silu_mul", "sidecar_add_bias"]
+    assert plan.num_ops == 4 and plan.names == ["sidecar_add_rms_norm"] * 2 + [
+        "sidecar_silu_mul",
+        "sidecar_add_bias",
+    ]
     assert torch.equal(out, eager_now())
     arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
     for _ in range(3):  # new contents, same addresses: the replay reads them then
@@ -82,7 +87,9 @@ def test_a_step_planned_dry_makes_the_recorded_calls_and_writes_nothing():
     g = torch.Generator().manual_seed(1)
     h = torch.randn(3, 64, generator=g).to(torch.bfloat16)
     w = torch.randn(64, generator=g).to(torch.bfloat16)
-    acc = torch.randn(3, 32, generator=g).to(torch.bfloat16)  # state the step adds to in place (as a KV write)
+    acc = torch.randn(3, 32, generator=g).to(
+        torch.bfloat16
+    )  # state the step adds to in place (as a KV write)
     bias = torch.randn(32, generator=g).to(torch.bfloat16)
 
     def step():
@@ -155,8 +162,20 @@ def test_a_librarys_answers_about_itself_are_never_recorded():
         assert lib.sidecar_int4_vector_bits() == bits
         x = torch.zeros(1, 64).bfloat16()
         w = torch.zeros(32, 32, dtype=torch.uint8)
-        lib.sidecar_int4_matmul(x.data_ptr(), w.data_ptr(), torch.zeros(2, 32, 2).bfloat16().data_ptr(),
-                                torch.zeros(1, 32).data_ptr(), 1, 32, 64, 32, *int4_gemv.torch_layout(), 1, 0, 1)
+        lib.sidecar_int4_matmul(
+            x.data_ptr(),
+            w.data_ptr(),
+            torch.zeros(2, 32, 2).bfloat16().data_ptr(),
+            torch.zeros(1, 32).data_ptr(),
+            1,
+            32,
+            64,
+            32,
+            *int4_gemv.torch_layout(),
+            1,
+            0,
+            1,
+        )
     finally:
         cpu_build.set_recorder(None)
     assert seen == ["sidecar_int4_matmul"]
@@ -195,12 +214,21 @@ def _decode(llm: LLM, prompts, max_tokens):
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_engine_replays_decode_exactly_as_eager(demo_dir, quantization):
-    kw = dict(model=str(demo_dir), dtype="bfloat16", quantization=quantization, block_size=8, num_kv_blocks=96,
-              max_num_seqs=4, quant_group_size=64)
+    kw = dict(
+        model=str(demo_dir),
+        dtype="bfloat16",
+        quantization=quantization,
+        block_size=8,
+        num_kv_blocks=96,
+        max_num_seqs=4,
+        quant_group_size=64,
+    )
     eager = LLM(enforce_eager=True, **kw)
     fast = LLM(**kw)
     assert eager.engine.model_info["cpu_decode_replay"] is False
-    assert fast.engine.model_info["cpu_decode_replay"] is True, fast.engine.model_info["cpu_decode_replay_reason"]
+    assert fast.engine.model_info["cpu_decode_replay"] is True, fast.engine.model_info[
+        "cpu_decode_replay_reason"
+    ]
     # how the linear layers hold their weights: every one counted once; bf16 ones in the tile layout where it runs
     layouts = fast.engine.model_info["cpu_linear_layouts"]
     linears = [m for m in fast.engine.runner.model.modules() if isinstance(m, Linear)]
@@ -210,7 +238,9 @@ def test_engine_replays_decode_exactly_as_eager(demo_dir, quantization):
     plans = fast.engine.runner.cpu_plans
     # every size planned when the engine started, except where bf16 batches past our kernel's rows go to oneDNN
     # (where it has bf16 and AMX does not serve them): those are recorded at their first step, and refused
-    assert fast.engine.model_info["cpu_decode_planned"] is True, fast.engine.model_info["cpu_decode_planned_reason"]
+    assert fast.engine.model_info["cpu_decode_planned"] is True, fast.engine.model_info[
+        "cpu_decode_planned_reason"
+    ]
     assert 1 in plans.recorded and set(plans.recorded) <= {1, 2, 3, 4} and plans.arena_bytes > 0
     if quantization is not None or amx_gemm.available():
         assert plans.recorded == [1, 2, 3, 4]
@@ -234,21 +264,34 @@ def test_decode_batches_on_the_tile_path_over_codes_replay(demo_dir, quantizatio
     and replayed like every other size: the path asks the library nothing at a call that a recording would keep."""
     monkeypatch.setattr(int8_gemv, "TILE_MIN_ROWS", 2)
     monkeypatch.setattr(int4_gemv, "TILE_MIN_ROWS", 2)
-    kw = dict(model=str(demo_dir), dtype="bfloat16", quantization=quantization, block_size=8, num_kv_blocks=96,
-              max_num_seqs=4, quant_group_size=64)
+    kw = dict(
+        model=str(demo_dir),
+        dtype="bfloat16",
+        quantization=quantization,
+        block_size=8,
+        num_kv_blocks=96,
+        max_num_seqs=4,
+        quant_group_size=64,
+    )
     eager = LLM(enforce_eager=True, **kw)
     fast = LLM(**kw)
-    assert fast.engine.model_info["cpu_decode_replay"] is True, fast.engine.model_info["cpu_decode_replay_reason"]
+    assert fast.engine.model_info["cpu_decode_replay"] is True, fast.engine.model_info[
+        "cpu_decode_replay_reason"
+    ]
     plans = fast.engine.runner.cpu_plans
     assert plans.recorded == [1, 2, 3, 4] and not plans.eager_sizes
-    layers = [m._cpu_layer for m in fast.engine.runner.model.modules() if getattr(m, "_cpu_layer", None) is not None]
+    layers = [
+        m._cpu_layer for m in fast.engine.runner.model.modules() if getattr(m, "_cpu_layer", None) is not None
+    ]
     assert layers
     prompts = [[3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [18, 19]]
     lens = [9, 14, 20]
     assert _decode(fast, prompts, lens)[0] == _decode(eager, prompts, lens)[0]
     assert plans.recorded == [1, 2, 3, 4] and not plans.eager_sizes
     amx = amx_gemm.available() and amx_gemm.path() == "AMX"
-    on_tiles = [(layer.from_rows == 2) if quantization == "int8" else (layer.tiles is not None) for layer in layers]
+    on_tiles = [
+        (layer.from_rows == 2) if quantization == "int8" else (layer.tiles is not None) for layer in layers
+    ]
     assert all(on_tiles) == (amx and (quantization == "int8" or int4_gemv.tiles_available())), (amx, on_tiles)
 
 
@@ -257,7 +300,9 @@ def test_float32_layers_outside_our_kernels_keep_steps_eager(demo_dir):
     llm = LLM(model=str(demo_dir), dtype="float32", block_size=8, num_kv_blocks=64)
     info = llm.engine.model_info
     assert info["cpu_decode_replay"] is False and "outside our kernels" in info["cpu_decode_replay_reason"]
-    assert not any(kind.startswith("tile layout") for kind in info["cpu_linear_layouts"])  # float32: not bf16's
+    assert not any(
+        kind.startswith("tile layout") for kind in info["cpu_linear_layouts"]
+    )  # float32: not bf16's
     llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert llm.engine.runner.cpu_plans.recorded == []
 
@@ -269,9 +314,13 @@ def test_self_check_keeps_replays_off_when_a_replay_differs(demo_dir, monkeypatc
     monkeypatch.setattr(replay.Plan, "replay", lambda self, arena: True)  # runs nothing: the result unwritten
     assert "differs" in runner.cpu_plans.self_check()
     reason = runner.cpu_plans.reason
-    assert runner.cpu_plans.info() == {"cpu_decode_replay": False, "cpu_decode_replay_reason": reason,
-                                       "cpu_decode_planned": False, "cpu_decode_planned_reason": reason,
-                                       "cpu_linear_layouts": linear_layouts(runner.model)}
+    assert runner.cpu_plans.info() == {
+        "cpu_decode_replay": False,
+        "cpu_decode_replay_reason": reason,
+        "cpu_decode_planned": False,
+        "cpu_decode_planned_reason": reason,
+        "cpu_linear_layouts": linear_layouts(runner.model),
+    }
     assert not runner.cpu_plans.replays() and runner.cpu_plans.recorded == []
 
 
@@ -293,8 +342,14 @@ def test_steps_planned_dry_unlike_their_recording_are_recorded_instead(demo_dir,
 def test_planned_steps_replay_from_the_first_step(demo_dir, monkeypatch):
     from sidecar.engine import cpu_graphs
 
-    kw = dict(model=str(demo_dir), dtype="bfloat16", block_size=8, num_kv_blocks=96, max_num_seqs=3,
-              quantization="int8")  # int8 layers: our kernels at every size on every CPU
+    kw = dict(
+        model=str(demo_dir),
+        dtype="bfloat16",
+        block_size=8,
+        num_kv_blocks=96,
+        max_num_seqs=3,
+        quantization="int8",
+    )  # int8 layers: our kernels at every size on every CPU
     prompts, lens = [[3, 4, 5, 6], [7, 8, 9], [10, 11]], [6, 10, 16]
     want = _decode(LLM(enforce_eager=True, **kw), prompts, lens)[0]
     monkeypatch.setattr(cpu_graphs, "PLAN_AHEAD", 2)  # sizes past it: planned when first seen
@@ -371,8 +426,11 @@ def test_a_batch_size_running_a_torch_operator_stays_eager_alone(demo_dir, monke
     prompts, lens = [[3, 4, 5, 6], [7, 8, 9], [10, 11]], [6, 10, 16]
     kernel = norm_act.add_rms_norm
     # from 2 rows on, the norms through torch (as bf16 layers past our kernel's rows go to oneDNN on some CPUs)
-    monkeypatch.setattr(norm_act, "add_rms_norm", lambda h, *a: kernel(h, *a) if h.shape[0] == 1
-                        else norm_act.add_rms_norm_reference(h, *a))
+    monkeypatch.setattr(
+        norm_act,
+        "add_rms_norm",
+        lambda h, *a: kernel(h, *a) if h.shape[0] == 1 else norm_act.add_rms_norm_reference(h, *a),
+    )
     want = _decode(LLM(enforce_eager=True, **kw), prompts, lens)[0]
     llm = LLM(**kw)
     plans = llm.engine.runner.cpu_plans

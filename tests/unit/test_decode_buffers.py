@@ -1,4 +1,5 @@
 """Persistent decode inputs and the bucketed decode step: buckets, padding, fixed addresses, no host reads."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,8 +47,11 @@ def test_fill_pads_rows_into_block_zero():
     assert inp.slots[:4].tolist() == [9, 28, 0, 1]  # padded rows write slots 0.. of the reserved block 0
     assert inp.ctx_lens[:4].tolist() == [6, 1, 1, 1]
     assert inp.tables(4, 3).tolist() == [[3, 2, 0], [7, 0, 0], [0, 0, 0], [0, 0, 0]]
-    assert inp.tables_int32(4, 3).dtype == torch.int32 and inp.tables_int32(4, 3).tolist() == inp.tables(4, 3).tolist()
-    assert inp.sample_rows[:inp.num_sampled].tolist() == [1]
+    assert (
+        inp.tables_int32(4, 3).dtype == torch.int32
+        and inp.tables_int32(4, 3).tolist() == inp.tables(4, 3).tolist()
+    )
+    assert inp.sample_rows[: inp.num_sampled].tolist() == [1]
     # a second, smaller fill leaves no stale values in the rows it uses
     inp.fill([DecodeRow(13, 2, 3, 3, [1, 5, 6])], [0], bucket=2, width=3)
     assert inp.ids[:2].tolist() == [13, 0] and inp.ctx_lens[:2].tolist() == [3, 1]
@@ -84,8 +88,12 @@ def _eager_decode(runner, rows):
     meta.decode_block_tables = torch.tensor([r.table + [0] * (width - len(r.table)) for r in rows])
     meta.decode_ctx_lens = torch.tensor([r.ctx_len for r in rows])
     with torch.inference_mode():
-        h = runner.model(torch.tensor([r.token for r in rows]), torch.tensor([r.position for r in rows]),
-                         runner.kv_caches, meta)
+        h = runner.model(
+            torch.tensor([r.token for r in rows]),
+            torch.tensor([r.position for r in rows]),
+            runner.kv_caches,
+            meta,
+        )
         return runner.model.compute_logits(h)
 
 
@@ -93,7 +101,7 @@ def _rows(prompts, tables, tokens, bs, step=0):
     out = []
     for p, t, tok in zip(prompts, tables, tokens):
         c = len(p) + step
-        out.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[:c // bs + 1]))
+        out.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[: c // bs + 1]))
     return out
 
 
@@ -104,7 +112,12 @@ def test_poisoned_inputs_replay_equals_fresh_eager_run(llm):
     runner.set_decode_padding(True)
     try:
         bs = runner.block_size
-        prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22], [30, 31, 32, 33, 34, 35, 36, 37, 38], [9, 8]]
+        prompts = [
+            [5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
+            [20, 21, 22],
+            [30, 31, 32, 33, 34, 35, 36, 37, 38],
+            [9, 8],
+        ]
         tables = [[1, 2], [3, 4], [5, 6], [7, 8]]
         _prefill(runner, prompts, tables)
         first = runner.decode_rows(_rows(prompts, tables, [40, 41, 42, 43], bs), [0, 1, 2, 3])
@@ -131,18 +144,33 @@ def test_model_reads_the_persistent_buffers_in_place(llm, monkeypatch):
 
     def spy(ids, pos, kv, meta):
         if meta.decode_block_tables is not None and not meta.prefills:
-            seen.append((ids.data_ptr(), pos.data_ptr(), meta.slot_mapping.data_ptr(),
-                         meta.decode_ctx_lens.data_ptr(), meta.decode_block_tables.data_ptr()))
+            seen.append(
+                (
+                    ids.data_ptr(),
+                    pos.data_ptr(),
+                    meta.slot_mapping.data_ptr(),
+                    meta.decode_ctx_lens.data_ptr(),
+                    meta.decode_block_tables.data_ptr(),
+                )
+            )
         return forward(ids, pos, kv, meta)
 
     monkeypatch.setattr(runner.model, "forward", spy)
     try:
         inp = runner.inputs
-        expected = (inp.ids.data_ptr(), inp.positions.data_ptr(), inp.slots.data_ptr(), inp.ctx_lens.data_ptr(),
-                    inp.tables(1, 1).data_ptr())
+        expected = (
+            inp.ids.data_ptr(),
+            inp.positions.data_ptr(),
+            inp.slots.data_ptr(),
+            inp.ctx_lens.data_ptr(),
+            inp.tables(1, 1).data_ptr(),
+        )
         from sidecar import SamplingParams
-        llm.generate([[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [16] * 20],
-                     [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 6, 9)])
+
+        llm.generate(
+            [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [16] * 20],
+            [SamplingParams(max_tokens=n, ignore_eos=True) for n in (3, 6, 9)],
+        )
     finally:
         runner.set_decode_padding(False)
     assert len(seen) >= 8 and set(seen) == {expected}
@@ -161,7 +189,9 @@ def test_decode_step_runs_on_meta_without_host_reads(demo_dir):
         model = LlamaForCausalLM(args)
     model.init_rope(64, torch.device("meta"), torch.float32)
     shape = (6, 8, args.num_kv_heads, args.head_dim)
-    kv = [(torch.empty(shape, device="meta"), torch.empty(shape, device="meta")) for _ in range(args.num_layers)]
+    kv = [
+        (torch.empty(shape, device="meta"), torch.empty(shape, device="meta")) for _ in range(args.num_layers)
+    ]
     inp = DecodeInputs(max_batch=4, max_blocks=3, block_size=8, device=torch.device("meta"))
     for on in (False, True):  # the int32 tables too
         model.fast_paths.attention = on

@@ -5,6 +5,7 @@ Checked against the real sources, not copies of their values: `sidecar serve
 YAML key is a real config field), the Java SidecarProperties source, the
 Prometheus metric names the server actually renders, and the files on disk.
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -14,13 +15,28 @@ import subprocess
 
 import pytest
 import yaml
-from test_deploy_files import (CONTEXT, DOCKERFILES, K8S, K8S_GPU, POST_DRAIN_S, ROOT, compose_env, container_ports,
-                               dashboard_metric_names, exported_metric_names, image_config, k8s_documents,
-                               load_compose, parse_dockerfile, pod_template, serve_help_flags, sidecar_env)
+from test_deploy_files import (
+    CONTEXT,
+    DOCKERFILES,
+    K8S,
+    K8S_GPU,
+    POST_DRAIN_S,
+    ROOT,
+    compose_env,
+    container_ports,
+    dashboard_metric_names,
+    exported_metric_names,
+    image_config,
+    k8s_documents,
+    load_compose,
+    parse_dockerfile,
+    pod_template,
+    serve_help_flags,
+    sidecar_env,
+)
 
 SIDECAR_SERVICES = ("sidecar", "sidecar-gpu")
 SIDECAR_DOCKERFILES = {"sidecar": "deploy/Dockerfile", "sidecar-gpu": "deploy/Dockerfile.cuda"}
-
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +94,22 @@ def _dockerignored(path: str, patterns: list[str]) -> bool:
     for pat in patterns:
         negate = pat.startswith("!")
         pat = pat.lstrip("!").strip("/")
-        if any(fnmatch.fnmatchcase(c, pat) or fnmatch.fnmatchcase(c, pat.removeprefix("**/")) for c in candidates):
+        if any(
+            fnmatch.fnmatchcase(c, pat) or fnmatch.fnmatchcase(c, pat.removeprefix("**/")) for c in candidates
+        ):
             ignored = not negate
     return ignored
 
 
 def test_dockerignore_keeps_every_copied_file():
-    patterns = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()
-                if ln.strip() and not ln.startswith("#")]
-    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    patterns = [
+        ln.strip()
+        for ln in (ROOT / ".dockerignore").read_text().splitlines()
+        if ln.strip() and not ln.startswith("#")
+    ]
+    tracked = subprocess.run(
+        ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert _dockerignored("java-client/sidecar-client/target/x.class", patterns)  # the reader works
     assert _dockerignored(".git/HEAD", patterns) and not _dockerignored("sidecar/cli.py", patterns)
     for kind, path in DOCKERFILES.items():
@@ -125,8 +148,9 @@ def test_every_sidecar_env_var_is_a_config_field(compose, overlays):
         sources[f"compose {name}"] = sidecar_env(compose_env(compose["services"][name]))
     for variant, docs in overlays.items():
         c = pod_template(docs)["spec"]["containers"][0]
-        sources[f"k8s {variant}"] = {e["name"]: e.get("value", "") for e in c.get("env", [])
-                                     if e["name"].startswith("SIDECAR_")}
+        sources[f"k8s {variant}"] = {
+            e["name"]: e.get("value", "") for e in c.get("env", []) if e["name"].startswith("SIDECAR_")
+        }
     assert sources["compose sidecar"], "compose configures the sidecar through SIDECAR_* variables"
     for where, env in sources.items():
         for key, value in env.items():
@@ -158,7 +182,9 @@ def test_images_expose_and_probe_the_configured_ports():
         assert hc[1] in df.container_path_map() and df.container_path_map()[hc[1]].name == "healthcheck.py"
         config_arg = df.cmd[df.cmd.index("--config") + 1]
         assert config_arg in df.container_path_map()
-        assert _healthcheck_module().DEFAULT_CONFIG == config_arg, "the probe must read the file the server reads"
+        assert _healthcheck_module().DEFAULT_CONFIG == config_arg, (
+            "the probe must read the file the server reads"
+        )
 
 
 def test_compose_sidecars_publish_the_ports_they_serve(compose):
@@ -194,7 +220,10 @@ def _java_properties(source: str) -> set[str]:
 
 
 def test_chat_demo_settings_are_sidecar_properties(compose):
-    src = (ROOT / "java-client/sidecar-spring-boot-starter/src/main/java/dev/sidecar/spring/SidecarProperties.java")
+    src = (
+        ROOT
+        / "java-client/sidecar-spring-boot-starter/src/main/java/dev/sidecar/spring/SidecarProperties.java"
+    )
     text = src.read_text()
     assert 'PREFIX = "sidecar.client"' in text
     known = _java_properties(text)
@@ -205,9 +234,13 @@ def test_chat_demo_settings_are_sidecar_properties(compose):
     for key in env:
         if key.startswith("SIDECAR_CLIENT_"):
             # Spring maps an env var by lowercasing it and turning "_" into "."; dashes are dropped.
-            path = key[len("SIDECAR_CLIENT_"):].lower().replace("_", ".")
-            assert path in known, f"compose chat-demo: {key} binds to no SidecarProperties field ({sorted(known)})"
-    app_yml = yaml.safe_load((ROOT / "java-client/examples/chat-demo/src/main/resources/application.yml").read_text())
+            path = key[len("SIDECAR_CLIENT_") :].lower().replace("_", ".")
+            assert path in known, (
+                f"compose chat-demo: {key} binds to no SidecarProperties field ({sorted(known)})"
+            )
+    app_yml = yaml.safe_load(
+        (ROOT / "java-client/examples/chat-demo/src/main/resources/application.yml").read_text()
+    )
 
     def walk(node, prefix=""):
         for k, v in node.items():
@@ -256,9 +289,14 @@ def test_dashboard_and_autoscaler_use_real_metric_names(compose):
     dash_path = ROOT / "deploy/grafana/dashboards/llm-sidecar.json"
     dash = yaml.safe_load(dash_path.read_text())
     used = dashboard_metric_names(dash)
-    for required in ("sidecar_time_to_first_token_seconds_bucket", "sidecar_time_per_output_token_seconds_bucket",
-                     "sidecar_generation_tokens_total", "sidecar_kv_cache_usage_ratio",
-                     "sidecar_prefix_cache_hits_total", "sidecar_semantic_cache_hits_total"):
+    for required in (
+        "sidecar_time_to_first_token_seconds_bucket",
+        "sidecar_time_per_output_token_seconds_bucket",
+        "sidecar_generation_tokens_total",
+        "sidecar_kv_cache_usage_ratio",
+        "sidecar_prefix_cache_hits_total",
+        "sidecar_semantic_cache_hits_total",
+    ):
         assert required in used, f"dashboard lacks {required}"
     assert used <= names, f"dashboard queries metrics the sidecar does not export: {sorted(used - names)}"
     ds = yaml.safe_load((ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())

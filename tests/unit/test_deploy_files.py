@@ -5,6 +5,7 @@ use, and the tests at the bottom pin that: a Dockerfile construct they would
 misread fails here instead of silently passing the consistency checks.
 Also imported by tests/integration/test_deploy_entrypoint.py (by file path).
 """
+
 from __future__ import annotations
 
 import os
@@ -129,7 +130,9 @@ def parse_dockerfile(path: Path) -> Dockerfile:
     stages: list[Stage] = []
     for c in dockerfile.parse_file(str(path)):
         if c.cmd == "FROM":
-            image = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), ""), c.value[0])
+            image = re.sub(
+                r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), ""), c.value[0]
+            )
             name = c.value[2] if len(c.value) == 3 and c.value[1].upper() == "AS" else None
             stages.append(Stage(image, name))
         elif not stages:
@@ -196,7 +199,9 @@ def k8s_documents(directory: Path) -> list[dict]:
     """Resources of a kustomization dir: rendered by `kubectl kustomize` when kubectl exists,
     else the base's files read directly (overlays need kustomize and are then not rendered)."""
     if kubectl_available():
-        out = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, f"kubectl kustomize {directory} failed:\n{out.stderr}"
         return [d for d in yaml.safe_load_all(out.stdout) if d]
     kust = yaml.safe_load((directory / "kustomization.yaml").read_text())
@@ -228,8 +233,14 @@ def by_kind(docs: list[dict], kind: str, name: Optional[str] = None) -> dict:
 
 def serve_help_flags() -> set[str]:
     """Flags listed by the real ``sidecar serve --help``."""
-    out = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "COLUMNS": "200"})
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
     assert out.returncode == 0, out.stderr
     return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out.stdout))
 

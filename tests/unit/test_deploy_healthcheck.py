@@ -1,4 +1,5 @@
 """deploy/healthcheck.py (the images' HEALTHCHECK) against a real gRPC health server."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,14 @@ def health_server():
 
 def _probe(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env={**clean, **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**clean, **(env or {})},
+    )
 
 
 def test_serving_is_healthy_and_not_serving_is_not(health_server):

@@ -5,6 +5,7 @@ kustomizations are rendered with `kubectl kustomize` when kubectl is installed
 (it is on this project's machines) and the rendered objects are validated too,
 so the GPU overlay's patches are checked as applied.
 """
+
 from __future__ import annotations
 
 import copy
@@ -35,10 +36,18 @@ def test_rendered_kustomizations_validate(directory, version):
     """Rendered with kubectl kustomize when available; otherwise the base's files (the GPU overlay needs kustomize)."""
     if directory == K8S_GPU and not kubectl_available():
         docs = [d for p in k8s_files() if p.parent == K8S_GPU for d in _docs(p)]
-        assert docs  # patches are partial objects: only their kinds and names can be checked without kustomize
+        assert (
+            docs
+        )  # patches are partial objects: only their kinds and names can be checked without kustomize
         return
     docs = k8s_documents(directory)
-    assert {d["kind"] for d in docs} >= {"Namespace", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget"}
+    assert {d["kind"] for d in docs} >= {
+        "Namespace",
+        "ConfigMap",
+        "Deployment",
+        "Service",
+        "PodDisruptionBudget",
+    }
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
 

@@ -4,12 +4,22 @@ The config is the one the container would run with: its args, its env and the
 ConfigMap file mounted where --config points, built by the real
 load_config. Checked for the CPU base and the GPU overlay as kustomize renders them.
 """
+
 from __future__ import annotations
 
 import pytest
 import yaml
-from test_deploy_files import (K8S, K8S_GPU, POST_DRAIN_S, ROOT, by_kind, k8s_documents, pod_template, serve_config,
-                               sidecar_env)
+from test_deploy_files import (
+    K8S,
+    K8S_GPU,
+    POST_DRAIN_S,
+    ROOT,
+    by_kind,
+    k8s_documents,
+    pod_template,
+    serve_config,
+    sidecar_env,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +40,9 @@ def k8s_config(docs: list[dict], tmp_path):
         local.write_text(text)
         files[f"{mounts[cm_vol['name']].rstrip('/')}/{key}"] = str(local)
     args = [files.get(a, a) for a in c.get("args", [])]
-    assert "--config" in args and args[args.index("--config") + 1] in files.values(), \
+    assert "--config" in args and args[args.index("--config") + 1] in files.values(), (
         f"--config must name a file of the mounted ConfigMap ({sorted(files)}), args={c.get('args')}"
+    )
     env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
     return serve_config(args, sidecar_env(env)), c, pod
 
@@ -56,20 +67,30 @@ def test_k8s_deployment_wiring(overlays, variant, tmp_path):
     if variant == "gpu":
         assert c["resources"]["limits"]["nvidia.com/gpu"] == "1" and c["image"].endswith(":cuda")
     else:
-        assert cfg.engine.kv_cache_memory_gb is not None, "CPU pods must size the KV cache below their memory limit"
+        assert cfg.engine.kv_cache_memory_gb is not None, (
+            "CPU pods must size the KV cache below their memory limit"
+        )
     for res in ("requests", "limits"):
         assert {"cpu", "memory"} <= set(c["resources"][res])
     sec = pod["spec"]["securityContext"]
     assert sec["runAsNonRoot"] and sec["runAsUser"] == 10001  # the uid the Dockerfiles create
-    for kind, name in (("Service", "sidecar-headless"), ("Service", "sidecar"), ("PodDisruptionBudget", "sidecar")):
+    for kind, name in (
+        ("Service", "sidecar-headless"),
+        ("Service", "sidecar"),
+        ("PodDisruptionBudget", "sidecar"),
+    ):
         obj = by_kind(docs, kind, name)
         sel = obj["spec"]["selector"]
         sel = sel.get("matchLabels", sel)
-        assert sel and all(labels.get(k) == v for k, v in sel.items()), f"{kind} {name} selects no sidecar pod"
+        assert sel and all(labels.get(k) == v for k, v in sel.items()), (
+            f"{kind} {name} selects no sidecar pod"
+        )
     headless = by_kind(docs, "Service", "sidecar-headless")["spec"]
     assert headless["clusterIP"] == "None"
     assert [(p["port"], p["targetPort"]) for p in headless["ports"]] == [(cfg.server.grpc_port, "grpc")]
-    http = {p["name"]: (p["port"], p["targetPort"]) for p in by_kind(docs, "Service", "sidecar")["spec"]["ports"]}
+    http = {
+        p["name"]: (p["port"], p["targetPort"]) for p in by_kind(docs, "Service", "sidecar")["spec"]["ports"]
+    }
     assert http["http"] == (cfg.server.http_port, "http")
 
 

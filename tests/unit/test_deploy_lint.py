@@ -3,6 +3,7 @@
 Any finding of severity warning or above fails; deliberate exceptions are
 marked in the Dockerfiles with `# hadolint ignore=` and a reason.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -22,8 +23,12 @@ def _hadolint() -> str:
 
 
 def _lint(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([_hadolint(), "--no-color", "--failure-threshold", "warning", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [_hadolint(), "--no-color", "--failure-threshold", "warning", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(DOCKERFILES))

@@ -1,4 +1,5 @@
 """Incremental detokenizer: UTF-8 safe deltas, stop strings held back and removed."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,14 +20,16 @@ def stream(tok, text: str, stop=()):
     for t in tok.encode(text, add_special_tokens=False):
         hit = d.add_token(t)
         visible = d.visible_text(hit is not None)
-        deltas.append(visible[len(shown):])
+        deltas.append(visible[len(shown) :])
         shown = visible
         if hit:
             break
     return d, deltas
 
 
-@pytest.mark.parametrize("text", ["量子纠缠实验室的研究员说：你好！", "emoji 😀🚀✅ and 👍🏽 mixed", "日本語 ありがとう 🤖"])
+@pytest.mark.parametrize(
+    "text", ["量子纠缠实验室的研究员说：你好！", "emoji 😀🚀✅ and 👍🏽 mixed", "日本語 ありがとう 🤖"]
+)
 def test_deltas_never_split_a_character(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
     # The byte-level tokenizer really does split these characters across tokens.
@@ -52,7 +55,9 @@ def test_earliest_of_several_stop_strings_wins(tok):
 
 def test_invalid_bytes_do_not_stall_the_stream(tok):
     # Continuation bytes with no lead byte never form a character; text must still advance.
-    byte_tokens = [tok.convert_tokens_to_ids(c) for c in ("\u00ae", "\u00af", "\u00b0", "\u00b1", "\u00b2", "\u00b3")]
+    byte_tokens = [
+        tok.convert_tokens_to_ids(c) for c in ("\u00ae", "\u00af", "\u00b0", "\u00b1", "\u00b2", "\u00b3")
+    ]
     assert all(isinstance(t, int) and t >= 0 for t in byte_tokens)
     d = IncrementalDetokenizer(tok, SamplingParams())
     for t in byte_tokens[:4]:

@@ -1,4 +1,5 @@
 """Engine behaviour on the demo model: validation, finishing, aborts, deadlines, limits, resources."""
+
 from __future__ import annotations
 
 import asyncio
@@ -22,9 +23,12 @@ def llm(demo_dir):
 
 
 def pool_whole(engine: LLMEngine) -> bool:
-    return (not engine.requests and engine.kv.num_free_blocks() == engine.kv.num_blocks
-            and all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:])
-            and engine.sampler.tensors.slots_in_use() == 0)
+    return (
+        not engine.requests
+        and engine.kv.num_free_blocks() == engine.kv.num_blocks
+        and all(b.ref_cnt == 0 for b in engine.kv.pool.blocks[1:])
+        and engine.sampler.tensors.slots_in_use() == 0
+    )
 
 
 def drain(engine: LLMEngine) -> dict:
@@ -36,13 +40,16 @@ def drain(engine: LLMEngine) -> dict:
     return done
 
 
-@pytest.mark.parametrize("prompt,params,field", [
-    ("", SamplingParams(), "prompt"),
-    ([], SamplingParams(), "prompt"),
-    ([1, 2, 10**6], SamplingParams(), "prompt"),
-    ("x " * 600, SamplingParams(), "prompt"),  # longer than the 504-token pool
-    ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,field",
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([1, 2, 10**6], SamplingParams(), "prompt"),
+        ("x " * 600, SamplingParams(), "prompt"),  # longer than the 504-token pool
+        ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+    ],
+)
 def test_bad_input_raises_value_error_naming_field(llm, prompt, params, field):
     with pytest.raises(ValueError, match=field):
         llm.engine.add_request(None, prompt, params)
@@ -104,7 +111,7 @@ def test_stop_string_finishes_and_is_removed(llm):
     stop = text[3:6]
     out = llm.generate(["The cache"], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop"
-    assert out.text == text[:text.find(stop)]
+    assert out.text == text[: text.find(stop)]
     assert pool_whole(llm.engine)
 
 
@@ -124,8 +131,12 @@ def test_abort_frees_blocks_and_reports_abort(llm):
 
 def test_deadline_expires_request(llm):
     eng = llm.engine
-    eng.add_request("late", "hello", SamplingParams(max_tokens=10_000 // 40, ignore_eos=True),
-                    deadline=time.monotonic() + 0.05)
+    eng.add_request(
+        "late",
+        "hello",
+        SamplingParams(max_tokens=10_000 // 40, ignore_eos=True),
+        deadline=time.monotonic() + 0.05,
+    )
     done = drain(eng)
     assert done["late"].finish_reason == "abort" and done["late"].abort_reason == "deadline"
     assert pool_whole(eng)
@@ -176,11 +187,15 @@ def test_seeded_sampling_independent_of_batch(llm):
 
 def test_penalty_slots_are_returned_on_finish_and_abort(llm):
     eng = llm.engine
-    pen = SamplingParams(max_tokens=30, temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4,
-                         ignore_eos=True)
+    pen = SamplingParams(
+        max_tokens=30, temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.4, ignore_eos=True
+    )
     for i in range(3):
-        eng.add_request(f"pen{i}", "penalised prompt", pen if i else SamplingParams(
-            max_tokens=3, repetition_penalty=1.2, ignore_eos=True))
+        eng.add_request(
+            f"pen{i}",
+            "penalised prompt",
+            pen if i else SamplingParams(max_tokens=3, repetition_penalty=1.2, ignore_eos=True),
+        )
     for _ in range(6):
         eng.step()
     assert eng.sampler.tensors.slots_in_use() == 2  # pen0 finished (3 tokens) and gave its slot back
@@ -192,14 +207,26 @@ def test_penalty_slots_are_returned_on_finish_and_abort(llm):
 
 
 def test_every_sampling_option_runs_through_the_engine(llm):
-    p = SamplingParams(max_tokens=6, temperature=0.7, top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.3,
-                       presence_penalty=0.5, frequency_penalty=0.5, seed=7, logprobs=2, ignore_eos=True)
+    p = SamplingParams(
+        max_tokens=6,
+        temperature=0.7,
+        top_k=20,
+        top_p=0.9,
+        min_p=0.01,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        seed=7,
+        logprobs=2,
+        ignore_eos=True,
+    )
     out = llm.generate(["penalties and filters"], p)[0]
     assert len(out.token_ids) == 6 and len(out.logprobs) == 6
     assert [lp.token_id for lp in out.logprobs] == out.token_ids
     assert all(len(lp.top) == 2 for lp in out.logprobs)
-    greedy = llm.generate(["penalties and filters"], SamplingParams(max_tokens=6, repetition_penalty=1.5,
-                                                                     ignore_eos=True))[0]
+    greedy = llm.generate(
+        ["penalties and filters"], SamplingParams(max_tokens=6, repetition_penalty=1.5, ignore_eos=True)
+    )[0]
     plain = llm.generate(["penalties and filters"], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert len(set(greedy.token_ids)) >= len(set(plain.token_ids))
     assert pool_whole(llm.engine)
@@ -208,8 +235,10 @@ def test_every_sampling_option_runs_through_the_engine(llm):
 def test_chat_applies_template(llm):
     ids = llm.engine.encode_chat([{"role": "user", "content": "hi"}])
     assert llm.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
-    out = llm.chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
-                   SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    out = llm.chat(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        SamplingParams(max_tokens=3, ignore_eos=True),
+    )[0]
     assert len(out.token_ids) == 3
     with pytest.raises(ValueError, match=r"messages\[0\].role"):
         llm.chat([{"role": "robot", "content": "x"}])
@@ -305,10 +334,15 @@ def test_demo_model_built_once_under_concurrent_starts(tmp_path):
     import sys
 
     target = tmp_path / "demo"
-    code = ("import sys; from sidecar.model.demo import ensure_demo_model; "
-            "print(ensure_demo_model(sys.argv[1]))")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE) for _ in range(3)]
+    code = (
+        "import sys; from sidecar.model.demo import ensure_demo_model; print(ensure_demo_model(sys.argv[1]))"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(3)
+    ]
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1][-500:] for r in results]
     assert {r[0].decode().strip() for r in results} == {str(target)}

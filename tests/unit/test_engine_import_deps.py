@@ -1,5 +1,6 @@
 """The engine runs on an image with torch, transformers, numpy, safetensors and grpcio only (the CUDA
 test machine): faiss, llguidance, FastAPI and psutil are imported lazily, where they are used."""
+
 from __future__ import annotations
 
 import os
@@ -23,6 +24,12 @@ def test_engine_generates_without_optional_packages(demo_dir):
         assert len(out.token_ids) == 3, out
         print("ok")
     """)
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

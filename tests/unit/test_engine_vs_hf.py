@@ -1,4 +1,5 @@
 """Greedy float32 output equals HF transformers generate, token for token, in every scheduling regime."""
+
 from __future__ import annotations
 
 import random
@@ -19,9 +20,15 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new: int = MAX_NEW) -> li
     outs = []
     with torch.no_grad():
         for p in prompts:
-            g = hf.generate(torch.tensor([p]), max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
+            g = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(g[0, len(p) :].tolist())
     return outs
 
 
@@ -80,8 +87,13 @@ def test_chunked_prefill_small_budget_matches_hf(tiny_models, references, budget
 def test_forced_preemption_matches_hf(tiny_models, references, caching):
     prompts, ref = references
     # 24 usable blocks of 8 tokens cannot hold 16 requests of up to 82 tokens at once.
-    llm = LLM(model=str(tiny_models["llama"]), dtype="float32", block_size=8, num_kv_blocks=25,
-              enable_prefix_caching=caching)
+    llm = LLM(
+        model=str(tiny_models["llama"]),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=25,
+        enable_prefix_caching=caching,
+    )
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == ref["llama"]
@@ -114,7 +126,9 @@ def test_prefix_caching_identical_to_no_caching(tiny_models):
     prompts = [shared + t for t in tails]
     outs = {}
     for caching in (True, False):
-        llm = LLM(model=str(tiny_models["qwen2"]), dtype="float32", block_size=8, enable_prefix_caching=caching)
+        llm = LLM(
+            model=str(tiny_models["qwen2"]), dtype="float32", block_size=8, enable_prefix_caching=caching
+        )
         first = llm.generate(prompts[:1], GREEDY)
         rest = llm.generate(prompts[1:], GREEDY)
         outs[caching] = [o.token_ids for o in first + rest]

@@ -1,6 +1,7 @@
 """GGUF checkpoints: files written here with gguf.GGUFWriter, the way llama.cpp's converter writes them
 (Q/K rows interleaved for rotary, tokenizer and chat template in the metadata), load into our decoder
 with the dequantized reference weights, and give HF-equal greedy output."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,28 @@ from sidecar.model.loader import load_model
 
 gguf = pytest.importorskip("gguf")  # a declared dependency; fails loudly below if absent
 Q = gguf.GGMLQuantizationType
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.3,
-            rope_theta=10000.0)
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.3,
+    rope_theta=10000.0,
+)
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +58,11 @@ def _gguf_name(hf: str) -> str:
         _, _, idx, rest = hf.split(".", 3)
         mod, kind = rest.rsplit(".", 1)
         return f"blk.{idx}.{GGUF_NAMES[mod]}.{kind}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf]
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf]
 
 
 def _encode(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
@@ -60,8 +79,9 @@ def _encode(w: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
     return data, gguf.quants.dequantize(data, qtype).reshape(w.shape).astype(np.float32)
 
 
-def write_tiny_gguf(path: Path, tokenizer_dir: Path, types, arch: str = "llama", seed: int = 0,
-                    tie: bool = False) -> dict[str, torch.Tensor]:
+def write_tiny_gguf(
+    path: Path, tokenizer_dir: Path, types, arch: str = "llama", seed: int = 0, tie: bool = False
+) -> dict[str, torch.Tensor]:
     """A tiny random Llama written as GGUF; ``types(hf_name)`` picks each 2-D tensor's type.
     Returns the HF state dict a dequantizing reader must recover (float32)."""
     import transformers as tf
@@ -73,8 +93,9 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, types, arch: str = "llama",
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {a["content"] for a in tok["added_tokens"] if a.get("special")}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    cfg = tf.LlamaConfig(**TINY, vocab_size=len(tokens), tie_word_embeddings=tie, eos_token_id=2,
-                         bos_token_id=None)
+    cfg = tf.LlamaConfig(
+        **TINY, vocab_size=len(tokens), tie_word_embeddings=tie, eos_token_id=2, bos_token_id=None
+    )
     torch.manual_seed(seed)
     hf = tf.LlamaForCausalLM(cfg)
     w = gguf.GGUFWriter(str(path), arch)
@@ -93,8 +114,10 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, types, arch: str = "llama",
     w.add_token_types([3 if t in special else 1 for t in tokens])
     w.add_token_merges(merges)
     w.add_eos_token_id(2)
-    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     ref = {}
     for name, t in hf.state_dict().items():
         if tie and name == "lm_head.weight":
@@ -104,8 +127,13 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, types, arch: str = "llama",
             w.add_tensor(_gguf_name(name), a)
             ref[name] = torch.from_numpy(a.copy())
             continue
-        heads = {"q_proj": TINY["num_attention_heads"], "k_proj": TINY["num_key_value_heads"]}.get(
-            name.split(".")[-2]) if arch == "llama" else None
+        heads = (
+            {"q_proj": TINY["num_attention_heads"], "k_proj": TINY["num_key_value_heads"]}.get(
+                name.split(".")[-2]
+            )
+            if arch == "llama"
+            else None
+        )
         stored = _permute(a, heads) if heads else a
         qtype = types(name)
         if qtype == Q.BF16:
@@ -128,8 +156,9 @@ def write_tiny_gguf(path: Path, tokenizer_dir: Path, types, arch: str = "llama",
 def _hf_from(ref: dict[str, torch.Tensor], vocab: int, tie: bool = False):
     import transformers as tf
 
-    hf = tf.LlamaForCausalLM(tf.LlamaConfig(**TINY, vocab_size=vocab, tie_word_embeddings=tie,
-                                            eos_token_id=2, bos_token_id=None))
+    hf = tf.LlamaForCausalLM(
+        tf.LlamaConfig(**TINY, vocab_size=vocab, tie_word_embeddings=tie, eos_token_id=2, bos_token_id=None)
+    )
     hf.load_state_dict(ref, strict=not tie)
     return hf.float().eval()
 
@@ -138,9 +167,15 @@ def _hf_greedy(hf, prompts, n):
     outs = []
     with torch.no_grad():
         for p in prompts:
-            g = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)
-            outs.append(g[0, len(p):].tolist())
+            g = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(g[0, len(p) :].tolist())
     return outs
 
 
@@ -175,13 +210,16 @@ def test_mixed_types_load_as_dequantized_reference_and_match_hf(tmp_path, demo_d
     # Tokenizer and chat template come from the file's metadata.
     tok = loaded.tokenizer
     assert tok.decode(tok.encode("Hello world", add_special_tokens=False)) == "Hello world"
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert loaded.eos_token_ids == (2,)
     hf = _hf_from(ref, m.args.vocab_size)
     expect = _hf_greedy(hf, PROMPTS, 10)
     out = LLM(model=str(path), dtype="float32", num_kv_blocks=64).generate(
-        PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True))
+        PROMPTS, SamplingParams(max_tokens=10, ignore_eos=True)
+    )
     assert [o.token_ids for o in out] == expect
 
 
@@ -202,8 +240,11 @@ def test_float_gguf_greedy_equals_hf(tmp_path, demo_dir, qtype):
     ref = write_tiny_gguf(path, demo_dir, lambda name: qtype, tie=True, seed=1)
     hf = _hf_from(ref, len(ref["model.embed_tokens.weight"]), tie=True)
     expect = _hf_greedy(hf, PROMPTS, 12)
-    out = LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=64).generate(  # a directory holding one file
-        PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    out = LLM(
+        model=str(tmp_path), dtype="float32", num_kv_blocks=64
+    ).generate(  # a directory holding one file
+        PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True)
+    )
     assert [o.token_ids for o in out] == expect
 
 
@@ -221,8 +262,12 @@ def test_q4_blocks_load_as_exact_int4(tmp_path, demo_dir, qtype):
     from safetensors.torch import load_file
 
     state = load_file(str(loaded.model_dir / "model.safetensors"))
-    w = dequantize_int4(state["layers.0.self_attn.qkv_proj.qweight"], state["layers.0.self_attn.qkv_proj.scales"],
-                        state["layers.0.self_attn.qkv_proj.zeros"], 64)
+    w = dequantize_int4(
+        state["layers.0.self_attn.qkv_proj.qweight"],
+        state["layers.0.self_attn.qkv_proj.scales"],
+        state["layers.0.self_attn.qkv_proj.zeros"],
+        64,
+    )
     expect = torch.cat([ref[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
     assert torch.allclose(w, expect, rtol=0, atol=1e-6)
     # The runtime layer computes with those weights (activations and scales rounded to bf16).
@@ -277,8 +322,12 @@ def test_tied_q8_0_embedding_stays_q8_0_next_to_int4_layers(tmp_path, demo_dir, 
     from sidecar.model.q8_0 import Q8_0Embedding, Q8_0Linear, dequantize_g32
 
     path = tmp_path / "q4q8.gguf"
-    types = lambda name: Q.Q4_0 if "layers" in name and name.endswith("proj.weight") else (  # noqa: E731
-        Q.Q8_0 if "embed_tokens" in name else Q.F32)
+
+    def types(name):
+        if "layers" in name and name.endswith("proj.weight"):
+            return Q.Q4_0
+        return Q.Q8_0 if "embed_tokens" in name else Q.F32
+
     ref = write_tiny_gguf(path, demo_dir, types, tie=True, seed=2)
     loaded = load_model(EngineConfig(model=str(path)))  # dtype auto: the exact int4 form
     m = loaded.model

@@ -1,6 +1,7 @@
 """Grammar work cannot stall the server or pass for a valid answer: checked off the event loop, once per
 distinct constraint, within a size budget; compiled once per content in the engine; a grammar that breaks
 while decoding ends its request with an error, never with "stop"."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,17 @@ SCHEMA = {"type": "object", "properties": {"k": {"type": "integer"}}, "required"
 
 
 def wide_schema(n: int) -> dict:
-    return {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"],
-                       "additionalProperties": False} for i in range(n)]}
+    return {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {f"k{i}": {"type": "integer"}},
+                "required": [f"k{i}"],
+                "additionalProperties": False,
+            }
+            for i in range(n)
+        ]
+    }
 
 
 @pytest.fixture
@@ -53,8 +63,13 @@ def compiles(monkeypatch):
 def test_http_checks_a_schema_once_for_n_choices_and_off_the_event_loop(compiles):
     svc = FakeService()
     client = TestClient(create_app(svc))
-    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 4,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}}
+    body = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "n": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}},
+    }
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     assert len(svc.requests) == 4 and all(r.params.structured.value == SCHEMA for r in svc.requests)
     assert compiles == [False]  # four choices, one compile, on a worker thread (no event loop there)
@@ -119,8 +134,9 @@ def test_rows_in_one_grammar_state_share_one_mask_per_step(engine):
     assert sd.num_masks - masks == engine.counters["num_steps"] - steps  # one mask per step, not four
     masks, steps = sd.num_masks, engine.counters["num_steps"]
     for i in range(4):  # sampled with their own seeds: the rows part ways, and so do their masks
-        engine.add_request(f"seeded{i}", "hello", SamplingParams(max_tokens=8, structured=SCHEMA, temperature=1.0,
-                                                                 seed=i))
+        engine.add_request(
+            f"seeded{i}", "hello", SamplingParams(max_tokens=8, structured=SCHEMA, temperature=1.0, seed=i)
+        )
     outs = run_all(engine)
     assert len({tuple(o.token_ids) for o in outs.values()}) > 1
     assert sd.num_masks - masks > engine.counters["num_steps"] - steps
@@ -128,7 +144,9 @@ def test_rows_in_one_grammar_state_share_one_mask_per_step(engine):
         assert sd.compiled(Constraint("json", SCHEMA)).deep_copy().consume_tokens(o.token_ids)
 
 
-BREAKING = pytest.mark.parametrize("structured", ["(x{1000}){1000}", wide_schema(2500)], ids=["regex", "anyOf"])
+BREAKING = pytest.mark.parametrize(
+    "structured", ["(x{1000}){1000}", wide_schema(2500)], ids=["regex", "anyOf"]
+)
 
 
 @BREAKING
@@ -166,9 +184,13 @@ def test_a_grammar_that_breaks_while_decoding_ends_with_an_error_not_stop(engine
 def test_grammars_compile_on_a_thread_below_the_step_loops_priority(engine):
     ae = AsyncEngine(engine)  # not started: only its grammar thread is used
     try:
-        nice = ae._grammar_pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+        nice = ae._grammar_pool.submit(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        ).result()
         assert nice > os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        asyncio.run(ae.compile_grammar(Constraint("json", SCHEMA)))  # compiled there, the engine's cache holds it
+        asyncio.run(
+            ae.compile_grammar(Constraint("json", SCHEMA))
+        )  # compiled there, the engine's cache holds it
         with pytest.raises(ValueError, match="^structured: cannot be enforced"):
             asyncio.run(ae.compile_grammar(Constraint("regex", "(x{1000}){1000}")))
     finally:

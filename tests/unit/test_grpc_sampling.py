@@ -1,4 +1,5 @@
 """gRPC SamplingParams -> engine SamplingParams: optional fields keep the engine's defaults when unset."""
+
 import pytest
 
 from sidecar.server.grpc import servicer
@@ -12,8 +13,11 @@ def test_unset_fields_keep_engine_defaults():
 
 
 def test_speculative_opt_out_and_other_fields_reach_the_engine():
-    p = servicer._params(pb.SamplingParams(max_tokens=7, temperature=0.5, top_k=3, seed=11, speculative=False,
-                                           stop=["x"], logprobs=2))
+    p = servicer._params(
+        pb.SamplingParams(
+            max_tokens=7, temperature=0.5, top_k=3, seed=11, speculative=False, stop=["x"], logprobs=2
+        )
+    )
     assert (p.max_tokens, p.temperature, p.top_k, p.seed, p.speculative) == (7, 0.5, 3, 11, False)
     assert (p.stop, p.logprobs) == (["x"], 2)
     assert servicer._params(pb.SamplingParams(speculative=True)).speculative is True

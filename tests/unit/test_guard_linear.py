@@ -1,4 +1,5 @@
 """The guard's feature extraction is linear in the text (issue: a 60 KB message froze the server)."""
+
 import random
 import re
 import time

@@ -2,6 +2,7 @@
 
 The decision is driven through torch's capability probes, monkeypatched to stand for other machines.
 """
+
 import pytest
 import torch
 
@@ -12,7 +13,12 @@ from sidecar.model.loader import pick_dtype, pick_dtype_with_reason
 BF16_CKPT = {"torch_dtype": "bfloat16"}
 FP16_CKPT = {"torch_dtype": "float16"}
 FP32_CKPT = {"torch_dtype": "float32"}
-QWEN2_05B = {"torch_dtype": "bfloat16", "hidden_size": 896, "num_attention_heads": 14, "intermediate_size": 4864}
+QWEN2_05B = {
+    "torch_dtype": "bfloat16",
+    "hidden_size": 896,
+    "num_attention_heads": 14,
+    "intermediate_size": 4864,
+}
 CPU = torch.device("cpu")
 
 
@@ -24,8 +30,12 @@ def _fresh_caches():
 
 
 def _cpu(monkeypatch, *, avx2=True, avx512=False, avx512_bf16=False, amx=False):
-    probes = {"_is_avx2_supported": avx2, "_is_avx512_supported": avx512,
-              "_is_avx512_bf16_supported": avx512_bf16, "_is_amx_tile_supported": amx}
+    probes = {
+        "_is_avx2_supported": avx2,
+        "_is_avx512_supported": avx512,
+        "_is_avx512_bf16_supported": avx512_bf16,
+        "_is_amx_tile_supported": amx,
+    }
     for name, value in probes.items():
         monkeypatch.setattr(torch.cpu, name, (lambda v=value: v), raising=False)
     hardware.cpu_isa.cache_clear()
@@ -93,16 +103,20 @@ def test_float32_checkpoint_stays_float32(monkeypatch):
     assert pick_dtype("auto", {}, CPU) == torch.float32
 
 
-@pytest.mark.parametrize("requested,expected", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
-                                                ("float16", torch.float16)])
+@pytest.mark.parametrize(
+    "requested,expected",
+    [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)],
+)
 def test_explicit_dtype_is_obeyed(monkeypatch, requested, expected):
     _cpu(monkeypatch, avx2=True)  # even where the CPU would not pick it
     dtype, why = pick_dtype_with_reason(requested, BF16_CKPT, CPU)
     assert dtype == expected and why == f"requested {requested}"
 
 
-@pytest.mark.parametrize("capability,expected", [((7, 5), torch.float16), ((8, 0), torch.bfloat16),
-                                                 ((9, 0), torch.bfloat16), ((6, 1), torch.float16)])
+@pytest.mark.parametrize(
+    "capability,expected",
+    [((7, 5), torch.float16), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16), ((6, 1), torch.float16)],
+)
 def test_cuda_half_dtype_by_compute_capability(monkeypatch, capability, expected):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     dtype, why = pick_dtype_with_reason("auto", BF16_CKPT, torch.device("cuda", 0))

@@ -1,4 +1,5 @@
 """glibc's thresholds for a CPU engine's step-sized blocks (sidecar.model.heap)."""
+
 import json
 import os
 import subprocess
@@ -40,8 +41,13 @@ _PROBE = textwrap.dedent("""
 def _probe(mib: int, in_thread: bool, thp: str, keep: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     env.update(KEEP=keep, THP_MEM_ALLOC_ENABLE=thp, SIDECAR_KEEP_FREED="1")
-    run = subprocess.run([sys.executable, "-c", _PROBE, str(mib), "1" if in_thread else "0"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", _PROBE, str(mib), "1" if in_thread else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -61,7 +67,8 @@ def test_the_users_choice_and_the_opt_out_are_kept():
     assert heap._refusal({"SIDECAR_KEEP_FREED": "0"}) == "SIDECAR_KEEP_FREED=0"
     assert "MALLOC_MMAP_THRESHOLD_" in heap._refusal({"MALLOC_MMAP_THRESHOLD_": "1048576"})
     assert "glibc.malloc.trim_threshold" in heap._refusal(
-        {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=0"})
+        {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1:glibc.malloc.trim_threshold=0"}
+    )
     if sys.platform.startswith("linux"):
         # the CLI's own huge-page tunable is not a choice about these thresholds
         assert heap._refusal({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == ""
@@ -70,9 +77,18 @@ def test_the_users_choice_and_the_opt_out_are_kept():
 @glibc_linux
 def test_an_opted_out_process_keeps_glibcs_defaults():
     env = dict(os.environ, SIDECAR_KEEP_FREED="0")
-    run = subprocess.run([sys.executable, "-c", "import json; from sidecar.model import heap; "
-                          "print(json.dumps([heap.keep_step_blocks(), heap.keep_step_blocks()]))"],
-                         env=env, capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json; from sidecar.model import heap; "
+            "print(json.dumps([heap.keep_step_blocks(), heap.keep_step_blocks()]))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 0, run.stderr
     first, again = json.loads(run.stdout)
     assert first == again == {"state": "off (SIDECAR_KEEP_FREED=0)"}
@@ -82,10 +98,16 @@ def test_an_opted_out_process_keeps_glibcs_defaults():
 def test_a_cpu_engine_sets_them_when_it_has_loaded(demo_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     env["SIDECAR_KEEP_FREED"] = "1"
-    code = ("import json, sys; from sidecar.config import EngineConfig; from sidecar.engine.engine import LLMEngine; "
-            "e = LLMEngine(EngineConfig(model=sys.argv[1], num_kv_blocks=16)); print(json.dumps(e.heap))")
-    run = subprocess.run([sys.executable, "-c", code, str(demo_dir)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    code = (
+        "import json, sys; from sidecar.config import EngineConfig; from sidecar.engine.engine import LLMEngine; "
+        "e = LLMEngine(EngineConfig(model=sys.argv[1], num_kv_blocks=16)); print(json.dumps(e.heap))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(demo_dir)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout.strip().splitlines()[-1]) == {
-        "state": "kept", "mmap_threshold": heap.MMAP_THRESHOLD, "trim_threshold": heap.TRIM_THRESHOLD}
+        "state": "kept",
+        "mmap_threshold": heap.MMAP_THRESHOLD,
+        "trim_threshold": heap.TRIM_THRESHOLD,
+    }

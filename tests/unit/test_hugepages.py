@@ -2,6 +2,7 @@
 
 Each case runs in a fresh interpreter: torch fixes its allocator's huge-page choice at its first
 allocation, so the order of imports and allocations is part of what is tested."""
+
 import json
 import os
 import subprocess
@@ -16,10 +17,18 @@ THP_ON = MODE in ("always", "madvise")
 
 
 def _python(code: str, **env: str) -> dict:
-    base = {k: v for k, v in os.environ.items() if k not in (hugepages.ALLOCATOR_ENV, "SIDECAR_HUGE_PAGES",
-                                                                "GLIBC_TUNABLES")}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**base, "PYTHONPATH": str(ROOT), **env})
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (hugepages.ALLOCATOR_ENV, "SIDECAR_HUGE_PAGES", "GLIBC_TUNABLES")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**base, "PYTHONPATH": str(ROOT), **env},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -103,8 +112,10 @@ def test_thp_mode_reads_the_bracketed_choice(tmp_path):
 def test_the_engine_advises_what_it_loaded(demo_dir):
     # A fresh interpreter: in a process that loaded models before, a small model's memory can come from
     # mappings that already existed (and were left alone on purpose).
-    code = ("import json; from sidecar import LLM; "
-            f"print(json.dumps(LLM(model={str(demo_dir)!r}, dtype='float32', num_kv_blocks=64).engine.huge_pages))")
+    code = (
+        "import json; from sidecar import LLM; "
+        f"print(json.dumps(LLM(model={str(demo_dir)!r}, dtype='float32', num_kv_blocks=64).engine.huge_pages))"
+    )
     state = _python(code)
     if THP_ON:
         assert state["state"] in ("advised", "collapsed") and state["advised"] >= 1

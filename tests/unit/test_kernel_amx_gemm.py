@@ -5,6 +5,7 @@ The layout (pack, unpack, rows) is torch code and is tested on every CPU. The ke
 False, with a reason). Each kernel test runs twice: the build for this CPU, and one with AMX left out (the AVX-512
 BF16 path, as on an AMD Zen 4; on a CPU without AVX-512 BF16 that build must refuse too): the
 ``tile_build`` fixture of tests/conftest.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -68,9 +69,22 @@ def _runs(build: str) -> bool:
 
 # m: 1 row, partial and whole tiles, two panels, k-blocked batches (> 64 rows) and more than one block of rows
 # (300, 100, 4,864), (600, 230, 2,112): rows that go in slabs of chunks, blocks and a partial panel
-@pytest.mark.parametrize("m,n,k", [(1, 7, 32), (1, 4864, 896), (3, 50, 96), (16, 64, 4864), (17, 130, 576),
-                                   (32, 33, 64), (45, 96, 1536), (65, 40, 288), (300, 100, 4864), (1100, 70, 96),
-                                   (600, 230, 2112)])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 7, 32),
+        (1, 4864, 896),
+        (3, 50, 96),
+        (16, 64, 4864),
+        (17, 130, 576),
+        (32, 33, 64),
+        (45, 96, 1536),
+        (65, 40, 288),
+        (300, 100, 4864),
+        (1100, 70, 96),
+        (600, 230, 2112),
+    ],
+)
 @pytest.mark.parametrize("bias_dtype", [None, torch.float32, torch.bfloat16])
 def test_kernel_matches_reference(m, n, k, bias_dtype, tile_build):
     if not _runs(tile_build):
@@ -93,8 +107,11 @@ def test_large_outputs_are_streamed_with_the_same_values(tile_build):
     (a row alone), in every output mode, with a partial last group of columns."""
     if not _runs(tile_build):
         return
-    for m, n, out_dtype, widened in ((70, 30_000, torch.float32, False), (70, 30_016, torch.float32, True),
-                                     (140, 30_016, torch.bfloat16, False)):
+    for m, n, out_dtype, widened in (
+        (70, 30_000, torch.float32, False),
+        (70, 30_016, torch.float32, True),
+        (140, 30_016, torch.bfloat16, False),
+    ):
         x, w, b = _case(m, n, 64, seed=n, bias_dtype=torch.float32)
         layer = amx_gemm.AmxLayer(amx_gemm.pack(w), n, b)
         y = layer(x, out_dtype, widened=widened)
@@ -103,7 +120,7 @@ def test_large_outputs_are_streamed_with_the_same_values(tile_build):
         bound = (1e-2 if out_dtype is torch.bfloat16 or widened else 1e-5) * float(ref.abs().max())
         assert float((y.double() - ref).abs().max()) <= bound
         for r in (0, 33, m - 1):
-            assert torch.equal(layer(x[r:r + 1], out_dtype, widened=widened), y[r:r + 1])
+            assert torch.equal(layer(x[r : r + 1], out_dtype, widened=widened), y[r : r + 1])
 
 
 def test_a_row_does_not_depend_on_its_batch_or_the_threads(tile_build):
@@ -121,7 +138,9 @@ def test_a_row_does_not_depend_on_its_batch_or_the_threads(tile_build):
     finally:
         torch.set_num_threads(threads)
     assert layer(x[:0]).shape == (0, 130)
-    x, w, b = _case(300, 70, 4864, seed=4, bias_dtype=torch.bfloat16)  # long rows: the batch goes in slabs of chunks
+    x, w, b = _case(
+        300, 70, 4864, seed=4, bias_dtype=torch.bfloat16
+    )  # long rows: the batch goes in slabs of chunks
     layer = amx_gemm.AmxLayer(amx_gemm.pack(w), 70, b)
     y = layer(x)
     for rows in (slice(0, 1), slice(299, 300), slice(0, 64), slice(40, 297)):
@@ -183,6 +202,7 @@ def test_gate_up_pairs_give_the_projection_and_its_activation(m, k, bias_dtype, 
     if not _runs(tile_build):
         return
     from sidecar.model.kernels import norm_act
+
     x, w, b = _case(m, 2 * 48, k, seed=m, bias_dtype=bias_dtype)
     plain = amx_gemm.AmxLayer(amx_gemm.pack(w), 96, b)(x)
     paired = amx_gemm.AmxLayer(amx_gemm.pack(w, pairs=48), 96, b, pairs=48)

@@ -1,6 +1,7 @@
 """The sampler's greedy pick in C: the indices torch.argmax(-1) gives for float32 logits -- the first of the
 largest value, a NaN winning, -0.0 equal to 0.0 -- for any row count and width (a row split between the threads
 included), rows in place or strided; other tensors are left to torch."""
+
 import pytest
 import torch
 
@@ -23,7 +24,9 @@ def _cases():
     for rows, n in ((3, 1), (2, 15), (5, 17), (4, 4096), (1, 8193), (2, 20_000), (0, 7)):
         yield torch.randn(rows, n, generator=g)
     yield torch.tensor([[1.0, NAN, 3.0, NAN], [NAN, 2.0, 1.0, 0.0], [1.0, 2.0, 3.0, NAN]])
-    yield torch.tensor([[-INF, -INF, -INF], [INF, 1.0, INF], [-0.0, 0.0, -1.0], [0.0, -0.0, -1.0], [2.0, 5.0, 5.0, 1.0][:3]])
+    yield torch.tensor(
+        [[-INF, -INF, -INF], [INF, 1.0, INF], [-0.0, 0.0, -1.0], [0.0, -0.0, -1.0], [2.0, 5.0, 5.0, 1.0][:3]]
+    )
     yield torch.full((2, 9000), 1.0)
     yield torch.full((1, 50_000), -INF)
     for hot in ((100, 120_000), (120_000, 130_000), (75_000, 75_968), (151_935, 3)):
@@ -64,8 +67,10 @@ def test_greedy_and_sampled_steps_pick_through_it(monkeypatch):
     real = argmax_kernel.row_argmax
     monkeypatch.setattr(argmax_kernel, "row_argmax", lambda x: calls.append(tuple(x.shape)) or real(x))
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1)) * 3
-    reqs = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8 if i == 1 else 0.0, max_tokens=4))
-            for i in range(3)]
+    reqs = [
+        Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.8 if i == 1 else 0.0, max_tokens=4))
+        for i in range(3)
+    ]
     sampler = Sampler(torch.device("cpu"))
     ids, _ = sampler(logits.clone(), reqs)
     assert calls and all(shape[1] == 1000 for shape in calls)

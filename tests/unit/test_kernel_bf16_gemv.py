@@ -1,4 +1,5 @@
 """Our CPU bf16 decode kernel against its float64 reference, and the models' Linear that uses it."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,14 +28,26 @@ def _case(m, n, k, bias, seed):
 
 def test_availability_follows_the_cpu():
     flags = open("/proc/cpuinfo").read().split()
-    expected = "avx512_bf16" if "avx512_bf16" in flags else "avx2" if "avx2" in flags and "fma" in flags else ""
+    expected = (
+        "avx512_bf16" if "avx512_bf16" in flags else "avx2" if "avx2" in flags and "fma" in flags else ""
+    )
     assert bf16_gemv.isa() == expected, cpu_build.reason("bf16_gemv")
     assert bf16_gemv.available() == bool(expected)
 
 
-@pytest.mark.parametrize("m,n,k,bias", [(1, 7, 32, True), (1, 4864, 896, False), (2, 50, 96, True),
-                                        (3, 130, 576, False), (4, 33, 64, True), (5, 41, 896, True),
-                                        (9, 17, 1536, False), (16, 64, 4864, True)])
+@pytest.mark.parametrize(
+    "m,n,k,bias",
+    [
+        (1, 7, 32, True),
+        (1, 4864, 896, False),
+        (2, 50, 96, True),
+        (3, 130, 576, False),
+        (4, 33, 64, True),
+        (5, 41, 896, True),
+        (9, 17, 1536, False),
+        (16, 64, 4864, True),
+    ],
+)
 def test_kernel_matches_reference(m, n, k, bias):
     x, w, b = _case(m, n, k, bias, seed=m * 7 + n)
     if _refused_without_bf16(x, w, b):
@@ -52,8 +65,17 @@ def test_kernel_matches_reference(m, n, k, bias):
         assert torch.equal(bf16_gemv.bf16_matmul(x, w, b.float(), torch.bfloat16), y16)
 
 
-@pytest.mark.parametrize("m,n,k,bias", [(1, 7, 32, True), (1, 4864, 896, False), (3, 130, 576, True),
-                                        (4, 33, 64, False), (5, 41, 896, True), (16, 66, 4864, True)])
+@pytest.mark.parametrize(
+    "m,n,k,bias",
+    [
+        (1, 7, 32, True),
+        (1, 4864, 896, False),
+        (3, 130, 576, True),
+        (4, 33, 64, False),
+        (5, 41, 896, True),
+        (16, 66, 4864, True),
+    ],
+)
 def test_the_tiled_layout_gives_the_plain_layouts_bits(m, n, k, bias):
     """Same sums in the same order from either layout; row counts that leave a padded last tile included."""
     x, w, b = _case(m, n, k, bias, seed=m * 11 + n)
@@ -66,7 +88,9 @@ def test_the_tiled_layout_gives_the_plain_layouts_bits(m, n, k, bias):
             bf16_gemv.bf16_matmul_tiled(x, tiled, n, b)
         return
     for out in (torch.float32, torch.bfloat16):
-        assert torch.equal(bf16_gemv.bf16_matmul_tiled(x, tiled, n, b, out), bf16_gemv.bf16_matmul(x, w, b, out))
+        assert torch.equal(
+            bf16_gemv.bf16_matmul_tiled(x, tiled, n, b, out), bf16_gemv.bf16_matmul(x, w, b, out)
+        )
 
 
 @pytest.mark.parametrize("n,k", [(8, 32), (13, 96), (4097, 256)])
@@ -117,9 +141,15 @@ def test_bad_tiled_shapes_are_refused():
 def test_the_row_limit_is_where_the_kernel_stops_keeping_up():
     def ms(table):
         return lambda m: table[m] / 1e3
+
     ones = {m: 1.0 for m in bf16_gemv.CALIBRATION_ROWS}
     # oneDNN overtakes at 8 rows (Zen 4's shape): the kernel keeps 4 (a tie within the margin stays ours)
-    assert bf16_gemv.rows_limit(ms({2: 0.3, 4: 0.53, 8: 1.05, 16: 1.73}), ms({2: 0.4, 4: 0.51, 8: 0.66, 16: 1.33})) == 4
+    assert (
+        bf16_gemv.rows_limit(
+            ms({2: 0.3, 4: 0.53, 8: 1.05, 16: 1.73}), ms({2: 0.4, 4: 0.51, 8: 0.66, 16: 1.33})
+        )
+        == 4
+    )
     assert bf16_gemv.rows_limit(ms(ones), ms(ones)) == bf16_gemv.MAX_ROWS == bf16_gemv.CALIBRATION_ROWS[-1]
     assert bf16_gemv.rows_limit(ms({m: 2.0 for m in ones}), ms(ones)) == 1
     # the first count it loses at ends the range, even if it would win again above
@@ -166,7 +196,9 @@ def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, tiled
         monkeypatch.setattr(bf16_gemv, "available", lambda: False)
     torch.manual_seed(rows)
     lin = Linear(96, 70, bias=True).bfloat16()
-    if tiled:  # what pack_weights gives a bf16 layer where the kernel runs (the plain weight kept here for ref)
+    if (
+        tiled
+    ):  # what pack_weights gives a bf16 layer where the kernel runs (the plain weight kept here for ref)
         lin.tiled = bf16_gemv.tile_weight(lin.weight.detach())
     x = torch.randn(2, rows, 96).bfloat16()
     y = lin(x)
@@ -180,9 +212,24 @@ def test_linear_uses_the_kernel_for_small_bf16_batches_only(rows, kernels, tiled
 # 1-3 rows: dot_tile; from 4: outer products over groups of 16 weight rows (panels of 4-6 rows; 7: 4 + 3; a padded
 # last group: 9, 41, 66, 70, 130, 1,030 rows), several passes over K (4,864; 2,080 ends in one of 32), three row
 # chunks (220); a thread reads its next pass or block ahead (many blocks: 1,030 rows)
-@pytest.mark.parametrize("m,n,k", [(1, 4864, 896), (2, 130, 576), (3, 33, 64), (4, 41, 896), (7, 66, 1536),
-                                   (8, 70, 896), (15, 40, 1056), (16, 64, 4864), (17, 130, 2080), (33, 1030, 2080),
-                                   (40, 9, 96), (64, 1024, 896), (220, 9, 4864)])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 4864, 896),
+        (2, 130, 576),
+        (3, 33, 64),
+        (4, 41, 896),
+        (7, 66, 1536),
+        (8, 70, 896),
+        (15, 40, 1056),
+        (16, 64, 4864),
+        (17, 130, 2080),
+        (33, 1030, 2080),
+        (40, 9, 96),
+        (64, 1024, 896),
+        (220, 9, 4864),
+    ],
+)
 def test_the_avx2_path_on_any_avx2_cpu(m, n, k, monkeypatch):
     """The path an AVX2-only CPU (Zen 2/3) runs, built with -mavx2 -mfma wherever the CPU has them (an AVX-512
     machine too): float32 sums of exact products, tiled = plain bits, and a row's result whatever its batch."""
@@ -203,7 +250,7 @@ def test_the_avx2_path_on_any_avx2_cpu(m, n, k, monkeypatch):
         assert torch.equal(bf16_gemv.bf16_matmul_tiled(x, tiled, n, b, out), plain)
         # each row alone gives the bits it got in the batch (one order of sums, whatever the register tile)
         for i in (0, m - 1):
-            assert torch.equal(bf16_gemv.bf16_matmul_tiled(x[i:i + 1], tiled, n, b, out), plain[i:i + 1])
+            assert torch.equal(bf16_gemv.bf16_matmul_tiled(x[i : i + 1], tiled, n, b, out), plain[i : i + 1])
     assert torch.equal(bf16_gemv.untile_weight(tiled, n), w)
     nan = x.clone()
     nan[0, 5] = float("nan")
@@ -238,5 +285,6 @@ def test_a_checked_tiled_layer_gives_the_calls_bits_and_follows_its_buffers():
     assert first is not None and torch.equal(y, bf16_gemv.bf16_matmul_tiled(x, tiled, 70, b, torch.bfloat16))
     lin.bias = torch.nn.Parameter(b + 1)
     y2 = lin(x)
-    assert lin._tiled_layer is not first and torch.equal(y2, bf16_gemv.bf16_matmul_tiled(x, tiled, 70, b + 1,
-                                                                                          torch.bfloat16))
+    assert lin._tiled_layer is not first and torch.equal(
+        y2, bf16_gemv.bf16_matmul_tiled(x, tiled, 70, b + 1, torch.bfloat16)
+    )

@@ -1,5 +1,6 @@
 """The block-scatter kernel that loads offloaded KV blocks into the pool: the same bytes as the staged
 torch path, for plain and quantized caches, with bad block ids refused before anything is written."""
+
 import pytest
 import torch
 

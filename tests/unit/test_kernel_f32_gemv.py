@@ -1,4 +1,5 @@
 """The float32 kernel over a plain weight (a tied float32 head's table) against float64."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,15 +7,18 @@ import torch
 
 from sidecar.model.kernels import f32_gemv
 
-pytestmark = pytest.mark.skipif(not f32_gemv.available(), reason="needs AVX2 + FMA or AVX-512 and a C compiler")
+pytestmark = pytest.mark.skipif(
+    not f32_gemv.available(), reason="needs AVX2 + FMA or AVX-512 and a C compiler"
+)
 
 
 def _rand(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 4, 16), (1, 37, 64), (2, 9, 48), (3, 100, 96), (4, 8, 32), (7, 53, 144),
-                                   (17, 21, 80)])  # ragged N (a last tile of single rows), M over a panel of 3
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 4, 16), (1, 37, 64), (2, 9, 48), (3, 100, 96), (4, 8, 32), (7, 53, 144), (17, 21, 80)]
+)  # ragged N (a last tile of single rows), M over a panel of 3
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float64(m, n, k, bias):
     x, w = _rand(m, k, seed=m), _rand(n, k, seed=n + k)

@@ -1,4 +1,5 @@
 """Our CPU int4 decode kernel against its float64 reference, torch's packed layout, and Int4Linear's use of it."""
+
 from __future__ import annotations
 
 import copy
@@ -132,8 +133,10 @@ def test_no_rows():
 
 
 @pytest.mark.parametrize("layout", int4_gemv.LAYOUTS)
-@pytest.mark.parametrize("m,n,k,gs", [(1, 112, 128, 32), (5, 176, 256, 64), (33, 48, 64, 32), (3, 4864, 896, 128),
-                                      (2, 896, 4864, 128)])
+@pytest.mark.parametrize(
+    "m,n,k,gs",
+    [(1, 112, 128, 32), (5, 176, 256, 64), (33, 48, 64, 32), (3, 4864, 896, 128), (2, 896, 4864, 128)],
+)
 def test_every_layout_matches_reference(layout, m, n, k, gs):
     _check(m, n, k, gs, layout, seed=m + k)
 
@@ -142,8 +145,14 @@ def _check_rows_alone(layout):
     """Each output row bit for bit as the row alone gives it: calls of 1-2 rows and of more rows take different
     loops (with AVX2: bytes of the activation codes against pairs of codes, or the 16-bit codes against codes
     decoded once for every row), the same exact integer sums and the same float steps after them."""
-    for m, n, k, gs in [(3, 112, 128, 32), (4, 176, 576, 64), (7, 896, 896, 128), (33, 80, 96, 32),
-                        (70, 64, 512, 256), (5, 48, 256, 16)]:
+    for m, n, k, gs in [
+        (3, 112, 128, 32),
+        (4, 176, 576, 64),
+        (7, 896, 896, 128),
+        (33, 80, 96, 32),
+        (70, 64, 512, 256),
+        (5, 48, 256, 16),
+    ]:
         x, codes, sz = _case(m, n, k, gs, seed=m + n)
         x[1] *= 1e3  # rows of very different sizes: each has its own code scale per group
         x[2, :gs] = 0.0  # and a group of zeros (code scale 0)
@@ -151,9 +160,13 @@ def _check_rows_alone(layout):
         for dtype in (torch.float32, torch.bfloat16):
             xs = x.to(dtype)
             y = int4_gemv.int4_matmul(xs, w, gs, sz, layout=layout)
-            alone = torch.cat([int4_gemv.int4_matmul(xs[i:i + 1], w, gs, sz, layout=layout) for i in range(m)])
+            alone = torch.cat(
+                [int4_gemv.int4_matmul(xs[i : i + 1], w, gs, sz, layout=layout) for i in range(m)]
+            )
             assert torch.equal(y, alone), (layout, m, n, k, gs, dtype, (y - alone).abs().max())
-            pairs = torch.cat([int4_gemv.int4_matmul(xs[i:i + 2], w, gs, sz, layout=layout) for i in range(0, m, 2)])
+            pairs = torch.cat(
+                [int4_gemv.int4_matmul(xs[i : i + 2], w, gs, sz, layout=layout) for i in range(0, m, 2)]
+            )
             assert torch.equal(y, pairs), (layout, m, n, k, gs, dtype)
 
 
@@ -168,8 +181,14 @@ def test_avx2_build_matches_reference(monkeypatch):
     assert int4_gemv.vector_bits() == 256, cpu_build.reason("int4_gemv")
     assert int4_gemv.integer_dot()  # 16-bit activations and exact integer sums (vpmaddubsw), as with VNNI
     for layout in int4_gemv.LAYOUTS:
-        for m, n, k, gs in [(1, 112, 128, 32), (3, 176, 576, 64), (8, 896, 896, 128), (17, 80, 96, 32),
-                            (2, 64, 512, 256), (1, 48, 256, 16)]:
+        for m, n, k, gs in [
+            (1, 112, 128, 32),
+            (3, 176, 576, 64),
+            (8, 896, 896, 128),
+            (17, 80, 96, 32),
+            (2, 64, 512, 256),
+            (1, 48, 256, 16),
+        ]:
             _check(m, n, k, gs, layout, seed=m + n)
     _check(5, 208, 576, 32, dtype=torch.bfloat16)
     _check_bf16_out(3, 208, 576, 32)
@@ -216,11 +235,15 @@ def test_int4_linear_matches_the_dequantized_layer(rows, dtype, features, gs, mo
     assert y.dtype == dtype and y.shape == (rows, n)
     # decode-sized batches take our kernels, and bf16 batches of any size where AMX multiplies the codes (of layers
     # whose inputs need no padding: 896)
-    assert bool(calls) == (rows <= int4_gemv.MAX_ROWS or int4_gemv.tiles_take(gs, k, dtype) and k == qlin.k_padded)
+    assert bool(calls) == (
+        rows <= int4_gemv.MAX_ROWS or int4_gemv.tiles_take(gs, k, dtype) and k == qlin.k_padded
+    )
     ref = x.double() @ deq.double().T + b.double()
     if dtype == torch.float32 and calls:
         xp = F.pad(x, (0, q.shape[1] * 2 - k))  # the layer pads in_features to whole groups
-        assert ((y.double() - ref).abs() <= _bound(xp, unpack_int4(q), gs, s, z, int4_gemv.integer_dot())).all()
+        assert (
+            (y.double() - ref).abs() <= _bound(xp, unpack_int4(q), gs, s, z, int4_gemv.integer_dot())
+        ).all()
     else:  # bf16 output, or torch's kernel with bf16 activations
         assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
 
@@ -249,10 +272,13 @@ def test_a_checked_layer_gives_the_calls_bits_and_follows_its_buffers():
     x = torch.randn(3, 256).bfloat16()
     layer = int4_gemv.Layer(q.weight, q.group_size, q.scales_and_zeros)
     for out in (torch.float32, torch.bfloat16):
-        assert torch.equal(layer(x, out), int4_gemv.int4_matmul(x, q.weight, q.group_size, q.scales_and_zeros,
-                                                                 out_dtype=out))
-    assert torch.equal(layer(x.float()[:, ::1], torch.float32), int4_gemv.int4_matmul(x.float(), q.weight, 64,
-                                                                                       q.scales_and_zeros))
+        assert torch.equal(
+            layer(x, out), int4_gemv.int4_matmul(x, q.weight, q.group_size, q.scales_and_zeros, out_dtype=out)
+        )
+    assert torch.equal(
+        layer(x.float()[:, ::1], torch.float32),
+        int4_gemv.int4_matmul(x.float(), q.weight, 64, q.scales_and_zeros),
+    )
     with pytest.raises(ValueError, match="256 inputs"):
         layer(torch.randn(2, 128), torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
@@ -267,5 +293,7 @@ def test_a_checked_layer_gives_the_calls_bits_and_follows_its_buffers():
     y2 = q(x)
     assert q._cpu_layer is not first and q._cpu_layer.sz is q.scales_and_zeros
     assert (y2.float() - y.float()).abs().max() > 0
-    twin = copy.deepcopy(q)  # a copy drops the view (it holds a C function) and builds its own over its buffers
+    twin = copy.deepcopy(
+        q
+    )  # a copy drops the view (it holds a C function) and builds its own over its buffers
     assert twin._cpu_layer is None and torch.equal(twin(x), y2) and twin._cpu_layer.weight is twin.weight

@@ -2,6 +2,7 @@
 reference in every torch layout, a row's bits whatever its batch, the layer's choice between this path and the int4
 kernel, and the start-up check. Each test runs in the build for this CPU and in one with AMX left out (the
 ``tile_build`` fixture), where the path must be off and every batch stay on the int4 kernel."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ def tiles(tile_build, monkeypatch) -> bool:
     assert on == (tile_build == "AMX"), int4_gemv._tiles
     if not on:
         why = int4_gemv._tiles["reason"]
-        assert ("no AMX" in why if int4_gemv.available() else "not available" in why), why
+        assert "no AMX" in why if int4_gemv.available() else "not available" in why, why
         assert not int4_gemv.tiles_take(128, 256)
     return on
 
@@ -43,7 +44,13 @@ def _dequantized(codes, gs, sz):
 # 8 rows: one panel of 8; 33: a panel of 32 and one of 1; 65 and 300: k blocks shared by the panels of a block of
 # rows, 300 x 4,864 also in slabs of chunks; N 112 and 80 end in interleaved blocks of 48 and 16 rows (64-row
 # layouts), 176 in one of 16 (32-row layouts).
-SHAPES = [(8, 112, 256, 128), (33, 80, 512, 64), (65, 176, 896, 32), (130, 96, 2560, 256), (300, 64, 4864, 128)]
+SHAPES = [
+    (8, 112, 256, 128),
+    (33, 80, 512, 64),
+    (65, 176, 896, 32),
+    (130, 96, 2560, 256),
+    (300, 64, 4864, 128),
+]
 
 
 @pytest.mark.parametrize("layout", int4_gemv.LAYOUTS)
@@ -72,7 +79,7 @@ def test_a_rows_tile_outputs_do_not_depend_on_its_batch(tiles, layout):
     w = int4_gemv.pack(codes, *layout)
     y = int4_gemv.tile_matmul(x, w, 128, sz, layout)
     for step in (1, 8, 40, 97):
-        parts = [int4_gemv.tile_matmul(x[i:i + step], w, 128, sz, layout) for i in range(0, 300, step)]
+        parts = [int4_gemv.tile_matmul(x[i : i + step], w, 128, sz, layout) for i in range(0, 300, step)]
         assert torch.equal(torch.cat(parts), y), step
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -92,17 +99,25 @@ def test_the_layer_takes_tiles_for_bf16_batches_from_tile_min_rows(tiles):
         x = torch.randn(m, 512).bfloat16()
         for out in (torch.float32, torch.bfloat16):
             kernel = int4_gemv.int4_matmul(x, q.weight, 64, q.scales_and_zeros, out_dtype=out)
-            want = (int4_gemv.tile_matmul(x, q.weight, 64, q.scales_and_zeros, layout, out)
-                    if tiles and m >= int4_gemv.TILE_MIN_ROWS else kernel)
+            want = (
+                int4_gemv.tile_matmul(x, q.weight, 64, q.scales_and_zeros, layout, out)
+                if tiles and m >= int4_gemv.TILE_MIN_ROWS
+                else kernel
+            )
             assert torch.equal(layer(x, out), want), (m, out)
         xf = x.float()  # float32 activations stay on the int4 kernel
-        assert torch.equal(layer(xf, torch.float32), int4_gemv.int4_matmul(xf, q.weight, 64, q.scales_and_zeros))
-    x = torch.randn(int4_gemv.MAX_ROWS + 3, 512).bfloat16()  # past the int4 kernel's rows: the tiles, with AMX
+        assert torch.equal(
+            layer(xf, torch.float32), int4_gemv.int4_matmul(xf, q.weight, 64, q.scales_and_zeros)
+        )
+    x = torch.randn(
+        int4_gemv.MAX_ROWS + 3, 512
+    ).bfloat16()  # past the int4 kernel's rows: the tiles, with AMX
     y = q(x)
     assert (q._cpu_layer is not None) == tiles  # else torch's packed kernel
     if tiles:
-        assert torch.equal(y, int4_gemv.tile_matmul(x, q.weight, 64, q.scales_and_zeros, layout, torch.bfloat16)
-                           + q.bias)
+        assert torch.equal(
+            y, int4_gemv.tile_matmul(x, q.weight, 64, q.scales_and_zeros, layout, torch.bfloat16) + q.bias
+        )
 
 
 def test_non_finite_activations_give_non_finite_rows_alone(tiles):
@@ -118,7 +133,9 @@ def test_non_finite_activations_give_non_finite_rows_alone(tiles):
 
 
 def test_what_the_tiles_cannot_take_stays_on_the_int4_kernel(tiles):
-    assert not int4_gemv.tiles_take(16, 256) and not int4_gemv.tiles_take(48, 96)  # groups of whole chunks only
+    assert not int4_gemv.tiles_take(16, 256) and not int4_gemv.tiles_take(
+        48, 96
+    )  # groups of whole chunks only
     assert not int4_gemv.tiles_take(128, 256, torch.float32)
     if not tiles:
         return
@@ -137,8 +154,12 @@ def test_a_failing_self_check_keeps_every_batch_on_the_int4_kernel(tiles, monkey
     if not tiles:
         return
     monkeypatch.setattr(int4_gemv, "_tiles", {})
-    monkeypatch.setattr(int4_gemv, "reference", lambda x, codes, gs, sz: torch.zeros(x.shape[0], codes.shape[0]))
+    monkeypatch.setattr(
+        int4_gemv, "reference", lambda x, codes, gs, sz: torch.zeros(x.shape[0], codes.shape[0])
+    )
     with caplog.at_level("WARNING", logger="sidecar.kernels"):
         assert not int4_gemv.tiles_available()
-    assert "off from the float64 product" in int4_gemv._tiles["reason"] and "int4 tile path off" in caplog.text
+    assert (
+        "off from the float64 product" in int4_gemv._tiles["reason"] and "int4 tile path off" in caplog.text
+    )
     assert not int4_gemv.tiles_take(128, 256)

@@ -1,4 +1,5 @@
 """Our CPU int8 decode kernel against its torch reference, and Int8Linear's use of it."""
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,21 @@ def test_kernel_builds_on_this_machine():
     assert int8_gemv.available(), cpu_build.reason("int8_gemv")
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 7, 13), (1, 896, 4864), (2, 50, 96), (3, 130, 200), (4, 33, 64),
-                                   (1, 5, 31), (2, 9, 65), (5, 40, 96), (9, 17, 130), (32, 64, 896)])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 7, 13),
+        (1, 896, 4864),
+        (2, 50, 96),
+        (3, 130, 200),
+        (4, 33, 64),
+        (1, 5, 31),
+        (2, 9, 65),
+        (5, 40, 96),
+        (9, 17, 130),
+        (32, 64, 896),
+    ],
+)
 def test_kernel_matches_reference(m, n, k):
     x, w, s = _case(m, n, k, seed=m * 7 + k)
     y = int8_gemv.int8_matmul(x, w, s)
@@ -66,8 +80,9 @@ def test_shape_mismatch_is_refused():
 def test_int8_linear_few_and_many_rows_match_the_dequantized_layer(rows, dtype, features, monkeypatch):
     calls = []
     for name in ("int8_matmul", "int8_linear"):
-        monkeypatch.setattr(int8_gemv, name, lambda *a, real=getattr(int8_gemv, name), **k: calls.append(1)
-                            or real(*a, **k))
+        monkeypatch.setattr(
+            int8_gemv, name, lambda *a, real=getattr(int8_gemv, name), **k: calls.append(1) or real(*a, **k)
+        )
     real_call = int8_gemv.Layer.__call__
     monkeypatch.setattr(int8_gemv.Layer, "__call__", lambda *a: calls.append(1) or real_call(*a))
     torch.manual_seed(rows)
@@ -80,18 +95,27 @@ def test_int8_linear_few_and_many_rows_match_the_dequantized_layer(rows, dtype, 
     assert y.dtype == dtype and y.shape == (rows, 70)
     # decode-sized batches take our kernel, larger ones too where the AVX2 path over the codes is built, or AMX's for
     # bf16 (whole 32-value chunks only: 200 features are padded, and those layers go to torch)
-    assert bool(calls) == (rows <= int8_gemv.MAX_ROWS or features % 32 == 0 and (
-        bf16_gemv.int8_wide_available() or dtype == torch.bfloat16 and amx_gemm.available()))
+    assert bool(calls) == (
+        rows <= int8_gemv.MAX_ROWS
+        or features % 32 == 0
+        and (bf16_gemv.int8_wide_available() or dtype == torch.bfloat16 and amx_gemm.available())
+    )
     ref = x.float() @ deq.float().T + b.float()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
     assert (y.float() - ref).abs().max() <= tol * ref.abs().max()
 
 
 @pytest.mark.parametrize("grouped", [False, True])
-@pytest.mark.parametrize("x_dtype,out_dtype,bias_dtype", [
-    (torch.float32, torch.float32, None), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
-    (torch.bfloat16, torch.float32, torch.float32), (torch.float32, torch.bfloat16, torch.float32),
-    (torch.bfloat16, torch.bfloat16, None)])
+@pytest.mark.parametrize(
+    "x_dtype,out_dtype,bias_dtype",
+    [
+        (torch.float32, torch.float32, None),
+        (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16, torch.float32),
+        (torch.bfloat16, torch.bfloat16, None),
+    ],
+)
 def test_one_call_layer_is_the_separate_steps_rounded_once(grouped, x_dtype, out_dtype, bias_dtype):
     """int8_linear reads bf16 activations as they are, adds the bias and rounds a bf16 result once: the same bits
     as the float32 kernel call, a float32 bias add and one cast."""
@@ -104,7 +128,9 @@ def test_one_call_layer_is_the_separate_steps_rounded_once(grouped, x_dtype, out
         # rows or more go to the tile path
         layer = int8_gemv.Layer(w, s, bias, grouped)
         tiles = layer.amx and x_dtype is torch.bfloat16 and m >= layer.from_rows
-        assert torch.equal(layer(x, out_dtype), amx_gemm.int8_matmul(x, w, s, bias, out_dtype) if tiles else y)
+        assert torch.equal(
+            layer(x, out_dtype), amx_gemm.int8_matmul(x, w, s, bias, out_dtype) if tiles else y
+        )
         ref = (int8_gemv.int8_g32_matmul if grouped else int8_gemv.int8_matmul)(x.float(), w, s)
         if bias is not None:
             ref = ref + bias.float()
@@ -113,12 +139,19 @@ def test_one_call_layer_is_the_separate_steps_rounded_once(grouped, x_dtype, out
 
 def test_one_call_layer_refuses_what_does_not_fit():
     x, w, s = _case(2, 8, 64)
-    for bad in (dict(x=x.half()), dict(scales=s.bfloat16()), dict(bias=torch.zeros(7)), dict(out_dtype=torch.half),
-                dict(scales=torch.ones(8, 2), grouped=False), dict(x=x[:, :40], w=w[:, :40], grouped=True)):
+    for bad in (
+        dict(x=x.half()),
+        dict(scales=s.bfloat16()),
+        dict(bias=torch.zeros(7)),
+        dict(out_dtype=torch.half),
+        dict(scales=torch.ones(8, 2), grouped=False),
+        dict(x=x[:, :40], w=w[:, :40], grouped=True),
+    ):
         args = dict(x=x, w=w, scales=s, bias=None, out_dtype=torch.float32, grouped=False) | bad
         with pytest.raises(ValueError, match="do not fit"):
-            int8_gemv.int8_linear(args["x"], args["w"], args["scales"], args["bias"], args["out_dtype"],
-                                  grouped=args["grouped"])
+            int8_gemv.int8_linear(
+                args["x"], args["w"], args["scales"], args["bias"], args["out_dtype"], grouped=args["grouped"]
+            )
 
 
 def test_switched_off_kernel_falls_back_to_torch(monkeypatch):
@@ -153,8 +186,19 @@ def _case_g32(m, n, k, seed=0):
     return x, w, d
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 7, 32), (1, 4864, 896), (2, 50, 96), (3, 130, 576), (4, 33, 64),
-                                   (5, 40, 96), (9, 17, 1536), (32, 64, 896)])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 7, 32),
+        (1, 4864, 896),
+        (2, 50, 96),
+        (3, 130, 576),
+        (4, 33, 64),
+        (5, 40, 96),
+        (9, 17, 1536),
+        (32, 64, 896),
+    ],
+)
 def test_grouped_kernel_matches_reference(m, n, k):
     x, w, d = _case_g32(m, n, k, seed=m * 5 + k)
     y = int8_gemv.int8_g32_matmul(x, w, d)
@@ -209,8 +253,10 @@ def test_other_instruction_sets_match_reference(arch, monkeypatch):
         ref = int8_gemv.reference(x, w, s)
         assert (int8_gemv.int8_matmul(x, w, s) - ref).abs().max() <= 2e-4 * ref.abs().max()
         xb = x.bfloat16()
-        assert torch.equal(int8_gemv.int8_linear(xb, w, s, None, torch.bfloat16),
-                           int8_gemv.int8_matmul(xb.float(), w, s).bfloat16())
+        assert torch.equal(
+            int8_gemv.int8_linear(xb, w, s, None, torch.bfloat16),
+            int8_gemv.int8_matmul(xb.float(), w, s).bfloat16(),
+        )
         if k % 32 == 0:
             x, w, d = _case_g32(m, n, k, seed=m + k)
             ref = int8_gemv.reference_g32(x, w, d)
@@ -273,7 +319,7 @@ def test_wide_path_reads_float32_activations_as_they_are(m, n, k, avx2_build):
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 sums of exact products
     # a row's result does not depend on the batch it came in
     assert torch.equal(bf16_gemv.int8_matmul_wide(x[2:3].expand(m, k).contiguous(), w, s)[m - 1], y[2])
-    for bad in (x.half(), x[:, :k - 32], x[0]):
+    for bad in (x.half(), x[:, : k - 32], x[0]):
         with pytest.raises(ValueError, match="int8_matmul_wide"):
             bf16_gemv.int8_matmul_wide(bad, w, s)
 
@@ -324,7 +370,7 @@ def test_amx_path_is_the_bf16_tile_product_over_the_codes(m, n, k, tile_build):
             assert y.dtype == out and torch.equal(y, ref.to(out))
     y = amx_gemm.int8_matmul(xb, w, s)
     assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
-    assert torch.equal(amx_gemm.int8_matmul(xb[m // 2:m // 2 + 1], w, s), y[m // 2:m // 2 + 1])
+    assert torch.equal(amx_gemm.int8_matmul(xb[m // 2 : m // 2 + 1], w, s), y[m // 2 : m // 2 + 1])
 
 
 def test_int8_layer_prefill_takes_the_amx_path_for_bf16(monkeypatch):
@@ -344,7 +390,9 @@ def test_int8_layer_prefill_takes_the_amx_path_for_bf16(monkeypatch):
         calls.clear()
         x = torch.randn(rows, 256).bfloat16()
         y = qlin(x)
-        tiles = amx_gemm.available() and (rows > int8_gemv.MAX_ROWS or amx and rows >= int8_gemv.TILE_MIN_ROWS)
+        tiles = amx_gemm.available() and (
+            rows > int8_gemv.MAX_ROWS or amx and rows >= int8_gemv.TILE_MIN_ROWS
+        )
         assert calls == ([rows] if tiles else []), rows
         ref = x.float() @ deq.float().T + b.float()
         assert y.dtype == torch.bfloat16 and (y.float() - ref).abs().max() <= 2e-2 * ref.abs().max()

@@ -1,5 +1,6 @@
 """The sampler's keyed uniforms in C: the same bits as the torch definition for any keys, row counts and
 widths (one row split between threads included), and seeded draws that do not change with the kernel."""
+
 import pytest
 import torch
 
@@ -18,7 +19,9 @@ def test_kernel_builds_on_this_machine():
 
 @pytest.mark.parametrize("rows,n", [(1, 1), (7, 7), (1, 4097), (3, 8193), (32, 151_936), (0, 5), (4, 0)])
 def test_kernel_gives_the_torch_definitions_bits(rows, n):
-    keys = torch.tensor((EXTREMES + [row_key_int(s, s * 3, s % 4) for s in range(40)])[:rows], dtype=torch.int64)
+    keys = torch.tensor(
+        (EXTREMES + [row_key_int(s, s * 3, s % 4) for s in range(40)])[:rows], dtype=torch.int64
+    )
     fast = keyed_uniform.uniform(keys, n)
     assert fast is not None and fast.shape == (rows, n) and fast.dtype == torch.float32
     assert torch.equal(fast, uniform_torch(keys, n))
@@ -37,8 +40,14 @@ def test_uniform_takes_the_kernel_on_cpu_and_the_torch_form_elsewhere(monkeypatc
 def _sample(temperature: float, rows: int, vocab: int) -> list[int]:
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(rows, vocab, generator=gen) * 4
-    reqs = [Request(f"r{i}", list(range(5 + i)), SamplingParams(temperature=temperature, top_p=0.9 if i % 2 else 1.0,
-                                                                 seed=100 + i, max_tokens=4)) for i in range(rows)]
+    reqs = [
+        Request(
+            f"r{i}",
+            list(range(5 + i)),
+            SamplingParams(temperature=temperature, top_p=0.9 if i % 2 else 1.0, seed=100 + i, max_tokens=4),
+        )
+        for i in range(rows)
+    ]
     return Sampler(torch.device("cpu"))(logits, reqs)[0]
 
 

@@ -1,4 +1,5 @@
 """Our CPU LoRA update (one adapter slot per row, in place) against its float64 reference."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,12 +19,12 @@ def _case(rows, k, part_outs, rank, slots, seed):
     for p in part_outs:
         offs.append(offs[-1] + p)
     at = torch.zeros(slots, k, lora_bgmv.at_width(n, rank))
-    at[:, :, :n * rank] = torch.randn(slots, k, n * rank, generator=g) * k ** -0.5
+    at[:, :, : n * rank] = torch.randn(slots, k, n * rank, generator=g) * k**-0.5
     bt = torch.zeros(slots * n * rank, offs[-1])
     for s in range(slots):
         for j in range(n):
             r0 = (s * n + j) * rank
-            bt[r0:r0 + rank, offs[j]:offs[j + 1]] = torch.randn(rank, part_outs[j], generator=g)
+            bt[r0 : r0 + rank, offs[j] : offs[j + 1]] = torch.randn(rank, part_outs[j], generator=g)
     x = torch.randn(rows, k, generator=g)
     out = torch.randn(rows, offs[-1], generator=g) * 4
     return x, at, bt, torch.tensor(offs, dtype=torch.int32), out
@@ -31,14 +32,23 @@ def _case(rows, k, part_outs, rank, slots, seed):
 
 def _plan(token_slots):
     order = sorted((s, t) for t, s in enumerate(token_slots) if s >= 0)
-    return torch.tensor([t for _, t in order], dtype=torch.long), torch.tensor([s for s, _ in order], dtype=torch.long)
+    return torch.tensor([t for _, t in order], dtype=torch.long), torch.tensor(
+        [s for s, _ in order], dtype=torch.long
+    )
 
 
 # (rows, in features, part widths, rank): SmolLM2-135M's qkv and gate/up, o with a part narrower than a
 # column block, an odd width, rank above one 32-lane chunk, a long prefill
-@pytest.mark.parametrize("rows,k,parts,rank", [(32, 576, (576, 192, 192), 8), (32, 576, (1536, 1536), 8),
-                                               (5, 96, (40,), 3), (7, 64, (100, 130, 70), 16),
-                                               (300, 128, (256,), 48)])
+@pytest.mark.parametrize(
+    "rows,k,parts,rank",
+    [
+        (32, 576, (576, 192, 192), 8),
+        (32, 576, (1536, 1536), 8),
+        (5, 96, (40,), 3),
+        (7, 64, (100, 130, 70), 16),
+        (300, 128, (256,), 48),
+    ],
+)
 def test_update_matches_reference_and_leaves_base_rows_alone(rows, k, parts, rank):
     x, at, bt, offs, out = _case(rows, k, parts, rank, 4, rows + k)
     token_slots = [(t % 6) - 2 for t in range(rows)]  # slots 0..3 and base rows (-1, -2), interleaved

@@ -1,4 +1,5 @@
 """Our fused CPU silu*mul and residual-add + RMSNorm against their torch references."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from sidecar.model.kernels import cpu_build, norm_act
 
-ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7}  # spacing relative to the value, at most
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}  # spacing relative to the value, at most
 
 
 def _close(out, ref, dtype, ulps):
@@ -72,8 +73,10 @@ def test_add_bias_rounds_as_torch_add(rows, n, dtype):
     ref = y + b
     out = norm_act.add_bias(y, b)
     assert out.data_ptr() == y.data_ptr()  # in place
-    assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[:, 2:],
-                       ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[:, 2:])  # bit for bit
+    assert torch.equal(
+        out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[:, 2:],
+        ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[:, 2:],
+    )  # bit for bit
     assert out[:, 0].isnan().all() and (out[:, 1] == float("inf")).all()
     # another dtype for the bias, or rows not contiguous: torch's add, a new tensor
     b = torch.randn(n, generator=g).to(dtype)
@@ -98,7 +101,9 @@ def test_inputs_it_does_not_take_use_the_reference(monkeypatch):
     ref, ref_s = norm_act.add_rms_norm_reference(h, nc, w, 1e-5)
     assert torch.equal(out, ref) and torch.equal(s, ref_s)
     assert calls  # they asked, and took the reference
-    monkeypatch.setattr(norm_act._KERNEL, "lib", lambda: None)  # no kernel (no compiler, SIDECAR_CPU_KERNELS=0)
+    monkeypatch.setattr(
+        norm_act._KERNEL, "lib", lambda: None
+    )  # no kernel (no compiler, SIDECAR_CPU_KERNELS=0)
     gu = torch.randn(4, 10)
     assert torch.equal(norm_act.silu_mul(gu), norm_act.silu_mul_reference(gu))
 
@@ -110,8 +115,9 @@ def test_other_instruction_sets_match_torch(arch, monkeypatch):
     assert norm_act.available(), cpu_build.reason("norm_act")
     for dtype in (torch.float32, torch.bfloat16):
         gu = _gate_up(9, 4864 + 3, dtype, 1)
-        assert _close(norm_act.silu_mul(gu), norm_act.silu_mul_reference(gu), dtype,
-                      8 if dtype == torch.float32 else 1)
+        assert _close(
+            norm_act.silu_mul(gu), norm_act.silu_mul_reference(gu), dtype, 8 if dtype == torch.float32 else 1
+        )
         h, d, w = (torch.randn(7, 899).to(dtype), torch.randn(7, 899).to(dtype), torch.randn(899).to(dtype))
         out, s = norm_act.add_rms_norm(h, d, w, 1e-6)
         ref, ref_s = norm_act.add_rms_norm_reference(h, d, w, 1e-6)
@@ -122,7 +128,9 @@ def test_silu_has_the_same_bits_on_every_vector_width(monkeypatch):
     """silu's exp scales by 2^n in one instruction on AVX-512 and through the exponent's bits on AVX2: float32 silu * up
     must come out bit for bit the same from both builds, over gates from the far negative tail (where the exp is
     clamped) to large positives."""
-    gate = torch.cat([torch.linspace(-100.0, 30.0, 200_001), torch.tensor([-87.0, -86.99, -87.01, -0.0, 0.0, 1e-40])])
+    gate = torch.cat(
+        [torch.linspace(-100.0, 30.0, 200_001), torch.tensor([-87.0, -86.99, -87.01, -0.0, 0.0, 1e-40])]
+    )
     gu = torch.cat([gate, torch.ones_like(gate)])[None]
     native = norm_act.silu_mul(gu)
     monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")

@@ -1,4 +1,5 @@
 """Our CPU paged decode-attention kernel against the torch path (gather + SDPA), its oracle."""
+
 from __future__ import annotations
 
 import pytest
@@ -35,8 +36,13 @@ def _torch_path(q, k_cache, v_cache, tables, ctx, scale, window):
     nkv, hd = k_cache.shape[2], k_cache.shape[3]
     k_new = k_cache.view(-1, nkv, hd)[slots].clone()
     v_new = v_cache.view(-1, nkv, hd)[slots].clone()
-    meta = AttentionMetadata(slot_mapping=slots, block_size=bs, decode_block_tables=tables, decode_ctx_lens=ctx,
-                             use_cpu_kernel=False)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_size=bs,
+        decode_block_tables=tables,
+        decode_ctx_lens=ctx,
+        use_cpu_kernel=False,
+    )
     return paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale, window)
 
 
@@ -45,16 +51,19 @@ def test_kernel_builds_on_this_machine():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ctx_lens,nh,nkv,hd", [
-    ([1], 4, 4, 64),  # a context of one key
-    ([17, 400, 33, 5], 9, 3, 64),  # SmolLM2-135M's heads; lengths across block edges
-    ([300] * 6 + [129], 14, 2, 64),  # Qwen2-0.5B's heads (7 queries per KV head)
-    ([1000, 1001, 1002, 1003, 1004], 8, 2, 128),  # verification rows of one sequence, Llama's head size
-    ([70, 2], 6, 6, 32),  # no grouping; a head size only one vector wide on AVX-512
-])
+@pytest.mark.parametrize(
+    "ctx_lens,nh,nkv,hd",
+    [
+        ([1], 4, 4, 64),  # a context of one key
+        ([17, 400, 33, 5], 9, 3, 64),  # SmolLM2-135M's heads; lengths across block edges
+        ([300] * 6 + [129], 14, 2, 64),  # Qwen2-0.5B's heads (7 queries per KV head)
+        ([1000, 1001, 1002, 1003, 1004], 8, 2, 128),  # verification rows of one sequence, Llama's head size
+        ([70, 2], 6, 6, 32),  # no grouping; a head size only one vector wide on AVX-512
+    ],
+)
 def test_kernel_matches_torch_path(ctx_lens, nh, nkv, hd, dtype):
     q, kc, vc, tables, ctx = _case(ctx_lens, nh, nkv, hd, dtype=dtype, seed=len(ctx_lens) + hd)
-    scale = hd ** -0.5
+    scale = hd**-0.5
     out = kernel.decode_attention(q, kc, vc, tables, ctx, scale)
     ref = _torch_path(q, kc, vc, tables, ctx, scale, None)
     assert out is not None and out.dtype == dtype and out.shape == q.shape
@@ -77,8 +86,8 @@ def test_a_row_does_not_depend_on_the_other_rows():
     tables = tables[:1].expand(5, -1).contiguous()  # one sequence: the same blocks for every row
     together = kernel.decode_attention(q, kc, vc, tables, ctx, 0.125)
     for i in range(5):
-        alone = kernel.decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], ctx[i:i + 1], 0.125)
-        assert torch.equal(together[i:i + 1], alone)
+        alone = kernel.decode_attention(q[i : i + 1], kc, vc, tables[i : i + 1], ctx[i : i + 1], 0.125)
+        assert torch.equal(together[i : i + 1], alone)
 
 
 def test_extreme_scores_stay_finite_and_exact_where_one_key_dominates():
@@ -102,22 +111,39 @@ def test_the_softmax_finds_the_largest_score_wherever_it_is(pos, dtype):
     ref = _torch_path(q, kc, vc, tables, ctx, 1.0, None)
     assert torch.isfinite(out).all()
     assert (out.float() - ref.float()).abs().max() <= (1e-5 if dtype is torch.float32 else 2e-2)
-    assert torch.allclose(out[0, 0].float(), vc.view(-1, 1, 64)[slot, 0].float(), atol=1e-2)  # that key's value
+    assert torch.allclose(
+        out[0, 0].float(), vc.view(-1, 1, 64)[slot, 0].float(), atol=1e-2
+    )  # that key's value
 
 
 def test_inputs_it_does_not_take_fall_back_to_torch(monkeypatch):
     q, kc, vc, tables, ctx = _case([20, 30], 4, 2, 64)
     assert kernel.decode_attention(q.half(), kc.half(), vc.half(), tables, ctx, 0.125) is None
-    assert kernel.decode_attention(q[:, :, :36], kc[..., :36].contiguous(), vc[..., :36].contiguous(), tables, ctx,
-                                   0.125) is None  # head size not a multiple of the vector width
+    assert (
+        kernel.decode_attention(
+            q[:, :, :36], kc[..., :36].contiguous(), vc[..., :36].contiguous(), tables, ctx, 0.125
+        )
+        is None
+    )  # head size not a multiple of the vector width
     with pytest.raises(ValueError, match="int64"):
         kernel.decode_attention(q, kc, vc, tables.int(), ctx, 0.125)
     # paged_attention takes the torch path for them, and for every input when the kernel is switched off.
     calls = []
     monkeypatch.setattr(attention.cpu_kernel, "decode_attention", lambda *a: calls.append(1))
-    out = paged_attention(q, kc[1, :2].clone(), vc[1, :2].clone(), kc, vc,
-                          AttentionMetadata(slot_mapping=torch.tensor([16, 17]), block_size=16,
-                                            decode_block_tables=tables, decode_ctx_lens=ctx), 0.125)
+    out = paged_attention(
+        q,
+        kc[1, :2].clone(),
+        vc[1, :2].clone(),
+        kc,
+        vc,
+        AttentionMetadata(
+            slot_mapping=torch.tensor([16, 17]),
+            block_size=16,
+            decode_block_tables=tables,
+            decode_ctx_lens=ctx,
+        ),
+        0.125,
+    )
     assert calls == [1] and torch.isfinite(out).all()
 
 
@@ -127,8 +153,11 @@ def test_other_instruction_sets_match_torch_path(arch, monkeypatch):
     monkeypatch.setattr(cpu_build, "_loaded", {})
     assert kernel.available(), cpu_build.reason("paged_attention")
     for dtype in (torch.float32, torch.bfloat16):
-        for ctx_lens, nh, nkv, hd, window in [([17, 400, 33], 9, 3, 64, None), ([90, 91], 8, 2, 128, 40),
-                                               ([3, 64], 2, 2, 24, None)]:
+        for ctx_lens, nh, nkv, hd, window in [
+            ([17, 400, 33], 9, 3, 64, None),
+            ([90, 91], 8, 2, 128, 40),
+            ([3, 64], 2, 2, 24, None),
+        ]:
             q, kc, vc, tables, ctx = _case(ctx_lens, nh, nkv, hd, dtype=dtype, seed=hd)
             out = kernel.decode_attention(q, kc, vc, tables, ctx, 0.1, window)
             ref = _torch_path(q, kc, vc, tables, ctx, 0.1, window)

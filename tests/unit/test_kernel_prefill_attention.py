@@ -1,4 +1,5 @@
 """Our CPU prompt-attention kernel against the torch path (gather + masked SDPA in float32), its oracle."""
+
 from __future__ import annotations
 
 import pytest
@@ -39,10 +40,13 @@ def _reference(q, k_cache, v_cache, table, ctx, scale, window=None, kv_scales=No
     if window:
         mask &= kpos > qpos - window
     rep = nh // nkv
-    o = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None],
-                                       k.transpose(0, 1).repeat_interleave(rep, 0)[None],
-                                       v.transpose(0, 1).repeat_interleave(rep, 0)[None],
-                                       attn_mask=mask[None, None], scale=scale)
+    o = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None],
+        k.transpose(0, 1).repeat_interleave(rep, 0)[None],
+        v.transpose(0, 1).repeat_interleave(rep, 0)[None],
+        attn_mask=mask[None, None],
+        scale=scale,
+    )
     return o[0].transpose(0, 1)
 
 
@@ -51,20 +55,30 @@ def test_kernel_builds_on_this_machine():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,ctx,nh,nkv,hd,bs", [
-    (1, 1, 4, 4, 64, 16),  # a one-token prompt
-    (37, 37, 14, 2, 64, 16),  # a whole prompt, Qwen2-0.5B's heads (7 queries per KV head), blocks part-filled
-    (5, 70, 9, 3, 64, 16),  # a chunk after 65 cached tokens, SmolLM2-135M's heads
-    (100, 300, 8, 8, 128, 16),  # no grouping, Llama's head size
-    (64, 64, 32, 1, 64, 32),  # 32 query heads on one KV head: one row per task
-    (20, 90, 6, 2, 48, 8),  # a head size of three AVX-512 vectors, small blocks
-    (257, 257, 2, 1, 32, 16),  # more rows than a block of keys, a head size of two vectors
-    (9, 40, 40, 1, 64, 16),  # 40 query heads on one KV head: a task's queries in blocks of 32 and 8
-    (300, 1100, 14, 2, 64, 16),  # a long context after a cached part: rows of scores wider than a page
-])
+@pytest.mark.parametrize(
+    "rows,ctx,nh,nkv,hd,bs",
+    [
+        (1, 1, 4, 4, 64, 16),  # a one-token prompt
+        (
+            37,
+            37,
+            14,
+            2,
+            64,
+            16,
+        ),  # a whole prompt, Qwen2-0.5B's heads (7 queries per KV head), blocks part-filled
+        (5, 70, 9, 3, 64, 16),  # a chunk after 65 cached tokens, SmolLM2-135M's heads
+        (100, 300, 8, 8, 128, 16),  # no grouping, Llama's head size
+        (64, 64, 32, 1, 64, 32),  # 32 query heads on one KV head: one row per task
+        (20, 90, 6, 2, 48, 8),  # a head size of three AVX-512 vectors, small blocks
+        (257, 257, 2, 1, 32, 16),  # more rows than a block of keys, a head size of two vectors
+        (9, 40, 40, 1, 64, 16),  # 40 query heads on one KV head: a task's queries in blocks of 32 and 8
+        (300, 1100, 14, 2, 64, 16),  # a long context after a cached part: rows of scores wider than a page
+    ],
+)
 def test_kernel_matches_reference(rows, ctx, nh, nkv, hd, bs, dtype):
     q, kc, vc, table = _case(rows, ctx, nh, nkv, hd, bs, dtype, seed=rows + hd)
-    scale = hd ** -0.5
+    scale = hd**-0.5
     out = kernel.prefill_attention(q, kc, vc, table, ctx, scale)
     ref = _reference(q, kc, vc, table, ctx, scale)
     assert out is not None and out.dtype == dtype and out.shape == q.shape
@@ -74,7 +88,9 @@ def test_kernel_matches_reference(rows, ctx, nh, nkv, hd, bs, dtype):
     assert (out.float() - ref).abs().max() <= tol
 
 
-@pytest.mark.parametrize("rows,ctx,window", [(40, 40, 5), (64, 200, 50), (33, 33, 7), (10, 500, 1), (16, 80, 4096)])
+@pytest.mark.parametrize(
+    "rows,ctx,window", [(40, 40, 5), (64, 200, 50), (33, 33, 7), (10, 500, 1), (16, 80, 4096)]
+)
 def test_sliding_window(rows, ctx, window):
     q, kc, vc, table = _case(rows, ctx, 4, 2, 64, seed=window)
     out = kernel.prefill_attention(q, kc, vc, table, ctx, 0.125, window)
@@ -100,8 +116,10 @@ def test_a_row_does_not_depend_on_how_the_prompt_was_split(window):
     the first key a segment sees), so chunked prefill reproduces an unchunked run."""
     q, kc, vc, table = _case(90, 90, 14, 2, 64, dtype=torch.bfloat16, seed=11)
     whole = kernel.prefill_attention(q, kc, vc, table, 90, 0.125, window)
-    parts = [kernel.prefill_attention(q[a:b], kc, vc, table, b, 0.125, window)
-             for a, b in ((0, 13), (13, 50), (50, 90))]
+    parts = [
+        kernel.prefill_attention(q[a:b], kc, vc, table, b, 0.125, window)
+        for a, b in ((0, 13), (13, 50), (50, 90))
+    ]
     assert torch.equal(whole, torch.cat(parts))
     assert (whole.float() - _reference(q, kc, vc, table, 90, 0.125, window)).abs().max() <= 2e-2
 
@@ -117,8 +135,12 @@ def test_extreme_scores_stay_finite():
 def test_inputs_it_does_not_take():
     q, kc, vc, table = _case(8, 20, 4, 2, 64)
     assert kernel.prefill_attention(q.half(), kc.half(), vc.half(), table, 20, 0.125) is None
-    assert kernel.prefill_attention(q[..., :36], kc[..., :36].contiguous(), vc[..., :36].contiguous(), table, 20,
-                                    0.125) is None  # head size not a multiple of the vector width
+    assert (
+        kernel.prefill_attention(
+            q[..., :36], kc[..., :36].contiguous(), vc[..., :36].contiguous(), table, 20, 0.125
+        )
+        is None
+    )  # head size not a multiple of the vector width
     with pytest.raises(ValueError, match="int64"):
         kernel.prefill_attention(q, kc, vc, table.int(), 20, 0.125)
     with pytest.raises(ValueError, match="do not fit"):
@@ -156,11 +178,13 @@ def test_paged_attention_sends_bf16_prompts_through_the_kernel(monkeypatch):
     def run(use_kernel):
         caches = kc.clone(), vc.clone()
         meta = AttentionMetadata(slot_mapping=slots, block_size=16, prefills=segs, use_cpu_kernel=use_kernel)
-        return paged_attention(q, k, v, *caches, meta, hd ** -0.5)
+        return paged_attention(q, k, v, *caches, meta, hd**-0.5)
 
     calls = []
     original = kernel.prefill_attention
-    monkeypatch.setattr(attention.prefill_kernel, "prefill_attention", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(
+        attention.prefill_kernel, "prefill_attention", lambda *a: calls.append(1) or original(*a)
+    )
     fast, torch_path = run(True), run(False)
     assert len(calls) == len(lens)
     # the torch path rounds its softmax weights to bf16; the kernel keeps them float32
@@ -169,7 +193,7 @@ def test_paged_attention_sends_bf16_prompts_through_the_kernel(monkeypatch):
     calls.clear()
     caches = kc.float(), vc.float()
     meta = AttentionMetadata(slot_mapping=slots, block_size=16, prefills=segs)
-    paged_attention(q.float(), k.float(), v.float(), *caches, meta, hd ** -0.5)
+    paged_attention(q.float(), k.float(), v.float(), *caches, meta, hd**-0.5)
     assert calls == []
 
 
@@ -193,14 +217,21 @@ def test_bf16_prompts_without_amx(monkeypatch):
     monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-march=native -mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
     monkeypatch.setattr(cpu_build, "_loaded", {})
     assert kernel.available(), cpu_build.reason("prefill_attention")
-    for rows, ctx, nh, nkv, hd in ((37, 37, 14, 2, 64), (100, 300, 8, 8, 128), (9, 40, 40, 1, 64), (300, 1100, 14, 2, 64)):
+    for rows, ctx, nh, nkv, hd in (
+        (37, 37, 14, 2, 64),
+        (100, 300, 8, 8, 128),
+        (9, 40, 40, 1, 64),
+        (300, 1100, 14, 2, 64),
+    ):
         q, kc, vc, table = _case(rows, ctx, nh, nkv, hd, dtype=torch.bfloat16, seed=rows)
-        out = kernel.prefill_attention(q, kc, vc, table, ctx, hd ** -0.5)
-        assert (out.float() - _reference(q, kc, vc, table, ctx, hd ** -0.5)).abs().max() <= 2e-2
+        out = kernel.prefill_attention(q, kc, vc, table, ctx, hd**-0.5)
+        assert (out.float() - _reference(q, kc, vc, table, ctx, hd**-0.5)).abs().max() <= 2e-2
     q, kc, vc, table = _case(90, 90, 14, 2, 64, dtype=torch.bfloat16, seed=11)
     for window in (None, 10):
         whole = kernel.prefill_attention(q, kc, vc, table, 90, 0.125, window)
-        parts = [kernel.prefill_attention(q[a:b], kc, vc, table, b, 0.125, window)
-                 for a, b in ((0, 13), (13, 50), (50, 90))]
+        parts = [
+            kernel.prefill_attention(q[a:b], kc, vc, table, b, 0.125, window)
+            for a, b in ((0, 13), (13, 50), (50, 90))
+        ]
         assert torch.equal(whole, torch.cat(parts))
         assert (whole.float() - _reference(q, kc, vc, table, 90, 0.125, window)).abs().max() <= 2e-2

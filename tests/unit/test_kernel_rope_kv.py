@@ -1,4 +1,5 @@
 """Our CPU rotary-embedding + KV-cache-write kernel against the model's torch path, bit for bit."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,9 @@ def test_kernel_builds_on_this_machine():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,nh,nkv,hd", [(1, 14, 2, 64), (37, 9, 3, 64), (5, 4, 4, 6), (300, 8, 2, 128),
-                                         (3, 2, 1, 40)])
+@pytest.mark.parametrize(
+    "t,nh,nkv,hd", [(1, 14, 2, 64), (37, 9, 3, 64), (5, 4, 4, 6), (300, 8, 2, 128), (3, 2, 1, 40)]
+)
 @pytest.mark.parametrize("want_k", [True, False])
 def test_same_bits_as_the_torch_path(t, nh, nkv, hd, dtype, want_k):
     qkv, cos, sin, slots, (kc, vc) = _case(t, nh, nkv, hd, dtype, seed=t + hd)
@@ -52,7 +54,9 @@ def test_same_bits_as_the_torch_path(t, nh, nkv, hd, dtype, want_k):
 def test_inputs_it_does_not_take_return_none():
     qkv, cos, sin, slots, (kc, vc) = _case(4, 4, 2, 64, torch.float32)
     args = (slots, kc, vc, 4, 2, 64, True)
-    assert rope_kv.rope_store_kv(qkv.half(), cos.half(), sin.half(), *args) is None  # a dtype it does not take
+    assert (
+        rope_kv.rope_store_kv(qkv.half(), cos.half(), sin.half(), *args) is None
+    )  # a dtype it does not take
     assert rope_kv.rope_store_kv(qkv, cos.bfloat16(), sin, *args) is None  # mixed dtypes
     assert rope_kv.rope_store_kv(qkv[:, :-64], cos, sin, *args) is None  # not a qkv row of these heads
     wide = torch.randn(4, qkv.shape[1] * 2)[:, ::2]

@@ -1,4 +1,5 @@
 """The KV pool's default size: what the deployment can use, bounded by the container's memory, reported."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -16,7 +17,9 @@ GiB = 1 << 30
 
 def fake_model(max_model_len=8192, layers=30, kv_heads=3, head_dim=64):
     args = SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
-    return SimpleNamespace(args=args, dtype=torch.float32, device=torch.device("cpu"), max_model_len=max_model_len)
+    return SimpleNamespace(
+        args=args, dtype=torch.float32, device=torch.device("cpu"), max_model_len=max_model_len
+    )
 
 
 def config(**kw) -> EngineConfig:
@@ -73,6 +76,9 @@ def test_explicit_sizes_win_and_a_budget_without_a_block_names_the_field(host):
     host.cgroup = (GiB, 0)
     assert plan_kv_budget(config(num_kv_blocks=9), fake_model()).num_blocks == 9
     b = plan_kv_budget(config(kv_cache_memory_gb=0.5), fake_model())
-    assert b.source == "kv_cache_memory_gb" and b.num_blocks == GiB // 2 // kv_bytes_per_block(fake_model(), 16) + 1
+    assert (
+        b.source == "kv_cache_memory_gb"
+        and b.num_blocks == GiB // 2 // kv_bytes_per_block(fake_model(), 16) + 1
+    )
     with pytest.raises(ValueError, match="kv_cache_memory_gb"):
         plan_kv_budget(config(), fake_model())  # no headroom left in the container

@@ -1,5 +1,6 @@
 """The engine on an int8 KV cache: settings, the planned pool, greedy agreement with the bf16 cache on
 the test checkpoints, and prefix reuse and preemption giving the tokens of a run without them."""
+
 from __future__ import annotations
 
 import random
@@ -19,8 +20,12 @@ def prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 60) -> list[list[int]]
 
 def pool_whole(llm: LLM) -> bool:
     eng = llm.engine
-    return (not eng.requests and not eng.kv.req_blocks and eng.kv.num_free_blocks() == eng.kv.num_blocks
-            and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks[1:]))
+    return (
+        not eng.requests
+        and not eng.kv.req_blocks
+        and eng.kv.num_free_blocks() == eng.kv.num_blocks
+        and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks[1:])
+    )
 
 
 ONE_WITH_LOGPROBS = SamplingParams(max_tokens=1, ignore_eos=True, logprobs=5)
@@ -82,11 +87,25 @@ def test_the_flags_reach_the_config():
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    args = parser.parse_args(["--kv-cache-dtype", "int8", "--kv-offload-gb", "0.5", "--kv-offload-dir", "/tmp/x",
-                              "--kv-offload-disk-gb", "3"])
+    args = parser.parse_args(
+        [
+            "--kv-cache-dtype",
+            "int8",
+            "--kv-offload-gb",
+            "0.5",
+            "--kv-offload-dir",
+            "/tmp/x",
+            "--kv-offload-disk-gb",
+            "3",
+        ]
+    )
     eng = config_from_args(args, env={}).engine
-    assert (eng.kv_cache_dtype, eng.kv_offload_gb, eng.kv_offload_dir, eng.kv_offload_disk_gb) == ("int8", 0.5,
-                                                                                                  "/tmp/x", 3.0)
+    assert (eng.kv_cache_dtype, eng.kv_offload_gb, eng.kv_offload_dir, eng.kv_offload_disk_gb) == (
+        "int8",
+        0.5,
+        "/tmp/x",
+        3.0,
+    )
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         config_from_args(parser.parse_args(["--kv-cache-dtype", "q4"]), env={})
 
@@ -117,22 +136,45 @@ def test_greedy_top1_agreement_with_the_bf16_cache_on_tiny_checkpoints(tiny_mode
     assert pool_whole(quant)
 
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Why is the sky blue?",
-             "Write a haiku about the sea.", "What does a CPU do?", "How do I make a cup of tea?",
-             "What is photosynthesis?", "List two fruits that are red.", "Explain recursion to a child.",
-             "What are the benefits of exercise?", "Describe the water cycle.", "How does a rainbow form?",
-             "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
-             "Give me a tip for learning Python.", "Why do leaves change color in autumn?", "What is a black hole?",
-             "Summarize the plot of Cinderella.", "How many legs does a spider have?", "What is machine learning?",
-             "Suggest a name for a cat.", "What causes earthquakes?", "Translate 'good morning' to Spanish.",
-             "What is the speed of light?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Why is the sky blue?",
+    "Write a haiku about the sea.",
+    "What does a CPU do?",
+    "How do I make a cup of tea?",
+    "What is photosynthesis?",
+    "List two fruits that are red.",
+    "Explain recursion to a child.",
+    "What are the benefits of exercise?",
+    "Describe the water cycle.",
+    "How does a rainbow form?",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water?",
+    "Give me a tip for learning Python.",
+    "Why do leaves change color in autumn?",
+    "What is a black hole?",
+    "Summarize the plot of Cinderella.",
+    "How many legs does a spider have?",
+    "What is machine learning?",
+    "Suggest a name for a cat.",
+    "What causes earthquakes?",
+    "Translate 'good morning' to Spanish.",
+    "What is the speed of light?",
+]
 
 
 def test_greedy_top1_agreement_with_the_bf16_cache_on_the_default_model():
     plain = LLM(dtype="bfloat16", kv_cache_memory_gb=0.2)
     tok = plain.tokenizer
-    ps = [list(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True,
-                                       return_dict=False)) for q in QUESTIONS]
+    ps = [
+        list(
+            tok.apply_chat_template(
+                [{"role": "user", "content": q}], tokenize=True, add_generation_prompt=True, return_dict=False
+            )
+        )
+        for q in QUESTIONS
+    ]
     cases = teacher_forced_cases(plain, ps, SamplingParams(max_tokens=24, ignore_eos=True))
     quant = LLM(dtype="bfloat16", kv_cache_memory_gb=0.2, kv_cache_dtype="int8")
     exact = LLM(dtype="float32", kv_cache_memory_gb=0.2)
@@ -170,7 +212,9 @@ def test_speculative_decoding_on_int8_blocks_keeps_greedy_output(tiny_models):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = LLM(model=model, dtype="float32", kv_cache_dtype="int8")
     want = [o.token_ids for o in plain.generate(ps, params)]
-    spec = LLM(model=model, dtype="float32", kv_cache_dtype="int8", speculative="ngram", speculative_token_cost=0.0)
+    spec = LLM(
+        model=model, dtype="float32", kv_cache_dtype="int8", speculative="ngram", speculative_token_cost=0.0
+    )
     assert [o.token_ids for o in spec.generate(ps, params)] == want
     assert spec.stats()["spec_decode_proposed_tokens"] > 0
     assert pool_whole(spec)

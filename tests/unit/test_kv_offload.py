@@ -1,6 +1,7 @@
 """Offload tiers for evicted prefix blocks: a prompt whose prefix left the pool is served from the host tier,
 the disk tier and after a restart with exactly the first run's tokens; damaged files, another model's tier,
 a disk that cannot be written; pool and tiers whole after aborts and preemptions around loads."""
+
 from __future__ import annotations
 
 import errno
@@ -32,7 +33,7 @@ def make(demo_dir, **kw) -> LLM:
 def doc_hashes(prompt=DOC) -> list[bytes]:
     out, parent = [], None
     for i in range(len(prompt) // BS):
-        parent = hash_block(parent, tuple(prompt[i * BS:(i + 1) * BS]), None)
+        parent = hash_block(parent, tuple(prompt[i * BS : (i + 1) * BS]), None)
         out.append(parent)
     return out
 
@@ -45,8 +46,12 @@ def evict_doc(llm: LLM) -> None:
 
 def pool_whole(llm: LLM) -> bool:
     eng = llm.engine
-    return (not eng.requests and not eng.kv.req_blocks and eng.kv.num_free_blocks() == eng.kv.num_blocks
-            and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks[1:]))
+    return (
+        not eng.requests
+        and not eng.kv.req_blocks
+        and eng.kv.num_free_blocks() == eng.kv.num_blocks
+        and all(b.ref_cnt == 0 for b in eng.kv.pool.blocks[1:])
+    )
 
 
 def host_whole(llm: LLM) -> bool:
@@ -98,7 +103,9 @@ def test_disk_tier_then_restart_then_another_model(demo_dir, reference, tmp_path
     assert len(list(Path(tmp_path).iterdir())) == 3  # one directory per model identity
 
 
-def test_a_chain_whose_head_stayed_in_the_pool_is_whole_on_disk_after_a_restart(demo_dir, reference, tmp_path):
+def test_a_chain_whose_head_stayed_in_the_pool_is_whole_on_disk_after_a_restart(
+    demo_dir, reference, tmp_path
+):
     """The pool evicts a chain's tail first, so a document's first blocks may never leave it; the disk tier
     still gets them (when the first of their chain is evicted), so a restart can walk the chain from its root."""
     llm = make(demo_dir, kv_offload_dir=str(tmp_path))
@@ -140,7 +147,9 @@ def test_damaged_files_are_dropped_counted_and_recomputed(demo_dir, reference, t
     assert "damaged" in caplog.text
     # The chain was recomputed past the damaged block, so its later blocks (the truncated one among them)
     # are never read; a fresh engine that asks for block 9 directly drops it too.
-    tier = DiskTier(str(tmp_path), 1 << 30, llm.engine.kv.offload.disk.digest.hex())  # a wrong identity: reads nothing
+    tier = DiskTier(
+        str(tmp_path), 1 << 30, llm.engine.kv.offload.disk.digest.hex()
+    )  # a wrong identity: reads nothing
     assert tier.get(hashes[9], tuple(DOC[72:80])) is None
     disk = llm.engine.kv.offload.disk
     assert disk.get(hashes[9], tuple(DOC[72:80])) is None and not truncated.exists()
@@ -250,7 +259,9 @@ def test_metrics_and_model_info_carry_the_pool_and_the_tiers(demo_dir, tmp_path)
     assert llm.engine.model_info["kv_cache_dtype"] == "int8"
 
 
-def test_a_new_tier_on_the_directory_waits_for_the_blocks_an_earlier_one_still_has_queued(tmp_path, monkeypatch):
+def test_a_new_tier_on_the_directory_waits_for_the_blocks_an_earlier_one_still_has_queued(
+    tmp_path, monkeypatch
+):
     slow = threading.Event()
     a = DiskTier(str(tmp_path), 1 << 20, "m")
     real = a._write

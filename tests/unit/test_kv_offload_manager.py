@@ -1,5 +1,6 @@
 """KVCacheManager with offload tiers on a tiny pool: which blocks are offloaded when, which pool blocks a
 load fills, and that a load never takes a block of the chain it continues (exact block ids)."""
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,7 @@ def admit(kv: KVCacheManager, dev: FakeDevice, r: Request) -> list[int]:
     assert kv.allocate_slots(r, r.num_tokens - n, hits)
     for i, b in enumerate(kv.block_ids(r)):  # 'compute': a block's content names its tokens
         if i >= n // BS:
-            dev.data[b] = torch.tensor(r.all_token_ids[i * BS:(i + 1) * BS], dtype=torch.uint8)
+            dev.data[b] = torch.tensor(r.all_token_ids[i * BS : (i + 1) * BS], dtype=torch.uint8)
     r.num_computed_tokens = r.num_tokens
     kv.cache_computed_blocks(r)
     r.num_cached_tokens = n
@@ -63,8 +64,10 @@ def test_evicted_blocks_are_offloaded_and_loaded_back_into_fresh_blocks():
     c = req("c", doc)
     hits, n = kv.get_computed_blocks(c)
     assert n == 3 * BS and [h.ref_cnt for h in hits] == [0, 0, 0]  # loaded, cached, free until taken
-    assert all(torch.equal(dev.data[h.block_id], torch.tensor(doc[i * BS:(i + 1) * BS], dtype=torch.uint8))
-               for i, h in enumerate(hits))
+    assert all(
+        torch.equal(dev.data[h.block_id], torch.tensor(doc[i * BS : (i + 1) * BS], dtype=torch.uint8))
+        for i, h in enumerate(hits)
+    )
     assert kv.allocate_slots(c, c.num_tokens - n, hits)
     assert kv.offload_stats()["kv_offload_loaded_blocks"] == 3
     kv.free(c)
@@ -79,7 +82,10 @@ def test_a_load_never_takes_a_block_of_the_chain_it_continues():
     kv.free(a)  # free queue (evicted first): 4, 3, 2, 1
     x = req("x", list(range(60, 64)) + [1])  # takes block 4 (partial, uncached) and block 3: a's third block
     admit(kv, dev, x)
-    assert 3 not in {b.block_id for b in kv.pool.cached.values()} and kv.offload_stats()["kv_offload_blocks"] == 1
+    assert (
+        3 not in {b.block_id for b in kv.pool.cached.values()}
+        and kv.offload_stats()["kv_offload_blocks"] == 1
+    )
     kv.free(x)
     c = req("c", doc)
     hits, n = kv.get_computed_blocks(c)

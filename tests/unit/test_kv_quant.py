@@ -2,6 +2,7 @@
 invariant, and every attention path that reads the codes (our CPU kernel in its AVX-512, AVX2 and plain-C
 builds, the torch reference for decode and prefill rows) against float64 attention over the dequantized
 cache."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,9 @@ from sidecar.model.kernels import cpu_build
 from sidecar.model.kernels import paged_attention as kernel
 
 
-def _quant_case(ctx_lens, nh, nkv, hd, bs=16, qdtype=torch.float32, kv_dtype=torch.int8, seed=0, magnitude=1.0):
+def _quant_case(
+    ctx_lens, nh, nkv, hd, bs=16, qdtype=torch.float32, kv_dtype=torch.int8, seed=0, magnitude=1.0
+):
     """A quantized pool with blocks in shuffled order, and decode rows over it."""
     g = torch.Generator().manual_seed(seed)
     per_row = [-(-c // bs) for c in ctx_lens]
@@ -74,7 +77,7 @@ def test_fp8_codes_round_trip_within_e4m3_precision():
     q, s = kv_quant.quantize(x, torch.float8_e4m3fn)
     assert q.dtype == torch.float8_e4m3fn
     back = kv_quant.dequantize(q, s, torch.float32)
-    assert torch.all((back - x).abs() <= x.abs() * 2 ** -4 + s[..., None] * 2 ** -9)
+    assert torch.all((back - x).abs() <= x.abs() * 2**-4 + s[..., None] * 2**-9)
 
 
 def test_fp8_on_cpu_falls_back_to_int8_with_a_reason():
@@ -105,24 +108,29 @@ def test_kernel_builds_on_this_machine():
 
 
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ctx_lens,nh,nkv,hd,window", [
-    ([1], 4, 4, 64, None),  # one key
-    ([15, 16, 17, 32, 33], 9, 3, 64, None),  # SmolLM2-135M's heads; lengths on and across block edges
-    ([300] * 3 + [129], 14, 2, 64, None),  # 7 queries per KV head
-    ([1000, 1001], 8, 2, 128, None),  # Llama's head size
-    ([5, 49, 50, 200], 4, 2, 64, 16),  # sliding window
-    ([70, 2], 6, 6, 32, None),  # no grouping, a narrow head
-])
+@pytest.mark.parametrize(
+    "ctx_lens,nh,nkv,hd,window",
+    [
+        ([1], 4, 4, 64, None),  # one key
+        ([15, 16, 17, 32, 33], 9, 3, 64, None),  # SmolLM2-135M's heads; lengths on and across block edges
+        ([300] * 3 + [129], 14, 2, 64, None),  # 7 queries per KV head
+        ([1000, 1001], 8, 2, 128, None),  # Llama's head size
+        ([5, 49, 50, 200], 4, 2, 64, 16),  # sliding window
+        ([70, 2], 6, 6, 32, None),  # no grouping, a narrow head
+    ],
+)
 def test_cpu_kernel_reads_int8_blocks_like_float64(ctx_lens, nh, nkv, hd, window, qdtype):
     q, cache, tables, ctx = _quant_case(ctx_lens, nh, nkv, hd, qdtype=qdtype, seed=len(ctx_lens) + hd)
-    scale = hd ** -0.5
+    scale = hd**-0.5
     out = kernel.decode_attention(q, cache[0], cache[1], tables, ctx, scale, window, cache[2:])
     assert out is not None and out.dtype == qdtype and out.shape == q.shape
     assert (out.double() - _reference(q, cache, tables, ctx, scale, window)).abs().max() <= _tol(qdtype)
 
 
 def test_extreme_values_stay_finite():
-    q, cache, tables, ctx = _quant_case([40, 40], 2, 1, 64, seed=9, magnitude=100.0)  # scores in the thousands
+    q, cache, tables, ctx = _quant_case(
+        [40, 40], 2, 1, 64, seed=9, magnitude=100.0
+    )  # scores in the thousands
     out = kernel.decode_attention(q, cache[0], cache[1], tables, ctx, 1.0, None, cache[2:])
     ref = _reference(q, cache, tables, ctx, 1.0, None)
     assert torch.isfinite(out).all() and (out.double() - ref).abs().max() <= 1e-3
@@ -133,8 +141,11 @@ def test_other_instruction_sets_read_int8_blocks(arch, monkeypatch):
     monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", arch)
     monkeypatch.setattr(cpu_build, "_loaded", {})
     assert kernel.available(), cpu_build.reason("paged_attention")
-    for ctx_lens, nh, nkv, hd, window in [([17, 400, 33], 9, 3, 64, None), ([90, 91], 8, 2, 128, 40),
-                                          ([3, 64], 2, 2, 24, None)]:
+    for ctx_lens, nh, nkv, hd, window in [
+        ([17, 400, 33], 9, 3, 64, None),
+        ([90, 91], 8, 2, 128, 40),
+        ([3, 64], 2, 2, 24, None),
+    ]:
         q, cache, tables, ctx = _quant_case(ctx_lens, nh, nkv, hd, seed=hd)
         out = kernel.decode_attention(q, cache[0], cache[1], tables, ctx, 0.1, window, cache[2:])
         assert out is not None
@@ -144,9 +155,16 @@ def test_other_instruction_sets_read_int8_blocks(arch, monkeypatch):
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 def test_torch_decode_path_reads_quantized_blocks_like_float64(kv_dtype):
     q, cache, tables, ctx = _quant_case([17, 64, 3, 200], 9, 3, 64, kv_dtype=kv_dtype, seed=3)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), block_size=16, decode_block_tables=tables,
-                             decode_ctx_lens=ctx, use_cpu_kernel=False)
-    out = paged_attention(q, None, None, cache[0], cache[1], meta, 0.125, None, kv_written=True, kv_scales=cache[2:])
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_size=16,
+        decode_block_tables=tables,
+        decode_ctx_lens=ctx,
+        use_cpu_kernel=False,
+    )
+    out = paged_attention(
+        q, None, None, cache[0], cache[1], meta, 0.125, None, kv_written=True, kv_scales=cache[2:]
+    )
     assert (out.double() - _reference(q, cache, tables, ctx, 0.125, None)).abs().max() <= 2e-5
 
 
@@ -169,12 +187,12 @@ def test_prefill_rows_quantize_on_write_and_attend_through_the_cache():
     meta = AttentionMetadata(slot_mapping=slots, block_size=bs, prefills=[PrefillSegment(0, n, n, table)])
     out = paged_attention(q, k, v, cache[0], cache[1], meta, 0.125, kv_scales=cache[2:])
     ks, vs = kv_quant.quantize(k, torch.int8), kv_quant.quantize(v, torch.int8)
-    kd = (ks[0].double() * ks[1].double()[..., None])
-    vd = (vs[0].double() * vs[1].double()[..., None])
+    kd = ks[0].double() * ks[1].double()[..., None]
+    vd = vs[0].double() * vs[1].double()[..., None]
     for p in (0, 15, 16, 36):
         for h in range(nh):
-            w = torch.softmax(0.125 * (kd[:p + 1, h // 2] @ q[p, h].double()), 0)
-            assert (out[p, h].double() - w @ vd[:p + 1, h // 2]).abs().max() <= 2e-5
+            w = torch.softmax(0.125 * (kd[: p + 1, h // 2] @ q[p, h].double()), 0)
+            assert (out[p, h].double() - w @ vd[: p + 1, h // 2]).abs().max() <= 2e-5
 
 
 @pytest.mark.parametrize("arch", [None, "-mavx2 -mfma", "-mtune=generic"])
@@ -190,7 +208,7 @@ def test_rope_kernel_quantizes_on_write_bit_for_bit_as_kv_quant(dtype, arch, mon
     g = torch.Generator().manual_seed(4)
     t, nh, nkv, hd, slots_n = 37, 9, 3, 64, 90
     qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 4).to(dtype)
-    qkv[3, (nh + nkv) * hd:(nh + nkv + 1) * hd] = 0  # an all-zero V row: scale 1
+    qkv[3, (nh + nkv) * hd : (nh + nkv + 1) * hd] = 0  # an all-zero V row: scale 1
     ang = torch.randn(t, hd // 2, generator=g).repeat(1, 2) * 50
     sign = torch.cat([-torch.ones(hd // 2), torch.ones(hd // 2)])
     cos, sin = ang.cos().to(dtype), (ang.sin() * sign).to(dtype)
@@ -199,7 +217,9 @@ def test_rope_kernel_quantizes_on_write_bit_for_bit_as_kv_quant(dtype, arch, mon
     for x in cache:
         x.zero_()
     ref = tuple(x.clone() for x in cache)
-    out = rope_kv.rope_store_kv(qkv, cos, sin, slots, cache[0], cache[1], nh, nkv, hd, True, kv_scales=cache[2:])
+    out = rope_kv.rope_store_kv(
+        qkv, cos, sin, slots, cache[0], cache[1], nh, nkv, hd, True, kv_scales=cache[2:]
+    )
     assert out is not None
     nqk = (nh + nkv) * hd
     qk = qkv[:, :nqk].view(t, nh + nkv, hd)
@@ -210,4 +230,7 @@ def test_rope_kernel_quantizes_on_write_bit_for_bit_as_kv_quant(dtype, arch, mon
         assert torch.equal(got, want)
     # An fp8 cache is not the kernel's: the caller's torch path writes it.
     fp8 = kv_quant.allocate(slots_n, 1, nkv, hd, torch.float8_e4m3fn, torch.device("cpu"))
-    assert rope_kv.rope_store_kv(qkv, cos, sin, slots, fp8[0], fp8[1], nh, nkv, hd, True, kv_scales=fp8[2:]) is None
+    assert (
+        rope_kv.rope_store_kv(qkv, cos, sin, slots, fp8[0], fp8[1], nh, nkv, hd, True, kv_scales=fp8[2:])
+        is None
+    )

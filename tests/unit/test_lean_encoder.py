@@ -1,6 +1,7 @@
 """The embedder's lean BERT forward: the same vectors as the sentence-transformers path (single texts and
 padded batches), the same cache decisions on the bundled paraphrase pairs, and a start-up check that
 sends a wrong fast path back to the reference."""
+
 from __future__ import annotations
 
 import logging

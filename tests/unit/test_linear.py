@@ -1,4 +1,5 @@
 """The models' Linear with weights packed for oneDNN, against F.linear on the plain weights."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,7 +30,9 @@ def _layer(n, k, dtype, bias, seed=0):
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_layer_computes_what_f_linear_computes(dtype, rows, bias):
     lin, w, b = _layer(200, 96, dtype, bias, seed=rows)
-    if dtype == torch.bfloat16 and TILE_ONLY:  # no oneDNN bf16: the tiled layout alone, our kernel at every size
+    if (
+        dtype == torch.bfloat16 and TILE_ONLY
+    ):  # no oneDNN bf16: the tiled layout alone, our kernel at every size
         assert lin.pack() and not lin.pack()
         assert lin.weight is None and lin.packed is None and torch.equal(lin.dense_weight(), w)
         x = torch.randn(rows, 96).bfloat16()
@@ -38,12 +41,21 @@ def test_packed_layer_computes_what_f_linear_computes(dtype, rows, bias):
         assert y.dtype == torch.bfloat16 and (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
         assert torch.equal(y, bf16_gemv.bf16_matmul_tiled(x, lin.tiled, 200, b, torch.bfloat16))
         x3 = torch.randn(2, rows, 192).bfloat16()[..., ::2]
-        assert torch.allclose(lin(x3).double(), F.linear(x3.double(), w.double(), None if b is None else b.double()),
-                              rtol=0, atol=2e-2 * float(ref.abs().max()))
+        assert torch.allclose(
+            lin(x3).double(),
+            F.linear(x3.double(), w.double(), None if b is None else b.double()),
+            rtol=0,
+            atol=2e-2 * float(ref.abs().max()),
+        )
         return
     if dtype == torch.bfloat16 and AMX:
         assert lin.pack() and not lin.pack()
-        assert lin.weight is None and lin.packed is None and lin.tiled is None and torch.equal(lin.dense_weight(), w)
+        assert (
+            lin.weight is None
+            and lin.packed is None
+            and lin.tiled is None
+            and torch.equal(lin.dense_weight(), w)
+        )
         x = torch.randn(rows, 96).bfloat16()
         y = lin(x)
         ref = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -51,10 +63,16 @@ def test_packed_layer_computes_what_f_linear_computes(dtype, rows, bias):
         assert torch.equal(y, amx_gemm.AmxLayer(lin.amx, 200, b)(x))
         assert torch.equal(lin(x[-1:]), y[-1:])  # a row's result does not depend on its batch
         x3 = torch.randn(2, rows, 192).bfloat16()[..., ::2]
-        assert torch.allclose(lin(x3).double(), F.linear(x3.double(), w.double(), None if b is None else b.double()),
-                              rtol=0, atol=2e-2 * float(ref.abs().max()))
+        assert torch.allclose(
+            lin(x3).double(),
+            F.linear(x3.double(), w.double(), None if b is None else b.double()),
+            rtol=0,
+            atol=2e-2 * float(ref.abs().max()),
+        )
         return
-    if dtype == torch.bfloat16 and not BF16_PACKS:  # neither oneDNN bf16 nor our kernel: the weight stays plain
+    if (
+        dtype == torch.bfloat16 and not BF16_PACKS
+    ):  # neither oneDNN bf16 nor our kernel: the weight stays plain
         assert not lin.pack() and lin.packed is None and torch.equal(lin.weight, w)
         x = torch.randn(rows, 96).bfloat16()
         ref = x.double() @ w.double().T + (0 if b is None else b.double())
@@ -76,8 +94,12 @@ def test_packed_layer_computes_what_f_linear_computes(dtype, rows, bias):
             assert torch.equal(y, F.linear(x, w, b))
     # Leading dimensions and non-contiguous inputs, as the models pass them.
     x3 = torch.randn(2, rows, 192).to(dtype)[..., ::2]
-    assert torch.allclose(lin(x3).double(), F.linear(x3.double(), w.double(), None if b is None else b.double()),
-                          rtol=0, atol=2e-2 * float(ref.abs().max()))
+    assert torch.allclose(
+        lin(x3).double(),
+        F.linear(x3.double(), w.double(), None if b is None else b.double()),
+        rtol=0,
+        atol=2e-2 * float(ref.abs().max()),
+    )
 
 
 def test_empty_batch_and_packing_once():
@@ -89,7 +111,9 @@ def test_empty_batch_and_packing_once():
 
 def test_what_is_not_packed(monkeypatch):
     assert not can_pack(None)
-    assert not can_pack(torch.randn(4, 4, dtype=torch.float16)) or torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert (
+        not can_pack(torch.randn(4, 4, dtype=torch.float16)) or torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    )
     assert not can_pack(torch.randn(4))
     assert can_pack(torch.randn(4, 4)) == torch.backends.mkldnn.is_available()
     if not BF16_PACKS:
@@ -101,10 +125,24 @@ def test_what_is_not_packed(monkeypatch):
 
 
 def _tiny_model(dtype):
-    args = ModelArgs(architecture="Qwen2ForCausalLM", vocab_size=300, hidden_size=64, intermediate_size=96,
-                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=1e4,
-                     rope_scaling=None, max_position_embeddings=128, tie_word_embeddings=True,
-                     attention_bias=True, mlp_bias=False, sliding_window=None)
+    args = ModelArgs(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        rope_scaling=None,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=False,
+        sliding_window=None,
+    )
     torch.manual_seed(0)
     m = LlamaForCausalLM(args).to(dtype)
     m.lm_head.weight = m.embed_tokens.weight
@@ -125,7 +163,9 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget,
         for n, l in m.named_modules():
             if isinstance(l, Linear):
                 assert l.weight is None and l.packed is None and l.kernel_rows > 1 << 40
-                assert torch.equal(l.tiled, bf16_gemv.tile_weight(plain[n])) and torch.equal(l.dense_weight(), plain[n])
+                assert torch.equal(l.tiled, bf16_gemv.tile_weight(plain[n])) and torch.equal(
+                    l.dense_weight(), plain[n]
+                )
         assert isinstance(m.embed_tokens, TiledEmbedding) and m.embed_tokens.tiled is m.lm_head.tiled
         ids = torch.tensor([[0, 5, 99], [3, 3, 1]])
         assert torch.equal(m.embed_tokens(ids), plain["lm_head"][ids])
@@ -133,7 +173,9 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget,
         assert (m.layers[0].mlp.gate_up_proj(h).double() - ref).abs().max() <= 1e-2 * ref.abs().max()
         assert pack_weights(m) == 0
         return
-    if dtype == torch.bfloat16 and AMX:  # every layer to AMX's layout alone, the tied table too, whatever the budget
+    if (
+        dtype == torch.bfloat16 and AMX
+    ):  # every layer to AMX's layout alone, the tied table too, whatever the budget
         assert pack_weights(m, consume=consume) == len(plain) == 9
         for n, l in m.named_modules():
             if isinstance(l, Linear):
@@ -152,8 +194,11 @@ def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget,
         return
     if dtype == torch.bfloat16 and not BF16_PACKS:  # a CPU without oneDNN bf16 or our kernel: nothing to pack
         assert pack_weights(m) == 0
-        assert all(l.packed is None and torch.equal(l.weight, plain[n])
-                   for n, l in m.named_modules() if isinstance(l, Linear))
+        assert all(
+            l.packed is None and torch.equal(l.weight, plain[n])
+            for n, l in m.named_modules()
+            if isinstance(l, Linear)
+        )
         return
     assert pack_weights(m, consume=consume) == len(plain) == 9  # 4 per layer + lm_head
     # bf16 copies in our kernel's tiled layout where it runs and they fit the budget (this model: a few KB);
@@ -188,19 +233,28 @@ def test_tied_bf16_head_takes_our_kernel_for_small_batches_only(monkeypatch):
     calls = []
     if AMX:  # the table in AMX's layout alone: every batch size takes that kernel
         real_amx = amx_gemm.AmxLayer.__call__
-        monkeypatch.setattr(amx_gemm.AmxLayer, "__call__", lambda self, x, *a, **k: calls.append(x.shape[0])
-                            or real_amx(self, x, *a, **k))
+        monkeypatch.setattr(
+            amx_gemm.AmxLayer,
+            "__call__",
+            lambda self, x, *a, **k: calls.append(x.shape[0]) or real_amx(self, x, *a, **k),
+        )
         for rows in (1, 17, 300):
             h = torch.randn(rows, 64).bfloat16()
             ref = h.double() @ table.double().T
             assert (m.compute_logits(h).double() - ref).abs().max() <= 1e-2 * ref.abs().max()
         assert calls == [1, 17, 300] and m.lm_head.packed is None and m.lm_head.tiled is None
         return
-    monkeypatch.setattr(bf16_gemv, "bf16_matmul", lambda *a, real=bf16_gemv.bf16_matmul: calls.append(a[0].shape[0])
-                        or real(*a))
+    monkeypatch.setattr(
+        bf16_gemv,
+        "bf16_matmul",
+        lambda *a, real=bf16_gemv.bf16_matmul: calls.append(a[0].shape[0]) or real(*a),
+    )
     real_call = bf16_gemv.TiledLayer.__call__  # the tied table is tiled where the kernel runs
-    monkeypatch.setattr(bf16_gemv.TiledLayer, "__call__", lambda self, x, *a: calls.append(x.shape[0])
-                        or real_call(self, x, *a))
+    monkeypatch.setattr(
+        bf16_gemv.TiledLayer,
+        "__call__",
+        lambda self, x, *a: calls.append(x.shape[0]) or real_call(self, x, *a),
+    )
     limit = m.lm_head.kernel_rows  # measured at pack time, within 1..MAX_ROWS; every size without oneDNN bf16
     assert limit > 1 << 40 if TILE_ONLY else 1 <= limit <= bf16_gemv.MAX_ROWS
     sizes = (1, 40, 300) if TILE_ONLY else (1, limit, limit + 1, 40)
@@ -213,7 +267,9 @@ def test_tied_bf16_head_takes_our_kernel_for_small_batches_only(monkeypatch):
     if TILE_ONLY:
         assert calls == list(sizes)
     else:
-        assert calls == ([1, limit] if bf16_gemv.available() and limit > 1 else [1] if bf16_gemv.available() else [])
+        assert calls == (
+            [1, limit] if bf16_gemv.available() and limit > 1 else [1] if bf16_gemv.available() else []
+        )
 
 
 @pytest.mark.skipif(not can_pack(torch.zeros(4, 64)), reason="needs oneDNN and our CPU kernels")
@@ -223,8 +279,11 @@ def test_tied_float32_head_takes_our_kernel_for_few_rows_only(monkeypatch):
     pack_weights(m)
     assert m.lm_head.packed is not None and m.lm_head.weight is m.embed_tokens.weight  # the one plain copy
     calls = []
-    monkeypatch.setattr(f32_gemv, "f32_matmul", lambda x, *a, real=f32_gemv.f32_matmul: calls.append(x.shape[0])
-                        or real(x, *a))
+    monkeypatch.setattr(
+        f32_gemv,
+        "f32_matmul",
+        lambda x, *a, real=f32_gemv.f32_matmul: calls.append(x.shape[0]) or real(x, *a),
+    )
     limit = linear_mod.F32_KERNEL_ROWS
     for rows in (1, 3, limit, limit + 1, 40):
         h = torch.randn(rows, 64)
@@ -251,7 +310,9 @@ def test_load_model_packs_on_cpu_unless_asked_not_to(demo_dir):
 def test_no_tiled_copy_where_our_kernel_cannot_read_it(monkeypatch):
     monkeypatch.setattr(linear_mod, "TILED_FRACTION", 0.1)
     torch.manual_seed(0)
-    m = torch.nn.Sequential(Linear(64, 32), Linear(48, 32)).to(torch.bfloat16)  # rows of 64 and of 48 elements
+    m = torch.nn.Sequential(Linear(64, 32), Linear(48, 32)).to(
+        torch.bfloat16
+    )  # rows of 64 and of 48 elements
     ref = [l.weight.detach().clone() for l in m]
     if TILE_ONLY:  # the 64-wide layer to the tiled layout alone; the 48-wide one stays plain for F.linear
         assert pack_weights(m) == 1
@@ -281,6 +342,7 @@ def test_mlp_takes_silu_from_the_gate_up_kernel_where_it_offers_it():
     delta joins before the activation, unless the hook says it is idle (LoRA's outside a batch with adapter rows).
     Elsewhere the projection offers nothing and the MLP runs the two steps."""
     from sidecar.model.kernels import norm_act
+
     m = _tiny_model(torch.bfloat16)
     pack_weights(m)
     mlp = m.layers[0].mlp
@@ -336,17 +398,22 @@ def test_the_tile_layout_serves_the_model(tile_build):
     silu and the head's widened logits from the kernel, the embedding lookups from the head's layout. Where it does
     not run, the layers keep the other layouts."""
     from sidecar.model.kernels import norm_act
+
     m = _tiny_model(torch.bfloat16)
     lins = {name: mod for name, mod in m.named_modules() if isinstance(mod, Linear)}
-    plain = {name: (mod.weight.detach().clone(), None if mod.bias is None else mod.bias.detach().clone())
-             for name, mod in lins.items()}
+    plain = {
+        name: (mod.weight.detach().clone(), None if mod.bias is None else mod.bias.detach().clone())
+        for name, mod in lins.items()
+    }
     table = m.embed_tokens.weight.detach().clone()
     pack_weights(m)
     if not tile_build:
         assert all(mod.amx is None for mod in lins.values())
         return
-    assert all(mod.amx is not None and mod.packed is None and mod.tiled is None and mod.weight is None
-               for mod in lins.values())
+    assert all(
+        mod.amx is not None and mod.packed is None and mod.tiled is None and mod.weight is None
+        for mod in lins.values()
+    )
     ids = torch.tensor([0, 7, 299])
     assert torch.equal(m.embed_tokens(ids), table[ids])
     torch.manual_seed(1)

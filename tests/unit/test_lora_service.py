@@ -1,5 +1,6 @@
 """The service's side of LoRA: a request's model names its adapter, which reaches the engine and scopes the
 semantic cache; unknown names and adapters unloaded after admission are not_found naming ``model``."""
+
 from __future__ import annotations
 
 import asyncio
@@ -34,10 +35,13 @@ def test_the_model_name_picks_the_adapter_and_scopes_the_cache():
     svc = service(eng)
     scopes = []
     plan = svc.cache_step.plan
-    svc.cache_step.plan = lambda tenant, req, params, model: scopes.append(model) or plan(tenant, req, params, model)
+    svc.cache_step.plan = lambda tenant, req, params, model: (
+        scopes.append(model) or plan(tenant, req, params, model)
+    )
     for model in ("support", None, "scripted"):
-        events = asyncio.run(collect(svc, GenerationRequest(prompt="hi", params=SamplingParams(max_tokens=2),
-                                                            model=model)))
+        events = asyncio.run(
+            collect(svc, GenerationRequest(prompt="hi", params=SamplingParams(max_tokens=2), model=model))
+        )
         assert events[-1].finished
     assert eng.loras == ["support", None, None]
     assert scopes == ["support", "scripted", "scripted"]
@@ -54,6 +58,8 @@ def test_unknown_models_and_adapters_gone_after_admission_are_not_found_naming_m
     gone = AdapterEngine([4], refuse_lora=True)
     svc = service(gone)
     with pytest.raises(ServiceError) as err:
-        asyncio.run(collect(svc, GenerationRequest(prompt="hi", params=SamplingParams(max_tokens=2), model="support")))
+        asyncio.run(
+            collect(svc, GenerationRequest(prompt="hi", params=SamplingParams(max_tokens=2), model="support"))
+        )
     assert (err.value.code, err.value.field) == ("not_found", "model")
     assert svc.num_active == 0

@@ -1,4 +1,5 @@
 """OpenAI adapter over a fake service: translation, validation, errors, streaming, disconnects."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,7 @@ def chat_body(**kw):
 
 
 def sse_events(text: str) -> list:
-    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(x) for x in lines[:-1]]
 
@@ -43,19 +44,37 @@ def test_chat_unary_shape_usage_and_cache_header(client, svc):
     assert d["object"] == "chat.completion" and d["model"] == "demo"
     assert d["choices"][0]["message"] == {"role": "assistant", "content": expected_text(5, 3)}
     assert d["choices"][0]["finish_reason"] == "length"
-    assert d["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
-                          "prompt_tokens_details": {"cached_tokens": 2}}
+    assert d["usage"] == {
+        "prompt_tokens": 2,
+        "completion_tokens": 3,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     [req] = svc.requests
     assert req.messages == [{"role": "user", "content": "hi"}] and req.params.seed == 5
 
 
 def test_chat_translation_of_sampling_fields_and_roles(client, svc):
-    body = chat_body(temperature=0.7, top_p=0.9, top_k=-1, min_p=0.1, repetition_penalty=1.1,
-                     presence_penalty=0.5, frequency_penalty=-0.5, stop="END", max_tokens=None,
-                     max_completion_tokens=2, priority=3, cache_control="skip", cache_salt="s", speculative=False,
-                     messages=[{"role": "developer", "content": "be brief"},
-                               {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                            {"type": "text", "text": "b"}]}])
+    body = chat_body(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=-1,
+        min_p=0.1,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        stop="END",
+        max_tokens=None,
+        max_completion_tokens=2,
+        priority=3,
+        cache_control="skip",
+        cache_salt="s",
+        speculative=False,
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        ],
+    )
     assert client.post("/v1/chat/completions", json=body).status_code == 200
     [req] = svc.requests
     p = req.params
@@ -95,9 +114,15 @@ def test_completions_batch_of_prompts_and_token_ids(client, svc):
     assert [q.prompt_token_ids for q in svc.requests] == [[1, 2], [3], [5, 6, 7]]
 
 
-@pytest.mark.parametrize("field,value", [
-    ("logit_bias", {"5": 1}), ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {"voice": "x"}),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logit_bias", {"5": 1}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("audio", {"voice": "x"}),
+    ],
+)
 def test_unsupported_chat_fields_are_refused_by_name(client, svc, field, value):
     r = client.post("/v1/chat/completions", json=chat_body(**{field: value}))
     assert r.status_code == 400
@@ -113,41 +138,54 @@ def test_unsupported_completion_fields_are_refused_by_name(client, field, value)
 
 
 def test_every_unknown_or_unsupported_field_is_named(client):
-    err = client.post("/v1/chat/completions", json=chat_body(functions=[{"name": "f"}], logit_bias={"1": 2},
-                                                             echo=False)).json()["error"]
-    assert err["message"] == "functions, logit_bias: not supported by this server" and err["param"] == "functions"
-    err = client.post("/v1/completions", json={"prompt": "x", "tempreature": 1, "max_token": 2}).json()["error"]
+    err = client.post(
+        "/v1/chat/completions", json=chat_body(functions=[{"name": "f"}], logit_bias={"1": 2}, echo=False)
+    ).json()["error"]
+    assert (
+        err["message"] == "functions, logit_bias: not supported by this server"
+        and err["param"] == "functions"
+    )
+    err = client.post("/v1/completions", json={"prompt": "x", "tempreature": 1, "max_token": 2}).json()[
+        "error"
+    ]
     assert err["message"] == "tempreature, max_token: unknown fields" and err["param"] == "tempreature"
 
 
 def test_feature_off_values_of_unsupported_fields_are_accepted(client):
-    r = client.post("/v1/chat/completions", json=chat_body(tools=[], logit_bias={}, response_format={"type": "text"},
-                                                           tool_choice="none"))
+    r = client.post(
+        "/v1/chat/completions",
+        json=chat_body(tools=[], logit_bias={}, response_format={"type": "text"}, tool_choice="none"),
+    )
     assert r.status_code == 200
     r = client.post("/v1/completions", json={"prompt": "x", "echo": False, "best_of": 1, "max_tokens": 1})
     assert r.status_code == 200
 
 
-@pytest.mark.parametrize("body,param", [
-    (chat_body(temperature=-1), "temperature"),
-    (chat_body(temperature="1"), "temperature"),
-    (chat_body(n=0), "n"),
-    (chat_body(max_tokens=0), "max_tokens"),
-    (chat_body(top_p=1.5), "top_p"),
-    (chat_body(stop=["a"] * 17), "stop"),
-    (chat_body(top_logprobs=2), "top_logprobs"),
-    (chat_body(stream_options={"include_usage": True}), "stream_options"),
-    (chat_body(messages=[]), "messages"),
-    (chat_body(messages=[{"role": "function", "content": "x"}]), "messages[0].role"),
-    (chat_body(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
-    (chat_body(messages=[{"role": "assistant"}]), "messages[0].content"),
-    (chat_body(response_format={"type": "json_schema"}), "response_format.json_schema"),
-    (chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
-    (chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-     "messages[0].content[0].type"),
-    (chat_body(frobnicate=1), "frobnicate"),
-    ({"model": "demo"}, "messages"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (chat_body(temperature=-1), "temperature"),
+        (chat_body(temperature="1"), "temperature"),
+        (chat_body(n=0), "n"),
+        (chat_body(max_tokens=0), "max_tokens"),
+        (chat_body(top_p=1.5), "top_p"),
+        (chat_body(stop=["a"] * 17), "stop"),
+        (chat_body(top_logprobs=2), "top_logprobs"),
+        (chat_body(stream_options={"include_usage": True}), "stream_options"),
+        (chat_body(messages=[]), "messages"),
+        (chat_body(messages=[{"role": "function", "content": "x"}]), "messages[0].role"),
+        (chat_body(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
+        (chat_body(messages=[{"role": "assistant"}]), "messages[0].content"),
+        (chat_body(response_format={"type": "json_schema"}), "response_format.json_schema"),
+        (chat_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+        (
+            chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+            "messages[0].content[0].type",
+        ),
+        (chat_body(frobnicate=1), "frobnicate"),
+        ({"model": "demo"}, "messages"),
+    ],
+)
 def test_bad_values_and_unknown_fields_are_400_naming_the_field(client, svc, body, param):
     r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 400, r.text
@@ -173,7 +211,9 @@ def test_auth_model_and_service_errors_map_to_openai_statuses():
     auth = {"authorization": "Bearer k"}
     r = c.post("/v1/chat/completions", json=chat_body(model="other"), headers=auth)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
-    svc.fail_before_first = ServiceError("rate_limited", "rate limit exceeded; retry in 1.200s", retry_after_s=1.2)
+    svc.fail_before_first = ServiceError(
+        "rate_limited", "rate limit exceeded; retry in 1.200s", retry_after_s=1.2
+    )
     r = c.post("/v1/chat/completions", json=chat_body(stream=True), headers=auth)
     assert r.status_code == 429 and r.headers["retry-after"] == "2"
     svc.fail_before_first = ServiceError("invalid_argument", "sampling.stop_token_ids: must be token ids")
@@ -193,8 +233,10 @@ def test_auth_model_and_service_errors_map_to_openai_statuses():
 def test_streaming_chat_deltas_join_to_the_unary_text(client, svc):
     unary = client.post("/v1/chat/completions", json=chat_body(seed=3, max_tokens=5)).json()
     svc.cache_status = "hit_exact"
-    r = client.post("/v1/chat/completions", json=chat_body(seed=3, max_tokens=5, stream=True,
-                                                           stream_options={"include_usage": True}))
+    r = client.post(
+        "/v1/chat/completions",
+        json=chat_body(seed=3, max_tokens=5, stream=True, stream_options={"include_usage": True}),
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert r.headers["x-sidecar-cache"] == "hit"
     chunks = sse_events(r.text)
@@ -207,8 +249,10 @@ def test_streaming_chat_deltas_join_to_the_unary_text(client, svc):
 
 
 def test_streaming_completions_with_n_and_logprobs(client):
-    r = client.post("/v1/completions", json={"prompt": "x", "n": 2, "seed": 0, "max_tokens": 3, "stream": True,
-                                             "logprobs": 1})
+    r = client.post(
+        "/v1/completions",
+        json={"prompt": "x", "n": 2, "seed": 0, "max_tokens": 3, "stream": True, "logprobs": 1},
+    )
     chunks = sse_events(r.text)
     texts = {0: "", 1: ""}
     offsets = {0: [], 1: []}
@@ -217,13 +261,18 @@ def test_streaming_completions_with_n_and_logprobs(client):
         texts[ch["index"]] += ch["text"]
         if ch["logprobs"]:
             offsets[ch["index"]] += ch["logprobs"]["text_offset"]
-            assert ch["logprobs"]["top_logprobs"][0] == {"<1000>": -0.25} or ch["logprobs"]["tokens"][0] != "<1000>"
+            assert (
+                ch["logprobs"]["top_logprobs"][0] == {"<1000>": -0.25}
+                or ch["logprobs"]["tokens"][0] != "<1000>"
+            )
     assert texts == {0: expected_text(0, 3), 1: expected_text(1, 3)}
     assert offsets[0] == [0, len(" w0_0"), len(" w0_0 w0_1")]
 
 
 def test_chat_logprobs_shape(client):
-    d = client.post("/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=2, max_tokens=2)).json()
+    d = client.post(
+        "/v1/chat/completions", json=chat_body(logprobs=True, top_logprobs=2, max_tokens=2)
+    ).json()
     content = d["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == ["<1000>", "<1001>"]
     assert content[0]["bytes"] == list(b"<1000>") and content[0]["logprob"] == -0.25
@@ -253,7 +302,9 @@ def test_client_disconnect_closes_every_engine_request(svc, stream):
     body = json.dumps(chat_body(n=2, max_tokens=200, stream=stream)).encode()
 
     async def call_then_look():
-        res = await asgi_call(app, "POST", "/v1/chat/completions", body, disconnect_after_chunks=2 if stream else 0)
+        res = await asgi_call(
+            app, "POST", "/v1/chat/completions", body, disconnect_after_chunks=2 if stream else 0
+        )
         await asyncio.sleep(0.05)  # a few loop turns, far less than the 2 s the requests would run
         # Looked at inside the loop: asyncio.run's own cleanup must not be what closes them.
         return res, set(svc.live), list(svc.closed_early)
@@ -314,6 +365,7 @@ def test_oversized_bodies_are_refused_before_reaching_the_service(svc):
         for _ in range(10):
             yield b"x" * 500
         yield b'"}'
+
     r = c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code in (400, 413) and "error" in r.json()
     assert svc.requests == []

@@ -4,6 +4,7 @@ Schemathesis generates valid and invalid bodies from /openapi.json (in-process,
 over the fake service so the run is fast and deterministic) and checks every
 response for server errors.
 """
+
 from __future__ import annotations
 
 import schemathesis

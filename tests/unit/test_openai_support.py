@@ -5,6 +5,7 @@ choice text is ``" w<seed>_<j>"`` for j in range(max_tokens) (seed None -> 0).
 It records every request it saw and which engine requests are still live, so
 tests can check that a call's requests all end, however the call ends.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,11 @@ class FakeService:
         rid = req.request_id
         self.live.add(rid)
         p = req.params
-        prompt_tokens = len(req.prompt_token_ids or []) or len(req.prompt or "") or \
-            sum(len(m["content"]) for m in req.messages or [])
+        prompt_tokens = (
+            len(req.prompt_token_ids or [])
+            or len(req.prompt or "")
+            or sum(len(m["content"]) for m in req.messages or [])
+        )
         text, ids, finished = "", [], False
         try:
             n_out = p.max_tokens if self.max_produced is None else min(p.max_tokens, self.max_produced)
@@ -73,32 +77,49 @@ class FakeService:
                 finished = j == n_out - 1
                 lps = None
                 if p.logprobs is not None:
-                    lps = [TokenLogprob(tid, -0.25, [(tid, -0.25), (7, -1.5)][:p.logprobs])]
-                yield Event(request_id=rid, delta_text=delta, new_token_ids=[tid], new_logprobs=lps,
-                            finished=finished, finish_reason="length" if finished else None, text=text,
-                            token_ids=list(ids), prompt_tokens=prompt_tokens, completion_tokens=len(ids),
-                            cached_tokens=2, queue_ms=0.0, ttft_ms=1.0, total_ms=2.0,
-                            cache=CacheInfo(status=self.cache_status))
+                    lps = [TokenLogprob(tid, -0.25, [(tid, -0.25), (7, -1.5)][: p.logprobs])]
+                yield Event(
+                    request_id=rid,
+                    delta_text=delta,
+                    new_token_ids=[tid],
+                    new_logprobs=lps,
+                    finished=finished,
+                    finish_reason="length" if finished else None,
+                    text=text,
+                    token_ids=list(ids),
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=len(ids),
+                    cached_tokens=2,
+                    queue_ms=0.0,
+                    ttft_ms=1.0,
+                    total_ms=2.0,
+                    cache=CacheInfo(status=self.cache_status),
+                )
         finally:
             self.live.discard(rid)
             if not finished:
                 self.closed_early.append(rid)
 
-    async def embed(self, caller: Caller, inputs: list[str],
-                    model: Optional[str] = None) -> tuple[list[list[float]], int]:
+    async def embed(
+        self, caller: Caller, inputs: list[str], model: Optional[str] = None
+    ) -> tuple[list[list[float]], int]:
         if not self.serving:
             raise ServiceError("unavailable", "loading")
         if model and model not in (self.model_info()["embedding_model"], self.model_name):
             raise ServiceError("not_found", f"model: unknown embedding model {model!r}", field="model")
         for i, t in enumerate(inputs):
             if not t.strip():
-                raise ServiceError("invalid_argument", f"inputs[{i}]: must be a non-empty string", field="inputs")
+                raise ServiceError(
+                    "invalid_argument", f"inputs[{i}]: must be a non-empty string", field="inputs"
+                )
         self.embed_calls.append(inputs)
         return [[float(len(t)), 0.5, -1.0] for t in inputs], sum(len(t) for t in inputs)
 
     async def load_lora(self, caller: Caller, name: str, path: str) -> None:
         if name in self.loras or name == self.model_name:
-            raise ServiceError("invalid_argument", f"lora_name: adapter {name!r} is already loaded", field="lora_name")
+            raise ServiceError(
+                "invalid_argument", f"lora_name: adapter {name!r} is already loaded", field="lora_name"
+            )
         if not path.startswith("/"):
             raise ServiceError("invalid_argument", f"lora_path: {path}: not a directory", field="lora_path")
         self.loras[name] = path
@@ -111,15 +132,25 @@ class FakeService:
         return [f"<{i}>" for i in ids]
 
     def model_info(self) -> dict:
-        return {"model": "demo", "max_model_len": 40, "embedding_model": "all-MiniLM-L6-v2",
-                "lora_adapters": dict(self.loras)}
+        return {
+            "model": "demo",
+            "max_model_len": 40,
+            "embedding_model": "all-MiniLM-L6-v2",
+            "lora_adapters": dict(self.loras),
+        }
 
     def render_metrics(self) -> tuple[bytes, str]:
         return b"sidecar_kv_cache_free_blocks 7.0\n", "text/plain; version=0.0.4; charset=utf-8"
 
 
-async def asgi_call(app: Any, method: str, path: str, body: bytes, disconnect_after_chunks: Optional[int] = None,
-                    headers: Optional[list[tuple[bytes, bytes]]] = None) -> dict[str, Any]:
+async def asgi_call(
+    app: Any,
+    method: str,
+    path: str,
+    body: bytes,
+    disconnect_after_chunks: Optional[int] = None,
+    headers: Optional[list[tuple[bytes, bytes]]] = None,
+) -> dict[str, Any]:
     """Drive the app through raw ASGI so a test controls when the client disconnects.
 
     ``disconnect_after_chunks=k`` makes ``receive`` report ``http.disconnect``
@@ -145,11 +176,23 @@ async def asgi_call(app: Any, method: str, path: str, body: bytes, disconnect_af
         sent.append(message)
         chunk_count.set()
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
-             "query_string": b"", "server": ("test", 80), "client": ("test", 1),
-             "headers": [(b"content-type", b"application/json")] + (headers or [])}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "server": ("test", 80),
+        "client": ("test", 1),
+        "headers": [(b"content-type", b"application/json")] + (headers or []),
+    }
     await app(scope, receive, send)
     start = next((m for m in sent if m["type"] == "http.response.start"), None)
-    return {"status": start["status"] if start else None,
-            "body": b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")}
+    return {
+        "status": start["status"] if start else None,
+        "body": b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"),
+    }

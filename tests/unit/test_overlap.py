@@ -1,6 +1,7 @@
 """Overlapped decode steps (engine/overlap.py) on CPU, forced on: launch order, stops at every position
 relative to the pipeline, aborts / deadlines / preemption between launch and readback, resources, and
 outputs equal to the synchronous engine and to HF greedy."""
+
 from __future__ import annotations
 
 import time
@@ -50,8 +51,14 @@ def test_next_step_launches_from_device_ids_before_the_readback(demo_pair, monke
     eng = llm.engine
     events = []
     launch, decode_rows = eng.runner.launch_decode, eng.runner.decode_rows
-    monkeypatch.setattr(eng.runner, "launch_decode", lambda reqs, kv, prev=None, src=None: (
-        events.append(("launch", prev is not None)), launch(reqs, kv, prev, src))[1])
+    monkeypatch.setattr(
+        eng.runner,
+        "launch_decode",
+        lambda reqs, kv, prev=None, src=None: (
+            events.append(("launch", prev is not None)),
+            launch(reqs, kv, prev, src),
+        )[1],
+    )
     gathered = []
 
     def rows_spy(rows, sample, prev_ids=None):
@@ -61,7 +68,9 @@ def test_next_step_launches_from_device_ids_before_the_readback(demo_pair, monke
 
     monkeypatch.setattr(eng.runner, "decode_rows", rows_spy)
     result = sampler_mod.PendingSample.result
-    monkeypatch.setattr(sampler_mod.PendingSample, "result", lambda self: (events.append(("read",)), result(self))[1])
+    monkeypatch.setattr(
+        sampler_mod.PendingSample, "result", lambda self: (events.append(("read",)), result(self))[1]
+    )
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 4, 7)]
     got = llm.generate(prompts, params)
@@ -107,13 +116,21 @@ def test_stop_tokens_eos_and_max_tokens_at_every_position(demo_pair, monkeypatch
     plain, llm = demo_pair
     computed = []  # at finish: every token but the last computed, never a discarded in-flight row counted
     finish = LLMEngine._finish
-    monkeypatch.setattr(LLMEngine, "_finish", lambda self, req, *a: (
-        computed.append(req.num_computed_tokens == req.num_tokens - 1), finish(self, req, *a))[1])
+    monkeypatch.setattr(
+        LLMEngine,
+        "_finish",
+        lambda self, req, *a: (
+            computed.append(req.num_computed_tokens == req.num_tokens - 1),
+            finish(self, req, *a),
+        )[1],
+    )
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     toks = _reference_tokens(plain, prompts)
     for j in range(8):  # the stop lands on every step of the pipeline, for each request at another one
-        params = [SamplingParams(max_tokens=8, stop_token_ids=[t[(j + i) % 8]], ignore_eos=True)
-                  for i, t in enumerate(toks)]
+        params = [
+            SamplingParams(max_tokens=8, stop_token_ids=[t[(j + i) % 8]], ignore_eos=True)
+            for i, t in enumerate(toks)
+        ]
         assert _summary(llm.generate(prompts, params)) == _summary(plain.generate(prompts, params))
         lens = [SamplingParams(max_tokens=1 + (j + i) % 8, ignore_eos=True) for i in range(3)]
         assert _summary(llm.generate(prompts, lens)) == _summary(plain.generate(prompts, lens))
@@ -139,7 +156,7 @@ def test_stop_strings_at_every_position(demo_pair):
     for o in full:
         text = o.text
         for end in range(1, len(text) + 1):
-            stop = text[max(0, end - 2):end]
+            stop = text[max(0, end - 2) : end]
             sp = SamplingParams(max_tokens=8, stop=[stop], ignore_eos=True)
             assert _summary(llm.generate(prompts, sp)) == _summary(plain.generate(prompts, sp))
     _pool_whole(llm)
@@ -148,10 +165,21 @@ def test_stop_strings_at_every_position(demo_pair):
 def test_seeded_sampling_penalties_and_logprobs_equal_plain(demo_pair):
     plain, llm = demo_pair
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
-    params = [SamplingParams(max_tokens=9, temperature=0.9, top_k=20, seed=3, ignore_eos=True),
-              SamplingParams(max_tokens=7, temperature=1.1, top_p=0.9, repetition_penalty=1.3,
-                             presence_penalty=0.5, frequency_penalty=0.4, seed=4, logprobs=2, ignore_eos=True),
-              SamplingParams(max_tokens=8, repetition_penalty=1.4, min_p=0.1, logprobs=1, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=9, temperature=0.9, top_k=20, seed=3, ignore_eos=True),
+        SamplingParams(
+            max_tokens=7,
+            temperature=1.1,
+            top_p=0.9,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.4,
+            seed=4,
+            logprobs=2,
+            ignore_eos=True,
+        ),
+        SamplingParams(max_tokens=8, repetition_penalty=1.4, min_p=0.1, logprobs=1, ignore_eos=True),
+    ]
     got, ref = llm.generate(prompts, params), plain.generate(prompts, params)
     assert _summary(got) == _summary(ref)
     for g, r in zip(got, ref):
@@ -183,7 +211,10 @@ def test_abort_and_deadline_between_launch_and_readback(demo_pair):
     done = drain(eng)
     assert done[ids[0]].finish_reason == "abort" and done[ids[0]].token_ids == emitted[ids[0]]
     assert done[ids[1]].abort_reason == "deadline" and done[ids[1]].token_ids == emitted[ids[1]]
-    assert emitted[ids[0]] == ref[0][:len(emitted[ids[0]])] and emitted[ids[1]] == ref[1][:len(emitted[ids[1]])]
+    assert (
+        emitted[ids[0]] == ref[0][: len(emitted[ids[0]])]
+        and emitted[ids[1]] == ref[1][: len(emitted[ids[1]])]
+    )
     assert done[ids[2]].token_ids == ref[2]
     _pool_whole(llm)
 
@@ -217,10 +248,14 @@ def test_pool_pressure_preempts_in_the_synchronous_step(demo_dir):
 def test_failed_overlapped_step_fails_its_requests(demo_dir, monkeypatch):
     llm = _llm(demo_dir, True, num_kv_blocks=32)
     eng = llm.engine
-    ids = [eng.add_request(None, p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in ([5, 6], [7, 8, 9])]
+    ids = [
+        eng.add_request(None, p, SamplingParams(max_tokens=8, ignore_eos=True)) for p in ([5, 6], [7, 8, 9])
+    ]
     _until_in_flight(eng, 2)
     launch = eng.runner.launch_decode
-    monkeypatch.setattr(eng.runner, "launch_decode", lambda *a: (_ for _ in ()).throw(RuntimeError("device lost")))
+    monkeypatch.setattr(
+        eng.runner, "launch_decode", lambda *a: (_ for _ in ()).throw(RuntimeError("device lost"))
+    )
     done = drain(eng)
     assert all(done[i].finish_reason == "abort" and "device lost" in done[i].abort_reason for i in ids)
     monkeypatch.setattr(eng.runner, "launch_decode", launch)
@@ -282,8 +317,10 @@ def test_engine_self_check_turns_the_device_sampler_on_or_off_with_a_reason(demo
     plain, llm = demo_pair
     runner = llm.engine.runner
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    params = [SamplingParams(max_tokens=6, ignore_eos=True),
-              SamplingParams(max_tokens=6, temperature=0.8, seed=9, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=6, ignore_eos=True),
+        SamplingParams(max_tokens=6, temperature=0.8, seed=9, ignore_eos=True),
+    ]
     ref = _summary(plain.generate(prompts, params))
     try:
         runner.prepare_fast_paths(force_check=True)  # the engine gave the runner its sampler check
@@ -295,7 +332,10 @@ def test_engine_self_check_turns_the_device_sampler_on_or_off_with_a_reason(demo
 
         monkeypatch.setattr(sampler_mod.Sampler, "_draw", broken_draw)
         runner.prepare_fast_paths(force_check=True)
-        assert runner.fast_path_info()["fast_path_fallbacks"]["device_sampler"] == "RuntimeError: draw kernel failed"
+        assert (
+            runner.fast_path_info()["fast_path_fallbacks"]["device_sampler"]
+            == "RuntimeError: draw kernel failed"
+        )
         assert "device_sampler" not in runner.fast_paths.active()
         monkeypatch.undo()
         assert _summary(llm.generate(prompts, params)) == ref  # the engine still samples right

@@ -1,4 +1,5 @@
 """Block pool and prefix cache on a tiny pool: exact block ids, ref counts and eviction order."""
+
 from __future__ import annotations
 
 import pytest
@@ -49,10 +50,10 @@ def test_pool_reserves_block_zero_and_allocates_in_order():
 
 def test_shared_prefix_reuses_blocks_and_counts_refs():
     kv = KVCacheManager(num_blocks=11, block_size=BS)
-    a = req("a", list(range(10)))          # blocks: [0..3] [4..7] [8,9]
+    a = req("a", list(range(10)))  # blocks: [0..3] [4..7] [8,9]
     assert admit(kv, a) == [1, 2, 3]
     b = req("b", list(range(8)) + [50, 51, 52])
-    assert admit(kv, b) == [1, 2, 4]        # two full blocks shared, copy-free
+    assert admit(kv, b) == [1, 2, 4]  # two full blocks shared, copy-free
     assert b.num_cached_tokens == 8
     assert refs(kv) == {1: 2, 2: 2, 3: 1, 4: 1}
     kv.free(a)
@@ -63,19 +64,19 @@ def test_shared_prefix_reuses_blocks_and_counts_refs():
 
 def test_partial_block_is_not_cached():
     kv = KVCacheManager(num_blocks=11, block_size=BS)
-    a = req("a", list(range(6)))            # one full block + 2 tokens
+    a = req("a", list(range(6)))  # one full block + 2 tokens
     admit(kv, a)
     kv.free(a)
     b = req("b", list(range(6)))
     hits, n = kv.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == [1] and n == 4   # the partial block is recomputed
+    assert [h.block_id for h in hits] == [1] and n == 4  # the partial block is recomputed
 
 
 def test_last_token_always_recomputed():
     kv = KVCacheManager(num_blocks=11, block_size=BS)
     a = req("a", list(range(8)))
     admit(kv, a)
-    b = req("b", list(range(8)))            # identical, block-aligned prompt
+    b = req("b", list(range(8)))  # identical, block-aligned prompt
     hits, n = kv.get_computed_blocks(b)
     assert n == 4 and [h.block_id for h in hits] == [1]
 
@@ -93,8 +94,8 @@ def test_divergent_continuations_share_only_common_blocks():
 
 
 def test_freed_blocks_stay_cached_and_evict_tail_first_in_lru_order():
-    kv = KVCacheManager(num_blocks=7, block_size=BS)   # 6 usable blocks
-    a = req("a", list(range(13)))                     # blocks 1,2,3 full + 4 partial
+    kv = KVCacheManager(num_blocks=7, block_size=BS)  # 6 usable blocks
+    a = req("a", list(range(13)))  # blocks 1,2,3 full + 4 partial
     assert admit(kv, a) == [1, 2, 3, 4]
     kv.free(a)
     # Freed in reverse: 4, 3, 2, 1 join the tail behind never-used 5, 6.
@@ -104,30 +105,30 @@ def test_freed_blocks_stay_cached_and_evict_tail_first_in_lru_order():
     c = req("c", [900 + i for i in range(13)])
     assert admit(kv, c) == [5, 6, 4, 3]
     assert kv.pool.blocks[4].block_hash is not None  # c's third (full) block, keyed for c
-    assert kv.pool.blocks[3].block_hash is None      # a's evicted tail block, now c's partial block
+    assert kv.pool.blocks[3].block_hash is None  # a's evicted tail block, now c's partial block
     d = req("d", list(range(13)))
     hits, n = kv.get_computed_blocks(d)
     assert [h.block_id for h in hits] == [1, 2] and n == 8  # head of a's chain survived
 
 
 def test_eviction_under_pressure_then_allocation_fails_cleanly():
-    kv = KVCacheManager(num_blocks=5, block_size=BS)   # 4 usable
+    kv = KVCacheManager(num_blocks=5, block_size=BS)  # 4 usable
     a = req("a", list(range(12)))
     admit(kv, a)
     b = req("b", [500 + i for i in range(8)])
     hits, n = kv.get_computed_blocks(b)
-    assert not kv.allocate_slots(b, 8, hits)           # needs 2, only 1 free: nothing changes
+    assert not kv.allocate_slots(b, 8, hits)  # needs 2, only 1 free: nothing changes
     assert refs(kv) == {1: 1, 2: 1, 3: 1}
     assert kv.block_ids(b) == []
     kv.free(a)
     assert kv.allocate_slots(b, 8)
-    assert kv.block_ids(b) == [4, 3]                   # never-used 4 first, then a's tail block 3
+    assert kv.block_ids(b) == [4, 3]  # never-used 4 first, then a's tail block 3
 
 
 def test_hit_on_block_in_use_shares_it():
     kv = KVCacheManager(num_blocks=11, block_size=BS)
     a = req("a", list(range(9)))
-    admit(kv, a)                                       # a keeps running
+    admit(kv, a)  # a keeps running
     b = req("b", list(range(9)))
     assert admit(kv, b)[:2] == [1, 2]
     assert kv.pool.blocks[1].ref_cnt == 2
@@ -136,10 +137,10 @@ def test_hit_on_block_in_use_shares_it():
 
 
 def test_hit_on_free_cached_block_counts_against_free_space():
-    kv = KVCacheManager(num_blocks=4, block_size=BS)   # 3 usable
+    kv = KVCacheManager(num_blocks=4, block_size=BS)  # 3 usable
     a = req("a", list(range(9)))
     admit(kv, a)
-    kv.free(a)                                         # free queue: 3, 2, 1 (1 and 2 cached)
+    kv.free(a)  # free queue: 3, 2, 1 (1 and 2 cached)
     b = req("b", list(range(8)) + [70, 71, 72, 73, 74])
     hits, n = kv.get_computed_blocks(b)
     assert n == 8

@@ -1,13 +1,26 @@
 """Weight-only int8/int4: stored-format round trips, fused-kernel linears vs dequantized references."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from sidecar.model.quant import Int4Linear, Int8Linear, QuantEmbedding, quantize_linear, quantize_tied_embedding
-from sidecar.model.quant_format import (check_quant_args, dequantize_int4, dequantize_int8, quantize_int4,
-                                        quantize_int8, unpack_int4)
+from sidecar.model.quant import (
+    Int4Linear,
+    Int8Linear,
+    QuantEmbedding,
+    quantize_linear,
+    quantize_tied_embedding,
+)
+from sidecar.model.quant_format import (
+    check_quant_args,
+    dequantize_int4,
+    dequantize_int8,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:

@@ -1,4 +1,5 @@
 """Quantized models end to end: quantize on load, saved checkpoints, engine quality, errors."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,13 @@ def test_engine_int8_stays_close_to_full_precision(tiny_models):
     results = {}
     for mode, gs in (("int8", 128), ("int4", 32)):
         for lm_head in (False, True):
-            out = _next_tokens(tiny_models["qwen2"], prompts, quantization=mode, quant_group_size=gs,
-                               quantize_lm_head=lm_head)
+            out = _next_tokens(
+                tiny_models["qwen2"],
+                prompts,
+                quantization=mode,
+                quant_group_size=gs,
+                quantize_lm_head=lm_head,
+            )
             results[(mode, lm_head)] = sum(a == b for a, b in zip(ref, out)) / len(ref)
     print("top-1 agreement with float32:", results)
     # A bfloat16 copy of this model agrees ~0.95 with float32; int8 must be in that league.
@@ -43,15 +49,19 @@ def test_engine_int8_stays_close_to_full_precision(tiny_models):
     assert results[("int4", False)] >= 0.2 and results[("int4", True)] >= 0.2
 
 
-@pytest.mark.parametrize("kind,mode,gs", [("qwen2", "int8", 128), ("qwen2", "int4", 32), ("llama", "int4", 64),
-                                          ("llama", "int8", 128)])
+@pytest.mark.parametrize(
+    "kind,mode,gs",
+    [("qwen2", "int8", 128), ("qwen2", "int4", 32), ("llama", "int4", 64), ("llama", "int8", 128)],
+)
 def test_saved_checkpoint_reloads_to_identical_outputs(tiny_models, tmp_path, kind, mode, gs):
     src = tiny_models[kind]
     cfg = dict(quantization=mode, quant_group_size=gs, quantize_lm_head=True)
     on_load = load_model(EngineConfig(model=str(src), dtype="float32", **cfg))
     full = load_model(EngineConfig(model=str(src), dtype="float32"), pack=False)
     out = tmp_path / "q"
-    qcfg = save_quantized(full.model, full.tokenizer, full.model_dir, str(out), mode, gs, quantize_lm_head=True)
+    qcfg = save_quantized(
+        full.model, full.tokenizer, full.model_dir, str(out), mode, gs, quantize_lm_head=True
+    )
     saved = json.loads((out / "quantization_config.json").read_text())
     assert saved == qcfg and saved["mode"] == mode and saved["format_version"] == 1
     assert saved["tied_embedding"] == ("embed_tokens" if kind == "qwen2" else None)
@@ -78,7 +88,9 @@ def test_quantize_command_writes_a_loadable_checkpoint(tiny_models, tmp_path, ca
 
     out = tmp_path / "int8"
     with pytest.raises(SystemExit) as exc:
-        main(["quantize", "--model", str(tiny_models["mistral"]), "--quantization", "int8", "--out", str(out)])
+        main(
+            ["quantize", "--model", str(tiny_models["mistral"]), "--quantization", "int8", "--out", str(out)]
+        )
     assert exc.value.code == 0
     assert "int8" in capsys.readouterr().out
     llm = LLM(model=str(out), num_kv_blocks=64)

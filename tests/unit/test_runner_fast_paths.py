@@ -1,5 +1,6 @@
 """The decode path through buffers and buckets against HF, the start-up self-check, enforce_eager,
 resources after aborts and preemptions, and how the fast paths are reported."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,8 +44,10 @@ def test_padded_buckets_greedy_equals_plain_and_hf(tiny_models, prompts, kind):
     runner = llm.engine.runner
     buckets_seen = []
     fill = runner.inputs.fill
-    runner.inputs.fill = lambda rows, sample, bucket, width: (buckets_seen.append((len(rows), bucket)),
-                                                              fill(rows, sample, bucket, width))
+    runner.inputs.fill = lambda rows, sample, bucket, width: (
+        buckets_seen.append((len(rows), bucket)),
+        fill(rows, sample, bucket, width),
+    )
     plain = _generate(llm, prompts, lens)
     assert all(n == b for n, b in buckets_seen)  # CPU default: exact sizes, no padding
     buckets_seen.clear()
@@ -96,9 +99,13 @@ def test_self_check_turns_off_only_the_failing_paths(demo_llm, monkeypatch):
     # weight_only: not quantized; device_sampler: the engine hands the runner its check
     assert set(info["fast_paths"]) == {"attention", "rope_kv", "gemv", "cuda_graphs", "device_sampler"}
     assert runner.buckets == [1, 2, 4, 8]  # graphs on: padded buckets (replayed eagerly on CPU)
-    assert all(torch.equal(bits(k), k0) and torch.equal(bits(v), v0)
-               for (k, v), (k0, v0) in zip(runner.kv_caches, kv_before))  # the probe put the pool back
-    assert _generate(demo_llm, ps, [6, 6, 6]) == before  # the broken paths stayed off; prefix hits still right
+    assert all(
+        torch.equal(bits(k), k0) and torch.equal(bits(v), v0)
+        for (k, v), (k0, v0) in zip(runner.kv_caches, kv_before)
+    )  # the probe put the pool back
+    assert (
+        _generate(demo_llm, ps, [6, 6, 6]) == before
+    )  # the broken paths stayed off; prefix hits still right
     assert_pool_whole(demo_llm)
 
 
@@ -107,7 +114,9 @@ def test_self_check_drops_a_path_that_fails_with_the_others(demo_llm, monkeypatc
     fp = runner.model.fast_paths
     silu_mul = norm_act.silu_mul
     # wrong only when attention and silu_mul are both on: each passes alone, together they fail
-    monkeypatch.setattr(norm_act, "silu_mul", lambda gu: silu_mul(gu) * (2.0 if fp.silu_mul and fp.attention else 1.0))
+    monkeypatch.setattr(
+        norm_act, "silu_mul", lambda gu: silu_mul(gu) * (2.0 if fp.silu_mul and fp.attention else 1.0)
+    )
     fallbacks = self_check.run(runner, ["attention", "silu_mul", "norm"])
     assert fp.active() == [] and set(fallbacks) == {"attention", "silu_mul", "norm"}
     assert all("together with" in r for r in fallbacks.values())
@@ -194,7 +203,9 @@ def test_model_info_proto_carries_fast_paths():
 
     m = pb.ModelInfo(model="m", fast_paths=["cuda_graphs"], fast_path_fallbacks={"attention": "boom"})
     back = pb.ModelInfo.FromString(m.SerializeToString())
-    assert list(back.fast_paths) == ["cuda_graphs"] and dict(back.fast_path_fallbacks) == {"attention": "boom"}
+    assert list(back.fast_paths) == ["cuda_graphs"] and dict(back.fast_path_fallbacks) == {
+        "attention": "boom"
+    }
 
 
 def test_failed_capture_falls_back_to_eager_decode(demo_llm, monkeypatch):

@@ -1,4 +1,5 @@
 """Sampler: greedy, filters, penalties, per-request seeds independent of the batch."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,9 +55,9 @@ def test_sampling_respects_filters():
 
 def test_repetition_penalty_hf_semantics():
     logits = torch.zeros(1, V)
-    logits[0, 1] = 2.0   # in prompt, positive: divided
+    logits[0, 1] = 2.0  # in prompt, positive: divided
     logits[0, 2] = -2.0  # in prompt, negative: multiplied
-    logits[0, 4] = 1.5   # unseen
+    logits[0, 4] = 1.5  # unseen
     ids, _ = Sampler(torch.device("cpu"))(logits, [mk(SamplingParams(repetition_penalty=2.0), prompt=(1, 2))])
     assert logits[0, 1].item() == 1.0 and logits[0, 2].item() == -4.0
     assert ids == [4]
@@ -101,9 +102,21 @@ def test_logprobs_returned_for_sampled_token_and_top_n():
     assert [t for t, _ in lp.top] == torch.topk(logits[0], 3).indices.tolist()
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-                                         ("max_tokens", 0), ("min_p", 2.0), ("repetition_penalty", 0.0),
-                                         ("presence_penalty", 3.0), ("logprobs", 21), ("stop", [""])])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -1),
+        ("max_tokens", 0),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0.0),
+        ("presence_penalty", 3.0),
+        ("logprobs", 21),
+        ("stop", [""]),
+    ],
+)
 def test_invalid_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -1,6 +1,7 @@
 """The batched sampler against the row-by-row sampler it replaced (kept here as the reference): greedy,
 penalties and logprobs equal; sampled distributions by chi-square; seeded draws independent of the batch;
 penalty state kept on the device across steps, rebuilt when it could be stale, returned on release."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +28,9 @@ def ref_penalties(logits: torch.Tensor, req: Request) -> None:
         vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         logits.index_copy_(0, seen, vals)
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[0]).to(logits.dtype)
+        counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[0]).to(
+            logits.dtype
+        )
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -58,12 +61,23 @@ def mk(params: SamplingParams, prompt=(1, 2, 3), out=(), rid="r") -> Request:
 def random_requests(n: int, rng: random.Random, greedy: bool) -> list[Request]:
     reqs = []
     for i in range(n):
-        p = SamplingParams(temperature=0.0 if greedy else rng.choice([0.0, 0.7, 1.3]),
-                           repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
-                           presence_penalty=rng.choice([0.0, 0.5, -0.4]), frequency_penalty=rng.choice([0.0, 0.3]),
-                           logprobs=rng.choice([None, 0, 3]), top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.9]))
-        reqs.append(mk(p, [rng.randrange(V) for _ in range(rng.randint(1, 12))],
-                       [rng.randrange(V) for _ in range(rng.randint(0, 12))], rid=f"r{i}"))
+        p = SamplingParams(
+            temperature=0.0 if greedy else rng.choice([0.0, 0.7, 1.3]),
+            repetition_penalty=rng.choice([1.0, 1.3, 0.8]),
+            presence_penalty=rng.choice([0.0, 0.5, -0.4]),
+            frequency_penalty=rng.choice([0.0, 0.3]),
+            logprobs=rng.choice([None, 0, 3]),
+            top_k=rng.choice([0, 5]),
+            top_p=rng.choice([1.0, 0.9]),
+        )
+        reqs.append(
+            mk(
+                p,
+                [rng.randrange(V) for _ in range(rng.randint(1, 12))],
+                [rng.randrange(V) for _ in range(rng.randint(0, 12))],
+                rid=f"r{i}",
+            )
+        )
     return reqs
 
 
@@ -92,8 +106,13 @@ def test_greedy_with_penalties_and_masks_equals_reference(seed):
     logits = torch.randn(9, V, generator=torch.Generator().manual_seed(seed)) * 3
     reqs = random_requests(9, rng, greedy=True)
     rows = [0, 3, 4, 8]
-    bitmask = torch.randint(-2**31, 2**31 - 1, (len(rows), (V + 31) // 32), dtype=torch.int32,
-                            generator=torch.Generator().manual_seed(seed))
+    bitmask = torch.randint(
+        -(2**31),
+        2**31 - 1,
+        (len(rows), (V + 31) // 32),
+        dtype=torch.int32,
+        generator=torch.Generator().manual_seed(seed),
+    )
     ref = logits.clone()
     for i, r in enumerate(reqs):
         ref_penalties(ref[i], r)
@@ -155,7 +174,9 @@ def test_penalty_state_follows_the_tokens_across_steps():
 
 def test_penalty_state_is_built_once_then_updated_on_the_device():
     s = Sampler(CPU)
-    r = mk(SamplingParams(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.5, seed=3), prompt=(1, 2))
+    r = mk(
+        SamplingParams(temperature=1.0, repetition_penalty=1.5, frequency_penalty=0.5, seed=3), prompt=(1, 2)
+    )
     gen = torch.Generator().manual_seed(6)
     for _ in range(10):
         logits = torch.randn(1, V, generator=gen)
@@ -171,9 +192,17 @@ def test_penalty_state_is_built_once_then_updated_on_the_device():
 
 
 # -- distributions -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [
-    (1.0, 0, 1.0, 0.0), (0.6, 0, 1.0, 0.0), (1.5, 5, 1.0, 0.0), (1.0, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1),
-    (1.2, 6, 0.9, 0.05)])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p,min_p",
+    [
+        (1.0, 0, 1.0, 0.0),
+        (0.6, 0, 1.0, 0.0),
+        (1.5, 5, 1.0, 0.0),
+        (1.0, 0, 0.8, 0.0),
+        (1.0, 0, 1.0, 0.1),
+        (1.2, 6, 0.9, 0.05),
+    ],
+)
 def test_sampled_distribution_matches_the_filtered_softmax(temperature, top_k, top_p, min_p):
     n, v = 6000, 12
     row = torch.randn(v, generator=torch.Generator().manual_seed(7)) * 1.5
@@ -207,10 +236,19 @@ def test_one_request_over_many_positions_follows_the_distribution():
 def test_seeded_tokens_independent_of_batch_composition_size_and_row():
     gen = torch.Generator().manual_seed(3)
     rows = torch.randn(9, V, generator=gen)
-    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.2,
-                            presence_penalty=0.3, seed=77)
+    params = SamplingParams(
+        temperature=0.9,
+        top_k=20,
+        top_p=0.95,
+        min_p=0.02,
+        repetition_penalty=1.2,
+        presence_penalty=0.3,
+        seed=77,
+    )
 
-    def run(others: list[int], at: int, other_params: SamplingParams, own: SamplingParams = params) -> list[int]:
+    def run(
+        others: list[int], at: int, other_params: SamplingParams, own: SamplingParams = params
+    ) -> list[int]:
         s = Sampler(CPU, seed=99)
         target = mk(own, rid="target")
         batch_others = [mk(other_params, rid=f"o{i}") for i in others]
@@ -223,7 +261,7 @@ def test_seeded_tokens_independent_of_batch_composition_size_and_row():
             ids, _ = s(torch.stack(logits), reqs)
             seq.append(ids[at])
             target.append_token(ids[at])
-            for r, t in zip(batch_others, ids[:at] + ids[at + 1:]):
+            for r, t in zip(batch_others, ids[:at] + ids[at + 1 :]):
                 r.append_token(t)
         return seq
 
@@ -247,7 +285,9 @@ def test_unseeded_requests_differ_from_each_other():
 
 def test_sample_returns_device_ids_and_host_ids():
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(4))
-    reqs = [mk(SamplingParams(temperature=t, seed=i, logprobs=1)) for i, t in enumerate([0.0, 1.0, 0.0, 0.5, 2.0])]
+    reqs = [
+        mk(SamplingParams(temperature=t, seed=i, logprobs=1)) for i, t in enumerate([0.0, 1.0, 0.0, 0.5, 2.0])
+    ]
     out = Sampler(CPU).sample(logits.clone(), reqs)
     assert out.token_ids.dtype == torch.int64 and out.token_ids.device == logits.device
     assert out.token_ids.tolist() == out.ids

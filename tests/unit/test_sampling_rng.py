@@ -1,13 +1,24 @@
 """The counter-based generator: the hash on tensors equals its scalar form, draws are uniform, and every
 (stream, position, salt) has draws of its own."""
+
 from __future__ import annotations
 
 import math
 
 import torch
 
-from sidecar.engine.sampling_rng import (NUM_SALTS, fmix_, fmix_int, gumbel, row_key_int, row_keys, stream_for,
-                                         to_s64, uniform, unit_float)
+from sidecar.engine.sampling_rng import (
+    NUM_SALTS,
+    fmix_,
+    fmix_int,
+    gumbel,
+    row_key_int,
+    row_keys,
+    stream_for,
+    to_s64,
+    uniform,
+    unit_float,
+)
 
 from test_sampler_batched import chi2_critical
 
@@ -20,7 +31,8 @@ def test_tensor_hash_equals_scalar_hash():
     streams, positions = torch.tensor([5, -3, 2**40]), torch.tensor([0, 17, 4096])
     for salt in range(NUM_SALTS):
         assert row_keys(streams, positions, salt).tolist() == [
-            row_key_int(s, p, salt) for s, p in zip(streams.tolist(), positions.tolist())]
+            row_key_int(s, p, salt) for s, p in zip(streams.tolist(), positions.tolist())
+        ]
 
 
 def test_uniforms_are_uniform_within_and_across_rows():
@@ -48,7 +60,7 @@ def test_distinct_stream_position_and_salt_give_distinct_draws():
 def test_gumbel_noise_has_the_gumbel_law():
     g = gumbel(torch.tensor([row_key_int(7, 3, 0)]), 200_000)[0].double()
     assert abs(g.mean().item() - 0.5772) < 0.01  # Euler-Mascheroni
-    assert abs(g.var().item() - math.pi ** 2 / 6) < 0.03
+    assert abs(g.var().item() - math.pi**2 / 6) < 0.03
 
 
 def test_streams():
@@ -69,4 +81,4 @@ def test_extreme_hashes_give_finite_noise():
     assert (e > 0).all() and torch.isfinite(e).all()
     g = -e.log()
     assert torch.isfinite(g).all()
-    assert u.max().item() == 1 - 2.0 ** -24 and u.min().item() == 2.0 ** -24
+    assert u.max().item() == 1 - 2.0**-24 and u.min().item() == 2.0**-24

@@ -1,4 +1,5 @@
 """Fair admission across tenants: round-robin among tenants with waiting work, on top of priority."""
+
 from sidecar.config import EngineConfig
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.request import Request, SamplingParams
@@ -13,7 +14,9 @@ def make(max_num_seqs=1):
 
 
 def req(rid, tenant, t, priority=0):
-    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=1), priority=priority, arrival_time=t, tenant=tenant)
+    return Request(
+        rid, [1, 2, 3], SamplingParams(max_tokens=1), priority=priority, arrival_time=t, tenant=tenant
+    )
 
 
 def admit_all(s):
@@ -43,7 +46,7 @@ def test_priority_comes_before_fairness():
     s = make()
     s.add(req("a0", "alice", 0.0))
     s.add(req("a1", "alice", 1.0))
-    s.add(req("b0", "bob", 2.0, priority=5))   # lower priority (larger value)
+    s.add(req("b0", "bob", 2.0, priority=5))  # lower priority (larger value)
     s.add(req("b1", "bob", 3.0, priority=-1))  # higher priority
     assert admit_all(s) == ["b1", "a0", "a1", "b0"]
 
@@ -70,7 +73,9 @@ def test_single_tenant_keeps_fifo_and_queue_counts_stay_whole():
 
 
 def long_req(rid, tenant, t, priority=0):
-    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=100), priority=priority, arrival_time=t, tenant=tenant)
+    return Request(
+        rid, [1, 2, 3], SamplingParams(max_tokens=100), priority=priority, arrival_time=t, tenant=tenant
+    )
 
 
 def running_ids(s):

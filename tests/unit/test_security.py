@@ -1,8 +1,15 @@
 """API key parsing, tenant derivation, authentication and token-bucket rate limits."""
+
 import pytest
 
-from sidecar.server.security import (AuthError, Authenticator, RateLimiter, TokenBucket, load_api_keys,
-                                     parse_key_entry)
+from sidecar.server.security import (
+    AuthError,
+    Authenticator,
+    RateLimiter,
+    TokenBucket,
+    load_api_keys,
+    parse_key_entry,
+)
 
 
 class FakeClock:
@@ -29,8 +36,9 @@ def test_key_without_tenant_gets_distinct_derived_tenant():
     assert parse_key_entry("alpha").tenant == a.tenant  # stable across restarts
 
 
-@pytest.mark.parametrize("entry, needle", [(":tenant", "empty API key"), ("key:", "empty tenant"),
-                                           ("a b", "whitespace")])
+@pytest.mark.parametrize(
+    "entry, needle", [(":tenant", "empty API key"), ("key:", "empty tenant"), ("a b", "whitespace")]
+)
 def test_bad_key_entries_name_the_setting(entry, needle):
     with pytest.raises(ValueError, match=f"^api_keys: .*{needle}"):
         parse_key_entry(entry, "api_keys")
@@ -58,8 +66,14 @@ def test_authenticator():
     auth = Authenticator(load_api_keys(["good:acme"]))
     assert auth.check("Bearer good").tenant == "acme"
     assert auth.check("bearer   good ").tenant == "acme"
-    for header, msg in [(None, "missing"), ("", "missing"), ("Basic good", "malformed"), ("Bearer", "malformed"),
-                        ("Bearer bad", "invalid"), ("Bearer goo", "invalid")]:
+    for header, msg in [
+        (None, "missing"),
+        ("", "missing"),
+        ("Basic good", "malformed"),
+        ("Bearer", "malformed"),
+        ("Bearer bad", "invalid"),
+        ("Bearer goo", "invalid"),
+    ]:
         with pytest.raises(AuthError, match=msg):
             auth.check(header)
     assert Authenticator({}).check(None) is None  # auth off

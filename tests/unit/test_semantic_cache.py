@@ -1,4 +1,5 @@
 """SemanticCache behaviour with the real bundled embedding model (loaded once per module)."""
+
 import asyncio
 import sqlite3
 
@@ -101,12 +102,15 @@ def test_semantic_hit_for_a_paraphrase(make):
     assert cache.stats()["semantic_hits"] == 1
 
 
-@pytest.mark.parametrize("stored,asked", [
-    ("Is port 6379 open by default?", "Is port 6379 closed by default?"),
-    ("what is 2+3", "what is 2+4"),
-    ("Can I return an item after 30 days?", "Can I return an item after 60 days?"),
-    ("Why is my WiFi working?", "Why is my WiFi not working?"),
-])
+@pytest.mark.parametrize(
+    "stored,asked",
+    [
+        ("Is port 6379 open by default?", "Is port 6379 closed by default?"),
+        ("what is 2+3", "what is 2+4"),
+        ("Can I return an item after 30 days?", "Can I return an item after 60 days?"),
+        ("Why is my WiFi working?", "Why is my WiFi not working?"),
+    ],
+)
 def test_guard_refuses_near_misses_above_threshold(make, embedder, stored, asked):
     a, b = embedder.embed([stored, asked])
     # A threshold the pair clears, so only the guard stands between them.
@@ -137,20 +141,25 @@ def test_tenants_never_see_each_other(make):
 
     async def go():
         await put(cache, "How do I reset my password?", "tenant one's answer", tenant="one")
-        return (await cache.lookup(scope("How do I reset my password?", tenant="two")),
-                await cache.lookup(scope("What are the steps to reset my password?", tenant="two")),
-                await cache.lookup(scope("How do I reset my password?", tenant="one")))
+        return (
+            await cache.lookup(scope("How do I reset my password?", tenant="two")),
+            await cache.lookup(scope("What are the steps to reset my password?", tenant="two")),
+            await cache.lookup(scope("How do I reset my password?", tenant="one")),
+        )
 
     exact_other, semantic_other, own = run(go())
     assert exact_other is None and semantic_other is None
     assert own.text == "tenant one's answer"
 
 
-@pytest.mark.parametrize("other", [
-    {"context": "system: answer in French"},
-    {"settings": "temperature=0;max_tokens=16"},
-    {"model": "other-model"},
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"context": "system: answer in French"},
+        {"settings": "temperature=0;max_tokens=16"},
+        {"model": "other-model"},
+    ],
+)
 def test_scope_isolation(make, other):
     cache = make()
 
@@ -191,9 +200,14 @@ def test_lru_eviction_keeps_recently_used(make):
         clock.t += 1
         assert await cache.lookup(scope("What is the capital of Australia?"))  # now most recent
         await put(cache, "How many bones are in the human body?", "206")
-        return [await cache.lookup(scope(q)) for q in (
-            "What is the capital of Australia?", "Who wrote Pride and Prejudice?",
-            "How many bones are in the human body?")]
+        return [
+            await cache.lookup(scope(q))
+            for q in (
+                "What is the capital of Australia?",
+                "Who wrote Pride and Prejudice?",
+                "How many bones are in the human body?",
+            )
+        ]
 
     aus, pride, bones = run(go())
     assert aus.text == "Canberra" and pride is None and bones.text == "206"
@@ -253,7 +267,9 @@ def test_persistence_across_restart(embedder, tmp_path):
         hit = run(reopened.lookup(scope("How do I clear the cache in Chrome?")))
         assert hit.kind == "semantic" and hit.text == "Settings > Privacy"
         assert run(reopened.lookup(scope("Who wrote Pride and Prejudice?"))) is None  # other tenant
-        assert run(reopened.lookup(scope("Who wrote Pride and Prejudice?", tenant="t2"))).text == "Jane Austen"
+        assert (
+            run(reopened.lookup(scope("Who wrote Pride and Prejudice?", tenant="t2"))).text == "Jane Austen"
+        )
     finally:
         reopened.close()
 
@@ -269,15 +285,21 @@ def test_persistence_across_restart(embedder, tmp_path):
 def test_hnsw_index_serves_hits_and_forgets_evicted(make):
     clock = Clock()
     cache = make(clock=clock, hnsw_min_entries=2, max_entries=3)
-    questions = ["What is the capital of Australia?", "Who wrote Pride and Prejudice?",
-                 "How many bones are in the human body?", "Who painted the Mona Lisa?"]
+    questions = [
+        "What is the capital of Australia?",
+        "Who wrote Pride and Prejudice?",
+        "How many bones are in the human body?",
+        "Who painted the Mona Lisa?",
+    ]
 
     async def go():
         for q in questions:
             await put(cache, q, q.upper())
             clock.t += 1
-        return (await cache.lookup(scope("Who was the painter of the Mona Lisa?")),
-                await cache.lookup(scope("What's the capital of Australia?")))
+        return (
+            await cache.lookup(scope("Who was the painter of the Mona Lisa?")),
+            await cache.lookup(scope("What's the capital of Australia?")),
+        )
 
     mona, australia = run(go())
     assert mona.kind == "semantic" and mona.text == "WHO PAINTED THE MONA LISA?"
@@ -313,7 +335,9 @@ def test_count_tokens_while_embedding_in_the_worker(embedder):
 def test_embeddings_equal_sentence_transformers_encode(embedder):
     texts = ["How do I reset my password?", "hello", "Which process listens on port 8080 on Linux?"]
     ours = embedder.embed(texts)
-    ref = embedder._model.encode(texts, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False)
+    ref = embedder._model.encode(
+        texts, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
+    )
     ref = np.asarray(ref, dtype=np.float32)
     ref /= np.linalg.norm(ref, axis=1, keepdims=True)
     assert np.allclose(ours, ref, atol=1e-3)
@@ -326,7 +350,14 @@ def test_large_scopes_are_looked_up_off_the_loop_and_hits_are_touched_behind(emb
     cache = SemanticCache(CacheConfig(path=path), embedder=embedder, clock=clock)
     long_context = "earlier turn " * 1000  # over the inline size: hashed and searched in a worker thread
     try:
-        run(put(cache, "How can I clear the browser cache in Chrome?", "Settings > Privacy", context=long_context))
+        run(
+            put(
+                cache,
+                "How can I clear the browser cache in Chrome?",
+                "Settings > Privacy",
+                context=long_context,
+            )
+        )
         run(put(cache, "How can I clear the browser cache in Chrome?", "short scope"))
         clock.t += 50
         hit = run(cache.lookup(scope("How do I clear the cache in Chrome?", context=long_context)))

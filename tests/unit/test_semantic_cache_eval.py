@@ -1,4 +1,5 @@
 """The bundled eval set is well formed and the bench's scoring is right."""
+
 import json
 
 import numpy as np
@@ -13,7 +14,12 @@ def test_bundled_eval_set_shape():
     assert len(pairs) >= 300
     labels = {p["label"] for p in pairs}
     assert labels == {"hit", "miss"}
-    assert {p["domain"] for p in pairs} == {"tech_support", "customer_service", "general_knowledge", "programming"}
+    assert {p["domain"] for p in pairs} == {
+        "tech_support",
+        "customer_service",
+        "general_knowledge",
+        "programming",
+    }
     near_miss = {p["category"] for p in pairs if p["label"] == "miss"}
     assert {"number", "negation", "antonym", "entity", "unit", "date", "language"} <= near_miss
     keys = [(p["query"], p["cached"]) for p in pairs]
@@ -23,8 +29,12 @@ def test_bundled_eval_set_shape():
 
 def test_bad_rows_name_line_and_field(tmp_path):
     path = tmp_path / "pairs.jsonl"
-    path.write_text(json.dumps({"query": "a", "cached": "b", "label": "hit"}) + "\n"
-                    + json.dumps({"query": "a", "cached": "b", "label": "maybe"}) + "\n")
+    path.write_text(
+        json.dumps({"query": "a", "cached": "b", "label": "hit"})
+        + "\n"
+        + json.dumps({"query": "a", "cached": "b", "label": "maybe"})
+        + "\n"
+    )
     with pytest.raises(ValueError, match="line 2: label"):
         load_pairs(str(path))
     path.write_text(json.dumps({"query": "", "cached": "b", "label": "hit"}) + "\n")

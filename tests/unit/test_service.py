@@ -1,6 +1,7 @@
 """InferenceService's request path over a scripted engine: admission, the engine phase and what every
 ending gives back (rate-limit tokens, the tenant's request id, the engine stream), and the service's
 one rule per request field."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,9 @@ from sidecar.server.service import LOADING, Caller, GenerationRequest, Inference
 class ScriptedEngine:
     """AsyncEngine's surface; ``generate`` emits one output per token of ``script`` (or raises ``refuse``)."""
 
-    def __init__(self, script: list[int], max_model_len: int = 32, refuse: Optional[Exception] = None) -> None:
+    def __init__(
+        self, script: list[int], max_model_len: int = 32, refuse: Optional[Exception] = None
+    ) -> None:
         self.script = script
         self.refuse = refuse
         self.model_info = {"model": "scripted", "max_model_len": max_model_len, "vocab_size": 100}
@@ -36,7 +39,9 @@ class ScriptedEngine:
     def lora_adapters(self) -> dict[str, str]:
         return {}
 
-    async def generate(self, prompt: list[int], params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams, **kwargs: Any
+    ) -> AsyncIterator[RequestOutput]:
         self.calls.append((prompt, params))
         k = len(self.closed)
         self.closed.append(False)
@@ -47,8 +52,17 @@ class ScriptedEngine:
             for n in range(1, len(self.script) + 1):
                 await asyncio.sleep(0)
                 done = n == len(self.script)
-                yield RequestOutput(kwargs["request_id"], None, prompt, self.script[:n], "x" * n,
-                                    self.script[n - 1:n], "x", done, "length" if done else None)
+                yield RequestOutput(
+                    kwargs["request_id"],
+                    None,
+                    prompt,
+                    self.script[:n],
+                    "x" * n,
+                    self.script[n - 1 : n],
+                    "x",
+                    done,
+                    "length" if done else None,
+                )
         finally:
             self.closed[k] = not done
 
@@ -116,7 +130,9 @@ def test_a_defaulted_max_tokens_is_fitted_to_the_context_and_charged_after_the_f
 def test_a_set_max_tokens_that_cannot_fit_is_refused_before_the_engine():
     eng = ScriptedEngine([1], max_model_len=8)
     with pytest.raises(ServiceError, match=r"^sampling\.max_tokens: 4 tokens plus the prompt's 5"):
-        asyncio.run(collect(service(eng), GenerationRequest(prompt="abcde", params=SamplingParams(max_tokens=4))))
+        asyncio.run(
+            collect(service(eng), GenerationRequest(prompt="abcde", params=SamplingParams(max_tokens=4)))
+        )
     assert eng.calls == []
 
 
@@ -129,9 +145,14 @@ def test_a_client_leaving_mid_stream_closes_the_engine_stream_and_counts_an_abor
     assert svc.limiter.balance == 2 + 2 and svc.num_active == 0
 
 
-@pytest.mark.parametrize("refusal, code", [(QueueFullError("full"), "queue_full"),
-                                           (ValueError("temperature: bad"), "invalid_argument"),
-                                           (RuntimeError("engine is shutting down"), "unavailable")])
+@pytest.mark.parametrize(
+    "refusal, code",
+    [
+        (QueueFullError("full"), "queue_full"),
+        (ValueError("temperature: bad"), "invalid_argument"),
+        (RuntimeError("engine is shutting down"), "unavailable"),
+    ],
+)
 def test_engine_refusals_become_service_errors_and_give_everything_back(refusal, code):
     svc = service(ScriptedEngine([1], refuse=refusal))
     with pytest.raises(ServiceError) as err:

@@ -1,6 +1,7 @@
 """Speculative decoding with a draft model (``speculative="draft:<model>"``): exact greedy output, the target's
 sampling distribution under rejection sampling with the draft's q, the draft's own KV pool returned whole,
 and refusals naming ``speculative``."""
+
 from __future__ import annotations
 
 import shutil
@@ -29,8 +30,10 @@ def noisy_draft(demo_dir, tmp_path_factory) -> Path:
     shutil.copytree(demo_dir, out)
     sd = load_file(str(out / "model.safetensors"))
     g = torch.Generator().manual_seed(1)
-    sd = {k: (v + 0.05 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype) if v.dim() > 1 else v
-          for k, v in sd.items()}
+    sd = {
+        k: (v + 0.05 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype) if v.dim() > 1 else v
+        for k, v in sd.items()
+    }
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -39,8 +42,14 @@ def make_llm(target: Path, draft: Path, **kw) -> LLM:
     kw.setdefault("block_size", 8)
     kw.setdefault("num_kv_blocks", 256)
     # token cost 0: speculate whenever acceptance is not hopeless, so every path is exercised
-    return LLM(model=str(target), dtype="float32", speculative=f"draft:{draft}", speculative_token_cost=0.0,
-               speculative_max_batch=kw.pop("max_batch", 1024), **kw)
+    return LLM(
+        model=str(target),
+        dtype="float32",
+        speculative=f"draft:{draft}",
+        speculative_token_cost=0.0,
+        speculative_max_batch=kw.pop("max_batch", 1024),
+        **kw,
+    )
 
 
 def draft_pool_whole(llm: LLM) -> None:
@@ -79,7 +88,9 @@ def test_same_model_as_draft_accepts_everything(demo_dir):
 
 
 @pytest.mark.parametrize("budget,blocks", [(5, 256), (64, 24)])
-def test_greedy_identical_under_small_budget_preemption_and_draft_eviction(demo_dir, noisy_draft, budget, blocks):
+def test_greedy_identical_under_small_budget_preemption_and_draft_eviction(
+    demo_dir, noisy_draft, budget, blocks
+):
     """A 5-token budget chunks the draft's catch-up of long prompts over several steps; 24 blocks make the
     target preempt and the draft pool (as large as the target's) drop shadows to make room."""
     prompts = repetitive_prompts(16, seed=5)
@@ -103,9 +114,11 @@ def test_stop_strings_max_tokens_logprobs_and_abort(demo_dir, noisy_draft):
         assert [o.token_ids for o in a] == [o.token_ids for o in b]
         for x, y in zip(a, b):
             assert [lp.token_id for lp in x.logprobs] == [lp.token_id for lp in y.logprobs]
-            assert [lp.logprob for lp in x.logprobs] == pytest.approx([lp.logprob for lp in y.logprobs], abs=1e-4)
+            assert [lp.logprob for lp in x.logprobs] == pytest.approx(
+                [lp.logprob for lp in y.logprobs], abs=1e-4
+            )
     text = off.generate(prompts[:1], GREEDY)[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     p = SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop])
     assert off.generate(prompts[:1], p)[0].text == llm.generate(prompts[:1], p)[0].text
     eng = llm.engine

@@ -1,4 +1,5 @@
 """Speculative decoding (n-gram prompt lookup) through the whole engine: exactness, resources, limits."""
+
 from __future__ import annotations
 
 import random
@@ -14,8 +15,13 @@ from sidecar.engine.spec.state import SpecState
 def make_llm(model_dir, spec, **kw):
     kw.setdefault("block_size", 8)
     kw.setdefault("num_kv_blocks", 256)
-    return LLM(model=str(model_dir), dtype="float32", speculative=spec, speculative_max_batch=kw.pop("max_batch", 1024),
-               **kw)
+    return LLM(
+        model=str(model_dir),
+        dtype="float32",
+        speculative=spec,
+        speculative_max_batch=kw.pop("max_batch", 1024),
+        **kw,
+    )
 
 
 def repetitive_prompts(n: int, seed: int = 0, vocab: int = 250) -> list[list[int]]:
@@ -25,7 +31,7 @@ def repetitive_prompts(n: int, seed: int = 0, vocab: int = 250) -> list[list[int
     for i in range(n):
         if i % 2 == 0:
             phrase = [rng.randrange(3, vocab) for _ in range(rng.randint(2, 10))]
-            out.append((phrase * 8)[:rng.randint(8, 70)])
+            out.append((phrase * 8)[: rng.randint(8, 70)])
         else:
             out.append([rng.randrange(3, vocab) for _ in range(rng.randint(3, 70))])
     return out
@@ -106,7 +112,7 @@ def test_blocks_of_rejected_tokens_returned_and_never_hashed(demo_dir):
         toks = done[rid].prompt_token_ids + done[rid].token_ids
         parent = None
         for i in range(len(toks) // 8):
-            parent = hash_block(parent, tuple(toks[i * 8:(i + 1) * 8]), None)
+            parent = hash_block(parent, tuple(toks[i * 8 : (i + 1) * 8]), None)
             valid.add(parent)
     assert eng.kv.pool.cached and set(eng.kv.pool.cached) <= valid
     assert spec_counts(llm)[1] > 0
@@ -126,11 +132,15 @@ def test_max_tokens_stop_strings_and_logprobs_match_off(demo_dir):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
             assert [t for t, _ in x.top] == [t for t, _ in y.top]
     # A stop string cuts the text and drops the tokens verified after it.
-    stops = [SamplingParams(max_tokens=40, ignore_eos=True, stop=[o.text[3:5]]) for o in base if len(o.text) > 6]
+    stops = [
+        SamplingParams(max_tokens=40, ignore_eos=True, stop=[o.text[3:5]]) for o in base if len(o.text) > 6
+    ]
     sp = [p for p, o in zip(prompts, base) if len(o.text) > 6]
     want = make_llm(demo_dir, None).generate(sp, stops)
     got = llm.generate(sp, stops)
-    assert [(o.text, o.token_ids, o.finish_reason) for o in got] == [(o.text, o.token_ids, o.finish_reason) for o in want]
+    assert [(o.text, o.token_ids, o.finish_reason) for o in got] == [
+        (o.text, o.token_ids, o.finish_reason) for o in want
+    ]
     assert spec_counts(llm)[1] > 0
     pool_whole(llm)
 
@@ -138,8 +148,10 @@ def test_max_tokens_stop_strings_and_logprobs_match_off(demo_dir):
 def test_abort_during_speculation_frees_everything(demo_dir):
     llm = make_llm(demo_dir, "ngram")
     eng = llm.engine
-    ids = [eng.add_request(None, p, SamplingParams(max_tokens=200, ignore_eos=True))
-           for p in repetitive_prompts(6, seed=7)]
+    ids = [
+        eng.add_request(None, p, SamplingParams(max_tokens=200, ignore_eos=True))
+        for p in repetitive_prompts(6, seed=7)
+    ]
     for _ in range(6):
         eng.step()
     assert spec_counts(llm)[0] > 0
@@ -190,12 +202,17 @@ def test_adaptive_k_follows_acceptance_and_backs_off():
     assert free.choose_k() >= 1
 
 
-@pytest.mark.parametrize("field,kw", [("speculative", dict(speculative="bogus")),
-                                      ("speculative", dict(speculative="draft:")),
-                                      ("speculative", dict(speculative="draft: ")),
-                                      ("num_speculative_tokens", dict(speculative="ngram", num_speculative_tokens=0)),
-                                      ("speculative_max_batch", dict(speculative="ngram", speculative_max_batch=0)),
-                                      ("speculative_token_cost", dict(speculative_token_cost=-1))])
+@pytest.mark.parametrize(
+    "field,kw",
+    [
+        ("speculative", dict(speculative="bogus")),
+        ("speculative", dict(speculative="draft:")),
+        ("speculative", dict(speculative="draft: ")),
+        ("num_speculative_tokens", dict(speculative="ngram", num_speculative_tokens=0)),
+        ("speculative_max_batch", dict(speculative="ngram", speculative_max_batch=0)),
+        ("speculative_token_cost", dict(speculative_token_cost=-1)),
+    ],
+)
 def test_config_errors_name_the_field(field, kw):
     with pytest.raises(ValueError, match=field):
         EngineConfig(model="demo", **kw)
@@ -212,7 +229,10 @@ def test_spec_metrics_exposed_from_engine_stats(demo_dir):
     assert f"sidecar_spec_decode_accepted_tokens_total {float(s['spec_decode_accepted_tokens'])}" in text
     assert f"sidecar_spec_decode_acceptance_count {float(s['spec_decode_verifications'])}" in text
     assert f"sidecar_spec_decode_acceptance_sum {float(s['spec_decode_accepted_tokens'])}" in text
-    assert f'sidecar_spec_decode_acceptance_bucket{{le="0"}} {float(s["spec_decode_acceptance_hist"][0])}' in text
+    assert (
+        f'sidecar_spec_decode_acceptance_bucket{{le="0"}} {float(s["spec_decode_acceptance_hist"][0])}'
+        in text
+    )
 
 
 def test_measured_price_never_makes_longer_proposals_cheaper():
@@ -226,14 +246,20 @@ def test_measured_price_never_makes_longer_proposals_cheaper():
         def time_decode_rows(self, rows):
             self.timed = list(rows)
             # a neighbour disturbed the 1- and 3-token runs; past 5 rows each row costs 2 ms
-            return [{1: 0.010, 2: 0.009, 3: 0.013, 4: 0.012, 5: 0.020}.get(r, 0.010 + 0.002 * r) for r in rows]
+            return [
+                {1: 0.010, 2: 0.009, 3: 0.013, 4: 0.012, 5: 0.020}.get(r, 0.010 + 0.002 * r) for r in rows
+            ]
 
     cfg = EngineConfig(model="demo", speculative="ngram", num_speculative_tokens=4, speculative_max_batch=4)
     runner = NoisyRunner()
     spec = SpecDecoder(cfg, KVCacheManager(64, 16), 512, runner)
     assert spec.costs == pytest.approx([1.0, 1.0, 1.3, 1.3, 2.0])
     # Batches up to 3 requests: a batch of 3 verifying k tokens each runs 3 (k + 1) rows, up to 15.
-    assert runner.timed[:5] == [1, 2, 3, 4, 5] and runner.timed[-1] == 15 and runner.timed == sorted(runner.timed)
+    assert (
+        runner.timed[:5] == [1, 2, 3, 4, 5]
+        and runner.timed[-1] == 15
+        and runner.timed == sorted(runner.timed)
+    )
     t = lambda r: 0.010 + 0.002 * r  # noqa: E731 (exact at measured counts, and linear between them)
     assert spec.batch_costs[1] == spec.costs
     assert spec.batch_costs[3] == pytest.approx([1.0] + [t(3 * (k + 1)) / 0.013 for k in range(1, 5)])

@@ -1,5 +1,6 @@
 """Speculative decoding against the references: HF transformers float32 greedy token for token, and the
 target's sampling distribution (chi-square over many samples of a seeded engine) under rejection sampling."""
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,14 @@ def test_greedy_with_speculation_matches_hf(tiny_models, demo_dir, kind):
     base = LLM(model=str(d), dtype="float32")
     prompts = copy_prompts(base, 12, seed=11)
     ref = hf_greedy(d, prompts)
-    llm = LLM(model=str(d), dtype="float32", speculative="ngram", block_size=8,
-              speculative_max_batch=64, max_num_batched_tokens=64)
+    llm = LLM(
+        model=str(d),
+        dtype="float32",
+        speculative="ngram",
+        block_size=8,
+        speculative_max_batch=64,
+        max_num_batched_tokens=64,
+    )
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == ref
     s = llm.stats()
@@ -92,10 +99,17 @@ def test_rejection_sampling_preserves_target_distribution(demo_dir):
     d = demo_dir
     temperature, top_k, n_tok, n_samples = 2.0, 3, 3, 2000
     hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
-    prompt = lookup_prompt(hf, copy_prompts(LLM(model=str(d), dtype="float32"), 1, seed=5)[0], temperature, top_k)
+    prompt = lookup_prompt(
+        hf, copy_prompts(LLM(model=str(d), dtype="float32"), 1, seed=5)[0], temperature, top_k
+    )
     # A fixed price (not one measured on this machine) keeps k, and so the seeded run, the same everywhere.
-    llm = LLM(model=str(d), dtype="float32", speculative="ngram", speculative_max_batch=10**6,
-              speculative_token_cost=0.0)
+    llm = LLM(
+        model=str(d),
+        dtype="float32",
+        speculative="ngram",
+        speculative_max_batch=10**6,
+        speculative_token_cost=0.0,
+    )
     # Unseeded: each request draws from its own keyed stream, derived from the engine's seed; seeded
     # requests do not speculate (their output must not depend on the batch).
     params = SamplingParams(max_tokens=n_tok, ignore_eos=True, temperature=temperature, top_k=top_k)

@@ -1,4 +1,5 @@
 """A stream nobody reads stays bounded: engine outputs merge while unread, the HTTP runner applies backpressure."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +18,9 @@ def output(i: int, finished: bool = False) -> RequestOutput:
 def test_unread_outputs_merge_into_one():
     async def main():
         s = _Stream(asyncio.get_running_loop())
-        t = threading.Thread(target=lambda: [s.put(output(i)) for i in range(500)] + [s.put(output(500, True))])
+        t = threading.Thread(
+            target=lambda: [s.put(output(i)) for i in range(500)] + [s.put(output(500, True))]
+        )
         t.start()
         t.join()
         await asyncio.sleep(0)  # let the loop run the deliveries
@@ -28,6 +31,7 @@ def test_unread_outputs_merge_into_one():
         s.put(RuntimeError("after"))
         await asyncio.sleep(0)
         assert isinstance(await s.get(), RuntimeError)  # errors are delivered, never merged
+
     asyncio.run(main())
 
 
@@ -55,4 +59,5 @@ def test_a_reader_that_stops_reading_stops_the_pumps():
         assert svc.pulled <= 2 * EVENTS_PER_CHOICE + 3  # each pump holds at most the one it cannot put
         runner.cancel()
         await events.aclose()
+
     asyncio.run(main())

@@ -1,6 +1,7 @@
 """Guided decoding in the engine (demo model, random weights): every output follows its constraint,
 grammar state is per request, freed on finish/abort, survives preemption, and costs nothing when
 no request in the batch is constrained."""
+
 from __future__ import annotations
 
 import json
@@ -25,18 +26,40 @@ HIDDEN = {
         "name": {"type": "string", "maxLength": 10},
         "score": {"type": "number", "minimum": -1, "maximum": 1},
         "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "maxItems": 3},
-        "owner": {"type": "object", "properties": {"active": {"type": "boolean"}, "role": {"enum": ["admin", "user"]}},
-                  "required": ["active", "role"], "additionalProperties": False},
+        "owner": {
+            "type": "object",
+            "properties": {"active": {"type": "boolean"}, "role": {"enum": ["admin", "user"]}},
+            "required": ["active", "role"],
+            "additionalProperties": False,
+        },
         "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 6}]},
     },
     "required": ["id", "name", "score", "tags", "owner", "note"],
     "additionalProperties": False,
 }
-WEATHER = ToolSpec("get_weather", "weather", {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False})
-ADD = ToolSpec("add", "", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
-                           "required": ["a"], "additionalProperties": False})
+WEATHER = ToolSpec(
+    "get_weather",
+    "weather",
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 12},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+)
+ADD = ToolSpec(
+    "add",
+    "",
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+)
 TOOL_SCHEMAS = {"get_weather": WEATHER.parameters, "add": ADD.parameters}
 
 
@@ -46,8 +69,11 @@ def llm(demo_dir):
 
 
 def pool_whole(engine: LLMEngine) -> bool:
-    return (not engine.requests and not engine.structured.registry
-            and engine.kv.num_free_blocks() == engine.kv.num_blocks)
+    return (
+        not engine.requests
+        and not engine.structured.registry
+        and engine.kv.num_free_blocks() == engine.kv.num_blocks
+    )
 
 
 def test_hundred_requests_with_a_hidden_schema_all_validate(llm):
@@ -61,10 +87,14 @@ def test_hundred_requests_with_a_hidden_schema_all_validate(llm):
 
 
 def test_choice_regex_and_json_object(llm):
-    outs = llm.generate(["a", "b", "c"], [SamplingParams(max_tokens=10, structured=["alpha", "beta", "gamma"]),
-                                          SamplingParams(max_tokens=20, structured=r"[0-9]{3}-[a-z]{2}"),
-                                          SamplingParams(max_tokens=300, temperature=0.8, seed=3,
-                                                         structured=Constraint("json_object"))])
+    outs = llm.generate(
+        ["a", "b", "c"],
+        [
+            SamplingParams(max_tokens=10, structured=["alpha", "beta", "gamma"]),
+            SamplingParams(max_tokens=20, structured=r"[0-9]{3}-[a-z]{2}"),
+            SamplingParams(max_tokens=300, temperature=0.8, seed=3, structured=Constraint("json_object")),
+        ],
+    )
     assert outs[0].text in ("alpha", "beta", "gamma") and outs[0].finish_reason == "stop"
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[1].text)
     if outs[2].finish_reason == "stop":
@@ -80,7 +110,7 @@ def test_required_tool_choice_always_gives_schema_valid_arguments(llm, parallel)
     for o in llm.generate([f"call {i}" for i in range(20)], params):
         text = o.text
         if o.finish_reason == "length":  # max_tokens cut a further call short: the complete ones are checked
-            text = text[:text.rfind("<tool_call")]
+            text = text[: text.rfind("<tool_call")]
         content, calls = parse_tool_calls(text)
         assert calls and content.strip() == "", o.text
         assert parallel or len(calls) == 1
@@ -100,8 +130,9 @@ def test_auto_tool_choice_is_lazy_and_any_call_is_valid(llm):
     c = tool_constraint([WEATHER], "auto", True, None)
     before = eng.structured.num_masks
     gen_before = eng.counters["generation_tokens"]
-    outs = llm.generate([f"chat {i}" for i in range(8)],
-                        SamplingParams(max_tokens=60, temperature=1.0, seed=11, structured=c))
+    outs = llm.generate(
+        [f"chat {i}" for i in range(8)], SamplingParams(max_tokens=60, temperature=1.0, seed=11, structured=c)
+    )
     generated = eng.counters["generation_tokens"] - gen_before
     # Free text is checked token by token, masked only where a call marker may be forming.
     assert eng.structured.num_masks - before < generated
@@ -116,8 +147,11 @@ def test_auto_tool_choice_is_lazy_and_any_call_is_valid(llm):
 def test_a_lazily_checked_token_the_grammar_refuses_is_resampled_under_the_mask(llm):
     eng = llm.engine
     sd = eng.structured
-    req = Request("lazy-1", [1, 2, 3], SamplingParams(structured=Constraint("lark", "start: /[a-z]*/",
-                                                                             lazy_trigger="<")))
+    req = Request(
+        "lazy-1",
+        [1, 2, 3],
+        SamplingParams(structured=Constraint("lark", "start: /[a-z]*/", lazy_trigger="<")),
+    )
     sd.attach(req.request_id, req.params.structured)
     try:
         upper = eng.tokenizer.encode("Q", add_special_tokens=False)[0]

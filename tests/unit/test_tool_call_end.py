@@ -1,6 +1,7 @@
 """Where a tool-call reply ends: the grammar's end rules (``open_end``, ``end_on_repeat``) on real matchers,
 the sampler turning a refused token into the end where the grammar may end, and the default model
 (SmolLM2-135M-Instruct) ending a required-call reply after its call instead of repeating it."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,13 @@ from sidecar import LLM, SamplingParams
 from sidecar.engine.grammar_state import GrammarState
 from sidecar.engine.request import Request
 from sidecar.engine.structured import Constraint
-from sidecar.server.tools import ToolSpec, default_tool_max_tokens, parse_tool_calls, render_messages, tool_constraint
+from sidecar.server.tools import (
+    ToolSpec,
+    default_tool_max_tokens,
+    parse_tool_calls,
+    render_messages,
+    tool_constraint,
+)
 
 ADD = ToolSpec("add", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
 CALL_1 = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
@@ -62,15 +69,20 @@ def test_a_token_refused_where_an_open_grammar_may_end_becomes_the_end(demo):
     tok = eng.tokenizer
     x, comma, q = (tok.encode(s, add_special_tokens=False)[0] for s in ("x", ",", "Q"))
     for open_end, expect_end in ((True, True), (False, False)):
-        req = Request(f"open-{open_end}", [1, 2, 3], SamplingParams(
-            structured=Constraint("lark", 'start: "x" ("," "x")*', open_end=open_end)))
+        req = Request(
+            f"open-{open_end}",
+            [1, 2, 3],
+            SamplingParams(structured=Constraint("lark", 'start: "x" ("," "x")*', open_end=open_end)),
+        )
         sd.attach(req.request_id, req.params.structured)
         try:
+
             def step(favoured: int) -> int:
                 logits = torch.zeros(1, eng.vocab_size)
                 logits[0, comma] = 1.0  # the grammar's choice under a mask where it may go on or end
                 logits[0, favoured] = 100.0
                 return sd.sample(eng.sampler, logits, [req], sd.start_masks([req.request_id]))[0][0]
+
             assert step(q) == x  # not where the grammar may end: masked as always
             assert (sd.start_masks([req.request_id]) is None) == open_end  # may end here: unmasked if open
             assert step(comma) == comma  # the model's own choice, allowed: it goes on
@@ -86,8 +98,11 @@ def smollm2():
     return LLM(kv_cache_memory_gb=0.1, max_num_seqs=4)
 
 
-WEATHER = ToolSpec("get_weather", "Get the current weather in a city.",
-                   {"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"})  # LangChain's
+WEATHER = ToolSpec(
+    "get_weather",
+    "Get the current weather in a city.",
+    {"properties": {"city": {"type": "string"}}, "required": ["city"], "type": "object"},
+)  # LangChain's
 
 
 def _prompt(llm: LLM, question: str) -> list[int]:
@@ -96,8 +111,10 @@ def _prompt(llm: LLM, question: str) -> list[int]:
 
 
 def test_default_model_ends_a_required_reply_after_its_call(smollm2):
-    prompts = [_prompt(smollm2, q) for q in ("What is the weather in Paris?", "Weather in Tokyo please",
-                                             "Is it raining in London?")]
+    prompts = [
+        _prompt(smollm2, q)
+        for q in ("What is the weather in Paris?", "Weather in Tokyo please", "Is it raining in London?")
+    ]
     for parallel in (True, False):
         c = tool_constraint([WEATHER], "required", parallel, None)
         params = SamplingParams(max_tokens=default_tool_max_tokens("required", parallel), structured=c)
@@ -112,8 +129,9 @@ def test_default_model_forced_to_go_on_stops_at_its_first_repeated_call(smollm2)
     # the repeat rule ends the output right after the first repeat.
     c = tool_constraint([WEATHER], "required", True, None)
     forced = Constraint("lark", c.value.replace(' "\\n"?', ""), end_on_repeat=True)
-    out = smollm2.generate([_prompt(smollm2, "What is the weather in Paris?")],
-                           SamplingParams(max_tokens=400, structured=forced))[0]
+    out = smollm2.generate(
+        [_prompt(smollm2, "What is the weather in Paris?")], SamplingParams(max_tokens=400, structured=forced)
+    )[0]
     first = out.text.split("\n")[0]
     assert out.finish_reason == "stop" and out.text == first + "\n" + first, out.text
     content, calls = parse_tool_calls(out.text)

@@ -1,4 +1,5 @@
 """Tool-call text handling shared by both transports: streaming parser, rendering, grammar, cache keys."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,27 @@ from sidecar.engine.request import SamplingParams
 from sidecar.engine.structured import Constraint
 from sidecar.server.cache_step import CacheStep
 from sidecar.server.service import GenerationRequest
-from sidecar.server.tools import (MAX_PARALLEL_CALLS, TOKENS_PER_CALL, ToolCallParser, ToolSpec, close_objects,
-                                  default_tool_max_tokens, parse_tool_calls, render_messages, tool_constraint)
+from sidecar.server.tools import (
+    MAX_PARALLEL_CALLS,
+    TOKENS_PER_CALL,
+    ToolCallParser,
+    ToolSpec,
+    close_objects,
+    default_tool_max_tokens,
+    parse_tool_calls,
+    render_messages,
+    tool_constraint,
+)
 from sidecar.server.validation import ServiceError
 
 ADD = ToolSpec("add", "adds", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
-ADD_OPEN = ToolSpec("add", "adds", {"type": "object", "properties": {"a": {"type": "integer"}}})  # as clients send
-TEXT = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "add", ' \
-       '"arguments": {"a": 2}}</tool_call>'
+ADD_OPEN = ToolSpec(
+    "add", "adds", {"type": "object", "properties": {"a": {"type": "integer"}}}
+)  # as clients send
+TEXT = (
+    'Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "add", '
+    '"arguments": {"a": 2}}</tool_call>'
+)
 
 
 @pytest.mark.parametrize("step", [1, 2, 5, 1000])
@@ -25,20 +39,25 @@ def test_streaming_parser_emits_content_and_whole_calls_whatever_the_chunking(st
     p = ToolCallParser()
     content, calls = "", []
     for i in range(0, len(TEXT), step):
-        c, new = p.feed(TEXT[i:i + step])
+        c, new = p.feed(TEXT[i : i + step])
         assert "<" not in c  # a possible marker start is held back, never leaked as content
         content += c
         calls += new
     content += p.finish()
     assert content == "Sure. "  # the newline between the calls separates them: it is not content
-    assert [(c["name"], json.loads(c["arguments"]), c["index"]) for c in calls] == [("add", {"a": 1}, 0),
-                                                                                  ("add", {"a": 2}, 1)]
+    assert [(c["name"], json.loads(c["arguments"]), c["index"]) for c in calls] == [
+        ("add", {"a": 1}, 0),
+        ("add", {"a": 2}, 1),
+    ]
     assert len({c["id"] for c in calls}) == 2
 
 
 def test_text_that_only_looks_like_a_call_stays_content():
     assert parse_tool_calls("a <b> c <tool_ca") == ("a <b> c <tool_ca", [])
-    assert parse_tool_calls("x <tool_call>not json</tool_call> y") == ("x <tool_call>not json</tool_call> y", [])
+    assert parse_tool_calls("x <tool_call>not json</tool_call> y") == (
+        "x <tool_call>not json</tool_call> y",
+        [],
+    )
     assert parse_tool_calls('x <tool_call>{"name": "add"') == ('x <tool_call>{"name": "add"', [])
 
 
@@ -47,7 +66,7 @@ def _feed_in_chunks(text: str, step: int) -> tuple[ToolCallParser, str, list]:
     p = ToolCallParser()
     content, calls = "", []
     for i in range(0, len(text), step):
-        c, new = p.feed(text[i:i + step])
+        c, new = p.feed(text[i : i + step])
         content += c
         calls += new
     return p, content + p.finish(), calls
@@ -69,14 +88,24 @@ def test_a_json_value_not_followed_by_the_end_marker_is_text():
 
 
 def test_default_template_renders_tools_calls_and_results():
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"},
-            {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "name": "add", "arguments": '{"a": 1}'}]},
-            {"role": "tool", "content": "2", "tool_call_id": "c1"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "1+1?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "name": "add", "arguments": '{"a": 1}'}],
+        },
+        {"role": "tool", "content": "2", "tool_call_id": "c1"},
+    ]
     out, tpl_tools = render_messages(msgs, [ADD], template_has_tools=False)
     assert tpl_tools is None
     assert out[0]["role"] == "system" and out[0]["content"].startswith("Be brief.\n\nYou can call functions.")
     assert '"name": "add"' in out[0]["content"]
-    assert out[2] == {"role": "assistant", "content": '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'}
+    assert out[2] == {
+        "role": "assistant",
+        "content": '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>',
+    }
     assert out[3] == {"role": "user", "content": "<tool_response>\n2\n</tool_response>"}
     out, tpl_tools = render_messages(msgs, [ADD], template_has_tools=True)
     assert tpl_tools[0]["function"]["name"] == "add"
@@ -117,23 +146,31 @@ def test_cache_keys_include_output_constraint_and_tools():
 
 
 def test_client_schemas_without_additional_properties_are_closed():
-    pydantic_like = {"type": "object", "title": "Weather",
-                     "properties": {"city": {"type": "string"},
-                                    "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
-                                    "tags": {"type": "array", "items": {"properties": {"k": {"type": "string"}}}},
-                                    "alt": {"anyOf": [{"$ref": "#/$defs/Loc"}, {"type": "null"}]}},
-                     "$defs": {"Loc": {"type": "object", "properties": {"x": {"type": "integer"}}}},
-                     "required": ["city"]}
+    pydantic_like = {
+        "type": "object",
+        "title": "Weather",
+        "properties": {
+            "city": {"type": "string"},
+            "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+            "tags": {"type": "array", "items": {"properties": {"k": {"type": "string"}}}},
+            "alt": {"anyOf": [{"$ref": "#/$defs/Loc"}, {"type": "null"}]},
+        },
+        "$defs": {"Loc": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+        "required": ["city"],
+    }
     closed = close_objects(pydantic_like)
     assert closed["additionalProperties"] is False
     assert closed["properties"]["where"]["additionalProperties"] is False
     assert closed["properties"]["tags"]["items"]["additionalProperties"] is False
     assert closed["$defs"]["Loc"]["additionalProperties"] is False
     assert "additionalProperties" not in pydantic_like  # the client's schema is not changed
-    opened = close_objects({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True})
+    opened = close_objects(
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True}
+    )
     assert opened["additionalProperties"] is True  # the per-request opt-out
-    parts = close_objects({"allOf": [{"type": "object", "properties": {"a": {}}},
-                                     {"type": "object", "properties": {"b": {}}}]})
+    parts = close_objects(
+        {"allOf": [{"type": "object", "properties": {"a": {}}}, {"type": "object", "properties": {"b": {}}}]}
+    )
     assert all("additionalProperties" not in p for p in parts["allOf"])  # each member is only a part
 
 
@@ -159,6 +196,7 @@ def matcher_for(demo_dir):
         m = LLMatcher(lltok, grammar_for(c), log_level=0)
         ids = hf.encode(text, add_special_tokens=False)
         return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
     return accepts
 
 
@@ -183,8 +221,10 @@ def test_tool_grammars_end_where_the_model_stops_calling():
         assert c.open_end and c.end_on_repeat
     auto = tool_constraint([ADD], "auto", True, None)
     assert auto.open_end and not auto.end_on_repeat  # its first unit starts inside the marker
-    assert tool_constraint([ADD], "required", True, None).key() != Constraint("lark", tool_constraint(
-        [ADD], "required", True, None).value).key()  # the end rules are part of the constraint's identity
+    assert (
+        tool_constraint([ADD], "required", True, None).key()
+        != Constraint("lark", tool_constraint([ADD], "required", True, None).value).key()
+    )  # the end rules are part of the constraint's identity
 
 
 CALL_A1 = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
@@ -194,8 +234,10 @@ CALL_A2 = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
 @pytest.mark.parametrize("step", [1, 4, 1000])
 def test_a_repeated_call_ends_the_reply_and_is_dropped(step):
     same_reordered = '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call>'  # equal as JSON values
-    text = CALL_A1 + "\n" + CALL_A2 + "\n" + same_reordered + "\n" + '<tool_call>{"name": "add", "arguments": ' \
+    text = (
+        CALL_A1 + "\n" + CALL_A2 + "\n" + same_reordered + "\n" + '<tool_call>{"name": "add", "arguments": '
         '{"a": 3}}</tool_call> tail'
+    )
     p, content, calls = _feed_in_chunks(text, step)
     assert [json.loads(c["arguments"]) for c in calls] == [{"a": 1}, {"a": 2}]  # nothing after the repeat
     assert content == "" and p.ended
@@ -205,8 +247,11 @@ def test_a_repeated_call_ends_the_reply_and_is_dropped(step):
 def test_calls_that_differ_are_all_kept():
     other_tool = CALL_A1.replace('"add"', '"sub"')
     content, calls = parse_tool_calls(CALL_A1 + "\n" + other_tool + "\n" + CALL_A2 + "\n")
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("add", {"a": 1}), ("sub", {"a": 1}),
-                                                                        ("add", {"a": 2})]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("add", {"a": 1}),
+        ("sub", {"a": 1}),
+        ("add", {"a": 2}),
+    ]
     assert content == ""
 
 

@@ -21,6 +21,7 @@ seeded sampling: a seeded request's output must not depend on the rest of the ba
 far it speculates does (batch-size switch), and a verified token comes from an acceptance test or a
 residual draw instead of the plain draw: the same law from the same keyed draws, not the same token.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -44,9 +45,16 @@ from sidecar.engine.spec.verify import verify_greedy, verify_sampled
 
 log = logging.getLogger("sidecar.engine")
 
+
 class SpecDecoder:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
-                 runner: Optional[ModelRunner] = None, target: Optional[LoadedModel] = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        runner: Optional[ModelRunner] = None,
+        target: Optional[LoadedModel] = None,
+    ) -> None:
         self.enabled = config.speculative is not None
         self.proposer: Any = NgramProposer()
         if self.enabled and config.speculative.startswith("draft:"):
@@ -75,12 +83,19 @@ class SpecDecoder:
 
             # Verifying more tokens never costs less than verifying fewer: noise in the timing must not
             # make a longer proposal look cheaper.
-            self.batch_costs = [[]] + [list(itertools.accumulate(
-                (max(1.0, t(b * (k + 1)) / t(b)) + k * d for k in range(self.max_k + 1)), max))
-                for b in range(1, max(self.max_batch, 2))]
+            self.batch_costs = [[]] + [
+                list(
+                    itertools.accumulate(
+                        (max(1.0, t(b * (k + 1)) / t(b)) + k * d for k in range(self.max_k + 1)), max
+                    )
+                )
+                for b in range(1, max(self.max_batch, 2))
+            ]
         else:
             c = 0.15 if config.speculative_token_cost is None else config.speculative_token_cost
-            self.batch_costs = [[]] + [[1.0 + c * k for k in range(self.max_k + 1)]] * max(self.max_batch - 1, 1)
+            self.batch_costs = [[]] + [[1.0 + c * k for k in range(self.max_k + 1)]] * max(
+                self.max_batch - 1, 1
+            )
         self.costs = self.batch_costs[1]
         self.kv = kv
         self.max_model_len = max_model_len
@@ -106,8 +121,9 @@ class SpecDecoder:
     @staticmethod
     def eligible(req: Request) -> bool:
         p = req.params
-        return (p.speculative and p.structured is None and not p.uses_penalties
-                and (p.greedy or p.seed is None))
+        return (
+            p.speculative and p.structured is None and not p.uses_penalties and (p.greedy or p.seed is None)
+        )
 
     def propose(self, running: Sequence[Request]) -> None:
         """Fill ``spec_token_ids`` of the running requests that decode next step (and clear the rest)."""
@@ -125,8 +141,11 @@ class SpecDecoder:
                 st = req.spec_state = SpecState(self.costs)
             # The step always emits one token of the target's own after the accepted ones: never propose
             # past max_tokens or the context length.
-            k = min(st.choose_k(self.batch_costs[len(running)]),
-                    req.params.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens - 1)
+            k = min(
+                st.choose_k(self.batch_costs[len(running)]),
+                req.params.max_tokens - len(req.output_token_ids) - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
             if k > 0:
                 wants.append((req, k))
         if wants:
@@ -145,8 +164,15 @@ class SpecDecoder:
             self.proposer.release(request_id)
 
     # -- verification --------------------------------------------------------------------------------
-    def sample(self, structured: Any, sampler: Any, logits: torch.Tensor, reqs: list[Request],
-               num_spec: dict[str, int], masks: Any) -> list[tuple[list[int], list[Optional[TokenLogprob]]]]:
+    def sample(
+        self,
+        structured: Any,
+        sampler: Any,
+        logits: torch.Tensor,
+        reqs: list[Request],
+        num_spec: dict[str, int],
+        masks: Any,
+    ) -> list[tuple[list[int], list[Optional[TokenLogprob]]]]:
         """Tokens (and logprobs) to emit per request, in order. ``num_spec[request_id]`` proposed tokens were
         verified for a request (0 or absent: one logit row, sampled the ordinary way)."""
         rows, plain, start = [], [], 0
@@ -165,11 +191,13 @@ class SpecDecoder:
         for i, r in enumerate(reqs):
             if results[i] is None:
                 s, n = rows[i]
-                results[i] = self._verify(sampler, r, logits[s:s + n + 1])
+                results[i] = self._verify(sampler, r, logits[s : s + n + 1])
         return results
 
     @torch.inference_mode()
-    def _verify(self, sampler: Any, req: Request, rows: torch.Tensor) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+    def _verify(
+        self, sampler: Any, req: Request, rows: torch.Tensor
+    ) -> tuple[list[int], list[Optional[TokenLogprob]]]:
         proposed = list(req.spec_token_ids)
         p = req.params
         if p.greedy:
@@ -177,12 +205,12 @@ class SpecDecoder:
         else:
             probs = filter_logits_rows(rows.float() / p.temperature, p).softmax(-1)
             q = req.spec_draft_probs  # None: a deterministic proposal (n-gram)
-            q = torch.stack(q[:len(proposed)]).to(probs.device, probs.dtype) if q else None
+            q = torch.stack(q[: len(proposed)]).to(probs.device, probs.dtype) if q else None
             accepted, nxt = verify_sampled(proposed, probs, q, sampler.draws_for(req))
         tokens = proposed[:accepted] + [nxt]
         lps: list[Optional[TokenLogprob]] = [None] * len(tokens)
         if p.logprobs is not None:
-            raw = rows[:len(tokens)].float().log_softmax(-1)
+            raw = rows[: len(tokens)].float().log_softmax(-1)
             for j, t in enumerate(tokens):
                 top = []
                 if p.logprobs:
@@ -202,13 +230,16 @@ class SpecDecoder:
         return tokens, lps
 
     def counters(self) -> dict[str, Any]:
-        return {"spec_decode_proposed_tokens": self.num_proposed,
-                "spec_decode_proposer_failures": self.num_proposer_failures,
-                "spec_decode_step_costs": [round(c, 3) for c in self.costs],
-                "spec_decode_accepted_tokens": self.num_accepted,
-                "spec_decode_verifications": self.num_verifications,
-                "spec_decode_emitted_tokens": self.num_emitted,
-                "spec_decode_acceptance_hist": list(self.acceptance_hist), **self.proposer.counters()}
+        return {
+            "spec_decode_proposed_tokens": self.num_proposed,
+            "spec_decode_proposer_failures": self.num_proposer_failures,
+            "spec_decode_step_costs": [round(c, 3) for c in self.costs],
+            "spec_decode_accepted_tokens": self.num_accepted,
+            "spec_decode_verifications": self.num_verifications,
+            "spec_decode_emitted_tokens": self.num_emitted,
+            "spec_decode_acceptance_hist": list(self.acceptance_hist),
+            **self.proposer.counters(),
+        }
 
 
 def filter_logits_rows(rows: torch.Tensor, p: Any) -> torch.Tensor:

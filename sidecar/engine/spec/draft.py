@@ -18,12 +18,13 @@ Draft blocks enter the draft's prefix cache only for tokens the target has confi
 proposal never sits in a cached block. When the draft pool is full, the shadows least recently used
 are dropped (they are rebuilt, from the prefix cache where it still holds them, when needed again).
 """
+
 from __future__ import annotations
 
 import copy
 import logging
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -39,7 +40,7 @@ log = logging.getLogger("sidecar.engine")
 
 # A probe the draft's tokenizer must encode exactly as the target's does (ASCII: tokenizer classes of one
 # vocabulary may normalise other text differently, which costs acceptance, never exactness).
-TOKENIZER_PROBE = "Speculative decoding: the draft proposes, the target verifies. 1234 + 56 = 1290 {\"a\": [1]}"
+TOKENIZER_PROBE = 'Speculative decoding: the draft proposes, the target verifies. 1234 + 56 = 1290 {"a": [1]}'
 
 
 def _shadow_params() -> SamplingParams:
@@ -47,7 +48,9 @@ def _shadow_params() -> SamplingParams:
 
 
 class DraftProposer:
-    def __init__(self, config: EngineConfig, target: LoadedModel, max_model_len: int, target_blocks: int) -> None:
+    def __init__(
+        self, config: EngineConfig, target: LoadedModel, max_model_len: int, target_blocks: int
+    ) -> None:
         name = config.speculative.split(":", 1)[1]
         dcfg = copy.copy(config)
         dcfg.model, dcfg.speculative, dcfg.quantization = name, None, config.speculative_draft_quantization
@@ -69,9 +72,14 @@ class DraftProposer:
         self.generator = torch.Generator(device=self.loaded.device)
         self.generator.manual_seed(config.seed + 1)
         self.draft_forwards = 0
-        log.info("draft model %s: arch=%s dtype=%s quantization=%s kv_blocks=%d", name,
-                 self.loaded.args.architecture, str(self.loaded.dtype).replace("torch.", ""),
-                 self.loaded.quantization or "none", self.kv.num_blocks)
+        log.info(
+            "draft model %s: arch=%s dtype=%s quantization=%s kv_blocks=%d",
+            name,
+            self.loaded.args.architecture,
+            str(self.loaded.dtype).replace("torch.", ""),
+            self.loaded.quantization or "none",
+            self.kv.num_blocks,
+        )
 
     def step_cost(self, target_step_s: float) -> float:
         """A draft decode step's time relative to the target's (``target_step_s``, timed by the caller),
@@ -182,19 +190,27 @@ class DraftProposer:
         return int(torch.multinomial(q, 1, generator=self.generator).item())
 
     def counters(self) -> dict[str, Any]:
-        return {"spec_decode_draft_forwards": self.draft_forwards,
-                "spec_decode_draft_kv_blocks_used": self.kv.num_blocks - self.kv.num_free_blocks()}
+        return {
+            "spec_decode_draft_forwards": self.draft_forwards,
+            "spec_decode_draft_kv_blocks_used": self.kv.num_blocks - self.kv.num_free_blocks(),
+        }
 
 
 def check_compatible(name: str, draft: LoadedModel, target: LoadedModel) -> None:
     """The draft must speak the target's token ids: same vocabulary size, same tokenization."""
     if draft.args.vocab_size != target.args.vocab_size:
-        raise ValueError(f"speculative: draft model {name!r} has a vocabulary of {draft.args.vocab_size} tokens, "
-                         f"the target {target.args.vocab_size}; the draft must share the target's tokenizer")
+        raise ValueError(
+            f"speculative: draft model {name!r} has a vocabulary of {draft.args.vocab_size} tokens, "
+            f"the target {target.args.vocab_size}; the draft must share the target's tokenizer"
+        )
     if draft.device != target.device:
-        raise ValueError(f"speculative: draft model {name!r} loaded on {draft.device}, the target on {target.device}")
+        raise ValueError(
+            f"speculative: draft model {name!r} loaded on {draft.device}, the target on {target.device}"
+        )
     a = draft.tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
     b = target.tokenizer.encode(TOKENIZER_PROBE, add_special_tokens=False)
     if a != b:
-        raise ValueError(f"speculative: draft model {name!r} tokenizes text differently from the target; "
-                         "the draft must share the target's tokenizer")
+        raise ValueError(
+            f"speculative: draft model {name!r} tokenizes text differently from the target; "
+            "the draft must share the target's tokenizer"
+        )

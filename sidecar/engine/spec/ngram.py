@@ -1,5 +1,6 @@
 """N-gram prompt lookup: propose what most often followed the sequence's last n tokens earlier in the
 prompt and the output so far."""
+
 from collections import Counter
 from typing import List, Sequence, Tuple
 
@@ -58,7 +59,9 @@ def _vote(tokens: Sequence[int], k: int, max_n: int, min_n: int) -> List[int]:
             break
         votes = Counter(tokens[e + i] for e in ends)
         top = max(votes.values())
-        tok = next(tokens[e + i] for e in reversed(ends) if votes[tokens[e + i]] == top)  # the earliest of the tied
+        tok = next(
+            tokens[e + i] for e in reversed(ends) if votes[tokens[e + i]] == top
+        )  # the earliest of the tied
         out.append(tok)
         ends = [e for e in ends if tokens[e + i] == tok]
     return out

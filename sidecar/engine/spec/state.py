@@ -1,5 +1,6 @@
 """Per-request speculation state: the adaptive proposal length of one request (held in
 ``Request.spec_state`` by spec/decoder.py)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ class SpecState:
     (a proposal stops at its first rejection, so a verification is ``accepted`` successes and, unless all
     were accepted, one failure; older ones decay). With ``costs[k]`` the step cost of verifying k proposed
     tokens relative to a plain decode step, k is the one that maximises expected emitted tokens
-    ``1 + alpha + ... + alpha^k`` per unit of cost; when no k beats plain decode by MIN_GAIN, the request stops speculating for a number of steps
+    ``1 + alpha + ... + alpha^k`` per unit of cost; when no k beats plain decode by MIN_GAIN, the request
+    stops speculating for a number of steps
     that doubles with every failed probe (up to MAX_COOLDOWN_STEPS) and then probes again with k = 1, so
     text the n-gram table cannot predict costs at most an occasional extra verified token."""
+
     costs: list[float]  # costs[k]: relative step cost with k proposed tokens (costs[0] == 1)
     successes: float = 1.5  # prior: alpha = 0.6 before any verification
     failures: float = 1.0
@@ -46,7 +49,7 @@ class SpecState:
             return 1
         a, best_k, best, expected = self.alpha, 0, MIN_GAIN, 1.0
         for k in range(1, len(costs)):
-            expected += a ** k
+            expected += a**k
             gain = expected / costs[k]
             if gain > best:
                 best_k, best = k, gain

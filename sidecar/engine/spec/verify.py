@@ -1,5 +1,6 @@
 """Speculative verification: decides how many proposed tokens the target accepts and
 which token follows them, so that the output distribution equals the target's alone."""
+
 from typing import List, Optional, Protocol, Tuple
 
 import torch
@@ -23,8 +24,9 @@ def verify_greedy(proposed: List[int], target_argmax: List[int]) -> Tuple[int, i
     return n, target_argmax[n]
 
 
-def verify_sampled(proposed: List[int], p: torch.Tensor, q: Optional[torch.Tensor],
-                   draws: Draws) -> Tuple[int, int]:
+def verify_sampled(
+    proposed: List[int], p: torch.Tensor, q: Optional[torch.Tensor], draws: Draws
+) -> Tuple[int, int]:
     """p: [k+1, V] target probabilities; q: [k, V] proposal probabilities, or None for a
     deterministic proposer (q is a point mass, so acceptance is p(x) and the residual is p
     with x removed). Standard rejection sampling: accept x with min(1, p(x)/q(x)); on

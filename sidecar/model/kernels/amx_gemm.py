@@ -16,6 +16,7 @@ start-up self-check of the kernel against a float64 product (odd shapes, both bi
 against the same row in a batch); where any of that fails the reason is logged and the layers keep oneDNN's packed
 GEMM.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,13 +34,16 @@ GROUP = 32  # output rows a group of the layout holds (two 16-row tiles)
 CHUNK_BYTES = 4 << 20  # what pack copies at a time when it releases its source
 OUT_F32, OUT_BF16, OUT_F32_OF_BF16 = 0, 1, 2  # the kernel's output modes (amx_gemm.c)
 
-_KERNEL = cpu_build.Kernel("amx_gemm", {
-    "sidecar_amx_bf16_matmul": ([P] * 4 + [I] * 6, I),
-    "sidecar_amx_bf16_gate_up": ([P] * 4 + [I] * 7, I),
-    "sidecar_amx_supported": ([], I),
-    "sidecar_amx_int8_matmul": ([P] * 5 + [I] * 6, I),
-    "sidecar_amx_int4_matmul": ([P] * 5 + [I] * 9, I),
-})
+_KERNEL = cpu_build.Kernel(
+    "amx_gemm",
+    {
+        "sidecar_amx_bf16_matmul": ([P] * 4 + [I] * 6, I),
+        "sidecar_amx_bf16_gate_up": ([P] * 4 + [I] * 7, I),
+        "sidecar_amx_supported": ([], I),
+        "sidecar_amx_int8_matmul": ([P] * 5 + [I] * 6, I),
+        "sidecar_amx_int4_matmul": ([P] * 5 + [I] * 9, I),
+    },
+)
 _checked: dict[str, str] = {}  # "reason": why the path is off ('' when it is on), once checked
 
 
@@ -80,9 +84,16 @@ def path() -> str:
 def takes(weight: Optional[torch.Tensor]) -> bool:
     """Whether a layer's weight goes to this layout: a bf16 CPU matrix of rows of whole 32-value chunks, with the
     path available."""
-    return (weight is not None and weight.device.type == "cpu" and weight.dim() == 2
-            and weight.dtype == torch.bfloat16 and weight.shape[1] % 32 == 0 and weight.shape[1] > 0
-            and cpu_build.enabled() and available())
+    return (
+        weight is not None
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.shape[1] % 32 == 0
+        and weight.shape[1] > 0
+        and cpu_build.enabled()
+        and available()
+    )
 
 
 def _tiles(w: torch.Tensor) -> torch.Tensor:
@@ -94,7 +105,11 @@ def _tiles(w: torch.Tensor) -> torch.Tensor:
 def pairs_of(weight: Optional[torch.Tensor], halves: int) -> int:
     """``halves`` where a weight of 2 x ``halves`` rows (a fused gate/up projection) can be held in gate/up pairs
     (``pack(pairs=halves)``: the kernel then offers silu(gate) * up in its epilogue), else 0."""
-    return halves if halves > 0 and halves % 16 == 0 and weight is not None and weight.shape[0] == 2 * halves else 0
+    return (
+        halves
+        if halves > 0 and halves % 16 == 0 and weight is not None and weight.shape[0] == 2 * halves
+        else 0
+    )
 
 
 def pack(weight: torch.Tensor, release_source: bool = False, pairs: int = 0) -> torch.Tensor:
@@ -105,9 +120,13 @@ def pack(weight: torch.Tensor, release_source: bool = False, pairs: int = 0) -> 
     up rows 16 g.. (``AmxLayer`` gives the projection's own column order back, or silu(gate) * up)."""
     n, k = weight.shape
     if k % 32 or weight.dtype != torch.bfloat16:
-        raise ValueError(f"amx pack: weight {tuple(weight.shape)} {weight.dtype} is not bf16 rows of 32-value chunks")
+        raise ValueError(
+            f"amx pack: weight {tuple(weight.shape)} {weight.dtype} is not bf16 rows of 32-value chunks"
+        )
     if pairs and pairs_of(weight, pairs) != pairs:
-        raise ValueError(f"amx pack: {n} rows are not gate/up pairs of {pairs} (a multiple of 16, half the rows)")
+        raise ValueError(
+            f"amx pack: {n} rows are not gate/up pairs of {pairs} (a multiple of 16, half the rows)"
+        )
     src = weight.detach()
     groups, full = -(-n // GROUP), n // GROUP
     out = torch.empty(groups, k // 32, 2, 16, 16, 2, dtype=torch.bfloat16)
@@ -117,10 +136,10 @@ def pack(weight: torch.Tensor, release_source: bool = False, pairs: int = 0) -> 
     for g in range(0, full, step):
         e = min(full, g + step)
         if pairs:  # each group: gate rows 16 g.., then up rows 16 g..
-            halves = (src[g * 16:e * 16], src[pairs + g * 16:pairs + e * 16])
+            halves = (src[g * 16 : e * 16], src[pairs + g * 16 : pairs + e * 16])
             part = torch.stack([h.reshape(e - g, 16, k) for h in halves], 1).reshape(-1, k)
         else:
-            halves = (src[g * GROUP:e * GROUP],)
+            halves = (src[g * GROUP : e * GROUP],)
             part = halves[0].contiguous()
         out[g:e] = _tiles(part)
         if release:
@@ -128,7 +147,7 @@ def pack(weight: torch.Tensor, release_source: bool = False, pairs: int = 0) -> 
                 hugepages.release(h.data_ptr(), h.numel() * 2)
     if full < groups:  # the last group's rows, then zero rows
         last = src.new_zeros(GROUP, k)
-        last[:n - full * GROUP] = src[full * GROUP:]
+        last[: n - full * GROUP] = src[full * GROUP :]
         out[full] = _tiles(last)[0]
     return out
 
@@ -163,10 +182,18 @@ class AmxLayer(cpu_build.LayerView):
         if packed.dim() != 6 or packed.shape[2:] != (2, 16, 16, 2) or packed.dtype != torch.bfloat16:
             raise ValueError(f"amx layer: {tuple(packed.shape)} {packed.dtype} is not a packed bf16 weight")
         k = packed.shape[1] * 32
-        if packed.shape[0] != -(-n // GROUP) or not packed.is_contiguous() or packed.device.type != "cpu" or k == 0:
+        if (
+            packed.shape[0] != -(-n // GROUP)
+            or not packed.is_contiguous()
+            or packed.device.type != "cpu"
+            or k == 0
+        ):
             raise ValueError(f"amx layer: {tuple(packed.shape)} does not hold {n} contiguous CPU rows")
-        if bias is not None and (bias.shape != (n,) or bias.dtype not in (torch.bfloat16, torch.float32)
-                                 or bias.device.type != "cpu"):
+        if bias is not None and (
+            bias.shape != (n,)
+            or bias.dtype not in (torch.bfloat16, torch.float32)
+            or bias.device.type != "cpu"
+        ):
             raise ValueError(f"amx layer: bias {tuple(bias.shape)} {bias.dtype} for {n} outputs")
         if pairs and (pairs % 16 or n != 2 * pairs):
             raise ValueError(f"amx layer: {n} outputs are not gate/up pairs of {pairs}")
@@ -178,52 +205,93 @@ class AmxLayer(cpu_build.LayerView):
     def matches(self, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
         return packed is self.packed and bias is self.bias and (bias is None or bias.is_contiguous())
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, silu: bool = False,
-                 widened: bool = False) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        out_dtype: torch.dtype = torch.bfloat16,
+        silu: bool = False,
+        widened: bool = False,
+    ) -> torch.Tensor:
         """``x @ weight.T + bias`` for bf16 ``x`` [M, K] on the CPU, in ``out_dtype`` (bf16 or float32). ``silu``, for
         a layer held in gate/up pairs: silu(gate) * up [M, n / 2] in bf16, the bits ``norm_act.silu_mul`` gives from
         the bf16 projection, in one pass. ``widened`` (float32 only): the bf16 output's values, as float32 -- the
         bits of ``self(x).float()`` without the second pass."""
         if x.dtype is not torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k or x.device.type != "cpu":
             raise ValueError(f"amx layer: x {tuple(x.shape)} {x.dtype} for {self.k} bf16 inputs")
-        if (out_dtype not in (torch.bfloat16, torch.float32) or silu and (out_dtype is not torch.bfloat16
-                                                                           or not self.pairs)
-                or widened and (out_dtype is not torch.float32 or silu)):
-            raise ValueError(f"amx layer: output {out_dtype}{' with silu' if silu else ''}"
-                             f"{' widened' if widened else ''} is not what it gives")
+        if (
+            out_dtype not in (torch.bfloat16, torch.float32)
+            or silu
+            and (out_dtype is not torch.bfloat16 or not self.pairs)
+            or widened
+            and (out_dtype is not torch.float32 or silu)
+        ):
+            raise ValueError(
+                f"amx layer: output {out_dtype}{' with silu' if silu else ''}"
+                f"{' widened' if widened else ''} is not what it gives"
+            )
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.n // 2 if silu else self.n, dtype=out_dtype)
         b = self.bias  # checked at construction (a replaced bias is another layer: ``matches``)
-        args = (x.data_ptr(), self.packed.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), x.shape[0])
+        args = (
+            x.data_ptr(),
+            self.packed.data_ptr(),
+            None if b is None else b.data_ptr(),
+            y.data_ptr(),
+            x.shape[0],
+        )
         threads = torch.get_num_threads()
         out = OUT_F32_OF_BF16 if widened else OUT_BF16 if out_dtype is torch.bfloat16 else OUT_F32
-        rc = (self.gate_up(*args, self.pairs, self.k, threads, self.bias_bf16, out, silu) if self.pairs
-              else self.fn(*args, self.n, self.k, threads, self.bias_bf16, out))
+        rc = (
+            self.gate_up(*args, self.pairs, self.k, threads, self.bias_bf16, out, silu)
+            if self.pairs
+            else self.fn(*args, self.n, self.k, threads, self.bias_bf16, out)
+        )
         if rc == 2:
             raise MemoryError(f"amx layer: no memory for the working sums of {x.shape[0]} activation rows")
         assert rc == 0, "amx_gemm refused arguments checked at construction"
         return y
 
 
-def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                out_dtype: torch.dtype = torch.float32) -> Optional[torch.Tensor]:
+def int8_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> Optional[torch.Tensor]:
     """``(x @ weight.T) * scales + bias`` for bf16 ``x`` [M, K] and int8 codes ``weight`` [N, K] (K a multiple of 32)
     with float32 ``scales`` [N], through tile products over the codes widened to bf16 (exact): float32 sums, times the
     row's scale, then the bias, rounded once to ``out_dtype`` (float32 or bf16). None where the path is not available;
     the caller has checked the static operands (contiguous, on the CPU)."""
     lib = _lib()
-    if lib is None or not available() or x.dtype is not torch.bfloat16 or x.dim() != 2 or weight.shape[1] % 32:
+    if (
+        lib is None
+        or not available()
+        or x.dtype is not torch.bfloat16
+        or x.dim() != 2
+        or weight.shape[1] % 32
+    ):
         return None
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
-    rc = lib.sidecar_amx_int8_matmul(x.data_ptr(), weight.data_ptr(), scales.data_ptr(),
-                                     None if bias is None else bias.data_ptr(), y.data_ptr(), x.shape[0],
-                                     weight.shape[0], weight.shape[1], torch.get_num_threads(),
-                                     int(bias is not None and bias.dtype == torch.bfloat16),
-                                     OUT_BF16 if out_dtype is torch.bfloat16 else OUT_F32)
+    rc = lib.sidecar_amx_int8_matmul(
+        x.data_ptr(),
+        weight.data_ptr(),
+        scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        weight.shape[0],
+        weight.shape[1],
+        torch.get_num_threads(),
+        int(bias is not None and bias.dtype == torch.bfloat16),
+        OUT_BF16 if out_dtype is torch.bfloat16 else OUT_F32,
+    )
     if rc == 2:
-        raise MemoryError(f"amx int8 matmul: no memory for the working buffers of {x.shape[0]} activation rows")
+        raise MemoryError(
+            f"amx int8 matmul: no memory for the working buffers of {x.shape[0]} activation rows"
+        )
     return y if rc == 0 else None
 
 
@@ -232,9 +300,11 @@ def _self_check() -> str:
     as in a batch; else what went wrong."""
     g = torch.Generator().manual_seed(0)
     try:
-        for m, n, k, bias_dtype, out_dtype in ((37, 70, 96, torch.float32, torch.float32),
-                                               (1, 45, 64, torch.bfloat16, torch.bfloat16),
-                                               (70, 64, 32, None, torch.bfloat16)):
+        for m, n, k, bias_dtype, out_dtype in (
+            (37, 70, 96, torch.float32, torch.float32),
+            (1, 45, 64, torch.bfloat16, torch.bfloat16),
+            (70, 64, 32, None, torch.bfloat16),
+        ):
             w = torch.randn(n, k, generator=g).bfloat16()
             x = torch.randn(m, k, generator=g).bfloat16()
             b = None if bias_dtype is None else torch.randn(n, generator=g).to(bias_dtype)
@@ -245,29 +315,53 @@ def _self_check() -> str:
             bound = (1e-5 if out_dtype is torch.float32 else 1e-2) * float(ref.abs().max())
             if not err <= bound:
                 return f"{m} x {n} x {k}: off by {err:.3g} from the float64 product (bound {bound:.3g})"
-            if out_dtype is torch.bfloat16 and not torch.equal(layer(x, torch.float32, widened=True), y.float()):
+            if out_dtype is torch.bfloat16 and not torch.equal(
+                layer(x, torch.float32, widened=True), y.float()
+            ):
                 return f"{m} x {n} x {k}: the widened float32 output is not the bf16 output's values"
-            if not torch.equal(layer(x[m // 2:m // 2 + 1], out_dtype), y[m // 2:m // 2 + 1]):
+            if not torch.equal(layer(x[m // 2 : m // 2 + 1], out_dtype), y[m // 2 : m // 2 + 1]):
                 return f"{m} x {n} x {k}: a row alone differs from the same row in its batch"
             if not torch.equal(unpack(layer.packed, n), w):
                 return "the packed layout does not give the weight back"
-        w = torch.randn(64, 96, generator=g).bfloat16()  # a gate/up projection of 2 x 32 outputs, held in pairs
+        w = torch.randn(
+            64, 96, generator=g
+        ).bfloat16()  # a gate/up projection of 2 x 32 outputs, held in pairs
         x = torch.randn(19, 96, generator=g).bfloat16()
         b = torch.randn(64, generator=g).bfloat16()
         paired = AmxLayer(pack(w, pairs=32), 64, b, pairs=32)
         gu = AmxLayer(pack(w), 64, b)(x)
         if not torch.equal(paired(x), gu) or not torch.equal(unpack(paired.packed, 64, 32), w):
             return "the gate/up pairs do not give the projection's own outputs"
-        act = (torch.nn.functional.silu(gu[:, :32].float()).bfloat16().float() * gu[:, 32:].float()).bfloat16()
-        if not (paired(x, silu=True).float() - act.float()).abs().max() <= 1e-2 * float(act.float().abs().max()):
+        act = (
+            torch.nn.functional.silu(gu[:, :32].float()).bfloat16().float() * gu[:, 32:].float()
+        ).bfloat16()
+        if not (paired(x, silu=True).float() - act.float()).abs().max() <= 1e-2 * float(
+            act.float().abs().max()
+        ):
             return "silu(gate) * up from the gate/up pairs is off"
-        codes = torch.randint(-127, 128, (70, 96), generator=g, dtype=torch.int8)  # int8 codes, per-row scales
+        codes = torch.randint(
+            -127, 128, (70, 96), generator=g, dtype=torch.int8
+        )  # int8 codes, per-row scales
         scales = torch.rand(70, generator=g) + 0.5
         x = torch.randn(67, 96, generator=g).bfloat16()
         lib = _lib()
         y8 = torch.empty(67, 70)
-        if lib.sidecar_amx_int8_matmul(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), None, y8.data_ptr(), 67, 70,
-                                       96, torch.get_num_threads(), 0, OUT_F32) != 0:
+        if (
+            lib.sidecar_amx_int8_matmul(
+                x.data_ptr(),
+                codes.data_ptr(),
+                scales.data_ptr(),
+                None,
+                y8.data_ptr(),
+                67,
+                70,
+                96,
+                torch.get_num_threads(),
+                0,
+                OUT_F32,
+            )
+            != 0
+        ):
             return "the int8 product refused its arguments"
         ref = (x.double() @ codes.double().T) * scales.double()
         if not float((y8.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max()):

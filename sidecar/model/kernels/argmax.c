@@ -1,9 +1,9 @@
 /* The index of each float32 row's largest value, as torch.argmax(dim=-1) gives it: the first index of the
- * largest value, a NaN counting as larger than any number (the row's first NaN where it has one). The sampler's
- * greedy pick over a [rows, vocabulary] block of logits: torch's reduction ran at ~5.5 GB/s over 32 rows of a
- * 151,936-token vocabulary on a 2-core Xeon (3.5 ms a step); this one reads the block once at the memory's speed
- * and finds the index in the row's cached values. Rows are shared between the threads; with fewer rows than
- * threads each row goes in spans, merged in order. */
+ * largest value, a NaN counting as larger than any number (the row's first NaN where it has one). The
+ * sampler's greedy pick over a [rows, vocabulary] block of logits: torch's reduction ran at ~5.5 GB/s over 32
+ * rows of a 151,936-token vocabulary on a 2-core Xeon (3.5 ms a step); this one reads the block once at the
+ * memory's speed and finds the index in the row's cached values. Rows are shared between the threads; with
+ * fewer rows than threads each row goes in spans, merged in order. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -11,8 +11,8 @@
 
 typedef struct {
     float max;
-    int64_t at;      /* first index of max */
-    int64_t nan_at;  /* first NaN's index, -1 for none */
+    int64_t at;     /* first index of max */
+    int64_t nan_at; /* first NaN's index, -1 for none */
 } part;
 
 /* x[i0..i1), i1 > i0 */
@@ -47,10 +47,12 @@ static part scan(const float* x, int64_t i0, int64_t i1) {
     for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
 #endif
     for (; i < i1 && !nan; i++) {
-        if (x[i] != x[i]) nan = 1;
-        else if (x[i] > best) best = x[i];
+        if (x[i] != x[i])
+            nan = 1;
+        else if (x[i] > best)
+            best = x[i];
     }
-    if (nan) {  /* rare: the first NaN from the span's start */
+    if (nan) { /* rare: the first NaN from the span's start */
         for (int64_t j = i0; j < i1; j++)
             if (x[j] != x[j]) {
                 p.nan_at = j;
@@ -58,7 +60,7 @@ static part scan(const float* x, int64_t i0, int64_t i1) {
             }
     }
     p.max = best;
-    int64_t j = i0;  /* no NaN: some value equals best (-inf when all are) */
+    int64_t j = i0; /* no NaN: some value equals best (-inf when all are) */
 #if defined(__AVX512F__)
     const __m512 b = _mm512_set1_ps(best);
     for (; j + 16 <= i1; j += 16) {
@@ -93,10 +95,10 @@ int sidecar_row_argmax(const float* x, int64_t rows, int64_t n, int64_t stride, 
     if (rows == 0) return 0;
     if (nthreads < 1) nthreads = 1;
     int64_t spans = rows >= nthreads ? 1 : (nthreads + rows - 1) / rows;
-    if (spans > n / 4096) spans = n / 4096 > 1 ? n / 4096 : 1;  /* a span worth a thread */
+    if (spans > n / 4096) spans = n / 4096 > 1 ? n / 4096 : 1; /* a span worth a thread */
     part* parts = malloc(sizeof(part) * (size_t)(rows * spans));
     if (!parts) return 2;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * n >= (1 << 16))
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (rows * n >= (1 << 16))
     for (int64_t s = 0; s < rows * spans; s++) {
         const int64_t r = s / spans, k = s % spans;
         parts[s] = scan(x + r * stride, n * k / spans, n * (k + 1) / spans);
@@ -105,7 +107,7 @@ int sidecar_row_argmax(const float* x, int64_t rows, int64_t n, int64_t stride, 
         part best = parts[r * spans];
         for (int64_t k = 1; k < spans && best.nan_at < 0; k++) {
             const part q = parts[r * spans + k];
-            if (q.nan_at >= 0 || q.max > best.max) best = q;  /* ties keep the earlier span */
+            if (q.nan_at >= 0 || q.max > best.max) best = q; /* ties keep the earlier span */
         }
         out[r] = best.nan_at >= 0 ? best.nan_at : best.at;
     }

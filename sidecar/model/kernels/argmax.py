@@ -1,6 +1,7 @@
 """The sampler's greedy pick on the CPU (``argmax.c``): ``x.argmax(-1)`` of float32 logits [rows, vocabulary]
 in one pass at the memory's speed, the same indices (first of the largest; a NaN wins). Where it cannot be
 built, or the logits are not such a CPU tensor, the caller keeps torch's."""
+
 from __future__ import annotations
 
 import ctypes
@@ -20,15 +21,25 @@ available = _KERNEL.available
 def row_argmax(x: torch.Tensor) -> Optional[torch.Tensor]:
     """int64 [rows]: ``x.argmax(-1)`` of float32 CPU ``x`` [rows, n] (rows in place: unit stride within a row),
     or None (another tensor, or no kernel)."""
-    if (x.device.type != "cpu" or x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] < 1
-            or x.stride(1) != 1 or x.stride(0) < x.shape[1]):
+    if (
+        x.device.type != "cpu"
+        or x.dtype is not torch.float32
+        or x.dim() != 2
+        or x.shape[1] < 1
+        or x.stride(1) != 1
+        or x.stride(0) < x.shape[1]
+    ):
         return None
     lib = _KERNEL.lib()
     if lib is None:
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    if lib.sidecar_row_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
-                              torch.get_num_threads()) != 0:
+    if (
+        lib.sidecar_row_argmax(
+            x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads()
+        )
+        != 0
+    ):
         return None
     return out
 

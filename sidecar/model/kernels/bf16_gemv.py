@@ -21,6 +21,7 @@ side, zero rows padding the last tile) and ``bf16_matmul_tiled(x, tiled, n, bias
 layout: one forward stream per thread, ~12% more bandwidth at one row than the plain rows (see the C
 header), the same bits.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,12 +42,16 @@ ROWS_ENV = "SIDECAR_BF16_KERNEL_ROWS"  # a fixed limit instead of the measured o
 
 
 # Which path the build runs is asked of the library once: every Linear forward checks it.
-_KERNEL = cpu_build.Kernel("bf16_gemv", {
-    "sidecar_bf16_matmul": ([P] * 4 + [I] * 6, I),
-    "sidecar_bf16_matmul_tiled": ([P] * 4 + [I] * 6, I),
-    "sidecar_bf16_supported": ([], I),
-    "sidecar_int8_matmul_wide": ([P, I] + [P] * 4 + [I] * 6, I),
-}, setup=lambda lib: setattr(lib, "_sidecar_bf16", int(lib.sidecar_bf16_supported())))
+_KERNEL = cpu_build.Kernel(
+    "bf16_gemv",
+    {
+        "sidecar_bf16_matmul": ([P] * 4 + [I] * 6, I),
+        "sidecar_bf16_matmul_tiled": ([P] * 4 + [I] * 6, I),
+        "sidecar_bf16_supported": ([], I),
+        "sidecar_int8_matmul_wide": ([P, I] + [P] * 4 + [I] * 6, I),
+    },
+    setup=lambda lib: setattr(lib, "_sidecar_bf16", int(lib.sidecar_bf16_supported())),
+)
 _ISAS = {512: "avx512_bf16", 2: "avx2"}
 
 
@@ -68,8 +73,13 @@ def int8_wide_available() -> bool:
     return isa() == "avx2"
 
 
-def int8_matmul_wide(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                     bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def int8_matmul_wide(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``(x @ weight.T) * scales + bias`` for int8 codes ``weight`` [N, K] (K a multiple of 32) with float32
     ``scales`` [N], over the AVX2 prefill path: float32 sums of the products of ``x`` (bf16, or float32 read as
     it is) and the codes, each times its row's scale, then the bias; [M, N] in ``out_dtype`` (float32 or bf16,
@@ -79,45 +89,88 @@ def int8_matmul_wide(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor
         raise ValueError(f"int8_matmul_wide: x {tuple(x.shape)} {x.dtype} for weight {tuple(weight.shape)}")
     x = x if x.is_contiguous() else x.contiguous()  # held for the call
     y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
-    rc = lib.sidecar_int8_matmul_wide(x.data_ptr(), int(x.dtype == torch.float32), weight.data_ptr(),
-                                      scales.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                      x.shape[0], weight.shape[0], x.shape[1], torch.get_num_threads(),
-                                      int(bias is not None and bias.dtype == torch.bfloat16),
-                                      int(out_dtype == torch.bfloat16))
+    rc = lib.sidecar_int8_matmul_wide(
+        x.data_ptr(),
+        int(x.dtype == torch.float32),
+        weight.data_ptr(),
+        scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        weight.shape[0],
+        x.shape[1],
+        torch.get_num_threads(),
+        int(bias is not None and bias.dtype == torch.bfloat16),
+        int(out_dtype == torch.bfloat16),
+    )
     if rc == 2:
-        raise MemoryError(f"int8_matmul_wide: no memory for the working buffers of {x.shape[0]} activation rows")
+        raise MemoryError(
+            f"int8_matmul_wide: no memory for the working buffers of {x.shape[0]} activation rows"
+        )
     if rc != 0:
         raise RuntimeError("int8_matmul_wide: no AVX2 path in this build, or K not a multiple of 32")
     return y
 
 
-def bf16_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def bf16_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Requires ``available()``. All tensors on the CPU."""
     lib = _KERNEL.lib()
     assert lib is not None, "bf16_gemv kernel is not available"
     k = x.shape[1]
     n = weight.shape[0]
-    if (k % 32 or weight.shape[1] != k or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or (bias is not None and bias.shape != (n,)) or out_dtype not in (torch.float32, torch.bfloat16)):
-        raise ValueError(f"bf16_matmul: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
-                         f"{'' if bias is None else f', bias {tuple(bias.shape)}'}, out {out_dtype} do not fit")
+    if (
+        k % 32
+        or weight.shape[1] != k
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or (bias is not None and bias.shape != (n,))
+        or out_dtype not in (torch.float32, torch.bfloat16)
+    ):
+        raise ValueError(
+            f"bf16_matmul: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+            f"{'' if bias is None else f', bias {tuple(bias.shape)}'}, out {out_dtype} do not fit"
+        )
     return _call(lib.sidecar_bf16_matmul, "bf16_matmul", x, weight.contiguous(), n, bias, out_dtype)
 
 
-def _call(fn, name: str, x: torch.Tensor, weight: torch.Tensor, n: int, bias: Optional[torch.Tensor],
-          out_dtype: torch.dtype) -> torch.Tensor:
+def _call(
+    fn,
+    name: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    n: int,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """One call of a checked product: y [M, n] = x @ weight.T + bias (``weight`` in fn's layout)."""
-    x = x.contiguous()  # held here (as ``weight`` is by the caller): a temporary would be freed before the call
+    x = (
+        x.contiguous()
+    )  # held here (as ``weight`` is by the caller): a temporary would be freed before the call
     b = None
     if bias is not None:
         b = bias.contiguous() if bias.dtype == torch.bfloat16 else bias.float().contiguous()
     y = torch.empty(x.shape[0], n, dtype=out_dtype)
-    rc = fn(x.data_ptr(), weight.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(), x.shape[0], n,
-            x.shape[1], torch.get_num_threads(), int(b is not None and b.dtype == torch.bfloat16),
-            int(out_dtype == torch.bfloat16))
+    rc = fn(
+        x.data_ptr(),
+        weight.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        n,
+        x.shape[1],
+        torch.get_num_threads(),
+        int(b is not None and b.dtype == torch.bfloat16),
+        int(out_dtype == torch.bfloat16),
+    )
     if rc == 2:
-        raise MemoryError(f"{name}: no memory for the working buffers of {x.shape[0]} x {x.shape[1]} activations")
+        raise MemoryError(
+            f"{name}: no memory for the working buffers of {x.shape[0]} x {x.shape[1]} activations"
+        )
     if rc != 0:
         raise RuntimeError(f"{name}: the kernel was built without AVX-512 BF16 and without AVX2")
     return y
@@ -135,8 +188,9 @@ def tile_weight(weight: torch.Tensor, release_source: bool = False) -> torch.Ten
     allocator (huge pages where they are on), wherever the plain weight lived (a file mapping)."""
     n, k = weight.shape
     if k % 32 or weight.dtype != torch.bfloat16:
-        raise ValueError(f"tile_weight: weight {tuple(weight.shape)} {weight.dtype} do not fit a layout of "
-                         f"32-value chunks")
+        raise ValueError(
+            f"tile_weight: weight {tuple(weight.shape)} {weight.dtype} do not fit a layout of 32-value chunks"
+        )
     src = weight.detach()
     whole = src.storage_offset() == 0 and src.untyped_storage().nbytes() == src.numel() * 2  # no view of more
     if not (release_source and whole and src.is_contiguous() and src.device.type == "cpu"):
@@ -148,12 +202,12 @@ def tile_weight(weight: torch.Tensor, release_source: bool = False) -> torch.Ten
     step = max(1, TILE_CHUNK_BYTES // (TILE * k * 2))
     for t in range(0, full, step):
         e = min(full, t + step)
-        part = src[t * TILE:e * TILE]
+        part = src[t * TILE : e * TILE]
         out[t:e] = part.view(e - t, TILE, k // 32, 32).transpose(1, 2)
         hugepages.release(part.data_ptr(), part.numel() * 2)
     if full < tiles:  # the last tile's rows, then zero rows
         last = src.new_zeros(TILE, k)
-        last[:n - full * TILE] = src[full * TILE:]
+        last[: n - full * TILE] = src[full * TILE :]
         out[full] = last.view(TILE, k // 32, 32).transpose(0, 1)
     return out
 
@@ -163,18 +217,33 @@ def untile_weight(tiled: torch.Tensor, n: int) -> torch.Tensor:
     return tiled.transpose(1, 2).reshape(-1, tiled.shape[1] * 32)[:n].contiguous()
 
 
-def bf16_matmul_tiled(x: torch.Tensor, tiled: torch.Tensor, n: int, bias: Optional[torch.Tensor] = None,
-                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def bf16_matmul_tiled(
+    x: torch.Tensor,
+    tiled: torch.Tensor,
+    n: int,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``bf16_matmul`` over a ``tile_weight`` layout of a weight with ``n`` rows. Requires ``available()``."""
     lib = _KERNEL.lib()
     assert lib is not None, "bf16_gemv kernel is not available"
     k = x.shape[1]
-    if (tiled.dim() != 4 or tiled.shape[1:] != (k // 32, TILE, 32) or tiled.shape[0] != -(-n // TILE) or k % 32
-            or x.dtype != torch.bfloat16 or tiled.dtype != torch.bfloat16 or not tiled.is_contiguous()
-            or (bias is not None and bias.shape != (n,)) or out_dtype not in (torch.float32, torch.bfloat16)):
-        raise ValueError(f"bf16_matmul_tiled: x {tuple(x.shape)} {x.dtype}, tiled {tuple(tiled.shape)} "
-                         f"{tiled.dtype} for {n} rows{'' if bias is None else f', bias {tuple(bias.shape)}'}, "
-                         f"out {out_dtype} do not fit")
+    if (
+        tiled.dim() != 4
+        or tiled.shape[1:] != (k // 32, TILE, 32)
+        or tiled.shape[0] != -(-n // TILE)
+        or k % 32
+        or x.dtype != torch.bfloat16
+        or tiled.dtype != torch.bfloat16
+        or not tiled.is_contiguous()
+        or (bias is not None and bias.shape != (n,))
+        or out_dtype not in (torch.float32, torch.bfloat16)
+    ):
+        raise ValueError(
+            f"bf16_matmul_tiled: x {tuple(x.shape)} {x.dtype}, tiled {tuple(tiled.shape)} "
+            f"{tiled.dtype} for {n} rows{'' if bias is None else f', bias {tuple(bias.shape)}'}, "
+            f"out {out_dtype} do not fit"
+        )
     return _call(lib.sidecar_bf16_matmul_tiled, "bf16_matmul_tiled", x, tiled, n, bias, out_dtype)
 
 
@@ -193,7 +262,11 @@ class TiledLayer(cpu_build.LayerView):
             raise ValueError("bf16 tiled layer: the kernel reads CPU tensors only")
         k = tiled.shape[1] * 32
         bf16_matmul_tiled(torch.zeros(1, k, dtype=torch.bfloat16), tiled, n, bias)  # the checks, once
-        if bias is not None and bias.dtype not in (torch.bfloat16, torch.float32) or not tiled.is_contiguous():
+        if (
+            bias is not None
+            and bias.dtype not in (torch.bfloat16, torch.float32)
+            or not tiled.is_contiguous()
+        ):
             raise ValueError("bf16 tiled layer: a bf16 or float32 bias and a contiguous tiled weight")
         self.tiled, self.bias, self.n, self.k = tiled, bias, n, k
         self.bias_bf16 = bias is not None and bias.dtype == torch.bfloat16
@@ -210,10 +283,22 @@ class TiledLayer(cpu_build.LayerView):
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
         b = self.bias
-        rc = self.fn(x.data_ptr(), self.tiled.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                     x.shape[0], self.n, self.k, torch.get_num_threads(), self.bias_bf16, out_dtype is torch.bfloat16)
+        rc = self.fn(
+            x.data_ptr(),
+            self.tiled.data_ptr(),
+            None if b is None else b.data_ptr(),
+            y.data_ptr(),
+            x.shape[0],
+            self.n,
+            self.k,
+            torch.get_num_threads(),
+            self.bias_bf16,
+            out_dtype is torch.bfloat16,
+        )
         if rc == 2:
-            raise MemoryError(f"bf16 tiled layer: no memory for the working buffers of {x.shape[0]} activation rows")
+            raise MemoryError(
+                f"bf16 tiled layer: no memory for the working buffers of {x.shape[0]} activation rows"
+            )
         assert rc == 0, "bf16_gemv refused arguments checked at construction"
         return y
 
@@ -271,12 +356,14 @@ def measure_rows_limit(layers: list[tuple[torch.Tensor, int, torch.Tensor]], rep
                     one(xs[(m, layer[0].shape[1])], layer)
                 best = min(best, time.perf_counter() - t)
             return best
+
         return seconds
 
     with torch.inference_mode():
-        return rows_limit(timer(lambda x, layer: bf16_matmul_tiled(x, layer[0], layer[1], None, torch.bfloat16)),
-                          timer(lambda x, layer: torch.ops.mkldnn._linear_pointwise(x, layer[2], None, "none",
-                                                                                    [None], "")))
+        return rows_limit(
+            timer(lambda x, layer: bf16_matmul_tiled(x, layer[0], layer[1], None, torch.bfloat16)),
+            timer(lambda x, layer: torch.ops.mkldnn._linear_pointwise(x, layer[2], None, "none", [None], "")),
+        )
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

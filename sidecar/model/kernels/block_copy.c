@@ -6,7 +6,7 @@
 int sidecar_copy_spans(const int64_t* dst, const int64_t* src, const int64_t* len, int64_t n, int nthreads) {
     for (int64_t i = 0; i < n; i++)
         if (len[i] < 0) return 1;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t i = 0; i < n; i++)
         memcpy((void*)(intptr_t)dst[i], (const void*)(intptr_t)src[i], (size_t)len[i]);
     return 0;

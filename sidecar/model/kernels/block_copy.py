@@ -6,6 +6,7 @@ Staging the chain in one new buffer first (``torch.stack``) touches as much fres
 long, and on a 2-core VM a 4,096-token float32 chain spent seconds in that buffer's page faults; the
 pool's own memory is already resident. Where the kernel cannot be built the caller stages with torch.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,8 +26,9 @@ available = _KERNEL.available
 def _spans(tensors: Sequence[torch.Tensor], block_ids: Sequence[int], buffers: Sequence[torch.Tensor]):
     """(pool addresses, buffer addresses, lengths) of every (block, tensor) span, or None when a tensor or
     buffer is not a contiguous CPU tensor. Raises for a block id outside the pool."""
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) or \
-            any(d.device.type != "cpu" or not d.is_contiguous() for d in buffers):
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) or any(
+        d.device.type != "cpu" or not d.is_contiguous() for d in buffers
+    ):
         return None
     blocks = tensors[0].shape[0]
     if any(t.shape[0] != blocks for t in tensors):
@@ -46,11 +48,17 @@ def _spans(tensors: Sequence[torch.Tensor], block_ids: Sequence[int], buffers: S
 
 
 def _copy(lib, dst: np.ndarray, src: np.ndarray, lens: np.ndarray) -> bool:
-    return lib.sidecar_copy_spans(dst.ctypes.data, src.ctypes.data, lens.ctypes.data, dst.size,
-                                  torch.get_num_threads()) == 0
+    return (
+        lib.sidecar_copy_spans(
+            dst.ctypes.data, src.ctypes.data, lens.ctypes.data, dst.size, torch.get_num_threads()
+        )
+        == 0
+    )
 
 
-def scatter_blocks(dsts: Sequence[torch.Tensor], block_ids: Sequence[int], datas: Sequence[torch.Tensor]) -> bool:
+def scatter_blocks(
+    dsts: Sequence[torch.Tensor], block_ids: Sequence[int], datas: Sequence[torch.Tensor]
+) -> bool:
     """Write each ``datas[i]`` (uint8, contiguous, the byte concatenation of one block of every tensor in
     ``dsts``) into block ``block_ids[i]`` of those tensors ([num_blocks, ...], contiguous, on the CPU).
     False (nothing written) when the kernel is not available; the caller has checked the sizes."""

@@ -14,6 +14,7 @@ attribute for each is a ``KernelFunction``: the ctypes function, and the hook th
 calls are recorded for replay from C (``replay.py``) while a recorder is installed (``set_recorder``); a
 recorder answering true plans the step instead: the call is noted and not made.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,7 +30,14 @@ from typing import Callable, Optional, Sequence
 
 log = logging.getLogger("sidecar.kernels")
 
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")  # fma only where written
+FLAGS = (
+    "-O3",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+)  # fma only where written
 P = ctypes.c_void_p
 I = ctypes.c_int
 F = ctypes.c_float
@@ -122,8 +130,9 @@ def load(name: str, configure: Optional[Callable[[ctypes.CDLL], None]] = None) -
             raise RuntimeError(f"no C compiler ({cc}) on PATH")
         source = Path(__file__).with_name(f"{name}.c")
         headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
-        key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), cc_path, _cpu_flags()])
-                             .encode()).hexdigest()[:16]
+        key = hashlib.sha256(
+            "\0".join([source.read_text(), *headers, " ".join(flags), cc_path, _cpu_flags()]).encode()
+        ).hexdigest()[:16]
         from sidecar.model.demo import sidecar_home
 
         out = sidecar_home() / "kernels" / f"{name}-{key}.so"
@@ -152,8 +161,12 @@ class Kernel:
     (argument types, result type); ``setup`` runs once on the loaded library after they are set (values
     asked of the library once, e.g. what the build supports)."""
 
-    def __init__(self, name: str, signatures: dict[str, tuple[Sequence[type], Optional[type]]],
-                 setup: Optional[Callable[[ctypes.CDLL], None]] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        signatures: dict[str, tuple[Sequence[type], Optional[type]]],
+        setup: Optional[Callable[[ctypes.CDLL], None]] = None,
+    ) -> None:
         self.name = name
         self._signatures = signatures
         self._setup = setup

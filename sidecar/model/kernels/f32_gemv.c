@@ -3,12 +3,13 @@
  *
  *   y[m, n] = bias[n] + sum_k x[m, k] * w[n, k]      x, w, y float32 [M, K] / [N, K] / [M, N]; K % 16 == 0
  *
- * oneDNN's packed float32 GEMM, on the head's packed copy, streams a vocab-sized head below the memory's rate at
- * a few rows (measured on a 2-core Zen 3, 2 threads, 151,936 x 896: 25.5 ms at one row, 39.6 at four; this
+ * oneDNN's packed float32 GEMM, on the head's packed copy, streams a vocab-sized head below the memory's rate
+ * at a few rows (measured on a 2-core Zen 3, 2 threads, 151,936 x 896: 25.5 ms at one row, 39.6 at four; this
  * kernel on the plain table: 22.1 and 24.9). Here weight rows go in tiles of 4, split across threads, each
  * tile passing once over every panel of up to 3 activation rows while it sits in L1 (so the weight is read
- * from memory once per call at any batch size), prefetched two tiles ahead. Each output is FMAs over its row's
- * lanes in one fixed order, then one fixed tree over the lanes: a row's result does not depend on its batch.
+ * from memory once per call at any batch size), prefetched two tiles ahead. Each output is FMAs over its
+ * row's lanes in one fixed order, then one fixed tree over the lanes: a row's result does not depend on its
+ * batch.
  */
 #include <omp.h>
 #include <stdlib.h>
@@ -19,8 +20,8 @@
 #define MT 3
 
 #ifdef VL
-static inline __attribute__((always_inline)) void dot_tile(const float* x, const float* w, int64_t K, const int MB,
-                                                           const int NB, float* out) {
+static inline __attribute__((always_inline)) void dot_tile(const float* x, const float* w, int64_t K,
+                                                           const int MB, const int NB, float* out) {
     vf acc[MT][NT];
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = v_zero();
@@ -45,14 +46,15 @@ static inline __attribute__((always_inline)) void dot_tile(const float* x, const
 }
 #endif
 
-/* bias: [N] float32 or NULL. Returns 0; 1 on a CPU without AVX2 + FMA (or AVX-512), or K not a multiple of 16. */
+/* bias: [N] float32 or NULL. Returns 0; 1 on a CPU without AVX2 + FMA (or AVX-512), or K not a multiple
+ * of 16. */
 int sidecar_f32_matmul(const float* x, const float* w, const float* bias, float* y, int M, int N, int K,
                        int nthreads) {
 #ifdef VL
     if (K % 16) return 1;
     nthreads = nthreads < 1 ? 1 : nthreads;
     const int tiles = (N + NT - 1) / NT;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int t = 0; t < tiles; t++) {
         const int n0 = t * NT;
         const int nb = N - n0 >= NT ? NT : 1;
@@ -63,12 +65,24 @@ int sidecar_f32_matmul(const float* x, const float* w, const float* bias, float*
                 const float* xb = x + (int64_t)m0 * K;
                 const int mb = M - m0 < MT ? M - m0 : MT;
                 switch (mb * 8 + nb) {
-                    case 1 * 8 + NT: dot_tile(xb, wr, K, 1, NT, acc); break;
-                    case 2 * 8 + NT: dot_tile(xb, wr, K, 2, NT, acc); break;
-                    case 3 * 8 + NT: dot_tile(xb, wr, K, 3, NT, acc); break;
-                    case 1 * 8 + 1: dot_tile(xb, wr, K, 1, 1, acc); break;
-                    case 2 * 8 + 1: dot_tile(xb, wr, K, 2, 1, acc); break;
-                    default: dot_tile(xb, wr, K, 3, 1, acc); break;
+                    case 1 * 8 + NT:
+                        dot_tile(xb, wr, K, 1, NT, acc);
+                        break;
+                    case 2 * 8 + NT:
+                        dot_tile(xb, wr, K, 2, NT, acc);
+                        break;
+                    case 3 * 8 + NT:
+                        dot_tile(xb, wr, K, 3, NT, acc);
+                        break;
+                    case 1 * 8 + 1:
+                        dot_tile(xb, wr, K, 1, 1, acc);
+                        break;
+                    case 2 * 8 + 1:
+                        dot_tile(xb, wr, K, 2, 1, acc);
+                        break;
+                    default:
+                        dot_tile(xb, wr, K, 3, 1, acc);
+                        break;
                 }
                 for (int i = 0; i < mb; i++)
                     for (int j = 0; j < nb; j++)
@@ -78,7 +92,14 @@ int sidecar_f32_matmul(const float* x, const float* w, const float* bias, float*
     }
     return 0;
 #else
-    (void)x; (void)w; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+    (void)x;
+    (void)w;
+    (void)bias;
+    (void)y;
+    (void)M;
+    (void)N;
+    (void)K;
+    (void)nthreads;
     return 1;
 #endif
 }

@@ -7,6 +7,7 @@ table with the embedding lookups, so ``linear.pack_weights`` keeps the plain tab
 copy; ``Linear`` takes this kernel on the plain table for batches of up to ``linear.F32_KERNEL_ROWS`` rows,
 where it streams faster than oneDNN's packed float32 GEMM (see the C header), and the packed copy above.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -18,10 +19,14 @@ from sidecar.model.kernels.cpu_build import I, P
 
 K_MULTIPLE = 16
 
-_KERNEL = cpu_build.Kernel("f32_gemv", {
-    "sidecar_f32_matmul": ([P] * 4 + [I] * 4, I),
-    "sidecar_f32_supported": ([], I),
-}, setup=lambda lib: setattr(lib, "_sidecar_f32", int(lib.sidecar_f32_supported())))
+_KERNEL = cpu_build.Kernel(
+    "f32_gemv",
+    {
+        "sidecar_f32_matmul": ([P] * 4 + [I] * 4, I),
+        "sidecar_f32_supported": ([], I),
+    },
+    setup=lambda lib: setattr(lib, "_sidecar_f32", int(lib.sidecar_f32_supported())),
+)
 
 
 def available() -> bool:
@@ -32,8 +37,15 @@ def available() -> bool:
 
 def takes(weight: Optional[torch.Tensor]) -> bool:
     """Whether the kernel reads this weight: a plain float32 [N, K] CPU tensor with K a multiple of 16."""
-    return (weight is not None and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.dim() == 2 and weight.shape[1] % K_MULTIPLE == 0 and weight.is_contiguous() and available())
+    return (
+        weight is not None
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.dim() == 2
+        and weight.shape[1] % K_MULTIPLE == 0
+        and weight.is_contiguous()
+        and available()
+    )
 
 
 def f32_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -41,16 +53,32 @@ def f32_matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     lib = _KERNEL.lib()
     assert lib is not None, "f32_gemv kernel is not available"
     n, k = weight.shape
-    if (x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float32 or weight.dtype != torch.float32 or k % K_MULTIPLE
-            or (bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32))):
-        raise ValueError(f"f32_matmul: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
-                         f"{'' if bias is None else f', bias {tuple(bias.shape)} {bias.dtype}'} do not fit")
+    if (
+        x.dim() != 2
+        or x.shape[1] != k
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or k % K_MULTIPLE
+        or (bias is not None and (bias.shape != (n,) or bias.dtype != torch.float32))
+    ):
+        raise ValueError(
+            f"f32_matmul: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+            f"{'' if bias is None else f', bias {tuple(bias.shape)} {bias.dtype}'} do not fit"
+        )
     x = x.contiguous()
     w = weight.contiguous()
     b = None if bias is None else bias.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    rc = lib.sidecar_f32_matmul(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), y.data_ptr(),
-                                x.shape[0], n, k, torch.get_num_threads())
+    rc = lib.sidecar_f32_matmul(
+        x.data_ptr(),
+        w.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        x.shape[0],
+        n,
+        k,
+        torch.get_num_threads(),
+    )
     assert rc == 0, "f32_gemv refused arguments checked above"
     return y
 

@@ -10,6 +10,7 @@ A layer takes a Triton path when its field is on and the tensor is on CUDA, or, 
 without a GPU, when Triton runs in its interpreter (``TRITON_INTERPRET=1``, which must be set before the
 kernel modules are imported) on CPU tensors.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,7 +19,16 @@ from typing import Optional
 
 import torch
 
-PATH_NAMES = ("attention", "rope_kv", "norm", "silu_mul", "gemv", "weight_only", "cuda_graphs", "device_sampler")
+PATH_NAMES = (
+    "attention",
+    "rope_kv",
+    "norm",
+    "silu_mul",
+    "gemv",
+    "weight_only",
+    "cuda_graphs",
+    "device_sampler",
+)
 
 
 def triton_interpreted() -> bool:
@@ -36,13 +46,13 @@ def triton_available() -> bool:
 
 @dataclass
 class FastPaths:
-    attention: bool = False      # Triton paged decode attention (reads K/V in place through the block table)
-    rope_kv: bool = False        # Triton rotary embedding + KV-cache write
-    norm: bool = False           # Triton residual add + RMSNorm
-    silu_mul: bool = False       # Triton silu(gate) * up
-    gemv: bool = False           # a one-row step's layer products in Triton, the norms and silu * up fused in
-    weight_only: bool = False    # Triton int8 / int4 weight-only GEMM
-    cuda_graphs: bool = False    # decode steps replayed from captured graphs
+    attention: bool = False  # Triton paged decode attention (reads K/V in place through the block table)
+    rope_kv: bool = False  # Triton rotary embedding + KV-cache write
+    norm: bool = False  # Triton residual add + RMSNorm
+    silu_mul: bool = False  # Triton silu(gate) * up
+    gemv: bool = False  # a one-row step's layer products in Triton, the norms and silu * up fused in
+    weight_only: bool = False  # Triton int8 / int4 weight-only GEMM
+    cuda_graphs: bool = False  # decode steps replayed from captured graphs
     device_sampler: bool = False  # sampling of the whole batch on the device, one copy of the ids
     reasons: Optional[dict] = None  # path -> why it is off (filled by the self-check)
 

@@ -45,33 +45,35 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define INT_DOT 1
 #elif !defined(__AVX512F__)
-#define INT_DOT 2  /* AVX2 only: the same 16-bit activations, bytes multiplied in pairs (vpmaddubsw) */
+#define INT_DOT 2 /* AVX2 only: the same 16-bit activations, bytes multiplied in pairs (vpmaddubsw) */
 #else
 #define INT_DOT 0
 #endif
 
-#define ROWS_CHUNK 32 /* activation rows whose outputs one block keeps at once */
-#define XQ_MAX 32639  /* 16-bit activation codes whose high and low bytes are both int8 */
-#define PANEL_MIN 3  /* AVX2: activation rows from which a call takes the panels (see panel_group) */
+#define ROWS_CHUNK 32    /* activation rows whose outputs one block keeps at once */
+#define XQ_MAX     32639 /* 16-bit activation codes whose high and low bytes are both int8 */
+#define PANEL_MIN  3     /* AVX2: activation rows from which a call takes the panels (see panel_group) */
 
 /* What one pass over a block decodes (the tiles of 16 rows it covers). */
 enum { SPLIT64_ALL, SPLIT64_LO, SPLIT64_HI, SPLIT32_ALL, INTERLEAVED_1 };
-static inline int tiles_of(int kind) { return kind == SPLIT64_ALL ? 4 : (kind == INTERLEAVED_1 ? 1 : 2); }
+static inline int tiles_of(int kind) {
+    return kind == SPLIT64_ALL ? 4 : (kind == INTERLEAVED_1 ? 1 : 2);
+}
 
 /* Per call: the activations and what every group needs of them. */
 typedef struct {
-    const float* x;   /* [M, K] (float path; a float32 copy when the caller's are bf16) */
-    const uint16_t* x16;  /* [M, K] the caller's activations when they are bf16, else NULL */
-    int8_t* xb;       /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path). With AVX2,
-                       * xb_row * K bytes a row, pairs of columns as int32 (a float broadcast makes a vector of them,
-                       * where an integer broadcast from memory is several times slower on Zen 3): high bytes then
-                       * low bytes, a pair's two bytes twice (panels 0), or the int16 codes (panels 1) */
-    float* d;         /* [M, G] code scale (integer path) */
-    int32_t* xqsum;   /* [M, G] sum of the codes (integer path) */
-    float* xsum;      /* [M, G] sum of x */
+    const float* x;      /* [M, K] (float path; a float32 copy when the caller's are bf16) */
+    const uint16_t* x16; /* [M, K] the caller's activations when they are bf16, else NULL */
+    int8_t* xb;     /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path). With AVX2,
+                     * xb_row * K bytes a row, pairs of columns as int32 (a float broadcast makes a vector of
+                     * them, where an integer broadcast from memory is several times slower on Zen 3): high bytes
+                     * then low bytes, a pair's two bytes twice (panels 0), or the int16 codes (panels 1) */
+    float* d;       /* [M, G] code scale (integer path) */
+    int32_t* xqsum; /* [M, G] sum of the codes (integer path) */
+    float* xsum;    /* [M, G] sum of x */
     int K, G, gs;
-    int panels;       /* AVX2: the call has PANEL_MIN rows or more (xb holds int16 codes, pairs as int32) */
-    int xb_row;       /* bytes of xb per row and column: 4 for AVX2's byte pairs, else 2 */
+    int panels; /* AVX2: the call has PANEL_MIN rows or more (xb holds int16 codes, pairs as int32) */
+    int xb_row; /* bytes of xb per row and column: 4 for AVX2's byte pairs, else 2 */
 } Act;
 
 static inline float bf16_value(uint16_t h) {
@@ -82,7 +84,7 @@ static inline float bf16_value(uint16_t h) {
 }
 
 #if INT_DOT == 1
-static inline __m512 load_x16(const float* x, const uint16_t* x16, int k) {  /* 16 activations as floats */
+static inline __m512 load_x16(const float* x, const uint16_t* x16, int k) { /* 16 activations as floats */
     if (x16 == NULL) return _mm512_loadu_ps(x + k);
     __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x16 + k)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
@@ -99,7 +101,7 @@ static void prepare_group(const Act* a, int m, int g) {
         __m512 v = load_x16(x, x16, k);
         sum = _mm512_add_ps(sum, v);
         amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-        bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps()));  /* NaN once any x is not finite */
+        bad = _mm512_add_ps(bad, _mm512_mul_ps(v, _mm512_setzero_ps())); /* NaN once any x is not finite */
     }
     a->xsum[mg] = _mm512_reduce_add_ps(sum);
     float mx = _mm512_reduce_max_ps(amax);
@@ -111,10 +113,11 @@ static void prepare_group(const Act* a, int m, int g) {
     int8_t* lo = hi + a->K;
     __m512i qsum = _mm512_setzero_si512();
     for (int k = 0; k < a->gs; k += 16) {
-        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_x16(x, x16, k), inv));  /* nearest */
-        __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(q, 24), 24);                  /* q = 256 h + l */
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_x16(x, x16, k), inv)); /* nearest */
+        __m512i l = _mm512_srai_epi32(_mm512_slli_epi32(q, 24), 24);             /* q = 256 h + l */
         _mm_storeu_si128((__m128i*)(lo + k), _mm512_cvtepi32_epi8(l));
-        _mm_storeu_si128((__m128i*)(hi + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(q, l), 8)));
+        _mm_storeu_si128((__m128i*)(hi + k),
+                         _mm512_cvtepi32_epi8(_mm512_srai_epi32(_mm512_sub_epi32(q, l), 8)));
         qsum = _mm512_add_epi32(qsum, q);
     }
     a->xqsum[mg] = _mm512_reduce_add_epi32(qsum);
@@ -136,12 +139,12 @@ static void prepare_group(const Act* a, int m, int g) {
     for (int k = 0; k < a->gs; k += 2) {
         int32_t q[2];
         for (int j = 0; j < 2; j++) {
-            q[j] = (int32_t)lrintf((x16 ? bf16_value(x16[k + j]) : x[k + j]) * inv);  /* nearest even */
+            q[j] = (int32_t)lrintf((x16 ? bf16_value(x16[k + j]) : x[k + j]) * inv); /* nearest even */
             qsum += q[j];
         }
-        if (a->panels) {  /* the codes of columns k, k + 1 as int16, one int32 a pair */
+        if (a->panels) { /* the codes of columns k, k + 1 as int16, one int32 a pair */
             hi[k / 2] = (uint32_t)(uint16_t)q[0] | (uint32_t)(uint16_t)q[1] << 16;
-        } else {  /* q = 256 h + l (l a signed byte): high bytes, then low bytes, a pair's two bytes twice */
+        } else { /* q = 256 h + l (l a signed byte): high bytes, then low bytes, a pair's two bytes twice */
             uint32_t h2 = 0, l2 = 0;
             for (int j = 0; j < 2; j++) {
                 const int32_t l = (int32_t)(int8_t)(uint8_t)(q[j] & 0xFF);
@@ -154,7 +157,7 @@ static void prepare_group(const Act* a, int m, int g) {
     }
     a->xqsum[mg] = qsum;
 #else
-    if (x16 != NULL)  /* the float path reads float32 activations: a->x is the scratch copy */
+    if (x16 != NULL) /* the float path reads float32 activations: a->x is the scratch copy */
         for (int k = 0; k < a->gs; k += 8) {
             __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x16 + k)));
             _mm256_storeu_ps((float*)x + k, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
@@ -169,20 +172,22 @@ static void prepare_group(const Act* a, int m, int g) {
 
 #if INT_DOT == 1
 /* ---------------------------------------------------------------- integer path (AVX-512 VNNI) */
-#define V_LANES 16
+#define V_LANES           16
 #define SPLIT64_IN_HALVES 0 /* all 64 rows of a split block in one pass */
 
 /* vpermb / vpermt2b indices gathering four columns of a row into each 32-bit lane, by layout */
-typedef struct { __m512i split64_rows0, split64_rows16, split32, interleaved, nibble; } Idx;
+typedef struct {
+    __m512i split64_rows0, split64_rows16, split32, interleaved, nibble;
+} Idx;
 
 static void make_idx(Idx* idx) {
     uint8_t a[64], b[64], c[64], d[64];
     for (int r = 0; r < 16; r++)
-        for (int j = 0; j < 4; j++) {  /* byte 4r + j of a tile: row r, column k + j */
-            a[4 * r + j] = (uint8_t)(32 * j + r);       /* two zmm: columns k, k+1 | k+2, k+3 */
+        for (int j = 0; j < 4; j++) {             /* byte 4r + j of a tile: row r, column k + j */
+            a[4 * r + j] = (uint8_t)(32 * j + r); /* two zmm: columns k, k+1 | k+2, k+3 */
             b[4 * r + j] = (uint8_t)(32 * j + r + 16);
-            c[4 * r + j] = (uint8_t)(16 * j + r);       /* one zmm: columns k .. k+3 */
-            d[4 * r + j] = (uint8_t)(32 * (r % 2) + 8 * j + r / 2);  /* low | high nibbles */
+            c[4 * r + j] = (uint8_t)(16 * j + r);                   /* one zmm: columns k .. k+3 */
+            d[4 * r + j] = (uint8_t)(32 * (r % 2) + 8 * j + r / 2); /* low | high nibbles */
         }
     idx->split64_rows0 = _mm512_loadu_si512(a);
     idx->split64_rows16 = _mm512_loadu_si512(b);
@@ -245,9 +250,9 @@ static inline void load_scales(const uint16_t* sz, __m512* s, __m512* z) {
 
 /* tot[i][16 t ..] += s d (sum q x - 8 sum x) + z sum x for activation row i and group g, from the
  * two halves of sum q x - 8 sum x (high and low activation bytes; lo starts at -8 sum x). */
-static inline __attribute__((always_inline)) void fold(const Act* a, int i, int g, const int T, const __m512i* hi,
-                                                       const __m512i* lo, const __m512* s, const __m512* z,
-                                                       float (*tot)[64]) {
+static inline __attribute__((always_inline)) void fold(const Act* a, int i, int g, const int T,
+                                                       const __m512i* hi, const __m512i* lo, const __m512* s,
+                                                       const __m512* z, float (*tot)[64]) {
     int64_t mg = (int64_t)i * a->G + g;
     __m512 dx = _mm512_set1_ps(a->d[mg]), xs = _mm512_set1_ps(a->xsum[mg]);
     for (int t = 0; t < T; t++) {
@@ -260,12 +265,12 @@ static inline __attribute__((always_inline)) void fold(const Act* a, int i, int 
 
 /* One group for R (1 or 2) activation rows from row i: codes decoded straight into the dot products.
  * pf, when not NULL: codes further on, fetched into L2 meanwhile (the hardware prefetcher stops at page
- * boundaries; a group's codes are a page or less). Into L2, not L1: on a 2-core Xeon with AMX, batch-1 decode of an
- * int4 Qwen2-0.5B 63 -> 75 tok/s, where the prefetches into L1 waited on its few fill buffers. */
+ * boundaries; a group's codes are a page or less). Into L2, not L1: on a 2-core Xeon with AMX, batch-1 decode
+ * of an int4 Qwen2-0.5B 63 -> 75 tok/s, where the prefetches into L1 waited on its few fill buffers. */
 static inline __attribute__((always_inline)) void group_direct(const uint8_t* w, int stride, const int kind,
-                                                               const Idx* idx, const Act* a, int i, const int R,
-                                                               int g, const uint16_t* szg, float (*tot)[64],
-                                                               const uint8_t* pf) {
+                                                               const Idx* idx, const Act* a, int i,
+                                                               const int R, int g, const uint16_t* szg,
+                                                               float (*tot)[64], const uint8_t* pf) {
     const int T = tiles_of(kind);
     /* One row alternates between two sets of sums (the rows' sums are the two sets with R = 2), so
      * that enough independent sums are in flight to hide the latency of vpdpbusd. */
@@ -278,7 +283,7 @@ static inline __attribute__((always_inline)) void group_direct(const uint8_t* w,
         }
     }
     const int8_t* xh = a->xb + (int64_t)i * 2 * a->K + (int64_t)g * a->gs;
-    for (int k = 0; k < a->gs; k += 8)  /* gs % 8 == 0 */
+    for (int k = 0; k < a->gs; k += 8) /* gs % 8 == 0 */
         for (int u = 0; u < 2; u++) {
             if (pf) {
                 _mm_prefetch((const char*)(pf + (int64_t)(k + 4 * u) * stride), _MM_HINT_T1);
@@ -305,8 +310,9 @@ static inline __attribute__((always_inline)) void group_direct(const uint8_t* w,
     for (int r = 0; r < R; r++) fold(a, i + r, g, T, hi[r], lo[r], sc, ze, tot);
 }
 
-#define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
-                  float (*tot)[64]
+#define PASS_ARGS                                                                                   \
+    const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
+            float (*tot)[64]
 #define PREFETCH_BYTES 8192 /* how far ahead of the codes being read the next ones are fetched */
 /* One pass over a block: all groups, activation rows [0, mc), the kind's tiles into tot[.][0 ..).
  * Rows go in pairs, each pair decoding the group's codes again (from L1). */
@@ -314,24 +320,27 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
     for (int g = 0; g < a->G; g++) {
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
-        const uint8_t* next = wg + PREFETCH_BYTES;  /* past the last group: the next block */
-        for (int j = 0; j < 4; j++)  /* the next block's scales: one stream per group, too many to detect */
+        const uint8_t* next = wg + PREFETCH_BYTES; /* past the last group: the next block */
+        for (int j = 0; j < 4; j++) /* the next block's scales: one stream per group, too many to detect */
             _mm_prefetch((const char*)(szg + 2 * 64 + 32 * j), _MM_HINT_T0);
-        for (int i = 0; i + 1 < mc; i += 2) group_direct(wg, stride, kind, idx, a, i, 2, g, szg, tot, i ? NULL : next);
+        for (int i = 0; i + 1 < mc; i += 2)
+            group_direct(wg, stride, kind, idx, a, i, 2, g, szg, tot, i ? NULL : next);
         if (mc % 2) group_direct(wg, stride, kind, idx, a, mc - 1, 1, g, szg, tot, mc > 1 ? NULL : next);
     }
 }
 #elif INT_DOT == 2
 /* ---------------------------------------------------------------- integer path (AVX2) */
-#define V_LANES 8
+#define V_LANES           8
 #define SPLIT64_IN_HALVES 1 /* 16 registers: a 64-row split block in two passes (low, high nibbles) */
-typedef struct { __m256i nibble, pairs; } Idx;
+typedef struct {
+    __m256i nibble, pairs;
+} Idx;
 
 static void make_idx(Idx* idx) {
     idx->nibble = _mm256_set1_epi8(0x0F);
     /* within each 128-bit lane: bytes 0..7 (column k) and 8..15 (column k+1) interleaved */
-    idx->pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
-                                  0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    idx->pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3,
+                                  11, 4, 12, 5, 13, 6, 14, 7, 15);
 }
 
 /* 16 codes of column k (rows 0..15 in order) of an interleaved block: byte j holds rows 2j, 2j + 1 */
@@ -349,13 +358,14 @@ static inline __attribute__((always_inline)) void decode_pair(const uint8_t* p, 
     if (kind == INTERLEAVED_1) {
         const __m128i c0 = interleaved16(p), c1 = interleaved16(p + stride);
         u[0] = _mm256_set_m128i(_mm_unpackhi_epi8(c0, c1), _mm_unpacklo_epi8(c0, c1));
-    } else if (kind == SPLIT32_ALL) {  /* 16 bytes a column: rows j (low nibble), 16 + j (high); k + 1 next */
+    } else if (kind == SPLIT32_ALL) { /* 16 bytes a column: rows j (low nibble), 16 + j (high); k + 1 next */
         const __m256i v = _mm256_loadu_si256((const __m256i*)p);
         const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
         u[0] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(lo, 0xD8), idx->pairs);
         u[1] = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(hi, 0xD8), idx->pairs);
-    } else {  /* 32 bytes a column: rows j (low nibble), 32 + j (high); one pass takes one nibble */
-        __m256i c0 = _mm256_loadu_si256((const __m256i*)p), c1 = _mm256_loadu_si256((const __m256i*)(p + stride));
+    } else { /* 32 bytes a column: rows j (low nibble), 32 + j (high); one pass takes one nibble */
+        __m256i c0 = _mm256_loadu_si256((const __m256i*)p),
+                c1 = _mm256_loadu_si256((const __m256i*)(p + stride));
         if (kind == SPLIT64_HI) {
             c0 = _mm256_srli_epi16(c0, 4);
             c1 = _mm256_srli_epi16(c1, 4);
@@ -369,7 +379,7 @@ static inline __attribute__((always_inline)) void decode_pair(const uint8_t* p, 
     }
 }
 
-static inline __m256i bcast2(const uint32_t* p) {  /* a pair of activation bytes (twice in *p) 16 times */
+static inline __m256i bcast2(const uint32_t* p) { /* a pair of activation bytes (twice in *p) 16 times */
     return _mm256_castps_si256(_mm256_broadcast_ss((const float*)p));
 }
 
@@ -387,7 +397,7 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
     for (int t = 0; t < T; t++) even[t] = odd[t] = _mm256_setzero_si256();
     const uint32_t* xh = (const uint32_t*)(a->xb + (int64_t)i * a->xb_row * a->K) + (int64_t)g * a->gs / 2;
     const uint32_t* xl = xh + a->K / 2;
-    for (int k0 = 0; k0 < a->gs; k0 += 16) {  /* gs % 16 == 0 */
+    for (int k0 = 0; k0 < a->gs; k0 += 16) { /* gs % 16 == 0 */
         __m256i h16[2], l16[2];
         for (int t = 0; t < T; t++) h16[t] = l16[t] = _mm256_setzero_si256();
         for (int k = k0; k < k0 + 16; k += 2) {
@@ -410,10 +420,13 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
     const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int t = 0; t < T; t++) {
-        const __m256i lo4 = _mm256_unpacklo_epi32(even[t], odd[t]), hi4 = _mm256_unpackhi_epi32(even[t], odd[t]);
-        const __m256i rows[2] = {_mm256_permute2x128_si256(lo4, hi4, 0x20), _mm256_permute2x128_si256(lo4, hi4, 0x31)};
-        for (int h = 0; h < 2; h++) {  /* rows 16 t + 8 h .. + 7 */
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h));  /* (scale, zero) pairs */
+        const __m256i lo4 = _mm256_unpacklo_epi32(even[t], odd[t]),
+                      hi4 = _mm256_unpackhi_epi32(even[t], odd[t]);
+        const __m256i rows[2] = {_mm256_permute2x128_si256(lo4, hi4, 0x20),
+                                 _mm256_permute2x128_si256(lo4, hi4, 0x31)};
+        for (int h = 0; h < 2; h++) { /* rows 16 t + 8 h .. + 7 */
+            const __m256i v =
+                    _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h)); /* (scale, zero) pairs */
             const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
             const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(v, high));
             float* o = &tot[i][16 * t + 8 * h];
@@ -424,13 +437,13 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
     }
 }
 
-/* From PANEL_MIN activation rows on (prefill chunks, batched decode steps) the codes are used as 16-bit integers:
- * a block decodes a group's codes once (a vector of 8 rows' code pairs (k, k + 1) as int16 pairs), and panels of
- * up to PANEL_ROWS activation rows multiply them with a row's 16-bit activation pair (vpmaddwd: exact 32-bit sums,
- * no splitting into bytes, no 16-bit partial sums to widen), every sum of a step in a register (2 rows x 2 tiles x
- * 2 vectors). The integer sums are the same exact integers as group_pairs' and the fold into tot the same float
- * operations, so a row's outputs do not depend on its batch. */
-#define PANEL_ROWS 2
+/* From PANEL_MIN activation rows on (prefill chunks, batched decode steps) the codes are used as 16-bit
+ * integers: a block decodes a group's codes once (a vector of 8 rows' code pairs (k, k + 1) as int16 pairs),
+ * and panels of up to PANEL_ROWS activation rows multiply them with a row's 16-bit activation pair (vpmaddwd:
+ * exact 32-bit sums, no splitting into bytes, no 16-bit partial sums to widen), every sum of a step in a
+ * register (2 rows x 2 tiles x 2 vectors). The integer sums are the same exact integers as group_pairs' and
+ * the fold into tot the same float operations, so a row's outputs do not depend on its batch. */
+#define PANEL_ROWS        2
 
 static inline __attribute__((always_inline)) void decode_group(const uint8_t* w, int stride, const int kind,
                                                                const Idx* idx, int gs, __m256i* ub) {
@@ -438,44 +451,46 @@ static inline __attribute__((always_inline)) void decode_group(const uint8_t* w,
     for (int k = 0; k < gs; k += 2) {
         __m256i u[2];
         decode_pair(w + (int64_t)k * stride, stride, kind, idx, u);
-        for (int t = 0; t < T; t++) {  /* rows 0-7, then 8-15 of tile t */
+        for (int t = 0; t < T; t++) { /* rows 0-7, then 8-15 of tile t */
             ub[(k / 2 * T + t) * 2] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(u[t]));
             ub[(k / 2 * T + t) * 2 + 1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(u[t], 1));
         }
     }
 }
 
-/* tot[i0 + i][16 t ..] += s d (sum q x - 8 sum x) + z sum x for the MB rows from i0, over one group whose codes
- * decode_group left in ub. */
+/* tot[i0 + i][16 t ..] += s d (sum q x - 8 sum x) + z sum x for the MB rows from i0, over one group whose
+ * codes decode_group left in ub. */
 static inline __attribute__((always_inline)) void panel_group(const __m256i* ub, const int kind, const Act* a,
-                                                              int i0, int g, const int MB, const uint16_t* szg,
-                                                              float (*tot)[64]) {
+                                                              int i0, int g, const int MB,
+                                                              const uint16_t* szg, float (*tot)[64]) {
     const int T = kind == INTERLEAVED_1 ? 1 : 2;
-    const float* xp[PANEL_ROWS];  /* a row's activation pairs, read with a float broadcast (see Act) */
-    for (int i = 0; i < MB; i++) xp[i] = (const float*)(a->xb + (int64_t)(i0 + i) * a->xb_row * a->K) + g * a->gs / 2;
+    const float* xp[PANEL_ROWS]; /* a row's activation pairs, read with a float broadcast (see Act) */
+    for (int i = 0; i < MB; i++)
+        xp[i] = (const float*)(a->xb + (int64_t)(i0 + i) * a->xb_row * a->K) + g * a->gs / 2;
     /* s<i><t><h>: row i's sums over rows 8h .. 8h + 7 of tile t (named, each row's pinned after its step:
      * otherwise the compiler computes all products first and spills the sums) */
     __m256i s000, s001, s010, s011, s100, s101, s110, s111;
     s000 = s001 = s010 = s011 = s100 = s101 = s110 = s111 = _mm256_setzero_si256();
     const __m256i* u = ub;
     for (int j = 0; j < a->gs / 2; j++, u += 2 * T) {
-#define PANEL_STEP(i, a0, a1, b0, b1)                                                      \
-        if (MB > i) {                                                                      \
-            const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(xp[i] + j));         \
-            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(u[0], x));                         \
-            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(u[1], x));                         \
-            if (T > 1) {                                                                   \
-                b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(u[2], x));                     \
-                b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(u[3], x));                     \
-            }                                                                              \
-            __asm__("" : "+x"(a0), "+x"(a1), "+x"(b0), "+x"(b1));                          \
-        }
-        PANEL_STEP(0, s000, s001, s010, s011) PANEL_STEP(1, s100, s101, s110, s111)
+#define PANEL_STEP(i, a0, a1, b0, b1)                                          \
+    if (MB > i) {                                                              \
+        const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(xp[i] + j)); \
+        a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(u[0], x));                 \
+        a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(u[1], x));                 \
+        if (T > 1) {                                                           \
+            b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(u[2], x));             \
+            b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(u[3], x));             \
+        }                                                                      \
+        __asm__("" : "+x"(a0), "+x"(a1), "+x"(b0), "+x"(b1));                  \
+    }
+        PANEL_STEP(0, s000, s001, s010, s011)
+        PANEL_STEP(1, s100, s101, s110, s111)
 #undef PANEL_STEP
     }
     const __m256i sums[PANEL_ROWS][2][2] = {{{s000, s001}, {s010, s011}}, {{s100, s101}, {s110, s111}}};
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int i = 0; i < MB; i++) {  /* as group_pairs folds its sums */
+    for (int i = 0; i < MB; i++) { /* as group_pairs folds its sums */
         const int64_t mg = (int64_t)(i0 + i) * a->G + g;
         const __m256 dx = _mm256_set1_ps(a->d[mg]), xs = _mm256_set1_ps(a->xsum[mg]);
         const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
@@ -492,12 +507,14 @@ static inline __attribute__((always_inline)) void panel_group(const __m256i* ub,
     }
 }
 
-#define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
-                  float (*tot)[64]
+#define PASS_ARGS                                                                                   \
+    const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
+            float (*tot)[64]
 /* One pass over a block: all groups, activation rows [0, mc); for calls of fewer than PANEL_MIN rows each row
- * decodes the group's codes again (from L1 after the first), from there on they are decoded once (panel_group). */
+ * decodes the group's codes again (from L1 after the first), from there on they are decoded once
+ * (panel_group). */
 static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
-    __m256i ub[512] __attribute__((aligned(32)));  /* a group's decoded codes: gs / 2 pairs x 2 tiles x 2 */
+    __m256i ub[512] __attribute__((aligned(32))); /* a group's decoded codes: gs / 2 pairs x 2 tiles x 2 */
     for (int g = 0; g < a->G; g++) {
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
@@ -507,11 +524,15 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
         }
         decode_group(wg, stride, kind, idx, a->gs, ub);
         const int panels = (mc + PANEL_ROWS - 1) / PANEL_ROWS;
-        for (int p = 0, i0 = 0; p < panels; p++) {  /* panels of equal size, give or take a row */
+        for (int p = 0, i0 = 0; p < panels; p++) { /* panels of equal size, give or take a row */
             const int mb = mc / panels + (p < mc % panels);
-            switch (mb) {  /* constant row counts keep the sums in registers */
-                case 1: panel_group(ub, kind, a, i0, g, 1, szg, tot); break;
-                default: panel_group(ub, kind, a, i0, g, 2, szg, tot); break;
+            switch (mb) { /* constant row counts keep the sums in registers */
+                case 1:
+                    panel_group(ub, kind, a, i0, g, 1, szg, tot);
+                    break;
+                default:
+                    panel_group(ub, kind, a, i0, g, 2, szg, tot);
+                    break;
             }
             i0 += mb;
         }
@@ -520,15 +541,25 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
 #else
 /* ---------------------------------------------------------------- float path (AVX-512F without VNNI/VBMI) */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-#define V_LANES 16
+#define V_LANES           16
 #define SPLIT64_IN_HALVES 0
-#define MB_ROWS 4 /* activation rows whose sums stay in registers */
+#define MB_ROWS           4 /* activation rows whose sums stay in registers */
 typedef __m512 V16;
-static inline V16 v_zero(void) { return _mm512_setzero_ps(); }
-static inline V16 v_codes(__m128i c) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)); }  /* 16 codes */
-static inline V16 v_fma_x(V16 w, const float* x, V16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
-static inline V16 v_load(const float* p) { return _mm512_loadu_ps(p); }
-static inline void v_store(float* p, V16 v) { _mm512_storeu_ps(p, v); }
+static inline V16 v_zero(void) {
+    return _mm512_setzero_ps();
+}
+static inline V16 v_codes(__m128i c) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c));
+} /* 16 codes */
+static inline V16 v_fma_x(V16 w, const float* x, V16 acc) {
+    return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc);
+}
+static inline V16 v_load(const float* p) {
+    return _mm512_loadu_ps(p);
+}
+static inline void v_store(float* p, V16 v) {
+    _mm512_storeu_ps(p, v);
+}
 /* 16 (scale, zero) bf16 pairs -> scale and zero - 8 * scale as floats */
 static inline void v_scales(const uint16_t* sz, V16* s, V16* zp) {
     __m512i v = _mm512_loadu_si512((const void*)sz);
@@ -536,15 +567,20 @@ static inline void v_scales(const uint16_t* sz, V16* s, V16* zp) {
     V16 z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000u)));
     *zp = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), *s, z);
 }
-static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) {  /* tot + s acc + zp xs */
+static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) { /* tot + s acc + zp xs */
     return _mm512_fmadd_ps(s, acc, _mm512_fmadd_ps(zp, _mm512_set1_ps(xs), tot));
 }
 #else
-#define V_LANES 8
+#define V_LANES           8
 #define SPLIT64_IN_HALVES 1 /* 16 registers: a 64-row split block in two passes (low, high nibbles) */
-#define MB_ROWS 2
-typedef struct { __m256 a, b; } V16;
-static inline V16 v_zero(void) { V16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return r; }
+#define MB_ROWS           2
+typedef struct {
+    __m256 a, b;
+} V16;
+static inline V16 v_zero(void) {
+    V16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    return r;
+}
 static inline V16 v_codes(__m128i c) {
     V16 r = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)),
              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(c, c)))};
@@ -555,8 +591,14 @@ static inline V16 v_fma_x(V16 w, const float* x, V16 acc) {
     V16 r = {_mm256_fmadd_ps(w.a, b, acc.a), _mm256_fmadd_ps(w.b, b, acc.b)};
     return r;
 }
-static inline V16 v_load(const float* p) { V16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return r; }
-static inline void v_store(float* p, V16 v) { _mm256_storeu_ps(p, v.a); _mm256_storeu_ps(p + 8, v.b); }
+static inline V16 v_load(const float* p) {
+    V16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
+    return r;
+}
+static inline void v_store(float* p, V16 v) {
+    _mm256_storeu_ps(p, v.a);
+    _mm256_storeu_ps(p + 8, v.b);
+}
 static inline void v_scales(const uint16_t* sz, V16* s, V16* zp) {
     const __m256i hi = _mm256_set1_epi32((int)0xFFFF0000u);
     const __m256 eight = _mm256_set1_ps(8.f);
@@ -574,19 +616,21 @@ static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) {
 }
 #endif
 typedef int Idx; /* unused here */
-static void make_idx(Idx* idx) { *idx = 0; }
+static void make_idx(Idx* idx) {
+    *idx = 0;
+}
 
 /* The codes of column k for the pass's tiles: byte r of c[t] is row 16 t + r. */
 static inline __attribute__((always_inline)) void decode1(const uint8_t* p, const int kind, __m128i* c) {
-    if (kind == INTERLEAVED_1) {  /* 8 bytes: rows 2j (low nibble), 2j + 1 (high) */
+    if (kind == INTERLEAVED_1) { /* 8 bytes: rows 2j (low nibble), 2j + 1 (high) */
         __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)p));
         c[0] = _mm_or_si128(_mm_and_si128(b, _mm_set1_epi16(0x000F)),
                             _mm_and_si128(_mm_slli_epi16(b, 4), _mm_set1_epi16(0x0F00)));
-    } else if (kind == SPLIT32_ALL) {  /* 16 bytes: rows j (low nibble), 16 + j (high) */
+    } else if (kind == SPLIT32_ALL) { /* 16 bytes: rows j (low nibble), 16 + j (high) */
         __m128i v = _mm_loadu_si128((const __m128i*)p), m = _mm_set1_epi8(0x0F);
         c[0] = _mm_and_si128(v, m);
         c[1] = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-    } else {  /* 32 bytes: rows j (low nibble), 32 + j (high) */
+    } else { /* 32 bytes: rows j (low nibble), 32 + j (high) */
         __m256i v = _mm256_loadu_si256((const __m256i*)p), m = _mm256_set1_epi8(0x0F);
         int t = 0;
         if (kind != SPLIT64_HI) {
@@ -618,7 +662,7 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, i
             for (int i = 0; i < MB; i++) acc[i][t] = v_fma_x(f, x + (int64_t)i * a->K + k, acc[i][t]);
         }
     }
-    V16 s[4], zp[4];  /* loaded here, not held in registers through the loop above */
+    V16 s[4], zp[4]; /* loaded here, not held in registers through the loop above */
     for (int t = 0; t < T; t++) v_scales(szg + 32 * t, &s[t], &zp[t]);
     for (int i = 0; i < MB; i++) {
         float xs = a->xsum[(int64_t)(i0 + i) * a->G + g];
@@ -629,19 +673,29 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, i
     }
 }
 
-#define PASS_ARGS const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
-                  float (*tot)[64]
+#define PASS_ARGS                                                                                   \
+    const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
+            float (*tot)[64]
 static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
     (void)idx;
     for (int g = 0; g < a->G; g++) {
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
         for (int i0 = 0; i0 < mc; i0 += MB_ROWS) {
-            switch (mc - i0 < MB_ROWS ? mc - i0 : MB_ROWS) {  /* constant row counts keep the sums in registers */
-                case 1: group_rows(wg, stride, kind, a, i0, g, 1, szg, tot); break;
-                case 2: if (MB_ROWS >= 2) group_rows(wg, stride, kind, a, i0, g, 2, szg, tot); break;
-                case 3: if (MB_ROWS >= 3) group_rows(wg, stride, kind, a, i0, g, 3, szg, tot); break;
-                default: if (MB_ROWS >= 4) group_rows(wg, stride, kind, a, i0, g, 4, szg, tot); break;
+            switch (mc - i0 < MB_ROWS ? mc - i0
+                                      : MB_ROWS) { /* constant row counts keep the sums in registers */
+                case 1:
+                    group_rows(wg, stride, kind, a, i0, g, 1, szg, tot);
+                    break;
+                case 2:
+                    if (MB_ROWS >= 2) group_rows(wg, stride, kind, a, i0, g, 2, szg, tot);
+                    break;
+                case 3:
+                    if (MB_ROWS >= 3) group_rows(wg, stride, kind, a, i0, g, 3, szg, tot);
+                    break;
+                default:
+                    if (MB_ROWS >= 4) group_rows(wg, stride, kind, a, i0, g, 4, szg, tot);
+                    break;
             }
         }
     }
@@ -649,11 +703,21 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
 #endif
 
 /* ---------------------------------------------------------------- shared driver */
-static void pass_split64_all(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_ALL); }
-static void pass_split64_lo(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_LO); }
-static void pass_split64_hi(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_HI); }
-static void pass_split32(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT32_ALL); }
-static void pass_interleaved(PASS_ARGS) { block_pass(w, stride, idx, sz, np, a, mc, tot, INTERLEAVED_1); }
+static void pass_split64_all(PASS_ARGS) {
+    block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_ALL);
+}
+static void pass_split64_lo(PASS_ARGS) {
+    block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_LO);
+}
+static void pass_split64_hi(PASS_ARGS) {
+    block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT64_HI);
+}
+static void pass_split32(PASS_ARGS) {
+    block_pass(w, stride, idx, sz, np, a, mc, tot, SPLIT32_ALL);
+}
+static void pass_interleaved(PASS_ARGS) {
+    block_pass(w, stride, idx, sz, np, a, mc, tot, INTERLEAVED_1);
+}
 
 /* One block of `rows` rows for activation rows [0, mc) of a: outputs into tot[.][0 .. rows). */
 static void run_block(const uint8_t* wb, int rows, int split, const Idx* idx, const uint16_t* sz, int np,
@@ -664,7 +728,7 @@ static void run_block(const uint8_t* wb, int rows, int split, const Idx* idx, co
     if (split && rows == 64) {
         if (!SPLIT64_IN_HALVES) {
             pass_split64_all(wb, stride, idx, sz, np, a, mc, tot);
-        } else {  /* rows 0..31 from the low nibbles, then 32..63 from the high ones */
+        } else { /* rows 0..31 from the low nibbles, then 32..63 from the high ones */
             pass_split64_lo(wb, stride, idx, sz, np, a, mc, tot);
             for (int i = 0; i < mc; i++) memset(part[i], 0, sizeof part[i]);
             pass_split64_hi(wb, stride, idx, sz + 64, np, a, mc, part);
@@ -672,7 +736,7 @@ static void run_block(const uint8_t* wb, int rows, int split, const Idx* idx, co
         }
     } else if (split && rows == 32) {
         pass_split32(wb, stride, idx, sz, np, a, mc, tot);
-    } else {  /* interleaved: one 16-row tile (8 bytes per column) at a time */
+    } else { /* interleaved: one 16-row tile (8 bytes per column) at a time */
         for (int t = 0; t < rows / 16; t++) {
             for (int i = 0; i < mc; i++) memset(part[i], 0, sizeof part[i]);
             pass_interleaved(wb + 8 * t, stride, idx, sz + 32 * t, np, a, mc, part);
@@ -689,7 +753,8 @@ static void store_bf16(uint16_t* out, const float* in, int n) {
         __m256i r[2];
         for (int h = 0; h < 2; h++) {
             __m256i u = _mm256_loadu_si256((const __m256i*)(in + j + 8 * h));
-            __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+            __m256i up = _mm256_add_epi32(
+                    u, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
             __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, abs), inf);
             __m256i quiet = _mm256_or_si256(u, _mm256_set1_epi32(0x400000));
             r[h] = _mm256_srli_epi32(_mm256_blendv_epi8(up, quiet, nan), 16);
@@ -700,10 +765,14 @@ static void store_bf16(uint16_t* out, const float* in, int n) {
 }
 
 /* The vector width this build uses: 512 or 256 bits. */
-int sidecar_int4_vector_bits(void) { return V_LANES * 32; }
+int sidecar_int4_vector_bits(void) {
+    return V_LANES * 32;
+}
 /* 1 (AVX-512 VNNI) or 2 (AVX2) when this build rounds activations to 16 bits (the integer paths), 0 when it
  * keeps them float32. */
-int sidecar_int4_integer_dot(void) { return INT_DOT; }
+int sidecar_int4_integer_dot(void) {
+    return INT_DOT;
+}
 
 /* x [M, K], float32, or bf16 when x_bf16; y [M, np], float32, or bf16 when y_bf16; w packed codes
  * for np rows (np % 16 == 0) and K columns (K % gs == 0, gs % 16 == 0, gs <= 256); sz bf16
@@ -716,9 +785,9 @@ int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, voi
     if (M == 0) return 0;
     const int G = K / gs;
     const int panels = INT_DOT == 2 && M >= PANEL_MIN;
-    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, G, gs, panels,
-             INT_DOT == 2 && !panels ? 4 : 2};
-    const size_t xcopy = !INT_DOT && x_bf16 ? (size_t)M * K * 4 : 0;  /* float copy for the float path */
+    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, G, gs,
+             panels,          INT_DOT == 2 && !panels ? 4 : 2};
+    const size_t xcopy = !INT_DOT && x_bf16 ? (size_t)M * K * 4 : 0; /* float copy for the float path */
     char* scratch = malloc(xcopy + (size_t)M * G * 12 + (INT_DOT ? (size_t)M * a.xb_row * K : 0) + 64);
     if (scratch == NULL) return -2;
     if (xcopy) a.x = (const float*)scratch;
@@ -731,34 +800,34 @@ int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, voi
     const int nfull = np / block_n, tail = np % block_n;
     const int nblocks = nfull + (tail ? 1 : 0), nchunks = (M + ROWS_CHUNK - 1) / ROWS_CHUNK;
     const int block_major = (int64_t)M * K * (INT_DOT ? 2 : 4) <= (256 << 10);
-    const int prepare_alone = (int64_t)M * K <= 16384;  /* a few microseconds: not worth a barrier */
+    const int prepare_alone = (int64_t)M * K <= 16384; /* a few microseconds: not worth a barrier */
     if (prepare_alone)
         for (int mg = 0; mg < M * G; mg++) prepare_group(&a, mg / G, mg % G);
     if (nthreads > nblocks * nchunks) nthreads = nblocks * nchunks;
-    #pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads)
     {
         if (!prepare_alone) {
-            #pragma omp for schedule(static)
+#pragma omp for schedule(static)
             for (int mg = 0; mg < M * G; mg++) prepare_group(&a, mg / G, mg % G);
         }
-        /* Work items: a block of rows for a chunk of activation rows, a thread's items consecutive.
-         * While all activations fit in L2, a block's chunks go one after the other (its codes stay
-         * in cache); beyond that, a chunk's blocks (its activations stay in cache). */
-        #pragma omp for schedule(static)
+/* Work items: a block of rows for a chunk of activation rows, a thread's items consecutive.
+ * While all activations fit in L2, a block's chunks go one after the other (its codes stay
+ * in cache); beyond that, a chunk's blocks (its activations stay in cache). */
+#pragma omp for schedule(static)
         for (int item = 0; item < nblocks * nchunks; item++) {
             const int b = block_major ? item / nchunks : item % nblocks;
             const int m0 = (block_major ? item % nchunks : item / nblocks) * ROWS_CHUNK;
             const int n0 = b * block_n, rows = b < nfull ? block_n : tail;
             const int mc = M - m0 < ROWS_CHUNK ? M - m0 : ROWS_CHUNK;
             float tot[ROWS_CHUNK][64];
-            Act am = a;  /* the activation rows from m0 */
+            Act am = a; /* the activation rows from m0 */
             am.x = a.x + (int64_t)m0 * K;
             am.xb = a.xb + (int64_t)m0 * a.xb_row * K;
             am.d = a.d + (int64_t)m0 * G;
             am.xqsum = a.xqsum + (int64_t)m0 * G;
             am.xsum = a.xsum + (int64_t)m0 * G;
-            run_block(w + (int64_t)n0 * (K / 2), rows, b < nfull ? split : 0, &idx, sz + 2 * (int64_t)n0, np, &am, mc,
-                      tot);
+            run_block(w + (int64_t)n0 * (K / 2), rows, b < nfull ? split : 0, &idx, sz + 2 * (int64_t)n0, np,
+                      &am, mc, tot);
             for (int i = 0; i < mc; i++) {
                 const int64_t at = (int64_t)(m0 + i) * np + n0;
                 if (y_bf16)

@@ -17,6 +17,7 @@ torch's packed layout depends on the CPU capability torch runs with (blocks of 6
 AVX-512, 32 with AVX2, nibble pairs otherwise; see the C source). ``pack`` writes each of these
 layouts; the kernel is only used once ``pack`` has been found to match torch's own packing here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,11 +49,14 @@ TILE_MIN_ROWS = 8
 _tiles: dict[str, str] = {}  # "reason": why the tile path is off ('' when on), once checked
 
 
-_KERNEL = cpu_build.Kernel("int4_gemv", {
-    "sidecar_int4_matmul": ([P] * 4 + [I] * 9, I),
-    "sidecar_int4_vector_bits": ([], I),
-    "sidecar_int4_integer_dot": ([], I),
-})
+_KERNEL = cpu_build.Kernel(
+    "int4_gemv",
+    {
+        "sidecar_int4_matmul": ([P] * 4 + [I] * 9, I),
+        "sidecar_int4_vector_bits": ([], I),
+        "sidecar_int4_integer_dot": ([], I),
+    },
+)
 
 
 def pack(codes: torch.Tensor, block_n: int, split: bool) -> torch.Tensor:
@@ -64,7 +68,7 @@ def pack(codes: torch.Tensor, block_n: int, split: bool) -> torch.Tensor:
     if full:
         b = c[:full].reshape(-1, block_n, k).transpose(1, 2)  # [blocks, K, block_n]
         if split:
-            lo, hi = b[..., :block_n // 2], b[..., block_n // 2:]
+            lo, hi = b[..., : block_n // 2], b[..., block_n // 2 :]
         else:
             lo, hi = b[..., 0::2], b[..., 1::2]
         parts.append((lo | (hi << 4)).reshape(-1))
@@ -78,12 +82,18 @@ def torch_layout() -> Optional[tuple[int, bool]]:
     """(block_n, split) of ``_convert_weight_to_int4pack_for_cpu`` in this process, None if unknown."""
     if not _layout:
         n, k = 112, 64  # a tail block in every layout
-        codes = ((torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :] * 3 + torch.arange(n)[:, None] // 5) % 16)
+        codes = (
+            torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :] * 3 + torch.arange(n)[:, None] // 5
+        ) % 16
         try:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         except (RuntimeError, AttributeError):
             packed = None
-        found = [lay for lay in LAYOUTS if packed is not None and torch.equal(pack(codes, *lay), packed.reshape(n, -1))]
+        found = [
+            lay
+            for lay in LAYOUTS
+            if packed is not None and torch.equal(pack(codes, *lay), packed.reshape(n, -1))
+        ]
         _layout.append(found[0] if found else None)
     return _layout[0]
 
@@ -97,8 +107,13 @@ def tiles_available() -> bool:
     both kernels built, torch's layout known, and a self-check against ``reference`` passed (once; a failure is
     logged and leaves every batch on this kernel)."""
     if "reason" not in _tiles:
-        why = ("the int4 kernel is not available" if not available()
-               else "" if amx_gemm.path() == "AMX" and amx_gemm.available() else "no AMX tile path here")
+        why = (
+            "the int4 kernel is not available"
+            if not available()
+            else ""
+            if amx_gemm.path() == "AMX" and amx_gemm.available()
+            else "no AMX tile path here"
+        )
         _tiles["reason"] = why or _tile_self_check()
         if why == "" and _tiles["reason"]:
             log.warning("int4 tile path off, every batch on the int4 kernel: %s", _tiles["reason"])
@@ -107,26 +122,51 @@ def tiles_available() -> bool:
 
 def tiles_take(group_size: int, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether layers of this group size and width take the tile path with activations of this dtype."""
-    return (dtype is torch.bfloat16 and group_size % 32 == 0 and group_size <= 256 and k % group_size == 0
-            and tiles_available())
+    return (
+        dtype is torch.bfloat16
+        and group_size % 32 == 0
+        and group_size <= 256
+        and k % group_size == 0
+        and tiles_available()
+    )
 
 
-def tile_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
-                layout: tuple[int, bool], out_dtype: torch.dtype = torch.float32,
-                threads: Optional[int] = None) -> torch.Tensor:
+def tile_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_size: int,
+    scales_and_zeros: torch.Tensor,
+    layout: tuple[int, bool],
+    out_dtype: torch.dtype = torch.float32,
+    threads: Optional[int] = None,
+) -> torch.Tensor:
     """``int4_matmul`` through the AMX tile path (see ``tiles_take``): bf16 ``x`` [M, K], contiguous CPU operands;
     ``threads`` (default torch's) split the groups of 32 output rows between them."""
     m, k = x.shape
     y = torch.empty(m, weight.shape[0], dtype=out_dtype)
     rc = amx_gemm._lib().sidecar_amx_int4_matmul(
-        x.data_ptr(), weight.data_ptr(), scales_and_zeros.data_ptr(), None, y.data_ptr(), m, weight.shape[0], k,
-        group_size, layout[0], int(layout[1]), threads or torch.get_num_threads(), 0,
-        int(out_dtype is torch.bfloat16))
+        x.data_ptr(),
+        weight.data_ptr(),
+        scales_and_zeros.data_ptr(),
+        None,
+        y.data_ptr(),
+        m,
+        weight.shape[0],
+        k,
+        group_size,
+        layout[0],
+        int(layout[1]),
+        threads or torch.get_num_threads(),
+        0,
+        int(out_dtype is torch.bfloat16),
+    )
     if rc == 2:
         raise MemoryError(f"int4 tile matmul: no memory for the working buffers of {m} activation rows")
     if rc:
-        raise ValueError(f"int4 tile matmul refused x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"group_size {group_size}, layout {layout}")
+        raise ValueError(
+            f"int4 tile matmul refused x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+            f"group_size {group_size}, layout {layout}"
+        )
     return y
 
 
@@ -147,7 +187,9 @@ def _tile_self_check() -> str:
                 y = tile_matmul(x, w, gs, sz, layout, threads=1 if m == 9 else None)
                 if not float((y.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max()):
                     return f"{m} x {n} x {k}, groups of {gs}, layout {layout}: off from the float64 product"
-                if not torch.equal(tile_matmul(x[m // 2:m // 2 + 1], w, gs, sz, layout), y[m // 2:m // 2 + 1]):
+                if not torch.equal(
+                    tile_matmul(x[m // 2 : m // 2 + 1], w, gs, sz, layout), y[m // 2 : m // 2 + 1]
+                ):
                     return f"{m} x {n} x {k}: a row alone differs from the same row in its batch"
     except (RuntimeError, ValueError) as e:
         return f"self-check failed: {e}"
@@ -167,8 +209,14 @@ def integer_dot() -> bool:
     return lib is not None and bool(lib.sidecar_int4_integer_dot())
 
 
-def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor,
-                layout: Optional[tuple[int, bool]] = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    group_size: int,
+    scales_and_zeros: torch.Tensor,
+    layout: Optional[tuple[int, bool]] = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Requires ``available()``. All on the CPU; ``x`` [M, K] (any M, float32 or bf16 read as they are, other
     dtypes converted), ``weight`` packed uint8 [N, K / 2] (N % 16 == 0) in ``layout`` (default: torch's),
     ``scales_and_zeros`` bf16 [K / group_size, N, 2], group_size a multiple of 16 up to 256. Returns
@@ -178,19 +226,40 @@ def int4_matmul(x: torch.Tensor, weight: torch.Tensor, group_size: int, scales_a
     assert lib is not None and layout is not None, "int4_gemv kernel is not available"
     m, k = x.shape
     n = weight.shape[0]
-    if (weight.shape != (n, k // 2) or weight.dtype != torch.uint8 or n % 16 or k % 2
-            or group_size not in range(16, 257, 16) or k % group_size
-            or scales_and_zeros.shape != (k // group_size, n, 2) or scales_and_zeros.dtype != torch.bfloat16
-            or out_dtype not in (torch.float32, torch.bfloat16)):
-        raise ValueError(f"int4_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
-                         f"group_size {group_size}, scales_and_zeros {tuple(scales_and_zeros.shape)} "
-                         f"{scales_and_zeros.dtype}, out_dtype {out_dtype} do not fit")
+    if (
+        weight.shape != (n, k // 2)
+        or weight.dtype != torch.uint8
+        or n % 16
+        or k % 2
+        or group_size not in range(16, 257, 16)
+        or k % group_size
+        or scales_and_zeros.shape != (k // group_size, n, 2)
+        or scales_and_zeros.dtype != torch.bfloat16
+        or out_dtype not in (torch.float32, torch.bfloat16)
+    ):
+        raise ValueError(
+            f"int4_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
+            f"group_size {group_size}, scales_and_zeros {tuple(scales_and_zeros.shape)} "
+            f"{scales_and_zeros.dtype}, out_dtype {out_dtype} do not fit"
+        )
     x = (x if x.dtype in (torch.float32, torch.bfloat16) else x.float()).contiguous()
     weight, sz = weight.contiguous(), scales_and_zeros.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
-    rc = lib.sidecar_int4_matmul(x.data_ptr(), weight.data_ptr(), sz.data_ptr(), y.data_ptr(), m, n, k, group_size,
-                                 layout[0], int(layout[1]), int(x.dtype == torch.bfloat16),
-                                 int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    rc = lib.sidecar_int4_matmul(
+        x.data_ptr(),
+        weight.data_ptr(),
+        sz.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        group_size,
+        layout[0],
+        int(layout[1]),
+        int(x.dtype == torch.bfloat16),
+        int(out_dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
     if rc == -2:
         raise MemoryError("int4_matmul: no memory for the activation scratch")
     assert rc == 0, "int4_gemv refused arguments checked above"
@@ -237,21 +306,52 @@ class Layer(cpu_build.LayerView):
         y = torch.empty(m, self.n, dtype=out_dtype)
         fn, gs, block_n, split = self.fn
         if self.tiles is not None and m >= TILE_MIN_ROWS and x.dtype is torch.bfloat16:
-            rc = self.tiles(x.data_ptr(), self.weight.data_ptr(), self.sz.data_ptr(), None, y.data_ptr(), m, self.n,
-                            k, gs, block_n, split, torch.get_num_threads(), 0, out_dtype is torch.bfloat16)
+            rc = self.tiles(
+                x.data_ptr(),
+                self.weight.data_ptr(),
+                self.sz.data_ptr(),
+                None,
+                y.data_ptr(),
+                m,
+                self.n,
+                k,
+                gs,
+                block_n,
+                split,
+                torch.get_num_threads(),
+                0,
+                out_dtype is torch.bfloat16,
+            )
             if rc == 2:
-                raise MemoryError(f"int4 tile matmul: no memory for the working buffers of {m} activation rows")
+                raise MemoryError(
+                    f"int4 tile matmul: no memory for the working buffers of {m} activation rows"
+                )
             assert rc == 0, "the int4 tile path refused arguments checked at construction"
             return y
-        rc = fn(x.data_ptr(), self.weight.data_ptr(), self.sz.data_ptr(), y.data_ptr(), m, self.n, k, gs, block_n,
-                split, x.dtype is torch.bfloat16, out_dtype is torch.bfloat16, torch.get_num_threads())
+        rc = fn(
+            x.data_ptr(),
+            self.weight.data_ptr(),
+            self.sz.data_ptr(),
+            y.data_ptr(),
+            m,
+            self.n,
+            k,
+            gs,
+            block_n,
+            split,
+            x.dtype is torch.bfloat16,
+            out_dtype is torch.bfloat16,
+            torch.get_num_threads(),
+        )
         if rc == -2:
             raise MemoryError("int4_matmul: no memory for the activation scratch")
         assert rc == 0, "int4_gemv refused arguments checked at construction"
         return y
 
 
-def reference(x: torch.Tensor, codes: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+def reference(
+    x: torch.Tensor, codes: torch.Tensor, group_size: int, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
     """x [M, K], plain codes [N, K] (0..15), scales_and_zeros [G, N, 2] -> float32 [M, N] via float64."""
     sz = scales_and_zeros.double()
     s = sz[..., 0].T.repeat_interleave(group_size, dim=1)

@@ -29,11 +29,11 @@
 /* products summed per int32 lane per 32 columns: one vpdpwssd of 16 lanes x 2 */
 #define LANE_PRODUCTS 2
 #elif defined(__AVX2__)
-#define NT 2
+#define NT            2
 /* two vpmaddwd of 8 lanes x 2, added */
 #define LANE_PRODUCTS 4
 #else
-#define NT 1
+#define NT            1
 /* scalar sums are int64: never overflow */
 #define LANE_PRODUCTS 0
 #endif
@@ -57,7 +57,8 @@ static inline float x_at(const void* x, int64_t i, int x_bf16) {
 }
 
 /* x: float32, or bf16 when x_bf16 (then each row is widened into row [K] first) */
-static void quantize_rows(const void* x, int x_bf16, float* row, int16_t* xq, float* xs, int M, int K, float qmax) {
+static void quantize_rows(const void* x, int x_bf16, float* row, int16_t* xq, float* xs, int M, int K,
+                          float qmax) {
     for (int m = 0; m < M; m++) {
         const float* xr = (const float*)x + (int64_t)m * K;
         if (x_bf16) {
@@ -84,10 +85,12 @@ static void quantize_rows(const void* x, int x_bf16, float* row, int16_t* xq, fl
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 typedef __m512i lanes_t;
 #define LANES_ZERO() _mm512_setzero_si512()
-static inline __attribute__((always_inline)) void chunk_dot(const int16_t* x, const int8_t* w, int64_t K, int k,
-                                                            const int MB, const int NB, lanes_t acc[MT][NT]) {
+static inline
+        __attribute__((always_inline)) void chunk_dot(const int16_t* x, const int8_t* w, int64_t K, int k,
+                                                      const int MB, const int NB, lanes_t acc[MT][NT]) {
     __m512i wv[NT];
-    for (int j = 0; j < NB; j++) wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + j * K + k)));
+    for (int j = 0; j < NB; j++)
+        wv[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + j * K + k)));
     for (int i = 0; i < MB; i++) {
         __m512i xv = _mm512_loadu_si512((const void*)(x + i * K + k));
         for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpwssd_epi32(acc[i][j], wv[j], xv);
@@ -102,12 +105,15 @@ static inline __m512 lanes_fma(__m512i p, float d, __m512 acc) {
 }
 typedef __m512 flanes_t;
 #define FLANES_ZERO() _mm512_setzero_ps()
-static inline float flanes_sum(__m512 a) { return _mm512_reduce_add_ps(a); }
+static inline float flanes_sum(__m512 a) {
+    return _mm512_reduce_add_ps(a);
+}
 #elif defined(__AVX2__)
 typedef __m256i lanes_t;
-#define LANES_ZERO() _mm256_setzero_si256()
-static inline __attribute__((always_inline)) void chunk_dot(const int16_t* x, const int8_t* w, int64_t K, int k,
-                                                            const int MB, const int NB, lanes_t acc[MT][NT]) {
+#define LANES_ZERO()  _mm256_setzero_si256()
+static inline
+        __attribute__((always_inline)) void chunk_dot(const int16_t* x, const int8_t* w, int64_t K, int k,
+                                                      const int MB, const int NB, lanes_t acc[MT][NT]) {
     __m256i w0[NT], w1[NT];
     for (int j = 0; j < NB; j++) {
         w0[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + j * K + k)));
@@ -117,8 +123,8 @@ static inline __attribute__((always_inline)) void chunk_dot(const int16_t* x, co
         __m256i x0 = _mm256_loadu_si256((const __m256i*)(x + i * K + k));
         __m256i x1 = _mm256_loadu_si256((const __m256i*)(x + i * K + k + 16));
         for (int j = 0; j < NB; j++)
-            acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_add_epi32(_mm256_madd_epi16(w0[j], x0),
-                                                                     _mm256_madd_epi16(w1[j], x1)));
+            acc[i][j] = _mm256_add_epi32(
+                    acc[i][j], _mm256_add_epi32(_mm256_madd_epi16(w0[j], x0), _mm256_madd_epi16(w1[j], x1)));
     }
 }
 static inline int64_t lanes_sum(__m256i a) {
@@ -140,23 +146,29 @@ static inline float flanes_sum(__m256 a) {
 }
 #else
 typedef int64_t lanes_t;
-#define LANES_ZERO() 0
+#define LANES_ZERO()  0
 static inline void chunk_dot(const int16_t* x, const int8_t* w, int64_t K, int k, const int MB, const int NB,
                              lanes_t acc[MT][NT]) {
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++)
             for (int c = 0; c < 32; c++) acc[i][j] += (int64_t)x[i * K + k + c] * (int64_t)w[j * K + k + c];
 }
-static inline int64_t lanes_sum(int64_t a) { return a; }
-static inline float lanes_fma(int64_t p, float d, float acc) { return acc + (float)p * d; }
+static inline int64_t lanes_sum(int64_t a) {
+    return a;
+}
+static inline float lanes_fma(int64_t p, float d, float acc) {
+    return acc + (float)p * d;
+}
 typedef float flanes_t;
 #define FLANES_ZERO() 0.f
-static inline float flanes_sum(float a) { return a; }
+static inline float flanes_sum(float a) {
+    return a;
+}
 #endif
 
 /* out[i * NB + j] = sum_k x[i, k] * w[j, k], exact. */
-static inline __attribute__((always_inline)) void dot_tile(const int16_t* x, const int8_t* w, int K, const int MB,
-                                                           const int NB, int64_t* out) {
+static inline __attribute__((always_inline)) void dot_tile(const int16_t* x, const int8_t* w, int K,
+                                                           const int MB, const int NB, int64_t* out) {
     lanes_t acc[MT][NT];
     int k = 0;
     for (int i = 0; i < MB; i++) {
@@ -166,9 +178,10 @@ static inline __attribute__((always_inline)) void dot_tile(const int16_t* x, con
         }
     }
     /* The tiles of a thread are consecutive rows, one contiguous stretch of memory: prefetch the
-     * tile after next at the pace this one is consumed (128 bytes per chunk covers NT rows), into L2: on a 2-core
-     * Xeon with AMX, batch-1 decode of an int8 Qwen2-0.5B 39.5 -> 46.5 tok/s against the same read-ahead into L1
-     * (whose few fill buffers the prefetches held: most of the kernel's samples sat on the prefetch), 35 with none. */
+     * tile after next at the pace this one is consumed (128 bytes per chunk covers NT rows), into L2: on a
+     * 2-core Xeon with AMX, batch-1 decode of an int8 Qwen2-0.5B 39.5 -> 46.5 tok/s against the same
+     * read-ahead into L1 (whose few fill buffers the prefetches held: most of the kernel's samples sat on the
+     * prefetch), 35 with none. */
     const char* ahead = (const char*)(w + (int64_t)2 * NB * K);
     for (; k + 32 <= K; k += 32) {
         _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
@@ -185,13 +198,14 @@ static inline __attribute__((always_inline)) void dot_tile(const int16_t* x, con
 }
 
 /* out[i * NB + j] = sum_g d[j, g] * sum_{k in g} x[i, k] * w[j, k]; K a multiple of 32. */
-static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x, const int8_t* w, const float* d,
-                                                               int K, const int MB, const int NB, float* out) {
+static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x, const int8_t* w,
+                                                               const float* d, int K, const int MB,
+                                                               const int NB, float* out) {
     flanes_t acc[MT][NT];
     const int G = K / 32;
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++) acc[i][j] = FLANES_ZERO();
-    const char* ahead = (const char*)(w + (int64_t)2 * NB * K);  /* as in dot_tile */
+    const char* ahead = (const char*)(w + (int64_t)2 * NB * K); /* as in dot_tile */
     for (int k = 0; k < K; k += 32) {
         _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
         _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T1);
@@ -209,35 +223,51 @@ static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x,
 }
 
 /* Every (MB, NB) pair the drivers use, each with constant sizes. */
-#define TILE_CASES(CALL)                                                   \
-    switch (mb * 8 + nb) {                                                 \
-        case 1 * 8 + NT: CALL(1, NT); break;                               \
-        case 2 * 8 + NT: CALL(2, NT); break;                               \
-        case 3 * 8 + NT: CALL(3, NT); break;                               \
-        case 4 * 8 + NT: CALL(4, NT); break;                               \
-        NB1_CASES(CALL)                                                    \
-        default: CALL(4, 1); break;                                        \
+#define TILE_CASES(CALL)    \
+    switch (mb * 8 + nb) {  \
+        case 1 * 8 + NT:    \
+            CALL(1, NT);    \
+            break;          \
+        case 2 * 8 + NT:    \
+            CALL(2, NT);    \
+            break;          \
+        case 3 * 8 + NT:    \
+            CALL(3, NT);    \
+            break;          \
+        case 4 * 8 + NT:    \
+            CALL(4, NT);    \
+            break;          \
+            NB1_CASES(CALL) \
+        default:            \
+            CALL(4, 1);     \
+            break;          \
     }
 #if NT > 1
-#define NB1_CASES(CALL)                                                    \
-        case 1 * 8 + 1: CALL(1, 1); break;                                 \
-        case 2 * 8 + 1: CALL(2, 1); break;                                 \
-        case 3 * 8 + 1: CALL(3, 1); break;
+#define NB1_CASES(CALL) \
+    case 1 * 8 + 1:     \
+        CALL(1, 1);     \
+        break;          \
+    case 2 * 8 + 1:     \
+        CALL(2, 1);     \
+        break;          \
+    case 3 * 8 + 1:     \
+        CALL(3, 1);     \
+        break;
 #else
 #define NB1_CASES(CALL)
 #endif
 
-static inline uint16_t to_bf16(float f) {  /* round to nearest even; a NaN stays a NaN */
+static inline uint16_t to_bf16(float f) { /* round to nearest even; a NaN stays a NaN */
     uint32_t u;
     memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-#define X_BF16 1     /* flags: x is bf16 (else float32) */
-#define Y_BF16 2     /* y is bf16, the float32 result rounded once (else float32) */
-#define BIAS_BF16 4  /* bias is bf16 (else float32) */
-#define GROUPED 8    /* s is the grouped form's d [N, K / 32] (else one scale per row [N]) */
+#define X_BF16    1 /* flags: x is bf16 (else float32) */
+#define Y_BF16    2 /* y is bf16, the float32 result rounded once (else float32) */
+#define BIAS_BF16 4 /* bias is bf16 (else float32) */
+#define GROUPED   8 /* s is the grouped form's d [N, K / 32] (else one scale per row [N]) */
 
 /* Both forms: s is the per-row scale [N], or with GROUPED the per-group scales d [N, K / 32]; bias [N] or
  * NULL, added before the rounding of a bf16 y. xq: scratch int16 [M, K]; xs: scratch float [M]; row: scratch
@@ -248,7 +278,7 @@ static void matmul(const void* x, const int8_t* w, const float* s, const void* b
     /* a group's lanes start from zero, so the grouped form never nears int32's range */
     quantize_rows(x, flags & X_BF16, row, xq, xs, M, K, grouped ? 32767.f : activation_qmax(K));
     const int G = K / 32, tiles = (N + NT - 1) / NT;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
+#pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int t = 0; t < tiles; t++) {
         const int n0 = t * NT;
         const int nb = N - n0 >= NT ? NT : 1;
@@ -274,8 +304,10 @@ static void matmul(const void* x, const int8_t* w, const float* s, const void* b
                         if (bias)
                             v += flags & BIAS_BF16 ? x_at(bias, n1 + j, 1) : ((const float*)bias)[n1 + j];
                         const int64_t at = (int64_t)(m0 + i) * N + n1 + j;
-                        if (flags & Y_BF16) ((uint16_t*)y)[at] = to_bf16(v);
-                        else ((float*)y)[at] = v;
+                        if (flags & Y_BF16)
+                            ((uint16_t*)y)[at] = to_bf16(v);
+                        else
+                            ((float*)y)[at] = v;
                     }
             }
         }
@@ -283,15 +315,15 @@ static void matmul(const void* x, const int8_t* w, const float* s, const void* b
 }
 
 /* y = (x @ w.T) * scale, float32. Returns 0. */
-int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, float* y, int16_t* xq,
-                        float* xs, int M, int N, int K, int nthreads) {
+int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, float* y, int16_t* xq, float* xs,
+                        int M, int N, int K, int nthreads) {
     matmul(x, w, scale, NULL, y, xq, xs, NULL, M, N, K, nthreads, 0);
     return 0;
 }
 
 /* The grouped (Q8_0) form. K must be a multiple of 32. Returns 0, or 1 when it is not. */
-int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, float* y, int16_t* xq,
-                           float* xs, int M, int N, int K, int nthreads) {
+int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, float* y, int16_t* xq, float* xs,
+                           int M, int N, int K, int nthreads) {
     if (K % 32) return 1;
     matmul(x, w, d, NULL, y, xq, xs, NULL, M, N, K, nthreads, GROUPED);
     return 0;
@@ -300,11 +332,11 @@ int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, floa
 /* A whole linear layer in one call: y = (x @ w.T) * scale + bias with x and y float32 or bf16 and the
  * scratch allocated here (flags: X_BF16, Y_BF16, BIAS_BF16, GROUPED above). Returns 0, 1 when K does not
  * fit the grouped form, 2 when out of memory. */
-int sidecar_int8_linear(const void* x, const int8_t* w, const float* s, const void* bias, void* y, int M, int N,
-                        int K, int nthreads, int flags) {
+int sidecar_int8_linear(const void* x, const int8_t* w, const float* s, const void* bias, void* y, int M,
+                        int N, int K, int nthreads, int flags) {
     if ((flags & GROUPED) && K % 32) return 1;
     int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * (size_t)M * K);
-    float* xs = (float*)malloc(sizeof(float) * ((size_t)M + K));  /* [M] scales, then a widened row [K] */
+    float* xs = (float*)malloc(sizeof(float) * ((size_t)M + K)); /* [M] scales, then a widened row [K] */
     if (!xq || !xs) {
         free(xq);
         free(xs);

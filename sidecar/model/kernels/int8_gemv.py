@@ -11,6 +11,7 @@ scratch tensors around the product cost ~1 ms a token over Qwen2-0.5B's 97 layer
 The kernel rounds each activation row to int16 with its own scale (15 bits, where the
 bf16 activations of torch's packed kernel keep 8); the products and sums are exact.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -38,16 +39,24 @@ TILE_MIN_ROWS = 24
 def takes(rows: int, dtype: Optional[torch.dtype] = None) -> bool:
     """Whether a layer of per-row scales (``Layer``) runs a batch of ``rows`` (activations of ``dtype``) itself:
     decode-sized batches, any batch where the wide path is built, and bf16 batches where the tile-layout one is."""
-    return (rows <= MAX_ROWS or bf16_gemv.int8_wide_available()
-            or dtype is torch.bfloat16 and amx_gemm.available())
+    return (
+        rows <= MAX_ROWS
+        or bf16_gemv.int8_wide_available()
+        or dtype is torch.bfloat16
+        and amx_gemm.available()
+    )
 
 
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
-_KERNEL = cpu_build.Kernel("int8_gemv", {**{fn: ([P] * 6 + [I] * 4, I)
-                                           for fn in ("sidecar_int8_matmul", "sidecar_int8g32_matmul")},
-                                        "sidecar_int8_linear": ([P] * 5 + [I] * 5, I)})
+_KERNEL = cpu_build.Kernel(
+    "int8_gemv",
+    {
+        **{fn: ([P] * 6 + [I] * 4, I) for fn in ("sidecar_int8_matmul", "sidecar_int8g32_matmul")},
+        "sidecar_int8_linear": ([P] * 5 + [I] * 5, I),
+    },
+)
 _X_BF16, _Y_BF16, _BIAS_BF16, _GROUPED = 1, 2, 4, 8  # the flags of sidecar_int8_linear
 
 
@@ -64,8 +73,18 @@ def _run(fn: str, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -
     y = torch.empty(m, weight.shape[0], dtype=torch.float32)
     xq = torch.empty(m, k, dtype=torch.int16)  # scratch: the activations as int16
     xs = torch.empty(m, dtype=torch.float32)  # scratch: their scales
-    getattr(lib, fn)(x.data_ptr(), weight.data_ptr(), scales.data_ptr(), y.data_ptr(), xq.data_ptr(),
-                     xs.data_ptr(), m, weight.shape[0], k, torch.get_num_threads())
+    getattr(lib, fn)(
+        x.data_ptr(),
+        weight.data_ptr(),
+        scales.data_ptr(),
+        y.data_ptr(),
+        xq.data_ptr(),
+        xs.data_ptr(),
+        m,
+        weight.shape[0],
+        k,
+        torch.get_num_threads(),
+    )
     return y
 
 
@@ -73,13 +92,21 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
     """Requires ``available()``. All tensors on the CPU; ``x`` float32 [M, K] (any M; used up to MAX_ROWS)."""
     n, k = weight.shape[0], x.shape[1]
     if weight.shape[1] != k or weight.dtype != torch.int8 or scales.shape != (n,):
-        raise ValueError(f"int8_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
-                         f"scales {tuple(scales.shape)} do not fit")
+        raise ValueError(
+            f"int8_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
+            f"scales {tuple(scales.shape)} do not fit"
+        )
     return _run("sidecar_int8_matmul", x, weight, scales)
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                out_dtype: torch.dtype = torch.float32, grouped: bool = False) -> torch.Tensor:
+def int8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.float32,
+    grouped: bool = False,
+) -> torch.Tensor:
     """A whole layer in one call, as a decode step runs it: ``int8_matmul`` (or with ``grouped``
     ``int8_g32_matmul``, ``scales`` then being ``d``) plus ``bias``, with ``x`` float32 or bf16 read as it is
     and the result in ``out_dtype`` (float32, or bf16: the float32 sum plus bias rounded once), with no
@@ -88,21 +115,43 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bia
     assert lib is not None, "int8_gemv kernel is not available"
     m, k = x.shape
     n = weight.shape[0]
-    if (weight.shape[1] != k or weight.dtype != torch.int8 or x.dtype not in _FLOATS or out_dtype not in _FLOATS
-            or scales.dtype != torch.float32 or scales.shape != ((n, k // 32) if grouped else (n,))
-            or (grouped and k % 32) or (bias is not None and (bias.shape != (n,) or bias.dtype not in _FLOATS))):
-        raise ValueError(f"int8_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
-                         f"scales {tuple(scales.shape)} {scales.dtype}"
-                         f"{'' if bias is None else f', bias {tuple(bias.shape)} {bias.dtype}'}, out {out_dtype}"
-                         f"{' (grouped)' if grouped else ''} do not fit")
+    if (
+        weight.shape[1] != k
+        or weight.dtype != torch.int8
+        or x.dtype not in _FLOATS
+        or out_dtype not in _FLOATS
+        or scales.dtype != torch.float32
+        or scales.shape != ((n, k // 32) if grouped else (n,))
+        or (grouped and k % 32)
+        or (bias is not None and (bias.shape != (n,) or bias.dtype not in _FLOATS))
+    ):
+        raise ValueError(
+            f"int8_linear: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}, "
+            f"scales {tuple(scales.shape)} {scales.dtype}"
+            f"{'' if bias is None else f', bias {tuple(bias.shape)} {bias.dtype}'}, out {out_dtype}"
+            f"{' (grouped)' if grouped else ''} do not fit"
+        )
     x, weight, scales = x.contiguous(), weight.contiguous(), scales.contiguous()  # held for the call
     b = None if bias is None else bias.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
-    flags = ((_X_BF16 if x.dtype == torch.bfloat16 else 0) | (_Y_BF16 if out_dtype == torch.bfloat16 else 0)
-             | (_BIAS_BF16 if b is not None and b.dtype == torch.bfloat16 else 0) | (_GROUPED if grouped else 0))
-    rc = lib.sidecar_int8_linear(x.data_ptr(), weight.data_ptr(), scales.data_ptr(),
-                                 None if b is None else b.data_ptr(), y.data_ptr(), m, n, k,
-                                 torch.get_num_threads(), flags)
+    flags = (
+        (_X_BF16 if x.dtype == torch.bfloat16 else 0)
+        | (_Y_BF16 if out_dtype == torch.bfloat16 else 0)
+        | (_BIAS_BF16 if b is not None and b.dtype == torch.bfloat16 else 0)
+        | (_GROUPED if grouped else 0)
+    )
+    rc = lib.sidecar_int8_linear(
+        x.data_ptr(),
+        weight.data_ptr(),
+        scales.data_ptr(),
+        None if b is None else b.data_ptr(),
+        y.data_ptr(),
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+        flags,
+    )
     if rc == 2:
         raise MemoryError("int8_linear: out of memory for the activation scratch")
     return y
@@ -116,20 +165,31 @@ class Layer(cpu_build.LayerView):
 
     __slots__ = ("weight", "scales", "bias", "grouped", "n", "k", "fn", "flags", "wide", "amx", "from_rows")
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor],
-                 grouped: bool = False) -> None:
+    def __init__(
+        self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor], grouped: bool = False
+    ) -> None:
         lib = _KERNEL.lib()
         if lib is None:
             raise RuntimeError("int8_gemv kernel is not available")
         n, k = weight.shape
         int8_linear(torch.zeros(1, k), weight, scales, bias, grouped=grouped)  # the checks, once
-        if not all(t.is_contiguous() and t.device.type == "cpu" for t in (weight, scales) + (() if bias is None
-                                                                                           else (bias,))):
+        if not all(
+            t.is_contiguous() and t.device.type == "cpu"
+            for t in (weight, scales) + (() if bias is None else (bias,))
+        ):
             raise ValueError("int8 layer: contiguous CPU operands")
-        self.weight, self.scales, self.bias, self.grouped, self.n, self.k = weight, scales, bias, grouped, n, k
+        self.weight, self.scales, self.bias, self.grouped, self.n, self.k = (
+            weight,
+            scales,
+            bias,
+            grouped,
+            n,
+            k,
+        )
         self.fn = lib.sidecar_int8_linear
-        self.flags = ((_BIAS_BF16 if bias is not None and bias.dtype == torch.bfloat16 else 0)
-                      | (_GROUPED if grouped else 0))
+        self.flags = (_BIAS_BF16 if bias is not None and bias.dtype == torch.bfloat16 else 0) | (
+            _GROUPED if grouped else 0
+        )
         # batches past MAX_ROWS: the AVX2 prefill path over the codes, for per-row scales
         self.wide = not grouped and k % 32 == 0 and bf16_gemv.int8_wide_available()
         # ... and with AMX or AVX-512 BF16, bf16 batches past MAX_ROWS through the tile-layout kernel over the codes
@@ -142,8 +202,11 @@ class Layer(cpu_build.LayerView):
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """``int8_linear`` for float32 or bf16 ``x`` [M, K] on the CPU; ``out_dtype`` float32 or bf16."""
-        if (x.dtype is not torch.bfloat16 and x.dtype is not torch.float32) or x.shape[1] != self.k \
-                or x.device.type != "cpu":
+        if (
+            (x.dtype is not torch.bfloat16 and x.dtype is not torch.float32)
+            or x.shape[1] != self.k
+            or x.device.type != "cpu"
+        ):
             raise ValueError(f"int8 layer: x {tuple(x.shape)} {x.dtype} for {self.k} float32 or bf16 inputs")
         if not x.is_contiguous():
             x = x.contiguous()
@@ -156,10 +219,23 @@ class Layer(cpu_build.LayerView):
             return bf16_gemv.int8_matmul_wide(x, self.weight, self.scales, self.bias, out_dtype)
         y = torch.empty(m, self.n, dtype=out_dtype)
         b = self.bias
-        flags = (self.flags | (_X_BF16 if x.dtype is torch.bfloat16 else 0)
-                 | (_Y_BF16 if out_dtype is torch.bfloat16 else 0))
-        rc = self.fn(x.data_ptr(), self.weight.data_ptr(), self.scales.data_ptr(), None if b is None else b.data_ptr(),
-                     y.data_ptr(), m, self.n, self.k, torch.get_num_threads(), flags)
+        flags = (
+            self.flags
+            | (_X_BF16 if x.dtype is torch.bfloat16 else 0)
+            | (_Y_BF16 if out_dtype is torch.bfloat16 else 0)
+        )
+        rc = self.fn(
+            x.data_ptr(),
+            self.weight.data_ptr(),
+            self.scales.data_ptr(),
+            None if b is None else b.data_ptr(),
+            y.data_ptr(),
+            m,
+            self.n,
+            self.k,
+            torch.get_num_threads(),
+            flags,
+        )
         if rc == 2:
             raise MemoryError("int8_linear: out of memory for the activation scratch")
         return y
@@ -173,8 +249,10 @@ def int8_g32_matmul(x: torch.Tensor, weight: torch.Tensor, d: torch.Tensor) -> t
     """Requires ``available()``. ``x`` float32 [M, K], ``weight`` int8 [N, K], ``d`` float32 [N, K/32]."""
     n, k = weight.shape[0], x.shape[1]
     if k % 32 or weight.shape[1] != k or weight.dtype != torch.int8 or d.shape != (n, k // 32):
-        raise ValueError(f"int8_g32_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
-                         f"d {tuple(d.shape)} do not fit")
+        raise ValueError(
+            f"int8_g32_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
+            f"d {tuple(d.shape)} do not fit"
+        )
     return _run("sidecar_int8g32_matmul", x, weight, d)
 
 

@@ -6,16 +6,16 @@
 #include <stdint.h>
 
 #define GOLDEN 0x9E3779B97F4A7C15ull
-#define M1 0xBF58476D1CE4E5B9ull
-#define M2 0x94D049BB133111EBull
+#define M1     0xBF58476D1CE4E5B9ull
+#define M2     0x94D049BB133111EBull
 
-#define SPAN 4096  /* values a thread takes at a time: a one-row draw is split between the threads too */
+#define SPAN 4096 /* values a thread takes at a time: a one-row draw is split between the threads too */
 
 /* out[b * n + i] for b < rows, i < n. */
 int sidecar_keyed_uniform(const int64_t* keys, int64_t rows, int64_t n, float* out, int nthreads) {
     if (rows < 0 || n < 0) return 1;
     const int64_t spans = (n + SPAN - 1) / SPAN;
-    #pragma omp parallel for num_threads(nthreads < 1 ? 1 : nthreads) schedule(static) if (rows * n >= (1 << 15))
+#pragma omp parallel for num_threads(nthreads < 1 ? 1 : nthreads) schedule(static) if (rows * n >= (1 << 15))
     for (int64_t s = 0; s < rows * spans; s++) {
         const int64_t b = s / spans, i0 = s % spans * SPAN, i1 = i0 + SPAN < n ? i0 + SPAN : n;
         const uint64_t k = (uint64_t)keys[b];

@@ -4,6 +4,7 @@
 [rows, n] block; this kernel computes the same bits in one. Where it cannot be built, or the keys are
 not on the CPU, the caller keeps the torch form.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -14,7 +15,9 @@ import torch
 from sidecar.model.kernels import cpu_build
 from sidecar.model.kernels.cpu_build import I, P
 
-_KERNEL = cpu_build.Kernel("keyed_uniform", {"sidecar_keyed_uniform": ([P, ctypes.c_int64, ctypes.c_int64, P, I], I)})
+_KERNEL = cpu_build.Kernel(
+    "keyed_uniform", {"sidecar_keyed_uniform": ([P, ctypes.c_int64, ctypes.c_int64, P, I], I)}
+)
 
 available = _KERNEL.available
 

@@ -17,13 +17,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#define MT 4  /* rows per tile */
-#define CB 64 /* output columns accumulated in registers at a time */
+#define MT   4  /* rows per tile */
+#define CB   64 /* output columns accumulated in registers at a time */
 #define RMAX 1024
 
 /* y[i * ldr + r] = sum_k x[i, k] * as[k, r] for r in [r0, r0 + W) */
-static inline __attribute__((always_inline)) void shrink(const float* const* xs, int K, const float* as, int ldr,
-                                                         int r0, const int MB, const int W, float* y) {
+static inline __attribute__((always_inline)) void shrink(const float* const* xs, int K, const float* as,
+                                                         int ldr, int r0, const int MB, const int W,
+                                                         float* y) {
     float acc[MT][32];
     for (int i = 0; i < MB; i++)
         for (int c = 0; c < W; c++) acc[i][c] = 0.f;
@@ -39,8 +40,9 @@ static inline __attribute__((always_inline)) void shrink(const float* const* xs,
 }
 
 /* out_i[c0 + c] += sum_r y[i * ldr + r] * b[r, c0 + c] for c < W (W = CB, or fewer at a part's end) */
-static inline __attribute__((always_inline)) void expand(const float* y, int ldr, const float* b, int R, int N,
-                                                         int c0, const int MB, const int W, float* const* outs) {
+static inline __attribute__((always_inline)) void expand(const float* y, int ldr, const float* b, int R,
+                                                         int N, int c0, const int MB, const int W,
+                                                         float* const* outs) {
     float acc[MT][CB];
     for (int i = 0; i < MB; i++)
         for (int c = 0; c < W; c++) acc[i][c] = 0.f;
@@ -61,14 +63,30 @@ static void tile(const float* const* xs, float* const* outs, const int MB, const
     for (int r0 = 0; r0 < ldr; r0 += 32) {
         const int wide = ldr - r0 >= 32;
         switch (MB * 2 + wide) {
-            case 2: shrink(xs, K, as, ldr, r0, 1, 16, y); break;
-            case 3: shrink(xs, K, as, ldr, r0, 1, 32, y); break;
-            case 4: shrink(xs, K, as, ldr, r0, 2, 16, y); break;
-            case 5: shrink(xs, K, as, ldr, r0, 2, 32, y); break;
-            case 6: shrink(xs, K, as, ldr, r0, 3, 16, y); break;
-            case 7: shrink(xs, K, as, ldr, r0, 3, 32, y); break;
-            case 8: shrink(xs, K, as, ldr, r0, 4, 16, y); break;
-            default: shrink(xs, K, as, ldr, r0, 4, 32, y); break;
+            case 2:
+                shrink(xs, K, as, ldr, r0, 1, 16, y);
+                break;
+            case 3:
+                shrink(xs, K, as, ldr, r0, 1, 32, y);
+                break;
+            case 4:
+                shrink(xs, K, as, ldr, r0, 2, 16, y);
+                break;
+            case 5:
+                shrink(xs, K, as, ldr, r0, 2, 32, y);
+                break;
+            case 6:
+                shrink(xs, K, as, ldr, r0, 3, 16, y);
+                break;
+            case 7:
+                shrink(xs, K, as, ldr, r0, 3, 32, y);
+                break;
+            case 8:
+                shrink(xs, K, as, ldr, r0, 4, 16, y);
+                break;
+            default:
+                shrink(xs, K, as, ldr, r0, 4, 32, y);
+                break;
         }
     }
     for (int j = 0; j < n; j++) {
@@ -77,10 +95,18 @@ static void tile(const float* const* xs, float* const* outs, const int MB, const
             const int w = offs[j + 1] - c0;
             if (w >= CB) {
                 switch (MB) {
-                    case 1: expand(y + j * R, ldr, b, R, N, c0, 1, CB, outs); break;
-                    case 2: expand(y + j * R, ldr, b, R, N, c0, 2, CB, outs); break;
-                    case 3: expand(y + j * R, ldr, b, R, N, c0, 3, CB, outs); break;
-                    default: expand(y + j * R, ldr, b, R, N, c0, 4, CB, outs); break;
+                    case 1:
+                        expand(y + j * R, ldr, b, R, N, c0, 1, CB, outs);
+                        break;
+                    case 2:
+                        expand(y + j * R, ldr, b, R, N, c0, 2, CB, outs);
+                        break;
+                    case 3:
+                        expand(y + j * R, ldr, b, R, N, c0, 3, CB, outs);
+                        break;
+                    default:
+                        expand(y + j * R, ldr, b, R, N, c0, 4, CB, outs);
+                        break;
                 }
             } else {
                 expand(y + j * R, ldr, b, R, N, c0, MB, w, outs);
@@ -89,7 +115,8 @@ static void tile(const float* const* xs, float* const* outs, const int MB, const
     }
 }
 
-/* Returns 0, or 1 when the shapes are outside what the kernel handles (ldr not a multiple of 16 or too wide). */
+/* Returns 0, or 1 when the shapes are outside what the kernel handles (ldr not a multiple of 16 or too wide).
+ */
 int sidecar_lora_apply(const float* x, const float* at, const float* bt, const int64_t* rows,
                        const int64_t* slots, const int32_t* offs, float* out, int nrows, int n, int R, int K,
                        int N, int ldr, int nthreads) {
@@ -100,7 +127,7 @@ int sidecar_lora_apply(const float* x, const float* at, const float* bt, const i
     for (int i = 0; i < nrows; i++)
         if (i == 0 || slots[i] != slots[i - 1] || i - starts[ntiles - 1] == MT) starts[ntiles++] = i;
     starts[ntiles] = nrows;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (ntiles > 1)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (ntiles > 1)
     for (int t = 0; t < ntiles; t++) {
         const int i0 = starts[t], mb = starts[t + 1] - starts[t];
         const float* xs[MT];

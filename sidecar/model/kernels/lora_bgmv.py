@@ -7,6 +7,7 @@ in float32. ``at`` is [S, K, at_width(n, rank)] (A transposed, parts side by sid
 model's) are left untouched, and each row costs its own adapter's products only: no masks, no columns of
 other slots or parts.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,32 +25,72 @@ def at_width(n: int, rank: int) -> int:
     return -(-n * rank // 16) * 16
 
 
-def lora_apply(x: torch.Tensor, at: torch.Tensor, bt: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-               offs: torch.Tensor, out: torch.Tensor, n: int, rank: int) -> None:
+def lora_apply(
+    x: torch.Tensor,
+    at: torch.Tensor,
+    bt: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    n: int,
+    rank: int,
+) -> None:
     """Requires ``available()``; float32 contiguous CPU tensors, ``rows``/``slots`` int64, ``offs`` int32."""
     lib = _KERNEL.lib()
     t, k = x.shape
-    if not (x.dtype == out.dtype == at.dtype == bt.dtype == torch.float32 and x.is_contiguous()
-            and out.is_contiguous() and out.shape[0] == t and at.shape[1:] == (k, at_width(n, rank))
-            and bt.shape[1] == out.shape[1] and rows.dtype == slots.dtype == torch.int64
-            and offs.dtype == torch.int32 and offs.numel() == n + 1):
-        raise ValueError(f"lora_apply: x {tuple(x.shape)} {x.dtype}, at {tuple(at.shape)}, bt {tuple(bt.shape)}, "
-                         f"out {tuple(out.shape)} {out.dtype} do not fit")
-    rc = lib.sidecar_lora_apply(x.data_ptr(), at.data_ptr(), bt.data_ptr(), rows.data_ptr(), slots.data_ptr(),
-                                offs.data_ptr(), out.data_ptr(), rows.numel(), n, rank, k, out.shape[1], at.shape[2],
-                                torch.get_num_threads())
+    if not (
+        x.dtype == out.dtype == at.dtype == bt.dtype == torch.float32
+        and x.is_contiguous()
+        and out.is_contiguous()
+        and out.shape[0] == t
+        and at.shape[1:] == (k, at_width(n, rank))
+        and bt.shape[1] == out.shape[1]
+        and rows.dtype == slots.dtype == torch.int64
+        and offs.dtype == torch.int32
+        and offs.numel() == n + 1
+    ):
+        raise ValueError(
+            f"lora_apply: x {tuple(x.shape)} {x.dtype}, at {tuple(at.shape)}, bt {tuple(bt.shape)}, "
+            f"out {tuple(out.shape)} {out.dtype} do not fit"
+        )
+    rc = lib.sidecar_lora_apply(
+        x.data_ptr(),
+        at.data_ptr(),
+        bt.data_ptr(),
+        rows.data_ptr(),
+        slots.data_ptr(),
+        offs.data_ptr(),
+        out.data_ptr(),
+        rows.numel(),
+        n,
+        rank,
+        k,
+        out.shape[1],
+        at.shape[2],
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise ValueError(f"lora_apply: rank rows {n} x {rank} are more than the kernel takes")
 
 
-def reference(x: torch.Tensor, at: torch.Tensor, bt: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor,
-              offs: torch.Tensor, out: torch.Tensor, n: int, rank: int) -> None:
+def reference(
+    x: torch.Tensor,
+    at: torch.Tensor,
+    bt: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    n: int,
+    rank: int,
+) -> None:
     """The same update in float64 torch ops, rounded once into ``out``."""
     for t, s in zip(rows.tolist(), slots.tolist()):
         y = x[t].double() @ at[s].double()  # [at_width], the padding zero
         delta = torch.zeros(out.shape[1], dtype=torch.float64)
         for j in range(n):
             lo, hi = int(offs[j]), int(offs[j + 1])
-            b = bt[(s * n + j) * rank:(s * n + j + 1) * rank, lo:hi].double()
-            delta[lo:hi] = y[j * rank:(j + 1) * rank] @ b
+            b = bt[(s * n + j) * rank : (s * n + j + 1) * rank, lo:hi].double()
+            delta[lo:hi] = y[j * rank : (j + 1) * rank] @ b
         out[t] = (out[t].double() + delta).to(out.dtype)

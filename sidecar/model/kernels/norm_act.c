@@ -15,13 +15,14 @@
 
 #include "vec.h"
 
-/* Rows x dim from which the norm's rows are split between the threads: a 32-row decode step of a 896-wide model
- * (28,672 values) took ~13 us a norm on one core of a 2-core Xeon, with the other core waiting on it. */
+/* Rows x dim from which the norm's rows are split between the threads: a 32-row decode step of a 896-wide
+ * model (28,672 values) took ~13 us a norm on one core of a 2-core Xeon, with the other core waiting on it.
+ */
 #define PARALLEL_FROM 16384
 
 void sidecar_silu_mul(const void* gu, void* out, int rows, int inter, int dtype, int nthreads) {
     const size_t n = (size_t)rows * inter;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 32768)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 32768)
     for (int t = 0; t < rows; t++) {
         const size_t g0 = (size_t)t * 2 * inter, u0 = g0 + inter, o0 = (size_t)t * inter;
         int i = 0;
@@ -41,7 +42,7 @@ void sidecar_silu_mul(const void* gu, void* out, int rows, int inter, int dtype,
 void sidecar_add_rms_norm(const void* h, const void* delta, const void* w, void* hout, void* out, int rows,
                           int dim, float eps, int dtype, int nthreads) {
     const void* s = delta ? hout : h;
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if ((size_t)rows * dim >= PARALLEL_FROM)
+#pragma omp parallel for num_threads(nthreads) schedule(static) if ((size_t)rows * dim >= PARALLEL_FROM)
     for (int t = 0; t < rows; t++) {
         const size_t r0 = (size_t)t * dim;
         float ss = 0.0f;
@@ -75,7 +76,9 @@ void sidecar_add_rms_norm(const void* h, const void* delta, const void* w, void*
             v_dt_store(out, r0 + i, v_mul(v_dt_load(w, i, dtype), y), dtype);
         }
 #endif
-        for (; i < dim; i++) dt_store(out, r0 + i, dt_load(w, i, dtype) * dt_round(dt_load(s, r0 + i, dtype) * inv, dtype), dtype);
+        for (; i < dim; i++)
+            dt_store(out, r0 + i, dt_load(w, i, dtype) * dt_round(dt_load(s, r0 + i, dtype) * inv, dtype),
+                     dtype);
     }
 }
 
@@ -84,7 +87,8 @@ void sidecar_add_bias(void* y, const void* b, int rows, int n, int dtype) {
         const size_t r0 = (size_t)t * n;
         int i = 0;
 #ifdef VL
-        for (; i + VL <= n; i += VL) v_dt_store(y, r0 + i, v_add(v_dt_load(y, r0 + i, dtype), v_dt_load(b, i, dtype)), dtype);
+        for (; i + VL <= n; i += VL)
+            v_dt_store(y, r0 + i, v_add(v_dt_load(y, r0 + i, dtype), v_dt_load(b, i, dtype)), dtype);
 #endif
         for (; i < n; i++) dt_store(y, r0 + i, dt_load(y, r0 + i, dtype) + dt_load(b, i, dtype), dtype);
     }

@@ -11,6 +11,7 @@ references (``*_reference``) are what runs on other devices, other dtypes, witho
 the strided halves of the projection and the norm as upcast, square, mean, scale, downcast, weight and
 the add, each allocating its result.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -25,11 +26,14 @@ from sidecar.model.kernels.cpu_build import I, P
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-_KERNEL = cpu_build.Kernel("norm_act", {
-    "sidecar_silu_mul": ([P, P, I, I, I, I], None),
-    "sidecar_add_rms_norm": ([P] * 5 + [I, I, ctypes.c_float, I, I], None),
-    "sidecar_add_bias": ([P, P, I, I, I], None),
-})
+_KERNEL = cpu_build.Kernel(
+    "norm_act",
+    {
+        "sidecar_silu_mul": ([P, P, I, I, I, I], None),
+        "sidecar_add_rms_norm": ([P] * 5 + [I, I, ctypes.c_float, I, I], None),
+        "sidecar_add_bias": ([P, P, I, I, I], None),
+    },
+)
 
 
 available = _KERNEL.available
@@ -37,8 +41,12 @@ available = _KERNEL.available
 
 def _takes(*tensors: torch.Tensor) -> bool:
     t0 = tensors[0]
-    return (t0.device.type == "cpu" and t0.dtype in _DTYPES and t0.dim() == 2
-            and all(t.dtype == t0.dtype and t.device == t0.device and t.is_contiguous() for t in tensors))
+    return (
+        t0.device.type == "cpu"
+        and t0.dtype in _DTYPES
+        and t0.dim() == 2
+        and all(t.dtype == t0.dtype and t.device == t0.device and t.is_contiguous() for t in tensors)
+    )
 
 
 def silu_mul_reference(gu: torch.Tensor) -> torch.Tensor:
@@ -52,30 +60,47 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
         return silu_mul_reference(gu)
     rows, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gu.dtype)
-    lib.sidecar_silu_mul(gu.data_ptr(), out.data_ptr(), rows, inter, _DTYPES[gu.dtype], torch.get_num_threads())
+    lib.sidecar_silu_mul(
+        gu.data_ptr(), out.data_ptr(), rows, inter, _DTYPES[gu.dtype], torch.get_num_threads()
+    )
     return out
 
 
-def add_rms_norm_reference(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_reference(
+    h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     s = h if delta is None else h + delta
     # Normalise in float32, scale in the model dtype (as Hugging Face does), with torch's fused norm.
     return weight * F.rms_norm(s.float(), (s.shape[-1],), eps=eps).to(s.dtype), s
 
 
-def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     lib = _KERNEL.lib()
     tensors = (h, weight) if delta is None else (h, weight, delta)
-    if (lib is None or not _takes(*tensors) or weight.shape != (h.shape[1],)
-            or (delta is not None and delta.shape != h.shape)):
+    if (
+        lib is None
+        or not _takes(*tensors)
+        or weight.shape != (h.shape[1],)
+        or (delta is not None and delta.shape != h.shape)
+    ):
         return add_rms_norm_reference(h, delta, weight, eps)
     rows, dim = h.shape
     out = torch.empty_like(h)
     s = h if delta is None else torch.empty_like(h)
-    lib.sidecar_add_rms_norm(h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(),
-                             s.data_ptr(), out.data_ptr(), rows, dim, float(eps), _DTYPES[h.dtype],
-                             torch.get_num_threads())
+    lib.sidecar_add_rms_norm(
+        h.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        s.data_ptr(),
+        out.data_ptr(),
+        rows,
+        dim,
+        float(eps),
+        _DTYPES[h.dtype],
+        torch.get_num_threads(),
+    )
     return out, s
 
 

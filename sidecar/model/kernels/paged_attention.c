@@ -27,7 +27,7 @@
 #include "vec.h"
 
 #define MAX_REP 64
-#define MAX_HD 256
+#define MAX_HD  256
 #define KV_INT8 2 /* kv element mode beside dtype 0 / 1: int8 codes with scales */
 
 /* Element i of a KV cache as float32: float32, bf16 or int8 codes (the scale is applied by the caller). */
@@ -35,11 +35,11 @@ static inline float kv_load(const void* p, size_t i, int kvm) {
     return kvm == KV_INT8 ? (float)((const int8_t*)p)[i] : dt_load(p, i, kvm);
 }
 
-/* Keys are read this many ahead into L1, with each key's value as the key is scored: a head's rows are strided
- * within a block and the blocks scattered, which the hardware's prefetchers follow poorly. Measured on a 2-core Xeon
- * with AMX, 24 layers of Qwen2-0.5B's heads, 32 rows of 150-260 tokens, bf16, the cache cold: blocks in random order
- * 8.0-11.1 -> 6.2-6.3 ms (the keys alone read ahead: 7.5), in order 8.3-9.6 -> 6.0-6.2; the 32-request workload's
- * 63 decode steps 3.57-3.81 -> 3.46-3.59 s. */
+/* Keys are read this many ahead into L1, with each key's value as the key is scored: a head's rows are
+ * strided within a block and the blocks scattered, which the hardware's prefetchers follow poorly. Measured
+ * on a 2-core Xeon with AMX, 24 layers of Qwen2-0.5B's heads, 32 rows of 150-260 tokens, bf16, the cache
+ * cold: blocks in random order 8.0-11.1 -> 6.2-6.3 ms (the keys alone read ahead: 7.5), in order 8.3-9.6
+ * -> 6.0-6.2; the 32-request workload's 63 decode steps 3.57-3.81 -> 3.46-3.59 s. */
 #define READ_AHEAD_KEYS 16
 
 /* Element offset `off`'s hd elements of a cache, toward L1. */
@@ -50,7 +50,8 @@ static inline void prefetch_row(const void* cache, size_t off, int hd, int kvm) 
 }
 
 /* As keys j..j+3 (of n) are scored: the keys READ_AHEAD_KEYS on, and these keys' values, toward L1. */
-static inline void read_ahead(const void* kc, const void* vc, const size_t* offs, int j, int n, int hd, int kvm) {
+static inline void read_ahead(const void* kc, const void* vc, const size_t* offs, int j, int n, int hd,
+                              int kvm) {
     for (int i = j; i < j + 4 && i < n; i++) {
         if (i + READ_AHEAD_KEYS < n) prefetch_row(kc, offs[i + READ_AHEAD_KEYS], hd, kvm);
         prefetch_row(vc, offs[i], hd, kvm);
@@ -73,15 +74,19 @@ int sidecar_paged_attention_vector_width(void) {
 }
 
 #ifdef VL
-/* Queries a grouped pass over the values holds: 8 x 2 vectors of sums on AVX-512 (16 of 32 registers), 4 x 2 on AVX2 */
+/* Queries a grouped pass over the values holds: 8 x 2 vectors of sums on AVX-512 (16 of 32 registers), 4 x 2
+ * on AVX2 */
 #define QG (VL == 16 ? 8 : 4)
-/* From this many queries per KV head on (grouped-query attention), each value is loaded once per pass for all of them
- * instead of once per query; fewer queries keep the per-query loop, whose two chains per vector keep the FMAs busy. */
+/* From this many queries per KV head on (grouped-query attention), each value is loaded once per pass for all
+ * of them instead of once per query; fewer queries keep the per-query loop, whose two chains per vector keep
+ * the FMAs busy. */
 #define GROUPED_VALUES 4
-/* o[r][d0 .. d0 + nv * VL) = inv[r] * sum_j s[r][j] V[j][d0 ..] for R queries: keys in order, one sum per lane. */
-static inline __attribute__((always_inline)) void values_pass(const float* s, int n, const int R, const int nv,
-                                                             const char* vc, const size_t* offs, int d0, int kvm,
-                                                             const float* inv, float* o, int hd) {
+/* o[r][d0 .. d0 + nv * VL) = inv[r] * sum_j s[r][j] V[j][d0 ..] for R queries: keys in order, one sum per
+ * lane. */
+static inline __attribute__((always_inline)) void values_pass(const float* s, int n, const int R,
+                                                              const int nv, const char* vc,
+                                                              const size_t* offs, int d0, int kvm,
+                                                              const float* inv, float* o, int hd) {
     vf acc[QG][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < nv; c++) acc[r][c] = v_zero();
@@ -96,28 +101,37 @@ static inline __attribute__((always_inline)) void values_pass(const float* s, in
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < nv; c++) v_store(o + (size_t)r * hd + d0 + c * VL, v_mul(acc[r][c], v_set1(inv[r])));
+        for (int c = 0; c < nv; c++)
+            v_store(o + (size_t)r * hd + d0 + c * VL, v_mul(acc[r][c], v_set1(inv[r])));
 }
 
-static void values_dispatch(const float* s, int n, int R, int nv, const char* vc, const size_t* offs, int d0, int kvm,
-                            const float* inv, float* o, int hd) {
-#define VP(RR) \
-    case RR: \
-        if (nv > 1) values_pass(s, n, RR, 2, vc, offs, d0, kvm, inv, o, hd); \
-        else values_pass(s, n, RR, 1, vc, offs, d0, kvm, inv, o, hd); \
+static void values_dispatch(const float* s, int n, int R, int nv, const char* vc, const size_t* offs, int d0,
+                            int kvm, const float* inv, float* o, int hd) {
+#define VP(RR)                                                       \
+    case RR:                                                         \
+        if (nv > 1)                                                  \
+            values_pass(s, n, RR, 2, vc, offs, d0, kvm, inv, o, hd); \
+        else                                                         \
+            values_pass(s, n, RR, 1, vc, offs, d0, kvm, inv, o, hd); \
         return;
     switch (R) {
-        VP(1) VP(2) VP(3) VP(4)
+        VP(1)
+        VP(2)
+        VP(3)
+        VP(4)
 #if VL == 16
-        VP(5) VP(6) VP(7) VP(8)
+        VP(5)
+        VP(6)
+        VP(7)
+        VP(8)
 #endif
     }
 #undef VP
 }
 #endif
 
-/* Whether the scores take bf16 keys and queries as they are (vdpbf16ps, attend's first branch); the float32 copy of
- * the queries is then not made. */
+/* Whether the scores take bf16 keys and queries as they are (vdpbf16ps, attend's first branch); the float32
+ * copy of the queries is then not made. */
 static inline int bf16_scores(int kvm, int hd) {
 #if defined(__AVX512BF16__) && VL == 16
     return kvm == 1 && hd % 32 == 0;
@@ -127,15 +141,17 @@ static inline int bf16_scores(int kvm, int hd) {
 #endif
 }
 
-/* One (row, KV head) task. qf: the rep queries in float32, already scaled (unless bf16_scores); s: scratch [rep][n];
- * of: [rep][hd].
- * Inlined per head size, so the common ones (64, 128) run with the vector count known. */
-static inline __attribute__((always_inline)) void attend(const float* qf, const char* kc, const char* vc, const int64_t* table, int lo, int hi,
-                   int rep, int nkv, int g, int hd, int bs, int kvm, float* s, float* of,
-                   size_t* offs, const float* ks, const float* vs, const uint16_t* qb, float scale) {
+/* One (row, KV head) task. qf: the rep queries in float32, already scaled (unless bf16_scores); s: scratch
+ * [rep][n]; of: [rep][hd]. Inlined per head size, so the common ones (64, 128) run with the vector count
+ * known. */
+static inline __attribute__((always_inline)) void attend(const float* qf, const char* kc, const char* vc,
+                                                         const int64_t* table, int lo, int hi, int rep,
+                                                         int nkv, int g, int hd, int bs, int kvm, float* s,
+                                                         float* of, size_t* offs, const float* ks,
+                                                         const float* vs, const uint16_t* qb, float scale) {
     const int n = hi - lo;
-    const size_t row = (size_t)nkv * hd;  /* elements per slot */
-    float invs[MAX_REP];  /* each query's 1 / softmax normaliser */
+    const size_t row = (size_t)nkv * hd; /* elements per slot */
+    float invs[MAX_REP];                 /* each query's 1 / softmax normaliser */
     /* where each key of the context lives, block by block (no division per key) */
     for (int j = 0, p = lo; j < n;) {
         const size_t base = ((size_t)table[p / bs] * bs) * row + (size_t)g * hd;
@@ -145,8 +161,8 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
      * four dot products are reduced together; a key's score is the same arithmetic wherever it falls */
 #if defined(__AVX512BF16__) && VL == 16
     if (bf16_scores(kvm, hd)) {
-        /* bf16 keys and queries: pairs of exact products summed in float32 lanes (vdpbf16ps), no widening; the
-         * scale multiplies the finished dot product */
+        /* bf16 keys and queries: pairs of exact products summed in float32 lanes (vdpbf16ps), no widening;
+         * the scale multiplies the finished dot product */
         for (int j = 0; j < n; j += 4) {
             read_ahead(kc, vc, offs, j, n, hd, kvm);
             __m512bh k4[4][MAX_HD / 32];
@@ -173,39 +189,38 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
     } else
 #endif
 #ifdef VL
-    for (int j = 0; j < n; j += 4) {
-        read_ahead(kc, vc, offs, j, n, hd, kvm);
-        vf k4[4][MAX_HD / VL];
-        for (int i = 0; i < 4; i++) {
-            if (j + i >= n) {
-                for (int c = 0; c < hd / VL; c++) k4[i][c] = v_zero();
-                continue;
+        for (int j = 0; j < n; j += 4) {
+            read_ahead(kc, vc, offs, j, n, hd, kvm);
+            vf k4[4][MAX_HD / VL];
+            for (int i = 0; i < 4; i++) {
+                if (j + i >= n) {
+                    for (int c = 0; c < hd / VL; c++) k4[i][c] = v_zero();
+                    continue;
+                }
+                const size_t off = offs[j + i];
+                for (int c = 0; c < hd / VL; c++) k4[i][c] = v_kv_load(kc, off + c * VL, kvm);
             }
-            const size_t off = offs[j + i];
-            for (int c = 0; c < hd / VL; c++) k4[i][c] = v_kv_load(kc, off + c * VL, kvm);
-        }
-        for (int r = 0; r < rep; r++) {
-            vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
-            for (int c = 0; c < hd / VL; c++) {
-                const vf qv = v_load(qf + r * hd + c * VL);
-                a0 = v_fma(qv, k4[0][c], a0);
-                a1 = v_fma(qv, k4[1][c], a1);
-                a2 = v_fma(qv, k4[2][c], a2);
-                a3 = v_fma(qv, k4[3][c], a3);
+            for (int r = 0; r < rep; r++) {
+                vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+                for (int c = 0; c < hd / VL; c++) {
+                    const vf qv = v_load(qf + r * hd + c * VL);
+                    a0 = v_fma(qv, k4[0][c], a0);
+                    a1 = v_fma(qv, k4[1][c], a1);
+                    a2 = v_fma(qv, k4[2][c], a2);
+                    a3 = v_fma(qv, k4[3][c], a3);
+                }
+                float sums[4];
+                v_sum4(a0, a1, a2, a3, sums);
+                for (int i = 0; i < 4 && j + i < n; i++)
+                    s[(size_t)r * n + j + i] = ks ? sums[i] * ks[offs[j + i] / hd] : sums[i];
             }
-            float sums[4];
-            v_sum4(a0, a1, a2, a3, sums);
-            for (int i = 0; i < 4 && j + i < n; i++)
-                s[(size_t)r * n + j + i] = ks ? sums[i] * ks[offs[j + i] / hd] : sums[i];
         }
-    }
 #else
     for (int j = 0; j < n; j++) {
         const size_t off = offs[j];
         for (int r = 0; r < rep; r++) {
             float acc = 0.f;
-            for (int d = 0; d < hd; d++)
-                acc += qf[r * hd + d] * kv_load(kc, off + d, kvm);
+            for (int d = 0; d < hd; d++) acc += qf[r * hd + d] * kv_load(kc, off + d, kvm);
             s[(size_t)r * n + j] = ks ? acc * ks[off / hd] : acc;
         }
     }
@@ -225,7 +240,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
             vt = v_add(vt, e);
         }
         total = v_sum(vt);
-        if (j < n) {  /* the tail through the same vector exp, padded with lanes it discards */
+        if (j < n) { /* the tail through the same vector exp, padded with lanes it discards */
             float tmp[VL];
             for (int i = 0; i < VL; i++) tmp[i] = j + i < n ? sr[j + i] - m : -87.f;
             v_store(tmp, v_exp(v_load(tmp)));
@@ -246,7 +261,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
         if (vs)
             for (j = 0; j < n; j++) sr[j] *= vs[offs[j] / hd];
 #ifdef VL
-        if (rep >= GROUPED_VALUES) continue;  /* grouped queries: their values in one pass below */
+        if (rep >= GROUPED_VALUES) continue; /* grouped queries: their values in one pass below */
         /* values summed in registers, even and odd keys in separate accumulators (two FMA chains) */
         vf a0[MAX_HD / VL], a1[MAX_HD / VL];
         for (int c = 0; c < hd / VL; c++) a0[c] = a1[c] = v_zero();
@@ -270,26 +285,25 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
         for (j = 0; j < n; j++) {
             const size_t off = offs[j];
             const float w = sr[j];
-            for (int d = 0; d < hd; d++)
-                o[d] += w * kv_load(vc, off + d, kvm);
+            for (int d = 0; d < hd; d++) o[d] += w * kv_load(vc, off + d, kvm);
         }
         for (int d = 0; d < hd; d++) o[d] *= inv;
 #endif
     }
 #ifdef VL
-    if (rep >= GROUPED_VALUES)  /* the values of QG queries at a time, two vectors of them per pass */
+    if (rep >= GROUPED_VALUES) /* the values of QG queries at a time, two vectors of them per pass */
         for (int d0 = 0; d0 < hd; d0 += 2 * VL)
             for (int r0 = 0; r0 < rep; r0 += QG) {
                 const int R = rep - r0 < QG ? rep - r0 : QG, nv = hd - d0 >= 2 * VL ? 2 : 1;
-                values_dispatch(s + (size_t)r0 * n, n, R, nv, vc, offs, d0, kvm, invs + r0, of + (size_t)r0 * hd,
-                                hd);
+                values_dispatch(s + (size_t)r0 * n, n, R, nv, vc, offs, d0, kvm, invs + r0,
+                                of + (size_t)r0 * hd, hd);
             }
 #endif
 }
 
-/* q, out: [B, nh, hd] contiguous; tables: [B, max_blocks] int64; ctx: [B] int64 (1 <= ctx <= max_blocks * bs);
- * ks, vs: NULL (K/V in q's dtype) or the scales of an int8 cache. Returns 0, 2 when out of memory, or 1 when
- * the shapes are outside what this kernel handles (the caller keeps its torch path). */
+/* q, out: [B, nh, hd] contiguous; tables: [B, max_blocks] int64; ctx: [B] int64 (1 <= ctx <= max_blocks *
+ * bs); ks, vs: NULL (K/V in q's dtype) or the scales of an int8 cache. Returns 0, 2 when out of memory, or 1
+ * when the shapes are outside what this kernel handles (the caller keeps its torch path). */
 int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* tables,
                                    const int64_t* ctx, void* out, int B, int nh, int nkv, int hd, int bs,
                                    int max_blocks, int window, float scale, int dtype, int nthreads,
@@ -306,17 +320,17 @@ int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc
     int64_t longest = 0;
     for (int b = 0; b < B; b++) longest = ctx[b] > longest ? ctx[b] : longest;
     int failed = 0;
-    #pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads)
     {
         float* s = (float*)malloc(sizeof(float) * (size_t)rep * (size_t)longest);
         float* qf = (float*)malloc(sizeof(float) * (size_t)rep * hd);
         float* of = (float*)malloc(sizeof(float) * (size_t)rep * hd);
         size_t* offs = (size_t*)malloc(sizeof(size_t) * (size_t)longest);
         if (!s || !qf || !of || !offs) {
-            #pragma omp atomic write
+#pragma omp atomic write
             failed = 1;
         }
-        #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < B * nkv; t++) {
             if (!s || !qf || !of || !offs) continue;
             const int b = t / nkv, g = t % nkv;
@@ -326,7 +340,7 @@ int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc
             if (!bf16_scores(kvm, hd))
                 for (int i = 0; i < rep * hd; i++) qf[i] = scale * dt_load(q, q0 + i, dtype);
             const int64_t* table = tables + (size_t)b * max_blocks;
-            const uint16_t* qb = dtype == 1 ? (const uint16_t*)q + q0 : NULL;  /* bf16 queries as they came */
+            const uint16_t* qb = dtype == 1 ? (const uint16_t*)q + q0 : NULL; /* bf16 queries as they came */
             const char *k8 = (const char*)kc, *v8 = (const char*)vc;
             if (hd == 64)
                 attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 64, bs, kvm, s, of, offs, ks, vs, qb, scale);

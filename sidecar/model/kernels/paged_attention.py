@@ -16,6 +16,7 @@ per layer on a 2-core Zen 5, bf16: 5 verification rows at a 400-token context wi
 engine that took a 5-row SmolLM2 step from 13.9 to 11.0 ms and a 32-row Qwen2-0.5B step from ~112 to
 ~90-99 ms.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -28,29 +29,50 @@ from sidecar.model.kernels.cpu_build import F, I, P
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-_KERNEL = cpu_build.Kernel("paged_attention", {
-    "sidecar_paged_decode_attention": ([P] * 6 + [I] * 7 + [F, I, I, P, P], I),
-    "sidecar_paged_attention_vector_width": ([], I),
-}, setup=lambda lib: setattr(lib, "_sidecar_width", lib.sidecar_paged_attention_vector_width()))
+_KERNEL = cpu_build.Kernel(
+    "paged_attention",
+    {
+        "sidecar_paged_decode_attention": ([P] * 6 + [I] * 7 + [F, I, I, P, P], I),
+        "sidecar_paged_attention_vector_width": ([], I),
+    },
+    setup=lambda lib: setattr(lib, "_sidecar_width", lib.sidecar_paged_attention_vector_width()),
+)
 
 
 available = _KERNEL.available
 
 
-def cache_fits(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+def cache_fits(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]],
+) -> bool:
     """Whether our CPU attention kernels read these: CPU queries of a float dtype they take over a cache of the same
     dtype, or an int8 cache with float32 scales [blocks, block_size, kv_heads] (see kv_quant)."""
     kv_dtype = q.dtype if kv_scales is None else torch.int8
-    if q.device.type != "cpu" or q.dtype not in _DTYPES or k_cache.dtype != kv_dtype or v_cache.dtype != kv_dtype:
+    if (
+        q.device.type != "cpu"
+        or q.dtype not in _DTYPES
+        or k_cache.dtype != kv_dtype
+        or v_cache.dtype != kv_dtype
+    ):
         return False
-    return kv_scales is None or all(s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:3]
-                                    for s in kv_scales)
+    return kv_scales is None or all(
+        s.dtype == torch.float32 and s.is_contiguous() and s.shape == k_cache.shape[:3] for s in kv_scales
+    )
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     ctx_lens: torch.Tensor, scale: float, window: Optional[int] = None,
-                     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    window: Optional[int] = None,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Optional[torch.Tensor]:
     if not cache_fits(q, k_cache, v_cache, kv_scales):
         return None
     lib = _KERNEL.lib()
@@ -64,14 +86,29 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tables = block_tables.contiguous()
     ctx = ctx_lens.contiguous()
     if tables.dtype != torch.long or ctx.dtype != torch.long:
-        raise ValueError(f"decode_attention: block tables {tables.dtype} and context lengths {ctx.dtype} "
-                         f"must be int64")
+        raise ValueError(
+            f"decode_attention: block tables {tables.dtype} and context lengths {ctx.dtype} must be int64"
+        )
     out = torch.empty_like(q)
-    rc = lib.sidecar_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                            ctx.data_ptr(), out.data_ptr(), b, nh, nkv, hd, bs, tables.shape[1],
-                                            window or 0, scale, _DTYPES[q.dtype], torch.get_num_threads(),
-                                            *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(),
-                                                                                        kv_scales[1].data_ptr())))
+    rc = lib.sidecar_paged_decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        ctx.data_ptr(),
+        out.data_ptr(),
+        b,
+        nh,
+        nkv,
+        hd,
+        bs,
+        tables.shape[1],
+        window or 0,
+        scale,
+        _DTYPES[q.dtype],
+        torch.get_num_threads(),
+        *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())),
+    )
     if rc == 2:
         raise MemoryError("decode_attention: out of memory for the kernel's scratch buffers")
     return out if rc == 0 else None

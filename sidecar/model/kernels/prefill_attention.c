@@ -24,9 +24,9 @@
  * which task or thread ran it.
  *
  * On CPUs with AVX-512 BF16, bf16 prompts over a bf16 cache take products of bf16 pairs instead (TILE_LAYOUT
- * below: the same tasks, the weights rounded to bf16 like torch's): AMX tile products where the CPU has AMX --
- * measured on a 2-core Xeon with AMX, Qwen2-0.5B's heads, a layer of a 256-token prompt 0.87-0.91 -> 0.33 ms, of a
- * 1,024-token one 11.8-12.7 -> 3.3 ms -- and AVX-512 BF16 dot products where it has not.
+ * below: the same tasks, the weights rounded to bf16 like torch's): AMX tile products where the CPU has AMX
+ * -- measured on a 2-core Xeon with AMX, Qwen2-0.5B's heads, a layer of a 256-token prompt 0.87-0.91 -> 0.33
+ * ms, of a 1,024-token one 11.8-12.7 -> 3.3 ms -- and AVX-512 BF16 dot products where it has not.
  *
  * Quantized cache (ks, vs not NULL): K/V hold int8 codes and ks/vs ([num_blocks, bs, nkv] float32) one scale
  * per token and KV head.
@@ -36,15 +36,15 @@
 #include "vec.h"
 
 #if defined(__AVX512BF16__) && VL == 16
-#define TILE_LAYOUT 1  /* bf16 prompts over a bf16 cache through products of bf16 pairs (see below) */
+#define TILE_LAYOUT 1 /* bf16 prompts over a bf16 cache through products of bf16 pairs (see below) */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define AMX_PATH 1
 #endif
 #endif
 
-#define QT 4            /* queries scored together */
-#define MAX_QUERIES 256 /* queries a task holds: rep * rows */
-#define MAX_SCRATCH (256LL << 20)  /* bytes of widened keys and values; beyond it the caller's torch path */
+#define QT          4             /* queries scored together */
+#define MAX_QUERIES 256           /* queries a task holds: rep * rows */
+#define MAX_SCRATCH (256LL << 20) /* bytes of widened keys and values; beyond it the caller's torch path */
 
 int sidecar_prefill_attention_supported(void) {
 #ifdef VL
@@ -61,13 +61,13 @@ static inline vf kv_vec(const void* cache, size_t off, int kvm, const float* sca
     return kvm ? v_load_bf16((const uint16_t*)cache + off) : v_load((const float*)cache + off);
 }
 
-/* Scores of n4 (<= QT) queries qf[t * hd ..] against key blocks [b0, b1) of kt: s[t * sld + (b - b0) * VL + i].
- * Two key blocks a step where there are two: eight sums in flight instead of four (four dependent chains of FMAs had
- * left the units waiting on each one's latency), each score still one sum over d in order. Measured on a 2-core Xeon,
- * Qwen2-0.5B's 24 layers of a 2,048-token prompt, AVX2: 1,928 -> 1,696-1,726 ms (256 tokens 32.5 -> 29.2); AVX-512
- * level (its two FMA results a cycle were already kept busy). */
-static inline __attribute__((always_inline)) void score(const float* qf, int n4, const float* kt, int b0, int b1,
-                                                        int hd, float* s, size_t sld) {
+/* Scores of n4 (<= QT) queries qf[t * hd ..] against key blocks [b0, b1) of kt: s[t * sld + (b - b0) * VL +
+ * i]. Two key blocks a step where there are two: eight sums in flight instead of four (four dependent chains
+ * of FMAs had left the units waiting on each one's latency), each score still one sum over d in order.
+ * Measured on a 2-core Xeon, Qwen2-0.5B's 24 layers of a 2,048-token prompt, AVX2: 1,928 -> 1,696-1,726 ms
+ * (256 tokens 32.5 -> 29.2); AVX-512 level (its two FMA results a cycle were already kept busy). */
+static inline __attribute__((always_inline)) void score(const float* qf, int n4, const float* kt, int b0,
+                                                        int b1, int hd, float* s, size_t sld) {
     int b = b0;
     for (; b + 2 <= b1; b += 2) {
         const float* kb = kt + (size_t)b * hd * VL;
@@ -143,7 +143,7 @@ static inline float softmax_weights(float* w, int lo, int hi, int n) {
         total = v_add(total, e);
     }
     float sum = v_sum(total);
-    if (j < hi) {  /* the tail through the same exp, padded with lanes it discards */
+    if (j < hi) { /* the tail through the same exp, padded with lanes it discards */
         float tmp[VL];
         for (int i = 0; i < VL; i++) tmp[i] = j + i < hi ? w[j + i] - m : -87.f;
         v_store(tmp, v_exp(v_load(tmp)));
@@ -156,8 +156,8 @@ static inline float softmax_weights(float* w, int lo, int hi, int n) {
 }
 
 /* o[t][:] = sum_j w[t * sld + j] vf[j][:] for j in [0, n), t < nt (nt * hd / VL accumulators <= 16). */
-static inline __attribute__((always_inline)) void weigh(const float* w, size_t sld, int nt, const float* vf_rows,
-                                                        int n, int hd, vf* acc) {
+static inline __attribute__((always_inline)) void weigh(const float* w, size_t sld, int nt,
+                                                        const float* vf_rows, int n, int hd, vf* acc) {
     const int nc = hd / VL;
     for (int i = 0; i < nt * nc; i++) acc[i] = v_zero();
     for (int j = 0; j < n; j++) {
@@ -172,14 +172,15 @@ static inline __attribute__((always_inline)) void weigh(const float* w, size_t s
 /* One task's qn queries (query u: row r0 + u / rep of the segment, at position p0 + u / rep, head
  * g * rep + u % rep; qf scaled): scores against key blocks [b0, mblk) of the keys from `base` (kt: their
  * transposed blocks; the first b0 blocks are before every query's window), softmax over each query's causal
- * range, weighted values (vg: their rows), out rounded to dtype. Inlined per head size, so the common ones run
- * with the vector count known. */
-static inline __attribute__((always_inline)) void attend_rows(const float* qf, int qn, const float* kt, const float* vg,
-                                                              float* s, size_t sld, int b0, int mblk, int m, int r0, int p0,
-                                                              int base, int rep, int window, int g, int nh,
+ * range, weighted values (vg: their rows), out rounded to dtype. Inlined per head size, so the common ones
+ * run with the vector count known. */
+static inline __attribute__((always_inline)) void attend_rows(const float* qf, int qn, const float* kt,
+                                                              const float* vg, float* s, size_t sld, int b0,
+                                                              int mblk, int m, int r0, int p0, int base,
+                                                              int rep, int window, int g, int nh,
                                                               const int hd, void* out, int dtype) {
     const int nc = hd / VL;
-    const int k0 = b0 * VL;  /* the first key scored, s[u * sld] its score */
+    const int k0 = b0 * VL; /* the first key scored, s[u * sld] its score */
     int u = 0;
     for (; u + QT <= qn; u += QT) score(qf + (size_t)u * hd, QT, kt, b0, mblk, hd, s + (size_t)u * sld, sld);
     for (; u < qn; u++) score(qf + (size_t)u * hd, 1, kt, b0, mblk, hd, s + (size_t)u * sld, sld);
@@ -189,13 +190,15 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
         const int lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
         inv[u] = 1.0f / softmax_weights(s + (size_t)u * sld, lo - base - k0, p + 1 - base - k0, m - k0);
     }
-    const int nt = 16 / nc > QT ? QT : 16 / nc;  /* queries summed together: nt * nc <= 16 accumulators */
+    const int nt = 16 / nc > QT ? QT : 16 / nc; /* queries summed together: nt * nc <= 16 accumulators */
     for (u = 0; u < qn;) {
         const int k = qn - u >= nt ? nt : 1;
         vf acc[16];
         const float* vk = vg + (size_t)k0 * hd;
-        if (k == nt) weigh(s + (size_t)u * sld, sld, nt, vk, m - k0, hd, acc);
-        else weigh(s + (size_t)u * sld, sld, 1, vk, m - k0, hd, acc);
+        if (k == nt)
+            weigh(s + (size_t)u * sld, sld, nt, vk, m - k0, hd, acc);
+        else
+            weigh(s + (size_t)u * sld, sld, 1, vk, m - k0, hd, acc);
         for (int t = 0; t < k; t++, u++) {
             const size_t at = ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd;
             const vf vi = v_set1(inv[u]);
@@ -205,28 +208,29 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
 }
 #endif
 
-
 #ifdef TILE_LAYOUT
-/* bf16 prompts over a bf16 cache on CPUs with AVX-512 BF16: the products of bf16 pairs, as AMX tile products where
- * the CPU has AMX (Intel Sapphire Rapids on) and the kernel grants it, else as AVX-512 BF16 dot products (AMD Zen 4
- * and 5, Intel Cooper Lake). Keys and values are laid out once per call in 32-key chunks counted from a multiple of
- * 32 (so a key's place in its chunk, and with it every sum's order, does not depend on where the segment starts):
- *   kb[g][ck][c][h][r][j][e] = K[32 ck + 16 h + j][32 c + 2 r + e]   (the scores' weight tiles, 1 KiB each)
- *   vb[g][ck][t][r][d][e]    = V[32 ck + 2 r + e][16 t + d]          (the value product's weight tiles)
- * A tile row (r) is also one vector of a dot product: 16 keys' (or dimensions') pair of values. A task's queries
- * (bf16, as they came) times kb are the scores, float32; the softmax is taken in float32 (the scale applied first),
- * its weights rounded to bf16 (as torch's bf16 SDPA rounds them) and multiplied with vb, the sums float32, divided
- * by the float32 normaliser and rounded once to bf16. The two forms sum in their own orders (each fixed by the
- * layout, not by the batch): a CPU gives the same bits however a prompt is split, not the other form's bits.
- * Without AMX, measured on a 2-core Xeon with AMX left out, Qwen2-0.5B's 24 layers of a 2,048-token prompt: 1,060-1,090
- * ms through the dot products (77% of the time in them), 1,045-1,055 through the float32 path above, 256 tokens 21-22
- * against 18-20 ms: level there, where a vdpbf16ps (32 products) retires at 0.6 of a float32 FMA's rate (16 products;
- * 1.72 against 2.8 G/s a core), 1.2x the arithmetic; a CPU that issues the dot product at the FMA's rate gets twice
- * its arithmetic, and the weights are rounded as on the AMX path. Not measured on such a CPU yet. */
+/* bf16 prompts over a bf16 cache on CPUs with AVX-512 BF16: the products of bf16 pairs, as AMX tile products
+ * where the CPU has AMX (Intel Sapphire Rapids on) and the kernel grants it, else as AVX-512 BF16 dot
+ * products (AMD Zen 4 and 5, Intel Cooper Lake). Keys and values are laid out once per call in 32-key chunks
+ * counted from a multiple of 32 (so a key's place in its chunk, and with it every sum's order, does not
+ * depend on where the segment starts): kb[g][ck][c][h][r][j][e] = K[32 ck + 16 h + j][32 c + 2 r + e]   (the
+ * scores' weight tiles, 1 KiB each) vb[g][ck][t][r][d][e]    = V[32 ck + 2 r + e][16 t + d]          (the
+ * value product's weight tiles) A tile row (r) is also one vector of a dot product: 16 keys' (or dimensions')
+ * pair of values. A task's queries (bf16, as they came) times kb are the scores, float32; the softmax is
+ * taken in float32 (the scale applied first), its weights rounded to bf16 (as torch's bf16 SDPA rounds them)
+ * and multiplied with vb, the sums float32, divided by the float32 normaliser and rounded once to bf16. The
+ * two forms sum in their own orders (each fixed by the layout, not by the batch): a CPU gives the same bits
+ * however a prompt is split, not the other form's bits. Without AMX, measured on a 2-core Xeon with AMX left
+ * out, Qwen2-0.5B's 24 layers of a 2,048-token prompt: 1,060-1,090 ms through the dot products (77% of the
+ * time in them), 1,045-1,055 through the float32 path above, 256 tokens 21-22 against 18-20 ms: level there,
+ * where a vdpbf16ps (32 products) retires at 0.6 of a float32 FMA's rate (16 products; 1.72 against 2.8 G/s a
+ * core), 1.2x the arithmetic; a CPU that issues the dot product at the FMA's rate gets twice its arithmetic,
+ * and the weights are rounded as on the AMX path. Not measured on such a CPU yet. */
 
-/* Chunk ck's keys and values of KV head g (positions k_first + 32 ck ..; past ctx: zeros) into their tiles. */
-static void layout_chunk(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int bs, size_t row, int g,
-                         int hd, int k_first, int ck, int ctx, uint16_t* kb, uint16_t* vb) {
+/* Chunk ck's keys and values of KV head g (positions k_first + 32 ck ..; past ctx: zeros) into their tiles.
+ */
+static void layout_chunk(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int bs, size_t row,
+                         int g, int hd, int k_first, int ck, int ctx, uint16_t* kb, uint16_t* vb) {
     uint32_t* kd = (uint32_t*)kb;
     for (int j = 0; j < 32; j++) {
         const int p = k_first + 32 * ck + j;
@@ -237,20 +241,19 @@ static void layout_chunk(const uint16_t* kc, const uint16_t* vc, const int64_t* 
             vr = vc + off;
         }
         const int h = j / 16, jj = j % 16;
-        for (int pr = 0; pr < hd / 2; pr++) {  /* the key's pair of dimensions 2 pr, 2 pr + 1 */
+        for (int pr = 0; pr < hd / 2; pr++) { /* the key's pair of dimensions 2 pr, 2 pr + 1 */
             uint32_t v = 0;
             if (kr) memcpy(&v, kr + 2 * pr, 4);
             kd[(((size_t)(pr / 16) * 2 + h) * 16 + pr % 16) * 16 + jj] = v;
         }
         const int r = j / 2, e = j % 2;
-        for (int d = 0; d < hd; d++)
-            vb[(((size_t)(d / 16) * 16 + r) * 16 + d % 16) * 2 + e] = vr ? vr[d] : 0;
+        for (int d = 0; d < hd; d++) vb[(((size_t)(d / 16) * 16 + r) * 16 + d % 16) * 2 + e] = vr ? vr[d] : 0;
     }
 }
 
-/* pr[j] = exp(scale * (w[j] - max)) rounded to bf16 for j in [lo, hi) (max over that range), 0 elsewhere in [0, n);
- * returns the float32 sum of the weights before rounding. The weights are normal numbers (v_exp stops at -87), which
- * the instruction's conversion rounds to nearest even as v_store_bf16 does. */
+/* pr[j] = exp(scale * (w[j] - max)) rounded to bf16 for j in [lo, hi) (max over that range), 0 elsewhere in
+ * [0, n); returns the float32 sum of the weights before rounding. The weights are normal numbers (v_exp stops
+ * at -87), which the instruction's conversion rounds to nearest even as v_store_bf16 does. */
 static inline float softmax_bf16(const float* w, int lo, int hi, int n, float scale, uint16_t* pr) {
     const float m = row_max(w + lo, hi - lo);
     int j;
@@ -264,7 +267,7 @@ static inline float softmax_bf16(const float* w, int lo, int hi, int n, float sc
         _mm256_storeu_si256((__m256i*)(pr + j), (__m256i)_mm512_cvtneps_pbh(e));
     }
     float sum = v_sum(total);
-    if (j < hi) {  /* the tail through the same exp, padded with lanes it discards */
+    if (j < hi) { /* the tail through the same exp, padded with lanes it discards */
         float tmp[VL];
         for (int i = 0; i < VL; i++) tmp[i] = j + i < hi ? (w[j + i] - m) * scale : -87.f;
         v_store(tmp, v_exp(v_load(tmp)));
@@ -276,10 +279,11 @@ static inline float softmax_bf16(const float* w, int lo, int hi, int n, float sc
     return sum;
 }
 
-/* The softmax of a block's queries 0..rows-1 (query u of the task: u0 + u; past qn: rows of zero weights), scores s
- * (rows sld apart) to weights pw (rows pld apart) over the block's n keys from key k0; inv[u]: 1 / the row's sum. */
-static void block_weights(const float* s, size_t sld, uint16_t* pw, size_t pld, int rows, int qn, int u0, int n,
-                          int k0, int k_first, int p0, int rep, int window, float scale, float* inv) {
+/* The softmax of a block's queries 0..rows-1 (query u of the task: u0 + u; past qn: rows of zero weights),
+ * scores s (rows sld apart) to weights pw (rows pld apart) over the block's n keys from key k0; inv[u]: 1 /
+ * the row's sum. */
+static void block_weights(const float* s, size_t sld, uint16_t* pw, size_t pld, int rows, int qn, int u0,
+                          int n, int k0, int k_first, int p0, int rep, int window, float scale, float* inv) {
     for (int u = 0; u < rows; u++) {
         uint16_t* pr = pw + (size_t)u * pld;
         if (u >= qn) {
@@ -287,15 +291,16 @@ static void block_weights(const float* s, size_t sld, uint16_t* pw, size_t pld, 
             continue;
         }
         const int p = p0 + (u0 + u) / rep;
-        const int lo = (window > 0 && p + 1 > window ? p + 1 - window : 0) - k_first - k0, hi = p + 1 - k_first - k0;
+        const int lo = (window > 0 && p + 1 > window ? p + 1 - window : 0) - k_first - k0,
+                  hi = p + 1 - k_first - k0;
         inv[u] = 1.0f / softmax_bf16(s + (size_t)u * sld, lo, hi, n, scale, pr);
     }
 }
 
-/* Row u of the block (query u0 + u) times inv[u], dimensions d0..d0 + 31 of its output row, rounded to bf16; o: the
- * block's sums, rows 32 apart. */
-static void block_store(const float* o, const float* inv, int qn, int u0, int rep, int g, int nh, int hd, int d0,
-                        uint16_t* out) {
+/* Row u of the block (query u0 + u) times inv[u], dimensions d0..d0 + 31 of its output row, rounded to bf16;
+ * o: the block's sums, rows 32 apart. */
+static void block_store(const float* o, const float* inv, int qn, int u0, int rep, int g, int nh, int hd,
+                        int d0, uint16_t* out) {
     for (int u = 0; u < qn; u++) {
         const int uq = u0 + u;
         const size_t at = ((size_t)(uq / rep) * nh + (size_t)g * rep + uq % rep) * hd + (size_t)d0;
@@ -306,7 +311,7 @@ static void block_store(const float* o, const float* inv, int qn, int u0, int re
 }
 
 #ifdef AMX_PATH
-static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
+static void amx_configure(void) { /* every tile 16 rows of 64 bytes */
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -317,23 +322,24 @@ static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
     load_tile_config(&c);
 }
 
-/* One block of a task on the tile products: qn <= 32 queries (query u: the task's u0 + u, row (u0 + u) / rep of
- * `out`, at position p0 + (u0 + u) / rep, head g * rep + (u0 + u) % rep; q16: their bf16 rows, qn rounded up to 32
- * with zero rows), keys from chunk ck0 to ck1 of the layouts (chunk 0 starting at position k_first), out rounded to
- * bf16. s: float32 scores, rows of (ck1 - ck0) * 32 + 16 (a row's lines then fall in other cache sets than the
- * last's, where a power of two put all sixteen rows of a tile in one); pw: the weights as bf16, rows of
- * (ck1 - ck0) * 32 + 32; o: [32][32] float32. 32 queries x 32 keys (or dimensions) a step in four accumulators,
- * where 16 queries had taken two: measured on a 2-core Xeon with AMX, Qwen2-0.5B's 24 layers of a 2,048-token
- * prompt 362-394 -> 235-255 ms with the rows' padding, of a 1,024-token one 110-113 -> 73, of a 256-token one
- * 8.4-8.9 -> 6.9-7.4; the same bits. */
-static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb, int ck0,
-                             int ck1, int k_first, int p0, int rep, int window, int g, int nh, int hd, float scale,
-                             float* s, uint16_t* pw, float* o, uint16_t* out) {
+/* One block of a task on the tile products: qn <= 32 queries (query u: the task's u0 + u, row (u0 + u) / rep
+ * of `out`, at position p0 + (u0 + u) / rep, head g * rep + (u0 + u) % rep; q16: their bf16 rows, qn rounded
+ * up to 32 with zero rows), keys from chunk ck0 to ck1 of the layouts (chunk 0 starting at position k_first),
+ * out rounded to bf16. s: float32 scores, rows of (ck1 - ck0) * 32 + 16 (a row's lines then fall in other
+ * cache sets than the last's, where a power of two put all sixteen rows of a tile in one); pw: the weights as
+ * bf16, rows of (ck1 - ck0) * 32 + 32; o: [32][32] float32. 32 queries x 32 keys (or dimensions) a step in
+ * four accumulators, where 16 queries had taken two: measured on a 2-core Xeon with AMX, Qwen2-0.5B's 24
+ * layers of a 2,048-token prompt 362-394 -> 235-255 ms with the rows' padding, of a 1,024-token one 110-113
+ * -> 73, of a 256-token one 8.4-8.9 -> 6.9-7.4; the same bits. */
+static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb,
+                             int ck0, int ck1, int k_first, int p0, int rep, int window, int g, int nh,
+                             int hd, float scale, float* s, uint16_t* pw, float* o, uint16_t* out) {
     const int nc = hd / 32, nt = hd / 16, two = qn > 16;
-    const size_t chunk_k = (size_t)nc * 1024, chunk_v = (size_t)nt * 512;  /* bf16 values per chunk */
+    const size_t chunk_k = (size_t)nc * 1024, chunk_v = (size_t)nt * 512; /* bf16 values per chunk */
     const int k0 = ck0 * 32, n = (ck1 - ck0) * 32;
     const size_t sld = (size_t)n + 16, pld = (size_t)n + 32;
-    /* scores: 32 queries x a chunk's 32 keys in four accumulators, the queries' tiles 4 and 5, the keys' 6 and 7 */
+    /* scores: 32 queries x a chunk's 32 keys in four accumulators, the queries' tiles 4 and 5, the keys' 6
+     * and 7 */
     for (int ck = ck0; ck < ck1; ck++) {
         _tile_zero(0);
         _tile_zero(1);
@@ -362,7 +368,8 @@ static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
     }
     float inv[32];
     block_weights(s, sld, pw, pld, two ? 32 : 16, qn, u0, n, k0, k_first, p0, rep, window, scale, inv);
-    /* weighted values: both query tiles x two 16-dimension tiles at a time (nt is even: hd is a multiple of 32) */
+    /* weighted values: both query tiles x two 16-dimension tiles at a time (nt is even: hd is a multiple of
+     * 32) */
     for (int t0 = 0; t0 < nt; t0 += 2) {
         _tile_zero(0);
         _tile_zero(1);
@@ -391,11 +398,11 @@ static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
 #endif
 
 /* amx_attend_block's contract through dot products (q16's rows past qn are not read): the block's queries in
- * register tiles of nearly equal height (32 queries: 11, 11, 10) times each chunk's 32 keys, then times the values'
- * dimensions 32 at a time over all the block's keys. */
-static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb, int ck0,
-                             int ck1, int k_first, int p0, int rep, int window, int g, int nh, int hd, float scale,
-                             float* s, uint16_t* pw, float* o, uint16_t* out) {
+ * register tiles of nearly equal height (32 queries: 11, 11, 10) times each chunk's 32 keys, then times the
+ * values' dimensions 32 at a time over all the block's keys. */
+static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb,
+                             int ck0, int ck1, int k_first, int p0, int rep, int window, int g, int nh,
+                             int hd, float scale, float* s, uint16_t* pw, float* o, uint16_t* out) {
     const int nc = hd / 32, nt = hd / 16, parts = (qn + DOT_ROWS - 1) / DOT_ROWS;
     const size_t chunk_k = (size_t)nc * 1024, chunk_v = (size_t)nt * 512;
     const int k0 = ck0 * 32, n = (ck1 - ck0) * 32;
@@ -409,7 +416,7 @@ static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
         }
     float inv[32];
     block_weights(s, sld, pw, pld, qn, qn, u0, n, k0, k_first, p0, rep, window, scale, inv);
-    for (int t0 = 0; t0 < nt; t0 += 2) {  /* nt is even: hd is a multiple of 32 */
+    for (int t0 = 0; t0 < nt; t0 += 2) { /* nt is even: hd is a multiple of 32 */
         for (int q = 0, i0 = 0; q < parts; q++) {
             const int h = qn / parts + (q < qn % parts);
             DOT_ROWS_OF[h](pw + (size_t)i0 * pld, pld, vb + (size_t)ck0 * chunk_v + (size_t)t0 * 512, chunk_v,
@@ -420,16 +427,17 @@ static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
     }
 }
 
-/* The whole call on the tile layout (see above); the same contract as sidecar_prefill_attention. amx: the tile
- * products (the tile state granted), else the dot products. */
-static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table, uint16_t* out,
-                         int L, int ctx, int nh, int nkv, int hd, int bs, int window, float scale, int nthreads,
-                         int amx) {
-    (void)amx;  /* a build without AMX has only the dot products */
+/* The whole call on the tile layout (see above); the same contract as sidecar_prefill_attention. amx: the
+ * tile products (the tile state granted), else the dot products. */
+static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
+                         uint16_t* out, int L, int ctx, int nh, int nkv, int hd, int bs, int window,
+                         float scale, int nthreads, int amx) {
+    (void)amx; /* a build without AMX has only the dot products */
     const int rep = nh / nkv, start = ctx - L;
-    const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;  /* first key any row sees */
+    const int base = window > 0 && start + 1 > window ? start + 1 - window : 0; /* first key any row sees */
     const int k_first = base / 32 * 32, nck = (ctx - k_first + 31) / 32;
-    const size_t per_k = (size_t)nck * (hd / 32) * 1024, per_v = (size_t)nck * (hd / 16) * 512;  /* bf16s a head */
+    const size_t per_k = (size_t)nck * (hd / 32) * 1024,
+                 per_v = (size_t)nck * (hd / 16) * 512; /* bf16s a head */
     if ((long long)((per_k + per_v) * nkv * sizeof(uint16_t)) > MAX_SCRATCH) return 1;
     uint16_t* kb = (uint16_t*)malloc(sizeof(uint16_t) * per_k * nkv);
     uint16_t* vb = (uint16_t*)malloc(sizeof(uint16_t) * per_v * nkv);
@@ -438,15 +446,17 @@ static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* 
         free(vb);
         return 2;
     }
-    const int QB = rep >= 32 ? 1 : 32 / rep, nqb = (L + QB - 1) / QB;  /* rows per task: rep * QB queries, ~32 */
+    const int QB = rep >= 32 ? 1 : 32 / rep,
+              nqb = (L + QB - 1) / QB; /* rows per task: rep * QB queries, ~32 */
     const size_t row = (size_t)nkv * hd, sld = (size_t)nck * 32;
     int failed = 0;
-    #pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads)
     {
-        #pragma omp for schedule(static)
+#pragma omp for schedule(static)
         for (int t = 0; t < nkv * nck; t++) {
             const int g = t / nck, ck = t % nck;
-            layout_chunk(kc, vc, table, bs, row, g, hd, k_first, ck, ctx, kb + g * per_k + (size_t)ck * (hd / 32) * 1024,
+            layout_chunk(kc, vc, table, bs, row, g, hd, k_first, ck, ctx,
+                         kb + g * per_k + (size_t)ck * (hd / 32) * 1024,
                          vb + g * per_v + (size_t)ck * (hd / 16) * 512);
         }
         const int nq32 = (rep * QB + 31) / 32 * 32;
@@ -456,36 +466,37 @@ static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* 
         float* o = (float*)aligned_alloc(64, sizeof(float) * 32 * 32);
         const int ready = s && pw && q16 && o;
         if (!ready) {
-            #pragma omp atomic write
+#pragma omp atomic write
             failed = 1;
         }
 #ifdef AMX_PATH
         if (ready && amx) amx_configure();
 #endif
-        #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < nkv * nqb; t++) {
             if (!ready) continue;
-            const int g = t % nkv, r0 = (nqb - 1 - t / nkv) * QB;  /* the longest (last rows) first */
+            const int g = t % nkv, r0 = (nqb - 1 - t / nkv) * QB; /* the longest (last rows) first */
             const int rows = L - r0 < QB ? L - r0 : QB, qn = rows * rep;
-            const int p_first = start + r0, hi = p_first + rows;  /* keys of the task: before hi */
+            const int p_first = start + r0, hi = p_first + rows; /* keys of the task: before hi */
             const int lo_first = window > 0 && p_first + 1 > window ? p_first + 1 - window : 0;
             for (int u = 0; u < qn; u++)
-                memcpy(q16 + (size_t)u * hd, q + ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd,
+                memcpy(q16 + (size_t)u * hd,
+                       q + ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd,
                        sizeof(uint16_t) * hd);
             memset(q16 + (size_t)qn * hd, 0, sizeof(uint16_t) * (size_t)((qn + 31) / 32 * 32 - qn) * hd);
             const int ck0 = (lo_first - k_first) / 32, ck1 = (hi - k_first + 31) / 32;
             uint16_t* o_rows = out + (size_t)r0 * nh * hd;
-            for (int u0 = 0; u0 < qn; u0 += 32) {  /* the task's queries, 32 at a time */
+            for (int u0 = 0; u0 < qn; u0 += 32) { /* the task's queries, 32 at a time */
                 const int bn = qn - u0 < 32 ? qn - u0 : 32;
 #ifdef AMX_PATH
                 if (amx) {
-                    amx_attend_block(q16 + (size_t)u0 * hd, bn, u0, kb + g * per_k, vb + g * per_v, ck0, ck1, k_first,
-                                     p_first, rep, window, g, nh, hd, scale, s, pw, o, o_rows);
+                    amx_attend_block(q16 + (size_t)u0 * hd, bn, u0, kb + g * per_k, vb + g * per_v, ck0, ck1,
+                                     k_first, p_first, rep, window, g, nh, hd, scale, s, pw, o, o_rows);
                     continue;
                 }
 #endif
-                dot_attend_block(q16 + (size_t)u0 * hd, bn, u0, kb + g * per_k, vb + g * per_v, ck0, ck1, k_first,
-                                 p_first, rep, window, g, nh, hd, scale, s, pw, o, o_rows);
+                dot_attend_block(q16 + (size_t)u0 * hd, bn, u0, kb + g * per_k, vb + g * per_v, ck0, ck1,
+                                 k_first, p_first, rep, window, g, nh, hd, scale, s, pw, o, o_rows);
             }
         }
 #ifdef AMX_PATH
@@ -505,12 +516,13 @@ static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* 
 /* q, out: [L, nh, hd] contiguous (q's dtype: 0 float32, 1 bf16; a cache of int8 codes when ks/vs are given,
  * else of q's dtype); table: the segment's blocks (at least ceil(ctx / bs)). Returns 0, 2 when out of memory,
  * or 1 when the inputs are outside what this kernel handles (the caller keeps its torch path). */
-int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, const int64_t* table, void* out, int L,
-                              int ctx, int nh, int nkv, int hd, int bs, int window, float scale, int dtype,
-                              int nthreads, const float* ks, const float* vs) {
+int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, const int64_t* table, void* out,
+                              int L, int ctx, int nh, int nkv, int hd, int bs, int window, float scale,
+                              int dtype, int nthreads, const float* ks, const float* vs) {
 #ifdef VL
     if ((ks == NULL) != (vs == NULL)) return 1;
-    if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd / VL > 16 || bs <= 0)
+    if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd / VL > 16 ||
+        bs <= 0)
         return 1;
     const int kvm = ks ? 2 : dtype, rep = nh / nkv, nc = hd / VL;
 #ifdef TILE_LAYOUT
@@ -520,13 +532,13 @@ int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, con
     const int amx = 0;
 #endif
     if (kvm == 1 && hd % 32 == 0)
-        return prefill_tiles((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, table, (uint16_t*)out, L, ctx,
-                             nh, nkv, hd, bs, window, scale, nthreads, amx);
+        return prefill_tiles((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, table,
+                             (uint16_t*)out, L, ctx, nh, nkv, hd, bs, window, scale, nthreads, amx);
 #endif
     const int start = ctx - L;
-    const int base = window > 0 && start + 1 > window ? start + 1 - window : 0;  /* first key any row sees */
+    const int base = window > 0 && start + 1 > window ? start + 1 - window : 0; /* first key any row sees */
     const int n = ctx - base, nblk = (n + VL - 1) / VL;
-    const size_t per_head = (size_t)nblk * VL * hd;  /* floats of widened keys (and of values) per KV head */
+    const size_t per_head = (size_t)nblk * VL * hd; /* floats of widened keys (and of values) per KV head */
     if ((long long)(2 * per_head * nkv * sizeof(float)) > MAX_SCRATCH) return 1;
     float* kt = (float*)malloc(sizeof(float) * per_head * nkv);
     float* vrows = (float*)malloc(sizeof(float) * per_head * nkv);
@@ -540,10 +552,10 @@ int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, con
     const int nqb = (L + QB - 1) / QB;
     const size_t row = (size_t)nkv * hd;
     int failed = 0;
-    #pragma omp parallel num_threads(nthreads)
+#pragma omp parallel num_threads(nthreads)
     {
-        /* 1. keys transposed in blocks of VL, values as rows; keys past the context are zero */
-        #pragma omp for schedule(static)
+/* 1. keys transposed in blocks of VL, values as rows; keys past the context are zero */
+#pragma omp for schedule(static)
         for (int t = 0; t < nkv * nblk; t++) {
             const int g = t / nblk, b = t % nblk;
             float* kb = kt + (size_t)g * per_head + (size_t)b * VL * hd;
@@ -572,31 +584,38 @@ int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, con
         float* qf = (float*)malloc(sizeof(float) * (size_t)nq * hd);
         float* s = (float*)malloc(sizeof(float) * (size_t)nq * nblk * VL);
         if (!qf || !s) {
-            #pragma omp atomic write
+#pragma omp atomic write
             failed = 1;
         }
-        #pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < nkv * nqb; t++) {
             if (!qf || !s) continue;
             const int g = t % nkv, r0 = (nqb - 1 - t / nkv) * QB;
             const int rows = L - r0 < QB ? L - r0 : QB;
-            const int hi = start + r0 + rows;  /* keys of the task: [base, hi) at most */
+            const int hi = start + r0 + rows; /* keys of the task: [base, hi) at most */
             const int m = hi - base, mblk = (m + VL - 1) / VL;
-            const int p_first = start + r0;  /* the task's first row sees keys from lo_first */
+            const int p_first = start + r0; /* the task's first row sees keys from lo_first */
             const int lo_first = window > 0 && p_first + 1 > window ? p_first + 1 - window : 0;
             const int b0 = (lo_first - base) / VL;
             const size_t sld = (size_t)mblk * VL;
-            const int qn = rows * rep;  /* query u: row r0 + u / rep, head g * rep + u % rep */
+            const int qn = rows * rep; /* query u: row r0 + u / rep, head g * rep + u % rep */
             for (int u = 0; u < qn; u++) {
                 const size_t at = ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd;
                 for (int c = 0; c < nc; c++)
-                    v_store(qf + (size_t)u * hd + c * VL, v_mul(v_dt_load(q, at + c * VL, dtype), v_set1(scale)));
+                    v_store(qf + (size_t)u * hd + c * VL,
+                            v_mul(v_dt_load(q, at + c * VL, dtype), v_set1(scale)));
             }
             const float* ktg = kt + (size_t)g * per_head;
             const float* vg = vrows + (size_t)g * per_head;
-            if (hd == 64) attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh, 64, out, dtype);
-            else if (hd == 128) attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh, 128, out, dtype);
-            else attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh, hd, out, dtype);
+            if (hd == 64)
+                attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh,
+                            64, out, dtype);
+            else if (hd == 128)
+                attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh,
+                            128, out, dtype);
+            else
+                attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh,
+                            hd, out, dtype);
         }
         free(qf);
         free(s);
@@ -605,8 +624,23 @@ int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, con
     free(vrows);
     return failed ? 2 : 0;
 #else
-    (void)q; (void)kc; (void)vc; (void)table; (void)out; (void)L; (void)ctx; (void)nh; (void)nkv; (void)hd; (void)bs;
-    (void)window; (void)scale; (void)dtype; (void)nthreads; (void)ks; (void)vs;
+    (void)q;
+    (void)kc;
+    (void)vc;
+    (void)table;
+    (void)out;
+    (void)L;
+    (void)ctx;
+    (void)nh;
+    (void)nkv;
+    (void)hd;
+    (void)bs;
+    (void)window;
+    (void)scale;
+    (void)dtype;
+    (void)nthreads;
+    (void)ks;
+    (void)vs;
     return 1;
 #endif
 }

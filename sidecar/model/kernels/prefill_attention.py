@@ -14,6 +14,7 @@ Qwen2-0.5B's heads, 64-256 rows), a tenth of a prefill step at 256-token prompts
 products here run several times faster (see the C header and docs/PERFORMANCE.md); on CPUs with AMX, bf16 prompts
 over a bf16 cache go through tile products, faster again (2.8x at 256 tokens, 3.8x at 1,024 on a 2-core Xeon).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -26,10 +27,14 @@ from sidecar.model.kernels.paged_attention import cache_fits
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-_KERNEL = cpu_build.Kernel("prefill_attention", {
-    "sidecar_prefill_attention": ([P] * 5 + [I] * 7 + [F, I, I, P, P], I),
-    "sidecar_prefill_attention_supported": ([], I),
-}, setup=lambda lib: setattr(lib, "_sidecar_ok", bool(lib.sidecar_prefill_attention_supported())))
+_KERNEL = cpu_build.Kernel(
+    "prefill_attention",
+    {
+        "sidecar_prefill_attention": ([P] * 5 + [I] * 7 + [F, I, I, P, P], I),
+        "sidecar_prefill_attention_supported": ([], I),
+    },
+    setup=lambda lib: setattr(lib, "_sidecar_ok", bool(lib.sidecar_prefill_attention_supported())),
+)
 
 
 def available() -> bool:
@@ -38,9 +43,16 @@ def available() -> bool:
     return lib is not None and lib._sidecar_ok
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      ctx_len: int, scale: float, window: Optional[int] = None,
-                      kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_len: int,
+    scale: float,
+    window: Optional[int] = None,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Optional[torch.Tensor]:
     if not cache_fits(q, k_cache, v_cache, kv_scales):
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not available():
@@ -52,15 +64,30 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if table.dtype != torch.long:
         raise ValueError(f"prefill_attention: the block table is {table.dtype}, must be int64")
     if not length <= ctx_len <= table.shape[0] * bs:
-        raise ValueError(f"prefill_attention: {length} rows with a context of {ctx_len} tokens do not fit "
-                         f"{table.shape[0]} blocks of {bs}")
+        raise ValueError(
+            f"prefill_attention: {length} rows with a context of {ctx_len} tokens do not fit "
+            f"{table.shape[0]} blocks of {bs}"
+        )
     q = q.contiguous()
     out = torch.empty_like(q)
-    rc = lib.sidecar_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
-                                       out.data_ptr(), length, ctx_len, nh, nkv, hd, bs, window or 0, scale,
-                                       _DTYPES[q.dtype], torch.get_num_threads(),
-                                       *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(),
-                                                                                   kv_scales[1].data_ptr())))
+    rc = lib.sidecar_prefill_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        table.data_ptr(),
+        out.data_ptr(),
+        length,
+        ctx_len,
+        nh,
+        nkv,
+        hd,
+        bs,
+        window or 0,
+        scale,
+        _DTYPES[q.dtype],
+        torch.get_num_threads(),
+        *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())),
+    )
     if rc == 2:
         raise MemoryError("prefill_attention: out of memory for the kernel's scratch buffers")
     return out if rc == 0 else None

@@ -17,13 +17,13 @@
  */
 #include <stdint.h>
 
-#define SIDECAR_REPLAY_INTS 20
+#define SIDECAR_REPLAY_INTS   20
 #define SIDECAR_REPLAY_FLOATS 4
 
 typedef struct {
     void* fn;
-    int64_t checked;  /* 1: the kernel returns int, non-zero a failure; 0: its result is not read */
-    int64_t rel;      /* bit i: a[i] is an offset into the arena */
+    int64_t checked; /* 1: the kernel returns int, non-zero a failure; 0: its result is not read */
+    int64_t rel;     /* bit i: a[i] is an offset into the arena */
     int64_t a[SIDECAR_REPLAY_INTS];
     float f[SIDECAR_REPLAY_FLOATS];
 } sidecar_replay_op;
@@ -32,9 +32,15 @@ typedef int (*replay_fn)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, i
                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                          int64_t, int64_t, float, float, float, float);
 
-int sidecar_replay_ints(void) { return SIDECAR_REPLAY_INTS; }
-int sidecar_replay_floats(void) { return SIDECAR_REPLAY_FLOATS; }
-int sidecar_replay_op_size(void) { return (int)sizeof(sidecar_replay_op); }
+int sidecar_replay_ints(void) {
+    return SIDECAR_REPLAY_INTS;
+}
+int sidecar_replay_floats(void) {
+    return SIDECAR_REPLAY_FLOATS;
+}
+int sidecar_replay_op_size(void) {
+    return (int)sizeof(sidecar_replay_op);
+}
 
 int sidecar_replay(const sidecar_replay_op* ops, int n, void* base) {
     for (int i = 0; i < n; i++) {

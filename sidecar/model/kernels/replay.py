@@ -19,6 +19,7 @@ a dispatch mode and refuses it, naming the operator (``Unreplayable``). A kernel
 arguments at replay (a non-zero result) stops the replay (``Plan.replay`` returns False): the caller then
 runs the step eagerly.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -34,40 +35,78 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sidecar.model.kernels import cpu_build
 from sidecar.model.kernels.cpu_build import I, P
 
-_KERNEL = cpu_build.Kernel("replay", {
-    "sidecar_replay": ([P, I, P], I),
-    "sidecar_replay_ints": ([], I),
-    "sidecar_replay_floats": ([], I),
-    "sidecar_replay_op_size": ([], I),
-})
+_KERNEL = cpu_build.Kernel(
+    "replay",
+    {
+        "sidecar_replay": ([P, I, P], I),
+        "sidecar_replay_ints": ([], I),
+        "sidecar_replay_floats": ([], I),
+        "sidecar_replay_op_size": ([], I),
+    },
+)
 _INTS, _FLOATS = 20, 4  # as replay.c's SIDECAR_REPLAY_INTS / SIDECAR_REPLAY_FLOATS (checked at load)
 
 
 class _Op(ctypes.Structure):
-    _fields_ = [("fn", ctypes.c_void_p), ("checked", ctypes.c_int64), ("rel", ctypes.c_int64),
-                ("a", ctypes.c_int64 * _INTS),
-                ("f", ctypes.c_float * _FLOATS)]
+    _fields_ = [
+        ("fn", ctypes.c_void_p),
+        ("checked", ctypes.c_int64),
+        ("rel", ctypes.c_int64),
+        ("a", ctypes.c_int64 * _INTS),
+        ("f", ctypes.c_float * _FLOATS),
+    ]
 
 
 # Operators a recorded step may run besides our kernels: allocations (the recording keeps their results
 # alive) and views (no data moves). Anything else computes, and a replay would skip it.
-_ALLOCATIONS = {"aten::empty.memory_format", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
-                "aten::new_empty_strided"}
-_VIEWS = {"aten::view", "aten::_unsafe_view", "aten::reshape", "aten::slice.Tensor", "aten::select.int",
-          "aten::unsqueeze", "aten::squeeze", "aten::squeeze.dim", "aten::expand", "aten::as_strided",
-          "aten::t", "aten::transpose.int", "aten::permute", "aten::alias", "aten::detach", "aten::split.Tensor",
-          "aten::chunk", "aten::narrow", "aten::unbind.int", "aten::view_as", "aten::reshape_as"}
+_ALLOCATIONS = {
+    "aten::empty.memory_format",
+    "aten::empty_like",
+    "aten::empty_strided",
+    "aten::new_empty",
+    "aten::new_empty_strided",
+}
+_VIEWS = {
+    "aten::view",
+    "aten::_unsafe_view",
+    "aten::reshape",
+    "aten::slice.Tensor",
+    "aten::select.int",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::squeeze.dim",
+    "aten::expand",
+    "aten::as_strided",
+    "aten::t",
+    "aten::transpose.int",
+    "aten::permute",
+    "aten::alias",
+    "aten::detach",
+    "aten::split.Tensor",
+    "aten::chunk",
+    "aten::narrow",
+    "aten::unbind.int",
+    "aten::view_as",
+    "aten::reshape_as",
+}
 
 
 def unavailable_reason() -> Optional[str]:
     """Why steps cannot be replayed here (None when they can)."""
-    if not sys.platform.startswith("linux") or platform.machine().lower() not in ("x86_64", "amd64", "aarch64"):
+    if not sys.platform.startswith("linux") or platform.machine().lower() not in (
+        "x86_64",
+        "amd64",
+        "aarch64",
+    ):
         return f"the replay's calling convention is not known on {sys.platform} {platform.machine()}"
     lib = _KERNEL.lib()
     if lib is None:
         return f"the replay kernel is not built: {cpu_build.reason('replay')}"
     if (lib.sidecar_replay_ints(), lib.sidecar_replay_floats(), lib.sidecar_replay_op_size()) != (
-            _INTS, _FLOATS, ctypes.sizeof(_Op)):
+        _INTS,
+        _FLOATS,
+        ctypes.sizeof(_Op),
+    ):
         return "replay.c and replay.py disagree on the op layout"
     return None
 
@@ -85,8 +124,12 @@ class Plan:
 
     ALIGN = 64
 
-    def __init__(self, ops: list[tuple[cpu_build.KernelFunction, tuple]], kept: list[torch.Tensor],
-                 output: torch.Tensor) -> None:
+    def __init__(
+        self,
+        ops: list[tuple[cpu_build.KernelFunction, tuple]],
+        kept: list[torch.Tensor],
+        output: torch.Tensor,
+    ) -> None:
         self.num_ops = len(ops)
         self.names = [fn.name for fn, _ in ops]
         storages = _storages(kept)
@@ -127,18 +170,23 @@ class Plan:
 
     def same_calls(self, other: "Plan") -> bool:
         """Whether ``other`` makes the same calls with the same arguments over an arena laid out alike."""
-        def calls(plan: "Plan") -> list:
-            return [(op.fn, op.checked, op.rel, tuple(op.a), tuple(op.f)) for op in plan._ops[:plan.num_ops]]
 
-        return (self.num_ops == other.num_ops and self.arena_bytes == other.arena_bytes and self._out == other._out
-                and calls(self) == calls(other))
+        def calls(plan: "Plan") -> list:
+            return [(op.fn, op.checked, op.rel, tuple(op.a), tuple(op.f)) for op in plan._ops[: plan.num_ops]]
+
+        return (
+            self.num_ops == other.num_ops
+            and self.arena_bytes == other.arena_bytes
+            and self._out == other._out
+            and calls(self) == calls(other)
+        )
 
     def output(self, arena: torch.Tensor) -> torch.Tensor:
         """The step's result as the last replay over ``arena`` left it."""
         if self._view is None or self._view[0] != arena.data_ptr():
             off, dtype, shape = self._out
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            self._view = (arena.data_ptr(), arena[off:off + n].view(dtype).view(shape))
+            self._view = (arena.data_ptr(), arena[off : off + n].view(dtype).view(shape))
         return self._view[1]
 
 
@@ -171,8 +219,13 @@ def _place(uses: dict[int, list[int]], sizes: dict[int, int], align: int) -> dic
     return offsets
 
 
-def _encode(op: _Op, fn: cpu_build.KernelFunction, args: tuple, storage_of: Callable[[int], Optional[int]],
-            offsets: dict[int, int]) -> None:
+def _encode(
+    op: _Op,
+    fn: cpu_build.KernelFunction,
+    args: tuple,
+    storage_of: Callable[[int], Optional[int]],
+    offsets: dict[int, int],
+) -> None:
     """One recorded call into ``op``: pointers into the step's own tensors become arena offsets."""
     if len(args) != len(fn.argtypes):
         raise Unreplayable(f"{fn.name}: called with {len(args)} arguments, declared with {len(fn.argtypes)}")
@@ -189,8 +242,10 @@ def _encode(op: _Op, fn: cpu_build.KernelFunction, args: tuple, storage_of: Call
             v = offsets[b] + v - b
         ints.append(v)
     if len(ints) > _INTS or len(floats) > _FLOATS:
-        raise Unreplayable(f"{fn.name}: {len(ints)} integer and {len(floats)} float arguments (the replay "
-                           f"passes at most {_INTS} and {_FLOATS})")
+        raise Unreplayable(
+            f"{fn.name}: {len(ints)} integer and {len(floats)} float arguments (the replay "
+            f"passes at most {_INTS} and {_FLOATS})"
+        )
     op.fn = fn.address
     op.checked = int(fn.restype is not None)
     op.rel = rel
@@ -218,7 +273,10 @@ class _Guard(TorchDispatchMode):
         if name in _ALLOCATIONS:
             self.kept.append(out)
         elif name in _VIEWS:
-            if name == "aten::reshape" and out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr():
+            if (
+                name == "aten::reshape"
+                and out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
+            ):
                 self.refused = self.refused or "aten::reshape (a copy)"
         elif self.refused is None:
             self.refused = name

@@ -33,7 +33,8 @@ static inline void rope_head(const void* src, size_t s0, const void* cs, const v
             const vf hi_s = v_dt_round(v_mul(hi, v_dt_load(sn, c0 + i, dtype)), dtype);
             const vf hi_c = v_dt_round(v_mul(hi, v_dt_load(cs, c0 + half + i, dtype)), dtype);
             const vf lo_s = v_dt_round(v_mul(lo, v_dt_load(sn, c0 + half + i, dtype)), dtype);
-            const vf out_lo = v_dt_round(v_add(lo_c, hi_s), dtype), out_hi = v_dt_round(v_add(hi_c, lo_s), dtype);
+            const vf out_lo = v_dt_round(v_add(lo_c, hi_s), dtype),
+                     out_hi = v_dt_round(v_add(hi_c, lo_s), dtype);
             v_dt_store(dst, d0 + i, out_lo, dtype);
             v_dt_store(dst, d0 + half + i, out_hi, dtype);
             if (dst2) {
@@ -75,28 +76,30 @@ void sidecar_rope_store_kv(const void* qkv, const void* cs, const void* sn, cons
                            int nthreads, float* ks, float* vs) {
     const size_t row = (size_t)(nh + 2 * nkv) * hd, kv_row = (size_t)nkv * hd;
     const size_t esize = dtype ? 2 : 4;
-    /* split between the threads from ~15 tokens of a 1,152-wide qkv row (a 32-row decode step: 28.5 -> 22.3 us a
-     * layer on a 2-core Xeon, the other core no longer waiting) */
-    #pragma omp parallel for num_threads(nthreads) schedule(static) if ((size_t)T * row >= 16384)
+/* split between the threads from ~15 tokens of a 1,152-wide qkv row (a 32-row decode step: 28.5 -> 22.3 us a
+ * layer on a 2-core Xeon, the other core no longer waiting) */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if ((size_t)T * row >= 16384)
     for (int t = 0; t < T; t++) {
         const size_t r0 = (size_t)t * row, c0 = (size_t)t * hd, slot = (size_t)slots[t] * kv_row;
         for (int h = 0; h < nh; h++)
-            rope_head(qkv, r0 + (size_t)h * hd, cs, sn, c0, q_out, ((size_t)t * nh + h) * hd, NULL, 0, hd, dtype);
-        if (ks) {  /* quantized cache: rope(k) through a row buffer in the dtype, then codes and scales */
-            float buf[512];  /* hd <= 256 values of the dtype (the wrapper checks) */
+            rope_head(qkv, r0 + (size_t)h * hd, cs, sn, c0, q_out, ((size_t)t * nh + h) * hd, NULL, 0, hd,
+                      dtype);
+        if (ks) { /* quantized cache: rope(k) through a row buffer in the dtype, then codes and scales */
+            float buf[512]; /* hd <= 256 values of the dtype (the wrapper checks) */
             const size_t srow = (size_t)slots[t] * nkv;
             for (int g = 0; g < nkv; g++) {
-                rope_head(qkv, r0 + (size_t)(nh + g) * hd, cs, sn, c0, buf, 0, k_out, (size_t)t * kv_row + (size_t)g * hd,
-                          hd, dtype);
+                rope_head(qkv, r0 + (size_t)(nh + g) * hd, cs, sn, c0, buf, 0, k_out,
+                          (size_t)t * kv_row + (size_t)g * hd, hd, dtype);
                 quantize_row(buf, 0, dtype, (int8_t*)kc + slot + (size_t)g * hd, ks + srow + g, hd);
-                quantize_row(qkv, r0 + (size_t)(nh + nkv + g) * hd, dtype, (int8_t*)vc + slot + (size_t)g * hd,
-                             vs + srow + g, hd);
+                quantize_row(qkv, r0 + (size_t)(nh + nkv + g) * hd, dtype,
+                             (int8_t*)vc + slot + (size_t)g * hd, vs + srow + g, hd);
             }
             continue;
         }
         for (int g = 0; g < nkv; g++)
             rope_head(qkv, r0 + (size_t)(nh + g) * hd, cs, sn, c0, kc, slot + (size_t)g * hd, k_out,
                       (size_t)t * kv_row + (size_t)g * hd, hd, dtype);
-        memcpy((char*)vc + slot * esize, (const char*)qkv + (r0 + (size_t)(nh + nkv) * hd) * esize, kv_row * esize);
+        memcpy((char*)vc + slot * esize, (const char*)qkv + (r0 + (size_t)(nh + nkv) * hd) * esize,
+               kv_row * esize);
     }
 }

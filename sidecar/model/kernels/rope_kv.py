@@ -6,12 +6,14 @@ projection [T, (nh + 2 nkv) hd], the step's rotary tables [T, hd] (rotate-half's
 ``sin``) and the cache slot of each token; it writes rope(k) and v into the caches and returns
 ``(q, k, v)``: rope(q) [T, nh, hd], rope(k) [T, nkv, hd] when ``want_k`` (prompt rows attend to it;
 None otherwise) and v as a view of ``qkv``. With ``kv_scales`` the caches are int8 (``sidecar.model.kv_quant``)
-and the new rows are quantized on write, bit for bit as ``kv_quant.write`` stores them. It returns None when the kernel cannot take the inputs;
+and the new rows are quantized on write, bit for bit as ``kv_quant.write`` stores them. It returns None when
+the kernel cannot take the inputs;
 the caller then runs the torch path (``llama.Attention`` + ``attention.write_kv``), which computes
 the same bits: the kernel rounds where torch's ops round and uses no fused multiply-add. It replaces
 a dozen small torch ops per layer (slices, two products, a roll, a sum, two index copies), which at
 batch 1 cost more than the arithmetic.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,25 +32,48 @@ _KERNEL = cpu_build.Kernel("rope_kv", {"sidecar_rope_store_kv": ([P] * 8 + [I] *
 available = _KERNEL.available
 
 
-def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, nh: int, nkv: int, hd: int,
-                  want_k: bool, kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                  ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
+def rope_store_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    nh: int,
+    nkv: int,
+    hd: int,
+    want_k: bool,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
     dtype = qkv.dtype
-    if (qkv.device.type != "cpu" or dtype not in _DTYPES or hd % 2 or qkv.dim() != 2
-            or qkv.shape[1] != (nh + 2 * nkv) * hd or not qkv.is_contiguous()):
+    if (
+        qkv.device.type != "cpu"
+        or dtype not in _DTYPES
+        or hd % 2
+        or qkv.dim() != 2
+        or qkv.shape[1] != (nh + 2 * nkv) * hd
+        or not qkv.is_contiguous()
+    ):
         return None
     t = qkv.shape[0]
     kv_dtype = dtype
     if kv_scales is not None:  # an int8 cache: codes and scales written as kv_quant.quantize makes them
         kv_dtype = torch.int8
-        if hd > 256 or any(s.dtype != torch.float32 or not s.is_contiguous() or s.shape != k_cache.shape[:3]
-                           for s in kv_scales):
+        if hd > 256 or any(
+            s.dtype != torch.float32 or not s.is_contiguous() or s.shape != k_cache.shape[:3]
+            for s in kv_scales
+        ):
             return None
-    if (any(x.dtype != dtype or not x.is_contiguous() for x in (cos, sin))
-            or any(x.dtype != kv_dtype or not x.is_contiguous() for x in (k_cache, v_cache))
-            or cos.numel() != t * hd or sin.numel() != t * hd or slots.dtype != torch.long
-            or slots.shape != (t,) or k_cache.shape[-2:] != (nkv, hd) or v_cache.shape[-2:] != (nkv, hd)):
+    if (
+        any(x.dtype != dtype or not x.is_contiguous() for x in (cos, sin))
+        or any(x.dtype != kv_dtype or not x.is_contiguous() for x in (k_cache, v_cache))
+        or cos.numel() != t * hd
+        or sin.numel() != t * hd
+        or slots.dtype != torch.long
+        or slots.shape != (t,)
+        or k_cache.shape[-2:] != (nkv, hd)
+        or v_cache.shape[-2:] != (nkv, hd)
+    ):
         return None
     lib = _KERNEL.lib()
     if lib is None:
@@ -56,8 +81,21 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots
     slots = slots.contiguous()
     q = torch.empty(t, nh, hd, dtype=dtype)
     k = torch.empty(t, nkv, hd, dtype=dtype) if want_k else None
-    lib.sidecar_rope_store_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
-                              v_cache.data_ptr(), q.data_ptr(), None if k is None else k.data_ptr(), t, nh, nkv,
-                              hd, _DTYPES[dtype], torch.get_num_threads(),
-                              *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())))
-    return q, k, qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
+    lib.sidecar_rope_store_kv(
+        qkv.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        q.data_ptr(),
+        None if k is None else k.data_ptr(),
+        t,
+        nh,
+        nkv,
+        hd,
+        _DTYPES[dtype],
+        torch.get_num_threads(),
+        *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())),
+    )
+    return q, k, qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)

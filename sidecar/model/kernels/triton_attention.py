@@ -20,6 +20,7 @@ Shape of the work:
 CUDA-graph safety: no host reads; the grid and the partition count come from tensor shapes only
 (``max_blocks * block_size`` bounds every row's context).
 """
+
 from typing import Optional
 
 import torch
@@ -46,15 +47,49 @@ def _codes(x, FP8: tl.constexpr):
 
 
 @triton.jit
-def _decode_partition(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-                      scale, window,
-                      s_qb, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_sb, s_ss, s_bt, s_ob, s_oh,
-                      n_parts, max_blocks,
-                      QUANT: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, PART: tl.constexpr, BLOCK_N: tl.constexpr,
-                      HAS_WINDOW: tl.constexpr, DIRECT: tl.constexpr, F32: tl.constexpr,
-                      BF16: tl.constexpr):
+def _decode_partition(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    bt_ptr,
+    ctx_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    scale,
+    window,
+    s_qb,
+    s_qh,
+    s_kb,
+    s_ks,
+    s_kh,
+    s_vb,
+    s_vs,
+    s_vh,
+    s_sb,
+    s_ss,
+    s_bt,
+    s_ob,
+    s_oh,
+    n_parts,
+    max_blocks,
+    QUANT: tl.constexpr,
+    FP8: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    PART: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DIRECT: tl.constexpr,
+    F32: tl.constexpr,
+    BF16: tl.constexpr,
+):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     part = tl.program_id(2)
@@ -64,8 +99,9 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + row * s_qb + heads[:, None] * s_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + row * s_qb + heads[:, None] * s_qh + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
+    )
     ctx = tl.load(ctx_ptr + row).to(tl.int32)
     lo = 0
     if HAS_WINDOW:
@@ -81,11 +117,16 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_
         pos = start + n
         visible = (pos >= lo) & (pos < p_end)
         blk_idx = pos // BLOCK_SIZE
-        blk = tl.load(bt_ptr + row * s_bt + blk_idx, mask=visible & (blk_idx < max_blocks), other=0).to(tl.int64)
+        blk = tl.load(bt_ptr + row * s_bt + blk_idx, mask=visible & (blk_idx < max_blocks), other=0).to(
+            tl.int64
+        )
         slot = pos % BLOCK_SIZE
         kv_mask = visible[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + blk[:, None] * s_kb + slot[:, None] * s_ks + kvh * s_kh + d[None, :],
-                    mask=kv_mask, other=0)
+        k = tl.load(
+            k_ptr + blk[:, None] * s_kb + slot[:, None] * s_ks + kvh * s_kh + d[None, :],
+            mask=kv_mask,
+            other=0,
+        )
         if QUANT:  # codes times the token's scale, in float32, then q's dtype (as kv_quant.dequantize)
             k_s = tl.load(ks_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
             k = narrow(_codes(k, FP8) * k_s[:, None], q_ptr, BF16)
@@ -96,8 +137,11 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh + d[None, :],
-                    mask=kv_mask, other=0)
+        v = tl.load(
+            v_ptr + blk[:, None] * s_vb + slot[:, None] * s_vs + kvh * s_vh + d[None, :],
+            mask=kv_mask,
+            other=0,
+        )
         if QUANT:
             v_s = tl.load(vs_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
             v = narrow(_codes(v, FP8) * v_s[:, None], q_ptr, BF16)
@@ -106,7 +150,9 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_
     out_mask = g_ok[:, None] & d_ok[None, :]
     if DIRECT:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + row * s_ob + heads[:, None] * s_oh + d[None, :], narrow(o, out_ptr, BF16), mask=out_mask)
+        tl.store(
+            out_ptr + row * s_ob + heads[:, None] * s_oh + d[None, :], narrow(o, out_ptr, BF16), mask=out_mask
+        )
     else:
         # Scratch layout: [B, H, n_parts] for m and l, [B, H, n_parts, D_PAD] for acc.
         base = (row * GROUP * tl.num_programs(1) + heads) * n_parts + part
@@ -116,8 +162,19 @@ def _decode_partition(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, ctx_ptr, out_
 
 
 @triton.jit
-def _decode_reduce(m_ptr, l_ptr, acc_ptr, out_ptr, n_parts, s_ob, s_oh,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr, BF16: tl.constexpr):
+def _decode_reduce(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    n_parts,
+    s_ob,
+    s_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,
+    BF16: tl.constexpr,
+):
     row = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.arange(0, P_PAD)
@@ -138,8 +195,12 @@ def _decode_reduce(m_ptr, l_ptr, acc_ptr, out_ptr, n_parts, s_ob, s_oh,
 def _scales_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales) -> bool:
     """Scales the kernel can index: float32 [num_blocks, block_size, Hkv], both of one layout, heads adjacent."""
     ks, vs = kv_scales
-    return (ks.dtype == vs.dtype == torch.float32 and ks.shape == vs.shape == k_cache.shape[:3]
-            and ks.stride() == vs.stride() and ks.stride(2) == 1)
+    return (
+        ks.dtype == vs.dtype == torch.float32
+        and ks.shape == vs.shape == k_cache.shape[:3]
+        and ks.stride() == vs.stride()
+        and ks.stride(2) == 1
+    )
 
 
 def num_partitions(max_len: int, programs: int, partition_size: Optional[int]) -> tuple[int, int]:
@@ -155,11 +216,18 @@ def num_partitions(max_len: int, programs: int, partition_size: Optional[int]) -
     return max(1, -(-max_len // part)), part
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                           window: Optional[int] = None, partition_size: Optional[int] = None,
-                           out: Optional[torch.Tensor] = None,
-                           kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    scale: float,
+    window: Optional[int] = None,
+    partition_size: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Optional[torch.Tensor]:
     """Decode attention of ``q`` [B, H, D] over the paged cache; see the module docstring.
 
     ``partition_size`` forces the split-KV partition (tokens, rounded up to a multiple of ``BLOCK_N``);
@@ -174,19 +242,34 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if quant and not _scales_fit(k_cache, v_cache, kv_scales):
         return None
     want = (torch.int8, torch.float8_e4m3fn) if quant else (q.dtype,)
-    if (k_cache.dtype not in want or v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape
-            or hd_k != hd or nh % nkv or q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1):
+    if (
+        k_cache.dtype not in want
+        or v_cache.dtype != k_cache.dtype
+        or v_cache.shape != k_cache.shape
+        or hd_k != hd
+        or nh % nkv
+        or q.stride(2) != 1
+        or k_cache.stride(3) != 1
+        or v_cache.stride(3) != 1
+    ):
         return None
     fp8 = k_cache.dtype == torch.float8_e4m3fn
     if fp8:  # passed as bytes; the kernel bit-casts them
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     ks, vs = kv_scales if quant else (q, q)  # unused without QUANT
-    if block_tables.dtype not in (torch.int32, torch.int64) or ctx_lens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"decode_block_tables / decode_ctx_lens: must be int32 or int64, got "
-                         f"{block_tables.dtype} / {ctx_lens.dtype}")
+    if block_tables.dtype not in (torch.int32, torch.int64) or ctx_lens.dtype not in (
+        torch.int32,
+        torch.int64,
+    ):
+        raise ValueError(
+            f"decode_block_tables / decode_ctx_lens: must be int32 or int64, got "
+            f"{block_tables.dtype} / {ctx_lens.dtype}"
+        )
     if block_tables.dim() != 2 or block_tables.shape[0] != b or ctx_lens.shape != (b,):
-        raise ValueError(f"decode_block_tables: shape {tuple(block_tables.shape)} and decode_ctx_lens "
-                         f"{tuple(ctx_lens.shape)} must cover the {b} query rows")
+        raise ValueError(
+            f"decode_block_tables: shape {tuple(block_tables.shape)} and decode_ctx_lens "
+            f"{tuple(ctx_lens.shape)} must cover the {b} query rows"
+        )
     if out is None:
         out = torch.empty_like(q)
     if b == 0:
@@ -205,16 +288,60 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         l = torch.empty_like(m)
         acc = torch.empty(b, nh, n_parts, d_pad, dtype=torch.float32, device=q.device)
     _decode_partition[(b, nkv, n_parts)](
-        q, k_cache, v_cache, ks, vs, tables, ctx, out, m, l, acc, float(scale), int(window or 0),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ks.stride(0), ks.stride(1 if quant else 0),
-        tables.stride(0), out.stride(0), out.stride(1), n_parts, max_blocks,
-        QUANT=quant, FP8=fp8, GROUP=group, G_PAD=max(16, next_pow2(group)), HEAD_DIM=hd, D_PAD=d_pad,
-        BLOCK_SIZE=bs, PART=part,
-        BLOCK_N=BLOCK_N, HAS_WINDOW=window is not None, DIRECT=direct,
-        F32=dot_in_f32(q.dtype), BF16=q.dtype == torch.bfloat16)
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        tables,
+        ctx,
+        out,
+        m,
+        l,
+        acc,
+        float(scale),
+        int(window or 0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        ks.stride(0),
+        ks.stride(1 if quant else 0),
+        tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        n_parts,
+        max_blocks,
+        QUANT=quant,
+        FP8=fp8,
+        GROUP=group,
+        G_PAD=max(16, next_pow2(group)),
+        HEAD_DIM=hd,
+        D_PAD=d_pad,
+        BLOCK_SIZE=bs,
+        PART=part,
+        BLOCK_N=BLOCK_N,
+        HAS_WINDOW=window is not None,
+        DIRECT=direct,
+        F32=dot_in_f32(q.dtype),
+        BF16=q.dtype == torch.bfloat16,
+    )
     if not direct:
-        _decode_reduce[(b, nh)](m, l, acc, out, n_parts, out.stride(0), out.stride(1),
-                                HEAD_DIM=hd, D_PAD=d_pad, P_PAD=next_pow2(n_parts),
-                                BF16=q.dtype == torch.bfloat16)
+        _decode_reduce[(b, nh)](
+            m,
+            l,
+            acc,
+            out,
+            n_parts,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=hd,
+            D_PAD=d_pad,
+            P_PAD=next_pow2(n_parts),
+            BF16=q.dtype == torch.bfloat16,
+        )
     return out

@@ -7,6 +7,7 @@ float32 model gets float32 answers). Without it 16-bit operands go to the tensor
 integers; there the operands are rounded to their 16-bit dtype first, so the interpreter sees the same
 inputs a GPU would.
 """
+
 import torch
 import triton
 import triton.language as tl

@@ -23,6 +23,7 @@ us), so larger batches keep the separate kernels.
 Every wrapper returns None for inputs it does not take (more rows, another dtype, a non-contiguous tensor);
 ``takes`` says beforehand. Imports Triton: import only where ``gpu_paths.triton_available()``.
 """
+
 from typing import Optional
 
 import torch
@@ -58,9 +59,25 @@ def _summed(h_ptr, d_ptr, kk, ok, HAS_DELTA: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _gemv(x_ptr, d_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr, n, k, eps,
-          PRO: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_STEP: tl.constexpr, BF16: tl.constexpr):
+def _gemv(
+    x_ptr,
+    d_ptr,
+    nw_ptr,
+    s_ptr,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    n,
+    k,
+    eps,
+    PRO: tl.constexpr,
+    HAS_DELTA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ONE_STEP: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """``y[tile] = a @ w[tile].T (+ b)`` for one row ``a``, by ``PRO``: 0 ``x``; 1 ``nw * rms_norm(x + d)``
     (program 0 writes ``x + d`` to ``s``); 2 ``silu(x[:k]) * x[k:]``. ``ONE_STEP``: K fits one step."""
     pid = tl.program_id(0)
@@ -116,13 +133,27 @@ def _gemv(x_ptr, d_ptr, nw_ptr, s_ptr, w_ptr, b_ptr, y_ptr, n, k, eps,
     tl.store(y_ptr + rn, narrow(y, y_ptr, BF16), mask=n_ok)
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, k: Optional[int] = None) -> bool:
+def takes(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, k: Optional[int] = None
+) -> bool:
     """Whether the kernels take rows ``x`` [M, K'] against ``weight`` [N, K] (K = ``k``, default K')."""
     k = x.shape[-1] if k is None else k
-    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and x.is_contiguous()
-            and weight.dim() == 2 and weight.shape[1] == k and k > 0 and weight.dtype == x.dtype
-            and weight.is_contiguous() and weight.device == x.device
-            and (bias is None or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype and bias.is_contiguous())))
+    return (
+        x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.dtype in _DTYPES
+        and x.is_contiguous()
+        and weight.dim() == 2
+        and weight.shape[1] == k
+        and k > 0
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+        and weight.device == x.device
+        and (
+            bias is None
+            or (bias.shape == (weight.shape[0],) and bias.dtype == x.dtype and bias.is_contiguous())
+        )
+    )
 
 
 def _launch(x, d, nw, s, weight, bias, k, eps, pro) -> torch.Tensor:
@@ -130,31 +161,63 @@ def _launch(x, d, nw, s, weight, bias, k, eps, pro) -> torch.Tensor:
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config(n, k, sm_count(x.device))
     _gemv[(triton.cdiv(n, block_n),)](
-        x, x if d is None else d, x if nw is None else nw, x if s is None else s, weight,
-        weight if bias is None else bias, y, n, k, float(eps),
-        PRO=pro, HAS_DELTA=d is not None, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        ONE_STEP=k <= block_k, BF16=x.dtype == torch.bfloat16, num_warps=warps, enable_fp_fusion=False)
+        x,
+        x if d is None else d,
+        x if nw is None else nw,
+        x if s is None else s,
+        weight,
+        weight if bias is None else bias,
+        y,
+        n,
+        k,
+        float(eps),
+        PRO=pro,
+        HAS_DELTA=d is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ONE_STEP=k <= block_k,
+        BF16=x.dtype == torch.bfloat16,
+        num_warps=warps,
+        enable_fp_fusion=False,
+    )
     return y
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
     if not takes(x, weight, bias):
         return None
     return _launch(x, None, None, None, weight, bias, x.shape[1], 0.0, 0)
 
 
-def norm_matmul(h: torch.Tensor, delta: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-                ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    if (not takes(h, weight, bias) or norm_weight.shape != (h.shape[1],) or norm_weight.dtype != h.dtype
-            or not norm_weight.is_contiguous()
-            or (delta is not None and (delta.shape != h.shape or delta.dtype != h.dtype or not delta.is_contiguous()))):
+def norm_matmul(
+    h: torch.Tensor,
+    delta: Optional[torch.Tensor],
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    if (
+        not takes(h, weight, bias)
+        or norm_weight.shape != (h.shape[1],)
+        or norm_weight.dtype != h.dtype
+        or not norm_weight.is_contiguous()
+        or (
+            delta is not None
+            and (delta.shape != h.shape or delta.dtype != h.dtype or not delta.is_contiguous())
+        )
+    ):
         return None
     s = h if delta is None else torch.empty_like(h)
     return _launch(h, delta, norm_weight, s, weight, bias, h.shape[1], eps, 1), s
 
 
-def silu_matmul(gu: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+def silu_matmul(
+    gu: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
     if gu.dim() != 2 or gu.shape[1] % 2 or not takes(gu, weight, bias, gu.shape[1] // 2):
         return None
     return _launch(gu, None, None, None, weight, bias, gu.shape[1] // 2, 0.0, 2)

@@ -18,6 +18,7 @@ separately, as torch's separate ops do.
 Every wrapper returns None for inputs it does not take (another dtype, a non-contiguous tensor); the
 caller then runs the torch path. Imports Triton: import only where ``gpu_paths.triton_available()``.
 """
+
 from typing import Optional
 
 import torch
@@ -71,9 +72,28 @@ def _store_codes(c_ptr, s_ptr, slot, h, x, d, ok, NKV: tl.constexpr, HD: tl.cons
 
 
 @triton.jit
-def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr, q_ptr, k_ptr, s_qkv, s_kc_slot,
-             NH: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, D_PAD: tl.constexpr, WANT_K: tl.constexpr,
-             QUANT: tl.constexpr, FP8: tl.constexpr, BF16: tl.constexpr):
+def _rope_kv(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    kc_ptr,
+    vc_ptr,
+    ks_ptr,
+    vs_ptr,
+    q_ptr,
+    k_ptr,
+    s_qkv,
+    s_kc_slot,
+    NH: tl.constexpr,
+    NKV: tl.constexpr,
+    HD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    WANT_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP8: tl.constexpr,
+    BF16: tl.constexpr,
+):
     t = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads of the fused projection
     d = tl.arange(0, D_PAD)
@@ -107,48 +127,105 @@ def _rope_kv(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr
             tl.store(vc_ptr + slot * s_kc_slot + (head - NH - NKV) * HD + d, x, mask=ok)
 
 
-def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, nh: int, nkv: int, hd: int,
-                  want_k: bool, kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                  ) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
+def rope_store_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    nh: int,
+    nkv: int,
+    hd: int,
+    want_k: bool,
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
     dtype = qkv.dtype
-    if (dtype not in _DTYPES or hd % 2 or qkv.dim() != 2 or qkv.shape[1] != (nh + 2 * nkv) * hd
-            or qkv.stride(1) != 1):
+    if (
+        dtype not in _DTYPES
+        or hd % 2
+        or qkv.dim() != 2
+        or qkv.shape[1] != (nh + 2 * nkv) * hd
+        or qkv.stride(1) != 1
+    ):
         return None
     t = qkv.shape[0]
     quant = kv_scales is not None
     fp8 = quant and k_cache.dtype == torch.float8_e4m3fn
-    if quant and (k_cache.dtype not in (torch.int8, torch.float8_e4m3fn)
-                  or any(x.dtype != torch.float32 or not x.is_contiguous() or x.shape != k_cache.shape[:-1]
-                         for x in kv_scales)):
+    if quant and (
+        k_cache.dtype not in (torch.int8, torch.float8_e4m3fn)
+        or any(
+            x.dtype != torch.float32 or not x.is_contiguous() or x.shape != k_cache.shape[:-1]
+            for x in kv_scales
+        )
+    ):
         return None
     cache_dtype = k_cache.dtype if quant else dtype
-    if (any(x.dtype != dtype or not x.is_contiguous() for x in (cos, sin))
-            or any(x.dtype != cache_dtype or not x.is_contiguous() for x in (k_cache, v_cache))
-            or cos.numel() != t * hd or sin.numel() != t * hd or slots.dtype not in (torch.int32, torch.int64)
-            or slots.shape != (t,) or k_cache.shape != v_cache.shape or k_cache.shape[-2:] != (nkv, hd)):
+    if (
+        any(x.dtype != dtype or not x.is_contiguous() for x in (cos, sin))
+        or any(x.dtype != cache_dtype or not x.is_contiguous() for x in (k_cache, v_cache))
+        or cos.numel() != t * hd
+        or sin.numel() != t * hd
+        or slots.dtype not in (torch.int32, torch.int64)
+        or slots.shape != (t,)
+        or k_cache.shape != v_cache.shape
+        or k_cache.shape[-2:] != (nkv, hd)
+    ):
         return None
     q = torch.empty(t, nh, hd, dtype=dtype, device=qkv.device)
     k = torch.empty(t, nkv, hd, dtype=dtype, device=qkv.device) if want_k else None
     if t:
         ks, vs = kv_scales if quant else (q, q)  # unused without QUANT
-        kc, vc = (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)  # the bytes
-        _rope_kv[(t, nh + 2 * nkv)](qkv, cos, sin, slots.contiguous(), kc, vc, ks, vs, q,
-                                    q if k is None else k, qkv.stride(0), nkv * hd,
-                                    NH=nh, NKV=nkv, HD=hd, D_PAD=triton.next_power_of_2(hd), WANT_K=want_k,
-                                    QUANT=quant, FP8=fp8, BF16=dtype == torch.bfloat16, enable_fp_fusion=False)
-    return q, k, qkv[:, (nh + nkv) * hd:].view(t, nkv, hd)
+        kc, vc = (
+            (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if fp8 else (k_cache, v_cache)
+        )  # the bytes
+        _rope_kv[(t, nh + 2 * nkv)](
+            qkv,
+            cos,
+            sin,
+            slots.contiguous(),
+            kc,
+            vc,
+            ks,
+            vs,
+            q,
+            q if k is None else k,
+            qkv.stride(0),
+            nkv * hd,
+            NH=nh,
+            NKV=nkv,
+            HD=hd,
+            D_PAD=triton.next_power_of_2(hd),
+            WANT_K=want_k,
+            QUANT=quant,
+            FP8=fp8,
+            BF16=dtype == torch.bfloat16,
+            enable_fp_fusion=False,
+        )
+    return q, k, qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)
 
 
 @triton.jit
-def _add_rms_norm(h_ptr, d_ptr, w_ptr, s_ptr, out_ptr, dim, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-                  BF16: tl.constexpr):
+def _add_rms_norm(
+    h_ptr,
+    d_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    dim,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64) * dim
     i = tl.arange(0, BLOCK)
     ok = i < dim
     x = tl.load(h_ptr + row + i, mask=ok, other=0.0)
     if HAS_DELTA:
-        x = narrow(x.to(tl.float32) + tl.load(d_ptr + row + i, mask=ok, other=0.0).to(tl.float32), h_ptr, BF16)
+        x = narrow(
+            x.to(tl.float32) + tl.load(d_ptr + row + i, mask=ok, other=0.0).to(tl.float32), h_ptr, BF16
+        )
         tl.store(s_ptr + row + i, x, mask=ok)
     xf = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
@@ -157,22 +234,37 @@ def _add_rms_norm(h_ptr, d_ptr, w_ptr, s_ptr, out_ptr, dim, eps, HAS_DELTA: tl.c
     tl.store(out_ptr + row + i, narrow(w.to(tl.float32) * n.to(tl.float32), h_ptr, BF16), mask=ok)
 
 
-def add_rms_norm(h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor,
-                 eps: float) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+def add_rms_norm(
+    h: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     tensors = (h, weight) if delta is None else (h, weight, delta)
-    if (h.dtype not in _DTYPES or h.dim() != 2 or weight.shape != (h.shape[1],)
-            or any(t.dtype != h.dtype or not t.is_contiguous() for t in tensors)
-            or (delta is not None and delta.shape != h.shape)):
+    if (
+        h.dtype not in _DTYPES
+        or h.dim() != 2
+        or weight.shape != (h.shape[1],)
+        or any(t.dtype != h.dtype or not t.is_contiguous() for t in tensors)
+        or (delta is not None and delta.shape != h.shape)
+    ):
         return None
     rows, dim = h.shape
     out = torch.empty_like(h)
     s = h if delta is None else torch.empty_like(h)
     block = triton.next_power_of_2(dim)
     if rows:
-        _add_rms_norm[(rows,)](h, h if delta is None else delta, weight, s, out, dim, float(eps),
-                               HAS_DELTA=delta is not None, BLOCK=block, BF16=h.dtype == torch.bfloat16,
-                               num_warps=8 if block >= 4096 else 4,  # wide rows: fewer values per thread
-                               enable_fp_fusion=False)
+        _add_rms_norm[(rows,)](
+            h,
+            h if delta is None else delta,
+            weight,
+            s,
+            out,
+            dim,
+            float(eps),
+            HAS_DELTA=delta is not None,
+            BLOCK=block,
+            BF16=h.dtype == torch.bfloat16,
+            num_warps=8 if block >= 4096 else 4,  # wide rows: fewer values per thread
+            enable_fp_fusion=False,
+        )
     return out, s
 
 
@@ -195,6 +287,7 @@ def silu_mul(gu: torch.Tensor) -> Optional[torch.Tensor]:
     out = torch.empty(rows, inter, dtype=gu.dtype, device=gu.device)
     block = min(1024, triton.next_power_of_2(max(inter, 1)))
     if rows and inter:
-        _silu_mul[(rows, triton.cdiv(inter, block))](gu, out, inter, BLOCK=block, BF16=gu.dtype == torch.bfloat16,
-                                                           enable_fp_fusion=False)
+        _silu_mul[(rows, triton.cdiv(inter, block))](
+            gu, out, inter, BLOCK=block, BF16=gu.dtype == torch.bfloat16, enable_fp_fusion=False
+        )
     return out

@@ -19,6 +19,7 @@ partial, and a second kernel adds the partials in a fixed order, scales and roun
 N and K only, never on M: a row's result does not depend on its batch.
 Imports Triton: import only where ``gpu_paths.triton_available()``.
 """
+
 from typing import Optional
 
 import torch
@@ -54,9 +55,26 @@ def splits(n: int, k: int, block_n: int, block_k: int, sms: int) -> tuple[int, i
 
 
 @triton.jit
-def _int8_mm(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, m, n, k, k_per, s_xm, s_wn, s_ym,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-             F32: tl.constexpr, BF16: tl.constexpr):
+def _int8_mm(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    p_ptr,
+    m,
+    n,
+    k,
+    k_per,
+    s_xm,
+    s_wn,
+    s_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    F32: tl.constexpr,
+    BF16: tl.constexpr,
+):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
     rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -69,8 +87,9 @@ def _int8_mm(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, m, n, k, k_per, s_xm, s_wn, s_ym
         kk = k0 + rk
         k_ok = kk < k
         x = tl.load(x_ptr + rm[:, None] * s_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0)
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * s_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0
+        )
         # Codes are exact in every float dtype. Through float32: the interpreter casts integers to bf16
         # as raw bits.
         acc += mma(x, tl.trans(w.to(tl.float32).to(x.dtype)), F32)
@@ -83,9 +102,27 @@ def _int8_mm(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, m, n, k, k_per, s_xm, s_wn, s_ym
 
 
 @triton.jit
-def _int4_mm(x_ptr, q_ptr, sz_ptr, y_ptr, p_ptr, m, n, k, k_per, s_xm, s_qn, s_ym, group_size,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-             F32: tl.constexpr, BF16: tl.constexpr):
+def _int4_mm(
+    x_ptr,
+    q_ptr,
+    sz_ptr,
+    y_ptr,
+    p_ptr,
+    m,
+    n,
+    k,
+    k_per,
+    s_xm,
+    s_qn,
+    s_ym,
+    group_size,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    F32: tl.constexpr,
+    BF16: tl.constexpr,
+):
     HALF: tl.constexpr = BLOCK_K // 2
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     part = tl.program_id(1)
@@ -102,8 +139,9 @@ def _int4_mm(x_ptr, q_ptr, sz_ptr, y_ptr, p_ptr, m, n, k, k_per, s_xm, s_qn, s_y
         x_mask = m_ok[:, None] & b_ok[None, :]
         xe = tl.load(x_row, mask=x_mask, other=0.0)
         xo = tl.load(x_row + 1, mask=x_mask, other=0.0)
-        b = tl.load(q_ptr + rn[:, None].to(tl.int64) * s_qn + kb[None, :], mask=n_ok[:, None] & b_ok[None, :],
-                    other=0).to(tl.int32)
+        b = tl.load(
+            q_ptr + rn[:, None].to(tl.int64) * s_qn + kb[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0
+        ).to(tl.int32)
         lo = ((b & 0xF) - 8).to(tl.float32).to(xe.dtype)
         hi = ((b >> 4) - 8).to(tl.float32).to(xe.dtype)
         # [BLOCK_M, BLOCK_N]: sum of x * (code - 8) over the tile, the codes exact in every dtype
@@ -121,8 +159,18 @@ def _int4_mm(x_ptr, q_ptr, sz_ptr, y_ptr, p_ptr, m, n, k, k_per, s_xm, s_qn, s_y
 
 
 @triton.jit
-def _sum_parts(p_ptr, s_ptr, y_ptr, m, n, s_ym, SPLIT: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr,
-               BF16: tl.constexpr):
+def _sum_parts(
+    p_ptr,
+    s_ptr,
+    y_ptr,
+    m,
+    n,
+    s_ym,
+    SPLIT: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BF16: tl.constexpr,
+):
     """y = (sum of the SPLIT partials, in order) [* scales per column], rounded to y's dtype."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < m * n
@@ -136,8 +184,17 @@ def _sum_parts(p_ptr, s_ptr, y_ptr, m, n, s_ym, SPLIT: tl.constexpr, SCALE: tl.c
     tl.store(y_ptr + row * s_ym + col, narrow(acc, y_ptr, BF16), mask=ok)
 
 
-def _launch(kernel, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, n: int, block_k: int, split: Optional[int],
-            scaled_in_reduce: bool, *extra) -> torch.Tensor:
+def _launch(
+    kernel,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    s: torch.Tensor,
+    n: int,
+    block_k: int,
+    split: Optional[int],
+    scaled_in_reduce: bool,
+    *extra,
+) -> torch.Tensor:
     (m, k) = x.shape
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bn = _block_n(n)
@@ -148,13 +205,32 @@ def _launch(kernel, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, n: int, b
     p = torch.empty(parts, m, n, dtype=torch.float32, device=x.device) if parts > 1 else y
     bf16 = x.dtype == torch.bfloat16
     kernel[(triton.cdiv(n, bn), parts, triton.cdiv(m, BLOCK_M))](
-        x, w, s, y, p, m, n, k, per, x.stride(0), w.stride(0), y.stride(0), *extra,
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=block_k, SPLIT=parts, F32=dot_in_f32(x.dtype), BF16=bf16,
-        num_warps=4)
+        x,
+        w,
+        s,
+        y,
+        p,
+        m,
+        n,
+        k,
+        per,
+        x.stride(0),
+        w.stride(0),
+        y.stride(0),
+        *extra,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=bn,
+        BLOCK_K=block_k,
+        SPLIT=parts,
+        F32=dot_in_f32(x.dtype),
+        BF16=bf16,
+        num_warps=4,
+    )
     if parts > 1:
         block = 256
-        _sum_parts[(triton.cdiv(m * n, block),)](p, s, y, m, n, y.stride(0), SPLIT=parts, SCALE=scaled_in_reduce,
-                                                 BLOCK=block, BF16=bf16)
+        _sum_parts[(triton.cdiv(m * n, block),)](
+            p, s, y, m, n, y.stride(0), SPLIT=parts, SCALE=scaled_in_reduce, BLOCK=block, BF16=bf16
+        )
     return y
 
 
@@ -162,20 +238,42 @@ def _takes(x: torch.Tensor) -> bool:
     return x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype in _DTYPES and x.stride(1) == 1
 
 
-def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor,
-                split: Optional[int] = None) -> Optional[torch.Tensor]:
-    if (not _takes(x) or weight.dtype != torch.int8 or weight.dim() != 2 or weight.stride(1) != 1
-            or weight.shape[1] != x.shape[1] or scales.shape != (weight.shape[0],) or not scales.is_contiguous()):
+def int8_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, split: Optional[int] = None
+) -> Optional[torch.Tensor]:
+    if (
+        not _takes(x)
+        or weight.dtype != torch.int8
+        or weight.dim() != 2
+        or weight.stride(1) != 1
+        or weight.shape[1] != x.shape[1]
+        or scales.shape != (weight.shape[0],)
+        or not scales.is_contiguous()
+    ):
         return None
     return _launch(_int8_mm, x, weight, scales, weight.shape[0], INT8_BLOCK_K, split, True)
 
 
-def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales_and_zeros: torch.Tensor,
-                group_size: int, split: Optional[int] = None) -> Optional[torch.Tensor]:
-    if (not _takes(x) or qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.stride(1) != 1
-            or qweight.shape[1] * 2 != x.shape[1] or group_size % INT4_BLOCK_K or x.shape[1] % group_size
-            or scales_and_zeros.shape != (x.shape[1] // group_size, qweight.shape[0], 2)
-            or not scales_and_zeros.is_contiguous()):
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    split: Optional[int] = None,
+) -> Optional[torch.Tensor]:
+    if (
+        not _takes(x)
+        or qweight.dtype != torch.uint8
+        or qweight.dim() != 2
+        or qweight.stride(1) != 1
+        or qweight.shape[1] * 2 != x.shape[1]
+        or group_size % INT4_BLOCK_K
+        or x.shape[1] % group_size
+        or scales_and_zeros.shape != (x.shape[1] // group_size, qweight.shape[0], 2)
+        or not scales_and_zeros.is_contiguous()
+    ):
         return None
     block_k = next(b for b in INT4_BLOCK_KS if group_size % b == 0)
-    return _launch(_int4_mm, x, qweight, scales_and_zeros, qweight.shape[0], block_k, split, False, group_size)
+    return _launch(
+        _int4_mm, x, qweight, scales_and_zeros, qweight.shape[0], block_k, split, False, group_size
+    )

@@ -1,4 +1,5 @@
 """sidecar.v1 structured-output and tool-calling messages <-> the service's plain values."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,12 @@ from sidecar.server.validation import invalid
 from sidecar.v1 import sidecar_pb2 as pb
 
 RF = pb.ResponseFormat
-MODES = {pb.ToolChoice.MODE_UNSPECIFIED: "auto", pb.ToolChoice.MODE_AUTO: "auto",
-         pb.ToolChoice.MODE_NONE: "none", pb.ToolChoice.MODE_REQUIRED: "required"}
+MODES = {
+    pb.ToolChoice.MODE_UNSPECIFIED: "auto",
+    pb.ToolChoice.MODE_AUTO: "auto",
+    pb.ToolChoice.MODE_NONE: "none",
+    pb.ToolChoice.MODE_REQUIRED: "required",
+}
 
 
 def _json_object(text: str, field: str) -> dict:
@@ -73,8 +78,11 @@ def tools(msg: Any) -> dict[str, Any]:
 def tool_specs(tools_msg: Any) -> list[ToolSpec]:
     specs = []
     for i, t in enumerate(tools_msg):
-        params = _json_object(t.parameters, f"tools[{i}].parameters") if t.parameters \
+        params = (
+            _json_object(t.parameters, f"tools[{i}].parameters")
+            if t.parameters
             else {"type": "object", "properties": {}}
+        )
         specs.append(ToolSpec(t.name, t.description, params, t.strict))
     return specs
 
@@ -84,7 +92,9 @@ def messages(msgs: Any) -> list[dict]:
     for m in msgs:
         d: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments or "{}"} for c in m.tool_calls]
+            d["tool_calls"] = [
+                {"id": c.id, "name": c.name, "arguments": c.arguments or "{}"} for c in m.tool_calls
+            ]
         if m.tool_call_id or m.role == "tool":
             d["tool_call_id"] = m.tool_call_id
         if m.name and m.role == "tool":
@@ -94,5 +104,7 @@ def messages(msgs: Any) -> list[dict]:
 
 
 def tool_calls(calls: list[dict]) -> list:
-    return [pb.ToolCall(id=c["id"], type="function", name=c["name"], arguments=c["arguments"], index=c["index"])
-            for c in calls]
+    return [
+        pb.ToolCall(id=c["id"], type="function", name=c["name"], arguments=c["arguments"], index=c["index"])
+        for c in calls
+    ]

@@ -4,6 +4,7 @@ Streaming handlers write with ``context.write`` from a plain coroutine, so a
 client cancel or disconnect cancels exactly this coroutine: the ``finally``
 closes the service stream, which aborts the engine request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,19 +40,48 @@ STATUS = {
     "deadline_exceeded": grpc.StatusCode.DEADLINE_EXCEEDED,
     "internal": grpc.StatusCode.INTERNAL,
 }
-CACHE_CONTROL = {pb.CACHE_CONTROL_DEFAULT: "default", pb.CACHE_CONTROL_SKIP: "skip",
-                 pb.CACHE_CONTROL_REFRESH: "refresh", pb.CACHE_CONTROL_ONLY: "only"}
-FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
-          "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
-CACHE_STATUS = {"miss": pb.CACHE_STATUS_MISS, "hit_exact": pb.CACHE_STATUS_HIT_EXACT,
-                "hit_semantic": pb.CACHE_STATUS_HIT_SEMANTIC, "bypass": pb.CACHE_STATUS_BYPASS}
-_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                      "presence_penalty", "frequency_penalty", "seed", "speculative")
+CACHE_CONTROL = {
+    pb.CACHE_CONTROL_DEFAULT: "default",
+    pb.CACHE_CONTROL_SKIP: "skip",
+    pb.CACHE_CONTROL_REFRESH: "refresh",
+    pb.CACHE_CONTROL_ONLY: "only",
+}
+FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
+}
+CACHE_STATUS = {
+    "miss": pb.CACHE_STATUS_MISS,
+    "hit_exact": pb.CACHE_STATUS_HIT_EXACT,
+    "hit_semantic": pb.CACHE_STATUS_HIT_SEMANTIC,
+    "bypass": pb.CACHE_STATUS_BYPASS,
+}
+_OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "speculative",
+)
 
 
 def _params(s: pb.SamplingParams) -> SamplingParams:
     kw: dict[str, Any] = {name: getattr(s, name) for name in _OPTIONAL_SAMPLING if s.HasField(name)}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
         if name in kw:  # proto floats are float32; round so 0.9 stays 0.9 in messages and cache keys
             kw[name] = round(float(kw[name]), 6)
     kw.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
@@ -69,19 +99,26 @@ def _request(msg: Any, timeout_s: Optional[float], chat: bool) -> GenerationRequ
     if structured is not None:
         params = dataclasses.replace(params, structured=structured)
     common: dict[str, Any] = dict(
-        params=params, request_id=msg.request_id or None, priority=msg.priority,
+        params=params,
+        request_id=msg.request_id or None,
+        priority=msg.priority,
         cache_control=CACHE_CONTROL.get(msg.cache_control, f"unknown({msg.cache_control})"),
-        cache_salt=msg.cache_salt, cache_sampled=msg.cache_sampled, timeout_s=timeout_s,
-        model=msg.model or None, max_tokens_set=msg.sampling.HasField("max_tokens"))
+        cache_salt=msg.cache_salt,
+        cache_sampled=msg.cache_sampled,
+        timeout_s=timeout_s,
+        model=msg.model or None,
+        max_tokens_set=msg.sampling.HasField("max_tokens"),
+    )
     if chat:
         messages = convert.messages(msg.messages)
         return GenerationRequest(messages=messages, **convert.tools(msg), **common)
-    return GenerationRequest(prompt=msg.prompt or None, prompt_token_ids=list(msg.prompt_token_ids) or None,
-                             **common)
+    return GenerationRequest(
+        prompt=msg.prompt or None, prompt_token_ids=list(msg.prompt_token_ids) or None, **common
+    )
 
 
 def _peer_host(peer: str) -> str:
-    """"ipv4:127.0.0.1:5555" / "ipv6:[::1]:5555" -> the address without the port."""
+    """ "ipv4:127.0.0.1:5555" / "ipv6:[::1]:5555" -> the address without the port."""
     kind, _, rest = peer.partition(":")
     if kind in ("ipv4", "ipv6"):
         return rest.rsplit(":", 1)[0].strip("[]")
@@ -90,13 +127,22 @@ def _peer_host(peer: str) -> str:
 
 def _cache(ev: Event) -> pb.CacheInfo:
     c = ev.cache
-    return pb.CacheInfo(status=CACHE_STATUS.get(c.status, pb.CACHE_STATUS_UNSPECIFIED), similarity=c.similarity,
-                        matched_query=c.matched_query, bypass_reason=c.bypass_reason, coalesced=c.coalesced)
+    return pb.CacheInfo(
+        status=CACHE_STATUS.get(c.status, pb.CACHE_STATUS_UNSPECIFIED),
+        similarity=c.similarity,
+        matched_query=c.matched_query,
+        bypass_reason=c.bypass_reason,
+        coalesced=c.coalesced,
+    )
 
 
 def _usage(ev: Event) -> pb.Usage:
-    return pb.Usage(prompt_tokens=ev.prompt_tokens, completion_tokens=ev.completion_tokens,
-                    cached_tokens=ev.cached_tokens, total_tokens=ev.prompt_tokens + ev.completion_tokens)
+    return pb.Usage(
+        prompt_tokens=ev.prompt_tokens,
+        completion_tokens=ev.completion_tokens,
+        cached_tokens=ev.cached_tokens,
+        total_tokens=ev.prompt_tokens + ev.completion_tokens,
+    )
 
 
 def _timing(ev: Event) -> pb.Timing:
@@ -114,8 +160,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             check_request_id(request_id)
         except ServiceError:
             request_id = ""
-        log.info("request refused", extra={"request_id": request_id or None, "code": err.code,
-                                           "error": err.message})
+        log.info(
+            "request refused",
+            extra={"request_id": request_id or None, "code": err.code, "error": err.message},
+        )
         trailing = ()
         if err.retry_after_s is not None:
             trailing = (("retry-after-ms", str(max(1, int(err.retry_after_s * 1000 + 0.999)))),)
@@ -133,13 +181,20 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         strs = self.service.token_strings
         out = []
         for lp in lps:
-            top = [pb.TopLogprob(token_id=t, token=s, logprob=v)
-                   for (t, v), s in zip(lp.top, strs([t for t, _ in lp.top]))]
-            out.append(pb.TokenLogprob(token_id=lp.token_id, token=strs([lp.token_id])[0], logprob=lp.logprob,
-                                       top_logprobs=top))
+            top = [
+                pb.TopLogprob(token_id=t, token=s, logprob=v)
+                for (t, v), s in zip(lp.top, strs([t for t, _ in lp.top]))
+            ]
+            out.append(
+                pb.TokenLogprob(
+                    token_id=lp.token_id, token=strs([lp.token_id])[0], logprob=lp.logprob, top_logprobs=top
+                )
+            )
         return out
 
-    async def _unary(self, msg: Any, context: grpc.aio.ServicerContext, chat: bool, method: str) -> pb.Completion:
+    async def _unary(
+        self, msg: Any, context: grpc.aio.ServicerContext, chat: bool, method: str
+    ) -> pb.Completion:
         try:
             caller = self._caller(context, method)
             req = await asyncio.to_thread(_request, msg, context.time_remaining(), chat)  # compiles grammars
@@ -153,10 +208,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         lps.extend(ev.new_logprobs)
             finally:
                 await agen.aclose()
-            return pb.Completion(request_id=last.request_id, text=last.text, token_ids=last.token_ids,
-                                 finish_reason=FINISH.get(last.finish_reason, 0), usage=_usage(last),
-                                 timing=_timing(last), cache=_cache(last), logprobs=self._logprobs(lps),
-                                 model=msg.model or self.service.model_name, tool_calls=convert.tool_calls(calls))
+            return pb.Completion(
+                request_id=last.request_id,
+                text=last.text,
+                token_ids=last.token_ids,
+                finish_reason=FINISH.get(last.finish_reason, 0),
+                usage=_usage(last),
+                timing=_timing(last),
+                cache=_cache(last),
+                logprobs=self._logprobs(lps),
+                model=msg.model or self.service.model_name,
+                tool_calls=convert.tool_calls(calls),
+            )
         except ServiceError as err:
             await self._fail(context, err, msg.request_id)
 
@@ -168,9 +231,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             try:
                 first = True
                 async for ev in agen:
-                    chunk = pb.CompletionChunk(request_id=ev.request_id, delta=ev.delta_text,
-                                               token_ids=ev.new_token_ids, logprobs=self._logprobs(ev.new_logprobs),
-                                               tool_calls=convert.tool_calls(ev.tool_calls))
+                    chunk = pb.CompletionChunk(
+                        request_id=ev.request_id,
+                        delta=ev.delta_text,
+                        token_ids=ev.new_token_ids,
+                        logprobs=self._logprobs(ev.new_logprobs),
+                        tool_calls=convert.tool_calls(ev.tool_calls),
+                    )
                     if first or ev.finished:
                         chunk.cache.CopyFrom(_cache(ev))
                     if ev.finished:
@@ -202,9 +269,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             caller = self._caller(context, "Embed")
             vecs, n = await self.service.embed(caller, list(request.inputs), model=request.model or None)
-            return pb.EmbedResponse(embeddings=[pb.Embedding(values=v) for v in vecs],
-                                    model=self.service.cache_step.embedding_model_name(),
-                                    dimensions=len(vecs[0]) if vecs else 0, prompt_tokens=n)
+            return pb.EmbedResponse(
+                embeddings=[pb.Embedding(values=v) for v in vecs],
+                model=self.service.cache_step.embedding_model_name(),
+                dimensions=len(vecs[0]) if vecs else 0,
+                prompt_tokens=n,
+            )
         except ServiceError as err:
             await self._fail(context, err)
 
@@ -213,10 +283,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             caller = self._caller(context, "Tokenize")
             messages = convert.messages(request.messages) or None
             specs = convert.tool_specs(request.tools) or None
-            ids, strings = await self.service.tokenize(caller, request.text or None, messages,
-                                                       request.add_special_tokens, specs)
-            return pb.TokenizeResponse(token_ids=ids, count=len(ids), tokens=strings,
-                                       max_model_len=int(self.service.model_info().get("max_model_len") or 0))
+            ids, strings = await self.service.tokenize(
+                caller, request.text or None, messages, request.add_special_tokens, specs
+            )
+            return pb.TokenizeResponse(
+                token_ids=ids,
+                count=len(ids),
+                tokens=strings,
+                max_model_len=int(self.service.model_info().get("max_model_len") or 0),
+            )
         except ServiceError as err:
             await self._fail(context, err)
 
@@ -226,17 +301,29 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.service.check_loaded()
             i = self.service.model_info()
             return pb.ModelInfo(
-                model=i["model"], architecture=str(i.get("architecture", "")), dtype=str(i.get("dtype", "")),
-                quantization=str(i.get("quantization") or "none"), max_model_len=int(i.get("max_model_len") or 0),
-                vocab_size=int(i.get("vocab_size") or 0), block_size=int(i.get("block_size") or 0),
-                num_kv_blocks=int(i.get("num_kv_blocks") or 0), prefix_caching=bool(i.get("prefix_caching")),
-                embedding_model=i.get("embedding_model", ""), embedding_dimensions=i.get("embedding_dimensions", 0),
-                semantic_cache=bool(i.get("semantic_cache")), version=i["version"], device=str(i.get("device", "")),
+                model=i["model"],
+                architecture=str(i.get("architecture", "")),
+                dtype=str(i.get("dtype", "")),
+                quantization=str(i.get("quantization") or "none"),
+                max_model_len=int(i.get("max_model_len") or 0),
+                vocab_size=int(i.get("vocab_size") or 0),
+                block_size=int(i.get("block_size") or 0),
+                num_kv_blocks=int(i.get("num_kv_blocks") or 0),
+                prefix_caching=bool(i.get("prefix_caching")),
+                embedding_model=i.get("embedding_model", ""),
+                embedding_dimensions=i.get("embedding_dimensions", 0),
+                semantic_cache=bool(i.get("semantic_cache")),
+                version=i["version"],
+                device=str(i.get("device", "")),
                 fast_paths=list(i.get("fast_paths") or ()),
                 fast_path_fallbacks=dict(i.get("fast_path_fallbacks") or {}),
-                kv_cache_dtype=str(i.get("kv_cache_dtype") or ""), kv_cache_tokens=int(i.get("kv_cache_tokens") or 0),
-                lora_adapters=[pb.LoraAdapter(name=n, path=p, base_model=i["model"])
-                               for n, p in sorted((i.get("lora_adapters") or {}).items())])
+                kv_cache_dtype=str(i.get("kv_cache_dtype") or ""),
+                kv_cache_tokens=int(i.get("kv_cache_tokens") or 0),
+                lora_adapters=[
+                    pb.LoraAdapter(name=n, path=p, base_model=i["model"])
+                    for n, p in sorted((i.get("lora_adapters") or {}).items())
+                ],
+            )
         except ServiceError as err:
             await self._fail(context, err)
 
@@ -274,7 +361,9 @@ class Health:
         self.servicer = health_aio.HealthServicer()
 
     async def set(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
         for name in ("", SERVICE_NAME):
             await self.servicer.set(name, status)
 
@@ -292,6 +381,7 @@ def _lenient(parse: Any) -> Any:
             return parse(data)
         except Exception as exc:  # DecodeError and friends: the caller's fault, answered below
             return _Malformed(str(exc))
+
     return deserialize
 
 
@@ -301,9 +391,12 @@ def _refusing_malformed(behaviour: Any, method: str, service: InferenceService) 
             # Without this grpc answers UNKNOWN and names the parser's exception class.
             service.metrics.requests.labels(api="grpc", method=method).inc()
             service.metrics.errors.labels(code="invalid_argument").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request: not a valid {method} request message (malformed protobuf)")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request: not a valid {method} request message (malformed protobuf)",
+            )
         return await behaviour(request, context)
+
     return handle
 
 
@@ -312,16 +405,27 @@ def _method_handlers(servicer: InferenceServicer, service: InferenceService) -> 
     out = {}
     for m in pb.DESCRIPTOR.services_by_name["Inference"].methods:
         req_cls, resp_cls = getattr(pb, m.input_type.name), getattr(pb, m.output_type.name)
-        make = grpc.unary_stream_rpc_method_handler if m.server_streaming else grpc.unary_unary_rpc_method_handler
-        out[m.name] = make(_refusing_malformed(getattr(servicer, m.name), m.name, service),
-                           request_deserializer=_lenient(req_cls.FromString),
-                           response_serializer=resp_cls.SerializeToString)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if m.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        out[m.name] = make(
+            _refusing_malformed(getattr(servicer, m.name), m.name, service),
+            request_deserializer=_lenient(req_cls.FromString),
+            response_serializer=resp_cls.SerializeToString,
+        )
     return out
 
 
-def build_server(service: InferenceService, health: Health, max_message_bytes: int,
-                 max_concurrent_streams: int, max_connection_age_s: float = 0.0,
-                 max_connection_age_grace_s: float = 0.0) -> grpc.aio.Server:
+def build_server(
+    service: InferenceService,
+    health: Health,
+    max_message_bytes: int,
+    max_concurrent_streams: int,
+    max_connection_age_s: float = 0.0,
+    max_connection_age_grace_s: float = 0.0,
+) -> grpc.aio.Server:
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -339,8 +443,10 @@ def build_server(service: InferenceService, health: Health, max_message_bytes: i
     if max_connection_age_s > 0:
         # GOAWAY on connections older than this (gRPC core adds +-10% jitter): clients
         # reconnect, re-resolve the target and spread over replicas added meanwhile.
-        options += [("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
-                    ("grpc.max_connection_age_grace_ms", round(max_connection_age_grace_s * 1000))]
+        options += [
+            ("grpc.max_connection_age_ms", max(1, round(max_connection_age_s * 1000))),
+            ("grpc.max_connection_age_grace_ms", round(max_connection_age_grace_s * 1000)),
+        ]
     server = grpc.aio.server(options=options)
     handlers = _method_handlers(InferenceServicer(service), service)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
@@ -374,13 +480,19 @@ class _Reflection(reflection.aio.ReflectionServicer):
 def _enable_reflection(server: grpc.aio.Server) -> None:
     """Serve reflection under both ``grpc.reflection.v1`` and ``v1alpha``: the two protos declare the
     same messages with the same field numbers, so one servicer answers both on the wire."""
-    names = (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             REFLECTION_V1, reflection.SERVICE_NAME)
+    names = (
+        SERVICE_NAME,
+        health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+        REFLECTION_V1,
+        reflection.SERVICE_NAME,
+    )
     servicer = _Reflection(names)
     for service_name in (REFLECTION_V1, reflection.SERVICE_NAME):
         handler = grpc.stream_stream_rpc_method_handler(
             servicer.ServerReflectionInfo,
             request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
-            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+            response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+        )
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(service_name, {"ServerReflectionInfo": handler}),))
+            (grpc.method_handlers_generic_handler(service_name, {"ServerReflectionInfo": handler}),)
+        )

@@ -11,6 +11,7 @@ first event of every choice is awaited before the response starts, so refusals
 ``x-sidecar-cache`` header can be set. Whatever way a call ends, its engine
 requests are aborted and their KV blocks freed (see ``runner``).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -32,8 +33,13 @@ from sidecar.server.metrics import Metrics
 from sidecar.server.openai import errors as openai_errors
 from sidecar.server.openai import format as fmt
 from sidecar.server.openai.limits import BodyLimit
-from sidecar.server.openai.models import (ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
-                                          LoadLoraAdapterRequest, UnloadLoraAdapterRequest)
+from sidecar.server.openai.models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+)
 from sidecar.server.openai.runner import ChoiceRunner, first_events, guard_disconnect
 from sidecar.server.openai.translate import chat_requests, completion_requests
 from sidecar.server.service import Caller, Event, GenerationRequest
@@ -58,8 +64,9 @@ class OpenAIService(Protocol):
 
     def generate(self, caller: Caller, req: GenerationRequest) -> AsyncIterator[Event]: ...
 
-    async def embed(self, caller: Caller, inputs: list[str],
-                    model: Optional[str] = None) -> tuple[list[list[float]], int]: ...
+    async def embed(
+        self, caller: Caller, inputs: list[str], model: Optional[str] = None
+    ) -> tuple[list[list[float]], int]: ...
 
     def token_strings(self, ids: list[int]) -> list[str]: ...
 
@@ -120,8 +127,16 @@ def _stream_headers(rid: str, cache: str) -> dict:
 class _Call:
     """One chat or completion call: its choices, their state, and how to render them."""
 
-    def __init__(self, service: OpenAIService, body: Union[ChatCompletionRequest, CompletionRequest], kind: str,
-                 rid: str, model: str, n: int, requests: list[GenerationRequest]) -> None:
+    def __init__(
+        self,
+        service: OpenAIService,
+        body: Union[ChatCompletionRequest, CompletionRequest],
+        kind: str,
+        rid: str,
+        model: str,
+        n: int,
+        requests: list[GenerationRequest],
+    ) -> None:
         self.service, self.body, self.kind, self.rid, self.model, self.n = service, body, kind, rid, model, n
         self.requests = requests
         self.created = fmt.now()
@@ -141,30 +156,53 @@ class _Call:
         lps = ev.new_logprobs or []
         if self.kind == "chat":
             if not st.started:
-                out.append(fmt.chat_chunk(*args, {"role": "assistant", "content": ""}, with_usage=self.include_usage))
+                out.append(
+                    fmt.chat_chunk(*args, {"role": "assistant", "content": ""}, with_usage=self.include_usage)
+                )
             if ev.delta_text or (self.want_logprobs and lps):
                 lp = fmt.chat_logprobs(lps, self.token_text) if self.want_logprobs else None
-                out.append(fmt.chat_chunk(*args, {"content": ev.delta_text}, logprobs=lp,
-                                          with_usage=self.include_usage))
+                out.append(
+                    fmt.chat_chunk(
+                        *args, {"content": ev.delta_text}, logprobs=lp, with_usage=self.include_usage
+                    )
+                )
             if ev.tool_calls:  # each call whole, in OpenAI's delta shape
-                out.append(fmt.chat_chunk(*args, {"tool_calls": [fmt.tool_call(c, True) for c in ev.tool_calls]},
-                                          with_usage=self.include_usage))
+                out.append(
+                    fmt.chat_chunk(
+                        *args,
+                        {"tool_calls": [fmt.tool_call(c, True) for c in ev.tool_calls]},
+                        with_usage=self.include_usage,
+                    )
+                )
             if ev.finished:
-                out.append(fmt.chat_chunk(*args, {}, finish_reason=ev.finish_reason, with_usage=self.include_usage))
+                out.append(
+                    fmt.chat_chunk(*args, {}, finish_reason=ev.finish_reason, with_usage=self.include_usage)
+                )
         else:
             if ev.delta_text or (self.want_logprobs and lps):
-                lp = fmt.completion_logprobs(lps, self.token_text, len(st.text)) if self.want_logprobs else None
-                out.append(fmt.completion_chunk(*args, ev.delta_text, logprobs=lp, with_usage=self.include_usage))
+                lp = (
+                    fmt.completion_logprobs(lps, self.token_text, len(st.text))
+                    if self.want_logprobs
+                    else None
+                )
+                out.append(
+                    fmt.completion_chunk(*args, ev.delta_text, logprobs=lp, with_usage=self.include_usage)
+                )
             if ev.finished:
-                out.append(fmt.completion_chunk(*args, "", finish_reason=ev.finish_reason,
-                                                with_usage=self.include_usage))
+                out.append(
+                    fmt.completion_chunk(
+                        *args, "", finish_reason=ev.finish_reason, with_usage=self.include_usage
+                    )
+                )
         st.started = True
         st.update(ev)
         return out
 
     def response(self) -> dict:
         build = fmt.chat_response if self.kind == "chat" else fmt.completion_response
-        return build(self.rid, self.model, self.created, self.states, self.n, self.want_logprobs, self.token_text)
+        return build(
+            self.rid, self.model, self.created, self.states, self.n, self.want_logprobs, self.token_text
+        )
 
     async def stream(self, buffered: list, events: AsyncIterator) -> AsyncIterator[str]:
         try:
@@ -176,13 +214,18 @@ class _Call:
                     yield fmt.sse(chunk)
             if self.include_usage:
                 obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-                yield fmt.sse(fmt.usage_chunk(self.rid, self.model, self.created, obj,
-                                              fmt.total_usage(self.states, self.n)))
+                yield fmt.sse(
+                    fmt.usage_chunk(
+                        self.rid, self.model, self.created, obj, fmt.total_usage(self.states, self.n)
+                    )
+                )
         except ServiceError as exc:  # after the first event: the status line is already sent
             yield fmt.sse(openai_errors.service_error_body(exc)[1])
         except Exception:
             log.exception("stream %s failed", self.rid)
-            yield fmt.sse(openai_errors.error_body("internal server error", "server_error", None, "internal_error"))
+            yield fmt.sse(
+                openai_errors.error_body("internal server error", "server_error", None, "internal_error")
+            )
         yield fmt.SSE_DONE
 
 
@@ -192,7 +235,9 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
     handed_over = False
     try:
         if call.body.stream:
-            buffered = await guard_disconnect(request, runner, first_events(runner, len(call.requests), events))
+            buffered = await guard_disconnect(
+                request, runner, first_events(runner, len(call.requests), events)
+            )
             if buffered is None:
                 return Response(status_code=CLIENT_CLOSED)
             firsts: dict[int, Event] = {}
@@ -200,8 +245,10 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
                 firsts.setdefault(k, ev)
             cache = fmt.cache_header([ev.cache.status for ev in firsts.values()])
             handed_over = True  # from here the response owns the runner
-            headers = {**_stream_headers(call.rid, cache),
-                       **fmt.coalesced_header([ev.cache.coalesced for ev in firsts.values()])}
+            headers = {
+                **_stream_headers(call.rid, cache),
+                **fmt.coalesced_header([ev.cache.coalesced for ev in firsts.values()]),
+            }
             return _EventStream(call.stream(buffered, events), runner.cancel, headers)
 
         async def drain() -> bool:
@@ -212,14 +259,21 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
         if await guard_disconnect(request, runner, drain()) is None:
             return Response(status_code=CLIENT_CLOSED)
         cache = fmt.cache_header([s.cache_status for s in call.states])
-        return JSONResponse(call.response(), headers={CACHE_HEADER: cache, "x-request-id": call.rid,
-                                                      **fmt.coalesced_header([s.coalesced for s in call.states])})
+        return JSONResponse(
+            call.response(),
+            headers={
+                CACHE_HEADER: cache,
+                "x-request-id": call.rid,
+                **fmt.coalesced_header([s.coalesced for s in call.states]),
+            },
+        )
     finally:
         if not handed_over:
             runner.cancel()
 
 
 # -- routes: collaborators come from the app's state through typed dependencies ----------------------
+
 
 def _service(request: Request) -> OpenAIService:
     return request.app.state.service
@@ -235,15 +289,21 @@ Service = Annotated[OpenAIService, Depends(_service)]
 def _caller(method: str) -> Callable[[Request], Caller]:
     """Dependency: count the call, then authenticate. Dependencies run before body validation, so
     refused requests are counted too (as the gRPC adapter counts them)."""
+
     def dependency(request: Request) -> Caller:
         _settings(request).count_request(method)
         peer = request.client.host if request.client else ""
         return _service(request).authenticate(request.headers.get("authorization"), peer)
+
     return dependency
 
 
-async def chat_completions(body: ChatCompletionRequest, request: Request, service: Service,
-                           who: Caller = Depends(_caller("chat.completions"))):
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    service: Service,
+    who: Caller = Depends(_caller("chat.completions")),
+):
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     # Translating compiles any schema or grammar: a worker thread's job, never the event loop's.
     reqs = await asyncio.to_thread(chat_requests, body, rid, service.model_info().get("max_model_len"))
@@ -251,8 +311,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, servic
     return await _run(request, call, who)
 
 
-async def completions(body: CompletionRequest, request: Request, service: Service,
-                      who: Caller = Depends(_caller("completions"))):
+async def completions(
+    body: CompletionRequest, request: Request, service: Service, who: Caller = Depends(_caller("completions"))
+):
     rid = f"cmpl-{uuid.uuid4().hex}"
     reqs = await asyncio.to_thread(completion_requests, body, rid)
     call = _Call(service, body, "completion", rid, body.model or service.model_name, body.n or 1, reqs)
@@ -265,13 +326,31 @@ def _models(service: OpenAIService, created: int) -> list[dict]:
     if not service.serving:
         raise ServiceError("unavailable", "the model is not ready (loading or draining)")
     info = service.model_info()
-    out = [{"id": service.model_name, "object": "model", "created": created, "owned_by": "llm-sidecar",
-            "max_model_len": info.get("max_model_len"), "fast_paths": info.get("fast_paths") or [],
+    out = [
+        {
+            "id": service.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "llm-sidecar",
+            "max_model_len": info.get("max_model_len"),
+            "fast_paths": info.get("fast_paths") or [],
             "fast_path_fallbacks": info.get("fast_path_fallbacks") or {},
-            "kv_cache_dtype": info.get("kv_cache_dtype"), "kv_cache_tokens": info.get("kv_cache_tokens")}]
+            "kv_cache_dtype": info.get("kv_cache_dtype"),
+            "kv_cache_tokens": info.get("kv_cache_tokens"),
+        }
+    ]
     for name, path in sorted((info.get("lora_adapters") or {}).items()):
-        out.append({"id": name, "object": "model", "created": created, "owned_by": "llm-sidecar", "root": path,
-                    "parent": service.model_name, "max_model_len": info.get("max_model_len")})
+        out.append(
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "llm-sidecar",
+                "root": path,
+                "parent": service.model_name,
+                "max_model_len": info.get("max_model_len"),
+            }
+        )
     emb = info.get("embedding_model")
     if emb and emb != service.model_name:
         out.append({"id": emb, "object": "model", "created": created, "owned_by": "llm-sidecar"})
@@ -282,25 +361,37 @@ async def list_models(request: Request, service: Service, who: Caller = Depends(
     return {"object": "list", "data": _models(service, request.app.state.created)}
 
 
-async def get_model(model_id: str, request: Request, service: Service, who: Caller = Depends(_caller("models"))):
+async def get_model(
+    model_id: str, request: Request, service: Service, who: Caller = Depends(_caller("models"))
+):
     for m in _models(service, request.app.state.created):
         if m["id"] == model_id:
             return m
     raise ServiceError("not_found", f"model: unknown model {model_id!r}", field="model")
 
 
-async def load_lora_adapter(body: LoadLoraAdapterRequest, service: Service,
-                            who: Caller = Depends(_caller("load_lora_adapter"))):
+async def load_lora_adapter(
+    body: LoadLoraAdapterRequest, service: Service, who: Caller = Depends(_caller("load_lora_adapter"))
+):
     await service.load_lora(who, body.lora_name, body.lora_path)
-    return {"object": "lora_adapter", "id": body.lora_name, "status": "loaded",
-            "message": f"Success: LoRA adapter '{body.lora_name}' added successfully."}
+    return {
+        "object": "lora_adapter",
+        "id": body.lora_name,
+        "status": "loaded",
+        "message": f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+    }
 
 
-async def unload_lora_adapter(body: UnloadLoraAdapterRequest, service: Service,
-                              who: Caller = Depends(_caller("unload_lora_adapter"))):
+async def unload_lora_adapter(
+    body: UnloadLoraAdapterRequest, service: Service, who: Caller = Depends(_caller("unload_lora_adapter"))
+):
     await service.unload_lora(who, body.lora_name)
-    return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded",
-            "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully."}
+    return {
+        "object": "lora_adapter",
+        "id": body.lora_name,
+        "status": "unloaded",
+        "message": f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+    }
 
 
 async def embeddings(body: EmbeddingRequest, service: Service, who: Caller = Depends(_caller("embeddings"))):
@@ -309,7 +400,7 @@ async def embeddings(body: EmbeddingRequest, service: Service, who: Caller = Dep
     except ServiceError as exc:
         if exc.code == "invalid_argument" and exc.message.startswith("inputs"):
             # The service's field is "inputs"; OpenAI's is "input".
-            raise ServiceError(exc.code, "input" + exc.message[len("inputs"):], field="input") from None
+            raise ServiceError(exc.code, "input" + exc.message[len("inputs") :], field="input") from None
         raise
     data = []
     for i, v in enumerate(vectors):
@@ -317,8 +408,12 @@ async def embeddings(body: EmbeddingRequest, service: Service, who: Caller = Dep
         if body.encoding_format == "base64":
             vec = base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
         data.append({"object": "embedding", "index": i, "embedding": vec})
-    return {"object": "list", "data": data, "model": service.model_info().get("embedding_model") or body.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return {
+        "object": "list",
+        "data": data,
+        "model": service.model_info().get("embedding_model") or body.model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 async def health(service: Service):
@@ -345,8 +440,9 @@ _ROUTES = (  # path, endpoint, method, tag
 )
 
 
-def create_app(service: OpenAIService, max_body_bytes: Optional[int] = None,
-               settings: Optional[HttpSettings] = None) -> FastAPI:
+def create_app(
+    service: OpenAIService, max_body_bytes: Optional[int] = None, settings: Optional[HttpSettings] = None
+) -> FastAPI:
     """The OpenAI-compatible app over ``service`` (an ``InferenceService``).
 
     ``settings`` default to ``HttpSettings()`` (no metrics); ``max_body_bytes``, when given, overrides
@@ -355,9 +451,13 @@ def create_app(service: OpenAIService, max_body_bytes: Optional[int] = None,
     settings = settings or HttpSettings()
     if max_body_bytes is not None:
         settings = dataclasses.replace(settings, max_body_bytes=max_body_bytes)
-    app = FastAPI(title="llm-sidecar OpenAI-compatible API", version=__version__, redoc_url=None,
-                  docs_url="/docs" if settings.docs else None,
-                  openapi_url="/openapi.json" if settings.docs else None)
+    app = FastAPI(
+        title="llm-sidecar OpenAI-compatible API",
+        version=__version__,
+        redoc_url=None,
+        docs_url="/docs" if settings.docs else None,
+        openapi_url="/openapi.json" if settings.docs else None,
+    )
     app.state.service = service
     app.state.settings = settings
     app.state.created = fmt.now()  # "created" of the listed models: when this server started

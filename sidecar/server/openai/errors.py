@@ -4,6 +4,7 @@ Bad input is always a 4xx naming the field: FastAPI's 422 for body
 validation becomes 400, malformed JSON is 400, unknown routes keep their
 404/405 in the same shape. Only a fault of the server itself is a 500.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,13 +43,13 @@ def error_body(message: str, etype: str, param: Optional[str] = None, code: Opti
 def _public_field(name: Optional[str]) -> Optional[str]:
     """The service names sampling fields ``sampling.x``; over HTTP they are top-level ``x``."""
     if name and name.startswith("sampling."):
-        return name[len("sampling."):]
+        return name[len("sampling.") :]
     return name
 
 
 def service_error_body(exc: ServiceError) -> tuple[int, dict]:
     status, etype, code = _STATUS.get(exc.code, _STATUS["internal"])
-    message = exc.message[len("sampling."):] if exc.message.startswith("sampling.") else exc.message
+    message = exc.message[len("sampling.") :] if exc.message.startswith("sampling.") else exc.message
     # Only these codes are about a request field; "draining: ..." names a state, not a param.
     param = _public_field(exc.field) if exc.code in ("invalid_argument", "not_found") else None
     return status, error_body(message, etype, param, code)
@@ -90,8 +91,12 @@ def validation_body(errors: list[dict[str, Any]]) -> dict:
     etype = first.get("type", "")
     ctx = first.get("ctx") or {}
     if etype == "json_invalid":
-        return error_body(f"body: malformed JSON ({ctx.get('error', 'decode error')})",
-                          "invalid_request_error", None, "invalid_json")
+        return error_body(
+            f"body: malformed JSON ({ctx.get('error', 'decode error')})",
+            "invalid_request_error",
+            None,
+            "invalid_json",
+        )
     if etype == "unsupported_field":
         return error_body(first["msg"], "invalid_request_error", ctx.get("field"), "unsupported_parameter")
     if etype == "invalid_value":
@@ -100,14 +105,20 @@ def validation_body(errors: list[dict[str, Any]]) -> dict:
     field = _field(tuple(first.get("loc", ())))
     if field is None:
         if etype == "missing":
-            return error_body("body: a JSON object is required", "invalid_request_error", None, "invalid_value")
-        return error_body(f"body: must be a JSON object ({first['msg']})", "invalid_request_error", None,
-                          "invalid_value")
+            return error_body(
+                "body: a JSON object is required", "invalid_request_error", None, "invalid_value"
+            )
+        return error_body(
+            f"body: must be a JSON object ({first['msg']})", "invalid_request_error", None, "invalid_value"
+        )
     if etype == "extra_forbidden":
         # Name every unknown field of the same object, so one round trip shows all typos.
         parent = tuple(first.get("loc", ()))[:-1]
-        names = [_field(tuple(e["loc"])) for e in errors
-                 if e.get("type") == "extra_forbidden" and tuple(e.get("loc", ()))[:-1] == parent]
+        names = [
+            _field(tuple(e["loc"]))
+            for e in errors
+            if e.get("type") == "extra_forbidden" and tuple(e.get("loc", ()))[:-1] == parent
+        ]
         label = "unknown field" if len(names) == 1 else "unknown fields"
         return error_body(f"{', '.join(names)}: {label}", "invalid_request_error", field, "unknown_parameter")
     msgs: list[str] = []
@@ -121,6 +132,7 @@ def validation_body(errors: list[dict[str, Any]]) -> dict:
 
 def install(app: FastAPI, on_error: Callable[[str], None]) -> None:
     """Exception handlers; ``on_error(code)`` counts each refusal by its ServiceError code."""
+
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
         log.info("request refused", extra={"code": exc.code, "error": exc.message})
@@ -135,25 +147,41 @@ def install(app: FastAPI, on_error: Callable[[str], None]) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), etype, None, None), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(str(exc.detail), etype, None, None),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal server error", "server_error", None, "internal_error"),
-                            status_code=500)
+        return JSONResponse(
+            error_body("internal server error", "server_error", None, "internal_error"), status_code=500
+        )
 
 
 _ERROR_SCHEMA = {
     "type": "object",
-    "properties": {"error": {"type": "object", "properties": {
-        "message": {"type": "string"}, "type": {"type": "string"},
-        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
 }
-_DOCUMENTED = {"400": "Invalid request (the message names the field)", "401": "Missing or invalid API key",
-               "404": "Unknown model", "429": "Rate limited or queue full (see Retry-After)",
-               "503": "Loading or draining"}
+_DOCUMENTED = {
+    "400": "Invalid request (the message names the field)",
+    "401": "Missing or invalid API key",
+    "404": "Unknown model",
+    "429": "Rate limited or queue full (see Retry-After)",
+    "503": "Loading or draining",
+}
 
 
 def document_errors(app: FastAPI) -> None:
@@ -171,8 +199,10 @@ def document_errors(app: FastAPI) -> None:
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
                 for status, text in _DOCUMENTED.items():
-                    responses.setdefault(status, {"description": text,
-                                                  "content": {"application/json": {"schema": _ERROR_SCHEMA}}})
+                    responses.setdefault(
+                        status,
+                        {"description": text, "content": {"application/json": {"schema": _ERROR_SCHEMA}}},
+                    )
         for name in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(name, None)
         app.openapi_schema = schema

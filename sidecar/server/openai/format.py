@@ -3,6 +3,7 @@
 Pure functions over plain dicts: no I/O, no service calls except the
 ``token_text`` callback that turns token ids into strings for logprobs.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,11 @@ def chat_logprobs(lps: list[Any], token_text: TokenText) -> dict:
         s = names[tid]
         return {"token": s, "logprob": _lp(logprob), "bytes": list(s.encode("utf-8"))}
 
-    return {"content": [dict(entry(lp.token_id, lp.logprob),
-                             top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in lps]}
+    return {
+        "content": [
+            dict(entry(lp.token_id, lp.logprob), top_logprobs=[entry(t, v) for t, v in lp.top]) for lp in lps
+        ]
+    }
 
 
 def completion_logprobs(lps: list[Any], token_text: TokenText, text_offset: int) -> dict:
@@ -121,22 +125,40 @@ class ChoiceState:
 def total_usage(states: list[ChoiceState], choices_per_prompt: int) -> dict:
     """Prompt tokens count once per prompt (as OpenAI bills n > 1); completions add up."""
     firsts = states[::choices_per_prompt]
-    return usage(sum(s.prompt_tokens for s in firsts), sum(s.completion_tokens for s in states),
-                 sum(s.cached_tokens for s in firsts))
+    return usage(
+        sum(s.prompt_tokens for s in firsts),
+        sum(s.completion_tokens for s in states),
+        sum(s.cached_tokens for s in firsts),
+    )
 
 
-def chat_response(rid: str, model: str, created: int, states: list[ChoiceState], n: int,
-                  want_logprobs: bool, token_text: TokenText) -> dict:
+def chat_response(
+    rid: str,
+    model: str,
+    created: int,
+    states: list[ChoiceState],
+    n: int,
+    want_logprobs: bool,
+    token_text: TokenText,
+) -> dict:
     choices = []
     for i, st in enumerate(states):
-        choices.append({
-            "index": i,
-            "message": chat_message(st),
-            "logprobs": chat_logprobs(st.logprobs, token_text) if want_logprobs else None,
-            "finish_reason": st.finish_reason,
-        })
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": total_usage(states, n)}
+        choices.append(
+            {
+                "index": i,
+                "message": chat_message(st),
+                "logprobs": chat_logprobs(st.logprobs, token_text) if want_logprobs else None,
+                "finish_reason": st.finish_reason,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": total_usage(states, n),
+    }
 
 
 def tool_call(c: dict, with_index: bool = False) -> dict:
@@ -148,39 +170,81 @@ def chat_message(st: ChoiceState) -> dict:
     if not st.tool_calls:
         return {"role": "assistant", "content": st.text}
     # OpenAI sends null content when a reply is only tool calls.
-    return {"role": "assistant", "content": st.text if st.text.strip() else None,
-            "tool_calls": [tool_call(c) for c in st.tool_calls]}
+    return {
+        "role": "assistant",
+        "content": st.text if st.text.strip() else None,
+        "tool_calls": [tool_call(c) for c in st.tool_calls],
+    }
 
 
-def completion_response(rid: str, model: str, created: int, states: list[ChoiceState], n: int,
-                        want_logprobs: bool, token_text: TokenText) -> dict:
+def completion_response(
+    rid: str,
+    model: str,
+    created: int,
+    states: list[ChoiceState],
+    n: int,
+    want_logprobs: bool,
+    token_text: TokenText,
+) -> dict:
     choices = []
     for i, st in enumerate(states):
-        choices.append({
-            "index": i,
-            "text": st.text,
-            "logprobs": completion_logprobs(st.logprobs, token_text, 0) if want_logprobs else None,
-            "finish_reason": st.finish_reason,
-        })
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": total_usage(states, n)}
+        choices.append(
+            {
+                "index": i,
+                "text": st.text,
+                "logprobs": completion_logprobs(st.logprobs, token_text, 0) if want_logprobs else None,
+                "finish_reason": st.finish_reason,
+            }
+        )
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": total_usage(states, n),
+    }
 
 
-def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict,
-               finish_reason: Optional[str] = None, logprobs: Optional[dict] = None,
-               with_usage: bool = False) -> dict:
-    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def chat_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    index: int,
+    delta: dict,
+    finish_reason: Optional[str] = None,
+    logprobs: Optional[dict] = None,
+    with_usage: bool = False,
+) -> dict:
+    chunk = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
     if with_usage:
         chunk["usage"] = None  # only the final usage chunk carries numbers
     return chunk
 
 
-def completion_chunk(rid: str, model: str, created: int, index: int, text: str,
-                     finish_reason: Optional[str] = None, logprobs: Optional[dict] = None,
-                     with_usage: bool = False) -> dict:
-    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def completion_chunk(
+    rid: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str,
+    finish_reason: Optional[str] = None,
+    logprobs: Optional[dict] = None,
+    with_usage: bool = False,
+) -> dict:
+    chunk = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
     if with_usage:
         chunk["usage"] = None
     return chunk

@@ -7,6 +7,7 @@ memory, and is answered 413 too. Each chunk of a body must arrive within the
 read timeout (408 otherwise), and ``TimedH11Protocol`` bounds the time a client
 may take to send its headers, so slow clients cannot hold connections forever.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -70,8 +71,10 @@ class TimedH11Protocol(H11Protocol):
             return
         if self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE:
             body = b"request headers not received in time"
-            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-type: text/plain\r\n"
-                                 b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            self.transport.write(
+                b"HTTP/1.1 408 Request Timeout\r\nconnection: close\r\ncontent-type: text/plain\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
         self.transport.close()
 
 
@@ -83,15 +86,30 @@ class BodyLimit:
 
     async def _refuse(self, send: Any, status: int = 413) -> None:
         if status == 408:
-            err = error_body(f"body: no data for {self.read_timeout_s:g} s", "invalid_request_error", None,
-                             "request_timeout")
+            err = error_body(
+                f"body: no data for {self.read_timeout_s:g} s",
+                "invalid_request_error",
+                None,
+                "request_timeout",
+            )
         else:
-            err = error_body(f"body: larger than the limit of {self.max_bytes} bytes", "invalid_request_error",
-                             None, "request_too_large")
+            err = error_body(
+                f"body: larger than the limit of {self.max_bytes} bytes",
+                "invalid_request_error",
+                None,
+                "request_too_large",
+            )
         body = json.dumps(err).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -11,6 +11,7 @@ number and true for an integer, as OpenAI does.
 Ranges mirror ``SamplingParams.validate`` so the published schema tells
 clients the same limits the engine enforces.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
@@ -30,13 +31,26 @@ MAX_TOKEN_ID = 2**31 - 1  # range check only; the engine checks against the voca
 _NONE = (None,)
 _UNSUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
     "ChatCompletionRequest": {
-        "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}), "audio": _NONE,
-        "modalities": (None, ["text"]), "prediction": _NONE, "reasoning_effort": _NONE,
-        "web_search_options": _NONE, "service_tier": (None, "auto", "default"), "store": (None, False),
-        "metadata": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": _NONE,
+        "functions": (None, []),
+        "function_call": (None, "none"),
+        "logit_bias": (None, {}),
+        "audio": _NONE,
+        "modalities": (None, ["text"]),
+        "prediction": _NONE,
+        "reasoning_effort": _NONE,
+        "web_search_options": _NONE,
+        "service_tier": (None, "auto", "default"),
+        "store": (None, False),
+        "metadata": (None, {}),
+        "best_of": (None, 1),
+        "echo": (None, False),
+        "suffix": _NONE,
     },
     "CompletionRequest": {
-        "suffix": _NONE, "echo": (None, False), "best_of": (None, 1), "logit_bias": (None, {}),
+        "suffix": _NONE,
+        "echo": (None, False),
+        "best_of": (None, 1),
+        "logit_bias": (None, {}),
         "tools": (None, []),
     },
     "ChatMessage": {"function_call": _NONE, "audio": _NONE, "refusal": _NONE},
@@ -62,14 +76,20 @@ class _Strict(BaseModel):
                 continue  # a "feature off" value: dropped
             kept[key] = value
         if refused:
-            raise PydanticCustomError("unsupported_field", "{fields}: not supported by this server",
-                                      {"field": refused[0], "fields": ", ".join(refused)})
+            raise PydanticCustomError(
+                "unsupported_field",
+                "{fields}: not supported by this server",
+                {"field": refused[0], "fields": ", ".join(refused)},
+            )
         return kept
 
 
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-Stop = Union[Annotated[str, Field(min_length=1)],
-             Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)], None]
+Stop = Union[
+    Annotated[str, Field(min_length=1)],
+    Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)],
+    None,
+]
 CacheControl = Literal["default", "skip", "refresh", "only"]
 
 
@@ -88,8 +108,9 @@ class ResponseFormat(_Strict):
     @model_validator(mode="after")
     def _schema_given(self) -> "ResponseFormat":
         if (self.type == "json_schema") != (self.json_schema is not None):
-            raise PydanticCustomError("invalid_value", "response_format.json_schema: required exactly when "
-                                      "type is json_schema")
+            raise PydanticCustomError(
+                "invalid_value", "response_format.json_schema: required exactly when type is json_schema"
+            )
         return self
 
 
@@ -120,8 +141,11 @@ class _Sampling(_Strict):
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
     priority: Optional[int] = Field(None, ge=-(2**31), lt=2**31)
-    speculative: Optional[bool] = Field(None, description="false: opt out of the sidecar's speculative decoding "
-                                        "(same output); unset: the sidecar's setting")
+    speculative: Optional[bool] = Field(
+        None,
+        description="false: opt out of the sidecar's speculative decoding "
+        "(same output); unset: the sidecar's setting",
+    )
     # Sidecar extensions: semantic cache control and prefix-cache isolation.
     cache_control: Optional[CacheControl] = None
     cache_sampled: Optional[bool] = None
@@ -138,8 +162,11 @@ class _Sampling(_Strict):
         if self.response_format is not None and self.response_format.type != "text":
             given.insert(0, "response_format")
         if len(given) > 1:
-            raise PydanticCustomError("invalid_value", "{field}: conflicts with {other}; send one output format",
-                                      {"field": given[1], "other": given[0]})
+            raise PydanticCustomError(
+                "invalid_value",
+                "{field}: conflicts with {other}; send one output format",
+                {"field": given[1], "other": given[0]},
+            )
         return self
 
     @model_validator(mode="after")
@@ -167,8 +194,11 @@ class ToolCall(_Strict):
 
 class ChatMessage(_Strict):
     # Published so generated clients and fuzzers know: content may be left out only with tool_calls.
-    model_config = ConfigDict(extra="forbid", strict=True,
-                              json_schema_extra={"anyOf": [{"required": ["content"]}, {"required": ["tool_calls"]}]})
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"anyOf": [{"required": ["content"]}, {"required": ["tool_calls"]}]},
+    )
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, Annotated[list[TextPart], Field(min_length=1)], None] = None
     name: Optional[str] = Field(None, max_length=256)
@@ -217,15 +247,25 @@ class ChatCompletionRequest(_Sampling):
     def _check_messages_and_tools(self) -> "ChatCompletionRequest":
         for i, m in enumerate(self.messages):
             if m.content is None and not (m.role == "assistant" and m.tool_calls):
-                raise PydanticCustomError("invalid_value", "messages[{i}].content: required unless an assistant "
-                                          "message carries tool_calls", {"i": i})
+                raise PydanticCustomError(
+                    "invalid_value",
+                    "messages[{i}].content: required unless an assistant message carries tool_calls",
+                    {"i": i},
+                )
             if m.role == "tool" and m.tool_call_id is None:
-                raise PydanticCustomError("invalid_value", "messages[{i}].tool_call_id: required for a tool message",
-                                          {"i": i})
+                raise PydanticCustomError(
+                    "invalid_value", "messages[{i}].tool_call_id: required for a tool message", {"i": i}
+                )
         names = [t.function.name for t in self.tools or []]
-        if not isinstance(self.tool_choice, (str, type(None))) and self.tool_choice.function.name not in names:
-            raise PydanticCustomError("invalid_value", "tool_choice: names the function {name!r}, which is not in "
-                                      "tools", {"name": self.tool_choice.function.name})
+        if (
+            not isinstance(self.tool_choice, (str, type(None)))
+            and self.tool_choice.function.name not in names
+        ):
+            raise PydanticCustomError(
+                "invalid_value",
+                "tool_choice: names the function {name!r}, which is not in tools",
+                {"name": self.tool_choice.function.name},
+            )
         if self.tool_choice == "required" and not names:
             raise PydanticCustomError("invalid_value", "tool_choice: 'required' needs at least one tool")
         return self
@@ -234,10 +274,14 @@ class ChatCompletionRequest(_Sampling):
     def _check_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
             raise PydanticCustomError("invalid_value", "top_logprobs: requires logprobs to be true")
-        if self.max_tokens is not None and self.max_completion_tokens is not None \
-                and self.max_tokens != self.max_completion_tokens:
-            raise PydanticCustomError("invalid_value",
-                                      "max_completion_tokens: conflicts with max_tokens; send one of them")
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise PydanticCustomError(
+                "invalid_value", "max_completion_tokens: conflicts with max_tokens; send one of them"
+            )
         return self
 
 
@@ -245,8 +289,9 @@ Prompt = Union[
     Annotated[str, Field(min_length=1)],
     Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)],
     Annotated[list[TokenId], Field(min_length=1)],
-    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
-              Field(min_length=1, max_length=MAX_BATCH_PROMPTS)],
+    Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_BATCH_PROMPTS)
+    ],
 ]
 
 
@@ -258,9 +303,11 @@ class CompletionRequest(_Sampling):
     def _bound_sequences(self) -> "CompletionRequest":
         n, k = self.n or 1, len(self.prompts())
         if n * k > MAX_SEQUENCES_PER_CALL:
-            raise PydanticCustomError("invalid_value", "n: {k} prompts x n={n} make {total} sequences, more than the "
-                                      "limit of {limit} per request", {"k": k, "n": n, "total": n * k,
-                                                                       "limit": MAX_SEQUENCES_PER_CALL})
+            raise PydanticCustomError(
+                "invalid_value",
+                "n: {k} prompts x n={n} make {total} sequences, more than the limit of {limit} per request",
+                {"k": k, "n": n, "total": n * k, "limit": MAX_SEQUENCES_PER_CALL},
+            )
         return self
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -274,8 +321,12 @@ class CompletionRequest(_Sampling):
 
 
 class EmbeddingRequest(_Strict):
-    input: Union[Annotated[str, Field(min_length=1)],
-                 Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBED_INPUTS)]]
+    input: Union[
+        Annotated[str, Field(min_length=1)],
+        Annotated[
+            list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_EMBED_INPUTS)
+        ],
+    ]
     model: Optional[str] = None
     encoding_format: Optional[Literal["float", "base64"]] = None
     user: Optional[str] = Field(None, max_length=256)
@@ -285,12 +336,19 @@ class EmbeddingRequest(_Strict):
     def _refuse_token_input(cls, data: Any) -> Any:
         if isinstance(data, dict):
             inp = data.get("input")
-            if isinstance(inp, list) and inp and all(
+            if (
+                isinstance(inp, list)
+                and inp
+                and all(
                     isinstance(x, int) or (isinstance(x, list) and x and all(isinstance(t, int) for t in x))
-                    for x in inp):
+                    for x in inp
+                )
+            ):
                 raise PydanticCustomError(
-                    "unsupported_field", "input: token-id input is not supported for embeddings; send text",
-                    {"field": "input"})
+                    "unsupported_field",
+                    "input: token-id input is not supported for embeddings; send text",
+                    {"field": "input"},
+                )
         return data
 
     def texts(self) -> list[str]:
@@ -299,10 +357,12 @@ class EmbeddingRequest(_Strict):
 
 class LoadLoraAdapterRequest(_Strict):
     """POST /v1/load_lora_adapter (as vLLM has it): serve the PEFT adapter at ``lora_path`` as ``lora_name``."""
+
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1, max_length=4096)
 
 
 class UnloadLoraAdapterRequest(_Strict):
     """POST /v1/unload_lora_adapter: stop serving ``lora_name``."""
+
     lora_name: str = Field(min_length=1, max_length=128)

@@ -11,6 +11,7 @@ service iterator aborts its engine request and frees its KV blocks.
 that may run inside an already-cancelled anyio scope, where any ``await``
 would be interrupted again.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -82,7 +83,9 @@ class ChoiceRunner:
         self._open = 0
 
 
-async def first_events(runner: ChoiceRunner, n: int, events: AsyncIterator[tuple[int, Any]]) -> list[tuple[int, Any]]:
+async def first_events(
+    runner: ChoiceRunner, n: int, events: AsyncIterator[tuple[int, Any]]
+) -> list[tuple[int, Any]]:
     """Read until each of the ``n`` choices has produced one event (or all ended).
 
     Used before an HTTP response starts, so errors raised before the first event

@@ -5,6 +5,7 @@ call answers prompt ``k // n`` and, when the caller gave a seed, samples with
 ``seed + (k % n)``: the choices differ from one another, and the i-th choice of
 a prompt is the same whether the prompt came alone or in a batch.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional, Union
@@ -28,11 +29,22 @@ def _seed(seed: Optional[int], i: int) -> Optional[int]:
     return s - 2**64 if s >= 2**64 else s  # stays in the signed/unsigned 64-bit range SamplingParams accepts
 
 
-def _params(body: _Sampling, max_tokens: int, logprobs: Optional[int], choice: int,
-            structured: Optional[Constraint]) -> Any:
+def _params(
+    body: _Sampling, max_tokens: int, logprobs: Optional[int], choice: int, structured: Optional[Constraint]
+) -> Any:
     kw: dict[str, Any] = {"max_tokens": max_tokens, "seed": _seed(body.seed, choice), "logprobs": logprobs}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                 "ignore_eos", "skip_special_tokens", "stop_token_ids", "speculative"):
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "ignore_eos",
+        "skip_special_tokens",
+        "stop_token_ids",
+        "speculative",
+    ):
         value = getattr(body, name)
         if value is not None:
             kw[name] = value
@@ -52,8 +64,10 @@ def output_constraint(body: _Sampling) -> Optional[Constraint]:
         return check_constraint(Constraint("json_object"), "response_format")
     if rf is not None and rf.type == "json_schema":
         js = rf.json_schema
-        return check_constraint(Constraint("json", js.schema_ if js.schema_ is not None else {}, bool(js.strict)),
-                                "response_format.json_schema.schema")
+        return check_constraint(
+            Constraint("json", js.schema_ if js.schema_ is not None else {}, bool(js.strict)),
+            "response_format.json_schema.schema",
+        )
     if body.guided_json is not None:
         return check_constraint(Constraint("json", body.guided_json), "guided_json")
     if body.guided_regex is not None:
@@ -67,17 +81,27 @@ def chat_tools(body: ChatCompletionRequest) -> dict[str, Any]:
     """tools / tool_choice / parallel_tool_calls -> GenerationRequest fields."""
     if body.tools is None and body.tool_choice is None:
         return {}
-    tools = [ToolSpec(t.function.name, t.function.description or "",
-                      t.function.parameters if t.function.parameters is not None
-                      else {"type": "object", "properties": {}}, bool(t.function.strict))
-             for t in body.tools or []]
+    tools = [
+        ToolSpec(
+            t.function.name,
+            t.function.description or "",
+            t.function.parameters
+            if t.function.parameters is not None
+            else {"type": "object", "properties": {}},
+            bool(t.function.strict),
+        )
+        for t in body.tools or []
+    ]
     choice = body.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
     elif not isinstance(choice, str):
         choice = "function:" + choice.function.name
-    return {"tools": tools, "tool_choice": choice,
-            "parallel_tool_calls": body.parallel_tool_calls is not False}
+    return {
+        "tools": tools,
+        "tool_choice": choice,
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+    }
 
 
 def _common(body: _Sampling, request_id: str) -> dict[str, Any]:
@@ -98,8 +122,9 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict]:
     for m in body.messages:
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
         if m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-                               for c in m.tool_calls]
+            d["tool_calls"] = [
+                {"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls
+            ]
         if m.role == "tool":
             d["tool_call_id"] = m.tool_call_id
             if m.name:
@@ -108,7 +133,9 @@ def chat_messages(body: ChatCompletionRequest) -> list[dict]:
     return out
 
 
-def chat_requests(body: ChatCompletionRequest, call_id: str, max_model_len: Optional[int]) -> list[GenerationRequest]:
+def chat_requests(
+    body: ChatCompletionRequest, call_id: str, max_model_len: Optional[int]
+) -> list[GenerationRequest]:
     n = body.n or 1
     max_tokens = body.max_completion_tokens or body.max_tokens or max_model_len or FALLBACK_MAX_TOKENS
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -116,8 +143,16 @@ def chat_requests(body: ChatCompletionRequest, call_id: str, max_model_len: Opti
     explicit = (body.max_completion_tokens or body.max_tokens) is not None
     tools = chat_tools(body)
     structured = output_constraint(body)
-    return [GenerationRequest(messages=messages, params=_params(body, max_tokens, logprobs, i, structured),
-                              max_tokens_set=explicit, **tools, **_common(body, f"{call_id}-{i}")) for i in range(n)]
+    return [
+        GenerationRequest(
+            messages=messages,
+            params=_params(body, max_tokens, logprobs, i, structured),
+            max_tokens_set=explicit,
+            **tools,
+            **_common(body, f"{call_id}-{i}"),
+        )
+        for i in range(n)
+    ]
 
 
 def completion_requests(body: CompletionRequest, call_id: str) -> list[GenerationRequest]:
@@ -129,8 +164,14 @@ def completion_requests(body: CompletionRequest, call_id: str) -> list[Generatio
         for i in range(n):
             k = p * n + i
             src: dict[str, Union[str, list[int]]] = (
-                {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
-            out.append(GenerationRequest(params=_params(body, max_tokens, body.logprobs, i, structured),
-                                         max_tokens_set=body.max_tokens is not None,
-                                         **src, **_common(body, f"{call_id}-{k}")))
+                {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)}
+            )
+            out.append(
+                GenerationRequest(
+                    params=_params(body, max_tokens, body.logprobs, i, structured),
+                    max_tokens_set=body.max_tokens is not None,
+                    **src,
+                    **_common(body, f"{call_id}-{k}"),
+                )
+            )
     return out

@@ -4,6 +4,7 @@ The interpreter runs kernels as numpy and lets through what a GPU compile refuse
 mixed across branches, an op the backend lacks). Run in a fresh process without ``TRITON_INTERPRET``:
 ``python compile_kernels.py 90`` prints one line per kernel and exits non-zero on the first failure.
 """
+
 import os
 import sys
 
@@ -35,47 +36,154 @@ def main(arch: int) -> None:
         f32, bf16 = dt == "fp32", dt == "bf16"
         p = f"*{dt}"
         # Plain cache; int8 codes; fp8 e4m3 codes (passed as bytes). Scales are float32.
-        for group, direct, window, codes in ((1, True, False, None), (7, False, True, None), (3, True, False, "*i8"),
-                                             (7, False, True, "*u8")):
+        for group, direct, window, codes in (
+            (1, True, False, None),
+            (7, False, True, None),
+            (3, True, False, "*i8"),
+            (7, False, True, "*u8"),
+        ):
             kv = codes or p
-            build(triton_attention._decode_partition,
-                  dict(q_ptr=p, k_ptr=kv, v_ptr=kv, ks_ptr="*fp32" if codes else p, vs_ptr="*fp32" if codes else p,
-                       bt_ptr="*i32", ctx_ptr="*i64", out_ptr=p, m_ptr="*fp32",
-                       l_ptr="*fp32", acc_ptr="*fp32", scale="fp32", window="i32",
-                       **ints("s_qb s_qh s_kb s_ks s_kh s_vb s_vs s_vh s_sb s_ss s_bt s_ob s_oh n_parts max_blocks")),
-                  dict(GROUP=group, G_PAD=16, HEAD_DIM=64, D_PAD=64, BLOCK_SIZE=16, PART=256, BLOCK_N=32,
-                       HAS_WINDOW=window, DIRECT=direct, F32=f32, BF16=bf16, QUANT=codes is not None,
-                       FP8=codes == "*u8"), arch)
-        build(triton_attention._decode_reduce,
-              dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=p, **ints("n_parts s_ob s_oh")),
-              dict(HEAD_DIM=64, D_PAD=64, P_PAD=8, BF16=bf16), arch)
-        for codes in (None, "*i8", "*u8"):  # plain cache; int8 codes; fp8 e4m3 codes as bytes (+ float32 scales)
+            build(
+                triton_attention._decode_partition,
+                dict(
+                    q_ptr=p,
+                    k_ptr=kv,
+                    v_ptr=kv,
+                    ks_ptr="*fp32" if codes else p,
+                    vs_ptr="*fp32" if codes else p,
+                    bt_ptr="*i32",
+                    ctx_ptr="*i64",
+                    out_ptr=p,
+                    m_ptr="*fp32",
+                    l_ptr="*fp32",
+                    acc_ptr="*fp32",
+                    scale="fp32",
+                    window="i32",
+                    **ints(
+                        "s_qb s_qh s_kb s_ks s_kh s_vb s_vs s_vh s_sb s_ss s_bt s_ob s_oh n_parts max_blocks"
+                    ),
+                ),
+                dict(
+                    GROUP=group,
+                    G_PAD=16,
+                    HEAD_DIM=64,
+                    D_PAD=64,
+                    BLOCK_SIZE=16,
+                    PART=256,
+                    BLOCK_N=32,
+                    HAS_WINDOW=window,
+                    DIRECT=direct,
+                    F32=f32,
+                    BF16=bf16,
+                    QUANT=codes is not None,
+                    FP8=codes == "*u8",
+                ),
+                arch,
+            )
+        build(
+            triton_attention._decode_reduce,
+            dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=p, **ints("n_parts s_ob s_oh")),
+            dict(HEAD_DIM=64, D_PAD=64, P_PAD=8, BF16=bf16),
+            arch,
+        )
+        for codes in (
+            None,
+            "*i8",
+            "*u8",
+        ):  # plain cache; int8 codes; fp8 e4m3 codes as bytes (+ float32 scales)
             c, sc = (codes, "*fp32") if codes else (p, p)
-            build(triton_ops._rope_kv,
-                  dict(qkv_ptr=p, cos_ptr=p, sin_ptr=p, slot_ptr="*i64", kc_ptr=c, vc_ptr=c, ks_ptr=sc, vs_ptr=sc,
-                       q_ptr=p, k_ptr=p, **ints("s_qkv s_kc_slot")),
-                  dict(NH=14, NKV=2, HD=64, D_PAD=64, WANT_K=True, QUANT=codes is not None, FP8=codes == "*u8",
-                       BF16=bf16), arch)
-        build(triton_ops._add_rms_norm, dict(h_ptr=p, d_ptr=p, w_ptr=p, s_ptr=p, out_ptr=p, dim="i32", eps="fp32"),
-              dict(HAS_DELTA=True, BLOCK=1024, BF16=bf16), arch)
+            build(
+                triton_ops._rope_kv,
+                dict(
+                    qkv_ptr=p,
+                    cos_ptr=p,
+                    sin_ptr=p,
+                    slot_ptr="*i64",
+                    kc_ptr=c,
+                    vc_ptr=c,
+                    ks_ptr=sc,
+                    vs_ptr=sc,
+                    q_ptr=p,
+                    k_ptr=p,
+                    **ints("s_qkv s_kc_slot"),
+                ),
+                dict(
+                    NH=14,
+                    NKV=2,
+                    HD=64,
+                    D_PAD=64,
+                    WANT_K=True,
+                    QUANT=codes is not None,
+                    FP8=codes == "*u8",
+                    BF16=bf16,
+                ),
+                arch,
+            )
+        build(
+            triton_ops._add_rms_norm,
+            dict(h_ptr=p, d_ptr=p, w_ptr=p, s_ptr=p, out_ptr=p, dim="i32", eps="fp32"),
+            dict(HAS_DELTA=True, BLOCK=1024, BF16=bf16),
+            arch,
+        )
         build(triton_ops._silu_mul, dict(gu_ptr=p, out_ptr=p, inter="i32"), dict(BLOCK=1024, BF16=bf16), arch)
         for split in (1, 4):  # the whole K in one program; ranges of K into float32 partials
             tiles = dict(BLOCK_M=16, BLOCK_N=32, F32=f32, BF16=bf16, SPLIT=split)
-            build(triton_wo._int8_mm, dict(x_ptr=p, w_ptr="*i8", s_ptr="*fp32", y_ptr=p, p_ptr="*fp32",
-                                           **ints("m n k k_per s_xm s_wn s_ym")), dict(tiles, BLOCK_K=128), arch)
+            build(
+                triton_wo._int8_mm,
+                dict(
+                    x_ptr=p,
+                    w_ptr="*i8",
+                    s_ptr="*fp32",
+                    y_ptr=p,
+                    p_ptr="*fp32",
+                    **ints("m n k k_per s_xm s_wn s_ym"),
+                ),
+                dict(tiles, BLOCK_K=128),
+                arch,
+            )
             for block_k in (32, 128):
-                build(triton_wo._int4_mm, dict(x_ptr=p, q_ptr="*u8", sz_ptr="*bf16", y_ptr=p, p_ptr="*fp32",
-                                               **ints("m n k k_per s_xm s_qn s_ym group_size")),
-                      dict(tiles, BLOCK_K=block_k), arch)
-            build(triton_wo._sum_parts, dict(p_ptr="*fp32", s_ptr="*fp32", y_ptr=p, **ints("m n s_ym")),
-                  dict(SPLIT=split, SCALE=True, BLOCK=256, BF16=bf16), arch)
+                build(
+                    triton_wo._int4_mm,
+                    dict(
+                        x_ptr=p,
+                        q_ptr="*u8",
+                        sz_ptr="*bf16",
+                        y_ptr=p,
+                        p_ptr="*fp32",
+                        **ints("m n k k_per s_xm s_qn s_ym group_size"),
+                    ),
+                    dict(tiles, BLOCK_K=block_k),
+                    arch,
+                )
+            build(
+                triton_wo._sum_parts,
+                dict(p_ptr="*fp32", s_ptr="*fp32", y_ptr=p, **ints("m n s_ym")),
+                dict(SPLIT=split, SCALE=True, BLOCK=256, BF16=bf16),
+                arch,
+            )
         # A layer's fused products: plain (o), add + norm before (qkv, gate/up), silu * up before (down).
-        for pro, block_n, block_k, one_step in ((0, 2, 1024, True), (1, 8, 1024, True), (1, 4, 512, False),
-                                                (2, 4, 1024, False)):
-            build(triton_gemv._gemv, dict(x_ptr=p, d_ptr=p, nw_ptr=p, s_ptr=p, w_ptr=p, b_ptr=p, y_ptr=p,
-                                          eps="fp32", **ints("n k")),
-                  dict(PRO=pro, HAS_DELTA=pro == 1, HAS_BIAS=pro != 2, BLOCK_N=block_n, BLOCK_K=block_k,
-                       ONE_STEP=one_step, BF16=bf16), arch)
+        for pro, block_n, block_k, one_step in (
+            (0, 2, 1024, True),
+            (1, 8, 1024, True),
+            (1, 4, 512, False),
+            (2, 4, 1024, False),
+        ):
+            build(
+                triton_gemv._gemv,
+                dict(
+                    x_ptr=p, d_ptr=p, nw_ptr=p, s_ptr=p, w_ptr=p, b_ptr=p, y_ptr=p, eps="fp32", **ints("n k")
+                ),
+                dict(
+                    PRO=pro,
+                    HAS_DELTA=pro == 1,
+                    HAS_BIAS=pro != 2,
+                    BLOCK_N=block_n,
+                    BLOCK_K=block_k,
+                    ONE_STEP=one_step,
+                    BF16=bf16,
+                ),
+                arch,
+            )
         print(f"sm_{arch} {dt}: every kernel compiles")
 
 

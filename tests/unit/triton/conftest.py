@@ -1,5 +1,6 @@
 """Triton kernels run in the interpreter on CPU tensors when there is no GPU (``TRITON_INTERPRET``, set by
 the root conftest before any kernel module is imported); on a GPU, on the GPU."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """The Triton paged decode-attention kernel against a plain float32 reference, and through attention.py."""
+
 import pytest
 import torch
 
@@ -22,8 +23,13 @@ def _case(ctx_lens, nh, nkv, hd, bs, dtype, device, seed=0, scale_q=1.0):
         ids = ids[n:]
     q = torch.randn(len(ctx_lens), nh, hd, generator=g) * scale_q
     to = dict(dtype=dtype, device=device)
-    return (q.to(**to), kc.to(**to), vc.to(**to), torch.tensor(tables, device=device),
-            torch.tensor(ctx_lens, device=device))
+    return (
+        q.to(**to),
+        kc.to(**to),
+        vc.to(**to),
+        torch.tensor(tables, device=device),
+        torch.tensor(ctx_lens, device=device),
+    )
 
 
 def _reference(q, kc, vc, tables, ctx, scale, window):
@@ -34,7 +40,7 @@ def _reference(q, kc, vc, tables, ctx, scale, window):
     for r in range(b):
         n = int(ctx[r])
         lo = 0 if window is None else max(0, n - window)
-        blocks = tables[r, :-(-n // bs)].long().cpu()
+        blocks = tables[r, : -(-n // bs)].long().cpu()
         k = kc.cpu().float()[blocks].reshape(-1, nkv, hd)[lo:n]
         v = vc.cpu().float()[blocks].reshape(-1, nkv, hd)[lo:n]
         rep = nh // nkv
@@ -48,20 +54,23 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ctx_lens,nh,nkv,hd,bs,window,part", [
-    ([1], 2, 2, 16, 16, None, None),  # one key; GQA ratio 1
-    ([17, 16, 15, 33], 4, 2, 32, 16, None, None),  # block_size + 1, block edges; GQA 2
-    ([17, 16, 15, 33], 4, 2, 32, 16, None, 32),  # the same split into 32-token partitions
-    ([100, 3, 64, 65], 8, 2, 16, 8, None, 32),  # GQA 4, several partitions, some rows in one
-    ([100, 9, 64], 4, 1, 24, 16, 20, 32),  # sliding window; head size not a power of two
-    ([100, 9, 64], 4, 1, 24, 16, 20, None),  # the window without a split
-    ([70, 40], 6, 3, 16, 4, 33, 32),  # window across a partition boundary; blocks smaller than a tile
-])
+@pytest.mark.parametrize(
+    "ctx_lens,nh,nkv,hd,bs,window,part",
+    [
+        ([1], 2, 2, 16, 16, None, None),  # one key; GQA ratio 1
+        ([17, 16, 15, 33], 4, 2, 32, 16, None, None),  # block_size + 1, block edges; GQA 2
+        ([17, 16, 15, 33], 4, 2, 32, 16, None, 32),  # the same split into 32-token partitions
+        ([100, 3, 64, 65], 8, 2, 16, 8, None, 32),  # GQA 4, several partitions, some rows in one
+        ([100, 9, 64], 4, 1, 24, 16, 20, 32),  # sliding window; head size not a power of two
+        ([100, 9, 64], 4, 1, 24, 16, 20, None),  # the window without a split
+        ([70, 40], 6, 3, 16, 4, 33, 32),  # window across a partition boundary; blocks smaller than a tile
+    ],
+)
 def test_kernel_matches_reference(ctx_lens, nh, nkv, hd, bs, window, part, dtype, device):
     q, kc, vc, tables, ctx = _case(ctx_lens, nh, nkv, hd, bs, dtype, device, seed=len(ctx_lens) + hd)
-    out = ta.paged_decode_attention(q, kc, vc, tables.to(torch.int32), ctx, hd ** -0.5, window, part)
+    out = ta.paged_decode_attention(q, kc, vc, tables.to(torch.int32), ctx, hd**-0.5, window, part)
     assert out is not None and out.dtype == dtype and out.shape == q.shape
-    ref = _reference(q, kc, vc, tables, ctx, hd ** -0.5, window)
+    ref = _reference(q, kc, vc, tables, ctx, hd**-0.5, window)
     torch.testing.assert_close(out.float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -80,7 +89,9 @@ def test_extreme_logits_stay_finite_and_exact(device):
     for part in (None, 16):
         out = ta.paged_decode_attention(q, kc, vc, tables, ctx, 1.0, None, part)
         assert torch.isfinite(out).all()
-        torch.testing.assert_close(out.cpu(), _reference(q, kc, vc, tables, ctx, 1.0, None), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            out.cpu(), _reference(q, kc, vc, tables, ctx, 1.0, None), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_padded_rows_read_block_zero_and_stay_finite(device):
@@ -89,7 +100,9 @@ def test_padded_rows_read_block_zero_and_stay_finite(device):
     tables[1].zero_()
     out = ta.paged_decode_attention(q, kc, vc, tables, ctx, 0.25, None, 16)
     torch.testing.assert_close(out[1].cpu(), vc[0, 0].cpu().repeat_interleave(2, 0))
-    torch.testing.assert_close(out[0].cpu(), _reference(q, kc, vc, tables, ctx, 0.25, None)[0], atol=2e-5, rtol=0)
+    torch.testing.assert_close(
+        out[0].cpu(), _reference(q, kc, vc, tables, ctx, 0.25, None)[0], atol=2e-5, rtol=0
+    )
 
 
 def test_writes_into_given_buffer_and_refuses_bad_tables(device):
@@ -99,7 +112,9 @@ def test_writes_into_given_buffer_and_refuses_bad_tables(device):
     assert torch.isfinite(buf).all()
     with pytest.raises(ValueError, match="decode_block_tables"):
         ta.paged_decode_attention(q, kc, vc, tables.float(), ctx, 0.25)
-    assert ta.paged_decode_attention(q, kc.half(), vc.half(), tables, ctx, 0.25) is None  # mixed dtypes: torch path
+    assert (
+        ta.paged_decode_attention(q, kc.half(), vc.half(), tables, ctx, 0.25) is None
+    )  # mixed dtypes: torch path
 
 
 @pytest.mark.parametrize("window", [None, 12])
@@ -110,6 +125,7 @@ def test_attention_module_takes_kernel_for_decode_rows_only(window, device, monk
     kc = torch.randn(12, bs, nkv, hd, generator=g).to(device)
     vc = torch.randn(12, bs, nkv, hd, generator=g).to(device)
     from sidecar.model.attention import PrefillSegment
+
     seg = PrefillSegment(q_start=0, q_len=5, ctx_len=13, block_table=torch.tensor([3, 4], device=device))
     tables = torch.tensor([[5, 6, 7], [8, 0, 0]], device=device)
     ctx = torch.tensor([20, 2], device=device)
@@ -119,14 +135,21 @@ def test_attention_module_takes_kernel_for_decode_rows_only(window, device, monk
     v = torch.randn(7, nkv, hd, generator=g).to(device)
     calls = []
     real = ta.paged_decode_attention
-    monkeypatch.setattr(ta, "paged_decode_attention",
-                        lambda qd, *a, **k: calls.append(qd.shape[0]) or real(qd, *a, **k))
+    monkeypatch.setattr(
+        ta, "paged_decode_attention", lambda qd, *a, **k: calls.append(qd.shape[0]) or real(qd, *a, **k)
+    )
     outs = []
     for on in (False, True):
         paths = FastPaths(attention=on)
-        meta = AttentionMetadata(slot_mapping=slots, block_size=bs, prefills=[seg], decode_block_tables=tables,
-                                 decode_ctx_lens=ctx, use_cpu_kernel=False)
-        outs.append(paged_attention(q, k, v, kc.clone(), vc.clone(), meta, hd ** -0.5, window, paths=paths))
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            block_size=bs,
+            prefills=[seg],
+            decode_block_tables=tables,
+            decode_ctx_lens=ctx,
+            use_cpu_kernel=False,
+        )
+        outs.append(paged_attention(q, k, v, kc.clone(), vc.clone(), meta, hd**-0.5, window, paths=paths))
     assert calls == [2]  # once, for the two decode rows, and only with the path on
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
 
@@ -143,28 +166,38 @@ def _quant_case(ctx_lens, nh, nkv, hd, bs, qdtype, kv_dtype, device, seed=0):
 
 def _torch_decode(q, cache, tables, ctx, scale, window):
     """The torch path of attention.py over the quantized cache (it dequantizes to q's dtype, as the kernel)."""
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=q.device),
-                             block_size=cache[0].shape[1], decode_block_tables=tables.long(), decode_ctx_lens=ctx,
-                             use_cpu_kernel=False)
-    return paged_attention(q, None, None, cache[0], cache[1], meta, scale, window, kv_written=True,
-                           kv_scales=cache[2:])
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long, device=q.device),
+        block_size=cache[0].shape[1],
+        decode_block_tables=tables.long(),
+        decode_ctx_lens=ctx,
+        use_cpu_kernel=False,
+    )
+    return paged_attention(
+        q, None, None, cache[0], cache[1], meta, scale, window, kv_written=True, kv_scales=cache[2:]
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ctx_lens,nh,nkv,hd,bs,window,part", [
-    ([1], 2, 2, 16, 16, None, None),  # one key
-    ([17, 16, 15, 33], 4, 2, 32, 16, None, 32),  # block edges, split into partitions; GQA 2
-    ([100, 9, 64], 8, 2, 24, 8, 20, 32),  # GQA 4, sliding window, head size not a power of two
-    ([70, 40], 6, 3, 16, 4, 33, None),  # window; blocks smaller than a tile
-])
-def test_kernel_reads_quantized_blocks_like_the_torch_path(ctx_lens, nh, nkv, hd, bs, window, part, qdtype,
-                                                           kv_dtype, device):
+@pytest.mark.parametrize(
+    "ctx_lens,nh,nkv,hd,bs,window,part",
+    [
+        ([1], 2, 2, 16, 16, None, None),  # one key
+        ([17, 16, 15, 33], 4, 2, 32, 16, None, 32),  # block edges, split into partitions; GQA 2
+        ([100, 9, 64], 8, 2, 24, 8, 20, 32),  # GQA 4, sliding window, head size not a power of two
+        ([70, 40], 6, 3, 16, 4, 33, None),  # window; blocks smaller than a tile
+    ],
+)
+def test_kernel_reads_quantized_blocks_like_the_torch_path(
+    ctx_lens, nh, nkv, hd, bs, window, part, qdtype, kv_dtype, device
+):
     q, cache, tables, ctx = _quant_case(ctx_lens, nh, nkv, hd, bs, qdtype, kv_dtype, device, seed=hd + bs)
-    out = ta.paged_decode_attention(q, cache[0], cache[1], tables.int(), ctx, hd ** -0.5, window, part,
-                                    kv_scales=cache[2:])
+    out = ta.paged_decode_attention(
+        q, cache[0], cache[1], tables.int(), ctx, hd**-0.5, window, part, kv_scales=cache[2:]
+    )
     assert out is not None and out.dtype == qdtype and out.shape == q.shape
-    ref = _torch_decode(q, cache, tables, ctx, hd ** -0.5, window)
+    ref = _torch_decode(q, cache, tables, ctx, hd**-0.5, window)
     tol = TOL[qdtype] * (3 if qdtype == torch.bfloat16 else 1)  # values up to ~3x the plain case's
     torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=tol, rtol=tol)
 
@@ -180,14 +213,35 @@ def test_attention_module_sends_quantized_decode_rows_to_the_kernel(device, monk
     q, cache, tables, ctx = _quant_case([40, 3], 4, 2, 16, 8, torch.float32, torch.int8, device, seed=2)
     calls = []
     real = ta.paged_decode_attention
-    monkeypatch.setattr(ta, "paged_decode_attention",
-                        lambda qd, *a, **k: calls.append(k.get("kv_scales") is not None) or real(qd, *a, **k))
+    monkeypatch.setattr(
+        ta,
+        "paged_decode_attention",
+        lambda qd, *a, **k: calls.append(k.get("kv_scales") is not None) or real(qd, *a, **k),
+    )
     outs = []
     for on in (False, True):
-        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long, device=device), block_size=8,
-                                 decode_block_tables=tables, decode_ctx_lens=ctx, use_cpu_kernel=False)
-        outs.append(paged_attention(q, None, None, cache[0], cache[1], meta, 0.25, None, kv_written=True,
-                                    paths=FastPaths(attention=on), kv_scales=cache[2:]))
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
+            block_size=8,
+            decode_block_tables=tables,
+            decode_ctx_lens=ctx,
+            use_cpu_kernel=False,
+        )
+        outs.append(
+            paged_attention(
+                q,
+                None,
+                None,
+                cache[0],
+                cache[1],
+                meta,
+                0.25,
+                None,
+                kv_written=True,
+                paths=FastPaths(attention=on),
+                kv_scales=cache[2:],
+            )
+        )
     assert calls == [True]
     torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
 
@@ -206,8 +260,11 @@ def test_self_check_keeps_the_kernel_on_an_int8_cache(tiny_models, monkeypatch):
     ref = [o.token_ids for o in llm.generate(prompts, params)]
     seen = []
     real = ta.paged_decode_attention
-    monkeypatch.setattr(ta, "paged_decode_attention",
-                        lambda qd, *a, **k: seen.append(k.get("kv_scales") is not None) or real(qd, *a, **k))
+    monkeypatch.setattr(
+        ta,
+        "paged_decode_attention",
+        lambda qd, *a, **k: seen.append(k.get("kv_scales") is not None) or real(qd, *a, **k),
+    )
     assert self_check.run(runner, ["attention"]) == {}
     assert runner.fast_paths.attention and seen and all(seen)
     seen.clear()

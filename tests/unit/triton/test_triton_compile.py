@@ -1,5 +1,6 @@
 """Every Triton kernel compiles for a Hopper GPU (sm_90, the H100 we deploy on), checked without a GPU.
 ``python tests/unit/triton/compile_kernels.py 80`` checks Ampere the same way (a few seconds more)."""
+
 import os
 import subprocess
 import sys
@@ -12,7 +13,12 @@ def test_kernels_compile_for_gpu():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # state the default the kernels that care override
     root = Path(__file__).resolve().parents[3]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_kernels.py")), str(arch)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("compile_kernels.py")), str(arch)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("every kernel compiles") == 2

@@ -1,5 +1,6 @@
 """The one-row fused products (``triton_gemv``) against the torch steps they replace: the residual add + RMSNorm
 before the qkv and gate/up products, silu * up before the down product, the plain o product."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,9 +16,13 @@ SHAPES = [(40, 96), (37, 2500), (8, 64), (300, 1030)]
 def _inputs(n, k, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
     to = dict(dtype=dtype, device=device)
-    return (torch.randn(1, k, generator=g).to(**to), torch.randn(1, k, generator=g).to(**to),
-            (1 + 0.1 * torch.randn(k, generator=g)).to(**to), (torch.randn(n, k, generator=g) / k ** 0.5).to(**to),
-            torch.randn(n, generator=g).to(**to))
+    return (
+        torch.randn(1, k, generator=g).to(**to),
+        torch.randn(1, k, generator=g).to(**to),
+        (1 + 0.1 * torch.randn(k, generator=g)).to(**to),
+        (torch.randn(n, k, generator=g) / k**0.5).to(**to),
+        torch.randn(n, generator=g).to(**to),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -39,9 +44,12 @@ def test_norm_matmul_matches_the_norm_then_the_product(n, k, with_delta, with_bi
 def test_silu_matmul_and_matmul_match_torch(n, k, dtype, device):
     h, _, _, w, b = _inputs(n, k, dtype, device, 7 * n + k)
     gu = torch.randn(1, 2 * k, generator=torch.Generator().manual_seed(k)).to(dtype=dtype, device=device) * 3
-    torch.testing.assert_close(triton_gemv.silu_matmul(gu, w), F.linear(norm_act.silu_mul(gu), w), **TOL[dtype])
-    torch.testing.assert_close(triton_gemv.silu_matmul(gu, w, b), F.linear(norm_act.silu_mul(gu), w, b),
-                               **TOL[dtype])
+    torch.testing.assert_close(
+        triton_gemv.silu_matmul(gu, w), F.linear(norm_act.silu_mul(gu), w), **TOL[dtype]
+    )
+    torch.testing.assert_close(
+        triton_gemv.silu_matmul(gu, w, b), F.linear(norm_act.silu_mul(gu), w, b), **TOL[dtype]
+    )
     torch.testing.assert_close(triton_gemv.matmul(h, w, b), F.linear(h, w, b), **TOL[dtype])
 
 

@@ -1,6 +1,7 @@
 """The decoder with every Triton path on (CPU tensors, Triton's interpreter) against the same decoder with
 every path off: the same logits within float32 noise and the same greedy tokens, full precision and
 quantized, directly and through the engine."""
+
 import pytest
 import torch
 
@@ -23,9 +24,13 @@ def _run(model, device, bs=4, steps=3, one_row=True):
     """Two prompts prefilled in one step, then batched decode steps, then (``one_row``) a step of the first
     alone; returns every step's logits, one row a sequence."""
     args = model.args
-    kv = [(torch.zeros(10, bs, args.num_kv_heads, args.head_dim, device=device, dtype=model.rope_cos.dtype),
-           torch.zeros(10, bs, args.num_kv_heads, args.head_dim, device=device, dtype=model.rope_cos.dtype))
-          for _ in model.layers]
+    kv = [
+        (
+            torch.zeros(10, bs, args.num_kv_heads, args.head_dim, device=device, dtype=model.rope_cos.dtype),
+            torch.zeros(10, bs, args.num_kv_heads, args.head_dim, device=device, dtype=model.rope_cos.dtype),
+        )
+        for _ in model.layers
+    ]
     tables = [[1, 2, 3, 4], [5, 6, 0, 0]]  # 4 and 2 blocks: room for 10 + steps and 3 + steps tokens
     lens = [10, 3]
     g = torch.Generator().manual_seed(0)
@@ -38,7 +43,10 @@ def _run(model, device, bs=4, steps=3, one_row=True):
     ids = seqs[0] + seqs[1]
     pos = list(range(lens[0])) + list(range(lens[1]))
     slots = [slot(0, p) for p in range(lens[0])] + [slot(1, p) for p in range(lens[1])]
-    segs = [PrefillSegment(0, lens[0], lens[0], t(tables[0])), PrefillSegment(lens[0], lens[1], lens[1], t(tables[1]))]
+    segs = [
+        PrefillSegment(0, lens[0], lens[0], t(tables[0])),
+        PrefillSegment(lens[0], lens[1], lens[1], t(tables[1])),
+    ]
     meta = AttentionMetadata(slot_mapping=t(slots), block_size=bs, prefills=segs)
     logits = []
     with torch.no_grad():
@@ -50,14 +58,24 @@ def _run(model, device, bs=4, steps=3, one_row=True):
             for r in range(2):
                 seqs[r].append(nxt[r])
             p = [len(s) - 1 for s in seqs]
-            meta = AttentionMetadata(slot_mapping=t([slot(r, p[r]) for r in range(2)]), block_size=bs,
-                                     decode_block_tables=t(tables), decode_ctx_lens=t([x + 1 for x in p]))
+            meta = AttentionMetadata(
+                slot_mapping=t([slot(r, p[r]) for r in range(2)]),
+                block_size=bs,
+                decode_block_tables=t(tables),
+                decode_ctx_lens=t([x + 1 for x in p]),
+            )
             out = model.compute_logits(model(t(nxt), t(p), kv, meta))
-        if one_row:  # the last batched step's logits, then the first sequence alone (the fused products' path)
+        if (
+            one_row
+        ):  # the last batched step's logits, then the first sequence alone (the fused products' path)
             logits.append(out)
             nxt, p = out[0].argmax(-1).item(), len(seqs[0])
-            meta = AttentionMetadata(slot_mapping=t([slot(0, p)]), block_size=bs, decode_block_tables=t(tables[:1]),
-                                     decode_ctx_lens=t([p + 1]))
+            meta = AttentionMetadata(
+                slot_mapping=t([slot(0, p)]),
+                block_size=bs,
+                decode_block_tables=t(tables[:1]),
+                decode_ctx_lens=t([p + 1]),
+            )
             logits.append(model.compute_logits(model(t([nxt]), t([p]), kv, meta)))
     return torch.cat(logits)
 
@@ -73,12 +91,20 @@ def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, dev
     from sidecar.model.kernels import triton_attention, triton_gemv, triton_ops, triton_wo
 
     monkeypatch.setattr(quant_layers, "PLAIN_INT4_ON_CPU", True)  # as every int4 layer on CUDA does
-    cfg = EngineConfig(model=str(tiny_models[kind]), dtype="float32", device=device.type, quantization=quant,
-                       quant_group_size=32)
+    cfg = EngineConfig(
+        model=str(tiny_models[kind]),
+        dtype="float32",
+        device=device.type,
+        quantization=quant,
+        quant_group_size=32,
+    )
     model = load_model(cfg, pack=False).model  # plain weights, as on CUDA
     layer = model.layers[0]
     # One switchboard, shared by every layer and every quantized linear.
-    assert layer.input_layernorm.fast_paths is model.fast_paths and layer.self_attn.fast_paths is model.fast_paths
+    assert (
+        layer.input_layernorm.fast_paths is model.fast_paths
+        and layer.self_attn.fast_paths is model.fast_paths
+    )
     assert model.fast_paths.active() == []
     if quant:
         assert isinstance(layer.mlp.down_proj, (Int8Linear, Int4Linear))
@@ -86,10 +112,17 @@ def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, dev
     one_row = not quant  # quantized layers do not take the fused products: their comparison as before
     ref = _run(model, device, one_row=one_row)
     calls = []
-    for mod, name in ((triton_attention, "paged_decode_attention"), (triton_ops, "rope_store_kv"),
-                      (triton_ops, "add_rms_norm"), (triton_ops, "silu_mul"), (triton_wo, "int8_matmul"),
-                      (triton_wo, "int4_matmul"), (triton_gemv, "norm_matmul"), (triton_gemv, "matmul"),
-                      (triton_gemv, "silu_matmul")):
+    for mod, name in (
+        (triton_attention, "paged_decode_attention"),
+        (triton_ops, "rope_store_kv"),
+        (triton_ops, "add_rms_norm"),
+        (triton_ops, "silu_mul"),
+        (triton_wo, "int8_matmul"),
+        (triton_wo, "int4_matmul"),
+        (triton_gemv, "norm_matmul"),
+        (triton_gemv, "matmul"),
+        (triton_gemv, "silu_matmul"),
+    ):
         _spy(monkeypatch, mod, name, calls)
     _set(model.fast_paths, True)
     fast = _run(model, device, one_row=one_row)
@@ -113,7 +146,9 @@ def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, dev
 
 
 def test_engine_greedy_tokens_unchanged_with_triton_paths(tiny_models, device):
-    llm = LLM(model=str(tiny_models["qwen2"]), dtype="float32", device=device.type, num_kv_blocks=64, block_size=8)
+    llm = LLM(
+        model=str(tiny_models["qwen2"]), dtype="float32", device=device.type, num_kv_blocks=64, block_size=8
+    )
     prompts = ["hello there", "a longer prompt that spans a few blocks of eight tokens"]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in llm.generate(prompts, params)]
@@ -149,8 +184,12 @@ def test_lora_hooks_leave_base_model_steps_to_the_fused_path(tiny_models, device
     cfg = EngineConfig(model=str(tiny_models["llama"]), dtype="float32", device=device.type)
     model = load_model(cfg, pack=False).model
     lora = LoraLayers(model, max_loras=1, max_rank=4)
-    lora.load(0, read_adapter(str(make_adapter(tiny_models["llama"], tmp_path / "a", r=4, targets=ATTN + MLP)),
-                              model.args, 4))
+    lora.load(
+        0,
+        read_adapter(
+            str(make_adapter(tiny_models["llama"], tmp_path / "a", r=4, targets=ATTN + MLP)), model.args, 4
+        ),
+    )
     calls = []
     _spy(monkeypatch, triton_gemv, "norm_matmul", calls)
     base = _run(model, device)
@@ -158,10 +197,14 @@ def test_lora_hooks_leave_base_model_steps_to_the_fused_path(tiny_models, device
     torch.testing.assert_close(_run(model, device), base, atol=2e-4, rtol=2e-4)
     assert len(calls) == 2 * len(model.layers)  # the one-row step, every layer fused
     calls.clear()
-    model.register_forward_pre_hook(lambda module, args: lora.set_batch([0] * args[0].shape[0]))  # every token
+    model.register_forward_pre_hook(
+        lambda module, args: lora.set_batch([0] * args[0].shape[0])
+    )  # every token
     fast = _run(model, device)
     assert calls == []  # adapter rows: the separate kernels, hooks and all
     _set(model.fast_paths, False)
     adapted = _run(model, device)
-    assert (adapted - base).abs().max() > 1e-2  # the adapter changes the output: the comparison proves something
+    assert (
+        adapted - base
+    ).abs().max() > 1e-2  # the adapter changes the output: the comparison proves something
     torch.testing.assert_close(fast, adapted, atol=2e-4, rtol=2e-4)

@@ -1,5 +1,6 @@
 """The Triton elementwise kernels (rope + KV write, residual add + RMSNorm, silu * up) against the torch
 references they replace."""
+
 import pytest
 import torch
 
@@ -23,7 +24,9 @@ def _rope_torch(qkv, cos, sin, slots, kc, vc, nh, nkv, hd):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,nh,nkv,hd,want_k", [(1, 4, 2, 16, False), (5, 4, 4, 24, True), (3, 8, 2, 32, True)])
+@pytest.mark.parametrize(
+    "t,nh,nkv,hd,want_k", [(1, 4, 2, 16, False), (5, 4, 4, 24, True), (3, 8, 2, 32, True)]
+)
 def test_rope_store_kv_matches_torch(t, nh, nkv, hd, want_k, dtype, device):
     g = torch.Generator().manual_seed(t * hd)
     to = dict(dtype=dtype, device=device)
@@ -44,7 +47,7 @@ def test_rope_store_kv_matches_torch(t, nh, nkv, hd, want_k, dtype, device):
     torch.testing.assert_close(kc, kc2, **exact)  # rope(k) written at its slot, other slots untouched
     assert torch.equal(vc, vc2)
     assert (k is None) != want_k and (k is None or torch.equal(k, rk))
-    assert torch.equal(v, rv) and v.data_ptr() == qkv[:, (nh + nkv) * hd:].data_ptr()
+    assert torch.equal(v, rv) and v.data_ptr() == qkv[:, (nh + nkv) * hd :].data_ptr()
 
 
 def test_rope_store_kv_skips_negative_slots_and_refuses_what_it_cannot_take(device):
@@ -53,10 +56,17 @@ def test_rope_store_kv_skips_negative_slots_and_refuses_what_it_cannot_take(devi
     cos, sin = torch.ones(2, 1, hd, device=device), torch.zeros(2, 1, hd, device=device)
     kc, vc = torch.zeros(2, 4, nkv, hd, device=device), torch.zeros(2, 4, nkv, hd, device=device)
     triton_ops.rope_store_kv(qkv, cos, sin, torch.tensor([5, -1], device=device), kc, vc, nh, nkv, hd, False)
-    assert torch.equal(kc.view(-1, hd)[5], qkv[0, nh * hd:(nh + 1) * hd])
-    assert torch.count_nonzero(kc.view(-1, hd).abs().sum(1)) == 1 and torch.count_nonzero(vc.view(-1, hd).sum(1)) == 1
-    assert triton_ops.rope_store_kv(qkv, cos.double(), sin, torch.tensor([0, 1], device=device), kc, vc,
-                                    nh, nkv, hd, False) is None
+    assert torch.equal(kc.view(-1, hd)[5], qkv[0, nh * hd : (nh + 1) * hd])
+    assert (
+        torch.count_nonzero(kc.view(-1, hd).abs().sum(1)) == 1
+        and torch.count_nonzero(vc.view(-1, hd).sum(1)) == 1
+    )
+    assert (
+        triton_ops.rope_store_kv(
+            qkv, cos.double(), sin, torch.tensor([0, 1], device=device), kc, vc, nh, nkv, hd, False
+        )
+        is None
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -74,7 +84,9 @@ def test_add_rms_norm_matches_reference(rows, dim, with_delta, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,inter", [(1, 16), (4, 1500)])  # 1500: two programs per row, the last one partial
+@pytest.mark.parametrize(
+    "rows,inter", [(1, 16), (4, 1500)]
+)  # 1500: two programs per row, the last one partial
 def test_silu_mul_matches_reference(rows, inter, dtype, device):
     g = torch.Generator().manual_seed(inter)
     gu = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype=dtype, device=device)
@@ -100,7 +112,7 @@ def _quant_case(seed: int, t: int, v_rows: dict, to: dict):
     qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 4).to(**to)
     vo = (nh + nkv) * hd
     for row, values in v_rows.items():
-        qkv[row, vo:vo + hd] = torch.tensor(values)
+        qkv[row, vo : vo + hd] = torch.tensor(values)
     ang = torch.randn(t, 1, hd, generator=g)
     sign = torch.cat((-torch.ones(hd // 2), torch.ones(hd // 2)))
     slots = torch.randperm(bs * blocks, generator=g)[:t].to(to["device"])
@@ -121,10 +133,20 @@ def test_rope_store_kv_quantizes_on_write_as_kv_quant(dtype, device):
     for x in cache:
         x.zero_()
     ref = tuple(x.clone() for x in cache)
-    q, k, v = triton_ops.rope_store_kv(qkv, cos, sin, slots.int(), cache[0], cache[1], nh, nkv, hd, True,
-                                       kv_scales=cache[2:])
-    rq, rk, rv = _rope_torch(qkv, cos, sin, slots, torch.empty_like(qkv[:1]).new_zeros(blocks, bs, nkv, hd),
-                             torch.zeros(blocks, bs, nkv, hd, **to), nh, nkv, hd)
+    q, k, v = triton_ops.rope_store_kv(
+        qkv, cos, sin, slots.int(), cache[0], cache[1], nh, nkv, hd, True, kv_scales=cache[2:]
+    )
+    rq, rk, rv = _rope_torch(
+        qkv,
+        cos,
+        sin,
+        slots,
+        torch.empty_like(qkv[:1]).new_zeros(blocks, bs, nkv, hd),
+        torch.zeros(blocks, bs, nkv, hd, **to),
+        nh,
+        nkv,
+        hd,
+    )
     kv_quant.write(ref, rk, rv, slots)
     if torch.cuda.is_available():  # rope may round differently: codes within one step
         assert (cache[0].int() - ref[0].int()).abs().max() <= 1
@@ -132,14 +154,32 @@ def test_rope_store_kv_quantizes_on_write_as_kv_quant(dtype, device):
     else:
         for got, want in zip(cache, ref):
             assert torch.equal(got, want)
-    assert torch.equal(cache[1].view(-1, nkv, hd)[slots[2], 0, :4].cpu(), torch.tensor([127, 0, 2, 2], dtype=torch.int8))
+    assert torch.equal(
+        cache[1].view(-1, nkv, hd)[slots[2], 0, :4].cpu(), torch.tensor([127, 0, 2, 2], dtype=torch.int8)
+    )
 
 
 # e4m3 rounding cases at scale 1 (the row's largest value is 448): halfway between normals (to the even
 # mantissa), subnormals (multiples of 2^-9) and their halves, the largest subnormal rounding up into the smallest
 # normal, a carry into the exponent, negative zero and the sign.
-_E4M3_ROW = [448.0, 1.0625, 1.1875, -1.1875, 2.0 ** -10, 3 * 2.0 ** -10, 2.0 ** -6 - 2.0 ** -10, 2.0 ** -6,
-             -5 * 2.0 ** -10, 15.5, 31.0, 0.0, -0.0, 232.0, 1.0 + 2.0 ** -4 + 2.0 ** -20, -448.0]
+_E4M3_ROW = [
+    448.0,
+    1.0625,
+    1.1875,
+    -1.1875,
+    2.0**-10,
+    3 * 2.0**-10,
+    2.0**-6 - 2.0**-10,
+    2.0**-6,
+    -5 * 2.0**-10,
+    15.5,
+    31.0,
+    0.0,
+    -0.0,
+    232.0,
+    1.0 + 2.0**-4 + 2.0**-20,
+    -448.0,
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -157,10 +197,23 @@ def test_rope_store_kv_writes_fp8_as_kv_quant(dtype, device):
     for x in cache:
         x.view(torch.uint8).zero_() if x.dtype == torch.float8_e4m3fn else x.zero_()
     ref = tuple(x.clone() for x in cache)
-    assert triton_ops.rope_store_kv(qkv, cos, sin, slots.int(), cache[0], cache[1], nh, nkv, hd, True,
-                                    kv_scales=cache[2:]) is not None
-    _, rk, rv = _rope_torch(qkv, cos, sin, slots, torch.zeros(blocks, bs, nkv, hd, **to),
-                            torch.zeros(blocks, bs, nkv, hd, **to), nh, nkv, hd)
+    assert (
+        triton_ops.rope_store_kv(
+            qkv, cos, sin, slots.int(), cache[0], cache[1], nh, nkv, hd, True, kv_scales=cache[2:]
+        )
+        is not None
+    )
+    _, rk, rv = _rope_torch(
+        qkv,
+        cos,
+        sin,
+        slots,
+        torch.zeros(blocks, bs, nkv, hd, **to),
+        torch.zeros(blocks, bs, nkv, hd, **to),
+        nh,
+        nkv,
+        hd,
+    )
     kv_quant.write(ref, rk, rv, slots)
     bits = lambda x: x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x  # noqa: E731
     assert torch.equal(bits(cache[1]), bits(ref[1])) and torch.equal(cache[3], ref[3])  # V: no rope, exact

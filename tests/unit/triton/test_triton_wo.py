@@ -1,4 +1,5 @@
 """The Triton weight-only int8 / int4 products against dequantize + matmul in float32."""
+
 import pytest
 import torch
 
@@ -13,8 +14,17 @@ def _x(m, k, dtype, device, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k,split", [(1, 40, 96, None), (17, 33, 64, None), (3, 128, 160, None),
-                                         (2, 40, 300, 1), (2, 40, 300, 2), (5, 70, 520, 3)])  # ragged, split K
+@pytest.mark.parametrize(
+    "m,n,k,split",
+    [
+        (1, 40, 96, None),
+        (17, 33, 64, None),
+        (3, 128, 160, None),
+        (2, 40, 300, 1),
+        (2, 40, 300, 2),
+        (5, 70, 520, 3),
+    ],
+)  # ragged, split K
 def test_int8_matches_dequantized_matmul(m, n, k, split, dtype, device):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
     q, s = quantize_int8(w, torch.float32)
@@ -33,8 +43,17 @@ def _int4(n, k, group_size, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k,gs,split", [(1, 48, 64, 32, None), (17, 20, 128, 64, None), (2, 70, 256, 256, None),
-                                            (1, 36, 256, 32, 3), (3, 40, 512, 128, 1), (2, 24, 512, 256, 3)])
+@pytest.mark.parametrize(
+    "m,n,k,gs,split",
+    [
+        (1, 48, 64, 32, None),
+        (17, 20, 128, 64, None),
+        (2, 70, 256, 256, None),
+        (1, 36, 256, 32, 3),
+        (3, 40, 512, 128, 1),
+        (2, 24, 512, 256, 3),
+    ],
+)
 def test_int4_matches_dequantized_matmul(m, n, k, gs, split, dtype, device):
     q, s, z, sz = _int4(n, k, gs, seed=k + n)
     x = _x(m, k, dtype, device, seed=m + 1)
@@ -57,13 +76,21 @@ def test_refuses_what_the_caller_must_run_itself(device):
 
 
 def test_splits_cover_k_and_fill_the_gpu():
-    for n, k, bk, sms in [(896, 4864, 128, 132), (896, 896, 128, 132), (9728, 896, 128, 132), (40, 300, 128, 4),
-                          (151936, 896, 128, 132), (1152, 896, 32, 132)]:
+    for n, k, bk, sms in [
+        (896, 4864, 128, 132),
+        (896, 896, 128, 132),
+        (9728, 896, 128, 132),
+        (40, 300, 128, 4),
+        (151936, 896, 128, 132),
+        (1152, 896, 32, 132),
+    ]:
         parts, per = triton_wo.splits(n, k, triton_wo._block_n(n), bk, sms)
         assert per % bk == 0 and (parts - 1) * per < k <= parts * per  # every range non-empty, K covered
         tiles_n = -(-n // triton_wo._block_n(n))
         assert parts == 1 or tiles_n * (parts - 1) < triton_wo.PROGRAMS_PER_SM * sms  # no more than needed
-    assert triton_wo.splits(896, 4864, 32, 128, 132)[0] > 1 and triton_wo.splits(9728, 896, 64, 128, 132)[0] == 1
+    assert (
+        triton_wo.splits(896, 4864, 32, 128, 132)[0] > 1 and triton_wo.splits(9728, 896, 64, 128, 132)[0] == 1
+    )
 
 
 def test_a_rows_result_does_not_depend_on_its_batch(device):
