@@ -49,7 +49,7 @@ test-java: venv
 # often have no network), so it bootstraps no virtualenv; GPU_PYTHON picks the interpreter.
 GPU_PYTHON ?= python3
 test-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu tests/unit/triton
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/gpu tests/unit/model/kernels/triton
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m sidecar bench throughput --device cuda --baselines hf-static \
 		--out bench-results/gpu
 

@@ -9,7 +9,7 @@ import torch
 from sidecar import LLM, SamplingParams
 from sidecar.engine.input_buffers import DecodeRow
 from sidecar.model.attention import AttentionMetadata, PrefillSegment
-from tests.unit.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
+from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
 
 MAX_NEW = 8
 MAX_SEQS = 20  # buckets 1, 2, 4, 8, 16, 20

@@ -15,7 +15,7 @@ from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.quant import Int4Linear, Int8Linear
 from sidecar.model.quant_format import quantize_int4, quantize_int8
 from tests.gpu.test_decode_graphs import _greedy, _llm
-from tests.unit.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
+from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from sidecar import LLM, SamplingParams
-from tests.unit.test_engine_vs_hf import assert_pool_whole, make_prompts
+from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, make_prompts
 
 
 def test_prompt_attention_avoids_cudnn_and_restores_the_flags(tiny_models, monkeypatch):

@@ -34,7 +34,7 @@ from sidecar.v1 import sidecar_pb2_grpc as pbg
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
-    "deploy_files", ROOT / "tests" / "unit" / "test_deploy_files.py"
+    "deploy_files", ROOT / "tests" / "unit" / "deploy" / "test_deploy_files.py"
 )
 deploy_files = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = deploy_files  # dataclasses look their module up there

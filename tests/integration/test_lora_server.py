@@ -14,7 +14,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit" / "model"))
 from lora_helpers import ATTN, MLP, make_adapter  # noqa: E402
 
 from sidecar.v1 import sidecar_pb2 as pb  # noqa: E402

@@ -1,6 +1,6 @@
 """Schemathesis against the real sidecar: generated valid and invalid bodies never get a 5xx.
 
-The unit-level run (tests/unit/test_openai_schema.py) covers every route over a
+The unit-level run (tests/unit/server/test_openai_schema.py) covers every route over a
 fake service; this one sends the generation routes to the real engine, where
 sampling settings, token ids and prompts reach the model. Generated lengths are
 clamped (max_tokens <= 4, at most 2 choices and 2 prompts) so the run stays short

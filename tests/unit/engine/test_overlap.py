@@ -13,8 +13,8 @@ from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.engine import sampler as sampler_mod
 from sidecar.engine.engine import LLMEngine
-from tests.unit.test_engine import drain
-from tests.unit.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
+from tests.unit.engine.test_engine import drain
+from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
 
 MAX_NEW = 10
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from sidecar.model import hugepages
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODE = hugepages.thp_mode()
 THP_ON = MODE in ("always", "madvise")
 

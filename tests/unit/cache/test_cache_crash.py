@@ -20,7 +20,7 @@ import time
 from sidecar.cache.semantic import CacheScope, SemanticCache
 from sidecar.config import CacheConfig
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 FAKE_EMBEDDER = textwrap.dedent('''
     import hashlib

@@ -179,7 +179,7 @@ def test_lora_hooks_leave_base_model_steps_to_the_fused_path(tiny_models, device
     the fused products, a step with them takes the separate kernels and gets the adapter's update."""
     from sidecar.model.kernels import triton_gemv
     from sidecar.model.lora import LoraLayers, read_adapter
-    from tests.unit.lora_helpers import ATTN, MLP, make_adapter
+    from tests.unit.model.lora_helpers import ATTN, MLP, make_adapter
 
     cfg = EngineConfig(model=str(tiny_models["llama"]), dtype="float32", device=device.type)
     model = load_model(cfg, pack=False).model

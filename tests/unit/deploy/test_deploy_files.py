@@ -20,7 +20,7 @@ from typing import Any, Optional
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DOCKERFILES = {
     "cpu": ROOT / "deploy" / "Dockerfile",
     "cuda": ROOT / "deploy" / "Dockerfile.cuda",

@@ -261,7 +261,7 @@ def test_chat_demo_settings_are_sidecar_properties(compose):
 
 def test_prometheus_scrapes_every_compose_sidecar(compose):
     from sidecar.server.openai.api import create_app
-    from test_openai_support import FakeService
+    from tests.unit.server.test_openai_support import FakeService
 
     prom = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     job = next(j for j in prom["scrape_configs"] if j["job_name"] == "sidecar")

@@ -11,7 +11,7 @@ from sidecar.config import EngineConfig
 from sidecar.engine import self_check
 from sidecar.model.kernels import norm_act
 from sidecar.model.kernels.gpu_paths import PATH_NAMES
-from tests.unit.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
+from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
 
 MAX_NEW = 10
 
