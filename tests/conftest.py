@@ -10,9 +10,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Without a GPU, Triton kernels run in the interpreter (tests/unit/model/kernels/triton). TRITON_INTERPRET is read when a kernel
-# is decorated, so it is set here, before any test module can import a kernel module, whatever the collection
-# order. Every FastPaths field is off by default, so it changes no test that does not turn a Triton path on.
+# Without a GPU, Triton kernels run in the interpreter (tests/unit/model/kernels/triton). TRITON_INTERPRET is
+# read when a kernel is decorated, so it is set here, before any test module can import a kernel module,
+# whatever the collection order. Every FastPaths field is off by default, so it changes no test that does not
+# turn a Triton path on.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -340,7 +340,9 @@ def test_checks_name_planted_violations(tmp_path):
             "sidecar/server/__init__.py": "",
             "sidecar/server/service.py": (
                 "from sidecar.engine import engine\n\n\ndef f(s):\n"
-                "    return getattr(getattr(s, 'cfg'), 'x')\n" + "    pass\n" * 59
+                "    return getattr(getattr(s, 'cfg'), 'x')\n"
+                + "    pass\n"
+                * (MAX_SERVER_FUNCTION_LINES - 1)
             ),
         },
     )
@@ -363,7 +365,10 @@ def test_checks_name_planted_violations(tmp_path):
         "sidecar/server/service.py:1 imports sidecar.engine.engine "
         "(the server talks to sidecar.engine.async_engine only)"
     ]
-    assert long_functions(root) == ["sidecar/server/service.py:4 f: 61 lines (limit 60; split it into steps)"]
+    assert long_functions(root) == [
+        f"sidecar/server/service.py:4 f: {MAX_SERVER_FUNCTION_LINES + 1} lines "
+        f"(limit {MAX_SERVER_FUNCTION_LINES}; split it into steps)"
+    ]
     assert getattr_chains(root, "server") == ["sidecar/server/service.py:5"]
     assert any_fields(root / "sidecar/engine/request.py", ("Request",)) == [
         "Request.self.detok: Optional[Any]"
