@@ -25,7 +25,7 @@ def tile_build(request, monkeypatch) -> str:
     """Our CPU kernels as built for this CPU, or with AMX left out (the paths of a CPU with AVX-512 BF16 and no AMX,
     such as a Zen 4), loaded afresh for the test: the tile-layout matmul's path in that build ('AMX', 'AVX-512 BF16';
     '' where neither runs, and the kernel must say so)."""
-    from sidecar.model.kernels import amx_gemm, cpu_build
+    from sidecar.model.kernels.cpu import amx_gemm, cpu_build
 
     if request.param == "no-amx":
         monkeypatch.setenv(

@@ -8,7 +8,7 @@ recaptured), and a profile of a 17-token generation."""
 import json, os, sys, time
 import torch, triton
 import torch.nn.functional as F
-from sidecar.model.kernels import triton_gemv as G, triton_ops as O
+from sidecar.model.kernels.triton import gemv as G, ops as O
 
 OUT = os.environ.get("OUT", "/tmp")
 dev, dt = "cuda", torch.bfloat16

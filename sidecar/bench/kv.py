@@ -99,7 +99,7 @@ def _attention(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from sidecar.model import kv_quant
-    from sidecar.model.kernels import paged_attention as kernel
+    from sidecar.model.kernels.cpu import paged_attention as kernel
 
     nh, nkv, hd = (int(x) for x in args.heads.split(","))
     bs, b, ctx = 16, args.batch, args.context

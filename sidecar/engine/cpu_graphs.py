@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from sidecar.engine.input_buffers import DecodeInputs, decode_metadata
-from sidecar.model.kernels import replay
+from sidecar.model.kernels.cpu import replay
 from sidecar.model.quant_format import release_freed_memory
 
 # Batch sizes planned when the engine starts (larger ones when first seen): a dry pass costs ~9 ms a size for
@@ -54,7 +54,7 @@ def linear_layouts(model) -> dict[str, int]:
     """How many of the model's linear layers hold their weights in each layout: 'tile layout (AMX)' or '(AVX-512
     BF16)' (``amx_gemm``, every batch size), 'oneDNN packed + tiled copy', 'oneDNN packed', 'tiled layout'
     (``bf16_gemv``), 'plain' (F.linear, or a quantized layer's own kernels)."""
-    from sidecar.model.kernels import amx_gemm
+    from sidecar.model.kernels.cpu import amx_gemm
     from sidecar.model.linear import Linear
 
     counts: dict[str, int] = {}

@@ -32,8 +32,8 @@ from sidecar.engine.sampling_tensors import (
     StepParams,
 )
 from sidecar.engine.structured import apply_bitmask
-from sidecar.model.kernels import argmax as argmax_kernel, keyed_uniform
-from sidecar.model.kernels.argmax import argmax
+from sidecar.model.kernels.cpu import argmax as argmax_kernel, keyed_uniform
+from sidecar.model.kernels.cpu.argmax import argmax
 
 _NEG_INF = float("-inf")
 

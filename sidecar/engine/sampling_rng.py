@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from sidecar.model.kernels import keyed_uniform
+from sidecar.model.kernels.cpu import keyed_uniform
 
 _U64 = (1 << 64) - 1
 NUM_SALTS = 4  # salts per position; a salt is in [0, NUM_SALTS)

@@ -8,13 +8,13 @@ The torch reference path (CPU and any device) gathers each request's blocks and
 calls ``scaled_dot_product_attention``. Decode tokens of a step are attended in
 one batched call (padded to the longest context, masked); prefill chunks are
 attended per request. On CPU the decode rows go through our kernel instead
-(``kernels/paged_attention.c``: reads the blocks in place, no copy, no mask), and
-so do bf16 prompt segments (``kernels/prefill_attention.c``: blocked float32 products,
+(``kernels/cpu/paged_attention.c``: reads the blocks in place, no copy, no mask), and
+so do bf16 prompt segments (``kernels/cpu/prefill_attention.c``: blocked float32 products,
 several times torch's CPU SDPA at prompt sizes), with the torch path as fallback and
 test oracle; float32 prompts keep SDPA, the exact path the Hugging Face comparisons use. When the model's
 ``FastPaths.attention`` is on and the
 tensors are on CUDA (or Triton runs in its interpreter), the decode rows go through the Triton kernel
-(``kernels/triton_attention.py``) instead; prefill segments keep the torch path.
+(``kernels/triton/attention.py``) instead; prefill segments keep the torch path.
 
 Quantized caches (``kv_quant.py``: int8 / fp8 codes with per-token, per-KV-head scales, passed as
 ``kv_scales``) are written through ``kv_quant.write``; the CPU kernel reads the codes in place and scales in
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sidecar.model import kv_quant
-from sidecar.model.kernels import paged_attention as cpu_kernel
-from sidecar.model.kernels import prefill_attention as prefill_kernel
+from sidecar.model.kernels.cpu import paged_attention as cpu_kernel
+from sidecar.model.kernels.cpu import prefill_attention as prefill_kernel
 from sidecar.model.kernels.gpu_paths import FastPaths
 
 
@@ -204,7 +204,7 @@ def paged_attention(
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     decoded = None  # the decode rows' result from one of our kernels
     if meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
-        from sidecar.model.kernels import triton_attention
+        from sidecar.model.kernels.triton import attention as triton_attention
 
         b = meta.decode_block_tables.shape[0]
         decoded = triton_attention.paged_decode_attention(

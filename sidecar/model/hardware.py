@@ -3,7 +3,7 @@
 On x86 CPUs torch runs bf16 matmuls through oneDNN's native kernels only when the CPU has
 AVX-512 BF16 or AMX; elsewhere (AVX2-only machines such as AMD Zen 2/3 or older Intel) torch's bf16 is
 emulated by converting to float32 and is several times slower than plain float32. There our own bf16
-kernel (``kernels/bf16_gemv``, AVX2 + FMA) takes every bf16 layer instead, and bf16 is the faster choice
+kernel (``kernels/cpu/bf16_gemv``, AVX2 + FMA) takes every bf16 layer instead, and bf16 is the faster choice
 (``avx2_bf16_kernel``). On CUDA, bf16 tensor cores exist from compute capability 8.0 (Ampere); older
 GPUs run fp16 natively.
 
@@ -128,7 +128,7 @@ def avx2_bf16_kernel(in_features: Iterable[int] = ()) -> tuple[bool, str]:
     oneDNN: batch-1 decode 2.7x as fast, a 32-request batch workload on par, 30% less peak memory, 256-token
     prefill 0.85x. Where AVX-512 exists without BF16, oneDNN's float32 GEMM has twice the AVX2 kernel's width: it
     stays float32 there."""
-    from sidecar.model.kernels import bf16_gemv
+    from sidecar.model.kernels.cpu import bf16_gemv
 
     if (
         _probe("_is_avx512_supported") is not False

@@ -129,7 +129,7 @@ def block_nbytes(caches: list[tuple[torch.Tensor, ...]]) -> int:
 def read_block(caches: list[tuple[torch.Tensor, ...]], block_id: int) -> torch.Tensor:
     """Block ``block_id`` of every layer's tensors, in order, as one uint8 tensor on the host."""
     if caches[0][0].device.type == "cpu":
-        from sidecar.model.kernels import block_copy
+        from sidecar.model.kernels.cpu import block_copy
 
         data = block_copy.gather_block([_bits(t) for layer in caches for t in layer], block_id)
         if data is not None:
@@ -157,7 +157,7 @@ def write_blocks(caches: list[tuple[torch.Tensor, ...]], block_ids: list[int], d
         return
     first = caches[0][0]
     if not isinstance(datas, torch.Tensor) and first.device.type == "cpu":
-        from sidecar.model.kernels import block_copy
+        from sidecar.model.kernels.cpu import block_copy
 
         if block_copy.scatter_blocks([_bits(t) for layer in caches for t in layer], block_ids, datas):
             return

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sidecar.model.kernels import amx_gemm, bf16_gemv, cpu_build, f32_gemv
+from sidecar.model.kernels.cpu import amx_gemm, bf16_gemv, cpu_build, f32_gemv
 
 log = logging.getLogger("sidecar.model")
 

@@ -7,7 +7,7 @@ Numerics follow Hugging Face transformers (RMSNorm in float32, rotate-half
 RoPE, residual adds in the model dtype) so float32 greedy output matches it.
 
 Device fast paths: the model owns one ``FastPaths`` (``fast_paths``) and every layer holds that same
-instance; a layer takes the Triton form of a step (``kernels/triton_ops.py``, ``triton_attention.py``,
+instance; a layer takes the Triton form of a step (``kernels/triton/ops.py``, ``triton_attention.py``,
 ``triton_wo.py``) when ``fast_paths.takes(name, tensor)``, and otherwise the path it takes with every
 field off. Fields are flipped in place on the shared instance, never by assigning a new one.
 """
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from sidecar.model.attention import AttentionMetadata, paged_attention, sdpa_backends
-from sidecar.model.kernels import norm_act, rope_kv
+from sidecar.model.kernels.cpu import norm_act, rope_kv
 from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.linear import Linear, hooks_idle
 
@@ -129,10 +129,10 @@ def _triton(paths: Optional[FastPaths], name: str, t: torch.Tensor):
     if paths is None or not paths.takes(name, t):
         return None
     if name == "gemv":
-        from sidecar.model.kernels import triton_gemv
+        from sidecar.model.kernels.triton import gemv as triton_gemv
 
         return triton_gemv
-    from sidecar.model.kernels import triton_ops
+    from sidecar.model.kernels.triton import ops as triton_ops
 
     return triton_ops
 

@@ -11,7 +11,7 @@ unchanged. For a fused projection with ``n`` parts (qkv: 3, gate_up: 2, o and do
 ``[s*n*R, (s+1)*n*R)`` of ``a`` ([S*n*R, in]) and ``bt`` ([S*n*R, out]); part ``j`` owns its ``R`` rows,
 its A padded with zero rows below its rank and its B^T nonzero only over the part's output columns.
 
-In float32 on CPU our kernel (``kernels/lora_bgmv.c``, gather-style like Punica's BGMV) adds the update:
+In float32 on CPU our kernel (``kernels/cpu/lora_bgmv.c``, gather-style like Punica's BGMV) adds the update:
 ``set_batch`` lists the rows that have an adapter, grouped by slot, once per forward, and each hook adds in
 place every listed row's own ``B (A x)``, per part over that part's columns only, from A held transposed
 (``at``, [S, in, n*R padded]). Base rows are not touched and a row costs its own adapter's rank-R products
@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from sidecar.model.kernels import lora_bgmv
+from sidecar.model.kernels.cpu import lora_bgmv
 from sidecar.model.linear import PACK_ROWS_HINT, can_pack
 
 # PEFT module name -> (fused projection, part index within it).

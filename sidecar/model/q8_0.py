@@ -2,7 +2,7 @@
 per 32 columns (w = d * q), exactly the values of a GGUF file's Q8_0 ``token_embd``.
 
 On CPU the table stays in that form (a quarter of float32's bytes, which is what bounds decode): the
-lm_head runs decode-sized batches through our grouped int8 kernel (``kernels/int8_gemv.c``) and larger
+lm_head runs decode-sized batches through our grouped int8 kernel (``kernels/cpu/int8_gemv.c``) and larger
 ones, or any batch without the kernel, over float tables dequantized a chunk of rows at a time; the
 embedding dequantizes the rows it looks up. Elsewhere the table is dequantized once at load.
 """
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sidecar.model.kernels import int8_gemv
-from sidecar.model.kernels.int8_gemv import dequantize_g32
+from sidecar.model.kernels.cpu import int8_gemv
+from sidecar.model.kernels.cpu.int8_gemv import dequantize_g32
 
 CHUNK_ROWS = 8192
 

@@ -6,12 +6,12 @@ whatever layout the device's fused kernel wants (``_weight_int8pack_mm``, ``_wei
 as buffers, and never materialise a dequantized weight. On CPU, int8 batches of up to ``int8_gemv.MAX_ROWS``
 rows (decode steps; bf16 prefills too through the tile-layout kernel over the widened codes, or wherever the AVX2
 path over the codes is built: ``int8_gemv.takes``) and int4 batches of up to ``int4_gemv.MAX_ROWS`` rows (any
-number with AMX: ``tiles_take``) go through our own kernels (``kernels/int8_gemv.c``, ``kernels/int4_gemv.c``,
-which reads torch's packed int4 layout in place, and ``kernels/amx_gemm.c``) when they build. ``quantize_linear``
+number with AMX: ``tiles_take``) go through our own kernels (``kernels/cpu/int8_gemv.c``, ``kernels/cpu/int4_gemv.c``,
+which reads torch's packed int4 layout in place, and ``kernels/cpu/amx_gemm.c``) when they build. ``quantize_linear``
 / ``quantize_tied_embedding`` are the loader's hooks for quantizing a full-precision model while it loads; saving
 and reloading quantized checkpoints is ``quant_checkpoint.py``. With the model's ``FastPaths.weight_only`` on
 (set through ``set_fast_paths``), decode-sized batches on CUDA go through the Triton kernels of
-``kernels/triton_wo.py`` instead, which read the stored format.
+``kernels/triton/wo.py`` instead, which read the stored format.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sidecar.model.kernels import int4_gemv, int8_gemv, norm_act
+from sidecar.model.kernels.cpu import int4_gemv, int8_gemv, norm_act
 from sidecar.model.kernels.gpu_paths import FastPaths, triton_available, triton_interpreted
 from sidecar.model.quant_format import (
     CHUNK_ROWS,
@@ -174,7 +174,7 @@ class Int8Linear(_QuantLinearBase):
 
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         if self._takes_triton(x2d):
-            from sidecar.model.kernels import triton_wo
+            from sidecar.model.kernels.triton import wo as triton_wo
 
             y = triton_wo.int8_matmul(self._triton_input(x2d), self.weight, self.scales_f32)
             if y is not None:  # None: more rows than a decode step, the fused path below
@@ -269,7 +269,7 @@ class Int4Linear(_QuantLinearBase):
     def _matmul(self, x2d: torch.Tensor) -> torch.Tensor:
         sz = self.scales_and_zeros
         if self.qweight_plain is not None and self._takes_triton(x2d):
-            from sidecar.model.kernels import triton_wo
+            from sidecar.model.kernels.triton import wo as triton_wo
 
             y = triton_wo.int4_matmul(self._triton_input(x2d), self.qweight_plain, sz, self.group_size)
             if y is not None:  # None: more rows than a decode step, the fused path below

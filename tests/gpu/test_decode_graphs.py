@@ -143,7 +143,7 @@ def test_replay_follows_changed_buffers(tiny_models):
 
 
 def test_self_check_falls_back_when_a_kernel_fails(tiny_models, prompts, monkeypatch):
-    from sidecar.model.kernels import triton_ops  # here: a CPU-only install may lack Triton (then this skips)
+    from sidecar.model.kernels import triton_ops  # here: a CPU-only install may lack Triton(then this skips)
 
     llm = _llm(tiny_models["llama"])
     runner = llm.engine.runner

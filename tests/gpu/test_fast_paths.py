@@ -118,7 +118,8 @@ def test_fused_products_survive_and_give_hf_tokens_at_batch_1(tiny_models, dtype
 def test_fused_products_match_the_separate_kernels_at_real_shapes(n, k, bias):
     import torch.nn.functional as F
 
-    from sidecar.model.kernels import triton_gemv, triton_ops  # here: a CPU-only install may lack Triton
+    from sidecar.model.kernels import triton_ops  # here: a CPU-only install may lack Triton
+    from sidecar.model.kernels.triton import gemv as triton_gemv
 
     gen = torch.Generator().manual_seed(n + k)
     bf = dict(dtype=torch.bfloat16, device="cuda")

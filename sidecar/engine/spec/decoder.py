@@ -39,7 +39,7 @@ from sidecar.engine.runner import ModelRunner
 from sidecar.engine.spec.draft import DraftProposer
 from sidecar.engine.spec.ngram import NgramProposer
 from sidecar.engine.spec.state import SpecState
-from sidecar.model.kernels.argmax import argmax
+from sidecar.model.kernels.cpu.argmax import argmax
 from sidecar.model.loader import LoadedModel
 from sidecar.engine.spec.verify import verify_greedy, verify_sampled
 

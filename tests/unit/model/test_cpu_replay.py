@@ -10,7 +10,7 @@ import torch
 
 from sidecar import LLM, SamplingParams
 from sidecar.engine.cpu_graphs import _spans, linear_layouts
-from sidecar.model.kernels import amx_gemm, cpu_build, int4_gemv, int8_gemv, norm_act, replay
+from sidecar.model.kernels.cpu import amx_gemm, cpu_build, int4_gemv, int8_gemv, norm_act, replay
 from sidecar.model.linear import Linear
 
 pytestmark = pytest.mark.skipif(

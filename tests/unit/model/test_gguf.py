@@ -318,7 +318,7 @@ def test_tied_q8_0_embedding_stays_q8_0_next_to_int4_layers(tmp_path, demo_dir, 
     the file's Q8_0 blocks for both the embedding and lm_head, its values exactly the dequantized file's;
     logits through the grouped int8 kernel equal those of the float table, and so does greedy decoding.
     (Greedy against HF float32 for this form is tests/unit/model/test_default_model.py, on the real model.)"""
-    from sidecar.model.kernels import int8_gemv
+    from sidecar.model.kernels.cpu import int8_gemv
     from sidecar.model.q8_0 import Q8_0Embedding, Q8_0Linear, dequantize_g32
 
     path = tmp_path / "q4q8.gguf"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sidecar.model import hardware
-from sidecar.model.kernels import bf16_gemv
+from sidecar.model.kernels.cpu import bf16_gemv
 from sidecar.model.loader import pick_dtype, pick_dtype_with_reason
 
 BF16_CKPT = {"torch_dtype": "bfloat16"}

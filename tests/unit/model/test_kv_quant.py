@@ -10,8 +10,8 @@ import torch
 
 from sidecar.model import kv_quant
 from sidecar.model.attention import AttentionMetadata, PrefillSegment, paged_attention
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels import paged_attention as kernel
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu import paged_attention as kernel
 
 
 def _quant_case(
@@ -200,7 +200,7 @@ def test_prefill_rows_quantize_on_write_and_attend_through_the_cache():
 def test_rope_kernel_quantizes_on_write_bit_for_bit_as_kv_quant(dtype, arch, monkeypatch):
     """The fused rope + KV write stores the int8 codes and scales kv_quant.write stores for the torch path's
     rope(k) and v (the quantizer is one definition, whichever path writes)."""
-    from sidecar.model.kernels import rope_kv
+    from sidecar.model.kernels.cpu import rope_kv
 
     if arch:
         monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", arch)

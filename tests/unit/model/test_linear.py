@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from sidecar.config import EngineConfig
 from sidecar.model import linear as linear_mod
-from sidecar.model.kernels import amx_gemm, bf16_gemv, f32_gemv
+from sidecar.model.kernels.cpu import amx_gemm, bf16_gemv, f32_gemv
 from sidecar.model.linear import Linear, TiledEmbedding, can_pack, pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
@@ -341,7 +341,7 @@ def test_mlp_takes_silu_from_the_gate_up_kernel_where_it_offers_it():
     bits as the projection then norm_act.silu_mul. A hook on the projection (an adapter's delta) turns it off, so the
     delta joins before the activation, unless the hook says it is idle (LoRA's outside a batch with adapter rows).
     Elsewhere the projection offers nothing and the MLP runs the two steps."""
-    from sidecar.model.kernels import norm_act
+    from sidecar.model.kernels.cpu import norm_act
 
     m = _tiny_model(torch.bfloat16)
     pack_weights(m)
@@ -397,7 +397,7 @@ def test_the_tile_layout_serves_the_model(tile_build):
     too) for every batch size: F.linear's values to one bf16 rounding, a row alone its bits in the batch, the MLP's
     silu and the head's widened logits from the kernel, the embedding lookups from the head's layout. Where it does
     not run, the layers keep the other layouts."""
-    from sidecar.model.kernels import norm_act
+    from sidecar.model.kernels.cpu import norm_act
 
     m = _tiny_model(torch.bfloat16)
     lins = {name: mod for name, mod in m.named_modules() if isinstance(mod, Linear)}

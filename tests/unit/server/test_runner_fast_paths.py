@@ -9,7 +9,7 @@ import torch
 from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.engine import self_check
-from sidecar.model.kernels import norm_act
+from sidecar.model.kernels.cpu import norm_act
 from sidecar.model.kernels.gpu_paths import PATH_NAMES
 from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy, make_prompts
 

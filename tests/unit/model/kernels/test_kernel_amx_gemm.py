@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.model.kernels import amx_gemm
+from sidecar.model.kernels.cpu import amx_gemm
 
 
 def _case(m, n, k, seed, bias_dtype=None):
@@ -201,7 +201,7 @@ def test_gate_up_pairs_give_the_projection_and_its_activation(m, k, bias_dtype, 
     slabs of chunks."""
     if not _runs(tile_build):
         return
-    from sidecar.model.kernels import norm_act
+    from sidecar.model.kernels.cpu import norm_act
 
     x, w, b = _case(m, 2 * 48, k, seed=m, bias_dtype=bias_dtype)
     plain = amx_gemm.AmxLayer(amx_gemm.pack(w), 96, b)(x)

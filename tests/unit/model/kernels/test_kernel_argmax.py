@@ -7,8 +7,8 @@ import torch
 
 from sidecar.engine.request import Request, SamplingParams
 from sidecar.engine.sampler import Sampler
-from sidecar.model.kernels import argmax as argmax_kernel, cpu_build
-from sidecar.model.kernels.argmax import argmax, row_argmax
+from sidecar.model.kernels.cpu import argmax as argmax_kernel, cpu_build
+from sidecar.model.kernels.cpu.argmax import argmax, row_argmax
 
 NAN, INF = float("nan"), float("inf")
 

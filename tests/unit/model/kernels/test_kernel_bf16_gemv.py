@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.model.kernels import bf16_gemv, cpu_build
+from sidecar.model.kernels.cpu import bf16_gemv, cpu_build
 from sidecar.model.linear import Linear
 
 

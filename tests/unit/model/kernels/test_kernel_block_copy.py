@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sidecar.model import kv_quant
-from sidecar.model.kernels import block_copy, cpu_build
+from sidecar.model.kernels.cpu import block_copy, cpu_build
 
 
 def _caches(dtype, layers=3, blocks=9):

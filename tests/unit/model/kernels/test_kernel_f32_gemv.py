@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.model.kernels import f32_gemv
+from sidecar.model.kernels.cpu import f32_gemv
 
 pytestmark = pytest.mark.skipif(
     not f32_gemv.available(), reason="needs AVX2 + FMA or AVX-512 and a C compiler"

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sidecar.model.kernels import cpu_build, int4_gemv
+from sidecar.model.kernels.cpu import cpu_build, int4_gemv
 from sidecar.model.quant import Int4Linear, _QuantLinearBase, quantize_linear
 from sidecar.model.quant_format import dequantize_int4, quantize_int4, unpack_int4
 
@@ -71,7 +71,7 @@ def test_torch_avx2_layout_is_recognised_and_used():
     script = textwrap.dedent("""
         import torch
         from torch import nn
-        from sidecar.model.kernels import int4_gemv
+        from sidecar.model.kernels.cpu import int4_gemv
         from sidecar.model.quant import quantize_linear
         from sidecar.model.quant_format import dequantize_int4, quantize_int4
         assert int4_gemv.torch_layout() == (32, True), int4_gemv.torch_layout()

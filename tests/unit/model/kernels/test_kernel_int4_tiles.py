@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from sidecar.model.kernels import int4_gemv
+from sidecar.model.kernels.cpu import int4_gemv
 from sidecar.model.quant import quantize_linear
 
 

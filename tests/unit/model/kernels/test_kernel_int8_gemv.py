@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from sidecar.model.kernels import amx_gemm, bf16_gemv, cpu_build, int8_gemv
+from sidecar.model.kernels.cpu import amx_gemm, bf16_gemv, cpu_build, int8_gemv
 from sidecar.model.quant import Int8Linear, quantize_linear
 from sidecar.model.quant_format import dequantize_int8, quantize_int8
 

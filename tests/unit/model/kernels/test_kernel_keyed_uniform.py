@@ -8,7 +8,7 @@ from sidecar.engine import sampling_rng
 from sidecar.engine.request import Request, SamplingParams
 from sidecar.engine.sampler import Sampler
 from sidecar.engine.sampling_rng import row_key_int, row_keys, uniform, uniform_torch
-from sidecar.model.kernels import cpu_build, keyed_uniform
+from sidecar.model.kernels.cpu import cpu_build, keyed_uniform
 
 EXTREMES = [0, 1, -1, 2**63 - 1, -(2**63), 123456789, -987654321987]
 

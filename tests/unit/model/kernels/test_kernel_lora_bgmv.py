@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.model.kernels import cpu_build, lora_bgmv
+from sidecar.model.kernels.cpu import cpu_build, lora_bgmv
 
 
 def test_kernel_builds_on_this_machine():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sidecar.model.kernels import cpu_build, norm_act
+from sidecar.model.kernels.cpu import cpu_build, norm_act
 
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7}  # spacing relative to the value, at most
 

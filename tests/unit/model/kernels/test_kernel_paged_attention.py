@@ -7,8 +7,8 @@ import torch
 
 from sidecar.model import attention
 from sidecar.model.attention import AttentionMetadata, paged_attention
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels import paged_attention as kernel
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu import paged_attention as kernel
 
 
 def _case(ctx_lens, nh, nkv, hd, bs=16, dtype=torch.float32, seed=0):
@@ -110,7 +110,9 @@ def test_the_softmax_finds_the_largest_score_wherever_it_is(pos, dtype):
     out = kernel.decode_attention(q, kc, vc, tables, ctx, 1.0)
     ref = _torch_path(q, kc, vc, tables, ctx, 1.0, None)
     assert torch.isfinite(out).all()
-    assert (out.float() - ref.float()).abs().max() <= (1e-5 if dtype is torch.float32 else 2e-2)
+    # float32: within 1e-5 of the output's scale (the kernel's exp is a polynomial, torch's libm's)
+    tol = 1e-5 * max(1.0, ref.float().abs().max().item()) if dtype is torch.float32 else 2e-2
+    assert (out.float() - ref.float()).abs().max() <= tol
     assert torch.allclose(
         out[0, 0].float(), vc.view(-1, 1, 64)[slot, 0].float(), atol=1e-2
     )  # that key's value

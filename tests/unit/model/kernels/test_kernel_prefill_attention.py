@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from sidecar.model import attention, kv_quant
 from sidecar.model.attention import AttentionMetadata, PrefillSegment, paged_attention
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels import prefill_attention as kernel
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu import prefill_attention as kernel
 
 
 def _case(rows, ctx, nh, nkv, hd, bs=16, dtype=torch.float32, seed=0):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sidecar.model.attention import write_kv
-from sidecar.model.kernels import cpu_build, rope_kv
+from sidecar.model.kernels.cpu import cpu_build, rope_kv
 
 
 def _case(t, nh, nkv, hd, dtype, seed=0):

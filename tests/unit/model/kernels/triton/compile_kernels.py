@@ -14,7 +14,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from sidecar.model.kernels import triton_attention, triton_gemv, triton_ops, triton_wo  # noqa: E402
+from sidecar.model.kernels import triton_wo  # noqa: E402
+from sidecar.model.kernels.triton import attention as triton_attention, gemv as triton_gemv, ops as triton_ops
 
 
 def build(fn, args: dict, constexprs: dict, arch: int) -> None:

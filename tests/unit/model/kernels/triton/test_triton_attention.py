@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sidecar.model.attention import AttentionMetadata, paged_attention
-from sidecar.model.kernels import triton_attention as ta
+from sidecar.model.kernels.triton import attention as ta
 from sidecar.model.kernels.gpu_paths import FastPaths
 
 

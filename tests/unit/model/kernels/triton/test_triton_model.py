@@ -88,7 +88,12 @@ def _spy(monkeypatch, module, name, calls):
 @pytest.mark.parametrize("kind,quant", [("llama", None), ("qwen2", "int8"), ("llama", "int4")])
 def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, device, monkeypatch):
     from sidecar.model import quant as quant_layers
-    from sidecar.model.kernels import triton_attention, triton_gemv, triton_ops, triton_wo
+    from sidecar.model.kernels.triton import (
+        attention as triton_attention,
+        gemv as triton_gemv,
+        ops as triton_ops,
+        wo as triton_wo,
+    )
 
     monkeypatch.setattr(quant_layers, "PLAIN_INT4_ON_CPU", True)  # as every int4 layer on CUDA does
     cfg = EngineConfig(
@@ -160,7 +165,7 @@ def test_engine_greedy_tokens_unchanged_with_triton_paths(tiny_models, device):
 def test_a_projection_with_a_hook_keeps_it_under_the_fused_path(tiny_models, device, monkeypatch):
     """LoRA adds its update through forward hooks: a layer with one takes the separate kernels, hook and all;
     the other layers still fuse."""
-    from sidecar.model.kernels import triton_gemv
+    from sidecar.model.kernels.triton import gemv as triton_gemv
 
     cfg = EngineConfig(model=str(tiny_models["llama"]), dtype="float32", device=device.type)
     model = load_model(cfg, pack=False).model
@@ -177,7 +182,7 @@ def test_a_projection_with_a_hook_keeps_it_under_the_fused_path(tiny_models, dev
 def test_lora_hooks_leave_base_model_steps_to_the_fused_path(tiny_models, device, monkeypatch, tmp_path):
     """With adapter slots the projections carry LoRA's hooks: a step without adapter rows (idle hooks) still takes
     the fused products, a step with them takes the separate kernels and gets the adapter's update."""
-    from sidecar.model.kernels import triton_gemv
+    from sidecar.model.kernels.triton import gemv as triton_gemv
     from sidecar.model.lora import LoraLayers, read_adapter
     from tests.unit.model.lora_helpers import ATTN, MLP, make_adapter
 

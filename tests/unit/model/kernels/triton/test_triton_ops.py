@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from sidecar.model.attention import write_kv
-from sidecar.model.kernels import norm_act, triton_ops
+from sidecar.model.kernels.cpu import norm_act
+from sidecar.model.kernels.triton import ops as triton_ops
 
 # Torch rounds after every op in the model dtype; the kernels do too, so only the order of the norm's
 # float32 sum and exp / rsqrt may differ: a few float32 ulps, or one bf16 rounding step.

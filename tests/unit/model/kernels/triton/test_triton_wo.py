@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sidecar.model.kernels import triton_wo
+from sidecar.model.kernels.triton import wo as triton_wo
 from sidecar.model.quant_format import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}

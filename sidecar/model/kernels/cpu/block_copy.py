@@ -15,8 +15,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels.cpu_build import I, P
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu.cpu_build import I, P
 
 _KERNEL = cpu_build.Kernel("block_copy", {"sidecar_copy_spans": ([P, P, P, ctypes.c_int64, I], I)})
 

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels.cpu_build import I, P
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu.cpu_build import I, P
 
 _KERNEL = cpu_build.Kernel(
     "keyed_uniform", {"sidecar_keyed_uniform": ([P, ctypes.c_int64, ctypes.c_int64, P, I], I)}

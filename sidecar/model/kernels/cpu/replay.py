@@ -32,8 +32,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels.cpu_build import I, P
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu.cpu_build import I, P
 
 _KERNEL = cpu_build.Kernel(
     "replay",

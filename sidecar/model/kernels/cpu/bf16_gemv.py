@@ -32,8 +32,8 @@ from typing import Callable, Optional
 import torch
 
 from sidecar.model import hugepages
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels.cpu_build import I, P
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu.cpu_build import I, P
 
 MAX_ROWS = 16
 # Row counts at which pack time compares this kernel with oneDNN's packed GEMM (``measure_rows_limit``).

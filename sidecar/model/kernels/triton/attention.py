@@ -29,7 +29,7 @@ import triton.language as tl
 
 from triton import next_power_of_2 as next_pow2
 
-from sidecar.model.kernels.triton_common import dot_in_f32, mma, narrow
+from sidecar.model.kernels.triton.common import dot_in_f32, mma, narrow
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_N = 32  # keys per tile; >= 16 so both dots have K >= 16 on a real GPU

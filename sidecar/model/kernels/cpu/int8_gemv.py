@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from sidecar.model.kernels import amx_gemm, bf16_gemv, cpu_build
-from sidecar.model.kernels.cpu_build import I, P
+from sidecar.model.kernels.cpu import amx_gemm, bf16_gemv, cpu_build
+from sidecar.model.kernels.cpu.cpu_build import I, P
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
 # Measured one thread, Qwen2-0.5B-shaped layers: 1.4-1.7x faster than torch's packed kernel from 1

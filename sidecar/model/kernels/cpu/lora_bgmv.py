@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels.cpu_build import I, P
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu.cpu_build import I, P
 
 _KERNEL = cpu_build.Kernel("lora_bgmv", {"sidecar_lora_apply": ([P] * 7 + [I] * 7, I)})
 

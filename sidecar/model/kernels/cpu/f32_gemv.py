@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels.cpu_build import I, P
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu.cpu_build import I, P
 
 K_MULTIPLE = 16
 

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 
 from sidecar.model import hugepages
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels.cpu_build import I, P
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu.cpu_build import I, P
 
 log = logging.getLogger("sidecar.kernels")
 

@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels.cpu_build import F, I, P
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu.cpu_build import F, I, P
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 

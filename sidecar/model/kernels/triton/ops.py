@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sidecar.model.kernels.triton_common import narrow
+from sidecar.model.kernels.triton.common import narrow
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sidecar.model.kernels.triton_common import narrow, sm_count
+from sidecar.model.kernels.triton.common import narrow, sm_count
 
 MAX_ROWS = 1  # measured on an H100: from two rows on, cuBLAS and the separate kernels are faster
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -9,8 +9,8 @@ from typing import Optional
 
 import torch
 
-from sidecar.model.kernels import cpu_build
-from sidecar.model.kernels.cpu_build import I, P
+from sidecar.model.kernels.cpu import cpu_build
+from sidecar.model.kernels.cpu.cpu_build import I, P
 
 _I64 = ctypes.c_int64
 _KERNEL = cpu_build.Kernel("argmax", {"sidecar_row_argmax": ([P, _I64, _I64, _I64, P, I], I)})

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sidecar.model.kernels.triton_common import dot_in_f32, mma, narrow, sm_count
+from sidecar.model.kernels.triton.common import dot_in_f32, mma, narrow, sm_count
 
 MAX_ROWS = 64
 BLOCK_M = 16  # tl.dot needs 16 rows; decode rows are padded up to it by masking
