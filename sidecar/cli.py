@@ -115,10 +115,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def reexec_with_huge_pages() -> None:
     """Run this command again, once, with ``HUGE_PAGES_TUNABLE`` set (Linux). A decode step reads every
-    weight once; in 2 MiB pages instead of 4 KiB ones the TLB stops missing every few kilobytes, which
-    measured +3-30% at batch 1 in bf16 on Zen 5 (docs/PERFORMANCE.md). Kernels where transparent huge
-    pages are off ignore it. Left alone when ``GLIBC_TUNABLES`` is already set (by the user, or by the
-    first run) or ``SIDECAR_HUGE_PAGES=0``."""
+    weight once; in 2 MiB pages instead of 4 KiB ones the TLB stops missing every few kilobytes (the gain:
+    docs/perf/code-notes.md). Kernels where transparent huge pages are off ignore it. Left alone when
+    ``GLIBC_TUNABLES`` is already set (by the user, or by the first run) or ``SIDECAR_HUGE_PAGES=0``."""
     if (
         sys.platform != "linux"
         or "GLIBC_TUNABLES" in os.environ

@@ -1,8 +1,8 @@
 """Optional vLLM CPU-backend baseline for the CPU benches (a benchmark tool, never a dependency).
 
 vLLM runs from its own virtual environment (``--vllm-cpu VENV``, else ``$SIDECAR_VLLM_CPU``), in a
-subprocess of that venv's Python running ``vllm_cpu_worker.py``: the model is loaded once (vLLM takes
-90-120 s for that; not counted), then the bench sends it the same measurements it makes of our engine
+subprocess of that venv's Python running ``vllm_cpu_worker.py``: the model is loaded once (a slow start,
+not counted), then the bench sends it the same measurements it makes of our engine
 -- batch-1 decode, prefill, the mixed workload -- as JSON commands, each answered with its figures and
 the process's peak RSS. Threads: vLLM's OpenMP threads are bound to CPUs 0..threads-1 with no CPU
 reserved for its frontend (``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_NUM_OF_RESERVED_CPU``), and the

@@ -71,8 +71,8 @@ class Embedder:
         self.model_name = model
         self._model = SentenceTransformer(path, device=device)
         if _native_bf16_cpu(self._model.device):
-            # With bf16 dot-product instructions the forward pass is ~1.6x faster; vectors are
-            # re-normalised in float32, and the eval set's precision/recall are unchanged at 0.95.
+            # With bf16 dot-product instructions the forward pass is faster in bf16; vectors are
+            # re-normalised in float32, which keeps the eval set's precision/recall at the default threshold.
             self._model.to(torch.bfloat16)
         get_dim = (
             getattr(self._model, "get_embedding_dimension", None)
@@ -113,7 +113,7 @@ class Embedder:
     def _forward(self, texts: list[str]) -> np.ndarray:
         """One forward pass through the model's modules (transformer, pooling, normalisation), as
         ``SentenceTransformer.encode`` runs them, without its per-call bookkeeping (input sorting,
-        modality checks, batching loop): ~13% of one short query's embedding, measured in one process.
+        modality checks, batching loop), a noticeable share of one short query's embedding.
         A BERT-family model takes the lean forward (``lean_encoder``) when it passed its start-up check."""
         model = self._model
         with torch.inference_mode():
@@ -128,10 +128,10 @@ class Embedder:
 
     def _warm_shapes(self) -> None:
         """Run one forward of every length up to ``_WARM_TOKENS`` tokens. A CPU GEMM meets each new row
-        count with a one-time set-up (oneDNN builds and caches a primitive per shape): measured ~5 ms of a
-        thread's time on the first query of a new length, against ~8 ms for the whole embedding. Paid here,
-        once, at start (~1 s), instead of by the first lookups of each length; a batch of b texts of
-        length n has the row count b * n of one of these."""
+        count with a one-time set-up (oneDNN builds and caches a primitive per shape), comparable to the
+        whole embedding's time. Paid here, once, at start, instead of by the first lookups of each length
+        (figures: docs/perf/code-notes.md); a batch of b texts of length n has the row count b * n of one
+        of these."""
         model = self._model
         if model.device.type != "cpu":
             return

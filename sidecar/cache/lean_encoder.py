@@ -1,11 +1,11 @@
 """A lean forward pass for BERT-family sentence embedders with mean pooling (all-MiniLM-L6-v2).
 
 A semantic-cache hit costs one embedding of a short query, and on CPU a 16-token query through
-transformers' ``BertModel`` spends a quarter of its time outside the matrix products: per-layer module
+transformers' ``BertModel`` spends much of its time outside the matrix products: per-layer module
 dispatch, output capturing, signature inspection, three separate Q/K/V projections. This runs the same
 weights (the modules themselves, not copies, except one fused Q/K/V weight per layer) with one Q/K/V
-product per layer and no bookkeeping: 8.5 -> 6.2 ms of one thread's CPU time for a 16-token query on a
-Zen 4 (bf16). Mean pooling is done in float32.
+product per layer and no bookkeeping (what it saves: docs/perf/code-notes.md). Mean pooling is done in
+float32.
 
 ``LeanEncoder.build(st_model)`` returns None when the model is not of the shape this handles (another
 architecture, pooling mode, position embedding or activation); the embedder then keeps the
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 log = logging.getLogger("sidecar.cache")
 
 # Start-up check: the cosine of each lean vector with the reference path's on probe sentences. The two
-# differ by bf16 rounding order only (measured cosines >= 0.99999 in bf16; a padding mask left out of a
-# batch costs ~0.01-0.05).
+# differ by bf16 rounding order only, which stays well above this bound, while a real fault (a padding mask
+# left out of a batch) falls well below it (figures: docs/perf/code-notes.md).
 _CHECK_MIN_COSINE = 0.9999
 _PROBES = [
     "How do I reset my password?",

@@ -95,7 +95,7 @@ class AsyncEngine:
         self._tokenizer = copy.deepcopy(engine.tokenizer)
         self._tokenizer_lock = threading.Lock()
         self._loras: dict[str, str] = engine.lora.names()  # name -> path; replaced whole on each change
-        engine.structured.prepare()  # holds the GIL ~1 s: before serving, never under a first grammar request
+        engine.structured.prepare()  # holds the GIL for long: before serving, never under a first grammar request
         # Below the step loop's and the servers' CPU priority: compiling takes only what they leave.
         self._grammar_pool = ThreadPoolExecutor(
             1, thread_name_prefix="sidecar-grammar", initializer=lower_thread_priority

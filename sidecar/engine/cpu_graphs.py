@@ -1,19 +1,18 @@
-"""CPU decode steps replayed from C: the CPU's form of decode graphs (``model/kernels/replay.py``).
+"""CPU decode steps replayed from C: the CPU's form of decode graphs (``model/kernels/cpu/replay.py``).
 
 A pure-decode step reads its rows from the persistent buffers (``input_buffers.DecodeInputs``). Here the
 part of it that runs outside our kernels -- the embedding lookup and the rope rows of the positions, a
 few torch operators -- is done first into persistent buffers of its own (``stage``), and the decoder over
 them (``LlamaForCausalLM.forward_embedded``), all in our kernels, is the part recorded once per batch
-size and replayed from C afterwards: the same kernels with the same operands, without ~220 Python calls
-and their checks and allocations a step.
+size and replayed from C afterwards: the same kernels with the same operands, without the step's Python
+calls, checks and allocations around them.
 
 Every batch size is planned before its first step -- sizes up to ``PLAN_AHEAD`` when the engine starts
 (``plan_ahead``), larger ones when first seen: the step's Python runs with every kernel call noted and none made
-(``replay.record(dry=True)``: ~9 ms a size for Qwen2-0.5B, nothing computed or written), and the plan is replayed
-from the size's first step. On the CPU each size is its own
-bucket, and a workload whose batch shrinks as requests finish meets dozens of them: before, each size ran
-eagerly the first time it was seen and was recorded (an eager run noting its calls) the second, which cost
-the 32-request workload ~0.5 s of its ~5.5 s a round on a 2-core Xeon in its first rounds. A size that cannot
+(``replay.record(dry=True)``: nothing computed or written), and the plan is replayed from the size's first
+step. On the CPU each size is its own bucket, and a workload whose batch shrinks as requests finish meets
+dozens of them; recording each at its first step instead would run it eagerly once, and then record it (an
+eager run noting its calls), a cost every size pays in the workload's first rounds. A size that cannot
 be planned so (its step runs a torch operator, or keeps what it allocated) is recorded at its first step and
 replayed from then on. One scratch arena holds every plan's intermediate tensors; plans are replayed one at a
 time by the engine's one thread. The block tables are ``max_blocks`` columns wide in every step while replays
@@ -39,12 +38,12 @@ from sidecar.engine.input_buffers import DecodeInputs, decode_metadata
 from sidecar.model.kernels.cpu import replay
 from sidecar.model.quant_format import release_freed_memory
 
-# Batch sizes planned when the engine starts (larger ones when first seen): a dry pass costs ~9 ms a size for
-# Qwen2-0.5B up to 128 rows and ~15 ms past it (its larger allocations are mapped and unmapped), so planning all of
-# max_num_seqs 256 ahead took 3.5 s of a 3.9 s load on a 2-core Xeon.
+# Batch sizes planned when the engine starts (larger ones when first seen): every size costs a dry pass, dearer
+# past the sizes whose allocations the heap serves, so planning all of a large max_num_seqs ahead would make up
+# most of the load (figures: docs/perf/code-notes.md).
 PLAN_AHEAD = 64
-# Dry passes between which the freed heap is handed back: glibc kept what 256 passes freed resident (+110-190 MiB
-# for Qwen2-0.5B, bf16 / int8), where the plans themselves hold ~13 MiB.
+# Dry passes between which the freed heap is handed back: glibc keeps what the passes free resident, many times
+# what the plans themselves hold (figures: docs/perf/code-notes.md).
 TRIM_EVERY = 8
 
 log = logging.getLogger("sidecar.engine")

@@ -17,7 +17,7 @@ Invariants:
   plus the first mask at most ``COMPILE_BUDGET_S``, any one mask of the walk at most ``MASK_BUDGET_S``
   (a grammar whose masks cost more would slow every step of every request batched with it).
 - Only llguidance calls that release the GIL are used here (building, masks, consuming tokens); not
-  ``compute_ff_tokens``, which holds it (about 2 s on ``(x{1000}){1000}``, whose forced text is huge).
+  ``compute_ff_tokens``, which holds it for as long as the forced text takes (long on ``(x{1000}){1000}``).
 - Compiling never runs on the event loop nor on the engine's step thread: ``AsyncEngine`` calls
   ``compiled`` from its grammar thread, which runs at a lower OS priority than the step loop and the
   servers (``lower_thread_priority``), so it takes only CPU they leave.

@@ -150,14 +150,14 @@ class StructuredDecoder:
 
     def prepare(self) -> None:
         """Build the grammar tokenizer now (a server does before it serves): building the vocabulary trie
-        holds the GIL for up to ~1 s, which under a first grammar request would stall every other thread."""
+        holds the GIL throughout, which under a first grammar request would stall every other thread."""
         try:
             self._tokenizer()
         except Exception:  # a tokenizer llguidance cannot use: each constrained request is refused with why
             pass
 
     def _tokenizer(self) -> Any:
-        # Built on first use (or by prepare): the vocabulary trie costs up to ~1 s for large vocabularies.
+        # Built on first use (or by prepare): the vocabulary trie is costly for large vocabularies.
         with self._lock:
             if self._lltok is None:
                 import llguidance

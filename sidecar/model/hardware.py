@@ -124,10 +124,9 @@ def avx2_bf16_kernel(in_features: Iterable[int] = ()) -> tuple[bool, str]:
     """(True, why) when a CPU without native bf16 runs bf16 layers fast through our own kernel: an AVX2 + FMA CPU
     without AVX-512, where ``bf16_gemv`` widens bf16 weights to float32 in registers (so a bf16 weight streams half
     the bytes of a float32 one) and every layer's inputs are whole 32-value chunks (``in_features``; another layer
-    would go to torch's emulated bf16 matmul). Measured on a 2-core Zen 3 over Qwen2-0.5B against float32 through
-    oneDNN: batch-1 decode 2.7x as fast, a 32-request batch workload on par, 30% less peak memory, 256-token
-    prefill 0.85x. Where AVX-512 exists without BF16, oneDNN's float32 GEMM has twice the AVX2 kernel's width: it
-    stays float32 there."""
+    would go to torch's emulated bf16 matmul). Against float32 through oneDNN, bf16 there decodes faster at batch
+    1 and holds less memory at about the same batch throughput (docs/PERFORMANCE.md, Zen 3, A7). Where AVX-512
+    exists without BF16, oneDNN's float32 GEMM has twice the AVX2 kernel's width: it stays float32 there."""
     from sidecar.model.kernels.cpu import bf16_gemv
 
     if (

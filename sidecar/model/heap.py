@@ -2,11 +2,9 @@
 
 Every step allocates the same large intermediates again: the logits of a decode batch (32 rows of a
 151,936-token vocabulary in float32: 19 MiB a step), a prompt chunk's gate/up output (2,048 tokens of
-Qwen2-0.5B: 20-40 MiB a layer). With glibc's own mmap threshold (128 KiB at start, adjusted by glibc as mapped
-blocks are freed) each was a fresh mapping, unmapped on free: traced, one 19 MiB mapping every 32-row decode
-step and one 20 MiB mapping a layer in a 2,048-token
-prefill, each faulted in and zeroed again (on a 2-vCPU Xeon: ~4.7 ms of a 32-row Qwen2-0.5B decode step, ~7% of
-a 2,048-token prefill).
+Qwen2-0.5B: 20-40 MiB a layer). Under glibc's own mmap threshold (128 KiB at start, adjusted by glibc as mapped
+blocks are freed) each is a fresh mapping, unmapped on free, so every step faults it in and zeroes it again
+(what that cost: docs/perf/code-notes.md).
 
 ``keep_step_blocks()`` raises the mmap threshold to ``MMAP_THRESHOLD`` and the trim threshold to
 ``TRIM_THRESHOLD`` (``mallopt``), once, when a CPU engine has loaded: blocks under 64 MiB come from the heap and up

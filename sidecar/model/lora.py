@@ -15,7 +15,7 @@ In float32 on CPU our kernel (``kernels/cpu/lora_bgmv.c``, gather-style like Pun
 ``set_batch`` lists the rows that have an adapter, grouped by slot, once per forward, and each hook adds in
 place every listed row's own ``B (A x)``, per part over that part's columns only, from A held transposed
 (``at``, [S, in, n*R padded]). Base rows are not touched and a row costs its own adapter's rank-R products
-only: measured on SmolLM2-135M (int4 base, 32 decode rows, one thread) 3x less than the masked GEMMs below.
+only, where the masked GEMMs below compute every slot's columns for every row (docs/perf/code-notes.md).
 
 Other dtypes and devices take two GEMMs per projection whatever the mix of adapters (gather-free):
 ``((x @ a[:k].T) * mask) @ bt[:k]`` where row ``t`` of ``mask`` keeps only the columns of its token's slot

@@ -40,7 +40,7 @@ from sidecar.model.quant_format import (
 def kernel_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """Activation dtype the fused kernels run in.
 
-    CPU kernels accept bf16/fp16/fp32, but their fp32 paths are ~10x slower than
+    CPU kernels accept bf16/fp16/fp32, but their fp32 paths are far slower than
     fp32 F.linear, so fp32 activations are rounded to bf16 around the kernel
     (error comparable to the weight quantization itself). CUDA int4 takes bf16 only.
     """
