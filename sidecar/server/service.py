@@ -683,6 +683,9 @@ class InferenceService:
         except ServiceError as exc:
             audit(caller, action, exc.code, error=exc.message, **details)
             raise
+        except asyncio.CancelledError:  # the caller left; the action may or may not have taken effect
+            audit(caller, action, "cancelled", **details)
+            raise
         except BaseException:
             audit(caller, action, "internal", **details)
             raise

@@ -335,3 +335,28 @@ def test_operator_actions_are_audited_once_and_refusals_counted(server, adapters
     assert all(key not in server.log() for key in (KEY_B, ADMIN))
     assert refused(server, "load_lora_adapter", "permission") == counts["permission"] + 1
     assert refused(server, "load_lora_adapter", "lora_root") == counts["lora_root"] + 1
+
+
+def test_a_lora_root_alone_enables_run_time_adapters(
+    sidecar_launcher, tiny_models, adapters, lora_root, expected
+):
+    """No --lora at start and no keys (open: every caller is an operator): --lora-root gives the engine its
+    adapter slots, so an adapter from under the root loads and serves."""
+    with sidecar_launcher(
+        "--model",
+        str(tiny_models["llama"]),
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "32",
+        "--lora-root",
+        str(lora_root),
+    ) as sc:
+        url = sc.http_base
+        r = httpx.post(
+            f"{url}/v1/load_lora_adapter", json={"lora_name": "mlp", "lora_path": str(adapters["mlp"])}
+        )
+        assert r.status_code == 200, r.text
+        c = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert complete(c, "mlp") == expected["mlp"]
+        assert "result=ok" in sc.log() and "key_id=anonymous role=operator" in sc.log()
