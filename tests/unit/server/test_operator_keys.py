@@ -419,3 +419,29 @@ def test_grpc_tenant_keys_get_permission_denied_naming_the_action(roots):
             await server.stop(None)
 
     asyncio.run(scenario())
+
+
+def test_an_operator_action_whose_caller_left_is_audited_as_cancelled(roots, caplog):
+    root, _ = roots
+    svc = make_service(root)
+    caplog.set_level(logging.INFO, logger="sidecar.audit")
+    started = []
+
+    async def never(name: str, path: str) -> None:
+        started.append(name)
+        await asyncio.Event().wait()
+
+    svc.engine.load_lora = never
+
+    async def scenario() -> None:
+        task = asyncio.ensure_future(svc.load_lora(who(svc, ADMIN), "slow", str(root / "mlp")))
+        while not started:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert [(r.action, r.result) for r in caplog.records if r.name == "sidecar.audit"] == [
+        ("load_lora_adapter", "cancelled")
+    ]
