@@ -369,6 +369,12 @@ class ServerConfig:
     api_keys_file: Optional[str] = setting(
         None, "file with one 'key' or 'key:tenant' per line (default: none)"
     )
+    admin_keys: list[str] = field(default_factory=list)  # operator keys: "key" or "key:tenant"
+    admin_keys_file: Optional[str] = setting(
+        None, "file with one operator 'key' or 'key:tenant' per line (default: none)"
+    )
+    # Run-time adapter loading reads only under these directories (resolved: symlinks, ..); none: off.
+    lora_roots: list[str] = field(default_factory=list)
     rate_limit_rps: float = setting(0.0, "per-key requests per second; 0 = unlimited")
     rate_limit_burst: int = setting(0, "per-key burst size; 0 = max(1, rps)")
     rate_limit_tpm: float = setting(0.0, "per-key tokens (prompt + max_tokens) per minute; 0 = unlimited")
@@ -405,7 +411,7 @@ class ServerConfig:
         """Whether /docs and /openapi.json are served: with keys set, the API's shape is not public
         unless the operator says so (``http_docs=on``)."""
         if self.http_docs == "auto":
-            return not (self.api_keys or self.api_keys_file)
+            return not (self.api_keys or self.api_keys_file or self.admin_keys or self.admin_keys_file)
         return self.http_docs == "on"
 
     def validate(self) -> None:

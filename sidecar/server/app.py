@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -171,7 +172,11 @@ class Sidecar:
             # checks must keep answering NOT_SERVING meanwhile.
             from sidecar.engine.async_engine import AsyncEngine
 
-            return AsyncEngine.from_config(self.cfg.engine)
+            engine_cfg = self.cfg.engine
+            if self.cfg.server.lora_roots and not engine_cfg.enable_lora:
+                # Allowing run-time adapters (--lora-root) is asking for adapter slots.
+                engine_cfg = dataclasses.replace(engine_cfg, enable_lora=True)
+            return AsyncEngine.from_config(engine_cfg)
 
         async def load() -> tuple[Any, Any, Any]:
             engine = await _in_thread(load_engine)

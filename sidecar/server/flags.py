@@ -53,6 +53,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--http-port", "server", "http_port"),
     ("--port-file", "server", "port_file"),
     ("--api-keys-file", "server", "api_keys_file"),
+    ("--admin-keys-file", "server", "admin_keys_file"),
     ("--rate-limit-rps", "server", "rate_limit_rps"),
     ("--rate-limit-burst", "server", "rate_limit_burst"),
     ("--rate-limit-tpm", "server", "rate_limit_tpm"),
@@ -142,6 +143,23 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         metavar="KEY[:TENANT]",
         help="accept this API key (repeatable); the tenant isolates caches [default: no keys, auth off]",
+    )
+    groups["server"].add_argument(
+        "--admin-key",
+        dest=_dest("server", "admin_keys"),
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="KEY[:TENANT]",
+        help="accept this operator key (repeatable): it may also load and unload adapters [default: none]",
+    )
+    groups["server"].add_argument(
+        "--lora-root",
+        dest=_dest("server", "lora_roots"),
+        action="append",
+        default=argparse.SUPPRESS,
+        metavar="DIR",
+        help="adapters loaded at run time must lie under DIR (repeatable) [default: none, run-time "
+        "loading off]",
     )
     groups["engine"].add_argument(
         "--lora",

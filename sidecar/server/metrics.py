@@ -245,6 +245,13 @@ class Metrics:
         self.requests = Counter(
             "sidecar_requests", "Requests received, by API and method", ["api", "method"], registry=r
         )
+        self.operator_refused = Counter(
+            "sidecar_operator_actions_refused",
+            "Operator actions refused: a tenant key (reason permission) or an adapter path outside the "
+            "--lora-root directories (reason lora_root)",
+            ["action", "reason"],
+            registry=r,
+        )
         r.register(_SnapshotCollector(engine_stats, cache_stats))
 
     def observe_finished(

@@ -1,11 +1,14 @@
-"""API keys, tenants and per-key rate limits.
+"""API keys, tenants, roles and per-key rate limits.
 
-Keys come from ``--api-key`` (repeatable) and ``--api-keys-file`` (one per line,
-``#`` comments). Each entry is ``key`` or ``key:tenant``. A key without an
+Tenant keys come from ``--api-key`` (repeatable) and ``--api-keys-file`` (one per
+line, ``#`` comments); operator keys from ``--admin-key`` and ``--admin-keys-file``
+in the same format. Each entry is ``key`` or ``key:tenant``. A key without an
 explicit tenant gets a tenant derived from a hash of the key, so two different
 keys never share prefix-cache blocks or semantic-cache entries unless the
-operator says so by giving them the same tenant. With no keys configured auth
-is off and every caller is the anonymous tenant "".
+operator says so by giving them the same tenant. An operator key does what a
+tenant key does and also the operator actions (loading and unloading adapters).
+With no keys configured auth is off and every caller is the anonymous tenant ""
+with every right (a developer's local sidecar).
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ class ApiKey:
     key: str
     tenant: str
     key_id: str  # safe to log: never the key itself
+    operator: bool = False  # an --admin-key: may run operator actions
 
 
 def _key_id(key: str) -> str:
     return "key-" + hashlib.sha256(key.encode("utf-8")).hexdigest()[:12]
 
 
-def parse_key_entry(entry: str, source: str = "api_keys") -> ApiKey:
+def parse_key_entry(entry: str, source: str = "api_keys", operator: bool = False) -> ApiKey:
     """Parse ``key`` or ``key:tenant``. Raises ValueError naming ``source``."""
     entry = entry.strip()
     key, sep, tenant = entry.partition(":")
@@ -43,28 +47,47 @@ def parse_key_entry(entry: str, source: str = "api_keys") -> ApiKey:
     if sep and not tenant:
         raise ValueError(f"{source}: empty tenant after ':' for key {_key_id(key)}")
     kid = _key_id(key)
-    return ApiKey(key=key, tenant=tenant if sep else kid, key_id=kid)
+    return ApiKey(key=key, tenant=tenant if sep else kid, key_id=kid, operator=operator)
 
 
-def load_api_keys(entries: Iterable[str], keys_file: Optional[str] = None) -> dict[str, ApiKey]:
-    """All configured keys by key string. Duplicate keys with different tenants are an error."""
-    parsed: list[ApiKey] = [parse_key_entry(e, "api_keys") for e in entries if e.strip()]
+def _parse_keys(
+    entries: Iterable[str], keys_file: Optional[str], setting: str, operator: bool
+) -> list[ApiKey]:
+    """The entries of one role: ``setting`` (``api_keys`` / ``admin_keys``) and its ``_file``."""
+    parsed = [parse_key_entry(e, setting, operator) for e in entries if e.strip()]
     if keys_file:
         try:
             with open(keys_file, encoding="utf-8") as fh:
                 lines = fh.read().splitlines()
         except OSError as exc:
-            raise ValueError(f"api_keys_file: cannot read {keys_file!r}: {exc.strerror}") from None
+            raise ValueError(f"{setting}_file: cannot read {keys_file!r}: {exc.strerror}") from None
         for i, line in enumerate(lines, 1):
             line = line.split("#", 1)[0].strip()
             if line:
-                parsed.append(parse_key_entry(line, f"api_keys_file:{i}"))
+                parsed.append(parse_key_entry(line, f"{setting}_file:{i}", operator))
+    return parsed
+
+
+def load_api_keys(
+    entries: Iterable[str],
+    keys_file: Optional[str] = None,
+    admin_entries: Iterable[str] = (),
+    admin_file: Optional[str] = None,
+) -> dict[str, ApiKey]:
+    """All configured keys by key string: tenant keys (``entries``, ``keys_file``) and operator keys
+    (``admin_entries``, ``admin_file``). A key listed with two tenants, or as both a tenant and an
+    operator key, is an error naming the key's id."""
+    parsed = _parse_keys(entries, keys_file, "api_keys", False)
+    parsed += _parse_keys(admin_entries, admin_file, "admin_keys", True)
     keys: dict[str, ApiKey] = {}
     for k in parsed:
         prev = keys.get(k.key)
+        if prev is not None and prev.operator != k.operator:
+            raise ValueError(f"admin_keys: key {k.key_id} is also listed as a tenant key (api_keys)")
         if prev is not None and prev.tenant != k.tenant:
+            setting = "admin_keys" if k.operator else "api_keys"
             raise ValueError(
-                f"api_keys: key {k.key_id} listed with two tenants ({prev.tenant!r}, {k.tenant!r})"
+                f"{setting}: key {k.key_id} listed with two tenants ({prev.tenant!r}, {k.tenant!r})"
             )
         keys[k.key] = k
     return keys
@@ -85,6 +108,10 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
+
+    def tenants(self) -> set[str]:
+        """Every tenant a configured key belongs to."""
+        return {k.tenant for k in self._keys.values()}
 
     def check(self, authorization: Optional[str]) -> Optional[ApiKey]:
         """Returns the key, None when auth is off; raises AuthError with a client-safe message."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 from sidecar.config import SidecarConfig
 from sidecar.engine.request import QueueFullError, RequestOutput, SamplingParams
 from sidecar.server import tools
+from sidecar.server.admin import LOAD_LORA, UNLOAD_LORA, AdapterScopes, LoraRoots, audit
 from sidecar.server.cache_step import CacheInfo, CacheStep, Plan
 from sidecar.server.metrics import Metrics
 from sidecar.server.security import AuthError, AuthThrottle, Authenticator, RateLimiter, load_api_keys
@@ -57,6 +58,7 @@ LOADING = "loading: the model is not ready yet"
 class Caller:
     tenant: str = ""
     key_id: Optional[str] = None
+    operator: bool = False  # may run operator actions: an operator key, or any caller while auth is off
 
 
 @dataclass
@@ -213,7 +215,10 @@ class InferenceService:
         self.serving = False
         self.draining = False
         self.model_name = cfg.server.served_model_name or cfg.engine.model
-        self.auth = Authenticator(load_api_keys(cfg.server.api_keys, cfg.server.api_keys_file))
+        s = cfg.server
+        self.auth = Authenticator(load_api_keys(s.api_keys, s.api_keys_file, s.admin_keys, s.admin_keys_file))
+        self.lora_roots = LoraRoots(s.lora_roots)
+        self.adapters = AdapterScopes()
         self.auth_throttle = AuthThrottle(cfg.server.auth_failures_per_min)
         self.limiter = RateLimiter(
             cfg.server.rate_limit_rps, cfg.server.rate_limit_burst, cfg.server.rate_limit_tpm
@@ -252,7 +257,7 @@ class InferenceService:
         ``rate_limited`` instead of ``unauthenticated``; keys must carry enough entropy that guessing
         them is hopeless anyway (the throttle bounds the noise and work, not the odds)."""
         if not self.auth.enabled:
-            return Caller()
+            return Caller(operator=True)
         try:
             key = self.auth.check(authorization)
         except AuthError as exc:
@@ -266,7 +271,23 @@ class InferenceService:
                     retry_after_s=wait,
                 ) from None
             raise ServiceError("unauthenticated", str(exc)) from None
-        return Caller() if key is None else Caller(tenant=key.tenant, key_id=key.key_id)
+        if key is None:
+            return Caller(operator=True)
+        return Caller(tenant=key.tenant, key_id=key.key_id, operator=key.operator)
+
+    def require_operator(self, caller: Caller, action: str) -> None:
+        """Refuse ``action`` (permission_denied naming it) unless ``caller`` may run operator actions; a
+        refusal is counted and audited. Transports call it before reading the request, so a tenant
+        learns nothing from how its request would have been parsed."""
+        if caller.operator:
+            return
+        self.metrics.operator_refused.labels(action=action, reason="permission").inc()
+        audit(caller, action, "permission_denied")
+        raise ServiceError(
+            "permission_denied",
+            f"permission denied: {action} is an operator action and needs an operator key "
+            "(--admin-key); this is a tenant key",
+        )
 
     def _check_serving(self) -> None:
         if not self.serving:
@@ -313,22 +334,29 @@ class InferenceService:
         ``req`` is only read."""
         arrival = time.monotonic()  # queue time and TTFT count from here, as clients see them
         admission = await self._admit(caller, req)
-        rid = self._new_id(req.request_id, caller.tenant)
-        # The adapter is part of the semantic cache's scope: its answers are never another model's.
-        plan = self.cache_step.plan(caller.tenant, req, admission.params, admission.lora or self.model_name)
-        cached = await self._answer_from_cache(caller, req, rid, plan, admission)
-        if cached is not None:
-            yield cached
-            return
-        async for ev in self._run_engine(caller, req, rid, plan, admission, arrival):
-            yield ev
+        # Counted as a user of its adapter until it ends: an adapter in use is never unloaded.
+        self.adapters.hold(admission.lora)
+        try:
+            rid = self._new_id(req.request_id, caller.tenant)
+            # The adapter is part of the semantic cache's scope: its answers are never another model's.
+            plan = self.cache_step.plan(
+                caller.tenant, req, admission.params, admission.lora or self.model_name
+            )
+            cached = await self._answer_from_cache(caller, req, rid, plan, admission)
+            if cached is not None:
+                yield cached
+                return
+            async for ev in self._run_engine(caller, req, rid, plan, admission, arrival):
+                yield ev
+        finally:
+            self.adapters.release(admission.lora)
 
     async def _admit(self, caller: Caller, req: GenerationRequest) -> Admission:
         """Validate ``req``, encode its prompt, settle its sampling parameters and charge the caller's
         rate limit. Nothing is held yet when this raises."""
         self._check_serving()
         info = self._model_info()
-        lora = self._adapter(req.model)
+        lora = self._adapter(caller, req.model)
         check_request(req, lora or self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
         is_chat = req.messages is not None
         parser = tools.ToolCallParser() if is_chat and tools.uses_tools(req) else None
@@ -365,12 +393,12 @@ class InferenceService:
                 getattr(c, "origin", "") or "structured", str(exc).removeprefix("structured: ")
             ) from None
 
-    def _adapter(self, model: Optional[str]) -> Optional[str]:
+    def _adapter(self, caller: Caller, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter ``model`` names; None for the base model (its name or none). Raises not_found
-        naming ``model`` when it is neither."""
+        naming ``model`` when it is neither, or an adapter of another tenant (the same answer)."""
         if not model or model == self.model_name:
             return None
-        adapters = self._engine().lora_adapters()
+        adapters = self.adapters.visible(self._engine().lora_adapters(), caller.tenant)
         if model not in adapters:
             known = ", ".join(repr(n) for n in [self.model_name, *adapters])
             raise ServiceError(
@@ -626,9 +654,10 @@ class InferenceService:
     def token_strings(self, ids: list[int]) -> list[str]:
         return self._engine().token_strings(ids)
 
-    def model_info(self) -> dict:
+    def model_info(self, caller: Optional[Caller] = None) -> dict:
         """The model's facts plus the service's: served name, version, semantic cache, embedding model
-        (only the service's part before the model has loaded)."""
+        (only the service's part before the model has loaded), and the adapters ``caller`` may name (without
+        a caller: the global ones)."""
         from sidecar import __version__
 
         info = self._model_info()
@@ -638,37 +667,89 @@ class InferenceService:
             semantic_cache=self.cache_step.cache is not None,
             embedding_model=self.cache_step.embedding_model_name(),
             embedding_dimensions=self.cache_step.embedding_dim(),
-            lora_adapters=self.engine.lora_adapters() if self.engine is not None else {},
+            lora_adapters=self.adapters.visible(
+                self.engine.lora_adapters() if self.engine is not None else {},
+                caller.tenant if caller is not None else None,
+            ),
         )
         return info
 
-    # -- LoRA adapters at run time ---------------------------------------------
-    async def load_lora(self, caller: Caller, name: str, path: str) -> None:
-        """Serve the PEFT adapter at ``path`` (a directory on this host) under model name ``name``.
-        Raises ServiceError: invalid_argument naming lora_name / lora_path (bad name, taken, malformed or
-        incompatible adapter, LoRA not enabled)."""
-        self._check_serving()
-        if not isinstance(name, str) or not name or name == self.model_name:
-            raise invalid("lora_name", f"must be a non-empty name other than the base model's, got {name!r}")
-        if not isinstance(path, str) or not path:
-            raise invalid("lora_path", "must be the path of a PEFT adapter directory")
+    # -- LoRA adapters at run time (operator actions: see sidecar.server.admin) ------------------------
+    async def _audited(self, caller: Caller, action: str, work: Any, **details: Any) -> None:
+        """Run operator action ``work()`` for ``caller`` and audit it once, whatever its result."""
+        self.require_operator(caller, action)
         try:
-            await self._engine().load_lora(name, path)
-        except ValueError as exc:  # AdapterError names the file and field; the rest name lora_name / lora
-            msg = str(exc)
-            field_name = "lora_name" if msg.startswith("lora") else "lora_path"
-            raise ServiceError("invalid_argument", msg, field=field_name) from None
-        log.info("lora adapter loaded", extra={"tenant": caller.tenant, "lora_name": name, "lora_path": path})
+            await work()
+        except ServiceError as exc:
+            audit(caller, action, exc.code, error=exc.message, **details)
+            raise
+        except asyncio.CancelledError:  # the caller left; the action may or may not have taken effect
+            audit(caller, action, "cancelled", **details)
+            raise
+        except BaseException:
+            audit(caller, action, "internal", **details)
+            raise
+        audit(caller, action, "ok", **details)
+
+    async def load_lora(self, caller: Caller, name: str, path: str, tenant: Optional[str] = None) -> None:
+        """Serve the PEFT adapter at ``path`` (a directory under a ``--lora-root``) as model ``name``, to every
+        tenant or, with ``tenant``, to that tenant alone. An operator action. Raises ServiceError:
+        permission_denied for a tenant key; invalid_argument naming lora_name / lora_path / tenant (bad name,
+        taken, a path outside the roots, malformed or incompatible adapter, unknown tenant)."""
+
+        async def work() -> None:
+            self._check_serving()
+            if not isinstance(name, str) or not name or name == self.model_name:
+                raise invalid(
+                    "lora_name", f"must be a non-empty name other than the base model's, got {name!r}"
+                )
+            if not isinstance(path, str) or not path:
+                raise invalid("lora_path", "must be the path of a PEFT adapter directory")
+            self._check_tenant(tenant)
+            try:
+                real = self.lora_roots.resolve(path)
+            except ServiceError:
+                self.metrics.operator_refused.labels(action=LOAD_LORA, reason="lora_root").inc()
+                raise
+            try:
+                await self._engine().load_lora(name, real)
+            except ValueError as exc:  # AdapterError names the file and field; the rest name lora_name / lora
+                msg = str(exc)
+                raise ServiceError(
+                    "invalid_argument", msg, field="lora_name" if msg.startswith("lora") else "lora_path"
+                ) from None
+            if tenant:
+                self.adapters.owner[name] = tenant
+
+        await self._audited(caller, LOAD_LORA, work, lora_name=name, lora_path=path, lora_tenant=tenant)
+
+    def _check_tenant(self, tenant: Optional[str]) -> None:
+        """A tenant-scoped adapter names a tenant some configured key belongs to."""
+        if tenant is None:
+            return
+        if not self.auth.enabled:
+            raise invalid("tenant", "tenant-scoped adapters need API keys (--api-key KEY:TENANT)")
+        if tenant not in self.auth.tenants():
+            raise invalid("tenant", f"no configured API key belongs to tenant {tenant!r}")
 
     async def unload_lora(self, caller: Caller, name: str) -> None:
-        """Stop serving adapter ``name``; requests using it finish with it. Raises not_found naming
-        lora_name when no adapter has that name."""
-        self._check_serving()
-        try:
-            await self._engine().unload_lora(name)
-        except LookupError as exc:
-            raise ServiceError("not_found", str(exc), field="lora_name") from None
-        log.info("lora adapter unloaded", extra={"tenant": caller.tenant, "lora_name": name})
+        """Stop serving adapter ``name``. An operator action. Raises ServiceError: permission_denied for a
+        tenant key; failed_precondition naming lora_name while requests are using it (retry once they have
+        finished); not_found naming lora_name when no adapter has that name."""
+
+        async def work() -> None:
+            self._check_serving()
+            self.adapters.begin_unload(name)
+            removed = False
+            try:
+                await self._engine().unload_lora(name)
+                removed = True
+            except LookupError as exc:
+                raise ServiceError("not_found", str(exc), field="lora_name") from None
+            finally:
+                self.adapters.end_unload(name, removed)
+
+        await self._audited(caller, UNLOAD_LORA, work, lora_name=name)
 
     def _engine_stats(self) -> dict:
         return self.engine.stats() if self.engine is not None else {}

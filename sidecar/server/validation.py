@@ -12,6 +12,8 @@ from sidecar.engine.request import SamplingParams
 CODES = (
     "invalid_argument",
     "unauthenticated",
+    "permission_denied",
+    "failed_precondition",
     "rate_limited",
     "queue_full",
     "unavailable",

@@ -434,12 +434,14 @@ class LoraAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., base_model: _Optional[str] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
-    __slots__ = ("lora_name", "lora_path")
+    __slots__ = ("lora_name", "lora_path", "tenant")
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     lora_name: str
     lora_path: str
-    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+    tenant: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class UnloadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name",)

@@ -147,15 +147,18 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadLoraAdapter(self, request, context):
-        """Serves a PEFT LoRA adapter (a directory on the sidecar's host) under a model name; requests then
-        select it with `model`. INVALID_ARGUMENT names lora_name or lora_path (and the adapter's file and field).
+        """Operator action (an --admin-key when keys are configured; PERMISSION_DENIED otherwise). Serves a
+        PEFT LoRA adapter (a directory under one of the sidecar's --lora-root directories) under a model
+        name, to every tenant or to one; requests then select it with `model`. INVALID_ARGUMENT names
+        lora_name, lora_path (and the adapter's file and field) or tenant.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnloadLoraAdapter(self, request, context):
-        """Stops serving an adapter; requests already using it finish with it. NOT_FOUND names lora_name.
+        """Operator action. Stops serving an adapter. FAILED_PRECONDITION naming lora_name while requests are
+        using it (retry once they have finished); NOT_FOUND names lora_name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

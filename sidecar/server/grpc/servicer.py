@@ -19,6 +19,7 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sidecar.engine.request import SamplingParams
+from sidecar.server.admin import LOAD_LORA, UNLOAD_LORA
 from sidecar.server.grpc import convert
 from sidecar.server.service import Event, GenerationRequest, InferenceService, ServiceError
 from sidecar.server.validation import check_request_id, sampling_params
@@ -32,6 +33,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name  # "sidecar
 STATUS = {
     "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
     "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "permission_denied": grpc.StatusCode.PERMISSION_DENIED,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "rate_limited": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
@@ -297,9 +300,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def GetModelInfo(self, request, context):
         try:
-            self._caller(context, "GetModelInfo")
+            caller = self._caller(context, "GetModelInfo")
             self.service.check_loaded()
-            i = self.service.model_info()
+            i = self.service.model_info(caller)
             return pb.ModelInfo(
                 model=i["model"],
                 architecture=str(i.get("architecture", "")),
@@ -330,7 +333,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def LoadLoraAdapter(self, request, context):
         try:
             caller = self._caller(context, "LoadLoraAdapter")
-            await self.service.load_lora(caller, request.lora_name, request.lora_path)
+            self.service.require_operator(caller, LOAD_LORA)
+            await self.service.load_lora(caller, request.lora_name, request.lora_path, request.tenant or None)
             return pb.LoraAdapterResponse(lora_name=request.lora_name, status="loaded")
         except ServiceError as err:
             await self._fail(context, err)
@@ -338,6 +342,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def UnloadLoraAdapter(self, request, context):
         try:
             caller = self._caller(context, "UnloadLoraAdapter")
+            self.service.require_operator(caller, UNLOAD_LORA)
             await self.service.unload_lora(caller, request.lora_name)
             return pb.LoraAdapterResponse(lora_name=request.lora_name, status="unloaded")
         except ServiceError as err:

@@ -70,11 +70,13 @@ class OpenAIService(Protocol):
 
     def token_strings(self, ids: list[int]) -> list[str]: ...
 
-    def model_info(self) -> dict: ...
+    def model_info(self, caller: Optional[Caller] = None) -> dict: ...
 
     def render_metrics(self) -> tuple[bytes, str]: ...
 
-    async def load_lora(self, caller: Caller, name: str, path: str) -> None: ...
+    def require_operator(self, caller: Caller, action: str) -> None: ...
+
+    async def load_lora(self, caller: Caller, name: str, path: str, tenant: Optional[str] = None) -> None: ...
 
     async def unload_lora(self, caller: Caller, name: str) -> None: ...
 
@@ -298,6 +300,19 @@ def _caller(method: str) -> Callable[[Request], Caller]:
     return dependency
 
 
+def _operator(action: str) -> Callable[[Request], Caller]:
+    """Dependency: as ``_caller``, then refuse (403 naming ``action``) a caller that may not run operator
+    actions, before its body is read."""
+    authenticate = _caller(action)
+
+    def dependency(request: Request) -> Caller:
+        who = authenticate(request)
+        _service(request).require_operator(who, action)
+        return who
+
+    return dependency
+
+
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
@@ -320,12 +335,12 @@ async def completions(
     return await _run(request, call, who)
 
 
-def _models(service: OpenAIService, created: int) -> list[dict]:
-    """The served model, its LoRA adapters (``parent``: the base model; ``root``: the adapter's path, as vLLM
-    lists them) and, when it has another name, the embedding model."""
+def _models(service: OpenAIService, created: int, who: Caller) -> list[dict]:
+    """The served model, the LoRA adapters ``who`` may name (``parent``: the base model; ``root``: the
+    adapter's path, as vLLM lists them) and, when it has another name, the embedding model."""
     if not service.serving:
         raise ServiceError("unavailable", "the model is not ready (loading or draining)")
-    info = service.model_info()
+    info = service.model_info(who)
     out = [
         {
             "id": service.model_name,
@@ -358,22 +373,22 @@ def _models(service: OpenAIService, created: int) -> list[dict]:
 
 
 async def list_models(request: Request, service: Service, who: Caller = Depends(_caller("models"))):
-    return {"object": "list", "data": _models(service, request.app.state.created)}
+    return {"object": "list", "data": _models(service, request.app.state.created, who)}
 
 
 async def get_model(
     model_id: str, request: Request, service: Service, who: Caller = Depends(_caller("models"))
 ):
-    for m in _models(service, request.app.state.created):
+    for m in _models(service, request.app.state.created, who):
         if m["id"] == model_id:
             return m
     raise ServiceError("not_found", f"model: unknown model {model_id!r}", field="model")
 
 
 async def load_lora_adapter(
-    body: LoadLoraAdapterRequest, service: Service, who: Caller = Depends(_caller("load_lora_adapter"))
+    body: LoadLoraAdapterRequest, service: Service, who: Caller = Depends(_operator("load_lora_adapter"))
 ):
-    await service.load_lora(who, body.lora_name, body.lora_path)
+    await service.load_lora(who, body.lora_name, body.lora_path, body.tenant)
     return {
         "object": "lora_adapter",
         "id": body.lora_name,
@@ -383,7 +398,7 @@ async def load_lora_adapter(
 
 
 async def unload_lora_adapter(
-    body: UnloadLoraAdapterRequest, service: Service, who: Caller = Depends(_caller("unload_lora_adapter"))
+    body: UnloadLoraAdapterRequest, service: Service, who: Caller = Depends(_operator("unload_lora_adapter"))
 ):
     await service.unload_lora(who, body.lora_name)
     return {

@@ -24,6 +24,8 @@ log = logging.getLogger("sidecar.openai")
 _STATUS = {
     "invalid_argument": (400, "invalid_request_error", "invalid_value"),
     "unauthenticated": (401, "authentication_error", "invalid_api_key"),
+    "permission_denied": (403, "permission_error", "permission_denied"),
+    "failed_precondition": (409, "invalid_request_error", "conflict"),
     "not_found": (404, "invalid_request_error", "model_not_found"),
     "cache_miss": (404, "invalid_request_error", "cache_miss"),
     "rate_limited": (429, "rate_limit_error", "rate_limit_exceeded"),
@@ -51,7 +53,11 @@ def service_error_body(exc: ServiceError) -> tuple[int, dict]:
     status, etype, code = _STATUS.get(exc.code, _STATUS["internal"])
     message = exc.message[len("sampling.") :] if exc.message.startswith("sampling.") else exc.message
     # Only these codes are about a request field; "draining: ..." names a state, not a param.
-    param = _public_field(exc.field) if exc.code in ("invalid_argument", "not_found") else None
+    param = (
+        _public_field(exc.field)
+        if exc.code in ("invalid_argument", "not_found", "failed_precondition")
+        else None
+    )
     return status, error_body(message, etype, param, code)
 
 

@@ -356,10 +356,12 @@ class EmbeddingRequest(_Strict):
 
 
 class LoadLoraAdapterRequest(_Strict):
-    """POST /v1/load_lora_adapter (as vLLM has it): serve the PEFT adapter at ``lora_path`` as ``lora_name``."""
+    """POST /v1/load_lora_adapter (as vLLM has it): serve the PEFT adapter at ``lora_path`` as ``lora_name``;
+    with ``tenant``, to that tenant's keys alone."""
 
     lora_name: str = Field(min_length=1, max_length=128)
     lora_path: str = Field(min_length=1, max_length=4096)
+    tenant: Optional[str] = Field(None, min_length=1, max_length=128)
 
 
 class UnloadLoraAdapterRequest(_Strict):

@@ -42,7 +42,7 @@ class FakeService:
     def authenticate(self, authorization: Optional[str], peer: str = "") -> Caller:
         if self.api_key is not None and authorization != f"Bearer {self.api_key}":
             raise ServiceError("unauthenticated", "invalid API key")
-        return Caller(tenant="t" if self.api_key else "", key_id=None)
+        return Caller(tenant="t" if self.api_key else "", key_id=None, operator=True)
 
     async def generate(self, caller: Caller, req: GenerationRequest):
         self.requests.append(req)
@@ -115,7 +115,11 @@ class FakeService:
         self.embed_calls.append(inputs)
         return [[float(len(t)), 0.5, -1.0] for t in inputs], sum(len(t) for t in inputs)
 
-    async def load_lora(self, caller: Caller, name: str, path: str) -> None:
+    def require_operator(self, caller: Caller, action: str) -> None:
+        if not caller.operator:
+            raise ServiceError("permission_denied", f"permission denied: {action} is an operator action")
+
+    async def load_lora(self, caller: Caller, name: str, path: str, tenant: Optional[str] = None) -> None:
         if name in self.loras or name == self.model_name:
             raise ServiceError(
                 "invalid_argument", f"lora_name: adapter {name!r} is already loaded", field="lora_name"
@@ -131,7 +135,7 @@ class FakeService:
     def token_strings(self, ids: list[int]) -> list[str]:
         return [f"<{i}>" for i in ids]
 
-    def model_info(self) -> dict:
+    def model_info(self, caller: Optional[Caller] = None) -> dict:
         return {
             "model": "demo",
             "max_model_len": 40,

@@ -15,9 +15,12 @@ import dev.sidecar.v1.GenerateRequest;
 import dev.sidecar.v1.GetModelInfoRequest;
 import dev.sidecar.v1.GetStatsRequest;
 import dev.sidecar.v1.InferenceGrpc;
+import dev.sidecar.v1.LoadLoraAdapterRequest;
+import dev.sidecar.v1.LoraAdapterResponse;
 import dev.sidecar.v1.ModelInfo;
 import dev.sidecar.v1.TokenizeRequest;
 import dev.sidecar.v1.TokenizeResponse;
+import dev.sidecar.v1.UnloadLoraAdapterRequest;
 import io.grpc.CallOptions;
 import io.grpc.Channel;
 import io.grpc.ClientInterceptor;
@@ -183,6 +186,37 @@ public final class SidecarClient implements AutoCloseable {
 
     public EngineStats stats() {
         return blocking(s -> s.getStats(GetStatsRequest.getDefaultInstance()), defaultDeadline);
+    }
+
+    /**
+     * Operator action: serves the PEFT adapter directory {@code path} (on the sidecar's host, under one
+     * of its {@code --lora-root} directories) to every tenant as model {@code name}. Needs a client built
+     * with an operator key ({@code --admin-key}) when the sidecar has keys: a tenant key gets
+     * {@link PermissionDeniedException}.
+     */
+    public LoraAdapterResponse loadLoraAdapter(String name, String path) {
+        return loadLoraAdapter(name, path, null);
+    }
+
+    /**
+     * As {@link #loadLoraAdapter(String, String)}, for the keys of {@code tenant} alone (null or empty:
+     * every tenant); to other tenants the adapter is an unknown model.
+     */
+    public LoraAdapterResponse loadLoraAdapter(String name, String path, String tenant) {
+        LoadLoraAdapterRequest.Builder request = LoadLoraAdapterRequest.newBuilder().setLoraName(name).setLoraPath(path);
+        if (tenant != null) {
+            request.setTenant(tenant);
+        }
+        return blocking(s -> s.loadLoraAdapter(request.build()), defaultDeadline);
+    }
+
+    /**
+     * Operator action: stops serving adapter {@code name}. Refused with FAILED_PRECONDITION
+     * ({@link SidecarException}) while requests are using it.
+     */
+    public LoraAdapterResponse unloadLoraAdapter(String name) {
+        UnloadLoraAdapterRequest request = UnloadLoraAdapterRequest.newBuilder().setLoraName(name).build();
+        return blocking(s -> s.unloadLoraAdapter(request), defaultDeadline);
     }
 
     /**

@@ -63,7 +63,8 @@ public final class SidecarErrors {
         return switch (code) {
             case RESOURCE_EXHAUSTED -> new RateLimitedException(code, message, cause, retryAfter(trailers));
             case INVALID_ARGUMENT, OUT_OF_RANGE -> new InvalidRequestException(code, message, cause);
-            case UNAUTHENTICATED, PERMISSION_DENIED -> new UnauthenticatedException(code, message, cause);
+            case UNAUTHENTICATED -> new UnauthenticatedException(code, message, cause);
+            case PERMISSION_DENIED -> new PermissionDeniedException(code, message, cause);
             case UNAVAILABLE -> new SidecarUnavailableException(code, message, cause);
             case DEADLINE_EXCEEDED -> new DeadlineExceededException(code, message, cause);
             case NOT_FOUND -> new CacheMissException(code, message, cause);

@@ -44,6 +44,7 @@ class ErrorMappingTest {
         return Stream.of(
                 Arguments.of(Status.INVALID_ARGUMENT, InvalidRequestException.class),
                 Arguments.of(Status.UNAUTHENTICATED, UnauthenticatedException.class),
+                Arguments.of(Status.PERMISSION_DENIED, PermissionDeniedException.class),
                 Arguments.of(Status.RESOURCE_EXHAUSTED, RateLimitedException.class),
                 Arguments.of(Status.UNAVAILABLE, SidecarUnavailableException.class),
                 Arguments.of(Status.DEADLINE_EXCEEDED, DeadlineExceededException.class),

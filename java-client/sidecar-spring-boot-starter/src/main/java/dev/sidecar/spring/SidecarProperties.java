@@ -15,7 +15,11 @@ public class SidecarProperties {
     /** {@code host:port} or a resolver URI such as {@code dns:///sidecar:50051} (round-robin over its addresses). */
     private String target = "localhost:50051";
 
-    /** API key sent as {@code authorization: Bearer <key>}; empty sends none. */
+    /**
+     * API key sent as {@code authorization: Bearer <key>}; empty sends none. A tenant key
+     * ({@code --api-key}) or an operator key ({@code --admin-key}), which may also load and unload
+     * adapters through the client bean ({@code SidecarClient.loadLoraAdapter}).
+     */
     private String apiKey;
 
     /** Deadline of every unary call (chat, generate, embed, ...); empty or zero means none. */
