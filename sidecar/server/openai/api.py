@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from sidecar import __version__
 from sidecar.config import ServerConfig
 from sidecar.server.metrics import Metrics
+from sidecar.server import ui
 from sidecar.server.openai import errors as openai_errors
 from sidecar.server.openai import format as fmt
 from sidecar.server.openai import responses_api
@@ -448,4 +449,6 @@ def create_app(
         settings.responses_max_entries, settings.responses_max_bytes, settings.responses_ttl_s
     )
     responses_api.add_routes(app, store)
+    if settings.ui:
+        ui.add_routes(app)
     return app
