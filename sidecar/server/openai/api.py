@@ -31,6 +31,7 @@ from sidecar import __version__
 from sidecar.config import ServerConfig
 from sidecar.server.metrics import Metrics
 from sidecar.server import ui
+from sidecar.server.openai import anthropic_api
 from sidecar.server.openai import errors as openai_errors
 from sidecar.server.openai import format as fmt
 from sidecar.server.openai import responses_api
@@ -449,6 +450,7 @@ def create_app(
         settings.responses_max_entries, settings.responses_max_bytes, settings.responses_ttl_s
     )
     responses_api.add_routes(app, store)
+    anthropic_api.add_routes(app)
     if settings.ui:
         ui.add_routes(app)
     return app
