@@ -8,6 +8,8 @@ validity of what the grammar binds (forced tool calls, json_schema output), neve
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import httpx
 import jsonschema
@@ -252,6 +254,72 @@ def test_bad_fields_get_openai_errors_naming_them(server, extra, param):
     assert err["type"] == "invalid_request_error"
     expected = param or "input[0].content[0].type"
     assert err["param"] == expected and expected in err["message"]
+
+
+def _metric(base: str, name: str) -> float:
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", httpx.get(f"{base}/metrics", timeout=10).text, re.M)
+    assert m, name
+    return float(m.group(1))
+
+
+# A reply that cannot end before max_tokens: the grammar allows no end of the string before 5000
+# characters, so only an abort ends the request within the test's window.
+ENDLESS = {"type": "object", "properties": {"s": {"type": "string", "minLength": 5000}}, "required": ["s"]}
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            "/v1/responses",
+            {
+                "input": "go " * 100,
+                "max_output_tokens": 3000,
+                "text": {"format": {"type": "json_schema", "name": "endless", "schema": ENDLESS}},
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "messages": [{"role": "user", "content": "go " * 100}],
+                "max_tokens": 3000,
+                "tools": [{"name": "endless", "input_schema": ENDLESS}],
+                "tool_choice": {"type": "tool", "name": "endless"},
+            },
+        ),
+    ],
+)
+def test_a_client_leaving_a_stream_aborts_it_and_frees_its_blocks(server, path, body):
+    base = server.http_base
+    total = _metric(base, "sidecar_kv_cache_total_blocks")
+    body = {
+        "model": "demo",
+        "stream": True,
+        "temperature": 0.0,
+        **body,
+    }  # greedy: the demo model loops, never ends
+    with httpx.stream(
+        "POST", base + path, json=body, headers={"authorization": f"Bearer {KEY_A}"}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        # The first event: the request is admitted (a tool call streams only once whole); the engine's
+        # snapshot shows it running from its next step on.
+        lines = r.iter_lines()  # held: a dropped line iterator would close the stream here already
+        while not next(lines).startswith("data: "):
+            pass
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _metric(base, "sidecar_num_requests_running") != 1:
+            time.sleep(0.1)
+        assert _metric(base, "sidecar_num_requests_running") == 1
+        assert _metric(base, "sidecar_kv_cache_free_blocks") < total
+    # The grammar keeps the reply going to max_tokens: only an abort ends it within this window.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (
+        _metric(base, "sidecar_num_requests_running") or _metric(base, "sidecar_kv_cache_free_blocks") < total
+    ):
+        time.sleep(0.1)
+    assert _metric(base, "sidecar_num_requests_running") == 0
+    assert _metric(base, "sidecar_kv_cache_free_blocks") == total
 
 
 def test_langchain_responses_api(server):
