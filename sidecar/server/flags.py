@@ -66,6 +66,9 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--auth-failures-per-min", "server", "auth_failures_per_min"),
     ("--http-docs", "server", "http_docs"),
     ("--shutdown-timeout", "server", "shutdown_timeout_s"),
+    ("--responses-max-entries", "server", "responses_max_entries"),
+    ("--responses-max-bytes", "server", "responses_max_bytes"),
+    ("--responses-ttl", "server", "responses_ttl_s"),
     ("--log-level", "server", "log_level"),
     ("--served-model-name", "server", "served_model_name"),
     ("--cache-threshold", "cache", "threshold"),
@@ -94,6 +97,7 @@ SWITCHES: list[tuple[str, str, str, bool, str]] = [
         "run the eager torch reference on the device: no CUDA graphs, no custom GPU kernels",
     ),
     ("--log-json", "server", "log_json", True, "log one JSON object per line"),
+    ("--no-ui", "server", "ui", False, "do not serve the built-in page at GET / (it answers 404 then)"),
     ("--no-semantic-cache", "cache", "enabled", False, "disable the semantic cache"),
     (
         "--cache-allow-sampled",

@@ -21,17 +21,20 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncIterator, Callable, Optional, Protocol, Union
+from typing import Annotated, Any, AsyncIterator, Optional, Protocol, Union
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from sidecar import __version__
 from sidecar.config import ServerConfig
 from sidecar.server.metrics import Metrics
+from sidecar.server import ui
+from sidecar.server.openai import anthropic_api
 from sidecar.server.openai import errors as openai_errors
 from sidecar.server.openai import format as fmt
+from sidecar.server.openai import responses_api
 from sidecar.server.openai.limits import BodyLimit
 from sidecar.server.openai.models import (
     ChatCompletionRequest,
@@ -42,14 +45,20 @@ from sidecar.server.openai.models import (
 )
 from sidecar.server.openai.runner import ChoiceRunner, first_events, guard_disconnect
 from sidecar.server.openai.translate import chat_requests, completion_requests
+from sidecar.server.openai.transport import (
+    CACHE_HEADER,
+    CLIENT_CLOSED,
+    caller_dependency as _caller,
+    EventStream as _EventStream,
+    service_of,
+    stream_headers as _stream_headers,
+)
+from sidecar.server.responses_store import ResponseStore
 from sidecar.server.service import Caller, Event, GenerationRequest
 from sidecar.server.validation import ServiceError
 
 log = logging.getLogger("sidecar.openai")
 
-CACHE_HEADER = "x-sidecar-cache"
-# What a handler returns when the client left before the answer was ready: nobody reads it.
-CLIENT_CLOSED = 499
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 
 
@@ -89,11 +98,24 @@ class HttpSettings:
     read_timeout_s: float = 30.0
     metrics: Optional[Metrics] = None
     docs: bool = True  # serve /docs and /openapi.json
+    ui: bool = True  # serve the built-in page at GET /
+    responses_max_entries: int = 1000  # stored responses per tenant (ResponseStore bounds)
+    responses_max_bytes: int = 64 * 1024 * 1024
+    responses_ttl_s: float = 3600.0
 
     @classmethod
     def from_config(cls, server: ServerConfig, metrics: Optional[Metrics]) -> "HttpSettings":
         """Bodies are limited like gRPC messages (``max_message_bytes``)."""
-        return cls(server.max_message_bytes, server.http_read_timeout_s, metrics, server.serves_docs)
+        return cls(
+            server.max_message_bytes,
+            server.http_read_timeout_s,
+            metrics,
+            server.serves_docs,
+            ui=server.ui,
+            responses_max_entries=server.responses_max_entries,
+            responses_max_bytes=server.responses_max_bytes,
+            responses_ttl_s=server.responses_ttl_s,
+        )
 
     def count_request(self, method: str) -> None:
         if self.metrics is not None:
@@ -102,28 +124,6 @@ class HttpSettings:
     def count_error(self, code: str) -> None:
         if self.metrics is not None:
             self.metrics.errors.labels(code=code).inc()
-
-
-class _EventStream(StreamingResponse):
-    """A streaming response that runs ``on_close`` however the stream ends.
-
-    Starlette closes the body iterator on disconnect, but an iterator that never
-    started has no ``finally`` to run; this hook covers that case too.
-    """
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=headers)
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-def _stream_headers(rid: str, cache: str) -> dict:
-    return {CACHE_HEADER: cache, "x-request-id": rid, "cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 class _Call:
@@ -277,27 +277,7 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
 # -- routes: collaborators come from the app's state through typed dependencies ----------------------
 
 
-def _service(request: Request) -> OpenAIService:
-    return request.app.state.service
-
-
-def _settings(request: Request) -> HttpSettings:
-    return request.app.state.settings
-
-
-Service = Annotated[OpenAIService, Depends(_service)]
-
-
-def _caller(method: str) -> Callable[[Request], Caller]:
-    """Dependency: count the call, then authenticate. Dependencies run before body validation, so
-    refused requests are counted too (as the gRPC adapter counts them)."""
-
-    def dependency(request: Request) -> Caller:
-        _settings(request).count_request(method)
-        peer = request.client.host if request.client else ""
-        return _service(request).authenticate(request.headers.get("authorization"), peer)
-
-    return dependency
+Service = Annotated[OpenAIService, Depends(service_of)]
 
 
 def _operator(action: str) -> Callable[[Request], Caller]:
@@ -481,4 +461,11 @@ def create_app(
     openai_errors.document_errors(app)
     for path, endpoint, method, tag in _ROUTES:
         app.add_api_route(path, endpoint, methods=[method], tags=[tag])
+    store = ResponseStore(
+        settings.responses_max_entries, settings.responses_max_bytes, settings.responses_ttl_s
+    )
+    responses_api.add_routes(app, store)
+    anthropic_api.add_routes(app)
+    if settings.ui:
+        ui.add_routes(app)
     return app

@@ -42,6 +42,31 @@ def error_body(message: str, etype: str, param: Optional[str] = None, code: Opti
     return {"error": {"message": message, "type": etype, "param": param, "code": code}}
 
 
+# Routes of the Anthropic Messages API answer errors in Anthropic's shape.
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """``{"type": "error", "error": {"type", "message"}}`` for an HTTP status."""
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
+
+def _reply(request: Request, body: dict, status: int, headers: Optional[dict] = None) -> JSONResponse:
+    """The error response in the shape of the API the request was made to."""
+    if request.url.path.startswith(ANTHROPIC_PREFIX):
+        body = anthropic_error_body(status, body["error"]["message"])
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
 def _public_field(name: Optional[str]) -> Optional[str]:
     """The service names sampling fields ``sampling.x``; over HTTP they are top-level ``x``."""
     if name and name.startswith("sampling."):
@@ -61,8 +86,7 @@ def service_error_body(exc: ServiceError) -> tuple[int, dict]:
     return status, error_body(message, etype, param, code)
 
 
-def service_error_response(exc: ServiceError) -> JSONResponse:
-    status, body = service_error_body(exc)
+def _service_headers(exc: ServiceError, status: int) -> dict:
     headers = {}
     if exc.retry_after_s is not None and status == 429:
         # Retry-After takes whole seconds; round up so a client that obeys it is admitted.
@@ -70,7 +94,7 @@ def service_error_response(exc: ServiceError) -> JSONResponse:
         headers["retry-after-ms"] = str(max(1, math.ceil(exc.retry_after_s * 1000)))
     if status == 401:
         headers["www-authenticate"] = "Bearer"
-    return JSONResponse(body, status_code=status, headers=headers)
+    return headers
 
 
 def _field(loc: tuple) -> Optional[str]:
@@ -143,27 +167,29 @@ def install(app: FastAPI, on_error: Callable[[str], None]) -> None:
     async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
         log.info("request refused", extra={"code": exc.code, "error": exc.message})
         on_error(exc.code)
-        return service_error_response(exc)
+        status, body = service_error_body(exc)
+        return _reply(request, body, status, _service_headers(exc, status))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         on_error("invalid_argument")
-        return JSONResponse(validation_body(list(exc.errors())), status_code=400)
+        return _reply(request, validation_body(list(exc.errors())), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         etype = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(
+        return _reply(
+            request,
             error_body(str(exc.detail), etype, None, None),
-            status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            exc.status_code,
+            getattr(exc, "headers", None),
         )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(
-            error_body("internal server error", "server_error", None, "internal_error"), status_code=500
+        return _reply(
+            request, error_body("internal server error", "server_error", None, "internal_error"), 500
         )
 
 

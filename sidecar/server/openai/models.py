@@ -55,6 +55,17 @@ _UNSUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
     },
     "ChatMessage": {"function_call": _NONE, "audio": _NONE, "refusal": _NONE},
     "EmbeddingRequest": {"dimensions": _NONE},
+    "ResponsesRequest": {
+        "include": (None, []),
+        "truncation": (None, "disabled"),
+        "service_tier": (None, "auto", "default"),
+        "background": (None, False),
+        "top_logprobs": (None, 0),
+        "max_tool_calls": _NONE,
+        "prompt": _NONE,
+        "conversation": _NONE,
+    },
+    "ResponsesText": {"verbosity": (None, "medium")},
 }
 
 
