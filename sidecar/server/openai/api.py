@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any, AsyncIterator, Optional, Protocol, Union
+from typing import Annotated, Any, AsyncIterator, Callable, Optional, Protocol, Union
 
 import numpy as np
 from fastapi import Depends, FastAPI, Request
@@ -287,7 +287,7 @@ def _operator(action: str) -> Callable[[Request], Caller]:
 
     def dependency(request: Request) -> Caller:
         who = authenticate(request)
-        _service(request).require_operator(who, action)
+        service_of(request).require_operator(who, action)
         return who
 
     return dependency
