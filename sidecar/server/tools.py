@@ -406,15 +406,16 @@ def uses_tools(req: Any) -> bool:
     return bool(req.tools) and req.tool_choice != "none"
 
 
-def chat_prompt(engine: AsyncEngine, req: Any) -> list[int]:
-    """Render a chat request's messages (and tools) with the model's template, or the default one."""
+def chat_prompt(engine: AsyncEngine, req: Any, template_kwargs: Optional[dict] = None) -> list[int]:
+    """Render a chat request's messages (and tools) with the model's template, or the default one;
+    ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``)."""
     has_tool_messages = any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)
     tools = req.tools if uses_tools(req) else None
     if not tools and not has_tool_messages:
-        return engine.encode_chat(req.messages)
+        return engine.encode_chat(req.messages, None, template_kwargs)
     template = engine.chat_template
     msgs, tpl_tools = render_messages(req.messages, tools, "tools" in template and "tool_calls" in template)
-    return engine.encode_chat(msgs, tools=tpl_tools)
+    return engine.encode_chat(msgs, tpl_tools, template_kwargs)
 
 
 def chat_params(req: Any) -> Any:

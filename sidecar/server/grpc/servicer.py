@@ -87,6 +87,8 @@ def _params(s: pb.SamplingParams) -> SamplingParams:
     kw.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
     if s.logprobs:
         kw["logprobs"] = int(s.logprobs)
+    if s.logit_bias:
+        kw["logit_bias"] = {int(t): round(float(b), 6) for t, b in s.logit_bias.items()}
     return sampling_params(**kw)
 
 
@@ -111,7 +113,9 @@ def _request(msg: Any, timeout_s: Optional[float], chat: bool) -> GenerationRequ
     )
     if chat:
         messages = convert.messages(msg.messages)
-        return GenerationRequest(messages=messages, **convert.tools(msg), **common)
+        return GenerationRequest(
+            messages=messages, **convert.tools(msg), **convert.reasoning_fields(msg), **common
+        )
     return GenerationRequest(
         prompt=msg.prompt or None, prompt_token_ids=list(msg.prompt_token_ids) or None, **common
     )
@@ -142,6 +146,7 @@ def _usage(ev: Event) -> pb.Usage:
         completion_tokens=ev.completion_tokens,
         cached_tokens=ev.cached_tokens,
         total_tokens=ev.prompt_tokens + ev.completion_tokens,
+        reasoning_tokens=ev.reasoning_tokens,
     )
 
 
@@ -219,6 +224,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 logprobs=self._logprobs(lps),
                 model=msg.model or self.service.model_name,
                 tool_calls=convert.tool_calls(calls),
+                reasoning=last.reasoning_text,
             )
         except ServiceError as err:
             await self._fail(context, err, msg.request_id)
@@ -237,6 +243,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         token_ids=ev.new_token_ids,
                         logprobs=self._logprobs(ev.new_logprobs),
                         tool_calls=convert.tool_calls(ev.tool_calls),
+                        reasoning_delta=ev.reasoning_delta,
                     )
                     if first or ev.finished:
                         chunk.cache.CopyFrom(_cache(ev))
@@ -323,6 +330,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     pb.LoraAdapter(name=n, path=p, base_model=i["model"])
                     for n, p in sorted((i.get("lora_adapters") or {}).items())
                 ],
+                reasoning=bool(i.get("reasoning")),
+                tool_call_format=str(i.get("tool_call_format") or ""),
+                dtype_reason=str(i.get("dtype_reason") or ""),
             )
         except ServiceError as err:
             await self._fail(context, err)

@@ -42,6 +42,7 @@ from sidecar.server.openai.models import (
 )
 from sidecar.server.openai.runner import ChoiceRunner, first_events, guard_disconnect
 from sidecar.server.openai.translate import chat_requests, completion_requests
+from sidecar.server.reasoning import REASONING_HEADER
 from sidecar.server.service import Caller, Event, GenerationRequest
 from sidecar.server.validation import ServiceError
 
@@ -144,6 +145,7 @@ class _Call:
         self.want_logprobs = bool(body.logprobs) if kind == "chat" else body.logprobs is not None
         opts = body.stream_options
         self.include_usage = bool(opts and opts.include_usage)
+        self.headers: dict[str, str] = {}  # extra response headers
 
     def token_text(self, ids: list[int]) -> list[str]:
         return self.service.token_strings(ids)
@@ -158,6 +160,12 @@ class _Call:
             if not st.started:
                 out.append(
                     fmt.chat_chunk(*args, {"role": "assistant", "content": ""}, with_usage=self.include_usage)
+                )
+            if getattr(ev, "reasoning_delta", ""):
+                out.append(
+                    fmt.chat_chunk(
+                        *args, {"reasoning_content": ev.reasoning_delta}, with_usage=self.include_usage
+                    )
                 )
             if ev.delta_text or (self.want_logprobs and lps):
                 lp = fmt.chat_logprobs(lps, self.token_text) if self.want_logprobs else None
@@ -248,6 +256,7 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
             headers = {
                 **_stream_headers(call.rid, cache),
                 **fmt.coalesced_header([ev.cache.coalesced for ev in firsts.values()]),
+                **call.headers,
             }
             return _EventStream(call.stream(buffered, events), runner.cancel, headers)
 
@@ -265,6 +274,7 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
                 CACHE_HEADER: cache,
                 "x-request-id": call.rid,
                 **fmt.coalesced_header([s.coalesced for s in call.states]),
+                **call.headers,
             },
         )
     finally:
@@ -308,6 +318,8 @@ async def chat_completions(
     # Translating compiles any schema or grammar: a worker thread's job, never the event loop's.
     reqs = await asyncio.to_thread(chat_requests, body, rid, service.model_info().get("max_model_len"))
     call = _Call(service, body, "chat", rid, body.model or service.model_name, body.n or 1, reqs)
+    if body.reasoning_effort is not None and not service.model_info().get("reasoning"):
+        call.headers[REASONING_HEADER] = "unsupported"  # accepted; the model does not think
     return await _run(request, call, who)
 
 

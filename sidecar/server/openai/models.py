@@ -36,7 +36,6 @@ _UNSUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
         "audio": _NONE,
         "modalities": (None, ["text"]),
         "prediction": _NONE,
-        "reasoning_effort": _NONE,
         "web_search_options": _NONE,
         "service_tier": (None, "auto", "default"),
         "store": (None, False),
@@ -242,6 +241,10 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[Annotated[list[ToolDef], Field(max_length=128)]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    # Thinking models: extra chat-template variables (vLLM's extension, e.g. {"enable_thinking": false})
+    # and OpenAI's effort levels ("none"/"minimal": thinking off; "low"/"medium"/"high": on).
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
 
     @model_validator(mode="after")
     def _check_messages_and_tools(self) -> "ChatCompletionRequest":

@@ -161,6 +161,8 @@ def chat_requests(
             messages=messages,
             params=_params(body, max_tokens, logprobs, i, structured),
             max_tokens_set=explicit,
+            chat_template_kwargs=body.chat_template_kwargs,
+            reasoning_effort=body.reasoning_effort,
             **tools,
             **_common(body, f"{call_id}-{i}"),
         )
