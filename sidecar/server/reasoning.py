@@ -94,32 +94,26 @@ class ReasoningParser:
     first), ``reasoning`` (inside the block, up to ``</think>``), ``content`` (everything after it, or the
     whole reply when it does not begin with a block). Text that may be the start of a marker is held
     back until it is known; whitespace between the block and the answer belongs to neither. A block the
-    reply never closes (cut by max_tokens) is reasoning. ``reasoning_tokens`` counts the generated tokens
-    up to and including the one that completes ``</think>``."""
+    reply never closes (cut by max_tokens) is reasoning. ``count_tokens`` gives the generated tokens up
+    to and including the one that completes ``</think>`` (all of them while the block is open)."""
 
     def __init__(self, opened: bool, token_text: TokenText) -> None:
         self.state = "reasoning" if opened else "start"
+        self.entered = opened  # the reply has a think block
         self.buf = ""
         self.reasoning = ""
         self.content = ""
-        self.reasoning_tokens = 0
+        self.reasoning_tokens = 0  # set when the reply ends (count_tokens)
         self._token_text = token_text
-        self._tail = ""  # the last characters fed, to find the token that completes the end marker
         self._gap = False  # right after the block: leading whitespace of the answer is dropped
         self.closed = False  # the reply's think block has ended
 
-    def feed(self, delta: str, new_token_ids: list[int]) -> tuple[str, str]:
-        """(reasoning delta, content delta) of the next piece of the reply and the tokens it came from."""
-        closed = self.closed
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning delta, content delta) of the next piece of the reply."""
         self.buf += delta
         r_out, c_out = [], []
         while self._step(r_out, c_out):
             pass
-        if self.closed and not closed:
-            self.reasoning_tokens += self._closing_token(new_token_ids)
-        elif self.state == "reasoning":
-            self.reasoning_tokens += len(new_token_ids)
-        self._tail = (self._tail + delta)[-len(THINK_END) :]
         r, c = "".join(r_out), "".join(c_out)
         self.reasoning += r
         self.content += c
@@ -130,7 +124,7 @@ class ReasoningParser:
         if self.state == "start":
             s = self.buf.lstrip()
             if s.startswith(THINK_START):
-                self.state, self.buf = "reasoning", s[len(THINK_START) :]
+                self.state, self.buf, self.entered = "reasoning", s[len(THINK_START) :], True
                 return True
             if not s or THINK_START.startswith(s):
                 return False
@@ -154,14 +148,19 @@ class ReasoningParser:
         self.buf = ""
         return False
 
-    def _closing_token(self, ids: list[int]) -> int:
-        """How many of ``ids`` (the tokens of the piece that closed the block) are reasoning: up to the
-        one whose text completes the end marker."""
-        text = self._tail
-        for k, s in enumerate(self._token_text(ids) if ids else [], start=1):
-            text += s
-            if THINK_END in text:
-                return k
+    def count_tokens(self, ids: list[int]) -> int:
+        """How many of the reply's tokens ``ids`` are reasoning: none without a block, all while it is open,
+        else up to the one whose text completes the end marker (read a slice at a time)."""
+        if not self.entered:
+            return 0
+        if not self.closed:
+            return len(ids)
+        text, k = "", 0
+        for i in range(0, len(ids), 64):
+            for s in self._token_text(ids[i : i + 64]):
+                text, k = text + s, k + 1
+                if THINK_END in text:
+                    return k
         return len(ids)
 
     def finish(self) -> tuple[str, str]:
@@ -181,10 +180,11 @@ class ReasoningParser:
 def split_event(ev: Any, parser: ReasoningParser) -> Any:
     """Move reasoning out of an event's text into ``ev.reasoning_*`` (in place); content stays in
     ``delta_text`` / ``text`` for the tool-call parser that may follow."""
-    r, c = parser.feed(ev.delta_text, ev.new_token_ids)
+    r, c = parser.feed(ev.delta_text)
     if ev.finished:
         r2, c2 = parser.finish()
         r, c = r + r2, c + c2
+        parser.reasoning_tokens = parser.count_tokens(ev.token_ids)
     ev.delta_text, ev.text = c, parser.content
     ev.reasoning_delta, ev.reasoning_text = r, parser.reasoning
     ev.reasoning_tokens = parser.reasoning_tokens

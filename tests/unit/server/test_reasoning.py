@@ -31,7 +31,7 @@ def feed(text: str, step: int, opened: bool = False) -> tuple[str, str, Reasonin
     p = ReasoningParser(opened, lambda ids: [str(i) for i in ids])
     r, c = "", ""
     for i in range(0, len(text), step):
-        dr, dc = p.feed(text[i : i + step], [])
+        dr, dc = p.feed(text[i : i + step])
         assert "</" not in dr and "think>" not in dc  # a possible marker is held back, never leaked
         r, c = r + dr, c + dc
     dr, dc = p.finish()
@@ -53,14 +53,18 @@ def test_replies_without_a_block_opened_prompts_and_unclosed_blocks(step):
 
 
 def test_reasoning_tokens_count_up_to_the_token_that_closes_the_block():
-    strs = {1: "<think>", 2: "a", 3: "b</", 4: "think>", 5: "ok"}
+    strs = {1: "<", 2: "think", 3: ">a", 4: "b</", 5: "think>", 6: "ok"}
     p = ReasoningParser(False, lambda ids: [strs[i] for i in ids])
-    for i in (1, 2, 3, 4, 5):
-        p.feed(strs[i], [i])
-    assert p.reasoning_tokens == 4 and (p.reasoning, p.content) == ("ab", "ok")
-    whole = ReasoningParser(False, lambda ids: [strs[i] for i in ids])  # one piece (a cache replay)
-    whole.feed("".join(strs.values()), [1, 2, 3, 4, 5])
-    assert whole.reasoning_tokens == 4
+    for i in strs:
+        p.feed(strs[i])
+    assert p.count_tokens(list(strs)) == 5 and (p.reasoning, p.content) == ("ab", "ok")
+    assert p.count_tokens(list(strs) * 40) == 5  # read a slice at a time, stops at the close
+    opened = ReasoningParser(False, lambda ids: [strs[i] for i in ids])
+    opened.feed("<think>ab")
+    assert opened.count_tokens([1, 2, 3, 4]) == 4  # still open: all of it
+    plain = ReasoningParser(False, lambda ids: [strs[i] for i in ids])
+    plain.feed("ok")
+    assert plain.count_tokens([6]) == 0
 
 
 def test_thinking_templates_are_told_apart_and_open_blocks_seen():
