@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from sidecar.config import SidecarConfig
 from sidecar.engine.request import QueueFullError, RequestOutput, SamplingParams
-from sidecar.server import reasoning, tools
+from sidecar.server import reasoning, tool_formats, tools
 from sidecar.server.cache_step import CacheInfo, CacheStep, Plan
 from sidecar.server.metrics import Metrics
 from sidecar.server.security import AuthError, AuthThrottle, Authenticator, RateLimiter, load_api_keys
@@ -129,7 +129,7 @@ class Admission:
 
     prompt_ids: list[int]
     params: SamplingParams  # the request's, with the tool-call grammar folded in and max_tokens fitted
-    parser: Optional[tools.ToolCallParser]  # splits tool-call markup out of the text (tool requests)
+    parser: Any  # splits tool-call markup out of the text (tool requests; tools.make_parser), or None
     charge: TokenCharge
     lora: Optional[str] = None  # the LoRA adapter the request names, None for the base model
     reasoning: Optional[reasoning.ReasoningParser] = None  # splits a thinking model's reasoning off
@@ -343,7 +343,8 @@ class InferenceService:
         lora = self._adapter(req.model)
         check_request(req, lora or self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
         is_chat = req.messages is not None
-        parser = tools.ToolCallParser() if is_chat and tools.uses_tools(req) else None
+        fmt = tool_formats.detect(self._engine().chat_template) if is_chat else None
+        parser = tools.make_parser(fmt) if is_chat and tools.uses_tools(req) else None
         if is_chat and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
         thinks = is_chat and reasoning.thinks(self._engine().chat_template)
@@ -404,8 +405,15 @@ class InferenceService:
         return model
 
     def _prepare(self, req: GenerationRequest, template_kwargs: dict) -> tuple[SamplingParams, list[int]]:
-        """The request's params with any tool-call grammar folded in, and its prompt ids (worker thread)."""
-        params = tools.chat_params(req) if req.messages is not None and req.tools is not None else req.params
+        """The request's params with any tool-call grammar (in the model's format) folded in, and its
+        prompt ids (worker thread)."""
+        params = req.params
+        if req.messages is not None and req.tools is not None:
+            engine = self._engine()
+            fmt = tool_formats.detect(engine.chat_template)
+            markers = [m for m in (fmt.start, fmt.end) if m]
+            special = {m: i for m in markers if (i := engine.special_token_id(m)) is not None}
+            params = tools.chat_params(req, fmt, special)
         return params, self._encode(req, template_kwargs)
 
     def _encode(self, req: GenerationRequest, template_kwargs: Optional[dict] = None) -> list[int]:
@@ -662,6 +670,7 @@ class InferenceService:
             embedding_dimensions=self.cache_step.embedding_dim(),
             lora_adapters=self.engine.lora_adapters() if self.engine is not None else {},
             reasoning=self.engine is not None and reasoning.thinks(self.engine.chat_template),
+            tool_call_format=tool_formats.detect(self.engine.chat_template).name if self.engine else "",
         )
         return info
 
