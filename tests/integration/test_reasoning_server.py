@@ -101,7 +101,9 @@ def test_thinking_off_by_template_kwargs_or_effort(client):
 def test_grpc_reasoning_fields_and_model_info(server):
     with grpc.insecure_channel(server.grpc_target) as ch:
         stub = pbg.InferenceStub(ch)
-        assert stub.GetModelInfo(pb.GetModelInfoRequest()).reasoning
+        info = stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.reasoning and info.tool_call_format == "hermes" and info.dtype_reason
+        assert (info.architecture, info.kv_cache_dtype) == ("Qwen2ForCausalLM", info.dtype)
         req = pb.ChatRequest(
             messages=[pb.ChatMessage(role="user", content="Pick a word.")],
             sampling=pb.SamplingParams(max_tokens=40),
@@ -131,3 +133,12 @@ def test_logit_bias_forces_over_http_and_bans_over_grpc(client, server, demo_dir
         gen.sampling.logit_bias[plain[0]] = -100.0
         banned = list(stub.Generate(gen).token_ids)
         assert plain[0] not in banned and len(banned) == 6
+
+
+def test_models_and_the_start_line_say_what_runs(client, server):
+    m = client.models.list().data[0].model_dump()
+    assert (m["architecture"], m["quantization"], m["device"]) == ("Qwen2ForCausalLM", "none", "cpu")
+    assert m["reasoning"] is True and m["tool_call_format"] == "hermes" and m["dtype"]
+    line = next(x for x in server.log().splitlines() if x.startswith("sidecar: serving demo"))
+    assert f"arch=Qwen2ForCausalLM, dtype={m['dtype']}, quantization=none" in line
+    assert line.endswith("tool calls=hermes, reasoning)")

@@ -345,6 +345,13 @@ def _models(service: OpenAIService, created: int) -> list[dict]:
             "created": created,
             "owned_by": "llm-sidecar",
             "max_model_len": info.get("max_model_len"),
+            # What the model is and what it runs with.
+            "architecture": info.get("architecture"),
+            "dtype": info.get("dtype"),
+            "quantization": info.get("quantization"),
+            "device": info.get("device"),
+            "reasoning": bool(info.get("reasoning")),
+            "tool_call_format": info.get("tool_call_format"),
             "fast_paths": info.get("fast_paths") or [],
             "fast_path_fallbacks": info.get("fast_path_fallbacks") or {},
             "kv_cache_dtype": info.get("kv_cache_dtype"),
