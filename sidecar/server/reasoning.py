@@ -74,6 +74,53 @@ def template_kwargs(kwargs: Optional[dict], effort: Optional[str], model_thinks:
     return out
 
 
+_GUIDANCE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _answer_rules(c: Any) -> str:
+    """Lark rules defining ``answer_`` as the constraint ``c`` (a ``structured.Constraint``)."""
+    if c.kind in ("json", "json_object"):
+        schema = c.value if c.kind == "json" else {"type": "object"}
+        opts = dict(_GUIDANCE, lenient=not c.strict)
+        return f"answer_: %json {json.dumps(dict(schema, **{'x-guidance': opts}))}\n"
+    if c.kind == "regex":
+        return "answer_: ANSWER_\nANSWER_: /" + c.value.replace("/", "\\/") + "/\n"
+    if c.kind == "choice":
+        return "answer_: " + " | ".join(json.dumps(x) for x in c.value) + "\n"
+    lines = c.value.split("\n")  # a lark grammar: its start rule becomes answer_
+    return (
+        "\n".join("answer_:" + ln[len("start:") :] if ln.startswith("start:") else ln for ln in lines) + "\n"
+    )
+
+
+def needs_think_first(c: Any, opened: bool) -> bool:
+    """Whether a thinking model's output constraint ``c`` gets the think block put before it: not when the
+    constraint writes the block itself (a regex or grammar that mentions ``<think>`` shapes the whole
+    reply), nor for a lazy tool grammar after a prompt that left the block closed (free text until a call
+    starts, reasoning included)."""
+    if c is None or THINK_START in str(c.value):
+        return False
+    return opened or not c.lazy_trigger
+
+
+def think_first(c: Any, opened: bool) -> Any:
+    """``c`` (an output constraint) for a thinking model: the think block first, unconstrained but for its
+    end, then the answer under ``c``. ``opened``: the prompt opened the block, so the reply starts inside
+    it and must close it; otherwise the block is optional (the model may answer at once). Returns a lark
+    ``Constraint`` with ``c``'s flags (lazy trigger, end rules, strictness)."""
+    import dataclasses
+
+    # One lexeme runs through the end marker and the whitespace after it (the lexer never backtracks over
+    # the marker): any text holding exactly one end marker, as its last non-blank text.
+    head = "THINK_" if opened else '("<think>" THINK_)?'
+    grammar = (
+        f"start: {head} answer_\n"
+        "THINK_: /(.|\\n)*<\\/think>[ \\t\\n]*/ & ~/(.|\\n)*<\\/think>(.|\\n)*<\\/think>(.|\\n)*/\n"
+        + _answer_rules(c)
+    )
+    return dataclasses.replace(c, kind="lark", value=grammar)
+
+
 def opens_block(prompt_tail: str) -> bool:
     """Whether a rendered prompt ends inside a think block (its last marker is an opening one)."""
     return prompt_tail.rfind(THINK_START) > prompt_tail.rfind(THINK_END)

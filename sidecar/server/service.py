@@ -24,6 +24,7 @@ from sidecar.engine.request import QueueFullError, RequestOutput, SamplingParams
 from sidecar.server import reasoning, tool_formats, tools
 from sidecar.server.cache_step import CacheInfo, CacheStep, Plan
 from sidecar.server.metrics import Metrics
+from sidecar.server.structured_check import check_constraint
 from sidecar.server.security import AuthError, AuthThrottle, Authenticator, RateLimiter, load_api_keys
 from sidecar.server.validation import (
     SAMPLING_FIELDS,
@@ -354,7 +355,7 @@ class InferenceService:
             else {}
         )
         # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
-        params, prompt = await asyncio.to_thread(self._prepare, req, tpl)
+        params, prompt, opened = await asyncio.to_thread(self._prepare, req, tpl, thinks)
         await self._compile_grammar(params.structured)
         tool_default = (
             tools.default_tool_max_tokens(req.tool_choice, req.parallel_tool_calls)
@@ -370,13 +371,7 @@ class InferenceService:
             caller.key_id or "anonymous", params.max_tokens if req.max_tokens_set else 0, req.max_tokens_set
         )
         self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
-        think = (
-            reasoning.ReasoningParser(
-                reasoning.opens_block("".join(self.token_strings(prompt[-8:]))), self.token_strings
-            )
-            if thinks
-            else None
-        )
+        think = reasoning.ReasoningParser(opened, self.token_strings) if thinks else None
         return Admission(prompt, params, parser, charge, lora, think, tpl or None)
 
     async def _compile_grammar(self, c: Any) -> None:
@@ -404,17 +399,26 @@ class InferenceService:
             )
         return model
 
-    def _prepare(self, req: GenerationRequest, template_kwargs: dict) -> tuple[SamplingParams, list[int]]:
-        """The request's params with any tool-call grammar (in the model's format) folded in, and its
-        prompt ids (worker thread)."""
+    def _prepare(
+        self, req: GenerationRequest, template_kwargs: dict, thinks: bool = False
+    ) -> tuple[SamplingParams, list[int], bool]:
+        """The request's params with any tool-call grammar (in the model's format) folded in, its prompt ids,
+        and whether the prompt opens a think block (worker thread). A thinking model's output constraint
+        lets the think block come first, so reasoning is not forced into the answer's shape."""
         params = req.params
+        engine = self._engine()
         if req.messages is not None and req.tools is not None:
-            engine = self._engine()
             fmt = tool_formats.detect(engine.chat_template)
             markers = [m for m in (fmt.start, fmt.end) if m]
             special = {m: i for m in markers if (i := engine.special_token_id(m)) is not None}
             params = tools.chat_params(req, fmt, special)
-        return params, self._encode(req, template_kwargs)
+        prompt = self._encode(req, template_kwargs)
+        opened = thinks and reasoning.opens_block("".join(engine.token_strings(prompt[-8:])))
+        c = params.structured
+        if thinks and reasoning.needs_think_first(c, opened):
+            wrapped = check_constraint(reasoning.think_first(c, opened), c.origin or "structured")
+            params = dataclasses.replace(params, structured=wrapped)
+        return params, prompt, opened
 
     def _encode(self, req: GenerationRequest, template_kwargs: Optional[dict] = None) -> list[int]:
         """Prompt token ids (run in a worker thread: tokenizing a long prompt must not hold the loop)."""

@@ -16,9 +16,10 @@ from transformers import PreTrainedTokenizerFast
 from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.request import RequestOutput, SamplingParams
 from sidecar.server.openai.api import create_app
-from sidecar.server.reasoning import ReasoningParser, opens_block, thinks
+from sidecar.engine.structured import Constraint
+from sidecar.server.reasoning import ReasoningParser, opens_block, think_first, thinks
 from sidecar.server.service import GenerationRequest, ServiceError
-from sidecar.server.tools import ToolSpec
+from sidecar.server.tools import ToolSpec, tool_constraint
 from test_service import ScriptedEngine, collect, service
 
 TEMPLATES = pathlib.Path(__file__).resolve().parents[2] / "templates"
@@ -227,3 +228,60 @@ def test_http_reasoning_content_streaming_deltas_usage_and_the_unsupported_heade
     assert r.status_code == 200 and r.headers["x-sidecar-reasoning"] == "unsupported"
     r = client.post("/v1/chat/completions", json=dict(body, reasoning_effort="max"))
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+# -- output constraints on thinking models -------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+CONSTRAINTS = [
+    (lambda: Constraint("json", SCHEMA), '{"a": 12}', '{"b": 1}'),
+    (lambda: Constraint("regex", "[0-9]{2}/x"), "42/x", "4x"),
+    (lambda: Constraint("choice", ["yes", "no"]), "no", "maybe"),
+    (
+        lambda: tool_constraint([ToolSpec("add", "", SCHEMA)], "required", False, None),
+        '<tool_call>{"name": "add", "arguments": {"a": 3}}</tool_call>',
+        '<tool_call>{"name": "sub", "arguments": {"a": 3}}</tool_call>',
+    ),
+]
+
+
+@pytest.mark.parametrize("opened", [True, False])
+@pytest.mark.parametrize("make, good, bad", CONSTRAINTS)
+def test_a_constraint_lets_the_think_block_come_first(opened, make, good, bad, demo_dir):
+    import llguidance.hf
+    from llguidance import LLMatcher
+
+    from sidecar.engine.structured import grammar_for
+
+    tok = PreTrainedTokenizerFast.from_pretrained(demo_dir)
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+    grammar = grammar_for(think_first(make(), opened))
+    block = ("" if opened else "<think>") + "plan: <tool_call> {x} </think\n</think>\n\n"
+
+    def walk(text: str) -> tuple[bool, bool]:  # (every token allowed, the grammar may end there)
+        m = LLMatcher(lltok, grammar)
+        ids = tok.encode(text, add_special_tokens=False)
+        ok = m.validate_tokens(ids) == len(ids)
+        return ok, ok and m.consume_tokens(ids) and m.is_accepting()
+
+    assert walk(block + good) == (True, True)
+    assert walk(block + bad)[1] is False  # the answer still follows the constraint
+    assert walk(good) == ((True, False) if opened else (True, True))  # an opened block must close first
+
+
+def test_the_service_wraps_a_thinking_models_constraint_and_splits_the_reply():
+    eng = ThinkingEngine(["plan", "</think>", '{"a": 1}'], template=R1)
+    req = chat()
+    req.params = SamplingParams(structured=Constraint("json", SCHEMA).with_origin("response_format"))
+    last = asyncio.run(collect(service(eng), req))[-1]
+    sent = eng.calls[0][1].structured
+    assert sent.kind == "lark" and "THINK_" in sent.value and sent.origin == "response_format"
+    assert (last.reasoning_text, last.text) == ("plan", '{"a": 1}')
+    lazy = ThinkingEngine(["x"])  # Qwen3: the block is optional; a lazy tool grammar is left as it is
+    spec = ToolSpec("add", "", SCHEMA)
+    asyncio.run(collect(service(lazy), chat(tools=[spec], tool_choice="auto")))
+    assert "THINK_" not in lazy.calls[0][1].structured.value
+    whole = ThinkingEngine(["<think>", "a", "</think>", "b"])  # a constraint that writes the block itself
+    req = chat()
+    req.params = SamplingParams(structured=Constraint("regex", "<think>[a-z]</think>[a-z]"))
+    last = asyncio.run(collect(service(whole), req))[-1]
+    assert whole.calls[0][1].structured.kind == "regex" and (last.reasoning_text, last.text) == ("a", "b")
