@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from sidecar.engine.request import SamplingParams
 from sidecar.server.grpc import convert
+from sidecar.server.reasoning import REASONING_EFFORTS, REASONING_HEADER
 from sidecar.server.service import Event, GenerationRequest, InferenceService, ServiceError
 from sidecar.server.validation import check_request_id, sampling_params
 from sidecar.v1 import sidecar_pb2 as pb
@@ -180,6 +181,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         return self.service.authenticate(md.get("authorization"), _peer_host(context.peer() or ""))
 
+    async def _reasoning_header(self, req: GenerationRequest, context: grpc.aio.ServicerContext) -> None:
+        """``x-sidecar-reasoning: unsupported`` in the initial metadata when a request sets reasoning_effort for
+        a model that does not think (accepted, and changes nothing)."""
+        if (
+            req.reasoning_effort in REASONING_EFFORTS
+            and self.service.engine is not None
+            and not self.service.model_info().get("reasoning")
+        ):
+            await context.send_initial_metadata(((REASONING_HEADER, "unsupported"),))
+
     def _logprobs(self, lps: Optional[list]) -> list:
         if not lps:
             return []
@@ -203,6 +214,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             caller = self._caller(context, method)
             req = await asyncio.to_thread(_request, msg, context.time_remaining(), chat)  # compiles grammars
+            await self._reasoning_header(req, context)
             last, lps, calls = None, [], []
             agen = self.service.generate(caller, req)
             try:
@@ -233,6 +245,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             caller = self._caller(context, method)
             req = await asyncio.to_thread(_request, msg, context.time_remaining(), chat)  # compiles grammars
+            await self._reasoning_header(req, context)
             agen = self.service.generate(caller, req)
             try:
                 first = True
