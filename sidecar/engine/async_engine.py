@@ -215,11 +215,21 @@ class AsyncEngine:
         with self._tokenizer_lock:
             return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
-        """``messages`` (and OpenAI function specs ``tools``) rendered by the model's chat template, with
-        the generation prompt; raises ValueError naming the field. Safe from any thread."""
+    def encode_chat(
+        self, messages: list[dict], tools: Optional[list[dict]] = None, template_kwargs: Optional[dict] = None
+    ) -> list[int]:
+        """``messages`` (and OpenAI function specs ``tools``, extra template variables ``template_kwargs``)
+        rendered by the model's chat template, with the generation prompt; raises ValueError naming the
+        field. Safe from any thread."""
         with self._tokenizer_lock:
-            return encode_chat(self._tokenizer, messages, tools)
+            return encode_chat(self._tokenizer, messages, tools, template_kwargs)
+
+    def special_token_id(self, text: str) -> Optional[int]:
+        """The id of the special token whose text is ``text``, None when it is not one. Safe from any thread."""
+        with self._tokenizer_lock:
+            ids = self._tokenizer.encode(text, add_special_tokens=False)
+            special = set(getattr(self._tokenizer, "all_special_ids", ()) or ())
+        return ids[0] if len(ids) == 1 and ids[0] in special else None
 
     @property
     def chat_template(self) -> str:

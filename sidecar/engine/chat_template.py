@@ -32,18 +32,27 @@ def check_chat(tokenizer: Any, messages: Any) -> None:
         raise ValueError("messages: the model has no chat template; send a raw prompt instead")
 
 
-def encode_chat(tokenizer: Any, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+def encode_chat(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: Optional[list[dict]] = None,
+    template_kwargs: Optional[dict] = None,
+) -> list[int]:
     """Token ids of ``messages`` (and ``tools``, OpenAI function specs, rendered by the template) with the
-    generation prompt. Raises ValueError naming ``messages``."""
+    generation prompt; ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``).
+    Raises ValueError naming ``messages``."""
+    kw = dict(template_kwargs or {})
     check_chat(tokenizer, messages)
     markers = _marker_texts(tokenizer)
     if not any(mk and mk in m["content"] for m in messages for mk in markers):
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, **kw
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
     rendered = tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **kw
     )
     # Split the rendered prompt into template text (markers parsed) and content (markers inert).
     pieces: list[tuple[str, bool]] = []

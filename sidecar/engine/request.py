@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # collaborators that keep per-request state on a Request (non
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 1024  # entries per request: each is a scattered add on the logits every step
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound; +-100 forces or bans a token outright
 
 
 class FinishReason(str, enum.Enum):
@@ -68,6 +70,9 @@ class SamplingParams:
     # Per-request opt-out of speculative decoding (when the engine has it on). Output is the same
     # either way under greedy, and equally distributed under sampling.
     speculative: bool = True
+    # Token id -> additive bias in [-100, 100], applied to the raw logits before penalties, masks,
+    # temperature and top-k / top-p (greedy too). Stored as a dict of int -> float once constructed.
+    logit_bias: Optional[dict] = None
 
     def __post_init__(self) -> None:
         # Normalize the accepted shorthands (the only writes a SamplingParams ever gets), then validate.
@@ -75,6 +80,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
         self._check()
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", _check_logit_bias(self.logit_bias) or None)
         object.__setattr__(self, "structured", to_constraint(self.structured))
 
     def validate(self, vocab_size: Optional[int] = None) -> None:
@@ -83,6 +90,9 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if vocab_size is not None and t >= vocab_size:
                 raise ValueError(f"stop_token_ids: must be token ids in [0, vocab size), got {t!r}")
+        for t in self.logit_bias or ():
+            if vocab_size is not None and t >= vocab_size:
+                raise ValueError(f"logit_bias: token id {t} is outside the vocabulary [0, {vocab_size})")
 
     def _check(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -135,6 +145,26 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _check_logit_bias(bias: Any) -> dict:
+    """``logit_bias`` as {token id: float bias}; raises ValueError naming ``logit_bias``."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias: must map token ids to biases, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"logit_bias: keys must be token ids >= 0, got {k!r}")
+        if (
+            not isinstance(v, (int, float))
+            or isinstance(v, bool)
+            or not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE
+        ):
+            raise ValueError(f"logit_bias: bias of token {k} must be in [-100, 100], got {v!r}")
+        out[k] = float(v)
+    return out
 
 
 @dataclass

@@ -1,10 +1,11 @@
 """Batched sampling on the logits' device: one pass over the whole batch, one device->host copy per step.
 
-Per row: penalties (repetition over prompt + output, HF semantics; presence / frequency over the output,
-OpenAI semantics) from device-resident token state, the grammar bitmask, then either the argmax (greedy)
-or temperature, top-k / top-p / min-p and a draw. Draws are counter-based (sampling_rng.py): keyed by the
-request's stream and the position of the token, so a seeded request's tokens do not depend on what else
-is in the batch, and unseeded requests differ from each other without a shared generator.
+Per row: the request's logit bias (added to the raw logits), penalties (repetition over prompt + output,
+HF semantics; presence / frequency over the output, OpenAI semantics) from device-resident token state,
+the grammar bitmask, then either the argmax (greedy) or temperature, top-k / top-p / min-p and a draw.
+Draws are counter-based (sampling_rng.py): keyed by the request's stream and the position of the token, so
+a seeded request's tokens do not depend on what else is in the batch, and unseeded requests differ from
+each other without a shared generator.
 """
 
 from __future__ import annotations
@@ -244,6 +245,8 @@ class Sampler:
         if step is not None and step.logprobs:
             raw = logits if len(step.logprobs) == n else logits[step.ints[: len(step.logprobs), I_LROWS]]
             raw_lp = raw.log_softmax(-1)
+        if any(r.params.logit_bias for r in reqs):
+            self._apply_bias(logits, reqs)
         if step is not None and step.penalised:
             apply_penalties(logits, step, self.tensors.seen, self.tensors.subtract, n)
         if masks is not None:
@@ -255,6 +258,27 @@ class Sampler:
         if step is not None:
             self.tensors.record(step, tokens, reqs)
         return self._to_host(tokens, raw_lp, step, reqs)
+
+    def _apply_bias(self, logits: torch.Tensor, reqs: list[Request]) -> None:
+        """In place: add each biased row's ``logit_bias`` to its logits (one scattered add for the batch).
+        A request's bias reaches the device once and stays with its sampler state."""
+        rows, ids, vals = [], [], []
+        for i, r in enumerate(reqs):
+            if not r.params.logit_bias:
+                continue
+            st = self.tensors.state(r)
+            if st.bias is None:
+                b = r.params.logit_bias
+                st.bias = (
+                    torch.tensor(list(b.keys()), dtype=torch.long, device=logits.device),
+                    torch.tensor(list(b.values()), dtype=torch.float32, device=logits.device),
+                )
+            rows.append(torch.full_like(st.bias[0], i))
+            ids.append(st.bias[0])
+            vals.append(st.bias[1])
+        logits.index_put_(
+            (torch.cat(rows), torch.cat(ids)), torch.cat(vals).to(logits.dtype), accumulate=True
+        )
 
     def _draw(self, logits: torch.Tensor, step: StepParams, salt: int) -> torch.Tensor:
         everyone = len(step.sampled) == logits.shape[0]

@@ -48,6 +48,7 @@ class RequestSampling:
     penalised: bool
     slot: Optional[int] = None
     counted: int = 0  # output tokens the slot's counts cover
+    bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # logit_bias as device (ids, values)
 
 
 @dataclass

@@ -155,7 +155,10 @@ class Sidecar:
                     "ready",
                     extra={"model": self.service.model_name, "grpc_port": grpc_port, "http_port": http_port},
                 )
-                print(f"sidecar: serving {self.service.model_name}", flush=True)
+                print(
+                    f"sidecar: serving {self.service.model_name} ({describe(self.service.model_info())})",
+                    flush=True,
+                )
                 await self.stop.wait()
             await self._drain()
         finally:
@@ -296,3 +299,21 @@ class Sidecar:
             server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(task, timeout=5.0)
+
+
+def describe(info: dict) -> str:
+    """The start line's account of the served model: architecture and what it runs with."""
+    parts = [
+        f"arch={info.get('architecture') or '?'}",
+        f"dtype={info.get('dtype') or '?'}",
+        f"quantization={info.get('quantization') or 'none'}",
+        f"kv={info.get('kv_cache_dtype') or '?'}",
+        f"device={info.get('device') or '?'}",
+        f"fast paths={','.join(info.get('fast_paths') or ()) or 'none'}",
+    ]
+    if info.get("cpu_decode_replay") is not None:
+        parts.append(f"cpu decode replay={'on' if info['cpu_decode_replay'] else 'off'}")
+    parts.append(f"tool calls={info.get('tool_call_format') or 'hermes'}")
+    if info.get("reasoning"):
+        parts.append("reasoning")
+    return ", ".join(parts)

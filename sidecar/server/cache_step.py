@@ -62,15 +62,18 @@ _SETTINGS = (
 )
 
 
-def settings_key(params: Any, tools: str = "") -> str:
-    """What besides the conversation decides the answer. The output constraint and the tool setup are
-    part of it, so a tool-call answer is never served to a request without the same tools."""
+def settings_key(params: Any, tools: str = "", template_kwargs: Optional[dict] = None) -> str:
+    """What besides the conversation decides the answer. The output constraint, the tool setup and the
+    chat-template variables (thinking on or off) are part of it, so a tool-call answer is never served to
+    a request without the same tools, nor an answer without reasoning to one that asked for it."""
     d = {k: getattr(params, k) for k in _SETTINGS}
     structured = getattr(params, "structured", None)
     if structured is not None:  # absent for free text, so keys of free-text requests are unchanged
         d["structured"] = structured.key()
     if tools:
         d["tools"] = tools
+    if template_kwargs:  # absent when none, so keys of other requests are unchanged
+        d["template"] = template_kwargs
     return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
 
@@ -95,9 +98,17 @@ class CacheStep:
     def embedding_dim(self) -> int:
         return int(getattr(self.embedder, "dim", 0) or 0)
 
-    def plan(self, tenant: str, req: Any, params: SamplingParams, model: str) -> Plan:
+    def plan(
+        self,
+        tenant: str,
+        req: Any,
+        params: SamplingParams,
+        model: str,
+        template_kwargs: Optional[dict] = None,
+    ) -> Plan:
         """Decide lookup/store for a request and build its cache scope; ``params`` are the ones the engine
-        would run (tool grammar and fitted max_tokens included), so they key the answer."""
+        would run (tool grammar and fitted max_tokens included) and ``template_kwargs`` the chat-template
+        variables it was rendered with, so they key the answer."""
         # The request was validated before this step, so cache_policy's own checks cannot fail here.
         policy = cache_policy(
             req.cache_control,
@@ -149,7 +160,7 @@ class CacheStep:
             scope = CacheScope(
                 tenant=scope_tenant,
                 model=model,
-                settings=settings_key(params, tools),
+                settings=settings_key(params, tools, template_kwargs),
                 context=context,
                 query=query,
             )

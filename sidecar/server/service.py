@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from sidecar.config import SidecarConfig
 from sidecar.engine.request import QueueFullError, RequestOutput, SamplingParams
-from sidecar.server import tools
+from sidecar.server import reasoning, tool_formats, tools
 from sidecar.server.admin import LOAD_LORA, UNLOAD_LORA, AdapterScopes, LoraRoots, audit
 from sidecar.server.cache_step import CacheInfo, CacheStep, Plan
 from sidecar.server.metrics import Metrics
+from sidecar.server.structured_check import check_constraint
 from sidecar.server.security import AuthError, AuthThrottle, Authenticator, RateLimiter, load_api_keys
 from sidecar.server.validation import (
     SAMPLING_FIELDS,
@@ -79,6 +80,9 @@ class GenerationRequest:
     tools: Optional[list] = None
     tool_choice: str = "auto"
     parallel_tool_calls: bool = True
+    # Chat only: extra chat-template variables, and OpenAI's reasoning_effort (sidecar.server.reasoning).
+    chat_template_kwargs: Optional[dict] = None
+    reasoning_effort: Optional[str] = None
 
 
 @dataclass
@@ -99,6 +103,11 @@ class Event:
     total_ms: Optional[float]
     cache: CacheInfo
     tool_calls: list = field(default_factory=list)  # calls completed in this event (text holds no markup)
+    # A thinking model's reasoning (its think block without the markers): new in this event, so far, and
+    # the generated tokens it took. ``text`` / ``delta_text`` then hold the answer only.
+    reasoning_delta: str = ""
+    reasoning_text: str = ""
+    reasoning_tokens: int = 0
 
 
 @dataclass
@@ -123,9 +132,11 @@ class Admission:
 
     prompt_ids: list[int]
     params: SamplingParams  # the request's, with the tool-call grammar folded in and max_tokens fitted
-    parser: Optional[tools.ToolCallParser]  # splits tool-call markup out of the text (tool requests)
+    parser: Any  # splits tool-call markup out of the text (tool requests; tools.make_parser), or None
     charge: TokenCharge
     lora: Optional[str] = None  # the LoRA adapter the request names, None for the base model
+    reasoning: Optional[reasoning.ReasoningParser] = None  # splits a thinking model's reasoning off
+    template_kwargs: Optional[dict] = None  # the chat-template variables the prompt was rendered with
 
 
 @dataclass
@@ -340,7 +351,11 @@ class InferenceService:
             rid = self._new_id(req.request_id, caller.tenant)
             # The adapter is part of the semantic cache's scope: its answers are never another model's.
             plan = self.cache_step.plan(
-                caller.tenant, req, admission.params, admission.lora or self.model_name
+                caller.tenant,
+                req,
+                admission.params,
+                admission.lora or self.model_name,
+                admission.template_kwargs,
             )
             cached = await self._answer_from_cache(caller, req, rid, plan, admission)
             if cached is not None:
@@ -359,11 +374,18 @@ class InferenceService:
         lora = self._adapter(caller, req.model)
         check_request(req, lora or self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
         is_chat = req.messages is not None
-        parser = tools.ToolCallParser() if is_chat and tools.uses_tools(req) else None
+        fmt = tool_formats.detect(self._engine().chat_template) if is_chat else None
+        parser = tools.make_parser(fmt) if is_chat and tools.uses_tools(req) else None
         if is_chat and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
+        thinks = is_chat and reasoning.thinks(self._engine().chat_template)
+        tpl = (
+            reasoning.template_kwargs(req.chat_template_kwargs, req.reasoning_effort, thinks)
+            if is_chat
+            else {}
+        )
         # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
-        params, prompt = await asyncio.to_thread(self._prepare, req)
+        params, prompt, opened = await asyncio.to_thread(self._prepare, req, tpl, thinks)
         await self._compile_grammar(params.structured)
         tool_default = (
             tools.default_tool_max_tokens(req.tool_choice, req.parallel_tool_calls)
@@ -379,7 +401,8 @@ class InferenceService:
             caller.key_id or "anonymous", params.max_tokens if req.max_tokens_set else 0, req.max_tokens_set
         )
         self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
-        return Admission(prompt_ids=prompt, params=params, parser=parser, charge=charge, lora=lora)
+        think = reasoning.ReasoningParser(opened, self.token_strings) if thinks else None
+        return Admission(prompt, params, parser, charge, lora, think, tpl or None)
 
     async def _compile_grammar(self, c: Any) -> None:
         """Have the engine compile and try the request's constraint before it is admitted (off the event loop
@@ -406,16 +429,32 @@ class InferenceService:
             )
         return model
 
-    def _prepare(self, req: GenerationRequest) -> tuple[SamplingParams, list[int]]:
-        """The request's params with any tool-call grammar folded in, and its prompt ids (worker thread)."""
-        params = tools.chat_params(req) if req.messages is not None and req.tools is not None else req.params
-        return params, self._encode(req)
+    def _prepare(
+        self, req: GenerationRequest, template_kwargs: dict, thinks: bool = False
+    ) -> tuple[SamplingParams, list[int], bool]:
+        """The request's params with any tool-call grammar (in the model's format) folded in, its prompt ids,
+        and whether the prompt opens a think block (worker thread). A thinking model's output constraint
+        lets the think block come first, so reasoning is not forced into the answer's shape."""
+        params = req.params
+        engine = self._engine()
+        if req.messages is not None and req.tools is not None:
+            fmt = tool_formats.detect(engine.chat_template)
+            markers = [m for m in (fmt.start, fmt.end) if m]
+            special = {m: i for m in markers if (i := engine.special_token_id(m)) is not None}
+            params = tools.chat_params(req, fmt, special)
+        prompt = self._encode(req, template_kwargs)
+        opened = thinks and reasoning.opens_block("".join(engine.token_strings(prompt[-8:])))
+        c = params.structured
+        if thinks and reasoning.needs_think_first(c, opened):
+            wrapped = check_constraint(reasoning.think_first(c, opened), c.origin or "structured")
+            params = dataclasses.replace(params, structured=wrapped)
+        return params, prompt, opened
 
-    def _encode(self, req: GenerationRequest) -> list[int]:
+    def _encode(self, req: GenerationRequest, template_kwargs: Optional[dict] = None) -> list[int]:
         """Prompt token ids (run in a worker thread: tokenizing a long prompt must not hold the loop)."""
         if req.messages is not None:
             try:
-                return tools.chat_prompt(self._engine(), req)
+                return tools.chat_prompt(self._engine(), req, template_kwargs)
             except ValueError as exc:
                 raise ServiceError("invalid_argument", str(exc), field="messages") from None
         if req.prompt_token_ids is not None:
@@ -442,8 +481,7 @@ class InferenceService:
                 "similarity": round(hit.similarity, 4),
             },
         )
-        ev = self._replay(rid, hit, plan.lookup_ms)
-        return tools.split_event(ev, admission.parser) if admission.parser else ev
+        return _split(self._replay(rid, hit, plan.lookup_ms), admission)
 
     async def _run_engine(
         self,
@@ -488,9 +526,7 @@ class InferenceService:
                 if out.finished:
                     progress.held = False
                     self._refuse_aborted(out, admission.params.structured)
-                ev = self._event(rid, out, plan.info)
-                if admission.parser is not None:
-                    tools.split_event(ev, admission.parser)
+                ev = _split(self._event(rid, out, plan.info), admission)
                 if out.finished:
                     await self._record_finished(caller, rid, out, plan)
                 if not progress.yielded or out.finished or out.new_token_ids or out.delta_text:
@@ -671,6 +707,8 @@ class InferenceService:
                 self.engine.lora_adapters() if self.engine is not None else {},
                 caller.tenant if caller is not None else None,
             ),
+            reasoning=self.engine is not None and reasoning.thinks(self.engine.chat_template),
+            tool_call_format=tool_formats.detect(self.engine.chat_template).name if self.engine else "",
         )
         return info
 
@@ -763,6 +801,15 @@ class InferenceService:
             semantic_cache_entries=c.get("entries", 0),
         )
         return s
+
+
+def _split(ev: Event, admission: Admission) -> Event:
+    """A thinking model's reasoning, then tool-call markup, moved out of the event's text (in place)."""
+    if admission.reasoning is not None:
+        reasoning.split_event(ev, admission.reasoning)
+    if admission.parser is not None:
+        tools.split_event(ev, admission.parser)
+    return ev
 
 
 def _check_inputs(inputs: Any, max_chars: int) -> None:

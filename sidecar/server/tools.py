@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from sidecar.engine.structured import Constraint
+from sidecar.server.tool_formats import (
+    HERMES,
+    ToolFormat,
+    TrailingCallParser,
+    detect,
+    make_call,
+    tools_in_system,
+)
 from sidecar.server.validation import invalid
 
 if TYPE_CHECKING:
     from sidecar.engine.async_engine import AsyncEngine
 
-CALL_START = "<tool_call>"
-CALL_END = "</tool_call>"
+CALL_START = HERMES.start
+CALL_END = HERMES.end
 MAX_TOOLS = 128
 # Most calls in one reply. Small models given "one or more" repeat a call until max_tokens; a bound
 # ends the turn whatever the model does (one call with parallel_tool_calls false or a named function).
@@ -119,12 +126,12 @@ def default_tool_max_tokens(tool_choice: str, parallel: bool) -> Optional[int]:
     return TOKENS_PER_CALL * (MAX_PARALLEL_CALLS if parallel and tool_choice == "required" else 1)
 
 
-def _call_schema(tools: list[ToolSpec]) -> dict:
+def _call_schema(tools: list[ToolSpec], args_key: str = "arguments") -> dict:
     variants = [
         {
             "type": "object",
-            "properties": {"name": {"const": t.name}, "arguments": close_objects(t.parameters)},
-            "required": ["name", "arguments"],
+            "properties": {"name": {"const": t.name}, args_key: close_objects(t.parameters)},
+            "required": ["name", args_key],
             "additionalProperties": False,
         }
         for t in tools
@@ -132,16 +139,73 @@ def _call_schema(tools: list[ToolSpec]) -> dict:
     return variants[0] if len(variants) == 1 else {"anyOf": variants}
 
 
-def tool_constraint(
-    tools: list[ToolSpec], tool_choice: str, parallel: bool, response_format: Optional[Constraint]
-) -> Optional[Constraint]:
-    """The output constraint for a chat request with tools; None means free text.
+def _lit(marker: str, special: Optional[dict]) -> str:
+    """A marker in lark: the special token itself when it is one (its text would be spelled in pieces)."""
+    tid = (special or {}).get(marker)
+    return f"<[{tid}]>" if tid is not None else json.dumps(marker)
 
-    Calls follow each other, a newline apart, up to ``MAX_PARALLEL_CALLS`` (one without parallel
-    calls or with a named function). The end of the turn is the model's own choice: where the
-    grammar may end (after each complete call, and after a newline that follows one), the model
-    samples unmasked and anything but the start of another call ends the turn (``open_end``); a
-    call that repeats an earlier one ends it too, and is dropped by the parser (``end_on_repeat``)."""
+
+def _calls_rules(tools: list[ToolSpec], parallel: bool, fmt: ToolFormat, special: Optional[dict], opts: dict):
+    """(rules defining ``calls`` and ``body``, the ``more`` suffix of the first call) for a format."""
+    n = MAX_PARALLEL_CALLS if parallel else 1
+    if fmt.array:  # one JSON array of calls after the marker
+        arr = {"type": "array", "items": _call_schema(tools, fmt.args_key), "minItems": 1, "maxItems": n}
+        body = f"body: %json {json.dumps(dict(arr, **{'x-guidance': opts}))}\n"
+        return f'calls: {_lit(fmt.start, special)} " "? body\n{body}', ""
+    sep = json.dumps(fmt.separator)
+    more = "".join(f" ({sep} call" for _ in range(n - 1)) + ")?" * (n - 1)
+    if fmt.end and parallel:
+        more += f" {sep}?"
+    body = f"body: %json {json.dumps(dict(_call_schema(tools, fmt.args_key), **{'x-guidance': opts}))}\n"
+    if fmt.end:
+        call = f"call: {_lit(fmt.start, special)} body {_lit(fmt.end, special)}\n"
+        return f"calls: call{more}\n{call}{body}", more
+    tag = f"{_lit(fmt.start, special)}? " if fmt.start else ""
+    return f"calls: {tag}call{more}\ncall: body\n{body}", more
+
+
+def _auto_grammar(rules: str, more: str, fmt: ToolFormat, special: Optional[dict]) -> tuple[str, str]:
+    """(grammar, lazy trigger) of tool_choice auto: free text, or text up to the first call marker followed
+    by the calls (calls that lead the reply, for formats without a required marker)."""
+    if not fmt.start or fmt.optional_start:  # the reply is text not starting with "{", or the calls
+        text = "/[ \\t\\n]*[^{ \\t\\n](.|\\n)*/"
+        if fmt.start and fmt.start not in (special or {}):
+            esc = re.escape(fmt.start).replace("/", "\\/")
+            text += f" & ~/[ \\t\\n]*{esc}(.|\\n)*/"
+        return f"start: TEXT | calls\nTEXT: {text}\n{rules}", "{"
+    gap = ' " "?' if fmt.array else ""  # an array may follow its marker after a space
+    end = f" {_lit(fmt.end, special)}" if fmt.end else ""
+    first = f"{_lit(fmt.start, special)}{gap} body{end}"
+    if fmt.start in (special or {}):  # a special token is never text: text, then the marker token
+        return f"start: TEXT | TEXT? {first}{more}\nTEXT: /(.|\\n)+/\n{rules}", fmt.start
+    # Free text that never contains the marker, or such text up to the first marker followed by the calls.
+    # Each is one lexeme, so the lexer never has to backtrack over the marker. Lazy: the text costs no
+    # masks until a marker may be forming.
+    m = re.escape(fmt.start).replace("/", "\\/")
+    grammar = (
+        f"start: TEXT | PRE_CALL{gap} body{end}{more}\n"
+        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{m}(.|\\n)*/\n"
+        f"PRE_CALL: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/\n{rules}"
+    )
+    return grammar, fmt.start
+
+
+def tool_constraint(
+    tools: list[ToolSpec],
+    tool_choice: str,
+    parallel: bool,
+    response_format: Optional[Constraint],
+    fmt: ToolFormat = HERMES,
+    special: Optional[dict] = None,
+) -> Optional[Constraint]:
+    """The output constraint for a chat request with tools in the model's format ``fmt``; None means free
+    text. ``special``: markers of ``fmt`` that are single special tokens -> their ids.
+
+    Calls follow each other, the format's separator apart, up to ``MAX_PARALLEL_CALLS`` (one without
+    parallel calls or with a named function). The end of the turn is the model's own choice: where the
+    grammar may end (after each complete call), the model samples unmasked and anything but the start of
+    another call ends the turn (``open_end``); a call that repeats an earlier one ends it too, and is
+    dropped by the parser (``end_on_repeat``)."""
     if not tools or tool_choice == "none":
         return response_format
     if tool_choice != "auto" and response_format is not None:
@@ -159,47 +223,25 @@ def tool_constraint(
         "key_separator": ": ",
         "lenient": not strict,
     }
-    schema = dict(_call_schema(tools), **{"x-guidance": opts})
-    call = f'call: "{CALL_START}" %json {json.dumps(schema)} "{CALL_END}"'
-    more = (
-        (
-            "".join(' ("\\n" call' for _ in range(MAX_PARALLEL_CALLS - 1))
-            + ")?" * (MAX_PARALLEL_CALLS - 1)
-            + ' "\\n"?'
-        )
-        if parallel
-        else ""
-    )
-    calls = f"calls: call{more}"
+    rules, more = _calls_rules(tools, parallel, fmt, special, opts)
     if tool_choice != "auto":
-        return Constraint("lark", f"start: calls\n{calls}\n{call}\n", open_end=True, end_on_repeat=True)
+        return Constraint("lark", f"start: calls\n{rules}", open_end=True, end_on_repeat=True)
     if response_format is not None:
         if response_format.kind not in ("json", "json_object"):
             raise invalid(
                 "response_format", "only JSON formats can be combined with tools under tool_choice auto"
             )
-        fmt = response_format.value if response_format.kind == "json" else {"type": "object"}
+        fmt_schema = response_format.value if response_format.kind == "json" else {"type": "object"}
         fmt_opts = dict(opts, lenient=not response_format.strict)
         return Constraint(
             "lark",
-            f"start: answer | calls\nanswer: %json {json.dumps(dict(fmt, **{'x-guidance': fmt_opts}))}\n"
-            f"{calls}\n{call}\n",
+            f"start: answer | calls\nanswer: %json {json.dumps(dict(fmt_schema, **{'x-guidance': fmt_opts}))}\n"
+            + rules,
             open_end=True,
             end_on_repeat=True,
         )
-    # Free text that never contains the call marker, or such text up to the first marker followed
-    # by the calls. Each is one lexeme, so the lexer never has to backtrack over the marker. Lazy:
-    # the text costs no masks until a marker may be forming. (No end_on_repeat: the first call's
-    # unit starts inside the marker; the parser still drops a repeated call.)
-    m = re.escape(CALL_START).replace("/", "\\/")
-    grammar = (
-        f'start: TEXT | PRE_CALL body "{CALL_END}"{more}\n'
-        f'call: "{CALL_START}" body "{CALL_END}"\n'
-        f"body: %json {json.dumps(schema)}\n"
-        f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{m}(.|\\n)*/\n"
-        f"PRE_CALL: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/\n"
-    )
-    return Constraint("lark", grammar, lazy_trigger=CALL_START, open_end=True)
+    grammar, trigger = _auto_grammar(rules, more, fmt, special)
+    return Constraint("lark", grammar, lazy_trigger=trigger, open_end=True)
 
 
 # -- rendering -------------------------------------------------------------------------------------
@@ -210,35 +252,41 @@ def _openai_tool(t: ToolSpec) -> dict:
     }
 
 
-def default_tools_block(tools: list[ToolSpec]) -> str:
+def default_tools_block(tools: list[ToolSpec], fmt: ToolFormat = HERMES) -> str:
     """The system text that lists the tools for a model whose chat template cannot (docs/API.md)."""
     lines = [
         "You can call functions. To call one, reply with exactly",
-        f'{CALL_START}{{"name": <function name>, "arguments": <arguments as a JSON object>}}{CALL_END}',
+        fmt.example(),
         "and nothing else. Available functions (JSON):",
     ]
     lines += [json.dumps(_openai_tool(t)["function"], ensure_ascii=False) for t in tools]
     return "\n".join(lines)
 
 
-def _call_text(call: dict) -> str:
-    args = call.get("arguments") or "{}"
-    try:
-        args_obj = json.loads(args) if isinstance(args, str) else args
-    except ValueError:
-        args_obj = args
-    return (
-        CALL_START + json.dumps({"name": call["name"], "arguments": args_obj}, ensure_ascii=False) + CALL_END
-    )
+def _calls_text(calls: list[dict], fmt: ToolFormat = HERMES) -> str:
+    """Earlier calls of the conversation written as the model writes them."""
+    objs = [{"name": c["name"], fmt.args_key: _args_obj(c.get("arguments") or "{}")} for c in calls]
+    texts = [json.dumps(o, ensure_ascii=False) for o in objs]
+    if fmt.array:
+        return fmt.start + "[" + ", ".join(texts) + "]"
+    if not fmt.end:
+        return fmt.start + fmt.separator.join(texts)
+    return "".join(fmt.start + t + fmt.end for t in texts)
 
 
 def render_messages(
-    messages: list[dict], tools: Optional[list[ToolSpec]], template_has_tools: bool
+    messages: list[dict],
+    tools: Optional[list[ToolSpec]],
+    template_has_tools: bool,
+    fmt: ToolFormat = HERMES,
+    system_tools: bool = False,
 ) -> tuple[list[dict], Optional[list[dict]]]:
     """Messages (with tool calls and tool results) -> (template messages, template tools or None).
 
     A template that renders tools gets them and the structured messages as Hugging Face defines
-    them; otherwise tools become a system block and calls/results become plain text."""
+    them; otherwise calls/results become plain text in the model's format ``fmt``, and tools either go
+    to the system message's ``tools`` field (``system_tools``: a template that reads them there) or
+    become a system block."""
     if template_has_tools:
         out = []
         for m in messages:
@@ -265,16 +313,21 @@ def render_messages(
                 {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
             )
         elif m.get("tool_calls"):
-            text = (m.get("content") or "") + "".join(_call_text(c) for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": text})
+            out.append(
+                {"role": "assistant", "content": (m.get("content") or "") + _calls_text(m["tool_calls"], fmt)}
+            )
         else:
             out.append({"role": m["role"], "content": m.get("content") or ""})
     if tools:
-        block = default_tools_block(tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+        if not (out and out[0]["role"] == "system"):
+            out.insert(0, {"role": "system", "content": ""})
+        if system_tools:
+            specs = [_openai_tool(t)["function"] for t in tools]
+            out[0] = dict(out[0], tools=json.dumps(specs, ensure_ascii=False))
         else:
-            out.insert(0, {"role": "system", "content": block})
+            block = default_tools_block(tools, fmt)
+            head = out[0]["content"]
+            out[0] = {"role": "system", "content": head + "\n\n" + block if head else block}
     return out, None
 
 
@@ -291,19 +344,6 @@ def _args_obj(args: Any) -> Any:
 _JSON = json.JSONDecoder()
 
 
-def _call(obj: Any, index: int) -> Optional[dict]:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", {})
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "name": obj["name"],
-        "arguments": json.dumps(args, ensure_ascii=False) if not isinstance(args, str) else args,
-        "index": index,
-    }
-
-
 class ToolCallParser:
     """Splits streamed text into content deltas and complete tool calls.
 
@@ -318,7 +358,9 @@ class ToolCallParser:
     reply: it is dropped with everything after it (the grammar's ``end_on_repeat`` stops generation
     right there). Small models otherwise repeat their call, and a repeat tells the caller nothing new."""
 
-    def __init__(self) -> None:
+    def __init__(self, fmt: ToolFormat = HERMES) -> None:
+        self.start, self.end, self.args_key = fmt.start, fmt.end, fmt.args_key
+        self.late: list[dict] = []  # calls found only at the end (never, for this format)
         self.buf = ""
         self.in_call = False
         self.calls: list[dict] = []
@@ -336,14 +378,14 @@ class ToolCallParser:
         except ValueError:
             return False  # incomplete so far (the grammar only lets valid JSON through)
         rest = self.buf[end:]
-        if len(rest) < len(CALL_END) and CALL_END.startswith(rest):
+        if len(rest) < len(self.end) and self.end.startswith(rest):
             return False
-        call = _call(obj, len(self.calls)) if rest.startswith(CALL_END) else None
+        call = make_call(obj, len(self.calls), self.args_key) if rest.startswith(self.end) else None
         if call is None:  # not a call after all: it stays text
-            out.append(CALL_START + self.buf[:end])
+            out.append(self.start + self.buf[:end])
             self.buf, self.in_call = rest, False
             return True
-        key = json.dumps([obj["name"], obj.get("arguments", {})], sort_keys=True, ensure_ascii=False)
+        key = json.dumps([obj["name"], obj.get(self.args_key, {})], sort_keys=True, ensure_ascii=False)
         if key in self._seen:  # a repeat ends the reply
             self.buf, self.in_call, self.ended = "", False, True
             return False
@@ -351,7 +393,7 @@ class ToolCallParser:
         self.gap = True
         self.calls.append(call)
         new.append(call)
-        self.buf, self.in_call = rest[len(CALL_END) :], False
+        self.buf, self.in_call = rest[len(self.end) :], False
         return True
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
@@ -365,13 +407,13 @@ class ToolCallParser:
                 self.buf = self.buf.lstrip()
                 self.gap = not self.buf
             if not self.in_call:
-                i = self.buf.find(CALL_START)
+                i = self.buf.find(self.start)
                 if i < 0:
                     keep = next(
                         (
                             k
-                            for k in range(min(len(CALL_START) - 1, len(self.buf)), 0, -1)
-                            if self.buf.endswith(CALL_START[:k])
+                            for k in range(min(len(self.start) - 1, len(self.buf)), 0, -1)
+                            if self.buf.endswith(self.start[:k])
                         ),
                         0,
                     )
@@ -379,7 +421,7 @@ class ToolCallParser:
                     self.buf = self.buf[len(self.buf) - keep :]
                     break
                 out.append(self.buf[:i])
-                self.buf, self.in_call = self.buf[i + len(CALL_START) :], True
+                self.buf, self.in_call = self.buf[i + len(self.start) :], True
             if not self._take_call(out, new):
                 break
         text = "".join(out)
@@ -387,15 +429,21 @@ class ToolCallParser:
         return text, new
 
     def finish(self) -> str:
-        rest = (CALL_START if self.in_call else "") + self.buf
+        rest = (self.start if self.in_call else "") + self.buf
         self.buf, self.in_call = "", False
         self.content += rest
         return rest
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+def make_parser(fmt: ToolFormat = HERMES) -> Any:
+    """The streaming parser of ``fmt``: ToolCallParser for calls between markers, TrailingCallParser for
+    calls that run to the end of the reply. Both have feed / finish / content / calls / late."""
+    return ToolCallParser(fmt) if fmt.end else TrailingCallParser(fmt)
+
+
+def parse_tool_calls(text: str, fmt: ToolFormat = HERMES) -> tuple[str, list[dict]]:
     """Whole text -> (content without call markup, calls)."""
-    p = ToolCallParser()
+    p = make_parser(fmt)
     p.feed(text)
     p.finish()
     return p.content, p.calls
@@ -406,34 +454,48 @@ def uses_tools(req: Any) -> bool:
     return bool(req.tools) and req.tool_choice != "none"
 
 
-def chat_prompt(engine: AsyncEngine, req: Any) -> list[int]:
-    """Render a chat request's messages (and tools) with the model's template, or the default one."""
+def chat_prompt(engine: AsyncEngine, req: Any, template_kwargs: Optional[dict] = None) -> list[int]:
+    """Render a chat request's messages (and tools) with the model's template, or the default one;
+    ``template_kwargs`` are extra template variables (e.g. ``enable_thinking``)."""
     has_tool_messages = any(m["role"] == "tool" or m.get("tool_calls") for m in req.messages)
     tools = req.tools if uses_tools(req) else None
     if not tools and not has_tool_messages:
-        return engine.encode_chat(req.messages)
+        return engine.encode_chat(req.messages, None, template_kwargs)
     template = engine.chat_template
-    msgs, tpl_tools = render_messages(req.messages, tools, "tools" in template and "tool_calls" in template)
-    return engine.encode_chat(msgs, tools=tpl_tools)
+    fmt = detect(template)
+    msgs, tpl_tools = render_messages(
+        req.messages,
+        tools,
+        "tools" in template and "tool_calls" in template,
+        fmt,
+        tools_in_system(fmt, template),
+    )
+    return engine.encode_chat(msgs, tpl_tools, template_kwargs)
 
 
-def chat_params(req: Any) -> Any:
-    """The request's SamplingParams with the tool-call grammar folded into ``structured``."""
+def chat_params(req: Any, fmt: ToolFormat = HERMES, special: Optional[dict] = None) -> Any:
+    """The request's SamplingParams with the tool-call grammar of format ``fmt`` folded into ``structured``
+    (``special``: its markers that are single special tokens -> ids; the reply then keeps special tokens
+    in its text, so the parser sees them)."""
     if not uses_tools(req):
         return req.params
     import dataclasses
 
     from sidecar.server.structured_check import check_constraint
 
-    c = tool_constraint(req.tools, req.tool_choice, req.parallel_tool_calls, req.params.structured)
-    return dataclasses.replace(req.params, structured=check_constraint(c, "tools"))
+    c = tool_constraint(
+        req.tools, req.tool_choice, req.parallel_tool_calls, req.params.structured, fmt, special
+    )
+    kw = {"skip_special_tokens": False} if special else {}
+    return dataclasses.replace(req.params, structured=check_constraint(c, "tools"), **kw)
 
 
-def split_event(ev: Any, parser: ToolCallParser) -> Any:
+def split_event(ev: Any, parser: Any) -> Any:
     """Move tool-call markup out of an event's text into ``ev.tool_calls`` (in place)."""
     delta, calls = parser.feed(ev.delta_text)
     if ev.finished:
         delta += parser.finish()
+        calls = calls + parser.late
         if parser.calls and ev.finish_reason == "stop":
             ev.finish_reason = "tool_calls"
     ev.delta_text, ev.text, ev.tool_calls = delta, parser.content, calls

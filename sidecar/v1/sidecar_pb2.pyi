@@ -45,7 +45,14 @@ CACHE_STATUS_HIT_SEMANTIC: CacheStatus
 CACHE_STATUS_BYPASS: CacheStatus
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "speculative")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "speculative", "logit_bias")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +67,7 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -74,7 +82,8 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     logprobs: int
     speculative: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ...) -> None: ...
+    logit_bias: _containers.ScalarMap[int, float]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., speculative: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "sampling", "request_id", "priority", "cache_control", "cache_salt", "cache_sampled", "model", "response_format")
@@ -189,7 +198,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("messages", "sampling", "request_id", "priority", "cache_control", "cache_salt", "cache_sampled", "model", "response_format", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("messages", "sampling", "request_id", "priority", "cache_control", "cache_salt", "cache_sampled", "model", "response_format", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +211,8 @@ class ChatRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     request_id: str
@@ -214,19 +225,23 @@ class ChatRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
     tool_choice: ToolChoice
     parallel_tool_calls: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_control: _Optional[_Union[CacheControl, str]] = ..., cache_salt: _Optional[str] = ..., cache_sampled: _Optional[bool] = ..., model: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    chat_template_kwargs: str
+    reasoning_effort: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_control: _Optional[_Union[CacheControl, str]] = ..., cache_salt: _Optional[str] = ..., cache_sampled: _Optional[bool] = ..., model: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., reasoning_effort: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "total_tokens", "reasoning_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     total_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    reasoning_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("queue_ms", "ttft_ms", "total_ms")
@@ -275,7 +290,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timing", "cache", "logprobs", "model", "tool_calls")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "timing", "cache", "logprobs", "model", "tool_calls", "reasoning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +301,7 @@ class Completion(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -296,10 +312,11 @@ class Completion(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     model: str
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., model: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., model: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class CompletionChunk(_message.Message):
-    __slots__ = ("request_id", "delta", "token_ids", "finish_reason", "usage", "timing", "cache", "logprobs", "tool_calls")
+    __slots__ = ("request_id", "delta", "token_ids", "finish_reason", "usage", "timing", "cache", "logprobs", "tool_calls", "reasoning_delta")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +326,7 @@ class CompletionChunk(_message.Message):
     CACHE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_DELTA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     delta: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -318,7 +336,8 @@ class CompletionChunk(_message.Message):
     cache: CacheInfo
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
-    def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
+    reasoning_delta: str
+    def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., cache: _Optional[_Union[CacheInfo, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., reasoning_delta: _Optional[str] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("inputs", "model")
@@ -375,7 +394,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "quantization", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "prefix_caching", "embedding_model", "embedding_dimensions", "semantic_cache", "version", "device", "fast_paths", "fast_path_fallbacks", "kv_cache_dtype", "kv_cache_tokens", "lora_adapters")
+    __slots__ = ("model", "architecture", "dtype", "quantization", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "prefix_caching", "embedding_model", "embedding_dimensions", "semantic_cache", "version", "device", "fast_paths", "fast_path_fallbacks", "kv_cache_dtype", "kv_cache_tokens", "lora_adapters", "reasoning", "tool_call_format", "dtype_reason")
     class FastPathFallbacksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +421,9 @@ class ModelInfo(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -421,7 +443,10 @@ class ModelInfo(_message.Message):
     kv_cache_dtype: str
     kv_cache_tokens: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., embedding_model: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
+    reasoning: bool
+    tool_call_format: str
+    dtype_reason: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., embedding_model: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., reasoning: _Optional[bool] = ..., tool_call_format: _Optional[str] = ..., dtype_reason: _Optional[str] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "base_model")

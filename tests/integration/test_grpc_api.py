@@ -307,3 +307,24 @@ def test_duplicate_request_ids_do_not_collide(stub):
     ra, rb = a.result(60), b.result(60)
     assert ra.request_id.startswith("my-id") and rb.request_id.startswith("my-id")
     assert ra.text == rb.text
+
+
+def test_reasoning_effort_on_a_model_that_does_not_think_is_accepted_and_said_so(stub):
+    req = pb.ChatRequest(
+        messages=[pb.ChatMessage(role="user", content="hi")],
+        sampling=pb.SamplingParams(max_tokens=4),
+        reasoning_effort="high",
+    )
+    reply, call = stub.Chat.with_call(req)
+    assert ("x-sidecar-reasoning", "unsupported") in call.initial_metadata()
+    assert reply.reasoning == "" and reply.usage.reasoning_tokens == 0 and reply.usage.completion_tokens == 4
+    assert not stub.GetModelInfo(pb.GetModelInfoRequest()).reasoning
+    streamed = stub.ChatStream(req)
+    assert ("x-sidecar-reasoning", "unsupported") in streamed.initial_metadata()
+    assert "".join(c.delta for c in streamed) == reply.text
+    req.reasoning_effort = "extreme"
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Chat(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith(
+        "reasoning_effort:"
+    )

@@ -155,7 +155,7 @@ def test_models_and_embeddings(client):
     "kwargs,param",
     [
         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
-        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"logit_bias": {"x": 10}}, "logit_bias"),
         (
             {
                 "response_format": {

@@ -122,7 +122,11 @@ class SpecDecoder:
     def eligible(req: Request) -> bool:
         p = req.params
         return (
-            p.speculative and p.structured is None and not p.uses_penalties and (p.greedy or p.seed is None)
+            p.speculative
+            and p.structured is None
+            and not p.uses_penalties
+            and not p.logit_bias  # verification reads the unbiased distribution
+            and (p.greedy or p.seed is None)
         )
 
     def propose(self, running: Sequence[Request]) -> None:

@@ -75,6 +75,16 @@ def tools(msg: Any) -> dict[str, Any]:
     return {"tools": specs, "tool_choice": choice, "parallel_tool_calls": parallel}
 
 
+def reasoning_fields(msg: Any) -> dict[str, Any]:
+    """ChatRequest chat_template_kwargs (JSON text) / reasoning_effort -> GenerationRequest fields."""
+    out: dict[str, Any] = {}
+    if msg.chat_template_kwargs:
+        out["chat_template_kwargs"] = _json_object(msg.chat_template_kwargs, "chat_template_kwargs")
+    if msg.reasoning_effort:
+        out["reasoning_effort"] = msg.reasoning_effort
+    return out
+
+
 def tool_specs(tools_msg: Any) -> list[ToolSpec]:
     specs = []
     for i, t in enumerate(tools_msg):

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from sidecar.engine.request import SamplingParams
 from sidecar.server.admin import LOAD_LORA, UNLOAD_LORA
 from sidecar.server.grpc import convert
+from sidecar.server.reasoning import REASONING_EFFORTS, REASONING_HEADER
 from sidecar.server.service import Event, GenerationRequest, InferenceService, ServiceError
 from sidecar.server.validation import check_request_id, sampling_params
 from sidecar.v1 import sidecar_pb2 as pb
@@ -90,6 +91,8 @@ def _params(s: pb.SamplingParams) -> SamplingParams:
     kw.update(stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos)
     if s.logprobs:
         kw["logprobs"] = int(s.logprobs)
+    if s.logit_bias:
+        kw["logit_bias"] = {int(t): round(float(b), 6) for t, b in s.logit_bias.items()}
     return sampling_params(**kw)
 
 
@@ -114,7 +117,9 @@ def _request(msg: Any, timeout_s: Optional[float], chat: bool) -> GenerationRequ
     )
     if chat:
         messages = convert.messages(msg.messages)
-        return GenerationRequest(messages=messages, **convert.tools(msg), **common)
+        return GenerationRequest(
+            messages=messages, **convert.tools(msg), **convert.reasoning_fields(msg), **common
+        )
     return GenerationRequest(
         prompt=msg.prompt or None, prompt_token_ids=list(msg.prompt_token_ids) or None, **common
     )
@@ -145,6 +150,7 @@ def _usage(ev: Event) -> pb.Usage:
         completion_tokens=ev.completion_tokens,
         cached_tokens=ev.cached_tokens,
         total_tokens=ev.prompt_tokens + ev.completion_tokens,
+        reasoning_tokens=ev.reasoning_tokens,
     )
 
 
@@ -178,6 +184,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         md = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         return self.service.authenticate(md.get("authorization"), _peer_host(context.peer() or ""))
 
+    async def _reasoning_header(self, req: GenerationRequest, context: grpc.aio.ServicerContext) -> None:
+        """``x-sidecar-reasoning: unsupported`` in the initial metadata when a request sets reasoning_effort for
+        a model that does not think (accepted, and changes nothing)."""
+        if (
+            req.reasoning_effort in REASONING_EFFORTS
+            and self.service.engine is not None
+            and not self.service.model_info().get("reasoning")
+        ):
+            await context.send_initial_metadata(((REASONING_HEADER, "unsupported"),))
+
     def _logprobs(self, lps: Optional[list]) -> list:
         if not lps:
             return []
@@ -201,6 +217,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             caller = self._caller(context, method)
             req = await asyncio.to_thread(_request, msg, context.time_remaining(), chat)  # compiles grammars
+            await self._reasoning_header(req, context)
             last, lps, calls = None, [], []
             agen = self.service.generate(caller, req)
             try:
@@ -222,6 +239,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 logprobs=self._logprobs(lps),
                 model=msg.model or self.service.model_name,
                 tool_calls=convert.tool_calls(calls),
+                reasoning=last.reasoning_text,
             )
         except ServiceError as err:
             await self._fail(context, err, msg.request_id)
@@ -230,6 +248,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             caller = self._caller(context, method)
             req = await asyncio.to_thread(_request, msg, context.time_remaining(), chat)  # compiles grammars
+            await self._reasoning_header(req, context)
             agen = self.service.generate(caller, req)
             try:
                 first = True
@@ -240,6 +259,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         token_ids=ev.new_token_ids,
                         logprobs=self._logprobs(ev.new_logprobs),
                         tool_calls=convert.tool_calls(ev.tool_calls),
+                        reasoning_delta=ev.reasoning_delta,
                     )
                     if first or ev.finished:
                         chunk.cache.CopyFrom(_cache(ev))
@@ -326,6 +346,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     pb.LoraAdapter(name=n, path=p, base_model=i["model"])
                     for n, p in sorted((i.get("lora_adapters") or {}).items())
                 ],
+                reasoning=bool(i.get("reasoning")),
+                tool_call_format=str(i.get("tool_call_format") or ""),
+                dtype_reason=str(i.get("dtype_reason") or ""),
             )
         except ServiceError as err:
             await self._fail(context, err)

@@ -54,6 +54,7 @@ from sidecar.server.openai.transport import (
     stream_headers as _stream_headers,
 )
 from sidecar.server.responses_store import ResponseStore
+from sidecar.server.reasoning import REASONING_HEADER
 from sidecar.server.service import Caller, Event, GenerationRequest
 from sidecar.server.validation import ServiceError
 
@@ -146,6 +147,7 @@ class _Call:
         self.want_logprobs = bool(body.logprobs) if kind == "chat" else body.logprobs is not None
         opts = body.stream_options
         self.include_usage = bool(opts and opts.include_usage)
+        self.headers: dict[str, str] = {}  # extra response headers
 
     def token_text(self, ids: list[int]) -> list[str]:
         return self.service.token_strings(ids)
@@ -160,6 +162,12 @@ class _Call:
             if not st.started:
                 out.append(
                     fmt.chat_chunk(*args, {"role": "assistant", "content": ""}, with_usage=self.include_usage)
+                )
+            if getattr(ev, "reasoning_delta", ""):
+                out.append(
+                    fmt.chat_chunk(
+                        *args, {"reasoning_content": ev.reasoning_delta}, with_usage=self.include_usage
+                    )
                 )
             if ev.delta_text or (self.want_logprobs and lps):
                 lp = fmt.chat_logprobs(lps, self.token_text) if self.want_logprobs else None
@@ -250,6 +258,7 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
             headers = {
                 **_stream_headers(call.rid, cache),
                 **fmt.coalesced_header([ev.cache.coalesced for ev in firsts.values()]),
+                **call.headers,
             }
             return _EventStream(call.stream(buffered, events), runner.cancel, headers)
 
@@ -267,6 +276,7 @@ async def _run(request: Request, call: _Call, caller: Caller) -> Response:
                 CACHE_HEADER: cache,
                 "x-request-id": call.rid,
                 **fmt.coalesced_header([s.coalesced for s in call.states]),
+                **call.headers,
             },
         )
     finally:
@@ -303,6 +313,8 @@ async def chat_completions(
     # Translating compiles any schema or grammar: a worker thread's job, never the event loop's.
     reqs = await asyncio.to_thread(chat_requests, body, rid, service.model_info().get("max_model_len"))
     call = _Call(service, body, "chat", rid, body.model or service.model_name, body.n or 1, reqs)
+    if body.reasoning_effort is not None and not service.model_info().get("reasoning"):
+        call.headers[REASONING_HEADER] = "unsupported"  # accepted; the model does not think
     return await _run(request, call, who)
 
 
@@ -328,6 +340,13 @@ def _models(service: OpenAIService, created: int, who: Caller) -> list[dict]:
             "created": created,
             "owned_by": "llm-sidecar",
             "max_model_len": info.get("max_model_len"),
+            # What the model is and what it runs with.
+            "architecture": info.get("architecture"),
+            "dtype": info.get("dtype"),
+            "quantization": info.get("quantization"),
+            "device": info.get("device"),
+            "reasoning": bool(info.get("reasoning")),
+            "tool_call_format": info.get("tool_call_format"),
             "fast_paths": info.get("fast_paths") or [],
             "fast_path_fallbacks": info.get("fast_path_fallbacks") or {},
             "kv_cache_dtype": info.get("kv_cache_dtype"),

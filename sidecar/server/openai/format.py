@@ -32,13 +32,16 @@ def _lp(x: float) -> float:
     return LOGPROB_FLOOR if x is None or math.isnan(x) or x < LOGPROB_FLOOR else float(x)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict:
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens:  # a thinking model's reply: the part of completion_tokens spent reasoning
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def cache_header(statuses: list[str]) -> str:
@@ -107,9 +110,13 @@ class ChoiceState:
     coalesced: bool = False
     started: bool = False  # a chunk was already sent for this choice (chat: the role delta)
     tool_calls: list = field(default_factory=list)
+    reasoning: str = ""  # a thinking model's reasoning so far (message.reasoning_content)
+    reasoning_tokens: int = 0
 
     def update(self, ev: Any) -> None:
         self.text = ev.text
+        self.reasoning = getattr(ev, "reasoning_text", "")
+        self.reasoning_tokens = getattr(ev, "reasoning_tokens", 0)
         self.tool_calls.extend(getattr(ev, "tool_calls", None) or [])
         if ev.new_logprobs:
             self.logprobs.extend(ev.new_logprobs)
@@ -129,6 +136,7 @@ def total_usage(states: list[ChoiceState], choices_per_prompt: int) -> dict:
         sum(s.prompt_tokens for s in firsts),
         sum(s.completion_tokens for s in states),
         sum(s.cached_tokens for s in firsts),
+        sum(s.reasoning_tokens for s in states),
     )
 
 
@@ -167,12 +175,15 @@ def tool_call(c: dict, with_index: bool = False) -> dict:
 
 
 def chat_message(st: ChoiceState) -> dict:
+    # A thinking model's reasoning goes next to the answer (vLLM's reasoning_content).
+    extra = {"reasoning_content": st.reasoning} if st.reasoning else {}
     if not st.tool_calls:
-        return {"role": "assistant", "content": st.text}
+        return {"role": "assistant", "content": st.text, **extra}
     # OpenAI sends null content when a reply is only tool calls.
     return {
         "role": "assistant",
         "content": st.text if st.text.strip() else None,
+        **extra,
         "tool_calls": [tool_call(c) for c in st.tool_calls],
     }
 

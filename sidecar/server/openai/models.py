@@ -2,7 +2,7 @@
 
 Every model forbids unknown fields, so a typo is a 400 naming the field rather
 than a silently ignored setting. Fields that OpenAI defines but this server
-cannot honour (logit_bias, echo, legacy functions, ...) are listed in ``_UNSUPPORTED``
+cannot honour (echo, legacy functions, ...) are listed in ``_UNSUPPORTED``
 with the values that mean "feature off": those values are accepted and dropped
 (clients often send the defaults explicitly), any other value is refused with
 an ``unsupported_field`` error naming the field. Strict mode refuses "1" for a
@@ -33,11 +33,9 @@ _UNSUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
     "ChatCompletionRequest": {
         "functions": (None, []),
         "function_call": (None, "none"),
-        "logit_bias": (None, {}),
         "audio": _NONE,
         "modalities": (None, ["text"]),
         "prediction": _NONE,
-        "reasoning_effort": _NONE,
         "web_search_options": _NONE,
         "service_tier": (None, "auto", "default"),
         "store": (None, False),
@@ -50,7 +48,6 @@ _UNSUPPORTED: dict[str, dict[str, tuple[Any, ...]]] = {
         "suffix": _NONE,
         "echo": (None, False),
         "best_of": (None, 1),
-        "logit_bias": (None, {}),
         "tools": (None, []),
     },
     "ChatMessage": {"function_call": _NONE, "audio": _NONE, "refusal": _NONE},
@@ -144,6 +141,8 @@ class _Sampling(_Strict):
     user: Optional[str] = Field(None, max_length=256)
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
+    # Token id (as a decimal string, OpenAI's shape) -> bias in [-100, 100]; checked in translate.
+    logit_bias: Optional[dict[str, Union[float, int]]] = None
     # Extensions accepted the way vLLM accepts them.
     top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disables")
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
@@ -253,6 +252,10 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[Annotated[list[ToolDef], Field(max_length=128)]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    # Thinking models: extra chat-template variables (vLLM's extension, e.g. {"enable_thinking": false})
+    # and OpenAI's effort levels ("none"/"minimal": thinking off; "low"/"medium"/"high": on).
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
 
     @model_validator(mode="after")
     def _check_messages_and_tools(self) -> "ChatCompletionRequest":

@@ -15,7 +15,7 @@ from sidecar.server.openai.models import ChatCompletionRequest, CompletionReques
 from sidecar.server.service import GenerationRequest
 from sidecar.server.structured_check import check_constraint
 from sidecar.server.tools import ToolSpec
-from sidecar.server.validation import sampling_params
+from sidecar.server.validation import invalid, sampling_params
 
 # OpenAI's legacy /v1/completions default; chat runs to the end of the context by default.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -52,8 +52,21 @@ def _params(
         kw["top_k"] = max(body.top_k, 0)  # vLLM spells "disabled" as -1, the engine as 0
     if body.stop is not None:
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    if body.logit_bias:
+        kw["logit_bias"] = logit_bias(body.logit_bias)
     kw["structured"] = structured  # one object for every choice: checked, keyed and compiled once
     return sampling_params(**kw)
+
+
+def logit_bias(raw: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token id strings -> bias) as the engine's {id: bias}; a key that is not a
+    token id is a 400 naming the field (range and count are checked by SamplingParams)."""
+    out: dict[int, float] = {}
+    for k, v in raw.items():
+        if not (k.isascii() and k.isdigit()) or len(k) > 10:
+            raise invalid("logit_bias", f"keys must be token ids (decimal strings), got {k!r}")
+        out[int(k)] = v
+    return out
 
 
 def output_constraint(body: _Sampling) -> Optional[Constraint]:
@@ -148,6 +161,8 @@ def chat_requests(
             messages=messages,
             params=_params(body, max_tokens, logprobs, i, structured),
             max_tokens_set=explicit,
+            chat_template_kwargs=body.chat_template_kwargs,
+            reasoning_effort=body.reasoning_effort,
             **tools,
             **_common(body, f"{call_id}-{i}"),
         )

@@ -26,3 +26,26 @@ def test_speculative_opt_out_and_other_fields_reach_the_engine():
 def test_bad_value_names_the_sampling_field():
     with pytest.raises(ServiceError, match="sampling.top_p"):
         servicer._params(pb.SamplingParams(top_p=2.0))
+
+
+def test_logit_bias_reaches_the_engine_and_bad_biases_name_the_field():
+    p = servicer._params(pb.SamplingParams(logit_bias={5: 2.5, 9: -100.0}))
+    assert p.logit_bias == {5: 2.5, 9: -100.0}
+    with pytest.raises(
+        ServiceError, match=r"^sampling\.logit_bias: bias of token 5 must be in \[-100, 100\]"
+    ):
+        servicer._params(pb.SamplingParams(logit_bias={5: 101.0}))
+
+
+def test_chat_template_kwargs_and_reasoning_effort_reach_the_request():
+    msg = pb.ChatRequest(
+        messages=[pb.ChatMessage(role="user", content="hi")],
+        chat_template_kwargs='{"enable_thinking": false}',
+        reasoning_effort="low",
+    )
+    req = servicer._request(msg, None, chat=True)
+    assert (req.chat_template_kwargs, req.reasoning_effort) == ({"enable_thinking": False}, "low")
+    plain = servicer._request(pb.ChatRequest(messages=msg.messages), None, chat=True)
+    assert (plain.chat_template_kwargs, plain.reasoning_effort) == (None, None)
+    with pytest.raises(ServiceError, match="^chat_template_kwargs: must be JSON text"):
+        servicer._request(pb.ChatRequest(messages=msg.messages, chat_template_kwargs="{"), None, chat=True)

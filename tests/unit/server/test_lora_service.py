@@ -35,7 +35,7 @@ def test_the_model_name_picks_the_adapter_and_scopes_the_cache():
     svc = service(eng)
     scopes = []
     plan = svc.cache_step.plan
-    svc.cache_step.plan = lambda tenant, req, params, model: (
+    svc.cache_step.plan = lambda tenant, req, params, model, template_kwargs=None: (
         scopes.append(model) or plan(tenant, req, params, model)
     )
     for model in ("support", None, "scripted"):

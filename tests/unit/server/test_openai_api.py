@@ -117,7 +117,7 @@ def test_completions_batch_of_prompts_and_token_ids(client, svc):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("logit_bias", {"5": 1}),
+        ("prediction", {"type": "content", "content": "x"}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
         ("audio", {"voice": "x"}),
@@ -139,16 +139,45 @@ def test_unsupported_completion_fields_are_refused_by_name(client, field, value)
 
 def test_every_unknown_or_unsupported_field_is_named(client):
     err = client.post(
-        "/v1/chat/completions", json=chat_body(functions=[{"name": "f"}], logit_bias={"1": 2}, echo=False)
+        "/v1/chat/completions", json=chat_body(functions=[{"name": "f"}], audio={"voice": "x"}, echo=False)
     ).json()["error"]
-    assert (
-        err["message"] == "functions, logit_bias: not supported by this server"
-        and err["param"] == "functions"
-    )
+    assert err["message"] == "functions, audio: not supported by this server" and err["param"] == "functions"
     err = client.post("/v1/completions", json={"prompt": "x", "tempreature": 1, "max_token": 2}).json()[
         "error"
     ]
     assert err["message"] == "tempreature, max_token: unknown fields" and err["param"] == "tempreature"
+
+
+def test_logit_bias_reaches_the_sampling_params_of_chat_and_completions(client, svc):
+    assert (
+        client.post("/v1/chat/completions", json=chat_body(logit_bias={"5": 2.5, "7": -100})).status_code
+        == 200
+    )
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logit_bias": {"9": 100}})
+    assert r.status_code == 200
+    assert [q.params.logit_bias for q in svc.requests] == [{5: 2.5, 7: -100.0}, {9: 100.0}]
+
+
+@pytest.mark.parametrize(
+    "bias, words",
+    [
+        ({"x": 1}, "keys must be token ids"),
+        ({"-3": 1}, "keys must be token ids"),
+        ({"5": 101}, "must be in [-100, 100]"),
+        ({"5": "1"}, "logit_bias"),
+        ({str(i): 1 for i in range(1025)}, "at most 1024 entries"),
+    ],
+)
+def test_invalid_logit_bias_is_400_naming_the_field(client, svc, bias, words):
+    for path, body in (
+        ("/v1/chat/completions", chat_body(logit_bias=bias)),
+        ("/v1/completions", {"prompt": "x", "logit_bias": bias}),
+    ):
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"].startswith("logit_bias") and words in err["message"]
+    assert svc.requests == []
 
 
 def test_feature_off_values_of_unsupported_fields_are_accepted(client):

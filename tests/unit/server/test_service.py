@@ -33,6 +33,9 @@ class ScriptedEngine:
     def token_strings(self, ids: list[int]) -> list[str]:
         return [str(i) for i in ids]
 
+    def special_token_id(self, text: str) -> Optional[int]:
+        return None
+
     def stats(self) -> dict:
         return {}
 

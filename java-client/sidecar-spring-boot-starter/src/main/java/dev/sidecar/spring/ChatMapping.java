@@ -78,6 +78,9 @@ final class ChatMapping {
         if (options.getParallelToolCalls() != null) {
             req.setParallelToolCalls(options.getParallelToolCalls());
         }
+        if (options.getReasoningEffort() != null) {
+            req.setReasoningEffort(options.getReasoningEffort());
+        }
         ResponseFormat format = responseFormat(options);
         if (format != null) {
             req.setResponseFormat(format);
@@ -204,24 +207,44 @@ final class ChatMapping {
         if (o.getStopSequences() != null) {
             s.addAllStop(o.getStopSequences());
         }
+        if (o.getLogitBias() != null) {
+            for (Map.Entry<String, Integer> e : o.getLogitBias().entrySet()) {
+                s.putLogitBias(tokenId(e.getKey()), e.getValue().floatValue());
+            }
+        }
         return s.build();
     }
 
+    /** A logit_bias key: a token id in decimal text. */
+    private static int tokenId(String key) {
+        try {
+            int id = Integer.parseInt(key);
+            if (id >= 0) {
+                return id;
+            }
+        } catch (NumberFormatException e) {
+            // named below
+        }
+        throw new IllegalArgumentException(
+                "options.logitBias: keys must be token ids (decimal text), got '" + key + "'");
+    }
+
     static ChatResponse toResponse(Completion c) {
-        return response(c.getText(), c.getToolCallsList(), c.getRequestId(), c.getModel(), c.getFinishReason(),
-                c.hasUsage() ? c.getUsage() : null, c.hasTiming() ? c.getTiming() : null,
+        return response(c.getText(), c.getReasoning(), c.getToolCallsList(), c.getRequestId(), c.getModel(),
+                c.getFinishReason(), c.hasUsage() ? c.getUsage() : null, c.hasTiming() ? c.getTiming() : null,
                 c.hasCache() ? c.getCache() : null);
     }
 
     /** One streamed chunk; usage and finish reason are present on the last chunk only. */
     static ChatResponse toResponse(CompletionChunk c, String model) {
-        return response(c.getDelta(), c.getToolCallsList(), c.getRequestId(), model, c.getFinishReason(),
-                c.hasUsage() ? c.getUsage() : null, c.hasTiming() ? c.getTiming() : null,
+        return response(c.getDelta(), c.getReasoningDelta(), c.getToolCallsList(), c.getRequestId(), model,
+                c.getFinishReason(), c.hasUsage() ? c.getUsage() : null, c.hasTiming() ? c.getTiming() : null,
                 c.hasCache() ? c.getCache() : null);
     }
 
-    private static ChatResponse response(String text, List<ToolCall> calls, String id, String model,
-                                         FinishReason finish, Usage usage, Timing timing, CacheInfo cache) {
+    private static ChatResponse response(String text, String reasoning, List<ToolCall> calls, String id,
+                                         String model, FinishReason finish, Usage usage, Timing timing,
+                                         CacheInfo cache) {
         Map<String, Object> extra = new HashMap<>();
         if (cache != null) {
             extra.put(SidecarChatModel.CACHE_STATUS, cacheStatus(cache));
@@ -235,6 +258,9 @@ final class ChatMapping {
         }
         if (usage != null) {
             extra.put(SidecarChatModel.CACHED_TOKENS, usage.getCachedTokens());
+            if (usage.getReasoningTokens() > 0) {
+                extra.put(SidecarChatModel.REASONING_TOKENS, usage.getReasoningTokens());
+            }
         }
         if (timing != null) {
             extra.put(SidecarChatModel.TTFT_MS, timing.getTtftMs());
@@ -258,7 +284,11 @@ final class ChatMapping {
                             : usage.getPromptTokens() + usage.getCompletionTokens(), usage,
                     (long) usage.getCachedTokens(), null));
         }
-        AssistantMessage output = AssistantMessage.builder().content(text)
+        // A thinking model's reasoning goes where Spring AI's own chat models put it: the assistant
+        // message's metadata, so the answer (the text) and the reasoning stay apart.
+        Map<String, Object> props = reasoning.isEmpty() ? Map.of()
+                : Map.of(SidecarChatModel.REASONING_CONTENT, reasoning);
+        AssistantMessage output = AssistantMessage.builder().content(text).properties(props)
                 .toolCalls(calls.stream().map(ChatMapping::fromWire).toList()).build();
         return new ChatResponse(List.of(new Generation(output, gen.build())), meta.build());
     }

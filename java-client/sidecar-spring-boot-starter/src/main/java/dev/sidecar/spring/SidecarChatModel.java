@@ -58,6 +58,13 @@ import reactor.core.publisher.Flux;
 public class SidecarChatModel implements ChatModel {
 
     public static final String CACHE_STATUS = "sidecar.cache.status";
+    /**
+     * Assistant-message metadata key of a thinking model's reasoning (the key Spring AI's OpenAI chat model
+     * uses for {@code reasoning_content}); in a stream, each chunk's message carries its part.
+     */
+    public static final String REASONING_CONTENT = "reasoningContent";
+    /** Response and generation metadata key: completion tokens the model spent reasoning. */
+    public static final String REASONING_TOKENS = "sidecar.reasoning.tokens";
     public static final String CACHE_SIMILARITY = "sidecar.cache.similarity";
     public static final String CACHE_MATCHED_QUERY = "sidecar.cache.matched-query";
     public static final String CACHE_BYPASS_REASON = "sidecar.cache.bypass-reason";

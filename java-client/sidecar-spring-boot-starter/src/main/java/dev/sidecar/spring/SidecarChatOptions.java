@@ -57,6 +57,8 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
     private final ResponseFormat responseFormat;
     private final String outputSchema;
     private final String sessionId;
+    private final Map<String, Integer> logitBias;
+    private final String reasoningEffort;
 
     /** The generic fields come separately: they are the Spring AI builder's, protected in its package. */
     protected SidecarChatOptions(Builder b, String model, Integer maxTokens, Double temperature, Double topP,
@@ -85,6 +87,9 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
         this.responseFormat = b.responseFormat;
         this.outputSchema = b.outputSchema;
         this.sessionId = b.sessionId;
+        this.logitBias = b.logitBias == null ? null
+                : java.util.Collections.unmodifiableMap(new LinkedHashMap<>(b.logitBias));
+        this.reasoningEffort = b.reasoningEffort;
     }
 
     public static Builder builder() {
@@ -166,6 +171,23 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
 
     public Double getMinP() {
         return minP;
+    }
+
+    /**
+     * OpenAI's {@code logit_bias}: token id (decimal text, as Spring AI's OpenAI options key it) to a bias in
+     * [-100, 100] added to that token's logit; +100 all but forces the token, -100 bans it.
+     */
+    public Map<String, Integer> getLogitBias() {
+        return logitBias;
+    }
+
+    /**
+     * OpenAI's {@code reasoning_effort} for a thinking model: "none" / "minimal" turn thinking off, "low" /
+     * "medium" / "high" on; a model that does not think ignores it. The reasoning comes back in the
+     * assistant message's metadata under {@link SidecarChatModel#REASONING_CONTENT}.
+     */
+    public String getReasoningEffort() {
+        return reasoningEffort;
     }
 
     public Double getRepetitionPenalty() {
@@ -271,7 +293,8 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
                 && Objects.equals(toolContext, c.toolContext) && Objects.equals(toolChoice, c.toolChoice)
                 && Objects.equals(parallelToolCalls, c.parallelToolCalls)
                 && Objects.equals(responseFormat, c.responseFormat) && Objects.equals(outputSchema, c.outputSchema)
-                && Objects.equals(sessionId, c.sessionId);
+                && Objects.equals(sessionId, c.sessionId) && Objects.equals(logitBias, c.logitBias)
+                && Objects.equals(reasoningEffort, c.reasoningEffort);
     }
 
     @Override
@@ -314,8 +337,22 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
         private Boolean parallelToolCalls;
         private ResponseFormat responseFormat;
         private String outputSchema;
+        private Map<String, Integer> logitBias;
+        private String reasoningEffort;
 
         protected Builder() {
+        }
+
+        /** See {@link SidecarChatOptions#getLogitBias()}. */
+        public Builder logitBias(Map<String, Integer> v) {
+            this.logitBias = v;
+            return self();
+        }
+
+        /** See {@link SidecarChatOptions#getReasoningEffort()}. */
+        public Builder reasoningEffort(String v) {
+            this.reasoningEffort = v;
+            return self();
         }
 
         public Builder minP(Double v) {
@@ -471,6 +508,8 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
             this.toolChoice = pick(s.toolChoice, this.toolChoice);
             this.parallelToolCalls = pick(s.parallelToolCalls, this.parallelToolCalls);
             this.responseFormat = pick(s.responseFormat, this.responseFormat);
+            this.logitBias = pick(s.logitBias, this.logitBias);
+            this.reasoningEffort = pick(s.reasoningEffort, this.reasoningEffort);
         }
 
         @Override
