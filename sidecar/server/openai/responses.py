@@ -161,6 +161,13 @@ def text_constraint(body: ResponsesRequest) -> Optional[Constraint]:
     return check_constraint(Constraint("json", fmt.schema_, bool(fmt.strict)), "text.format.schema")
 
 
+def _effort(body: ResponsesRequest) -> Optional[str]:
+    """``reasoning.effort`` as chat's ``reasoning_effort``, which drives a thinking model's template ("xhigh",
+    a Responses-only level, thinks as "high" does)."""
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    return "high" if effort == "xhigh" else effort
+
+
 def generation_request(
     body: ResponsesRequest, rid: str, messages: list[dict], max_model_len: Optional[int]
 ) -> GenerationRequest:
@@ -178,6 +185,7 @@ def generation_request(
         request_id=rid,
         model=body.model,
         max_tokens_set=body.max_output_tokens is not None,
+        reasoning_effort=_effort(body),
         **tool_fields(body),
     )
 
@@ -217,7 +225,7 @@ def response_usage(ev: Optional[Event]) -> dict:
         "input_tokens": p,
         "input_tokens_details": {"cached_tokens": cached},
         "output_tokens": c,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": ev.reasoning_tokens if ev else 0},
         "total_tokens": p + c,
     }
 
@@ -235,6 +243,7 @@ class ResponseBuilder:
         self.output: list[dict] = []
         self.seq = 0
         self.msg: Optional[dict] = None  # the open message item
+        self.thought: Optional[dict] = None  # the open reasoning item (a thinking model's think block)
         self.pending = ""  # whitespace not yet given to a message
         self.last: Optional[Event] = None
         self.status = "in_progress"
@@ -306,6 +315,35 @@ class ResponseBuilder:
             self._ev("response.output_item.done", output_index=ids["output_index"], item=msg),
         ]
 
+    def _reasoning(self, delta: str) -> list[dict]:
+        out: list[dict] = []
+        if self.thought is None:
+            self.thought = {"id": new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress",
+                            "content": [{"type": "reasoning_text", "text": ""}]}  # fmt: skip
+            self.output.append(self.thought)
+            item = dict(self.thought, content=[])
+            out.append(self._ev("response.output_item.added", output_index=len(self.output) - 1, item=item))
+        self.thought["content"][0]["text"] += delta
+        ids = {
+            "item_id": self.thought["id"],
+            "output_index": self.output.index(self.thought),
+            "content_index": 0,
+        }
+        out.append(self._ev("response.reasoning_text.delta", **ids, delta=delta))
+        return out
+
+    def _close_reasoning(self) -> list[dict]:
+        """Ends the reasoning item: the answer (text or a call) follows a think block, never interleaves it."""
+        if self.thought is None:
+            return []
+        item, self.thought = self.thought, None
+        item["status"] = "completed"
+        ids = {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
+        return [
+            self._ev("response.reasoning_text.done", **ids, text=item["content"][0]["text"]),
+            self._ev("response.output_item.done", output_index=ids["output_index"], item=item),
+        ]
+
     def _call(self, call: dict) -> list[dict]:
         out = self._close_message()
         self.pending = ""
@@ -332,11 +370,15 @@ class ResponseBuilder:
 
     def feed(self, ev: Event) -> list[dict]:
         self.last = ev
-        out = self._text(ev.delta_text) if ev.delta_text else []
+        out = self._reasoning(ev.reasoning_delta) if ev.reasoning_delta else []
+        if ev.delta_text or ev.tool_calls or ev.finished:
+            out += self._close_reasoning()
+        out += self._text(ev.delta_text) if ev.delta_text else []
         for call in ev.tool_calls or []:
             out += self._call(call)
         if ev.finished:
-            if not self.output:  # a reply of only whitespace, or none, is still one message
+            # a reply of only whitespace, or none, is still one message (after any reasoning item)
+            if not any(o["type"] != "reasoning" for o in self.output):
                 out += self._text("", force=True) if self.pending else self._open_message()
             out += self._close_message()
             self.status = "incomplete" if ev.finish_reason == "length" else "completed"

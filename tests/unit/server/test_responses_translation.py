@@ -156,3 +156,39 @@ def test_anthropic_events_and_stop_sequence():
     e.feed(ev("x", finished=True, reason="stop", n=3))
     assert (e.stop_reason, e.stop_sequence) == ("end_turn", None)
     assert json.loads(json.dumps(b.message()))  # plain JSON throughout
+
+
+@pytest.mark.parametrize("effort, sent", [(None, None), ("none", "none"), ("low", "low"), ("xhigh", "high")])
+def test_reasoning_effort_reaches_the_chat_request(effort, sent):
+    from sidecar.server.openai.responses import generation_request
+    from sidecar.server.openai.responses_models import ResponsesRequest
+
+    body = ResponsesRequest(model="m", input="hi", reasoning=None if effort is None else {"effort": effort})
+    req = generation_request(body, "r", [{"role": "user", "content": "hi"}], 64)
+    assert req.reasoning_effort == sent
+
+
+def test_a_think_block_becomes_a_reasoning_item_before_the_message():
+    import dataclasses
+
+    b = ResponseBuilder({"id": "resp_1"})
+    b.start()
+    think = [dataclasses.replace(ev(""), reasoning_delta=d) for d in ("Let me ", "see.")]
+    events = [e for x in think for e in b.feed(x)]
+    events += b.feed(ev("Paris"))
+    events += b.feed(dataclasses.replace(ev("", finished=True, reason="stop", n=3), reasoning_tokens=2))
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == [
+        "response.output_item.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+    ]
+    assert kinds[3:5] == ["response.reasoning_text.done", "response.output_item.done"]
+    assert "response.output_text.delta" in kinds and kinds[-1] == "response.completed"
+    done = events[-1]["response"]
+    assert [o["type"] for o in done["output"]] == ["reasoning", "message"]
+    assert done["output"][0]["content"] == [{"type": "reasoning_text", "text": "Let me see."}]
+    assert done["output"][1]["content"][0]["text"] == "Paris"
+    assert done["usage"]["output_tokens_details"]["reasoning_tokens"] == 2
+    assert [e["sequence_number"] for e in events] == sorted(e["sequence_number"] for e in events)
+    assert b.messages() == [{"role": "assistant", "content": "Paris"}]
