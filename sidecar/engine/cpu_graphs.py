@@ -3,7 +3,7 @@
 A pure-decode step reads its rows from the persistent buffers (``input_buffers.DecodeInputs``). Here the
 part of it that runs outside our kernels -- the embedding lookup and the rope rows of the positions, a
 few torch operators -- is done first into persistent buffers of its own (``stage``), and the decoder over
-them (``LlamaForCausalLM.forward_embedded``), all in our kernels, is the part recorded once per batch
+them (``CausalLM.forward_embedded``), all in our kernels, is the part recorded once per batch
 size and replayed from C afterwards: the same kernels with the same operands, without the step's Python
 calls, checks and allocations around them.
 
@@ -107,14 +107,14 @@ class CpuDecodePlans:
     def stage(self, bucket: int) -> None:
         """The step's inputs outside the decoder: embeddings and rope rows of the buffers' rows."""
         inputs = self.inputs
-        rows = self.model.embed_tokens(inputs.ids[:bucket])
+        rows = self.model.embed(inputs.ids[:bucket])
         if self._hidden is None or self._hidden.dtype != rows.dtype:
-            m, cos = inputs.max_batch, self.model.rope_cos
+            m, cos = inputs.max_batch, self.model.rope_cos  # [rope kinds, positions, rotary dims]
             self.clear()  # plans hold these buffers' addresses
             self._hidden = torch.empty(m, rows.shape[-1], dtype=rows.dtype)
             self._rope = (
-                torch.empty(m, 1, cos.shape[-1], dtype=cos.dtype),
-                torch.empty(m, 1, cos.shape[-1], dtype=cos.dtype),
+                torch.empty(cos.shape[0], m, 1, cos.shape[-1], dtype=cos.dtype),
+                torch.empty(cos.shape[0], m, 1, cos.shape[-1], dtype=cos.dtype),
             )
         self._hidden[:bucket].copy_(rows)
         self.model.rope_rows(inputs.positions[:bucket], out=self._rope)
@@ -124,8 +124,8 @@ class CpuDecodePlans:
         cos, sin = self._rope
         return self.model.forward_embedded(
             self._hidden[:bucket],
-            cos[:bucket],
-            sin[:bucket],
+            cos[:, :bucket],
+            sin[:, :bucket],
             self.kv_caches,
             decode_metadata(self.inputs, bucket),
         )

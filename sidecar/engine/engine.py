@@ -79,6 +79,7 @@ class LLMEngine:
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.scheduler.rope_long_from = loaded.model.rope_long_from
         self.sampler = Sampler(self._sampling_device(), config.seed, config.max_num_seqs)
         self.spec = SpecDecoder(config, self.kv, self.max_model_len, self.runner, loaded)
         self.structured = StructuredDecoder(

@@ -314,7 +314,8 @@ class ModelRunner:
             ids.extend(r.all_token_ids[c : c + n])
             if s.num_spec_tokens:  # proposed tokens ride after the last real one, at positions c+1..
                 ids.extend(r.spec_token_ids[: s.num_spec_tokens])
-            pos.extend(range(c, c + n))
+            off = self.model.rope_offset(r.num_tokens)  # 0 but for LongRoPE's long sequences
+            pos.extend(range(c + off, c + n + off))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             if n > 1 and not s.num_spec_tokens:
                 segments.append(PrefillSegment(start, n, c + n, self._tensor(table[: -(-(c + n) // bs)])))

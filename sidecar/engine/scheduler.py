@@ -73,10 +73,31 @@ class Scheduler:
         self._waiting_tenants: Counter = Counter()  # tenant -> waiting requests
         self._admissions = 0
         self._last_admitted: dict[str, int] = {}  # tenant -> admission count at its last admission
+        # LongRoPE's original length (the model's ``rope_long_from``), else None: a sequence longer than it is
+        # computed with the long factors throughout (model/rope.py), so one that grows past it is recomputed.
+        self.rope_long_from: Optional[int] = None
 
     # -- queue management -----------------------------------------------------------------------
     def add(self, req: Request) -> None:
         self.check_room()
+        if self.rope_long_from is not None and req.num_tokens > self.rope_long_from:
+            _mark_rope_long(req)
+        self._insert_waiting(req)
+
+    def _crosses_rope_length(self, req: Request) -> bool:
+        """Whether running ``req`` has grown past LongRoPE's original length with its KV computed on the short
+        factors: like HF (Phi-3 drops its cache there), its whole sequence is then recomputed on the long ones."""
+        limit = self.rope_long_from
+        return limit is not None and req.num_tokens > limit and not _rope_long(req)
+
+    def _recompute_rope_long(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids.clear()
+        req.status = RequestStatus.PREEMPTED
+        _mark_rope_long(req)
+        out.preempted.append(req)
         self._insert_waiting(req)
 
     def check_room(self, held_elsewhere: int = 0) -> None:
@@ -198,6 +219,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._crosses_rope_length(req):
+                self._recompute_rope_long(req, out)
+                continue
             needed = req.num_tokens - req.num_computed_tokens
             # Proposed tokens are budgeted like any others; a short budget trims the proposal.
             n = min(needed + (len(req.spec_token_ids) if needed == 1 else 0), budget)
@@ -260,3 +284,16 @@ class Scheduler:
             if r.request_id == request_id:
                 return r
         return None
+
+
+_ROPE_LONG_SALT = "\x1frope:long"
+
+
+def _rope_long(req: Request) -> bool:
+    return _ROPE_LONG_SALT in (req.cache_salt or "")
+
+
+def _mark_rope_long(req: Request) -> None:
+    """Salt ``req``'s prefix-cache keys apart from the same tokens computed on LongRoPE's short factors."""
+    req.cache_salt = (req.cache_salt or "") + _ROPE_LONG_SALT
+    req.block_hashes.clear()

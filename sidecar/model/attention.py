@@ -64,15 +64,17 @@ class AttentionMetadata:
     # decode buffers when the attention fast path is on, None otherwise.
     decode_block_tables_i32: Optional[torch.Tensor] = None
     use_cpu_kernel: bool = True  # False: the torch path even where the CPU kernel could run (tests, benches)
-    _decode_mask: Optional[torch.Tensor] = None
+    _decode_masks: dict = field(default_factory=dict)
 
     def decode_mask(self, sliding_window: Optional[int]) -> torch.Tensor:
-        """[Bd, 1, 1, max_blocks * block_size] bool, True = attend; built once per step, on first use."""
-        if self._decode_mask is None:
-            self._decode_mask = build_decode_mask(
+        """[Bd, 1, 1, max_blocks * block_size] bool, True = attend; built once per step and window (layers may
+        differ in their windows), on first use."""
+        mask = self._decode_masks.get(sliding_window)
+        if mask is None:
+            mask = self._decode_masks[sliding_window] = build_decode_mask(
                 self.decode_ctx_lens, self.decode_block_tables.shape[1], self.block_size, sliding_window
             )
-        return self._decode_mask
+        return mask
 
 
 def build_decode_mask(
@@ -119,9 +121,15 @@ def _sdpa(
     mask: Optional[torch.Tensor],
     causal: bool,
     scale: float,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """q: [B, H, Lq, D]; k, v: [B, Hkv, Lk, D]. Expands KV heads for grouped-query attention."""
     rep = q.shape[1] // k.shape[1]
+    if softcap is not None:
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()[None, None]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return _softcapped(q, k, v, mask, scale, softcap)
     if rep > 1 and mask is not None and not causal and q.shape[0] == 1:
         # Grouped-query heads folded into query rows ([1, Hkv, rep * Lq, D] against [1, Hkv, Lk, D]): the
         # keys and values are read as they are instead of copied rep times.
@@ -136,6 +144,18 @@ def _sdpa(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=rep > 1
     )
+
+
+def _softcapped(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with soft-capped logits, as HF's eager attention computes it: ``(q @ k^T) * scale``, capped
+    (``softcap * tanh(. / softcap)``), masked, softmax in float32 back to the dtype, times ``v``. q: [B, H, Lq, D];
+    k, v: [B, H, Lk, D] (heads already matched); mask broadcast to [B, H, Lq, Lk], True = attend."""
+    w = torch.matmul(q, k.transpose(-1, -2)) * scale
+    w = torch.tanh(w / softcap) * softcap
+    w = w.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 # A prefill segment of at most KERNEL_PREFILL_ROWS query rows after at least KERNEL_PREFILL_MIN_CACHED
@@ -188,13 +208,16 @@ def paged_attention(
     kv_written: bool = False,
     paths: Optional[FastPaths] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D].
 
     Writes the new K/V into the cache first (unless ``kv_written``: the caller did, and then ``k`` may be
     None in a step without prompt rows), so every query sees its own token. ``paths``: the model's
     switchboard; its ``attention`` field sends the decode rows to the Triton kernel. ``kv_scales``: the
-    (k_scale, v_scale) of a quantized cache (None: the cache holds plain values).
+    (k_scale, v_scale) of a quantized cache (None: the cache holds plain values). ``softcap``: attention
+    logits become ``softcap * tanh(logits / softcap)`` (Gemma 2); our kernels do not cap, so with it every row
+    takes the torch path (``_softcapped``).
     """
     quant = kv_scales is not None
     if not kv_written:
@@ -203,7 +226,8 @@ def paged_attention(
         else:
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     decoded = None  # the decode rows' result from one of our kernels
-    if meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
+    kernels = softcap is None  # no kernel of ours caps the logits
+    if kernels and meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
         from sidecar.model.kernels.triton import attention as triton_attention
 
         b = meta.decode_block_tables.shape[0]
@@ -219,7 +243,7 @@ def paged_attention(
         )
         if decoded is not None and not meta.prefills:
             return decoded
-    if decoded is None and meta.decode_block_tables is not None and meta.use_cpu_kernel:
+    if decoded is None and kernels and meta.decode_block_tables is not None and meta.use_cpu_kernel:
         b = meta.decode_block_tables.shape[0]
         decoded = cpu_kernel.decode_attention(
             q[q.shape[0] - b :],
@@ -236,12 +260,13 @@ def paged_attention(
     out = torch.empty_like(q)
     for seg in meta.prefills:
         start = seg.ctx_len - seg.q_len
-        if start >= KERNEL_PREFILL_MIN_CACHED and meta.use_cpu_kernel and seg.q_len <= KERNEL_PREFILL_ROWS:
+        cpu = kernels and meta.use_cpu_kernel
+        if start >= KERNEL_PREFILL_MIN_CACHED and cpu and seg.q_len <= KERNEL_PREFILL_ROWS:
             rows = _segment_through_kernel(q, k_cache, v_cache, seg, scale, sliding_window, kv_scales)
             if rows is not None:
                 out[seg.q_start : seg.q_start + seg.q_len] = rows
                 continue
-        if meta.use_cpu_kernel and q.dtype == torch.bfloat16:
+        if cpu and q.dtype == torch.bfloat16:
             rows = prefill_kernel.prefill_attention(
                 q[seg.q_start : seg.q_start + seg.q_len],
                 k_cache,
@@ -260,7 +285,7 @@ def paged_attention(
             # Whole prompt in this step: attend to the fresh K/V, plain causal mask.
             ks = k[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
             vs = v[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
-            o = _sdpa(qs, ks, vs, None, True, scale)
+            o = _sdpa(qs, ks, vs, None, True, scale, softcap)
         else:
             if quant:
                 ks = kv_quant.gather(k_cache, kv_scales[0], seg.block_table, seg.ctx_len, q.dtype)
@@ -274,7 +299,7 @@ def paged_attention(
             mask = kpos <= qpos
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
-            o = _sdpa(qs, ks, vs, mask[None, None], False, scale)
+            o = _sdpa(qs, ks, vs, mask[None, None], False, scale, softcap)
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
     if meta.decode_block_tables is not None:
         bt = meta.decode_block_tables
@@ -295,9 +320,11 @@ def paged_attention(
         # become that head's query rows ([B, Hkv, rep, D] against [B, Hkv, L, D]).
         nh = qd.shape[1]
         qg = qd.reshape(b, nkv, nh // nkv, hd)
-        o = F.scaled_dot_product_attention(
-            qg, kd, vd, attn_mask=meta.decode_mask(sliding_window), scale=scale
-        )
+        mask = meta.decode_mask(sliding_window)
+        if softcap is not None:
+            o = _softcapped(qg, kd, vd, mask, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(qg, kd, vd, attn_mask=mask, scale=scale)
         o = o.reshape(b, nh, hd)
         out[q.shape[0] - b :] = o
     return out

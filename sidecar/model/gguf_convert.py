@@ -11,12 +11,23 @@ from sidecar.model import gguf_tensors as gt
 from sidecar.model.quant_format import FORMAT_VERSION
 from sidecar.model.quant_checkpoint import CONFIG_NAME, WEIGHTS_NAME
 
-# Our fused linears and the HF projections they concatenate (along output rows).
+# Our fused linears and the GGUF projections they concatenate (along output rows); Phi-3's file holds them
+# fused already (its ffn_up is gate and up).
 _FUSED = {
     "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
     "self_attn.o_proj": ("attn_output",),
     "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp.down_proj": ("ffn_down",),
+}
+_FUSED_ARCH = {"phi3": {**_FUSED, "self_attn.qkv_proj": ("attn_qkv",), "mlp.gate_up_proj": ("ffn_up",)}}
+# Our norms in a decoder layer and the GGUF tensors they are (see loader.layer_norm_sources for the HF side).
+_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_GEMMA_NORMS = {**_NORMS, "attn_out_norm": "post_attention_norm", "mlp_out_norm": "post_ffw_norm"}
+_QK_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_NORMS_ARCH = {
+    "qwen3": {**_NORMS, **_QK_NORMS},
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": {**_GEMMA_NORMS, **_QK_NORMS},
 }
 
 
@@ -24,7 +35,7 @@ def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
     """Every used tensor of the file in HF naming and layout (dequantized where block-quantized)."""
     out = {}
     for t in reader.tensors:
-        name = gt.hf_name(t.name)
+        name = gt.hf_name(t.name, cfg["model_type"])
         if name is None:
             continue
         w = gt.dequantize(t)
@@ -47,12 +58,13 @@ def write_int4(reader, cfg: dict, out: Path) -> None:
     tensors = {t.name: t for t in reader.tensors}
     state: dict[str, torch.Tensor] = {}
     modules: list[str] = []
+    arch = cfg["model_type"]
     for i in range(cfg["num_hidden_layers"]):
-        for ours, parts in _FUSED.items():
+        for ours, parts in _FUSED_ARCH.get(arch, _FUSED).items():
             q, s, z, biases = [], [], [], []
             for part in parts:
                 t = tensors[f"blk.{i}.{part}.weight"]
-                heads = gt.rope_heads(gt.hf_name(t.name), cfg)
+                heads = gt.rope_heads(gt.hf_name(t.name, arch), cfg)
                 # Row permutations commute with the format: groups run along K, rows are independent.
                 for acc, x in zip((q, s, z), gt.int4_exact(t)):
                     acc.append(gt.unpermute_rows(x, heads) if heads else x)
@@ -67,7 +79,7 @@ def write_int4(reader, cfg: dict, out: Path) -> None:
             state[f"{name}.zeros"] = torch.cat(z).contiguous()
             if biases:
                 state[f"{name}.bias"] = torch.cat(biases).contiguous()
-        for part, ours in (("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+        for ours, part in _NORMS_ARCH.get(arch, _NORMS).items():  # Gemma's hold 1 + w: ours as they are
             state[f"layers.{i}.{ours}.weight"] = gt.dequantize(tensors[f"blk.{i}.{part}.weight"]).contiguous()
     emb = tensors["token_embd.weight"]
     state["norm.weight"] = gt.dequantize(tensors["output_norm.weight"]).contiguous()

@@ -36,16 +36,32 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Where an architecture's names differ: Gemma's norm in front of the MLP is HF's pre_feedforward_layernorm
+# (its post_attention_layernorm norms the attention's output); Phi-3 stores q/k/v and gate/up fused.
+_GEMMA_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
-    """HF parameter name for a GGUF tensor name, or None for tensors we do not use (e.g. rope_freqs)."""
+def hf_name(gguf_name: str, arch: Optional[str] = None) -> Optional[str]:
+    """HF parameter name for a GGUF tensor name of architecture ``arch``, or None for tensors we do not use
+    (e.g. rope_freqs; Phi-3's rope_factors_* are read as metadata)."""
     base, _, kind = gguf_name.rpartition(".")
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
-        mapped = _LAYER_NAMES.get(part)
+        mapped = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES).get(part)
         return None if mapped is None else f"model.layers.{idx}.{mapped}.{kind}"
     mapped = _TOP_NAMES.get(base)
     return None if mapped is None else f"{mapped}.{kind}"

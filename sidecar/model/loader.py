@@ -26,7 +26,8 @@ from torch import nn
 
 from sidecar.config import EngineConfig
 from sidecar.model.linear import pack_weights
-from sidecar.model.llama import LlamaForCausalLM, ModelArgs
+from sidecar.model.args import ModelArgs
+from sidecar.model.decoder import CausalLM
 
 log = logging.getLogger("sidecar.model")
 
@@ -35,7 +36,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class LoadedModel:
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Any
     args: ModelArgs
     hf_config: dict
@@ -184,6 +185,29 @@ def _load_linear(
         _set(linear, "bias", torch.cat(biases, 0) if len(biases) > 1 else biases[0], dtype, device)
 
 
+def layer_norm_sources(args: ModelArgs) -> list[tuple[str, str]]:
+    """(our module in a decoder layer, its HF name) for every norm of a layer. Our
+    ``post_attention_layernorm`` is the norm in front of the MLP: HF Gemma's ``pre_feedforward_layernorm``,
+    Gemma's ``post_attention_layernorm`` being the attention output's norm (our ``attn_out_norm``)."""
+    names = [("input_layernorm", "input_layernorm")]
+    if args.sandwich_norms:
+        names += [
+            ("attn_out_norm", "post_attention_layernorm"),
+            ("post_attention_layernorm", "pre_feedforward_layernorm"),
+            ("mlp_out_norm", "post_feedforward_layernorm"),
+        ]
+    else:
+        names.append(("post_attention_layernorm", "post_attention_layernorm"))
+    if args.qk_norm:
+        names += [("self_attn.q_norm", "self_attn.q_norm"), ("self_attn.k_norm", "self_attn.k_norm")]
+    return names
+
+
+def _norm_weight(args: ModelArgs, w: torch.Tensor) -> torch.Tensor:
+    """A checkpoint norm weight as our RMSNorm's: ``1 + w`` (float32) where the family scales by it."""
+    return w.float() + 1.0 if args.norm_unit_offset else w
+
+
 def _maybe_quantize(parent: nn.Module, attr: str, cfg: EngineConfig) -> None:
     if cfg.quantization is None:
         return
@@ -193,7 +217,7 @@ def _maybe_quantize(parent: nn.Module, attr: str, cfg: EngineConfig) -> None:
 
 
 def _load_weights(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     ckpt: _SafetensorsIndex,
     cfg: EngineConfig,
     dtype: torch.dtype,
@@ -223,21 +247,19 @@ def _load_weights(
     ):
         p = f"model.layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
-        _load_linear(attn.qkv_proj, ckpt, [f"{p}.self_attn.{x}_proj" for x in "qkv"], dtype, device)
+        fused = args.fused_checkpoint  # Phi-3 stores the projections already fused
+        qkv = [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
+        gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
+        _load_linear(attn.qkv_proj, ckpt, qkv, dtype, device)
         _load_linear(attn.o_proj, ckpt, [f"{p}.self_attn.o_proj"], dtype, device)
-        _load_linear(mlp.gate_up_proj, ckpt, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"], dtype, device)
+        _load_linear(mlp.gate_up_proj, ckpt, gate_up, dtype, device)
         _load_linear(mlp.down_proj, ckpt, [f"{p}.mlp.down_proj"], dtype, device)
-        _set(layer.input_layernorm, "weight", ckpt.get(f"{p}.input_layernorm.weight"), dtype, device)
-        _set(
-            layer.post_attention_layernorm,
-            "weight",
-            ckpt.get(f"{p}.post_attention_layernorm.weight"),
-            dtype,
-            device,
-        )
+        for ours, theirs in layer_norm_sources(args):
+            module = layer.get_submodule(ours)
+            _set(module, "weight", _norm_weight(args, ckpt.get(f"{p}.{theirs}.weight")), dtype, device)
         for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
             _maybe_quantize(parent, attr, cfg)
-    _set(model.norm, "weight", ckpt.get("model.norm.weight"), dtype, device)
+    _set(model.norm, "weight", _norm_weight(args, ckpt.get("model.norm.weight")), dtype, device)
     if tied:
         if isinstance(model.embed_tokens, nn.Embedding):  # not already quantized together above
             model.lm_head.weight = model.embed_tokens.weight
@@ -294,7 +316,7 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
     tokenizer = load_tokenizer(model_dir)
     quant_file = model_dir / "quantization_config.json"
     with torch.device("meta"):
-        model = LlamaForCausalLM(args)
+        model = CausalLM(args)
     if quant_file.exists():
         from sidecar.model.quant_checkpoint import load_quantized_model
 

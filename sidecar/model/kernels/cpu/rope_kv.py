@@ -8,7 +8,7 @@ projection [T, (nh + 2 nkv) hd], the step's rotary tables [T, hd] (rotate-half's
 None otherwise) and v as a view of ``qkv``. With ``kv_scales`` the caches are int8 (``sidecar.model.kv_quant``)
 and the new rows are quantized on write, bit for bit as ``kv_quant.write`` stores them. It returns None when
 the kernel cannot take the inputs;
-the caller then runs the torch path (``llama.Attention`` + ``attention.write_kv``), which computes
+the caller then runs the torch path (``layers.Attention`` + ``attention.write_kv``), which computes
 the same bits: the kernel rounds where torch's ops round and uses no fused multiply-add. It replaces
 a dozen small torch ops per layer (slices, two products, a roll, a sum, two index copies), which at
 batch 1 cost more than the arithmetic.

@@ -22,7 +22,7 @@ def _case(t, nh, nkv, hd, dtype, seed=0):
 
 
 def _torch_path(qkv, cos, sin, slots, k_cache, v_cache, nh, nkv, hd):
-    """What llama.Attention does without the kernel."""
+    """What layers.Attention does without the kernel."""
     t, nqk = qkv.shape[0], (nh + nkv) * hd
     qk = qkv[:, :nqk].view(t, nh + nkv, hd)
     qk = qk * cos[:, None, :] + torch.roll(qk, hd // 2, dims=-1) * sin[:, None, :]

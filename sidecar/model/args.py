@@ -1,0 +1,145 @@
+"""``ModelArgs``: what the shared decoder (decoder.py, layers.py) needs to know of a checkpoint.
+
+Each family file maps its Hugging Face config onto these fields (``args_from_config``); everything that
+differs between families or between the layers of one model -- windows, rope kinds, attention scale and
+soft-capping, extra norms, the activation -- is data here, read by the shared layer pieces.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sidecar.model.rope import RopeSpec
+
+# HF architecture -> the module (sidecar.model.<name>) that maps its config.
+FAMILIES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma",
+    "Gemma3ForCausalLM": "gemma",
+    "Phi3ForCausalLM": "phi3",
+}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}
+
+
+@dataclass
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    sliding_window: Optional[int]
+    o_proj_bias: Optional[bool] = None  # None: attention_bias (Qwen2's o_proj has none)
+    # Per layer: its window (None: global) and its rope kind (an index into rope_kinds). None: every layer
+    # has ``sliding_window`` and kind 0.
+    layer_windows: Optional[tuple[Optional[int], ...]] = None
+    layer_rope: Optional[tuple[int, ...]] = None
+    rope_kinds: Optional[tuple[RopeSpec, ...]] = None  # None: one kind from rope_theta / rope_scaling
+    rotary_dim: Optional[int] = None  # channels of a head that rotate (None: all of head_dim)
+    qk_norm: bool = False  # an RMSNorm over each q and k head before rope
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma)
+    norm_unit_offset: bool = False  # checkpoint norms hold w and scale by (1 + w): the loader adds the one
+    hidden_act: str = "silu"  # "silu" or "gelu_tanh"
+    embed_scale: Optional[float] = None  # embeddings multiplied by it (in the model dtype)
+    attn_scale: Optional[float] = None  # None: head_dim ** -0.5
+    attn_softcap: Optional[float] = None  # attention logits -> cap * tanh(logits / cap)
+    final_softcap: Optional[float] = None  # the same on the output logits
+    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+
+    def __post_init__(self) -> None:
+        if self.o_proj_bias is None:
+            self.o_proj_bias = self.attention_bias and self.architecture != "Qwen2ForCausalLM"
+        if self.rope_kinds is None:
+            self.rope_kinds = (RopeSpec(self.rope_theta, self.rope_scaling),)
+
+    def window(self, layer: int) -> Optional[int]:
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
+    def rope_kind(self, layer: int) -> int:
+        return 0 if self.layer_rope is None else self.layer_rope[layer]
+
+    @property
+    def rotary(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else _MODEL_TYPES.get(cfg.get("model_type", ""), "")
+        if arch not in FAMILIES:
+            raise ValueError(
+                f"model: architecture {arch or cfg.get('model_type')!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        family = importlib.import_module(f"sidecar.model.{FAMILIES[arch]}")
+        return family.args_from_config(cfg, arch)
+
+
+def rope_settings(cfg: dict[str, Any]) -> tuple[float, Optional[dict]]:
+    """(rope_theta, rope_scaling) of a config: transformers 5 nests them in rope_parameters, 4.x keeps
+    rope_theta + rope_scaling."""
+    params = cfg.get("rope_parameters") or {}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or None
+    if params and params.get("rope_type", params.get("type", "default")) != "default":
+        scaling = params
+    return float(theta), scaling
+
+
+def base_args(cfg: dict[str, Any], arch: str, **extra: Any) -> ModelArgs:
+    """The fields every family reads the same way; ``extra`` sets or overrides the rest."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    theta, scaling = rope_settings(cfg)
+    fields = dict(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        sliding_window=None,
+    )
+    fields.update(extra)
+    return ModelArgs(**fields)
+
+
+def windows_from_layer_types(cfg: dict[str, Any]) -> Optional[tuple[Optional[int], ...]]:
+    """Per-layer windows from ``layer_types`` ("sliding_attention" layers get ``sliding_window``)."""
+    types = cfg.get("layer_types")
+    if not types:
+        return None
+    window = cfg.get("sliding_window")
+    return tuple(window if t == "sliding_attention" else None for t in types)

@@ -1,0 +1,117 @@
+"""Tiny random checkpoints of the Qwen3, Gemma 2, Gemma 3 and Phi-3 families, written with transformers' own
+config and model classes, with every feature the engine must reproduce switched on: head_dim apart from
+hidden / heads, grouped KV heads, windows shorter than the prompts, tied and untied heads, soft-caps small
+enough to bend the logits, per-layer-type rope bases, LongRoPE with an original length shorter than some
+prompts (and crossed during generation by others), partial rotary, and norm weights away from their
+identity so that every norm matters."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("qwen3", "qwen3_tied", "gemma2", "gemma3", "phi3")
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    initializer_range=0.3,
+    eos_token_id=2,
+    pad_token_id=0,
+    bos_token_id=None,
+)
+
+
+def _config(kind: str, vocab: int):
+    import transformers as tf
+
+    c = dict(_COMMON, vocab_size=vocab)
+    if kind == "qwen3":
+        return tf.Qwen3Config(
+            **c,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=False,
+        ), tf.Qwen3ForCausalLM
+    if kind == "qwen3_tied":
+        return tf.Qwen3Config(
+            **c,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=40,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+        ), tf.Qwen3ForCausalLM
+    if kind == "gemma2":
+        return tf.Gemma2Config(
+            **c,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            sliding_window=8,
+            query_pre_attn_scalar=20,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=8.0,
+            tie_word_embeddings=True,
+        ), tf.Gemma2ForCausalLM
+    if kind == "gemma3":
+        return tf.Gemma3TextConfig(
+            **c,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            tie_word_embeddings=False,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+            },
+        ), tf.Gemma3ForCausalLM
+    if kind == "phi3":
+        return tf.Phi3Config(
+            **c,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            original_max_position_embeddings=16,
+            partial_rotary_factor=0.5,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0, 1.3, 1.9, 2.5],
+                "long_factor": [3.0, 5.0, 9.0, 17.0],
+            },
+        ), tf.Phi3ForCausalLM
+    raise ValueError(kind)
+
+
+def build_family_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random checkpoint of ``kind`` (one of FAMILIES) with the demo tokenizer, saved in HF format;
+    ``overrides`` set config fields."""
+    import transformers as tf
+
+    cfg, cls = _config(kind, len(tf.AutoTokenizer.from_pretrained(str(tokenizer_dir))))
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # Gemma's scale by (1 + w) and start at 0, the others at 1
+                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if kind.startswith("gemma") else 1.0))
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return out
