@@ -53,6 +53,7 @@
 #include <stdlib.h>
 
 #include "vec.h"
+#include "matmul_args.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define AMX_PATH 1
@@ -737,8 +738,17 @@ static int matmul(const uint16_t* x, const weights* W, const void* bias, void* y
  * [M, N] as `out` says: 0 float32, 1 bf16, 2 float32 holding the values rounded to bf16. K a multiple of 32.
  * Returns 0, 1 without either path or for arguments it does not take (nothing written), 2 out of memory for
  * the working sums. */
-int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N,
-                            int K, int nthreads, int bias_bf16, int out) {
+int sidecar_amx_bf16_matmul(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint16_t* wp = a->w;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out = a->out;
 #ifdef TILE_LAYOUT
     const weights W = {wp, NULL, NULL, NULL, NULL, 0, 0, 0};
     return matmul(x, &W, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
@@ -754,8 +764,18 @@ int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* b
  * (``amx_gemm.pack(pairs=I)``). y: [M, 2 I] in the projection's own column order (silu 0), or [M, I] bf16 =
  * silu(gate) * up as norm_act's silu_mul gives it from the bf16 projection (silu 1: out must be 1, bf16) --
  * one pass, no 2 I-wide output. Returns as above. */
-int sidecar_amx_bf16_gate_up(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int I,
-                             int K, int nthreads, int bias_bf16, int out, int silu) {
+int sidecar_amx_bf16_gate_up(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint16_t* wp = a->w;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int I = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out = a->out;
+    int silu = a->silu;
 #ifdef TILE_LAYOUT
     if (I <= 0 || I % 16 || (silu && out != OUT_BF16)) return 1;
     const weights W = {wp, NULL, NULL, NULL, NULL, 0, 0, 0};
@@ -771,8 +791,18 @@ int sidecar_amx_bf16_gate_up(const uint16_t* x, const uint16_t* wp, const void* 
  * w8 int8 codes [N, K] row-major (int8_gemv's layout, read in place), scales float32 [N]; the sums float32
  * (exact products of bf16 and a code), times the row's scale, then the bias, rounded once as `out` says. For
  * prefill-sized batches: each group's k block is widened once for all of a block's rows. Returns as above. */
-int sidecar_amx_int8_matmul(const uint16_t* x, const int8_t* w8, const float* scales, const void* bias,
-                            void* y, int M, int N, int K, int nthreads, int bias_bf16, int out) {
+int sidecar_amx_int8_matmul(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const int8_t* w8 = a->w;
+    const float* scales = a->scales;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out = a->out;
 #if defined(TILE_LAYOUT) && defined(INT8_PATH)
     if (!w8 || !scales) return 1;
     const weights W = {NULL, w8, scales, NULL, NULL, 0, 0, 0};
@@ -792,9 +822,21 @@ int sidecar_amx_int8_matmul(const uint16_t* x, const int8_t* w8, const float* sc
  * zero). The products of bf16 and a code are exact, a group's float32 sums as the tile product forms them,
  * the groups folded in order: a row's result does not depend on the other rows of its batch. Returns as
  * above. */
-int sidecar_amx_int4_matmul(const uint16_t* x, const uint8_t* w4, const uint16_t* sz, const void* bias,
-                            void* y, int M, int N, int K, int gs, int bn, int split, int nthreads,
-                            int bias_bf16, int out) {
+int sidecar_amx_int4_matmul(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint8_t* w4 = a->w;
+    const uint16_t* sz = a->scales;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int gs = a->group_size;
+    int bn = a->block_n;
+    int split = a->split;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out = a->out;
 #if defined(TILE_LAYOUT) && defined(INT4_PATH)
     if (!w4 || !sz || gs <= 0 || gs % 32 || gs > 32 * KC || K % gs || N % 16 || (bn != 32 && bn != 64) ||
         sidecar_amx_supported() != 1)

@@ -31,6 +31,7 @@
 #include <stdlib.h>
 
 #include "vec.h"
+#include "matmul_args.h"
 
 /* Loops start on 64-byte boundaries: the AVX2 outer-product loops otherwise moved with unrelated edits
  * elsewhere in the file (8 rows 9% slower with the same operations; 2 threads, AVX2 build on a Xeon), and
@@ -754,8 +755,17 @@ static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_
 
 /* y = x @ w.T + bias with w in the tiled layout; arguments and returns as sidecar_bf16_matmul (2 also when
  * the prefill paths' buffers cannot be allocated). */
-int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void* bias, void* y, int M, int N,
-                              int K, int nthreads, int bias_bf16, int out_bf16) {
+int sidecar_bf16_matmul_tiled(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint16_t* wt = a->w;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out_bf16 = a->out;
 #ifdef BF16_PATH
     if (K % 32) return 1;
     nthreads = nthreads < 1 ? 1 : nthreads;
@@ -838,8 +848,17 @@ int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void*
 /* bias: [N] (float32, or bf16 when bias_bf16) or NULL; y: float32, or bf16 when out_bf16. K must be a
  * multiple of 32. Returns 0; 1 on a CPU without either path (or K not a multiple of 32); 2 when the AVX2
  * path's float32 copy of x cannot be allocated. */
-int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, void* y, int M, int N, int K,
-                        int nthreads, int bias_bf16, int out_bf16) {
+int sidecar_bf16_matmul(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint16_t* w = a->w;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out_bf16 = a->out;
 #ifdef BF16_PATH
     if (K % 32) return 1;
     nthreads = nthreads < 1 ? 1 : nthreads;
@@ -919,8 +938,19 @@ int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, 
  * bias, y as sidecar_bf16_matmul. The sums are float32 in the order of every path here. Returns 0; 1 without
  * the AVX2 path (an AVX-512 build has none: its caller keeps torch's kernel) or when K is not a multiple of
  * 32; 2 when out of memory. */
-int sidecar_int8_matmul_wide(const void* x, int x_f32, const int8_t* w, const float* scale, const void* bias,
-                             void* y, int M, int N, int K, int nthreads, int bias_bf16, int out_bf16) {
+int sidecar_int8_matmul_wide(const sidecar_matmul_args* a) {
+    const void* x = a->x;
+    int x_f32 = !a->x_bf16;
+    const int8_t* w = a->w;
+    const float* scale = a->scales;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out_bf16 = a->out;
 #if defined(BF16_PATH) && BF16_PATH == 2
     if (K % 32 || M < 1) return 1;
     return tiled_outer(x, x_f32, NULL, w, scale, bias, y, M, N, K, nthreads < 1 ? 1 : nthreads, bias_bf16,

@@ -33,7 +33,8 @@ import torch
 
 from sidecar.model import hugepages
 from sidecar.model.kernels.cpu import cpu_build
-from sidecar.model.kernels.cpu.cpu_build import I, P
+from sidecar.model.kernels.cpu.cpu_build import I
+from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
 
 MAX_ROWS = 16
 # Row counts at which pack time compares this kernel with oneDNN's packed GEMM (``measure_rows_limit``).
@@ -45,10 +46,10 @@ ROWS_ENV = "SIDECAR_BF16_KERNEL_ROWS"  # a fixed limit instead of the measured o
 _KERNEL = cpu_build.Kernel(
     "bf16_gemv",
     {
-        "sidecar_bf16_matmul": ([P] * 4 + [I] * 6, I),
-        "sidecar_bf16_matmul_tiled": ([P] * 4 + [I] * 6, I),
+        "sidecar_bf16_matmul": ([MatmulArgs], I),
+        "sidecar_bf16_matmul_tiled": ([MatmulArgs], I),
         "sidecar_bf16_supported": ([], I),
-        "sidecar_int8_matmul_wide": ([P, I] + [P] * 4 + [I] * 6, I),
+        "sidecar_int8_matmul_wide": ([MatmulArgs], I),
     },
     setup=lambda lib: setattr(lib, "_sidecar_bf16", int(lib.sidecar_bf16_supported())),
 )
@@ -90,18 +91,20 @@ def int8_matmul_wide(
     x = x if x.is_contiguous() else x.contiguous()  # held for the call
     y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
     rc = lib.sidecar_int8_matmul_wide(
-        x.data_ptr(),
-        int(x.dtype == torch.float32),
-        weight.data_ptr(),
-        scales.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x.shape[0],
-        weight.shape[0],
-        x.shape[1],
-        torch.get_num_threads(),
-        int(bias is not None and bias.dtype == torch.bfloat16),
-        int(out_dtype == torch.bfloat16),
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            scales=scales.data_ptr(),
+            bias=None if bias is None else bias.data_ptr(),
+            y=y.data_ptr(),
+            M=x.shape[0],
+            N=weight.shape[0],
+            K=x.shape[1],
+            nthreads=torch.get_num_threads(),
+            x_bf16=x.dtype != torch.float32,
+            bias_bf16=bias is not None and bias.dtype == torch.bfloat16,
+            out=out_dtype == torch.bfloat16,
+        )
     )
     if rc == 2:
         raise MemoryError(
@@ -156,16 +159,19 @@ def _call(
         b = bias.contiguous() if bias.dtype == torch.bfloat16 else bias.float().contiguous()
     y = torch.empty(x.shape[0], n, dtype=out_dtype)
     rc = fn(
-        x.data_ptr(),
-        weight.data_ptr(),
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        x.shape[0],
-        n,
-        x.shape[1],
-        torch.get_num_threads(),
-        int(b is not None and b.dtype == torch.bfloat16),
-        int(out_dtype == torch.bfloat16),
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            bias=None if b is None else b.data_ptr(),
+            y=y.data_ptr(),
+            M=x.shape[0],
+            N=n,
+            K=x.shape[1],
+            nthreads=torch.get_num_threads(),
+            x_bf16=1,
+            bias_bf16=b is not None and b.dtype == torch.bfloat16,
+            out=out_dtype == torch.bfloat16,
+        )
     )
     if rc == 2:
         raise MemoryError(
@@ -284,16 +290,19 @@ class TiledLayer(cpu_build.LayerView):
         y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
         b = self.bias
         rc = self.fn(
-            x.data_ptr(),
-            self.tiled.data_ptr(),
-            None if b is None else b.data_ptr(),
-            y.data_ptr(),
-            x.shape[0],
-            self.n,
-            self.k,
-            torch.get_num_threads(),
-            self.bias_bf16,
-            out_dtype is torch.bfloat16,
+            MatmulArgs(
+                x=x.data_ptr(),
+                w=self.tiled.data_ptr(),
+                bias=None if b is None else b.data_ptr(),
+                y=y.data_ptr(),
+                M=x.shape[0],
+                N=self.n,
+                K=self.k,
+                nthreads=torch.get_num_threads(),
+                x_bf16=1,
+                bias_bf16=self.bias_bf16,
+                out=out_dtype is torch.bfloat16,
+            )
         )
         if rc == 2:
             raise MemoryError(

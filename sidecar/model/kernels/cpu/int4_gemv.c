@@ -33,11 +33,10 @@
  * threads; each chunk of codes is decoded once for one or more activation rows, and one pass reads
  * each weight byte once, which is what bounds decode.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <math.h>
-#include <immintrin.h>
+
+#include "vec.h"
+#include "matmul_args.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "int4_gemv needs AVX2 and FMA"
@@ -545,7 +544,7 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
 #define SPLIT64_IN_HALVES 0
 #define MB_ROWS           4 /* activation rows whose sums stay in registers */
 typedef __m512 V16;
-static inline V16 v_zero(void) {
+static inline V16 v16_zero(void) {
     return _mm512_setzero_ps();
 }
 static inline V16 v_codes(__m128i c) {
@@ -554,10 +553,10 @@ static inline V16 v_codes(__m128i c) {
 static inline V16 v_fma_x(V16 w, const float* x, V16 acc) {
     return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc);
 }
-static inline V16 v_load(const float* p) {
+static inline V16 v16_load(const float* p) {
     return _mm512_loadu_ps(p);
 }
-static inline void v_store(float* p, V16 v) {
+static inline void v16_store(float* p, V16 v) {
     _mm512_storeu_ps(p, v);
 }
 /* 16 (scale, zero) bf16 pairs -> scale and zero - 8 * scale as floats */
@@ -577,7 +576,7 @@ static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) { /* tot + s
 typedef struct {
     __m256 a, b;
 } V16;
-static inline V16 v_zero(void) {
+static inline V16 v16_zero(void) {
     V16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     return r;
 }
@@ -591,11 +590,11 @@ static inline V16 v_fma_x(V16 w, const float* x, V16 acc) {
     V16 r = {_mm256_fmadd_ps(w.a, b, acc.a), _mm256_fmadd_ps(w.b, b, acc.b)};
     return r;
 }
-static inline V16 v_load(const float* p) {
+static inline V16 v16_load(const float* p) {
     V16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
     return r;
 }
-static inline void v_store(float* p, V16 v) {
+static inline void v16_store(float* p, V16 v) {
     _mm256_storeu_ps(p, v.a);
     _mm256_storeu_ps(p + 8, v.b);
 }
@@ -653,7 +652,7 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, i
     V16 acc[4][4];
     __m128i c[4];
     for (int i = 0; i < MB; i++)
-        for (int t = 0; t < T; t++) acc[i][t] = v_zero();
+        for (int t = 0; t < T; t++) acc[i][t] = v16_zero();
     const float* x = a->x + (int64_t)i0 * a->K + (int64_t)g * a->gs;
     for (int k = 0; k < a->gs; k++) {
         decode1(w + (int64_t)k * stride, kind, c);
@@ -668,7 +667,7 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, i
         float xs = a->xsum[(int64_t)(i0 + i) * a->G + g];
         for (int t = 0; t < T; t++) {
             float* o = &tot[i0 + i][16 * t];
-            v_store(o, v_fold(v_load(o), s[t], acc[i][t], zp[t], xs));
+            v16_store(o, v_fold(v16_load(o), s[t], acc[i][t], zp[t], xs));
         }
     }
 }
@@ -778,8 +777,20 @@ int sidecar_int4_integer_dot(void) {
  * for np rows (np % 16 == 0) and K columns (K % gs == 0, gs % 16 == 0, gs <= 256); sz bf16
  * [K / gs, np, 2]; block_n 64 or 32; split 1 for split full blocks, 0 for interleaved ones.
  * Returns 0, -1 for arguments it does not handle, -2 when out of memory (nothing written then). */
-int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, void* y, int M, int np, int K,
-                        int gs, int block_n, int split, int x_bf16, int y_bf16, int nthreads) {
+int sidecar_int4_matmul(const sidecar_matmul_args* args) {
+    const void* x = args->x;
+    const uint8_t* w = args->w;
+    const uint16_t* sz = args->scales;
+    void* y = args->y;
+    int M = args->M;
+    int np = args->N;
+    int K = args->K;
+    int gs = args->group_size;
+    int block_n = args->block_n;
+    int split = args->split;
+    int x_bf16 = args->x_bf16;
+    int y_bf16 = args->out;
+    int nthreads = args->nthreads;
     if (M < 0 || np % 16 || gs <= 0 || gs > 256 || gs % 16 || K % gs || (block_n != 64 && block_n != 32))
         return -1;
     if (M == 0) return 0;

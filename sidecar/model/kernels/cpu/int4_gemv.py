@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 
 from sidecar.model.kernels.cpu import amx_gemm, cpu_build
-from sidecar.model.kernels.cpu.cpu_build import I, P
+from sidecar.model.kernels.cpu.cpu_build import I
+from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
 
 log = logging.getLogger("sidecar.kernels")
 
@@ -52,7 +53,7 @@ _tiles: dict[str, str] = {}  # "reason": why the tile path is off ('' when on), 
 _KERNEL = cpu_build.Kernel(
     "int4_gemv",
     {
-        "sidecar_int4_matmul": ([P] * 4 + [I] * 9, I),
+        "sidecar_int4_matmul": ([MatmulArgs], I),
         "sidecar_int4_vector_bits": ([], I),
         "sidecar_int4_integer_dot": ([], I),
     },
@@ -145,20 +146,21 @@ def tile_matmul(
     m, k = x.shape
     y = torch.empty(m, weight.shape[0], dtype=out_dtype)
     rc = amx_gemm._lib().sidecar_amx_int4_matmul(
-        x.data_ptr(),
-        weight.data_ptr(),
-        scales_and_zeros.data_ptr(),
-        None,
-        y.data_ptr(),
-        m,
-        weight.shape[0],
-        k,
-        group_size,
-        layout[0],
-        int(layout[1]),
-        threads or torch.get_num_threads(),
-        0,
-        int(out_dtype is torch.bfloat16),
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            scales=scales_and_zeros.data_ptr(),
+            y=y.data_ptr(),
+            M=m,
+            N=weight.shape[0],
+            K=k,
+            nthreads=threads or torch.get_num_threads(),
+            x_bf16=1,
+            out=out_dtype is torch.bfloat16,
+            group_size=group_size,
+            block_n=layout[0],
+            split=layout[1],
+        )
     )
     if rc == 2:
         raise MemoryError(f"int4 tile matmul: no memory for the working buffers of {m} activation rows")
@@ -246,19 +248,21 @@ def int4_matmul(
     weight, sz = weight.contiguous(), scales_and_zeros.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
     rc = lib.sidecar_int4_matmul(
-        x.data_ptr(),
-        weight.data_ptr(),
-        sz.data_ptr(),
-        y.data_ptr(),
-        m,
-        n,
-        k,
-        group_size,
-        layout[0],
-        int(layout[1]),
-        int(x.dtype == torch.bfloat16),
-        int(out_dtype == torch.bfloat16),
-        torch.get_num_threads(),
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            scales=sz.data_ptr(),
+            y=y.data_ptr(),
+            M=m,
+            N=n,
+            K=k,
+            nthreads=torch.get_num_threads(),
+            x_bf16=x.dtype == torch.bfloat16,
+            out=out_dtype == torch.bfloat16,
+            group_size=group_size,
+            block_n=layout[0],
+            split=layout[1],
+        )
     )
     if rc == -2:
         raise MemoryError("int4_matmul: no memory for the activation scratch")
@@ -307,20 +311,21 @@ class Layer(cpu_build.LayerView):
         fn, gs, block_n, split = self.fn
         if self.tiles is not None and m >= TILE_MIN_ROWS and x.dtype is torch.bfloat16:
             rc = self.tiles(
-                x.data_ptr(),
-                self.weight.data_ptr(),
-                self.sz.data_ptr(),
-                None,
-                y.data_ptr(),
-                m,
-                self.n,
-                k,
-                gs,
-                block_n,
-                split,
-                torch.get_num_threads(),
-                0,
-                out_dtype is torch.bfloat16,
+                MatmulArgs(
+                    x=x.data_ptr(),
+                    w=self.weight.data_ptr(),
+                    scales=self.sz.data_ptr(),
+                    y=y.data_ptr(),
+                    M=m,
+                    N=self.n,
+                    K=k,
+                    nthreads=torch.get_num_threads(),
+                    x_bf16=1,
+                    out=out_dtype is torch.bfloat16,
+                    group_size=gs,
+                    block_n=block_n,
+                    split=split,
+                )
             )
             if rc == 2:
                 raise MemoryError(
@@ -329,19 +334,21 @@ class Layer(cpu_build.LayerView):
             assert rc == 0, "the int4 tile path refused arguments checked at construction"
             return y
         rc = fn(
-            x.data_ptr(),
-            self.weight.data_ptr(),
-            self.sz.data_ptr(),
-            y.data_ptr(),
-            m,
-            self.n,
-            k,
-            gs,
-            block_n,
-            split,
-            x.dtype is torch.bfloat16,
-            out_dtype is torch.bfloat16,
-            torch.get_num_threads(),
+            MatmulArgs(
+                x=x.data_ptr(),
+                w=self.weight.data_ptr(),
+                scales=self.sz.data_ptr(),
+                y=y.data_ptr(),
+                M=m,
+                N=self.n,
+                K=k,
+                nthreads=torch.get_num_threads(),
+                x_bf16=x.dtype is torch.bfloat16,
+                out=out_dtype is torch.bfloat16,
+                group_size=gs,
+                block_n=block_n,
+                split=split,
+            )
         )
         if rc == -2:
             raise MemoryError("int4_matmul: no memory for the activation scratch")

@@ -18,11 +18,10 @@
  * nor the activations (re-read from cache once per NT weight rows) cost more than their share.
  * Tiles of weight rows are split across threads.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <immintrin.h>
+
+#include "vec.h"
+#include "matmul_args.h"
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define NT 4
@@ -314,26 +313,21 @@ static void matmul(const void* x, const int8_t* w, const float* s, const void* b
     }
 }
 
-/* y = (x @ w.T) * scale, float32. Returns 0. */
-int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, float* y, int16_t* xq, float* xs,
-                        int M, int N, int K, int nthreads) {
-    matmul(x, w, scale, NULL, y, xq, xs, NULL, M, N, K, nthreads, 0);
-    return 0;
-}
-
-/* The grouped (Q8_0) form. K must be a multiple of 32. Returns 0, or 1 when it is not. */
-int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, float* y, int16_t* xq, float* xs,
-                           int M, int N, int K, int nthreads) {
-    if (K % 32) return 1;
-    matmul(x, w, d, NULL, y, xq, xs, NULL, M, N, K, nthreads, GROUPED);
-    return 0;
-}
-
 /* A whole linear layer in one call: y = (x @ w.T) * scale + bias with x and y float32 or bf16 and the
  * scratch allocated here (flags: X_BF16, Y_BF16, BIAS_BF16, GROUPED above). Returns 0, 1 when K does not
  * fit the grouped form, 2 when out of memory. */
-int sidecar_int8_linear(const void* x, const int8_t* w, const float* s, const void* bias, void* y, int M,
-                        int N, int K, int nthreads, int flags) {
+int sidecar_int8_linear(const sidecar_matmul_args* a) {
+    const void* x = a->x;
+    const int8_t* w = a->w;
+    const float* s = a->scales;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int flags = (a->x_bf16 ? X_BF16 : 0) | (a->out ? Y_BF16 : 0) | (a->bias_bf16 ? BIAS_BF16 : 0) |
+                (a->grouped ? GROUPED : 0);
     if ((flags & GROUPED) && K % 32) return 1;
     int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * (size_t)M * K);
     float* xs = (float*)malloc(sizeof(float) * ((size_t)M + K)); /* [M] scales, then a widened row [K] */

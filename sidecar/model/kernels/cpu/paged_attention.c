@@ -301,13 +301,53 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
 #endif
 }
 
+/* The arguments of sidecar_paged_decode_attention (mirrored by ``PagedAttentionArgs``). */
+typedef struct {
+    const void* q;
+    const void* kc;
+    const void* vc;
+    const int64_t* tables;
+    const int64_t* ctx;
+    void* out;
+    const float* ks;
+    const float* vs;
+    int B;
+    int nh;
+    int nkv;
+    int hd;
+    int bs;
+    int max_blocks;
+    int window;
+    float scale;
+    int dtype;
+    int nthreads;
+} sidecar_paged_attention_args;
+int sidecar_paged_attention_args_size(void) {
+    return (int)sizeof(sidecar_paged_attention_args);
+}
+
 /* q, out: [B, nh, hd] contiguous; tables: [B, max_blocks] int64; ctx: [B] int64 (1 <= ctx <= max_blocks *
  * bs); ks, vs: NULL (K/V in q's dtype) or the scales of an int8 cache. Returns 0, 2 when out of memory, or 1
  * when the shapes are outside what this kernel handles (the caller keeps its torch path). */
-int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* tables,
-                                   const int64_t* ctx, void* out, int B, int nh, int nkv, int hd, int bs,
-                                   int max_blocks, int window, float scale, int dtype, int nthreads,
-                                   const float* ks, const float* vs) {
+int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
+    const void* q = a->q;
+    const void* kc = a->kc;
+    const void* vc = a->vc;
+    const int64_t* tables = a->tables;
+    const int64_t* ctx = a->ctx;
+    void* out = a->out;
+    int B = a->B;
+    int nh = a->nh;
+    int nkv = a->nkv;
+    int hd = a->hd;
+    int bs = a->bs;
+    int max_blocks = a->max_blocks;
+    int window = a->window;
+    float scale = a->scale;
+    int dtype = a->dtype;
+    int nthreads = a->nthreads;
+    const float* ks = a->ks;
+    const float* vs = a->vs;
     if ((ks == NULL) != (vs == NULL)) return 1;
     const int kvm = ks ? KV_INT8 : dtype;
     if (nkv <= 0 || nh % nkv || nh / nkv > MAX_REP || hd > MAX_HD || bs <= 0) return 1;

@@ -513,12 +513,51 @@ static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* 
 }
 #endif
 
+/* The arguments of sidecar_prefill_attention (mirrored by ``PrefillAttentionArgs``). */
+typedef struct {
+    const void* q;
+    const void* kc;
+    const void* vc;
+    const int64_t* table;
+    void* out;
+    const float* ks;
+    const float* vs;
+    int L;
+    int ctx;
+    int nh;
+    int nkv;
+    int hd;
+    int bs;
+    int window;
+    float scale;
+    int dtype;
+    int nthreads;
+} sidecar_prefill_attention_args;
+int sidecar_prefill_attention_args_size(void) {
+    return (int)sizeof(sidecar_prefill_attention_args);
+}
+
 /* q, out: [L, nh, hd] contiguous (q's dtype: 0 float32, 1 bf16; a cache of int8 codes when ks/vs are given,
  * else of q's dtype); table: the segment's blocks (at least ceil(ctx / bs)). Returns 0, 2 when out of memory,
  * or 1 when the inputs are outside what this kernel handles (the caller keeps its torch path). */
-int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, const int64_t* table, void* out,
-                              int L, int ctx, int nh, int nkv, int hd, int bs, int window, float scale,
-                              int dtype, int nthreads, const float* ks, const float* vs) {
+int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
+    const void* q = a->q;
+    const void* kc = a->kc;
+    const void* vc = a->vc;
+    const int64_t* table = a->table;
+    void* out = a->out;
+    int L = a->L;
+    int ctx = a->ctx;
+    int nh = a->nh;
+    int nkv = a->nkv;
+    int hd = a->hd;
+    int bs = a->bs;
+    int window = a->window;
+    float scale = a->scale;
+    int dtype = a->dtype;
+    int nthreads = a->nthreads;
+    const float* ks = a->ks;
+    const float* vs = a->vs;
 #ifdef VL
     if ((ks == NULL) != (vs == NULL)) return 1;
     if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd / VL > 16 ||

@@ -17,20 +17,47 @@ over a bf16 cache go through tile products, faster again (2.8x at 256 tokens, 3.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import torch
 
 from sidecar.model.kernels.cpu import cpu_build
-from sidecar.model.kernels.cpu.cpu_build import F, I, P
+from sidecar.model.kernels.cpu.cpu_build import I
 from sidecar.model.kernels.cpu.paged_attention import cache_fits
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
+
+class PrefillAttentionArgs(cpu_build.Args):
+    """The mirror of prefill_attention.c's argument struct."""
+
+    c_name = "sidecar_prefill_attention_args"
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("kc", ctypes.c_void_p),
+        ("vc", ctypes.c_void_p),
+        ("table", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("ks", ctypes.c_void_p),
+        ("vs", ctypes.c_void_p),
+        ("L", ctypes.c_int),
+        ("ctx", ctypes.c_int),
+        ("nh", ctypes.c_int),
+        ("nkv", ctypes.c_int),
+        ("hd", ctypes.c_int),
+        ("bs", ctypes.c_int),
+        ("window", ctypes.c_int),
+        ("scale", ctypes.c_float),
+        ("dtype", ctypes.c_int),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
 _KERNEL = cpu_build.Kernel(
     "prefill_attention",
     {
-        "sidecar_prefill_attention": ([P] * 5 + [I] * 7 + [F, I, I, P, P], I),
+        "sidecar_prefill_attention": ([PrefillAttentionArgs], I),
         "sidecar_prefill_attention_supported": ([], I),
     },
     setup=lambda lib: setattr(lib, "_sidecar_ok", bool(lib.sidecar_prefill_attention_supported())),
@@ -71,22 +98,25 @@ def prefill_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     rc = lib.sidecar_prefill_attention(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        table.data_ptr(),
-        out.data_ptr(),
-        length,
-        ctx_len,
-        nh,
-        nkv,
-        hd,
-        bs,
-        window or 0,
-        scale,
-        _DTYPES[q.dtype],
-        torch.get_num_threads(),
-        *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())),
+        PrefillAttentionArgs(
+            q=q.data_ptr(),
+            kc=k_cache.data_ptr(),
+            vc=v_cache.data_ptr(),
+            table=table.data_ptr(),
+            out=out.data_ptr(),
+            ks=None if kv_scales is None else kv_scales[0].data_ptr(),
+            vs=None if kv_scales is None else kv_scales[1].data_ptr(),
+            L=length,
+            ctx=ctx_len,
+            nh=nh,
+            nkv=nkv,
+            hd=hd,
+            bs=bs,
+            window=window or 0,
+            scale=scale,
+            dtype=_DTYPES[q.dtype],
+            nthreads=torch.get_num_threads(),
+        )
     )
     if rc == 2:
         raise MemoryError("prefill_attention: out of memory for the kernel's scratch buffers")
