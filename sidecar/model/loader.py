@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from sidecar.config import EngineConfig
-from sidecar.model.linear import pack_weights
+from sidecar.model.linear_layout import pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
 log = logging.getLogger("sidecar.model")
