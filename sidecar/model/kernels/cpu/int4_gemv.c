@@ -75,13 +75,6 @@ typedef struct {
     int xb_row; /* bytes of xb per row and column: 4 for AVX2's byte pairs, else 2 */
 } Act;
 
-static inline float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 #if INT_DOT == 1
 static inline __m512 load_x16(const float* x, const uint16_t* x16, int k) { /* 16 activations as floats */
     if (x16 == NULL) return _mm512_loadu_ps(x + k);
@@ -124,7 +117,7 @@ static void prepare_group(const Act* a, int m, int g) {
     float sum = 0.f, mx = 0.f;
     int finite = 1;
     for (int k = 0; k < a->gs; k++) {
-        const float v = x16 ? bf16_value(x16[k]) : x[k];
+        const float v = x16 ? bf16_to_f32(x16[k]) : x[k];
         sum += v;
         mx = fmaxf(mx, fabsf(v));
         finite &= isfinite(v);
@@ -138,7 +131,7 @@ static void prepare_group(const Act* a, int m, int g) {
     for (int k = 0; k < a->gs; k += 2) {
         int32_t q[2];
         for (int j = 0; j < 2; j++) {
-            q[j] = (int32_t)lrintf((x16 ? bf16_value(x16[k + j]) : x[k + j]) * inv); /* nearest even */
+            q[j] = (int32_t)lrintf((x16 ? bf16_to_f32(x16[k + j]) : x[k + j]) * inv); /* nearest even */
             qsum += q[j];
         }
         if (a->panels) { /* the codes of columns k, k + 1 as int16, one int32 a pair */

@@ -47,21 +47,13 @@ static float activation_qmax(int K) {
     return (float)(q < 32767.0 ? floor(q) : 32767.0);
 }
 
-static inline float x_at(const void* x, int64_t i, int x_bf16) {
-    if (!x_bf16) return ((const float*)x)[i];
-    const uint32_t u = (uint32_t)((const uint16_t*)x)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* x: float32, or bf16 when x_bf16 (then each row is widened into row [K] first) */
 static void quantize_rows(const void* x, int x_bf16, float* row, int16_t* xq, float* xs, int M, int K,
                           float qmax) {
     for (int m = 0; m < M; m++) {
         const float* xr = (const float*)x + (int64_t)m * K;
         if (x_bf16) {
-            for (int k = 0; k < K; k++) row[k] = x_at(x, (int64_t)m * K + k, 1);
+            for (int k = 0; k < K; k++) row[k] = dt_load(x, (size_t)m * K + k, 1);
             xr = row;
         }
         float amax = 0.f;
@@ -256,13 +248,6 @@ static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x,
 #define NB1_CASES(CALL)
 #endif
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even; a NaN stays a NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 #define X_BF16    1 /* flags: x is bf16 (else float32) */
 #define Y_BF16    2 /* y is bf16, the float32 result rounded once (else float32) */
 #define BIAS_BF16 4 /* bias is bf16 (else float32) */
@@ -301,10 +286,10 @@ static void matmul(const void* x, const int8_t* w, const float* s, const void* b
                     for (int j = 0; j < nb; j++) {
                         float v = out[i * nb + j] * xs[m0 + i];
                         if (bias)
-                            v += flags & BIAS_BF16 ? x_at(bias, n1 + j, 1) : ((const float*)bias)[n1 + j];
+                            v += flags & BIAS_BF16 ? dt_load(bias, n1 + j, 1) : ((const float*)bias)[n1 + j];
                         const int64_t at = (int64_t)(m0 + i) * N + n1 + j;
                         if (flags & Y_BF16)
-                            ((uint16_t*)y)[at] = to_bf16(v);
+                            ((uint16_t*)y)[at] = f32_to_bf16(v);
                         else
                             ((float*)y)[at] = v;
                     }
