@@ -2,18 +2,15 @@
 
 On CPU a float32 or bf16 weight is held in oneDNN's blocked layout once at load (``pack``), the layout torch's own
 oneDNN GEMM otherwise builds from the plain weight on every call. At the batch sizes of a decode step that per-call
-reorder costs as much as the product itself: measured on Zen 5 (2 threads, Qwen2-0.5B's layers), a 32-row bf16
-gate/up product 1.50 -> 0.93 ms and the 32-row lm_head 23.5 -> 15.6 ms, and float32 -- where torch's default CPU
-GEMM runs far below this AMD machine's speed -- 4.3x faster at 32 rows and 4.1x at one row. bf16 results are
-bit-identical to ``F.linear``; float32 ones differ in summation order only.
+reorder costs as much as the product itself (and torch's default float32 CPU GEMM runs far below an AMD machine's
+speed). bf16 results are bit-identical to ``F.linear``; float32 ones differ in summation order only.
 
 The packed layout replaces the plain weight, except where another module reads that weight too (a tied lm_head
 shares the embedding table); a float32 table kept so serves the head's batches of up to ``F32_KERNEL_ROWS``
 rows through our float32 kernel (``f32_gemv``), faster there. On CPUs where our AVX-512 BF16 kernel runs, bf16
 weights whose copies fit in a tenth of the machine's memory also get a copy in that kernel's tiled layout
 (``bf16_gemv.tile_weight``), which replaces the plain one: bf16 batches of up to ``kernel_rows`` rows take the
-kernel on it, which decodes one row faster than oneDNN on the packed weight (~7-12% from plain rows on Zen 5,
-whole Qwen2-0.5B; the tiled rows stream ~12% faster again on Zen 4); larger batches take the packed one. A
+kernel on it, which decodes one row faster than oneDNN on the packed weight; larger batches take the packed one. A
 shared weight stays plain and the kernel reads it in place. ``kernel_rows`` (at most ``bf16_gemv.MAX_ROWS``)
 is measured once at pack time, where oneDNN overtakes the kernel on this CPU
 (``bf16_gemv.measure_rows_limit``).
@@ -28,10 +25,9 @@ oneDNN's (not F.linear's bits), the same for a row whatever its batch. Where the
 fails, the layers keep oneDNN (``amx_gemm.available``).
 
 Where oneDNN has no bf16 GEMM (AVX2-only CPUs: AMD Zen 2/3, older Intel), torch's bf16 matmul is its own slow
-loop (measured on a 2-core Zen 3, a 4,864 x 896 layer: ~17 GFLOP/s from 16 rows up, a sixth of our kernel;
-2.5x its time at one row), and our kernel's AVX2 path (bf16 widened to float32, FMAs) takes bf16 layers of
-every batch size: their weights are held in its tiled layout alone (``tile_only``), the plain copy dropped, so
-bf16 costs half the memory of float32 there as everywhere.
+loop, far slower than our kernel at every batch size, and our kernel's AVX2 path (bf16 widened to float32, FMAs)
+takes bf16 layers of every batch size: their weights are held in its tiled layout alone (``tile_only``), the plain
+copy dropped, so bf16 costs half the memory of float32 there as everywhere.
 
 ``SIDECAR_CPU_KERNELS=0`` keeps every layer on plain weights and ``F.linear``: the reference the fast paths are
 tested against. Paths that skip a layer's module call (fused epilogues, the GPU's fused products) need ``hooks_idle``.
@@ -52,13 +48,10 @@ log = logging.getLogger("sidecar.model")
 
 UNLIMITED_ROWS = 1 << 62  # kernel_rows of a layer our kernel takes at every batch size (no oneDNN bf16 here)
 # A float32 layer kept plain beside its packed copy (a tied head) takes our float32 kernel up to this many rows:
-# measured on a 2-core Zen 3, Qwen2-0.5B's head (151,936 x 896), against oneDNN on the packed copy: 1.15x at one
-# row, 1.5-1.6x at 2-4, 1.3x at 8, even at 16, slower from there (the kernel reads the weight once per call, but
-# its register tiles of 3 rows x 4 weight rows run under oneDNN's arithmetic rate).
+# where it leads oneDNN on the packed copy (the kernel reads the weight once per call, but its register tiles of
+# 3 rows x 4 weight rows run under oneDNN's arithmetic rate, which wins past a few rows).
 F32_KERNEL_ROWS = 8
-PACK_ROWS_HINT = 32  # the batch size oneDNN picks its blocking for; measured best for 1-1024 rows
-# bf16 weights also get a copy in our kernel's tiled layout (its small batches) while the copies fit this share of RAM
-TILED_FRACTION = 0.1
+PACK_ROWS_HINT = 32  # the batch size oneDNN picks its blocking for: the best of the hints for 1-1024 rows
 
 
 def hooks_idle(module: nn.Module) -> bool:

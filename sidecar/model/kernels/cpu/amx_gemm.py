@@ -7,7 +7,7 @@ through AVX-512 BF16 dot products over the same layout and loops on CPUs with AV
 view of it: ``layer(x)`` is ``x @ weight.T + bias`` for bf16 ``x`` [M, K] of any M, accumulated in float32,
 returned in float32 or rounded once to bf16. ``sidecar.model.linear.Linear`` holds its bf16 weights in this layout
 alone where ``available()``: one copy serves decode steps and prefill, with AMX faster than oneDNN's packed GEMM at
-every batch size measured, without it level from 16 rows on and faster below (the C header has the figures).
+every batch size, without it level from 16 rows on and faster below (docs/perf/kernels-notes.md has the figures).
 ``rows(packed, ids)`` reads embedding rows out of it (a tied head's table serves the lookups too) and ``unpack``
 gives the plain weight back.
 

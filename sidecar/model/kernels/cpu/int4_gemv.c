@@ -23,7 +23,7 @@
  *    vpmaddubsw: a 32-byte vector holds 16 rows' codes of two adjacent columns side by side (unpacked
  *    from the layout), multiplied with a column pair of high or low activation bytes; the 16-bit pair
  *    sums of 8 column pairs (at most 8 * 2 * 15 * 128 = 30720) are summed as 16-bit, then widened to
- *    32 bits. About half the instructions per code of the float path on Zen 3. That is for calls of
+ *    32 bits: about half the instructions per code of the float path. That is for calls of
  *    1-2 rows (decode); from 3 rows on (panel_group) a group's codes are decoded once per block to
  *    int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16 products a vector into
  *    exact 32-bit sums, twice the rate of float32 FMAs), the same integers either way.
@@ -65,7 +65,7 @@ typedef struct {
     const uint16_t* x16; /* [M, K] the caller's activations when they are bf16, else NULL */
     int8_t* xb;     /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path). With AVX2,
                      * xb_row * K bytes a row, pairs of columns as int32 (a float broadcast makes a vector of
-                     * them, where an integer broadcast from memory is several times slower on Zen 3): high bytes
+                     * them, where an integer broadcast from memory is several times slower): high bytes
                      * then low bytes, a pair's two bytes twice (panels 0), or the int16 codes (panels 1) */
     float* d;       /* [M, G] code scale (integer path) */
     int32_t* xqsum; /* [M, G] sum of the codes (integer path) */
@@ -257,8 +257,8 @@ static inline __attribute__((always_inline)) void fold(const Act* a, int i, int 
 
 /* One group for R (1 or 2) activation rows from row i: codes decoded straight into the dot products.
  * pf, when not NULL: codes further on, fetched into L2 meanwhile (the hardware prefetcher stops at page
- * boundaries; a group's codes are a page or less). Into L2, not L1: on a 2-core Xeon with AMX, batch-1 decode
- * of an int4 Qwen2-0.5B 63 -> 75 tok/s, where the prefetches into L1 waited on its few fill buffers. */
+ * boundaries; a group's codes are a page or less). Into L2, not L1, whose few fill buffers the prefetches
+ * would hold. */
 static inline __attribute__((always_inline)) void group_direct(const uint8_t* w, int stride, const int kind,
                                                                const Idx* idx, const Act* a, int i,
                                                                const int R, int g, const uint16_t* szg,

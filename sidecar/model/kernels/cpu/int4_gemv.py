@@ -31,21 +31,16 @@ from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
 
 log = logging.getLogger("sidecar.kernels")
 
-# Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
-# Measured on Zen 5 (AVX-512 VNNI), Qwen2-0.5B-shaped layers: 1.6-3x faster than torch's packed kernel
-# from 1 to 32 rows on one or two threads, and still ~2x at 2048 rows (the default token budget of a
-# step); beyond that torch's kernel. The AVX2 build's float path, against torch's AVX2 kernel: 2.4x at 1 row,
-# even from 4 to 32; its integer path (Zen 3, 4,864 x 896): 1.5x the float path at 1 row, 1.2x at 256.
+# Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used (the default token
+# budget of a step; it stays ahead of torch's packed kernel there); beyond that torch's kernel.
 MAX_ROWS = 2048
 # The integer path rounds each activation to round(x * ACTIVATION_CODE_MAX / absmax of its group):
 # 16-bit codes whose high and low bytes are both int8.
 ACTIVATION_CODE_MAX = 32639
 LAYOUTS = ((64, True), (32, True), (32, False), (64, False))  # (rows per block, split nibbles)
 _layout: list[Optional[tuple[int, bool]]] = []
-# From this many rows, bf16 activations go through the AMX tile path over the codes where it runs. Measured on a
-# 2-core Xeon with AMX, two threads, against this kernel: with the weights coming from memory as in a decode step
-# (Qwen2-0.5B's int4 head, 151,936 x 896), 4 rows 5.4 against 3.5 ms, 8 rows 5.7 against 5.7, 12 rows 6.3 against 8.9,
-# 32 rows 10.3 against 26.0; 4,864 x 896 and 896 x 4,864 layers held in the caches, 256 rows 1.22-1.33 against 5.9-6.1.
+# From this many rows, bf16 activations go through the AMX tile path over the codes where it runs: where the tile
+# products overtake this kernel's per-row ones, with the weights coming from memory as in a decode step.
 TILE_MIN_ROWS = 8
 _tiles: dict[str, str] = {}  # "reason": why the tile path is off ('' when on), once checked
 
@@ -273,10 +268,9 @@ def int4_matmul(
 class Layer(cpu_build.LayerView):
     """One layer's static operands (``weight``, ``group_size``, ``scales_and_zeros`` as ``int4_matmul`` takes
     them, torch's layout) checked once, so that a call checks only the activations: in a decode step the
-    checks and conversions around the product cost more than the product itself for most layers (~45 of
-    ~105 us for a 896 x 896 layer on Zen 3; 97 layers a token). ``matches`` says whether it still holds these
-    tensors (the module's buffers may be replaced). bf16 batches of ``TILE_MIN_ROWS`` rows or more take the AMX
-    tile path where it runs (``tiles_take``)."""
+    checks and conversions around the product cost more than the product itself for most layers. ``matches``
+    says whether it still holds these tensors (the module's buffers may be replaced). bf16 batches of
+    ``TILE_MIN_ROWS`` rows or more take the AMX tile path where it runs (``tiles_take``)."""
 
     __slots__ = ("weight", "sz", "n", "k", "fn", "tiles")
 

@@ -6,8 +6,8 @@
 ``int8_g32_matmul(x, weight, d)`` is the grouped form (llama.cpp's Q8_0 blocks): one float32 scale
 per 32 columns, ``d`` [N, K/32], ``reference_g32`` its oracle. ``int8_linear`` is either form as a layer
 runs it in a decode step: bf16 or float32 activations read as they are, the bias added and the output
-rounded once to its dtype in the same call, the scratch inside it (the separate conversions, casts and
-scratch tensors around the product cost ~1 ms a token over Qwen2-0.5B's 97 layers).
+rounded once to its dtype in the same call, the scratch inside it (no separate conversions, casts and
+scratch tensors around the product).
 The kernel rounds each activation row to int16 with its own scale (15 bits, where the
 bf16 activations of torch's packed kernel keep 8); the products and sums are exact.
 """
@@ -28,9 +28,7 @@ from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
 # where that is built, else to torch's.
 MAX_ROWS = 32
 # With AMX, bf16 batches take the tile path from this many rows on: its products per widened code against this
-# kernel's per row, with the weights coming from memory as in a decode step. Measured on a 2-core Xeon with AMX, two
-# threads, Qwen2-0.5B's int8 head (151,936 x 896): 16 rows 19.1 ms against 15.2, 20 rows 19.3 against 19.1, 24 rows
-# 19.0 against 22.3, 32 rows 19.3 against 32.6. (A 4,864 x 896 layer held in the caches: 16 rows 0.27 against 0.42.)
+# kernel's per row, with the weights coming from memory as in a decode step, where the first overtakes the second.
 TILE_MIN_ROWS = 24
 
 

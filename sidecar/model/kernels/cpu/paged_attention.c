@@ -11,9 +11,8 @@
  * (each key loaded once for all of them; bf16 keys and queries as pairs of exact products summed in
  * float32 lanes by vdpbf16ps where the CPU has AVX-512 BF16, the scale applied to the finished dot
  * product), softmax in float32 with a vectorised exp, then the values are summed in float32: with
- * grouped queries (4 or more per KV head) each value is loaded once for up to QG of them, keys in order
- * (both measured on a 2-core Xeon with AMX, 32 rows at 50-320 tokens with Qwen2-0.5B's heads, bf16:
- * 262-268 -> 219-237 us a layer). A row's result depends only on its own query and context, never on
+ * grouped queries (4 or more per KV head) each value is loaded once for up to QG of them, keys in order.
+ * A row's result depends only on its own query and context, never on
  * which other rows share the call, so verifying k speculative tokens in one call gives bit for bit what
  * k separate decode steps give. Inputs and output are float32 (dtype 0) or bfloat16 (dtype 1; products
  * and sums still in float32, the output rounded to nearest even).
@@ -36,10 +35,7 @@ static inline float kv_load(const void* p, size_t i, int kvm) {
 }
 
 /* Keys are read this many ahead into L1, with each key's value as the key is scored: a head's rows are
- * strided within a block and the blocks scattered, which the hardware's prefetchers follow poorly. Measured
- * on a 2-core Xeon with AMX, 24 layers of Qwen2-0.5B's heads, 32 rows of 150-260 tokens, bf16, the cache
- * cold: blocks in random order 8.0-11.1 -> 6.2-6.3 ms (the keys alone read ahead: 7.5), in order 8.3-9.6
- * -> 6.0-6.2; the 32-request workload's 63 decode steps 3.57-3.81 -> 3.46-3.59 s. */
+ * strided within a block and the blocks scattered, which the hardware's prefetchers follow poorly. */
 #define READ_AHEAD_KEYS 16
 
 /* Element offset `off`'s hd elements of a cache, toward L1. */

@@ -9,10 +9,9 @@ kernel cannot take these inputs (not built, no AVX2/AVX-512, a head size it does
 whose widened keys and values would pass 256 MiB); the caller then uses the torch path
 (``sidecar.model.attention``), which is also the oracle the tests hold it to.
 
-Why a kernel: torch's CPU SDPA runs prompt-sized causal attention at ~35 GFLOP/s (2 Zen 4 cores, bf16,
-Qwen2-0.5B's heads, 64-256 rows), a tenth of a prefill step at 256-token prompts, where the blocked float32
-products here run several times faster (see the C header and docs/PERFORMANCE.md); on CPUs with AMX, bf16 prompts
-over a bf16 cache go through tile products, faster again (2.8x at 256 tokens, 3.8x at 1,024 on a 2-core Xeon).
+Why a kernel: torch's CPU SDPA runs prompt-sized causal attention far below the rate of the projections around it,
+where the blocked float32 products here run several times faster; on CPUs with AMX, bf16 prompts over a bf16 cache
+go through tile products, faster again (docs/perf/kernels-notes.md has the figures).
 """
 
 from __future__ import annotations

@@ -113,8 +113,8 @@ void sidecar_rope_store_kv(const sidecar_rope_kv_args* a) {
     float* vs = a->vs;
     const size_t row = (size_t)(nh + 2 * nkv) * hd, kv_row = (size_t)nkv * hd;
     const size_t esize = dtype ? 2 : 4;
-/* split between the threads from ~15 tokens of a 1,152-wide qkv row (a 32-row decode step: 28.5 -> 22.3 us a
- * layer on a 2-core Xeon, the other core no longer waiting) */
+/* split between the threads from ~15 tokens of a 1,152-wide qkv row: a decode step of many rows no longer
+ * leaves a core waiting */
 #pragma omp parallel for num_threads(nthreads) schedule(static) if ((size_t)T * row >= 16384)
     for (int t = 0; t < T; t++) {
         const size_t r0 = (size_t)t * row, c0 = (size_t)t * hd, slot = (size_t)slots[t] * kv_row;
