@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from sidecar.config import EngineConfig
-from sidecar.model.linear import pack_weights
 from sidecar.model.args import ModelArgs
 from sidecar.model.decoder import CausalLM
+from sidecar.model.linear_layout import pack_weights
 
 log = logging.getLogger("sidecar.model")
 
@@ -298,7 +298,7 @@ def _eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...
 def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
     """Load config, tokenizer and weights for ``cfg.model``. Raises ValueError naming the problem.
 
-    On CPU the full-precision linear layers are then packed for oneDNN (``linear.pack_weights``);
+    On CPU the full-precision linear layers are then packed for oneDNN (``linear_layout.pack_weights``);
     ``pack=False`` keeps plain weights, for callers that read or save them."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)

@@ -11,6 +11,7 @@ import torch
 from sidecar import LLM, SamplingParams
 from sidecar.engine.cpu_graphs import _spans, linear_layouts
 from sidecar.model.kernels.cpu import amx_gemm, cpu_build, int4_gemv, int8_gemv, norm_act, replay
+from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
 from sidecar.model.linear import Linear
 
 pytestmark = pytest.mark.skipif(
@@ -28,7 +29,7 @@ def test_replay_over_new_inputs_gives_the_eager_bits(dtype):
     bias = torch.randn(dim // 2, generator=g).to(dtype)
 
     def step():
-        x, s = norm_act.add_rms_norm(h, delta, w, 1e-6)  # a float argument, two on the stack
+        x, s = norm_act.add_rms_norm(h, delta, w, 1e-6)  # an argument struct, pointing into the arena
         y, _ = norm_act.add_rms_norm(x, s, w, 1e-5)
         a = norm_act.silu_mul(y)  # [rows, dim / 2]
         return norm_act.add_bias(a, bias)
@@ -162,23 +163,62 @@ def test_a_librarys_answers_about_itself_are_never_recorded():
         assert lib.sidecar_int4_vector_bits() == bits
         x = torch.zeros(1, 64).bfloat16()
         w = torch.zeros(32, 32, dtype=torch.uint8)
+        block_n, split = int4_gemv.torch_layout()
         lib.sidecar_int4_matmul(
-            x.data_ptr(),
-            w.data_ptr(),
-            torch.zeros(2, 32, 2).bfloat16().data_ptr(),
-            torch.zeros(1, 32).data_ptr(),
-            1,
-            32,
-            64,
-            32,
-            *int4_gemv.torch_layout(),
-            1,
-            0,
-            1,
+            MatmulArgs(
+                x=x.data_ptr(),
+                w=w.data_ptr(),
+                scales=torch.zeros(2, 32, 2).bfloat16().data_ptr(),
+                y=torch.zeros(1, 32).data_ptr(),
+                M=1,
+                N=32,
+                K=64,
+                nthreads=1,
+                x_bf16=1,
+                group_size=32,
+                block_n=block_n,
+                split=split,
+            )
         )
     finally:
         cpu_build.set_recorder(None)
     assert seen == ["sidecar_int4_matmul"]
+
+
+def test_an_argument_struct_replays_over_any_arena_as_recorded():
+    """A kernel taking an argument struct: the plan keeps a copy of it as it was at the call (the caller may reuse
+    the struct), and its pointers into the step's tensors follow the arena wherever it lies."""
+    g = torch.Generator().manual_seed(1)
+    h, delta, w = (
+        torch.randn(3, 64, generator=g),
+        torch.randn(3, 64, generator=g),
+        torch.randn(64, generator=g),
+    )
+    reused = []
+    real = norm_act._KERNEL.lib().sidecar_add_rms_norm
+
+    def reusing(args):  # the caller changes its struct after each call: the recording must not see that
+        real.function(args)
+        reused.append(args)
+        args.eps, args.h = 0.5, 0
+
+    def step():
+        x, s = norm_act.add_rms_norm(h, delta, w, 1e-6)
+        return norm_act.add_rms_norm(x, s, w, 1e-5)[0]
+
+    expected = step().clone()
+    lib = norm_act._KERNEL.lib()
+    lib.sidecar_add_rms_norm = cpu_build.KernelFunction(real.function, real.name, real.argtypes, real.restype)
+    lib.sidecar_add_rms_norm.function = reusing  # recorded as the kernel, called through ``reusing``
+    try:
+        out, plan = replay.record(step)
+    finally:
+        lib.sidecar_add_rms_norm = real
+    assert torch.equal(out, expected) and len(reused) == 2 and reused[0].h is None
+    for pad in (0, 4096):  # two arenas at different addresses
+        arena = torch.full((plan.arena_bytes + pad,), 0xFF, dtype=torch.uint8)[pad:]
+        assert plan.replay(arena)
+        assert torch.equal(plan.output(arena), expected)
 
 
 def test_spans_of_sizes():
@@ -192,7 +232,7 @@ def test_a_kernel_refusing_at_replay_stops_it_and_is_named():
 
     def step():
         y, _ = norm_act.add_rms_norm(x, None, w, 1e-6)
-        matmul(None, None, None, None, None, 0, 0, 0, 0, 0, 0, 1, 0, 0)
+        matmul(MatmulArgs(group_size=1))
         z, _ = norm_act.add_rms_norm(y, None, w, 1e-6)
         return z
 

@@ -8,8 +8,10 @@ import torch.nn.functional as F
 
 from sidecar.config import EngineConfig
 from sidecar.model import linear as linear_mod
+from sidecar.model import linear_layout
 from sidecar.model.kernels.cpu import amx_gemm, bf16_gemv, f32_gemv
-from sidecar.model.linear import Linear, TiledEmbedding, can_pack, pack_weights
+from sidecar.model.linear import Linear, can_pack
+from sidecar.model.linear_layout import TiledEmbedding, pack_weights
 from sidecar.model.llama import LlamaForCausalLM, ModelArgs
 
 BF16_PACKS = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -153,7 +155,7 @@ def _tiny_model(dtype):
 @pytest.mark.parametrize("tiled_budget", [0.0, 0.1])
 @pytest.mark.parametrize("consume", [False, True])
 def test_pack_weights_keeps_a_tied_table_and_drops_the_rest(dtype, tiled_budget, consume, monkeypatch):
-    monkeypatch.setattr(linear_mod, "TILED_FRACTION", tiled_budget)
+    monkeypatch.setattr(linear_layout, "TILED_FRACTION", tiled_budget)
     m = _tiny_model(dtype)
     plain = {n: l.weight.detach().clone() for n, l in m.named_modules() if isinstance(l, Linear)}
     h = torch.randn(20, 64).to(dtype)
@@ -308,7 +310,7 @@ def test_load_model_packs_on_cpu_unless_asked_not_to(demo_dir):
 
 
 def test_no_tiled_copy_where_our_kernel_cannot_read_it(monkeypatch):
-    monkeypatch.setattr(linear_mod, "TILED_FRACTION", 0.1)
+    monkeypatch.setattr(linear_layout, "TILED_FRACTION", 0.1)
     torch.manual_seed(0)
     m = torch.nn.Sequential(Linear(64, 32), Linear(48, 32)).to(
         torch.bfloat16

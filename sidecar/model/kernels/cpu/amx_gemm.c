@@ -17,42 +17,35 @@
  * other rows of its batch.
  *
  * Why own the kernel: at decode sizes the product is a stream of the weights, and oneDNN's packed GEMM reads
- * them well below the memory's speed. Measured on a 2-core Xeon with AMX (2026-11-27), one pass over
- * Qwen2-0.5B's 942 MiB of layers: 35.7 ms at 1 row (oneDNN: 44.5; our AVX-512 kernel on its tiled layout ran
- * level with this one), 40.2 at 16 rows (45.7), 43.3 at 32 (51.5), 57.4 at 64 (61.5), 64.3 at 96 (76.1). At
- * prefill sizes, 1,024 rows: the down projection (896 x 4,864) 3.4-3.6 ms against oneDNN's 7.0-7.2, the
- * attention projections 0.7 / 0.5 against 1.2 / 1.0, the gate/up projection (9,728 x 896) 6.0-6.2
- * against 5.6-5.7; 256 rows: 1.40-1.51 against 1.35-1.41 for gate/up, 0.90 against 0.96-0.99 for down. One
- * layout then serves every batch size, where oneDNN's packed copy and the tiled one for small batches held
- * each weight twice.
+ * them well below the memory's speed; at prefill sizes the tile products keep pace with it. One layout then
+ * serves every batch size, where oneDNN's packed copy and the tiled one for small batches held each weight
+ * twice.
  *
  * Up to 64 rows the weights pass once, in order, read ahead READ_AHEAD bytes into L2. Larger batches go in
  * blocks of rows whose activations (about BLOCK_BYTES) stay in L2 while the thread's groups pass over them; a
  * group's chunks go in k blocks of KC (16 KiB, held in L1 while every 32-row panel of the block multiplies
  * with them, the panels' sums kept in memory between k blocks), and each panel reads its share of the next k
- * block into L2 as it goes, so the weights arrive before they are multiplied (without that, 1.78 against 1.40
- * ms for gate/up at 256 rows). Where rows are too long for a block of SLAB_ROWS to fit (K > 2,048: the down
- * projection), blocks of SLAB_ROWS go in slabs of chunks (SLAB_BYTES of activations), the sums of every panel
- * in every group of the thread kept between slabs: blocks of 96 rows had passed over the weights M / 96
- * times. A pass over Qwen2-0.5B's layers, weights cold, the down projections: 32.9 -> 22.6 ms at 256
- * rows, 98.9 -> 82.8 at 1,024.
+ * block into L2 as it goes, so the weights arrive before they are multiplied. Where rows are too long for a
+ * block of SLAB_ROWS to fit (K > 2,048: the down projection), blocks of SLAB_ROWS go in slabs of chunks
+ * (SLAB_BYTES of activations), the sums of every panel in every group of the thread kept between slabs, so
+ * the weights pass once per slab rather than once per block of rows.
  *
  * Weight-only int8 (sidecar_amx_int8_matmul) runs the same loops over int8_gemv's plain codes: each thread
  * widens a group's k block to bf16 tiles (exact) once for every panel of the row block, and the epilogue
- * multiplies by the row's scale (a 256-token prefill of int8 Qwen2-0.5B: 219 -> ~1,700 tok/s, where torch's
- * packed int8 kernel ran).
+ * multiplies by the row's scale.
  *
  * Weight-only int4 (sidecar_amx_int4_matmul, AMX only) reads torch's packed CPU layout in place (int4_gemv.c
  * has it) and widens a k block's codes to the bf16 values code - 8 (exact) in the same tiles. A quantization
  * group (gs values, gs / 32 chunks) has its own scale and zero per output row, so its tile products start
  * from zero and are folded into the panel's sums as sums * scale + zero * (the row's sum of the group's
  * activations), in order of the groups, two groups a pass over the sums; each fold is issued between the next
- * groups' tile products. The widening and the folds are vector work the tile unit measurably waits for (one
- * thread, 256 x 4,864 x 896: 2.51 ms, 1.46 without either; bf16 tiles 1.57). */
+ * groups' tile products: the widening and the folds are vector work the tile unit would otherwise wait
+ * for. */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "vec.h"
+#include "matmul_args.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define AMX_PATH 1
@@ -65,13 +58,12 @@
 #define TILE_LAYOUT 1
 #define BLOCK_BYTES (1 << 20)
 /* Weight bytes read ahead into L2 while a k step's tiles are multiplied, for panels of more than 16 rows
- * (fewer rows leave the stream to the hardware prefetcher, which measured as fast there). Measured on a
- * 2-core Xeon with AMX over Qwen2-0.5B at 32 rows: 44.6 ms a pass with 2 KiB, 49.0 without. */
+ * (fewer rows leave the stream to the hardware prefetcher, as fast there). */
 #define READ_AHEAD 2048
 #define SLAB_ROWS  256       /* rows a block of long rows holds */
 #define SLAB_BYTES (1 << 19) /* a slab's activations (SLAB_ROWS rows of its chunks) */
-/* Outputs of this many bytes or more are streamed past the caches (stream_row). Measured on a 2-core Xeon
- * with AMX, Qwen2-0.5B's head (151,936 x 896) at 64 rows: 25.6 -> ~15 ms with float32 logits. */
+/* Outputs of this many bytes or more are streamed past the caches (stream_row): a head's logits are read
+ * once, later, and would evict the weights' stream. */
 #define STREAM_BYTES (8 << 20)
 #define KC 8 /* chunks a k block holds: a group's 16 KiB of them stay in L1 while the block's panels pass */
 #endif
@@ -202,9 +194,7 @@ typedef struct {
 
 /* A finished panel whose outputs are being stored (rows done.. of mr; mr 0: none): its stores and their
  * arithmetic (bias, rounding, silu) run between the next panel's tile products, which the AMX unit computes
- * meanwhile, where one after the other they left it idle. Measured on a 2-core Xeon with AMX, Qwen2-0.5B's 24
- * gate/up projections with silu, weights cold: 183-187 -> 169-175 ms at 1,024 rows, 51-53 -> 48.5-51 at 256
- * (without any epilogue: 126 and 37: the arithmetic, silu's exp and division most, is what is left of it). */
+ * meanwhile, where one after the other they left it idle. */
 typedef struct {
     const float* buf;
     int mr, m0, g, done;
@@ -534,11 +524,10 @@ static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg,
 /* The AMX multiply_panel's contract over dot products: the panel's mr rows in register tiles of nearly equal
  * height (32 rows: 11, 11, 10), the first reading the `lines` ahead -- at every panel height: here the
  * products of a few rows take about as long as their weights' stream, and without the read-ahead the two take
- * turns (Qwen2-0.5B's layers on a 2-core Xeon, AMX left out: 75.3 -> 42.4 ms a pass at 8 rows, 101.6 -> 69.2
- * at 16). The other register tiles, which multiply weights already in L2, read `after_lines` lines from
+ * turns. The other register tiles, which multiply weights already in L2, read `after_lines` lines from
  * `after` on between them (the next group's, in one pass over the weights), so that the memory works while
- * they do: 123-124 -> 110-115 ms at 32 rows, 7-10% at 48 and 64. The pending panel's outputs are stored first
- * (the vector units do both; nothing runs beside them). */
+ * they do. The pending panel's outputs are stored first (the vector units do both; nothing runs beside
+ * them). */
 static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg, int k0, int k1, int mr,
                                   int r1, float* s, const char* ahead, int lines, const char* after,
                                   int after_lines, const outputs* o, pending* p) {
@@ -598,7 +587,7 @@ static int matmul(const uint16_t* x, const weights* W, const void* bias, void* y
     int mc = BLOCK_BYTES / (2 * K) / 32 * 32;
     mc = mc < 32 ? 32 : mc > 512 ? 512 : mc;
     const int kc = M > 64 ? KC : KB; /* k blocks only where several panels share them: at a few panels the
-                                      * extra passes over the sums slow the weight stream (7-12% measured) */
+                                      * extra passes over the sums slow the weight stream */
     int ks = KB;                     /* chunks a slab holds */
     if (M > 64 && mc < SLAB_ROWS) {  /* long rows: blocks of SLAB_ROWS in slabs of chunks, not short blocks */
         mc = SLAB_ROWS;
@@ -737,8 +726,17 @@ static int matmul(const uint16_t* x, const weights* W, const void* bias, void* y
  * [M, N] as `out` says: 0 float32, 1 bf16, 2 float32 holding the values rounded to bf16. K a multiple of 32.
  * Returns 0, 1 without either path or for arguments it does not take (nothing written), 2 out of memory for
  * the working sums. */
-int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int N,
-                            int K, int nthreads, int bias_bf16, int out) {
+int sidecar_amx_bf16_matmul(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint16_t* wp = a->w;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out = a->out;
 #ifdef TILE_LAYOUT
     const weights W = {wp, NULL, NULL, NULL, NULL, 0, 0, 0};
     return matmul(x, &W, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
@@ -754,8 +752,18 @@ int sidecar_amx_bf16_matmul(const uint16_t* x, const uint16_t* wp, const void* b
  * (``amx_gemm.pack(pairs=I)``). y: [M, 2 I] in the projection's own column order (silu 0), or [M, I] bf16 =
  * silu(gate) * up as norm_act's silu_mul gives it from the bf16 projection (silu 1: out must be 1, bf16) --
  * one pass, no 2 I-wide output. Returns as above. */
-int sidecar_amx_bf16_gate_up(const uint16_t* x, const uint16_t* wp, const void* bias, void* y, int M, int I,
-                             int K, int nthreads, int bias_bf16, int out, int silu) {
+int sidecar_amx_bf16_gate_up(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint16_t* wp = a->w;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int I = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out = a->out;
+    int silu = a->silu;
 #ifdef TILE_LAYOUT
     if (I <= 0 || I % 16 || (silu && out != OUT_BF16)) return 1;
     const weights W = {wp, NULL, NULL, NULL, NULL, 0, 0, 0};
@@ -771,8 +779,18 @@ int sidecar_amx_bf16_gate_up(const uint16_t* x, const uint16_t* wp, const void* 
  * w8 int8 codes [N, K] row-major (int8_gemv's layout, read in place), scales float32 [N]; the sums float32
  * (exact products of bf16 and a code), times the row's scale, then the bias, rounded once as `out` says. For
  * prefill-sized batches: each group's k block is widened once for all of a block's rows. Returns as above. */
-int sidecar_amx_int8_matmul(const uint16_t* x, const int8_t* w8, const float* scales, const void* bias,
-                            void* y, int M, int N, int K, int nthreads, int bias_bf16, int out) {
+int sidecar_amx_int8_matmul(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const int8_t* w8 = a->w;
+    const float* scales = a->scales;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out = a->out;
 #if defined(TILE_LAYOUT) && defined(INT8_PATH)
     if (!w8 || !scales) return 1;
     const weights W = {NULL, w8, scales, NULL, NULL, 0, 0, 0};
@@ -792,9 +810,21 @@ int sidecar_amx_int8_matmul(const uint16_t* x, const int8_t* w8, const float* sc
  * zero). The products of bf16 and a code are exact, a group's float32 sums as the tile product forms them,
  * the groups folded in order: a row's result does not depend on the other rows of its batch. Returns as
  * above. */
-int sidecar_amx_int4_matmul(const uint16_t* x, const uint8_t* w4, const uint16_t* sz, const void* bias,
-                            void* y, int M, int N, int K, int gs, int bn, int split, int nthreads,
-                            int bias_bf16, int out) {
+int sidecar_amx_int4_matmul(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint8_t* w4 = a->w;
+    const uint16_t* sz = a->scales;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int gs = a->group_size;
+    int bn = a->block_n;
+    int split = a->split;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out = a->out;
 #if defined(TILE_LAYOUT) && defined(INT4_PATH)
     if (!w4 || !sz || gs <= 0 || gs % 32 || gs > 32 * KC || K % gs || N % 16 || (bn != 32 && bn != 64) ||
         sidecar_amx_supported() != 1)

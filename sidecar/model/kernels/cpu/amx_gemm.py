@@ -7,7 +7,7 @@ through AVX-512 BF16 dot products over the same layout and loops on CPUs with AV
 view of it: ``layer(x)`` is ``x @ weight.T + bias`` for bf16 ``x`` [M, K] of any M, accumulated in float32,
 returned in float32 or rounded once to bf16. ``sidecar.model.linear.Linear`` holds its bf16 weights in this layout
 alone where ``available()``: one copy serves decode steps and prefill, with AMX faster than oneDNN's packed GEMM at
-every batch size measured, without it level from 16 rows on and faster below (the C header has the figures).
+every batch size, without it level from 16 rows on and faster below (docs/perf/kernels-notes.md has the figures).
 ``rows(packed, ids)`` reads embedding rows out of it (a tied head's table serves the lookups too) and ``unpack``
 gives the plain weight back.
 
@@ -26,22 +26,22 @@ import torch
 
 from sidecar.model import hugepages
 from sidecar.model.kernels.cpu import cpu_build
-from sidecar.model.kernels.cpu.cpu_build import I, P
+from sidecar.model.kernels.cpu.cpu_build import I
+from sidecar.model.kernels.cpu.matmul_args import OUT_BF16, OUT_F32, OUT_F32_OF_BF16, MatmulArgs
 
 log = logging.getLogger("sidecar.kernels")
 
 GROUP = 32  # output rows a group of the layout holds (two 16-row tiles)
 CHUNK_BYTES = 4 << 20  # what pack copies at a time when it releases its source
-OUT_F32, OUT_BF16, OUT_F32_OF_BF16 = 0, 1, 2  # the kernel's output modes (amx_gemm.c)
 
 _KERNEL = cpu_build.Kernel(
     "amx_gemm",
     {
-        "sidecar_amx_bf16_matmul": ([P] * 4 + [I] * 6, I),
-        "sidecar_amx_bf16_gate_up": ([P] * 4 + [I] * 7, I),
+        "sidecar_amx_bf16_matmul": ([MatmulArgs], I),
+        "sidecar_amx_bf16_gate_up": ([MatmulArgs], I),
         "sidecar_amx_supported": ([], I),
-        "sidecar_amx_int8_matmul": ([P] * 5 + [I] * 6, I),
-        "sidecar_amx_int4_matmul": ([P] * 5 + [I] * 9, I),
+        "sidecar_amx_int8_matmul": ([MatmulArgs], I),
+        "sidecar_amx_int4_matmul": ([MatmulArgs], I),
     },
 )
 _checked: dict[str, str] = {}  # "reason": why the path is off ('' when it is on), once checked
@@ -233,20 +233,21 @@ class AmxLayer(cpu_build.LayerView):
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.n // 2 if silu else self.n, dtype=out_dtype)
         b = self.bias  # checked at construction (a replaced bias is another layer: ``matches``)
-        args = (
-            x.data_ptr(),
-            self.packed.data_ptr(),
-            None if b is None else b.data_ptr(),
-            y.data_ptr(),
-            x.shape[0],
+        args = MatmulArgs(
+            x=x.data_ptr(),
+            w=self.packed.data_ptr(),
+            bias=None if b is None else b.data_ptr(),
+            y=y.data_ptr(),
+            M=x.shape[0],
+            N=self.pairs or self.n,  # a gate/up layer: its gate rows
+            K=self.k,
+            nthreads=torch.get_num_threads(),
+            x_bf16=1,
+            bias_bf16=self.bias_bf16,
+            out=OUT_F32_OF_BF16 if widened else OUT_BF16 if out_dtype is torch.bfloat16 else OUT_F32,
+            silu=silu,
         )
-        threads = torch.get_num_threads()
-        out = OUT_F32_OF_BF16 if widened else OUT_BF16 if out_dtype is torch.bfloat16 else OUT_F32
-        rc = (
-            self.gate_up(*args, self.pairs, self.k, threads, self.bias_bf16, out, silu)
-            if self.pairs
-            else self.fn(*args, self.n, self.k, threads, self.bias_bf16, out)
-        )
+        rc = self.gate_up(args) if self.pairs else self.fn(args)
         if rc == 2:
             raise MemoryError(f"amx layer: no memory for the working sums of {x.shape[0]} activation rows")
         assert rc == 0, "amx_gemm refused arguments checked at construction"
@@ -276,17 +277,20 @@ def int8_matmul(
     x = x if x.is_contiguous() else x.contiguous()
     y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
     rc = lib.sidecar_amx_int8_matmul(
-        x.data_ptr(),
-        weight.data_ptr(),
-        scales.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x.shape[0],
-        weight.shape[0],
-        weight.shape[1],
-        torch.get_num_threads(),
-        int(bias is not None and bias.dtype == torch.bfloat16),
-        OUT_BF16 if out_dtype is torch.bfloat16 else OUT_F32,
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            scales=scales.data_ptr(),
+            bias=None if bias is None else bias.data_ptr(),
+            y=y.data_ptr(),
+            M=x.shape[0],
+            N=weight.shape[0],
+            K=weight.shape[1],
+            nthreads=torch.get_num_threads(),
+            x_bf16=1,
+            bias_bf16=bias is not None and bias.dtype == torch.bfloat16,
+            out=OUT_BF16 if out_dtype is torch.bfloat16 else OUT_F32,
+        )
     )
     if rc == 2:
         raise MemoryError(
@@ -348,17 +352,18 @@ def _self_check() -> str:
         y8 = torch.empty(67, 70)
         if (
             lib.sidecar_amx_int8_matmul(
-                x.data_ptr(),
-                codes.data_ptr(),
-                scales.data_ptr(),
-                None,
-                y8.data_ptr(),
-                67,
-                70,
-                96,
-                torch.get_num_threads(),
-                0,
-                OUT_F32,
+                MatmulArgs(
+                    x=x.data_ptr(),
+                    w=codes.data_ptr(),
+                    scales=scales.data_ptr(),
+                    y=y8.data_ptr(),
+                    M=67,
+                    N=70,
+                    K=96,
+                    nthreads=torch.get_num_threads(),
+                    x_bf16=1,
+                    out=OUT_F32,
+                )
             )
             != 0
         ):

@@ -13,15 +13,13 @@
  *
  * Tiled weights (sidecar_bf16_matmul_tiled): the same products over w held as [ceil(N/4)][K/32][4][32]
  * (4 rows' 32-value chunks side by side, the last tile padded with zero rows), so a thread reads its
- * tiles as one forward stream of 256-byte steps that the hardware prefetcher follows: measured on a
- * 2-core Zen 4, 2 threads over Qwen2-0.5B's gate/up weight, 29.1 GB/s against 25.9 for the plain rows
- * (a plain streaming read of the same bytes: 29.3). Each output is the same float32 arithmetic in the
- * same order as from the plain layout, so the two give the same bits. Over tiles a register tile holds up
- * to 6 activation rows (24 accumulators), the rows of a batch go in panels of equal size, and a thread's
- * tiles in blocks that stay in L2 while every panel passes over them; the finished sums of a row (one
- * tree for every path: a row's result does not depend on the batch it came in) are stored four at a time.
- * Whole Qwen2-0.5B on a 2-core Zen 4, 2 threads, against oneDNN's packed GEMM: 212 against 196 GFLOP/s
- * at 8 rows, 293 against 301 at 16, 346 against 363 at 32 (from 298 against 338 with 4-row tiles).
+ * tiles as one forward stream of 256-byte steps that the hardware prefetcher follows (near a plain
+ * streaming read of the same bytes, where the plain rows' several streams fall short). Each output is the
+ * same float32 arithmetic in the same order as from the plain layout, so the two give the same bits. Over
+ * tiles a register tile holds up to 6 activation rows (24 accumulators), the rows of a batch go in panels of
+ * equal size, and a thread's tiles in blocks that stay in L2 while every panel passes over them; the finished
+ * sums of a row (one tree for every path: a row's result does not depend on the batch it came in) are stored
+ * four at a time.
  *
  * On AVX2 (bf16 widened to float32), batches from OUTER_ROWS rows on take another arrangement of the same
  * sums in the same order: tiled_outer (outer products over groups of 16 weight rows converted a block at a
@@ -31,10 +29,10 @@
 #include <stdlib.h>
 
 #include "vec.h"
+#include "matmul_args.h"
 
-/* Loops start on 64-byte boundaries: the AVX2 outer-product loops otherwise moved with unrelated edits
- * elsewhere in the file (8 rows 9% slower with the same operations; 2 threads, AVX2 build on a Xeon), and
- * aligned they are not slower anywhere (AVX-512 BF16 build, 1-16 rows: level). */
+/* Loops start on 64-byte boundaries: the AVX2 outer-product loops' speed otherwise moved with unrelated
+ * edits elsewhere in the file, and aligned they are not slower anywhere. */
 #pragma GCC optimize("align-loops=64")
 
 #define NT 4
@@ -63,10 +61,8 @@ int sidecar_bf16_supported(void) {
 }
 
 #if BF16_PATH == 512
-/* One-row calls over the tiled layout read two tiles ahead too, into L2 like every read-ahead here: on a
- * 2-core Xeon with AMX a one-row pass over Qwen2-0.5B streamed 13% faster than with none (the hardware
- * prefetcher alone) or with the same read-ahead into L1, whose few fill buffers the prefetches then hold;
- * plain rows 3-10% faster than into L1. */
+/* One-row calls over the tiled layout read two tiles ahead too, into L2 like every read-ahead here: into L1
+ * the prefetches hold its few fill buffers, and the hardware prefetcher alone falls behind the stream. */
 #define TILED_READ_AHEAD 1
 /* out[i * NB + j] = sum_k x[i, k] * w[j, k]; K a multiple of 32. Weight row j's chunk c (values 32c..32c+31)
  * is at w + j * row_step + c * chunk_step: plain rows (row_step K, chunk_step 32, prefetched two tiles
@@ -103,7 +99,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint16_t* x, co
     }
 }
 #elif BF16_PATH == 2
-#define TILED_READ_AHEAD 0 /* one-row calls leave the tiled stream to the hardware, as measured on Zen 3 */
+#define TILED_READ_AHEAD 0 /* one-row calls leave the tiled stream to the hardware prefetcher */
 /* The same contract over float32 activations in the layout ``widen_rows`` gives. A weight chunk's 16-value
  * half is one 256-bit load of eight bf16 pairs: each 32-bit lane shifted left by 16 is its even value as
  * float32, the lane with its low half masked off its odd value (both exact), so two vector operations widen
@@ -259,15 +255,13 @@ static inline void store_sums(const float* acc, int mb, int nb, int m0, int n0, 
 
 #if BF16_PATH == 2
 /* Rows of a chunk: their float32 activations (CHUNK_BYTES at most) stay in the L3 cache while every block of
- * the weights passes over them (at 2,048 rows of Qwen2-0.5B's down projection, 40 MiB of activations read
- * again for each block ran at 0.75x the speed of 256 rows; at 1,024 rows of its gate/up projection, 2 MiB
- * chunks ran at 1.13x the speed of 4 MiB ones on a 2-core Zen 3, 2 threads, outer products). */
+ * the weights passes over them (activations read again from memory for each block slow the products). */
 #define CHUNK_BYTES       (2 << 20)
 #define BLOCKS_PER_THREAD 8
 
 /* Units (tiles, or groups of weight rows) a block of at most block_bytes, unit_bytes each, and at least
  * BLOCKS_PER_THREAD blocks a thread: blocks go to whichever thread is free (the cores of a shared machine run
- * at unequal speeds: an even split left the faster one waiting ~5% of a prefill). */
+ * at unequal speeds: an even split leaves the faster one waiting). */
 static int units_per_block(int units, int64_t unit_bytes, int64_t block_bytes, int nthreads) {
     const int fair = (units + nthreads * BLOCKS_PER_THREAD - 1) / (nthreads * BLOCKS_PER_THREAD);
     int per = (int)(block_bytes / unit_bytes);
@@ -298,9 +292,9 @@ static float* chunk_buffer(int64_t n) {
 /* Batches of OUTER_ROWS rows and more again, as outer products: the same sums in the same order, with
  * weights and activations rearranged so that every FMA takes a vector of 8 outputs' weights and one
  * activation broadcast from memory. Dot products over half tiles (6 x 2 register tiles) loaded an activation
- * vector for every two FMAs and ran at ~80% of the core's FMA rate; here a register tile is up to 6
- * activation rows x 16 weight rows (12 accumulators, one vector of 16 bf16 weights widened into two, one
- * broadcast) and runs at the FMA rate (Zen 3, one thread, weights in L2: 97 GFLOP/s against 78).
+ * vector for every two FMAs and ran below the core's FMA rate; here a register tile is up to 6 activation
+ * rows x 16 weight rows (12 accumulators, one vector of 16 bf16 weights widened into two, one broadcast) and
+ * runs at the FMA rate.
  *
  * The order: the sum for output n is kept as 8 partial sums s_l (l = 0..7), s_l accumulating, for each
  * 16-value block b of K in turn, the products at k = 16b + 2l and then 16b + 2l + 1 -- lane l of dot_tile's
@@ -312,9 +306,7 @@ static float* chunk_buffer(int64_t n) {
  * over them; the rows in the order 0-3, 8-11, 4-7, 12-15, so that widening the low and the high half of each
  * 128-bit lane (unpack with zeros) gives rows 0-7 and 8-15; activations, each row as float32 (a bf16 value
  * widened exactly) in the order [l][K / 16][k & 1]. */
-/* From this many rows on (below, converting a block costs more than it saves: 2-3 rows 0.84-0.86x the dot
- * products' speed; 4-7 rows 1.28-1.43x the dot products over half tiles this replaced, 2 threads, AVX2 build
- * on a Xeon) */
+/* From this many rows on (below, converting a block of weights costs more than the outer products save) */
 #define OUTER_ROWS 4
 #define KC_OUTER   1024 /* values of K a pass: a lane's activations for a panel (<= 3 KiB) stay in L1 */
 /* a thread's converted weights, in L2 beside the tiles they come from */
@@ -582,7 +574,7 @@ static void outer_store(const __m256* acc, int mb, int g, int m0, int N, const f
 
 /* The source of a block's weights over [k0, k1) (its groups' tiles, or int8 rows): read into L2 a few cache
  * lines at a time while the panels pass over the block before it, so that converting it does not wait on
- * memory (at 32 rows the conversion took a quarter of the time on a Zen 3, half of it waiting). One
+ * memory. One
  * contiguous range a tile, or a row of codes. */
 struct prefetch {
     const char *at, *end; /* the next line to read, the end of the current range */
@@ -673,9 +665,7 @@ static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_
             for (int r = 0; r < rows; r++) row_to_lanes(x, x_f32, c0 + r, K, xa + (int64_t)r * K);
             /* blocks go to whichever thread asks first; a thread asks for its next block before this one (not
              * near the end: holding a block while the other thread waits would cost more), so that it can
-             * read that block's weights ahead (at every chunk size: 2 threads, AVX2 build on a Xeon, 96 rows
-             * of Qwen2-0.5B's layers 1.04x, 256 rows 1.02x, 1,024 level against reading ahead only up to 64
-             * rows) */
+             * read that block's weights ahead at every chunk size */
             int* const claim = &claims[c0 / mc];
             int blk = __atomic_fetch_add(claim, 1, __ATOMIC_RELAXED);
             while (blk < blocks) {
@@ -754,8 +744,17 @@ static int tiled_outer(const void* x, int x_f32, const uint16_t* wt, const int8_
 
 /* y = x @ w.T + bias with w in the tiled layout; arguments and returns as sidecar_bf16_matmul (2 also when
  * the prefill paths' buffers cannot be allocated). */
-int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void* bias, void* y, int M, int N,
-                              int K, int nthreads, int bias_bf16, int out_bf16) {
+int sidecar_bf16_matmul_tiled(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint16_t* wt = a->w;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out_bf16 = a->out;
 #ifdef BF16_PATH
     if (K % 32) return 1;
     nthreads = nthreads < 1 ? 1 : nthreads;
@@ -838,8 +837,17 @@ int sidecar_bf16_matmul_tiled(const uint16_t* x, const uint16_t* wt, const void*
 /* bias: [N] (float32, or bf16 when bias_bf16) or NULL; y: float32, or bf16 when out_bf16. K must be a
  * multiple of 32. Returns 0; 1 on a CPU without either path (or K not a multiple of 32); 2 when the AVX2
  * path's float32 copy of x cannot be allocated. */
-int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, void* y, int M, int N, int K,
-                        int nthreads, int bias_bf16, int out_bf16) {
+int sidecar_bf16_matmul(const sidecar_matmul_args* a) {
+    const uint16_t* x = a->x;
+    const uint16_t* w = a->w;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out_bf16 = a->out;
 #ifdef BF16_PATH
     if (K % 32) return 1;
     nthreads = nthreads < 1 ? 1 : nthreads;
@@ -915,12 +923,23 @@ int sidecar_bf16_matmul(const uint16_t* x, const uint16_t* w, const void* bias, 
 /* y = (x @ w.T) * scale + bias for int8 codes w [N, K] with one float32 scale a row: the AVX2 prefill path
  * above (tiled_outer) over the codes (a block of groups converted to bf16 in the thread's buffer, exactly:
  * the codes are small integers), so a prefill over int8 weights runs at bf16's pace instead of torch's packed
- * int8 kernel (half of it on a Zen 3). x: bf16, or float32 when x_f32 (each value as it is: no rounding);
+ * int8 kernel's. x: bf16, or float32 when x_f32 (each value as it is: no rounding);
  * bias, y as sidecar_bf16_matmul. The sums are float32 in the order of every path here. Returns 0; 1 without
  * the AVX2 path (an AVX-512 build has none: its caller keeps torch's kernel) or when K is not a multiple of
  * 32; 2 when out of memory. */
-int sidecar_int8_matmul_wide(const void* x, int x_f32, const int8_t* w, const float* scale, const void* bias,
-                             void* y, int M, int N, int K, int nthreads, int bias_bf16, int out_bf16) {
+int sidecar_int8_matmul_wide(const sidecar_matmul_args* a) {
+    const void* x = a->x;
+    int x_f32 = !a->x_bf16;
+    const int8_t* w = a->w;
+    const float* scale = a->scales;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int bias_bf16 = a->bias_bf16;
+    int out_bf16 = a->out;
 #if defined(BF16_PATH) && BF16_PATH == 2
     if (K % 32 || M < 1) return 1;
     return tiled_outer(x, x_f32, NULL, w, scale, bias, y, M, N, K, nthreads < 1 ? 1 : nthreads, bias_bf16,

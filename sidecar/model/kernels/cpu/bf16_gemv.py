@@ -3,10 +3,9 @@
 ``bf16_matmul(x, weight, bias, out_dtype)`` computes ``x @ weight.T + bias`` for bf16 ``x`` [M, K] and
 ``weight`` [N, K] (K a multiple of 32), accumulating in float32 like torch's bf16 matmul, and returns
 [M, N] in float32, or rounded once to bf16 (what torch's bf16 linear returns) with ``out_dtype=bfloat16``.
-Torch's CPU bf16 GEMM is several times slower at 2-8 rows than at 1 (measured on Zen 5: 2.4-2.8x at 4
-rows for Qwen2-0.5B's layers), where this kernel's cost barely grows; at one row it streams the weights
-10-15% faster. ``sidecar.model.linear.Linear`` takes it for bf16 batches of up to MAX_ROWS rows where
-it holds a plain weight (see ``pack_weights``).
+Torch's CPU bf16 GEMM is several times slower at 2-8 rows than at 1, where this kernel's cost barely grows;
+at one row it streams the weights faster. ``sidecar.model.linear.Linear`` takes it for bf16 batches of up to
+MAX_ROWS rows where it holds a plain weight (see ``linear_layout.pack_weights``).
 
 On a CPU without AVX-512 BF16 (AVX2 only: AMD Zen 2/3, older Intel) the same kernel widens the bf16 values
 to float32 (exact) and multiplies with FMAs, in one fixed order as well. oneDNN has no bf16 GEMM there, and
@@ -18,8 +17,7 @@ picks bf16 on such CPUs (``hardware.avx2_bf16_kernel``).
 
 ``tile_weight(weight)`` lays a weight out as [ceil(N/4), K/32, 4, 32] (four rows' 32-value chunks side by
 side, zero rows padding the last tile) and ``bf16_matmul_tiled(x, tiled, n, bias, out_dtype)`` takes that
-layout: one forward stream per thread, ~12% more bandwidth at one row than the plain rows (see the C
-header), the same bits.
+layout: one forward stream per thread, more bandwidth at one row than the plain rows, the same bits.
 """
 
 from __future__ import annotations
@@ -33,7 +31,8 @@ import torch
 
 from sidecar.model import hugepages
 from sidecar.model.kernels.cpu import cpu_build
-from sidecar.model.kernels.cpu.cpu_build import I, P
+from sidecar.model.kernels.cpu.cpu_build import I
+from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
 
 MAX_ROWS = 16
 # Row counts at which pack time compares this kernel with oneDNN's packed GEMM (``measure_rows_limit``).
@@ -45,10 +44,10 @@ ROWS_ENV = "SIDECAR_BF16_KERNEL_ROWS"  # a fixed limit instead of the measured o
 _KERNEL = cpu_build.Kernel(
     "bf16_gemv",
     {
-        "sidecar_bf16_matmul": ([P] * 4 + [I] * 6, I),
-        "sidecar_bf16_matmul_tiled": ([P] * 4 + [I] * 6, I),
+        "sidecar_bf16_matmul": ([MatmulArgs], I),
+        "sidecar_bf16_matmul_tiled": ([MatmulArgs], I),
         "sidecar_bf16_supported": ([], I),
-        "sidecar_int8_matmul_wide": ([P, I] + [P] * 4 + [I] * 6, I),
+        "sidecar_int8_matmul_wide": ([MatmulArgs], I),
     },
     setup=lambda lib: setattr(lib, "_sidecar_bf16", int(lib.sidecar_bf16_supported())),
 )
@@ -90,18 +89,20 @@ def int8_matmul_wide(
     x = x if x.is_contiguous() else x.contiguous()  # held for the call
     y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
     rc = lib.sidecar_int8_matmul_wide(
-        x.data_ptr(),
-        int(x.dtype == torch.float32),
-        weight.data_ptr(),
-        scales.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        x.shape[0],
-        weight.shape[0],
-        x.shape[1],
-        torch.get_num_threads(),
-        int(bias is not None and bias.dtype == torch.bfloat16),
-        int(out_dtype == torch.bfloat16),
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            scales=scales.data_ptr(),
+            bias=None if bias is None else bias.data_ptr(),
+            y=y.data_ptr(),
+            M=x.shape[0],
+            N=weight.shape[0],
+            K=x.shape[1],
+            nthreads=torch.get_num_threads(),
+            x_bf16=x.dtype != torch.float32,
+            bias_bf16=bias is not None and bias.dtype == torch.bfloat16,
+            out=out_dtype == torch.bfloat16,
+        )
     )
     if rc == 2:
         raise MemoryError(
@@ -156,16 +157,19 @@ def _call(
         b = bias.contiguous() if bias.dtype == torch.bfloat16 else bias.float().contiguous()
     y = torch.empty(x.shape[0], n, dtype=out_dtype)
     rc = fn(
-        x.data_ptr(),
-        weight.data_ptr(),
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        x.shape[0],
-        n,
-        x.shape[1],
-        torch.get_num_threads(),
-        int(b is not None and b.dtype == torch.bfloat16),
-        int(out_dtype == torch.bfloat16),
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            bias=None if b is None else b.data_ptr(),
+            y=y.data_ptr(),
+            M=x.shape[0],
+            N=n,
+            K=x.shape[1],
+            nthreads=torch.get_num_threads(),
+            x_bf16=1,
+            bias_bf16=b is not None and b.dtype == torch.bfloat16,
+            out=out_dtype == torch.bfloat16,
+        )
     )
     if rc == 2:
         raise MemoryError(
@@ -284,16 +288,19 @@ class TiledLayer(cpu_build.LayerView):
         y = torch.empty(x.shape[0], self.n, dtype=out_dtype)
         b = self.bias
         rc = self.fn(
-            x.data_ptr(),
-            self.tiled.data_ptr(),
-            None if b is None else b.data_ptr(),
-            y.data_ptr(),
-            x.shape[0],
-            self.n,
-            self.k,
-            torch.get_num_threads(),
-            self.bias_bf16,
-            out_dtype is torch.bfloat16,
+            MatmulArgs(
+                x=x.data_ptr(),
+                w=self.tiled.data_ptr(),
+                bias=None if b is None else b.data_ptr(),
+                y=y.data_ptr(),
+                M=x.shape[0],
+                N=self.n,
+                K=self.k,
+                nthreads=torch.get_num_threads(),
+                x_bf16=1,
+                bias_bf16=self.bias_bf16,
+                out=out_dtype is torch.bfloat16,
+            )
         )
         if rc == 2:
             raise MemoryError(
@@ -326,9 +333,8 @@ def measure_rows_limit(layers: list[tuple[torch.Tensor, int, torch.Tensor]], rep
     fits the caches is read from them then too); the fastest of ``reps`` passes.
     ``$SIDECAR_BF16_KERNEL_ROWS`` replaces the measurement.
 
-    Why measure: where oneDNN's packed GEMM overtakes this kernel depends on the CPU. On a 2-core Zen 4
-    over Qwen2-0.5B's layers (96 MiB a pass) this kernel takes 0.68-0.71x oneDNN's time at 2 rows,
-    0.81-0.92x at 4, 1.0-1.13x at 8 and 1.27-1.37x at 16 (limit: 8), where on a Zen 5 it led up to 16."""
+    Why measure: where oneDNN's packed GEMM overtakes this kernel depends on the CPU (see
+    docs/perf/kernels-notes.md)."""
     fixed = os.environ.get(ROWS_ENV, "").strip()
     if fixed:
         if not fixed.isdigit() or not 1 <= int(fixed) <= MAX_ROWS:

@@ -9,7 +9,8 @@ build once under a file lock. Anything that fails (no compiler, no OpenMP, a com
 error) returns None with the reason, and the caller keeps its torch path.
 
 Each wrapper module declares its kernel once as a ``Kernel``: the source's name and the C signatures of
-the functions it exports (``P`` a tensor's ``data_ptr()``, ``I`` an int, ``F`` a float). The library's
+the functions it exports (``P`` a tensor's ``data_ptr()``, ``I`` an int, ``F`` a float, an ``Args`` subclass a
+pointer to that argument struct: an entry point of more than a few parameters takes one). The library's
 attribute for each is a ``KernelFunction``: the ctypes function, and the hook through which a decode step's
 calls are recorded for replay from C (``replay.py``) while a recorder is installed (``set_recorder``); a
 recorder answering true plans the step instead: the call is noted and not made.
@@ -54,6 +55,15 @@ def set_recorder(recorder: Optional[Callable[["KernelFunction", tuple], bool]]) 
     the call is not made (a plan's pass: nothing is computed) and returns 0 (None for a void function), as
     a call that succeeded. None stops that."""
     _recording.recorder = recorder
+
+
+class Args(ctypes.Structure):
+    """Base of the ctypes mirrors of the kernels' argument structs. A subclass names its C typedef in ``c_name``;
+    every library taking it exports ``int <c_name>_size(void)``, checked against the mirror's size at load. Its
+    pointer fields are ``ctypes.c_void_p`` (a replay relocates those that point into a step's own tensors), its
+    other fields plain values. A function declared with it takes an instance (passed by reference)."""
+
+    c_name = ""
 
 
 class KernelFunction:
@@ -174,8 +184,13 @@ class Kernel:
     def _configure(self, lib: ctypes.CDLL) -> None:
         for fn, (argtypes, restype) in self._signatures.items():
             func = getattr(lib, fn)
-            func.argtypes = list(argtypes)
+            func.argtypes = [ctypes.POINTER(t) if _is_args(t) else t for t in argtypes]
             func.restype = restype
+            for t in filter(_is_args, argtypes):
+                size = getattr(lib, f"{t.c_name}_size")
+                size.restype = ctypes.c_int
+                if size() != ctypes.sizeof(t):
+                    raise RuntimeError(f"{t.c_name}: {size()} bytes in C, {ctypes.sizeof(t)} in its mirror")
             setattr(lib, fn, KernelFunction(func, fn, argtypes, restype))
         if self._setup is not None:
             self._setup(lib)
@@ -186,6 +201,10 @@ class Kernel:
 
     def available(self) -> bool:
         return self.lib() is not None
+
+
+def _is_args(kind: type) -> bool:
+    return isinstance(kind, type) and issubclass(kind, Args)
 
 
 def _dropped() -> None:

@@ -4,8 +4,7 @@
  *   y[m, n] = bias[n] + sum_k x[m, k] * w[n, k]      x, w, y float32 [M, K] / [N, K] / [M, N]; K % 16 == 0
  *
  * oneDNN's packed float32 GEMM, on the head's packed copy, streams a vocab-sized head below the memory's rate
- * at a few rows (measured on a 2-core Zen 3, 2 threads, 151,936 x 896: 25.5 ms at one row, 39.6 at four; this
- * kernel on the plain table: 22.1 and 24.9). Here weight rows go in tiles of 4, split across threads, each
+ * at a few rows. Here weight rows go in tiles of 4, split across threads, each
  * tile passing once over every panel of up to 3 activation rows while it sits in L1 (so the weight is read
  * from memory once per call at any batch size), prefetched two tiles ahead. Each output is FMAs over its
  * row's lanes in one fixed order, then one fixed tree over the lanes: a row's result does not depend on its

@@ -3,7 +3,7 @@
 ``f32_matmul(x, weight, bias)`` computes ``x @ weight.T + bias`` for float32 ``x`` [M, K] and ``weight``
 [N, K] (K a multiple of 16), float32 FMAs in one fixed order per output (they differ from ``F.linear`` in
 summation order only; a row's result does not depend on its batch). A float32 model's tied head shares its
-table with the embedding lookups, so ``linear.pack_weights`` keeps the plain table beside the head's packed
+table with the embedding lookups, so ``linear_layout.pack_weights`` keeps the plain table beside the head's packed
 copy; ``Linear`` takes this kernel on the plain table for batches of up to ``linear.F32_KERNEL_ROWS`` rows,
 where it streams faster than oneDNN's packed float32 GEMM (see the C header), and the packed copy above.
 """

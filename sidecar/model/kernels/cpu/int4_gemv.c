@@ -23,7 +23,7 @@
  *    vpmaddubsw: a 32-byte vector holds 16 rows' codes of two adjacent columns side by side (unpacked
  *    from the layout), multiplied with a column pair of high or low activation bytes; the 16-bit pair
  *    sums of 8 column pairs (at most 8 * 2 * 15 * 128 = 30720) are summed as 16-bit, then widened to
- *    32 bits. About half the instructions per code of the float path on Zen 3. That is for calls of
+ *    32 bits: about half the instructions per code of the float path. That is for calls of
  *    1-2 rows (decode); from 3 rows on (panel_group) a group's codes are decoded once per block to
  *    int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16 products a vector into
  *    exact 32-bit sums, twice the rate of float32 FMAs), the same integers either way.
@@ -33,11 +33,10 @@
  * threads; each chunk of codes is decoded once for one or more activation rows, and one pass reads
  * each weight byte once, which is what bounds decode.
  */
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <math.h>
-#include <immintrin.h>
+
+#include "vec.h"
+#include "matmul_args.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "int4_gemv needs AVX2 and FMA"
@@ -66,7 +65,7 @@ typedef struct {
     const uint16_t* x16; /* [M, K] the caller's activations when they are bf16, else NULL */
     int8_t* xb;     /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path). With AVX2,
                      * xb_row * K bytes a row, pairs of columns as int32 (a float broadcast makes a vector of
-                     * them, where an integer broadcast from memory is several times slower on Zen 3): high bytes
+                     * them, where an integer broadcast from memory is several times slower): high bytes
                      * then low bytes, a pair's two bytes twice (panels 0), or the int16 codes (panels 1) */
     float* d;       /* [M, G] code scale (integer path) */
     int32_t* xqsum; /* [M, G] sum of the codes (integer path) */
@@ -75,13 +74,6 @@ typedef struct {
     int panels; /* AVX2: the call has PANEL_MIN rows or more (xb holds int16 codes, pairs as int32) */
     int xb_row; /* bytes of xb per row and column: 4 for AVX2's byte pairs, else 2 */
 } Act;
-
-static inline float bf16_value(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 #if INT_DOT == 1
 static inline __m512 load_x16(const float* x, const uint16_t* x16, int k) { /* 16 activations as floats */
@@ -125,7 +117,7 @@ static void prepare_group(const Act* a, int m, int g) {
     float sum = 0.f, mx = 0.f;
     int finite = 1;
     for (int k = 0; k < a->gs; k++) {
-        const float v = x16 ? bf16_value(x16[k]) : x[k];
+        const float v = x16 ? bf16_to_f32(x16[k]) : x[k];
         sum += v;
         mx = fmaxf(mx, fabsf(v));
         finite &= isfinite(v);
@@ -139,7 +131,7 @@ static void prepare_group(const Act* a, int m, int g) {
     for (int k = 0; k < a->gs; k += 2) {
         int32_t q[2];
         for (int j = 0; j < 2; j++) {
-            q[j] = (int32_t)lrintf((x16 ? bf16_value(x16[k + j]) : x[k + j]) * inv); /* nearest even */
+            q[j] = (int32_t)lrintf((x16 ? bf16_to_f32(x16[k + j]) : x[k + j]) * inv); /* nearest even */
             qsum += q[j];
         }
         if (a->panels) { /* the codes of columns k, k + 1 as int16, one int32 a pair */
@@ -265,8 +257,8 @@ static inline __attribute__((always_inline)) void fold(const Act* a, int i, int 
 
 /* One group for R (1 or 2) activation rows from row i: codes decoded straight into the dot products.
  * pf, when not NULL: codes further on, fetched into L2 meanwhile (the hardware prefetcher stops at page
- * boundaries; a group's codes are a page or less). Into L2, not L1: on a 2-core Xeon with AMX, batch-1 decode
- * of an int4 Qwen2-0.5B 63 -> 75 tok/s, where the prefetches into L1 waited on its few fill buffers. */
+ * boundaries; a group's codes are a page or less). Into L2, not L1, whose few fill buffers the prefetches
+ * would hold. */
 static inline __attribute__((always_inline)) void group_direct(const uint8_t* w, int stride, const int kind,
                                                                const Idx* idx, const Act* a, int i,
                                                                const int R, int g, const uint16_t* szg,
@@ -545,7 +537,7 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
 #define SPLIT64_IN_HALVES 0
 #define MB_ROWS           4 /* activation rows whose sums stay in registers */
 typedef __m512 V16;
-static inline V16 v_zero(void) {
+static inline V16 v16_zero(void) {
     return _mm512_setzero_ps();
 }
 static inline V16 v_codes(__m128i c) {
@@ -554,10 +546,10 @@ static inline V16 v_codes(__m128i c) {
 static inline V16 v_fma_x(V16 w, const float* x, V16 acc) {
     return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc);
 }
-static inline V16 v_load(const float* p) {
+static inline V16 v16_load(const float* p) {
     return _mm512_loadu_ps(p);
 }
-static inline void v_store(float* p, V16 v) {
+static inline void v16_store(float* p, V16 v) {
     _mm512_storeu_ps(p, v);
 }
 /* 16 (scale, zero) bf16 pairs -> scale and zero - 8 * scale as floats */
@@ -577,7 +569,7 @@ static inline V16 v_fold(V16 tot, V16 s, V16 acc, V16 zp, float xs) { /* tot + s
 typedef struct {
     __m256 a, b;
 } V16;
-static inline V16 v_zero(void) {
+static inline V16 v16_zero(void) {
     V16 r = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     return r;
 }
@@ -591,11 +583,11 @@ static inline V16 v_fma_x(V16 w, const float* x, V16 acc) {
     V16 r = {_mm256_fmadd_ps(w.a, b, acc.a), _mm256_fmadd_ps(w.b, b, acc.b)};
     return r;
 }
-static inline V16 v_load(const float* p) {
+static inline V16 v16_load(const float* p) {
     V16 r = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)};
     return r;
 }
-static inline void v_store(float* p, V16 v) {
+static inline void v16_store(float* p, V16 v) {
     _mm256_storeu_ps(p, v.a);
     _mm256_storeu_ps(p + 8, v.b);
 }
@@ -653,7 +645,7 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, i
     V16 acc[4][4];
     __m128i c[4];
     for (int i = 0; i < MB; i++)
-        for (int t = 0; t < T; t++) acc[i][t] = v_zero();
+        for (int t = 0; t < T; t++) acc[i][t] = v16_zero();
     const float* x = a->x + (int64_t)i0 * a->K + (int64_t)g * a->gs;
     for (int k = 0; k < a->gs; k++) {
         decode1(w + (int64_t)k * stride, kind, c);
@@ -668,7 +660,7 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t* w, i
         float xs = a->xsum[(int64_t)(i0 + i) * a->G + g];
         for (int t = 0; t < T; t++) {
             float* o = &tot[i0 + i][16 * t];
-            v_store(o, v_fold(v_load(o), s[t], acc[i][t], zp[t], xs));
+            v16_store(o, v_fold(v16_load(o), s[t], acc[i][t], zp[t], xs));
         }
     }
 }
@@ -778,8 +770,20 @@ int sidecar_int4_integer_dot(void) {
  * for np rows (np % 16 == 0) and K columns (K % gs == 0, gs % 16 == 0, gs <= 256); sz bf16
  * [K / gs, np, 2]; block_n 64 or 32; split 1 for split full blocks, 0 for interleaved ones.
  * Returns 0, -1 for arguments it does not handle, -2 when out of memory (nothing written then). */
-int sidecar_int4_matmul(const void* x, const uint8_t* w, const uint16_t* sz, void* y, int M, int np, int K,
-                        int gs, int block_n, int split, int x_bf16, int y_bf16, int nthreads) {
+int sidecar_int4_matmul(const sidecar_matmul_args* args) {
+    const void* x = args->x;
+    const uint8_t* w = args->w;
+    const uint16_t* sz = args->scales;
+    void* y = args->y;
+    int M = args->M;
+    int np = args->N;
+    int K = args->K;
+    int gs = args->group_size;
+    int block_n = args->block_n;
+    int split = args->split;
+    int x_bf16 = args->x_bf16;
+    int y_bf16 = args->out;
+    int nthreads = args->nthreads;
     if (M < 0 || np % 16 || gs <= 0 || gs > 256 || gs % 16 || K % gs || (block_n != 64 && block_n != 32))
         return -1;
     if (M == 0) return 0;

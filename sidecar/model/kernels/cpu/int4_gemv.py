@@ -26,25 +26,21 @@ from typing import Optional
 import torch
 
 from sidecar.model.kernels.cpu import amx_gemm, cpu_build
-from sidecar.model.kernels.cpu.cpu_build import I, P
+from sidecar.model.kernels.cpu.cpu_build import I
+from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
 
 log = logging.getLogger("sidecar.kernels")
 
-# Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
-# Measured on Zen 5 (AVX-512 VNNI), Qwen2-0.5B-shaped layers: 1.6-3x faster than torch's packed kernel
-# from 1 to 32 rows on one or two threads, and still ~2x at 2048 rows (the default token budget of a
-# step); beyond that torch's kernel. The AVX2 build's float path, against torch's AVX2 kernel: 2.4x at 1 row,
-# even from 4 to 32; its integer path (Zen 3, 4,864 x 896): 1.5x the float path at 1 row, 1.2x at 256.
+# Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used (the default token
+# budget of a step; it stays ahead of torch's packed kernel there); beyond that torch's kernel.
 MAX_ROWS = 2048
 # The integer path rounds each activation to round(x * ACTIVATION_CODE_MAX / absmax of its group):
 # 16-bit codes whose high and low bytes are both int8.
 ACTIVATION_CODE_MAX = 32639
 LAYOUTS = ((64, True), (32, True), (32, False), (64, False))  # (rows per block, split nibbles)
 _layout: list[Optional[tuple[int, bool]]] = []
-# From this many rows, bf16 activations go through the AMX tile path over the codes where it runs. Measured on a
-# 2-core Xeon with AMX, two threads, against this kernel: with the weights coming from memory as in a decode step
-# (Qwen2-0.5B's int4 head, 151,936 x 896), 4 rows 5.4 against 3.5 ms, 8 rows 5.7 against 5.7, 12 rows 6.3 against 8.9,
-# 32 rows 10.3 against 26.0; 4,864 x 896 and 896 x 4,864 layers held in the caches, 256 rows 1.22-1.33 against 5.9-6.1.
+# From this many rows, bf16 activations go through the AMX tile path over the codes where it runs: where the tile
+# products overtake this kernel's per-row ones, with the weights coming from memory as in a decode step.
 TILE_MIN_ROWS = 8
 _tiles: dict[str, str] = {}  # "reason": why the tile path is off ('' when on), once checked
 
@@ -52,7 +48,7 @@ _tiles: dict[str, str] = {}  # "reason": why the tile path is off ('' when on), 
 _KERNEL = cpu_build.Kernel(
     "int4_gemv",
     {
-        "sidecar_int4_matmul": ([P] * 4 + [I] * 9, I),
+        "sidecar_int4_matmul": ([MatmulArgs], I),
         "sidecar_int4_vector_bits": ([], I),
         "sidecar_int4_integer_dot": ([], I),
     },
@@ -145,20 +141,21 @@ def tile_matmul(
     m, k = x.shape
     y = torch.empty(m, weight.shape[0], dtype=out_dtype)
     rc = amx_gemm._lib().sidecar_amx_int4_matmul(
-        x.data_ptr(),
-        weight.data_ptr(),
-        scales_and_zeros.data_ptr(),
-        None,
-        y.data_ptr(),
-        m,
-        weight.shape[0],
-        k,
-        group_size,
-        layout[0],
-        int(layout[1]),
-        threads or torch.get_num_threads(),
-        0,
-        int(out_dtype is torch.bfloat16),
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            scales=scales_and_zeros.data_ptr(),
+            y=y.data_ptr(),
+            M=m,
+            N=weight.shape[0],
+            K=k,
+            nthreads=threads or torch.get_num_threads(),
+            x_bf16=1,
+            out=out_dtype is torch.bfloat16,
+            group_size=group_size,
+            block_n=layout[0],
+            split=layout[1],
+        )
     )
     if rc == 2:
         raise MemoryError(f"int4 tile matmul: no memory for the working buffers of {m} activation rows")
@@ -246,19 +243,21 @@ def int4_matmul(
     weight, sz = weight.contiguous(), scales_and_zeros.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
     rc = lib.sidecar_int4_matmul(
-        x.data_ptr(),
-        weight.data_ptr(),
-        sz.data_ptr(),
-        y.data_ptr(),
-        m,
-        n,
-        k,
-        group_size,
-        layout[0],
-        int(layout[1]),
-        int(x.dtype == torch.bfloat16),
-        int(out_dtype == torch.bfloat16),
-        torch.get_num_threads(),
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            scales=sz.data_ptr(),
+            y=y.data_ptr(),
+            M=m,
+            N=n,
+            K=k,
+            nthreads=torch.get_num_threads(),
+            x_bf16=x.dtype == torch.bfloat16,
+            out=out_dtype == torch.bfloat16,
+            group_size=group_size,
+            block_n=layout[0],
+            split=layout[1],
+        )
     )
     if rc == -2:
         raise MemoryError("int4_matmul: no memory for the activation scratch")
@@ -269,10 +268,9 @@ def int4_matmul(
 class Layer(cpu_build.LayerView):
     """One layer's static operands (``weight``, ``group_size``, ``scales_and_zeros`` as ``int4_matmul`` takes
     them, torch's layout) checked once, so that a call checks only the activations: in a decode step the
-    checks and conversions around the product cost more than the product itself for most layers (~45 of
-    ~105 us for a 896 x 896 layer on Zen 3; 97 layers a token). ``matches`` says whether it still holds these
-    tensors (the module's buffers may be replaced). bf16 batches of ``TILE_MIN_ROWS`` rows or more take the AMX
-    tile path where it runs (``tiles_take``)."""
+    checks and conversions around the product cost more than the product itself for most layers. ``matches``
+    says whether it still holds these tensors (the module's buffers may be replaced). bf16 batches of
+    ``TILE_MIN_ROWS`` rows or more take the AMX tile path where it runs (``tiles_take``)."""
 
     __slots__ = ("weight", "sz", "n", "k", "fn", "tiles")
 
@@ -307,20 +305,21 @@ class Layer(cpu_build.LayerView):
         fn, gs, block_n, split = self.fn
         if self.tiles is not None and m >= TILE_MIN_ROWS and x.dtype is torch.bfloat16:
             rc = self.tiles(
-                x.data_ptr(),
-                self.weight.data_ptr(),
-                self.sz.data_ptr(),
-                None,
-                y.data_ptr(),
-                m,
-                self.n,
-                k,
-                gs,
-                block_n,
-                split,
-                torch.get_num_threads(),
-                0,
-                out_dtype is torch.bfloat16,
+                MatmulArgs(
+                    x=x.data_ptr(),
+                    w=self.weight.data_ptr(),
+                    scales=self.sz.data_ptr(),
+                    y=y.data_ptr(),
+                    M=m,
+                    N=self.n,
+                    K=k,
+                    nthreads=torch.get_num_threads(),
+                    x_bf16=1,
+                    out=out_dtype is torch.bfloat16,
+                    group_size=gs,
+                    block_n=block_n,
+                    split=split,
+                )
             )
             if rc == 2:
                 raise MemoryError(
@@ -329,19 +328,21 @@ class Layer(cpu_build.LayerView):
             assert rc == 0, "the int4 tile path refused arguments checked at construction"
             return y
         rc = fn(
-            x.data_ptr(),
-            self.weight.data_ptr(),
-            self.sz.data_ptr(),
-            y.data_ptr(),
-            m,
-            self.n,
-            k,
-            gs,
-            block_n,
-            split,
-            x.dtype is torch.bfloat16,
-            out_dtype is torch.bfloat16,
-            torch.get_num_threads(),
+            MatmulArgs(
+                x=x.data_ptr(),
+                w=self.weight.data_ptr(),
+                scales=self.sz.data_ptr(),
+                y=y.data_ptr(),
+                M=m,
+                N=self.n,
+                K=k,
+                nthreads=torch.get_num_threads(),
+                x_bf16=x.dtype is torch.bfloat16,
+                out=out_dtype is torch.bfloat16,
+                group_size=gs,
+                block_n=block_n,
+                split=split,
+            )
         )
         if rc == -2:
             raise MemoryError("int4_matmul: no memory for the activation scratch")

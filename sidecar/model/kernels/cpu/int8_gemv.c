@@ -18,11 +18,10 @@
  * nor the activations (re-read from cache once per NT weight rows) cost more than their share.
  * Tiles of weight rows are split across threads.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
-#include <immintrin.h>
+
+#include "vec.h"
+#include "matmul_args.h"
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define NT 4
@@ -48,21 +47,13 @@ static float activation_qmax(int K) {
     return (float)(q < 32767.0 ? floor(q) : 32767.0);
 }
 
-static inline float x_at(const void* x, int64_t i, int x_bf16) {
-    if (!x_bf16) return ((const float*)x)[i];
-    const uint32_t u = (uint32_t)((const uint16_t*)x)[i] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* x: float32, or bf16 when x_bf16 (then each row is widened into row [K] first) */
 static void quantize_rows(const void* x, int x_bf16, float* row, int16_t* xq, float* xs, int M, int K,
                           float qmax) {
     for (int m = 0; m < M; m++) {
         const float* xr = (const float*)x + (int64_t)m * K;
         if (x_bf16) {
-            for (int k = 0; k < K; k++) row[k] = x_at(x, (int64_t)m * K + k, 1);
+            for (int k = 0; k < K; k++) row[k] = dt_load(x, (size_t)m * K + k, 1);
             xr = row;
         }
         float amax = 0.f;
@@ -178,10 +169,8 @@ static inline __attribute__((always_inline)) void dot_tile(const int16_t* x, con
         }
     }
     /* The tiles of a thread are consecutive rows, one contiguous stretch of memory: prefetch the
-     * tile after next at the pace this one is consumed (128 bytes per chunk covers NT rows), into L2: on a
-     * 2-core Xeon with AMX, batch-1 decode of an int8 Qwen2-0.5B 39.5 -> 46.5 tok/s against the same
-     * read-ahead into L1 (whose few fill buffers the prefetches held: most of the kernel's samples sat on the
-     * prefetch), 35 with none. */
+     * tile after next at the pace this one is consumed (128 bytes per chunk covers NT rows), into L2: into
+     * L1 the prefetches hold its few fill buffers and the kernel waits on them. */
     const char* ahead = (const char*)(w + (int64_t)2 * NB * K);
     for (; k + 32 <= K; k += 32) {
         _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
@@ -257,13 +246,6 @@ static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x,
 #define NB1_CASES(CALL)
 #endif
 
-static inline uint16_t to_bf16(float f) { /* round to nearest even; a NaN stays a NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 #define X_BF16    1 /* flags: x is bf16 (else float32) */
 #define Y_BF16    2 /* y is bf16, the float32 result rounded once (else float32) */
 #define BIAS_BF16 4 /* bias is bf16 (else float32) */
@@ -302,10 +284,10 @@ static void matmul(const void* x, const int8_t* w, const float* s, const void* b
                     for (int j = 0; j < nb; j++) {
                         float v = out[i * nb + j] * xs[m0 + i];
                         if (bias)
-                            v += flags & BIAS_BF16 ? x_at(bias, n1 + j, 1) : ((const float*)bias)[n1 + j];
+                            v += flags & BIAS_BF16 ? dt_load(bias, n1 + j, 1) : ((const float*)bias)[n1 + j];
                         const int64_t at = (int64_t)(m0 + i) * N + n1 + j;
                         if (flags & Y_BF16)
-                            ((uint16_t*)y)[at] = to_bf16(v);
+                            ((uint16_t*)y)[at] = f32_to_bf16(v);
                         else
                             ((float*)y)[at] = v;
                     }
@@ -314,26 +296,21 @@ static void matmul(const void* x, const int8_t* w, const float* s, const void* b
     }
 }
 
-/* y = (x @ w.T) * scale, float32. Returns 0. */
-int sidecar_int8_matmul(const float* x, const int8_t* w, const float* scale, float* y, int16_t* xq, float* xs,
-                        int M, int N, int K, int nthreads) {
-    matmul(x, w, scale, NULL, y, xq, xs, NULL, M, N, K, nthreads, 0);
-    return 0;
-}
-
-/* The grouped (Q8_0) form. K must be a multiple of 32. Returns 0, or 1 when it is not. */
-int sidecar_int8g32_matmul(const float* x, const int8_t* w, const float* d, float* y, int16_t* xq, float* xs,
-                           int M, int N, int K, int nthreads) {
-    if (K % 32) return 1;
-    matmul(x, w, d, NULL, y, xq, xs, NULL, M, N, K, nthreads, GROUPED);
-    return 0;
-}
-
 /* A whole linear layer in one call: y = (x @ w.T) * scale + bias with x and y float32 or bf16 and the
  * scratch allocated here (flags: X_BF16, Y_BF16, BIAS_BF16, GROUPED above). Returns 0, 1 when K does not
  * fit the grouped form, 2 when out of memory. */
-int sidecar_int8_linear(const void* x, const int8_t* w, const float* s, const void* bias, void* y, int M,
-                        int N, int K, int nthreads, int flags) {
+int sidecar_int8_linear(const sidecar_matmul_args* a) {
+    const void* x = a->x;
+    const int8_t* w = a->w;
+    const float* s = a->scales;
+    const void* bias = a->bias;
+    void* y = a->y;
+    int M = a->M;
+    int N = a->N;
+    int K = a->K;
+    int nthreads = a->nthreads;
+    int flags = (a->x_bf16 ? X_BF16 : 0) | (a->out ? Y_BF16 : 0) | (a->bias_bf16 ? BIAS_BF16 : 0) |
+                (a->grouped ? GROUPED : 0);
     if ((flags & GROUPED) && K % 32) return 1;
     int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * (size_t)M * K);
     float* xs = (float*)malloc(sizeof(float) * ((size_t)M + K)); /* [M] scales, then a widened row [K] */

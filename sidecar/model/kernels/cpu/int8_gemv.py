@@ -6,8 +6,8 @@
 ``int8_g32_matmul(x, weight, d)`` is the grouped form (llama.cpp's Q8_0 blocks): one float32 scale
 per 32 columns, ``d`` [N, K/32], ``reference_g32`` its oracle. ``int8_linear`` is either form as a layer
 runs it in a decode step: bf16 or float32 activations read as they are, the bias added and the output
-rounded once to its dtype in the same call, the scratch inside it (the separate conversions, casts and
-scratch tensors around the product cost ~1 ms a token over Qwen2-0.5B's 97 layers).
+rounded once to its dtype in the same call, the scratch inside it (no separate conversions, casts and
+scratch tensors around the product).
 The kernel rounds each activation row to int16 with its own scale (15 bits, where the
 bf16 activations of torch's packed kernel keep 8); the products and sums are exact.
 """
@@ -19,20 +19,16 @@ from typing import Optional
 import torch
 
 from sidecar.model.kernels.cpu import amx_gemm, bf16_gemv, cpu_build
-from sidecar.model.kernels.cpu.cpu_build import I, P
+from sidecar.model.kernels.cpu.cpu_build import I
+from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
 
-# Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used.
-# Measured one thread, Qwen2-0.5B-shaped layers: 1.4-1.7x faster than torch's packed kernel from 1
-# to 32 rows, even at 64 rows; beyond that bf16 prefill chunks go to the tile-layout kernel over the widened codes
-# (``amx_gemm.int8_matmul``: a 256-token prefill 219 -> ~1,700 tok/s on a 2-core Xeon with AMX; without AMX, AVX-512
-# BF16 dot products over them: 1.33x torch's packed kernel at 256 rows) where it runs, to the AVX2
-# prefill path over the codes (``bf16_gemv.int8_matmul_wide``: twice torch's packed kernel on a Zen 3) where that is
-# built, else to torch's.
+# Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used (it leads torch's
+# packed kernel there); beyond that bf16 prefill chunks go to the tile-layout kernel over the widened codes
+# (``amx_gemm.int8_matmul``) where it runs, to the AVX2 prefill path over the codes (``bf16_gemv.int8_matmul_wide``)
+# where that is built, else to torch's.
 MAX_ROWS = 32
 # With AMX, bf16 batches take the tile path from this many rows on: its products per widened code against this
-# kernel's per row, with the weights coming from memory as in a decode step. Measured on a 2-core Xeon with AMX, two
-# threads, Qwen2-0.5B's int8 head (151,936 x 896): 16 rows 19.1 ms against 15.2, 20 rows 19.3 against 19.1, 24 rows
-# 19.0 against 22.3, 32 rows 19.3 against 32.6. (A 4,864 x 896 layer held in the caches: 16 rows 0.27 against 0.42.)
+# kernel's per row, with the weights coming from memory as in a decode step, where the first overtakes the second.
 TILE_MIN_ROWS = 24
 
 
@@ -50,42 +46,18 @@ def takes(rows: int, dtype: Optional[torch.dtype] = None) -> bool:
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
-_KERNEL = cpu_build.Kernel(
-    "int8_gemv",
-    {
-        **{fn: ([P] * 6 + [I] * 4, I) for fn in ("sidecar_int8_matmul", "sidecar_int8g32_matmul")},
-        "sidecar_int8_linear": ([P] * 5 + [I] * 5, I),
-    },
-)
-_X_BF16, _Y_BF16, _BIAS_BF16, _GROUPED = 1, 2, 4, 8  # the flags of sidecar_int8_linear
+_KERNEL = cpu_build.Kernel("int8_gemv", {"sidecar_int8_linear": ([MatmulArgs], I)})
 
 
 available = _KERNEL.available
 
 
-def _run(fn: str, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    lib = _KERNEL.lib()
-    assert lib is not None, "int8_gemv kernel is not available"
-    m, k = x.shape
+def _run(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """``int8_linear`` of float32 activations and scales, no bias, a float32 result."""
+    assert _KERNEL.lib() is not None, "int8_gemv kernel is not available"
     x = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
     scales = scales.contiguous() if scales.dtype == torch.float32 else scales.float().contiguous()
-    weight = weight.contiguous()  # held here: a temporary's memory would be freed before the call
-    y = torch.empty(m, weight.shape[0], dtype=torch.float32)
-    xq = torch.empty(m, k, dtype=torch.int16)  # scratch: the activations as int16
-    xs = torch.empty(m, dtype=torch.float32)  # scratch: their scales
-    getattr(lib, fn)(
-        x.data_ptr(),
-        weight.data_ptr(),
-        scales.data_ptr(),
-        y.data_ptr(),
-        xq.data_ptr(),
-        xs.data_ptr(),
-        m,
-        weight.shape[0],
-        k,
-        torch.get_num_threads(),
-    )
-    return y
+    return int8_linear(x, weight, scales, grouped=grouped)
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -96,7 +68,7 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> 
             f"int8_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
             f"scales {tuple(scales.shape)} do not fit"
         )
-    return _run("sidecar_int8_matmul", x, weight, scales)
+    return _run(x, weight, scales, grouped=False)
 
 
 def int8_linear(
@@ -134,23 +106,22 @@ def int8_linear(
     x, weight, scales = x.contiguous(), weight.contiguous(), scales.contiguous()  # held for the call
     b = None if bias is None else bias.contiguous()
     y = torch.empty(m, n, dtype=out_dtype)
-    flags = (
-        (_X_BF16 if x.dtype == torch.bfloat16 else 0)
-        | (_Y_BF16 if out_dtype == torch.bfloat16 else 0)
-        | (_BIAS_BF16 if b is not None and b.dtype == torch.bfloat16 else 0)
-        | (_GROUPED if grouped else 0)
-    )
     rc = lib.sidecar_int8_linear(
-        x.data_ptr(),
-        weight.data_ptr(),
-        scales.data_ptr(),
-        None if b is None else b.data_ptr(),
-        y.data_ptr(),
-        m,
-        n,
-        k,
-        torch.get_num_threads(),
-        flags,
+        MatmulArgs(
+            x=x.data_ptr(),
+            w=weight.data_ptr(),
+            scales=scales.data_ptr(),
+            bias=None if b is None else b.data_ptr(),
+            y=y.data_ptr(),
+            M=m,
+            N=n,
+            K=k,
+            nthreads=torch.get_num_threads(),
+            x_bf16=x.dtype == torch.bfloat16,
+            bias_bf16=b is not None and b.dtype == torch.bfloat16,
+            out=out_dtype == torch.bfloat16,
+            grouped=grouped,
+        )
     )
     if rc == 2:
         raise MemoryError("int8_linear: out of memory for the activation scratch")
@@ -163,7 +134,19 @@ class Layer(cpu_build.LayerView):
     as much as a small layer's product. ``matches`` says whether it still holds these tensors. bf16 batches of
     ``TILE_MIN_ROWS`` rows or more go through AMX tile products over the widened codes where AMX runs."""
 
-    __slots__ = ("weight", "scales", "bias", "grouped", "n", "k", "fn", "flags", "wide", "amx", "from_rows")
+    __slots__ = (
+        "weight",
+        "scales",
+        "bias",
+        "grouped",
+        "n",
+        "k",
+        "fn",
+        "bias_bf16",
+        "wide",
+        "amx",
+        "from_rows",
+    )
 
     def __init__(
         self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor], grouped: bool = False
@@ -187,9 +170,7 @@ class Layer(cpu_build.LayerView):
             k,
         )
         self.fn = lib.sidecar_int8_linear
-        self.flags = (_BIAS_BF16 if bias is not None and bias.dtype == torch.bfloat16 else 0) | (
-            _GROUPED if grouped else 0
-        )
+        self.bias_bf16 = bias is not None and bias.dtype == torch.bfloat16
         # batches past MAX_ROWS: the AVX2 prefill path over the codes, for per-row scales
         self.wide = not grouped and k % 32 == 0 and bf16_gemv.int8_wide_available()
         # ... and with AMX or AVX-512 BF16, bf16 batches past MAX_ROWS through the tile-layout kernel over the codes
@@ -219,22 +200,22 @@ class Layer(cpu_build.LayerView):
             return bf16_gemv.int8_matmul_wide(x, self.weight, self.scales, self.bias, out_dtype)
         y = torch.empty(m, self.n, dtype=out_dtype)
         b = self.bias
-        flags = (
-            self.flags
-            | (_X_BF16 if x.dtype is torch.bfloat16 else 0)
-            | (_Y_BF16 if out_dtype is torch.bfloat16 else 0)
-        )
         rc = self.fn(
-            x.data_ptr(),
-            self.weight.data_ptr(),
-            self.scales.data_ptr(),
-            None if b is None else b.data_ptr(),
-            y.data_ptr(),
-            m,
-            self.n,
-            self.k,
-            torch.get_num_threads(),
-            flags,
+            MatmulArgs(
+                x=x.data_ptr(),
+                w=self.weight.data_ptr(),
+                scales=self.scales.data_ptr(),
+                bias=None if b is None else b.data_ptr(),
+                y=y.data_ptr(),
+                M=m,
+                N=self.n,
+                K=self.k,
+                nthreads=torch.get_num_threads(),
+                x_bf16=x.dtype is torch.bfloat16,
+                bias_bf16=self.bias_bf16,
+                out=out_dtype is torch.bfloat16,
+                grouped=self.grouped,
+            )
         )
         if rc == 2:
             raise MemoryError("int8_linear: out of memory for the activation scratch")
@@ -253,7 +234,7 @@ def int8_g32_matmul(x: torch.Tensor, weight: torch.Tensor, d: torch.Tensor) -> t
             f"int8_g32_matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype}, "
             f"d {tuple(d.shape)} do not fit"
         )
-    return _run("sidecar_int8g32_matmul", x, weight, d)
+    return _run(x, weight, d, grouped=True)
 
 
 def dequantize_g32(weight: torch.Tensor, d: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -115,11 +115,44 @@ static void tile(const float* const* xs, float* const* outs, const int MB, const
     }
 }
 
+/* The arguments of sidecar_lora_apply (mirrored by ``LoraArgs``). */
+typedef struct {
+    const float* x;
+    const float* at;
+    const float* bt;
+    const int64_t* rows;
+    const int64_t* slots;
+    const int32_t* offs;
+    float* out;
+    int nrows;
+    int n;
+    int R;
+    int K;
+    int N;
+    int ldr;
+    int nthreads;
+} sidecar_lora_args;
+int sidecar_lora_args_size(void) {
+    return (int)sizeof(sidecar_lora_args);
+}
+
 /* Returns 0, or 1 when the shapes are outside what the kernel handles (ldr not a multiple of 16 or too wide).
  */
-int sidecar_lora_apply(const float* x, const float* at, const float* bt, const int64_t* rows,
-                       const int64_t* slots, const int32_t* offs, float* out, int nrows, int n, int R, int K,
-                       int N, int ldr, int nthreads) {
+int sidecar_lora_apply(const sidecar_lora_args* a) {
+    const float* x = a->x;
+    const float* at = a->at;
+    const float* bt = a->bt;
+    const int64_t* rows = a->rows;
+    const int64_t* slots = a->slots;
+    const int32_t* offs = a->offs;
+    float* out = a->out;
+    int nrows = a->nrows;
+    int n = a->n;
+    int R = a->R;
+    int K = a->K;
+    int N = a->N;
+    int ldr = a->ldr;
+    int nthreads = a->nthreads;
     if (ldr % 16 || ldr > RMAX || n * R > ldr) return 1;
     int* starts = malloc(sizeof(int) * (nrows + 1));
     if (!starts) return 1;

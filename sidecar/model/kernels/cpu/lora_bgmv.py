@@ -10,12 +10,37 @@ other slots or parts.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from sidecar.model.kernels.cpu import cpu_build
-from sidecar.model.kernels.cpu.cpu_build import I, P
+from sidecar.model.kernels.cpu.cpu_build import I
 
-_KERNEL = cpu_build.Kernel("lora_bgmv", {"sidecar_lora_apply": ([P] * 7 + [I] * 7, I)})
+
+class LoraArgs(cpu_build.Args):
+    """The mirror of lora_bgmv.c's argument struct."""
+
+    c_name = "sidecar_lora_args"
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("at", ctypes.c_void_p),
+        ("bt", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("offs", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("nrows", ctypes.c_int),
+        ("n", ctypes.c_int),
+        ("R", ctypes.c_int),
+        ("K", ctypes.c_int),
+        ("N", ctypes.c_int),
+        ("ldr", ctypes.c_int),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
+_KERNEL = cpu_build.Kernel("lora_bgmv", {"sidecar_lora_apply": ([LoraArgs], I)})
 
 available = _KERNEL.available
 
@@ -55,20 +80,22 @@ def lora_apply(
             f"out {tuple(out.shape)} {out.dtype} do not fit"
         )
     rc = lib.sidecar_lora_apply(
-        x.data_ptr(),
-        at.data_ptr(),
-        bt.data_ptr(),
-        rows.data_ptr(),
-        slots.data_ptr(),
-        offs.data_ptr(),
-        out.data_ptr(),
-        rows.numel(),
-        n,
-        rank,
-        k,
-        out.shape[1],
-        at.shape[2],
-        torch.get_num_threads(),
+        LoraArgs(
+            x=x.data_ptr(),
+            at=at.data_ptr(),
+            bt=bt.data_ptr(),
+            rows=rows.data_ptr(),
+            slots=slots.data_ptr(),
+            offs=offs.data_ptr(),
+            out=out.data_ptr(),
+            nrows=rows.numel(),
+            n=n,
+            R=rank,
+            K=k,
+            N=out.shape[1],
+            ldr=at.shape[2],
+            nthreads=torch.get_num_threads(),
+        )
     )
     if rc != 0:
         raise ValueError(f"lora_apply: rank rows {n} x {rank} are more than the kernel takes")

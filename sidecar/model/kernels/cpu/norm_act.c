@@ -15,9 +15,8 @@
 
 #include "vec.h"
 
-/* Rows x dim from which the norm's rows are split between the threads: a 32-row decode step of a 896-wide
- * model (28,672 values) took ~13 us a norm on one core of a 2-core Xeon, with the other core waiting on it.
- */
+/* Rows x dim from which the norm's rows are split between the threads (below, the threads' start costs more
+ * than they save). A 32-row decode step of a 896-wide model is past it. */
 #define PARALLEL_FROM 16384
 
 void sidecar_silu_mul(const void* gu, void* out, int rows, int inter, int dtype, int nthreads) {
@@ -39,8 +38,34 @@ void sidecar_silu_mul(const void* gu, void* out, int rows, int inter, int dtype,
     }
 }
 
-void sidecar_add_rms_norm(const void* h, const void* delta, const void* w, void* hout, void* out, int rows,
-                          int dim, float eps, int dtype, int nthreads) {
+/* The arguments of sidecar_add_rms_norm (mirrored by ``AddRmsNormArgs``). */
+typedef struct {
+    const void* h;
+    const void* delta;
+    const void* w;
+    void* hout;
+    void* out;
+    int rows;
+    int dim;
+    float eps;
+    int dtype;
+    int nthreads;
+} sidecar_add_rms_norm_args;
+int sidecar_add_rms_norm_args_size(void) {
+    return (int)sizeof(sidecar_add_rms_norm_args);
+}
+
+void sidecar_add_rms_norm(const sidecar_add_rms_norm_args* a) {
+    const void* h = a->h;
+    const void* delta = a->delta;
+    const void* w = a->w;
+    void* hout = a->hout;
+    void* out = a->out;
+    int rows = a->rows;
+    int dim = a->dim;
+    float eps = a->eps;
+    int dtype = a->dtype;
+    int nthreads = a->nthreads;
     const void* s = delta ? hout : h;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if ((size_t)rows * dim >= PARALLEL_FROM)
     for (int t = 0; t < rows; t++) {

@@ -26,11 +26,29 @@ from sidecar.model.kernels.cpu.cpu_build import I, P
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+class AddRmsNormArgs(cpu_build.Args):
+    """The mirror of norm_act.c's argument struct."""
+
+    c_name = "sidecar_add_rms_norm_args"
+    _fields_ = [
+        ("h", ctypes.c_void_p),
+        ("delta", ctypes.c_void_p),
+        ("w", ctypes.c_void_p),
+        ("hout", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("rows", ctypes.c_int),
+        ("dim", ctypes.c_int),
+        ("eps", ctypes.c_float),
+        ("dtype", ctypes.c_int),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
 _KERNEL = cpu_build.Kernel(
     "norm_act",
     {
         "sidecar_silu_mul": ([P, P, I, I, I, I], None),
-        "sidecar_add_rms_norm": ([P] * 5 + [I, I, ctypes.c_float, I, I], None),
+        "sidecar_add_rms_norm": ([AddRmsNormArgs], None),
         "sidecar_add_bias": ([P, P, I, I, I], None),
     },
 )
@@ -90,16 +108,18 @@ def add_rms_norm(
     out = torch.empty_like(h)
     s = h if delta is None else torch.empty_like(h)
     lib.sidecar_add_rms_norm(
-        h.data_ptr(),
-        None if delta is None else delta.data_ptr(),
-        weight.data_ptr(),
-        s.data_ptr(),
-        out.data_ptr(),
-        rows,
-        dim,
-        float(eps),
-        _DTYPES[h.dtype],
-        torch.get_num_threads(),
+        AddRmsNormArgs(
+            h=h.data_ptr(),
+            delta=None if delta is None else delta.data_ptr(),
+            w=weight.data_ptr(),
+            hout=s.data_ptr(),
+            out=out.data_ptr(),
+            rows=rows,
+            dim=dim,
+            eps=float(eps),
+            dtype=_DTYPES[h.dtype],
+            nthreads=torch.get_num_threads(),
+        )
     )
     return out, s
 

@@ -11,9 +11,8 @@
  * (each key loaded once for all of them; bf16 keys and queries as pairs of exact products summed in
  * float32 lanes by vdpbf16ps where the CPU has AVX-512 BF16, the scale applied to the finished dot
  * product), softmax in float32 with a vectorised exp, then the values are summed in float32: with
- * grouped queries (4 or more per KV head) each value is loaded once for up to QG of them, keys in order
- * (both measured on a 2-core Xeon with AMX, 32 rows at 50-320 tokens with Qwen2-0.5B's heads, bf16:
- * 262-268 -> 219-237 us a layer). A row's result depends only on its own query and context, never on
+ * grouped queries (4 or more per KV head) each value is loaded once for up to QG of them, keys in order.
+ * A row's result depends only on its own query and context, never on
  * which other rows share the call, so verifying k speculative tokens in one call gives bit for bit what
  * k separate decode steps give. Inputs and output are float32 (dtype 0) or bfloat16 (dtype 1; products
  * and sums still in float32, the output rounded to nearest even).
@@ -36,10 +35,7 @@ static inline float kv_load(const void* p, size_t i, int kvm) {
 }
 
 /* Keys are read this many ahead into L1, with each key's value as the key is scored: a head's rows are
- * strided within a block and the blocks scattered, which the hardware's prefetchers follow poorly. Measured
- * on a 2-core Xeon with AMX, 24 layers of Qwen2-0.5B's heads, 32 rows of 150-260 tokens, bf16, the cache
- * cold: blocks in random order 8.0-11.1 -> 6.2-6.3 ms (the keys alone read ahead: 7.5), in order 8.3-9.6
- * -> 6.0-6.2; the 32-request workload's 63 decode steps 3.57-3.81 -> 3.46-3.59 s. */
+ * strided within a block and the blocks scattered, which the hardware's prefetchers follow poorly. */
 #define READ_AHEAD_KEYS 16
 
 /* Element offset `off`'s hd elements of a cache, toward L1. */
@@ -301,13 +297,53 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
 #endif
 }
 
+/* The arguments of sidecar_paged_decode_attention (mirrored by ``PagedAttentionArgs``). */
+typedef struct {
+    const void* q;
+    const void* kc;
+    const void* vc;
+    const int64_t* tables;
+    const int64_t* ctx;
+    void* out;
+    const float* ks;
+    const float* vs;
+    int B;
+    int nh;
+    int nkv;
+    int hd;
+    int bs;
+    int max_blocks;
+    int window;
+    float scale;
+    int dtype;
+    int nthreads;
+} sidecar_paged_attention_args;
+int sidecar_paged_attention_args_size(void) {
+    return (int)sizeof(sidecar_paged_attention_args);
+}
+
 /* q, out: [B, nh, hd] contiguous; tables: [B, max_blocks] int64; ctx: [B] int64 (1 <= ctx <= max_blocks *
  * bs); ks, vs: NULL (K/V in q's dtype) or the scales of an int8 cache. Returns 0, 2 when out of memory, or 1
  * when the shapes are outside what this kernel handles (the caller keeps its torch path). */
-int sidecar_paged_decode_attention(const void* q, const void* kc, const void* vc, const int64_t* tables,
-                                   const int64_t* ctx, void* out, int B, int nh, int nkv, int hd, int bs,
-                                   int max_blocks, int window, float scale, int dtype, int nthreads,
-                                   const float* ks, const float* vs) {
+int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
+    const void* q = a->q;
+    const void* kc = a->kc;
+    const void* vc = a->vc;
+    const int64_t* tables = a->tables;
+    const int64_t* ctx = a->ctx;
+    void* out = a->out;
+    int B = a->B;
+    int nh = a->nh;
+    int nkv = a->nkv;
+    int hd = a->hd;
+    int bs = a->bs;
+    int max_blocks = a->max_blocks;
+    int window = a->window;
+    float scale = a->scale;
+    int dtype = a->dtype;
+    int nthreads = a->nthreads;
+    const float* ks = a->ks;
+    const float* vs = a->vs;
     if ((ks == NULL) != (vs == NULL)) return 1;
     const int kvm = ks ? KV_INT8 : dtype;
     if (nkv <= 0 || nh % nkv || nh / nkv > MAX_REP || hd > MAX_HD || bs <= 0) return 1;

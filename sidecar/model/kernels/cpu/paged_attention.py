@@ -10,29 +10,52 @@ inputs (not built, another dtype or device, a head size it does not handle); the
 torch path (``sidecar.model.attention``), which is also the oracle the tests hold it to.
 
 Why a kernel: torch's path gathers every row's blocks into a contiguous copy and calls SDPA with a
-mask; with k speculative tokens that is k copies of the same context. Here nothing is copied. Measured
-per layer on a 2-core Zen 5, bf16: 5 verification rows at a 400-token context with SmolLM2-135M's heads
-51 us (torch path 203 us); 32 sequences at 300 tokens with Qwen2-0.5B's heads 322 us (668 us). In the
-engine that took a 5-row SmolLM2 step from 13.9 to 11.0 ms and a 32-row Qwen2-0.5B step from ~112 to
-~90-99 ms.
+mask; with k speculative tokens that is k copies of the same context. Here nothing is copied.
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import torch
 
 from sidecar.model.kernels.cpu import cpu_build
-from sidecar.model.kernels.cpu.cpu_build import F, I, P
+from sidecar.model.kernels.cpu.cpu_build import I
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class PagedAttentionArgs(cpu_build.Args):
+    """The mirror of paged_attention.c's argument struct."""
+
+    c_name = "sidecar_paged_attention_args"
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("kc", ctypes.c_void_p),
+        ("vc", ctypes.c_void_p),
+        ("tables", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("ks", ctypes.c_void_p),
+        ("vs", ctypes.c_void_p),
+        ("B", ctypes.c_int),
+        ("nh", ctypes.c_int),
+        ("nkv", ctypes.c_int),
+        ("hd", ctypes.c_int),
+        ("bs", ctypes.c_int),
+        ("max_blocks", ctypes.c_int),
+        ("window", ctypes.c_int),
+        ("scale", ctypes.c_float),
+        ("dtype", ctypes.c_int),
+        ("nthreads", ctypes.c_int),
+    ]
 
 
 _KERNEL = cpu_build.Kernel(
     "paged_attention",
     {
-        "sidecar_paged_decode_attention": ([P] * 6 + [I] * 7 + [F, I, I, P, P], I),
+        "sidecar_paged_decode_attention": ([PagedAttentionArgs], I),
         "sidecar_paged_attention_vector_width": ([], I),
     },
     setup=lambda lib: setattr(lib, "_sidecar_width", lib.sidecar_paged_attention_vector_width()),
@@ -91,23 +114,26 @@ def decode_attention(
         )
     out = torch.empty_like(q)
     rc = lib.sidecar_paged_decode_attention(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        tables.data_ptr(),
-        ctx.data_ptr(),
-        out.data_ptr(),
-        b,
-        nh,
-        nkv,
-        hd,
-        bs,
-        tables.shape[1],
-        window or 0,
-        scale,
-        _DTYPES[q.dtype],
-        torch.get_num_threads(),
-        *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())),
+        PagedAttentionArgs(
+            q=q.data_ptr(),
+            kc=k_cache.data_ptr(),
+            vc=v_cache.data_ptr(),
+            tables=tables.data_ptr(),
+            ctx=ctx.data_ptr(),
+            out=out.data_ptr(),
+            ks=None if kv_scales is None else kv_scales[0].data_ptr(),
+            vs=None if kv_scales is None else kv_scales[1].data_ptr(),
+            B=b,
+            nh=nh,
+            nkv=nkv,
+            hd=hd,
+            bs=bs,
+            max_blocks=tables.shape[1],
+            window=window or 0,
+            scale=scale,
+            dtype=_DTYPES[q.dtype],
+            nthreads=torch.get_num_threads(),
+        )
     )
     if rc == 2:
         raise MemoryError("decode_attention: out of memory for the kernel's scratch buffers")

@@ -8,9 +8,9 @@
  * rep = nh / nkv query heads share a KV head, and lo_i = max(0, p_i + 1 - window) with a sliding window
  * (window <= 0: none, lo_i = 0).
  *
- * Why: torch's CPU SDPA runs these shapes (a few hundred rows, head size 64-128, grouped-query heads) at
- * ~35 GFLOP/s on 2 Zen 4 cores, against ~400 for the projections around it, so at 256-token prompts it was a
- * tenth of a prefill step. Here the work goes in blocks that keep the vector units busy:
+ * Why: torch's CPU SDPA runs these shapes (a few hundred rows, head size 64-128, grouped-query heads) at a
+ * small fraction of the rate of the projections around it. Here the work goes in blocks that keep the vector
+ * units busy:
  *  1. once per call, every KV head's keys are widened to float32 and laid out in blocks of VL keys,
  *     transposed ([hd][VL]: one vector holds one dimension of VL keys), and its values widened to rows of
  *     float32 (an int8 cache's codes times their scales, so no dequantized copy of the cache is kept);
@@ -25,8 +25,7 @@
  *
  * On CPUs with AVX-512 BF16, bf16 prompts over a bf16 cache take products of bf16 pairs instead (TILE_LAYOUT
  * below: the same tasks, the weights rounded to bf16 like torch's): AMX tile products where the CPU has AMX
- * -- measured on a 2-core Xeon with AMX, Qwen2-0.5B's heads, a layer of a 256-token prompt 0.87-0.91 -> 0.33
- * ms, of a 1,024-token one 11.8-12.7 -> 3.3 ms -- and AVX-512 BF16 dot products where it has not.
+ * and AVX-512 BF16 dot products where it has not.
  *
  * Quantized cache (ks, vs not NULL): K/V hold int8 codes and ks/vs ([num_blocks, bs, nkv] float32) one scale
  * per token and KV head.
@@ -63,9 +62,7 @@ static inline vf kv_vec(const void* cache, size_t off, int kvm, const float* sca
 
 /* Scores of n4 (<= QT) queries qf[t * hd ..] against key blocks [b0, b1) of kt: s[t * sld + (b - b0) * VL +
  * i]. Two key blocks a step where there are two: eight sums in flight instead of four (four dependent chains
- * of FMAs had left the units waiting on each one's latency), each score still one sum over d in order.
- * Measured on a 2-core Xeon, Qwen2-0.5B's 24 layers of a 2,048-token prompt, AVX2: 1,928 -> 1,696-1,726 ms
- * (256 tokens 32.5 -> 29.2); AVX-512 level (its two FMA results a cycle were already kept busy). */
+ * of FMAs had left the units waiting on each one's latency), each score still one sum over d in order. */
 static inline __attribute__((always_inline)) void score(const float* qf, int n4, const float* kt, int b0,
                                                         int b1, int hd, float* s, size_t sld) {
     int b = b0;
@@ -220,12 +217,9 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
  * taken in float32 (the scale applied first), its weights rounded to bf16 (as torch's bf16 SDPA rounds them)
  * and multiplied with vb, the sums float32, divided by the float32 normaliser and rounded once to bf16. The
  * two forms sum in their own orders (each fixed by the layout, not by the batch): a CPU gives the same bits
- * however a prompt is split, not the other form's bits. Without AMX, measured on a 2-core Xeon with AMX left
- * out, Qwen2-0.5B's 24 layers of a 2,048-token prompt: 1,060-1,090 ms through the dot products (77% of the
- * time in them), 1,045-1,055 through the float32 path above, 256 tokens 21-22 against 18-20 ms: level there,
- * where a vdpbf16ps (32 products) retires at 0.6 of a float32 FMA's rate (16 products; 1.72 against 2.8 G/s a
- * core), 1.2x the arithmetic; a CPU that issues the dot product at the FMA's rate gets twice its arithmetic,
- * and the weights are rounded as on the AMX path. Not measured on such a CPU yet. */
+ * however a prompt is split, not the other form's bits. Without AMX the dot products do twice the float32
+ * path's arithmetic per instruction where a CPU issues them at the FMA's rate, and round the weights as the
+ * AMX path does. */
 
 /* Chunk ck's keys and values of KV head g (positions k_first + 32 ck ..; past ctx: zeros) into their tiles.
  */
@@ -328,9 +322,7 @@ static void amx_configure(void) { /* every tile 16 rows of 64 bytes */
  * out rounded to bf16. s: float32 scores, rows of (ck1 - ck0) * 32 + 16 (a row's lines then fall in other
  * cache sets than the last's, where a power of two put all sixteen rows of a tile in one); pw: the weights as
  * bf16, rows of (ck1 - ck0) * 32 + 32; o: [32][32] float32. 32 queries x 32 keys (or dimensions) a step in
- * four accumulators, where 16 queries had taken two: measured on a 2-core Xeon with AMX, Qwen2-0.5B's 24
- * layers of a 2,048-token prompt 362-394 -> 235-255 ms with the rows' padding, of a 1,024-token one 110-113
- * -> 73, of a 256-token one 8.4-8.9 -> 6.9-7.4; the same bits. */
+ * four accumulators, which keeps the tile unit busier than 16 queries in two; the same bits. */
 static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb,
                              int ck0, int ck1, int k_first, int p0, int rep, int window, int g, int nh,
                              int hd, float scale, float* s, uint16_t* pw, float* o, uint16_t* out) {
@@ -513,12 +505,51 @@ static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* 
 }
 #endif
 
+/* The arguments of sidecar_prefill_attention (mirrored by ``PrefillAttentionArgs``). */
+typedef struct {
+    const void* q;
+    const void* kc;
+    const void* vc;
+    const int64_t* table;
+    void* out;
+    const float* ks;
+    const float* vs;
+    int L;
+    int ctx;
+    int nh;
+    int nkv;
+    int hd;
+    int bs;
+    int window;
+    float scale;
+    int dtype;
+    int nthreads;
+} sidecar_prefill_attention_args;
+int sidecar_prefill_attention_args_size(void) {
+    return (int)sizeof(sidecar_prefill_attention_args);
+}
+
 /* q, out: [L, nh, hd] contiguous (q's dtype: 0 float32, 1 bf16; a cache of int8 codes when ks/vs are given,
  * else of q's dtype); table: the segment's blocks (at least ceil(ctx / bs)). Returns 0, 2 when out of memory,
  * or 1 when the inputs are outside what this kernel handles (the caller keeps its torch path). */
-int sidecar_prefill_attention(const void* q, const void* kc, const void* vc, const int64_t* table, void* out,
-                              int L, int ctx, int nh, int nkv, int hd, int bs, int window, float scale,
-                              int dtype, int nthreads, const float* ks, const float* vs) {
+int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
+    const void* q = a->q;
+    const void* kc = a->kc;
+    const void* vc = a->vc;
+    const int64_t* table = a->table;
+    void* out = a->out;
+    int L = a->L;
+    int ctx = a->ctx;
+    int nh = a->nh;
+    int nkv = a->nkv;
+    int hd = a->hd;
+    int bs = a->bs;
+    int window = a->window;
+    float scale = a->scale;
+    int dtype = a->dtype;
+    int nthreads = a->nthreads;
+    const float* ks = a->ks;
+    const float* vs = a->vs;
 #ifdef VL
     if ((ks == NULL) != (vs == NULL)) return 1;
     if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd / VL > 16 ||

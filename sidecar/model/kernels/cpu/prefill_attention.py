@@ -9,28 +9,54 @@ kernel cannot take these inputs (not built, no AVX2/AVX-512, a head size it does
 whose widened keys and values would pass 256 MiB); the caller then uses the torch path
 (``sidecar.model.attention``), which is also the oracle the tests hold it to.
 
-Why a kernel: torch's CPU SDPA runs prompt-sized causal attention at ~35 GFLOP/s (2 Zen 4 cores, bf16,
-Qwen2-0.5B's heads, 64-256 rows), a tenth of a prefill step at 256-token prompts, where the blocked float32
-products here run several times faster (see the C header and docs/PERFORMANCE.md); on CPUs with AMX, bf16 prompts
-over a bf16 cache go through tile products, faster again (2.8x at 256 tokens, 3.8x at 1,024 on a 2-core Xeon).
+Why a kernel: torch's CPU SDPA runs prompt-sized causal attention far below the rate of the projections around it,
+where the blocked float32 products here run several times faster; on CPUs with AMX, bf16 prompts over a bf16 cache
+go through tile products, faster again (docs/perf/kernels-notes.md has the figures).
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import torch
 
 from sidecar.model.kernels.cpu import cpu_build
-from sidecar.model.kernels.cpu.cpu_build import F, I, P
+from sidecar.model.kernels.cpu.cpu_build import I
 from sidecar.model.kernels.cpu.paged_attention import cache_fits
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
+
+class PrefillAttentionArgs(cpu_build.Args):
+    """The mirror of prefill_attention.c's argument struct."""
+
+    c_name = "sidecar_prefill_attention_args"
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("kc", ctypes.c_void_p),
+        ("vc", ctypes.c_void_p),
+        ("table", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("ks", ctypes.c_void_p),
+        ("vs", ctypes.c_void_p),
+        ("L", ctypes.c_int),
+        ("ctx", ctypes.c_int),
+        ("nh", ctypes.c_int),
+        ("nkv", ctypes.c_int),
+        ("hd", ctypes.c_int),
+        ("bs", ctypes.c_int),
+        ("window", ctypes.c_int),
+        ("scale", ctypes.c_float),
+        ("dtype", ctypes.c_int),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
 _KERNEL = cpu_build.Kernel(
     "prefill_attention",
     {
-        "sidecar_prefill_attention": ([P] * 5 + [I] * 7 + [F, I, I, P, P], I),
+        "sidecar_prefill_attention": ([PrefillAttentionArgs], I),
         "sidecar_prefill_attention_supported": ([], I),
     },
     setup=lambda lib: setattr(lib, "_sidecar_ok", bool(lib.sidecar_prefill_attention_supported())),
@@ -71,22 +97,25 @@ def prefill_attention(
     q = q.contiguous()
     out = torch.empty_like(q)
     rc = lib.sidecar_prefill_attention(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        table.data_ptr(),
-        out.data_ptr(),
-        length,
-        ctx_len,
-        nh,
-        nkv,
-        hd,
-        bs,
-        window or 0,
-        scale,
-        _DTYPES[q.dtype],
-        torch.get_num_threads(),
-        *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())),
+        PrefillAttentionArgs(
+            q=q.data_ptr(),
+            kc=k_cache.data_ptr(),
+            vc=v_cache.data_ptr(),
+            table=table.data_ptr(),
+            out=out.data_ptr(),
+            ks=None if kv_scales is None else kv_scales[0].data_ptr(),
+            vs=None if kv_scales is None else kv_scales[1].data_ptr(),
+            L=length,
+            ctx=ctx_len,
+            nh=nh,
+            nkv=nkv,
+            hd=hd,
+            bs=bs,
+            window=window or 0,
+            scale=scale,
+            dtype=_DTYPES[q.dtype],
+            nthreads=torch.get_num_threads(),
+        )
     )
     if rc == 2:
         raise MemoryError("prefill_attention: out of memory for the kernel's scratch buffers")

@@ -2,8 +2,7 @@
 
 On a CPU a decode step of a small model is ~220 kernel calls (norms, products, rope, attention per layer),
 and the Python around each (module dispatch, checks, allocations, ctypes) costs more than the smaller
-kernels themselves: measured on a 2-core Zen 3, an int4 Qwen2-0.5B step spent ~12 of ~37 ms outside the
-kernels. The CUDA answer is a graph; this is the CPU one. ``record(step)`` runs ``step()`` once, eagerly,
+kernels themselves. The CUDA answer is a graph; this is the CPU one. ``record(step)`` runs ``step()`` once, eagerly,
 with every kernel call (``cpu_build.KernelFunction``) logged with its arguments -- pointers into
 tensors, sizes, flags -- and every tensor the step allocates noted. The plan lays those intermediate
 tensors out anew in one scratch arena (two whose uses do not overlap share bytes: a step's worth of
@@ -41,10 +40,12 @@ _KERNEL = cpu_build.Kernel(
         "sidecar_replay": ([P, I, P], I),
         "sidecar_replay_ints": ([], I),
         "sidecar_replay_floats": ([], I),
+        "sidecar_replay_words": ([], I),
         "sidecar_replay_op_size": ([], I),
     },
 )
-_INTS, _FLOATS = 20, 4  # as replay.c's SIDECAR_REPLAY_INTS / SIDECAR_REPLAY_FLOATS (checked at load)
+# as replay.c's SIDECAR_REPLAY_INTS / _FLOATS / _WORDS (checked at load)
+_INTS, _FLOATS, _WORDS = 20, 4, 16
 
 
 class _Op(ctypes.Structure):
@@ -54,6 +55,9 @@ class _Op(ctypes.Structure):
         ("rel", ctypes.c_int64),
         ("a", ctypes.c_int64 * _INTS),
         ("f", ctypes.c_float * _FLOATS),
+        ("args_at", ctypes.c_int64),
+        ("args_rel", ctypes.c_int64),
+        ("args", ctypes.c_int64 * _WORDS),
     ]
 
 
@@ -102,11 +106,12 @@ def unavailable_reason() -> Optional[str]:
     lib = _KERNEL.lib()
     if lib is None:
         return f"the replay kernel is not built: {cpu_build.reason('replay')}"
-    if (lib.sidecar_replay_ints(), lib.sidecar_replay_floats(), lib.sidecar_replay_op_size()) != (
-        _INTS,
-        _FLOATS,
-        ctypes.sizeof(_Op),
-    ):
+    if (
+        lib.sidecar_replay_ints(),
+        lib.sidecar_replay_floats(),
+        lib.sidecar_replay_words(),
+        lib.sidecar_replay_op_size(),
+    ) != (_INTS, _FLOATS, _WORDS, ctypes.sizeof(_Op)):
         return "replay.c and replay.py disagree on the op layout"
     return None
 
@@ -141,8 +146,8 @@ class Plan:
             return bases[i] if i >= 0 and ptr < bases[i] + storages[bases[i]] else None
 
         for i, (fn, args) in enumerate(ops):
-            for value, kind in zip(args, fn.argtypes):
-                if kind is P and value and (b := storage_of(int(value))) is not None:
+            for value in _pointers(fn, args):
+                if (b := storage_of(value)) is not None:
                     uses.setdefault(b, [i, i])[1] = i
         out_base = storage_of(output.data_ptr()) if output.is_contiguous() else None
         if out_base is None:
@@ -172,7 +177,10 @@ class Plan:
         """Whether ``other`` makes the same calls with the same arguments over an arena laid out alike."""
 
         def calls(plan: "Plan") -> list:
-            return [(op.fn, op.checked, op.rel, tuple(op.a), tuple(op.f)) for op in plan._ops[: plan.num_ops]]
+            return [
+                (op.fn, op.checked, op.rel, tuple(op.a), tuple(op.f), op.args_at, op.args_rel, tuple(op.args))
+                for op in plan._ops[: plan.num_ops]
+            ]
 
         return (
             self.num_ops == other.num_ops
@@ -188,6 +196,22 @@ class Plan:
             n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             self._view = (arena.data_ptr(), arena[off : off + n].view(dtype).view(shape))
         return self._view[1]
+
+
+def _pointers(fn: cpu_build.KernelFunction, args: tuple):
+    """The non-null pointers a recorded call passes: its pointer arguments and its argument struct's pointers."""
+    for value, kind in zip(args, fn.argtypes):
+        if kind is P and value:
+            yield int(value)
+        elif cpu_build._is_args(kind):
+            for name, _ in _pointer_fields(kind):
+                if getattr(value, name):
+                    yield getattr(value, name)
+
+
+def _pointer_fields(kind: type) -> list[tuple[str, int]]:
+    """(name, offset) of an argument struct's pointer fields."""
+    return [(f[0], getattr(kind, f[0]).offset) for f in kind._fields_ if f[1] is ctypes.c_void_p]
 
 
 def _storages(kept: list[torch.Tensor]) -> dict[int, int]:
@@ -231,6 +255,13 @@ def _encode(
         raise Unreplayable(f"{fn.name}: called with {len(args)} arguments, declared with {len(fn.argtypes)}")
     ints, floats, rel = [], [], 0
     for value, kind in zip(args, fn.argtypes):
+        if cpu_build._is_args(kind):
+            if op.args_at:
+                raise Unreplayable(f"{fn.name}: more than one argument struct")
+            _encode_args(op, value, storage_of, offsets)
+            ints.append(0)  # the replay passes its copy of the struct here
+            op.args_at = len(ints)
+            continue
         if kind in (ctypes.c_float, ctypes.c_double):
             if kind is ctypes.c_double:
                 raise Unreplayable(f"{fn.name}: a double argument")
@@ -253,6 +284,25 @@ def _encode(
         op.a[i] = v
     for i, v in enumerate(floats):
         op.f[i] = v
+
+
+def _encode_args(
+    op: _Op, value: cpu_build.Args, storage_of: Callable[[int], Optional[int]], offsets: dict[int, int]
+) -> None:
+    """A recorded argument struct into ``op.args``: its pointers into the step's own tensors become arena
+    offsets (their words' bits set in ``op.args_rel``)."""
+    kind = type(value)
+    size = ctypes.sizeof(kind)
+    if size > 8 * _WORDS:
+        raise Unreplayable(f"{kind.c_name}: {size} bytes (the replay passes at most {8 * _WORDS})")
+    ctypes.memmove(op.args, ctypes.addressof(value), size)
+    for name, offset in _pointer_fields(kind):
+        v = getattr(value, name)
+        if v and (b := storage_of(v)) is not None:
+            if offset % 8:
+                raise Unreplayable(f"{kind.c_name}.{name}: a pointer off an 8-byte boundary")
+            op.args[offset // 8] = offsets[b] + v - b
+            op.args_rel |= 1 << (offset // 8)
 
 
 class _Guard(TorchDispatchMode):
@@ -291,15 +341,14 @@ def record(step: Callable[[], Any], dry: bool = False) -> tuple[Any, Plan]:
     ``dry``: plan the step without computing it -- its Python runs (the same calls, arguments and allocations
     as an eager run: nothing it decides may depend on what the kernels write) but no kernel is called, so its
     result holds nothing and nothing is written (the KV cache included) until the plan is replayed. Costs the
-    step's Python alone (~11 ms for Qwen2-0.5B, against ~48 ms for a 32-row step run eagerly on a 2-core
-    Xeon). Also refused (``Unreplayable``, nothing written) when a tensor the step allocated is still held
+    step's Python alone. Also refused (``Unreplayable``, nothing written) when a tensor the step allocated is still held
     after it, by anything but the result: state a lazy set-up keeps would have been filled by a kernel."""
     reason = unavailable_reason()
     if reason is not None:
         raise Unreplayable(reason)
     ops: list[tuple[cpu_build.KernelFunction, tuple]] = []
     guard = _Guard(dry)
-    cpu_build.set_recorder(lambda fn, args: ops.append((fn, args)) or dry)
+    cpu_build.set_recorder(lambda fn, args: ops.append((fn, _snapshot(args))) or dry)
     try:
         with guard:
             out = step()
@@ -314,6 +363,11 @@ def record(step: Callable[[], Any], dry: bool = False) -> tuple[Any, Plan]:
     if dry:
         _check_released(guard.kept, out)
     return out, Plan(ops, guard.kept, out)
+
+
+def _snapshot(args: tuple) -> tuple:
+    """A recorded call's arguments, an argument struct copied as it is now (a caller may reuse it)."""
+    return tuple(type(a).from_buffer_copy(a) if isinstance(a, cpu_build.Args) else a for a in args)
 
 
 def _check_released(kept: list[torch.Tensor], out: torch.Tensor) -> None:

@@ -71,13 +71,50 @@ static inline void quantize_row(const void* src, size_t s0, int dtype, int8_t* d
     *scale = s;
 }
 
-void sidecar_rope_store_kv(const void* qkv, const void* cs, const void* sn, const int64_t* slots, void* kc,
-                           void* vc, void* q_out, void* k_out, int T, int nh, int nkv, int hd, int dtype,
-                           int nthreads, float* ks, float* vs) {
+/* The arguments of sidecar_rope_store_kv (mirrored by ``RopeKvArgs``). */
+typedef struct {
+    const void* qkv;
+    const void* cs;
+    const void* sn;
+    const int64_t* slots;
+    void* kc;
+    void* vc;
+    void* q_out;
+    void* k_out;
+    float* ks;
+    float* vs;
+    int T;
+    int nh;
+    int nkv;
+    int hd;
+    int dtype;
+    int nthreads;
+} sidecar_rope_kv_args;
+int sidecar_rope_kv_args_size(void) {
+    return (int)sizeof(sidecar_rope_kv_args);
+}
+
+void sidecar_rope_store_kv(const sidecar_rope_kv_args* a) {
+    const void* qkv = a->qkv;
+    const void* cs = a->cs;
+    const void* sn = a->sn;
+    const int64_t* slots = a->slots;
+    void* kc = a->kc;
+    void* vc = a->vc;
+    void* q_out = a->q_out;
+    void* k_out = a->k_out;
+    int T = a->T;
+    int nh = a->nh;
+    int nkv = a->nkv;
+    int hd = a->hd;
+    int dtype = a->dtype;
+    int nthreads = a->nthreads;
+    float* ks = a->ks;
+    float* vs = a->vs;
     const size_t row = (size_t)(nh + 2 * nkv) * hd, kv_row = (size_t)nkv * hd;
     const size_t esize = dtype ? 2 : 4;
-/* split between the threads from ~15 tokens of a 1,152-wide qkv row (a 32-row decode step: 28.5 -> 22.3 us a
- * layer on a 2-core Xeon, the other core no longer waiting) */
+/* split between the threads from ~15 tokens of a 1,152-wide qkv row: a decode step of many rows no longer
+ * leaves a core waiting */
 #pragma omp parallel for num_threads(nthreads) schedule(static) if ((size_t)T * row >= 16384)
     for (int t = 0; t < T; t++) {
         const size_t r0 = (size_t)t * row, c0 = (size_t)t * hd, slot = (size_t)slots[t] * kv_row;

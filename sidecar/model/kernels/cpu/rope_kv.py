@@ -16,17 +16,41 @@ batch 1 cost more than the arithmetic.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Optional
 
 import torch
 
 from sidecar.model.kernels.cpu import cpu_build
-from sidecar.model.kernels.cpu.cpu_build import I, P
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-_KERNEL = cpu_build.Kernel("rope_kv", {"sidecar_rope_store_kv": ([P] * 8 + [I] * 6 + [P, P], None)})
+class RopeKvArgs(cpu_build.Args):
+    """The mirror of rope_kv.c's argument struct."""
+
+    c_name = "sidecar_rope_kv_args"
+    _fields_ = [
+        ("qkv", ctypes.c_void_p),
+        ("cs", ctypes.c_void_p),
+        ("sn", ctypes.c_void_p),
+        ("slots", ctypes.c_void_p),
+        ("kc", ctypes.c_void_p),
+        ("vc", ctypes.c_void_p),
+        ("q_out", ctypes.c_void_p),
+        ("k_out", ctypes.c_void_p),
+        ("ks", ctypes.c_void_p),
+        ("vs", ctypes.c_void_p),
+        ("T", ctypes.c_int),
+        ("nh", ctypes.c_int),
+        ("nkv", ctypes.c_int),
+        ("hd", ctypes.c_int),
+        ("dtype", ctypes.c_int),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
+_KERNEL = cpu_build.Kernel("rope_kv", {"sidecar_rope_store_kv": ([RopeKvArgs], None)})
 
 
 available = _KERNEL.available
@@ -82,20 +106,23 @@ def rope_store_kv(
     q = torch.empty(t, nh, hd, dtype=dtype)
     k = torch.empty(t, nkv, hd, dtype=dtype) if want_k else None
     lib.sidecar_rope_store_kv(
-        qkv.data_ptr(),
-        cos.data_ptr(),
-        sin.data_ptr(),
-        slots.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        q.data_ptr(),
-        None if k is None else k.data_ptr(),
-        t,
-        nh,
-        nkv,
-        hd,
-        _DTYPES[dtype],
-        torch.get_num_threads(),
-        *((None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())),
+        RopeKvArgs(
+            qkv=qkv.data_ptr(),
+            cs=cos.data_ptr(),
+            sn=sin.data_ptr(),
+            slots=slots.data_ptr(),
+            kc=k_cache.data_ptr(),
+            vc=v_cache.data_ptr(),
+            q_out=q.data_ptr(),
+            k_out=None if k is None else k.data_ptr(),
+            ks=None if kv_scales is None else kv_scales[0].data_ptr(),
+            vs=None if kv_scales is None else kv_scales[1].data_ptr(),
+            T=t,
+            nh=nh,
+            nkv=nkv,
+            hd=hd,
+            dtype=_DTYPES[dtype],
+            nthreads=torch.get_num_threads(),
+        )
     )
     return q, k, qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)

@@ -79,6 +79,18 @@ static inline vf v_round(vf x) {
 static inline vf v_scale2(vf x, vf n) {
     return _mm512_scalef_ps(x, n);
 }
+/* bit i set where lane i of x is a NaN */
+static inline int v_nan_mask(vf x) {
+    return (int)_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+}
+/* bit i set where lane i of a equals lane i of b (neither a NaN) */
+static inline int v_eq_mask(vf a, vf b) {
+    return (int)_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ);
+}
+/* the largest lane of x, which holds no NaN */
+static inline float v_max_lanes(vf x) {
+    return _mm512_reduce_max_ps(x);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VL 8
 typedef __m256 vf;
@@ -150,6 +162,18 @@ static inline vf v_pow2(vf n) { /* 2^n for integral n in the normal range */
 static inline vf v_scale2(vf x, vf n) {
     return _mm256_mul_ps(x, v_pow2(n));
 }
+static inline int v_nan_mask(vf x) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+static inline int v_eq_mask(vf a, vf b) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ));
+}
+static inline float v_max_lanes(vf x) {
+    float lanes[8], best = -INFINITY;
+    _mm256_storeu_ps(lanes, x);
+    for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+    return best;
+}
 #endif
 
 #ifdef VL
@@ -173,9 +197,7 @@ static inline vf v_exp(vf x) {
 
 /* The largest of x[0..n), n >= 1, as the scalar loop `m = x[j] > m ? x[j] : m` from m = x[0] finds it (a NaN
  * past x[0] passed over, one at x[0] kept), a vector at a time: that loop, one dependent compare per score,
- * was a fifth of the decode attention's time (32 rows of 150-260 tokens, Qwen2-0.5B's 7 queries per KV head,
- * a 2-core Xeon) and a sixth of the float32 prompt attention's (a 2,048-token prompt, the same Xeon's AVX2).
- */
+ * was a large share of both attention kernels' time. */
 static inline float row_max(const float* x, int n) {
     float m = x[0];
     int j = 0;

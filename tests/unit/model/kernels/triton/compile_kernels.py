@@ -14,7 +14,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from sidecar.model.kernels import triton_wo  # noqa: E402
+from sidecar.model.kernels.triton import wo as triton_wo  # noqa: E402
 from sidecar.model.kernels.triton import attention as triton_attention, gemv as triton_gemv, ops as triton_ops
 
 
