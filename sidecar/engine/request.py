@@ -21,6 +21,21 @@ if TYPE_CHECKING:  # collaborators that keep per-request state on a Request (non
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = 64
+# Sampling options that mean nothing to beam search, with their off value: a beam request setting one is
+# refused naming it (beam search ranks by exact log-probabilities, one grammar-free step per beam).
+BEAM_REFUSED = (
+    ("temperature", 0.0),
+    ("top_p", 1.0),
+    ("top_k", 0),
+    ("min_p", 0.0),
+    ("repetition_penalty", 1.0),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("seed", None),
+    ("logprobs", None),
+    ("structured", None),
+)
 
 
 class FinishReason(str, enum.Enum):
@@ -68,6 +83,10 @@ class SamplingParams:
     # Per-request opt-out of speculative decoding (when the engine has it on). Output is the same
     # either way under greedy, and equally distributed under sampling.
     speculative: bool = True
+    # Beam search (engine/beam.py): None for sampling; an int >= 1 keeps that many beams, ranked by
+    # cum_logprob / generated_len ** length_penalty. Options that mean sampling are refused with it.
+    beam_width: Optional[int] = None
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Normalize the accepted shorthands (the only writes a SamplingParams ever gets), then validate.
@@ -127,6 +146,14 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.speculative, bool):
             bad("speculative", f"must be true or false, got {self.speculative!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not (-10.0 <= self.length_penalty <= 10.0):
+            bad("length_penalty", f"must be a number in [-10, 10], got {self.length_penalty!r}")
+        if self.beam_width is not None:
+            if not is_int(self.beam_width) or not (1 <= self.beam_width <= MAX_BEAM_WIDTH):
+                bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+            for name, off in BEAM_REFUSED:
+                if getattr(self, name) != off:
+                    bad(name, f"cannot be used with beam search (beam_width), got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -168,6 +195,9 @@ class RequestOutput:
     e2e_s: Optional[float] = None
     logprobs: Optional[list[TokenLogprob]] = None
     new_logprobs: Optional[list[TokenLogprob]] = None
+    # Beam search: every returned hypothesis (engine/beam_params.BeamSequence), best first; token_ids and
+    # text above are the best one's. None for sampled requests.
+    beams: Optional[list[Any]] = None
 
     def merged_after(self, older: "RequestOutput") -> "RequestOutput":
         """This output as if it also carried the changes of ``older`` (the previous, unread output of the
@@ -244,6 +274,10 @@ class Request:
             None  # a draft's q row per proposed token (sampling)
         )
         self.spec_state: Optional[SpecState] = None
+        # Beam search: the group this request is a live beam of (engine/beam.py), and its last logits row
+        # while it waits for the group's other beams.
+        self.beam_group: Optional[Any] = None
+        self.beam_row: Optional[torch.Tensor] = None
         self.text = ""
         self._emitted_tokens = 0
         self._emitted_text = 0
