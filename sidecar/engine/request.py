@@ -8,7 +8,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from sidecar.engine.structured import Constraint, to_constraint
 
@@ -218,6 +218,14 @@ class RequestOutput:
 _ids = itertools.count()
 
 
+class BeamGroupRef(Protocol):
+    """What a beam's request knows of its group (engine/beam.py's BeamGroup): the scheduler preempts a
+    group's ``beams`` together."""
+
+    group_id: str
+    beams: list["Request"]
+
+
 def random_request_id() -> str:
     return f"req-{next(_ids)}-{time.monotonic_ns() % 10**9:09d}"
 
@@ -276,7 +284,7 @@ class Request:
         self.spec_state: Optional[SpecState] = None
         # Beam search: the group this request is a live beam of (engine/beam.py), and its last logits row
         # while it waits for the group's other beams.
-        self.beam_group: Optional[Any] = None
+        self.beam_group: Optional[BeamGroupRef] = None
         self.beam_row: Optional[torch.Tensor] = None
         self.text = ""
         self._emitted_tokens = 0
