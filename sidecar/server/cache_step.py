@@ -69,6 +69,8 @@ def settings_key(params: Any, tools: str = "") -> str:
     structured = getattr(params, "structured", None)
     if structured is not None:  # absent for free text, so keys of free-text requests are unchanged
         d["structured"] = structured.key()
+    if getattr(params, "beam_width", None) is not None:  # absent unless beam search, as above
+        d["beam_width"], d["length_penalty"] = params.beam_width, params.length_penalty
     if tools:
         d["tools"] = tools
     return json.dumps(d, sort_keys=True, separators=(",", ":"))

@@ -97,6 +97,7 @@ class Event:
     total_ms: Optional[float]
     cache: CacheInfo
     tool_calls: list = field(default_factory=list)  # calls completed in this event (text holds no markup)
+    beams: Optional[list] = None  # beam search: every hypothesis (engine BeamSequence), best first
 
 
 @dataclass
@@ -541,6 +542,7 @@ class InferenceService:
             ttft_ms=_ms(out.ttft_s),
             total_ms=_ms(out.e2e_s),
             cache=cache,
+            beams=getattr(out, "beams", None),
         )
 
     def _replay(self, rid: str, hit: Any, lookup_ms: float) -> Event:

@@ -69,6 +69,8 @@ _OPTIONAL_SAMPLING = (
     "frequency_penalty",
     "seed",
     "speculative",
+    "beam_width",
+    "length_penalty",
 )
 
 
@@ -81,6 +83,7 @@ def _params(s: pb.SamplingParams) -> SamplingParams:
         "repetition_penalty",
         "presence_penalty",
         "frequency_penalty",
+        "length_penalty",
     ):
         if name in kw:  # proto floats are float32; round so 0.9 stays 0.9 in messages and cache keys
             kw[name] = round(float(kw[name]), 6)

@@ -53,7 +53,21 @@ def _params(
     if body.stop is not None:
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     kw["structured"] = structured  # one object for every choice: checked, keyed and compiled once
+    if body.use_beam_search:  # one engine request keeps best_of (or n) beams; the n best are the choices
+        kw["beam_width"] = body.best_of or body.n or 1
+        if body.length_penalty is not None:
+            kw["length_penalty"] = body.length_penalty
     return sampling_params(**kw)
+
+
+def beam_requests(reqs: list[GenerationRequest], n: int) -> list[GenerationRequest]:
+    """Beam search: one request per prompt (every n-th choice's), its n best hypotheses the n choices. The
+    semantic cache keeps one answer, so a call asking several sequences skips it."""
+    firsts = reqs[::n]
+    if n > 1:
+        for r in firsts:
+            r.cache_control = "skip"
+    return firsts
 
 
 def output_constraint(body: _Sampling) -> Optional[Constraint]:
