@@ -85,6 +85,8 @@ def test_chat_with_beam_search(client, stub):
         ({"temperature": 0.8}, "temperature"),
         ({"top_p": 0.5}, "top_p"),
         ({"n": 3, "best_of": 2}, "n"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_regex": "[a-z]+"}, "guided_regex"),
     ],
 )
 def test_refused_beam_options_name_the_field(client, extra, field):
@@ -107,3 +109,26 @@ def test_grpc_beam_with_sampling_is_invalid_argument(stub):
         )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "temperature" in err.value.details()
+
+
+def test_beam_search_with_tools_is_refused(client):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            tools=[tool],
+            extra_body={"use_beam_search": True},
+        )
+
+
+def test_grpc_beam_with_response_format_is_invalid_argument(stub):
+    fmt = pb.ResponseFormat(type=pb.ResponseFormat.TYPE_JSON_OBJECT)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Generate(
+            pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(beam_width=2), response_format=fmt),
+            timeout=60,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "response_format" in err.value.details()

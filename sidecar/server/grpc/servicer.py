@@ -100,6 +100,10 @@ def _request(msg: Any, timeout_s: Optional[float], chat: bool) -> GenerationRequ
     params = _params(msg.sampling)
     structured = convert.response_format(msg)
     if structured is not None:
+        if params.beam_width is not None:
+            raise ServiceError(
+                "invalid_argument", "response_format: cannot be used with beam search (sampling.beam_width)"
+            )
         params = dataclasses.replace(params, structured=structured)
     common: dict[str, Any] = dict(
         params=params,

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 from sidecar.engine.structured import Constraint
 from sidecar.server.openai.models import ChatCompletionRequest, CompletionRequest, _Sampling
-from sidecar.server.service import GenerationRequest
+from sidecar.server.service import GenerationRequest, ServiceError
 from sidecar.server.structured_check import check_constraint
 from sidecar.server.tools import ToolSpec
 from sidecar.server.validation import sampling_params
@@ -54,6 +54,9 @@ def _params(
         kw["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     kw["structured"] = structured  # one object for every choice: checked, keyed and compiled once
     if body.use_beam_search:  # one engine request keeps best_of (or n) beams; the n best are the choices
+        if structured is not None:
+            field = getattr(structured, "origin", "") or "response_format"
+            raise ServiceError("invalid_argument", f"{field}: cannot be used with use_beam_search")
         kw["beam_width"] = body.best_of or body.n or 1
         if body.length_penalty is not None:
             kw["length_penalty"] = body.length_penalty
