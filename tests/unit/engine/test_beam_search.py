@@ -208,9 +208,21 @@ def test_preempted_groups_recompute_and_match_hf(tiny_models):
     d = tiny_models["qwen2"]
     hf = load_hf(d)
     llm = LLM(model=str(d), dtype="float32", block_size=8, num_kv_blocks=40)
+    sched = llm.engine.scheduler
+    schedule, whole = sched.schedule, []
+
+    def checked():  # a preempted beam's group has no beam left running
+        out = schedule()
+        for r in out.preempted:
+            if r.beam_group is not None:
+                whole.append(not any(b in sched.running for b in r.beam_group.beams))
+        return out
+
+    sched.schedule = checked
     params = BeamSearchParams(beam_width=W, max_tokens=16, ignore_eos=True)
     outs = llm.beam_search(PROMPTS, params)
     assert llm.stats()["num_preemptions"] > 0
+    assert whole and all(whole)
     for p, o in zip(PROMPTS, outs):
         assert_same_ranking(o, hf_beams(hf, p, max_new=16))
     assert_pool_whole(llm)
