@@ -31,7 +31,12 @@ PROMPTS = [
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint (default: the default trained model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="float32 runs the default model dequantized, the checkpoint transformers loads too",
+    )
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--beam-width", type=int, default=4)
     p.add_argument("--output-tokens", type=int, default=32)
@@ -94,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
     info = llm.engine.model_info
     prompts = [llm.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.prompts)]
     cases: dict[str, Any] = {"sidecar": lambda: _ours(llm, prompts, args)}
-    if not args.no_hf:
+    if not args.no_hf and info["quantization"] != "none":
+        print(
+            f"transformers cannot load the {info['quantization']} checkpoint: no baseline (use --dtype float32)"
+        )
+    elif not args.no_hf:
         from transformers import AutoModelForCausalLM
 
         dtype = getattr(torch, info["dtype"])
