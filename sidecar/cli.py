@@ -64,6 +64,10 @@ BENCHMARKS = {
         "multi-turn conversations over N replicas: cached prompt share with session "
         "affinity vs round-robin vs one replica",
     ),
+    "beam": (
+        "sidecar.bench.beam",
+        "beam search (width 4) throughput vs transformers' beam search in the same run",
+    ),
     "lora": (
         "sidecar.bench.lora",
         "multi-LoRA: 4 adapters mixed in one batch vs the base model alone; "

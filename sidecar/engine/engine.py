@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from sidecar.config import EngineConfig
+from sidecar.engine.beam import BeamSearch
 from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.detokenizer import IncrementalDetokenizer
 from sidecar.engine.kv_cache import KVCacheManager
@@ -80,6 +81,7 @@ class LLMEngine:
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.scheduler.rope_long_from = loaded.model.rope_long_from
+        self.beams = BeamSearch(self)  # beam search groups: each live beam runs as a scheduled Request
         self.sampler = Sampler(self._sampling_device(), config.seed, config.max_num_seqs)
         self.spec = SpecDecoder(config, self.kv, self.max_model_len, self.runner, loaded)
         self.structured = StructuredDecoder(
@@ -197,7 +199,7 @@ class LLMEngine:
         request_id = request_id or random_request_id()
         if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_LEN:
             raise ValueError(f"request_id: must be a string of at most {MAX_REQUEST_ID_LEN} characters")
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.beams.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
@@ -218,6 +220,10 @@ class LLMEngine:
             tenant=tenant,
         )
         req.detok = IncrementalDetokenizer(self.tokenizer, params)
+        if params.beam_width is not None:  # its beams run in the batch (engine/beam.py)
+            self.beams.add(req, lora)
+            self.counters["prompt_tokens"] += len(ids)
+            return request_id
         self.scheduler.check_room(len(self.lora.parked))  # may raise QueueFullError
         admitted = self.lora.admit(req, lora)  # may raise AdapterNotFoundError; False: parked for a slot
         self.structured.attach(request_id, params.structured)  # may raise ValueError naming structured
@@ -235,12 +241,19 @@ class LLMEngine:
     def abort(self, request_id: str, reason: str = "client") -> None:
         """Finish the request now; its final output comes with the next step(). Unknown ids are ignored."""
         req = self.requests.get(request_id)
-        if req is not None:
+        if req is None:
+            self.beams.abort(request_id, reason, self._pending)
+        else:
             self._finish(req, FinishReason.ABORT, reason)
             self._pending.append(req.make_output())
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending) or self.overlap.inflight is not None
+        return (
+            bool(self.requests)
+            or bool(self.beams.groups)
+            or bool(self._pending)
+            or self.overlap.inflight is not None
+        )
 
     def _sampling_device(self) -> torch.device:
         """The logits' device, unless the self-check turned the device sampler off there: then the CPU (the
@@ -287,6 +300,8 @@ class LLMEngine:
         for req in self.scheduler.expired(now) + self.lora.expired(now):
             self._finish(req, FinishReason.ABORT, "deadline")
             outputs.append(req.make_output())
+        for group_id in self.beams.expired(now):
+            self.beams.abort(group_id, "deadline", outputs)
         for req in self.lora.unpark():  # its adapter got a slot: it queues as if it arrived now
             self.scheduler.readmit(req)
         if self.overlap.advance(outputs):  # the next step was launched from the in-flight step's device ids
@@ -294,6 +309,9 @@ class LLMEngine:
         self.spec.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         for req in sched.unschedulable:
+            if req.beam_group is not None:
+                self.beams.abort(req.beam_group.group_id, "error: beams do not fit the KV cache", outputs)
+                continue
             self._finish(req, FinishReason.ABORT, "error: request does not fit the KV cache")
             outputs.append(req.make_output())
         if sched.empty:
@@ -305,7 +323,9 @@ class LLMEngine:
         except Exception as exc:  # a failed step fails its requests, never the engine
             log.exception("engine step failed; aborting %d requests", len(sched.scheduled))
             for s in sched.scheduled:
-                if not s.request.is_finished:
+                if s.request.beam_group is not None:  # its group ends (each beam is marked finished)
+                    self.beams.abort(s.request.beam_group.group_id, f"error: {type(exc).__name__}", outputs)
+                elif not s.request.is_finished:
                     self._finish(s.request, FinishReason.ABORT, f"error: {type(exc).__name__}: {exc}")
                     outputs.append(s.request.make_output())
         return outputs
@@ -319,15 +339,16 @@ class LLMEngine:
         for s in sched.scheduled:  # proposed tokens count as computed only once accepted (spec/decoder.py)
             s.request.num_computed_tokens += s.num_new_tokens - s.num_spec_tokens
             self.kv.cache_computed_blocks(s.request)
-        if not sample_reqs:
-            return
         num_spec = {s.request.request_id: s.num_spec_tokens for s in sched.scheduled if s.num_spec_tokens}
-        results = self.spec.sample(
-            self.structured, self.sampler, self.sampling_logits(logits), sample_reqs, num_spec, masks
-        )
-        now = time.monotonic()
-        for req, (token_ids, logprobs) in zip(sample_reqs, results):
-            append_sampled(self, req, token_ids, logprobs, now, outputs)
+        sample_reqs, logits = self.beams.split(sample_reqs, logits, num_spec)  # beams keep their rows
+        if sample_reqs:
+            results = self.spec.sample(
+                self.structured, self.sampler, self.sampling_logits(logits), sample_reqs, num_spec, masks
+            )
+            now = time.monotonic()
+            for req, (token_ids, logprobs) in zip(sample_reqs, results):
+                append_sampled(self, req, token_ids, logprobs, now, outputs)
+        self.beams.advance(outputs)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -3,7 +3,7 @@ a ``KVOffload``) a second tier that keeps evicted prefix blocks and loads them b
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -28,6 +28,9 @@ class KVCacheManager:
         if self.offload is not None:
             self.pool.on_evict = self._offload_evicted
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Copies block src over block dst in the KV tensors (ModelRunner.copy_blocks): copy-on-write.
+        self.copy_blocks: Optional[Callable[[list[int], list[int]], None]] = None
+        self.num_cow_copies = 0
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens served from cache
 
@@ -45,7 +48,9 @@ class KVCacheManager:
                 runner.read_block,
                 runner.write_blocks,
             )
-        return cls(runner.num_blocks, config.block_size, config.enable_prefix_caching, offload)
+        mgr = cls(runner.num_blocks, config.block_size, config.enable_prefix_caching, offload)
+        mgr.copy_blocks = runner.copy_blocks
+        return mgr
 
     def _offload_evicted(self, block: KVBlock) -> None:
         """``BlockPool.on_evict``: the block goes to the tiers, and so do the blocks before it in its chain
@@ -142,8 +147,13 @@ class KVCacheManager:
         need = -(-total // bs) - len(blocks) - len(new_computed_blocks)
         # Hit blocks sitting in the free queue stop being allocatable once we take them.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free_blocks() - revived:
+        # The first write into a partly filled block that a fork shares is a write into a copy of it.
+        c = req.num_computed_tokens
+        cow = c // bs if c % bs and c // bs < len(blocks) and blocks[c // bs].ref_cnt > 1 else None
+        if need + (cow is not None) > self.pool.num_free_blocks() - revived:
             return False
+        if cow is not None:
+            self._copy_on_write(blocks, cow)
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
@@ -151,6 +161,24 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(need))
         self.req_blocks[req.request_id] = blocks
         return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` the blocks of ``parent`` by reference (one more reference each): a beam that forks
+        shares its whole prefix; a later write into a shared, partly filled block copies that block first
+        (``allocate_slots``), and full blocks are never written again."""
+        blocks = list(self.req_blocks.get(parent.request_id, ()))
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = blocks
+
+    def _copy_on_write(self, blocks: list[KVBlock], i: int) -> None:
+        if self.copy_blocks is None:
+            raise RuntimeError("copy-on-write of a shared KV block needs the runner's block copy")
+        shared = blocks[i]
+        (copy,) = self.pool.allocate(1)
+        self.copy_blocks([shared.block_id], [copy.block_id])
+        blocks[i] = copy
+        self.pool.free([shared])
+        self.num_cow_copies += 1
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache (after a step ran)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 from sidecar.config import EngineConfig
+from sidecar.engine.beam_params import BeamSearchOutput, BeamSearchParams
 from sidecar.engine.engine import LLMEngine, Prompt
 from sidecar.engine.request import RequestOutput, SamplingParams
 
@@ -105,6 +106,28 @@ class LLM:
         ):
             prompts = [prompts]
         return self._run(list(prompts), params, use_tqdm, lora)
+
+    def beam_search(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        params: Optional[BeamSearchParams] = None,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for a prompt or a list of prompts (strings or token-id lists), all prompts' beams in
+        one continuous batch; per prompt a ``BeamSearchOutput`` whose ``sequences`` are best first."""
+        if params is None:
+            params = BeamSearchParams()
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError("params: must be a BeamSearchParams")
+        if isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        outs = self._run(list(prompts), params.sampling_params(), use_tqdm)
+        return [
+            BeamSearchOutput(o.request_id, o.prompt, o.prompt_token_ids, list(o.beams or []), o.finish_reason)
+            for o in outs
+        ]
 
     def stats(self) -> dict[str, Any]:
         """A snapshot of the engine's cumulative counters, e.g. for benchmarks: ``prefix_cache_queries`` /

@@ -97,7 +97,7 @@ class OverlapPipeline:
         return (
             self.enabled
             and not self.engine.spec.enabled
-            and all(r.params.structured is None and r.lora is None for r in reqs)
+            and all(r.params.structured is None and r.lora is None and r.beam_group is None for r in reqs)
         )
 
     def launch_scheduled(self, sched) -> bool:

@@ -8,7 +8,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Union
 
 from sidecar.engine.structured import Constraint, to_constraint
 
@@ -23,6 +23,22 @@ MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024  # entries per request: each is a scattered add on the logits every step
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's bound; +-100 forces or bans a token outright
+MAX_BEAM_WIDTH = 64
+# Sampling options that mean nothing to beam search, with their off value: a beam request setting one is
+# refused naming it (beam search ranks by exact log-probabilities, one grammar-free step per beam).
+BEAM_REFUSED = (
+    ("temperature", 0.0),
+    ("top_p", 1.0),
+    ("top_k", 0),
+    ("min_p", 0.0),
+    ("repetition_penalty", 1.0),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("seed", None),
+    ("logprobs", None),
+    ("structured", None),
+    ("logit_bias", None),
+)
 
 
 class FinishReason(str, enum.Enum):
@@ -73,6 +89,10 @@ class SamplingParams:
     # Token id -> additive bias in [-100, 100], applied to the raw logits before penalties, masks,
     # temperature and top-k / top-p (greedy too). Stored as a dict of int -> float once constructed.
     logit_bias: Optional[dict] = None
+    # Beam search (engine/beam.py): None for sampling; an int >= 1 keeps that many beams, ranked by
+    # cum_logprob / generated_len ** length_penalty. Options that mean sampling are refused with it.
+    beam_width: Optional[int] = None
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         # Normalize the accepted shorthands (the only writes a SamplingParams ever gets), then validate.
@@ -137,6 +157,14 @@ class SamplingParams:
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.speculative, bool):
             bad("speculative", f"must be true or false, got {self.speculative!r}")
+        if not isinstance(self.length_penalty, (int, float)) or not (-10.0 <= self.length_penalty <= 10.0):
+            bad("length_penalty", f"must be a number in [-10, 10], got {self.length_penalty!r}")
+        if self.beam_width is not None:
+            if not is_int(self.beam_width) or not (1 <= self.beam_width <= MAX_BEAM_WIDTH):
+                bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
+            for name, off in BEAM_REFUSED:
+                if getattr(self, name) != off:
+                    bad(name, f"cannot be used with beam search (beam_width), got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:
@@ -198,6 +226,9 @@ class RequestOutput:
     e2e_s: Optional[float] = None
     logprobs: Optional[list[TokenLogprob]] = None
     new_logprobs: Optional[list[TokenLogprob]] = None
+    # Beam search: every returned hypothesis (engine/beam_params.BeamSequence), best first; token_ids and
+    # text above are the best one's. None for sampled requests.
+    beams: Optional[list[Any]] = None
 
     def merged_after(self, older: "RequestOutput") -> "RequestOutput":
         """This output as if it also carried the changes of ``older`` (the previous, unread output of the
@@ -216,6 +247,14 @@ class RequestOutput:
 
 
 _ids = itertools.count()
+
+
+class BeamGroupRef(Protocol):
+    """What a beam's request knows of its group (engine/beam.py's BeamGroup): the scheduler preempts a
+    group's ``beams`` together."""
+
+    group_id: str
+    beams: list["Request"]
 
 
 def random_request_id() -> str:
@@ -274,6 +313,10 @@ class Request:
             None  # a draft's q row per proposed token (sampling)
         )
         self.spec_state: Optional[SpecState] = None
+        # Beam search: the group this request is a live beam of (engine/beam.py), and its last logits row
+        # while it waits for the group's other beams.
+        self.beam_group: Optional[BeamGroupRef] = None
+        self.beam_row: Optional[torch.Tensor] = None
         self.text = ""
         self._emitted_tokens = 0
         self._emitted_text = 0

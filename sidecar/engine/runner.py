@@ -163,6 +163,14 @@ class ModelRunner:
             self._zero_blocks(self._zeroed_upto + 1, top)
         self.copier.write(block_ids, datas)
 
+    def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
+        """Copy-on-write of shared blocks: each ``src`` block's KV (every layer) over its ``dst`` block, queued
+        on the compute stream before the step that writes ``dst``; lazy zeroing is brought past ``dst`` first."""
+        top = max(dst_ids, default=-1)
+        if top > self._zeroed_upto:
+            self._zero_blocks(self._zeroed_upto + 1, top)
+        kv_quant.copy_blocks(self.kv_caches, src_ids, dst_ids)
+
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 

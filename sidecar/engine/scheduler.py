@@ -163,11 +163,25 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.beam_row = None  # a beam recomputes the row it waited with
         victim.spec_token_ids.clear()
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._insert_waiting(victim)
+
+    def _preempt_with_group(
+        self, victim: Request, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput
+    ) -> None:
+        """Preempt ``victim``; a beam is preempted with every running beam of its group (a group steps only
+        when all its beams hold a row, so a beam alone out of memory would hold its siblings' blocks idle).
+        Beams of a group share a sort key, so a group at the tail of ``running`` leaves it whole."""
+        group = victim.beam_group
+        for r in list(group.beams) if group is not None else [victim]:
+            if r in self.running:
+                scheduled.pop(r.request_id, None)
+                self._preempt(r)
+                out.preempted.append(r)
 
     def _allocate_running(
         self, req: Request, n: int, needed: int, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput
@@ -180,11 +194,8 @@ class Scheduler:
             if n > needed:  # drop the proposal before preempting anyone for it
                 n = needed
                 continue
-            victim = self.running[-1]
-            scheduled.pop(victim.request_id, None)
-            self._preempt(victim)
-            out.preempted.append(victim)
-            if victim is req:
+            self._preempt_with_group(self.running[-1], scheduled, out)
+            if req.status == RequestStatus.PREEMPTED:
                 return 0
         return n
 
@@ -203,8 +214,7 @@ class Scheduler:
             return
         victim = next(r for r in reversed(self.running) if r.tenant == top)
         if victim.priority >= best_starved:  # never for a request of lower priority (larger value)
-            self._preempt(victim)
-            out.preempted.append(victim)
+            self._preempt_with_group(victim, {}, out)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -268,6 +278,14 @@ class Scheduler:
                 scheduled[req.request_id] = ScheduledRequest(req, n)
                 budget -= n
 
+        if (
+            not scheduled
+            and self.waiting
+            and self.running
+            and all(r.beam_row is not None for r in self.running)
+        ):
+            # Only beams waiting for siblings that cannot get in: the newest group steps back for them.
+            self._preempt_with_group(self.running[-1], scheduled, out)
         out.scheduled = list(scheduled.values())
         out.num_batched_tokens = self.max_batched_tokens - budget
         return out

@@ -121,6 +121,25 @@ def zero_blocks(caches: list[tuple[torch.Tensor, ...]], lo: int, hi: int) -> Non
             _bits(t)[lo : hi + 1].zero_()
 
 
+def copy_blocks(caches: list[tuple[torch.Tensor, ...]], src_ids: list[int], dst_ids: list[int]) -> None:
+    """Block ``src_ids[i]`` of every layer's tensors (codes and scales) copied over block ``dst_ids[i]``, in
+    the pool: on CPU through the block-copy kernel, elsewhere (or without it) one indexed copy per tensor."""
+    if not src_ids:
+        return
+    if caches[0][0].device.type == "cpu":
+        from sidecar.model.kernels.cpu import block_copy
+
+        if block_copy.copy_blocks([_bits(t) for layer in caches for t in layer], src_ids, dst_ids):
+            return
+    dev = caches[0][0].device
+    src = torch.tensor(src_ids, dtype=torch.long, device=dev)
+    dst = torch.tensor(dst_ids, dtype=torch.long, device=dev)
+    for layer in caches:
+        for t in layer:
+            b = _bits(t)
+            b.index_copy_(0, dst, b.index_select(0, src))
+
+
 def block_nbytes(caches: list[tuple[torch.Tensor, ...]]) -> int:
     """Bytes of one block across every layer's tensors (values and scales): one offloaded block."""
     return sum(t[0].numel() * t.element_size() for layer in caches for t in layer)

@@ -70,6 +70,8 @@ def settings_key(params: Any, tools: str = "", template_kwargs: Optional[dict] =
     structured = getattr(params, "structured", None)
     if structured is not None:  # absent for free text, so keys of free-text requests are unchanged
         d["structured"] = structured.key()
+    if getattr(params, "beam_width", None) is not None:  # absent unless beam search, as above
+        d["beam_width"], d["length_penalty"] = params.beam_width, params.length_penalty
     if tools:
         d["tools"] = tools
     if template_kwargs:  # absent when none, so keys of other requests are unchanged

@@ -108,6 +108,7 @@ class Event:
     reasoning_delta: str = ""
     reasoning_text: str = ""
     reasoning_tokens: int = 0
+    beams: Optional[list] = None  # beam search: every hypothesis (engine BeamSequence), best first
 
 
 @dataclass
@@ -605,6 +606,7 @@ class InferenceService:
             ttft_ms=_ms(out.ttft_s),
             total_ms=_ms(out.e2e_s),
             cache=cache,
+            beams=getattr(out, "beams", None),
         )
 
     def _replay(self, rid: str, hit: Any, lookup_ms: float) -> Event:

@@ -170,6 +170,8 @@ def check_request(req: Any, model_name: str, vocab_size: Optional[int], max_prom
         if isinstance(stop, str):
             check_text(f"sampling.stop[{i}]", stop)
     check_text("cache_salt", req.cache_salt)
+    if req.params.beam_width is not None and getattr(req, "tools", None):
+        raise invalid("tools", "cannot be used with beam search (beam_width)")
     try:
         req.params.validate(vocab_size)
     except ValueError as exc:

@@ -73,6 +73,8 @@ _OPTIONAL_SAMPLING = (
     "frequency_penalty",
     "seed",
     "speculative",
+    "beam_width",
+    "length_penalty",
 )
 
 
@@ -85,6 +87,7 @@ def _params(s: pb.SamplingParams) -> SamplingParams:
         "repetition_penalty",
         "presence_penalty",
         "frequency_penalty",
+        "length_penalty",
     ):
         if name in kw:  # proto floats are float32; round so 0.9 stays 0.9 in messages and cache keys
             kw[name] = round(float(kw[name]), 6)
@@ -103,6 +106,10 @@ def _request(msg: Any, timeout_s: Optional[float], chat: bool) -> GenerationRequ
     params = _params(msg.sampling)
     structured = convert.response_format(msg)
     if structured is not None:
+        if params.beam_width is not None:
+            raise ServiceError(
+                "invalid_argument", "response_format: cannot be used with beam search (sampling.beam_width)"
+            )
         params = dataclasses.replace(params, structured=structured)
     common: dict[str, Any] = dict(
         params=params,

@@ -44,7 +44,7 @@ from sidecar.server.openai.models import (
     UnloadLoraAdapterRequest,
 )
 from sidecar.server.openai.runner import ChoiceRunner, first_events, guard_disconnect
-from sidecar.server.openai.translate import chat_requests, completion_requests
+from sidecar.server.openai.translate import beam_requests, chat_requests, completion_requests
 from sidecar.server.openai.transport import (
     CACHE_HEADER,
     CLIENT_CLOSED,
@@ -142,8 +142,10 @@ class _Call:
     ) -> None:
         self.service, self.body, self.kind, self.rid, self.model, self.n = service, body, kind, rid, model, n
         self.requests = requests
+        # Beam search: one request per prompt whose n best hypotheses are its n choices (expand below).
+        self.beams = n if getattr(body, "use_beam_search", None) else 1
         self.created = fmt.now()
-        self.states = [fmt.ChoiceState() for _ in requests]
+        self.states = [fmt.ChoiceState() for _ in range(len(requests) * self.beams)]
         self.want_logprobs = bool(body.logprobs) if kind == "chat" else body.logprobs is not None
         opts = body.stream_options
         self.include_usage = bool(opts and opts.include_usage)
@@ -208,6 +210,30 @@ class _Call:
         st.update(ev)
         return out
 
+    async def expand(self, events: AsyncIterator) -> AsyncIterator:
+        """Events per choice: a beam request's finished event becomes one event per returned hypothesis."""
+        async for k, ev in events:
+            if self.beams == 1:
+                yield k, ev
+                continue
+            seqs = ev.beams or []
+            for i in range(self.beams):
+                b = seqs[i] if i < len(seqs) else None
+                one = (
+                    ev
+                    if b is None
+                    else dataclasses.replace(
+                        ev,
+                        text=b.text,
+                        delta_text=b.text,
+                        token_ids=list(b.token_ids),
+                        new_token_ids=list(b.token_ids),
+                        completion_tokens=len(b.token_ids),
+                        finish_reason=b.finish_reason if ev.finish_reason != "abort" else ev.finish_reason,
+                    )
+                )
+                yield k * self.beams + i, one
+
     def response(self) -> dict:
         build = fmt.chat_response if self.kind == "chat" else fmt.completion_response
         return build(
@@ -241,13 +267,11 @@ class _Call:
 
 async def _run(request: Request, call: _Call, caller: Caller) -> Response:
     runner = ChoiceRunner(call.service, caller, call.requests).start()
-    events = runner.events()
+    events = call.expand(runner.events())
     handed_over = False
     try:
         if call.body.stream:
-            buffered = await guard_disconnect(
-                request, runner, first_events(runner, len(call.requests), events)
-            )
+            buffered = await guard_disconnect(request, runner, first_events(runner, len(call.states), events))
             if buffered is None:
                 return Response(status_code=CLIENT_CLOSED)
             firsts: dict[int, Event] = {}
@@ -312,6 +336,8 @@ async def chat_completions(
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     # Translating compiles any schema or grammar: a worker thread's job, never the event loop's.
     reqs = await asyncio.to_thread(chat_requests, body, rid, service.model_info().get("max_model_len"))
+    if body.use_beam_search:
+        reqs = beam_requests(reqs, body.n or 1)
     call = _Call(service, body, "chat", rid, body.model or service.model_name, body.n or 1, reqs)
     if body.reasoning_effort is not None and not service.model_info().get("reasoning"):
         call.headers[REASONING_HEADER] = "unsupported"  # accepted; the model does not think
@@ -323,6 +349,8 @@ async def completions(
 ):
     rid = f"cmpl-{uuid.uuid4().hex}"
     reqs = await asyncio.to_thread(completion_requests, body, rid)
+    if body.use_beam_search:
+        reqs = beam_requests(reqs, body.n or 1)
     call = _Call(service, body, "completion", rid, body.model or service.model_name, body.n or 1, reqs)
     return await _run(request, call, who)
 

@@ -76,8 +76,9 @@ class _Strict(BaseModel):
         if not table or not isinstance(data, dict):
             return data
         kept, refused = {}, []
+        beams = data.get("use_beam_search") is True  # best_of then counts the beams (vLLM's meaning)
         for key, value in data.items():
-            if key in table:
+            if key in table and not (beams and key == "best_of"):
                 # Type-exact comparison: best_of=true must not pass as best_of=1.
                 if not any(type(value) is type(ok) and value == ok for ok in table[key]):
                     refused.append(key)
@@ -156,6 +157,10 @@ class _Sampling(_Strict):
         description="false: opt out of the sidecar's speculative decoding "
         "(same output); unset: the sidecar's setting",
     )
+    # Beam search as vLLM accepts it: use_beam_search with best_of (or n) beams, the n best returned.
+    use_beam_search: Optional[bool] = None
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_CHOICES)
+    length_penalty: Optional[float] = Field(None, ge=-10.0, le=10.0)
     # Sidecar extensions: semantic cache control and prefix-cache isolation.
     cache_control: Optional[CacheControl] = None
     cache_sampled: Optional[bool] = None
@@ -176,6 +181,21 @@ class _Sampling(_Strict):
                 "invalid_value",
                 "{field}: conflicts with {other}; send one output format",
                 {"field": given[1], "other": given[0]},
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _beam_search_fields(self) -> "_Sampling":
+        if not self.use_beam_search:
+            if self.length_penalty is not None:
+                raise PydanticCustomError(
+                    "invalid_value", "{field}: only with use_beam_search", {"field": "length_penalty"}
+                )
+        elif self.best_of is not None and (self.n or 1) > self.best_of:
+            raise PydanticCustomError(
+                "invalid_value",
+                "n: {n} sequences asked of best_of={b} beams",
+                {"field": "n", "n": self.n, "b": self.best_of},
             )
         return self
 

@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 
 from sidecar.engine.structured import Constraint
 from sidecar.server.openai.models import ChatCompletionRequest, CompletionRequest, _Sampling
-from sidecar.server.service import GenerationRequest
+from sidecar.server.service import GenerationRequest, ServiceError
 from sidecar.server.structured_check import check_constraint
 from sidecar.server.tools import ToolSpec
 from sidecar.server.validation import invalid, sampling_params
@@ -55,6 +55,13 @@ def _params(
     if body.logit_bias:
         kw["logit_bias"] = logit_bias(body.logit_bias)
     kw["structured"] = structured  # one object for every choice: checked, keyed and compiled once
+    if body.use_beam_search:  # one engine request keeps best_of (or n) beams; the n best are the choices
+        if structured is not None:
+            field = getattr(structured, "origin", "") or "response_format"
+            raise ServiceError("invalid_argument", f"{field}: cannot be used with use_beam_search")
+        kw["beam_width"] = body.best_of or body.n or 1
+        if body.length_penalty is not None:
+            kw["length_penalty"] = body.length_penalty
     return sampling_params(**kw)
 
 
@@ -67,6 +74,16 @@ def logit_bias(raw: dict[str, Any]) -> dict[int, float]:
             raise invalid("logit_bias", f"keys must be token ids (decimal strings), got {k!r}")
         out[int(k)] = v
     return out
+
+
+def beam_requests(reqs: list[GenerationRequest], n: int) -> list[GenerationRequest]:
+    """Beam search: one request per prompt (every n-th choice's), its n best hypotheses the n choices. The
+    semantic cache keeps one answer, so a call asking several sequences skips it."""
+    firsts = reqs[::n]
+    if n > 1:
+        for r in firsts:
+            r.cache_control = "skip"
+    return firsts
 
 
 def output_constraint(body: _Sampling) -> Optional[Constraint]:

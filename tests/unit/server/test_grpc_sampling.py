@@ -49,3 +49,16 @@ def test_chat_template_kwargs_and_reasoning_effort_reach_the_request():
     assert (plain.chat_template_kwargs, plain.reasoning_effort) == (None, None)
     with pytest.raises(ServiceError, match="^chat_template_kwargs: must be JSON text"):
         servicer._request(pb.ChatRequest(messages=msg.messages, chat_template_kwargs="{"), None, chat=True)
+
+
+def test_beam_width_and_length_penalty_reach_the_engine():
+    p = servicer._params(pb.SamplingParams(max_tokens=5, beam_width=4, length_penalty=0.6))
+    assert (p.beam_width, p.length_penalty, p.max_tokens) == (4, 0.6, 5)
+    assert servicer._params(pb.SamplingParams()).beam_width is None
+
+
+def test_beam_width_with_sampling_names_the_sampling_field():
+    with pytest.raises(ServiceError, match="sampling.temperature"):
+        servicer._params(pb.SamplingParams(beam_width=2, temperature=0.7))
+    with pytest.raises(ServiceError, match="sampling.beam_width"):
+        servicer._params(pb.SamplingParams(beam_width=65))

@@ -80,3 +80,24 @@ def gather_block(srcs: Sequence[torch.Tensor], block_id: int) -> Optional[torch.
     if spans is None or not _copy(lib, spans[1], spans[0], spans[2]):
         return None
     return out
+
+
+def copy_blocks(tensors: Sequence[torch.Tensor], src_ids: Sequence[int], dst_ids: Sequence[int]) -> bool:
+    """Within the pool: block ``src_ids[i]`` of every tensor in ``tensors`` copied over block ``dst_ids[i]``
+    (copy-on-write of a block shared by forked sequences). False (nothing copied) when the kernel is not
+    available or a tensor is not a contiguous CPU tensor."""
+    lib = _KERNEL.lib()
+    if lib is None or not src_ids:
+        return lib is not None
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return False
+    blocks = tensors[0].shape[0]
+    for b in list(src_ids) + list(dst_ids):
+        if not 0 <= b < blocks:
+            raise ValueError(f"block copy: block {b} is outside a pool of {blocks} blocks")
+    span = np.array([t[0].numel() * t.element_size() for t in tensors], dtype=np.int64)
+    bases = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    src = np.ascontiguousarray((bases[None, :] + np.asarray(src_ids, np.int64)[:, None] * span).reshape(-1))
+    dst = np.ascontiguousarray((bases[None, :] + np.asarray(dst_ids, np.int64)[:, None] * span).reshape(-1))
+    lens = np.ascontiguousarray(np.broadcast_to(span, (len(src_ids), len(span))).reshape(-1))
+    return _copy(lib, dst, src, lens)

@@ -76,3 +76,25 @@ def test_gather_gives_the_bytes_of_every_tensor_in_order(dtype):
         assert torch.equal(kv_quant.read_block(caches, b), want)
     with pytest.raises(ValueError, match="outside"):
         block_copy.gather_block(flat, 9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_copy_within_the_pool_matches_the_indexed_torch_copy(dtype, monkeypatch):
+    """Copy-on-write of shared blocks: every (block, tensor) span from src to dst, nothing else touched."""
+    src, dst = [1, 4, 2], [8, 3, 5]
+    by_kernel, expected = _caches(dtype), _caches(dtype)
+    assert block_copy.copy_blocks([t for layer in by_kernel for t in layer], src, dst)
+    for layer in expected:
+        for t in layer:
+            t[dst] = t[src].clone()
+    for a, b in zip(by_kernel, expected):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="outside"):
+        block_copy.copy_blocks([t for layer in by_kernel for t in layer], [1], [9])
+    by_torch = _caches(dtype)
+    monkeypatch.setattr(block_copy, "copy_blocks", lambda *a: False)  # the path without the kernel
+    kv_quant.copy_blocks(by_torch, src, dst)
+    for a, b in zip(by_torch, expected):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)

@@ -192,6 +192,9 @@ final class ChatMapping {
         if (o.getMinP() != null) {
             s.setMinP(o.getMinP().floatValue());
         }
+        if (o.getBeamWidth() != null) {
+            s.setBeamWidth(o.getBeamWidth());
+        }
         if (o.getRepetitionPenalty() != null) {
             s.setRepetitionPenalty(o.getRepetitionPenalty().floatValue());
         }

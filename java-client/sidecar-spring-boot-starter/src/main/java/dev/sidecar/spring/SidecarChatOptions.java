@@ -45,6 +45,7 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
     private final Double presencePenalty;
     private final Double repetitionPenalty;
     private final Long seed;
+    private final Integer beamWidth;
     private final List<String> stop;
     private final CacheControl cacheControl;
     private final String cacheSalt;
@@ -73,6 +74,7 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
         this.presencePenalty = presencePenalty;
         this.repetitionPenalty = b.repetitionPenalty;
         this.seed = b.seed;
+        this.beamWidth = b.beamWidth;
         this.stop = stop == null ? null : List.copyOf(stop);
         this.cacheControl = b.cacheControl;
         this.cacheSalt = b.cacheSalt;
@@ -198,6 +200,11 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
         return seed;
     }
 
+    /** Beam search with this many beams (the reply is the best hypothesis); null: sampling. */
+    public Integer getBeamWidth() {
+        return beamWidth;
+    }
+
     public CacheControl getCacheControl() {
         return cacheControl;
     }
@@ -287,6 +294,7 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
                 && Objects.equals(frequencyPenalty, c.frequencyPenalty)
                 && Objects.equals(presencePenalty, c.presencePenalty)
                 && Objects.equals(repetitionPenalty, c.repetitionPenalty) && Objects.equals(seed, c.seed)
+                && Objects.equals(beamWidth, c.beamWidth)
                 && Objects.equals(stop, c.stop) && cacheControl == c.cacheControl
                 && Objects.equals(cacheSalt, c.cacheSalt) && Objects.equals(priority, c.priority)
                 && Objects.equals(timeout, c.timeout) && Objects.equals(toolCallbacks, c.toolCallbacks)
@@ -299,14 +307,14 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
 
     @Override
     public int hashCode() {
-        return Objects.hash(model, maxTokens, temperature, topP, topK, seed, stop, cacheControl, timeout,
+        return Objects.hash(model, maxTokens, temperature, topP, topK, seed, beamWidth, stop, cacheControl, timeout,
                 toolCallbacks, toolChoice, responseFormat, outputSchema);
     }
 
     @Override
     public String toString() {
         return "SidecarChatOptions{model=" + model + ", maxTokens=" + maxTokens + ", temperature=" + temperature
-                + ", topP=" + topP + ", topK=" + topK + ", seed=" + seed + ", stop=" + stop
+                + ", topP=" + topP + ", topK=" + topK + ", seed=" + seed + ", beamWidth=" + beamWidth + ", stop=" + stop
                 + ", cacheControl=" + cacheControl + ", timeout=" + timeout
                 + ", tools=" + toolCallbacks.stream().map(t -> t.getToolDefinition().name()).toList()
                 + ", toolChoice=" + (toolChoice == null ? null : toolChoice.getMode() + ":" + toolChoice.getFunctionName())
@@ -326,6 +334,7 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
         private Double minP;
         private Double repetitionPenalty;
         private Long seed;
+        private Integer beamWidth;
         private CacheControl cacheControl;
         private String cacheSalt;
         private String sessionId;
@@ -367,6 +376,15 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
 
         public Builder seed(Long v) {
             this.seed = v;
+            return self();
+        }
+
+        /**
+         * Beam search with {@code v} beams, sent as the request's {@code sampling.beam_width}; the sidecar
+         * refuses it together with sampling options (temperature > 0, topP < 1, topK, seed, ...).
+         */
+        public Builder beamWidth(Integer v) {
+            this.beamWidth = v;
             return self();
         }
 
@@ -500,6 +518,7 @@ public class SidecarChatOptions implements ToolCallingChatOptions, StructuredOut
             this.minP = pick(s.minP, this.minP);
             this.repetitionPenalty = pick(s.repetitionPenalty, this.repetitionPenalty);
             this.seed = pick(s.seed, this.seed);
+            this.beamWidth = pick(s.beamWidth, this.beamWidth);
             this.cacheControl = pick(s.cacheControl, this.cacheControl);
             this.cacheSalt = pick(s.cacheSalt, this.cacheSalt);
             this.sessionId = pick(s.sessionId, this.sessionId);

@@ -118,6 +118,21 @@ class SidecarChatModelTest {
     }
 
     @Test
+    void beamWidthIsSentAsTheSamplingField() {
+        model.call(new Prompt("beams", SidecarChatOptions.builder().beamWidth(4).maxTokens(6).build()));
+        ChatRequest sent = sidecar.chats.poll();
+        assertThat(sent.getSampling().hasBeamWidth()).isTrue();
+        assertThat(sent.getSampling().getBeamWidth()).isEqualTo(4);
+        assertThat(sent.getSampling().getMaxTokens()).isEqualTo(6);
+        SidecarChatOptions o = SidecarChatOptions.builder().beamWidth(3).build();
+        assertThat(o.mutate().build()).isEqualTo(o);
+        assertThat(SidecarChatOptions.merge(o, ChatOptions.builder().maxTokens(2).build()).getBeamWidth()).isEqualTo(3);
+
+        model.call(new Prompt("no beams"));
+        assertThat(sidecar.chats.poll().getSampling().hasBeamWidth()).isFalse();
+    }
+
+    @Test
     void chatClientOptionsBuilderCarriesTheSidecarFields() {
         ChatClient.create(model).prompt().user("opts")
                 .options(SidecarChatOptions.builder().seed(7L).cacheControl(CacheControl.CACHE_CONTROL_REFRESH)
