@@ -183,7 +183,7 @@ class BeamSearch:
     @staticmethod
     def _hypothesis(g: BeamGroup, parent: int, token: int, cum: torch.Tensor, reason: Optional[str]):
         if reason is None:
-            return None  # a placeholder slot (HF keeps its score far below any real one)
+            return None  # an empty slot (HF keeps its score far below any real one)
         return (g.beams[parent].output_token_ids + [token], float(cum), reason)
 
     def _reseat(self, g: BeamGroup, picks: list[tuple[int, int]]) -> None:
