@@ -34,6 +34,6 @@ def test_models_list_the_architecture_and_runtime():
         "fast_paths": ["attention", "cuda_graphs"],
     }
     base = svc.model_info
-    svc.model_info = lambda: dict(base(), **facts)
+    svc.model_info = lambda *caller: dict(base(*caller), **facts)
     m = TestClient(create_app(svc)).get("/v1/models").json()["data"][0]
     assert {k: m[k] for k in facts} == facts
