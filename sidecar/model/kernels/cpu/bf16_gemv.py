@@ -13,7 +13,8 @@ torch's own bf16 matmul runs at a fraction of the float32 one, so there the kern
 batch size (``isa()`` says which path was built); from 4 rows on it arranges the same sums for arithmetic
 rather than for the weight stream (outer products, 6 x 16 register tiles, rows in chunks that stay in L3: at
 prefill sizes about as fast as oneDNN's float32 GEMM on half the weight bytes), which is why ``dtype="auto"``
-picks bf16 on such CPUs (``hardware.avx2_bf16_kernel``).
+picks bf16 on such CPUs (``hardware.avx2_bf16_kernel``). ``int8_gemm`` runs int8 prefill through the same
+outer products.
 
 ``tile_weight(weight)`` lays a weight out as [ceil(N/4), K/32, 4, 32] (four rows' 32-value chunks side by
 side, zero rows padding the last tile) and ``bf16_matmul_tiled(x, tiled, n, bias, out_dtype)`` takes that
@@ -47,7 +48,6 @@ _KERNEL = cpu_build.Kernel(
         "sidecar_bf16_matmul": ([MatmulArgs], I),
         "sidecar_bf16_matmul_tiled": ([MatmulArgs], I),
         "sidecar_bf16_supported": ([], I),
-        "sidecar_int8_matmul_wide": ([MatmulArgs], I),
     },
     setup=lambda lib: setattr(lib, "_sidecar_bf16", int(lib.sidecar_bf16_supported())),
 )
@@ -65,52 +65,6 @@ def isa() -> str:
     float32, FMAs) or "" (not available)."""
     lib = _KERNEL.lib()
     return "" if lib is None else _ISAS.get(lib._sidecar_bf16, "")
-
-
-def int8_wide_available() -> bool:
-    """Whether ``int8_matmul_wide`` runs here: the AVX2 path's prefill loops (an AVX-512 build has none)."""
-    return isa() == "avx2"
-
-
-def int8_matmul_wide(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor,
-    bias: Optional[torch.Tensor] = None,
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``(x @ weight.T) * scales + bias`` for int8 codes ``weight`` [N, K] (K a multiple of 32) with float32
-    ``scales`` [N], over the AVX2 prefill path: float32 sums of the products of ``x`` (bf16, or float32 read as
-    it is) and the codes, each times its row's scale, then the bias; [M, N] in ``out_dtype`` (float32 or bf16,
-    rounded once). Requires ``int8_wide_available()``; the caller has checked the static operands."""
-    lib = _KERNEL.lib()
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"int8_matmul_wide: x {tuple(x.shape)} {x.dtype} for weight {tuple(weight.shape)}")
-    x = x if x.is_contiguous() else x.contiguous()  # held for the call
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
-    rc = lib.sidecar_int8_matmul_wide(
-        MatmulArgs(
-            x=x.data_ptr(),
-            w=weight.data_ptr(),
-            scales=scales.data_ptr(),
-            bias=None if bias is None else bias.data_ptr(),
-            y=y.data_ptr(),
-            M=x.shape[0],
-            N=weight.shape[0],
-            K=x.shape[1],
-            nthreads=torch.get_num_threads(),
-            x_bf16=x.dtype != torch.float32,
-            bias_bf16=bias is not None and bias.dtype == torch.bfloat16,
-            out=out_dtype == torch.bfloat16,
-        )
-    )
-    if rc == 2:
-        raise MemoryError(
-            f"int8_matmul_wide: no memory for the working buffers of {x.shape[0]} activation rows"
-        )
-    if rc != 0:
-        raise RuntimeError("int8_matmul_wide: no AVX2 path in this build, or K not a multiple of 32")
-    return y
 
 
 def bf16_matmul(

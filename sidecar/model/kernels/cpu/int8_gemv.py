@@ -18,13 +18,13 @@ from typing import Optional
 
 import torch
 
-from sidecar.model.kernels.cpu import amx_gemm, bf16_gemv, cpu_build
+from sidecar.model.kernels.cpu import amx_gemm, cpu_build, int8_gemm
 from sidecar.model.kernels.cpu.cpu_build import I
 from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used (it leads torch's
 # packed kernel there); beyond that bf16 prefill chunks go to the tile-layout kernel over the widened codes
-# (``amx_gemm.int8_matmul``) where it runs, to the AVX2 prefill path over the codes (``bf16_gemv.int8_matmul_wide``)
+# (``amx_gemm.int8_matmul``) where it runs, to the AVX2 prefill path over the codes (``int8_gemm.int8_matmul_wide``)
 # where that is built, else to torch's.
 MAX_ROWS = 32
 # With AMX, bf16 batches take the tile path from this many rows on: its products per widened code against this
@@ -35,12 +35,7 @@ TILE_MIN_ROWS = 24
 def takes(rows: int, dtype: Optional[torch.dtype] = None) -> bool:
     """Whether a layer of per-row scales (``Layer``) runs a batch of ``rows`` (activations of ``dtype``) itself:
     decode-sized batches, any batch where the wide path is built, and bf16 batches where the tile-layout one is."""
-    return (
-        rows <= MAX_ROWS
-        or bf16_gemv.int8_wide_available()
-        or dtype is torch.bfloat16
-        and amx_gemm.available()
-    )
+    return rows <= MAX_ROWS or int8_gemm.available() or dtype is torch.bfloat16 and amx_gemm.available()
 
 
 _FLOATS = (torch.float32, torch.bfloat16)
@@ -172,7 +167,7 @@ class Layer(cpu_build.LayerView):
         self.fn = lib.sidecar_int8_linear
         self.bias_bf16 = bias is not None and bias.dtype == torch.bfloat16
         # batches past MAX_ROWS: the AVX2 prefill path over the codes, for per-row scales
-        self.wide = not grouped and k % 32 == 0 and bf16_gemv.int8_wide_available()
+        self.wide = not grouped and k % 32 == 0 and int8_gemm.available()
         # ... and with AMX or AVX-512 BF16, bf16 batches past MAX_ROWS through the tile-layout kernel over the codes
         self.amx = not grouped and k % 32 == 0 and scales.dtype == torch.float32 and amx_gemm.available()
         # ... from TILE_MIN_ROWS where AMX multiplies (the dot products without it: past MAX_ROWS)
@@ -197,7 +192,7 @@ class Layer(cpu_build.LayerView):
             if y is not None:
                 return y
         if m > MAX_ROWS and self.wide:
-            return bf16_gemv.int8_matmul_wide(x, self.weight, self.scales, self.bias, out_dtype)
+            return int8_gemm.int8_matmul_wide(x, self.weight, self.scales, self.bias, out_dtype)
         y = torch.empty(m, self.n, dtype=out_dtype)
         b = self.bias
         rc = self.fn(

@@ -1,6 +1,6 @@
 /* The argument struct of every matrix product entry point (bf16_gemv.c, amx_gemm.c, int4_gemv.c,
- * int8_gemv.c), mirrored by ``matmul_args.MatmulArgs``: y = x @ w.T (times the weight's scales) + bias. Each
- * kernel reads the fields its doc comment names and ignores the rest. */
+ * int8_gemv.c, int8_gemm.c), mirrored by ``matmul_args.MatmulArgs``: y = x @ w.T (times the weight's scales)
+ * + bias. Each kernel reads the fields its doc comment names and ignores the rest. */
 #ifndef SIDECAR_MATMUL_ARGS_H
 #define SIDECAR_MATMUL_ARGS_H
 

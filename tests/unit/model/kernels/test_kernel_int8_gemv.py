@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from sidecar.model.kernels.cpu import amx_gemm, bf16_gemv, cpu_build, int8_gemv
+from sidecar.model.kernels.cpu import amx_gemm, bf16_gemv, cpu_build, int8_gemm, int8_gemv
 from sidecar.model.quant import Int8Linear, quantize_linear
 from sidecar.model.quant_format import dequantize_int8, quantize_int8
 
@@ -98,7 +98,7 @@ def test_int8_linear_few_and_many_rows_match_the_dequantized_layer(rows, dtype, 
     assert bool(calls) == (
         rows <= int8_gemv.MAX_ROWS
         or features % 32 == 0
-        and (bf16_gemv.int8_wide_available() or dtype == torch.bfloat16 and amx_gemm.available())
+        and (int8_gemm.available() or dtype == torch.bfloat16 and amx_gemm.available())
     )
     ref = x.float() @ deq.float().T + b.float()
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-2
@@ -286,7 +286,7 @@ def avx2_build(monkeypatch):
     """The kernels built for AVX2 + FMA (as on a Zen 2/3), whatever this CPU has beyond."""
     monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")
     monkeypatch.setattr(cpu_build, "_loaded", {})
-    assert bf16_gemv.int8_wide_available(), cpu_build.reason("bf16_gemv")
+    assert int8_gemm.available(), cpu_build.reason("int8_gemm")
     assert int8_gemv.takes(int8_gemv.MAX_ROWS + 1)
 
 
@@ -303,10 +303,10 @@ def test_wide_path_is_the_bf16_prefill_kernel_over_the_codes(m, n, k, avx2_build
     x, w, s = _case(m, n, k, seed=m + n)
     xb = x.bfloat16()
     sums = bf16_gemv.bf16_matmul(xb, w.bfloat16())
-    assert torch.equal(bf16_gemv.int8_matmul_wide(xb, w, torch.ones(n)), sums)
+    assert torch.equal(int8_gemm.int8_matmul_wide(xb, w, torch.ones(n)), sums)
     for bias in (None, torch.randn(n), torch.randn(n).bfloat16()):
         for out in (torch.float32, torch.bfloat16):
-            y = bf16_gemv.int8_matmul_wide(xb, w, s, bias, out)
+            y = int8_gemm.int8_matmul_wide(xb, w, s, bias, out)
             ref = sums * s if bias is None else sums * s + bias.float()
             assert y.dtype == out and torch.equal(y, ref.to(out))
 
@@ -314,21 +314,21 @@ def test_wide_path_is_the_bf16_prefill_kernel_over_the_codes(m, n, k, avx2_build
 @pytest.mark.parametrize("m,n,k", WIDE_CASES)
 def test_wide_path_reads_float32_activations_as_they_are(m, n, k, avx2_build):
     x, w, s = _case(m, n, k, seed=m * 3 + k)
-    y = bf16_gemv.int8_matmul_wide(x, w, s)
+    y = int8_gemm.int8_matmul_wide(x, w, s)
     ref = int8_gemv.reference(x, w, s)
     assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()  # float32 sums of exact products
     # a row's result does not depend on the batch it came in
-    assert torch.equal(bf16_gemv.int8_matmul_wide(x[2:3].expand(m, k).contiguous(), w, s)[m - 1], y[2])
+    assert torch.equal(int8_gemm.int8_matmul_wide(x[2:3].expand(m, k).contiguous(), w, s)[m - 1], y[2])
     for bad in (x.half(), x[:, : k - 32], x[0]):
         with pytest.raises(ValueError, match="int8_matmul_wide"):
-            bf16_gemv.int8_matmul_wide(bad, w, s)
+            int8_gemm.int8_matmul_wide(bad, w, s)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_layer_prefill_takes_the_wide_path(dtype, avx2_build, monkeypatch):
     calls = []
-    real = bf16_gemv.int8_matmul_wide
-    monkeypatch.setattr(bf16_gemv, "int8_matmul_wide", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = int8_gemm.int8_matmul_wide
+    monkeypatch.setattr(int8_gemm, "int8_matmul_wide", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     torch.manual_seed(1)
     lin = nn.Linear(896, 150, bias=True).to(dtype)
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
