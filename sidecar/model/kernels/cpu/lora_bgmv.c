@@ -13,36 +13,71 @@
  * in one fixed order (fused multiply-adds over k, then over the rank) whatever the tile size, so a row's
  * result does not depend on the batch around it.
  */
-#include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
+
+#include "vec.h"
 
 #define MT   4  /* rows per tile */
 #define CB   64 /* output columns accumulated in registers at a time */
 #define RMAX 1024
 
-/* y[i * ldr + r] = sum_k x[i, k] * as[k, r] for r in [r0, r0 + W) */
+#ifdef VL
+/* y[i * ldr + r] = sum_k x[i, k] * as[k, r] for r in [r0, r0 + W) (W 16 or 32: whole vectors) */
 static inline __attribute__((always_inline)) void shrink(const float* const* xs, int K, const float* as,
                                                          int ldr, int r0, const int MB, const int W,
                                                          float* y) {
+    vf acc[MT][32 / VL];
+    for (int i = 0; i < MB; i++)
+        for (int c = 0; c < W / VL; c++) acc[i][c] = v_zero();
+    for (int k = 0; k < K; k++) {
+        const float* a = as + (int64_t)k * ldr + r0;
+        for (int i = 0; i < MB; i++) {
+            const vf xv = v_set1(xs[i][k]);
+            for (int c = 0; c < W / VL; c++) acc[i][c] = v_fma(xv, v_load(a + c * VL), acc[i][c]);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int c = 0; c < W / VL; c++) v_store(y + i * ldr + r0 + c * VL, acc[i][c]);
+}
+
+/* out_i[c0 + c] += sum_r y[i * ldr + r] * b[r, c0 + c] for c < W (W = CB: whole vectors) */
+static inline __attribute__((always_inline)) void expand_block(const float* y, int ldr, const float* b, int R,
+                                                               int N, int c0, const int MB,
+                                                               float* const* outs) {
+    vf acc[MT][CB / VL];
+    for (int i = 0; i < MB; i++)
+        for (int c = 0; c < CB / VL; c++) acc[i][c] = v_zero();
+    for (int r = 0; r < R; r++) {
+        const float* br = b + (int64_t)r * N + c0;
+        for (int i = 0; i < MB; i++) {
+            const vf yv = v_set1(y[i * ldr + r]);
+            for (int c = 0; c < CB / VL; c++) acc[i][c] = v_fma(yv, v_load(br + c * VL), acc[i][c]);
+        }
+    }
+    for (int i = 0; i < MB; i++)
+        for (int c = 0; c < CB / VL; c++)
+            v_store(outs[i] + c0 + c * VL, v_add(v_load(outs[i] + c0 + c * VL), acc[i][c]));
+}
+#else
+static inline void shrink(const float* const* xs, int K, const float* as, int ldr, int r0, const int MB,
+                          const int W, float* y) {
     float acc[MT][32];
     for (int i = 0; i < MB; i++)
         for (int c = 0; c < W; c++) acc[i][c] = 0.f;
     for (int k = 0; k < K; k++) {
         const float* a = as + (int64_t)k * ldr + r0;
-        for (int i = 0; i < MB; i++) {
-            const float xv = xs[i][k];
-            for (int c = 0; c < W; c++) acc[i][c] = fmaf(xv, a[c], acc[i][c]);
-        }
+        for (int i = 0; i < MB; i++)
+            for (int c = 0; c < W; c++) acc[i][c] = fmaf(xs[i][k], a[c], acc[i][c]);
     }
     for (int i = 0; i < MB; i++)
         for (int c = 0; c < W; c++) y[i * ldr + r0 + c] = acc[i][c];
 }
+#endif
 
-/* out_i[c0 + c] += sum_r y[i * ldr + r] * b[r, c0 + c] for c < W (W = CB, or fewer at a part's end) */
-static inline __attribute__((always_inline)) void expand(const float* y, int ldr, const float* b, int R,
-                                                         int N, int c0, const int MB, const int W,
-                                                         float* const* outs) {
+/* expand_block's sums for the W < CB columns at a part's end (and every block without vectors): each output
+ * one fused multiply-add a rank, in the same order, so the bits do not depend on the block it falls in. */
+static inline void expand_tail(const float* y, int ldr, const float* b, int R, int N, int c0, const int MB,
+                               const int W, float* const* outs) {
     float acc[MT][CB];
     for (int i = 0; i < MB; i++)
         for (int c = 0; c < W; c++) acc[i][c] = 0.f;
@@ -56,6 +91,13 @@ static inline __attribute__((always_inline)) void expand(const float* y, int ldr
     for (int i = 0; i < MB; i++)
         for (int c = 0; c < W; c++) outs[i][c0 + c] += acc[i][c];
 }
+
+#ifndef VL
+static inline void expand_block(const float* y, int ldr, const float* b, int R, int N, int c0, const int MB,
+                                float* const* outs) {
+    expand_tail(y, ldr, b, R, N, c0, MB, CB, outs);
+}
+#endif
 
 static void tile(const float* const* xs, float* const* outs, const int MB, const float* as, const float* bs,
                  const int32_t* offs, int n, int R, int K, int N, int ldr) {
@@ -96,20 +138,20 @@ static void tile(const float* const* xs, float* const* outs, const int MB, const
             if (w >= CB) {
                 switch (MB) {
                     case 1:
-                        expand(y + j * R, ldr, b, R, N, c0, 1, CB, outs);
+                        expand_block(y + j * R, ldr, b, R, N, c0, 1, outs);
                         break;
                     case 2:
-                        expand(y + j * R, ldr, b, R, N, c0, 2, CB, outs);
+                        expand_block(y + j * R, ldr, b, R, N, c0, 2, outs);
                         break;
                     case 3:
-                        expand(y + j * R, ldr, b, R, N, c0, 3, CB, outs);
+                        expand_block(y + j * R, ldr, b, R, N, c0, 3, outs);
                         break;
                     default:
-                        expand(y + j * R, ldr, b, R, N, c0, 4, CB, outs);
+                        expand_block(y + j * R, ldr, b, R, N, c0, 4, outs);
                         break;
                 }
             } else {
-                expand(y + j * R, ldr, b, R, N, c0, MB, w, outs);
+                expand_tail(y + j * R, ldr, b, R, N, c0, MB, w, outs);
             }
         }
     }
