@@ -40,22 +40,44 @@
  * from zero and are folded into the panel's sums as sums * scale + zero * (the row's sum of the group's
  * activations), in order of the groups, two groups a pass over the sums; each fold is issued between the next
  * groups' tile products: the widening and the folds are vector work the tile unit would otherwise wait
- * for. */
+ * for.
+ *
+ * The file in sections: the path this build runs; what both paths share (the stores, the weights' sources);
+ * weight-only codes widened to bf16 tiles; the AMX tile path; the AVX-512 BF16 dot-product path; the loops
+ * both run (a function a level: call, thread, group, k block, panel); the entry points. Each path's section
+ * defines the same few names (multiply_panel, tiles_configure, tiles_release, path_id,
+ * PANEL_READS_NEXT_GROUP), and a kind of codes the build lacks has stubs that are never called (its entry
+ * point refuses), so the loops hold no preprocessor branches. */
 #include <omp.h>
 #include <stdlib.h>
 
 #include "vec.h"
 #include "matmul_args.h"
 
+/* ===== The path this build runs ===== */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define AMX_PATH 1
 #elif defined(__AVX512BF16__) && defined(__AVX512F__)
 /* no AMX: the same layout and loops, each panel's products as AVX-512 BF16 dot products */
 #define DOT_PATH 1
 #endif
-
 #if defined(AMX_PATH) || defined(DOT_PATH)
 #define TILE_LAYOUT 1
+#endif
+/* Weight-only codes: int8 wherever bf16 conversions are (AVX-512 BF16), int4 with AMX and byte permutes */
+#if defined(TILE_LAYOUT) && defined(__AVX512BF16__)
+#define INT8_PATH 1
+#else
+#define INT8_PATH 0
+#endif
+#if defined(AMX_PATH) && defined(__AVX512VBMI__)
+#define INT4_PATH 1
+#else
+#define INT4_PATH 0
+#endif
+
+#ifdef TILE_LAYOUT
+/* ===== Shared by both paths: blocking, outputs, the weights' sources ===== */
 #define BLOCK_BYTES (1 << 20)
 /* Weight bytes read ahead into L2 while a k step's tiles are multiplied, for panels of more than 16 rows
  * (fewer rows leave the stream to the hardware prefetcher, as fast there). */
@@ -66,25 +88,7 @@
  * once, later, and would evict the weights' stream. */
 #define STREAM_BYTES (8 << 20)
 #define KC 8 /* chunks a k block holds: a group's 16 KiB of them stay in L1 while the block's panels pass */
-#endif
 
-#ifdef AMX_PATH
-/* Tiles: accumulators 0 (rows 0-15 x outputs 0-15), 1 (rows 0-15 x outputs 16-31), 2 and 3 (rows 16-31);
- * activation tiles 4 (rows 0-15) and 5 (rows 16-31); weight tiles 6 and 7. r0 / r1: the panel's rows in each
- * half. */
-static void configure(int r0, int r1) {
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64;
-    c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)r0;
-    c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)(r1 ? r1 : 1);
-    c.rows[6] = c.rows[7] = 16;
-    load_tile_config(&c);
-}
-#endif
-
-#ifdef TILE_LAYOUT
 /* Output modes: float32, bf16, or float32 holding the values rounded to bf16 (the bf16 output widened, in the
  * same pass: a model's logits). */
 #define OUT_F32         0
@@ -171,7 +175,6 @@ static void store_pairs(const float* buf, int ra, int rb, int m0, int g, int I, 
     }
 }
 
-/* Where a product's outputs go (see store_panel, store_pairs). */
 /* Where a product's weights come from: the packed bf16 layout (wp), or codes widened a k block at a time --
  * int8 [N, K] with per-row scales (w8), or int4 in torch's packed CPU layout (w4: blocks of bn rows, split or
  * interleaved nibbles) with bf16 (scale, zero) pairs sz [K / gs][N][2] per group of gs values (a multiple of
@@ -185,6 +188,7 @@ typedef struct {
     int gs, bn, split;
 } weights;
 
+/* Where a product's outputs go (see store_panel, store_pairs). */
 typedef struct {
     void* y;
     const void* bias;
@@ -212,8 +216,8 @@ static inline void store_rows(const outputs* o, pending* p, int upto) {
     p->done = upto;
 }
 
-#if defined(__AVX512BF16__)
-#define INT8_PATH 1
+/* ===== Weight-only codes widened to bf16 tiles ===== */
+#if INT8_PATH
 /* r[0..15], 16 rows of 16 32-bit elements, transposed in place. */
 static inline void transpose16(__m512i* r) {
     __m512i t[16];
@@ -245,7 +249,8 @@ static inline void transpose16(__m512i* r) {
  * read (see the top), at wb + c * 1024: a code is exactly a bf16 value, so the products are those of the
  * codes. Each weight row's 32 values of a chunk are 16 pairs; a tile is the 16 x 16 transpose of its rows'
  * pairs. The next k block's codes (chunks k1..k2) are read toward L2 as it goes. */
-static void widen_codes(const int8_t* w8, int N, int K, int g, int k0, int k1, int k2, uint16_t* wb) {
+static __attribute__((noinline)) void widen_codes(const int8_t* w8, int N, int K, int g, int k0, int k1,
+                                                  int k2, uint16_t* wb) {
     for (int h = 0; h < 2; h++)
         for (int j = 0; j < 16; j++) {
             const int n = 32 * g + 16 * h + j;
@@ -273,10 +278,14 @@ static void widen_codes(const int8_t* w8, int N, int K, int g, int k0, int k1, i
             for (int i = 0; i < 16; i++) _mm512_store_si512(wb + (size_t)c * 1024 + h * 512 + i * 32, r[i]);
         }
 }
+#else
+/* Never called: sidecar_amx_int8_matmul refuses without the path, so no weights hold int8 codes. */
+static inline void widen_codes(const int8_t* w8, int N, int K, int g, int k0, int k1, int k2, uint16_t* wb) {
+    (void)w8, (void)N, (void)K, (void)g, (void)k0, (void)k1, (void)k2, (void)wb;
+}
 #endif
 
-#if defined(AMX_PATH) && defined(__AVX512VBMI__)
-#define INT4_PATH 1
+#if INT4_PATH
 /* The code (0..15) of row n, column k of int4 codes in torch's packed CPU layout (see int4_gemv.c): full
  * blocks of bn rows, bn / 2 bytes a column, split (row j < bn / 2 in the low nibble of byte j, the others in
  * the high nibble of byte j - bn / 2) or interleaved (rows 2 j, 2 j + 1 in byte j); the last N % bn rows an
@@ -451,9 +460,55 @@ static inline void multiply_panel_q(const uint16_t* xa, int K, const uint16_t* w
     }
     if (fdone < mr) fold_groups(acc, fa, fn, s, qs, xs, xstride, q0, fdone, mr);
 }
+#else
+/* Never called: sidecar_amx_int4_matmul refuses without the path, so no weights hold int4 codes. */
+static inline void widen_int4(const weights* W, int N, int K, int g, int k0, int k1, int k2, uint16_t* wb) {
+    (void)W, (void)N, (void)K, (void)g, (void)k0, (void)k1, (void)k2, (void)wb;
+}
+static inline void group_scales(const uint16_t* sz, int N, int g, int q0, int q1, float* qs) {
+    (void)sz, (void)N, (void)g, (void)q0, (void)q1, (void)qs;
+}
+static inline void multiply_panel_q(const uint16_t* xa, int K, const uint16_t* wg, int k0, int k1, int mr,
+                                    int r1, float* s, const float* qs, const float* xs, int xstride, int cq,
+                                    float* acc, const outputs* o, pending* p) {
+    (void)xa, (void)K, (void)wg, (void)k0, (void)k1, (void)mr, (void)r1, (void)s, (void)qs, (void)xs,
+            (void)xstride, (void)cq, (void)acc, (void)o, (void)p;
+}
 #endif
+#endif /* TILE_LAYOUT */
 
+/* ===== The AMX tile path ===== */
 #ifdef AMX_PATH
+/* Tiles: accumulators 0 (rows 0-15 x outputs 0-15), 1 (rows 0-15 x outputs 16-31), 2 and 3 (rows 16-31);
+ * activation tiles 4 (rows 0-15) and 5 (rows 16-31); weight tiles 6 and 7. r0 / r1: the panel's rows in each
+ * half. */
+static void configure(int r0, int r1) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.colsb[t] = 64;
+    c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)r0;
+    c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)(r1 ? r1 : 1);
+    c.rows[6] = c.rows[7] = 16;
+    load_tile_config(&c);
+}
+
+static inline void tiles_configure(int r0, int r1) {
+    configure(r0, r1);
+}
+
+static inline void tiles_release(void) {
+    _tile_release();
+}
+
+/* Which path runs (sidecar_amx_supported): 1, where the kernel granted this process the tile state. */
+static int path_id(void) {
+    return amx_granted();
+}
+
+/* The tile unit multiplies while the weights stream in: the one read-ahead (`ahead`) keeps pace. */
+#define PANEL_READS_NEXT_GROUP 0
+
 /* The tile products of one panel (activation rows xa.., 16 + r1 of them, or fewer in tile 0 alone when r1 is
  * 0) with chunks k0..k1 of a group's weights wg, added to the panel's sums s ([32][32] float32; zero before
  * chunk 0). A panel of more than 16 rows reads `lines` cache lines from `ahead` on into L2 as it goes, spread
@@ -510,8 +565,9 @@ static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg,
         _tile_stored(3, s + 16 * 32 + 16, 128);
     }
 }
-#endif
+#endif /* AMX_PATH */
 
+/* ===== The AVX-512 BF16 dot-product path (no AMX) ===== */
 #ifdef DOT_PATH
 /* Without AMX (AVX-512 BF16: AMD Zen 4 and 5, Intel Cooper Lake) the panel's products go as dot products over
  * the same layout: a tile row of the weights (the pair of values 2 r, 2 r + 1 of a chunk for 16 outputs) is
@@ -520,6 +576,21 @@ static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg,
  * accumulators, 2 weight vectors, the activations broadcast from memory: vec.h's dot_rows); every output is
  * one float32 sum over the pairs in order, whatever the batch, its panels and k blocks (the sums wait in s
  * between k blocks, exactly). */
+
+/* Register tiles: nothing to configure or release. */
+static inline void tiles_configure(int r0, int r1) {
+    (void)r0, (void)r1;
+}
+
+static inline void tiles_release(void) {}
+
+/* Which path runs (sidecar_amx_supported): 2. */
+static int path_id(void) {
+    return 2;
+}
+
+/* The register tiles after a panel's first read the next group's weights ahead too (multiply_panel below). */
+#define PANEL_READS_NEXT_GROUP 1
 
 /* The AMX multiply_panel's contract over dot products: the panel's mr rows in register tiles of nearly equal
  * height (32 rows: 11, 11, 10), the first reading the `lines` ahead -- at every panel height: here the
@@ -548,203 +619,256 @@ static inline void multiply_panel(const uint16_t* xa, int K, const uint16_t* wg,
         i0 += h;
     }
 }
-#endif
-#endif /* TILE_LAYOUT */
+#endif /* DOT_PATH */
 
-/* Which path this build runs: 1 AMX tile products (the kernel granted this process the tile state, asked
- * once), 2 AVX-512 BF16 dot products over the same layout (a CPU without AMX), 0 neither. */
-int sidecar_amx_supported(void) {
-#if defined(AMX_PATH)
-    return amx_granted();
-#elif defined(DOT_PATH)
-    return 2;
-#else
-    return 0;
-#endif
+/* ===== The loops both paths run ===== */
+#ifdef TILE_LAYOUT
+/* How a call's rows, chunks and groups are blocked (see the top), for every thread. */
+typedef struct {
+    int M, N, K;
+    int KB, G;      /* chunks a row, groups of 32 outputs */
+    size_t group;   /* bf16 values a group's weights hold */
+    int mc, kc, ks; /* rows a block, chunks a k block, chunks a slab */
+    int codes;      /* int8 or int4 codes, widened a k block at a time */
+    int cq, Gq;     /* int4: chunks a quantization group, quantization groups a row */
+} plan;
+
+static plan make_plan(const weights* W, int M, int N, int K) {
+    plan P = {M, N, K,      K / 32,         (N + 31) / 32,          (size_t)(K / 32) * 1024,
+              0, 0, K / 32, W->w8 || W->w4, W->w4 ? W->gs / 32 : 0, W->w4 ? K / W->gs : 0};
+    int mc = BLOCK_BYTES / (2 * K) / 32 * 32;
+    mc = mc < 32 ? 32 : mc > 512 ? 512 : mc;
+    /* k blocks only where several panels share them: at a few panels the extra passes over the sums slow the
+     * weight stream */
+    P.kc = M > 64 ? KC : P.KB;
+    if (M > 64 && mc < SLAB_ROWS) { /* long rows: blocks of SLAB_ROWS in slabs of chunks, not short blocks */
+        mc = SLAB_ROWS;
+        P.ks = SLAB_BYTES / (64 * mc) / P.kc * P.kc;
+    }
+    P.mc = mc > M ? (M + 31) / 32 * 32 : mc;
+    return P;
 }
 
-#ifdef TILE_LAYOUT
+/* Whether the outputs go around the caches (stream_row): STREAM_BYTES or more, in whole aligned lines. */
+static int streams(int M, int N, int out, int pairs, const void* y) {
+    const size_t row_bytes = (size_t)N * (out == OUT_BF16 ? 2 : 4);
+    return !pairs && (size_t)M * row_bytes >= STREAM_BYTES && row_bytes % 64 == 0 && !((uintptr_t)y % 64);
+}
+
+/* int4: xsum [M][Gq], each row's sum of each quantization group's activations; the rows shared by the threads
+ * of the calling parallel region. */
+static inline void activation_sums(const uint16_t* x, const weights* W, const plan* P, float* xsum) {
+#pragma omp for schedule(static)
+    for (int m = 0; m < P->M; m++)
+        for (int q = 0; q < P->Gq; q++) {
+            vf v = v_zero();
+            for (int k = q * W->gs; k < (q + 1) * W->gs; k += VL)
+                v = v_add(v, v_load_bf16(x + (size_t)m * P->K + k));
+            xsum[(size_t)m * P->Gq + q] = v_sum(v);
+        }
+}
+
+/* One thread's share of a product: its groups g0..g1, its buffers, the panel whose outputs are pending, and
+ * the panel rows the tiles are configured for (r0 -1: none yet). */
+typedef struct {
+    const uint16_t* x;
+    const weights* W;
+    const plan* P;
+    const outputs* o;
+    const float* xsum;
+    float* sums; /* [32][32] sums a panel between k blocks; in slabs, every panel of the block in every group
+                  */
+    uint16_t* wide; /* codes: a group's k block widened */
+    float* qs; /* int4: the k block's scales and zeros (64 floats a quantization group), four group sums */
+    int g0, g1;
+    pending p;
+    int r0, r1;
+} worker;
+
+/* The k block being multiplied: group g's chunks k0..k1 (of slab s0..s1) over rows mb..me of a row block; wg
+ * the group's bf16 tiles, gs its sums, next the weights multiplied after these (read ahead; NULL for codes).
+ */
+typedef struct {
+    int g, mb, me, s0, s1, k0, k1;
+    const uint16_t* wg;
+    float* gs;
+    const uint16_t* next;
+} kblock;
+
+/* The thread's buffers; 1 when one cannot be allocated (sums then NULL: the thread multiplies nothing). */
+static int thread_buffers(worker* w) {
+    const plan* P = w->P;
+    const int any = w->g0 < w->g1;
+    const size_t nsums = (size_t)32 * P->mc * (P->ks < P->KB ? w->g1 - w->g0 : 1);
+    w->sums = any ? (float*)aligned_alloc(64, sizeof(float) * nsums) : NULL;
+    w->wide = P->codes && any ? (uint16_t*)aligned_alloc(64, P->group * sizeof(uint16_t)) : NULL;
+    w->qs = w->W->w4 && any ? (float*)aligned_alloc(64, sizeof(float) * (64 * (size_t)P->Gq + 4096)) : NULL;
+    if (any && (!w->sums || (P->codes && !w->wide) || (w->W->w4 && !w->qs))) {
+        free(w->sums);
+        w->sums = NULL;
+        return 1;
+    }
+    return 0;
+}
+
+/* The k block's codes widened to bf16 tiles in the thread's buffer (chunks k1..k2, the next block's, read
+ * toward L2 meanwhile), int4's scales and zeros beside them; nothing for the packed layout. */
+static inline void widen_block(worker* w, const kblock* b, int k2) {
+    const weights* W = w->W;
+    const plan* P = w->P;
+    if (W->w8) widen_codes(W->w8, P->N, P->K, b->g, b->k0, b->k1, k2, w->wide);
+    if (W->w4) {
+        widen_int4(W, P->N, P->K, b->g, b->k0, b->k1, k2, w->wide);
+        group_scales(W->sz, P->N, b->g, b->k0 / P->cq, b->k1 / P->cq, w->qs);
+    }
+}
+
+/* Where panel m0 reads ahead into L2 as it multiplies (*lines cache lines on): codes were read as they were
+ * widened; in one pass over the weights, READ_AHEAD bytes ahead a chunk; in k blocks, the block's panels
+ * share the next k block's read. */
+static inline const char* read_ahead(const plan* P, const kblock* b, int m0, int* lines) {
+    *lines = 0;
+    if (P->codes) return NULL;
+    if (P->kc == P->KB) {
+        *lines = 32 * (b->k1 - b->k0);
+        return (const char*)(b->wg + (size_t)b->k0 * 1024) + READ_AHEAD;
+    }
+    const int panels = (b->me - b->mb + 31) / 32, share = (P->kc * 32 + panels - 1) / panels;
+    *lines = share;
+    return (const char*)b->next + (size_t)64 * share * ((m0 - b->mb) / 32);
+}
+
+/* The dot products' second read-ahead (PANEL_READS_NEXT_GROUP): in one pass over the weights, the next
+ * group's, shared by the block's panels. */
+static inline const char* read_after(const worker* w, const kblock* b, int m0, int* lines) {
+    const plan* P = w->P;
+    *lines = 0;
+    if (!PANEL_READS_NEXT_GROUP || P->codes || P->kc != P->KB || b->g + 1 >= w->g1) return NULL;
+    const int panels = (b->me - b->mb + 31) / 32, share = (32 * P->KB + panels - 1) / panels;
+    *lines = share;
+    return (const char*)(b->wg + P->group) + (size_t)64 * share * ((m0 - b->mb) / 32);
+}
+
+/* Panel m0 (up to 32 rows) of the k block: its products added to its sums; after the last k block it is the
+ * pending panel, its outputs stored while the next panel multiplies. */
+static inline __attribute__((always_inline)) void block_panel(worker* w, const kblock* b, int m0) {
+    const plan* P = w->P;
+    const int mr = b->me - m0 < 32 ? b->me - m0 : 32, r0 = mr < 16 ? mr : 16, r1 = mr - r0;
+    if (r0 != w->r0 || r1 != w->r1) {
+        tiles_configure(r0, r1);
+        w->r0 = r0;
+        w->r1 = r1;
+    }
+    float* s = b->gs + (size_t)(m0 - b->mb) * 32;
+    const uint16_t* xa = w->x + (size_t)m0 * P->K;
+    int lines, after_lines;
+    const char* ahead = read_ahead(P, b, m0, &lines);
+    const char* after = read_after(w, b, m0, &after_lines);
+    if (w->W->w4)
+        multiply_panel_q(xa, P->K, b->wg, b->k0, b->k1, mr, r1, s, w->qs, w->xsum + (size_t)m0 * P->Gq, P->Gq,
+                         P->cq, w->qs + 64 * (size_t)P->Gq, w->o, &w->p);
+    else
+        multiply_panel(xa, P->K, b->wg, b->k0, b->k1, mr, r1, s, ahead, lines, after, after_lines, w->o,
+                       &w->p);
+    if (b->k1 < P->KB) return;
+    w->p = (pending){s, mr, m0, b->g, 0};
+}
+
+/* Group b->g over slab s0..s1 of the rows mb..me: its k blocks in order, each over every panel. */
+static inline __attribute__((always_inline)) void block_group(worker* w, kblock* b) {
+    const plan* P = w->P;
+    const int g = b->g, s1 = b->s1;
+    b->wg = P->codes ? w->wide : w->W->wp + (size_t)g * P->group;
+    b->gs = w->sums + (P->ks < P->KB ? (size_t)(g - w->g0) * 32 * P->mc : 0);
+    for (b->k0 = b->s0; b->k0 < s1; b->k0 += P->kc) {
+        b->k1 = b->k0 + P->kc < s1 ? b->k0 + P->kc : s1;
+        /* the k block the thread multiplies next: this group's, the next group's in this slab, or the first
+         * group's in the next slab (or row block); k2 the next k block's end */
+        const int k2 = b->k1 < s1 ? (b->k1 + P->kc < s1 ? b->k1 + P->kc : s1) : b->k1;
+        widen_block(w, b, k2);
+        b->next = P->codes     ? NULL
+                  : b->k1 < s1 ? b->wg + (size_t)b->k1 * 1024
+                  : g + 1 < w->g1
+                          ? b->wg + P->group + (size_t)b->s0 * 1024
+                          : w->W->wp + (size_t)w->g0 * P->group + (size_t)(s1 < P->KB ? s1 : 0) * 1024;
+        for (int m0 = b->mb; m0 < b->me; m0 += 32) block_panel(w, b, m0);
+    }
+}
+
+/* The thread's groups over every row block and slab, then the last pending panel's outputs. */
+static inline __attribute__((always_inline)) void thread_products(worker* w) {
+    const plan* P = w->P;
+    kblock b;
+    for (b.mb = 0; b.mb < P->M && w->sums; b.mb += P->mc) {
+        b.me = b.mb + P->mc < P->M ? b.mb + P->mc : P->M;
+        for (b.s0 = 0; b.s0 < P->KB; b.s0 += P->ks) {
+            b.s1 = b.s0 + P->ks < P->KB ? b.s0 + P->ks : P->KB;
+            for (b.g = w->g0; b.g < w->g1; b.g++) block_group(w, &b);
+        }
+    }
+    store_rows(w->o, &w->p, 32);
+    if (w->r0 >= 0) tiles_release();
+}
+
 /* The product (see sidecar_amx_bf16_matmul); pairs: 0, or I for a gate/up layout (N = 2 I) stored as
  * store_pairs stores it (silu: its epilogue). Codes (W's w8 or w4) instead of the packed layout: each thread
  * widens a group's k block to bf16 tiles (widen_codes, widen_int4) for every panel of the block to multiply.
- */
+ * Each thread takes a contiguous run of groups. */
 static int matmul(const uint16_t* x, const weights* W, const void* bias, void* y, int M, int N, int K,
                   int nthreads, int bias_bf16, int out, int pairs, int silu) {
-    if (K % 32 || M < 0 || N < 0 || out < OUT_F32 || out > OUT_F32_OF_BF16 || !sidecar_amx_supported())
-        return 1;
+    if (K % 32 || M < 0 || N < 0 || out < OUT_F32 || out > OUT_F32_OF_BF16 || !path_id()) return 1;
     if (M == 0 || N == 0) return 0;
-    const int KB = K / 32, G = (N + 31) / 32;
-    const uint16_t* wp = W->wp;
-    const int codes = W->w8 || W->w4;
-    const int cq = W->w4 ? W->gs / 32 : 0,
-              Gq = W->w4 ? K / W->gs : 0; /* chunks a quantization group, groups a row */
-    (void)cq;
-    /* int4: [M][Gq] each row's sum of each quantization group's activations (the threads' first work, below)
-     */
-    float* xsum = W->w4 ? (float*)malloc(sizeof(float) * (size_t)M * Gq) : NULL;
+    const plan P = make_plan(W, M, N, K);
+    /* int4: each row's sum of each quantization group's activations (the threads' first work, below) */
+    float* xsum = W->w4 ? (float*)malloc(sizeof(float) * (size_t)M * P.Gq) : NULL;
     if (W->w4 && !xsum) return 2;
-    const size_t group = (size_t)KB * 1024; /* bf16 values per group */
-    int mc = BLOCK_BYTES / (2 * K) / 32 * 32;
-    mc = mc < 32 ? 32 : mc > 512 ? 512 : mc;
-    const int kc = M > 64 ? KC : KB; /* k blocks only where several panels share them: at a few panels the
-                                      * extra passes over the sums slow the weight stream */
-    int ks = KB;                     /* chunks a slab holds */
-    if (M > 64 && mc < SLAB_ROWS) {  /* long rows: blocks of SLAB_ROWS in slabs of chunks, not short blocks */
-        mc = SLAB_ROWS;
-        ks = SLAB_BYTES / (64 * mc) / kc * kc;
-    }
-    if (mc > M) mc = (M + 31) / 32 * 32;
-    const size_t row_bytes = (size_t)N * (out == OUT_BF16 ? 2 : 4);
-    const int stream =
-            !pairs && (size_t)M * row_bytes >= STREAM_BYTES && row_bytes % 64 == 0 && !((uintptr_t)y % 64);
+    const outputs o = {y, bias, W->scales, N, bias_bf16, out, pairs, silu, streams(M, N, out, pairs, y)};
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        if (xsum) {
-#pragma omp for schedule(static)
-            for (int m = 0; m < M; m++)
-                for (int q = 0; q < Gq; q++) {
-                    vf v = v_zero();
-                    for (int k = q * W->gs; k < (q + 1) * W->gs; k += VL)
-                        v = v_add(v, v_load_bf16(x + (size_t)m * K + k));
-                    xsum[(size_t)m * Gq + q] = v_sum(v);
-                }
-        }
+        if (xsum) activation_sums(x, W, &P, xsum);
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        const int g0 = (int)((int64_t)G * t / nt), g1 = (int)((int64_t)G * (t + 1) / nt);
-        /* [32][32] sums a panel between k blocks; in slabs, for every panel of the block in every group */
-        const size_t nsums = (size_t)32 * mc * (ks < KB ? g1 - g0 : 1);
-        float* sums = g0 < g1 ? (float*)aligned_alloc(64, sizeof(float) * nsums) : NULL;
-        uint16_t* wide = codes && g0 < g1 ? (uint16_t*)aligned_alloc(64, group * sizeof(uint16_t)) : NULL;
-        /* int4: the k block's scales and zeros (64 floats a quantization group), then four [32][32] group
-         * sums */
-        float* qs =
-                W->w4 && g0 < g1 ? (float*)aligned_alloc(64, sizeof(float) * (64 * (size_t)Gq + 4096)) : NULL;
-        if (g0 < g1 && (!sums || (codes && !wide) || (W->w4 && !qs))) {
+        worker w = {x,
+                    W,
+                    &P,
+                    &o,
+                    xsum,
+                    NULL,
+                    NULL,
+                    NULL,
+                    (int)((int64_t)P.G * t / nt),
+                    (int)((int64_t)P.G * (t + 1) / nt),
+                    {NULL, 0, 0, 0, 0},
+                    -1,
+                    -1};
+        if (thread_buffers(&w)) {
 #pragma omp atomic write
             failed = 1;
-            free(sums);
-            sums = NULL;
         }
-        const outputs o = {y, bias, W->scales, N, bias_bf16, out, pairs, silu, stream};
-        pending p = {NULL, 0, 0, 0, 0};
-        int c0 = -1, c1 = -1;
-        for (int mb = 0; mb < M && sums; mb += mc) {
-            const int me = mb + mc < M ? mb + mc : M;
-            for (int s0 = 0; s0 < KB; s0 += ks) {
-                const int s1 = s0 + ks < KB ? s0 + ks : KB;
-                for (int g = g0; g < g1; g++) {
-                    const uint16_t* wg = codes ? wide : wp + (size_t)g * group;
-                    float* gs = sums + (ks < KB ? (size_t)(g - g0) * 32 * mc : 0);
-                    for (int k0 = s0; k0 < s1; k0 += kc) {
-                        const int k1 = k0 + kc < s1 ? k0 + kc : s1;
-                        /* the k block the thread multiplies next: this group's, the next group's in this
-                         * slab, or the first group's in the next slab (or row block) */
-                        const int k2 =
-                                k1 < s1 ? (k1 + kc < s1 ? k1 + kc : s1) : k1; /* the next k block's end */
-#ifdef INT8_PATH
-                        if (W->w8) widen_codes(W->w8, N, K, g, k0, k1, k2, wide);
-#endif
-#ifdef INT4_PATH
-                        if (W->w4) {
-                            widen_int4(W, N, K, g, k0, k1, k2, wide);
-                            group_scales(W->sz, N, g, k0 / cq, k1 / cq, qs);
-                        }
-#endif
-                        const uint16_t* next =
-                                codes        ? NULL
-                                : k1 < s1    ? wg + (size_t)k1 * 1024
-                                : g + 1 < g1 ? wg + group + (size_t)s0 * 1024
-                                             : wp + (size_t)g0 * group + (size_t)(s1 < KB ? s1 : 0) * 1024;
-                        for (int m0 = mb; m0 < me; m0 += 32) {
-                            const int mr = me - m0 < 32 ? me - m0 : 32, r0 = mr < 16 ? mr : 16, r1 = mr - r0;
-                            if (r0 != c0 || r1 != c1) {
-#ifdef AMX_PATH
-                                configure(r0, r1);
-#endif
-                                c0 = r0;
-                                c1 = r1;
-                            }
-                            float* s = gs + (size_t)(m0 - mb) * 32;
-                            const char* ahead;
-                            int lines;
-                            if (codes) { /* the codes were read ahead as they were widened */
-                                ahead = NULL;
-                                lines = 0;
-                            } else if (kc ==
-                                       KB) { /* one pass over the weights: READ_AHEAD bytes ahead a chunk */
-                                ahead = (const char*)(wg + (size_t)k0 * 1024) + READ_AHEAD;
-                                lines = 32 * (k1 - k0);
-                            } else { /* the block's panels share the next k block's read */
-                                const int panels = (me - mb + 31) / 32,
-                                          share = (kc * 32 + panels - 1) / panels;
-                                ahead = (const char*)next + (size_t)64 * share * ((m0 - mb) / 32);
-                                lines = share;
-                            }
-                            const char* after = NULL; /* the dot products' second read-ahead (DOT_PATH) */
-                            int after_lines = 0;
-#ifdef DOT_PATH
-                            if (!codes && kc == KB &&
-                                g + 1 < g1) { /* the next group, shared by the block's panels */
-                                const int panels = (me - mb + 31) / 32,
-                                          share = (32 * KB + panels - 1) / panels;
-                                after = (const char*)(wg + group) + (size_t)64 * share * ((m0 - mb) / 32);
-                                after_lines = share;
-                            }
-#endif
-#ifdef INT4_PATH
-                            if (W->w4)
-                                multiply_panel_q(x + (size_t)m0 * K, K, wg, k0, k1, mr, r1, s, qs,
-                                                 xsum + (size_t)m0 * Gq, Gq, cq, qs + 64 * (size_t)Gq, &o,
-                                                 &p);
-                            else
-#endif
-                                multiply_panel(x + (size_t)m0 * K, K, wg, k0, k1, mr, r1, s, ahead, lines,
-                                               after, after_lines, &o, &p);
-                            if (k1 < KB) continue;
-                            p = (pending){s, mr, m0, g, 0}; /* stored while the next panel multiplies */
-                        }
-                    }
-                }
-            }
-        }
-        store_rows(&o, &p, 32); /* the last panel's */
-#ifdef AMX_PATH
-        if (c0 >= 0) _tile_release();
-#endif
-        if (stream) _mm_sfence(); /* the streamed lines reach memory before the caller reads them */
-        free(sums);
-        free(wide);
-        free(qs);
+        thread_products(&w);
+        if (o.stream) _mm_sfence(); /* the streamed lines reach memory before the caller reads them */
+        free(w.sums);
+        free(w.wide);
+        free(w.qs);
     }
     free(xsum);
     return failed ? 2 : 0;
 }
-#endif
+
+/* ===== Entry points ===== */
+/* Which path this build runs: 1 AMX tile products (the kernel granted this process the tile state, asked
+ * once), 2 AVX-512 BF16 dot products over the same layout (a CPU without AMX), 0 neither. */
+int sidecar_amx_supported(void) {
+    return path_id();
+}
 
 /* x: [M, K] bf16 rows; wp: the weight in the layout above; bias: NULL, float32 or bf16 (bias_bf16) [N]; y:
  * [M, N] as `out` says: 0 float32, 1 bf16, 2 float32 holding the values rounded to bf16. K a multiple of 32.
  * Returns 0, 1 without either path or for arguments it does not take (nothing written), 2 out of memory for
  * the working sums. */
 int sidecar_amx_bf16_matmul(const sidecar_matmul_args* a) {
-    const uint16_t* x = a->x;
-    const uint16_t* wp = a->w;
-    const void* bias = a->bias;
-    void* y = a->y;
-    int M = a->M;
-    int N = a->N;
-    int K = a->K;
-    int nthreads = a->nthreads;
-    int bias_bf16 = a->bias_bf16;
-    int out = a->out;
-#ifdef TILE_LAYOUT
-    const weights W = {wp, NULL, NULL, NULL, NULL, 0, 0, 0};
-    return matmul(x, &W, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
-#else
-    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads, (void)bias_bf16,
-            (void)out;
-    return 1;
-#endif
+    const weights W = {a->w, NULL, NULL, NULL, NULL, 0, 0, 0};
+    return matmul(a->x, &W, a->bias, a->y, a->M, a->N, a->K, a->nthreads, a->bias_bf16, a->out, 0, 0);
 }
 
 /* A fused gate/up projection (gate rows 0..I-1, up rows I..2I-1 of the weight; I a multiple of 16) held with
@@ -753,26 +877,10 @@ int sidecar_amx_bf16_matmul(const sidecar_matmul_args* a) {
  * silu(gate) * up as norm_act's silu_mul gives it from the bf16 projection (silu 1: out must be 1, bf16) --
  * one pass, no 2 I-wide output. Returns as above. */
 int sidecar_amx_bf16_gate_up(const sidecar_matmul_args* a) {
-    const uint16_t* x = a->x;
-    const uint16_t* wp = a->w;
-    const void* bias = a->bias;
-    void* y = a->y;
-    int M = a->M;
-    int I = a->N;
-    int K = a->K;
-    int nthreads = a->nthreads;
-    int bias_bf16 = a->bias_bf16;
-    int out = a->out;
-    int silu = a->silu;
-#ifdef TILE_LAYOUT
-    if (I <= 0 || I % 16 || (silu && out != OUT_BF16)) return 1;
-    const weights W = {wp, NULL, NULL, NULL, NULL, 0, 0, 0};
-    return matmul(x, &W, bias, y, M, 2 * I, K, nthreads, bias_bf16, out, I, silu);
-#else
-    (void)x, (void)wp, (void)bias, (void)y, (void)M, (void)I, (void)K, (void)nthreads, (void)bias_bf16,
-            (void)out, (void)silu;
-    return 1;
-#endif
+    const int I = a->N;
+    if (I <= 0 || I % 16 || (a->silu && a->out != OUT_BF16)) return 1;
+    const weights W = {a->w, NULL, NULL, NULL, NULL, 0, 0, 0};
+    return matmul(a->x, &W, a->bias, a->y, a->M, 2 * I, a->K, a->nthreads, a->bias_bf16, a->out, I, a->silu);
 }
 
 /* Weight-only int8 on the tile path: y[m, n] = scales[n] * sum_k x[m, k] w8[n, k] (+ bias[n]), x bf16 [M, K],
@@ -780,26 +888,9 @@ int sidecar_amx_bf16_gate_up(const sidecar_matmul_args* a) {
  * (exact products of bf16 and a code), times the row's scale, then the bias, rounded once as `out` says. For
  * prefill-sized batches: each group's k block is widened once for all of a block's rows. Returns as above. */
 int sidecar_amx_int8_matmul(const sidecar_matmul_args* a) {
-    const uint16_t* x = a->x;
-    const int8_t* w8 = a->w;
-    const float* scales = a->scales;
-    const void* bias = a->bias;
-    void* y = a->y;
-    int M = a->M;
-    int N = a->N;
-    int K = a->K;
-    int nthreads = a->nthreads;
-    int bias_bf16 = a->bias_bf16;
-    int out = a->out;
-#if defined(TILE_LAYOUT) && defined(INT8_PATH)
-    if (!w8 || !scales) return 1;
-    const weights W = {NULL, w8, scales, NULL, NULL, 0, 0, 0};
-    return matmul(x, &W, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
-#else
-    (void)x, (void)w8, (void)scales, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads,
-            (void)bias_bf16, (void)out;
-    return 1;
-#endif
+    if (!INT8_PATH || !a->w || !a->scales) return 1;
+    const weights W = {NULL, a->w, a->scales, NULL, NULL, 0, 0, 0};
+    return matmul(a->x, &W, a->bias, a->y, a->M, a->N, a->K, a->nthreads, a->bias_bf16, a->out, 0, 0);
 }
 
 /* Weight-only int4 on the tile path (AMX only): y[m, n] = sum_q (scale[q, n] * sum_{k in q} x[m, k] (code[n,
@@ -811,29 +902,36 @@ int sidecar_amx_int8_matmul(const sidecar_matmul_args* a) {
  * the groups folded in order: a row's result does not depend on the other rows of its batch. Returns as
  * above. */
 int sidecar_amx_int4_matmul(const sidecar_matmul_args* a) {
-    const uint16_t* x = a->x;
-    const uint8_t* w4 = a->w;
-    const uint16_t* sz = a->scales;
-    const void* bias = a->bias;
-    void* y = a->y;
-    int M = a->M;
-    int N = a->N;
-    int K = a->K;
-    int gs = a->group_size;
-    int bn = a->block_n;
-    int split = a->split;
-    int nthreads = a->nthreads;
-    int bias_bf16 = a->bias_bf16;
-    int out = a->out;
-#if defined(TILE_LAYOUT) && defined(INT4_PATH)
-    if (!w4 || !sz || gs <= 0 || gs % 32 || gs > 32 * KC || K % gs || N % 16 || (bn != 32 && bn != 64) ||
-        sidecar_amx_supported() != 1)
+    const int gs = a->group_size, bn = a->block_n;
+    if (!INT4_PATH || !a->w || !a->scales || gs <= 0 || gs % 32 || gs > 32 * KC || a->K % gs || a->N % 16 ||
+        (bn != 32 && bn != 64) || sidecar_amx_supported() != 1)
         return 1;
-    const weights W = {NULL, NULL, NULL, w4, sz, gs, bn, split != 0};
-    return matmul(x, &W, bias, y, M, N, K, nthreads, bias_bf16, out, 0, 0);
-#else
-    (void)x, (void)w4, (void)sz, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)gs, (void)bn,
-            (void)split, (void)nthreads, (void)bias_bf16, (void)out;
-    return 1;
-#endif
+    const weights W = {NULL, NULL, NULL, a->w, a->scales, gs, bn, a->split != 0};
+    return matmul(a->x, &W, a->bias, a->y, a->M, a->N, a->K, a->nthreads, a->bias_bf16, a->out, 0, 0);
 }
+#else
+/* A build without either path: every product refuses (1), and the caller keeps its torch path. */
+int sidecar_amx_supported(void) {
+    return 0;
+}
+
+int sidecar_amx_bf16_matmul(const sidecar_matmul_args* a) {
+    (void)a;
+    return 1;
+}
+
+int sidecar_amx_bf16_gate_up(const sidecar_matmul_args* a) {
+    (void)a;
+    return 1;
+}
+
+int sidecar_amx_int8_matmul(const sidecar_matmul_args* a) {
+    (void)a;
+    return 1;
+}
+
+int sidecar_amx_int4_matmul(const sidecar_matmul_args* a) {
+    (void)a;
+    return 1;
+}
+#endif
