@@ -153,10 +153,11 @@ static inline float softmax_weights(float* w, int lo, int hi, int n) {
     return sum;
 }
 
-/* o[t][:] = sum_j w[t * sld + j] vf[j][:] for j in [0, n), t < nt (nt * hd / VL accumulators <= 16). */
+/* o[t][:] = sum_j w[t * sld + j] vf[j][0 .. nc * VL) for j in [0, n), t < nt (value rows hd apart; nt * nc
+ * accumulators <= 16). */
 static inline __attribute__((always_inline)) void weigh(const float* w, size_t sld, int nt,
-                                                        const float* vf_rows, int n, int hd, vf* acc) {
-    const int nc = hd / VL;
+                                                        const float* vf_rows, int n, int hd, int nc,
+                                                        vf* acc) {
     for (int i = 0; i < nt * nc; i++) acc[i] = v_zero();
     for (int j = 0; j < n; j++) {
         const float* vr = vf_rows + (size_t)j * hd;
@@ -190,21 +191,26 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
         if (cap > 0.f) softcap_row(row + lo - base - k0, p + 1 - lo, 1.0f / cap, cap); /* scores scaled */
         inv[u] = 1.0f / softmax_weights(row, lo - base - k0, p + 1 - base - k0, m - k0);
     }
-    const int nt = 16 / nc > QT ? QT : 16 / nc; /* queries summed together: nt * nc <= 16 accumulators */
-    for (u = 0; u < qn;) {
-        const int k = qn - u >= nt ? nt : 1;
-        vf acc[16];
-        const float* vk = vg + (size_t)k0 * hd;
-        if (k == nt)
-            weigh(s + (size_t)u * sld, sld, nt, vk, m - k0, hd, acc);
-        else
-            weigh(s + (size_t)u * sld, sld, 1, vk, m - k0, hd, acc);
-        for (int t = 0; t < k; t++, u++) {
-            const size_t at = ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd;
-            const vf vi = v_set1(inv[u]);
-            for (int c = 0; c < nc; c++) v_dt_store(out, at + c * VL, v_mul(acc[t * nc + c], vi), dtype);
+    /* the values in slices of at most 16 vectors of dimensions (a head of more: AVX2's 256), nt queries
+     * summed together: nt * ncs <= 16 accumulators; each output element is the same sum whatever its slice */
+    const int ncs = nc < 16 ? nc : 16, nt = 16 / ncs > QT ? QT : 16 / ncs;
+    for (int c0 = 0; c0 < nc; c0 += ncs)
+        for (u = 0; u < qn;) {
+            const int k = qn - u >= nt ? nt : 1;
+            vf acc[16];
+            const float* vk = vg + (size_t)k0 * hd + (size_t)c0 * VL;
+            if (k == nt)
+                weigh(s + (size_t)u * sld, sld, nt, vk, m - k0, hd, ncs, acc);
+            else
+                weigh(s + (size_t)u * sld, sld, 1, vk, m - k0, hd, ncs, acc);
+            for (int t = 0; t < k; t++, u++) {
+                const size_t at =
+                        ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd + (size_t)c0 * VL;
+                const vf vi = v_set1(inv[u]);
+                for (int c = 0; c < ncs; c++)
+                    v_dt_store(out, at + c * VL, v_mul(acc[t * ncs + c], vi), dtype);
+            }
         }
-    }
 }
 #endif
 
@@ -565,8 +571,7 @@ int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
     const float cap = a->softcap;
 #ifdef VL
     if ((ks == NULL) != (vs == NULL)) return 1;
-    if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd / VL > 16 ||
-        bs <= 0)
+    if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd > 256 || bs <= 0)
         return 1;
     const int kvm = ks ? 2 : dtype, rep = nh / nkv, nc = hd / VL;
 #ifdef TILE_LAYOUT

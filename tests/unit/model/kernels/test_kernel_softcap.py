@@ -125,6 +125,7 @@ PREFILL_CASES = [
     (5, 70, 9, 3, 64, 16, None),  # a chunk after 65 cached tokens
     (100, 300, 8, 8, 128, 16, 40),  # no grouping, Llama's head size, a window shorter than the context
     (33, 90, 8, 2, 128, 8, 17),  # small blocks, a window
+    (33, 90, 8, 2, 256, 8, 17),  # Gemma's head size 256 (AVX2: the values in two slices of dimensions)
     (64, 64, 32, 1, 32, 32, None),  # 32 query heads on one KV head
     (20, 90, 6, 2, 48, 8, 7),  # a head size of three AVX-512 vectors
 ]
