@@ -140,3 +140,26 @@ def test_final_cap_on_every_head(gemma2_dir, dtype, quant):
     assert raw.abs().max() > 2 * FINAL_CAP and logits.abs().max() <= FINAL_CAP
     tol = 1e-5 if dtype == "float32" else 0.1  # bf16: the head's own product may round otherwise than forward
     assert (logits - FINAL_CAP * torch.tanh(raw / FINAL_CAP)).abs().max() <= tol * FINAL_CAP
+
+
+def test_the_self_check_keeps_the_capped_triton_kernel_and_it_matches_hf(gemma2_dir, monkeypatch):
+    """The Triton decode kernel caps too (in the interpreter on CPU, as on a GPU): the start-up self-check
+    keeps it on for Gemma 2, and greedy float32 with every decode row through it is HF's."""
+    from sidecar.engine import self_check
+    from sidecar.model.kernels.triton import attention as triton_attention
+
+    ref = hf_greedy(gemma2_dir, PROMPTS[:3], 6)
+    llm = LLM(model=str(gemma2_dir), dtype="float32", num_kv_blocks=40)
+    seen = []
+    real = triton_attention.paged_decode_attention
+    monkeypatch.setattr(
+        triton_attention,
+        "paged_decode_attention",
+        lambda qd, *a, **k: seen.append(k.get("softcap")) or real(qd, *a, **k),
+    )
+    assert self_check.run(llm.engine.runner, ["attention"]) == {}
+    assert llm.engine.runner.fast_paths.attention and seen and set(seen) == {ATTN_CAP}
+    seen.clear()
+    outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == ref
+    assert seen and set(seen) == {ATTN_CAP}
