@@ -22,6 +22,10 @@ registers, the torch path dequantizes the gathered blocks, and so does the Trito
 fp8 e4m3 on CUDA sm89+). Every query attends through the cache when it is quantized
 (a whole prompt too), so a token sees the same dequantized keys however its prompt was chunked, cached or
 recomputed.
+
+Soft-capped logits (Gemma 2: ``softcap * tanh(scaled score / softcap)`` before the softmax) are computed by
+every path: both CPU kernels and the Triton kernel cap their scores as the torch path (``_softcapped``, their
+oracle) does.
 """
 
 from __future__ import annotations
@@ -178,6 +182,7 @@ def _segment_through_kernel(
     scale: float,
     sliding_window: Optional[int],
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]],
+    softcap: Optional[float],
 ) -> Optional[torch.Tensor]:
     """The segment's rows as decode rows (row i sees keys [0, start + i]) through the CPU kernel; None
     when the kernel does not take these inputs."""
@@ -193,6 +198,7 @@ def _segment_through_kernel(
         scale,
         sliding_window,
         kv_scales,
+        softcap,
     )
 
 
@@ -216,8 +222,8 @@ def paged_attention(
     None in a step without prompt rows), so every query sees its own token. ``paths``: the model's
     switchboard; its ``attention`` field sends the decode rows to the Triton kernel. ``kv_scales``: the
     (k_scale, v_scale) of a quantized cache (None: the cache holds plain values). ``softcap``: attention
-    logits become ``softcap * tanh(logits / softcap)`` (Gemma 2); our kernels do not cap, so with it every row
-    takes the torch path (``_softcapped``).
+    logits become ``softcap * tanh(logits / softcap)`` (Gemma 2), in our kernels as in the torch path
+    (``_softcapped``, their oracle), which takes the rows a kernel declines.
     """
     quant = kv_scales is not None
     if not kv_written:
@@ -226,8 +232,7 @@ def paged_attention(
         else:
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     decoded = None  # the decode rows' result from one of our kernels
-    kernels = softcap is None  # no kernel of ours caps the logits
-    if kernels and meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
+    if meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
         from sidecar.model.kernels.triton import attention as triton_attention
 
         b = meta.decode_block_tables.shape[0]
@@ -240,10 +245,11 @@ def paged_attention(
             scale,
             sliding_window,
             kv_scales=kv_scales,
+            softcap=softcap,
         )
         if decoded is not None and not meta.prefills:
             return decoded
-    if decoded is None and kernels and meta.decode_block_tables is not None and meta.use_cpu_kernel:
+    if decoded is None and meta.decode_block_tables is not None and meta.use_cpu_kernel:
         b = meta.decode_block_tables.shape[0]
         decoded = cpu_kernel.decode_attention(
             q[q.shape[0] - b :],
@@ -254,15 +260,18 @@ def paged_attention(
             scale,
             sliding_window,
             kv_scales,
+            softcap,
         )
         if decoded is not None and not meta.prefills:  # every row is a decode row
             return decoded
     out = torch.empty_like(q)
     for seg in meta.prefills:
         start = seg.ctx_len - seg.q_len
-        cpu = kernels and meta.use_cpu_kernel
+        cpu = meta.use_cpu_kernel
         if start >= KERNEL_PREFILL_MIN_CACHED and cpu and seg.q_len <= KERNEL_PREFILL_ROWS:
-            rows = _segment_through_kernel(q, k_cache, v_cache, seg, scale, sliding_window, kv_scales)
+            rows = _segment_through_kernel(
+                q, k_cache, v_cache, seg, scale, sliding_window, kv_scales, softcap
+            )
             if rows is not None:
                 out[seg.q_start : seg.q_start + seg.q_len] = rows
                 continue
@@ -276,6 +285,7 @@ def paged_attention(
                 scale,
                 sliding_window,
                 kv_scales,
+                softcap,
             )
             if rows is not None:
                 out[seg.q_start : seg.q_start + seg.q_len] = rows

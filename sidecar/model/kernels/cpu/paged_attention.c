@@ -5,7 +5,8 @@
  *
  * where position j of row b lives in slot tables[b, j / bs] * bs + j % bs of the cache
  * ([num_blocks, bs, nkv, hd]), rep = nh / nkv query heads share a KV head (grouped-query attention),
- * and lo_b = max(0, ctx_b - window) with a sliding window (window <= 0: none).
+ * and lo_b = max(0, ctx_b - window) with a sliding window (window <= 0: none). With soft-capping (softcap >
+ * 0, Gemma 2) each scaled score x becomes softcap * tanh(x / softcap) before the softmax.
  *
  * Every (row, KV head) pair is one task: its rep queries are scored against the keys in one pass
  * (each key loaded once for all of them; bf16 keys and queries as pairs of exact products summed in
@@ -60,6 +61,12 @@ static inline vf v_kv_load(const char* p, size_t i, int kvm) {
     return kvm ? v_load_bf16((const uint16_t*)p + i) : v_load((const float*)p + i);
 }
 #endif
+
+/* x[0..n) = cap * tanh(x * in) in place, as the kernel caps its scores (softcap_row; exported for its
+ * tests). */
+void sidecar_softcap_rows(float* x, int n, float in, float cap) {
+    softcap_row(x, n, in, cap);
+}
 
 int sidecar_paged_attention_vector_width(void) {
 #ifdef VL
@@ -144,7 +151,8 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
                                                          const int64_t* table, int lo, int hi, int rep,
                                                          int nkv, int g, int hd, int bs, int kvm, float* s,
                                                          float* of, size_t* offs, const float* ks,
-                                                         const float* vs, const uint16_t* qb, float scale) {
+                                                         const float* vs, const uint16_t* qb, float scale,
+                                                         float cap) {
     const int n = hi - lo;
     const size_t row = (size_t)nkv * hd; /* elements per slot */
     float invs[MAX_REP];                 /* each query's 1 / softmax normaliser */
@@ -224,6 +232,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
     /* softmax per query, then the weighted sum of values */
     for (int r = 0; r < rep; r++) {
         float* sr = s + (size_t)r * n;
+        if (cap > 0.f) softcap_row(sr, n, 1.0f / cap, cap); /* the scaled scores, capped */
         const float m = row_max(sr, n);
         float total = 0.f;
         int j = 0;
@@ -317,6 +326,7 @@ typedef struct {
     float scale;
     int dtype;
     int nthreads;
+    float softcap; /* > 0: scores soft-capped (see above); 0: not */
 } sidecar_paged_attention_args;
 int sidecar_paged_attention_args_size(void) {
     return (int)sizeof(sidecar_paged_attention_args);
@@ -344,6 +354,7 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
     int nthreads = a->nthreads;
     const float* ks = a->ks;
     const float* vs = a->vs;
+    const float cap = a->softcap;
     if ((ks == NULL) != (vs == NULL)) return 1;
     const int kvm = ks ? KV_INT8 : dtype;
     if (nkv <= 0 || nh % nkv || nh / nkv > MAX_REP || hd > MAX_HD || bs <= 0) return 1;
@@ -379,11 +390,14 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
             const uint16_t* qb = dtype == 1 ? (const uint16_t*)q + q0 : NULL; /* bf16 queries as they came */
             const char *k8 = (const char*)kc, *v8 = (const char*)vc;
             if (hd == 64)
-                attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 64, bs, kvm, s, of, offs, ks, vs, qb, scale);
+                attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 64, bs, kvm, s, of, offs, ks, vs, qb, scale,
+                       cap);
             else if (hd == 128)
-                attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 128, bs, kvm, s, of, offs, ks, vs, qb, scale);
+                attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 128, bs, kvm, s, of, offs, ks, vs, qb, scale,
+                       cap);
             else
-                attend(qf, k8, v8, table, lo, hi, rep, nkv, g, hd, bs, kvm, s, of, offs, ks, vs, qb, scale);
+                attend(qf, k8, v8, table, lo, hi, rep, nkv, g, hd, bs, kvm, s, of, offs, ks, vs, qb, scale,
+                       cap);
             for (int i = 0; i < rep * hd; i++) dt_store(out, q0 + i, of[i], dtype);
         }
         free(s);

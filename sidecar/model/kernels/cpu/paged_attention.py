@@ -4,7 +4,8 @@
 of ``q`` [B, H, D] to positions ``[max(0, ctx - window), ctx)`` of its own sequence, read in place from
 the paged cache [num_blocks, block_size, Hkv, D] through its row of ``block_tables`` [B, max_blocks].
 With ``kv_scales`` = (k_scale, v_scale) [num_blocks, block_size, Hkv] float32 the caches hold int8 codes
-(``sidecar.model.kv_quant``), read in place and scaled in registers.
+(``sidecar.model.kv_quant``), read in place and scaled in registers. With ``softcap`` (Gemma 2) each scaled
+score ``x`` becomes ``softcap * tanh(x / softcap)`` before the softmax, as in Hugging Face's eager attention.
 It returns [B, H, D] in ``q``'s dtype (float32 or bfloat16), or None when the kernel cannot take these
 inputs (not built, another dtype or device, a head size it does not handle); the caller then uses the
 torch path (``sidecar.model.attention``), which is also the oracle the tests hold it to.
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 
 from sidecar.model.kernels.cpu import cpu_build
-from sidecar.model.kernels.cpu.cpu_build import I
+from sidecar.model.kernels.cpu.cpu_build import F, I, P
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -49,6 +50,7 @@ class PagedAttentionArgs(cpu_build.Args):
         ("scale", ctypes.c_float),
         ("dtype", ctypes.c_int),
         ("nthreads", ctypes.c_int),
+        ("softcap", ctypes.c_float),
     ]
 
 
@@ -57,6 +59,7 @@ _KERNEL = cpu_build.Kernel(
     {
         "sidecar_paged_decode_attention": ([PagedAttentionArgs], I),
         "sidecar_paged_attention_vector_width": ([], I),
+        "sidecar_softcap_rows": ([P, I, F, F], None),
     },
     setup=lambda lib: setattr(lib, "_sidecar_width", lib.sidecar_paged_attention_vector_width()),
 )
@@ -95,6 +98,7 @@ def decode_attention(
     scale: float,
     window: Optional[int] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    softcap: Optional[float] = None,
 ) -> Optional[torch.Tensor]:
     if not cache_fits(q, k_cache, v_cache, kv_scales):
         return None
@@ -133,8 +137,21 @@ def decode_attention(
             scale=scale,
             dtype=_DTYPES[q.dtype],
             nthreads=torch.get_num_threads(),
+            softcap=softcap or 0.0,
         )
     )
     if rc == 2:
         raise MemoryError("decode_attention: out of memory for the kernel's scratch buffers")
     return out if rc == 0 else None
+
+
+def softcap_(x: torch.Tensor, cap: float, scale: float = 1.0) -> Optional[torch.Tensor]:
+    """``x`` (contiguous float32 on CPU) replaced in place by ``cap * tanh(x * scale / cap)`` through the
+    kernels' vectorised tanh (what they apply to their scores); None when the kernel is not built."""
+    lib = _KERNEL.lib()
+    if lib is None:
+        return None
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("softcap_: x must be a contiguous float32 CPU tensor")
+    lib.sidecar_softcap_rows(x.data_ptr(), x.numel(), scale / cap, cap)
+    return x

@@ -6,7 +6,8 @@
  * for the segment's L rows at positions p_i = start + i (start = ctx - L: the tokens cached before it),
  * where position j lives in slot table[j / bs] * bs + j % bs of the cache ([num_blocks, bs, nkv, hd]),
  * rep = nh / nkv query heads share a KV head, and lo_i = max(0, p_i + 1 - window) with a sliding window
- * (window <= 0: none, lo_i = 0).
+ * (window <= 0: none, lo_i = 0). With soft-capping (softcap > 0, Gemma 2) each scaled score x becomes
+ * softcap * tanh(x / softcap) before the softmax (its maximum taken over the capped scores).
  *
  * Why: torch's CPU SDPA runs these shapes (a few hundred rows, head size 64-128, grouped-query heads) at a
  * small fraction of the rate of the projections around it. Here the work goes in blocks that keep the vector
@@ -152,10 +153,11 @@ static inline float softmax_weights(float* w, int lo, int hi, int n) {
     return sum;
 }
 
-/* o[t][:] = sum_j w[t * sld + j] vf[j][:] for j in [0, n), t < nt (nt * hd / VL accumulators <= 16). */
+/* o[t][:] = sum_j w[t * sld + j] vf[j][0 .. nc * VL) for j in [0, n), t < nt (value rows hd apart; nt * nc
+ * accumulators <= 16). */
 static inline __attribute__((always_inline)) void weigh(const float* w, size_t sld, int nt,
-                                                        const float* vf_rows, int n, int hd, vf* acc) {
-    const int nc = hd / VL;
+                                                        const float* vf_rows, int n, int hd, int nc,
+                                                        vf* acc) {
     for (int i = 0; i < nt * nc; i++) acc[i] = v_zero();
     for (int j = 0; j < n; j++) {
         const float* vr = vf_rows + (size_t)j * hd;
@@ -175,7 +177,7 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
                                                               const float* vg, float* s, size_t sld, int b0,
                                                               int mblk, int m, int r0, int p0, int base,
                                                               int rep, int window, int g, int nh,
-                                                              const int hd, void* out, int dtype) {
+                                                              const int hd, void* out, int dtype, float cap) {
     const int nc = hd / VL;
     const int k0 = b0 * VL; /* the first key scored, s[u * sld] its score */
     int u = 0;
@@ -185,23 +187,30 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
     for (u = 0; u < qn; u++) {
         const int p = p0 + u / rep;
         const int lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
-        inv[u] = 1.0f / softmax_weights(s + (size_t)u * sld, lo - base - k0, p + 1 - base - k0, m - k0);
+        float* row = s + (size_t)u * sld;
+        if (cap > 0.f) softcap_row(row + lo - base - k0, p + 1 - lo, 1.0f / cap, cap); /* scores scaled */
+        inv[u] = 1.0f / softmax_weights(row, lo - base - k0, p + 1 - base - k0, m - k0);
     }
-    const int nt = 16 / nc > QT ? QT : 16 / nc; /* queries summed together: nt * nc <= 16 accumulators */
-    for (u = 0; u < qn;) {
-        const int k = qn - u >= nt ? nt : 1;
-        vf acc[16];
-        const float* vk = vg + (size_t)k0 * hd;
-        if (k == nt)
-            weigh(s + (size_t)u * sld, sld, nt, vk, m - k0, hd, acc);
-        else
-            weigh(s + (size_t)u * sld, sld, 1, vk, m - k0, hd, acc);
-        for (int t = 0; t < k; t++, u++) {
-            const size_t at = ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd;
-            const vf vi = v_set1(inv[u]);
-            for (int c = 0; c < nc; c++) v_dt_store(out, at + c * VL, v_mul(acc[t * nc + c], vi), dtype);
+    /* the values in slices of at most 16 vectors of dimensions (a head of more: AVX2's 256), nt queries
+     * summed together: nt * ncs <= 16 accumulators; each output element is the same sum whatever its slice */
+    const int ncs = nc < 16 ? nc : 16, nt = 16 / ncs > QT ? QT : 16 / ncs;
+    for (int c0 = 0; c0 < nc; c0 += ncs)
+        for (u = 0; u < qn;) {
+            const int k = qn - u >= nt ? nt : 1;
+            vf acc[16];
+            const float* vk = vg + (size_t)k0 * hd + (size_t)c0 * VL;
+            if (k == nt)
+                weigh(s + (size_t)u * sld, sld, nt, vk, m - k0, hd, ncs, acc);
+            else
+                weigh(s + (size_t)u * sld, sld, 1, vk, m - k0, hd, ncs, acc);
+            for (int t = 0; t < k; t++, u++) {
+                const size_t at =
+                        ((size_t)(r0 + u / rep) * nh + (size_t)g * rep + u % rep) * hd + (size_t)c0 * VL;
+                const vf vi = v_set1(inv[u]);
+                for (int c = 0; c < ncs; c++)
+                    v_dt_store(out, at + c * VL, v_mul(acc[t * ncs + c], vi), dtype);
+            }
         }
-    }
 }
 #endif
 
@@ -275,9 +284,10 @@ static inline float softmax_bf16(const float* w, int lo, int hi, int n, float sc
 
 /* The softmax of a block's queries 0..rows-1 (query u of the task: u0 + u; past qn: rows of zero weights),
  * scores s (rows sld apart) to weights pw (rows pld apart) over the block's n keys from key k0; inv[u]: 1 /
- * the row's sum. */
-static void block_weights(const float* s, size_t sld, uint16_t* pw, size_t pld, int rows, int qn, int u0,
-                          int n, int k0, int k_first, int p0, int rep, int window, float scale, float* inv) {
+ * the row's sum. With cap > 0 the scaled scores are soft-capped first (s is overwritten). */
+static void block_weights(float* s, size_t sld, uint16_t* pw, size_t pld, int rows, int qn, int u0, int n,
+                          int k0, int k_first, int p0, int rep, int window, float scale, float cap,
+                          float* inv) {
     for (int u = 0; u < rows; u++) {
         uint16_t* pr = pw + (size_t)u * pld;
         if (u >= qn) {
@@ -287,7 +297,12 @@ static void block_weights(const float* s, size_t sld, uint16_t* pw, size_t pld, 
         const int p = p0 + (u0 + u) / rep;
         const int lo = (window > 0 && p + 1 > window ? p + 1 - window : 0) - k_first - k0,
                   hi = p + 1 - k_first - k0;
-        inv[u] = 1.0f / softmax_bf16(s + (size_t)u * sld, lo, hi, n, scale, pr);
+        float* w = s + (size_t)u * sld;
+        if (cap > 0.f) { /* the products scaled and capped in place; the softmax takes them as they are */
+            softcap_row(w + lo, hi - lo, scale / cap, cap);
+            inv[u] = 1.0f / softmax_bf16(w, lo, hi, n, 1.0f, pr);
+        } else
+            inv[u] = 1.0f / softmax_bf16(w, lo, hi, n, scale, pr);
     }
 }
 
@@ -325,7 +340,8 @@ static void amx_configure(void) { /* every tile 16 rows of 64 bytes */
  * four accumulators, which keeps the tile unit busier than 16 queries in two; the same bits. */
 static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb,
                              int ck0, int ck1, int k_first, int p0, int rep, int window, int g, int nh,
-                             int hd, float scale, float* s, uint16_t* pw, float* o, uint16_t* out) {
+                             int hd, float scale, float cap, float* s, uint16_t* pw, float* o,
+                             uint16_t* out) {
     const int nc = hd / 32, nt = hd / 16, two = qn > 16;
     const size_t chunk_k = (size_t)nc * 1024, chunk_v = (size_t)nt * 512; /* bf16 values per chunk */
     const int k0 = ck0 * 32, n = (ck1 - ck0) * 32;
@@ -359,7 +375,7 @@ static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
         }
     }
     float inv[32];
-    block_weights(s, sld, pw, pld, two ? 32 : 16, qn, u0, n, k0, k_first, p0, rep, window, scale, inv);
+    block_weights(s, sld, pw, pld, two ? 32 : 16, qn, u0, n, k0, k_first, p0, rep, window, scale, cap, inv);
     /* weighted values: both query tiles x two 16-dimension tiles at a time (nt is even: hd is a multiple of
      * 32) */
     for (int t0 = 0; t0 < nt; t0 += 2) {
@@ -394,7 +410,8 @@ static void amx_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
  * values' dimensions 32 at a time over all the block's keys. */
 static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t* kb, const uint16_t* vb,
                              int ck0, int ck1, int k_first, int p0, int rep, int window, int g, int nh,
-                             int hd, float scale, float* s, uint16_t* pw, float* o, uint16_t* out) {
+                             int hd, float scale, float cap, float* s, uint16_t* pw, float* o,
+                             uint16_t* out) {
     const int nc = hd / 32, nt = hd / 16, parts = (qn + DOT_ROWS - 1) / DOT_ROWS;
     const size_t chunk_k = (size_t)nc * 1024, chunk_v = (size_t)nt * 512;
     const int k0 = ck0 * 32, n = (ck1 - ck0) * 32;
@@ -407,7 +424,7 @@ static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
             i0 += h;
         }
     float inv[32];
-    block_weights(s, sld, pw, pld, qn, qn, u0, n, k0, k_first, p0, rep, window, scale, inv);
+    block_weights(s, sld, pw, pld, qn, qn, u0, n, k0, k_first, p0, rep, window, scale, cap, inv);
     for (int t0 = 0; t0 < nt; t0 += 2) { /* nt is even: hd is a multiple of 32 */
         for (int q = 0, i0 = 0; q < parts; q++) {
             const int h = qn / parts + (q < qn % parts);
@@ -423,7 +440,7 @@ static void dot_attend_block(const uint16_t* q16, int qn, int u0, const uint16_t
  * tile products (the tile state granted), else the dot products. */
 static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
                          uint16_t* out, int L, int ctx, int nh, int nkv, int hd, int bs, int window,
-                         float scale, int nthreads, int amx) {
+                         float scale, float cap, int nthreads, int amx) {
     (void)amx; /* a build without AMX has only the dot products */
     const int rep = nh / nkv, start = ctx - L;
     const int base = window > 0 && start + 1 > window ? start + 1 - window : 0; /* first key any row sees */
@@ -483,12 +500,12 @@ static int prefill_tiles(const uint16_t* q, const uint16_t* kc, const uint16_t* 
 #ifdef AMX_PATH
                 if (amx) {
                     amx_attend_block(q16 + (size_t)u0 * hd, bn, u0, kb + g * per_k, vb + g * per_v, ck0, ck1,
-                                     k_first, p_first, rep, window, g, nh, hd, scale, s, pw, o, o_rows);
+                                     k_first, p_first, rep, window, g, nh, hd, scale, cap, s, pw, o, o_rows);
                     continue;
                 }
 #endif
                 dot_attend_block(q16 + (size_t)u0 * hd, bn, u0, kb + g * per_k, vb + g * per_v, ck0, ck1,
-                                 k_first, p_first, rep, window, g, nh, hd, scale, s, pw, o, o_rows);
+                                 k_first, p_first, rep, window, g, nh, hd, scale, cap, s, pw, o, o_rows);
             }
         }
 #ifdef AMX_PATH
@@ -524,6 +541,7 @@ typedef struct {
     float scale;
     int dtype;
     int nthreads;
+    float softcap; /* > 0: scores soft-capped (see above); 0: not */
 } sidecar_prefill_attention_args;
 int sidecar_prefill_attention_args_size(void) {
     return (int)sizeof(sidecar_prefill_attention_args);
@@ -550,10 +568,10 @@ int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
     int nthreads = a->nthreads;
     const float* ks = a->ks;
     const float* vs = a->vs;
+    const float cap = a->softcap;
 #ifdef VL
     if ((ks == NULL) != (vs == NULL)) return 1;
-    if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd / VL > 16 ||
-        bs <= 0)
+    if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd > 256 || bs <= 0)
         return 1;
     const int kvm = ks ? 2 : dtype, rep = nh / nkv, nc = hd / VL;
 #ifdef TILE_LAYOUT
@@ -564,7 +582,7 @@ int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
 #endif
     if (kvm == 1 && hd % 32 == 0)
         return prefill_tiles((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, table,
-                             (uint16_t*)out, L, ctx, nh, nkv, hd, bs, window, scale, nthreads, amx);
+                             (uint16_t*)out, L, ctx, nh, nkv, hd, bs, window, scale, cap, nthreads, amx);
 #endif
     const int start = ctx - L;
     const int base = window > 0 && start + 1 > window ? start + 1 - window : 0; /* first key any row sees */
@@ -640,13 +658,13 @@ int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
             const float* vg = vrows + (size_t)g * per_head;
             if (hd == 64)
                 attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh,
-                            64, out, dtype);
+                            64, out, dtype, cap);
             else if (hd == 128)
                 attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh,
-                            128, out, dtype);
+                            128, out, dtype, cap);
             else
                 attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh,
-                            hd, out, dtype);
+                            hd, out, dtype, cap);
         }
         free(qf);
         free(s);
@@ -672,6 +690,7 @@ int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
     (void)nthreads;
     (void)ks;
     (void)vs;
+    (void)cap;
     return 1;
 #endif
 }

@@ -4,7 +4,8 @@
 rows ``q`` [L, H, D] (positions ``ctx_len - L`` .. ``ctx_len - 1`` of one sequence, whose K/V are already
 in the cache) to their causal context, read in place from the paged cache [num_blocks, block_size, Hkv, D]
 through ``block_table``. With ``kv_scales`` = (k_scale, v_scale) [num_blocks, block_size, Hkv] float32 the
-caches hold int8 codes (``sidecar.model.kv_quant``). It returns [L, H, D] in ``q``'s dtype, or None when the
+caches hold int8 codes (``sidecar.model.kv_quant``). With ``softcap`` (Gemma 2) each scaled score ``x`` becomes
+``softcap * tanh(x / softcap)`` before the softmax. It returns [L, H, D] in ``q``'s dtype, or None when the
 kernel cannot take these inputs (not built, no AVX2/AVX-512, a head size it does not handle, a context
 whose widened keys and values would pass 256 MiB); the caller then uses the torch path
 (``sidecar.model.attention``), which is also the oracle the tests hold it to.
@@ -50,6 +51,7 @@ class PrefillAttentionArgs(cpu_build.Args):
         ("scale", ctypes.c_float),
         ("dtype", ctypes.c_int),
         ("nthreads", ctypes.c_int),
+        ("softcap", ctypes.c_float),
     ]
 
 
@@ -78,6 +80,7 @@ def prefill_attention(
     scale: float,
     window: Optional[int] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    softcap: Optional[float] = None,
 ) -> Optional[torch.Tensor]:
     if not cache_fits(q, k_cache, v_cache, kv_scales):
         return None
@@ -115,6 +118,7 @@ def prefill_attention(
             scale=scale,
             dtype=_DTYPES[q.dtype],
             nthreads=torch.get_num_threads(),
+            softcap=softcap or 0.0,
         )
     )
     if rc == 2:

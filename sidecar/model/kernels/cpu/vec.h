@@ -193,7 +193,42 @@ static inline vf v_exp(vf x) {
     p = v_fma(p, v_mul(r, r), v_add(r, v_set1(1.0f)));
     return v_scale2(p, n);
 }
+/* tanh(x) within a few float32 ulp of libm's: below |x| = 0.625 an odd polynomial (Cephes' tanhf
+ * coefficients), from there (1 - e) / (1 + e) with e = exp(-2|x|) <= 1 (no overflow; past |x| = 43.5, where
+ * v_exp stops, that is 1 to the last bit), with x's sign. A NaN stays a NaN. */
+static inline vf v_tanh(vf x) {
+    const vf ax = v_max(x, v_sub(v_zero(), x));
+    const vf z = v_mul(x, x);
+    vf p = v_set1(-5.70498872745e-3f);
+    p = v_fma(p, z, v_set1(2.06390887954e-2f));
+    p = v_fma(p, z, v_set1(-5.37397155531e-2f));
+    p = v_fma(p, z, v_set1(1.33314422036e-1f));
+    p = v_fma(p, z, v_set1(-3.33332819422e-1f));
+    const vf small = v_fma(v_mul(p, z), x, x);
+    const vf e = v_exp(v_mul(ax, v_set1(-2.0f)));
+    const vf big = v_div(v_sub(v_set1(1.0f), e), v_add(v_set1(1.0f), e));
+    const vf sbig = v_blend_ge0(x, big, v_sub(v_zero(), big));
+    return v_blend_ge0(v_sub(ax, v_set1(0.625f)), sbig, small);
+}
 #endif
+
+/* Attention logit soft-capping (Gemma 2) of x[0..n): x[j] = cap * tanh(x[j] * in), with `in` = 1 / cap for
+ * scores already scaled, or scale / cap for raw dot products. */
+static inline void softcap_row(float* x, int n, float in, float cap) {
+    int j = 0;
+#ifdef VL
+    const vf vi = v_set1(in), vc = v_set1(cap);
+    for (; j + VL <= n; j += VL) v_store(x + j, v_mul(v_tanh(v_mul(v_load(x + j), vi)), vc));
+    if (j < n) { /* the tail through the same tanh, padded with lanes it discards */
+        float tmp[VL];
+        for (int i = 0; i < VL; i++) tmp[i] = j + i < n ? x[j + i] : 0.f;
+        v_store(tmp, v_mul(v_tanh(v_mul(v_load(tmp), vi)), vc));
+        for (int i = 0; j < n; i++, j++) x[j] = tmp[i];
+    }
+#else
+    for (; j < n; j++) x[j] = cap * tanhf(x[j] * in);
+#endif
+}
 
 /* The largest of x[0..n), n >= 1, as the scalar loop `m = x[j] > m ? x[j] : m` from m = x[0] finds it (a NaN
  * past x[0] passed over, one at x[0] kept), a vector at a time: that loop, one dependent compare per score,

@@ -4,7 +4,9 @@
 attends every row of ``q`` [B, H, D] to keys ``[max(0, ctx - window), ctx)`` of its own sequence, held
 in the paged cache [num_blocks, block_size, Hkv, D] at the blocks named by its row of ``block_tables``
 [B, max_blocks] (int32 or int64); a quantized cache (int8 or fp8 e4m3 codes with a float32 scale per
-token and KV head, ``kv_quant``) is read as codes and dequantized in registers. It returns [B, H, D] in
+token and KV head, ``kv_quant``) is read as codes and dequantized in registers. With ``softcap`` (Gemma 2)
+each scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` before the softmax (a constexpr branch: the
+kernel compiled without it is the uncapped one, unchanged). It returns [B, H, D] in
 ``q``'s dtype, or None when the inputs are not ones the kernel takes (the caller then runs the torch path
 of ``sidecar.model.attention``, which is also the oracle the tests hold this kernel to).
 
@@ -47,6 +49,23 @@ def _codes(x, FP8: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in float32 from ``tl.exp`` alone (the interpreter has no libdevice): below |x| = 0.625 an odd
+    polynomial (Cephes' tanhf coefficients), from there (1 - e) / (1 + e) with e = exp(-2|x|) <= 1 (no
+    overflow), with x's sign; the form the CPU kernels use (vec.h's v_tanh)."""
+    ax = tl.abs(x)
+    z = x * x
+    p = -5.70498872745e-3 * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    small = x + x * z * p
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    return tl.where(ax < 0.625, small, tl.where(x < 0, -big, big))
+
+
+@triton.jit
 def _decode_partition(
     q_ptr,
     k_ptr,
@@ -61,6 +80,7 @@ def _decode_partition(
     acc_ptr,
     scale,
     window,
+    softcap,
     s_qb,
     s_qh,
     s_kb,
@@ -86,6 +106,7 @@ def _decode_partition(
     PART: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DIRECT: tl.constexpr,
     F32: tl.constexpr,
     BF16: tl.constexpr,
@@ -131,6 +152,8 @@ def _decode_partition(
             k_s = tl.load(ks_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
             k = narrow(_codes(k, FP8) * k_s[:, None], q_ptr, BF16)
         s = mma(q, tl.trans(k), F32) * scale
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
@@ -227,13 +250,15 @@ def paged_decode_attention(
     partition_size: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    softcap: Optional[float] = None,
 ) -> Optional[torch.Tensor]:
     """Decode attention of ``q`` [B, H, D] over the paged cache; see the module docstring.
 
     ``partition_size`` forces the split-KV partition (tokens, rounded up to a multiple of ``BLOCK_N``);
     ``out`` [B, H, D] receives the result when given (a persistent buffer of the runner). ``kv_scales``:
     the (k_scale, v_scale) [num_blocks, block_size, Hkv] float32 of a quantized cache (int8 or fp8 e4m3
-    codes, ``kv_quant``), dequantized in registers as the tiles are loaded."""
+    codes, ``kv_quant``), dequantized in registers as the tiles are loaded. ``softcap``: the scores soft-capped
+    (Gemma 2), None for none."""
     if q.dim() != 3 or k_cache.dim() != 4 or q.dtype not in _DTYPES:
         return None
     b, nh, hd = q.shape
@@ -301,6 +326,7 @@ def paged_decode_attention(
         acc,
         float(scale),
         int(window or 0),
+        float(softcap or 1.0),  # unused without SOFTCAP
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -326,6 +352,7 @@ def paged_decode_attention(
         PART=part,
         BLOCK_N=BLOCK_N,
         HAS_WINDOW=window is not None,
+        SOFTCAP=softcap is not None,
         DIRECT=direct,
         F32=dot_in_f32(q.dtype),
         BF16=q.dtype == torch.bfloat16,

@@ -74,6 +74,7 @@ def test_kernel_builds_on_this_machine():
         (257, 257, 2, 1, 32, 16),  # more rows than a block of keys, a head size of two vectors
         (9, 40, 40, 1, 64, 16),  # 40 query heads on one KV head: a task's queries in blocks of 32 and 8
         (300, 1100, 14, 2, 64, 16),  # a long context after a cached part: rows of scores wider than a page
+        (33, 90, 8, 2, 256, 8),  # Gemma's head size 256 (on AVX2 the values in two slices of dimensions)
     ],
 )
 def test_kernel_matches_reference(rows, ctx, nh, nkv, hd, bs, dtype):

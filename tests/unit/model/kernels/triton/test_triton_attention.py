@@ -32,8 +32,9 @@ def _case(ctx_lens, nh, nkv, hd, bs, dtype, device, seed=0, scale_q=1.0):
     )
 
 
-def _reference(q, kc, vc, tables, ctx, scale, window):
-    """Row by row in float32: gather the context, softmax over the visible keys."""
+def _reference(q, kc, vc, tables, ctx, scale, window, softcap=None):
+    """Row by row in float32: gather the context, softmax over the visible keys (their scaled scores
+    soft-capped, ``softcap * tanh(s / softcap)``, when ``softcap``)."""
     b, nh, hd = q.shape
     bs, nkv = kc.shape[1], kc.shape[2]
     out = torch.zeros(b, nh, hd)
@@ -46,6 +47,8 @@ def _reference(q, kc, vc, tables, ctx, scale, window):
         rep = nh // nkv
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
         s = torch.einsum("hd,nhd->hn", q[r].cpu().float(), k) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
         out[r] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
     return out
 
@@ -164,7 +167,7 @@ def _quant_case(ctx_lens, nh, nkv, hd, bs, qdtype, kv_dtype, device, seed=0):
     return q.to(qdtype).to(device), tuple(t.to(device) for t in cache), tables.to(device), ctx.to(device)
 
 
-def _torch_decode(q, cache, tables, ctx, scale, window):
+def _torch_decode(q, cache, tables, ctx, scale, window, softcap=None):
     """The torch path of attention.py over the quantized cache (it dequantizes to q's dtype, as the kernel)."""
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.long, device=q.device),
@@ -174,7 +177,17 @@ def _torch_decode(q, cache, tables, ctx, scale, window):
         use_cpu_kernel=False,
     )
     return paged_attention(
-        q, None, None, cache[0], cache[1], meta, scale, window, kv_written=True, kv_scales=cache[2:]
+        q,
+        None,
+        None,
+        cache[0],
+        cache[1],
+        meta,
+        scale,
+        window,
+        kv_written=True,
+        kv_scales=cache[2:],
+        softcap=softcap,
     )
 
 
@@ -270,3 +283,74 @@ def test_self_check_keeps_the_kernel_on_an_int8_cache(tiny_models, monkeypatch):
     seen.clear()
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
     assert seen and all(seen)
+
+
+SOFTCAP_CASES = [
+    # ctx_lens, nh, nkv, hd, bs, window, part
+    ([1, 33], 2, 2, 16, 16, None, None),  # one key; no grouping
+    ([17, 16, 15, 33], 4, 2, 32, 16, None, 32),  # block edges, split into partitions; GQA 2
+    ([100, 9, 64], 8, 2, 24, 8, 20, 32),  # GQA 4, a window shorter than the context, head size 24
+    ([70, 40], 8, 1, 64, 4, 33, None),  # all heads on one KV head, a window, blocks smaller than a tile
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx_lens,nh,nkv,hd,bs,window,part", SOFTCAP_CASES)
+def test_softcap_matches_reference(ctx_lens, nh, nkv, hd, bs, window, part, dtype, device):
+    """Gemma 2's capped scores: the kernel against the float32 reference, with scores well past the cap (the
+    uncapped answer is far from it)."""
+    q, kc, vc, tables, ctx = _case(ctx_lens, nh, nkv, hd, bs, dtype, device, seed=hd + bs, scale_q=4.0)
+    out = ta.paged_decode_attention(q, kc, vc, tables.int(), ctx, hd**-0.5, window, part, softcap=5.0)
+    assert out is not None and out.dtype == dtype and out.shape == q.shape
+    ref = _reference(q, kc, vc, tables, ctx, hd**-0.5, window, softcap=5.0)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert (_reference(q, kc, vc, tables, ctx, hd**-0.5, window) - ref).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_softcap_over_a_quantized_cache_matches_the_torch_path(qdtype, kv_dtype, device):
+    q, cache, tables, ctx = _quant_case([100, 9, 64], 8, 2, 32, 8, qdtype, kv_dtype, device, seed=4)
+    q = q * 4
+    out = ta.paged_decode_attention(
+        q, cache[0], cache[1], tables.int(), ctx, 32**-0.5, 20, 32, kv_scales=cache[2:], softcap=3.0
+    )
+    ref = _torch_decode(q, cache, tables, ctx, 32**-0.5, 20, softcap=3.0)
+    tol = TOL[qdtype] * (3 if qdtype == torch.bfloat16 else 1)
+    torch.testing.assert_close(out.float().cpu(), ref.float().cpu(), atol=tol, rtol=tol)
+
+
+def test_attention_module_sends_capped_decode_rows_to_the_kernel(device, monkeypatch):
+    """A soft-capped layer's decode rows take the kernel with the cap, and agree with the torch path."""
+    q, kc, vc, tables, ctx = _case([40, 3, 17], 4, 2, 16, 8, torch.float32, device, seed=9, scale_q=4.0)
+    caps = []
+    real = ta.paged_decode_attention
+    monkeypatch.setattr(
+        ta, "paged_decode_attention", lambda qd, *a, **k: caps.append(k.get("softcap")) or real(qd, *a, **k)
+    )
+    outs = []
+    for on in (False, True):
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.long, device=device),
+            block_size=8,
+            decode_block_tables=tables,
+            decode_ctx_lens=ctx,
+            use_cpu_kernel=False,
+        )
+        outs.append(
+            paged_attention(
+                q,
+                None,
+                None,
+                kc,
+                vc,
+                meta,
+                0.25,
+                10,
+                kv_written=True,
+                paths=FastPaths(attention=on),
+                softcap=4.0,
+            )
+        )
+    assert caps == [4.0]
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=2e-5)
