@@ -35,6 +35,34 @@ def _require(cond: bool, name: str, msg: str) -> None:
         raise ValueError(f"{name}: {msg}")
 
 
+HEAD_MODES = ("auto", "none", "int8", "int4", "same")
+
+
+def _head_mode(value: Any) -> str:
+    """``quantize_lm_head`` as one of HEAD_MODES: booleans (and their spellings) are the older on/off
+    setting, true meaning the weights' own mode."""
+    if isinstance(value, str):
+        low = value.strip().lower()
+        value = {"true": True, "yes": True, "on": True, "1": True}.get(low, low)
+        value = {"false": False, "no": False, "off": False, "0": False, "": "none"}.get(low, value)
+    if value is True or value is False:
+        return "same" if value else "none"
+    _require(
+        value in HEAD_MODES, "quantize_lm_head", f"must be one of {', '.join(HEAD_MODES)}, got {value!r}"
+    )
+    return value
+
+
+def lm_head_quantization(quantization: Optional[str], head: str) -> Optional[str]:
+    """The output projection's weight-only mode (None: the compute dtype) for weights quantized as
+    ``quantization`` and the ``quantize_lm_head`` setting ``head`` (one of HEAD_MODES)."""
+    if quantization is None or head == "none":
+        return None
+    if head == "auto":
+        return "int8"
+    return quantization if head == "same" else head
+
+
 @dataclass
 class EngineConfig:
     # None is accepted and means the default model.
@@ -46,7 +74,12 @@ class EngineConfig:
     dtype: str = setting("auto", "weights/activations dtype: auto, float32, bfloat16, float16")
     quantization: Optional[str] = setting(None, "weight-only quantization: none, int8, int4 (default: none)")
     quant_group_size: int = setting(128, "int4 group size: 32, 64, 128, 256")
-    quantize_lm_head: bool = setting(False, "also quantize the output projection (true/false)")
+    quantize_lm_head: Any = setting(
+        "auto",
+        "precision of the output projection (and a tied embedding) under quantized weights: auto (int8 under "
+        "int8 and int4 weights, as llama.cpp's Q8_0 and Q4_0 keep the head at 8 bits), none (the compute "
+        "dtype), int8, int4, same (the weights' mode); true/false mean same/none",
+    )
     block_size: int = setting(16, "tokens per KV block: 8, 16, 32, 64, 128")
     kv_cache_memory_gb: Optional[float] = setting(
         None,
@@ -158,6 +191,12 @@ class EngineConfig:
             self.quantization in QUANT_MODES,
             "quantization",
             f"must be one of none, int8, int4, got {self.quantization!r}",
+        )
+        self.quantize_lm_head = _head_mode(self.quantize_lm_head)
+        _require(
+            self.quantize_lm_head not in ("int8", "int4") or self.quantization is not None,
+            "quantize_lm_head",
+            f"{self.quantize_lm_head} needs quantization int8 or int4 (the weights are not quantized)",
         )
         _require(
             self.quant_group_size in INT4_GROUP_SIZES,

@@ -22,12 +22,28 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from sidecar.config import HEAD_MODES, lm_head_quantization
+
 TEXT = (
     "The sidecar keeps the model next to the service that calls it. Requests arrive over gRPC, "
     "are batched continuously, and share cached prefixes; weights may be stored as 8-bit or 4-bit "
     "integers to save memory and bandwidth. "
 ) * 4
 MODES = ("bf16", "int8", "int4")
+
+
+def head_precision(mode: str, setting: str) -> str:
+    """Our output head's precision for weights in ``mode`` (bf16, int8, int4) and ``quantize_lm_head``."""
+    return lm_head_quantization(None if mode == "bf16" else mode, setting) or "bf16"
+
+
+def gguf_head_type(path) -> str:
+    """The GGUF type llama.cpp's output head is stored in: ``output.weight``'s, or the tied
+    ``token_embd.weight``'s where the file has no separate head."""
+    import gguf
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    return types.get("output.weight") or f"{types.get('token_embd.weight', '?')} (tied token_embd)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,10 +55,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--group-size", type=int, default=None, help="int4 group size (default 128; 64 with --small)"
     )
     p.add_argument(
+        "--quantize-lm-head",
+        default="auto",
+        choices=list(HEAD_MODES),
+        help="the head's (and a tied embedding's) precision under int8/int4 weights, as LLM()'s "
+        "quantize_lm_head: auto (default, int8 as llama.cpp's Q8_0 and Q4_0 keep it at 8 bits), none (bf16), "
+        "int8, int4, same (the weights' mode)",
+    )
+    p.add_argument(
         "--no-quantize-lm-head",
         dest="quantize_lm_head",
-        action="store_false",
-        help="keep lm_head (and a tied embedding) in bf16",
+        action="store_const",
+        const="none",
+        help="keep lm_head (and a tied embedding) in bf16 (--quantize-lm-head none)",
     )
     p.add_argument("--threads", type=int, default=2, help="torch threads in each measured process")
     p.add_argument(
@@ -108,7 +133,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         dtype="bfloat16",
         quantization=spec.get("quantization"),
         quant_group_size=spec.get("group_size", 128),
-        quantize_lm_head=spec.get("quantize_lm_head", False),
+        quantize_lm_head=spec.get("quantize_lm_head", "auto"),
         num_kv_blocks=spec.get("num_kv_blocks", 256),
         block_size=16,
         num_threads=spec["threads"],
@@ -192,7 +217,7 @@ def sequence_logits(loaded, ids: list[int], kv_cache_dtype: str = "auto"):
         return loaded.model.compute_logits(hidden).float()
 
 
-def quality(model_dir: str, group_size: int, quantize_lm_head: bool, stream_len: int) -> dict[str, Any]:
+def quality(model_dir: str, group_size: int, quantize_lm_head: str, stream_len: int) -> dict[str, Any]:
     """Per mode: mean KL(bf16 || mode), top-1 agreement with bf16, perplexity on TEXT."""
     import torch
 
@@ -379,6 +404,7 @@ def _paired_mode(
     r["prefill_paired_tok_s"] = max(pre["ours"])
     entry: dict[str, Any] = {"ours_by_round": ours, "ours_prefill_by_round": pre["ours"]}
     if theirs:
+        r["llamacpp_head"] = gguf_head_type(gguf)
         r["llamacpp_b1_tok_s"] = max(theirs)
         r["b1_vs_llamacpp"] = r["b1_paired_tok_s"] / r["llamacpp_b1_tok_s"]
         r["llamacpp_peak_rss_mib"] = rss["llamacpp"] / 2**20
@@ -451,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
                 "quantize_lm_head": args.quantize_lm_head,
             }
             print(f"[{mode}] load + decode ...", flush=True)
-            row = {"mode": mode, **_run_worker(spec)}
+            row = {"mode": mode, "head": head_precision(mode, args.quantize_lm_head), **_run_worker(spec)}
             if mode != "bf16":
                 qdir = tmp / mode
                 t = time.perf_counter()
@@ -471,7 +497,11 @@ def run(args: argparse.Namespace) -> int:
                     "--dtype",
                     "bfloat16",
                 ]
-                cmd += ["--quantize-lm-head"] if args.quantize_lm_head else []
+                # A saved checkpoint holds one mode: its head is in the weights' mode or in bf16, whichever
+                # is nearer the measured setting (the load time and RSS figures of the pre-quantized load).
+                same = head_precision(mode, args.quantize_lm_head) != "bf16"
+                cmd += ["--quantize-lm-head"] if same else []
+                row["prequantized_head"] = mode if same else "bf16"
                 subprocess.run(cmd, check=True, capture_output=True)
                 row["quantize_cli_s"] = time.perf_counter() - t
                 pre = _run_worker({"model": str(qdir), "threads": args.threads})
@@ -508,6 +538,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     cols = [
         "mode",
+        "head",
         "weight_mib",
         "weight_vs_bf16",
         "load_s",
@@ -524,6 +555,7 @@ def run(args: argparse.Namespace) -> int:
     cols += ["b1_paired_tok_s", "b1_paired_peak_rss_mib", "prefill_paired_tok_s"] if base else []
     cols += (
         [
+            "llamacpp_head",
             "llamacpp_b1_tok_s",
             "b1_vs_llamacpp",
             "llamacpp_peak_rss_mib",

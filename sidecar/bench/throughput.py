@@ -153,6 +153,74 @@ def ours_speed(
     return {"b1_decode_tok_s": max(rates), "prefill_tok_s": max(prefill)}
 
 
+def stub_forward(llm) -> None:
+    """Replace the model's forward and head in ``llm``'s engine: every step returns hidden states and one
+    fixed logits row per sampled position (token 3 wins) without computing anything, so what a step still
+    costs is the host's own work -- scheduling, KV block bookkeeping, input buffers, sampling over the
+    vocabulary, detokenizing, the engine's Python. Decode replays and graphs are turned off (they would run
+    the real layers)."""
+    runner = llm.engine.runner
+    model = runner.model
+    runner.cpu_plans.disable("forward stubbed (bench throughput --stub-forward)")
+    runner.graphs.clear()
+    runner.fast_paths.cuda_graphs = False
+    runner.set_decode_padding(False)
+    vocab, hidden = model.args.vocab_size, model.args.hidden_size
+    dev, dtype = runner.device, runner.dtype
+    bufs: dict[str, torch.Tensor] = {}
+
+    def rows(name: str, n: int, width: int, dt: torch.dtype) -> torch.Tensor:
+        if name not in bufs or bufs[name].shape[0] < n:
+            bufs[name] = torch.zeros(max(n, 256), width, device=dev, dtype=dt)
+            if name == "logits":
+                bufs[name][:, 3] = 1.0
+        return bufs[name][:n]
+
+    model.forward = lambda ids, *a, **k: rows("hidden", ids.shape[0], hidden, dtype)
+    model.compute_logits = lambda h: rows("logits", h.shape[0], vocab, torch.float32)
+
+
+def host_steps(llm, args: argparse.Namespace, work: list[tuple[list[int], int]]) -> dict[str, Any]:
+    """The workload through ``llm`` with the forward stubbed (``stub_forward``): wall time of every engine
+    step, grouped by how many requests ran in it. ``full_batch_step_ms`` is the median step while
+    ``max_num_seqs`` requests decode together: the per-step host time at that batch size."""
+    import statistics
+
+    from sidecar import SamplingParams
+
+    stub_forward(llm)
+    eng = llm.engine
+    times: list[tuple[int, float]] = []
+    step = eng.step
+
+    def timed_step():
+        n = len(eng.scheduler.running)
+        t = time.perf_counter()
+        out = step()
+        times.append((n, time.perf_counter() - t))
+        return out
+
+    eng.step = timed_step
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=args.temperature) for _, n in work]
+    t = time.perf_counter()
+    outs = llm.generate([p for p, _ in work], params)
+    wall = time.perf_counter() - t
+    eng.step = step
+    full = [dt for n, dt in times if n >= args.max_num_seqs]
+    return {
+        "system": "llm-sidecar, forward stubbed",
+        "requests": len(work),
+        "max_num_seqs": args.max_num_seqs,
+        "steps": len(times),
+        "seconds": wall,
+        "output_tokens": sum(len(o.token_ids) for o in outs),
+        "mean_step_ms": 1e3 * wall / max(len(times), 1),
+        "full_batch_steps": len(full),
+        "full_batch_step_ms": 1e3 * statistics.median(full) if full else None,
+        "full_batch_step_ms_p90": 1e3 * sorted(full)[int(0.9 * (len(full) - 1))] if full else None,
+    }
+
+
 def ours_info(llm) -> dict[str, Any]:
     """Peak RSS and what the engine ran with, after the measurements."""
     from sidecar.bench.rss import peak_rss_bytes
@@ -550,6 +618,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from sidecar.bench.vllm_cpu import add_arguments as add_vllm_cpu_arguments
 
     add_vllm_cpu_arguments(p)
+    p.add_argument(
+        "--stub-forward",
+        action="store_true",
+        help="measure the per-step host time only: our engine alone runs the workload with the model's "
+        "forward replaced by fixed logits (scheduler, sampler, detokenizer and Python remain), e.g. "
+        "--num-requests 256 --max-num-seqs 256 for the time of a step at batch 256",
+    )
     p.add_argument("--out", default="bench-results")
 
 
@@ -620,6 +695,24 @@ def run(args: argparse.Namespace) -> int:
     )
     on_cpu = args.device == "cpu"
     llm = load_ours(args, work)
+    if args.stub_forward:
+        row = host_steps(llm, args, work)
+        print(format_table([row], list(row)))
+        jpath, ppath = write_report(
+            args.out,
+            "throughput-host",
+            {
+                "command": "sidecar bench throughput --stub-forward",
+                "where": where,
+                "model": args.model,
+                "dtype": args.dtype,
+                "threads": torch.get_num_threads(),
+                "result": row,
+            },
+            {"host ms per step": {"mean": row["mean_step_ms"], "full batch": row["full_batch_step_ms"] or 0}},
+        )
+        print(f"wrote {jpath} and {ppath}")
+        return 0
     found = _llamacpp_tools(args) if on_cpu else None
     llama: dict[str, Any] = {}
     vllm: dict[str, Any] = {}

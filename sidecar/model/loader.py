@@ -24,7 +24,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
-from sidecar.config import EngineConfig
+from sidecar.config import EngineConfig, lm_head_quantization
 from sidecar.model.args import ModelArgs
 from sidecar.model.decoder import CausalLM
 from sidecar.model.linear_layout import pack_weights
@@ -208,12 +208,13 @@ def _norm_weight(args: ModelArgs, w: torch.Tensor) -> torch.Tensor:
     return w.float() + 1.0 if args.norm_unit_offset else w
 
 
-def _maybe_quantize(parent: nn.Module, attr: str, cfg: EngineConfig) -> None:
-    if cfg.quantization is None:
+def _maybe_quantize(parent: nn.Module, attr: str, cfg: EngineConfig, mode: Optional[str] = None) -> None:
+    mode = mode or cfg.quantization
+    if mode is None:
         return
     from sidecar.model.quant import quantize_linear
 
-    setattr(parent, attr, quantize_linear(getattr(parent, attr), cfg.quantization, cfg.quant_group_size))
+    setattr(parent, attr, quantize_linear(getattr(parent, attr), mode, cfg.quant_group_size))
 
 
 def _load_weights(
@@ -228,13 +229,14 @@ def _load_weights(
     args = model.args
     _set(model.embed_tokens, "weight", ckpt.get("model.embed_tokens.weight"), dtype, device)
     tied = args.tie_word_embeddings or "lm_head.weight" not in ckpt
-    if tied and cfg.quantization is not None and cfg.quantize_lm_head:
+    head_mode = lm_head_quantization(cfg.quantization, cfg.quantize_lm_head)
+    if tied and head_mode is not None:
         from sidecar.model.quant import quantize_tied_embedding
 
         # Quantized before the layers load so the full-precision table never coexists with them;
-        # one quantized table serves both the embedding lookup and the tied lm_head.
+        # one quantized table (in the head's mode) serves both the embedding lookup and the tied lm_head.
         model.embed_tokens, model.lm_head = quantize_tied_embedding(
-            model.embed_tokens, cfg.quantization, cfg.quant_group_size
+            model.embed_tokens, head_mode, cfg.quant_group_size
         )
     for i, layer in enumerate(
         tqdm(
@@ -265,8 +267,8 @@ def _load_weights(
             model.lm_head.weight = model.embed_tokens.weight
     else:
         _set(model.lm_head, "weight", ckpt.get("lm_head.weight"), dtype, device)
-        if cfg.quantize_lm_head:
-            _maybe_quantize(model, "lm_head", cfg)
+        if head_mode is not None:
+            _maybe_quantize(model, "lm_head", cfg, head_mode)
 
 
 def load_tokenizer(model_dir: Path):

@@ -134,6 +134,7 @@ class SpecDecoder:
         if not self.enabled:
             return
         off = len(running) >= self.max_batch  # a large batch is compute-bound: extra tokens cost full price
+        lookup = self.proposer.lookup if getattr(self.proposer, "looks_up_first", False) else None
         wants = []
         for req in running:
             req.spec_token_ids = []
@@ -145,11 +146,20 @@ class SpecDecoder:
                 st = req.spec_state = SpecState(self.costs)
             # The step always emits one token of the target's own after the accepted ones: never propose
             # past max_tokens or the context length.
-            k = min(
-                st.choose_k(self.batch_costs[len(running)]),
+            cap = min(
+                self.max_k,
                 req.params.max_tokens - len(req.output_token_ids) - 1,
                 self.max_model_len - req.num_tokens - 1,
             )
+            if cap <= 0:
+                continue
+            costs = self.batch_costs[len(running)]
+            if lookup is not None:  # the proposal first; its match length picks the estimate that prices it
+                tokens, match = lookup(req, cap)
+                if tokens:
+                    req.spec_token_ids = tokens[: st.choose_k(costs, match)]
+                continue
+            k = min(st.choose_k(costs), cap)
             if k > 0:
                 wants.append((req, k))
         if wants:

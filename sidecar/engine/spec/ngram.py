@@ -9,7 +9,13 @@ MAX_N = 6
 
 def propose_ngram(tokens: Sequence[int], k: int, max_n: int = MAX_N, min_n: int = 1) -> List[int]:
     """Returns up to k proposed token ids; [] when no suffix of length min_n..max_n recurs earlier in
-    `tokens`.
+    `tokens` (``lookup_ngram`` without the match length)."""
+    return lookup_ngram(tokens, k, max_n, min_n)[0]
+
+
+def lookup_ngram(tokens: Sequence[int], k: int, max_n: int = MAX_N, min_n: int = 1) -> Tuple[List[int], int]:
+    """Up to k proposed token ids and the length of the suffix match that proposed the first of them (0 with
+    no proposal).
 
     The longest recurring suffix wins (it predicts best). Its earlier occurrences vote on the
     continuation one token at a time: the most frequent next token is proposed and only the
@@ -22,21 +28,22 @@ def propose_ngram(tokens: Sequence[int], k: int, max_n: int = MAX_N, min_n: int 
     backward pass over the sequence per lookup: every earlier position holding the last token is a
     candidate match end, extended backwards up to max_n tokens."""
     out: List[int] = []
-    seq = tokens
+    seq, match = tokens, 0
     while len(out) < k:
-        more = _vote(seq, k - len(out), max_n, min_n)
+        more, n = _vote(seq, k - len(out), max_n, min_n)
         if not more:
             break
+        match = match or n
         out.extend(more)
         if len(out) < k:
             seq = list(seq) + more
-    return out
+    return out, match
 
 
-def _vote(tokens: Sequence[int], k: int, max_n: int, min_n: int) -> List[int]:
+def _vote(tokens: Sequence[int], k: int, max_n: int, min_n: int) -> Tuple[List[int], int]:
     L = len(tokens)
     if k <= 0 or L < 2:
-        return []
+        return [], 0
     last = tokens[L - 1]
     best_len, ends = 0, []
     for e in range(L - 2, -1, -1):
@@ -51,7 +58,7 @@ def _vote(tokens: Sequence[int], k: int, max_n: int, min_n: int) -> List[int]:
         elif m == best_len:
             ends.append(e)  # most recent first
     if best_len < min_n:
-        return []
+        return [], 0
     out: List[int] = []
     for i in range(1, k + 1):
         ends = [e for e in ends if e + i < L]
@@ -64,11 +71,18 @@ def _vote(tokens: Sequence[int], k: int, max_n: int, min_n: int) -> List[int]:
         )  # the earliest of the tied
         out.append(tok)
         ends = [e for e in ends if tokens[e + i] == tok]
-    return out
+    return out, best_len
 
 
 class NgramProposer:
-    """Prompt lookup over each request's own tokens: no model, no state."""
+    """Prompt lookup over each request's own tokens: no model, no state. The lookup is cheap, so the decoder
+    runs it before choosing a proposal length (``lookup``), and the match length decides which acceptance
+    estimate prices it (spec/state.py)."""
+
+    looks_up_first = True
+
+    def lookup(self, req, k: int) -> Tuple[List[int], int]:
+        return lookup_ngram(req.all_token_ids, k)
 
     def propose(self, wants: Sequence[Tuple[object, int]]) -> None:
         for req, k in wants:
