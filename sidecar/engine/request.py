@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # collaborators that keep per-request state on a Request (non
     import torch
 
     from sidecar.engine.detokenizer import IncrementalDetokenizer
+    from sidecar.engine.kv_evict import EvictionPolicy
     from sidecar.engine.sampling_tensors import RequestSampling
     from sidecar.engine.spec.state import SpecState
 
@@ -38,6 +39,8 @@ BEAM_REFUSED = (
     ("logprobs", None),
     ("structured", None),
     ("logit_bias", None),
+    ("kv_budget", None),
+    ("kv_eviction", None),
 )
 
 
@@ -93,6 +96,11 @@ class SamplingParams:
     # cum_logprob / generated_len ** length_penalty. Options that mean sampling are refused with it.
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
+    # Bounded KV (engine/kv_evict.py): at most kv_budget tokens of KV for this sequence, evicted by
+    # kv_eviction ("h2o" | "streaming"); None: the engine's setting. The engine checks the budget against
+    # its block size (add_request).
+    kv_budget: Optional[int] = None
+    kv_eviction: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Normalize the accepted shorthands (the only writes a SamplingParams ever gets), then validate.
@@ -159,6 +167,10 @@ class SamplingParams:
             bad("speculative", f"must be true or false, got {self.speculative!r}")
         if not isinstance(self.length_penalty, (int, float)) or not (-10.0 <= self.length_penalty <= 10.0):
             bad("length_penalty", f"must be a number in [-10, 10], got {self.length_penalty!r}")
+        if self.kv_budget is not None and (not is_int(self.kv_budget) or self.kv_budget < 1):
+            bad("kv_budget", f"must be a positive number of tokens, got {self.kv_budget!r}")
+        if self.kv_eviction is not None and self.kv_eviction not in ("h2o", "streaming"):
+            bad("kv_eviction", f"must be one of h2o, streaming, got {self.kv_eviction!r}")
         if self.beam_width is not None:
             if not is_int(self.beam_width) or not (1 <= self.beam_width <= MAX_BEAM_WIDTH):
                 bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
@@ -317,6 +329,10 @@ class Request:
         # while it waits for the group's other beams.
         self.beam_group: Optional[BeamGroupRef] = None
         self.beam_row: Optional[torch.Tensor] = None
+        # Bounded KV (engine/kv_evict.py): the policy this sequence runs under (None: it keeps every block)
+        # and how many of its computed tokens' KV it has evicted (whole blocks).
+        self.kv_policy: Optional[EvictionPolicy] = None
+        self.kv_evicted = 0
         self.text = ""
         self._emitted_tokens = 0
         self._emitted_text = 0
