@@ -182,6 +182,7 @@ def _segment_through_kernel(
     scale: float,
     sliding_window: Optional[int],
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]],
+    scores: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """The segment's rows as decode rows (row i sees keys [0, start + i]) through the CPU kernel; None
     when the kernel does not take these inputs."""
@@ -197,6 +198,7 @@ def _segment_through_kernel(
         scale,
         sliding_window,
         kv_scales,
+        scores,
     )
 
 
@@ -230,9 +232,15 @@ def paged_attention(
         else:
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     decoded = None  # the decode rows' result from one of our kernels
-    kernels = softcap is None and meta.kv_scores is None  # no kernel of ours caps logits or sums weights
-    scores = meta.kv_scores
-    if kernels and meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
+    kernels = softcap is None  # no kernel of ours caps the logits
+    scores = meta.kv_scores  # of our kernels only the CPU decode kernel adds up received attention
+    if (
+        kernels
+        and scores is None
+        and meta.decode_block_tables is not None
+        and paths is not None
+        and paths.takes("attention", q)
+    ):
         from sidecar.model.kernels.triton import attention as triton_attention
 
         b = meta.decode_block_tables.shape[0]
@@ -259,6 +267,7 @@ def paged_attention(
             scale,
             sliding_window,
             kv_scales,
+            scores,
         )
         if decoded is not None and not meta.prefills:  # every row is a decode row
             return decoded
@@ -267,11 +276,11 @@ def paged_attention(
         start = seg.ctx_len - seg.q_len
         cpu = kernels and meta.use_cpu_kernel
         if start >= KERNEL_PREFILL_MIN_CACHED and cpu and seg.q_len <= KERNEL_PREFILL_ROWS:
-            rows = _segment_through_kernel(q, k_cache, v_cache, seg, scale, sliding_window, kv_scales)
+            rows = _segment_through_kernel(q, k_cache, v_cache, seg, scale, sliding_window, kv_scales, scores)
             if rows is not None:
                 out[seg.q_start : seg.q_start + seg.q_len] = rows
                 continue
-        if cpu and q.dtype == torch.bfloat16:
+        if cpu and q.dtype == torch.bfloat16 and scores is None:
             rows = prefill_kernel.prefill_attention(
                 q[seg.q_start : seg.q_start + seg.q_len],
                 k_cache,

@@ -4,7 +4,8 @@
 of ``q`` [B, H, D] to positions ``[max(0, ctx - window), ctx)`` of its own sequence, read in place from
 the paged cache [num_blocks, block_size, Hkv, D] through its row of ``block_tables`` [B, max_blocks].
 With ``kv_scales`` = (k_scale, v_scale) [num_blocks, block_size, Hkv] float32 the caches hold int8 codes
-(``sidecar.model.kv_quant``), read in place and scaled in registers.
+(``sidecar.model.kv_quant``), read in place and scaled in registers. With ``scores`` ([num_blocks *
+block_size] float32) each key's softmax weights, summed over heads, are added to its slot there.
 It returns [B, H, D] in ``q``'s dtype (float32 or bfloat16), or None when the kernel cannot take these
 inputs (not built, another dtype or device, a head size it does not handle); the caller then uses the
 torch path (``sidecar.model.attention``), which is also the oracle the tests hold it to.
@@ -49,6 +50,7 @@ class PagedAttentionArgs(cpu_build.Args):
         ("scale", ctypes.c_float),
         ("dtype", ctypes.c_int),
         ("nthreads", ctypes.c_int),
+        ("scores", ctypes.c_void_p),
     ]
 
 
@@ -95,8 +97,15 @@ def decode_attention(
     scale: float,
     window: Optional[int] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    scores: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     if not cache_fits(q, k_cache, v_cache, kv_scales):
+        return None
+    if scores is not None and not (
+        scores.dtype == torch.float32
+        and scores.is_contiguous()
+        and scores.numel() == k_cache.shape[0] * k_cache.shape[1]
+    ):
         return None
     lib = _KERNEL.lib()
     if lib is None:
@@ -133,6 +142,7 @@ def decode_attention(
             scale=scale,
             dtype=_DTYPES[q.dtype],
             nthreads=torch.get_num_threads(),
+            scores=None if scores is None else scores.data_ptr(),
         )
     )
     if rc == 2:
