@@ -41,6 +41,7 @@ BEAM_REFUSED = (
     ("logit_bias", None),
     ("kv_budget", None),
     ("kv_eviction", None),
+    ("prompt_logprobs", None),
 )
 
 
@@ -96,11 +97,11 @@ class SamplingParams:
     # cum_logprob / generated_len ** length_penalty. Options that mean sampling are refused with it.
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
-    # Bounded KV (engine/kv_evict.py): at most kv_budget tokens of KV for this sequence, evicted by
-    # kv_eviction ("h2o" | "streaming"); None: the engine's setting. The engine checks the budget against
-    # its block size (add_request).
+    # Bounded KV (engine/kv_evict.py): at most kv_budget tokens of KV kept, evicted by kv_eviction ("h2o" |
+    # "streaming"); None: the engine's setting. prompt_logprobs=0: each prompt token's log-probability.
     kv_budget: Optional[int] = None
     kv_eviction: Optional[str] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Normalize the accepted shorthands (the only writes a SamplingParams ever gets), then validate.
@@ -171,6 +172,8 @@ class SamplingParams:
             bad("kv_budget", f"must be a positive number of tokens, got {self.kv_budget!r}")
         if self.kv_eviction is not None and self.kv_eviction not in ("h2o", "streaming"):
             bad("kv_eviction", f"must be one of h2o, streaming, got {self.kv_eviction!r}")
+        if self.prompt_logprobs not in (None, 0) or isinstance(self.prompt_logprobs, bool):
+            bad("prompt_logprobs", f"must be 0 or None, got {self.prompt_logprobs!r}")
         if self.beam_width is not None:
             if not is_int(self.beam_width) or not (1 <= self.beam_width <= MAX_BEAM_WIDTH):
                 bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
@@ -241,6 +244,7 @@ class RequestOutput:
     # Beam search: every returned hypothesis (engine/beam_params.BeamSequence), best first; token_ids and
     # text above are the best one's. None for sampled requests.
     beams: Optional[list[Any]] = None
+    prompt_logprobs: Optional[list[Optional[float]]] = None  # when finished: None, then each prompt token's
 
     def merged_after(self, older: "RequestOutput") -> "RequestOutput":
         """This output as if it also carried the changes of ``older`` (the previous, unread output of the
@@ -313,6 +317,7 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
         self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
+        self.prompt_logprobs: Optional[list[float]] = [] if params.prompt_logprobs is not None else None
         # Filled by collaborators: block hashes (kv_cache), detokenizer (engine), the sampler's state (its
         # random stream and penalty slot: engine/sampling_tensors.py).
         self.block_hashes: list[bytes] = []
@@ -387,4 +392,7 @@ class Request:
             e2e_s=((self.finished_time or now) - self.arrival_time) if finished else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             new_logprobs=new_lp,
+            prompt_logprobs=[None, *self.prompt_logprobs]
+            if finished and self.prompt_logprobs is not None
+            else None,
         )

@@ -22,6 +22,7 @@ from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.kv_copy import BlockCopier
+from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
 from sidecar.model import kv_quant
@@ -185,7 +186,7 @@ class ModelRunner:
     def _scores_for(self, reqs: Sequence[Request], slots: torch.Tensor) -> Optional[torch.Tensor]:
         """The score vector a step adds to when one of ``reqs`` evicts by score (its new tokens' slots zeroed
         first), else None."""
-        if not any(r.kv_policy is not None and r.kv_policy.scored for r in reqs):
+        if not any(_scored(r) for r in reqs):
             return None
         if self.kv_scores is None:
             self.kv_scores = torch.zeros(
@@ -317,9 +318,7 @@ class ModelRunner:
             token_slots is None
             and sched.scheduled
             and all(s.num_new_tokens == 1 and not s.num_spec_tokens for s in sched.scheduled)
-            and not any(
-                s.request.kv_policy is not None and s.request.kv_policy.scored for s in sched.scheduled
-            )
+            and not any(_scored(s.request) or wants_rows(s.request) for s in sched.scheduled)
         ):
             done = self._execute_decode(sched, kv)
             if done is not None:
@@ -338,6 +337,7 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         max_block = 0
         tables: list[list[int]] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # chunks whose prompt log-probs are asked for
         for s in prefills + decodes:
             r = s.request
             c, n = r.num_computed_tokens, s.num_new_tokens
@@ -345,6 +345,8 @@ class ModelRunner:
             tables.append(table)
             max_block = max(max_block, max(table))
             start = len(ids)
+            if wants_rows(r):
+                prompt_rows.append((r, start, c, n))
             ids.extend(r.all_token_ids[c : c + n])
             if s.num_spec_tokens:  # proposed tokens ride after the last real one, at positions c+1..
                 ids.extend(r.spec_token_ids[: s.num_spec_tokens])
@@ -383,7 +385,12 @@ class ModelRunner:
                 hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
             finally:
                 self.lora.set_batch(None)
+        collect(self.model, hidden, prompt_rows)
         if not sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_idx)))
         return sample_reqs, logits
+
+
+def _scored(req: Request) -> bool:
+    return req.kv_policy is not None and req.kv_policy.scored

@@ -258,7 +258,7 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self._next_waiting()
                 hits, num_hit = ([], 0)
-                if req.num_computed_tokens == 0:
+                if req.num_computed_tokens == 0 and req.prompt_logprobs is None:  # those need every row
                     hits, num_hit = self.kv.get_computed_blocks(req)
                 policy = req.kv_policy
                 if policy is not None and policy.bounded and len(hits) >= policy.budget_blocks:
