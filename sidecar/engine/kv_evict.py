@@ -13,7 +13,8 @@ Policies (``EvictionPolicy.kind``):
   most recent blocks; over the budget the oldest block between them goes.
 - ``h2o``: sinks and a recent window are kept; over the budget the block between them whose tokens
   received the least attention (summed over heads, layers and the queries since it was written: the
-  runner's ``kv_scores``) goes.
+  runner's ``kv_scores``) goes. A slot's score restarts when a token is written into it; a block taken from the
+  prefix cache keeps what it received before, and a block shared by several sequences sums what each gave it.
 - ``window``: a model whose every layer has a sliding window: blocks wholly before the window of the next
   query are freed (no sinks, no budget). The window mask already hides them, so output is unchanged.
 
