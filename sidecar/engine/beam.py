@@ -223,6 +223,7 @@ class BeamSearch:
         child.all_token_ids = list(src.all_token_ids)
         child.block_hashes = list(src.block_hashes)
         child.num_computed_tokens = src.num_computed_tokens
+        child.kv_policy, child.kv_evicted = src.kv_policy, src.kv_evicted
         child.num_cached_tokens = src.num_cached_tokens
         child.first_scheduled_time = src.first_scheduled_time
         child.status = RequestStatus.RUNNING

@@ -13,6 +13,7 @@ from sidecar.engine.beam import BeamSearch
 from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.detokenizer import IncrementalDetokenizer
 from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.kv_evict import KVPolicies
 from sidecar.engine.lora_manager import LoraManager
 from sidecar.engine.overlap import OverlapPipeline, append_sampled
 from sidecar.engine.request import (
@@ -80,6 +81,8 @@ class LLMEngine:
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        windows = [loaded.args.window(i) for i in range(loaded.args.num_layers)]
+        self.kv_policies = KVPolicies(config.kv_budget, config.kv_eviction, config.block_size, windows)
         self.scheduler.rope_long_from = loaded.model.rope_long_from
         self.beams = BeamSearch(self)  # beam search groups: each live beam runs as a scheduled Request
         self.sampler = Sampler(self._sampling_device(), config.seed, config.max_num_seqs)
@@ -149,8 +152,17 @@ class LLMEngine:
         )
 
     # -- input ---------------------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> tuple[Optional[str], list[int]]:
-        """Validate and tokenize a prompt. Raises ValueError naming ``prompt``."""
+    def max_len(self, req: Request) -> int:
+        """The longest ``req`` may grow: a sequence under a KV budget is not bounded by the pool's size."""
+        return (
+            self.loaded.max_model_len
+            if req.kv_policy is not None and req.kv_policy.bounded
+            else self.max_model_len
+        )
+
+    def tokenize(self, prompt: Prompt, limit: Optional[int] = None) -> tuple[Optional[str], list[int]]:
+        """Validate and tokenize a prompt (of fewer than ``limit`` tokens, default ``max_model_len``). Raises
+        ValueError naming ``prompt``."""
         if isinstance(prompt, str):
             if prompt == "":
                 raise ValueError("prompt: must not be empty")
@@ -169,10 +181,10 @@ class LLMEngine:
             raise ValueError(f"prompt: must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        if len(ids) >= self.max_model_len:
+        limit = limit or self.max_model_len
+        if len(ids) >= limit:
             raise ValueError(
-                f"prompt: {len(ids)} tokens leave no room to generate within the context "
-                f"length of {self.max_model_len} tokens"
+                f"prompt: {len(ids)} tokens leave no room to generate within the context length of {limit} tokens"
             )
         return text, ids
 
@@ -206,7 +218,9 @@ class LLMEngine:
         params.validate(self.vocab_size)
         if not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
-        text, ids = self.tokenize(prompt)
+        policy = self.kv_policies.window if params.beam_width else self.kv_policies.for_params(params)
+        bounded = policy is not None and policy.bounded
+        text, ids = self.tokenize(prompt, self.loaded.max_model_len if bounded else None)
         req = Request(
             request_id,
             ids,
@@ -219,6 +233,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             tenant=tenant,
         )
+        req.kv_policy = policy
         req.detok = IncrementalDetokenizer(self.tokenizer, params)
         if params.beam_width is not None:  # its beams run in the batch (engine/beam.py)
             self.beams.add(req, lora)
@@ -289,7 +304,7 @@ class LLMEngine:
             return FinishReason.STOP
         if req.detok.add_token(token) is not None:
             return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_len(req):
             return FinishReason.LENGTH
         return None
 

@@ -9,6 +9,7 @@ import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine.block_pool import BlockPool, KVBlock, hash_block
+from sidecar.engine.kv_evict import cap_new_tokens, choose_victims
 from sidecar.engine.kv_offload import KVOffload, model_identity, offload_stats
 from sidecar.engine.request import Request
 
@@ -31,6 +32,9 @@ class KVCacheManager:
         # Copies block src over block dst in the KV tensors (ModelRunner.copy_blocks): copy-on-write.
         self.copy_blocks: Optional[Callable[[list[int], list[int]], None]] = None
         self.num_cow_copies = 0
+        # Total attention received by each of these blocks' tokens (ModelRunner.block_scores): h2o eviction.
+        self.block_scores: Optional[Callable[[list[int]], list[float]]] = None
+        self.num_evicted_blocks = 0  # blocks given back by sequences under an eviction policy
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens served from cache
 
@@ -50,6 +54,7 @@ class KVCacheManager:
             )
         mgr = cls(runner.num_blocks, config.block_size, config.enable_prefix_caching, offload)
         mgr.copy_blocks = runner.copy_blocks
+        mgr.block_scores = runner.block_scores
         return mgr
 
     def _offload_evicted(self, block: KVBlock) -> None:
@@ -143,12 +148,12 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool cannot supply the blocks."""
         bs = self.block_size
         blocks = self.req_blocks.get(req.request_id, [])
-        total = req.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
+        total = req.num_computed_tokens - req.kv_evicted + len(new_computed_blocks) * bs + num_new_tokens
         need = -(-total // bs) - len(blocks) - len(new_computed_blocks)
         # Hit blocks sitting in the free queue stop being allocatable once we take them.
         revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         # The first write into a partly filled block that a fork shares is a write into a copy of it.
-        c = req.num_computed_tokens
+        c = req.num_computed_tokens - req.kv_evicted
         cow = c // bs if c % bs and c // bs < len(blocks) and blocks[c // bs].ref_cnt > 1 else None
         if need + (cow is not None) > self.pool.num_free_blocks() - revived:
             return False
@@ -161,6 +166,29 @@ class KVCacheManager:
             blocks.extend(self.pool.allocate(need))
         self.req_blocks[req.request_id] = blocks
         return True
+
+    def evict(self, req: Request, n: int) -> int:
+        """Under ``req.kv_policy``, give back the blocks its policy drops before it adds ``n`` tokens, and
+        return how many of them it can take this step (``n`` or fewer: a prompt chunk is capped so that it
+        fits the budget). Without a policy: ``n``, nothing changed."""
+        policy = req.kv_policy
+        if policy is None:
+            return n
+        blocks = self.req_blocks.get(req.request_id)
+        bs = self.block_size
+        if blocks:
+            victims = choose_victims(
+                policy, blocks, req.kv_evicted, req.num_computed_tokens, n, bs, self.block_scores
+            )
+            if victims:
+                gone = [blocks[i] for i in victims]
+                for i in reversed(victims):
+                    del blocks[i]
+                self.pool.free(gone)
+                req.kv_evicted += len(gone) * bs
+                self.num_evicted_blocks += len(gone)
+        kept = req.num_computed_tokens - req.kv_evicted
+        return cap_new_tokens(policy, kept, len(blocks or ()), n, bs)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the blocks of ``parent`` by reference (one more reference each): a beam that forks
@@ -182,8 +210,8 @@ class KVCacheManager:
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache (after a step ran)."""
-        if not self.enable_caching:
-            return
+        if not self.enable_caching or req.kv_evicted:
+            return  # after an eviction its blocks no longer hold what their prefix hashes say
         self._update_hashes(req)
         blocks = self.req_blocks.get(req.request_id)
         if not blocks:
@@ -203,7 +231,7 @@ class KVCacheManager:
         """Return the blocks past the request's computed tokens (they held only rejected speculative
         tokens, so they were never full-and-computed, never hashed): tail first, evicted first."""
         blocks = self.req_blocks.get(req.request_id)
-        keep = -(-req.num_computed_tokens // self.block_size)
+        keep = -(-(req.num_computed_tokens - req.kv_evicted) // self.block_size)
         if blocks and len(blocks) > keep:
             tail = blocks[keep:]
             del blocks[keep:]

@@ -98,6 +98,8 @@ class OverlapPipeline:
             self.enabled
             and not self.engine.spec.enabled
             and all(r.params.structured is None and r.lora is None and r.beam_group is None for r in reqs)
+            # a launched step allocates no eviction: a budgeted sequence steps through the scheduler
+            and not any(r.kv_policy is not None and r.kv_policy.bounded for r in reqs)
         )
 
     def launch_scheduled(self, sched) -> bool:

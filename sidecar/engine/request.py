@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # collaborators that keep per-request state on a Request (non
     import torch
 
     from sidecar.engine.detokenizer import IncrementalDetokenizer
+    from sidecar.engine.kv_evict import EvictionPolicy
     from sidecar.engine.sampling_tensors import RequestSampling
     from sidecar.engine.spec.state import SpecState
 
@@ -38,6 +39,9 @@ BEAM_REFUSED = (
     ("logprobs", None),
     ("structured", None),
     ("logit_bias", None),
+    ("kv_budget", None),
+    ("kv_eviction", None),
+    ("prompt_logprobs", None),
 )
 
 
@@ -93,6 +97,11 @@ class SamplingParams:
     # cum_logprob / generated_len ** length_penalty. Options that mean sampling are refused with it.
     beam_width: Optional[int] = None
     length_penalty: float = 1.0
+    # Bounded KV (engine/kv_evict.py): at most kv_budget tokens of KV kept, evicted by kv_eviction ("h2o" |
+    # "streaming"); None: the engine's setting. prompt_logprobs=0: each prompt token's log-probability.
+    kv_budget: Optional[int] = None
+    kv_eviction: Optional[str] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Normalize the accepted shorthands (the only writes a SamplingParams ever gets), then validate.
@@ -159,6 +168,12 @@ class SamplingParams:
             bad("speculative", f"must be true or false, got {self.speculative!r}")
         if not isinstance(self.length_penalty, (int, float)) or not (-10.0 <= self.length_penalty <= 10.0):
             bad("length_penalty", f"must be a number in [-10, 10], got {self.length_penalty!r}")
+        if self.kv_budget is not None and (not is_int(self.kv_budget) or self.kv_budget < 1):
+            bad("kv_budget", f"must be a positive number of tokens, got {self.kv_budget!r}")
+        if self.kv_eviction is not None and self.kv_eviction not in ("h2o", "streaming"):
+            bad("kv_eviction", f"must be one of h2o, streaming, got {self.kv_eviction!r}")
+        if self.prompt_logprobs not in (None, 0) or isinstance(self.prompt_logprobs, bool):
+            bad("prompt_logprobs", f"must be 0 or None, got {self.prompt_logprobs!r}")
         if self.beam_width is not None:
             if not is_int(self.beam_width) or not (1 <= self.beam_width <= MAX_BEAM_WIDTH):
                 bad("beam_width", f"must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
@@ -229,6 +244,7 @@ class RequestOutput:
     # Beam search: every returned hypothesis (engine/beam_params.BeamSequence), best first; token_ids and
     # text above are the best one's. None for sampled requests.
     beams: Optional[list[Any]] = None
+    prompt_logprobs: Optional[list[Optional[float]]] = None  # when finished: None, then each prompt token's
 
     def merged_after(self, older: "RequestOutput") -> "RequestOutput":
         """This output as if it also carried the changes of ``older`` (the previous, unread output of the
@@ -301,6 +317,7 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.finished_time: Optional[float] = None
         self.logprobs: Optional[list[TokenLogprob]] = [] if params.logprobs is not None else None
+        self.prompt_logprobs: Optional[list[float]] = [] if params.prompt_logprobs is not None else None
         # Filled by collaborators: block hashes (kv_cache), detokenizer (engine), the sampler's state (its
         # random stream and penalty slot: engine/sampling_tensors.py).
         self.block_hashes: list[bytes] = []
@@ -317,6 +334,10 @@ class Request:
         # while it waits for the group's other beams.
         self.beam_group: Optional[BeamGroupRef] = None
         self.beam_row: Optional[torch.Tensor] = None
+        # Bounded KV (engine/kv_evict.py): the policy this sequence runs under (None: it keeps every block)
+        # and how many of its computed tokens' KV it has evicted (whole blocks).
+        self.kv_policy: Optional[EvictionPolicy] = None
+        self.kv_evicted = 0
         self.text = ""
         self._emitted_tokens = 0
         self._emitted_text = 0
@@ -371,4 +392,7 @@ class Request:
             e2e_s=((self.finished_time or now) - self.arrival_time) if finished else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             new_logprobs=new_lp,
+            prompt_logprobs=[None, *self.prompt_logprobs]
+            if finished and self.prompt_logprobs is not None
+            else None,
         )

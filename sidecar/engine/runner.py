@@ -22,6 +22,7 @@ from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.kv_copy import BlockCopier
+from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
 from sidecar.model import kv_quant
@@ -62,6 +63,9 @@ class ModelRunner:
             for _ in range(a.num_layers)
         ]
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
+        # Attention received per cache slot, for scored KV eviction (model/attention_scores.py); allocated at
+        # the first step that needs it.
+        self.kv_scores: Optional[torch.Tensor] = None
         # Committed (written) at start, the pool's memory is resident before the first request: a budget
         # the container cannot hold fails now, and the process does not grow as blocks are first used.
         # Uncommitted, blocks are zeroed lazily on first use: the pool hands out never-used blocks in
@@ -171,6 +175,26 @@ class ModelRunner:
             self._zero_blocks(self._zeroed_upto + 1, top)
         kv_quant.copy_blocks(self.kv_caches, src_ids, dst_ids)
 
+    def block_scores(self, block_ids: list[int]) -> list[float]:
+        """Total attention the tokens of each block received since they were written (0 before any
+        scored step)."""
+        if self.kv_scores is None:
+            return [0.0] * len(block_ids)
+        per_block = self.kv_scores.view(-1, self.block_size).index_select(0, self._tensor(block_ids))
+        return per_block.sum(dim=1).tolist()
+
+    def _scores_for(self, reqs: Sequence[Request], slots: torch.Tensor) -> Optional[torch.Tensor]:
+        """The score vector a step adds to when one of ``reqs`` evicts by score (its new tokens' slots zeroed
+        first), else None."""
+        if not any(_scored(r) for r in reqs):
+            return None
+        if self.kv_scores is None:
+            self.kv_scores = torch.zeros(
+                self.num_blocks * self.block_size, dtype=torch.float32, device=self.device
+            )
+        self.kv_scores.index_fill_(0, slots, 0.0)
+        return self.kv_scores
+
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
@@ -251,9 +275,9 @@ class ModelRunner:
             return None
         rows = []
         for i, (r, table) in enumerate(zip(reqs, tables)):
-            c = r.num_computed_tokens
+            c, k = r.num_computed_tokens, r.num_computed_tokens - r.kv_evicted  # position, cache index
             tok = src[i] if prev_ids is not None else r.all_token_ids[c]
-            rows.append(DecodeRow(tok, c, table[c // bs] * bs + c % bs, c + 1, table))
+            rows.append(DecodeRow(tok, c, table[k // bs] * bs + k % bs, k + 1, table))
         max_block = max(max(t) for t in tables)
         if max_block > self._zeroed_upto:
             self._zero_blocks(self._zeroed_upto + 1, max_block)
@@ -270,8 +294,8 @@ class ModelRunner:
         rows, sample, sample_reqs = [], [], []
         for i, (s, table) in enumerate(zip(sched.scheduled, tables)):
             r = s.request
-            c = r.num_computed_tokens
-            rows.append(DecodeRow(r.all_token_ids[c], c, table[c // bs] * bs + c % bs, c + 1, table))
+            c, k = r.num_computed_tokens, r.num_computed_tokens - r.kv_evicted  # position, cache index
+            rows.append(DecodeRow(r.all_token_ids[c], c, table[k // bs] * bs + k % bs, k + 1, table))
             if s.completes_prompt:
                 sample.append(i)
                 sample_reqs.append(r)
@@ -294,6 +318,7 @@ class ModelRunner:
             token_slots is None
             and sched.scheduled
             and all(s.num_new_tokens == 1 and not s.num_spec_tokens for s in sched.scheduled)
+            and not any(_scored(s.request) or wants_rows(s.request) for s in sched.scheduled)
         ):
             done = self._execute_decode(sched, kv)
             if done is not None:
@@ -312,6 +337,7 @@ class ModelRunner:
         sample_reqs: list[Request] = []
         max_block = 0
         tables: list[list[int]] = []
+        prompt_rows: list[tuple[Request, int, int, int]] = []  # chunks whose prompt log-probs are asked for
         for s in prefills + decodes:
             r = s.request
             c, n = r.num_computed_tokens, s.num_new_tokens
@@ -319,24 +345,29 @@ class ModelRunner:
             tables.append(table)
             max_block = max(max_block, max(table))
             start = len(ids)
+            if wants_rows(r):
+                prompt_rows.append((r, start, c, n))
             ids.extend(r.all_token_ids[c : c + n])
             if s.num_spec_tokens:  # proposed tokens ride after the last real one, at positions c+1..
                 ids.extend(r.spec_token_ids[: s.num_spec_tokens])
             off = self.model.rope_offset(r.num_tokens)  # 0 but for LongRoPE's long sequences
-            pos.extend(range(c + off, c + n + off))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            pos.extend(range(c + off, c + n + off))  # true positions; cache indices skip evicted tokens
+            e = r.kv_evicted
+            slots.extend(table[(p - e) // bs] * bs + (p - e) % bs for p in range(c, c + n))
             if n > 1 and not s.num_spec_tokens:
-                segments.append(PrefillSegment(start, n, c + n, self._tensor(table[: -(-(c + n) // bs)])))
+                kept = c + n - e
+                segments.append(PrefillSegment(start, n, kept, self._tensor(table[: -(-kept // bs)])))
             if s.completes_prompt:
                 sample_idx.extend(range(len(ids) - 1 - s.num_spec_tokens, len(ids)))
                 sample_reqs.append(r)
         if max_block > self._zeroed_upto:
             self._zero_blocks(self._zeroed_upto + 1, max_block)
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=segments)
+        meta.kv_scores = self._scores_for([s.request for s in sched.scheduled], meta.slot_mapping)
         if decodes:
             dtables, ctx_lens = [], []
             for s, t in zip(decodes, tables[len(prefills) :]):
-                c = s.request.num_computed_tokens
+                c = s.request.num_computed_tokens - s.request.kv_evicted
                 dtables.extend([t] * s.num_new_tokens)
                 ctx_lens.extend(range(c + 1, c + 1 + s.num_new_tokens))
             width = max(len(t) for t in dtables)
@@ -354,7 +385,12 @@ class ModelRunner:
                 hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
             finally:
                 self.lora.set_batch(None)
+        collect(self.model, hidden, prompt_rows)
         if not sample_reqs:
             return [], None
         logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_idx)))
         return sample_reqs, logits
+
+
+def _scored(req: Request) -> bool:
+    return req.kv_policy is not None and req.kv_policy.scored

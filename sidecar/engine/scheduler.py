@@ -94,6 +94,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.kv_evicted = 0
         req.spec_token_ids.clear()
         req.status = RequestStatus.PREEMPTED
         _mark_rope_long(req)
@@ -163,6 +164,7 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
+        victim.kv_evicted = 0
         victim.beam_row = None  # a beam recomputes the row it waited with
         victim.spec_token_ids.clear()
         victim.status = RequestStatus.PREEMPTED
@@ -235,6 +237,7 @@ class Scheduler:
             needed = req.num_tokens - req.num_computed_tokens
             # Proposed tokens are budgeted like any others; a short budget trims the proposal.
             n = min(needed + (len(req.spec_token_ids) if needed == 1 else 0), budget)
+            n = self.kv.evict(req, n)  # under a KV budget: blocks given back, a prompt chunk capped
             if n <= 0:
                 i += 1
                 continue
@@ -255,9 +258,14 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self._next_waiting()
                 hits, num_hit = ([], 0)
-                if req.num_computed_tokens == 0:
+                if req.num_computed_tokens == 0 and req.prompt_logprobs is None:  # those need every row
                     hits, num_hit = self.kv.get_computed_blocks(req)
+                policy = req.kv_policy
+                if policy is not None and policy.bounded and len(hits) >= policy.budget_blocks:
+                    hits = hits[: policy.budget_blocks - 1]  # a budget holds the hit and one block more
+                    num_hit = len(hits) * self.kv.block_size
                 n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+                n = self.kv.evict(req, n + num_hit) - num_hit
                 if not self.kv.allocate_slots(req, n, hits):
                     if not self.running and not scheduled:
                         # Nothing else holds blocks, so waiting cannot help: give it up.

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from sidecar.model import kv_quant
+from sidecar.model import attention_scores, kv_quant
 from sidecar.model.kernels.cpu import paged_attention as cpu_kernel
 from sidecar.model.kernels.cpu import prefill_attention as prefill_kernel
 from sidecar.model.kernels.gpu_paths import FastPaths
@@ -68,6 +68,10 @@ class AttentionMetadata:
     # decode buffers when the attention fast path is on, None otherwise.
     decode_block_tables_i32: Optional[torch.Tensor] = None
     use_cpu_kernel: bool = True  # False: the torch path even where the CPU kernel could run (tests, benches)
+    # [num_blocks * block_size] float32: each key's received attention is added at its slot
+    # (attention_scores.py); None: not accounted. Of our kernels only the CPU decode kernel accounts; with it
+    # the other rows take the torch path.
+    kv_scores: Optional[torch.Tensor] = None
     _decode_masks: dict = field(default_factory=dict)
 
     def decode_mask(self, sliding_window: Optional[int]) -> torch.Tensor:
@@ -183,6 +187,7 @@ def _segment_through_kernel(
     sliding_window: Optional[int],
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]],
     softcap: Optional[float],
+    scores: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """The segment's rows as decode rows (row i sees keys [0, start + i]) through the CPU kernel; None
     when the kernel does not take these inputs."""
@@ -199,6 +204,7 @@ def _segment_through_kernel(
         sliding_window,
         kv_scales,
         softcap,
+        scores,
     )
 
 
@@ -232,7 +238,13 @@ def paged_attention(
         else:
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     decoded = None  # the decode rows' result from one of our kernels
-    if meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
+    scores = meta.kv_scores  # of our kernels only the CPU decode kernel adds up received attention
+    if (
+        scores is None
+        and meta.decode_block_tables is not None
+        and paths is not None
+        and paths.takes("attention", q)
+    ):
         from sidecar.model.kernels.triton import attention as triton_attention
 
         b = meta.decode_block_tables.shape[0]
@@ -261,6 +273,7 @@ def paged_attention(
             sliding_window,
             kv_scales,
             softcap,
+            scores,
         )
         if decoded is not None and not meta.prefills:  # every row is a decode row
             return decoded
@@ -270,12 +283,12 @@ def paged_attention(
         cpu = meta.use_cpu_kernel
         if start >= KERNEL_PREFILL_MIN_CACHED and cpu and seg.q_len <= KERNEL_PREFILL_ROWS:
             rows = _segment_through_kernel(
-                q, k_cache, v_cache, seg, scale, sliding_window, kv_scales, softcap
+                q, k_cache, v_cache, seg, scale, sliding_window, kv_scales, softcap, scores
             )
             if rows is not None:
                 out[seg.q_start : seg.q_start + seg.q_len] = rows
                 continue
-        if cpu and q.dtype == torch.bfloat16:
+        if cpu and q.dtype == torch.bfloat16 and scores is None:
             rows = prefill_kernel.prefill_attention(
                 q[seg.q_start : seg.q_start + seg.q_len],
                 k_cache,
@@ -291,7 +304,13 @@ def paged_attention(
                 out[seg.q_start : seg.q_start + seg.q_len] = rows
                 continue
         qs = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
-        if start == 0 and sliding_window is None and not quant:
+        if start == 0 and sliding_window is None and not quant and scores is not None:
+            ks = k[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
+            vs = v[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
+            causal = torch.ones(seg.q_len, seg.q_len, dtype=torch.bool, device=q.device).tril()
+            key_slots = meta.slot_mapping[seg.q_start : seg.q_start + seg.q_len]
+            o = attention_scores.segment_scored(qs, ks, vs, causal, key_slots, scale, softcap, scores)
+        elif start == 0 and sliding_window is None and not quant:
             # Whole prompt in this step: attend to the fresh K/V, plain causal mask.
             ks = k[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
             vs = v[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
@@ -309,7 +328,13 @@ def paged_attention(
             mask = kpos <= qpos
             if sliding_window is not None:
                 mask &= kpos > qpos - sliding_window
-            o = _sdpa(qs, ks, vs, mask[None, None], False, scale, softcap)
+            if scores is not None:
+                key_slots = attention_scores.table_slots(seg.block_table[None], meta.block_size, seg.ctx_len)[
+                    0
+                ]
+                o = attention_scores.segment_scored(qs, ks, vs, mask, key_slots, scale, softcap, scores)
+            else:
+                o = _sdpa(qs, ks, vs, mask[None, None], False, scale, softcap)
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
     if meta.decode_block_tables is not None:
         bt = meta.decode_block_tables
@@ -331,6 +356,11 @@ def paged_attention(
         nh = qd.shape[1]
         qg = qd.reshape(b, nkv, nh // nkv, hd)
         mask = meta.decode_mask(sliding_window)
+        if scores is not None:
+            out[q.shape[0] - b :] = attention_scores.decode_scored(
+                qd, kd, vd, mask, bt, bs, scale, softcap, scores
+            )
+            return out
         if softcap is not None:
             o = _softcapped(qg, kd, vd, mask, scale, softcap)
         else:

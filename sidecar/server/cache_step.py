@@ -72,6 +72,8 @@ def settings_key(params: Any, tools: str = "", template_kwargs: Optional[dict] =
         d["structured"] = structured.key()
     if getattr(params, "beam_width", None) is not None:  # absent unless beam search, as above
         d["beam_width"], d["length_penalty"] = params.beam_width, params.length_penalty
+    if getattr(params, "kv_budget", None) is not None or getattr(params, "kv_eviction", None) is not None:
+        d["kv_budget"], d["kv_eviction"] = params.kv_budget, params.kv_eviction  # bounded KV changes the text
     if tools:
         d["tools"] = tools
     if template_kwargs:  # absent when none, so keys of other requests are unchanged

@@ -44,6 +44,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--kv-offload-gb", "engine", "kv_offload_gb"),
     ("--kv-offload-dir", "engine", "kv_offload_dir"),
     ("--kv-offload-disk-gb", "engine", "kv_offload_disk_gb"),
+    ("--kv-budget", "engine", "kv_budget"),
+    ("--kv-eviction", "engine", "kv_eviction"),
     ("--demo-dir", "engine", "demo_dir"),
     ("--max-loras", "engine", "max_loras"),
     ("--max-lora-rank", "engine", "max_lora_rank"),

@@ -127,6 +127,7 @@ class SpecDecoder:
             and not p.uses_penalties
             and not p.logit_bias  # verification reads the unbiased distribution
             and (p.greedy or p.seed is None)
+            and (req.kv_policy is None or not req.kv_policy.bounded)  # a budget makes room one token a step
         )
 
     def propose(self, running: Sequence[Request]) -> None:

@@ -75,6 +75,8 @@ _OPTIONAL_SAMPLING = (
     "speculative",
     "beam_width",
     "length_penalty",
+    "kv_budget",
+    "kv_eviction",
 )
 
 

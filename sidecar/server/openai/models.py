@@ -157,6 +157,10 @@ class _Sampling(_Strict):
         description="false: opt out of the sidecar's speculative decoding "
         "(same output); unset: the sidecar's setting",
     )
+    # Bounded KV per sequence (the engine's kv_budget / kv_eviction for this request); checked by SamplingParams
+    # and the engine (a budget below the sinks, a recent block and one more is refused).
+    kv_budget: Optional[int] = Field(None, ge=1, description="most tokens of KV this sequence keeps")
+    kv_eviction: Optional[str] = Field(None, description="h2o or streaming: which blocks go over the budget")
     # Beam search as vLLM accepts it: use_beam_search with best_of (or n) beams, the n best returned.
     use_beam_search: Optional[bool] = None
     best_of: Optional[int] = Field(None, ge=1, le=MAX_CHOICES)

@@ -44,6 +44,8 @@ def _params(
         "skip_special_tokens",
         "stop_token_ids",
         "speculative",
+        "kv_budget",
+        "kv_eviction",
     ):
         value = getattr(body, name)
         if value is not None:

@@ -21,6 +21,10 @@
  * Quantized cache (ks, vs not NULL): K/V hold int8 codes and ks/vs ([num_blocks, bs, nkv] float32) one scale
  * per token and KV head, K[j] = kq[j] * ks[j]. The codes are widened to float32 in registers; a key's scale
  * multiplies its finished dot product and a value's scale its softmax weight, so no dequantized copy exists.
+ *
+ * Scores (scores not NULL: [num_blocks * bs] float32, one per cache slot): each key's softmax weights, summed
+ * over the rep queries of a task, are added to its slot (atomically: the KV heads of a row are separate
+ * tasks), so a slot accumulates the attention its token receives (scored KV eviction).
  */
 #include <stdlib.h>
 
@@ -152,7 +156,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
                                                          int nkv, int g, int hd, int bs, int kvm, float* s,
                                                          float* of, size_t* offs, const float* ks,
                                                          const float* vs, const uint16_t* qb, float scale,
-                                                         float cap) {
+                                                         float cap, float* wsum) {
     const int n = hi - lo;
     const size_t row = (size_t)nkv * hd; /* elements per slot */
     float invs[MAX_REP];                 /* each query's 1 / softmax normaliser */
@@ -261,6 +265,8 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
         }
 #endif
         const float inv = invs[r] = 1.0f / total;
+        if (wsum) /* the weights each key received, before a value's scale joins them */
+            for (j = 0; j < n; j++) wsum[j] += sr[j] * inv;
         float* o = of + (size_t)r * hd;
         /* a value's scale joins its weight (after the normaliser was summed from the unscaled weights) */
         if (vs)
@@ -327,6 +333,7 @@ typedef struct {
     int dtype;
     int nthreads;
     float softcap; /* > 0: scores soft-capped (see above); 0: not */
+    float* scores; /* NULL, or [num_blocks * bs]: received attention added per slot */
 } sidecar_paged_attention_args;
 int sidecar_paged_attention_args_size(void) {
     return (int)sizeof(sidecar_paged_attention_args);
@@ -373,13 +380,14 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
         float* qf = (float*)malloc(sizeof(float) * (size_t)rep * hd);
         float* of = (float*)malloc(sizeof(float) * (size_t)rep * hd);
         size_t* offs = (size_t*)malloc(sizeof(size_t) * (size_t)longest);
-        if (!s || !qf || !of || !offs) {
+        float* wsum = a->scores ? (float*)malloc(sizeof(float) * (size_t)longest) : NULL;
+        if (!s || !qf || !of || !offs || (a->scores && !wsum)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < B * nkv; t++) {
-            if (!s || !qf || !of || !offs) continue;
+            if (!s || !qf || !of || !offs || (a->scores && !wsum)) continue;
             const int b = t / nkv, g = t % nkv;
             const int hi = (int)ctx[b];
             const int lo = window > 0 && hi > window ? hi - window : 0;
@@ -389,18 +397,27 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
             const int64_t* table = tables + (size_t)b * max_blocks;
             const uint16_t* qb = dtype == 1 ? (const uint16_t*)q + q0 : NULL; /* bf16 queries as they came */
             const char *k8 = (const char*)kc, *v8 = (const char*)vc;
+            if (wsum)
+                for (int j = 0; j < hi - lo; j++) wsum[j] = 0.f;
             if (hd == 64)
                 attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 64, bs, kvm, s, of, offs, ks, vs, qb, scale,
-                       cap);
+                       cap, wsum);
             else if (hd == 128)
                 attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 128, bs, kvm, s, of, offs, ks, vs, qb, scale,
-                       cap);
+                       cap, wsum);
             else
                 attend(qf, k8, v8, table, lo, hi, rep, nkv, g, hd, bs, kvm, s, of, offs, ks, vs, qb, scale,
-                       cap);
+                       cap, wsum);
+            if (wsum)
+                for (int j = 0, p = lo; p < hi; j++, p++) {
+                    const int64_t slot = table[p / bs] * bs + p % bs;
+#pragma omp atomic
+                    a->scores[slot] += wsum[j];
+                }
             for (int i = 0; i < rep * hd; i++) dt_store(out, q0 + i, of[i], dtype);
         }
         free(s);
+        free(wsum);
         free(offs);
         free(qf);
         free(of);

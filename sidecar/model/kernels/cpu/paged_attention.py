@@ -6,6 +6,8 @@ the paged cache [num_blocks, block_size, Hkv, D] through its row of ``block_tabl
 With ``kv_scales`` = (k_scale, v_scale) [num_blocks, block_size, Hkv] float32 the caches hold int8 codes
 (``sidecar.model.kv_quant``), read in place and scaled in registers. With ``softcap`` (Gemma 2) each scaled
 score ``x`` becomes ``softcap * tanh(x / softcap)`` before the softmax, as in Hugging Face's eager attention.
+With ``scores`` ([num_blocks * block_size] float32) each key's softmax weights, summed over heads, are added
+to its slot there.
 It returns [B, H, D] in ``q``'s dtype (float32 or bfloat16), or None when the kernel cannot take these
 inputs (not built, another dtype or device, a head size it does not handle); the caller then uses the
 torch path (``sidecar.model.attention``), which is also the oracle the tests hold it to.
@@ -51,6 +53,7 @@ class PagedAttentionArgs(cpu_build.Args):
         ("dtype", ctypes.c_int),
         ("nthreads", ctypes.c_int),
         ("softcap", ctypes.c_float),
+        ("scores", ctypes.c_void_p),
     ]
 
 
@@ -99,8 +102,15 @@ def decode_attention(
     window: Optional[int] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     softcap: Optional[float] = None,
+    scores: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     if not cache_fits(q, k_cache, v_cache, kv_scales):
+        return None
+    if scores is not None and not (
+        scores.dtype == torch.float32
+        and scores.is_contiguous()
+        and scores.numel() == k_cache.shape[0] * k_cache.shape[1]
+    ):
         return None
     lib = _KERNEL.lib()
     if lib is None:
@@ -138,6 +148,7 @@ def decode_attention(
             dtype=_DTYPES[q.dtype],
             nthreads=torch.get_num_threads(),
             softcap=softcap or 0.0,
+            scores=None if scores is None else scores.data_ptr(),
         )
     )
     if rc == 2:
