@@ -204,7 +204,7 @@ def _segment_through_kernel(
         sliding_window,
         kv_scales,
         softcap,
-        scores,
+        scores=scores,
     )
 
 
@@ -273,7 +273,7 @@ def paged_attention(
             sliding_window,
             kv_scales,
             softcap,
-            scores,
+            scores=scores,
         )
         if decoded is not None and not meta.prefills:  # every row is a decode row
             return decoded
@@ -283,7 +283,7 @@ def paged_attention(
         cpu = meta.use_cpu_kernel
         if start >= KERNEL_PREFILL_MIN_CACHED and cpu and seg.q_len <= KERNEL_PREFILL_ROWS:
             rows = _segment_through_kernel(
-                q, k_cache, v_cache, seg, scale, sliding_window, kv_scales, softcap, scores
+                q, k_cache, v_cache, seg, scale, sliding_window, kv_scales, softcap, scores=scores
             )
             if rows is not None:
                 out[seg.q_start : seg.q_start + seg.q_len] = rows

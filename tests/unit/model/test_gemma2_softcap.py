@@ -53,8 +53,8 @@ def _spy(monkeypatch, module, name: str) -> list:
     seen = []
     real = getattr(module, name)
 
-    def spy(*args):
-        out = real(*args)
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
         seen.append((args[-1], out is not None))
         return out
 
@@ -80,7 +80,7 @@ def test_the_cap_matters_here(gemma2_dir):
 def test_the_decode_kernels_cap_matters_here(gemma2_dir, monkeypatch):
     """The engine's answer depends on the decode kernel capping: with the cap dropped there, it is not HF's."""
     real = attention.cpu_kernel.decode_attention
-    monkeypatch.setattr(attention.cpu_kernel, "decode_attention", lambda *a: real(*a[:-1], None))
+    monkeypatch.setattr(attention.cpu_kernel, "decode_attention", lambda *a, **k: real(*a[:-1], None, **k))
     llm = LLM(model=str(gemma2_dir), dtype="float32")
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] != hf_greedy(gemma2_dir, PROMPTS, MAX_NEW)
 

@@ -131,7 +131,7 @@ def test_inputs_it_does_not_take_fall_back_to_torch(monkeypatch):
         kernel.decode_attention(q, kc, vc, tables.int(), ctx, 0.125)
     # paged_attention takes the torch path for them, and for every input when the kernel is switched off.
     calls = []
-    monkeypatch.setattr(attention.cpu_kernel, "decode_attention", lambda *a: calls.append(1))
+    monkeypatch.setattr(attention.cpu_kernel, "decode_attention", lambda *a, **k: calls.append(1))
     out = paged_attention(
         q,
         kc[1, :2].clone(),
