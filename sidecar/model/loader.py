@@ -278,7 +278,7 @@ def _load_weights(
 def _load_experts(
     moe: nn.Module,
     ckpt: _SafetensorsIndex,
-    prefix: str,
+    layer_prefix: str,
     args: ModelArgs,
     cfg: EngineConfig,
     dtype: torch.dtype,
@@ -288,7 +288,7 @@ def _load_experts(
     and its experts, each quantized as it arrives where the engine quantizes."""
     from sidecar.model.moe import block_prefix, expert_weights
 
-    prefix = block_prefix(ckpt.__contains__, prefix, args)
+    prefix = block_prefix(ckpt.__contains__, layer_prefix, args)
     _set(moe.gate, "weight", ckpt.get(f"{prefix}.gate.weight"), dtype, device)
     for e, gate_up, down in expert_weights(ckpt.get, ckpt.__contains__, prefix, args):
         expert = moe.experts[e]
