@@ -78,6 +78,10 @@ BENCHMARKS = {
         "multi-LoRA: 4 adapters mixed in one batch vs the base model alone; "
         "per-token cost of one more adapter",
     ),
+    "moe": (
+        "sidecar.bench.moe",
+        "mixture of experts: batch-1 decode and weight bytes per token vs active parameters, per precision",
+    ),
 }
 
 

@@ -33,6 +33,7 @@ from sidecar.engine.structured import StructuredDecoder
 from sidecar.model import heap, hugepages
 from sidecar.model.loader import load_model
 from sidecar.model.lora import part_shapes
+from sidecar.model.moe import parameter_counts
 
 log = logging.getLogger("sidecar.engine")
 
@@ -106,6 +107,8 @@ class LLMEngine:
             "model": config.model,
             "model_dir": str(loaded.model_dir),
             "architecture": loaded.args.architecture,
+            # a mixture of experts runs fewer per token than it holds: each token's router picks its experts
+            **dict(zip(("total_parameters", "active_parameters"), parameter_counts(loaded.args))),
             "dtype": str(loaded.dtype).replace("torch.", ""),
             "dtype_reason": loaded.dtype_reason,
             "quantization": loaded.quantization or "none",

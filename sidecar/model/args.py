@@ -22,6 +22,8 @@ FAMILIES = {
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {
@@ -32,6 +34,8 @@ _MODEL_TYPES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -69,18 +73,41 @@ class ModelArgs:
     attn_softcap: Optional[float] = None  # attention logits -> cap * tanh(logits / cap)
     final_softcap: Optional[float] = None  # the same on the output logits
     fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+    # Mixture of experts (moe.py). 0 experts: every layer has the dense MLP. Otherwise every layer not in
+    # ``dense_layers`` routes each token to ``experts_per_token`` of ``num_experts`` SwiGLU experts of width
+    # ``expert_intermediate_size`` (the dense layers keep ``intermediate_size``).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True  # the top-k probabilities renormalised to sum to one
+    # Mixtral weighs the experts' outputs by float32 routing weights; Qwen3-MoE casts them to the model dtype
+    routing_weights_float32: bool = True
+    # The checkpoint's names: the sparse block, then each expert's gate, up and down projections
+    moe_names: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
 
     def __post_init__(self) -> None:
         if self.o_proj_bias is None:
             self.o_proj_bias = self.attention_bias and self.architecture != "Qwen2ForCausalLM"
         if self.rope_kinds is None:
             self.rope_kinds = (RopeSpec(self.rope_theta, self.rope_scaling),)
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"model: num_experts_per_tok {self.experts_per_token} must be between 1 and the "
+                f"{self.num_experts} experts"
+            )
+        if self.num_experts and self.expert_intermediate_size <= 0:
+            raise ValueError("model: a mixture-of-experts config needs the experts' intermediate size")
 
     def window(self, layer: int) -> Optional[int]:
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
     def rope_kind(self, layer: int) -> int:
         return 0 if self.layer_rope is None else self.layer_rope[layer]
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is a mixture of experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def rotary(self) -> int:

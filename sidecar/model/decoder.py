@@ -22,6 +22,7 @@ from sidecar.model.attention import AttentionMetadata, sdpa_backends
 from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.layers import DecoderLayer, RMSNorm
 from sidecar.model.linear import Linear
+from sidecar.model.moe import SparseMoE
 
 
 class CausalLM(nn.Module):
@@ -30,7 +31,12 @@ class CausalLM(nn.Module):
         self.args = args
         self.fast_paths = FastPaths()  # all off: the runner's self-check turns paths on
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, self.fast_paths) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                args, i, self.fast_paths, SparseMoE(args, self.fast_paths) if args.sparse(i) else None
+            )
+            for i in range(args.num_layers)
+        )
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, self.fast_paths)
         self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         # [kinds, rows, rotary_dim] (rope.tables); rows past max_positions hold LongRoPE's long half

@@ -48,6 +48,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -130,10 +131,15 @@ def hf_config(reader, path: str) -> dict:
         cfg["sliding_window"] = int(get("attention.sliding_window"))
     if arch in _FAMILY_KEYS:
         _FAMILY_KEYS[arch](reader, get, cfg)
+    if get("expert_count"):
+        _expert_keys(reader, get, cfg)
     floats = {
         gt.type_name(t)
         for t in reader.tensors
-        if gt.hf_name(t.name, arch) and t.name.endswith(".weight") and len(t.shape) == 2
+        if gt.hf_name(t.name, arch)
+        and t.name.endswith(".weight")
+        and len(t.shape) == 2
+        and f".{gt.ROUTER}." not in t.name
     }
     cfg["torch_dtype"] = "float32" if "F32" in floats else "float16" if floats == {"F16"} else "bfloat16"
     return cfg
@@ -192,6 +198,24 @@ def _phi3_keys(reader, get, cfg: dict) -> None:
         }
 
 
+def _expert_keys(reader, get, cfg: dict) -> None:
+    """A mixture of experts: llama.cpp writes Mixtral as the ``llama`` architecture with expert counts, and
+    Qwen3-MoE as ``qwen3moe`` with the experts' width (``expert_feed_forward_length``; its
+    ``feed_forward_length`` is the dense layers'). A layer is sparse where it has a router
+    (``ffn_gate_inp``); llama.cpp's runtime renormalises the top-k weights unless ``expert_weights_norm``
+    says otherwise."""
+    experts = int(get("expert_count"))
+    cfg["num_local_experts"] = cfg["num_experts"] = experts
+    cfg["num_experts_per_tok"] = int(get("expert_used_count", 2))
+    if cfg["model_type"] == "llama":
+        cfg["architectures"] = ["MixtralForCausalLM"]
+        return
+    cfg["moe_intermediate_size"] = int(get("expert_feed_forward_length", cfg["intermediate_size"]))
+    cfg["norm_topk_prob"] = bool(get("expert_weights_norm", True))
+    sparse = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.endswith(f".{gt.ROUTER}.weight")}
+    cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if i not in sparse]
+
+
 _FAMILY_KEYS = {"gemma2": _gemma_keys, "gemma3": _gemma_keys, "phi3": _phi3_keys}
 
 
@@ -199,7 +223,10 @@ def _layer_linears_q4(reader) -> bool:
     types = {
         gt.type_name(t)
         for t in reader.tensors
-        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2
+        if t.name.startswith("blk.")
+        and t.name.endswith(".weight")
+        and len(t.shape) >= 2
+        and f".{gt.ROUTER}." not in t.name
     }
     return bool(types) and types <= set(gt.EXACT_INT4_TYPES)
 

@@ -28,7 +28,9 @@ _NORMS_ARCH = {
     "qwen3": {**_NORMS, **_QK_NORMS},
     "gemma2": _GEMMA_NORMS,
     "gemma3": {**_GEMMA_NORMS, **_QK_NORMS},
+    "qwen3moe": {**_NORMS, **_QK_NORMS},
 }
+_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
@@ -41,6 +43,10 @@ def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
         w = gt.dequantize(t)
         heads = gt.rope_heads(name, cfg)
         out[name] = gt.unpermute_rows(w, heads) if heads else w
+    for name in [n for n in out if n.endswith(".mlp.experts.gate_proj.weight")]:
+        block = name.removesuffix(".gate_proj.weight")  # transformers' fused layout (moe.expert_weights)
+        out[f"{block}.gate_up_proj"] = torch.cat((out.pop(name), out.pop(f"{block}.up_proj.weight")), dim=1)
+        out[f"{block}.down_proj"] = out.pop(f"{block}.down_proj.weight")
     return out
 
 
@@ -49,6 +55,22 @@ def write_fp(reader, cfg: dict, out: Path) -> None:
 
     state = {k: v.contiguous() for k, v in gguf_state_dict(reader, cfg).items()}
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt", "source": "gguf"})
+
+
+def _write_experts(tensors: dict, layer: int, state: dict[str, torch.Tensor]) -> list[str]:
+    """A sparse layer's router (full precision) and its experts' projections, each expert's Q4 codes as an
+    int4 module of its own (``layers.<i>.mlp.experts.<e>.gate_up_proj`` / ``down_proj``); returns them."""
+    p = f"layers.{layer}.mlp"
+    state[f"{p}.gate.weight"] = gt.dequantize(tensors[f"blk.{layer}.{gt.ROUTER}.weight"]).contiguous()
+    gate, up, down = (gt.int4_exact(tensors[f"blk.{layer}.{part}.weight"]) for part in _EXPERTS)
+    modules = []
+    for e in range(gate[0].shape[0]):
+        for ours, parts in (("gate_up_proj", (gate, up)), ("down_proj", (down,))):
+            name = f"{p}.experts.{e}.{ours}"
+            modules.append(name)
+            for key, k in (("qweight", 0), ("scales", 1), ("zeros", 2)):
+                state[f"{name}.{key}"] = torch.cat([x[k][e] for x in parts]).contiguous()
+    return modules
 
 
 def write_int4(reader, cfg: dict, out: Path) -> None:
@@ -60,7 +82,12 @@ def write_int4(reader, cfg: dict, out: Path) -> None:
     modules: list[str] = []
     arch = cfg["model_type"]
     for i in range(cfg["num_hidden_layers"]):
+        sparse = f"blk.{i}.{gt.ROUTER}.weight" in tensors
+        if sparse:
+            modules += _write_experts(tensors, i, state)
         for ours, parts in _FUSED_ARCH.get(arch, _FUSED).items():
+            if sparse and ours.startswith("mlp."):
+                continue
             q, s, z, biases = [], [], [], []
             for part in parts:
                 t = tensors[f"blk.{i}.{part}.weight"]

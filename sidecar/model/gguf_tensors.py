@@ -38,7 +38,14 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    # A sparse block: the router, and each projection of every expert in one 3D tensor [experts, out, in]
+    # (gguf_convert fuses gate and up into transformers' ``experts.gate_up_proj``)
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+ROUTER = "ffn_gate_inp"  # kept in full precision in every converted form
 # Where an architecture's names differ: Gemma's norm in front of the MLP is HF's pre_feedforward_layernorm
 # (its post_attention_layernorm norms the attention's output); Phi-3 stores q/k/v and gate/up fused.
 _GEMMA_NAMES = {
@@ -127,12 +134,15 @@ def dequantize(tensor) -> torch.Tensor:
 
 
 def int4_exact(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_0 / Q4_1 tensor -> (qweight uint8 [N, K/2], scales f32 [N, K/32], zeros f32 [N, K/32]).
+    """Q4_0 / Q4_1 tensor -> (qweight uint8 [N, K/2], scales f32 [N, K/32], zeros f32 [N, K/32]); a 3D
+    tensor (experts) gives them per expert: [E, N, K/2], [E, N, K/32], [E, N, K/32].
 
     Codes are copied bit for bit; scales and zeros are the file's f16 values in float32.
     """
     name = type_name(tensor)
     raw = np.ascontiguousarray(tensor.data)
+    lead = raw.shape[:-1]
+    raw = raw.reshape(-1, raw.shape[-1])
     n = raw.shape[0]
     block_bytes = 20 if name == "Q4_1" else 18
     blocks = raw.reshape(n, -1, block_bytes)
@@ -148,7 +158,7 @@ def int4_exact(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     qs = torch.from_numpy(qs.copy())  # [N, G, 16]
     codes = torch.cat((qs & 0xF, qs >> 4), dim=-1).reshape(n, groups * INT4_GROUP)  # element order
     qweight = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return qweight.contiguous(), d, zeros
+    return tuple(x.reshape(*lead, x.shape[-1]).contiguous() for x in (qweight, d, zeros))
 
 
 def q8_0_exact(tensor) -> tuple[torch.Tensor, torch.Tensor]:

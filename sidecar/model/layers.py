@@ -193,12 +193,15 @@ class DecoderLayer(nn.Module):
     attention's and the MLP's outputs are normed too (``attn_out_norm``, ``mlp_out_norm``) before their adds.
     ``post_attention_layernorm`` is always the norm in front of the MLP (HF Gemma's pre_feedforward_layernorm)."""
 
-    def __init__(self, args: ModelArgs, layer: int, paths: Optional[FastPaths] = None) -> None:
+    def __init__(
+        self, args: ModelArgs, layer: int, paths: Optional[FastPaths] = None, mlp: Optional[nn.Module] = None
+    ) -> None:
+        """``mlp``: the layer's MLP where it is not the dense one (a mixture of experts, moe.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
         self.self_attn = Attention(args, layer, paths)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
-        self.mlp = MLP(args, paths)
+        self.mlp = MLP(args, paths) if mlp is None else mlp
         if args.sandwich_norms:
             self.attn_out_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
             self.mlp_out_norm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
@@ -236,8 +239,8 @@ class DecoderLayer(nn.Module):
 
     def _fusable(self, ops, h: torch.Tensor, delta: Optional[torch.Tensor]) -> bool:
         """The fused one-row form covers the plain pre-norm block with a silu MLP only: a layer with output
-        norms or a GeGLU MLP takes the unfused path."""
-        if self.attn_out_norm is not None or not self.mlp.silu:
+        norms, a GeGLU MLP or a mixture of experts takes the unfused path."""
+        if self.attn_out_norm is not None or type(self.mlp) is not MLP or not self.mlp.silu:
             return False
         lins = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         return (

@@ -117,7 +117,8 @@ def _linear_in_features(hf_config: dict) -> tuple[int, ...]:
     hidden = int(hf_config.get("hidden_size") or 0)
     heads = int(hf_config.get("num_attention_heads") or 0)
     head_dim = int(hf_config.get("head_dim") or (hidden // heads if heads else 0))
-    return tuple(n for n in (hidden, heads * head_dim, int(hf_config.get("intermediate_size") or 0)) if n)
+    widths = (hidden, heads * head_dim, int(hf_config.get("intermediate_size") or 0))
+    return tuple(n for n in widths + (int(hf_config.get("moe_intermediate_size") or 0),) if n)
 
 
 def pick_dtype(requested: str, hf_config: dict, device: torch.device) -> torch.dtype:
@@ -254,12 +255,17 @@ def _load_weights(
         gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
         _load_linear(attn.qkv_proj, ckpt, qkv, dtype, device)
         _load_linear(attn.o_proj, ckpt, [f"{p}.self_attn.o_proj"], dtype, device)
-        _load_linear(mlp.gate_up_proj, ckpt, gate_up, dtype, device)
-        _load_linear(mlp.down_proj, ckpt, [f"{p}.mlp.down_proj"], dtype, device)
+        if args.sparse(i):
+            _load_experts(mlp, ckpt, p, args, cfg, dtype, device)
+        else:
+            _load_linear(mlp.gate_up_proj, ckpt, gate_up, dtype, device)
+            _load_linear(mlp.down_proj, ckpt, [f"{p}.mlp.down_proj"], dtype, device)
+            for attr in ("gate_up_proj", "down_proj"):
+                _maybe_quantize(mlp, attr, cfg)
         for ours, theirs in layer_norm_sources(args):
             module = layer.get_submodule(ours)
             _set(module, "weight", _norm_weight(args, ckpt.get(f"{p}.{theirs}.weight")), dtype, device)
-        for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+        for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj")):
             _maybe_quantize(parent, attr, cfg)
     _set(model.norm, "weight", _norm_weight(args, ckpt.get("model.norm.weight")), dtype, device)
     if tied:
@@ -269,6 +275,29 @@ def _load_weights(
         _set(model.lm_head, "weight", ckpt.get("lm_head.weight"), dtype, device)
         if head_mode is not None:
             _maybe_quantize(model, "lm_head", cfg, head_mode)
+
+
+def _load_experts(
+    moe: nn.Module,
+    ckpt: _SafetensorsIndex,
+    layer_prefix: str,
+    args: ModelArgs,
+    cfg: EngineConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """A sparse block's router (kept in full precision: a quantized router would move tokens between experts)
+    and its experts, each quantized as it arrives where the engine quantizes."""
+    from sidecar.model.moe import block_prefix, expert_weights
+
+    prefix = block_prefix(ckpt.__contains__, layer_prefix, args)
+    _set(moe.gate, "weight", ckpt.get(f"{prefix}.gate.weight"), dtype, device)
+    for e, gate_up, down in expert_weights(ckpt.get, ckpt.__contains__, prefix, args):
+        expert = moe.experts[e]
+        _set(expert.gate_up_proj, "weight", gate_up, dtype, device)
+        _set(expert.down_proj, "weight", down, dtype, device)
+        for attr in ("gate_up_proj", "down_proj"):
+            _maybe_quantize(expert, attr, cfg)
 
 
 def load_tokenizer(model_dir: Path):

@@ -224,6 +224,11 @@ class LoraLayers:
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
         args = model.args
+        if args.num_experts:
+            raise ValueError(
+                f"lora: {args.architecture} is a mixture-of-experts model; LoRA adapters are not supported on "
+                "its expert layers (serve it without lora_modules / enable_lora)"
+            )
         shapes = part_shapes(args)
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device

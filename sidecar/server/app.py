@@ -301,6 +301,16 @@ class Sidecar:
                 await asyncio.wait_for(task, timeout=5.0)
 
 
+def _count(n) -> str:
+    """A parameter count as people write it: 135.0M, 30.5B."""
+    if not n:
+        return "?"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
 def describe(info: dict) -> str:
     """The start line's account of the served model: architecture and what it runs with."""
     parts = [
@@ -309,6 +319,12 @@ def describe(info: dict) -> str:
         f"quantization={info.get('quantization') or 'none'}",
         f"kv={info.get('kv_cache_dtype') or '?'}",
         f"device={info.get('device') or '?'}",
+        f"params={_count(info.get('total_parameters'))}"
+        + (
+            f" ({_count(info.get('active_parameters'))} active)"
+            if info.get("active_parameters") not in (None, info.get("total_parameters"))
+            else ""
+        ),
         f"fast paths={','.join(info.get('fast_paths') or ()) or 'none'}",
     ]
     if info.get("cpu_decode_replay") is not None:

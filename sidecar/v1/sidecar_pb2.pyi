@@ -402,7 +402,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "architecture", "dtype", "quantization", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "prefix_caching", "embedding_model", "embedding_dimensions", "semantic_cache", "version", "device", "fast_paths", "fast_path_fallbacks", "kv_cache_dtype", "kv_cache_tokens", "lora_adapters", "reasoning", "tool_call_format", "dtype_reason")
+    __slots__ = ("model", "architecture", "dtype", "quantization", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "prefix_caching", "embedding_model", "embedding_dimensions", "semantic_cache", "version", "device", "fast_paths", "fast_path_fallbacks", "kv_cache_dtype", "kv_cache_tokens", "lora_adapters", "reasoning", "tool_call_format", "dtype_reason", "total_parameters", "active_parameters")
     class FastPathFallbacksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -432,6 +432,8 @@ class ModelInfo(_message.Message):
     REASONING_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     dtype: str
@@ -454,7 +456,9 @@ class ModelInfo(_message.Message):
     reasoning: bool
     tool_call_format: str
     dtype_reason: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., embedding_model: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., reasoning: _Optional[bool] = ..., tool_call_format: _Optional[str] = ..., dtype_reason: _Optional[str] = ...) -> None: ...
+    total_parameters: int
+    active_parameters: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., embedding_model: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., semantic_cache: _Optional[bool] = ..., version: _Optional[str] = ..., device: _Optional[str] = ..., fast_paths: _Optional[_Iterable[str]] = ..., fast_path_fallbacks: _Optional[_Mapping[str, str]] = ..., kv_cache_dtype: _Optional[str] = ..., kv_cache_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., reasoning: _Optional[bool] = ..., tool_call_format: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., total_parameters: _Optional[int] = ..., active_parameters: _Optional[int] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "base_model")

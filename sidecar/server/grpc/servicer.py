@@ -358,6 +358,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 reasoning=bool(i.get("reasoning")),
                 tool_call_format=str(i.get("tool_call_format") or ""),
                 dtype_reason=str(i.get("dtype_reason") or ""),
+                total_parameters=int(i.get("total_parameters") or 0),
+                active_parameters=int(i.get("active_parameters") or 0),
             )
         except ServiceError as err:
             await self._fail(context, err)

@@ -370,6 +370,9 @@ def _models(service: OpenAIService, created: int, who: Caller) -> list[dict]:
             "max_model_len": info.get("max_model_len"),
             # What the model is and what it runs with.
             "architecture": info.get("architecture"),
+            # parameters held, and those one token runs through (fewer in a mixture of experts)
+            "total_parameters": info.get("total_parameters"),
+            "active_parameters": info.get("active_parameters"),
             "dtype": info.get("dtype"),
             "quantization": info.get("quantization"),
             "device": info.get("device"),

@@ -1,8 +1,8 @@
-"""Tiny random checkpoints of the Qwen3, Gemma 2, Gemma 3 and Phi-3 families, written with transformers' own
-config and model classes, with every feature the engine must reproduce switched on: head_dim apart from
-hidden / heads, grouped KV heads, windows shorter than the prompts, tied and untied heads, soft-caps small
-enough to bend the logits, per-layer-type rope bases, LongRoPE with an original length shorter than some
-prompts (and crossed during generation by others), partial rotary, and norm weights away from their
+"""Tiny random checkpoints of the Qwen3, Gemma 2, Gemma 3, Phi-3, Mixtral and Qwen3-MoE families, written with
+transformers' own config and model classes, with every feature the engine must reproduce switched on: head_dim
+apart from hidden / heads, grouped KV heads, windows shorter than the prompts, tied and untied heads,
+soft-caps small enough to bend the logits, per-layer-type rope bases, LongRoPE with an original length shorter
+than some prompts (and crossed during generation by others), partial rotary, and norm weights away from their
 identity so that every norm matters."""
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("qwen3", "qwen3_tied", "gemma2", "gemma3", "phi3")
+# Mixtures of experts: several experts per token, more experts than a decode batch has tokens (so some expert
+# goes unpicked), and Qwen3-MoE's dense layers between sparse ones (``mlp_only_layers``, ``decoder_sparse_step``).
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_moe_step")
 
 _COMMON = dict(
     hidden_size=64,
@@ -93,6 +96,32 @@ def _config(kind: str, vocab: int):
                 "long_factor": [3.0, 5.0, 9.0, 17.0],
             },
         ), tf.Phi3ForCausalLM
+    if kind == "mixtral":
+        return tf.MixtralConfig(
+            **dict(c, intermediate_size=96),
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+        ), tf.MixtralForCausalLM
+    if kind in ("qwen3_moe", "qwen3_moe_step"):
+        step = kind == "qwen3_moe_step"
+        return tf.Qwen3MoeConfig(
+            **c,
+            num_hidden_layers=3 if step else 4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            num_experts=6 if step else 8,
+            num_experts_per_tok=2 if step else 3,
+            moe_intermediate_size=64,
+            norm_topk_prob=step,
+            decoder_sparse_step=2 if step else 1,  # step: layer 1 sparse, 0 and 2 dense
+            mlp_only_layers=[] if step else [0, 2],  # else: layers 1 and 3 sparse
+            tie_word_embeddings=step,
+        ), tf.Qwen3MoeForCausalLM
     raise ValueError(kind)
 
 

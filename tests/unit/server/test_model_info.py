@@ -19,6 +19,20 @@ def test_the_start_line_names_architecture_precision_kv_device_and_formats(demo_
     assert line.startswith("arch=Qwen2ForCausalLM, dtype=float32, quantization=none, kv=float32, device=cpu")
     assert "fast paths=none" in line and "cpu decode replay=" in line
     assert line.endswith("tool calls=hermes, reasoning")
+    # a dense model runs all it holds: one count
+    assert info["total_parameters"] == info["active_parameters"] > 0
+    assert f"device=cpu, params={info['total_parameters'] / 1e6:.1f}M, fast paths" in line
+
+
+def test_the_start_line_counts_a_mixture_of_experts_total_and_active_parameters():
+    line = describe(
+        {
+            "architecture": "Qwen3MoeForCausalLM",
+            "total_parameters": 30_532_122_624,
+            "active_parameters": 3_338_942_464,
+        }
+    )
+    assert "params=30.5B (3.3B active)" in line
 
 
 def test_models_list_the_architecture_and_runtime():
@@ -32,8 +46,42 @@ def test_models_list_the_architecture_and_runtime():
         "tool_call_format": "hermes",
         "kv_cache_dtype": "int8",
         "fast_paths": ["attention", "cuda_graphs"],
+        "total_parameters": 30_532_122_624,
+        "active_parameters": 3_338_942_464,
     }
     base = svc.model_info
     svc.model_info = lambda *caller: dict(base(*caller), **facts)
     m = TestClient(create_app(svc)).get("/v1/models").json()["data"][0]
     assert {k: m[k] for k in facts} == facts
+
+
+def test_grpc_model_info_carries_total_and_active_parameters():
+    import asyncio
+
+    import grpc
+
+    from sidecar.config import SidecarConfig
+    from sidecar.server.grpc.servicer import Health, build_server
+    from sidecar.server.service import InferenceService
+    from sidecar.v1 import sidecar_pb2 as pb
+    from sidecar.v1 import sidecar_pb2_grpc as pbg
+    from test_service import Limiter, ScriptedEngine
+
+    engine = ScriptedEngine([4, 5])
+    engine.model_info.update(total_parameters=30_532_122_624, active_parameters=3_338_942_464)
+    svc = InferenceService(SidecarConfig())
+    svc.limiter = Limiter()
+    svc.attach(engine)  # type: ignore[arg-type]
+
+    async def scenario() -> pb.ModelInfo:
+        server = build_server(svc, Health(), 1 << 20, 16)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                return await pbg.InferenceStub(ch).GetModelInfo(pb.GetModelInfoRequest())
+        finally:
+            await server.stop(None)
+
+    info = asyncio.run(scenario())
+    assert (info.total_parameters, info.active_parameters) == (30_532_122_624, 3_338_942_464)
