@@ -60,6 +60,7 @@ def main(arch: int) -> None:
                     acc_ptr="*fp32",
                     scale="fp32",
                     window="i32",
+                    softcap="fp32",
                     **ints(
                         "s_qb s_qh s_kb s_ks s_kh s_vb s_vs s_vh s_sb s_ss s_bt s_ob s_oh n_parts max_blocks"
                     ),
@@ -73,6 +74,7 @@ def main(arch: int) -> None:
                     PART=256,
                     BLOCK_N=32,
                     HAS_WINDOW=window,
+                    SOFTCAP=window,  # soft-capped scores (Gemma 2) in the windowed variants, uncapped in the others
                     DIRECT=direct,
                     F32=f32,
                     BF16=bf16,
