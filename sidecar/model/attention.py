@@ -110,10 +110,9 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 
 # On CUDA, torch may send bf16 / fp16 attention to cuDNN's fused kernel, which builds an execution plan for every
-# new shape: 40-150 ms the first time a sequence length is seen (H100, torch 2.11), against 0.05 ms once built.
-# A server's prompts come in every length, so its first minutes of prefill stalled on plan builds (64 requests of
-# 32-512 tokens: 10.8 s, against 1.1 s without cuDNN). Flash and memory-efficient attention have no per-shape
-# build; the model's forward runs with these backends alone (``sdpa_backends``).
+# new shape, far slower the first time a sequence length is seen than once built. A server's prompts come in
+# every length, so its first minutes of prefill stalled on plan builds. Flash and memory-efficient attention have
+# no per-shape build; the model's forward runs with these backends alone (``sdpa_backends``).
 CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -169,10 +168,8 @@ def _softcapped(
 # A prefill segment of at most KERNEL_PREFILL_ROWS query rows after at least KERNEL_PREFILL_MIN_CACHED
 # tokens of context (the question after a long cached document) goes through the decode kernel, one row per
 # query with its causal context length: it reads the blocks in place, where the torch path copies the whole
-# context before an SDPA that is mostly that copy for a few rows (4,096 cached tokens: ~10x). Longer
-# segments keep SDPA, whose blocked matrix products win once the rows are many; so do shorter contexts,
-# where the copy is cheap (bf16, 16 rows: 0.34 against 0.60 ms a layer at 512 tokens, where 4,096 save
-# ~2 ms a layer). Either way the rows' sums run in another order than in an uncached run of the prompt,
+# context before an SDPA that is mostly that copy for a few rows. Longer segments keep SDPA, whose blocked
+# matrix products win once the rows are many; so do shorter contexts, where the copy is cheap. Either way the rows' sums run in another order than in an uncached run of the prompt,
 # as they always did after a prefix hit, so on a near-tie a greedy token may differ.
 KERNEL_PREFILL_ROWS = 32
 KERNEL_PREFILL_MIN_CACHED = 1024
