@@ -1,18 +1,31 @@
 """Benchmark checkpoints built offline: random weights in the shape of real models.
 
 Random weights make the speed and memory figures real (same shapes, same bytes
-moved) without a model hub. They are cached under the user cache dir.
+moved) without a model hub. They are cached under the user cache dir. Each shape
+names its family (the transformers config and model classes that build it) and
+the config's fields; the checkpoint gets the demo tokenizer with its vocabulary
+filled up to the model's ``vocab_size`` (see ``write_tokenizer``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
+
+# family -> (config class, model class) of transformers
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),  # written tensor by tensor (``_write_moe``)
+}
 
 # Qwen2.5-0.5B-Instruct's shapes.
 QWEN2_0_5B = dict(
+    family="qwen2",
     hidden_size=896,
     intermediate_size=4864,
     num_hidden_layers=24,
@@ -24,7 +37,44 @@ QWEN2_0_5B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+# Qwen3-0.6B's shapes: head_dim 128 apart from hidden / heads (2048 wide q against a 1024 wide stream), per-head
+# q/k RMSNorms (every Qwen3), a tied head.
+QWEN3_0_6B = dict(
+    family="qwen3",
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+# Gemma-3-1B's shapes: one kv head of 256, 512-token windows on five layers of every six (the sixth global), rope
+# base 10,000 on the sliding layers and 1e6 on the global ones, a 262,144-token tied head.
+GEMMA3_1B = dict(
+    family="gemma3",
+    hidden_size=1152,
+    intermediate_size=6912,
+    num_hidden_layers=26,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    vocab_size=262144,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rope_local_base_freq=10000.0,
+    sliding_window=512,
+    sliding_window_pattern=6,
+    query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 SMALL = dict(
+    family="qwen2",
     hidden_size=256,
     intermediate_size=704,
     num_hidden_layers=4,
@@ -39,6 +89,7 @@ SMALL = dict(
 # Qwen3-30B-A3B's layer shapes (128 experts of width 768, 8 per token, hidden 2048) cut to 12 of its 48 layers,
 # and to 2 where the 12 (15 GiB in bf16) do not fit the machine: a token's bytes per layer are the same.
 QWEN3_30B_A3B_12L = dict(
+    family="qwen3_moe",
     hidden_size=2048,
     intermediate_size=6144,
     moe_intermediate_size=768,
@@ -57,6 +108,8 @@ QWEN3_30B_A3B_12L = dict(
 )
 SHAPES = {
     "qwen2-0.5b": QWEN2_0_5B,
+    "qwen3-0.6b": QWEN3_0_6B,
+    "gemma3-1b": GEMMA3_1B,
     "small": SMALL,
     "qwen3-30b-a3b-12l": QWEN3_30B_A3B_12L,
     "qwen3-30b-a3b-2l": dict(QWEN3_30B_A3B_12L, num_hidden_layers=2),
@@ -69,56 +122,105 @@ def bench_cache_dir() -> Path:
     return sidecar_home() / "bench-models"
 
 
-def random_checkpoint(shape: str = "qwen2-0.5b", seed: int = 0, out: Optional[Path] = None) -> Path:
-    """Build (once) a random bfloat16 checkpoint of the named shape (Qwen2, or Qwen3-MoE for the shapes with
-    experts), with the demo tokenizer."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def build_config(shape: dict[str, Any], initializer_range: float = 0.02):
+    """The transformers config of ``shape`` (a ``SHAPES`` entry or one like it: ``family`` and the config's
+    fields), with the demo tokenizer's special ids. Gemma 3's ``rope_local_base_freq`` and
+    ``sliding_window_pattern`` become the per-layer-type ``rope_parameters`` and ``layer_types`` of its config;
+    Qwen's ``rope_theta`` its ``rope_parameters``."""
+    import transformers
 
-    if shape not in SHAPES:
-        raise ValueError(f"model: unknown benchmark shape {shape!r} (known: {', '.join(SHAPES)})")
-    out = Path(out) if out else bench_cache_dir() / f"{shape}-random-s{seed}"
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
-        return out
+    fields = dict(shape)
+    family = fields.pop("family")
+    if family not in FAMILIES:
+        raise ValueError(f"model: unknown benchmark family {family!r} (known: {', '.join(FAMILIES)})")
+    theta = float(fields.pop("rope_theta"))
+    if family == "gemma3":
+        local = float(fields.pop("rope_local_base_freq"))
+        pattern = int(fields.pop("sliding_window_pattern"))
+        n = fields["num_hidden_layers"]
+        fields["layer_types"] = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)
+        ]
+        fields["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": local},
+            "full_attention": {"rope_type": "default", "rope_theta": theta},
+        }
+    else:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    cls = getattr(transformers, FAMILIES[family][0])
+    return cls(
+        **fields, eos_token_id=2, pad_token_id=0, bos_token_id=None, initializer_range=initializer_range
+    )
+
+
+def write_tokenizer(out: Path, vocab_size: int) -> None:
+    """The demo tokenizer in ``out``, its vocabulary filled with unreachable ``<fill_N>`` entries so that its ids
+    are exactly 0..vocab_size-1: the same text gives the same ids, and every id the model has is a token.
+    llama.cpp's Gemma 3 conversion cuts the embedding down to the tokenizer's size, so a smaller tokenizer would
+    hand llama.cpp a smaller head than ours."""
+    from sidecar.model.demo import ensure_demo_model
+
+    demo = ensure_demo_model()
+    for f in demo.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")) and f.name != "tokenizer.json":
+            shutil.copy(f, out / f.name)
+    tok = json.loads((demo / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    if vocab_size < len(vocab):
+        raise ValueError(f"model: vocab_size {vocab_size} is below the demo tokenizer's {len(vocab)} tokens")
+    if sorted(vocab.values()) != list(range(len(vocab))):
+        raise ValueError("model: the demo tokenizer's ids are not contiguous")
+    for i in range(len(vocab), vocab_size):
+        vocab[f"<fill_{i}>"] = i
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+
+
+def write_checkpoint(
+    shape: dict[str, Any], out: Path, seed: int = 0, initializer_range: float = 0.02
+) -> Path:
+    """A random bfloat16 checkpoint of ``shape`` with its tokenizer, written to ``out`` (replaced)."""
+    import torch
+    import transformers
+
+    cfg = build_config(shape, initializer_range)
+    model_cls = getattr(transformers, FAMILIES[shape["family"]][1])
+    out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(seed)
-    if "num_experts" in SHAPES[shape]:
-        _write_moe(SHAPES[shape], tmp)
-        return _finish(tmp, out)
-    cfg = Qwen2Config(
-        **SHAPES[shape], eos_token_id=2, pad_token_id=0, bos_token_id=None, initializer_range=0.02
-    )
-    with torch.device("cpu"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(tmp, safe_serialization=True)
-    del model
-    return _finish(tmp, out)
-
-
-def _finish(tmp: Path, out: Path) -> Path:
-    """The demo tokenizer beside the weights, and the checkpoint moved into place."""
-    from sidecar.model.demo import ensure_demo_model
-
-    for f in ensure_demo_model().iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, tmp / f.name)
+    if "num_experts" in shape:
+        _write_moe(cfg, tmp)
+    else:
+        with torch.device("cpu"):
+            model = model_cls(cfg).to(torch.bfloat16)
+        model.save_pretrained(tmp, safe_serialization=True)
+        del model
+    write_tokenizer(tmp, cfg.vocab_size)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
 
 
-def _write_moe(shape: dict, out: Path) -> None:
+def random_checkpoint(
+    shape: str = "qwen2-0.5b", seed: int = 0, out: Optional[Path] = None, initializer_range: float = 0.02
+) -> Path:
+    """Build (once) a random bfloat16 checkpoint of the named shape (``SHAPES``), with its tokenizer."""
+    if shape not in SHAPES:
+        raise ValueError(f"model: unknown benchmark shape {shape!r} (known: {', '.join(SHAPES)})")
+    out = Path(out) if out else bench_cache_dir() / f"{shape}-random-s{seed}"
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    return write_checkpoint(SHAPES[shape], out, seed, initializer_range)
+
+
+def _write_moe(cfg: Any, out: Path) -> None:
     """A random bf16 Qwen3-MoE checkpoint in the hub's per-expert layout, written a layer per shard without
     building the model (the 12-layer cut holds 7.6B parameters)."""
-    import json
-
     import torch
     from safetensors.torch import save_file
-    from transformers import Qwen3MoeConfig
 
-    cfg = Qwen3MoeConfig(**shape, eos_token_id=2, pad_token_id=0, bos_token_id=None)
+    shape = cfg.to_dict()
     cfg.architectures = ["Qwen3MoeForCausalLM"]
     cfg.dtype = "bfloat16"
     out.mkdir(parents=True)

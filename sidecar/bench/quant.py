@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,7 +49,22 @@ def gguf_head_type(path) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=None, help="HF checkpoint dir (default: a random Qwen2-0.5B-shaped model)"
+        "--model",
+        default=None,
+        help="HF checkpoint dir or a random benchmark shape: qwen2-0.5b (the default) | qwen3-0.6b | "
+        "gemma3-1b | small",
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(MODES),
+        help=f"comma list of the precisions measured, of {', '.join(MODES)} (bf16 first where given: the "
+        "others' ratios are against it)",
+    )
+    p.add_argument(
+        "--paired-only",
+        action="store_true",
+        help="only the paired batch-1 and prefill rounds against the baselines (no batch-16, quantize-CLI "
+        "or quality measurements)",
     )
     p.add_argument("--small", action="store_true", help="quick smoke: small random model, short runs")
     p.add_argument(
@@ -262,21 +278,9 @@ def quality(model_dir: str, group_size: int, quantize_lm_head: str, stream_len: 
 
 
 def _peaked_checkpoint(shape: str, init_scale: float, out: Path) -> Path:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from sidecar.bench.models import SHAPES, write_checkpoint
 
-    from sidecar.bench.models import SHAPES
-    from sidecar.model.demo import ensure_demo_model
-
-    torch.manual_seed(0)
-    cfg = Qwen2Config(
-        **SHAPES[shape], eos_token_id=2, pad_token_id=0, bos_token_id=None, initializer_range=init_scale
-    )
-    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
-    for f in ensure_demo_model().iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
-            shutil.copy(f, out / f.name)
-    return out
+    return write_checkpoint(SHAPES[shape], out, seed=0, initializer_range=init_scale)
 
 
 # ------------------------------------------------------------------ command
@@ -400,6 +404,7 @@ def _paired_mode(
             rss["vllm"] = max(rss["vllm"], v["peak_rss_bytes"])
             pre["vllm"].append(vllm.call("prefill", prompts=[prompt] * 3)["prefill_tok_s"])
     r["b1_paired_tok_s"] = max(ours)
+    r["b1_paired_median_tok_s"] = statistics.median(ours)
     r["b1_paired_peak_rss_mib"] = rss["ours"] / 2**20
     r["prefill_paired_tok_s"] = max(pre["ours"])
     entry: dict[str, Any] = {"ours_by_round": ours, "ours_prefill_by_round": pre["ours"]}
@@ -407,6 +412,9 @@ def _paired_mode(
         r["llamacpp_head"] = gguf_head_type(gguf)
         r["llamacpp_b1_tok_s"] = max(theirs)
         r["b1_vs_llamacpp"] = r["b1_paired_tok_s"] / r["llamacpp_b1_tok_s"]
+        # on a loaded machine the medians of the rounds, each round's two sides seconds apart
+        r["llamacpp_b1_median_tok_s"] = statistics.median(theirs)
+        r["b1_median_vs_llamacpp"] = r["b1_paired_median_tok_s"] / r["llamacpp_b1_median_tok_s"]
         r["llamacpp_peak_rss_mib"] = rss["llamacpp"] / 2**20
         r["llamacpp_prefill_tok_s"] = max(pre["llamacpp"])
         r["prefill_vs_llamacpp"] = r["prefill_paired_tok_s"] / r["llamacpp_prefill_tok_s"]
@@ -428,8 +436,55 @@ def _paired_mode(
     info[r["mode"]] = entry
 
 
+def _parse_modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise ValueError(f"modes: expected distinct names of {', '.join(MODES)}, got {text!r}")
+    return modes
+
+
+def _run_paired_only(
+    args: argparse.Namespace, model_dir: str, n: int, gs: int, modes: list[str], result: dict[str, Any]
+) -> int:
+    """``--paired-only``: the paired batch-1 and prefill rounds per mode against the baselines, nothing else."""
+    from sidecar.bench.report import format_table, write_report
+
+    rows: list[dict[str, Any]] = [{"mode": m} for m in modes]
+    result["baselines"] = _paired_b1(args, model_dir, n, gs, rows)
+    result["runs"] = rows
+    cols = [
+        "mode",
+        "b1_paired_tok_s",
+        "b1_paired_median_tok_s",
+        "b1_paired_peak_rss_mib",
+        "prefill_paired_tok_s",
+    ]
+    if "version" in result["baselines"]:
+        cols += [
+            "llamacpp_b1_tok_s",
+            "llamacpp_b1_median_tok_s",
+            "b1_vs_llamacpp",
+            "b1_median_vs_llamacpp",
+            "llamacpp_peak_rss_mib",
+            "llamacpp_prefill_tok_s",
+            "prefill_vs_llamacpp",
+        ]
+    print(format_table(rows, [c for c in cols if any(c in r for r in rows)]))
+    bars = {
+        "batch-1 decode (tok/s), median of the rounds": {r["mode"]: r["b1_paired_median_tok_s"] for r in rows}
+    }
+    if "version" in result["baselines"]:
+        bars["llama.cpp batch-1 decode (tok/s), median"] = {
+            r["mode"]: r["llamacpp_b1_median_tok_s"] for r in rows if "llamacpp_b1_median_tok_s" in r
+        }
+    jpath, ppath = write_report(args.out, "quant", result, bars)
+    print(f"wrote {jpath} and {ppath}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    from sidecar.bench.models import random_checkpoint
+    from sidecar.bench.models import SHAPES, random_checkpoint
     from sidecar.bench.report import format_table, write_report
     from sidecar.model.quant_format import check_quant_args
 
@@ -445,10 +500,12 @@ def run(args: argparse.Namespace) -> int:
         from sidecar.bench.vllm_cpu import venv_python
 
         venv_python(args.vllm_cpu)
-    shape = "small" if args.small else "qwen2-0.5b"
+    modes = _parse_modes(args.modes)
+    built = args.model is None or args.model in SHAPES  # a random benchmark checkpoint, not the caller's
+    shape = args.model if args.model in SHAPES else ("small" if args.small else "qwen2-0.5b")
     n = args.max_tokens or (16 if args.small else 64)
     stream_len = args.stream_len or (64 if args.small else 256)
-    model_dir = args.model or str(random_checkpoint(shape))
+    model_dir = str(random_checkpoint(shape)) if built else args.model
     bf16_file_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
     from sidecar.model.hardware import isa_summary
 
@@ -463,10 +520,14 @@ def run(args: argparse.Namespace) -> int:
             "threads": args.threads,
             "max_tokens": n,
             "bf16_checkpoint_bytes": bf16_file_bytes,
+            "shape": shape if built else None,
         },
     )
+    if args.paired_only:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return _run_paired_only(args, model_dir, n, gs, modes, result)
     try:
-        for mode in MODES:
+        for mode in modes:
             spec = {
                 "model": model_dir,
                 "threads": args.threads,
@@ -521,7 +582,7 @@ def run(args: argparse.Namespace) -> int:
         result["runs"] = rows
         print("[quality] main model ...", flush=True)
         result["quality"] = {"main": quality(model_dir, gs, args.quantize_lm_head, stream_len)}
-        if not args.model and not args.skip_extra_quality:
+        if built and not args.skip_extra_quality:
             print("[quality] peaked-init model and demo model ...", flush=True)
             peaked = _peaked_checkpoint(shape, args.peaked_init, tmp / "peaked")
             result["quality"][f"peaked_init_{args.peaked_init}"] = quality(

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sidecar.model.args import ModelArgs
@@ -105,8 +104,15 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, kv, meta))
 
     def _normed_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
-        """The projection with each q and k head RMS-normed (HF: before rope), as one contiguous [T, .]."""
+        """The projection with each q and k head RMS-normed (HF: before rope), as one contiguous [T, .]. On CPU
+        the heads are normed in place in the projection's own rows (no copy, so a decode step stays all kernel
+        calls and replayable)."""
         t, nq, nk = qkv.shape[0], self.nh * self.hd, self.nkv * self.hd
+        qn, kn = self.q_norm, self.k_norm
+        if qkv.is_contiguous() and norm_act.rms_norm_heads_(qkv, 0, self.nh, self.hd, qn.weight, qn.eps):
+            if not norm_act.rms_norm_heads_(qkv, nq, self.nkv, self.hd, kn.weight, kn.eps):
+                qkv[:, nq : nq + nk] = kn(qkv[:, nq : nq + nk].reshape(t * self.nkv, self.hd))[0].view(t, nk)
+            return qkv
         q = self.q_norm(qkv[:, :nq].reshape(t * self.nh, self.hd))[0].view(t, nq)
         k = self.k_norm(qkv[:, nq : nq + nk].reshape(t * self.nkv, self.hd))[0].view(t, nk)
         return torch.cat((q, k, qkv[:, nq + nk :]), dim=1)
@@ -158,9 +164,9 @@ class Attention(nn.Module):
 
 
 def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
-    """GeGLU over the fused gate/up projection [T, 2I]: gelu_tanh(gate) * up, as HF's Gemma MLP."""
-    gate, up = gu.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
+    """GeGLU over the fused gate/up projection [T, 2I]: gelu_tanh(gate) * up, as HF's Gemma MLP (one pass on
+    CPU)."""
+    return norm_act.gelu_tanh_mul(gu)
 
 
 class MLP(nn.Module):
@@ -175,7 +181,7 @@ class MLP(nn.Module):
         self.silu = args.hidden_act == "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.silu:  # no kernel fuses gelu: the torch reference
+        if not self.silu:  # GeGLU: no product kernel fuses gelu
             return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
         # our Linear's fused gate/up + silu (tile layout); quantized layers lack it
         fused = getattr(self.gate_up_proj, "silu_mul", None)

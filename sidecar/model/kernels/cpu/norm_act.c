@@ -4,6 +4,10 @@
  *   sidecar_add_rms_norm: s[t] = h[t] + delta[t] (written to hout; s = h without delta),
  *                         out[t] = w * (s[t] / sqrt(mean(s[t]^2) + eps))
  *   sidecar_add_bias:     y[t, i] += b[i], in place (rows of a product whose kernel adds no bias)
+ *   sidecar_gelu_tanh_mul: out[t, i] = gelu_tanh(gu[t, i]) * gu[t, I + i]   (Gemma's GeGLU)
+ *   sidecar_rms_norm_heads: x[t, j] = w * (x[t, j] / sqrt(mean(x[t, j]^2) + eps)) in place, for each head j
+ *                         of each token t, head j of token t at x + t * ld + j * dim (the q or the k heads
+ *                         inside a fused q/k/v projection's rows)
  *
  * Rounding follows torch's unfused ops step by step, so only the order of the float32 sums and the exp
  * differ from it: bf16 rounds silu(g) before the product, the residual sum, and the normalised row before
@@ -33,6 +37,47 @@ void sidecar_silu_mul(const void* gu, void* out, int rows, int inter, int dtype,
 #endif
         for (; i < inter; i++) {
             const float s = dt_round(silu1(dt_load(gu, g0 + i, dtype)), dtype);
+            dt_store(out, o0 + i, s * dt_load(gu, u0 + i, dtype), dtype);
+        }
+    }
+}
+
+/* gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), in torch's order of operations, 1
+ * + tanh(u) included: far in the negative tail it cancels to 0 there as in torch. tanh(|u|) = (1 - t) / (1 +
+ * t) with t = exp(-2 |u|) <= 1 (nothing overflows; t flushes to 0 past |u| = 43.5, where tanh is 1 in
+ * float32). bf16 rounds gelu(g) before the product, as torch's two ops do. */
+#define GELU_BETA  0.7978845608028654f
+#define GELU_KAPPA 0.044715f
+static inline float gelu_tanh1(float g) {
+    const float u = GELU_BETA * (g + GELU_KAPPA * (g * g * g));
+    return 0.5f * g * (1.0f + tanhf(u));
+}
+
+#ifdef VL
+static inline vf vgelu_tanh(vf g) {
+    const vf u = v_mul(v_set1(GELU_BETA), v_add(g, v_mul(v_set1(GELU_KAPPA), v_mul(v_mul(g, g), g))));
+    const vf nau = v_min(u, v_sub(v_zero(), u)); /* -|u| */
+    const vf t = v_exp(v_add(nau, nau));
+    const vf th = v_div(v_sub(v_set1(1.0f), t), v_add(v_set1(1.0f), t)); /* tanh(|u|) */
+    const vf tanh_u = v_blend_ge0(u, th, v_sub(v_zero(), th));
+    return v_mul(v_mul(v_set1(0.5f), g), v_add(v_set1(1.0f), tanh_u));
+}
+#endif
+
+void sidecar_gelu_tanh_mul(const void* gu, void* out, int rows, int inter, int dtype, int nthreads) {
+    const size_t n = (size_t)rows * inter;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 32768)
+    for (int t = 0; t < rows; t++) {
+        const size_t g0 = (size_t)t * 2 * inter, u0 = g0 + inter, o0 = (size_t)t * inter;
+        int i = 0;
+#ifdef VL
+        for (; i + VL <= inter; i += VL) {
+            const vf s = v_dt_round(vgelu_tanh(v_dt_load(gu, g0 + i, dtype)), dtype);
+            v_dt_store(out, o0 + i, v_mul(s, v_dt_load(gu, u0 + i, dtype)), dtype);
+        }
+#endif
+        for (; i < inter; i++) {
+            const float s = dt_round(gelu_tanh1(dt_load(gu, g0 + i, dtype)), dtype);
             dt_store(out, o0 + i, s * dt_load(gu, u0 + i, dtype), dtype);
         }
     }
@@ -116,5 +161,60 @@ void sidecar_add_bias(void* y, const void* b, int rows, int n, int dtype) {
             v_dt_store(y, r0 + i, v_add(v_dt_load(y, r0 + i, dtype), v_dt_load(b, i, dtype)), dtype);
 #endif
         for (; i < n; i++) dt_store(y, r0 + i, dt_load(y, r0 + i, dtype) + dt_load(b, i, dtype), dtype);
+    }
+}
+
+/* The arguments of sidecar_rms_norm_heads (mirrored by ``RmsNormHeadsArgs``). */
+typedef struct {
+    void* x;
+    const void* w;
+    int tokens;
+    int heads;
+    int dim;
+    int ld;
+    float eps;
+    int dtype;
+    int nthreads;
+} sidecar_rms_norm_heads_args;
+int sidecar_rms_norm_heads_args_size(void) {
+    return (int)sizeof(sidecar_rms_norm_heads_args);
+}
+
+/* Each row is read whole (the sum of squares) before any of it is written, and then written where it is read,
+ * element by element: in place is safe. Rounds as sidecar_add_rms_norm without a delta. */
+void sidecar_rms_norm_heads(const sidecar_rms_norm_heads_args* a) {
+    void* x = a->x;
+    const void* w = a->w;
+    const int heads = a->heads, dim = a->dim, dtype = a->dtype;
+    const int n = a->tokens * heads;
+#pragma omp parallel for num_threads(a->nthreads) schedule(static) if ((size_t)n * dim >= PARALLEL_FROM)
+    for (int r = 0; r < n; r++) {
+        const size_t r0 = (size_t)(r / heads) * a->ld + (size_t)(r % heads) * dim;
+        float ss = 0.0f;
+        int i = 0;
+#ifdef VL
+        vf acc = v_zero();
+        for (; i + VL <= dim; i += VL) {
+            const vf v = v_dt_load(x, r0 + i, dtype);
+            acc = v_fma(v, v, acc);
+        }
+        ss = v_sum(acc);
+#endif
+        for (; i < dim; i++) {
+            const float v = dt_load(x, r0 + i, dtype);
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)dim + a->eps);
+        i = 0;
+#ifdef VL
+        const vf vinv = v_set1(inv);
+        for (; i + VL <= dim; i += VL) {
+            const vf y = v_dt_round(v_mul(v_dt_load(x, r0 + i, dtype), vinv), dtype);
+            v_dt_store(x, r0 + i, v_mul(v_dt_load(w, i, dtype), y), dtype);
+        }
+#endif
+        for (; i < dim; i++)
+            dt_store(x, r0 + i, dt_load(w, i, dtype) * dt_round(dt_load(x, r0 + i, dtype) * inv, dtype),
+                     dtype);
     }
 }

@@ -1,8 +1,11 @@
 """The decoder's elementwise steps in one pass each on CPU (``norm_act.c``), and their torch references.
 
-``silu_mul(gu)`` is ``silu(gate) * up`` over the fused gate/up projection's output [T, 2I] -> [T, I].
+``silu_mul(gu)`` is ``silu(gate) * up`` over the fused gate/up projection's output [T, 2I] -> [T, I];
+``gelu_tanh_mul(gu)`` is ``gelu_tanh(gate) * up`` likewise (Gemma's GeGLU).
 ``add_rms_norm(h, delta, weight, eps)`` is the residual add and the RMSNorm that follows it:
 ``s = h + delta`` (``h`` itself without a delta), returns ``(weight * rms_norm(s), s)``.
+``rms_norm_heads_(x, offset, heads, dim, weight, eps)`` norms ``heads`` rows of ``dim`` starting at column
+``offset`` of each row of ``x`` in place (Qwen3's and Gemma 3's q and k heads inside the fused projection).
 
 Both round where torch's unfused ops round (bf16 after silu, after the residual add and before the
 weight), so they differ from the references only in the order of float32 sums and in the exp; the
@@ -44,12 +47,31 @@ class AddRmsNormArgs(cpu_build.Args):
     ]
 
 
+class RmsNormHeadsArgs(cpu_build.Args):
+    """The mirror of norm_act.c's in-place per-head norm arguments."""
+
+    c_name = "sidecar_rms_norm_heads_args"
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("w", ctypes.c_void_p),
+        ("tokens", ctypes.c_int),
+        ("heads", ctypes.c_int),
+        ("dim", ctypes.c_int),
+        ("ld", ctypes.c_int),
+        ("eps", ctypes.c_float),
+        ("dtype", ctypes.c_int),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
 _KERNEL = cpu_build.Kernel(
     "norm_act",
     {
         "sidecar_silu_mul": ([P, P, I, I, I, I], None),
+        "sidecar_gelu_tanh_mul": ([P, P, I, I, I, I], None),
         "sidecar_add_rms_norm": ([AddRmsNormArgs], None),
         "sidecar_add_bias": ([P, P, I, I, I], None),
+        "sidecar_rms_norm_heads": ([RmsNormHeadsArgs], None),
     },
 )
 
@@ -79,6 +101,23 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     rows, inter = gu.shape[0], gu.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gu.dtype)
     lib.sidecar_silu_mul(
+        gu.data_ptr(), out.data_ptr(), rows, inter, _DTYPES[gu.dtype], torch.get_num_threads()
+    )
+    return out
+
+
+def gelu_tanh_mul_reference(gu: torch.Tensor) -> torch.Tensor:
+    gate, up = gu.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
+    lib = _KERNEL.lib()
+    if lib is None or not _takes(gu) or gu.shape[-1] % 2:
+        return gelu_tanh_mul_reference(gu)
+    rows, inter = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gu.dtype)
+    lib.sidecar_gelu_tanh_mul(
         gu.data_ptr(), out.data_ptr(), rows, inter, _DTYPES[gu.dtype], torch.get_num_threads()
     )
     return out
@@ -133,3 +172,34 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return y + bias
     lib.sidecar_add_bias(y.data_ptr(), bias.data_ptr(), y.shape[0], y.shape[1], _DTYPES[y.dtype])
     return y
+
+
+def rms_norm_heads_(
+    x: torch.Tensor, offset: int, heads: int, dim: int, weight: torch.Tensor, eps: float
+) -> bool:
+    """Norm in place the ``heads`` rows of ``dim`` at columns ``offset .. offset + heads * dim`` of every row of
+    ``x`` [T, W] (contiguous), each as ``add_rms_norm`` without a delta norms a row. False, with ``x`` untouched,
+    where the kernel does not take them (the caller then norms them with the reference)."""
+    lib = _KERNEL.lib()
+    if (
+        lib is None
+        or not _takes(x, weight)
+        or weight.shape != (dim,)
+        or offset < 0
+        or offset + heads * dim > x.shape[1]
+    ):
+        return False
+    lib.sidecar_rms_norm_heads(
+        RmsNormHeadsArgs(
+            x=x.data_ptr() + offset * x.element_size(),
+            w=weight.data_ptr(),
+            tokens=x.shape[0],
+            heads=heads,
+            dim=dim,
+            ld=x.shape[1],
+            eps=float(eps),
+            dtype=_DTYPES[x.dtype],
+            nthreads=torch.get_num_threads(),
+        )
+    )
+    return True

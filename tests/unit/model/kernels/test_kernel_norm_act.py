@@ -137,3 +137,55 @@ def test_silu_has_the_same_bits_on_every_vector_width(monkeypatch):
     monkeypatch.setattr(cpu_build, "_loaded", {})
     assert norm_act.available(), cpu_build.reason("norm_act")
     assert torch.equal(norm_act.silu_mul(gu), native)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 16, 8, 128), (7, 4, 1, 256), (33, 3, 2, 20)])
+def test_rms_norm_heads_in_place_is_the_row_norm_of_each_head(tokens, heads, kv_heads, dim, dtype):
+    g = torch.Generator().manual_seed(tokens * heads + dim)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(dtype)
+    wq, wk = torch.randn(dim, generator=g).to(dtype), torch.randn(dim, generator=g).to(dtype)
+    before = qkv.clone()
+    nq, nk = heads * dim, kv_heads * dim
+    assert norm_act.rms_norm_heads_(qkv, 0, heads, dim, wq, 1e-6)
+    assert norm_act.rms_norm_heads_(qkv, nq, kv_heads, dim, wk, 1e-6)
+    # each head normed exactly as the row kernel norms it alone; v untouched
+    q_ref = norm_act.add_rms_norm(before[:, :nq].reshape(-1, dim).contiguous(), None, wq, 1e-6)[0]
+    k_ref = norm_act.add_rms_norm(before[:, nq : nq + nk].reshape(-1, dim).contiguous(), None, wk, 1e-6)[0]
+    assert torch.equal(qkv[:, :nq].reshape(-1, dim), q_ref)
+    assert torch.equal(qkv[:, nq : nq + nk].reshape(-1, dim), k_ref)
+    assert torch.equal(qkv[:, nq + nk :], before[:, nq + nk :])
+    # and within the reference's rounding (as the row kernel is held to above)
+    ref = norm_act.add_rms_norm_reference(before[:, :nq].reshape(-1, dim), None, wq, 1e-6)[0]
+    assert torch.allclose(
+        q_ref.double(), ref.double(), rtol=2**-6 if dtype == torch.bfloat16 else 1e-5, atol=1e-6
+    )
+
+
+def test_rms_norm_heads_refuses_what_it_cannot_take():
+    x = torch.randn(2, 64)
+    before = x.clone()
+    assert not norm_act.rms_norm_heads_(x, 40, 2, 16, torch.ones(16), 1e-6)  # past the row's end
+    assert not norm_act.rms_norm_heads_(x, 0, 2, 16, torch.ones(16, dtype=torch.bfloat16), 1e-6)  # dtypes
+    assert not norm_act.rms_norm_heads_(x.t(), 0, 2, 16, torch.ones(16), 1e-6)  # not contiguous
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 6912), (3, 37), (32, 1536)])
+def test_gelu_tanh_mul_matches_torch(rows, inter, dtype):
+    gu = _gate_up(rows, inter, dtype, rows * inter)
+    out = norm_act.gelu_tanh_mul(gu)
+    ref = norm_act.gelu_tanh_mul_reference(gu)
+    assert out.dtype == dtype and out.shape == (rows, inter)
+    assert torch.isfinite(out).all()
+    # Only tanh differs (torch's 1 + tanh(u) cancelling in the negative tail is kept): float32 within a few ulps
+    # of 1 + tanh(u) times the product's other factors; bf16 one ulp where float32 sat on a rounding boundary.
+    gate, up = gu.float().chunk(2, dim=-1)
+    scale = (0.5 * gate * up).abs().double()
+    assert bool(((out.double() - ref.double()).abs() <= 8 * ULP[dtype] * (scale + ref.abs().double())).all())
+    # Away from that tail (1 + tanh(u) above 2^-8) bf16 differs rarely.
+    u = 0.7978845608028654 * (gate + 0.044715 * gate**3)
+    body = (1 + torch.tanh(u)) > 2.0**-8
+    if dtype == torch.bfloat16:
+        assert (out != ref)[body].float().mean() < 1e-3
