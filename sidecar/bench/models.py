@@ -221,6 +221,7 @@ def _write_moe(cfg: Any, out: Path) -> None:
     from safetensors.torch import save_file
 
     shape = cfg.to_dict()
+    shape["num_experts"] = cfg.num_experts  # to_dict names it num_local_experts
     cfg.architectures = ["Qwen3MoeForCausalLM"]
     cfg.dtype = "bfloat16"
     out.mkdir(parents=True)

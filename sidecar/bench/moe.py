@@ -43,9 +43,18 @@ def _count_reads(model, vocab: int) -> tuple[dict[str, int], list]:
     decoder layers) and the steps (calls of the final norm) to ``counts['steps']``."""
     counts = {"bytes": 0, "layers": 0, "steps": 0}
     layer_modules = {id(m) for m in model.layers.modules()}
+
+    # q/k head norms may run inside their attention's projection rows (a kernel call, not the module's
+    # forward): their weights count with the attention module that reads them.
+    def head_norms(m) -> list:
+        return [n for n in (getattr(m, "q_norm", None), getattr(m, "k_norm", None)) if n is not None]
+
+    folded = {id(n) for m in model.modules() for n in head_norms(m)}
     handles = []
     for module in model.modules():
-        size = _own_bytes(module)
+        if id(module) in folded:
+            continue
+        size = _own_bytes(module) + sum(_own_bytes(n) for n in head_norms(module))
         if not size:
             continue
         in_layers = id(module) in layer_modules

@@ -49,7 +49,7 @@ def test_the_moe_benchmark_shape_builds_a_qwen3_moe_checkpoint(tmp_path, monkeyp
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
-        vocab_size=512,
+        vocab_size=1024,  # at least the demo tokenizer's
     )
     monkeypatch.setitem(models.SHAPES, "tiny-moe", tiny)
     out = models.random_checkpoint("tiny-moe", out=tmp_path / "ckpt")
