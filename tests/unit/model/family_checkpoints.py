@@ -139,8 +139,20 @@ def build_family_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int
         for name, p in model.named_parameters():
             if "norm" in name:  # Gemma's scale by (1 + w) and start at 0, the others at 1
                 p.copy_(torch.randn_like(p) * 0.3 + (0.0 if kind.startswith("gemma") else 1.0))
+        if kind == "gemma2" and cfg.tie_word_embeddings:
+            # The stream starts as the embedding times sqrt(hidden); through a tied head that term alone
+            # gives the last token the top logit, so greedy output echoes it whatever the layers compute.
+            # Smaller embeddings leave the layers to decide the next token.
+            model.get_input_embeddings().weight.mul_(0.1)
     model.save_pretrained(out, safe_serialization=True)
     for f in tokenizer_dir.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)
     return out
+
+
+def assert_not_degenerate(outputs: list[list[int]]) -> None:
+    """Greedy ``outputs`` of a checkpoint, one per prompt, vary (a model that echoes its last prompt token
+    or loops on one token would let a comparison pass without exercising its layers)."""
+    assert sum(len(set(o)) > 2 for o in outputs) > len(outputs) // 2, outputs
+    assert len({t for o in outputs for t in o}) > 2 * len(outputs), outputs

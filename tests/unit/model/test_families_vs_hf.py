@@ -13,7 +13,7 @@ from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.model.loader import load_model
 from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
-from tests.unit.model.family_checkpoints import FAMILIES, build_family_checkpoint
+from tests.unit.model.family_checkpoints import FAMILIES, assert_not_degenerate, build_family_checkpoint
 
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
@@ -35,6 +35,7 @@ def hf_refs(family_dirs):
     def get(kind: str) -> list[list[int]]:
         if kind not in cache:
             cache[kind] = hf_greedy(family_dirs[kind], PROMPTS, MAX_NEW)
+            assert_not_degenerate(cache[kind])  # else equality would not exercise the layers
         return cache[kind]
 
     return get

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from sidecar import LLM, SamplingParams
 from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
-from tests.unit.model.family_checkpoints import FAMILIES, build_family_checkpoint
+from tests.unit.model.family_checkpoints import FAMILIES, assert_not_degenerate, build_family_checkpoint
 
 gguf = pytest.importorskip("gguf")  # a declared dependency; fails loudly below if absent
 Q = gguf.GGMLQuantizationType
@@ -152,7 +152,9 @@ def test_float_file_matches_hf_on_the_checkpoint_it_came_from(family_dirs, tmp_p
         == json.loads((family_dirs[kind] / "config.json").read_text())["architectures"][0]
     )
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == hf_greedy(family_dirs[kind], PROMPTS, GREEDY.max_tokens)
+    ref = hf_greedy(family_dirs[kind], PROMPTS, GREEDY.max_tokens)
+    assert_not_degenerate(ref)
+    assert [o.token_ids for o in outs] == ref
     assert_pool_whole(llm)
 
 
