@@ -169,8 +169,9 @@ def _softcapped(
 # tokens of context (the question after a long cached document) goes through the decode kernel, one row per
 # query with its causal context length: it reads the blocks in place, where the torch path copies the whole
 # context before an SDPA that is mostly that copy for a few rows. Longer segments keep SDPA, whose blocked
-# matrix products win once the rows are many; so do shorter contexts, where the copy is cheap. Either way the rows' sums run in another order than in an uncached run of the prompt,
-# as they always did after a prefix hit, so on a near-tie a greedy token may differ.
+# matrix products win once the rows are many; so do shorter contexts, where the copy is cheap. Either way
+# the rows' sums run in another order than in an uncached run of the prompt, as they always did after a
+# prefix hit, so on a near-tie a greedy token may differ.
 KERNEL_PREFILL_ROWS = 32
 KERNEL_PREFILL_MIN_CACHED = 1024
 
