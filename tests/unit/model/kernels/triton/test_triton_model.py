@@ -134,6 +134,7 @@ def test_model_with_triton_paths_matches_paths_off(tiny_models, kind, quant, dev
     expected = {"paged_decode_attention", "rope_store_kv", "add_rms_norm", "silu_mul"}
     if quant:
         expected.add(f"{quant}_matmul")
+        expected.add("int8_matmul")  # the head: int8 under int8 and int4 weights (quantize_lm_head "auto")
     else:  # the one-row step: a layer's products with the norms and silu fused in (more rows: the rest)
         expected |= {"norm_matmul", "matmul", "silu_matmul"}
     assert set(calls) == expected  # every path ran
