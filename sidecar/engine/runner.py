@@ -10,7 +10,6 @@ self-check (``self_check.py``) unless ``enforce_eager``.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.cpu_graphs import CpuDecodePlans
 from sidecar.engine.graphs import DecodeGraphs, capture_or_none
+from sidecar.engine import step_timing
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
@@ -142,6 +142,11 @@ class ModelRunner:
             "fast_path_fallbacks": dict(self.fast_paths.reasons or {}),
         }
 
+    @property
+    def zeroed_upto(self) -> int:
+        """Blocks 1..this have been zeroed (committed at start, or lazily on first use)."""
+        return self._zeroed_upto
+
     def _zero_blocks(self, lo: int, hi: int) -> None:
         kv_quant.zero_blocks(self.kv_caches, lo, hi)
         self._zeroed_upto = max(self._zeroed_upto, hi)
@@ -180,7 +185,7 @@ class ModelRunner:
         scored step)."""
         if self.kv_scores is None:
             return [0.0] * len(block_ids)
-        per_block = self.kv_scores.view(-1, self.block_size).index_select(0, self._tensor(block_ids))
+        per_block = self.kv_scores.view(-1, self.block_size).index_select(0, self.tensor(block_ids))
         return per_block.sum(dim=1).tolist()
 
     def _scores_for(self, reqs: Sequence[Request], slots: torch.Tensor) -> Optional[torch.Tensor]:
@@ -195,38 +200,13 @@ class ModelRunner:
         self.kv_scores.index_fill_(0, slots, 0.0)
         return self.kv_scores
 
-    def _tensor(self, data: list[int]) -> torch.Tensor:
+    def tensor(self, data: list[int]) -> torch.Tensor:
+        """A long tensor of ``data`` on the model's device."""
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
-    @torch.inference_mode()
     def time_decode_rows(self, rows: Union[int, Sequence[int]], repeats: int = 7) -> Optional[list[float]]:
-        """Fastest seconds (of ``repeats``) of one forward plus logits for r decode rows, for each r in
-        ``rows`` (an int n: r = 1..n): the price of verifying r - 1 speculative tokens of one request, or
-        of a batch's rows, on this device (GEMM kernels change algorithm with the row count, so the price
-        is measured, not assumed). Call before serving: it writes the KV of blocks 1.., which the lazy
-        zeroing clears before their first real use. None when the pool is too small."""
-        counts = list(range(1, rows + 1)) if isinstance(rows, int) else list(rows)
-        max_rows = max(counts)
-        bs = self.block_size
-        nb = -(-max_rows // bs)
-        if self._zeroed_upto > 0 or nb + 1 >= self.num_blocks:
-            return None
-        table = list(range(1, nb + 1))
-        out = []
-        for r in counts:
-            meta = AttentionMetadata(slot_mapping=self._tensor([bs + i for i in range(r)]), block_size=bs)
-            meta.decode_block_tables = self._tensor(table * r).view(r, nb)
-            meta.decode_ctx_lens = self._tensor(list(range(1, r + 1)))
-            ids, pos = self._tensor([0] * r), self._tensor(list(range(r)))
-            times = []
-            for i in range(repeats + 1):
-                t = time.perf_counter()
-                self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta)).sum().item()
-                times.append(time.perf_counter() - t)
-            # The first run warms up; the fastest of the rest is the one least disturbed by anything else
-            # running on the machine (a median still moves with a busy neighbour).
-            out.append(min(times[1:]))
-        return out
+        """The price of a step of r decode rows for each r in ``rows`` (``step_timing.time_decode_rows``)."""
+        return step_timing.time_decode_rows(self, rows, repeats)
 
     def _decode_step(self, bucket: int) -> torch.Tensor:
         if self.cpu_plans.replays():
@@ -289,16 +269,22 @@ class ModelRunner:
         """A pure-decode step through the buffers; None (nothing run) when the batch does not fit them."""
         bs = self.block_size
         tables = [kv.block_ids(s.request) for s in sched.scheduled]
-        if not self.fits_decode_buffers(len(tables), max(len(t) for t in tables)):
-            return None
-        rows, sample, sample_reqs = [], [], []
-        for i, (s, table) in enumerate(zip(sched.scheduled, tables)):
+        rows: list[DecodeRow] = []
+        sample: list[int] = []
+        sample_reqs: list[Request] = []
+        for s, table in zip(sched.scheduled, tables):
             r = s.request
             c, k = r.num_computed_tokens, r.num_computed_tokens - r.kv_evicted  # position, cache index
-            rows.append(DecodeRow(r.all_token_ids[c], c, table[k // bs] * bs + k % bs, k + 1, table))
+            # A request verifying proposed tokens takes one row per token, each attending to its own context
+            # length: the rows a plain decode of each token would be, so the step is the replayed one.
+            tokens = [r.all_token_ids[c], *r.spec_token_ids[: s.num_spec_tokens]]
             if s.completes_prompt:
-                sample.append(i)
+                sample.extend(range(len(rows), len(rows) + len(tokens)))
                 sample_reqs.append(r)
+            for j, tok in enumerate(tokens):
+                rows.append(DecodeRow(tok, c + j, table[(k + j) // bs] * bs + (k + j) % bs, k + j + 1, table))
+        if not self.fits_decode_buffers(len(rows), max(len(t) for t in tables)):
+            return None
         max_block = max(max(t) for t in tables)
         if max_block > self._zeroed_upto:
             self._zero_blocks(self._zeroed_upto + 1, max_block)
@@ -317,7 +303,7 @@ class ModelRunner:
         if (
             token_slots is None
             and sched.scheduled
-            and all(s.num_new_tokens == 1 and not s.num_spec_tokens for s in sched.scheduled)
+            and all(s.num_new_tokens - s.num_spec_tokens == 1 for s in sched.scheduled)
             and not any(_scored(s.request) or wants_rows(s.request) for s in sched.scheduled)
         ):
             done = self._execute_decode(sched, kv)
@@ -356,13 +342,13 @@ class ModelRunner:
             slots.extend(table[(p - e) // bs] * bs + (p - e) % bs for p in range(c, c + n))
             if n > 1 and not s.num_spec_tokens:
                 kept = c + n - e
-                segments.append(PrefillSegment(start, n, kept, self._tensor(table[: -(-kept // bs)])))
+                segments.append(PrefillSegment(start, n, kept, self.tensor(table[: -(-kept // bs)])))
             if s.completes_prompt:
                 sample_idx.extend(range(len(ids) - 1 - s.num_spec_tokens, len(ids)))
                 sample_reqs.append(r)
         if max_block > self._zeroed_upto:
             self._zero_blocks(self._zeroed_upto + 1, max_block)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), block_size=bs, prefills=segments)
+        meta = AttentionMetadata(slot_mapping=self.tensor(slots), block_size=bs, prefills=segments)
         meta.kv_scores = self._scores_for([s.request for s in sched.scheduled], meta.slot_mapping)
         if decodes:
             dtables, ctx_lens = [], []
@@ -371,24 +357,24 @@ class ModelRunner:
                 dtables.extend([t] * s.num_new_tokens)
                 ctx_lens.extend(range(c + 1, c + 1 + s.num_new_tokens))
             width = max(len(t) for t in dtables)
-            meta.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in dtables]).view(
+            meta.decode_block_tables = self.tensor([t + [0] * (width - len(t)) for t in dtables]).view(
                 len(dtables), width
             )
-            meta.decode_ctx_lens = self._tensor(ctx_lens)
+            meta.decode_ctx_lens = self.tensor(ctx_lens)
         if token_slots is None:
-            hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
+            hidden = self.model(self.tensor(ids), self.tensor(pos), self.kv_caches, meta)
         else:  # one slot per token, in the packed order: prefills, then decodes
             self.lora.set_batch(
                 self.lora.token_slots([(s.request, s.num_new_tokens) for s in prefills + decodes])
             )
             try:
-                hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
+                hidden = self.model(self.tensor(ids), self.tensor(pos), self.kv_caches, meta)
             finally:
                 self.lora.set_batch(None)
         collect(self.model, hidden, prompt_rows)
         if not sample_reqs:
             return [], None
-        logits = self.model.compute_logits(hidden.index_select(0, self._tensor(sample_idx)))
+        logits = self.model.compute_logits(hidden.index_select(0, self.tensor(sample_idx)))
         return sample_reqs, logits
 
 

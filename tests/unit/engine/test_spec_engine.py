@@ -15,9 +15,9 @@ from sidecar.engine.spec.state import SpecState
 def make_llm(model_dir, spec, **kw):
     kw.setdefault("block_size", 8)
     kw.setdefault("num_kv_blocks", 256)
+    kw.setdefault("dtype", "float32")
     return LLM(
         model=str(model_dir),
-        dtype="float32",
         speculative=spec,
         speculative_max_batch=kw.pop("max_batch", 1024),
         **kw,
@@ -264,3 +264,23 @@ def test_measured_price_never_makes_longer_proposals_cheaper():
     assert spec.batch_costs[1] == spec.costs
     assert spec.batch_costs[3] == pytest.approx([1.0] + [t(3 * (k + 1)) / 0.013 for k in range(1, 5)])
     assert len(spec.batch_costs) == 4  # a batch of 4 does not speculate
+
+
+def test_verification_steps_replay_from_c_with_plain_decodes_tokens(demo_dir):
+    """On CPU a verification step is a decode step of one row per token: it goes through the C replay (a step of
+    1 + k rows for one request verifying k tokens) and its tokens are plain decoding's."""
+    prompts = [p for p in repetitive_prompts(8, seed=3) if len(p) > 16][:3]
+    kw = dict(dtype="bfloat16", max_num_seqs=4, speculative_token_cost=0.0)
+    plain = make_llm(demo_dir, None, **kw)
+    llm = make_llm(demo_dir, "ngram", num_speculative_tokens=3, **kw)
+    runner = llm.engine.runner
+    assert runner.cpu_plans.replays(), llm.engine.model_info["cpu_decode_replay_reason"]
+    buckets: list[int] = []
+    run = runner.cpu_plans.run
+    runner.cpu_plans.run = lambda bucket: buckets.append(bucket) or run(bucket)
+    for p in prompts:  # one request at a time: each of its steps after the prompt decodes or verifies
+        assert llm.generate([p], GREEDY)[0].token_ids == plain.generate([p], GREEDY)[0].token_ids
+    proposed, accepted = spec_counts(llm)
+    assert proposed > 0 and accepted > 0
+    assert set(buckets) > {1}  # verifications replayed as steps of 1 + k rows
+    pool_whole(llm)
