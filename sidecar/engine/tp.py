@@ -118,6 +118,8 @@ class TensorParallel:
         self.backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
         self.broken: Optional[str] = None
         torch.set_num_threads(_threads(config))
+        if self.backend == "nccl":
+            torch.cuda.set_device(resolve_device(_rank_config(config, 0).device))
         store = dist.TCPStore(
             "127.0.0.1",
             0,
@@ -320,7 +322,10 @@ def _worker_main(rank: int, world: int, port: int, config: EngineConfig, conn: A
             "127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S)
         )
         store.set(f"joined/{rank}", str(os.getpid()))
-        backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
+        device = resolve_device(config.device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(device)
         group = make_group(backend, store, rank, world, COLLECTIVE_TIMEOUT_S)
         loaded = load_model(config, shard=Shard(rank, world, Comm(group, rank, world)))
         _serve(loaded, config, conn)
