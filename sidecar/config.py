@@ -389,7 +389,6 @@ class EngineConfig:
             "kv_offload_dir": self.kv_offload_dir is not None,
             "kv_budget": self.kv_budget is not None,
             "overlap_steps": bool(self.overlap_steps),
-            "quantization": self.quantization is not None,  # not yet split per shard
         }
         for name, used in refused.items():
             _require(not used, name, f"is not supported with tensor_parallel_size {tp} > 1")

@@ -227,6 +227,8 @@ class TensorParallel:
         if dead:
             r, p = dead[0]
             self.broken = f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            said = _last_error(self.conns[r])
+            self.broken += f" ({said})" if said else ""
         else:
             self.broken = f"tensor-parallel group failed: {type(exc).__name__}: {exc}"
         log.error("%s; the model cannot run any more", self.broken)
@@ -235,6 +237,18 @@ class TensorParallel:
     def close(self) -> None:
         """End the workers (idempotent)."""
         self._finalizer()
+
+
+def _last_error(conn: Any) -> Optional[str]:
+    """The error a worker reported on its pipe before it exited, if any."""
+    try:
+        while conn.poll(0):
+            msg = conn.recv()
+            if msg and msg[0] == "error":
+                return msg[1]
+    except (OSError, EOFError):
+        pass
+    return None
 
 
 def _shutdown(procs: dict[int, Any], conns: dict[int, Any]) -> None:

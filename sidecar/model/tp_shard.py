@@ -17,6 +17,10 @@ added once); the embedding looks up the ids its rows hold (zeros elsewhere) and 
 float32 logits are all-gathered along the vocabulary and the padding cut, so every rank holds the whole
 logits row (the sampler on rank 0 sees exactly what one process would compute, up to summation order).
 
+Weight quantization on load (loader.py) quantizes each rank's slices: int4 groups along the input columns that
+do not straddle a row-parallel split give one process's codes; int8's per-row scales of o / down cover one
+rank's columns.
+
 Collectives run on a ``Comm``: a torch.distributed process group of this model's ranks alone (gloo on CPU
 tensors, NCCL on CUDA ones), not the global default group, with the group's timeout on every call.
 """

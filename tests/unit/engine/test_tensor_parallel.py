@@ -105,10 +105,12 @@ def engines(tmp_path_factory, demo_dir):
                 max_num_batched_tokens=16,  # prompts arrive in chunks
             )
             out[kind] = (llm, prompts, _hf_greedy(hf, prompts))
+            out[f"{kind}_path"] = path
         yield out
     finally:
-        for llm, _, _ in out.values():
-            llm.engine.tp.close()
+        for kind in ("llama", "qwen2"):
+            if kind in out:
+                out[kind][0].engine.tp.close()
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -177,6 +179,28 @@ def test_rank_that_never_joins_is_named():
     finally:
         slow.kill()
         slow.join()
+
+
+def test_int4_weights_quantized_per_shard_match_one_process(engines):
+    """Each rank quantizes its own slices on load. int4 groups run along the input columns; with 32-column
+    groups no group straddles the ranks' column split of o / down (64 of 128 columns each), so every rank holds
+    exactly one process's codes and scales (the head is int8 per vocabulary row, also whole on its rank)."""
+    _, prompts, _ = engines["llama"]
+    params = dict(
+        model=str(engines["llama_path"]),
+        dtype="float32",
+        quantization="int4",
+        quant_group_size=32,
+        num_kv_blocks=32,
+    )
+    one = LLM(**params).generate(prompts[:3], GREEDY)
+    split = LLM(**params, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in split.generate(prompts[:3], GREEDY)] == [o.token_ids for o in one]
+        assert split.engine.model_info["quantization"] == "int4"
+        _pool_whole(split)
+    finally:
+        split.engine.tp.close()
 
 
 def test_killed_worker_fails_requests_instead_of_hanging(engines):
