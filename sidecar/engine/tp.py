@@ -40,7 +40,9 @@ from sidecar.model.tp_shard import Comm, Shard
 log = logging.getLogger("sidecar.engine")
 
 START_TIMEOUT_S = 300.0  # for every rank to join and load its slices
-COLLECTIVE_TIMEOUT_S = 120.0  # one collective inside a forward (ranks run the same work between two)
+# One collective inside a forward: the ranks run the same work between two, so a wait this long means a rank
+# stopped (an idle worker waits on its pipe, where no timeout runs).
+COLLECTIVE_TIMEOUT_S = 30.0
 
 
 class TPWorkerLost(RuntimeError):
@@ -74,7 +76,8 @@ def wait_for_ranks(store: Any, procs: dict[int, Any], timeout_s: float) -> None:
             if procs[r].exitcode is not None:
                 raise RuntimeError(
                     f"tensor_parallel_size: rank {r} (pid {procs[r].pid}) exited with code "
-                    f"{procs[r].exitcode} before joining the process group"
+                    f"{procs[r].exitcode} before joining the process group (workers are spawned: a script "
+                    "that starts the engine must guard its entry point with if __name__ == '__main__')"
                 )
         if missing and time.monotonic() > deadline:
             raise RuntimeError(
