@@ -190,6 +190,13 @@ class EngineConfig:
         "overlap pure-decode steps: the host finishes one step while the device runs the next "
         "(default: on for CUDA unless enforce_eager; true/false to force)",
     )
+    # Tensor parallelism (engine/tp.py): this process is rank 0 and schedules; ranks 1..N-1 are spawned
+    # workers over a torch.distributed group (gloo on CPU, NCCL on CUDA), each holding 1/N of every layer.
+    tensor_parallel_size: int = setting(
+        1,
+        "processes one model is split across (attention heads, MLP and vocabulary divided between them; "
+        "gloo on CPU, NCCL on CUDA); 1 = no split",
+    )
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -361,6 +368,30 @@ class EngineConfig:
             "overlap_steps",
             f"must be true, false or unset, got {self.overlap_steps!r}",
         )
+        self._validate_tensor_parallel()
+
+    def _validate_tensor_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        _require(
+            isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 64,
+            "tensor_parallel_size",
+            f"must be an integer in [1, 64], got {tp!r}",
+        )
+        if tp == 1:
+            return
+        # Each of these runs state that lives on rank 0 alone (adapter slots, proposer passes, offloaded
+        # blocks, attention scores of its own heads), so under a split model it would compute something else.
+        refused = {
+            "speculative": self.speculative is not None,
+            "lora_modules": bool(self.lora_modules),
+            "enable_lora": self.enable_lora,
+            "kv_offload_gb": self.kv_offload_gb > 0,
+            "kv_offload_dir": self.kv_offload_dir is not None,
+            "kv_budget": self.kv_budget is not None,
+            "overlap_steps": bool(self.overlap_steps),
+        }
+        for name, used in refused.items():
+            _require(not used, name, f"is not supported with tensor_parallel_size {tp} > 1")
 
 
 @dataclass

@@ -86,6 +86,7 @@ class AsyncEngine:
         self._commands: "queue.Queue[Any]" = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._thread: Optional[threading.Thread] = None
+        self.failure: Optional[str] = None  # why the engine thread stopped by itself (the server then exits)
         self._accepting = True
         self._stats: dict[str, Any] = engine.stats()
         self._lock = threading.Lock()
@@ -194,6 +195,11 @@ class AsyncEngine:
                         if stream is not None:
                             stream.put(out)
                 self._stats = self.engine.stats()
+                tp = getattr(self.engine, "tp", None)
+                if tp is not None and tp.broken:  # the model cannot run again: stop, so the server exits
+                    log.error("engine stopped: %s", tp.broken)
+                    self.failure = tp.broken
+                    break
             except Exception as exc:  # never let one bad step kill the loop, nor retry it forever
                 log.exception("engine loop error; aborting all requests")
                 for rid in list(self.engine.requests):
@@ -202,7 +208,7 @@ class AsyncEngine:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
         for s in streams:
-            s.put(EngineDeadError("engine stopped"))
+            s.put(EngineDeadError(f"engine stopped: {self.failure}" if self.failure else "engine stopped"))
 
     # -- any thread ------------------------------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from sidecar.config import EngineConfig
+from sidecar.engine import tp as tensor_parallel
 from sidecar.engine.beam import BeamSearch
 from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.detokenizer import IncrementalDetokenizer
@@ -31,7 +32,6 @@ from sidecar.engine.scheduler import Scheduler, SchedulerOutput
 from sidecar.engine.spec.decoder import SpecDecoder
 from sidecar.engine.structured import StructuredDecoder
 from sidecar.model import heap, hugepages
-from sidecar.model.loader import load_model
 from sidecar.model.lora import part_shapes
 from sidecar.model.moe import parameter_counts
 
@@ -50,12 +50,14 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         mapped_before = hugepages.snapshot()
-        loaded = load_model(config)
+        self.tp, loaded = tensor_parallel.load(config)  # tp None unless the model is split over processes
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = loaded.args.vocab_size
         self.runner = ModelRunner(loaded, config, device_sampler_check(loaded.device, config.seed))
+        if self.tp is not None:  # the workers allocate pools of the runner's size; its model drives them
+            self.tp.attach(self.runner)
         self.lora = LoraManager(
             loaded.model,
             loaded.args,
@@ -219,6 +221,8 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("params: must be a SamplingParams")
         params.validate(self.vocab_size)
+        if self.tp is not None:
+            self.tp.check_params(params)
         if not isinstance(priority, int):
             raise ValueError(f"priority: must be an integer, got {priority!r}")
         policy = self.kv_policies.window if params.beam_width else self.kv_policies.for_params(params)

@@ -51,11 +51,9 @@ class ModelRunner:
         self.kv_dtype, self.kv_dtype_reason = kv_quant.resolve_kv_dtype(
             config.kv_cache_dtype, self.device, self.dtype
         )
-        self.kv_budget = plan_kv_budget(
-            config, loaded, self.kv_dtype
-        )  # the smaller element holds more tokens
+        self.kv_budget = plan_kv_budget(config, loaded, self.kv_dtype)  # a smaller element holds more tokens
         self.num_blocks = self.kv_budget.num_blocks
-        a = loaded.args
+        a = self.model.args  # a tensor-parallel rank's own KV heads
         self.kv_caches = [
             kv_quant.allocate(
                 self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device
@@ -76,7 +74,9 @@ class ModelRunner:
         if getattr(self.model, "fast_paths", None) is None:
             self.model.fast_paths = FastPaths()
         self.fast_paths: FastPaths = self.model.fast_paths
-        self.enforce_eager = config.enforce_eager
+        tp = config.tensor_parallel_size  # split over ranks, each step runs eagerly on all in lockstep
+        self.eager_reason = "enforce_eager" if config.enforce_eager else f"tensor_parallel_size {tp}"
+        self.enforce_eager = config.enforce_eager or tp > 1
         self.lora = None  # the engine's LoraManager: which adapter slot each request's tokens use
         self.quantized = bool(loaded.quantization)
         max_len = min(loaded.max_model_len, self.num_blocks * self.block_size)
@@ -108,8 +108,8 @@ class ModelRunner:
         self.set_decode_padding(False)
         if self.enforce_eager:
             for name in PATH_NAMES:
-                self.fast_paths.disable(name, "enforce_eager")
-            self.cpu_plans.disable("enforce_eager")
+                self.fast_paths.disable(name, self.eager_reason)
+            self.cpu_plans.disable(self.eager_reason)
             return
         if not (self.device.type == "cuda" or force_check):
             return  # on CPU our C kernels are the fast path; the device fields stay off
@@ -235,7 +235,7 @@ class ModelRunner:
         hidden = self.graphs.run(bucket)
         if not sample:
             return None
-        return self.model.compute_logits(hidden.index_select(0, self.inputs.sample_rows[: len(sample)]))
+        return self.model.logits_at(hidden, self.inputs.sample_rows[: len(sample)])
 
     @torch.inference_mode()
     def launch_decode(
@@ -374,7 +374,7 @@ class ModelRunner:
         collect(self.model, hidden, prompt_rows)
         if not sample_reqs:
             return [], None
-        logits = self.model.compute_logits(hidden.index_select(0, self.tensor(sample_idx)))
+        logits = self.model.logits_at(hidden, self.tensor(sample_idx))
         return sample_reqs, logits
 
 

@@ -129,6 +129,10 @@ class CausalLM(nn.Module):
                 h, delta = layer(h, delta, cos, sin, kv, meta)
         return self.norm(h, delta)[0]
 
+    def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``compute_logits`` of the rows ``rows`` (a long tensor) of ``hidden``: what a step samples from."""
+        return self.compute_logits(hidden.index_select(0, rows))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of ``hidden`` [N, hidden]; soft-capped (``cap * tanh(logits / cap)``) where the family
         caps them."""

@@ -28,6 +28,7 @@ from sidecar.config import EngineConfig, lm_head_quantization
 from sidecar.model.args import ModelArgs
 from sidecar.model.decoder import CausalLM
 from sidecar.model.linear_layout import pack_weights
+from sidecar.model.tp_shard import Shard
 
 log = logging.getLogger("sidecar.model")
 
@@ -326,11 +327,12 @@ def _eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...
     return tuple(dict.fromkeys(ids))
 
 
-def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
+def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = None) -> LoadedModel:
     """Load config, tokenizer and weights for ``cfg.model``. Raises ValueError naming the problem.
 
     On CPU the full-precision linear layers are then packed for oneDNN (``linear_layout.pack_weights``);
-    ``pack=False`` keeps plain weights, for callers that read or save them."""
+    ``pack=False`` keeps plain weights, for callers that read or save them. With ``shard`` the model holds one
+    tensor-parallel rank's slices (tp_shard.py); ``args`` stay the whole model's."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     from sidecar.model.gguf import find_gguf, model_dir_for
@@ -347,7 +349,9 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
     tokenizer = load_tokenizer(model_dir)
     quant_file = model_dir / "quantization_config.json"
     with torch.device("meta"):
-        model = CausalLM(args)
+        model = CausalLM(args if shard is None else shard.local_args(args))
+    if quant_file.exists() and shard is not None:
+        raise ValueError(f"tensor_parallel_size: {model_dir} is a quantized checkpoint; split its source")
     if quant_file.exists():
         from sidecar.model.quant_checkpoint import load_quantized_model
 
@@ -361,7 +365,8 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
         load_quantized_model(model_dir, model, dtype, device)
         quantization = json.loads(quant_file.read_text()).get("mode")
     else:
-        _load_weights(model, _SafetensorsIndex(model_dir), cfg, dtype, device)
+        ckpt = _SafetensorsIndex(model_dir)
+        _load_weights(model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device)
         quantization = cfg.quantization
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:
@@ -375,6 +380,8 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
     model.eval()
     if pack and device.type == "cpu":
         pack_weights(model, consume=True)  # the weights were just read: nothing else holds them
+    if shard is not None:
+        shard.wrap(model, args)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -159,12 +159,26 @@ class Sidecar:
                     f"sidecar: serving {self.service.model_name} ({describe(self.service.model_info())})",
                     flush=True,
                 )
-                await self.stop.wait()
+                code = await self._serve()
             await self._drain()
         finally:
             if s.port_file:
                 with contextlib.suppress(OSError):
                     os.remove(s.port_file)
+        return code if loaded else 0
+
+    async def _serve(self) -> int:
+        """Serve until a signal (0) or until the engine stops by itself (1: e.g. a tensor-parallel worker died,
+        so the orchestrator restarts the server)."""
+        engine = self.service.engine
+        while not self.stop.is_set():
+            if not engine.is_running:
+                print(
+                    f"sidecar serve: error: {engine.failure or 'engine stopped'}", file=sys.stderr, flush=True
+                )
+                return 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), 0.5)
         return 0
 
     async def _load(self) -> bool:

@@ -553,6 +553,8 @@ class InferenceService:
             raise ServiceError("deadline_exceeded", "deadline exceeded; request aborted")
         if out.abort_reason == "shutdown":
             raise ServiceError("unavailable", "draining: request aborted at shutdown")
+        if (out.abort_reason or "").startswith("error: TPWorkerLost: "):  # the server stops and restarts
+            raise ServiceError("unavailable", f"engine stopped: {out.abort_reason.removeprefix('error: ')}")
         if (out.abort_reason or "").startswith("error: structured: "):  # the request's own constraint
             field_name = getattr(constraint, "origin", "") or "structured"
             raise invalid(field_name, out.abort_reason.removeprefix("error: structured: "))

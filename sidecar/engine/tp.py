@@ -1,0 +1,382 @@
+"""Tensor parallelism: one model split over ``tensor_parallel_size`` processes (model/tp_shard.py).
+
+This process is rank 0: it schedules, owns the block tables and samples; ranks 1..N-1 are worker processes
+(``torch.multiprocessing`` spawn) that each hold their slices of the weights and their own KV pool of the same
+number of blocks, so rank 0's block tables address every rank's pool alike. The ranks form their own
+torch.distributed process group (gloo on CPU, NCCL on CUDA: the backend is the one switch) over a TCPStore
+that rank 0 serves on a free loopback port.
+
+Each forward's inputs (token ids, positions, slots, the attention metadata) and each step's sampled row
+indices reach the workers through one pipe per worker, pickled, not through a collective: an idle worker
+waits on its pipe with no collective timeout running, rank 0 sees a worker gone from its process sentinel
+before it sends, and a worker sees rank 0 gone from its pipe closing. The collectives inside the forward
+(model/tp_shard.py) carry the group's timeout, and gloo fails them at once when a peer's connection closes.
+
+Faults: a worker that exits, or a collective that fails or times out, breaks the group for good (``broken``
+names the rank and its exit code): the step's requests and every later one fail with ``TPWorkerLost``,
+rank 0 ends the other workers, and AsyncEngine stops (the server then exits non-zero). A worker that
+never joins fails start-up with an error naming its rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import time
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from sidecar.config import EngineConfig
+from sidecar.engine.request import SamplingParams
+from sidecar.model import kv_quant
+from sidecar.model.attention import AttentionMetadata, PrefillSegment
+from sidecar.model.loader import LoadedModel, load_model, resolve_device
+from sidecar.model.tp_shard import Comm, Shard
+
+log = logging.getLogger("sidecar.engine")
+
+START_TIMEOUT_S = 300.0  # for every rank to join and load its slices
+# One collective inside a forward: the ranks run the same work between two, so a wait this long means a rank
+# stopped (an idle worker waits on its pipe, where no timeout runs).
+COLLECTIVE_TIMEOUT_S = 30.0
+
+
+class TPWorkerLost(RuntimeError):
+    """The tensor-parallel group broke (a worker exited, or a collective failed): the model cannot run."""
+
+
+def make_group(backend: str, store: Any, rank: int, world: int, timeout_s: float) -> Any:
+    """This model's own process group (not torch.distributed's default one) over ``store``."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore("sidecar-tp", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl":  # the CUDA switch: same collectives on device tensors
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(prefixed, rank, world, opts)
+
+
+def wait_for_ranks(store: Any, procs: dict[int, Any], timeout_s: float) -> None:
+    """Wait until every rank in ``procs`` (rank -> process) has joined ``store``; raises RuntimeError naming
+    the first rank that exited before joining, or every rank still missing at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    missing = sorted(procs)
+    while missing:
+        missing = [r for r in missing if not store.check([f"joined/{r}"])]
+        for r in missing:
+            if procs[r].exitcode is not None:
+                raise RuntimeError(
+                    f"tensor_parallel_size: rank {r} (pid {procs[r].pid}) exited with code "
+                    f"{procs[r].exitcode} before joining the process group (workers are spawned: a script "
+                    "that starts the engine must guard its entry point with if __name__ == '__main__')"
+                )
+        if missing and time.monotonic() > deadline:
+            raise RuntimeError(
+                f"tensor_parallel_size: rank(s) {', '.join(map(str, missing))} did not join the process "
+                f"group within {timeout_s:.0f} s"
+            )
+        time.sleep(0.02)
+
+
+def _threads(config: EngineConfig) -> int:
+    return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+
+
+def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """Rank ``rank``'s config: its own GPU on CUDA."""
+    if resolve_device(config.device).type != "cuda":
+        return config
+    return dataclasses.replace(config, device=f"cuda:{rank}")
+
+
+def load(config: EngineConfig) -> tuple[Optional["TensorParallel"], LoadedModel]:
+    """(None, the model) for one process; else the started group and rank 0's slices of the model."""
+    if config.tensor_parallel_size == 1:
+        return None, load_model(config)
+    tp = TensorParallel(config)
+    try:
+        return tp, load_model(_rank_config(config, 0), shard=tp.shard)
+    except BaseException:
+        tp.close()
+        raise
+
+
+class TensorParallel:
+    """Rank 0's side of the group: the workers, their pipes, the shard this process holds."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        self.world = config.tensor_parallel_size
+        self.backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
+        self.broken: Optional[str] = None
+        torch.set_num_threads(_threads(config))
+        if self.backend == "nccl":
+            torch.cuda.set_device(resolve_device(_rank_config(config, 0).device))
+        store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            self.world,
+            True,
+            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+            wait_for_workers=False,
+        )
+        ctx = mp.get_context("spawn")
+        self.procs: dict[int, Any] = {}
+        self.conns: dict[int, Any] = {}
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        for rank in range(1, self.world):
+            mine, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world, store.port, _rank_config(config, rank), theirs),
+                name=f"sidecar-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            theirs.close()
+            self.procs[rank], self.conns[rank] = proc, mine
+        try:
+            wait_for_ranks(store, self.procs, START_TIMEOUT_S)
+            group = make_group(self.backend, store, 0, self.world, COLLECTIVE_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        self.store = store  # the workers' connection to it stays up while the group lives
+        self.shard = Shard(0, self.world, Comm(group, 0, self.world))
+        log.info("tensor parallel: %d ranks over %s, workers %s", self.world, self.backend, self.pids())
+
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items()}
+
+    def attach(self, runner: Any) -> None:
+        """Give every worker rank 0's pool size, wait until each has loaded its slices and allocated its pool,
+        then drive them from ``runner``'s model."""
+        try:
+            self.send(("pool", runner.num_blocks))
+            for rank in self.procs:
+                self._expect(rank, "ready")
+        except BaseException:
+            self.close()
+            raise
+        runner.model = RankZeroModel(runner.model, self)
+
+    def _expect(self, rank: int, what: str) -> None:
+        conn, proc = self.conns[rank], self.procs[rank]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not conn.poll(0.05):
+            if proc.exitcode is not None or time.monotonic() > deadline:
+                state = "timed out" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+                raise RuntimeError(
+                    f"tensor_parallel_size: rank {rank} (pid {proc.pid}) {state} while loading"
+                )
+        msg = conn.recv()
+        if msg[0] == "error":
+            raise RuntimeError(f"tensor_parallel_size: rank {rank} failed: {msg[1]}")
+        assert msg[0] == what, msg
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Refuse, naming the field, what would need rank-0-only state kept on every rank."""
+        for name, used in (
+            ("prompt_logprobs", params.prompt_logprobs is not None),
+            ("beam_width", params.beam_width is not None),
+            ("kv_budget", params.kv_budget is not None),
+        ):
+            if used:
+                raise ValueError(f"{name}: not supported with tensor_parallel_size {self.world}")
+
+    def check(self) -> None:
+        """Raises TPWorkerLost once the group is broken."""
+        if self.broken is not None:
+            raise TPWorkerLost(self.broken)
+
+    def send(self, msg: Any) -> None:
+        """Send ``msg`` to every worker; raises TPWorkerLost when the group is broken or a worker is gone."""
+        if self.broken is None:
+            try:
+                for rank, proc in self.procs.items():
+                    if proc.exitcode is not None:
+                        raise EOFError(f"rank {rank} exited")
+                for conn in self.conns.values():
+                    conn.send(msg)
+            except (OSError, EOFError) as exc:
+                self.fail(exc)
+        self.check()
+
+    def run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on rank 0, whose collectives meet the workers'; any failure breaks the group."""
+        self.check()
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self.fail(exc)
+            raise TPWorkerLost(self.broken) from exc
+
+    def fail(self, exc: BaseException) -> None:
+        """Break the group for good: record why (the first dead worker, else the error) and end the workers,
+        which may wait in a collective that will never complete."""
+        time.sleep(0.05)  # a peer's closed connection can arrive before its exit status
+        dead = [(r, p) for r, p in self.procs.items() if p.exitcode is not None]
+        if dead:
+            r, p = dead[0]
+            self.broken = f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            said = _last_error(self.conns[r])
+            self.broken += f" ({said})" if said else ""
+        else:
+            self.broken = f"tensor-parallel group failed: {type(exc).__name__}: {exc}"
+        log.error("%s; the model cannot run any more", self.broken)
+        self.close()
+
+    def close(self) -> None:
+        """End the workers (idempotent)."""
+        self._finalizer()
+
+
+def _last_error(conn: Any) -> Optional[str]:
+    """The error a worker reported on its pipe before it exited, if any."""
+    try:
+        while conn.poll(0):
+            msg = conn.recv()
+            if msg and msg[0] == "error":
+                return msg[1]
+    except (OSError, EOFError):
+        pass
+    return None
+
+
+def _shutdown(procs: dict[int, Any], conns: dict[int, Any]) -> None:
+    for conn in conns.values():
+        try:
+            conn.send(None)
+            conn.close()
+        except (OSError, EOFError):
+            pass
+    for proc in procs.values():
+        proc.join(2.0)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(2.0)
+
+
+class RankZeroModel:
+    """Rank 0's model: each forward and each logits selection first goes to the workers, which run the same
+    call on their slices; anything else is the model's own attribute."""
+
+    def __init__(self, model: Any, tp: TensorParallel) -> None:
+        self._model, self._tp = model, tp
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
+        self._tp.check()
+        self._tp.send(("fwd", pack_inputs(ids, positions, meta)))
+        return self._tp.run(self._model, ids, positions, kv_caches, meta)
+
+    def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self._tp.send(("logits", rows.cpu().numpy()))
+        return self._tp.run(self._model.logits_at, hidden, rows)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise TPWorkerLost("tensor parallelism computes logits of selected rows only (logits_at)")
+
+
+def _np(t: Optional[torch.Tensor]) -> Any:
+    return None if t is None else t.detach().cpu().numpy()
+
+
+def pack_inputs(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
+    """A forward's inputs as host arrays (the metadata's device fast-path fields are off under TP)."""
+    if meta.kv_scores is not None:
+        raise ValueError("kv_budget: scored KV eviction is not supported with tensor parallelism")
+    prefills = [(s.q_start, s.q_len, s.ctx_len, _np(s.block_table)) for s in meta.prefills]
+    return (
+        _np(ids),
+        _np(positions),
+        _np(meta.slot_mapping),
+        meta.block_size,
+        prefills,
+        _np(meta.decode_block_tables),
+        _np(meta.decode_ctx_lens),
+        meta.use_cpu_kernel,
+    )
+
+
+def unpack_inputs(msg: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    ids, pos, slots, block_size, prefills, tables, ctx_lens, use_cpu_kernel = msg
+
+    def t(a: Any) -> Optional[torch.Tensor]:
+        return None if a is None else torch.from_numpy(a).to(device)
+
+    meta = AttentionMetadata(
+        slot_mapping=t(slots),
+        block_size=block_size,
+        prefills=[PrefillSegment(q0, n, ctx, t(table)) for q0, n, ctx, table in prefills],
+        decode_block_tables=t(tables),
+        decode_ctx_lens=t(ctx_lens),
+        use_cpu_kernel=use_cpu_kernel,
+    )
+    return t(ids), t(pos), meta
+
+
+def _worker_main(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:
+    """A worker rank: join the group, load its slices, allocate its pool, then run what rank 0 sends."""
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(_threads(config))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S)
+        )
+        store.set(f"joined/{rank}", str(os.getpid()))
+        device = resolve_device(config.device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+        group = make_group(backend, store, rank, world, COLLECTIVE_TIMEOUT_S)
+        loaded = load_model(config, shard=Shard(rank, world, Comm(group, rank, world)))
+        _serve(loaded, config, conn)
+    except (EOFError, KeyboardInterrupt):  # rank 0 is gone
+        pass
+    except BaseException as exc:  # reported to rank 0, which names this rank
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except (OSError, EOFError):
+            pass
+        os._exit(1)
+
+
+@torch.inference_mode()
+def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any) -> None:
+    model, device, a = loaded.model, loaded.device, loaded.model.args
+    msg = conn.recv()
+    if msg is None:
+        return
+    num_blocks = msg[1]
+    kv_dtype = kv_quant.resolve_kv_dtype(config.kv_cache_dtype, device, loaded.dtype)[0]
+    kv_caches = [
+        kv_quant.allocate(num_blocks, config.block_size, a.num_kv_heads, a.head_dim, kv_dtype, device)
+        for _ in range(a.num_layers)
+    ]
+    kv_quant.zero_blocks(kv_caches, 0, num_blocks - 1)  # rank 0 zeroes lazily, before a block's first use
+    conn.send(("ready",))
+    hidden = None
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        if msg[0] == "fwd":
+            ids, pos, meta = unpack_inputs(msg[1], device)
+            hidden = model(ids, pos, kv_caches, meta)
+        elif msg[0] == "logits":
+            model.logits_at(hidden, torch.from_numpy(msg[1]).to(device))

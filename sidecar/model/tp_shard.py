@@ -1,0 +1,198 @@
+"""Tensor-parallel sharding of the decoder: which slice of each checkpoint tensor a rank holds, and the
+modules that join the slices back with one collective each.
+
+Of ``world`` ranks, rank ``r`` holds:
+
+- attention: query heads ``[r * H / world, (r + 1) * H / world)`` and the KV heads they read -- a contiguous
+  ``1 / world`` of the KV heads when there are at least as many as ranks, else the one KV head its query heads
+  share (replicated on ``world / KV`` ranks); q/k/v rows (and biases) of those heads (column-parallel), the
+  matching columns of o_proj (row-parallel);
+- MLP: ``1 / world`` of the intermediate rows of gate/up (column-parallel), those columns of down_proj
+  (row-parallel);
+- embedding and head: vocabulary rows ``[r * V', (r + 1) * V')`` with ``V' = ceil(V / world)``, the last
+  rank's table padded with zero rows.
+
+A row-parallel layer's partial products are summed by one all-reduce (its bias on rank 0 only, so it is
+added once); the embedding looks up the ids its rows hold (zeros elsewhere) and all-reduces; the head's
+float32 logits are all-gathered along the vocabulary and the padding cut, so every rank holds the whole
+logits row (the sampler on rank 0 sees exactly what one process would compute, up to summation order).
+
+Weight quantization on load (loader.py) quantizes each rank's slices: int4 groups along the input columns that
+do not straddle a row-parallel split give one process's codes; int8's per-row scales of o / down cover one
+rank's columns.
+
+Collectives run on a ``Comm``: a torch.distributed process group of this model's ranks alone (gloo on CPU
+tensors, NCCL on CUDA ones), not the global default group, with the group's timeout on every call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from sidecar.model.args import ModelArgs
+
+
+class Comm:
+    """The collectives a sharded model runs, over one ``torch.distributed`` ProcessGroup."""
+
+    def __init__(self, group: Any, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` (contiguous) over the ranks, in place; returns it."""
+        self.group.allreduce([t]).wait()
+        return t
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same shape on all), in rank order."""
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        self.group.allgather([parts], [t.contiguous()]).wait()
+        return parts
+
+
+@dataclasses.dataclass
+class Shard:
+    """Rank ``rank`` of ``world`` and the collectives joining its slices (None: only slicing, no forward)."""
+
+    rank: int
+    world: int
+    comm: Optional[Comm] = None
+
+    def check(self, args: ModelArgs) -> None:
+        """Raises ValueError naming ``tensor_parallel_size`` where this model cannot be split ``world`` ways."""
+        n, nh, nkv = self.world, args.num_heads, args.num_kv_heads
+        problems = []
+        if nh % n:
+            problems.append(f"{nh} attention heads")
+        if (nkv % n) if nkv >= n else (n % nkv):
+            problems.append(f"{nkv} KV heads (a multiple or a divisor of the ranks)")
+        if args.intermediate_size % n:
+            problems.append(f"intermediate size {args.intermediate_size}")
+        if args.num_experts:
+            problems.append("mixture-of-experts layers")
+        if args.fused_checkpoint:
+            problems.append("checkpoint-fused qkv / gate_up projections")
+        if problems:
+            raise ValueError(
+                f"tensor_parallel_size: {args.architecture} cannot be split over {n} ranks: "
+                + ", ".join(problems)
+            )
+
+    def local_args(self, args: ModelArgs) -> ModelArgs:
+        """The args this rank's decoder is built with: its heads, intermediate rows and vocabulary rows."""
+        self.check(args)
+        n = self.world
+        return dataclasses.replace(
+            args,
+            num_heads=args.num_heads // n,
+            num_kv_heads=max(1, args.num_kv_heads // n),
+            intermediate_size=args.intermediate_size // n,
+            vocab_size=-(-args.vocab_size // n),
+        )
+
+    def ranges(self, args: ModelArgs) -> dict[str, tuple[int, int]]:
+        """Row ranges this rank holds: query heads, KV heads, intermediate rows, vocabulary rows."""
+        r, n = self.rank, self.world
+        nh, nkv, inter, v = args.num_heads, args.num_kv_heads, args.intermediate_size, args.vocab_size
+        q = (r * nh // n, (r + 1) * nh // n)
+        kv = (r * nkv // n, (r + 1) * nkv // n) if nkv >= n else (r * nkv // n, r * nkv // n + 1)
+        rows = -(-v // n)
+        return {"q": q, "kv": kv, "mlp": (r * inter // n, (r + 1) * inter // n), "vocab": (r * rows, rows)}
+
+    def checkpoint(self, ckpt: Any, args: ModelArgs) -> "ShardedCheckpoint":
+        return ShardedCheckpoint(ckpt, self, args)
+
+    def wrap(self, model: nn.Module, args: ModelArgs) -> None:
+        """Join the loaded slices of ``model`` (built from ``local_args``): all-reduce after o_proj and
+        down_proj, the embedding's lookup and the head's gather over the vocabulary."""
+        assert self.comm is not None, "a sharded forward needs its process group"
+        lo, rows = self.ranges(args)["vocab"]
+        for layer in model.layers:
+            layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, self.comm)
+            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, self.comm)
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, lo, rows, self.comm)
+        model.lm_head = VocabParallelHead(model.lm_head, args.vocab_size, self.comm)
+
+
+class ShardedCheckpoint:
+    """A checkpoint as one rank sees it: ``get`` returns this rank's slice of a tensor (see the module
+    docstring); names the split does not touch (norms) come whole."""
+
+    def __init__(self, ckpt: Any, shard: Shard, args: ModelArgs) -> None:
+        self.ckpt, self.shard, self.args = ckpt, shard, args
+        self.r = shard.ranges(args)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.ckpt
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.ckpt.get(name)
+        hd, r = self.args.head_dim, self.r
+        part = name.rsplit(".", 2)
+        module, kind = (part[-2], part[-1]) if len(part) == 3 else ("", part[-1])
+        if module == "q_proj":
+            return t[r["q"][0] * hd : r["q"][1] * hd].contiguous()
+        if module in ("k_proj", "v_proj"):
+            return t[r["kv"][0] * hd : r["kv"][1] * hd].contiguous()
+        if module in ("gate_proj", "up_proj"):
+            return t[r["mlp"][0] : r["mlp"][1]].contiguous()
+        if module in ("o_proj", "down_proj"):
+            if kind == "bias":  # added once, after the sum
+                return t if self.shard.rank == 0 else torch.zeros_like(t)
+            lo, hi = (r["q"][0] * hd, r["q"][1] * hd) if module == "o_proj" else r["mlp"]
+            return t[:, lo:hi].contiguous()
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            lo, rows = r["vocab"]
+            out = torch.zeros((rows,) + tuple(t.shape[1:]), dtype=t.dtype)
+            piece = t[lo : lo + rows]
+            out[: piece.shape[0]] = piece
+            return out
+        return t
+
+
+class RowParallel(nn.Module):
+    """A row-parallel linear layer: this rank's partial product, summed over the ranks."""
+
+    def __init__(self, inner: nn.Module, comm: Comm) -> None:
+        super().__init__()
+        self.inner, self.comm = inner, comm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce(self.inner(x).contiguous())
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Lookups of the ids in this rank's vocabulary rows ``[lo, lo + rows)``; zeros for the others; summed over
+    the ranks, so each id's row comes from the one rank holding it (exact: the other terms are zeros)."""
+
+    def __init__(self, inner: nn.Module, lo: int, rows: int, comm: Comm) -> None:
+        super().__init__()
+        self.inner, self.lo, self.rows, self.comm = inner, lo, rows, comm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.lo
+        outside = (local < 0) | (local >= self.rows)
+        out = self.inner(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0)
+        return self.comm.all_reduce(out.contiguous())
+
+
+class VocabParallelHead(nn.Module):
+    """The head over this rank's vocabulary rows; float32 logits gathered from every rank along the vocabulary,
+    the padding rows cut: ``[N, vocab_size]`` on every rank."""
+
+    def __init__(self, inner: nn.Module, vocab_size: int, comm: Comm) -> None:
+        super().__init__()
+        self.inner, self.vocab_size, self.comm = inner, vocab_size, comm
+
+    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        widened = getattr(self.inner, "float_forward", None)
+        local = widened(x) if widened is not None else None
+        local = local if local is not None else self.inner(x).float()
+        return torch.cat(self.comm.all_gather(local), dim=-1)[..., : self.vocab_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.float_forward(x)
