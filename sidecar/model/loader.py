@@ -178,6 +178,8 @@ def _set(
 def _load_linear(
     linear: nn.Linear, ckpt: _SafetensorsIndex, names: Iterable[str], dtype: torch.dtype, device: torch.device
 ) -> None:
+    if not isinstance(linear, nn.Linear) or not linear.weight.is_meta:
+        return  # built already from a hub-quantized checkpoint's codes (hf_quant.py)
     names = list(names)
     weights = [ckpt.get(f"{n}.weight") for n in names]
     _set(linear, "weight", torch.cat(weights, 0) if len(weights) > 1 else weights[0], dtype, device)
@@ -268,6 +270,8 @@ def _load_weights(
         for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj")):
             _maybe_quantize(parent, attr, cfg)
     _set(model.norm, "weight", _norm_weight(args, ckpt.get("model.norm.weight")), dtype, device)
+    if not isinstance(model.lm_head, nn.Linear) or not model.lm_head.weight.is_meta:
+        return  # a quantized lm_head of a hub-quantized checkpoint
     if tied:
         if isinstance(model.embed_tokens, nn.Embedding):  # not already quantized together above
             model.lm_head.weight = model.embed_tokens.weight
@@ -361,8 +365,12 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
         load_quantized_model(model_dir, model, dtype, device)
         quantization = json.loads(quant_file.read_text()).get("mode")
     else:
-        _load_weights(model, _SafetensorsIndex(model_dir), cfg, dtype, device)
-        quantization = cfg.quantization
+        ckpt, quantization = _SafetensorsIndex(model_dir), cfg.quantization
+        if "quantization_config" in hf_config:  # quantized by its producing tool (GPTQ, AWQ, ...)
+            from sidecar.model.hf_quant import load_hf_quantized
+
+            quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
+        _load_weights(model, ckpt, cfg, dtype, device)
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:
