@@ -96,7 +96,6 @@ CASES = {
     "gptq-asym-v1-g32": ("llama", _gptq(), "gptq-int4", Int4Linear),
     "gptq-sym-actorder-g32": ("qwen2", _gptq(sym=True, act_order=True), "gptq-int4", PermutedLinear),
     "gptq-actorder-parts": ("llama", _gptq(act_order=True, shared_order=False), "gptq-int4", ConcatLinear),
-    "gptq-v2-perchannel": ("llama", _gptq(group_size=-1, v1=False, act_order=True), "gptq-int4", Int4Linear),
     "gptq-int8-perchannel": (
         "qwen2",
         _gptq(bits=8, group_size=-1, sym=True, narrow=True),
@@ -104,7 +103,6 @@ CASES = {
         Int8Linear,
     ),
     "awq-g32": ("qwen2", _awq(), "awq-int4", Int4Linear),
-    "awq-g64": ("llama", _awq(group_size=64), "awq-int4", Int4Linear),
     "ct-w4a16-group-sym": ("qwen2", _ct(), f"{C}-w4a16", Int4Linear),
     "ct-w4a16-channel-asym": ("llama", _ct(strategy="channel", sym=False), f"{C}-w4a16", Int4Linear),
     "ct-w8a16-channel": ("llama", _ct(bits=8, strategy="channel", narrow=True), f"{C}-w8a16", Int8Linear),
@@ -116,8 +114,9 @@ def test_greedy_equals_hf_on_the_dequantized_weights(tiny_models, tmp_path, case
     kind, (qc, layer), label, qkv_cls = CASES[case]
     out = tmp_path / "q"
     ref = H.write(tiny_models[kind], out, qc, layer)
-    loaded = load_model(EngineConfig(model=str(out), dtype="float32"))
-    assert loaded.quantization == label
+    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=64)
+    loaded = llm.engine.loaded
+    assert loaded.quantization == label and llm.engine.model_info["quantization"] == label
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, qkv_cls)
     int8 = qkv_cls is Int8Linear
     down = loaded.model.layers[1].mlp.down_proj
@@ -126,14 +125,13 @@ def test_greedy_equals_hf_on_the_dequantized_weights(tiny_models, tmp_path, case
     # lm_head and the embedding stay as the tool left them (full precision).
     assert isinstance(loaded.model.lm_head, torch.nn.Linear)
     expect = _hf_greedy(tiny_models[kind], ref, 8)
-    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=64)
-    assert llm.engine.model_info["quantization"] == loaded.quantization
     got = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in got] == expect
 
 
 @pytest.mark.parametrize(
-    "case", ["gptq-asym-v1-g32", "gptq-sym-actorder-g32", "awq-g32", "ct-w4a16-channel-asym"]
+    "case",
+    ["gptq-asym-v1-g32", "gptq-sym-actorder-g32", "gptq-v2-perchannel", "awq-g64", "ct-w4a16-channel-asym"],
 )
 def test_int4_operands_dequantize_to_the_tools_weights_bit_for_bit(case):
     """With the tools' own fp16 scales (not the greedy tests' short ones): our stored int4 form, permuted
@@ -141,10 +139,11 @@ def test_int4_operands_dequantize_to_the_tools_weights_bit_for_bit(case):
     qc, layer = {
         "gptq-asym-v1-g32": _gptq(exact=False),
         "gptq-sym-actorder-g32": _gptq(sym=True, act_order=True, exact=False),
-        "awq-g32": _awq(exact=False),
+        "gptq-v2-perchannel": _gptq(group_size=-1, v1=False, act_order=True, exact=False),
+        "awq-g64": _awq(group_size=64, exact=False),
         "ct-w4a16-channel-asym": _ct(strategy="channel", sym=False, exact=False),
     }[case]
-    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(1))
+    w = torch.randn(48, 192, generator=torch.Generator().manual_seed(1))
     tensors, back = layer("x.q_proj", w)
     scheme = hf_quant.parse_quant_config(qc)
     read = scheme.make.args[1]
@@ -152,18 +151,18 @@ def test_int4_operands_dequantize_to_the_tools_weights_bit_for_bit(case):
         lambda key: tensors[key.split(".", 2)[-1]],
         lambda key: key.split(".", 2)[-1] in tensors,
         "x.q_proj",
-        96,
+        192,
     )
     assert torch.equal(src.dequantize(), back)
     q, s, z, perm = hf_quant_formats.int4_operands(src, "x.q_proj")
-    w_ours = dequantize_int4(q, s, z, 96)
+    w_ours = dequantize_int4(q, s, z, 192)
     if perm is not None:
         w_ours = w_ours[:, torch.argsort(perm)]
     assert torch.equal(w_ours, back)
     if case.startswith("ct"):
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-        tool = unpack_from_int32(tensors["weight_packed"], 4, torch.Size([48, 96])).to(torch.int16) + 8
+        tool = unpack_from_int32(tensors["weight_packed"], 4, torch.Size([48, 192])).to(torch.int16) + 8
         assert torch.equal(src.codes.to(torch.int16), tool)
 
 
