@@ -5,9 +5,10 @@ Every reader returns a ``Source``: unsigned codes ``u`` [N, K], per-group ``scal
 the tool's dequantized weight is ``w[n, k] = (u[n, k] - zeros[n, g_idx[k]]) * scales[n, g_idx[k]]``.
 
 - GPTQ (AutoGPTQ / GPTQModel, transformers' GPTQ integration): ``qweight`` int32 [K * bits / 32, N], input
-  rows packed low bits first along K; ``qzeros`` int32 [G, N * bits / 32] packed the same way along N and, in
-  the v1 format (``checkpoint_format: gptq``), stored minus one; ``scales`` [G, N]; ``g_idx`` int32 [K]
-  (with ``desc_act`` the groups are in activation order, not contiguous).
+  rows packed low bits first along K; ``qzeros`` int32 [G, N * bits / 32] packed the same way along N and,
+  in the v1 format (``checkpoint_format: gptq``), stored minus one (subtracted from the whole word);
+  ``scales`` [G, N]; ``g_idx`` int32 [K] (with ``desc_act`` the groups are in activation order, not
+  contiguous).
 - AWQ GEMM (AutoAWQ): ``qweight`` int32 [K, N / 8] and ``qzeros`` int32 [G, N / 8], eight output columns per
   word whose nibble ``i`` holds column ``AWQ_ORDER[i]``; zeros stored as they are; ``scales`` [G, N].
 - compressed-tensors ``pack-quantized``: ``weight_packed`` int32 [N, ceil(K * bits / 32)] packed along K
@@ -59,11 +60,11 @@ class Source:
 
 
 def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 words -> unsigned codes (int32), ``32 / bits`` values per word, lowest bits first, along
-    ``dim``."""
+    """32-bit words (int32, or their unsigned values in int64) -> unsigned codes (int64), ``32 / bits``
+    values per word, lowest bits first, along ``dim``."""
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
-    w = words.to(torch.int32)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    w = words.to(torch.int64) & 0xFFFFFFFF
     if dim == 0:
         vals = (w.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)
         return vals.reshape(w.shape[0] * per, w.shape[1])
@@ -73,7 +74,12 @@ def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 def gptq_source(get, has, name: str, bits: int, zero_offset: int, in_features: int) -> Source:
     codes = unpack_words(get(f"{name}.qweight"), bits, 0)[:in_features].T
-    zeros = unpack_words(get(f"{name}.qzeros"), bits, 1)[:, : codes.shape[0]] + zero_offset
+    words = get(f"{name}.qzeros").to(torch.int64)
+    if zero_offset:
+        # v1 -> v2 as GPTQModel converts: one added to every field of the word at once, carries included
+        # (the inverse of its v2 -> v1 subtraction, whose borrows a zero point of 0 needs).
+        words = (words + sum(1 << s for s in range(0, 32, bits))) & 0xFFFFFFFF
+    zeros = unpack_words(words, bits, 1)[:, : codes.shape[0]]
     g_idx = get(f"{name}.g_idx").long() if has(f"{name}.g_idx") else None
     return Source(codes.to(torch.uint8), get(f"{name}.scales").float().T, zeros.float().T, g_idx, bits)
 

@@ -1,9 +1,10 @@
 """Tiny hub-quantized checkpoints written the way their tools write them, and their dequantized references.
 
-GPTQ and AWQ files are packed here following AutoGPTQ/GPTQModel's ``pack`` (input rows along int32 words,
-zeros minus one in the v1 format) and AutoAWQ's ``WQLinear_GEMM.from_linear`` (output columns in
-``AWQ_ORDER``), neither tool installing next to our torch; each is read back by an independent element-wise
-dequantizer written from the tools' dequantization (``dequant_gptq`` / ``dequant_awq``). compressed-tensors
+GPTQ and AWQ files are packed here following GPTQModel's ``pack`` (input rows along int32 words; in the
+v1 format the zeros word minus one in every field, as its v2 -> v1 conversion writes it) and AutoAWQ's
+``WQLinear_GEMM.from_linear`` (output columns in ``AWQ_ORDER``), neither tool installing next to our torch;
+each is read back by an independent element-wise dequantizer written from the tools' dequantization
+(``dequant_gptq`` / ``dequant_awq``). compressed-tensors
 files come from the tool itself (``PackedQuantizationCompressor.compress``), read back by its ``decompress``.
 """
 
@@ -65,10 +66,12 @@ def _words(vals: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
 
 def pack_gptq(codes, scales, zeros, g_idx, bits, v1: bool) -> dict:
-    stored_zeros = (zeros.to(torch.int64) - (1 if v1 else 0)) & ((1 << bits) - 1)
+    qzeros = _words(zeros.to(torch.int64).T.numpy(), bits, 1).view(np.uint32)
+    if v1:  # GPTQModel's v2 -> v1: one subtracted from every field of the word at once, borrows included
+        qzeros = qzeros - np.uint32(sum(1 << s for s in range(0, 32, bits)))
     return {
         "qweight": torch.from_numpy(_words(codes.T.numpy(), bits, 0)),
-        "qzeros": torch.from_numpy(_words(stored_zeros.T.numpy(), bits, 1)),
+        "qzeros": torch.from_numpy(qzeros.view(np.int32)),
         "scales": scales.T.contiguous().half(),
         "g_idx": g_idx.to(torch.int32),
     }
@@ -78,11 +81,13 @@ def dequant_gptq(t: dict, bits: int, v1: bool) -> torch.Tensor:
     """Element by element, as the tool's reference dequantizer reads its tensors."""
     per, mask = 32 // bits, (1 << bits) - 1
     qw, qz = t["qweight"].numpy().view(np.uint32), t["qzeros"].numpy().view(np.uint32)
+    if v1:  # GPTQModel's v1 -> v2: the word plus one in every field, carries included
+        qz = qz + np.uint32(sum(1 << s for s in range(0, 32, bits)))
     k, n = qw.shape[0] * per, qw.shape[1]
     kk, nn = np.arange(k)[:, None], np.arange(n)[None, :]
     q = (qw[kk // per, nn] >> (bits * (kk % per))) & mask
     g = t["g_idx"].numpy().astype(np.int64)[:, None]
-    z = ((qz[g, nn // per] >> (bits * (nn % per))) & mask) + (1 if v1 else 0)
+    z = (qz[g, nn // per] >> (bits * (nn % per))) & mask
     s = t["scales"].float().numpy()[g, nn]
     return torch.from_numpy((s * (q.astype(np.float32) - z.astype(np.float32))).T.copy())
 

@@ -144,6 +144,7 @@ def test_int4_operands_dequantize_to_the_tools_weights_bit_for_bit(case):
         "ct-w4a16-channel-asym": _ct(strategy="channel", sym=False, exact=False),
     }[case]
     w = torch.randn(48, 192, generator=torch.Generator().manual_seed(1))
+    w[:, :64] = w[:, :64].abs()  # groups without negative weights: zero point 0 (GPTQ v1 stores it as -1)
     tensors, back = layer("x.q_proj", w)
     scheme = hf_quant.parse_quant_config(qc)
     read = scheme.make.args[1]
