@@ -66,7 +66,8 @@ def _words(vals: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
 
 def pack_gptq(codes, scales, zeros, g_idx, bits, v1: bool) -> dict:
-    qzeros = _words(zeros.to(torch.int64).T.numpy(), bits, 1).view(np.uint32)
+    pad = -zeros.shape[0] % (32 // bits)  # output rows padded to whole words (a vocab-sized lm_head)
+    qzeros = _words(np.pad(zeros.to(torch.int64).T.numpy(), ((0, 0), (0, pad))), bits, 1).view(np.uint32)
     if v1:  # GPTQModel's v2 -> v1: one subtracted from every field of the word at once, borrows included
         qzeros = qzeros - np.uint32(sum(1 << s for s in range(0, 32, bits)))
     return {

@@ -129,6 +129,16 @@ def test_greedy_equals_hf_on_the_dequantized_weights(tiny_models, tmp_path, case
     assert [o.token_ids for o in got] == expect
 
 
+def test_a_quantized_lm_head_runs_int4_and_greedy_equals_hf(tiny_models, tmp_path):
+    """GPTQ with lm_head quantized too (an untied head whose vocab is not a whole number of zeros words)."""
+    out = tmp_path / "q"
+    ref = H.write(tiny_models["llama"], out, *_gptq(), lm_head=True)
+    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=64)
+    assert isinstance(llm.engine.loaded.model.lm_head, Int4Linear)
+    got = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in got] == _hf_greedy(tiny_models["llama"], ref, 8)
+
+
 @pytest.mark.parametrize(
     "case",
     ["gptq-asym-v1-g32", "gptq-sym-actorder-g32", "gptq-v2-perchannel", "awq-g64", "ct-w4a16-channel-asym"],
