@@ -178,26 +178,29 @@ def test_int4_operands_dequantize_to_the_tools_weights_bit_for_bit(case):
 
 
 def test_resident_weight_bytes_stay_near_the_file_size(tiny_models, tmp_path):
-    out = tmp_path / "q"
-    H.write(tiny_models["llama"], out, *_gptq(exact=False))
-    loaded = load_model(EngineConfig(model=str(out), dtype="bfloat16"))
-    resident = sum(b.numel() * b.element_size() for b in loaded.model.buffers())
-    resident += sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    resident -= sum(
-        b.numel() * b.element_size()
-        for n, b in loaded.model.named_buffers()
-        if "rope" in n or "cos" in n or "sin" in n
-    )
+    """The int4 modules' buffers against the file's quantized tensors (qweight, qzeros, scales, g_idx), and
+    the whole model's parameters and buffers against the file with its float tensors counted as bf16."""
     from safetensors import safe_open
 
+    out = tmp_path / "q"
+    H.write(tiny_models["llama"], out, *_gptq(exact=False))
+    model = load_model(EngineConfig(model=str(out), dtype="bfloat16")).model
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) == 4 * len(model.layers)
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        file_bytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
-    # the file's float tensors are float32 (the tiny source): count them as the bf16 they load as
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        file_bytes -= sum(
-            f.get_tensor(k).numel() * 2 for k in f.keys() if f.get_tensor(k).dtype == torch.float32
-        )
-    assert resident <= 1.15 * file_bytes, (resident, file_bytes)
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    packed = nbytes(
+        t for k, t in stored.items() if k.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx")
+    )
+    assert nbytes(b for m in int4 for b in m.buffers()) <= 1.15 * packed
+    file_bytes = sum(
+        t.numel() * (2 if t.dtype == torch.float32 else t.element_size()) for t in stored.values()
+    )
+    assert nbytes(list(model.parameters()) + list(model.buffers())) <= 1.15 * file_bytes
 
 
 @pytest.mark.parametrize(
@@ -289,4 +292,17 @@ def test_int8_codes_beyond_the_kernels_range_are_refused(tiny_models, tmp_path):
     out = tmp_path / "q"
     H.write(tiny_models["llama"], out, *_gptq(bits=8, group_size=-1, sym=True))
     with pytest.raises(ValueError, match=r"quantization_config\.bits: 8 is not supported for model\.layers"):
+        load_model(EngineConfig(model=str(out), dtype="float32"))
+
+
+def test_a_quantized_mixture_of_experts_is_refused_naming_the_config(tmp_path, demo_dir):
+    from tests.unit.model.family_checkpoints import build_family_checkpoint
+
+    out = build_family_checkpoint("mixtral", tmp_path / "moe", demo_dir)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = _gptq()[0]
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match="quantization_config: gptq-int4 mixture-of-experts checkpoints are not"
+    ):
         load_model(EngineConfig(model=str(out), dtype="float32"))
