@@ -150,6 +150,11 @@ COMPRESSED_TENSORS_FORMATS: dict[str, Callable[[dict, dict, str], Scheme]] = {
 
 def _compressed_tensors(qc: dict) -> Scheme:
     _field(qc, "quantization_status", ("compressed",), "compressed")
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity.get("format", "dense") != "dense":
+        raise ValueError(f"quantization_config.sparsity_config: {sparsity.get('format')!r} is not supported")
+    if qc.get("transform_config"):
+        raise ValueError("quantization_config.transform_config: weight transforms are not supported")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise ValueError("quantization_config.config_groups: must hold exactly one quantization scheme")

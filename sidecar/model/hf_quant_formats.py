@@ -101,7 +101,10 @@ def compressed_source(get, has, name: str, bits: int, symmetric: bool) -> Source
     if symmetric:
         zeros = torch.full(scales.shape, float(1 << (bits - 1)))
     else:
-        zeros = unpack_words(get(f"{name}.weight_zero_point"), bits, 0)[:n].float()
+        zp = get(f"{name}.weight_zero_point")
+        # packed int32 along N (pack_to_int32, as the compressor writes it), or the signed codes as they are
+        packed = zp.dtype == torch.int32
+        zeros = (unpack_words(zp, bits, 0)[:n] if packed else zp.to(torch.int64) + (1 << (bits - 1))).float()
     g_idx = get(f"{name}.weight_g_idx").long() if has(f"{name}.weight_g_idx") else None
     return Source(codes.to(torch.uint8), scales, zeros, g_idx, bits)
 

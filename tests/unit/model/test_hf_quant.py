@@ -175,6 +175,16 @@ def test_int4_operands_dequantize_to_the_tools_weights_bit_for_bit(case):
 
         tool = unpack_from_int32(tensors["weight_packed"], 4, torch.Size([48, 192])).to(torch.int16) + 8
         assert torch.equal(src.codes.to(torch.int16), tool)
+        # Zero points stored unpacked (signed int8 codes) read the same as the packed ones.
+        zp = unpack_from_int32(tensors["weight_zero_point"], 4, torch.Size([48, 1]), packed_dim=0)
+        plain = dict(tensors, weight_zero_point=zp)
+        src8 = read(
+            lambda key: plain[key.split(".", 2)[-1]],
+            lambda key: key.split(".", 2)[-1] in plain,
+            "x.q_proj",
+            192,
+        )
+        assert torch.equal(src8.dequantize(), back)
 
 
 def test_resident_weight_bytes_stay_near_the_file_size(tiny_models, tmp_path):
@@ -249,6 +259,10 @@ def test_malformed_quantization_config_names_the_field(tiny_models, tmp_path, ch
             "quantization_config.config_groups.g.weights.num_bits",
         ),
         ([], "quantization_config: must be an object"),
+        (
+            {"quant_method": "compressed-tensors", "sparsity_config": {"format": "sparse-24-bitmask"}},
+            "quantization_config.sparsity_config: 'sparse-24-bitmask' is not supported",
+        ),
     ],
 )
 def test_other_refusals_name_the_field(qc, field):
