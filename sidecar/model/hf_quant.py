@@ -96,10 +96,10 @@ def _group_size(qc: dict, key: str = "group_size", label: str = "quantization_co
     return value
 
 
-def _check_bits(bits: int, group_size: int, label: str = "quantization_config") -> None:
+def _check_bits(bits: int, group_size: int, label: str = "quantization_config", key: str = "bits") -> None:
     if bits == 8 and group_size != -1:
         raise ValueError(
-            f"{label}.bits: 8 with group_size {group_size} is not supported "
+            f"{label}.{key}: 8 with group_size {group_size} is not supported "
             "(the int8 kernels hold one scale per output channel: group_size -1 / channel strategy)"
         )
 
@@ -134,7 +134,7 @@ def _ct_pack_quantized(qc: dict, weights: dict, where: str) -> Scheme:
     _field(weights, "type", ("int",), label=where)
     strategy = _field(weights, "strategy", ("group", "channel"), label=where)
     group_size = -1 if strategy == "channel" else _group_size(weights, label=where)
-    _check_bits(bits, group_size, label=where)
+    _check_bits(bits, group_size, label=where, key="num_bits")
     sym = _field(weights, "symmetric", (True, False), True, label=where)
     read = partial(compressed_source, bits=bits, symmetric=sym)
     return _grouped_scheme(

@@ -260,6 +260,10 @@ def test_malformed_quantization_config_names_the_field(tiny_models, tmp_path, ch
         ),
         ([], "quantization_config: must be an object"),
         (
+            _ct(bits=8, group_size=64)[0],
+            "quantization_config.config_groups.group_0.weights.num_bits: 8 with group_size 64 is not",
+        ),
+        (
             {"quant_method": "compressed-tensors", "sparsity_config": {"format": "sparse-24-bitmask"}},
             "quantization_config.sparsity_config: 'sparse-24-bitmask' is not supported",
         ),
