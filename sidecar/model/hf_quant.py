@@ -45,7 +45,9 @@ class Scheme:
 
     label: str  # the format as reported (LoadedModel.quantization, /v1/models, the start line)
     marker: str  # tensor suffix present exactly for the linears the tool quantized
-    make: Callable[..., nn.Module]  # (get, has, names, in_features, bias, dtype, device) -> runtime module
+    # (get, has, names, in_features, bias, dtype, device, checks) -> the runtime module of the linear whose
+    # checkpoint parts are ``names`` (fused in that order); ``checks``: kind -> self-check verdict, per load
+    make: Callable[..., nn.Module]
 
 
 class PermutedLinear(nn.Module):
@@ -112,7 +114,7 @@ def _gptq(qc: dict) -> Scheme:
     _field(qc, "desc_act", (True, False), False)
     key = "checkpoint_format" if "checkpoint_format" in qc else "format"
     fmt = _field(qc, key, ("gptq", "gptq_v2"), "gptq")
-    # v1 stores every zero point minus one (AutoGPTQ's packing); v2 stores them as they are.
+    # v1 stores the zeros word minus one in every field (GPTQModel's v2 -> v1); v2 stores them as they are.
     read = partial(gptq_source, bits=bits, zero_offset=1 if fmt == "gptq" else 0)
     return _grouped_scheme(
         f"gptq-int{bits}", "qweight", lambda get, has, n, k: read(get, has, n, in_features=k)
@@ -246,14 +248,18 @@ def _checked_runtime(label, src: Source, name, in_features, bias, dtype, device,
     return dense
 
 
+_CHECK_ROWS = 512  # output rows the self-check compares: every group and column of the layout, little memory
+
+
 def _self_check(module: nn.Module, src: Source, bias, dtype, device) -> str:
     """'' when ``module`` computes the tool's dequantized weight's product (within the kernels' bf16
     scales and activations), else why not."""
-    n, k = src.codes.shape
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
-    ref = x @ src.dequantize().T + (0.0 if bias is None else bias.float().cpu())
+    rows = min(src.codes.shape[0], _CHECK_ROWS)
+    head = Source(src.codes[:rows], src.scales[:rows], src.zeros[:rows], src.g_idx, src.bits)
+    x = torch.randn(3, src.codes.shape[1], generator=torch.Generator().manual_seed(0))
+    ref = x @ head.dequantize().T + (0.0 if bias is None else bias[:rows].float().cpu())
     with torch.no_grad():
-        y = module(x.to(device, dtype)).float().cpu()
+        y = module(x.to(device, dtype))[:, :rows].float().cpu()
     err, bound = float((y - ref).abs().max()), 0.02 * float(ref.abs().max()) + 1e-3
     return "" if err <= bound else f"off from the dequantized reference by {err:.3g} (bound {bound:.3g})"
 
