@@ -94,8 +94,8 @@ C = "compressed-tensors"
 # case -> (family, (quantization_config, layer writer), reported format, module kind of qkv_proj)
 CASES = {
     "gptq-asym-v1-g32": ("llama", _gptq(), "gptq-int4", Int4Linear),
-    "gptq-sym-actorder-g32": ("qwen2", _gptq(sym=True, act_order=True), "gptq-int4", PermutedLinear),
-    "gptq-actorder-parts": ("llama", _gptq(act_order=True, shared_order=False), "gptq-int4", ConcatLinear),
+    "gptq-sym-actorder-g32": ("llama", _gptq(sym=True, act_order=True), "gptq-int4", PermutedLinear),
+    "gptq-actorder-parts": ("qwen2", _gptq(act_order=True, shared_order=False), "gptq-int4", ConcatLinear),
     "gptq-int8-perchannel": (
         "qwen2",
         _gptq(bits=8, group_size=-1, sym=True, narrow=True),
@@ -185,6 +185,20 @@ def test_int4_operands_dequantize_to_the_tools_weights_bit_for_bit(case):
             192,
         )
         assert torch.equal(src8.dequantize(), back)
+
+
+def test_per_channel_scales_over_a_width_off_the_kernel_alignment_pad_exactly():
+    """in_features 80 (not a multiple of 32): the codes are padded to 96 and the per-channel scale repeated
+    over the kernel's groups (fp16 scales, as files store them: the products are exact in float32); the padded
+    columns meet zero activations."""
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (24, 80), generator=g, dtype=torch.uint8)
+    src = hf_quant_formats.Source(
+        codes, (torch.rand(24, 1, generator=g) + 0.1).half().float(), torch.full((24, 1), 5.0), None, 4
+    )
+    q, s, z, perm = hf_quant_formats.int4_operands(src, "x")
+    assert perm is None and q.shape == (24, 48) and s.shape == (24, 3)
+    assert torch.equal(dequantize_int4(q, s, z, 80), src.dequantize())
 
 
 def test_resident_weight_bytes_stay_near_the_file_size(tiny_models, tmp_path):
