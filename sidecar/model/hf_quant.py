@@ -52,7 +52,8 @@ class Scheme:
 
 class PermutedLinear(nn.Module):
     """A quantized linear whose input columns were reordered at load so its groups are contiguous
-    (act-order): computes ``inner(x[..., perm])``."""
+    (act-order): computes ``inner(x[..., perm])``. The gather is a torch operator, so CPU decode steps of
+    such a model run eagerly (the step replay refuses them), as do those of ``ConcatLinear``."""
 
     def __init__(self, inner: nn.Module, perm: torch.Tensor) -> None:
         super().__init__()
