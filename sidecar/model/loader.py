@@ -179,6 +179,8 @@ def _set(
 def _load_linear(
     linear: nn.Linear, ckpt: _SafetensorsIndex, names: Iterable[str], dtype: torch.dtype, device: torch.device
 ) -> None:
+    if not isinstance(linear, nn.Linear) or not linear.weight.is_meta:
+        return  # built already from a hub-quantized checkpoint's codes (hf_quant.py)
     names = list(names)
     weights = [ckpt.get(f"{n}.weight") for n in names]
     _set(linear, "weight", torch.cat(weights, 0) if len(weights) > 1 else weights[0], dtype, device)
@@ -269,6 +271,8 @@ def _load_weights(
         for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj")):
             _maybe_quantize(parent, attr, cfg)
     _set(model.norm, "weight", _norm_weight(args, ckpt.get("model.norm.weight")), dtype, device)
+    if not isinstance(model.lm_head, nn.Linear) or not model.lm_head.weight.is_meta:
+        return  # a quantized lm_head of a hub-quantized checkpoint
     if tied:
         if isinstance(model.embed_tokens, nn.Embedding):  # not already quantized together above
             model.lm_head.weight = model.embed_tokens.weight
@@ -365,9 +369,14 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
         load_quantized_model(model_dir, model, dtype, device)
         quantization = json.loads(quant_file.read_text()).get("mode")
     else:
-        ckpt = _SafetensorsIndex(model_dir)
+        ckpt, quantization = _SafetensorsIndex(model_dir), cfg.quantization
+        if "quantization_config" in hf_config:  # quantized by its producing tool (GPTQ, AWQ, ...)
+            from sidecar.model.hf_quant import load_hf_quantized
+
+            if shard is not None:
+                raise ValueError("tensor_parallel_size: checkpoints with a quantization_config are not split")
+            quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
         _load_weights(model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device)
-        quantization = cfg.quantization
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:
