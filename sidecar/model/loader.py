@@ -166,6 +166,8 @@ class _SafetensorsIndex:
 def _set(
     module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> None:
+    if getattr(module, "preloaded", False):  # an HF quantized format's module, already filled (hf8bit.py)
+        return
     old = getattr(module, name)
     if tuple(old.shape) != tuple(tensor.shape):
         raise ValueError(
@@ -178,6 +180,8 @@ def _set(
 def _load_linear(
     linear: nn.Linear, ckpt: _SafetensorsIndex, names: Iterable[str], dtype: torch.dtype, device: torch.device
 ) -> None:
+    if getattr(linear, "preloaded", False):
+        return
     names = list(names)
     weights = [ckpt.get(f"{n}.weight") for n in names]
     _set(linear, "weight", torch.cat(weights, 0) if len(weights) > 1 else weights[0], dtype, device)
@@ -361,8 +365,13 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
         load_quantized_model(model_dir, model, dtype, device)
         quantization = json.loads(quant_file.read_text()).get("mode")
     else:
-        _load_weights(model, _SafetensorsIndex(model_dir), cfg, dtype, device)
+        ckpt, qcfg = _SafetensorsIndex(model_dir), hf_config.get("quantization_config") or {}
         quantization = cfg.quantization
+        if qcfg.get("quant_method") in ("compressed-tensors", "fp8"):
+            from sidecar.model.hf8bit import preload_8bit  # 8-bit HF formats' projections, by their config
+
+            quantization = preload_8bit(model, ckpt, qcfg, quantization, dtype, device)
+        _load_weights(model, ckpt, cfg, dtype, device)
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:

@@ -26,9 +26,10 @@
 #include <float.h>
 #include <stdlib.h>
 
-#define MR 6  /* activation rows of a register tile */
-#define NR 16 /* weight rows of a panel (two blocks of 8) */
-#define MB 48 /* activation rows whose int16 codes are kept hot while every panel passes over them */
+#define MR          6  /* activation rows of a register tile */
+#define NR          16 /* weight rows of a panel (two blocks of 8) */
+#define MB          48 /* activation rows whose int16 codes are kept hot while every panel passes over them */
+#define SERIAL_MACS (1 << 22) /* products below this many multiply-adds run on the calling thread */
 
 static int round_up(int a, int b) {
     return (a + b - 1) / b * b;
@@ -171,7 +172,9 @@ int sidecar_w8a8_matmul(const sidecar_matmul_args* a) {
         free(sx);
         return 2;
     }
-    const int nthreads = a->nthreads < 1 ? 1 : a->nthreads;
+    /* A product of a few million multiply-adds takes tens of microseconds on one core: less than waking and
+     * joining a team costs. */
+    const int nthreads = a->nthreads < 1 || (int64_t)M * N * K < SERIAL_MACS ? 1 : a->nthreads;
 #pragma omp parallel for num_threads(nthreads)
     for (int m = 0; m < M; m++) sx[m] = quantize_row(a->x, a->x_bf16, m, K, Kp, q + (int64_t)m * Kp);
     const float* sw = (const float*)a->scales;
