@@ -38,8 +38,29 @@ ISA_NAMES = {0: "plain C", 1: "VNNI", 2: "AVX2"}
 
 
 def available() -> bool:
-    """Whether the kernel built for this CPU (``cpu_build.reason('w8a8_gemm')`` says why not)."""
-    return _KERNEL.lib() is not None
+    """Whether the kernel built for this CPU and passed its self-check: a product with odd shapes and codes at
+    both ends of the range equal to ``w8a8_matmul_ref`` bit for bit (checked once; ``cpu_build.reason``
+    says why not)."""
+    lib = _KERNEL.lib()
+    if lib is None:
+        return False
+    if not hasattr(lib, "_sidecar_checked"):
+        lib._sidecar_checked = _self_check()
+        if not lib._sidecar_checked:
+            cpu_build._reasons["w8a8_gemm"] = "self-check: the product differs from the torch reference"
+            cpu_build.log.warning("CPU kernel w8a8_gemm not used (torch path instead): self-check failed")
+    return lib._sidecar_checked
+
+
+def _self_check() -> bool:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 45, generator=g)
+    x[0, 3] = -9.0
+    w = torch.randint(-128, 128, (19, 45), dtype=torch.int8, generator=g)
+    w[1] = -128
+    s, bias = torch.rand(19, generator=g), torch.randn(19, generator=g)
+    y = w8a8_matmul(x, pack(w), padded_scales(s), 19, bias)
+    return torch.equal(y, w8a8_matmul_ref(x, w, s, bias))
 
 
 def isa() -> str:

@@ -90,3 +90,27 @@ def test_quantization_equals_compressed_tensors_dynamic_token_quantization() -> 
     q, sx = w8a8_gemm.quantize_per_token(x.reshape(-1, 70))
     assert torch.equal(q, codes.reshape(-1, 70))
     assert torch.equal(sx, scale.reshape(-1))
+
+
+def test_failed_self_check_leaves_layers_on_the_torch_path(monkeypatch) -> None:
+    from sidecar.model.w8a8 import W8A8Linear
+
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    monkeypatch.setattr(cpu_build, "_reasons", {})
+    monkeypatch.setattr(w8a8_gemm, "_self_check", lambda: False)
+    assert not w8a8_gemm.available()
+    assert "self-check" in cpu_build.reason("w8a8_gemm")
+    x, w, s = _operands(37, 24, 50, seed=3)
+    layer = W8A8Linear(w, s, None)
+    assert layer.packed is None and torch.equal(layer.codes(), w)
+    assert torch.equal(layer(x), w8a8_gemm.w8a8_matmul_ref(x, w, s))
+
+
+def test_layer_takes_the_kernel_when_it_passes() -> None:
+    from sidecar.model.w8a8 import W8A8Linear
+
+    x, w, s = _operands(37, 24, 50, seed=4)
+    bias = torch.randn(24)
+    layer = W8A8Linear(w, s, bias)
+    assert layer.weight is None and torch.equal(layer.codes(), w)
+    assert torch.equal(layer(x.view(1, 37, 50)), w8a8_gemm.w8a8_matmul_ref(x, w, s, bias).view(1, 37, 24))
