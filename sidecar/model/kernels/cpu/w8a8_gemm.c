@@ -29,6 +29,7 @@
 #define MR          6  /* activation rows of a register tile */
 #define NR          16 /* weight rows of a panel (two blocks of 8) */
 #define MB          48 /* activation rows whose int16 codes are kept hot while every panel passes over them */
+#define CHUNK       4  /* panels a thread takes at a time */
 #define SERIAL_MACS (1 << 22) /* products below this many multiply-adds run on the calling thread */
 
 static int round_up(int a, int b) {
@@ -178,20 +179,27 @@ int sidecar_w8a8_matmul(const sidecar_matmul_args* a) {
 #pragma omp parallel for num_threads(nthreads)
     for (int m = 0; m < M; m++) sx[m] = quantize_row(a->x, a->x_bf16, m, K, Kp, q + (int64_t)m * Kp);
     const float* sw = (const float*)a->scales;
-    for (int m0 = 0; m0 < M; m0 += MB) {
-        const int m1 = m0 + MB < M ? m0 + MB : M;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int pn = 0; pn < panels; pn++) {
-            int32_t acc[MR * NR];
-            float out[MR * NR];
-            const int n1 = pn * NR, nb = N - n1 < NR ? N - n1 : NR;
-            for (int i0 = m0; i0 < m1; i0 += MR) {
-                const int mb = m1 - i0 < MR ? m1 - i0 : MR;
-                sums_rows(q + (int64_t)i0 * Kp, Kp, (const int8_t*)a->w + pn * panel_bytes, acc, mb);
-                for (int i = 0; i < mb; i++)
-                    for (int j = 0; j < nb; j++)
-                        out[i * nb + j] = (float)acc[i * NR + j] * sx[i0 + i] * sw[n1 + j];
-                store_tile(out, mb, nb, i0, n1, N, a->bias, a->bias_bf16, a->y, a->out == 1);
+    /* Threads take chunks of CHUNK panels as they come free (a core another process holds slows its thread
+     * alone, and no barrier waits on it); a chunk passes over the activations MB rows at a time, every panel
+     * of the chunk over each block while its codes are hot. */
+    const int chunks = (panels + CHUNK - 1) / CHUNK;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
+    for (int c = 0; c < chunks; c++) {
+        int32_t acc[MR * NR];
+        float out[MR * NR];
+        const int p1 = (c + 1) * CHUNK < panels ? (c + 1) * CHUNK : panels;
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int m1 = m0 + MB < M ? m0 + MB : M;
+            for (int pn = c * CHUNK; pn < p1; pn++) {
+                const int n1 = pn * NR, nb = N - n1 < NR ? N - n1 : NR;
+                for (int i0 = m0; i0 < m1; i0 += MR) {
+                    const int mb = m1 - i0 < MR ? m1 - i0 : MR;
+                    sums_rows(q + (int64_t)i0 * Kp, Kp, (const int8_t*)a->w + pn * panel_bytes, acc, mb);
+                    for (int i = 0; i < mb; i++)
+                        for (int j = 0; j < nb; j++)
+                            out[i * nb + j] = (float)acc[i * NR + j] * sx[i0 + i] * sw[n1 + j];
+                    store_tile(out, mb, nb, i0, n1, N, a->bias, a->bias_bf16, a->y, a->out == 1);
+                }
             }
         }
     }
