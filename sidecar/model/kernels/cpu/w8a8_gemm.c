@@ -28,9 +28,10 @@
 
 #define MR          6  /* activation rows of a register tile */
 #define NR          16 /* weight rows of a panel (two blocks of 8) */
-#define MB          48 /* activation rows whose int16 codes are kept hot while every panel passes over them */
-#define CHUNK       4  /* panels a thread takes at a time */
-#define SERIAL_MACS (1 << 22) /* products below this many multiply-adds run on the calling thread */
+#define MB          48 /* at most this many activation rows a block (every panel of a chunk passes over it) */
+#define BLOCK_BYTES (160 << 10) /* a block's int16 codes fill at most this much of the L2 */
+#define CHUNK_BYTES (192 << 10) /* and a chunk's panels this much */
+#define SERIAL_MACS (1 << 22)   /* products below this many multiply-adds run on the calling thread */
 
 static int round_up(int a, int b) {
     return (a + b - 1) / b * b;
@@ -57,6 +58,18 @@ static float quantize_row(const void* x, int x_bf16, int m, int K, int Kp, int16
     }
     for (int k = K; k < Kp; k++) q[k] = 0;
     return s;
+}
+
+/* Rows of a block of activations: a multiple of MR, at most MB, whose codes fit BLOCK_BYTES. */
+static int block_rows(int Kp) {
+    const int rows = (int)(BLOCK_BYTES / ((int64_t)Kp * 2)) / MR * MR;
+    return rows < MR ? MR : (rows > MB ? MB : rows);
+}
+
+/* Panels of a chunk: as many as fit CHUNK_BYTES, at least one, at most 8. */
+static int chunk_panels(int64_t panel_bytes) {
+    const int n = (int)(CHUNK_BYTES / panel_bytes);
+    return n < 1 ? 1 : (n > 8 ? 8 : n);
 }
 
 /* int32 sums of mr (<= MR, a constant where inlined) rows of q (row stride Kp) against one panel of NR weight
@@ -179,18 +192,19 @@ int sidecar_w8a8_matmul(const sidecar_matmul_args* a) {
 #pragma omp parallel for num_threads(nthreads)
     for (int m = 0; m < M; m++) sx[m] = quantize_row(a->x, a->x_bf16, m, K, Kp, q + (int64_t)m * Kp);
     const float* sw = (const float*)a->scales;
-    /* Threads take chunks of CHUNK panels as they come free (a core another process holds slows its thread
-     * alone, and no barrier waits on it); a chunk passes over the activations MB rows at a time, every panel
-     * of the chunk over each block while its codes are hot. */
-    const int chunks = (panels + CHUNK - 1) / CHUNK;
+    /* Threads take chunks of panels as they come free (a core another process holds slows its thread alone,
+     * and no barrier waits on it); a chunk passes over the activations a block of rows at a time, every panel
+     * of the chunk over each block while its codes are in the core's L2. */
+    const int mbr = block_rows(Kp), chunk = chunk_panels(panel_bytes);
+    const int chunks = (panels + chunk - 1) / chunk;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
     for (int c = 0; c < chunks; c++) {
         int32_t acc[MR * NR];
         float out[MR * NR];
-        const int p1 = (c + 1) * CHUNK < panels ? (c + 1) * CHUNK : panels;
-        for (int m0 = 0; m0 < M; m0 += MB) {
-            const int m1 = m0 + MB < M ? m0 + MB : M;
-            for (int pn = c * CHUNK; pn < p1; pn++) {
+        const int p1 = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
+        for (int m0 = 0; m0 < M; m0 += mbr) {
+            const int m1 = m0 + mbr < M ? m0 + mbr : M;
+            for (int pn = c * chunk; pn < p1; pn++) {
                 const int n1 = pn * NR, nb = N - n1 < NR ? N - n1 : NR;
                 for (int i0 = m0; i0 < m1; i0 += MR) {
                     const int mb = m1 - i0 < MR ? m1 - i0 : MR;
