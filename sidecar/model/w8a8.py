@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sidecar.model.kernels.cpu import w8a8_gemm
@@ -63,10 +64,13 @@ def parse_w8a8_scheme(group: dict, where: str) -> str:
 
 
 def int_sums(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Exact int32 ``q @ w.T`` of int8 [M, K] and [N, K]: ``torch._int_mm`` where the device takes the shapes,
-    else float64 sums (exact: each is an integer below 2^53)."""
+    """Exact int32 ``q @ w.T`` of int8 [M, K] and [N, K]: ``torch._int_mm`` where the device takes the shapes
+    (CUDA's wants more than 16 rows: fewer are padded with zero rows), else float64 sums (exact: each is an
+    integer below 2^53)."""
+    m = q.shape[0]
     try:
-        return torch._int_mm(q, w.t())
+        padded = F.pad(q, (0, 0, 0, 17 - m)) if q.is_cuda and m <= 16 else q
+        return torch._int_mm(padded, w.t())[:m]
     except (RuntimeError, NotImplementedError):
         return (q.double() @ w.double().T).to(torch.int32)
 
