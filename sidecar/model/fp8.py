@@ -1,24 +1,24 @@
 """FP8 (e4m3) checkpoints: compressed-tensors ``float-quantized`` and the ``fp8`` method (fine-grained FP8).
 
 Both store ``weight`` as float8_e4m3fn [N, K] and a float32 scale that multiplies it back: compressed-tensors
-``weight_scale`` per tensor ([1]), per channel ([N, 1]) or per block ([ceil(N / bn), ceil(K / bk)], ``strategy:
-block``, ``block_structure``); the ``fp8`` method ``weight_scale_inv`` per block (``weight_block_size``, usually
-[128, 128]) or per tensor. A block at the right or bottom edge may be partial; its scale covers what there is.
+``weight_scale`` per tensor ([1]), per channel ([N, 1]) or per block ([ceil(N / bn), ceil(K / bk)],
+``strategy: block``, ``block_structure``); the ``fp8`` method ``weight_scale_inv`` per block
+(``weight_block_size``, usually [128, 128]) or per tensor. A block at the right or bottom edge may be partial;
+its scale covers what there is.
 
-CPU: the weight is dequantized once at load, ``fl32(w * scale)`` (the format's own dequantizer: e4m3 widened to
-float32 exactly, one float32 product), then cast to the compute dtype, and runs through our ``Linear`` (the bf16
-kernels, oneDNN). That is exact against the dequantized model, for per-channel and block scales alike, and the
-only exact choice that keeps our kernels: e4m3 spans 2^-9..448, which int8 codes cannot hold exactly, so the
-int8 paths do not apply; keeping the e4m3 values as bf16 and scaling after the product costs the same memory
-as the dequantized bf16 weight and rounds differently from it (the product ``w * s`` needs 28 bits); splitting K
-by blocks multiplies the number of products. The activations are not quantized on CPU (a weight-only FP8 path,
-as runtimes without FP8 units run these checkpoints).
+CPU: the weight is dequantized once at load, ``fl32(w * scale)`` (the format's own dequantizer: e4m3 widened
+to float32 exactly, one float32 product), then cast to the compute dtype, and runs through our ``Linear`` (the
+bf16 kernels, oneDNN). That is exact against the dequantized model, for per-channel and block scales alike,
+and the only exact choice that keeps our kernels: e4m3 spans 2^-9..448, which int8 codes cannot hold exactly,
+so the int8 paths do not apply; keeping the e4m3 values as bf16 and scaling after the product costs the same
+memory as the dequantized bf16 weight and rounds differently from it (the product ``w * s`` needs 28 bits);
+splitting K by blocks multiplies the number of products. The activations are not quantized on CPU (a
+weight-only FP8 path, as runtimes without FP8 units run these checkpoints).
 
-CUDA with FP8 units (sm89+): per-tensor and per-channel weights run ``torch._scaled_mm`` on the e4m3 codes with
-activations quantized to e4m3 per token (``Fp8ScaledLinear``), after a start-up self-check against the
-dequantized product (``scaled_mm_check``); where the check fails or the scales are per block, the dequantized
-path runs and the reason is logged once.
-"""
+CUDA with FP8 units (sm89+): per-tensor and per-channel weights run ``torch._scaled_mm`` on the e4m3 codes
+with activations quantized to e4m3 per token (``Fp8ScaledLinear``), after a start-up self-check against the
+dequantized product (``scaled_mm_check``); where the check fails or the scales are per block, the
+dequantized path runs and the reason is logged once."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def _block_shape(value, where: str) -> tuple[int, int]:
 
 
 def parse_fp8_config(qcfg: dict) -> Optional[tuple[int, int]]:
-    """Check a ``quant_method: fp8`` config; returns the weight block shape (None: one scale per tensor). Raises
-    ValueError naming the field."""
+    """Check a ``quant_method: fp8`` config; returns the weight block shape (None: one scale per tensor).
+    Raises ValueError naming the field."""
     scheme = qcfg.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
         raise ValueError(
@@ -90,8 +90,8 @@ def parse_fp8_config(qcfg: dict) -> Optional[tuple[int, int]]:
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor, block: Optional[tuple[int, int]]) -> torch.Tensor:
-    """float32 ``w * scale`` of e4m3 codes [N, K]: ``scale`` one value, one a row ([N] or [N, 1]) or one a block
-    ([ceil(N / bn), ceil(K / bk)] for ``block`` = (bn, bk), edge blocks partial)."""
+    """float32 ``w * scale`` of e4m3 codes [N, K]: ``scale`` one value, one a row ([N] or [N, 1]) or one a
+    block ([ceil(N / bn), ceil(K / bk)] for ``block`` = (bn, bk), edge blocks partial)."""
     n, k = w.shape
     s = scale.float()
     if block is not None:
@@ -186,8 +186,9 @@ def load_linear_fp8(
     device: torch.device,
 ) -> nn.Module:
     """The runtime module of the projection stored under ``prefixes`` (rows concatenated for a fused one):
-    ``Fp8ScaledLinear`` where the device passes ``scaled_mm_check`` and the scales are per tensor or row, else our
-    ``Linear`` over the dequantized weight in ``dtype``. ``scale_name``: 'weight_scale' or 'weight_scale_inv'."""
+    ``Fp8ScaledLinear`` where the device passes ``scaled_mm_check`` and the scales are per tensor or row,
+    else our ``Linear`` over the dequantized weight in ``dtype``. ``scale_name``: 'weight_scale' or
+    'weight_scale_inv'."""
     from sidecar.model.linear import Linear
 
     codes, scales, deq = [], [], []

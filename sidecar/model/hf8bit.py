@@ -34,8 +34,8 @@ class Scheme8:
     ignore: list[str] = field(default_factory=list)
 
     def spec_for(self, name: str, has: callable) -> Optional[tuple]:
-        """The spec of the projection stored under ``name`` (``has(tensor)``: whether the checkpoint holds it),
-        None where it is stored in full precision."""
+        """The spec of the projection stored under ``name`` (``has(tensor)``: whether the checkpoint holds
+        it), None where it is stored in full precision."""
         if self.method == "fp8":  # transformers' fp8: each converted projection stores its scale
             return self.groups[0][1] if has(f"{name}.weight_scale_inv") else None
         if any(_matches(name, pattern) for pattern in self.ignore):
@@ -47,7 +47,8 @@ class Scheme8:
 
 
 def _matches(name: str, pattern: str) -> bool:
-    """compressed-tensors' target rule: ``re:<regex>`` matched from the start of the name, else the exact name."""
+    """compressed-tensors' target rule: ``re:<regex>`` matched from the start of the name, else the exact
+    name."""
     return re.match(pattern[3:], name) is not None if pattern.startswith("re:") else name == pattern
 
 
@@ -92,8 +93,8 @@ def _compressed_tensors(qcfg: dict) -> Scheme8:
 
 
 def parse_8bit_config(qcfg: dict) -> Scheme8:
-    """The ``Scheme8`` of a ``quantization_config``; ValueError naming the field where it is malformed or not a
-    format this module loads."""
+    """The ``Scheme8`` of a ``quantization_config``; ValueError naming the field where it is malformed or
+    not a format this module loads."""
     method = qcfg.get("quant_method") if isinstance(qcfg, dict) else None
     if method == "compressed-tensors":
         return _compressed_tensors(qcfg)
@@ -126,13 +127,15 @@ def _projection(
 
 def preload_8bit(model, ckpt, qcfg: dict, requested: Optional[str], dtype, device) -> str:
     """Put each projection of ``model`` (built on the meta device) that ``qcfg`` quantizes in place as its
-    format's runtime module, filled from ``ckpt`` (the loader's safetensors index) and marked ``preloaded``: the
-    loader then reads the rest as from a plain checkpoint. Returns the format's name (``LoadedModel.quantization``).
-    ``requested``: the engine's own quantization, which a quantized checkpoint cannot take."""
+    format's runtime module, filled from ``ckpt`` (the loader's safetensors index) and marked
+    ``preloaded``: the loader then reads the rest as from a plain checkpoint. Returns the format's name
+    (``LoadedModel.quantization``). ``requested``: the engine's own quantization, which a quantized
+    checkpoint cannot take."""
     scheme = parse_8bit_config(qcfg)
     if requested is not None:
         raise ValueError(
-            f"quantization: checkpoint is already quantized as {scheme.name!r}, cannot load it as {requested!r}"
+            f"quantization: checkpoint is already quantized as {scheme.name!r}, "
+            f"cannot load it as {requested!r}"
         )
     args = model.args
     if any(args.sparse(i) for i in range(len(model.layers))):

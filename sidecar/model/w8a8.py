@@ -1,17 +1,18 @@
-"""compressed-tensors ``int-quantized`` W8A8: int8 weights with one scale a row, int8 activations quantized per token.
+"""compressed-tensors ``int-quantized`` W8A8: int8 weights with one scale a row, int8 activations quantized
+per token.
 
-The format as llm-compressor writes it: each targeted linear stores ``weight`` (int8 [N, K], symmetric, no zero
-point) and ``weight_scale`` (float [N, 1] per channel, or [1] per tensor); ``input_activations`` says the
+The format as llm-compressor writes it: each targeted linear stores ``weight`` (int8 [N, K], symmetric, no
+zero point) and ``weight_scale`` (float [N, 1] per channel, or [1] per tensor); ``input_activations`` says the
 activations are quantized at run time, per token, symmetric, to int8 (``dynamic: true, strategy: token``). The
 forward is that of compressed-tensors' own quantized linear: each token row's codes are ``round(x / s)`` with
-``s = absmax / 127.5`` (``w8a8_gemm.quantize_per_token_ref``), and the output is ``(q * s) @ (w * sw).T``. Here the
-product is taken in integers (``w8a8_gemm``'s C kernel on CPU, ``torch._int_mm`` where it takes the shapes, else
-exact float64 sums), then scaled: the result equals that dequantized product up to float rounding.
+``s = absmax / 127.5`` (``w8a8_gemm.quantize_per_token_ref``), and the output is ``(q * s) @ (w * sw).T``.
+Here the product is taken in integers (``w8a8_gemm``'s C kernel on CPU, ``torch._int_mm`` where it takes the
+shapes, else exact float64 sums), then scaled: the result equals that dequantized product up to float
+rounding.
 
-``parse_w8a8_scheme(args, where)`` checks one config group's quantization args and raises ValueError naming the
-field; ``load_linear_w8a8(ckpt, prefixes, dtype, device)`` builds the runtime module of one (possibly fused)
-projection from the checkpoint's tensors.
-"""
+``parse_w8a8_scheme(group, where)`` checks one config group's quantization args and raises ValueError naming
+the field; ``load_linear_w8a8(get, prefixes, strategy, bias, dtype, device)`` builds the runtime module of one
+(possibly fused) projection from the checkpoint's tensors."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ def _require(args: dict, where: str, field: str, allowed: tuple, default: Any = 
 
 def parse_w8a8_scheme(group: dict, where: str) -> str:
     """Check one compressed-tensors config group (``where`` names it, e.g.
-    ``quantization_config.config_groups.group_0``) for W8A8 as this module runs it; returns the weight strategy
-    ('channel' or 'tensor'). Raises ValueError naming the first field that does not fit."""
+    ``quantization_config.config_groups.group_0``) for W8A8 as this module runs it; returns the weight
+    strategy ('channel' or 'tensor'). Raises ValueError naming the first field that does not fit."""
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise ValueError(f"{where}.weights: {weights!r} is not supported (expected int8 weight args)")
@@ -78,8 +79,8 @@ def int_sums(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class W8A8Linear(nn.Module):
     """int8 weight [N, K] with float32 scales [N]; activations quantized per token in each call.
 
-    On CPU where ``w8a8_gemm`` builds, the weight is held in the kernel's panel layout alone (``packed``) and the
-    kernel takes every batch; elsewhere the plain codes (``weight``) go through ``int_sums``."""
+    On CPU where ``w8a8_gemm`` builds, the weight is held in the kernel's panel layout alone (``packed``)
+    and the kernel takes every batch; elsewhere the plain codes (``weight``) go through ``int_sums``."""
 
     mode = "w8a8"
 
@@ -127,9 +128,9 @@ def load_linear_w8a8(
     dtype: torch.dtype,
     device: torch.device,
 ) -> W8A8Linear:
-    """The runtime module of the projection stored under ``prefixes`` (several for a fused projection: their rows
-    concatenated; the activations are the same, so each part's per-token quantization is the same too).
-    ``get(name)`` reads a checkpoint tensor (ValueError naming a missing one)."""
+    """The runtime module of the projection stored under ``prefixes`` (several for a fused projection:
+    their rows concatenated; the activations are the same, so each part's per-token quantization is the
+    same too). ``get(name)`` reads a checkpoint tensor (ValueError naming a missing one)."""
     weights, scales, biases = [], [], []
     for p in prefixes:
         w = get(f"{p}.weight")

@@ -1,7 +1,7 @@
-"""Tiny 8-bit checkpoints as the tools write them: compressed-tensors' own compressors (``ModelCompressor``) for
-``int-quantized`` W8A8 and ``float-quantized`` FP8 (per channel, 128x128 blocks), and the ``fp8`` method's layout
-(e4m3 ``weight`` + ``weight_scale_inv`` per 128x128 block) written by hand from its documented tensor names; and
-the HF transformers references they are held to."""
+"""Tiny 8-bit checkpoints as the tools write them: compressed-tensors' own compressors
+(``ModelCompressor``) for ``int-quantized`` W8A8 and ``float-quantized`` FP8 (per channel, 128x128 blocks),
+and the ``fp8`` method's layout (e4m3 ``weight`` + ``weight_scale_inv`` per 128x128 block) written by hand
+from its documented tensor names; and the HF transformers references they are held to."""
 
 from __future__ import annotations
 
@@ -118,9 +118,10 @@ def fp8_method_checkpoint(out: Path, tokenizer_dir: Path, dims: dict, block: int
 
 
 def hf_model(model_dir: Path, activation_quant: bool = False):
-    """HF transformers on ``model_dir`` in float32, weights dequantized by its own quantizer (compressed-tensors'
-    decompression, or the fp8 method's dequantization on CPU). ``activation_quant``: each quantized Linear's
-    input goes through compressed-tensors' own dynamic quantize-dequantize, as its quantized forward does."""
+    """HF transformers on ``model_dir`` in float32, weights dequantized by its own quantizer
+    (compressed-tensors' decompression, or the fp8 method's dequantization on CPU). ``activation_quant``:
+    each quantized Linear's input goes through compressed-tensors' own dynamic quantize-dequantize, as its
+    quantized forward does."""
     import transformers as tf
 
     cfg = json.loads((model_dir / "config.json").read_text())["quantization_config"]

@@ -1,9 +1,10 @@
-"""8-bit HF checkpoints by their quantization_config (hf8bit.py): compressed-tensors W8A8 and FP8 written by
-compressed-tensors' own compressors, and the fp8 method's layout, each greedy float32 equal to HF transformers on
-the same directory token for token. FP8 runs weight-only on CPU, so HF's dequantized model is the reference as it
-is; W8A8 quantizes activations per token, so its reference is HF's dequantized model with compressed-tensors' own
-dynamic quantize-dequantize on each quantized Linear's input (the product differs from ours only in float
-rounding: int32 sums scaled afterwards against float32 sums of dequantized values)."""
+"""8-bit HF checkpoints by their quantization_config (hf8bit.py): compressed-tensors W8A8 and FP8 written
+by compressed-tensors' own compressors, and the fp8 method's layout, each greedy float32 equal to HF
+transformers on the same directory token for token. FP8 runs weight-only on CPU, so HF's dequantized model
+is the reference as it is; W8A8 quantizes activations per token, so its reference is HF's dequantized model
+with compressed-tensors' own dynamic quantize-dequantize on each quantized Linear's input (the product
+differs from ours only in float rounding: int32 sums scaled afterwards against float32 sums of dequantized
+values)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,14 @@
 """W8A8 int8 matmul with per-token dynamic activation quantization (``w8a8_gemm.c``), and its torch reference.
 
 ``quantize_per_token(x)`` is compressed-tensors' symmetric dynamic per-token int8 quantization: the scale of a
-row is its absolute maximum over 127.5 (half the code range; float32's epsilon where the row is zero), the codes
-``clamp(round(x / scale), -128, 127)`` (a true division, rounded half to even). ``w8a8_matmul_ref`` is the product
-the kernel computes, in torch: exact int32 sums of the codes, converted to float32, times the row's activation
-scale, times the weight row's scale, plus the bias. ``w8a8_matmul`` runs the same steps in C (int32 products
-with vpmaddwd on AVX2, vpdpwssd with VNNI); its float32 results equal the reference's bits.
+row is its absolute maximum over 127.5 (half the code range; float32's epsilon where the row is zero), the
+codes ``clamp(round(x / scale), -128, 127)`` (a true division, rounded half to even). ``w8a8_matmul_ref`` is
+the product the kernel computes, in torch: exact int32 sums of the codes, converted to float32, times the
+row's activation scale, times the weight row's scale, plus the bias. ``w8a8_matmul`` runs the same steps in C
+(int32 products with vpmaddwd on AVX2, vpdpwssd with VNNI); its float32 results equal the reference's bits.
 
-The weight is held in the kernel's panel layout (``pack``), int8 like the checkpoint's codes; ``unpack`` gives
-the plain codes back.
-"""
+The weight is held in the kernel's panel layout (``pack``), int8 like the checkpoint's codes; ``unpack``
+gives the plain codes back."""
 
 from __future__ import annotations
 
@@ -99,8 +98,9 @@ def w8a8_matmul_ref(
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """int8 ``weight`` [N, K] in the kernel's layout: a flat int8 tensor of Np * Kp codes (Np = N rounded up to
-    ``PANEL_ROWS``, Kp = K rounded up to even, padded with zeros), blocks of 8 rows as [Kp / 2][8][2]."""
+    """int8 ``weight`` [N, K] in the kernel's layout: a flat int8 tensor of Np * Kp codes (Np = N rounded
+    up to ``PANEL_ROWS``, Kp = K rounded up to even, padded with zeros), blocks of 8 rows as [Kp /
+    2][8][2]."""
     n, k = weight.shape
     kp, np_ = k + (k % 2), -(-n // PANEL_ROWS) * PANEL_ROWS
     w = F.pad(weight.to(torch.int8), (0, kp - k, 0, np_ - n))
