@@ -171,3 +171,17 @@ def test_fp8_scaled_mm_selection_and_fallback(monkeypatch, caplog):
     assert "torch._scaled_mm failed (RuntimeError: no kernel)" in fp8.scaled_mm_self_check(
         torch.device("cpu")
     )
+
+
+def test_a_scale_grid_that_does_not_fit_names_the_tensor(dirs, tmp_path):
+    import shutil
+
+    bad = tmp_path / "grid"
+    shutil.copytree(dirs["fp8-method"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = [64, 64]  # the stored grid is of 128x128 blocks
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight_scale_inv: scale grid"
+    ):
+        load_model(EngineConfig(model=str(bad), dtype="float32"))
