@@ -181,6 +181,21 @@ QUANT_METHODS: dict[str, Callable[[dict], Scheme]] = {
 }
 
 
+def _eight_bit(qc: Any) -> bool:
+    """Whether the 8-bit loader (``hf8bit.py``) owns this config: the ``fp8`` method, or compressed-tensors
+    whose schemes are all ``int-quantized`` (W8A8) or ``float-quantized`` (FP8)."""
+    from sidecar.model.hf8bit import CT_FORMATS
+
+    if not isinstance(qc, dict) or qc.get("quant_method") not in ("fp8", "compressed-tensors"):
+        return False
+    if qc["quant_method"] == "fp8":
+        return True
+    groups = qc.get("config_groups")
+    groups = list(groups.values()) if isinstance(groups, dict) else []
+    formats = {(g.get("format") if isinstance(g, dict) else None) or qc.get("format") for g in groups}
+    return bool(formats) and formats <= set(CT_FORMATS)
+
+
 def parse_quant_config(qc: Any) -> Scheme:
     """The Scheme of a ``config.json``'s ``quantization_config``; ValueError naming the field it refuses."""
     if not isinstance(qc, dict):
@@ -189,7 +204,7 @@ def parse_quant_config(qc: Any) -> Scheme:
     if method not in QUANT_METHODS:
         raise ValueError(
             f"quantization_config.quant_method: {method!r} is not supported "
-            f"(one of {', '.join(QUANT_METHODS)})"
+            f"(one of {', '.join([*QUANT_METHODS, 'fp8'])})"
         )
     return QUANT_METHODS[method](qc)
 
@@ -272,7 +287,12 @@ def load_hf_quantized(
     checkpoint ``ckpt`` (``get(name)``, ``name in ckpt``); returns the format's label. ValueError naming the
     problem: a refused ``quantization_config`` field, a ``quantization`` asked on top of it, an unsupported
     layout."""
-    scheme = parse_quant_config(hf_config.get("quantization_config"))
+    qc = hf_config.get("quantization_config")
+    if _eight_bit(qc):
+        from sidecar.model.hf8bit import preload_8bit
+
+        return preload_8bit(model, ckpt, qc, requested, dtype, device)
+    scheme = parse_quant_config(qc)
     if requested is not None:
         raise ValueError(
             f"quantization: the checkpoint is already quantized ({scheme.label}); leave it unset"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +27,15 @@ from sidecar.config import EngineConfig, lm_head_quantization
 from sidecar.model.args import ModelArgs
 from sidecar.model.decoder import CausalLM
 from sidecar.model.linear_layout import pack_weights
+from sidecar.model.model_source import (  # noqa: F401 (re-exported: callers import them from here)
+    pick_dtype,
+    pick_dtype_with_reason,
+    resolve_device,
+    resolve_model_dir,
+)
 from sidecar.model.tp_shard import Shard
 
 log = logging.getLogger("sidecar.model")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -49,81 +52,6 @@ class LoadedModel:
     quantization: Optional[str]
     load_time_s: float
     dtype_reason: str = ""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {name!r} requested but CUDA is not available")
-    return dev
-
-
-def resolve_model_dir(model: str, revision: Optional[str] = None, demo_dir: Optional[str] = None) -> Path:
-    """Return a local checkpoint directory for ``model``; raises ValueError naming the problem."""
-    if model == "demo":
-        from sidecar.model.demo import ensure_demo_model
-
-        return ensure_demo_model(demo_dir)
-    path = Path(model).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model: {model!r} is a path but has no config.json")
-        return path
-    looks_like_path = model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep + os.sep in model
-    if looks_like_path:
-        raise ValueError(f"model: local path {model!r} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
-
-        local = snapshot_download(
-            model,
-            revision=revision,
-            allow_patterns=[
-                "*.json",
-                "*.safetensors",
-                "*.jinja",
-                "tokenizer*",
-                "*.model",
-                "*.txt",
-                "*.tiktoken",
-            ],
-        )
-    except Exception as exc:  # network errors, unknown repo, offline mode
-        raise ValueError(
-            f"model: {model!r} is neither a local directory nor a reachable hub id "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        ) from None
-    return Path(local)
-
-
-def _checkpoint_dtype(hf_config: dict) -> torch.dtype:
-    name = hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32"
-    return _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
-
-
-def pick_dtype_with_reason(requested: str, hf_config: dict, device: torch.device) -> tuple[torch.dtype, str]:
-    """The compute dtype and why: an explicit dtype is always obeyed; "auto" asks the hardware."""
-    if requested != "auto":
-        return _DTYPES[requested], f"requested {requested}"
-    from sidecar.model.hardware import auto_dtype
-
-    return auto_dtype(_checkpoint_dtype(hf_config), device, _linear_in_features(hf_config))
-
-
-def _linear_in_features(hf_config: dict) -> tuple[int, ...]:
-    """The input widths of a decoder's linear layers: the hidden size (q/k/v, gate/up, the head), the attention
-    output's (o_proj) and the MLP's (down_proj)."""
-    hidden = int(hf_config.get("hidden_size") or 0)
-    heads = int(hf_config.get("num_attention_heads") or 0)
-    head_dim = int(hf_config.get("head_dim") or (hidden // heads if heads else 0))
-    widths = (hidden, heads * head_dim, int(hf_config.get("intermediate_size") or 0))
-    return tuple(n for n in widths + (int(hf_config.get("moe_intermediate_size") or 0),) if n)
-
-
-def pick_dtype(requested: str, hf_config: dict, device: torch.device) -> torch.dtype:
-    return pick_dtype_with_reason(requested, hf_config, device)[0]
 
 
 class _SafetensorsIndex:
@@ -167,6 +95,8 @@ class _SafetensorsIndex:
 def _set(
     module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> None:
+    if getattr(module, "preloaded", False):  # an HF quantized format's module, already filled (hf8bit.py)
+        return
     old = getattr(module, name)
     if tuple(old.shape) != tuple(tensor.shape):
         raise ValueError(
@@ -179,8 +109,9 @@ def _set(
 def _load_linear(
     linear: nn.Linear, ckpt: _SafetensorsIndex, names: Iterable[str], dtype: torch.dtype, device: torch.device
 ) -> None:
-    if not isinstance(linear, nn.Linear) or not linear.weight.is_meta:
-        return  # built already from a hub-quantized checkpoint's codes (hf_quant.py)
+    # built already from a hub-quantized checkpoint's codes (hf_quant.py, hf8bit.py)
+    if getattr(linear, "preloaded", False) or not isinstance(linear, nn.Linear) or not linear.weight.is_meta:
+        return
     names = list(names)
     weights = [ckpt.get(f"{n}.weight") for n in names]
     _set(linear, "weight", torch.cat(weights, 0) if len(weights) > 1 else weights[0], dtype, device)
