@@ -1,4 +1,4 @@
-"""Mixtral and Qwen3-MoE checkpoints (family_checkpoints.py) through the engine: greedy float32 equal to HF
+"""Mixtral, Qwen3-MoE and gpt-oss checkpoints (family_checkpoints.py) through the engine: greedy float32 equal to HF
 transformers ``generate`` token for token with a tight pool (preemption), a small token budget (chunked
 prefill) and prefix-cache hits; the sparse block against transformers' own on rows that pick disjoint and
 identical experts, reading only the experts some row picked, each once; transformers' fused expert layout
@@ -60,6 +60,7 @@ def test_greedy_matches_hf_with_preemption_chunking_and_prefix_hits(moe_dirs, hf
             "mixtral": [True] * 3,
             "qwen3_moe": [False, True, False, True],
             "qwen3_moe_step": [False, True, False],
+            "gpt_oss": [True] * 4,
         }[kind]
     )
     outs = llm.generate(PROMPTS, GREEDY)
