@@ -126,7 +126,7 @@ def _config(kind: str, vocab: int):
         # alternating sliding (window 6) and full layers, YaRN from an original length of 32 (crossed by
         # the prompts), a SwiGLU clamp low enough to bite; sinks, router and expert biases are set random
         return tf.GptOssConfig(
-            **dict(c, intermediate_size=48),
+            **dict(c, intermediate_size=64),
             num_hidden_layers=4,
             num_attention_heads=4,
             num_key_value_heads=2,

@@ -137,7 +137,7 @@ def test_transformers_fused_expert_layout_loads_like_the_hub_layout(moe_dirs, hf
     assert [o.token_ids for o in outs] == hf_refs("mixtral")[:3]
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_bf16_runs_on_the_cpu_kernels(moe_dirs, kind):
     model = str(moe_dirs[kind])
     llm = LLM(model=model, dtype="bfloat16")
