@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from sidecar.config import SidecarConfig
 from sidecar.engine.request import QueueFullError, RequestOutput, SamplingParams
-from sidecar.server import reasoning, tool_formats, tools
+from sidecar.server import harmony, reasoning, tool_formats, tools
 from sidecar.server.admin import LOAD_LORA, UNLOAD_LORA, AdapterScopes, LoraRoots, audit
 from sidecar.server.cache_step import CacheInfo, CacheStep, Plan
 from sidecar.server.metrics import Metrics
@@ -136,7 +136,8 @@ class Admission:
     parser: Any  # splits tool-call markup out of the text (tool requests; tools.make_parser), or None
     charge: TokenCharge
     lora: Optional[str] = None  # the LoRA adapter the request names, None for the base model
-    reasoning: Optional[reasoning.ReasoningParser] = None  # splits a thinking model's reasoning off
+    # splits a thinking model's reasoning off (a harmony.HarmonyParser for gpt-oss's channels)
+    reasoning: Optional[reasoning.ReasoningParser] = None
     template_kwargs: Optional[dict] = None  # the chat-template variables the prompt was rendered with
 
 
@@ -379,14 +380,19 @@ class InferenceService:
         parser = tools.make_parser(fmt) if is_chat and tools.uses_tools(req) else None
         if is_chat and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
-        thinks = is_chat and reasoning.thinks(self._engine().chat_template)
+        template = self._engine().chat_template
+        channels = is_chat and harmony.is_harmony(template)  # gpt-oss: reasoning in its own channel
+        thinks = is_chat and not channels and reasoning.thinks(template)
         tpl = (
             reasoning.template_kwargs(req.chat_template_kwargs, req.reasoning_effort, thinks)
             if is_chat
             else {}
         )
+        tpl = harmony.template_kwargs(tpl, req.reasoning_effort) if channels else tpl
         # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
         params, prompt, opened = await asyncio.to_thread(self._prepare, req, tpl, thinks)
+        if channels:  # the parser reads the channel markers, which are special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         await self._compile_grammar(params.structured)
         tool_default = (
             tools.default_tool_max_tokens(req.tool_choice, req.parallel_tool_calls)
@@ -403,6 +409,7 @@ class InferenceService:
         )
         self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
         think = reasoning.ReasoningParser(opened, self.token_strings) if thinks else None
+        think = harmony.HarmonyParser(self.token_strings) if channels else think
         return Admission(prompt, params, parser, charge, lora, think, tpl or None)
 
     async def _compile_grammar(self, c: Any) -> None:
@@ -709,7 +716,10 @@ class InferenceService:
                 self.engine.lora_adapters() if self.engine is not None else {},
                 caller.tenant if caller is not None else None,
             ),
-            reasoning=self.engine is not None and reasoning.thinks(self.engine.chat_template),
+            reasoning=self.engine is not None
+            and (
+                reasoning.thinks(self.engine.chat_template) or harmony.is_harmony(self.engine.chat_template)
+            ),
             tool_call_format=tool_formats.detect(self.engine.chat_template).name if self.engine else "",
         )
         return info
