@@ -2,8 +2,10 @@
 
 A sink is one more logit in each head's softmax, for no value: it takes a share of the attention weight away
 from the keys (HF's eager attention: the logits and the sink concatenated, their maximum subtracted, softmaxed,
-the sink's column dropped). Our decode and prefill kernels (CPU and Triton) do not take sinks, so
-``paged_attention`` sends every row of such a layer here.
+the sink's column dropped). ``paged_attention`` sends every row of such a layer here: decode rows go
+through the CPU decode kernel, which takes sinks (``kernels/cpu/paged_attention.c``), where it runs;
+prompt segments, and decode rows the kernel declines, are attended by torch. The CPU prefill kernel and the
+Triton decode kernel do not take sinks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from sidecar.model import attention_scores, kv_quant
+from sidecar.model.kernels.cpu import paged_attention as cpu_kernel
 
 
 def _cached(
@@ -40,8 +43,8 @@ def attend(
     """Attention with a sink logit per head (``attention_scores.weighted``, HF's eager form, each KV head
     repeated for its query heads) over the cache, which holds every new token already: each prompt segment
     over its keys [0, ctx) under the causal (and window) mask, the decode rows together over their padded
-    tables under ``decode_mask``. ``meta``: the step's ``attention.AttentionMetadata``; adds to its
-    ``kv_scores`` when they are set."""
+    tables under ``decode_mask`` (through the CPU decode kernel where it runs and ``meta.use_cpu_kernel``).
+    ``meta``: the step's ``attention.AttentionMetadata``; adds to its ``kv_scores`` when they are set."""
     ks, vs = kv_scales if kv_scales is not None else (None, None)
     rep = q.shape[1] // k_cache.shape[-2]
     sink_rows = sinks.view(1, -1, 1, 1)
@@ -68,6 +71,15 @@ def attend(
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
     if meta.decode_block_tables is not None:
         b = meta.decode_block_tables.shape[0]
+        if meta.use_cpu_kernel:
+            tables, ctx = meta.decode_block_tables, meta.decode_ctx_lens
+            args = (scale, sliding_window, kv_scales, softcap)
+            o = cpu_kernel.decode_attention(
+                q[q.shape[0] - b :], k_cache, v_cache, tables, ctx, *args, scores, sinks
+            )
+            if o is not None:
+                out[q.shape[0] - b :] = o
+                return out
         rows = q[q.shape[0] - b :][:, :, None]
         length = meta.decode_block_tables.shape[1] * bs
         o = rows_over(rows, meta.decode_block_tables, meta.decode_mask(sliding_window), length)

@@ -369,6 +369,10 @@ def load_model(cfg: EngineConfig, pack: bool = True) -> LoadedModel:
                 f"max_model_len: {cfg.max_model_len} exceeds the model's max_position_embeddings {max_len}"
             )
         max_len = cfg.max_model_len
+    if args.attn_sinks:
+        log.info(
+            "attention sinks: prompt rows attend on the torch path (the prefill kernels do not take sinks)"
+        )
     model.init_rope(max_len, device, dtype)
     model.share_fast_paths()
     model.eval()

@@ -122,3 +122,13 @@ def test_sinks_in_the_scored_attention_path(tmp_path, demo_dir):
     llm = LLM(model=str(path), dtype="float32", kv_budget=256, kv_eviction="h2o")
     assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == ref
     assert float(llm.engine.runner.kv_scores.sum()) > 0
+
+
+def test_the_self_check_keeps_the_triton_attention_off_for_sinks(gpt_oss_dir):
+    from sidecar.engine import self_check
+
+    llm = LLM(model=str(gpt_oss_dir), dtype="float32", num_kv_blocks=64)
+    fallbacks = self_check.run(llm.engine.runner, ["attention"])
+    assert "sinks" in fallbacks["attention"] and not llm.engine.runner.fast_paths.attention
+    out = llm.generate(PROMPTS[:1], GREEDY)[0]
+    assert out.token_ids == hf_greedy(gpt_oss_dir, PROMPTS[:1], MAX_NEW)[0]
