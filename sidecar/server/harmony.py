@@ -6,17 +6,23 @@ carries preambles to the user and tool calls (``to=functions.NAME``, JSON argume
 
 ``HarmonyParser`` splits streamed reply text (with special tokens kept, so the markers are in it) the way
 ``reasoning.ReasoningParser`` splits a think block: analysis bodies become ``reasoning_content``, the bodies
-of the other channels the content; headers and markers belong to neither. Bodies addressed to a recipient
-(tool calls) are left out of both: this parser does not turn them into ``tool_calls``. A reply that does
-not start with a header (a model answering in plain text) is content as written.
+of the other channels the content; headers and markers belong to neither. A body addressed to
+``functions.NAME`` and closed by ``<|call|>`` becomes a tool call (NAME, the body as its arguments) when
+the request offers tools (``calls``); other bodies with a recipient, and calls a request did not ask for,
+are left out. A reply that does not start with a header (a model answering in plain text) is content as
+written.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
+
+from sidecar.server.tool_formats import make_call
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-ENDS = ("<|end|>", "<|return|>", "<|call|>")
+CALL = "<|call|>"
+ENDS = ("<|end|>", "<|return|>", CALL)
+FUNCTIONS = "functions."
 REASONING_CHANNEL = "analysis"
 # template variable the harmony templates read for the system message's "Reasoning: low|medium|high"
 EFFORT_VARIABLE = "reasoning_effort"
@@ -38,6 +44,16 @@ def template_kwargs(kwargs: dict, effort: Optional[str]) -> dict:
     return kwargs
 
 
+def check_tool_choice(choice: Any, channels: bool) -> None:
+    """A harmony model's calls are read from its commentary channel, not constrained by a grammar: a
+    ``tool_choice`` that would force a call (required, or a named function) is refused for it, naming the
+    field; auto and none are taken."""
+    from sidecar.server.validation import invalid
+
+    if channels and choice not in (None, "auto", "none"):
+        raise invalid("tool_choice", "this model writes tool calls in harmony channels: only auto or none")
+
+
 def _held(text: str, markers: tuple[str, ...]) -> int:
     """Length of the longest proper prefix of any of ``markers`` that ``text`` ends with."""
     best = 0
@@ -56,7 +72,7 @@ class HarmonyParser:
     ``body`` (a message's text up to its end marker, reasoning or content by its channel, dropped when it
     has a recipient), ``plain`` (the reply began without a header: all of it is content)."""
 
-    def __init__(self, token_text: TokenText) -> None:
+    def __init__(self, token_text: TokenText, calls: bool = False) -> None:
         self.state = "header"
         self.buf = ""
         self.reasoning = ""
@@ -65,6 +81,15 @@ class HarmonyParser:
         self.channel: Optional[str] = None  # the current (or last) message's channel
         self.recipient: Optional[str] = None
         self._token_text = token_text
+        self._offers_calls = calls
+        self.calls: list[dict] = []  # every tool call of the reply so far
+        self._new: list[dict] = []  # those not yet taken (take_calls)
+        self._body = ""  # the current body addressed to a recipient
+
+    def take_calls(self) -> list[dict]:
+        """The tool calls completed since the last take."""
+        new, self._new = self._new, []
+        return new
 
     def feed(self, delta: str) -> tuple[str, str]:
         """(reasoning delta, content delta) of the next piece of the reply."""
@@ -109,7 +134,12 @@ class HarmonyParser:
         if ends:
             j, m = min(ends)
             self._emit(self.buf[:j], r_out, c_out)
-            self.state, self.buf = "header", self.buf[j + len(m) :]
+            if m == CALL and self._offers_calls and (self.recipient or "").startswith(FUNCTIONS):
+                name = self.recipient[len(FUNCTIONS) :]
+                call = make_call({"name": name, "arguments": self._body}, len(self.calls))
+                self.calls.append(call)
+                self._new.append(call)
+            self.state, self.buf, self._body = "header", self.buf[j + len(m) :], ""
             return True
         keep = _held(self.buf, ENDS)
         self._emit(self.buf[: len(self.buf) - keep], r_out, c_out)
@@ -118,6 +148,7 @@ class HarmonyParser:
 
     def _emit(self, text: str, r_out: list[str], c_out: list[str]) -> None:
         if self.recipient is not None:
+            self._body += text
             return
         (r_out if self.channel == REASONING_CHANNEL else c_out).append(text)
 
@@ -149,3 +180,12 @@ class HarmonyParser:
         self.reasoning += r
         self.content += c
         return r, c
+
+
+def split_calls(ev: Any, parser: HarmonyParser) -> Any:
+    """The tool calls a harmony reply completed in this event into ``ev.tool_calls`` (in place); a reply
+    that stops after calls finishes with ``tool_calls``."""
+    ev.tool_calls = parser.take_calls()
+    if ev.finished and parser.calls and ev.finish_reason == "stop":
+        ev.finish_reason = "tool_calls"
+    return ev

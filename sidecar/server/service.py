@@ -376,12 +376,13 @@ class InferenceService:
         lora = self._adapter(caller, req.model)
         check_request(req, lora or self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
         is_chat = req.messages is not None
-        fmt = tool_formats.detect(self._engine().chat_template) if is_chat else None
-        parser = tools.make_parser(fmt) if is_chat and tools.uses_tools(req) else None
+        template = self._engine().chat_template
+        channels = is_chat and harmony.is_harmony(template)  # gpt-oss: reasoning and calls in channels
+        fmt = tool_formats.detect(template) if is_chat else None
+        parser = tools.make_parser(fmt) if is_chat and tools.uses_tools(req) and not channels else None
         if is_chat and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
-        template = self._engine().chat_template
-        channels = is_chat and harmony.is_harmony(template)  # gpt-oss: reasoning in its own channel
+            harmony.check_tool_choice(req.tool_choice, channels)
         thinks = is_chat and not channels and reasoning.thinks(template)
         tpl = (
             reasoning.template_kwargs(req.chat_template_kwargs, req.reasoning_effort, thinks)
@@ -390,7 +391,7 @@ class InferenceService:
         )
         tpl = harmony.template_kwargs(tpl, req.reasoning_effort) if channels else tpl
         # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
-        params, prompt, opened = await asyncio.to_thread(self._prepare, req, tpl, thinks)
+        params, prompt, opened = await asyncio.to_thread(self._prepare, req, tpl, thinks, channels)
         if channels:  # the parser reads the channel markers, which are special tokens
             params = dataclasses.replace(params, skip_special_tokens=False)
         await self._compile_grammar(params.structured)
@@ -409,7 +410,7 @@ class InferenceService:
         )
         self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
         think = reasoning.ReasoningParser(opened, self.token_strings) if thinks else None
-        think = harmony.HarmonyParser(self.token_strings) if channels else think
+        think = harmony.HarmonyParser(self.token_strings, tools.uses_tools(req)) if channels else think
         return Admission(prompt, params, parser, charge, lora, think, tpl or None)
 
     async def _compile_grammar(self, c: Any) -> None:
@@ -438,14 +439,15 @@ class InferenceService:
         return model
 
     def _prepare(
-        self, req: GenerationRequest, template_kwargs: dict, thinks: bool = False
+        self, req: GenerationRequest, template_kwargs: dict, thinks: bool = False, channels: bool = False
     ) -> tuple[SamplingParams, list[int], bool]:
         """The request's params with any tool-call grammar (in the model's format) folded in, its prompt ids,
         and whether the prompt opens a think block (worker thread). A thinking model's output constraint
-        lets the think block come first, so reasoning is not forced into the answer's shape."""
+        lets the think block come first, so reasoning is not forced into the answer's shape. A harmony
+        model (``channels``) writes its calls in its own channel, unconstrained."""
         params = req.params
         engine = self._engine()
-        if req.messages is not None and req.tools is not None:
+        if req.messages is not None and req.tools is not None and not channels:
             fmt = tool_formats.detect(engine.chat_template)
             markers = [m for m in (fmt.start, fmt.end) if m]
             special = {m: i for m in markers if (i := engine.special_token_id(m)) is not None}
@@ -819,6 +821,8 @@ def _split(ev: Event, admission: Admission) -> Event:
     """A thinking model's reasoning, then tool-call markup, moved out of the event's text (in place)."""
     if admission.reasoning is not None:
         reasoning.split_event(ev, admission.reasoning)
+        if isinstance(admission.reasoning, harmony.HarmonyParser):
+            harmony.split_calls(ev, admission.reasoning)
     if admission.parser is not None:
         tools.split_event(ev, admission.parser)
     return ev

@@ -1,11 +1,13 @@
 """gpt-oss's harmony replies: the parser splits analysis-channel text into reasoning and the final channel
-into the answer whatever the chunking, drops headers, markers and tool-call bodies, passes a plain reply
-through; the service does it on a harmony template, keeping special tokens in the reply text and sending
-reasoning_effort to the template's own variable."""
+into the answer whatever the chunking, drops headers and markers, turns commentary-channel calls to
+``functions.NAME`` into tool calls when the request offers tools, passes a plain reply through; the service
+does it on a harmony template, keeping special tokens in the reply text, sending reasoning_effort to the
+template's own variable, and refusing a tool_choice that would force a call."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
 
 import pytest
@@ -13,6 +15,8 @@ from test_reasoning import ThinkingEngine, chat
 from test_service import collect, service
 
 from sidecar.server.harmony import HarmonyParser, is_harmony
+from sidecar.server.service import ServiceError
+from sidecar.server.tools import ToolSpec
 
 HARMONY = (pathlib.Path(__file__).resolve().parents[2] / "templates" / "harmony.jinja").read_text()
 REPLY = (
@@ -26,8 +30,8 @@ TOOL = (
 )
 
 
-def feed(text: str, step: int) -> HarmonyParser:
-    p = HarmonyParser(lambda ids: [str(i) for i in ids])
+def feed(text: str, step: int, calls: bool = False) -> HarmonyParser:
+    p = HarmonyParser(lambda ids: [str(i) for i in ids], calls)
     r, c = [], []
     for i in range(0, len(text), step):
         a, b = p.feed(text[i : i + step])
@@ -90,3 +94,24 @@ def test_the_service_splits_harmony_replies_and_keeps_special_tokens():
     assert eng.rendered[0].endswith("<|start|>assistant")
     asyncio.run(collect(service(eng), chat(reasoning_effort="none")))  # no harmony level: the default
     assert eng.kwargs[1] == {} and "Reasoning: medium" in eng.rendered[1]
+
+
+def test_the_service_returns_harmony_tool_calls_and_refuses_forcing_one():
+    spec = ToolSpec(
+        "weather", "The weather in a city", {"type": "object", "properties": {"city": {"type": "string"}}}
+    )
+    pieces = ["<|channel|>", "analysis", "<|message|>", "Need it.", "<|end|>", "<|start|>", "assistant"]
+    pieces += ["<|channel|>", "commentary to=functions.weather", " <|constrain|>", "json", "<|message|>"]
+    pieces += ['{"city": ', '"Oslo"}', "<|call|>"]
+    eng = ThinkingEngine(pieces, template=HARMONY)
+    events = asyncio.run(collect(service(eng), chat(tools=[spec], tool_choice="auto")))
+    calls = [c for e in events for c in e.tool_calls]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("weather", {"city": "Oslo"})]
+    assert events[-1].finish_reason == "tool_calls" and events[-1].text == ""
+    assert events[-1].reasoning_text == "Need it."
+    assert "functions.weather: The weather in a city" in eng.rendered[0]
+    assert eng.calls[0][1].structured is None  # no grammar: the channel carries the call
+    for choice in ("required", "function:weather"):
+        with pytest.raises(ServiceError) as e:
+            asyncio.run(collect(service(eng), chat(tools=[spec], tool_choice=choice)))
+        assert e.value.field == "tool_choice" and "harmony" in str(e.value)
