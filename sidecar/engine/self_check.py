@@ -137,6 +137,10 @@ def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[S
     runner.set_decode_padding(False)
     fp.set_all(False)
     fp.reasons = {}
+    if runner.model.args.attn_sinks and "attention" in paths:  # never given such layers (attention_sinks.py)
+        paths.remove("attention")
+        fp.disable("attention", "attention sinks: the Triton decode kernel does not take them; torch attends")
+        log.warning("fast path attention off: %s", fp.reasons["attention"])
     bs, vocab = runner.block_size, runner.model.args.vocab_size
     seqs = min(PROBE_SEQS, runner.inputs.max_batch)
     prompt_len = bs + 3  # one full block and a partial one: both block-table cases

@@ -24,6 +24,7 @@ FAMILIES = {
     "Phi3ForCausalLM": "phi3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {
@@ -36,6 +37,7 @@ _MODEL_TYPES = {
     "phi3": "Phi3ForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -85,6 +87,16 @@ class ModelArgs:
     routing_weights_float32: bool = True
     # The checkpoint's names: the sparse block, then each expert's gate, up and down projections
     moe_names: tuple[str, str, str, str] = ("mlp", "gate_proj", "up_proj", "down_proj")
+    # gpt-oss: the router's top-k logits softmaxed (instead of the top-k of a softmax over all experts), a
+    # biased router and biased experts whose SwiGLU clamps (``swiglu_limit``: gate <= limit, |up| <= limit,
+    # ``(up + 1) * gate * sigmoid(alpha * gate)``), stored in transformers' gpt-oss layout (moe.py); and a
+    # learned logit per attention head in every softmax's denominator (``attn_sinks``).
+    softmax_after_topk: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
+    attn_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.o_proj_bias is None:

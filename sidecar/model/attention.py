@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from sidecar.model import attention_scores, kv_quant
+from sidecar.model import attention_scores, attention_sinks, kv_quant
 from sidecar.model.kernels.cpu import paged_attention as cpu_kernel
 from sidecar.model.kernels.cpu import prefill_attention as prefill_kernel
 from sidecar.model.kernels.gpu_paths import FastPaths
@@ -219,6 +219,7 @@ def paged_attention(
     paths: Optional[FastPaths] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] for the new tokens. Returns [T, H, D].
 
@@ -227,7 +228,9 @@ def paged_attention(
     switchboard; its ``attention`` field sends the decode rows to the Triton kernel. ``kv_scales``: the
     (k_scale, v_scale) of a quantized cache (None: the cache holds plain values). ``softcap``: attention
     logits become ``softcap * tanh(logits / softcap)`` (Gemma 2), in our kernels as in the torch path
-    (``_softcapped``, their oracle), which takes the rows a kernel declines.
+    (``_softcapped``, their oracle), which takes the rows a kernel declines. ``sinks`` [H]: a logit per head
+    in every softmax's denominator (gpt-oss); our kernels do not take it, the torch path
+    (``attention_sinks.py``) attends every row.
     """
     quant = kv_scales is not None
     if not kv_written:
@@ -235,6 +238,10 @@ def paged_attention(
             kv_quant.write((k_cache, v_cache, *kv_scales), k, v, meta.slot_mapping)
         else:
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if sinks is not None:
+        return attention_sinks.attend(
+            q, k_cache, v_cache, meta, scale, sliding_window, kv_scales, softcap, sinks
+        )
     decoded = None  # the decode rows' result from one of our kernels
     scores = meta.kv_scores  # of our kernels only the CPU decode kernel adds up received attention
     if (

@@ -23,13 +23,21 @@ def weighted(
     mask: torch.Tensor,
     scale: float,
     softcap: Optional[float],
+    sinks: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, Hkv, R, D] (R query rows per KV head), k, v: [B, Hkv, L, D], mask broadcast to [B, Hkv, R, L]
-    (True = attend). Returns (output [B, Hkv, R, D], key weights [B, L] float32: summed over heads and rows)."""
+    (True = attend). Returns (output [B, Hkv, R, D], key weights [B, L] float32: summed over heads and rows).
+    ``sinks``: a logit per row, broadcast to [B, Hkv, R, 1], that joins the softmax's denominator and
+    weighs no value (gpt-oss: HF's eager attention, max subtracted first, softmax in the logits' dtype)."""
     w = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         w = torch.tanh(w / softcap) * softcap
-    w = torch.softmax(w.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    w = w.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        w = torch.cat((w, sinks.to(w.dtype).expand(*w.shape[:-1], 1)), dim=-1)
+        w = torch.softmax(w - w.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1].float()
+    else:
+        w = torch.softmax(w, dim=-1, dtype=torch.float32)
     w = torch.nan_to_num(w)  # a fully masked (padding) row
     out = torch.matmul(w.to(q.dtype), v)
     return out, w.sum(dim=(1, 2))

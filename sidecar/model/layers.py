@@ -85,6 +85,8 @@ class Attention(nn.Module):
         self.sliding_window = args.window(layer)
         self.softcap = args.attn_softcap
         self.rope_kind = args.rope_kind(layer)
+        # [heads]: a learned logit per head that joins every softmax's denominator (gpt-oss), else None
+        self.sinks = nn.Parameter(torch.zeros(self.nh), requires_grad=False) if args.attn_sinks else None
         if args.qk_norm:
             self.q_norm = RMSNorm(self.hd, args.rms_norm_eps, paths)
             self.k_norm = RMSNorm(self.hd, args.rms_norm_eps, paths)
@@ -149,7 +151,17 @@ class Attention(nn.Module):
         window, cap = self.sliding_window, self.softcap
         if fused is not None:  # rotated and written to the cache in one pass
             o = paged_attention(
-                *fused, kv[0], kv[1], meta, self.scale, window, True, paths, scales, softcap=cap
+                *fused,
+                kv[0],
+                kv[1],
+                meta,
+                self.scale,
+                window,
+                True,
+                paths,
+                scales,
+                softcap=cap,
+                sinks=self.sinks,
             )
             return o.reshape(t, self.nh * self.hd)
         nqk = (self.nh + self.nkv) * self.hd
@@ -158,7 +170,18 @@ class Attention(nn.Module):
         q, k = qk[:, : self.nh], qk[:, self.nh :]
         v = qkv[:, nqk:].view(t, self.nkv, self.hd)
         o = paged_attention(
-            q, k, v, kv[0], kv[1], meta, self.scale, window, paths=paths, kv_scales=scales, softcap=cap
+            q,
+            k,
+            v,
+            kv[0],
+            kv[1],
+            meta,
+            self.scale,
+            window,
+            paths=paths,
+            kv_scales=scales,
+            softcap=cap,
+            sinks=self.sinks,
         )
         return o.reshape(t, self.nh * self.hd)
 
@@ -169,7 +192,19 @@ def gelu_tanh_mul(gu: torch.Tensor) -> torch.Tensor:
     return norm_act.gelu_tanh_mul(gu)
 
 
+def clamped_swiglu(gu: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """gpt-oss's expert activation over the fused gate/up projection [T, 2I] (gate half first), as HF's:
+    gate clamped above at ``limit``, up to [-limit, limit], ``(up + 1) * gate * sigmoid(gate * alpha)``."""
+    gate, up = gu.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 class MLP(nn.Module):
+    """``down(act(gate) * up)`` over a fused gate/up projection; ``act`` is silu, or tanh gelu (GeGLU), or
+    with ``swiglu_limit`` set gpt-oss's clamped SwiGLU (``clamped_swiglu``)."""
+
     def __init__(self, args: ModelArgs, paths: Optional[FastPaths] = None) -> None:
         super().__init__()
         self.fast_paths = paths
@@ -179,8 +214,11 @@ class MLP(nn.Module):
         if args.hidden_act not in ("silu", "gelu_tanh"):
             raise ValueError(f"model: activation {args.hidden_act!r} is not supported (silu, gelu_tanh)")
         self.silu = args.hidden_act == "silu"
+        self.clamp = None if args.swiglu_limit is None else (args.swiglu_limit, args.swiglu_alpha)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.clamp is not None:  # no product kernel fuses the clamped form
+            return self.down_proj(clamped_swiglu(self.gate_up_proj(x), *self.clamp))
         if not self.silu:  # GeGLU: no product kernel fuses gelu
             return self.down_proj(gelu_tanh_mul(self.gate_up_proj(x)))
         # our Linear's fused gate/up + silu (tile layout); quantized layers lack it
@@ -246,7 +284,8 @@ class DecoderLayer(nn.Module):
     def _fusable(self, ops, h: torch.Tensor, delta: Optional[torch.Tensor]) -> bool:
         """The fused one-row form covers the plain pre-norm block with a silu MLP only: a layer with output
         norms, a GeGLU MLP or a mixture of experts takes the unfused path."""
-        if self.attn_out_norm is not None or type(self.mlp) is not MLP or not self.mlp.silu:
+        mlp = self.mlp
+        if self.attn_out_norm is not None or type(mlp) is not MLP or not mlp.silu or mlp.clamp is not None:
             return False
         lins = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         return (

@@ -189,6 +189,8 @@ def _load_weights(
         gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
         _load_linear(attn.qkv_proj, ckpt, qkv, dtype, device)
         _load_linear(attn.o_proj, ckpt, [f"{p}.self_attn.o_proj"], dtype, device)
+        if attn.sinks is not None:
+            _set(attn, "sinks", ckpt.get(f"{p}.self_attn.sinks"), dtype, device)
         if args.sparse(i):
             _load_experts(mlp, ckpt, p, args, cfg, dtype, device)
         else:
@@ -224,15 +226,12 @@ def _load_experts(
 ) -> None:
     """A sparse block's router (kept in full precision: a quantized router would move tokens between experts)
     and its experts, each quantized as it arrives where the engine quantizes."""
-    from sidecar.model.moe import block_prefix, expert_weights
+    from sidecar.model.moe import block_tensors
 
-    prefix = block_prefix(ckpt.__contains__, layer_prefix, args)
-    _set(moe.gate, "weight", ckpt.get(f"{prefix}.gate.weight"), dtype, device)
-    for e, gate_up, down in expert_weights(ckpt.get, ckpt.__contains__, prefix, args):
-        expert = moe.experts[e]
-        _set(expert.gate_up_proj, "weight", gate_up, dtype, device)
-        _set(expert.down_proj, "weight", down, dtype, device)
-        for attr in ("gate_up_proj", "down_proj"):
+    for expert, parts in block_tensors(moe, ckpt.get, ckpt.__contains__, layer_prefix):
+        for module, name, tensor in parts:
+            _set(module, name, tensor, dtype, device)
+        for attr in ("gate_up_proj", "down_proj") if expert is not None else ():
             _maybe_quantize(expert, attr, cfg)
 
 
@@ -315,6 +314,10 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
                 f"max_model_len: {cfg.max_model_len} exceeds the model's max_position_embeddings {max_len}"
             )
         max_len = cfg.max_model_len
+    if args.attn_sinks:
+        log.info(
+            "attention sinks: prompt rows attend on the torch path (the prefill kernels do not take sinks)"
+        )
     model.init_rope(max_len, device, dtype)
     model.share_fast_paths()
     model.eval()

@@ -12,6 +12,9 @@ once over all of its rows (``MLP``: a fused gate/up ``Linear`` with silu * up, t
 so its weights are read once per step; experts no row picked are not touched. A one-row step reads only
 its k experts. The experts are plain per-expert ``Linear`` layers, so the CPU layouts, the int8 / int4
 quantized layers and their kernels take them as they take the dense MLP's.
+
+gpt-oss (``ModelArgs.softmax_after_topk``): the router has a bias, the top-k of its logits are softmaxed in the
+model dtype, and the experts have biases and a clamped SwiGLU (``MLP``, layers.py).
 """
 
 from __future__ import annotations
@@ -33,15 +36,20 @@ class SparseMoE(nn.Module):
 
     def __init__(self, args: ModelArgs, paths: Optional[FastPaths] = None) -> None:
         super().__init__()
+        self.args = args
         self.num_experts, self.top_k = args.num_experts, args.experts_per_token
         self.norm_topk_prob = args.norm_topk_prob
         self.weights_float32 = args.routing_weights_float32
-        self.gate = Linear(args.hidden_size, args.num_experts, bias=False)
-        expert = replace(args, intermediate_size=args.expert_intermediate_size, mlp_bias=False)
+        self.softmax_after_topk = args.softmax_after_topk
+        self.gate = Linear(args.hidden_size, args.num_experts, bias=args.router_bias)
+        expert = replace(args, intermediate_size=args.expert_intermediate_size, mlp_bias=args.expert_bias)
         self.experts = nn.ModuleList(MLP(expert, paths) for _ in range(args.num_experts))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of the rows ``x`` [T, hidden], best first."""
+        if self.softmax_after_topk:
+            logits, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return torch.softmax(logits, dim=-1), ids
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -75,23 +83,80 @@ def block_prefix(has: Callable[[str], bool], layer_prefix: str, args: ModelArgs)
     return own if has(f"{own}.gate.weight") else f"{layer_prefix}.mlp"
 
 
+def _deinterleaved(t: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's gate/up outputs alternate (gate 2j, up 2j + 1) along dim 0: gate rows first, then up."""
+    return torch.cat((t[0::2], t[1::2]))
+
+
+def _gpt_oss_experts(
+    get: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str, args: ModelArgs
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """transformers' gpt-oss layout: ``experts.gate_up_proj`` [experts, hidden, 2 * width] with gate and up
+    columns interleaved, ``experts.down_proj`` [experts, width, hidden] (inputs first), their biases
+    ``*_bias``; or the MXFP4 form of the published checkpoints (``*_blocks`` / ``*_scales``, outputs
+    first: mxfp4.py), dequantized one expert at a time."""
+    from sidecar.model import mxfp4
+
+    p = f"{prefix}.experts"
+    packed = has(f"{p}.gate_up_proj_blocks")
+    weights = {}
+    for name in ("gate_up_proj", "down_proj"):
+        if packed:
+            weights[name] = (get(f"{p}.{name}_blocks"), get(f"{p}.{name}_scales"))
+        else:
+            weights[name] = get(f"{p}.{name}")
+    gu_bias, down_bias = get(f"{p}.gate_up_proj_bias"), get(f"{p}.down_proj_bias")
+    for e in range(args.num_experts):
+        if packed:
+            gu, down = (mxfp4.dequantize(b[e], s[e], torch.float32) for b, s in weights.values())
+        else:
+            gu, down = weights["gate_up_proj"][e].t(), weights["down_proj"][e].t()
+        yield e, _deinterleaved(gu), _deinterleaved(gu_bias[e]), down, down_bias[e]
+
+
 def expert_weights(
     get: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str, args: ModelArgs
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(expert, gate/up [2 * width, hidden] gate rows first, down [hidden, width]) for each expert of the
-    sparse block at ``prefix`` (e.g. ``model.layers.3.mlp``), from the hub's per-expert tensors
-    (``experts.<e>.<gate|up|down>.weight``) or transformers' fused ones (``experts.gate_up_proj``
-    [experts, 2 * width, hidden] and ``experts.down_proj`` [experts, hidden, width])."""
+) -> Iterator[tuple[int, torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]]:
+    """(expert, gate/up [2 * width, hidden] gate rows first, its bias or None, down [hidden, width], its
+    bias or None) for each expert of the sparse block at ``prefix`` (e.g. ``model.layers.3.mlp``), from the
+    hub's per-expert tensors (``experts.<e>.<gate|up|down>.weight``), transformers' fused ones
+    (``experts.gate_up_proj`` [experts, 2 * width, hidden] and ``experts.down_proj`` [experts, hidden,
+    width]) or gpt-oss's (``_gpt_oss_experts``)."""
+    if args.expert_bias:
+        yield from _gpt_oss_experts(get, has, prefix, args)
+        return
     _, gate, up, down = args.moe_names
     fused = f"{prefix}.experts.gate_up_proj"
     if has(fused):
         gate_up, downs = get(fused), get(f"{prefix}.experts.down_proj")
         for e in range(args.num_experts):
-            yield e, gate_up[e], downs[e]
+            yield e, gate_up[e], None, downs[e], None
         return
     for e in range(args.num_experts):
         p = f"{prefix}.experts.{e}"
-        yield e, torch.cat((get(f"{p}.{gate}.weight"), get(f"{p}.{up}.weight"))), get(f"{p}.{down}.weight")
+        gu = torch.cat((get(f"{p}.{gate}.weight"), get(f"{p}.{up}.weight")))
+        yield e, gu, None, get(f"{p}.{down}.weight"), None
+
+
+def block_tensors(
+    moe: SparseMoE, get: Callable[[str], torch.Tensor], has: Callable[[str], bool], layer_prefix: str
+) -> Iterator[tuple[Optional[nn.Module], list[tuple[nn.Module, str, torch.Tensor]]]]:
+    """The checkpoint tensors of the sparse block ``moe`` of the layer at ``layer_prefix``, as (owner,
+    [(module, parameter name, tensor)]): first the router's (owner None), then each expert's (owner: the
+    expert's ``MLP``, complete once its tensors are set, so a loader may quantize it then)."""
+    args = moe.args
+    prefix = block_prefix(has, layer_prefix, args)
+    router = f"{prefix}.router" if has(f"{prefix}.router.weight") else f"{prefix}.gate"
+    parts = [(moe.gate, "weight", get(f"{router}.weight"))]
+    if args.router_bias:
+        parts.append((moe.gate, "bias", get(f"{router}.bias")))
+    yield None, parts
+    for e, gate_up, gate_up_bias, down, down_bias in expert_weights(get, has, prefix, args):
+        expert = moe.experts[e]
+        parts = [(expert.gate_up_proj, "weight", gate_up), (expert.down_proj, "weight", down)]
+        if gate_up_bias is not None:
+            parts += [(expert.gate_up_proj, "bias", gate_up_bias), (expert.down_proj, "bias", down_bias)]
+        yield expert, parts
 
 
 def parameter_counts(args: ModelArgs) -> tuple[int, int]:
@@ -108,13 +173,18 @@ def parameter_counts(args: ModelArgs) -> tuple[int, int]:
         attn += 2 * args.head_dim
     if args.sandwich_norms:
         attn += 2 * h
+    if args.attn_sinks:
+        attn += args.num_heads
     dense = 3 * h * args.intermediate_size + (2 * args.intermediate_size + h if args.mlp_bias else 0)
     expert = 3 * h * args.expert_intermediate_size
+    if args.expert_bias:
+        expert += 2 * args.expert_intermediate_size + h
+    router = args.num_experts * (h + (1 if args.router_bias else 0))
     total = active = args.vocab_size * h * (1 if args.tie_word_embeddings else 2) + h
     for i in range(args.num_layers):
         if args.sparse(i):
-            total += attn + args.num_experts * (h + expert)
-            active += attn + args.num_experts * h + args.experts_per_token * expert
+            total += attn + router + args.num_experts * expert
+            active += attn + router + args.experts_per_token * expert
         else:
             total += attn + dense
             active += attn + dense

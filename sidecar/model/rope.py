@@ -51,6 +51,8 @@ def inv_freq(spec: RopeSpec, dim: int, long: bool = False) -> torch.Tensor:
         return freq
     if kind == "linear":
         return freq / float(scaling["factor"])
+    if kind == "yarn":
+        return _yarn_inv_freq(spec, dim)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -63,15 +65,57 @@ def inv_freq(spec: RopeSpec, dim: int, long: bool = False) -> torch.Tensor:
         medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
     raise ValueError(
-        f"model: rope_scaling type {kind!r} is not supported (default, linear, llama3, longrope)"
+        f"model: rope_scaling type {kind!r} is not supported (default, linear, llama3, longrope, yarn)"
     )
 
 
+def _yarn_factor(scaling: dict) -> float:
+    if scaling.get("factor") is None:
+        raise ValueError("model: a yarn rope_scaling needs its factor")
+    return float(scaling["factor"])
+
+
+def _yarn_inv_freq(spec: RopeSpec, dim: int) -> torch.Tensor:
+    """YaRN: each frequency blended between itself (extrapolation, the fast ones) and itself / factor
+    (interpolation, the slow ones) by a linear ramp over the dimensions whose rotations within the original
+    length fall between ``beta_slow`` and ``beta_fast``; ``truncate`` (default on) rounds the ramp's ends
+    outwards to whole dimensions. Same float32 operations as HF."""
+    s = spec.scaling
+    factor = _yarn_factor(s)
+    orig = s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(spec.theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = spec.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def attention_scaling(spec: RopeSpec, max_position_embeddings: int) -> float:
-    """The factor HF multiplies cos and sin by (1.0 but for LongRoPE)."""
+    """The factor HF multiplies cos and sin by (1.0 but for LongRoPE and YaRN)."""
+    s = spec.scaling
+    if spec.kind == "yarn":
+        if s.get("attention_factor") is not None:
+            return float(s["attention_factor"])
+        factor = _yarn_factor(s)
+
+        def mscale(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            return float(mscale(s["mscale"]) / mscale(s["mscale_all_dim"]))
+        return mscale(1)
     if spec.kind != "longrope":
         return 1.0
-    s = spec.scaling
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
     orig = s["original_max_position_embeddings"]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from sidecar.config import SidecarConfig
 from sidecar.engine.request import QueueFullError, RequestOutput, SamplingParams
-from sidecar.server import reasoning, tool_formats, tools
+from sidecar.server import harmony, reasoning, tool_formats, tools
 from sidecar.server.admin import LOAD_LORA, UNLOAD_LORA, AdapterScopes, LoraRoots, audit
 from sidecar.server.cache_step import CacheInfo, CacheStep, Plan
 from sidecar.server.metrics import Metrics
@@ -136,7 +136,8 @@ class Admission:
     parser: Any  # splits tool-call markup out of the text (tool requests; tools.make_parser), or None
     charge: TokenCharge
     lora: Optional[str] = None  # the LoRA adapter the request names, None for the base model
-    reasoning: Optional[reasoning.ReasoningParser] = None  # splits a thinking model's reasoning off
+    # splits a thinking model's reasoning off (a harmony.HarmonyParser for gpt-oss's channels)
+    reasoning: Optional[reasoning.ReasoningParser] = None
     template_kwargs: Optional[dict] = None  # the chat-template variables the prompt was rendered with
 
 
@@ -375,18 +376,24 @@ class InferenceService:
         lora = self._adapter(caller, req.model)
         check_request(req, lora or self.model_name, info.get("vocab_size"), self.cfg.server.max_prompt_chars)
         is_chat = req.messages is not None
-        fmt = tool_formats.detect(self._engine().chat_template) if is_chat else None
-        parser = tools.make_parser(fmt) if is_chat and tools.uses_tools(req) else None
+        template = self._engine().chat_template
+        channels = is_chat and harmony.is_harmony(template)  # gpt-oss: reasoning and calls in channels
+        fmt = tool_formats.detect(template) if is_chat else None
+        parser = tools.make_parser(fmt) if is_chat and tools.uses_tools(req) and not channels else None
         if is_chat and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
-        thinks = is_chat and reasoning.thinks(self._engine().chat_template)
+            harmony.check_tool_choice(req.tool_choice, channels)
+        thinks = is_chat and not channels and reasoning.thinks(template)
         tpl = (
             reasoning.template_kwargs(req.chat_template_kwargs, req.reasoning_effort, thinks)
             if is_chat
             else {}
         )
+        tpl = harmony.template_kwargs(tpl, req.reasoning_effort) if channels else tpl
         # The tool-call grammar is compiled (checked) in the worker thread, with the prompt's encoding.
-        params, prompt, opened = await asyncio.to_thread(self._prepare, req, tpl, thinks)
+        params, prompt, opened = await asyncio.to_thread(self._prepare, req, tpl, thinks, channels)
+        if channels:  # the parser reads the channel markers, which are special tokens
+            params = dataclasses.replace(params, skip_special_tokens=False)
         await self._compile_grammar(params.structured)
         tool_default = (
             tools.default_tool_max_tokens(req.tool_choice, req.parallel_tool_calls)
@@ -403,6 +410,7 @@ class InferenceService:
         )
         self._rate_limit(caller, len(prompt) + charge.upfront if self.limiter.tpm > 0 else 0)
         think = reasoning.ReasoningParser(opened, self.token_strings) if thinks else None
+        think = harmony.HarmonyParser(self.token_strings, tools.uses_tools(req)) if channels else think
         return Admission(prompt, params, parser, charge, lora, think, tpl or None)
 
     async def _compile_grammar(self, c: Any) -> None:
@@ -431,14 +439,15 @@ class InferenceService:
         return model
 
     def _prepare(
-        self, req: GenerationRequest, template_kwargs: dict, thinks: bool = False
+        self, req: GenerationRequest, template_kwargs: dict, thinks: bool = False, channels: bool = False
     ) -> tuple[SamplingParams, list[int], bool]:
         """The request's params with any tool-call grammar (in the model's format) folded in, its prompt ids,
         and whether the prompt opens a think block (worker thread). A thinking model's output constraint
-        lets the think block come first, so reasoning is not forced into the answer's shape."""
+        lets the think block come first, so reasoning is not forced into the answer's shape. A harmony
+        model (``channels``) writes its calls in its own channel, unconstrained."""
         params = req.params
         engine = self._engine()
-        if req.messages is not None and req.tools is not None:
+        if req.messages is not None and req.tools is not None and not channels:
             fmt = tool_formats.detect(engine.chat_template)
             markers = [m for m in (fmt.start, fmt.end) if m]
             special = {m: i for m in markers if (i := engine.special_token_id(m)) is not None}
@@ -711,7 +720,10 @@ class InferenceService:
                 self.engine.lora_adapters() if self.engine is not None else {},
                 caller.tenant if caller is not None else None,
             ),
-            reasoning=self.engine is not None and reasoning.thinks(self.engine.chat_template),
+            reasoning=self.engine is not None
+            and (
+                reasoning.thinks(self.engine.chat_template) or harmony.is_harmony(self.engine.chat_template)
+            ),
             tool_call_format=tool_formats.detect(self.engine.chat_template).name if self.engine else "",
         )
         return info
@@ -811,6 +823,8 @@ def _split(ev: Event, admission: Admission) -> Event:
     """A thinking model's reasoning, then tool-call markup, moved out of the event's text (in place)."""
     if admission.reasoning is not None:
         reasoning.split_event(ev, admission.reasoning)
+        if isinstance(admission.reasoning, harmony.HarmonyParser):
+            harmony.split_calls(ev, admission.reasoning)
     if admission.parser is not None:
         tools.split_event(ev, admission.parser)
     return ev

@@ -15,7 +15,7 @@ import torch
 FAMILIES = ("qwen3", "qwen3_tied", "gemma2", "gemma3", "phi3")
 # Mixtures of experts: several experts per token, more experts than a decode batch has tokens (so some expert
 # goes unpicked), and Qwen3-MoE's dense layers between sparse ones (``mlp_only_layers``, ``decoder_sparse_step``).
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_moe_step")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_moe_step", "gpt_oss")
 
 _COMMON = dict(
     hidden_size=64,
@@ -122,6 +122,30 @@ def _config(kind: str, vocab: int):
             mlp_only_layers=[] if step else [0, 2],  # else: layers 1 and 3 sparse
             tie_word_embeddings=step,
         ), tf.Qwen3MoeForCausalLM
+    if kind == "gpt_oss":
+        # alternating sliding (window 6) and full layers, YaRN from an original length of 32 (crossed by
+        # the prompts), a SwiGLU clamp low enough to bite; sinks, router and expert biases are set random
+        return tf.GptOssConfig(
+            **dict(c, intermediate_size=64),
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=6,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            swiglu_limit=2.0,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "beta_fast": 8.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+            },
+        ), tf.GptOssForCausalLM
     raise ValueError(kind)
 
 
@@ -139,6 +163,8 @@ def build_family_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int
         for name, p in model.named_parameters():
             if "norm" in name:  # Gemma's scale by (1 + w) and start at 0, the others at 1
                 p.copy_(torch.randn_like(p) * 0.3 + (0.0 if kind.startswith("gemma") else 1.0))
+            elif name.endswith(("sinks", "_bias", "router.bias")):  # gpt-oss: zeros or small at init
+                p.copy_(torch.randn_like(p))
         if kind == "gemma2" and cfg.tie_word_embeddings:
             # The stream starts as the embedding times sqrt(hidden); through a tied head that term alone
             # gives the last token the top logit, so greedy output echoes it whatever the layers compute.

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen3-MoE checkpoints (family_checkpoints.py) through the engine: greedy float32 equal to HF
+"""Mixtral, Qwen3-MoE and gpt-oss checkpoints (family_checkpoints.py) through the engine: greedy float32 equal to HF
 transformers ``generate`` token for token with a tight pool (preemption), a small token budget (chunked
 prefill) and prefix-cache hits; the sparse block against transformers' own on rows that pick disjoint and
 identical experts, reading only the experts some row picked, each once; transformers' fused expert layout
@@ -60,6 +60,7 @@ def test_greedy_matches_hf_with_preemption_chunking_and_prefix_hits(moe_dirs, hf
             "mixtral": [True] * 3,
             "qwen3_moe": [False, True, False, True],
             "qwen3_moe_step": [False, True, False],
+            "gpt_oss": [True] * 4,
         }[kind]
     )
     outs = llm.generate(PROMPTS, GREEDY)
@@ -136,7 +137,7 @@ def test_transformers_fused_expert_layout_loads_like_the_hub_layout(moe_dirs, hf
     assert [o.token_ids for o in outs] == hf_refs("mixtral")[:3]
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_bf16_runs_on_the_cpu_kernels(moe_dirs, kind):
     model = str(moe_dirs[kind])
     llm = LLM(model=model, dtype="bfloat16")

@@ -6,7 +6,9 @@
  * where position j of row b lives in slot tables[b, j / bs] * bs + j % bs of the cache
  * ([num_blocks, bs, nkv, hd]), rep = nh / nkv query heads share a KV head (grouped-query attention),
  * and lo_b = max(0, ctx_b - window) with a sliding window (window <= 0: none). With soft-capping (softcap >
- * 0, Gemma 2) each scaled score x becomes softcap * tanh(x / softcap) before the softmax.
+ * 0, Gemma 2) each scaled score x becomes softcap * tanh(x / softcap) before the softmax. With sinks (not
+ * NULL: [nh] float32, gpt-oss) head h's logit sinks[h] joins each of its softmaxes' denominators and weighs
+ * no value: the maximum is taken over the scores and the sink, and exp(sink - max) adds to the normaliser.
  *
  * Every (row, KV head) pair is one task: its rep queries are scored against the keys in one pass
  * (each key loaded once for all of them; bf16 keys and queries as pairs of exact products summed in
@@ -156,7 +158,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
                                                          int nkv, int g, int hd, int bs, int kvm, float* s,
                                                          float* of, size_t* offs, const float* ks,
                                                          const float* vs, const uint16_t* qb, float scale,
-                                                         float cap, float* wsum) {
+                                                         float cap, float* wsum, const float* sk) {
     const int n = hi - lo;
     const size_t row = (size_t)nkv * hd; /* elements per slot */
     float invs[MAX_REP];                 /* each query's 1 / softmax normaliser */
@@ -237,7 +239,8 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
     for (int r = 0; r < rep; r++) {
         float* sr = s + (size_t)r * n;
         if (cap > 0.f) softcap_row(sr, n, 1.0f / cap, cap); /* the scaled scores, capped */
-        const float m = row_max(sr, n);
+        float m = row_max(sr, n);
+        if (sk && sk[r] > m) m = sk[r]; /* this head's sink logit joins the softmax */
         float total = 0.f;
         int j = 0;
 #ifdef VL
@@ -264,6 +267,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
             total += sr[j];
         }
 #endif
+        if (sk) total += expf(sk[r] - m);
         const float inv = invs[r] = 1.0f / total;
         if (wsum) /* the weights each key received, before a value's scale joins them */
             for (j = 0; j < n; j++) wsum[j] += sr[j] * inv;
@@ -332,8 +336,9 @@ typedef struct {
     float scale;
     int dtype;
     int nthreads;
-    float softcap; /* > 0: scores soft-capped (see above); 0: not */
-    float* scores; /* NULL, or [num_blocks * bs]: received attention added per slot */
+    float softcap;      /* > 0: scores soft-capped (see above); 0: not */
+    float* scores;      /* NULL, or [num_blocks * bs]: received attention added per slot */
+    const float* sinks; /* NULL, or [nh]: a logit per head in its softmax's denominator (see above) */
 } sidecar_paged_attention_args;
 int sidecar_paged_attention_args_size(void) {
     return (int)sizeof(sidecar_paged_attention_args);
@@ -399,15 +404,16 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
             const char *k8 = (const char*)kc, *v8 = (const char*)vc;
             if (wsum)
                 for (int j = 0; j < hi - lo; j++) wsum[j] = 0.f;
+            const float* sk = a->sinks ? a->sinks + (size_t)g * rep : NULL; /* this KV head's query heads */
             if (hd == 64)
                 attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 64, bs, kvm, s, of, offs, ks, vs, qb, scale,
-                       cap, wsum);
+                       cap, wsum, sk);
             else if (hd == 128)
                 attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 128, bs, kvm, s, of, offs, ks, vs, qb, scale,
-                       cap, wsum);
+                       cap, wsum, sk);
             else
                 attend(qf, k8, v8, table, lo, hi, rep, nkv, g, hd, bs, kvm, s, of, offs, ks, vs, qb, scale,
-                       cap, wsum);
+                       cap, wsum, sk);
             if (wsum)
                 for (int j = 0, p = lo; p < hi; j++, p++) {
                     const int64_t slot = table[p / bs] * bs + p % bs;

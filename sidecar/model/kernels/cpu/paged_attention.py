@@ -7,7 +7,8 @@ With ``kv_scales`` = (k_scale, v_scale) [num_blocks, block_size, Hkv] float32 th
 (``sidecar.model.kv_quant``), read in place and scaled in registers. With ``softcap`` (Gemma 2) each scaled
 score ``x`` becomes ``softcap * tanh(x / softcap)`` before the softmax, as in Hugging Face's eager attention.
 With ``scores`` ([num_blocks * block_size] float32) each key's softmax weights, summed over heads, are added
-to its slot there.
+to its slot there. With ``sinks`` [H] (gpt-oss) head h's logit ``sinks[h]`` joins each of its softmaxes'
+denominators, weighing no value (``attention_sinks.py`` is the torch form).
 It returns [B, H, D] in ``q``'s dtype (float32 or bfloat16), or None when the kernel cannot take these
 inputs (not built, another dtype or device, a head size it does not handle); the caller then uses the
 torch path (``sidecar.model.attention``), which is also the oracle the tests hold it to.
@@ -54,6 +55,7 @@ class PagedAttentionArgs(cpu_build.Args):
         ("nthreads", ctypes.c_int),
         ("softcap", ctypes.c_float),
         ("scores", ctypes.c_void_p),
+        ("sinks", ctypes.c_void_p),
     ]
 
 
@@ -103,9 +105,16 @@ def decode_attention(
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     softcap: Optional[float] = None,
     scores: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     if not cache_fits(q, k_cache, v_cache, kv_scales):
         return None
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(
+                f"decode_attention: sinks {tuple(sinks.shape)} must be one per head ({q.shape[1]})"
+            )
+        sinks = sinks.to(torch.float32).contiguous()  # held until the call returns
     if scores is not None and not (
         scores.dtype == torch.float32
         and scores.is_contiguous()
@@ -149,6 +158,7 @@ def decode_attention(
             nthreads=torch.get_num_threads(),
             softcap=softcap or 0.0,
             scores=None if scores is None else scores.data_ptr(),
+            sinks=None if sinks is None else sinks.data_ptr(),
         )
     )
     if rc == 2:

@@ -1,0 +1,87 @@
+"""Paged attention with a learned sink logit per head (gpt-oss), the torch reference path.
+
+A sink is one more logit in each head's softmax, for no value: it takes a share of the attention weight away
+from the keys (HF's eager attention: the logits and the sink concatenated, their maximum subtracted, softmaxed,
+the sink's column dropped). ``paged_attention`` sends every row of such a layer here: decode rows go
+through the CPU decode kernel, which takes sinks (``kernels/cpu/paged_attention.c``), where it runs;
+prompt segments, and decode rows the kernel declines, are attended by torch. The CPU prefill kernel and the
+Triton decode kernel do not take sinks.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from sidecar.model import attention_scores, kv_quant
+from sidecar.model.kernels.cpu import paged_attention as cpu_kernel
+
+
+def _cached(
+    cache: torch.Tensor, scales: Optional[torch.Tensor], tables: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The blocks of ``tables`` [B, n] as [B, Hkv, n * block_size, D] (dequantized when ``scales``)."""
+    b, n = tables.shape
+    if scales is not None:
+        return kv_quant.gather(cache, scales, tables, None, dtype).transpose(1, 2)
+    nkv, hd = cache.shape[-2], cache.shape[-1]
+    return cache.index_select(0, tables.reshape(-1)).view(b, n * cache.shape[1], nkv, hd).transpose(1, 2)
+
+
+def attend(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: Any,
+    scale: float,
+    sliding_window: Optional[int],
+    kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]],
+    softcap: Optional[float],
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """Attention with a sink logit per head (``attention_scores.weighted``, HF's eager form, each KV head
+    repeated for its query heads) over the cache, which holds every new token already: each prompt segment
+    over its keys [0, ctx) under the causal (and window) mask, the decode rows together over their padded
+    tables under ``decode_mask`` (through the CPU decode kernel where it runs and ``meta.use_cpu_kernel``).
+    ``meta``: the step's ``attention.AttentionMetadata``; adds to its ``kv_scores`` when they are set."""
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
+    rep = q.shape[1] // k_cache.shape[-2]
+    sink_rows = sinks.view(1, -1, 1, 1)
+    out = torch.empty_like(q)
+    bs, scores = meta.block_size, meta.kv_scores
+
+    def rows_over(qs, tables, mask, length):  # qs [B, H, R, D]; mask [B, 1, R, L]
+        kd = _cached(k_cache, ks, tables, q.dtype)[:, :, :length].repeat_interleave(rep, dim=1)
+        vd = _cached(v_cache, vs, tables, q.dtype)[:, :, :length].repeat_interleave(rep, dim=1)
+        o, w = attention_scores.weighted(qs, kd, vd, mask, scale, softcap, sink_rows)
+        if scores is not None:
+            attention_scores.add_scores(scores, attention_scores.table_slots(tables, bs, length), w)
+        return o
+
+    for seg in meta.prefills:
+        start = seg.ctx_len - seg.q_len
+        qpos = torch.arange(start, seg.ctx_len, device=q.device)[:, None]
+        kpos = torch.arange(seg.ctx_len, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if sliding_window is not None:
+            mask &= kpos > qpos - sliding_window
+        rows = q[seg.q_start : seg.q_start + seg.q_len].transpose(0, 1)[None]
+        o = rows_over(rows, seg.block_table[None], mask[None, None], seg.ctx_len)
+        out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
+    if meta.decode_block_tables is not None:
+        b = meta.decode_block_tables.shape[0]
+        if meta.use_cpu_kernel:
+            tables, ctx = meta.decode_block_tables, meta.decode_ctx_lens
+            args = (scale, sliding_window, kv_scales, softcap)
+            o = cpu_kernel.decode_attention(
+                q[q.shape[0] - b :], k_cache, v_cache, tables, ctx, *args, scores, sinks
+            )
+            if o is not None:
+                out[q.shape[0] - b :] = o
+                return out
+        rows = q[q.shape[0] - b :][:, :, None]
+        length = meta.decode_block_tables.shape[1] * bs
+        o = rows_over(rows, meta.decode_block_tables, meta.decode_mask(sliding_window), length)
+        out[q.shape[0] - b :] = o[:, :, 0]
+    return out

@@ -1,0 +1,191 @@
+"""The harmony reply format (gpt-oss): a reply is a run of messages, each a header and a body,
+``<|channel|>NAME[ to=RECIPIENT][ <|constrain|>TYPE]<|message|>BODY`` closed by ``<|end|>`` (more
+follows: the next one opens with ``<|start|>assistant``), ``<|return|>`` (the reply is done) or ``<|call|>``
+(a tool call). The ``analysis`` channel carries the model's reasoning, ``final`` the answer; ``commentary``
+carries preambles to the user and tool calls (``to=functions.NAME``, JSON arguments).
+
+``HarmonyParser`` splits streamed reply text (with special tokens kept, so the markers are in it) the way
+``reasoning.ReasoningParser`` splits a think block: analysis bodies become ``reasoning_content``, the bodies
+of the other channels the content; headers and markers belong to neither. A body addressed to
+``functions.NAME`` and closed by ``<|call|>`` becomes a tool call (NAME, the body as its arguments) when
+the request offers tools (``calls``); other bodies with a recipient, and calls a request did not ask for,
+are left out. A reply that does not start with a header (a model answering in plain text) is content as
+written.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from sidecar.server.tool_formats import make_call
+
+START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+CALL = "<|call|>"
+ENDS = ("<|end|>", "<|return|>", CALL)
+FUNCTIONS = "functions."
+REASONING_CHANNEL = "analysis"
+# template variable the harmony templates read for the system message's "Reasoning: low|medium|high"
+EFFORT_VARIABLE = "reasoning_effort"
+
+TokenText = Callable[[list[int]], list[str]]
+
+
+def is_harmony(template: str) -> bool:
+    """Whether a chat template writes harmony messages (channel and message markers)."""
+    return CHANNEL in template and MESSAGE in template
+
+
+def template_kwargs(kwargs: dict, effort: Optional[str]) -> dict:
+    """A harmony request's template variables: ``reasoning_effort`` "low", "medium" or "high" reaches the
+    template's own variable unless the caller set it; "none" and "minimal" (no harmony level) leave the
+    template's default."""
+    if effort in ("low", "medium", "high") and EFFORT_VARIABLE not in kwargs:
+        return dict(kwargs, **{EFFORT_VARIABLE: effort})
+    return kwargs
+
+
+def check_tool_choice(choice: Any, channels: bool) -> None:
+    """A harmony model's calls are read from its commentary channel, not constrained by a grammar: a
+    ``tool_choice`` that would force a call (required, or a named function) is refused for it, naming the
+    field; auto and none are taken."""
+    from sidecar.server.validation import invalid
+
+    if channels and choice not in (None, "auto", "none"):
+        raise invalid("tool_choice", "this model writes tool calls in harmony channels: only auto or none")
+
+
+def _held(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest proper prefix of any of ``markers`` that ``text`` ends with."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, len(text)), best, -1):
+            if text.endswith(m[:k]):
+                best = k
+                break
+    return best
+
+
+class HarmonyParser:
+    """Splits streamed harmony text into reasoning and content (``ReasoningParser``'s interface).
+
+    States: ``header`` (between messages: text up to ``<|message|>`` names the channel and recipient),
+    ``body`` (a message's text up to its end marker, reasoning or content by its channel, dropped when it
+    has a recipient), ``plain`` (the reply began without a header: all of it is content)."""
+
+    def __init__(self, token_text: TokenText, calls: bool = False) -> None:
+        self.state = "header"
+        self.buf = ""
+        self.reasoning = ""
+        self.content = ""
+        self.reasoning_tokens = 0
+        self.channel: Optional[str] = None  # the current (or last) message's channel
+        self.recipient: Optional[str] = None
+        self._token_text = token_text
+        self._offers_calls = calls
+        self.calls: list[dict] = []  # every tool call of the reply so far
+        self._new: list[dict] = []  # those not yet taken (take_calls)
+        self._body = ""  # the current body addressed to a recipient
+
+    def take_calls(self) -> list[dict]:
+        """The tool calls completed since the last take."""
+        new, self._new = self._new, []
+        return new
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning delta, content delta) of the next piece of the reply."""
+        self.buf += delta
+        r_out: list[str] = []
+        c_out: list[str] = []
+        while self._step(r_out, c_out):
+            pass
+        r, c = "".join(r_out), "".join(c_out)
+        self.reasoning += r
+        self.content += c
+        return r, c
+
+    def _header(self, head: str) -> None:
+        """The channel and recipient a message header names (``<|start|>assistant`` before it ignored)."""
+        at = head.find(CHANNEL)
+        words = head[at + len(CHANNEL) :].replace("<|", " <|").split() if at >= 0 else []
+        self.channel = words[0] if words else None
+        self.recipient = next((w[3:] for w in words if w.startswith("to=")), None)
+        if self.recipient is None and " to=" in head[: max(at, 0)]:  # the recipient before the channel
+            self.recipient = head.split(" to=", 1)[1].split()[0]
+
+    def _step(self, r_out: list[str], c_out: list[str]) -> bool:
+        """Consume what can be decided at the head of ``buf``; False when more text is needed."""
+        if self.state == "plain":
+            c_out.append(self.buf)
+            self.buf = ""
+            return False
+        if self.state == "header":
+            s = self.buf.lstrip()
+            fresh = not self.reasoning and not self.content and self.channel is None
+            if fresh and s and not s.startswith("<|") and not "<|".startswith(s):
+                self.state = "plain"
+                return True
+            i = self.buf.find(MESSAGE)
+            if i < 0:
+                return False
+            self._header(self.buf[:i])
+            self.state, self.buf = "body", self.buf[i + len(MESSAGE) :]
+            return True
+        ends = [(j, m) for m in ENDS if (j := self.buf.find(m)) >= 0]
+        if ends:
+            j, m = min(ends)
+            self._emit(self.buf[:j], r_out, c_out)
+            if m == CALL and self._offers_calls and (self.recipient or "").startswith(FUNCTIONS):
+                name = self.recipient[len(FUNCTIONS) :]
+                call = make_call({"name": name, "arguments": self._body}, len(self.calls))
+                self.calls.append(call)
+                self._new.append(call)
+            self.state, self.buf, self._body = "header", self.buf[j + len(m) :], ""
+            return True
+        keep = _held(self.buf, ENDS)
+        self._emit(self.buf[: len(self.buf) - keep], r_out, c_out)
+        self.buf = self.buf[len(self.buf) - keep :]
+        return False
+
+    def _emit(self, text: str, r_out: list[str], c_out: list[str]) -> None:
+        if self.recipient is not None:
+            self._body += text
+            return
+        (r_out if self.channel == REASONING_CHANNEL else c_out).append(text)
+
+    def count_tokens(self, ids: list[int]) -> int:
+        """How many of the reply's tokens ``ids`` belong to analysis messages (their headers, bodies and end
+        markers), read a slice at a time through a parser of their own."""
+        if not self.reasoning and self.channel != REASONING_CHANNEL:
+            return 0
+        probe, n = HarmonyParser(self._token_text), 0
+        for i in range(0, len(ids), 64):
+            for s in self._token_text(ids[i : i + 64]):
+                before = probe.channel if probe.state == "body" else None
+                r, _ = probe.feed(s)
+                after = probe.channel if probe.state == "body" else None
+                n += bool(r) or REASONING_CHANNEL in (before, after)
+        return n
+
+    def finish(self) -> tuple[str, str]:
+        """Flush what is held back at the end of the reply: (reasoning delta, content delta). A body cut
+        short (max_tokens) keeps its channel's side; an unfinished header is dropped."""
+        rest, self.buf = self.buf, ""
+        r_out: list[str] = []
+        c_out: list[str] = []
+        if self.state == "body":
+            self._emit(rest, r_out, c_out)
+        elif self.state == "plain" or (self.state == "header" and self.channel is None and "<|" not in rest):
+            c_out.append(rest)
+        r, c = "".join(r_out), "".join(c_out)
+        self.reasoning += r
+        self.content += c
+        return r, c
+
+
+def split_calls(ev: Any, parser: HarmonyParser) -> Any:
+    """The tool calls a harmony reply completed in this event into ``ev.tool_calls`` (in place); a reply
+    that stops after calls finishes with ``tool_calls``."""
+    ev.tool_calls = parser.take_calls()
+    if ev.finished and parser.calls and ev.finish_reason == "stop":
+        ev.finish_reason = "tool_calls"
+    return ev
