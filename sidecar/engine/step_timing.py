@@ -7,7 +7,7 @@ the path ``ModelRunner.execute`` will take for those rows."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -15,19 +15,14 @@ from sidecar.engine.input_buffers import DecodeRow
 from sidecar.model import kv_quant
 from sidecar.model.attention import AttentionMetadata
 
-if TYPE_CHECKING:
-    from sidecar.engine.runner import ModelRunner
-
 
 @torch.inference_mode()
-def time_decode_rows(
-    runner: "ModelRunner", rows: Union[int, Sequence[int]], repeats: int = 7
-) -> Optional[list[float]]:
-    """Fastest seconds (of ``repeats``) of one forward plus logits for r decode rows, for each r in ``rows``
-    (an int n: r = 1..n). Rows that fit the decode buffers are timed as ``execute`` runs them (the CPU replay or
-    a graph where those are on), the rest through the eager forward. Call before serving: it writes the KV of
-    blocks 1.., which are zeroed again (or left to the lazy zeroing, which clears them before their first real
-    use). None when the pool is too small."""
+def time_decode_rows(runner: Any, rows: Union[int, Sequence[int]], repeats: int = 7) -> Optional[list[float]]:
+    """Fastest seconds (of ``repeats``) of one forward plus logits for r decode rows, for each r in ``rows`` (an
+    int n: r = 1..n), on ``runner`` (the engine's ModelRunner). Rows that fit the decode buffers are timed as
+    ``execute`` runs them (the CPU replay or a graph where those are on), the rest through the eager forward.
+    Call before serving: it writes the KV of blocks 1.., which are zeroed again (or left to the lazy zeroing,
+    which clears them before their first real use). None when the pool is too small."""
     counts = list(range(1, rows + 1)) if isinstance(rows, int) else list(rows)
     nb = -(-max(counts) // runner.block_size)
     if nb + 1 >= runner.num_blocks:
@@ -49,7 +44,7 @@ def time_decode_rows(
     return out
 
 
-def _step(runner: "ModelRunner", r: int, table: list[int]) -> Callable[[], torch.Tensor]:
+def _step(runner: Any, r: int, table: list[int]) -> Callable[[], torch.Tensor]:
     """A step of r rows of one sequence at positions 0..r-1 in blocks ``table``, every row sampled."""
     bs = runner.block_size
     if runner.fits_decode_buffers(r, len(table)):
