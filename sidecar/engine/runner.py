@@ -10,17 +10,18 @@ self-check (``self_check.py``) unless ``enforce_eager``.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Callable, Optional, Sequence, Union
 
 import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine.cpu_graphs import CpuDecodePlans
+from sidecar.engine.decode_timing import time_decode_rows
 from sidecar.engine.graphs import DecodeGraphs, capture_or_none
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates
 from sidecar.engine.kv_copy import BlockCopier
 from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
@@ -60,8 +61,13 @@ class ModelRunner:
             kv_quant.allocate(
                 self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device
             )
-            for _ in range(a.num_layers)
+            for _ in a.attention_layers  # a hybrid model's linear layers keep state slots instead
         ]
+        self.states = (
+            LinearStates(a, config.max_num_seqs, self.dtype, self.device) if a.linear_layers else None
+        )
+        # what each layer's mixer reads: KV caches, and a hybrid model's state slots
+        self.layer_caches = self.states.layer_caches(a, self.kv_caches) if self.states else self.kv_caches
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
         # Attention received per cache slot, for scored KV eviction (model/attention_scores.py); allocated at
         # the first step that needs it.
@@ -86,7 +92,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self._decode_step, self.device)
         self.cpu_plans = CpuDecodePlans(self.model, self.kv_caches, self.inputs)  # the CPU's decode graphs
         self.set_decode_padding(False)
-        if self.device.type == "cuda" or self.enforce_eager:
+        if self.device.type == "cuda" or self.enforce_eager or self.states is not None:
             self.prepare_fast_paths()
         else:  # on CPU: decode steps replayed from C once a replayed step matches the eager one
             self.cpu_plans.self_check()
@@ -106,10 +112,11 @@ class ModelRunner:
         self.fast_paths.set_all(False)
         self.fast_paths.reasons = {}
         self.set_decode_padding(False)
-        if self.enforce_eager:
+        if self.enforce_eager or self.states is not None:  # decode graphs and replays carry no state slots
+            reason = "enforce_eager" if self.enforce_eager else STATEFUL_REASON
             for name in PATH_NAMES:
-                self.fast_paths.disable(name, "enforce_eager")
-            self.cpu_plans.disable("enforce_eager")
+                self.fast_paths.disable(name, reason)
+            self.cpu_plans.disable(reason)
             return
         if not (self.device.type == "cuda" or force_check):
             return  # on CPU our C kernels are the fast path; the device fields stay off
@@ -152,6 +159,7 @@ class ModelRunner:
             "kv_cache_dtype": kv_quant.kv_dtype_name(self.kv_dtype),
             "kv_cache_dtype_reason": self.kv_dtype_reason,
             "kv_cache_tokens": (self.num_blocks - 1) * self.block_size,
+            **(self.states.info() if self.states is not None else {}),
         }
 
     def read_block(self, block_id: int) -> torch.Tensor:
@@ -198,35 +206,9 @@ class ModelRunner:
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
-    @torch.inference_mode()
     def time_decode_rows(self, rows: Union[int, Sequence[int]], repeats: int = 7) -> Optional[list[float]]:
-        """Fastest seconds (of ``repeats``) of one forward plus logits for r decode rows, for each r in
-        ``rows`` (an int n: r = 1..n): the price of verifying r - 1 speculative tokens of one request, or
-        of a batch's rows, on this device (GEMM kernels change algorithm with the row count, so the price
-        is measured, not assumed). Call before serving: it writes the KV of blocks 1.., which the lazy
-        zeroing clears before their first real use. None when the pool is too small."""
-        counts = list(range(1, rows + 1)) if isinstance(rows, int) else list(rows)
-        max_rows = max(counts)
-        bs = self.block_size
-        nb = -(-max_rows // bs)
-        if self._zeroed_upto > 0 or nb + 1 >= self.num_blocks:
-            return None
-        table = list(range(1, nb + 1))
-        out = []
-        for r in counts:
-            meta = AttentionMetadata(slot_mapping=self._tensor([bs + i for i in range(r)]), block_size=bs)
-            meta.decode_block_tables = self._tensor(table * r).view(r, nb)
-            meta.decode_ctx_lens = self._tensor(list(range(1, r + 1)))
-            ids, pos = self._tensor([0] * r), self._tensor(list(range(r)))
-            times = []
-            for i in range(repeats + 1):
-                t = time.perf_counter()
-                self.model.compute_logits(self.model(ids, pos, self.kv_caches, meta)).sum().item()
-                times.append(time.perf_counter() - t)
-            # The first run warms up; the fastest of the rest is the one least disturbed by anything else
-            # running on the machine (a median still moves with a busy neighbour).
-            out.append(min(times[1:]))
-        return out
+        """``decode_timing.time_decode_rows`` on this runner (None for a hybrid model: its rows need states)."""
+        return None if self.states is not None else time_decode_rows(self, rows, repeats)
 
     def _decode_step(self, bucket: int) -> torch.Tensor:
         if self.cpu_plans.replays():
@@ -271,7 +253,11 @@ class ModelRunner:
         request i's input token is ``prev_ids[src[i]]`` (gathered on the device), not read from the host."""
         bs = self.block_size
         tables = [kv.block_ids(r) for r in reqs]
-        if not reqs or not self.fits_decode_buffers(len(tables), max(len(t) for t in tables)):
+        if (
+            not reqs
+            or self.states is not None
+            or not self.fits_decode_buffers(len(tables), max(len(t) for t in tables))
+        ):
             return None
         rows = []
         for i, (r, table) in enumerate(zip(reqs, tables)):
@@ -316,6 +302,7 @@ class ModelRunner:
         # A batch with adapter rows runs eagerly (below): the captured decode graphs hold the base model only.
         if (
             token_slots is None
+            and self.states is None  # the persistent buffers carry no state slots
             and sched.scheduled
             and all(s.num_new_tokens == 1 and not s.num_spec_tokens for s in sched.scheduled)
             and not any(_scored(s.request) or wants_rows(s.request) for s in sched.scheduled)
@@ -356,7 +343,9 @@ class ModelRunner:
             slots.extend(table[(p - e) // bs] * bs + (p - e) % bs for p in range(c, c + n))
             if n > 1 and not s.num_spec_tokens:
                 kept = c + n - e
-                segments.append(PrefillSegment(start, n, kept, self._tensor(table[: -(-kept // bs)])))
+                seg = PrefillSegment(start, n, kept, self._tensor(table[: -(-kept // bs)]))
+                seg.state_slot = kv.state_slot(r) if self.states is not None else 0
+                segments.append(seg)
             if s.completes_prompt:
                 sample_idx.extend(range(len(ids) - 1 - s.num_spec_tokens, len(ids)))
                 sample_reqs.append(r)
@@ -375,14 +364,16 @@ class ModelRunner:
                 len(dtables), width
             )
             meta.decode_ctx_lens = self._tensor(ctx_lens)
+            if self.states is not None:
+                meta.decode_state_slots = self._tensor([kv.state_slot(s.request) for s in decodes])
         if token_slots is None:
-            hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
+            hidden = self.model(self._tensor(ids), self._tensor(pos), self.layer_caches, meta)
         else:  # one slot per token, in the packed order: prefills, then decodes
             self.lora.set_batch(
                 self.lora.token_slots([(s.request, s.num_new_tokens) for s in prefills + decodes])
             )
             try:
-                hidden = self.model(self._tensor(ids), self._tensor(pos), self.kv_caches, meta)
+                hidden = self.model(self._tensor(ids), self._tensor(pos), self.layer_caches, meta)
             finally:
                 self.lora.set_batch(None)
         collect(self.model, hidden, prompt_rows)

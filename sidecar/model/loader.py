@@ -27,6 +27,7 @@ from torch import nn
 from sidecar.config import EngineConfig, lm_head_quantization
 from sidecar.model.args import ModelArgs
 from sidecar.model.decoder import CausalLM
+from sidecar.model.deltanet import load_hybrid_mixer
 from sidecar.model.linear_layout import pack_weights
 
 log = logging.getLogger("sidecar.model")
@@ -186,7 +187,7 @@ def _load_linear(
         _set(linear, "bias", torch.cat(biases, 0) if len(biases) > 1 else biases[0], dtype, device)
 
 
-def layer_norm_sources(args: ModelArgs) -> list[tuple[str, str]]:
+def layer_norm_sources(args: ModelArgs, layer: int = 0) -> list[tuple[str, str]]:
     """(our module in a decoder layer, its HF name) for every norm of a layer. Our
     ``post_attention_layernorm`` is the norm in front of the MLP: HF Gemma's ``pre_feedforward_layernorm``,
     Gemma's ``post_attention_layernorm`` being the attention output's norm (our ``attn_out_norm``)."""
@@ -199,7 +200,7 @@ def layer_norm_sources(args: ModelArgs) -> list[tuple[str, str]]:
         ]
     else:
         names.append(("post_attention_layernorm", "post_attention_layernorm"))
-    if args.qk_norm:
+    if args.qk_norm and not args.is_linear(layer):
         names += [("self_attn.q_norm", "self_attn.q_norm"), ("self_attn.k_norm", "self_attn.k_norm")]
     return names
 
@@ -251,10 +252,13 @@ def _load_weights(
         p = f"model.layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         fused = args.fused_checkpoint  # Phi-3 stores the projections already fused
-        qkv = [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
         gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-        _load_linear(attn.qkv_proj, ckpt, qkv, dtype, device)
-        _load_linear(attn.o_proj, ckpt, [f"{p}.self_attn.o_proj"], dtype, device)
+        if attn is None or attn.gate_proj is not None:  # hybrid layers (deltanet.py)
+            load_hybrid_mixer(layer, ckpt.get, p, lambda m, n, t: _set(m, n, t, dtype, device))
+        else:
+            qkv = [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
+            _load_linear(attn.qkv_proj, ckpt, qkv, dtype, device)
+            _load_linear(attn.o_proj, ckpt, [f"{p}.self_attn.o_proj"], dtype, device)
         if args.sparse(i):
             _load_experts(mlp, ckpt, p, args, cfg, dtype, device)
         else:
@@ -262,10 +266,10 @@ def _load_weights(
             _load_linear(mlp.down_proj, ckpt, [f"{p}.mlp.down_proj"], dtype, device)
             for attr in ("gate_up_proj", "down_proj"):
                 _maybe_quantize(mlp, attr, cfg)
-        for ours, theirs in layer_norm_sources(args):
+        for ours, theirs in layer_norm_sources(args, i):
             module = layer.get_submodule(ours)
             _set(module, "weight", _norm_weight(args, ckpt.get(f"{p}.{theirs}.weight")), dtype, device)
-        for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj")):
+        for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj")) if attn is not None else ():
             _maybe_quantize(parent, attr, cfg)
     _set(model.norm, "weight", _norm_weight(args, ckpt.get("model.norm.weight")), dtype, device)
     if tied:
