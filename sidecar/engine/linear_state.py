@@ -15,9 +15,14 @@ float32 whatever the model dtype).
 
 from __future__ import annotations
 
+import logging
+from typing import Optional
+
 import torch
 
 from sidecar.model.args import ModelArgs
+
+log = logging.getLogger("sidecar.engine")
 
 # Why the paths that cannot carry a per-sequence state step aside for these models (each logged once).
 STATEFUL_REASON = (
@@ -44,6 +49,13 @@ class LinearStates:
             for _ in self.layers
         ]
         self.bytes = sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
+        log.info(
+            "linear-attention state: %d layers x %d slots, %.1f KiB a sequence (%.1f MiB)",
+            len(self.layers),
+            slots,
+            self.bytes / max(1, slots) / 2**10,
+            self.bytes / 2**20,
+        )
 
     def layer_caches(self, args: ModelArgs, kv_caches: list) -> list:
         """What each decoder layer's mixer reads: its (conv, recurrent) state for a linear layer, its KV cache
@@ -70,6 +82,25 @@ class LinearStates:
             "linear_state_bytes_per_sequence": self.bytes // max(1, self.slots),
             "linear_state_bytes": self.bytes,
         }
+
+
+def cache_groups(
+    attention_layers: int, kv_bytes: int, kv_tokens: int, states: Optional[LinearStates]
+) -> list[dict]:
+    """The model's cache groups as ``/v1/models`` lists them: the paged KV of its attention layers, and a
+    hybrid model's linear-attention state slots."""
+    groups = [{"kind": "attention", "layers": attention_layers, "bytes": kv_bytes, "tokens": kv_tokens}]
+    if states is not None:
+        groups.append(
+            {
+                "kind": "linear_attention",
+                "layers": len(states.layers),
+                "bytes": states.bytes,
+                "slots": states.slots,
+                "bytes_per_sequence": states.bytes // max(1, states.slots),
+            }
+        )
+    return groups
 
 
 class SlotPool:

@@ -25,6 +25,7 @@ FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not loaded
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {
@@ -38,6 +39,7 @@ _MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
 }
 
 
@@ -114,6 +116,8 @@ class ModelArgs:
     linear_layers: tuple[int, ...] = ()
     linear: Optional[LinearAttention] = None
     attn_output_gate: bool = False
+    # where the decoder's tensors sit in the checkpoint (a multimodal one nests the text model deeper)
+    checkpoint_prefix: str = "model."
 
     def __post_init__(self) -> None:
         if self.o_proj_bias is None:

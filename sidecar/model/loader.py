@@ -115,6 +115,7 @@ def pick_dtype_with_reason(requested: str, hf_config: dict, device: torch.device
 def _linear_in_features(hf_config: dict) -> tuple[int, ...]:
     """The input widths of a decoder's linear layers: the hidden size (q/k/v, gate/up, the head), the attention
     output's (o_proj) and the MLP's (down_proj)."""
+    hf_config = hf_config.get("text_config") or hf_config  # a multimodal model's text model
     hidden = int(hf_config.get("hidden_size") or 0)
     heads = int(hf_config.get("num_attention_heads") or 0)
     head_dim = int(hf_config.get("head_dim") or (hidden // heads if heads else 0))
@@ -228,8 +229,8 @@ def _load_weights(
 ) -> None:
     from tqdm.auto import tqdm
 
-    args = model.args
-    _set(model.embed_tokens, "weight", ckpt.get("model.embed_tokens.weight"), dtype, device)
+    args, top = model.args, model.args.checkpoint_prefix
+    _set(model.embed_tokens, "weight", ckpt.get(f"{top}embed_tokens.weight"), dtype, device)
     tied = args.tie_word_embeddings or "lm_head.weight" not in ckpt
     head_mode = lm_head_quantization(cfg.quantization, cfg.quantize_lm_head)
     if tied and head_mode is not None:
@@ -249,7 +250,7 @@ def _load_weights(
             disable=not log.isEnabledFor(logging.INFO),
         )
     ):
-        p = f"model.layers.{i}"
+        p = f"{top}layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         fused = args.fused_checkpoint  # Phi-3 stores the projections already fused
         gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
@@ -271,7 +272,7 @@ def _load_weights(
             _set(module, "weight", _norm_weight(args, ckpt.get(f"{p}.{theirs}.weight")), dtype, device)
         for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj")) if attn is not None else ():
             _maybe_quantize(parent, attr, cfg)
-    _set(model.norm, "weight", _norm_weight(args, ckpt.get("model.norm.weight")), dtype, device)
+    _set(model.norm, "weight", _norm_weight(args, ckpt.get(f"{top}norm.weight")), dtype, device)
     if tied:
         if isinstance(model.embed_tokens, nn.Embedding):  # not already quantized together above
             model.lm_head.weight = model.embed_tokens.weight
@@ -325,7 +326,7 @@ def _eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...
     gen = model_dir / "generation_config.json"
     if gen.exists():
         add(json.loads(gen.read_text()).get("eos_token_id"))
-    add(hf_config.get("eos_token_id"))
+    add((hf_config.get("text_config") or hf_config).get("eos_token_id", hf_config.get("eos_token_id")))
     add(getattr(tokenizer, "eos_token_id", None))
     return tuple(dict.fromkeys(ids))
 

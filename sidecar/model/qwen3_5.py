@@ -2,7 +2,9 @@
 by default three of every four) and full-attention layers. The attention layers are Qwen3's (q/k norms,
 ``head_dim`` of its own) with partial rotary (``partial_rotary_factor``, a quarter by default) and a sigmoid
 gate on their output; every RMSNorm of the checkpoint but the DeltaNet's gated one scales by ``(1 + w)``.
-The text positions of its multimodal rope are one position per token, so the plain rope is HF's."""
+The text positions of its multimodal rope are one position per token, so the plain rope is HF's. A
+``Qwen3_5ForConditionalGeneration`` checkpoint (the published ones) serves its text model: ``text_config``,
+tensors under ``model.language_model.``; the vision tower is not loaded, so prompts are text only."""
 
 from __future__ import annotations
 
@@ -12,6 +14,11 @@ from sidecar.model.args import LinearAttention, ModelArgs, base_args
 
 
 def args_from_config(cfg: dict[str, Any], arch: str) -> ModelArgs:
+    prefix = "model."
+    if "text_config" in cfg:  # Qwen3_5ForConditionalGeneration: the text model of a vision-language one
+        text = cfg["text_config"]
+        tied = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+        cfg, prefix = dict(text, tie_word_embeddings=tied), "model.language_model."
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % cfg.get("full_attention_interval", 4) == 0 else "linear_attention"
@@ -43,4 +50,5 @@ def args_from_config(cfg: dict[str, Any], arch: str) -> ModelArgs:
         linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
         linear=linear,
         attn_output_gate=True,
+        checkpoint_prefix=prefix,
     )

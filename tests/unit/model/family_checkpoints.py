@@ -17,7 +17,7 @@ FAMILIES = ("qwen3", "qwen3_tied", "gemma2", "gemma3", "phi3")
 # goes unpicked), and Qwen3-MoE's dense layers between sparse ones (``mlp_only_layers``, ``decoder_sparse_step``).
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_moe_step")
 # Hybrid models: linear-attention (gated DeltaNet) layers among full-attention ones.
-HYBRID_FAMILIES = ("qwen3_5",)
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_vl")
 # Families whose norms scale by (1 + w), but for Qwen3.5's gated DeltaNet norm (a plain w, initialised at 1).
 _UNIT_OFFSET = ("gemma", "qwen3_5")
 
@@ -140,6 +140,12 @@ def _config(kind: str, vocab: int):
             linear_num_value_heads=4,
             tie_word_embeddings=False,
         ), tf.Qwen3_5ForCausalLM
+    if kind == "qwen3_5_vl":  # the published form: the text model above inside a vision-language one
+        text, _ = _config("qwen3_5", vocab)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+        return tf.Qwen3_5Config(
+            text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False
+        ), tf.Qwen3_5ForConditionalGeneration
     raise ValueError(kind)
 
 

@@ -49,6 +49,18 @@ def test_greedy_matches_hf_in_one_batch(qwen35_dir, hf_ref):
     assert info["prefix_caching"] is False and not eng.kv.enable_caching
     assert info["linear_attention_layers"] == 3 and info["linear_state_slots"] == eng.config.max_num_seqs
     assert info["cpu_decode_replay"] is False and "linear-attention" in info["cpu_decode_replay_reason"]
+    a = eng.loaded.args
+    spec = a.linear
+    per_seq = 3 * 4 * (spec.conv_dim * (spec.conv_kernel - 1) + spec.num_v_heads * spec.k_dim * spec.v_dim)
+    kv, state = info["cache_groups"]
+    assert kv == {
+        "kind": "attention",
+        "layers": 1,
+        "bytes": info["kv_cache_bytes"],
+        "tokens": info["kv_cache_tokens"],
+    }
+    assert state["kind"] == "linear_attention" and state["layers"] == 3
+    assert state["bytes_per_sequence"] == per_seq and state["bytes"] == per_seq * state["slots"]
 
 
 def test_greedy_matches_hf_with_preemption_and_chunked_prefill(qwen35_dir, hf_ref):
@@ -86,6 +98,44 @@ def test_a_cancelled_sequence_returns_its_slot_and_the_others_stay_exact(qwen35_
     assert done[ids[0]].finish_reason == "abort"
     # the third took the freed slot, zeroed, and its state is its own
     assert [done[i].token_ids for i in ids[1:]] == hf_ref[1:3]
+    assert_slots_whole(llm)
+
+
+def test_the_published_vision_language_form_serves_its_text_model(tmp_path, demo_dir):
+    import transformers as tf
+
+    d = build_family_checkpoint("qwen3_5_vl", tmp_path / "qwen3_5_vl", demo_dir)
+    hf = tf.Qwen3_5ForConditionalGeneration.from_pretrained(str(d), dtype=torch.float32)
+    prompts = PROMPTS[1:3]
+    with torch.no_grad():
+        ref = [
+            hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    llm = LLM(model=str(d), dtype="float32")
+    assert llm.engine.loaded.args.checkpoint_prefix == "model.language_model."
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    assert_slots_whole(llm)
+
+
+def test_beam_search_forks_the_state_and_matches_hf(qwen35_dir):
+    from sidecar import BeamSearchParams
+    from tests.unit.engine.test_beam_search import hf_beams, load_hf
+
+    prompt = PROMPTS[2]
+    llm = LLM(model=str(qwen35_dir), dtype="float32", block_size=8)
+    out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
+    ref = hf_beams(load_hf(qwen35_dir), prompt, width=3, max_new=6)
+    # each forked beam continues from a copy of its parent's state: HF's ranked beams, token for token; the
+    # scores to float32 rounding of the recurrence's sums
+    assert [s.token_ids for s in out.sequences] == [ids for ids, _ in ref]
+    assert [s.score for s in out.sequences] == pytest.approx([score for _, score in ref], rel=1e-4)
     assert_slots_whole(llm)
 
 
