@@ -35,6 +35,14 @@ PREFIX_CACHE_REASON = (
 )
 
 
+def plan_slots(args: ModelArgs, dtype: torch.dtype, max_num_seqs: int, kv_bytes: int) -> int:
+    """How many state slots: one per running sequence (``max_num_seqs``), but the states never take more
+    memory than the KV pool itself, and at least one slot (a sequence beyond the slots waits for one)."""
+    conv, rec = args.linear.state_elements()
+    per_seq = len(args.linear_layers) * (conv * dtype.itemsize + rec * 4)
+    return max(1, min(max_num_seqs, kv_bytes // per_seq))
+
+
 class LinearStates:
     def __init__(self, args: ModelArgs, slots: int, dtype: torch.dtype, device: torch.device) -> None:
         spec = args.linear

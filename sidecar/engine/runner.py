@@ -21,7 +21,7 @@ from sidecar.engine.graphs import DecodeGraphs, capture_or_none
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
-from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, cache_groups
+from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, cache_groups, plan_slots
 from sidecar.engine.kv_copy import BlockCopier
 from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
@@ -63,9 +63,8 @@ class ModelRunner:
             )
             for _ in a.attention_layers  # a hybrid model's linear layers keep state slots instead
         ]
-        self.states = (
-            LinearStates(a, config.max_num_seqs, self.dtype, self.device) if a.linear_layers else None
-        )
+        slots = plan_slots(a, self.dtype, config.max_num_seqs, self.kv_budget.bytes) if a.linear_layers else 0
+        self.states = LinearStates(a, slots, self.dtype, self.device) if slots else None
         # what each layer's mixer reads: KV caches, and a hybrid model's state slots
         self.layer_caches = self.states.layer_caches(a, self.kv_caches) if self.states else self.kv_caches
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)

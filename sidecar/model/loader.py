@@ -270,8 +270,10 @@ def _load_weights(
         for ours, theirs in layer_norm_sources(args, i):
             module = layer.get_submodule(ours)
             _set(module, "weight", _norm_weight(args, ckpt.get(f"{p}.{theirs}.weight")), dtype, device)
-        for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj")) if attn is not None else ():
-            _maybe_quantize(parent, attr, cfg)
+        mixer = attn if attn is not None else layer.linear_attn  # a gated DeltaNet's b / a stay float
+        for attr in ("qkv_proj", "o_proj", "gate_proj", "in_proj", "out_proj"):
+            if getattr(mixer, attr, None) is not None:
+                _maybe_quantize(mixer, attr, cfg)
     _set(model.norm, "weight", _norm_weight(args, ckpt.get(f"{top}norm.weight")), dtype, device)
     if tied:
         if isinstance(model.embed_tokens, nn.Embedding):  # not already quantized together above

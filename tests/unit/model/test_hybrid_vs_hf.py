@@ -47,7 +47,9 @@ def test_greedy_matches_hf_in_one_batch(qwen35_dir, hf_ref):
     info = eng.model_info
     # prefix hits could not restore the linear layers' state: off, and said so
     assert info["prefix_caching"] is False and not eng.kv.enable_caching
-    assert info["linear_attention_layers"] == 3 and info["linear_state_slots"] == eng.config.max_num_seqs
+    # a slot per running sequence, the states bounded by the KV pool's bytes
+    slots = min(eng.config.max_num_seqs, info["kv_cache_bytes"] // info["linear_state_bytes_per_sequence"])
+    assert info["linear_attention_layers"] == 3 and info["linear_state_slots"] == slots
     assert info["cpu_decode_replay"] is False and "linear-attention" in info["cpu_decode_replay_reason"]
     a = eng.loaded.args
     spec = a.linear
@@ -74,6 +76,9 @@ def test_greedy_matches_hf_with_preemption_and_chunked_prefill(qwen35_dir, hf_re
         max_num_batched_tokens=16,
         max_num_seqs=4,
     )
+    # the states may take no more bytes than the KV pool: fewer slots than running sequences, so sequences
+    # wait for a slot too
+    assert llm.engine.runner.states.slots < 4
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == hf_ref
     assert llm.engine.scheduler.num_preemptions > 0
@@ -203,3 +208,24 @@ def test_a_bad_layer_pattern_is_named():
         ModelArgs.from_hf_config(cfg)
     args = ModelArgs.from_hf_config(dict(cfg, layer_types=["linear_attention", "full_attention"]))
     assert args.linear_layers == (0,) and args.attention_layers == (1,) and args.rotary == 4
+
+
+def test_quantized_weights_cover_the_linear_attention_layers(qwen35_dir):
+    from tests.unit.server.test_kv_cache_dtype import prompts
+
+    ps, one = prompts(16, seed=3), SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def first(llm: LLM) -> list[int]:
+        return [o.token_ids[0] for o in llm.generate(ps, one)]
+
+    ref = first(LLM(model=str(qwen35_dir), dtype="float32", num_kv_blocks=64))
+    for mode, bar in (("int8", 0.8), ("int4", 0.2)):  # the bars of test_quant_model on random weights
+        llm = LLM(
+            model=str(qwen35_dir), dtype="float32", num_kv_blocks=64, quantization=mode, quant_group_size=32
+        )
+        layers = llm.engine.loaded.model.layers
+        # the DeltaNet's wide projections and the attention's gate are quantized too
+        assert mode in type(layers[0].linear_attn.in_proj).__name__.lower()
+        assert mode in type(layers[3].self_attn.gate_proj).__name__.lower()
+        assert sum(a == b for a, b in zip(ref, first(llm))) / len(ps) >= bar, mode
+        assert_slots_whole(llm)
