@@ -346,7 +346,7 @@ class ModelRunner:
             if n > 1 and not s.num_spec_tokens:
                 kept = c + n - e
                 seg = PrefillSegment(start, n, kept, self._tensor(table[: -(-kept // bs)]))
-                seg.state_slot = kv.state_slot(r) if self.states is not None else 0
+                seg.state_slot, seg.state_start = (kv.state_slot(r) if self.states else 0), c == 0
                 segments.append(seg)
             if s.completes_prompt:
                 sample_idx.extend(range(len(ids) - 1 - s.num_spec_tokens, len(ids)))

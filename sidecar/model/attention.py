@@ -53,6 +53,7 @@ class PrefillSegment:
     ctx_len: int  # tokens in its context after this step (cached + new)
     block_table: torch.Tensor  # [n_blocks] long, covering ctx_len
     state_slot: int = 0  # the sequence's linear-attention state slot (hybrid models; deltanet.py)
+    state_start: bool = False  # the segment starts its sequence (the state before it is zero)
 
 
 @dataclass

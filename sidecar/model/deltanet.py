@@ -176,7 +176,7 @@ class GatedDeltaNet(nn.Module):
             rows, slot = slice(seg.q_start, seg.q_start + seg.q_len), seg.state_slot
             seq = mixed[rows].t()[None]  # [1, conv_dim, L]
             window = conv_state[slot : slot + 1]
-            qkv = self._conv(seq, None if seg.ctx_len == seg.q_len else window)
+            qkv = self._conv(seq, None if seg.state_start else window)
             conv_state[slot] = torch.cat((window[0], seq[0]), dim=-1)[:, -w:]
             o, s = chunked_rule(
                 *self._split(qkv), g[rows][None], beta[rows][None], rec_state[slot : slot + 1]
