@@ -144,6 +144,15 @@ def test_beam_search_forks_the_state_and_matches_hf(qwen35_dir):
     assert_slots_whole(llm)
 
 
+def test_speculation_steps_aside_with_its_reason(qwen35_dir, demo_dir, hf_ref):
+    llm = LLM(model=str(qwen35_dir), dtype="float32", speculative="ngram")
+    assert not llm.engine.spec.enabled  # logged at start; plain decoding, the same tokens
+    assert [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)] == hf_ref[:2]
+    assert_slots_whole(llm)
+    with pytest.raises(ValueError, match="speculative: draft model .* linear-attention layers"):
+        LLM(model=str(demo_dir), dtype="float32", speculative=f"draft:{qwen35_dir}")
+
+
 def test_the_recurrence_matches_hf_and_carries_across_chunks():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
