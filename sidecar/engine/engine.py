@@ -119,7 +119,7 @@ class LLMEngine:
             "block_size": config.block_size,
             "num_kv_blocks": self.kv.num_blocks,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
-            "prefix_caching": config.enable_prefix_caching,
+            "prefix_caching": self.kv.enable_caching,  # off for models it cannot serve exactly
             "device": str(loaded.device),
             **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
             **self.runner.cpu_plans.info(),  # on CPU: cpu_decode_replay (+ reason)

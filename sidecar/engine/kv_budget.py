@@ -37,10 +37,11 @@ class KVBudget:
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: Optional[torch.dtype] = None) -> int:
-    """Cache bytes of one block over all layers, K and V, with the scales of a quantized cache."""
+    """Cache bytes of one block over the attention layers, K and V, with the scales of a quantized cache (a
+    hybrid model's linear-attention layers keep state slots instead, ``linear_state.py``)."""
     a = loaded.args
     per_head = kv_quant.bytes_per_token_head(kv_dtype or loaded.dtype, a.head_dim)
-    return 2 * a.num_layers * block_size * a.num_kv_heads * per_head
+    return 2 * len(a.attention_layers) * block_size * a.num_kv_heads * per_head
 
 
 def _read_int(paths: tuple[str, ...]) -> Optional[int]:

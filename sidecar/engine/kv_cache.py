@@ -3,6 +3,7 @@ a ``KVOffload``) a second tier that keeps evicted prefix blocks and loads them b
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -11,7 +12,10 @@ from sidecar.config import EngineConfig
 from sidecar.engine.block_pool import BlockPool, KVBlock, hash_block
 from sidecar.engine.kv_evict import cap_new_tokens, choose_victims
 from sidecar.engine.kv_offload import KVOffload, model_identity, offload_stats
+from sidecar.engine.linear_state import PREFIX_CACHE_REASON, SlotPool
 from sidecar.engine.request import Request
+
+log = logging.getLogger("sidecar.engine")
 
 
 class KVCacheManager:
@@ -21,8 +25,12 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         offload: Optional[KVOffload] = None,
+        slots: Optional[SlotPool] = None,
     ) -> None:
+        """``slots``: a hybrid model's linear-attention state slots (linear_state.py); a sequence holds one
+        from its first allocation until ``free``."""
         self.block_size = block_size
+        self.slots = slots
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.offload = offload if enable_caching else None
@@ -42,7 +50,11 @@ class KVCacheManager:
     def build(cls, config: EngineConfig, runner, loaded) -> "KVCacheManager":
         """The manager of ``runner``'s pool, with the offload tiers the config asks for."""
         offload = None
-        if config.enable_prefix_caching and (config.kv_offload_gb > 0 or config.kv_offload_dir):
+        caching = config.enable_prefix_caching
+        if caching and runner.states is not None:
+            log.warning("prefix caching off: %s", PREFIX_CACHE_REASON)
+            caching = False
+        if caching and (config.kv_offload_gb > 0 or config.kv_offload_dir):
             identity = model_identity(loaded, runner.kv_info()["kv_cache_dtype"], config.block_size)
             offload = KVOffload(
                 int(config.kv_offload_gb * (1 << 30)),
@@ -52,7 +64,8 @@ class KVCacheManager:
                 runner.read_block,
                 runner.write_blocks,
             )
-        mgr = cls(runner.num_blocks, config.block_size, config.enable_prefix_caching, offload)
+        slots = SlotPool(runner.states) if runner.states is not None else None
+        mgr = cls(runner.num_blocks, config.block_size, caching, offload, slots)
         mgr.copy_blocks = runner.copy_blocks
         mgr.block_scores = runner.block_scores
         return mgr
@@ -157,6 +170,8 @@ class KVCacheManager:
         cow = c // bs if c % bs and c // bs < len(blocks) and blocks[c // bs].ref_cnt > 1 else None
         if need + (cow is not None) > self.pool.num_free_blocks() - revived:
             return False
+        if self.slots is not None and not self.slots.take(req.request_id):
+            return False  # every state slot is held (a sequence cannot run without one)
         if cow is not None:
             self._copy_on_write(blocks, cow)
         if new_computed_blocks:
@@ -195,6 +210,8 @@ class KVCacheManager:
         shares its whole prefix; a later write into a shared, partly filled block copies that block first
         (``allocate_slots``), and full blocks are never written again."""
         blocks = list(self.req_blocks.get(parent.request_id, ()))
+        if self.slots is not None:
+            self.slots.fork(parent.request_id, child.request_id)
         self.pool.touch(blocks)
         self.req_blocks[child.request_id] = blocks
 
@@ -242,6 +259,12 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(req.request_id, None)
         if blocks:
             self.pool.free(reversed(blocks))
+        if self.slots is not None:
+            self.slots.give_back(req.request_id)
+
+    def state_slot(self, req: Request) -> int:
+        """The linear-attention state slot ``req`` holds (hybrid models)."""
+        return self.slots.slot(req.request_id)
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.request_id, ())]

@@ -21,6 +21,7 @@ from sidecar.engine import step_timing
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, cache_groups, plan_slots
 from sidecar.engine.kv_copy import BlockCopier
 from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
@@ -58,8 +59,12 @@ class ModelRunner:
             kv_quant.allocate(
                 self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device
             )
-            for _ in range(a.num_layers)
+            for _ in a.attention_layers  # a hybrid model's linear layers keep state slots instead
         ]
+        slots = plan_slots(a, self.dtype, config.max_num_seqs, self.kv_budget.bytes) if a.linear_layers else 0
+        self.states = LinearStates(a, slots, self.dtype, self.device) if slots else None
+        # what each layer's mixer reads: KV caches, and a hybrid model's state slots
+        self.layer_caches = self.states.layer_caches(a, self.kv_caches) if self.states else self.kv_caches
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
         # Attention received per cache slot, for scored KV eviction (model/attention_scores.py); allocated at
         # the first step that needs it.
@@ -86,7 +91,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self._decode_step, self.device)
         self.cpu_plans = CpuDecodePlans(self.model, self.kv_caches, self.inputs)  # the CPU's decode graphs
         self.set_decode_padding(False)
-        if self.device.type == "cuda" or self.enforce_eager:
+        if self.device.type == "cuda" or self.enforce_eager or self.states is not None:
             self.prepare_fast_paths()
         else:  # on CPU: decode steps replayed from C once a replayed step matches the eager one
             self.cpu_plans.self_check()
@@ -106,10 +111,11 @@ class ModelRunner:
         self.fast_paths.set_all(False)
         self.fast_paths.reasons = {}
         self.set_decode_padding(False)
-        if self.enforce_eager:
+        if self.enforce_eager or self.states is not None:  # decode graphs and replays carry no state slots
+            reason = self.eager_reason if self.enforce_eager else STATEFUL_REASON
             for name in PATH_NAMES:
-                self.fast_paths.disable(name, self.eager_reason)
-            self.cpu_plans.disable(self.eager_reason)
+                self.fast_paths.disable(name, reason)
+            self.cpu_plans.disable(reason)
             return
         if not (self.device.type == "cuda" or force_check):
             return  # on CPU our C kernels are the fast path; the device fields stay off
@@ -147,6 +153,11 @@ class ModelRunner:
         """Blocks 1..this have been zeroed (committed at start, or lazily on first use)."""
         return self._zeroed_upto
 
+    def _zero_through(self, top: int) -> None:
+        """Bring the lazy zeroing past block ``top``."""
+        if top > self._zeroed_upto:
+            self._zero_blocks(self._zeroed_upto + 1, top)
+
     def _zero_blocks(self, lo: int, hi: int) -> None:
         kv_quant.zero_blocks(self.kv_caches, lo, hi)
         self._zeroed_upto = max(self._zeroed_upto, hi)
@@ -157,6 +168,10 @@ class ModelRunner:
             "kv_cache_dtype": kv_quant.kv_dtype_name(self.kv_dtype),
             "kv_cache_dtype_reason": self.kv_dtype_reason,
             "kv_cache_tokens": (self.num_blocks - 1) * self.block_size,
+            **(self.states.info() if self.states is not None else {}),
+            "cache_groups": cache_groups(
+                len(self.kv_caches), self.kv_cache_bytes, (self.num_blocks - 1) * self.block_size, self.states
+            ),
         }
 
     def read_block(self, block_id: int) -> torch.Tensor:
@@ -167,17 +182,13 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], datas: list[torch.Tensor]) -> None:
         """Fill blocks from ``read_block``'s bytes. Lazy zeroing is brought past them first, so the first
         step that uses a block does not wipe what was loaded."""
-        top = max(block_ids, default=-1)
-        if top > self._zeroed_upto:
-            self._zero_blocks(self._zeroed_upto + 1, top)
+        self._zero_through(max(block_ids, default=-1))
         self.copier.write(block_ids, datas)
 
     def copy_blocks(self, src_ids: list[int], dst_ids: list[int]) -> None:
         """Copy-on-write of shared blocks: each ``src`` block's KV (every layer) over its ``dst`` block, queued
         on the compute stream before the step that writes ``dst``; lazy zeroing is brought past ``dst`` first."""
-        top = max(dst_ids, default=-1)
-        if top > self._zeroed_upto:
-            self._zero_blocks(self._zeroed_upto + 1, top)
+        self._zero_through(max(dst_ids, default=-1))
         kv_quant.copy_blocks(self.kv_caches, src_ids, dst_ids)
 
     def block_scores(self, block_ids: list[int]) -> list[float]:
@@ -205,8 +216,8 @@ class ModelRunner:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
     def time_decode_rows(self, rows: Union[int, Sequence[int]], repeats: int = 7) -> Optional[list[float]]:
-        """The price of a step of r decode rows for each r in ``rows`` (``step_timing.time_decode_rows``)."""
-        return step_timing.time_decode_rows(self, rows, repeats)
+        """``step_timing.time_decode_rows`` on this runner (None for a hybrid model: its rows need states)."""
+        return None if self.states is not None else step_timing.time_decode_rows(self, rows, repeats)
 
     def _decode_step(self, bucket: int) -> torch.Tensor:
         if self.cpu_plans.replays():
@@ -251,16 +262,18 @@ class ModelRunner:
         request i's input token is ``prev_ids[src[i]]`` (gathered on the device), not read from the host."""
         bs = self.block_size
         tables = [kv.block_ids(r) for r in reqs]
-        if not reqs or not self.fits_decode_buffers(len(tables), max(len(t) for t in tables)):
+        if (
+            not reqs
+            or self.states is not None
+            or not self.fits_decode_buffers(len(tables), max(len(t) for t in tables))
+        ):
             return None
         rows = []
         for i, (r, table) in enumerate(zip(reqs, tables)):
             c, k = r.num_computed_tokens, r.num_computed_tokens - r.kv_evicted  # position, cache index
             tok = src[i] if prev_ids is not None else r.all_token_ids[c]
             rows.append(DecodeRow(tok, c, table[k // bs] * bs + k % bs, k + 1, table))
-        max_block = max(max(t) for t in tables)
-        if max_block > self._zeroed_upto:
-            self._zero_blocks(self._zeroed_upto + 1, max_block)
+        self._zero_through(max(max(t) for t in tables))
         return self.decode_rows(rows, list(range(len(rows))), prev_ids)
 
     def _execute_decode(
@@ -285,9 +298,7 @@ class ModelRunner:
                 rows.append(DecodeRow(tok, c + j, table[(k + j) // bs] * bs + (k + j) % bs, k + j + 1, table))
         if not self.fits_decode_buffers(len(rows), max(len(t) for t in tables)):
             return None
-        max_block = max(max(t) for t in tables)
-        if max_block > self._zeroed_upto:
-            self._zero_blocks(self._zeroed_upto + 1, max_block)
+        self._zero_through(max(max(t) for t in tables))
         logits = self.decode_rows(rows, sample)
         return (sample_reqs, logits) if sample_reqs else ([], None)
 
@@ -302,6 +313,7 @@ class ModelRunner:
         # A batch with adapter rows runs eagerly (below): the captured decode graphs hold the base model only.
         if (
             token_slots is None
+            and self.states is None  # the persistent buffers carry no state slots
             and sched.scheduled
             and all(s.num_new_tokens - s.num_spec_tokens == 1 for s in sched.scheduled)
             and not any(_scored(s.request) or wants_rows(s.request) for s in sched.scheduled)
@@ -342,12 +354,13 @@ class ModelRunner:
             slots.extend(table[(p - e) // bs] * bs + (p - e) % bs for p in range(c, c + n))
             if n > 1 and not s.num_spec_tokens:
                 kept = c + n - e
-                segments.append(PrefillSegment(start, n, kept, self.tensor(table[: -(-kept // bs)])))
+                seg = PrefillSegment(start, n, kept, self.tensor(table[: -(-kept // bs)]))
+                seg.state_slot, seg.state_start = (kv.state_slot(r) if self.states else 0), c == 0
+                segments.append(seg)
             if s.completes_prompt:
                 sample_idx.extend(range(len(ids) - 1 - s.num_spec_tokens, len(ids)))
                 sample_reqs.append(r)
-        if max_block > self._zeroed_upto:
-            self._zero_blocks(self._zeroed_upto + 1, max_block)
+        self._zero_through(max_block)
         meta = AttentionMetadata(slot_mapping=self.tensor(slots), block_size=bs, prefills=segments)
         meta.kv_scores = self._scores_for([s.request for s in sched.scheduled], meta.slot_mapping)
         if decodes:
@@ -361,14 +374,16 @@ class ModelRunner:
                 len(dtables), width
             )
             meta.decode_ctx_lens = self.tensor(ctx_lens)
+            if self.states is not None:
+                meta.decode_state_slots = self.tensor([kv.state_slot(s.request) for s in decodes])
         if token_slots is None:
-            hidden = self.model(self.tensor(ids), self.tensor(pos), self.kv_caches, meta)
+            hidden = self.model(self.tensor(ids), self.tensor(pos), self.layer_caches, meta)
         else:  # one slot per token, in the packed order: prefills, then decodes
             self.lora.set_batch(
                 self.lora.token_slots([(s.request, s.num_new_tokens) for s in prefills + decodes])
             )
             try:
-                hidden = self.model(self.tensor(ids), self.tensor(pos), self.kv_caches, meta)
+                hidden = self.model(self.tensor(ids), self.tensor(pos), self.layer_caches, meta)
             finally:
                 self.lora.set_batch(None)
         collect(self.model, hidden, prompt_rows)

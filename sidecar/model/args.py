@@ -25,6 +25,8 @@ FAMILIES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GptOssForCausalLM": "gpt_oss",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not loaded
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {
@@ -38,7 +40,30 @@ _MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
 }
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The gated DeltaNet mixer's shape (deltanet.py): ``num_k_heads`` query/key heads of ``k_dim``, each
+    serving ``num_v_heads / num_k_heads`` value heads of ``v_dim``; a depthwise causal convolution of
+    ``conv_kernel`` taps over the concatenated q, k, v channels."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.k_dim + self.num_v_heads * self.v_dim
+
+    def state_elements(self) -> tuple[int, int]:
+        """Elements of one sequence's state in one layer: (conv window, recurrent matrix)."""
+        return self.conv_dim * (self.conv_kernel - 1), self.num_v_heads * self.k_dim * self.v_dim
 
 
 @dataclass
@@ -97,6 +122,14 @@ class ModelArgs:
     swiglu_limit: Optional[float] = None
     swiglu_alpha: float = 1.702
     attn_sinks: bool = False
+    # Hybrid models (Qwen3.5): the layers whose mixer is a gated DeltaNet (a fixed-size state per sequence,
+    # no KV cache) instead of attention, and its shape; the attention layers' output gated by a sigmoid of
+    # a second projection of the layer input (q_proj holds it beside each head's query).
+    linear_layers: tuple[int, ...] = ()
+    linear: Optional[LinearAttention] = None
+    attn_output_gate: bool = False
+    # where the decoder's tensors sit in the checkpoint (a multimodal one nests the text model deeper)
+    checkpoint_prefix: str = "model."
 
     def __post_init__(self) -> None:
         if self.o_proj_bias is None:
@@ -120,6 +153,15 @@ class ModelArgs:
     def sparse(self, layer: int) -> bool:
         """Whether ``layer``'s MLP is a mixture of experts."""
         return self.num_experts > 0 and layer not in self.dense_layers
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether ``layer``'s mixer is linear attention (a state slot) rather than paged attention."""
+        return layer in self.linear_layers
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the paged cache, in order."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
 
     @property
     def rotary(self) -> int:

@@ -52,6 +52,8 @@ class PrefillSegment:
     q_len: int
     ctx_len: int  # tokens in its context after this step (cached + new)
     block_table: torch.Tensor  # [n_blocks] long, covering ctx_len
+    state_slot: int = 0  # the sequence's linear-attention state slot (hybrid models; deltanet.py)
+    state_start: bool = False  # the segment starts its sequence (the state before it is zero)
 
 
 @dataclass
@@ -72,6 +74,8 @@ class AttentionMetadata:
     # (attention_scores.py); None: not accounted. Of our kernels only the CPU decode kernel accounts; with it
     # the other rows take the torch path.
     kv_scores: Optional[torch.Tensor] = None
+    # Hybrid models: [Bd] long, the linear-attention state slot of each decode row (deltanet.py)
+    decode_state_slots: Optional[torch.Tensor] = None
     _decode_masks: dict = field(default_factory=dict)
 
     def decode_mask(self, sliding_window: Optional[int]) -> torch.Tensor:

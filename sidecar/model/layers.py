@@ -20,6 +20,7 @@ from torch import nn
 
 from sidecar.model.args import ModelArgs
 from sidecar.model.attention import AttentionMetadata, paged_attention
+from sidecar.model.deltanet import GatedDeltaNet
 from sidecar.model.kernels.cpu import norm_act, rope_kv
 from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.linear import Linear, hooks_idle
@@ -87,6 +88,12 @@ class Attention(nn.Module):
         self.rope_kind = args.rope_kind(layer)
         # [heads]: a learned logit per head that joins every softmax's denominator (gpt-oss), else None
         self.sinks = nn.Parameter(torch.zeros(self.nh), requires_grad=False) if args.attn_sinks else None
+        # Qwen3.5: the output times sigmoid(gate_proj(x)), per channel, before o_proj
+        self.gate_proj = (
+            Linear(args.hidden_size, self.nh * self.hd, bias=args.attention_bias)
+            if args.attn_output_gate
+            else None
+        )
         if args.qk_norm:
             self.q_norm = RMSNorm(self.hd, args.rms_norm_eps, paths)
             self.k_norm = RMSNorm(self.hd, args.rms_norm_eps, paths)
@@ -103,7 +110,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``kv``: this layer's cache, (k, v) or a quantized (k, v, k_scale, v_scale) (see kv_quant);
         ``cos``, ``sin``: the step's rope rows of every kind ([kinds, T, 1, rotary_dim])."""
-        return self.o_proj(self.attend(self.qkv_proj(x), cos, sin, kv, meta))
+        o = self.attend(self.qkv_proj(x), cos, sin, kv, meta)
+        return self.o_proj(o if self.gate_proj is None else o * torch.sigmoid(self.gate_proj(x)))
 
     def _normed_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
         """The projection with each q and k head RMS-normed (HF: before rope), as one contiguous [T, .]. On CPU
@@ -243,7 +251,10 @@ class DecoderLayer(nn.Module):
         """``mlp``: the layer's MLP where it is not the dense one (a mixture of experts, moe.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
-        self.self_attn = Attention(args, layer, paths)
+        # The mixer: paged attention, or a gated DeltaNet (deltanet.py) whose ``kv`` is its state slots
+        linear = args.is_linear(layer)
+        self.self_attn = None if linear else Attention(args, layer, paths)
+        self.linear_attn = GatedDeltaNet(args) if linear else None
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
         self.mlp = MLP(args, paths) if mlp is None else mlp
         if args.sandwich_norms:
@@ -264,6 +275,8 @@ class DecoderLayer(nn.Module):
         """The residual stream ``h`` arrives without the previous layer's output ``delta`` added (the add is
         fused into this layer's first norm); returns the stream and this layer's output, likewise."""
         ops = _triton(self.input_layernorm.fast_paths, "gemv", h)
+        if self.linear_attn is not None:
+            ops = None
         if ops is not None and self._fusable(ops, h, delta):  # one row: four kernels, norms and silu fused in
             attn, mlp = self.self_attn, self.mlp
             ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
@@ -274,7 +287,10 @@ class DecoderLayer(nn.Module):
             gu, h = ops.norm_matmul(h, o, ln2.weight, ln2.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
             return h, ops.silu_matmul(gu, mlp.down_proj.weight, mlp.down_proj.bias)
         x, h = self.input_layernorm(h, delta)
-        a = self.self_attn(x, cos, sin, kv, meta)
+        if self.linear_attn is not None:
+            a = self.linear_attn(x, kv, meta)
+        else:
+            a = self.self_attn(x, cos, sin, kv, meta)
         if self.attn_out_norm is not None:
             a = self.attn_out_norm(a)[0]
         x, h = self.post_attention_layernorm(h, a)
@@ -286,6 +302,8 @@ class DecoderLayer(nn.Module):
         norms, a GeGLU MLP or a mixture of experts takes the unfused path."""
         mlp = self.mlp
         if self.attn_out_norm is not None or type(mlp) is not MLP or not mlp.silu or mlp.clamp is not None:
+            return False
+        if self.self_attn.gate_proj is not None:  # the gated output has no fused form
             return False
         lins = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
         return (

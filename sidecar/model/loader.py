@@ -26,6 +26,7 @@ from torch import nn
 from sidecar.config import EngineConfig, lm_head_quantization
 from sidecar.model.args import ModelArgs
 from sidecar.model.decoder import CausalLM
+from sidecar.model.deltanet import load_hybrid_mixer
 from sidecar.model.linear_layout import pack_weights
 from sidecar.model.model_source import (  # noqa: F401 (re-exported: callers import them from here)
     pick_dtype,
@@ -120,7 +121,7 @@ def _load_linear(
         _set(linear, "bias", torch.cat(biases, 0) if len(biases) > 1 else biases[0], dtype, device)
 
 
-def layer_norm_sources(args: ModelArgs) -> list[tuple[str, str]]:
+def layer_norm_sources(args: ModelArgs, layer: int = 0) -> list[tuple[str, str]]:
     """(our module in a decoder layer, its HF name) for every norm of a layer. Our
     ``post_attention_layernorm`` is the norm in front of the MLP: HF Gemma's ``pre_feedforward_layernorm``,
     Gemma's ``post_attention_layernorm`` being the attention output's norm (our ``attn_out_norm``)."""
@@ -133,7 +134,7 @@ def layer_norm_sources(args: ModelArgs) -> list[tuple[str, str]]:
         ]
     else:
         names.append(("post_attention_layernorm", "post_attention_layernorm"))
-    if args.qk_norm:
+    if args.qk_norm and not args.is_linear(layer):
         names += [("self_attn.q_norm", "self_attn.q_norm"), ("self_attn.k_norm", "self_attn.k_norm")]
     return names
 
@@ -161,8 +162,8 @@ def _load_weights(
 ) -> None:
     from tqdm.auto import tqdm
 
-    args = model.args
-    _set(model.embed_tokens, "weight", ckpt.get("model.embed_tokens.weight"), dtype, device)
+    args, top = model.args, model.args.checkpoint_prefix
+    _set(model.embed_tokens, "weight", ckpt.get(f"{top}embed_tokens.weight"), dtype, device)
     tied = args.tie_word_embeddings or "lm_head.weight" not in ckpt
     head_mode = lm_head_quantization(cfg.quantization, cfg.quantize_lm_head)
     if tied and head_mode is not None:
@@ -182,15 +183,18 @@ def _load_weights(
             disable=not log.isEnabledFor(logging.INFO),
         )
     ):
-        p = f"model.layers.{i}"
+        p = f"{top}layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         fused = args.fused_checkpoint  # Phi-3 stores the projections already fused
-        qkv = [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
         gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-        _load_linear(attn.qkv_proj, ckpt, qkv, dtype, device)
-        _load_linear(attn.o_proj, ckpt, [f"{p}.self_attn.o_proj"], dtype, device)
-        if attn.sinks is not None:
-            _set(attn, "sinks", ckpt.get(f"{p}.self_attn.sinks"), dtype, device)
+        if attn is None or attn.gate_proj is not None:  # hybrid layers (deltanet.py)
+            load_hybrid_mixer(layer, ckpt.get, p, lambda m, n, t: _set(m, n, t, dtype, device))
+        else:
+            qkv = [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
+            _load_linear(attn.qkv_proj, ckpt, qkv, dtype, device)
+            _load_linear(attn.o_proj, ckpt, [f"{p}.self_attn.o_proj"], dtype, device)
+            if attn.sinks is not None:
+                _set(attn, "sinks", ckpt.get(f"{p}.self_attn.sinks"), dtype, device)
         if args.sparse(i):
             _load_experts(mlp, ckpt, p, args, cfg, dtype, device)
         else:
@@ -198,12 +202,14 @@ def _load_weights(
             _load_linear(mlp.down_proj, ckpt, [f"{p}.mlp.down_proj"], dtype, device)
             for attr in ("gate_up_proj", "down_proj"):
                 _maybe_quantize(mlp, attr, cfg)
-        for ours, theirs in layer_norm_sources(args):
+        for ours, theirs in layer_norm_sources(args, i):
             module = layer.get_submodule(ours)
             _set(module, "weight", _norm_weight(args, ckpt.get(f"{p}.{theirs}.weight")), dtype, device)
-        for parent, attr in ((attn, "qkv_proj"), (attn, "o_proj")):
-            _maybe_quantize(parent, attr, cfg)
-    _set(model.norm, "weight", _norm_weight(args, ckpt.get("model.norm.weight")), dtype, device)
+        mixer = attn if attn is not None else layer.linear_attn  # a gated DeltaNet's b / a stay float
+        for attr in ("qkv_proj", "o_proj", "gate_proj", "in_proj", "out_proj"):
+            if getattr(mixer, attr, None) is not None:
+                _maybe_quantize(mixer, attr, cfg)
+    _set(model.norm, "weight", _norm_weight(args, ckpt.get(f"{top}norm.weight")), dtype, device)
     if not isinstance(model.lm_head, nn.Linear) or not model.lm_head.weight.is_meta:
         return  # a quantized lm_head of a hub-quantized checkpoint
     if tied:
@@ -256,7 +262,7 @@ def _eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...
     gen = model_dir / "generation_config.json"
     if gen.exists():
         add(json.loads(gen.read_text()).get("eos_token_id"))
-    add(hf_config.get("eos_token_id"))
+    add((hf_config.get("text_config") or hf_config).get("eos_token_id", hf_config.get("eos_token_id")))
     add(getattr(tokenizer, "eos_token_id", None))
     return tuple(dict.fromkeys(ids))
 

@@ -229,6 +229,11 @@ class LoraLayers:
                 f"lora: {args.architecture} is a mixture-of-experts model; LoRA adapters are not supported on "
                 "its expert layers (serve it without lora_modules / enable_lora)"
             )
+        if args.linear_layers:
+            raise ValueError(
+                f"lora: {args.architecture} has linear-attention layers; LoRA adapters are not supported on "
+                "them (serve it without lora_modules / enable_lora)"
+            )
         shapes = part_shapes(args)
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device

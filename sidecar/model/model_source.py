@@ -76,6 +76,7 @@ def pick_dtype_with_reason(requested: str, hf_config: dict, device: torch.device
 def _linear_in_features(hf_config: dict) -> tuple[int, ...]:
     """The input widths of a decoder's linear layers: the hidden size (q/k/v, gate/up, the head), the attention
     output's (o_proj) and the MLP's (down_proj)."""
+    hf_config = hf_config.get("text_config") or hf_config  # a multimodal model's text model
     hidden = int(hf_config.get("hidden_size") or 0)
     heads = int(hf_config.get("num_attention_heads") or 0)
     head_dim = int(hf_config.get("head_dim") or (hidden // heads if heads else 0))

@@ -33,6 +33,7 @@ import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.linear_state import STATEFUL_REASON
 from sidecar.engine.request import Request, TokenLogprob
 from sidecar.engine.sampler import filter_logits
 from sidecar.engine.runner import ModelRunner
@@ -56,6 +57,10 @@ class SpecDecoder:
         target: Optional[LoadedModel] = None,
     ) -> None:
         self.enabled = config.speculative is not None
+        if self.enabled and target is not None and target.args.linear_layers:
+            # a rejected proposal would have to roll the linear layers' state back
+            log.warning("speculative decoding off: %s", STATEFUL_REASON)
+            self.enabled = False
         self.proposer: Any = NgramProposer()
         if self.enabled and config.speculative.startswith("draft:"):
             assert runner is not None and target is not None, "a draft-model proposer needs the target"

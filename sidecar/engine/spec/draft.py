@@ -62,6 +62,8 @@ class DraftProposer:
             self.loaded = load_model(dcfg)
         except ValueError as exc:
             raise ValueError(f"speculative: draft model {name!r}: {exc}") from exc
+        if self.loaded.args.linear_layers:  # a rejected proposal would have to roll its state back
+            raise ValueError(f"speculative: draft model {name!r} has linear-attention layers (not supported)")
         check_compatible(name, self.loaded, target)
         self.runner = ModelRunner(self.loaded, dcfg)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

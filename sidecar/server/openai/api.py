@@ -382,6 +382,8 @@ def _models(service: OpenAIService, created: int, who: Caller) -> list[dict]:
             "fast_path_fallbacks": info.get("fast_path_fallbacks") or {},
             "kv_cache_dtype": info.get("kv_cache_dtype"),
             "kv_cache_tokens": info.get("kv_cache_tokens"),
+            # each cache group's layers and bytes: paged KV, a hybrid model's linear-attention state slots
+            "cache_groups": info.get("cache_groups") or [],
         }
     ]
     for name, path in sorted((info.get("lora_adapters") or {}).items()):

@@ -16,6 +16,10 @@ FAMILIES = ("qwen3", "qwen3_tied", "gemma2", "gemma3", "phi3")
 # Mixtures of experts: several experts per token, more experts than a decode batch has tokens (so some expert
 # goes unpicked), and Qwen3-MoE's dense layers between sparse ones (``mlp_only_layers``, ``decoder_sparse_step``).
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_moe_step", "gpt_oss")
+# Hybrid models: linear-attention (gated DeltaNet) layers among full-attention ones.
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_vl")
+# Families whose norms scale by (1 + w), but for Qwen3.5's gated DeltaNet norm (a plain w, initialised at 1).
+_UNIT_OFFSET = ("gemma", "qwen3_5")
 
 _COMMON = dict(
     hidden_size=64,
@@ -146,6 +150,26 @@ def _config(kind: str, vocab: int):
                 "original_max_position_embeddings": 32,
             },
         ), tf.GptOssForCausalLM
+    if kind == "qwen3_5":  # three gated DeltaNet layers, then one gated full-attention layer
+        return tf.Qwen3_5TextConfig(
+            **c,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            tie_word_embeddings=False,
+        ), tf.Qwen3_5ForCausalLM
+    if kind == "qwen3_5_vl":  # the published form: the text model above inside a vision-language one
+        text, _ = _config("qwen3_5", vocab)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+        return tf.Qwen3_5Config(
+            text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False
+        ), tf.Qwen3_5ForConditionalGeneration
     raise ValueError(kind)
 
 
@@ -161,9 +185,12 @@ def build_family_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int
     model = cls(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:  # Gemma's scale by (1 + w) and start at 0, the others at 1
-                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if kind.startswith("gemma") else 1.0))
-            elif name.endswith(("sinks", "_bias", "router.bias")):  # gpt-oss: zeros or small at init
+            if "norm" in name:  # Gemma's and Qwen3.5's scale by (1 + w) and start at 0, the others at 1
+                plain = not kind.startswith(_UNIT_OFFSET) or "linear_attn.norm" in name
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if plain else 0.0))
+            elif kind == "gpt_oss" and name.endswith(
+                ("sinks", "_bias", "router.bias")
+            ):  # zeros or small at init
                 p.copy_(torch.randn_like(p))
         if kind == "gemma2" and cfg.tie_word_embeddings:
             # The stream starts as the embedding times sqrt(hidden); through a tied head that term alone

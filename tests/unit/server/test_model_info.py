@@ -48,6 +48,16 @@ def test_models_list_the_architecture_and_runtime():
         "fast_paths": ["attention", "cuda_graphs"],
         "total_parameters": 30_532_122_624,
         "active_parameters": 3_338_942_464,
+        "cache_groups": [
+            {"kind": "attention", "layers": 16, "bytes": 1 << 30, "tokens": 65536},
+            {
+                "kind": "linear_attention",
+                "layers": 48,
+                "bytes": 1 << 28,
+                "slots": 8,
+                "bytes_per_sequence": 1 << 25,
+            },
+        ],
     }
     base = svc.model_info
     svc.model_info = lambda *caller: dict(base(*caller), **facts)

@@ -1,0 +1,239 @@
+"""Gated DeltaNet: the linear-attention mixer of hybrid models (Qwen3.5), over packed variable-length tokens.
+
+Per token: one projection gives the q, k, v channels, the output gate ``z``, ``b`` (beta = sigmoid(b), the
+update's strength) and ``a`` (the decay ``g = -exp(A_log) * softplus(a + dt_bias)``, in log space). The q, k,
+v channels pass a depthwise causal convolution of ``conv_kernel`` taps and silu; q and k are L2-normed per
+head, q scaled by ``k_dim ** -0.5``; then, per value head, with state ``S`` [k_dim, v_dim]::
+
+    S = S * exp(g);  S = S + k (beta (v - S^T k))^T;  o = S^T q
+
+and the output is an RMSNorm of ``o`` per head times silu(z), projected back to the hidden size.
+
+State: a sequence owns one state slot (engine/linear_state.py) holding, for every linear layer, its last
+``conv_kernel - 1`` convolution inputs ([slots, conv_dim, kernel - 1], the model dtype) and ``S``
+([slots, v_heads, k_dim, v_dim], float32). A prompt chunk (``PrefillSegment.state_slot``) starts from its
+slot's state and leaves its final state there; decode rows (``AttentionMetadata.decode_state_slots``, the
+last rows of the batch, one token of a distinct sequence each) gather their slots, step once, and scatter
+back. The engine zeroes a slot when it hands it out, so a sequence's first chunk starts from rest.
+
+Numerics follow Hugging Face's torch fallbacks: prompt chunks use the chunked form of the rule (blocks of
+``CHUNK`` tokens, the within-block part solved as a triangular system), decode rows the one-token recurrence,
+as HF's prefill and decode do; so float32 greedy output equals HF's ``generate``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sidecar.model.args import ModelArgs
+from sidecar.model.attention import AttentionMetadata
+from sidecar.model.linear import Linear
+
+CHUNK = 64  # tokens per block of the chunked rule (HF's chunk_size)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _heads_first(nv: int, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """[B, L, heads, d] (or [B, L, heads]) -> float32 [B, nv, L, ...], key heads repeated to the value
+    heads they serve."""
+    out = []
+    for x in xs:
+        if x.dim() == 4 and x.shape[2] != nv:
+            x = x.repeat_interleave(nv // x.shape[2], dim=2)
+        out.append(x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format))
+    return out
+
+
+def chunked_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over a prompt chunk. q, k: [B, L, k_heads, k_dim]; v: [B, L, v_heads, v_dim]; g, beta:
+    [B, L, v_heads]; state: [B, v_heads, k_dim, v_dim] float32 before the chunk. Returns (o [B, L, v_heads,
+    v_dim] in v's dtype, the state after the chunk, float32)."""
+    dtype, (b, length, nv, dv) = v.dtype, v.shape
+    q, k, v, beta, g = _heads_first(nv, q, k, v, beta, g)
+    q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    pad = (CHUNK - length % CHUNK) % CHUNK
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(b, nv, -1, CHUNK, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    g = g.reshape(b, nv, -1, CHUNK).cumsum(dim=3)  # decay from the block's start, log space
+    above = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    pair = (g.unsqueeze(4) - g.unsqueeze(3)).masked_fill(above, float("-inf")).exp()  # decay j -> i
+    system = (k_beta @ k.transpose(-1, -2)) * pair
+    intra = (q @ k.transpose(-1, -2)) * pair
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decay = torch.linalg.solve_triangular(
+        system, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    s = state.to(new_v)
+    out = torch.zeros_like(new_v)
+    q = q * g.exp().unsqueeze(-1)
+    k = k * (g[..., -1:] - g).exp().unsqueeze(-1)
+    block_decay = g[..., -1].exp()[..., None, None]
+    for i in range(q.shape[2]):
+        u = new_v[:, :, i] - k_decay[:, :, i] @ s
+        out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ u
+        s = s * block_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ u
+    out = out.reshape(b, nv, -1, dv)[:, :, :length]
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
+
+
+def recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the rule for each of B sequences: q, k [B, 1, k_heads, k_dim], v [B, 1, v_heads, v_dim],
+    g, beta [B, 1, v_heads], state [B, v_heads, k_dim, v_dim] float32. Returns (o [B, 1, v_heads, v_dim],
+    the new state)."""
+    dtype, nv = v.dtype, v.shape[2]
+    q, k, v, beta, g = _heads_first(nv, q, k, v, beta, g)
+    q, k = l2norm(q), l2norm(k)
+    q = q / (q.shape[-1] ** 0.5)
+    q, k, v, beta, g = q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], g[:, :, 0]
+    s = state.to(v) * g.exp()[..., None, None]
+    remembered = (s * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - remembered) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    o = (s * q.unsqueeze(-1)).sum(dim=-2)
+    return o[:, None].to(dtype), s
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention mixer of one layer; its ``state`` argument is the layer's (conv, recurrent) slot
+    tensors (module docstring)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        spec = args.linear
+        self.nk, self.nv, self.dk, self.dv = spec.num_k_heads, spec.num_v_heads, spec.k_dim, spec.v_dim
+        self.kernel = spec.conv_kernel
+        self.conv_dim = spec.conv_dim
+        self.splits = [self.conv_dim, self.nv * self.dv]  # qkv, z
+        self.in_proj = Linear(args.hidden_size, sum(self.splits), bias=False)
+        # b and a stay apart: a product this narrow fused with the wide one is summed in another order
+        self.in_proj_b = Linear(args.hidden_size, self.nv, bias=False)
+        self.in_proj_a = Linear(args.hidden_size, self.nv, bias=False)
+        self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, self.kernel))  # depthwise taps
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm_weight = nn.Parameter(torch.ones(self.dv))  # plain w (not 1 + w)
+        self.eps = args.rms_norm_eps
+        self.out_proj = Linear(self.nv * self.dv, args.hidden_size, bias=False)
+
+    def _conv(self, x: torch.Tensor, window: Optional[torch.Tensor]) -> torch.Tensor:
+        """silu of the causal convolution of ``x`` [B, conv_dim, L] after ``window`` [B, conv_dim, kernel-1]
+        (the inputs before it; None: a sequence's start, zeros before it), as [B, L, conv_dim]. A start is
+        convolved with zero padding, as HF's prefill does (the same sums, in the same order)."""
+        w = self.conv_weight.unsqueeze(1)
+        if window is None:
+            pad, length = self.kernel - 1, x.shape[-1]
+            out = F.conv1d(x.to(w.dtype), w, None, padding=pad, groups=self.conv_dim)[:, :, :length]
+        else:
+            xs = torch.cat((window, x), dim=-1).to(w.dtype)
+            out = F.conv1d(xs, w, None, padding=0, groups=self.conv_dim)
+        return F.silu(out).to(x.dtype).transpose(1, 2)
+
+    def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, length = mixed.shape[:2]
+        kd = self.nk * self.dk
+        q, k, v = torch.split(mixed, [kd, kd, self.nv * self.dv], dim=-1)
+        return (
+            q.reshape(b, length, self.nk, self.dk),
+            k.reshape(b, length, self.nk, self.dk),
+            v.reshape(b, length, self.nv, self.dv),
+        )
+
+    def forward(
+        self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        conv_state, rec_state = state
+        t = x.shape[0]
+        mixed, z = torch.split(self.in_proj(x), self.splits, dim=1)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        out = torch.empty(t, self.nv, self.dv, dtype=x.dtype, device=x.device)
+        w = self.kernel - 1
+        for seg in meta.prefills:
+            rows, slot = slice(seg.q_start, seg.q_start + seg.q_len), seg.state_slot
+            seq = mixed[rows].t()[None]  # [1, conv_dim, L]
+            window = conv_state[slot : slot + 1]
+            qkv = self._conv(seq, None if seg.state_start else window)
+            conv_state[slot] = torch.cat((window[0], seq[0]), dim=-1)[:, -w:]
+            o, s = chunked_rule(
+                *self._split(qkv), g[rows][None], beta[rows][None], rec_state[slot : slot + 1]
+            )
+            rec_state[slot] = s[0]
+            out[rows] = o[0]
+        slots: Optional[torch.Tensor] = meta.decode_state_slots
+        if slots is not None:
+            n = slots.shape[0]
+            rows = slice(t - n, t)
+            seq = mixed[rows][:, :, None]  # [B, conv_dim, 1]
+            window = conv_state.index_select(0, slots)
+            qkv = self._conv(seq, window)
+            conv_state.index_copy_(0, slots, torch.cat((window, seq), dim=-1)[:, :, -w:])
+            gd, bd = g[rows][:, None], beta[rows][:, None]
+            o, s = recurrent_step(*self._split(qkv), gd, bd, rec_state.index_select(0, slots))
+            rec_state.index_copy_(0, slots, s)
+            out[rows] = o[:, 0]
+        return self.out_proj(self._gated_norm(out, z.reshape(t, self.nv, self.dv)).reshape(t, -1))
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of each head's output (float32, back to the dtype, times the weight) times silu(z)."""
+        h = o.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.norm_weight * h.to(o.dtype)
+        return (h * F.silu(z.float())).to(o.dtype)
+
+
+def load_hybrid_mixer(layer: nn.Module, get, prefix: str, put) -> None:
+    """Fill a hybrid model's decoder ``layer``'s mixer from the checkpoint tensors under ``prefix``
+    (``get(name)``): its gated DeltaNet, or its gated attention (q_proj split into the query rows, fused with
+    k and v, and the gate rows). ``put(module, attr, tensor)`` sets a parameter (shape-checked, in the model
+    dtype and device)."""
+    if layer.linear_attn is not None:
+        m, p = layer.linear_attn, f"{prefix}.linear_attn"
+        put(m.in_proj, "weight", torch.cat([get(f"{p}.in_proj_{x}.weight") for x in ("qkv", "z")]))
+        put(m.in_proj_b, "weight", get(f"{p}.in_proj_b.weight"))
+        put(m.in_proj_a, "weight", get(f"{p}.in_proj_a.weight"))
+        put(m, "conv_weight", get(f"{p}.conv1d.weight").squeeze(1))
+        for ours, theirs in (("dt_bias", "dt_bias"), ("A_log", "A_log"), ("norm_weight", "norm.weight")):
+            put(m, ours, get(f"{p}.{theirs}"))
+        put(m.out_proj, "weight", get(f"{p}.out_proj.weight"))
+        return
+    attn, p = layer.self_attn, f"{prefix}.self_attn"
+    for kind in ("weight", "bias") if attn.qkv_proj.bias is not None else ("weight",):
+        q, gate = split_gated_query(get(f"{p}.q_proj.{kind}"), attn.nh, attn.hd)
+        put(attn.qkv_proj, kind, torch.cat((q, get(f"{p}.k_proj.{kind}"), get(f"{p}.v_proj.{kind}"))))
+        put(attn.gate_proj, kind, gate)
+    put(attn.o_proj, "weight", get(f"{p}.o_proj.weight"))
+    if attn.o_proj.bias is not None:
+        put(attn.o_proj, "bias", get(f"{p}.o_proj.bias"))
+
+
+def split_gated_query(q_proj: torch.Tensor, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's gated-attention q_proj rows hold each head's query then its gate ([heads, 2, head_dim, .]): the
+    (query rows, gate rows), each [heads * head_dim, .]."""
+    w = q_proj.reshape(heads, 2, head_dim, *q_proj.shape[1:])
+    return w[:, 0].reshape(heads * head_dim, -1).squeeze(-1), w[:, 1].reshape(heads * head_dim, -1).squeeze(
+        -1
+    )
