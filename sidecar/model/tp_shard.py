@@ -76,6 +76,8 @@ class Shard:
             problems.append("mixture-of-experts layers")
         if args.fused_checkpoint:
             problems.append("checkpoint-fused qkv / gate_up projections")
+        if args.linear_layers or args.attn_output_gate or args.attn_sinks:
+            problems.append("linear-attention layers, gated attention output or attention sinks")
         if problems:
             raise ValueError(
                 f"tensor_parallel_size: {args.architecture} cannot be split over {n} ranks: "

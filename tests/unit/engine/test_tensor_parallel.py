@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import random
 import shutil
@@ -157,6 +159,9 @@ def test_shapes_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match="tensor_parallel_size: .* 3 attention heads"):
         Shard(0, 2).local_args(args)
     assert Shard(1, 3).ranges(args)["q"] == (1, 2)
+    hybrid = dataclasses.replace(args, num_heads=4, num_kv_heads=2, linear_layers=(0,))
+    with pytest.raises(ValueError, match="tensor_parallel_size: .* linear-attention layers"):
+        Shard(0, 2).local_args(hybrid)
 
 
 def test_rank_that_never_joins_is_named():
