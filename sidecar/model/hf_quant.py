@@ -282,12 +282,17 @@ def _self_check(module: nn.Module, src: Source, bias, dtype, device) -> str:
 
 def load_hf_quantized(
     model: nn.Module, ckpt: Any, hf_config: dict, requested: Optional[str], dtype, device
-) -> str:
+) -> Optional[str]:
     """Swap in the runtime modules of every quantized linear of ``model`` (on the meta device) from the
-    checkpoint ``ckpt`` (``get(name)``, ``name in ckpt``); returns the format's label. ValueError naming the
-    problem: a refused ``quantization_config`` field, a ``quantization`` asked on top of it, an unsupported
-    layout."""
+    checkpoint ``ckpt`` (``get(name)``, ``name in ckpt``); returns the format's label (for MXFP4 experts, which
+    load dequantized, the ``requested`` mode). ValueError naming the problem: a refused ``quantization_config``
+    field, a ``quantization`` asked on top of it, an unsupported layout."""
     qc = hf_config.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
+        # gpt-oss's published experts: moe.py reads their blocks and scales, dequantized exactly (mxfp4.py)
+        if not model.args.num_experts:
+            raise ValueError("quantization_config.quant_method: 'mxfp4' is supported for expert weights only")
+        return requested  # dequantized experts take a quantize-on-load mode as full-precision ones do
     if _eight_bit(qc):
         from sidecar.model.hf8bit import preload_8bit
 
