@@ -17,6 +17,11 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_new: int = MAX_NEW) -> li
 
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     hf.generation_config.eos_token_id = None  # compare full-length continuations
+    return hf_generate(hf, prompts, max_new)
+
+
+def hf_generate(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy continuations of ``max_new`` tokens of each prompt (one at a time) by the HF model ``hf``."""
     outs = []
     with torch.no_grad():
         for p in prompts:

@@ -144,19 +144,3 @@ def hf_model(model_dir: Path, activation_quant: bool = False):
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 module.register_forward_pre_hook(hook)
     return hf
-
-
-def hf_greedy(hf, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            g = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=max_new,
-                min_new_tokens=max_new,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(g[0, len(p) :].tolist())
-    return outs

@@ -27,9 +27,9 @@ from tests.unit.model.hf8bit_checkpoints import (
     WHOLE,
     ct_checkpoint,
     fp8_method_checkpoint,
-    hf_greedy,
     hf_model,
 )
+from tests.unit.engine.test_engine_vs_hf import hf_generate
 
 MAX_NEW = 8
 PROMPTS = [[5 + (11 * i + 7 * j) % 700 for j in range(n)] for i, n in enumerate([3, 12, 26])]
@@ -57,7 +57,7 @@ def dirs(tmp_path_factory, demo_dir):
 @pytest.mark.parametrize("name", list(CASES))
 def test_greedy_matches_hf_on_the_same_directory(dirs, name):
     kind = CASES[name][1]
-    ref = hf_greedy(hf_model(dirs[name], activation_quant=kind == "w8a8"), PROMPTS, MAX_NEW)
+    ref = hf_generate(hf_model(dirs[name], activation_quant=kind == "w8a8"), PROMPTS, MAX_NEW)
     assert_not_degenerate(ref)
     llm = LLM(model=str(dirs[name]), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32)
     loaded = llm.engine.loaded
