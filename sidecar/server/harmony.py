@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from sidecar.server.reasoning import SplitStream
 from sidecar.server.tool_formats import make_call
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
@@ -65,7 +66,7 @@ def _held(text: str, markers: tuple[str, ...]) -> int:
     return best
 
 
-class HarmonyParser:
+class HarmonyParser(SplitStream):
     """Splits streamed harmony text into reasoning and content (``ReasoningParser``'s interface).
 
     States: ``header`` (between messages: text up to ``<|message|>`` names the channel and recipient),
@@ -73,14 +74,10 @@ class HarmonyParser:
     has a recipient), ``plain`` (the reply began without a header: all of it is content)."""
 
     def __init__(self, token_text: TokenText, calls: bool = False) -> None:
+        super().__init__(token_text)
         self.state = "header"
-        self.buf = ""
-        self.reasoning = ""
-        self.content = ""
-        self.reasoning_tokens = 0
         self.channel: Optional[str] = None  # the current (or last) message's channel
         self.recipient: Optional[str] = None
-        self._token_text = token_text
         self._offers_calls = calls
         self.calls: list[dict] = []  # every tool call of the reply so far
         self._new: list[dict] = []  # those not yet taken (take_calls)
@@ -90,18 +87,6 @@ class HarmonyParser:
         """The tool calls completed since the last take."""
         new, self._new = self._new, []
         return new
-
-    def feed(self, delta: str) -> tuple[str, str]:
-        """(reasoning delta, content delta) of the next piece of the reply."""
-        self.buf += delta
-        r_out: list[str] = []
-        c_out: list[str] = []
-        while self._step(r_out, c_out):
-            pass
-        r, c = "".join(r_out), "".join(c_out)
-        self.reasoning += r
-        self.content += c
-        return r, c
 
     def _header(self, head: str) -> None:
         """The channel and recipient a message header names (``<|start|>assistant`` before it ignored)."""

@@ -134,7 +134,34 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-class ReasoningParser:
+class SplitStream:
+    """Streamed reply text split into reasoning and content: ``feed`` appends a piece to ``buf`` and lets the
+    parser's ``_step`` consume what it can decide at the head of it, returning the deltas of both parts."""
+
+    def __init__(self, token_text: TokenText) -> None:
+        self.buf = ""
+        self.reasoning = ""
+        self.content = ""
+        self.reasoning_tokens = 0  # set when the reply ends (count_tokens)
+        self._token_text = token_text
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning delta, content delta) of the next piece of the reply."""
+        self.buf += delta
+        r_out: list[str] = []
+        c_out: list[str] = []
+        while self._step(r_out, c_out):
+            pass
+        r, c = "".join(r_out), "".join(c_out)
+        self.reasoning += r
+        self.content += c
+        return r, c
+
+    def _step(self, r_out: list[str], c_out: list[str]) -> bool:
+        raise NotImplementedError
+
+
+class ReasoningParser(SplitStream):
     """Splits streamed reply text into reasoning and content.
 
     States: ``start`` (nothing but whitespace seen yet: a reply that begins with ``<think>`` reasons
@@ -145,26 +172,11 @@ class ReasoningParser:
     to and including the one that completes ``</think>`` (all of them while the block is open)."""
 
     def __init__(self, opened: bool, token_text: TokenText) -> None:
+        super().__init__(token_text)
         self.state = "reasoning" if opened else "start"
         self.entered = opened  # the reply has a think block
-        self.buf = ""
-        self.reasoning = ""
-        self.content = ""
-        self.reasoning_tokens = 0  # set when the reply ends (count_tokens)
-        self._token_text = token_text
         self._gap = False  # right after the block: leading whitespace of the answer is dropped
         self.closed = False  # the reply's think block has ended
-
-    def feed(self, delta: str) -> tuple[str, str]:
-        """(reasoning delta, content delta) of the next piece of the reply."""
-        self.buf += delta
-        r_out, c_out = [], []
-        while self._step(r_out, c_out):
-            pass
-        r, c = "".join(r_out), "".join(c_out)
-        self.reasoning += r
-        self.content += c
-        return r, c
 
     def _step(self, r_out: list[str], c_out: list[str]) -> bool:
         """Consume what can be decided at the head of ``buf``; False when more text is needed."""
