@@ -19,6 +19,7 @@ from sidecar.config import EngineConfig
 from sidecar.engine.tp import TPWorkerLost, wait_for_ranks
 from sidecar.model.args import ModelArgs
 from sidecar.model.tp_shard import Shard
+from tests.unit.engine.test_engine_vs_hf import hf_generate
 
 MAX_NEW = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
@@ -59,22 +60,6 @@ def _checkpoint(kind: str, out, tokenizer_dir):
     return out, hf
 
 
-def _hf_greedy(hf, prompts):
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            g = hf.generate(
-                torch.tensor([p]),
-                max_new_tokens=MAX_NEW,
-                min_new_tokens=MAX_NEW,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(g[0, len(p) :].tolist())
-    return outs
-
-
 def _prompts(vocab: int):
     rng = random.Random(3)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(5, 40))] for _ in range(5)]
@@ -106,7 +91,7 @@ def engines(tmp_path_factory, demo_dir):
                 num_kv_blocks=16,  # 120 tokens for seven requests of up to 48: preemption
                 max_num_batched_tokens=16,  # prompts arrive in chunks
             )
-            out[kind] = (llm, prompts, _hf_greedy(hf, prompts))
+            out[kind] = (llm, prompts, hf_generate(hf, prompts, MAX_NEW))
             out[f"{kind}_path"] = path
         yield out
     finally:
