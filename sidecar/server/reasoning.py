@@ -15,6 +15,7 @@ accepted and changes nothing; the HTTP answer says so in ``x-sidecar-reasoning: 
 
 from __future__ import annotations
 
+import abc
 import json
 from typing import Any, Callable, Optional
 
@@ -134,7 +135,7 @@ def _held(text: str, marker: str) -> int:
     return 0
 
 
-class SplitStream:
+class SplitStream(abc.ABC):
     """Streamed reply text split into reasoning and content: ``feed`` appends a piece to ``buf`` and lets the
     parser's ``_step`` consume what it can decide at the head of it, returning the deltas of both parts."""
 
@@ -157,8 +158,10 @@ class SplitStream:
         self.content += c
         return r, c
 
+    @abc.abstractmethod
     def _step(self, r_out: list[str], c_out: list[str]) -> bool:
-        raise NotImplementedError
+        """Consume what can be decided at the head of ``buf`` into the two outputs; False when more text is
+        needed."""
 
 
 class ReasoningParser(SplitStream):
