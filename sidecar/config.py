@@ -39,7 +39,7 @@ def _require(cond: bool, name: str, msg: str) -> None:
 HEAD_MODES = ("auto", "none", "int8", "int4", "same")
 
 
-def _head_mode(value: Any) -> str:
+def head_mode(value: Any) -> str:
     """``quantize_lm_head`` as one of HEAD_MODES: booleans (and their spellings) are the older on/off
     setting, true meaning the weights' own mode."""
     if isinstance(value, str):
@@ -213,7 +213,7 @@ class EngineConfig:
             "quantization",
             f"must be one of none, int8, int4, got {self.quantization!r}",
         )
-        self.quantize_lm_head = _head_mode(self.quantize_lm_head)
+        self.quantize_lm_head = head_mode(self.quantize_lm_head)
         _require(
             self.quantize_lm_head not in ("int8", "int4") or self.quantization is not None,
             "quantize_lm_head",

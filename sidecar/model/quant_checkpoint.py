@@ -17,6 +17,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from sidecar.config import head_mode, lm_head_quantization
 from sidecar.model.quant import quantize_linear, quantize_tied_embedding, runtime_linear, tied_modules
 from sidecar.model.quant_format import FORMAT_VERSION, check_quant_args, quantize_weight
 
@@ -39,7 +40,7 @@ _HF_FILES = ("config.json", "generation_config.json")
 
 
 def quant_targets(model: nn.Module, quantize_lm_head: bool) -> list[str]:
-    """Names of the nn.Linear modules to quantize, in module order."""
+    """Names of the nn.Linear modules to quantize (``lm_head`` when ``quantize_lm_head``), in module order."""
     names = []
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
@@ -62,20 +63,34 @@ def tied_embedding_name(model: nn.Module, lm_head_name: str) -> Optional[str]:
     return None
 
 
+def head_quantization(mode: str, quantize_lm_head: Union[bool, str]) -> Optional[str]:
+    """The output head's mode (None: kept in full precision) for layers quantized as ``mode`` and a
+    ``quantize_lm_head`` setting (a HEAD_MODES name, or the older boolean: true is the layers' mode)."""
+    return lm_head_quantization(mode, head_mode(quantize_lm_head))
+
+
+def _module_mode(name: str, mode: str, head: Optional[str]) -> str:
+    return head if head is not None and name.endswith("lm_head") else mode
+
+
 def quantize_model(
-    model: nn.Module, mode: str, group_size: int = 128, quantize_lm_head: bool = False
+    model: nn.Module, mode: str, group_size: int = 128, quantize_lm_head: Union[bool, str] = False
 ) -> None:
-    """Swap a materialised model's linears for quantized modules, one at a time."""
+    """Swap a materialised model's linears for quantized modules, one at a time; the head (and a tied
+    embedding) in ``head_quantization(mode, quantize_lm_head)``."""
     check_quant_args(mode, group_size)
-    targets = quant_targets(model, quantize_lm_head)
-    for name in targets:
+    head = head_quantization(mode, quantize_lm_head)
+    for name in quant_targets(model, head is not None):
         emb_name = tied_embedding_name(model, name) if name.endswith("lm_head") else None
         if emb_name is not None:
-            emb, head = quantize_tied_embedding(model.get_submodule(emb_name), mode, group_size)
+            emb, out = quantize_tied_embedding(model.get_submodule(emb_name), head, group_size)
             model.set_submodule(emb_name, emb)
-            model.set_submodule(name, head)
+            model.set_submodule(name, out)
         else:
-            model.set_submodule(name, quantize_linear(model.get_submodule(name), mode, group_size, name))
+            linear = model.get_submodule(name)
+            model.set_submodule(
+                name, quantize_linear(linear, _module_mode(name, mode, head), group_size, name)
+            )
 
 
 def save_quantized(
@@ -85,9 +100,11 @@ def save_quantized(
     out_dir: PathLike,
     mode: str,
     group_size: int = 128,
-    quantize_lm_head: bool = False,
+    quantize_lm_head: Union[bool, str] = False,
 ) -> dict[str, Any]:
-    """Write a quantized checkpoint of a full-precision ``model``; returns the quantization config.
+    """Write a quantized checkpoint of a full-precision ``model``; returns the quantization config. The
+    head (and a tied embedding) is stored in ``head_quantization(mode, quantize_lm_head)``, recorded as
+    ``lm_head_mode`` (null: full precision).
 
     Quantizes one linear at a time into the stored format, so peak memory is the
     full-precision model plus the quantized copy being written.
@@ -101,7 +118,8 @@ def save_quantized(
         raise ValueError(
             "save_quantized: the model holds packed weights; load it with load_model(..., pack=False)"
         )
-    targets = quant_targets(model, quantize_lm_head)
+    head = head_quantization(mode, quantize_lm_head)
+    targets = quant_targets(model, head is not None)
     dtype = next(model.parameters()).dtype
     state: dict[str, torch.Tensor] = {}
     consumed: set[int] = set()  # ids of parameters already written (tied tensors are written once)
@@ -111,7 +129,8 @@ def save_quantized(
         emb_name = tied_embedding_name(model, name) if name.endswith("lm_head") else None
         prefix = emb_name or name
         tied_embedding = emb_name or tied_embedding
-        for key, t in quantize_weight(linear.weight.detach(), mode, group_size, dtype, name).items():
+        stored_mode = _module_mode(name, mode, head)
+        for key, t in quantize_weight(linear.weight.detach(), stored_mode, group_size, dtype, name).items():
             state[f"{prefix}.{key}"] = t.cpu().contiguous()
         consumed.add(id(linear.weight))
         if linear.bias is not None:
@@ -136,7 +155,8 @@ def save_quantized(
         "format_version": FORMAT_VERSION,
         "mode": mode,
         "group_size": group_size if mode == "int4" else None,
-        "quantize_lm_head": quantize_lm_head,
+        "quantize_lm_head": head is not None,
+        "lm_head_mode": head,
         "tied_embedding": tied_embedding,
         "modules": targets,
         "aliases": aliases,
@@ -199,8 +219,11 @@ def load_quantized_model(
             t = t.to(dtype)
         return t.to(device)
 
-    def stored(prefix: str) -> dict[str, torch.Tensor]:
-        keys = ("qweight", "scales") + (("zeros",) if mode == "int4" else ())
+    # Older checkpoints have no ``lm_head_mode``: a quantized head there is in the layers' mode.
+    head = cfg.get("lm_head_mode") or (mode if cfg.get("quantize_lm_head") else None)
+
+    def stored(prefix: str, m: str) -> dict[str, torch.Tensor]:
+        keys = ("qweight", "scales") + (("zeros",) if m == "int4" else ())
         return {k: get(f"{prefix}.{k}", cast=k != "qweight") for k in keys}
 
     q8 = cfg.get("q8_0_tied_embedding")  # a GGUF Q8_0 token_embd shared with lm_head, kept as Q8_0
@@ -215,14 +238,15 @@ def load_quantized_model(
     tied = cfg.get("tied_embedding")
     for name in cfg["modules"]:
         meta_linear = model.get_submodule(name)
+        m = _module_mode(name, mode, head)
         if tied and name.endswith("lm_head"):
             emb_dim = model.get_submodule(tied).embedding_dim
-            emb, head = tied_modules(stored(tied), mode, emb_dim, dtype)
+            emb, out = tied_modules(stored(tied, m), m, emb_dim, dtype)
             model.set_submodule(tied, emb)
-            model.set_submodule(name, head)
+            model.set_submodule(name, out)
             continue
         bias = get(f"{name}.bias") if meta_linear.bias is not None else None
-        model.set_submodule(name, runtime_linear(stored(name), mode, meta_linear.in_features, bias, dtype))
+        model.set_submodule(name, runtime_linear(stored(name, m), m, meta_linear.in_features, bias, dtype))
     # Remaining tensors. Names recorded as aliases (tied weights) get the very same tensor.
     aliases = cfg.get("aliases") or {}
     loaded: dict[str, torch.Tensor] = {}

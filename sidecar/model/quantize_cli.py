@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from sidecar.config import HEAD_MODES
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help='"demo", a local HF checkpoint directory or a hub id')
@@ -17,8 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size (32, 64, 128 or 256)")
     parser.add_argument(
         "--quantize-lm-head",
-        action="store_true",
-        help="also quantize lm_head (and the embedding table when they are tied)",
+        nargs="?",
+        const="same",
+        default="auto",
+        choices=HEAD_MODES,
+        help="precision of lm_head (and of the embedding table when they are tied): auto (int8, as "
+        "quantize-on-load does), none (full precision), int8, int4, same (the layers' mode; the bare flag)",
     )
     parser.add_argument(
         "--dtype",
@@ -58,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
         args.quantize_lm_head,
     )
     print(
-        f"wrote {args.quantization} checkpoint ({len(qcfg['modules'])} linears quantized"
-        f"{', lm_head tied to embedding' if qcfg['tied_embedding'] else ''}) to {args.out} "
+        f"wrote {args.quantization} checkpoint ({len(qcfg['modules'])} linears quantized, "
+        f"lm_head {qcfg['lm_head_mode'] or 'full precision'}"
+        f"{' tied to embedding' if qcfg['tied_embedding'] else ''}) to {args.out} "
         f"in {time.perf_counter() - t0:.1f}s"
     )
     return 0

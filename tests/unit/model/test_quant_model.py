@@ -75,6 +75,12 @@ def test_saved_checkpoint_reloads_to_identical_outputs(tiny_models, tmp_path, ki
         assert torch.equal(a[k], b[k]), k
     cls = Int8Linear if mode == "int8" else Int4Linear
     assert isinstance(reloaded.model.layers[0].mlp.down_proj, cls) and isinstance(reloaded.model.lm_head, cls)
+    # A checkpoint written before ``lm_head_mode`` existed: its quantized head is in the layers' mode.
+    del saved["lm_head_mode"]
+    (out / "quantization_config.json").write_text(json.dumps(saved))
+    older = load_model(EngineConfig(model=str(out), dtype="float32")).model
+    old_sd, new_sd = older.state_dict(), reloaded.model.state_dict()
+    assert isinstance(older.lm_head, cls) and all(torch.equal(old_sd[k], new_sd[k]) for k in new_sd)
     assert isinstance(reloaded.model.embed_tokens, QuantEmbedding if kind == "qwen2" else nn.Embedding)
     prompts = [_stream(10, seed=5), _stream(4, seed=6)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -102,6 +108,34 @@ def test_quantize_command_writes_a_loadable_checkpoint(tiny_models, tmp_path, ca
         main(["quantize", "--model", str(out), "--quantization", "int8", "--out", str(tmp_path / "again")])
     assert exc.value.code == 2
     assert "already a quantized checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+def test_quantize_command_head_follows_the_quantize_on_load_default(tiny_models, tmp_path, kind):
+    # ``sidecar quantize`` and ``LLM(quantization=...)`` agree on the head: int8 under int4 layers unless
+    # asked otherwise, so a saved checkpoint serves what quantizing on load would.
+    from sidecar.cli import main
+
+    src, outs = tiny_models[kind], {}
+    for head in ("auto", "none"):
+        outs[head] = tmp_path / head
+        argv = ["quantize", "--model", str(src), "--quantization", "int4", "--group-size", "32"]
+        with pytest.raises(SystemExit) as exc:
+            main(argv + ["--quantize-lm-head", head, "--dtype", "float32", "--out", str(outs[head])])
+        assert exc.value.code == 0
+    saved = json.loads((outs["auto"] / "quantization_config.json").read_text())
+    assert saved["lm_head_mode"] == "int8" and saved["quantize_lm_head"] is True
+    on_load = load_model(
+        EngineConfig(model=str(src), dtype="float32", quantization="int4", quant_group_size=32)
+    )
+    reloaded = load_model(EngineConfig(model=str(outs["auto"]), dtype="float32"))
+    assert isinstance(reloaded.model.lm_head, Int8Linear)
+    assert isinstance(reloaded.model.layers[0].self_attn.o_proj, Int4Linear)
+    a, b = on_load.model.state_dict(), reloaded.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    kept = load_model(EngineConfig(model=str(outs["none"]), dtype="float32")).model
+    assert not isinstance(kept.lm_head, (Int8Linear, Int4Linear))
+    assert json.loads((outs["none"] / "quantization_config.json").read_text())["lm_head_mode"] is None
 
 
 def test_group_size_that_does_not_divide_names_the_field(tiny_models):
