@@ -71,8 +71,8 @@ class AttentionMetadata:
     decode_block_tables_i32: Optional[torch.Tensor] = None
     use_cpu_kernel: bool = True  # False: the torch path even where the CPU kernel could run (tests, benches)
     # [num_blocks * block_size] float32: each key's received attention is added at its slot
-    # (attention_scores.py); None: not accounted. Of our kernels only the CPU decode kernel accounts; with it
-    # the other rows take the torch path.
+    # (attention_scores.py); None: not accounted. The decode kernels (CPU and Triton) account; prompt rows
+    # then take the torch path.
     kv_scores: Optional[torch.Tensor] = None
     # Hybrid models: [Bd] long, the linear-attention state slot of each decode row (deltanet.py)
     decode_state_slots: Optional[torch.Tensor] = None
@@ -247,13 +247,8 @@ def paged_attention(
             q, k_cache, v_cache, meta, scale, sliding_window, kv_scales, softcap, sinks
         )
     decoded = None  # the decode rows' result from one of our kernels
-    scores = meta.kv_scores  # of our kernels only the CPU decode kernel adds up received attention
-    if (
-        scores is None
-        and meta.decode_block_tables is not None
-        and paths is not None
-        and paths.takes("attention", q)
-    ):
+    scores = meta.kv_scores  # our decode kernels add up received attention; the prompt paths do in torch
+    if meta.decode_block_tables is not None and paths is not None and paths.takes("attention", q):
         from sidecar.model.kernels.triton import attention as triton_attention
 
         b = meta.decode_block_tables.shape[0]
@@ -267,6 +262,7 @@ def paged_attention(
             sliding_window,
             kv_scales=kv_scales,
             softcap=softcap,
+            scores=scores,
         )
         if decoded is not None and not meta.prefills:
             return decoded

@@ -6,7 +6,9 @@ in the paged cache [num_blocks, block_size, Hkv, D] at the blocks named by its r
 [B, max_blocks] (int32 or int64); a quantized cache (int8 or fp8 e4m3 codes with a float32 scale per
 token and KV head, ``kv_quant``) is read as codes and dequantized in registers. With ``softcap`` (Gemma 2)
 each scaled score ``x`` becomes ``softcap * tanh(x / softcap)`` before the softmax (a constexpr branch: the
-kernel compiled without it is the uncapped one, unchanged). It returns [B, H, D] in
+kernel compiled without it is the uncapped one, unchanged). With ``scores`` (scored KV eviction) each
+(row, head)'s log-sum-exp is kept and ``attention_scores.add_decode_scores`` adds every key's softmax weight
+to its slot. It returns [B, H, D] in
 ``q``'s dtype, or None when the inputs are not ones the kernel takes (the caller then runs the torch path
 of ``sidecar.model.attention``, which is also the oracle the tests hold this kernel to).
 
@@ -31,38 +33,14 @@ import triton.language as tl
 
 from triton import next_power_of_2 as next_pow2
 
-from sidecar.model.kernels.triton.common import dot_in_f32, mma, narrow
+from sidecar.model.kernels.triton import attention_scores as triton_scores
+from sidecar.model.kernels.triton.common import cache_codes, dot_in_f32, mma, narrow, tanh32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_N = 32  # keys per tile; >= 16 so both dots have K >= 16 on a real GPU
 # Split the context only when the grid would otherwise be small; the partition is a multiple of BLOCK_N.
 SPLIT_PARTITION = 256
 SPLIT_MAX_PROGRAMS = 256
-
-
-@triton.jit
-def _codes(x, FP8: tl.constexpr):
-    """Loaded cache codes as float32: int8 as is, fp8 e4m3 from its bytes (the cache is passed as uint8)."""
-    if FP8:
-        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _tanh(x):
-    """tanh in float32 from ``tl.exp`` alone (the interpreter has no libdevice): below |x| = 0.625 an odd
-    polynomial (Cephes' tanhf coefficients), from there (1 - e) / (1 + e) with e = exp(-2|x|) <= 1 (no
-    overflow), with x's sign; the form the CPU kernels use (vec.h's v_tanh)."""
-    ax = tl.abs(x)
-    z = x * x
-    p = -5.70498872745e-3 * z + 2.06390887954e-2
-    p = p * z - 5.37397155531e-2
-    p = p * z + 1.33314422036e-1
-    p = p * z - 3.33332819422e-1
-    small = x + x * z * p
-    e = tl.exp(-2.0 * ax)
-    big = (1.0 - e) / (1.0 + e)
-    return tl.where(ax < 0.625, small, tl.where(x < 0, -big, big))
 
 
 @triton.jit
@@ -78,6 +56,7 @@ def _decode_partition(
     m_ptr,
     l_ptr,
     acc_ptr,
+    lse_ptr,
     scale,
     window,
     softcap,
@@ -108,6 +87,7 @@ def _decode_partition(
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     DIRECT: tl.constexpr,
+    LSE: tl.constexpr,
     F32: tl.constexpr,
     BF16: tl.constexpr,
 ):
@@ -150,10 +130,10 @@ def _decode_partition(
         )
         if QUANT:  # codes times the token's scale, in float32, then q's dtype (as kv_quant.dequantize)
             k_s = tl.load(ks_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
-            k = narrow(_codes(k, FP8) * k_s[:, None], q_ptr, BF16)
+            k = narrow(cache_codes(k, FP8) * k_s[:, None], q_ptr, BF16)
         s = mma(q, tl.trans(k), F32) * scale
         if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+            s = softcap * tanh32(s / softcap)
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
@@ -167,7 +147,7 @@ def _decode_partition(
         )
         if QUANT:
             v_s = tl.load(vs_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
-            v = narrow(_codes(v, FP8) * v_s[:, None], q_ptr, BF16)
+            v = narrow(cache_codes(v, FP8) * v_s[:, None], q_ptr, BF16)
         acc = acc * alpha[:, None] + mma(narrow(p, q_ptr, BF16), v, F32)
         m_i = m_new
     out_mask = g_ok[:, None] & d_ok[None, :]
@@ -176,6 +156,8 @@ def _decode_partition(
         tl.store(
             out_ptr + row * s_ob + heads[:, None] * s_oh + d[None, :], narrow(o, out_ptr, BF16), mask=out_mask
         )
+        if LSE:  # log of each head's softmax denominator: -inf for a row that sees no key
+            tl.store(lse_ptr + row * GROUP * tl.num_programs(1) + heads, m_i + tl.log(l_i), mask=g_ok)
     else:
         # Scratch layout: [B, H, n_parts] for m and l, [B, H, n_parts, D_PAD] for acc.
         base = (row * GROUP * tl.num_programs(1) + heads) * n_parts + part
@@ -190,12 +172,14 @@ def _decode_reduce(
     l_ptr,
     acc_ptr,
     out_ptr,
+    lse_ptr,
     n_parts,
     s_ob,
     s_oh,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     P_PAD: tl.constexpr,
+    LSE: tl.constexpr,
     BF16: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -213,6 +197,8 @@ def _decode_reduce(
     total = tl.sum(l * w, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * s_ob + head * s_oh + d, narrow(o, out_ptr, BF16), mask=d < HEAD_DIM)
+    if LSE:
+        tl.store(lse_ptr + row * tl.num_programs(1) + head, m_safe + tl.log(total))
 
 
 def _scales_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales) -> bool:
@@ -251,6 +237,7 @@ def paged_decode_attention(
     out: Optional[torch.Tensor] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     softcap: Optional[float] = None,
+    scores: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
     """Decode attention of ``q`` [B, H, D] over the paged cache; see the module docstring.
 
@@ -265,6 +252,8 @@ def paged_decode_attention(
     _, bs, nkv, hd_k = k_cache.shape
     quant = kv_scales is not None
     if quant and not _scales_fit(k_cache, v_cache, kv_scales):
+        return None
+    if scores is not None and not triton_scores.scores_fit(scores, k_cache):
         return None
     want = (torch.int8, torch.float8_e4m3fn) if quant else (q.dtype,)
     if (
@@ -306,6 +295,7 @@ def paged_decode_attention(
     n_parts, part = num_partitions(max_blocks * bs, b * nkv, partition_size)
     d_pad = max(16, next_pow2(hd))
     direct = n_parts == 1
+    lse = torch.empty(b, nh, dtype=torch.float32, device=q.device) if scores is not None else out
     if direct:
         m = l = acc = out  # unused by the kernel
     else:
@@ -324,6 +314,7 @@ def paged_decode_attention(
         m,
         l,
         acc,
+        lse,
         float(scale),
         int(window or 0),
         float(softcap or 1.0),  # unused without SOFTCAP
@@ -354,6 +345,7 @@ def paged_decode_attention(
         HAS_WINDOW=window is not None,
         SOFTCAP=softcap is not None,
         DIRECT=direct,
+        LSE=scores is not None,
         F32=dot_in_f32(q.dtype),
         BF16=q.dtype == torch.bfloat16,
     )
@@ -363,12 +355,22 @@ def paged_decode_attention(
             l,
             acc,
             out,
+            lse,
             n_parts,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=hd,
             D_PAD=d_pad,
             P_PAD=next_pow2(n_parts),
+            LSE=scores is not None,
             BF16=q.dtype == torch.bfloat16,
         )
+    if scores is not None:
+        launch = dict(q=q, k_cache=k_cache, ks=ks, tables=tables, ctx=ctx, quant=quant, fp8=fp8, group=group)
+        launch.update(
+            n_parts=n_parts, part=part, block_n=BLOCK_N, d_pad=d_pad, g_pad=max(16, next_pow2(group))
+        )
+        launch.update(scale=float(scale), window=int(window or 0), softcap=float(softcap or 1.0))
+        launch.update(has_window=window is not None, has_softcap=softcap is not None, f32=dot_in_f32(q.dtype))
+        triton_scores.add_decode_scores(launch, lse, scores)
     return out

@@ -57,3 +57,28 @@ def narrow(x, like_ptr, BF16: tl.constexpr):
     if BF16:
         return round_bf16(x)
     return x.to(like_ptr.dtype.element_ty)
+
+
+@triton.jit
+def cache_codes(x, FP8: tl.constexpr):
+    """Loaded cache codes as float32: int8 as is, fp8 e4m3 from its bytes (the cache is passed as uint8)."""
+    if FP8:
+        return x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def tanh32(x):
+    """tanh in float32 from ``tl.exp`` alone (the interpreter has no libdevice): below |x| = 0.625 an odd
+    polynomial (Cephes' tanhf coefficients), from there (1 - e) / (1 + e) with e = exp(-2|x|) <= 1 (no
+    overflow), with x's sign; the form the CPU kernels use (vec.h's v_tanh)."""
+    ax = tl.abs(x)
+    z = x * x
+    p = -5.70498872745e-3 * z + 2.06390887954e-2
+    p = p * z - 5.37397155531e-2
+    p = p * z + 1.33314422036e-1
+    p = p * z - 3.33332819422e-1
+    small = x + x * z * p
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    return tl.where(ax < 0.625, small, tl.where(x < 0, -big, big))
