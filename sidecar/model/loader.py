@@ -231,10 +231,13 @@ def _load_experts(
     device: torch.device,
 ) -> None:
     """A sparse block's router (kept in full precision: a quantized router would move tokens between experts)
-    and its experts, each quantized as it arrives where the engine quantizes."""
+    and its experts, each quantized as it arrives where the engine quantizes; MXFP4 experts keep their codes
+    where the MXFP4 kernel reads them (``mxfp4.keeps_codes``, its reason logged once where not)."""
+    from sidecar.model import mxfp4
     from sidecar.model.moe import block_tensors
 
-    for expert, parts in block_tensors(moe, ckpt.get, ckpt.__contains__, layer_prefix):
+    codes = args.expert_bias and not mxfp4.keeps_codes(device, cfg.quantization)
+    for expert, parts in block_tensors(moe, ckpt.get, ckpt.__contains__, layer_prefix, codes):
         for module, name, tensor in parts:
             _set(module, name, tensor, dtype, device)
         for attr in ("gate_up_proj", "down_proj") if expert is not None else ():
