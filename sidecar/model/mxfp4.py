@@ -8,13 +8,14 @@ and float32 (within their exponent range), so the dequantized weight is the quan
 
 On the CPU the experts keep their codes (``Mxfp4Linear``, about 4.25 bits a weight): the MXFP4 kernel
 (``kernels/cpu/mxfp4_gemv.c``) reads them in place. Where it cannot (another device, a kernel that did not build
-or failed its start-up self-check, a quantize-on-load mode asked for, ``KEEP_CODES`` off) the loader dequantizes
+or failed its start-up self-check, a quantize-on-load mode asked for, ``SIDECAR_MXFP4_CODES=0``) the loader dequantizes
 them instead (``keeps_codes``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import NamedTuple, Optional
 
 import torch
@@ -29,9 +30,9 @@ BLOCK = 32  # values sharing one scale
 # e2m1 code -> value; bit 3 is the sign
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 SCALE_BIAS = 127
-# Whether the loader keeps MXFP4 codes where the kernel reads them (off: dequantized at load, a benchmark's
-# comparison)
-KEEP_CODES = True
+# Set to 0 / false / no / off: the loader dequantizes MXFP4 weights even where the kernel reads the codes (what
+# another device holds; a benchmark's comparison)
+CODES_ENV = "SIDECAR_MXFP4_CODES"
 _logged: set[str] = set()
 
 
@@ -64,8 +65,8 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 def keeps_codes(device: torch.device, quantization: Optional[str]) -> str:
     """'' when MXFP4 weights loaded onto ``device`` keep their codes (``Mxfp4Linear``), else why they are
     dequantized at load instead (logged once per reason)."""
-    if not KEEP_CODES:
-        why = "codes switched off (mxfp4.KEEP_CODES)"
+    if os.environ.get(CODES_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        why = f"codes switched off ({CODES_ENV})"
     elif quantization is not None:
         why = f"quantization {quantization!r} asked for: they are dequantized, then quantized"
     elif device.type != "cpu":

@@ -146,7 +146,7 @@ def test_mxfp4_experts_keep_their_codes_on_the_cpu(mxfp4_dir, monkeypatch):
     from sidecar.model.linear import Linear
 
     kept = load_model(EngineConfig(model=str(mxfp4_dir), dtype="float32")).model
-    monkeypatch.setattr(mxfp4, "KEEP_CODES", False)
+    monkeypatch.setenv(mxfp4.CODES_ENV, "0")
     dense = load_model(EngineConfig(model=str(mxfp4_dir), dtype="float32")).model
     args = kept.args
     h, width, n = args.hidden_size, args.expert_intermediate_size, args.num_experts * args.num_layers
