@@ -142,10 +142,13 @@ def _expert_bytes(model) -> int:
 def test_mxfp4_experts_keep_their_codes_on_the_cpu(mxfp4_dir, monkeypatch):
     """Loaded for the CPU the experts hold their codes (4.25 bits a weight, plus float32 biases) and compute what
     the experts dequantized at load compute, to float32 summation order; with the codes off (what a device
-    without the kernel gets) they are plain layers again."""
+    without the kernel gets), or plain weights asked for, they are plain layers again."""
     from sidecar.model.linear import Linear
 
     kept = load_model(EngineConfig(model=str(mxfp4_dir), dtype="float32")).model
+    # callers that read or save plain weights (``sidecar quantize``) get them dequantized
+    plain = load_model(EngineConfig(model=str(mxfp4_dir), dtype="float32"), pack=False).model
+    assert plain.layers[0].mlp.experts[1].down_proj.weight.dtype == torch.float32
     monkeypatch.setenv(mxfp4.CODES_ENV, "0")
     dense = load_model(EngineConfig(model=str(mxfp4_dir), dtype="float32")).model
     args = kept.args
