@@ -21,6 +21,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),  # written tensor by tensor (``_write_moe``)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # likewise, experts in MXFP4 (``_write_gpt_oss``)
 }
 
 # Qwen2.5-0.5B-Instruct's shapes.
@@ -106,6 +107,25 @@ QWEN3_30B_A3B_12L = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+# gpt-oss-20b's shapes (32 experts of width 2880, 4 per token, hidden 2880, sinks, alternating 128-token windows),
+# its experts in MXFP4 as the published checkpoint ships them; cut to 2 of its 24 layers.
+GPT_OSS_20B = dict(
+    family="gpt_oss",
+    hidden_size=2880,
+    intermediate_size=2880,
+    num_local_experts=32,
+    num_experts_per_tok=4,
+    num_hidden_layers=24,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=64,
+    sliding_window=128,
+    vocab_size=201088,
+    max_position_embeddings=131072,
+    rope_theta=150000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 SHAPES = {
     "qwen2-0.5b": QWEN2_0_5B,
     "qwen3-0.6b": QWEN3_0_6B,
@@ -113,6 +133,7 @@ SHAPES = {
     "small": SMALL,
     "qwen3-30b-a3b-12l": QWEN3_30B_A3B_12L,
     "qwen3-30b-a3b-2l": dict(QWEN3_30B_A3B_12L, num_hidden_layers=2),
+    "gpt-oss-20b-2l": dict(GPT_OSS_20B, num_hidden_layers=2),
 }
 
 
@@ -188,7 +209,9 @@ def write_checkpoint(
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     torch.manual_seed(seed)
-    if "num_experts" in shape:
+    if shape["family"] == "gpt_oss":
+        _write_gpt_oss(cfg, tmp)
+    elif "num_experts" in shape:
         _write_moe(cfg, tmp)
     else:
         with torch.device("cpu"):
@@ -259,6 +282,58 @@ def _write_moe(cfg: Any, out: Path) -> None:
         for e in range(shape["num_experts"]):
             for name, size in (("gate_proj", (width, h)), ("up_proj", (width, h)), ("down_proj", (h, width))):
                 t[f"{p}.mlp.experts.{e}.{name}.weight"] = rand(*size)
+        shard(f"layer-{i:03d}.safetensors", t)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _write_gpt_oss(cfg: Any, out: Path) -> None:
+    """A random gpt-oss checkpoint as the published ones are laid out: bf16 attention (biases, a sink per
+    head), router and expert biases, the experts' weights MXFP4 (``*_blocks`` uint8 [experts, out, in / 32, 16],
+    ``*_scales`` e8m0 [experts, out, in / 32], weights up to 6 * 2^-8) under ``quantization_config.quant_method:
+    mxfp4``; written a layer per shard without building the model."""
+    import torch
+    from safetensors.torch import save_file
+
+    cfg.architectures = ["GptOssForCausalLM"]
+    cfg.dtype = "bfloat16"
+    out.mkdir(parents=True)
+    cfg.save_pretrained(out)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    h, v, width, e = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size, cfg.num_local_experts
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+    def rand(*size: int) -> torch.Tensor:
+        return (torch.randn(*size) * 0.02).to(torch.bfloat16)
+
+    def codes(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8)
+        return blocks, torch.randint(117, 121, (e, rows, cols // 32), dtype=torch.uint8)
+
+    weight_map: dict[str, str] = {}
+
+    def shard(name: str, tensors: dict[str, torch.Tensor]) -> None:
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    def ones() -> torch.Tensor:
+        return torch.ones(h, dtype=torch.bfloat16)
+
+    shard("embed.safetensors", {"model.embed_tokens.weight": rand(v, h), "model.norm.weight": ones()})
+    shard("head.safetensors", {"lm_head.weight": rand(v, h)})
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}"
+        t = {f"{p}.input_layernorm.weight": ones(), f"{p}.post_attention_layernorm.weight": ones()}
+        for name, rows, cols in (("q", q, h), ("k", kv, h), ("v", kv, h), ("o", h, q)):
+            t[f"{p}.self_attn.{name}_proj.weight"] = rand(rows, cols)
+            t[f"{p}.self_attn.{name}_proj.bias"] = rand(rows)
+        t[f"{p}.self_attn.sinks"] = rand(cfg.num_attention_heads)
+        t[f"{p}.mlp.router.weight"], t[f"{p}.mlp.router.bias"] = rand(e, h), rand(e)
+        for name, rows, cols in (("gate_up_proj", 2 * width, h), ("down_proj", h, width)):
+            t[f"{p}.mlp.experts.{name}_blocks"], t[f"{p}.mlp.experts.{name}_scales"] = codes(rows, cols)
+            t[f"{p}.mlp.experts.{name}_bias"] = rand(e, rows)
         shard(f"layer-{i:03d}.safetensors", t)
     index = {"metadata": {}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index))

@@ -6,6 +6,10 @@ Bytes read: during one-row steps, forward hooks on the served model's modules ad
 each called module holds (packed, tiled or quantized, as held; for a table looked up by token id, the rows
 looked up). A picked expert's layers count once per call, an unpicked expert's not at all, so the decoder
 layers' bytes per token against their active parameters say whether a token reads only its experts.
+
+Resident expert bytes: what the experts' modules hold (weights and biases, as held). On an MXFP4 checkpoint
+(gpt-oss) the ``mxfp4`` row keeps the experts' codes (``mxfp4.Mxfp4Linear``), the ``dequant`` row loads the same
+checkpoint with the experts dequantized to bf16 at load, as a device without the MXFP4 kernel holds them.
 """
 
 from __future__ import annotations
@@ -13,20 +17,26 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
-PRECISIONS = {"bf16": None, "int8": "int8", "int4": "int4"}
+MXFP4_CODES_ENV = "SIDECAR_MXFP4_CODES"  # 0: the loader dequantizes MXFP4 experts (sidecar.model.mxfp4)
+PRECISIONS = {"bf16": None, "int8": "int8", "int4": "int4", "mxfp4": None, "dequant": None}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="qwen3-30b-a3b-2l",
-        help="checkpoint dir or a random benchmark shape: qwen3-30b-a3b-2l | qwen3-30b-a3b-12l",
+        help="checkpoint dir or a random benchmark shape: qwen3-30b-a3b-2l | qwen3-30b-a3b-12l | gpt-oss-20b-2l",
     )
-    p.add_argument("--precisions", default="bf16,int8,int4", help="comma-separated: bf16, int8, int4")
+    p.add_argument(
+        "--precisions",
+        default="bf16,int8,int4",
+        help="comma-separated: bf16, int8, int4; on an MXFP4 checkpoint mxfp4 (codes kept), dequant (bf16)",
+    )
     p.add_argument("--tokens", type=int, default=32, help="tokens generated per timed request")
     p.add_argument("--group-size", type=int, default=128, help="int4 quantization group size")
     p.add_argument("--count-steps", type=int, default=4, help="one-row steps whose weight reads are counted")
@@ -73,6 +83,12 @@ def _count_reads(model, vocab: int) -> tuple[dict[str, int], list]:
     return counts, handles
 
 
+def _expert_bytes(model) -> int:
+    """Bytes the experts' modules of every sparse layer hold (parameters and buffers, as held)."""
+    sparse = [layer.mlp.experts for layer in model.layers if hasattr(layer.mlp, "experts")]
+    return sum(_own_bytes(m) for experts in sparse for m in experts.modules())
+
+
 def _layer_params(cfg: dict, info: dict) -> tuple[int, int]:
     """(total, active) parameters of the decoder layers: the model's less its embedding, head and final norm."""
     h, v = cfg["hidden_size"], cfg["vocab_size"]
@@ -85,14 +101,22 @@ def _measure(model_dir: str, precision: str, args: argparse.Namespace) -> dict[s
     from sidecar.bench.rss import peak_rss_bytes, reset_peak
 
     reset_peak()
-    llm = LLM(
-        model=model_dir,
-        dtype="bfloat16",
-        quantization=PRECISIONS[precision],
-        quant_group_size=args.group_size,
-        max_num_seqs=4,
-        kv_cache_memory_gb=0.25,
-    )
+    previous = os.environ.get(MXFP4_CODES_ENV)
+    os.environ[MXFP4_CODES_ENV] = "0" if precision == "dequant" else "1"
+    try:
+        llm = LLM(
+            model=model_dir,
+            dtype="bfloat16",
+            quantization=PRECISIONS[precision],
+            quant_group_size=args.group_size,
+            max_num_seqs=4,
+            kv_cache_memory_gb=0.25,
+        )
+    finally:
+        if previous is None:
+            os.environ.pop(MXFP4_CODES_ENV)
+        else:
+            os.environ[MXFP4_CODES_ENV] = previous
     info = llm.engine.model_info
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     model = llm.engine.loaded.model
@@ -116,6 +140,7 @@ def _measure(model_dir: str, precision: str, args: argparse.Namespace) -> dict[s
         "layer_bytes_per_token": counts["layers"] / steps,
         "layer_active_params": layer_active,
         "layer_total_params": layer_total,
+        "expert_mib": _expert_bytes(model) / 2**20,
         "peak_rss_mib": (peak_rss_bytes() or 0) / 2**20,
         "cpu_decode_replay": info.get("cpu_decode_replay"),
     }
@@ -149,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         "layer_bytes_per_active_param",
         "layer_bytes_per_total_param",
         "bytes_per_token",
+        "expert_mib",
         "peak_rss_mib",
     ]
     print(format_table(rows, columns))

@@ -3,9 +3,10 @@
 A sink is one more logit in each head's softmax, for no value: it takes a share of the attention weight away
 from the keys (HF's eager attention: the logits and the sink concatenated, their maximum subtracted, softmaxed,
 the sink's column dropped). ``paged_attention`` sends every row of such a layer here: decode rows go
-through the CPU decode kernel, which takes sinks (``kernels/cpu/paged_attention.c``), where it runs;
-prompt segments, and decode rows the kernel declines, are attended by torch. The CPU prefill kernel and the
-Triton decode kernel do not take sinks.
+through the CPU decode kernel and prompt segments through the CPU prefill kernel, which both take sinks
+(``kernels/cpu/paged_attention.c``, ``kernels/cpu/prefill_attention.c``), where they run and no attention
+scores are kept (H2O); the rows a kernel declines are attended by torch. The Triton decode kernel does not take
+sinks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from sidecar.model import attention_scores, kv_quant
 from sidecar.model.kernels.cpu import paged_attention as cpu_kernel
+from sidecar.model.kernels.cpu import prefill_attention as prefill_kernel
 
 
 def _cached(
@@ -43,7 +45,8 @@ def attend(
     """Attention with a sink logit per head (``attention_scores.weighted``, HF's eager form, each KV head
     repeated for its query heads) over the cache, which holds every new token already: each prompt segment
     over its keys [0, ctx) under the causal (and window) mask, the decode rows together over their padded
-    tables under ``decode_mask`` (through the CPU decode kernel where it runs and ``meta.use_cpu_kernel``).
+    tables under ``decode_mask`` (through the CPU prefill and decode kernels where they run,
+    ``meta.use_cpu_kernel`` and no ``kv_scores``).
     ``meta``: the step's ``attention.AttentionMetadata``; adds to its ``kv_scores`` when they are set."""
     ks, vs = kv_scales if kv_scales is not None else (None, None)
     rep = q.shape[1] // k_cache.shape[-2]
@@ -60,6 +63,22 @@ def attend(
         return o
 
     for seg in meta.prefills:
+        if meta.use_cpu_kernel and scores is None:
+            rows = prefill_kernel.prefill_attention(
+                q[seg.q_start : seg.q_start + seg.q_len],
+                k_cache,
+                v_cache,
+                seg.block_table,
+                seg.ctx_len,
+                scale,
+                sliding_window,
+                kv_scales,
+                softcap,
+                sinks,
+            )
+            if rows is not None:
+                out[seg.q_start : seg.q_start + seg.q_len] = rows
+                continue
         start = seg.ctx_len - seg.q_len
         qpos = torch.arange(start, seg.ctx_len, device=q.device)[:, None]
         kpos = torch.arange(seg.ctx_len, device=q.device)[None, :]

@@ -1,8 +1,8 @@
 """gpt-oss: grouped-query attention with biases and a learned sink logit per head, alternating sliding-window
 and full layers (``layer_types``), YaRN rope; every layer a mixture of experts whose router has a bias and
 softmaxes its top-k logits, and whose experts have biases and a clamped SwiGLU (``swiglu_limit``,
-``swiglu_alpha``). Published checkpoints ship the experts' weights as MXFP4 (``mxfp4.py``), dequantized
-exactly on load."""
+``swiglu_alpha``). Published checkpoints ship the experts' weights as MXFP4 (``mxfp4.py``): kept as codes on the
+CPU, read by the MXFP4 kernel; dequantized exactly on load elsewhere."""
 
 from __future__ import annotations
 

@@ -289,10 +289,10 @@ def load_hf_quantized(
     field, a ``quantization`` asked on top of it, an unsupported layout."""
     qc = hf_config.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
-        # gpt-oss's published experts: moe.py reads their blocks and scales, dequantized exactly (mxfp4.py)
+        # gpt-oss's published experts: moe.py reads their blocks and scales, kept as codes or dequantized (mxfp4.py)
         if not model.args.num_experts:
             raise ValueError("quantization_config.quant_method: 'mxfp4' is supported for expert weights only")
-        return requested  # dequantized experts take a quantize-on-load mode as full-precision ones do
+        return requested  # a quantize-on-load mode dequantizes them, then quantizes as full-precision ones
     if _eight_bit(qc):
         from sidecar.model.hf8bit import preload_8bit
 

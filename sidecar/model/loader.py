@@ -159,7 +159,9 @@ def _load_weights(
     cfg: EngineConfig,
     dtype: torch.dtype,
     device: torch.device,
+    plain: bool = False,
 ) -> None:
+    """``plain``: every weight as a plain tensor (MXFP4 experts dequantized), for callers that read or save them."""
     from tqdm.auto import tqdm
 
     args, top = model.args, model.args.checkpoint_prefix
@@ -196,7 +198,7 @@ def _load_weights(
             if attn.sinks is not None:
                 _set(attn, "sinks", ckpt.get(f"{p}.self_attn.sinks"), dtype, device)
         if args.sparse(i):
-            _load_experts(mlp, ckpt, p, args, cfg, dtype, device)
+            _load_experts(mlp, ckpt, p, args, cfg, dtype, device, plain)
         else:
             _load_linear(mlp.gate_up_proj, ckpt, gate_up, dtype, device)
             _load_linear(mlp.down_proj, ckpt, [f"{p}.mlp.down_proj"], dtype, device)
@@ -229,12 +231,16 @@ def _load_experts(
     cfg: EngineConfig,
     dtype: torch.dtype,
     device: torch.device,
+    plain: bool = False,
 ) -> None:
     """A sparse block's router (kept in full precision: a quantized router would move tokens between experts)
-    and its experts, each quantized as it arrives where the engine quantizes."""
+    and its experts, each quantized as it arrives where the engine quantizes; MXFP4 experts keep their codes
+    where the MXFP4 kernel reads them (``mxfp4.keeps_codes``, its reason logged once where not) unless ``plain``."""
+    from sidecar.model import mxfp4
     from sidecar.model.moe import block_tensors
 
-    for expert, parts in block_tensors(moe, ckpt.get, ckpt.__contains__, layer_prefix):
+    codes = args.expert_bias and not plain and not mxfp4.keeps_codes(device, cfg.quantization)
+    for expert, parts in block_tensors(moe, ckpt.get, ckpt.__contains__, layer_prefix, codes):
         for module, name, tensor in parts:
             _set(module, name, tensor, dtype, device)
         for attr in ("gate_up_proj", "down_proj") if expert is not None else ():
@@ -271,8 +277,8 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
     """Load config, tokenizer and weights for ``cfg.model``. Raises ValueError naming the problem.
 
     On CPU the full-precision linear layers are then packed for oneDNN (``linear_layout.pack_weights``);
-    ``pack=False`` keeps plain weights, for callers that read or save them. With ``shard`` the model holds one
-    tensor-parallel rank's slices (tp_shard.py); ``args`` stay the whole model's."""
+    ``pack=False`` keeps plain weights (MXFP4 experts dequantized), for callers that read or save them. With
+    ``shard`` the model holds one tensor-parallel rank's slices (tp_shard.py); ``args`` stay the whole model's."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     from sidecar.model.gguf import find_gguf, model_dir_for
@@ -312,7 +318,9 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
             if shard is not None:
                 raise ValueError("tensor_parallel_size: checkpoints with a quantization_config are not split")
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
-        _load_weights(model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device)
+        _load_weights(
+            model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device, not pack
+        )
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:

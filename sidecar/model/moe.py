@@ -11,7 +11,8 @@ Execution: the step's (token, slot) pairs are sorted by expert, and each expert 
 once over all of its rows (``MLP``: a fused gate/up ``Linear`` with silu * up, then the down ``Linear``),
 so its weights are read once per step; experts no row picked are not touched. A one-row step reads only
 its k experts. The experts are plain per-expert ``Linear`` layers, so the CPU layouts, the int8 / int4
-quantized layers and their kernels take them as they take the dense MLP's.
+quantized layers and their kernels take them as they take the dense MLP's; an MXFP4 checkpoint's experts on the
+CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4 kernel).
 
 gpt-oss (``ModelArgs.softmax_after_topk``): the router has a bias, the top-k of its logits are softmaxed in the
 model dtype, and the experts have biases and a clamped SwiGLU (``MLP``, layers.py).
@@ -20,7 +21,7 @@ model dtype, and the experts have biases and a clamped SwiGLU (``MLP``, layers.p
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -29,6 +30,8 @@ from sidecar.model.args import ModelArgs
 from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.layers import MLP
 from sidecar.model.linear import Linear
+
+Weight = Any  # a projection's weight: a tensor [out, in], or MXFP4 codes kept as they ship (``mxfp4.Codes``)
 
 
 class SparseMoE(nn.Module):
@@ -89,12 +92,12 @@ def _deinterleaved(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gpt_oss_experts(
-    get: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str, args: ModelArgs
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    get: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str, args: ModelArgs, codes: bool
+) -> Iterator[tuple[int, Weight, torch.Tensor, Weight, torch.Tensor]]:
     """transformers' gpt-oss layout: ``experts.gate_up_proj`` [experts, hidden, 2 * width] with gate and up
     columns interleaved, ``experts.down_proj`` [experts, width, hidden] (inputs first), their biases
     ``*_bias``; or the MXFP4 form of the published checkpoints (``*_blocks`` / ``*_scales``, outputs
-    first: mxfp4.py), dequantized one expert at a time."""
+    first: mxfp4.py), kept as ``mxfp4.Codes`` where ``codes``, else dequantized one expert at a time."""
     from sidecar.model import mxfp4
 
     p = f"{prefix}.experts"
@@ -107,6 +110,12 @@ def _gpt_oss_experts(
             weights[name] = get(f"{p}.{name}")
     gu_bias, down_bias = get(f"{p}.gate_up_proj_bias"), get(f"{p}.down_proj_bias")
     for e in range(args.num_experts):
+        if packed and codes:  # rows are whole: the gate/up rows are reordered as the dequantized ones are
+            (gb, gs), (db, ds) = weights.values()
+            gu = mxfp4.Codes(_deinterleaved(gb[e]), _deinterleaved(gs[e]))
+            down = mxfp4.Codes(db[e].clone(), ds[e].clone())  # its own bytes, not a view of the layer's
+            yield e, gu, _deinterleaved(gu_bias[e]), down, down_bias[e]
+            continue
         if packed:
             gu, down = (mxfp4.dequantize(b[e], s[e], torch.float32) for b, s in weights.values())
         else:
@@ -115,15 +124,19 @@ def _gpt_oss_experts(
 
 
 def expert_weights(
-    get: Callable[[str], torch.Tensor], has: Callable[[str], bool], prefix: str, args: ModelArgs
-) -> Iterator[tuple[int, torch.Tensor, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]]:
+    get: Callable[[str], torch.Tensor],
+    has: Callable[[str], bool],
+    prefix: str,
+    args: ModelArgs,
+    codes: bool = False,
+) -> Iterator[tuple[int, Weight, Optional[torch.Tensor], Weight, Optional[torch.Tensor]]]:
     """(expert, gate/up [2 * width, hidden] gate rows first, its bias or None, down [hidden, width], its
     bias or None) for each expert of the sparse block at ``prefix`` (e.g. ``model.layers.3.mlp``), from the
     hub's per-expert tensors (``experts.<e>.<gate|up|down>.weight``), transformers' fused ones
     (``experts.gate_up_proj`` [experts, 2 * width, hidden] and ``experts.down_proj`` [experts, hidden,
-    width]) or gpt-oss's (``_gpt_oss_experts``)."""
+    width]) or gpt-oss's (``_gpt_oss_experts``; MXFP4 weights as ``mxfp4.Codes`` where ``codes``)."""
     if args.expert_bias:
-        yield from _gpt_oss_experts(get, has, prefix, args)
+        yield from _gpt_oss_experts(get, has, prefix, args, codes)
         return
     _, gate, up, down = args.moe_names
     fused = f"{prefix}.experts.gate_up_proj"
@@ -139,11 +152,18 @@ def expert_weights(
 
 
 def block_tensors(
-    moe: SparseMoE, get: Callable[[str], torch.Tensor], has: Callable[[str], bool], layer_prefix: str
+    moe: SparseMoE,
+    get: Callable[[str], torch.Tensor],
+    has: Callable[[str], bool],
+    layer_prefix: str,
+    codes: bool = False,
 ) -> Iterator[tuple[Optional[nn.Module], list[tuple[nn.Module, str, torch.Tensor]]]]:
     """The checkpoint tensors of the sparse block ``moe`` of the layer at ``layer_prefix``, as (owner,
     [(module, parameter name, tensor)]): first the router's (owner None), then each expert's (owner: the
-    expert's ``MLP``, complete once its tensors are set, so a loader may quantize it then)."""
+    expert's ``MLP``, complete once its tensors are set, so a loader may quantize it then). With ``codes``
+    an MXFP4 projection becomes an ``mxfp4.Mxfp4Linear`` over its codes here, and only its bias is listed."""
+    from sidecar.model import mxfp4
+
     args = moe.args
     prefix = block_prefix(has, layer_prefix, args)
     router = f"{prefix}.router" if has(f"{prefix}.router.weight") else f"{prefix}.gate"
@@ -151,9 +171,14 @@ def block_tensors(
     if args.router_bias:
         parts.append((moe.gate, "bias", get(f"{router}.bias")))
     yield None, parts
-    for e, gate_up, gate_up_bias, down, down_bias in expert_weights(get, has, prefix, args):
+    for e, gate_up, gate_up_bias, down, down_bias in expert_weights(get, has, prefix, args, codes):
         expert = moe.experts[e]
-        parts = [(expert.gate_up_proj, "weight", gate_up), (expert.down_proj, "weight", down)]
+        parts = []
+        for attr, weight in (("gate_up_proj", gate_up), ("down_proj", down)):
+            if isinstance(weight, mxfp4.Codes):
+                setattr(expert, attr, mxfp4.Mxfp4Linear(weight, getattr(expert, attr).bias is not None))
+            else:
+                parts.append((getattr(expert, attr), "weight", weight))
         if gate_up_bias is not None:
             parts += [(expert.gate_up_proj, "bias", gate_up_bias), (expert.down_proj, "bias", down_bias)]
         yield expert, parts

@@ -1,6 +1,7 @@
 """The MoE bench on a tiny Qwen3-MoE checkpoint: a one-row step's decoder layers read exactly their attention,
 norms, router and the k picked experts -- in bf16 two bytes per active parameter, far below the total -- and
-a quantized model reads fewer bytes; the benchmark shape builds a loadable Qwen3-MoE checkpoint."""
+a quantized model reads fewer bytes; the benchmark shape builds a loadable Qwen3-MoE checkpoint; the gpt-oss shape
+an MXFP4 checkpoint whose experts stay as codes (4.25 bits a weight) against the same experts dequantized."""
 
 from __future__ import annotations
 
@@ -62,3 +63,31 @@ def test_the_moe_benchmark_shape_builds_a_qwen3_moe_checkpoint(tmp_path, monkeyp
         [[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True)
     )
     assert len(out_tokens[0].token_ids) == 3
+
+
+def test_the_gpt_oss_shape_keeps_its_mxfp4_experts_as_codes(tmp_path, monkeypatch):
+    from sidecar.bench import models
+
+    tiny = dict(
+        models.GPT_OSS_20B,
+        hidden_size=64,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        vocab_size=1024,  # at least the demo tokenizer's
+    )
+    monkeypatch.setitem(models.SHAPES, "tiny-gpt-oss", tiny)
+    out = str(models.random_checkpoint("tiny-gpt-oss", out=tmp_path / "ckpt"))
+    codes, dense = (bench_moe._measure(out, p, ARGS) for p in ("mxfp4", "dequant"))
+    weights = 2 * 4 * 3 * 64 * 64  # layers x experts x (gate, up, down) x hidden x width
+    biases = 2 * 4 * (2 * 64 + 64) * 2  # bf16
+    assert codes["expert_mib"] * 2**20 == weights // 2 + weights // 32 + biases
+    assert dense["expert_mib"] * 2**20 == weights * 2 + biases
+    assert codes["active_params"] == dense["active_params"]
+    assert codes["layer_bytes_per_token"] < dense["layer_bytes_per_token"]
+    assert codes["b1_decode_tok_s"] > 0 and dense["b1_decode_tok_s"] > 0

@@ -131,3 +131,40 @@ def test_the_self_check_keeps_the_triton_attention_off_for_sinks(gpt_oss_dir):
     assert "sinks" in fallbacks["attention"] and not llm.engine.runner.fast_paths.attention
     out = llm.generate(PROMPTS[:1], GREEDY)[0]
     assert out.token_ids == hf_greedy(gpt_oss_dir, PROMPTS[:1], MAX_NEW)[0]
+
+
+def _expert_bytes(model) -> int:
+    experts = [m for layer in model.layers for m in layer.mlp.experts.modules()]
+    tensors = [t for m in experts for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_mxfp4_experts_keep_their_codes_on_the_cpu(mxfp4_dir, monkeypatch):
+    """Loaded for the CPU the experts hold their codes (4.25 bits a weight, plus float32 biases) and compute what
+    the experts dequantized at load compute, to float32 summation order; with the codes off (what a device
+    without the kernel gets), or plain weights asked for, they are plain layers again."""
+    from sidecar.model.linear import Linear
+
+    kept = load_model(EngineConfig(model=str(mxfp4_dir), dtype="float32")).model
+    # callers that read or save plain weights (``sidecar quantize``) get them dequantized
+    plain = load_model(EngineConfig(model=str(mxfp4_dir), dtype="float32"), pack=False).model
+    assert plain.layers[0].mlp.experts[1].down_proj.weight.dtype == torch.float32
+    monkeypatch.setenv(mxfp4.CODES_ENV, "0")
+    dense = load_model(EngineConfig(model=str(mxfp4_dir), dtype="float32")).model
+    args = kept.args
+    h, width, n = args.hidden_size, args.expert_intermediate_size, args.num_experts * args.num_layers
+    weights = n * 3 * h * width
+    biases = n * (2 * width + h) * 4
+    assert _expert_bytes(kept) == weights // 2 + weights // 32 + biases
+    assert _expert_bytes(dense) == weights * 4 + biases
+    for layer_k, layer_d in zip(kept.layers, dense.layers):
+        for e_k, e_d in zip(layer_k.mlp.experts, layer_d.mlp.experts):
+            assert isinstance(e_k.gate_up_proj, mxfp4.Mxfp4Linear)
+            assert isinstance(e_k.down_proj, mxfp4.Mxfp4Linear)
+            assert isinstance(e_d.gate_up_proj, Linear)
+            assert torch.equal(e_k.gate_up_proj.dense_weight(), e_d.gate_up_proj.dense_weight())
+    torch.manual_seed(0)
+    for x in (torch.randn(1, h) * 3, torch.randn(5, h) * 3):
+        with torch.no_grad():
+            got, want = kept.layers[1].mlp(x), dense.layers[1].mlp(x)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()

@@ -7,7 +7,11 @@
  * where position j lives in slot table[j / bs] * bs + j % bs of the cache ([num_blocks, bs, nkv, hd]),
  * rep = nh / nkv query heads share a KV head, and lo_i = max(0, p_i + 1 - window) with a sliding window
  * (window <= 0: none, lo_i = 0). With soft-capping (softcap > 0, Gemma 2) each scaled score x becomes
- * softcap * tanh(x / softcap) before the softmax (its maximum taken over the capped scores).
+ * softcap * tanh(x / softcap) before the softmax (its maximum taken over the capped scores). With sinks (not
+ * NULL: [nh] float32, gpt-oss) head h's logit sinks[h] joins each of its softmaxes' denominators and weighs
+ * no value, as in the decode kernel (paged_attention.c): the maximum is taken over the scores and the sink,
+ * and exp(sink - max) adds to the normaliser. Sinks take the float32 path below on every CPU (the tile layout
+ * does not take them).
  *
  * Why: torch's CPU SDPA runs these shapes (a few hundred rows, head size 64-128, grouped-query heads) at a
  * small fraction of the rate of the projections around it. Here the work goes in blocks that keep the vector
@@ -127,9 +131,11 @@ static inline __attribute__((always_inline)) void score(const float* qf, int n4,
     }
 }
 
-/* w[j] = exp(w[j] - max) for j in [lo, hi), 0 elsewhere in [0, n); returns the sum of the weights. */
-static inline float softmax_weights(float* w, int lo, int hi, int n) {
-    const float m = row_max(w + lo, hi - lo);
+/* w[j] = exp(w[j] - max) for j in [lo, hi), 0 elsewhere in [0, n); returns the sum of the weights, plus
+ * exp(*sink - max) with a sink logit (not NULL: it joins the maximum too). */
+static inline float softmax_weights(float* w, int lo, int hi, int n, const float* sink) {
+    float m = row_max(w + lo, hi - lo);
+    if (sink && *sink > m) m = *sink;
     for (int j = 0; j < lo; j++) w[j] = 0.f;
     for (int j = hi; j < n; j++) w[j] = 0.f;
     const vf vm = v_set1(m);
@@ -150,6 +156,7 @@ static inline float softmax_weights(float* w, int lo, int hi, int n) {
             sum += w[j];
         }
     }
+    if (sink) sum += expf(*sink - m);
     return sum;
 }
 
@@ -171,13 +178,14 @@ static inline __attribute__((always_inline)) void weigh(const float* w, size_t s
 /* One task's qn queries (query u: row r0 + u / rep of the segment, at position p0 + u / rep, head
  * g * rep + u % rep; qf scaled): scores against key blocks [b0, mblk) of the keys from `base` (kt: their
  * transposed blocks; the first b0 blocks are before every query's window), softmax over each query's causal
- * range, weighted values (vg: their rows), out rounded to dtype. Inlined per head size, so the common ones
- * run with the vector count known. */
+ * range (sk: the sink logits of the KV head's rep query heads, or NULL), weighted values (vg: their rows),
+ * out rounded to dtype. Inlined per head size, so the common ones run with the vector count known. */
 static inline __attribute__((always_inline)) void attend_rows(const float* qf, int qn, const float* kt,
                                                               const float* vg, float* s, size_t sld, int b0,
                                                               int mblk, int m, int r0, int p0, int base,
                                                               int rep, int window, int g, int nh,
-                                                              const int hd, void* out, int dtype, float cap) {
+                                                              const int hd, void* out, int dtype, float cap,
+                                                              const float* sk) {
     const int nc = hd / VL;
     const int k0 = b0 * VL; /* the first key scored, s[u * sld] its score */
     int u = 0;
@@ -189,7 +197,8 @@ static inline __attribute__((always_inline)) void attend_rows(const float* qf, i
         const int lo = window > 0 && p + 1 > window ? p + 1 - window : 0;
         float* row = s + (size_t)u * sld;
         if (cap > 0.f) softcap_row(row + lo - base - k0, p + 1 - lo, 1.0f / cap, cap); /* scores scaled */
-        inv[u] = 1.0f / softmax_weights(row, lo - base - k0, p + 1 - base - k0, m - k0);
+        inv[u] = 1.0f /
+                 softmax_weights(row, lo - base - k0, p + 1 - base - k0, m - k0, sk ? sk + u % rep : NULL);
     }
     /* the values in slices of at most 16 vectors of dimensions (a head of more: AVX2's 256), nt queries
      * summed together: nt * ncs <= 16 accumulators; each output element is the same sum whatever its slice */
@@ -541,7 +550,8 @@ typedef struct {
     float scale;
     int dtype;
     int nthreads;
-    float softcap; /* > 0: scores soft-capped (see above); 0: not */
+    float softcap;      /* > 0: scores soft-capped (see above); 0: not */
+    const float* sinks; /* NULL, or [nh]: a logit per head in its softmax's denominator (see above) */
 } sidecar_prefill_attention_args;
 int sidecar_prefill_attention_args_size(void) {
     return (int)sizeof(sidecar_prefill_attention_args);
@@ -569,6 +579,7 @@ int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
     const float* ks = a->ks;
     const float* vs = a->vs;
     const float cap = a->softcap;
+    const float* sinks = a->sinks;
 #ifdef VL
     if ((ks == NULL) != (vs == NULL)) return 1;
     if (L < 1 || ctx < L || nkv <= 0 || nh % nkv || nh / nkv > MAX_QUERIES || hd % VL || hd > 256 || bs <= 0)
@@ -580,7 +591,7 @@ int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
 #else
     const int amx = 0;
 #endif
-    if (kvm == 1 && hd % 32 == 0)
+    if (kvm == 1 && hd % 32 == 0 && !sinks)
         return prefill_tiles((const uint16_t*)q, (const uint16_t*)kc, (const uint16_t*)vc, table,
                              (uint16_t*)out, L, ctx, nh, nkv, hd, bs, window, scale, cap, nthreads, amx);
 #endif
@@ -656,15 +667,16 @@ int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
             }
             const float* ktg = kt + (size_t)g * per_head;
             const float* vg = vrows + (size_t)g * per_head;
+            const float* sk = sinks ? sinks + (size_t)g * rep : NULL; /* this KV head's query heads */
             if (hd == 64)
                 attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh,
-                            64, out, dtype, cap);
+                            64, out, dtype, cap, sk);
             else if (hd == 128)
                 attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh,
-                            128, out, dtype, cap);
+                            128, out, dtype, cap, sk);
             else
                 attend_rows(qf, qn, ktg, vg, s, sld, b0, mblk, m, r0, start + r0, base, rep, window, g, nh,
-                            hd, out, dtype, cap);
+                            hd, out, dtype, cap, sk);
         }
         free(qf);
         free(s);
@@ -691,6 +703,7 @@ int sidecar_prefill_attention(const sidecar_prefill_attention_args* a) {
     (void)ks;
     (void)vs;
     (void)cap;
+    (void)sinks;
     return 1;
 #endif
 }

@@ -5,8 +5,10 @@ rows ``q`` [L, H, D] (positions ``ctx_len - L`` .. ``ctx_len - 1`` of one sequen
 in the cache) to their causal context, read in place from the paged cache [num_blocks, block_size, Hkv, D]
 through ``block_table``. With ``kv_scales`` = (k_scale, v_scale) [num_blocks, block_size, Hkv] float32 the
 caches hold int8 codes (``sidecar.model.kv_quant``). With ``softcap`` (Gemma 2) each scaled score ``x`` becomes
-``softcap * tanh(x / softcap)`` before the softmax. It returns [L, H, D] in ``q``'s dtype, or None when the
-kernel cannot take these inputs (not built, no AVX2/AVX-512, a head size it does not handle, a context
+``softcap * tanh(x / softcap)`` before the softmax. With ``sinks`` [H] (gpt-oss) head h's logit ``sinks[h]``
+joins each of its softmaxes' denominators, weighing no value (``attention_sinks.py`` is the torch form; sinks
+take the float32 products on every CPU, not the tile products). It returns [L, H, D] in ``q``'s dtype, or None
+when the kernel cannot take these inputs (not built, no AVX2/AVX-512, a head size it does not handle, a context
 whose widened keys and values would pass 256 MiB); the caller then uses the torch path
 (``sidecar.model.attention``), which is also the oracle the tests hold it to.
 
@@ -52,6 +54,7 @@ class PrefillAttentionArgs(cpu_build.Args):
         ("dtype", ctypes.c_int),
         ("nthreads", ctypes.c_int),
         ("softcap", ctypes.c_float),
+        ("sinks", ctypes.c_void_p),
     ]
 
 
@@ -81,7 +84,14 @@ def prefill_attention(
     window: Optional[int] = None,
     kv_scales: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> Optional[torch.Tensor]:
+    if sinks is not None:
+        if sinks.shape != (q.shape[1],):
+            raise ValueError(
+                f"prefill_attention: sinks {tuple(sinks.shape)} must be one per head ({q.shape[1]})"
+            )
+        sinks = sinks.to(torch.float32).contiguous()  # held until the call returns
     if not cache_fits(q, k_cache, v_cache, kv_scales):
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or not available():
@@ -119,6 +129,7 @@ def prefill_attention(
             dtype=_DTYPES[q.dtype],
             nthreads=torch.get_num_threads(),
             softcap=softcap or 0.0,
+            sinks=None if sinks is None else sinks.data_ptr(),
         )
     )
     if rc == 2:
