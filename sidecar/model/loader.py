@@ -324,6 +324,11 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
         log.info(
             "attention sinks: prompt rows attend on the torch path (the prefill kernels do not take sinks)"
         )
+    if args.interleaved_rope:
+        log.info(
+            "interleaved rope: rope, q/k L2 norms and the KV write run on the torch path (the fused rope + "
+            "KV-write kernels rotate halves); attention takes the kernels"
+        )
     model.init_rope(max_len, device, dtype)
     model.share_fast_paths()
     model.eval()

@@ -110,3 +110,42 @@ def test_triton_paths_match_the_paths_off(llama4_dirs, monkeypatch):
     _set(model.fast_paths, True)
     fast = _run(model, device)
     assert torch.equal(fast.argmax(-1), ref.argmax(-1))
+
+
+def test_int8_weights_and_int8_kv_agree_with_the_float_path(llama4_dirs):
+    from tests.unit.server.test_kv_cache_dtype import prompts
+
+    model, ps = str(llama4_dirs["llama4"]), prompts(16, seed=3)
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def first_tokens(**kw) -> list[int]:
+        llm = LLM(model=model, dtype="float32", num_kv_blocks=64, **kw)
+        return [o.token_ids[0] for o in llm.generate(ps, one)]
+
+    ref = first_tokens()
+    # the bar of test_quant_model on random weights; the experts, the shared one too, are quantized
+    for kw in (dict(quantization="int8", quant_group_size=32), dict(kv_cache_dtype="int8")):
+        assert sum(a == b for a, b in zip(ref, first_tokens(**kw))) / len(ps) >= 0.8, kw
+
+
+def test_ngram_speculation_equals_plain_greedy(llama4_dirs):
+    """Verification rows cross chunk edges and carry the NoPE temperature of their own positions."""
+    import random
+
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 900) for _ in range(rng.randint(3, 40))] for _ in range(4)]
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True)
+    d = str(llama4_dirs["llama4"])
+    plain = [o.token_ids for o in LLM(model=d, dtype="float32", block_size=8).generate(prompts, greedy)]
+    llm = LLM(
+        model=d,
+        dtype="float32",
+        speculative="ngram",
+        speculative_token_cost=0.0,  # verify every proposal: the most verification rows
+        block_size=8,
+        max_num_batched_tokens=64,
+    )
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain
+    s = llm.stats()
+    assert s["spec_decode_verifications"] > 0 and s["spec_decode_accepted_tokens"] > 0
+    assert_pool_whole(llm)
