@@ -70,10 +70,10 @@ def test_greedy_matches_hf_with_preemption_chunking_and_prefix_hits(llama4_dirs,
 
 
 def test_a_vision_language_checkpoint_serves_its_text_model(llama4_dirs):
-    ref = hf_generate(_hf(llama4_dirs["llama4_vl"], "llama4_vl"), PROMPTS[2:4], MAX_NEW)
+    ref = hf_generate(_hf(llama4_dirs["llama4_vl"], "llama4_vl"), PROMPTS[3:4], MAX_NEW)
     llm = LLM(model=str(llama4_dirs["llama4_vl"]), dtype="float32", block_size=8, max_num_batched_tokens=16)
     assert llm.engine.loaded.args.checkpoint_prefix == "language_model.model."
-    assert [o.token_ids for o in llm.generate(PROMPTS[2:4], GREEDY)] == ref
+    assert [o.token_ids for o in llm.generate(PROMPTS[3:4], GREEDY)] == ref
 
 
 def test_parameter_count_is_hf_s(llama4_dirs):
@@ -115,7 +115,7 @@ def test_triton_paths_match_the_paths_off(llama4_dirs, monkeypatch):
 def test_int8_weights_and_int8_kv_agree_with_the_float_path(llama4_dirs):
     from tests.unit.server.test_kv_cache_dtype import prompts
 
-    model, ps = str(llama4_dirs["llama4"]), prompts(16, seed=3)
+    model, ps = str(llama4_dirs["llama4"]), prompts(12, seed=3)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
 
     def first_tokens(**kw) -> list[int]:
@@ -149,3 +149,17 @@ def test_ngram_speculation_equals_plain_greedy(llama4_dirs):
     s = llm.stats()
     assert s["spec_decode_verifications"] > 0 and s["spec_decode_accepted_tokens"] > 0
     assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("attention_chunk_size", 0), ("no_rope_layers", [1, 0]), ("hidden_act", "gelu")],
+)
+def test_a_bad_config_is_refused_naming_the_field(field, value):
+    from sidecar.model.args import ModelArgs
+    from tests.unit.model.llama4_checkpoints import _text_config
+
+    cfg = dict(_text_config("llama4", 1000).to_dict(), architectures=["Llama4ForCausalLM"])
+    cfg[field] = value
+    with pytest.raises(ValueError, match=field):
+        ModelArgs.from_hf_config(cfg)
