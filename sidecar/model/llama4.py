@@ -18,7 +18,7 @@ fused and stored inputs first (``experts.gate_up_proj`` [experts, hidden, 2 * wi
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -105,7 +105,7 @@ class _Llama4Names:
         return getattr(self.ckpt, name)
 
 
-def checkpoint_view(args: ModelArgs, ckpt: Any) -> Optional[Any]:
+def checkpoint_view(args: ModelArgs, ckpt: Any) -> Any:
     """``ckpt`` with the checkpoint's names mapped onto the loader's (see the module's docstring)."""
     head = "language_model.lm_head.weight" if args.checkpoint_prefix.startswith("language_model.") else None
     return _Llama4Names(ckpt, head or "lm_head.weight")

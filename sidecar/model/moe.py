@@ -156,7 +156,8 @@ def block_tensors(
 ) -> Iterator[tuple[Optional[nn.Module], list[tuple[nn.Module, str, torch.Tensor]]]]:
     """The checkpoint tensors of the sparse block ``moe`` of the layer at ``layer_prefix``, as (owner,
     [(module, parameter name, tensor)]): first the router's (owner None), then each expert's (owner: the
-    expert's ``MLP``, complete once its tensors are set, so a loader may quantize it then)."""
+    expert's ``MLP``, complete once its tensors are set, so a loader may quantize it then), then the shared
+    expert's where the block has one (``shared_expert.{gate,up,down}_proj``)."""
     args = moe.args
     prefix = block_prefix(has, layer_prefix, args)
     router = f"{prefix}.router" if has(f"{prefix}.router.weight") else f"{prefix}.gate"
