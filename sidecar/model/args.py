@@ -27,6 +27,8 @@ FAMILIES = {
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not loaded
+    "Llama4ForCausalLM": "llama4",
+    "Llama4ForConditionalGeneration": "llama4",  # its text model; the vision tower is not loaded
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {
@@ -42,6 +44,8 @@ _MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "llama4_text": "Llama4ForCausalLM",
+    "llama4": "Llama4ForConditionalGeneration",
 }
 
 
@@ -130,6 +134,19 @@ class ModelArgs:
     attn_output_gate: bool = False
     # where the decoder's tensors sit in the checkpoint (a multimodal one nests the text model deeper)
     checkpoint_prefix: str = "model."
+    # Llama 4 (llama4.py, attention_local.py): per layer, the chunk its tokens attend within (a token at p sees
+    # keys [p // chunk * chunk, p]; None: every key up to p); layers without rope (NoPE); rope rotating the
+    # interleaved channel pairs (2i, 2i + 1); an L2 norm of each q and k head after rope on the rope layers;
+    # on the NoPE layers q scaled by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` (the pair
+    # ``attn_temperature``). Experts weighed by the sigmoid of their top-k router logits, applied to the
+    # expert's input; a shared expert of width ``shared_expert_size`` (0: none) beside the routed ones.
+    layer_chunks: Optional[tuple[Optional[int], ...]] = None
+    nope_layers: tuple[int, ...] = ()
+    interleaved_rope: bool = False
+    qk_l2_norm: bool = False
+    attn_temperature: Optional[tuple[float, float]] = None  # (floor_scale, attn_scale)
+    router_sigmoid_input: bool = False
+    shared_expert_size: int = 0
 
     def __post_init__(self) -> None:
         if self.o_proj_bias is None:
@@ -146,6 +163,9 @@ class ModelArgs:
 
     def window(self, layer: int) -> Optional[int]:
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
+    def chunk(self, layer: int) -> Optional[int]:
+        return None if self.layer_chunks is None else self.layer_chunks[layer]
 
     def rope_kind(self, layer: int) -> int:
         return 0 if self.layer_rope is None else self.layer_rope[layer]
@@ -178,6 +198,14 @@ class ModelArgs:
             )
         family = importlib.import_module(f"sidecar.model.{FAMILIES[arch]}")
         return family.args_from_config(cfg, arch)
+
+
+def checkpoint_view(args: ModelArgs, ckpt: Any) -> Any:
+    """``ckpt`` as the loader reads it: through the family's ``checkpoint_view`` where it has one (its own
+    tensor names and layouts mapped onto the loader's), else as it is."""
+    family = importlib.import_module(f"sidecar.model.{FAMILIES[args.architecture]}")
+    view = getattr(family, "checkpoint_view", None)
+    return ckpt if view is None else view(args, ckpt)
 
 
 def rope_settings(cfg: dict[str, Any]) -> tuple[float, Optional[dict]]:

@@ -94,6 +94,11 @@ class Attention(nn.Module):
             if args.attn_output_gate
             else None
         )
+        # Llama 4 (attention_local.py): its rope, post-rope L2 norms, NoPE temperature and chunks
+        self.chunk, self.use_rope = args.chunk(layer), layer not in args.nope_layers
+        self.l2_eps = args.rms_norm_eps if args.qk_l2_norm and self.use_rope else None
+        self.temperature = None if self.use_rope else args.attn_temperature
+        self.local_form = args.interleaved_rope or self.chunk is not None or bool(args.nope_layers)
         if args.qk_norm:
             self.q_norm = RMSNorm(self.hd, args.rms_norm_eps, paths)
             self.k_norm = RMSNorm(self.hd, args.rms_norm_eps, paths)
@@ -136,6 +141,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Rope, the KV write and attention over the fused projection ``qkv``: [T, heads * head_dim]."""
+        if self.local_form:
+            from sidecar.model import attention_local
+
+            return attention_local.attend(self, qkv, cos, sin, kv, meta)
         t = qkv.shape[0]
         paths = self.fast_paths
         if self.q_norm is not None:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from sidecar.config import EngineConfig, lm_head_quantization
-from sidecar.model.args import ModelArgs
+from sidecar.model.args import ModelArgs, checkpoint_view
 from sidecar.model.decoder import CausalLM
 from sidecar.model.deltanet import load_hybrid_mixer
 from sidecar.model.linear_layout import pack_weights
@@ -311,7 +311,7 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
         load_quantized_model(model_dir, model, dtype, device)
         quantization = json.loads(quant_file.read_text()).get("mode")
     else:
-        ckpt, quantization = _SafetensorsIndex(model_dir), cfg.quantization
+        ckpt, quantization = checkpoint_view(args, _SafetensorsIndex(model_dir)), cfg.quantization
         if "quantization_config" in hf_config:  # quantized by its producing tool (GPTQ, AWQ, ...)
             from sidecar.model.hf_quant import load_hf_quantized
 
@@ -331,6 +331,11 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
     if args.attn_sinks:
         log.info(
             "attention sinks: prompt rows attend on the torch path (the prefill kernels do not take sinks)"
+        )
+    if args.interleaved_rope:
+        log.info(
+            "interleaved rope: rope, q/k L2 norms and the KV write run on the torch path (the fused rope + "
+            "KV-write kernels rotate halves); attention takes the kernels"
         )
     model.init_rope(max_len, device, dtype)
     model.share_fast_paths()

@@ -16,6 +16,10 @@ CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4
 
 gpt-oss (``ModelArgs.softmax_after_topk``): the router has a bias, the top-k of its logits are softmaxed in the
 model dtype, and the experts have biases and a clamped SwiGLU (``MLP``, layers.py).
+
+Llama 4 (``ModelArgs.router_sigmoid_input``): each of the top-k router logits goes through a sigmoid (float32,
+cast to the model dtype) and scales the expert's input rather than its output; a shared expert
+(``shared_expert_size``) sees every token, its output added to the routed sum.
 """
 
 from __future__ import annotations
@@ -44,12 +48,18 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = args.norm_topk_prob
         self.weights_float32 = args.routing_weights_float32
         self.softmax_after_topk = args.softmax_after_topk
+        self.sigmoid_input = args.router_sigmoid_input
         self.gate = Linear(args.hidden_size, args.num_experts, bias=args.router_bias)
         expert = replace(args, intermediate_size=args.expert_intermediate_size, mlp_bias=args.expert_bias)
         self.experts = nn.ModuleList(MLP(expert, paths) for _ in range(args.num_experts))
+        shared = replace(args, intermediate_size=args.shared_expert_size, mlp_bias=False)
+        self.shared_expert = MLP(shared, paths) if args.shared_expert_size else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of the rows ``x`` [T, hidden], best first."""
+        if self.sigmoid_input:
+            logits, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
+            return torch.sigmoid(logits.float()).to(x.dtype), ids
         if self.softmax_after_topk:
             logits, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
             return torch.softmax(logits, dim=-1), ids
@@ -74,9 +84,12 @@ class SparseMoE(nn.Module):
                 continue
             end = start + n
             rows = x if t == 1 else x.index_select(0, tokens[start:end])
-            slots.index_copy_(0, order[start:end], self.experts[e](rows) * slot_weights[start:end])
+            w = slot_weights[start:end]
+            out = self.experts[e](rows * w) if self.sigmoid_input else self.experts[e](rows) * w
+            slots.index_copy_(0, order[start:end], out)
             start = end
-        return slots.view(t, k, -1).sum(dim=1).to(x.dtype)
+        routed = slots.view(t, k, -1).sum(dim=1).to(x.dtype)
+        return routed if self.shared_expert is None else self.shared_expert(x) + routed
 
 
 def block_prefix(has: Callable[[str], bool], layer_prefix: str, args: ModelArgs) -> str:
@@ -160,8 +173,9 @@ def block_tensors(
 ) -> Iterator[tuple[Optional[nn.Module], list[tuple[nn.Module, str, torch.Tensor]]]]:
     """The checkpoint tensors of the sparse block ``moe`` of the layer at ``layer_prefix``, as (owner,
     [(module, parameter name, tensor)]): first the router's (owner None), then each expert's (owner: the
-    expert's ``MLP``, complete once its tensors are set, so a loader may quantize it then). With ``codes``
-    an MXFP4 projection becomes an ``mxfp4.Mxfp4Linear`` over its codes here, and only its bias is listed."""
+    expert's ``MLP``, complete once its tensors are set, so a loader may quantize it then), then the shared
+    expert's where the block has one (``shared_expert.{gate,up,down}_proj``). With ``codes`` an MXFP4
+    projection becomes an ``mxfp4.Mxfp4Linear`` over its codes here, and only its bias is listed."""
     from sidecar.model import mxfp4
 
     args = moe.args
@@ -182,6 +196,17 @@ def block_tensors(
         if gate_up_bias is not None:
             parts += [(expert.gate_up_proj, "bias", gate_up_bias), (expert.down_proj, "bias", down_bias)]
         yield expert, parts
+    if moe.shared_expert is not None:
+        s = f"{prefix}.shared_expert"
+        gate_up = torch.cat((get(f"{s}.gate_proj.weight"), get(f"{s}.up_proj.weight")))
+        shared = moe.shared_expert
+        yield (
+            shared,
+            [
+                (shared.gate_up_proj, "weight", gate_up),
+                (shared.down_proj, "weight", get(f"{s}.down_proj.weight")),
+            ],
+        )
 
 
 def parameter_counts(args: ModelArgs) -> tuple[int, int]:
@@ -204,7 +229,7 @@ def parameter_counts(args: ModelArgs) -> tuple[int, int]:
     expert = 3 * h * args.expert_intermediate_size
     if args.expert_bias:
         expert += 2 * args.expert_intermediate_size + h
-    router = args.num_experts * (h + (1 if args.router_bias else 0))
+    router = args.num_experts * (h + (1 if args.router_bias else 0)) + 3 * h * args.shared_expert_size
     total = active = args.vocab_size * h * (1 if args.tie_word_embeddings else 2) + h
     for i in range(args.num_layers):
         if args.sparse(i):
