@@ -102,6 +102,13 @@ CASES = {
         "gptq-int8",
         Int8Linear,
     ),
+    # GPTQ's own symmetric 8-bit scale (absmax / 127.5): row minima get code 0, -128 after the zero point
+    "gptq-int8-sym-code0": (
+        "llama",
+        _gptq(bits=8, group_size=-1, sym=True, exact=False),
+        "gptq-int8",
+        Int8Linear,
+    ),
     "awq-g32": ("qwen2", _awq(), "awq-int4", Int4Linear),
     "ct-w4a16-group-sym": ("qwen2", _ct(), f"{C}-w4a16", Int4Linear),
     "ct-w4a16-channel-asym": ("llama", _ct(strategy="channel", sym=False), f"{C}-w4a16", Int4Linear),
@@ -318,11 +325,23 @@ def test_self_check_refuses_a_wrong_layout_and_runs_the_layers_dense(
     assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 4
 
 
-def test_int8_codes_beyond_the_kernels_range_are_refused(tiny_models, tmp_path):
-    """GPTQ's own symmetric 8-bit scale (absmax / 127.5) gives the row minimum the code -128, which the int8
-    kernels' [-127, 127] cannot hold: refused at start, naming bits."""
+def test_int8_code_zero_of_a_symmetric_file_loads_as_minus_128_exactly(tiny_models, tmp_path):
+    """A symmetric GPTQ 8-bit file whose rows reach code 0: our int8 codes times their scales are the tool's
+    dequantized weights bit for bit, -128 included (greedy equality: the gptq-int8-sym-code0 case)."""
     out = tmp_path / "q"
-    H.write(tiny_models["llama"], out, *_gptq(bits=8, group_size=-1, sym=True))
+    ref = H.write(tiny_models["llama"], out, *_gptq(bits=8, group_size=-1, sym=True, exact=False))
+    model = load_model(EngineConfig(model=str(out), dtype="float32", quantize_lm_head="none")).model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int8Linear) and int((qkv.weight == -128).sum()) > 0
+    w = torch.cat([ref[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(qkv.weight[:, : w.shape[1]].float() * qkv.scales_f32[:, None], w)
+
+
+def test_int8_codes_an_asymmetric_zero_point_moves_outside_int8_are_refused(tiny_models, tmp_path):
+    """Asymmetric 8-bit rows: a code minus a zero point away from 128 can leave [-128, 127]; refused at start,
+    naming bits."""
+    out = tmp_path / "q"
+    H.write(tiny_models["llama"], out, *_gptq(bits=8, group_size=-1, sym=False))
     with pytest.raises(ValueError, match=r"quantization_config\.bits: 8 is not supported for model\.layers"):
         load_model(EngineConfig(model=str(out), dtype="float32"))
 
