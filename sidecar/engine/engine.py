@@ -114,6 +114,7 @@ class LLMEngine:
             "dtype": str(loaded.dtype).replace("torch.", ""),
             "dtype_reason": loaded.dtype_reason,
             "quantization": loaded.quantization or "none",
+            "lm_head": getattr(loaded.model.lm_head, "mode", None) or str(loaded.dtype).replace("torch.", ""),
             "max_model_len": self.max_model_len,
             "vocab_size": self.vocab_size,
             "block_size": config.block_size,

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from sidecar.config import lm_head_quantization
 from sidecar.model.hf_quant_formats import (
     Source,
     awq_source,
@@ -60,6 +61,10 @@ class PermutedLinear(nn.Module):
         self.inner, self.in_features, self.out_features = inner, inner.in_features, inner.out_features
         self.register_buffer("perm", perm)
 
+    @property
+    def mode(self) -> str:
+        return self.inner.mode
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x.index_select(-1, self.perm))
 
@@ -72,6 +77,10 @@ class ConcatLinear(nn.Module):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.in_features, self.out_features = parts[0].in_features, sum(p.out_features for p in parts)
+
+    @property
+    def mode(self) -> str:
+        return self.parts[0].mode
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
@@ -278,6 +287,15 @@ def _self_check(module: nn.Module, src: Source, bias, dtype, device) -> str:
         y = module(x.to(device, dtype))[:, :rows].float().cpu()
     err, bound = float((y - ref).abs().max()), 0.02 * float(ref.abs().max()) + 1e-3
     return "" if err <= bound else f"off from the dequantized reference by {err:.3g} (bound {bound:.3g})"
+
+
+def head_quantization(label: str, setting: str) -> Optional[str]:
+    """The mode our loader gives the full-precision output head (and a tied embedding) of a checkpoint
+    quantized by its tool as ``label``: what ``quantize_lm_head`` (``setting``) gives our own quantize-on-load
+    weights of the same width (int4 for the 4-bit formats, int8 for the 8-bit ones), so by default int8, as
+    ``LLM(quantization="int4")`` keeps it; ``none`` keeps the head as the file has it."""
+    bits = "int4" if label.endswith(("int4", "w4a16")) else "int8"
+    return lm_head_quantization(bits, setting)
 
 
 def load_hf_quantized(

@@ -18,8 +18,8 @@ the tool's dequantized weight is ``w[n, k] = (u[n, k] - zeros[n, g_idx[k]]) * sc
 
 ``int4_operands`` turns a Source into our int4 format (``quant_format.py``: ``w = (u - 8) * s + zero``,
 so ``zero = (8 - z) * s``, exact in float32 for fp16/bf16 scales); ``int8_operands`` into int8 codes
-``u - z`` with one scale per output channel. Both refuse what the kernels cannot hold exactly, naming the
-field.
+``u - z`` (within [-128, 127]) with one scale per output channel. Both refuse what the kernels cannot hold
+exactly, naming the field.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def int4_operands(
 
 def int8_operands(src: Source, name: str) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(codes int8 [N, K], scales float32 [N], perm): 8-bit weights with one scale per output channel, whose
-    codes minus zero lie within the int8 kernels' [-127, 127]."""
+    codes minus zero lie within int8's [-128, 127] (symmetric files: zero 128, so code 0 is -128, which every
+    int8 kernel path takes); an asymmetric zero point that moves a code outside is refused."""
     if src.scales.shape[1] != 1:
         raise ValueError(
             f"quantization_config.bits: 8 with grouped scales is not supported for {name} "
@@ -156,9 +157,9 @@ def int8_operands(src: Source, name: str) -> tuple[torch.Tensor, torch.Tensor, O
         )
     src, perm = _contiguous(src, name)
     codes = src.codes.to(torch.int16) - src.zeros.to(torch.int16)
-    if int(codes.abs().max()) > 127:
+    if int(codes.min()) < -128 or int(codes.max()) > 127:
         raise ValueError(
             f"quantization_config.bits: 8 is not supported for {name}: a code minus its zero point "
-            "falls outside the int8 kernels' [-127, 127]"
+            "falls outside int8's [-128, 127] (an asymmetric zero point)"
         )
     return codes.to(torch.int8), src.scales[:, 0], perm

@@ -159,15 +159,19 @@ def _load_weights(
     cfg: EngineConfig,
     dtype: torch.dtype,
     device: torch.device,
+    head_mode: Optional[str],
     plain: bool = False,
 ) -> None:
-    """``plain``: every weight as a plain tensor (MXFP4 experts dequantized), for callers that read or save them."""
+    """The checkpoint's tensors into ``model``; ``head_mode``: the weight-only mode of a full-precision
+    output head (and a tied embedding), None to keep it in ``dtype``; ``plain``: every weight as a plain
+    tensor (MXFP4 experts dequantized), for callers that read or save them."""
     from tqdm.auto import tqdm
 
     args, top = model.args, model.args.checkpoint_prefix
     _set(model.embed_tokens, "weight", ckpt.get(f"{top}embed_tokens.weight"), dtype, device)
-    tied = args.tie_word_embeddings or "lm_head.weight" not in ckpt
-    head_mode = lm_head_quantization(cfg.quantization, cfg.quantize_lm_head)
+    # a hub-quantized checkpoint's quantized lm_head is in place already (no lm_head.weight: not tied)
+    preloaded_head = not isinstance(model.lm_head, nn.Linear) or not model.lm_head.weight.is_meta
+    tied = not preloaded_head and (args.tie_word_embeddings or "lm_head.weight" not in ckpt)
     if tied and head_mode is not None:
         from sidecar.model.quant import quantize_tied_embedding
 
@@ -213,7 +217,7 @@ def _load_weights(
                 _maybe_quantize(mixer, attr, cfg)
     _set(model.norm, "weight", _norm_weight(args, ckpt.get(f"{top}norm.weight")), dtype, device)
     if not isinstance(model.lm_head, nn.Linear) or not model.lm_head.weight.is_meta:
-        return  # a quantized lm_head of a hub-quantized checkpoint
+        return  # a quantized lm_head of a hub-quantized checkpoint, or the quantized tied table's
     if tied:
         if isinstance(model.embed_tokens, nn.Embedding):  # not already quantized together above
             model.lm_head.weight = model.embed_tokens.weight
@@ -312,14 +316,17 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
         quantization = json.loads(quant_file.read_text()).get("mode")
     else:
         ckpt, quantization = checkpoint_view(args, _SafetensorsIndex(model_dir)), cfg.quantization
+        head = lm_head_quantization(cfg.quantization, cfg.quantize_lm_head)
         if "quantization_config" in hf_config:  # quantized by its producing tool (GPTQ, AWQ, ...)
-            from sidecar.model.hf_quant import load_hf_quantized
+            from sidecar.model.hf_quant import head_quantization, load_hf_quantized
 
             if shard is not None:
                 raise ValueError("tensor_parallel_size: checkpoints with a quantization_config are not split")
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
+            if cfg.quantization is None and quantization is not None:  # the tool's format, not ours
+                head = head_quantization(quantization, cfg.quantize_lm_head)
         _load_weights(
-            model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device, not pack
+            model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device, head, not pack
         )
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:

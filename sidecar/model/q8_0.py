@@ -36,6 +36,8 @@ class Q8_0Embedding(nn.Module):
 class Q8_0Linear(nn.Module):
     """y = x @ W.T for the Q8_0 table W [N, K] (no bias); shares its buffers with the embedding."""
 
+    mode = "q8_0"
+
     def __init__(self, weight: torch.Tensor, d: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape

@@ -330,7 +330,13 @@ def describe(info: dict) -> str:
     parts = [
         f"arch={info.get('architecture') or '?'}",
         f"dtype={info.get('dtype') or '?'}",
-        f"quantization={info.get('quantization') or 'none'}",
+        f"quantization={info.get('quantization') or 'none'}"
+        # under quantized weights, the output head's precision (int8 by default, as quantize_lm_head says)
+        + (
+            f" (lm_head {info['lm_head']})"
+            if info.get("quantization") not in (None, "none") and info.get("lm_head")
+            else ""
+        ),
         f"kv={info.get('kv_cache_dtype') or '?'}",
         f"device={info.get('device') or '?'}",
         f"params={_count(info.get('total_parameters'))}"

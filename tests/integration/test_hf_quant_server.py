@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from tests.unit.model import hf_quant_checkpoints as H
+from sidecar.bench import hub_pack as H
 
 
 def _free_port() -> int:

@@ -375,6 +375,7 @@ def _models(service: OpenAIService, created: int, who: Caller) -> list[dict]:
             "active_parameters": info.get("active_parameters"),
             "dtype": info.get("dtype"),
             "quantization": info.get("quantization"),
+            "lm_head": info.get("lm_head"),  # the output head's precision: int8, int4, q8_0, or the dtype
             "device": info.get("device"),
             "reasoning": bool(info.get("reasoning")),
             "tool_call_format": info.get("tool_call_format"),

@@ -14,11 +14,12 @@ from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.model import hf_quant, hf_quant_formats
 from sidecar.model.hf_quant import ConcatLinear, PermutedLinear
+from sidecar.model.linear import Linear
 from sidecar.model.loader import load_model
-from sidecar.model.quant import Int4Linear, Int8Linear
+from sidecar.model.quant import Int4Linear, Int8Linear, QuantEmbedding
 from sidecar.model.quant_format import dequantize_int4
 
-from tests.unit.model import hf_quant_checkpoints as H
+from sidecar.bench import hub_pack as H
 
 PROMPTS = [[5, 17, 42, 99, 7], [300, 12, 8]]
 
@@ -102,6 +103,13 @@ CASES = {
         "gptq-int8",
         Int8Linear,
     ),
+    # GPTQ's own symmetric 8-bit scale (absmax / 127.5): row minima get code 0, -128 after the zero point
+    "gptq-int8-sym-code0": (
+        "llama",
+        _gptq(bits=8, group_size=-1, sym=True, exact=False),
+        "gptq-int8",
+        Int8Linear,
+    ),
     "awq-g32": ("qwen2", _awq(), "awq-int4", Int4Linear),
     "ct-w4a16-group-sym": ("qwen2", _ct(), f"{C}-w4a16", Int4Linear),
     "ct-w4a16-channel-asym": ("llama", _ct(strategy="channel", sym=False), f"{C}-w4a16", Int4Linear),
@@ -114,7 +122,7 @@ def test_greedy_equals_hf_on_the_dequantized_weights(tiny_models, tmp_path, case
     kind, (qc, layer), label, qkv_cls = CASES[case]
     out = tmp_path / "q"
     ref = H.write(tiny_models[kind], out, qc, layer)
-    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=64)
+    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=64, quantize_lm_head="none")
     loaded = llm.engine.loaded
     assert loaded.quantization == label and llm.engine.model_info["quantization"] == label
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, qkv_cls)
@@ -122,11 +130,48 @@ def test_greedy_equals_hf_on_the_dequantized_weights(tiny_models, tmp_path, case
     down = loaded.model.layers[1].mlp.down_proj
     inner = down.inner if isinstance(down, PermutedLinear) else down
     assert isinstance(inner, Int8Linear if int8 else Int4Linear)
-    # lm_head and the embedding stay as the tool left them (full precision).
+    # with quantize_lm_head none, lm_head and the embedding stay as the tool left them (full precision)
     assert isinstance(loaded.model.lm_head, torch.nn.Linear)
+    assert llm.engine.model_info["lm_head"] == "float32"
     expect = _hf_greedy(tiny_models[kind], ref, 8)
     got = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in got] == expect
+
+
+@pytest.mark.parametrize(
+    "kind,setting,head_cls",
+    [
+        ("llama", "auto", Int8Linear),
+        ("qwen2", "auto", Int8Linear),
+        ("qwen2", "same", Int4Linear),
+        ("llama", "none", Linear),
+    ],
+)
+def test_the_float_head_of_a_4_bit_file_follows_quantize_lm_head_as_our_int4_does(
+    tiny_models, tmp_path, kind, setting, head_cls
+):
+    """The tool's full-precision head (a tied embedding with it) takes the head mode our own int4 weights get
+    for the same setting: int8 by default; greedy equals HF running the dequantized weights and that head."""
+    out = tmp_path / "q"
+    ref = H.write(tiny_models[kind], out, *_gptq())
+    kw = dict(quantize_lm_head=setting, quant_group_size=32)  # (an int4 head's group size)
+    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=64, **kw)
+    model, info = llm.engine.loaded.model, llm.engine.model_info
+    assert type(model.lm_head) is head_cls and info["quantization"] == "gptq-int4"
+    assert info["lm_head"] == getattr(head_cls, "mode", "float32")
+    tied = kind == "qwen2"
+    assert isinstance(
+        model.embed_tokens, QuantEmbedding if tied and setting != "none" else torch.nn.Embedding
+    )
+    if head_cls is Int8Linear:
+        head = model.lm_head
+        w = head.weight[:, : head.in_features].float() * head.scales_f32[:, None]
+        key = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        assert not torch.equal(w, ref[key])  # the reference really takes the quantized head
+        ref = dict(ref, **{key: w, "lm_head.weight": w})
+    if head_cls is not Int4Linear:  # (an int4 head: its kind is the check; the int4 greedy cases run above)
+        got = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert [o.token_ids for o in got] == _hf_greedy(tiny_models[kind], ref, 8)
 
 
 def test_a_quantized_lm_head_runs_int4_and_greedy_equals_hf(tiny_models, tmp_path):
@@ -318,11 +363,23 @@ def test_self_check_refuses_a_wrong_layout_and_runs_the_layers_dense(
     assert json.loads((out / "config.json").read_text())["quantization_config"]["bits"] == 4
 
 
-def test_int8_codes_beyond_the_kernels_range_are_refused(tiny_models, tmp_path):
-    """GPTQ's own symmetric 8-bit scale (absmax / 127.5) gives the row minimum the code -128, which the int8
-    kernels' [-127, 127] cannot hold: refused at start, naming bits."""
+def test_int8_code_zero_of_a_symmetric_file_loads_as_minus_128_exactly(tiny_models, tmp_path):
+    """A symmetric GPTQ 8-bit file whose rows reach code 0: our int8 codes times their scales are the tool's
+    dequantized weights bit for bit, -128 included (greedy equality: the gptq-int8-sym-code0 case)."""
     out = tmp_path / "q"
-    H.write(tiny_models["llama"], out, *_gptq(bits=8, group_size=-1, sym=True))
+    ref = H.write(tiny_models["llama"], out, *_gptq(bits=8, group_size=-1, sym=True, exact=False))
+    model = load_model(EngineConfig(model=str(out), dtype="float32", quantize_lm_head="none")).model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, Int8Linear) and int((qkv.weight == -128).sum()) > 0
+    w = torch.cat([ref[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(qkv.weight[:, : w.shape[1]].float() * qkv.scales_f32[:, None], w)
+
+
+def test_int8_codes_an_asymmetric_zero_point_moves_outside_int8_are_refused(tiny_models, tmp_path):
+    """Asymmetric 8-bit rows: a code minus a zero point away from 128 can leave [-128, 127]; refused at start,
+    naming bits."""
+    out = tmp_path / "q"
+    H.write(tiny_models["llama"], out, *_gptq(bits=8, group_size=-1, sym=False))
     with pytest.raises(ValueError, match=r"quantization_config\.bits: 8 is not supported for model\.layers"):
         load_model(EngineConfig(model=str(out), dtype="float32"))
 

@@ -35,12 +35,19 @@ def test_the_start_line_counts_a_mixture_of_experts_total_and_active_parameters(
     assert "params=30.5B (3.3B active)" in line
 
 
+def test_the_start_line_names_the_heads_precision_under_quantized_weights():
+    line = describe({"architecture": "Qwen2ForCausalLM", "quantization": "gptq-int4", "lm_head": "int8"})
+    assert "quantization=gptq-int4 (lm_head int8), kv=" in line
+    assert "lm_head" not in describe({"quantization": "none", "lm_head": "float32"})
+
+
 def test_models_list_the_architecture_and_runtime():
     svc = FakeService()
     facts = {
         "architecture": "Qwen3ForCausalLM",
         "dtype": "bfloat16",
         "quantization": "int8",
+        "lm_head": "int8",
         "device": "cuda:0",
         "reasoning": True,
         "tool_call_format": "hermes",

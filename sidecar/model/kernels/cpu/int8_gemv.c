@@ -39,11 +39,13 @@
 #define MT 4
 
 /* Largest activation code such that no int32 vector lane can overflow: a lane sums at most
- * LANE_PRODUCTS * ceil(K / 32) products of |w| <= 127 and |x| <= q; at most 32767 (int16). */
+ * LANE_PRODUCTS * ceil(K / 32) products of |w| <= 128 (codes span the whole int8 range: hub checkpoints'
+ * symmetric 8-bit rounding reaches -128) and |x| <= q; at most 32767 (int16). A pair product of vpmaddwd
+ * or vpdpwssd is at most 2 * 128 * 32767, far inside int32. */
 static float activation_qmax(int K) {
     if (LANE_PRODUCTS == 0) return 32767.f;
     double chunks = (double)((K + 31) / 32);
-    double q = 2147483647.0 / (127.0 * LANE_PRODUCTS * (chunks > 1 ? chunks : 1));
+    double q = 2147483647.0 / (128.0 * LANE_PRODUCTS * (chunks > 1 ? chunks : 1));
     return (float)(q < 32767.0 ? floor(q) : 32767.0);
 }
 

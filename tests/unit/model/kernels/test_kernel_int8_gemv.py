@@ -16,7 +16,7 @@ from sidecar.model.quant_format import dequantize_int8, quantize_int8
 def _case(m, n, k, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
-    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)  # the whole int8 range
     s = torch.rand(n, generator=g) * 0.01 + 1e-4
     return x, w, s
 
@@ -52,10 +52,10 @@ def test_kernel_matches_reference(m, n, k):
 def test_worst_case_sums_do_not_overflow():
     k = 20000  # every product at its maximum: lanes stay in int32, the dot product needs int64
     x = torch.full((1, k), 3.0)
-    w = torch.full((2, k), 127, dtype=torch.int8)
-    w[1] = -127
-    y = int8_gemv.int8_matmul(x, w, torch.ones(2))
-    assert torch.allclose(y, torch.tensor([[3.0 * 127 * k, -3.0 * 127 * k]]), rtol=1e-5)
+    w = torch.full((3, k), 127, dtype=torch.int8)
+    w[1], w[2] = -127, -128  # -128: the code a symmetric 8-bit checkpoint's rounding reaches
+    y = int8_gemv.int8_matmul(x, w, torch.ones(3))
+    assert torch.allclose(y, torch.tensor([[3.0 * 127 * k, -3.0 * 127 * k, -3.0 * 128 * k]]), rtol=1e-5)
 
 
 def test_zero_and_non_finite_rows():
@@ -181,7 +181,7 @@ def test_a_failing_compiler_is_reported_not_raised(monkeypatch, tmp_path):
 def _case_g32(m, n, k, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
-    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     d = torch.rand(n, k // 32, generator=g) * 0.01 + 1e-4
     return x, w, d
 

@@ -1,11 +1,16 @@
-"""Tiny hub-quantized checkpoints written the way their tools write them, and their dequantized references.
+"""Hub-quantized checkpoints written the way their tools write them, from a float checkpoint's own weights:
+the files ``sidecar bench quant``'s hub modes load (``pack_dir``) and the unit tests' tiny checkpoints with
+their dequantized references.
 
 GPTQ and AWQ files are packed here following GPTQModel's ``pack`` (input rows along int32 words; in the
 v1 format the zeros word minus one in every field, as its v2 -> v1 conversion writes it) and AutoAWQ's
 ``WQLinear_GEMM.from_linear`` (output columns in ``AWQ_ORDER``), neither tool installing next to our torch;
 each is read back by an independent element-wise dequantizer written from the tools' dequantization
-(``dequant_gptq`` / ``dequant_awq``). compressed-tensors
-files come from the tool itself (``PackedQuantizationCompressor.compress``), read back by its ``decompress``.
+(``dequant_gptq`` / ``dequant_awq``). compressed-tensors ``pack-quantized`` files come from the tool itself
+(``PackedQuantizationCompressor.compress``), read back by its ``decompress``. ``int-quantized`` W8A8 (int8
+``weight`` and ``weight_scale`` per channel, the tool's symmetric absmax / 127.5 rounding) and the ``fp8``
+method (e4m3 ``weight`` and ``weight_scale_inv`` per 128x128 block) are written from their documented tensor
+names (``w8a8.py``, ``fp8.py``).
 """
 
 from __future__ import annotations
@@ -146,9 +151,11 @@ def pack_ct(w, bits, strategy, group_size, sym, exact, narrow=False) -> tuple[di
 def write(
     src: Path, out: Path, qconfig: dict, layer_tensors, lm_head: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Copy ``src`` (a float checkpoint) to ``out`` with every decoder linear replaced by
-    ``layer_tensors(name, weight) -> (tensors, dequantized)``; returns the dequantized reference state dict.
-    """
+    """Copy ``src`` (a float checkpoint, one ``model.safetensors``) to ``out`` with every decoder linear
+    replaced by ``layer_tensors(name, weight) -> (tensors, dequantized or None)``; returns the dequantized
+    reference state dict (the float weight where the writer gives no dequantized one)."""
+    if not (src / "model.safetensors").is_file():
+        raise ValueError(f"model: {src} has no single model.safetensors to pack")
     out.mkdir(parents=True)
     for f in src.iterdir():
         if f.name != "model.safetensors":
@@ -161,7 +168,8 @@ def write(
     for name in names:
         tensors, back = layer_tensors(name, state[f"{name}.weight"].float())
         stored.update({f"{name}.{k}": v for k, v in tensors.items()})
-        ref[f"{name}.weight"] = back
+        if back is not None:
+            ref[f"{name}.weight"] = back
     stored.update({k: v for k, v in state.items() if k[: -len(".weight")] not in names})
     save_file({k: v.contiguous() for k, v in stored.items()}, str(out / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
@@ -171,3 +179,92 @@ def write(
 
 
 _LEAVES = {n.split(".")[-1] for n in LINEARS}
+
+
+def gptq_layer(bits: int = 4, group_size: int = 128, sym: bool = False, reference: bool = True):
+    """A ``write`` layer writer of GPTQ (v1 format, no act-order) and its ``quantization_config``."""
+
+    def layer(name, w):
+        k = w.shape[1]
+        gs = k if group_size == -1 else group_size
+        g_idx = torch.arange(k) // gs
+        codes, s, z = quantize(w, bits, g_idx, k // gs, sym, exact=False)
+        t = pack_gptq(codes, s, z, g_idx, bits, v1=True)
+        return t, dequant_gptq(t, bits, v1=True) if reference else None
+
+    qc = dict(quant_method="gptq", bits=bits, group_size=group_size, sym=sym, desc_act=False)
+    return qc | {"checkpoint_format": "gptq"}, layer
+
+
+def awq_layer(group_size: int = 128, reference: bool = True):
+    """A ``write`` layer writer of AWQ GEMM (4-bit, zero points) and its ``quantization_config``."""
+
+    def layer(name, w):
+        k = w.shape[1]
+        codes, s, z = quantize(w, 4, torch.arange(k) // group_size, k // group_size, False, exact=False)
+        t = pack_awq(codes, s, z)
+        return t, dequant_awq(t, group_size) if reference else None
+
+    return dict(quant_method="awq", bits=4, group_size=group_size, zero_point=True, version="gemm"), layer
+
+
+def w8a8_layer():
+    """compressed-tensors ``int-quantized`` W8A8 as llm-compressor writes it: int8 ``weight`` rounded from
+    ``w / s`` with the per-channel scale ``s = absmax / 127.5`` (so a row's minimum can reach -128),
+    ``weight_scale`` [N, 1]; activations per token at run time."""
+
+    def layer(name, w):
+        s = (w.abs().amax(1, keepdim=True) / 127.5).clamp(min=1e-8).half().float()
+        q = torch.round(w / s).clamp(-128, 127).to(torch.int8)
+        return {"weight": q, "weight_scale": s.half()}, q.float() * s
+
+    args = dict(num_bits=8, type="int", symmetric=True, dynamic=False)
+    group = dict(
+        targets=["Linear"],
+        weights=dict(args, strategy="channel"),
+        input_activations=dict(args, dynamic=True, strategy="token"),
+        format="int-quantized",
+    )
+    qc = dict(
+        quant_method="compressed-tensors",
+        format="int-quantized",
+        quantization_status="compressed",
+        config_groups={"group_0": group},
+        ignore=["lm_head"],
+    )
+    return qc, layer
+
+
+def fp8_layer(block: int = 128):
+    """The ``fp8`` method: e4m3 ``weight`` and float32 ``weight_scale_inv`` (absmax / 448 of each
+    ``block`` x ``block`` block; partial blocks at the edges)."""
+
+    def layer(name, w):
+        n, k = w.shape
+        v = torch.nn.functional.pad(w, (0, -k % block, 0, -n % block))
+        v = v.view(v.shape[0] // block, block, v.shape[1] // block, block)
+        s = v.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
+        full = s.repeat_interleave(block, 0)[:n].repeat_interleave(block, 1)[:, :k]
+        q = (w / full).to(torch.float8_e4m3fn)
+        return {"weight": q, "weight_scale_inv": s.contiguous()}, q.float() * full
+
+    qc = dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[block, block])
+    return qc, layer
+
+
+# hub format -> its writer (group_size -> (quantization_config, layer writer)); the bench's hub modes
+FORMATS = {
+    "gptq-int4": lambda gs: gptq_layer(4, gs, reference=False),
+    "awq-int4": lambda gs: awq_layer(gs, reference=False),
+    "w8a8": lambda gs: w8a8_layer(),
+    "fp8": lambda gs: fp8_layer(),
+}
+
+
+def pack_dir(src: Path, out: Path, fmt: str, group_size: int = 128) -> Path:
+    """``src``'s float weights packed into the hub format ``fmt`` (one of ``FORMATS``) as a checkpoint
+    directory ``out`` that the loader reads by its ``quantization_config``."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format: {fmt!r} is not one of {', '.join(FORMATS)}")
+    write(Path(src), Path(out), *FORMATS[fmt](group_size))
+    return Path(out)
