@@ -289,7 +289,9 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
     tokenizer = load_tokenizer(model_dir)
     quant_file = model_dir / "quantization_config.json"
     with torch.device("meta"):
-        model = CausalLM(args if shard is None else shard.local_args(args))
+        local = args if shard is None else shard.local_args(args)
+        build = getattr(local, "build", None)  # a family with a decoder of its own (gemma4.py)
+        model = build() if build is not None else CausalLM(local)
     if quant_file.exists() and shard is not None:
         raise ValueError(f"tensor_parallel_size: {model_dir} is a quantized checkpoint; split its source")
     if quant_file.exists():
@@ -312,7 +314,13 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
             if shard is not None:
                 raise ValueError("tensor_parallel_size: checkpoints with a quantization_config are not split")
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
-        _load_weights(model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device)
+        own = getattr(model, "load_checkpoint", None)
+        if own is not None:
+            if quantization is not None:
+                raise ValueError(f"quantization: {args.architecture} loads in full precision only")
+            own(ckpt.get, lambda m, n, t: _set(m, n, t, dtype, device))
+        else:
+            _load_weights(model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device)
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:
