@@ -15,7 +15,7 @@ layer. Norms scale by a plain ``w``. The model itself: gemma4_model.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from sidecar.model.args import ModelArgs, base_args
 from sidecar.model.rope import RopeSpec
@@ -32,12 +32,8 @@ class Gemma4Args(ModelArgs):
     kv_from_k_layers: tuple[int, ...] = ()  # layers whose values are their key projection (attention_k_eq_v)
     wide_mlp_layers: tuple[int, ...] = ()  # layers whose MLP is twice intermediate_size (use_double_wide_mlp)
     rope_dims: tuple[int, ...] = ()  # the head size each rope kind turns (its layers' head_dim)
-
-    def build(self):
-        """The model these args describe (on the current default device)."""
-        from sidecar.model.gemma4_model import Gemma4CausalLM
-
-        return Gemma4CausalLM(self)
+    # the module (sidecar.model.<name>) whose ``build(args)`` makes the decoder, in place of CausalLM
+    decoder_module: ClassVar[str] = "gemma4_model"
 
 
 def _layer_overrides(cfg: dict[str, Any], n: int) -> dict[int, dict]:
@@ -48,8 +44,8 @@ def _layer_overrides(cfg: dict[str, Any], n: int) -> dict[int, dict]:
 
 
 def kv_sources(types: list[str], shared: int) -> tuple[int, ...]:
-    """Each layer's cache owner: itself, or for one of the last ``shared`` layers the last earlier layer of its
-    kind before them (transformers' ``kv_sharing_modes``)."""
+    """Each layer's cache owner: itself, or for one of the last ``shared`` layers the last earlier layer
+    of its kind before them (transformers' ``kv_sharing_modes``)."""
     n = len(types)
     first = n - shared
     if shared and (shared >= n or set(types[first:]) - set(types[:first])):
@@ -127,8 +123,6 @@ def args_from_config(cfg: dict[str, Any], arch: str) -> ModelArgs:
         kv_from_k_layers=tuple(
             i for i, t in enumerate(types) if cfg.get("attention_k_eq_v") and t == "full_attention"
         ),
-        wide_mlp_layers=tuple(
-            i for i in range(n) if cfg.get("use_double_wide_mlp") and sources[i] != i
-        ),
+        wide_mlp_layers=tuple(i for i in range(n) if cfg.get("use_double_wide_mlp") and sources[i] != i),
         rope_dims=tuple(dims),
     )

@@ -1,4 +1,5 @@
-"""Gemma 4's decoder (config mapping: gemma4.py) over packed variable-length tokens, numerics as transformers'.
+"""Gemma 4's decoder (config mapping: gemma4.py) over packed variable-length tokens, numerics as
+transformers'.
 
 Each layer: ``h + post_norm(attn(input_norm(h)))``; then ``h + post_ff_norm(mlp(pre_ff_norm(h)))`` where a MoE
 layer's MLP output is ``post_ff_norm_1(mlp(.)) + post_ff_norm_2(experts(pre_ff_norm_2(h)))`` routed on ``h``;
@@ -6,15 +7,14 @@ then, with per-layer inputs, ``h + post_pl_norm(pl_proj(gelu(pl_gate(h)) * per_l
 times the layer's ``layer_scalar``. A token's per-layer inputs: ``(norm(proj(embedding) / sqrt(hidden)) +
 embed_per_layer(token) * sqrt(per_layer_dim)) / sqrt(2)``, one slice per layer.
 
-KV cache: one ``(k, v)`` per layer that computes its own (``ModelArgs.kv_shapes``: each at its own KV heads and
-head size); the forward's ``kv_caches`` are those, in layer order. A layer sharing another's keys and values
-(``kv_source``) reads that layer's cache and, for the step's new tokens, the keys and values it just computed,
-and writes nothing. Attention is ``paged_attention`` with the layer's window: its kernels take each call's
-head size from the tensors and decline shapes they cannot do (the torch path then runs).
+KV cache: one ``(k, v)`` per layer that computes its own (``ModelArgs.kv_shapes``: each at its own KV heads
+and head size); the forward's ``kv_caches`` are those, in layer order. A layer sharing another's keys and
+values (``kv_source``) reads that layer's cache and, for the step's new tokens, the keys and values it just
+computed, and writes nothing. Attention is ``paged_attention`` with the layer's window: its kernels take each
+call's head size from the tensors and decline shapes they cannot do (the torch path then runs).
 
-Norms here are transformers' Gemma 4 RMSNorm to the operation (``x * (mean(x^2) + eps) ** -0.5`` in float32,
-a plain ``w``), so float32 greedy output equals transformers' ``generate``.
-"""
+Norms here are transformers' Gemma 4 RMSNorm to the operation (``x * (mean(x^2) + eps) ** -0.5`` in float32, a
+plain ``w``), so float32 greedy output equals transformers' ``generate``."""
 
 from __future__ import annotations
 
@@ -116,8 +116,8 @@ class Attention(nn.Module):
 
 class Experts(SparseMoE):
     """Gemma 4's routed experts (GeGLU ``MLP`` s, ``SparseMoE``'s dispatch). The router reads the layer's
-    stream: normed without a weight, times ``scale / sqrt(hidden)``, projected (``gate``), softmaxed in float32;
-    the top k renormalised and times their ``per_expert_scale``."""
+    stream: normed without a weight, times ``scale / sqrt(hidden)``, projected (``gate``), softmaxed in
+    float32; the top k renormalised and times their ``per_expert_scale``."""
 
     def __init__(self, args: Gemma4Args, paths) -> None:
         super().__init__(args, paths)
@@ -154,7 +154,11 @@ class DecoderLayer(nn.Module):
         norms.append("post_feedforward_layernorm")
         self.experts = Experts(args, paths) if args.num_experts else None
         if self.experts is not None:
-            norms += ["post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"]
+            norms += [
+                "post_feedforward_layernorm_1",
+                "post_feedforward_layernorm_2",
+                "pre_feedforward_layernorm_2",
+            ]
         if args.per_layer_dim:
             self.per_layer_input_gate = Linear(h, args.per_layer_dim, bias=False)
             self.per_layer_projection = Linear(args.per_layer_dim, h, bias=False)
@@ -176,6 +180,11 @@ class DecoderLayer(nn.Module):
             g = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * per_layer
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(g))
         return h * self.layer_scalar
+
+
+def build(args: Gemma4Args) -> "Gemma4CausalLM":
+    """The decoder ``args`` describe (the loader's hook: ``Gemma4Args.decoder_module``)."""
+    return Gemma4CausalLM(args)
 
 
 class Gemma4CausalLM(CausalLM):
@@ -215,6 +224,8 @@ class Gemma4CausalLM(CausalLM):
             cos[k, :, :dim], sin[k, :, :dim] = c, s
         self.rope_cos, self.rope_sin = cos.to(dtype), sin.to(dtype)
         self.rope_rows_per_half = max_positions
+        if device.type == "cpu":
+            log_kernel_refusals(a)
 
     @property
     def rope_long_from(self) -> Optional[int]:
@@ -303,3 +314,24 @@ def inv_freq(spec: rope.RopeSpec, dim: int) -> torch.Tensor:
     turned = 1.0 / (spec.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
     freq = torch.cat((turned, torch.zeros(dim // 2 - angles)))
     return freq / s.get("factor", 1.0)
+
+
+def log_kernel_refusals(args: Gemma4Args) -> list[str]:
+    """Log (and return) why the CPU attention kernels decline some layers' head sizes: those layers attend on
+    the torch path. The Triton decode kernel pads every head size to a power of two and takes them all."""
+    from sidecar.model.kernels.cpu import paged_attention as cpu_kernel
+
+    width = cpu_kernel.vector_width()
+    reasons = []
+    for hd in sorted(set(args.layer_head_dims)):
+        layers = [i for i, d in enumerate(args.layer_head_dims) if d == hd]
+        if width is None:
+            reasons.append(f"layers {layers}: the CPU attention kernels are not built here")
+        elif hd % width or hd > cpu_kernel.MAX_HEAD_DIM:
+            reasons.append(
+                f"layers {layers}: the CPU attention kernels take head sizes that are multiples of {width} "
+                f"up to {cpu_kernel.MAX_HEAD_DIM}, not {hd}"
+            )
+    for why in reasons:
+        log.info("attention on the torch path for %s", why)
+    return reasons

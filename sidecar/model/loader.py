@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -290,8 +291,8 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
     quant_file = model_dir / "quantization_config.json"
     with torch.device("meta"):
         local = args if shard is None else shard.local_args(args)
-        build = getattr(local, "build", None)  # a family with a decoder of its own (gemma4.py)
-        model = build() if build is not None else CausalLM(local)
+        own = getattr(local, "decoder_module", None)  # a family with a decoder of its own (gemma4.py)
+        model = CausalLM(local) if own is None else import_module(f"sidecar.model.{own}").build(local)
     if quant_file.exists() and shard is not None:
         raise ValueError(f"tensor_parallel_size: {model_dir} is a quantized checkpoint; split its source")
     if quant_file.exists():

@@ -1,9 +1,9 @@
 """Tiny random Gemma 4 text checkpoints written with transformers' own config and model classes, with what the
-engine must reproduce switched on: sliding layers (window 6, shorter than the prompts) and full layers of other
-head sizes and KV heads (``global_head_dim``, ``num_global_key_value_heads``), the full layers' proportional rope
-and values from their key projection, per-layer input embeddings, the last layers sharing earlier layers' KV
-(with double-wide MLPs), a final soft-cap; ``moe`` adds routed experts beside every layer's MLP. Norm weights,
-layer scalars and router scales are drawn away from their identity so that each matters."""
+engine must reproduce switched on: sliding layers (window 6, shorter than the prompts) and full layers of
+other head sizes and KV heads (``global_head_dim``, ``num_global_key_value_heads``), the full layers'
+proportional rope and values from their key projection, per-layer input embeddings, the last layers sharing
+earlier layers' KV (with double-wide MLPs), a final soft-cap; ``moe`` adds routed experts beside every layer's
+MLP. Norm weights, layer scalars and router scales are drawn away from their identity so that each matters."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ import torch
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
-def gemma4_config(vocab: int, moe: bool = False, shared: int = 2):
+def gemma4_config(vocab: int, moe: bool = False, **overrides):
     import transformers as tf
 
-    extra = dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}
-    return tf.Gemma4TextConfig(
+    extra = (
+        dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32) if moe else {}
+    )
+    fields = dict(
         vocab_size=vocab,
         vocab_size_per_layer_input=vocab,
         hidden_size=64,
@@ -34,7 +36,7 @@ def gemma4_config(vocab: int, moe: bool = False, shared: int = 2):
         sliding_window=6,
         layer_types=list(TYPES),
         hidden_size_per_layer_input=8,
-        num_kv_shared_layers=shared,
+        num_kv_shared_layers=2,
         use_double_wide_mlp=True,
         final_logit_softcapping=12.0,
         max_position_embeddings=256,
@@ -46,13 +48,17 @@ def gemma4_config(vocab: int, moe: bool = False, shared: int = 2):
         tie_word_embeddings=not moe,
         **extra,
     )
+    return tf.Gemma4TextConfig(**dict(fields, **overrides))
 
 
-def build_gemma4_checkpoint(out: Path, tokenizer_dir: Path, moe: bool = False, seed: int = 0) -> Path:
-    """A tiny random Gemma 4 checkpoint with the demo tokenizer, saved in HF format."""
+def build_gemma4_checkpoint(
+    out: Path, tokenizer_dir: Path, moe: bool = False, seed: int = 0, **overrides
+) -> Path:
+    """A tiny random Gemma 4 checkpoint with the demo tokenizer, saved in HF format; ``overrides`` set config
+    fields."""
     import transformers as tf
 
-    cfg = gemma4_config(len(tf.AutoTokenizer.from_pretrained(str(tokenizer_dir))), moe)
+    cfg = gemma4_config(len(tf.AutoTokenizer.from_pretrained(str(tokenizer_dir))), moe, **overrides)
     torch.manual_seed(seed)
     model = tf.Gemma4ForCausalLM(cfg)
     with torch.no_grad():
