@@ -9,7 +9,9 @@ RMS-normed (v without a weight), the attention scale is 1, the full layers of a 
 compute no keys or values: each reads those of the last earlier layer of its kind (``kv_source``), so they
 keep no cache of their own. Per-layer input embeddings (``hidden_size_per_layer_input``) feed each layer a
 gated residual; a MoE checkpoint (``enable_moe_block``) runs routed experts beside the dense MLP in every
-layer. Norms scale by a plain ``w``. The model itself: gemma4_model.py.
+layer. Norms scale by a plain ``w``. A ``Gemma4ForConditionalGeneration`` checkpoint (the published form)
+serves its text model (``text_config``, tensors under ``model.language_model.``): prompts are text only. The
+model itself: gemma4_model.py.
 """
 
 from __future__ import annotations
@@ -58,13 +60,18 @@ def kv_sources(types: list[str], shared: int) -> tuple[int, ...]:
 
 
 def args_from_config(cfg: dict[str, Any], arch: str) -> ModelArgs:
-    if "text_config" in cfg:
-        raise ValueError(f"model: {arch}: only the text model (Gemma4ForCausalLM) is supported")
+    prefix = "model."
+    if (
+        "text_config" in cfg
+    ):  # Gemma4ForConditionalGeneration: its text model; no vision or audio tower loaded
+        text = cfg["text_config"]
+        tied = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+        cfg, prefix = dict(text, tie_word_embeddings=tied), "model.language_model."
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"model: {arch} activation {act!r} is not supported (gelu_pytorch_tanh)")
-    if cfg.get("use_bidirectional_attention"):
-        raise ValueError(f"model: {arch} use_bidirectional_attention is not supported (causal text only)")
+    if cfg.get("use_bidirectional_attention") == "all":  # "vision" leaves text tokens causal
+        raise ValueError(f"model: {arch} use_bidirectional_attention 'all' is not supported (causal only)")
     n = cfg["num_hidden_layers"]
     types = list(cfg.get("layer_types") or [_KINDS[(i + 1) % 6 == 0] for i in range(n)])
     if len(types) != n or set(types) - set(_KINDS):
@@ -116,6 +123,7 @@ def args_from_config(cfg: dict[str, Any], arch: str) -> ModelArgs:
                 layer_head_dims=head_dims,
                 layer_kv_heads=kv_heads,
                 kv_source=sources,
+                checkpoint_prefix=prefix,
             )
         ),
         per_layer_dim=int(cfg.get("hidden_size_per_layer_input") or 0),

@@ -74,3 +74,20 @@ def build_gemma4_checkpoint(
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)
     return out
+
+
+def build_gemma4_vl_checkpoint(causal_dir: Path, out: Path) -> Path:
+    """The published form (``Gemma4ForConditionalGeneration``, no vision or audio tower) holding the text
+    model of the ``Gemma4ForCausalLM`` checkpoint at ``causal_dir``."""
+    import transformers as tf
+
+    causal = tf.Gemma4ForCausalLM.from_pretrained(str(causal_dir), dtype=torch.float32)
+    cfg = tf.Gemma4Config(text_config=causal.config.to_dict(), vision_config=None, audio_config=None)
+    model = tf.Gemma4ForConditionalGeneration(cfg)
+    model.model.language_model.load_state_dict(causal.model.state_dict())
+    model.lm_head.load_state_dict(causal.lm_head.state_dict())
+    model.save_pretrained(out, safe_serialization=True)
+    for f in causal_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return out

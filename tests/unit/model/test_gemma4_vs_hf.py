@@ -14,9 +14,10 @@ import pytest
 
 from sidecar import LLM, SamplingParams
 from sidecar.engine.kv_budget import kv_bytes_per_block
+from sidecar.model.gemma4 import kv_sources
 from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
 from tests.unit.model.family_checkpoints import assert_not_degenerate
-from tests.unit.model.gemma4_checkpoints import build_gemma4_checkpoint
+from tests.unit.model.gemma4_checkpoints import build_gemma4_checkpoint, build_gemma4_vl_checkpoint
 
 MAX_NEW = 8
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
@@ -87,5 +88,34 @@ def test_each_layer_keeps_its_own_shape_once(dirs, refs):
     assert info["cache_groups"][0]["layers"] == 3
     assert info["cpu_decode_replay"] is False and "per-layer inputs" in info["cpu_decode_replay_reason"]
     # one batch, sequences of different lengths decoding together
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == refs("dense")
+    assert_pool_whole(llm)
+
+
+def test_what_it_cannot_do_is_refused_naming_the_field(dirs):
+    with pytest.raises(ValueError, match="quantization: Gemma4ForCausalLM loads in full precision only"):
+        LLM(model=str(dirs["dense"]), quantization="int8")
+    with pytest.raises(ValueError, match="lora: Gemma4ForCausalLM has layers of different head sizes"):
+        LLM(model=str(dirs["dense"]), lora_modules={"a": str(dirs["dense"])})
+    # a shared layer needs an earlier layer of its kind to read from
+    with pytest.raises(ValueError, match="num_kv_shared_layers 3"):
+        kv_sources(["sliding_attention", "full_attention", "full_attention", "sliding_attention"], 3)
+    kinds = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    assert kv_sources(kinds, 2) == (0, 1, 0, 1)
+
+
+def test_the_published_vision_language_form_serves_its_text_model(dirs, refs, tmp_path):
+    import torch
+    import transformers as tf
+
+    d = build_gemma4_vl_checkpoint(dirs["dense"], tmp_path / "vl")
+    # HF's two forms of the one text model agree on a prompt's logits; ours continues it as HF's causal form
+    prompt = torch.tensor([PROMPTS[3]])
+    with torch.no_grad():
+        vl = tf.Gemma4ForConditionalGeneration.from_pretrained(str(d), dtype=torch.float32)(prompt).logits
+        causal = tf.Gemma4ForCausalLM.from_pretrained(str(dirs["dense"]), dtype=torch.float32)(prompt).logits
+    assert torch.equal(vl, causal)
+    llm = LLM(model=str(d), dtype="float32", block_size=8, max_num_batched_tokens=16)
+    assert llm.engine.loaded.args.checkpoint_prefix == "model.language_model."
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == refs("dense")
     assert_pool_whole(llm)
