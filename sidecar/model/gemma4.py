@@ -38,7 +38,15 @@ class Gemma4Args(ModelArgs):
     decoder_module: ClassVar[str] = "gemma4_model"
 
 
-def _layer_overrides(cfg: dict[str, Any], n: int) -> dict[int, dict]:
+def _layer_overrides(cfg: dict[str, Any], types: list[str]) -> dict[int, dict]:
+    """Each layer's overrides of the config's fields. A config without ``per_layer_config`` (as the published
+    ones are written) gives its full layers ``global_head_dim`` (512 when absent) and, with
+    ``attention_k_eq_v``, ``num_global_key_value_heads``, as transformers derives them."""
+    if "per_layer_config" not in cfg:
+        full = {"head_dim": cfg.get("global_head_dim", 512)}
+        if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads") is not None:
+            full["num_key_value_heads"] = cfg["num_global_key_value_heads"]
+        return {i: full for i, t in enumerate(types) if t == "full_attention"}
     raw = cfg.get("per_layer_config") or {}
     if isinstance(raw, list):
         return {i: dict(c or {}) for i, c in enumerate(raw)}
@@ -76,7 +84,7 @@ def args_from_config(cfg: dict[str, Any], arch: str) -> ModelArgs:
     types = list(cfg.get("layer_types") or [_KINDS[(i + 1) % 6 == 0] for i in range(n)])
     if len(types) != n or set(types) - set(_KINDS):
         raise ValueError(f"model: {arch} layer_types {types!r} must name each of the {n} layers")
-    over = _layer_overrides(cfg, n)
+    over = _layer_overrides(cfg, types)
     heads = cfg["num_attention_heads"]
     head_dims = tuple(over.get(i, {}).get("head_dim", cfg.get("head_dim") or 256) for i in range(n))
     kv_heads = tuple(

@@ -119,3 +119,37 @@ def test_the_published_vision_language_form_serves_its_text_model(dirs, refs, tm
     assert llm.engine.loaded.args.checkpoint_prefix == "model.language_model."
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == refs("dense")
     assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(global_head_dim=48, num_global_key_value_heads=1, attention_k_eq_v=True),
+        dict(global_head_dim=48, num_global_key_value_heads=1),  # without k = v the KV heads stay
+        dict(),  # full layers 512 wide by default
+    ],
+)
+def test_configs_written_without_per_layer_config_map_as_transformers_reads_them(fields):
+    import transformers as tf
+
+    from sidecar.model.args import ModelArgs
+
+    # the published configs: global_head_dim / num_global_key_value_heads, no per_layer_config
+    raw = dict(
+        architectures=["Gemma4ForCausalLM"],
+        model_type="gemma4_text",
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        **fields,
+    )
+    hf = tf.Gemma4TextConfig(**raw)
+    a = ModelArgs.from_hf_config(raw)
+    layers = hf.per_layer_config
+    assert a.layer_head_dims == tuple(layers[i].head_dim for i in range(6))
+    assert a.layer_kv_heads == tuple(layers[i].num_key_value_heads for i in range(6))
+    assert a.layer_head_dims[5] == fields.get("global_head_dim", 512) and a.layer_head_dims[0] == 16
