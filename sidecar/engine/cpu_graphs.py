@@ -245,6 +245,7 @@ class CpuDecodePlans:
         self.clear()
         self.enabled = self.plans_dry = False
         reason = replay.unavailable_reason() if self.on_cpu else "not a CPU model"
+        reason = reason or getattr(self.model, "replay_refusal", None)  # a decoder replays cannot run
         dry_reason = None
         if reason is None:
             try:

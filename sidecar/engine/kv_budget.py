@@ -37,11 +37,12 @@ class KVBudget:
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: Optional[torch.dtype] = None) -> int:
-    """Cache bytes of one block over the attention layers, K and V, with the scales of a quantized cache (a
-    hybrid model's linear-attention layers keep state slots instead, ``linear_state.py``)."""
-    a = loaded.args
-    per_head = kv_quant.bytes_per_token_head(kv_dtype or loaded.dtype, a.head_dim)
-    return 2 * len(a.attention_layers) * block_size * a.num_kv_heads * per_head
+    """Cache bytes of one block over the layers that keep KV (each at its own heads and head size), K and V,
+    with the scales of a quantized cache (a hybrid model's linear-attention layers keep state slots instead,
+    ``linear_state.py``; layers sharing another's KV keep none)."""
+    dtype = kv_dtype or loaded.dtype
+    per_token = sum(nkv * kv_quant.bytes_per_token_head(dtype, hd) for nkv, hd in loaded.args.kv_shapes())
+    return 2 * block_size * per_token
 
 
 def _read_int(paths: tuple[str, ...]) -> Optional[int]:

@@ -55,11 +55,9 @@ class ModelRunner:
         self.kv_budget = plan_kv_budget(config, loaded, self.kv_dtype)  # a smaller element holds more tokens
         self.num_blocks = self.kv_budget.num_blocks
         a = self.model.args  # a tensor-parallel rank's own KV heads
-        self.kv_caches = [
-            kv_quant.allocate(
-                self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device
-            )
-            for _ in a.attention_layers  # a hybrid model's linear layers keep state slots instead
+        self.kv_caches = [  # each at its layer's own shape; layers reading another's cache keep none
+            kv_quant.allocate(self.num_blocks, self.block_size, nkv, hd, self.kv_dtype, self.device)
+            for nkv, hd in a.kv_shapes()  # a hybrid model's linear layers keep state slots instead
         ]
         slots = plan_slots(a, self.dtype, config.max_num_seqs, self.kv_budget.bytes) if a.linear_layers else 0
         self.states = LinearStates(a, slots, self.dtype, self.device) if slots else None

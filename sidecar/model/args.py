@@ -29,6 +29,8 @@ FAMILIES = {
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not loaded
     "Llama4ForCausalLM": "llama4",
     "Llama4ForConditionalGeneration": "llama4",  # its text model; the vision tower is not loaded
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",  # its text model; the vision and audio towers are not loaded
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {
@@ -46,6 +48,8 @@ _MODEL_TYPES = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "llama4_text": "Llama4ForCausalLM",
     "llama4": "Llama4ForConditionalGeneration",
+    "gemma4_text": "Gemma4ForCausalLM",
+    "gemma4": "Gemma4ForConditionalGeneration",
 }
 
 
@@ -132,6 +136,12 @@ class ModelArgs:
     linear_layers: tuple[int, ...] = ()
     linear: Optional[LinearAttention] = None
     attn_output_gate: bool = False
+    # Attention layers of different shapes (Gemma 4): each layer's head size and KV heads (None: head_dim and
+    # num_kv_heads everywhere), and the layer whose KV cache it reads: itself, or an earlier layer whose keys
+    # and values it shares (None: its own). Only layers that read their own keep a cache.
+    layer_head_dims: Optional[tuple[int, ...]] = None
+    layer_kv_heads: Optional[tuple[int, ...]] = None
+    kv_source: Optional[tuple[int, ...]] = None
     # where the decoder's tensors sit in the checkpoint (a multimodal one nests the text model deeper)
     checkpoint_prefix: str = "model."
     # Llama 4 (llama4.py, attention_local.py): per layer, the chunk its tokens attend within (a token at p sees
@@ -182,6 +192,16 @@ class ModelArgs:
     def attention_layers(self) -> tuple[int, ...]:
         """The layers that keep keys and values in the paged cache, in order."""
         return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    def kv_shapes(self) -> list[tuple[int, int]]:
+        """(KV heads, head size) of each layer that keeps a KV cache, in layer order: the attention layers but
+        those reading another layer's cache (``kv_source``)."""
+        src, hds, nkvs = self.kv_source, self.layer_head_dims, self.layer_kv_heads
+        return [
+            (self.num_kv_heads if nkvs is None else nkvs[i], self.head_dim if hds is None else hds[i])
+            for i in self.attention_layers
+            if src is None or src[i] == i
+        ]
 
     @property
     def rotary(self) -> int:

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from importlib import import_module
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -299,7 +300,9 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
     tokenizer = load_tokenizer(model_dir)
     quant_file = model_dir / "quantization_config.json"
     with torch.device("meta"):
-        model = CausalLM(args if shard is None else shard.local_args(args))
+        local = args if shard is None else shard.local_args(args)
+        own = getattr(local, "decoder_module", None)  # a family with a decoder of its own (gemma4.py)
+        model = CausalLM(local) if own is None else import_module(f"sidecar.model.{own}").build(local)
     if quant_file.exists() and shard is not None:
         raise ValueError(f"tensor_parallel_size: {model_dir} is a quantized checkpoint; split its source")
     if quant_file.exists():
@@ -325,9 +328,14 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
             if cfg.quantization is None and quantization is not None:  # the tool's format, not ours
                 head = head_quantization(quantization, cfg.quantize_lm_head)
-        _load_weights(
-            model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device, head, not pack
-        )
+        own = getattr(model, "load_checkpoint", None)
+        if own is not None:
+            if quantization is not None:
+                raise ValueError(f"quantization: {args.architecture} loads in full precision only")
+            own(ckpt.get, lambda m, n, t: _set(m, n, t, dtype, device))
+        else:
+            view = ckpt if shard is None else shard.checkpoint(ckpt, args)
+            _load_weights(model, view, cfg, dtype, device, head, not pack)
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:

@@ -234,6 +234,11 @@ class LoraLayers:
                 f"lora: {args.architecture} has linear-attention layers; LoRA adapters are not supported on "
                 "them (serve it without lora_modules / enable_lora)"
             )
+        if args.layer_head_dims is not None or args.kv_source is not None:
+            raise ValueError(
+                f"lora: {args.architecture} has layers of different head sizes or shared KV; LoRA adapters "
+                "are not supported on them (serve it without lora_modules / enable_lora)"
+            )
         shapes = part_shapes(args)
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device

@@ -17,7 +17,11 @@ GiB = 1 << 30
 
 def fake_model(max_model_len=8192, layers=30, kv_heads=3, head_dim=64):
     args = SimpleNamespace(
-        num_layers=layers, attention_layers=range(layers), num_kv_heads=kv_heads, head_dim=head_dim
+        num_layers=layers,
+        attention_layers=range(layers),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        kv_shapes=lambda: [(kv_heads, head_dim)] * layers,
     )
     return SimpleNamespace(
         args=args, dtype=torch.float32, device=torch.device("cpu"), max_model_len=max_model_len

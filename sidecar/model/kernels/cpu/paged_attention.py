@@ -73,6 +73,15 @@ _KERNEL = cpu_build.Kernel(
 available = _KERNEL.available
 
 
+MAX_HEAD_DIM = 256  # paged_attention.c's MAX_HD: a larger head is declined
+
+
+def vector_width() -> Optional[int]:
+    """The multiple of which a head size must be for the decode kernel to take it (None: no kernel here)."""
+    lib = _KERNEL.lib()
+    return None if lib is None else lib._sidecar_width
+
+
 def cache_fits(
     q: torch.Tensor,
     k_cache: torch.Tensor,
