@@ -40,6 +40,10 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: Optional[
     """Cache bytes of one block over the attention layers, K and V, with the scales of a quantized cache (a
     hybrid model's linear-attention layers keep state slots instead, ``linear_state.py``)."""
     a = loaded.args
+    if a.latent is not None:  # multi-head latent attention caches a latent per token and layer (mla.py)
+        from sidecar.model import mla
+
+        return mla.bytes_per_block(a, block_size, kv_dtype or loaded.dtype)
     per_head = kv_quant.bytes_per_token_head(kv_dtype or loaded.dtype, a.head_dim)
     return 2 * len(a.attention_layers) * block_size * a.num_kv_heads * per_head
 

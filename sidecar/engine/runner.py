@@ -26,7 +26,7 @@ from sidecar.engine.kv_copy import BlockCopier
 from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
-from sidecar.model import kv_quant
+from sidecar.model import kv_quant, mla
 from sidecar.model.attention import AttentionMetadata, PrefillSegment
 from sidecar.model.kernels.gpu_paths import PATH_NAMES, FastPaths
 from sidecar.model.loader import LoadedModel
@@ -52,13 +52,12 @@ class ModelRunner:
         self.kv_dtype, self.kv_dtype_reason = kv_quant.resolve_kv_dtype(
             config.kv_cache_dtype, self.device, self.dtype
         )
+        mla.check_kv_dtype(loaded.args, self.kv_dtype, self.dtype)
         self.kv_budget = plan_kv_budget(config, loaded, self.kv_dtype)  # a smaller element holds more tokens
         self.num_blocks = self.kv_budget.num_blocks
         a = self.model.args  # a tensor-parallel rank's own KV heads
-        self.kv_caches = [
-            kv_quant.allocate(
-                self.num_blocks, self.block_size, a.num_kv_heads, a.head_dim, self.kv_dtype, self.device
-            )
+        self.kv_caches = [  # per-head K/V, or a latent and a rotary key part per token (mla.py)
+            mla.layer_cache(a, self.num_blocks, self.block_size, self.kv_dtype, self.device)
             for _ in a.attention_layers  # a hybrid model's linear layers keep state slots instead
         ]
         slots = plan_slots(a, self.dtype, config.max_num_seqs, self.kv_budget.bytes) if a.linear_layers else 0

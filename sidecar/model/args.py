@@ -11,6 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sidecar.model.latent_args import GroupedRouting, LatentAttention
 from sidecar.model.rope import RopeSpec
 
 # HF architecture -> the module (sidecar.model.<name>) that maps its config.
@@ -27,6 +28,8 @@ FAMILIES = {
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not loaded
+    "DeepseekV3ForCausalLM": "deepseek",
+    "Mistral4ForCausalLM": "deepseek",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {
@@ -42,6 +45,8 @@ _MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "mistral4": "Mistral4ForCausalLM",
 }
 
 
@@ -128,6 +133,10 @@ class ModelArgs:
     linear_layers: tuple[int, ...] = ()
     linear: Optional[LinearAttention] = None
     attn_output_gate: bool = False
+    # Multi-head latent attention (mla.py) in every layer, and group-limited routing with shared experts
+    # (grouped_moe.py) in the sparse ones: DeepSeek V3, Mistral 4
+    latent: Optional[LatentAttention] = None
+    routing: Optional[GroupedRouting] = None
     # where the decoder's tensors sit in the checkpoint (a multimodal one nests the text model deeper)
     checkpoint_prefix: str = "model."
 

@@ -187,7 +187,11 @@ def _load_weights(
         attn, mlp = layer.self_attn, layer.mlp
         fused = args.fused_checkpoint  # Phi-3 stores the projections already fused
         gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-        if attn is None or attn.gate_proj is not None:  # hybrid layers (deltanet.py)
+        if getattr(attn, "latent", False):  # multi-head latent attention (mla.py)
+            from sidecar.model.mla import load as load_latent
+
+            load_latent(attn, ckpt.get, p, lambda m, n, t: _set(m, n, t, dtype, device))
+        elif attn is None or attn.gate_proj is not None:  # hybrid layers (deltanet.py)
             load_hybrid_mixer(layer, ckpt.get, p, lambda m, n, t: _set(m, n, t, dtype, device))
         else:
             qkv = [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
@@ -234,7 +238,9 @@ def _load_experts(
     and its experts, each quantized as it arrives where the engine quantizes."""
     from sidecar.model.moe import block_tensors
 
-    for expert, parts in block_tensors(moe, ckpt.get, ckpt.__contains__, layer_prefix):
+    tensors = getattr(moe, "block_tensors", None)  # a block with parts of its own (grouped_moe.py)
+    parts_of = tensors(ckpt.get, ckpt.__contains__, layer_prefix) if tensors is not None else None
+    for expert, parts in parts_of or block_tensors(moe, ckpt.get, ckpt.__contains__, layer_prefix):
         for module, name, tensor in parts:
             _set(module, name, tensor, dtype, device)
         for attr in ("gate_up_proj", "down_proj") if expert is not None else ():
@@ -324,6 +330,10 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
         log.info(
             "attention sinks: prompt rows attend on the torch path (the prefill kernels do not take sinks)"
         )
+    if args.latent is not None:
+        from sidecar.model.mla import FAST_PATH_REASON
+
+        log.info("multi-head latent attention: %s", FAST_PATH_REASON)
     model.init_rope(max_len, device, dtype)
     model.share_fast_paths()
     model.eval()

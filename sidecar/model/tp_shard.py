@@ -78,6 +78,8 @@ class Shard:
             problems.append("checkpoint-fused qkv / gate_up projections")
         if args.linear_layers or args.attn_output_gate or args.attn_sinks:
             problems.append("linear-attention layers, gated attention output or attention sinks")
+        if args.latent is not None:
+            problems.append("multi-head latent attention layers")
         if problems:
             raise ValueError(
                 f"tensor_parallel_size: {args.architecture} cannot be split over {n} ranks: "
