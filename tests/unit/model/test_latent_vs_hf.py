@@ -1,0 +1,108 @@
+"""DeepSeek V3 and Mistral 4 (multi-head latent attention, grouped routing with shared experts;
+latent_checkpoints.py) through the engine: greedy float32 equal to HF transformers ``generate`` token for
+token with a tight KV pool (preemption), a small token budget (prompts chunked), prefix-cache hits and
+n-gram speculation; the pool whole after each; the cache holding the latent and its rotary key part per
+token, and the budget counting that; int8 KV and tensor parallelism refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar import LLM, SamplingParams
+from sidecar.engine.kv_budget import kv_bytes_per_block
+from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_generate
+from tests.unit.model.family_checkpoints import assert_not_degenerate
+from tests.unit.model.latent_checkpoints import LATENT_FAMILIES, build_latent_checkpoint
+
+MAX_NEW = 6
+GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+# Lengths across block (8) and chunk (16) edges, past Mistral 4's query-scale steps (16, 32); one of a
+# single token (a decode row from the start).
+PROMPTS = [[5 + (7 * i + 3 * j) % 800 for j in range(n)] for i, n in enumerate([5, 30, 45, 1])]
+
+
+@pytest.fixture(scope="module")
+def latent_dirs(tmp_path_factory, demo_dir):
+    root = tmp_path_factory.mktemp("latent")
+    return {k: build_latent_checkpoint(k, root / k, demo_dir) for k in LATENT_FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def hf_refs(latent_dirs):
+    import transformers as tf
+
+    classes = {"deepseek_v3": tf.DeepseekV3ForCausalLM, "mistral4": tf.Mistral4ForCausalLM}
+    refs = {}
+    for kind, d in latent_dirs.items():
+        refs[kind] = hf_generate(classes[kind].from_pretrained(str(d), dtype=torch.float32), PROMPTS, MAX_NEW)
+        assert_not_degenerate(refs[kind])  # else equality would not exercise the layers
+    return refs
+
+
+@pytest.mark.parametrize("kind", LATENT_FAMILIES)
+def test_greedy_matches_hf_with_preemption_chunking_and_prefix_hits(latent_dirs, hf_refs, kind):
+    # 11 usable blocks of 8 tokens cannot hold the 4 requests (up to 51 tokens each) at once
+    llm = LLM(
+        model=str(latent_dirs[kind]),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=12,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    )
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == hf_refs[kind]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert_pool_whole(llm)
+    first, again = (llm.generate(PROMPTS[2:3], GREEDY)[0] for _ in range(2))  # again: from the prefix cache
+    assert first.token_ids == again.token_ids == hf_refs[kind][2]
+    assert again.num_cached_tokens >= 40
+    assert_pool_whole(llm)
+    # the CPU decode replays and the paged-attention kernels step aside, saying why
+    info = llm.engine.model_info
+    assert info["cpu_decode_replay"] is False and info["cpu_decode_replay_reason"]
+
+
+def test_the_cache_holds_the_latent_and_the_budget_counts_it(latent_dirs):
+    llm = LLM(model=str(latent_dirs["deepseek_v3"]), dtype="float32", block_size=8, num_kv_blocks=20)
+    eng = llm.engine
+    a = eng.loaded.args
+    assert a.latent.kv_lora_rank < a.num_heads * a.head_dim  # 16 < 4 x (16 + 8)
+    # first_k_dense_replace: a dense first layer, then experts with a shared one
+    assert a.dense_layers == (0,) and a.sparse(1) and a.sparse(2)
+    for latent, rope in eng.runner.kv_caches:
+        assert latent.shape == (20, 8, 1, 16) and rope.shape == (20, 8, 1, 8)
+    per_block = 3 * 8 * (16 + 8) * 4  # layers x tokens x (latent + rotary key) x float32
+    assert kv_bytes_per_block(eng.loaded, 8) == per_block
+    info = eng.model_info
+    assert info["kv_cache_bytes"] == 20 * per_block
+    assert info["cache_groups"][0]["bytes"] == 20 * per_block
+    dense = 2 * 3 * 8 * a.num_heads * a.head_dim * 4  # per-head K and V of the same heads
+    assert per_block * 8 == dense  # a sixteenth of expanded keys and values here
+    # a memory budget buys as many blocks as the latent size allows
+    sized = LLM(
+        model=str(latent_dirs["deepseek_v3"]), dtype="float32", block_size=8, kv_cache_memory_gb=2**-14
+    )
+    assert sized.engine.runner.num_blocks == 2**16 // per_block + 1
+
+
+def test_ngram_speculation_verifies_on_the_latents(latent_dirs, hf_refs):
+    llm = LLM(model=str(latent_dirs["mistral4"]), dtype="float32", block_size=8, speculative="ngram")
+    assert llm.engine.spec.enabled
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == hf_refs["mistral4"]
+    assert_pool_whole(llm)
+
+
+def test_int8_kv_and_tensor_parallelism_are_refused_by_name(latent_dirs):
+    from sidecar.model.args import ModelArgs
+    from sidecar.model.tp_shard import Shard
+
+    with pytest.raises(ValueError, match="kv_cache_dtype: .*latent"):
+        LLM(model=str(latent_dirs["mistral4"]), dtype="float32", kv_cache_dtype="int8")
+    import json
+
+    cfg = json.loads((latent_dirs["mistral4"] / "config.json").read_text())
+    with pytest.raises(ValueError, match="tensor_parallel_size: .*latent attention"):
+        Shard(0, 2).check(ModelArgs.from_hf_config(cfg))
