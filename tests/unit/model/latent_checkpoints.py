@@ -63,7 +63,7 @@ def _config(kind: str, vocab: int):
         ), tf.DeepseekV3ForCausalLM
     if kind == "mistral4":
         return tf.Mistral4Config(
-            **c,
+            **dict(c, max_position_embeddings=1024),  # room for a prompt holding every token id
             q_lora_rank=None,
             v_head_dim=20,
             n_group=1,
@@ -75,7 +75,7 @@ def _config(kind: str, vocab: int):
             rope_parameters={
                 "rope_type": "yarn",
                 "rope_theta": 10000.0,
-                "factor": 16.0,  # max_position_embeddings / original_max_position_embeddings
+                "factor": 64.0,  # max_position_embeddings / original_max_position_embeddings
                 "original_max_position_embeddings": 16,  # the queries' scale steps up at 16 and 32
                 "beta_fast": 32.0,
                 "beta_slow": 1.0,

@@ -87,11 +87,17 @@ def test_the_cache_holds_the_latent_and_the_budget_counts_it(latent_dirs):
     assert sized.engine.runner.num_blocks == 2**16 // per_block + 1
 
 
-def test_ngram_speculation_verifies_on_the_latents(latent_dirs, hf_refs):
-    llm = LLM(model=str(latent_dirs["mistral4"]), dtype="float32", block_size=8, speculative="ngram")
-    assert llm.engine.spec.enabled
-    outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == hf_refs["mistral4"]
+def test_ngram_speculation_verifies_on_the_latents(latent_dirs):
+    import transformers as tf
+
+    d = latent_dirs["mistral4"]
+    # every token id once: whatever the model picks recurs in its context, so the n-gram proposer proposes
+    prompt = list(range(3, 973))
+    ref = hf_generate(tf.Mistral4ForCausalLM.from_pretrained(str(d), dtype=torch.float32), [prompt], MAX_NEW)
+    llm = LLM(model=str(d), dtype="float32", block_size=8, speculative="ngram", speculative_token_cost=0.0)
+    assert llm.generate([prompt], GREEDY)[0].token_ids == ref[0]
+    spec = llm.engine.spec
+    assert spec.enabled and spec.num_proposed > 0  # verification rows attended on the latents
     assert_pool_whole(llm)
 
 
