@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sidecar.model.args import ModelArgs
-from sidecar.model import kv_quant
+from sidecar.model import attention_scores, kv_quant
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.layers import RMSNorm, rotate
@@ -158,14 +158,17 @@ class LatentAttention(nn.Module):
         out = q.new_empty(t, self.nh, s.v_dim)
         for seg in meta.prefills:
             rows = slice(seg.q_start, seg.q_start + seg.q_len)
-            out[rows] = self._prefill(q[rows], kv, seg)
+            out[rows] = self._prefill(q[rows], kv, seg, meta.kv_scores)
         if meta.decode_block_tables is not None:
             b = meta.decode_block_tables.shape[0]
             out[t - b :] = self._decode(q[t - b :], kv, meta)
         return self.o_proj(out.reshape(t, self.nh * s.v_dim))
 
-    def _prefill(self, q: torch.Tensor, kv: tuple[torch.Tensor, ...], seg) -> torch.Tensor:
-        """One prompt segment: its context's latents expanded to per-head keys and values, causal SDPA."""
+    def _prefill(
+        self, q: torch.Tensor, kv: tuple[torch.Tensor, ...], seg, scores: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """One prompt segment: its context's latents expanded to per-head keys and values, causal SDPA (with
+        ``scores``: explicit weights, each key's added to its slot, attention_scores.py)."""
         s, n = self.spec, seg.ctx_len
         latent = kv[0].index_select(0, seg.block_table).view(-1, s.kv_lora_rank)[:n]
         k_rope = kv[1].index_select(0, seg.block_table).view(-1, 1, s.rope_dim)[:n]
@@ -174,7 +177,13 @@ class LatentAttention(nn.Module):
         v = kvb[..., s.nope_dim :]
         qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))
         start = n - seg.q_len
-        if start == 0:
+        if scores is not None:
+            qpos = torch.arange(start, n, device=q.device)[:, None]
+            mask = torch.arange(n, device=q.device)[None, :] <= qpos
+            o, w = attention_scores.weighted(qh, kh, vh, mask, self.scale, None)
+            slots = attention_scores.table_slots(seg.block_table[None], kv[0].shape[1], n)[0]
+            attention_scores.add_scores(scores, slots, w[0])
+        elif start == 0:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
         else:
             qpos = torch.arange(start, n, device=q.device)[:, None]
@@ -198,8 +207,11 @@ class LatentAttention(nn.Module):
             q[..., s.nope_dim :], k_rope.transpose(1, 2)
         )
         scores = (scores * self.scale).masked_fill(~meta.decode_mask(None)[:, 0], -math.inf)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o_lat = torch.matmul(probs, latent)  # [B, H, r]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if meta.kv_scores is not None:  # scored eviction: each key's weight, summed over heads
+            slots = attention_scores.table_slots(bt, bs, nb * bs)
+            attention_scores.add_scores(meta.kv_scores, slots, torch.nan_to_num(probs).sum(dim=1))
+        o_lat = torch.matmul(probs.to(q.dtype), latent)  # [B, H, r]
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
 
 
