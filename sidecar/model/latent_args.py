@@ -46,3 +46,17 @@ class GroupedRouting:
     topk_group: int
     scaling: float
     shared_intermediate_size: int
+
+
+def latent_attention_parameters(spec: LatentAttention, hidden: int, heads: int, bias: bool) -> int:
+    """Parameters of one MLA layer's attention with its two norms around it (as transformers counts them)."""
+    qk = spec.nope_dim + spec.rope_dim
+    if spec.q_lora_rank is None:
+        q = hidden * heads * qk
+    else:
+        q = hidden * spec.q_lora_rank + spec.q_lora_rank + spec.q_lora_rank * heads * qk
+        q += spec.q_lora_rank if bias else 0
+    kv_a = hidden * spec.cache_width + (spec.cache_width if bias else 0) + spec.kv_lora_rank
+    kv_b = spec.kv_lora_rank * heads * (spec.nope_dim + spec.v_dim)
+    out = heads * spec.v_dim * hidden + (hidden if bias else 0)
+    return q + kv_a + kv_b + out + 2 * hidden

@@ -128,3 +128,25 @@ def test_scored_eviction_adds_up_the_weights_the_latents_receive(latent_dirs):
     assert outs[0].request_id == rid and len(outs[0].token_ids) == 40
     assert eng.kv.num_evicted_blocks > 0
     assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("kind", LATENT_FAMILIES)
+def test_parameter_counts_match_the_hf_model(latent_dirs, kind):
+    import json
+
+    import transformers as tf
+
+    from sidecar.model.args import ModelArgs
+    from sidecar.model.moe import parameter_counts
+
+    cls = {"deepseek_v3": tf.DeepseekV3ForCausalLM, "mistral4": tf.Mistral4ForCausalLM}[kind]
+    hf = cls.from_pretrained(str(latent_dirs[kind]), dtype=torch.float32)
+    args = ModelArgs.from_hf_config(json.loads((latent_dirs[kind] / "config.json").read_text()))
+    total = sum(p.numel() for p in hf.parameters())
+    idle = 0  # routed experts a token does not use (the shared ones always run)
+    for layer in hf.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            n = sum(p.numel() for p in experts.parameters())
+            idle += n - n * args.experts_per_token // args.num_experts
+    assert parameter_counts(args) == (total, total - idle)
