@@ -210,7 +210,8 @@ def _load_weights(
             module = layer.get_submodule(ours)
             _set(module, "weight", _norm_weight(args, ckpt.get(f"{p}.{theirs}.weight")), dtype, device)
         mixer = attn if attn is not None else layer.linear_attn  # a gated DeltaNet's b / a stay float
-        for attr in ("qkv_proj", "o_proj", "gate_proj", "in_proj", "out_proj"):
+        mla = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # latent attention's (mla.py)
+        for attr in ("qkv_proj", "o_proj", "gate_proj", "in_proj", "out_proj", *mla):
             if getattr(mixer, attr, None) is not None:
                 _maybe_quantize(mixer, attr, cfg)
     _set(model.norm, "weight", _norm_weight(args, ckpt.get(f"{top}norm.weight")), dtype, device)

@@ -150,3 +150,26 @@ def test_parameter_counts_match_the_hf_model(latent_dirs, kind):
             n = sum(p.numel() for p in experts.parameters())
             idle += n - n * args.experts_per_token // args.num_experts
     assert parameter_counts(args) == (total, total - idle)
+
+
+def test_quantized_weights_cover_the_latent_projections_and_shared_experts(latent_dirs):
+    from tests.unit.server.test_kv_cache_dtype import prompts
+
+    d, ps, one = (
+        latent_dirs["deepseek_v3"],
+        prompts(16, seed=3),
+        SamplingParams(max_tokens=1, ignore_eos=True),
+    )
+
+    def first(llm: LLM) -> list[int]:
+        return [o.token_ids[0] for o in llm.generate(ps, one)]
+
+    ref = first(LLM(model=str(d), dtype="float32", num_kv_blocks=64))
+    llm = LLM(model=str(d), dtype="float32", num_kv_blocks=64, quantization="int8", quant_group_size=32)
+    layer = llm.engine.loaded.model.layers[1]
+    for lin in (layer.self_attn.q_a_proj, layer.self_attn.q_b_proj, layer.self_attn.kv_a_proj_with_mqa):
+        assert "int8" in type(lin).__name__.lower()
+    assert "int8" in type(layer.mlp.shared_experts.down_proj).__name__.lower()
+    # random weights with close logits: half the first tokens at least (a broken layer agrees by chance only)
+    assert sum(a == b for a, b in zip(ref, first(llm))) / len(ps) >= 0.5
+    assert_pool_whole(llm)
