@@ -21,7 +21,7 @@ from sidecar.engine import step_timing
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
-from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, cache_groups, plan_slots
+from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, groups_of, plan_slots
 from sidecar.engine.kv_copy import BlockCopier
 from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
@@ -168,9 +168,7 @@ class ModelRunner:
             "kv_cache_dtype_reason": self.kv_dtype_reason,
             "kv_cache_tokens": (self.num_blocks - 1) * self.block_size,
             **(self.states.info() if self.states is not None else {}),
-            "cache_groups": cache_groups(
-                len(self.kv_caches), self.kv_cache_bytes, (self.num_blocks - 1) * self.block_size, self.states
-            ),
+            "cache_groups": groups_of(self),
         }
 
     def read_block(self, block_id: int) -> torch.Tensor:

@@ -77,7 +77,9 @@ def test_the_cache_holds_the_latent_and_the_budget_counts_it(latent_dirs):
     assert kv_bytes_per_block(eng.loaded, 8) == per_block
     info = eng.model_info
     assert info["kv_cache_bytes"] == 20 * per_block
-    assert info["cache_groups"][0]["bytes"] == 20 * per_block
+    assert info["cache_groups"] == [
+        {"kind": "latent_attention", "layers": 3, "bytes": 20 * per_block, "tokens": 19 * 8}
+    ]
     dense = 2 * 3 * 8 * a.num_heads * a.head_dim * 4  # per-head K and V of the same heads
     assert per_block * 8 == dense  # a sixteenth of expanded keys and values here
     # a memory budget buys as many blocks as the latent size allows
