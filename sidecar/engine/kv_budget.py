@@ -40,7 +40,7 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: Optional[
     """Cache bytes of one block over the attention layers, K and V, with the scales of a quantized cache (a
     hybrid model's linear-attention layers keep state slots instead, ``linear_state.py``)."""
     a = loaded.args
-    if a.latent is not None:  # multi-head latent attention caches a latent per token and layer (mla.py)
+    if getattr(a, "latent", None) is not None:  # a latent per token and layer (mla.py)
         from sidecar.model import mla
 
         return mla.bytes_per_block(a, block_size, kv_dtype or loaded.dtype)
