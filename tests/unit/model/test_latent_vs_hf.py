@@ -175,3 +175,17 @@ def test_quantized_weights_cover_the_latent_projections_and_shared_experts(laten
     # random weights with close logits: half the first tokens at least (a broken layer agrees by chance only)
     assert sum(a == b for a, b in zip(ref, first(llm))) / len(ps) >= 0.5
     assert_pool_whole(llm)
+
+
+def test_the_self_check_turns_the_attention_kernels_off_with_their_reason(latent_dirs, hf_refs):
+    from sidecar.engine import self_check
+    from sidecar.model.mla import FAST_PATH_REASON
+
+    llm = LLM(model=str(latent_dirs["mistral4"]), dtype="float32", block_size=8)
+    runner = llm.engine.runner
+    fallbacks = self_check.run(runner, paths=["attention", "rope_kv"])
+    assert fallbacks == {"attention": FAST_PATH_REASON, "rope_kv": FAST_PATH_REASON}
+    assert not runner.fast_paths.attention and not runner.fast_paths.rope_kv
+    # the probe's blocks were put back: serving afterwards is exact
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_refs["mistral4"]
+    assert_pool_whole(llm)
