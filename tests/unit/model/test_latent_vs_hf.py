@@ -119,7 +119,7 @@ def test_int8_kv_and_tensor_parallelism_are_refused_by_name(latent_dirs):
 def test_scored_eviction_adds_up_the_weights_the_latents_receive(latent_dirs):
     llm = LLM(model=str(latent_dirs["deepseek_v3"]), dtype="float32", block_size=8, num_kv_blocks=12)
     eng, a = llm.engine, llm.engine.loaded.args
-    params = SamplingParams(max_tokens=40, ignore_eos=True, kv_budget=32, kv_eviction="h2o")
+    params = SamplingParams(max_tokens=24, ignore_eos=True, kv_budget=32, kv_eviction="h2o")
     rid = eng.add_request(None, PROMPTS[1][:20], params)
     eng.step()  # the prompt: each of its rows gives weight 1 per head and layer to its keys
     torch.testing.assert_close(eng.runner.kv_scores.sum().item(), a.num_layers * a.num_heads * 20.0)
@@ -127,7 +127,7 @@ def test_scored_eviction_adds_up_the_weights_the_latents_receive(latent_dirs):
     torch.testing.assert_close(eng.runner.kv_scores.sum().item(), a.num_layers * a.num_heads * 21.0)
     while eng.has_unfinished_requests():
         outs = eng.step()
-    assert outs[0].request_id == rid and len(outs[0].token_ids) == 40
+    assert outs[0].request_id == rid and len(outs[0].token_ids) == 24
     assert eng.kv.num_evicted_blocks > 0
     assert_pool_whole(llm)
 
