@@ -39,9 +39,13 @@ class KVBudget:
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: Optional[torch.dtype] = None) -> int:
     """Cache bytes of one block over the layers that keep KV (each at its own heads and head size), K and V,
     with the scales of a quantized cache (a hybrid model's linear-attention layers keep state slots instead,
-    ``linear_state.py``; layers sharing another's KV keep none)."""
-    dtype = kv_dtype or loaded.dtype
-    per_token = sum(nkv * kv_quant.bytes_per_token_head(dtype, hd) for nkv, hd in loaded.args.kv_shapes())
+    ``linear_state.py``; layers sharing another's KV keep none; latent attention a latent per token)."""
+    a, dtype = loaded.args, kv_dtype or loaded.dtype
+    if getattr(a, "latent", None) is not None:  # a latent per token and layer (mla.py)
+        from sidecar.model import mla
+
+        return mla.bytes_per_block(a, block_size, dtype)
+    per_token = sum(nkv * kv_quant.bytes_per_token_head(dtype, hd) for nkv, hd in a.kv_shapes())
     return 2 * block_size * per_token
 
 

@@ -93,11 +93,16 @@ class LinearStates:
 
 
 def cache_groups(
-    attention_layers: int, kv_bytes: int, kv_tokens: int, states: Optional[LinearStates]
+    attention_layers: int,
+    kv_bytes: int,
+    kv_tokens: int,
+    states: Optional[LinearStates],
+    kind: str = "attention",
 ) -> list[dict]:
-    """The model's cache groups as ``/v1/models`` lists them: the paged KV of its attention layers, and a
-    hybrid model's linear-attention state slots."""
-    groups = [{"kind": "attention", "layers": attention_layers, "bytes": kv_bytes, "tokens": kv_tokens}]
+    """The model's cache groups as ``/v1/models`` lists them: the paged KV of its attention layers (``kind``
+    "latent_attention" where they cache latents, model/mla.py), and a hybrid model's linear-attention state
+    slots."""
+    groups = [{"kind": kind, "layers": attention_layers, "bytes": kv_bytes, "tokens": kv_tokens}]
     if states is not None:
         groups.append(
             {
@@ -109,6 +114,14 @@ def cache_groups(
             }
         )
     return groups
+
+
+def groups_of(runner) -> list[dict]:
+    """``cache_groups`` of a ``ModelRunner``: its KV pool (of latents for multi-head latent attention) and
+    its state slots."""
+    kind = "latent_attention" if runner.model.args.latent is not None else "attention"
+    tokens = (runner.num_blocks - 1) * runner.block_size
+    return cache_groups(len(runner.kv_caches), runner.kv_cache_bytes, tokens, runner.states, kind)
 
 
 class SlotPool:

@@ -21,12 +21,12 @@ from sidecar.engine import step_timing
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
-from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, cache_groups, plan_slots
+from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, groups_of, plan_slots
 from sidecar.engine.kv_copy import BlockCopier
 from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
-from sidecar.model import kv_quant
+from sidecar.model import kv_quant, mla
 from sidecar.model.attention import AttentionMetadata, PrefillSegment
 from sidecar.model.kernels.gpu_paths import PATH_NAMES, FastPaths
 from sidecar.model.loader import LoadedModel
@@ -52,12 +52,14 @@ class ModelRunner:
         self.kv_dtype, self.kv_dtype_reason = kv_quant.resolve_kv_dtype(
             config.kv_cache_dtype, self.device, self.dtype
         )
+        mla.check_kv_dtype(loaded.args, self.kv_dtype, self.dtype)
         self.kv_budget = plan_kv_budget(config, loaded, self.kv_dtype)  # a smaller element holds more tokens
         self.num_blocks = self.kv_budget.num_blocks
         a = self.model.args  # a tensor-parallel rank's own KV heads
-        self.kv_caches = [  # each at its layer's own shape; layers reading another's cache keep none
-            kv_quant.allocate(self.num_blocks, self.block_size, nkv, hd, self.kv_dtype, self.device)
-            for nkv, hd in a.kv_shapes()  # a hybrid model's linear layers keep state slots instead
+        self.kv_caches = [  # per-head K/V at each layer's own shape (layers reading another's cache keep
+            # none), or a latent and a rotary key part per token (mla.py)
+            mla.layer_cache(a, self.num_blocks, self.block_size, self.kv_dtype, self.device, shape)
+            for shape in a.kv_shapes()  # a hybrid model's linear layers keep state slots instead
         ]
         slots = plan_slots(a, self.dtype, config.max_num_seqs, self.kv_budget.bytes) if a.linear_layers else 0
         self.states = LinearStates(a, slots, self.dtype, self.device) if slots else None
@@ -167,9 +169,7 @@ class ModelRunner:
             "kv_cache_dtype_reason": self.kv_dtype_reason,
             "kv_cache_tokens": (self.num_blocks - 1) * self.block_size,
             **(self.states.info() if self.states is not None else {}),
-            "cache_groups": cache_groups(
-                len(self.kv_caches), self.kv_cache_bytes, (self.num_blocks - 1) * self.block_size, self.states
-            ),
+            "cache_groups": groups_of(self),
         }
 
     def read_block(self, block_id: int) -> torch.Tensor:

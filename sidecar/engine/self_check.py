@@ -141,6 +141,14 @@ def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[S
         paths.remove("attention")
         fp.disable("attention", "attention sinks: the Triton decode kernel does not take them; torch attends")
         log.warning("fast path attention off: %s", fp.reasons["attention"])
+    if runner.model.args.latent is not None:  # never given latent caches (mla.py)
+        from sidecar.model.mla import FAST_PATH_REASON
+
+        for name in ("attention", "rope_kv"):
+            if name in paths:
+                paths.remove(name)
+                fp.disable(name, FAST_PATH_REASON)
+                log.warning("fast path %s off: %s", name, FAST_PATH_REASON)
     bs, vocab = runner.block_size, runner.model.args.vocab_size
     seqs = min(PROBE_SEQS, runner.inputs.max_batch)
     prompt_len = bs + 3  # one full block and a partial one: both block-table cases

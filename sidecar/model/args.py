@@ -11,6 +11,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sidecar.model.latent_args import GroupedRouting, LatentAttention
 from sidecar.model.rope import RopeSpec
 
 # HF architecture -> the module (sidecar.model.<name>) that maps its config.
@@ -31,6 +32,8 @@ FAMILIES = {
     "Llama4ForConditionalGeneration": "llama4",  # its text model; the vision tower is not loaded
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",  # its text model; the vision and audio towers are not loaded
+    "DeepseekV3ForCausalLM": "deepseek",
+    "Mistral4ForCausalLM": "deepseek",
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MODEL_TYPES = {
@@ -50,6 +53,8 @@ _MODEL_TYPES = {
     "llama4": "Llama4ForConditionalGeneration",
     "gemma4_text": "Gemma4ForCausalLM",
     "gemma4": "Gemma4ForConditionalGeneration",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "mistral4": "Mistral4ForCausalLM",
 }
 
 
@@ -142,6 +147,10 @@ class ModelArgs:
     layer_head_dims: Optional[tuple[int, ...]] = None
     layer_kv_heads: Optional[tuple[int, ...]] = None
     kv_source: Optional[tuple[int, ...]] = None
+    # Multi-head latent attention (mla.py) in every layer, and group-limited routing with shared experts
+    # (grouped_moe.py) in the sparse ones: DeepSeek V3, Mistral 4
+    latent: Optional[LatentAttention] = None
+    routing: Optional[GroupedRouting] = None
     # where the decoder's tensors sit in the checkpoint (a multimodal one nests the text model deeper)
     checkpoint_prefix: str = "model."
     # Llama 4 (llama4.py, attention_local.py): per layer, the chunk its tokens attend within (a token at p sees

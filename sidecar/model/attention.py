@@ -76,6 +76,8 @@ class AttentionMetadata:
     kv_scores: Optional[torch.Tensor] = None
     # Hybrid models: [Bd] long, the linear-attention state slot of each decode row (deltanet.py)
     decode_state_slots: Optional[torch.Tensor] = None
+    # [T] long: each new token's position, set by CausalLM.forward (Mistral 4's position-scaled queries, mla.py)
+    positions: Optional[torch.Tensor] = None
     _decode_masks: dict = field(default_factory=dict)
 
     def decode_mask(self, sliding_window: Optional[int]) -> torch.Tensor:

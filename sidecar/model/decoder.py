@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from sidecar.model import rope
+from sidecar.model import grouped_moe, mla, rope
 from sidecar.model.args import ModelArgs
 from sidecar.model.attention import AttentionMetadata, sdpa_backends
 from sidecar.model.kernels.gpu_paths import FastPaths
@@ -31,9 +31,14 @@ class CausalLM(nn.Module):
         self.args = args
         self.fast_paths = FastPaths()  # all off: the runner's self-check turns paths on
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        moe = grouped_moe.GroupedMoE if args.routing is not None else SparseMoE
         self.layers = nn.ModuleList(
             DecoderLayer(
-                args, i, self.fast_paths, SparseMoE(args, self.fast_paths) if args.sparse(i) else None
+                args,
+                i,
+                self.fast_paths,
+                moe(args, self.fast_paths) if args.sparse(i) else None,
+                mla.LatentAttention(args, self.fast_paths) if args.latent is not None else None,
             )
             for i in range(args.num_layers)
         )
@@ -89,6 +94,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: [T] (positions plus ``rope_offset``). Returns final hidden states [T, hidden]."""
         cos, sin = self.rope_rows(positions)
+        meta.positions = positions
         return self.forward_embedded(self.embed(input_ids), cos, sin, kv_caches, meta)
 
     def rope_rows(

@@ -255,14 +255,20 @@ class DecoderLayer(nn.Module):
     ``post_attention_layernorm`` is always the norm in front of the MLP (HF Gemma's pre_feedforward_layernorm)."""
 
     def __init__(
-        self, args: ModelArgs, layer: int, paths: Optional[FastPaths] = None, mlp: Optional[nn.Module] = None
+        self,
+        args: ModelArgs,
+        layer: int,
+        paths: Optional[FastPaths] = None,
+        mlp: Optional[nn.Module] = None,
+        attn: Optional[nn.Module] = None,
     ) -> None:
-        """``mlp``: the layer's MLP where it is not the dense one (a mixture of experts, moe.py)."""
+        """``mlp``: the layer's MLP where it is not the dense one (a mixture of experts, moe.py); ``attn``: its
+        attention where it is not ``Attention`` (multi-head latent attention, mla.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
         # The mixer: paged attention, or a gated DeltaNet (deltanet.py) whose ``kv`` is its state slots
         linear = args.is_linear(layer)
-        self.self_attn = None if linear else Attention(args, layer, paths)
+        self.self_attn = None if linear else (attn if attn is not None else Attention(args, layer, paths))
         self.linear_attn = GatedDeltaNet(args) if linear else None
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, paths)
         self.mlp = MLP(args, paths) if mlp is None else mlp
@@ -284,7 +290,7 @@ class DecoderLayer(nn.Module):
         """The residual stream ``h`` arrives without the previous layer's output ``delta`` added (the add is
         fused into this layer's first norm); returns the stream and this layer's output, likewise."""
         ops = _triton(self.input_layernorm.fast_paths, "gemv", h)
-        if self.linear_attn is not None:
+        if self.linear_attn is not None or getattr(self.self_attn, "latent", False):
             ops = None
         if ops is not None and self._fusable(ops, h, delta):  # one row: four kernels, norms and silu fused in
             attn, mlp = self.self_attn, self.mlp

@@ -194,7 +194,11 @@ def _load_weights(
         attn, mlp = layer.self_attn, layer.mlp
         fused = args.fused_checkpoint  # Phi-3 stores the projections already fused
         gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-        if attn is None or attn.gate_proj is not None:  # hybrid layers (deltanet.py)
+        if getattr(attn, "latent", False):  # multi-head latent attention (mla.py)
+            from sidecar.model.mla import load as load_latent
+
+            load_latent(attn, ckpt.get, p, lambda m, n, t: _set(m, n, t, dtype, device))
+        elif attn is None or attn.gate_proj is not None:  # hybrid layers (deltanet.py)
             load_hybrid_mixer(layer, ckpt.get, p, lambda m, n, t: _set(m, n, t, dtype, device))
         else:
             qkv = [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
@@ -213,7 +217,8 @@ def _load_weights(
             module = layer.get_submodule(ours)
             _set(module, "weight", _norm_weight(args, ckpt.get(f"{p}.{theirs}.weight")), dtype, device)
         mixer = attn if attn is not None else layer.linear_attn  # a gated DeltaNet's b / a stay float
-        for attr in ("qkv_proj", "o_proj", "gate_proj", "in_proj", "out_proj"):
+        mla = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")  # latent attention's (mla.py)
+        for attr in ("qkv_proj", "o_proj", "gate_proj", "in_proj", "out_proj", *mla):
             if getattr(mixer, attr, None) is not None:
                 _maybe_quantize(mixer, attr, cfg)
     _set(model.norm, "weight", _norm_weight(args, ckpt.get(f"{top}norm.weight")), dtype, device)
@@ -245,7 +250,9 @@ def _load_experts(
     from sidecar.model.moe import block_tensors
 
     codes = args.expert_bias and not plain and not mxfp4.keeps_codes(device, cfg.quantization)
-    for expert, parts in block_tensors(moe, ckpt.get, ckpt.__contains__, layer_prefix, codes):
+    tensors = getattr(moe, "block_tensors", None)  # a block with parts of its own (grouped_moe.py)
+    parts_of = tensors(ckpt.get, ckpt.__contains__, layer_prefix) if tensors is not None else None
+    for expert, parts in parts_of or block_tensors(moe, ckpt.get, ckpt.__contains__, layer_prefix, codes):
         for module, name, tensor in parts:
             _set(module, name, tensor, dtype, device)
         for attr in ("gate_up_proj", "down_proj") if expert is not None else ():
@@ -352,6 +359,10 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
             "interleaved rope: rope, q/k L2 norms and the KV write run on the torch path (the fused rope + "
             "KV-write kernels rotate halves); attention takes the kernels"
         )
+    if args.latent is not None:
+        from sidecar.model.mla import FAST_PATH_REASON
+
+        log.info("multi-head latent attention: %s", FAST_PATH_REASON)
     model.init_rope(max_len, device, dtype)
     model.share_fast_paths()
     model.eval()

@@ -229,6 +229,11 @@ class LoraLayers:
                 f"lora: {args.architecture} is a mixture-of-experts model; LoRA adapters are not supported on "
                 "its expert layers (serve it without lora_modules / enable_lora)"
             )
+        if args.latent is not None:
+            raise ValueError(
+                f"lora: {args.architecture} has multi-head latent attention layers; LoRA adapters are not "
+                "supported on them (serve it without lora_modules / enable_lora)"
+            )
         if args.linear_layers:
             raise ValueError(
                 f"lora: {args.architecture} has linear-attention layers; LoRA adapters are not supported on "

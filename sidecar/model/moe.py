@@ -32,6 +32,7 @@ from torch import nn
 
 from sidecar.model.args import ModelArgs
 from sidecar.model.kernels.gpu_paths import FastPaths
+from sidecar.model.latent_args import latent_attention_parameters
 from sidecar.model.layers import MLP
 from sidecar.model.linear import Linear
 
@@ -225,11 +226,15 @@ def parameter_counts(args: ModelArgs) -> tuple[int, int]:
         attn += 2 * h
     if args.attn_sinks:
         attn += args.num_heads
+    if args.latent is not None:
+        attn = latent_attention_parameters(args.latent, h, args.num_heads, args.attention_bias)
     dense = 3 * h * args.intermediate_size + (2 * args.intermediate_size + h if args.mlp_bias else 0)
     expert = 3 * h * args.expert_intermediate_size
     if args.expert_bias:
         expert += 2 * args.expert_intermediate_size + h
     router = args.num_experts * (h + (1 if args.router_bias else 0)) + 3 * h * args.shared_expert_size
+    if args.routing is not None:  # the shared experts run for every token (grouped_moe.py)
+        router += 3 * h * args.routing.shared_intermediate_size
     total = active = args.vocab_size * h * (1 if args.tie_word_embeddings else 2) + h
     for i in range(args.num_layers):
         if args.sparse(i):

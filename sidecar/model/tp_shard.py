@@ -80,6 +80,8 @@ class Shard:
             problems.append("linear-attention layers, gated attention output or attention sinks")
         if args.layer_head_dims or args.kv_source:
             problems.append("layers of different head sizes or shared KV")
+        if args.latent is not None:
+            problems.append("multi-head latent attention layers")
         if problems:
             raise ValueError(
                 f"tensor_parallel_size: {args.architecture} cannot be split over {n} ranks: "
