@@ -197,6 +197,13 @@ class EngineConfig:
         "processes one model is split across (attention heads, MLP and vocabulary divided between them; "
         "gloo on CPU, NCCL on CUDA); 1 = no split",
     )
+    # Pipeline parallelism (engine/pp.py): this process is stage 0 (embedding, first layers, schedules and
+    # samples); stages 1..M-1 are spawned workers, each holding the next contiguous layers and their KV pool.
+    pipeline_parallel_size: int = setting(
+        1,
+        "processes one model's layers are split across in contiguous stages (hidden states sent stage to "
+        "stage; gloo on CPU, NCCL on CUDA); 1 = no split",
+    )
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -371,14 +378,21 @@ class EngineConfig:
         self._validate_tensor_parallel()
 
     def _validate_tensor_parallel(self) -> None:
-        tp = self.tensor_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            _require(
+                isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 64,
+                name,
+                f"must be an integer in [1, 64], got {size!r}",
+            )
         _require(
-            isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 64,
-            "tensor_parallel_size",
-            f"must be an integer in [1, 64], got {tp!r}",
+            tp == 1 or pp == 1,
+            "pipeline_parallel_size",
+            f"cannot be combined with tensor_parallel_size {tp} yet (use one of the two)",
         )
-        if tp == 1:
+        if tp == 1 and pp == 1:
             return
+        split = f"tensor_parallel_size {tp}" if tp > 1 else f"pipeline_parallel_size {pp}"
         # Each of these runs state that lives on rank 0 alone (adapter slots, proposer passes, offloaded
         # blocks, attention scores of its own heads), so under a split model it would compute something else.
         refused = {
@@ -391,7 +405,7 @@ class EngineConfig:
             "overlap_steps": bool(self.overlap_steps),
         }
         for name, used in refused.items():
-            _require(not used, name, f"is not supported with tensor_parallel_size {tp} > 1")
+            _require(not used, name, f"is not supported with {split} > 1")
 
 
 @dataclass

@@ -18,7 +18,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from sidecar.model.model_source import (  # noqa: F401 (re-exported: callers imp
     resolve_device,
     resolve_model_dir,
 )
+from sidecar.model.pp_stage import Stage
 from sidecar.model.tp_shard import Shard
 
 log = logging.getLogger("sidecar.model")
@@ -183,6 +184,8 @@ def _load_weights(
             disable=not log.isEnabledFor(logging.INFO),
         )
     ):
+        if isinstance(layer, nn.Identity):  # another pipeline stage's layer (pp_stage.py)
+            continue
         p = f"{top}layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         fused = args.fused_checkpoint  # Phi-3 stores the projections already fused
@@ -267,12 +270,13 @@ def _eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...
     return tuple(dict.fromkeys(ids))
 
 
-def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = None) -> LoadedModel:
+def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, None] = None) -> LoadedModel:
     """Load config, tokenizer and weights for ``cfg.model``. Raises ValueError naming the problem.
 
     On CPU the full-precision linear layers are then packed for oneDNN (``linear_layout.pack_weights``);
     ``pack=False`` keeps plain weights, for callers that read or save them. With ``shard`` the model holds one
-    tensor-parallel rank's slices (tp_shard.py); ``args`` stay the whole model's."""
+    tensor-parallel rank's slices (tp_shard.py), or one pipeline stage's layers (pp_stage.py); ``args`` stay
+    the whole model's."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     from sidecar.model.gguf import find_gguf, model_dir_for
@@ -290,8 +294,11 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
     quant_file = model_dir / "quantization_config.json"
     with torch.device("meta"):
         model = CausalLM(args if shard is None else shard.local_args(args))
+    split = "pipeline_parallel_size" if isinstance(shard, Stage) else "tensor_parallel_size"
+    if isinstance(shard, Stage):
+        shard.prune(model)
     if quant_file.exists() and shard is not None:
-        raise ValueError(f"tensor_parallel_size: {model_dir} is a quantized checkpoint; split its source")
+        raise ValueError(f"{split}: {model_dir} is a quantized checkpoint; split its source")
     if quant_file.exists():
         from sidecar.model.quant_checkpoint import load_quantized_model
 
@@ -310,7 +317,7 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
             from sidecar.model.hf_quant import load_hf_quantized
 
             if shard is not None:
-                raise ValueError("tensor_parallel_size: checkpoints with a quantization_config are not split")
+                raise ValueError(f"{split}: checkpoints with a quantization_config are not split")
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
         _load_weights(model, ckpt if shard is None else shard.checkpoint(ckpt, args), cfg, dtype, device)
     max_len = args.max_position_embeddings

@@ -51,6 +51,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--max-lora-rank", "engine", "max_lora_rank"),
     ("--overlap-steps", "engine", "overlap_steps"),
     ("--tensor-parallel-size", "engine", "tensor_parallel_size"),
+    ("--pipeline-parallel-size", "engine", "pipeline_parallel_size"),
     ("--host", "server", "host"),
     ("--grpc-port", "server", "grpc_port"),
     ("--http-port", "server", "http_port"),
