@@ -204,6 +204,13 @@ class EngineConfig:
         "processes one model's layers are split across in contiguous stages (hidden states sent stage to "
         "stage; gloo on CPU, NCCL on CUDA); 1 = no split",
     )
+    # Multi-host rendezvous (engine/rendezvous.py): each node runs `sidecar serve` with its node_rank; node 0
+    # serves, the others only run their ranks. torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT fill
+    # these when set (with_torchrun_env), one node per torchrun process.
+    nnodes: int = setting(1, "hosts the split model's ranks are spread over (each runs sidecar serve)")
+    node_rank: int = setting(0, "this host's index among nnodes; 0 serves, the others only run their ranks")
+    master_addr: str = setting("127.0.0.1", "address of node 0, where the ranks rendezvous")
+    master_port: int = setting(0, "port node 0 serves the rendezvous store on (0: a free one, one host only)")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -390,6 +397,7 @@ class EngineConfig:
             "pipeline_parallel_size",
             f"cannot be combined with tensor_parallel_size {tp} yet (use one of the two)",
         )
+        self._validate_nodes(tp * pp)
         if tp == 1 and pp == 1:
             return
         split = f"tensor_parallel_size {tp}" if tp > 1 else f"pipeline_parallel_size {pp}"
@@ -406,6 +414,51 @@ class EngineConfig:
         }
         for name, used in refused.items():
             _require(not used, name, f"is not supported with {split} > 1")
+
+    def _validate_nodes(self, world: int) -> None:
+        n = self.nnodes
+        _require(
+            isinstance(n, int) and n >= 1 and world % n == 0,
+            "nnodes",
+            f"must divide the ranks (tensor_parallel_size x pipeline_parallel_size = {world}), got {n!r}",
+        )
+        _require(
+            isinstance(self.node_rank, int) and 0 <= self.node_rank < n,
+            "node_rank",
+            f"must be in [0, nnodes = {n}), got {self.node_rank!r}",
+        )
+        _require(
+            isinstance(self.master_port, int) and 0 <= self.master_port <= 65535,
+            "master_port",
+            f"must be a port number, got {self.master_port!r}",
+        )
+        _require(n == 1 or self.master_port > 0, "master_port", "must be set (not 0) when nnodes > 1")
+        _require(isinstance(self.master_addr, str) and self.master_addr, "master_addr", "must be a host")
+
+    def with_torchrun_env(self, env: dict) -> "EngineConfig":
+        """This config with torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as node_rank / nnodes /
+        master_addr / master_port, where the environment has all four and the config kept their defaults."""
+        names = {
+            "RANK": "node_rank",
+            "WORLD_SIZE": "nnodes",
+            "MASTER_ADDR": "master_addr",
+            "MASTER_PORT": "master_port",
+        }
+        if not all(var in env for var in names):  # torchrun sets all four
+            return self
+        changes = {}
+        for var, name in names.items():
+            if var in env and getattr(self, name) == EngineConfig.__dataclass_fields__[name].default:
+                value = env[var]
+                changes[name] = value if name == "master_addr" else _env_int(var, value)
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+def _env_int(var: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{var}: must be an integer, got {value!r}") from None
 
 
 @dataclass

@@ -33,6 +33,7 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.request import SamplingParams
 from sidecar.model import kv_quant
+from sidecar.engine import rendezvous
 from sidecar.engine.dist_inputs import pack_inputs, unpack_inputs
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model, resolve_device
@@ -50,7 +51,9 @@ class TPWorkerLost(RuntimeError):
     """The tensor-parallel group broke (a worker exited, or a collective failed): the model cannot run."""
 
 
-def make_group(backend: str, store: Any, rank: int, world: int, timeout_s: float) -> Any:
+def make_group(
+    backend: str, store: Any, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1"
+) -> Any:
     """This model's own process group (not torch.distributed's default one) over ``store``."""
     import torch.distributed as dist
 
@@ -62,7 +65,7 @@ def make_group(backend: str, store: Any, rank: int, world: int, timeout_s: float
         return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(prefixed, rank, world, opts)
 
 
@@ -96,10 +99,11 @@ def _threads(config: EngineConfig) -> int:
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """Rank ``rank``'s config: its own GPU on CUDA."""
+    """Rank ``rank``'s config: its own GPU of its node on CUDA."""
     if resolve_device(config.device).type != "cuda":
         return config
-    return dataclasses.replace(config, device=f"cuda:{rank}")
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    return dataclasses.replace(config, device=f"cuda:{rendezvous.local_rank(world, config.nnodes, rank)}")
 
 
 def load(config: EngineConfig) -> tuple[Optional["TensorParallel"], LoadedModel]:
@@ -121,7 +125,6 @@ class TensorParallel:
     option, label = "tensor_parallel_size", "tensor-parallel"
 
     def __init__(self, config: EngineConfig) -> None:
-        import torch.distributed as dist
         import torch.multiprocessing as mp
 
         self.world = getattr(config, self.option)
@@ -130,19 +133,19 @@ class TensorParallel:
         torch.set_num_threads(_threads(config))
         if self.backend == "nccl":
             torch.cuda.set_device(resolve_device(_rank_config(config, 0).device))
-        store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            self.world,
-            True,
-            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-            wait_for_workers=False,
-        )
+        addr = config.master_addr
+        store = rendezvous.connect(addr, config.master_port, self.world, server=True)
         ctx = mp.get_context("spawn")
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}
+        self.watchdog: Optional[rendezvous.Watchdog] = None
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
-        for rank in range(1, self.world):
+        local = rendezvous.node_ranks(self.world, config.nnodes, 0)
+        for rank in range(1, self.world):  # the other nodes' ranks are spawned by their own agents
+            if rank not in local:
+                conn = rendezvous.StoreConn(addr, store.port, self.world, rank, "rank0")
+                self.procs[rank], self.conns[rank] = rendezvous.RemoteProc(store, rank), conn
+                continue
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
                 target=self.worker_main,
@@ -155,10 +158,12 @@ class TensorParallel:
             self.procs[rank], self.conns[rank] = proc, mine
         try:
             wait_for_ranks(store, self.procs, START_TIMEOUT_S, self.option)
-            group = make_group(self.backend, store, 0, self.world, COLLECTIVE_TIMEOUT_S)
+            host = rendezvous.bind_host(addr)
+            group = make_group(self.backend, store, 0, self.world, COLLECTIVE_TIMEOUT_S, host)
         except BaseException:
             self.close()
             raise
+        self.watchdog = rendezvous.Watchdog(addr, store.port, self.world, self.procs)
         self.store = store  # the workers' connection to it stays up while the group lives
         self.group = group
         self.shard = self.rank_zero_shard(group)
@@ -244,11 +249,17 @@ class TensorParallel:
     def fail(self, exc: BaseException) -> None:
         """Break the group for good: record why (the first dead worker, else the error) and end the workers,
         which may wait in a collective that will never complete."""
-        time.sleep(0.05)  # a peer's closed connection can arrive before its exit status
-        dead = [(r, p) for r, p in self.procs.items() if p.exitcode is not None]
+        deadline = time.monotonic() + 1.0  # a peer's closed connection can arrive before its exit status
+        dead = []
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = [(r, p) for r, p in self.procs.items() if p.exitcode is not None]
         if dead:
             r, p = dead[0]
             self.broken = f"{self.label} worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            hung = self.watchdog.hung.get(r) if self.watchdog is not None else None
+            if hung is not None:
+                self.broken += f" after its heartbeat stopped for {hung:.0f} s"
             said = _last_error(self.conns[r])
             self.broken += f" ({said})" if said else ""
         else:
@@ -258,6 +269,8 @@ class TensorParallel:
 
     def close(self) -> None:
         """End the workers (idempotent)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self._finalizer()
 
 
@@ -312,18 +325,17 @@ class RankZeroModel:
 
 def join_group(rank: int, world: int, port: int, config: EngineConfig) -> Any:
     """A worker's side of start-up: join rank 0's store, then the process group (returned)."""
-    import torch.distributed as dist
-
     torch.set_num_threads(_threads(config))
-    store = dist.TCPStore(
-        "127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S)
-    )
+    store = rendezvous.connect(config.master_addr, port, world)
     store.set(f"joined/{rank}", str(os.getpid()))
+    rendezvous.beat(config.master_addr, port, world, rank)
     device = resolve_device(config.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(device)
-    return make_group(backend, store, rank, world, COLLECTIVE_TIMEOUT_S)
+    return make_group(
+        backend, store, rank, world, COLLECTIVE_TIMEOUT_S, rendezvous.bind_host(config.master_addr)
+    )
 
 
 def run_worker(conn: Any, body: Any, *args: Any) -> None:
