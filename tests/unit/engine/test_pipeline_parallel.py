@@ -144,6 +144,26 @@ def test_prompt_logprobs_refused(engines):
     _pool_whole(llm)
 
 
+def test_stopped_stage_is_ended_by_its_heartbeat(engines):
+    """A stage that stops (SIGSTOP: alive, silent) is ended by rank 0's watchdog once its heartbeat is stale,
+    well before a collective timeout; the requests fail naming it. Last use of the qwen2 engine."""
+    llm, prompts, _ = engines["qwen2"]
+    eng = llm.engine
+    ids = [eng.add_request(None, p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts[:2]]
+    outs = {o.request_id: o for o in eng.step()}
+    (pid,) = eng.tp.pids().values()
+    os.kill(pid, signal.SIGSTOP)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    for rid in ids:
+        assert outs[rid].finish_reason == "abort"
+        assert "pipeline-parallel worker rank 1" in outs[rid].abort_reason
+        assert "after its heartbeat stopped for" in outs[rid].abort_reason
+    assert eng.tp.watchdog.hung.keys() == {1}
+    _pool_whole(llm)
+
+
 def test_killed_stage_fails_requests_instead_of_hanging(engines):
     """Last in this module: it breaks the llama engine's stages for good."""
     llm, prompts, _ = engines["llama"]
