@@ -25,7 +25,8 @@ import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine.dist_inputs import pack_inputs, unpack_inputs
-from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group, run_worker, worker_pool
+from sidecar.engine.rendezvous import run_worker
+from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group, worker_pool
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model
 from sidecar.model.pp_stage import Stage, final_logits, run_layers, stage_args

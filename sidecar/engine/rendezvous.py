@@ -17,7 +17,9 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import pickle
+import os
 import socket
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -98,10 +100,21 @@ class StoreConn:
             time.sleep(0.005)
 
     def recv(self) -> Any:
-        """The next message; an idle wait has no deadline (EOFError once the store's host is gone)."""
-        while not self.poll(1.0):
-            pass
+        """The next message; an idle wait has no deadline (EOFError once the store's host is gone). The store
+        wakes the wait when the key is set: no polling delay on the step's path."""
+        import torch.distributed as dist
+
         key = self._key(False, self.read)
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=5))
+                break
+            except dist.DistNetworkError as exc:
+                raise EOFError(str(exc)) from exc
+            except dist.DistStoreError:  # an idle wait's timeout: wait again
+                continue
+            except RuntimeError as exc:
+                raise EOFError(str(exc)) from exc
         try:
             data = self.store.get(key)
             self.store.delete_key(key)
@@ -138,7 +151,9 @@ class RemoteProc:
         return int(self.store.get(key)) if self.store.check([key]) else None
 
     def join(self, timeout: float) -> None:
-        time.sleep(min(timeout, 0.1))
+        deadline = time.monotonic() + timeout
+        while self.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def kill(self) -> None:
         self.store.set(f"kill/{self.rank}", "1")
@@ -188,3 +203,23 @@ class Watchdog:
                 elif now - seen[r][1] > HEARTBEAT_TIMEOUT_S and proc.exitcode is None and r not in self.hung:
                     self.hung[r] = now - seen[r][1]
                     proc.kill()  # rank 0's wait on its connections then fails at once
+
+
+def run_worker(conn: Any, body: Any, *args: Any) -> None:
+    """``body(*args)`` as a worker process's life: closed by rank 0, or rank 0 gone, it exits 0 at once (no
+    process-group teardown, which can wait on peers); an error is reported on ``conn`` (rank 0 names this
+    rank) and the process exits 1."""
+    code = 0
+    try:
+        body(*args)
+    except (EOFError, KeyboardInterrupt):  # rank 0 is gone
+        pass
+    except BaseException as exc:
+        code = 1
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except (OSError, EOFError):
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

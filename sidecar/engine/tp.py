@@ -338,24 +338,9 @@ def join_group(rank: int, world: int, port: int, config: EngineConfig) -> Any:
     )
 
 
-def run_worker(conn: Any, body: Any, *args: Any) -> None:
-    """``body(*args)`` as a worker process's life: rank 0 gone ends it quietly; an error is reported on
-    ``conn`` (rank 0 names this rank) and the process exits 1."""
-    try:
-        body(*args)
-    except (EOFError, KeyboardInterrupt):  # rank 0 is gone
-        pass
-    except BaseException as exc:
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        except (OSError, EOFError):
-            pass
-        os._exit(1)
-
-
 def _worker_main(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:
     """A worker rank: join the group, load its slices, allocate its pool, then run what rank 0 sends."""
-    run_worker(conn, _worker_body, rank, world, port, config, conn)
+    rendezvous.run_worker(conn, _worker_body, rank, world, port, config, conn)
 
 
 def _worker_body(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:

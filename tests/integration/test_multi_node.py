@@ -90,12 +90,26 @@ def test_pipeline_stages_on_two_nodes_answer_and_fail_together(sidecar_launcher)
         assert node1.returncode == 1
 
 
-def test_tensor_parallel_ranks_rendezvous_through_torchrun_variables(sidecar_launcher):
+def test_tensor_parallel_ranks_rendezvous_through_torchrun_variables():
+    """Node 1 takes its place from torchrun's variables; node 0 is an in-process LLM (its rank 1 is remote, so
+    it spawns nothing). Closing node 0 ends node 1 cleanly."""
     port = _free_port()
-    split = ("--tensor-parallel-size", "2")
-    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    with _second_node(split, port, env={**torchrun, "RANK": "1"}, flags=False):
-        with sidecar_launcher(
-            *MODEL_ARGS[2:], *split, "--num-kv-blocks", "64", env={**torchrun, "RANK": "0"}
-        ) as server:
-            assert _complete(server, max_tokens=10).choices[0].text == _reference(10)
+    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": "1"}
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    with _second_node(("--tensor-parallel-size", "2"), port, env=torchrun, flags=False) as node1:
+        llm = LLM(
+            model="demo",
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=64,
+            tensor_parallel_size=2,
+            nnodes=2,
+            master_port=port,
+        )
+        try:
+            assert llm.engine.tp.procs[1].pid is not None  # joined from node 1
+            assert llm.generate(PROMPT, params)[0].text == _reference(10)
+        finally:
+            llm.engine.tp.close()
+        node1.wait(60)
+        assert node1.returncode == 0
