@@ -184,3 +184,21 @@ def test_killed_stage_fails_requests_instead_of_hanging(engines):
         assert outs[rid].finished and outs[rid].finish_reason == "abort"
         assert "TPWorkerLost: pipeline-parallel worker rank 1" in outs[rid].abort_reason
     _pool_whole(llm)
+
+
+def test_rendezvous_settings_are_checked_and_torchrun_fills_them():
+    base = dict(model="demo", pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="nnodes: must divide the ranks"):
+        EngineConfig(**base, nnodes=3, master_port=29500)
+    with pytest.raises(ValueError, match=r"node_rank: must be in \[0, nnodes = 2\)"):
+        EngineConfig(**base, nnodes=2, node_rank=2, master_port=29500)
+    with pytest.raises(ValueError, match="master_port: must be set"):
+        EngineConfig(**base, nnodes=2)
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
+    cfg = EngineConfig(**base).with_torchrun_env(torchrun)
+    assert (cfg.node_rank, cfg.nnodes, cfg.master_addr, cfg.master_port) == (1, 2, "10.0.0.5", 29500)
+    # Flags win over the environment, and a partial torchrun environment is not torchrun's.
+    assert EngineConfig(**base, master_addr="host-a").with_torchrun_env(torchrun).master_addr == "host-a"
+    assert EngineConfig(**base).with_torchrun_env({"RANK": "1"}).nnodes == 1
+    with pytest.raises(ValueError, match="MASTER_PORT: must be an integer"):
+        EngineConfig(**base).with_torchrun_env({**torchrun, "MASTER_PORT": "x"})
