@@ -197,6 +197,20 @@ class EngineConfig:
         "processes one model is split across (attention heads, MLP and vocabulary divided between them; "
         "gloo on CPU, NCCL on CUDA); 1 = no split",
     )
+    # Pipeline parallelism (engine/pp.py): this process is stage 0 (embedding, first layers, schedules and
+    # samples); stages 1..M-1 are spawned workers, each holding the next contiguous layers and their KV pool.
+    pipeline_parallel_size: int = setting(
+        1,
+        "processes one model's layers are split across in contiguous stages (hidden states sent stage to "
+        "stage; gloo on CPU, NCCL on CUDA); 1 = no split",
+    )
+    # Multi-host rendezvous (engine/rendezvous.py): each node runs `sidecar serve` with its node_rank; node 0
+    # serves, the others only run their ranks. torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT fill
+    # these when set (with_torchrun_env), one node per torchrun process.
+    nnodes: int = setting(1, "hosts the split model's ranks are spread over (each runs sidecar serve)")
+    node_rank: int = setting(0, "this host's index among nnodes; 0 serves, the others only run their ranks")
+    master_addr: str = setting("127.0.0.1", "address of node 0, where the ranks rendezvous")
+    master_port: int = setting(0, "port node 0 serves the rendezvous store on (0: a free one, one host only)")
 
     def __post_init__(self) -> None:
         if self.model is None:
@@ -371,14 +385,22 @@ class EngineConfig:
         self._validate_tensor_parallel()
 
     def _validate_tensor_parallel(self) -> None:
-        tp = self.tensor_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            _require(
+                isinstance(size, int) and not isinstance(size, bool) and 1 <= size <= 64,
+                name,
+                f"must be an integer in [1, 64], got {size!r}",
+            )
         _require(
-            isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= 64,
-            "tensor_parallel_size",
-            f"must be an integer in [1, 64], got {tp!r}",
+            tp == 1 or pp == 1,
+            "pipeline_parallel_size",
+            f"cannot be combined with tensor_parallel_size {tp} yet (use one of the two)",
         )
-        if tp == 1:
+        self._validate_nodes(tp * pp)
+        if tp == 1 and pp == 1:
             return
+        split = f"tensor_parallel_size {tp}" if tp > 1 else f"pipeline_parallel_size {pp}"
         # Each of these runs state that lives on rank 0 alone (adapter slots, proposer passes, offloaded
         # blocks, attention scores of its own heads), so under a split model it would compute something else.
         refused = {
@@ -391,7 +413,52 @@ class EngineConfig:
             "overlap_steps": bool(self.overlap_steps),
         }
         for name, used in refused.items():
-            _require(not used, name, f"is not supported with tensor_parallel_size {tp} > 1")
+            _require(not used, name, f"is not supported with {split} > 1")
+
+    def _validate_nodes(self, world: int) -> None:
+        n = self.nnodes
+        _require(
+            isinstance(n, int) and n >= 1 and world % n == 0,
+            "nnodes",
+            f"must divide the ranks (tensor_parallel_size x pipeline_parallel_size = {world}), got {n!r}",
+        )
+        _require(
+            isinstance(self.node_rank, int) and 0 <= self.node_rank < n,
+            "node_rank",
+            f"must be in [0, nnodes = {n}), got {self.node_rank!r}",
+        )
+        _require(
+            isinstance(self.master_port, int) and 0 <= self.master_port <= 65535,
+            "master_port",
+            f"must be a port number, got {self.master_port!r}",
+        )
+        _require(n == 1 or self.master_port > 0, "master_port", "must be set (not 0) when nnodes > 1")
+        _require(isinstance(self.master_addr, str) and self.master_addr, "master_addr", "must be a host")
+
+    def with_torchrun_env(self, env: dict) -> "EngineConfig":
+        """This config with torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT as node_rank / nnodes /
+        master_addr / master_port, where the environment has all four and the config kept their defaults."""
+        names = {
+            "RANK": "node_rank",
+            "WORLD_SIZE": "nnodes",
+            "MASTER_ADDR": "master_addr",
+            "MASTER_PORT": "master_port",
+        }
+        if not all(var in env for var in names):  # torchrun sets all four
+            return self
+        changes = {}
+        for var, name in names.items():
+            if var in env and getattr(self, name) == EngineConfig.__dataclass_fields__[name].default:
+                value = env[var]
+                changes[name] = value if name == "master_addr" else _env_int(var, value)
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+def _env_int(var: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{var}: must be an integer, got {value!r}") from None
 
 
 @dataclass

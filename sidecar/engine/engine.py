@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from sidecar.config import EngineConfig
+from sidecar.engine import pp as pipeline_parallel
 from sidecar.engine import tp as tensor_parallel
 from sidecar.engine.beam import BeamSearch
 from sidecar.engine.chat_template import encode_chat
@@ -50,7 +51,9 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         mapped_before = hugepages.snapshot()
-        self.tp, loaded = tensor_parallel.load(config)  # tp None unless the model is split over processes
+        # tp None unless the model is split over processes (tensor-parallel ranks or pipeline stages)
+        split = pipeline_parallel if config.pipeline_parallel_size > 1 else tensor_parallel
+        self.tp, loaded = split.load(config)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids

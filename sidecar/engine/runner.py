@@ -79,9 +79,10 @@ class ModelRunner:
         if getattr(self.model, "fast_paths", None) is None:
             self.model.fast_paths = FastPaths()
         self.fast_paths: FastPaths = self.model.fast_paths
-        tp = config.tensor_parallel_size  # split over ranks, each step runs eagerly on all in lockstep
-        self.eager_reason = "enforce_eager" if config.enforce_eager else f"tensor_parallel_size {tp}"
-        self.enforce_eager = config.enforce_eager or tp > 1
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size  # split: all ranks run eagerly
+        split = f"tensor_parallel_size {tp}" if pp == 1 else f"pipeline_parallel_size {pp}"
+        self.eager_reason = "enforce_eager" if config.enforce_eager else split
+        self.enforce_eager = config.enforce_eager or tp * pp > 1
         self.lora = None  # the engine's LoraManager: which adapter slot each request's tokens use
         self.quantized = bool(loaded.quantization)
         max_len = min(loaded.max_model_len, self.num_blocks * self.block_size)

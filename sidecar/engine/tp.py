@@ -33,7 +33,9 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.request import SamplingParams
 from sidecar.model import kv_quant
-from sidecar.model.attention import AttentionMetadata, PrefillSegment
+from sidecar.engine import rendezvous
+from sidecar.engine.dist_inputs import pack_inputs, unpack_inputs
+from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model, resolve_device
 from sidecar.model.tp_shard import Comm, Shard
 
@@ -49,7 +51,9 @@ class TPWorkerLost(RuntimeError):
     """The tensor-parallel group broke (a worker exited, or a collective failed): the model cannot run."""
 
 
-def make_group(backend: str, store: Any, rank: int, world: int, timeout_s: float) -> Any:
+def make_group(
+    backend: str, store: Any, rank: int, world: int, timeout_s: float, host: str = "127.0.0.1"
+) -> Any:
     """This model's own process group (not torch.distributed's default one) over ``store``."""
     import torch.distributed as dist
 
@@ -61,11 +65,13 @@ def make_group(backend: str, store: Any, rank: int, world: int, timeout_s: float
         return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(prefixed, rank, world, opts)
 
 
-def wait_for_ranks(store: Any, procs: dict[int, Any], timeout_s: float) -> None:
+def wait_for_ranks(
+    store: Any, procs: dict[int, Any], timeout_s: float, option: str = "tensor_parallel_size"
+) -> None:
     """Wait until every rank in ``procs`` (rank -> process) has joined ``store``; raises RuntimeError naming
     the first rank that exited before joining, or every rank still missing at the deadline."""
     deadline = time.monotonic() + timeout_s
@@ -75,27 +81,29 @@ def wait_for_ranks(store: Any, procs: dict[int, Any], timeout_s: float) -> None:
         for r in missing:
             if procs[r].exitcode is not None:
                 raise RuntimeError(
-                    f"tensor_parallel_size: rank {r} (pid {procs[r].pid}) exited with code "
+                    f"{option}: rank {r} (pid {procs[r].pid}) exited with code "
                     f"{procs[r].exitcode} before joining the process group (workers are spawned: a script "
                     "that starts the engine must guard its entry point with if __name__ == '__main__')"
                 )
         if missing and time.monotonic() > deadline:
             raise RuntimeError(
-                f"tensor_parallel_size: rank(s) {', '.join(map(str, missing))} did not join the process "
+                f"{option}: rank(s) {', '.join(map(str, missing))} did not join the process "
                 f"group within {timeout_s:.0f} s"
             )
         time.sleep(0.02)
 
 
 def _threads(config: EngineConfig) -> int:
-    return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    return config.num_threads or max(1, (os.cpu_count() or 1) // ranks)
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """Rank ``rank``'s config: its own GPU on CUDA."""
+    """Rank ``rank``'s config: its own GPU of its node on CUDA."""
     if resolve_device(config.device).type != "cuda":
         return config
-    return dataclasses.replace(config, device=f"cuda:{rank}")
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    return dataclasses.replace(config, device=f"cuda:{rendezvous.local_rank(world, config.nnodes, rank)}")
 
 
 def load(config: EngineConfig) -> tuple[Optional["TensorParallel"], LoadedModel]:
@@ -111,50 +119,68 @@ def load(config: EngineConfig) -> tuple[Optional["TensorParallel"], LoadedModel]
 
 
 class TensorParallel:
-    """Rank 0's side of the group: the workers, their pipes, the shard this process holds."""
+    """Rank 0's side of the group: the workers, their pipes, the shard this process holds. Pipeline
+    parallelism (pp.py) is the same group with other slices, worker loop and model wrapper (the hooks)."""
+
+    option, label = "tensor_parallel_size", "tensor-parallel"
 
     def __init__(self, config: EngineConfig) -> None:
-        import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        self.world = config.tensor_parallel_size
+        self.world = getattr(config, self.option)
         self.backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
         self.broken: Optional[str] = None
         torch.set_num_threads(_threads(config))
         if self.backend == "nccl":
             torch.cuda.set_device(resolve_device(_rank_config(config, 0).device))
-        store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            self.world,
-            True,
-            timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
-            wait_for_workers=False,
-        )
+        addr = config.master_addr
+        store = rendezvous.connect(addr, config.master_port, self.world, server=True)
         ctx = mp.get_context("spawn")
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}
+        self.watchdog: Optional[rendezvous.Watchdog] = None
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
-        for rank in range(1, self.world):
+        local = rendezvous.node_ranks(self.world, config.nnodes, 0)
+        for rank in range(1, self.world):  # the other nodes' ranks are spawned by their own agents
+            if rank not in local:
+                conn = rendezvous.StoreConn(addr, store.port, self.world, rank, "rank0")
+                self.procs[rank], self.conns[rank] = rendezvous.RemoteProc(store, rank), conn
+                continue
             mine, theirs = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker_main,
+                target=self.worker_main,
                 args=(rank, self.world, store.port, _rank_config(config, rank), theirs),
-                name=f"sidecar-tp{rank}",
+                name=f"sidecar-{self.label}{rank}",
                 daemon=True,
             )
             proc.start()
             theirs.close()
             self.procs[rank], self.conns[rank] = proc, mine
         try:
-            wait_for_ranks(store, self.procs, START_TIMEOUT_S)
-            group = make_group(self.backend, store, 0, self.world, COLLECTIVE_TIMEOUT_S)
+            wait_for_ranks(store, self.procs, START_TIMEOUT_S, self.option)
+            host = rendezvous.bind_host(addr)
+            group = make_group(self.backend, store, 0, self.world, COLLECTIVE_TIMEOUT_S, host)
         except BaseException:
             self.close()
             raise
+        self.watchdog = rendezvous.Watchdog(addr, store.port, self.world, self.procs)
         self.store = store  # the workers' connection to it stays up while the group lives
-        self.shard = Shard(0, self.world, Comm(group, 0, self.world))
-        log.info("tensor parallel: %d ranks over %s, workers %s", self.world, self.backend, self.pids())
+        self.group = group
+        self.shard = self.rank_zero_shard(group)
+        log.info("%s: %d ranks over %s, workers %s", self.label, self.world, self.backend, self.pids())
+
+    @property
+    def worker_main(self) -> Any:
+        """The workers' entry point (module level: spawn pickles it by name)."""
+        return _worker_main
+
+    def rank_zero_shard(self, group: Any) -> Any:
+        """What rank 0 passes to load_model as its ``shard``."""
+        return Shard(0, self.world, Comm(group, 0, self.world))
+
+    def drive(self, model: Any) -> Any:
+        """The runner's model once the workers are ready: forwards go to every rank."""
+        return RankZeroModel(model, self)
 
     def pids(self) -> dict[int, int]:
         return {r: p.pid for r, p in self.procs.items()}
@@ -169,7 +195,7 @@ class TensorParallel:
         except BaseException:
             self.close()
             raise
-        runner.model = RankZeroModel(runner.model, self)
+        runner.model = self.drive(runner.model)
 
     def _expect(self, rank: int, what: str) -> None:
         conn, proc = self.conns[rank], self.procs[rank]
@@ -177,12 +203,10 @@ class TensorParallel:
         while not conn.poll(0.05):
             if proc.exitcode is not None or time.monotonic() > deadline:
                 state = "timed out" if proc.exitcode is None else f"exited with code {proc.exitcode}"
-                raise RuntimeError(
-                    f"tensor_parallel_size: rank {rank} (pid {proc.pid}) {state} while loading"
-                )
+                raise RuntimeError(f"{self.option}: rank {rank} (pid {proc.pid}) {state} while loading")
         msg = conn.recv()
         if msg[0] == "error":
-            raise RuntimeError(f"tensor_parallel_size: rank {rank} failed: {msg[1]}")
+            raise RuntimeError(f"{self.option}: rank {rank} failed: {msg[1]}")
         assert msg[0] == what, msg
 
     def check_params(self, params: SamplingParams) -> None:
@@ -193,7 +217,7 @@ class TensorParallel:
             ("kv_budget", params.kv_budget is not None),
         ):
             if used:
-                raise ValueError(f"{name}: not supported with tensor_parallel_size {self.world}")
+                raise ValueError(f"{name}: not supported with {self.option} {self.world}")
 
     def check(self) -> None:
         """Raises TPWorkerLost once the group is broken."""
@@ -225,20 +249,28 @@ class TensorParallel:
     def fail(self, exc: BaseException) -> None:
         """Break the group for good: record why (the first dead worker, else the error) and end the workers,
         which may wait in a collective that will never complete."""
-        time.sleep(0.05)  # a peer's closed connection can arrive before its exit status
-        dead = [(r, p) for r, p in self.procs.items() if p.exitcode is not None]
+        deadline = time.monotonic() + 1.0  # a peer's closed connection can arrive before its exit status
+        dead = []
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = [(r, p) for r, p in self.procs.items() if p.exitcode is not None]
         if dead:
             r, p = dead[0]
-            self.broken = f"tensor-parallel worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            self.broken = f"{self.label} worker rank {r} (pid {p.pid}) exited with code {p.exitcode}"
+            hung = self.watchdog.hung.get(r) if self.watchdog is not None else None
+            if hung is not None:
+                self.broken += f" after its heartbeat stopped for {hung:.0f} s"
             said = _last_error(self.conns[r])
             self.broken += f" ({said})" if said else ""
         else:
-            self.broken = f"tensor-parallel group failed: {type(exc).__name__}: {exc}"
+            self.broken = f"{self.label} group failed: {type(exc).__name__}: {exc}"
         log.error("%s; the model cannot run any more", self.broken)
         self.close()
 
     def close(self) -> None:
         """End the workers (idempotent)."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self._finalizer()
 
 
@@ -291,85 +323,54 @@ class RankZeroModel:
         raise TPWorkerLost("tensor parallelism computes logits of selected rows only (logits_at)")
 
 
-def _np(t: Optional[torch.Tensor]) -> Any:
-    return None if t is None else t.detach().cpu().numpy()
-
-
-def pack_inputs(ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> tuple:
-    """A forward's inputs as host arrays (the metadata's device fast-path fields are off under TP)."""
-    if meta.kv_scores is not None:
-        raise ValueError("kv_budget: scored KV eviction is not supported with tensor parallelism")
-    prefills = [(s.q_start, s.q_len, s.ctx_len, _np(s.block_table)) for s in meta.prefills]
-    return (
-        _np(ids),
-        _np(positions),
-        _np(meta.slot_mapping),
-        meta.block_size,
-        prefills,
-        _np(meta.decode_block_tables),
-        _np(meta.decode_ctx_lens),
-        meta.use_cpu_kernel,
+def join_group(rank: int, world: int, port: int, config: EngineConfig) -> Any:
+    """A worker's side of start-up: join rank 0's store, then the process group (returned)."""
+    torch.set_num_threads(_threads(config))
+    store = rendezvous.connect(config.master_addr, port, world)
+    store.set(f"joined/{rank}", str(os.getpid()))
+    rendezvous.beat(config.master_addr, port, world, rank)
+    device = resolve_device(config.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    return make_group(
+        backend, store, rank, world, COLLECTIVE_TIMEOUT_S, rendezvous.bind_host(config.master_addr)
     )
-
-
-def unpack_inputs(msg: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    ids, pos, slots, block_size, prefills, tables, ctx_lens, use_cpu_kernel = msg
-
-    def t(a: Any) -> Optional[torch.Tensor]:
-        return None if a is None else torch.from_numpy(a).to(device)
-
-    meta = AttentionMetadata(
-        slot_mapping=t(slots),
-        block_size=block_size,
-        prefills=[PrefillSegment(q0, n, ctx, t(table)) for q0, n, ctx, table in prefills],
-        decode_block_tables=t(tables),
-        decode_ctx_lens=t(ctx_lens),
-        use_cpu_kernel=use_cpu_kernel,
-    )
-    return t(ids), t(pos), meta
 
 
 def _worker_main(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:
     """A worker rank: join the group, load its slices, allocate its pool, then run what rank 0 sends."""
-    import torch.distributed as dist
+    rendezvous.run_worker(conn, _worker_body, rank, world, port, config, conn)
 
-    try:
-        torch.set_num_threads(_threads(config))
-        store = dist.TCPStore(
-            "127.0.0.1", port, world, False, timeout=datetime.timedelta(seconds=START_TIMEOUT_S)
-        )
-        store.set(f"joined/{rank}", str(os.getpid()))
-        device = resolve_device(config.device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(device)
-        group = make_group(backend, store, rank, world, COLLECTIVE_TIMEOUT_S)
-        loaded = load_model(config, shard=Shard(rank, world, Comm(group, rank, world)))
-        _serve(loaded, config, conn)
-    except (EOFError, KeyboardInterrupt):  # rank 0 is gone
-        pass
-    except BaseException as exc:  # reported to rank 0, which names this rank
-        try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        except (OSError, EOFError):
-            pass
-        os._exit(1)
+
+def _worker_body(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:
+    group = join_group(rank, world, port, config)
+    _serve(load_model(config, shard=Shard(rank, world, Comm(group, rank, world))), config, conn)
+
+
+def worker_pool(loaded: LoadedModel, config: EngineConfig, conn: Any, num_layers: int) -> Optional[list]:
+    """A worker's KV pool of ``num_layers`` layers, of the block count rank 0 sends first (None: rank 0
+    closed instead); zeroed whole, since rank 0 zeroes a block lazily before its first use."""
+    msg = conn.recv()
+    if msg is None:
+        return None
+    a, device = loaded.model.args, loaded.device
+    kv_dtype = kv_quant.resolve_kv_dtype(config.kv_cache_dtype, device, loaded.dtype)[0]
+    kv_caches = [
+        kv_quant.allocate(msg[1], config.block_size, a.num_kv_heads, a.head_dim, kv_dtype, device)
+        for _ in range(num_layers)
+    ]
+    kv_quant.zero_blocks(kv_caches, 0, msg[1] - 1)
+    conn.send(("ready",))
+    return kv_caches
 
 
 @torch.inference_mode()
 def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any) -> None:
-    model, device, a = loaded.model, loaded.device, loaded.model.args
-    msg = conn.recv()
-    if msg is None:
+    model, device = loaded.model, loaded.device
+    kv_caches = worker_pool(loaded, config, conn, model.args.num_layers)
+    if kv_caches is None:
         return
-    num_blocks = msg[1]
-    kv_dtype = kv_quant.resolve_kv_dtype(config.kv_cache_dtype, device, loaded.dtype)[0]
-    kv_caches = [
-        kv_quant.allocate(num_blocks, config.block_size, a.num_kv_heads, a.head_dim, kv_dtype, device)
-        for _ in range(a.num_layers)
-    ]
-    kv_quant.zero_blocks(kv_caches, 0, num_blocks - 1)  # rank 0 zeroes lazily, before a block's first use
-    conn.send(("ready",))
     hidden = None
     while True:
         msg = conn.recv()

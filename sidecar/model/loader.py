@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from importlib import import_module
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ from sidecar.model.model_source import (  # noqa: F401 (re-exported: callers imp
     resolve_device,
     resolve_model_dir,
 )
+from sidecar.model.pp_stage import Stage
 from sidecar.model.tp_shard import Shard
 
 log = logging.getLogger("sidecar.model")
@@ -190,6 +191,8 @@ def _load_weights(
             disable=not log.isEnabledFor(logging.INFO),
         )
     ):
+        if isinstance(layer, nn.Identity):  # another pipeline stage's layer (pp_stage.py)
+            continue
         p = f"{top}layers.{i}"
         attn, mlp = layer.self_attn, layer.mlp
         fused = args.fused_checkpoint  # Phi-3 stores the projections already fused
@@ -285,12 +288,13 @@ def _eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...
     return tuple(dict.fromkeys(ids))
 
 
-def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = None) -> LoadedModel:
+def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, None] = None) -> LoadedModel:
     """Load config, tokenizer and weights for ``cfg.model``. Raises ValueError naming the problem.
 
     On CPU the full-precision linear layers are then packed for oneDNN (``linear_layout.pack_weights``);
     ``pack=False`` keeps plain weights (MXFP4 experts dequantized), for callers that read or save them. With
-    ``shard`` the model holds one tensor-parallel rank's slices (tp_shard.py); ``args`` stay the whole model's."""
+    ``shard`` the model holds one tensor-parallel rank's slices (tp_shard.py), or one pipeline stage's layers
+    (pp_stage.py); ``args`` stay the whole model's."""
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     from sidecar.model.gguf import find_gguf, model_dir_for
@@ -310,8 +314,11 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
         local = args if shard is None else shard.local_args(args)
         own = getattr(local, "decoder_module", None)  # a family with a decoder of its own (gemma4.py)
         model = CausalLM(local) if own is None else import_module(f"sidecar.model.{own}").build(local)
+    split = "pipeline_parallel_size" if isinstance(shard, Stage) else "tensor_parallel_size"
+    if isinstance(shard, Stage):
+        shard.prune(model)
     if quant_file.exists() and shard is not None:
-        raise ValueError(f"tensor_parallel_size: {model_dir} is a quantized checkpoint; split its source")
+        raise ValueError(f"{split}: {model_dir} is a quantized checkpoint; split its source")
     if quant_file.exists():
         from sidecar.model.quant_checkpoint import load_quantized_model
 
@@ -331,7 +338,7 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Optional[Shard] = No
             from sidecar.model.hf_quant import head_quantization, load_hf_quantized
 
             if shard is not None:
-                raise ValueError("tensor_parallel_size: checkpoints with a quantization_config are not split")
+                raise ValueError(f"{split}: checkpoints with a quantization_config are not split")
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
             if cfg.quantization is None and quantization is not None:  # the tool's format, not ours
                 head = head_quantization(quantization, cfg.quantize_lm_head)

@@ -35,7 +35,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
+        cfg = dataclasses.replace(cfg, engine=cfg.engine.with_torchrun_env(dict(os.environ)))
         from sidecar.server.logs import setup_logging
+
+        if cfg.engine.node_rank > 0:  # a split model's other host: runs its ranks, serves nothing
+            from sidecar.engine.node import run_node
+
+            setup_logging(cfg.server.log_level, cfg.server.log_json)
+            return run_node(cfg.engine)
         from sidecar.server.service import InferenceService
 
         service = InferenceService(cfg)  # parses API keys: a bad keys file is a config error

@@ -1,0 +1,149 @@
+"""Pipeline parallelism: one model's decoder layers split in ``pipeline_parallel_size`` contiguous stages
+(model/pp_stage.py), one process each.
+
+This process is stage 0: it schedules, owns the block tables, embeds the step's tokens, runs the first layers
+and samples; stages 1..M-1 are worker processes started and watched as tensor parallelism's are (tp.py: the
+same spawn, store, process group, pipes and fault handling, with the hooks below). Every stage owns the KV
+pool of its own layers only, of rank 0's block count, so rank 0's block tables address every pool alike.
+
+A step: rank 0 sends the forward's inputs (ids, positions, slots, attention metadata) to every worker over its
+pipe, runs its layers and sends the residual stream (``h``, ``delta``) to stage 1 with a point-to-point send
+of the process group; each stage receives it from the one before, runs its layers and sends it on; the last
+stage keeps it. When the step samples, rank 0 sends the rows to the workers and the last stage sends back
+their float32 logits (its final norm and head), which rank 0 samples from.
+
+Stages run one after another within a step (the sequential form): a step's latency is the sum of the
+stages'. Overlapping micro-batches across stages is not built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from sidecar.config import EngineConfig
+from sidecar.engine.dist_inputs import pack_inputs, unpack_inputs
+from sidecar.engine.rendezvous import run_worker
+from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group, worker_pool
+from sidecar.model.attention import AttentionMetadata
+from sidecar.model.loader import LoadedModel, load_model
+from sidecar.model.pp_stage import Stage, final_logits, run_layers, stage_args
+
+# Point-to-point tags: the stream between stages, the logits back to rank 0.
+TAG_STREAM, TAG_LOGITS = 1, 2
+
+
+def load(config: EngineConfig) -> tuple["PipelineParallel", LoadedModel]:
+    """The started stages and rank 0's loaded model: its layers, driven through ``PipelineModel``."""
+    pp = PipelineParallel(config)
+    try:
+        loaded = load_model(config, shard=pp.shard)
+    except BaseException:
+        pp.close()
+        raise
+    return pp, dataclasses.replace(loaded, model=PipelineModel(loaded.model, pp))
+
+
+class PipelineParallel(TensorParallel):
+    """Rank 0's side of the stages (tp.py's TensorParallel with stage slices and the stage worker loop)."""
+
+    option, label = "pipeline_parallel_size", "pipeline-parallel"
+
+    @property
+    def worker_main(self) -> Any:
+        return _stage_main
+
+    def rank_zero_shard(self, group: Any) -> Stage:
+        return Stage(0, self.world)
+
+    def drive(self, model: Any) -> Any:
+        return model  # already the PipelineModel the runner was built on
+
+
+def send(group: Any, t: torch.Tensor, dst: int, tag: int) -> None:
+    """Send ``t``'s bytes to rank ``dst`` (any dtype: the receiver knows the shape and dtype)."""
+    group.send([t.contiguous().view(torch.uint8).view(-1)], dst, tag).wait()
+
+
+def recv(
+    group: Any, shape: tuple, dtype: torch.dtype, device: torch.device, src: int, tag: int
+) -> torch.Tensor:
+    """Receive a tensor of ``shape`` and ``dtype`` that rank ``src`` sent with ``send``."""
+    out = torch.empty(shape, dtype=dtype, device=device)
+    group.recv([out.view(torch.uint8).view(-1)], src, tag).wait()
+    return out
+
+
+class PipelineModel:
+    """Rank 0's model under pipeline parallelism: stage 0's layers, then the other stages' through the group.
+    ``args`` are stage 0's own (its layer count: what the runner sizes its KV pool by); anything else is the
+    model's own attribute."""
+
+    def __init__(self, model: Any, pp: PipelineParallel) -> None:
+        self._model, self._pp = model, pp
+        self.stage = Stage(0, pp.world)
+        self.args = stage_args(model.args, self.stage)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
+        self._pp.check()
+        self._pp.send(("fwd", pack_inputs(ids, positions, meta)))
+        return self._pp.run(self._first_stage, ids, positions, kv_caches, meta)
+
+    def _first_stage(self, ids, positions, kv_caches, meta) -> torch.Tensor:
+        m = self._model
+        h, delta = run_layers(m, self.stage, m.embed(ids), None, positions, kv_caches, meta)
+        send(self._pp.group, h, 1, TAG_STREAM)
+        send(self._pp.group, delta, 1, TAG_STREAM)
+        return h  # rows stand for the step's tokens; the last stage holds their stream
+
+    def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        self._pp.send(("logits", rows.cpu().numpy()))
+        shape = (rows.shape[0], self._model.args.vocab_size)
+        last = self._pp.world - 1
+        return self._pp.run(recv, self._pp.group, shape, torch.float32, hidden.device, last, TAG_LOGITS)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise TPWorkerLost("pipeline parallelism computes logits of selected rows only (logits_at)")
+
+
+def _stage_main(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:
+    """A stage worker: join the group, load its layers, allocate their pool, then run what rank 0 sends."""
+    run_worker(conn, _stage_body, rank, world, port, config, conn)
+
+
+def _stage_body(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:
+    group = join_group(rank, world, port, config)
+    stage = Stage(rank, world)
+    _serve(load_model(config, shard=stage), config, conn, group, stage)
+
+
+@torch.inference_mode()
+def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, group: Any, stage: Stage) -> None:
+    model, device, dtype = loaded.model, loaded.device, loaded.dtype
+    kv_caches = worker_pool(loaded, config, conn, len(stage.layers(model.args)))
+    if kv_caches is None:
+        return
+    stream: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    shape_of = lambda n: (n, model.args.hidden_size)  # noqa: E731
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            return
+        if msg[0] == "fwd":
+            ids, pos, meta = unpack_inputs(msg[1], device)
+            h = recv(group, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
+            delta = recv(group, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
+            h, delta = run_layers(model, stage, h, delta, pos, kv_caches, meta)
+            if stage.last:
+                stream = (h, delta)
+            else:
+                send(group, h, stage.rank + 1, TAG_STREAM)
+                send(group, delta, stage.rank + 1, TAG_STREAM)
+        elif msg[0] == "logits" and stage.last:
+            rows = torch.from_numpy(msg[1]).to(device)
+            send(group, final_logits(model, *stream, rows), 0, TAG_LOGITS)
