@@ -73,6 +73,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.top_k
         weights, ids = self.route(x)
+        # Each token's experts in ascending id: transformers adds the experts' outputs to a token in that
+        # order (one index_add per expert), and the sum below keeps it, so float32 results match to the bit.
+        ids, perm = ids.sort(dim=-1)
+        weights = weights.gather(-1, perm)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the T * k slots grouped by expert, experts ascending
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -89,7 +93,10 @@ class SparseMoE(nn.Module):
             out = self.experts[e](rows * w) if self.sigmoid_input else self.experts[e](rows) * w
             slots.index_copy_(0, order[start:end], out)
             start = end
-        routed = slots.view(t, k, -1).sum(dim=1).to(x.dtype)
+        per = slots.view(t, k, -1)
+        routed = per[:, 0].to(x.dtype)
+        for j in range(1, k):  # one add at a time, each in x's dtype, as transformers' index_add does
+            routed = routed + per[:, j].to(x.dtype)
         return routed if self.shared_expert is None else self.shared_expert(x) + routed
 
 

@@ -112,6 +112,25 @@ def test_the_sparse_block_matches_transformers_and_reads_only_picked_experts(moe
             assert torch.equal(ids[0], ids[1]) and torch.equal(got[0], got[1])
 
 
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_the_block_adds_each_tokens_experts_in_transformers_order(moe_dirs, kind):
+    # transformers adds expert outputs into a zeroed output, one index_add per expert in ascending id; with
+    # more than two experts a token, any other order rounds differently in float32. The experts' own outputs
+    # are ours here (same rows, same kernels), so only the way they are combined is under test.
+    moe = load_model(EngineConfig(model=str(moe_dirs[kind]), dtype="float32")).model.layers[1].mlp
+    moe.top_k = 3  # three terms a token: the sum's association shows
+    torch.manual_seed(1)
+    x = torch.randn(9, moe.args.hidden_size)
+    with torch.no_grad():
+        weights, ids = moe.route(x)
+        want = torch.zeros_like(x)
+        for e in sorted(set(ids.flatten().tolist())):
+            tok, pos = torch.where(ids == e)
+            want.index_add_(0, tok, moe.experts[e](x[tok]) * weights[tok, pos, None])
+        got = moe(x)
+    assert torch.equal(got, want)
+
+
 def test_transformers_fused_expert_layout_loads_like_the_hub_layout(moe_dirs, hf_refs, tmp_path):
     from safetensors.torch import load_file, save_file
 
