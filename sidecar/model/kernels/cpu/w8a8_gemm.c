@@ -184,6 +184,33 @@ static void sums_rows(const int16_t* q, int Kp, const int8_t* panel, int32_t* ac
     }
 }
 
+/* y rows i0 .. i0 + mb - 1, columns n1 .. n1 + nb - 1 of the sums acc[mb][NR]: (float)sum * sx[m] * sw[n],
+ * in that order, plus bias, stored (out: scratch of MR * NR floats). */
+static void epilogue(const int32_t* acc, int mb, int nb, int i0, int n1, const float* sx, const float* sw,
+                     const sidecar_matmul_args* a, float* out) {
+#if defined(__AVX2__) && defined(VL)
+    if (nb == NR) {
+        const __m256 w0 = _mm256_loadu_ps(sw + n1), w1 = _mm256_loadu_ps(sw + n1 + 8);
+        for (int i = 0; i < mb; i++) {
+            const __m256 s = _mm256_set1_ps(sx[i0 + i]);
+            const __m256i* c = (const __m256i*)(acc + i * NR);
+            _mm256_storeu_ps(out,
+                             _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(c)), s), w0));
+            _mm256_storeu_ps(
+                    out + 8,
+                    _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(c + 1)), s), w1));
+            const int64_t at = (int64_t)(i0 + i) * a->N + n1;
+            for (int j = 0; j < NR; j += 4)
+                store_four(out + j, a->bias, a->bias_bf16, n1 + j, a->y, at + j, a->out == 1);
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nb; j++) out[i * nb + j] = (float)acc[i * NR + j] * sx[i0 + i] * sw[n1 + j];
+    store_tile(out, mb, nb, i0, n1, a->N, a->bias, a->bias_bf16, a->y, a->out == 1);
+}
+
 /* Whether this build multiplies with VNNI (1), AVX2 (2) or plain C (0). */
 int sidecar_w8a8_isa(void) {
 #if defined(__AVX2__) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
@@ -251,10 +278,7 @@ int sidecar_w8a8_matmul(const sidecar_matmul_args* a) {
             for (int i0 = m0; i0 < m1; i0 += MR) {
                 const int mb = m1 - i0 < MR ? m1 - i0 : MR;
                 sums_rows(q + (int64_t)i0 * Kp, Kp, (const int8_t*)a->w + pn * panel_bytes, acc, mb);
-                for (int i = 0; i < mb; i++)
-                    for (int j = 0; j < nb; j++)
-                        out[i * nb + j] = (float)acc[i * NR + j] * sx[i0 + i] * sw[n1 + j];
-                store_tile(out, mb, nb, i0, n1, N, a->bias, a->bias_bf16, a->y, a->out == 1);
+                epilogue(acc, mb, nb, i0, n1, sx, sw, a, out);
             }
         }
     }
