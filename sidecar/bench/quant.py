@@ -147,9 +147,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _rss_peak_bytes() -> int:
-    import resource
+    """This process's own peak RSS (``VmHWM``): not ``ru_maxrss``, which a worker inherits from the bench
+    process at ``exec`` (a load below that peak would show no growth at all)."""
+    from sidecar.bench import rss
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return rss.peak_rss_bytes() or 0
 
 
 def _weight_bytes(model) -> int:

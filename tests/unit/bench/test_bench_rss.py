@@ -1,5 +1,6 @@
 """Peak RSS figures of the benches: a tool's own peak, and this process's peak per phase."""
 
+import subprocess
 import sys
 
 from sidecar.bench import rss
@@ -25,3 +26,17 @@ def test_peak_resets_between_phases():
     assert rss.reset_peak() == sys.platform.startswith("linux")
     if sys.platform.startswith("linux"):
         assert rss.peak_rss_bytes() < high - (64 << 20)
+
+
+def test_a_quant_worker_counts_its_own_peak_not_its_parents():
+    # the bench's workers are children of a process whose peak may be far above theirs: the load figure
+    # (peak after the load minus peak before it) must see the worker's own growth
+    block = bytearray(256 << 20)
+    code = (
+        "from sidecar.bench.quant import _rss_peak_bytes as p; a = p(); "
+        "b = bytearray(64 << 20); print(a, p() - a)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    base, grown = (int(v) for v in out.split())
+    assert len(block) == 256 << 20 and base < 200 << 20
+    assert grown >= 60 << 20

@@ -14,7 +14,9 @@
  * the u8 x s8 product of vpmaddubsw with the sign trick (|a|, sign(b, a)) does not apply: sign(-128) wraps.
  * The codes are widened to int16 instead and multiplied in pairs with vpmaddwd (16 exact products into 8
  * int32 lanes), or vpdpwssd where the CPU has AVX-VNNI / AVX-512 VNNI (the same products, accumulated in the
- * same instruction). The weight stays int8 in memory and is widened per use.
+ * same instruction). The weight stays int8 in memory and is widened per use. (Where the sign trick would
+ * apply it would not be faster: vpmaddubsw's int16 pair sums need a vpmaddwd against ones to reach int32, so
+ * 32 products take two multiplier instructions either way.)
  *
  * Weight layout (``w8a8_gemm.pack``): rows padded to a multiple of 16 with zeros, K padded to an even Kp with
  * zeros; panels of 16 rows, each panel two blocks of 8 rows, each block [Kp / 2][8 rows][2 codes] (the pair
@@ -26,9 +28,12 @@
 #include <float.h>
 #include <stdlib.h>
 
-#define MR          6  /* activation rows of a register tile */
-#define NR          16 /* weight rows of a panel (two blocks of 8) */
-#define MB          48 /* at most this many activation rows a block (every panel of a chunk passes over it) */
+/* A register tile is MR activation rows x NR weight rows: 2 * MR int32 accumulators, the panel's two widened
+ * weight vectors, a broadcast and a product in the 16 ymm registers of AVX2 (more rows spill accumulators to
+ * the stack, and every step then waits on a store and its reload). */
+#define MR 4         /* activation rows of a register tile */
+#define NR 16        /* weight rows of a panel (two blocks of 8) */
+#define MB (12 * MR) /* at most this many activation rows a block (every panel of a chunk passes over it) */
 #define BLOCK_BYTES (160 << 10) /* a block's int16 codes fill at most this much of the L2 */
 #define CHUNK_BYTES (192 << 10) /* and a chunk's panels this much */
 #define SERIAL_MACS (1 << 22)   /* products below this many multiply-adds run on the calling thread */
@@ -41,22 +46,54 @@ static float load_x(const void* x, int x_bf16, int64_t i) {
     return x_bf16 ? bf16_to_f32(((const uint16_t*)x)[i]) : ((const float*)x)[i];
 }
 
-/* Row m of x quantized into q (Kp int16, zero beyond K); returns its scale. */
+#if defined(__AVX2__)
+/* x[i .. i + 7] as float32. */
+static inline __m256 load_x8(const void* x, int x_bf16, int64_t i) {
+    if (!x_bf16) return _mm256_loadu_ps((const float*)x + i);
+    const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)x + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+/* Row m of x quantized into q (Kp int16, zero beyond K); returns its scale. The vector loop takes the same
+ * steps as the scalar tail (a NaN is skipped by the maximum), so every code is the same whichever computes
+ * it. */
 static float quantize_row(const void* x, int x_bf16, int m, int K, int Kp, int16_t* q) {
     const int64_t base = (int64_t)m * K;
     float amax = 0.f;
-    for (int k = 0; k < K; k++) {
-        const float v = fabsf(load_x(x, x_bf16, base + k));
+    int k = 0;
+#if defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 vmax = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8)
+        vmax = _mm256_max_ps(_mm256_andnot_ps(sign, load_x8(x, x_bf16, base + k)), vmax);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    for (int i = 0; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
+#endif
+    for (int t = k; t < K; t++) {
+        const float v = fabsf(load_x(x, x_bf16, base + t));
         amax = v > amax ? v : amax;
     }
     float s = amax / 127.5f;
     if (s == 0.f) s = FLT_EPSILON;
-    for (int k = 0; k < K; k++) {
+    k = 0;
+#if defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+    for (; k + 8 <= K; k += 8) {
+        __m256 r = _mm256_round_ps(_mm256_div_ps(load_x8(x, x_bf16, base + k), vs),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i i32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+        _mm_storeu_si128((__m128i*)(q + k),
+                         _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1)));
+    }
+#endif
+    for (; k < K; k++) {
         float r = nearbyintf(load_x(x, x_bf16, base + k) / s);
         r = r < -128.f ? -128.f : (r > 127.f ? 127.f : r);
         q[k] = (int16_t)r;
     }
-    for (int k = K; k < Kp; k++) q[k] = 0;
+    for (k = K; k < Kp; k++) q[k] = 0;
     return s;
 }
 
@@ -131,16 +168,47 @@ static void sums_rows(const int16_t* q, int Kp, const int8_t* panel, int32_t* ac
         case 3:
             tile_sums(q, Kp, panel, acc, 3);
             break;
+#if MR > 4
         case 4:
             tile_sums(q, Kp, panel, acc, 4);
             break;
+#endif
+#if MR > 5
         case 5:
             tile_sums(q, Kp, panel, acc, 5);
             break;
+#endif
         default:
             tile_sums(q, Kp, panel, acc, MR);
             break;
     }
+}
+
+/* y rows i0 .. i0 + mb - 1, columns n1 .. n1 + nb - 1 of the sums acc[mb][NR]: (float)sum * sx[m] * sw[n],
+ * in that order, plus bias, stored (out: scratch of MR * NR floats). */
+static void epilogue(const int32_t* acc, int mb, int nb, int i0, int n1, const float* sx, const float* sw,
+                     const sidecar_matmul_args* a, float* out) {
+#if defined(__AVX2__) && defined(VL)
+    if (nb == NR) {
+        const __m256 w0 = _mm256_loadu_ps(sw + n1), w1 = _mm256_loadu_ps(sw + n1 + 8);
+        for (int i = 0; i < mb; i++) {
+            const __m256 s = _mm256_set1_ps(sx[i0 + i]);
+            const __m256i* c = (const __m256i*)(acc + i * NR);
+            _mm256_storeu_ps(out,
+                             _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(c)), s), w0));
+            _mm256_storeu_ps(
+                    out + 8,
+                    _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(c + 1)), s), w1));
+            const int64_t at = (int64_t)(i0 + i) * a->N + n1;
+            for (int j = 0; j < NR; j += 4)
+                store_four(out + j, a->bias, a->bias_bf16, n1 + j, a->y, at + j, a->out == 1);
+        }
+        return;
+    }
+#endif
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nb; j++) out[i * nb + j] = (float)acc[i * NR + j] * sx[i0 + i] * sw[n1 + j];
+    store_tile(out, mb, nb, i0, n1, a->N, a->bias, a->bias_bf16, a->y, a->out == 1);
 }
 
 /* Whether this build multiplies with VNNI (1), AVX2 (2) or plain C (0). */
@@ -192,28 +260,25 @@ int sidecar_w8a8_matmul(const sidecar_matmul_args* a) {
 #pragma omp parallel for num_threads(nthreads)
     for (int m = 0; m < M; m++) sx[m] = quantize_row(a->x, a->x_bf16, m, K, Kp, q + (int64_t)m * Kp);
     const float* sw = (const float*)a->scales;
-    /* Threads take chunks of panels as they come free (a core another process holds slows its thread alone,
-     * and no barrier waits on it); a chunk passes over the activations a block of rows at a time, every panel
-     * of the chunk over each block while its codes are in the core's L2. */
+    /* Work items are (chunk of panels, block of rows) pairs that threads take as they come free (a core
+     * another process holds slows its thread alone, and no barrier waits on it; a prefill's few panels
+     * still split evenly between the threads). An item passes every panel of its chunk over its block of
+     * rows, whose codes stay in the core's L2 meanwhile. */
     const int mbr = block_rows(Kp), chunk = chunk_panels(panel_bytes);
-    const int chunks = (panels + chunk - 1) / chunk;
+    const int chunks = (panels + chunk - 1) / chunk, blocks = (M + mbr - 1) / mbr;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1)
-    for (int c = 0; c < chunks; c++) {
+    for (int item = 0; item < chunks * blocks; item++) {
         int32_t acc[MR * NR];
         float out[MR * NR];
+        const int c = item / blocks, m0 = item % blocks * mbr;
         const int p1 = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
-        for (int m0 = 0; m0 < M; m0 += mbr) {
-            const int m1 = m0 + mbr < M ? m0 + mbr : M;
-            for (int pn = c * chunk; pn < p1; pn++) {
-                const int n1 = pn * NR, nb = N - n1 < NR ? N - n1 : NR;
-                for (int i0 = m0; i0 < m1; i0 += MR) {
-                    const int mb = m1 - i0 < MR ? m1 - i0 : MR;
-                    sums_rows(q + (int64_t)i0 * Kp, Kp, (const int8_t*)a->w + pn * panel_bytes, acc, mb);
-                    for (int i = 0; i < mb; i++)
-                        for (int j = 0; j < nb; j++)
-                            out[i * nb + j] = (float)acc[i * NR + j] * sx[i0 + i] * sw[n1 + j];
-                    store_tile(out, mb, nb, i0, n1, N, a->bias, a->bias_bf16, a->y, a->out == 1);
-                }
+        const int m1 = m0 + mbr < M ? m0 + mbr : M;
+        for (int pn = c * chunk; pn < p1; pn++) {
+            const int n1 = pn * NR, nb = N - n1 < NR ? N - n1 : NR;
+            for (int i0 = m0; i0 < m1; i0 += MR) {
+                const int mb = m1 - i0 < MR ? m1 - i0 : MR;
+                sums_rows(q + (int64_t)i0 * Kp, Kp, (const int8_t*)a->w + pn * panel_bytes, acc, mb);
+                epilogue(acc, mb, nb, i0, n1, sx, sw, a, out);
             }
         }
     }
