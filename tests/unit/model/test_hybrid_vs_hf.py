@@ -310,3 +310,24 @@ def test_a_hit_whose_checkpoint_was_evicted_recomputes(qwen35_dir):
     assert (a.num_cached_tokens, b.num_cached_tokens) == (72, 0)
     assert eng.kv.ckpts.evicted > 0 and eng.kv.ckpts.restored == 1
     assert_slots_whole(llm)
+
+
+def test_a_preempted_sequence_takes_its_prefix_back_from_a_checkpoint(qwen35_dir):
+    # 13 usable blocks of 8 tokens cannot hold three ~80-token sequences: one is preempted, and readmitted
+    # it hits its own published blocks and the checkpoint saved at their end
+    llm = LLM(
+        model=str(qwen35_dir),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=14,
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+    )
+    prompts = [BASE, BASE + EXTRA, BASE + EXTRA[:5] + [3] * 20]
+    outs = llm.generate(prompts, LOGPROBS)
+    assert_equal_to_hf(qwen35_dir, prompts, outs)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    # two admissions hit the first prompt's checkpoint at 64; a readmission restored one more
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64] and stats["state_checkpoints_restored"] > 2
+    assert_slots_whole(llm)
