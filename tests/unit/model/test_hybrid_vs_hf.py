@@ -331,3 +331,10 @@ def test_a_preempted_sequence_takes_its_prefix_back_from_a_checkpoint(qwen35_dir
     # two admissions hit the first prompt's checkpoint at 64; a readmission restored one more
     assert [o.num_cached_tokens for o in outs] == [0, 64, 64] and stats["state_checkpoints_restored"] > 2
     assert_slots_whole(llm)
+
+
+def test_offload_tiers_step_aside_and_caching_stays(qwen35_dir, caplog):
+    with caplog.at_level("WARNING", logger="sidecar.engine"):
+        llm = LLM(model=str(qwen35_dir), dtype="float32", kv_offload_gb=0.01)
+    assert llm.engine.kv.offload is None and llm.engine.kv.enable_caching
+    assert "KV offload off: linear-attention layers" in caplog.text
