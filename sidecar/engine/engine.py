@@ -388,6 +388,7 @@ class LLMEngine:
             "kv_cache_usage": self.kv.usage(),
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
+            **(self.kv.ckpts.stats() if self.kv.ckpts is not None else {}),  # hybrid models' states
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
             **self.structured.counters(),

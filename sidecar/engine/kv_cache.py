@@ -12,7 +12,7 @@ from sidecar.config import EngineConfig
 from sidecar.engine.block_pool import BlockPool, KVBlock, hash_block
 from sidecar.engine.kv_evict import cap_new_tokens, choose_victims
 from sidecar.engine.kv_offload import KVOffload, model_identity, offload_stats
-from sidecar.engine.linear_state import PREFIX_CACHE_REASON, SlotPool
+from sidecar.engine.linear_state import OFFLOAD_REASON, SlotPool, StateCheckpoints
 from sidecar.engine.request import Request
 
 log = logging.getLogger("sidecar.engine")
@@ -28,10 +28,12 @@ class KVCacheManager:
         slots: Optional[SlotPool] = None,
     ) -> None:
         """``slots``: a hybrid model's linear-attention state slots (linear_state.py); a sequence holds one
-        from its first allocation until ``free``."""
+        from its first allocation until ``free``. With prefix caching its states are checkpointed at block
+        ends and a hit is served only up to the last block with a checkpoint (``StateCheckpoints``)."""
         self.block_size = block_size
         self.slots = slots
         self.enable_caching = enable_caching
+        self.ckpts = StateCheckpoints(slots.states) if slots is not None and enable_caching else None
         self.pool = BlockPool(num_blocks, enable_caching)
         self.offload = offload if enable_caching else None
         if self.offload is not None:
@@ -51,10 +53,11 @@ class KVCacheManager:
         """The manager of ``runner``'s pool, with the offload tiers the config asks for."""
         offload = None
         caching = config.enable_prefix_caching
-        if caching and runner.states is not None:
-            log.warning("prefix caching off: %s", PREFIX_CACHE_REASON)
-            caching = False
-        if caching and (config.kv_offload_gb > 0 or config.kv_offload_dir):
+        tiers = config.kv_offload_gb > 0 or config.kv_offload_dir
+        if caching and tiers and runner.states is not None:
+            log.warning("KV offload off: %s", OFFLOAD_REASON)
+            tiers = False
+        if caching and tiers:
             identity = model_identity(loaded, runner.kv_info()["kv_cache_dtype"], config.block_size)
             offload = KVOffload(
                 int(config.kv_offload_gb * (1 << 30)),
@@ -105,8 +108,8 @@ class KVCacheManager:
 
         Never covers the last token: it must be recomputed to produce logits.
         Returns (blocks, number of tokens they hold)."""
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or (self.ckpts is not None and req.kv_policy is not None):
+            return [], 0  # a policy may trim the hit to a block without a state checkpoint
         self._update_hashes(req)
         bs = self.block_size
         max_blocks = (req.num_tokens - 1) // bs
@@ -119,6 +122,9 @@ class KVCacheManager:
             hits.append(block)
         if self.offload is not None and len(hits) < max_blocks:
             hits += self._load_offloaded(req, hits, max_blocks)
+        if self.ckpts is not None:  # the linear layers' state is restored after the last hit block
+            while hits and not self.ckpts.has(req.block_hashes[len(hits) - 1]):
+                hits.pop()
         self.prefix_queries += req.num_tokens
         self.prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
@@ -172,6 +178,8 @@ class KVCacheManager:
             return False
         if self.slots is not None and not self.slots.take(req.request_id):
             return False  # every state slot is held (a sequence cannot run without one)
+        if self.ckpts is not None and new_computed_blocks:  # a hit: its state, not rest
+            self.ckpts.restore(req.block_hashes[len(new_computed_blocks) - 1], self.state_slot(req))
         if cow is not None:
             self._copy_on_write(blocks, cow)
         if new_computed_blocks:
@@ -243,6 +251,19 @@ class KVCacheManager:
             self.pool.cache_block(
                 block, req.block_hashes[i], tuple(toks[i * bs : (i + 1) * bs]), _parent(req, i)
             )
+        k = req.num_computed_tokens // bs
+        if self.ckpts is not None and req.num_computed_tokens % bs == 0 and 0 < k <= len(req.block_hashes):
+            # the slot's state is the state right after block k - 1 (it has consumed exactly k blocks)
+            self.ckpts.save(req.block_hashes[k - 1], self.state_slot(req))
+
+    def chunk_end(self, req: Request, start: int, n: int) -> int:
+        """How many of ``n`` prompt tokens from ``start`` a chunk takes: with state checkpoints, a chunk
+        that would cross the prompt's last full block a hit can cover ends there, so that the state after
+        that block is checkpointed (a state exists only at a chunk's end). ``n`` otherwise."""
+        if self.ckpts is None or n <= 1:
+            return n
+        end = (req.num_tokens - 1) // self.block_size * self.block_size
+        return end - start if start < end < start + n else n
 
     def trim(self, req: Request) -> None:
         """Return the blocks past the request's computed tokens (they held only rejected speculative

@@ -8,6 +8,14 @@ whenever its KV blocks go back (finish, failure, abort, preemption: a preempted 
 by recomputing its prompt); the scheduler cannot run a sequence without one. Attention layers keep the
 paged KV cache, so the KV pool is sized over those layers alone.
 
+Prefix caching stays exact through checkpoints (``StateCheckpoints``): when a step leaves a sequence's
+computed tokens exactly on a full block's end, the state in its slot is the state after that block's prefix,
+and a copy of it is kept under that block's hash. A prefix hit is served only up to the last hit block that
+has a checkpoint (whose copy then becomes the new sequence's state), so a state is only ever restored from
+the exact prefix it was computed over, never approximated. Checkpoints sit in rows past the slots of the
+same tensors (a separate budget: as many checkpoints as slots, the same bytes again), least recently used
+evicted first.
+
 Layouts, per linear layer: conv ``[slots, conv_dim, kernel - 1]`` in the model dtype (the inputs HF's
 convolution state holds), recurrent ``[slots, v_heads, k_dim, v_dim]`` float32 (HF's recurrent state is
 float32 whatever the model dtype).
@@ -16,6 +24,7 @@ float32 whatever the model dtype).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -29,9 +38,8 @@ STATEFUL_REASON = (
     "linear-attention layers keep a per-sequence state that the start-up self-check, decode graphs, "
     "replays and speculative rollback do not carry"
 )
-PREFIX_CACHE_REASON = (
-    "linear-attention layers keep a per-sequence state and no state checkpoints are saved at block "
-    "boundaries, so a cached prefix cannot restore it"
+OFFLOAD_REASON = (
+    "linear-attention layers restore a prefix hit's state from a checkpoint the offload tiers do not keep"
 )
 
 
@@ -44,25 +52,34 @@ def plan_slots(args: ModelArgs, dtype: torch.dtype, max_num_seqs: int, kv_bytes:
 
 
 class LinearStates:
-    def __init__(self, args: ModelArgs, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, args: ModelArgs, slots: int, dtype: torch.dtype, device: torch.device, checkpoints: int = 0
+    ) -> None:
+        """``slots`` state slots (rows ``0..slots-1``) and ``checkpoints`` prefix-cache checkpoints (the
+        rows after them) of every linear layer."""
         spec = args.linear
         self.slots = slots
+        self.checkpoints = checkpoints
         self.layers = args.linear_layers
+        rows = slots + checkpoints
         self.conv = [
-            torch.zeros(slots, spec.conv_dim, spec.conv_kernel - 1, dtype=dtype, device=device)
+            torch.zeros(rows, spec.conv_dim, spec.conv_kernel - 1, dtype=dtype, device=device)
             for _ in self.layers
         ]
         self.recurrent = [
-            torch.zeros(slots, spec.num_v_heads, spec.k_dim, spec.v_dim, dtype=torch.float32, device=device)
+            torch.zeros(rows, spec.num_v_heads, spec.k_dim, spec.v_dim, dtype=torch.float32, device=device)
             for _ in self.layers
         ]
-        self.bytes = sum(t.numel() * t.element_size() for t in self.conv + self.recurrent)
+        per_row = sum(t[0].numel() * t.element_size() for t in self.conv + self.recurrent)
+        self.bytes = per_row * slots
+        self.checkpoint_bytes = per_row * checkpoints
         log.info(
-            "linear-attention state: %d layers x %d slots, %.1f KiB a sequence (%.1f MiB)",
+            "linear-attention state: %d layers x %d slots + %d checkpoints, %.1f KiB a sequence (%.1f MiB)",
             len(self.layers),
             slots,
-            self.bytes / max(1, slots) / 2**10,
-            self.bytes / 2**20,
+            checkpoints,
+            per_row / 2**10,
+            (self.bytes + self.checkpoint_bytes) / 2**20,
         )
 
     def layer_caches(self, args: ModelArgs, kv_caches: list) -> list:
@@ -89,6 +106,8 @@ class LinearStates:
             "linear_state_slots": self.slots,
             "linear_state_bytes_per_sequence": self.bytes // max(1, self.slots),
             "linear_state_bytes": self.bytes,
+            "linear_state_checkpoints": self.checkpoints,
+            "linear_state_checkpoint_bytes": self.checkpoint_bytes,
         }
 
 
@@ -111,6 +130,8 @@ def cache_groups(
                 "bytes": states.bytes,
                 "slots": states.slots,
                 "bytes_per_sequence": states.bytes // max(1, states.slots),
+                "checkpoints": states.checkpoints,
+                "checkpoint_bytes": states.checkpoint_bytes,
             }
         )
     return groups
@@ -161,3 +182,54 @@ class SlotPool:
     def whole(self) -> bool:
         """Every slot free and held by no one (the accounting after all requests ended)."""
         return not self.held and sorted(self.free) == list(range(self.states.slots))
+
+
+class StateCheckpoints:
+    """The states after cached prefixes, by the hash of the prefix's last block: rows ``slots ..
+    slots + checkpoints - 1`` of the ``LinearStates`` tensors, least recently saved or restored evicted
+    first. A checkpoint is keyed by a chained block hash, which covers every token of the prefix (and the
+    cache salt), so it stays valid whatever happens to the KV block that carried the hash."""
+
+    def __init__(self, states: LinearStates) -> None:
+        self.states = states
+        self.free = list(range(states.slots + states.checkpoints - 1, states.slots - 1, -1))
+        self.rows: OrderedDict[bytes, int] = OrderedDict()  # oldest first
+        self.saved = self.restored = self.evicted = 0
+
+    def has(self, block_hash: bytes) -> bool:
+        return block_hash in self.rows
+
+    def save(self, block_hash: bytes, slot: int) -> None:
+        """Keep slot ``slot``'s state (the state right after the block ``block_hash`` ends)."""
+        if block_hash in self.rows:
+            self.rows.move_to_end(block_hash)  # the same prefix gives the same state
+            return
+        if not self.free:
+            if not self.rows:
+                return  # no checkpoint rows at all
+            _, row = self.rows.popitem(last=False)
+            self.free.append(row)
+            self.evicted += 1
+        row = self.rows[block_hash] = self.free.pop()
+        self.states.copy(slot, row)
+        self.saved += 1
+
+    def restore(self, block_hash: bytes, slot: int) -> None:
+        """Slot ``slot`` becomes the state after the block ``block_hash`` (which must have a checkpoint)."""
+        row = self.rows[block_hash]
+        self.rows.move_to_end(block_hash)
+        self.states.copy(row, slot)
+        self.restored += 1
+
+    def stats(self) -> dict:
+        return {
+            "state_checkpoints": len(self.rows),
+            "state_checkpoints_saved": self.saved,
+            "state_checkpoints_restored": self.restored,
+            "state_checkpoints_evicted": self.evicted,
+        }
+
+    def whole(self) -> bool:
+        """Every checkpoint row either free or holding one prefix's state."""
+        rows = sorted(self.free + list(self.rows.values()))
+        return rows == list(range(self.states.slots, self.states.slots + self.states.checkpoints))

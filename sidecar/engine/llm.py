@@ -135,8 +135,9 @@ class LLM:
         ``prompt_tokens``, ``generation_tokens``, ``num_requests_finished``, ``num_preemptions``, the current
         KV pool state (``num_kv_blocks``, ``num_free_kv_blocks``, ``kv_cache_usage``, ``kv_cache_tokens``: the
         pool's capacity in tokens), ``kv_offload_*`` (offloaded / loaded blocks and bytes, tier hits, hit rates,
-        load time) and ``spec_decode_*`` (tokens proposed / accepted / emitted, verifications, acceptance
-        histogram, step costs, proposer failures)."""
+        load time), ``spec_decode_*`` (tokens proposed / accepted / emitted, verifications, acceptance
+        histogram, step costs, proposer failures) and, for a hybrid model with prefix caching,
+        ``state_checkpoints*`` (linear-attention states held / saved / restored by hits / evicted)."""
         return dict(self.engine.stats())
 
     def chat(

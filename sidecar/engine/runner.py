@@ -62,7 +62,8 @@ class ModelRunner:
             for shape in a.kv_shapes()  # a hybrid model's linear layers keep state slots instead
         ]
         slots = plan_slots(a, self.dtype, config.max_num_seqs, self.kv_budget.bytes) if a.linear_layers else 0
-        self.states = LinearStates(a, slots, self.dtype, self.device) if slots else None
+        ckpts = slots if config.enable_prefix_caching else 0  # prefix-cache states: the slots' bytes again
+        self.states = LinearStates(a, slots, self.dtype, self.device, ckpts) if slots else None
         # what each layer's mixer reads: KV caches, and a hybrid model's state slots
         self.layer_caches = self.states.layer_caches(a, self.kv_caches) if self.states else self.kv_caches
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)

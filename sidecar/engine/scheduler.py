@@ -237,6 +237,7 @@ class Scheduler:
             needed = req.num_tokens - req.num_computed_tokens
             # Proposed tokens are budgeted like any others; a short budget trims the proposal.
             n = min(needed + (len(req.spec_token_ids) if needed == 1 else 0), budget)
+            n = self.kv.chunk_end(req, req.num_computed_tokens, n)  # a state checkpoint's block end
             n = self.kv.evict(req, n)  # under a KV budget: blocks given back, a prompt chunk capped
             if n <= 0:
                 i += 1
@@ -265,6 +266,7 @@ class Scheduler:
                     hits = hits[: policy.budget_blocks - 1]  # a budget holds the hit and one block more
                     num_hit = len(hits) * self.kv.block_size
                 n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
+                n = self.kv.chunk_end(req, req.num_computed_tokens + num_hit, n)
                 n = self.kv.evict(req, n + num_hit) - num_hit
                 if not self.kv.allocate_slots(req, n, hits):
                     if not self.running and not scheduled:

@@ -35,6 +35,7 @@ def hf_ref(qwen35_dir):
 def assert_slots_whole(llm: LLM) -> None:
     assert_pool_whole(llm)
     assert llm.engine.kv.slots.whole()
+    assert llm.engine.kv.ckpts is None or llm.engine.kv.ckpts.whole()
 
 
 def test_greedy_matches_hf_in_one_batch(qwen35_dir, hf_ref):
@@ -45,8 +46,8 @@ def test_greedy_matches_hf_in_one_batch(qwen35_dir, hf_ref):
     assert [o.token_ids for o in outs] == hf_ref
     assert_slots_whole(llm)
     info = eng.model_info
-    # prefix hits could not restore the linear layers' state: off, and said so
-    assert info["prefix_caching"] is False and not eng.kv.enable_caching
+    # prefix caching on, with as many state checkpoints as slots
+    assert info["prefix_caching"] is True and eng.kv.ckpts is not None
     # a slot per running sequence, the states bounded by the KV pool's bytes
     slots = min(eng.config.max_num_seqs, info["kv_cache_bytes"] // info["linear_state_bytes_per_sequence"])
     assert info["linear_attention_layers"] == 3 and info["linear_state_slots"] == slots
@@ -63,6 +64,7 @@ def test_greedy_matches_hf_in_one_batch(qwen35_dir, hf_ref):
     }
     assert state["kind"] == "linear_attention" and state["layers"] == 3
     assert state["bytes_per_sequence"] == per_seq and state["bytes"] == per_seq * state["slots"]
+    assert state["checkpoints"] == slots and state["checkpoint_bytes"] == per_seq * slots
 
 
 def test_greedy_matches_hf_with_preemption_and_chunked_prefill(qwen35_dir, hf_ref):
@@ -238,3 +240,101 @@ def test_quantized_weights_cover_the_linear_attention_layers(qwen35_dir):
         assert mode in type(layers[3].self_attn.gate_proj).__name__.lower()
         assert sum(a == b for a, b in zip(ref, first(llm))) / len(ps) >= bar, mode
         assert_slots_whole(llm)
+
+
+def hf_greedy_logprobs(model_dir, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """HF's greedy continuations and each chosen token's log-probability (which a wrong state would move even
+    where the greedy choice stays)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            g = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=MAX_NEW,
+                min_new_tokens=MAX_NEW,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+            toks = g.sequences[0, len(p) :].tolist()
+            lps = [torch.log_softmax(sc[0], -1)[t].item() for sc, t in zip(g.scores, toks)]
+            out.append((toks, lps))
+    return out
+
+
+def assert_equal_to_hf(model_dir, prompts, outs) -> None:
+    for (toks, lps), o in zip(hf_greedy_logprobs(model_dir, prompts), outs):
+        assert o.token_ids == toks
+        assert [t.logprob for t in o.logprobs] == pytest.approx(lps, abs=1e-4)
+
+
+LOGPROBS = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, logprobs=0)
+BASE = PROMPTS[3]  # 70 tokens: with 8-token blocks its prompt chunk ends at 64 (a checkpoint), decode at 72
+EXTRA = [901, 17, 333, 42, 7, 250, 61, 88, 19, 4]
+
+
+def test_prefix_hits_restore_checkpointed_states_exactly(qwen35_dir):
+    llm = LLM(model=str(qwen35_dir), dtype="float32", block_size=8)
+    eng = llm.engine
+    (first,) = llm.generate([BASE], LOGPROBS)
+    assert eng.kv.prefix_hits == 0 and eng.kv.ckpts.saved >= 2
+    prompts = [
+        BASE + EXTRA,  # shares the prompt: a hit up to its checkpoint at 64
+        BASE[:45] + EXTRA[:7],  # shares five whole blocks, none checkpointed: recomputed from rest
+        BASE + first.token_ids + EXTRA[:5],  # a next turn: a hit up to decode's checkpoint at 72
+    ]
+    outs = llm.generate(prompts, LOGPROBS)
+    assert_equal_to_hf(qwen35_dir, [BASE] + prompts, [first] + outs)
+    assert [o.num_cached_tokens for o in outs] == [64, 0, 72]
+    stats = llm.stats()
+    assert stats["prefix_cache_hits"] == 64 + 72 and stats["state_checkpoints_restored"] == 2
+    assert_slots_whole(llm)
+
+
+def test_a_hit_whose_checkpoint_was_evicted_recomputes(qwen35_dir):
+    # one slot, so one checkpoint: each new block end a sequence reaches evicts the one before
+    llm = LLM(model=str(qwen35_dir), dtype="float32", block_size=8, max_num_seqs=1)
+    eng = llm.engine
+    assert eng.runner.states.checkpoints == 1
+    (first,) = llm.generate([BASE], LOGPROBS)
+    turn = BASE + first.token_ids + EXTRA[:5]
+    shared = BASE + EXTRA
+    (a,) = llm.generate([turn], LOGPROBS)  # its checkpoint at 72 survived
+    (b,) = llm.generate([shared], LOGPROBS)  # its checkpoint at 64 was evicted: no hit
+    assert_equal_to_hf(qwen35_dir, [BASE, turn, shared], [first, a, b])
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (72, 0)
+    assert eng.kv.ckpts.evicted > 0 and eng.kv.ckpts.restored == 1
+    assert_slots_whole(llm)
+
+
+def test_a_preempted_sequence_takes_its_prefix_back_from_a_checkpoint(qwen35_dir):
+    # 13 usable blocks of 8 tokens cannot hold three ~80-token sequences: one is preempted, and readmitted
+    # it hits its own published blocks and the checkpoint saved at their end
+    llm = LLM(
+        model=str(qwen35_dir),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=14,
+        max_num_batched_tokens=16,
+        max_num_seqs=3,
+    )
+    prompts = [BASE, BASE + EXTRA, BASE + EXTRA[:5] + [3] * 20]
+    outs = llm.generate(prompts, LOGPROBS)
+    assert_equal_to_hf(qwen35_dir, prompts, outs)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    # two admissions hit the first prompt's checkpoint at 64; a readmission restored one more
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64] and stats["state_checkpoints_restored"] > 2
+    assert_slots_whole(llm)
+
+
+def test_offload_tiers_step_aside_and_caching_stays(qwen35_dir, caplog):
+    with caplog.at_level("WARNING", logger="sidecar.engine"):
+        llm = LLM(model=str(qwen35_dir), dtype="float32", kv_offload_gb=0.01)
+    assert llm.engine.kv.offload is None and llm.engine.kv.enable_caching
+    assert "KV offload off: linear-attention layers" in caplog.text
