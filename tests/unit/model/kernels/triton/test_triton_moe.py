@@ -133,9 +133,14 @@ def test_model_with_the_moe_path_matches_the_path_off(moe_dirs, kind, monkeypatc
     torch.testing.assert_close(fast, ref, atol=2e-4, rtol=2e-4)
 
 
-def test_engine_greedy_tokens_unchanged_with_the_moe_path(moe_dirs, monkeypatch):
+@pytest.fixture(scope="module")
+def qwen3_moe_llm(moe_dirs):
     """Qwen3-MoE: dense layers between the sparse ones, routing weights in the model dtype."""
-    llm = LLM(model=str(moe_dirs["qwen3_moe"]), dtype="float32", num_kv_blocks=64, block_size=8)
+    return LLM(model=str(moe_dirs["qwen3_moe"]), dtype="float32", num_kv_blocks=64, block_size=8)
+
+
+def test_engine_greedy_tokens_unchanged_with_the_moe_path(qwen3_moe_llm, monkeypatch):
+    llm = qwen3_moe_llm
     prompts = [[5, 9, 23, 41], [7 + i % 50 for i in range(19)], [300, 301]]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in llm.generate(prompts, params)]
@@ -144,3 +149,25 @@ def test_engine_greedy_tokens_unchanged_with_the_moe_path(moe_dirs, monkeypatch)
     llm.engine.runner.model.fast_paths.moe = True
     fast = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls and fast == ref and all(len(t) == 5 for t in ref)
+    llm.engine.runner.model.fast_paths.moe = False
+
+
+def test_the_self_check_keeps_a_right_moe_path_and_drops_a_wrong_one(qwen3_moe_llm, monkeypatch):
+    from sidecar.engine import self_check
+
+    runner = qwen3_moe_llm.engine.runner
+    assert "moe" in self_check.default_paths(runner)
+    seen = []
+    real = triton_moe.grouped_moe
+    fp = runner.fast_paths
+    monkeypatch.setattr(
+        triton_moe, "grouped_moe", lambda *a, **k: seen.append(fp.cuda_graphs) or real(*a, **k)
+    )
+    assert self_check.run(runner, ["moe", "cuda_graphs"]) == {}
+    assert fp.active() == ["moe", "cuda_graphs"]
+    assert True in seen  # the decode-graph probe ran with the grouped experts (the torch ones read the host)
+    monkeypatch.setattr(triton_moe, "grouped_moe", lambda *a, **k: real(*a, **k) * 1.5)
+    fallbacks = self_check.run(runner, ["moe"])
+    assert "differ" in fallbacks["moe"] and fp.active() == []
+    runner.graphs.clear()
+    runner.set_decode_padding(False)
