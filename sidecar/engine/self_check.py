@@ -24,6 +24,7 @@ import torch
 from sidecar.engine.input_buffers import DecodeRow, pick_bucket
 from sidecar.model.attention import AttentionMetadata, PrefillSegment
 from sidecar.model.kernels.gpu_paths import PATH_NAMES, triton_available
+from sidecar.model.moe import has_stacked_experts
 from sidecar.model.quant import kernel_dtype
 
 log = logging.getLogger("sidecar.engine")
@@ -33,16 +34,18 @@ DECODE_STEPS = 3
 # Largest |fast - reference| logit difference allowed, relative to the largest reference logit (at least 1):
 # float32 kernels differ from torch in summation order only; half precision rounds every intermediate.
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
-TRITON_PATHS = ("attention", "rope_kv", "norm", "silu_mul", "gemv", "weight_only")
+TRITON_PATHS = ("attention", "rope_kv", "norm", "silu_mul", "gemv", "weight_only", "moe")
 
 SamplerCheck = Callable[[torch.Tensor], Optional[str]]
 
 
 def default_paths(runner) -> list[str]:
     """The paths worth checking on this runner: every model path (int8/int4 GEMM only for a quantized
-    model, the fused products only for one with plain weights); the device sampler only when a check for
-    it is given (see ``run``)."""
+    model, the fused products only for one with plain weights, the grouped expert GEMM only for a mixture
+    of experts with stacked experts); the device sampler only when a check for it is given (see ``run``)."""
     skip = {"device_sampler", "gemv" if runner.quantized else "weight_only"}
+    if not has_stacked_experts(runner.model):
+        skip.add("moe")
     return [n for n in PATH_NAMES if n not in skip]
 
 
@@ -177,6 +180,8 @@ def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[S
                 reason = _attempt_sampler(sampler_check, ref[-2])  # the last step of every sequence
             else:
                 setattr(fp, name, True)
+                if name == "cuda_graphs" and "moe" in passed:  # the torch experts read counts to the host
+                    fp.moe = True
                 reason = _attempt(runner, blocks, prompts, steps, ref, tol)
             if reason is None:
                 passed.append(name)

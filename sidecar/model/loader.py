@@ -29,6 +29,7 @@ from sidecar.model.args import ModelArgs, checkpoint_view
 from sidecar.model.decoder import CausalLM
 from sidecar.model.deltanet import load_hybrid_mixer
 from sidecar.model.linear_layout import pack_weights
+from sidecar.model.moe import stack_experts
 from sidecar.model.model_source import (  # noqa: F401 (re-exported: callers import them from here)
     pick_dtype,
     pick_dtype_with_reason,
@@ -371,6 +372,7 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
 
         log.info("multi-head latent attention: %s", FAST_PATH_REASON)
     model.init_rope(max_len, device, dtype)
+    stack_experts(model, device)  # the ``moe`` fast path's stacked expert weights, where it can run
     model.share_fast_paths()
     model.eval()
     if pack and device.type == "cpu":

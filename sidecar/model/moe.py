@@ -17,6 +17,12 @@ CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4
 gpt-oss (``ModelArgs.softmax_after_topk``): the router has a bias, the top-k of its logits are softmaxed in the
 model dtype, and the experts have biases and a clamped SwiGLU (``MLP``, layers.py).
 
+Device fast path ``moe`` (``kernels/triton/moe.py``): with it on, every expert runs in two Triton launches
+over the step's rows sorted by expert (no host reads: the step can be captured in a CUDA graph), reading the
+experts' weights stacked [E, 2I, H] / [E, H, I] (``stacked``, built at load by ``stack_experts`` where the path
+can run; on CUDA the experts' own weights become views of the stacks, so they are held once). Experts that are
+not plain weights (quantized, MXFP4 codes) have no stacks: the torch path runs.
+
 Llama 4 (``ModelArgs.router_sigmoid_input``): each of the top-k router logits goes through a sigmoid (float32,
 cast to the model dtype) and scales the expert's input rather than its output; a shared expert
 (``shared_expert_size``) sees every token, its output added to the routed sum.
@@ -55,6 +61,52 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(MLP(expert, paths) for _ in range(args.num_experts))
         shared = replace(args, intermediate_size=args.shared_expert_size, mlp_bias=False)
         self.shared_expert = MLP(shared, paths) if args.shared_expert_size else None
+        self.fast_paths = paths
+        self.stacked = None  # kernels/triton/moe.Experts, set by ``stack_experts``
+
+    def stack(self, views: bool) -> bool:
+        """Build ``stacked`` from the experts' weights when all are plain tensors of one float dtype; with
+        ``views`` the experts' weights become views of the stacks. Returns whether it did."""
+        from sidecar.model.kernels.triton.moe import Experts
+
+        projs = [(e.gate_up_proj, e.down_proj) for e in self.experts]
+        lins = [lin for pair in projs for lin in pair]
+        if not all(type(lin) is Linear and lin.weight is not None for lin in lins):
+            return False
+        dtype = lins[0].weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        if any(
+            lin.weight.dtype != dtype or (lin.bias is not None and lin.bias.dtype != dtype) for lin in lins
+        ):
+            return False
+        stacks = []
+        for i in (0, 1):
+            stacks.append(torch.stack([p[i].weight.detach() for p in projs]))
+            has_bias = projs[0][i].bias is not None
+            stacks.append(torch.stack([p[i].bias.detach() for p in projs]) if has_bias else None)
+        self.stacked = Experts(*stacks)
+        if views:
+            for e, (gu, down) in enumerate(projs):
+                gu.weight = nn.Parameter(self.stacked.gate_up[e], requires_grad=False)
+                down.weight = nn.Parameter(self.stacked.down[e], requires_grad=False)
+                if gu.bias is not None:
+                    gu.bias = nn.Parameter(self.stacked.gate_up_bias[e], requires_grad=False)
+                    down.bias = nn.Parameter(self.stacked.down_bias[e], requires_grad=False)
+        return True
+
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """The routed sum by the Triton grouped GEMM, or None where it does not run."""
+        if self.stacked is None or self.fast_paths is None or not self.fast_paths.takes("moe", x):
+            return None
+        from sidecar.model.kernels.triton import moe as triton_moe
+
+        mlp = self.experts[0]
+        if mlp.clamp is not None:
+            act, (limit, alpha) = triton_moe.CLAMPED_SWIGLU, mlp.clamp
+        else:
+            act, limit, alpha = (triton_moe.SILU if mlp.silu else triton_moe.GELU_TANH), 0.0, 0.0
+        return triton_moe.grouped_moe(x, weights, ids, self.stacked, act, limit, alpha, self.sigmoid_input)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) of the rows ``x`` [T, hidden], best first."""
@@ -77,6 +129,9 @@ class SparseMoE(nn.Module):
         # order (one index_add per expert), and the sum below keeps it, so float32 results match to the bit.
         ids, perm = ids.sort(dim=-1)
         weights = weights.gather(-1, perm)
+        fast = self._grouped(x, weights, ids)
+        if fast is not None:
+            return fast if self.shared_expert is None else self.shared_expert(x) + fast
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the T * k slots grouped by expert, experts ascending
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -98,6 +153,23 @@ class SparseMoE(nn.Module):
         for j in range(1, k):  # one add at a time, each in x's dtype, as transformers' index_add does
             routed = routed + per[:, j].to(x.dtype)
         return routed if self.shared_expert is None else self.shared_expert(x) + routed
+
+
+def stack_experts(model: nn.Module, device: torch.device) -> int:
+    """Stack every sparse block's experts (``SparseMoE.stack``) where the ``moe`` path can run: on CUDA (the
+    experts' weights then views of the stacks) and under Triton's interpreter on CPU (copies: the CPU layouts
+    may take the plain weights' pages). Returns how many blocks were stacked."""
+    from sidecar.model.kernels.gpu_paths import triton_available, triton_interpreted
+
+    if not (device.type == "cuda" or triton_interpreted()) or not triton_available():
+        return 0
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    return sum(m.stack(views=device.type == "cuda") for m in blocks)
+
+
+def has_stacked_experts(model: nn.Module) -> bool:
+    """Whether a sparse block of ``model`` has stacked experts (the ``moe`` path has something to run)."""
+    return any(getattr(m, "stacked", None) is not None for m in model.modules() if isinstance(m, SparseMoE))
 
 
 def block_prefix(has: Callable[[str], bool], layer_prefix: str, args: ModelArgs) -> str:

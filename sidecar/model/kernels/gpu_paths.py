@@ -26,6 +26,7 @@ PATH_NAMES = (
     "silu_mul",
     "gemv",
     "weight_only",
+    "moe",
     "cuda_graphs",
     "device_sampler",
 )
@@ -52,6 +53,7 @@ class FastPaths:
     silu_mul: bool = False  # Triton silu(gate) * up
     gemv: bool = False  # a one-row step's layer products in Triton, the norms and silu * up fused in
     weight_only: bool = False  # Triton int8 / int4 weight-only GEMM
+    moe: bool = False  # a mixture of experts' experts as one Triton grouped GEMM over rows sorted by expert
     cuda_graphs: bool = False  # decode steps replayed from captured graphs
     device_sampler: bool = False  # sampling of the whole batch on the device, one copy of the ids
     reasons: Optional[dict] = None  # path -> why it is off (filled by the self-check)
