@@ -14,9 +14,11 @@ probabilities weigh the latents, and ``W_UV`` maps the weighted latent to each h
 attention with the products reassociated, reading ``kv_lora_rank + rope_dim`` values a cached token
 instead of expanding every head's keys and values.
 
-Torch path only: the paged-attention kernels (CPU, Triton) read per-head K/V and do not take the latent
-cache; the model's start-up log says so. ``kv_b`` is a plain parameter (not a ``Linear``), so the CPU
-weight packing leaves it readable by the absorbed decode.
+The paged-attention kernels (CPU, Triton) read per-head K/V and do not take the latent cache; the model's
+start-up log says so. On CPU the decode rows' attention on the latents runs in
+``kernels/cpu/latent_attention`` where it takes the inputs (the reason is logged once where it does not);
+the torch form stays its oracle. ``kv_b`` is a plain parameter (not a ``Linear``), so the CPU weight
+packing leaves it readable by the absorbed decode.
 
 HF rotates DeepSeek's rotary channels in interleaved pairs and writes the result de-interleaved (evens,
 then odds); the same values come from gathering the channels evens-first and rotating rotate-half style,
@@ -36,15 +38,33 @@ from torch import nn
 from sidecar.model.args import ModelArgs
 from sidecar.model import attention_scores, kv_quant
 from sidecar.model.attention import AttentionMetadata
+from sidecar.model.kernels.cpu import latent_attention as cpu_latent
 from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.layers import RMSNorm, rotate
 from sidecar.model.linear import Linear
 
 log = logging.getLogger("sidecar.model")
 
-FAST_PATH_REASON = "multi-head latent attention attends on the torch path (the kernels read per-head K/V)"
+FAST_PATH_REASON = (
+    "the paged-attention kernels read per-head K/V, not latents (CPU decode rows take the latent kernel)"
+)
 # HF's q_a_layernorm and kv_a_layernorm keep their default epsilon whatever rms_norm_eps says
 LATENT_NORM_EPS = 1e-6
+_refusals_logged: set[str] = set()
+
+
+def _kernel_decode(q_lat, q_rope, kv, meta: AttentionMetadata, scale: float) -> Optional[torch.Tensor]:
+    """The decode rows' probability-weighted latents [B, heads, r] from the CPU kernel, or None (the reason
+    logged once) where it does not take the inputs."""
+    why = cpu_latent.refusal(q_lat, kv[0], kv[1])
+    if why is not None:
+        if why not in _refusals_logged:
+            _refusals_logged.add(why)
+            log.info("latent attention decode on the torch path: %s", why)
+        return None
+    return cpu_latent.decode_attention(
+        q_lat, q_rope, kv[0], kv[1], meta.decode_block_tables, meta.decode_ctx_lens, scale, meta.kv_scores
+    )
 
 
 def layer_cache(
@@ -201,25 +221,33 @@ class LatentAttention(nn.Module):
     def _decode(self, q: torch.Tensor, kv: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
         """Decode rows [B, heads, qk_dim] on the latents (absorbed projections): [B, heads, v_dim]."""
         s = self.spec
-        bt = meta.decode_block_tables
-        b, nb = bt.shape
-        bs = kv[0].shape[1]
-        latent = kv[0].index_select(0, bt.reshape(-1)).view(b, nb * bs, s.kv_lora_rank)
-        k_rope = kv[1].index_select(0, bt.reshape(-1)).view(b, nb * bs, s.rope_dim)
         w = self.kv_b.view(self.nh, s.nope_dim + s.v_dim, s.kv_lora_rank)
         w_uk, w_uv = w[:, : s.nope_dim], w[:, s.nope_dim :]
         # [B, H, nope] x [H, nope, r] -> [B, H, r]: each head's query in latent space
         q_lat = torch.einsum("bhn,hnr->bhr", q[..., : s.nope_dim], w_uk)
-        scores = torch.matmul(q_lat, latent.transpose(1, 2)) + torch.matmul(
-            q[..., s.nope_dim :], k_rope.transpose(1, 2)
+        o_lat = (
+            _kernel_decode(q_lat, q[..., s.nope_dim :], kv, meta, self.scale) if meta.use_cpu_kernel else None
         )
+        if o_lat is None:
+            o_lat = self._decode_torch(q_lat, q[..., s.nope_dim :], kv, meta)
+        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+
+    def _decode_torch(
+        self, q_lat: torch.Tensor, q_rope: torch.Tensor, kv: tuple[torch.Tensor, ...], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The kernel's oracle: each decode row's latents gathered, [B, heads, r] weighted latents."""
+        s, bt = self.spec, meta.decode_block_tables
+        b, nb = bt.shape
+        bs = kv[0].shape[1]
+        latent = kv[0].index_select(0, bt.reshape(-1)).view(b, nb * bs, s.kv_lora_rank)
+        k_rope = kv[1].index_select(0, bt.reshape(-1)).view(b, nb * bs, s.rope_dim)
+        scores = torch.matmul(q_lat, latent.transpose(1, 2)) + torch.matmul(q_rope, k_rope.transpose(1, 2))
         scores = (scores * self.scale).masked_fill(~meta.decode_mask(None)[:, 0], -math.inf)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         if meta.kv_scores is not None:  # scored eviction: each key's weight, summed over heads
             slots = attention_scores.table_slots(bt, bs, nb * bs)
             attention_scores.add_scores(meta.kv_scores, slots, torch.nan_to_num(probs).sum(dim=1))
-        o_lat = torch.matmul(probs.to(q.dtype), latent)  # [B, H, r]
-        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+        return torch.matmul(probs.to(q_lat.dtype), latent)  # [B, H, r]
 
 
 def load(attn: LatentAttention, get: Callable, prefix: str, put: Callable) -> None:

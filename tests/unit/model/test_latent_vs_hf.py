@@ -1,8 +1,9 @@
 """DeepSeek V3 and Mistral 4 (multi-head latent attention, grouped routing with shared experts;
 latent_checkpoints.py) through the engine: greedy float32 equal to HF transformers ``generate`` token for
-token with a tight KV pool (preemption), a small token budget (prompts chunked), prefix-cache hits and
-n-gram speculation; the pool whole after each; the cache holding the latent and its rotary key part per
-token, and the budget counting that; int8 KV and tensor parallelism refused by name."""
+token (decode rows in the CPU latent kernel) with a tight KV pool (preemption), a small token budget (prompts
+chunked), prefix-cache hits and n-gram speculation; the pool whole after each; the cache holding the latent
+and its rotary key part per token, and the budget counting that; int8 KV and tensor parallelism refused by
+name."""
 
 from __future__ import annotations
 
@@ -40,8 +41,24 @@ def hf_refs(latent_dirs):
     return refs
 
 
+def _count_kernel_calls(monkeypatch) -> list[int]:
+    """[calls of the CPU latent decode kernel that returned its result], counted as the engine runs."""
+    from sidecar.model.kernels.cpu import latent_attention
+
+    taken, real = [0], latent_attention.decode_attention
+
+    def counted(*args, **kw):
+        out = real(*args, **kw)
+        taken[0] += out is not None
+        return out
+
+    monkeypatch.setattr(latent_attention, "decode_attention", counted)
+    return taken
+
+
 @pytest.mark.parametrize("kind", LATENT_FAMILIES)
-def test_greedy_matches_hf_with_preemption_chunking_and_prefix_hits(latent_dirs, hf_refs, kind):
+def test_greedy_matches_hf_with_preemption_chunking_and_prefix_hits(latent_dirs, hf_refs, kind, monkeypatch):
+    taken = _count_kernel_calls(monkeypatch)
     # 11 usable blocks of 8 tokens cannot hold the 4 requests (up to 51 tokens each) at once
     llm = LLM(
         model=str(latent_dirs[kind]),
@@ -53,6 +70,7 @@ def test_greedy_matches_hf_with_preemption_chunking_and_prefix_hits(latent_dirs,
     )
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == hf_refs[kind]
+    assert taken[0] > 0  # the decode rows attended in the CPU latent kernel
     assert llm.engine.scheduler.num_preemptions > 0
     assert_pool_whole(llm)
     first, again = (llm.generate(PROMPTS[2:3], GREEDY)[0] for _ in range(2))  # again: from the prefix cache

@@ -1,0 +1,75 @@
+"""The CPU latent-attention decode kernel (kernels/cpu/latent_attention.c) against mla.py's torch form:
+context lengths across block edges, head counts below, at and past a task's head group, float32 and bf16
+caches, the scored-eviction sums per slot, and the inputs it refuses by reason."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sidecar.model.attention import AttentionMetadata
+from sidecar.model.kernels.cpu import latent_attention as kernel
+from sidecar.model.mla import LatentAttention
+
+BS, NB = 8, 24
+CTX = [1, 7, 8, 9, 31, 64, 100]  # a block's edges, several blocks, a table of 13 blocks
+
+
+def _case(heads: int, rank: int, rope: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lc = torch.randn(NB, BS, 1, rank, generator=g).to(dtype)
+    rc = torch.randn(NB, BS, 1, rope, generator=g).to(dtype)
+    b = len(CTX)
+    ql = (torch.randn(b, heads, rank, generator=g) * 0.3).to(dtype)
+    qr = (torch.randn(b, heads, rope, generator=g) * 0.3).to(dtype)
+    nb = -(-max(CTX) // BS)
+    tables = torch.stack([torch.randperm(NB, generator=g)[:nb] for _ in range(b)])
+    return ql, qr, (lc, rc), tables, torch.tensor(CTX)
+
+
+def _torch(ql, qr, kv, tables, ctx, scale, scores=None):
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_size=BS,
+        decode_block_tables=tables,
+        decode_ctx_lens=ctx,
+        kv_scores=scores,
+    )
+    spec = SimpleNamespace(kv_lora_rank=ql.shape[-1], rope_dim=qr.shape[-1])
+    return LatentAttention._decode_torch(SimpleNamespace(spec=spec, scale=scale), ql, qr, kv, meta)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 16, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_torch_path(heads, dtype):
+    ql, qr, kv, tables, ctx = _case(heads, 64, 16, dtype, seed=heads)
+    want_scores, got_scores = torch.zeros(NB * BS), torch.zeros(NB * BS)
+    want = _torch(ql, qr, kv, tables, ctx, 0.125, want_scores)
+    got = kernel.decode_attention(ql, qr, kv[0], kv[1], tables, ctx, 0.125, got_scores)
+    assert got is not None and got.dtype == dtype and got.shape == want.shape
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got_scores, want_scores, **tol)
+    # every head's weights sum to one per row
+    assert abs(got_scores.sum().item() - heads * len(CTX)) < 1e-3 * heads * len(CTX)
+
+
+def test_kernel_without_scores_and_with_a_rope_part_off_the_vector_width():
+    ql, qr, kv, tables, ctx = _case(5, 32, 4, torch.float32)
+    got = kernel.decode_attention(ql, qr, kv[0], kv[1], tables, ctx, 0.3)
+    torch.testing.assert_close(got, _torch(ql, qr, kv, tables, ctx, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_it_cannot_take_are_refused_by_reason():
+    ql, qr, kv, tables, ctx = _case(2, 12, 4, torch.float32)  # a rank of no whole vectors
+    width = kernel._KERNEL.lib()._sidecar_width
+    if 12 % width:
+        assert "kv_lora_rank 12" in kernel.refusal(ql, *kv)
+        assert kernel.decode_attention(ql, qr, kv[0], kv[1], tables, ctx, 0.3) is None
+    ql, qr, kv, tables, ctx = _case(2, 64, 8, torch.float16)
+    assert "float16" in kernel.refusal(ql, *kv)
+    assert kernel.decode_attention(ql, qr, kv[0], kv[1], tables, ctx, 0.3) is None
+    ql, qr, kv, tables, ctx = _case(2, 64, 8, torch.float32)
+    assert "dtype" in kernel.refusal(ql, kv[0].bfloat16(), kv[1])
