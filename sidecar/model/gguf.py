@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 
 from sidecar.config import DEFAULT_MODEL
+from sidecar.model import gguf_qwen35
 from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
@@ -49,6 +50,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
 }
 
 
@@ -216,7 +218,14 @@ def _expert_keys(reader, get, cfg: dict) -> None:
     cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if i not in sparse]
 
 
-_FAMILY_KEYS = {"gemma2": _gemma_keys, "gemma3": _gemma_keys, "phi3": _phi3_keys}
+_FAMILY_KEYS = {
+    "gemma2": _gemma_keys,
+    "gemma3": _gemma_keys,
+    "phi3": _phi3_keys,
+    "qwen35": gguf_qwen35.config_keys,
+}
+# Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
+_FP_ONLY = ("qwen35",)
 
 
 def _layer_linears_q4(reader) -> bool:
@@ -233,7 +242,7 @@ def _layer_linears_q4(reader) -> bool:
 
 def variant_for(reader, quantization: Optional[str], dtype: str) -> str:
     """'int4' (exact Q4 mapping) or 'fp' (dequantized; the loader quantizes on load if asked)."""
-    if not _layer_linears_q4(reader):
+    if _field(reader, "general.architecture") in _FP_ONLY or not _layer_linears_q4(reader):
         return "fp"
     if quantization == "int4" or (quantization is None and dtype == "auto"):
         return "int4"
