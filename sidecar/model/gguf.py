@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 
 from sidecar.config import DEFAULT_MODEL
-from sidecar.model import gguf_qwen35
+from sidecar.model import gguf_gpt_oss, gguf_qwen35
 from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 
 
@@ -127,7 +128,7 @@ def hf_config(reader, path: str) -> dict:
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling not in (None, "none"):
+    elif scaling not in (None, "none") and arch != "gpt-oss":
         raise ValueError(f"model: {path}: rope scaling {scaling!r} is not supported")
     if arch == "mistral" and get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
@@ -223,9 +224,10 @@ _FAMILY_KEYS = {
     "gemma3": _gemma_keys,
     "phi3": _phi3_keys,
     "qwen35": gguf_qwen35.config_keys,
+    "gpt-oss": gguf_gpt_oss.config_keys,  # YaRN read there
 }
 # Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
-_FP_ONLY = ("qwen35",)
+_FP_ONLY = ("qwen35", "gpt-oss")
 
 
 def _layer_linears_q4(reader) -> bool:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from sidecar.model import gguf_gpt_oss as gpt_oss
 from sidecar.model import gguf_qwen35 as qwen35
 from sidecar.model import gguf_tensors as gt
 from sidecar.model.quant_format import FORMAT_VERSION
@@ -50,6 +51,8 @@ def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
         out[f"{block}.down_proj"] = out.pop(f"{block}.down_proj.weight")
     if cfg["model_type"] == "qwen35":
         out = qwen35.fix_state(out, cfg)
+    elif cfg["model_type"] == "gpt-oss":
+        out = gpt_oss.fix_state(out, cfg)
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from sidecar.model.gguf_gpt_oss import LAYER_NAMES as GPT_OSS_NAMES
 from sidecar.model.gguf_qwen35 import LAYER_NAMES as QWEN35_NAMES
 
 # Types we read; anything else is rejected by name before conversion starts.
@@ -61,6 +62,7 @@ _ARCH_LAYER_NAMES = {
     "gemma3": _GEMMA_NAMES,
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen35": QWEN35_NAMES,
+    "gpt-oss": GPT_OSS_NAMES,
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 

@@ -3,9 +3,12 @@ families load into our engine and give greedy float32 output equal to HF transfo
 came from, token for token; Q8_0 files equal HF on the weights they hold (the pattern of
 test_gguf_llamacpp.py).
 
-Qwen3.5 (``qwen35``): the converter rewrites the checkpoint (gguf_qwen35.py): norms as ``1 + w``, ``A_log``
-as ``-exp(A_log)``, and, with fewer key than value heads (the checkpoint here), every value-head axis of
-the DeltaNet layers in another order. A checkpoint without multi-token-prediction layers converts with
+gpt-oss (``gpt-oss``): experts stored apart and transposed (gguf_gpt_oss.py), F32 experts here (the
+MXFP4 type of published files is refused by name).
+
+Qwen3.5 (``qwen35``): the converter rewrites the checkpoint (gguf_qwen35.py): norms as ``1 + w``,
+``A_log`` as ``-exp(A_log)``, and, with fewer key than value heads (the checkpoint here), every value-head
+axis of the DeltaNet layers in another order. A checkpoint without multi-token-prediction layers converts with
 ``--no-mtp``.
 """
 
@@ -25,8 +28,11 @@ from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
 from tests.unit.model.family_checkpoints import assert_not_degenerate, build_family_checkpoint
 from tests.unit.model.test_gguf_llamacpp import GREEDY, PROMPTS, _q8_0_values, tokenizer_dirs  # noqa: F401
 
-FLAGS = {"qwen3_5": ("--no-mtp",)}
-ARCH = {"qwen3_5": "qwen35"}  # ours -> llama.cpp's arch
+FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": ()}
+ARCH = {"qwen3_5": "qwen35", "gpt_oss": "gpt-oss"}  # ours -> llama.cpp's arch
+# What a gpt-oss file can say: llama.cpp's clamp limit; no YaRN (transformers cannot read a GGUF tokenizer
+# beside the yarn keys it writes)
+OVERRIDES = {"gpt_oss": dict(swiglu_limit=7.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4})}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +41,7 @@ def converted(tmp_path_factory, tokenizer_dirs) -> dict[str, tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("llamacpp-gguf-new")
     out = {}
     for kind in FLAGS:
-        d = build_family_checkpoint(kind, root / kind, tokenizer_dirs["bpe"])
+        d = build_family_checkpoint(kind, root / kind, tokenizer_dirs["bpe"], **OVERRIDES.get(kind, {}))
         out[kind] = (d, convert(d, root / f"{kind}.gguf", "f32", *FLAGS[kind]))
     return out
 
