@@ -1,9 +1,9 @@
 """Gated DeltaNet: the linear-attention mixer of hybrid models (Qwen3.5), over packed variable-length tokens.
 
 Per token: one projection gives the q, k, v channels, the output gate ``z``, ``b`` (beta = sigmoid(b), the
-update's strength) and ``a`` (the decay ``g = -exp(A_log) * softplus(a + dt_bias)``, in log space). The q, k,
-v channels pass a depthwise causal convolution of ``conv_kernel`` taps and silu; q and k are L2-normed per
-head, q scaled by ``k_dim ** -0.5``; then, per value head, with state ``S`` [k_dim, v_dim]::
+update's strength) and ``a`` (the decay ``g = A * softplus(a + dt_bias)`` with ``A = -exp(A_log)``, in log
+space). The q, k, v channels pass a depthwise causal convolution of ``conv_kernel`` taps and silu; q and k
+are L2-normed per head, q scaled by ``k_dim ** -0.5``; then, per value head, with state ``S`` [k_dim, v_dim]::
 
     S = S * exp(g);  S = S + k (beta (v - S^T k))^T;  o = S^T q
 
@@ -134,7 +134,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = Linear(args.hidden_size, self.nv, bias=False)
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, self.kernel))  # depthwise taps
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
-        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        # the decay rate -exp(A_log), float32 whatever the model dtype (set by load_hybrid_mixer)
+        self.A = nn.Parameter(torch.zeros(self.nv))
         self.norm_weight = nn.Parameter(torch.ones(self.dv))  # plain w (not 1 + w)
         self.eps = args.rms_norm_eps
         self.out_proj = Linear(self.nv * self.dv, args.hidden_size, bias=False)
@@ -169,7 +170,7 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         mixed, z = torch.split(self.in_proj(x), self.splits, dim=1)
         beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        g = self.A * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         out = torch.empty(t, self.nv, self.dv, dtype=x.dtype, device=x.device)
         w = self.kernel - 1
         for seg in meta.prefills:
@@ -205,19 +206,25 @@ class GatedDeltaNet(nn.Module):
         return (h * F.silu(z.float())).to(o.dtype)
 
 
-def load_hybrid_mixer(layer: nn.Module, get, prefix: str, put) -> None:
+def load_hybrid_mixer(layer: nn.Module, ckpt, prefix: str, put) -> None:
     """Fill a hybrid model's decoder ``layer``'s mixer from the checkpoint tensors under ``prefix``
-    (``get(name)``): its gated DeltaNet, or its gated attention (q_proj split into the query rows, fused with
-    k and v, and the gate rows). ``put(module, attr, tensor)`` sets a parameter (shape-checked, in the model
-    dtype and device)."""
+    (``ckpt.get(name)``, ``name in ckpt``): its gated DeltaNet, or its gated attention (q_proj split into the
+    query rows, fused with k and v, and the gate rows). ``put(module, attr, tensor)`` sets a parameter
+    (shape-checked, in the model dtype and device). The DeltaNet's decay rate is ``-exp(A_log)`` of
+    ``A_log`` in the model dtype (as HF computes it), or a GGUF file's ``A`` (that rate, stored)."""
+    get = ckpt.get
     if layer.linear_attn is not None:
         m, p = layer.linear_attn, f"{prefix}.linear_attn"
         put(m.in_proj, "weight", torch.cat([get(f"{p}.in_proj_{x}.weight") for x in ("qkv", "z")]))
         put(m.in_proj_b, "weight", get(f"{p}.in_proj_b.weight"))
         put(m.in_proj_a, "weight", get(f"{p}.in_proj_a.weight"))
         put(m, "conv_weight", get(f"{p}.conv1d.weight").squeeze(1))
-        for ours, theirs in (("dt_bias", "dt_bias"), ("A_log", "A_log"), ("norm_weight", "norm.weight")):
+        for ours, theirs in (("dt_bias", "dt_bias"), ("norm_weight", "norm.weight")):
             put(m, ours, get(f"{p}.{theirs}"))
+        stored = f"{p}.A" in ckpt
+        put(m, "A", get(f"{p}.A" if stored else f"{p}.A_log"))
+        rate = get(f"{p}.A").float() if stored else -m.A.float().exp()
+        m.A = nn.Parameter(rate.to(m.A.device), requires_grad=False)
         put(m.out_proj, "weight", get(f"{p}.out_proj.weight"))
         return
     attn, p = layer.self_attn, f"{prefix}.self_attn"

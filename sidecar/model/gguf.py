@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 
 from sidecar.config import DEFAULT_MODEL
+from sidecar.model import gguf_gpt_oss, gguf_qwen35
 from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
@@ -49,6 +50,8 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen35": "Qwen3_5ForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
 
 
@@ -125,7 +128,7 @@ def hf_config(reader, path: str) -> dict:
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling not in (None, "none"):
+    elif scaling not in (None, "none") and arch != "gpt-oss":
         raise ValueError(f"model: {path}: rope scaling {scaling!r} is not supported")
     if arch == "mistral" and get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
@@ -216,7 +219,15 @@ def _expert_keys(reader, get, cfg: dict) -> None:
     cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if i not in sparse]
 
 
-_FAMILY_KEYS = {"gemma2": _gemma_keys, "gemma3": _gemma_keys, "phi3": _phi3_keys}
+_FAMILY_KEYS = {
+    "gemma2": _gemma_keys,
+    "gemma3": _gemma_keys,
+    "phi3": _phi3_keys,
+    "qwen35": gguf_qwen35.config_keys,
+    "gpt-oss": gguf_gpt_oss.config_keys,  # YaRN read there
+}
+# Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
+_FP_ONLY = ("qwen35", "gpt-oss")
 
 
 def _layer_linears_q4(reader) -> bool:
@@ -233,7 +244,7 @@ def _layer_linears_q4(reader) -> bool:
 
 def variant_for(reader, quantization: Optional[str], dtype: str) -> str:
     """'int4' (exact Q4 mapping) or 'fp' (dequantized; the loader quantizes on load if asked)."""
-    if not _layer_linears_q4(reader):
+    if _field(reader, "general.architecture") in _FP_ONLY or not _layer_linears_q4(reader):
         return "fp"
     if quantization == "int4" or (quantization is None and dtype == "auto"):
         return "int4"

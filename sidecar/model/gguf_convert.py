@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from sidecar.model import gguf_gpt_oss as gpt_oss
+from sidecar.model import gguf_qwen35 as qwen35
 from sidecar.model import gguf_tensors as gt
 from sidecar.model.quant_format import FORMAT_VERSION
 from sidecar.model.quant_checkpoint import CONFIG_NAME, WEIGHTS_NAME
@@ -47,6 +49,10 @@ def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
         block = name.removesuffix(".gate_proj.weight")  # transformers' fused layout (moe.expert_weights)
         out[f"{block}.gate_up_proj"] = torch.cat((out.pop(name), out.pop(f"{block}.up_proj.weight")), dim=1)
         out[f"{block}.down_proj"] = out.pop(f"{block}.down_proj.weight")
+    if cfg["model_type"] == "qwen35":
+        out = qwen35.fix_state(out, cfg)
+    elif cfg["model_type"] == "gpt-oss":
+        out = gpt_oss.fix_state(out, cfg)
     return out
 
 

@@ -19,6 +19,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from sidecar.model.gguf_gpt_oss import LAYER_NAMES as GPT_OSS_NAMES
+from sidecar.model.gguf_qwen35 import LAYER_NAMES as QWEN35_NAMES
+
 # Types we read; anything else is rejected by name before conversion starts.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
@@ -58,6 +61,8 @@ _ARCH_LAYER_NAMES = {
     "gemma2": _GEMMA_NAMES,
     "gemma3": _GEMMA_NAMES,
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "qwen35": QWEN35_NAMES,
+    "gpt-oss": GPT_OSS_NAMES,
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -66,10 +71,12 @@ def hf_name(gguf_name: str, arch: Optional[str] = None) -> Optional[str]:
     """HF parameter name for a GGUF tensor name of architecture ``arch``, or None for tensors we do not use
     (e.g. rope_freqs; Phi-3's rope_factors_* are read as metadata)."""
     base, _, kind = gguf_name.rpartition(".")
+    if kind not in ("weight", "bias"):  # a parameter without a suffix (Qwen3.5's ssm_a)
+        base, kind = gguf_name, ""
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
         mapped = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES).get(part)
-        return None if mapped is None else f"model.layers.{idx}.{mapped}.{kind}"
+        return None if mapped is None else f"model.layers.{idx}.{mapped}" + (f".{kind}" if kind else "")
     mapped = _TOP_NAMES.get(base)
     return None if mapped is None else f"{mapped}.{kind}"
 

@@ -203,7 +203,7 @@ def _load_weights(
 
             load_latent(attn, ckpt.get, p, lambda m, n, t: _set(m, n, t, dtype, device))
         elif attn is None or attn.gate_proj is not None:  # hybrid layers (deltanet.py)
-            load_hybrid_mixer(layer, ckpt.get, p, lambda m, n, t: _set(m, n, t, dtype, device))
+            load_hybrid_mixer(layer, ckpt, p, lambda m, n, t: _set(m, n, t, dtype, device))
         else:
             qkv = [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
             _load_linear(attn.qkv_proj, ckpt, qkv, dtype, device)

@@ -1,7 +1,8 @@
 """Qwen3.5 (dense, text): a hybrid of gated DeltaNet layers (deltanet.py; ``layer_types`` "linear_attention",
 by default three of every four) and full-attention layers. The attention layers are Qwen3's (q/k norms,
 ``head_dim`` of its own) with partial rotary (``partial_rotary_factor``, a quarter by default) and a sigmoid
-gate on their output; every RMSNorm of the checkpoint but the DeltaNet's gated one scales by ``(1 + w)``.
+gate on their output; every RMSNorm of the checkpoint but the DeltaNet's gated one scales by ``(1 + w)``
+(a GGUF file stores those as ``1 + w``: ``norm_weights_include_one``).
 The text positions of its multimodal rope are one position per token, so the plain rope is HF's. A
 ``Qwen3_5ForConditionalGeneration`` checkpoint (the published ones) serves its text model: ``text_config``,
 tensors under ``model.language_model.``; the vision tower is not loaded, so prompts are text only."""
@@ -45,7 +46,7 @@ def args_from_config(cfg: dict[str, Any], arch: str) -> ModelArgs:
         cfg,
         arch,
         qk_norm=True,
-        norm_unit_offset=True,
+        norm_unit_offset=not cfg.get("norm_weights_include_one", False),  # GGUF: stored 1 + w
         rotary_dim=int(head_dim * factor),
         linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
         linear=linear,

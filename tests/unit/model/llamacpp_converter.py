@@ -57,12 +57,13 @@ def converter_dir() -> Path:
     return out
 
 
-def convert(hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """``hf_dir`` converted by llama.cpp's converter into ``out`` (``outtype``: f32, f16, bf16, q8_0)."""
+def convert(hf_dir: Path, out: Path, outtype: str = "f32", *flags: str) -> Path:
+    """``hf_dir`` converted by llama.cpp's converter into ``out`` (``outtype``: f32, f16, bf16, q8_0);
+    ``flags`` go to the converter as they are (e.g. ``--no-mtp`` for a Qwen3.5 without MTP layers)."""
     script = converter_dir() / "convert_hf_to_gguf.py"
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     run = subprocess.run(
-        [sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype],
+        [sys.executable, str(script), str(hf_dir), "--outfile", str(out), "--outtype", outtype, *flags],
         capture_output=True,
         text=True,
         env=env,

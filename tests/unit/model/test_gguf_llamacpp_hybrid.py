@@ -1,0 +1,123 @@
+"""GGUF files made by llama.cpp's own converter (llamacpp_converter.py) from tiny checkpoints of the newest
+families load into our engine and give greedy float32 output equal to HF transformers on the directory they
+came from, token for token; Q8_0 files equal HF on the weights they hold (the pattern of
+test_gguf_llamacpp.py).
+
+gpt-oss (``gpt-oss``): experts stored apart and transposed (gguf_gpt_oss.py), F32 experts here (the
+MXFP4 type of published files is refused by name).
+
+Qwen3.5 (``qwen35``): the converter rewrites the checkpoint (gguf_qwen35.py): norms as ``1 + w``,
+``A_log`` as ``-exp(A_log)``, and, with fewer key than value heads (the checkpoint here), every value-head
+axis of the DeltaNet layers in another order. A checkpoint without multi-token-prediction layers converts with
+``--no-mtp``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from llamacpp_converter import convert
+from sidecar import LLM
+from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
+from tests.unit.model.family_checkpoints import assert_not_degenerate, build_family_checkpoint
+from tests.unit.model.test_gguf_llamacpp import GREEDY, PROMPTS, _q8_0_values, tokenizer_dirs  # noqa: F401
+
+FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": ()}
+ARCH = {"qwen3_5": "qwen35", "gpt_oss": "gpt-oss"}  # ours -> llama.cpp's arch
+# What a gpt-oss file can say: llama.cpp's clamp limit; no YaRN (transformers cannot read a GGUF tokenizer
+# beside the yarn keys it writes)
+OVERRIDES = {"gpt_oss": dict(swiglu_limit=7.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4})}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tokenizer_dirs) -> dict[str, tuple[Path, Path]]:  # noqa: F811
+    """kind -> (HF directory, the f32 GGUF llama.cpp's converter made of it)."""
+    root = tmp_path_factory.mktemp("llamacpp-gguf-new")
+    out = {}
+    for kind in FLAGS:
+        d = build_family_checkpoint(kind, root / kind, tokenizer_dirs["bpe"], **OVERRIDES.get(kind, {}))
+        out[kind] = (d, convert(d, root / f"{kind}.gguf", "f32", *FLAGS[kind]))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIDECAR_HOME", str(tmp_path / "home"))
+
+
+def _engine_matches(hf_dir: Path, path: Path, ref: list[list[int]]) -> None:
+    llm = LLM(model=str(path), dtype="float32", block_size=8, max_num_batched_tokens=16)
+    want = json.loads((hf_dir / "config.json").read_text())["architectures"][0]
+    assert llm.engine.loaded.args.architecture == want
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("kind", FLAGS)
+def test_converter_file_matches_hf_on_the_checkpoint_it_came_from(converted, kind):
+    import gguf
+
+    hf_dir, path = converted[kind]
+    assert gguf.GGUFReader(str(path)).fields["general.architecture"].contents() == ARCH[kind]
+    ref = hf_greedy(hf_dir, PROMPTS, GREEDY.max_tokens)
+    assert_not_degenerate(ref)
+    _engine_matches(hf_dir, path, ref)
+
+
+def test_qwen3_5_tensors_come_back_as_the_checkpoint_holds_them(converted):
+    """Every tensor the converter rewrote is back in HF's order; what it recomputed is what it stores."""
+    import gguf
+
+    from sidecar.model.gguf import hf_config
+    from sidecar.model.gguf_convert import gguf_state_dict
+
+    hf_dir, path = converted["qwen3_5"]
+    reader = gguf.GGUFReader(str(path))
+    cfg = hf_config(reader, str(path))
+    assert cfg["linear_num_key_heads"] < cfg["linear_num_value_heads"]  # the reordered case
+    ours, theirs = gguf_state_dict(reader, cfg), load_file(str(hf_dir / "model.safetensors"))
+    for name, w in theirs.items():
+        if name.endswith(".A_log"):
+            assert torch.equal(ours[name.removesuffix("_log")], -w.exp()), name
+        elif "norm" in name and ".linear_attn." not in name:
+            assert torch.equal(ours[name], w + 1), name
+        else:
+            assert torch.equal(ours[name], w), name
+    assert len(ours) == len(theirs)
+
+
+def test_qwen3_5_q8_0_file_matches_hf_on_the_weights_it_holds(tokenizer_dirs, tmp_path):  # noqa: F811
+    """As many key as value heads: the converter stores HF's order, so the file's Q8_0 values map onto
+    the checkpoint's tensors by gguf's own name map."""
+    import gguf
+
+    hf_dir = build_family_checkpoint(
+        "qwen3_5", tmp_path / "hf", tokenizer_dirs["bpe"], linear_num_value_heads=2, linear_value_head_dim=16
+    )
+    path = convert(hf_dir, tmp_path / "q8_0.gguf", "q8_0", "--no-mtp")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35, 4)
+    state = load_file(str(hf_dir / "model.safetensors"))
+    held = {}
+    for name, w in state.items():
+        if w.dim() != 2:  # norms, A_log, dt_bias and the conv taps stay float32
+            continue
+        t = tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))]
+        if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+            held[name] = _q8_0_values(t)
+            err = (held[name] - w).abs().max().item()
+            assert 0 < err <= w.abs().max().item() / 200, name
+    assert any(".linear_attn." in n for n in held) and any(".self_attn." in n for n in held)
+    ref_dir = tmp_path / "q8_0-values"
+    shutil.copytree(hf_dir, ref_dir)
+    save_file({**state, **held}, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    ref = hf_greedy(ref_dir, PROMPTS, GREEDY.max_tokens)
+    assert_not_degenerate(ref)
+    assert ref != hf_greedy(hf_dir, PROMPTS, GREEDY.max_tokens)  # the engine must follow the file
+    _engine_matches(hf_dir, path, ref)
