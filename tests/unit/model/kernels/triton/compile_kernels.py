@@ -16,6 +16,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from sidecar.model.kernels.triton import wo as triton_wo  # noqa: E402
 from sidecar.model.kernels.triton import attention as triton_attention, gemv as triton_gemv, ops as triton_ops
+from sidecar.model.kernels.triton import attention_scores as triton_scores  # noqa: E402
+from sidecar.model.kernels.triton import moe as triton_moe  # noqa: E402
 
 
 def build(fn, args: dict, constexprs: dict, arch: int) -> None:
@@ -58,6 +60,7 @@ def main(arch: int) -> None:
                     m_ptr="*fp32",
                     l_ptr="*fp32",
                     acc_ptr="*fp32",
+                    lse_ptr="*fp32",
                     scale="fp32",
                     window="i32",
                     softcap="fp32",
@@ -76,6 +79,7 @@ def main(arch: int) -> None:
                     HAS_WINDOW=window,
                     SOFTCAP=window,  # soft-capped scores (Gemma 2) in the windowed variants, uncapped in the others
                     DIRECT=direct,
+                    LSE=window,  # the log-sum-exp kept for scored eviction in the windowed variants
                     F32=f32,
                     BF16=bf16,
                     QUANT=codes is not None,
@@ -85,10 +89,103 @@ def main(arch: int) -> None:
             )
         build(
             triton_attention._decode_reduce,
-            dict(m_ptr="*fp32", l_ptr="*fp32", acc_ptr="*fp32", out_ptr=p, **ints("n_parts s_ob s_oh")),
-            dict(HEAD_DIM=64, D_PAD=64, P_PAD=8, BF16=bf16),
+            dict(
+                m_ptr="*fp32",
+                l_ptr="*fp32",
+                acc_ptr="*fp32",
+                out_ptr=p,
+                lse_ptr="*fp32",
+                **ints("n_parts s_ob s_oh"),
+            ),
+            dict(HEAD_DIM=64, D_PAD=64, P_PAD=8, LSE=True, BF16=bf16),
             arch,
         )
+        for group, window, codes in ((1, False, None), (7, True, "*i8"), (3, True, "*u8")):
+            kv = codes or p
+            build(
+                triton_scores._decode_scores,
+                dict(
+                    q_ptr=p,
+                    k_ptr=kv,
+                    ks_ptr="*fp32" if codes else p,
+                    bt_ptr="*i32",
+                    ctx_ptr="*i64",
+                    lse_ptr="*fp32",
+                    sc_ptr="*fp32",
+                    scale="fp32",
+                    window="i32",
+                    softcap="fp32",
+                    **ints("s_qb s_qh s_kb s_ks s_kh s_sb s_ss s_bt max_blocks"),
+                ),
+                dict(
+                    QUANT=codes is not None,
+                    FP8=codes == "*u8",
+                    GROUP=group,
+                    G_PAD=16,
+                    HEAD_DIM=64,
+                    D_PAD=64,
+                    BLOCK_SIZE=16,
+                    PART=256,
+                    BLOCK_N=32,
+                    HAS_WINDOW=window,
+                    SOFTCAP=window,
+                    F32=f32,
+                    BF16=bf16,
+                ),
+                arch,
+            )
+        # The grouped expert GEMM: silu, GeGLU and gpt-oss's clamped SwiGLU with biases; Llama 4's scaled input.
+        for act, bias, scale_in in ((0, False, False), (1, False, False), (2, True, False), (0, False, True)):
+            build(
+                triton_moe._gate_up,
+                dict(
+                    x_ptr=p,
+                    rows_ptr="*i32",
+                    te_ptr="*i32",
+                    w_ptr=p,
+                    b_ptr=p,
+                    rw_ptr="*fp32",
+                    out_ptr=p,
+                    limit="fp32",
+                    alpha="fp32",
+                    **ints("h inter top_k"),
+                ),
+                dict(
+                    BLOCK_M=16,
+                    BLOCK_N=64,
+                    BLOCK_K=64,
+                    ACT=act,
+                    HAS_BIAS=bias,
+                    SCALE_IN=scale_in,
+                    F32=f32,
+                    BF16=bf16,
+                ),
+                arch,
+            )
+            build(
+                triton_moe._down,
+                dict(
+                    a_ptr=p,
+                    rows_ptr="*i32",
+                    te_ptr="*i32",
+                    w_ptr=p,
+                    b_ptr=p,
+                    rw_ptr="*fp32",
+                    out_ptr="*fp32" if not scale_in else p,
+                    **ints("h inter"),
+                ),
+                dict(
+                    BLOCK_M=16,
+                    BLOCK_N=64,
+                    BLOCK_K=64,
+                    HAS_BIAS=bias,
+                    SCALE_OUT=not scale_in,
+                    F32=f32,
+                    BF16=bf16,
+                    OUT_BF16=bf16 and scale_in,
+                ),
+                arch,
+            )
         for codes in (
             None,
             "*i8",
