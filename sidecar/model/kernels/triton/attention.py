@@ -34,7 +34,7 @@ import triton.language as tl
 from triton import next_power_of_2 as next_pow2
 
 from sidecar.model.kernels.triton import attention_scores as triton_scores
-from sidecar.model.kernels.triton.common import cache_codes, dot_in_f32, mma, narrow, tanh32
+from sidecar.model.kernels.triton.common import cache_codes, dot_in_f32, key_scores, mma, narrow
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_N = 32  # keys per tile; >= 16 so both dots have K >= 16 on a real GPU
@@ -115,25 +115,11 @@ def _decode_partition(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     for start in range(first, p_end, BLOCK_N):
-        pos = start + n
-        visible = (pos >= lo) & (pos < p_end)
-        blk_idx = pos // BLOCK_SIZE
-        blk = tl.load(bt_ptr + row * s_bt + blk_idx, mask=visible & (blk_idx < max_blocks), other=0).to(
-            tl.int64
-        )
-        slot = pos % BLOCK_SIZE
+        s, visible, blk, slot = key_scores(
+            q, q_ptr, k_ptr, ks_ptr, bt_ptr, row, kvh, start + n, lo, p_end, d, d_ok, s_bt, s_kb, s_ks, s_kh,
+            s_sb, s_ss, max_blocks, scale, softcap, QUANT, FP8, BLOCK_SIZE, SOFTCAP, F32, BF16,
+        )  # fmt: skip
         kv_mask = visible[:, None] & d_ok[None, :]
-        k = tl.load(
-            k_ptr + blk[:, None] * s_kb + slot[:, None] * s_ks + kvh * s_kh + d[None, :],
-            mask=kv_mask,
-            other=0,
-        )
-        if QUANT:  # codes times the token's scale, in float32, then q's dtype (as kv_quant.dequantize)
-            k_s = tl.load(ks_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
-            k = narrow(cache_codes(k, FP8) * k_s[:, None], q_ptr, BF16)
-        s = mma(q, tl.trans(k), F32) * scale
-        if SOFTCAP:
-            s = softcap * tanh32(s / softcap)
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sidecar.model.kernels.triton.common import cache_codes, mma, narrow, tanh32
+from sidecar.model.kernels.triton.common import key_scores
 
 
 @triton.jit
@@ -75,24 +75,10 @@ def _decode_scores(
     p_end = tl.minimum(p_start + PART, ctx)
     first = p_start + (tl.maximum(lo - p_start, 0) // BLOCK_N) * BLOCK_N
     for start in range(first, p_end, BLOCK_N):
-        pos = start + n
-        visible = (pos >= lo) & (pos < p_end)
-        blk_idx = pos // BLOCK_SIZE
-        blk = tl.load(bt_ptr + row * s_bt + blk_idx, mask=visible & (blk_idx < max_blocks), other=0).to(
-            tl.int64
-        )
-        slot = pos % BLOCK_SIZE
-        k = tl.load(
-            k_ptr + blk[:, None] * s_kb + slot[:, None] * s_ks + kvh * s_kh + d[None, :],
-            mask=visible[:, None] & d_ok[None, :],
-            other=0,
-        )
-        if QUANT:
-            k_s = tl.load(ks_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
-            k = narrow(cache_codes(k, FP8) * k_s[:, None], q_ptr, BF16)
-        s = mma(q, tl.trans(k), F32) * scale
-        if SOFTCAP:
-            s = softcap * tanh32(s / softcap)
+        s, visible, blk, slot = key_scores(
+            q, q_ptr, k_ptr, ks_ptr, bt_ptr, row, kvh, start + n, lo, p_end, d, d_ok, s_bt, s_kb, s_ks, s_kh,
+            s_sb, s_ss, max_blocks, scale, softcap, QUANT, FP8, BLOCK_SIZE, SOFTCAP, F32, BF16,
+        )  # fmt: skip
         w = tl.where(visible[None, :] & g_ok[:, None], tl.exp(s - lse[:, None]), 0.0)
         tl.atomic_add(sc_ptr + blk * BLOCK_SIZE + slot, tl.sum(w, 0), mask=visible)
 

@@ -82,3 +82,32 @@ def tanh32(x):
     e = tl.exp(-2.0 * ax)
     big = (1.0 - e) / (1.0 + e)
     return tl.where(ax < 0.625, small, tl.where(x < 0, -big, big))
+
+
+@triton.jit
+def key_scores(
+    q, q_ptr, k_ptr, ks_ptr, bt_ptr, row, kvh, pos, lo, p_end, d, d_ok, s_bt, s_kb, s_ks, s_kh, s_sb, s_ss,
+    max_blocks, scale, softcap,
+    QUANT: tl.constexpr, FP8: tl.constexpr, BLOCK_SIZE: tl.constexpr, SOFTCAP: tl.constexpr,
+    F32: tl.constexpr, BF16: tl.constexpr,
+):  # fmt: skip
+    """One tile of keys at positions ``pos`` of a paged cache [num_blocks, block_size, Hkv, D] (the row's block
+    table at ``bt_ptr``; int8 / fp8 codes times their token's scale where ``QUANT``, in float32 then q's dtype,
+    as kv_quant.dequantize): the scaled (and soft-capped) scores of the query heads ``q`` against them, and the
+    keys' ``visible`` mask ([lo, p_end)), block ids and slots. Scores of invisible keys are left unmasked."""
+    visible = (pos >= lo) & (pos < p_end)
+    blk_idx = pos // BLOCK_SIZE
+    blk = tl.load(bt_ptr + row * s_bt + blk_idx, mask=visible & (blk_idx < max_blocks), other=0).to(tl.int64)
+    slot = pos % BLOCK_SIZE
+    k = tl.load(
+        k_ptr + blk[:, None] * s_kb + slot[:, None] * s_ks + kvh * s_kh + d[None, :],
+        mask=visible[:, None] & d_ok[None, :],
+        other=0,
+    )
+    if QUANT:
+        k_s = tl.load(ks_ptr + blk * s_sb + slot * s_ss + kvh, mask=visible, other=0.0)
+        k = narrow(cache_codes(k, FP8) * k_s[:, None], q_ptr, BF16)
+    s = mma(q, tl.trans(k), F32) * scale
+    if SOFTCAP:
+        s = softcap * tanh32(s / softcap)
+    return s, visible, blk, slot
