@@ -345,19 +345,16 @@ def paged_attention(
         out[seg.q_start : seg.q_start + seg.q_len] = o[0].transpose(0, 1)
     if meta.decode_block_tables is not None:
         bt = meta.decode_block_tables
-        b, nb = bt.shape
+        b = bt.shape[0]
         if decoded is not None:
             out[q.shape[0] - b :] = decoded
             return out
         qd = q[q.shape[0] - b :]
         nkv, hd = k_cache.shape[-2], k_cache.shape[-1]
         bs = k_cache.shape[1]
-        if quant:
-            kd = kv_quant.gather(k_cache, kv_scales[0], bt, None, q.dtype).transpose(1, 2)
-            vd = kv_quant.gather(v_cache, kv_scales[1], bt, None, q.dtype).transpose(1, 2)
-        else:
-            kd = k_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
-            vd = v_cache.index_select(0, bt.reshape(-1)).view(b, nb * bs, nkv, hd).transpose(1, 2)
+        k_scale, v_scale = kv_scales if quant else (None, None)
+        kd = kv_quant.gather_heads(k_cache, k_scale, bt, q.dtype)
+        vd = kv_quant.gather_heads(v_cache, v_scale, bt, q.dtype)
         # Grouped-query decode without copying K/V: the query heads sharing a KV head
         # become that head's query rows ([B, Hkv, rep, D] against [B, Hkv, L, D]).
         nh = qd.shape[1]

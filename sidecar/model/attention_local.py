@@ -126,17 +126,6 @@ def chunked_attention(
     return paged_attention(q, k, v, k_cache, v_cache, local, scale, None, True, paths, kv_scales)
 
 
-def _keys(
-    cache: torch.Tensor, scales: Optional[torch.Tensor], tables: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """The blocks of ``tables`` [B, n] as [B, Hkv, n * block_size, D] (dequantized when ``scales``)."""
-    b, n = tables.shape
-    if scales is not None:
-        return kv_quant.gather(cache, scales, tables, None, dtype).transpose(1, 2)
-    nkv, hd = cache.shape[-2], cache.shape[-1]
-    return cache.index_select(0, tables.reshape(-1)).view(b, n * cache.shape[1], nkv, hd).transpose(1, 2)
-
-
 def reference(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -155,8 +144,8 @@ def reference(
     bs, scores = meta.block_size, meta.kv_scores
 
     def rows_over(qs, tables, mask, length):  # qs [B, H, R, D]; mask [B, 1, R, L]
-        kd = _keys(k_cache, ks, tables, q.dtype)[:, :, :length]
-        vd = _keys(v_cache, vs, tables, q.dtype)[:, :, :length]
+        kd = kv_quant.gather_heads(k_cache, ks, tables, q.dtype)[:, :, :length]
+        vd = kv_quant.gather_heads(v_cache, vs, tables, q.dtype)[:, :, :length]
         if scores is None:
             return F.scaled_dot_product_attention(qs, kd, vd, attn_mask=mask, scale=scale, enable_gqa=rep > 1)
         kd, vd = kd.repeat_interleave(rep, dim=1), vd.repeat_interleave(rep, dim=1)

@@ -20,17 +20,6 @@ from sidecar.model.kernels.cpu import paged_attention as cpu_kernel
 from sidecar.model.kernels.cpu import prefill_attention as prefill_kernel
 
 
-def _cached(
-    cache: torch.Tensor, scales: Optional[torch.Tensor], tables: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """The blocks of ``tables`` [B, n] as [B, Hkv, n * block_size, D] (dequantized when ``scales``)."""
-    b, n = tables.shape
-    if scales is not None:
-        return kv_quant.gather(cache, scales, tables, None, dtype).transpose(1, 2)
-    nkv, hd = cache.shape[-2], cache.shape[-1]
-    return cache.index_select(0, tables.reshape(-1)).view(b, n * cache.shape[1], nkv, hd).transpose(1, 2)
-
-
 def attend(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -55,8 +44,8 @@ def attend(
     bs, scores = meta.block_size, meta.kv_scores
 
     def rows_over(qs, tables, mask, length):  # qs [B, H, R, D]; mask [B, 1, R, L]
-        kd = _cached(k_cache, ks, tables, q.dtype)[:, :, :length].repeat_interleave(rep, dim=1)
-        vd = _cached(v_cache, vs, tables, q.dtype)[:, :, :length].repeat_interleave(rep, dim=1)
+        kd = kv_quant.gather_heads(k_cache, ks, tables, q.dtype)[:, :, :length].repeat_interleave(rep, dim=1)
+        vd = kv_quant.gather_heads(v_cache, vs, tables, q.dtype)[:, :, :length].repeat_interleave(rep, dim=1)
         o, w = attention_scores.weighted(qs, kd, vd, mask, scale, softcap, sink_rows)
         if scores is not None:
             attention_scores.add_scores(scores, attention_scores.table_slots(tables, bs, length), w)

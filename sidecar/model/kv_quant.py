@@ -114,6 +114,18 @@ def gather(
     return out if length is None else out[:length]
 
 
+def gather_heads(
+    cache: torch.Tensor, scales: Optional[torch.Tensor], tables: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The blocks of ``tables`` [B, n] as [B, Hkv, n * block_size, D]: a quantized cache (``scales`` given)
+    dequantized to ``dtype``, a plain one as stored."""
+    b, n = tables.shape
+    if scales is not None:
+        return gather(cache, scales, tables, None, dtype).transpose(1, 2)
+    nkv, hd = cache.shape[-2], cache.shape[-1]
+    return cache.index_select(0, tables.reshape(-1)).view(b, n * cache.shape[1], nkv, hd).transpose(1, 2)
+
+
 def zero_blocks(caches: list[tuple[torch.Tensor, ...]], lo: int, hi: int) -> None:
     """Blocks lo..hi (inclusive) of every layer's tensors set to zero (codes and scales)."""
     for layer in caches:
