@@ -71,7 +71,7 @@ BENCHMARKS = {
     "kv-eviction": (
         "sidecar.bench.kv_eviction",
         "bounded KV: passkey accuracy, perplexity, KV memory and decode speed of h2o and streaming "
-        "eviction at 25/50/100% budgets against the full cache",
+        "eviction at 25/50/100%% budgets against the full cache",
     ),
     "lora": (
         "sidecar.bench.lora",

@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint (default: the default trained model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
     p.add_argument("--context", type=int, default=1024, help="tokens of filler / text before the question")
-    p.add_argument("--budgets", default="25,50,100", help="comma-separated budgets, % of the context")
+    p.add_argument("--budgets", default="25,50,100", help="comma-separated budgets, %% of the context")
     p.add_argument("--policies", default="h2o,streaming", help="comma-separated eviction policies")
     p.add_argument("--passkeys", type=int, default=5, help="passkey trials per case (depths spread evenly)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode-speed measurement")
