@@ -125,7 +125,7 @@ def _stage_body(rank: int, world: int, port: int, config: EngineConfig, conn: An
 @torch.inference_mode()
 def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, group: Any, stage: Stage) -> None:
     model, device, dtype = loaded.model, loaded.device, loaded.dtype
-    kv_caches = worker_pool(loaded, config, conn, len(stage.layers(model.args)))
+    kv_caches = worker_pool(loaded, config, conn, stage.kv_shapes(model.args))
     if kv_caches is None:
         return
     stream: Optional[tuple[torch.Tensor, torch.Tensor]] = None

@@ -32,7 +32,7 @@ import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine.request import SamplingParams
-from sidecar.model import kv_quant
+from sidecar.model import kv_quant, mla
 from sidecar.engine import rendezvous
 from sidecar.engine.dist_inputs import pack_inputs, unpack_inputs
 from sidecar.model.attention import AttentionMetadata
@@ -348,18 +348,18 @@ def _worker_body(rank: int, world: int, port: int, config: EngineConfig, conn: A
     _serve(load_model(config, shard=Shard(rank, world, Comm(group, rank, world))), config, conn)
 
 
-def worker_pool(loaded: LoadedModel, config: EngineConfig, conn: Any, num_layers: int) -> Optional[list]:
-    """A worker's KV pool of ``num_layers`` layers, of the block count rank 0 sends first (None: rank 0
-    closed instead); zeroed whole, since rank 0 zeroes a block lazily before its first use."""
+def worker_pool(
+    loaded: LoadedModel, config: EngineConfig, conn: Any, shapes: list[tuple[int, int]]
+) -> Optional[list]:
+    """A worker's KV pool, a cache per layer of ``shapes`` ((KV heads, head size) each; a latent-attention
+    model's latent form instead, mla.py), of the block count rank 0 sends first (None: rank 0 closed
+    instead); zeroed whole, since rank 0 zeroes a block lazily before its first use."""
     msg = conn.recv()
     if msg is None:
         return None
     a, device = loaded.model.args, loaded.device
     kv_dtype = kv_quant.resolve_kv_dtype(config.kv_cache_dtype, device, loaded.dtype)[0]
-    kv_caches = [
-        kv_quant.allocate(msg[1], config.block_size, a.num_kv_heads, a.head_dim, kv_dtype, device)
-        for _ in range(num_layers)
-    ]
+    kv_caches = [mla.layer_cache(a, msg[1], config.block_size, kv_dtype, device, shape) for shape in shapes]
     kv_quant.zero_blocks(kv_caches, 0, msg[1] - 1)
     conn.send(("ready",))
     return kv_caches
@@ -368,7 +368,7 @@ def worker_pool(loaded: LoadedModel, config: EngineConfig, conn: Any, num_layers
 @torch.inference_mode()
 def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any) -> None:
     model, device = loaded.model, loaded.device
-    kv_caches = worker_pool(loaded, config, conn, model.args.num_layers)
+    kv_caches = worker_pool(loaded, config, conn, model.args.kv_shapes())
     if kv_caches is None:
         return
     hidden = None

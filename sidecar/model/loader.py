@@ -31,6 +31,8 @@ from sidecar.model.deltanet import load_hybrid_mixer
 from sidecar.model.linear_layout import pack_weights
 from sidecar.model.moe import stack_experts
 from sidecar.model.model_source import (  # noqa: F401 (re-exported: callers import them from here)
+    eos_ids,
+    load_tokenizer,
     pick_dtype,
     pick_dtype_with_reason,
     resolve_device,
@@ -171,11 +173,14 @@ def _load_weights(
     from tqdm.auto import tqdm
 
     args, top = model.args, model.args.checkpoint_prefix
-    _set(model.embed_tokens, "weight", ckpt.get(f"{top}embed_tokens.weight"), dtype, device)
+    # a pipeline stage reads the tables it uses only: the embedding on the first, norm and head on the last
+    first, last = getattr(model, "stage_ends", (True, True))
     # a hub-quantized checkpoint's quantized lm_head is in place already (no lm_head.weight: not tied)
     preloaded_head = not isinstance(model.lm_head, nn.Linear) or not model.lm_head.weight.is_meta
     tied = not preloaded_head and (args.tie_word_embeddings or "lm_head.weight" not in ckpt)
-    if tied and head_mode is not None:
+    if first or (last and tied):
+        _set(model.embed_tokens, "weight", ckpt.get(f"{top}embed_tokens.weight"), dtype, device)
+    if tied and last and head_mode is not None:
         from sidecar.model.quant import quantize_tied_embedding
 
         # Quantized before the layers load so the full-precision table never coexists with them;
@@ -225,6 +230,8 @@ def _load_weights(
         for attr in ("qkv_proj", "o_proj", "gate_proj", "in_proj", "out_proj", *mla):
             if getattr(mixer, attr, None) is not None:
                 _maybe_quantize(mixer, attr, cfg)
+    if not last:
+        return
     _set(model.norm, "weight", _norm_weight(args, ckpt.get(f"{top}norm.weight")), dtype, device)
     if not isinstance(model.lm_head, nn.Linear) or not model.lm_head.weight.is_meta:
         return  # a quantized lm_head of a hub-quantized checkpoint, or the quantized tied table's
@@ -261,32 +268,6 @@ def _load_experts(
             _set(module, name, tensor, dtype, device)
         for attr in ("gate_up_proj", "down_proj") if expert is not None else ():
             _maybe_quantize(expert, attr, cfg)
-
-
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:
-        raise ValueError(f"model: cannot load the tokenizer from {model_dir}: {exc}") from None
-
-
-def _eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...]:
-    ids: list[int] = []
-
-    def add(v: Any) -> None:
-        if isinstance(v, int):
-            ids.append(v)
-        elif isinstance(v, list):
-            ids.extend(x for x in v if isinstance(x, int))
-
-    gen = model_dir / "generation_config.json"
-    if gen.exists():
-        add(json.loads(gen.read_text()).get("eos_token_id"))
-    add((hf_config.get("text_config") or hf_config).get("eos_token_id", hf_config.get("eos_token_id")))
-    add(getattr(tokenizer, "eos_token_id", None))
-    return tuple(dict.fromkeys(ids))
 
 
 def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, None] = None) -> LoadedModel:
@@ -351,6 +332,8 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
         else:
             view = ckpt if shard is None else shard.checkpoint(ckpt, args)
             _load_weights(model, view, cfg, dtype, device, head, not pack)
+    if isinstance(shard, Stage):
+        shard.wrap(model, args)  # the tables it did not load go before anything walks the weights
     max_len = args.max_position_embeddings
     if cfg.max_model_len is not None:
         if cfg.max_model_len > max_len:
@@ -377,7 +360,7 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
     model.eval()
     if pack and device.type == "cpu":
         pack_weights(model, consume=True)  # the weights were just read: nothing else holds them
-    if shard is not None:
+    if shard is not None and not isinstance(shard, Stage):
         shard.wrap(model, args)
     return LoadedModel(
         model=model,
@@ -388,7 +371,7 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
         dtype=dtype,
         device=device,
         max_model_len=max_len,
-        eos_token_ids=_eos_ids(model_dir, hf_config, tokenizer),
+        eos_token_ids=eos_ids(model_dir, hf_config, tokenizer),
         quantization=quantization,
         load_time_s=time.perf_counter() - t0,
         dtype_reason=dtype_reason,

@@ -1,11 +1,13 @@
 """Where a model comes from and what it computes in: the device, the local checkpoint directory of a model
-reference (a path, the demo model, or a hub id fetched with huggingface_hub), and the compute dtype."""
+reference (a path, the demo model, or a hub id fetched with huggingface_hub), the compute dtype, the tokenizer
+and the ids that end a generation."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -86,3 +88,31 @@ def _linear_in_features(hf_config: dict) -> tuple[int, ...]:
 
 def pick_dtype(requested: str, hf_config: dict, device: torch.device) -> torch.dtype:
     return pick_dtype_with_reason(requested, hf_config, device)[0]
+
+
+def load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer; ValueError naming ``model`` where it cannot be loaded."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ValueError(f"model: cannot load the tokenizer from {model_dir}: {exc}") from None
+
+
+def eos_ids(model_dir: Path, hf_config: dict, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a generation: generation_config.json's, then the config's, then the tokenizer's."""
+    ids: list[int] = []
+
+    def add(v: Any) -> None:
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, list):
+            ids.extend(x for x in v if isinstance(x, int))
+
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add((hf_config.get("text_config") or hf_config).get("eos_token_id", hf_config.get("eos_token_id")))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(dict.fromkeys(ids))

@@ -5,8 +5,10 @@ Of ``world`` stages over ``L`` decoder layers, stage ``s`` holds layers ``[s * L
 is used on stage 0 only, the final norm and the head on the last stage only. A stage's model is the whole
 ``CausalLM`` built on the meta device with every layer outside the stage replaced by ``nn.Identity`` before
 the weights load (loader.py skips those), so each layer keeps its global index (its window, rope kind and
-sparsity come from ``ModelArgs`` by that index) and no weight of another stage is read. The embedding and
-head tables load on every stage (a tied head needs the embedding's table) and are dropped where unused.
+sparsity come from ``ModelArgs`` by that index) and no weight of another stage is read. Nor are the tables a
+stage does not use: the embedding loads on stage 0 (and on the last stage where the head is tied to it), the
+final norm and the head on the last stage only. Each stage's pool holds its own layers' caches at their shapes
+(per-head K/V, or the latent of multi-head latent attention).
 
 Between stages travels the residual stream as the layers hand it on: ``h`` without the last layer's output
 ``delta`` added (the add is fused into the next norm), both ``[T, hidden]`` in the model dtype, so a split
@@ -53,8 +55,8 @@ class Stage:
             problems.append(f"{args.num_layers} layers for {self.world} stages")
         if args.linear_layers:
             problems.append("linear-attention layers (hybrid models)")
-        if args.num_experts:
-            problems.append("mixture-of-experts layers")
+        if getattr(args, "decoder_module", None):
+            problems.append("a decoder of its own (per-layer inputs, layers sharing another's KV)")
         if problems:
             raise ValueError(
                 f"{OPTION}: {args.architecture} cannot be split in {self.world} stages: "
@@ -63,6 +65,14 @@ class Stage:
 
     def layers(self, args: ModelArgs) -> range:
         return stage_layers(args.num_layers, self.world, self.rank)
+
+    def kv_shapes(self, args: ModelArgs) -> list[tuple[int, int]]:
+        """(KV heads, head size) of each of this stage's layers, in layer order: the caches its pool holds."""
+        hds, nkvs = args.layer_head_dims, args.layer_kv_heads
+        return [
+            (args.num_kv_heads if nkvs is None else nkvs[i], args.head_dim if hds is None else hds[i])
+            for i in self.layers(args)
+        ]
 
     def local_args(self, args: ModelArgs) -> ModelArgs:
         """The model is built whole (on the meta device), so each layer keeps its global index."""
@@ -75,12 +85,14 @@ class Stage:
     def prune(self, model: nn.Module) -> None:
         """Replace every layer outside this stage by ``nn.Identity`` (before any weight loads)."""
         keep = self.layers(model.args)
+        model.stage_ends = (self.first, self.last)  # the loader reads the embedding and head where used
         for i in range(len(model.layers)):
             if i not in keep:
                 model.layers[i] = nn.Identity()
 
     def wrap(self, model: nn.Module, args: ModelArgs) -> None:
-        """Drop the tables this stage does not use (the head keeps a tied table through its own reference)."""
+        """Drop the tables this stage does not use and did not load (the head keeps a tied table through its
+        own reference)."""
         if not self.first:
             model.embed_tokens = None
         if not self.last:
@@ -107,6 +119,7 @@ def run_layers(
     from sidecar.model.attention import sdpa_backends
 
     cos, sin = model.rope_rows(positions)
+    meta.positions = positions
     layers = [model.layers[i] for i in stage.layers(model.args)]
     with sdpa_backends(h.device):
         for layer, kv in zip(layers, kv_caches):

@@ -1,5 +1,6 @@
 """Pipeline parallelism over gloo on CPU: two stages give HF float32's greedy tokens (odd and even layer
-counts), each stage holds its own layers' pool, and a lost stage ends in errors, not a hang."""
+counts; mixtures of experts and latent attention too), each stage holds its own layers' pool and reads only
+the tables it uses, and a lost stage ends in errors, not a hang."""
 
 from __future__ import annotations
 
@@ -202,3 +203,60 @@ def test_rendezvous_settings_are_checked_and_torchrun_fills_them():
     assert EngineConfig(**base).with_torchrun_env({"RANK": "1"}).nnodes == 1
     with pytest.raises(ValueError, match="MASTER_PORT: must be an integer"):
         EngineConfig(**base).with_torchrun_env({**torchrun, "MASTER_PORT": "x"})
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe_step", "deepseek_v3"])
+def test_two_stages_of_experts_and_latent_attention_match_hf(tmp_path, demo_dir, kind):
+    """Qwen3-MoE (dense and sparse layers, tied head) and DeepSeek V3 (latent caches on both stages, routed
+    and shared experts, a dense first layer), with preemption and chunked prefill."""
+    import transformers as tf
+
+    from tests.unit.model.family_checkpoints import build_family_checkpoint
+    from tests.unit.model.latent_checkpoints import build_latent_checkpoint
+
+    build = build_latent_checkpoint if kind == "deepseek_v3" else build_family_checkpoint
+    path = build(kind, tmp_path / kind, demo_dir)
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    prompts = _prompts(hf.config.vocab_size)[:5]
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        pipeline_parallel_size=2,
+        block_size=8,
+        num_kv_blocks=16,
+        max_num_batched_tokens=16,
+    )
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == hf_generate(hf, prompts, MAX_NEW)
+        assert llm.stats()["num_preemptions"] > 0
+        _pool_whole(llm)
+    finally:
+        llm.engine.tp.close()
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_stage_loads_only_the_tables_it_uses(tmp_path, demo_dir, tied):
+    """Stage 0 of 2 reads the embedding but not the norm or head; the last stage reads the head (and the
+    embedding only where the head is tied to it); a middle stage reads neither."""
+    from sidecar.model.loader import load_model
+
+    path, _ = _checkpoint("qwen2" if tied else "llama", 3, tmp_path / "m", demo_dir)
+    cfg = EngineConfig(model=str(path), dtype="float32")
+    first = load_model(cfg, pack=False, shard=Stage(0, 3)).model
+    assert first.embed_tokens is not None and first.lm_head is None and first.norm is None
+    middle = load_model(cfg, pack=False, shard=Stage(1, 3)).model
+    assert (middle.embed_tokens, middle.lm_head, middle.norm) == (None, None, None)
+    last = load_model(cfg, pack=False, shard=Stage(2, 3)).model
+    assert last.embed_tokens is None and not last.lm_head.weight.is_meta and not last.norm.weight.is_meta
+    if tied:  # the head reads the embedding's table, loaded on this stage for it
+        assert last.lm_head.weight.abs().sum() > 0
+
+
+def test_a_decoder_of_its_own_is_refused_by_name():
+    from tests.unit.model.gemma4_checkpoints import gemma4_config
+
+    cfg = gemma4_config(64).to_dict()
+    cfg["architectures"] = ["Gemma4ForCausalLM"]
+    args = ModelArgs.from_hf_config(cfg)
+    with pytest.raises(ValueError, match="pipeline_parallel_size: .* a decoder of its own"):
+        Stage(0, 2).local_args(args)
