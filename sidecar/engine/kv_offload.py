@@ -167,8 +167,9 @@ def offload_stats(offload: Optional[KVOffload]) -> dict:
 
 
 def model_identity(loaded, kv_dtype_name: str, block_size: int) -> str:
-    """What a disk tier's blocks are valid for: checkpoint, shapes, dtypes, block layout and a fingerprint
-    of the first megabyte of the first weight tensor (two checkpoints of one architecture differ there)."""
+    """What a disk tier's blocks are valid for: checkpoint, every cached layer's shape (per-head K/V of each
+    layer's own heads and size, or the latent form), dtypes, block layout and a fingerprint of the first
+    megabyte of the first weight tensor (two checkpoints of one architecture differ there)."""
     a = loaded.args
     first = next(iter(loaded.model.parameters())).detach().reshape(-1)
     sample = first[: (1 << 20) // first.element_size()].contiguous().cpu()
@@ -179,8 +180,8 @@ def model_identity(loaded, kv_dtype_name: str, block_size: int) -> str:
             loaded.model_dir,
             a.architecture,
             a.num_layers,
-            a.num_kv_heads,
-            a.head_dim,
+            a.kv_shapes(),
+            getattr(a, "latent", None),
             a.vocab_size,
             loaded.dtype,
             loaded.quantization or "none",

@@ -276,3 +276,35 @@ def test_a_new_tier_on_the_directory_waits_for_the_blocks_an_earlier_one_still_h
     threading.Timer(0.2, slow.set).start()  # the write completes only a moment later
     b = DiskTier(str(tmp_path), 1 << 20, "m")  # a restart in the same process: sees the file
     assert h in b.files and torch.equal(b.get(h, toks), data)
+
+
+def test_the_identity_covers_every_cached_layer_shape():
+    """Two models alike in layer 0 but not in a later layer's KV heads or head size never share a disk tier."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from sidecar.engine.kv_offload import model_identity
+    from sidecar.model.args import ModelArgs
+
+    args = ModelArgs.from_hf_config(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 100,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 64,
+        }
+    )
+    model = torch.nn.Linear(2, 2)
+
+    def identity(a) -> str:
+        loaded = SimpleNamespace(args=a, model=model, model_dir="m", dtype=torch.float32, quantization=None)
+        return model_identity(loaded, "float32", 8)
+
+    wide = dataclasses.replace(args, layer_head_dims=(16, 32), layer_kv_heads=(2, 1))
+    assert identity(args) != identity(wide)
+    assert identity(wide) != identity(dataclasses.replace(wide, layer_kv_heads=(2, 2)))
+    assert identity(args) == identity(dataclasses.replace(args))
