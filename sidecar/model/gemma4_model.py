@@ -37,8 +37,14 @@ from sidecar.model.moe import SparseMoE
 log = logging.getLogger("sidecar.model")
 
 # Why decode steps are not replayed from C (engine/cpu_graphs.py): a replay runs the decoder over staged
-# embeddings, and these layers also read each token's per-layer inputs and run torch operators.
-REPLAY_REFUSAL = "Gemma 4 layers read per-layer inputs and run torch operators a replay does not record"
+# inputs in our kernels alone. Each token's per-layer inputs could be staged beside its embedding (a lookup,
+# a projection and a norm before the layers), but the layers themselves run torch operators a replay cannot
+# record: Gemma 4's norms (``pow(mean + eps, -0.5)``; q, k and v heads), its rope over per-kind head widths,
+# the GeGLU gate times the per-layer input, and the layer scalar.
+REPLAY_REFUSAL = (
+    "Gemma 4 layers read per-layer inputs and run torch operators a replay cannot record (their norms, rope, "
+    "per-layer input gate and layer scalar)"
+)
 
 
 class Norm(nn.Module):
