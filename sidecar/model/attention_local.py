@@ -31,11 +31,13 @@ _refusals_logged: set[tuple[int, int]] = set()
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's complex rope of ``x`` [T, heads, hd]: channel pair (2i, 2i + 1) rotated by frequency i, from our
-    rotate-half tables (``cos``, ``sin`` [T, 1, hd]: frequency i in column i, sin's second half positive)."""
+    rotate-half tables (``cos``, ``sin`` [T, 1, hd]: frequency i in column i, sin's second half positive).
+    As HF's ``apply_rotary_emb``: the product in float32 (the tables are, ``CausalLM.init_rope``), rounded
+    once to ``x``'s dtype."""
     half = x.shape[-1] // 2
-    c, s = cos[..., :half], sin[..., half:]
-    a, b = x[..., 0::2], x[..., 1::2]
-    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    c, s = cos[..., :half].float(), sin[..., half:].float()
+    a, b = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2).to(x.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -58,10 +58,13 @@ class CausalLM(nn.Module):
 
     def init_rope(self, max_positions: int, device: torch.device, dtype: torch.dtype) -> None:
         """Precompute cos/sin of every rope kind for positions [0, max_positions) (float32 math, stored in the
-        model dtype)."""
+        model dtype; float32 for an interleaved rope)."""
         a = self.args
+        # HF's complex rope (interleaved pairs: Llama 4) keeps its table and its product in float32 whatever
+        # the model dtype (attention_local.rotate_interleaved), so its table stays float32 here too.
+        table_dtype = torch.float32 if a.interleaved_rope else dtype
         self.rope_cos, self.rope_sin = rope.tables(
-            a.rope_kinds, a.rotary, max_positions, a.max_position_embeddings, device, dtype
+            a.rope_kinds, a.rotary, max_positions, a.max_position_embeddings, device, table_dtype
         )
         self.rope_rows_per_half = max_positions
 

@@ -142,3 +142,19 @@ def args_from_config(cfg: dict[str, Any], arch: str) -> ModelArgs:
         wide_mlp_layers=tuple(i for i in range(n) if cfg.get("use_double_wide_mlp") and sources[i] != i),
         rope_dims=tuple(dims),
     )
+
+
+def lora_part_shapes(args: ModelArgs, layer: int) -> dict[str, tuple[int, int]]:
+    """PEFT module name -> (in_features, out_features) of the projections layer ``layer`` has (lora.py):
+    its own head size and KV heads, a double-wide MLP where it has one; a layer reading another's KV has no
+    k / v projections, one whose values are its keys no v."""
+    h, hd, nkv = args.hidden_size, args.layer_head_dims[layer], args.layer_kv_heads[layer]
+    inter = args.intermediate_size * (2 if layer in getattr(args, "wide_mlp_layers", ()) else 1)
+    q = args.num_heads * hd
+    shapes = {"q_proj": (h, q), "k_proj": (h, nkv * hd), "v_proj": (h, nkv * hd), "o_proj": (q, h)}
+    shapes.update(gate_proj=(h, inter), up_proj=(h, inter), down_proj=(inter, h))
+    if args.kv_source[layer] != layer:
+        del shapes["k_proj"], shapes["v_proj"]
+    elif layer in getattr(args, "kv_from_k_layers", ()):
+        del shapes["v_proj"]
+    return shapes

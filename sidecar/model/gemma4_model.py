@@ -37,8 +37,14 @@ from sidecar.model.moe import SparseMoE
 log = logging.getLogger("sidecar.model")
 
 # Why decode steps are not replayed from C (engine/cpu_graphs.py): a replay runs the decoder over staged
-# embeddings, and these layers also read each token's per-layer inputs and run torch operators.
-REPLAY_REFUSAL = "Gemma 4 layers read per-layer inputs and run torch operators a replay does not record"
+# inputs in our kernels alone. Each token's per-layer inputs could be staged beside its embedding (a lookup,
+# a projection and a norm before the layers), but the layers themselves run torch operators a replay cannot
+# record: Gemma 4's norms (``pow(mean + eps, -0.5)``; q, k and v heads), its rope over per-kind head widths,
+# the GeGLU gate times the per-layer input, and the layer scalar.
+REPLAY_REFUSAL = (
+    "Gemma 4 layers read per-layer inputs and run torch operators a replay cannot record (their norms, rope, "
+    "per-layer input gate and layer scalar)"
+)
 
 
 class Norm(nn.Module):
@@ -257,9 +263,13 @@ class Gemma4CausalLM(CausalLM):
     def forward_embedded(self, h, cos, sin, kv_caches, meta):
         raise NotImplementedError(REPLAY_REFUSAL)
 
-    def load_checkpoint(self, get: Callable[[str], torch.Tensor], put: Callable) -> None:
+    def load_checkpoint(
+        self, get: Callable[[str], torch.Tensor], put: Callable, quantize: Optional[Callable] = None
+    ) -> None:
         """Fill every weight from the checkpoint (``get(name)``; ``put(module, attr, tensor)`` sets one, shape
-        checked, in the model dtype and device)."""
+        checked, in the model dtype and device). ``quantize(part)``, where the weights are quantized on load,
+        swaps a filled part's linears for int8 / int4 ones: each layer as it is filled, then the whole model
+        (the head, a tied embedding, the per-layer model projection)."""
         a, top = self.args, self.args.checkpoint_prefix
         put(self.embed_tokens, "weight", get(f"{top}embed_tokens.weight"))
         if a.per_layer_dim:
@@ -296,11 +306,15 @@ class Gemma4CausalLM(CausalLM):
                 for e, expert in enumerate(ex.experts):
                     put(expert.gate_up_proj, "weight", gate_up[e])
                     put(expert.down_proj, "weight", down[e])
+            if quantize is not None:
+                quantize(layer)
         put(self.norm, "weight", get(f"{top}norm.weight"))
         if a.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         else:
             put(self.lm_head, "weight", get("lm_head.weight"))
+        if quantize is not None:
+            quantize(self)
 
 
 def inv_freq(spec: rope.RopeSpec, dim: int) -> torch.Tensor:

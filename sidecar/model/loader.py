@@ -316,19 +316,22 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
     else:
         ckpt, quantization = checkpoint_view(args, _SafetensorsIndex(model_dir)), cfg.quantization
         head = lm_head_quantization(cfg.quantization, cfg.quantize_lm_head)
+        own = getattr(model, "load_checkpoint", None)  # a decoder that fills itself (gemma4_model.py)
         if "quantization_config" in hf_config:  # quantized by its producing tool (GPTQ, AWQ, ...)
             from sidecar.model.hf_quant import head_quantization, load_hf_quantized
 
+            if own is not None:
+                raise ValueError(f"quantization_config: {args.architecture} is read in our formats only")
             if shard is not None:
                 raise ValueError(f"{split}: checkpoints with a quantization_config are not split")
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
             if cfg.quantization is None and quantization is not None:  # the tool's format, not ours
                 head = head_quantization(quantization, cfg.quantize_lm_head)
-        own = getattr(model, "load_checkpoint", None)
         if own is not None:
-            if quantization is not None:
-                raise ValueError(f"quantization: {args.architecture} loads in full precision only")
-            own(ckpt.get, lambda m, n, t: _set(m, n, t, dtype, device))
+            from sidecar.model.quant_checkpoint import part_quantizer
+
+            quantize = part_quantizer(quantization, cfg.quant_group_size, cfg.quantize_lm_head)
+            own(ckpt.get, lambda m, n, t: _set(m, n, t, dtype, device), quantize)
         else:
             view = ckpt if shard is None else shard.checkpoint(ckpt, args)
             _load_weights(model, view, cfg, dtype, device, head, not pack)

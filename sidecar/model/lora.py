@@ -57,7 +57,6 @@ TARGETS = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
-PARTS = {"qkv_proj": 3, "o_proj": 1, "gate_up_proj": 2, "down_proj": 1}
 # A fused checkpoint's module -> its parts in output-row order (the order our fused projections hold them).
 FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(
@@ -95,6 +94,15 @@ def part_shapes(args) -> dict[str, tuple[int, int]]:
         "up_proj": (h, inter),
         "down_proj": (inter, h),
     }
+
+
+def layer_part_shapes(args, layer: int) -> dict[str, tuple[int, int]]:
+    """``part_shapes`` of one layer: only the projections it has, where layers differ (gemma4.py)."""
+    if args.layer_head_dims is None and args.kv_source is None:
+        return part_shapes(args)
+    from sidecar.model.gemma4 import lora_part_shapes
+
+    return lora_part_shapes(args, layer)
 
 
 def _module_names(fused: bool) -> tuple[str, ...]:
@@ -189,7 +197,13 @@ def read_adapter(path: str, args, max_rank: int) -> Adapter:
             raise AdapterError(
                 f"{wfile}: {key}: layer {layer} does not exist (the base model has {args.num_layers} layers)"
             )
-        fin, fout = shapes[name]
+        mine = shapes if name in FUSED_TARGETS else layer_part_shapes(args, layer)
+        if name not in mine:
+            raise AdapterError(
+                f"{wfile}: {key}: layer {layer} of {args.architecture} has no {name} (it reads another "
+                "layer's keys and values, or its values are its keys)"
+            )
+        fin, fout = mine[name]
         want = (cfg["r"], fin) if ab == "A" else (fout, cfg["r"])
         if tuple(t.shape) != want:
             raise AdapterError(
@@ -217,6 +231,18 @@ def read_adapter(path: str, args, max_rank: int) -> Adapter:
     return Adapter(str(root), cfg["r"], cfg["_scaling"], weights)
 
 
+def _projections(attn: nn.Module, shapes: dict) -> list[tuple[str, list[str]]]:
+    """(projection module, its PEFT parts in output-row order) of a layer: q/k/v fused where the attention
+    holds ``qkv_proj``, else each that ``shapes`` lists (Gemma 4's own modules)."""
+    qkv = [("qkv_proj", ["q_proj", "k_proj", "v_proj"])] if hasattr(attn, "qkv_proj") else []
+    qkv = qkv or [(name, [name]) for name in ("q_proj", "k_proj", "v_proj") if name in shapes]
+    return qkv + [
+        ("o_proj", ["o_proj"]),
+        ("gate_up_proj", ["gate_proj", "up_proj"]),
+        ("down_proj", ["down_proj"]),
+    ]
+
+
 class LoraLayers:
     """``max_loras`` resident adapter slots on ``model``'s projections. ``set_batch`` tells the hooks which
     slot each token of the next forward uses; outside a batch (or when every token is the base model's)
@@ -239,32 +265,30 @@ class LoraLayers:
                 f"lora: {args.architecture} has linear-attention layers; LoRA adapters are not supported on "
                 "them (serve it without lora_modules / enable_lora)"
             )
-        if args.layer_head_dims is not None or args.kv_source is not None:
-            raise ValueError(
-                f"lora: {args.architecture} has layers of different head sizes or shared KV; LoRA adapters "
-                "are not supported on them (serve it without lora_modules / enable_lora)"
-            )
-        shapes = part_shapes(args)
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.max_loras, self.max_rank = max_loras, max_rank
         # (layer, fused) -> [a [S*n*R, in], bt [S*n*R, out], part output offsets]
         self.slots: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
+        self.parts: dict[
+            tuple[int, str], list[str]
+        ] = {}  # (layer, projection) -> its PEFT parts, in row order
         for i, layer in enumerate(model.layers):
-            for fused, n in PARTS.items():
-                parts = [name for name, (f, _) in TARGETS.items() if f == fused]
+            shapes = layer_part_shapes(args, i)
+            for fused, parts in _projections(layer.self_attn, shapes):
                 fin = shapes[parts[0]][0]
                 offsets = [0]
                 for name in parts:
                     offsets.append(offsets[-1] + shapes[name][1])
-                rows = max_loras * n * max_rank
+                rows = max_loras * len(parts) * max_rank
                 self.slots[(i, fused)] = (
                     torch.zeros(rows, fin, dtype=self.dtype, device=self.device),
                     torch.zeros(rows, offsets[-1], dtype=self.dtype, device=self.device),
                     offsets,
                 )
-                module = layer.self_attn if fused in ("qkv_proj", "o_proj") else layer.mlp
-                getattr(module, fused).register_forward_hook(self._hook(i, fused, n))
+                self.parts[(i, fused)] = parts
+                module = layer.mlp if fused in ("gate_up_proj", "down_proj") else layer.self_attn
+                getattr(module, fused).register_forward_hook(self._hook(i, fused, len(parts)))
         self._masks: Optional[dict[int, torch.Tensor]] = None  # parts n -> [T, k*n*R] for this batch
         self._k = 0
         a0 = next(iter(self.slots.values()))[0]
@@ -274,16 +298,16 @@ class LoraLayers:
         # float32 on CPU with our kernel: the update runs gather-style per row (lora_bgmv.c) from A^T held per
         # slot, [S, in, n*R]; the masked GEMMs (and their packed weights) are then never used.
         self._bgmv = self.dtype == torch.float32 and self.device.type == "cpu" and lora_bgmv.available()
-        width = {f: lora_bgmv.at_width(n, max_rank) for f, n in PARTS.items()}
+        width = {key: lora_bgmv.at_width(len(parts), max_rank) for key, parts in self.parts.items()}
         self.at = (
             {
-                key: torch.zeros(max_loras, a.shape[1], width[key[1]], dtype=self.dtype)
+                key: torch.zeros(max_loras, a.shape[1], width[key], dtype=self.dtype)
                 for key, (a, _, _) in self.slots.items()
             }
             if self._bgmv
             else {}
         )
-        self.offs = {f: torch.tensor(o, dtype=torch.int32) for (_, f), (_, _, o) in self.slots.items()}
+        self.offs = {key: torch.tensor(o, dtype=torch.int32) for key, (_, _, o) in self.slots.items()}
         self._rows: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # adapter rows, grouped by slot; slots
         self._can_pack = can_pack(a0) and not self._bgmv
         self._stale: set[int] = set()
@@ -292,12 +316,12 @@ class LoraLayers:
         """Write ``adapter`` into ``slot`` (every target it lacks becomes zero)."""
         R = self.max_rank
         for (layer, fused), (a, bt, offsets) in self.slots.items():
-            n = PARTS[fused]
+            n = len(self.parts[(layer, fused)])
             base = slot * n * R
             a[base : base + n * R].zero_()
             bt[base : base + n * R].zero_()
-            for name, (f, j) in TARGETS.items():
-                w = adapter.weights.get((layer, name)) if f == fused else None
+            for j, name in enumerate(self.parts[(layer, fused)]):
+                w = adapter.weights.get((layer, name))
                 if w is None:
                     continue
                 A, B = w
@@ -313,7 +337,7 @@ class LoraLayers:
         R = self.max_rank
         for k in sorted(self._stale):
             for (layer, fused), (a, bt, _) in self.slots.items():
-                rows = k * PARTS[fused] * R
+                rows = k * len(self.parts[(layer, fused)]) * R
                 reorder = torch.ops.mkldnn._reorder_linear_weight
                 self._packed[(layer, fused, k)] = (
                     reorder(a[:rows].contiguous(), PACK_ROWS_HINT),
@@ -336,7 +360,7 @@ class LoraLayers:
             self._repack()
         slots = torch.tensor(list(token_slots), device=self.device)
         self._masks = {}
-        for n in set(PARTS.values()):
+        for n in {len(parts) for parts in self.parts.values()}:
             col_slot = torch.arange(self._k * n * R, device=self.device) // (n * R)
             self._masks[n] = (col_slot[None, :] == slots[:, None]).to(self.dtype)
 
@@ -351,7 +375,7 @@ class LoraLayers:
                     self.slots[(layer, fused)][1],
                     plan[0],
                     plan[1],
-                    self.offs[fused],
+                    self.offs[(layer, fused)],
                     out,
                     n,
                     self.max_rank,

@@ -160,14 +160,16 @@ class Int8Linear(_QuantLinearBase):
         if (
             x2d.device.type == "cpu"
             and int8_gemv.takes(x2d.shape[0], x.dtype)
-            and self.k_padded == self.in_features
             and (x.dtype is torch.float32 or x.dtype is torch.bfloat16)
             and not self._takes_triton(x2d)
             and self.weight.device.type == "cpu"
             and int8_gemv.available()
         ):
             # Our kernels (a decode-sized batch, or a prefill's over the codes where the AVX2 path is
-            # built) read the activations as they are and add the bias themselves.
+            # built) read the activations as they are (zero-padded to the codes' width) and add the bias
+            # themselves.
+            if self.k_padded != self.in_features:
+                x2d = F.pad(x2d, (0, self.k_padded - self.in_features))
             layer = self._checked(int8_gemv.Layer, self.weight, self.scales_f32, self.bias)
             return layer(x2d, x.dtype).reshape(*x.shape[:-1], self.out_features)
         return super().forward(x)

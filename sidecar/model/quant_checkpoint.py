@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -35,6 +35,11 @@ TARGET_NAMES = (
     "v_proj",
     "gate_proj",
     "up_proj",
+    # Gemma 4's per-layer inputs: read by every token like the projections above (the per-layer embedding
+    # table beside them is gathered a row per token and stays in the model dtype)
+    "per_layer_input_gate",
+    "per_layer_projection",
+    "per_layer_model_projection",
 )
 _HF_FILES = ("config.json", "generation_config.json")
 
@@ -91,6 +96,17 @@ def quantize_model(
             model.set_submodule(
                 name, quantize_linear(linear, _module_mode(name, mode, head), group_size, name)
             )
+
+
+def part_quantizer(
+    mode: Optional[str], group_size: int, quantize_lm_head: Union[bool, str]
+) -> Optional[Callable[[nn.Module], None]]:
+    """For a family that fills its own decoder (``load_checkpoint``): what quantizes each part as soon as it
+    is filled (``quantize_model`` on a layer, then on the whole model for the head and what is left), so at
+    most one layer is in full precision beside the quantized ones. None without a ``mode``."""
+    if mode is None:
+        return None
+    return lambda part: quantize_model(part, mode, group_size, quantize_lm_head)
 
 
 def save_quantized(

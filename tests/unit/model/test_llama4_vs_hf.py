@@ -1,7 +1,8 @@
 """Llama 4 checkpoints (llama4_checkpoints.py) through the engine: greedy float32 equal to HF transformers
 ``generate`` token for token, with prompts and generations longer than the attention chunk, a tight pool
 (preemption), a small token budget (chunked prefill across chunk edges) and prefix-cache hits; the text model
-of a vision-language checkpoint against HF's own ``Llama4ForConditionalGeneration``; bf16 on the CPU kernels;
+of a vision-language checkpoint against HF's own ``Llama4ForConditionalGeneration``; bf16 on the CPU kernels,
+its rope HF's to the bit and its prompt log-probabilities close to HF's in bf16;
 the Triton paths (interpreter on CPU) against the paths off; the parameter count against HF's."""
 
 from __future__ import annotations
@@ -163,3 +164,47 @@ def test_a_bad_config_is_refused_naming_the_field(field, value):
     cfg[field] = value
     with pytest.raises(ValueError, match=field):
         ModelArgs.from_hf_config(cfg)
+
+
+def test_bf16_rope_is_hf_s_to_the_bit(llama4_dirs):
+    """HF's complex rope keeps its table and product in float32 in a bf16 model; ours gives the same bits."""
+    import transformers as tf
+    from transformers.models.llama4.modeling_llama4 import Llama4TextRotaryEmbedding, apply_rotary_emb
+
+    from sidecar.model.attention_local import rotate_interleaved
+
+    d = llama4_dirs["llama4"]
+    model = load_model(EngineConfig(model=str(d), dtype="bfloat16"), pack=False).model
+    assert model.rope_cos.dtype == torch.float32
+    cfg = tf.AutoConfig.from_pretrained(str(d))
+    hd = cfg.head_dim
+    pos = torch.tensor([0, 1, 7, 30, 200, 255])
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(len(pos), cfg.num_attention_heads, hd, generator=g) * 3).to(torch.bfloat16)
+    k = (torch.randn(len(pos), cfg.num_key_value_heads, hd, generator=g) * 3).to(torch.bfloat16)
+    cis = Llama4TextRotaryEmbedding(cfg)(q, pos[None])
+    want_q, want_k = apply_rotary_emb(q[None], k[None], cis)
+    cos, sin = model.rope_rows(pos)
+    assert torch.equal(rotate_interleaved(q, cos[0], sin[0]), want_q[0])
+    assert torch.equal(rotate_interleaved(k, cos[0], sin[0]), want_k[0])
+
+
+def test_bf16_prompt_logprobs_are_close_to_hf_s_in_bf16(llama4_dirs):
+    """bf16 has no defined exact result (the GEMMs sum in other orders): the prompt tokens' log-probabilities
+    in bf16 stay closer to HF's in bf16 than HF's own bf16 ones are to its float32 ones."""
+    d, prompts = llama4_dirs["llama4"], PROMPTS[2:4]
+    hf32 = _hf(d, "llama4")
+    hf16 = _hf(d, "llama4").to(torch.bfloat16)
+    llm = LLM(model=str(d), dtype="bfloat16", block_size=8)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=0))
+    ours, bf16, f32 = [], [], []
+    for p, o in zip(prompts, outs):
+        for hf, into in ((hf16, bf16), (hf32, f32)):
+            with torch.no_grad():
+                logits = hf(torch.tensor([p])).logits[0].float()
+            into.append(torch.log_softmax(logits, -1)[torch.arange(len(p) - 1), torch.tensor(p[1:])])
+        ours.append(torch.tensor(o.prompt_logprobs[1:]))  # the first token has none
+    ours, bf16, f32 = torch.cat(ours), torch.cat(bf16), torch.cat(f32)
+    assert ours.shape == bf16.shape
+    floor = (bf16 - f32).abs()  # what bf16 alone moves them on this model
+    assert (ours - bf16).abs().mean() <= floor.mean() and (ours - bf16).abs().max() <= floor.max()
