@@ -36,11 +36,16 @@ _EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
-    """Every used tensor of the file in HF naming and layout (dequantized where block-quantized)."""
+    """Every used tensor of the file in HF naming and layout (dequantized where block-quantized; MXFP4 expert
+    tensors as codes, ``*_blocks`` and ``*_scales``)."""
     out = {}
     for t in reader.tensors:
         name = gt.hf_name(t.name, cfg["model_type"])
         if name is None:
+            continue
+        if gt.type_name(t) in gt.EXPERT_TYPES:  # codes as they are: gguf_gpt_oss.fix_state places them
+            base = name.removesuffix(".weight")
+            out[f"{base}.blocks"], out[f"{base}.scales"] = gt.mxfp4_codes(t)
             continue
         w = gt.dequantize(t)
         heads = gt.rope_heads(name, cfg)

@@ -6,11 +6,18 @@ the even columns of ``gate_up_proj`` [experts, in, 2 * width]) and every expert 
 file does not say is what llama.cpp's runtime assumes: sliding-window layers alternate with full ones,
 sliding first; the clamped SwiGLU's limit is 7 and its alpha 1.702; YaRN's correction range is rounded
 outward to whole dimensions (HF's ``truncate``).
+
+Published files hold the experts as MXFP4; their codes come back as the HF checkpoint's ``*_blocks`` and
+``*_scales`` (gate and up interleaved by rows, as HF's ``gate_up_proj_blocks``), with ``quantization_config``
+``mxfp4``, so the loader keeps them as codes where the MXFP4 kernel runs (mxfp4.py). A file whose experts
+are only partly MXFP4 has them dequantized.
 """
 
 from __future__ import annotations
 
 import torch
+
+from sidecar.model import mxfp4
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N."); experts are joined in fix_state.
 LAYER_NAMES = {
@@ -47,19 +54,33 @@ def config_keys(reader, get, cfg: dict) -> None:
     cfg.pop("rope_scaling", None)
     cfg["rope_parameters"] = params
     cfg.update(attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702, hidden_act="silu")
+    experts = [t.tensor_type.name for t in reader.tensors if "_exps.weight" in t.name]
+    if experts and set(experts) == {"MXFP4"}:
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
 
 
 def fix_state(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
-    """``state`` (GGUF tensors under HF names) as the HF checkpoint holds them; module docstring."""
-    out = {}
+    """``state`` (GGUF tensors under HF names, MXFP4 experts as ``.blocks`` / ``.scales``) as the HF
+    checkpoint holds them; module docstring."""
+    state, out = dict(state), {}
     for name, t in state.items():
         if name.endswith(".sinks.weight"):
             out[name.removesuffix(".weight")] = t
         elif ".mlp.experts." not in name:
             out[name] = t
+    codes = (cfg.get("quantization_config") or {}).get("quant_method") == "mxfp4"
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}.mlp.experts"
-        for kind, suffix in (("weight", ""), ("bias", "_bias")):
+        for part in ("gate", "up", "down"):
+            if f"{p}.{part}.blocks" in state and not codes:
+                blocks, scales = state.pop(f"{p}.{part}.blocks"), state.pop(f"{p}.{part}.scales")
+                state[f"{p}.{part}.weight"] = mxfp4.dequantize(blocks, scales, torch.float32)
+        if codes:  # [E, out, groups(, 16)] each; gate_up's rows interleave gate (even) and up (odd)
+            for kind in ("blocks", "scales"):
+                gate, up = state[f"{p}.gate.{kind}"], state[f"{p}.up.{kind}"]
+                out[f"{p}.gate_up_proj_{kind}"] = torch.stack((gate, up), dim=2).flatten(1, 2).contiguous()
+                out[f"{p}.down_proj_{kind}"] = state[f"{p}.down.{kind}"]
+        for kind in ("bias",) if codes else ("weight", "bias"):
             gate, up = state[f"{p}.gate.{kind}"], state[f"{p}.up.{kind}"]
             joined = torch.stack(
                 (gate, up), dim=-2 if kind == "weight" else -1

@@ -26,6 +26,8 @@ from sidecar.model.gguf_qwen35 import LAYER_NAMES as QWEN35_NAMES
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 EXACT_INT4_TYPES = ("Q4_0", "Q4_1")
+# Read for expert tensors only (gpt-oss): their codes kept as they are (mxfp4_codes)
+EXPERT_TYPES = ("MXFP4",)
 INT4_GROUP = 32
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.").
@@ -89,11 +91,32 @@ def check_types(reader, path: str) -> None:
     """Raise ValueError naming the first tensor whose type we cannot read."""
     for t in reader.tensors:
         name = type_name(t)
-        if name not in FLOAT_TYPES + BLOCK_TYPES:
+        if name in EXPERT_TYPES and "_exps." not in t.name:
+            raise ValueError(
+                f"model: {path}: tensor {t.name!r} has GGUF type {name}, which is supported for expert "
+                "tensors (*_exps) only"
+            )
+        if name not in FLOAT_TYPES + BLOCK_TYPES + EXPERT_TYPES:
             raise ValueError(
                 f"model: {path}: tensor {t.name!r} has GGUF type {name}, which is not supported "
-                f"(supported: {', '.join(FLOAT_TYPES + BLOCK_TYPES)})"
+                f"(supported: {', '.join(FLOAT_TYPES + BLOCK_TYPES + EXPERT_TYPES)})"
             )
+
+
+def mxfp4_codes(tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MXFP4 tensor [..., rows, cols] as the HF checkpoint holds it (mxfp4.py): ``blocks`` uint8
+    [..., rows, cols / 32, 16] and ``scales`` uint8 [..., rows, cols / 32], equal to the file's values.
+
+    ggml's block of 32 is one e8m0 byte ``e`` then 16 bytes ``qs``: ``qs[j]`` holds element j (low nibble)
+    and element j + 16 (high nibble), each an e2m1 code whose table ggml doubles while halving the scale
+    (``2 ** (e - 128)``), so ``e`` is the HF scale byte as it is. HF's byte k holds element 2k (low nibble)
+    and 2k + 1 (high): the codes are only reordered within their block."""
+    raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+    raw = raw.reshape(*raw.shape[:-1], raw.shape[-1] // 17, 17)
+    scales, qs = raw[..., 0].contiguous(), raw[..., 1:]
+    codes = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [..., groups, 32]: element order
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), scales
 
 
 def rope_heads(hf: str, cfg: dict) -> Optional[int]:

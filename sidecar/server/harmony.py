@@ -10,19 +10,34 @@ of the other channels the content; headers and markers belong to neither. A body
 ``functions.NAME`` and closed by ``<|call|>`` becomes a tool call (NAME, the body as its arguments) when
 the request offers tools (``calls``); other bodies with a recipient, and calls a request did not ask for,
 are left out. A reply that does not start with a header (a model answering in plain text) is content as
-written.
+written. A call whose ``<|call|>`` is an end-of-sequence token of the model (gpt-oss's generation config
+says so) never reaches the text: a reply that stops inside such a body holding one complete JSON value is
+that call.
+
+``tool_constraint`` holds a reply to a call where ``tool_choice`` is ``required`` or a named function: an
+optional analysis message first (the reasoning stays free), then one commentary message to
+``functions.NAME`` of an allowed tool whose body is JSON valid against that tool's parameters, closed by
+``<|call|>``. Harmony ends the turn at a call, so one call per reply.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import re
 from typing import Any, Callable, Optional
 
+from sidecar.engine.structured import Constraint
+from sidecar.server import tools
 from sidecar.server.reasoning import SplitStream
 from sidecar.server.tool_formats import make_call
+from sidecar.server.validation import invalid
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-CALL = "<|call|>"
-ENDS = ("<|end|>", "<|return|>", CALL)
+END, CALL, CONSTRAIN = "<|end|>", "<|call|>", "<|constrain|>"
+ENDS = (END, "<|return|>", CALL)
+# the markers the call grammar writes; each is one special token in gpt-oss's tokenizer
+MARKERS = (START, CHANNEL, MESSAGE, END, CONSTRAIN, CALL)
 FUNCTIONS = "functions."
 REASONING_CHANNEL = "analysis"
 # template variable the harmony templates read for the system message's "Reasoning: low|medium|high"
@@ -45,14 +60,65 @@ def template_kwargs(kwargs: dict, effort: Optional[str]) -> dict:
     return kwargs
 
 
-def check_tool_choice(choice: Any, channels: bool) -> None:
-    """A harmony model's calls are read from its commentary channel, not constrained by a grammar: a
-    ``tool_choice`` that would force a call (required, or a named function) is refused for it, naming the
-    field; auto and none are taken."""
-    from sidecar.server.validation import invalid
+def _text_through(marker: str, special: dict, name: str) -> tuple[str, str]:
+    """(the rule body, its terminal's definition) of free text closed by ``marker``. A special-token marker
+    is never text, so the text is any text; a marker spelled as text ends one lexeme that holds it once,
+    as its end (the lexer never backtracks over the marker)."""
+    if marker in special:
+        return f"{name}? {tools._lit(marker, special)}", f"{name}: /(.|\\n)+/\n"
+    m = re.escape(marker).replace("/", "\\/")
+    return name, f"{name}: /(.|\\n)*{m}/ & ~/(.|\\n)*{m}(.|\\n)+/\n"
 
-    if channels and choice not in (None, "auto", "none"):
-        raise invalid("tool_choice", "this model writes tool calls in harmony channels: only auto or none")
+
+def tool_constraint(
+    specs: list[tools.ToolSpec], tool_choice: str, response_format: Any, special: Optional[dict] = None
+) -> Optional[Constraint]:
+    """The output constraint of a harmony chat request with tools; None (free channels) under ``auto``
+    or ``none``. ``special``: the ``MARKERS`` that are single special tokens -> their ids. Under
+    ``required`` or ``function:NAME`` the reply is an optional analysis message, then one call to an
+    allowed tool (module docstring); an output format cannot be combined with it (the call is the
+    answer)."""
+    if not specs or tool_choice in ("auto", "none"):
+        return None
+    if response_format is not None:
+        raise invalid(
+            "response_format",
+            "cannot be combined with tool_choice required or a named function (the calls are the answer)",
+        )
+    special = special or {}
+    if tool_choice.startswith("function:"):
+        specs = [t for t in specs if t.name == tool_choice[len("function:") :]]
+    opts = {
+        "whitespace_flexible": False,
+        "item_separator": ", ",
+        "key_separator": ": ",
+        "lenient": not any(t.strict for t in specs),
+    }
+    lit = {m: tools._lit(m, special) for m in MARKERS}
+    text, text_rule = _text_through(END, special, "ANALYSIS_")
+    lines = [
+        "start: analysis_? call_",
+        f'analysis_: {lit[CHANNEL]} "analysis" {lit[MESSAGE]} {text} {lit[START]} "assistant"',
+        text_rule.rstrip("\n"),
+        f"call_: {lit[CHANNEL]} ({' | '.join(f'to_{i}' for i in range(len(specs)))})",
+    ]
+    for i, t in enumerate(specs):
+        schema = dict(tools.close_objects(t.parameters), **{"x-guidance": opts})
+        head = json.dumps(f"commentary to={FUNCTIONS}{t.name} ")
+        lines.append(f'to_{i}: {head} {lit[CONSTRAIN]} "json" {lit[MESSAGE]} body_{i} {lit[CALL]}')
+        lines.append(f"body_{i}: %json {json.dumps(schema)}")
+    return Constraint("lark", "\n".join(lines) + "\n", open_end=True)
+
+
+def chat_params(req: Any, special: dict) -> Any:
+    """The request's SamplingParams with ``tool_constraint`` folded into ``structured`` where its
+    ``tool_choice`` forces a call (checked, naming ``tools``); otherwise its own."""
+    if not tools.uses_tools(req) or req.tool_choice == "auto":
+        return req.params
+    from sidecar.server.structured_check import check_constraint
+
+    c = tool_constraint(req.tools, req.tool_choice, req.params.structured, special)
+    return dataclasses.replace(req.params, structured=check_constraint(c, "tools"))
 
 
 def _held(text: str, markers: tuple[str, ...]) -> int:
@@ -119,17 +185,34 @@ class HarmonyParser(SplitStream):
         if ends:
             j, m = min(ends)
             self._emit(self.buf[:j], r_out, c_out)
-            if m == CALL and self._offers_calls and (self.recipient or "").startswith(FUNCTIONS):
-                name = self.recipient[len(FUNCTIONS) :]
-                call = make_call({"name": name, "arguments": self._body}, len(self.calls))
-                self.calls.append(call)
-                self._new.append(call)
+            if m == CALL:
+                self._call()
             self.state, self.buf, self._body = "header", self.buf[j + len(m) :], ""
             return True
         keep = _held(self.buf, ENDS)
         self._emit(self.buf[: len(self.buf) - keep], r_out, c_out)
         self.buf = self.buf[len(self.buf) - keep :]
         return False
+
+    def _call(self) -> None:
+        """The current body becomes a call when it is addressed to a function the request may call."""
+        if self._offers_calls and (self.recipient or "").startswith(FUNCTIONS):
+            name = self.recipient[len(FUNCTIONS) :]
+            call = make_call({"name": name, "arguments": self._body}, len(self.calls))
+            self.calls.append(call)
+            self._new.append(call)
+
+    def stopped(self) -> None:
+        """The reply stopped on an end token (after ``finish``): a call body left open holding one complete
+        JSON value was closed by ``<|call|>`` as an end-of-sequence token, so it is that call."""
+        if self.state != "body" or self.recipient is None:
+            return
+        try:
+            json.loads(self._body)
+        except ValueError:
+            return
+        self._call()
+        self.state, self._body = "header", ""
 
     def _emit(self, text: str, r_out: list[str], c_out: list[str]) -> None:
         if self.recipient is not None:
@@ -170,6 +253,8 @@ class HarmonyParser(SplitStream):
 def split_calls(ev: Any, parser: HarmonyParser) -> Any:
     """The tool calls a harmony reply completed in this event into ``ev.tool_calls`` (in place); a reply
     that stops after calls finishes with ``tool_calls``."""
+    if ev.finished and ev.finish_reason == "stop":
+        parser.stopped()
     ev.tool_calls = parser.take_calls()
     if ev.finished and parser.calls and ev.finish_reason == "stop":
         ev.finish_reason = "tool_calls"

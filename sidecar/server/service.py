@@ -382,7 +382,6 @@ class InferenceService:
         parser = tools.make_parser(fmt) if is_chat and tools.uses_tools(req) and not channels else None
         if is_chat and req.tools is not None:
             tools.check_tools(req.tools, req.tool_choice)
-            harmony.check_tool_choice(req.tool_choice, channels)
         thinks = is_chat and not channels and reasoning.thinks(template)
         tpl = (
             reasoning.template_kwargs(req.chat_template_kwargs, req.reasoning_effort, thinks)
@@ -444,14 +443,15 @@ class InferenceService:
         """The request's params with any tool-call grammar (in the model's format) folded in, its prompt ids,
         and whether the prompt opens a think block (worker thread). A thinking model's output constraint
         lets the think block come first, so reasoning is not forced into the answer's shape. A harmony
-        model (``channels``) writes its calls in its own channel, unconstrained."""
+        model (``channels``) writes its calls in its own channel, held to one only where tool_choice
+        forces a call."""
         params = req.params
         engine = self._engine()
-        if req.messages is not None and req.tools is not None and not channels:
+        if req.messages is not None and req.tools is not None:
             fmt = tool_formats.detect(engine.chat_template)
-            markers = [m for m in (fmt.start, fmt.end) if m]
+            markers = harmony.MARKERS if channels else [m for m in (fmt.start, fmt.end) if m]
             special = {m: i for m in markers if (i := engine.special_token_id(m)) is not None}
-            params = tools.chat_params(req, fmt, special)
+            params = harmony.chat_params(req, special) if channels else tools.chat_params(req, fmt, special)
         prompt = self._encode(req, template_kwargs)
         opened = thinks and reasoning.opens_block("".join(engine.token_strings(prompt[-8:])))
         c = params.structured

@@ -301,7 +301,7 @@ class ChatCompletionRequest(_Sampling):
         ):
             raise PydanticCustomError(
                 "invalid_value",
-                "tool_choice: names the function {name!r}, which is not in tools",
+                "tool_choice: names the function '{name}', which is not in tools",
                 {"name": self.tool_choice.function.name},
             )
         if self.tool_choice == "required" and not names:

@@ -3,8 +3,9 @@ families load into our engine and give greedy float32 output equal to HF transfo
 came from, token for token; Q8_0 files equal HF on the weights they hold (the pattern of
 test_gguf_llamacpp.py).
 
-gpt-oss (``gpt-oss``): experts stored apart and transposed (gguf_gpt_oss.py), F32 experts here (the
-MXFP4 type of published files is refused by name).
+gpt-oss (``gpt-oss``): experts stored apart and transposed (gguf_gpt_oss.py), F32 experts from a float
+checkpoint; from an MXFP4 checkpoint (the published form) the converter writes MXFP4 experts, whose codes come
+back as the checkpoint's, equal to ggml's own dequantizer (the ``gguf`` package's) and kept as codes.
 
 Qwen3.5 (``qwen35``): the converter rewrites the checkpoint (gguf_qwen35.py): norms as ``1 + w``,
 ``A_log`` as ``-exp(A_log)``, and, with fewer key than value heads (the checkpoint here), every value-head
@@ -26,6 +27,7 @@ from llamacpp_converter import convert
 from sidecar import LLM
 from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
 from tests.unit.model.family_checkpoints import assert_not_degenerate, build_family_checkpoint
+from tests.unit.model.test_gpt_oss import to_mxfp4
 from tests.unit.model.test_gguf_llamacpp import GREEDY, PROMPTS, _q8_0_values, tokenizer_dirs  # noqa: F401
 
 FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": ()}
@@ -51,12 +53,13 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SIDECAR_HOME", str(tmp_path / "home"))
 
 
-def _engine_matches(hf_dir: Path, path: Path, ref: list[list[int]]) -> None:
+def _engine_matches(hf_dir: Path, path: Path, ref: list[list[int]]) -> LLM:
     llm = LLM(model=str(path), dtype="float32", block_size=8, max_num_batched_tokens=16)
     want = json.loads((hf_dir / "config.json").read_text())["architectures"][0]
     assert llm.engine.loaded.args.architecture == want
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
     assert_pool_whole(llm)
+    return llm
 
 
 @pytest.mark.parametrize("kind", FLAGS)
@@ -68,6 +71,37 @@ def test_converter_file_matches_hf_on_the_checkpoint_it_came_from(converted, kin
     ref = hf_greedy(hf_dir, PROMPTS, GREEDY.max_tokens)
     assert_not_degenerate(ref)
     _engine_matches(hf_dir, path, ref)
+
+
+def test_gpt_oss_mxfp4_experts_come_back_as_the_checkpoints_codes(converted, tmp_path):
+    import gguf
+
+    from sidecar.model import gguf_tensors as gt
+    from sidecar.model import mxfp4
+    from sidecar.model.gguf import model_dir_for
+
+    mx = to_mxfp4(converted["gpt_oss"][0], tmp_path / "mxfp4")
+    path = convert(mx, tmp_path / "mxfp4.gguf", "f32")
+    experts = [t for t in gguf.GGUFReader(str(path)).tensors if "_exps.weight" in t.name]
+    assert experts and {t.tensor_type.name for t in experts} == {"MXFP4"}
+    for t in experts:  # our reading of ggml's blocks against ggml's dequantizer
+        blocks, scales = gt.mxfp4_codes(t)
+        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        assert torch.equal(mxfp4.dequantize(blocks, scales, torch.float32), want)
+    ours = load_file(str(model_dir_for(path, None, "float32") / "model.safetensors"))
+    theirs = load_file(str(mx / "model.safetensors"))
+    coded = [n for n in theirs if n.endswith(("_blocks", "_scales"))]
+    assert len(coded) == 4 * json.loads((mx / "config.json").read_text())["num_hidden_layers"]
+    for name in coded:
+        assert torch.equal(ours[name], theirs[name]), name
+    ref = hf_greedy(mx, PROMPTS, GREEDY.max_tokens)
+    assert_not_degenerate(ref)
+    llm = _engine_matches(mx, path, ref)
+    kept = [m for m in llm.engine.runner.model.modules() if isinstance(m, mxfp4.Mxfp4Linear)]
+    assert (
+        len(kept)
+        == 2 * (len(experts) // 3) * json.loads((mx / "config.json").read_text())["num_local_experts"]
+    )
 
 
 def test_qwen3_5_tensors_come_back_as_the_checkpoint_holds_them(converted):

@@ -29,15 +29,14 @@ def gpt_oss_dir(tmp_path_factory, demo_dir):
     return build_family_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss") / "ckpt", demo_dir)
 
 
-@pytest.fixture(scope="module")
-def mxfp4_dir(gpt_oss_dir, tmp_path_factory):
-    """The tiny checkpoint with its experts as the published checkpoints ship them: ``*_blocks`` and
-    ``*_scales`` (random codes, scales 2^-5 .. 2^-1) and ``quantization_config.quant_method: mxfp4``."""
+def to_mxfp4(src, out):
+    """A copy of the checkpoint ``src`` at ``out`` with its experts as the published checkpoints ship them:
+    ``*_blocks`` and ``*_scales`` (random codes, scales 2^-5 .. 2^-1) and ``quantization_config.quant_method:
+    mxfp4``."""
     from safetensors.torch import load_file, save_file
 
-    out = tmp_path_factory.mktemp("gpt_oss_mxfp4") / "ckpt"
-    shutil.copytree(gpt_oss_dir, out)
-    tensors = load_file(str(gpt_oss_dir / "model.safetensors"))
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
     g = torch.Generator().manual_seed(1)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         experts, cols, rows = tensors.pop(name).shape  # transformers: [experts, in, out]
@@ -53,6 +52,12 @@ def mxfp4_dir(gpt_oss_dir, tmp_path_factory):
     cfg["quantization_config"] = {"quant_method": "mxfp4"}
     (out / "config.json").write_text(json.dumps(cfg))
     return out
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(gpt_oss_dir, tmp_path_factory):
+    """The tiny checkpoint with MXFP4 experts (``to_mxfp4``)."""
+    return to_mxfp4(gpt_oss_dir, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "ckpt")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,7 +2,8 @@
 into the answer whatever the chunking, drops headers and markers, turns commentary-channel calls to
 ``functions.NAME`` into tool calls when the request offers tools, passes a plain reply through; the service
 does it on a harmony template, keeping special tokens in the reply text, sending reasoning_effort to the
-template's own variable, and refusing a tool_choice that would force a call."""
+template's own variable, and holding a reply to one call of an allowed tool under tool_choice required or a
+named function (a grammar walked here over written replies with the tokenizer's harmony special tokens)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from test_reasoning import ThinkingEngine, chat
 from test_service import collect, service
 
-from sidecar.server.harmony import HarmonyParser, is_harmony
+from sidecar.server.harmony import MARKERS, HarmonyParser, is_harmony, tool_constraint
 from sidecar.server.service import ServiceError
 from sidecar.server.tools import ToolSpec
 
@@ -111,7 +112,56 @@ def test_the_service_returns_harmony_tool_calls_and_refuses_forcing_one():
     assert events[-1].reasoning_text == "Need it."
     assert "functions.weather: The weather in a city" in eng.rendered[0]
     assert eng.calls[0][1].structured is None  # no grammar: the channel carries the call
-    for choice in ("required", "function:weather"):
-        with pytest.raises(ServiceError) as e:
-            asyncio.run(collect(service(eng), chat(tools=[spec], tool_choice=choice)))
-        assert e.value.field == "tool_choice" and "harmony" in str(e.value)
+    for choice in ("required", "function:weather"):  # a forced call: the call grammar, then the same parse
+        events = asyncio.run(collect(service(eng), chat(tools=[spec], tool_choice=choice)))
+        grammar = eng.calls[-1][1].structured
+        assert grammar.kind == "lark" and "commentary to=functions.weather " in grammar.value
+        assert [c["name"] for e in events for c in e.tool_calls] == ["weather"]
+    with pytest.raises(ServiceError) as e:
+        asyncio.run(collect(service(eng), chat(tools=[spec], tool_choice="function:nope")))
+    assert e.value.field == "tool_choice" and "nope" in str(e.value)
+
+
+def test_a_call_closed_by_an_end_of_sequence_token_is_a_call():
+    # gpt-oss's <|call|> is one of its end tokens, so it never reaches the text; a body cut by max_tokens
+    # (or holding no complete JSON value) stays no call
+    spec = ToolSpec("weather", "", {"type": "object", "properties": {"city": {"type": "string"}}})
+    head = ["<|channel|>", "commentary to=functions.weather", " <|constrain|>", "json", "<|message|>"]
+    for body, calls in ((['{"city": ', '"Oslo"}'], 1), (['{"city": ', '"Os'], 0)):
+        eng = ThinkingEngine(head + body, template=HARMONY)
+        events = asyncio.run(collect(service(eng), chat(tools=[spec], tool_choice="auto")))
+        assert len([c for e in events for c in e.tool_calls]) == calls
+        assert events[-1].finish_reason == ("tool_calls" if calls else "stop")
+
+
+@pytest.mark.parametrize("as_special", [True, False])
+def test_the_forced_call_grammar_takes_reasoning_then_one_valid_call(demo_dir, as_special):
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from transformers import PreTrainedTokenizerFast
+
+    from sidecar.engine.structured import grammar_for
+
+    tok = PreTrainedTokenizerFast.from_pretrained(demo_dir)
+    if as_special:  # gpt-oss's tokenizer: each marker one special token; else they are spelled as text
+        tok.add_special_tokens({"additional_special_tokens": list(MARKERS) + ["<|return|>"]})
+    special = {m: tok.convert_tokens_to_ids(m) for m in MARKERS} if as_special else {}
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=len(tok))
+    add = ToolSpec("add", "", {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    neg = ToolSpec("neg", "", {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})
+    think = "<|channel|>analysis<|message|>I should add.<|end|><|start|>assistant"
+    call = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{}<|call|>"
+    for choice, text, ok in (
+        ("required", think + call.format("add", '{"a": 7}'), True),
+        ("required", call.format("neg", '{"x": 1.5}'), True),
+        ("function:neg", call.format("neg", '{"x": 2}'), True),
+        ("function:neg", call.format("add", '{"a": 7}'), False),  # not the named tool
+        ("required", call.format("add", '{"a": "seven"}'), False),  # arguments off the schema
+        ("required", call.format("add", '{"a": 7, "b": 1}'), False),  # an undeclared property
+        ("required", "<|channel|>final<|message|>No.<|return|>", False),  # an answer, not a call
+        ("required", think, False),  # reasoning alone is not a reply
+    ):
+        m = LLMatcher(lltok, grammar_for(tool_constraint([add, neg], choice, None, special)))
+        ids = tok.encode(text, add_special_tokens=False)
+        whole = m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+        assert whole is ok, (choice, text)
