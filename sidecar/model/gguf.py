@@ -260,11 +260,19 @@ def _cache_dir(path: Path, variant: str) -> Path:
     return sidecar_home() / "gguf" / f"{path.stem}-{variant}-{digest}"
 
 
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+# Architectures whose tokenizer transformers builds as its generic fast tokenizer in any case: built as that
+# class directly, transformers' GGUF config reader is not consulted (it reads each of gpt-oss's
+# ``rope.scaling.*`` keys as its first part, the key's length, and fails on the published files).
+_GENERIC_TOKENIZER = ("gpt-oss",)
 
+
+def load_tokenizer(path: Path, arch: Optional[str] = None):
+    """The tokenizer the GGUF file's metadata describes (``arch``: its ``general.architecture``)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cls = PreTrainedTokenizerFast if arch in _GENERIC_TOKENIZER else AutoTokenizer
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return cls.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise ValueError(f"model: cannot build a tokenizer from {path}'s metadata: {exc}") from None
 
@@ -297,7 +305,7 @@ def model_dir_for(path: Path, quantization: Optional[str], dtype: str) -> Path:
         from sidecar.model.gguf_convert import write_fp, write_int4
 
         (write_int4 if variant == "int4" else write_fp)(reader, cfg, tmp)
-        load_tokenizer(path).save_pretrained(str(tmp))
+        load_tokenizer(path, _field(reader, "general.architecture")).save_pretrained(str(tmp))
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         # config.json last: its presence marks a complete conversion.

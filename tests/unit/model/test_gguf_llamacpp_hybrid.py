@@ -32,9 +32,15 @@ from tests.unit.model.test_gguf_llamacpp import GREEDY, PROMPTS, _q8_0_values, t
 
 FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": ()}
 ARCH = {"qwen3_5": "qwen35", "gpt_oss": "gpt-oss"}  # ours -> llama.cpp's arch
-# What a gpt-oss file can say: llama.cpp's clamp limit; no YaRN (transformers cannot read a GGUF tokenizer
-# beside the yarn keys it writes)
-OVERRIDES = {"gpt_oss": dict(swiglu_limit=7.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4})}
+# What a gpt-oss file can say: llama.cpp's clamp limit, and YaRN in the file's ``rope.scaling.*`` keys (as in
+# the published files) with the correction range rounded outward as llama.cpp's runtime rounds it (HF's
+# ``truncate``; the file has no key for it), from an original length the prompts cross
+YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0}
+OVERRIDES = {
+    "gpt_oss": dict(
+        swiglu_limit=7.0, rope_parameters=dict(YARN, truncate=True, original_max_position_embeddings=32)
+    )
+}
 
 
 @pytest.fixture(scope="module")
