@@ -9,7 +9,10 @@ MXFP4 type of published files is refused by name).
 Qwen3.5 (``qwen35``): the converter rewrites the checkpoint (gguf_qwen35.py): norms as ``1 + w``,
 ``A_log`` as ``-exp(A_log)``, and, with fewer key than value heads (the checkpoint here), every value-head
 axis of the DeltaNet layers in another order. A checkpoint without multi-token-prediction layers converts with
-``--no-mtp``.
+``--no-mtp``. Qwen3.5-MoE (``qwen35moe``): the same layers with the experts as one 3D tensor per projection,
+the router and the gated shared expert; its directory is converted with ``model_type`` ``qwen3_5_text``, as
+transformers otherwise reads the test tokenizer as Qwen3.5's own class, whose pre-tokenizer the converter does
+not know (a published checkpoint ships Qwen's tokenizer, which it does).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
 from tests.unit.model.family_checkpoints import assert_not_degenerate, build_family_checkpoint
 from tests.unit.model.test_gguf_llamacpp import GREEDY, PROMPTS, _q8_0_values, tokenizer_dirs  # noqa: F401
 
-FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": ()}
-ARCH = {"qwen3_5": "qwen35", "gpt_oss": "gpt-oss"}  # ours -> llama.cpp's arch
+FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": (), "qwen3_5_moe": ("--no-mtp",)}
+ARCH = {"qwen3_5": "qwen35", "gpt_oss": "gpt-oss", "qwen3_5_moe": "qwen35moe"}  # ours -> llama.cpp's arch
 # What a gpt-oss file can say: llama.cpp's clamp limit; no YaRN (transformers cannot read a GGUF tokenizer
 # beside the yarn keys it writes)
 OVERRIDES = {"gpt_oss": dict(swiglu_limit=7.0, rope_parameters={"rope_type": "default", "rope_theta": 1e4})}
@@ -42,7 +45,13 @@ def converted(tmp_path_factory, tokenizer_dirs) -> dict[str, tuple[Path, Path]]:
     out = {}
     for kind in FLAGS:
         d = build_family_checkpoint(kind, root / kind, tokenizer_dirs["bpe"], **OVERRIDES.get(kind, {}))
-        out[kind] = (d, convert(d, root / f"{kind}.gguf", "f32", *FLAGS[kind]))
+        src = d
+        if kind == "qwen3_5_moe":  # the tokenizer as its files say (module docstring)
+            src = root / f"{kind}-src"
+            shutil.copytree(d, src)
+            cfg = json.loads((src / "config.json").read_text())
+            (src / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen3_5_text")))
+        out[kind] = (d, convert(src, root / f"{kind}.gguf", "f32", *FLAGS[kind]))
     return out
 
 
