@@ -28,6 +28,9 @@ FAMILIES = {
     "GptOssForCausalLM": "gpt_oss",
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not loaded
+    "Qwen3_5MoeForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",  # its text model; the vision tower is not loaded
+    "Qwen3NextForCausalLM": "qwen3_next",
     "Llama4ForCausalLM": "llama4",
     "Llama4ForConditionalGeneration": "llama4",  # its text model; the vision tower is not loaded
     "Gemma4ForCausalLM": "gemma4",
@@ -49,6 +52,9 @@ _MODEL_TYPES = {
     "gpt_oss": "GptOssForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
     "llama4_text": "Llama4ForCausalLM",
     "llama4": "Llama4ForConditionalGeneration",
     "gemma4_text": "Gemma4ForCausalLM",
@@ -158,7 +164,9 @@ class ModelArgs:
     # interleaved channel pairs (2i, 2i + 1); an L2 norm of each q and k head after rope on the rope layers;
     # on the NoPE layers q scaled by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))`` (the pair
     # ``attn_temperature``). Experts weighed by the sigmoid of their top-k router logits, applied to the
-    # expert's input; a shared expert of width ``shared_expert_size`` (0: none) beside the routed ones.
+    # expert's input; a shared expert of width ``shared_expert_size`` (0: none) beside the routed ones, its
+    # output scaled by the sigmoid of a one-output projection of the token where ``shared_expert_gate``
+    # (Qwen3-Next, Qwen3.5-MoE).
     layer_chunks: Optional[tuple[Optional[int], ...]] = None
     nope_layers: tuple[int, ...] = ()
     interleaved_rope: bool = False
@@ -166,6 +174,7 @@ class ModelArgs:
     attn_temperature: Optional[tuple[float, float]] = None  # (floor_scale, attn_scale)
     router_sigmoid_input: bool = False
     shared_expert_size: int = 0
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.o_proj_bias is None:

@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
+    "qwen35moe": "Qwen3_5MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
 }
 
@@ -113,7 +114,8 @@ def hf_config(reader, path: str) -> dict:
         "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": int(hidden),
-        "intermediate_size": int(get("feed_forward_length")),
+        # a model whose every MLP is sparse (Qwen3.5-MoE) may write no dense width: the experts' stands in
+        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": int(heads),
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
@@ -215,6 +217,8 @@ def _expert_keys(reader, get, cfg: dict) -> None:
         return
     cfg["moe_intermediate_size"] = int(get("expert_feed_forward_length", cfg["intermediate_size"]))
     cfg["norm_topk_prob"] = bool(get("expert_weights_norm", True))
+    if get("expert_shared_feed_forward_length"):  # Qwen3.5-MoE's gated shared expert
+        cfg["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
     sparse = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.endswith(f".{gt.ROUTER}.weight")}
     cfg["mlp_only_layers"] = [i for i in range(cfg["num_hidden_layers"]) if i not in sparse]
 
@@ -224,10 +228,11 @@ _FAMILY_KEYS = {
     "gemma3": _gemma_keys,
     "phi3": _phi3_keys,
     "qwen35": gguf_qwen35.config_keys,
+    "qwen35moe": gguf_qwen35.config_keys,
     "gpt-oss": gguf_gpt_oss.config_keys,  # YaRN read there
 }
 # Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
-_FP_ONLY = ("qwen35", "gpt-oss")
+_FP_ONLY = ("qwen35", "qwen35moe", "gpt-oss")
 
 
 def _layer_linears_q4(reader) -> bool:

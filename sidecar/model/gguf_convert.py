@@ -54,7 +54,7 @@ def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
         block = name.removesuffix(".gate_proj.weight")  # transformers' fused layout (moe.expert_weights)
         out[f"{block}.gate_up_proj"] = torch.cat((out.pop(name), out.pop(f"{block}.up_proj.weight")), dim=1)
         out[f"{block}.down_proj"] = out.pop(f"{block}.down_proj.weight")
-    if cfg["model_type"] == "qwen35":
+    if cfg["model_type"] in ("qwen35", "qwen35moe"):
         out = qwen35.fix_state(out, cfg)
     elif cfg["model_type"] == "gpt-oss":
         out = gpt_oss.fix_state(out, cfg)

@@ -1,4 +1,5 @@
-"""Qwen3.5 (llama.cpp's ``qwen35``) from GGUF: what llama.cpp's converter writes, back in HF form.
+"""Qwen3.5 (llama.cpp's ``qwen35``; ``qwen35moe``: the same layers with Qwen3-MoE's expert tensors and a
+shared expert) from GGUF: what llama.cpp's converter writes, back in HF form.
 
 The converter's changes to the checkpoint, and their inverses here:
 - norms scaled by ``(1 + w)`` (all but the DeltaNet's gated one) are stored as ``1 + w`` (computed in the

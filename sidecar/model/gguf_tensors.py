@@ -64,6 +64,15 @@ _ARCH_LAYER_NAMES = {
     "gemma3": _GEMMA_NAMES,
     "phi3": {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "qwen35": QWEN35_NAMES,
+    # Qwen3.5-MoE: Qwen3.5's layers with a sparse block and its gated shared expert
+    "qwen35moe": {
+        **QWEN35_NAMES,
+        **{k: _LAYER_NAMES[k] for k in (ROUTER, "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")},
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    },
     "gpt-oss": GPT_OSS_NAMES,
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}

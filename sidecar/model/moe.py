@@ -25,7 +25,9 @@ not plain weights (quantized, MXFP4 codes) have no stacks: the torch path runs.
 
 Llama 4 (``ModelArgs.router_sigmoid_input``): each of the top-k router logits goes through a sigmoid (float32,
 cast to the model dtype) and scales the expert's input rather than its output; a shared expert
-(``shared_expert_size``) sees every token, its output added to the routed sum.
+(``shared_expert_size``) sees every token, its output added to the routed sum. Qwen3-Next and Qwen3.5-MoE
+(``shared_expert_gate``) scale the shared expert's output by the sigmoid of a one-output projection of the
+token (``shared_expert_gate``, kept in full precision as the router is), in the model dtype.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(MLP(expert, paths) for _ in range(args.num_experts))
         shared = replace(args, intermediate_size=args.shared_expert_size, mlp_bias=False)
         self.shared_expert = MLP(shared, paths) if args.shared_expert_size else None
+        gated = args.shared_expert_size and args.shared_expert_gate
+        self.shared_expert_gate = Linear(args.hidden_size, 1, bias=False) if gated else None
         self.fast_paths = paths
         self.stacked = None  # kernels/triton/moe.Experts, set by ``stack_experts``
 
@@ -131,7 +135,7 @@ class SparseMoE(nn.Module):
         weights = weights.gather(-1, perm)
         fast = self._grouped(x, weights, ids)
         if fast is not None:
-            return fast if self.shared_expert is None else self.shared_expert(x) + fast
+            return self._plus_shared(x, fast)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the T * k slots grouped by expert, experts ascending
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
@@ -152,7 +156,16 @@ class SparseMoE(nn.Module):
         routed = per[:, 0].to(x.dtype)
         for j in range(1, k):  # one add at a time, each in x's dtype, as transformers' index_add does
             routed = routed + per[:, j].to(x.dtype)
-        return routed if self.shared_expert is None else self.shared_expert(x) + routed
+        return self._plus_shared(x, routed)
+
+    def _plus_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The routed sum plus the shared expert's output (gated where the family gates it)."""
+        if self.shared_expert is None:
+            return routed
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return routed + shared
 
 
 def stack_experts(model: nn.Module, device: torch.device) -> int:
@@ -264,6 +277,8 @@ def block_tensors(
     parts = [(moe.gate, "weight", get(f"{router}.weight"))]
     if args.router_bias:
         parts.append((moe.gate, "bias", get(f"{router}.bias")))
+    if moe.shared_expert_gate is not None:
+        parts.append((moe.shared_expert_gate, "weight", get(f"{prefix}.shared_expert_gate.weight")))
     yield None, parts
     for e, gate_up, gate_up_bias, down, down_bias in expert_weights(get, has, prefix, args, codes):
         expert = moe.experts[e]
@@ -305,6 +320,8 @@ def parameter_counts(args: ModelArgs) -> tuple[int, int]:
         attn += 2 * h
     if args.attn_sinks:
         attn += args.num_heads
+    if args.attn_output_gate:  # q_proj holds a gate row beside each query row
+        attn += h * q + (q if args.attention_bias else 0)
     if args.latent is not None:
         attn = latent_attention_parameters(args.latent, h, args.num_heads, args.attention_bias)
     dense = 3 * h * args.intermediate_size + (2 * args.intermediate_size + h if args.mlp_bias else 0)
@@ -312,14 +329,26 @@ def parameter_counts(args: ModelArgs) -> tuple[int, int]:
     if args.expert_bias:
         expert += 2 * args.expert_intermediate_size + h
     router = args.num_experts * (h + (1 if args.router_bias else 0)) + 3 * h * args.shared_expert_size
+    if args.shared_expert_size and args.shared_expert_gate:
+        router += h
     if args.routing is not None:  # the shared experts run for every token (grouped_moe.py)
         router += 3 * h * args.routing.shared_intermediate_size
     total = active = args.vocab_size * h * (1 if args.tie_word_embeddings else 2) + h
     for i in range(args.num_layers):
+        mixer = attn if not args.is_linear(i) else _deltanet_parameters(args)
         if args.sparse(i):
-            total += attn + router + args.num_experts * expert
-            active += attn + router + args.experts_per_token * expert
+            total += mixer + router + args.num_experts * expert
+            active += mixer + router + args.experts_per_token * expert
         else:
-            total += attn + dense
-            active += attn + dense
+            total += mixer + dense
+            active += mixer + dense
     return total, active
+
+
+def _deltanet_parameters(args: ModelArgs) -> int:
+    """A gated DeltaNet layer's mixer and its two norms: the q/k/v and z, b, a projections, the convolution's
+    taps, dt_bias and A_log per value head, the gated norm and the output projection."""
+    s, h = args.linear, args.hidden_size
+    v = s.num_v_heads * s.v_dim
+    projections = h * (s.conv_dim + v + 2 * s.num_v_heads) + v * h
+    return projections + s.conv_dim * s.conv_kernel + 2 * s.num_v_heads + s.v_dim + 2 * h

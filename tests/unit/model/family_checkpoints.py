@@ -17,9 +17,9 @@ FAMILIES = ("qwen3", "qwen3_tied", "gemma2", "gemma3", "phi3")
 # goes unpicked), and Qwen3-MoE's dense layers between sparse ones (``mlp_only_layers``, ``decoder_sparse_step``).
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen3_moe_step", "gpt_oss")
 # Hybrid models: linear-attention (gated DeltaNet) layers among full-attention ones.
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_vl")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next")
 # Families whose norms scale by (1 + w), but for Qwen3.5's gated DeltaNet norm (a plain w, initialised at 1).
-_UNIT_OFFSET = ("gemma", "qwen3_5")
+_UNIT_OFFSET = ("gemma", "qwen3_5", "qwen3_next")
 
 _COMMON = dict(
     hidden_size=64,
@@ -170,6 +170,41 @@ def _config(kind: str, vocab: int):
         return tf.Qwen3_5Config(
             text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False
         ), tf.Qwen3_5ForConditionalGeneration
+    hybrid = dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        tie_word_embeddings=False,
+    )
+    # experts: three of eight per token (a one-row step leaves five unpicked), a gated shared expert
+    experts = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32)
+    if kind == "qwen3_5_moe":  # the dense model's layers above, every MLP sparse
+        c.pop("intermediate_size")
+        return tf.Qwen3_5MoeTextConfig(
+            **c, **hybrid, **experts, num_hidden_layers=4, shared_expert_intermediate_size=48
+        ), tf.Qwen3_5MoeForCausalLM
+    if kind == "qwen3_5_moe_vl":
+        text, _ = _config("qwen3_5_moe", vocab)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64)
+        return tf.Qwen3_5MoeConfig(
+            text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False
+        ), tf.Qwen3_5MoeForConditionalGeneration
+    if kind == "qwen3_next":  # linear, full, linear, full; layer 0's MLP dense, the others sparse
+        return tf.Qwen3NextConfig(
+            **c,
+            **hybrid,
+            **experts,
+            num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention"] * 2,
+            shared_expert_intermediate_size=48,
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+        ), tf.Qwen3NextForCausalLM
     raise ValueError(kind)
 
 

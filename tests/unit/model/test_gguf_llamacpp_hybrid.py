@@ -10,7 +10,10 @@ back as the checkpoint's, equal to ggml's own dequantizer (the ``gguf`` package'
 Qwen3.5 (``qwen35``): the converter rewrites the checkpoint (gguf_qwen35.py): norms as ``1 + w``,
 ``A_log`` as ``-exp(A_log)``, and, with fewer key than value heads (the checkpoint here), every value-head
 axis of the DeltaNet layers in another order. A checkpoint without multi-token-prediction layers converts with
-``--no-mtp``.
+``--no-mtp``. Qwen3.5-MoE (``qwen35moe``): the same layers with the experts as one 3D tensor per projection,
+the router and the gated shared expert; its directory is converted with ``model_type`` ``qwen3_5_text``, as
+transformers otherwise reads the test tokenizer as Qwen3.5's own class, whose pre-tokenizer the converter does
+not know (a published checkpoint ships Qwen's tokenizer, which it does).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from tests.unit.model.family_checkpoints import assert_not_degenerate, build_fam
 from tests.unit.model.test_gpt_oss import to_mxfp4
 from tests.unit.model.test_gguf_llamacpp import GREEDY, PROMPTS, _q8_0_values, tokenizer_dirs  # noqa: F401
 
-FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": ()}
-ARCH = {"qwen3_5": "qwen35", "gpt_oss": "gpt-oss"}  # ours -> llama.cpp's arch
+FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": (), "qwen3_5_moe": ("--no-mtp",)}
+ARCH = {"qwen3_5": "qwen35", "gpt_oss": "gpt-oss", "qwen3_5_moe": "qwen35moe"}  # ours -> llama.cpp's arch
 # What a gpt-oss file can say: llama.cpp's clamp limit, and YaRN in the file's ``rope.scaling.*`` keys (as in
 # the published files) with the correction range rounded outward as llama.cpp's runtime rounds it (HF's
 # ``truncate``; the file has no key for it), from an original length the prompts cross
@@ -50,7 +53,13 @@ def converted(tmp_path_factory, tokenizer_dirs) -> dict[str, tuple[Path, Path]]:
     out = {}
     for kind in FLAGS:
         d = build_family_checkpoint(kind, root / kind, tokenizer_dirs["bpe"], **OVERRIDES.get(kind, {}))
-        out[kind] = (d, convert(d, root / f"{kind}.gguf", "f32", *FLAGS[kind]))
+        src = d
+        if kind == "qwen3_5_moe":  # the tokenizer as its files say (module docstring)
+            src = root / f"{kind}-src"
+            shutil.copytree(d, src)
+            cfg = json.loads((src / "config.json").read_text())
+            (src / "config.json").write_text(json.dumps(dict(cfg, model_type="qwen3_5_text")))
+        out[kind] = (d, convert(src, root / f"{kind}.gguf", "f32", *FLAGS[kind]))
     return out
 
 
