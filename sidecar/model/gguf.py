@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 
 from sidecar.config import DEFAULT_MODEL
-from sidecar.model import gguf_gpt_oss, gguf_qwen35
+from sidecar.model import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama4, gguf_qwen35
 from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
@@ -52,6 +52,9 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "llama4": "Llama4ForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
 }
 
 
@@ -93,6 +96,11 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def _first(value: Any) -> int:
+    """A per-layer key's first layer (Gemma 4 writes some keys as one value a layer; its hook reads them)."""
+    return int(value[0] if isinstance(value, list) else value)
+
+
 def hf_config(reader, path: str) -> dict:
     """HF config.json contents from GGUF metadata; ValueError for an unsupported architecture."""
     arch = _field(reader, "general.architecture")
@@ -113,10 +121,10 @@ def hf_config(reader, path: str) -> dict:
         "model_type": arch,
         "vocab_size": int(vocab),
         "hidden_size": int(hidden),
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": _first(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": int(heads),
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": _first(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
@@ -128,13 +136,13 @@ def hf_config(reader, path: str) -> dict:
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling not in (None, "none") and arch != "gpt-oss":
+    elif scaling not in (None, "none") and arch not in ("gpt-oss", "deepseek2"):
         raise ValueError(f"model: {path}: rope scaling {scaling!r} is not supported")
     if arch == "mistral" and get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
     if arch in _FAMILY_KEYS:
         _FAMILY_KEYS[arch](reader, get, cfg)
-    if get("expert_count"):
+    if get("expert_count") and arch not in _OWN_EXPERT_KEYS:
         _expert_keys(reader, get, cfg)
     floats = {
         gt.type_name(t)
@@ -225,9 +233,14 @@ _FAMILY_KEYS = {
     "phi3": _phi3_keys,
     "qwen35": gguf_qwen35.config_keys,
     "gpt-oss": gguf_gpt_oss.config_keys,  # YaRN read there
+    "llama4": gguf_llama4.config_keys,
+    "deepseek2": gguf_deepseek.config_keys,  # YaRN and the experts read there
+    "gemma4": gguf_gemma4.config_keys,
 }
 # Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
-_FP_ONLY = ("qwen35", "gpt-oss")
+_FP_ONLY = ("qwen35", "gpt-oss", "llama4", "deepseek2", "gemma4")
+# Architectures whose own hook reads the experts' keys.
+_OWN_EXPERT_KEYS = ("llama4", "deepseek2")
 
 
 def _layer_linears_q4(reader) -> bool:
@@ -261,12 +274,19 @@ def _cache_dir(path: Path, variant: str) -> Path:
 
 
 def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    """The tokenizer the file's metadata describes. transformers builds it from the ``tokenizer.ggml.*`` keys,
+    but its AutoTokenizer first maps the whole file onto a config of its own, which fails for architectures
+    it does not know (``llama4``) or whose keys it cannot hold (``gemma4``'s per-layer arrays); the fast
+    tokenizer is then built from those keys alone."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     try:
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
-        raise ValueError(f"model: cannot build a tokenizer from {path}'s metadata: {exc}") from None
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception:
+            raise ValueError(f"model: cannot build a tokenizer from {path}'s metadata: {exc}") from None
 
 
 def model_dir_for(path: Path, quantization: Optional[str], dtype: str) -> Path:
