@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 
 from sidecar.config import DEFAULT_MODEL
-from sidecar.model import gguf_gpt_oss, gguf_qwen35
+from sidecar.model import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama4, gguf_qwen35
 from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
@@ -53,6 +53,9 @@ ARCHITECTURES = {
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
+    "llama4": "Llama4ForCausalLM",
+    "deepseek2": "DeepseekV3ForCausalLM",
+    "gemma4": "Gemma4ForCausalLM",
 }
 
 
@@ -94,6 +97,11 @@ def _field(reader, key: str, default: Any = None) -> Any:
     return default if f is None else f.contents()
 
 
+def _first(value: Any) -> int:
+    """A per-layer key's first layer (Gemma 4 writes some keys as one value a layer; its hook reads them)."""
+    return int(value[0] if isinstance(value, list) else value)
+
+
 def hf_config(reader, path: str) -> dict:
     """HF config.json contents from GGUF metadata; ValueError for an unsupported architecture."""
     arch = _field(reader, "general.architecture")
@@ -115,10 +123,10 @@ def hf_config(reader, path: str) -> dict:
         "vocab_size": int(vocab),
         "hidden_size": int(hidden),
         # a model whose every MLP is sparse (Qwen3.5-MoE) may write no dense width: the experts' stands in
-        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length")),
+        "intermediate_size": _first(get("feed_forward_length") or get("expert_feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": int(heads),
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": _first(get("attention.head_count_kv", heads)),
         "head_dim": int(get("attention.key_length", hidden // heads)),
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
@@ -130,13 +138,13 @@ def hf_config(reader, path: str) -> dict:
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling not in (None, "none") and arch != "gpt-oss":
+    elif scaling not in (None, "none") and arch not in ("gpt-oss", "deepseek2"):
         raise ValueError(f"model: {path}: rope scaling {scaling!r} is not supported")
     if arch == "mistral" and get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
     if arch in _FAMILY_KEYS:
         _FAMILY_KEYS[arch](reader, get, cfg)
-    if get("expert_count"):
+    if get("expert_count") and arch not in _OWN_EXPERT_KEYS:
         _expert_keys(reader, get, cfg)
     floats = {
         gt.type_name(t)
@@ -230,9 +238,14 @@ _FAMILY_KEYS = {
     "qwen35": gguf_qwen35.config_keys,
     "qwen35moe": gguf_qwen35.config_keys,
     "gpt-oss": gguf_gpt_oss.config_keys,  # YaRN read there
+    "llama4": gguf_llama4.config_keys,
+    "deepseek2": gguf_deepseek.config_keys,  # YaRN and the experts read there
+    "gemma4": gguf_gemma4.config_keys,
 }
 # Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
-_FP_ONLY = ("qwen35", "qwen35moe", "gpt-oss")
+_FP_ONLY = ("qwen35", "qwen35moe", "gpt-oss", "llama4", "deepseek2", "gemma4")
+# Architectures whose own hook reads the experts' keys.
+_OWN_EXPERT_KEYS = ("llama4", "deepseek2")
 
 
 def _layer_linears_q4(reader) -> bool:
@@ -265,21 +278,21 @@ def _cache_dir(path: Path, variant: str) -> Path:
     return sidecar_home() / "gguf" / f"{path.stem}-{variant}-{digest}"
 
 
-# Architectures whose tokenizer transformers builds as its generic fast tokenizer in any case: built as that
-# class directly, transformers' GGUF config reader is not consulted (it reads each of gpt-oss's
-# ``rope.scaling.*`` keys as its first part, the key's length, and fails on the published files).
-_GENERIC_TOKENIZER = ("gpt-oss",)
-
-
-def load_tokenizer(path: Path, arch: Optional[str] = None):
-    """The tokenizer the GGUF file's metadata describes (``arch``: its ``general.architecture``)."""
+def load_tokenizer(path: Path):
+    """The tokenizer the file's metadata describes. transformers builds it from the ``tokenizer.ggml.*`` keys,
+    but its AutoTokenizer first maps the whole file onto a config of its own, which fails for architectures
+    it does not know (``llama4``), whose keys it cannot hold (``gemma4``'s per-layer arrays) or misreads
+    (gpt-oss's ``rope.scaling.*``: each field's first part, the key's length, taken as its value); the fast
+    tokenizer is then built from those keys alone."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    cls = PreTrainedTokenizerFast if arch in _GENERIC_TOKENIZER else AutoTokenizer
     try:
-        return cls.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
-        raise ValueError(f"model: cannot build a tokenizer from {path}'s metadata: {exc}") from None
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception:
+            raise ValueError(f"model: cannot build a tokenizer from {path}'s metadata: {exc}") from None
 
 
 def model_dir_for(path: Path, quantization: Optional[str], dtype: str) -> Path:
@@ -310,7 +323,7 @@ def model_dir_for(path: Path, quantization: Optional[str], dtype: str) -> Path:
         from sidecar.model.gguf_convert import write_fp, write_int4
 
         (write_int4 if variant == "int4" else write_fp)(reader, cfg, tmp)
-        load_tokenizer(path, _field(reader, "general.architecture")).save_pretrained(str(tmp))
+        load_tokenizer(path).save_pretrained(str(tmp))
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if cfg.get(k) is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         # config.json last: its presence marks a complete conversion.

@@ -7,7 +7,10 @@ from pathlib import Path
 
 import torch
 
+from sidecar.model import gguf_deepseek as deepseek
+from sidecar.model import gguf_gemma4 as gemma4
 from sidecar.model import gguf_gpt_oss as gpt_oss
+from sidecar.model import gguf_llama4 as llama4
 from sidecar.model import gguf_qwen35 as qwen35
 from sidecar.model import gguf_tensors as gt
 from sidecar.model.quant_format import FORMAT_VERSION
@@ -58,6 +61,12 @@ def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
         out = qwen35.fix_state(out, cfg)
     elif cfg["model_type"] == "gpt-oss":
         out = gpt_oss.fix_state(out, cfg)
+    elif cfg["model_type"] == "llama4":
+        out = llama4.fix_state(out, cfg)
+    elif cfg["model_type"] == "deepseek2":
+        out = deepseek.fix_state(out, cfg)
+    elif cfg["model_type"] == "gemma4":
+        out = gemma4.fix_state(out, cfg)
     return out
 
 

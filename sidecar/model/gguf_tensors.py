@@ -19,7 +19,10 @@ from typing import Optional
 import numpy as np
 import torch
 
+from sidecar.model.gguf_deepseek import LAYER_NAMES as DEEPSEEK_NAMES
+from sidecar.model.gguf_gemma4 import LAYER_NAMES as GEMMA4_NAMES
 from sidecar.model.gguf_gpt_oss import LAYER_NAMES as GPT_OSS_NAMES
+from sidecar.model.gguf_llama4 import LAYER_NAMES as LLAMA4_NAMES
 from sidecar.model.gguf_qwen35 import LAYER_NAMES as QWEN35_NAMES
 
 # Types we read; anything else is rejected by name before conversion starts.
@@ -74,8 +77,19 @@ _ARCH_LAYER_NAMES = {
         "ffn_down_shexp": "mlp.shared_expert.down_proj",
     },
     "gpt-oss": GPT_OSS_NAMES,
+    "llama4": LLAMA4_NAMES,
+    "deepseek2": DEEPSEEK_NAMES,
+    "gemma4": GEMMA4_NAMES,
 }
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    # Gemma 4's per-layer inputs
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+}
 
 
 def hf_name(gguf_name: str, arch: Optional[str] = None) -> Optional[str]:

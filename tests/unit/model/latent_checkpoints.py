@@ -88,12 +88,14 @@ def _config(kind: str, vocab: int):
     raise ValueError(kind)
 
 
-def build_latent_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_latent_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """A tiny random checkpoint of ``kind`` (one of LATENT_FAMILIES) with the demo tokenizer, saved in HF
-    format."""
+    format; ``overrides`` set config fields."""
     import transformers as tf
 
     cfg, cls = _config(kind, len(tf.AutoTokenizer.from_pretrained(str(tokenizer_dir))))
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
     torch.manual_seed(seed)
     model = cls(cfg)
     with torch.no_grad():

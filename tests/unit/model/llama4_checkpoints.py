@@ -16,11 +16,11 @@ import torch
 KINDS = ("llama4", "llama4_k2", "llama4_vl")
 
 
-def _text_config(kind: str, vocab: int):
+def _text_config(kind: str, vocab: int, **overrides):
     import transformers as tf
 
     k2 = kind == "llama4_k2"
-    return tf.Llama4TextConfig(
+    fields = dict(
         vocab_size=vocab,
         hidden_size=64,
         intermediate_size=48,
@@ -47,14 +47,16 @@ def _text_config(kind: str, vocab: int):
         pad_token_id=0,
         bos_token_id=None,
     )
+    return tf.Llama4TextConfig(**dict(fields, **overrides))
 
 
-def build_llama4_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A tiny random checkpoint of ``kind`` (one of KINDS) with the demo tokenizer, saved in HF format."""
+def build_llama4_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """A tiny random checkpoint of ``kind`` (one of KINDS) with the demo tokenizer, saved in HF format;
+    ``overrides`` set text config fields."""
     import transformers as tf
 
     vocab = len(tf.AutoTokenizer.from_pretrained(str(tokenizer_dir)))
-    text = _text_config(kind, vocab)
+    text = _text_config(kind, vocab, **overrides)
     if kind == "llama4_vl":
         vision = dict(
             hidden_size=32,
