@@ -92,8 +92,8 @@ class EngineConfig:
     )
     kv_cache_commit: bool = setting(
         True,
-        "write the whole KV pool at start, so its memory is resident from the start and does not creep "
-        "(true/false)",
+        "write the whole KV pool from start (a background thread, not delaying start-up), so its memory is "
+        "resident within seconds and does not creep (true/false)",
     )
     num_kv_blocks: Optional[int] = setting(
         None, "exact number of KV blocks (overrides the memory budget; default: from the budget)"

@@ -116,22 +116,37 @@ class BeamSearch:
             return [], None
         return keep_reqs, logits[torch.tensor(keep_rows, device=logits.device)]
 
-    def advance(self, outputs: list[RequestOutput]) -> None:
-        """Run the step of every group whose live beams all hold their row."""
-        for group in [g for g in self.groups.values() if g.ready()]:
-            self._group_step(group, outputs)
-
     @torch.inference_mode()
-    def _group_step(self, g: BeamGroup, outputs: list[RequestOutput]) -> None:
+    def advance(self, outputs: list[RequestOutput]) -> None:
+        """Run the step of every group whose live beams all hold their row. Groups with as many live beams and
+        candidates share one log-softmax over their rows and one top-k over each group's beams x vocabulary
+        (HF's batched form: a row's values do not depend on the rows beside it)."""
+        ready: dict[tuple[int, int], list[BeamGroup]] = {}
+        for g in self.groups.values():
+            if g.ready():
+                ready.setdefault((len(g.beams), g.k), []).append(g)
+        for (n, k), groups in ready.items():
+            beams = [b for g in groups for b in g.beams]
+            rows = torch.stack([b.beam_row for b in beams]).to(dtype=torch.float32, device="cpu")
+            for b in beams:
+                b.beam_row = None
+            vocab = rows.shape[-1]
+            scores = torch.stack([g.scores for g in groups])
+            acc = (torch.log_softmax(rows, dim=-1).view(len(groups), n, vocab) + scores[:, :, None]).view(
+                len(groups), n * vocab
+            )
+            tops, idxs = torch.topk(acc, k, dim=1)
+            for g, top, idx in zip(groups, tops, idxs.tolist()):
+                self._group_step(g, top, idx, vocab, outputs)
+
+    def _group_step(
+        self, g: BeamGroup, top: torch.Tensor, idx: list[int], vocab: int, outputs: list[RequestOutput]
+    ) -> None:
+        """One group's step from its top ``k`` candidates: scores ``top`` at flat indices ``idx`` (beam x
+        vocabulary)."""
         e, p, w = self.engine, g.params, g.width
-        rows = torch.stack([b.beam_row for b in g.beams]).to(dtype=torch.float32, device="cpu")
-        for b in g.beams:
-            b.beam_row = None
-        vocab = rows.shape[-1]
-        acc = (torch.log_softmax(rows, dim=-1) + g.scores[:, None]).reshape(-1)
-        top, idx = torch.topk(acc, g.k)
-        parents = [i // vocab for i in idx.tolist()]
-        tokens = [i % vocab for i in idx.tolist()]
+        parents = [i // vocab for i in idx]
+        tokens = [i % vocab for i in idx]
         gen = g.generated + 1
         if g.first_token_time is None:
             g.first_token_time = time.monotonic()

@@ -5,8 +5,9 @@ sequences at full context -- bounded by ``kv_cache_memory_fraction`` of the memo
 still take: on CUDA the device's free memory, on CPU the smaller of the host's available memory and
 the container's (cgroup) limit minus what the container already uses, so a pod's limit is honoured
 rather than the node's free memory. On CPU a ceiling (``CPU_DEFAULT_KV_CAP_BYTES``) also applies.
-The runner commits the whole pool at start (``EngineConfig.kv_cache_commit``), so a budget that does
-not fit fails at start and the resident size does not creep while blocks are first used.
+The runner commits the whole pool from start (``EngineConfig.kv_cache_commit``; a background thread writes
+it, ``kv_zero.py``), so a budget that does not fit fails seconds after start and the resident size does not
+creep while blocks are first used.
 """
 
 from __future__ import annotations

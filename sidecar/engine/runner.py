@@ -23,6 +23,7 @@ from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, groups_of, plan_slots
 from sidecar.engine.kv_copy import BlockCopier
+from sidecar.engine.kv_zero import PoolZeroing
 from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
 from sidecar.engine.scheduler import SchedulerOutput
@@ -70,12 +71,9 @@ class ModelRunner:
         # Attention received per cache slot, for scored KV eviction (model/attention_scores.py); allocated at
         # the first step that needs it.
         self.kv_scores: Optional[torch.Tensor] = None
-        # Committed (written) at start, the pool's memory is resident before the first request: a budget
-        # the container cannot hold fails now, and the process does not grow as blocks are first used.
-        # Uncommitted, blocks are zeroed lazily on first use: the pool hands out never-used blocks in
-        # ascending id order, so the used ids always form a prefix 1..hwm (see _zero_blocks).
-        self._zeroed_upto = 0
-        self._zero_blocks(0, self.num_blocks - 1 if config.kv_cache_commit else 0)
+        # Blocks read as zeros until written; committed (kv_cache_commit), the pages are written by a background
+        # thread from the pool's end down while lazy zeroing covers the ids in use (kv_zero.py).
+        self.zeroing = PoolZeroing(self.kv_caches, self.num_blocks, config.kv_cache_commit)
         self.kv_cache_bytes = self.kv_budget.bytes
         if getattr(self.model, "fast_paths", None) is None:
             self.model.fast_paths = FastPaths()
@@ -150,19 +148,8 @@ class ModelRunner:
             "fast_path_fallbacks": dict(self.fast_paths.reasons or {}),
         }
 
-    @property
-    def zeroed_upto(self) -> int:
-        """Blocks 1..this have been zeroed (committed at start, or lazily on first use)."""
-        return self._zeroed_upto
-
     def _zero_through(self, top: int) -> None:
-        """Bring the lazy zeroing past block ``top``."""
-        if top > self._zeroed_upto:
-            self._zero_blocks(self._zeroed_upto + 1, top)
-
-    def _zero_blocks(self, lo: int, hi: int) -> None:
-        kv_quant.zero_blocks(self.kv_caches, lo, hi)
-        self._zeroed_upto = max(self._zeroed_upto, hi)
+        self.zeroing.through(top)
 
     def kv_info(self) -> dict:
         """The KV cache's element type (and why, for a fallback) and its capacity in tokens."""

@@ -12,7 +12,6 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from sidecar.engine.input_buffers import DecodeRow
-from sidecar.model import kv_quant
 from sidecar.model.attention import AttentionMetadata
 
 
@@ -21,8 +20,7 @@ def time_decode_rows(runner: Any, rows: Union[int, Sequence[int]], repeats: int 
     """Fastest seconds (of ``repeats``) of one forward plus logits for r decode rows, for each r in ``rows`` (an
     int n: r = 1..n), on ``runner`` (the engine's ModelRunner). Rows that fit the decode buffers are timed as
     ``execute`` runs them (the CPU replay or a graph where those are on), the rest through the eager forward.
-    Call before serving: it writes the KV of blocks 1.., which are zeroed again (or left to the lazy zeroing,
-    which clears them before their first real use). None when the pool is too small."""
+    Call before serving: it writes the KV of blocks 1.., which are zeroed again. None when the pool is too small."""
     counts = list(range(1, rows + 1)) if isinstance(rows, int) else list(rows)
     nb = -(-max(counts) // runner.block_size)
     if nb + 1 >= runner.num_blocks:
@@ -39,8 +37,7 @@ def time_decode_rows(runner: Any, rows: Union[int, Sequence[int]], repeats: int 
         # The first run warms up; the fastest of the rest is the one least disturbed by anything else running
         # on the machine (a median still moves with a busy neighbour).
         out.append(min(times[1:]))
-    if runner.zeroed_upto > 0:
-        kv_quant.zero_blocks(runner.kv_caches, 1, nb)
+    runner.zeroing.rezero(1, nb)
     return out
 
 
