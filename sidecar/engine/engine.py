@@ -85,7 +85,7 @@ class LLMEngine:
             else {"state": f"off (device {loaded.device.type})"}
         )
         # A lone request must always fit the pool, so no request can be starved by its own length.
-        self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
+        self.max_model_len = self.kv.capacity(loaded.max_model_len)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         windows = [loaded.args.window(i) for i in range(loaded.args.num_layers)]
         self.kv_policies = KVPolicies(config.kv_budget, config.kv_eviction, config.block_size, windows)
