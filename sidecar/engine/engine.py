@@ -14,7 +14,7 @@ from sidecar.engine import tp as tensor_parallel
 from sidecar.engine.beam import BeamSearch
 from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.detokenizer import IncrementalDetokenizer
-from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.kv_grouped import build_kv_manager
 from sidecar.engine.kv_evict import KVPolicies
 from sidecar.engine.lora_manager import LoraManager
 from sidecar.engine.overlap import OverlapPipeline, append_sampled
@@ -71,7 +71,7 @@ class LLMEngine:
         for name, path in config.lora_modules.items():
             self.lora.register(name, self.lora.read(path))
         self.runner.lora = self.lora
-        self.kv = KVCacheManager.build(config, self.runner, loaded)  # with the offload tiers asked for
+        self.kv = build_kv_manager(config, self.runner, loaded)  # with the offload tiers asked for
         # Weights and KV pool in transparent huge pages where torch's allocator did not already place them.
         self.huge_pages = (
             hugepages.advise_new(mapped_before)

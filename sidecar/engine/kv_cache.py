@@ -68,16 +68,7 @@ class KVCacheManager:
                 runner.write_blocks,
             )
         slots = SlotPool(runner.states) if runner.states is not None else None
-        if runner.kv_plan is not None:  # a block table per KV group (kv_grouped.py)
-            from sidecar.engine.kv_grouped import GroupedKVCacheManager
-
-            if tiers:
-                log.warning("KV offload off: a model with KV groups keeps no offload tiers")
-            mgr = GroupedKVCacheManager(
-                runner.num_blocks, config.block_size, caching, runner.kv_plan, config.max_num_batched_tokens
-            )
-        else:
-            mgr = cls(runner.num_blocks, config.block_size, caching, offload, slots)
+        mgr = cls(runner.num_blocks, config.block_size, caching, offload, slots)
         mgr.copy_blocks = runner.copy_blocks
         mgr.block_scores = runner.block_scores
         return mgr

@@ -9,12 +9,33 @@ model (``build`` refuses them; the engine refuses budgets for windowed models).
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 from sidecar.engine.block_pool import KVBlock
 from sidecar.engine.kv_cache import KVCacheManager, _parent
 from sidecar.engine.kv_groups import NULL, GroupPlan, capacity_tokens, group_key
 from sidecar.engine.request import Request
+
+log = logging.getLogger("sidecar.engine")
+
+
+def build_kv_manager(config, runner, loaded) -> KVCacheManager:
+    """The KV manager of ``runner``'s pool: a ``GroupedKVCacheManager`` where the runner pages KV groups (no
+    offload tiers then, logged), else ``KVCacheManager.build``."""
+    if runner.kv_plan is None:
+        return KVCacheManager.build(config, runner, loaded)
+    if config.enable_prefix_caching and (config.kv_offload_gb > 0 or config.kv_offload_dir):
+        log.warning("KV offload off: a model with KV groups keeps no offload tiers")
+    mgr = GroupedKVCacheManager(
+        runner.num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        runner.kv_plan,
+        config.max_num_batched_tokens,
+    )
+    mgr.copy_blocks = runner.copy_blocks
+    return mgr
 
 
 class GroupHits(list):

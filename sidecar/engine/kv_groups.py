@@ -87,6 +87,8 @@ def plan_groups(args, tp_pp: int = 1, device: str = "cpu") -> tuple[Optional[Gro
     """The groups of a model's layers, or (None, reason) when it keeps one table per sequence: a single
     attention kind (a model whose every layer has a window frees through ``kv_evict``'s window policy), or
     a layout groups cannot page (reason logged by the caller)."""
+    if not hasattr(args, "window"):  # arguments without per-layer attention kinds
+        return None, None
     n = args.num_layers
     kinds = [_kind(args, i) for i in range(n)]
     if len(set(kinds)) < 2:
