@@ -81,6 +81,12 @@ def test_sliding_group_blocks_stay_bounded_over_a_long_generation(dirs):
     kv, eng = llm.engine.kv, llm.engine
     sliding = [i for i, g in enumerate(kv.groups) if g.kind == "sliding"]
     bound = max(kv.groups[i].max_blocks(8, 1) for i in sliding)
+    groups = eng.model_info["cache_groups"]  # what /v1/models reports
+    assert [(g["kind"], g["layers"], g.get("window")) for g in groups] == [
+        ("attention", 2, None),
+        ("sliding_attention", 2, 8),
+    ]
+    assert groups[1]["max_blocks_per_sequence"] == bound == 2 and groups[0]["max_blocks_per_sequence"] is None
     eng.add_request("long", PROMPTS[1], SamplingParams(max_tokens=60, ignore_eos=True))
     held = []
     while eng.requests:
