@@ -110,8 +110,10 @@ def test_prefix_hit_after_window_blocks_were_freed(dirs, refs):
     assert_pool_whole(llm)
 
 
-def test_int8_kv_groups_agree_with_int8_single_table(dirs, monkeypatch):
-    """An int8 cache through the groups computes what the single-table layout (groups off) does."""
+def test_int8_kv_and_beam_search_through_groups_agree_with_one_table(dirs, monkeypatch):
+    """An int8 cache and beam search (forks sharing pages, copy-on-write per group) through the groups compute
+    what the single-table layout (groups off) does."""
+    from sidecar import BeamSearchParams
     from sidecar.engine import kv_budget
 
     outs = {}
@@ -120,6 +122,11 @@ def test_int8_kv_groups_agree_with_int8_single_table(dirs, monkeypatch):
             monkeypatch.setattr(kv_budget, "plan_groups", lambda *a: (None, "off for the comparison"))
         llm = LLM(model=str(dirs["gemma2"]), dtype="float32", block_size=8, kv_cache_dtype="int8")
         assert (llm.engine.runner.kv_plan is not None) == grouped
-        outs[grouped] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        beams = llm.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
+        outs[grouped] = (
+            [o.token_ids for o in llm.generate(PROMPTS, GREEDY)],
+            [(b.token_ids, round(b.cum_logprob, 4)) for b in beams[0].sequences],
+        )
         assert_pool_whole(llm)
     assert outs[True] == outs[False]
+    assert len(outs[True][1]) == 3 and len({tuple(t) for t, _ in outs[True][1]}) == 3
