@@ -87,8 +87,7 @@ class LLMEngine:
         # A lone request must always fit the pool, so no request can be starved by its own length.
         self.max_model_len = self.kv.capacity(loaded.max_model_len)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
-        windows = [loaded.args.window(i) for i in range(loaded.args.num_layers)]
-        self.kv_policies = KVPolicies(config.kv_budget, config.kv_eviction, config.block_size, windows)
+        self.kv_policies = KVPolicies.for_model(config, loaded.args, self.runner.kv_plan is not None)
         self.scheduler.rope_long_from = loaded.model.rope_long_from
         self.beams = BeamSearch(self)  # beam search groups: each live beam runs as a scheduled Request
         self.sampler = Sampler(self._sampling_device(), config.seed, config.max_num_seqs)

@@ -130,3 +130,13 @@ def test_int8_kv_and_beam_search_through_groups_agree_with_one_table(dirs, monke
         assert_pool_whole(llm)
     assert outs[True] == outs[False]
     assert len(outs[True][1]) == 3 and len({tuple(t) for t, _ in outs[True][1]}) == 3
+
+
+def test_a_kv_budget_is_refused_for_a_grouped_model(dirs):
+    """Llama 4 has no sliding window, but its chunked layers page a group that a budget would not bound."""
+    with pytest.raises(ValueError, match="kv_budget: not available .* chunked"):
+        LLM(model=str(dirs["llama4"]), dtype="float32", kv_budget=64)
+    llm = LLM(model=str(dirs["llama4"]), dtype="float32")
+    with pytest.raises(ValueError, match="kv_budget"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, kv_budget=64))
+    assert_pool_whole(llm)
