@@ -35,12 +35,15 @@ def attach_groups(
     steps: Sequence,
     num_prefills: int,
     tensor: Callable[[list[int]], torch.Tensor],
-) -> None:
+) -> int:
     """Give ``meta`` (built over group 0's tables for ``steps``, the scheduled requests in packed order:
     ``num_prefills`` prompt segments, then decode and verification rows) its per-layer metadata: the same
-    rows over each group's tables. No grouped request evicts, so a token's cache index is its position."""
+    rows over each group's tables. No grouped request evicts, so a token's cache index is its position.
+    Returns the highest block id any group's tables name (what the runner's lazy zeroing must cover before
+    the step: a block of one group may lie above every block of group 0)."""
     bs = meta.block_size
     metas = [meta]
+    top = 0
     for g in range(1, len(kv.groups)):
         slots: list[int] = []
         segments = []
@@ -49,6 +52,7 @@ def attach_groups(
             r = s.request
             c, n = r.num_computed_tokens, s.num_new_tokens
             table = kv.block_ids(r, g)
+            top = max(top, max(table))
             slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
             if i < num_prefills:
                 seg = meta.prefills[i]
@@ -66,3 +70,4 @@ def attach_groups(
         metas.append(m)
     group_of = kv.plan.group_of()
     meta.layer_metas = [metas[g] for g in group_of]
+    return top

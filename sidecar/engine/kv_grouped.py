@@ -153,10 +153,10 @@ class GroupedKVCacheManager(KVCacheManager):
             return False
         for g in cows:
             self._cow(tables[g], c // bs)
-        for t, h in zip(tables, hits):
-            if h:
-                self.pool.touch(b for b in h if b is not self.null)
-                t.extend(h)
+        for t, h in zip(tables, hits):  # every group's hit leaves the free queue before any allocation
+            self.pool.touch(b for b in h if b is not self.null)
+            t.extend(h)
+        for t in tables:
             more = -(-total // bs) - len(t)
             if more > 0:
                 t.extend(self.pool.allocate(more))

@@ -378,7 +378,7 @@ class ModelRunner:
             if self.states is not None:
                 meta.decode_state_slots = self.tensor([kv.state_slot(s.request) for s in decodes])
         if self.kv_plan is not None:  # each layer attends through its KV group's tables
-            attach_groups(meta, kv, prefills + decodes, len(prefills), self.tensor)
+            self._zero_through(attach_groups(meta, kv, prefills + decodes, len(prefills), self.tensor))
         if token_slots is None:
             hidden = self.model(self.tensor(ids), self.tensor(pos), self.layer_caches, meta)
         else:  # one slot per token, in the packed order: prefills, then decodes

@@ -72,3 +72,20 @@ def test_a_hit_without_the_windows_blocks_is_shortened():
     hits, n = kv.get_computed_blocks(b)
     # three blocks: the query at 12 sees 5..12, sliding blocks 1 and 2 (ids 7, 8)
     assert n == 12 and [[x.block_id for x in h] for h in hits.per_group] == [[1, 2, 3], [0, 7, 8]]
+
+
+def test_a_hit_in_one_group_is_never_handed_to_another():
+    kv = GroupedKVCacheManager(11, 4, True, PLAN, chunk=8)
+    a = Request("a", list(PROMPT), SamplingParams(max_tokens=4))
+    _step(kv, a, 20)
+    kv.free(a)
+    rest = [b for b in kv.pool.blocks[1:] if b.block_id != 8]
+    kv.pool.touch(rest)
+    kv.pool.free(rest)  # block 8, a sliding-group hit below, now heads the free queue
+    b = Request("b", list(PROMPT), SamplingParams(max_tokens=4))
+    hits, n = kv.get_computed_blocks(b)
+    assert [[x.block_id for x in h] for h in hits.per_group] == [[1, 2, 3, 4], [0, 0, 8, 9]]
+    _step(kv, b, 4, hits)  # the full group's new block must not be the sliding group's hit
+    assert _tables(kv, b) == [[1, 2, 3, 4, 5], [0, 0, 8, 9, 6]]
+    kv.free(b)
+    assert kv.num_free_blocks() == kv.num_blocks
