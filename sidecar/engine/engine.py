@@ -14,7 +14,7 @@ from sidecar.engine import tp as tensor_parallel
 from sidecar.engine.beam import BeamSearch
 from sidecar.engine.chat_template import encode_chat
 from sidecar.engine.detokenizer import IncrementalDetokenizer
-from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.kv_grouped import build_kv_manager
 from sidecar.engine.kv_evict import KVPolicies
 from sidecar.engine.lora_manager import LoraManager
 from sidecar.engine.overlap import OverlapPipeline, append_sampled
@@ -71,7 +71,7 @@ class LLMEngine:
         for name, path in config.lora_modules.items():
             self.lora.register(name, self.lora.read(path))
         self.runner.lora = self.lora
-        self.kv = KVCacheManager.build(config, self.runner, loaded)  # with the offload tiers asked for
+        self.kv = build_kv_manager(config, self.runner, loaded)  # with the offload tiers asked for
         # Weights and KV pool in transparent huge pages where torch's allocator did not already place them.
         self.huge_pages = (
             hugepages.advise_new(mapped_before)
@@ -85,10 +85,9 @@ class LLMEngine:
             else {"state": f"off (device {loaded.device.type})"}
         )
         # A lone request must always fit the pool, so no request can be starved by its own length.
-        self.max_model_len = min(loaded.max_model_len, self.kv.num_blocks * config.block_size)
+        self.max_model_len = self.kv.capacity(loaded.max_model_len)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
-        windows = [loaded.args.window(i) for i in range(loaded.args.num_layers)]
-        self.kv_policies = KVPolicies(config.kv_budget, config.kv_eviction, config.block_size, windows)
+        self.kv_policies = KVPolicies.for_model(config, loaded.args, self.runner.kv_plan is not None)
         self.scheduler.rope_long_from = loaded.model.rope_long_from
         self.beams = BeamSearch(self)  # beam search groups: each live beam runs as a scheduled Request
         self.sampler = Sampler(self._sampling_device(), config.seed, config.max_num_seqs)

@@ -12,14 +12,18 @@ creep while blocks are first used.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from sidecar.config import EngineConfig
+from sidecar.engine.kv_groups import GroupPlan, blocks_per_sequence, plan_groups
 from sidecar.model import kv_quant
 from sidecar.model.loader import LoadedModel
+
+log = logging.getLogger("sidecar.engine")
 
 CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
 
@@ -35,13 +39,23 @@ class KVBudget:
     bytes: int  # of the whole pool
     source: str  # num_kv_blocks | kv_cache_memory_gb | max_num_seqs x context | memory fraction | cpu cap
     container_limit_bytes: Optional[int]  # the cgroup memory limit, None when unlimited or unknown
+    plan: Optional[GroupPlan] = None  # KV groups: a block is a page of plan.per_group layers of one group
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: Optional[torch.dtype] = None) -> int:
+def kv_bytes_per_block(
+    loaded: LoadedModel,
+    block_size: int,
+    kv_dtype: Optional[torch.dtype] = None,
+    plan: Optional[GroupPlan] = None,
+) -> int:
     """Cache bytes of one block over the layers that keep KV (each at its own heads and head size), K and V,
     with the scales of a quantized cache (a hybrid model's linear-attention layers keep state slots instead,
-    ``linear_state.py``; layers sharing another's KV keep none; latent attention a latent per token)."""
+    ``linear_state.py``; layers sharing another's KV keep none; latent attention a latent per token); with KV
+    groups (``plan``), over one group's layers."""
     a, dtype = loaded.args, kv_dtype or loaded.dtype
+    if plan is not None:  # a block holds one group's layers
+        nkv, hd = a.kv_shapes()[0]
+        return 2 * block_size * plan.per_group * nkv * kv_quant.bytes_per_token_head(dtype, hd)
     if getattr(a, "latent", None) is not None:  # a latent per token and layer (mla.py)
         from sidecar.model import mla
 
@@ -91,10 +105,17 @@ def plan_kv_budget(
     """The pool's size and what decided it, for cache elements of ``kv_dtype`` (default: the model's dtype;
     a quantized cache holds more tokens in the same budget). Raises ValueError naming
     ``kv_cache_memory_gb`` when the budget holds no block."""
-    per_block = kv_bytes_per_block(loaded, config.block_size, kv_dtype)
+    plan, reason = plan_groups(
+        loaded.args, config.tensor_parallel_size * config.pipeline_parallel_size, loaded.device.type
+    )
+    if reason is not None:
+        log.info("KV groups off (%s): sliding / chunked layers keep every block of their sequence", reason)
+    elif plan is not None:
+        log.info("KV groups: %s", plan.describe())
+    per_block = kv_bytes_per_block(loaded, config.block_size, kv_dtype, plan)
     if config.num_kv_blocks is not None:
         n = config.num_kv_blocks
-        return KVBudget(n, n * per_block, "num_kv_blocks", container_memory()[0])
+        return KVBudget(n, n * per_block, "num_kv_blocks", container_memory()[0], plan)
     limit = None
     if config.kv_cache_memory_gb is not None:
         budget, source = int(config.kv_cache_memory_gb * (1 << 30)), "kv_cache_memory_gb"
@@ -105,6 +126,10 @@ def plan_kv_budget(
         else:
             budget, source, limit = _cpu_memory_bound(config)
         blocks_per_seq = -(-loaded.max_model_len // config.block_size)
+        if plan is not None:  # a sliding / chunked group holds its window's blocks only
+            blocks_per_seq = blocks_per_sequence(
+                plan, config.block_size, loaded.max_model_len, config.max_num_batched_tokens
+            )
         need = config.max_num_seqs * blocks_per_seq * per_block
         if need <= budget:
             budget, source = need, "max_num_seqs x context"
@@ -113,7 +138,7 @@ def plan_kv_budget(
         raise ValueError(
             f"kv_cache_memory_gb: budget {budget} bytes holds no KV block ({per_block} bytes each)"
         )
-    return KVBudget(blocks, blocks * per_block, source, limit)
+    return KVBudget(blocks, blocks * per_block, source, limit, plan)
 
 
 def plan_num_blocks(config: EngineConfig, loaded: LoadedModel, kv_dtype: Optional[torch.dtype] = None) -> int:

@@ -291,6 +291,10 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
 
     # -- accounting -------------------------------------------------------------
+    def capacity(self, cap: int) -> int:
+        """The longest sequence (at most ``cap`` tokens) the pool can hold alone."""
+        return min(cap, self.num_blocks * self.block_size)
+
     @property
     def num_blocks(self) -> int:
         return self.pool.num_usable_blocks

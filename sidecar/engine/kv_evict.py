@@ -137,19 +137,33 @@ class KVPolicies:
     every sequence under the ``window`` policy; a budget is refused for a model with any windowed layer
     (its cache index would no longer be its position less a constant, which the window mask assumes)."""
 
-    def __init__(self, budget: Optional[int], eviction: str, block_size: int, windows: list[Optional[int]]):
+    def __init__(
+        self,
+        budget: Optional[int],
+        eviction: str,
+        block_size: int,
+        windows: list[Optional[int]],
+        grouped: bool = False,
+    ):
+        """``grouped``: the model pages KV groups (kv_groups.py), whose tables a budget would not bound."""
         self.budget, self.eviction, self.block_size = budget, eviction, block_size
-        self.windowed = any(w is not None for w in windows)
+        self.windowed = grouped or any(w is not None for w in windows)
         self.window = window_policy(max(windows)) if windows and all(w is not None for w in windows) else None
         if budget is not None:
             self._refuse_windowed("kv_budget")
             budget_policy(eviction, budget, block_size)  # ValueError naming kv_budget / kv_eviction
 
+    @classmethod
+    def for_model(cls, config: Any, args: Any, grouped: bool) -> "KVPolicies":
+        """The policies of an engine ``config`` for a model of ``args`` (its layers' windows)."""
+        windows = [args.window(i) for i in range(args.num_layers)]
+        return cls(config.kv_budget, config.kv_eviction, config.block_size, windows, grouped)
+
     def _refuse_windowed(self, field: str) -> None:
         if self.windowed:
             raise ValueError(
-                f"{field}: not available for a model with sliding-window attention layers (a model whose "
-                "every layer has a window frees the blocks outside it by itself)"
+                f"{field}: not available for a model with sliding-window or chunked attention layers (they "
+                "free the blocks outside their window or chunk by themselves)"
             )
 
     def for_params(self, params: Any) -> Optional[EvictionPolicy]:

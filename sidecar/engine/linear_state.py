@@ -142,6 +142,22 @@ def groups_of(runner) -> list[dict]:
     its state slots."""
     kind = "latent_attention" if runner.model.args.latent is not None else "attention"
     tokens = (runner.num_blocks - 1) * runner.block_size
+    plan = runner.kv_plan
+    if plan is not None:  # KV groups (kv_groups.py): one pool of pages, each page one group's layers
+        page = runner.kv_cache_bytes // runner.num_blocks
+        return [
+            {
+                "kind": {"full": "attention"}.get(g.kind, f"{g.kind}_attention"),
+                "layers": len(g.layers),
+                **({} if g.span is None else {"window" if g.kind == "sliding" else "chunk": g.span}),
+                "block_bytes": page,
+                "pool_bytes": runner.kv_cache_bytes,
+                "pool_blocks": runner.num_blocks - 1,
+                # a sliding / chunked group's pages per decoding sequence; None: one per block of it
+                "max_blocks_per_sequence": g.max_blocks(runner.block_size, 1),
+            }
+            for g in plan.groups
+        ]
     return cache_groups(len(runner.kv_caches), runner.kv_cache_bytes, tokens, runner.states, kind)
 
 

@@ -17,6 +17,7 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.cpu_graphs import CpuDecodePlans
 from sidecar.engine.graphs import DecodeGraphs, capture_or_none
+from sidecar.engine.group_step import attach_groups, layer_caches
 from sidecar.engine import step_timing
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
 from sidecar.engine.kv_budget import plan_kv_budget
@@ -57,16 +58,14 @@ class ModelRunner:
         self.kv_budget = plan_kv_budget(config, loaded, self.kv_dtype)  # a smaller element holds more tokens
         self.num_blocks = self.kv_budget.num_blocks
         a = self.model.args  # a tensor-parallel rank's own KV heads
-        self.kv_caches = [  # per-head K/V at each layer's own shape (layers reading another's cache keep
-            # none), or a latent and a rotary key part per token (mla.py)
-            mla.layer_cache(a, self.num_blocks, self.block_size, self.kv_dtype, self.device, shape)
-            for shape in a.kv_shapes()  # a hybrid model's linear layers keep state slots instead
-        ]
+        self.kv_plan = self.kv_budget.plan  # KV groups (kv_groups.py): layers of one kind share tensors
+        self.kv_caches = layer_caches(a, self.kv_budget, self.block_size, self.kv_dtype, self.device)
         slots = plan_slots(a, self.dtype, config.max_num_seqs, self.kv_budget.bytes) if a.linear_layers else 0
         ckpts = slots if config.enable_prefix_caching else 0  # prefix-cache states: the slots' bytes again
         self.states = LinearStates(a, slots, self.dtype, self.device, ckpts) if slots else None
         # what each layer's mixer reads: KV caches, and a hybrid model's state slots
         self.layer_caches = self.states.layer_caches(a, self.kv_caches) if self.states else self.kv_caches
+        self.buffered = self.states is None and self.kv_plan is None  # what the decode buffers can hold
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
         # Attention received per cache slot, for scored KV eviction (model/attention_scores.py); allocated at
         # the first step that needs it.
@@ -93,6 +92,8 @@ class ModelRunner:
         self.set_decode_padding(False)
         if self.device.type == "cuda" or self.enforce_eager or self.states is not None:
             self.prepare_fast_paths()
+        elif self.kv_plan is not None:  # the replayed step reads one block table per sequence
+            self.cpu_plans.disable(f"KV groups: {self.kv_plan.describe()}")
         else:  # on CPU: decode steps replayed from C once a replayed step matches the eager one
             self.cpu_plans.self_check()
 
@@ -251,7 +252,7 @@ class ModelRunner:
         tables = [kv.block_ids(r) for r in reqs]
         if (
             not reqs
-            or self.states is not None
+            or not self.buffered
             or not self.fits_decode_buffers(len(tables), max(len(t) for t in tables))
         ):
             return None
@@ -300,7 +301,7 @@ class ModelRunner:
         # A batch with adapter rows runs eagerly (below): the captured decode graphs hold the base model only.
         if (
             token_slots is None
-            and self.states is None  # the persistent buffers carry no state slots
+            and self.buffered
             and sched.scheduled
             and all(s.num_new_tokens - s.num_spec_tokens == 1 for s in sched.scheduled)
             and not any(_scored(s.request) or wants_rows(s.request) for s in sched.scheduled)
@@ -363,6 +364,8 @@ class ModelRunner:
             meta.decode_ctx_lens = self.tensor(ctx_lens)
             if self.states is not None:
                 meta.decode_state_slots = self.tensor([kv.state_slot(s.request) for s in decodes])
+        if self.kv_plan is not None:  # each layer attends through its KV group's tables
+            self._zero_through(attach_groups(meta, kv, prefills + decodes, len(prefills), self.tensor))
         if token_slots is None:
             hidden = self.model(self.tensor(ids), self.tensor(pos), self.layer_caches, meta)
         else:  # one slot per token, in the packed order: prefills, then decodes

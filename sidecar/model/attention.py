@@ -78,7 +78,14 @@ class AttentionMetadata:
     decode_state_slots: Optional[torch.Tensor] = None
     # [T] long: each new token's position, set by CausalLM.forward (Mistral 4's position-scaled queries, mla.py)
     positions: Optional[torch.Tensor] = None
+    # A model with KV groups (engine/kv_groups.py): per layer, the metadata over its group's block tables
+    # (slots, prompt segments' tables, decode tables); None: every layer reads this one.
+    layer_metas: Optional[list["AttentionMetadata"]] = None
     _decode_masks: dict = field(default_factory=dict)
+
+    def for_layer(self, layer: int) -> "AttentionMetadata":
+        """The metadata layer ``layer`` attends and writes with."""
+        return self if self.layer_metas is None else self.layer_metas[layer]
 
     def decode_mask(self, sliding_window: Optional[int]) -> torch.Tensor:
         """[Bd, 1, 1, max_blocks * block_size] bool, True = attend; built once per step and window (layers may

@@ -134,8 +134,8 @@ class CausalLM(nn.Module):
         runs anything else)."""
         delta = None
         with sdpa_backends(h.device):
-            for layer, kv in zip(self.layers, kv_caches):
-                h, delta = layer(h, delta, cos, sin, kv, meta)
+            for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+                h, delta = layer(h, delta, cos, sin, kv, meta.for_layer(i))
         return self.norm(h, delta)[0]
 
     def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

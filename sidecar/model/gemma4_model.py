@@ -257,7 +257,7 @@ class Gemma4CausalLM(CausalLM):
         with sdpa_backends(h.device):
             for i, layer in enumerate(self.layers):
                 pl = None if per_layer is None else per_layer[:, i]
-                h = layer(h, pl, cos, sin, kv_caches[self.cache_index[i]], meta, shared)
+                h = layer(h, pl, cos, sin, kv_caches[self.cache_index[i]], meta.for_layer(i), shared)
         return self.norm(h)
 
     def forward_embedded(self, h, cos, sin, kv_caches, meta):

@@ -30,6 +30,7 @@ import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.kv_grouped import GroupedKVCacheManager
 from sidecar.engine.request import Request, SamplingParams
 from sidecar.engine.runner import ModelRunner
 from sidecar.engine.sampler import filter_logits
@@ -66,9 +67,18 @@ class DraftProposer:
             raise ValueError(f"speculative: draft model {name!r} has linear-attention layers (not supported)")
         check_compatible(name, self.loaded, target)
         self.runner = ModelRunner(self.loaded, dcfg)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        if self.runner.kv_plan is not None:  # a draft with KV groups pages them as the target would
+            self.kv = GroupedKVCacheManager(
+                self.runner.num_blocks,
+                config.block_size,
+                config.enable_prefix_caching,
+                self.runner.kv_plan,
+                config.max_num_batched_tokens,
+            )
+        else:
+            self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.max_batched_tokens = config.max_num_batched_tokens
-        self.max_len = min(self.loaded.max_model_len, self.runner.num_blocks * config.block_size)
+        self.max_len = self.kv.capacity(self.loaded.max_model_len)
         self.shadows: "OrderedDict[str, Request]" = OrderedDict()  # least recently used first
         self.synced: dict[str, int] = {}  # request id -> the target's token count at the last sync
         self.generator = torch.Generator(device=self.loaded.device)

@@ -88,8 +88,10 @@ def test_mxfp4_refuses_blocks_that_do_not_match_their_scales():
 
 def test_an_mxfp4_checkpoint_matches_transformers_loading_it(mxfp4_dir):
     ref = hf_greedy(mxfp4_dir, PROMPTS, MAX_NEW)
+    # a block pages one KV group (two of the four layers, engine/kv_groups.py): 18 of them are the bytes of
+    # 9 four-layer blocks
     llm = LLM(
-        model=str(mxfp4_dir), dtype="float32", block_size=8, num_kv_blocks=10, max_num_batched_tokens=16
+        model=str(mxfp4_dir), dtype="float32", block_size=8, num_kv_blocks=19, max_num_batched_tokens=16
     )
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == ref
     assert llm.engine.scheduler.num_preemptions > 0

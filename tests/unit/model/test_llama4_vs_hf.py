@@ -48,13 +48,15 @@ def _hf(model_dir, kind: str):
 def test_greedy_matches_hf_with_preemption_chunking_and_prefix_hits(llama4_dirs, kind, prompts):
     ref = hf_generate(_hf(llama4_dirs[kind], kind), prompts, MAX_NEW)
     assert_not_degenerate(ref)  # else equality would not exercise the layers
-    # 13 usable blocks of 8 tokens cannot hold the 7 requests (up to 52 tokens each) at once; 16-token
-    # prefill chunks end inside and at the attention chunks' edges.
+    # 29 usable blocks of 8 tokens cannot hold the 7 requests (up to 52 tokens each) at once; 16-token
+    # prefill chunks end inside and at the attention chunks' edges. A block pages one layer's KV group
+    # (engine/kv_groups.py: three chunked groups and a full one), so 30 of them are the bytes of 8 four-layer
+    # blocks, and the chunked groups give back what their chunk has passed.
     llm = LLM(
         model=str(llama4_dirs[kind]),
         dtype="float32",
         block_size=8,
-        num_kv_blocks=14,
+        num_kv_blocks=30,
         max_num_batched_tokens=16,
     )
     args = llm.engine.loaded.args

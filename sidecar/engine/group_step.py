@@ -1,0 +1,73 @@
+"""A grouped model's step inputs (``kv_groups.py``): the layers' shared cache tensors, and one
+``AttentionMetadata`` per KV group, each over that group's block tables, handed to each layer by
+``AttentionMetadata.for_layer``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Sequence
+
+import torch
+
+from sidecar.model import mla
+from sidecar.model.attention import AttentionMetadata
+
+
+def layer_caches(a, budget, block_size: int, dtype: torch.dtype, device: torch.device) -> list[tuple]:
+    """The cache of each layer that keeps one: per-head K/V at the layer's own shape (layers reading another's
+    cache keep none; a hybrid model's linear layers keep state slots instead), or MLA's latent and rotary key
+    part (mla.py). ``budget`` (``KVBudget``) gives the pool's blocks and KV groups: with groups,
+    ``plan.per_group`` caches, the ``j``-th layer of every group on the ``j``-th (a block belongs to one
+    group, so layers sharing a tensor never share a block)."""
+    plan, num_blocks = budget.plan, budget.num_blocks
+    if plan is None:
+        return [mla.layer_cache(a, num_blocks, block_size, dtype, device, shape) for shape in a.kv_shapes()]
+    storage = [
+        mla.layer_cache(a, num_blocks, block_size, dtype, device, a.kv_shapes()[0])
+        for _ in range(plan.per_group)
+    ]
+    return [storage[j] for j in plan.storage_of(a.num_layers)]
+
+
+def attach_groups(
+    meta: AttentionMetadata,
+    kv,
+    steps: Sequence,
+    num_prefills: int,
+    tensor: Callable[[list[int]], torch.Tensor],
+) -> int:
+    """Give ``meta`` (built over group 0's tables for ``steps``, the scheduled requests in packed order:
+    ``num_prefills`` prompt segments, then decode and verification rows) its per-layer metadata: the same
+    rows over each group's tables. No grouped request evicts, so a token's cache index is its position.
+    Returns the highest block id any group's tables name (what the runner's lazy zeroing must cover before
+    the step: a block of one group may lie above every block of group 0)."""
+    bs = meta.block_size
+    metas = [meta]
+    top = 0
+    for g in range(1, len(kv.groups)):
+        slots: list[int] = []
+        segments = []
+        dtables: list[list[int]] = []
+        for i, s in enumerate(steps):
+            r = s.request
+            c, n = r.num_computed_tokens, s.num_new_tokens
+            table = kv.block_ids(r, g)
+            top = max(top, max(table))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(c, c + n))
+            if i < num_prefills:
+                seg = meta.prefills[i]
+                segments.append(replace(seg, block_table=tensor(table[: -(-seg.ctx_len // bs)])))
+            else:
+                dtables.extend([table] * n)
+        m = AttentionMetadata(slot_mapping=tensor(slots), block_size=bs, prefills=segments)
+        m.use_cpu_kernel = meta.use_cpu_kernel
+        if dtables:
+            width = meta.decode_block_tables.shape[1]
+            m.decode_block_tables = tensor([t + [0] * (width - len(t)) for t in dtables]).view(
+                len(dtables), width
+            )
+            m.decode_ctx_lens = meta.decode_ctx_lens
+        metas.append(m)
+    group_of = kv.plan.group_of()
+    meta.layer_metas = [metas[g] for g in group_of]
+    return top
