@@ -149,9 +149,9 @@ def int4_operands(
 def int8_operands(
     src: Source, name: str
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(codes int8 [N, K], scales float32 [N], perm, offsets float32 [N] or None): 8-bit weights with one scale
-    per output channel as int8 codes ``u - c`` and a per-row ``offset = (c - z) * s``, so that
-    ``w[n, k] = (code[n, k]) * s[n] + offset[n]`` and the layer adds ``offset * sum(x)`` to the int8 product.
+    """(codes int8 [N, K], scales float32 [N], perm, offsets float32 [N] or None): 8-bit weights with one
+    scale per output channel as int8 codes ``u - c`` and a per-row ``offset = (c - z) * s``, so that
+    ``w[n, k] = code[n, k] * s[n] + offset[n]`` and the layer adds ``offset * sum(x)`` to the int8 product.
     ``c`` is the zero point ``z`` where the row's codes minus it lie within int8's [-128, 127] (every
     symmetric file: zero 128, code 0 being -128, which every int8 kernel path takes), else the nearest shift
     that fits (an asymmetric zero point); offsets is None when no row needs one."""

@@ -11,9 +11,10 @@ shapes, else exact float64 sums), then scaled: the result equals that dequantize
 rounding.
 
 Static W8A8 (``input_activations`` ``dynamic: false, strategy: tensor``, symmetric) stores one calibrated
-``input_scale`` a projection: the codes are ``clamp(round(x / input_scale), -128, 127)`` as compressed-tensors'
-fake quantization computes them, then the same integer product (``int_sums``, over the plain codes). A fused
-projection whose parts were calibrated to different scales quantizes its input once per part.
+``input_scale`` a projection: the codes are ``clamp(round(x / input_scale), -128, 127)`` as
+compressed-tensors' fake quantization computes them, then the same integer product (``int_sums``, over the
+plain codes). A fused projection whose parts were calibrated to different scales quantizes its input once per
+part.
 
 ``parse_w8a8_scheme(group, where)`` checks one config group's quantization args and raises ValueError naming
 the field; ``load_linear_w8a8(get, prefixes, strategy, bias, dtype, device)`` builds the runtime module of one

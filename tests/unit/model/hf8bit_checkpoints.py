@@ -154,9 +154,9 @@ STATIC_FACTORS = {"q_proj": 0.9, "k_proj": 1.0, "v_proj": 1.1}
 def ct_static_w8a8_checkpoint(
     kind: str, out: Path, tokenizer_dir: Path, calibration: list[list[int]]
 ) -> Path:
-    """compressed-tensors ``int-quantized`` W8A8 with static per-tensor input scales (the W8A8 preset's weights,
-    activations ``dynamic: false, strategy: tensor``): each Linear's ``input_scale`` from the float model's
-    absmax over ``calibration`` (times ``STATIC_FACTORS``), weight scales from ``calculate_qparams``."""
+    """compressed-tensors ``int-quantized`` W8A8 with static per-tensor input scales (the W8A8 preset's
+    weights, activations ``dynamic: false, strategy: tensor``): each Linear's ``input_scale`` from the float
+    model's absmax over ``calibration`` (times ``STATIC_FACTORS``), weight scales from ``calculate_qparams``."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
