@@ -36,6 +36,7 @@ from sidecar.model.hf_quant_formats import (
     int8_operands,
 )
 from sidecar.model.linear import Linear
+from sidecar.model.moe import block_prefix
 from sidecar.model.quant import Int4Linear, Int8Linear
 
 log = logging.getLogger("sidecar.model")
@@ -344,10 +345,16 @@ def load_hf_quantized(
             f"quantization: the checkpoint is already quantized ({scheme.label}); leave it unset"
         )
     args = model.args
-    if any(args.sparse(i) for i in range(len(model.layers))):
-        raise ValueError(
-            f"quantization_config: {scheme.label} mixture-of-experts checkpoints are not supported"
-        )
+    for i in (i for i in range(len(model.layers)) if args.sparse(i)):
+        block = model.layers[i].mlp  # per-expert SwiGLU experts only (Mixtral, Qwen3-MoE)
+        if (
+            args.expert_bias
+            or getattr(block, "shared_expert", None) is not None
+            or hasattr(block, "block_tensors")
+        ):
+            raise ValueError(
+                f"quantization_config: {scheme.label} experts of {args.architecture} are not supported"
+            )
     checks: dict[str, str] = {}
 
     def swap(parent: nn.Module, attr: str, names: list[str]) -> None:
@@ -374,6 +381,13 @@ def load_hf_quantized(
             [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"],
         )
         swap(layer.self_attn, "o_proj", [f"{p}.self_attn.o_proj"])
+        if args.sparse(i):  # each expert as a linear of its own; the router stays as the tool left it
+            _, gate, up, down = args.moe_names
+            at = f"{block_prefix(ckpt.__contains__, p, args)}.experts"
+            for e, expert in enumerate(layer.mlp.experts):
+                swap(expert, "gate_up_proj", [f"{at}.{e}.{gate}", f"{at}.{e}.{up}"])
+                swap(expert, "down_proj", [f"{at}.{e}.{down}"])
+            continue
         swap(
             layer.mlp,
             "gate_up_proj",

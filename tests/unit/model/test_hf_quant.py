@@ -402,14 +402,39 @@ def test_asymmetric_8_bit_rows_keep_their_zero_point_where_it_fits_else_shift_wi
     assert hf_quant_formats.int8_operands(sym, "x")[3] is None
 
 
-def test_a_quantized_mixture_of_experts_is_refused_naming_the_config(tmp_path, demo_dir):
+@pytest.mark.parametrize("case", ["ct-w4a16", "gptq-int4"])
+def test_quantized_mixtral_experts_run_int4_and_greedy_equals_hf(tmp_path, demo_dir, case):
+    """Every expert quantized by the tool, the router left in full precision: the experts run as int4 layers
+    over their codes, and greedy float32 equals HF transformers loading the dequantized weights."""
+    import shutil
+
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from tests.unit.engine.test_engine_vs_hf import hf_generate
     from tests.unit.model.family_checkpoints import build_family_checkpoint
 
-    out = build_family_checkpoint("mixtral", tmp_path / "moe", demo_dir)
+    src = build_family_checkpoint("mixtral", tmp_path / "f", demo_dir)
+    out, deq = tmp_path / "q", tmp_path / "deq"
+    ref = H.write(src, out, *(_ct() if case == "ct-w4a16" else _gptq()))
+    shutil.copytree(src, deq)
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(deq / "model.safetensors"))
+    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=64, quantize_lm_head="none")
+    moe = llm.engine.loaded.model.layers[0].mlp
+    assert all(isinstance(m, Int4Linear) for e in moe.experts for m in (e.gate_up_proj, e.down_proj))
+    assert type(moe.gate) is Linear and llm.engine.loaded.quantization.endswith(("int4", "w4a16"))
+    expect = hf_generate(tf.AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32), PROMPTS, 8)
+    got = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in got] == expect
+
+
+def test_quantized_experts_with_biases_are_refused_naming_the_config(tmp_path, demo_dir):
+    """gpt-oss's biased experts (and blocks with shared or grouped experts) do not take hub 4-bit codes."""
+    from tests.unit.model.family_checkpoints import build_family_checkpoint
+
+    out = build_family_checkpoint("gpt_oss", tmp_path / "moe", demo_dir)
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = _gptq()[0]
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(
-        ValueError, match="quantization_config: gptq-int4 mixture-of-experts checkpoints are not"
-    ):
+    with pytest.raises(ValueError, match="quantization_config: gptq-int4 experts of GptOss"):
         load_model(EngineConfig(model=str(out), dtype="float32"))
