@@ -178,7 +178,11 @@ def write(
     return ref
 
 
-_LEAVES = {n.split(".")[-1] for n in LINEARS}
+_LEAVES = {n.split(".")[-1] for n in LINEARS} | {
+    "w1",
+    "w2",
+    "w3",
+}  # with Mixtral's experts (router: ``gate``)
 
 
 def gptq_layer(bits: int = 4, group_size: int = 128, sym: bool = False, reference: bool = True):

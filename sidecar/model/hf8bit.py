@@ -117,7 +117,8 @@ def _projection(
         return None
     bias = getattr(old, "bias", None) is not None
     if spec[0] == "w8a8":
-        module = load_linear_w8a8(ckpt.get, names, spec[1], bias, dtype, device)
+        strategy, static = spec[1]
+        module = load_linear_w8a8(ckpt.get, names, strategy, bias, dtype, device, static)
     else:
         module = load_linear_fp8(ckpt.get, names, spec[2], spec[1], bias, dtype, device)
         module.gate_up_halves = getattr(old, "gate_up_halves", 0)

@@ -10,9 +10,10 @@ full precision (its ignore list: no quantized tensors in the file) load as usual
 
 4-bit formats become ``Int4Linear`` (torch's int4 layout, zero points folded into its zeros; act-order input
 columns permuted at load and the activations at run time, ``PermutedLinear``), per-channel 8-bit ones
-``Int8Linear``: the codes are converted exactly (``hf_quant_formats.py``), never widened to float. The first
-layer of each kind is checked once against the tool's dequantized weight; a kind that fails is logged and its
-layers run as dense float weights instead (the reference path).
+``Int8Linear`` (asymmetric zero points that move codes outside int8: shifted codes plus a per-row offset
+times the activations' sum, ``OffsetLinear``): the codes are converted exactly (``hf_quant_formats.py``),
+never widened to float. The first layer of each kind is checked once against the tool's dequantized weight;
+a kind that fails is logged and its layers run as dense float weights instead (the reference path).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from sidecar.model.hf_quant_formats import (
     int8_operands,
 )
 from sidecar.model.linear import Linear
+from sidecar.model.moe import block_prefix
 from sidecar.model.quant import Int4Linear, Int8Linear
 
 log = logging.getLogger("sidecar.model")
@@ -67,6 +69,25 @@ class PermutedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x.index_select(-1, self.perm))
+
+
+class OffsetLinear(nn.Module):
+    """An asymmetric 8-bit linear: ``inner(x) + sum(x) * offsets``, the int8 codes of ``inner`` shifted
+    off their zero points (``int8_operands``) and the per-row remainder of the zero point added here, in
+    float32. Torch operators: its CPU decode steps run eagerly, as those of ``PermutedLinear``."""
+
+    def __init__(self, inner: nn.Module, offsets: torch.Tensor) -> None:
+        super().__init__()
+        self.inner, self.in_features, self.out_features = inner, inner.in_features, inner.out_features
+        self.register_buffer("offsets", offsets.float())
+
+    @property
+    def mode(self) -> str:
+        return self.inner.mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x).float() + x.float().sum(-1, keepdim=True) * self.offsets
+        return y.to(x.dtype)
 
 
 class ConcatLinear(nn.Module):
@@ -251,15 +272,18 @@ def _grouped_linear(label, read, get, has, names, in_features, bias, dtype, devi
 def _checked_runtime(label, src: Source, name, in_features, bias, dtype, device, checks) -> nn.Module:
     """The runtime module of one Source; the first of each kind is compared with the dequantized weight
     (one small product), and a kind that is off runs its layers dense instead, with the reason logged."""
+    offsets = None
     if src.bits == 4:
         q, s, z, perm = int4_operands(src, name)
         module = Int4Linear(q.to(device), s.to(device), z.to(device), in_features, bias, dtype)
     else:
-        q, s, perm = int8_operands(src, name)
+        q, s, perm, offsets = int8_operands(src, name)
         module = Int8Linear(q.to(device), s.to(device), in_features, bias, dtype)
     if perm is not None:
         module = PermutedLinear(module, perm.to(device))
-    kind = f"{label}{' act-order' if perm is not None else ''}"
+    if offsets is not None:
+        module = OffsetLinear(module, offsets.to(device))
+    kind = f"{label}{' act-order' if perm is not None else ''}{' offset' if offsets is not None else ''}"
     if kind not in checks:
         checks[kind] = _self_check(module, src, bias, dtype, device)
         if checks[kind]:
@@ -321,10 +345,16 @@ def load_hf_quantized(
             f"quantization: the checkpoint is already quantized ({scheme.label}); leave it unset"
         )
     args = model.args
-    if any(args.sparse(i) for i in range(len(model.layers))):
-        raise ValueError(
-            f"quantization_config: {scheme.label} mixture-of-experts checkpoints are not supported"
-        )
+    for i in (i for i in range(len(model.layers)) if args.sparse(i)):
+        block = model.layers[i].mlp  # per-expert SwiGLU experts only (Mixtral, Qwen3-MoE)
+        if (
+            args.expert_bias
+            or getattr(block, "shared_expert", None) is not None
+            or hasattr(block, "block_tensors")
+        ):
+            raise ValueError(
+                f"quantization_config: {scheme.label} experts of {args.architecture} are not supported"
+            )
     checks: dict[str, str] = {}
 
     def swap(parent: nn.Module, attr: str, names: list[str]) -> None:
@@ -351,6 +381,13 @@ def load_hf_quantized(
             [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"],
         )
         swap(layer.self_attn, "o_proj", [f"{p}.self_attn.o_proj"])
+        if args.sparse(i):  # each expert as a linear of its own; the router stays as the tool left it
+            _, gate, up, down = args.moe_names
+            at = f"{block_prefix(ckpt.__contains__, p, args)}.experts"
+            for e, expert in enumerate(layer.mlp.experts):
+                swap(expert, "gate_up_proj", [f"{at}.{e}.{gate}", f"{at}.{e}.{up}"])
+                swap(expert, "down_proj", [f"{at}.{e}.{down}"])
+            continue
         swap(
             layer.mlp,
             "gate_up_proj",

@@ -146,20 +146,29 @@ def int4_operands(
     return codes[:, 0::2] | (codes[:, 1::2] << 4), scales, zeros, perm
 
 
-def int8_operands(src: Source, name: str) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(codes int8 [N, K], scales float32 [N], perm): 8-bit weights with one scale per output channel, whose
-    codes minus zero lie within int8's [-128, 127] (symmetric files: zero 128, so code 0 is -128, which every
-    int8 kernel path takes); an asymmetric zero point that moves a code outside is refused."""
+def int8_operands(
+    src: Source, name: str
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(codes int8 [N, K], scales float32 [N], perm, offsets float32 [N] or None): 8-bit weights with one
+    scale per output channel as int8 codes ``u - c`` and a per-row ``offset = (c - z) * s``, so that
+    ``w[n, k] = code[n, k] * s[n] + offset[n]`` and the layer adds ``offset * sum(x)`` to the int8 product.
+    ``c`` is the zero point ``z`` where the row's codes minus it lie within int8's [-128, 127] (every
+    symmetric file: zero 128, code 0 being -128, which every int8 kernel path takes), else the nearest shift
+    that fits (an asymmetric zero point); offsets is None when no row needs one."""
     if src.scales.shape[1] != 1:
         raise ValueError(
             f"quantization_config.bits: 8 with grouped scales is not supported for {name} "
             "(the int8 kernels hold one scale per output channel)"
         )
     src, perm = _contiguous(src, name)
-    codes = src.codes.to(torch.int16) - src.zeros.to(torch.int16)
-    if int(codes.min()) < -128 or int(codes.max()) > 127:
-        raise ValueError(
-            f"quantization_config.bits: 8 is not supported for {name}: a code minus its zero point "
-            "falls outside int8's [-128, 127] (an asymmetric zero point)"
-        )
-    return codes.to(torch.int8), src.scales[:, 0], perm
+    u, z = src.codes.to(torch.int16), src.zeros[:, 0].round().to(torch.int16)
+    lo, hi = u.amin(1) + 128, u.amax(1) - 127  # the shifts c with u - c within [-128, 127]
+    if bool((hi > lo).any()):
+        raise ValueError(f"{name}: codes span more than 8 bits")
+    shift = torch.minimum(torch.maximum(z, hi), lo)
+    codes = (u - shift[:, None]).to(torch.int8)
+    scales = src.scales[:, 0]
+    offsets = None
+    if not torch.equal(shift, z):
+        offsets = (shift - z).float() * scales
+    return codes, scales, perm, offsets

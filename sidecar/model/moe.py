@@ -235,12 +235,14 @@ def expert_weights(
     prefix: str,
     args: ModelArgs,
     codes: bool = False,
+    skip: Callable[[int], bool] = lambda e: False,
 ) -> Iterator[tuple[int, Weight, Optional[torch.Tensor], Weight, Optional[torch.Tensor]]]:
     """(expert, gate/up [2 * width, hidden] gate rows first, its bias or None, down [hidden, width], its
     bias or None) for each expert of the sparse block at ``prefix`` (e.g. ``model.layers.3.mlp``), from the
     hub's per-expert tensors (``experts.<e>.<gate|up|down>.weight``), transformers' fused ones
     (``experts.gate_up_proj`` [experts, 2 * width, hidden] and ``experts.down_proj`` [experts, hidden,
-    width]) or gpt-oss's (``_gpt_oss_experts``; MXFP4 weights as ``mxfp4.Codes`` where ``codes``)."""
+    width]) or gpt-oss's (``_gpt_oss_experts``; MXFP4 weights as ``mxfp4.Codes`` where ``codes``). Per-expert
+    tensors of the experts ``skip`` names are not read (built already from a hub-quantized file's codes)."""
     if args.expert_bias:
         yield from _gpt_oss_experts(get, has, prefix, args, codes)
         return
@@ -251,7 +253,7 @@ def expert_weights(
         for e in range(args.num_experts):
             yield e, gate_up[e], None, downs[e], None
         return
-    for e in range(args.num_experts):
+    for e in (e for e in range(args.num_experts) if not skip(e)):
         p = f"{prefix}.experts.{e}"
         gu = torch.cat((get(f"{p}.{gate}.weight"), get(f"{p}.{up}.weight")))
         yield e, gu, None, get(f"{p}.{down}.weight"), None
@@ -280,7 +282,11 @@ def block_tensors(
     if moe.shared_expert_gate is not None:
         parts.append((moe.shared_expert_gate, "weight", get(f"{prefix}.shared_expert_gate.weight")))
     yield None, parts
-    for e, gate_up, gate_up_bias, down, down_bias in expert_weights(get, has, prefix, args, codes):
+
+    def built(e: int) -> bool:  # both projections in place already (hub-quantized codes, hf_quant.py)
+        return not any(isinstance(m, nn.Linear) and m.weight.is_meta for m in moe.experts[e].children())
+
+    for e, gate_up, gate_up_bias, down, down_bias in expert_weights(get, has, prefix, args, codes, built):
         expert = moe.experts[e]
         parts = []
         for attr, weight in (("gate_up_proj", gate_up), ("down_proj", down)):

@@ -10,6 +10,12 @@ Here the product is taken in integers (``w8a8_gemm``'s C kernel on CPU, ``torch.
 shapes, else exact float64 sums), then scaled: the result equals that dequantized product up to float
 rounding.
 
+Static W8A8 (``input_activations`` ``dynamic: false, strategy: tensor``, symmetric) stores one calibrated
+``input_scale`` a projection: the codes are ``clamp(round(x / input_scale), -128, 127)`` as
+compressed-tensors' fake quantization computes them, then the same integer product (``int_sums``, over the
+plain codes). A fused projection whose parts were calibrated to different scales quantizes its input once per
+part.
+
 ``parse_w8a8_scheme(group, where)`` checks one config group's quantization args and raises ValueError naming
 the field; ``load_linear_w8a8(get, prefixes, strategy, bias, dtype, device)`` builds the runtime module of one
 (possibly fused) projection from the checkpoint's tensors."""
@@ -35,10 +41,11 @@ def _require(args: dict, where: str, field: str, allowed: tuple, default: Any = 
     return value
 
 
-def parse_w8a8_scheme(group: dict, where: str) -> str:
+def parse_w8a8_scheme(group: dict, where: str) -> tuple[str, bool]:
     """Check one compressed-tensors config group (``where`` names it, e.g.
-    ``quantization_config.config_groups.group_0``) for W8A8 as this module runs it; returns the weight
-    strategy ('channel' or 'tensor'). Raises ValueError naming the first field that does not fit."""
+    ``quantization_config.config_groups.group_0``) for W8A8 as this module runs it; returns (the weight
+    strategy, 'channel' or 'tensor'; whether the activation scales are static). Raises ValueError naming the
+    first field that does not fit."""
     weights = group.get("weights")
     if not isinstance(weights, dict):
         raise ValueError(f"{where}.weights: {weights!r} is not supported (expected int8 weight args)")
@@ -56,12 +63,12 @@ def parse_w8a8_scheme(group: dict, where: str) -> str:
     a = f"{where}.input_activations"
     _require(acts, a, "num_bits", (8,))
     _require(acts, a, "type", ("int",))
-    _require(acts, a, "dynamic", (True,))
-    _require(acts, a, "strategy", ("token",))
+    dynamic = _require(acts, a, "dynamic", (True, False))
+    _require(acts, a, "strategy", ("token",) if dynamic else ("tensor",))
     _require(acts, a, "symmetric", (True,))
     if group.get("output_activations") is not None:
         raise ValueError(f"{where}.output_activations: {group['output_activations']!r} is not supported")
-    return strategy
+    return strategy, not dynamic
 
 
 def int_sums(q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -80,16 +87,27 @@ class W8A8Linear(nn.Module):
     """int8 weight [N, K] with float32 scales [N]; activations quantized per token in each call.
 
     On CPU where ``w8a8_gemm`` builds, the weight is held in the kernel's panel layout alone (``packed``)
-    and the kernel takes every batch; elsewhere the plain codes (``weight``) go through ``int_sums``."""
+    and the kernel takes every batch; elsewhere the plain codes (``weight``) go through ``int_sums``.
+    ``input_scales`` (static activation scales, float32 [P]) with ``part_rows`` (the P parts' row counts):
+    each part's rows take the input quantized with its own scale, through ``int_sums``."""
 
     mode = "w8a8"
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        input_scales: Optional[torch.Tensor] = None,
+        part_rows: tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("scales", scales.float().reshape(-1).contiguous())
         self.register_buffer("bias", bias)
-        on_cpu = weight.device.type == "cpu" and w8a8_gemm.available()
+        self.register_buffer("input_scales", None if input_scales is None else input_scales.float())
+        self.part_rows = tuple(part_rows) or (self.out_features,)
+        on_cpu = weight.device.type == "cpu" and w8a8_gemm.available() and input_scales is None
         self.register_buffer("weight", None if on_cpu else weight.contiguous())
         self.register_buffer("packed", w8a8_gemm.pack(weight) if on_cpu else None)
         self.register_buffer(
@@ -102,9 +120,22 @@ class W8A8Linear(nn.Module):
             return self.weight
         return w8a8_gemm.unpack(self.packed, self.out_features, self.in_features)
 
+    def _static(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Each part's int32 sums over its input codes, scaled by its input scale, float32 [M, N]."""
+        xf, outs = x2d.float(), []
+        for w, s in zip(self.codes().split(self.part_rows), self.input_scales.tolist()):
+            q = torch.round(torch.clamp(xf / s, -128.0, 127.0)).to(torch.int8)
+            outs.append(int_sums(q, w).float() * s)
+        return torch.cat(outs, dim=-1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features)
-        if self.packed is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        if self.input_scales is not None:
+            y = self._static(x2d) * self.scales[None, :]
+            y = (y if self.bias is None else y + self.bias.float()).to(x.dtype)
+        elif (
+            self.packed is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+        ):
             y = w8a8_gemm.w8a8_matmul(
                 x2d, self.packed, self.scales_padded, self.out_features, self.bias, x.dtype
             )
@@ -127,11 +158,13 @@ def load_linear_w8a8(
     bias: bool,
     dtype: torch.dtype,
     device: torch.device,
+    static: bool = False,
 ) -> W8A8Linear:
     """The runtime module of the projection stored under ``prefixes`` (several for a fused projection:
     their rows concatenated; the activations are the same, so each part's per-token quantization is the
-    same too). ``get(name)`` reads a checkpoint tensor (ValueError naming a missing one)."""
-    weights, scales, biases = [], [], []
+    same too). ``get(name)`` reads a checkpoint tensor (ValueError naming a missing one). ``static``: each
+    part's ``input_scale`` (one value) quantizes its input; equal ones are kept once."""
+    weights, scales, biases, inputs = [], [], [], []
     for p in prefixes:
         w = get(f"{p}.weight")
         if w.dtype != torch.int8:
@@ -141,9 +174,20 @@ def load_linear_w8a8(
             raise ValueError(
                 f"model: {p}.weight_scale has {s.numel()} values for {w.shape[0]} rows ({strategy} strategy)"
             )
+        if static:
+            a = get(f"{p}.input_scale").float().reshape(-1)
+            if a.numel() != 1 or not bool(a[0] > 0):
+                raise ValueError(
+                    f"model: {p}.input_scale must be one positive value (static tensor strategy)"
+                )
+            inputs.append(a)
         weights.append(w)
         scales.append(s.expand(w.shape[0]))
         if bias:
             biases.append(get(f"{p}.bias"))
     b = torch.cat(biases).to(device=device, dtype=dtype) if bias else None
-    return W8A8Linear(torch.cat(weights).to(device), torch.cat(scales).to(device), b)
+    rows: tuple[int, ...] = tuple(w.shape[0] for w in weights)
+    a = torch.cat(inputs) if static else None
+    if a is not None and bool((a == a[0]).all()):
+        a, rows = a[:1], ()
+    return W8A8Linear(torch.cat(weights).to(device), torch.cat(scales).to(device), b, a, rows)

@@ -144,3 +144,85 @@ def hf_model(model_dir: Path, activation_quant: bool = False):
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 module.register_forward_pre_hook(hook)
     return hf
+
+
+# static W8A8 input scales: each projection's calibrated absmax / 127.5 times this factor (q, k and v unequal,
+# so a fused projection quantizes its input once per part; below 1, the largest activations clamp)
+STATIC_FACTORS = {"q_proj": 0.9, "k_proj": 1.0, "v_proj": 1.1}
+
+
+def ct_static_w8a8_checkpoint(
+    kind: str, out: Path, tokenizer_dir: Path, calibration: list[list[int]]
+) -> Path:
+    """compressed-tensors ``int-quantized`` W8A8 with static per-tensor input scales (the W8A8 preset's
+    weights, activations ``dynamic: false, strategy: tensor``): each Linear's ``input_scale`` from the float
+    model's absmax over ``calibration`` (times ``STATIC_FACTORS``), weight scales from ``calculate_qparams``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    model = float_model(kind, tokenizer_dir, SMALL)
+    absmax: dict[str, float] = {}
+    hooks = [
+        m.register_forward_pre_hook(
+            lambda mod, inp, n=n: absmax.__setitem__(n, max(absmax.get(n, 0.0), float(inp[0].abs().max())))
+        )
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n != "lm_head"
+    ]
+    with torch.no_grad():
+        for ids in calibration:
+            model(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    scheme = preset_name_to_scheme("W8A8", ["Linear"])
+    scheme.input_activations = scheme.input_activations.model_copy(
+        update={"dynamic": False, "strategy": "tensor"}
+    )
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
+    for name, module in model.named_modules():
+        if getattr(module, "quantization_scheme", None) is None:
+            continue
+        w = module.weight.data
+        scale, _ = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), scheme.weights)
+        module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+        factor = STATIC_FACTORS.get(name.rsplit(".", 1)[-1], 0.95)
+        module.input_scale.data.fill_(absmax[name] / 127.5 * factor)
+        module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="int-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    return _copy_tokenizer(tokenizer_dir, out)
+
+
+def static_w8a8_reference(model_dir: Path):
+    """HF transformers on ``model_dir`` (float32, weights dequantized by compressed-tensors) with each
+    quantized Linear's input through compressed-tensors' own fake quantization at its stored
+    ``input_scale``, as the tool's static forward does."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    args = QuantizationArgs(**cfg["config_groups"]["group_0"]["input_activations"])
+    scales = {
+        k[: -len(".input_scale")]: v.float()
+        for k, v in load_file(str(model_dir / "model.safetensors")).items()
+        if k.endswith(".input_scale")
+    }
+    hf = hf_model(model_dir)
+    for name, module in hf.named_modules():
+        if name in scales:
+            module.register_forward_pre_hook(
+                lambda mod, inp, s=scales[name]: (fake_quantize(inp[0], s, None, args),)
+            )
+    assert scales, "no input_scale in the checkpoint"
+    return hf

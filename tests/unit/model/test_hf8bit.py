@@ -123,7 +123,7 @@ MALFORMED = [
     ("w8a8-llama", "config_groups.group_0.weights.num_bits", 4),
     ("w8a8-llama", "config_groups.group_0.weights.strategy", "group"),
     ("w8a8-llama", "config_groups.group_0.weights.symmetric", False),
-    ("w8a8-llama", "config_groups.group_0.input_activations.dynamic", False),
+    ("w8a8-llama", "config_groups.group_0.input_activations.dynamic", "yes"),
     ("w8a8-llama", "config_groups.group_0.input_activations.strategy", "tensor"),
     ("w8a8-llama", "config_groups.group_0.input_activations", None),
     ("w8a8-llama", "config_groups.group_0.targets", "Linear"),

@@ -13,7 +13,7 @@ import torch
 from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.model import hf_quant, hf_quant_formats
-from sidecar.model.hf_quant import ConcatLinear, PermutedLinear
+from sidecar.model.hf_quant import ConcatLinear, OffsetLinear, PermutedLinear
 from sidecar.model.linear import Linear
 from sidecar.model.loader import load_model
 from sidecar.model.quant import Int4Linear, Int8Linear, QuantEmbedding
@@ -110,10 +110,19 @@ CASES = {
         "gptq-int8",
         Int8Linear,
     ),
+    # asymmetric per-channel 8-bit: codes over the whole 0..255 with zero points off 128 (int8 codes shifted
+    # to fit, the zero point's remainder a per-row offset)
+    "gptq-int8-asym-perchannel": ("qwen2", _gptq(bits=8, group_size=-1), "gptq-int8", OffsetLinear),
     "awq-g32": ("qwen2", _awq(), "awq-int4", Int4Linear),
     "ct-w4a16-group-sym": ("qwen2", _ct(), f"{C}-w4a16", Int4Linear),
     "ct-w4a16-channel-asym": ("llama", _ct(strategy="channel", sym=False), f"{C}-w4a16", Int4Linear),
     "ct-w8a16-channel": ("llama", _ct(bits=8, strategy="channel", narrow=True), f"{C}-w8a16", Int8Linear),
+    "ct-w8a16-channel-asym": (
+        "llama",
+        _ct(bits=8, strategy="channel", sym=False),
+        f"{C}-w8a16",
+        OffsetLinear,
+    ),
 }
 
 
@@ -126,9 +135,10 @@ def test_greedy_equals_hf_on_the_dequantized_weights(tiny_models, tmp_path, case
     loaded = llm.engine.loaded
     assert loaded.quantization == label and llm.engine.model_info["quantization"] == label
     assert isinstance(loaded.model.layers[0].self_attn.qkv_proj, qkv_cls)
-    int8 = qkv_cls is Int8Linear
-    down = loaded.model.layers[1].mlp.down_proj
-    inner = down.inner if isinstance(down, PermutedLinear) else down
+    int8 = label.endswith(("int8", "w8a16"))
+    inner = loaded.model.layers[1].mlp.down_proj
+    while isinstance(inner, (PermutedLinear, OffsetLinear)):
+        inner = inner.inner
     assert isinstance(inner, Int8Linear if int8 else Int4Linear)
     # with quantize_lm_head none, lm_head and the embedding stay as the tool left them (full precision)
     assert isinstance(loaded.model.lm_head, torch.nn.Linear)
@@ -375,23 +385,56 @@ def test_int8_code_zero_of_a_symmetric_file_loads_as_minus_128_exactly(tiny_mode
     assert torch.equal(qkv.weight[:, : w.shape[1]].float() * qkv.scales_f32[:, None], w)
 
 
-def test_int8_codes_an_asymmetric_zero_point_moves_outside_int8_are_refused(tiny_models, tmp_path):
-    """Asymmetric 8-bit rows: a code minus a zero point away from 128 can leave [-128, 127]; refused at start,
-    naming bits."""
-    out = tmp_path / "q"
-    H.write(tiny_models["llama"], out, *_gptq(bits=8, group_size=-1, sym=False))
-    with pytest.raises(ValueError, match=r"quantization_config\.bits: 8 is not supported for model\.layers"):
-        load_model(EngineConfig(model=str(out), dtype="float32"))
+def test_asymmetric_8_bit_rows_keep_their_zero_point_where_it_fits_else_shift_with_an_offset():
+    """Row 0 spans every code 0..255 with zero point 100 (u - 100 leaves int8): its codes are u - 128 and the
+    zero point's remainder (128 - 100) * s its offset; row 1 spans 10..200 with zero point 90, which fits:
+    codes u - 90, offset 0. Codes times scales plus offsets are the tool's weight exactly (fp16 scales)."""
+    u = torch.stack([torch.arange(256), torch.arange(256) % 191 + 10]).to(torch.uint8)
+    s = torch.tensor([[0.013], [0.2]]).half().float()
+    src = hf_quant_formats.Source(u, s, torch.tensor([[100.0], [90.0]]), None, 8)
+    codes, scales, perm, offsets = hf_quant_formats.int8_operands(src, "x")
+    assert perm is None and torch.equal(scales, s[:, 0])
+    assert torch.equal(codes.long(), u.long() - torch.tensor([[128], [90]]))
+    assert torch.equal(offsets, torch.stack([28 * s[0, 0], torch.tensor(0.0)]))
+    assert torch.equal(codes.float() * scales[:, None] + offsets[:, None], src.dequantize())
+    # symmetric rows (zero 128) need no offset at all
+    sym = hf_quant_formats.Source(u[:1], s[:1], torch.tensor([[128.0]]), None, 8)
+    assert hf_quant_formats.int8_operands(sym, "x")[3] is None
 
 
-def test_a_quantized_mixture_of_experts_is_refused_naming_the_config(tmp_path, demo_dir):
+@pytest.mark.parametrize("case", ["ct-w4a16", "gptq-int4"])
+def test_quantized_mixtral_experts_run_int4_and_greedy_equals_hf(tmp_path, demo_dir, case):
+    """Every expert quantized by the tool, the router left in full precision: the experts run as int4 layers
+    over their codes, and greedy float32 equals HF transformers loading the dequantized weights."""
+    import shutil
+
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    from tests.unit.engine.test_engine_vs_hf import hf_generate
     from tests.unit.model.family_checkpoints import build_family_checkpoint
 
-    out = build_family_checkpoint("mixtral", tmp_path / "moe", demo_dir)
+    src = build_family_checkpoint("mixtral", tmp_path / "f", demo_dir)
+    out, deq = tmp_path / "q", tmp_path / "deq"
+    ref = H.write(src, out, *(_ct() if case == "ct-w4a16" else _gptq()))
+    shutil.copytree(src, deq)
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(deq / "model.safetensors"))
+    llm = LLM(model=str(out), dtype="float32", num_kv_blocks=64, quantize_lm_head="none")
+    moe = llm.engine.loaded.model.layers[0].mlp
+    assert all(isinstance(m, Int4Linear) for e in moe.experts for m in (e.gate_up_proj, e.down_proj))
+    assert type(moe.gate) is Linear and llm.engine.loaded.quantization.endswith(("int4", "w4a16"))
+    expect = hf_generate(tf.AutoModelForCausalLM.from_pretrained(str(deq), dtype=torch.float32), PROMPTS, 8)
+    got = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in got] == expect
+
+
+def test_quantized_experts_with_biases_are_refused_naming_the_config(tmp_path, demo_dir):
+    """gpt-oss's biased experts (and blocks with shared or grouped experts) do not take hub 4-bit codes."""
+    from tests.unit.model.family_checkpoints import build_family_checkpoint
+
+    out = build_family_checkpoint("gpt_oss", tmp_path / "moe", demo_dir)
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = _gptq()[0]
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(
-        ValueError, match="quantization_config: gptq-int4 mixture-of-experts checkpoints are not"
-    ):
+    with pytest.raises(ValueError, match="quantization_config: gptq-int4 experts of GptOss"):
         load_model(EngineConfig(model=str(out), dtype="float32"))
