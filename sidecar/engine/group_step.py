@@ -9,6 +9,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from sidecar.engine.input_buffers import DecodeRow
 from sidecar.model import mla
 from sidecar.model.attention import AttentionMetadata
 
@@ -71,3 +72,22 @@ def attach_groups(
     group_of = kv.plan.group_of()
     meta.layer_metas = [metas[g] for g in group_of]
     return top
+
+
+def group_rows(rows: Sequence[DecodeRow], reqs: Sequence, kv) -> tuple[list[DecodeRow], int]:
+    """``rows`` (row i decodes the token of ``reqs[i]`` at cache index ``ctx_len - 1``, group 0's slot and table
+    set) with their slot and table in every further KV group, for the persistent decode buffers. No grouped
+    request evicts, so a token's cache index is its position. Returns them and the highest block id any
+    group's tables name (what the runner's lazy zeroing must cover before the step)."""
+    bs, n = kv.block_size, len(kv.groups)
+    tables: dict[str, list[list[int]]] = {}
+    out, top = [], 0
+    for row, r in zip(rows, reqs):
+        ts = tables.get(r.request_id)
+        if ts is None:
+            ts = tables[r.request_id] = [kv.block_ids(r, g) for g in range(1, n)]
+            top = max(top, max(row.table), *(max(t) for t in ts))
+        p = row.ctx_len - 1
+        slots = tuple(t[p // bs] * bs + p % bs for t in ts)
+        out.append(row._replace(group_slots=slots, group_tables=tuple(ts)))
+    return out, top

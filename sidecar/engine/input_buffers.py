@@ -9,12 +9,16 @@ reads the same addresses on every replay.
 Rows are padded up to a batch-size bucket. A padded row decodes token 0 at position 0 with a context
 of one token, writes its KV into the reserved block 0 (slot ``j % block_size`` for padded row j) and
 reads only that block; its hidden state is computed and never selected.
+
+A model with KV groups (``kv_groups.py``) has one block table per group per sequence: the buffers then
+carry, after group 0's, every further group's slots and tables (the same rows, positions and context
+lengths), and ``decode_metadata`` hands each layer the metadata over its group's views.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -47,19 +51,39 @@ class DecodeRow(NamedTuple):
     slot: int
     ctx_len: int  # keys [0, ctx_len) of the row's sequence are its context (its own token included)
     table: list[int]  # the sequence's KV block ids (at least ceil(ctx_len / block_size) of them)
+    # KV groups 1.. of a grouped model (group 0's are ``slot`` and ``table``): the row's slot and table in each
+    group_slots: tuple = ()
+    group_tables: tuple = ()
+
+
+def table_width(rows: Sequence[DecodeRow]) -> int:
+    """The most blocks any of the rows' tables (every KV group's) holds."""
+    return max(len(t) for r in rows for t in (r.table, *r.group_tables))
 
 
 class DecodeInputs:
     """One int64 device buffer laid out as ids | positions | slots | ctx lens | sample rows | tables
-    (each of the first five ``max_batch`` long, the tables ``max_batch * max_blocks``), its host staging
-    twin, and an int32 copy of the tables for device kernels that index with 32-bit ids. The buffers are
-    never reallocated: their ``data_ptr``s are what captured graphs hold."""
+    (each of the first five ``max_batch`` long, the tables ``max_batch * max_blocks``), then for each KV
+    group after the first its slots | tables, its host staging twin, and an int32 copy of group 0's tables
+    for device kernels that index with 32-bit ids. The buffers are never reallocated: their ``data_ptr``s
+    are what captured graphs and CPU replays hold. ``group_of``: each layer's KV group (None: one group)."""
 
-    def __init__(self, max_batch: int, max_blocks: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        group_of: Optional[Sequence[int]] = None,
+    ) -> None:
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.device = device
+        self.group_of = list(group_of) if group_of is not None else None
+        self.num_groups = 1 + max(self.group_of) if self.group_of else 1
         self._table_off = 5 * max_batch
-        total = self._table_off + max_batch * max_blocks
+        self._group_len = max_batch * (1 + max_blocks)  # one further group's slots | tables
+        self._groups_off = self._table_off + max_batch * max_blocks
+        total = self._groups_off + (self.num_groups - 1) * self._group_len
         pin = device.type == "cuda"
         self.staging = torch.zeros(total, dtype=torch.long, pin_memory=pin)
         self._host = self.staging.numpy()
@@ -71,7 +95,10 @@ class DecodeInputs:
         self.ids, self.positions, self.slots, self.ctx_lens, self.sample_rows = (
             self.buffer[i * m : (i + 1) * m] for i in range(5)
         )
-        self._tables_flat = self.buffer[self._table_off :]
+        self._tables_flat = self.buffer[self._table_off : self._groups_off]
+        offs = [self._groups_off + g * self._group_len for g in range(self.num_groups - 1)]
+        self.group_slots = [self.buffer[o : o + m] for o in offs]  # KV groups 1..
+        self._group_tables_flat = [self.buffer[o + m : o + self._group_len] for o in offs]
         self.tables_i32 = torch.zeros(max_batch * max_blocks, dtype=torch.int32, device=device)
         # Set after each copy on CUDA: the staging buffer is written again only once the copy has read it.
         self._copied = None
@@ -113,12 +140,39 @@ class DecodeInputs:
         for i, r in enumerate(rows):
             h[off + i * width : off + i * width + len(r.table)] = r.table
         used = off + bucket * width  # every staged value lies in this prefix
+        if self.num_groups > 1:
+            used = self._fill_groups(rows, bucket, width)
         if self.buffer is not self.staging:
             self.buffer[:used].copy_(self.staging[:used], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
         self.bucket, self.width, self.num_sampled = bucket, width, len(sample)
+
+    def _fill_groups(self, rows: Sequence[DecodeRow], bucket: int, width: int) -> int:
+        """Stage KV groups 1..'s slots and tables (padded rows as in group 0); returns the staged prefix."""
+        h, n, bs, m = self._host, len(rows), self.block_size, self.max_batch
+        if any(
+            len(r.group_slots) != self.num_groups - 1 or len(r.group_tables) != len(r.group_slots)
+            for r in rows
+        ):
+            raise ValueError(
+                f"decode batch: every row needs the slot and table of {self.num_groups} KV groups"
+            )
+        for g in range(self.num_groups - 1):
+            so = self._groups_off + g * self._group_len
+            h[so : so + n] = [r.group_slots[g] for r in rows]
+            h[so + n : so + bucket] = [j % bs for j in range(bucket - n)]
+            off = so + m
+            h[off : off + bucket * width] = 0
+            for i, r in enumerate(rows):
+                t = r.group_tables[g]
+                if len(t) > width:
+                    raise ValueError(
+                        f"decode batch: a block table of {len(t)} blocks exceeds {width} columns"
+                    )
+                h[off + i * width : off + i * width + len(t)] = t
+        return self._groups_off + (self.num_groups - 2) * self._group_len + m + bucket * width
 
     def fill_padding(self, bucket: int, width: int) -> None:
         """Every row a padded row (for warm-up and capture: they touch block 0 only)."""
@@ -127,6 +181,10 @@ class DecodeInputs:
     def tables(self, bucket: int, width: int) -> torch.Tensor:
         """[bucket, width] view of the int64 tables (contiguous: rows are ``width`` apart)."""
         return self._tables_flat[: bucket * width].view(bucket, width)
+
+    def group_tables(self, g: int, bucket: int, width: int) -> torch.Tensor:
+        """[bucket, width] view of KV group ``g + 1``'s int64 tables."""
+        return self._group_tables_flat[g][: bucket * width].view(bucket, width)
 
     def tables_int32(self, bucket: int, width: int) -> torch.Tensor:
         """[bucket, width] int32 copy of the tables, refreshed on the device by this call."""
@@ -150,4 +208,12 @@ def decode_metadata(inputs: DecodeInputs, bucket: int) -> AttentionMetadata:
     meta = AttentionMetadata(slot_mapping=inputs.slots[:bucket], block_size=inputs.block_size)
     meta.decode_block_tables = inputs.tables(bucket, inputs.width)
     meta.decode_ctx_lens = inputs.ctx_lens[:bucket]
+    if inputs.num_groups > 1:  # each layer reads its group's slots and tables (rows and contexts shared)
+        metas = [meta]
+        for g in range(inputs.num_groups - 1):
+            m = AttentionMetadata(slot_mapping=inputs.group_slots[g][:bucket], block_size=inputs.block_size)
+            m.decode_block_tables = inputs.group_tables(g, bucket, inputs.width)
+            m.decode_ctx_lens = meta.decode_ctx_lens
+            metas.append(m)
+        meta.layer_metas = [metas[g] for g in inputs.group_of]
     return meta

@@ -17,9 +17,10 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.cpu_graphs import CpuDecodePlans
 from sidecar.engine.graphs import DecodeGraphs, capture_or_none
-from sidecar.engine.group_step import attach_groups, layer_caches
+from sidecar.engine.group_step import attach_groups, group_rows, layer_caches
 from sidecar.engine import step_timing
 from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
+from sidecar.engine.input_buffers import table_width
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, groups_of, plan_slots
@@ -65,7 +66,7 @@ class ModelRunner:
         self.states = LinearStates(a, slots, self.dtype, self.device, ckpts) if slots else None
         # what each layer's mixer reads: KV caches, and a hybrid model's state slots
         self.layer_caches = self.states.layer_caches(a, self.kv_caches) if self.states else self.kv_caches
-        self.buffered = self.states is None and self.kv_plan is None  # what the decode buffers can hold
+        self.buffered = self.states is None  # what the decode buffers can hold (every KV group's tables too)
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
         # Attention received per cache slot, for scored KV eviction (model/attention_scores.py); allocated at
         # the first step that needs it.
@@ -84,16 +85,15 @@ class ModelRunner:
         self.lora = None  # the engine's LoraManager: which adapter slot each request's tokens use
         self.quantized = bool(loaded.quantization)
         max_len = min(loaded.max_model_len, self.num_blocks * self.block_size)
+        group_of = self.kv_plan.group_of() if self.kv_plan is not None else None  # tables of every group
         self.inputs = DecodeInputs(
-            config.max_num_seqs, -(-max_len // self.block_size) + 1, self.block_size, self.device
+            config.max_num_seqs, -(-max_len // self.block_size) + 1, self.block_size, self.device, group_of
         )
         self.graphs = DecodeGraphs(self._decode_step, self.device)
         self.cpu_plans = CpuDecodePlans(self.model, self.kv_caches, self.inputs)  # the CPU's decode graphs
         self.set_decode_padding(False)
         if self.device.type == "cuda" or self.enforce_eager or self.states is not None:
             self.prepare_fast_paths()
-        elif self.kv_plan is not None:  # the replayed step reads one block table per sequence
-            self.cpu_plans.disable(f"KV groups: {self.kv_plan.describe()}")
         else:  # on CPU: decode steps replayed from C once a replayed step matches the eager one
             self.cpu_plans.self_check()
 
@@ -226,7 +226,7 @@ class ModelRunner:
         bucket = pick_bucket(self.buckets, len(rows))
         # A graph's tables are always max_blocks wide, and so are a CPU replay's.
         fixed = bucket in self.graphs.captured or self.cpu_plans.replays()
-        width = self.inputs.max_blocks if fixed else max(len(r.table) for r in rows)
+        width = self.inputs.max_blocks if fixed else table_width(rows)
         self.inputs.fill(rows, sample, bucket, width)
         if prev_ids is not None:  # stream-ordered after the fill's copy and before the forward reads it
             ids = self.inputs.ids[: len(rows)]
@@ -262,6 +262,9 @@ class ModelRunner:
             tok = src[i] if prev_ids is not None else r.all_token_ids[c]
             rows.append(DecodeRow(tok, c, table[k // bs] * bs + k % bs, k + 1, table))
         self._zero_through(max(max(t) for t in tables))
+        if self.kv_plan is not None:  # each row's slot and table in every further KV group
+            rows, top = group_rows(rows, reqs, kv)
+            self._zero_through(top)
         return self.decode_rows(rows, list(range(len(rows))), prev_ids)
 
     def _execute_decode(
@@ -273,6 +276,7 @@ class ModelRunner:
         rows: list[DecodeRow] = []
         sample: list[int] = []
         sample_reqs: list[Request] = []
+        row_reqs: list[Request] = []  # the request of each row
         for s, table in zip(sched.scheduled, tables):
             r = s.request
             c, k = r.num_computed_tokens, r.num_computed_tokens - r.kv_evicted  # position, cache index
@@ -282,11 +286,15 @@ class ModelRunner:
             if s.completes_prompt:
                 sample.extend(range(len(rows), len(rows) + len(tokens)))
                 sample_reqs.append(r)
+            row_reqs.extend([r] * len(tokens))
             for j, tok in enumerate(tokens):
                 rows.append(DecodeRow(tok, c + j, table[(k + j) // bs] * bs + (k + j) % bs, k + j + 1, table))
         if not self.fits_decode_buffers(len(rows), max(len(t) for t in tables)):
             return None
         self._zero_through(max(max(t) for t in tables))
+        if self.kv_plan is not None:
+            rows, top = group_rows(rows, row_reqs, kv)
+            self._zero_through(top)
         logits = self.decode_rows(rows, sample)
         return (sample_reqs, logits) if sample_reqs else ([], None)
 
