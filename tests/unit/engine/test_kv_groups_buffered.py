@@ -12,6 +12,7 @@ from sidecar import LLM, SamplingParams
 from sidecar.model.kernels.cpu import replay
 from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
 from tests.unit.engine.test_kv_groups import _scribble_freed
+from tests.unit.engine.test_spec_engine import repetitive_prompts, spec_counts
 from tests.unit.model.family_checkpoints import build_family_checkpoint
 from tests.unit.model.llama4_checkpoints import build_llama4_checkpoint
 
@@ -88,4 +89,25 @@ def test_grouped_bf16_decode_replays_exactly_as_eager(dirs):
     assert [o.token_ids for o in llm.generate(PROMPTS, UNEVEN)] == replayed  # buffered, eager
     runner.buffered = False  # per-step tensors (group_step.attach_groups)
     assert [o.token_ids for o in llm.generate(PROMPTS, UNEVEN)] == replayed
+    assert_pool_whole(llm)
+
+
+@pytest.mark.skipif(replay.unavailable_reason() is not None, reason="replay needs the C kernels")
+def test_grouped_verification_steps_replay_with_plain_decodes_tokens(dirs):
+    """n-gram verification rows (one per proposed token, each at its own position) take the buffers with
+    their slot in every group, and are replayed: the tokens are plain decoding's."""
+    prompts = [p for p in repetitive_prompts(6, seed=3) if len(p) > 16][:2]
+    kw = dict(model=str(dirs["gemma3"]), dtype="bfloat16", block_size=8, enable_prefix_caching=False)
+    plain = LLM(**kw)
+    llm = LLM(speculative="ngram", num_speculative_tokens=3, speculative_token_cost=0.0, **kw)
+    plans = llm.engine.runner.cpu_plans
+    assert plans.replays(), plans.reason
+    runs: list[int] = []
+    run = plans.run
+    plans.run = lambda bucket: runs.append(bucket) or run(bucket)
+    for p in prompts:  # one request at a time: each step after the prompt decodes or verifies
+        assert llm.generate([p], GREEDY)[0].token_ids == plain.generate([p], GREEDY)[0].token_ids
+    proposed, accepted = spec_counts(llm)
+    assert proposed > 0 and accepted > 0
+    assert set(runs) > {1}  # verifications replayed as steps of 1 + k rows
     assert_pool_whole(llm)

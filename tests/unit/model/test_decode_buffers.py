@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from sidecar import LLM
-from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets, decode_step, pick_bucket
+from sidecar.engine.input_buffers import (
+    DecodeInputs,
+    DecodeRow,
+    decode_buckets,
+    decode_metadata,
+    decode_step,
+    pick_bucket,
+)
 from sidecar.model.attention import AttentionMetadata, PrefillSegment
 from sidecar.model.llama import LlamaForCausalLM
 
@@ -60,6 +67,36 @@ def test_fill_pads_rows_into_block_zero():
         inp.fill(rows, [], bucket=1, width=3)
     with pytest.raises(ValueError, match="decode batch"):
         inp.fill([DecodeRow(1, 0, 0, 1, [1, 2, 3, 4])], [], bucket=1, width=3)
+
+
+def test_grouped_fill_stages_every_groups_slots_and_tables():
+    # layers 0 and 2 in group 0, layer 1 in group 1, layer 3 in group 2
+    inp = DecodeInputs(8, 4, 4, torch.device("cpu"), group_of=[0, 1, 0, 2])
+    assert inp.num_groups == 3
+    rows = [
+        DecodeRow(11, 5, 2 * 4 + 1, 6, [3, 2], (6 * 4 + 1, 4 * 4 + 1), ([0, 6], [5, 4])),
+        DecodeRow(12, 0, 7 * 4, 1, [7], (8 * 4, 9 * 4), ([8], [9])),
+    ]
+    inp.fill(rows, [0, 1], bucket=3, width=3)
+    assert inp.slots[:3].tolist() == [9, 28, 0]
+    assert [s[:3].tolist() for s in inp.group_slots] == [[25, 32, 0], [17, 36, 0]]  # padding: block 0
+    assert inp.group_tables(0, 3, 3).tolist() == [[0, 6, 0], [8, 0, 0], [0, 0, 0]]
+    assert inp.group_tables(1, 3, 3).tolist() == [[5, 4, 0], [9, 0, 0], [0, 0, 0]]
+    meta = decode_metadata(inp, 3)
+    per_layer = [m.decode_block_tables.tolist() for m in meta.layer_metas]
+    assert meta.layer_metas[0] is meta and meta.layer_metas[2] is meta
+    assert (
+        per_layer[1] == inp.group_tables(0, 3, 3).tolist()
+        and per_layer[3] == inp.group_tables(1, 3, 3).tolist()
+    )
+    assert meta.layer_metas[3].slot_mapping.data_ptr() == inp.group_slots[1].data_ptr()  # views, no copies
+    assert all(m.decode_ctx_lens.tolist() == [6, 1, 1] for m in meta.layer_metas)
+    with pytest.raises(ValueError, match="3 KV groups"):
+        inp.fill([DecodeRow(1, 0, 0, 1, [1])], [], bucket=1, width=3)
+    with pytest.raises(ValueError, match="decode batch"):
+        inp.fill([DecodeRow(1, 0, 0, 1, [1], (4, 8), ([1], [2, 2, 2, 2]))], [], bucket=1, width=3)
+    # one group: the buffers and metadata of before (no per-layer metadata)
+    assert decode_metadata(DecodeInputs(8, 4, 4, torch.device("cpu")), 1).layer_metas is None
 
 
 @pytest.fixture(scope="module")
