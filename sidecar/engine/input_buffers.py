@@ -174,6 +174,12 @@ class DecodeInputs:
                 h[off + i * width : off + i * width + len(t)] = t
         return self._groups_off + (self.num_groups - 2) * self._group_len + m + bucket * width
 
+    def one_table(self, rows: Sequence[DecodeRow]) -> list[DecodeRow]:
+        """``rows`` with every further KV group's slot and table set to group 0's: for start-up probes and
+        timings, whose rows write blocks of their own and never read another group's (unchanged with one group)."""
+        n = self.num_groups - 1
+        return [r._replace(group_slots=(r.slot,) * n, group_tables=(r.table,) * n) for r in rows]
+
     def fill_padding(self, bucket: int, width: int) -> None:
         """Every row a padded row (for warm-up and capture: they touch block 0 only)."""
         self.fill([], [], bucket, width)

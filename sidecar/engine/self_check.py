@@ -94,7 +94,7 @@ def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list
                 rows.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[: c // bs + 1]))
             if k == len(steps) - 1:
                 rows = rows[:1]  # the last step: the first sequence alone (the batch-1 step)
-            out.append(runner.decode_rows(rows, list(range(len(rows)))).float())
+            out.append(runner.decode_rows(runner.inputs.one_table(rows), list(range(len(rows)))).float())
     finally:
         if graphs:
             runner.graphs.clear()

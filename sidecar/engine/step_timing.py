@@ -45,7 +45,7 @@ def _step(runner: Any, r: int, table: list[int]) -> Callable[[], torch.Tensor]:
     """A step of r rows of one sequence at positions 0..r-1 in blocks ``table``, every row sampled."""
     bs = runner.block_size
     if runner.fits_decode_buffers(r, len(table)):
-        rows = [DecodeRow(0, i, bs + i, i + 1, table) for i in range(r)]
+        rows = runner.inputs.one_table([DecodeRow(0, i, bs + i, i + 1, table) for i in range(r)])
         return lambda: runner.decode_rows(rows, list(range(r)))
     tensor = runner.tensor
     meta = AttentionMetadata(slot_mapping=tensor([bs + i for i in range(r)]), block_size=bs)

@@ -77,6 +77,8 @@ def test_grouped_bf16_decode_replays_exactly_as_eager(dirs):
     assert llm.engine.kv.plan is not None and runner.buffered
     assert plans.reason is None and plans.enabled and plans.replays()
     assert llm.engine.model_info["cpu_decode_replay"] is True
+    timed = runner.time_decode_rows([1, 3], repeats=1)  # speculation's cost probe: rows on one table
+    assert timed is not None and len(timed) == 2 and all(t > 0 for t in timed)
     scribbled = _scribble_freed(llm)
     runs: list[int] = []
     run = plans.run
