@@ -211,14 +211,15 @@ class ModelArgs:
         """The layers that keep keys and values in the paged cache, in order."""
         return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
 
-    def kv_shapes(self) -> list[tuple[int, int]]:
-        """(KV heads, head size) of each layer that keeps a KV cache, in layer order: the attention layers but
-        those reading another layer's cache (``kv_source``)."""
+    def kv_shapes(self, layers: Optional[range] = None) -> list[tuple[int, int]]:
+        """(KV heads, head size) of each layer that keeps a KV cache, in layer order: the attention layers (of
+        ``layers`` where given, e.g. a pipeline stage's) but those reading another layer's cache
+        (``kv_source``)."""
         src, hds, nkvs = self.kv_source, self.layer_head_dims, self.layer_kv_heads
         return [
             (self.num_kv_heads if nkvs is None else nkvs[i], self.head_dim if hds is None else hds[i])
             for i in self.attention_layers
-            if src is None or src[i] == i
+            if (src is None or src[i] == i) and (layers is None or i in layers)
         ]
 
     @property

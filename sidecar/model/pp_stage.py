@@ -68,11 +68,7 @@ class Stage:
 
     def kv_shapes(self, args: ModelArgs) -> list[tuple[int, int]]:
         """(KV heads, head size) of each of this stage's layers, in layer order: the caches its pool holds."""
-        hds, nkvs = args.layer_head_dims, args.layer_kv_heads
-        return [
-            (args.num_kv_heads if nkvs is None else nkvs[i], args.head_dim if hds is None else hds[i])
-            for i in self.layers(args)
-        ]
+        return args.kv_shapes(self.layers(args))
 
     def local_args(self, args: ModelArgs) -> ModelArgs:
         """The model is built whole (on the meta device), so each layer keeps its global index."""
