@@ -15,9 +15,10 @@ says so) never reaches the text: a reply that stops inside such a body holding o
 that call.
 
 ``tool_constraint`` holds a reply to a call where ``tool_choice`` is ``required`` or a named function: an
-optional analysis message first (the reasoning stays free), then one commentary message to
-``functions.NAME`` of an allowed tool whose body is JSON valid against that tool's parameters, closed by
-``<|call|>``. Harmony ends the turn at a call, so one call per reply.
+optional analysis message first (the reasoning stays free), an optional commentary preamble to the user
+(free text, the reply's content), then one commentary message to ``functions.NAME`` of an allowed tool
+whose body is JSON valid against that tool's parameters, closed by ``<|call|>``. Harmony ends the turn at
+a call, so one call per reply.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def tool_constraint(
 ) -> Optional[Constraint]:
     """The output constraint of a harmony chat request with tools; None (free channels) under ``auto``
     or ``none``. ``special``: the ``MARKERS`` that are single special tokens -> their ids. Under
-    ``required`` or ``function:NAME`` the reply is an optional analysis message, then one call to an
-    allowed tool (module docstring); an output format cannot be combined with it (the call is the
-    answer)."""
+    ``required`` or ``function:NAME`` the reply is an optional analysis message and an optional
+    preamble, then one call to an allowed tool (module docstring); an output format cannot be combined
+    with it (the call is the answer)."""
     if not specs or tool_choice in ("auto", "none"):
         return None
     if response_format is not None:
@@ -96,15 +97,20 @@ def tool_constraint(
     }
     lit = {m: tools._lit(m, special) for m in MARKERS}
     text, text_rule = _text_through(END, special, "ANALYSIS_")
+    said, said_rule = _text_through(END, special, "PREAMBLE_")
+    # "commentary" is one lexeme shared by the preamble and the call, so no literal is a prefix of another
+    comm = f'{lit[CHANNEL]} "commentary"'
     lines = [
         "start: analysis_? call_",
         f'analysis_: {lit[CHANNEL]} "analysis" {lit[MESSAGE]} {text} {lit[START]} "assistant"',
         text_rule.rstrip("\n"),
-        f"call_: {lit[CHANNEL]} ({' | '.join(f'to_{i}' for i in range(len(specs)))})",
+        f"call_: {comm} (preamble_ {comm})? ({' | '.join(f'to_{i}' for i in range(len(specs)))})",
+        f'preamble_: {lit[MESSAGE]} {said} {lit[START]} "assistant"',
+        said_rule.rstrip("\n"),
     ]
     for i, t in enumerate(specs):
         schema = dict(tools.close_objects(t.parameters), **{"x-guidance": opts})
-        head = json.dumps(f"commentary to={FUNCTIONS}{t.name} ")
+        head = json.dumps(f" to={FUNCTIONS}{t.name} ")
         lines.append(f'to_{i}: {head} {lit[CONSTRAIN]} "json" {lit[MESSAGE]} body_{i} {lit[CALL]}')
         lines.append(f"body_{i}: %json {json.dumps(schema)}")
     return Constraint("lark", "\n".join(lines) + "\n", open_end=True)

@@ -112,11 +112,14 @@ def test_the_service_returns_harmony_tool_calls_and_refuses_forcing_one():
     assert events[-1].reasoning_text == "Need it."
     assert "functions.weather: The weather in a city" in eng.rendered[0]
     assert eng.calls[0][1].structured is None  # no grammar: the channel carries the call
+    said = ["<|channel|>", "commentary", "<|message|>", "Checking.", "<|end|>", "<|start|>", "assistant"]
+    eng = ThinkingEngine(pieces[:7] + said + pieces[7:], template=HARMONY)
     for choice in ("required", "function:weather"):  # a forced call: the call grammar, then the same parse
         events = asyncio.run(collect(service(eng), chat(tools=[spec], tool_choice=choice)))
         grammar = eng.calls[-1][1].structured
-        assert grammar.kind == "lark" and "commentary to=functions.weather " in grammar.value
+        assert grammar.kind == "lark" and '" to=functions.weather "' in grammar.value
         assert [c["name"] for e in events for c in e.tool_calls] == ["weather"]
+        assert events[-1].text == "Checking."  # the preamble is the reply's content
     with pytest.raises(ServiceError) as e:
         asyncio.run(collect(service(eng), chat(tools=[spec], tool_choice="function:nope")))
     assert e.value.field == "tool_choice" and "nope" in str(e.value)
@@ -135,7 +138,7 @@ def test_a_call_closed_by_an_end_of_sequence_token_is_a_call():
 
 
 @pytest.mark.parametrize("as_special", [True, False])
-def test_the_forced_call_grammar_takes_reasoning_then_one_valid_call(demo_dir, as_special):
+def test_the_forced_call_grammar_takes_reasoning_a_preamble_then_one_valid_call(demo_dir, as_special):
     import llguidance.hf
     from llguidance import LLMatcher
     from transformers import PreTrainedTokenizerFast
@@ -151,6 +154,7 @@ def test_the_forced_call_grammar_takes_reasoning_then_one_valid_call(demo_dir, a
     neg = ToolSpec("neg", "", {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})
     think = "<|channel|>analysis<|message|>I should add.<|end|><|start|>assistant"
     call = "<|channel|>commentary to=functions.{} <|constrain|>json<|message|>{}<|call|>"
+    said = "<|channel|>commentary<|message|>Adding it up.<|end|><|start|>assistant"
     for choice, text, ok in (
         ("required", think + call.format("add", '{"a": 7}'), True),
         ("required", call.format("neg", '{"x": 1.5}'), True),
@@ -160,6 +164,11 @@ def test_the_forced_call_grammar_takes_reasoning_then_one_valid_call(demo_dir, a
         ("required", call.format("add", '{"a": 7, "b": 1}'), False),  # an undeclared property
         ("required", "<|channel|>final<|message|>No.<|return|>", False),  # an answer, not a call
         ("required", think, False),  # reasoning alone is not a reply
+        ("required", think + said + call.format("add", '{"a": 7}'), True),  # a preamble before the call
+        ("function:neg", said + call.format("neg", '{"x": 2}'), True),
+        ("required", said, False),  # a preamble alone is not a call
+        ("required", said + said + call.format("add", '{"a": 7}'), False),  # one preamble
+        ("required", said + think + call.format("add", '{"a": 7}'), False),  # reasoning comes first
     ):
         m = LLMatcher(lltok, grammar_for(tool_constraint([add, neg], choice, None, special)))
         ids = tok.encode(text, add_special_tokens=False)
