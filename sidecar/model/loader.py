@@ -267,6 +267,9 @@ def _load_experts(
         for module, name, tensor in parts:
             _set(module, name, tensor, dtype, device)
         for attr in ("gate_up_proj", "down_proj") if expert is not None else ():
+            lin = getattr(expert, attr)
+            if isinstance(lin, mxfp4.Mxfp4Linear):  # codes arrive on the CPU, as the checkpoint has them
+                lin.blocks, lin.scales = lin.blocks.to(device), lin.scales.to(device)
             _maybe_quantize(expert, attr, cfg)
 
 

@@ -43,6 +43,7 @@ from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.latent_args import latent_attention_parameters
 from sidecar.model.layers import MLP
 from sidecar.model.linear import Linear
+from sidecar.model.mxfp4 import Mxfp4Linear
 
 Weight = Any  # a projection's weight: a tensor [out, in], or MXFP4 codes kept as they ship (``mxfp4.Codes``)
 
@@ -69,12 +70,15 @@ class SparseMoE(nn.Module):
         self.stacked = None  # kernels/triton/moe.Experts, set by ``stack_experts``
 
     def stack(self, views: bool) -> bool:
-        """Build ``stacked`` from the experts' weights when all are plain tensors of one float dtype; with
-        ``views`` the experts' weights become views of the stacks. Returns whether it did."""
+        """Build ``stacked`` from the experts' weights when all are plain tensors of one float dtype or all
+        MXFP4 codes (``stack_codes``); with ``views`` the experts' weights become views of the stacks.
+        Returns whether it did."""
         from sidecar.model.kernels.triton.moe import Experts
 
         projs = [(e.gate_up_proj, e.down_proj) for e in self.experts]
         lins = [lin for pair in projs for lin in pair]
+        if all(isinstance(lin, Mxfp4Linear) for lin in lins):
+            return self.stack_codes(projs, views)
         if not all(type(lin) is Linear and lin.weight is not None for lin in lins):
             return False
         dtype = lins[0].weight.dtype
@@ -97,6 +101,31 @@ class SparseMoE(nn.Module):
                 if gu.bias is not None:
                     gu.bias = nn.Parameter(self.stacked.gate_up_bias[e], requires_grad=False)
                     down.bias = nn.Parameter(self.stacked.down_bias[e], requires_grad=False)
+        return True
+
+    def stack_codes(self, projs: list, views: bool) -> bool:
+        """``stack`` for MXFP4 experts: codes [E, rows, cols / 2] and scales [E, rows, cols / 32] kept as they
+        are (``kernels/triton/moe.Experts``), biases stacked in their dtype."""
+        from sidecar.model.kernels.triton.moe import Experts
+
+        parts: list = []
+        for i in (0, 1):
+            lins = [p[i] for p in projs]
+            codes = torch.stack([lin.blocks.flatten(-2) for lin in lins])
+            scales = torch.stack([lin.scales for lin in lins])
+            has_bias = lins[0].bias is not None and lins[0].bias.device.type != "meta"
+            parts.append(
+                (codes, torch.stack([lin.bias.detach() for lin in lins]) if has_bias else None, scales)
+            )
+        (gu, gu_b, gu_s), (dn, dn_b, dn_s) = parts
+        self.stacked = Experts(gu, gu_b, dn, dn_b, gu_s, dn_s)
+        if views:
+            for e, (g, d) in enumerate(projs):
+                for lin, (codes, bias, scales) in ((g, parts[0]), (d, parts[1])):
+                    lin.blocks = codes[e].view(lin.blocks.shape)
+                    lin.scales = scales[e]
+                    if bias is not None:
+                        lin.bias = nn.Parameter(bias[e], requires_grad=False)
         return True
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Optional[torch.Tensor]:

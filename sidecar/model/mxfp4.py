@@ -7,9 +7,11 @@ e2m1 code is a sign bit over {0, 0.5, 1, 1.5, 2, 3, 4, 6}; times a power of two 
 and float32 (within their exponent range), so the dequantized weight is the quantized one to the bit.
 
 On the CPU the experts keep their codes (``Mxfp4Linear``, about 4.25 bits a weight): the MXFP4 kernel
-(``kernels/cpu/mxfp4_gemv.c``) reads them in place. Where it cannot (another device, a kernel that did not build
-or failed its start-up self-check, a quantize-on-load mode asked for, ``SIDECAR_MXFP4_CODES=0``) the loader dequantizes
-them instead (``keeps_codes``).
+(``kernels/cpu/mxfp4_gemv.c``) reads them in place. On CUDA they keep them too where Triton is installed: the
+``moe`` path's grouped kernel decodes them tile by tile (``kernels/triton/moe.py``); with that path off an expert
+dequantizes its weight for each call. Where neither holds (another device, a CPU kernel that did not build or
+failed its start-up self-check, a quantize-on-load mode asked for, ``SIDECAR_MXFP4_CODES=0``) the loader
+dequantizes them instead (``keeps_codes``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sidecar.model.kernels.cpu import mxfp4_gemv
+from sidecar.model.kernels.gpu_paths import triton_available
 
 log = logging.getLogger("sidecar.model")
 
@@ -69,6 +72,9 @@ def keeps_codes(device: torch.device, quantization: Optional[str]) -> str:
         why = f"codes switched off ({CODES_ENV})"
     elif quantization is not None:
         why = f"quantization {quantization!r} asked for: they are dequantized, then quantized"
+    elif device.type == "cuda":
+        # the ``moe`` path's grouped kernel decodes the codes in registers (kernels/triton/moe.py)
+        why = "" if triton_available() else "no Triton for the MXFP4 grouped-expert kernel"
     elif device.type != "cpu":
         why = f"no MXFP4 kernel on {device.type}"
     else:

@@ -19,6 +19,12 @@ cumulative sums and searchsorted).
   slot's row of [T * k, H]; the k slots of a token are summed by torch, in slot order, as the eager path sums
   them. With ``scale_input`` (Llama 4) the routing weight scales the expert's input instead.
 Products accumulate in float32 (``common.mma``). Experts no row picked cost one early exit per tile slot.
+
+MXFP4 experts (gpt-oss checkpoints; ``Experts`` with ``gate_up_scales`` / ``down_scales``) are read as their
+codes: ``gate_up`` / ``down`` are then uint8 [E, rows, cols / 2] (two 4-bit E2M1 codes a byte, the even column
+in the low nibble) and the scales uint8 [E, rows, cols / 32] (E8M0, bias 127). Each weight tile is decoded in
+registers to the model dtype before its product: an E2M1 value times a power of two is exact in every float
+dtype whose range holds it, so the result is the plain kernel's on the dequantized weights.
 Returns None for inputs it does not take; the caller runs the torch path. Imports Triton.
 """
 
@@ -36,12 +42,25 @@ SILU, GELU_TANH, CLAMPED_SWIGLU = 0, 1, 2
 
 class Experts(NamedTuple):
     """Stacked expert weights: gate/up [E, 2I, H] (gate rows first), its bias [E, 2I] or None, down [E, H, I],
-    its bias [E, H] or None; all in the model dtype, contiguous."""
+    its bias [E, H] or None; all in the model dtype, contiguous. With ``gate_up_scales`` and ``down_scales``
+    (uint8 [E, 2I, H / 32] and [E, H, I / 32]) the two weights are MXFP4 codes, uint8 [E, 2I, H / 2] and
+    [E, H, I / 2] (module text); the biases stay in the model dtype."""
 
     gate_up: torch.Tensor
     gate_up_bias: Optional[torch.Tensor]
     down: torch.Tensor
     down_bias: Optional[torch.Tensor]
+    gate_up_scales: Optional[torch.Tensor] = None
+    down_scales: Optional[torch.Tensor] = None
+
+    @property
+    def mxfp4(self) -> bool:
+        return self.gate_up_scales is not None
+
+    def sizes(self) -> tuple[int, int, int]:
+        """(E, I, H): experts, intermediate and hidden widths."""
+        e, two_i, cols = self.gate_up.shape
+        return e, two_i // 2, cols * 2 if self.mxfp4 else cols
 
 
 def block_m_for(rows: int, num_experts: int) -> int:
@@ -94,11 +113,34 @@ def _activate(g, u, limit, alpha, ACT: tl.constexpr, like_ptr, BF16: tl.constexp
 
 
 @triton.jit
+def _w_tile(w_e, s_e, rn, kk, cols, mask, MX: tl.constexpr, like_ptr):
+    """The weight tile [BLOCK_K, BLOCK_N] (input columns ``kk``, output rows ``rn``) of one expert's weight
+    of ``cols`` input columns at ``w_e`` (scales at ``s_e`` when ``MX``), in ``like_ptr``'s dtype; 0 where
+    ``mask`` is off."""
+    rows = rn[None, :].to(tl.int64)
+    if MX:
+        byte = tl.load(w_e + rows * (cols // 2) + kk[:, None] // 2, mask=mask, other=0).to(tl.int32)
+        code = tl.where(kk[:, None] % 2 == 0, byte & 15, byte >> 4)
+        exp = (code & 7) >> 1
+        half = (code & 1).to(tl.float32) * 0.5
+        # E2M1: 0.5 m for exponent 0 (subnormal), else (1 + 0.5 m) 2^(e - 1); the sign bit on top
+        pow2 = tl.where(exp == 3, 4.0, tl.where(exp == 2, 2.0, 1.0))
+        mag = tl.where(exp == 0, half, (1.0 + half) * pow2)
+        val = tl.where((code & 8) != 0, -mag, mag)
+        sc = tl.load(s_e + rows * (cols // 32) + kk[:, None] // 32, mask=mask, other=127).to(tl.int32)
+        # 2^(sc - 127) through the float32 bits; sc = 0 is the subnormal 2^-127 (bit 22 alone)
+        scale = tl.where(sc == 0, 1 << 22, sc << 23).to(tl.float32, bitcast=True)
+        return (val * scale).to(like_ptr.dtype.element_ty)
+    return tl.load(w_e + rows * cols + kk[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
 def _gate_up(
     x_ptr,
     rows_ptr,
     te_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     rw_ptr,
     out_ptr,
@@ -113,6 +155,7 @@ def _gate_up(
     ACT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALE_IN: tl.constexpr,
+    MX: tl.constexpr,
     F32: tl.constexpr,
     BF16: tl.constexpr,
 ):
@@ -126,7 +169,8 @@ def _gate_up(
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < inter
         rk = tl.arange(0, BLOCK_K)
-        w_e = w_ptr + e.to(tl.int64) * 2 * inter * h
+        w_e = w_ptr + e.to(tl.int64) * 2 * inter * (h // 2 if MX else h)
+        s_e = s_ptr + e.to(tl.int64) * 2 * inter * (h // 32)
         if SCALE_IN:
             rw = tl.load(rw_ptr + slot, mask=ok, other=0.0).to(tl.float32)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -138,8 +182,8 @@ def _gate_up(
             if SCALE_IN:
                 a = narrow(a.to(tl.float32) * rw[:, None], x_ptr, BF16)
             w_mask = k_ok[:, None] & n_ok[None, :]
-            wg = tl.load(w_e + rn[None, :].to(tl.int64) * h + kk[:, None], mask=w_mask, other=0.0)
-            wu = tl.load(w_e + (rn[None, :] + inter).to(tl.int64) * h + kk[:, None], mask=w_mask, other=0.0)
+            wg = _w_tile(w_e, s_e, rn, kk, h, w_mask, MX, x_ptr)
+            wu = _w_tile(w_e, s_e, rn + inter, kk, h, w_mask, MX, x_ptr)
             acc_g += mma(a, wg, F32)
             acc_u += mma(a, wu, F32)
         if HAS_BIAS:
@@ -159,6 +203,7 @@ def _down(
     rows_ptr,
     te_ptr,
     w_ptr,
+    s_ptr,
     b_ptr,
     rw_ptr,
     out_ptr,
@@ -169,6 +214,7 @@ def _down(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALE_OUT: tl.constexpr,
+    MX: tl.constexpr,
     F32: tl.constexpr,
     BF16: tl.constexpr,
     OUT_BF16: tl.constexpr,
@@ -182,7 +228,8 @@ def _down(
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < h
         rk = tl.arange(0, BLOCK_K)
-        w_e = w_ptr + e.to(tl.int64) * h * inter
+        w_e = w_ptr + e.to(tl.int64) * h * (inter // 2 if MX else inter)
+        s_e = s_ptr + e.to(tl.int64) * h * (inter // 32)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             kk = k0 + rk
@@ -190,7 +237,7 @@ def _down(
             a_rows = a_ptr + pos.to(tl.int64)[:, None] * inter
             a = tl.load(a_rows + kk[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
             w_mask = k_ok[:, None] & n_ok[None, :]
-            w = tl.load(w_e + rn[None, :].to(tl.int64) * inter + kk[:, None], mask=w_mask, other=0.0)
+            w = _w_tile(w_e, s_e, rn, kk, inter, w_mask, MX, a_ptr)
             acc += mma(a, w, F32)
         if HAS_BIAS:
             acc += tl.load(b_ptr + e.to(tl.int64) * h + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -208,7 +255,11 @@ def _block(n: int, most: int) -> int:
 
 def takes(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Experts) -> bool:
     """Whether ``grouped_moe`` takes rows ``x`` [T, H] routed by ``weights`` / ``ids`` [T, k]."""
-    e, two_i, h = experts.gate_up.shape
+    e, inter, h = experts.sizes()
+    mx = experts.mxfp4
+    w_dtype = torch.uint8 if mx else x.dtype
+    down_cols = inter // 2 if mx else inter
+    tensors = [t for t in experts if t is not None]
     return (
         x.dim() == 2
         and x.dtype in _DTYPES
@@ -217,11 +268,24 @@ def takes(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: Ex
         and x.shape[1] == h
         and weights.shape == ids.shape
         and ids.dim() == 2
-        and experts.gate_up.dtype == x.dtype
-        and experts.down.dtype == x.dtype
-        and experts.down.shape == (e, h, two_i // 2)
-        and experts.gate_up.device == x.device
-        and all(t is None or (t.dtype == x.dtype and t.is_contiguous()) for t in experts)
+        and experts.gate_up.dtype == w_dtype
+        and experts.down.dtype == w_dtype
+        and experts.down.shape == (e, h, down_cols)
+        and (not mx or _mx_scales_fit(experts, e, inter, h))
+        and all(t.device == x.device and t.is_contiguous() for t in tensors)
+        and all(t is None or t.dtype == x.dtype for t in (experts.gate_up_bias, experts.down_bias))
+    )
+
+
+def _mx_scales_fit(experts: Experts, e: int, inter: int, h: int) -> bool:
+    gs, ds = experts.gate_up_scales, experts.down_scales
+    return (
+        h % 32 == 0
+        and inter % 32 == 0
+        and ds is not None
+        and gs.dtype == ds.dtype == torch.uint8
+        and gs.shape == (e, 2 * inter, h // 32)
+        and ds.shape == (e, h, inter // 32)
     )
 
 
@@ -240,7 +304,8 @@ def grouped_moe(
     if not takes(x, weights, ids, experts):
         return None
     (t, h), k = x.shape, ids.shape[1]
-    num_experts, inter = experts.gate_up.shape[0], experts.gate_up.shape[1] // 2
+    num_experts, inter, _ = experts.sizes()
+    mx = experts.mxfp4
     bm = block_m_for(t * k, num_experts)
     rows, tile_expert = layout(ids, num_experts, bm)
     rw = weights.reshape(-1).contiguous()
@@ -255,7 +320,8 @@ def grouped_moe(
         rows,
         tile_expert,
         experts.gate_up,
-        experts.gate_up if experts.gate_up_bias is None else experts.gate_up_bias,
+        experts.gate_up_scales if mx else experts.gate_up,
+        x if experts.gate_up_bias is None else experts.gate_up_bias,
         rw,
         act_buf,
         h,
@@ -269,6 +335,7 @@ def grouped_moe(
         ACT=act,
         HAS_BIAS=experts.gate_up_bias is not None,
         SCALE_IN=scale_input,
+        MX=mx,
         F32=f32,
         BF16=bf16,
         enable_fp_fusion=False,
@@ -279,7 +346,8 @@ def grouped_moe(
         rows,
         tile_expert,
         experts.down,
-        experts.down if experts.down_bias is None else experts.down_bias,
+        experts.down_scales if mx else experts.down,
+        x if experts.down_bias is None else experts.down_bias,
         rw,
         slots,
         h,
@@ -289,6 +357,7 @@ def grouped_moe(
         BLOCK_K=bk,
         HAS_BIAS=experts.down_bias is not None,
         SCALE_OUT=not scale_input,
+        MX=mx,
         F32=f32,
         BF16=bf16,
         OUT_BF16=out_dtype == torch.bfloat16,
