@@ -28,3 +28,21 @@ def test_moe_path_inside_decode_graphs_matches_eager_and_hf(kind, tmp_path, demo
     assert got == hf_greedy(path, prompts, MAX_NEW)
     assert [fast.generate([p], params)[0].token_ids for p in prompts[:2]] == got[:2]  # the batch-1 graph
     assert_pool_whole(fast)
+
+
+def test_gpt_oss_mxfp4_codes_on_cuda_match_hf(tmp_path, demo_dir):
+    """A checkpoint that ships MXFP4 experts keeps their codes on CUDA (the grouped kernel decodes them) and
+    gives transformers' greedy tokens on the same directory, inside the decode graphs."""
+    from sidecar.model import mxfp4
+    from tests.unit.model.test_gpt_oss import to_mxfp4
+
+    path = to_mxfp4(build_family_checkpoint("gpt_oss", tmp_path / "src", demo_dir), tmp_path / "mxfp4")
+    llm = LLM(model=str(path), dtype="float32", device="cuda", max_num_seqs=8, num_kv_blocks=128)
+    assert "moe" in llm.engine.model_info["fast_paths"], llm.engine.model_info["fast_path_fallbacks"]
+    blocks = [layer.mlp for layer in llm.engine.runner.model.layers]
+    assert all(isinstance(e.down_proj, mxfp4.Mxfp4Linear) for b in blocks for e in b.experts)
+    assert all(b.stacked.mxfp4 and b.stacked.down.is_cuda for b in blocks)
+    prompts = make_prompts(4, 900, 3, 40, seed=5)
+    params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == hf_greedy(path, prompts, MAX_NEW)
+    assert_pool_whole(llm)
