@@ -105,9 +105,7 @@ def plan_kv_budget(
     """The pool's size and what decided it, for cache elements of ``kv_dtype`` (default: the model's dtype;
     a quantized cache holds more tokens in the same budget). Raises ValueError naming
     ``kv_cache_memory_gb`` when the budget holds no block."""
-    plan, reason = plan_groups(
-        loaded.args, config.tensor_parallel_size * config.pipeline_parallel_size, loaded.device.type
-    )
+    plan, reason = plan_groups(loaded.args, config.tensor_parallel_size * config.pipeline_parallel_size)
     if reason is not None:
         log.info("KV groups off (%s): sliding / chunked layers keep every block of their sequence", reason)
     elif plan is not None:

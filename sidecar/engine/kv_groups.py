@@ -83,7 +83,7 @@ class GroupPlan:
         return f"{len(self.groups)} groups of {self.per_group} layers ({kinds})"
 
 
-def plan_groups(args, tp_pp: int = 1, device: str = "cpu") -> tuple[Optional[GroupPlan], Optional[str]]:
+def plan_groups(args, tp_pp: int = 1) -> tuple[Optional[GroupPlan], Optional[str]]:
     """The groups of a model's layers, or (None, reason) when it keeps one table per sequence: a single
     attention kind (a model whose every layer has a window frees through ``kv_evict``'s window policy), or
     a layout groups cannot page (reason logged by the caller)."""
@@ -101,8 +101,6 @@ def plan_groups(args, tp_pp: int = 1, device: str = "cpu") -> tuple[Optional[Gro
         return None, "layers with different KV shapes"
     if tp_pp > 1:
         return None, "tensor / pipeline parallel ranks"
-    if device != "cpu":  # the decode graphs and the device self-check fill one table per sequence
-        return None, f"device {device} (its decode buffers hold one block table per sequence)"
     order = list(dict.fromkeys(kinds))
     members = {k: [i for i in range(n) if kinds[i] == k] for k in order}
     k = math.gcd(*(len(v) for v in members.values()))

@@ -70,7 +70,15 @@ static inline void widen(float* y, const void* x, size_t i, int n, int dt) {
     for (; d < n; d++) y[d] = dt_load(x, i + d, dt);
 }
 
-/* s[r][j] = scale * qf[r] . key j for the G heads, keys widened four at a time into kf [4][W] (W = R + P). */
+/* s[r][j] = scale * qf[r] . key j for the G heads, keys widened four at a time into kf [4][W] (W = R + P).
+ * SH heads at once against the four keys: SH x 4 sums in registers, each loaded key vector used SH times.
+ * A (head, key) score's arithmetic is the same whatever heads share its tile; a tail of fewer than SH heads
+ * repeats its last head's query and drops those sums. */
+#ifdef VL
+#define SH (VL == 16 ? 4 : 2)
+#else
+#define SH 1
+#endif
 static void score(const float* qf, int G, int W, int R, int P, const void* lc, const void* rc,
                   const size_t* slot, int n, int dt, float scale, float* kf, float* s) {
     for (int j = 0; j < n; j += 4) {
@@ -80,26 +88,34 @@ static void score(const float* qf, int G, int W, int R, int P, const void* lc, c
             widen(kf + (size_t)i * W + R, rc, slot[j + i] * P, P, dt);
         }
         for (int i = m; i < 4; i++) memset(kf + (size_t)i * W, 0, sizeof(float) * W);
-        for (int r = 0; r < G; r++) {
-            const float* q = qf + (size_t)r * W;
-            float sums[4];
+        for (int r0 = 0; r0 < G; r0 += SH) {
+            const float* q[SH];
+            for (int h = 0; h < SH; h++) q[h] = qf + (size_t)(r0 + h < G ? r0 + h : G - 1) * W;
+            float sums[SH][4];
             int d = 0;
 #ifdef VL
-            vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
+            vf acc[SH][4];
+            for (int h = 0; h < SH; h++) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = v_zero();
             for (; d + VL <= W; d += VL) {
-                const vf qv = v_load(q + d);
-                a0 = v_fma(qv, v_load(kf + d), a0);
-                a1 = v_fma(qv, v_load(kf + W + d), a1);
-                a2 = v_fma(qv, v_load(kf + 2 * W + d), a2);
-                a3 = v_fma(qv, v_load(kf + 3 * W + d), a3);
+                const vf k0 = v_load(kf + d), k1 = v_load(kf + W + d), k2 = v_load(kf + 2 * W + d),
+                         k3 = v_load(kf + 3 * W + d);
+                for (int h = 0; h < SH; h++) {
+                    const vf qv = v_load(q[h] + d);
+                    acc[h][0] = v_fma(qv, k0, acc[h][0]);
+                    acc[h][1] = v_fma(qv, k1, acc[h][1]);
+                    acc[h][2] = v_fma(qv, k2, acc[h][2]);
+                    acc[h][3] = v_fma(qv, k3, acc[h][3]);
+                }
             }
-            v_sum4(a0, a1, a2, a3, sums);
+            for (int h = 0; h < SH; h++) v_sum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3], sums[h]);
 #else
-            sums[0] = sums[1] = sums[2] = sums[3] = 0.f;
+            for (int h = 0; h < SH; h++) sums[h][0] = sums[h][1] = sums[h][2] = sums[h][3] = 0.f;
 #endif
             for (; d < W; d++)
-                for (int i = 0; i < 4; i++) sums[i] += q[d] * kf[(size_t)i * W + d];
-            for (int i = 0; i < m; i++) s[(size_t)r * n + j + i] = sums[i] * scale;
+                for (int h = 0; h < SH; h++)
+                    for (int i = 0; i < 4; i++) sums[h][i] += q[h][d] * kf[(size_t)i * W + d];
+            for (int h = 0; h < SH && r0 + h < G; h++)
+                for (int i = 0; i < m; i++) s[(size_t)(r0 + h) * n + j + i] = sums[h][i] * scale;
         }
     }
 }
