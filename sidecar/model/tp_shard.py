@@ -27,13 +27,18 @@ do not straddle a row-parallel split give one process's codes; int8's per-row sc
 rank's columns.
 
 Collectives run on a ``Comm``: a torch.distributed process group of this model's ranks alone (gloo on CPU
-tensors, NCCL on CUDA ones), not the global default group, with the group's timeout on every call.
+tensors, NCCL on CUDA ones), not the global default group, with the group's timeout on every call. Rank 0's
+``Comm`` waits in slices of ``WAIT_SLICE_S`` and asks its ``alive`` check between them: a peer whose host
+vanished (no exit, its connections open and silent) never fails the collective before the group's timeout,
+but the heartbeat watchdog ends it within seconds, and the wait then ends with the check's error.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import datetime
+import threading
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -41,22 +46,62 @@ from torch import nn
 from sidecar.model.args import ModelArgs
 
 
-class Comm:
-    """The collectives a sharded model runs, over one ``torch.distributed`` ProcessGroup."""
+WAIT_SLICE_S = 0.25  # how often a waiting rank 0 asks whether its peers are still there
 
-    def __init__(self, group: Any, rank: int, world: int) -> None:
-        self.group, self.rank, self.world = group, rank, world
+
+class Comm:
+    """The collectives a sharded model runs, over one ``torch.distributed`` ProcessGroup. ``alive`` (rank 0's:
+    raises once a peer is lost) is called between slices of every wait; without it a wait is one call."""
+
+    def __init__(self, group: Any, rank: int, world: int, alive: Optional[Callable[[], None]] = None) -> None:
+        self.group, self.rank, self.world, self.alive = group, rank, world, alive
+
+    def wait(self, work: Any, point_to_point: bool = False) -> None:
+        """Wait until ``work`` (an operation of the group) completes; its error is raised, or ``alive``'s while
+        it is still pending. Gloo ends a point-to-point operation whose timed wait runs out (it closes the
+        pair), so such a wait runs untimed on a thread of its own while this one waits in slices."""
+        if self.alive is None:
+            work.wait()
+            return
+        if point_to_point:
+            done, failed = threading.Event(), []
+            threading.Thread(target=_wait_into, args=(work, done, failed), daemon=True).start()
+            while not done.wait(WAIT_SLICE_S):
+                self.alive()
+            if failed:
+                raise failed[0]
+            return
+        while True:
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError:  # the slice ran out, or the operation failed
+                if work.is_completed():
+                    work.wait()  # its own outcome: done, or the operation's error
+                    return
+                self.alive()
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` (contiguous) over the ranks, in place; returns it."""
-        self.group.allreduce([t]).wait()
+        self.wait(self.group.allreduce([t]))
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape on all), in rank order."""
         parts = [torch.empty_like(t) for _ in range(self.world)]
-        self.group.allgather([parts], [t.contiguous()]).wait()
+        self.wait(self.group.allgather([parts], [t.contiguous()]))
         return parts
+
+
+_SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
+
+
+def _wait_into(work: Any, done: threading.Event, failed: list) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        failed.append(exc)
+    done.set()
 
 
 @dataclasses.dataclass
