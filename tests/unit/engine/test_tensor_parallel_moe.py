@@ -53,7 +53,7 @@ def _pool_whole(llm: LLM) -> None:
     assert all(b.ref_cnt == 0 for b in kv.pool.blocks[1:])
 
 
-def _halves(t: torch.Tensor, parts: list[torch.Tensor]) -> torch.Tensor:
+def _halves(parts: list[torch.Tensor]) -> torch.Tensor:
     """The fused gate/up rows of one process rebuilt from the ranks' own (gate rows first on each)."""
     h = parts[0].shape[0] // 2
     return torch.cat([p[:h] for p in parts] + [p[h:] for p in parts])
@@ -76,11 +76,11 @@ def test_expert_slices_rejoin_into_one_process_weights(checkpoints, kind):
             pairs.append((one.shared_expert, [s.shared_expert for s in split]))
         for mlp, parts in pairs:
             gu, down = mlp.gate_up_proj, mlp.down_proj
-            assert torch.equal(_halves(gu.weight, [p.gate_up_proj.weight for p in parts]), gu.weight)
+            assert torch.equal(_halves([p.gate_up_proj.weight for p in parts]), gu.weight)
             assert torch.equal(torch.cat([p.down_proj.weight for p in parts], 1), down.weight)
             assert parts[0].down_proj.weight.shape[1] * 2 == down.weight.shape[1]
             if gu.bias is not None:
-                assert torch.equal(_halves(gu.bias, [p.gate_up_proj.bias for p in parts]), gu.bias)
+                assert torch.equal(_halves([p.gate_up_proj.bias for p in parts]), gu.bias)
                 assert torch.equal(parts[0].down_proj.bias, down.bias)
                 assert not parts[1].down_proj.bias.any()
         for s in split:
@@ -88,6 +88,27 @@ def test_expert_slices_rejoin_into_one_process_weights(checkpoints, kind):
     if whole.args.attn_sinks:
         sinks = [m.layers[0].self_attn.sinks for m in ranks]
         assert torch.equal(torch.cat(sinks), whole.layers[0].self_attn.sinks)
+
+
+def test_int4_experts_quantized_per_rank_hold_one_process_codes(checkpoints):
+    """Each rank quantizes its experts' slices on load. With 32-column groups no group straddles the ranks'
+    split of an expert's down columns (32 of 64 each), so the ranks' layers, read out column by column
+    (products with the identity), are one process's layers split."""
+    cfg = EngineConfig(
+        model=str(checkpoints["qwen3_moe_step"]), dtype="float32", quantization="int4", quant_group_size=32
+    )
+    whole = load_model(cfg).model
+    ranks = [load_model(cfg, shard=Shard(r, 2)).model for r in (0, 1)]
+
+    def read(lin) -> torch.Tensor:
+        with torch.inference_mode():
+            return lin(torch.eye(lin.in_features)).t()  # [out, in]: what the layer multiplies by
+
+    for e, one in enumerate(whole.layers[1].mlp.experts):
+        split = [m.layers[1].mlp.experts[e] for m in ranks]
+        assert type(one.down_proj).__name__ == type(split[0].down_proj).__name__ == "Int4Linear"
+        assert torch.equal(_halves([read(s.gate_up_proj) for s in split]), read(one.gate_up_proj))
+        assert torch.equal(torch.cat([read(s.down_proj) for s in split], 1), read(one.down_proj))
 
 
 def test_splits_that_do_not_fall_on_experts_or_blocks_are_refused(checkpoints):
