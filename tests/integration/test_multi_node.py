@@ -116,10 +116,12 @@ def test_tensor_parallel_ranks_rendezvous_through_torchrun_variables():
         assert node1.returncode == 0
 
 
-def test_a_vanished_host_is_ended_by_the_watchdog_not_the_collective_timeout(monkeypatch):
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_a_vanished_host_is_ended_by_the_watchdog_not_the_collective_timeout(monkeypatch, split):
     """Node 1's agent is killed and its rank stopped: nothing reports an exit or ends it, and its connections
-    stay open and silent (a host gone from the network). Rank 0's all-reduce would wait for the collective
-    timeout (made long here); it waits in slices instead, and ends once the heartbeat watchdog ends the rank."""
+    stay open and silent (a host gone from the network). Rank 0's all-reduce (tensor) or its send / receive
+    (pipeline) would wait for the collective timeout (made long here); it waits in slices instead, and ends
+    once the heartbeat watchdog ends the rank."""
     import threading
 
     from sidecar.engine import tp
@@ -127,15 +129,15 @@ def test_a_vanished_host_is_ended_by_the_watchdog_not_the_collective_timeout(mon
     monkeypatch.setattr(tp, "COLLECTIVE_TIMEOUT_S", 600.0)
     port = _free_port()
     torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": "1"}
-    with _second_node(("--tensor-parallel-size", "2"), port, env=torchrun, flags=False) as node1:
+    with _second_node((f"--{split}-parallel-size", "2"), port, env=torchrun, flags=False) as node1:
         llm = LLM(
             model="demo",
             dtype="float32",
             device="cpu",
             num_kv_blocks=64,
-            tensor_parallel_size=2,
             nnodes=2,
             master_port=port,
+            **{f"{split}_parallel_size": 2},
         )
         eng = llm.engine
         (rank1,) = [p for p in psutil.Process(node1.pid).children() if "spawn_main" in " ".join(p.cmdline())]
@@ -155,7 +157,7 @@ def test_a_vanished_host_is_ended_by_the_watchdog_not_the_collective_timeout(mon
             driver.join(120)  # a fifth of the collective timeout
             assert not driver.is_alive(), "rank 0 waited on the vanished rank's collective"
             assert outs[rid].finish_reason == "abort"
-            assert "tensor-parallel worker rank 1" in outs[rid].abort_reason
+            assert f"{split}-parallel worker rank 1" in outs[rid].abort_reason
             assert "after its heartbeat stopped for" in outs[rid].abort_reason
             assert eng.tp.watchdog.hung.keys() == {1}
         finally:
