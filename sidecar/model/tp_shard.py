@@ -99,9 +99,10 @@ _SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
 def _wait_into(work: Any, done: threading.Event, failed: list) -> None:
     try:
         work.wait()
-    except RuntimeError as exc:
+    except Exception as exc:  # raised in the waiting thread
         failed.append(exc)
-    done.set()
+    finally:
+        done.set()
 
 
 @dataclasses.dataclass

@@ -171,11 +171,12 @@ def test_two_ranks_of_experts_match_hf_with_preemption_chunks_and_prefix_hits(qw
     assert llm.engine.model_info["fast_path_fallbacks"]["moe"] == "tensor_parallel_size 2"
 
 
-@pytest.mark.parametrize("kind", ["gpt_oss_mxfp4", "llama4"])
-def test_two_ranks_of_biased_sinked_or_shared_experts_match_hf(checkpoints, kind):
-    """gpt-oss with MXFP4 experts (their codes sliced per rank and read by the MXFP4 kernel on each: expert
-    and router biases, the clamped SwiGLU, attention sinks); Llama 4 (a shared expert beside the routed ones,
-    sigmoid-weighed expert inputs, dense layers between), with preemption and chunked prefill."""
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss_mxfp4", "llama4"])
+def test_two_ranks_of_each_family_match_hf(checkpoints, kind):
+    """Mixtral (float32 routing weights, per-expert w1 / w3 / w2 tensors); gpt-oss with MXFP4 experts (their
+    codes sliced per rank and read by the MXFP4 kernel on each: expert and router biases, the clamped SwiGLU,
+    attention sinks); Llama 4 (a shared expert beside the routed ones, sigmoid-weighed expert inputs, dense
+    layers between); each with preemption and chunked prefill."""
     from sidecar.model import mxfp4
     from tests.unit.engine.test_engine_vs_hf import hf_greedy
 
