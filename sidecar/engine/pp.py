@@ -30,6 +30,7 @@ from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group, worker_p
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model
 from sidecar.model.pp_stage import Stage, final_logits, run_layers, stage_args
+from sidecar.model.tp_shard import Comm
 
 # Point-to-point tags: the stream between stages, the logits back to rank 0.
 TAG_STREAM, TAG_LOGITS = 1, 2
@@ -55,24 +56,24 @@ class PipelineParallel(TensorParallel):
     def worker_main(self) -> Any:
         return _stage_main
 
-    def rank_zero_shard(self, group: Any) -> Stage:
+    def rank_zero_shard(self, comm: Any) -> Stage:
         return Stage(0, self.world)
 
     def drive(self, model: Any) -> Any:
         return model  # already the PipelineModel the runner was built on
 
 
-def send(group: Any, t: torch.Tensor, dst: int, tag: int) -> None:
+def send(comm: Comm, t: torch.Tensor, dst: int, tag: int) -> None:
     """Send ``t``'s bytes to rank ``dst`` (any dtype: the receiver knows the shape and dtype)."""
-    group.send([t.contiguous().view(torch.uint8).view(-1)], dst, tag).wait()
+    comm.wait(comm.group.send([t.contiguous().view(torch.uint8).view(-1)], dst, tag), point_to_point=True)
 
 
 def recv(
-    group: Any, shape: tuple, dtype: torch.dtype, device: torch.device, src: int, tag: int
+    comm: Comm, shape: tuple, dtype: torch.dtype, device: torch.device, src: int, tag: int
 ) -> torch.Tensor:
     """Receive a tensor of ``shape`` and ``dtype`` that rank ``src`` sent with ``send``."""
     out = torch.empty(shape, dtype=dtype, device=device)
-    group.recv([out.view(torch.uint8).view(-1)], src, tag).wait()
+    comm.wait(comm.group.recv([out.view(torch.uint8).view(-1)], src, tag), point_to_point=True)
     return out
 
 
@@ -97,15 +98,15 @@ class PipelineModel:
     def _first_stage(self, ids, positions, kv_caches, meta) -> torch.Tensor:
         m = self._model
         h, delta = run_layers(m, self.stage, m.embed(ids), None, positions, kv_caches, meta)
-        send(self._pp.group, h, 1, TAG_STREAM)
-        send(self._pp.group, delta, 1, TAG_STREAM)
+        send(self._pp.comm, h, 1, TAG_STREAM)
+        send(self._pp.comm, delta, 1, TAG_STREAM)
         return h  # rows stand for the step's tokens; the last stage holds their stream
 
     def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         self._pp.send(("logits", rows.cpu().numpy()))
         shape = (rows.shape[0], self._model.args.vocab_size)
         last = self._pp.world - 1
-        return self._pp.run(recv, self._pp.group, shape, torch.float32, hidden.device, last, TAG_LOGITS)
+        return self._pp.run(recv, self._pp.comm, shape, torch.float32, hidden.device, last, TAG_LOGITS)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise TPWorkerLost("pipeline parallelism computes logits of selected rows only (logits_at)")
@@ -117,13 +118,13 @@ def _stage_main(rank: int, world: int, port: int, config: EngineConfig, conn: An
 
 
 def _stage_body(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:
-    group = join_group(rank, world, port, config)
+    comm = Comm(join_group(rank, world, port, config), rank, world)
     stage = Stage(rank, world)
-    _serve(load_model(config, shard=stage), config, conn, group, stage)
+    _serve(load_model(config, shard=stage), config, conn, comm, stage)
 
 
 @torch.inference_mode()
-def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, group: Any, stage: Stage) -> None:
+def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, stage: Stage) -> None:
     model, device, dtype = loaded.model, loaded.device, loaded.dtype
     kv_caches = worker_pool(loaded, config, conn, stage.kv_shapes(model.args))
     if kv_caches is None:
@@ -136,14 +137,14 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, group: Any, sta
             return
         if msg[0] == "fwd":
             ids, pos, meta = unpack_inputs(msg[1], device)
-            h = recv(group, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
-            delta = recv(group, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
+            h = recv(comm, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
+            delta = recv(comm, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
             h, delta = run_layers(model, stage, h, delta, pos, kv_caches, meta)
             if stage.last:
                 stream = (h, delta)
             else:
-                send(group, h, stage.rank + 1, TAG_STREAM)
-                send(group, delta, stage.rank + 1, TAG_STREAM)
+                send(comm, h, stage.rank + 1, TAG_STREAM)
+                send(comm, delta, stage.rank + 1, TAG_STREAM)
         elif msg[0] == "logits" and stage.last:
             rows = torch.from_numpy(msg[1]).to(device)
-            send(group, final_logits(model, *stream, rows), 0, TAG_LOGITS)
+            send(comm, final_logits(model, *stream, rows), 0, TAG_LOGITS)

@@ -10,7 +10,9 @@ Each forward's inputs (token ids, positions, slots, the attention metadata) and 
 indices reach the workers through one pipe per worker, pickled, not through a collective: an idle worker
 waits on its pipe with no collective timeout running, rank 0 sees a worker gone from its process sentinel
 before it sends, and a worker sees rank 0 gone from its pipe closing. The collectives inside the forward
-(model/tp_shard.py) carry the group's timeout, and gloo fails them at once when a peer's connection closes.
+(model/tp_shard.py) carry the group's timeout, and gloo fails them at once when a peer's connection closes;
+rank 0 waits on gloo in slices that ask ``alive`` (a peer whose host vanished, its connections silent, is
+ended by the heartbeat watchdog within seconds: the wait ends then, not at the collective timeout).
 
 Faults: a worker that exits, or a collective that fails or times out, breaks the group for good (``broken``
 names the rank and its exit code): the step's requests and every later one fail with ``TPWorkerLost``,
@@ -166,7 +168,9 @@ class TensorParallel:
         self.watchdog = rendezvous.Watchdog(addr, store.port, self.world, self.procs)
         self.store = store  # the workers' connection to it stays up while the group lives
         self.group = group
-        self.shard = self.rank_zero_shard(group)
+        # NCCL's waits only order streams (its own watchdog times operations): slices on gloo only
+        self.comm = Comm(group, 0, self.world, self.alive if self.backend == "gloo" else None)
+        self.shard = self.rank_zero_shard(self.comm)
         log.info("%s: %d ranks over %s, workers %s", self.label, self.world, self.backend, self.pids())
 
     @property
@@ -174,9 +178,9 @@ class TensorParallel:
         """The workers' entry point (module level: spawn pickles it by name)."""
         return _worker_main
 
-    def rank_zero_shard(self, group: Any) -> Any:
+    def rank_zero_shard(self, comm: Comm) -> Any:
         """What rank 0 passes to load_model as its ``shard``."""
-        return Shard(0, self.world, Comm(group, 0, self.world))
+        return Shard(0, self.world, comm)
 
     def drive(self, model: Any) -> Any:
         """The runner's model once the workers are ready: forwards go to every rank."""
@@ -218,6 +222,12 @@ class TensorParallel:
         ):
             if used:
                 raise ValueError(f"{name}: not supported with {self.option} {self.world}")
+
+    def alive(self) -> None:
+        """Raises TPWorkerLost once a worker has exited or been ended (by the watchdog, its beat stale)."""
+        for rank, proc in self.procs.items():
+            if proc.exitcode is not None:
+                raise TPWorkerLost(f"{self.label} worker rank {rank} exited with code {proc.exitcode}")
 
     def check(self) -> None:
         """Raises TPWorkerLost once the group is broken."""

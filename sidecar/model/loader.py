@@ -325,7 +325,8 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
 
             if own is not None:
                 raise ValueError(f"quantization_config: {args.architecture} is read in our formats only")
-            if shard is not None:
+            mxfp4 = (hf_config["quantization_config"] or {}).get("quant_method") == "mxfp4"
+            if shard is not None and not (mxfp4 and isinstance(shard, Shard)):  # experts' codes: tp_shard.py
                 raise ValueError(f"{split}: checkpoints with a quantization_config are not split")
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
             if cfg.quantization is None and quantization is not None:  # the tool's format, not ours

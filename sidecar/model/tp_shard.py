@@ -9,6 +9,11 @@ Of ``world`` ranks, rank ``r`` holds:
   matching columns of o_proj (row-parallel);
 - MLP: ``1 / world`` of the intermediate rows of gate/up (column-parallel), those columns of down_proj
   (row-parallel);
+- mixture of experts: every expert's ``1 / world`` of its intermediate rows (gate/up rows, down columns: each
+  checkpoint layout sliced as ``_expert_slice`` reads it), the shared expert's likewise, the router (and a
+  shared expert's one-output gate) whole; so every rank routes every token alike, weighs its partial expert
+  outputs by the same weights, and the block's output (routed sum plus shared expert) is summed by one
+  all-reduce per layer (an expert's down bias on rank 0 only); attention sinks: the query heads' own;
 - embedding and head: vocabulary rows ``[r * V', (r + 1) * V')`` with ``V' = ceil(V / world)``, the last
   rank's table padded with zero rows.
 
@@ -22,13 +27,18 @@ do not straddle a row-parallel split give one process's codes; int8's per-row sc
 rank's columns.
 
 Collectives run on a ``Comm``: a torch.distributed process group of this model's ranks alone (gloo on CPU
-tensors, NCCL on CUDA ones), not the global default group, with the group's timeout on every call.
+tensors, NCCL on CUDA ones), not the global default group, with the group's timeout on every call. Rank 0's
+``Comm`` waits in slices of ``WAIT_SLICE_S`` and asks its ``alive`` check between them: a peer whose host
+vanished (no exit, its connections open and silent) never fails the collective before the group's timeout,
+but the heartbeat watchdog ends it within seconds, and the wait then ends with the check's error.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import datetime
+import threading
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -36,22 +46,63 @@ from torch import nn
 from sidecar.model.args import ModelArgs
 
 
-class Comm:
-    """The collectives a sharded model runs, over one ``torch.distributed`` ProcessGroup."""
+WAIT_SLICE_S = 0.25  # how often a waiting rank 0 asks whether its peers are still there
 
-    def __init__(self, group: Any, rank: int, world: int) -> None:
-        self.group, self.rank, self.world = group, rank, world
+
+class Comm:
+    """The collectives a sharded model runs, over one ``torch.distributed`` ProcessGroup. ``alive`` (rank 0's:
+    raises once a peer is lost) is called between slices of every wait; without it a wait is one call."""
+
+    def __init__(self, group: Any, rank: int, world: int, alive: Optional[Callable[[], None]] = None) -> None:
+        self.group, self.rank, self.world, self.alive = group, rank, world, alive
+
+    def wait(self, work: Any, point_to_point: bool = False) -> None:
+        """Wait until ``work`` (an operation of the group) completes; its error is raised, or ``alive``'s while
+        it is still pending. Gloo ends a point-to-point operation whose timed wait runs out (it closes the
+        pair), so such a wait runs untimed on a thread of its own while this one waits in slices."""
+        if self.alive is None:
+            work.wait()
+            return
+        if point_to_point:
+            done, failed = threading.Event(), []
+            threading.Thread(target=_wait_into, args=(work, done, failed), daemon=True).start()
+            while not done.wait(WAIT_SLICE_S):
+                self.alive()
+            if failed:
+                raise failed[0]
+            return
+        while True:
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError:  # the slice ran out, or the operation failed
+                if work.is_completed():
+                    work.wait()  # its own outcome: done, or the operation's error
+                    return
+                self.alive()
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum ``t`` (contiguous) over the ranks, in place; returns it."""
-        self.group.allreduce([t]).wait()
+        self.wait(self.group.allreduce([t]))
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (same shape on all), in rank order."""
         parts = [torch.empty_like(t) for _ in range(self.world)]
-        self.group.allgather([parts], [t.contiguous()]).wait()
+        self.wait(self.group.allgather([parts], [t.contiguous()]))
         return parts
+
+
+_SLICE = datetime.timedelta(seconds=WAIT_SLICE_S)
+
+
+def _wait_into(work: Any, done: threading.Event, failed: list) -> None:
+    try:
+        work.wait()
+    except Exception as exc:  # raised in the waiting thread
+        failed.append(exc)
+    finally:
+        done.set()
 
 
 @dataclasses.dataclass
@@ -72,12 +123,18 @@ class Shard:
             problems.append(f"{nkv} KV heads (a multiple or a divisor of the ranks)")
         if args.intermediate_size % n:
             problems.append(f"intermediate size {args.intermediate_size}")
-        if args.num_experts:
-            problems.append("mixture-of-experts layers")
+        for what, size in (
+            ("expert", args.expert_intermediate_size),
+            ("shared expert", args.shared_expert_size),
+        ):
+            if size % n:
+                problems.append(f"{what} intermediate size {size}")
+        if args.routing is not None:
+            problems.append("group-limited routing")
         if args.fused_checkpoint:
             problems.append("checkpoint-fused qkv / gate_up projections")
-        if args.linear_layers or args.attn_output_gate or args.attn_sinks:
-            problems.append("linear-attention layers, gated attention output or attention sinks")
+        if args.linear_layers or args.attn_output_gate:
+            problems.append("linear-attention layers or gated attention output")
         if args.layer_head_dims or args.kv_source:
             problems.append("layers of different head sizes or shared KV")
         if args.latent is not None:
@@ -97,29 +154,45 @@ class Shard:
             num_heads=args.num_heads // n,
             num_kv_heads=max(1, args.num_kv_heads // n),
             intermediate_size=args.intermediate_size // n,
+            expert_intermediate_size=args.expert_intermediate_size // n,
+            shared_expert_size=args.shared_expert_size // n,
             vocab_size=-(-args.vocab_size // n),
         )
 
     def ranges(self, args: ModelArgs) -> dict[str, tuple[int, int]]:
-        """Row ranges this rank holds: query heads, KV heads, intermediate rows, vocabulary rows."""
+        """Row ranges this rank holds: query heads, KV heads, intermediate rows (dense, expert and shared
+        expert), vocabulary rows."""
         r, n = self.rank, self.world
-        nh, nkv, inter, v = args.num_heads, args.num_kv_heads, args.intermediate_size, args.vocab_size
+        nh, nkv, v = args.num_heads, args.num_kv_heads, args.vocab_size
         q = (r * nh // n, (r + 1) * nh // n)
         kv = (r * nkv // n, (r + 1) * nkv // n) if nkv >= n else (r * nkv // n, r * nkv // n + 1)
         rows = -(-v // n)
-        return {"q": q, "kv": kv, "mlp": (r * inter // n, (r + 1) * inter // n), "vocab": (r * rows, rows)}
+        part = lambda size: (r * size // n, (r + 1) * size // n)  # noqa: E731
+        return {
+            "q": q,
+            "kv": kv,
+            "mlp": part(args.intermediate_size),
+            "expert": part(args.expert_intermediate_size),
+            "shared": part(args.shared_expert_size),
+            "vocab": (r * rows, rows),
+        }
 
     def checkpoint(self, ckpt: Any, args: ModelArgs) -> "ShardedCheckpoint":
         return ShardedCheckpoint(ckpt, self, args)
 
     def wrap(self, model: nn.Module, args: ModelArgs) -> None:
         """Join the loaded slices of ``model`` (built from ``local_args``): all-reduce after o_proj and
-        down_proj, the embedding's lookup and the head's gather over the vocabulary."""
-        assert self.comm is not None, "a sharded forward needs its process group"
+        down_proj (after a sparse layer's whole block), the embedding's lookup and the head's gather over the
+        vocabulary."""
+        if self.comm is None:  # slices only, to read (a forward of them would give partial sums)
+            return
         lo, rows = self.ranges(args)["vocab"]
-        for layer in model.layers:
+        for i, layer in enumerate(model.layers):
             layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, self.comm)
-            layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, self.comm)
+            if args.sparse(i):
+                layer.mlp = RowParallel(layer.mlp, self.comm)
+            else:
+                layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, self.comm)
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, lo, rows, self.comm)
         model.lm_head = VocabParallelHead(model.lm_head, args.vocab_size, self.comm)
 
@@ -138,8 +211,12 @@ class ShardedCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         t = self.ckpt.get(name)
         hd, r = self.args.head_dim, self.r
+        if ".experts." in name or ".shared_expert." in name:
+            return self._expert_slice(name, t)
         part = name.rsplit(".", 2)
         module, kind = (part[-2], part[-1]) if len(part) == 3 else ("", part[-1])
+        if kind == "sinks":  # one logit per query head
+            return t[r["q"][0] : r["q"][1]].contiguous()
         if module == "q_proj":
             return t[r["q"][0] * hd : r["q"][1] * hd].contiguous()
         if module in ("k_proj", "v_proj"):
@@ -158,6 +235,43 @@ class ShardedCheckpoint:
             out[: piece.shape[0]] = piece
             return out
         return t
+
+    def _expert_slice(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of an expert tensor, in each layout ``moe.expert_weights`` reads: per-expert
+        ``experts.<e>.<gate|up|down>.weight`` (and a shared expert's ``<gate|up|down>_proj``); fused
+        ``experts.gate_up_proj`` [E, 2I, H] (gate rows first) and ``experts.down_proj`` [E, H, I]; gpt-oss's
+        ``gate_up_proj`` [E, H, 2I] with gate / up columns interleaved (pair ``j`` at ``2j, 2j + 1``: a rank's
+        pairs are contiguous), ``down_proj`` [E, I, H], their biases, and MXFP4 ``*_blocks`` / ``*_scales``
+        (outputs first; the down projection's inputs in blocks of 32, so its split must fall on one)."""
+        shared = ".shared_expert." in name
+        lo, hi = self.r["shared" if shared else "expert"]
+        width = self.args.shared_expert_size if shared else self.args.expert_intermediate_size
+        tail = name.rsplit(".shared_expert." if shared else ".experts.", 1)[-1]
+        interleaved = self.args.expert_bias  # gpt-oss's fused layout
+        if tail == "gate_up_proj":
+            if interleaved:
+                return t[:, :, 2 * lo : 2 * hi].contiguous()
+            return torch.cat((t[:, lo:hi], t[:, width + lo : width + hi]), 1)
+        if tail == "down_proj":
+            return (t[:, lo:hi] if interleaved else t[:, :, lo:hi]).contiguous()
+        if tail in ("gate_up_proj_bias", "gate_up_proj_blocks", "gate_up_proj_scales"):
+            return t[:, 2 * lo : 2 * hi].contiguous()
+        if tail == "down_proj_bias":  # added once, after the sum
+            return t if self.shard.rank == 0 else torch.zeros_like(t)
+        if tail in ("down_proj_blocks", "down_proj_scales"):
+            if lo % 32 or hi % 32:
+                raise ValueError(
+                    f"tensor_parallel_size: {self.shard.world} ranks split the MXFP4 experts' "
+                    f"{width} intermediate columns off their 32-column blocks"
+                )
+            return t[:, :, lo // 32 : hi // 32].contiguous()
+        _, gate, up, down = self.args.moe_names
+        module = tail.split(".")[-2] if tail.endswith(".weight") and "." in tail else None
+        if module in (gate, up, "gate_proj", "up_proj"):  # per expert (or shared): [I, H]
+            return t[lo:hi].contiguous()
+        if module in (down, "down_proj"):  # [H, I]
+            return t[:, lo:hi].contiguous()
+        raise ValueError(f"tensor_parallel_size: expert tensor {name!r} has no known split")
 
 
 class RowParallel(nn.Module):

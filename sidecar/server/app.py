@@ -51,10 +51,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     setup_logging(cfg.server.log_level, cfg.server.log_json)
     try:
-        return asyncio.run(Sidecar(cfg, service).main())
+        code = asyncio.run(Sidecar(cfg, service).main())
     except StartupError as exc:
         print(f"sidecar serve: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    if code == ENGINE_STOPPED:
+        _exit_now(code)
+    return code
+
+
+ENGINE_STOPPED = 1  # the exit status once the engine stopped by itself (a split model lost a rank)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without tearing the engine down: a split model's broken process group may still hold an operation
+    with a peer whose host vanished, and its teardown would wait for the group's timeout to end it."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class StartupError(Exception):
@@ -176,14 +191,14 @@ class Sidecar:
 
     async def _serve(self) -> int:
         """Serve until a signal (0) or until the engine stops by itself (1: e.g. a tensor-parallel worker died,
-        so the orchestrator restarts the server)."""
+        so the orchestrator restarts the server: ``ENGINE_STOPPED``)."""
         engine = self.service.engine
         while not self.stop.is_set():
             if not engine.is_running:
                 print(
                     f"sidecar serve: error: {engine.failure or 'engine stopped'}", file=sys.stderr, flush=True
                 )
-                return 1
+                return ENGINE_STOPPED
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), 0.5)
         return 0

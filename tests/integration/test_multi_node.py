@@ -1,7 +1,8 @@
 """Two "nodes" on loopback: node 0 is ``sidecar serve --nnodes 2 --node-rank 0 --master-port P`` (it serves),
 node 1 ``sidecar serve ... --node-rank 1`` (it only runs its rank, taking its inputs over the rendezvous
 store). Pipeline stages by flags, tensor-parallel ranks by torchrun's environment variables; answers equal one
-process's, and a rank killed on node 1 mid-stream ends the stream with an error and both nodes exit non-zero."""
+process's, a rank killed on node 1 mid-stream ends the stream with an error and both nodes exit non-zero, and
+a vanished node 1 (its agent gone, its rank stopped) is ended by the heartbeat watchdog within seconds."""
 
 from __future__ import annotations
 
@@ -113,3 +114,52 @@ def test_tensor_parallel_ranks_rendezvous_through_torchrun_variables():
             llm.engine.tp.close()
         node1.wait(60)
         assert node1.returncode == 0
+
+
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_a_vanished_host_is_ended_by_the_watchdog_not_the_collective_timeout(monkeypatch, split):
+    """Node 1's agent is killed and its rank stopped: nothing reports an exit or ends it, and its connections
+    stay open and silent (a host gone from the network). Rank 0's all-reduce (tensor) or its send / receive
+    (pipeline) would wait for the collective timeout (made long here); it waits in slices instead, and ends
+    once the heartbeat watchdog ends the rank."""
+    import threading
+
+    from sidecar.engine import tp
+
+    monkeypatch.setattr(tp, "COLLECTIVE_TIMEOUT_S", 600.0)
+    port = _free_port()
+    torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": "1"}
+    with _second_node((f"--{split}-parallel-size", "2"), port, env=torchrun, flags=False) as node1:
+        llm = LLM(
+            model="demo",
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=64,
+            nnodes=2,
+            master_port=port,
+            **{f"{split}_parallel_size": 2},
+        )
+        eng = llm.engine
+        (rank1,) = [p for p in psutil.Process(node1.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        try:
+            rid = eng.add_request(None, [5, 6, 7, 8], SamplingParams(max_tokens=200, ignore_eos=True))
+            outs = {o.request_id: o for o in eng.step()}
+            node1.kill()
+            node1.wait(30)
+            rank1.suspend()
+
+            def drive() -> None:
+                while eng.has_unfinished_requests():
+                    outs.update((o.request_id, o) for o in eng.step())
+
+            driver = threading.Thread(target=drive, daemon=True)
+            driver.start()
+            driver.join(120)  # a fifth of the collective timeout
+            assert not driver.is_alive(), "rank 0 waited on the vanished rank's collective"
+            assert outs[rid].finish_reason == "abort"
+            assert f"{split}-parallel worker rank 1" in outs[rid].abort_reason
+            assert "after its heartbeat stopped for" in outs[rid].abort_reason
+            assert eng.tp.watchdog.hung.keys() == {1}
+        finally:
+            rank1.kill()  # its connections close: nothing of the group is left waiting
+            eng.tp.close()
