@@ -4,8 +4,9 @@ of 32) page groups on cache tensors of their own shape, and the layers sharing a
 (groups of one layer) and eight (groups of two, a reader on each group's second tensor). Greedy float32
 equal to HF transformers with a window of 6 shorter than the prompts, prompt chunks ending inside windows,
 a tight pool (preemption), freed blocks overwritten with other data, a prefix-cache hit after the window's
-blocks were given back, aborts mid-prompt and mid-generation, int8 KV and beam forks; the sliding groups'
-blocks per sequence bounded while the full group keeps every one; the pool whole after each run."""
+blocks were given back, aborts mid-prompt and mid-generation, n-gram verification rows, int8 KV and beam
+forks; the sliding groups' blocks per sequence bounded while the full group keeps every one; the pool whole
+after each run."""
 
 from __future__ import annotations
 
@@ -196,3 +197,26 @@ def test_int8_kv_and_beam_search_through_groups_agree_with_one_table(dirs, monke
         assert_pool_whole(llm)
     assert outs[True] == outs[False]
     assert len(outs[True][1]) == 3 and len({tuple(t) for t, _ in outs[True][1]}) == 3
+
+
+def test_ngram_verification_rows_through_the_groups_match_hf(dirs):
+    """n-gram proposals verified in rows of every group (a reader's too) and their rejected tails trimmed
+    from every group's table: the tokens are HF's."""
+    from tests.unit.engine.test_spec_engine import repetitive_prompts, spec_counts
+
+    prompts = [p for p in repetitive_prompts(8, seed=3) if len(p) > 16][:2]  # copy-heavy, beyond the window
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = hf_greedy(dirs["five"], prompts, 16)
+    llm = LLM(
+        model=str(dirs["five"]),
+        dtype="float32",
+        block_size=8,
+        num_kv_blocks=64,
+        speculative="ngram",
+        num_speculative_tokens=3,
+        speculative_token_cost=0.0,
+        enable_prefix_caching=False,
+    )
+    assert [llm.generate([p], params)[0].token_ids for p in prompts] == ref
+    assert spec_counts(llm)[0] > 0 and llm.engine.kv.num_released_blocks > 0
+    assert_pool_whole(llm)
