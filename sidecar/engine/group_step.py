@@ -15,19 +15,22 @@ from sidecar.model.attention import AttentionMetadata
 
 
 def layer_caches(a, budget, block_size: int, dtype: torch.dtype, device: torch.device) -> list[tuple]:
-    """The cache of each layer that keeps one: per-head K/V at the layer's own shape (layers reading another's
-    cache keep none; a hybrid model's linear layers keep state slots instead), or MLA's latent and rotary key
-    part (mla.py). ``budget`` (``KVBudget``) gives the pool's blocks and KV groups: with groups,
-    ``plan.per_group`` caches, the ``j``-th layer of every group on the ``j``-th (a block belongs to one
-    group, so layers sharing a tensor never share a block)."""
+    """The cache of each layer that keeps one, in layer order (``ModelArgs.kv_shapes``): per-head K/V at the
+    layer's own shape (layers reading another's cache keep none; a hybrid model's linear layers keep state
+    slots instead), or MLA's latent and rotary key part (mla.py). ``budget`` (``KVBudget``) gives the pool's
+    blocks and KV groups: with groups, ``plan.per_group`` caches of each of ``plan.shapes``, the ``j``-th layer
+    of every group of a shape on that shape's ``j``-th (a block belongs to one group, so layers sharing a
+    tensor never share a block)."""
     plan, num_blocks = budget.plan, budget.num_blocks
     if plan is None:
         return [mla.layer_cache(a, num_blocks, block_size, dtype, device, shape) for shape in a.kv_shapes()]
     storage = [
-        mla.layer_cache(a, num_blocks, block_size, dtype, device, a.kv_shapes()[0])
+        mla.layer_cache(a, num_blocks, block_size, dtype, device, shape)
+        for shape in plan.shapes or a.kv_shapes()[:1]
         for _ in range(plan.per_group)
     ]
-    return [storage[j] for j in plan.storage_of(a.num_layers)]
+    where, src = plan.storage_of(a.num_layers), a.kv_source
+    return [storage[where[i]] for i in range(a.num_layers) if src is None or src[i] == i]
 
 
 def attach_groups(

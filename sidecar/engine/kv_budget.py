@@ -51,11 +51,13 @@ def kv_bytes_per_block(
     """Cache bytes of one block over the layers that keep KV (each at its own heads and head size), K and V,
     with the scales of a quantized cache (a hybrid model's linear-attention layers keep state slots instead,
     ``linear_state.py``; layers sharing another's KV keep none; latent attention a latent per token); with KV
-    groups (``plan``), over one group's layers."""
+    groups (``plan``), over one group's layers at each of the plan's cache shapes (a block id holds a page in
+    every shape's tensors, kv_groups.py)."""
     a, dtype = loaded.args, kv_dtype or loaded.dtype
     if plan is not None:  # a block holds one group's layers
-        nkv, hd = a.kv_shapes()[0]
-        return 2 * block_size * plan.per_group * nkv * kv_quant.bytes_per_token_head(dtype, hd)
+        shapes = plan.shapes or a.kv_shapes()[:1]
+        per_token = sum(nkv * kv_quant.bytes_per_token_head(dtype, hd) for nkv, hd in shapes)
+        return 2 * block_size * plan.per_group * per_token
     if getattr(a, "latent", None) is not None:  # a latent per token and layer (mla.py)
         from sidecar.model import mla
 

@@ -2,11 +2,16 @@
 block table per sequence, all drawn from one block pool.
 
 Layout. A model whose attention layers are of several kinds (Gemma 2/3 and gpt-oss: sliding and full; Llama 4:
-chunked and full) and whose layers all keep K/V of one shape is split into groups of ``k`` layers of one kind,
-``k`` the greatest common divisor of the kinds' layer counts (so every group holds the same number of
-layers). The runner allocates ``k`` cache tensors and the ``j``-th layer of every group reads and writes the
-``j``-th of them, so a pool block is a page of ``k`` layers' K/V owned by exactly one group of one sequence
-(or shared by prefix reuse within that group): one pool, one page size, one token budget.
+chunked and full; Gemma 4: sliding and full, each kind at its own KV heads and head size) is split into groups
+of ``k`` layers of one kind and one cache shape, ``k`` the greatest common divisor of the layer counts of each
+(kind, shape) (so every group holds the same number of layers). The runner allocates ``k`` cache tensors per
+cache shape (``GroupPlan.shapes``) and the ``j``-th layer of every group of a shape reads and writes that
+shape's ``j``-th tensor, so a pool block is a page of ``k`` layers' K/V owned by exactly one group of one
+sequence (or shared by prefix reuse within that group): one pool, one page size, one token budget. With
+several shapes a block id holds a page in every shape's tensors and its group uses the one of its shape (the
+others' stay unused: a block costs the sum of the shapes' pages). A layer reading an earlier layer's cache
+(``kv_source``: Gemma 4's KV-sharing layers) keeps none: it is a reader of its source's group, attending
+through that group's tables on its source's tensor.
 
 Freeing. A block of a sliding group (window ``W``) whose every position is before ``p - W + 1``, ``p`` the
 earliest query position of the sequence's next step (a prompt chunk or the verified tokens of a speculative
@@ -40,7 +45,9 @@ NULL = 0  # the pool's reserved padding block: what a freed table entry points a
 class KVGroup:
     kind: str  # "full" | "sliding" | "chunked"
     span: Optional[int]  # the window (sliding) or chunk (chunked) in tokens; None for full
-    layers: tuple[int, ...]
+    layers: tuple[int, ...]  # the layers keeping this group's KV: the j-th on tensor j of its shape
+    shape: Optional[tuple[int, int]] = None  # (KV heads, head size) of its layers' caches; None: the model's
+    readers: tuple[tuple[int, int], ...] = ()  # (layer, source): layers attending on a source's cache
 
     def first_needed(self, pos: int) -> int:
         """The first position a query at ``pos`` (or any later one) may attend."""
@@ -60,26 +67,42 @@ class KVGroup:
 @dataclass(frozen=True)
 class GroupPlan:
     groups: tuple[KVGroup, ...]
-    per_group: int  # layers per group: the number of cache tensors the layers share
+    per_group: int  # layers keeping KV per group: the number of cache tensors of each shape
+    shapes: tuple[tuple[int, int], ...] = ()  # the cache shapes, in storage order (): one, the model's
 
-    def storage_of(self, num_layers: int) -> list[int]:
-        """Per layer, the index of the cache tensor it reads and writes."""
-        out = [0] * num_layers
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) + len(g.readers) for g in self.groups)
+
+    def storage_of(self, num_layers: Optional[int] = None) -> list[int]:
+        """Per layer, the index of the cache tensor it reads (and, keeping KV, writes): ``per_group`` tensors
+        per shape in ``shapes`` order, a group's ``j``-th layer on its shape's ``j``-th, a reader on its
+        source's."""
+        out = [0] * (num_layers or self.num_layers)
         for g in self.groups:
+            base = self.shapes.index(g.shape) * self.per_group if self.shapes else 0
             for j, layer in enumerate(g.layers):
-                out[layer] = j
+                out[layer] = base + j
+        for g in self.groups:
+            for layer, source in g.readers:
+                out[layer] = out[source]
         return out
 
     def group_of(self) -> list[int]:
-        """Per layer, the index of its group."""
-        out = [0] * sum(len(g.layers) for g in self.groups)
+        """Per layer, the index of its group (a reader's is its source's)."""
+        out = [0] * self.num_layers
         for i, g in enumerate(self.groups):
-            for layer in g.layers:
+            for layer in (*g.layers, *(r for r, _ in g.readers)):
                 out[layer] = i
         return out
 
     def describe(self) -> str:
-        kinds = ", ".join(f"{g.kind}{'' if g.span is None else f' {g.span}'}" for g in self.groups)
+        kinds = ", ".join(
+            f"{g.kind}{'' if g.span is None else f' {g.span}'}"
+            + ("" if len(self.shapes) < 2 else f" {g.shape[0]}x{g.shape[1]}")
+            + (f" +{len(g.readers)} reading" if g.readers else "")
+            for g in self.groups
+        )
         return f"{len(self.groups)} groups of {self.per_group} layers ({kinds})"
 
 
@@ -95,21 +118,25 @@ def plan_groups(args, tp_pp: int = 1) -> tuple[Optional[GroupPlan], Optional[str
         return None, None
     if args.latent is not None or args.linear_layers:
         return None, "latent or linear-attention layers"
-    if args.kv_source is not None and any(args.kv_source[i] != i for i in range(n)):
-        return None, "layers sharing another layer's KV"
-    if len(set(args.kv_shapes())) != 1:
-        return None, "layers with different KV shapes"
+    src = args.kv_source or tuple(range(n))
+    if any(kinds[src[i]] != kinds[i] for i in range(n)):
+        return None, "a layer reading the KV of a layer of another attention kind"
     if tp_pp > 1:
         return None, "tensor / pipeline parallel ranks"
-    order = list(dict.fromkeys(kinds))
-    members = {k: [i for i in range(n) if kinds[i] == k] for k in order}
+    owners = [i for i in range(n) if src[i] == i]
+    shape = dict(zip(owners, args.kv_shapes()))  # kv_shapes lists the layers keeping KV, in order
+    keys = [(*kinds[i], shape[i]) for i in owners]
+    order = list(dict.fromkeys(keys))
+    members = {key: [i for i, x in zip(owners, keys) if x == key] for key in order}
     k = math.gcd(*(len(v) for v in members.values()))
     groups = []
-    for kind in sorted(order, key=lambda x: x[0] != "full"):  # full groups first
-        layers = members[kind]
+    for key in sorted(order, key=lambda x: x[0] != "full"):  # full groups first
+        layers = members[key]
         for s in range(0, len(layers), k):
-            groups.append(KVGroup(kind[0], kind[1], tuple(layers[s : s + k])))
-    return GroupPlan(tuple(groups), k), None
+            mine = tuple(layers[s : s + k])
+            readers = tuple((i, src[i]) for i in range(n) if src[i] != i and src[i] in mine)
+            groups.append(KVGroup(key[0], key[1], mine, key[2], readers))
+    return GroupPlan(tuple(groups), k, tuple(dict.fromkeys(shape[i] for i in owners))), None
 
 
 def _kind(args, layer: int) -> tuple[str, Optional[int]]:

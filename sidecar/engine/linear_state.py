@@ -150,6 +150,10 @@ def groups_of(runner) -> list[dict]:
                 "kind": {"full": "attention"}.get(g.kind, f"{g.kind}_attention"),
                 "layers": len(g.layers),
                 **({} if g.span is None else {"window" if g.kind == "sliding" else "chunk": g.span}),
+                # layers attending on this group's caches without their own (KV sharing), and the caches'
+                # shape where the groups' differ
+                **({"shared_layers": len(g.readers)} if g.readers else {}),
+                **({"kv_heads": g.shape[0], "head_dim": g.shape[1]} if len(plan.shapes) > 1 else {}),
                 "block_bytes": page,
                 "pool_bytes": runner.kv_cache_bytes,
                 "pool_blocks": runner.num_blocks - 1,

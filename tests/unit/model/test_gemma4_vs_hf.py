@@ -2,7 +2,8 @@
 ``generate`` token for token -- sliding layers whose window is shorter than the prompts beside full layers of
 other head sizes, per-layer input embeddings, the last layers sharing earlier layers' KV, and the MoE variant
 -- with a tight pool (preemption), a small token budget (prompts chunked across window edges) and prefix-cache
-hits, the pool whole after each; the cache holding each owning layer at its own shape, once. The MoE
+hits, the pool whole after each; the cache holding each owning layer at its own shape, in KV groups
+(engine/kv_groups.py; test_kv_groups_gemma4.py pages them in detail). The MoE
 checkpoint's sliding layers have a head size the CPU attention kernels decline: logged, and the torch path
 runs them."""
 
@@ -52,10 +53,11 @@ def refs(dirs):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_greedy_matches_hf_with_preemption_chunking_and_prefix_hits(dirs, refs, kind, caplog):
     ref = refs(kind)
-    # 11 usable blocks of 8 tokens cannot hold the 4 requests (up to 48 tokens each) at once.
+    # 15 usable pages of 8 tokens, each one KV group's (a full and two sliding groups), cannot hold the 4
+    # requests (up to 48 tokens each) at once.
     with caplog.at_level(logging.INFO, logger="sidecar.model"):
         llm = LLM(
-            model=str(dirs[kind]), dtype="float32", block_size=8, num_kv_blocks=12, max_num_batched_tokens=16
+            model=str(dirs[kind]), dtype="float32", block_size=8, num_kv_blocks=16, max_num_batched_tokens=16
         )
     refusals = [r.getMessage() for r in caplog.records if "torch path" in r.getMessage()]
     if kind == "moe":  # the sliding layers, their own and those reading layer 2's cache
@@ -79,13 +81,20 @@ def test_each_layer_keeps_its_own_shape_once(dirs, refs):
     llm = LLM(model=str(dirs["dense"]), dtype="float32", block_size=8)
     eng = llm.engine
     # layers 0, 2 (sliding: 2 KV heads of 16) and 1 (full: 1 KV head of 32) keep caches; 3 and 4 read 2's
-    # and 1's
-    shapes = [tuple(k.shape[2:]) for k, _ in eng.runner.kv_caches]
-    assert shapes == [(2, 16), (1, 32), (2, 16)]
-    assert all(k.shape == v.shape for k, v in eng.runner.kv_caches)
+    # and 1's. In KV groups (one layer each) the sliding layers page one tensor of their shape, each block
+    # one group's; the single-table layout would hold every owning layer in each block.
+    caches = eng.runner.kv_caches
+    assert [tuple(k.shape[2:]) for k, _ in caches] == [(2, 16), (1, 32), (2, 16)]
+    assert caches[0] is caches[2] and caches[1] is not caches[0]
+    assert all(k.shape == v.shape for k, v in caches)
     assert kv_bytes_per_block(eng.loaded, 8) == 2 * 8 * (2 * 16 + 32 + 2 * 16) * 4
+    assert kv_bytes_per_block(eng.loaded, 8, plan=eng.runner.kv_plan) == 2 * 8 * (2 * 16 + 32) * 4
     info = eng.model_info
-    assert info["cache_groups"][0]["layers"] == 3
+    assert [(g["kind"], g["layers"], g.get("shared_layers")) for g in info["cache_groups"]] == [
+        ("attention", 1, 1),
+        ("sliding_attention", 1, None),
+        ("sliding_attention", 1, 1),
+    ]
     assert info["cpu_decode_replay"] is False and "per-layer inputs" in info["cpu_decode_replay_reason"]
     # one batch, sequences of different lengths decoding together
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == refs("dense")
