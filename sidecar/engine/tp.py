@@ -35,7 +35,7 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.request import SamplingParams
 from sidecar.model import kv_quant, mla
-from sidecar.engine import rendezvous
+from sidecar.engine import cpu_bind, rendezvous
 from sidecar.engine.dist_inputs import pack_inputs, unpack_inputs
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model, resolve_device
@@ -95,11 +95,6 @@ def wait_for_ranks(
         time.sleep(0.02)
 
 
-def _threads(config: EngineConfig) -> int:
-    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
-    return config.num_threads or max(1, (os.cpu_count() or 1) // ranks)
-
-
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """Rank ``rank``'s config: its own GPU of its node on CUDA."""
     if resolve_device(config.device).type != "cuda":
@@ -132,7 +127,6 @@ class TensorParallel:
         self.world = getattr(config, self.option)
         self.backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
         self.broken: Optional[str] = None
-        torch.set_num_threads(_threads(config))
         if self.backend == "nccl":
             torch.cuda.set_device(resolve_device(_rank_config(config, 0).device))
         addr = config.master_addr
@@ -143,6 +137,7 @@ class TensorParallel:
         self.watchdog: Optional[rendezvous.Watchdog] = None
         self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
         local = rendezvous.node_ranks(self.world, config.nnodes, 0)
+        cpu_bind.share_with_children()
         for rank in range(1, self.world):  # the other nodes' ranks are spawned by their own agents
             if rank not in local:
                 conn = rendezvous.StoreConn(addr, store.port, self.world, rank, "rank0")
@@ -158,6 +153,7 @@ class TensorParallel:
             proc.start()
             theirs.close()
             self.procs[rank], self.conns[rank] = proc, mine
+        self._pinned = cpu_bind.place(config, 0)  # after the spawns: a child inherits its parent's CPUs
         try:
             wait_for_ranks(store, self.procs, START_TIMEOUT_S, self.option)
             host = rendezvous.bind_host(addr)
@@ -282,6 +278,9 @@ class TensorParallel:
         if self.watchdog is not None:
             self.watchdog.stop()
         self._finalizer()
+        if getattr(self, "_pinned", False):
+            self._pinned = False
+            cpu_bind.release()
 
 
 def _last_error(conn: Any) -> Optional[str]:
@@ -335,7 +334,7 @@ class RankZeroModel:
 
 def join_group(rank: int, world: int, port: int, config: EngineConfig) -> Any:
     """A worker's side of start-up: join rank 0's store, then the process group (returned)."""
-    torch.set_num_threads(_threads(config))
+    cpu_bind.place(config, rank)
     store = rendezvous.connect(config.master_addr, port, world)
     store.set(f"joined/{rank}", str(os.getpid()))
     rendezvous.beat(config.master_addr, port, world, rank)

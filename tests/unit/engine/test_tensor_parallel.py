@@ -117,6 +117,17 @@ def test_two_ranks_match_hf_with_preemption_chunks_and_prefix_hits(engines, kind
     assert llm.engine.runner.cpu_plans.reason == "tensor_parallel_size 2"
 
 
+def test_each_rank_runs_on_its_own_cpus(engines):
+    """On a CPU host every rank's threads are pinned to its share of the CPUs (engine/cpu_bind.py)."""
+    from sidecar.engine import cpu_bind
+
+    allowed = cpu_bind.host_cpus()
+    want = [cpu_bind.rank_cpus(2, r, allowed, cpu_bind.numa_nodes()) for r in (0, 1)]
+    for kind in ("llama", "qwen2"):  # the second group's worker was spawned by a pinned rank 0
+        got = [os.sched_getaffinity(0), os.sched_getaffinity(engines[kind][0].engine.tp.pids()[1])]
+        assert got == ([set(w) for w in want] if want[0] is not None else [allowed, allowed])
+
+
 def test_features_needing_rank0_state_are_refused(engines):
     llm = engines["qwen2"][0]
     with pytest.raises(ValueError, match="prompt_logprobs"):
