@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 
 from sidecar.config import DEFAULT_MODEL
-from sidecar.model import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama4, gguf_qwen35
+from sidecar.model import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama4, gguf_qwen35, gguf_qwen3next
 from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
@@ -52,6 +52,7 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "llama4": "Llama4ForCausalLM",
     "deepseek2": "DeepseekV3ForCausalLM",
@@ -237,13 +238,14 @@ _FAMILY_KEYS = {
     "phi3": _phi3_keys,
     "qwen35": gguf_qwen35.config_keys,
     "qwen35moe": gguf_qwen35.config_keys,
+    "qwen3next": gguf_qwen3next.config_keys,
     "gpt-oss": gguf_gpt_oss.config_keys,  # YaRN read there
     "llama4": gguf_llama4.config_keys,
     "deepseek2": gguf_deepseek.config_keys,  # YaRN and the experts read there
     "gemma4": gguf_gemma4.config_keys,
 }
 # Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
-_FP_ONLY = ("qwen35", "qwen35moe", "gpt-oss", "llama4", "deepseek2", "gemma4")
+_FP_ONLY = ("qwen35", "qwen35moe", "qwen3next", "gpt-oss", "llama4", "deepseek2", "gemma4")
 # Architectures whose own hook reads the experts' keys.
 _OWN_EXPERT_KEYS = ("llama4", "deepseek2")
 
