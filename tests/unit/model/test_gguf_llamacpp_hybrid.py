@@ -13,7 +13,10 @@ axis of the DeltaNet layers in another order. A checkpoint without multi-token-p
 ``--no-mtp``. Qwen3.5-MoE (``qwen35moe``): the same layers with the experts as one 3D tensor per projection,
 the router and the gated shared expert; its directory is converted with ``model_type`` ``qwen3_5_text``, as
 transformers otherwise reads the test tokenizer as Qwen3.5's own class, whose pre-tokenizer the converter does
-not know (a published checkpoint ships Qwen's tokenizer, which it does).
+not know (a published checkpoint ships Qwen's tokenizer, which it does). Qwen3-Next (``qwen3next``,
+gguf_qwen3next.py): Qwen3.5-MoE's rewrites but for the value heads, with the grouped ``in_proj_qkvz`` split in
+two; its checkpoint here has every layer sparse and renormalised top-k weights (the converter maps no dense
+MLP, and the file cannot say otherwise: llama.cpp's runtime renormalises).
 """
 
 from __future__ import annotations
