@@ -247,7 +247,7 @@ _FAMILY_KEYS = {
 # Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
 _FP_ONLY = ("qwen35", "qwen35moe", "qwen3next", "gpt-oss", "llama4", "deepseek2", "gemma4")
 # Architectures whose own hook reads the experts' keys.
-_OWN_EXPERT_KEYS = ("llama4", "deepseek2")
+_OWN_EXPERT_KEYS = ("llama4", "deepseek2", "gemma4")
 
 
 def _layer_linears_q4(reader) -> bool:

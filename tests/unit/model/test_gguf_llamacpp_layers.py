@@ -16,7 +16,8 @@ the file says nothing and llama.cpp scores by a softmax) and ``num_key_value_hea
 
 Gemma 4 (``gemma4``, gguf_gemma4.py): per-layer head sizes and KV heads, values from the key projection,
 KV-sharing layers with double-wide MLPs, per-layer inputs and the proportional rope (as frequency factors)
-come from the file. The converter reads a Llama-style ``tokenizer.json`` (BPE with byte fallback): the
+come from the file; its mixture-of-experts form (``gemma4_moe``) adds the router with its scales and the
+fused experts, as HF holds them. The converter reads a Llama-style ``tokenizer.json`` (BPE with byte fallback): the
 SentencePiece tokenizer here, saved as one. The file says not to add a space prefix (Gemma 4's own
 tokenizer does not); this one adds it, so text is compared with the space written out.
 """
@@ -40,7 +41,8 @@ from tests.unit.model.latent_checkpoints import build_latent_checkpoint
 from tests.unit.model.llama4_checkpoints import build_llama4_checkpoint
 from tests.unit.model.test_gguf_llamacpp import GREEDY, PROMPTS, tokenizer_dirs  # noqa: F401
 
-ARCH = {"llama4": "llama4", "deepseek_v3": "deepseek2", "gemma4": "gemma4"}  # ours -> llama.cpp's arch
+# ours -> llama.cpp's arch
+ARCH = {"llama4": "llama4", "deepseek_v3": "deepseek2", "gemma4": "gemma4", "gemma4_moe": "gemma4"}
 # llama.cpp's runtime constants for a Llama 4 file (gguf_llama4.py); the rest as the engine's tests have it
 _LLAMA4 = dict(
     attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, no_rope_layers=None, use_qk_norm=True
@@ -50,12 +52,12 @@ _LLAMA4 = dict(
 def _checkpoint(kind: str, out: Path, tokenizers: dict[str, Path]) -> Path:
     if kind == "llama4":
         return build_llama4_checkpoint("llama4", out, tokenizers["bpe"], **_LLAMA4)
-    if kind == "gemma4":
+    if kind.startswith("gemma4"):
         from transformers import AutoTokenizer
 
         spm_json = out.parent / "spm-json"
         AutoTokenizer.from_pretrained(str(tokenizers["spm"])).save_pretrained(str(spm_json))
-        return build_gemma4_checkpoint(out, spm_json)
+        return build_gemma4_checkpoint(out, spm_json, moe=kind == "gemma4_moe")
     tokenizer_dir = tokenizers["bpe"]
     return build_latent_checkpoint(
         kind, out, tokenizer_dir, scoring_func="sigmoid", topk_method="noaux_tc", num_key_value_heads=4
@@ -124,7 +126,7 @@ def test_converter_file_matches_hf_on_the_checkpoint_it_came_from(converted, kin
     # the tokenizer is the file's: the source directory's encoding and chat template
     source = AutoTokenizer.from_pretrained(str(hf_dir))
     text = "The quick brown fox, 42 times: done."
-    spaced = " " + text if kind == "gemma4" else text  # module docstring
+    spaced = " " + text if kind.startswith("gemma4") else text  # module docstring
     assert (
         llm.tokenizer(spaced, add_special_tokens=False).input_ids
         == source(text, add_special_tokens=False).input_ids
@@ -199,10 +201,31 @@ def _file_with(path: Path, arch: str, keys: dict, tensors: tuple[str, ...] = ())
         ),
         ("llama4", {}, (), "llama4.expert_count"),
         ("deepseek2", {"expert_count": 4}, (), "deepseek2.expert_gating_func"),
-        ("gemma4", {"expert_count": 4}, (), "gemma4.expert_count"),
+        ("gemma4", {"expert_count": 4}, (), "blk.0.ffn_gate_inp.weight is missing"),
     ],
 )
 def test_what_the_engine_cannot_run_is_refused_naming_the_key(tmp_path, arch, keys, tensors, error):
     path = _file_with(tmp_path / f"{arch}.gguf", arch, keys, tensors)
     with pytest.raises(ValueError, match=error.replace(".", r"\.")):
         LLM(model=str(path))
+
+
+def test_gemma4_split_expert_projections_are_joined_back(converted):
+    """llama.cpp also reads Gemma 4's experts as separate gate and up tensors (``ffn_gate_exps``,
+    ``ffn_up_exps``); such a file's tensors come back as the fused ``gate_up_proj`` HF holds."""
+    from sidecar.model import gguf_gemma4
+    from sidecar.model.gguf_tensors import hf_name
+
+    hf_dir, path = converted["gemma4_moe"]
+    fused = load_file(str(hf_dir / "model.safetensors"))["model.layers.2.experts.gate_up_proj"]
+    gate, up = fused.chunk(2, dim=1)
+    split = {
+        hf_name(f"blk.2.{n}.weight", "gemma4"): w for n, w in (("ffn_gate_exps", gate), ("ffn_up_exps", up))
+    }
+    assert sorted(split) == [
+        "model.layers.2.experts.gate_proj.weight",
+        "model.layers.2.experts.up_proj.weight",
+    ]
+    joined = gguf_gemma4.fix_state(split, {})
+    assert list(joined) == ["model.layers.2.experts.gate_up_proj"]
+    assert torch.equal(joined["model.layers.2.experts.gate_up_proj"], fused)
