@@ -33,7 +33,8 @@ from typing import Any, Optional
 
 
 from sidecar.config import DEFAULT_MODEL
-from sidecar.model import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama4, gguf_qwen35, gguf_qwen3next
+from sidecar.model import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama4, gguf_mistral4
+from sidecar.model import gguf_qwen35, gguf_qwen3next
 from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
@@ -56,6 +57,7 @@ ARCHITECTURES = {
     "gpt-oss": "GptOssForCausalLM",
     "llama4": "Llama4ForCausalLM",
     "deepseek2": "DeepseekV3ForCausalLM",
+    "mistral4": "Mistral4ForCausalLM",
     "gemma4": "Gemma4ForCausalLM",
 }
 
@@ -139,7 +141,7 @@ def hf_config(reader, path: str) -> dict:
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling not in (None, "none") and arch not in ("gpt-oss", "deepseek2"):
+    elif scaling not in (None, "none") and arch not in ("gpt-oss", "deepseek2", "mistral4"):
         raise ValueError(f"model: {path}: rope scaling {scaling!r} is not supported")
     if arch == "mistral" and get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
@@ -242,12 +244,13 @@ _FAMILY_KEYS = {
     "gpt-oss": gguf_gpt_oss.config_keys,  # YaRN read there
     "llama4": gguf_llama4.config_keys,
     "deepseek2": gguf_deepseek.config_keys,  # YaRN and the experts read there
+    "mistral4": gguf_mistral4.config_keys,  # likewise
     "gemma4": gguf_gemma4.config_keys,
 }
 # Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
-_FP_ONLY = ("qwen35", "qwen35moe", "qwen3next", "gpt-oss", "llama4", "deepseek2", "gemma4")
+_FP_ONLY = ("qwen35", "qwen35moe", "qwen3next", "gpt-oss", "llama4", "deepseek2", "gemma4", "mistral4")
 # Architectures whose own hook reads the experts' keys.
-_OWN_EXPERT_KEYS = ("llama4", "deepseek2", "gemma4")
+_OWN_EXPERT_KEYS = ("llama4", "deepseek2", "gemma4", "mistral4")
 
 
 def _layer_linears_q4(reader) -> bool:

@@ -11,6 +11,7 @@ from sidecar.model import gguf_deepseek as deepseek
 from sidecar.model import gguf_gemma4 as gemma4
 from sidecar.model import gguf_gpt_oss as gpt_oss
 from sidecar.model import gguf_llama4 as llama4
+from sidecar.model import gguf_mistral4 as mistral4
 from sidecar.model import gguf_qwen35 as qwen35
 from sidecar.model import gguf_qwen3next as qwen3next
 from sidecar.model import gguf_tensors as gt
@@ -68,6 +69,8 @@ def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
         out = llama4.fix_state(out, cfg)
     elif cfg["model_type"] == "deepseek2":
         out = deepseek.fix_state(out, cfg)
+    elif cfg["model_type"] == "mistral4":
+        out = mistral4.fix_state(out, cfg)
     elif cfg["model_type"] == "gemma4":
         out = gemma4.fix_state(out, cfg)
     return out

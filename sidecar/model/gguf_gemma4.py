@@ -9,7 +9,8 @@ the base width on the KV-sharing layers where the model has ``use_double_wide_ml
 (``attention_k_eq_v``) have no ``attn_v``. The full layers' proportional rope is stored as ``rope_freqs``
 frequency factors, 1 for each rotated channel pair and 1e30 (never turning) for the rest: the rotated
 fraction is read back from them. Weights are stored as HF holds them (Gemma 4's norms are plain weights);
-``layer_output_scale`` is HF's ``layer_scalar``; the activation is GELU (tanh), as llama.cpp's runtime assumes.
+``layer_output_scale`` is HF's ``layer_scalar``; the activation is GELU (tanh), as llama.cpp's runtime
+assumes.
 
 The mixture-of-experts block (``expert_count``; HF's ``enable_moe_block``) is stored as HF holds it, under
 llama.cpp's names: the router's projection and its input scale (``ffn_gate_inp`` and its ``.scale``), the
