@@ -33,7 +33,8 @@ from typing import Any, Optional
 
 
 from sidecar.config import DEFAULT_MODEL
-from sidecar.model import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama4, gguf_qwen35
+from sidecar.model import gguf_deepseek, gguf_gemma4, gguf_gpt_oss, gguf_llama4, gguf_mistral4
+from sidecar.model import gguf_qwen35, gguf_qwen3next
 from sidecar.model import gguf_tensors as gt
 
 log = logging.getLogger("sidecar.model")
@@ -52,9 +53,11 @@ ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen35": "Qwen3_5ForCausalLM",
     "qwen35moe": "Qwen3_5MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
     "gpt-oss": "GptOssForCausalLM",
     "llama4": "Llama4ForCausalLM",
     "deepseek2": "DeepseekV3ForCausalLM",
+    "mistral4": "Mistral4ForCausalLM",
     "gemma4": "Gemma4ForCausalLM",
 }
 
@@ -138,7 +141,7 @@ def hf_config(reader, path: str) -> dict:
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
-    elif scaling not in (None, "none") and arch not in ("gpt-oss", "deepseek2"):
+    elif scaling not in (None, "none") and arch not in ("gpt-oss", "deepseek2", "mistral4"):
         raise ValueError(f"model: {path}: rope scaling {scaling!r} is not supported")
     if arch == "mistral" and get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
@@ -237,15 +240,17 @@ _FAMILY_KEYS = {
     "phi3": _phi3_keys,
     "qwen35": gguf_qwen35.config_keys,
     "qwen35moe": gguf_qwen35.config_keys,
+    "qwen3next": gguf_qwen3next.config_keys,
     "gpt-oss": gguf_gpt_oss.config_keys,  # YaRN read there
     "llama4": gguf_llama4.config_keys,
     "deepseek2": gguf_deepseek.config_keys,  # YaRN and the experts read there
+    "mistral4": gguf_mistral4.config_keys,  # likewise
     "gemma4": gguf_gemma4.config_keys,
 }
 # Architectures whose layers the exact int4 form does not cover (an int4 request quantizes on load).
-_FP_ONLY = ("qwen35", "qwen35moe", "gpt-oss", "llama4", "deepseek2", "gemma4")
+_FP_ONLY = ("qwen35", "qwen35moe", "qwen3next", "gpt-oss", "llama4", "deepseek2", "gemma4", "mistral4")
 # Architectures whose own hook reads the experts' keys.
-_OWN_EXPERT_KEYS = ("llama4", "deepseek2")
+_OWN_EXPERT_KEYS = ("llama4", "deepseek2", "gemma4", "mistral4")
 
 
 def _layer_linears_q4(reader) -> bool:

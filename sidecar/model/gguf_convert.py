@@ -11,7 +11,9 @@ from sidecar.model import gguf_deepseek as deepseek
 from sidecar.model import gguf_gemma4 as gemma4
 from sidecar.model import gguf_gpt_oss as gpt_oss
 from sidecar.model import gguf_llama4 as llama4
+from sidecar.model import gguf_mistral4 as mistral4
 from sidecar.model import gguf_qwen35 as qwen35
+from sidecar.model import gguf_qwen3next as qwen3next
 from sidecar.model import gguf_tensors as gt
 from sidecar.model.quant_format import FORMAT_VERSION
 from sidecar.model.quant_checkpoint import CONFIG_NAME, WEIGHTS_NAME
@@ -59,12 +61,16 @@ def gguf_state_dict(reader, cfg: dict) -> dict[str, torch.Tensor]:
         out[f"{block}.down_proj"] = out.pop(f"{block}.down_proj.weight")
     if cfg["model_type"] in ("qwen35", "qwen35moe"):
         out = qwen35.fix_state(out, cfg)
+    elif cfg["model_type"] == "qwen3next":
+        out = qwen3next.fix_state(out, cfg)
     elif cfg["model_type"] == "gpt-oss":
         out = gpt_oss.fix_state(out, cfg)
     elif cfg["model_type"] == "llama4":
         out = llama4.fix_state(out, cfg)
     elif cfg["model_type"] == "deepseek2":
         out = deepseek.fix_state(out, cfg)
+    elif cfg["model_type"] == "mistral4":
+        out = mistral4.fix_state(out, cfg)
     elif cfg["model_type"] == "gemma4":
         out = gemma4.fix_state(out, cfg)
     return out

@@ -60,13 +60,20 @@ def config_keys(reader, get, cfg: dict) -> None:
         )
     if experts and not any(n.endswith(".exp_probs_b.bias") for n in names):
         raise ValueError("model: GGUF tensor exp_probs_b is missing (DeepSeek V3's routing correction bias)")
+    latent_keys("deepseek2", get, cfg)
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc", scoring_func="sigmoid")
+
+
+def latent_keys(arch: str, get, cfg: dict) -> None:
+    """What DeepSeek V3 and Mistral 4 files (``arch``) write alike: latent attention sizes, YaRN, the
+    experts and the dense lead."""
     for key in ("attention.temperature_scale", "attention.temperature_length", "nextn_predict_layers"):
         if get(key):
-            raise ValueError(f"model: GGUF key deepseek2.{key} is not supported")
+            raise ValueError(f"model: GGUF key {arch}.{key} is not supported")
+    experts = int(get("expert_count", 0) or 0)
     rope, key_len = int(get("rope.dimension_count")), int(get("attention.key_length_mla"))
     q_rank = get("attention.q_lora_rank")
     cfg.update(
-        architectures=["DeepseekV3ForCausalLM"],
         num_key_value_heads=cfg["num_attention_heads"],
         kv_lora_rank=int(get("attention.kv_lora_rank")),
         q_lora_rank=None if q_rank is None else int(q_rank),
@@ -84,8 +91,6 @@ def config_keys(reader, get, cfg: dict) -> None:
         norm_topk_prob=bool(get("expert_weights_norm", False)),
         n_group=int(get("expert_group_count", 1)),
         topk_group=int(get("expert_group_used_count", 1)),
-        topk_method="noaux_tc",
-        scoring_func="sigmoid",
         hidden_act="silu",
     )
     params = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
@@ -93,7 +98,7 @@ def config_keys(reader, get, cfg: dict) -> None:
         mul = get("rope.scaling.yarn_log_multiplier")
         if mul is None:
             raise ValueError(
-                "model: GGUF key deepseek2.rope.scaling.yarn_log_multiplier is missing beside yarn"
+                f"model: GGUF key {arch}.rope.scaling.yarn_log_multiplier is missing beside yarn"
             )
         mscale = float(np.float32(mul) / np.float32(0.1))  # as llama.cpp undoes the converter's factor
         params.update(

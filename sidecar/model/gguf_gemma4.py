@@ -9,8 +9,18 @@ the base width on the KV-sharing layers where the model has ``use_double_wide_ml
 (``attention_k_eq_v``) have no ``attn_v``. The full layers' proportional rope is stored as ``rope_freqs``
 frequency factors, 1 for each rotated channel pair and 1e30 (never turning) for the rest: the rotated
 fraction is read back from them. Weights are stored as HF holds them (Gemma 4's norms are plain weights);
-``layer_output_scale`` is HF's ``layer_scalar``. A mixture-of-experts block is not read yet (refused naming
-``gemma4.expert_count``); the activation is GELU (tanh), as llama.cpp's runtime assumes.
+``layer_output_scale`` is HF's ``layer_scalar``; the activation is GELU (tanh), as llama.cpp's runtime
+assumes.
+
+The mixture-of-experts block (``expert_count``; HF's ``enable_moe_block``) is stored as HF holds it, under
+llama.cpp's names: the router's projection and its input scale (``ffn_gate_inp`` and its ``.scale``), the
+experts' fused gate-and-up and down projections (``ffn_gate_up_exps``, ``ffn_down_exps``), and the router's
+``per_expert_scale`` as the down projections' output scale (``ffn_down_exps.scale``: llama.cpp multiplies
+each chosen expert's output by it, HF the expert's routing weight, the same product), read back as
+``per_expert_scale``. (The converter folds that scale into the experts' own block scales only for NVFP4
+experts, a type refused by name.) A file with split ``ffn_gate_exps`` / ``ffn_up_exps`` is joined back into
+the fused form. HF runs the experts on every layer: a file whose routers are on some layers only is refused
+naming the first layer without one.
 """
 
 from __future__ import annotations
@@ -35,6 +45,16 @@ LAYER_NAMES = {
     "proj": "per_layer_projection",
     "post_norm": "post_per_layer_input_norm",
     "layer_output_scale": "layer_scalar",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_gate_exps": "experts.gate_proj",
+    "ffn_up_exps": "experts.up_proj",
+    "ffn_down_exps": "experts.down_proj",
 }
 _UNTURNED = 1e30  # the converter's frequency factor for a channel pair the proportional rope leaves alone
 
@@ -50,10 +70,9 @@ def config_keys(reader, get, cfg: dict) -> None:
     """Layer kinds, head sizes, KV sharing, per-layer inputs and rope (module docstring); ValueError naming
     the key for what the engine cannot run."""
     n = cfg["num_hidden_layers"]
+    names = {t.name for t in reader.tensors}
     if get("expert_count"):
-        raise ValueError(
-            "model: GGUF key gemma4.expert_count: Gemma 4's mixture-of-experts block is not supported"
-        )
+        _expert_keys(names, get, cfg)
     if get("attn_logit_softcapping"):
         raise ValueError("model: GGUF key gemma4.attn_logit_softcapping is not supported")
     pattern = get("attention.sliding_window_pattern")
@@ -119,7 +138,33 @@ def config_keys(reader, get, cfg: dict) -> None:
     }
 
 
+def _expert_keys(names: set[str], get, cfg: dict) -> None:
+    """The experts' counts and width; ValueError naming the first layer without a router."""
+    for i in range(cfg["num_hidden_layers"]):
+        if f"blk.{i}.ffn_gate_inp.weight" not in names:
+            raise ValueError(
+                f"model: GGUF tensor blk.{i}.ffn_gate_inp.weight is missing: gemma4.expert_count is set and "
+                "Gemma 4 runs its experts on every layer"
+            )
+    cfg.update(
+        enable_moe_block=True,
+        num_experts=int(get("expert_count")),
+        top_k_experts=int(get("expert_used_count")),
+        moe_intermediate_size=int(get("expert_feed_forward_length")),
+    )
+
+
 def fix_state(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
-    """``state`` (GGUF tensors under HF names) as the HF checkpoint holds them: ``layer_scalar`` without
-    the ``.weight`` the converter appends."""
-    return {k.replace(".layer_scalar.weight", ".layer_scalar"): v for k, v in state.items()}
+    """``state`` (GGUF tensors under HF names) as the HF checkpoint holds them: ``layer_scalar`` and the
+    experts' tensors without the ``.weight`` the converter appends, split gate and up joined."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith(
+            (".layer_scalar.weight", ".experts.gate_up_proj.weight", ".experts.down_proj.weight")
+        ):
+            name = name.removesuffix(".weight")
+        out[name] = t
+    for name in [n for n in out if n.endswith(".experts.gate_proj.weight")]:
+        base = name.removesuffix(".gate_proj.weight")
+        out[f"{base}.gate_up_proj"] = torch.cat((out.pop(name), out.pop(f"{base}.up_proj.weight")), dim=1)
+    return out

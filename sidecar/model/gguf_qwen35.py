@@ -79,8 +79,9 @@ def _regroup(t: torch.Tensor, dim: int, nk: int, nv: int, head: int) -> torch.Te
     return split.transpose(dim, dim + 1).reshape(shape)
 
 
-def fix_state(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
-    """``state`` (GGUF tensors under HF names) as the HF checkpoint holds them; module docstring."""
+def fix_state(state: dict[str, torch.Tensor], cfg: dict, tiled: bool = True) -> dict[str, torch.Tensor]:
+    """``state`` (GGUF tensors under HF names) as the HF checkpoint holds them; module docstring. ``tiled``:
+    the converter reordered the value heads (Qwen3.5; Qwen3-Next's converter keeps HF's order)."""
     n = cfg["num_hidden_layers"]
     nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
@@ -89,7 +90,7 @@ def fix_state(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tens
         name = name.replace(".dt_bias.bias", ".dt_bias")  # ssm_dt.bias: HF's dt_bias
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= n:
             continue  # a multi-token-prediction layer
-        if ".linear_attn." in name and nk != nv:
+        if ".linear_attn." in name and nk != nv and tiled:
             part = name.split(".linear_attn.")[1]
             if part in ("in_proj_qkv.weight", "conv1d.weight"):
                 qk = 2 * nk * dk

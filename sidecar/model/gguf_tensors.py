@@ -23,7 +23,9 @@ from sidecar.model.gguf_deepseek import LAYER_NAMES as DEEPSEEK_NAMES
 from sidecar.model.gguf_gemma4 import LAYER_NAMES as GEMMA4_NAMES
 from sidecar.model.gguf_gpt_oss import LAYER_NAMES as GPT_OSS_NAMES
 from sidecar.model.gguf_llama4 import LAYER_NAMES as LLAMA4_NAMES
+from sidecar.model.gguf_mistral4 import LAYER_NAMES as MISTRAL4_NAMES
 from sidecar.model.gguf_qwen35 import LAYER_NAMES as QWEN35_NAMES
+from sidecar.model.gguf_qwen3next import LAYER_NAMES as QWEN3NEXT_NAMES
 
 # Types we read; anything else is rejected by name before conversion starts.
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -76,9 +78,11 @@ _ARCH_LAYER_NAMES = {
         "ffn_up_shexp": "mlp.shared_expert.up_proj",
         "ffn_down_shexp": "mlp.shared_expert.down_proj",
     },
+    "qwen3next": QWEN3NEXT_NAMES,
     "gpt-oss": GPT_OSS_NAMES,
     "llama4": LLAMA4_NAMES,
     "deepseek2": DEEPSEEK_NAMES,
+    "mistral4": MISTRAL4_NAMES,
     "gemma4": GEMMA4_NAMES,
 }
 _TOP_NAMES = {

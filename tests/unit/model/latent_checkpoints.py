@@ -110,3 +110,32 @@ def build_latent_checkpoint(kind: str, out: Path, tokenizer_dir: Path, seed: int
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             shutil.copy(f, out / f.name)
     return out
+
+
+def build_mistral4_vl_checkpoint(causal_dir: Path, out: Path) -> Path:
+    """The published form of Mistral 4 (``Mistral3ForConditionalGeneration`` with a one-layer vision tower,
+    its ``text_config`` a ``mistral4`` one without an ``architectures`` entry, as published configs have
+    it) holding the text model of the ``Mistral4ForCausalLM`` checkpoint at ``causal_dir``."""
+    import transformers as tf
+
+    causal = tf.Mistral4ForCausalLM.from_pretrained(str(causal_dir), dtype=torch.float32)
+    text = causal.config.to_dict()
+    text.pop("architectures", None)
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        head_dim=16,
+        image_size=32,
+        patch_size=16,
+    )
+    cfg = tf.Mistral3Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    model = tf.Mistral3ForConditionalGeneration(cfg)
+    model.model.language_model.load_state_dict(causal.model.state_dict())
+    model.lm_head.load_state_dict(causal.lm_head.state_dict())
+    model.save_pretrained(out, safe_serialization=True)
+    for f in causal_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(f, out / f.name)
+    return out

@@ -13,7 +13,10 @@ axis of the DeltaNet layers in another order. A checkpoint without multi-token-p
 ``--no-mtp``. Qwen3.5-MoE (``qwen35moe``): the same layers with the experts as one 3D tensor per projection,
 the router and the gated shared expert; its directory is converted with ``model_type`` ``qwen3_5_text``, as
 transformers otherwise reads the test tokenizer as Qwen3.5's own class, whose pre-tokenizer the converter does
-not know (a published checkpoint ships Qwen's tokenizer, which it does).
+not know (a published checkpoint ships Qwen's tokenizer, which it does). Qwen3-Next (``qwen3next``,
+gguf_qwen3next.py): Qwen3.5-MoE's rewrites but for the value heads, with the grouped ``in_proj_qkvz`` split in
+two; its checkpoint here has every layer sparse and renormalised top-k weights (the converter maps no dense
+MLP, and the file cannot say otherwise: llama.cpp's runtime renormalises).
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from tests.unit.model.family_checkpoints import assert_not_degenerate, build_fam
 from tests.unit.model.test_gpt_oss import to_mxfp4
 from tests.unit.model.test_gguf_llamacpp import GREEDY, PROMPTS, _q8_0_values, tokenizer_dirs  # noqa: F401
 
-FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": (), "qwen3_5_moe": ("--no-mtp",)}
-ARCH = {"qwen3_5": "qwen35", "gpt_oss": "gpt-oss", "qwen3_5_moe": "qwen35moe"}  # ours -> llama.cpp's arch
+FLAGS = {"qwen3_5": ("--no-mtp",), "gpt_oss": (), "qwen3_5_moe": ("--no-mtp",), "qwen3_next": ("--no-mtp",)}
+# ours -> llama.cpp's arch
+ARCH = {"qwen3_5": "qwen35", "gpt_oss": "gpt-oss", "qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 # What a gpt-oss file can say: llama.cpp's clamp limit, and YaRN in the file's ``rope.scaling.*`` keys (as in
 # the published files) with the correction range rounded outward as llama.cpp's runtime rounds it (HF's
 # ``truncate``; the file has no key for it), from an original length the prompts cross
@@ -42,7 +46,10 @@ YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0, "beta_fast": 32.0
 OVERRIDES = {
     "gpt_oss": dict(
         swiglu_limit=7.0, rope_parameters=dict(YARN, truncate=True, original_max_position_embeddings=32)
-    )
+    ),
+    # the converter maps no dense MLP (every layer sparse) and the file cannot say norm_topk_prob
+    # (llama.cpp's runtime renormalises)
+    "qwen3_next": dict(mlp_only_layers=[], norm_topk_prob=True),
 }
 
 
@@ -119,18 +126,37 @@ def test_gpt_oss_mxfp4_experts_come_back_as_the_checkpoints_codes(converted, tmp
     )
 
 
-def test_qwen3_5_tensors_come_back_as_the_checkpoint_holds_them(converted):
-    """Every tensor the converter rewrote is back in HF's order; what it recomputed is what it stores."""
+def _fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each block's per-expert projections as transformers' fused 3D tensors (the form the
+    loader reads; moe.expert_weights)."""
+    out = {n: w for n, w in state.items() if ".mlp.experts." not in n}
+    blocks = sorted({n.split(".experts.")[0] for n in state if ".mlp.experts.0." in n})
+    for block in blocks:
+        count = sum(1 for n in state if n.startswith(f"{block}.experts.") and n.endswith(".down_proj.weight"))
+        stack = {
+            p: torch.stack([state[f"{block}.experts.{e}.{p}.weight"] for e in range(count)])
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
+        out[f"{block}.experts.gate_up_proj"] = torch.cat((stack["gate_proj"], stack["up_proj"]), dim=1)
+        out[f"{block}.experts.down_proj"] = stack["down_proj"]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_rewritten_tensors_come_back_as_the_checkpoint_holds_them(converted, kind):
+    """Every tensor the converter rewrote is back in HF's order (Qwen3.5's value heads; Qwen3-Next's
+    ``in_proj_qkvz`` split in two); what it recomputed is what it stores."""
     import gguf
 
     from sidecar.model.gguf import hf_config
     from sidecar.model.gguf_convert import gguf_state_dict
 
-    hf_dir, path = converted["qwen3_5"]
+    hf_dir, path = converted[kind]
     reader = gguf.GGUFReader(str(path))
     cfg = hf_config(reader, str(path))
     assert cfg["linear_num_key_heads"] < cfg["linear_num_value_heads"]  # the reordered case
-    ours, theirs = gguf_state_dict(reader, cfg), load_file(str(hf_dir / "model.safetensors"))
+    ours, theirs = gguf_state_dict(reader, cfg), _fused_experts(load_file(str(hf_dir / "model.safetensors")))
+    assert any(n.endswith("in_proj_qkvz.weight") for n in theirs) == (kind == "qwen3_next")
     for name, w in theirs.items():
         if name.endswith(".A_log"):
             assert torch.equal(ours[name.removesuffix("_log")], -w.exp()), name

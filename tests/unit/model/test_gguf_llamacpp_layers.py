@@ -16,9 +16,17 @@ the file says nothing and llama.cpp scores by a softmax) and ``num_key_value_hea
 
 Gemma 4 (``gemma4``, gguf_gemma4.py): per-layer head sizes and KV heads, values from the key projection,
 KV-sharing layers with double-wide MLPs, per-layer inputs and the proportional rope (as frequency factors)
-come from the file. The converter reads a Llama-style ``tokenizer.json`` (BPE with byte fallback): the
-SentencePiece tokenizer here, saved as one. The file says not to add a space prefix (Gemma 4's own
-tokenizer does not); this one adds it, so text is compared with the space written out.
+come from the file; its mixture-of-experts form (``gemma4_moe``) adds the router with its scales and the
+fused experts, as HF holds them. The converter reads a Llama-style ``tokenizer.json`` (BPE with byte
+fallback): the SentencePiece tokenizer here, saved as one. The file says not to add a space prefix (Gemma 4's
+own tokenizer does not); this one adds it, so text is compared with the space written out.
+
+Mistral 4 (``mistral4``, gguf_mistral4.py): the converter reads only the published form
+(``Mistral3ForConditionalGeneration`` around a ``mistral4`` text config without architectures of its own;
+``Mistral4ForCausalLM`` it refuses), so the ``Mistral4ForCausalLM`` checkpoint is wrapped into that form for
+it and HF runs the checkpoint itself. The file carries no query position scaling (the converter drops
+``llama_4_scaling_beta``) and llama.cpp turns interleaved rope pairs, so the checkpoint here has a beta of 0
+and ``rope_interleave``; like DeepSeek V3's, ``num_key_value_heads`` equals the heads.
 """
 
 from __future__ import annotations
@@ -33,43 +41,63 @@ from safetensors.torch import load_file, save_file
 
 from llamacpp_converter import convert
 from sidecar import LLM
-from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
+from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_generate
 from tests.unit.model.family_checkpoints import assert_not_degenerate
 from tests.unit.model.gemma4_checkpoints import build_gemma4_checkpoint
-from tests.unit.model.latent_checkpoints import build_latent_checkpoint
+from tests.unit.model.latent_checkpoints import (
+    _config as latent_config,
+    build_latent_checkpoint,
+    build_mistral4_vl_checkpoint,
+)
 from tests.unit.model.llama4_checkpoints import build_llama4_checkpoint
 from tests.unit.model.test_gguf_llamacpp import GREEDY, PROMPTS, tokenizer_dirs  # noqa: F401
 
-ARCH = {"llama4": "llama4", "deepseek_v3": "deepseek2", "gemma4": "gemma4"}  # ours -> llama.cpp's arch
+# ours -> llama.cpp's arch
+ARCH = {
+    "llama4": "llama4",
+    "deepseek_v3": "deepseek2",
+    "gemma4": "gemma4",
+    "gemma4_moe": "gemma4",
+    "mistral4": "mistral4",
+}
 # llama.cpp's runtime constants for a Llama 4 file (gguf_llama4.py); the rest as the engine's tests have it
 _LLAMA4 = dict(
     attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1, no_rope_layers=None, use_qk_norm=True
 )
 
 
-def _checkpoint(kind: str, out: Path, tokenizers: dict[str, Path]) -> Path:
+def _checkpoint(kind: str, out: Path, tokenizers: dict[str, Path]) -> tuple[Path, Path]:
+    """(the HF directory, the directory the converter reads: the published form where it reads only that)."""
     if kind == "llama4":
-        return build_llama4_checkpoint("llama4", out, tokenizers["bpe"], **_LLAMA4)
-    if kind == "gemma4":
+        d = build_llama4_checkpoint("llama4", out, tokenizers["bpe"], **_LLAMA4)
+        return d, d
+    if kind.startswith("gemma4"):
         from transformers import AutoTokenizer
 
         spm_json = out.parent / "spm-json"
         AutoTokenizer.from_pretrained(str(tokenizers["spm"])).save_pretrained(str(spm_json))
-        return build_gemma4_checkpoint(out, spm_json)
-    tokenizer_dir = tokenizers["bpe"]
-    return build_latent_checkpoint(
-        kind, out, tokenizer_dir, scoring_func="sigmoid", topk_method="noaux_tc", num_key_value_heads=4
+        d = build_gemma4_checkpoint(out, spm_json, moe=kind == "gemma4_moe")
+        return d, d
+    if kind == "mistral4":  # module docstring
+        rope = dict(latent_config(kind, 16)[0].rope_parameters, llama_4_scaling_beta=0.0)
+        d = build_latent_checkpoint(
+            kind, out, tokenizers["bpe"], num_key_value_heads=4, rope_interleave=True, rope_parameters=rope
+        )
+        return d, build_mistral4_vl_checkpoint(d, out.parent / f"{kind}-vl")
+    d = build_latent_checkpoint(
+        kind, out, tokenizers["bpe"], scoring_func="sigmoid", topk_method="noaux_tc", num_key_value_heads=4
     )
+    return d, d
 
 
 @pytest.fixture(scope="module")
-def converted(tmp_path_factory, tokenizer_dirs) -> dict[str, tuple[Path, Path]]:  # noqa: F811
-    """kind -> (HF directory, the f32 GGUF llama.cpp's converter made of it)."""
+def converted(tmp_path_factory, tokenizer_dirs) -> dict[str, tuple[Path, Path, Path]]:  # noqa: F811
+    """kind -> (HF directory, the f32 GGUF llama.cpp's converter made of it, the directory it read)."""
     root = tmp_path_factory.mktemp("llamacpp-gguf-layers")
     out = {}
     for kind in ARCH:
-        d = _checkpoint(kind, root / kind, tokenizer_dirs)
-        out[kind] = (d, convert(d, root / f"{kind}.gguf", "f32"))
+        d, src = _checkpoint(kind, root / kind, tokenizer_dirs)
+        out[kind] = (d, convert(src, root / f"{kind}.gguf", "f32"), src)
     return out
 
 
@@ -96,6 +124,17 @@ def _engine_matches(hf_dir: Path, path: Path, ref: list[list[int]]) -> LLM:
     return llm
 
 
+def _hf_greedy(hf_dir: Path) -> list[list[int]]:
+    """HF's greedy continuations of PROMPTS on ``hf_dir`` (by the class its config names: transformers'
+    auto classes do not map every family here)."""
+    import transformers as tf
+
+    cls = getattr(tf, json.loads((hf_dir / "config.json").read_text())["architectures"][0])
+    hf = cls.from_pretrained(str(hf_dir), dtype=torch.float32)
+    hf.generation_config.eos_token_id = None  # compare full-length continuations
+    return hf_generate(hf, PROMPTS, GREEDY.max_tokens)
+
+
 def _state(path: Path) -> dict[str, torch.Tensor]:
     import gguf
 
@@ -111,20 +150,20 @@ def test_converter_file_matches_hf_on_the_checkpoint_it_came_from(converted, kin
     import gguf
     from transformers import AutoTokenizer
 
-    hf_dir, path = converted[kind]
+    hf_dir, path, _ = converted[kind]
     assert gguf.GGUFReader(str(path)).fields["general.architecture"].contents() == ARCH[kind]
     theirs = load_file(str(hf_dir / "model.safetensors"))
     ours = _state(path)
     assert sorted(ours) == sorted(theirs)
     for name, w in theirs.items():
         assert torch.equal(ours[name], w), name
-    ref = hf_greedy(hf_dir, PROMPTS, GREEDY.max_tokens)
+    ref = _hf_greedy(hf_dir)
     assert_not_degenerate(ref)
     llm = _engine_matches(hf_dir, path, ref)
     # the tokenizer is the file's: the source directory's encoding and chat template
     source = AutoTokenizer.from_pretrained(str(hf_dir))
     text = "The quick brown fox, 42 times: done."
-    spaced = " " + text if kind == "gemma4" else text  # module docstring
+    spaced = " " + text if kind.startswith("gemma4") else text  # module docstring
     assert (
         llm.tokenizer(spaced, add_special_tokens=False).input_ids
         == source(text, add_special_tokens=False).input_ids
@@ -140,8 +179,8 @@ def test_q8_0_file_matches_hf_on_the_weights_it_holds(converted, tmp_path, kind)
     """The file's matrices are quantizations of the checkpoint's (within half a step of each Q8_0 block's
     scale; vectors stay float32, and so do the matrices the converter keeps float: routers, rows too
     short for a block), and the engine follows those values, not the checkpoint's."""
-    hf_dir, _ = converted[kind]
-    path = convert(hf_dir, tmp_path / f"{kind}-q8_0.gguf", "q8_0")
+    hf_dir, _, src = converted[kind]
+    path = convert(src, tmp_path / f"{kind}-q8_0.gguf", "q8_0")
     theirs = load_file(str(hf_dir / "model.safetensors"))
     held = _state(path)
     assert sorted(held) == sorted(theirs)
@@ -156,9 +195,9 @@ def test_q8_0_file_matches_hf_on_the_weights_it_holds(converted, tmp_path, kind)
     ref_dir = tmp_path / f"{kind}-q8_0-values"
     shutil.copytree(hf_dir, ref_dir)
     save_file(held, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
-    ref = hf_greedy(ref_dir, PROMPTS, GREEDY.max_tokens)
+    ref = _hf_greedy(ref_dir)
     assert_not_degenerate(ref)
-    assert ref != hf_greedy(hf_dir, PROMPTS, GREEDY.max_tokens)  # the engine must follow the file
+    assert ref != _hf_greedy(hf_dir)  # the engine must follow the file
     _engine_matches(hf_dir, path, ref)
 
 
@@ -199,10 +238,34 @@ def _file_with(path: Path, arch: str, keys: dict, tensors: tuple[str, ...] = ())
         ),
         ("llama4", {}, (), "llama4.expert_count"),
         ("deepseek2", {"expert_count": 4}, (), "deepseek2.expert_gating_func"),
-        ("gemma4", {"expert_count": 4}, (), "gemma4.expert_count"),
+        ("mistral4", {"expert_count": 4, "expert_gating_func": 2}, (), "mistral4.expert_gating_func"),
+        ("mistral4", {"expert_count": 4}, ("blk.0.exp_probs_b.bias",), "blk.0.exp_probs_b.bias"),
+        ("mistral4", {"attention.temperature_scale": 1}, (), "mistral4.attention.temperature_scale"),
+        ("gemma4", {"expert_count": 4}, (), "blk.0.ffn_gate_inp.weight is missing"),
     ],
 )
 def test_what_the_engine_cannot_run_is_refused_naming_the_key(tmp_path, arch, keys, tensors, error):
     path = _file_with(tmp_path / f"{arch}.gguf", arch, keys, tensors)
     with pytest.raises(ValueError, match=error.replace(".", r"\.")):
         LLM(model=str(path))
+
+
+def test_gemma4_split_expert_projections_are_joined_back(converted):
+    """llama.cpp also reads Gemma 4's experts as separate gate and up tensors (``ffn_gate_exps``,
+    ``ffn_up_exps``); such a file's tensors come back as the fused ``gate_up_proj`` HF holds."""
+    from sidecar.model import gguf_gemma4
+    from sidecar.model.gguf_tensors import hf_name
+
+    hf_dir = converted["gemma4_moe"][0]
+    fused = load_file(str(hf_dir / "model.safetensors"))["model.layers.2.experts.gate_up_proj"]
+    gate, up = fused.chunk(2, dim=1)
+    split = {
+        hf_name(f"blk.2.{n}.weight", "gemma4"): w for n, w in (("ffn_gate_exps", gate), ("ffn_up_exps", up))
+    }
+    assert sorted(split) == [
+        "model.layers.2.experts.gate_proj.weight",
+        "model.layers.2.experts.up_proj.weight",
+    ]
+    joined = gguf_gemma4.fix_state(split, {})
+    assert list(joined) == ["model.layers.2.experts.gate_up_proj"]
+    assert torch.equal(joined["model.layers.2.experts.gate_up_proj"], fused)
