@@ -38,6 +38,7 @@ from sidecar.model.hf_quant_formats import (
 from sidecar.model.linear import Linear
 from sidecar.model.moe import block_prefix
 from sidecar.model.quant import Int4Linear, Int8Linear
+from sidecar.model.quant_format import release_freed_memory
 
 log = logging.getLogger("sidecar.model")
 
@@ -119,9 +120,7 @@ def _field(
 
 
 def _group_size(qc: dict, key: str = "group_size", label: str = "quantization_config") -> int:
-    value = qc.get(key, -1)
-    if value is None:
-        value = -1
+    value = -1 if qc.get(key) is None else qc[key]
     if not isinstance(value, int) or isinstance(value, bool) or not (value == -1 or value > 0):
         raise ValueError(f"{label}.{key}: {value!r} is not supported (a positive integer or -1)")
     if value != -1 and value % 32:
@@ -371,6 +370,7 @@ def load_hf_quantized(
             ckpt.get, ckpt.__contains__, names, meta.in_features, bias, dtype, device, checks
         )
         setattr(parent, attr, module)
+        release_freed_memory()  # the conversion's scratch: the heap grows by the codes kept only
 
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"
