@@ -344,7 +344,7 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
                 raise ValueError(f"{split}: checkpoints with a quantization_config are not split")
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
             if cfg.quantization is None and quantization is not None:  # the tool's format, not ours
-                head = head_quantization(quantization, cfg.quantize_lm_head)
+                head = head_quantization(quantization, cfg.quantize_lm_head, model.lm_head)
         if own is not None:
             from sidecar.model.quant_checkpoint import part_quantizer
 
