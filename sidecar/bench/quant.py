@@ -154,6 +154,11 @@ def _rss_peak_bytes() -> int:
     return rss.peak_rss_bytes() or 0
 
 
+def _rss_now_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:")), 0)
+
+
 def _weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
 
@@ -165,7 +170,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     from sidecar import LLM, SamplingParams
 
-    base_rss = _rss_peak_bytes()
+    base_rss, base_kept = _rss_peak_bytes(), _rss_now_bytes()
     t0 = time.perf_counter()
     llm = LLM(
         model=spec["model"],
@@ -181,6 +186,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     res = {
         "load_s": load_s,
         "load_peak_rss_bytes": _rss_peak_bytes() - base_rss,
+        "load_rss_bytes": _rss_now_bytes() - base_kept,  # what the load keeps: the peak's floor
         "weight_bytes": _weight_bytes(llm.engine.loaded.model),
         "cpu_decode_replay": llm.engine.model_info.get("cpu_decode_replay"),
         "quantization": llm.engine.model_info["quantization"],  # as loaded: ours, or the file's format
@@ -431,6 +437,7 @@ def _paired_mode(
         pre["ours"].append(w["prefill_tok_s"])
         r["weight_bytes"] = w["weight_bytes"]  # the resident weights (a hub format's: against its file)
         r["load_peak_rss_bytes"] = max(r.get("load_peak_rss_bytes", 0), w["load_peak_rss_bytes"])
+        r["load_rss_bytes"] = w["load_rss_bytes"]
         rss["ours"] = max(rss["ours"], w["peak_rss_bytes"])
         if gguf is not None:
             lb = _llama_figure(tools, gguf, 0, n, args.threads, failures)
@@ -494,6 +501,8 @@ def _hub_figures(rows: list[dict[str, Any]], hub: dict[str, str]) -> None:
         if "weight_bytes" in r:
             r["weight_vs_file"] = r["weight_bytes"] / r["file_bytes"]
             r["load_rss_vs_file"] = r["load_peak_rss_bytes"] / r["file_bytes"]
+        if r.get("load_rss_bytes", 0) > 0:  # the load's peak against the memory it keeps
+            r["load_peak_vs_kept"] = r["load_peak_rss_bytes"] / r["load_rss_bytes"]
         for key, base, name in (
             ("decode_tok_s_b1", "int4", "b1_vs_int4"),
             ("b1_paired_tok_s", "int4", "b1_paired_vs_int4"),
@@ -531,6 +540,7 @@ def _run_paired_only(
         "file_bytes",
         "weight_vs_file",
         "load_rss_vs_file",
+        "load_peak_vs_kept",
     ]
     if "version" in result["baselines"]:
         cols += [
@@ -712,7 +722,8 @@ def _run_full(
         "peak_rss_mib",
     ]
     if hub:
-        cols += ["file_bytes", "weight_vs_file", "load_rss_vs_file", "b1_vs_int4", "prefill_vs_bf16"]
+        cols += ["file_bytes", "weight_vs_file", "load_rss_vs_file", "load_peak_vs_kept", "b1_vs_int4"]
+        cols += ["prefill_vs_bf16"]
     base = result.get("baselines") or {}
     cols += ["b1_paired_tok_s", "b1_paired_peak_rss_mib", "prefill_paired_tok_s"] if base else []
     cols += ["b1_paired_vs_int4", "prefill_paired_vs_bf16"] if base and hub else []

@@ -38,6 +38,7 @@ from sidecar.model.hf_quant_formats import (
 from sidecar.model.linear import Linear
 from sidecar.model.moe import block_prefix
 from sidecar.model.quant import Int4Linear, Int8Linear
+from sidecar.model.quant_format import release_freed_memory
 
 log = logging.getLogger("sidecar.model")
 
@@ -119,9 +120,7 @@ def _field(
 
 
 def _group_size(qc: dict, key: str = "group_size", label: str = "quantization_config") -> int:
-    value = qc.get(key, -1)
-    if value is None:
-        value = -1
+    value = -1 if qc.get(key) is None else qc[key]
     if not isinstance(value, int) or isinstance(value, bool) or not (value == -1 or value > 0):
         raise ValueError(f"{label}.{key}: {value!r} is not supported (a positive integer or -1)")
     if value != -1 and value % 32:
@@ -250,15 +249,8 @@ def _grouped_linear(label, read, get, has, names, in_features, bias, dtype, devi
     groups = sources[0].group_index()
     if all(torch.equal(s.group_index(), groups) for s in sources[1:]):
         if len(sources) > 1:
-            sources = [
-                Source(
-                    torch.cat([s.codes for s in sources]),
-                    torch.cat([s.scales for s in sources]),
-                    torch.cat([s.zeros for s in sources]),
-                    sources[0].g_idx,
-                    sources[0].bits,
-                )
-            ]
+            parts = [torch.cat([getattr(s, f) for s in sources]) for f in ("codes", "scales", "zeros")]
+            sources = [Source(*parts, sources[0].g_idx, sources[0].bits)]
         return _checked_runtime(label, sources[0], names[0], in_features, bias, dtype, device, checks)
     biases = [None] * len(sources) if bias is None else bias.split([s.codes.shape[0] for s in sources])
     return ConcatLinear(
@@ -313,11 +305,16 @@ def _self_check(module: nn.Module, src: Source, bias, dtype, device) -> str:
     return "" if err <= bound else f"off from the dequantized reference by {err:.3g} (bound {bound:.3g})"
 
 
-def head_quantization(label: str, setting: str) -> Optional[str]:
-    """The mode our loader gives the full-precision output head (and a tied embedding) of a checkpoint
-    quantized by its tool as ``label``: what ``quantize_lm_head`` (``setting``) gives our own quantize-on-load
-    weights of the same width (int4 for the 4-bit formats, int8 for the 8-bit ones), so by default int8, as
-    ``LLM(quantization="int4")`` keeps it; ``none`` keeps the head as the file has it."""
+def head_quantization(label: str, setting: str, head: Optional[nn.Module] = None) -> Optional[str]:
+    """The mode of the full-precision head (and a tied embedding) of a file quantized as ``label``: what
+    ``quantize_lm_head`` (``setting``) gives our own weights of its width (int4 for the 4-bit formats, int8
+    for the 8-bit ones): int8 by default; ``none`` keeps it as the file has it. A head the file holds
+    quantized (``head``, loaded) stays as it is; ValueError where ``setting`` is none for one."""
+    if setting == "none" and head is not None and not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"quantize_lm_head: none keeps the head in full precision, but the checkpoint's lm_head is "
+            f"quantized ({label}); leave it auto or same"
+        )
     bits = "int4" if label.endswith(("int4", "w4a16")) else "int8"
     return lm_head_quantization(bits, setting)
 
@@ -371,6 +368,7 @@ def load_hf_quantized(
             ckpt.get, ckpt.__contains__, names, meta.in_features, bias, dtype, device, checks
         )
         setattr(parent, attr, module)
+        release_freed_memory()  # the conversion's scratch: the heap grows by the codes kept only
 
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}"

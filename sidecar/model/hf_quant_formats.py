@@ -60,16 +60,21 @@ class Source:
 
 
 def unpack_words(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """32-bit words (int32, or their unsigned values in int64) -> unsigned codes (int64), ``32 / bits``
-    values per word, lowest bits first, along ``dim``."""
-    per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    if dim == 0:
-        vals = (w.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)
-        return vals.reshape(w.shape[0] * per, w.shape[1])
-    vals = (w.unsqueeze(2) >> shifts[None, None, :]) & ((1 << bits) - 1)
-    return vals.reshape(w.shape[0], w.shape[1] * per)
+    """32-bit words (int32, or their unsigned values in int64) -> unsigned codes (uint8), ``32 / bits``
+    values per word, lowest bits first, along ``dim``. One field at a time, so the scratch is one tensor
+    of the words' size, never the codes widened to the words' width."""
+    per, mask = 32 // bits, (1 << bits) - 1
+    shape = list(words.shape)
+    shape[dim] *= per
+    out = torch.empty(shape, dtype=torch.uint8)
+    for j in range(per):
+        # an arithmetic shift of a negative int32 fills the high bits only; the mask drops them
+        field = ((words >> (bits * j)) & mask).to(torch.uint8)
+        if dim == 0:
+            out[j::per] = field
+        else:
+            out[:, j::per] = field
+    return out
 
 
 def gptq_source(get, has, name: str, bits: int, zero_offset: int, in_features: int) -> Source:

@@ -28,6 +28,7 @@ from sidecar.config import EngineConfig, lm_head_quantization
 from sidecar.model.args import ModelArgs, checkpoint_view
 from sidecar.model.decoder import CausalLM
 from sidecar.model.deltanet import load_hybrid_mixer
+from sidecar.model.file_rows import FileRows
 from sidecar.model.linear_layout import pack_weights
 from sidecar.model.moe import stack_experts
 from sidecar.model.model_source import (  # noqa: F401 (re-exported: callers import them from here)
@@ -96,6 +97,12 @@ class _SafetensorsIndex:
         # final model size when quantizing on load (the returned tensor keeps only its own bytes).
         with safe_open(self.paths[self.weight_map[name]], framework="pt", device="cpu") as h:
             return h.get_tensor(name)
+
+    def rows(self, name: str, dtype: torch.dtype, like: torch.Tensor) -> FileRows:
+        """The tensor ``name`` (of ``like``'s shape) read a block of rows at a time (file_rows.py)."""
+        if name not in self.weight_map:
+            raise ValueError(f"model: checkpoint is missing tensor {name!r}")
+        return FileRows(self.paths[self.weight_map[name]], name, dtype, tuple(like.shape))
 
 
 def _set(
@@ -178,7 +185,10 @@ def _load_weights(
     # a hub-quantized checkpoint's quantized lm_head is in place already (no lm_head.weight: not tied)
     preloaded_head = not isinstance(model.lm_head, nn.Linear) or not model.lm_head.weight.is_meta
     tied = not preloaded_head and (args.tie_word_embeddings or "lm_head.weight" not in ckpt)
-    if first or (last and tied):
+    # a table to quantize is read a block of rows at a time where it can be: never resident whole
+    rows = getattr(ckpt, "rows", None) if device.type == "cpu" else None
+    stream = tied and last and head_mode is not None and rows is not None
+    if (first or (last and tied)) and not stream:
         _set(model.embed_tokens, "weight", ckpt.get(f"{top}embed_tokens.weight"), dtype, device)
     if tied and last and head_mode is not None:
         from sidecar.model.quant import quantize_tied_embedding
@@ -186,7 +196,10 @@ def _load_weights(
         # Quantized before the layers load so the full-precision table never coexists with them;
         # one quantized table (in the head's mode) serves both the embedding lookup and the tied lm_head.
         model.embed_tokens, model.lm_head = quantize_tied_embedding(
-            model.embed_tokens, head_mode, cfg.quant_group_size
+            model.embed_tokens,
+            head_mode,
+            cfg.quant_group_size,
+            rows(f"{top}embed_tokens.weight", dtype, model.embed_tokens.weight) if stream else None,
         )
     for i, layer in enumerate(
         tqdm(
@@ -238,6 +251,11 @@ def _load_weights(
     if tied:
         if isinstance(model.embed_tokens, nn.Embedding):  # not already quantized together above
             model.lm_head.weight = model.embed_tokens.weight
+    elif head_mode is not None and rows is not None:
+        from sidecar.model.quant import quantize_linear
+
+        table = rows("lm_head.weight", dtype, model.lm_head.weight)
+        model.lm_head = quantize_linear(model.lm_head, head_mode, cfg.quant_group_size, "lm_head", table)
     else:
         _set(model.lm_head, "weight", ckpt.get("lm_head.weight"), dtype, device)
         if head_mode is not None:
@@ -330,7 +348,7 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
                 raise ValueError(f"{split}: checkpoints with a quantization_config are not split")
             quantization = load_hf_quantized(model, ckpt, hf_config, cfg.quantization, dtype, device)
             if cfg.quantization is None and quantization is not None:  # the tool's format, not ours
-                head = head_quantization(quantization, cfg.quantize_lm_head)
+                head = head_quantization(quantization, cfg.quantize_lm_head, model.lm_head)
         if own is not None:
             from sidecar.model.quant_checkpoint import part_quantizer
 

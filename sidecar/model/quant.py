@@ -17,7 +17,7 @@ and reloading quantized checkpoints is ``quant_checkpoint.py``. With the model's
 from __future__ import annotations
 
 import abc
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -304,14 +304,17 @@ def runtime_linear(
     return Int4Linear(stored["qweight"], stored["scales"], stored["zeros"], in_features, bias, dtype)
 
 
-def quantize_linear(linear: nn.Linear, mode: str, group_size: int = 128, name: str = "") -> nn.Module:
+def quantize_linear(
+    linear: nn.Linear, mode: str, group_size: int = 128, name: str = "", rows: Any = None
+) -> nn.Module:
     """Loader hook: the runtime module replacing ``linear``.
 
     Frees ``linear``'s full-precision weight (the parameter is dropped from the
     module), so quantizing layer by layer keeps at most one layer in full precision.
+    ``rows``: the weight read in row blocks (``file_rows.FileRows``) in place of ``linear.weight``.
     """
     check_quant_args(mode, group_size)
-    w = linear.weight.detach()
+    w = linear.weight.detach() if rows is None else rows
     bias = None if linear.bias is None else linear.bias.detach().clone()
     stored = quantize_weight(w, mode, group_size, w.dtype, name)
     module = runtime_linear(stored, mode, linear.in_features, bias, w.dtype)
@@ -372,14 +375,15 @@ def tied_modules(
 
 
 def quantize_tied_embedding(
-    embedding: nn.Embedding, mode: str, group_size: int = 128
+    embedding: nn.Embedding, mode: str, group_size: int = 128, rows: Any = None
 ) -> tuple[QuantEmbedding, nn.Module]:
-    """Loader hook for a tied lm_head: quantize the shared table once.
+    """Loader hook for a tied lm_head: quantize the shared table once (read from ``rows``, a
+    ``file_rows.FileRows``, when given, else from ``embedding.weight``).
 
     Returns (embedding, lm_head) replacements and drops ``embedding``'s weight.
     """
     check_quant_args(mode, group_size)
-    w = embedding.weight.detach()
+    w = embedding.weight.detach() if rows is None else rows
     stored = quantize_weight(w, mode, group_size, w.dtype, "lm_head")
     modules = tied_modules(stored, mode, w.shape[1], w.dtype)
     embedding.weight = None

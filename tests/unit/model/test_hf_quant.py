@@ -194,6 +194,21 @@ def test_a_quantized_lm_head_runs_int4_and_greedy_equals_hf(tiny_models, tmp_pat
     assert [o.token_ids for o in got] == _hf_greedy(tiny_models["llama"], ref, 8)
 
 
+def test_a_full_precision_head_asked_of_a_quantized_file_head_is_refused_naming_the_setting(
+    tiny_models, tmp_path
+):
+    """The file's int4 lm_head has no full-precision weights to keep: ``none`` is refused, not ignored."""
+    out = tmp_path / "q"
+    H.write(tiny_models["llama"], out, *_gptq(), lm_head=True)
+    with pytest.raises(
+        ValueError, match=r"quantize_lm_head: none keeps the head in full precision.*gptq-int4"
+    ):
+        load_model(EngineConfig(model=str(out), dtype="float32", quantize_lm_head="none"))
+    for setting in ("auto", "same"):  # the file's own head, as it is
+        cfg = EngineConfig(model=str(out), dtype="float32", quantize_lm_head=setting)
+        assert isinstance(load_model(cfg, pack=False).model.lm_head, Int4Linear)
+
+
 @pytest.mark.parametrize(
     "case",
     ["gptq-asym-v1-g32", "gptq-sym-actorder-g32", "gptq-v2-perchannel", "awq-g64", "ct-w4a16-channel-asym"],
