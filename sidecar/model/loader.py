@@ -28,7 +28,7 @@ from sidecar.config import EngineConfig, lm_head_quantization
 from sidecar.model.args import ModelArgs, checkpoint_view
 from sidecar.model.decoder import CausalLM
 from sidecar.model.deltanet import load_hybrid_mixer
-from sidecar.model.file_rows import FileRows
+from sidecar.model.file_rows import SafetensorsIndex
 from sidecar.model.linear_layout import pack_weights
 from sidecar.model.moe import stack_experts
 from sidecar.model.model_source import (  # noqa: F401 (re-exported: callers import them from here)
@@ -61,50 +61,6 @@ class LoadedModel:
     dtype_reason: str = ""
 
 
-class _SafetensorsIndex:
-    """Name -> file map over a checkpoint's safetensors shards, opened lazily (mmap)."""
-
-    def __init__(self, model_dir: Path) -> None:
-        from safetensors import safe_open
-
-        index = model_dir / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-            if not files:
-                raise ValueError(f"model: no *.safetensors weights in {model_dir}")
-            weight_map = {}
-        self.paths = {f: str(model_dir / f) for f in files}
-        if not weight_map:
-            for f, path in self.paths.items():
-                with safe_open(path, framework="pt", device="cpu") as h:
-                    for k in h.keys():
-                        weight_map[k] = f
-        self.weight_map: dict[str, str] = weight_map
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.weight_map:
-            raise ValueError(f"model: checkpoint is missing tensor {name!r}")
-        from safetensors import safe_open
-
-        # An open handle maps the whole file and every page read through it counts in this
-        # process's RSS until the handle closes; one handle per tensor keeps peak RSS near the
-        # final model size when quantizing on load (the returned tensor keeps only its own bytes).
-        with safe_open(self.paths[self.weight_map[name]], framework="pt", device="cpu") as h:
-            return h.get_tensor(name)
-
-    def rows(self, name: str, dtype: torch.dtype, like: torch.Tensor) -> FileRows:
-        """The tensor ``name`` (of ``like``'s shape) read a block of rows at a time (file_rows.py)."""
-        if name not in self.weight_map:
-            raise ValueError(f"model: checkpoint is missing tensor {name!r}")
-        return FileRows(self.paths[self.weight_map[name]], name, dtype, tuple(like.shape))
-
-
 def _set(
     module: nn.Module, name: str, tensor: torch.Tensor, dtype: torch.dtype, device: torch.device
 ) -> None:
@@ -120,7 +76,7 @@ def _set(
 
 
 def _load_linear(
-    linear: nn.Linear, ckpt: _SafetensorsIndex, names: Iterable[str], dtype: torch.dtype, device: torch.device
+    linear: nn.Linear, ckpt: SafetensorsIndex, names: Iterable[str], dtype: torch.dtype, device: torch.device
 ) -> None:
     # built already from a hub-quantized checkpoint's codes (hf_quant.py, hf8bit.py)
     if getattr(linear, "preloaded", False) or not isinstance(linear, nn.Linear) or not linear.weight.is_meta:
@@ -167,7 +123,7 @@ def _maybe_quantize(parent: nn.Module, attr: str, cfg: EngineConfig, mode: Optio
 
 def _load_weights(
     model: CausalLM,
-    ckpt: _SafetensorsIndex,
+    ckpt: SafetensorsIndex,
     cfg: EngineConfig,
     dtype: torch.dtype,
     device: torch.device,
@@ -264,7 +220,7 @@ def _load_weights(
 
 def _load_experts(
     moe: nn.Module,
-    ckpt: _SafetensorsIndex,
+    ckpt: SafetensorsIndex,
     layer_prefix: str,
     args: ModelArgs,
     cfg: EngineConfig,
@@ -285,9 +241,8 @@ def _load_experts(
         for module, name, tensor in parts:
             _set(module, name, tensor, dtype, device)
         for attr in ("gate_up_proj", "down_proj") if expert is not None else ():
-            lin = getattr(expert, attr)
-            if isinstance(lin, mxfp4.Mxfp4Linear):  # codes arrive on the CPU, as the checkpoint has them
-                lin.blocks, lin.scales = lin.blocks.to(device), lin.scales.to(device)
+            if isinstance(getattr(expert, attr), mxfp4.Mxfp4Linear):  # codes arrive on the CPU, as stored
+                getattr(expert, attr).to(device)
             _maybe_quantize(expert, attr, cfg)
 
 
@@ -335,7 +290,7 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
         load_quantized_model(model_dir, model, dtype, device)
         quantization = json.loads(quant_file.read_text()).get("mode")
     else:
-        ckpt, quantization = checkpoint_view(args, _SafetensorsIndex(model_dir)), cfg.quantization
+        ckpt, quantization = checkpoint_view(args, SafetensorsIndex(model_dir)), cfg.quantization
         head = lm_head_quantization(cfg.quantization, cfg.quantize_lm_head)
         own = getattr(model, "load_checkpoint", None)  # a decoder that fills itself (gemma4_model.py)
         if "quantization_config" in hf_config:  # quantized by its producing tool (GPTQ, AWQ, ...)
