@@ -33,15 +33,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench-results", help="output directory for JSON + PNG")
 
 
-def cache_bytes(info: dict[str, Any], num_layers: int, context: int) -> dict[str, float]:
-    """Cache bytes a token at ``context`` tokens a sequence: ours (attention KV plus the state spread over the
-    context) and the dense model's of the same width, from ``model_info``'s cache groups."""
-    groups = {g["kind"]: g for g in info["cache_groups"]}
-    kv = groups["attention"]
-    kv_token = kv["bytes"] / kv["tokens"]
+def cache_bytes(llm, context: int) -> dict[str, float]:
+    """Cache bytes a token at ``context`` tokens a sequence: ours (the attention layers' KV plus the state
+    spread over the context) and the dense model's of the same width (that KV over every layer)."""
+    from sidecar.engine.kv_budget import kv_bytes_per_block
+
+    eng = llm.engine
+    block = eng.config.block_size
+    kv_token = kv_bytes_per_block(eng.loaded, block, eng.runner.kv_dtype) / block
+    groups = {g["kind"]: g for g in eng.model_info["cache_groups"]}
     state = groups.get("linear_attention", {}).get("bytes_per_sequence", 0)
     ours = kv_token + state / context
-    dense = kv_token * num_layers / kv["layers"]
+    dense = kv_token * eng.loaded.args.num_layers / groups["attention"]["layers"]
     return {
         "kv_bytes_per_token": kv_token,
         "state_bytes_per_seq": state,
@@ -66,7 +69,6 @@ def _ours(model_dir: str, args: argparse.Namespace, contexts: list[int]) -> list
         max_model_len=longest,
         kv_cache_memory_gb=0.25 + longest * 65536 / 2**30,
     )
-    info = llm.engine.model_info
     llm.generate([[5] * 8], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     rows = []
     for c in contexts:
@@ -74,7 +76,7 @@ def _ours(model_dir: str, args: argparse.Namespace, contexts: list[int]) -> list
         out = llm.generate([prompt], SamplingParams(max_tokens=args.tokens, ignore_eos=True))[0]
         decode_s = out.e2e_s - out.ttft_s
         row = {"context": c, "b1_decode_tok_s": (args.tokens - 1) / decode_s, "load_avg": os.getloadavg()[0]}
-        rows.append(dict(row, **cache_bytes(info, llm.engine.loaded.args.num_layers, c)))
+        rows.append(dict(row, **cache_bytes(llm, c)))
     return rows
 
 
