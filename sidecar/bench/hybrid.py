@@ -36,15 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def cache_bytes(llm, context: int) -> dict[str, float]:
     """Cache bytes a token at ``context`` tokens a sequence: ours (the attention layers' KV plus the state
     spread over the context) and the dense model's of the same width (that KV over every layer)."""
-    from sidecar.engine.kv_budget import kv_bytes_per_block
-
-    eng = llm.engine
-    block = eng.config.block_size
-    kv_token = kv_bytes_per_block(eng.loaded, block, eng.runner.kv_dtype) / block
-    groups = {g["kind"]: g for g in eng.model_info["cache_groups"]}
+    info = llm.engine.model_info
+    groups = {g["kind"]: g for g in info["cache_groups"]}
+    kv = groups["attention"]
+    kv_token = kv["bytes"] / (kv["tokens"] + info["block_size"])  # the pool holds one block past its tokens
     state = groups.get("linear_attention", {}).get("bytes_per_sequence", 0)
     ours = kv_token + state / context
-    dense = kv_token * eng.loaded.args.num_layers / groups["attention"]["layers"]
+    dense = kv_token * llm.engine.loaded.args.num_layers / kv["layers"]
     return {
         "kv_bytes_per_token": kv_token,
         "state_bytes_per_seq": state,
