@@ -172,25 +172,25 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        conv_state, rec_state = state
         t = x.shape[0]
         proj, b, a = self.in_proj(x), self.in_proj_b(x), self.in_proj_a(x)
         slots: Optional[torch.Tensor] = meta.decode_state_slots
         n = 0 if slots is None else slots.shape[0]
-        gated = torch.empty(t, self.nv * self.dv, dtype=x.dtype, device=x.device)
         fused = self._decode_kernel(proj[t - n :], b[t - n :], a[t - n :], state, slots) if n else None
         ref = t if fused is None else t - n  # the rows the torch reference runs (decode rows last)
+        if not ref:  # decode rows alone, all on the kernel
+            return self.out_proj(fused)
+        gated = torch.empty(t, self.nv * self.dv, dtype=x.dtype, device=x.device)
         if fused is not None:
             gated[ref:] = fused
-        if ref:
-            mixed, z = torch.split(proj[:ref], self.splits, dim=1)
-            beta = b[:ref].sigmoid()
-            g = self.A * F.softplus(a[:ref].float() + self.dt_bias)
-            out = self._prefill_rows(mixed, g, beta, state, meta)
-            if fused is None and n:
-                rows = slice(t - n, t)
-                out[rows] = self._decode_rows(mixed[rows], g[rows], beta[rows], *state, slots)
-            gated[:ref] = self._gated_norm(out, z.reshape(ref, self.nv, self.dv)).reshape(ref, -1)
+        mixed, z = torch.split(proj[:ref], self.splits, dim=1)
+        beta = b[:ref].sigmoid()
+        g = self.A * F.softplus(a[:ref].float() + self.dt_bias)
+        out = self._prefill_rows(mixed, g, beta, state, meta)
+        if fused is None and n:
+            rows = slice(t - n, t)
+            out[rows] = self._decode_rows(mixed[rows], g[rows], beta[rows], *state, slots)
+        gated[:ref] = self._gated_norm(out, z.reshape(ref, self.nv, self.dv)).reshape(ref, -1)
         return self.out_proj(gated)
 
     def _prefill_rows(self, mixed, g, beta, state, meta: AttentionMetadata) -> torch.Tensor:
