@@ -82,6 +82,10 @@ BENCHMARKS = {
         "sidecar.bench.moe",
         "mixture of experts: batch-1 decode and weight bytes per token vs active parameters, per precision",
     ),
+    "hybrid": (
+        "sidecar.bench.hybrid",
+        "linear-attention hybrids (Qwen3.5): batch-1 decode vs llama.cpp per context; cache bytes vs dense",
+    ),
 }
 
 

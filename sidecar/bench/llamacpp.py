@@ -83,8 +83,11 @@ def version(tools: dict[str, Path]) -> str:
     return " ".join((out.stdout + out.stderr).split())[:200]
 
 
-def gguf_for(tools: dict[str, Path], model_dir: str, precision: str, cache_dir: Path) -> Path:
-    """The checkpoint as GGUF in ``precision``'s class, converted once and cached next to the bench models."""
+def gguf_for(
+    tools: dict[str, Path], model_dir: str, precision: str, cache_dir: Path, flags: tuple[str, ...] = ()
+) -> Path:
+    """The checkpoint as GGUF in ``precision``'s class, converted once and cached next to the bench models;
+    ``flags``: more options of the converter (``--no-mtp`` for a Qwen3.5 checkpoint without MTP layers)."""
     outtype = OUTTYPES[precision]
     cache_dir.mkdir(parents=True, exist_ok=True)
     out = cache_dir / f"{Path(model_dir).name}-{outtype}.gguf"
@@ -105,6 +108,7 @@ def gguf_for(tools: dict[str, Path], model_dir: str, precision: str, cache_dir: 
                 direct,
                 "--outfile",
                 str(tmp),
+                *flags,
             ],
             check=True,
             capture_output=True,

@@ -22,6 +22,7 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),  # written tensor by tensor (``_write_moe``)
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # likewise, experts in MXFP4 (``_write_gpt_oss``)
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
 }
 
 # Qwen2.5-0.5B-Instruct's shapes.
@@ -126,6 +127,29 @@ GPT_OSS_20B = dict(
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,
 )
+# A Qwen3.5-0.8B-class text model: 18 gated DeltaNet layers (16 key and 16 value heads of 128, a 4-tap convolution) and
+# 6 gated full-attention layers (8 query heads and 2 KV heads of 256, a quarter of each rotary), every fourth
+# layer; a tied 248,320-token head.
+QWEN3_5_0_8B = dict(
+    family="qwen3_5",
+    hidden_size=1024,
+    intermediate_size=3584,
+    num_hidden_layers=24,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=256,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=16,
+    vocab_size=248320,
+    max_position_embeddings=262144,
+    rope_theta=10000000.0,
+    partial_rotary_factor=0.25,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
 SHAPES = {
     "qwen2-0.5b": QWEN2_0_5B,
     "qwen3-0.6b": QWEN3_0_6B,
@@ -134,6 +158,7 @@ SHAPES = {
     "qwen3-30b-a3b-12l": QWEN3_30B_A3B_12L,
     "qwen3-30b-a3b-2l": dict(QWEN3_30B_A3B_12L, num_hidden_layers=2),
     "gpt-oss-20b-2l": dict(GPT_OSS_20B, num_hidden_layers=2),
+    "qwen3.5-0.8b": QWEN3_5_0_8B,
 }
 
 
@@ -147,7 +172,7 @@ def build_config(shape: dict[str, Any], initializer_range: float = 0.02):
     """The transformers config of ``shape`` (a ``SHAPES`` entry or one like it: ``family`` and the config's
     fields), with the demo tokenizer's special ids. Gemma 3's ``rope_local_base_freq`` and
     ``sliding_window_pattern`` become the per-layer-type ``rope_parameters`` and ``layer_types`` of its config;
-    Qwen's ``rope_theta`` its ``rope_parameters``."""
+    Qwen's ``rope_theta`` (and Qwen3.5's ``partial_rotary_factor``) its ``rope_parameters``."""
     import transformers
 
     fields = dict(shape)
@@ -168,6 +193,8 @@ def build_config(shape: dict[str, Any], initializer_range: float = 0.02):
         }
     else:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+        if "partial_rotary_factor" in fields:  # Qwen3.5: the rotary share is a rope parameter
+            fields["rope_parameters"]["partial_rotary_factor"] = fields.pop("partial_rotary_factor")
     cls = getattr(transformers, FAMILIES[family][0])
     return cls(
         **fields, eos_token_id=2, pad_token_id=0, bos_token_id=None, initializer_range=initializer_range

@@ -23,6 +23,7 @@ as HF's prefill and decode do; so float32 greedy output equals HF's ``generate``
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -31,9 +32,12 @@ from torch import nn
 
 from sidecar.model.args import ModelArgs
 from sidecar.model.attention import AttentionMetadata
+from sidecar.model.kernels.cpu import deltanet_step
 from sidecar.model.linear import Linear
 
 CHUNK = 64  # tokens per block of the chunked rule (HF's chunk_size)
+log = logging.getLogger("sidecar.model")
+_checked: dict[str, str] = {}  # "reason": why the decode kernel is off ('' when on), once asked
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -143,15 +147,17 @@ class GatedDeltaNet(nn.Module):
     def _conv(self, x: torch.Tensor, window: Optional[torch.Tensor]) -> torch.Tensor:
         """silu of the causal convolution of ``x`` [B, conv_dim, L] after ``window`` [B, conv_dim, kernel-1]
         (the inputs before it; None: a sequence's start, zeros before it), as [B, L, conv_dim]. A start is
-        convolved with zero padding, as HF's prefill does (the same sums, in the same order)."""
-        w = self.conv_weight.unsqueeze(1)
+        convolved with zero padding, as HF's prefill does (the same sums, in the same order). The sums run in
+        float32 and round to the dtype once, as torch's bf16 convolution rounds them (whose CPU path is many
+        times slower than the float32 one)."""
+        w = self.conv_weight.unsqueeze(1).float()
         if window is None:
             pad, length = self.kernel - 1, x.shape[-1]
-            out = F.conv1d(x.to(w.dtype), w, None, padding=pad, groups=self.conv_dim)[:, :, :length]
+            out = F.conv1d(x.float(), w, None, padding=pad, groups=self.conv_dim)[:, :, :length]
         else:
-            xs = torch.cat((window, x), dim=-1).to(w.dtype)
+            xs = torch.cat((window, x), dim=-1).float()
             out = F.conv1d(xs, w, None, padding=0, groups=self.conv_dim)
-        return F.silu(out).to(x.dtype).transpose(1, 2)
+        return F.silu(out.to(self.conv_weight.dtype)).to(x.dtype).transpose(1, 2)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, length = mixed.shape[:2]
@@ -166,12 +172,31 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        conv_state, rec_state = state
         t = x.shape[0]
-        mixed, z = torch.split(self.in_proj(x), self.splits, dim=1)
-        beta = self.in_proj_b(x).sigmoid()
-        g = self.A * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out = torch.empty(t, self.nv, self.dv, dtype=x.dtype, device=x.device)
+        proj, b, a = self.in_proj(x), self.in_proj_b(x), self.in_proj_a(x)
+        slots: Optional[torch.Tensor] = meta.decode_state_slots
+        n = 0 if slots is None else slots.shape[0]
+        fused = self._decode_kernel(proj[t - n :], b[t - n :], a[t - n :], state, slots) if n else None
+        ref = t if fused is None else t - n  # the rows the torch reference runs (decode rows last)
+        if not ref:  # decode rows alone, all on the kernel
+            return self.out_proj(fused)
+        gated = torch.empty(t, self.nv * self.dv, dtype=x.dtype, device=x.device)
+        if fused is not None:
+            gated[ref:] = fused
+        mixed, z = torch.split(proj[:ref], self.splits, dim=1)
+        beta = b[:ref].sigmoid()
+        g = self.A * F.softplus(a[:ref].float() + self.dt_bias)
+        out = self._prefill_rows(mixed, g, beta, state, meta)
+        if fused is None and n:
+            rows = slice(t - n, t)
+            out[rows] = self._decode_rows(mixed[rows], g[rows], beta[rows], *state, slots)
+        gated[:ref] = self._gated_norm(out, z.reshape(ref, self.nv, self.dv)).reshape(ref, -1)
+        return self.out_proj(gated)
+
+    def _prefill_rows(self, mixed, g, beta, state, meta: AttentionMetadata) -> torch.Tensor:
+        """The rule's output [T, v_heads, v_dim] over each prompt chunk's rows (other rows left unset)."""
+        conv_state, rec_state = state
+        out = torch.empty(mixed.shape[0], self.nv, self.dv, dtype=mixed.dtype, device=mixed.device)
         w = self.kernel - 1
         for seg in meta.prefills:
             rows, slot = slice(seg.q_start, seg.q_start + seg.q_len), seg.state_slot
@@ -184,19 +209,25 @@ class GatedDeltaNet(nn.Module):
             )
             rec_state[slot] = s[0]
             out[rows] = o[0]
-        slots: Optional[torch.Tensor] = meta.decode_state_slots
-        if slots is not None:
-            n = slots.shape[0]
-            rows = slice(t - n, t)
-            seq = mixed[rows][:, :, None]  # [B, conv_dim, 1]
-            window = conv_state.index_select(0, slots)
-            qkv = self._conv(seq, window)
-            conv_state.index_copy_(0, slots, torch.cat((window, seq), dim=-1)[:, :, -w:])
-            gd, bd = g[rows][:, None], beta[rows][:, None]
-            o, s = recurrent_step(*self._split(qkv), gd, bd, rec_state.index_select(0, slots))
-            rec_state.index_copy_(0, slots, s)
-            out[rows] = o[:, 0]
-        return self.out_proj(self._gated_norm(out, z.reshape(t, self.nv, self.dv)).reshape(t, -1))
+        return out
+
+    def _decode_rows(self, mixed, g, beta, conv_state, rec_state, slots: torch.Tensor) -> torch.Tensor:
+        """The torch reference of a decode step: the rule's output [B, v_heads, v_dim] for B sequences' one
+        token each (``mixed`` [B, conv_dim]), their slots' states advanced."""
+        seq = mixed[:, :, None]  # [B, conv_dim, 1]
+        window = conv_state.index_select(0, slots)
+        qkv = self._conv(seq, window)
+        conv_state.index_copy_(0, slots, torch.cat((window, seq), dim=-1)[:, :, -(self.kernel - 1) :])
+        o, s = recurrent_step(*self._split(qkv), g[:, None], beta[:, None], rec_state.index_select(0, slots))
+        rec_state.index_copy_(0, slots, s)
+        return o[:, 0]
+
+    def _decode_kernel(self, proj, b, a, state, slots) -> Optional[torch.Tensor]:
+        """The gated output of the decode rows from the C kernel (their states advanced), or None (nothing
+        touched) where it is not built, failed its self-check, or does not take the arguments."""
+        if proj.device.type != "cpu" or not kernel_ready():
+            return None
+        return kernel_step(self, proj, b, a, state, slots)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of each head's output (float32, back to the dtype, times the weight) times silu(z)."""
@@ -244,3 +275,79 @@ def split_gated_query(q_proj: torch.Tensor, heads: int, head_dim: int) -> tuple[
     return w[:, 0].reshape(heads * head_dim, -1).squeeze(-1), w[:, 1].reshape(heads * head_dim, -1).squeeze(
         -1
     )
+
+
+def random_mixer(heads: tuple[int, int, int, int], kernel: int, dtype: torch.dtype, gen) -> GatedDeltaNet:
+    """A mixer of ``heads`` (k_heads, v_heads, k_dim, v_dim) with random convolution taps, decay rates, biases
+    and norm weights (its projections left out: ``decode_reference`` takes their rows)."""
+    m = GatedDeltaNet.__new__(GatedDeltaNet)
+    nn.Module.__init__(m)
+    m.nk, m.nv, m.dk, m.dv = heads
+    m.kernel, m.eps = kernel, 1e-6
+    m.conv_dim = 2 * m.nk * m.dk + m.nv * m.dv
+    m.splits = [m.conv_dim, m.nv * m.dv]
+    for name, value in (
+        ("conv_weight", (torch.randn(m.conv_dim, kernel, generator=gen) * 0.5).to(dtype)),
+        ("dt_bias", torch.rand(m.nv, generator=gen).to(dtype)),
+        ("A", -torch.rand(m.nv, generator=gen)),
+        ("norm_weight", (1 + 0.3 * torch.randn(m.dv, generator=gen)).to(dtype)),
+    ):
+        setattr(m, name, nn.Parameter(value, requires_grad=False))
+    return m
+
+
+def decode_reference(m: GatedDeltaNet, proj, b, a, state, slots) -> torch.Tensor:
+    """The torch reference of ``deltanet_step.decode``: the gated output rows [B, v_heads * v_dim] of B
+    sequences' one token each from their in_proj, in_proj_b and in_proj_a rows; the slots' states advanced."""
+    n = proj.shape[0]
+    mixed, z = torch.split(proj, m.splits, dim=1)
+    g = m.A * F.softplus(a.float() + m.dt_bias)
+    o = m._decode_rows(mixed, g, b.sigmoid(), *state, slots)
+    return m._gated_norm(o, z.reshape(n, m.nv, m.dv)).reshape(n, -1)
+
+
+def kernel_step(m: GatedDeltaNet, proj, b, a, state, slots) -> Optional[torch.Tensor]:
+    """``deltanet_step.decode`` over mixer ``m``'s parameters (None where it does not take them)."""
+    w = (m.conv_weight, m.A, m.dt_bias, m.norm_weight)
+    heads = (m.nk, m.nv, m.dk, m.dv)
+    return deltanet_step.decode(proj, b, a, state[0], *w, m.eps, state[1], slots, heads)
+
+
+def _self_check() -> str:
+    """'' when the decode kernel's steps agree with the torch reference (both dtypes, grouped key heads, head
+    sizes off the vector width, three sequences at scattered slots, two steps so that a state it wrote is read
+    back), else why not."""
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.tensor([4, 0, 2])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        m = random_mixer((2, 4, 20, 12), 4, dtype, gen)
+        conv = torch.randn(5, m.conv_dim, m.kernel - 1, generator=gen).to(dtype)
+        rec = torch.randn(5, m.nv, m.dk, m.dv, generator=gen) * 0.3
+        ours, theirs = (conv.clone(), rec.clone()), (conv.clone(), rec.clone())
+        for _ in range(2):
+            proj = torch.randn(3, m.conv_dim + m.nv * m.dv, generator=gen).to(dtype)
+            b, a = (torch.randn(3, m.nv, generator=gen).to(dtype) for _ in range(2))
+            got = kernel_step(m, proj, b, a, ours, slots)
+            if got is None:
+                return f"the kernel refused a {dtype} step"
+            with torch.no_grad():
+                want = decode_reference(m, proj, b, a, theirs, slots)
+            for what, x, y in zip(("output", "window", "state"), (got, *ours), (want, *theirs)):
+                err, bound = (
+                    float((x.float() - y.float()).abs().max()),
+                    tol * (1 + float(y.float().abs().max())),
+                )
+                if not err <= bound:
+                    return f"{dtype} {what} off from the torch reference by {err:.3g} (bound {bound:.3g})"
+    return ""
+
+
+def kernel_ready() -> bool:
+    """The decode kernel is built here and passed its self-check (once; a failure is logged, and decode rows
+    then take the torch reference)."""
+    if "reason" not in _checked:
+        why = "" if deltanet_step.available() else "not built"
+        _checked["reason"] = why or _self_check()
+        if _checked["reason"]:
+            log.warning("gated DeltaNet decode kernel off, decode rows on torch: %s", _checked["reason"])
+    return not _checked["reason"]

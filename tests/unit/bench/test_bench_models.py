@@ -112,3 +112,20 @@ def test_quant_modes_are_checked():
     for bad in ("", "bf16,bf16", "int3"):
         with pytest.raises(ValueError, match="modes"):
             _parse_modes(bad)
+
+
+def test_qwen3_5_shape_is_qwen3_5_0_8b_and_loads_as_a_hybrid(tmp_path):
+    from sidecar.model.args import ModelArgs
+
+    cfg = models.build_config(models.SHAPES["qwen3.5-0.8b"])
+    assert type(cfg).__name__ == "Qwen3_5TextConfig"
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size) == (1024, 24, 3584)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (8, 2, 256)
+    assert (cfg.linear_num_key_heads, cfg.linear_num_value_heads) == (16, 16)
+    assert (cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim) == (128, 128, 4)
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    assert [i for i, t in enumerate(cfg.layer_types) if t == "full_attention"] == [3, 7, 11, 15, 19, 23]
+    small = dict(_small("qwen3.5-0.8b"), linear_key_head_dim=8, linear_value_head_dim=12, num_hidden_layers=4)
+    out = models.write_checkpoint(small, tmp_path / "q35", seed=1)
+    args = ModelArgs.from_hf_config(json.loads((out / "config.json").read_text()))
+    assert args.linear_layers == (0, 1, 2) and args.rotary_dim == 6

@@ -38,12 +38,25 @@ def assert_slots_whole(llm: LLM) -> None:
     assert llm.engine.kv.ckpts is None or llm.engine.kv.ckpts.whole()
 
 
-def test_greedy_matches_hf_in_one_batch(qwen35_dir, hf_ref):
+def test_greedy_matches_hf_in_one_batch(qwen35_dir, hf_ref, monkeypatch):
+    # the decode rows run on the C kernel (deltanet_step.c) wherever it is built: count its steps
+    from sidecar.model import deltanet
+
+    steps = []
+    kernel_step = deltanet.kernel_step
+
+    def counted(*args):
+        out = kernel_step(*args)
+        steps.append(out is not None)
+        return out
+
+    monkeypatch.setattr(deltanet, "kernel_step", counted)
     llm = LLM(model=str(qwen35_dir), dtype="float32")
     eng = llm.engine
     assert eng.loaded.args.linear_layers == (0, 1, 2)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == hf_ref
+    assert steps and all(steps) and deltanet.kernel_ready()
     assert_slots_whole(llm)
     info = eng.model_info
     # prefix caching on, with as many state checkpoints as slots

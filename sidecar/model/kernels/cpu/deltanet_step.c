@@ -1,0 +1,195 @@
+/* One decode step of a gated DeltaNet layer (model/deltanet.py) for n sequences, each one token, each in its
+ * own state slot, float32 (dtype 0) or bf16 (dtype 1) activations over a float32 recurrent state:
+ *
+ *   conv:  y[c] = silu(sum_j w[c, j] * (window[c], x)[j]) for each q/k/v channel c, the window shifted by x
+ *   heads: q, k L2-normed per key head (q then divided by sqrt(k_dim)); value head h reads key head
+ *          h / (v_heads / k_heads); beta = sigmoid(b[h]), g = A[h] * softplus(a[h] + dt_bias[h])
+ *   rule:  S = S * exp(g);  S = S + k (beta (v - S^T k))^T;  o = S^T q   (S: [k_dim, v_dim], in place)
+ *   out:   norm_w * rms_norm(o) * silu(z), per value head
+ *
+ * Layouts: proj [n, ld] holds each row's q, k, v channels (conv_dim = 2 k_heads k_dim + v_heads v_dim) then
+ * z (v_heads v_dim); b, a [n, v_heads]; conv_state [slots, conv_dim, kernel - 1] and conv_w [conv_dim,
+ * kernel] in the dtype; A [v_heads] float32; dt_bias, norm_w in the dtype; state [slots, v_heads, k_dim,
+ * v_dim] float32; slots [n] int64, distinct; out [n, v_heads v_dim] in the dtype.
+ *
+ * Rounding follows the torch reference op by op: the convolution's sum, silu, beta, o and each step of the
+ * gated norm are rounded to the dtype where torch's ops are; products are rounded before they are summed
+ * (no fused multiply-add), so the decayed state and its update round as torch's; only the order of the
+ * float32 sums (the convolution's taps, S^T k, S^T q, the norms) and the exp/log differ from it.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "vec.h"
+
+#define CONV_CHUNK 512 /* channels of one row a thread convolves at a time */
+#define MAX_DIM    1024
+
+typedef struct {
+    const void* proj;
+    const void* b;
+    const void* a;
+    void* conv_state;
+    const void* conv_w;
+    const float* A;
+    const void* dt_bias;
+    const void* norm_w;
+    float* state;
+    const int64_t* slots;
+    void* out;
+    int n;
+    int ld;
+    int nk;
+    int nv;
+    int dk;
+    int dv;
+    int kernel;
+    int nslots;
+    float eps;
+    int dtype;
+    int nthreads;
+} sidecar_deltanet_args;
+
+int sidecar_deltanet_args_size(void) {
+    return (int)sizeof(sidecar_deltanet_args);
+}
+
+/* Channels c0 .. c1 of row t: the convolution over the slot's window and x, rounded, silu, rounded, into y;
+ * the window shifted to end with x. */
+static void conv_rows(const sidecar_deltanet_args* a, int t, int c0, int c1, float* y) {
+    const int K = a->kernel, W = K - 1, dtype = a->dtype;
+    const int conv_dim = 2 * a->nk * a->dk + a->nv * a->dv;
+    const size_t win0 = (size_t)a->slots[t] * conv_dim * W;
+    for (int c = c0; c < c1; c++) {
+        const float x = dt_load(a->proj, (size_t)t * a->ld + c, dtype);
+        const size_t w0 = win0 + (size_t)c * W;
+        float acc = 0.0f;
+        for (int j = 0; j < W; j++)
+            acc += dt_load(a->conv_w, (size_t)c * K + j, dtype) * dt_load(a->conv_state, w0 + j, dtype);
+        acc += dt_load(a->conv_w, (size_t)c * K + W, dtype) * x;
+        for (int j = 0; j + 1 < W; j++)
+            dt_store(a->conv_state, w0 + j, dt_load(a->conv_state, w0 + j + 1, dtype), dtype);
+        if (W > 0) dt_store(a->conv_state, w0 + W - 1, x, dtype);
+        y[c] = dt_round(acc, dtype);
+    }
+    int c = c0;
+#ifdef VL
+    for (; c + VL <= c1; c += VL) v_store(y + c, v_dt_round(vsilu(v_load(y + c)), dtype));
+#endif
+    for (; c < c1; c++) y[c] = dt_round(silu1(y[c]), dtype);
+}
+
+/* x * rsqrt(sum(x^2) + 1e-6), then divided by div (1 for k) */
+static void l2norm(const float* x, int d, float div, float* out) {
+    float ss = 0.0f;
+    for (int i = 0; i < d; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss + 1e-6f);
+    for (int i = 0; i < d; i++) out[i] = (x[i] * r) / div;
+}
+
+static inline float softplus1(float x) {
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+/* rem[j] = sum_i (S[i, j] e) k[i] over the decayed rows */
+static void recall(const float* S, int dk, int dv, float e, const float* k, float* rem) {
+    for (int j = 0; j < dv; j++) rem[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        const float* row = S + (size_t)i * dv;
+        int j = 0;
+#ifdef VL
+        const vf ve = v_set1(e), vk = v_set1(k[i]);
+        for (; j + VL <= dv; j += VL)
+            v_store(rem + j, v_add(v_load(rem + j), v_mul(v_mul(v_load(row + j), ve), vk)));
+#endif
+        for (; j < dv; j++) rem[j] += (row[j] * e) * k[i];
+    }
+}
+
+/* S[i, j] = S[i, j] e + k[i] delta[j] in place; o[j] = sum_i S[i, j] q[i] over the new rows */
+static void update(float* S, int dk, int dv, float e, const float* k, const float* delta, const float* q,
+                   float* o) {
+    for (int j = 0; j < dv; j++) o[j] = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        float* row = S + (size_t)i * dv;
+        int j = 0;
+#ifdef VL
+        const vf ve = v_set1(e), vk = v_set1(k[i]), vq = v_set1(q[i]);
+        for (; j + VL <= dv; j += VL) {
+            const vf s = v_add(v_mul(v_load(row + j), ve), v_mul(vk, v_load(delta + j)));
+            v_store(row + j, s);
+            v_store(o + j, v_add(v_load(o + j), v_mul(s, vq)));
+        }
+#endif
+        for (; j < dv; j++) {
+            const float s = row[j] * e + k[i] * delta[j];
+            row[j] = s;
+            o[j] += s * q[i];
+        }
+    }
+}
+
+/* Value head h of row t: the rule over its state, then the gated norm into out. */
+static void head_step(const sidecar_deltanet_args* a, int t, int h, const float* y) {
+    const int dk = a->dk, dv = a->dv, nk = a->nk, nv = a->nv, dtype = a->dtype;
+    const int kh = h / (nv / nk);
+    float q[MAX_DIM], k[MAX_DIM], rem[MAX_DIM], o[MAX_DIM];
+    l2norm(y + (size_t)kh * dk, dk, sqrtf((float)dk), q);
+    l2norm(y + (size_t)(nk + kh) * dk, dk, 1.0f, k);
+    const float* v = y + (size_t)2 * nk * dk + (size_t)h * dv;
+    const size_t gi = (size_t)t * nv + h;
+    const float beta = dt_round(1.0f / (1.0f + expf(-dt_load(a->b, gi, dtype))), dtype);
+    const float g = a->A[h] * softplus1(dt_load(a->a, gi, dtype) + dt_load(a->dt_bias, h, dtype));
+    const float e = expf(g);
+    float* S = a->state + ((size_t)a->slots[t] * nv + h) * dk * dv;
+    recall(S, dk, dv, e, k, rem);
+    for (int j = 0; j < dv; j++) rem[j] = (v[j] - rem[j]) * beta; /* rem becomes delta */
+    update(S, dk, dv, e, k, rem, q, o);
+    float ss = 0.0f;
+    for (int j = 0; j < dv; j++) {
+        o[j] = dt_round(o[j], dtype);
+        ss += o[j] * o[j];
+    }
+    const float r = 1.0f / sqrtf(ss / (float)dv + a->eps);
+    const size_t z0 = (size_t)t * a->ld + (size_t)2 * nk * dk + (size_t)nv * dv + (size_t)h * dv;
+    const size_t o0 = ((size_t)t * nv + h) * dv;
+    int j = 0;
+#ifdef VL
+    const vf vr = v_set1(r);
+    for (; j + VL <= dv; j += VL) {
+        const vf hn = v_dt_round(v_mul(v_load(o + j), vr), dtype);
+        const vf hw = v_dt_round(v_mul(v_dt_load(a->norm_w, j, dtype), hn), dtype);
+        v_dt_store(a->out, o0 + j, v_mul(hw, vsilu(v_dt_load(a->proj, z0 + j, dtype))), dtype);
+    }
+#endif
+    for (; j < dv; j++) {
+        const float hw = dt_round(dt_load(a->norm_w, j, dtype) * dt_round(o[j] * r, dtype), dtype);
+        dt_store(a->out, o0 + j, hw * silu1(dt_load(a->proj, z0 + j, dtype)), dtype);
+    }
+}
+
+/* 0, or 1 when a slot is outside the state or a head size past MAX_DIM (nothing touched), 2 when out of
+ * memory (nothing touched). */
+int sidecar_deltanet_decode(const sidecar_deltanet_args* a) {
+    const int n = a->n, nv = a->nv;
+    const int conv_dim = 2 * a->nk * a->dk + nv * a->dv;
+    if (a->dk > MAX_DIM || a->dv > MAX_DIM || a->nk <= 0 || nv % a->nk || a->kernel < 1) return 1;
+    for (int t = 0; t < n; t++)
+        if (a->slots[t] < 0 || a->slots[t] >= a->nslots) return 1;
+    float* y = malloc(sizeof(float) * (size_t)n * conv_dim);
+    if (y == NULL) return 2;
+    const int chunks = (conv_dim + CONV_CHUNK - 1) / CONV_CHUNK;
+#pragma omp parallel num_threads(a->nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int i = 0; i < n * chunks; i++) {
+            const int t = i / chunks, c0 = (i % chunks) * CONV_CHUNK;
+            conv_rows(a, t, c0, c0 + CONV_CHUNK < conv_dim ? c0 + CONV_CHUNK : conv_dim,
+                      y + (size_t)t * conv_dim);
+        }
+#pragma omp for schedule(static)
+        for (int i = 0; i < n * nv; i++) head_step(a, i / nv, i % nv, y + (size_t)(i / nv) * conv_dim);
+    }
+    free(y);
+    return 0;
+}
