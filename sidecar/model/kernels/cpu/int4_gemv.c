@@ -24,9 +24,10 @@
  *    from the layout), multiplied with a column pair of high or low activation bytes; the 16-bit pair
  *    sums of 8 column pairs (at most 8 * 2 * 15 * 128 = 30720) are summed as 16-bit, then widened to
  *    32 bits: about half the instructions per code of the float path. That is for calls of
- *    1-2 rows (decode); from 3 rows on (panel_group) a group's codes are decoded once per block to
- *    int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16 products a vector into
- *    exact 32-bit sums, twice the rate of float32 FMAs), the same integers either way.
+ *    1-2 rows (decode), a pair of rows sharing each decoded vector (its 16-bit sums all in registers,
+ *    so the second row costs its products alone); from 3 rows on (panel_group) a group's codes are decoded
+ * once per block to int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16 products a vector
+ * into exact 32-bit sums, twice the rate of float32 FMAs), the same integers either way.
  *  - otherwise (AVX-512 without VNNI and VBMI): codes are widened to float and multiplied with
  *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
  * Output rows go in tiles of 16; blocks of rows (and chunks of 32 activation rows) are split across
@@ -51,7 +52,9 @@
 
 #define ROWS_CHUNK 32    /* activation rows whose outputs one block keeps at once */
 #define XQ_MAX     32639 /* 16-bit activation codes whose high and low bytes are both int8 */
-#define PANEL_MIN  3     /* AVX2: activation rows from which a call takes the panels (see panel_group) */
+#ifndef PANEL_MIN
+#define PANEL_MIN 3 /* AVX2: activation rows from which a call takes the panels (see panel_group) */
+#endif
 
 /* What one pass over a block decodes (the tiles of 16 rows it covers). */
 enum { SPLIT64_ALL, SPLIT64_LO, SPLIT64_HI, SPLIT32_ALL, INTERLEAVED_1 };
@@ -375,56 +378,71 @@ static inline __m256i bcast2(const uint32_t* p) { /* a pair of activation bytes 
     return _mm256_castps_si256(_mm256_broadcast_ss((const float*)p));
 }
 
-/* One group for activation row i: tot[i][16 t ..] += s d (sum q x - 8 sum x) + z sum x, the integer sums
- * exact, folded as the AVX-512 path folds them. */
+/* One group for the R (1 or 2) activation rows from row i, the codes of each column pair decoded once for
+ * them: tot[i + r][16 t ..] += s d (sum q x - 8 sum x) + z sum x, the integer sums exact, folded as the
+ * AVX-512 path folds them. */
 static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, int stride, const int kind,
-                                                              const Idx* idx, const Act* a, int i, int g,
-                                                              const uint16_t* szg, float (*tot)[64]) {
+                                                              const Idx* idx, const Act* a, int i,
+                                                              const int R, int g, const uint16_t* szg,
+                                                              float (*tot)[64]) {
     const int T = kind == INTERLEAVED_1 ? 1 : 2;
     /* 32-bit sums of the even and the odd rows of each tile (vpmaddwd with (f, 0) / (0, f) picks one row of a
      * pair of 16-bit lanes and scales it: 256 for the high bytes' sums, 1 for the low ones') */
     const __m256i hi_even = _mm256_set1_epi32(256), hi_odd = _mm256_set1_epi32(256 << 16);
     const __m256i lo_even = _mm256_set1_epi32(1), lo_odd = _mm256_set1_epi32(1 << 16);
-    __m256i even[2], odd[2], u[2];
-    for (int t = 0; t < T; t++) even[t] = odd[t] = _mm256_setzero_si256();
-    const uint32_t* xh = (const uint32_t*)(a->xb + (int64_t)i * a->xb_row * a->K) + (int64_t)g * a->gs / 2;
-    const uint32_t* xl = xh + a->K / 2;
+    __m256i even[2][2], odd[2][2], u[2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) even[r][t] = odd[r][t] = _mm256_setzero_si256();
+    const uint32_t* xh[2];
+    for (int r = 0; r < R; r++)
+        xh[r] = (const uint32_t*)(a->xb + (int64_t)(i + r) * a->xb_row * a->K) + (int64_t)g * a->gs / 2;
     for (int k0 = 0; k0 < a->gs; k0 += 16) { /* gs % 16 == 0 */
-        __m256i h16[2], l16[2];
-        for (int t = 0; t < T; t++) h16[t] = l16[t] = _mm256_setzero_si256();
+        __m256i h16[2][2], l16[2][2];
+        for (int r = 0; r < 2; r++)
+            for (int t = 0; t < 2; t++) h16[r][t] = l16[r][t] = _mm256_setzero_si256();
         for (int k = k0; k < k0 + 16; k += 2) {
             decode_pair(w + (int64_t)k * stride, stride, kind, idx, u);
-            const __m256i bh = bcast2(xh + k / 2), bl = bcast2(xl + k / 2);
-            for (int t = 0; t < T; t++) {
-                h16[t] = _mm256_add_epi16(h16[t], _mm256_maddubs_epi16(u[t], bh));
-                l16[t] = _mm256_add_epi16(l16[t], _mm256_maddubs_epi16(u[t], bl));
+            for (int r = 0; r < R; r++) {
+                const __m256i bh = bcast2(xh[r] + k / 2), bl = bcast2(xh[r] + a->K / 2 + k / 2);
+                for (int t = 0; t < T; t++) {
+                    h16[r][t] = _mm256_add_epi16(h16[r][t], _mm256_maddubs_epi16(u[t], bh));
+                    l16[r][t] = _mm256_add_epi16(l16[r][t], _mm256_maddubs_epi16(u[t], bl));
+                }
+                /* the sums pinned to registers after each row's step (else the compiler spills one and the
+                 * loop waits on memory) */
+                __asm__("" : "+x"(h16[r][0]), "+x"(h16[r][1]), "+x"(l16[r][0]), "+x"(l16[r][1]));
             }
         }
-        for (int t = 0; t < T; t++) {
-            even[t] = _mm256_add_epi32(even[t], _mm256_add_epi32(_mm256_madd_epi16(h16[t], hi_even),
-                                                                 _mm256_madd_epi16(l16[t], lo_even)));
-            odd[t] = _mm256_add_epi32(odd[t], _mm256_add_epi32(_mm256_madd_epi16(h16[t], hi_odd),
-                                                               _mm256_madd_epi16(l16[t], lo_odd)));
-        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) {
+                even[r][t] =
+                        _mm256_add_epi32(even[r][t], _mm256_add_epi32(_mm256_madd_epi16(h16[r][t], hi_even),
+                                                                      _mm256_madd_epi16(l16[r][t], lo_even)));
+                odd[r][t] =
+                        _mm256_add_epi32(odd[r][t], _mm256_add_epi32(_mm256_madd_epi16(h16[r][t], hi_odd),
+                                                                     _mm256_madd_epi16(l16[r][t], lo_odd)));
+            }
     }
-    const int64_t mg = (int64_t)i * a->G + g;
-    const __m256 dx = _mm256_set1_ps(a->d[mg]), xs = _mm256_set1_ps(a->xsum[mg]);
-    const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int t = 0; t < T; t++) {
-        const __m256i lo4 = _mm256_unpacklo_epi32(even[t], odd[t]),
-                      hi4 = _mm256_unpackhi_epi32(even[t], odd[t]);
-        const __m256i rows[2] = {_mm256_permute2x128_si256(lo4, hi4, 0x20),
-                                 _mm256_permute2x128_si256(lo4, hi4, 0x31)};
-        for (int h = 0; h < 2; h++) { /* rows 16 t + 8 h .. + 7 */
-            const __m256i v =
-                    _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h)); /* (scale, zero) pairs */
-            const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-            const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-            float* o = &tot[i][16 * t + 8 * h];
-            const __m256 acc = _mm256_fmadd_ps(ze, xs, _mm256_loadu_ps(o));
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_add_epi32(rows[h], q8));
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_mul_ps(sc, dx), q, acc));
+    for (int r = 0; r < R; r++) {
+        const int64_t mg = (int64_t)(i + r) * a->G + g;
+        const __m256 dx = _mm256_set1_ps(a->d[mg]), xs = _mm256_set1_ps(a->xsum[mg]);
+        const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
+        for (int t = 0; t < T; t++) {
+            const __m256i lo4 = _mm256_unpacklo_epi32(even[r][t], odd[r][t]),
+                          hi4 = _mm256_unpackhi_epi32(even[r][t], odd[r][t]);
+            const __m256i rows[2] = {_mm256_permute2x128_si256(lo4, hi4, 0x20),
+                                     _mm256_permute2x128_si256(lo4, hi4, 0x31)};
+            for (int h = 0; h < 2; h++) { /* rows 16 t + 8 h .. + 7 */
+                const __m256i v =
+                        _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h)); /* (scale, zero) pairs */
+                const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                float* o = &tot[i + r][16 * t + 8 * h];
+                const __m256 acc = _mm256_fmadd_ps(ze, xs, _mm256_loadu_ps(o));
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_add_epi32(rows[h], q8));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_mul_ps(sc, dx), q, acc));
+            }
         }
     }
 }
@@ -511,7 +529,8 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
         if (!a->panels) {
-            for (int i = 0; i < mc; i++) group_pairs(wg, stride, kind, idx, a, i, g, szg, tot);
+            for (int i = 0; i + 1 < mc; i += 2) group_pairs(wg, stride, kind, idx, a, i, 2, g, szg, tot);
+            if (mc % 2) group_pairs(wg, stride, kind, idx, a, mc - 1, 1, g, szg, tot);
             continue;
         }
         decode_group(wg, stride, kind, idx, a->gs, ub);
