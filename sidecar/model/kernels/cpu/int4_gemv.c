@@ -25,9 +25,10 @@
  *    sums of 8 column pairs (at most 8 * 2 * 15 * 128 = 30720) are summed as 16-bit, then widened to
  *    32 bits: about half the instructions per code of the float path. That is for calls of
  *    1-2 rows (decode), a pair of rows sharing each decoded vector (its 16-bit sums all in registers,
- *    so the second row costs its products alone); from 3 rows on (panel_group) a group's codes are decoded
- * once per block to int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16 products a vector
- * into exact 32-bit sums, twice the rate of float32 FMAs), the same integers either way.
+ *    so the second row costs its products alone); from 3 rows on (panel_group) a group's codes are
+ *    decoded once per block to int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16
+ *    products a vector into exact 32-bit sums, twice the rate of float32 FMAs), the same integers
+ *    either way. Activations are rounded to their codes with vectors, their float sum in column order.
  *  - otherwise (AVX-512 without VNNI and VBMI): codes are widened to float and multiplied with
  *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
  * Output rows go in tiles of 16; blocks of rows (and chunks of 32 activation rows) are split across
@@ -52,9 +53,7 @@
 
 #define ROWS_CHUNK 32    /* activation rows whose outputs one block keeps at once */
 #define XQ_MAX     32639 /* 16-bit activation codes whose high and low bytes are both int8 */
-#ifndef PANEL_MIN
-#define PANEL_MIN 3 /* AVX2: activation rows from which a call takes the panels (see panel_group) */
-#endif
+#define PANEL_MIN  3     /* AVX2: activation rows from which a call takes the panels (see panel_group) */
 
 /* What one pass over a block decodes (the tiles of 16 rows it covers). */
 enum { SPLIT64_ALL, SPLIT64_LO, SPLIT64_HI, SPLIT32_ALL, INTERLEAVED_1 };
