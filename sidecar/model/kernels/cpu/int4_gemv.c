@@ -24,9 +24,11 @@
  *    from the layout), multiplied with a column pair of high or low activation bytes; the 16-bit pair
  *    sums of 8 column pairs (at most 8 * 2 * 15 * 128 = 30720) are summed as 16-bit, then widened to
  *    32 bits: about half the instructions per code of the float path. That is for calls of
- *    1-2 rows (decode); from 3 rows on (panel_group) a group's codes are decoded once per block to
- *    int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16 products a vector into
- *    exact 32-bit sums, twice the rate of float32 FMAs), the same integers either way.
+ *    1-2 rows (decode), a pair of rows sharing each decoded vector (its 16-bit sums all in registers,
+ *    so the second row costs its products alone); from 3 rows on (panel_group) a group's codes are
+ *    decoded once per block to int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16
+ *    products a vector into exact 32-bit sums, twice the rate of float32 FMAs), the same integers
+ *    either way. Activations are rounded to their codes with vectors, their float sum in column order.
  *  - otherwise (AVX-512 without VNNI and VBMI): codes are widened to float and multiplied with
  *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
  * Output rows go in tiles of 16; blocks of rows (and chunks of 32 activation rows) are split across
@@ -83,6 +85,14 @@ static inline __m512 load_x16(const float* x, const uint16_t* x16, int k) { /* 1
 }
 #endif
 
+#if INT_DOT == 2
+static inline __m256 load8_x(const float* x, const uint16_t* x16, int k) { /* 8 activations as floats */
+    if (x16 == NULL) return _mm256_loadu_ps(x + k);
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x16 + k)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+#endif
+
 static void prepare_group(const Act* a, int m, int g) {
     const int64_t off = (int64_t)m * a->K + (int64_t)g * a->gs, mg = (int64_t)m * a->G + g;
     const float* x = a->x + off;
@@ -114,40 +124,58 @@ static void prepare_group(const Act* a, int m, int g) {
     }
     a->xqsum[mg] = _mm512_reduce_add_epi32(qsum);
 #elif INT_DOT == 2
-    float sum = 0.f, mx = 0.f;
-    int finite = 1;
-    for (int k = 0; k < a->gs; k++) {
-        const float v = x16 ? bf16_to_f32(x16[k]) : x[k];
-        sum += v;
-        mx = fmaxf(mx, fabsf(v));
-        finite &= isfinite(v);
-    }
+    /* the sum in column order, one value after the other (the float rounding of the scalar loop) */
+    float sum = 0.f;
+    for (int k = 0; k < a->gs; k++) sum += x16 ? bf16_to_f32(x16[k]) : x[k];
     a->xsum[mg] = sum;
+    const __m256 sign = _mm256_set1_ps(-0.f), zero = _mm256_setzero_ps();
+    __m256 amax = zero, bad = zero;
+    for (int k = 0; k < a->gs; k += 8) {
+        const __m256 v = load8_x(x, x16, k);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+        bad = _mm256_add_ps(bad, _mm256_mul_ps(v, zero)); /* NaN once any x is not finite */
+    }
+    float lanes[8], bads[8], mx = 0.f;
+    int finite = 1;
+    _mm256_storeu_ps(lanes, amax);
+    _mm256_storeu_ps(bads, bad);
+    for (int j = 0; j < 8; j++) {
+        mx = fmaxf(mx, lanes[j]);
+        finite &= bads[j] == 0.f;
+    }
     const float inv = finite && mx > 0.f ? (float)XQ_MAX / mx : 0.f;
     a->d[mg] = !finite ? NAN : (mx > 0.f ? mx / (float)XQ_MAX : 0.f);
     uint32_t* hi = (uint32_t*)(a->xb + (int64_t)m * a->xb_row * a->K) + (int64_t)g * a->gs / 2;
     uint32_t* lo = hi + a->K / 2;
-    int32_t qsum = 0;
-    for (int k = 0; k < a->gs; k += 2) {
-        int32_t q[2];
-        for (int j = 0; j < 2; j++) {
-            q[j] = (int32_t)lrintf((x16 ? bf16_to_f32(x16[k + j]) : x[k + j]) * inv); /* nearest even */
-            qsum += q[j];
+    const __m256 vinv = _mm256_set1_ps(inv);
+    /* per 128-bit lane of bytes l0-3 h0-3: the pairs (l0 l1) (l2 l3), each twice, then the same of h */
+    const __m256i twice = _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 0, 1, 0, 1, 2, 3,
+                                           2, 3, 4, 5, 4, 5, 6, 7, 6, 7);
+    __m256i qsum = _mm256_setzero_si256();
+    for (int k = 0; k < a->gs; k += 16) { /* gs % 16 == 0 */
+        __m256i q[2];
+        for (int j = 0; j < 2; j++) { /* nearest even, as lrintf */
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(load8_x(x, x16, k + 8 * j), vinv));
+            qsum = _mm256_add_epi32(qsum, q[j]);
         }
         if (a->panels) { /* the codes of columns k, k + 1 as int16, one int32 a pair */
-            hi[k / 2] = (uint32_t)(uint16_t)q[0] | (uint32_t)(uint16_t)q[1] << 16;
-        } else { /* q = 256 h + l (l a signed byte): high bytes, then low bytes, a pair's two bytes twice */
-            uint32_t h2 = 0, l2 = 0;
-            for (int j = 0; j < 2; j++) {
-                const int32_t l = (int32_t)(int8_t)(uint8_t)(q[j] & 0xFF);
-                l2 |= (uint32_t)(uint8_t)l << (8 * j);
-                h2 |= (uint32_t)(uint8_t)((q[j] - l) / 256) << (8 * j);
-            }
-            lo[k / 2] = l2 | l2 << 16;
-            hi[k / 2] = h2 | h2 << 16;
+            _mm256_storeu_si256((__m256i*)(hi + k / 2),
+                                _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8));
+            continue;
+        }
+        for (int j = 0; j < 2; j++) { /* q = 256 h + l (l a signed byte): a pair's two bytes twice */
+            const __m256i l = _mm256_srai_epi32(_mm256_slli_epi32(q[j], 24), 24);
+            const __m256i h = _mm256_srai_epi32(_mm256_sub_epi32(q[j], l), 8);
+            const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(l, h), _mm256_setzero_si256());
+            /* quarters: l pairs of columns 0-3, h of 0-3, l of 4-7, h of 4-7 -> l of 0-7, then h of 0-7 */
+            const __m256i r = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, twice), 0xD8);
+            _mm_storeu_si128((__m128i*)(lo + (k + 8 * j) / 2), _mm256_castsi256_si128(r));
+            _mm_storeu_si128((__m128i*)(hi + (k + 8 * j) / 2), _mm256_extracti128_si256(r, 1));
         }
     }
-    a->xqsum[mg] = qsum;
+    int32_t qs[8];
+    _mm256_storeu_si256((__m256i*)qs, qsum);
+    a->xqsum[mg] = qs[0] + qs[1] + qs[2] + qs[3] + qs[4] + qs[5] + qs[6] + qs[7];
 #else
     if (x16 != NULL) /* the float path reads float32 activations: a->x is the scratch copy */
         for (int k = 0; k < a->gs; k += 8) {
@@ -325,11 +353,21 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
 #define V_LANES           8
 #define SPLIT64_IN_HALVES 1 /* 16 registers: a 64-row split block in two passes (low, high nibbles) */
 typedef struct {
-    __m256i nibble, pairs;
+    __m256i nibble, pairs, pairs16_lo, pairs16_hi;
 } Idx;
 
 static void make_idx(Idx* idx) {
     idx->nibble = _mm256_set1_epi8(0x0F);
+    /* within each 128-bit lane of bytes 0..7 (column k) and 8..15 (column k+1): rows 0-3 (lo) or 4-7 (hi) of
+     * the lane as int16 pairs (k, k + 1), the high bytes zero */
+    int8_t p16[2][32];
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 32; j++) {
+            const int r = 4 * h + (j % 16) / 4, b = j % 4;
+            p16[h][j] = (int8_t)(b % 2 ? -128 : (b == 0 ? r : 8 + r));
+        }
+    idx->pairs16_lo = _mm256_loadu_si256((const __m256i*)p16[0]);
+    idx->pairs16_hi = _mm256_loadu_si256((const __m256i*)p16[1]);
     /* within each 128-bit lane: bytes 0..7 (column k) and 8..15 (column k+1) interleaved */
     idx->pairs = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15, 0, 8, 1, 9, 2, 10, 3,
                                   11, 4, 12, 5, 13, 6, 14, 7, 15);
@@ -375,56 +413,71 @@ static inline __m256i bcast2(const uint32_t* p) { /* a pair of activation bytes 
     return _mm256_castps_si256(_mm256_broadcast_ss((const float*)p));
 }
 
-/* One group for activation row i: tot[i][16 t ..] += s d (sum q x - 8 sum x) + z sum x, the integer sums
- * exact, folded as the AVX-512 path folds them. */
+/* One group for the R (1 or 2) activation rows from row i, the codes of each column pair decoded once for
+ * them: tot[i + r][16 t ..] += s d (sum q x - 8 sum x) + z sum x, the integer sums exact, folded as the
+ * AVX-512 path folds them. */
 static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, int stride, const int kind,
-                                                              const Idx* idx, const Act* a, int i, int g,
-                                                              const uint16_t* szg, float (*tot)[64]) {
+                                                              const Idx* idx, const Act* a, int i,
+                                                              const int R, int g, const uint16_t* szg,
+                                                              float (*tot)[64]) {
     const int T = kind == INTERLEAVED_1 ? 1 : 2;
     /* 32-bit sums of the even and the odd rows of each tile (vpmaddwd with (f, 0) / (0, f) picks one row of a
      * pair of 16-bit lanes and scales it: 256 for the high bytes' sums, 1 for the low ones') */
     const __m256i hi_even = _mm256_set1_epi32(256), hi_odd = _mm256_set1_epi32(256 << 16);
     const __m256i lo_even = _mm256_set1_epi32(1), lo_odd = _mm256_set1_epi32(1 << 16);
-    __m256i even[2], odd[2], u[2];
-    for (int t = 0; t < T; t++) even[t] = odd[t] = _mm256_setzero_si256();
-    const uint32_t* xh = (const uint32_t*)(a->xb + (int64_t)i * a->xb_row * a->K) + (int64_t)g * a->gs / 2;
-    const uint32_t* xl = xh + a->K / 2;
+    __m256i even[2][2], odd[2][2], u[2];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) even[r][t] = odd[r][t] = _mm256_setzero_si256();
+    const uint32_t* xh[2];
+    for (int r = 0; r < R; r++)
+        xh[r] = (const uint32_t*)(a->xb + (int64_t)(i + r) * a->xb_row * a->K) + (int64_t)g * a->gs / 2;
     for (int k0 = 0; k0 < a->gs; k0 += 16) { /* gs % 16 == 0 */
-        __m256i h16[2], l16[2];
-        for (int t = 0; t < T; t++) h16[t] = l16[t] = _mm256_setzero_si256();
+        __m256i h16[2][2], l16[2][2];
+        for (int r = 0; r < 2; r++)
+            for (int t = 0; t < 2; t++) h16[r][t] = l16[r][t] = _mm256_setzero_si256();
         for (int k = k0; k < k0 + 16; k += 2) {
             decode_pair(w + (int64_t)k * stride, stride, kind, idx, u);
-            const __m256i bh = bcast2(xh + k / 2), bl = bcast2(xl + k / 2);
-            for (int t = 0; t < T; t++) {
-                h16[t] = _mm256_add_epi16(h16[t], _mm256_maddubs_epi16(u[t], bh));
-                l16[t] = _mm256_add_epi16(l16[t], _mm256_maddubs_epi16(u[t], bl));
+            for (int r = 0; r < R; r++) {
+                const __m256i bh = bcast2(xh[r] + k / 2), bl = bcast2(xh[r] + a->K / 2 + k / 2);
+                for (int t = 0; t < T; t++) {
+                    h16[r][t] = _mm256_add_epi16(h16[r][t], _mm256_maddubs_epi16(u[t], bh));
+                    l16[r][t] = _mm256_add_epi16(l16[r][t], _mm256_maddubs_epi16(u[t], bl));
+                }
+                /* the sums pinned to registers after each row's step (else the compiler spills one and the
+                 * loop waits on memory) */
+                __asm__("" : "+x"(h16[r][0]), "+x"(h16[r][1]), "+x"(l16[r][0]), "+x"(l16[r][1]));
             }
         }
-        for (int t = 0; t < T; t++) {
-            even[t] = _mm256_add_epi32(even[t], _mm256_add_epi32(_mm256_madd_epi16(h16[t], hi_even),
-                                                                 _mm256_madd_epi16(l16[t], lo_even)));
-            odd[t] = _mm256_add_epi32(odd[t], _mm256_add_epi32(_mm256_madd_epi16(h16[t], hi_odd),
-                                                               _mm256_madd_epi16(l16[t], lo_odd)));
-        }
+        for (int r = 0; r < R; r++)
+            for (int t = 0; t < T; t++) {
+                even[r][t] =
+                        _mm256_add_epi32(even[r][t], _mm256_add_epi32(_mm256_madd_epi16(h16[r][t], hi_even),
+                                                                      _mm256_madd_epi16(l16[r][t], lo_even)));
+                odd[r][t] =
+                        _mm256_add_epi32(odd[r][t], _mm256_add_epi32(_mm256_madd_epi16(h16[r][t], hi_odd),
+                                                                     _mm256_madd_epi16(l16[r][t], lo_odd)));
+            }
     }
-    const int64_t mg = (int64_t)i * a->G + g;
-    const __m256 dx = _mm256_set1_ps(a->d[mg]), xs = _mm256_set1_ps(a->xsum[mg]);
-    const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int t = 0; t < T; t++) {
-        const __m256i lo4 = _mm256_unpacklo_epi32(even[t], odd[t]),
-                      hi4 = _mm256_unpackhi_epi32(even[t], odd[t]);
-        const __m256i rows[2] = {_mm256_permute2x128_si256(lo4, hi4, 0x20),
-                                 _mm256_permute2x128_si256(lo4, hi4, 0x31)};
-        for (int h = 0; h < 2; h++) { /* rows 16 t + 8 h .. + 7 */
-            const __m256i v =
-                    _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h)); /* (scale, zero) pairs */
-            const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-            const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-            float* o = &tot[i][16 * t + 8 * h];
-            const __m256 acc = _mm256_fmadd_ps(ze, xs, _mm256_loadu_ps(o));
-            const __m256 q = _mm256_cvtepi32_ps(_mm256_add_epi32(rows[h], q8));
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_mul_ps(sc, dx), q, acc));
+    for (int r = 0; r < R; r++) {
+        const int64_t mg = (int64_t)(i + r) * a->G + g;
+        const __m256 dx = _mm256_set1_ps(a->d[mg]), xs = _mm256_set1_ps(a->xsum[mg]);
+        const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
+        for (int t = 0; t < T; t++) {
+            const __m256i lo4 = _mm256_unpacklo_epi32(even[r][t], odd[r][t]),
+                          hi4 = _mm256_unpackhi_epi32(even[r][t], odd[r][t]);
+            const __m256i rows[2] = {_mm256_permute2x128_si256(lo4, hi4, 0x20),
+                                     _mm256_permute2x128_si256(lo4, hi4, 0x31)};
+            for (int h = 0; h < 2; h++) { /* rows 16 t + 8 h .. + 7 */
+                const __m256i v =
+                        _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h)); /* (scale, zero) pairs */
+                const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+                float* o = &tot[i + r][16 * t + 8 * h];
+                const __m256 acc = _mm256_fmadd_ps(ze, xs, _mm256_loadu_ps(o));
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_add_epi32(rows[h], q8));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_mul_ps(sc, dx), q, acc));
+            }
         }
     }
 }
@@ -440,6 +493,21 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
 static inline __attribute__((always_inline)) void decode_group(const uint8_t* w, int stride, const int kind,
                                                                const Idx* idx, int gs, __m256i* ub) {
     const int T = kind == INTERLEAVED_1 ? 1 : 2;
+    if (kind ==
+        SPLIT32_ALL) { /* rows 0-3 | 8-11, then 4-7 | 12-15 of each tile (panel_group puts them back) */
+        for (int k = 0; k < gs; k += 2) {
+            const __m256i v =
+                    _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i*)(w + (int64_t)k * 16)),
+                                             0xD8); /* lanes: rows 0-7, then 8-15 of columns k, k + 1 */
+            const __m256i c[2] = {_mm256_and_si256(v, idx->nibble),
+                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), idx->nibble)};
+            for (int t = 0; t < 2; t++) {
+                ub[(k + t) * 2] = _mm256_shuffle_epi8(c[t], idx->pairs16_lo);
+                ub[(k + t) * 2 + 1] = _mm256_shuffle_epi8(c[t], idx->pairs16_hi);
+            }
+        }
+        return;
+    }
     for (int k = 0; k < gs; k += 2) {
         __m256i u[2];
         decode_pair(w + (int64_t)k * stride, stride, kind, idx, u);
@@ -480,7 +548,15 @@ static inline __attribute__((always_inline)) void panel_group(const __m256i* ub,
         PANEL_STEP(1, s100, s101, s110, s111)
 #undef PANEL_STEP
     }
-    const __m256i sums[PANEL_ROWS][2][2] = {{{s000, s001}, {s010, s011}}, {{s100, s101}, {s110, s111}}};
+    __m256i sums[PANEL_ROWS][2][2] = {{{s000, s001}, {s010, s011}}, {{s100, s101}, {s110, s111}}};
+    if (kind ==
+        SPLIT32_ALL) /* decode_group's order of rows: 0-3 | 8-11 and 4-7 | 12-15 back to 0-7 and 8-15 */
+        for (int i = 0; i < MB; i++)
+            for (int t = 0; t < T; t++) {
+                const __m256i a0 = sums[i][t][0], a1 = sums[i][t][1];
+                sums[i][t][0] = _mm256_permute2x128_si256(a0, a1, 0x20);
+                sums[i][t][1] = _mm256_permute2x128_si256(a0, a1, 0x31);
+            }
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int i = 0; i < MB; i++) { /* as group_pairs folds its sums */
         const int64_t mg = (int64_t)(i0 + i) * a->G + g;
@@ -511,7 +587,8 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
         if (!a->panels) {
-            for (int i = 0; i < mc; i++) group_pairs(wg, stride, kind, idx, a, i, g, szg, tot);
+            for (int i = 0; i + 1 < mc; i += 2) group_pairs(wg, stride, kind, idx, a, i, 2, g, szg, tot);
+            if (mc % 2) group_pairs(wg, stride, kind, idx, a, mc - 1, 1, g, szg, tot);
             continue;
         }
         decode_group(wg, stride, kind, idx, a->gs, ub);
