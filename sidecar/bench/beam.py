@@ -1,5 +1,6 @@
 """Beam search throughput: ``LLM.beam_search`` against Hugging Face transformers' beam search
-(``generate(num_beams=W)``) in the same run, same checkpoint, same dtype, same prompts.
+(``generate(num_beams=W)``) in the same run, same checkpoint, same dtype, same prompts (for a GGUF file we
+quantize on load, such as the default model under ``--dtype auto``, transformers runs its float32 checkpoint).
 
 Every prompt runs ``--output-tokens`` steps of ``--beam-width`` beams (``ignore_eos``; HF without an EOS
 id), so both systems do the same number of beam steps. HF gets all prompts in one left-padded batch (its
@@ -87,6 +88,22 @@ def _hf(
     return time.perf_counter() - t, time.process_time() - c, [row[width:].tolist() for row in out]
 
 
+def _baseline(args: argparse.Namespace, info: dict) -> tuple[Any, str]:
+    """(directory, dtype) transformers runs: the engine's own checkpoint in its dtype; for a GGUF file we
+    quantized on load (the default model's int4 under ``--dtype auto``), the file's float32 checkpoint, what a
+    transformers user runs (the report then compares int4 against float32 and says so); (None, "") where
+    transformers cannot load what we run."""
+    if info["quantization"] == "none":
+        return info["model_dir"], info["dtype"]
+    from sidecar.config import DEFAULT_MODEL
+    from sidecar.model.gguf import find_gguf, model_dir_for
+
+    gguf_file = find_gguf(args.model or DEFAULT_MODEL)
+    if gguf_file is None:
+        return None, ""
+    return model_dir_for(gguf_file, None, "float32"), "float32"
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -96,18 +113,20 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, dtype=args.dtype)
+    llm.engine.runner.zeroing.wait()  # the KV pool's background commit ends before any timing
     info = llm.engine.model_info
     prompts = [llm.tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.prompts)]
     cases: dict[str, Any] = {"sidecar": lambda: _ours(llm, prompts, args)}
-    if not args.no_hf and info["quantization"] != "none":
+    hf_dir, hf_dtype = _baseline(args, info)
+    if not args.no_hf and hf_dir is None:
         print(
             f"transformers cannot load the {info['quantization']} checkpoint: no baseline (use --dtype float32)"
         )
     elif not args.no_hf:
         from transformers import AutoModelForCausalLM
 
-        dtype = getattr(torch, info["dtype"])
-        hf = AutoModelForCausalLM.from_pretrained(info["model_dir"], dtype=dtype).eval()
+        print(f"transformers: {hf_dir} in {hf_dtype}")
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, hf_dtype)).eval()
         pad = llm.tokenizer.pad_token_id if llm.tokenizer.pad_token_id is not None else 0
         cases["transformers"] = lambda: _hf(hf, prompts, pad, args)
         _hf(hf, prompts[:1], pad, argparse.Namespace(**{**vars(args), "output_tokens": 2}))  # warm-up
@@ -159,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
             "args": {k: v for k, v in vars(args).items() if k != "_run"},
             "model": info["model"],
             "dtype": info["dtype"],
+            "quantization": info["quantization"],
+            "transformers": {"model_dir": str(hf_dir), "dtype": hf_dtype}
+            if "transformers" in cases
+            else None,
             "loadavg": os.getloadavg(),
             "results": rows,
             **summary,

@@ -183,6 +183,7 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         num_threads=spec["threads"],
     )
     load_s = time.perf_counter() - t0
+    llm.engine.runner.zeroing.wait()  # the KV pool's background commit ends before any timing
     res = {
         "load_s": load_s,
         "load_peak_rss_bytes": _rss_peak_bytes() - base_rss,

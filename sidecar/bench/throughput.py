@@ -106,6 +106,7 @@ def load_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]):
         device=args.device,
         **({"enforce_eager": True} if args.enforce_eager else {}),
     )
+    llm.engine.runner.zeroing.wait()  # the KV pool's background commit ends before any timing
     llm.generate([work[0][0][:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     return llm
 

@@ -15,3 +15,23 @@ def test_beam_bench_reports_both_systems_with_equal_best_sequences(tiny_models, 
     assert all(r["tokens"] == 2 * 6 and r["tok_s"] > 0 for r in report["results"])
     assert report["same_best_sequence"] == 2
     assert report["speedup_vs_hf"] > 0
+
+
+def test_the_baseline_of_a_gguf_we_quantized_is_its_float32_checkpoint(tiny_models):
+    """``--dtype auto`` runs the default model's int4 layers, which transformers cannot load: its baseline is
+    the GGUF file's float32 checkpoint; a quantized directory transformers cannot read gets none."""
+    import argparse
+
+    from sidecar.bench.beam import _baseline
+    from sidecar.config import DEFAULT_MODEL
+    from sidecar.model.gguf import find_gguf, model_dir_for
+
+    plain = {"quantization": "none", "model_dir": "/m", "dtype": "bfloat16"}
+    assert _baseline(argparse.Namespace(model="/m"), plain) == ("/m", "bfloat16")
+    int4 = {"quantization": "int4", "model_dir": "/q", "dtype": "float32"}
+    hf_dir, dtype = _baseline(argparse.Namespace(model=None), int4)
+    assert dtype == "float32" and hf_dir == model_dir_for(find_gguf(DEFAULT_MODEL), None, "float32")
+    assert (hf_dir / "config.json").is_file() and "quantization_config" not in (
+        hf_dir / "config.json"
+    ).read_text()
+    assert _baseline(argparse.Namespace(model=str(tiny_models["qwen2"])), int4) == (None, "")
