@@ -130,8 +130,10 @@ def _w_tile(w_e, s_e, rn, kk, cols, mask, MX: tl.constexpr, like_ptr):
         sc = tl.load(s_e + rows * (cols // 32) + kk[:, None] // 32, mask=mask, other=127).to(tl.int32)
         # 2^(sc - 127) through the float32 bits; sc = 0 is the subnormal 2^-127 (bit 22 alone)
         scale = tl.where(sc == 0, 1 << 22, sc << 23).to(tl.float32, bitcast=True)
-        return (val * scale).to(like_ptr.dtype.element_ty)
-    return tl.load(w_e + rows * cols + kk[:, None], mask=mask, other=0.0)
+        w = (val * scale).to(like_ptr.dtype.element_ty)
+    else:  # the weight's own dtype is the model's: the cast is none (one return type for both forms)
+        w = tl.load(w_e + rows * cols + kk[:, None], mask=mask, other=0.0).to(like_ptr.dtype.element_ty)
+    return w
 
 
 @triton.jit

@@ -134,15 +134,24 @@ def main(arch: int) -> None:
                 ),
                 arch,
             )
-        # The grouped expert GEMM: silu, GeGLU and gpt-oss's clamped SwiGLU with biases; Llama 4's scaled input.
-        for act, bias, scale_in in ((0, False, False), (1, False, False), (2, True, False), (0, False, True)):
+        # The grouped expert GEMM: silu, GeGLU and gpt-oss's clamped SwiGLU with biases (also over MXFP4 codes
+        # and their scales); Llama 4's scaled input.
+        for act, bias, scale_in, mx in (
+            (0, False, False, False),
+            (1, False, False, False),
+            (2, True, False, False),
+            (0, False, True, False),
+            (2, True, False, True),
+        ):
+            w, ws = ("*u8", "*u8") if mx else (p, p)
             build(
                 triton_moe._gate_up,
                 dict(
                     x_ptr=p,
                     rows_ptr="*i32",
                     te_ptr="*i32",
-                    w_ptr=p,
+                    w_ptr=w,
+                    s_ptr=ws,
                     b_ptr=p,
                     rw_ptr="*fp32",
                     out_ptr=p,
@@ -157,6 +166,7 @@ def main(arch: int) -> None:
                     ACT=act,
                     HAS_BIAS=bias,
                     SCALE_IN=scale_in,
+                    MX=mx,
                     F32=f32,
                     BF16=bf16,
                 ),
@@ -168,7 +178,8 @@ def main(arch: int) -> None:
                     a_ptr=p,
                     rows_ptr="*i32",
                     te_ptr="*i32",
-                    w_ptr=p,
+                    w_ptr=w,
+                    s_ptr=ws,
                     b_ptr=p,
                     rw_ptr="*fp32",
                     out_ptr="*fp32" if not scale_in else p,
@@ -180,6 +191,7 @@ def main(arch: int) -> None:
                     BLOCK_K=64,
                     HAS_BIAS=bias,
                     SCALE_OUT=not scale_in,
+                    MX=mx,
                     F32=f32,
                     BF16=bf16,
                     OUT_BF16=bf16 and scale_in,
