@@ -89,19 +89,16 @@ def _hf(
 
 
 def _baseline(args: argparse.Namespace, info: dict) -> tuple[Any, str]:
-    """(directory, dtype) transformers runs: the engine's own checkpoint in its dtype; for a GGUF file we
-    quantized on load (the default model's int4 under ``--dtype auto``), the file's float32 checkpoint, what a
-    transformers user runs (the report then compares int4 against float32 and says so); (None, "") where
-    transformers cannot load what we run."""
+    """(directory, dtype) transformers runs: the engine's own checkpoint in its dtype; where we quantized on
+    load (the default model's int4 under ``--dtype auto``), the float32 checkpoint the engine reads for
+    ``dtype="float32"``, what a transformers user runs (the report then compares int4 against float32 and
+    says so); (None, "") where that is itself quantized (a hub-quantized directory)."""
     if info["quantization"] == "none":
         return info["model_dir"], info["dtype"]
-    from sidecar.config import DEFAULT_MODEL
-    from sidecar.model.gguf import find_gguf, model_dir_for
+    from sidecar import LLM
 
-    gguf_file = find_gguf(args.model or DEFAULT_MODEL)
-    if gguf_file is None:
-        return None, ""
-    return model_dir_for(gguf_file, None, "float32"), "float32"
+    fp = LLM(model=args.model, dtype="float32", num_kv_blocks=4).engine.model_info
+    return (fp["model_dir"], "float32") if fp["quantization"] == "none" else (None, "")
 
 
 def run(args: argparse.Namespace) -> int:

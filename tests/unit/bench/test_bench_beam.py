@@ -19,19 +19,19 @@ def test_beam_bench_reports_both_systems_with_equal_best_sequences(tiny_models, 
 
 def test_the_baseline_of_a_gguf_we_quantized_is_its_float32_checkpoint(tiny_models):
     """``--dtype auto`` runs the default model's int4 layers, which transformers cannot load: its baseline is
-    the GGUF file's float32 checkpoint; a quantized directory transformers cannot read gets none."""
+    the float32 checkpoint the engine reads for ``dtype="float32"``, unquantized."""
     import argparse
+    import pathlib
 
+    from sidecar import LLM
     from sidecar.bench.beam import _baseline
-    from sidecar.config import DEFAULT_MODEL
-    from sidecar.model.gguf import find_gguf, model_dir_for
 
     plain = {"quantization": "none", "model_dir": "/m", "dtype": "bfloat16"}
     assert _baseline(argparse.Namespace(model="/m"), plain) == ("/m", "bfloat16")
     int4 = {"quantization": "int4", "model_dir": "/q", "dtype": "float32"}
     hf_dir, dtype = _baseline(argparse.Namespace(model=None), int4)
-    assert dtype == "float32" and hf_dir == model_dir_for(find_gguf(DEFAULT_MODEL), None, "float32")
-    assert (hf_dir / "config.json").is_file() and "quantization_config" not in (
-        hf_dir / "config.json"
-    ).read_text()
-    assert _baseline(argparse.Namespace(model=str(tiny_models["qwen2"])), int4) == (None, "")
+    assert (
+        dtype == "float32" and hf_dir == LLM(dtype="float32", num_kv_blocks=4).engine.model_info["model_dir"]
+    )
+    config = (pathlib.Path(hf_dir) / "config.json").read_text()
+    assert "quantization_config" not in config and hf_dir != LLM().engine.model_info["model_dir"]
