@@ -11,7 +11,7 @@ from sidecar.model.kernels.triton import moe as triton_moe
 from sidecar.model.loader import load_model
 from sidecar.model.moe import SparseMoE
 from tests.unit.model.family_checkpoints import build_family_checkpoint
-from tests.unit.model.kernels.triton.test_triton_model import _run, _spy
+from tests.unit.model.kernels.triton.test_triton_moe import assert_moe_path_matches_off
 from tests.unit.model.test_gpt_oss import to_mxfp4
 
 H, INTER = 64, 96
@@ -92,11 +92,4 @@ def test_gpt_oss_codes_through_the_model_with_the_moe_path_match_the_path_off(gp
     blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoE)]
     assert blocks and all(b.stacked is not None and b.stacked.mxfp4 for b in blocks)
     assert all(isinstance(e.down_proj, mxfp4.Mxfp4Linear) for b in blocks for e in b.experts)
-    ref = _run(model, torch.device("cpu"))
-    calls = []
-    _spy(monkeypatch, triton_moe, "grouped_moe", calls)
-    model.fast_paths.moe = True
-    fast = _run(model, torch.device("cpu"))
-    assert len(calls) >= len(blocks) * 5  # every sparse block, every step (prompt, decode, one row)
-    assert torch.equal(fast.argmax(-1), ref.argmax(-1))
-    torch.testing.assert_close(fast, ref, atol=2e-4, rtol=2e-4)
+    assert_moe_path_matches_off(model, len(blocks), monkeypatch)
