@@ -113,6 +113,12 @@ def test_prefix_hit_after_window_blocks_were_freed(dirs, refs):
 def test_int8_kv_and_beam_search_through_groups_agree_with_one_table(dirs, monkeypatch):
     """An int8 cache and beam search (forks sharing pages, copy-on-write per group) through the groups compute
     what the single-table layout (groups off) does."""
+    assert_groups_agree_with_one_table(dirs["gemma2"], PROMPTS, GREEDY, 12, monkeypatch)
+
+
+def assert_groups_agree_with_one_table(path, prompts, greedy, beam_tokens: int, monkeypatch, **kw) -> None:
+    """Greedy generations of ``prompts`` and a 3-beam search of the second, with an int8 cache, give the same
+    tokens and scores with KV groups as with the groups off; the pool whole after each."""
     from sidecar import BeamSearchParams
     from sidecar.engine import kv_budget
 
@@ -120,11 +126,12 @@ def test_int8_kv_and_beam_search_through_groups_agree_with_one_table(dirs, monke
     for grouped in (True, False):
         if not grouped:
             monkeypatch.setattr(kv_budget, "plan_groups", lambda *a: (None, "off for the comparison"))
-        llm = LLM(model=str(dirs["gemma2"]), dtype="float32", block_size=8, kv_cache_dtype="int8")
+        llm = LLM(model=str(path), dtype="float32", block_size=8, kv_cache_dtype="int8", **kw)
         assert (llm.engine.runner.kv_plan is not None) == grouped
-        beams = llm.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
+        params = BeamSearchParams(beam_width=3, max_tokens=beam_tokens, ignore_eos=True)
+        beams = llm.beam_search([prompts[1]], params)
         outs[grouped] = (
-            [o.token_ids for o in llm.generate(PROMPTS, GREEDY)],
+            [o.token_ids for o in llm.generate(prompts, greedy)],
             [(b.token_ids, round(b.cum_logprob, 4)) for b in beams[0].sequences],
         )
         assert_pool_whole(llm)

@@ -14,12 +14,12 @@ import json
 
 import pytest
 
-from sidecar import LLM, BeamSearchParams, SamplingParams
+from sidecar import LLM, SamplingParams
 from sidecar.engine.kv_budget import kv_bytes_per_block
 from sidecar.engine.kv_groups import NULL, KVGroup, plan_groups
 from sidecar.model.args import ModelArgs
 from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
-from tests.unit.engine.test_kv_groups import _scribble_freed
+from tests.unit.engine.test_kv_groups import _scribble_freed, assert_groups_agree_with_one_table
 from tests.unit.model.family_checkpoints import assert_not_degenerate
 from tests.unit.model.gemma4_checkpoints import build_gemma4_checkpoint
 
@@ -179,24 +179,7 @@ def test_sliding_blocks_stay_bounded_and_aborts_return_every_block(dirs):
 def test_int8_kv_and_beam_search_through_groups_agree_with_one_table(dirs, monkeypatch):
     """An int8 cache (scales at each shape) and beam search (forks sharing pages, copy-on-write per group)
     through the groups compute what the single-table layout (groups off) does."""
-    from sidecar.engine import kv_budget
-
-    outs = {}
-    for grouped in (True, False):
-        if not grouped:
-            monkeypatch.setattr(kv_budget, "plan_groups", lambda *a: (None, "off for the comparison"))
-        llm = LLM(
-            model=str(dirs["eight"]), dtype="float32", block_size=8, num_kv_blocks=64, kv_cache_dtype="int8"
-        )
-        assert (llm.engine.runner.kv_plan is not None) == grouped
-        beams = llm.beam_search([PROMPTS[1]], BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))
-        outs[grouped] = (
-            [o.token_ids for o in llm.generate(PROMPTS, GREEDY)],
-            [(b.token_ids, round(b.cum_logprob, 4)) for b in beams[0].sequences],
-        )
-        assert_pool_whole(llm)
-    assert outs[True] == outs[False]
-    assert len(outs[True][1]) == 3 and len({tuple(t) for t, _ in outs[True][1]}) == 3
+    assert_groups_agree_with_one_table(dirs["eight"], PROMPTS, GREEDY, 8, monkeypatch, num_kv_blocks=64)
 
 
 def test_ngram_verification_rows_through_the_groups_match_hf(dirs):
