@@ -401,12 +401,11 @@ class EngineConfig:
         if tp == 1 and pp == 1:
             return
         split = f"tensor_parallel_size {tp}" if tp > 1 else f"pipeline_parallel_size {pp}"
-        # Each of these runs state that lives on rank 0 alone (adapter slots, proposer passes, offloaded
-        # blocks, attention scores of its own heads), so under a split model it would compute something else.
+        # Each of these runs state that lives on rank 0 alone (proposer passes, offloaded blocks, attention
+        # scores of its own heads), so under a split model it would compute something else. (LoRA adapters
+        # reach every rank's slots: engine/tp.py.)
         refused = {
             "speculative": self.speculative is not None,
-            "lora_modules": bool(self.lora_modules),
-            "enable_lora": self.enable_lora,
             "kv_offload_gb": self.kv_offload_gb > 0,
             "kv_offload_dir": self.kv_offload_dir is not None,
             "kv_budget": self.kv_budget is not None,

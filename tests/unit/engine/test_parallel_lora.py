@@ -1,0 +1,79 @@
+"""LoRA on a split model: two tensor-parallel ranks (each holding its slice of every adapter) and two pipeline
+stages (each holding its layers' adapter weights) give HF transformers + PEFT's float32 greedy tokens, in a
+batch mixing adapters and the base model, with an adapter loaded at runtime into a slot another one left."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sidecar import LLM, SamplingParams
+from sidecar.engine.lora_manager import AdapterNotFoundError
+from tests.unit.engine.test_tensor_parallel import _checkpoint
+from tests.unit.model.lora_helpers import ATTN, MLP, hf_peft_greedy, make_adapter
+
+MAX_NEW = 6
+GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+# Every target (row-parallel o / down included) at one rank; a subset at another rank.
+SPECS = {
+    "all": dict(r=8, targets=ATTN + MLP, seed=1),
+    "qvd": dict(r=4, targets=["q_proj", "v_proj", "down_proj"], seed=2),
+}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, demo_dir):
+    """Llama with one KV head for two ranks (k/v's B replicated like the head), biases on every projection
+    (row-parallel ones added once), 2 layers (one per stage); two adapters, and HF + PEFT's tokens for each."""
+    root = tmp_path_factory.mktemp("split-lora")
+    path, hf = _checkpoint("llama", root / "llama", demo_dir)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(n)] for n in (9, 30, 5, 21)]
+    adapters = {name: make_adapter(path, root / name, **spec) for name, spec in SPECS.items()}
+    refs = {name: hf_peft_greedy(path, adapters.get(name), prompts, MAX_NEW) for name in (None, *SPECS)}
+    return path, prompts, adapters, refs
+
+
+def _pool_whole(llm: LLM) -> None:
+    eng = llm.engine
+    assert not eng.requests and eng.kv.num_free_blocks() == eng.kv.num_blocks
+    assert not any(eng.lora.pins) and not eng.lora.parked
+
+
+def _check_split_engine(base, **split) -> None:
+    path, prompts, adapters, refs = base
+    llm = LLM(
+        model=str(path),
+        dtype="float32",
+        block_size=8,
+        max_num_batched_tokens=16,  # prompts arrive in chunks
+        max_loras=1,  # two adapters in one batch: the second waits for the first's slot
+        max_lora_rank=8,
+        lora_modules={"all": str(adapters["all"])},
+        **split,
+    )
+    try:
+        # A batch of adapter and base rows, each with its own tokens
+        names = [None, "all", None, "all"]
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, lora=names)]
+        assert got == [refs[n][i] for i, n in enumerate(names)]
+        _pool_whole(llm)
+        # Loaded at runtime: it takes the one slot once "all"'s requests finish, then "all" takes it back
+        llm.load_lora("qvd", str(adapters["qvd"]))
+        names = ["qvd", "all", None, "qvd"]
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY, lora=names)]
+        assert got == [refs[n][i] for i, n in enumerate(names)]
+        assert llm.stats()["lora_evictions"] >= 2
+        _pool_whole(llm)
+        llm.unload_lora("qvd")
+        with pytest.raises(AdapterNotFoundError, match="qvd"):
+            llm.generate(prompts[:1], GREEDY, lora="qvd")
+        assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY, lora="all")] == refs["all"][:2]
+        _pool_whole(llm)
+    finally:
+        llm.engine.tp.close()
+
+
+def test_two_tensor_parallel_ranks_serve_adapters_like_hf_peft(base):
+    _check_split_engine(base, tensor_parallel_size=2)
