@@ -12,6 +12,9 @@ of the process group; each stage receives it from the one before, runs its layer
 stage keeps it. When the step samples, rank 0 sends the rows to the workers and the last stage sends back
 their float32 logits (its final norm and head), which rank 0 samples from.
 
+LoRA: every stage's slots hold its own layers' adapter weights; rank 0 mirrors each slot write to the stages
+as tp.py does, and each forward's inputs carry the tokens' slots.
+
 Stages run one after another within a step (the sequential form): a step's latency is the sum of the
 stages'. Overlapping micro-batches across stages is not built.
 """

@@ -77,3 +77,7 @@ def _check_split_engine(base, **split) -> None:
 
 def test_two_tensor_parallel_ranks_serve_adapters_like_hf_peft(base):
     _check_split_engine(base, tensor_parallel_size=2)
+
+
+def test_two_pipeline_stages_serve_adapters_like_hf_peft(base):
+    _check_split_engine(base, pipeline_parallel_size=2)
