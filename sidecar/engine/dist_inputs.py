@@ -41,7 +41,7 @@ def pack_inputs(
 def unpack_inputs(
     msg: tuple, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, Optional[list[int]]]:
-    """``pack_inputs``' arrays as tensors on ``device``: ids, positions, metadata and the tokens' adapter slots."""
+    """``pack_inputs``' arrays as tensors on ``device``: ids, positions, metadata, tokens' adapter slots."""
     ids, pos, slots, block_size, prefills, tables, ctx_lens, use_cpu_kernel, token_slots = msg
 
     def t(a: Any) -> Optional[torch.Tensor]:
@@ -59,13 +59,13 @@ def unpack_inputs(
 
 
 def pack_adapter(slot: int, adapter: Adapter) -> tuple:
-    """The message that writes ``adapter`` (whole: each rank takes its own slice) into ``slot`` on a worker."""
+    """The message writing ``adapter`` (whole: each rank takes its own slice) into a worker's ``slot``."""
     weights = {key: (A.numpy(), B.numpy()) for key, (A, B) in adapter.weights.items()}
     return ("lora", slot, (adapter.path, adapter.rank, adapter.scaling, weights))
 
 
 def worker_lora(model: Any, config: EngineConfig) -> Optional[LoraLayers]:
-    """A worker's adapter slots, as many as rank 0's (None when LoRA is off); rank 0 fills them in its order."""
+    """A worker's adapter slots, as many as rank 0's (None when LoRA is off), filled in rank 0's order."""
     if not (config.lora_modules or config.enable_lora):
         return None
     return LoraLayers(model, config.max_loras, config.max_lora_rank)

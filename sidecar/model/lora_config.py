@@ -1,4 +1,4 @@
-"""A PEFT LoRA adapter's ``adapter_config.json``: the modules an adapter may target and the fields we serve."""
+"""A PEFT LoRA adapter's ``adapter_config.json``: the modules it may target and the fields we serve."""
 
 from __future__ import annotations
 

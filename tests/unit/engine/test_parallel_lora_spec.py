@@ -1,6 +1,7 @@
-"""LoRA on a split model: two tensor-parallel ranks (each holding its slice of every adapter) and two pipeline
-stages (each holding its layers' adapter weights) give HF transformers + PEFT's float32 greedy tokens, in a
-batch mixing adapters and the base model, with an adapter loaded at runtime into a slot another one left."""
+"""LoRA and n-gram speculation on a split model: two tensor-parallel ranks (each holding its slice of every
+adapter) and two pipeline stages (each holding its layers' adapter weights) give HF transformers + PEFT's
+float32 greedy tokens, in a batch mixing adapters and the base model, with an adapter loaded at runtime into a
+slot another one left, and with rank 0's n-gram proposals verified through the split model's logits."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tests.unit.model.lora_helpers import ATTN, MLP, hf_peft_greedy, make_adapte
 
 MAX_NEW = 6
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
+SPEC_NEW = 24
 # Every target (row-parallel o / down included) at one rank; a subset at another rank.
 SPECS = {
     "all": dict(r=8, targets=ATTN + MLP, seed=1),
@@ -25,14 +27,20 @@ SPECS = {
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, demo_dir):
     """Llama with one KV head for two ranks (k/v's B replicated like the head), biases on every projection
-    (row-parallel ones added once), 2 layers (one per stage); two adapters, and HF + PEFT's tokens for each."""
+    (row-parallel ones added once), 2 layers (one per stage); two adapters; HF + PEFT's tokens for each, and
+    for two looping prompts (n-gram lookup finds their continuation in them)."""
     root = tmp_path_factory.mktemp("split-lora")
     path, hf = _checkpoint("llama", root / "llama", demo_dir)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(n)] for n in (9, 30, 5, 21)]
     adapters = {name: make_adapter(path, root / name, **spec) for name, spec in SPECS.items()}
     refs = {name: hf_peft_greedy(path, adapters.get(name), prompts, MAX_NEW) for name in (None, *SPECS)}
-    return path, prompts, adapters, refs
+    # A repeated phrase: n-gram lookup proposes its continuation at once
+    loops = [[rng.randrange(3, hf.config.vocab_size) for _ in range(n)] * 3 for n in (4, 6)]
+    spec = [
+        hf_peft_greedy(path, adapters.get(name), [p], SPEC_NEW)[0] for p, name in zip(loops, (None, "all"))
+    ]
+    return path, prompts, adapters, refs, loops, spec
 
 
 def _pool_whole(llm: LLM) -> None:
@@ -42,7 +50,7 @@ def _pool_whole(llm: LLM) -> None:
 
 
 def _check_split_engine(base, **split) -> None:
-    path, prompts, adapters, refs = base
+    path, prompts, adapters, refs, loops, spec = base
     llm = LLM(
         model=str(path),
         dtype="float32",
@@ -51,6 +59,8 @@ def _check_split_engine(base, **split) -> None:
         max_loras=1,  # two adapters in one batch: the second waits for the first's slot
         max_lora_rank=8,
         lora_modules={"all": str(adapters["all"])},
+        speculative="ngram",
+        speculative_token_cost=0.0,  # speculate whenever there is a proposal
         **split,
     )
     try:
@@ -71,6 +81,16 @@ def _check_split_engine(base, **split) -> None:
             llm.generate(prompts[:1], GREEDY, lora="qvd")
         assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY, lora="all")] == refs["all"][:2]
         _pool_whole(llm)
+        # Speculation: several logit rows per sequence come back from the split model, base and adapter rows
+        before = llm.stats()["spec_decode_proposed_tokens"]
+        long = SamplingParams(max_tokens=SPEC_NEW, ignore_eos=True)
+        assert [o.token_ids for o in llm.generate(loops, long, lora=[None, "all"])] == spec
+        assert llm.stats()["spec_decode_proposed_tokens"] > before
+        _pool_whole(llm)
+        # The start-up pricing of verification rows runs through the split model too, past the decode buffers
+        # (last: it writes the KV of blocks 1.., cached prefixes included)
+        rows = llm.engine.runner.inputs.max_batch + 1
+        assert all(t > 0 for t in llm.engine.runner.time_decode_rows([2, rows], repeats=1))
     finally:
         llm.engine.tp.close()
 
