@@ -11,12 +11,13 @@ import pytest
 
 from sidecar import LLM, SamplingParams
 from sidecar.engine.lora_manager import AdapterNotFoundError
+from tests.unit.engine.test_engine_vs_hf import hf_greedy
 from tests.unit.engine.test_tensor_parallel import _checkpoint
 from tests.unit.model.lora_helpers import ATTN, MLP, hf_peft_greedy, make_adapter
 
 MAX_NEW = 6
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
-SPEC_NEW = 24
+SPEC_NEW = 40
 # Every target (row-parallel o / down included) at one rank; a subset at another rank.
 SPECS = {
     "all": dict(r=8, targets=ATTN + MLP, seed=1),
@@ -81,7 +82,9 @@ def _check_split_engine(base, **split) -> None:
             llm.generate(prompts[:1], GREEDY, lora="qvd")
         assert [o.token_ids for o in llm.generate(prompts[:2], GREEDY, lora="all")] == refs["all"][:2]
         _pool_whole(llm)
-        # Speculation: several logit rows per sequence come back from the split model, base and adapter rows
+        # Speculation: several logit rows per sequence come back from the split model, base and adapter rows.
+        # This checkpoint rarely repeats itself, so most proposals are rejected: the check is that verification
+        # rows (and the KV they write, rolled back) give plain greedy decode's tokens.
         before = llm.stats()["spec_decode_proposed_tokens"]
         long = SamplingParams(max_tokens=SPEC_NEW, ignore_eos=True)
         assert [o.token_ids for o in llm.generate(loops, long, lora=[None, "all"])] == spec
@@ -101,3 +104,27 @@ def test_two_tensor_parallel_ranks_serve_adapters_like_hf_peft(base):
 
 def test_two_pipeline_stages_serve_adapters_like_hf_peft(base):
     _check_split_engine(base, pipeline_parallel_size=2)
+
+
+def test_two_tensor_parallel_ranks_accept_ngram_proposals_like_hf(demo_dir):
+    """The demo model falls into loops, so many proposals are accepted: the KV the verification rows wrote
+    on every rank is then the sequence's own, and the tokens stay HF's."""
+    rng = random.Random(11)
+    seeds = [[rng.randrange(3, 900) for _ in range(n)] for n in (5, 30)]
+    prompts = [s + c for s, c in zip(seeds, hf_greedy(demo_dir, seeds, 16))]  # copyable: its own output
+    ref = hf_greedy(demo_dir, prompts, SPEC_NEW)
+    llm = LLM(
+        model=str(demo_dir),
+        dtype="float32",
+        tensor_parallel_size=2,
+        speculative="ngram",
+        speculative_token_cost=0.0,
+        block_size=8,
+    )
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=SPEC_NEW, ignore_eos=True))
+        assert [o.token_ids for o in outs] == ref
+        assert llm.stats()["spec_decode_accepted_tokens"] > 10
+        _pool_whole(llm)
+    finally:
+        llm.engine.tp.close()
