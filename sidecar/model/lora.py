@@ -214,7 +214,7 @@ class LoraLayers:
         # A tensor-parallel rank's model slices each adapter as its weights are (tp_shard.Shard.lora_slice)
         self.slice = getattr(model, "lora_slice", None)
         self.mirror: Optional[Callable[[int, Adapter], None]] = None  # a split model's other ranks (tp.py)
-        self.token_slots: Optional[list[int]] = None  # this forward's, as set_batch was given them
+        self.token_slots: Optional[Sequence[int]] = None  # this forward's, as set_batch was given them
         for i, layer in enumerate(model.layers):
             if not hasattr(layer, "self_attn"):  # a layer of another pipeline stage (pp_stage.py)
                 continue
@@ -298,7 +298,7 @@ class LoraLayers:
 
     def set_batch(self, token_slots: Optional[Sequence[int]]) -> None:
         """Slot (or -1: base model) of every token of the next forward, in order; None ends the batch."""
-        self.token_slots = None if token_slots is None else list(token_slots)
+        self.token_slots = token_slots  # what a split model sends its other ranks (engine/dist_inputs.py)
         if token_slots is None or all(s < 0 for s in token_slots):
             self._masks, self._k, self._rows = None, 0, None
             return
