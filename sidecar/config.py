@@ -401,19 +401,20 @@ class EngineConfig:
         if tp == 1 and pp == 1:
             return
         split = f"tensor_parallel_size {tp}" if tp > 1 else f"pipeline_parallel_size {pp}"
-        # Each of these runs state that lives on rank 0 alone (adapter slots, proposer passes, offloaded
-        # blocks, attention scores of its own heads), so under a split model it would compute something else.
+        # Each of these runs state that lives on rank 0 alone (a draft model's passes, offloaded blocks,
+        # attention scores of its own heads), so under a split model it would compute something else. (LoRA
+        # adapters reach every rank's slots, engine/tp.py; n-gram proposals are rank 0's host work, verified
+        # through the split model's logits of several rows per sequence.)
         refused = {
-            "speculative": self.speculative is not None,
-            "lora_modules": bool(self.lora_modules),
-            "enable_lora": self.enable_lora,
+            "speculative": self.speculative is not None and self.speculative != "ngram",
             "kv_offload_gb": self.kv_offload_gb > 0,
             "kv_offload_dir": self.kv_offload_dir is not None,
             "kv_budget": self.kv_budget is not None,
             "overlap_steps": bool(self.overlap_steps),
         }
         for name, used in refused.items():
-            _require(not used, name, f"is not supported with {split} > 1")
+            what = "a draft model is" if name == "speculative" else "is"
+            _require(not used, name, f"{what} not supported with {split} > 1")
 
     def _validate_nodes(self, world: int) -> None:
         n = self.nnodes

@@ -70,6 +70,8 @@ class LLMEngine:
         )
         for name, path in config.lora_modules.items():
             self.lora.register(name, self.lora.read(path))
+        if self.tp is not None and self.lora.enabled:  # every rank's slots hold the same adapters
+            self.tp.attach_lora(self.lora.layers)
         self.runner.lora = self.lora
         self.kv = build_kv_manager(config, self.runner, loaded)  # with the offload tiers asked for
         # Weights and KV pool in transparent huge pages where torch's allocator did not already place them.

@@ -12,6 +12,9 @@ of the process group; each stage receives it from the one before, runs its layer
 stage keeps it. When the step samples, rank 0 sends the rows to the workers and the last stage sends back
 their float32 logits (its final norm and head), which rank 0 samples from.
 
+LoRA: every stage's slots hold its own layers' adapter weights; rank 0 mirrors each slot write to the stages
+as tp.py does, and each forward's inputs carry the tokens' slots.
+
 Stages run one after another within a step (the sequential form): a step's latency is the sum of the
 stages'. Overlapping micro-batches across stages is not built.
 """
@@ -24,7 +27,7 @@ from typing import Any, Optional
 import torch
 
 from sidecar.config import EngineConfig
-from sidecar.engine.dist_inputs import pack_inputs, unpack_inputs
+from sidecar.engine.dist_inputs import load_adapter, lora_batch, pack_inputs, unpack_inputs, worker_lora
 from sidecar.engine.rendezvous import run_worker
 from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group, worker_pool
 from sidecar.model.attention import AttentionMetadata
@@ -92,7 +95,7 @@ class PipelineModel:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
         self._pp.check()
-        self._pp.send(("fwd", pack_inputs(ids, positions, meta)))
+        self._pp.send(("fwd", pack_inputs(ids, positions, meta, self._pp.lora)))
         return self._pp.run(self._first_stage, ids, positions, kv_caches, meta)
 
     def _first_stage(self, ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -130,21 +133,25 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, sta
     if kv_caches is None:
         return
     stream: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    lora = worker_lora(model, config)  # this stage's layers' slots
     shape_of = lambda n: (n, model.args.hidden_size)  # noqa: E731
     while True:
         msg = conn.recv()
         if msg is None:
             return
         if msg[0] == "fwd":
-            ids, pos, meta = unpack_inputs(msg[1], device)
+            ids, pos, meta, token_slots = unpack_inputs(msg[1], device)
             h = recv(comm, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
             delta = recv(comm, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
-            h, delta = run_layers(model, stage, h, delta, pos, kv_caches, meta)
+            with lora_batch(lora, token_slots):
+                h, delta = run_layers(model, stage, h, delta, pos, kv_caches, meta)
             if stage.last:
                 stream = (h, delta)
             else:
                 send(comm, h, stage.rank + 1, TAG_STREAM)
                 send(comm, delta, stage.rank + 1, TAG_STREAM)
+        elif msg[0] == "lora":
+            load_adapter(lora, msg)
         elif msg[0] == "logits" and stage.last:
             rows = torch.from_numpy(msg[1]).to(device)
             send(comm, final_logits(model, *stream, rows), 0, TAG_LOGITS)

@@ -51,6 +51,6 @@ def _step(runner: Any, r: int, table: list[int]) -> Callable[[], torch.Tensor]:
     meta = AttentionMetadata(slot_mapping=tensor([bs + i for i in range(r)]), block_size=bs)
     meta.decode_block_tables = tensor(table * r).view(r, len(table))
     meta.decode_ctx_lens = tensor(list(range(1, r + 1)))
-    ids, pos = tensor([0] * r), tensor(list(range(r)))
-    model = runner.model
-    return lambda: model.compute_logits(model(ids, pos, runner.kv_caches, meta))
+    ids, pos, every = tensor([0] * r), tensor(list(range(r))), tensor(list(range(r)))
+    model = runner.model  # logits_at: what a split model (tp.py, pp.py) computes logits through
+    return lambda: model.logits_at(model(ids, pos, runner.kv_caches, meta), every)

@@ -35,8 +35,7 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.request import SamplingParams
 from sidecar.model import kv_quant, mla
-from sidecar.engine import cpu_bind, rendezvous
-from sidecar.engine.dist_inputs import pack_inputs, unpack_inputs
+from sidecar.engine import cpu_bind, rendezvous, dist_inputs as di
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model, resolve_device
 from sidecar.model.tp_shard import Comm, Shard
@@ -127,6 +126,7 @@ class TensorParallel:
         self.world = getattr(config, self.option)
         self.backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
         self.broken: Optional[str] = None
+        self.lora: Optional[Any] = None  # rank 0's adapter slots (attach_lora)
         if self.backend == "nccl":
             torch.cuda.set_device(resolve_device(_rank_config(config, 0).device))
         addr = config.master_addr
@@ -196,6 +196,11 @@ class TensorParallel:
             self.close()
             raise
         runner.model = self.drive(runner.model)
+
+    def attach_lora(self, layers: Any) -> None:
+        """Write each adapter rank 0 loads into ``layers``' slots into the workers' same slots, in order."""
+        self.lora = layers
+        layers.mirror = lambda slot, adapter: self.send(di.pack_adapter(slot, adapter))
 
     def _expect(self, rank: int, what: str) -> None:
         conn, proc = self.conns[rank], self.procs[rank]
@@ -321,7 +326,7 @@ class RankZeroModel:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
         self._tp.check()
-        self._tp.send(("fwd", pack_inputs(ids, positions, meta)))
+        self._tp.send(("fwd", di.pack_inputs(ids, positions, meta, self._tp.lora)))
         return self._tp.run(self._model, ids, positions, kv_caches, meta)
 
     def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -380,13 +385,16 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any) -> None:
     kv_caches = worker_pool(loaded, config, conn, model.args.kv_shapes())
     if kv_caches is None:
         return
-    hidden = None
+    hidden, lora = None, di.worker_lora(model, config)
     while True:
         msg = conn.recv()
         if msg is None:
             return
         if msg[0] == "fwd":
-            ids, pos, meta = unpack_inputs(msg[1], device)
-            hidden = model(ids, pos, kv_caches, meta)
+            ids, pos, meta, token_slots = di.unpack_inputs(msg[1], device)
+            with di.lora_batch(lora, token_slots):
+                hidden = model(ids, pos, kv_caches, meta)
+        elif msg[0] == "lora":
+            di.load_adapter(lora, msg)
         elif msg[0] == "logits":
             model.logits_at(hidden, torch.from_numpy(msg[1]).to(device))

@@ -24,6 +24,11 @@ place every listed row's own ``B (A x)``, per part over that part's columns only
 (``at``, [S, in, n*R padded]). Base rows are not touched and a row costs its own adapter's rank-R products
 only, where the masked GEMMs below compute every slot's columns for every row (docs/perf/code-notes.md).
 
+On a split model every rank holds the same slots (engine/tp.py mirrors each load): a tensor-parallel rank
+holds its slice of each adapter (``Shard.lora_slice``: B's output rows of a column-parallel projection, A's
+input columns of a row-parallel one, whose update joins the partial product its all-reduce sums); a pipeline
+stage holds its own layers' weights.
+
 Other dtypes and devices take two GEMMs per projection whatever the mix of adapters (gather-free):
 ``((x @ a[:k].T) * mask) @ bt[:k]`` where row ``t`` of ``mask`` keeps only the columns of its token's slot
 (none for base-model tokens) and ``k`` covers the slots up to the highest one in the batch, rounded up
@@ -34,41 +39,31 @@ weights); a slot's load repacks the prefixes holding it before the next forward.
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from sidecar.model.kernels.cpu import lora_bgmv
 from sidecar.model.linear import PACK_ROWS_HINT, can_pack
+from sidecar.model.lora_config import (  # noqa: F401 (re-exported)
+    CONFIG_FILE,
+    FUSED_TARGETS,
+    TARGETS,
+    WEIGHTS_FILE,
+    AdapterError,
+    module_names,
+    read_config,
+)
+from sidecar.model.tp_shard import RowParallel
 
-# PEFT module name -> (fused projection, part index within it).
-TARGETS = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
-# A fused checkpoint's module -> its parts in output-row order (the order our fused projections hold them).
-FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _KEY = re.compile(
     r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
     r"(?:\.[\w-]+)?\.weight$"
 )
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-
-
-class AdapterError(ValueError):
-    """A malformed or incompatible adapter; the message names the file and the field."""
 
 
 @dataclass
@@ -105,63 +100,6 @@ def layer_part_shapes(args, layer: int) -> dict[str, tuple[int, int]]:
     return lora_part_shapes(args, layer)
 
 
-def _module_names(fused: bool) -> tuple[str, ...]:
-    """The PEFT module names an adapter of a base with (``fused``) or without fused projections may target."""
-    if not fused:
-        return tuple(TARGETS)
-    parts = {p for ps in FUSED_TARGETS.values() for p in ps}
-    return tuple(FUSED_TARGETS) + tuple(t for t in TARGETS if t not in parts)
-
-
-def _read_config(path: Path, max_rank: int, fused: bool, arch: str) -> dict:
-    cfg_file = path / CONFIG_FILE
-    if not cfg_file.is_file():
-        raise AdapterError(
-            f"{cfg_file}: not found (a PEFT LoRA adapter directory has {CONFIG_FILE} and {WEIGHTS_FILE})"
-        )
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{cfg_file}: not valid JSON ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise AdapterError(f"{cfg_file}: must hold a JSON object")
-
-    def bad(field: str, msg: str) -> AdapterError:
-        return AdapterError(f"{cfg_file}: {field}: {msg}")
-
-    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
-        raise bad("peft_type", f"must be LORA, got {cfg.get('peft_type')!r}")
-    r = cfg.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise bad("r", f"must be a positive integer, got {r!r}")
-    if r > max_rank:
-        raise bad("r", f"rank {r} is above max_lora_rank {max_rank}")
-    alpha = cfg.get("lora_alpha", r)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise bad("lora_alpha", f"must be a number, got {alpha!r}")
-    for field, ok in (
-        ("use_dora", not cfg.get("use_dora")),
-        ("fan_in_fan_out", not cfg.get("fan_in_fan_out")),
-        ("bias", cfg.get("bias", "none") in (None, "none")),
-        ("modules_to_save", not cfg.get("modules_to_save")),
-        ("rank_pattern", not cfg.get("rank_pattern")),
-        ("alpha_pattern", not cfg.get("alpha_pattern")),
-    ):
-        if not ok:
-            raise bad(field, f"{cfg.get(field)!r} is not supported")
-    targets = cfg.get("target_modules")
-    if isinstance(targets, (list, tuple)):
-        known = _module_names(fused)
-        unknown = sorted(str(t).rsplit(".", 1)[-1] for t in targets if str(t).rsplit(".", 1)[-1] not in known)
-        if unknown:
-            raise bad(
-                "target_modules",
-                f"{', '.join(unknown)} not supported on {arch} (supported: {', '.join(known)})",
-            )
-    cfg["_scaling"] = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    return cfg
-
-
 def read_adapter(path: str, args, max_rank: int) -> Adapter:
     """Load and validate the PEFT adapter at ``path`` for the base model ``args``. Raises AdapterError
     naming the file and the field (or tensor) at fault."""
@@ -169,7 +107,7 @@ def read_adapter(path: str, args, max_rank: int) -> Adapter:
     if not root.is_dir():
         raise AdapterError(f"{root}: not a directory (a PEFT LoRA adapter directory is expected)")
     fused = bool(getattr(args, "fused_checkpoint", False))
-    cfg = _read_config(root, max_rank, fused, args.architecture)
+    cfg = read_config(root, max_rank, fused, args.architecture)
     wfile = root / WEIGHTS_FILE
     if not wfile.is_file():
         raise AdapterError(f"{wfile}: not found (only safetensors adapters are loaded)")
@@ -183,7 +121,7 @@ def read_adapter(path: str, args, max_rank: int) -> Adapter:
     shapes = part_shapes(args)
     for name, parts in FUSED_TARGETS.items():
         shapes[name] = (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
-    known = _module_names(fused)
+    known = module_names(fused)
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
@@ -273,7 +211,13 @@ class LoraLayers:
         self.parts: dict[
             tuple[int, str], list[str]
         ] = {}  # (layer, projection) -> its PEFT parts, in row order
+        # A tensor-parallel rank's model slices each adapter as its weights are (tp_shard.Shard.lora_slice)
+        self.slice = getattr(model, "lora_slice", None)
+        self.mirror: Optional[Callable[[int, Adapter], None]] = None  # a split model's other ranks (tp.py)
+        self.token_slots: Optional[Sequence[int]] = None  # this forward's, as set_batch was given them
         for i, layer in enumerate(model.layers):
+            if not hasattr(layer, "self_attn"):  # a layer of another pipeline stage (pp_stage.py)
+                continue
             shapes = layer_part_shapes(args, i)
             for fused, parts in _projections(layer.self_attn, shapes):
                 fin = shapes[parts[0]][0]
@@ -288,7 +232,11 @@ class LoraLayers:
                 )
                 self.parts[(i, fused)] = parts
                 module = layer.mlp if fused in ("gate_up_proj", "down_proj") else layer.self_attn
-                getattr(module, fused).register_forward_hook(self._hook(i, fused, len(parts)))
+                proj = getattr(module, fused)
+                # Row-parallel: the update of this rank's input columns joins its partial product before the
+                # all-reduce, which sums it once with the rest
+                proj = proj.inner if isinstance(proj, RowParallel) else proj
+                proj.register_forward_hook(self._hook(i, fused, len(parts)))
         self._masks: Optional[dict[int, torch.Tensor]] = None  # parts n -> [T, k*n*R] for this batch
         self._k = 0
         a0 = next(iter(self.slots.values()))[0]
@@ -313,7 +261,10 @@ class LoraLayers:
         self._stale: set[int] = set()
 
     def load(self, slot: int, adapter: Adapter) -> None:
-        """Write ``adapter`` into ``slot`` (every target it lacks becomes zero)."""
+        """Write ``adapter`` into ``slot`` (every target it lacks becomes zero; on a tensor-parallel rank, its
+        slice of each target), and into the same slot of a split model's other ranks (``mirror``)."""
+        if self.mirror is not None:
+            self.mirror(slot, adapter)
         R = self.max_rank
         for (layer, fused), (a, bt, offsets) in self.slots.items():
             n = len(self.parts[(layer, fused)])
@@ -324,7 +275,7 @@ class LoraLayers:
                 w = adapter.weights.get((layer, name))
                 if w is None:
                     continue
-                A, B = w
+                A, B = w if self.slice is None else self.slice(name, *w)
                 r0 = base + j * R
                 a[r0 : r0 + A.shape[0]].copy_(A)
                 bt[r0 : r0 + A.shape[0], offsets[j] : offsets[j + 1]].copy_(B.t())
@@ -347,6 +298,7 @@ class LoraLayers:
 
     def set_batch(self, token_slots: Optional[Sequence[int]]) -> None:
         """Slot (or -1: base model) of every token of the next forward, in order; None ends the batch."""
+        self.token_slots = token_slots  # what a split model sends its other ranks (engine/dist_inputs.py)
         if token_slots is None or all(s < 0 for s in token_slots):
             self._masks, self._k, self._rows = None, 0, None
             return

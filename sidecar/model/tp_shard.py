@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import threading
 from typing import Any, Callable, Optional
 
@@ -177,6 +178,23 @@ class Shard:
             "vocab": (r * rows, rows),
         }
 
+    def lora_slice(
+        self, args: ModelArgs, module: str, A: torch.Tensor, B: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a LoRA pair (A [r, in], B [out, r]) on PEFT module ``module``, split as its
+        weight is: a column-parallel module's B keeps this rank's output rows (A whole), a row-parallel
+        module's A keeps this rank's input columns (B whole: each rank's ``B (A_r x_r)`` is a partial sum
+        that the layer's all-reduce adds up, so the update counts once)."""
+        r, hd = self.ranges(args), args.head_dim
+        rows = {"q_proj": r["q"], "k_proj": r["kv"], "v_proj": r["kv"]}
+        if module in rows:
+            lo, hi = rows[module]
+            return A, B[lo * hd : hi * hd].contiguous()
+        if module in ("gate_proj", "up_proj"):
+            return A, B[r["mlp"][0] : r["mlp"][1]].contiguous()
+        lo, hi = (r["q"][0] * hd, r["q"][1] * hd) if module == "o_proj" else r["mlp"]
+        return A[:, lo:hi].contiguous(), B
+
     def checkpoint(self, ckpt: Any, args: ModelArgs) -> "ShardedCheckpoint":
         return ShardedCheckpoint(ckpt, self, args)
 
@@ -193,6 +211,7 @@ class Shard:
                 layer.mlp = RowParallel(layer.mlp, self.comm)
             else:
                 layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, self.comm)
+        model.lora_slice = functools.partial(self.lora_slice, args)  # adapters load sliced (lora.py)
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, lo, rows, self.comm)
         model.lm_head = VocabParallelHead(model.lm_head, args.vocab_size, self.comm)
 

@@ -116,8 +116,10 @@ def test_stage_split_and_refusals():
     assert [list(stage_layers(7, 3, s)) for s in (0, 1, 2)] == [[0, 1], [2, 3], [4, 5, 6]]
     with pytest.raises(ValueError, match="pipeline_parallel_size: cannot be combined with tensor_parallel"):
         EngineConfig(model="demo", pipeline_parallel_size=2, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="speculative: is not supported with pipeline_parallel_size 2"):
-        EngineConfig(model="demo", pipeline_parallel_size=2, speculative="ngram")
+    with pytest.raises(
+        ValueError, match="speculative: a draft model is not supported with pipeline_parallel"
+    ):
+        EngineConfig(model="demo", pipeline_parallel_size=2, speculative="draft:demo")
     args = ModelArgs.from_hf_config(
         {
             "architectures": ["LlamaForCausalLM"],

@@ -133,8 +133,8 @@ def test_features_needing_rank0_state_are_refused(engines):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, prompt_logprobs=0))
     _pool_whole(llm)
-    with pytest.raises(ValueError, match="speculative"):
-        EngineConfig(model="demo", tensor_parallel_size=2, speculative="ngram")
+    with pytest.raises(ValueError, match="speculative: a draft model is not supported with tensor_parallel"):
+        EngineConfig(model="demo", tensor_parallel_size=2, speculative="draft:demo")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model="demo", tensor_parallel_size=0)
 
