@@ -204,6 +204,13 @@ class EngineConfig:
         "processes one model's layers are split across in contiguous stages (hidden states sent stage to "
         "stage; gloo on CPU, NCCL on CUDA); 1 = no split",
     )
+    # Pipeline micro-batches (engine/pp_micro.py): a step's sequences cut in up to this many parts that flow
+    # down the stages one after another, so the stages work at once. None: one part per stage.
+    pipeline_micro_batches: Optional[int] = setting(
+        None,
+        "parts each step's sequences are cut into under pipeline parallelism, so that the stages overlap "
+        "(stage k runs part j while stage k+1 runs part j-1); default: one per stage; 1 = stages in turn",
+    )
     # Multi-host rendezvous (engine/rendezvous.py): each node runs `sidecar serve` with its node_rank; node 0
     # serves, the others only run their ranks. torchrun's RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT fill
     # these when set (with_torchrun_env), one node per torchrun process.
@@ -381,6 +388,12 @@ class EngineConfig:
             self.overlap_steps is None or isinstance(self.overlap_steps, bool),
             "overlap_steps",
             f"must be true, false or unset, got {self.overlap_steps!r}",
+        )
+        mb = self.pipeline_micro_batches
+        _require(
+            mb is None or (isinstance(mb, int) and not isinstance(mb, bool) and 1 <= mb <= 64),
+            "pipeline_micro_batches",
+            f"must be an integer in [1, 64] or unset, got {mb!r}",
         )
         self._validate_tensor_parallel()
 

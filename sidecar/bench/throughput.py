@@ -104,6 +104,8 @@ def load_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]):
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_gb,
         device=args.device,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_micro_batches=args.pipeline_micro_batches,
         **({"enforce_eager": True} if args.enforce_eager else {}),
     )
     llm.engine.runner.zeroing.wait()  # the KV pool's background commit ends before any timing
@@ -609,6 +611,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action="store_true",
         help="our engine without graphs or custom device kernels (the reference path)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="our engine's layers split over this many processes (stages; each pinned to its share of the "
+        "CPUs); the weight bytes reported are stage 0's",
+    )
+    p.add_argument(
+        "--pipeline-micro-batches",
+        type=int,
+        default=None,
+        help="parts each step is cut into so that the stages overlap (default: one per stage; 1: in turn)",
     )
     p.add_argument(
         "--llama-cpp-parallel", type=int, default=32, help="llama-server -np for the llama.cpp baseline"

@@ -15,8 +15,14 @@ their float32 logits (its final norm and head), which rank 0 samples from.
 LoRA: every stage's slots hold its own layers' adapter weights; rank 0 mirrors each slot write to the stages
 as tp.py does, and each forward's inputs carry the tokens' slots.
 
-Stages run one after another within a step (the sequential form): a step's latency is the sum of the
-stages'. Overlapping micro-batches across stages is not built.
+Micro-batches (``pipeline_micro_batches``, default one per stage): rank 0 cuts each step's tokens at sequence
+boundaries into parts (pp_micro.py) and sends their bounds with the inputs; every stage runs the parts in
+order and sends each part's stream on as soon as it is computed without waiting for its receipt, so stage
+``k`` works on part ``j`` while stage ``k + 1`` works on part ``j - 1``. A step stays one scheduling unit on
+rank 0 (scheduled, then sampled once its last part's logits are back), so a sequence is in one part of one
+step in flight and its sampling state never sees two; what does not overlap is rank 0's scheduling and
+sampling between steps. With one part the stages run one after another (a step's latency the sum of theirs).
+A step with adapter rows runs whole: its adapter slots are set per step, for all of its tokens at once.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine.dist_inputs import load_adapter, lora_batch, pack_inputs, unpack_inputs, worker_lora
+from sidecar.engine.pp_micro import Bounds, micro_batches, micro_meta
 from sidecar.engine.rendezvous import run_worker
 from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group, worker_pool
 from sidecar.model.attention import AttentionMetadata
@@ -35,8 +42,12 @@ from sidecar.model.loader import LoadedModel, load_model
 from sidecar.model.pp_stage import Stage, final_logits, run_layers, stage_args
 from sidecar.model.tp_shard import Comm
 
-# Point-to-point tags: the stream between stages, the logits back to rank 0.
+# Point-to-point tags: the stream between stages (part j: TAG_STREAM + 8 * j), the logits back to rank 0.
 TAG_STREAM, TAG_LOGITS = 1, 2
+
+
+def _stream_tag(part: int) -> int:
+    return TAG_STREAM + 8 * part
 
 
 def load(config: EngineConfig) -> tuple["PipelineParallel", LoadedModel]:
@@ -55,6 +66,11 @@ class PipelineParallel(TensorParallel):
 
     option, label = "pipeline_parallel_size", "pipeline-parallel"
 
+    def __init__(self, config: EngineConfig) -> None:
+        self.micro_batches = config.pipeline_micro_batches or config.pipeline_parallel_size  # parts a step
+        self.split_steps = 0  # steps that ran in more than one part
+        super().__init__(config)
+
     @property
     def worker_main(self) -> Any:
         return _stage_main
@@ -69,6 +85,13 @@ class PipelineParallel(TensorParallel):
 def send(comm: Comm, t: torch.Tensor, dst: int, tag: int) -> None:
     """Send ``t``'s bytes to rank ``dst`` (any dtype: the receiver knows the shape and dtype)."""
     comm.wait(comm.group.send([t.contiguous().view(torch.uint8).view(-1)], dst, tag), point_to_point=True)
+
+
+def start_send(comm: Comm, t: torch.Tensor, dst: int, tag: int) -> tuple[Any, torch.Tensor]:
+    """Start sending ``t`` to rank ``dst``; returns the operation and the buffer it reads, which must live
+    until ``comm.wait`` on the operation returns."""
+    buf = t.contiguous().view(torch.uint8).view(-1)
+    return comm.group.send([buf], dst, tag), buf
 
 
 def recv(
@@ -95,15 +118,24 @@ class PipelineModel:
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata):
         self._pp.check()
-        self._pp.send(("fwd", pack_inputs(ids, positions, meta, self._pp.lora)))
-        return self._pp.run(self._first_stage, ids, positions, kv_caches, meta)
+        lora = self._pp.lora
+        whole = lora is not None and lora.token_slots is not None  # adapter slots are set per step
+        bounds = [(0, ids.shape[0])] if whole else micro_batches(meta, ids.shape[0], self._pp.micro_batches)
+        self._pp.split_steps += len(bounds) > 1
+        self._pp.send(("fwd", pack_inputs(ids, positions, meta, lora), bounds))
+        return self._pp.run(self._first_stage, ids, positions, kv_caches, meta, bounds)
 
-    def _first_stage(self, ids, positions, kv_caches, meta) -> torch.Tensor:
-        m = self._model
-        h, delta = run_layers(m, self.stage, m.embed(ids), None, positions, kv_caches, meta)
-        send(self._pp.comm, h, 1, TAG_STREAM)
-        send(self._pp.comm, delta, 1, TAG_STREAM)
-        return h  # rows stand for the step's tokens; the last stage holds their stream
+    def _first_stage(self, ids, positions, kv_caches, meta, bounds: Bounds) -> torch.Tensor:
+        m, comm, parts, sent = self._model, self._pp.comm, [], []
+        for j, (a, b) in enumerate(bounds):  # part j goes on to stage 1 while part j + 1 runs here
+            sub = meta if len(bounds) == 1 else micro_meta(meta, a, b)
+            h, delta = run_layers(m, self.stage, m.embed(ids[a:b]), None, positions[a:b], kv_caches, sub)
+            sent.append(start_send(comm, torch.stack((h, delta)), 1, _stream_tag(j)))
+            parts.append(h)
+        for work, _ in sent:
+            comm.wait(work, point_to_point=True)
+        # rows stand for the step's tokens; the last stage holds their stream
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def logits_at(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         self._pp.send(("logits", rows.cpu().numpy()))
@@ -141,17 +173,38 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, sta
             return
         if msg[0] == "fwd":
             ids, pos, meta, token_slots = unpack_inputs(msg[1], device)
-            h = recv(comm, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
-            delta = recv(comm, shape_of(ids.shape[0]), dtype, device, stage.rank - 1, TAG_STREAM)
             with lora_batch(lora, token_slots):
-                h, delta = run_layers(model, stage, h, delta, pos, kv_caches, meta)
-            if stage.last:
-                stream = (h, delta)
-            else:
-                send(comm, h, stage.rank + 1, TAG_STREAM)
-                send(comm, delta, stage.rank + 1, TAG_STREAM)
+                stream = _run_parts(model, comm, stage, pos, kv_caches, meta, msg[2], shape_of, dtype)
         elif msg[0] == "lora":
             load_adapter(lora, msg)
         elif msg[0] == "logits" and stage.last:
             rows = torch.from_numpy(msg[1]).to(device)
             send(comm, final_logits(model, *stream, rows), 0, TAG_LOGITS)
+
+
+def _run_parts(model, comm: Comm, stage: Stage, pos, kv_caches, meta, bounds: Bounds, shape_of, dtype):
+    """A worker stage's share of one step: each part's stream received (every receive posted at once, so
+    the stage before never waits on this one), run through this stage's layers and sent on without waiting;
+    the last stage returns the whole step's stream ``(h, delta)``, the others None."""
+    device = pos.device
+    bufs = [torch.empty((2, *shape_of(b - a)), dtype=dtype, device=device) for a, b in bounds]
+    pending = [
+        comm.group.recv([buf.view(torch.uint8).view(-1)], stage.rank - 1, _stream_tag(j))
+        for j, buf in enumerate(bufs)
+    ]
+    outs, sent = [], []
+    for j, ((a, b), buf, work) in enumerate(zip(bounds, bufs, pending)):
+        comm.wait(work, point_to_point=True)
+        sub = meta if len(bounds) == 1 else micro_meta(meta, a, b)
+        h, delta = run_layers(model, stage, buf[0], buf[1], pos[a:b], kv_caches, sub)
+        if stage.last:
+            outs.append((h, delta))
+        else:
+            sent.append(start_send(comm, torch.stack((h, delta)), stage.rank + 1, _stream_tag(j)))
+    for work, _ in sent:
+        comm.wait(work, point_to_point=True)
+    if not stage.last:
+        return None
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat([h for h, _ in outs]), torch.cat([d for _, d in outs])

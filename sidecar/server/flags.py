@@ -52,6 +52,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--overlap-steps", "engine", "overlap_steps"),
     ("--tensor-parallel-size", "engine", "tensor_parallel_size"),
     ("--pipeline-parallel-size", "engine", "pipeline_parallel_size"),
+    ("--pipeline-micro-batches", "engine", "pipeline_micro_batches"),
     ("--nnodes", "engine", "nnodes"),
     ("--node-rank", "engine", "node_rank"),
     ("--master-addr", "engine", "master_addr"),
