@@ -149,9 +149,11 @@ static inline __attribute__((always_inline)) void dot_tile(const int16_t* x, con
         _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T1);
         WIDEN_CHUNK(w, K, k, NB, w0, w1)
 #pragma GCC unroll 8
-        for (int t = 0; t < MB * NB; t++)
+        for (int t = 0; t < MB * NB; t++) {
             acc[t] =
                     _mm256_add_epi32(acc[t], pair_dot(x + (int64_t)(t / NB) * K + k, w0[t % NB], w1[t % NB]));
+            __asm__("" : "+x"(acc[t])); /* finished here: the next pair's products do not start early */
+        }
     }
 #pragma GCC unroll 8
     for (int t = 0; t < MB * NB; t++) {
