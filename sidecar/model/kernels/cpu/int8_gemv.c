@@ -102,40 +102,93 @@ static inline float flanes_sum(__m512 a) {
     return _mm512_reduce_add_ps(a);
 }
 #elif defined(__AVX2__)
-typedef __m256i lanes_t;
-#define LANES_ZERO()  _mm256_setzero_si256()
-static inline
-        __attribute__((always_inline)) void chunk_dot(const int16_t* x, const int8_t* w, int64_t K, int k,
-                                                      const int MB, const int NB, lanes_t acc[MT][NT]) {
-    __m256i w0[NT], w1[NT];
-    for (int j = 0; j < NB; j++) {
-        w0[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + j * K + k)));
-        w1[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + j * K + k + 16)));
-    }
-    for (int i = 0; i < MB; i++) {
-        __m256i x0 = _mm256_loadu_si256((const __m256i*)(x + i * K + k));
-        __m256i x1 = _mm256_loadu_si256((const __m256i*)(x + i * K + k + 16));
-        for (int j = 0; j < NB; j++)
-            acc[i][j] = _mm256_add_epi32(
-                    acc[i][j], _mm256_add_epi32(_mm256_madd_epi16(w0[j], x0), _mm256_madd_epi16(w1[j], x1)));
-    }
-}
 static inline int64_t lanes_sum(__m256i a) {
     __m256i wide = _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(a)),
                                     _mm256_cvtepi32_epi64(_mm256_extracti128_si256(a, 1)));
     __m128i t = _mm_add_epi64(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
     return _mm_cvtsi128_si64(t) + _mm_extract_epi64(t, 1);
 }
-static inline __m256 lanes_fma(__m256i p, float d, __m256 acc) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d), acc);
-}
-typedef __m256 flanes_t;
-#define FLANES_ZERO() _mm256_setzero_ps()
 static inline float flanes_sum(__m256 a) {
     __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     t = _mm_add_ps(t, _mm_movehl_ps(t, t));
     t = _mm_add_ss(t, _mm_movehdup_ps(t));
     return _mm_cvtss_f32(t);
+}
+
+/* AVX2 has 16 vector registers: an MT x NT tile's accumulators, its NT widened weight chunks and a pair's
+ * products fit only if each pair is finished (its two vpmaddwd summed and added or folded) before the next
+ * pair's products begin, and only if the accumulators are one flat array that the compiler unrolls into
+ * registers (a nested [MT][NT] array stays in memory: a load and a store per pair and chunk). So the AVX2
+ * tiles below are written pair by pair, t = i * NB + j; they compute the same integer sums and the same
+ * float folds, in the same order, as the generic tiles after them. */
+#define FLAT_TILES 1
+
+/* w0[j], w1[j]: the 32-column chunk at k of weight row j, widened to int16 in two halves. */
+#define WIDEN_CHUNK(w, K, k, NB, w0, w1)                                                              \
+    _Pragma("GCC unroll 8") for (int j = 0; j < NB; j++) {                                            \
+        w0[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + (int64_t)j * K + k)));      \
+        w1[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + (int64_t)j * K + k + 16))); \
+    }
+
+/* The int32 lanes of one pair's 32-column products: activation row xi (at column k), weight row halves. */
+static inline __m256i pair_dot(const int16_t* xi, __m256i w0, __m256i w1) {
+    return _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i*)xi)),
+                            _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i*)(xi + 16))));
+}
+
+/* out[i * NB + j] = sum_k x[i, k] * w[j, k], exact. Prefetch as the generic dot_tile says. */
+static inline __attribute__((always_inline)) void dot_tile(const int16_t* x, const int8_t* w, int K,
+                                                           const int MB, const int NB, int64_t* out) {
+    __m256i acc[MT * NT], w0[NT], w1[NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < MB * NB; t++) acc[t] = _mm256_setzero_si256();
+    const char* ahead = (const char*)(w + (int64_t)2 * NB * K);
+    int k = 0;
+    for (; k + 32 <= K; k += 32) {
+        _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
+        _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T1);
+        WIDEN_CHUNK(w, K, k, NB, w0, w1)
+#pragma GCC unroll 8
+        for (int t = 0; t < MB * NB; t++) {
+            acc[t] =
+                    _mm256_add_epi32(acc[t], pair_dot(x + (int64_t)(t / NB) * K + k, w0[t % NB], w1[t % NB]));
+            __asm__("" : "+x"(acc[t])); /* finished here: the next pair's products do not start early */
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < MB * NB; t++) {
+        int64_t s = lanes_sum(acc[t]);
+        const int16_t* xi = x + (int64_t)(t / NB) * K;
+        const int8_t* wj = w + (int64_t)(t % NB) * K;
+        for (int c = k; c < K; c++) s += (int64_t)xi[c] * (int64_t)wj[c];
+        out[t] = s;
+    }
+}
+
+/* out[i * NB + j] = sum_g d[j, g] * sum_{k in g} x[i, k] * w[j, k]; K a multiple of 32. */
+static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x, const int8_t* w,
+                                                               const float* d, int K, const int MB,
+                                                               const int NB, float* out) {
+    __m256 acc[MT * NT], dv[NT];
+    __m256i w0[NT], w1[NT];
+    const int G = K / 32;
+#pragma GCC unroll 8
+    for (int t = 0; t < MB * NB; t++) acc[t] = _mm256_setzero_ps();
+    const char* ahead = (const char*)(w + (int64_t)2 * NB * K);
+    for (int k = 0; k < K; k += 32) {
+        _mm_prefetch(ahead + 4 * k, _MM_HINT_T1);
+        _mm_prefetch(ahead + 4 * k + 64, _MM_HINT_T1);
+        WIDEN_CHUNK(w, K, k, NB, w0, w1)
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; j++) dv[j] = _mm256_broadcast_ss(d + (int64_t)j * G + (k >> 5));
+#pragma GCC unroll 8
+        for (int t = 0; t < MB * NB; t++) {
+            __m256i p = pair_dot(x + (int64_t)(t / NB) * K + k, w0[t % NB], w1[t % NB]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dv[t % NB], acc[t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < MB * NB; t++) out[t] = flanes_sum(acc[t]);
 }
 #else
 typedef int64_t lanes_t;
@@ -159,6 +212,7 @@ static inline float flanes_sum(float a) {
 }
 #endif
 
+#ifndef FLAT_TILES
 /* out[i * NB + j] = sum_k x[i, k] * w[j, k], exact. */
 static inline __attribute__((always_inline)) void dot_tile(const int16_t* x, const int8_t* w, int K,
                                                            const int MB, const int NB, int64_t* out) {
@@ -212,6 +266,8 @@ static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x,
     for (int i = 0; i < MB; i++)
         for (int j = 0; j < NB; j++) out[i * NB + j] = flanes_sum(acc[i][j]);
 }
+
+#endif
 
 /* Every (MB, NB) pair the drivers use, each with constant sizes. */
 #define TILE_CASES(CALL)    \

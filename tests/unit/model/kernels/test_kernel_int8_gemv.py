@@ -224,6 +224,17 @@ def test_grouped_kernel_refuses_shapes_and_keeps_non_finite_rows():
     assert torch.isnan(y[1]).all() and torch.equal(y[2], torch.zeros(6))
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_rows_result_is_the_same_in_any_batch(grouped):
+    # Speculative verification and beams batch rows that plain decode runs one at a time: every row of an
+    # M-row product (tiles of several rows, weight-row tails) equals that row's product alone, bit for bit.
+    x, w, s = _case_g32(9, 37, 320, seed=3) if grouped else _case(9, 37, 333, seed=3)
+    run = int8_gemv.int8_g32_matmul if grouped else int8_gemv.int8_matmul
+    alone = torch.cat([run(x[i : i + 1], w, s) for i in range(9)])
+    for m in range(2, 10):
+        assert torch.equal(run(x[:m], w, s), alone[:m])
+
+
 @pytest.mark.parametrize("rows", [1, 4, int8_gemv.MAX_ROWS, int8_gemv.MAX_ROWS + 7])
 @pytest.mark.parametrize("kernels", [True, False])
 def test_q8_0_lm_head_and_embedding_match_the_dequantized_table(rows, kernels, monkeypatch):
