@@ -7,8 +7,11 @@ the context, against the full cache, on the same model in the same run.
   from the prompt's log-probabilities (``SamplingParams(prompt_logprobs=0)``): under a budget the prompt is
   computed in chunks that fit it, each chunk attending to the kept KV only.
 - KV memory per sequence (the budget in bytes: kept tokens x layers x K and V x KV heads x head size x
-  element size) and batch-1 decode speed after the context (tokens per second, from the difference of
-  two generations of different lengths).
+  element size) and batch-1 decode speed after the context (tokens per second after the first token, from
+  one generation's end-to-end time less its time to first token).
+- Decode speed at long contexts (``--speed-contexts``, each capped at the model's context length less the
+  generated tokens): the full cache against each policy at ``--speed-budget`` percent of that context,
+  after a prompt of filler text. Speeds depend on the machine's load; the load average is reported.
 
 A budget is a percentage of the context (rounded down to whole blocks, at least the smallest budget); 100%
 holds the whole context and the generated tokens, so nothing is evicted there.
@@ -24,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sidecar.bench.report import format_table
+
 TEXT_PATH = Path(__file__).parent / "data" / "heldout_en.txt"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 QUESTION = "\nWhat is the pass key? The pass key is"
@@ -37,6 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="h2o,streaming", help="comma-separated eviction policies")
     p.add_argument("--passkeys", type=int, default=5, help="passkey trials per case (depths spread evenly)")
     p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode-speed measurement")
+    p.add_argument(
+        "--speed-contexts",
+        default="4096,16384",
+        help="comma-separated contexts (tokens) of the long decode-speed comparison, each capped at the "
+        "model's context length; empty for none",
+    )
+    p.add_argument(
+        "--speed-budget", type=int, default=50, help="budget of that comparison, %% of its context"
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-results")
@@ -76,19 +90,35 @@ def _perplexity(llm: Any, text: list[int], policy: str, budget: int | None) -> f
 
 
 def _decode_speed(llm: Any, prompt: list[int], policy: str, budget: int | None, n: int) -> float:
-    times = []
-    for max_tokens in (1, 1 + n):
-        t = time.perf_counter()
-        llm.generate([prompt], _case_params(policy, budget, max_tokens=max_tokens, ignore_eos=True))
-        times.append(time.perf_counter() - t)
-    return n / max(times[1] - times[0], 1e-9)
+    """Tokens per second after the first of ``n`` (``n >= 2``) greedy tokens after ``prompt``."""
+    out = llm.generate([prompt], _case_params(policy, budget, max_tokens=n, ignore_eos=True))[0]
+    return (len(out.token_ids) - 1) / max(out.e2e_s - out.ttft_s, 1e-9)
+
+
+def _long_speeds(llm: Any, args: argparse.Namespace, bs: int) -> list[dict[str, Any]]:
+    """The full cache against each policy at ``--speed-budget`` of each of ``--speed-contexts``."""
+    rows: list[dict[str, Any]] = []
+    top = llm.engine.model_info["max_model_len"] - args.decode_tokens - 1
+    for asked in (int(c) for c in args.speed_contexts.split(",") if c.strip()):
+        context = min(asked, top)
+        prompt = llm.tokenizer.encode(FILLER * (context // 8 + 1), add_special_tokens=False)[:context]
+        budget = max(3 * bs, context * args.speed_budget // 100 // bs * bs)
+        full = None
+        for policy, b in [("full", None)] + [(p, budget) for p in args.policies.split(",")]:
+            tok_s = _decode_speed(llm, prompt, policy, b, args.decode_tokens)
+            full = full or tok_s
+            row = {"context": context, "asked": asked, "policy": policy, "budget_tokens": b or "all"}
+            row.update(decode_tok_s=tok_s, vs_full=tok_s / full, loadavg=os.getloadavg()[0])
+            rows.append(row)
+            print(format_table([row], list(row)), flush=True)
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from sidecar import LLM
-    from sidecar.bench.report import format_table, machine_info, write_report
+    from sidecar.bench.report import machine_info, write_report
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -134,6 +164,13 @@ def run(args: argparse.Namespace) -> int:
         r["passkey_delta_pts"] = 100 * (r["passkey_acc"] - full["passkey_acc"])
     print()
     print(format_table(rows, list(rows[0])))
+    speeds = _long_speeds(llm, args, bs)
+    if speeds:
+        print()
+        print(format_table(speeds, list(speeds[0])))
+        capped = sorted({r["asked"] for r in speeds if r["asked"] != r["context"]})
+        if capped:
+            print(f"contexts {capped} capped at the model's {info['max_model_len']} tokens")
     print(
         f"\ncontext {args.context} tokens, {args.passkeys} passkeys, model {info['model']} ({info['dtype']}); "
         f"load average {os.getloadavg()[0]:.2f} on {machine_info().get('cpu', 'this CPU')}"
@@ -149,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
             "kv_bytes_per_token": bytes_per_token,
             "loadavg": os.getloadavg(),
             "results": rows,
+            "decode_speed": speeds,
         },
         bars={
             "passkey accuracy": {f"{r['policy']} {r['budget']}": r["passkey_acc"] for r in rows},

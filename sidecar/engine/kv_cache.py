@@ -42,8 +42,8 @@ class KVCacheManager:
         # Copies block src over block dst in the KV tensors (ModelRunner.copy_blocks): copy-on-write.
         self.copy_blocks: Optional[Callable[[list[int], list[int]], None]] = None
         self.num_cow_copies = 0
-        # Total attention received by each of these blocks' tokens (ModelRunner.block_scores): h2o eviction.
-        self.block_scores: Optional[Callable[[list[int]], list[float]]] = None
+        # Each of these blocks' score for a sequence at this many tokens (ModelRunner.block_scores): h2o.
+        self.block_scores: Optional[Callable[[list[int], int], list[float]]] = None
         self.num_evicted_blocks = 0  # blocks given back by sequences under an eviction policy
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens served from cache
@@ -199,6 +199,7 @@ class KVCacheManager:
             return n
         blocks = self.req_blocks.get(req.request_id)
         bs = self.block_size
+        n = cap_new_tokens(policy, req.num_computed_tokens - req.kv_evicted, len(blocks or ()), n, bs)
         if blocks:
             victims = choose_victims(
                 policy, blocks, req.kv_evicted, req.num_computed_tokens, n, bs, self.block_scores
@@ -210,8 +211,7 @@ class KVCacheManager:
                 self.pool.free(gone)
                 req.kv_evicted += len(gone) * bs
                 self.num_evicted_blocks += len(gone)
-        kept = req.num_computed_tokens - req.kv_evicted
-        return cap_new_tokens(policy, kept, len(blocks or ()), n, bs)
+        return n
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give ``child`` the blocks of ``parent`` by reference (one more reference each): a beam that forks

@@ -12,9 +12,11 @@ Policies (``EvictionPolicy.kind``):
 - ``streaming``: sinks (the first block: the first ``SINK_TOKENS`` tokens rounded up to a block) and the
   most recent blocks; over the budget the oldest block between them goes.
 - ``h2o``: sinks and a recent window are kept; over the budget the block between them whose tokens
-  received the least attention (summed over heads, layers and the queries since it was written: the
-  runner's ``kv_scores``) goes. A slot's score restarts when a token is written into it; a block taken from the
-  prefix cache keeps what it received before, and a block shared by several sequences sums what each gave it.
+  received the least attention per query goes (summed over heads and layers, divided by the queries the
+  sequence has sent since the token was written: ``kv_scores.py``). A slot's score restarts when a token is
+  written into it; a block taken from the prefix cache keeps what it received before, and a block shared by
+  several sequences sums what each gave it. One step evicts at most ``step_blocks`` blocks, so a long
+  prompt is computed in chunks that each leave the ranking something to choose from.
 - ``window``: a model whose every layer has a sliding window: blocks wholly before the window of the next
   query are freed (no sinks, no budget). The window mask already hides them, so output is unchanged.
 
@@ -87,12 +89,22 @@ def window_policy(window: int) -> EvictionPolicy:
     return EvictionPolicy("window", None, 0, 0, window)
 
 
+def step_blocks(policy: EvictionPolicy) -> int:
+    """The most blocks one step of a scored sequence evicts: a quarter of the blocks between its sinks and
+    its window, so each eviction still chooses among several candidates per block it drops (a prompt chunk
+    that needed every candidate gone would leave nothing to choose and evict exactly as ``streaming``)."""
+    return max(1, (policy.budget_blocks - policy.sink_blocks - policy.window_blocks) // 4)
+
+
 def cap_new_tokens(policy: EvictionPolicy, kept_tokens: int, num_blocks: int, n: int, bs: int) -> int:
     """The most of ``n`` new tokens a sequence holding ``kept_tokens`` in ``num_blocks`` blocks can take
-    this step once every evictable block is gone (at least one block's worth; see the module doc)."""
+    this step once the blocks it may evict in one step are gone: every evictable block (``streaming``) or
+    at most ``step_blocks`` of them (``h2o``); at least one block's worth (see the module doc)."""
     if not policy.bounded:
         return n
     evictable = max(0, num_blocks - policy.sink_blocks - policy.window_blocks)
+    if policy.scored:
+        evictable = min(evictable, step_blocks(policy))
     return min(n, (policy.budget_blocks + evictable) * bs - kept_tokens)
 
 
@@ -103,10 +115,11 @@ def choose_victims(
     computed: int,
     n: int,
     bs: int,
-    block_scores: Optional[Callable[[list[int]], list[float]]],
+    block_scores: Optional[Callable[[list[int], int], list[float]]],
 ) -> list[int]:
     """Indices into ``blocks`` (a sequence's kept blocks; ``evicted`` tokens gone, ``computed`` tokens
-    computed) to evict before it adds ``n`` tokens, ascending."""
+    computed) to evict before it adds ``n`` tokens (already capped by ``cap_new_tokens``), ascending.
+    ``block_scores(block_ids, computed)``: each block's score (``kv_scores.SlotScores.block_scores``)."""
     kept = computed - evicted
     if policy.kind == "window":
         # "window" evicts leading blocks only, so kept block i holds positions evicted + i * bs onwards. A key
@@ -124,8 +137,8 @@ def choose_victims(
         return []
     candidates = list(range(lo, hi))
     if policy.scored and block_scores is not None:
-        scores = block_scores([blocks[i].block_id for i in candidates])
-        # Lowest total attention first; on a tie the older block goes.
+        scores = block_scores([blocks[i].block_id for i in candidates], computed)
+        # Lowest mean attention first; on a tie the older block goes.
         candidates = sorted(candidates, key=lambda i: (scores[i - lo], i))
     return sorted(candidates[:excess])
 

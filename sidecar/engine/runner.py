@@ -25,6 +25,7 @@ from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, groups_of, plan_slots
 from sidecar.engine.kv_copy import BlockCopier
+from sidecar.engine.kv_scores import SlotScores
 from sidecar.engine.kv_zero import PoolZeroing
 from sidecar.engine.prompt_logprobs import collect, wants_rows
 from sidecar.engine.request import Request
@@ -68,9 +69,8 @@ class ModelRunner:
         self.layer_caches = self.states.layer_caches(a, self.kv_caches) if self.states else self.kv_caches
         self.buffered = self.states is None  # what the decode buffers can hold (every KV group's tables too)
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
-        # Attention received per cache slot, for scored KV eviction (model/attention_scores.py); allocated at
-        # the first step that needs it.
-        self.kv_scores: Optional[torch.Tensor] = None
+        # Attention received per cache slot, for scored KV eviction (kv_scores.py).
+        self.slot_scores = SlotScores(self.num_blocks * self.block_size, self.block_size, self.device)
         # Blocks read as zeros until written; committed (kv_cache_commit), the pages are written by a background
         # thread from the pool's end down while lazy zeroing covers the ids in use (kv_zero.py).
         self.zeroing = PoolZeroing(self.kv_caches, self.num_blocks, config.kv_cache_commit)
@@ -179,25 +179,14 @@ class ModelRunner:
         self._zero_through(max(dst_ids, default=-1))
         kv_quant.copy_blocks(self.kv_caches, src_ids, dst_ids)
 
-    def block_scores(self, block_ids: list[int]) -> list[float]:
-        """Total attention the tokens of each block received since they were written (0 before any
-        scored step)."""
-        if self.kv_scores is None:
-            return [0.0] * len(block_ids)
-        per_block = self.kv_scores.view(-1, self.block_size).index_select(0, self.tensor(block_ids))
-        return per_block.sum(dim=1).tolist()
+    @property
+    def kv_scores(self) -> Optional[torch.Tensor]:
+        """Attention received per cache slot (None before any scored step)."""
+        return self.slot_scores.received
 
-    def _scores_for(self, reqs: Sequence[Request], slots: torch.Tensor) -> Optional[torch.Tensor]:
-        """The score vector a step adds to when one of ``reqs`` evicts by score (its new tokens' slots zeroed
-        first), else None."""
-        if not any(_scored(r) for r in reqs):
-            return None
-        if self.kv_scores is None:
-            self.kv_scores = torch.zeros(
-                self.num_blocks * self.block_size, dtype=torch.float32, device=self.device
-            )
-        self.kv_scores.index_fill_(0, slots, 0.0)
-        return self.kv_scores
+    def block_scores(self, block_ids: list[int], now: int) -> list[float]:
+        """``SlotScores.block_scores``: each block's mean attention per query, for a sequence at ``now``."""
+        return self.slot_scores.block_scores(block_ids, now)
 
     def tensor(self, data: list[int]) -> torch.Tensor:
         """A long tensor of ``data`` on the model's device."""
@@ -326,6 +315,7 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        written: list[int] = []  # the position of the token each slot receives (scored eviction)
         segments: list[PrefillSegment] = []
         sample_idx: list[int] = []
         sample_reqs: list[Request] = []
@@ -346,6 +336,7 @@ class ModelRunner:
                 ids.extend(r.spec_token_ids[: s.num_spec_tokens])
             off = self.model.rope_offset(r.num_tokens)  # 0 but for LongRoPE's long sequences
             pos.extend(range(c + off, c + n + off))  # true positions; cache indices skip evicted tokens
+            written.extend(range(c, c + n))
             e = r.kv_evicted
             slots.extend(table[(p - e) // bs] * bs + (p - e) % bs for p in range(c, c + n))
             if n > 1 and not s.num_spec_tokens:
@@ -358,7 +349,8 @@ class ModelRunner:
                 sample_reqs.append(r)
         self._zero_through(max_block)
         meta = AttentionMetadata(slot_mapping=self.tensor(slots), block_size=bs, prefills=segments)
-        meta.kv_scores = self._scores_for([s.request for s in sched.scheduled], meta.slot_mapping)
+        if any(_scored(s.request) for s in sched.scheduled):
+            meta.kv_scores = self.slot_scores.for_step(meta.slot_mapping, self.tensor(written))
         if decodes:
             dtables, ctx_lens = [], []
             for s, t in zip(decodes, tables[len(prefills) :]):

@@ -9,7 +9,8 @@ import torch
 
 from sidecar import LLM, SamplingParams
 from sidecar.engine.kv_cache import KVCacheManager
-from sidecar.engine.kv_evict import budget_policy
+from sidecar.engine.kv_evict import budget_policy, step_blocks
+from sidecar.engine.kv_scores import SlotScores
 from sidecar.engine.request import Request
 
 BS = 8
@@ -143,7 +144,7 @@ def test_h2o_evicts_the_lowest_scored_block_outside_sinks_and_window():
     # The sink (0) and the window (4, 5) score lowest of all but are never candidates; block 2 is the least
     # attended candidate.
     score = {table[0]: 0.0, table[1]: 5.0, table[2]: 1.0, table[3]: 3.0, table[4]: 9.0, table[5]: 0.0}
-    kv.block_scores = lambda ids: [score[i] for i in ids]
+    kv.block_scores = lambda ids, now: [score[i] for i in ids]
     free_before = kv.num_free_blocks()
     assert kv.evict(req, 1) == 1
     assert kv.block_ids(req) == [table[0], table[1], table[3], table[4], table[5]]
@@ -164,6 +165,38 @@ def test_streaming_evicts_the_oldest_and_caps_a_prompt_chunk():
     assert kv.evict(req, 40) == 12
     assert kv.block_ids(req) == [table[0], table[4], table[5]]
     assert req.kv_evicted == 12
+
+
+def test_h2o_caps_a_prompt_chunk_to_leave_candidates():
+    # 16 blocks of 4 under a 64-token budget: sinks 1, window 7, 8 candidates, of which one step evicts
+    # at most 2 (a quarter), each time the 2 least attended.
+    kv, req = _manager_with(16, "h2o", 64)
+    table = kv.block_ids(req)
+    assert step_blocks(req.kv_policy) == 2
+    score = {b: 10.0 - i for i, b in enumerate(table)}  # later candidates are attended less
+    seen = []
+    kv.block_scores = lambda ids, now: seen.append(now) or [score[i] for i in ids]
+    # 40 new tokens: streaming would empty the 8 candidates and take 32; h2o takes 2 blocks' worth.
+    assert kv.evict(req, 40) == 8
+    assert kv.block_ids(req) == table[:7] + table[9:]
+    assert req.kv_evicted == 8 and seen == [64]
+    kv2, req2 = _manager_with(16, "streaming", 64)
+    assert kv2.evict(req2, 40) == 32 and len(kv2.block_ids(req2)) == 8
+
+
+def test_slot_scores_rank_by_attention_per_query():
+    scores = SlotScores(4 * 2, 2, torch.device("cpu"))
+    got = scores.for_step(torch.tensor([0, 1, 2, 3, 4, 5]), torch.tensor([0, 1, 2, 3, 4, 5]))
+    # Blocks 0, 1, 2 hold positions 0-1, 2-3, 4-5; each received a total of 4 by the time 10 tokens ran.
+    got[:6] = torch.tensor([3.0, 1.0, 2.0, 2.0, 1.0, 3.0])
+    # Per query: block 0 (3/10 + 1/9) / 2, block 1 (2/8 + 2/7) / 2, block 2 (1/6 + 3/5) / 2.
+    want = [(0.3 + 1 / 9) / 2, (0.25 + 2 / 7) / 2, (1 / 6 + 0.6) / 2]
+    assert scores.block_scores([0, 1, 2], 10) == pytest.approx(want)
+    # A slot written again restarts: received 0, its position the new token's.
+    scores.for_step(torch.tensor([0]), torch.tensor([10]))
+    assert scores.received[0] == 0 and scores.written_at[0] == 10
+    assert scores.block_scores([0], 12) == pytest.approx([(0 / 2 + 1 / 11) / 2])
+    assert SlotScores(8, 2, torch.device("cpu")).block_scores([1, 2], 5) == [0.0, 0.0]
 
 
 def test_scores_sum_to_queries_times_heads_and_layers(llama):
