@@ -18,6 +18,11 @@ replayed from then on. One scratch arena holds every plan's intermediate tensors
 time by the engine's one thread. The block tables are ``max_blocks`` columns wide in every step while replays
 are on (a plan holds the width it was recorded with; the attention kernel reads only a row's own context).
 
+A hybrid model's linear-attention layers step their rows' state slots in place (``deltanet_step.c``): the slot
+of each row is read from the buffers (``DecodeInputs.state_slots``) like its KV slot, so a plan steps whichever
+sequences the buffers name. The self-check's padded rows step slots ``0..bucket-1``, set to the same random
+states before each run it compares (the states after the step compared too) and left at rest after it.
+
 Before serving, ``self_check`` records and replays a step and compares its hidden states with the eager
 run's, bit for bit (the same kernels on the same inputs), and plans it dry: the plan must make the
 recording's calls and replay to the same bits, or sizes are recorded, not planned (``plans_dry`` off,
@@ -75,8 +80,10 @@ def linear_layouts(model) -> dict[str, int]:
 
 
 class CpuDecodePlans:
-    def __init__(self, model, kv_caches: list, inputs: DecodeInputs) -> None:
-        self.model, self.kv_caches, self.inputs = model, kv_caches, inputs
+    def __init__(self, model, kv_caches: list, inputs: DecodeInputs, states=None) -> None:
+        """``kv_caches``: what each layer's mixer reads; ``states``: a hybrid model's ``LinearStates`` (whose
+        rows the self-check's padded rows step), else None."""
+        self.model, self.kv_caches, self.inputs, self.states = model, kv_caches, inputs, states
         self.on_cpu = inputs.device.type == "cpu"
         self.enabled = False
         # why steps run eagerly (None: replays are on)
@@ -89,6 +96,7 @@ class CpuDecodePlans:
         self._arena = torch.empty(0, dtype=torch.uint8)
         self._hidden: Optional[torch.Tensor] = None
         self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._eager_states: list[torch.Tensor] = []  # the self-check's eager step's states after it
 
     @property
     def recorded(self) -> list[int]:
@@ -249,10 +257,12 @@ class CpuDecodePlans:
         dry_reason = None
         if reason is None:
             try:
-                for bucket in (1, 2) if self.inputs.max_batch >= 2 else (1,):
+                for bucket in (1, 2) if self.inputs.max_batch >= 2 and self._state_rows() >= 2 else (1,):
                     self.inputs.fill_padding(bucket, self.inputs.max_blocks)
                     self.stage(bucket)
+                    self._seed_states(bucket)
                     eager = self.body(bucket).clone()
+                    self._eager_states = self._stepped_states(bucket)
                     try:
                         _, plan = replay.record(lambda: self.body(bucket))
                     except replay.Unreplayable:
@@ -265,6 +275,8 @@ class CpuDecodePlans:
                     dry_reason = dry_reason or self._check_dry(plan, eager, bucket)
             except replay.Unreplayable as exc:
                 reason = str(exc)
+            finally:
+                self._seed_states(2, zero=True)
         self.clear()
         self.enabled, self.reason = reason is None, reason
         self.plans_dry, self.dry_reason = self.enabled and dry_reason is None, reason or dry_reason
@@ -281,17 +293,39 @@ class CpuDecodePlans:
             log.info("CPU decode replays off, steps run eagerly: %s", reason)
         return reason
 
-    @staticmethod
+    def _state_rows(self) -> int:
+        return self.states.slots if self.states is not None else self.inputs.max_batch
+
+    def _seed_states(self, bucket: int, zero: bool = False) -> None:
+        """The state slots the self-check's padded rows step (``0..bucket-1``) set to the same random values
+        before each run it compares (``zero``: back at rest, as the engine hands slots out), so an eager run,
+        its recording and a replay each step the same states, and a replay reading another row's slot differs."""
+        if self.states is None:
+            return
+        gen = torch.Generator().manual_seed(0)
+        for t in self.states.conv + self.states.recurrent:
+            rows = t[: min(bucket, self.states.slots)]
+            rows.zero_() if zero else rows.copy_(torch.randn(rows.shape, generator=gen) * 0.3)
+
+    def _stepped_states(self, bucket: int) -> list[torch.Tensor]:
+        """Copies of the states the self-check's padded rows stepped."""
+        if self.states is None:
+            return []
+        return [t[: min(bucket, self.states.slots)].clone() for t in self.states.conv + self.states.recurrent]
+
     def _check_plan(
-        plan: replay.Plan, eager: torch.Tensor, bucket: int, what: str = "replayed"
+        self, plan: replay.Plan, eager: torch.Tensor, bucket: int, what: str = "replayed"
     ) -> Optional[str]:
         """None when ``plan`` replays to ``eager``'s bits, else why not."""
         # all-ones bytes (NaN in float32 and bf16): a replay that leaves its result unwritten fails
         arena = torch.full((plan.arena_bytes,), 0xFF, dtype=torch.uint8)
+        self._seed_states(bucket)
         if not plan.replay(arena):
             return f"the {plan.refused} kernel refused its recorded arguments"
         if not torch.equal(plan.output(arena), eager):
             return f"a {what} step of {bucket} rows differs from the eager one"
+        if not all(map(torch.equal, self._stepped_states(bucket), self._eager_states)):
+            return f"a {what} step of {bucket} rows leaves other linear-attention states than the eager one"
         return None
 
     def _check_dry(self, recorded: replay.Plan, eager: torch.Tensor, bucket: int) -> Optional[str]:

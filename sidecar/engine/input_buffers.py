@@ -54,6 +54,7 @@ class DecodeRow(NamedTuple):
     # KV groups 1.. of a grouped model (group 0's are ``slot`` and ``table``): the row's slot and table in each
     group_slots: tuple = ()
     group_tables: tuple = ()
+    state_slot: int = 0  # a hybrid model's linear-attention state slot of the row's sequence
 
 
 def table_width(rows: Sequence[DecodeRow]) -> int:
@@ -62,11 +63,13 @@ def table_width(rows: Sequence[DecodeRow]) -> int:
 
 
 class DecodeInputs:
-    """One int64 device buffer laid out as ids | positions | slots | ctx lens | sample rows | tables
-    (each of the first five ``max_batch`` long, the tables ``max_batch * max_blocks``), then for each KV
+    """One int64 device buffer laid out as ids | positions | slots | ctx lens | sample rows | state slots |
+    tables (each of the first six ``max_batch`` long, the tables ``max_batch * max_blocks``), then for each KV
     group after the first its slots | tables, its host staging twin, and an int32 copy of group 0's tables
     for device kernels that index with 32-bit ids. The buffers are never reallocated: their ``data_ptr``s
-    are what captured graphs and CPU replays hold. ``group_of``: each layer's KV group (None: one group)."""
+    are what captured graphs and CPU replays hold. ``group_of``: each layer's KV group (None: one group).
+    ``state_rows``: a hybrid model's linear-attention state slots, each row's (``DecodeRow.state_slot``) staged
+    for the decode metadata (0: the model keeps none, nothing staged)."""
 
     def __init__(
         self,
@@ -75,12 +78,13 @@ class DecodeInputs:
         block_size: int,
         device: torch.device,
         group_of: Optional[Sequence[int]] = None,
+        state_rows: int = 0,
     ) -> None:
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.device = device
         self.group_of = list(group_of) if group_of is not None else None
         self.num_groups = 1 + max(self.group_of) if self.group_of else 1
-        self._table_off = 5 * max_batch
+        self._table_off = 6 * max_batch
         self._group_len = max_batch * (1 + max_blocks)  # one further group's slots | tables
         self._groups_off = self._table_off + max_batch * max_blocks
         total = self._groups_off + (self.num_groups - 1) * self._group_len
@@ -92,9 +96,10 @@ class DecodeInputs:
             self.staging if device.type == "cpu" else torch.zeros(total, dtype=torch.long, device=device)
         )
         m = max_batch
-        self.ids, self.positions, self.slots, self.ctx_lens, self.sample_rows = (
-            self.buffer[i * m : (i + 1) * m] for i in range(5)
+        self.ids, self.positions, self.slots, self.ctx_lens, self.sample_rows, self.state_slots = (
+            self.buffer[i * m : (i + 1) * m] for i in range(6)
         )
+        self.state_rows = state_rows
         self._tables_flat = self.buffer[self._table_off : self._groups_off]
         offs = [self._groups_off + g * self._group_len for g in range(self.num_groups - 1)]
         self.group_slots = [self.buffer[o : o + m] for o in offs]  # KV groups 1..
@@ -128,6 +133,9 @@ class DecodeInputs:
             h[2 * m + n : 2 * m + bucket] = [j % bs for j in range(pad)]
             h[3 * m + n : 3 * m + bucket] = 1
         h[4 * m : 4 * m + len(sample)] = sample
+        if self.state_rows:  # a padded row j steps state slot j (distinct while the bucket fits the slots)
+            h[5 * m : 5 * m + n] = [r.state_slot for r in rows]
+            h[5 * m + n : 5 * m + bucket] = [j % self.state_rows for j in range(pad)]
         off = self._table_off
         if any(len(r.table) > width for r in rows):
             raise ValueError(
@@ -214,12 +222,15 @@ def decode_metadata(inputs: DecodeInputs, bucket: int) -> AttentionMetadata:
     meta = AttentionMetadata(slot_mapping=inputs.slots[:bucket], block_size=inputs.block_size)
     meta.decode_block_tables = inputs.tables(bucket, inputs.width)
     meta.decode_ctx_lens = inputs.ctx_lens[:bucket]
+    if inputs.state_rows:
+        meta.decode_state_slots = inputs.state_slots[:bucket]
     if inputs.num_groups > 1:  # each layer reads its group's slots and tables (rows and contexts shared)
         metas = [meta]
         for g in range(inputs.num_groups - 1):
             m = AttentionMetadata(slot_mapping=inputs.group_slots[g][:bucket], block_size=inputs.block_size)
             m.decode_block_tables = inputs.group_tables(g, bucket, inputs.width)
             m.decode_ctx_lens = meta.decode_ctx_lens
+            m.decode_state_slots = meta.decode_state_slots
             metas.append(m)
         meta.layer_metas = [metas[g] for g in inputs.group_of]
     return meta

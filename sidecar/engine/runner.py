@@ -67,7 +67,7 @@ class ModelRunner:
         self.states = LinearStates(a, slots, self.dtype, self.device, ckpts) if slots else None
         # what each layer's mixer reads: KV caches, and a hybrid model's state slots
         self.layer_caches = self.states.layer_caches(a, self.kv_caches) if self.states else self.kv_caches
-        self.buffered = self.states is None  # what the decode buffers can hold (every KV group's tables too)
+        self.buffered = self.states is None or self.device.type == "cpu"  # CPU replays carry state slots
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
         # Attention received per cache slot, for scored KV eviction (kv_scores.py).
         self.slot_scores = SlotScores(self.num_blocks * self.block_size, self.block_size, self.device)
@@ -86,11 +86,12 @@ class ModelRunner:
         self.quantized = bool(loaded.quantization)
         max_len = min(loaded.max_model_len, self.num_blocks * self.block_size)
         group_of = self.kv_plan.group_of() if self.kv_plan is not None else None  # tables of every group
+        blocks, state_rows = -(-max_len // self.block_size) + 1, self.states.slots if self.states else 0
         self.inputs = DecodeInputs(
-            config.max_num_seqs, -(-max_len // self.block_size) + 1, self.block_size, self.device, group_of
+            config.max_num_seqs, blocks, self.block_size, self.device, group_of, state_rows
         )
         self.graphs = DecodeGraphs(self._decode_step, self.device)
-        self.cpu_plans = CpuDecodePlans(self.model, self.kv_caches, self.inputs)  # the CPU's decode graphs
+        self.cpu_plans = CpuDecodePlans(self.model, self.layer_caches, self.inputs, self.states)
         self.set_decode_padding(False)
         if self.device.type == "cuda" or self.enforce_eager or self.states is not None:
             self.prepare_fast_paths()
@@ -112,11 +113,13 @@ class ModelRunner:
         self.fast_paths.set_all(False)
         self.fast_paths.reasons = {}
         self.set_decode_padding(False)
-        if self.enforce_eager or self.states is not None:  # decode graphs and replays carry no state slots
+        if self.enforce_eager or self.states is not None:  # device paths carry no state slots; CPU replays do
             reason = self.eager_reason if self.enforce_eager else STATEFUL_REASON
             for name in PATH_NAMES:
                 self.fast_paths.disable(name, reason)
-            self.cpu_plans.disable(reason)
+            if self.enforce_eager or self.device.type != "cpu":
+                return self.cpu_plans.disable(reason)
+            self.cpu_plans.self_check()  # CPU replays carry the state slots
             return
         if not (self.device.type == "cuda" or force_check):
             return  # on CPU our C kernels are the fast path; the device fields stay off
@@ -144,10 +147,8 @@ class ModelRunner:
 
     def fast_path_info(self) -> dict:
         """``fast_paths``: the active device fast paths; ``fast_path_fallbacks``: path -> why it is off."""
-        return {
-            "fast_paths": self.fast_paths.active(),
-            "fast_path_fallbacks": dict(self.fast_paths.reasons or {}),
-        }
+        paths = self.fast_paths
+        return {"fast_paths": paths.active(), "fast_path_fallbacks": dict(paths.reasons or {})}
 
     def _zero_through(self, top: int) -> None:
         self.zeroing.through(top)
@@ -199,7 +200,7 @@ class ModelRunner:
     def _decode_step(self, bucket: int) -> torch.Tensor:
         if self.cpu_plans.replays():
             return self.cpu_plans.run(bucket)
-        return decode_step(self.model, self.kv_caches, self.inputs, bucket)
+        return decode_step(self.model, self.layer_caches, self.inputs, bucket)
 
     def fits_decode_buffers(self, n: int, width: int) -> bool:
         return n <= self.inputs.max_batch and width <= self.inputs.max_blocks
@@ -249,7 +250,8 @@ class ModelRunner:
         for i, (r, table) in enumerate(zip(reqs, tables)):
             c, k = r.num_computed_tokens, r.num_computed_tokens - r.kv_evicted  # position, cache index
             tok = src[i] if prev_ids is not None else r.all_token_ids[c]
-            rows.append(DecodeRow(tok, c, table[k // bs] * bs + k % bs, k + 1, table))
+            st = kv.state_slot(r) if self.states else 0
+            rows.append(DecodeRow(tok, c, table[k // bs] * bs + k % bs, k + 1, table, state_slot=st))
         self._zero_through(max(max(t) for t in tables))
         if self.kv_plan is not None:  # each row's slot and table in every further KV group
             rows, top = group_rows(rows, reqs, kv)
@@ -276,8 +278,10 @@ class ModelRunner:
                 sample.extend(range(len(rows), len(rows) + len(tokens)))
                 sample_reqs.append(r)
             row_reqs.extend([r] * len(tokens))
+            st = kv.state_slot(r) if self.states is not None else 0  # one row each: no speculation then
             for j, tok in enumerate(tokens):
-                rows.append(DecodeRow(tok, c + j, table[(k + j) // bs] * bs + (k + j) % bs, k + j + 1, table))
+                slot = table[(k + j) // bs] * bs + (k + j) % bs
+                rows.append(DecodeRow(tok, c + j, slot, k + j + 1, table, state_slot=st))
         if not self.fits_decode_buffers(len(rows), max(len(t) for t in tables)):
             return None
         self._zero_through(max(max(t) for t in tables))

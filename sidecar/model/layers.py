@@ -116,7 +116,7 @@ class Attention(nn.Module):
         """``kv``: this layer's cache, (k, v) or a quantized (k, v, k_scale, v_scale) (see kv_quant);
         ``cos``, ``sin``: the step's rope rows of every kind ([kinds, T, 1, rotary_dim])."""
         o = self.attend(self.qkv_proj(x), cos, sin, kv, meta)
-        return self.o_proj(o if self.gate_proj is None else o * torch.sigmoid(self.gate_proj(x)))
+        return self.o_proj(o if self.gate_proj is None else norm_act.sigmoid_mul(o, self.gate_proj(x)))
 
     def _normed_qkv(self, qkv: torch.Tensor) -> torch.Tensor:
         """The projection with each q and k head RMS-normed (HF: before rope), as one contiguous [T, .]. On CPU
@@ -151,8 +151,8 @@ class Attention(nn.Module):
             qkv = self._normed_qkv(qkv)
         cos, sin = cos[self.rope_kind], sin[self.rope_kind]
         # With a quantized cache the rope + KV-write kernels quantize on write (Triton: int8 and fp8; CPU: int8);
-        # otherwise paged_attention writes it through kv_quant.write after the torch rope. Both kernels refuse
-        # tables narrower than a head (partial rotary).
+        # otherwise paged_attention writes it through kv_quant.write after the torch rope. The CPU kernel rotates a
+        # head's first channels where the tables are narrower than it (partial rotary); the Triton one refuses.
         scales = kv[2:] if len(kv) == 4 else None
         shape = (self.nh, self.nkv, self.hd)
         ops = _triton(paths, "rope_kv", qkv)

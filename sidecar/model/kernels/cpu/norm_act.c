@@ -5,6 +5,7 @@
  *                         out[t] = w * (s[t] / sqrt(mean(s[t]^2) + eps))
  *   sidecar_add_bias:     y[t, i] += b[i], in place (rows of a product whose kernel adds no bias)
  *   sidecar_gelu_tanh_mul: out[t, i] = gelu_tanh(gu[t, i]) * gu[t, I + i]   (Gemma's GeGLU)
+ *   sidecar_sigmoid_mul:  out[i] = x[i] * sigmoid(g[i])                  (a gated attention's output gate)
  *   sidecar_rms_norm_heads: x[t, j] = w * (x[t, j] / sqrt(mean(x[t, j]^2) + eps)) in place, for each head j
  *                         of each token t, head j of token t at x + t * ld + j * dim (the q or the k heads
  *                         inside a fused q/k/v projection's rows)
@@ -39,6 +40,37 @@ void sidecar_silu_mul(const void* gu, void* out, int rows, int inter, int dtype,
             const float s = dt_round(silu1(dt_load(gu, g0 + i, dtype)), dtype);
             dt_store(out, o0 + i, s * dt_load(gu, u0 + i, dtype), dtype);
         }
+    }
+}
+
+/* sigmoid(g) from e = exp(-|g|) <= 1, so nothing overflows: g >= 0 ? 1 / (1 + e) : e / (1 + e) */
+static inline float sigmoid1(float g) {
+    const float e = expf(-fabsf(g));
+    return (g >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+#ifdef VL
+static inline vf vsigmoid(vf g) {
+    const vf ng = v_min(g, v_sub(v_zero(), g));                              /* -|g| */
+    const vf e = v_blend_ge0(v_add(ng, v_set1(87.0f)), v_exp(ng), v_zero()); /* v_exp stops at -87 */
+    return v_div(v_blend_ge0(g, v_set1(1.0f), e), v_add(v_set1(1.0f), e));
+}
+#endif
+
+/* bf16 rounds sigmoid(g) before the product, as torch's two ops do. */
+void sidecar_sigmoid_mul(const void* x, const void* g, void* out, int64_t n, int dtype, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (n >= 65536)
+    for (int64_t b = 0; b < n; b += 4096) {
+        const int64_t end = b + 4096 < n ? b + 4096 : n;
+        int64_t i = b;
+#ifdef VL
+        for (; i + VL <= end; i += VL) {
+            const vf s = v_dt_round(vsigmoid(v_dt_load(g, i, dtype)), dtype);
+            v_dt_store(out, i, v_mul(v_dt_load(x, i, dtype), s), dtype);
+        }
+#endif
+        for (; i < end; i++)
+            dt_store(out, i, dt_load(x, i, dtype) * dt_round(sigmoid1(dt_load(g, i, dtype)), dtype), dtype);
     }
 }
 

@@ -72,6 +72,7 @@ _KERNEL = cpu_build.Kernel(
         "sidecar_add_rms_norm": ([AddRmsNormArgs], None),
         "sidecar_add_bias": ([P, P, I, I, I], None),
         "sidecar_rms_norm_heads": ([RmsNormHeadsArgs], None),
+        "sidecar_sigmoid_mul": ([P, P, P, ctypes.c_int64, I, I], None),
     },
 )
 
@@ -172,6 +173,19 @@ def add_bias(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         return y + bias
     lib.sidecar_add_bias(y.data_ptr(), bias.data_ptr(), y.shape[0], y.shape[1], _DTYPES[y.dtype])
     return y
+
+
+def sigmoid_mul(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(g)`` (same shape and dtype, float32 or bf16) in one pass, a new tensor; torch's two ops where
+    the kernel does not take them."""
+    lib = _KERNEL.lib()
+    if lib is None or not _takes(x, g) or g.shape != x.shape:
+        return x * torch.sigmoid(g)
+    out = torch.empty_like(x)
+    lib.sidecar_sigmoid_mul(
+        x.data_ptr(), g.data_ptr(), out.data_ptr(), x.numel(), _DTYPES[x.dtype], torch.get_num_threads()
+    )
+    return out
 
 
 def rms_norm_heads_(

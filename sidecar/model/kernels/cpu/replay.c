@@ -23,7 +23,7 @@
 
 #define SIDECAR_REPLAY_INTS   20
 #define SIDECAR_REPLAY_FLOATS 4
-#define SIDECAR_REPLAY_WORDS  16 /* 8-byte words an argument struct may take */
+#define SIDECAR_REPLAY_WORDS  20 /* 8-byte words an argument struct may take */
 
 typedef struct {
     void* fn;

@@ -45,7 +45,7 @@ _KERNEL = cpu_build.Kernel(
     },
 )
 # as replay.c's SIDECAR_REPLAY_INTS / _FLOATS / _WORDS (checked at load)
-_INTS, _FLOATS, _WORDS = 20, 4, 16
+_INTS, _FLOATS, _WORDS = 20, 4, 20
 
 
 class _Op(ctypes.Structure):

@@ -47,6 +47,7 @@ class RopeKvArgs(cpu_build.Args):
         ("hd", ctypes.c_int),
         ("dtype", ctypes.c_int),
         ("nthreads", ctypes.c_int),
+        ("rot", ctypes.c_int),
     ]
 
 
@@ -79,7 +80,7 @@ def rope_store_kv(
         or not qkv.is_contiguous()
     ):
         return None
-    t = qkv.shape[0]
+    t, rot = qkv.shape[0], cos.shape[-1]  # rotary channels: hd, or fewer (partial rotary)
     kv_dtype = dtype
     if kv_scales is not None:  # an int8 cache: codes and scales written as kv_quant.quantize makes them
         kv_dtype = torch.int8
@@ -91,8 +92,10 @@ def rope_store_kv(
     if (
         any(x.dtype != dtype or not x.is_contiguous() for x in (cos, sin))
         or any(x.dtype != kv_dtype or not x.is_contiguous() for x in (k_cache, v_cache))
-        or cos.numel() != t * hd
-        or sin.numel() != t * hd
+        or rot % 2
+        or not 0 < rot <= hd
+        or cos.numel() != t * rot
+        or sin.numel() != t * rot
         or slots.dtype != torch.long
         or slots.shape != (t,)
         or k_cache.shape[-2:] != (nkv, hd)
@@ -123,6 +126,7 @@ def rope_store_kv(
             hd=hd,
             dtype=_DTYPES[dtype],
             nthreads=torch.get_num_threads(),
+            rot=rot,
         )
     )
     return q, k, qkv[:, (nh + nkv) * hd :].view(t, nkv, hd)

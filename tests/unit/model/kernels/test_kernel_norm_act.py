@@ -189,3 +189,18 @@ def test_gelu_tanh_mul_matches_torch(rows, inter, dtype):
     body = (1 + torch.tanh(u)) > 2.0**-8
     if dtype == torch.bfloat16:
         assert (out != ref)[body].float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 2048), (3, 37), (20, 4100)])
+def test_sigmoid_mul_matches_torch(rows, n, dtype):
+    # a gated attention's output times sigmoid(gate): only the exp differs from torch's two ops
+    xg = _gate_up(rows, n, dtype, rows + n)
+    x, g = xg[:, n:].contiguous(), xg[:, :n].contiguous()
+    out = norm_act.sigmoid_mul(x, g)
+    ref = x * torch.sigmoid(g)
+    assert out.dtype == dtype and out.shape == (rows, n) and torch.isfinite(out).all()
+    assert _close(out, ref, dtype, 8 if dtype == torch.float32 else 1)
+    if dtype == torch.bfloat16:
+        assert (out != ref).float().mean() < 1e-3
+    assert torch.equal(norm_act.sigmoid_mul(x, g[:, :1].expand(rows, n)), x * torch.sigmoid(g[:, :1]))

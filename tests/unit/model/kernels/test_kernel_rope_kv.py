@@ -51,6 +51,26 @@ def test_same_bits_as_the_torch_path(t, nh, nkv, hd, dtype, want_k):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # other slots untouched, new ones written
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,nh,nkv,hd,rot", [(1, 8, 2, 256, 64), (3, 4, 2, 16, 4), (40, 6, 3, 64, 12)])
+def test_partial_rotary_rotates_the_first_channels_as_the_torch_path(t, nh, nkv, hd, rot, dtype):
+    # Qwen3.5's attention rotates a quarter of each head; the channels past the tables pass through
+    from sidecar.model.layers import rotate
+
+    qkv, _, _, slots, (kc, vc) = _case(t, nh, nkv, hd, dtype, seed=rot)
+    _, cos, sin, _, _ = _case(t, 1, 1, rot, dtype, seed=rot + 1)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q, k, v = rope_kv.rope_store_kv(qkv, cos, sin, slots, kc, vc, nh, nkv, hd, True)
+    nqk = (nh + nkv) * hd
+    qk = rotate(qkv[:, :nqk].view(t, nh + nkv, hd), cos[:, None], sin[:, None])
+    write_kv(kc_ref, vc_ref, qk[:, nh:], qkv[:, nqk:].view(t, nkv, hd), slots)
+    assert torch.equal(q, qk[:, :nh]) and torch.equal(k, qk[:, nh:])
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert not torch.equal(q[..., :rot], qkv[:, : nh * hd].view(t, nh, hd)[..., :rot])  # rotated, not copied
+    odd = (cos[:, :-1].contiguous(), sin[:, :-1].contiguous())  # an odd table width: refused
+    assert rope_kv.rope_store_kv(qkv, *odd, slots, kc, vc, nh, nkv, hd, True) is None
+
+
 def test_inputs_it_does_not_take_return_none():
     qkv, cos, sin, slots, (kc, vc) = _case(4, 4, 2, 64, torch.float32)
     args = (slots, kc, vc, 4, 2, 64, True)
