@@ -25,6 +25,7 @@ where one passed its self-check: the C one on CPU (kernels/cpu/deltanet_step.c),
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Optional
 
@@ -231,10 +232,10 @@ class GatedDeltaNet(nn.Module):
         """The gated output of the decode rows from a kernel (their states advanced): the Triton one on CUDA
         (or on CPU under the interpreter when ``use_triton_on_cpu``), the C one on CPU; None (nothing
         touched) where it is missing, failed its self-check, or does not take the arguments."""
-        if on_triton(proj):
+        if proj.is_cuda or (proj.device.type == "cpu" and _triton_on_cpu[0] and triton_interpreted()):
             if not triton_ready(proj.device):
                 return None
-            return kernel_step(self, proj, b, a, state, slots, _triton_decode())
+            return kernel_step(self, proj, b, a, state, slots, triton_step())
         if proj.device.type != "cpu" or not kernel_ready():
             return None
         return kernel_step(self, proj, b, a, state, slots)
@@ -325,27 +326,28 @@ def kernel_step(m: GatedDeltaNet, proj, b, a, state, slots, step=None) -> Option
 
 
 def _self_check(step=None, device: str = "cpu") -> str:
-    """'' when the decode kernel ``step`` (``kernel_step``'s) on ``device`` agrees with the torch reference
-    there (both dtypes, grouped key heads, head sizes off the vector width, three sequences at scattered
-    slots, two steps so that a state it wrote is read back), else why not."""
+    """'' when the decode kernel ``step`` (``kernel_step``'s) on ``device`` agrees with the torch reference,
+    run on CPU (no TF32 convolution there), over both dtypes, grouped key heads, head sizes off the vector
+    width, three sequences at scattered slots and two steps (a state it wrote read back); else why not."""
     gen = torch.Generator().manual_seed(0)
-    slots = torch.tensor([4, 0, 2], device=device)
+    slots = torch.tensor([4, 0, 2])
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-        m = random_mixer((2, 4, 20, 12), 4, dtype, gen).to(device)
-        conv = torch.randn(5, m.conv_dim, m.kernel - 1, generator=gen).to(device, dtype)
-        rec = (torch.randn(5, m.nv, m.dk, m.dv, generator=gen) * 0.3).to(device)
-        ours, theirs = (conv.clone(), rec.clone()), (conv.clone(), rec.clone())
+        ref = random_mixer((2, 4, 20, 12), 4, dtype, gen)
+        m = copy.deepcopy(ref).to(device)
+        conv = torch.randn(5, m.conv_dim, m.kernel - 1, generator=gen).to(dtype)
+        rec = torch.randn(5, m.nv, m.dk, m.dv, generator=gen) * 0.3
+        ours, theirs = (conv.to(device, copy=True), rec.to(device, copy=True)), (conv, rec)
         for _ in range(2):
-            proj = torch.randn(3, m.conv_dim + m.nv * m.dv, generator=gen).to(device, dtype)
-            b, a = (torch.randn(3, m.nv, generator=gen).to(device, dtype) for _ in range(2))
-            got = kernel_step(m, proj, b, a, ours, slots, step)
+            proj = torch.randn(3, m.conv_dim + m.nv * m.dv, generator=gen).to(dtype)
+            b, a = (torch.randn(3, m.nv, generator=gen).to(dtype) for _ in range(2))
+            got = kernel_step(m, *(x.to(device) for x in (proj, b, a)), ours, slots.to(device), step)
             if got is None:
                 return f"the kernel refused a {dtype} step"
             with torch.no_grad():
-                want = decode_reference(m, proj, b, a, theirs, slots)
+                want = decode_reference(ref, proj, b, a, theirs, slots)
             for what, x, y in zip(("output", "window", "state"), (got, *ours), (want, *theirs)):
                 err, bound = (
-                    float((x.float() - y.float()).abs().max()),
+                    float((x.cpu().float() - y.float()).abs().max()),
                     tol * (1 + float(y.float().abs().max())),
                 )
                 if not err <= bound:
@@ -369,17 +371,6 @@ def use_triton_on_cpu(on: bool) -> None:
     _triton_on_cpu[0] = on
 
 
-def on_triton(t: torch.Tensor) -> bool:
-    """Whether ``t``'s decode rows go to the Triton kernel (CUDA; CPU only as ``use_triton_on_cpu`` says)."""
-    return t.is_cuda or (t.device.type == "cpu" and _triton_on_cpu[0] and triton_interpreted())
-
-
-def _triton_decode():
-    from sidecar.model.kernels.triton import deltanet as triton_deltanet
-
-    return triton_deltanet.decode
-
-
 def triton_ready(device: torch.device) -> bool:
     """The Triton decode kernel is installed and passed its self-check on ``device``'s type (once, before any
     graph capture: asked first while a graph is captured, it answers no, and the torch rows are captured; a
@@ -390,9 +381,15 @@ def triton_ready(device: torch.device) -> bool:
             return False  # the check reads results back to the host, which a capture forbids
         try:
             why = "" if triton_available() else "triton is not installed"
-            _checked[key] = why or _self_check(_triton_decode(), str(device))
+            _checked[key] = why or _self_check(triton_step(), str(device))
         except Exception as exc:  # a kernel that fails to compile or launch is switched off, never fatal
             _checked[key] = f"{type(exc).__name__}: {exc}"
         if _checked[key]:
             log.warning("gated DeltaNet Triton decode kernel off, decode rows on torch: %s", _checked[key])
     return not _checked[key]
+
+
+def triton_step():
+    from sidecar.model.kernels.triton import deltanet as triton_deltanet  # imports Triton: only when asked
+
+    return triton_deltanet.decode

@@ -6,6 +6,8 @@ Qwen3.5's decode rows through it equal to HF transformers' greedy float32 token 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -22,18 +24,20 @@ def test_self_check_passes(device):
     assert deltanet._self_check(triton_deltanet.decode, str(device)) == ""
 
 
-def _case(heads, kernel, dtype, rows, slots_total, seed, device):
+def _case(heads, kernel, dtype, rows, slots_total, seed):
+    """A random mixer with states and slots (out of order), all on CPU (the reference runs there: no TF32
+    convolution)."""
     gen = torch.Generator().manual_seed(seed)
-    m = deltanet.random_mixer(heads, kernel, dtype, gen).to(device)
-    conv = torch.randn(slots_total, m.conv_dim, kernel - 1, generator=gen).to(device, dtype)
-    rec = (torch.randn(slots_total, m.nv, m.dk, m.dv, generator=gen) * 0.3).to(device)
-    slots = torch.randperm(slots_total, generator=gen)[:rows].to(device)
+    m = deltanet.random_mixer(heads, kernel, dtype, gen)
+    conv = torch.randn(slots_total, m.conv_dim, kernel - 1, generator=gen).to(dtype)
+    rec = torch.randn(slots_total, m.nv, m.dk, m.dv, generator=gen) * 0.3
+    slots = torch.randperm(slots_total, generator=gen)[:rows]
     return m, conv, rec, slots, gen
 
 
-def _inputs(m, rows, dtype, gen, device):
-    proj = (torch.randn(rows, m.conv_dim + m.nv * m.dv, generator=gen) * 2).to(device, dtype)
-    b, a = ((torch.randn(rows, m.nv, generator=gen) * 3).to(device, dtype) for _ in range(2))
+def _inputs(m, rows, dtype, gen):
+    proj = (torch.randn(rows, m.conv_dim + m.nv * m.dv, generator=gen) * 2).to(dtype)
+    b, a = ((torch.randn(rows, m.nv, generator=gen) * 3).to(dtype) for _ in range(2))
     return proj, b, a
 
 
@@ -48,21 +52,24 @@ def _inputs(m, rows, dtype, gen, device):
     ],
 )
 def test_steps_match_the_torch_reference(heads, kernel, rows, dtype, device):
-    m, conv, rec, slots, gen = _case(heads, kernel, dtype, rows, rows + 3, sum(heads) + rows, device)
-    ours, theirs = (conv.clone(), rec.clone()), (conv.clone(), rec.clone())
-    idle = torch.ones(rows + 3, dtype=torch.bool, device=device)
+    ref, conv, rec, slots, gen = _case(heads, kernel, dtype, rows, rows + 3, sum(heads) + rows)
+    m = copy.deepcopy(ref).to(device)
+    ours, theirs = (conv.to(device, copy=True), rec.to(device, copy=True)), (conv.clone(), rec.clone())
+    idle = torch.ones(rows + 3, dtype=torch.bool)
     idle[slots] = False
     for _ in range(3):
-        proj, b, a = _inputs(m, rows, dtype, gen, device)
-        got = deltanet.kernel_step(m, proj, b, a, ours, slots, triton_deltanet.decode)
-        want = deltanet.decode_reference(m, proj, b, a, theirs, slots)
-        assert got is not None and got.dtype == dtype and got.shape == want.shape
+        proj, b, a = _inputs(ref, rows, dtype, gen)
+        on = [x.to(device) for x in (proj, b, a)]
+        got = deltanet.kernel_step(m, *on, ours, slots.to(device), triton_deltanet.decode)
+        want = deltanet.decode_reference(ref, proj, b, a, theirs, slots)
+        assert got is not None and got.dtype == dtype and got.shape == want.shape and got.device == device
+        got, window, state = got.cpu(), ours[0].cpu(), ours[1].cpu()
         assert torch.isfinite(got).all()
         # the window holds the last inputs, copied: equal to the bit
-        assert torch.equal(ours[0], theirs[0])
+        assert torch.equal(window, theirs[0])
         # the decayed state and its update round as torch's; only the order of the sums S^T k differs
         scale = float(theirs[1].abs().max())
-        assert float((ours[1] - theirs[1]).abs().max()) <= 1e-5 * scale
+        assert float((state - theirs[1]).abs().max()) <= 1e-5 * scale
         if dtype == torch.float32:  # the sums' order (conv taps, S^T q, norms) and exp/log differ
             assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
         else:  # rounded where torch rounds: equal but where a value in the chain o -> normed -> weighted
@@ -71,12 +78,15 @@ def test_steps_match_the_torch_reference(heads, kernel, rows, dtype, device):
             off = (g - w).abs() > 2 * BF16_ULP * torch.maximum(g.abs(), w.abs())
             assert not off.any()
             assert float((got != want).float().mean()) < 0.01
-    assert torch.equal(ours[0][idle], conv[idle]) and torch.equal(ours[1][idle], rec[idle])
+    assert torch.equal(ours[0].cpu()[idle], conv[idle]) and torch.equal(ours[1].cpu()[idle], rec[idle])
 
 
 def test_refused_arguments_touch_nothing(device):
-    m, conv, rec, slots, gen = _case((2, 4, 8, 12), 4, torch.float32, 2, 4, 0, device)
-    proj, b, a = _inputs(m, 2, torch.float32, gen, device)
+    m, conv, rec, slots, gen = _case((2, 4, 8, 12), 4, torch.float32, 2, 4, 0)
+    m = m.to(device)
+    proj, b, a, conv, rec, slots = (
+        x.to(device) for x in (*_inputs(m, 2, torch.float32, gen), conv, rec, slots)
+    )
     state = (conv.clone(), rec.clone())
     step = triton_deltanet.decode
 
@@ -99,7 +109,7 @@ def test_refused_arguments_touch_nothing(device):
         torch.zeros(2, wide.conv_dim, 1, device=device),
         torch.zeros(2, 1, triton_deltanet.MAX_DIM + 1, 4, device=device),
     )
-    p, bb, aa = _inputs(wide, 1, torch.float32, gen, device)
+    p, bb, aa = (x.to(device) for x in _inputs(wide, 1, torch.float32, gen))
     assert deltanet.kernel_step(wide, p, bb, aa, big, torch.tensor([0], device=device), step) is None
 
 
