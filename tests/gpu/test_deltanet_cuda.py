@@ -1,6 +1,6 @@
 """Qwen3.5 on CUDA: the gated DeltaNet decode rows run on the Triton kernel (kernels/triton/deltanet.py),
-which passed its start-up self-check there, in the decode graphs and eagerly; greedy float32 equals HF
-transformers token for token, sequences of different lengths decoding in one batch."""
+which passed its start-up self-check there; greedy float32 equals HF transformers token for token, sequences
+of different lengths decoding in one batch, the KV blocks all back after."""
 
 from __future__ import annotations
 
@@ -29,12 +29,9 @@ def test_qwen35_decode_on_the_triton_kernel_matches_hf(tmp_path, demo_dir, monke
         return out
 
     monkeypatch.setattr(triton_deltanet, "decode", counted)  # counts the kernel's launches, still runs it
-    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    for eager in (False, True):
-        llm = LLM(model=str(path), dtype="float32", device="cuda", enforce_eager=eager)
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
-        assert deltanet.triton_ready(torch.device("cuda")), deltanet._checked
-        assert calls and all(calls)
-        assert_pool_whole(llm)
-        calls.clear()
-        del llm
+    llm = LLM(model=str(path), dtype="float32", device="cuda")
+    got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+    assert got == want
+    assert deltanet.triton_ready(torch.device("cuda")), deltanet._checked
+    assert len(calls) >= 3 * (NEW - 1) and all(calls)
+    assert_pool_whole(llm)
