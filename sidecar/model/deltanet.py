@@ -18,11 +18,14 @@ back. The engine zeroes a slot when it hands it out, so a sequence's first chunk
 
 Numerics follow Hugging Face's torch fallbacks: prompt chunks use the chunked form of the rule (blocks of
 ``CHUNK`` tokens, the within-block part solved as a triangular system), decode rows the one-token recurrence,
-as HF's prefill and decode do; so float32 greedy output equals HF's ``generate``.
+as HF's prefill and decode do; so float32 greedy output equals HF's ``generate``. Decode rows take a kernel
+where one passed its self-check: the C one on CPU (kernels/cpu/deltanet_step.c), the Triton one on CUDA
+(kernels/triton/deltanet.py); else the torch reference.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Optional
 
@@ -33,11 +36,14 @@ from torch import nn
 from sidecar.model.args import ModelArgs
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.kernels.cpu import deltanet_step
+from sidecar.model.kernels.gpu_paths import triton_available, triton_interpreted
 from sidecar.model.linear import Linear
 
 CHUNK = 64  # tokens per block of the chunked rule (HF's chunk_size)
 log = logging.getLogger("sidecar.model")
-_checked: dict[str, str] = {}  # "reason": why the decode kernel is off ('' when on), once asked
+# why a decode kernel is off ('' when on), once asked: "reason" the C one, "triton:<device type>" Triton's
+_checked: dict[str, str] = {}
+_triton_on_cpu = [False]  # use_triton_on_cpu
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -223,8 +229,13 @@ class GatedDeltaNet(nn.Module):
         return o[:, 0]
 
     def _decode_kernel(self, proj, b, a, state, slots) -> Optional[torch.Tensor]:
-        """The gated output of the decode rows from the C kernel (their states advanced), or None (nothing
-        touched) where it is not built, failed its self-check, or does not take the arguments."""
+        """The gated output of the decode rows from a kernel (their states advanced): the Triton one on CUDA
+        (or on CPU under the interpreter when ``use_triton_on_cpu``), the C one on CPU; None (nothing
+        touched) where it is missing, failed its self-check, or does not take the arguments."""
+        if proj.is_cuda or (proj.device.type == "cpu" and _triton_on_cpu[0] and triton_interpreted()):
+            if not triton_ready(proj.device):
+                return None
+            return kernel_step(self, proj, b, a, state, slots, triton_step())
         if proj.device.type != "cpu" or not kernel_ready():
             return None
         return kernel_step(self, proj, b, a, state, slots)
@@ -306,35 +317,37 @@ def decode_reference(m: GatedDeltaNet, proj, b, a, state, slots) -> torch.Tensor
     return m._gated_norm(o, z.reshape(n, m.nv, m.dv)).reshape(n, -1)
 
 
-def kernel_step(m: GatedDeltaNet, proj, b, a, state, slots) -> Optional[torch.Tensor]:
-    """``deltanet_step.decode`` over mixer ``m``'s parameters (None where it does not take them)."""
+def kernel_step(m: GatedDeltaNet, proj, b, a, state, slots, step=None) -> Optional[torch.Tensor]:
+    """``step`` (``deltanet_step.decode`` by default, or the Triton ``decode`` of the same arguments) over
+    mixer ``m``'s parameters (None where it does not take them)."""
     w = (m.conv_weight, m.A, m.dt_bias, m.norm_weight)
     heads = (m.nk, m.nv, m.dk, m.dv)
-    return deltanet_step.decode(proj, b, a, state[0], *w, m.eps, state[1], slots, heads)
+    return (step or deltanet_step.decode)(proj, b, a, state[0], *w, m.eps, state[1], slots, heads)
 
 
-def _self_check() -> str:
-    """'' when the decode kernel's steps agree with the torch reference (both dtypes, grouped key heads, head
-    sizes off the vector width, three sequences at scattered slots, two steps so that a state it wrote is read
-    back), else why not."""
+def _self_check(step=None, device: str = "cpu") -> str:
+    """'' when the decode kernel ``step`` (``kernel_step``'s) on ``device`` agrees with the torch reference,
+    run on CPU (no TF32 convolution there), over both dtypes, grouped key heads, head sizes off the vector
+    width, three sequences at scattered slots and two steps (a state it wrote read back); else why not."""
     gen = torch.Generator().manual_seed(0)
     slots = torch.tensor([4, 0, 2])
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-        m = random_mixer((2, 4, 20, 12), 4, dtype, gen)
+        ref = random_mixer((2, 4, 20, 12), 4, dtype, gen)
+        m = copy.deepcopy(ref).to(device)
         conv = torch.randn(5, m.conv_dim, m.kernel - 1, generator=gen).to(dtype)
         rec = torch.randn(5, m.nv, m.dk, m.dv, generator=gen) * 0.3
-        ours, theirs = (conv.clone(), rec.clone()), (conv.clone(), rec.clone())
+        ours, theirs = (conv.to(device, copy=True), rec.to(device, copy=True)), (conv, rec)
         for _ in range(2):
             proj = torch.randn(3, m.conv_dim + m.nv * m.dv, generator=gen).to(dtype)
             b, a = (torch.randn(3, m.nv, generator=gen).to(dtype) for _ in range(2))
-            got = kernel_step(m, proj, b, a, ours, slots)
+            got = kernel_step(m, *(x.to(device) for x in (proj, b, a)), ours, slots.to(device), step)
             if got is None:
                 return f"the kernel refused a {dtype} step"
             with torch.no_grad():
-                want = decode_reference(m, proj, b, a, theirs, slots)
+                want = decode_reference(ref, proj, b, a, theirs, slots)
             for what, x, y in zip(("output", "window", "state"), (got, *ours), (want, *theirs)):
                 err, bound = (
-                    float((x.float() - y.float()).abs().max()),
+                    float((x.cpu().float() - y.float()).abs().max()),
                     tol * (1 + float(y.float().abs().max())),
                 )
                 if not err <= bound:
@@ -351,3 +364,32 @@ def kernel_ready() -> bool:
         if _checked["reason"]:
             log.warning("gated DeltaNet decode kernel off, decode rows on torch: %s", _checked["reason"])
     return not _checked["reason"]
+
+
+def use_triton_on_cpu(on: bool) -> None:
+    """Run decode rows on CPU through the Triton kernel when Triton is interpreted (tests without a GPU)."""
+    _triton_on_cpu[0] = on
+
+
+def triton_ready(device: torch.device) -> bool:
+    """The Triton decode kernel is installed and passed its self-check on ``device``'s type (once, before any
+    graph capture: asked first while a graph is captured, it answers no, and the torch rows are captured; a
+    failure is logged, and decode rows then take the torch reference)."""
+    key = f"triton:{device.type}"
+    if key not in _checked:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # the check reads results back to the host, which a capture forbids
+        try:
+            why = "" if triton_available() else "triton is not installed"
+            _checked[key] = why or _self_check(triton_step(), str(device))
+        except Exception as exc:  # a kernel that fails to compile or launch is switched off, never fatal
+            _checked[key] = f"{type(exc).__name__}: {exc}"
+        if _checked[key]:
+            log.warning("gated DeltaNet Triton decode kernel off, decode rows on torch: %s", _checked[key])
+    return not _checked[key]
+
+
+def triton_step():
+    from sidecar.model.kernels.triton import deltanet as triton_deltanet  # imports Triton: only when asked
+
+    return triton_deltanet.decode

@@ -18,16 +18,18 @@ from sidecar.model.kernels.triton import wo as triton_wo  # noqa: E402
 from sidecar.model.kernels.triton import attention as triton_attention, gemv as triton_gemv, ops as triton_ops
 from sidecar.model.kernels.triton import attention_scores as triton_scores  # noqa: E402
 from sidecar.model.kernels.triton import moe as triton_moe  # noqa: E402
+from sidecar.model.kernels.triton import deltanet as triton_deltanet  # noqa: E402
 
 
-def build(fn, args: dict, constexprs: dict, arch: int) -> None:
-    """``args``: name -> Triton type string ("*bf16", "i32", ...), in the kernel's order."""
+def build(fn, args: dict, constexprs: dict, arch: int, warps: int = 4) -> None:
+    """``args``: name -> Triton type string ("*bf16", "i32", ...), in the kernel's order; ``warps``: the
+    launch's ``num_warps``."""
     given = dict(args, **{k: "constexpr" for k in constexprs})
     names = list(fn.arg_names)  # the signature goes by position: the kernel's own order
     assert set(names) == set(given), f"{fn.__name__}: {sorted(set(names) ^ set(given))}"
     sig = {n: given[n] for n in names}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    triton.compile(src, target=GPUTarget("cuda", arch, 32))
+    triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
 
 
 def ints(names: str) -> dict:
@@ -295,6 +297,36 @@ def main(arch: int) -> None:
                     BF16=bf16,
                 ),
                 arch,
+            )
+        # A gated DeltaNet decode step: the convolution (Qwen3.5's 4 taps; 2), the rule at Qwen3.5's heads
+        # (128 x 128 state tiles, eight warps) and at small ones.
+        for kernel in (4, 2):
+            build(
+                triton_deltanet._conv,
+                dict(proj_ptr=p, win_ptr=p, w_ptr=p, slots_ptr="*i64", y_ptr=p, **ints("ld conv_dim nslots")),
+                dict(KERNEL=kernel, BLOCK=triton_deltanet.CONV_BLOCK, BF16=bf16),
+                arch,
+            )
+        for block_k, block_v, warps in ((128, 128, 8), (16, 32, 4)):
+            build(
+                triton_deltanet._rule,
+                dict(
+                    y_ptr=p,
+                    proj_ptr=p,
+                    b_ptr=p,
+                    a_ptr=p,
+                    A_ptr="*fp32",
+                    dt_ptr=p,
+                    nw_ptr=p,
+                    state_ptr="*fp32",
+                    slots_ptr="*i64",
+                    out_ptr=p,
+                    eps="fp32",
+                    **ints("ld nk nv dk dv nslots"),
+                ),
+                dict(BLOCK_K=block_k, BLOCK_V=block_v, BF16=bf16),
+                arch,
+                warps,
             )
         print(f"sm_{arch} {dt}: every kernel compiles")
 
