@@ -99,7 +99,7 @@ def test_quantized_weights_load_and_agree_with_the_float_path(family_dirs, kind)
         assert llm.engine.model_info["quantization"] == mode
 
 
-REPLAYED = {"qwen3", "gemma2", "gemma3"}
+REPLAYED = {"qwen3", "gemma2", "gemma3", "phi3"}
 
 
 @pytest.mark.parametrize("kind", FAMILIES)
@@ -111,9 +111,9 @@ def test_bf16_runs_on_the_cpu_kernels(family_dirs, kind):
     f32 = LLM(model=model, dtype="float32").generate(PROMPTS, GREEDY)
     assert sum(a.token_ids[0] == b.token_ids[0] for a, b in zip(outs, f32)) >= len(PROMPTS) // 2
     info = llm.engine.model_info
-    # Qwen3's q/k norms (in place), Gemma's GeGLU and attention soft-cap run as kernels: those steps replay from
-    # C. The others run a torch operator in their decode step (partial rotary, ...): the C replay refuses it and
-    # says which, rather than replaying a step it did not record.
+    # Qwen3's q/k norms (in place), Gemma's GeGLU and attention soft-cap, Phi-3's partial rotary run as kernels:
+    # those steps replay from C. The others run a torch operator in their decode step: the C replay refuses it
+    # and says which, rather than replaying a step it did not record.
     assert info["cpu_decode_replay"] is (kind in REPLAYED), info.get("cpu_decode_replay_reason")
     assert kind in REPLAYED or info["cpu_decode_replay_reason"]
     assert_pool_whole(llm)
