@@ -10,6 +10,7 @@ import torch
 
 from sidecar.model import deltanet
 from sidecar.model.kernels.cpu import cpu_build, deltanet_step
+from tests.unit.model.kernels.deltanet_cases import case as _case, inputs as _inputs
 
 BF16_ULP = 2.0**-7
 
@@ -18,21 +19,6 @@ def test_kernel_builds_and_passes_its_self_check():
     assert deltanet_step.available(), cpu_build.reason("deltanet_step")
     assert deltanet._self_check() == ""
     assert deltanet.kernel_ready()
-
-
-def _case(heads, kernel, dtype, rows, slots_total, seed):
-    gen = torch.Generator().manual_seed(seed)
-    m = deltanet.random_mixer(heads, kernel, dtype, gen)
-    conv = torch.randn(slots_total, m.conv_dim, kernel - 1, generator=gen).to(dtype)
-    rec = torch.randn(slots_total, m.nv, m.dk, m.dv, generator=gen) * 0.3
-    slots = torch.randperm(slots_total, generator=gen)[:rows]
-    return m, conv, rec, slots, gen
-
-
-def _inputs(m, rows, dtype, gen):
-    proj = (torch.randn(rows, m.conv_dim + m.nv * m.dv, generator=gen) * 2).to(dtype)
-    b, a = ((torch.randn(rows, m.nv, generator=gen) * 3).to(dtype) for _ in range(2))
-    return proj, b, a
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

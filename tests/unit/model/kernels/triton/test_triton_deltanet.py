@@ -14,6 +14,7 @@ import torch
 from sidecar import LLM, SamplingParams
 from sidecar.model import deltanet
 from sidecar.model.kernels.triton import deltanet as triton_deltanet
+from tests.unit.model.kernels.deltanet_cases import case as _case, inputs as _inputs
 from tests.unit.engine.test_engine_vs_hf import hf_greedy
 from tests.unit.model.family_checkpoints import assert_not_degenerate, build_family_checkpoint
 
@@ -22,23 +23,6 @@ BF16_ULP = 2.0**-7
 
 def test_self_check_passes(device):
     assert deltanet._self_check(triton_deltanet.decode, str(device)) == ""
-
-
-def _case(heads, kernel, dtype, rows, slots_total, seed):
-    """A random mixer with states and slots (out of order), all on CPU (the reference runs there: no TF32
-    convolution)."""
-    gen = torch.Generator().manual_seed(seed)
-    m = deltanet.random_mixer(heads, kernel, dtype, gen)
-    conv = torch.randn(slots_total, m.conv_dim, kernel - 1, generator=gen).to(dtype)
-    rec = torch.randn(slots_total, m.nv, m.dk, m.dv, generator=gen) * 0.3
-    slots = torch.randperm(slots_total, generator=gen)[:rows]
-    return m, conv, rec, slots, gen
-
-
-def _inputs(m, rows, dtype, gen):
-    proj = (torch.randn(rows, m.conv_dim + m.nv * m.dv, generator=gen) * 2).to(dtype)
-    b, a = ((torch.randn(rows, m.nv, generator=gen) * 3).to(dtype) for _ in range(2))
-    return proj, b, a
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
