@@ -104,6 +104,7 @@ def load_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]):
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_gb,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
         **({"enforce_eager": True} if args.enforce_eager else {}),
@@ -611,6 +612,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action="store_true",
         help="our engine without graphs or custom device kernels (the reference path)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="our engine's layers split across this many processes by columns and rows (ranks; each pinned "
+        "to its share of the CPUs); the weight bytes reported are rank 0's",
     )
     p.add_argument(
         "--pipeline-parallel-size",
