@@ -21,10 +21,14 @@ def pack_inputs(
     ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, lora: Optional[LoraLayers] = None
 ) -> tuple:
     """A forward's inputs as host arrays (the metadata's device fast-path fields are off under TP), with the
-    adapter slot of each token (``lora``'s batch; None: every token is the base model's)."""
+    adapter slot of each token (``lora``'s batch; None: every token is the base model's) and a hybrid model's
+    state slots (each prompt segment's, each decode row's)."""
     if meta.kv_scores is not None:
         raise ValueError("kv_budget: scored KV eviction is not supported with tensor parallelism")
-    prefills = [(s.q_start, s.q_len, s.ctx_len, _np(s.block_table)) for s in meta.prefills]
+    prefills = [
+        (s.q_start, s.q_len, s.ctx_len, _np(s.block_table), s.state_slot, s.state_start)
+        for s in meta.prefills
+    ]
     return (
         _np(ids),
         _np(positions),
@@ -35,6 +39,7 @@ def pack_inputs(
         _np(meta.decode_ctx_lens),
         meta.use_cpu_kernel,
         None if lora is None else lora.token_slots,
+        _np(meta.decode_state_slots),
     )
 
 
@@ -42,7 +47,7 @@ def unpack_inputs(
     msg: tuple, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, Optional[list[int]]]:
     """``pack_inputs``' arrays as tensors on ``device``: ids, positions, metadata, tokens' adapter slots."""
-    ids, pos, slots, block_size, prefills, tables, ctx_lens, use_cpu_kernel, token_slots = msg
+    ids, pos, slots, block_size, prefills, tables, ctx_lens, use_cpu_kernel, token_slots, state_slots = msg
 
     def t(a: Any) -> Optional[torch.Tensor]:
         return None if a is None else torch.from_numpy(a).to(device)
@@ -50,10 +55,11 @@ def unpack_inputs(
     meta = AttentionMetadata(
         slot_mapping=t(slots),
         block_size=block_size,
-        prefills=[PrefillSegment(q0, n, ctx, t(table)) for q0, n, ctx, table in prefills],
+        prefills=[PrefillSegment(q0, n, ctx, t(table), *state) for q0, n, ctx, table, *state in prefills],
         decode_block_tables=t(tables),
         decode_ctx_lens=t(ctx_lens),
         use_cpu_kernel=use_cpu_kernel,
+        decode_state_slots=t(state_slots),
     )
     return t(ids), t(pos), meta, token_slots
 

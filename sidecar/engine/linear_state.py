@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -70,6 +70,9 @@ class LinearStates:
             torch.zeros(rows, spec.num_v_heads, spec.k_dim, spec.v_dim, dtype=torch.float32, device=device)
             for _ in self.layers
         ]
+        # Called with ("reset", slot) or ("copy", src, dst) after each such change here: a pipeline stage's
+        # states follow rank 0's (engine/pp.py), whose scheduler alone decides the slots.
+        self.mirror: Optional[Callable[..., None]] = None
         per_row = sum(t[0].numel() * t.element_size() for t in self.conv + self.recurrent)
         self.bytes = per_row * slots
         self.checkpoint_bytes = per_row * checkpoints
@@ -93,11 +96,15 @@ class LinearStates:
         """A slot handed to a sequence that starts from rest."""
         for t in self.conv + self.recurrent:
             t[slot].zero_()
+        if self.mirror is not None:
+            self.mirror("reset", slot)
 
     def copy(self, src: int, dst: int) -> None:
         """Slot ``dst`` becomes a copy of ``src`` (a forked beam continues its parent's state)."""
         for t in self.conv + self.recurrent:
             t[dst].copy_(t[src])
+        if self.mirror is not None:
+            self.mirror("copy", src, dst)
 
     def info(self) -> dict:
         """The state group's figures for ``/v1/models`` and the start-up log."""

@@ -12,6 +12,14 @@ of the process group; each stage receives it from the one before, runs its layer
 stage keeps it. When the step samples, rank 0 sends the rows to the workers and the last stage sends back
 their float32 logits (its final norm and head), which rank 0 samples from.
 
+Hybrid models: every stage holds the linear-attention state slots of its own linear layers (rank 0's slot and
+checkpoint counts, sent after the pool's size, so a stage without linear layers holds none). Rank 0's
+scheduler alone decides which sequence holds which slot and when a state is zeroed, checkpointed or restored
+(engine/linear_state.py); each such change of its states (``LinearStates.mirror``) is queued and sent with the
+next forward's inputs, and every stage applies the queue, in order, before that forward, so every stage's
+slot ``s`` holds the same sequence's state over its own layers. Freeing a slot changes no state: what rank 0
+gives back (finish, abort, preemption) is every stage's.
+
 LoRA: every stage's slots hold its own layers' adapter weights; rank 0 mirrors each slot write to the stages
 as tp.py does, and each forward's inputs carry the tokens' slots.
 
@@ -34,6 +42,7 @@ import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine.dist_inputs import load_adapter, lora_batch, pack_inputs, unpack_inputs, worker_lora
+from sidecar.engine.linear_state import LinearStates
 from sidecar.engine.pp_micro import Bounds, micro_batches, micro_meta
 from sidecar.engine.rendezvous import run_worker
 from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group, worker_pool
@@ -69,6 +78,7 @@ class PipelineParallel(TensorParallel):
     def __init__(self, config: EngineConfig) -> None:
         self.micro_batches = config.pipeline_micro_batches or config.pipeline_parallel_size  # parts a step
         self.split_steps = 0  # steps that ran in more than one part
+        self.state_ops: list[tuple] = []  # rank 0's state changes since the last forward (``mirror``)
         super().__init__(config)
 
     @property
@@ -80,6 +90,21 @@ class PipelineParallel(TensorParallel):
 
     def drive(self, model: Any) -> Any:
         return model  # already the PipelineModel the runner was built on
+
+    def attach(self, runner: Any) -> None:
+        """``TensorParallel.attach``, then every stage allocates rank 0's count of state slots and checkpoints
+        over its own linear layers, and rank 0's state changes are queued for the stages from then on."""
+        super().attach(runner)
+        states: Optional[LinearStates] = runner.states
+        try:
+            self.send(("states", *((states.slots, states.checkpoints) if states is not None else (0, 0))))
+            for rank in self.procs:
+                self._expect(rank, "ready")
+        except BaseException:
+            self.close()
+            raise
+        if states is not None:
+            states.mirror = lambda *op: self.state_ops.append(op)
 
 
 def send(comm: Comm, t: torch.Tensor, dst: int, tag: int) -> None:
@@ -122,7 +147,8 @@ class PipelineModel:
         whole = lora is not None and lora.token_slots is not None  # adapter slots are set per step
         bounds = [(0, ids.shape[0])] if whole else micro_batches(meta, ids.shape[0], self._pp.micro_batches)
         self._pp.split_steps += len(bounds) > 1
-        self._pp.send(("fwd", pack_inputs(ids, positions, meta, lora), bounds))
+        ops, self._pp.state_ops = self._pp.state_ops, []  # applied by every stage before this forward
+        self._pp.send(("fwd", pack_inputs(ids, positions, meta, lora), bounds, ops))
         return self._pp.run(self._first_stage, ids, positions, kv_caches, meta, bounds)
 
     def _first_stage(self, ids, positions, kv_caches, meta, bounds: Bounds) -> torch.Tensor:
@@ -162,8 +188,14 @@ def _stage_body(rank: int, world: int, port: int, config: EngineConfig, conn: An
 def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, stage: Stage) -> None:
     model, device, dtype = loaded.model, loaded.device, loaded.dtype
     kv_caches = worker_pool(loaded, config, conn, stage.kv_shapes(model.args))
-    if kv_caches is None:
+    msg = None if kv_caches is None else conn.recv()  # ("states", slots, checkpoints)
+    if msg is None:
         return
+    local = stage_args(model.args, stage)
+    states = LinearStates(local, msg[1], dtype, device, msg[2]) if msg[1] else None
+    if states is not None:  # what each of this stage's layers reads: its KV cache or its state slots
+        kv_caches = states.layer_caches(local, kv_caches)
+    conn.send(("ready",))
     stream: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     lora = worker_lora(model, config)  # this stage's layers' slots
     shape_of = lambda n: (n, model.args.hidden_size)  # noqa: E731
@@ -173,6 +205,8 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, sta
             return
         if msg[0] == "fwd":
             ids, pos, meta, token_slots = unpack_inputs(msg[1], device)
+            for op, *rows in msg[3]:  # rank 0's state changes since its last forward, in order
+                {"reset": states.reset, "copy": states.copy}[op](*rows)
             with lora_batch(lora, token_slots):
                 stream = _run_parts(model, comm, stage, pos, kv_caches, meta, msg[2], shape_of, dtype)
         elif msg[0] == "lora":

@@ -5,7 +5,9 @@ A step's tokens are packed as the runner lays them out: prompt segments first (e
 q_len)``, in order, with no gap), then one row per decode token. A cut falls only between two sequences, so a
 sequence's tokens are always in one micro-batch, and every micro-batch is a batch of the same layout (its own
 segments, then its own decode rows). Each stage runs a step's micro-batches in order, so a micro-batch sees
-the KV cache exactly as the whole step would: its sequences' caches are written by its own rows only.
+the KV cache exactly as the whole step would: its sequences' caches are written by its own rows only. The
+same holds for a hybrid model's linear-attention states: a sequence's slot is read and written by its own
+rows, all in one part (its prompt segment keeps its slot, its decode row carries it in ``decode_state_slots``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,10 @@ Bounds = list[tuple[int, int]]  # [start, end) token ranges of the micro-batches
 def micro_batches(meta: AttentionMetadata, num_tokens: int, parts: int) -> Bounds:
     """Cut a step of ``num_tokens`` into at most ``parts`` micro-batches of about equal token counts, at
     sequence boundaries. One part (the whole step) where ``parts`` is 1, where the step has one sequence, or
-    where its metadata is not the plain layout (per-layer KV groups, attention scores, state slots)."""
+    where its metadata is not the plain layout (per-layer KV groups, attention scores). A hybrid model's state
+    slots are per sequence, so they are cut with their sequences (``micro_meta``)."""
     whole = [(0, num_tokens)]
     if parts <= 1 or meta.layer_metas is not None or meta.kv_scores is not None:
-        return whole
-    if meta.decode_state_slots is not None:
         return whole
     cuts, end = [], 0
     for seg in meta.prefills:  # each segment starts where the one before ends
@@ -71,4 +72,5 @@ def micro_meta(meta: AttentionMetadata, start: int, end: int) -> AttentionMetada
         decode_ctx_lens=dec(meta.decode_ctx_lens),
         decode_block_tables_i32=dec(meta.decode_block_tables_i32),
         use_cpu_kernel=meta.use_cpu_kernel,
+        decode_state_slots=dec(meta.decode_state_slots),
     )

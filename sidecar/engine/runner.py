@@ -62,7 +62,9 @@ class ModelRunner:
         a = self.model.args  # a tensor-parallel rank's own KV heads
         self.kv_plan = self.kv_budget.plan  # KV groups (kv_groups.py): layers of one kind share tensors
         self.kv_caches = layer_caches(a, self.kv_budget, self.block_size, self.kv_dtype, self.device)
-        slots = plan_slots(a, self.dtype, config.max_num_seqs, self.kv_budget.bytes) if a.linear_layers else 0
+        # the whole model's linear layers: a pipeline stage 0 without any still decides every stage's slots
+        w = loaded.args
+        slots = plan_slots(w, self.dtype, config.max_num_seqs, self.kv_budget.bytes) if w.linear_layers else 0
         ckpts = slots if config.enable_prefix_caching else 0  # prefix-cache states: the slots' bytes again
         self.states = LinearStates(a, slots, self.dtype, self.device, ckpts) if slots else None
         # what each layer's mixer reads: KV caches, and a hybrid model's state slots

@@ -8,7 +8,8 @@ the weights load (loader.py skips those), so each layer keeps its global index (
 sparsity come from ``ModelArgs`` by that index) and no weight of another stage is read. Nor are the tables a
 stage does not use: the embedding loads on stage 0 (and on the last stage where the head is tied to it), the
 final norm and the head on the last stage only. Each stage's pool holds its own layers' caches at their shapes
-(per-head K/V, or the latent of multi-head latent attention).
+(per-head K/V, or the latent of multi-head latent attention), and a hybrid model's stage the state slots of its
+own linear-attention layers (engine/linear_state.py: every stage has rank 0's slot and checkpoint counts).
 
 Between stages travels the residual stream as the layers hand it on: ``h`` without the last layer's output
 ``delta`` added (the add is fused into the next norm), both ``[T, hidden]`` in the model dtype, so a split
@@ -53,8 +54,6 @@ class Stage:
         problems = []
         if args.num_layers < self.world:
             problems.append(f"{args.num_layers} layers for {self.world} stages")
-        if args.linear_layers:
-            problems.append("linear-attention layers (hybrid models)")
         if getattr(args, "decoder_module", None):
             problems.append("a decoder of its own (per-layer inputs, layers sharing another's KV)")
         if problems:
@@ -97,8 +96,12 @@ class Stage:
 
 
 def stage_args(args: ModelArgs, stage: Stage) -> ModelArgs:
-    """The args a stage's KV pool is allocated from: its own layers' count (every layer an attention layer)."""
-    return dataclasses.replace(args, num_layers=len(stage.layers(args)))
+    """The args a stage's caches are allocated from: its own layers, numbered from 0 in layer order, with a
+    hybrid model's linear-attention layers among them renumbered alike (``ModelArgs.kv_shapes`` then lists
+    the stage's attention layers, ``linear_layers`` the stage's state-slot layers)."""
+    keep = stage.layers(args)
+    linear = tuple(i - keep.start for i in args.linear_layers if i in keep)
+    return dataclasses.replace(args, num_layers=len(keep), linear_layers=linear)
 
 
 def run_layers(
@@ -111,7 +114,8 @@ def run_layers(
     meta,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This stage's layers over the stream ``(h, delta)`` (stage 0: ``h`` the embedded tokens, ``delta`` None),
-    each layer reading its own cache in ``kv_caches`` (this stage's pool, in layer order)."""
+    each layer reading its own cache in ``kv_caches`` (this stage's pool, in layer order: a KV cache, or a
+    linear-attention layer's state slots)."""
     from sidecar.model.attention import sdpa_backends
 
     cos, sin = model.rope_rows(positions)

@@ -56,6 +56,14 @@ def test_cuts_fall_between_sequences_and_parts_keep_their_rows():
     grouped = _meta([5, 2], 4)
     grouped.layer_metas = [grouped]
     assert micro_batches(grouped, 11, 3) == [(0, 11)]
+    # A hybrid model's state slots go with their sequences: each segment keeps its own, decode rows are cut.
+    hybrid = _meta([5, 2], 4)
+    hybrid.prefills[1].state_slot = 3
+    hybrid.decode_state_slots = torch.tensor([6, 1, 0, 2])
+    assert micro_batches(hybrid, 11, 3) == bounds
+    parts = [micro_meta(hybrid, a, b) for a, b in [(0, 7), (7, 9), (9, 11)]]
+    assert [s.state_slot for s in parts[0].prefills] == [0, 3] and parts[0].decode_state_slots is None
+    assert [p.decode_state_slots.tolist() for p in parts[1:]] == [[6, 1], [0, 2]]
 
 
 def test_micro_batch_setting_is_checked():

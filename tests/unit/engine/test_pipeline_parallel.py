@@ -134,10 +134,6 @@ def test_stage_split_and_refusals():
     )
     with pytest.raises(ValueError, match="pipeline_parallel_size: .* 2 layers for 3 stages"):
         Stage(0, 3).local_args(args)
-    import dataclasses
-
-    with pytest.raises(ValueError, match="pipeline_parallel_size: .* linear-attention layers"):
-        Stage(0, 2).local_args(dataclasses.replace(args, linear_layers=(0,)))
 
 
 def test_prompt_logprobs_refused(engines):
