@@ -7,7 +7,8 @@ sequence's tokens are always in one micro-batch, and every micro-batch is a batc
 segments, then its own decode rows). Each stage runs a step's micro-batches in order, so a micro-batch sees
 the KV cache exactly as the whole step would: its sequences' caches are written by its own rows only. The
 same holds for a hybrid model's linear-attention states: a sequence's slot is read and written by its own
-rows, all in one part (its prompt segment keeps its slot, its decode row carries it in ``decode_state_slots``).
+rows, all in one part (its prompt segment keeps its slot, its decode row carries it in
+``decode_state_slots``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ the weights load (loader.py skips those), so each layer keeps its global index (
 sparsity come from ``ModelArgs`` by that index) and no weight of another stage is read. Nor are the tables a
 stage does not use: the embedding loads on stage 0 (and on the last stage where the head is tied to it), the
 final norm and the head on the last stage only. Each stage's pool holds its own layers' caches at their shapes
-(per-head K/V, or the latent of multi-head latent attention), and a hybrid model's stage the state slots of its
-own linear-attention layers (engine/linear_state.py: every stage has rank 0's slot and checkpoint counts).
+(per-head K/V, or the latent of multi-head latent attention), and a hybrid model's stage the state slots of
+its own linear-attention layers (engine/linear_state.py: every stage has rank 0's slot and checkpoint
+counts).
 
 Between stages travels the residual stream as the layers hand it on: ``h`` without the last layer's output
 ``delta`` added (the add is fused into the next norm), both ``[T, hidden]`` in the model dtype, so a split
