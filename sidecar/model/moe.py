@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from sidecar.model import moe_cpu
 from sidecar.model.args import ModelArgs
 from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.latent_args import latent_attention_parameters
@@ -49,7 +50,10 @@ Weight = Any  # a projection's weight: a tensor [out, in], or MXFP4 codes kept a
 
 
 class SparseMoE(nn.Module):
-    """``gate``: the router ([experts, hidden], no bias); ``experts``: one ``MLP`` per expert."""
+    """``gate``: the router ([experts, hidden], no bias); ``experts``: one ``MLP`` per expert.
+    ``cpu_grouped``: whether ``moe_cpu.routed`` may run a step (off: the per-expert loop, the reference)."""
+
+    cpu_grouped = True
 
     def __init__(self, args: ModelArgs, paths: Optional[FastPaths] = None) -> None:
         super().__init__()
@@ -163,6 +167,8 @@ class SparseMoE(nn.Module):
         ids, perm = ids.sort(dim=-1)
         weights = weights.gather(-1, perm)
         fast = self._grouped(x, weights, ids)
+        if fast is None and self.cpu_grouped:  # decode-sized CPU steps over int8 experts (moe_cpu.py)
+            fast = moe_cpu.routed(self, x, weights, ids)
         if fast is not None:
             return self._plus_shared(x, fast)
         flat = ids.reshape(-1)

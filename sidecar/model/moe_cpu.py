@@ -1,0 +1,134 @@
+"""The routed sum of a sparse block (moe.py) for a decode-sized step on the CPU in one kernel call.
+
+``routed(moe, x, weights, ids)`` runs every (row, expert) slot of the step through ``sidecar_int8_moe``
+(``kernels/cpu/int8_gemv.c``, ``moe_args.h``): gate/up, silu * up, down and the weighted sum in one parallel
+region over slots x output rows, reading the experts' int8 codes where the ``Int8Linear`` layers hold them.
+No routing result is read back to Python: the kernel takes the ids and weights tensors as they are. Each slot
+is the one-row product the expert's layer computes and the sum keeps moe.py's order, so the result equals
+the per-expert loop's bit for bit.
+
+The fast path refuses (returns None, and the per-expert loop runs) where it does not do a case: experts that
+are not int8 layers with per-row scales and unpadded inputs, biases, an activation other than silu,
+expert inputs scaled by the router (Llama 4), more rows than ``MAX_ROWS``, activations other than float32 /
+bf16, or a kernel that did not build. The experts' address tables are built at first use
+(``CpuExperts.of``); a block whose experts are replaced after that must drop them (``forget``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from sidecar.model.kernels.cpu import int8_gemv
+from sidecar.model.kernels.cpu.moe_args import MoeArgs
+
+log = logging.getLogger("sidecar.model")
+
+# Rows per step up to which the slots run one by one (each slot reads its expert's weights; a step of many
+# rows leaves that to the per-expert loop, which reads each picked expert once for all of its rows).
+MAX_ROWS = 8
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+class CpuExperts:
+    """The addresses of a sparse block's expert weights and scales (int64 tensors [E]), and the tensors they
+    point into (held, so the addresses stay valid)."""
+
+    __slots__ = ("fn", "tables", "held", "hidden", "inter")
+
+    def __init__(self, fn, tables: list[torch.Tensor], held: list[torch.Tensor], hidden: int, inter: int):
+        self.fn, self.tables, self.held, self.hidden, self.inter = fn, tables, held, hidden, inter
+
+    @staticmethod
+    def of(moe: nn.Module) -> Optional["CpuExperts"]:
+        """The block's tables, built at its first step (None where the fast path does not run it, the reason
+        logged once)."""
+        got = moe.__dict__.get("_cpu_experts")
+        if got is None:
+            got = _build(moe)
+            if isinstance(got, str):
+                log.debug("moe: the grouped CPU expert path does not run this block: %s", got)
+            moe.__dict__["_cpu_experts"] = got
+        return got if isinstance(got, CpuExperts) else None
+
+
+def forget(moe: nn.Module) -> None:
+    """Drop the block's tables (its experts' tensors were replaced)."""
+    moe.__dict__.pop("_cpu_experts", None)
+
+
+def _build(moe: nn.Module):
+    """``CpuExperts`` for the block, or the reason it cannot have them."""
+    from sidecar.model.quant import Int8Linear
+
+    lib = int8_gemv._KERNEL.lib()
+    if lib is None:
+        return "the int8 kernel did not build"
+    if moe.sigmoid_input or moe.softmax_after_topk:
+        return "the router's form"
+    first = moe.experts[0]
+    if first.clamp is not None or not first.silu:
+        return "an activation other than silu"
+    hidden, inter = first.down_proj.out_features, first.down_proj.in_features
+    tables: list[list[int]] = [[], [], [], []]
+    held: list[torch.Tensor] = []
+    for e in moe.experts:
+        for i, (lin, n, k) in enumerate(((e.gate_up_proj, 2 * inter, hidden), (e.down_proj, hidden, inter))):
+            if type(lin) is not Int8Linear:
+                return "experts that are not int8 layers"
+            w, s = lin.weight, lin.scales_f32
+            if lin.bias is not None or lin.k_padded != k or w.shape != (n, k) or w.device.type != "cpu":
+                return "experts with biases, padded inputs or off the CPU"
+            if not (w.is_contiguous() and s.is_contiguous() and s.dtype == torch.float32 and s.shape == (n,)):
+                return "experts' codes or scales not in the kernel's layout"
+            tables[2 * i].append(w.data_ptr())
+            tables[2 * i + 1].append(s.data_ptr())
+            held += [w, s]
+    return CpuExperts(
+        lib.sidecar_int8_moe, [torch.tensor(t, dtype=torch.int64) for t in tables], held, hidden, inter
+    )
+
+
+def routed(
+    moe: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> Optional[torch.Tensor]:
+    """The routed sum [T, hidden] of rows ``x`` [T, hidden] whose experts ``ids`` [T, k] (ascending in each
+    row) are weighed by ``weights`` [T, k], or None where the fast path does not run the step."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype not in _FLOATS:
+        return None
+    if weights.dtype not in _FLOATS or ids.dtype != torch.int64:
+        return None
+    ex = CpuExperts.of(moe)
+    if ex is None or x.shape[1] != ex.hidden:
+        return None
+    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
+    y = torch.empty_like(x)
+    gu, gus, dn, dns = ex.tables
+    rc = ex.fn(
+        MoeArgs(
+            x=x.data_ptr(),
+            ids=ids.data_ptr(),
+            weights=weights.data_ptr(),
+            gate_up=gu.data_ptr(),
+            gate_up_scales=gus.data_ptr(),
+            down=dn.data_ptr(),
+            down_scales=dns.data_ptr(),
+            y=y.data_ptr(),
+            T=x.shape[0],
+            k=ids.shape[1],
+            E=gu.shape[0],
+            H=ex.hidden,
+            I=ex.inter,
+            nthreads=torch.get_num_threads(),
+            x_bf16=x.dtype is torch.bfloat16,
+            weights_bf16=weights.dtype is torch.bfloat16,
+        )
+    )
+    if rc == 1:
+        raise ValueError(f"moe: an expert id outside 0..{gu.shape[0] - 1}")
+    if rc == 2:
+        raise MemoryError("moe: out of memory for the grouped expert scratch")
+    return y

@@ -1,0 +1,95 @@
+"""The grouped CPU expert path (moe_cpu.py, ``sidecar_int8_moe``) against the per-expert loop it replaces
+for decode-sized steps: the same bits on the same quantized experts (float32 and bf16, Qwen3-MoE's and
+Mixtral's routers, rows picking shared and disjoint experts), the same greedy tokens, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sidecar import LLM, SamplingParams
+from sidecar.model import moe_cpu
+from sidecar.model.moe import SparseMoE
+from tests.unit.model.family_checkpoints import build_family_checkpoint
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+PROMPTS = [[5 + (11 * i + 5 * j) % 800 for j in range(n)] for i, n in enumerate([4, 9, 17])]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe_step", "mixtral"])
+def family_dir(request, tmp_path_factory, demo_dir):
+    return build_family_checkpoint(request.param, tmp_path_factory.mktemp("moecpu") / request.param, demo_dir)
+
+
+@pytest.fixture(scope="module")
+def loaded(family_dir):
+    """``get(dtype, quantization)``: the checkpoint loaded so, once per module and family."""
+    cache: dict = {}
+
+    def get(dtype: str, quantization=None) -> LLM:
+        if (dtype, quantization) not in cache:
+            cache[dtype, quantization] = LLM(
+                model=str(family_dir), dtype=dtype, quantization=quantization, num_kv_blocks=64
+            )
+        return cache[dtype, quantization]
+
+    return get
+
+
+def _blocks(llm: LLM) -> list[SparseMoE]:
+    return [m for m in llm.engine.loaded.model.modules() if isinstance(m, SparseMoE)]
+
+
+def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    moe.cpu_grouped = False
+    try:
+        return moe(x)
+    finally:
+        del moe.cpu_grouped  # back to the class default (on)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_int8_experts_equal_the_per_expert_loop(loaded, dtype):
+    blocks = _blocks(loaded(str(dtype).split(".")[1], "int8"))
+    assert blocks
+    gen = torch.Generator().manual_seed(1)
+    for moe in blocks:
+        assert moe_cpu.CpuExperts.of(moe) is not None
+        hidden = moe.gate.in_features
+        for rows in (1, 2, 5, moe_cpu.MAX_ROWS):
+            x = torch.randn(rows, hidden, generator=gen).to(dtype)
+            weights, ids = moe.route(x)
+            ids, perm = ids.sort(dim=-1)
+            fast = moe_cpu.routed(moe, x, weights.gather(-1, perm), ids)
+            assert fast is not None and fast.dtype == dtype
+            assert torch.equal(fast, _reference(moe, x)), (rows, dtype)
+            assert torch.equal(moe(x), fast)
+        # two rows on the very same experts, and a step past MAX_ROWS (the loop runs it)
+        x = torch.randn(1, hidden, generator=gen).to(dtype).expand(2, hidden).contiguous()
+        assert torch.equal(moe(x), _reference(moe, x))
+        x = torch.randn(moe_cpu.MAX_ROWS + 1, hidden, generator=gen).to(dtype)
+        assert moe_cpu.routed(moe, x, *moe.route(x)) is None
+
+
+def test_greedy_tokens_equal_with_and_without_the_grouped_path(loaded):
+    llm = loaded("float32", "int8")
+    got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    for moe in _blocks(llm):
+        moe.cpu_grouped = False
+    try:
+        want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    finally:
+        for moe in _blocks(llm):
+            del moe.cpu_grouped
+    assert got == want
+    assert sum(len(set(o)) > 2 for o in got) >= 2, got
+
+
+def test_refused_for_float_experts_and_bad_ids(family_dir, loaded):
+    moe = _blocks(LLM(model=str(family_dir), dtype="float32", num_kv_blocks=32))[0]
+    assert moe_cpu.CpuExperts.of(moe) is None  # plain float experts: the loop runs them
+    qmoe = _blocks(loaded("float32", "int8"))[0]
+    x = torch.randn(2, qmoe.gate.in_features)
+    weights, ids = qmoe.route(x)
+    with pytest.raises(ValueError, match="expert id"):
+        moe_cpu.routed(qmoe, x, weights, ids + qmoe.num_experts)
