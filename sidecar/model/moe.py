@@ -12,7 +12,8 @@ once over all of its rows (``MLP``: a fused gate/up ``Linear`` with silu * up, t
 so its weights are read once per step; experts no row picked are not touched. A one-row step reads only
 its k experts. The experts are plain per-expert ``Linear`` layers, so the CPU layouts, the int8 / int4
 quantized layers and their kernels take them as they take the dense MLP's; an MXFP4 checkpoint's experts on the
-CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4 kernel).
+CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4 kernel). Decode-sized CPU
+steps over int8 / int4 experts run in one kernel call instead (``moe_cpu.py``), with the same result.
 
 gpt-oss (``ModelArgs.softmax_after_topk``): the router has a bias, the top-k of its logits are softmaxed in the
 model dtype, and the experts have biases and a clamped SwiGLU (``MLP``, layers.py).

@@ -29,7 +29,11 @@ def loaded(family_dir):
     def get(dtype: str, quantization=None) -> LLM:
         if (dtype, quantization) not in cache:
             cache[dtype, quantization] = LLM(
-                model=str(family_dir), dtype=dtype, quantization=quantization, num_kv_blocks=64
+                model=str(family_dir),
+                dtype=dtype,
+                quantization=quantization,
+                quant_group_size=32,  # the experts' widths (64, 96) are multiples of it
+                num_kv_blocks=64,
             )
         return cache[dtype, quantization]
 
@@ -48,9 +52,10 @@ def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         del moe.cpu_grouped  # back to the class default (on)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_int8_experts_equal_the_per_expert_loop(loaded, dtype):
-    blocks = _blocks(loaded(str(dtype).split(".")[1], "int8"))
+def test_grouped_experts_equal_the_per_expert_loop(loaded, dtype, mode):
+    blocks = _blocks(loaded(str(dtype).split(".")[1], mode))
     assert blocks
     gen = torch.Generator().manual_seed(1)
     for moe in blocks:
@@ -71,8 +76,9 @@ def test_grouped_int8_experts_equal_the_per_expert_loop(loaded, dtype):
         assert moe_cpu.routed(moe, x, *moe.route(x)) is None
 
 
-def test_greedy_tokens_equal_with_and_without_the_grouped_path(loaded):
-    llm = loaded("float32", "int8")
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_greedy_tokens_equal_with_and_without_the_grouped_path(loaded, mode):
+    llm = loaded("float32", mode)
     got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     for moe in _blocks(llm):
         moe.cpu_grouped = False
@@ -85,10 +91,9 @@ def test_greedy_tokens_equal_with_and_without_the_grouped_path(loaded):
     assert sum(len(set(o)) > 2 for o in got) >= 2, got
 
 
-def test_refused_for_float_experts_and_bad_ids(family_dir, loaded):
-    moe = _blocks(LLM(model=str(family_dir), dtype="float32", num_kv_blocks=32))[0]
-    assert moe_cpu.CpuExperts.of(moe) is None  # plain float experts: the loop runs them
+def test_refused_for_float_experts_and_bad_ids(loaded):
     qmoe = _blocks(loaded("float32", "int8"))[0]
+    assert moe_cpu.CpuExperts.of(SparseMoE(qmoe.args)) is None  # plain float experts: the loop runs them
     x = torch.randn(2, qmoe.gate.in_features)
     weights, ids = qmoe.route(x)
     with pytest.raises(ValueError, match="expert id"):
