@@ -12,14 +12,15 @@ The fast path refuses (returns None, and the per-expert loop runs) where it does
 are not int8 / int4 layers in the CPU kernels' layouts (per-row int8 scales, unpadded inputs and outputs, no
 biases, no codes kept for Triton), an activation other than silu, routers of another form (Llama 4's scaled
 inputs, gpt-oss's softmax after top-k), more rows than ``MAX_ROWS``, activations other than float32 / bf16,
-or a kernel that did not build. The experts' address tables are built at first use (``CpuExperts.of``); a
-block whose experts are replaced after that must drop them (``forget``).
+or a kernel that did not build. The experts' address tables are built at first use (``CpuExperts.of``) and
+hold the tensors they point into: the experts are fixed once loaded. ``self_check`` (at load) compares each
+block's fast path with its loop and leaves the loop on where they differ.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -58,9 +59,37 @@ class CpuExperts:
         return got if isinstance(got, CpuExperts) else None
 
 
-def forget(moe: nn.Module) -> None:
-    """Drop the block's tables (its experts' tensors were replaced)."""
-    moe.__dict__.pop("_cpu_experts", None)
+def self_check(blocks: Iterable[nn.Module], dtype: torch.dtype) -> int:
+    """At load: each sparse block's (``moe.SparseMoE``) fast path against its per-expert loop on probe rows
+    (one and three rows, in the model's ``dtype``); a block whose result differs in any bit keeps the loop
+    from then on, the reason logged. Returns how many blocks the fast path runs."""
+    gen, ran = torch.Generator().manual_seed(0), 0
+    for moe in blocks:
+        ex = CpuExperts.of(moe)
+        if ex is None:
+            continue
+        ok = True
+        for rows in (1, 3):
+            x = torch.randn(rows, ex.hidden, generator=gen).to(dtype)
+            with torch.no_grad():
+                weights, ids = moe.route(x)
+                ids, perm = ids.sort(dim=-1)
+                fast = routed(moe, x, weights.gather(-1, perm), ids)
+                own = moe.__dict__.get("cpu_grouped")
+                moe.cpu_grouped = False
+                try:
+                    ref = moe(x)
+                finally:
+                    if own is None:
+                        del moe.cpu_grouped
+                    else:
+                        moe.cpu_grouped = own
+            ok = ok and fast is not None and torch.equal(fast, ref)
+        if not ok:
+            log.warning("moe: the grouped CPU expert path differs from the per-expert loop; the loop runs")
+            moe.__dict__["_cpu_experts"] = "its self-check differed"
+        ran += ok
+    return ran
 
 
 def _operands(lin: nn.Module, cls: type, n: int, k: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:

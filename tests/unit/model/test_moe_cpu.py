@@ -98,3 +98,18 @@ def test_refused_for_float_experts_and_bad_ids(loaded):
     weights, ids = qmoe.route(x)
     with pytest.raises(ValueError, match="expert id"):
         moe_cpu.routed(qmoe, x, weights, ids + qmoe.num_experts)
+
+
+def test_self_check_keeps_the_loop_where_the_fast_path_differs(loaded):
+    blocks = _blocks(loaded("float32", "int8"))
+    assert moe_cpu.self_check(blocks, torch.float32) == len(blocks)  # as at load: every block passes
+    moe = blocks[0]
+    tables = moe_cpu.CpuExperts.of(moe).tables
+    tables[0].copy_(tables[0].flip(0))  # each expert's gate/up read from another's
+    try:
+        assert moe_cpu.self_check(blocks, torch.float32) == len(blocks) - 1
+        assert moe_cpu.CpuExperts.of(moe) is None
+        x = torch.randn(1, moe.gate.in_features)
+        assert torch.equal(moe(x), _reference(moe, x))
+    finally:
+        moe.__dict__.pop("_cpu_experts")  # rebuilt at the next step
