@@ -30,7 +30,8 @@ from sidecar.model.decoder import CausalLM
 from sidecar.model.deltanet import load_hybrid_mixer
 from sidecar.model.file_rows import SafetensorsIndex
 from sidecar.model.linear_layout import pack_weights
-from sidecar.model.moe import stack_experts
+from sidecar.model import moe_cpu
+from sidecar.model.moe import SparseMoE, stack_experts
 from sidecar.model.model_source import (  # noqa: F401 (re-exported: callers import them from here)
     eos_ids,
     load_tokenizer,
@@ -340,6 +341,11 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
     model.eval()
     if pack and device.type == "cpu":
         pack_weights(model, consume=True)  # the weights were just read: nothing else holds them
+    if device.type == "cpu":
+        blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        moe_cpu.self_check(
+            blocks, dtype
+        )  # the grouped expert path against the per-expert loop, where it runs
     if shard is not None and not isinstance(shard, Stage):
         shard.wrap(model, args)
     return LoadedModel(

@@ -12,7 +12,8 @@ once over all of its rows (``MLP``: a fused gate/up ``Linear`` with silu * up, t
 so its weights are read once per step; experts no row picked are not touched. A one-row step reads only
 its k experts. The experts are plain per-expert ``Linear`` layers, so the CPU layouts, the int8 / int4
 quantized layers and their kernels take them as they take the dense MLP's; an MXFP4 checkpoint's experts on the
-CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4 kernel).
+CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4 kernel). Decode-sized CPU
+steps over int8 / int4 experts run in one kernel call instead (``moe_cpu.py``), with the same result.
 
 gpt-oss (``ModelArgs.softmax_after_topk``): the router has a bias, the top-k of its logits are softmaxed in the
 model dtype, and the experts have biases and a clamped SwiGLU (``MLP``, layers.py).
@@ -38,6 +39,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from sidecar.model import moe_cpu
 from sidecar.model.args import ModelArgs
 from sidecar.model.kernels.gpu_paths import FastPaths
 from sidecar.model.latent_args import latent_attention_parameters
@@ -49,7 +51,10 @@ Weight = Any  # a projection's weight: a tensor [out, in], or MXFP4 codes kept a
 
 
 class SparseMoE(nn.Module):
-    """``gate``: the router ([experts, hidden], no bias); ``experts``: one ``MLP`` per expert."""
+    """``gate``: the router ([experts, hidden], no bias); ``experts``: one ``MLP`` per expert.
+    ``cpu_grouped``: whether ``moe_cpu.routed`` may run a step (off: the per-expert loop, the reference)."""
+
+    cpu_grouped = True
 
     def __init__(self, args: ModelArgs, paths: Optional[FastPaths] = None) -> None:
         super().__init__()
@@ -163,6 +168,8 @@ class SparseMoE(nn.Module):
         ids, perm = ids.sort(dim=-1)
         weights = weights.gather(-1, perm)
         fast = self._grouped(x, weights, ids)
+        if fast is None and self.cpu_grouped:  # decode-sized CPU steps over int8 experts (moe_cpu.py)
+            fast = moe_cpu.routed(self, x, weights, ids)
         if fast is not None:
             return self._plus_shared(x, fast)
         flat = ids.reshape(-1)

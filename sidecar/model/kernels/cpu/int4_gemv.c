@@ -39,6 +39,7 @@
 
 #include "vec.h"
 #include "matmul_args.h"
+#include "moe_args.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "int4_gemv needs AVX2 and FMA"
@@ -916,6 +917,107 @@ int sidecar_int4_matmul(const sidecar_matmul_args* args) {
                 else
                     memcpy((float*)y + at, tot[i], sizeof(float) * rows);
             }
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* One slot's product: y [np] (x's dtype) = the Act's row m through the packed codes w [np, K / 2] and their
+ * bf16 scales and zeros sz [G, np, 2], block by block as sidecar_int4_matmul runs a one-row call. */
+static void slot_block(const Act* a, int m, const uint8_t* w, const uint16_t* sz, int np, int b, int block_n,
+                       int split, const Idx* idx, void* y, int y_bf16) {
+    const int nfull = np / block_n, tail = np % block_n, K = a->K, G = a->G;
+    const int n0 = b * block_n, rows = b < nfull ? block_n : tail;
+    float tot[ROWS_CHUNK][64];
+    Act am = *a;
+    am.x = a->x + (int64_t)m * K;
+    am.x16 = a->x16 ? a->x16 + (int64_t)m * K : NULL;
+    am.xb = a->xb + (int64_t)m * a->xb_row * K;
+    am.d = a->d + (int64_t)m * G;
+    am.xqsum = a->xqsum + (int64_t)m * G;
+    am.xsum = a->xsum + (int64_t)m * G;
+    run_block(w + (int64_t)n0 * (K / 2), rows, b < nfull ? split : 0, idx, sz + 2 * (int64_t)n0, np, &am, 1,
+              tot);
+    if (y_bf16)
+        store_bf16((uint16_t*)y + n0, tot[0], rows);
+    else
+        memcpy((float*)y + n0, tot[0], sizeof(float) * rows);
+}
+
+/* The scratch bytes of moe_act's Act. */
+static size_t moe_act_bytes(int M, int K, int gs) {
+    return (size_t)M * (K / gs) * 12 + (size_t)M * 4 * K + 64;
+}
+
+/* An Act over M rows of K values (x's dtype) with its scratch from *p, advanced past it. */
+static Act moe_act(const void* x, int x_bf16, int M, int K, int gs, char** p) {
+    Act a = {
+            (const float*)x,     x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, K / gs, gs, 0,
+            INT_DOT == 2 ? 4 : 2};
+    const size_t mg = (size_t)M * a.G;
+    a.xsum = (float*)*p;
+    a.d = a.xsum + mg;
+    a.xqsum = (int32_t*)(a.d + mg);
+    a.xb = (int8_t*)(a.xqsum + mg);
+    *p = (char*)(a.xb + (size_t)M * a.xb_row * K + 64);
+    return a;
+}
+
+/* A sparse block's routed sum over int4 experts (moe_args.h) in one parallel region, each slot the one-row
+ * product sidecar_int4_matmul computes (its codes from its row alone): the rows' codes, every slot's gate/up
+ * blocks, each slot's silu * up and its codes, every slot's down blocks, the weighted sums by column.
+ * gate_up / down: packed codes; their scales: bf16 scales and zeros [G, N, 2]; 2 I and H multiples of 16.
+ * Returns 0, 1 for an expert id out of range, 2 when out of memory, 3 for arguments it does not handle (a
+ * build without the integer path, a group size or width that does not fit). */
+int sidecar_int4_moe(const sidecar_moe_args* a) {
+    const int T = a->T, S = a->T * a->k, H = a->H, I = a->I, dt = a->x_bf16, es = dt ? 2 : 4;
+    const int gs = a->group_size, block_n = a->block_n;
+    if (!INT_DOT || gs <= 0 || gs > 256 || gs % 16 || H % gs || I % gs || H % 16 || (2 * I) % 16 ||
+        (block_n != 64 && block_n != 32))
+        return 3;
+    if (moe_ids_ok(a)) return 1;
+    const size_t bytes = moe_act_bytes(T, H, gs) + moe_act_bytes(S, I, gs) + (size_t)S * (3 * I + H) * es;
+    char* scratch = malloc(bytes);
+    if (scratch == NULL) return 2;
+    char* p = scratch;
+    const Act ax = moe_act(a->x, dt, T, H, gs, &p);
+    char* gu = p; /* [S, 2 I], x's dtype */
+    char* act = gu + (size_t)S * 2 * I * es;
+    char* out = act + (size_t)S * I * es;
+    p = out + (size_t)S * H * es;
+    const Act aa = moe_act(act, dt, S, I, gs, &p);
+    Idx idx;
+    make_idx(&idx);
+    const int gu_blocks = (2 * I + block_n - 1) / block_n, dn_blocks = (H + block_n - 1) / block_n;
+    const int Gx = H / gs, Ga = I / gs, chunks = (H + 63) / 64;
+#pragma omp parallel num_threads(a->nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int mg = 0; mg < T * Gx; mg++) prepare_group(&ax, mg / Gx, mg % Gx);
+#pragma omp for schedule(static)
+        for (int item = 0; item < S * gu_blocks; item++) {
+            const int s = item / gu_blocks, e = (int)a->ids[s];
+            slot_block(&ax, s / a->k, (const uint8_t*)(intptr_t)a->gate_up[e],
+                       (const uint16_t*)(intptr_t)a->gate_up_scales[e], 2 * I, item % gu_blocks, block_n,
+                       a->split, &idx, gu + (size_t)s * 2 * I * es, dt);
+        }
+#pragma omp for schedule(static)
+        for (int s = 0; s < S; s++) {
+            moe_silu_row(gu + (size_t)s * 2 * I * es, act + (size_t)s * I * es, I, dt);
+            for (int g = 0; g < Ga; g++) prepare_group(&aa, s, g);
+        }
+#pragma omp for schedule(static)
+        for (int item = 0; item < S * dn_blocks; item++) {
+            const int s = item / dn_blocks, e = (int)a->ids[s];
+            slot_block(&aa, s, (const uint8_t*)(intptr_t)a->down[e],
+                       (const uint16_t*)(intptr_t)a->down_scales[e], H, item % dn_blocks, block_n, a->split,
+                       &idx, out + (size_t)s * H * es, dt);
+        }
+#pragma omp for schedule(static)
+        for (int item = 0; item < T * chunks; item++) {
+            const int t = item / chunks, h0 = (item % chunks) * 64;
+            moe_weighted_sum(a, out, t, h0, h0 + 64 < H ? h0 + 64 : H);
         }
     }
     free(scratch);

@@ -28,6 +28,7 @@ import torch
 from sidecar.model.kernels.cpu import amx_gemm, cpu_build
 from sidecar.model.kernels.cpu.cpu_build import I
 from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
+from sidecar.model.kernels.cpu.moe_args import MoeArgs
 
 log = logging.getLogger("sidecar.kernels")
 
@@ -49,6 +50,7 @@ _KERNEL = cpu_build.Kernel(
     "int4_gemv",
     {
         "sidecar_int4_matmul": ([MatmulArgs], I),
+        "sidecar_int4_moe": ([MoeArgs], I),
         "sidecar_int4_vector_bits": ([], I),
         "sidecar_int4_integer_dot": ([], I),
     },

@@ -22,6 +22,7 @@
 
 #include "vec.h"
 #include "matmul_args.h"
+#include "moe_args.h"
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define NT 4
@@ -309,6 +310,44 @@ static inline __attribute__((always_inline)) void dot_tile_g32(const int16_t* x,
 #define BIAS_BF16 4 /* bias is bf16 (else float32) */
 #define GROUPED   8 /* s is the grouped form's d [N, K / 32] (else one scale per row [N]) */
 
+/* Outputs n0 .. n0 + NT - 1 (those below N) of M activation rows (xq [M, K] int16 codes, xs [M] their
+ * scales) through w [N, K] and its scales s (the per-row scale [N], or with GROUPED d [N, K / 32]); bias [N]
+ * or NULL, added before the rounding of a bf16 y [M, N]. */
+static inline void weight_tile(const int16_t* xq, const float* xs, const int8_t* w, const float* s,
+                               const void* bias, void* y, int M, int N, int K, int n0, int flags) {
+    const int grouped = (flags & GROUPED) != 0, G = K / 32;
+    const int nb = N - n0 >= NT ? NT : 1;
+    for (int n1 = n0; n1 < n0 + NT && n1 < N; n1 += nb) {
+        const int8_t* wr = w + (int64_t)n1 * K;
+        const float* dr = s + (int64_t)n1 * G;
+        for (int m0 = 0; m0 < M; m0 += MT) {
+            const int16_t* xb = xq + (int64_t)m0 * K;
+            const int mb = M - m0 < MT ? M - m0 : MT;
+            float out[MT * NT];
+            if (grouped) {
+#define G32_CALL(A, B) dot_tile_g32(xb, wr, dr, K, A, B, out)
+                TILE_CASES(G32_CALL)
+            } else {
+                int64_t acc[MT * NT];
+#define INT8_CALL(A, B) dot_tile(xb, wr, K, A, B, acc)
+                TILE_CASES(INT8_CALL)
+                for (int i = 0; i < mb * nb; i++) out[i] = (float)(double)acc[i] * s[n1 + i % nb];
+            }
+            for (int i = 0; i < mb; i++)
+                for (int j = 0; j < nb; j++) {
+                    float v = out[i * nb + j] * xs[m0 + i];
+                    if (bias)
+                        v += flags & BIAS_BF16 ? dt_load(bias, n1 + j, 1) : ((const float*)bias)[n1 + j];
+                    const int64_t at = (int64_t)(m0 + i) * N + n1 + j;
+                    if (flags & Y_BF16)
+                        ((uint16_t*)y)[at] = f32_to_bf16(v);
+                    else
+                        ((float*)y)[at] = v;
+                }
+        }
+    }
+}
+
 /* Both forms: s is the per-row scale [N], or with GROUPED the per-group scales d [N, K / 32]; bias [N] or
  * NULL, added before the rounding of a bf16 y. xq: scratch int16 [M, K]; xs: scratch float [M]; row: scratch
  * float [K] for a bf16 x. */
@@ -317,41 +356,9 @@ static void matmul(const void* x, const int8_t* w, const float* s, const void* b
     const int grouped = (flags & GROUPED) != 0;
     /* a group's lanes start from zero, so the grouped form never nears int32's range */
     quantize_rows(x, flags & X_BF16, row, xq, xs, M, K, grouped ? 32767.f : activation_qmax(K));
-    const int G = K / 32, tiles = (N + NT - 1) / NT;
+    const int tiles = (N + NT - 1) / NT;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int t = 0; t < tiles; t++) {
-        const int n0 = t * NT;
-        const int nb = N - n0 >= NT ? NT : 1;
-        for (int n1 = n0; n1 < n0 + NT && n1 < N; n1 += nb) {
-            const int8_t* wr = w + (int64_t)n1 * K;
-            const float* dr = s + (int64_t)n1 * G;
-            for (int m0 = 0; m0 < M; m0 += MT) {
-                const int16_t* xb = xq + (int64_t)m0 * K;
-                const int mb = M - m0 < MT ? M - m0 : MT;
-                float out[MT * NT];
-                if (grouped) {
-#define G32_CALL(A, B) dot_tile_g32(xb, wr, dr, K, A, B, out)
-                    TILE_CASES(G32_CALL)
-                } else {
-                    int64_t acc[MT * NT];
-#define INT8_CALL(A, B) dot_tile(xb, wr, K, A, B, acc)
-                    TILE_CASES(INT8_CALL)
-                    for (int i = 0; i < mb * nb; i++) out[i] = (float)(double)acc[i] * s[n1 + i % nb];
-                }
-                for (int i = 0; i < mb; i++)
-                    for (int j = 0; j < nb; j++) {
-                        float v = out[i * nb + j] * xs[m0 + i];
-                        if (bias)
-                            v += flags & BIAS_BF16 ? dt_load(bias, n1 + j, 1) : ((const float*)bias)[n1 + j];
-                        const int64_t at = (int64_t)(m0 + i) * N + n1 + j;
-                        if (flags & Y_BF16)
-                            ((uint16_t*)y)[at] = f32_to_bf16(v);
-                        else
-                            ((float*)y)[at] = v;
-                    }
-            }
-        }
-    }
+    for (int t = 0; t < tiles; t++) weight_tile(xq, xs, w, s, bias, y, M, N, K, t * NT, flags);
 }
 
 /* A whole linear layer in one call: y = (x @ w.T) * scale + bias with x and y float32 or bf16 and the
@@ -378,6 +385,67 @@ int sidecar_int8_linear(const sidecar_matmul_args* a) {
         return 2;
     }
     matmul(x, w, s, bias, y, xq, xs, xs + M, M, N, K, nthreads, flags);
+    free(xq);
+    free(xs);
+    return 0;
+}
+
+/* A sparse block's routed sum over int8 experts with per-row scales (moe_args.h), in one parallel region:
+ * the rows' codes, every slot's gate/up tiles, each slot's silu * up and its codes, every slot's down tiles,
+ * then the weighted sums by column. Each slot is the one-row product the layer runs (a row's codes and
+ * sums do not depend on the other rows), so the bits are the per-expert layers'. Returns 0, 1 for an
+ * expert id out of range, 2 when out of memory. */
+int sidecar_int8_moe(const sidecar_moe_args* a) {
+    const int T = a->T, S = a->T * a->k, H = a->H, I = a->I, dt = a->x_bf16, es = dt ? 2 : 4;
+    const int flags = dt ? Y_BF16 : 0;
+    if (moe_ids_ok(a)) return 1;
+    const size_t n_xq = (size_t)T * H + (size_t)S * I, n_f = (size_t)T + S + (size_t)(H > I ? H : I);
+    int16_t* xq = (int16_t*)malloc(sizeof(int16_t) * n_xq);
+    float* xs = (float*)malloc(sizeof(float) * n_f * 1 + (size_t)S * (2 * I + I + H) * es);
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return 2;
+    }
+    int16_t* aq = xq + (size_t)T * H; /* [S, I] the activations' codes */
+    float* as = xs + T;               /* [S] their scales */
+    char* gu = (char*)(xs + n_f);     /* [S, 2 I], x's dtype */
+    char* act = gu + (size_t)S * 2 * I * es;
+    char* out = act + (size_t)S * I * es;
+    float* row = as + S;
+    quantize_rows(a->x, dt, row, xq, xs, T, H, activation_qmax(H));
+    const int gu_tiles = (2 * I + NT - 1) / NT, dn_tiles = (H + NT - 1) / NT;
+    const float qmax_i = activation_qmax(I);
+    int nthreads = a->nthreads;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int item = 0; item < S * gu_tiles; item++) {
+            const int s = item / gu_tiles, e = (int)a->ids[s], t = s / a->k;
+            weight_tile(xq + (size_t)t * H, xs + t, (const int8_t*)(intptr_t)a->gate_up[e],
+                        (const float*)(intptr_t)a->gate_up_scales[e], NULL, gu + (size_t)s * 2 * I * es, 1,
+                        2 * I, H, (item % gu_tiles) * NT, flags);
+        }
+#pragma omp for schedule(static)
+        for (int s = 0; s < S; s++) {
+            float wide[I];
+            moe_silu_row(gu + (size_t)s * 2 * I * es, act + (size_t)s * I * es, I, dt);
+            quantize_rows(act + (size_t)s * I * es, dt, wide, aq + (size_t)s * I, as + s, 1, I, qmax_i);
+        }
+#pragma omp for schedule(static)
+        for (int item = 0; item < S * dn_tiles; item++) {
+            const int s = item / dn_tiles, e = (int)a->ids[s];
+            weight_tile(aq + (size_t)s * I, as + s, (const int8_t*)(intptr_t)a->down[e],
+                        (const float*)(intptr_t)a->down_scales[e], NULL, out + (size_t)s * H * es, 1, H, I,
+                        (item % dn_tiles) * NT, flags);
+        }
+        const int chunks = (H + 63) / 64;
+#pragma omp for schedule(static)
+        for (int item = 0; item < T * chunks; item++) {
+            const int t = item / chunks, h0 = (item % chunks) * 64;
+            moe_weighted_sum(a, out, t, h0, h0 + 64 < H ? h0 + 64 : H);
+        }
+    }
     free(xq);
     free(xs);
     return 0;

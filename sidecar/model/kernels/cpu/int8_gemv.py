@@ -21,6 +21,7 @@ import torch
 from sidecar.model.kernels.cpu import amx_gemm, cpu_build, int8_gemm
 from sidecar.model.kernels.cpu.cpu_build import I
 from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
+from sidecar.model.kernels.cpu.moe_args import MoeArgs
 
 # Rows (sequences in a decode step, tokens in a prefill chunk) up to which this kernel is used (it leads torch's
 # packed kernel there); beyond that bf16 prefill chunks go to the tile-layout kernel over the widened codes
@@ -41,7 +42,9 @@ def takes(rows: int, dtype: Optional[torch.dtype] = None) -> bool:
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
-_KERNEL = cpu_build.Kernel("int8_gemv", {"sidecar_int8_linear": ([MatmulArgs], I)})
+_KERNEL = cpu_build.Kernel(
+    "int8_gemv", {"sidecar_int8_linear": ([MatmulArgs], I), "sidecar_int8_moe": ([MoeArgs], I)}
+)
 
 
 available = _KERNEL.available

@@ -1,0 +1,197 @@
+"""The routed sum of a sparse block (moe.py) for a decode-sized step on the CPU in one kernel call.
+
+``routed(moe, x, weights, ids)`` runs every (row, expert) slot of the step through ``sidecar_int8_moe``
+(``kernels/cpu/int8_gemv.c``) or ``sidecar_int4_moe`` (``kernels/cpu/int4_gemv.c``; ``moe_args.h`` for both):
+gate/up, silu * up, down and the weighted sum in one parallel region over slots x output rows, reading the
+experts' codes where their ``Int8Linear`` / ``Int4Linear`` layers hold them. No routing result is read back to
+Python: the kernel takes the ids and weights tensors as they are. Each slot is the one-row product the
+expert's layer computes and the sum keeps moe.py's order, so the result equals the per-expert loop's bit
+for bit.
+
+The fast path refuses (returns None, and the per-expert loop runs) where it does not do a case: experts that
+are not int8 / int4 layers in the CPU kernels' layouts (per-row int8 scales, unpadded inputs and outputs, no
+biases, no codes kept for Triton), an activation other than silu, routers of another form (Llama 4's scaled
+inputs, gpt-oss's softmax after top-k), more rows than ``MAX_ROWS``, activations other than float32 / bf16,
+or a kernel that did not build. The experts' address tables are built at first use (``CpuExperts.of``) and
+hold the tensors they point into: the experts are fixed once loaded. ``self_check`` (at load) compares each
+block's fast path with its loop and leaves the loop on where they differ.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+from sidecar.model.kernels.cpu import int4_gemv, int8_gemv
+from sidecar.model.kernels.cpu.moe_args import MoeArgs
+
+log = logging.getLogger("sidecar.model")
+
+# Rows per step up to which the slots run one by one (each slot reads its expert's weights; a step of many
+# rows leaves that to the per-expert loop, which reads each picked expert once for all of its rows).
+MAX_ROWS = 8
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+class CpuExperts:
+    """The addresses of a sparse block's expert weights and scales (int64 tensors [E]), and the tensors they
+    point into (held, so the addresses stay valid)."""
+
+    __slots__ = ("fn", "extra", "tables", "held", "hidden", "inter")
+
+    def __init__(self, fn, extra: dict, tables: list, held: list[torch.Tensor], hidden: int, inter: int):
+        self.fn, self.extra, self.tables, self.held = fn, extra, tables, held
+        self.hidden, self.inter = hidden, inter
+
+    @staticmethod
+    def of(moe: nn.Module) -> Optional["CpuExperts"]:
+        """The block's tables, built at its first step (None where the fast path does not run it, the reason
+        logged once)."""
+        got = moe.__dict__.get("_cpu_experts")
+        if got is None:
+            got = _build(moe)
+            if isinstance(got, str):
+                log.debug("moe: the grouped CPU expert path does not run this block: %s", got)
+            moe.__dict__["_cpu_experts"] = got
+        return got if isinstance(got, CpuExperts) else None
+
+
+def self_check(blocks: Iterable[nn.Module], dtype: torch.dtype) -> int:
+    """At load: each sparse block's (``moe.SparseMoE``) fast path against its per-expert loop on probe rows
+    (one and three rows, in the model's ``dtype``); a block whose result differs in any bit keeps the loop
+    from then on, the reason logged. Returns how many blocks the fast path runs."""
+    gen, ran = torch.Generator().manual_seed(0), 0
+    for moe in blocks:
+        ex = CpuExperts.of(moe)
+        if ex is None:
+            continue
+        ok = True
+        for rows in (1, 3):
+            x = torch.randn(rows, ex.hidden, generator=gen).to(dtype)
+            with torch.no_grad():
+                weights, ids = moe.route(x)
+                ids, perm = ids.sort(dim=-1)
+                fast = routed(moe, x, weights.gather(-1, perm), ids)
+                own = moe.__dict__.get("cpu_grouped")
+                moe.cpu_grouped = False
+                try:
+                    ref = moe(x)
+                finally:
+                    if own is None:
+                        del moe.cpu_grouped
+                    else:
+                        moe.cpu_grouped = own
+            ok = ok and fast is not None and torch.equal(fast, ref)
+        if not ok:
+            log.warning("moe: the grouped CPU expert path differs from the per-expert loop; the loop runs")
+            moe.__dict__["_cpu_experts"] = "its self-check differed"
+        ran += ok
+    return ran
+
+
+def _operands(lin: nn.Module, cls: type, n: int, k: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(codes, scales) of an expert's projection [n, k] in the kernel's layout, or None."""
+    if type(lin) is not cls or lin.bias is not None or lin.k_padded != k or lin.out_features != n:
+        return None
+    if cls.mode == "int8":
+        w, s = lin.weight, lin.scales_f32
+        ok = w.shape == (n, k) and s.dtype == torch.float32 and s.shape == (n,)
+    else:
+        w, s = lin.weight, lin.scales_and_zeros
+        ok = w.shape == (n, k // 2) and s.dtype == torch.bfloat16 and lin.qweight_plain is None
+        ok = ok and s.shape == (k // lin.group_size, n, 2)
+    ok = ok and w.device.type == "cpu" and w.is_contiguous() and s.is_contiguous()
+    return (w, s) if ok else None
+
+
+def _kernel(cls: type):
+    """(function, extra MoeArgs fields) of the experts' mode, or the reason there is none."""
+    if cls.mode == "int8":
+        lib = int8_gemv._KERNEL.lib()
+        return (lib.sidecar_int8_moe, {}) if lib is not None else "the int8 kernel did not build"
+    lib, layout = int4_gemv._KERNEL.lib(), int4_gemv.torch_layout()
+    if lib is None or layout is None or not lib.sidecar_int4_integer_dot():
+        return "the int4 kernel did not build (or keeps float activations)"
+    return lib.sidecar_int4_moe, {"block_n": layout[0], "split": int(layout[1])}
+
+
+def _build(moe: nn.Module):
+    """``CpuExperts`` for the block, or the reason it cannot have them."""
+    from sidecar.model.quant import Int4Linear, Int8Linear
+
+    if moe.sigmoid_input or moe.softmax_after_topk:
+        return "the router's form"
+    first = moe.experts[0]
+    if first.clamp is not None or not first.silu:
+        return "an activation other than silu"
+    cls = type(first.gate_up_proj)
+    if cls not in (Int8Linear, Int4Linear):
+        return "experts that are not int8 / int4 layers"
+    kernel = _kernel(cls)
+    if isinstance(kernel, str):
+        return kernel
+    fn, extra = kernel
+    if cls is Int4Linear:
+        extra["group_size"] = first.gate_up_proj.group_size
+    hidden, inter = first.down_proj.out_features, first.down_proj.in_features
+    tables: list[list[int]] = [[], [], [], []]
+    held: list[torch.Tensor] = []
+    for e in moe.experts:
+        for i, (lin, n, k) in enumerate(((e.gate_up_proj, 2 * inter, hidden), (e.down_proj, hidden, inter))):
+            ops = _operands(lin, cls, n, k)
+            if ops is None or getattr(lin, "group_size", 0) != extra.get("group_size", 0):
+                return "experts without biases, padding or another layout"
+            tables[2 * i].append(ops[0].data_ptr())
+            tables[2 * i + 1].append(ops[1].data_ptr())
+            held += ops
+    tabs = [torch.tensor(t, dtype=torch.int64) for t in tables]
+    return CpuExperts(fn, extra, tabs, held, hidden, inter)
+
+
+def routed(
+    moe: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> Optional[torch.Tensor]:
+    """The routed sum [T, hidden] of rows ``x`` [T, hidden] whose experts ``ids`` [T, k] (ascending in each
+    row) are weighed by ``weights`` [T, k], or None where the fast path does not run the step."""
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype not in _FLOATS:
+        return None
+    if weights.dtype not in _FLOATS or ids.dtype != torch.int64:
+        return None
+    ex = CpuExperts.of(moe)
+    if ex is None or x.shape[1] != ex.hidden:
+        return None
+    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
+    y = torch.empty_like(x)
+    gu, gus, dn, dns = ex.tables
+    rc = ex.fn(
+        MoeArgs(
+            x=x.data_ptr(),
+            ids=ids.data_ptr(),
+            weights=weights.data_ptr(),
+            gate_up=gu.data_ptr(),
+            gate_up_scales=gus.data_ptr(),
+            down=dn.data_ptr(),
+            down_scales=dns.data_ptr(),
+            y=y.data_ptr(),
+            T=x.shape[0],
+            k=ids.shape[1],
+            E=gu.shape[0],
+            H=ex.hidden,
+            I=ex.inter,
+            nthreads=torch.get_num_threads(),
+            x_bf16=x.dtype is torch.bfloat16,
+            weights_bf16=weights.dtype is torch.bfloat16,
+            **ex.extra,
+        )
+    )
+    if rc == 1:
+        raise ValueError(f"moe: an expert id outside 0..{gu.shape[0] - 1}")
+    if rc == 2:
+        raise MemoryError("moe: out of memory for the grouped expert scratch")
+    if rc == 3:  # a shape the kernel does not take: the loop runs this block from now on
+        moe.__dict__["_cpu_experts"] = "a group size or width the kernel does not take"
+        return None
+    return y
