@@ -31,8 +31,9 @@ from sidecar.model.kernels.cpu.moe_args import MoeArgs
 log = logging.getLogger("sidecar.model")
 
 # Rows per step up to which the slots run one by one (each slot reads its expert's weights; a step of many
-# rows leaves that to the per-expert loop, which reads each picked expert once for all of its rows).
-MAX_ROWS = 8
+# rows leaves that to the per-expert loop, which reads each picked expert once for all of its rows). Below
+# int4_gemv.TILE_MIN_ROWS, so no expert of the loop it must equal reaches the AMX tile kernel's row count.
+MAX_ROWS = int4_gemv.TILE_MIN_ROWS - 1
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
