@@ -23,7 +23,9 @@
  *    vpmaddubsw: a 32-byte vector holds 16 rows' codes of two adjacent columns side by side (unpacked
  *    from the layout), multiplied with a column pair of high or low activation bytes; the 16-bit pair
  *    sums of 8 column pairs (at most 8 * 2 * 15 * 128 = 30720) are summed as 16-bit, then widened to
- *    32 bits: about half the instructions per code of the float path. That is for calls of
+ *    32 bits: about half the instructions per code of the float path. Split blocks of 32 rows (torch's
+ *    layout with AVX2) pair column k with k + 2 instead (group_quads): their bytes interleave within
+ *    128-bit lanes, with no lane-crossing shuffle per column pair. That is for calls of
  *    1-2 rows (decode), a pair of rows sharing each decoded vector (its 16-bit sums all in registers,
  *    so the second row costs its products alone); from 3 rows on (panel_group) a group's codes are
  *    decoded once per block to int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16
@@ -55,6 +57,7 @@
 #define ROWS_CHUNK 32    /* activation rows whose outputs one block keeps at once */
 #define XQ_MAX     32639 /* 16-bit activation codes whose high and low bytes are both int8 */
 #define PANEL_MIN  3     /* AVX2: activation rows from which a call takes the panels (see panel_group) */
+#define XB_QUADS   16    /* AVX2, panels 0: bytes a row and column of group_quads' activation vectors */
 
 /* What one pass over a block decodes (the tiles of 16 rows it covers). */
 enum { SPLIT64_ALL, SPLIT64_LO, SPLIT64_HI, SPLIT32_ALL, INTERLEAVED_1 };
@@ -69,13 +72,14 @@ typedef struct {
     int8_t* xb;     /* [M, 2, K]: high bytes, then low bytes of the 16-bit codes (integer path). With AVX2,
                      * xb_row * K bytes a row, pairs of columns as int32 (a float broadcast makes a vector of
                      * them, where an integer broadcast from memory is several times slower): high bytes
-                     * then low bytes, a pair's two bytes twice (panels 0), or the int16 codes (panels 1) */
+                     * then low bytes, a pair's two bytes twice (panels 0), or the int16 codes (panels 1);
+                     * with panels 0 the quads of group_quads follow: XB_QUADS bytes a column */
     float* d;       /* [M, G] code scale (integer path) */
     int32_t* xqsum; /* [M, G] sum of the codes (integer path) */
     float* xsum;    /* [M, G] sum of x */
     int K, G, gs;
     int panels; /* AVX2: the call has PANEL_MIN rows or more (xb holds int16 codes, pairs as int32) */
-    int xb_row; /* bytes of xb per row and column: 4 for AVX2's byte pairs, else 2 */
+    int xb_row; /* bytes of xb per row and column: 4 + XB_QUADS for AVX2's byte pairs and quads, else 2 */
 } Act;
 
 #if INT_DOT == 1
@@ -172,6 +176,21 @@ static void prepare_group(const Act* a, int m, int g) {
             const __m256i r = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, twice), 0xD8);
             _mm_storeu_si128((__m128i*)(lo + (k + 8 * j) / 2), _mm256_castsi256_si128(r));
             _mm_storeu_si128((__m128i*)(hi + (k + 8 * j) / 2), _mm256_extracti128_si256(r, 1));
+        }
+    }
+    if (!a->panels) { /* group_quads' vectors a 4 columns k..k+3: high bytes, then low ones, each 16 bytes of
+                       * the pair (k, k + 2) then 16 bytes of the pair (k + 1, k + 3), from the pairs above
+                       * (8 bytes a 4 columns: k, k + 1, k, k + 1, k + 2, k + 3, k + 2, k + 3) */
+        const __m256i quad = _mm256_setr_epi8(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 1, 5, 1, 5, 1,
+                                              5, 1, 5, 1, 5, 1, 5, 1, 5, 1, 5);
+        __m256i* v = (__m256i*)(a->xb + (int64_t)m * a->xb_row * a->K + 4 * (int64_t)a->K) +
+                     (int64_t)g * a->gs / 2;
+        for (int k = 0; k < a->gs; k += 4, v += 2) {
+            int64_t ph, pl;
+            memcpy(&ph, hi + k / 2, 8);
+            memcpy(&pl, lo + k / 2, 8);
+            v[0] = _mm256_shuffle_epi8(_mm256_set1_epi64x(ph), quad);
+            v[1] = _mm256_shuffle_epi8(_mm256_set1_epi64x(pl), quad);
         }
     }
     int32_t qs[8];
@@ -483,6 +502,94 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
     }
 }
 
+/* Split blocks of 32 rows for the R (1 or 2) activation rows from row i, without crossing 128-bit lanes: the
+ * 32 bytes of columns k, k + 1 and those of k + 2, k + 3 interleave in-lane (vpunpck{l,h}bw) into code pairs
+ * (k, k + 2) in the low lane and (k + 1, k + 3) in the high one, rows 0-7 (low bytes) or 8-15 (high bytes)
+ * of a nibble's tile, multiplied with prepare_group's quads, whose lanes hold those pairs of activation
+ * bytes. Word j of a lane sums row j of its own two columns; the two lanes are added once a group. The
+ * integer sums are group_pairs' exact integers and are folded into tot the same way, so the outputs are
+ * bit for bit group_pairs'. */
+static inline __attribute__((always_inline)) void group_quads(const uint8_t* w, const Act* a, int i,
+                                                              const int R, int g, const uint16_t* szg,
+                                                              float (*tot)[64]) {
+    const __m256i m = _mm256_set1_epi8(0x0F), lo_hi = _mm256_set1_epi32(1 | 256 << 16);
+    const int H = R == 1 ? 2 : 1; /* nibbles a pass: both for one row, one after the other for two */
+    const __m256i* xq[2];
+    for (int r = 0; r < R; r++)
+        xq[r] = (const __m256i*)(a->xb + (int64_t)(i + r) * a->xb_row * a->K + 4 * (int64_t)a->K) +
+                (int64_t)g * a->gs / 2;
+    for (int n0 = 0; n0 < 2; n0 += H) {
+        /* s03/s47[r][v]: row i + r's 32-bit sums of u[v]'s rows 0-3 (words 0-3 of each lane) and 4-7, kept in
+         * memory (the asm below makes them addressable and reread): in registers they would push the 16-bit
+         * sums of the loop out of them */
+        __m256i s03[2][4] __attribute__((aligned(32))), s47[2][4] __attribute__((aligned(32)));
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < 2 * H; v++) s03[r][v] = s47[r][v] = _mm256_setzero_si256();
+        __asm__ volatile("" : : "r"(s03), "r"(s47) : "memory");
+        for (int k0 = 0; k0 < a->gs; k0 += 32) {
+            /* 16-bit sums of one product each 4 columns: at most 8 * 2 * 15 * 128 = 30720 for 32 columns */
+            const int span = a->gs - k0 < 32 ? a->gs - k0 : 32; /* gs % 16 == 0 */
+            __m256i h16[2][4], l16[2][4];
+            for (int r = 0; r < 2; r++)
+                for (int v = 0; v < 4; v++) h16[r][v] = l16[r][v] = _mm256_setzero_si256();
+            const uint8_t* wk = w + (int64_t)k0 * 16;
+            const __m256i* xk[2] = {xq[0] + k0 / 2, xq[R - 1] + k0 / 2};
+            for (int k = 0; k < span; k += 4, wk += 64, xk[0] += 2, xk[1] += 2) {
+                const __m256i c01 = _mm256_loadu_si256((const __m256i*)wk);
+                const __m256i c23 = _mm256_loadu_si256((const __m256i*)(wk + 32));
+                const __m256i b0 = _mm256_unpacklo_epi8(c01, c23), b1 = _mm256_unpackhi_epi8(c01, c23);
+                __m256i u[4];
+                for (int hh = 0; hh < H; hh++) { /* the low nibbles: rows 0-15, the high ones: rows 16-31 */
+                    const int high = n0 + hh;
+                    u[2 * hh] = _mm256_and_si256(high ? _mm256_srli_epi16(b0, 4) : b0, m);
+                    u[2 * hh + 1] = _mm256_and_si256(high ? _mm256_srli_epi16(b1, 4) : b1, m);
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m256i bh = _mm256_load_si256(xk[r]), bl = _mm256_load_si256(xk[r] + 1);
+                    for (int v = 0; v < 2 * H; v++) {
+                        h16[r][v] = _mm256_add_epi16(h16[r][v], _mm256_maddubs_epi16(u[v], bh));
+                        l16[r][v] = _mm256_add_epi16(l16[r][v], _mm256_maddubs_epi16(u[v], bl));
+                    }
+                    /* the sums pinned to registers (see group_pairs) */
+                    if (H == 2)
+                        __asm__(""
+                                : "+x"(h16[r][0]), "+x"(h16[r][1]), "+x"(h16[r][2]), "+x"(h16[r][3]),
+                                  "+x"(l16[r][0]), "+x"(l16[r][1]), "+x"(l16[r][2]), "+x"(l16[r][3]));
+                    else
+                        __asm__("" : "+x"(h16[r][0]), "+x"(h16[r][1]), "+x"(l16[r][0]), "+x"(l16[r][1]));
+                }
+            }
+            for (int r = 0; r < R;
+                 r++) /* word pairs (low, high) of a row: low + 256 high, exact in 32 bits */
+                for (int v = 0; v < 2 * H; v++) {
+                    s03[r][v] = _mm256_add_epi32(
+                            s03[r][v], _mm256_madd_epi16(_mm256_unpacklo_epi16(l16[r][v], h16[r][v]), lo_hi));
+                    s47[r][v] = _mm256_add_epi32(
+                            s47[r][v], _mm256_madd_epi16(_mm256_unpackhi_epi16(l16[r][v], h16[r][v]), lo_hi));
+                }
+            __asm__ volatile("" : : "r"(s03), "r"(s47) : "memory");
+        }
+        const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+        for (int r = 0; r < R; r++) { /* as group_pairs folds its sums */
+            const int64_t mg = (int64_t)(i + r) * a->G + g;
+            const __m256 dx = _mm256_set1_ps(a->d[mg]), xs = _mm256_set1_ps(a->xsum[mg]);
+            const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
+            for (int v = 0; v < 2 * H; v++) { /* rows 16 t + 8 h .. + 7 */
+                const int t = n0 + v / 2, h = v % 2;
+                const __m256i rows = _mm256_add_epi32(_mm256_permute2x128_si256(s03[r][v], s47[r][v], 0x20),
+                                                      _mm256_permute2x128_si256(s03[r][v], s47[r][v], 0x31));
+                const __m256i sv = _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h));
+                const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(sv, 16));
+                const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(sv, high));
+                float* o = &tot[i + r][16 * t + 8 * h];
+                const __m256 acc = _mm256_fmadd_ps(ze, xs, _mm256_loadu_ps(o));
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_add_epi32(rows, q8));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_mul_ps(sc, dx), q, acc));
+            }
+        }
+    }
+}
+
 /* From PANEL_MIN activation rows on (prefill chunks, batched decode steps) the codes are used as 16-bit
  * integers: a block decodes a group's codes once (a vector of 8 rows' code pairs (k, k + 1) as int16 pairs),
  * and panels of up to PANEL_ROWS activation rows multiply them with a row's 16-bit activation pair (vpmaddwd:
@@ -587,6 +694,11 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
     for (int g = 0; g < a->G; g++) {
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
+        if (!a->panels && kind == SPLIT32_ALL) {
+            for (int i = 0; i + 1 < mc; i += 2) group_quads(wg, a, i, 2, g, szg, tot);
+            if (mc % 2) group_quads(wg, a, mc - 1, 1, g, szg, tot);
+            continue;
+        }
         if (!a->panels) {
             for (int i = 0; i + 1 < mc; i += 2) group_pairs(wg, stride, kind, idx, a, i, 2, g, szg, tot);
             if (mc % 2) group_pairs(wg, stride, kind, idx, a, mc - 1, 1, g, szg, tot);
@@ -867,8 +979,8 @@ int sidecar_int4_matmul(const sidecar_matmul_args* args) {
     if (M == 0) return 0;
     const int G = K / gs;
     const int panels = INT_DOT == 2 && M >= PANEL_MIN;
-    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, G, gs,
-             panels,          INT_DOT == 2 && !panels ? 4 : 2};
+    Act a = {(const float*)x, x_bf16 ? (const uint16_t*)x : NULL,        NULL, NULL, NULL, NULL, K, G, gs,
+             panels,          INT_DOT == 2 && !panels ? 4 + XB_QUADS : 2};
     const size_t xcopy = !INT_DOT && x_bf16 ? (size_t)M * K * 4 : 0; /* float copy for the float path */
     char* scratch = malloc(xcopy + (size_t)M * G * 12 + (INT_DOT ? (size_t)M * a.xb_row * K : 0) + 64);
     if (scratch == NULL) return -2;
@@ -876,7 +988,8 @@ int sidecar_int4_matmul(const sidecar_matmul_args* args) {
     a.xsum = (float*)(scratch + xcopy);
     a.d = a.xsum + (size_t)M * G;
     a.xqsum = (int32_t*)(a.d + (size_t)M * G);
-    a.xb = (int8_t*)(a.xqsum + (size_t)M * G);
+    /* 64-byte aligned: with K % 16 == 0, so are group_quads' activation vectors (whole cache lines) */
+    a.xb = (int8_t*)(((uintptr_t)(a.xqsum + (size_t)M * G) + 63) & ~(uintptr_t)63);
     Idx idx;
     make_idx(&idx);
     const int nfull = np / block_n, tail = np % block_n;

@@ -196,6 +196,47 @@ def test_avx2_build_matches_reference(monkeypatch):
         _check_rows_alone(layout)
 
 
+def _check_layouts_agree():
+    """The same codes in every layout give the same bits, for 1-8 rows: whichever loop a layout and a row
+    count take (split blocks of 32 rows read four columns at a time, other blocks two), the integer sums are
+    exact and the float steps after them the same. Tail blocks (n % 32), group sizes that are not a multiple
+    of 32, rows of very different sizes and a group of zeros; each also within the reference's bound."""
+    for m, n, k, gs in [
+        (1, 48, 48, 16),
+        (2, 80, 144, 48),
+        (1, 208, 576, 64),
+        (2, 96, 1024, 128),
+        (1, 112, 512, 256),
+        (3, 176, 160, 32),
+        (8, 48, 96, 96),
+    ]:
+        x, codes, sz = _case(m, n, k, gs, seed=m * n + k)
+        x[0, :gs] *= 1e3
+        x[m - 1, k - gs :] = 0.0
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = x.to(dtype)
+            ys = [
+                int4_gemv.int4_matmul(xs, int4_gemv.pack(codes, *lay), gs, sz, layout=lay)
+                for lay in int4_gemv.LAYOUTS
+            ]
+            for lay, y in zip(int4_gemv.LAYOUTS[1:], ys[1:]):
+                assert torch.equal(y, ys[0]), (m, n, k, gs, lay, dtype, (y - ys[0]).abs().max())
+            ref = int4_gemv.reference(xs.float(), codes, gs, sz).double()
+            bound = _bound(xs.float(), codes, gs, sz[..., 0].T, sz[..., 1].T, int4_gemv.integer_dot())
+            assert ((ys[0].double() - ref).abs() <= bound).all(), (m, n, k, gs, dtype)
+
+
+def test_every_layout_gives_the_same_bits():
+    _check_layouts_agree()
+
+
+def test_every_layout_gives_the_same_bits_in_the_avx2_build(monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")  # no AVX-512, as on Zen 2 and Zen 3
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert int4_gemv.vector_bits() == 256 and int4_gemv.integer_dot(), cpu_build.reason("int4_gemv")
+    _check_layouts_agree()
+
+
 def test_non_finite_activations_give_non_finite_rows():
     x, codes, sz = _case(3, 64, 64, 32)
     x[1, 5] = float("nan")
