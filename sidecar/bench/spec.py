@@ -83,11 +83,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument(
         "--step-costs",
+        type=_step_costs,
         default=None,
         help="step prices of verifying 0..k tokens for the replayed column, comma-separated "
         "(default: the engine's measured spec_decode_step_costs)",
     )
     p.add_argument("--out", default="bench-results")
+
+
+def _step_costs(text: str) -> list[float]:
+    """``--step-costs``: 1 (a plain step) then the price of each further verified token, non-decreasing."""
+    try:
+        costs = [float(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers, got {text!r}") from None
+    if len(costs) < 2 or costs[0] != 1.0 or any(b < a for a, b in zip(costs, costs[1:])):
+        raise argparse.ArgumentTypeError(f"1 then non-decreasing prices, got {text!r}")
+    return costs
 
 
 def _replayed(llm: Any, prompts: list[list[int]], outs: list[list[int]], costs: list[float]) -> float:
@@ -156,11 +168,7 @@ def run(args: argparse.Namespace) -> int:
     n = args.output_tokens
     sides = {"off": SamplingParams(max_tokens=n, speculative=False), "on": SamplingParams(max_tokens=n)}
     rows = []
-    costs = (
-        [float(c) for c in args.step_costs.split(",")]
-        if args.step_costs
-        else llm.stats()["spec_decode_step_costs"]
-    )
+    costs = args.step_costs or llm.stats()["spec_decode_step_costs"]
     for name, prompts in (("input-grounded", GROUNDED), ("open-ended chat", CHAT)):
         _batch1(llm, prompts[:2], sides["on"])  # warm-up (allocator, first-touch of the KV pool)
         rates: dict[str, list[float]] = {"off": [], "on": []}
