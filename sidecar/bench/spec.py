@@ -12,9 +12,9 @@ Greedy outputs are compared token for token between the sides.
 
 Each batch-1 case also reports ``replayed``: the n-gram speedup that the engine's own lookup and
 proposal-length choice give on the recorded greedy outputs at the engine's measured step prices
-(``spec_decode_step_costs``, or ``--step-costs``), counted in steps instead of seconds. It does not move
-with the machine's load, which makes it the figure to judge a proposer or pricing change by on a shared
-machine; the timed speedup still says whether the prices hold.
+(``spec_decode_step_costs``, or ``--step-costs``), counted in steps instead of seconds. With fixed
+``--step-costs`` it does not move with the machine's load, which makes it the figure to judge a proposer or
+pricing change by on a shared machine; the timed speedup still says whether the prices hold.
 """
 
 from __future__ import annotations
