@@ -9,6 +9,12 @@ median, so drift on a shared machine hits both equally. Batch-1 decode speed is 
 (e2e - ttft) per request, excluding the prompt's prefill; batch 32 reports generated tokens per wall
 second of the whole batch.
 Greedy outputs are compared token for token between the sides.
+
+Each batch-1 case also reports ``replayed``: the n-gram speedup that the engine's own lookup and
+proposal-length choice give on the recorded greedy outputs at the engine's measured step prices
+(``spec_decode_step_costs``, or ``--step-costs``), counted in steps instead of seconds. With fixed
+``--step-costs`` it does not move with the machine's load, which makes it the figure to judge a proposer or
+pricing change by on a shared machine; the timed speedup still says whether the prices hold.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -75,16 +81,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2, help="alternating runs per side")
     p.add_argument("--batch", type=int, default=32, help="batch size of the throughput case; 0 skips it")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument(
+        "--step-costs",
+        type=_step_costs,
+        default=None,
+        help="step prices of verifying 0..k tokens for the replayed column, comma-separated "
+        "(default: the engine's measured spec_decode_step_costs)",
+    )
     p.add_argument("--out", default="bench-results")
 
 
-def _batch1(llm: Any, prompts: list[str], params: Any) -> tuple[float, list[list[int]], dict]:
-    """Median decode tokens/s over the prompts, one request at a time; outputs; spec counter deltas."""
+def _step_costs(text: str) -> list[float]:
+    """``--step-costs``: 1 (a plain step) then the price of each further verified token, non-decreasing."""
+    try:
+        costs = [float(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated numbers, got {text!r}") from None
+    if len(costs) < 2 or costs[0] != 1.0 or any(b < a for a, b in zip(costs, costs[1:])):
+        raise argparse.ArgumentTypeError(f"1 then non-decreasing prices, got {text!r}")
+    return costs
+
+
+def _replayed(llm: Any, prompts: list[list[int]], outs: list[list[int]], costs: list[float]) -> float:
+    """Median over the prompts of the decode speedup the n-gram proposer's replay predicts."""
+    replay = llm.engine.spec.proposer.replay
+    rates = [(len(o) - 1) / replay(p, o, costs)[2] for p, o in zip(prompts, outs) if len(o) > 1]
+    return statistics.median(rates) if rates else 1.0
+
+
+def _batch1(
+    llm: Any, prompts: list[str], params: Any, prompt_ids: Optional[list] = None
+) -> tuple[float, list[list[int]], dict]:
+    """Median decode tokens/s over the prompts, one request at a time; outputs; spec counter deltas. The
+    prompts' token ids go to ``prompt_ids`` when given."""
     before = llm.stats()
     rates, outs = [], []
     for p in prompts:
         o = llm.chat([{"role": "user", "content": p}], params)[0]
         outs.append(o.token_ids)
+        if prompt_ids is not None:
+            prompt_ids.append(list(o.prompt_token_ids))
         if len(o.token_ids) > 1 and o.e2e_s > o.ttft_s:
             rates.append((len(o.token_ids) - 1) / (o.e2e_s - o.ttft_s))
     after = llm.stats()
@@ -132,14 +168,16 @@ def run(args: argparse.Namespace) -> int:
     n = args.output_tokens
     sides = {"off": SamplingParams(max_tokens=n, speculative=False), "on": SamplingParams(max_tokens=n)}
     rows = []
+    costs = args.step_costs or llm.stats()["spec_decode_step_costs"]
     for name, prompts in (("input-grounded", GROUNDED), ("open-ended chat", CHAT)):
         _batch1(llm, prompts[:2], sides["on"])  # warm-up (allocator, first-touch of the KV pool)
         rates: dict[str, list[float]] = {"off": [], "on": []}
         outs: dict[str, list] = {}
         spec: dict = {}
+        prompt_ids: list = []
         for _ in range(args.repeats):
             for side, params in sides.items():
-                r, o, d = _batch1(llm, prompts, params)
+                r, o, d = _batch1(llm, prompts, params, prompt_ids if not prompt_ids else None)
                 rates[side].append(r)
                 outs[side] = o
                 if side == "on":
@@ -157,6 +195,9 @@ def run(args: argparse.Namespace) -> int:
                 "tokens_per_verify": 1
                 + spec["spec_decode_accepted_tokens"] / max(spec["spec_decode_verifications"], 1),
                 "greedy_identical": f"{same}/{len(prompts)}",
+                "replayed": _replayed(llm, prompt_ids, outs["off"], costs)
+                if args.speculative == "ngram"
+                else "",
             }
         )
         print(format_table(rows[-1:], list(rows[-1])), flush=True)
@@ -197,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
                     else ""
                 ),
                 "greedy_identical": "",
+                "replayed": "",
             }
         )
     cols = list(rows[0])
@@ -212,6 +254,7 @@ def run(args: argparse.Namespace) -> int:
             "dtype": info["dtype"],
             "quantization": info["quantization"],
             "speculative": args.speculative,
+            "step_costs": costs,
             "loadavg": os.getloadavg(),
             "results": rows,
         },

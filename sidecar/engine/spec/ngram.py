@@ -4,6 +4,8 @@ prompt and the output so far."""
 from collections import Counter
 from typing import List, Sequence, Tuple
 
+from sidecar.engine.spec.state import SpecState
+
 MAX_N = 6
 
 
@@ -74,12 +76,42 @@ def _vote(tokens: Sequence[int], k: int, max_n: int, min_n: int) -> Tuple[List[i
     return out, best_len
 
 
+def replay(prompt: Sequence[int], output: Sequence[int], costs: Sequence[float]) -> tuple[int, int, float]:
+    """Replays batch-1 n-gram speculation (``SpecDecoder.propose`` and greedy ``_verify`` for one running
+    request) over a recorded greedy ``output`` of ``prompt``, counting steps instead of running them. The
+    first token comes from the prompt's forward; at each decode step after it ``lookup_ngram`` proposes up
+    to ``len(costs) - 1`` tokens (never past the output's end), the request's SpecState chooses how many to
+    verify at prices ``costs`` (``costs[k]``: a step verifying k tokens, a plain step costing 1), and the
+    proposal is accepted up to its first token that differs from the output, as greedy verification does.
+    Returns (verifications, accepted tokens, the price of the decode steps in plain steps);
+    ``(len(output) - 1) / price`` is the decode speedup the prices predict."""
+    st, t, n = SpecState(list(costs)), 1, len(output)
+    seq, verifications, accepted, price = list(prompt) + list(output), 0, 0, 0.0
+    while t < n:
+        cap = min(len(costs) - 1, n - t - 1)
+        tokens: list[int] = []
+        if cap > 0:
+            tokens, match = lookup_ngram(seq[: len(prompt) + t], cap)
+            tokens = tokens[: st.choose_k(costs, match)] if tokens else []
+        a = 0
+        while a < len(tokens) and tokens[a] == output[t + a]:
+            a += 1
+        if tokens:
+            st.update(len(tokens), a)
+            verifications += 1
+            accepted += a
+        price += costs[len(tokens)]
+        t += a + 1
+    return verifications, accepted, price
+
+
 class NgramProposer:
     """Prompt lookup over each request's own tokens: no model, no state. The lookup is cheap, so the decoder
     runs it before choosing a proposal length (``lookup``), and the match length decides which acceptance
     estimate prices it (spec/state.py)."""
 
     looks_up_first = True
+    replay = staticmethod(replay)
 
     def lookup(self, req, k: int) -> Tuple[List[int], int]:
         return lookup_ngram(req.all_token_ids, k)
