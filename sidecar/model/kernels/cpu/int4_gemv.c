@@ -1060,19 +1060,24 @@ static void slot_block(const Act* a, int m, const uint8_t* w, const uint16_t* sz
 
 /* The scratch bytes of moe_act's Act. */
 static size_t moe_act_bytes(int M, int K, int gs) {
-    return (size_t)M * (K / gs) * 12 + (size_t)M * 4 * K + 64;
+    return (size_t)M * (K / gs) * 12 + (size_t)M * (4 + XB_QUADS) * K + 128;
 }
 
 /* An Act over M rows of K values (x's dtype) with its scratch from *p, advanced past it. */
 static Act moe_act(const void* x, int x_bf16, int M, int K, int gs, char** p) {
-    Act a = {
-            (const float*)x,     x_bf16 ? (const uint16_t*)x : NULL, NULL, NULL, NULL, NULL, K, K / gs, gs, 0,
-            INT_DOT == 2 ? 4 : 2};
+    Act a = {.x = (const float*)x,
+             .x16 = x_bf16 ? (const uint16_t*)x : NULL,
+             .K = K,
+             .G = K / gs,
+             .gs = gs,
+             .panels = 0,
+             .xb_row = INT_DOT == 2 ? 4 + XB_QUADS : 2};
     const size_t mg = (size_t)M * a.G;
     a.xsum = (float*)*p;
     a.d = a.xsum + mg;
     a.xqsum = (int32_t*)(a.d + mg);
-    a.xb = (int8_t*)(a.xqsum + mg);
+    /* 64-byte aligned, as sidecar_int4_matmul's: group_quads' activation vectors are whole cache lines */
+    a.xb = (int8_t*)(((uintptr_t)(a.xqsum + mg) + 63) & ~(uintptr_t)63);
     *p = (char*)(a.xb + (size_t)M * a.xb_row * K + 64);
     return a;
 }
