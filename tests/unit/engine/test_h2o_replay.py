@@ -30,6 +30,27 @@ def test_the_self_check_replays_the_scored_form(engines):
     assert engines[1].engine.runner.cpu_plans.scored_reason is not None  # enforce_eager: nothing replayed
 
 
+def test_the_self_check_compares_the_scores_a_replay_adds(engines):
+    plans = engines[0].engine.runner.cpu_plans
+    # a scored step of one padded row, recorded from zeroed scores as the self-check does
+    with torch.inference_mode():
+        plans.inputs.fill_padding(1, plans.inputs.max_blocks)
+        plans.inputs.scores = plans.scores
+        plans.stage(1)
+        plans._seed_states(1)
+        eager = plans.body(1).clone()
+        plans._eager_states, plans._eager_scores = plans._stepped_states(1), plans.scores.clone()
+        assert plans._eager_scores.any()
+        _, plan = replay.record(lambda: plans.body(1))
+        assert plans._check_plan(plan, eager, 1) is None  # re-zeroed, replayed: the eager bits and scores
+        plans.inputs.scores = None
+        _, unscored = replay.record(lambda: plans.body(1))  # the same step not passing the scores
+        plans.inputs.scores = plans.scores
+        assert "adds other attention scores" in plans._check_plan(unscored, eager, 1)
+        plans.inputs.scores = None
+        plans.scores.zero_()
+
+
 def _step(runner, rows: list[DecodeRow], replays: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One scored decode step of ``rows`` over fixed KV (blocks 1-7) and scores: (logits, the score vector
     before the step, after it)."""
