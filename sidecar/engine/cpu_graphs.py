@@ -23,13 +23,20 @@ of each row is read from the buffers (``DecodeInputs.state_slots``) like its KV 
 sequences the buffers name. The self-check's padded rows step slots ``0..bucket-1``, set to the same random
 states before each run it compares (the states after the step compared too) and left at rest after it.
 
+A scored step (``DecodeInputs.scores`` set: h2o eviction) adds the attention each key receives to the slot
+scores from the attention kernel; the vector is allocated once, so its address is an operand like the KV
+cache's, and a scored step has plans of its own (the same sizes, one more argument to each attention call).
+The slots it writes are reset before the step, outside the plan (``ModelRunner.decode_rows``).
+
 Before serving, ``self_check`` records and replays a step and compares its hidden states with the eager
 run's, bit for bit (the same kernels on the same inputs), and plans it dry: the plan must make the
 recording's calls and replay to the same bits, or sizes are recorded, not planned (``plans_dry`` off,
 ``dry_reason`` says why). Where a replay differs, where a one-row step runs a torch operator (a configuration
 whose layers take torch paths: float32 layers in oneDNN, the torch fallbacks) or where the replay cannot be
 built, every step runs eagerly and ``reason`` says why. A batch size whose step runs a torch operator (bf16
-batches past our kernel's rows go to oneDNN where it has bf16) runs eagerly alone (``eager_sizes``).
+batches past our kernel's rows go to oneDNN where it has bf16) runs eagerly alone (``eager_sizes``). The
+self-check checks the scored form the same way, its scores compared too; where it fails scored steps alone run
+eagerly (``scored_reason``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import torch
 
 from sidecar.engine.input_buffers import DecodeInputs, decode_metadata
 from sidecar.model.kernels.cpu import replay
+from sidecar.model.linear_layout import linear_layouts
 from sidecar.model.quant_format import release_freed_memory
 
 # Batch sizes planned when the engine starts (larger ones when first seen): every size costs a dry pass, dearer
@@ -54,59 +62,49 @@ TRIM_EVERY = 8
 log = logging.getLogger("sidecar.engine")
 
 
-def linear_layouts(model) -> dict[str, int]:
-    """How many of the model's linear layers hold their weights in each layout: 'tile layout (AMX)' or '(AVX-512
-    BF16)' (``amx_gemm``, every batch size), 'oneDNN packed + tiled copy', 'oneDNN packed', 'tiled layout'
-    (``bf16_gemv``), 'plain' (F.linear, or a quantized layer's own kernels)."""
-    from sidecar.model.kernels.cpu import amx_gemm
-    from sidecar.model.linear import Linear
-
-    counts: dict[str, int] = {}
-    for m in model.modules():
-        if isinstance(m, Linear):
-            kind = (
-                f"tile layout ({amx_gemm.path()})"
-                if m.amx is not None
-                else "oneDNN packed + tiled copy"
-                if m.packed is not None and m.tiled is not None
-                else "oneDNN packed"
-                if m.packed is not None
-                else "tiled layout"
-                if m.tiled is not None
-                else "plain"
-            )
-            counts[kind] = counts.get(kind, 0) + 1
-    return counts
-
-
 class CpuDecodePlans:
-    def __init__(self, model, kv_caches: list, inputs: DecodeInputs, states=None) -> None:
+    def __init__(
+        self, model, kv_caches: list, inputs: DecodeInputs, states=None, scores: Optional[torch.Tensor] = None
+    ) -> None:
         """``kv_caches``: what each layer's mixer reads; ``states``: a hybrid model's ``LinearStates`` (whose
-        rows the self-check's padded rows step), else None."""
+        rows the self-check's padded rows step), else None; ``scores``: the vector scored steps add to (the
+        self-check's scored steps zero it), None: no step is scored."""
         self.model, self.kv_caches, self.inputs, self.states = model, kv_caches, inputs, states
+        self.scores = scores
         self.on_cpu = inputs.device.type == "cpu"
         self.enabled = False
         # why steps run eagerly (None: replays are on)
         self.reason: Optional[str] = "not checked" if self.on_cpu else "not a CPU model"
-        self._plans: dict[int, replay.Plan] = {}
-        self._seen: set[int] = set()
-        self._eager: dict[int, str] = {}  # batch size -> why its step cannot be recorded (it runs eagerly)
+        # keyed by (batch size, scored): a scored step's plan passes the scores to its attention calls
+        self._plans: dict[tuple[int, bool], replay.Plan] = {}
+        self._seen: set[tuple[int, bool]] = set()
+        # why a size's step cannot be recorded (it runs eagerly)
+        self._eager: dict[tuple[int, bool], str] = {}
         self.plans_dry = False  # a size seen first is planned dry and replayed (self_check turns it on)
         self.dry_reason: Optional[str] = "not checked"
+        self.scored_reason: Optional[str] = "not checked"  # why scored steps run eagerly (None: replayed)
+        self._scored_dry = False  # scored sizes planned dry when first seen
         self._arena = torch.empty(0, dtype=torch.uint8)
         self._hidden: Optional[torch.Tensor] = None
         self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._eager_states: list[torch.Tensor] = []  # the self-check's eager step's states after it
+        self._eager_scores: Optional[torch.Tensor] = None  # and the scores of a scored one
 
     @property
     def recorded(self) -> list[int]:
-        return sorted(self._plans)
+        """Batch sizes whose unscored steps have a plan."""
+        return sorted(b for b, scored in self._plans if not scored)
+
+    @property
+    def recorded_scored(self) -> list[int]:
+        """Batch sizes whose scored steps have a plan."""
+        return sorted(b for b, scored in self._plans if scored)
 
     @property
     def eager_sizes(self) -> dict[int, str]:
-        """Batch sizes whose steps run eagerly, and why (e.g. bf16 batches past our kernel's rows, which
-        oneDNN takes where it has bf16)."""
-        return dict(self._eager)
+        """Batch sizes whose unscored steps run eagerly, and why (e.g. bf16 batches past our kernel's rows,
+        which oneDNN takes where it has bf16)."""
+        return {b: why for (b, scored), why in self._eager.items() if not scored}
 
     @property
     def arena_bytes(self) -> int:
@@ -148,22 +146,25 @@ class CpuDecodePlans:
         planned dry when first seen), else eagerly (recording a plan the second time a batch size is seen). The
         result of a replay is overwritten by the next step."""
         self.stage(bucket)
-        if not self.enabled:
+        scored = self.inputs.scores is not None
+        if not self.enabled or (scored and self.scored_reason is not None):
             return self.body(bucket)
-        plan = self._plans.get(bucket)
-        if plan is None and self.plans_dry and bucket not in self._seen:
-            self._seen.add(bucket)
-            if self._plan(bucket) is None:
-                plan = self._plans[bucket]
+        key = (bucket, scored)
+        plan = self._plans.get(key)
+        if plan is None and (self._scored_dry if scored else self.plans_dry) and key not in self._seen:
+            self._seen.add(key)
+            if self._plan(key) is None:
+                plan = self._plans[key]
         if plan is not None:
             if plan.replay(self._arena):
                 return plan.output(self._arena)
+            # (a scored step's layers before the refusal have added their scores, and add them again)
             self.disable(f"the {plan.refused} kernel refused its recorded arguments")
             return self.body(bucket)
-        if bucket not in self._seen or bucket in self._eager:
-            self._seen.add(bucket)
+        if key not in self._seen or key in self._eager:
+            self._seen.add(key)
             return self.body(bucket)
-        return self._record(bucket)
+        return self._record(key)
 
     @torch.inference_mode()
     def plan_ahead(self, sizes) -> None:
@@ -174,10 +175,11 @@ class CpuDecodePlans:
             self._hidden is None
         ):  # the staging buffers a plan reads from (a dry pass reads no values: once is enough)
             self.stage(1)
+        self.inputs.scores = None
         for i, bucket in enumerate(sizes):
-            if bucket not in self._plans and bucket not in self._seen:
-                self._seen.add(bucket)
-                why = self._plan(bucket)
+            if (bucket, False) not in self._plans and (bucket, False) not in self._seen:
+                self._seen.add((bucket, False))
+                why = self._plan((bucket, False))
                 if why is not None:
                     refused.setdefault(why, []).append(bucket)
             if i % TRIM_EVERY == TRIM_EVERY - 1:
@@ -190,28 +192,33 @@ class CpuDecodePlans:
                 why,
             )
 
-    def _plan(self, bucket: int) -> Optional[str]:
-        """Plan this size from a dry pass (nothing computed or written) and keep it; None, or why the pass refused
-        it (nothing kept)."""
+    def _plan(self, key: tuple[int, bool]) -> Optional[str]:
+        """Plan this (size, scored) from a dry pass (nothing computed or written) and keep it; None, or why the
+        pass refused it (nothing kept)."""
         try:
-            _, plan = replay.record(lambda: self.body(bucket), dry=True)
+            _, plan = replay.record(lambda: self.body(key[0]), dry=True)
         except replay.Unreplayable as exc:
             return str(exc)
-        self._keep(bucket, plan)
+        self._keep(key, plan)
         return None
 
-    def _record(self, bucket: int) -> torch.Tensor:
+    def _record(self, key: tuple[int, bool]) -> torch.Tensor:
+        bucket = key[0]
+        if key[1]:  # the recording runs the step: the scores it adds once, not twice
+            saved = self.scores.clone()
         try:
             out, plan = replay.record(lambda: self.body(bucket))
         except replay.Unreplayable as exc:  # this size stays eager; the step runs again (the same KV writes)
-            self._eager[bucket] = str(exc)
-            log.info("CPU decode steps of %d rows run eagerly: %s", bucket, exc)
+            self._eager[key] = str(exc)
+            log.info("CPU decode steps of %d rows%s run eagerly: %s", bucket, " (scored)" * key[1], exc)
+            if key[1]:
+                self.scores.copy_(saved)
             return self.body(bucket)
-        self._keep(bucket, plan)
+        self._keep(key, plan)
         return out
 
-    def _keep(self, bucket: int, plan: replay.Plan) -> None:
-        self._plans[bucket] = plan
+    def _keep(self, key: tuple[int, bool], plan: replay.Plan) -> None:
+        self._plans[key] = plan
         if plan.arena_bytes > self._arena.numel():
             self._arena = torch.empty(plan.arena_bytes, dtype=torch.uint8)
 
@@ -233,8 +240,8 @@ class CpuDecodePlans:
     def disable(self, reason: str) -> None:
         if self.enabled:
             log.warning("CPU decode replays off, steps run eagerly: %s", reason)
-        self.enabled = self.plans_dry = False
-        self.reason = self.dry_reason = reason
+        self.enabled = self.plans_dry = self._scored_dry = False
+        self.reason = self.dry_reason = self.scored_reason = reason
         self.clear()
 
     def clear(self) -> None:
@@ -254,32 +261,22 @@ class CpuDecodePlans:
         self.enabled = self.plans_dry = False
         reason = replay.unavailable_reason() if self.on_cpu else "not a CPU model"
         reason = reason or getattr(self.model, "replay_refusal", None)  # a decoder replays cannot run
-        dry_reason = None
+        dry_reason, scored_dry = None, None
+        scored_reason = None if self.scores is not None else "no step is scored"
         if reason is None:
-            try:
-                for bucket in (1, 2) if self.inputs.max_batch >= 2 and self._state_rows() >= 2 else (1,):
-                    self.inputs.fill_padding(bucket, self.inputs.max_blocks)
-                    self.stage(bucket)
-                    self._seed_states(bucket)
-                    eager = self.body(bucket).clone()
-                    self._eager_states = self._stepped_states(bucket)
-                    try:
-                        _, plan = replay.record(lambda: self.body(bucket))
-                    except replay.Unreplayable:
-                        if bucket == 1:
-                            raise
-                        break
-                    reason = self._check_plan(plan, eager, bucket)
-                    if reason is not None:
-                        break
-                    dry_reason = dry_reason or self._check_dry(plan, eager, bucket)
-            except replay.Unreplayable as exc:
-                reason = str(exc)
-            finally:
-                self._seed_states(2, zero=True)
+            reason, dry_reason = self._check_sizes(scored=False)
+            if reason is None and scored_reason is None:
+                scored_reason, scored_dry = self._check_sizes(scored=True)
         self.clear()
         self.enabled, self.reason = reason is None, reason
         self.plans_dry, self.dry_reason = self.enabled and dry_reason is None, reason or dry_reason
+        self.scored_reason = reason or scored_reason
+        self._scored_dry = self.scored_reason is None and scored_dry is None
+        if self.enabled and self.scores is not None:
+            log.info(
+                "CPU decode steps with attention scores (h2o eviction) %s",
+                "replayed" if self.scored_reason is None else f"run eagerly: {self.scored_reason}",
+            )
         if self.plans_dry:
             self.plan_ahead(range(1, min(self.inputs.max_batch, PLAN_AHEAD) + 1))
         if reason is None:
@@ -293,13 +290,47 @@ class CpuDecodePlans:
             log.info("CPU decode replays off, steps run eagerly: %s", reason)
         return reason
 
+    def _check_sizes(self, scored: bool) -> tuple[Optional[str], Optional[str]]:
+        """Record, replay and plan dry a step of one row and (where it records) of two, in the unscored or
+        the scored form; returns (why that form cannot be replayed, why it cannot be planned dry), None each
+        where it can."""
+        dry_reason = None
+        try:
+            for bucket in (1, 2) if self.inputs.max_batch >= 2 and self._state_rows() >= 2 else (1,):
+                self.inputs.fill_padding(bucket, self.inputs.max_blocks)
+                self.inputs.scores = self.scores if scored else None
+                self.stage(bucket)
+                self._seed_states(bucket)
+                eager = self.body(bucket).clone()
+                self._eager_states = self._stepped_states(bucket)
+                self._eager_scores = self.scores.clone() if scored else None
+                try:
+                    _, plan = replay.record(lambda: self.body(bucket))
+                except replay.Unreplayable:
+                    if bucket == 1:
+                        raise
+                    break
+                reason = self._check_plan(plan, eager, bucket)
+                if reason is not None:
+                    return reason, dry_reason
+                dry_reason = dry_reason or self._check_dry(plan, eager, bucket)
+        except replay.Unreplayable as exc:
+            return str(exc), dry_reason
+        finally:
+            self._seed_states(2, zero=True)
+            self.inputs.scores = None
+        return None, dry_reason
+
     def _state_rows(self) -> int:
         return self.states.slots if self.states is not None else self.inputs.max_batch
 
     def _seed_states(self, bucket: int, zero: bool = False) -> None:
         """The state slots the self-check's padded rows step (``0..bucket-1``) set to the same random values
         before each run it compares (``zero``: back at rest, as the engine hands slots out), so an eager run,
-        its recording and a replay each step the same states, and a replay reading another row's slot differs."""
+        its recording and a replay each step the same states, and a replay reading another row's slot differs.
+        A scored step's scores are zeroed (what each run adds is compared)."""
+        if self.inputs.scores is not None:
+            self.inputs.scores.zero_()
         if self.states is None:
             return
         gen = torch.Generator().manual_seed(0)
@@ -326,6 +357,8 @@ class CpuDecodePlans:
             return f"a {what} step of {bucket} rows differs from the eager one"
         if not all(map(torch.equal, self._stepped_states(bucket), self._eager_states)):
             return f"a {what} step of {bucket} rows leaves other linear-attention states than the eager one"
+        if self.inputs.scores is not None and not torch.equal(self.inputs.scores, self._eager_scores):
+            return f"a {what} step of {bucket} rows adds other attention scores than the eager one"
         return None
 
     def _check_dry(self, recorded: replay.Plan, eager: torch.Tensor, bucket: int) -> Optional[str]:

@@ -110,6 +110,9 @@ class DecodeInputs:
         self.bucket = 0  # rows of the last fill (real + padded)
         self.width = 0  # table columns of the last fill
         self.num_sampled = 0
+        # The step's ``AttentionMetadata.kv_scores`` (a vector allocated once, kv_scores.SlotScores.received),
+        # or None: an unscored step. Reset by every fill; a scored step sets it after its fill.
+        self.scores: Optional[torch.Tensor] = None
 
     def fill(self, rows: Sequence[DecodeRow], sample: Sequence[int], bucket: int, width: int) -> None:
         """Stage ``rows`` padded to ``bucket`` rows with tables ``width`` columns wide (0-padded), and the
@@ -156,6 +159,11 @@ class DecodeInputs:
             self._copied = torch.cuda.Event()
             self._copied.record()
         self.bucket, self.width, self.num_sampled = bucket, width, len(sample)
+        self.scores = None
+
+    def written(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots the first ``bucket`` rows write and the positions of the tokens written there."""
+        return self.slots[:bucket], self.positions[:bucket]
 
     def _fill_groups(self, rows: Sequence[DecodeRow], bucket: int, width: int) -> int:
         """Stage KV groups 1..'s slots and tables (padded rows as in group 0); returns the staged prefix."""
@@ -222,6 +230,7 @@ def decode_metadata(inputs: DecodeInputs, bucket: int) -> AttentionMetadata:
     meta = AttentionMetadata(slot_mapping=inputs.slots[:bucket], block_size=inputs.block_size)
     meta.decode_block_tables = inputs.tables(bucket, inputs.width)
     meta.decode_ctx_lens = inputs.ctx_lens[:bucket]
+    meta.kv_scores = inputs.scores
     if inputs.state_rows:
         meta.decode_state_slots = inputs.state_slots[:bucket]
     if inputs.num_groups > 1:  # each layer reads its group's slots and tables (rows and contexts shared)
@@ -231,6 +240,7 @@ def decode_metadata(inputs: DecodeInputs, bucket: int) -> AttentionMetadata:
             m.decode_block_tables = inputs.group_tables(g, bucket, inputs.width)
             m.decode_ctx_lens = meta.decode_ctx_lens
             m.decode_state_slots = meta.decode_state_slots
+            m.kv_scores = meta.kv_scores
             metas.append(m)
         meta.layer_metas = [metas[g] for g in inputs.group_of]
     return meta

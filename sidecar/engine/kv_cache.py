@@ -42,8 +42,9 @@ class KVCacheManager:
         # Copies block src over block dst in the KV tensors (ModelRunner.copy_blocks): copy-on-write.
         self.copy_blocks: Optional[Callable[[list[int], list[int]], None]] = None
         self.num_cow_copies = 0
-        # Each of these blocks' score for a sequence at this many tokens (ModelRunner.block_scores): h2o.
-        self.block_scores: Optional[Callable[[list[int], int], list[float]]] = None
+        # The k least attended of these blocks for a sequence at this many tokens (ModelRunner.lowest_blocks):
+        # h2o.
+        self.lowest_blocks: Optional[Callable[[list[int], int, int], list[int]]] = None
         self.num_evicted_blocks = 0  # blocks given back by sequences under an eviction policy
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, tokens served from cache
@@ -70,7 +71,7 @@ class KVCacheManager:
         slots = SlotPool(runner.states) if runner.states is not None else None
         mgr = cls(runner.num_blocks, config.block_size, caching, offload, slots)
         mgr.copy_blocks = runner.copy_blocks
-        mgr.block_scores = runner.block_scores
+        mgr.lowest_blocks = runner.lowest_blocks
         return mgr
 
     def _offload_evicted(self, block: KVBlock) -> None:
@@ -202,7 +203,7 @@ class KVCacheManager:
         n = cap_new_tokens(policy, req.num_computed_tokens - req.kv_evicted, len(blocks or ()), n, bs)
         if blocks:
             victims = choose_victims(
-                policy, blocks, req.kv_evicted, req.num_computed_tokens, n, bs, self.block_scores
+                policy, blocks, req.kv_evicted, req.num_computed_tokens, n, bs, self.lowest_blocks
             )
             if victims:
                 gone = [blocks[i] for i in victims]

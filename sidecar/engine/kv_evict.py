@@ -61,6 +61,11 @@ class EvictionPolicy:
         return self.budget_blocks is not None
 
 
+def is_scored(req: Any) -> bool:
+    """Whether request ``req`` runs under a scored policy (its steps add up the attention its keys receive)."""
+    return req.kv_policy is not None and req.kv_policy.scored
+
+
 def min_budget(block_size: int) -> int:
     """The smallest budget in tokens: the sinks, one recent block and one evictable block."""
     return (_sink_blocks(block_size) + 2) * block_size
@@ -115,11 +120,12 @@ def choose_victims(
     computed: int,
     n: int,
     bs: int,
-    block_scores: Optional[Callable[[list[int], int], list[float]]],
+    lowest: Optional[Callable[[list[int], int, int], list[int]]],
 ) -> list[int]:
     """Indices into ``blocks`` (a sequence's kept blocks; ``evicted`` tokens gone, ``computed`` tokens
     computed) to evict before it adds ``n`` tokens (already capped by ``cap_new_tokens``), ascending.
-    ``block_scores(block_ids, computed)``: each block's score (``kv_scores.SlotScores.block_scores``)."""
+    ``lowest(block_ids, computed, k)``: indices into ``block_ids`` of the ``k`` least attended blocks
+    (``kv_scores.SlotScores.lowest``), asked only when an eviction is due."""
     kept = computed - evicted
     if policy.kind == "window":
         # "window" evicts leading blocks only, so kept block i holds positions evicted + i * bs onwards. A key
@@ -135,12 +141,11 @@ def choose_victims(
     lo, hi = policy.sink_blocks, len(blocks) - policy.window_blocks
     if excess <= 0 or hi <= lo:
         return []
-    candidates = list(range(lo, hi))
-    if policy.scored and block_scores is not None:
-        scores = block_scores([blocks[i].block_id for i in candidates], computed)
+    if policy.scored and lowest is not None:
         # Lowest mean attention first; on a tie the older block goes.
-        candidates = sorted(candidates, key=lambda i: (scores[i - lo], i))
-    return sorted(candidates[:excess])
+        chosen = lowest([blocks[i].block_id for i in range(lo, hi)], computed, excess)
+        return sorted(lo + j for j in chosen)
+    return list(range(lo, min(hi, lo + excess)))
 
 
 class KVPolicies:

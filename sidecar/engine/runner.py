@@ -23,6 +23,7 @@ from sidecar.engine.input_buffers import DecodeInputs, DecodeRow, decode_buckets
 from sidecar.engine.input_buffers import table_width
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
+from sidecar.engine.kv_evict import is_scored
 from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, groups_of, plan_slots
 from sidecar.engine.kv_copy import BlockCopier
 from sidecar.engine.kv_scores import SlotScores
@@ -93,7 +94,9 @@ class ModelRunner:
             config.max_num_seqs, blocks, self.block_size, self.device, group_of, state_rows
         )
         self.graphs = DecodeGraphs(self._decode_step, self.device)
-        self.cpu_plans = CpuDecodePlans(self.model, self.layer_caches, self.inputs, self.states)
+        self.cpu_plans = CpuDecodePlans(
+            self.model, self.layer_caches, self.inputs, self.states, self.slot_scores.received
+        )
         self.set_decode_padding(False)
         if self.device.type == "cuda" or self.enforce_eager or self.states is not None:
             self.prepare_fast_paths()
@@ -183,13 +186,13 @@ class ModelRunner:
         kv_quant.copy_blocks(self.kv_caches, src_ids, dst_ids)
 
     @property
-    def kv_scores(self) -> Optional[torch.Tensor]:
-        """Attention received per cache slot (None before any scored step)."""
+    def kv_scores(self) -> torch.Tensor:
+        """Attention received per cache slot (zeros until a scored step writes a slot)."""
         return self.slot_scores.received
 
-    def block_scores(self, block_ids: list[int], now: int) -> list[float]:
-        """``SlotScores.block_scores``: each block's mean attention per query, for a sequence at ``now``."""
-        return self.slot_scores.block_scores(block_ids, now)
+    def lowest_blocks(self, block_ids: list[int], now: int, k: int) -> list[int]:
+        """``SlotScores.lowest``: the ``k`` least attended of these blocks, for a sequence at ``now``."""
+        return self.slot_scores.lowest(block_ids, now, k)
 
     def tensor(self, data: list[int]) -> torch.Tensor:
         """A long tensor of ``data`` on the model's device."""
@@ -209,12 +212,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode_rows(
-        self, rows: Sequence[DecodeRow], sample: Sequence[int], prev_ids: Optional[torch.Tensor] = None
+        self,
+        rows: Sequence[DecodeRow],
+        sample: Sequence[int],
+        prev_ids: Optional[torch.Tensor] = None,
+        scored: bool = False,
     ) -> Optional[torch.Tensor]:
         """One decode step of ``rows`` through the persistent buffers (and a graph where captured); returns
         the logits of rows ``sample`` (in that order), selected on the device, or None when none samples.
         With ``prev_ids`` (a device tensor, e.g. the previous step's sampled ids) each row's ``token`` is an
-        index into it and the input id is gathered on the device: the host never needs its value."""
+        index into it and the input id is gathered on the device: the host never needs its value.
+        ``scored``: the attention each key receives is added to ``slot_scores`` (scored KV eviction)."""
         bucket = pick_bucket(self.buckets, len(rows))
         # A graph's tables are always max_blocks wide, and so are a CPU replay's.
         fixed = bucket in self.graphs.captured or self.cpu_plans.replays()
@@ -223,7 +231,10 @@ class ModelRunner:
         if prev_ids is not None:  # stream-ordered after the fill's copy and before the forward reads it
             ids = self.inputs.ids[: len(rows)]
             ids.copy_(prev_ids.index_select(0, ids))
-        hidden = self.graphs.run(bucket)
+        # A scored step adds received attention to the slot scores (the slots it writes reset first): the CPU
+        # replays hold a plan of that form; a captured graph holds the unscored step only, so it runs eagerly.
+        self.inputs.scores = self.slot_scores.for_step(*self.inputs.written(bucket)) if scored else None
+        hidden = self._decode_step(bucket) if scored else self.graphs.run(bucket)
         if not sample:
             return None
         return self.model.logits_at(hidden, self.inputs.sample_rows[: len(sample)])
@@ -290,7 +301,7 @@ class ModelRunner:
         if self.kv_plan is not None:
             rows, top = group_rows(rows, row_reqs, kv)
             self._zero_through(top)
-        logits = self.decode_rows(rows, sample)
+        logits = self.decode_rows(rows, sample, scored=any(map(is_scored, row_reqs)))
         return (sample_reqs, logits) if sample_reqs else ([], None)
 
     @torch.inference_mode()
@@ -307,7 +318,7 @@ class ModelRunner:
             and self.buffered
             and sched.scheduled
             and all(s.num_new_tokens - s.num_spec_tokens == 1 for s in sched.scheduled)
-            and not any(_scored(s.request) or wants_rows(s.request) for s in sched.scheduled)
+            and not any(wants_rows(s.request) for s in sched.scheduled)
         ):
             done = self._execute_decode(sched, kv)
             if done is not None:
@@ -355,7 +366,7 @@ class ModelRunner:
                 sample_reqs.append(r)
         self._zero_through(max_block)
         meta = AttentionMetadata(slot_mapping=self.tensor(slots), block_size=bs, prefills=segments)
-        if any(_scored(s.request) for s in sched.scheduled):
+        if any(is_scored(s.request) for s in sched.scheduled):
             meta.kv_scores = self.slot_scores.for_step(meta.slot_mapping, self.tensor(written))
         if decodes:
             dtables, ctx_lens = [], []
@@ -387,7 +398,3 @@ class ModelRunner:
             return [], None
         logits = self.model.logits_at(hidden, self.tensor(sample_idx))
         return sample_reqs, logits
-
-
-def _scored(req: Request) -> bool:
-    return req.kv_policy is not None and req.kv_policy.scored

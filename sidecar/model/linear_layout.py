@@ -195,3 +195,25 @@ def _tile_alone(model: nn.Module, consume: bool = False) -> int:
         bf16_gemv.isa(),
     )
     return n
+
+
+def linear_layouts(model) -> dict[str, int]:
+    """How many of the model's linear layers hold their weights in each layout: 'tile layout (AMX)' or '(AVX-512
+    BF16)' (``amx_gemm``, every batch size), 'oneDNN packed + tiled copy', 'oneDNN packed', 'tiled layout'
+    (``bf16_gemv``), 'plain' (F.linear, or a quantized layer's own kernels)."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, Linear):
+            kind = (
+                f"tile layout ({amx_gemm.path()})"
+                if m.amx is not None
+                else "oneDNN packed + tiled copy"
+                if m.packed is not None and m.tiled is not None
+                else "oneDNN packed"
+                if m.packed is not None
+                else "tiled layout"
+                if m.tiled is not None
+                else "plain"
+            )
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts

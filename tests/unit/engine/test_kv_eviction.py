@@ -38,6 +38,17 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(3, 900) for _ in range(n)]
 
 
+def lowest_of(score: dict[int, float], seen: list | None = None):
+    """A ``KVCacheManager.lowest_blocks`` over fixed block scores (``seen`` collects each call's ``now``)."""
+
+    def lowest(ids: list[int], now: int, k: int) -> list[int]:
+        if seen is not None:
+            seen.append(now)
+        return sorted(range(len(ids)), key=lambda j: (score[ids[j]], j))[:k]
+
+    return lowest
+
+
 def assert_pool_whole(llm: LLM) -> None:
     eng = llm.engine
     assert not eng.requests
@@ -144,7 +155,7 @@ def test_h2o_evicts_the_lowest_scored_block_outside_sinks_and_window():
     # The sink (0) and the window (4, 5) score lowest of all but are never candidates; block 2 is the least
     # attended candidate.
     score = {table[0]: 0.0, table[1]: 5.0, table[2]: 1.0, table[3]: 3.0, table[4]: 9.0, table[5]: 0.0}
-    kv.block_scores = lambda ids, now: [score[i] for i in ids]
+    kv.lowest_blocks = lowest_of(score)
     free_before = kv.num_free_blocks()
     assert kv.evict(req, 1) == 1
     assert kv.block_ids(req) == [table[0], table[1], table[3], table[4], table[5]]
@@ -175,7 +186,7 @@ def test_h2o_caps_a_prompt_chunk_to_leave_candidates():
     assert step_blocks(req.kv_policy) == 2
     score = {b: 10.0 - i for i, b in enumerate(table)}  # later candidates are attended less
     seen = []
-    kv.block_scores = lambda ids, now: seen.append(now) or [score[i] for i in ids]
+    kv.lowest_blocks = lowest_of(score, seen)
     # 40 new tokens: streaming would empty the 8 candidates and take 32; h2o takes 2 blocks' worth.
     assert kv.evict(req, 40) == 8
     assert kv.block_ids(req) == table[:7] + table[9:]
@@ -191,12 +202,16 @@ def test_slot_scores_rank_by_attention_per_query():
     got[:6] = torch.tensor([3.0, 1.0, 2.0, 2.0, 1.0, 3.0])
     # Per query: block 0 (3/10 + 1/9) / 2, block 1 (2/8 + 2/7) / 2, block 2 (1/6 + 3/5) / 2.
     want = [(0.3 + 1 / 9) / 2, (0.25 + 2 / 7) / 2, (1 / 6 + 0.6) / 2]
-    assert scores.block_scores([0, 1, 2], 10) == pytest.approx(want)
+    assert scores.block_scores([0, 1, 2], 10).tolist() == pytest.approx(want)
+    # Ranked on the tensor, lowest first; only the asked-for indices come back.
+    assert scores.lowest([2, 1, 0], 10, 2) == [2, 1] and scores.lowest([0, 1, 2], 10, 0) == []
     # A slot written again restarts: received 0, its position the new token's.
     scores.for_step(torch.tensor([0]), torch.tensor([10]))
     assert scores.received[0] == 0 and scores.written_at[0] == 10
-    assert scores.block_scores([0], 12) == pytest.approx([(0 / 2 + 1 / 11) / 2])
-    assert SlotScores(8, 2, torch.device("cpu")).block_scores([1, 2], 5) == [0.0, 0.0]
+    assert scores.block_scores([0], 12).tolist() == pytest.approx([(0 / 2 + 1 / 11) / 2])
+    fresh = SlotScores(8, 2, torch.device("cpu"))
+    assert fresh.block_scores([1, 2], 5).tolist() == [0.0, 0.0]
+    assert fresh.lowest([3, 1, 2], 5, 2) == [0, 1]  # a tie: the earlier index first
 
 
 def test_scores_sum_to_queries_times_heads_and_layers(llama):

@@ -25,8 +25,11 @@
  * multiplies its finished dot product and a value's scale its softmax weight, so no dequantized copy exists.
  *
  * Scores (scores not NULL: [num_blocks * bs] float32, one per cache slot): each key's softmax weights, summed
- * over the rep queries of a task, are added to its slot (atomically: the KV heads of a row are separate
- * tasks), so a slot accumulates the attention its token receives (scored KV eviction).
+ * over the rep queries of a task, are added to its slot, so a slot accumulates the attention its token
+ * receives (scored KV eviction). Each task sums into a part of its own; the parts are added to the slots
+ * once every task is done, by one thread, row by row and KV head by KV head: the same sums in the same
+ * order on every call (rows sharing blocks -- beams, verification rows -- add to the same slots), so a
+ * step and its replay leave the same bits.
  */
 #include <stdlib.h>
 
@@ -379,20 +382,22 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
     int64_t longest = 0;
     for (int b = 0; b < B; b++) longest = ctx[b] > longest ? ctx[b] : longest;
     int failed = 0;
+    /* [B * nkv, longest]: task t's weights of key lo + j at parts[t * longest + j] */
+    float* parts = a->scores ? (float*)malloc(sizeof(float) * (size_t)B * nkv * (size_t)longest) : NULL;
+    if (a->scores && !parts) return 2;
 #pragma omp parallel num_threads(nthreads)
     {
         float* s = (float*)malloc(sizeof(float) * (size_t)rep * (size_t)longest);
         float* qf = (float*)malloc(sizeof(float) * (size_t)rep * hd);
         float* of = (float*)malloc(sizeof(float) * (size_t)rep * hd);
         size_t* offs = (size_t*)malloc(sizeof(size_t) * (size_t)longest);
-        float* wsum = a->scores ? (float*)malloc(sizeof(float) * (size_t)longest) : NULL;
-        if (!s || !qf || !of || !offs || (a->scores && !wsum)) {
+        if (!s || !qf || !of || !offs) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < B * nkv; t++) {
-            if (!s || !qf || !of || !offs || (a->scores && !wsum)) continue;
+            if (!s || !qf || !of || !offs) continue;
             const int b = t / nkv, g = t % nkv;
             const int hi = (int)ctx[b];
             const int lo = window > 0 && hi > window ? hi - window : 0;
@@ -402,6 +407,7 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
             const int64_t* table = tables + (size_t)b * max_blocks;
             const uint16_t* qb = dtype == 1 ? (const uint16_t*)q + q0 : NULL; /* bf16 queries as they came */
             const char *k8 = (const char*)kc, *v8 = (const char*)vc;
+            float* wsum = parts ? parts + (size_t)t * longest : NULL;
             if (wsum)
                 for (int j = 0; j < hi - lo; j++) wsum[j] = 0.f;
             const float* sk = a->sinks ? a->sinks + (size_t)g * rep : NULL; /* this KV head's query heads */
@@ -414,19 +420,22 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
             else
                 attend(qf, k8, v8, table, lo, hi, rep, nkv, g, hd, bs, kvm, s, of, offs, ks, vs, qb, scale,
                        cap, wsum, sk);
-            if (wsum)
-                for (int j = 0, p = lo; p < hi; j++, p++) {
-                    const int64_t slot = table[p / bs] * bs + p % bs;
-#pragma omp atomic
-                    a->scores[slot] += wsum[j];
-                }
             for (int i = 0; i < rep * hd; i++) dt_store(out, q0 + i, of[i], dtype);
         }
         free(s);
-        free(wsum);
         free(offs);
         free(qf);
         free(of);
     }
+    if (parts && !failed)
+        for (int t = 0; t < B * nkv; t++) {
+            const int b = t / nkv;
+            const int hi = (int)ctx[b];
+            const int lo = window > 0 && hi > window ? hi - window : 0;
+            const int64_t* table = tables + (size_t)b * max_blocks;
+            const float* w = parts + (size_t)t * longest;
+            for (int p = lo; p < hi; p++) a->scores[table[p / bs] * bs + p % bs] += w[p - lo];
+        }
+    free(parts);
     return failed ? 2 : 0;
 }

@@ -67,3 +67,24 @@ def test_kernel_accumulates_onto_existing_scores():
     once = scores.clone()
     kernel.decode_attention(q, kc, vc, tables, ctx, 0.125, scores=scores)
     assert torch.allclose(scores, 2 * once, atol=1e-6)
+
+
+def test_kernel_scores_are_the_same_bits_on_every_call():
+    """Rows sharing blocks (beams, verification rows) and the KV heads of a row add to the same slots: the
+    kernel adds them in one order on every call, whatever its threads do, so a replayed step leaves the
+    scores an eager one leaves."""
+    q, kc, vc, tables, ctx = _case([300, 300, 300, 41], 12, 4, 64, seed=3)
+    tables[1:3] = tables[0]  # three rows over one sequence's blocks
+    ctx[1:3] = torch.tensor([299, 298])
+    start = torch.rand(kc.shape[0] * kc.shape[1], generator=torch.Generator().manual_seed(0))
+    first = start.clone()
+    kernel.decode_attention(q, kc, vc, tables, ctx, 0.125, scores=first)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3, 3):
+            torch.set_num_threads(n)
+            again = start.clone()
+            kernel.decode_attention(q, kc, vc, tables, ctx, 0.125, scores=again)
+            assert torch.equal(again, first)
+    finally:
+        torch.set_num_threads(threads)
