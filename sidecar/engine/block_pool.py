@@ -5,6 +5,11 @@ Invariants:
 - A block keeps its hash (and stays findable through ``cached``) after it is
   freed; the hash is dropped only when the block is taken for new content
   (eviction happens at reuse, oldest-freed first).
+- A block has a hash iff it is ``cached[hash]`` or in ``duplicates[hash]``: a block
+  computed again while its key was cached (two sequences computing one prefix at
+  once, or a hybrid model's hit cut short at a block without a state checkpoint)
+  holds the same tokens, and takes over the key when the registered copy is evicted,
+  so the prefix stays findable as long as one copy lives.
 - Block 0 is never handed out: it is the padding target of block tables.
 """
 
@@ -95,6 +100,7 @@ class BlockPool:
         self.blocks[0].ref_cnt = 1  # reserved padding block, never freed
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, KVBlock] = {}
+        self.duplicates: dict[bytes, list[KVBlock]] = {}  # other blocks with a cached key's tokens
         # Called with a cached block (its hash and tokens still set, its data intact) just before
         # allocate() drops its hash for new content: the offload tiers copy it out here.
         self.on_evict: Optional[Callable[[KVBlock], None]] = None
@@ -125,10 +131,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
-                if self.cached.get(block.block_hash) is block:
-                    if self.on_evict is not None:
-                        self.on_evict(block)
-                    del self.cached[block.block_hash]
+                self._unregister(block)
                 block.block_hash = None
                 block.token_ids = None
                 block.parent_hash = None
@@ -159,19 +162,49 @@ class BlockPool:
         token_ids: tuple[int, ...],
         parent_hash: Optional[bytes] = None,
     ) -> None:
-        """Register a full block under its key (``parent_hash``: the chain's previous block's); an existing
-        entry for the key wins (the duplicate block simply stays unregistered and is recycled when freed)."""
+        """Register a full block under its key (``parent_hash``: the chain's previous block's). An existing
+        entry for the key stays the one hits find; the new block becomes its duplicate, which takes the key
+        over when that entry is evicted (``allocate``)."""
         if not self.enable_caching or block.block_hash is not None:
             return
         block.block_hash = block_hash
         block.token_ids = token_ids
         block.parent_hash = parent_hash
-        self.cached.setdefault(block_hash, block)
+        first = self.cached.setdefault(block_hash, block)
+        if first is not block:
+            self.duplicates.setdefault(block_hash, []).append(block)
+
+    def _unregister(self, block: KVBlock, evicted: bool = True) -> None:
+        """Drop ``block`` from the key map: a duplicate, if one lives, takes the key over (a held one
+        first: it is the last to be evicted); else the key leaves the pool (through ``on_evict`` when
+        ``evicted``: the block is about to take new content)."""
+        h = block.block_hash
+        dups = self.duplicates.get(h)
+        if self.cached.get(h) is block:
+            if dups:
+                dups.sort(key=lambda b: b.ref_cnt > 0)
+                self.cached[h] = dups.pop()
+            else:
+                if evicted and self.on_evict is not None:
+                    self.on_evict(block)
+                del self.cached[h]
+        elif dups and block in dups:
+            dups.remove(block)
+        if dups is not None and not dups:
+            del self.duplicates[h]
 
     def reset_prefix_cache(self) -> None:
+        """Forget every free block's key; keys of blocks in use stay (one of their blocks registered)."""
         for block in self.blocks[1:]:
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 0 and block.block_hash is not None:
+                self._unregister(block, evicted=False)
                 block.block_hash = None
                 block.token_ids = None
                 block.parent_hash = None
-        self.cached = {h: b for h, b in self.cached.items() if b.ref_cnt > 0}
+
+    def consistent(self) -> bool:
+        """The key map's invariant: every block with a hash is its key's entry or one of its duplicates,
+        and nothing else is listed."""
+        listed = list(self.cached.items()) + [(h, b) for h, d in self.duplicates.items() for b in d]
+        hashed = sorted(b.block_id for b in self.blocks if b.block_hash is not None)
+        return all(b.block_hash == h for h, b in listed) and sorted(b.block_id for _, b in listed) == hashed

@@ -184,3 +184,43 @@ def test_disabled_caching_never_hits():
     admit(kv, req("a", list(range(9))))
     assert kv.get_computed_blocks(req("b", list(range(9)))) == ([], 0)
     assert kv.pool.cached == {}
+
+
+def test_a_duplicate_copy_takes_the_key_over_when_the_first_is_evicted():
+    kv = KVCacheManager(num_blocks=7, block_size=BS)  # 6 usable
+    a, b = req("a", list(range(9))), req("b", list(range(9)))
+    both = [(r, kv.get_computed_blocks(r)) for r in (a, b)]  # one step: both miss, both compute
+    for r, (hits, n) in both:
+        assert n == 0 and kv.allocate_slots(r, r.num_tokens, hits)
+        r.num_computed_tokens = r.num_tokens
+        kv.cache_computed_blocks(r)
+    assert kv.block_ids(a) == [1, 2, 3] and kv.block_ids(b) == [4, 5, 6]
+    assert {blk.block_id for blk in kv.pool.cached.values()} == {1, 2}
+    assert {blk.block_id for d in kv.pool.duplicates.values() for blk in d} == {4, 5}
+    kv.free(a)
+    c = req("c", [900 + i for i in range(8)])  # takes a's blocks 3, 2: a's copy of the chain's tail goes
+    assert admit(kv, c) == [3, 2]
+    d = req("d", list(range(9)))
+    hits, n = kv.get_computed_blocks(d)
+    assert [blk.block_id for blk in hits] == [1, 5] and n == 8  # b's copy serves the second block
+    kv.free(b)
+    kv.free(c)
+    kv.pool.allocate(1)  # block 1, a's first block: b's copy takes its key
+    assert kv.pool.cached[d.block_hashes[0]].block_id == 4 and not kv.pool.duplicates
+    assert kv.pool.consistent()
+
+
+def test_reset_keeps_a_held_duplicate_registered():
+    kv = KVCacheManager(num_blocks=7, block_size=BS)
+    a, b = req("a", list(range(9))), req("b", list(range(9)))
+    for r in (a, b):
+        assert kv.allocate_slots(r, r.num_tokens)
+        r.num_computed_tokens = r.num_tokens
+        kv.cache_computed_blocks(r)
+    kv.free(a)  # the registered copies are free, the duplicates held
+    kv.pool.reset_prefix_cache()
+    assert {blk.block_id for blk in kv.pool.cached.values()} == {4, 5} and not kv.pool.duplicates
+    assert all(kv.pool.blocks[i].block_hash is None for i in (1, 2, 3))
+    assert kv.pool.consistent()
+    kv.free(b)
+    assert kv.num_free_blocks() == kv.num_blocks

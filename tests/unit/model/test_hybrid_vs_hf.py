@@ -353,3 +353,22 @@ def test_offload_tiers_step_aside_and_caching_stays(qwen35_dir, caplog):
         llm = LLM(model=str(qwen35_dir), dtype="float32", kv_offload_gb=0.01)
     assert llm.engine.kv.offload is None and llm.engine.kv.enable_caching
     assert "KV offload off: linear-attention layers" in caplog.text
+
+
+def test_a_recomputed_prefix_stays_findable_when_the_first_copy_is_evicted(qwen35_dir):
+    # 8 usable blocks of 8 tokens: one sequence at a time, each taking the blocks the one before freed
+    llm = LLM(model=str(qwen35_dir), dtype="float32", block_size=8, num_kv_blocks=9, max_num_seqs=1)
+    eng = llm.engine
+    first = BASE[:45] + EXTRA[:7]  # caches BASE's first five blocks, checkpoints only past them
+    again = BASE[:40] + [3]  # finds those five blocks, none checkpointed: recomputes them as duplicates
+    (a,) = llm.generate([first], LOGPROBS)
+    (b,) = llm.generate([again], LOGPROBS)
+    assert b.num_cached_tokens == 0
+    # its allocations evicted every block of the first copy: the recomputed copy must serve the hit
+    assert not any(blk.ref_cnt for blk in eng.kv.pool.blocks[1:])
+    turn = again + b.token_ids + EXTRA[:3]  # a next turn: a hit up to decode's checkpoint at 48
+    (c,) = llm.generate([turn], LOGPROBS)
+    assert_equal_to_hf(qwen35_dir, [first, again, turn], [a, b, c])
+    assert c.num_cached_tokens == 48 and eng.kv.ckpts.restored == 1
+    assert_slots_whole(llm)
+    assert eng.kv.pool.consistent()
