@@ -1,0 +1,91 @@
+"""The gated delta rule of a DeltaNet mixer (model/deltanet.py) in torch, over float32 recurrent states: the
+chunked form a prompt chunk runs and the one-token recurrence of a decode step, each as Hugging Face's torch
+fallbacks compute it (the same ops in the same order), so float32 greedy output equals HF's ``generate``."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # tokens per block of the chunked rule (HF's chunk_size)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _heads_first(nv: int, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """[B, L, heads, d] (or [B, L, heads]) -> float32 [B, nv, L, ...], key heads repeated to the value
+    heads they serve."""
+    out = []
+    for x in xs:
+        if x.dim() == 4 and x.shape[2] != nv:
+            x = x.repeat_interleave(nv // x.shape[2], dim=2)
+        out.append(x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format))
+    return out
+
+
+def chunked_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule over a prompt chunk. q, k: [B, L, k_heads, k_dim]; v: [B, L, v_heads, v_dim]; g, beta:
+    [B, L, v_heads]; state: [B, v_heads, k_dim, v_dim] float32 before the chunk. Returns (o [B, L, v_heads,
+    v_dim] in v's dtype, the state after the chunk, float32)."""
+    dtype, (b, length, nv, dv) = v.dtype, v.shape
+    q, k, v, beta, g = _heads_first(nv, q, k, v, beta, g)
+    q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    pad = (CHUNK - length % CHUNK) % CHUNK
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(b, nv, -1, CHUNK, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    g = g.reshape(b, nv, -1, CHUNK).cumsum(dim=3)  # decay from the block's start, log space
+    above = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    pair = (g.unsqueeze(4) - g.unsqueeze(3)).masked_fill(above, float("-inf")).exp()  # decay j -> i
+    system = (k_beta @ k.transpose(-1, -2)) * pair
+    intra = (q @ k.transpose(-1, -2)) * pair
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_decay = torch.linalg.solve_triangular(
+        system, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    s = state.to(new_v)
+    out = torch.zeros_like(new_v)
+    q = q * g.exp().unsqueeze(-1)
+    k = k * (g[..., -1:] - g).exp().unsqueeze(-1)
+    block_decay = g[..., -1].exp()[..., None, None]
+    for i in range(q.shape[2]):
+        u = new_v[:, :, i] - k_decay[:, :, i] @ s
+        out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ u
+        s = s * block_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ u
+    out = out.reshape(b, nv, -1, dv)[:, :, :length]
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
+
+
+def recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the rule for each of B sequences: q, k [B, 1, k_heads, k_dim], v [B, 1, v_heads, v_dim],
+    g, beta [B, 1, v_heads], state [B, v_heads, k_dim, v_dim] float32. Returns (o [B, 1, v_heads, v_dim],
+    the new state)."""
+    dtype, nv = v.dtype, v.shape[2]
+    q, k, v, beta, g = _heads_first(nv, q, k, v, beta, g)
+    q, k = l2norm(q), l2norm(k)
+    q = q / (q.shape[-1] ** 0.5)
+    q, k, v, beta, g = q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], g[:, :, 0]
+    s = state.to(v) * g.exp()[..., None, None]
+    remembered = (s * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - remembered) * beta.unsqueeze(-1)
+    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    o = (s * q.unsqueeze(-1)).sum(dim=-2)
+    return o[:, None].to(dtype), s
