@@ -18,7 +18,8 @@ back. The engine zeroes a slot when it hands it out, so a sequence's first chunk
 
 Numerics follow Hugging Face's torch fallbacks: prompt chunks use the chunked form of the rule (blocks of
 ``CHUNK`` tokens, the within-block part solved as a triangular system), decode rows the one-token recurrence,
-as HF's prefill and decode do (deltanet_rule.py); so float32 greedy output equals HF's ``generate``. Decode
+as HF's prefill and decode do (deltanet_rule.py); so float32 greedy output equals HF's ``generate``. Prompt
+chunks take the C rule on CPU where it passed its self-check (deltanet_rule.py ``kernel_rule``). Decode
 rows take a kernel where one passed its self-check: the C one on CPU (kernels/cpu/deltanet_step.c), the Triton
 one on CUDA (kernels/triton/deltanet.py); else the torch reference.
 """
@@ -35,7 +36,7 @@ from torch import nn
 
 from sidecar.model.args import ModelArgs
 from sidecar.model.attention import AttentionMetadata
-from sidecar.model.deltanet_rule import chunked_rule, recurrent_step
+from sidecar.model.deltanet_rule import chunked_rule, kernel_rule, recurrent_step
 from sidecar.model.kernels.cpu import deltanet_step
 from sidecar.model.kernels.gpu_paths import triton_available, triton_interpreted
 from sidecar.model.linear import Linear
@@ -129,11 +130,12 @@ class GatedDeltaNet(nn.Module):
             window = conv_state[slot : slot + 1]
             qkv = self._conv(seq, None if seg.state_start else window)
             conv_state[slot] = torch.cat((window[0], seq[0]), dim=-1)[:, -w:]
-            o, s = chunked_rule(
-                *self._split(qkv), g[rows][None], beta[rows][None], rec_state[slot : slot + 1]
-            )
-            rec_state[slot] = s[0]
-            out[rows] = o[0]
+            q, k, v = self._split(qkv)
+            o = kernel_rule(q[0], k[0], v[0], g[rows], beta[rows], rec_state[slot])  # state in place
+            if o is None:
+                o, s = chunked_rule(q, k, v, g[rows][None], beta[rows][None], rec_state[slot : slot + 1])
+                rec_state[slot], o = s[0], o[0]
+            out[rows] = o
         return out
 
     def _decode_rows(self, mixed, g, beta, conv_state, rec_state, slots: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,25 @@
 """The gated delta rule of a DeltaNet mixer (model/deltanet.py) in torch, over float32 recurrent states: the
 chunked form a prompt chunk runs and the one-token recurrence of a decode step, each as Hugging Face's torch
-fallbacks compute it (the same ops in the same order), so float32 greedy output equals HF's ``generate``."""
+fallbacks compute it (the same ops in the same order), so float32 greedy output equals HF's ``generate``.
+
+On CPU a prompt chunk's rule runs in C instead where that kernel passed its self-check (``kernel_rule``,
+kernels/cpu/deltanet_step.c): the same recurrence token by token, which differs from the chunked form only in
+the order of float32 sums, and costs a fraction of it (no triangular solves, no per-block torch ops).
+"""
 
 from __future__ import annotations
+
+import logging
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from sidecar.model.kernels.cpu import deltanet_step
+
 CHUNK = 64  # tokens per block of the chunked rule (HF's chunk_size)
+log = logging.getLogger("sidecar.model")
+_checked: dict[str, str] = {}  # "reason": why the C prompt rule is off ('' when on), once asked
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -89,3 +101,57 @@ def recurrent_step(
     s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
     o = (s * q.unsqueeze(-1)).sum(dim=-2)
     return o[:, None].to(dtype), s
+
+
+def kernel_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> Optional[torch.Tensor]:
+    """``chunked_rule`` of one sequence on the C kernel: q, k [L, k_heads, k_dim]; v [L, v_heads, v_dim]; g,
+    beta [L, v_heads]; state [v_heads, k_dim, v_dim] float32, advanced in place. Returns o [L, v_heads,
+    v_dim] in v's dtype; None (nothing touched) where the kernel is off or does not take them."""
+    if q.device.type != "cpu" or not rule_ready():
+        return None
+    dtype = v.dtype
+    q, k = l2norm(q.float()), l2norm(k.float())
+    q = q / (q.shape[-1] ** 0.5)
+    v, g, beta = (x.to(torch.float32, memory_format=torch.contiguous_format) for x in (v, g, beta))
+    o = deltanet_step.rule(q.contiguous(), k.contiguous(), v, g, beta, state)
+    return None if o is None else o.to(dtype)
+
+
+def _rule_check() -> str:
+    """'' when the C prompt rule agrees with ``chunked_rule`` over a chunk longer than a block, grouped key
+    heads and a value head size off the kernel's column block (the state read back and advanced); else why
+    not."""
+    gen = torch.Generator().manual_seed(0)
+    length, nk, nv, dk, dv = 70, 2, 4, 20, 40
+    q, k = torch.randn(length, nk, dk, generator=gen), torch.randn(length, nk, dk, generator=gen)
+    v = torch.randn(length, nv, dv, generator=gen)
+    g, beta = -torch.rand(length, nv, generator=gen), torch.rand(length, nv, generator=gen)
+    s0 = torch.randn(nv, dk, dv, generator=gen) * 0.3
+    want_o, want_s = chunked_rule(q[None], k[None], v[None], g[None], beta[None], s0[None])
+    state = s0.clone()
+    got = deltanet_step.rule((l2norm(q) / dk**0.5).contiguous(), l2norm(k).contiguous(), v, g, beta, state)
+    if got is None:
+        return "the kernel refused a float32 chunk"
+    for what, x, y in (("output", got, want_o[0]), ("state", state, want_s[0])):
+        err, bound = float((x - y).abs().max()), 1e-5 * (1 + float(y.abs().max()))
+        if not err <= bound:
+            return f"{what} off from the chunked rule by {err:.3g} (bound {bound:.3g})"
+    return ""
+
+
+def rule_ready() -> bool:
+    """The C prompt rule is built here and passed its self-check (once; a failure is logged, and prompt chunks
+    then take the torch chunked form)."""
+    if "reason" not in _checked:
+        _checked["reason"] = "" if deltanet_step.available() else "not built"
+        _checked["reason"] = _checked["reason"] or _rule_check()
+        if _checked["reason"]:
+            log.warning("gated DeltaNet prompt kernel off, prompt chunks on torch: %s", _checked["reason"])
+    return not _checked["reason"]
