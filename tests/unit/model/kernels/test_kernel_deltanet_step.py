@@ -106,6 +106,13 @@ def test_prompt_rule_matches_hf_chunked_rule_across_calls(heads):
         *(x[None] for x in (q, k, v)), g=g[None], beta=beta[None], initial_state=s0[None],
         output_final_state=True, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
+    # as the mixer passes them: q, k, v views of one packed row per token (not contiguous)
+    packed = torch.cat([x.flatten(1) for x in (q, k, v)], dim=1)
+    q, k, v = (
+        x.view(150, -1, y.shape[-1])
+        for x, y in zip(packed.split([q[0].numel(), k[0].numel(), v[0].numel()], 1), (q, k, v))
+    )
+    assert not v.is_contiguous()
     state, cut = s0.clone(), 90
     o1 = deltanet_rule.kernel_rule(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], state)
     o2 = deltanet_rule.kernel_rule(q[cut:], k[cut:], v[cut:], g[cut:], beta[cut:], state)
