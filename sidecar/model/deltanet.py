@@ -129,7 +129,7 @@ class GatedDeltaNet(nn.Module):
             seq = mixed[rows].t()[None]  # [1, conv_dim, L]
             window = conv_state[slot : slot + 1]
             qkv = self._conv(seq, None if seg.state_start else window)
-            conv_state[slot] = torch.cat((window[0], seq[0]), dim=-1)[:, -w:]
+            conv_state[slot] = torch.cat((window[0], seq[0, :, -w:]), dim=-1)[:, -w:]  # the last w inputs
             q, k, v = self._split(qkv)
             o = kernel_rule(q[0], k[0], v[0], g[rows], beta[rows], rec_state[slot])  # state in place
             if o is None:
