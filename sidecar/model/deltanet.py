@@ -18,9 +18,10 @@ back. The engine zeroes a slot when it hands it out, so a sequence's first chunk
 
 Numerics follow Hugging Face's torch fallbacks: prompt chunks use the chunked form of the rule (blocks of
 ``CHUNK`` tokens, the within-block part solved as a triangular system), decode rows the one-token recurrence,
-as HF's prefill and decode do; so float32 greedy output equals HF's ``generate``. Decode rows take a kernel
-where one passed its self-check: the C one on CPU (kernels/cpu/deltanet_step.c), the Triton one on CUDA
-(kernels/triton/deltanet.py); else the torch reference.
+as HF's prefill and decode do (deltanet_rule.py); so float32 greedy output equals HF's ``generate``. Prompt
+chunks take the C rule on CPU where it passed its self-check (deltanet_rule.py ``kernel_rule``). Decode
+rows take a kernel where one passed its self-check: the C one on CPU (kernels/cpu/deltanet_step.c), the Triton
+one on CUDA (kernels/triton/deltanet.py); else the torch reference.
 """
 
 from __future__ import annotations
@@ -35,96 +36,15 @@ from torch import nn
 
 from sidecar.model.args import ModelArgs
 from sidecar.model.attention import AttentionMetadata
+from sidecar.model.deltanet_rule import chunked_rule, kernel_rule, recurrent_step
 from sidecar.model.kernels.cpu import deltanet_step
 from sidecar.model.kernels.gpu_paths import triton_available, triton_interpreted
 from sidecar.model.linear import Linear
 
-CHUNK = 64  # tokens per block of the chunked rule (HF's chunk_size)
 log = logging.getLogger("sidecar.model")
 # why a decode kernel is off ('' when on), once asked: "reason" the C one, "triton:<device type>" Triton's
 _checked: dict[str, str] = {}
 _triton_on_cpu = [False]  # use_triton_on_cpu
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def _heads_first(nv: int, *xs: torch.Tensor) -> list[torch.Tensor]:
-    """[B, L, heads, d] (or [B, L, heads]) -> float32 [B, nv, L, ...], key heads repeated to the value
-    heads they serve."""
-    out = []
-    for x in xs:
-        if x.dim() == 4 and x.shape[2] != nv:
-            x = x.repeat_interleave(nv // x.shape[2], dim=2)
-        out.append(x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format))
-    return out
-
-
-def chunked_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rule over a prompt chunk. q, k: [B, L, k_heads, k_dim]; v: [B, L, v_heads, v_dim]; g, beta:
-    [B, L, v_heads]; state: [B, v_heads, k_dim, v_dim] float32 before the chunk. Returns (o [B, L, v_heads,
-    v_dim] in v's dtype, the state after the chunk, float32)."""
-    dtype, (b, length, nv, dv) = v.dtype, v.shape
-    q, k, v, beta, g = _heads_first(nv, q, k, v, beta, g)
-    q, k = l2norm(q), l2norm(k)
-    q = q * q.shape[-1] ** -0.5
-    pad = (CHUNK - length % CHUNK) % CHUNK
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))
-    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
-    q, k, k_beta, v_beta = (x.reshape(b, nv, -1, CHUNK, x.shape[-1]) for x in (q, k, k_beta, v_beta))
-    g = g.reshape(b, nv, -1, CHUNK).cumsum(dim=3)  # decay from the block's start, log space
-    above = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
-    pair = (g.unsqueeze(4) - g.unsqueeze(3)).masked_fill(above, float("-inf")).exp()  # decay j -> i
-    system = (k_beta @ k.transpose(-1, -2)) * pair
-    intra = (q @ k.transpose(-1, -2)) * pair
-    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_decay = torch.linalg.solve_triangular(
-        system, k_beta * g.exp().unsqueeze(-1), upper=False, unitriangular=True
-    )
-    s = state.to(new_v)
-    out = torch.zeros_like(new_v)
-    q = q * g.exp().unsqueeze(-1)
-    k = k * (g[..., -1:] - g).exp().unsqueeze(-1)
-    block_decay = g[..., -1].exp()[..., None, None]
-    for i in range(q.shape[2]):
-        u = new_v[:, :, i] - k_decay[:, :, i] @ s
-        out[:, :, i] = q[:, :, i] @ s + intra[:, :, i] @ u
-        s = s * block_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ u
-    out = out.reshape(b, nv, -1, dv)[:, :, :length]
-    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format), s
-
-
-def recurrent_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the rule for each of B sequences: q, k [B, 1, k_heads, k_dim], v [B, 1, v_heads, v_dim],
-    g, beta [B, 1, v_heads], state [B, v_heads, k_dim, v_dim] float32. Returns (o [B, 1, v_heads, v_dim],
-    the new state)."""
-    dtype, nv = v.dtype, v.shape[2]
-    q, k, v, beta, g = _heads_first(nv, q, k, v, beta, g)
-    q, k = l2norm(q), l2norm(k)
-    q = q / (q.shape[-1] ** 0.5)
-    q, k, v, beta, g = q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], g[:, :, 0]
-    s = state.to(v) * g.exp()[..., None, None]
-    remembered = (s * k.unsqueeze(-1)).sum(dim=-2)
-    delta = (v - remembered) * beta.unsqueeze(-1)
-    s = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
-    o = (s * q.unsqueeze(-1)).sum(dim=-2)
-    return o[:, None].to(dtype), s
 
 
 class GatedDeltaNet(nn.Module):
@@ -209,12 +129,13 @@ class GatedDeltaNet(nn.Module):
             seq = mixed[rows].t()[None]  # [1, conv_dim, L]
             window = conv_state[slot : slot + 1]
             qkv = self._conv(seq, None if seg.state_start else window)
-            conv_state[slot] = torch.cat((window[0], seq[0]), dim=-1)[:, -w:]
-            o, s = chunked_rule(
-                *self._split(qkv), g[rows][None], beta[rows][None], rec_state[slot : slot + 1]
-            )
-            rec_state[slot] = s[0]
-            out[rows] = o[0]
+            conv_state[slot] = torch.cat((window[0], seq[0, :, -w:]), dim=-1)[:, -w:]  # the last w inputs
+            q, k, v = self._split(qkv)
+            o = kernel_rule(q[0], k[0], v[0], g[rows], beta[rows], rec_state[slot])  # state in place
+            if o is None:
+                o, s = chunked_rule(q, k, v, g[rows][None], beta[rows][None], rec_state[slot : slot + 1])
+                rec_state[slot], o = s[0], o[0]
+            out[rows] = o
         return out
 
     def _decode_rows(self, mixed, g, beta, conv_state, rec_state, slots: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,10 @@ instead of expanding every head's keys and values.
 
 The paged-attention kernels (CPU, Triton) read per-head K/V and do not take the latent cache; the model's
 start-up log says so. On CPU the decode rows' attention on the latents runs in
-``kernels/cpu/latent_attention`` where it takes the inputs (the reason is logged once where it does not);
-the torch form stays its oracle. ``kv_b`` is a plain parameter (not a ``Linear``), so the CPU weight
-packing leaves it readable by the absorbed decode.
+``kernels/cpu/latent_attention`` where it takes the inputs and is the faster path (bf16; float32 up to
+``F32_MAX_HEADS`` heads; the reason is logged once where it is not); the torch form stays its oracle.
+``kv_b`` is a plain parameter (not a ``Linear``), so the CPU weight packing leaves it readable by the
+absorbed decode.
 
 HF rotates DeepSeek's rotary channels in interleaved pairs and writes the result de-interleaved (evens,
 then odds); the same values come from gathering the channels evens-first and rotating rotate-half style,
@@ -55,8 +56,9 @@ _refusals_logged: set[str] = set()
 
 def _kernel_decode(q_lat, q_rope, kv, meta: AttentionMetadata, scale: float) -> Optional[torch.Tensor]:
     """The decode rows' probability-weighted latents [B, heads, r] from the CPU kernel, or None (the reason
-    logged once) where it does not take the inputs."""
+    logged once) where it does not take the inputs or torch's path is the faster one for them."""
     why = cpu_latent.refusal(q_lat, kv[0], kv[1])
+    why = why or cpu_latent.slower_than_torch(q_lat.dtype, q_lat.shape[1])
     if why is not None:
         if why not in _refusals_logged:
             _refusals_logged.add(why)

@@ -51,12 +51,22 @@ def test_greedy_matches_hf_in_one_batch(qwen35_dir, hf_ref, monkeypatch):
         return out
 
     monkeypatch.setattr(deltanet, "kernel_step", counted)
+    # and the prompt chunks' rule on the C prompt kernel (deltanet_rule.kernel_rule)
+    chunks, kernel_rule = [], deltanet.kernel_rule
+
+    def counted_chunks(*args):
+        out = kernel_rule(*args)
+        chunks.append(out is not None)
+        return out
+
+    monkeypatch.setattr(deltanet, "kernel_rule", counted_chunks)
     llm = LLM(model=str(qwen35_dir), dtype="float32")
     eng = llm.engine
     assert eng.loaded.args.linear_layers == (0, 1, 2)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == hf_ref
     assert steps and all(steps) and deltanet.kernel_ready()
+    assert len(chunks) >= 3 * (len(PROMPTS) - 1) and all(chunks)  # every prompt of more than a token
     assert_slots_whole(llm)
     info = eng.model_info
     # prefix caching on, with as many state checkpoints as slots

@@ -193,3 +193,107 @@ int sidecar_deltanet_decode(const sidecar_deltanet_args* a) {
     free(y);
     return 0;
 }
+
+/* The rule alone over the L tokens of one sequence's prompt chunk, float32 throughout:
+ *
+ *   for t in order:  S = S * exp(g[t]);  S = S + k[t] (beta[t] (v[t] - S^T k[t]))^T;  o[t] = S^T q[t]
+ *
+ * per value head (reading key head h / (v_heads / k_heads)). Layouts: q, k [L, k_heads, k_dim] (already
+ * L2-normed, q scaled); v [L, v_heads, v_dim]; g (log decay), beta [L, v_heads]; state [v_heads, k_dim,
+ * v_dim] in place; out [L, v_heads, v_dim]. Each column of S evolves on its own (S^T k, the update and S^T q
+ * read only that column), so a thread keeps RULE_COLS columns of one head in a local block that stays in L1
+ * across all L tokens. Per column the products and sums round as the decode step's (recall, update). */
+#define RULE_COLS 32
+
+typedef struct {
+    const float* q;
+    const float* k;
+    const float* v;
+    const float* g;
+    const float* beta;
+    float* state;
+    float* out;
+    int L;
+    int nk;
+    int nv;
+    int dk;
+    int dv;
+    int nthreads;
+} sidecar_deltanet_rule_args;
+
+int sidecar_deltanet_rule_args_size(void) {
+    return (int)sizeof(sidecar_deltanet_rule_args);
+}
+
+/* Columns j0 .. j0 + w of head h's S (w <= RULE_COLS, a constant in the hot call) through all L tokens. */
+static inline void rule_cols(const sidecar_deltanet_rule_args* a, int h, int j0, const int w, float* Sb) {
+    const int dk = a->dk, dv = a->dv, nv = a->nv, nk = a->nk, kh = h / (nv / nk);
+    float* S = a->state + (size_t)h * dk * dv;
+    float rem[RULE_COLS], o[RULE_COLS];
+    for (int i = 0; i < dk; i++)
+        for (int c = 0; c < w; c++) Sb[i * RULE_COLS + c] = S[(size_t)i * dv + j0 + c];
+    for (int t = 0; t < a->L; t++) {
+        const size_t th = (size_t)t * nv + h;
+        const float e = expf(a->g[th]), beta = a->beta[th];
+        const float* k = a->k + ((size_t)t * nk + kh) * dk;
+        const float* q = a->q + ((size_t)t * nk + kh) * dk;
+        const float* v = a->v + th * dv + j0;
+        for (int c = 0; c < w; c++) rem[c] = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float* row = Sb + i * RULE_COLS;
+            const float ki = k[i];
+            for (int c = 0; c < w; c++) {
+                const float se = row[c] * e;
+                row[c] = se;
+                rem[c] += se * ki;
+            }
+        }
+        for (int c = 0; c < w; c++) {
+            rem[c] = (v[c] - rem[c]) * beta; /* rem becomes delta */
+            o[c] = 0.0f;
+        }
+        for (int i = 0; i < dk; i++) {
+            float* row = Sb + i * RULE_COLS;
+            const float ki = k[i], qi = q[i];
+            for (int c = 0; c < w; c++) {
+                const float s = row[c] + ki * rem[c];
+                row[c] = s;
+                o[c] += s * qi;
+            }
+        }
+        float* out = a->out + th * dv + j0;
+        for (int c = 0; c < w; c++) out[c] = o[c];
+    }
+    for (int i = 0; i < dk; i++)
+        for (int c = 0; c < w; c++) S[(size_t)i * dv + j0 + c] = Sb[i * RULE_COLS + c];
+}
+
+/* 0, or 1 when the heads do not divide or a head size is past MAX_DIM (nothing touched), 2 when out of
+ * memory (nothing touched). */
+int sidecar_deltanet_rule(const sidecar_deltanet_rule_args* a) {
+    const int dk = a->dk, dv = a->dv, nv = a->nv;
+    if (dk > MAX_DIM || dv > MAX_DIM || dk < 1 || dv < 1 || a->nk <= 0 || nv % a->nk || a->L < 0) return 1;
+    const int blocks = (dv + RULE_COLS - 1) / RULE_COLS;
+    int failed = 0;
+#pragma omp parallel num_threads(a->nthreads)
+    {
+        float* Sb = malloc(sizeof(float) * (size_t)dk * RULE_COLS);
+        if (Sb == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < nv * blocks; i++) {
+                const int h = i / blocks, j0 = (i % blocks) * RULE_COLS;
+                if (dv - j0 >= RULE_COLS)
+                    rule_cols(a, h, j0, RULE_COLS, Sb);
+                else
+                    rule_cols(a, h, j0, dv - j0, Sb);
+            }
+        }
+        free(Sb);
+    }
+    return failed ? 2 : 0;
+}

@@ -3,6 +3,10 @@ sequence's window, the gates, the recurrent rule over its float32 state (in plac
 the readout, for a batch of sequences each one token, in one call (torch runs some twenty ops, and copies
 every state out of its slot and back).
 
+``rule(...)`` runs the recurrence alone over one sequence's prompt chunk (its inputs already convolved and
+normed by torch), token by token with the state kept in cache, where the torch reference runs HF's chunked
+form (some forty ops a 64-token block, and triangular solves).
+
 ``decode(...)`` returns the gated output rows, or None where the kernel does not take the arguments (not
 built, another dtype or device, a layout it does not know, a slot outside the state); the caller then runs
 the torch reference (``model/deltanet.py``), which also decides, through a start-up self-check there, whether
@@ -52,7 +56,34 @@ class DeltaNetArgs(cpu_build.Args):
     ]
 
 
-_KERNEL = cpu_build.Kernel("deltanet_step", {"sidecar_deltanet_decode": ([DeltaNetArgs], ctypes.c_int)})
+class RuleArgs(cpu_build.Args):
+    """The mirror of deltanet_step.c's prompt-chunk rule argument struct."""
+
+    c_name = "sidecar_deltanet_rule_args"
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("beta", ctypes.c_void_p),
+        ("state", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
+        ("L", ctypes.c_int),
+        ("nk", ctypes.c_int),
+        ("nv", ctypes.c_int),
+        ("dk", ctypes.c_int),
+        ("dv", ctypes.c_int),
+        ("nthreads", ctypes.c_int),
+    ]
+
+
+_KERNEL = cpu_build.Kernel(
+    "deltanet_step",
+    {
+        "sidecar_deltanet_decode": ([DeltaNetArgs], ctypes.c_int),
+        "sidecar_deltanet_rule": ([RuleArgs], ctypes.c_int),
+    },
+)
 
 available = _KERNEL.available
 
@@ -132,6 +163,45 @@ def decode(
             eps=float(eps),
             dtype=_DTYPES[dtype],
             nthreads=torch.get_num_threads(),
+        )
+    )
+    return out if rc == 0 else None
+
+
+def rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> Optional[torch.Tensor]:
+    """The rule's output [L, v_heads, v_dim] float32 over one sequence's L tokens (layouts: deltanet_step.c's
+    ``sidecar_deltanet_rule``): ``q``, ``k`` [L, k_heads, k_dim] L2-normed (q scaled), ``v`` [L, v_heads,
+    v_dim], ``g`` (log decay), ``beta`` [L, v_heads], all float32 contiguous on CPU; ``state`` [v_heads,
+    k_dim, v_dim] float32, advanced in place. None, with nothing touched, where the kernel does not take
+    them."""
+    lib = _KERNEL.lib()
+    if lib is None or q.dim() != 3 or v.dim() != 3:
+        return None
+    (length, nk, dk), nv, dv = q.shape, v.shape[1], v.shape[2]
+    every = (q, k, v, g, beta, state)
+    if (
+        any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in every)
+        or k.shape != q.shape
+        or v.shape[0] != length
+        or g.shape != (length, nv)
+        or beta.shape != (length, nv)
+        or state.shape != (nv, dk, dv)
+        or max(dk, dv) > MAX_DIM
+        or nv % nk
+    ):
+        return None
+    out = torch.empty(length, nv, dv)
+    ptrs = {name: t.data_ptr() for name, t in zip(("q", "k", "v", "g", "beta", "state"), every)}
+    rc = lib.sidecar_deltanet_rule(
+        RuleArgs(
+            **ptrs, out=out.data_ptr(), L=length, nk=nk, nv=nv, dk=dk, dv=dv, nthreads=torch.get_num_threads()
         )
     )
     return out if rc == 0 else None

@@ -64,6 +64,18 @@ _KERNEL = cpu_build.Kernel(
 )
 
 available = _KERNEL.available
+# float32 decode rows take the kernel up to this many heads; past it torch's batched GEMM over the gathered
+# latents is the faster path (its register blocking across heads outweighs the kernel's saving of the
+# gather). bf16 rows take the kernel at any head count: torch's bf16 GEMM on AVX2 CPUs is far slower.
+F32_MAX_HEADS = 16
+
+
+def slower_than_torch(dtype: torch.dtype, heads: int) -> Optional[str]:
+    """Why the torch path is the faster choice for decode rows of ``heads`` heads in ``dtype`` (None where the
+    kernel is): the default choice of ``mla.py``, separate from whether the kernel can take the inputs."""
+    if dtype == torch.float32 and heads > F32_MAX_HEADS:
+        return f"torch's batched GEMM is faster in float32 past {F32_MAX_HEADS} heads ({heads} here)"
+    return None
 
 
 def refusal(q_lat: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor) -> Optional[str]:

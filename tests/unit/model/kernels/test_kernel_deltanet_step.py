@@ -1,14 +1,15 @@
 """The gated DeltaNet decode kernel (deltanet_step.c) against the torch reference of a decode step
 (model/deltanet.py ``decode_reference``): the gated output, the convolution windows and the recurrent states
 of the slots it advances, over several steps (each reading back the states the last one wrote), with other
-slots untouched; and the arguments it refuses, with nothing touched."""
+slots untouched; and the arguments it refuses, with nothing touched. Its prompt rule (the recurrence over a
+sequence's chunk, deltanet_rule.py ``kernel_rule``) against HF's chunked rule, the same way."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sidecar.model import deltanet
+from sidecar.model import deltanet, deltanet_rule
 from sidecar.model.kernels.cpu import cpu_build, deltanet_step
 from tests.unit.model.kernels.deltanet_cases import case as _case, inputs as _inputs
 
@@ -82,3 +83,62 @@ def test_refused_arguments_touch_nothing():
     big = (torch.zeros(2, wide.conv_dim, 1), torch.zeros(2, 1, deltanet_step.MAX_DIM + 1, 4))
     p, bb, aa = _inputs(wide, 1, torch.float32, gen)
     assert deltanet.kernel_step(wide, p, bb, aa, big, torch.tensor([0])) is None
+
+
+def _chunk(length, heads, gen):
+    nk, nv, dk, dv = heads
+    q, k = torch.randn(length, nk, dk, generator=gen), torch.randn(length, nk, dk, generator=gen)
+    v = torch.randn(length, nv, dv, generator=gen)
+    return q, k, v, -torch.rand(length, nv, generator=gen), torch.rand(length, nv, generator=gen)
+
+
+@pytest.mark.parametrize("heads", [(2, 4, 20, 40), (1, 2, 8, 6), (2, 2, 16, 64)])
+def test_prompt_rule_matches_hf_chunked_rule_across_calls(heads):
+    # the C prompt rule (deltanet_rule.kernel_rule) against HF's torch chunked rule over 150 tokens; ours in
+    # two calls, the state carried in place between them
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    assert deltanet_rule._rule_check() == "" and deltanet_rule.rule_ready()
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, g, beta = _chunk(150, heads, gen)
+    s0 = torch.randn(heads[1], heads[2], heads[3], generator=gen) * 0.3
+    want_o, want_s = hf.torch_chunk_gated_delta_rule(
+        *(x[None] for x in (q, k, v)), g=g[None], beta=beta[None], initial_state=s0[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    # as the mixer passes them: q, k, v views of one packed row per token (not contiguous)
+    packed = torch.cat([x.flatten(1) for x in (q, k, v)], dim=1)
+    q, k, v = (
+        x.view(150, -1, y.shape[-1])
+        for x, y in zip(packed.split([q[0].numel(), k[0].numel(), v[0].numel()], 1), (q, k, v))
+    )
+    assert not v.is_contiguous()
+    state, cut = s0.clone(), 90
+    o1 = deltanet_rule.kernel_rule(q[:cut], k[:cut], v[:cut], g[:cut], beta[:cut], state)
+    o2 = deltanet_rule.kernel_rule(q[cut:], k[cut:], v[cut:], g[cut:], beta[cut:], state)
+    torch.testing.assert_close(torch.cat((o1, o2)), want_o[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(state, want_s[0], rtol=1e-4, atol=1e-5)
+    # bf16 inputs: float32 inside, the output rounded to bf16 once
+    bf = [x.bfloat16() for x in (q, k, v)]
+    got = deltanet_rule.kernel_rule(*bf, g, beta, s0.clone())
+    want = deltanet_rule.chunked_rule(*(x[None] for x in bf), g[None], beta[None], s0[None])[0][0]
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * BF16_ULP, atol=2 * BF16_ULP)
+
+
+def test_prompt_rule_refuses_what_it_cannot_take_untouched():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, g, beta = _chunk(5, (2, 4, 8, 12), gen)
+    state = torch.randn(4, 8, 12, generator=gen)
+    before = state.clone()
+    for args in (
+        (q.double(), k, v, g, beta, state),  # not float32
+        (q, k, v.transpose(0, 1), g, beta, state),  # not contiguous / shapes off
+        (q, k, v, g[:4], beta, state),  # a gate row short
+        (q, k, v, g, beta, state[:3]),  # a state head short
+        (q[:, :1].repeat(1, 3, 1), k[:, :1].repeat(1, 3, 1), v, g, beta, state),  # 4 value heads, 3 key heads
+    ):
+        assert deltanet_step.rule(*args) is None
+    wide = torch.zeros(1, 1, deltanet_step.MAX_DIM + 1)
+    assert deltanet_step.rule(wide, wide, v[:, :1], g[:, :1], beta[:, :1], torch.zeros(1, 1025, 12)) is None
+    assert torch.equal(state, before)

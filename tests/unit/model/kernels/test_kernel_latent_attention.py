@@ -73,3 +73,34 @@ def test_inputs_it_cannot_take_are_refused_by_reason():
     assert kernel.decode_attention(ql, qr, kv[0], kv[1], tables, ctx, 0.3) is None
     ql, qr, kv, tables, ctx = _case(2, 64, 8, torch.float32)
     assert "dtype" in kernel.refusal(ql, kv[0].bfloat16(), kv[1])
+
+
+@pytest.mark.parametrize(
+    "heads,dtype,on_kernel",
+    [
+        (16, torch.float32, True),
+        (20, torch.float32, False),
+        (20, torch.bfloat16, True),
+        (128, torch.bfloat16, True),
+    ],
+)
+def test_decode_rows_take_the_faster_path_per_dtype_and_heads(heads, dtype, on_kernel):
+    # mla.py's choice: the kernel in bf16, in float32 only up to F32_MAX_HEADS heads (past that torch's
+    # batched GEMM); the kernel takes these inputs either way, and both paths give the same rows
+    from sidecar.model import mla
+
+    ql, qr, kv, tables, ctx = _case(heads, 64, 16, dtype, seed=heads)
+    assert kernel.refusal(ql, *kv) is None
+    why = kernel.slower_than_torch(dtype, heads)
+    assert (why is None) == on_kernel and (on_kernel or f"past {kernel.F32_MAX_HEADS} heads" in why)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_size=BS,
+        decode_block_tables=tables,
+        decode_ctx_lens=ctx,
+    )
+    got = mla._kernel_decode(ql, qr, kv, meta, 0.125)
+    assert (got is not None) == on_kernel
+    if on_kernel:
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+        torch.testing.assert_close(got, _torch(ql, qr, kv, tables, ctx, 0.125), **tol)
