@@ -18,7 +18,9 @@
  * whatever group it falls in, and a row's result depends only on its own query and context.
  *
  * Scores (scores not NULL: [num_blocks * bs] float32, one per cache slot): each row's softmax weights, summed
- * over the task's heads, are added to its slot (atomically: a row's head groups are separate tasks). */
+ * over the task's heads, are added to its slot. Each task sums into a part of its own; the parts are added to
+ * the slots once every task is done, by one thread, task by task: the same sums in the same order on every
+ * call with the same rows and threads, so a step and its replay leave the same bits. */
 #include <stdlib.h>
 
 #include "vec.h"
@@ -225,6 +227,9 @@ int sidecar_latent_decode_attention(const sidecar_latent_attention_args* a) {
     while (G > 1 && B * ((nh + G - 1) / G) < 2 * a->nthreads) G = (G + 1) / 2;
     const int groups = (nh + G - 1) / G;
     int failed = 0;
+    /* [B * groups, longest]: task t's summed weights of key j at parts[t * longest + j] */
+    float* parts = a->scores ? (float*)malloc(sizeof(float) * (size_t)B * groups * (size_t)longest) : NULL;
+    if (a->scores && !parts) return 2;
 #pragma omp parallel num_threads(a->nthreads)
     {
         float* s = (float*)malloc(sizeof(float) * (size_t)G * longest);
@@ -256,12 +261,11 @@ int sidecar_latent_decode_attention(const sidecar_latent_attention_args* a) {
                 inv[r] = softmax_row(sr, n);
                 for (int j = 0; j < n; j++) sr[j] *= inv[r];
             }
-            if (a->scores)
+            if (parts)
                 for (int j = 0; j < n; j++) {
                     float w = 0.f;
                     for (int r = 0; r < g; r++) w += s[(size_t)r * n + j];
-#pragma omp atomic
-                    a->scores[slot[j]] += w;
+                    parts[(size_t)t * longest + j] = w;
                 }
             values(s, n, g, a->lc, slot, R, dt, of);
             for (int r = 0; r < g; r++)
@@ -274,5 +278,13 @@ int sidecar_latent_decode_attention(const sidecar_latent_attention_args* a) {
         free(of);
         free(slot);
     }
+    if (parts && !failed)
+        for (int t = 0; t < B * groups; t++) {
+            const int b = t / groups, n = (int)a->ctx[b];
+            const int64_t* table = a->tables + (size_t)b * a->max_blocks;
+            const float* w = parts + (size_t)t * longest;
+            for (int j = 0; j < n; j++) a->scores[(size_t)table[j / bs] * bs + j % bs] += w[j];
+        }
+    free(parts);
     return failed ? 2 : 0;
 }

@@ -104,3 +104,25 @@ def test_decode_rows_take_the_faster_path_per_dtype_and_heads(heads, dtype, on_k
     if on_kernel:
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
         torch.testing.assert_close(got, _torch(ql, qr, kv, tables, ctx, 0.125), **tol)
+
+
+def test_kernel_scores_are_the_same_bits_on_every_call():
+    """A row's head groups and rows sharing blocks add to the same slots: the kernel adds the tasks' parts in
+    one order on every call with the same rows and threads, so a replayed step leaves the scores an eager one
+    leaves."""
+    ql, qr, kv, tables, ctx = _case(20, 64, 16, torch.float32, seed=5)
+    tables[1:3] = tables[-1]  # three rows over one sequence's blocks
+    ctx[1:3] = torch.tensor([99, 98])
+    start = torch.rand(NB * BS, generator=torch.Generator().manual_seed(1))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            first = start.clone()
+            assert kernel.decode_attention(ql, qr, kv[0], kv[1], tables, ctx, 0.125, first) is not None
+            for _ in range(3):
+                again = start.clone()
+                kernel.decode_attention(ql, qr, kv[0], kv[1], tables, ctx, 0.125, again)
+                assert torch.equal(again, first), n
+    finally:
+        torch.set_num_threads(threads)
