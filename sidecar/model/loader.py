@@ -341,11 +341,8 @@ def load_model(cfg: EngineConfig, pack: bool = True, shard: Union[Shard, Stage, 
     model.eval()
     if pack and device.type == "cpu":
         pack_weights(model, consume=True)  # the weights were just read: nothing else holds them
-    if device.type == "cpu":
-        blocks = [m for m in model.modules() if isinstance(m, SparseMoE)]
-        moe_cpu.self_check(
-            blocks, dtype
-        )  # the grouped expert path against the per-expert loop, where it runs
+    if device.type == "cpu":  # the grouped expert path against the per-expert loop, where it runs
+        moe_cpu.self_check([m for m in model.modules() if isinstance(m, SparseMoE)], dtype)
     if shard is not None and not isinstance(shard, Stage):
         shard.wrap(model, args)
     return LoadedModel(

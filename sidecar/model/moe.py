@@ -168,7 +168,7 @@ class SparseMoE(nn.Module):
         ids, perm = ids.sort(dim=-1)
         weights = weights.gather(-1, perm)
         fast = self._grouped(x, weights, ids)
-        if fast is None and self.cpu_grouped:  # decode-sized CPU steps over int8 experts (moe_cpu.py)
+        if fast is None and self.cpu_grouped:  # decode-sized CPU steps over int8 / int4 experts (moe_cpu.py)
             fast = moe_cpu.routed(self, x, weights, ids)
         if fast is not None:
             return self._plus_shared(x, fast)
