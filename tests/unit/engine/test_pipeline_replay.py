@@ -1,9 +1,10 @@
 """CPU decode replays per pipeline stage (engine/pp_replay.py): each stage replays its share of a pure-decode
 step from C, stage 0 from the embedded tokens and the later stages from the stream they receive. Replays are
 checked in bfloat16, as the whole model's are (float32 layers take oneDNN paths a one-row replay refuses): two
-stages replaying give the tokens of one process running eagerly, through preemption, chunked prefill and two
-micro-batches a step, with every stage's replay count rising; a hybrid model's stages carry their state slots
-through their replays. In float32 every stage refuses, each naming why, and the tokens are HF's."""
+stages replaying (and three: a middle stage) give the tokens of one process running eagerly, through
+preemption, chunked prefill and two micro-batches a step, with every stage's replay count rising; a hybrid
+model's stages carry their state slots through their replays. In float32 every stage refuses, each naming
+why, and the tokens are HF's."""
 
 from __future__ import annotations
 
@@ -58,6 +59,24 @@ def test_two_stages_replaying_give_the_eager_tokens(llama):
         counts = pp.replay_counts()
         assert _tokens(llm, prompts[:1]) == expected[:1]
         assert all(b >= a + MAX_NEW - 1 for a, b in zip(counts, pp.replay_counts()))
+        _pool_whole(llm)
+    finally:
+        pp.close()
+
+
+def test_three_stages_replay_a_middle_stage_too(llama):
+    """Three stages of one layer each: the middle one replays from the stream it receives and hands its
+    result on; three parts a step by default."""
+    path, prompts, _ = llama
+    ref = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, **KW)
+    expected = _tokens(ref, prompts[:4])
+    llm = LLM(model=str(path), dtype="bfloat16", pipeline_parallel_size=3, **KW)
+    pp = llm.engine.tp
+    try:
+        assert llm.engine.model_info["cpu_decode_replay_stages"] == {0: "", 1: "", 2: ""}
+        before = pp.replay_counts()
+        assert _tokens(llm, prompts[:4]) == expected
+        assert all(b > a for a, b in zip(before, pp.replay_counts()))
         _pool_whole(llm)
     finally:
         pp.close()
