@@ -89,6 +89,7 @@ class CpuDecodePlans:
         self._rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._eager_states: list[torch.Tensor] = []  # the self-check's eager step's states after it
         self._eager_scores: Optional[torch.Tensor] = None  # and the scores of a scored one
+        self.replayed = 0  # steps served by a plan's replay
 
     @property
     def recorded(self) -> list[int]:
@@ -157,6 +158,7 @@ class CpuDecodePlans:
                 plan = self._plans[key]
         if plan is not None:
             if plan.replay(self._arena):
+                self.replayed += 1
                 return plan.output(self._arena)
             # (a scored step's layers before the refusal have added their scores, and add them again)
             self.disable(f"the {plan.refused} kernel refused its recorded arguments")
@@ -301,7 +303,7 @@ class CpuDecodePlans:
                 self.inputs.scores = self.scores if scored else None
                 self.stage(bucket)
                 self._seed_states(bucket)
-                eager = self.body(bucket).clone()
+                eager = _copy(self.body(bucket))
                 self._eager_states = self._stepped_states(bucket)
                 self._eager_scores = self.scores.clone() if scored else None
                 try:
@@ -353,7 +355,7 @@ class CpuDecodePlans:
         self._seed_states(bucket)
         if not plan.replay(arena):
             return f"the {plan.refused} kernel refused its recorded arguments"
-        if not torch.equal(plan.output(arena), eager):
+        if not _same(plan.output(arena), eager):
             return f"a {what} step of {bucket} rows differs from the eager one"
         if not all(map(torch.equal, self._stepped_states(bucket), self._eager_states)):
             return f"a {what} step of {bucket} rows leaves other linear-attention states than the eager one"
@@ -370,6 +372,18 @@ class CpuDecodePlans:
         if not plan.same_calls(recorded):
             return f"a step of {bucket} rows planned dry makes other calls than its recording"
         return self._check_plan(plan, eager, bucket, "planned")
+
+
+def _copy(out):
+    """A copy of a step's result: a tensor, or a tuple of tensors (a pipeline stage's stream)."""
+    return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+
+
+def _same(a, b) -> bool:
+    """Whether two step results (tensors, or tuples of tensors) hold the same bits."""
+    if isinstance(a, tuple) or isinstance(b, tuple):
+        return len(a) == len(b) and all(map(torch.equal, a, b))
+    return torch.equal(a, b)
 
 
 def _spans(sizes: list[int]) -> str:

@@ -128,6 +128,7 @@ class LLMEngine:
             "device": str(loaded.device),
             **self.runner.fast_path_info(),  # fast_paths, fast_path_fallbacks
             **self.runner.cpu_plans.info(),  # on CPU: cpu_decode_replay (+ reason)
+            **(self.tp.replay_info() if hasattr(self.tp, "replay_info") else {}),  # every pipeline stage's
             **self.runner.kv_info(),  # kv_cache_dtype (+ reason), kv_cache_tokens
             # what a LoRA adapter for this base must fit: layers and each target's (in, out) features
             "num_layers": loaded.args.num_layers,

@@ -31,6 +31,12 @@ rank 0 (scheduled, then sampled once its last part's logits are back), so a sequ
 step in flight and its sampling state never sees two; what does not overlap is rank 0's scheduling and
 sampling between steps. With one part the stages run one after another (a step's latency the sum of theirs).
 A step with adapter rows runs whole: its adapter slots are set per step, for all of its tokens at once.
+
+CPU decode replays: a stage's forward holds no collective, so each stage replays the pure-decode parts of a
+step through its own layers from C (pp_replay.py), stage 0 from the embedded tokens, a later stage from the
+stream it received. Every stage checks its replays at start (``check_replays``) and all agree: where one
+stage's check fails, every stage runs eagerly and logs why. Rank 0's runner itself stays eager (its model is
+this stage driver, not a decoder it could replay whole).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from sidecar.config import EngineConfig
 from sidecar.engine.dist_inputs import load_adapter, lora_batch, pack_inputs, unpack_inputs, worker_lora
 from sidecar.engine.linear_state import LinearStates
 from sidecar.engine.pp_micro import Bounds, micro_batches, micro_meta
+from sidecar.engine.pp_replay import StagePlans
 from sidecar.engine.rendezvous import run_worker
 from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group, worker_pool
 from sidecar.model.attention import AttentionMetadata
@@ -79,6 +86,10 @@ class PipelineParallel(TensorParallel):
         self.micro_batches = config.pipeline_micro_batches or config.pipeline_parallel_size  # parts a step
         self.split_steps = 0  # steps that ran in more than one part
         self.state_ops: list[tuple] = []  # rank 0's state changes since the last forward (``mirror``)
+        self.enforce_eager = config.enforce_eager
+        self.plans: Optional[StagePlans] = None  # stage 0's decode replays (``check_replays``)
+        self.replay_reason: Optional[str] = "not checked"  # why every stage runs eagerly (None: replays on)
+        self.replay_reasons: dict[int, Optional[str]] = {}  # each stage's own self-check answer
         super().__init__(config)
 
     @property
@@ -105,6 +116,64 @@ class PipelineParallel(TensorParallel):
             raise
         if states is not None:
             states.mirror = lambda *op: self.state_ops.append(op)
+        self.check_replays(runner)
+
+    def check_replays(self, runner: Any) -> None:
+        """Every stage self-checks its CPU decode replays (stage 0 here while the workers check theirs); where
+        any stage's check fails (or replays are off for every stage: ``enforce_eager``, not a CPU model, per-layer
+        KV groups), every stage runs its steps eagerly, each logging the reason."""
+        off = None
+        if self.enforce_eager:
+            off = "enforce_eager"
+        elif runner.device.type != "cpu":
+            off = "not a CPU model"
+        elif runner.kv_plan is not None:
+            off = "a model of several KV groups (each layer's own tables)"
+        inputs = runner.inputs
+        self.plans = StagePlans(
+            runner.model._model,
+            Stage(0, self.world),
+            runner.layer_caches,
+            runner.states,
+            inputs.max_batch,
+            inputs.max_blocks,
+            runner.block_size,
+            runner.dtype,
+        )
+        try:
+            self.send(("replay", inputs.max_batch, inputs.max_blocks, off))
+            reasons = {0: off or self.plans.self_check()}
+            for rank in self.procs:
+                reasons[rank] = self._expect(rank, "replay")[1]
+        except BaseException:
+            self.close()
+            raise
+        self.replay_reasons = reasons
+        failed = [f"stage {rank}: {why}" for rank, why in sorted(reasons.items()) if why is not None]
+        self.replay_reason = off or ("; ".join(failed) if failed else None)
+        if self.replay_reason is not None:
+            if off is None:
+                self.send(("replay_off", self.replay_reason))
+            self.plans.disable(self.replay_reason)
+
+    def replay_info(self) -> dict:
+        """On CPU, ``cpu_decode_replay``: whether every stage replays its decode steps from C (else
+        ``cpu_decode_replay_reason`` says why none does), and ``cpu_decode_replay_stages``: each stage's own
+        self-check answer (rank -> "" where it passed, else why not)."""
+        if self.plans is None or self.replay_reason == "not a CPU model":
+            return {}
+        return {
+            "cpu_decode_replay": self.replay_reason is None,
+            "cpu_decode_replay_reason": self.replay_reason or "",
+            "cpu_decode_replay_stages": {rank: why or "" for rank, why in self.replay_reasons.items()},
+        }
+
+    def replay_counts(self) -> list[int]:
+        """How many micro-batches each stage has replayed from C, in stage order."""
+        self.send(("replays",))
+        return [self.plans.replayed if self.plans else 0] + [
+            self._expect(rank, "replays")[1] for rank in sorted(self.procs)
+        ]
 
 
 def send(comm: Comm, t: torch.Tensor, dst: int, tag: int) -> None:
@@ -149,13 +218,17 @@ class PipelineModel:
         self._pp.split_steps += len(bounds) > 1
         ops, self._pp.state_ops = self._pp.state_ops, []  # applied by every stage before this forward
         self._pp.send(("fwd", pack_inputs(ids, positions, meta, lora), bounds, ops))
-        return self._pp.run(self._first_stage, ids, positions, kv_caches, meta, bounds)
+        plans = None if whole else self._pp.plans  # a step with adapter rows runs eagerly on every stage
+        return self._pp.run(self._first_stage, ids, positions, kv_caches, meta, bounds, plans)
 
-    def _first_stage(self, ids, positions, kv_caches, meta, bounds: Bounds) -> torch.Tensor:
+    def _first_stage(self, ids, positions, kv_caches, meta, bounds: Bounds, plans) -> torch.Tensor:
         m, comm, parts, sent = self._model, self._pp.comm, [], []
         for j, (a, b) in enumerate(bounds):  # part j goes on to stage 1 while part j + 1 runs here
             sub = meta if len(bounds) == 1 else micro_meta(meta, a, b)
-            h, delta = run_layers(m, self.stage, m.embed(ids[a:b]), None, positions[a:b], kv_caches, sub)
+            out = plans.run_part(ids[a:b], positions[a:b], sub) if plans is not None else None
+            if out is None:
+                out = run_layers(m, self.stage, m.embed(ids[a:b]), None, positions[a:b], kv_caches, sub)
+            h, delta = out  # a replay's in its arena: sent (stacked, a copy) before the next part replays
             sent.append(start_send(comm, torch.stack((h, delta)), 1, _stream_tag(j)))
             parts.append(h)
         for work, _ in sent:
@@ -196,6 +269,7 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, sta
     if states is not None:  # what each of this stage's layers reads: its KV cache or its state slots
         kv_caches = states.layer_caches(local, kv_caches)
     conn.send(("ready",))
+    plans: Optional[StagePlans] = None
     stream: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     lora = worker_lora(model, config)  # this stage's layers' slots
     shape_of = lambda n: (n, model.args.hidden_size)  # noqa: E731
@@ -207,8 +281,21 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, sta
             ids, pos, meta, token_slots = unpack_inputs(msg[1], device)
             for op, *rows in msg[3]:  # rank 0's state changes since its last forward, in order
                 {"reset": states.reset, "copy": states.copy}[op](*rows)
+            parts_plans = plans if token_slots is None else None  # adapter rows: every stage eager
             with lora_batch(lora, token_slots):
-                stream = _run_parts(model, comm, stage, pos, kv_caches, meta, msg[2], shape_of, dtype)
+                stream = _run_parts(
+                    model, comm, stage, pos, kv_caches, meta, msg[2], shape_of, dtype, parts_plans
+                )
+        elif msg[0] == "replay":  # (max batch, max blocks, why every stage is eager or None)
+            plans = StagePlans(model, stage, kv_caches, states, msg[1], msg[2], config.block_size, dtype)
+            reason = msg[3] or plans.self_check()
+            if msg[3] is not None:
+                plans.disable(msg[3])
+            conn.send(("replay", reason))
+        elif msg[0] == "replay_off":  # another stage's self-check failed
+            plans.disable(msg[1])
+        elif msg[0] == "replays":
+            conn.send(("replays", plans.replayed if plans is not None else 0))
         elif msg[0] == "lora":
             load_adapter(lora, msg)
         elif msg[0] == "logits" and stage.last:
@@ -216,10 +303,13 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, sta
             send(comm, final_logits(model, *stream, rows), 0, TAG_LOGITS)
 
 
-def _run_parts(model, comm: Comm, stage: Stage, pos, kv_caches, meta, bounds: Bounds, shape_of, dtype):
+def _run_parts(
+    model, comm: Comm, stage: Stage, pos, kv_caches, meta, bounds: Bounds, shape_of, dtype, plans=None
+):
     """A worker stage's share of one step: each part's stream received (every receive posted at once, so
-    the stage before never waits on this one), run through this stage's layers and sent on without waiting;
-    the last stage returns the whole step's stream ``(h, delta)``, the others None."""
+    the stage before never waits on this one), run through this stage's layers (replayed from C where
+    ``plans`` takes the part) and sent on without waiting; the last stage returns the whole step's stream
+    ``(h, delta)``, the others None."""
     device = pos.device
     bufs = [torch.empty((2, *shape_of(b - a)), dtype=dtype, device=device) for a, b in bounds]
     pending = [
@@ -230,9 +320,11 @@ def _run_parts(model, comm: Comm, stage: Stage, pos, kv_caches, meta, bounds: Bo
     for j, ((a, b), buf, work) in enumerate(zip(bounds, bufs, pending)):
         comm.wait(work, point_to_point=True)
         sub = meta if len(bounds) == 1 else micro_meta(meta, a, b)
-        h, delta = run_layers(model, stage, buf[0], buf[1], pos[a:b], kv_caches, sub)
-        if stage.last:
-            outs.append((h, delta))
+        out = plans.run_part(None, pos[a:b], sub, (buf[0], buf[1])) if plans is not None else None
+        replayed = out is not None
+        h, delta = out if replayed else run_layers(model, stage, buf[0], buf[1], pos[a:b], kv_caches, sub)
+        if stage.last:  # a replay's result is in its arena, which the next part's replay overwrites
+            outs.append((h.clone(), delta.clone()) if replayed else (h, delta))
         else:
             sent.append(start_send(comm, torch.stack((h, delta)), stage.rank + 1, _stream_tag(j)))
     for work, _ in sent:

@@ -202,7 +202,7 @@ class TensorParallel:
         self.lora = layers
         layers.mirror = lambda slot, adapter: self.send(di.pack_adapter(slot, adapter))
 
-    def _expect(self, rank: int, what: str) -> None:
+    def _expect(self, rank: int, what: str) -> tuple:
         conn, proc = self.conns[rank], self.procs[rank]
         deadline = time.monotonic() + START_TIMEOUT_S
         while not conn.poll(0.05):
@@ -213,6 +213,7 @@ class TensorParallel:
         if msg[0] == "error":
             raise RuntimeError(f"{self.option}: rank {rank} failed: {msg[1]}")
         assert msg[0] == what, msg
+        return msg
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse, naming the field, what would need rank-0-only state kept on every rank."""

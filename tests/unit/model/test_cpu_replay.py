@@ -52,6 +52,33 @@ def test_replay_over_new_inputs_gives_the_eager_bits(dtype):
         assert torch.equal(plan.output(arena), eager_now())
 
 
+def test_a_tuple_result_replays_to_every_tensor_s_eager_bits():
+    """A pipeline stage's step returns the stream it hands on, two tensors: both live in the arena, neither
+    overwritten by the other's bytes, and a dry plan of it makes the recording's calls."""
+    g = torch.Generator().manual_seed(1)
+    h, delta = torch.randn(3, 64, generator=g), torch.randn(3, 64, generator=g)
+    w = torch.randn(64, generator=g)
+
+    def step():
+        x, s = norm_act.add_rms_norm(h, delta, w, 1e-6)
+        y, s2 = norm_act.add_rms_norm(x, s, w, 1e-5)
+        return s2, y  # the residual and the layer's output: (h, delta) as a stage hands them on
+
+    out, plan = replay.record(step)
+    assert isinstance(out, tuple) and len(out) == 2
+    _, dry = replay.record(step, dry=True)
+    assert dry.same_calls(plan)
+    arena = torch.full((plan.arena_bytes,), 0xFF, dtype=torch.uint8)
+    for _ in range(2):
+        h.copy_(torch.randn(3, 64, generator=g))
+        eager = [t.clone() for t in step()]
+        assert plan.replay(arena)
+        got = plan.output(arena)
+        assert isinstance(got, tuple) and all(map(torch.equal, got, eager))
+    with pytest.raises(replay.Unreplayable, match="not a tensor or a tuple of tensors"):
+        replay.record(lambda: (step()[0], 3))
+
+
 def test_arena_shares_the_bytes_of_tensors_whose_uses_do_not_overlap():
     x = torch.randn(4, 256)
     w = torch.ones(256)

@@ -149,13 +149,23 @@ class Plan:
             for value in _pointers(fn, args):
                 if (b := storage_of(value)) is not None:
                     uses.setdefault(b, [i, i])[1] = i
-        out_base = storage_of(output.data_ptr()) if output.is_contiguous() else None
-        if out_base is None:
-            raise Unreplayable("the step's result is not a contiguous tensor it allocated")
-        uses.setdefault(out_base, [self.num_ops, self.num_ops])[1] = self.num_ops  # read after the replay
+        outputs = _results(output)
+        out_bases = []
+        for out in outputs:
+            base = storage_of(out.data_ptr()) if out.is_contiguous() else None
+            if base is None:
+                raise Unreplayable("the step's result is not a contiguous tensor it allocated")
+            uses.setdefault(base, [self.num_ops, self.num_ops])[1] = self.num_ops  # read after the replay
+            out_bases.append(base)
         offsets = _place(uses, storages, self.ALIGN)
         self.arena_bytes = max((offsets[b] + storages[b] for b in offsets), default=0)
-        self._out = (offsets[out_base] + output.data_ptr() - out_base, output.dtype, tuple(output.shape))
+        placed = [
+            (offsets[base] + out.data_ptr() - base, out.dtype, tuple(out.shape))
+            for out, base in zip(outputs, out_bases)
+        ]
+        # the result (the first tensor of a tuple result), then the tuple's further tensors
+        self._out, self._more = placed[0], placed[1:]
+        self._tuple = isinstance(output, tuple)
         self._ops = (_Op * max(1, len(ops)))()
         for i, (fn, args) in enumerate(ops):
             _encode(self._ops[i], fn, args, storage_of, offsets)
@@ -186,15 +196,18 @@ class Plan:
             self.num_ops == other.num_ops
             and self.arena_bytes == other.arena_bytes
             and self._out == other._out
+            and self._more == other._more
             and calls(self) == calls(other)
         )
 
-    def output(self, arena: torch.Tensor) -> torch.Tensor:
-        """The step's result as the last replay over ``arena`` left it."""
+    def output(self, arena: torch.Tensor) -> Any:
+        """The step's result (a tensor, or a tuple of tensors) as the last replay over ``arena`` left it."""
         if self._view is None or self._view[0] != arena.data_ptr():
-            off, dtype, shape = self._out
-            n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            self._view = (arena.data_ptr(), arena[off : off + n].view(dtype).view(shape))
+            views = []
+            for off, dtype, shape in (self._out, *self._more):
+                n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                views.append(arena[off : off + n].view(dtype).view(shape))
+            self._view = (arena.data_ptr(), tuple(views) if self._tuple else views[0])
         return self._view[1]
 
 
@@ -334,7 +347,8 @@ class _Guard(TorchDispatchMode):
 
 
 def record(step: Callable[[], Any], dry: bool = False) -> tuple[Any, Plan]:
-    """Run ``step()`` eagerly, recording its kernel calls. Returns (its result, the plan replaying it).
+    """Run ``step()`` eagerly, recording its kernel calls. Returns (its result, the plan replaying it); the
+    result is a tensor or a tuple of tensors, each allocated by the step.
     Raises ``Unreplayable`` (after the step ran: its result is still right) when the step cannot be
     replayed. ``step`` must read its varying inputs only from buffers whose addresses stay fixed.
 
@@ -358,11 +372,18 @@ def record(step: Callable[[], Any], dry: bool = False) -> tuple[Any, Plan]:
         raise Unreplayable(f"the step runs {guard.refused} outside our kernels")
     if not ops:
         raise Unreplayable("the step made no kernel calls")
-    if not isinstance(out, torch.Tensor):
-        raise Unreplayable("the step's result is not a tensor")
+    if not _results(out):
+        raise Unreplayable("the step's result is not a tensor or a tuple of tensors")
     if dry:
         _check_released(guard.kept, out)
     return out, Plan(ops, guard.kept, out)
+
+
+def _results(out: Any) -> list[torch.Tensor]:
+    """The tensors of a step's result: a tensor, or a non-empty tuple of tensors (e.g. a pipeline stage's
+    residual stream ``(h, delta)``); [] for anything else."""
+    outs = list(out) if isinstance(out, tuple) else [out]
+    return outs if outs and all(isinstance(t, torch.Tensor) for t in outs) else []
 
 
 def _snapshot(args: tuple) -> tuple:
@@ -370,15 +391,15 @@ def _snapshot(args: tuple) -> tuple:
     return tuple(type(a).from_buffer_copy(a) if isinstance(a, cpu_build.Args) else a for a in args)
 
 
-def _check_released(kept: list[torch.Tensor], out: torch.Tensor) -> None:
+def _check_released(kept: list[torch.Tensor], out: Any) -> None:
     """Raises ``Unreplayable`` when a storage the step allocated (other than its result's) is referenced by more
     than its one tensor in ``kept``: something outside the step keeps it."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     if use_count is None:
         raise Unreplayable("this torch does not say how many tensors hold a storage")
-    result = out.untyped_storage().data_ptr()
+    results = {t.untyped_storage().data_ptr() for t in _results(out)}
     for t in kept:
         st = t.untyped_storage()
         # references: t's own, and ``st`` (this Python handle) -- any other is a tensor or view held elsewhere
-        if st.data_ptr() != result and st.nbytes() and use_count(st._cdata) > 2:
+        if st.data_ptr() not in results and st.nbytes() and use_count(st._cdata) > 2:
             raise Unreplayable(f"a {tuple(t.shape)} tensor the step allocated is held after it")
