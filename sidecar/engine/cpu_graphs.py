@@ -23,6 +23,11 @@ of each row is read from the buffers (``DecodeInputs.state_slots``) like its KV 
 sequences the buffers name. The self-check's padded rows step slots ``0..bucket-1``, set to the same random
 states before each run it compares (the states after the step compared too) and left at rest after it.
 
+A mixture-of-experts model's sparse blocks are recorded like the dense MLPs where their decode steps run in
+kernels alone: the gate, the router kernel and the grouped expert kernel (``model/moe_cpu.py``: int8 / int4
+experts and a softmax router that passed its load-time check). Elsewhere (bf16 or float32 experts, other
+routers, a shared expert's torch operators) the step runs a torch operator and the self-check names it.
+
 A scored step (``DecodeInputs.scores`` set: h2o eviction) adds the attention each key receives to the slot
 scores from the attention kernel; the vector is allocated once, so its address is an operand like the KV
 cache's, and a scored step has plans of its own (the same sizes, one more argument to each attention call).

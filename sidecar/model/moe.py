@@ -13,7 +13,9 @@ so its weights are read once per step; experts no row picked are not touched. A 
 its k experts. The experts are plain per-expert ``Linear`` layers, so the CPU layouts, the int8 / int4
 quantized layers and their kernels take them as they take the dense MLP's; an MXFP4 checkpoint's experts on the
 CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4 kernel). Decode-sized CPU
-steps over int8 / int4 experts run in one kernel call instead (``moe_cpu.py``), with the same result.
+steps over int8 / int4 experts run in one kernel call instead (``moe_cpu.py``), with the same result, and
+where the block's softmax router passed its load-time check, the router too (``kernels/cpu/moe_route.c``):
+the gate, the router and the experts are then kernel calls alone, which a CPU decode replay records.
 
 gpt-oss (``ModelArgs.softmax_after_topk``): the router has a bias, the top-k of its logits are softmaxed in the
 model dtype, and the experts have biases and a clamped SwiGLU (``MLP``, layers.py).
@@ -52,7 +54,8 @@ Weight = Any  # a projection's weight: a tensor [out, in], or MXFP4 codes kept a
 
 class SparseMoE(nn.Module):
     """``gate``: the router ([experts, hidden], no bias); ``experts``: one ``MLP`` per expert.
-    ``cpu_grouped``: whether ``moe_cpu.routed`` may run a step (off: the per-expert loop, the reference)."""
+    ``cpu_grouped``: whether ``moe_cpu.routed`` and the router kernel may run a step (off: torch's router and
+    the per-expert loop, the reference)."""
 
     cpu_grouped = True
 
@@ -147,21 +150,35 @@ class SparseMoE(nn.Module):
         return triton_moe.grouped_moe(x, weights, ids, self.stacked, act, limit, alpha, self.sigmoid_input)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k], expert ids [T, k]) of the rows ``x`` [T, hidden], best first."""
+        """(weights [T, k], expert ids [T, k]) of the rows ``x`` [T, hidden], best first -- or, where the router
+        kernel routes the step (``moe_cpu.kernel_route``: decode-sized CPU steps of a block whose router passed its
+        load-time check), ascending ids, as ``forward`` sorts them anyway; the same set and weights."""
+        logits = self.gate(x)
+        fast = moe_cpu.kernel_route(self, logits, x.dtype)
+        return fast if fast is not None else self.route_logits(logits, x.dtype)
+
+    def route_logits(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route`` from the gate's logits [T, experts] of rows in ``dtype``."""
         if self.sigmoid_input:
-            logits, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
-            return torch.sigmoid(logits.float()).to(x.dtype), ids
+            logits, ids = torch.topk(logits, self.top_k, dim=-1)
+            return torch.sigmoid(logits.float()).to(dtype), ids
         if self.softmax_after_topk:
-            logits, ids = torch.topk(self.gate(x), self.top_k, dim=-1)
+            logits, ids = torch.topk(logits, self.top_k, dim=-1)
             return torch.softmax(logits, dim=-1), ids
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return (weights if self.weights_float32 else weights.to(x.dtype)), ids
+        return (weights if self.weights_float32 else weights.to(dtype)), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.top_k
+        if (
+            self.cpu_grouped and self.stacked is None
+        ):  # decode-sized CPU steps in two kernel calls (moe_cpu.py)
+            fast = moe_cpu.decode_step(self, x)
+            if fast is not None:
+                return self._plus_shared(x, fast)
         weights, ids = self.route(x)
         # Each token's experts in ascending id: transformers adds the experts' outputs to a token in that
         # order (one index_add per expert), and the sum below keeps it, so float32 results match to the bit.

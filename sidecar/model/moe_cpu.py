@@ -15,6 +15,15 @@ inputs, gpt-oss's softmax after top-k), more rows than ``MAX_ROWS``, activations
 or a kernel that did not build. The experts' address tables are built at first use (``CpuExperts.of``) and
 hold the tensors they point into: the experts are fixed once loaded. ``self_check`` (at load) compares each
 block's fast path with its loop and leaves the loop on where they differ.
+
+``kernel_route`` routes decode-sized CPU steps of every block whose router passed that check, whatever its
+experts; ``decode_step(moe, x)`` runs such a step with the router in a kernel too (``kernels/cpu/moe_route.c``): the
+gate's logits (the block's ``gate`` layer: our bf16 kernel in a bf16 model), then the softmax, top-k and
+renormalisation into the ids and weights ``routed`` reads, so the block makes kernel calls alone and a CPU
+decode replay can record it. It runs only blocks whose router ``self_check`` found equal to torch's, bit for bit
+(ids and weights, on probe rows, on ties and through the whole block): elsewhere torch's router runs, the
+reason logged. Routers of another form keep torch's by name: Llama 4's sigmoid, gpt-oss's softmax after
+top-k (whose experts the grouped path refuses anyway), and subclasses that route their own way.
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from sidecar.model.kernels.cpu import int4_gemv, int8_gemv
+from sidecar.model.kernels.cpu import int4_gemv, int8_gemv, moe_route
 from sidecar.model.kernels.cpu.moe_args import MoeArgs
 
 log = logging.getLogger("sidecar.model")
@@ -63,7 +72,19 @@ class CpuExperts:
 def self_check(blocks: Iterable[nn.Module], dtype: torch.dtype) -> int:
     """At load: each sparse block's (``moe.SparseMoE``) fast path against its per-expert loop on probe rows
     (one and three rows, in the model's ``dtype``); a block whose result differs in any bit keeps the loop
-    from then on, the reason logged. Returns how many blocks the fast path runs."""
+    from then on, the reason logged. Where it passes, the block's router kernel is checked too
+    (``check_router``). Returns how many blocks the fast path runs."""
+    blocks = list(blocks)
+    ran = _check_experts(blocks, dtype)
+    routed_here = sum(check_router(moe, dtype) for moe in blocks)
+    if routed_here:
+        log.info(
+            "moe: %d of %d sparse blocks route decode steps in the router kernel", routed_here, len(blocks)
+        )
+    return ran
+
+
+def _check_experts(blocks: list, dtype: torch.dtype) -> int:
     gen, ran = torch.Generator().manual_seed(0), 0
     for moe in blocks:
         ex = CpuExperts.of(moe)
@@ -73,7 +94,7 @@ def self_check(blocks: Iterable[nn.Module], dtype: torch.dtype) -> int:
         for rows in (1, 3):
             x = torch.randn(rows, ex.hidden, generator=gen).to(dtype)
             with torch.no_grad():
-                weights, ids = moe.route(x)
+                weights, ids = moe.route_logits(moe.gate(x), x.dtype)  # torch's router, whatever routes steps
                 ids, perm = ids.sort(dim=-1)
                 fast = routed(moe, x, weights.gather(-1, perm), ids)
                 own = moe.__dict__.get("cpu_grouped")
@@ -91,6 +112,109 @@ def self_check(blocks: Iterable[nn.Module], dtype: torch.dtype) -> int:
             moe.__dict__["_cpu_experts"] = "its self-check differed"
         ran += ok
     return ran
+
+
+def router_refusal(moe: nn.Module) -> Optional[str]:
+    """Why the router kernel cannot route this block (None when it can, once checked)."""
+    from sidecar.model.moe import SparseMoE
+
+    if moe.sigmoid_input:
+        return "Llama 4's sigmoid router"
+    if moe.softmax_after_topk:
+        return "gpt-oss's router (softmax after top-k)"
+    if type(moe).route is not SparseMoE.route or type(moe).route_logits is not SparseMoE.route_logits:
+        return f"{type(moe).__name__} routes its own way"
+    if moe.top_k > moe_route.MAX_K:
+        return f"{moe.top_k} experts per token (the kernel takes at most {moe_route.MAX_K})"
+    return moe_route.unavailable_reason()
+
+
+def _torch_routes(
+    moe: nn.Module, logits: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's (weights, ids) of the logits, ids ascending in each row as ``SparseMoE.forward`` sorts them."""
+    weights, ids = moe.route_logits(logits, dtype)
+    ids, perm = ids.sort(dim=-1)
+    return weights.gather(-1, perm), ids
+
+
+def check_router(moe: nn.Module, dtype: torch.dtype) -> bool:
+    """The router kernel against torch's router on probe rows of the model's ``dtype`` (the gate's logits of
+    random rows of one and three rows; logits of a few values, so equal probabilities straddle the k-th place;
+    the whole block's result against the per-expert loop's): where every id and weight is equal, bit for bit,
+    ``decode_step`` routes the block in the kernel from now on; else torch routes it, the reason logged.
+    Returns whether the kernel routes it."""
+    why = router_refusal(moe)
+    if why is not None:
+        log.debug("moe: decode steps of this block route in torch: %s", why)
+    else:
+        why = _router_differs(moe, dtype)
+        if why is not None:
+            log.warning("moe: decode steps of this block route in torch: %s", why)
+    moe.__dict__["_cpu_router"] = why or True
+    return why is None
+
+
+def _router_differs(moe: nn.Module, dtype: torch.dtype) -> Optional[str]:
+    gen = torch.Generator().manual_seed(1)
+    hidden, e = moe.gate.in_features, moe.num_experts
+    with torch.no_grad():
+        probes = [moe.gate(torch.randn(rows, hidden, generator=gen).to(dtype)) for rows in (1, 3)]
+        probes.append(torch.randint(0, 3, (4, e), generator=gen).to(probes[0].dtype))
+        for logits in probes:
+            wdtype = torch.float32 if moe.weights_float32 else dtype
+            got = moe_route.route(logits.contiguous(), moe.top_k, moe.norm_topk_prob, wdtype)
+            want = _torch_routes(moe, logits, dtype)
+            if got is None:
+                return "the router kernel refused the block's logits"
+            if not (torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])):
+                return "the router kernel's ids or weights differ from torch's"
+        for rows in (1, 3):
+            x = torch.randn(rows, hidden, generator=gen).to(dtype)
+            moe.__dict__["_cpu_router"] = True
+            fast = moe(x)
+            own = moe.__dict__.get("cpu_grouped")
+            moe.cpu_grouped = False
+            try:
+                ref = moe(x)
+            finally:
+                if own is None:
+                    del moe.cpu_grouped
+                else:
+                    moe.cpu_grouped = own
+            if not torch.equal(fast, ref):
+                return "the block routed in the router kernel differs from the per-expert loop"
+    return None
+
+
+def kernel_route(
+    moe: nn.Module, logits: torch.Tensor, dtype: torch.dtype
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(weights, ids ascending) of a decode-sized step's gate ``logits`` [T, experts] (rows in ``dtype``) from
+    the router kernel, or None where it does not route them (a router not checked equal to torch's, another
+    step, ``cpu_grouped`` off: the reference)."""
+    if not moe.cpu_grouped or moe.__dict__.get("_cpu_router") is not True or logits.device.type != "cpu":
+        return None
+    if logits.dim() != 2 or logits.shape[0] > MAX_ROWS or dtype not in _FLOATS:
+        return None
+    wdtype = torch.float32 if moe.weights_float32 else dtype
+    return moe_route.route(logits.contiguous(), moe.top_k, moe.norm_topk_prob, wdtype)
+
+
+def decode_step(moe: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The routed sum [T, hidden] of rows ``x`` [T, hidden] with the router in its kernel and the experts in
+    theirs (kernel calls alone), or None where the block or the step is not one it runs: a router not checked
+    equal to torch's (``check_router``), or a step ``routed`` does not take."""
+    if moe.__dict__.get("_cpu_router") is not True:
+        return None
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype not in _FLOATS:
+        return None
+    if CpuExperts.of(moe) is None:
+        return None
+    got = kernel_route(moe, moe.gate(x), x.dtype)
+    if got is None:
+        return None
+    return routed(moe, x, *got)
 
 
 def _operands(lin: nn.Module, cls: type, n: int, k: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
