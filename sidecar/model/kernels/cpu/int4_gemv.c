@@ -26,11 +26,11 @@
  *    32 bits: about half the instructions per code of the float path. Split blocks of 32 rows (torch's
  *    layout with AVX2) pair column k with k + 2 instead (group_quads): their bytes interleave within
  *    128-bit lanes, with no lane-crossing shuffle per column pair. That is for calls of
- *    1-2 rows (decode), a pair of rows sharing each decoded vector (its 16-bit sums all in registers,
- *    so the second row costs its products alone); from 3 rows on (panel_group) a group's codes are
- *    decoded once per block to int16 and multiplied with whole 16-bit activation pairs (vpmaddwd: 16
- *    products a vector into exact 32-bit sums, twice the rate of float32 FMAs), the same integers
- *    either way. Activations are rounded to their codes with vectors, their float sum in column order.
+ *    one row (a plain decode step); from 2 rows on (speculative verification, batched decode, prefill:
+ *    panel_group) a group's codes are decoded once per block to int16 and multiplied with whole 16-bit
+ *    activation pairs (vpmaddwd: 16 products a vector into exact 32-bit sums, twice the rate of float32
+ *    FMAs), up to 3 rows sharing each code vector, the same integers either way. Activations are
+ *    rounded to their codes with vectors, their float sum in column order.
  *  - otherwise (AVX-512 without VNNI and VBMI): codes are widened to float and multiplied with
  *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
  * Output rows go in tiles of 16; blocks of rows (and chunks of 32 activation rows) are split across
@@ -56,7 +56,7 @@
 
 #define ROWS_CHUNK 32    /* activation rows whose outputs one block keeps at once */
 #define XQ_MAX     32639 /* 16-bit activation codes whose high and low bytes are both int8 */
-#define PANEL_MIN  3     /* AVX2: activation rows from which a call takes the panels (see panel_group) */
+#define PANEL_MIN  2     /* AVX2: activation rows from which a call takes the panels (see panel_group) */
 #define XB_QUADS   16    /* AVX2, panels 0: bytes a row and column of group_quads' activation vectors */
 
 /* What one pass over a block decodes (the tiles of 16 rows it covers). */
@@ -594,15 +594,18 @@ static inline __attribute__((always_inline)) void group_quads(const uint8_t* w, 
  * integers: a block decodes a group's codes once (a vector of 8 rows' code pairs (k, k + 1) as int16 pairs),
  * and panels of up to PANEL_ROWS activation rows multiply them with a row's 16-bit activation pair (vpmaddwd:
  * exact 32-bit sums, no splitting into bytes, no 16-bit partial sums to widen), every sum of a step in a
- * register (2 rows x 2 tiles x 2 vectors). The integer sums are the same exact integers as group_pairs' and
- * the fold into tot the same float operations, so a row's outputs do not depend on its batch. */
-#define PANEL_ROWS        2
+ * register (3 rows x 2 tiles x 2 vectors). A call's rows go in panels of equal size give or take a row (4
+ * rows as 2 + 2, 5 as 3 + 2), each panel one more pass over the decoded group in L1. The integer sums are the
+ * same exact integers as group_pairs' and the fold into tot the same float operations, so a row's outputs do
+ * not depend on its batch. */
+#define PANEL_ROWS        3
 
 static inline __attribute__((always_inline)) void decode_group(const uint8_t* w, int stride, const int kind,
                                                                const Idx* idx, int gs, __m256i* ub) {
     const int T = kind == INTERLEAVED_1 ? 1 : 2;
     if (kind ==
         SPLIT32_ALL) { /* rows 0-3 | 8-11, then 4-7 | 12-15 of each tile (panel_group puts them back) */
+#pragma GCC unroll 4
         for (int k = 0; k < gs; k += 2) {
             const __m256i v =
                     _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i*)(w + (int64_t)k * 16)),
@@ -627,23 +630,31 @@ static inline __attribute__((always_inline)) void decode_group(const uint8_t* w,
 }
 
 /* tot[i0 + i][16 t ..] += s d (sum q x - 8 sum x) + z sum x for the MB rows from i0, over one group whose
- * codes decode_group left in ub. */
+ * codes decode_group left in ub. Every sum of a panel stays in a register (MB rows x T tiles x 2 vectors, up
+ * to 12), the codes read as memory operands of vpmaddwd; the column pairs go UNROLL_PAIRS a loop iteration
+ * (gs / 2 is a multiple of 8), so the loop's own instructions are not paid per pair. */
+#define UNROLL_PAIRS 8
 static inline __attribute__((always_inline)) void panel_group(const __m256i* ub, const int kind, const Act* a,
                                                               int i0, int g, const int MB,
                                                               const uint16_t* szg, float (*tot)[64]) {
     const int T = kind == INTERLEAVED_1 ? 1 : 2;
-    const float* xp[PANEL_ROWS]; /* a row's activation pairs, read with a float broadcast (see Act) */
-    for (int i = 0; i < MB; i++)
-        xp[i] = (const float*)(a->xb + (int64_t)(i0 + i) * a->xb_row * a->K) + g * a->gs / 2;
+    const int64_t row = (int64_t)a->xb_row * a->K / 4; /* floats of xb a row */
+    /* row i's activation pairs, read with a float broadcast (see Act) */
+    const float* xp0 = (const float*)(a->xb + (int64_t)i0 * a->xb_row * a->K) + g * a->gs / 2;
+    const float *xp1 = xp0 + (MB > 1 ? row : 0), *xp2 = xp0 + (MB > 2 ? 2 * row : 0);
     /* s<i><t><h>: row i's sums over rows 8h .. 8h + 7 of tile t (named, each row's pinned after its step:
      * otherwise the compiler computes all products first and spills the sums) */
-    __m256i s000, s001, s010, s011, s100, s101, s110, s111;
-    s000 = s001 = s010 = s011 = s100 = s101 = s110 = s111 = _mm256_setzero_si256();
+    __m256i s000, s001, s010, s011, s100, s101, s110, s111, s200, s201, s210, s211;
+    s000 = s001 = s010 = s011 = s100 = s101 = s110 = s111 = s200 = s201 = s210 = s211 =
+            _mm256_setzero_si256();
     const __m256i* u = ub;
-    for (int j = 0; j < a->gs / 2; j++, u += 2 * T) {
+    for (int j0 = 0; j0 < a->gs / 2;
+         j0 += UNROLL_PAIRS, xp0 += UNROLL_PAIRS, xp1 += UNROLL_PAIRS, xp2 += UNROLL_PAIRS) {
+#pragma GCC unroll 8
+        for (int j = 0; j < UNROLL_PAIRS; j++, u += 2 * T) {
 #define PANEL_STEP(i, a0, a1, b0, b1)                                          \
     if (MB > i) {                                                              \
-        const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(xp[i] + j)); \
+        const __m256i x = _mm256_castps_si256(_mm256_broadcast_ss(xp##i + j)); \
         a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(u[0], x));                 \
         a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(u[1], x));                 \
         if (T > 1) {                                                           \
@@ -652,11 +663,14 @@ static inline __attribute__((always_inline)) void panel_group(const __m256i* ub,
         }                                                                      \
         __asm__("" : "+x"(a0), "+x"(a1), "+x"(b0), "+x"(b1));                  \
     }
-        PANEL_STEP(0, s000, s001, s010, s011)
-        PANEL_STEP(1, s100, s101, s110, s111)
+            PANEL_STEP(0, s000, s001, s010, s011)
+            PANEL_STEP(1, s100, s101, s110, s111)
+            PANEL_STEP(2, s200, s201, s210, s211)
 #undef PANEL_STEP
+        }
     }
-    __m256i sums[PANEL_ROWS][2][2] = {{{s000, s001}, {s010, s011}}, {{s100, s101}, {s110, s111}}};
+    __m256i sums[PANEL_ROWS][2][2] = {
+            {{s000, s001}, {s010, s011}}, {{s100, s101}, {s110, s111}}, {{s200, s201}, {s210, s211}}};
     if (kind ==
         SPLIT32_ALL) /* decode_group's order of rows: 0-3 | 8-11 and 4-7 | 12-15 back to 0-7 and 8-15 */
         for (int i = 0; i < MB; i++)
@@ -686,9 +700,9 @@ static inline __attribute__((always_inline)) void panel_group(const __m256i* ub,
 #define PASS_ARGS                                                                                   \
     const uint8_t *w, int stride, const Idx *idx, const uint16_t *sz, int np, const Act *a, int mc, \
             float (*tot)[64]
-/* One pass over a block: all groups, activation rows [0, mc); for calls of fewer than PANEL_MIN rows each row
- * decodes the group's codes again (from L1 after the first), from there on they are decoded once
- * (panel_group). */
+/* One pass over a block: all groups, activation rows [0, mc); calls of fewer than PANEL_MIN rows decode the
+ * codes straight into the dot products (group_quads, group_pairs: written for pairs of rows too, which no
+ * call takes while PANEL_MIN is 2), from there on a group's codes are decoded once (panel_group). */
 static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
     __m256i ub[512] __attribute__((aligned(32))); /* a group's decoded codes: gs / 2 pairs x 2 tiles x 2 */
     for (int g = 0; g < a->G; g++) {
@@ -712,8 +726,11 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
                 case 1:
                     panel_group(ub, kind, a, i0, g, 1, szg, tot);
                     break;
-                default:
+                case 2:
                     panel_group(ub, kind, a, i0, g, 2, szg, tot);
+                    break;
+                default:
+                    panel_group(ub, kind, a, i0, g, 3, szg, tot);
                     break;
             }
             i0 += mb;

@@ -196,6 +196,32 @@ def test_avx2_build_matches_reference(monkeypatch):
         _check_rows_alone(layout)
 
 
+def _check_panels():
+    """Calls of 2-7 rows (a decode step verifying a speculative draft) go in panels of up to 3 rows over codes
+    decoded once a group: 2, 3, 2 + 2, 3 + 2, 3 + 3 and 3 + 2 + 2. Each row bit for bit as the row alone gives
+    it (the one-row loop reads the codes another way: the same exact integer sums and float steps), with 16-row
+    tail blocks and group sizes of 16 (a single unrolled step of column pairs), 48, 96 and 256, rows of very
+    different sizes and a group of zeros; and within the reference's bound."""
+    for m in range(2, 8):
+        for n, k, gs in [(80, 96, 16), (208, 576, 32), (112, 144, 48), (48, 192, 96), (176, 512, 256)]:
+            x, codes, sz = _case(m, n, k, gs, seed=7 * m + n)
+            x[m - 1] *= 1e3
+            x[0, k - gs :] = 0.0
+            ref = int4_gemv.reference(x, codes, gs, sz).double()
+            bound = _bound(x, codes, gs, sz[..., 0].T, sz[..., 1].T, int4_gemv.integer_dot())
+            for layout in int4_gemv.LAYOUTS:
+                w = int4_gemv.pack(codes, *layout)
+                for dtype in (torch.float32, torch.bfloat16):
+                    xs = x.to(dtype)
+                    y = int4_gemv.int4_matmul(xs, w, gs, sz, layout=layout)
+                    alone = torch.cat(
+                        [int4_gemv.int4_matmul(xs[i : i + 1], w, gs, sz, layout=layout) for i in range(m)]
+                    )
+                    assert torch.equal(y, alone), (m, n, k, gs, layout, dtype, (y - alone).abs().max())
+                    if dtype is torch.float32:
+                        assert ((y.double() - ref).abs() <= bound).all(), (m, n, k, gs, layout)
+
+
 def _check_layouts_agree():
     """The same codes in every layout give the same bits, for 1-8 rows: whichever loop a layout and a row
     count take (split blocks of 32 rows read four columns at a time, other blocks two), the integer sums are
@@ -224,6 +250,17 @@ def _check_layouts_agree():
             ref = int4_gemv.reference(xs.float(), codes, gs, sz).double()
             bound = _bound(xs.float(), codes, gs, sz[..., 0].T, sz[..., 1].T, int4_gemv.integer_dot())
             assert ((ys[0].double() - ref).abs() <= bound).all(), (m, n, k, gs, dtype)
+
+
+def test_panels_of_two_to_seven_rows_give_each_rows_bits():
+    _check_panels()
+
+
+def test_panels_give_each_rows_bits_in_the_avx2_build(monkeypatch):
+    monkeypatch.setenv("SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma")  # no AVX-512, as on Zen 2 and Zen 3
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert int4_gemv.vector_bits() == 256 and int4_gemv.integer_dot(), cpu_build.reason("int4_gemv")
+    _check_panels()
 
 
 def test_every_layout_gives_the_same_bits():
