@@ -35,7 +35,7 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.request import SamplingParams
 from sidecar.model import kv_quant, mla
-from sidecar.engine import cpu_bind, rendezvous, dist_inputs as di
+from sidecar.engine import cpu_bind, rendezvous, tp_shm, dist_inputs as di
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model, resolve_device
 from sidecar.model.tp_shard import Comm, Shard
@@ -132,6 +132,12 @@ class TensorParallel:
         addr = config.master_addr
         store = rendezvous.connect(addr, config.master_port, self.world, server=True)
         ctx = mp.get_context("spawn")
+        # the shared-memory all-reduce's segment, published before the workers start (tp_shm.py)
+        self.shm, self.shm_name = (None, "")
+        self.shm_reason: Optional[str] = "pipeline parallelism has no all-reduce"
+        if self.option == "tensor_parallel_size":
+            self.shm, self.shm_name = tp_shm.offer(config, self.world, store, COLLECTIVE_TIMEOUT_S)
+            self.shm_reason = None if self.shm_name else tp_shm.refusal(config) or "segment not created"
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}
         self.watchdog: Optional[rendezvous.Watchdog] = None
@@ -166,6 +172,12 @@ class TensorParallel:
         self.group = group
         # NCCL's waits only order streams (its own watchdog times operations): slices on gloo only
         self.comm = Comm(group, 0, self.world, self.alive if self.backend == "gloo" else None)
+        if self.shm_name:
+            try:
+                self.shm_reason = tp_shm.join(self.comm, self.shm_name, self.shm, COLLECTIVE_TIMEOUT_S)
+            except BaseException:
+                self.close()
+                raise
         self.shard = self.rank_zero_shard(self.comm)
         log.info("%s: %d ranks over %s, workers %s", self.label, self.world, self.backend, self.pids())
 
@@ -279,9 +291,14 @@ class TensorParallel:
         self.close()
 
     def close(self) -> None:
-        """End the workers (idempotent)."""
+        """End the workers (idempotent); the shared-memory segment is aborted (a worker waiting in it stops
+        at once) and its name removed."""
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.shm is not None:
+            self.shm.abort()
+        if self.shm_name:
+            tp_shm.sa.unlink(self.shm_name)
         self._finalizer()
         if getattr(self, "_pinned", False):
             self._pinned = False
@@ -358,8 +375,11 @@ def _worker_main(rank: int, world: int, port: int, config: EngineConfig, conn: A
 
 
 def _worker_body(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:
-    group = join_group(rank, world, port, config)
-    _serve(load_model(config, shard=Shard(rank, world, Comm(group, rank, world))), config, conn)
+    comm = Comm(join_group(rank, world, port, config), rank, world)
+    name = tp_shm.worker_segment(rendezvous.connect(config.master_addr, port, world))
+    if name:
+        tp_shm.join(comm, name, None, COLLECTIVE_TIMEOUT_S)
+    _serve(load_model(config, shard=Shard(rank, world, comm)), config, conn)
 
 
 def worker_pool(
