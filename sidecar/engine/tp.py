@@ -14,6 +14,11 @@ before it sends, and a worker sees rank 0 gone from its pipe closing. The collec
 rank 0 waits on gloo in slices that ask ``alive`` (a peer whose host vanished, its connections silent, is
 ended by the heartbeat watchdog within seconds: the wait ends then, not at the collective timeout).
 
+On one host's CPUs the group's float32 / bf16 all-reduces go through a shared-memory segment (tp_shm.py), and
+every rank replays its pure-decode steps from C after a joint self-check (tp_replay.py: every rank, or none;
+rank 0 then sends each replayed step's rows instead of a forward's inputs). Device fast paths stay off on
+every rank.
+
 Faults: a worker that exits, or a collective that fails or times out, breaks the group for good (``broken``
 names the rank and its exit code): the step's requests and every later one fail with ``TPWorkerLost``,
 rank 0 ends the other workers, and AsyncEngine stops (the server then exits non-zero). A worker that
@@ -35,7 +40,7 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.request import SamplingParams
 from sidecar.model import kv_quant, mla
-from sidecar.engine import cpu_bind, rendezvous, tp_shm, dist_inputs as di
+from sidecar.engine import cpu_bind, rendezvous, tp_replay, tp_shm, dist_inputs as di
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model, resolve_device
 from sidecar.model.tp_shard import Comm, Shard
@@ -124,6 +129,8 @@ class TensorParallel:
         import torch.multiprocessing as mp
 
         self.world = getattr(config, self.option)
+        self.config = config
+        self.replay_checks: dict[int, Optional[str]] = {}  # each rank's CPU replay self-check (tp_replay.py)
         self.backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
         self.broken: Optional[str] = None
         self.lora: Optional[Any] = None  # rank 0's adapter slots (attach_lora)
@@ -208,13 +215,14 @@ class TensorParallel:
             self.close()
             raise
         runner.model = self.drive(runner.model)
+        tp_replay.start(self, runner)  # CPU decode replays on every rank, or on none
 
     def attach_lora(self, layers: Any) -> None:
         """Write each adapter rank 0 loads into ``layers``' slots into the workers' same slots, in order."""
         self.lora = layers
         layers.mirror = lambda slot, adapter: self.send(di.pack_adapter(slot, adapter))
 
-    def _expect(self, rank: int, what: str) -> None:
+    def _expect(self, rank: int, what: str) -> tuple:
         conn, proc = self.conns[rank], self.procs[rank]
         deadline = time.monotonic() + START_TIMEOUT_S
         while not conn.poll(0.05):
@@ -225,6 +233,11 @@ class TensorParallel:
         if msg[0] == "error":
             raise RuntimeError(f"{self.option}: rank {rank} failed: {msg[1]}")
         assert msg[0] == what, msg
+        return msg
+
+    def receive(self, rank: int, what: str) -> tuple:
+        """Worker ``rank``'s next message, of kind ``what``; a failure (the worker gone) breaks the group."""
+        return self.run(self._expect, rank, what)
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse, naming the field, what would need rank-0-only state kept on every rank."""
@@ -379,7 +392,7 @@ def _worker_body(rank: int, world: int, port: int, config: EngineConfig, conn: A
     name = tp_shm.worker_segment(rendezvous.connect(config.master_addr, port, world))
     if name:
         tp_shm.join(comm, name, None, COLLECTIVE_TIMEOUT_S)
-    _serve(load_model(config, shard=Shard(rank, world, comm)), config, conn)
+    _serve(load_model(config, shard=Shard(rank, world, comm)), config, conn, comm)
 
 
 def worker_pool(
@@ -400,12 +413,12 @@ def worker_pool(
 
 
 @torch.inference_mode()
-def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any) -> None:
+def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm) -> None:
     model, device = loaded.model, loaded.device
     kv_caches = worker_pool(loaded, config, conn, model.args.kv_shapes())
     if kv_caches is None:
         return
-    hidden, lora = None, di.worker_lora(model, config)
+    hidden, lora, plans = None, di.worker_lora(model, config), None
     while True:
         msg = conn.recv()
         if msg is None:
@@ -414,6 +427,11 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any) -> None:
             ids, pos, meta, token_slots = di.unpack_inputs(msg[1], device)
             with di.lora_batch(lora, token_slots):
                 hidden = model(ids, pos, kv_caches, meta)
+        elif msg[0] == "decode":  # a replayed pure-decode step (tp_replay.py)
+            hidden = plans.step(msg[1])
+        elif msg[0] == "replay":  # the group's replay self-check, with rank 0's buffers' dimensions
+            plans = tp_replay.WorkerPlans(model, kv_caches, device, msg[1])
+            conn.send(("checked", plans.check(comm)))
         elif msg[0] == "lora":
             di.load_adapter(lora, msg)
         elif msg[0] == "logits":

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from sidecar.model.args import ModelArgs
+from sidecar.model.kernels.cpu import cpu_build
 
 
 WAIT_SLICE_S = 0.25  # how often a waiting rank 0 asks whether its peers are still there
@@ -60,7 +61,7 @@ class Comm:
     def __init__(self, group: Any, rank: int, world: int, alive: Optional[Callable[[], None]] = None) -> None:
         self.group, self.rank, self.world, self.alive = group, rank, world, alive
         self.shm: Optional[Any] = None  # the group's ShmAllReduce (kernels/cpu/shm_allreduce.py), when in use
-        self.shm_calls = 0  # all-reduces it carried
+        self.shm_calls = 0  # all-reduces routed to it (a replay's calls from C not counted)
 
     def wait(self, work: Any, point_to_point: bool = False) -> None:
         """Wait until ``work`` (an operation of the group) completes; its error is raised, or ``alive``'s while
@@ -93,6 +94,10 @@ class Comm:
         if self.shm is not None and self.shm.supports(t):
             self.shm_calls += 1
             return self.shm(t)
+        if getattr(cpu_build._recording, "recorder", None) is not None:  # a step recorded for replay
+            from sidecar.model.kernels.cpu.replay import Unreplayable
+
+            raise Unreplayable("a gloo all-reduce (no kernel call: a replay would skip it)")
         self.wait(self.group.allreduce([t]))
         return t
 

@@ -119,9 +119,14 @@ def test_two_ranks_match_hf_with_preemption_chunks_and_prefix_hits(engines, kind
     assert [o.token_ids for o in again] == ref[-2:]
     assert all(o.num_cached_tokens >= 24 for o in again)
     _pool_whole(llm)
-    # Every rank runs the eager step: no replay or device path that only rank 0 would take.
+    # No device path that only rank 0 would take; float32 layers run in oneDNN, which a CPU replay cannot
+    # make: every rank's self-check says so, and every rank runs the eager step.
     assert set(llm.engine.model_info["fast_path_fallbacks"].values()) == {"tensor_parallel_size 2"}
-    assert llm.engine.runner.cpu_plans.reason == "tensor_parallel_size 2"
+    assert set(tp.replay_checks) == {0, 1} and all(
+        "outside our kernels" in r for r in tp.replay_checks.values()
+    )
+    assert llm.engine.model_info["cpu_decode_replay"] is False
+    assert "self-check failed on rank 0" in llm.engine.runner.cpu_plans.reason
 
 
 def test_each_rank_runs_on_its_own_cpus(engines):
