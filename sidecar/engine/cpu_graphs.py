@@ -33,6 +33,9 @@ scores from the attention kernel; the vector is allocated once, so its address i
 cache's, and a scored step has plans of its own (the same sizes, one more argument to each attention call).
 The slots it writes are reset before the step, outside the plan (``ModelRunner.decode_rows``).
 
+A tensor-parallel rank's decoder all-reduces through a kernel call of its own (``shm_allreduce.c``), recorded
+and replayed like the others; every rank of the group keeps its own plans, checked together (``tp_replay.py``).
+
 Before serving, ``self_check`` records and replays a step and compares its hidden states with the eager
 run's, bit for bit (the same kernels on the same inputs), and plans it dry: the plan must make the
 recording's calls and replay to the same bits, or sizes are recorded, not planned (``plans_dry`` off,

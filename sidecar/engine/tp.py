@@ -14,6 +14,11 @@ before it sends, and a worker sees rank 0 gone from its pipe closing. The collec
 rank 0 waits on gloo in slices that ask ``alive`` (a peer whose host vanished, its connections silent, is
 ended by the heartbeat watchdog within seconds: the wait ends then, not at the collective timeout).
 
+On one host's CPUs the group's float32 / bf16 all-reduces go through a shared-memory segment (tp_shm.py), and
+every rank replays its pure-decode steps from C after a joint self-check (tp_replay.py: every rank, or none;
+rank 0 then sends each replayed step's rows instead of a forward's inputs). Device fast paths stay off on
+every rank.
+
 Faults: a worker that exits, or a collective that fails or times out, breaks the group for good (``broken``
 names the rank and its exit code): the step's requests and every later one fail with ``TPWorkerLost``,
 rank 0 ends the other workers, and AsyncEngine stops (the server then exits non-zero). A worker that
@@ -35,7 +40,7 @@ import torch
 from sidecar.config import EngineConfig
 from sidecar.engine.request import SamplingParams
 from sidecar.model import kv_quant, mla
-from sidecar.engine import cpu_bind, rendezvous, dist_inputs as di
+from sidecar.engine import cpu_bind, rendezvous, tp_replay, tp_shm, dist_inputs as di
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model, resolve_device
 from sidecar.model.tp_shard import Comm, Shard
@@ -124,6 +129,8 @@ class TensorParallel:
         import torch.multiprocessing as mp
 
         self.world = getattr(config, self.option)
+        self.config = config
+        self.replay_checks: dict[int, Optional[str]] = {}  # each rank's CPU replay self-check (tp_replay.py)
         self.backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
         self.broken: Optional[str] = None
         self.lora: Optional[Any] = None  # rank 0's adapter slots (attach_lora)
@@ -132,6 +139,12 @@ class TensorParallel:
         addr = config.master_addr
         store = rendezvous.connect(addr, config.master_port, self.world, server=True)
         ctx = mp.get_context("spawn")
+        # the shared-memory all-reduce's segment, published before the workers start (tp_shm.py)
+        self.shm, self.shm_name = (None, "")
+        self.shm_reason: Optional[str] = "pipeline parallelism has no all-reduce"
+        if self.option == "tensor_parallel_size":
+            self.shm, self.shm_name = tp_shm.offer(config, self.world, store, COLLECTIVE_TIMEOUT_S)
+            self.shm_reason = None if self.shm_name else tp_shm.refusal(config) or "segment not created"
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}
         self.watchdog: Optional[rendezvous.Watchdog] = None
@@ -166,6 +179,12 @@ class TensorParallel:
         self.group = group
         # NCCL's waits only order streams (its own watchdog times operations): slices on gloo only
         self.comm = Comm(group, 0, self.world, self.alive if self.backend == "gloo" else None)
+        if self.shm_name:
+            try:
+                self.shm_reason = tp_shm.join(self.comm, self.shm_name, self.shm, COLLECTIVE_TIMEOUT_S)
+            except BaseException:
+                self.close()
+                raise
         self.shard = self.rank_zero_shard(self.comm)
         log.info("%s: %d ranks over %s, workers %s", self.label, self.world, self.backend, self.pids())
 
@@ -196,6 +215,7 @@ class TensorParallel:
             self.close()
             raise
         runner.model = self.drive(runner.model)
+        tp_replay.start(self, runner)  # CPU decode replays on every rank, or on none
 
     def attach_lora(self, layers: Any) -> None:
         """Write each adapter rank 0 loads into ``layers``' slots into the workers' same slots, in order."""
@@ -214,6 +234,10 @@ class TensorParallel:
             raise RuntimeError(f"{self.option}: rank {rank} failed: {msg[1]}")
         assert msg[0] == what, msg
         return msg
+
+    def receive(self, rank: int, what: str) -> tuple:
+        """Worker ``rank``'s next message, of kind ``what``; a failure (the worker gone) breaks the group."""
+        return self.run(self._expect, rank, what)
 
     def check_params(self, params: SamplingParams) -> None:
         """Refuse, naming the field, what would need rank-0-only state kept on every rank."""
@@ -280,9 +304,14 @@ class TensorParallel:
         self.close()
 
     def close(self) -> None:
-        """End the workers (idempotent)."""
+        """End the workers (idempotent); the shared-memory segment is aborted (a worker waiting in it stops
+        at once) and its name removed."""
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.shm is not None:
+            self.shm.abort()
+        if self.shm_name:
+            tp_shm.sa.unlink(self.shm_name)
         self._finalizer()
         if getattr(self, "_pinned", False):
             self._pinned = False
@@ -359,8 +388,11 @@ def _worker_main(rank: int, world: int, port: int, config: EngineConfig, conn: A
 
 
 def _worker_body(rank: int, world: int, port: int, config: EngineConfig, conn: Any) -> None:
-    group = join_group(rank, world, port, config)
-    _serve(load_model(config, shard=Shard(rank, world, Comm(group, rank, world))), config, conn)
+    comm = Comm(join_group(rank, world, port, config), rank, world)
+    name = tp_shm.worker_segment(rendezvous.connect(config.master_addr, port, world))
+    if name:
+        tp_shm.join(comm, name, None, COLLECTIVE_TIMEOUT_S)
+    _serve(load_model(config, shard=Shard(rank, world, comm)), config, conn, comm)
 
 
 def worker_pool(
@@ -381,12 +413,12 @@ def worker_pool(
 
 
 @torch.inference_mode()
-def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any) -> None:
+def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm) -> None:
     model, device = loaded.model, loaded.device
     kv_caches = worker_pool(loaded, config, conn, model.args.kv_shapes())
     if kv_caches is None:
         return
-    hidden, lora = None, di.worker_lora(model, config)
+    hidden, lora, plans = None, di.worker_lora(model, config), None
     while True:
         msg = conn.recv()
         if msg is None:
@@ -395,6 +427,11 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any) -> None:
             ids, pos, meta, token_slots = di.unpack_inputs(msg[1], device)
             with di.lora_batch(lora, token_slots):
                 hidden = model(ids, pos, kv_caches, meta)
+        elif msg[0] == "decode":  # a replayed pure-decode step (tp_replay.py)
+            hidden = plans.step(msg[1])
+        elif msg[0] == "replay":  # the group's replay self-check, with rank 0's buffers' dimensions
+            plans = tp_replay.WorkerPlans(model, kv_caches, device, msg[1])
+            conn.send(("checked", plans.check(comm)))
         elif msg[0] == "lora":
             di.load_adapter(lora, msg)
         elif msg[0] == "logits":

@@ -27,7 +27,10 @@ do not straddle a row-parallel split give one process's codes; int8's per-row sc
 rank's columns.
 
 Collectives run on a ``Comm``: a torch.distributed process group of this model's ranks alone (gloo on CPU
-tensors, NCCL on CUDA ones), not the global default group, with the group's timeout on every call. Rank 0's
+tensors, NCCL on CUDA ones), not the global default group, with the group's timeout on every call. Where every
+rank is on one host's CPUs, a float32 / bf16 all-reduce goes through the group's shared-memory segment instead
+(``Comm.shm``, set on every rank or none: engine/tp_shm.py), summed in rank order so every rank gets the same
+bits; its waits end with an error when a peer exits or the timeout runs out. Rank 0's
 ``Comm`` waits in slices of ``WAIT_SLICE_S`` and asks its ``alive`` check between them: a peer whose host
 vanished (no exit, its connections open and silent) never fails the collective before the group's timeout,
 but the heartbeat watchdog ends it within seconds, and the wait then ends with the check's error.
@@ -45,6 +48,7 @@ import torch
 from torch import nn
 
 from sidecar.model.args import ModelArgs
+from sidecar.model.kernels.cpu import cpu_build
 
 
 WAIT_SLICE_S = 0.25  # how often a waiting rank 0 asks whether its peers are still there
@@ -56,6 +60,8 @@ class Comm:
 
     def __init__(self, group: Any, rank: int, world: int, alive: Optional[Callable[[], None]] = None) -> None:
         self.group, self.rank, self.world, self.alive = group, rank, world, alive
+        self.shm: Optional[Any] = None  # the group's ShmAllReduce (kernels/cpu/shm_allreduce.py), when in use
+        self.shm_calls = 0  # all-reduces routed to it (a replay's calls from C not counted)
 
     def wait(self, work: Any, point_to_point: bool = False) -> None:
         """Wait until ``work`` (an operation of the group) completes; its error is raised, or ``alive``'s while
@@ -83,7 +89,15 @@ class Comm:
                 self.alive()
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` (contiguous) over the ranks, in place; returns it."""
+        """Sum ``t`` (contiguous) over the ranks, in place; returns it. Every rank takes the same path for
+        the same call (it depends on the dtype and layout alone, alike on every rank)."""
+        if self.shm is not None and self.shm.supports(t):
+            self.shm_calls += 1
+            return self.shm(t)
+        if getattr(cpu_build._recording, "recorder", None) is not None:  # a step recorded for replay
+            from sidecar.model.kernels.cpu.replay import Unreplayable
+
+            raise Unreplayable("a gloo all-reduce (no kernel call: a replay would skip it)")
         self.wait(self.group.allreduce([t]))
         return t
 

@@ -17,6 +17,7 @@ import torch
 from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.engine.tp import TPWorkerLost, wait_for_ranks
+from sidecar.model.kernels.cpu import shm_allreduce
 from sidecar.model.args import ModelArgs
 from sidecar.model.tp_shard import Shard
 from tests.unit.engine.test_engine_vs_hf import hf_generate
@@ -103,8 +104,14 @@ def engines(tmp_path_factory, demo_dir):
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_two_ranks_match_hf_with_preemption_chunks_and_prefix_hits(engines, kind):
     llm, prompts, ref = engines[kind]
+    tp = llm.engine.tp
+    # one host's CPU ranks sum through the shared-memory segment (engine/tp_shm.py), its name already gone
+    assert tp.shm_reason is None and tp.comm.shm is not None
+    assert not shm_allreduce.segment_exists(tp.shm_name)
+    calls = tp.comm.shm_calls
     first = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in first] == ref
+    assert tp.comm.shm_calls > calls
     assert llm.stats()["num_preemptions"] > 0
     _pool_whole(llm)
     # Again, one at a time: the shared 24-token prefix (and each prompt's own blocks) come from the cache.
@@ -112,9 +119,14 @@ def test_two_ranks_match_hf_with_preemption_chunks_and_prefix_hits(engines, kind
     assert [o.token_ids for o in again] == ref[-2:]
     assert all(o.num_cached_tokens >= 24 for o in again)
     _pool_whole(llm)
-    # Every rank runs the eager step: no replay or device path that only rank 0 would take.
+    # No device path that only rank 0 would take; float32 layers run in oneDNN, which a CPU replay cannot
+    # make: every rank's self-check says so, and every rank runs the eager step.
     assert set(llm.engine.model_info["fast_path_fallbacks"].values()) == {"tensor_parallel_size 2"}
-    assert llm.engine.runner.cpu_plans.reason == "tensor_parallel_size 2"
+    assert set(tp.replay_checks) == {0, 1} and all(
+        "outside our kernels" in r for r in tp.replay_checks.values()
+    )
+    assert llm.engine.model_info["cpu_decode_replay"] is False
+    assert "self-check failed on rank 0" in llm.engine.runner.cpu_plans.reason
 
 
 def test_each_rank_runs_on_its_own_cpus(engines):
@@ -182,10 +194,12 @@ def test_rank_that_never_joins_is_named():
         slow.join()
 
 
-def test_int4_weights_quantized_per_shard_match_one_process(engines):
+def test_int4_weights_quantized_per_shard_match_one_process(engines, monkeypatch):
     """Each rank quantizes its own slices on load. int4 groups run along the input columns; with 32-column
     groups no group straddles the ranks' column split of o / down (64 of 128 columns each), so every rank holds
-    exactly one process's codes and scales (the head is int8 per vocabulary row, also whole on its rank)."""
+    exactly one process's codes and scales (the head is int8 per vocabulary row, also whole on its rank).
+    Its all-reduces go over gloo (SIDECAR_TP_SHM=0): the same tokens."""
+    monkeypatch.setenv("SIDECAR_TP_SHM", "0")
     _, prompts, _ = engines["llama"]
     params = dict(
         model=str(engines["llama_path"]),
@@ -199,6 +213,7 @@ def test_int4_weights_quantized_per_shard_match_one_process(engines):
     try:
         assert [o.token_ids for o in split.generate(prompts[:3], GREEDY)] == [o.token_ids for o in one]
         assert split.engine.model_info["quantization"] == "int4"
+        assert split.engine.tp.comm.shm is None and "SIDECAR_TP_SHM=0" in split.engine.tp.shm_reason
         _pool_whole(split)
     finally:
         split.engine.tp.close()
@@ -225,9 +240,32 @@ def test_killed_worker_fails_requests_instead_of_hanging(engines):
         assert "TPWorkerLost: tensor-parallel worker rank 1" in outs[rid].abort_reason
         assert "exited with code -9" in outs[rid].abort_reason
     assert eng.tp.broken
+    assert not shm_allreduce.segment_exists(eng.tp.shm_name)
     _pool_whole(llm)
     later = llm.generate([prompts[0]], GREEDY)[0]  # fails at once, naming the lost rank
     assert later.finish_reason == "abort" and "rank 1" in later.abort_reason
     _pool_whole(llm)
     with pytest.raises(TPWorkerLost):
         eng.runner.model(torch.tensor([1]), torch.tensor([0]), eng.runner.kv_caches, None)
+
+
+def test_stopped_worker_is_ended_by_its_heartbeat(engines):
+    """A worker that stops (SIGSTOP: alive, silent) while rank 0 waits for it in the shared-memory all-reduce
+    is ended by rank 0's watchdog once its heartbeat is stale, and the wait ends with the peer's exit, well
+    before the collective timeout; the requests fail naming it. Last use of the qwen2 engine."""
+    llm, prompts, _ = engines["qwen2"]
+    eng = llm.engine
+    assert eng.tp.comm.shm is not None
+    ids = [eng.add_request(None, p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts[:2]]
+    outs = {o.request_id: o for o in eng.step()}
+    (pid,) = eng.tp.pids().values()
+    os.kill(pid, signal.SIGSTOP)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id] = o
+    for rid in ids:
+        assert outs[rid].finish_reason == "abort"
+        assert "tensor-parallel worker rank 1" in outs[rid].abort_reason
+        assert "after its heartbeat stopped for" in outs[rid].abort_reason
+    assert eng.tp.watchdog.hung.keys() == {1}
+    _pool_whole(llm)
