@@ -161,7 +161,7 @@ def test_fp8_experts_are_the_dequantized_weights(dirs):
         assert torch.equal(experts[e].down_proj.weight, hf_experts.down_proj[e])
 
 
-def test_the_format_is_reported_by_models_and_the_start_line(dirs):
+def test_the_format_is_reported_by_models_grpc_and_the_start_line(dirs):
     from fastapi.testclient import TestClient
 
     from sidecar.server.app import describe
@@ -179,6 +179,39 @@ def test_the_format_is_reported_by_models_and_the_start_line(dirs):
         )
         model = TestClient(create_app(svc)).get("/v1/models").json()["data"][0]
         assert model["quantization"] == label
+        assert _grpc_model_info(info).quantization == label
+
+
+def _grpc_model_info(info: dict):
+    """GetModelInfo of a service whose engine reports ``info``'s facts."""
+    import asyncio
+
+    import grpc
+
+    from sidecar.config import SidecarConfig
+    from sidecar.server.grpc.servicer import Health, build_server
+    from sidecar.server.service import InferenceService
+    from sidecar.v1 import sidecar_pb2 as pb
+    from sidecar.v1 import sidecar_pb2_grpc as pbg
+    from tests.unit.server.test_service import Limiter, ScriptedEngine
+
+    engine = ScriptedEngine([4, 5])
+    engine.model_info.update(quantization=info["quantization"])
+    svc = InferenceService(SidecarConfig())
+    svc.limiter = Limiter()
+    svc.attach(engine)  # type: ignore[arg-type]
+
+    async def scenario():
+        server = build_server(svc, Health(), 1 << 20, 16)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                return await pbg.InferenceStub(ch).GetModelInfo(pb.GetModelInfoRequest())
+        finally:
+            await server.stop(None)
+
+    return asyncio.run(scenario())
 
 
 def _copy(dirs, name, tmp_path):
