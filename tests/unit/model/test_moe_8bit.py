@@ -33,10 +33,12 @@ from tests.unit.model.moe8bit_checkpoints import (
 MAX_NEW = 12
 GREEDY = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
 PROMPTS = [[5 + (7 * i + 3 * j) % 800 for j in range(n)] for i, n in enumerate([5, 12, 30, 40, 14, 22, 16])]
-# Qwen3-MoE's W8A8 case with smaller weights and routers further from ties: at the family's settings its
-# greedy tokens move with the rounding of single activation codes (HF against itself with its embeddings moved
-# by 1e-6 already differs by tenths of a logit), which would make the comparison a matter of float rounding.
+# Qwen3-MoE's W8A8 case with smaller weights and routers further from ties. Its greedy tokens still move with
+# the rounding of single activation codes (HF against itself with its embeddings moved by 1e-6 differs by
+# tenths of a logit), so on another CPU's float kernels a token comparison would test float rounding: this case
+# is compared block by block (``test_expert_activations_are_quantized_per_token``), not token by token.
 CALM = dict(initializer_range=0.15, router_scale=4.0)
+BLOCK_ONLY = ("w8a8-qwen3_moe",)
 # name: (kind, builder(out, tokenizer_dir), whether HF reads the directory itself, the format's name, W8A8)
 CASES = {
     "w8a8-mixtral": (
@@ -102,7 +104,7 @@ def _reference(dirs, name, activation_quant=None):
     return hf_moe_reference(d, kind, dense, w8a8 if activation_quant is None else activation_quant)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if n not in BLOCK_ONLY])
 def test_greedy_matches_hf_with_preemption_and_chunked_prefill(dirs, name):
     kind, _, _, label, w8a8 = CASES[name]
     ref = hf_generate(_reference(dirs, name), PROMPTS, MAX_NEW)
@@ -132,11 +134,11 @@ def test_greedy_matches_hf_with_preemption_and_chunked_prefill(dirs, name):
     assert_pool_whole(llm)
 
 
-def test_expert_activations_are_quantized_per_token(dirs):
+@pytest.mark.parametrize("name", ["w8a8-mixtral", "w8a8-qwen3_moe"])
+def test_expert_activations_are_quantized_per_token(dirs, name):
     """Our sparse block equals HF's with compressed-tensors' per-token quantizer on each expert product, and
     HF's weight-only block (the dequantized weights alone) is further off than float rounding: a weight-only
     expert path would fail the greedy test above."""
-    name = "w8a8-mixtral"
     quant, plain = _reference(dirs, name), _reference(dirs, name, activation_quant=False)
     ours = load_model(EngineConfig(model=str(dirs[name]), dtype="float32")).model
     x = torch.randn(1, 9, ours.args.hidden_size, generator=torch.Generator().manual_seed(0)) * 2
