@@ -5,6 +5,13 @@
 ``preload_8bit`` puts each targeted projection of a meta-built model in place as its format's runtime module,
 and the loader reads the rest (embeddings, norms, ignored projections such as ``lm_head``) as from a plain
 checkpoint. Malformed or unsupported configs raise ValueError naming the field.
+
+Mixtures of experts (Mixtral, Qwen3-MoE): each expert's gate and up tensors (``experts.<e>.<gate|up>``, one
+set per expert as the tools write them) become its fused ``gate_up_proj`` and its down tensor its
+``down_proj``, as the same runtime modules a dense MLP's get (``W8A8Linear``; for FP8 ``Fp8ScaledLinear`` or
+our ``Linear`` over the dequantized weight, as ``fp8.load_linear_fp8`` picks for the device); the router
+stays in full precision as the tools leave it. Expert layouts this does not build (biases, shared experts,
+fused expert tensors, a quantized router) are refused naming the field.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from typing import Optional
 from torch import nn
 
 from sidecar.model.fp8 import load_linear_fp8, parse_ct_fp8_scheme, parse_fp8_config
+from sidecar.model.moe import block_prefix
 from sidecar.model.w8a8 import load_linear_w8a8, parse_w8a8_scheme
 
 METHODS = ("compressed-tensors", "fp8")
@@ -139,21 +147,20 @@ def preload_8bit(model, ckpt, qcfg: dict, requested: Optional[str], dtype, devic
             f"cannot load it as {requested!r}"
         )
     args = model.args
-    if any(args.sparse(i) for i in range(len(model.layers))):
-        raise ValueError(
-            f"quantization_config: {scheme.name} mixture-of-experts checkpoints are not supported"
-        )
+    sparse = [i for i in range(len(model.layers)) if args.sparse(i)]
+    for i in sparse:
+        _check_sparse_block(scheme, ckpt, model.layers[i].mlp, f"model.layers.{i}")
     fused = args.fused_checkpoint  # Phi-3 stores the projections already fused
     for i, layer in enumerate(model.layers):
         p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
         qkv = [f"{p}.self_attn.qkv_proj"] if fused else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
-        gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
-        for parent, attr, names in (
-            (attn, "qkv_proj", qkv),
-            (attn, "o_proj", [f"{p}.self_attn.o_proj"]),
-            (mlp, "gate_up_proj", gate_up),
-            (mlp, "down_proj", [f"{p}.mlp.down_proj"]),
-        ):
+        projections = [(attn, "qkv_proj", qkv), (attn, "o_proj", [f"{p}.self_attn.o_proj"])]
+        if i in sparse:
+            projections += _expert_projections(ckpt, mlp, p)
+        else:
+            gate_up = [f"{p}.mlp.gate_up_proj"] if fused else [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"]
+            projections += [(mlp, "gate_up_proj", gate_up), (mlp, "down_proj", [f"{p}.mlp.down_proj"])]
+        for parent, attr, names in projections:
             module = _projection(scheme, ckpt, names, getattr(parent, attr), dtype, device)
             if module is not None:
                 setattr(parent, attr, module)
@@ -161,3 +168,41 @@ def preload_8bit(model, ckpt, qcfg: dict, requested: Optional[str], dtype, devic
         head = _projection(scheme, ckpt, ["lm_head"], model.lm_head, dtype, device)
         model.lm_head = model.lm_head if head is None else head
     return scheme.name
+
+
+def _check_sparse_block(scheme: Scheme8, ckpt, moe: nn.Module, layer_prefix: str) -> None:
+    """Refuse, naming the field, a sparse block whose experts this loader does not build from 8-bit codes:
+    only per-expert SwiGLU experts without biases (Mixtral, Qwen3-MoE) in the hub's per-expert tensors,
+    with the router in full precision (as the tools leave it: a quantized router would move tokens between
+    experts)."""
+    args = moe.args
+    if args.expert_bias or getattr(moe, "shared_expert", None) is not None or hasattr(moe, "block_tensors"):
+        raise ValueError(
+            f"quantization_config: {scheme.name} experts of {args.architecture} are not supported "
+            "(per-expert SwiGLU experts without biases or shared experts only: Mixtral, Qwen3-MoE)"
+        )
+    prefix = block_prefix(ckpt.__contains__, layer_prefix, args)
+    if f"{prefix}.experts.gate_up_proj" in ckpt:
+        raise ValueError(
+            f"model: {prefix}.experts.gate_up_proj: fused expert tensors are not read with a "
+            f"{scheme.name} quantization_config (the tools write one tensor set per expert)"
+        )
+    router = f"{prefix}.gate"
+    if f"{router}.weight_scale" in ckpt or f"{router}.weight_scale_inv" in ckpt:
+        field_name = "modules_to_not_convert" if scheme.method == "fp8" else "ignore"
+        raise ValueError(
+            f"quantization_config.{field_name}: the router {router} is quantized; it is read in full "
+            "precision only (the tools leave it so)"
+        )
+
+
+def _expert_projections(ckpt, moe: nn.Module, layer_prefix: str) -> list[tuple[nn.Module, str, list[str]]]:
+    """(expert MLP, attribute, checkpoint names) of each expert projection of the sparse block ``moe``: its
+    gate and up tensors fused into ``gate_up_proj`` (rows gate first), its down tensor ``down_proj``."""
+    _, gate, up, down = moe.args.moe_names
+    at = f"{block_prefix(ckpt.__contains__, layer_prefix, moe.args)}.experts"
+    out = []
+    for e, expert in enumerate(moe.experts):
+        out.append((expert, "gate_up_proj", [f"{at}.{e}.{gate}", f"{at}.{e}.{up}"]))
+        out.append((expert, "down_proj", [f"{at}.{e}.{down}"]))
+    return out
