@@ -23,18 +23,14 @@ of each row is read from the buffers (``DecodeInputs.state_slots``) like its KV 
 sequences the buffers name. The self-check's padded rows step slots ``0..bucket-1``, set to the same random
 states before each run it compares (the states after the step compared too) and left at rest after it.
 
-A mixture-of-experts model's sparse blocks are recorded like the dense MLPs where their decode steps run in
-kernels alone: the gate, the router kernel and the grouped expert kernel (``model/moe_cpu.py``: int8 / int4
-experts and a softmax router that passed its load-time check). Elsewhere (bf16 or float32 experts, other
-routers, a shared expert's torch operators) the step runs a torch operator and the self-check names it.
+A mixture-of-experts block is recorded where its decode step runs in kernels alone (the gate, the router kernel,
+the grouped int8 / int4 experts: ``model/moe_cpu.py``); elsewhere it runs a torch operator, which the self-check
+names. A tensor-parallel rank's all-reduces are kernel calls too (``shm_allreduce.c``; ``tp_replay.py``).
 
 A scored step (``DecodeInputs.scores`` set: h2o eviction) adds the attention each key receives to the slot
 scores from the attention kernel; the vector is allocated once, so its address is an operand like the KV
 cache's, and a scored step has plans of its own (the same sizes, one more argument to each attention call).
 The slots it writes are reset before the step, outside the plan (``ModelRunner.decode_rows``).
-
-A tensor-parallel rank's decoder all-reduces through a kernel call of its own (``shm_allreduce.c``), recorded
-and replayed like the others; every rank of the group keeps its own plans, checked together (``tp_replay.py``).
 
 Before serving, ``self_check`` records and replays a step and compares its hidden states with the eager
 run's, bit for bit (the same kernels on the same inputs), and plans it dry: the plan must make the
@@ -389,9 +385,7 @@ def _copy(out):
 
 def _same(a, b) -> bool:
     """Whether two step results (tensors, or tuples of tensors) hold the same bits."""
-    if isinstance(a, tuple) or isinstance(b, tuple):
-        return len(a) == len(b) and all(map(torch.equal, a, b))
-    return torch.equal(a, b)
+    return len(a) == len(b) and all(map(torch.equal, a, b)) if isinstance(a, tuple) else torch.equal(a, b)
 
 
 def _spans(sizes: list[int]) -> str:

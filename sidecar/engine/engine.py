@@ -34,7 +34,7 @@ from sidecar.engine.spec.decoder import SpecDecoder
 from sidecar.engine.structured import StructuredDecoder
 from sidecar.model import heap, hugepages
 from sidecar.model.lora import part_shapes
-from sidecar.model.moe import parameter_counts
+from sidecar.model.param_count import parameter_counts
 
 log = logging.getLogger("sidecar.engine")
 

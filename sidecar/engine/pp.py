@@ -52,7 +52,8 @@ from sidecar.engine.linear_state import LinearStates
 from sidecar.engine.pp_micro import Bounds, micro_batches, micro_meta
 from sidecar.engine.pp_replay import StagePlans
 from sidecar.engine.rendezvous import run_worker
-from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group, worker_pool
+from sidecar.engine.tp import TensorParallel, TPWorkerLost, join_group
+from sidecar.engine.tp_worker import worker_pool
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model
 from sidecar.model.pp_stage import Stage, final_logits, run_layers, stage_args

@@ -81,9 +81,7 @@ class ModelRunner:
         if getattr(self.model, "fast_paths", None) is None:
             self.model.fast_paths = FastPaths()
         self.fast_paths: FastPaths = self.model.fast_paths
-        # A split model's device fast paths are off on every rank; its CPU decode replays are decided by the
-        # whole group after start (tp_replay.py, pp.py): all ranks replay or none does.
-        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size  # split: CPU replays per group
         split = f"tensor_parallel_size {tp}" if pp == 1 else f"pipeline_parallel_size {pp}"
         self.eager_reason = "enforce_eager" if config.enforce_eager else split
         self.enforce_eager = config.enforce_eager or tp * pp > 1

@@ -116,13 +116,13 @@ def _check_experts(blocks: list, dtype: torch.dtype) -> int:
 
 def router_refusal(moe: nn.Module) -> Optional[str]:
     """Why the router kernel cannot route this block (None when it can, once checked)."""
-    from sidecar.model.moe import SparseMoE
-
+    # the block class that first defines the router (moe.SparseMoE, not imported here: moe.py imports this module)
+    base = next(c for c in reversed(type(moe).__mro__) if "route_logits" in vars(c))
     if moe.sigmoid_input:
         return "Llama 4's sigmoid router"
     if moe.softmax_after_topk:
         return "gpt-oss's router (softmax after top-k)"
-    if type(moe).route is not SparseMoE.route or type(moe).route_logits is not SparseMoE.route_logits:
+    if type(moe).route is not base.route or type(moe).route_logits is not base.route_logits:
         return f"{type(moe).__name__} routes its own way"
     if moe.top_k > moe_route.MAX_K:
         return f"{moe.top_k} experts per token (the kernel takes at most {moe_route.MAX_K})"

@@ -15,7 +15,8 @@ import torch
 from sidecar import LLM, SamplingParams
 from sidecar.model.args import ModelArgs
 from sidecar.model.linear import Linear
-from sidecar.model.moe import SparseMoE, parameter_counts
+from sidecar.model.moe import SparseMoE
+from sidecar.model.param_count import parameter_counts
 from tests.unit.engine.test_engine_vs_hf import hf_greedy
 from tests.unit.model.family_checkpoints import assert_not_degenerate, build_family_checkpoint
 from tests.unit.model.test_hybrid_vs_hf import assert_slots_whole

@@ -160,7 +160,7 @@ def test_parameter_counts_match_the_hf_model(latent_dirs, kind):
     import transformers as tf
 
     from sidecar.model.args import ModelArgs
-    from sidecar.model.moe import parameter_counts
+    from sidecar.model.param_count import parameter_counts
 
     cls = {"deepseek_v3": tf.DeepseekV3ForCausalLM, "mistral4": tf.Mistral4ForCausalLM}[kind]
     hf = cls.from_pretrained(str(latent_dirs[kind]), dtype=torch.float32)

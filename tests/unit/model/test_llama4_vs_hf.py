@@ -80,7 +80,7 @@ def test_a_vision_language_checkpoint_serves_its_text_model(llama4_dirs):
 
 
 def test_parameter_count_is_hf_s(llama4_dirs):
-    from sidecar.model.moe import parameter_counts
+    from sidecar.model.param_count import parameter_counts
 
     hf = _hf(llama4_dirs["llama4"], "llama4")
     args = load_model(EngineConfig(model=str(llama4_dirs["llama4"]), dtype="float32"), pack=False).args

@@ -14,7 +14,8 @@ import torch
 from sidecar import LLM, SamplingParams
 from sidecar.config import EngineConfig
 from sidecar.model.loader import load_model
-from sidecar.model.moe import SparseMoE, parameter_counts
+from sidecar.model.moe import SparseMoE
+from sidecar.model.param_count import parameter_counts
 from tests.unit.engine.test_engine_vs_hf import assert_pool_whole, hf_greedy
 from tests.unit.model.family_checkpoints import MOE_FAMILIES, build_family_checkpoint
 

@@ -150,19 +150,14 @@ class Plan:
                 if (b := storage_of(value)) is not None:
                     uses.setdefault(b, [i, i])[1] = i
         outputs = _results(output)
-        out_bases = []
-        for out in outputs:
-            base = storage_of(out.data_ptr()) if out.is_contiguous() else None
-            if base is None:
-                raise Unreplayable("the step's result is not a contiguous tensor it allocated")
+        roots = [storage_of(t.data_ptr()) if t.is_contiguous() else None for t in outputs]
+        if None in roots:
+            raise Unreplayable("the step's result is not a contiguous tensor it allocated")
+        for base in roots:
             uses.setdefault(base, [self.num_ops, self.num_ops])[1] = self.num_ops  # read after the replay
-            out_bases.append(base)
         offsets = _place(uses, storages, self.ALIGN)
         self.arena_bytes = max((offsets[b] + storages[b] for b in offsets), default=0)
-        placed = [
-            (offsets[base] + out.data_ptr() - base, out.dtype, tuple(out.shape))
-            for out, base in zip(outputs, out_bases)
-        ]
+        placed = [(offsets[b] + t.data_ptr() - b, t.dtype, tuple(t.shape)) for t, b in zip(outputs, roots)]
         # the result (the first tensor of a tuple result), then the tuple's further tensors
         self._out, self._more = placed[0], placed[1:]
         self._tuple = isinstance(output, tuple)
