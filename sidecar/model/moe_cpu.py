@@ -97,21 +97,26 @@ def _check_experts(blocks: list, dtype: torch.dtype) -> int:
                 weights, ids = moe.route_logits(moe.gate(x), x.dtype)  # torch's router, whatever routes steps
                 ids, perm = ids.sort(dim=-1)
                 fast = routed(moe, x, weights.gather(-1, perm), ids)
-                own = moe.__dict__.get("cpu_grouped")
-                moe.cpu_grouped = False
-                try:
-                    ref = moe(x)
-                finally:
-                    if own is None:
-                        del moe.cpu_grouped
-                    else:
-                        moe.cpu_grouped = own
+                ref = _reference(moe, x)
             ok = ok and fast is not None and torch.equal(fast, ref)
         if not ok:
             log.warning("moe: the grouped CPU expert path differs from the per-expert loop; the loop runs")
             moe.__dict__["_cpu_experts"] = "its self-check differed"
         ran += ok
     return ran
+
+
+def _reference(moe: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The block over ``x`` through torch's router and the per-expert loop (``cpu_grouped`` off for the call)."""
+    own = moe.__dict__.get("cpu_grouped")
+    moe.cpu_grouped = False
+    try:
+        return moe(x)
+    finally:
+        if own is None:
+            del moe.cpu_grouped
+        else:
+            moe.cpu_grouped = own
 
 
 def router_refusal(moe: nn.Module) -> Optional[str]:
@@ -173,16 +178,7 @@ def _router_differs(moe: nn.Module, dtype: torch.dtype) -> Optional[str]:
             x = torch.randn(rows, hidden, generator=gen).to(dtype)
             moe.__dict__["_cpu_router"] = True
             fast = moe(x)
-            own = moe.__dict__.get("cpu_grouped")
-            moe.cpu_grouped = False
-            try:
-                ref = moe(x)
-            finally:
-                if own is None:
-                    del moe.cpu_grouped
-                else:
-                    moe.cpu_grouped = own
-            if not torch.equal(fast, ref):
+            if not torch.equal(fast, _reference(moe, x)):
                 return "the block routed in the router kernel differs from the per-expert loop"
     return None
 

@@ -93,12 +93,20 @@ def ct_checkpoint(kind: str, preset: str, fmt: str, out: Path, tokenizer_dir: Pa
 def fp8_method_checkpoint(out: Path, tokenizer_dir: Path, dims: dict, block: int = 128) -> Path:
     """A ``quant_method: fp8`` checkpoint: each decoder projection as e4m3 ``weight`` and float32
     ``weight_scale_inv`` (absmax / 448 of each block), lm_head and the rest in float32."""
-    from safetensors.torch import load_file, save_file
-
     model = float_model("llama", tokenizer_dir, dims)
     model.save_pretrained(out)
+    fp8_method_weights(out, lambda name: name.endswith("_proj.weight"), block)
+    return _copy_tokenizer(tokenizer_dir, out)
+
+
+def fp8_method_weights(out: Path, chosen, block: int) -> None:
+    """Rewrite the checkpoint in ``out`` as ``quant_method: fp8`` writes it: each weight whose name ``chosen``
+    picks as e4m3 ``weight`` and float32 ``weight_scale_inv`` (absmax / 448 of each ``block`` x ``block``
+    block), the config's ``quantization_config`` set."""
+    from safetensors.torch import load_file, save_file
+
     tensors = load_file(str(out / "model.safetensors"))
-    for name in [n for n in tensors if n.endswith("_proj.weight")]:
+    for name in [n for n in tensors if chosen(n)]:
         w = tensors[name]
         lo, hi = _block_minmax(w, block, block)
         s = torch.maximum(lo.abs(), hi.abs()) / 448.0
@@ -114,7 +122,6 @@ def fp8_method_checkpoint(out: Path, tokenizer_dir: Path, dims: dict, block: int
         "weight_block_size": [block, block],
     }
     (out / "config.json").write_text(json.dumps(cfg))
-    return _copy_tokenizer(tokenizer_dir, out)
 
 
 def hf_model(model_dir: Path, activation_quant: bool = False):

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tests.unit.model.family_checkpoints import build_family_checkpoint
-from tests.unit.model.hf8bit_checkpoints import STATIC_FACTORS, _block_minmax
+from tests.unit.model.hf8bit_checkpoints import STATIC_FACTORS, _block_minmax, fp8_method_weights
 
 # The sparse block's name in the hub's checkpoints and its experts' gate, up and down projections.
 _QWEN3 = ("mlp", "gate_proj", "up_proj", "down_proj")
@@ -163,39 +163,11 @@ def fp8_method_moe_checkpoint(
     """A ``quant_method: fp8`` checkpoint of the ``kind`` family's tiny model: each decoder projection
     (experts included, the routers not) as e4m3 ``weight`` and float32 ``weight_scale_inv`` (absmax / 448 of
     each block), lm_head and the rest in float32."""
-    from safetensors.torch import load_file, save_file
-
-    src = build_family_checkpoint(kind, out, tokenizer_dir, **overrides)
-    tensors = load_file(str(src / "model.safetensors"))
+    out = build_family_checkpoint(kind, out, tokenizer_dir, **overrides)
     _, gate, up, down = NAMES[kind]
-    projections = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-        gate,
-        up,
-        down,
-    )
-    for name in [n for n in tensors if n.endswith(tuple(f".{p}.weight" for p in projections))]:
-        w = tensors[name]
-        lo, hi = _block_minmax(w, block, block)
-        s = torch.maximum(lo.abs(), hi.abs()) / 448.0
-        full = s.repeat_interleave(block, 0)[: w.shape[0]].repeat_interleave(block, 1)[:, : w.shape[1]]
-        tensors[name] = (w / full).to(torch.float8_e4m3fn)
-        tensors[name.replace(".weight", ".weight_scale_inv")] = s.contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "dynamic",
-        "fmt": "e4m3",
-        "weight_block_size": [block, block],
-    }
-    (out / "config.json").write_text(json.dumps(cfg))
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", gate, up, down)
+    ends = tuple(f".{p}.weight" for p in names)
+    fp8_method_weights(out, lambda name: name.endswith(ends), block)
     return out
 
 
