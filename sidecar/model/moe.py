@@ -172,9 +172,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.top_k
-        if (
-            self.cpu_grouped and self.stacked is None
-        ):  # decode-sized CPU steps in two kernel calls (moe_cpu.py)
+        # decode-sized CPU steps in kernel calls alone: the router's, then the grouped experts' (moe_cpu.py)
+        if self.cpu_grouped and self.stacked is None:
             fast = moe_cpu.decode_step(self, x)
             if fast is not None:
                 return self._plus_shared(x, fast)

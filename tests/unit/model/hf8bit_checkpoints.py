@@ -64,7 +64,6 @@ def ct_checkpoint(kind: str, preset: str, fmt: str, out: Path, tokenizer_dir: Pa
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     model = float_model(kind, tokenizer_dir, dims)
     qc = QuantizationConfig(
@@ -75,19 +74,27 @@ def ct_checkpoint(kind: str, preset: str, fmt: str, out: Path, tokenizer_dir: Pa
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
             continue
-        args, w = scheme.weights, module.weight.data
-        if args.strategy == "block":
-            lo, hi = _block_minmax(w, *args.block_structure)
-        else:
-            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-        scale, _ = calculate_qparams(lo, hi, args)
-        module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+        set_weight_scale(module, scheme.weights)
         module.quantization_status = QuantizationStatus.FROZEN
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(out)
     compressor.update_config(str(out))
     return _copy_tokenizer(tokenizer_dir, out)
+
+
+def set_weight_scale(module, args) -> None:
+    """A quantized module's ``weight_scale`` from its weight's min / max as compressed-tensors' own
+    ``calculate_qparams`` takes them (per row, or per block for the block strategy)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    w = module.weight.data
+    if args.strategy == "block":
+        lo, hi = _block_minmax(w, *args.block_structure)
+    else:
+        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    scale, _ = calculate_qparams(lo, hi, args)
+    module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
 
 
 def fp8_method_checkpoint(out: Path, tokenizer_dir: Path, dims: dict, block: int = 128) -> Path:
@@ -171,7 +178,6 @@ def ct_static_w8a8_checkpoint(
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
 
     model = float_model(kind, tokenizer_dir, SMALL)
     absmax: dict[str, float] = {}
@@ -197,9 +203,7 @@ def ct_static_w8a8_checkpoint(
     for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is None:
             continue
-        w = module.weight.data
-        scale, _ = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), scheme.weights)
-        module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+        set_weight_scale(module, scheme.weights)
         factor = STATIC_FACTORS.get(name.rsplit(".", 1)[-1], 0.95)
         module.input_scale.data.fill_(absmax[name] / 127.5 * factor)
         module.quantization_status = QuantizationStatus.FROZEN

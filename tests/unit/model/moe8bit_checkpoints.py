@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tests.unit.model.family_checkpoints import build_family_checkpoint
-from tests.unit.model.hf8bit_checkpoints import STATIC_FACTORS, _block_minmax, fp8_method_weights
+from tests.unit.model.hf8bit_checkpoints import STATIC_FACTORS, fp8_method_weights, set_weight_scale
 
 # The sparse block's name in the hub's checkpoints and its experts' gate, up and down projections.
 _QWEN3 = ("mlp", "gate_proj", "up_proj", "down_proj")
@@ -89,7 +89,6 @@ def ct_moe_checkpoint(
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file, save_file
 
     src = build_family_checkpoint(kind, out.with_name(out.name + "-float"), tokenizer_dir, **overrides)
@@ -112,13 +111,7 @@ def ct_moe_checkpoint(
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
             continue
-        args, w = scheme.weights, module.weight.data
-        if args.strategy == "block":
-            lo, hi = _block_minmax(w, *args.block_structure)
-        else:
-            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-        scale, _ = calculate_qparams(lo, hi, args)
-        module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+        set_weight_scale(module, scheme.weights)
         if absmax is not None:
             factor = STATIC_FACTORS.get(name.rsplit(".", 1)[-1], 0.95)
             module.input_scale.data.fill_(absmax[name] / 127.5 * factor)
