@@ -183,10 +183,15 @@ class Watchdog:
         self.procs, self.hung = procs, {}
         self._stop = threading.Event()
         self._args = (addr, port, world)
-        threading.Thread(target=self._run, name="sidecar-watchdog", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="sidecar-watchdog", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
+        """End the thread and wait for it: its store connection must close before the store's host does
+        (a connection the host drops mid-request makes torch log a failed receive)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(2 * HEARTBEAT_S)
 
     def _run(self) -> None:
         store = connect(*self._args)

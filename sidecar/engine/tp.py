@@ -148,7 +148,8 @@ class TensorParallel:
         self.procs: dict[int, Any] = {}
         self.conns: dict[int, Any] = {}
         self.watchdog: Optional[rendezvous.Watchdog] = None
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns)
+        self._watchdogs: list = []  # the finalizer stops it too: a group dropped without close()
+        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self._watchdogs)
         local = rendezvous.node_ranks(self.world, config.nnodes, 0)
         cpu_bind.share_with_children()
         for rank in range(1, self.world):  # the other nodes' ranks are spawned by their own agents
@@ -175,6 +176,7 @@ class TensorParallel:
             self.close()
             raise
         self.watchdog = rendezvous.Watchdog(addr, store.port, self.world, self.procs)
+        self._watchdogs.append(self.watchdog)
         self.store = store  # the workers' connection to it stays up while the group lives
         self.group = group
         # NCCL's waits only order streams (its own watchdog times operations): slices on gloo only
@@ -330,7 +332,9 @@ def _last_error(conn: Any) -> Optional[str]:
     return None
 
 
-def _shutdown(procs: dict[int, Any], conns: dict[int, Any]) -> None:
+def _shutdown(procs: dict[int, Any], conns: dict[int, Any], watchdogs: list) -> None:
+    for watchdog in watchdogs:  # before the store (this process hosts it) can go
+        watchdog.stop()
     for conn in conns.values():
         try:
             conn.send(None)
