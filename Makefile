@@ -51,7 +51,7 @@ llamacpp-converter: venv
 	$(PY) tests/unit/model/llamacpp_converter.py
 
 test-python: venv browser llamacpp-converter
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 test-java: venv
 	cd java-client && $(MVN) -B -ntp verify -Dsidecar.python=$(PY) -Dsidecar.repo=$(CURDIR)
