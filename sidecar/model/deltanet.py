@@ -19,7 +19,8 @@ back. The engine zeroes a slot when it hands it out, so a sequence's first chunk
 Numerics follow Hugging Face's torch fallbacks: prompt chunks use the chunked form of the rule (blocks of
 ``CHUNK`` tokens, the within-block part solved as a triangular system), decode rows the one-token recurrence,
 as HF's prefill and decode do (deltanet_rule.py); so float32 greedy output equals HF's ``generate``. Prompt
-chunks take the C rule on CPU where it passed its self-check (deltanet_rule.py ``kernel_rule``). Decode
+chunks' rule takes a kernel where one passed its self-check: the C recurrence on CPU (deltanet_rule.py
+``kernel_rule``), the Triton chunked form on CUDA (``triton_rule``, kernels/triton/deltanet_chunk.py). Decode
 rows take a kernel where one passed its self-check: the C one on CPU (kernels/cpu/deltanet_step.c), the Triton
 one on CUDA (kernels/triton/deltanet.py); else the torch reference.
 """
@@ -36,7 +37,7 @@ from torch import nn
 
 from sidecar.model.args import ModelArgs
 from sidecar.model.attention import AttentionMetadata
-from sidecar.model.deltanet_rule import chunked_rule, kernel_rule, recurrent_step
+from sidecar.model.deltanet_rule import chunked_rule, kernel_rule, recurrent_step, triton_rule
 from sidecar.model.kernels.cpu import deltanet_step
 from sidecar.model.kernels.gpu_paths import triton_available, triton_interpreted
 from sidecar.model.linear import Linear
@@ -44,7 +45,7 @@ from sidecar.model.linear import Linear
 log = logging.getLogger("sidecar.model")
 # why a decode kernel is off ('' when on), once asked: "reason" the C one, "triton:<device type>" Triton's
 _checked: dict[str, str] = {}
-_triton_on_cpu = [False]  # use_triton_on_cpu
+_triton_on_cpu = {"decode": False, "prompt": False}  # use_triton_on_cpu
 
 
 class GatedDeltaNet(nn.Module):
@@ -131,12 +132,20 @@ class GatedDeltaNet(nn.Module):
             qkv = self._conv(seq, None if seg.state_start else window)
             conv_state[slot] = torch.cat((window[0], seq[0, :, -w:]), dim=-1)[:, -w:]  # the last w inputs
             q, k, v = self._split(qkv)
-            o = kernel_rule(q[0], k[0], v[0], g[rows], beta[rows], rec_state[slot])  # state in place
+            o = self._prompt_kernel(q[0], k[0], v[0], g[rows], beta[rows], rec_state[slot])  # state in place
             if o is None:
                 o, s = chunked_rule(q, k, v, g[rows][None], beta[rows][None], rec_state[slot : slot + 1])
                 rec_state[slot], o = s[0], o[0]
             out[rows] = o
         return out
+
+    def _prompt_kernel(self, q, k, v, g, beta, state) -> Optional[torch.Tensor]:
+        """A prompt chunk's rule output [L, v_heads, v_dim] from a kernel (``state``, the slot's, advanced in
+        place): the Triton one on CUDA (or on CPU under the interpreter when ``use_triton_on_cpu`` takes
+        prompts), the C one on CPU; None (nothing touched) where it is off or does not take them."""
+        if q.is_cuda or (q.device.type == "cpu" and _triton_on_cpu["prompt"] and triton_interpreted()):
+            return triton_rule(q, k, v, g, beta, state)
+        return kernel_rule(q, k, v, g, beta, state)
 
     def _decode_rows(self, mixed, g, beta, conv_state, rec_state, slots: torch.Tensor) -> torch.Tensor:
         """The torch reference of a decode step: the rule's output [B, v_heads, v_dim] for B sequences' one
@@ -153,7 +162,7 @@ class GatedDeltaNet(nn.Module):
         """The gated output of the decode rows from a kernel (their states advanced): the Triton one on CUDA
         (or on CPU under the interpreter when ``use_triton_on_cpu``), the C one on CPU; None (nothing
         touched) where it is missing, failed its self-check, or does not take the arguments."""
-        if proj.is_cuda or (proj.device.type == "cpu" and _triton_on_cpu[0] and triton_interpreted()):
+        if proj.is_cuda or (proj.device.type == "cpu" and _triton_on_cpu["decode"] and triton_interpreted()):
             if not triton_ready(proj.device):
                 return None
             return kernel_step(self, proj, b, a, state, slots, triton_step())
@@ -287,9 +296,10 @@ def kernel_ready() -> bool:
     return not _checked["reason"]
 
 
-def use_triton_on_cpu(on: bool) -> None:
-    """Run decode rows on CPU through the Triton kernel when Triton is interpreted (tests without a GPU)."""
-    _triton_on_cpu[0] = on
+def use_triton_on_cpu(decode: bool, prompts: bool = False) -> None:
+    """Run decode rows (and prompt chunks' rule) on CPU through the Triton kernels when Triton is interpreted
+    (tests without a GPU)."""
+    _triton_on_cpu["decode"], _triton_on_cpu["prompt"] = decode, prompts
 
 
 def triton_ready(device: torch.device) -> bool:

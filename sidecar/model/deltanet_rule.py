@@ -4,7 +4,9 @@ fallbacks compute it (the same ops in the same order), so float32 greedy output 
 
 On CPU a prompt chunk's rule runs in C instead where that kernel passed its self-check (``kernel_rule``,
 kernels/cpu/deltanet_step.c): the same recurrence token by token, which differs from the chunked form only in
-the order of float32 sums, and costs a fraction of it (no triangular solves, no per-block torch ops).
+the order of float32 sums, and costs a fraction of it (no triangular solves, no per-block torch ops). On CUDA
+it runs in Triton where that kernel passed its self-check (``triton_rule``, kernels/triton/deltanet_chunk.py):
+the chunked form itself, one launch per chunk, the blocks' matrix products at float32 precision.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from sidecar.model.kernels.cpu import deltanet_step
+from sidecar.model.kernels.gpu_paths import triton_available
 
 CHUNK = 64  # tokens per block of the chunked rule (HF's chunk_size)
 log = logging.getLogger("sidecar.model")
-_checked: dict[str, str] = {}  # "reason": why the C prompt rule is off ('' when on), once asked
+# why a prompt kernel is off ('' when on), once asked: "reason" the C one, "triton:<device type>" Triton's
+_checked: dict[str, str] = {}
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -116,18 +120,38 @@ def kernel_rule(
     v_dim] in v's dtype; None (nothing touched) where the kernel is off or does not take them."""
     if q.device.type != "cpu" or not rule_ready():
         return None
+    return _on_kernel(deltanet_step.rule, q, k, v, g, beta, state)
+
+
+def triton_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> Optional[torch.Tensor]:
+    """``kernel_rule`` on the Triton prompt kernel (kernels/triton/deltanet_chunk.py), on the tensors' device
+    (CUDA; CPU under the interpreter); None (nothing touched) where it is off there or does not take them."""
+    if not triton_rule_ready(q.device):
+        return None
+    return _on_kernel(triton_prompt_rule(), q, k, v, g, beta, state)
+
+
+def _on_kernel(rule, q, k, v, g, beta, state) -> Optional[torch.Tensor]:
+    """``rule`` (a prompt kernel over normed float32 inputs) on the mixer's q, k, v, g, beta; o in v's dtype."""
     dtype = v.dtype
     q, k = l2norm(q.float()), l2norm(k.float())
     q = q / (q.shape[-1] ** 0.5)
     v, g, beta = (x.float().contiguous() for x in (v, g, beta))  # a float32 view is not copied by .to
-    o = deltanet_step.rule(q.contiguous(), k.contiguous(), v, g, beta, state)
+    o = rule(q.contiguous(), k.contiguous(), v, g, beta, state)
     return None if o is None else o.to(dtype)
 
 
-def _rule_check() -> str:
-    """'' when the C prompt rule agrees with ``chunked_rule`` over a chunk longer than a block, grouped key
-    heads and a value head size off the kernel's column block (the state read back and advanced); else why
-    not."""
+def _rule_check(rule=None, device: str = "cpu") -> str:
+    """'' when the prompt kernel ``rule`` (the C one by default, or the Triton ``rule`` of the same arguments)
+    on ``device`` agrees with ``chunked_rule`` on CPU over a chunk longer than a block, grouped key heads and
+    a value head size off the kernel's column block (the state read back and advanced); else why not."""
     gen = torch.Generator().manual_seed(0)
     length, nk, nv, dk, dv = 70, 2, 4, 20, 40
     q, k = torch.randn(length, nk, dk, generator=gen), torch.randn(length, nk, dk, generator=gen)
@@ -135,12 +159,13 @@ def _rule_check() -> str:
     g, beta = -torch.rand(length, nv, generator=gen), torch.rand(length, nv, generator=gen)
     s0 = torch.randn(nv, dk, dv, generator=gen) * 0.3
     want_o, want_s = chunked_rule(q[None], k[None], v[None], g[None], beta[None], s0[None])
-    state = s0.clone()
-    got = deltanet_step.rule((l2norm(q) / dk**0.5).contiguous(), l2norm(k).contiguous(), v, g, beta, state)
+    state = s0.to(device, copy=True)
+    qn, kn = (l2norm(q) / dk**0.5).contiguous(), l2norm(k).contiguous()
+    got = (rule or deltanet_step.rule)(*(x.to(device) for x in (qn, kn, v, g, beta)), state)
     if got is None:
         return "the kernel refused a float32 chunk"
     for what, x, y in (("output", got, want_o[0]), ("state", state, want_s[0])):
-        err, bound = float((x - y).abs().max()), 1e-5 * (1 + float(y.abs().max()))
+        err, bound = float((x.cpu() - y).abs().max()), 1e-5 * (1 + float(y.abs().max()))
         if not err <= bound:
             return f"{what} off from the chunked rule by {err:.3g} (bound {bound:.3g})"
     return ""
@@ -155,3 +180,26 @@ def rule_ready() -> bool:
         if _checked["reason"]:
             log.warning("gated DeltaNet prompt kernel off, prompt chunks on torch: %s", _checked["reason"])
     return not _checked["reason"]
+
+
+def triton_rule_ready(device: torch.device) -> bool:
+    """The Triton prompt rule is installed and passed its self-check on ``device``'s type (once; a failure,
+    a compile or launch error included, is logged, and prompt chunks then take the torch chunked form)."""
+    key = f"triton:{device.type}"
+    if key not in _checked:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # the check reads results back to the host, which a capture forbids
+        try:
+            why = "" if triton_available() else "triton is not installed"
+            _checked[key] = why or _rule_check(triton_prompt_rule(), str(device))
+        except Exception as exc:  # a kernel that fails to compile or launch is switched off, never fatal
+            _checked[key] = f"{type(exc).__name__}: {exc}"
+        if _checked[key]:
+            log.warning("gated DeltaNet Triton prompt kernel off, prompt chunks on torch: %s", _checked[key])
+    return not _checked[key]
+
+
+def triton_prompt_rule():
+    from sidecar.model.kernels.triton import deltanet_chunk  # imports Triton: only when asked
+
+    return deltanet_chunk.rule

@@ -17,7 +17,10 @@ instead of expanding every head's keys and values.
 The paged-attention kernels (CPU, Triton) read per-head K/V and do not take the latent cache; the model's
 start-up log says so. On CPU the decode rows' attention on the latents runs in
 ``kernels/cpu/latent_attention`` where it takes the inputs and is the faster path (bf16; float32 up to
-``F32_MAX_HEADS`` heads; the reason is logged once where it is not); the torch form stays its oracle.
+``F32_MAX_HEADS`` heads; the reason is logged once where it is not); on CUDA in
+``kernels/triton/latent_attention`` where it passed its self-check there (``triton_ready``, once, a failure
+logged; not a FastPaths field) and no scored eviction asks for the weights' sums. ``torch_decode`` stays
+their oracle.
 ``kv_b`` is a plain parameter (not a ``Linear``), so the CPU weight packing leaves it readable by the
 absorbed decode.
 
@@ -40,18 +43,21 @@ from sidecar.model.args import ModelArgs
 from sidecar.model import attention_scores, kv_quant
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.kernels.cpu import latent_attention as cpu_latent
-from sidecar.model.kernels.gpu_paths import FastPaths
+from sidecar.model.kernels.gpu_paths import FastPaths, triton_available, triton_interpreted
 from sidecar.model.layers import RMSNorm, rotate
 from sidecar.model.linear import Linear
 
 log = logging.getLogger("sidecar.model")
 
 FAST_PATH_REASON = (
-    "the paged-attention kernels read per-head K/V, not latents (CPU decode rows take the latent kernel)"
+    "the paged-attention kernels read per-head K/V, not latents (decode rows take the latent kernels: C on "
+    "CPU, Triton on CUDA)"
 )
 # HF's q_a_layernorm and kv_a_layernorm keep their default epsilon whatever rms_norm_eps says
 LATENT_NORM_EPS = 1e-6
 _refusals_logged: set[str] = set()
+_triton_checked: dict[str, str] = {}  # device type -> why the Triton decode kernel is off ('' when on)
+_triton_on_cpu = [False]  # use_triton_on_cpu
 
 
 def _kernel_decode(q_lat, q_rope, kv, meta: AttentionMetadata, scale: float) -> Optional[torch.Tensor]:
@@ -67,6 +73,78 @@ def _kernel_decode(q_lat, q_rope, kv, meta: AttentionMetadata, scale: float) -> 
     return cpu_latent.decode_attention(
         q_lat, q_rope, kv[0], kv[1], meta.decode_block_tables, meta.decode_ctx_lens, scale, meta.kv_scores
     )
+
+
+def _triton_decode(q_lat, q_rope, kv, meta: AttentionMetadata, scale: float) -> Optional[torch.Tensor]:
+    """The decode rows' weighted latents from the Triton kernel where it passed its self-check on this device;
+    None where it is off, where scored eviction wants the torch path's sums, or it does not take the inputs."""
+    if meta.kv_scores is not None or not triton_ready(q_lat.device):
+        return None
+    return triton_latent().decode_attention(
+        q_lat, q_rope, kv[0], kv[1], meta.decode_block_tables, meta.decode_ctx_lens, scale
+    )
+
+
+def triton_check(decode, device: str = "cpu", parts: Optional[int] = None) -> str:
+    """'' when the Triton decode ``decode`` on ``device`` agrees with ``torch_decode`` on CPU over both dtypes,
+    head counts under and past a head group, contexts across block edges and (``parts`` of them, None: the
+    kernel's choice) context partitions, scattered blocks; else why not."""
+    gen = torch.Generator().manual_seed(0)
+    bs, nblocks, ctx = 4, 24, torch.tensor([1, 5, 9, 60])
+    tables = torch.stack([torch.randperm(nblocks, generator=gen)[:16] for _ in range(4)])
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_size=bs,
+        decode_block_tables=tables,
+        decode_ctx_lens=ctx,
+    )
+    kw = {} if parts is None else {"parts": parts}
+    for dtype, heads, tol in ((torch.float32, 3, 1e-5), (torch.bfloat16, 18, 3e-2)):
+        kv = tuple(torch.randn(nblocks, bs, 1, w, generator=gen).to(dtype) for w in (40, 8))
+        q_lat, q_rope = ((torch.randn(4, heads, w, generator=gen) * 0.3).to(dtype) for w in (40, 8))
+        want = torch_decode(q_lat, q_rope, kv, meta, 0.2)
+        on = (x.to(device) for x in (q_lat, q_rope, *kv, tables, ctx))
+        got = decode(*on, 0.2, **kw)
+        if got is None:
+            return f"the kernel refused {dtype} rows"
+        err, bound = (
+            float((got.cpu().float() - want.float()).abs().max()),
+            tol * (1 + float(want.abs().max())),
+        )
+        if not err <= bound:
+            return f"{dtype} weighted latents off from the torch form by {err:.3g} (bound {bound:.3g})"
+    return ""
+
+
+def use_triton_on_cpu(on: bool) -> None:
+    """Run decode rows on CPU through the Triton kernel when Triton is interpreted (tests without a GPU)."""
+    _triton_on_cpu[0] = on
+
+
+def triton_ready(device: torch.device) -> bool:
+    """The Triton latent decode kernel is installed and passed its self-check on ``device``'s type (once,
+    before any graph capture: asked first while a graph is captured, it answers no, and the torch rows are
+    captured; a failure is logged, and decode rows then take the torch form)."""
+    key = device.type
+    if key not in _triton_checked:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # the check reads results back to the host, which a capture forbids
+        try:
+            why = "" if triton_available() else "triton is not installed"
+            _triton_checked[key] = why or triton_check(triton_latent().decode_attention, str(device))
+        except Exception as exc:  # a kernel that fails to compile or launch is switched off, never fatal
+            _triton_checked[key] = f"{type(exc).__name__}: {exc}"
+        if _triton_checked[key]:
+            log.warning(
+                "latent attention Triton decode kernel off, decode rows on torch: %s", _triton_checked[key]
+            )
+    return not _triton_checked[key]
+
+
+def triton_latent():
+    from sidecar.model.kernels.triton import latent_attention  # imports Triton: only when asked
+
+    return latent_attention
 
 
 def layer_cache(
@@ -227,9 +305,11 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = w[:, : s.nope_dim], w[:, s.nope_dim :]
         # [B, H, nope] x [H, nope, r] -> [B, H, r]: each head's query in latent space
         q_lat = torch.einsum("bhn,hnr->bhr", q[..., : s.nope_dim], w_uk)
-        o_lat = (
-            _kernel_decode(q_lat, q[..., s.nope_dim :], kv, meta, self.scale) if meta.use_cpu_kernel else None
-        )
+        o_lat = None
+        if q.is_cuda or (q.device.type == "cpu" and _triton_on_cpu[0] and triton_interpreted()):
+            o_lat = _triton_decode(q_lat, q[..., s.nope_dim :], kv, meta, self.scale)
+        elif meta.use_cpu_kernel:
+            o_lat = _kernel_decode(q_lat, q[..., s.nope_dim :], kv, meta, self.scale)
         if o_lat is None:
             o_lat = self._decode_torch(q_lat, q[..., s.nope_dim :], kv, meta)
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
@@ -237,19 +317,29 @@ class LatentAttention(nn.Module):
     def _decode_torch(
         self, q_lat: torch.Tensor, q_rope: torch.Tensor, kv: tuple[torch.Tensor, ...], meta: AttentionMetadata
     ) -> torch.Tensor:
-        """The kernel's oracle: each decode row's latents gathered, [B, heads, r] weighted latents."""
-        s, bt = self.spec, meta.decode_block_tables
-        b, nb = bt.shape
-        bs = kv[0].shape[1]
-        latent = kv[0].index_select(0, bt.reshape(-1)).view(b, nb * bs, s.kv_lora_rank)
-        k_rope = kv[1].index_select(0, bt.reshape(-1)).view(b, nb * bs, s.rope_dim)
-        scores = torch.matmul(q_lat, latent.transpose(1, 2)) + torch.matmul(q_rope, k_rope.transpose(1, 2))
-        scores = (scores * self.scale).masked_fill(~meta.decode_mask(None)[:, 0], -math.inf)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        if meta.kv_scores is not None:  # scored eviction: each key's weight, summed over heads
-            slots = attention_scores.table_slots(bt, bs, nb * bs)
-            attention_scores.add_scores(meta.kv_scores, slots, torch.nan_to_num(probs).sum(dim=1))
-        return torch.matmul(probs.to(q_lat.dtype), latent)  # [B, H, r]
+        return torch_decode(q_lat, q_rope, kv, meta, self.scale)
+
+
+def torch_decode(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv: tuple[torch.Tensor, ...],
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The kernels' oracle: each decode row's latents gathered, [B, heads, r] weighted latents."""
+    bt = meta.decode_block_tables
+    b, nb = bt.shape
+    bs, rank, rope = kv[0].shape[1], kv[0].shape[-1], kv[1].shape[-1]
+    latent = kv[0].index_select(0, bt.reshape(-1)).view(b, nb * bs, rank)
+    k_rope = kv[1].index_select(0, bt.reshape(-1)).view(b, nb * bs, rope)
+    scores = torch.matmul(q_lat, latent.transpose(1, 2)) + torch.matmul(q_rope, k_rope.transpose(1, 2))
+    scores = (scores * scale).masked_fill(~meta.decode_mask(None)[:, 0], -math.inf)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if meta.kv_scores is not None:  # scored eviction: each key's weight, summed over heads
+        slots = attention_scores.table_slots(bt, bs, nb * bs)
+        attention_scores.add_scores(meta.kv_scores, slots, torch.nan_to_num(probs).sum(dim=1))
+    return torch.matmul(probs.to(q_lat.dtype), latent)  # [B, H, r]
 
 
 def load(attn: LatentAttention, get: Callable, prefix: str, put: Callable) -> None:
