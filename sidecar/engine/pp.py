@@ -37,6 +37,11 @@ step through its own layers from C (pp_replay.py), stage 0 from the embedded tok
 stream it received. Every stage checks its replays at start (``check_replays``) and all agree: where one
 stage's check fails, every stage runs eagerly and logs why. Rank 0's runner itself stays eager (its model is
 this stage driver, not a decoder it could replay whole).
+
+Device fast paths (pp_device.py): on CUDA every stage self-checks the device paths over its own layers and
+captures its own decode graphs over persistent buffers; a path is on where every stage passed it, and where one
+stage's capture fails no stage keeps graphs. A stage's plain decode parts then go through its bucket's graph
+(``StageRunner.run_part``), the stream handed on between replays as between eager parts.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import Any, Optional
 import torch
 
 from sidecar.config import EngineConfig
+from sidecar.engine import pp_device
 from sidecar.engine.dist_inputs import load_adapter, lora_batch, pack_inputs, unpack_inputs, worker_lora
 from sidecar.engine.linear_state import LinearStates
 from sidecar.engine.pp_micro import Bounds, micro_batches, micro_meta
@@ -91,6 +97,7 @@ class PipelineParallel(TensorParallel):
         self.plans: Optional[StagePlans] = None  # stage 0's decode replays (``check_replays``)
         self.replay_reason: Optional[str] = "not checked"  # why every stage runs eagerly (None: replays on)
         self.replay_reasons: dict[int, Optional[str]] = {}  # each stage's own self-check answer
+        self.stage_graphs: Optional[Any] = None  # stage 0's StageRunner while device paths are on (pp_device)
         super().__init__(config)
 
     @property
@@ -118,6 +125,7 @@ class PipelineParallel(TensorParallel):
         if states is not None:
             states.mirror = lambda *op: self.state_ops.append(op)
         self.check_replays(runner)
+        pp_device.start(self, runner)  # on CUDA: every stage's device paths and graphs, one decision
 
     def check_replays(self, runner: Any) -> None:
         """Every stage self-checks its CPU decode replays (stage 0 here while the workers check theirs); where
@@ -219,7 +227,8 @@ class PipelineModel:
         self._pp.split_steps += len(bounds) > 1
         ops, self._pp.state_ops = self._pp.state_ops, []  # applied by every stage before this forward
         self._pp.send(("fwd", pack_inputs(ids, positions, meta, lora), bounds, ops))
-        plans = None if whole else self._pp.plans  # a step with adapter rows runs eagerly on every stage
+        plans = self._pp.stage_graphs if self._pp.stage_graphs is not None else self._pp.plans
+        plans = None if whole else plans  # a step with adapter rows runs eagerly on every stage
         return self._pp.run(self._first_stage, ids, positions, kv_caches, meta, bounds, plans)
 
     def _first_stage(self, ids, positions, kv_caches, meta, bounds: Bounds, plans) -> torch.Tensor:
@@ -271,6 +280,8 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, sta
         kv_caches = states.layer_caches(local, kv_caches)
     conn.send(("ready",))
     plans: Optional[StagePlans] = None
+    ranked: Optional[pp_device.StageRunner] = None  # the stage's device paths and graphs (pp_device.py)
+    view = pp_device.worker_view(loaded)
     stream: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     lora = worker_lora(model, config)  # this stage's layers' slots
     shape_of = lambda n: (n, model.args.hidden_size)  # noqa: E731
@@ -282,7 +293,8 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, sta
             ids, pos, meta, token_slots = unpack_inputs(msg[1], device)
             for op, *rows in msg[3]:  # rank 0's state changes since its last forward, in order
                 {"reset": states.reset, "copy": states.copy}[op](*rows)
-            parts_plans = plans if token_slots is None else None  # adapter rows: every stage eager
+            on = ranked if ranked is not None and ranked.on else plans
+            parts_plans = on if token_slots is None else None  # adapter rows: every stage eager
             with lora_batch(lora, token_slots):
                 stream = _run_parts(
                     model, comm, stage, pos, kv_caches, meta, msg[2], shape_of, dtype, parts_plans
@@ -295,6 +307,9 @@ def _serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm, sta
             conn.send(("replay", reason))
         elif msg[0] == "replay_off":  # another stage's self-check failed
             plans.disable(msg[1])
+        elif msg[0] in ("device", "device_set"):  # the pipeline's device check (pp_device.py)
+            make = lambda dims: pp_device.StageRunner(model, stage, kv_caches, view, dims)  # noqa: E731
+            ranked = pp_device.worker_message(msg, ranked, make, conn)
         elif msg[0] == "replays":
             conn.send(("replays", plans.replayed if plans is not None else 0))
         elif msg[0] == "lora":

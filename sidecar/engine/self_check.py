@@ -37,6 +37,8 @@ TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 TRITON_PATHS = ("attention", "rope_kv", "norm", "silu_mul", "gemv", "weight_only", "moe")
 
 SamplerCheck = Callable[[torch.Tensor], Optional[str]]
+# A split model's ranks' common verdict: (path, this rank's reason or None) -> the group's (tp_device.py)
+Agree = Callable[[str, Optional[str]], Optional[str]]
 
 
 def default_paths(runner) -> list[str]:
@@ -80,7 +82,7 @@ def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list
     as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731  (start-up only)
     meta = AttentionMetadata(slot_mapping=as_t(slots), block_size=bs, prefills=segments)
     hidden = runner.model(as_t(ids), as_t(pos), runner.kv_caches, meta)
-    out = [runner.model.compute_logits(hidden.index_select(0, as_t(last))).float()]
+    out = [runner.model.logits_at(hidden, as_t(last)).float()]  # a split model's whole rows too
     graphs = runner.fast_paths.cuda_graphs
     if graphs:  # the probe's own buckets captured (and replayed) under the current kernel settings
         runner.set_decode_padding(True)
@@ -128,10 +130,20 @@ def _attempt(runner, blocks, prompts, steps, ref, tol) -> Optional[str]:
 
 
 @torch.inference_mode()
-def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[SamplerCheck] = None) -> dict:
+def run(
+    runner,
+    paths: Optional[Sequence[str]] = None,
+    sampler_check: Optional[SamplerCheck] = None,
+    agree: Optional[Agree] = None,
+) -> dict:
     """Check ``paths`` (default: ``default_paths``) and leave on only those that agree with the reference.
     ``sampler_check(logits)`` checks the device sampler on reference logits (None = agrees, else the
-    reason). Returns the fallbacks: path -> reason. The runner's graphs are left uncaptured."""
+    reason). Returns the fallbacks: path -> reason. The runner's graphs are left uncaptured.
+
+    ``agree``: every rank of a split model runs this at once over its own slices, and each model path's
+    verdict is the group's: asked before a path's probe (one rank that cannot take it: no rank probes it)
+    and after it, so every rank makes the same probes in the same order and their collectives pair. The
+    device sampler is rank 0's alone (no forward): never agreed."""
     fp = runner.fast_paths
     paths = [p for p in (default_paths(runner) if paths is None else paths) if p in PATH_NAMES]
     if sampler_check is not None and "device_sampler" not in paths:
@@ -173,16 +185,17 @@ def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[S
         ref = _probe(runner, blocks, prompts, steps)
         for name in paths:
             fp.set_all(False)
-            if name in TRITON_PATHS and not triton_available():
-                reason: Optional[str] = "triton is not installed"
-            elif name == "device_sampler":
+            shared = agree if agree is not None and name != "device_sampler" else lambda _, why: why
+            reason = "triton is not installed" if name in TRITON_PATHS and not triton_available() else None
+            reason = shared(name, reason)
+            if reason is None and name == "device_sampler":
                 setattr(fp, name, True)
                 reason = _attempt_sampler(sampler_check, ref[-2])  # the last step of every sequence
-            else:
+            elif reason is None:
                 setattr(fp, name, True)
                 if name == "cuda_graphs" and "moe" in passed:  # the torch experts read counts to the host
                     fp.moe = True
-                reason = _attempt(runner, blocks, prompts, steps, ref, tol)
+                reason = shared(name, _attempt(runner, blocks, prompts, steps, ref, tol))
             if reason is None:
                 passed.append(name)
             else:
@@ -194,6 +207,7 @@ def run(runner, paths: Optional[Sequence[str]] = None, sampler_check: Optional[S
         model_paths = [p for p in passed if p != "device_sampler"]
         if len(model_paths) > 1:
             reason = _attempt(runner, blocks, prompts, steps, ref, tol)
+            reason = agree("together", reason) if agree is not None else reason
             if reason is not None:
                 for name in model_paths:
                     fp.disable(

@@ -16,8 +16,8 @@ ended by the heartbeat watchdog within seconds: the wait ends then, not at the c
 
 On one host's CPUs the group's float32 / bf16 all-reduces go through a shared-memory segment (tp_shm.py), and
 every rank replays its pure-decode steps from C after a joint self-check (tp_replay.py: every rank, or none;
-rank 0 then sends each replayed step's rows instead of a forward's inputs). Device fast paths stay off on
-every rank.
+rank 0 then sends each replayed step's rows instead of a forward's inputs). On CUDA every rank self-checks the
+device fast paths and captures its decode graphs with the others (tp_device.py: one decision for the group).
 
 Faults: a worker that exits, or a collective that fails or times out, breaks the group for good (``broken``
 names the rank and its exit code): the step's requests and every later one fail with ``TPWorkerLost``,
@@ -39,7 +39,7 @@ import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine.request import SamplingParams
-from sidecar.engine import cpu_bind, rendezvous, tp_replay, tp_shm, dist_inputs as di
+from sidecar.engine import cpu_bind, rendezvous, tp_device, tp_replay, tp_shm, dist_inputs as di
 from sidecar.engine.tp_worker import serve
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.loader import LoadedModel, load_model, resolve_device
@@ -131,6 +131,7 @@ class TensorParallel:
         self.world = getattr(config, self.option)
         self.config = config
         self.replay_checks: dict[int, Optional[str]] = {}  # each rank's CPU replay self-check (tp_replay.py)
+        self.device_checks: dict = {}  # rank -> path -> why its device check failed there (tp_device.py)
         self.backend = "nccl" if resolve_device(config.device).type == "cuda" else "gloo"
         self.broken: Optional[str] = None
         self.lora: Optional[Any] = None  # rank 0's adapter slots (attach_lora)
@@ -218,6 +219,7 @@ class TensorParallel:
             raise
         runner.model = self.drive(runner.model)
         tp_replay.start(self, runner)  # CPU decode replays on every rank, or on none
+        tp_device.start(self, runner)  # on CUDA: device paths and graphs on every rank, or on none
 
     def attach_lora(self, layers: Any) -> None:
         """Write each adapter rank 0 loads into ``layers``' slots into the workers' same slots, in order."""

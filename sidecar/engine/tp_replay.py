@@ -117,11 +117,12 @@ class RankZeroPlans:
 def pack_rows(inputs: DecodeInputs, bucket: int) -> tuple:
     """What a worker needs of the buffers' first ``bucket`` rows: the six per-row vectors and the block tables'
     columns any row's context reaches (a replay's tables are ``max_blocks`` wide; the attention kernel reads only
-    a row's own context, so later columns need not match)."""
+    a row's own context, so later columns need not match). Device buffers are read back (after the step's fill
+    and any id gather queued before)."""
     m = inputs.max_batch
-    rows = inputs.buffer[: 6 * m].view(6, m)[:, :bucket].numpy().copy()
+    rows = inputs.buffer[: 6 * m].view(6, m)[:, :bucket].cpu().numpy().copy()
     used = int((inputs.ctx_lens[:bucket].max() + inputs.block_size - 1) // inputs.block_size) if bucket else 0
-    tables = inputs.tables(bucket, inputs.width)[:, :used].numpy().copy()
+    tables = inputs.tables(bucket, inputs.width)[:, :used].cpu().numpy().copy()
     return bucket, inputs.width, rows, tables
 
 

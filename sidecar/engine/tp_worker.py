@@ -1,5 +1,6 @@
 """A tensor-parallel worker rank's side once it holds its slices (tp.py starts it): its KV pool, then the
-forwards, replayed decode steps and other messages rank 0 sends through its pipe."""
+forwards, replayed decode steps (from C on a CPU, tp_replay.py; from its decode graphs, tp_device.py) and
+other messages rank 0 sends through its pipe."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from sidecar.config import EngineConfig
 from sidecar.engine import dist_inputs as di
-from sidecar.engine import tp_replay
+from sidecar.engine import tp_device, tp_replay
 from sidecar.model import kv_quant, mla
 from sidecar.model.loader import LoadedModel
 from sidecar.model.tp_shard import Comm
@@ -35,13 +36,13 @@ def worker_pool(
 @torch.inference_mode()
 def serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm) -> None:
     """A worker rank's loop once its slices are loaded: its KV pool, then each message rank 0 sends, run on its
-    slices (a forward, a replayed decode step, the replay self-check, an adapter, a logits selection) until
-    rank 0 closes the pipe."""
+    slices (a forward, a replayed decode step, the replay self-check, the device check, an adapter, a logits
+    selection) until rank 0 closes the pipe."""
     model, device = loaded.model, loaded.device
     kv_caches = worker_pool(loaded, config, conn, model.args.kv_shapes())
     if kv_caches is None:
         return
-    hidden, lora, plans = None, di.worker_lora(model, config), None
+    hidden, lora, plans, ranked = None, di.worker_lora(model, config), None, None
     while True:
         msg = conn.recv()
         if msg is None:
@@ -55,6 +56,12 @@ def serve(loaded: LoadedModel, config: EngineConfig, conn: Any, comm: Comm) -> N
         elif msg[0] == "replay":  # the group's replay self-check, with rank 0's buffers' dimensions
             plans = tp_replay.WorkerPlans(model, kv_caches, device, msg[1])
             conn.send(("checked", plans.check(comm)))
+        elif msg[0] == "gstep":  # a decode step through the graphs (tp_device.py)
+            hidden = tp_device.worker_step(ranked, msg[1])
+        elif msg[0] == "device":  # the group's device check, with rank 0's buffers' dimensions
+            ranked = tp_device.worker_check(loaded, kv_caches, comm, conn, msg[1])
+        elif msg[0] == "device_off":
+            tp_device.worker_off(ranked)
         elif msg[0] == "lora":
             di.load_adapter(lora, msg)
         elif msg[0] == "logits":
