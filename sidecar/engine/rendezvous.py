@@ -228,3 +228,21 @@ def run_worker(conn: Any, body: Any, *args: Any) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def shutdown(procs: dict[int, Any], conns: dict[int, Any], watchdogs: list) -> None:
+    """Rank 0 ending its local workers: the watchdogs first, then each pipe closed and each process joined
+    (killed after two seconds)."""
+    for watchdog in watchdogs:  # before the store (this process hosts it) can go
+        watchdog.stop()
+    for conn in conns.values():
+        try:
+            conn.send(None)
+            conn.close()
+        except (OSError, EOFError):
+            pass
+    for proc in procs.values():
+        proc.join(2.0)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join(2.0)

@@ -150,7 +150,7 @@ class TensorParallel:
         self.conns: dict[int, Any] = {}
         self.watchdog: Optional[rendezvous.Watchdog] = None
         self._watchdogs: list = []  # the finalizer stops it too: a group dropped without close()
-        self._finalizer = weakref.finalize(self, _shutdown, self.procs, self.conns, self._watchdogs)
+        self._finalizer = weakref.finalize(self, rendezvous.shutdown, self.procs, self.conns, self._watchdogs)
         local = rendezvous.node_ranks(self.world, config.nnodes, 0)
         cpu_bind.share_with_children()
         for rank in range(1, self.world):  # the other nodes' ranks are spawned by their own agents
@@ -332,22 +332,6 @@ def _last_error(conn: Any) -> Optional[str]:
     except (OSError, EOFError):
         pass
     return None
-
-
-def _shutdown(procs: dict[int, Any], conns: dict[int, Any], watchdogs: list) -> None:
-    for watchdog in watchdogs:  # before the store (this process hosts it) can go
-        watchdog.stop()
-    for conn in conns.values():
-        try:
-            conn.send(None)
-            conn.close()
-        except (OSError, EOFError):
-            pass
-    for proc in procs.values():
-        proc.join(2.0)
-        if proc.exitcode is None:
-            proc.kill()
-            proc.join(2.0)
 
 
 class RankZeroModel:
