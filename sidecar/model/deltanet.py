@@ -19,8 +19,10 @@ back. The engine zeroes a slot when it hands it out, so a sequence's first chunk
 Numerics follow Hugging Face's torch fallbacks: prompt chunks use the chunked form of the rule (blocks of
 ``CHUNK`` tokens, the within-block part solved as a triangular system), decode rows the one-token recurrence,
 as HF's prefill and decode do (deltanet_rule.py); so float32 greedy output equals HF's ``generate``. Prompt
-chunks' rule takes a kernel where one passed its self-check: the C recurrence on CPU (deltanet_rule.py
-``kernel_rule``), the Triton chunked form on CUDA (``triton_rule``, kernels/triton/deltanet_chunk.py). Decode
+ chunks take the C chunk on CPU where it passed its self-check (deltanet_prefill.py ``kernel_chunk``: the
+convolution, the C rule and the gated norm over the in_proj rows in place), else the torch form, whose rule
+is the Triton chunked form on CUDA (``triton_rule``, kernels/triton/deltanet_chunk.py) or the C one on CPU
+where each passed its own check (deltanet_rule.py ``kernel_rule``). Decode
 rows take a kernel where one passed its self-check: the C one on CPU (kernels/cpu/deltanet_step.c), the Triton
 one on CUDA (kernels/triton/deltanet.py); else the torch reference.
 """
@@ -37,7 +39,8 @@ from torch import nn
 
 from sidecar.model.args import ModelArgs
 from sidecar.model.attention import AttentionMetadata
-from sidecar.model.deltanet_rule import chunked_rule, kernel_rule, recurrent_step, triton_rule
+from sidecar.model.deltanet_prefill import causal_conv, gated_norm, kernel_chunk, torch_chunk
+from sidecar.model.deltanet_rule import kernel_rule, recurrent_step, triton_rule
 from sidecar.model.kernels.cpu import deltanet_step
 from sidecar.model.kernels.gpu_paths import triton_available, triton_interpreted
 from sidecar.model.linear import Linear
@@ -72,19 +75,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.nv * self.dv, args.hidden_size, bias=False)
 
     def _conv(self, x: torch.Tensor, window: Optional[torch.Tensor]) -> torch.Tensor:
-        """silu of the causal convolution of ``x`` [B, conv_dim, L] after ``window`` [B, conv_dim, kernel-1]
-        (the inputs before it; None: a sequence's start, zeros before it), as [B, L, conv_dim]. A start is
-        convolved with zero padding, as HF's prefill does (the same sums, in the same order). The sums run in
-        float32 and round to the dtype once, as torch's bf16 convolution rounds them (whose CPU path is many
-        times slower than the float32 one)."""
-        w = self.conv_weight.unsqueeze(1).float()
-        if window is None:
-            pad, length = self.kernel - 1, x.shape[-1]
-            out = F.conv1d(x.float(), w, None, padding=pad, groups=self.conv_dim)[:, :, :length]
-        else:
-            xs = torch.cat((window, x), dim=-1).float()
-            out = F.conv1d(xs, w, None, padding=0, groups=self.conv_dim)
-        return F.silu(out.to(self.conv_weight.dtype)).to(x.dtype).transpose(1, 2)
+        """deltanet_prefill.causal_conv by this layer's taps."""
+        return causal_conv(x, self.conv_weight, window)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         b, length = mixed.shape[:2]
@@ -113,37 +105,38 @@ class GatedDeltaNet(nn.Module):
         mixed, z = torch.split(proj[:ref], self.splits, dim=1)
         beta = b[:ref].sigmoid()
         g = self.A * F.softplus(a[:ref].float() + self.dt_bias)
-        out = self._prefill_rows(mixed, g, beta, state, meta)
+        out = torch.empty(ref, self.nv, self.dv, dtype=x.dtype, device=x.device)
+        todo = []  # the rows whose rule output ``out`` holds, not yet gated
+        for seg in meta.prefills:
+            rows, slot = slice(seg.q_start, seg.q_start + seg.q_len), seg.state_slot
+            args = (g[rows], beta[rows], state[0][slot], state[1][slot], bool(seg.state_start))
+            done = (
+                None if self._triton_prompts(proj) else kernel_chunk(self, proj[rows], *args)
+            )  # C: all three
+            if done is None:
+                out[rows] = torch_chunk(self, proj[rows], *args, rule=self._prompt_kernel)
+                todo.append(rows)
+            else:
+                gated[rows] = done
         if fused is None and n:
             rows = slice(t - n, t)
             out[rows] = self._decode_rows(mixed[rows], g[rows], beta[rows], *state, slots)
-        gated[:ref] = self._gated_norm(out, z.reshape(ref, self.nv, self.dv)).reshape(ref, -1)
+            todo.append(rows)
+        for rows in todo:
+            gated[rows] = self._gated_norm(out[rows], z[rows].reshape(-1, self.nv, self.dv)).flatten(1)
         return self.out_proj(gated)
 
-    def _prefill_rows(self, mixed, g, beta, state, meta: AttentionMetadata) -> torch.Tensor:
-        """The rule's output [T, v_heads, v_dim] over each prompt chunk's rows (other rows left unset)."""
-        conv_state, rec_state = state
-        out = torch.empty(mixed.shape[0], self.nv, self.dv, dtype=mixed.dtype, device=mixed.device)
-        w = self.kernel - 1
-        for seg in meta.prefills:
-            rows, slot = slice(seg.q_start, seg.q_start + seg.q_len), seg.state_slot
-            seq = mixed[rows].t()[None]  # [1, conv_dim, L]
-            window = conv_state[slot : slot + 1]
-            qkv = self._conv(seq, None if seg.state_start else window)
-            conv_state[slot] = torch.cat((window[0], seq[0, :, -w:]), dim=-1)[:, -w:]  # the last w inputs
-            q, k, v = self._split(qkv)
-            o = self._prompt_kernel(q[0], k[0], v[0], g[rows], beta[rows], rec_state[slot])  # state in place
-            if o is None:
-                o, s = chunked_rule(q, k, v, g[rows][None], beta[rows][None], rec_state[slot : slot + 1])
-                rec_state[slot], o = s[0], o[0]
-            out[rows] = o
-        return out
+    @staticmethod
+    def _triton_prompts(x: torch.Tensor) -> bool:
+        """Whether prompt chunks take the Triton rule: on CUDA, and on CPU under the interpreter when
+        ``use_triton_on_cpu`` takes prompts (the C chunk is then skipped)."""
+        return x.is_cuda or (x.device.type == "cpu" and _triton_on_cpu["prompt"] and triton_interpreted())
 
     def _prompt_kernel(self, q, k, v, g, beta, state) -> Optional[torch.Tensor]:
         """A prompt chunk's rule output [L, v_heads, v_dim] from a kernel (``state``, the slot's, advanced in
         place): the Triton one on CUDA (or on CPU under the interpreter when ``use_triton_on_cpu`` takes
         prompts), the C one on CPU; None (nothing touched) where it is off or does not take them."""
-        if q.is_cuda or (q.device.type == "cpu" and _triton_on_cpu["prompt"] and triton_interpreted()):
+        if self._triton_prompts(q):
             return triton_rule(q, k, v, g, beta, state)
         return kernel_rule(q, k, v, g, beta, state)
 
@@ -171,11 +164,8 @@ class GatedDeltaNet(nn.Module):
         return kernel_step(self, proj, b, a, state, slots)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of each head's output (float32, back to the dtype, times the weight) times silu(z)."""
-        h = o.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.norm_weight * h.to(o.dtype)
-        return (h * F.silu(z.float())).to(o.dtype)
+        """deltanet_prefill.gated_norm by this layer's weight."""
+        return gated_norm(o, z, self.norm_weight, self.eps)
 
 
 def load_hybrid_mixer(layer: nn.Module, ckpt, prefix: str, put) -> None:

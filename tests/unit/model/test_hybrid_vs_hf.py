@@ -51,15 +51,15 @@ def test_greedy_matches_hf_in_one_batch(qwen35_dir, hf_ref, monkeypatch):
         return out
 
     monkeypatch.setattr(deltanet, "kernel_step", counted)
-    # and the prompt chunks' rule on the C prompt kernel (deltanet_rule.kernel_rule)
-    chunks, kernel_rule = [], deltanet.kernel_rule
+    # and the prompt chunks on the C chunk (deltanet_prefill.kernel_chunk: convolution, rule, gated norm)
+    chunks, kernel_chunk = [], deltanet.kernel_chunk
 
     def counted_chunks(*args):
-        out = kernel_rule(*args)
+        out = kernel_chunk(*args)
         chunks.append(out is not None)
         return out
 
-    monkeypatch.setattr(deltanet, "kernel_rule", counted_chunks)
+    monkeypatch.setattr(deltanet, "kernel_chunk", counted_chunks)
     llm = LLM(model=str(qwen35_dir), dtype="float32")
     eng = llm.engine
     assert eng.loaded.args.linear_layers == (0, 1, 2)
@@ -183,7 +183,7 @@ def test_speculation_steps_aside_with_its_reason(qwen35_dir, demo_dir, hf_ref):
 def test_the_recurrence_matches_hf_and_carries_across_chunks():
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-    from sidecar.model.deltanet import chunked_rule, recurrent_step
+    from sidecar.model.deltanet_rule import chunked_rule, recurrent_step
 
     torch.manual_seed(0)
     b, n, nk, nv, dk, dv = 1, 70, 2, 4, 8, 6

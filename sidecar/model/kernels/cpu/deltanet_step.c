@@ -199,10 +199,11 @@ int sidecar_deltanet_decode(const sidecar_deltanet_args* a) {
  *   for t in order:  S = S * exp(g[t]);  S = S + k[t] (beta[t] (v[t] - S^T k[t]))^T;  o[t] = S^T q[t]
  *
  * per value head (reading key head h / (v_heads / k_heads)). Layouts: q, k [L, k_heads, k_dim] (already
- * L2-normed, q scaled); v [L, v_heads, v_dim]; g (log decay), beta [L, v_heads]; state [v_heads, k_dim,
- * v_dim] in place; out [L, v_heads, v_dim]. Each column of S evolves on its own (S^T k, the update and S^T q
- * read only that column), so a thread keeps RULE_COLS columns of one head in a local block that stays in L1
- * across all L tokens. Per column the products and sums round as the decode step's (recall, update). */
+ * L2-normed, q scaled), token rows ldq, ldk floats apart; v [L, v_heads, v_dim], rows ldv apart; g (log
+ * decay), beta [L, v_heads]; state [v_heads, k_dim, v_dim] in place; out [L, v_heads, v_dim]. Each column of
+ * S evolves on its own (S^T k, the update and S^T q read only that column), so a thread keeps RULE_COLS
+ * columns of one head in a local block that stays in L1 across all L tokens. Per column the products and sums
+ * round as the decode step's (recall, update). */
 #define RULE_COLS 32
 
 typedef struct {
@@ -218,6 +219,9 @@ typedef struct {
     int nv;
     int dk;
     int dv;
+    int ldq; /* floats from one token's q (k, v) to the next's: rows of a wider tensor */
+    int ldk;
+    int ldv;
     int nthreads;
 } sidecar_deltanet_rule_args;
 
@@ -235,9 +239,9 @@ static inline void rule_cols(const sidecar_deltanet_rule_args* a, int h, int j0,
     for (int t = 0; t < a->L; t++) {
         const size_t th = (size_t)t * nv + h;
         const float e = expf(a->g[th]), beta = a->beta[th];
-        const float* k = a->k + ((size_t)t * nk + kh) * dk;
-        const float* q = a->q + ((size_t)t * nk + kh) * dk;
-        const float* v = a->v + th * dv + j0;
+        const float* k = a->k + (size_t)t * a->ldk + (size_t)kh * dk;
+        const float* q = a->q + (size_t)t * a->ldq + (size_t)kh * dk;
+        const float* v = a->v + (size_t)t * a->ldv + (size_t)h * dv + j0;
         for (int c = 0; c < w; c++) rem[c] = 0.0f;
         for (int i = 0; i < dk; i++) {
             float* row = Sb + i * RULE_COLS;
@@ -273,6 +277,7 @@ static inline void rule_cols(const sidecar_deltanet_rule_args* a, int h, int j0,
 int sidecar_deltanet_rule(const sidecar_deltanet_rule_args* a) {
     const int dk = a->dk, dv = a->dv, nv = a->nv;
     if (dk > MAX_DIM || dv > MAX_DIM || dk < 1 || dv < 1 || a->nk <= 0 || nv % a->nk || a->L < 0) return 1;
+    if (a->ldq < a->nk * dk || a->ldk < a->nk * dk || a->ldv < nv * dv) return 1;
     const int blocks = (dv + RULE_COLS - 1) / RULE_COLS;
     int failed = 0;
 #pragma omp parallel num_threads(a->nthreads)

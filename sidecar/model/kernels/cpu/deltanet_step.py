@@ -73,8 +73,23 @@ class RuleArgs(cpu_build.Args):
         ("nv", ctypes.c_int),
         ("dk", ctypes.c_int),
         ("dv", ctypes.c_int),
+        ("ldq", ctypes.c_int),
+        ("ldk", ctypes.c_int),
+        ("ldv", ctypes.c_int),
         ("nthreads", ctypes.c_int),
     ]
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """``t`` [L, heads, d] is float32 on CPU with each token's heads packed (tokens may be rows of a wider
+    tensor, as the q, k, v views of one convolved row are)."""
+    return (
+        t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and t.stride(2) == 1
+        and t.stride(1) == t.shape[2]
+        and t.stride(0) >= t.shape[1] * t.shape[2]
+    )
 
 
 _KERNEL = cpu_build.Kernel(
@@ -178,7 +193,8 @@ def rule(
 ) -> Optional[torch.Tensor]:
     """The rule's output [L, v_heads, v_dim] float32 over one sequence's L tokens (layouts: deltanet_step.c's
     ``sidecar_deltanet_rule``): ``q``, ``k`` [L, k_heads, k_dim] L2-normed (q scaled), ``v`` [L, v_heads,
-    v_dim], ``g`` (log decay), ``beta`` [L, v_heads], all float32 contiguous on CPU; ``state`` [v_heads,
+    v_dim], float32 on CPU, each token's heads packed (the tokens may be rows of a wider tensor); ``g`` (log
+    decay), ``beta`` [L, v_heads] float32 contiguous on CPU; ``state`` [v_heads,
     k_dim, v_dim] float32, advanced in place. None, with nothing touched, where the kernel does not take
     them."""
     lib = _KERNEL.lib()
@@ -187,7 +203,8 @@ def rule(
     (length, nk, dk), nv, dv = q.shape, v.shape[1], v.shape[2]
     every = (q, k, v, g, beta, state)
     if (
-        any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in every)
+        any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in every[3:])
+        or not all(_rows(t) for t in every[:3])
         or k.shape != q.shape
         or v.shape[0] != length
         or g.shape != (length, nv)
@@ -201,7 +218,17 @@ def rule(
     ptrs = {name: t.data_ptr() for name, t in zip(("q", "k", "v", "g", "beta", "state"), every)}
     rc = lib.sidecar_deltanet_rule(
         RuleArgs(
-            **ptrs, out=out.data_ptr(), L=length, nk=nk, nv=nv, dk=dk, dv=dv, nthreads=torch.get_num_threads()
+            **ptrs,
+            out=out.data_ptr(),
+            L=length,
+            nk=nk,
+            nv=nv,
+            dk=dk,
+            dv=dv,
+            ldq=q.stride(0),
+            ldk=k.stride(0),
+            ldv=v.stride(0),
+            nthreads=torch.get_num_threads(),
         )
     )
     return out if rc == 0 else None
