@@ -25,8 +25,9 @@ gate's logits (the block's ``gate`` layer: our bf16 kernel in a bf16 model), the
 renormalisation into the ids and weights ``routed`` reads, so the block makes kernel calls alone and a CPU
 decode replay can record it. It runs only blocks whose router ``self_check`` found equal to torch's, bit for bit
 (ids and weights, on probe rows, on ties and through the whole block): elsewhere torch's router runs, the
-reason logged. Routers of another form keep torch's by name: Llama 4's sigmoid, gpt-oss's softmax after
-top-k (whose experts the grouped path refuses anyway), and subclasses that route their own way.
+reason logged. The routers that pick first (gpt-oss's softmax after top-k, Llama 4's sigmoid) route in the
+kernel too (``moe_route.route_picked``), though their experts stay with the loop (biased, clamped or scaled
+inputs: the grouped kernels refuse them); subclasses that route their own way keep torch's, named.
 """
 
 from __future__ import annotations
@@ -128,10 +129,6 @@ def router_refusal(moe: nn.Module) -> Optional[str]:
     """Why the router kernel cannot route this block (None when it can, once checked)."""
     # the block class that first defines the router (moe.SparseMoE, not imported here: moe.py imports this module)
     base = next(c for c in reversed(type(moe).__mro__) if "route_logits" in vars(c))
-    if moe.sigmoid_input:
-        return "Llama 4's sigmoid router"
-    if moe.softmax_after_topk:
-        return "gpt-oss's router (softmax after top-k)"
     if type(moe).route is not base.route or type(moe).route_logits is not base.route_logits:
         return f"{type(moe).__name__} routes its own way"
     if moe.top_k > moe_route.MAX_K:
@@ -172,8 +169,7 @@ def _router_differs(moe: nn.Module, dtype: torch.dtype) -> Optional[str]:
         probes = [moe.gate(torch.randn(rows, hidden, generator=gen).to(dtype)) for rows in (1, 3)]
         probes.append(torch.randint(0, 3, (4, e), generator=gen).to(probes[0].dtype))
         for logits in probes:
-            wdtype = torch.float32 if moe.weights_float32 else dtype
-            got = moe_route.route(logits.contiguous(), moe.top_k, moe.norm_topk_prob, wdtype)
+            got = _kernel_routes(moe, logits, dtype)
             want = _torch_routes(moe, logits, dtype)
             if got is None:
                 return "the router kernel refused the block's logits"
@@ -198,6 +194,16 @@ def kernel_route(
         return None
     if logits.dim() != 2 or logits.shape[0] > MAX_ROWS or dtype not in _FLOATS:
         return None
+    return _kernel_routes(moe, logits, dtype)
+
+
+def _kernel_routes(
+    moe: nn.Module, logits: torch.Tensor, dtype: torch.dtype
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The router kernel's (weights, ids ascending) of the logits in the block's form of router."""
+    if moe.sigmoid_input or moe.softmax_after_topk:  # as route_logits: the sigmoid first
+        form = moe_route.PICKED_SIGMOID if moe.sigmoid_input else moe_route.PICKED_SOFTMAX
+        return moe_route.route_picked(logits.contiguous(), moe.top_k, form, dtype)
     wdtype = torch.float32 if moe.weights_float32 else dtype
     return moe_route.route(logits.contiguous(), moe.top_k, moe.norm_topk_prob, wdtype)
 
