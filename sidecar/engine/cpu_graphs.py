@@ -24,8 +24,8 @@ sequences the buffers name. The self-check's padded rows step slots ``0..bucket-
 states before each run it compares (the states after the step compared too) and left at rest after it.
 
 A mixture-of-experts block is recorded where its decode step runs in kernels alone (the gate, the router kernel,
-the grouped int8 / int4 experts: ``model/moe_cpu.py``); elsewhere it runs a torch operator, which the self-check
-names. A tensor-parallel rank's all-reduces are kernel calls too (``shm_allreduce.c``; ``tp_replay.py``).
+the grouped int8 / int4 / bf16 experts: ``model/moe_cpu.py``); elsewhere it runs a torch operator, which the
+self-check names. A tensor-parallel rank's all-reduces are kernel calls too (``shm_allreduce.c``; ``tp_replay.py``).
 
 A scored step (``DecodeInputs.scores`` set: h2o eviction) adds the attention each key receives to the slot
 scores from the attention kernel; the vector is allocated once, so its address is an operand like the KV

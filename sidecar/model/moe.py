@@ -13,7 +13,8 @@ so its weights are read once per step; experts no row picked are not touched. A 
 its k experts. The experts are plain per-expert ``Linear`` layers, so the CPU layouts, the int8 / int4
 quantized layers and their kernels take them as they take the dense MLP's; an MXFP4 checkpoint's experts on the
 CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4 kernel). Decode-sized CPU
-steps over int8 / int4 experts run in one kernel call instead (``moe_cpu.py``), with the same result, and
+steps over int8 / int4 experts, or bf16 ones in our bf16 kernel's layouts, run in one kernel call instead
+(``moe_cpu.py``), with the same result, and
 where the block's softmax router passed its load-time check, the router too (``kernels/cpu/moe_route.c``):
 the gate, the router and the experts are then kernel calls alone, which a CPU decode replay records.
 
@@ -135,9 +136,13 @@ class SparseMoE(nn.Module):
                         lin.bias = nn.Parameter(bias[e], requires_grad=False)
         return True
 
+    def _triton_takes(self, x: torch.Tensor) -> bool:
+        """Whether the Triton grouped GEMM runs this step (stacked experts, the ``moe`` path on for ``x``)."""
+        return self.stacked is not None and self.fast_paths is not None and self.fast_paths.takes("moe", x)
+
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> Optional[torch.Tensor]:
         """The routed sum by the Triton grouped GEMM, or None where it does not run."""
-        if self.stacked is None or self.fast_paths is None or not self.fast_paths.takes("moe", x):
+        if not self._triton_takes(x):
             return None
         from sidecar.model.kernels.triton import moe as triton_moe
 
@@ -173,7 +178,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, k = x.shape[0], self.top_k
         # decode-sized CPU steps in kernel calls alone: the router's, then the grouped experts' (moe_cpu.py)
-        if self.cpu_grouped and self.stacked is None:
+        if self.cpu_grouped and not self._triton_takes(x):
             fast = moe_cpu.decode_step(self, x)
             if fast is not None:
                 return self._plus_shared(x, fast)
@@ -183,7 +188,9 @@ class SparseMoE(nn.Module):
         ids, perm = ids.sort(dim=-1)
         weights = weights.gather(-1, perm)
         fast = self._grouped(x, weights, ids)
-        if fast is None and self.cpu_grouped:  # decode-sized CPU steps over int8 / int4 experts (moe_cpu.py)
+        if (
+            fast is None and self.cpu_grouped
+        ):  # decode-sized CPU steps over int8 / int4 / bf16 experts (moe_cpu.py)
             fast = moe_cpu.routed(self, x, weights, ids)
         if fast is not None:
             return self._plus_shared(x, fast)

@@ -1,19 +1,22 @@
 """The routed sum of a sparse block (moe.py) for a decode-sized step on the CPU in one kernel call.
 
 ``routed(moe, x, weights, ids)`` runs every (row, expert) slot of the step through ``sidecar_int8_moe``
-(``kernels/cpu/int8_gemv.c``) or ``sidecar_int4_moe`` (``kernels/cpu/int4_gemv.c``; ``moe_args.h`` for both):
-gate/up, silu * up, down and the weighted sum in one parallel region over slots x output rows, reading the
-experts' codes where their ``Int8Linear`` / ``Int4Linear`` layers hold them. No routing result is read back to
-Python: the kernel takes the ids and weights tensors as they are. Each slot is the one-row product the
-expert's layer computes and the sum keeps moe.py's order, so the result equals the per-expert loop's bit
-for bit.
+(``kernels/cpu/int8_gemv.c``), ``sidecar_int4_moe`` (``kernels/cpu/int4_gemv.c``) or ``sidecar_bf16_moe``
+(``kernels/cpu/bf16_gemv.c``; ``moe_args.h`` for all three): gate/up, silu * up, down and the weighted sum
+in one parallel region, reading the experts' weights where their layers hold them (``Int8Linear`` /
+``Int4Linear`` codes; a bf16 ``Linear``'s tiled or plain rows, each picked expert's read once for all of its
+slots). No routing result is read back to Python: the kernel takes the ids and weights tensors as they are.
+Each slot is the one-row product the expert's layer computes and the sum keeps moe.py's order, so the result
+equals the per-expert loop's bit for bit.
 
 The fast path refuses (returns None, and the per-expert loop runs) where it does not do a case: experts that
 are not int8 / int4 layers in the CPU kernels' layouts (per-row int8 scales, unpadded inputs and outputs, no
-biases, no codes kept for Triton), an activation other than silu, routers of another form (Llama 4's scaled
-inputs, gpt-oss's softmax after top-k), more rows than ``MAX_ROWS``, activations other than float32 / bf16,
-or a kernel that did not build. The experts' address tables are built at first use (``CpuExperts.of``) and
-hold the tensors they point into: the experts are fixed once loaded. ``self_check`` (at load) compares each
+biases, no codes kept for Triton) or bf16 layers the bf16 kernel reads (tiled or plain rows: not AMX's tile
+layout nor oneDNN's packed one; widths of whole 32-value chunks), an activation other than silu, routers of
+another form (Llama 4's scaled inputs, gpt-oss's softmax after top-k), more rows than ``MAX_ROWS`` (bf16: than
+the layers' own kernel takes, ``Linear.kernel_rows``), activations other than float32 / bf16 (bf16 experts:
+bf16), or a kernel that did not build. The experts' address tables are built at first use (``CpuExperts.of``)
+and hold the tensors they point into: the experts are fixed once loaded. ``self_check`` (at load) compares each
 block's fast path with its loop and leaves the loop on where they differ.
 
 ``kernel_route`` routes decode-sized CPU steps of every block whose router passed that check, whatever its
@@ -22,8 +25,9 @@ gate's logits (the block's ``gate`` layer: our bf16 kernel in a bf16 model), the
 renormalisation into the ids and weights ``routed`` reads, so the block makes kernel calls alone and a CPU
 decode replay can record it. It runs only blocks whose router ``self_check`` found equal to torch's, bit for bit
 (ids and weights, on probe rows, on ties and through the whole block): elsewhere torch's router runs, the
-reason logged. Routers of another form keep torch's by name: Llama 4's sigmoid, gpt-oss's softmax after
-top-k (whose experts the grouped path refuses anyway), and subclasses that route their own way.
+reason logged. The routers that pick first (gpt-oss's softmax after top-k, Llama 4's sigmoid) route in the
+kernel too (``moe_route.route_picked``), though their experts stay with the loop (biased, clamped or scaled
+inputs: the grouped kernels refuse them); subclasses that route their own way keep torch's, named.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from sidecar.model.kernels.cpu import int4_gemv, int8_gemv, moe_route
+from sidecar.model.kernels.cpu import bf16_gemv, int4_gemv, int8_gemv, moe_route
 from sidecar.model.kernels.cpu.moe_args import MoeArgs
+from sidecar.model.linear import Linear
 
 log = logging.getLogger("sidecar.model")
 
@@ -50,11 +55,12 @@ class CpuExperts:
     """The addresses of a sparse block's expert weights and scales (int64 tensors [E]), and the tensors they
     point into (held, so the addresses stay valid)."""
 
-    __slots__ = ("fn", "extra", "tables", "held", "hidden", "inter")
+    __slots__ = ("fn", "extra", "tables", "held", "hidden", "inter", "rows", "dtypes")
 
     def __init__(self, fn, extra: dict, tables: list, held: list[torch.Tensor], hidden: int, inter: int):
         self.fn, self.extra, self.tables, self.held = fn, extra, tables, held
         self.hidden, self.inter = hidden, inter
+        self.rows, self.dtypes = MAX_ROWS, _FLOATS  # the steps it runs: rows, activation dtypes
 
     @staticmethod
     def of(moe: nn.Module) -> Optional["CpuExperts"]:
@@ -123,10 +129,6 @@ def router_refusal(moe: nn.Module) -> Optional[str]:
     """Why the router kernel cannot route this block (None when it can, once checked)."""
     # the block class that first defines the router (moe.SparseMoE, not imported here: moe.py imports this module)
     base = next(c for c in reversed(type(moe).__mro__) if "route_logits" in vars(c))
-    if moe.sigmoid_input:
-        return "Llama 4's sigmoid router"
-    if moe.softmax_after_topk:
-        return "gpt-oss's router (softmax after top-k)"
     if type(moe).route is not base.route or type(moe).route_logits is not base.route_logits:
         return f"{type(moe).__name__} routes its own way"
     if moe.top_k > moe_route.MAX_K:
@@ -167,8 +169,7 @@ def _router_differs(moe: nn.Module, dtype: torch.dtype) -> Optional[str]:
         probes = [moe.gate(torch.randn(rows, hidden, generator=gen).to(dtype)) for rows in (1, 3)]
         probes.append(torch.randint(0, 3, (4, e), generator=gen).to(probes[0].dtype))
         for logits in probes:
-            wdtype = torch.float32 if moe.weights_float32 else dtype
-            got = moe_route.route(logits.contiguous(), moe.top_k, moe.norm_topk_prob, wdtype)
+            got = _kernel_routes(moe, logits, dtype)
             want = _torch_routes(moe, logits, dtype)
             if got is None:
                 return "the router kernel refused the block's logits"
@@ -193,6 +194,16 @@ def kernel_route(
         return None
     if logits.dim() != 2 or logits.shape[0] > MAX_ROWS or dtype not in _FLOATS:
         return None
+    return _kernel_routes(moe, logits, dtype)
+
+
+def _kernel_routes(
+    moe: nn.Module, logits: torch.Tensor, dtype: torch.dtype
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """The router kernel's (weights, ids ascending) of the logits in the block's form of router."""
+    if moe.sigmoid_input or moe.softmax_after_topk:  # as route_logits: the sigmoid first
+        form = moe_route.PICKED_SIGMOID if moe.sigmoid_input else moe_route.PICKED_SOFTMAX
+        return moe_route.route_picked(logits.contiguous(), moe.top_k, form, dtype)
     wdtype = torch.float32 if moe.weights_float32 else dtype
     return moe_route.route(logits.contiguous(), moe.top_k, moe.norm_topk_prob, wdtype)
 
@@ -205,7 +216,8 @@ def decode_step(moe: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype not in _FLOATS:
         return None
-    if CpuExperts.of(moe) is None:
+    ex = CpuExperts.of(moe)
+    if ex is None or x.shape[0] > ex.rows or x.dtype not in ex.dtypes:
         return None
     got = kernel_route(moe, moe.gate(x), x.dtype)
     if got is None:
@@ -228,6 +240,57 @@ def _operands(lin: nn.Module, cls: type, n: int, k: int) -> Optional[tuple[torch
     return (w, s) if ok else None
 
 
+def _bf16_weight(lin: nn.Module, n: int, k: int):
+    """(weight, tiled) of a bf16 expert's projection [n, k] as its layer's kernel reads it (``Linear.forward``:
+    the tiled layout, or plain rows), or the reason the grouped kernel cannot read it."""
+    if type(lin) is not Linear or lin.bias is not None or (lin.out_features, lin.in_features) != (n, k):
+        return "experts with biases or of another width"
+    if lin.amx is not None:
+        return "bf16 experts in the AMX tile layout (the grouped kernel reads plain or tiled rows)"
+    if lin.tiled is not None:
+        w, tiled = lin.tiled, 1
+    elif lin.weight is not None and lin.weight.dtype is torch.bfloat16:
+        w, tiled = lin.weight, 0
+    elif lin.packed is not None and lin.packed.dtype is torch.bfloat16:
+        return "bf16 experts in oneDNN's packed layout"
+    else:
+        return "experts that are not int8 / int4 / bf16 layers"
+    shape = (-(-n // bf16_gemv.TILE), k // 32, bf16_gemv.TILE, 32) if tiled else (n, k)
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous() or w.shape != shape:
+        return "bf16 experts in another layout"
+    return w, tiled
+
+
+def _build_bf16(moe: nn.Module, hidden: int, inter: int):
+    """``CpuExperts`` over bf16 experts for ``sidecar_bf16_moe`` (bf16_gemv.c), or the reason there are none.
+    Steps run there only while each expert's own call would take the same kernel on its rows (up to its
+    layer's ``kernel_rows``; oneDNN beyond)."""
+    lib = bf16_gemv._KERNEL.lib()
+    if lib is None or not lib._sidecar_bf16 or hidden % 32 or inter % 32:
+        return "the bf16 kernel did not build, or widths that are not multiples of 32"
+    tables: list[list[int]] = [[], []]
+    held: list[torch.Tensor] = []
+    layouts, rows = set(), MAX_ROWS
+    for e in moe.experts:
+        for i, (lin, n, k) in enumerate(((e.gate_up_proj, 2 * inter, hidden), (e.down_proj, hidden, inter))):
+            got = _bf16_weight(lin, n, k)
+            if isinstance(got, str):
+                return got
+            tables[i].append(got[0].data_ptr())
+            held.append(got[0])
+            layouts.add(got[1])
+            rows = min(rows, lin.kernel_rows)
+    if len(layouts) != 1:
+        return "bf16 experts in more than one layout"
+    gu, dn = (torch.tensor(t, dtype=torch.int64) for t in tables)
+    zeros = torch.zeros_like(gu)  # no scales
+    ex = CpuExperts(
+        lib.sidecar_bf16_moe, {"tiled": layouts.pop()}, [gu, zeros, dn, zeros], held, hidden, inter
+    )
+    ex.rows, ex.dtypes = rows, (torch.bfloat16,)
+    return ex
+
+
 def _kernel(cls: type):
     """(function, extra MoeArgs fields) of the experts' mode, or the reason there is none."""
     if cls.mode == "int8":
@@ -248,16 +311,18 @@ def _build(moe: nn.Module):
     first = moe.experts[0]
     if first.clamp is not None or not first.silu:
         return "an activation other than silu"
+    hidden, inter = first.down_proj.out_features, first.down_proj.in_features
     cls = type(first.gate_up_proj)
+    if cls is Linear:
+        return _build_bf16(moe, hidden, inter)
     if cls not in (Int8Linear, Int4Linear):
-        return "experts that are not int8 / int4 layers"
+        return "experts that are not int8 / int4 / bf16 layers"
     kernel = _kernel(cls)
     if isinstance(kernel, str):
         return kernel
     fn, extra = kernel
     if cls is Int4Linear:
         extra["group_size"] = first.gate_up_proj.group_size
-    hidden, inter = first.down_proj.out_features, first.down_proj.in_features
     tables: list[list[int]] = [[], [], [], []]
     held: list[torch.Tensor] = []
     for e in moe.experts:
@@ -282,7 +347,7 @@ def routed(
     if weights.dtype not in _FLOATS or ids.dtype != torch.int64:
         return None
     ex = CpuExperts.of(moe)
-    if ex is None or x.shape[1] != ex.hidden:
+    if ex is None or x.shape[1] != ex.hidden or x.shape[0] > ex.rows or x.dtype not in ex.dtypes:
         return None
     x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
     y = torch.empty_like(x)

@@ -1,6 +1,7 @@
-"""The grouped CPU expert path (moe_cpu.py, ``sidecar_int8_moe``) against the per-expert loop it replaces
-for decode-sized steps: the same bits on the same quantized experts (float32 and bf16, Qwen3-MoE's and
-Mixtral's routers, rows picking shared and disjoint experts), the same greedy tokens, and refusals."""
+"""The grouped CPU expert path (moe_cpu.py: ``sidecar_int8_moe``, ``sidecar_int4_moe``, ``sidecar_bf16_moe``)
+against the per-expert loop it replaces for decode-sized steps: the same bits on the same experts (int8 / int4
+in float32 and bf16, bf16 experts in the layout the model holds and in plain rows; Qwen3-MoE's and Mixtral's
+routers, rows picking shared and disjoint experts), the same greedy tokens, and refusals."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from sidecar import LLM, SamplingParams
 from sidecar.model import moe_cpu
+from sidecar.model.linear import Linear
 from sidecar.model.moe import SparseMoE
 from tests.unit.model.family_checkpoints import build_family_checkpoint
 
@@ -52,33 +54,56 @@ def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         del moe.cpu_grouped  # back to the class default (on)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def _in_amx_layout(moe: SparseMoE) -> bool:
+    """bf16 experts held in AMX's tile layout (CPUs with AMX or AVX-512 BF16), which the grouped kernel does not
+    read: the loop runs them there."""
+    return getattr(moe.experts[0].gate_up_proj, "amx", None) is not None
+
+
+def _equal_the_loop(moe: SparseMoE, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """The grouped path against the loop on the block's steps: 1 to MAX_ROWS rows, two rows on the very same
+    experts, and a step past MAX_ROWS (the loop runs it)."""
+    assert moe_cpu.CpuExperts.of(moe) is not None
+    hidden = moe.gate.in_features
+    for rows in (1, 2, 5, moe_cpu.MAX_ROWS):
+        x = torch.randn(rows, hidden, generator=gen).to(dtype)
+        weights, ids = moe.route(x)
+        ids, perm = ids.sort(dim=-1)
+        fast = moe_cpu.routed(moe, x, weights.gather(-1, perm), ids)
+        assert fast is not None and fast.dtype == dtype
+        assert torch.equal(fast, _reference(moe, x)), (rows, dtype)
+        assert torch.equal(moe(x), fast)
+    x = torch.randn(1, hidden, generator=gen).to(dtype).expand(2, hidden).contiguous()
+    assert torch.equal(moe(x), _reference(moe, x))
+    x = torch.randn(moe_cpu.MAX_ROWS + 1, hidden, generator=gen).to(dtype)
+    assert moe_cpu.routed(moe, x, *moe.route(x)) is None
+
+
+@pytest.mark.parametrize(
+    "dtype,mode",
+    [
+        (torch.float32, "int8"),
+        (torch.bfloat16, "int8"),
+        (torch.float32, "int4"),
+        (torch.bfloat16, "int4"),
+        (torch.bfloat16, None),  # bf16 experts (sidecar_bf16_moe), in the layout the model holds them in
+    ],
+)
 def test_grouped_experts_equal_the_per_expert_loop(loaded, dtype, mode):
     blocks = _blocks(loaded(str(dtype).split(".")[1], mode))
     assert blocks
     gen = torch.Generator().manual_seed(1)
     for moe in blocks:
-        assert moe_cpu.CpuExperts.of(moe) is not None
-        hidden = moe.gate.in_features
-        for rows in (1, 2, 5, moe_cpu.MAX_ROWS):
-            x = torch.randn(rows, hidden, generator=gen).to(dtype)
-            weights, ids = moe.route(x)
-            ids, perm = ids.sort(dim=-1)
-            fast = moe_cpu.routed(moe, x, weights.gather(-1, perm), ids)
-            assert fast is not None and fast.dtype == dtype
-            assert torch.equal(fast, _reference(moe, x)), (rows, dtype)
-            assert torch.equal(moe(x), fast)
-        # two rows on the very same experts, and a step past MAX_ROWS (the loop runs it)
-        x = torch.randn(1, hidden, generator=gen).to(dtype).expand(2, hidden).contiguous()
-        assert torch.equal(moe(x), _reference(moe, x))
-        x = torch.randn(moe_cpu.MAX_ROWS + 1, hidden, generator=gen).to(dtype)
-        assert moe_cpu.routed(moe, x, *moe.route(x)) is None
+        if _in_amx_layout(moe):
+            assert moe_cpu.CpuExperts.of(moe) is None
+            continue
+        _equal_the_loop(moe, dtype, gen)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_greedy_tokens_equal_with_and_without_the_grouped_path(loaded, mode):
-    llm = loaded("float32", mode)
+@pytest.mark.parametrize("dtype,mode", [("float32", "int8"), ("float32", "int4"), ("bfloat16", None)])
+def test_greedy_tokens_equal_with_and_without_the_grouped_path(loaded, dtype, mode):
+    llm = loaded(dtype, mode)
+    assert all(moe_cpu.CpuExperts.of(m) is not None or _in_amx_layout(m) for m in _blocks(llm))
     got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     for moe in _blocks(llm):
         moe.cpu_grouped = False
@@ -113,3 +138,40 @@ def test_self_check_keeps_the_loop_where_the_fast_path_differs(loaded):
         assert torch.equal(moe(x), _reference(moe, x))
     finally:
         moe.__dict__.pop("_cpu_experts")  # rebuilt at the next step
+
+
+def _plain_copy(moe: SparseMoE) -> SparseMoE:
+    """A copy of the block with every weight plain bf16 rows (no tiled or tile layout): the layers then run
+    ``bf16_gemv.bf16_matmul`` on them, and the grouped kernel reads the plain rows."""
+    copy = SparseMoE(moe.args)
+    for mine, theirs in zip(copy.modules(), moe.modules()):
+        if isinstance(mine, Linear):
+            mine.weight = torch.nn.Parameter(theirs.dense_weight().detach().clone(), requires_grad=False)
+    return copy.to(torch.bfloat16).eval()
+
+
+def test_bf16_experts_in_plain_rows_and_refusals(loaded):
+    gen = torch.Generator().manual_seed(2)
+    moe = _blocks(loaded("bfloat16"))[0]
+    held = moe_cpu.CpuExperts.of(moe)
+    plain = _plain_copy(moe)
+    ex = moe_cpu.CpuExperts.of(plain)
+    assert ex is not None and ex.extra["tiled"] == 0
+    if _in_amx_layout(moe):
+        assert held is None
+    else:  # the tiled layout where the model holds it (AVX2 CPUs), else plain rows
+        assert held.extra["tiled"] == int(moe.experts[0].gate_up_proj.tiled is not None)
+    with torch.no_grad():
+        _equal_the_loop(plain, torch.bfloat16, gen)
+        x = torch.randn(3, moe.gate.in_features, generator=gen).bfloat16()
+        assert moe_cpu.routed(plain, x.float(), *plain.route(x)) is None  # bf16 experts take bf16 rows alone
+        # experts whose own layers would take oneDNN past 2 rows: steps of more rows are the loop's
+        for e in plain.experts:
+            e.gate_up_proj.kernel_rows = e.down_proj.kernel_rows = 2
+        plain.__dict__.pop("_cpu_experts")
+        assert moe_cpu.CpuExperts.of(plain).rows == 2
+        assert moe_cpu.routed(plain, x, *plain.route(x)) is None
+        assert moe_cpu.routed(plain, x[:2], *plain.route(x[:2])) is not None
+        plain.experts[3].down_proj.bias = torch.nn.Parameter(torch.zeros(moe.gate.in_features).bfloat16())
+        plain.__dict__.pop("_cpu_experts")
+        assert moe_cpu.CpuExperts.of(plain) is None

@@ -1,9 +1,9 @@
 """The router kernel (``kernels/cpu/moe_route.c``, ``moe_cpu.kernel_route``) against torch's router
 (``SparseMoE.route_logits``): the same expert ids and weights, bit for bit, on random logits and on logits full of
 ties (torch.topk's pick among equal values, which is not the lowest index), float32 and bf16, with and without
-renormalisation; the load-time check turning it on per block, its fallback to torch's router where the kernel
-differs, routers of other forms refused by name, and greedy float32 decoding through it equal to HF
-transformers."""
+renormalisation, and the routers that pick first (gpt-oss's softmax after top-k, Llama 4's sigmoid); the
+load-time check turning it on per block, its fallback to torch's router where the kernel differs, routers the
+kernel does not take refused by name, and greedy float32 decoding through it equal to HF transformers."""
 
 from __future__ import annotations
 
@@ -61,6 +61,37 @@ def test_the_kernel_routes_as_torch(experts, k, dtype):
                 assert got is not None and got[0].dtype == wdtype
                 assert torch.equal(got[1], want[1]), (trial, norm, got[1], want[1])
                 assert torch.equal(got[0], want[0]), (trial, norm, wdtype)
+
+
+def _torch_picked(logits, k, form, wdtype):
+    """torch's routers that pick first as ``SparseMoE.route_logits`` runs them, ids then sorted."""
+    values, ids = torch.topk(logits, k, dim=-1)
+    if form == moe_route.PICKED_SOFTMAX:
+        weights = torch.softmax(values, dim=-1)
+    else:
+        weights = torch.sigmoid(values.float())
+    ids, perm = ids.sort(dim=-1)
+    return weights.to(wdtype).gather(-1, perm), ids
+
+
+@pytest.mark.parametrize("experts,k", [(8, 2), (8, 3), (4, 1), (32, 4), (128, 8), (60, 5), (24, 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form", [1, 2])
+def test_routers_that_pick_first_route_as_torch(experts, k, dtype, form):
+    gen = torch.Generator().manual_seed(experts * 100 + k + form)
+    for trial in range(24):
+        rows = 1 + trial % 7  # up to MAX_ROWS: sigmoids in torch's vector loop and in its scalar tail
+        if trial % 2:
+            logits = torch.randint(-2, 2 + trial % 3, (rows, experts), generator=gen).float()
+        else:
+            logits = torch.randn(rows, experts, generator=gen) * (0.2 + trial % 9)
+        logits = logits.to(dtype)
+        for wdtype in (torch.float32, torch.bfloat16) if form == 2 else (dtype,):
+            got = moe_route.route_picked(logits, k, form, wdtype)
+            want = _torch_picked(logits, k, form, wdtype)
+            assert got is not None and got[0].dtype == wdtype
+            assert torch.equal(got[1], want[1]), (trial, got[1], want[1])
+            assert torch.equal(got[0], want[0]), (trial, wdtype, got[0], want[0])
 
 
 def test_ties_pick_torchs_experts_not_the_lowest_ids():
@@ -151,16 +182,24 @@ def test_a_block_whose_kernel_differs_keeps_torchs_router(family_dir, monkeypatc
     assert torch.equal(moe(x), want)  # torch's router, then the grouped experts
 
 
-def test_routers_of_other_forms_are_refused_by_name(family_dir):
+def test_routers_that_pick_first_are_checked_and_others_refused_by_name(family_dir):
     llm = LLM(model=str(family_dir), dtype="float32", num_kv_blocks=64)
     moe = _blocks(llm)[0]
     assert moe_cpu.router_refusal(moe) is None
-    for attr, name in (("sigmoid_input", "sigmoid"), ("softmax_after_topk", "gpt-oss")):
+    for attr in ("sigmoid_input", "softmax_after_topk"):  # Llama 4's and gpt-oss's forms over this block
         setattr(moe, attr, True)
         try:
-            assert name in moe_cpu.router_refusal(moe)
-            assert moe_cpu.check_router(moe, torch.float32) is False
-            assert name in moe.__dict__["_cpu_router"]
+            assert moe_cpu.router_refusal(moe) is None
+            assert moe_cpu.check_router(moe, torch.float32) is True
+            x = torch.randn(2, moe.gate.in_features)
+            assert moe_cpu.kernel_route(moe, moe.gate(x), x.dtype) is not None
         finally:
             setattr(moe, attr, False)
+    k = moe.top_k
+    moe.top_k = moe_route.MAX_K + 1
+    try:
+        assert "experts per token" in moe_cpu.router_refusal(moe)
+        assert moe_cpu.check_router(moe, torch.float32) is False
+    finally:
+        moe.top_k = k
     assert moe_cpu.check_router(moe, torch.float32) is True

@@ -25,13 +25,18 @@
  * sums in the same order: tiled_outer (outer products over groups of 16 weight rows converted a block at a
  * time: the decode steps of 4 rows and more, and prefill), in outer_avx2.h, which int8_gemm.c's int8 prefill
  * path shares.
+ *
+ * sidecar_bf16_moe (at the end): a sparse block's routed sum over bf16 experts in one call, each expert's
+ * products the same dot_tile sums as its layer's own call.
  */
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vec.h"
 #include "matmul_args.h"
 #include "matmul_store.h"
+#include "moe_args.h"
 
 /* Loops start on 64-byte boundaries: the AVX2 outer-product loops' speed otherwise moved with unrelated
  * edits elsewhere in the file, and aligned they are not slower anywhere. */
@@ -387,5 +392,189 @@ int sidecar_bf16_matmul(const sidecar_matmul_args* a) {
     (void)bias_bf16;
     (void)out_bf16;
     return 1;
+#endif
+}
+
+/* ===== A sparse block's routed sum over bf16 experts (moe_args.h) =====
+ *
+ * The experts' weights are bf16 rows [N, K] held plain or in the tiled layout (a->tiled), without biases; x
+ * and every product are bf16. The step's slots are grouped by expert (experts ascending, each one's slots
+ * ascending), so each picked expert's weights pass once per step with all of its slots in the same register
+ * tiles (panels of up to MT_TILED rows). Each output is dot_tile's float32 sum for its row (which does not
+ * depend on the panel the row came in, nor on the layout), stored as the layer's call stores it, rounded once
+ * to bf16: the bits the expert's layer gives (sidecar_bf16_matmul_tiled or sidecar_bf16_matmul) for any batch
+ * of its rows. One parallel region: the slots' rows gathered (widened on the AVX2 path), every picked
+ * expert's gate/up tiles, each slot's silu * up, every picked expert's down tiles, then the weighted sums by
+ * column. */
+#ifdef BF16_PATH
+#if MT_TILED > 3
+#define MB_CASES(CALL) \
+    case 2:            \
+        CALL(2);       \
+        break;         \
+    case 3:            \
+        CALL(3);       \
+        break;         \
+    case 4:            \
+        CALL(4);       \
+        break;         \
+    case 5:            \
+        CALL(5);       \
+        break;         \
+    default:           \
+        CALL(6);       \
+        break;
+#else
+#define MB_CASES(CALL) \
+    case 2:            \
+        CALL(2);       \
+        break;         \
+    default:           \
+        CALL(3);       \
+        break;
+#endif
+
+/* y rows dst[0..M) (N wide, bf16) = the M rows of xa [M, K] times an expert's weight w [N, K] over tile t
+ * (output rows NT t.., plain rows or tiled), in panels of equal size as the tiled entry point's. */
+static void moe_tile(const xel* xa, int M, const uint16_t* w, int tiled, int N, int K, int t, const int* dst,
+                     uint16_t* y) {
+    const int n0 = t * NT, nb = N - n0 < NT ? N - n0 : NT, panels = (M + MT_TILED - 1) / MT_TILED;
+    float acc[MT_TILED * NT];
+    for (int p = 0, m0 = 0; p < panels; p++) {
+        const int mb = M / panels + (p < M % panels);
+        const xel* xb = xa + (int64_t)m0 * K;
+        if (tiled) {
+            const uint16_t* wr = w + (int64_t)t * NT * K;
+#define TILED_DOT(MB) dot_tile(xb, wr, K, MB, NT, 32, 32 * NT, 0, acc)
+            switch (mb) {
+                case 1:
+                    dot_tile(xb, wr, K, 1, NT, 32, 32 * NT, TILED_READ_AHEAD, acc);
+                    break;
+                    MB_CASES(TILED_DOT)
+            }
+            for (int i = 0; i < mb; i++) store_sums(acc + i * NT, 1, nb, dst[m0 + i], n0, N, NULL, 0, y, 1);
+        } else if (nb == NT) { /* plain rows: a whole tile, as sidecar_bf16_matmul reads it */
+            const uint16_t* wr = w + (int64_t)n0 * K;
+#define PLAIN_DOT(MB) dot_tile(xb, wr, K, MB, NT, K, 32, 1, acc)
+            switch (mb) {
+                case 1:
+                    PLAIN_DOT(1);
+                    break;
+                    MB_CASES(PLAIN_DOT)
+            }
+            for (int i = 0; i < mb; i++) store_tile(acc + i * NT, 1, NT, dst[m0 + i], n0, N, NULL, 0, y, 1);
+        } else { /* the last rows of a plain weight, one at a time */
+            for (int n1 = n0; n1 < N; n1++) {
+                const uint16_t* wr = w + (int64_t)n1 * K;
+#define ROW_DOT(MB) dot_tile(xb, wr, K, MB, 1, K, 32, 1, acc)
+                switch (mb) {
+                    case 1:
+                        ROW_DOT(1);
+                        break;
+                        MB_CASES(ROW_DOT)
+                }
+                for (int i = 0; i < mb; i++) store_tile(acc + i, 1, 1, dst[m0 + i], n1, N, NULL, 0, y, 1);
+            }
+        }
+        m0 += mb;
+    }
+}
+
+/* One row of n bf16 values as dot_tile reads activations: widened (AVX2 path) or copied. */
+static inline void moe_row(const uint16_t* x, xel* xa, int n) {
+#if BF16_PATH == 2
+    widen_span(x, xa, n);
+#else
+    memcpy(xa, x, (size_t)n * 2);
+#endif
+}
+
+/* The slots grouped by expert: order[p] is the slot at place p (ids ascending, slots ascending within an id),
+ * the u-th picked expert (ids[order[first[u]]]) holds places first[u]..first[u + 1]. Returns how many experts
+ * were picked. */
+static int moe_group(const int64_t* ids, int S, int* order, int* first) {
+    for (int s = 0; s < S; s++) { /* insertion sort: a step holds few slots */
+        int p = s;
+        for (; p > 0 && ids[order[p - 1]] > ids[s]; p--) order[p] = order[p - 1];
+        order[p] = s;
+    }
+    int u = 0;
+    for (int p = 0; p < S; p++)
+        if (!p || ids[order[p]] != ids[order[p - 1]]) first[u++] = p;
+    first[u] = S;
+    return u;
+}
+#endif
+
+/* Returns 0, 1 for an expert id out of range, 2 when out of memory, 3 for what it does not take (a float32 x,
+ * widths that are not multiples of 32, a build without either path). */
+int sidecar_bf16_moe(const sidecar_moe_args* a) {
+#ifdef BF16_PATH
+    const int T = a->T, k = a->k, S = a->T * a->k, H = a->H, I = a->I, tiled = a->tiled;
+    if (!a->x_bf16 || H <= 0 || I <= 0 || H % 32 || I % 32 || T <= 0 || k <= 0) return 3;
+    if (moe_ids_ok(a)) return 1;
+    int* order = (int*)malloc(sizeof(int) * (3 * (size_t)S + 1));
+    /* the down products' activations widened apart on the AVX2 path (read as they are on AVX-512 BF16) */
+    const size_t xg_bytes = (size_t)S * H * sizeof(xel), aw_bytes = BF16_PATH == 2 ? (size_t)S * I * 4 : 0;
+    char* buf = (char*)aligned_alloc(64, (xg_bytes + aw_bytes + (size_t)S * (3 * I + H) * 2 + 63) / 64 * 64);
+    if (!order || !buf) {
+        free(order);
+        free(buf);
+        return 2;
+    }
+    int* place = order + S; /* [S] place p's own index: where a gate/up row goes */
+    int* first = place + S; /* [U + 1] */
+    for (int p = 0; p < S; p++) place[p] = p;
+    const int U = moe_group(a->ids, S, order, first);
+    xel* xg = (xel*)buf;                                   /* [S, H] the slots' rows, by place */
+    uint16_t* gu = (uint16_t*)(buf + xg_bytes + aw_bytes); /* [S, 2 I] gate/up, by place */
+    uint16_t* act = gu + (size_t)S * 2 * I;                /* [S, I] silu(gate) * up, by place */
+#if BF16_PATH == 2
+    float* aw = (float*)(buf + xg_bytes); /* [S, I] act widened, by place */
+    const xel* acts = aw;
+#else
+    const xel* acts = act;
+#endif
+    uint16_t* out = act + (size_t)S * I; /* [S, H] the down products, by slot */
+    const uint16_t* x = (const uint16_t*)a->x;
+    const int gu_tiles = (2 * I + NT - 1) / NT, dn_tiles = (H + NT - 1) / NT, chunks = (H + 63) / 64;
+    const int nthreads = a->nthreads < 1 ? 1 : a->nthreads;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int p = 0; p < S; p++) moe_row(x + (size_t)(order[p] / k) * H, xg + (size_t)p * H, H);
+#pragma omp for schedule(static)
+        for (int item = 0; item < U * gu_tiles; item++) {
+            const int u = item / gu_tiles, p0 = first[u];
+            const uint16_t* w = (const uint16_t*)(intptr_t)a->gate_up[a->ids[order[p0]]];
+            moe_tile(xg + (size_t)p0 * H, first[u + 1] - p0, w, tiled, 2 * I, H, item % gu_tiles, place + p0,
+                     gu);
+        }
+#pragma omp for schedule(static)
+        for (int p = 0; p < S; p++) {
+            moe_silu_row(gu + (size_t)p * 2 * I, act + (size_t)p * I, I, 1);
+#if BF16_PATH == 2
+            widen_span(act + (size_t)p * I, aw + (size_t)p * I, I);
+#endif
+        }
+#pragma omp for schedule(static)
+        for (int item = 0; item < U * dn_tiles; item++) {
+            const int u = item / dn_tiles, p0 = first[u];
+            const uint16_t* w = (const uint16_t*)(intptr_t)a->down[a->ids[order[p0]]];
+            moe_tile(acts + (size_t)p0 * I, first[u + 1] - p0, w, tiled, H, I, item % dn_tiles, order + p0,
+                     out);
+        }
+#pragma omp for schedule(static)
+        for (int item = 0; item < T * chunks; item++) {
+            const int t = item / chunks, h0 = (item % chunks) * 64;
+            moe_weighted_sum(a, out, t, h0, h0 + 64 < H ? h0 + 64 : H);
+        }
+    }
+    free(order);
+    free(buf);
+    return 0;
+#else
+    (void)a;
+    return 3;
 #endif
 }

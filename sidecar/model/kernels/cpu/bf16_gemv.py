@@ -19,6 +19,10 @@ outer products.
 ``tile_weight(weight)`` lays a weight out as [ceil(N/4), K/32, 4, 32] (four rows' 32-value chunks side by
 side, zero rows padding the last tile) and ``bf16_matmul_tiled(x, tiled, n, bias, out_dtype)`` takes that
 layout: one forward stream per thread, more bandwidth at one row than the plain rows, the same bits.
+
+``sidecar_bf16_moe`` (called by ``moe_cpu``): a sparse block's decode-sized step over bf16 experts held in either
+layout, every picked expert's gate/up and down products, silu * up and the weighted sum in one call, each
+product the bits its layer's own call gives.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from sidecar.model import hugepages
 from sidecar.model.kernels.cpu import cpu_build
 from sidecar.model.kernels.cpu.cpu_build import I
 from sidecar.model.kernels.cpu.matmul_args import MatmulArgs
+from sidecar.model.kernels.cpu.moe_args import MoeArgs
 
 MAX_ROWS = 16
 # Row counts at which pack time compares this kernel with oneDNN's packed GEMM (``measure_rows_limit``).
@@ -48,6 +53,7 @@ _KERNEL = cpu_build.Kernel(
         "sidecar_bf16_matmul": ([MatmulArgs], I),
         "sidecar_bf16_matmul_tiled": ([MatmulArgs], I),
         "sidecar_bf16_supported": ([], I),
+        "sidecar_bf16_moe": ([MoeArgs], I),  # a sparse block's bf16 experts (moe_cpu.py)
     },
     setup=lambda lib: setattr(lib, "_sidecar_bf16", int(lib.sidecar_bf16_supported())),
 )

@@ -1,4 +1,4 @@
-/* The argument struct of the grouped expert entry points (int8_gemv.c, int4_gemv.c), mirrored by
+/* The argument struct of the grouped expert entry points (int8_gemv.c, int4_gemv.c, bf16_gemv.c), mirrored by
  * ``moe_experts.MoeArgs``, and the steps they share around their products.
  *
  * A sparse block's routed sum for T rows of k experts each: slot s = t * k + j runs expert ids[s] on row t,
@@ -17,7 +17,7 @@ typedef struct {
     const int64_t* ids;     /* [T, k] each row's experts */
     const void* weights;    /* [T, k] routing weights, bf16 where weights_bf16 else float32 */
     const int64_t* gate_up; /* [E] addresses of the experts' gate/up weights ([2 I, H], gate rows first) */
-    const int64_t* gate_up_scales; /* [E] addresses of their scales (the kernel's layout) */
+    const int64_t* gate_up_scales; /* [E] addresses of their scales (the kernel's layout; bf16: unused) */
     const int64_t* down;           /* [E] addresses of the down weights ([H, I]) */
     const int64_t* down_scales;    /* [E] addresses of their scales */
     void* y;                       /* [T, H] the routed sum, x's dtype */
@@ -28,6 +28,7 @@ typedef struct {
     int group_size;   /* int4: values a scale covers */
     int block_n;      /* int4: rows a block of torch's packed layout holds (32 or 64) */
     int split;        /* int4: 1 where a block's nibbles split low rows / high rows */
+    int tiled;        /* bf16: 1 where the weights are in bf16_gemv's tiled layout (else plain rows) */
 } sidecar_moe_args;
 
 int sidecar_moe_args_size(void) {

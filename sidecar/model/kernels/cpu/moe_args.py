@@ -31,4 +31,5 @@ class MoeArgs(cpu_build.Args):
         ("group_size", ctypes.c_int),
         ("block_n", ctypes.c_int),
         ("split", ctypes.c_int),
+        ("tiled", ctypes.c_int),
     ]

@@ -24,6 +24,9 @@
  * (values j, j + 4, ... into sum j, a tail into the first), then added in turn; from a vector on,
  * `lanes`-wide running sums over four vectors at a time (a tail of vectors into the first), added lane-wise
  * in turn, and the scalar tail added first, then each lane in order.
+ *
+ * sidecar_moe_route_picked: the routers that take the top-k of the logits first and weigh the k picked after
+ * (gpt-oss's softmax over them, Llama 4's sigmoid of each), the same steps.
  */
 #include <math.h>
 #include <stdint.h>
@@ -204,6 +207,14 @@ static float exp_nonpositive(float d) {
     return u * a.f * b.f;
 }
 
+/* SLEEF's expf (1 ulp) over the whole range, as torch's vectors compute it (exp_nonpositive's steps; past 100
+ * an infinity, as SLEEF gives) */
+static float exp_sleef(float d) {
+    if (isnan(d)) return d;
+    if (d > 100.0f) return INFINITY;
+    return exp_nonpositive(d);
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     union {
         uint32_t u;
@@ -280,6 +291,19 @@ static float topk_sum(const float* x, int64_t k, int lanes) {
     return sum;
 }
 
+/* q[0, k) by ascending id, each value beside its id */
+static void sort_by_id(pair* q, int64_t k) {
+    for (int64_t j = 1; j < k; j++) {
+        pair value = q[j];
+        int64_t i = j;
+        while (i > 0 && q[i - 1].i > value.i) {
+            q[i] = q[i - 1];
+            i--;
+        }
+        q[i] = value;
+    }
+}
+
 /* Each of the T rows of logits [T, E] (bf16 when logits_bf16) routed to k experts: ids [T, k] int64
  * ascending, weights [T, k] beside them (bf16 when weights_bf16), renormalised to sum 1 where `norm`; k <=
  * MAX_K. `lanes`: the vector width whose softmax to repeat (8 or 16). Returns 0, or 1 for arguments it does
@@ -311,15 +335,7 @@ int sidecar_moe_route(const void* logits, int64_t T, int64_t E, int64_t k, int l
         insertion_sort(q, k);
         for (int64_t j = 0; j < k; j++) p[j] = q[j].v;
         const float sum = norm ? topk_sum(p, k, lanes) : 1.0f;
-        for (int64_t j = 1; j < k; j++) { /* by id */
-            pair value = q[j];
-            int64_t i = j;
-            while (i > 0 && q[i - 1].i > value.i) {
-                q[i] = q[i - 1];
-                i--;
-            }
-            q[i] = value;
-        }
+        sort_by_id(q, k);
         for (int64_t j = 0; j < k; j++) {
             const float w = norm ? q[j].v / sum : q[j].v;
             ids[t * k + j] = q[j].i;
@@ -330,6 +346,62 @@ int sidecar_moe_route(const void* logits, int64_t T, int64_t E, int64_t k, int l
         }
     }
     free(p);
+    free(q);
+    return 0;
+}
+
+/* The routers that pick before they weigh, over the same logits [T, E] (bf16 when logits_bf16): each row's
+ * top-k of the logits themselves (torch.topk's set, as above), ids ascending, weighed by
+ *   form 1 (gpt-oss): the softmax of the k picked logits in the logits' dtype: softmax_row's float32 steps
+ * over the k values in torch's descending order (bf16 logits: the results rounded once to bf16); form 2
+ * (Llama 4): the sigmoid of each picked logit in float32, 1 / (1 + exp(-x)), as torch's elementwise loop
+ * takes the T * k values: SLEEF's exp for the values its whole pairs of vectors cover (from the first), the C
+ * library's expf for the tail it leaves to scalar code; the weights stored as bf16 when weights_bf16. Returns
+ * as sidecar_moe_route (1 also for another form). */
+int sidecar_moe_route_picked(const void* logits, int64_t T, int64_t E, int64_t k, int logits_bf16, int form,
+                             int weights_bf16, int lanes, int64_t* ids, void* weights) {
+    if (T < 0 || E < 1 || k < 1 || k > E || k > MAX_K || (lanes != 8 && lanes != 16)) return 1;
+    if (form != 1 && form != 2) return 1;
+    float* x =
+            malloc((size_t)(E + 2 * k) * sizeof(float)); /* a row, then the k picked logits, their weights */
+    pair* q = malloc((size_t)E * sizeof(pair));
+    if (x == NULL || q == NULL) {
+        free(x);
+        free(q);
+        return 2;
+    }
+    float *v = x + E, *w = v + k;
+    const int64_t vector_end = T * k / (2 * lanes) * (2 * lanes); /* flat positions torch's vectors take */
+    for (int64_t t = 0; t < T; t++) {
+        for (int64_t e = 0; e < E; e++) {
+            q[e].v = logits_bf16 ? bf16_to_f32(((const uint16_t*)logits)[t * E + e])
+                                 : ((const float*)logits)[t * E + e];
+            q[e].i = e;
+        }
+        select_k(q, E, k);
+        insertion_sort(q, k); /* torch.topk's order: descending values */
+        for (int64_t j = 0; j < k; j++) v[j] = q[j].v;
+        if (form == 1) {
+            softmax_row(v, w, k, lanes);
+            if (logits_bf16)
+                for (int64_t j = 0; j < k; j++) w[j] = bf16_to_f32(f32_to_bf16(w[j]));
+        } else {
+            for (int64_t j = 0; j < k; j++) {
+                const float e = t * k + j < vector_end ? exp_sleef(-v[j]) : expf(-v[j]);
+                w[j] = 1.0f / (1.0f + e);
+            }
+        }
+        for (int64_t j = 0; j < k; j++) q[j].v = w[j];
+        sort_by_id(q, k);
+        for (int64_t j = 0; j < k; j++) {
+            ids[t * k + j] = q[j].i;
+            if (weights_bf16)
+                ((uint16_t*)weights)[t * k + j] = f32_to_bf16(q[j].v);
+            else
+                ((float*)weights)[t * k + j] = q[j].v;
+        }
+    }
+    free(x);
     free(q);
     return 0;
 }

@@ -1,7 +1,8 @@
 """A softmax router's top-k in one kernel call (``moe_route.c``): from a sparse block's gate logits [T, E] to
 each row's k expert ids (ascending) and their weights, the bits of torch's router (``SparseMoE.route_logits``
 followed by the ascending sort ``SparseMoE.forward`` makes) -- softmax in float32, torch.topk's set with its
-ties, the renormalisation where the family does it, the weights in float32 or bf16.
+ties, the renormalisation where the family does it, the weights in float32 or bf16. ``route_picked`` does the
+same for the routers that pick first and weigh the k picked after: gpt-oss's softmax over them, Llama 4's sigmoid.
 
 The kernel repeats the softmax torch runs on this CPU's vectors (``lanes``: AVX2's 8, AVX-512's 16); on a CPU
 torch serves with other vectors there is no kernel (``lanes`` None). Callers still compare it with torch's
@@ -19,9 +20,14 @@ from sidecar.model.kernels.cpu import cpu_build
 from sidecar.model.kernels.cpu.cpu_build import I, P
 
 _I64 = ctypes.c_int64
-_KERNEL = cpu_build.Kernel("moe_route", {"sidecar_moe_route": ([P, _I64, _I64, _I64, I, I, I, I, P, P], I)})
+_ARGS = [P, _I64, _I64, _I64, I, I, I, I, P, P]
+_KERNEL = cpu_build.Kernel(
+    "moe_route", {"sidecar_moe_route": (_ARGS, I), "sidecar_moe_route_picked": (_ARGS, I)}
+)
 _FLOATS = (torch.float32, torch.bfloat16)
 MAX_K = 256  # experts per token the kernel takes (moe_route.c's MAX_K)
+# route_picked's forms: the softmax of the k picked logits (gpt-oss), the sigmoid of each (Llama 4)
+PICKED_SOFTMAX, PICKED_SIGMOID = 1, 2
 
 
 def lanes() -> Optional[int]:
@@ -44,6 +50,23 @@ def route(
 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(weights [T, k] in ``weights_dtype``, ids [T, k] int64, ascending in each row) of the logits [T, E]
     (float32 or bf16, rows contiguous), or None where the kernel does not take them."""
+    return _call("sidecar_moe_route", logits, k, int(norm), weights_dtype)
+
+
+def route_picked(
+    logits: torch.Tensor, k: int, form: int, weights_dtype: torch.dtype
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``route`` for the routers that take the top-k of the logits first (``SparseMoE.route_logits``):
+    ``form`` PICKED_SOFTMAX weighs the k picked by their softmax in the logits' dtype (gpt-oss),
+    PICKED_SIGMOID each by its sigmoid in float32 (Llama 4); the weights then cast to ``weights_dtype``."""
+    if form not in (PICKED_SOFTMAX, PICKED_SIGMOID):
+        return None
+    return _call("sidecar_moe_route_picked", logits, k, form, weights_dtype)
+
+
+def _call(
+    name: str, logits: torch.Tensor, k: int, flag: int, weights_dtype: torch.dtype
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     width = lanes()
     if (
         width is None
@@ -61,13 +84,13 @@ def route(
     t = logits.shape[0]
     ids = torch.empty(t, k, dtype=torch.int64)
     weights = torch.empty(t, k, dtype=weights_dtype)
-    rc = lib.sidecar_moe_route(
+    rc = getattr(lib, name)(
         logits.data_ptr(),
         t,
         logits.shape[1],
         k,
         logits.dtype is torch.bfloat16,
-        int(norm),
+        flag,
         weights_dtype is torch.bfloat16,
         width,
         ids.data_ptr(),
