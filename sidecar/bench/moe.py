@@ -50,9 +50,13 @@ def _own_bytes(module) -> int:
 
 def _count_reads(model, vocab: int) -> tuple[dict[str, int], list]:
     """Hooks adding each called module's weight bytes to ``counts['bytes']`` (split into ``layers`` for the
-    decoder layers) and the steps (calls of the final norm) to ``counts['steps']``."""
-    counts = {"bytes": 0, "layers": 0, "steps": 0}
+    decoder layers) and the steps (calls of the final norm) to ``counts['steps']``. A sparse block's gate and
+    experts count at the block: its gate, and each expert its rows picked once (the grouped expert kernels read
+    the weights without calling the experts' modules)."""
+    counts = {"bytes": 0, "layers": 0, "steps": 0, "paused": False}
     layer_modules = {id(m) for m in model.layers.modules()}
+    sparse = [layer.mlp for layer in model.layers if hasattr(layer.mlp, "experts")]
+    routed = {id(m) for block in sparse for part in (block.experts, block.gate) for m in part.modules()}
 
     # q/k head norms may run inside their attention's projection rows (a kernel call, not the module's
     # forward): their weights count with the attention module that reads them.
@@ -62,7 +66,7 @@ def _count_reads(model, vocab: int) -> tuple[dict[str, int], list]:
     folded = {id(n) for m in model.modules() for n in head_norms(m)}
     handles = []
     for module in model.modules():
-        if id(module) in folded:
+        if id(module) in folded or id(module) in routed:
             continue
         size = _own_bytes(module) + sum(_own_bytes(n) for n in head_norms(module))
         if not size:
@@ -70,6 +74,8 @@ def _count_reads(model, vocab: int) -> tuple[dict[str, int], list]:
         in_layers = id(module) in layer_modules
 
         def hook(m, inputs, output, size=size, in_layers=in_layers) -> None:
+            if counts["paused"]:
+                return
             x = inputs[0] if inputs else None
             ids = x is not None and not x.is_floating_point()
             read = size * x.numel() // vocab if ids else size  # a table looked up reads its rows
@@ -77,10 +83,28 @@ def _count_reads(model, vocab: int) -> tuple[dict[str, int], list]:
             counts["layers"] += read if in_layers else 0
 
         handles.append(module.register_forward_hook(hook))
+    for block in sparse:
+        handles.append(
+            block.register_forward_hook(lambda m, inputs, output: _count_block(m, inputs[0], counts))
+        )
     handles.append(
         model.norm.register_forward_hook(lambda *_: counts.__setitem__("steps", counts["steps"] + 1))
     )
     return counts, handles
+
+
+def _count_block(block, x, counts: dict) -> None:
+    """A sparse block's reads in one call: its gate, and every expert some row picked, once (the block's own
+    router over the same rows, its modules' hooks paused)."""
+    counts["paused"] = True
+    try:
+        ids = block.route_logits(block.gate(x), x.dtype)[1]
+    finally:
+        counts["paused"] = False
+    picked = sorted(set(ids.reshape(-1).tolist()))
+    read = _own_bytes(block.gate) + sum(_own_bytes(m) for e in picked for m in block.experts[e].modules())
+    counts["bytes"] += read
+    counts["layers"] += read
 
 
 def _expert_bytes(model) -> int:
@@ -121,10 +145,16 @@ def _measure(model_dir: str, precision: str, args: argparse.Namespace) -> dict[s
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     model = llm.engine.loaded.model
     counts, handles = _count_reads(model, info["vocab_size"])
-    # a one-token prompt: every counted step, its prefill too, is one row
-    llm.generate([[11]], SamplingParams(max_tokens=args.count_steps, ignore_eos=True))
-    for h in handles:
-        h.remove()
+    # a one-token prompt: every counted step, its prefill too, is one row; the steps run eagerly (a replayed
+    # step calls no module), then replays come back for the timed run
+    plans = llm.engine.runner.cpu_plans
+    replays, plans.enabled = plans.enabled, False
+    try:
+        llm.generate([[11]], SamplingParams(max_tokens=args.count_steps, ignore_eos=True))
+    finally:
+        plans.enabled = replays
+        for h in handles:
+            h.remove()
     steps = max(counts["steps"], 1)
     prompt = [3 + j % 200 for j in range(8)]
     llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
