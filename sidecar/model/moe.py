@@ -188,9 +188,8 @@ class SparseMoE(nn.Module):
         ids, perm = ids.sort(dim=-1)
         weights = weights.gather(-1, perm)
         fast = self._grouped(x, weights, ids)
-        if (
-            fast is None and self.cpu_grouped
-        ):  # decode-sized CPU steps over int8 / int4 / bf16 experts (moe_cpu.py)
+        # decode-sized CPU steps over int8 / int4 / bf16 experts (moe_cpu.py)
+        if fast is None and self.cpu_grouped:
             fast = moe_cpu.routed(self, x, weights, ids)
         if fast is not None:
             return self._plus_shared(x, fast)
