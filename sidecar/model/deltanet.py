@@ -42,7 +42,7 @@ from sidecar.model.attention import AttentionMetadata
 from sidecar.model.deltanet_prefill import causal_conv, gated_norm, kernel_chunk, torch_chunk
 from sidecar.model.deltanet_rule import kernel_rule, recurrent_step, triton_rule
 from sidecar.model.kernels.cpu import deltanet_step
-from sidecar.model.kernels.gpu_paths import triton_available, triton_interpreted
+from sidecar.model.kernels.gpu_paths import triton_interpreted, triton_kernel_ready
 from sidecar.model.linear import Linear
 
 log = logging.getLogger("sidecar.model")
@@ -294,20 +294,14 @@ def use_triton_on_cpu(decode: bool, prompts: bool = False) -> None:
 
 def triton_ready(device: torch.device) -> bool:
     """The Triton decode kernel is installed and passed its self-check on ``device``'s type (once, before any
-    graph capture: asked first while a graph is captured, it answers no, and the torch rows are captured; a
-    failure is logged, and decode rows then take the torch reference)."""
-    key = f"triton:{device.type}"
-    if key not in _checked:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # the check reads results back to the host, which a capture forbids
-        try:
-            why = "" if triton_available() else "triton is not installed"
-            _checked[key] = why or _self_check(triton_step(), str(device))
-        except Exception as exc:  # a kernel that fails to compile or launch is switched off, never fatal
-            _checked[key] = f"{type(exc).__name__}: {exc}"
-        if _checked[key]:
-            log.warning("gated DeltaNet Triton decode kernel off, decode rows on torch: %s", _checked[key])
-    return not _checked[key]
+    graph capture; a failure is logged, and decode rows then take the torch reference)."""
+    return triton_kernel_ready(
+        _checked,
+        f"triton:{device.type}",
+        device,
+        lambda: _self_check(triton_step(), str(device)),
+        "gated DeltaNet Triton decode kernel off, decode rows on torch",
+    )
 
 
 def triton_step():

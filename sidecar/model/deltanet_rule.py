@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from sidecar.model.kernels.cpu import deltanet_step
-from sidecar.model.kernels.gpu_paths import triton_available
+from sidecar.model.kernels.gpu_paths import triton_kernel_ready
 
 CHUNK = 64  # tokens per block of the chunked rule (HF's chunk_size)
 log = logging.getLogger("sidecar.model")
@@ -183,20 +183,15 @@ def rule_ready() -> bool:
 
 
 def triton_rule_ready(device: torch.device) -> bool:
-    """The Triton prompt rule is installed and passed its self-check on ``device``'s type (once; a failure,
-    a compile or launch error included, is logged, and prompt chunks then take the torch chunked form)."""
-    key = f"triton:{device.type}"
-    if key not in _checked:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # the check reads results back to the host, which a capture forbids
-        try:
-            why = "" if triton_available() else "triton is not installed"
-            _checked[key] = why or _rule_check(triton_prompt_rule(), str(device))
-        except Exception as exc:  # a kernel that fails to compile or launch is switched off, never fatal
-            _checked[key] = f"{type(exc).__name__}: {exc}"
-        if _checked[key]:
-            log.warning("gated DeltaNet Triton prompt kernel off, prompt chunks on torch: %s", _checked[key])
-    return not _checked[key]
+    """The Triton prompt rule is installed and passed its self-check on ``device``'s type (once; a failure is
+    logged, and prompt chunks then take the torch chunked form)."""
+    return triton_kernel_ready(
+        _checked,
+        f"triton:{device.type}",
+        device,
+        lambda: _rule_check(triton_prompt_rule(), str(device)),
+        "gated DeltaNet Triton prompt kernel off, prompt chunks on torch",
+    )
 
 
 def triton_prompt_rule():

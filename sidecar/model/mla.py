@@ -43,7 +43,7 @@ from sidecar.model.args import ModelArgs
 from sidecar.model import attention_scores, kv_quant
 from sidecar.model.attention import AttentionMetadata
 from sidecar.model.kernels.cpu import latent_attention as cpu_latent
-from sidecar.model.kernels.gpu_paths import FastPaths, triton_available, triton_interpreted
+from sidecar.model.kernels.gpu_paths import FastPaths, triton_interpreted, triton_kernel_ready
 from sidecar.model.layers import RMSNorm, rotate
 from sidecar.model.linear import Linear
 
@@ -122,23 +122,15 @@ def use_triton_on_cpu(on: bool) -> None:
 
 
 def triton_ready(device: torch.device) -> bool:
-    """The Triton latent decode kernel is installed and passed its self-check on ``device``'s type (once,
-    before any graph capture: asked first while a graph is captured, it answers no, and the torch rows are
-    captured; a failure is logged, and decode rows then take the torch form)."""
-    key = device.type
-    if key not in _triton_checked:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False  # the check reads results back to the host, which a capture forbids
-        try:
-            why = "" if triton_available() else "triton is not installed"
-            _triton_checked[key] = why or triton_check(triton_latent().decode_attention, str(device))
-        except Exception as exc:  # a kernel that fails to compile or launch is switched off, never fatal
-            _triton_checked[key] = f"{type(exc).__name__}: {exc}"
-        if _triton_checked[key]:
-            log.warning(
-                "latent attention Triton decode kernel off, decode rows on torch: %s", _triton_checked[key]
-            )
-    return not _triton_checked[key]
+    """The Triton latent decode kernel is installed and passed its self-check on ``device``'s type (once, before
+    any graph capture; a failure is logged, and decode rows then take the torch form)."""
+    return triton_kernel_ready(
+        _triton_checked,
+        device.type,
+        device,
+        lambda: triton_check(triton_latent().decode_attention, str(device)),
+        "latent attention Triton decode kernel off, decode rows on torch",
+    )
 
 
 def triton_latent():

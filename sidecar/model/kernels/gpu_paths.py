@@ -13,9 +13,10 @@ kernel modules are imported) on CPU tensors.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -43,6 +44,25 @@ def triton_available() -> bool:
     except Exception:
         return False
     return True
+
+
+def triton_kernel_ready(
+    checked: dict, key: str, device: torch.device, check: Callable[[], str], what: str
+) -> bool:
+    """Whether a Triton kernel is installed and passed ``check`` ('' when it agrees with its torch form, else why
+    not) on ``device``, kept in ``checked[key]`` (once, before any graph capture: asked first while a graph is
+    captured, it answers no, and the torch form is captured). A failure, a compile or launch error included, is
+    logged with ``what`` (the kernel and where its work goes instead) and is never fatal."""
+    if key not in checked:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False  # the check reads results back to the host, which a capture forbids
+        try:
+            checked[key] = check() if triton_available() else "triton is not installed"
+        except Exception as exc:  # a kernel that fails to compile or launch is switched off, never fatal
+            checked[key] = f"{type(exc).__name__}: {exc}"
+        if checked[key]:
+            logging.getLogger("sidecar.model").warning("%s: %s", what, checked[key])
+    return not checked[key]
 
 
 @dataclass
