@@ -104,6 +104,7 @@ def load_ours(args: argparse.Namespace, work: list[tuple[list[int], int]]):
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_gb=args.kv_cache_gb,
         device=args.device,
+        quantization=getattr(args, "quantization", None),
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
         pipeline_micro_batches=args.pipeline_micro_batches,
@@ -472,7 +473,10 @@ def _llamacpp_tools(args: argparse.Namespace):
         print("llama.cpp baseline skipped: llama-bench/llama-server not found (--llama-cpp DIR or PATH)")
         return None
     threads = torch.get_num_threads()
-    gguf = llamacpp.gguf_for(tools, args.model_dir, args.baseline_dtype, bench_cache_dir() / "gguf")
+    # With --quantization the llama.cpp baseline reads the GGUF of the same class (Q8_0 / Q4_0, the head
+    # kept at 8 bits by llama-quantize, as ours is by default).
+    precision = getattr(args, "quantization", None) or args.baseline_dtype
+    gguf = llamacpp.gguf_for(tools, args.model_dir, precision, bench_cache_dir() / "gguf")
     print(f"llama.cpp baseline: {gguf.name}, {threads} threads", flush=True)
     return tools, gguf, threads
 
@@ -570,6 +574,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="another dtype for the baselines (HF, llama.cpp, vLLM-CPU) than ours, e.g. float32 where a "
         "baseline has no fast bf16 path (vLLM-CPU on an AVX2-only CPU): each system at its best "
         "(default: ours)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8", "int4"],
+        help="our engine's weights quantized on load (the output head at its default precision), and the "
+        "llama.cpp baseline on the GGUF of the same class (Q8_0 / Q4_0); the HF and vLLM-CPU baselines run "
+        "unquantized, so they are refused with it (pass --baselines=)",
     )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", default="32:512", help="uniform range LO:HI of prompt tokens")
@@ -685,6 +697,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.rounds < 1:
         raise ValueError(f"rounds: must be >= 1, got {args.rounds}")
+    if args.quantization and ([b for b in args.baselines.split(",") if b] or args.vllm_cpu):
+        raise ValueError(
+            f"quantization: {args.quantization} applies to our engine and llama.cpp only; the HF and "
+            "vLLM-CPU baselines run unquantized (pass --baselines= and no --vllm-cpu)"
+        )
     works = [
         make_workload(
             args.num_requests,
@@ -708,7 +725,9 @@ def run(args: argparse.Namespace) -> int:
         venv_python(args.vllm_cpu)
     print(
         f"workload: {len(work)} requests, {sum(len(p) for p, _ in work)} prompt tokens, "
-        f"{sum(n for _, n in work)} output tokens; model {args.model} ({args.dtype}); "
+        f"{sum(n for _, n in work)} output tokens; model {args.model} ({args.dtype}"
+        + (f", {args.quantization} weights" if args.quantization else "")
+        + "); "
         f"{torch.get_num_threads()} threads"
         + (f"; sampled at temperature {args.temperature:g}" if args.temperature > 0 else "; greedy")
         + (
