@@ -6,6 +6,12 @@ the first (prefill excluded). llama.cpp: ``llama-bench -n TOKENS -d C`` (its dec
 tokens) on the GGUF its converter makes of the same checkpoint. The load average is recorded next to each
 figure: on a shared machine only the ratios of one run compare.
 
+Attention share: the full-attention layers' paged decode attention alone (our kernel, the model's head
+counts and cache dtype, the same threads; median of repeated calls over a cache of ``C`` tokens) a token at
+each context. A hybrid model's step may grow with the context by that much only (its linear layers keep a
+fixed-size state): ``beyond_attention_ms`` is the step's growth from the shortest context less the attention's
+growth, about zero when the rest of the step does not depend on the context.
+
 Cache bytes: the engine's own cache groups (``model_info['cache_groups']``): the attention layers' KV bytes a
 token, plus the linear-attention state's bytes a sequence spread over its ``C`` tokens; the dense model of the
 same width is the same model with every layer a full-attention one (the attention layers' KV bytes a token
@@ -52,6 +58,43 @@ def cache_bytes(llm, context: int) -> dict[str, float]:
     }
 
 
+def attention_ms(llm, context: int, calls: int = 20) -> float:
+    """Milliseconds a token of the attention layers' paged decode attention at ``context`` tokens: one kernel
+    call per layer that keeps a cache, over a cache of the engine's block size and dtype, median of
+    ``calls`` timed calls (after one warm-up) times the layers."""
+    import statistics
+
+    import torch
+
+    from sidecar.model.kernels.cpu import paged_attention
+
+    a = llm.engine.loaded.args
+    dtype = llm.engine.runner.kv_dtype
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"attention share: times a float cache, not {dtype}")
+    bs = llm.engine.runner.block_size
+    shapes = a.kv_shapes()
+    nblocks = (context + bs - 1) // bs
+    gen = torch.Generator().manual_seed(0)
+    table = torch.arange(nblocks, dtype=torch.long).view(1, nblocks)
+    ctx = torch.tensor([context], dtype=torch.long)
+    total = 0.0
+    for (nkv, hd), n in {s: shapes.count(s) for s in shapes}.items():
+        k = torch.randn(nblocks, bs, nkv, hd, generator=gen).to(dtype)
+        v = torch.randn(nblocks, bs, nkv, hd, generator=gen).to(dtype)
+        q = torch.randn(1, a.num_heads, hd, generator=gen).to(dtype)
+        args = (q, k, v, table, ctx, hd**-0.5)
+        if paged_attention.decode_attention(*args) is None:
+            raise RuntimeError("attention share: the paged decode attention kernel refused the model's cache")
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            paged_attention.decode_attention(*args)
+            times.append(time.perf_counter() - t)
+        total += statistics.median(times) * n
+    return total * 1e3
+
+
 def _ours(model_dir: str, args: argparse.Namespace, contexts: list[int]) -> list[dict[str, Any]]:
     import torch
 
@@ -74,6 +117,13 @@ def _ours(model_dir: str, args: argparse.Namespace, contexts: list[int]) -> list
         out = llm.generate([prompt], SamplingParams(max_tokens=args.tokens, ignore_eos=True))[0]
         decode_s = out.e2e_s - out.ttft_s
         row = {"context": c, "b1_decode_tok_s": (args.tokens - 1) / decode_s, "load_avg": os.getloadavg()[0]}
+        row["step_ms"] = 1e3 / row["b1_decode_tok_s"]
+        row["attention_ms"] = attention_ms(llm, c)
+        if rows:  # the growth from the shortest context, less what the attention layers add
+            first = rows[0]
+            row["beyond_attention_ms"] = (row["step_ms"] - first["step_ms"]) - (
+                row["attention_ms"] - first["attention_ms"]
+            )
         rows.append(dict(row, **cache_bytes(llm, c)))
     return rows
 
@@ -82,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from sidecar.bench.models import SHAPES, bench_cache_dir, random_checkpoint
     from sidecar.bench.report import format_table, write_report
 
-    contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    contexts = sorted(int(c) for c in args.contexts.split(",") if c.strip())
     if not contexts or min(contexts) < 1:
         raise ValueError(f"contexts: {args.contexts!r} must list positive token counts")
     model_dir = str(random_checkpoint(args.model)) if args.model in SHAPES else args.model
@@ -98,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
             res = llamacpp.llama_bench(tools, gguf, 0, args.tokens, threads, 2, ("-d", str(row["context"])))
             row.update(llama_cpp_tok_s=res["tok_s"], llama_cpp_load_avg=(t0 + os.getloadavg()[0]) / 2)
             row["vs_llama_cpp"] = row["b1_decode_tok_s"] / res["tok_s"]
-    columns = [k for k in rows[0] if k != "state_bytes_per_seq"]
+    columns = [k for k in dict.fromkeys(k for r in rows for k in r) if k != "state_bytes_per_seq"]
     print(format_table(rows, columns))
     bars = {"batch-1 decode tok/s": {str(r["context"]): r["b1_decode_tok_s"] for r in rows}}
     meta = {"model": args.model, "dtype": args.dtype, "time": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -24,3 +24,8 @@ def test_rows_per_context_and_cache_bytes_against_dense(tmp_path, demo_dir):
     assert short["state_bytes_per_seq"] == long["state_bytes_per_seq"] == state
     assert long["cache_bytes_per_token"] == long["kv_bytes_per_token"] + state / 64
     assert long["cache_vs_dense"] < short["cache_vs_dense"]
+    # the attention layers' share: timed on the cache's shape, and the step's growth less it
+    assert 0 < short["attention_ms"] and 0 < long["attention_ms"]
+    assert "beyond_attention_ms" not in short
+    growth = (long["step_ms"] - short["step_ms"]) - (long["attention_ms"] - short["attention_ms"])
+    assert long["beyond_attention_ms"] == growth
