@@ -44,6 +44,8 @@ BENCH_COMPONENT_IMPORTS = {
     "sidecar.bench.models": {"sidecar.model.demo"},  # where benchmark checkpoints are built
     # the decode attention kernel alone over plain and int8 caches (the KV bytes a decode step reads)
     "sidecar.bench.kv": {"sidecar.model.kv_quant", "sidecar.model.kernels.cpu.paged_attention"},
+    # the attention layers' share of a hybrid model's decode step: the same kernel alone at each context
+    "sidecar.bench.hybrid": {"sidecar.model.kernels.cpu.paged_attention"},
     "sidecar.bench.report": {"sidecar.model.hardware"},  # the CPU ISA recorded in every report
     # model dir for the HF and llama.cpp baselines; the dtype the engine resolves and the attention backends it
     # allows on CUDA, so all systems match
