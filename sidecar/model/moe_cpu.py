@@ -14,10 +14,11 @@ are not int8 / int4 layers in the CPU kernels' layouts (per-row int8 scales, unp
 biases, no codes kept for Triton) or bf16 layers the bf16 kernel reads (tiled or plain rows: not AMX's tile
 layout nor oneDNN's packed one; widths of whole 32-value chunks), an activation other than silu, routers of
 another form (Llama 4's scaled inputs, gpt-oss's softmax after top-k), more rows than ``MAX_ROWS`` (bf16: than
-the layers' own kernel takes, ``Linear.kernel_rows``), activations other than float32 / bf16 (bf16 experts:
-bf16), or a kernel that did not build. The experts' address tables are built at first use (``CpuExperts.of``)
-and hold the tensors they point into: the experts are fixed once loaded. ``self_check`` (at load) compares each
-block's fast path with its loop and leaves the loop on where they differ.
+the layers' own kernel takes, ``Linear.kernel_rows``; int4 experts: more rows go to ``moe_int4_batched``'s
+kernel, each picked expert's weights read once for all of its slots, up to its bound), activations other than
+float32 / bf16 (bf16 experts: bf16), or a kernel that did not build. The experts' address tables are built at
+first use (``CpuExperts.of``) and hold the tensors they point into: the experts are fixed once loaded.
+``self_check`` (at load) compares each block's fast path with its loop and leaves the loop on where they differ.
 
 ``kernel_route`` routes decode-sized CPU steps of every block whose router passed that check, whatever its
 experts; ``decode_step(moe, x)`` runs such a step with the router in a kernel too (``kernels/cpu/moe_route.c``): the
@@ -38,6 +39,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from sidecar.model import moe_int4_batched
 from sidecar.model.kernels.cpu import bf16_gemv, int4_gemv, int8_gemv, moe_route
 from sidecar.model.kernels.cpu.moe_args import MoeArgs
 from sidecar.model.linear import Linear
@@ -45,7 +47,7 @@ from sidecar.model.linear import Linear
 log = logging.getLogger("sidecar.model")
 
 # Rows per step up to which the slots run one by one (each slot reads its expert's weights; a step of many
-# rows leaves that to the per-expert loop, which reads each picked expert once for all of its rows). Below
+# rows leaves that to int4's grouped kernel or the per-expert loop, each picked expert read once a step). Below
 # int4_gemv.TILE_MIN_ROWS, so no expert of the loop it must equal reaches the AMX tile kernel's row count.
 MAX_ROWS = int4_gemv.TILE_MIN_ROWS - 1
 _FLOATS = (torch.float32, torch.bfloat16)
@@ -55,12 +57,13 @@ class CpuExperts:
     """The addresses of a sparse block's expert weights and scales (int64 tensors [E]), and the tensors they
     point into (held, so the addresses stay valid)."""
 
-    __slots__ = ("fn", "extra", "tables", "held", "hidden", "inter", "rows", "dtypes")
+    __slots__ = ("fn", "extra", "tables", "held", "hidden", "inter", "rows", "dtypes", "batched")
 
-    def __init__(self, fn, extra: dict, tables: list, held: list[torch.Tensor], hidden: int, inter: int):
+    def __init__(self, fn, extra: dict, tables: list, held: list, hidden: int, inter: int, batched=None):
         self.fn, self.extra, self.tables, self.held = fn, extra, tables, held
         self.hidden, self.inter = hidden, inter
         self.rows, self.dtypes = MAX_ROWS, _FLOATS  # the steps it runs: rows, activation dtypes
+        self.batched: Optional[moe_int4_batched.Batched] = batched  # int4: the kernel of steps of more rows
 
     @staticmethod
     def of(moe: nn.Module) -> Optional["CpuExperts"]:
@@ -78,8 +81,9 @@ class CpuExperts:
 def self_check(blocks: Iterable[nn.Module], dtype: torch.dtype) -> int:
     """At load: each sparse block's (``moe.SparseMoE``) fast path against its per-expert loop on probe rows
     (one and three rows, in the model's ``dtype``); a block whose result differs in any bit keeps the loop
-    from then on, the reason logged. Where it passes, the block's router kernel is checked too
-    (``check_router``). Returns how many blocks the fast path runs."""
+    from then on, the reason logged. Where it passes, int4 experts' kernel of steps of many rows is checked on
+    such a step (``moe_int4_batched.check``), and the block's router kernel (``check_router``). Returns how many
+    blocks the fast path runs."""
     blocks = list(blocks)
     ran = _check_experts(blocks, dtype)
     routed_here = sum(check_router(moe, dtype) for moe in blocks)
@@ -108,6 +112,9 @@ def _check_experts(blocks: list, dtype: torch.dtype) -> int:
         if not ok:
             log.warning("moe: the grouped CPU expert path differs from the per-expert loop; the loop runs")
             moe.__dict__["_cpu_experts"] = "its self-check differed"
+        elif ex.batched is not None:  # its own verdict: a failure leaves only steps of many rows to the loop
+            x = torch.randn(MAX_ROWS + 5, ex.hidden, generator=gen).to(dtype)
+            moe_int4_batched.check(moe, ex.batched, x, routed, _reference)
         ran += ok
     return ran
 
@@ -321,8 +328,10 @@ def _build(moe: nn.Module):
     if isinstance(kernel, str):
         return kernel
     fn, extra = kernel
+    batched = None
     if cls is Int4Linear:
         extra["group_size"] = first.gate_up_proj.group_size
+        batched = moe_int4_batched.build(int4_gemv._KERNEL.lib(), extra["group_size"], hidden, inter)
     tables: list[list[int]] = [[], [], [], []]
     held: list[torch.Tensor] = []
     for e in moe.experts:
@@ -334,7 +343,7 @@ def _build(moe: nn.Module):
             tables[2 * i + 1].append(ops[1].data_ptr())
             held += ops
     tabs = [torch.tensor(t, dtype=torch.int64) for t in tables]
-    return CpuExperts(fn, extra, tabs, held, hidden, inter)
+    return CpuExperts(fn, extra, tabs, held, hidden, inter, batched)
 
 
 def routed(
@@ -342,17 +351,23 @@ def routed(
 ) -> Optional[torch.Tensor]:
     """The routed sum [T, hidden] of rows ``x`` [T, hidden] whose experts ``ids`` [T, k] (ascending in each
     row) are weighed by ``weights`` [T, k], or None where the fast path does not run the step."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype not in _FLOATS:
+    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _FLOATS:
         return None
     if weights.dtype not in _FLOATS or ids.dtype != torch.int64:
         return None
     ex = CpuExperts.of(moe)
-    if ex is None or x.shape[1] != ex.hidden or x.shape[0] > ex.rows or x.dtype not in ex.dtypes:
+    if ex is None or x.shape[1] != ex.hidden:
+        return None
+    t = x.shape[0]
+    fn = ex.fn if t <= ex.rows and x.dtype in ex.dtypes else None
+    if fn is None and t > MAX_ROWS:  # int4 experts: steps of many rows in the grouped kernel
+        fn = moe_int4_batched.kernel(ex.batched, t, x.dtype)
+    if fn is None:
         return None
     x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
     y = torch.empty_like(x)
     gu, gus, dn, dns = ex.tables
-    rc = ex.fn(
+    rc = fn(
         MoeArgs(
             x=x.data_ptr(),
             ids=ids.data_ptr(),

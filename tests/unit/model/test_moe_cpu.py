@@ -5,13 +5,16 @@ routers, rows picking shared and disjoint experts), the same greedy tokens, and 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from sidecar import LLM, SamplingParams
-from sidecar.model import moe_cpu
+from sidecar.model import moe_cpu, moe_int4_batched
 from sidecar.model.linear import Linear
 from sidecar.model.moe import SparseMoE
+from sidecar.model.quant import Int4Linear, quantize_linear
 from tests.unit.model.family_checkpoints import build_family_checkpoint
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -62,7 +65,7 @@ def _in_amx_layout(moe: SparseMoE) -> bool:
 
 def _equal_the_loop(moe: SparseMoE, dtype: torch.dtype, gen: torch.Generator) -> None:
     """The grouped path against the loop on the block's steps: 1 to MAX_ROWS rows, two rows on the very same
-    experts, and a step past MAX_ROWS (the loop runs it)."""
+    experts, and a step past MAX_ROWS (int4 experts: their grouped kernel of many rows, else the loop)."""
     assert moe_cpu.CpuExperts.of(moe) is not None
     hidden = moe.gate.in_features
     for rows in (1, 2, 5, moe_cpu.MAX_ROWS):
@@ -76,7 +79,14 @@ def _equal_the_loop(moe: SparseMoE, dtype: torch.dtype, gen: torch.Generator) ->
     x = torch.randn(1, hidden, generator=gen).to(dtype).expand(2, hidden).contiguous()
     assert torch.equal(moe(x), _reference(moe, x))
     x = torch.randn(moe_cpu.MAX_ROWS + 1, hidden, generator=gen).to(dtype)
-    assert moe_cpu.routed(moe, x, *moe.route(x)) is None
+    weights, ids = moe.route(x)
+    ids, perm = ids.sort(dim=-1)
+    fast = moe_cpu.routed(moe, x, weights.gather(-1, perm), ids)
+    if moe_cpu.CpuExperts.of(moe).batched is None or dtype not in moe_cpu.CpuExperts.of(moe).batched.dtypes:
+        assert fast is None
+    else:
+        assert type(moe.experts[0].gate_up_proj) is Int4Linear
+        assert fast is not None and torch.equal(fast, _reference(moe, x)), dtype
 
 
 @pytest.mark.parametrize(
@@ -175,3 +185,87 @@ def test_bf16_experts_in_plain_rows_and_refusals(loaded):
         plain.experts[3].down_proj.bias = torch.nn.Parameter(torch.zeros(moe.gate.in_features).bfloat16())
         plain.__dict__.pop("_cpu_experts")
         assert moe_cpu.CpuExperts.of(plain) is None
+
+
+def _int4_block(args, experts: int, k: int, gen: torch.Generator) -> SparseMoE:
+    """A sparse block of the family's shape with ``experts`` int4 experts (random weights), ``k`` a row."""
+    moe = SparseMoE(dataclasses.replace(args, num_experts=experts, experts_per_token=k))
+    with torch.no_grad():
+        for lin in moe.modules():
+            if isinstance(lin, Linear):
+                lin.weight.copy_(torch.randn(lin.weight.shape, generator=gen) / lin.in_features**0.5)
+    for e in moe.experts:
+        e.gate_up_proj = quantize_linear(e.gate_up_proj, "int4", 32)
+        e.down_proj = quantize_linear(e.down_proj, "int4", 32)
+    return moe.eval()
+
+
+def _picks(rows: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, ids ascending) of a step over 40 experts, 4 a row: expert 0 in every row, 1 and 2 in every
+    other row, 3..9 and 10..38 spread, 39 in none."""
+    ids = torch.tensor([[0, 1 + t % 2, 3 + t % 7, 10 + (5 * t) % 29] for t in range(rows)])
+    weights = torch.softmax(torch.randn(rows, 4, generator=gen), dim=-1).to(dtype)
+    return weights, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_steps_of_many_rows_take_the_grouped_kernel_bit_for_bit(loaded, dtype):
+    gen = torch.Generator().manual_seed(3)
+    moe = _int4_block(_blocks(loaded("float32", "int4"))[0].args, 40, 4, gen)
+    ex = moe_cpu.CpuExperts.of(moe)
+    assert ex is not None and ex.batched is not None
+    for rows in (9, 17, 32, 40):  # past MAX_ROWS; 40: expert 0's rows in two chunks of the kernel
+        x = torch.randn(rows, moe.gate.in_features, generator=gen).to(dtype)
+        weights, ids = _picks(rows, dtype, gen)
+        fast = moe_cpu.routed(moe, x, weights, ids)
+        if dtype not in ex.batched.dtypes:  # bf16 where the experts' layers take AMX tiles: the loop's
+            assert fast is None
+            continue
+        moe.route = lambda x, w=weights, i=ids: (w, i)  # the reference routes the same step
+        try:
+            assert fast is not None and fast.dtype == dtype
+            assert torch.equal(fast, _reference(moe, x)), rows
+        finally:
+            del moe.route
+    x = torch.randn(moe_int4_batched.MAX_ROWS + 1, moe.gate.in_features, generator=gen).to(dtype)
+    assert moe_cpu.routed(moe, x, *_picks(x.shape[0], dtype, gen)) is None  # past its bound: the loop's
+
+
+def test_self_check_keeps_the_loop_for_many_rows_where_the_grouped_kernel_differs(loaded):
+    gen = torch.Generator().manual_seed(4)
+    moe = _int4_block(_blocks(loaded("float32", "int4"))[0].args, 40, 4, gen)
+    assert moe_cpu.self_check([moe], torch.float32) == 1
+    ex = moe_cpu.CpuExperts.of(moe)
+    assert torch.float32 in ex.batched.dtypes
+    real, flipped = ex.batched.fn, ex.tables[0].flip(0)
+
+    def wrong(args):  # each expert's gate/up read from another's
+        args.gate_up = flipped.data_ptr()
+        return real(args)
+
+    ex.batched.fn = wrong
+    assert moe_cpu.self_check([moe], torch.float32) == 1  # steps of few rows keep their kernel
+    assert ex.batched.dtypes == ()
+    x = torch.randn(12, moe.gate.in_features, generator=gen)
+    assert moe_cpu.routed(moe, x, *_picks(12, torch.float32, gen)) is None
+    assert moe_cpu.routed(moe, x[:3], *_picks(3, torch.float32, gen)) is not None
+    assert torch.equal(moe(x), _reference(moe, x))
+
+
+def test_greedy_batch_of_many_sequences_equal_with_and_without_the_grouped_kernel(loaded, monkeypatch):
+    llm = loaded("float32", "int4")
+    ran = []
+    real = moe_int4_batched.kernel
+    monkeypatch.setattr(moe_int4_batched, "kernel", lambda *a: ran.append(a[1]) or real(*a))
+    prompts = [[5 + (13 * i + 7 * j) % 800 for j in range(3 + i % 5)] for i in range(12)]
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert len(prompts) > moe_cpu.MAX_ROWS and len(prompts) in ran, ran  # decode steps of all twelve rows
+    for moe in _blocks(llm):
+        moe.cpu_grouped = False
+    try:
+        want = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    finally:
+        for moe in _blocks(llm):
+            del moe.cpu_grouped
+    assert got == want
+    assert sum(len(set(o)) > 2 for o in got) >= 6, got

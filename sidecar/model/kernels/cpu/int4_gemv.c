@@ -1158,3 +1158,156 @@ int sidecar_int4_moe(const sidecar_moe_args* a) {
     free(scratch);
     return 0;
 }
+
+/* ---------------------------------------------------------------- grouped experts for batched steps */
+
+/* The scratch bytes of grouped_act's Act. */
+static size_t grouped_act_bytes(int M, int K, int gs) {
+    return (size_t)M * (K / gs) * 12 + (size_t)M * 2 * K + 128;
+}
+
+/* An Act over M rows of K values (x's dtype; x NULL for rows filled by grouped_copy_row) in the layout
+ * sidecar_int4_matmul gives calls of PANEL_MIN rows or more (AVX2: the int16 codes of the panels; AVX-512:
+ * high and low bytes, as for every call), its scratch from *p, advanced past it. */
+static Act grouped_act(const void* x, int x_bf16, int M, int K, int gs, char** p) {
+    Act a = {.x = (const float*)x,
+             .x16 = x_bf16 ? (const uint16_t*)x : NULL,
+             .K = K,
+             .G = K / gs,
+             .gs = gs,
+             .panels = INT_DOT == 2,
+             .xb_row = 2};
+    const size_t mg = (size_t)M * a.G;
+    a.xsum = (float*)*p;
+    a.d = a.xsum + mg;
+    a.xqsum = (int32_t*)(a.d + mg);
+    a.xb = (int8_t*)(((uintptr_t)(a.xqsum + mg) + 63) & ~(uintptr_t)63);
+    *p = (char*)(a.xb + (size_t)M * 2 * K + 64);
+    return a;
+}
+
+/* Row t of src's prepared activations (codes, scale, sums) as row r of dst (same K and group size). */
+static void grouped_copy_row(const Act* src, int t, const Act* dst, int r) {
+    const int64_t row = (int64_t)src->xb_row * src->K, G = src->G;
+    memcpy(dst->xb + r * row, src->xb + t * row, (size_t)row);
+    memcpy(dst->d + r * G, src->d + t * G, sizeof(float) * G);
+    memcpy(dst->xqsum + r * G, src->xqsum + t * G, sizeof(int32_t) * G);
+    memcpy(dst->xsum + r * G, src->xsum + t * G, sizeof(float) * G);
+}
+
+/* Block b of one expert's projection (packed codes w [np, K / 2], bf16 scales and zeros sz [G, np, 2]) for
+ * its n activation rows r0 .. r0 + n - 1 of a, in chunks of ROWS_CHUNK rows as sidecar_int4_matmul runs an
+ * n-row call: outputs (x's dtype) into row dst[r] of y [., np] for activation row r, or row r where dst is
+ * NULL. */
+static void grouped_block(const Act* a, int r0, int n, const uint8_t* w, const uint16_t* sz, int np, int b,
+                          int block_n, int split, const Idx* idx, void* y, const int* dst, int y_bf16) {
+    const int nfull = np / block_n, tail = np % block_n, K = a->K, G = a->G;
+    const int n0 = b * block_n, rows = b < nfull ? block_n : tail;
+    for (int m0 = 0; m0 < n; m0 += ROWS_CHUNK) {
+        const int mc = n - m0 < ROWS_CHUNK ? n - m0 : ROWS_CHUNK;
+        const int64_t r = r0 + m0;
+        float tot[ROWS_CHUNK][64];
+        Act am = *a; /* the integer paths read the prepared rows alone */
+        am.x = NULL;
+        am.x16 = NULL;
+        am.xb = a->xb + r * a->xb_row * K;
+        am.d = a->d + r * G;
+        am.xqsum = a->xqsum + r * G;
+        am.xsum = a->xsum + r * G;
+        run_block(w + (int64_t)n0 * (K / 2), rows, b < nfull ? split : 0, idx, sz + 2 * (int64_t)n0, np, &am,
+                  mc, tot);
+        for (int i = 0; i < mc; i++) {
+            const int64_t at = (int64_t)(dst ? dst[r + i] : r + i) * np + n0;
+            if (y_bf16)
+                store_bf16((uint16_t*)y + at, tot[i], rows);
+            else
+                memcpy((float*)y + at, tot[i], sizeof(float) * rows);
+        }
+    }
+}
+
+/* A sparse block's routed sum over int4 experts (moe_args.h) for steps of many rows, in one parallel region,
+ * each picked expert's weights read once for all of its slots: the slots ordered by expert (a counting sort,
+ * slots ascending within an expert, as the per-expert loop gathers its rows), the rows' codes, each slot's
+ * codes copied to its place in that order, each picked expert's gate/up blocks over its slots' rows, each
+ * slot's silu * up and its codes, the down blocks likewise, the weighted sums by column. Each expert's
+ * products are those of sidecar_int4_matmul on its rows (a call of that many rows: the same chunks and
+ * kernels; an expert of one row takes the panels, whose integer sums and folds equal the one-row call's), so
+ * the result equals the per-expert loop's bit for bit. Arguments and returns as sidecar_int4_moe's. */
+int sidecar_int4_moe_grouped(const sidecar_moe_args* a) {
+    const int T = a->T, S = a->T * a->k, H = a->H, I = a->I, E = a->E, dt = a->x_bf16, es = dt ? 2 : 4;
+    const int gs = a->group_size, block_n = a->block_n;
+    if (!INT_DOT || gs <= 0 || gs > 256 || gs % 16 || H % gs || I % gs || H % 16 || (2 * I) % 16 ||
+        (block_n != 64 && block_n != 32) || T < 1 || a->k < 1)
+        return 3;
+    if (moe_ids_ok(a)) return 1;
+    const size_t bytes = grouped_act_bytes(T, H, gs) + grouped_act_bytes(S, H, gs) +
+                         grouped_act_bytes(S, I, gs) + (size_t)S * (3 * I + H) * es +
+                         sizeof(int) * ((size_t)E + 1 + 4 * (size_t)S) + 64;
+    char* scratch = malloc(bytes);
+    if (scratch == NULL) return 2;
+    char* p = scratch;
+    const Act ax = grouped_act(a->x, dt, T, H, gs, &p); /* the step's rows */
+    const Act as =
+            grouped_act(NULL, dt, S, H, gs, &p); /* their codes again, a row per slot in expert order */
+    char* gu = p;                                /* [S, 2 I] x's dtype, expert order */
+    char* act = gu + (size_t)S * 2 * I * es;     /* [S, I] x's dtype, expert order */
+    char* out = act + (size_t)S * I * es;        /* [S, H] x's dtype, slot order */
+    p = out + (size_t)S * H * es;
+    const Act aa = grouped_act(act, dt, S, I, gs, &p);
+    int* start = (int*)p;       /* [E + 1] each expert's first place in the order */
+    int* order = start + E + 1; /* [S] the slot at each place */
+    int* first = order + S;     /* [jobs] the first place of each picked expert */
+    int* count = first + S;     /* [jobs] its slots */
+    int* expert = count + S;    /* [jobs] its id */
+    memset(start, 0, sizeof(int) * ((size_t)E + 1));
+    for (int s = 0; s < S; s++) start[a->ids[s] + 1]++;
+    int jobs = 0;
+    for (int e = 0; e < E; e++) {
+        if (start[e + 1]) {
+            first[jobs] = start[e];
+            count[jobs] = start[e + 1];
+            expert[jobs++] = e;
+        }
+        start[e + 1] += start[e];
+    }
+    for (int s = 0; s < S; s++)
+        order[start[a->ids[s]]++] = s; /* start[e]: now the end of expert e's places */
+    Idx idx;
+    make_idx(&idx);
+    const int gu_blocks = (2 * I + block_n - 1) / block_n, dn_blocks = (H + block_n - 1) / block_n;
+    const int Gx = H / gs, Ga = I / gs, chunks = (H + 63) / 64, k = a->k;
+#pragma omp parallel num_threads(a->nthreads)
+    {
+#pragma omp for schedule(static)
+        for (int mg = 0; mg < T * Gx; mg++) prepare_group(&ax, mg / Gx, mg % Gx);
+#pragma omp for schedule(static)
+        for (int r = 0; r < S; r++) grouped_copy_row(&ax, order[r] / k, &as, r);
+#pragma omp for schedule(static)
+        for (int item = 0; item < jobs * gu_blocks; item++) {
+            const int j = item / gu_blocks, e = expert[j];
+            grouped_block(&as, first[j], count[j], (const uint8_t*)(intptr_t)a->gate_up[e],
+                          (const uint16_t*)(intptr_t)a->gate_up_scales[e], 2 * I, item % gu_blocks, block_n,
+                          a->split, &idx, gu, NULL, dt);
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < S; r++) {
+            moe_silu_row(gu + (size_t)r * 2 * I * es, act + (size_t)r * I * es, I, dt);
+            for (int g = 0; g < Ga; g++) prepare_group(&aa, r, g);
+        }
+#pragma omp for schedule(static)
+        for (int item = 0; item < jobs * dn_blocks; item++) {
+            const int j = item / dn_blocks, e = expert[j];
+            grouped_block(&aa, first[j], count[j], (const uint8_t*)(intptr_t)a->down[e],
+                          (const uint16_t*)(intptr_t)a->down_scales[e], H, item % dn_blocks, block_n,
+                          a->split, &idx, out, order, dt);
+        }
+#pragma omp for schedule(static)
+        for (int item = 0; item < T * chunks; item++) {
+            const int t = item / chunks, h0 = (item % chunks) * 64;
+            moe_weighted_sum(a, out, t, h0, h0 + 64 < H ? h0 + 64 : H);
+        }
+    }
+    free(scratch);
+    return 0;
+}

@@ -53,6 +53,7 @@ _KERNEL = cpu_build.Kernel(
         "sidecar_int4_moe": ([MoeArgs], I),
         "sidecar_int4_vector_bits": ([], I),
         "sidecar_int4_integer_dot": ([], I),
+        "sidecar_int4_moe_grouped": ([MoeArgs], I),
     },
 )
 
