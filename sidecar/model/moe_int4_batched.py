@@ -1,13 +1,13 @@
 """Batched decode steps of a sparse block over int4 experts on the CPU in one kernel call.
 
-``moe_cpu.routed`` runs steps of up to ``moe_cpu.MAX_ROWS`` rows as one-row products, a slot at a time (each slot
-reads its expert's weights); a step of more rows, up to ``MAX_ROWS``, goes through ``sidecar_int4_moe_grouped``
-(``kernels/cpu/int4_gemv.c``) instead: in one parallel region the step's slots are ordered by expert, each picked
-expert's gate/up blocks run once over all of its slots' rows, then each slot's silu * up, the down blocks once
-per expert, and the weighted sums in moe.py's order, so each picked expert's weights are read once a step. Each
-expert's products are those its ``Int4Linear`` computes on that many rows (``sidecar_int4_matmul``: the same
-chunks of rows and kernels; a row's outputs do not depend on the call's other rows), so the result equals the
-per-expert loop's bit for bit.
+``moe_cpu.routed`` runs steps of up to ``moe_cpu.MAX_ROWS`` rows as one-row products, a slot at a time (each
+slot reads its expert's weights); a step of more rows, up to this module's ``MAX_ROWS``, goes through
+``sidecar_int4_moe_grouped`` (``kernels/cpu/int4_gemv.c``) instead: in one parallel region the step's slots are
+ordered by expert, each picked expert's gate/up blocks run once over all of its slots' rows, then each slot's
+silu * up, the down blocks once per expert, and the weighted sums in moe.py's order, so each picked expert's
+weights are read once a step. Each expert's products are those its ``Int4Linear`` computes on that many rows
+(``sidecar_int4_matmul``: the same chunks of rows and kernels; a row's outputs do not depend on the call's other
+rows), so the result equals the per-expert loop's bit for bit.
 
 Refused (the loop runs the step): more rows than ``MAX_ROWS`` (the kernel's scratch grows with rows times experts
 per row), and bf16 steps where the experts' layers take the AMX tile path from ``int4_gemv.TILE_MIN_ROWS`` rows on
