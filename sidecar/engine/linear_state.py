@@ -38,11 +38,9 @@ from sidecar.model.args import ModelArgs
 
 log = logging.getLogger("sidecar.engine")
 
-# Why the paths that cannot carry a per-sequence state step aside for these models (each logged once).
-STATEFUL_REASON = (
-    "linear-attention layers keep a per-sequence state that the start-up self-check, decode graphs, "
-    "replays and speculative rollback do not carry"
-)
+# Why speculative decoding steps aside for these models (logged once): the start-up self-check, decode
+# graphs and replays carry the state slots, a rejected proposal's rollback does not.
+STATEFUL_REASON = "linear-attention layers keep a per-sequence state that speculative rollback does not carry"
 OFFLOAD_REASON = (
     "linear-attention layers restore a prefix hit's state from a checkpoint the offload tiers do not keep"
 )
