@@ -20,8 +20,8 @@ are on (a plan holds the width it was recorded with; the attention kernel reads 
 
 A hybrid model's linear-attention layers step their rows' state slots in place (``deltanet_step.c``): the slot
 of each row is read from the buffers (``DecodeInputs.state_slots``) like its KV slot, so a plan steps whichever
-sequences the buffers name. The self-check's padded rows step slots ``0..bucket-1``, set to the same random
-states before each run it compares (the states after the step compared too) and left at rest after it.
+sequences the buffers name. The self-check points its padded rows at slots ``0..bucket-1`` (not the scratch row),
+set to the same random states before each run it compares (the states after it compared too), then at rest.
 
 A mixture-of-experts block is recorded where its decode step runs in kernels alone (the gate, the router kernel,
 the grouped int8 / int4 / bf16 experts: ``model/moe_cpu.py``); elsewhere it runs a torch operator, which the
@@ -177,9 +177,7 @@ class CpuDecodePlans:
         """Plan these batch sizes now (dry passes: nothing computed), so that their first steps replay too. A size
         that cannot be planned so is recorded at its first step instead."""
         refused: dict[str, list[int]] = {}
-        if (
-            self._hidden is None
-        ):  # the staging buffers a plan reads from (a dry pass reads no values: once is enough)
+        if self._hidden is None:  # the staging buffers plans read (a dry pass reads no values)
             self.stage(1)
         self.inputs.scores = None
         for i, bucket in enumerate(sizes):
@@ -339,6 +337,7 @@ class CpuDecodePlans:
             self.inputs.scores.zero_()
         if self.states is None:
             return
+        self.inputs.state_slots[:bucket].copy_(torch.arange(min(bucket, self.inputs.max_batch)))
         gen = torch.Generator().manual_seed(0)
         for t in self.states.conv + self.states.recurrent:
             rows = t[: min(bucket, self.states.slots)]
@@ -348,7 +347,8 @@ class CpuDecodePlans:
         """Copies of the states the self-check's padded rows stepped."""
         if self.states is None:
             return []
-        return [t[: min(bucket, self.states.slots)].clone() for t in self.states.conv + self.states.recurrent]
+        rows = self.inputs.state_slots[:bucket]  # the slots the rows stepped (``_seed_states`` sets them)
+        return [t.index_select(0, rows) for t in self.states.conv + self.states.recurrent]
 
     def _check_plan(
         self, plan: replay.Plan, eager: torch.Tensor, bucket: int, what: str = "replayed"

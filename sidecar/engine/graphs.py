@@ -8,7 +8,9 @@ itself -- the same function over the same buffers, so the eager form is the grap
 
 Invariant the step function keeps for capture: no host reads (``.item()``, ``.tolist()``, boolean
 indexing, ``nonzero``) and no Python value derived from the buffers' contents, so a replay computes
-from whatever the buffers hold at replay time (tests run it on the ``meta`` device to prove this).
+from whatever the buffers hold at replay time (tests run it on the ``meta`` device to prove this). A hybrid
+model's linear layers gather, step and scatter their state slots by the ids in the buffers the same way,
+so a replay steps the states of whichever sequences the buffers name (padded rows: the scratch row).
 """
 
 from __future__ import annotations

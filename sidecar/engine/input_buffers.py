@@ -8,7 +8,8 @@ reads the same addresses on every replay.
 
 Rows are padded up to a batch-size bucket. A padded row decodes token 0 at position 0 with a context
 of one token, writes its KV into the reserved block 0 (slot ``j % block_size`` for padded row j) and
-reads only that block; its hidden state is computed and never selected.
+reads only that block; its hidden state is computed and never selected. A hybrid model's padded rows step
+the scratch state row (``LinearStates.scratch``, right after the slots), which no sequence owns.
 
 A model with KV groups (``kv_groups.py``) has one block table per group per sequence: the buffers then
 carry, after group 0's, every further group's slots and tables (the same rows, positions and context
@@ -69,7 +70,8 @@ class DecodeInputs:
     for device kernels that index with 32-bit ids. The buffers are never reallocated: their ``data_ptr``s
     are what captured graphs and CPU replays hold. ``group_of``: each layer's KV group (None: one group).
     ``state_rows``: a hybrid model's linear-attention state slots, each row's (``DecodeRow.state_slot``) staged
-    for the decode metadata (0: the model keeps none, nothing staged)."""
+    for the decode metadata, padded rows at row ``state_rows`` (the scratch row; 0: the model keeps none,
+    nothing staged)."""
 
     def __init__(
         self,
@@ -136,9 +138,9 @@ class DecodeInputs:
             h[2 * m + n : 2 * m + bucket] = [j % bs for j in range(pad)]
             h[3 * m + n : 3 * m + bucket] = 1
         h[4 * m : 4 * m + len(sample)] = sample
-        if self.state_rows:  # a padded row j steps state slot j (distinct while the bucket fits the slots)
+        if self.state_rows:  # padded rows step the scratch row, never a sequence's slot
             h[5 * m : 5 * m + n] = [r.state_slot for r in rows]
-            h[5 * m + n : 5 * m + bucket] = [j % self.state_rows for j in range(pad)]
+            h[5 * m + n : 5 * m + bucket] = self.state_rows
         off = self._table_off
         if any(len(r.table) > width for r in rows):
             raise ValueError(

@@ -8,13 +8,18 @@ whenever its KV blocks go back (finish, failure, abort, preemption: a preempted 
 by recomputing its prompt); the scheduler cannot run a sequence without one. Attention layers keep the
 paged KV cache, so the KV pool is sized over those layers alone.
 
+Row ``slots`` (``LinearStates.scratch``) belongs to no sequence: a decode batch padded up to a bucket
+(input_buffers.py) points every padded row at it, so padded rows -- in captured decode graphs, whose rows are
+whatever the buffers name at replay -- step a state nothing reads and never a sequence's. Several padded
+rows step it at once; what it holds is never read for a real row.
+
 Prefix caching stays exact through checkpoints (``StateCheckpoints``): when a step leaves a sequence's
 computed tokens exactly on a full block's end, the state in its slot is the state after that block's prefix,
 and a copy of it is kept under that block's hash. A prefix hit is served only up to the last hit block that
 has a checkpoint (whose copy then becomes the new sequence's state), so a state is only ever restored from
-the exact prefix it was computed over, never approximated. Checkpoints sit in rows past the slots of the
-same tensors (a separate budget: as many checkpoints as slots, the same bytes again), least recently used
-evicted first.
+the exact prefix it was computed over, never approximated. Checkpoints sit in rows past the scratch row of
+the same tensors (a separate budget: as many checkpoints as slots, the same bytes again), least recently
+used evicted first.
 
 Layouts, per linear layer: conv ``[slots, conv_dim, kernel - 1]`` in the model dtype (the inputs HF's
 convolution state holds), recurrent ``[slots, v_heads, k_dim, v_dim]`` float32 (HF's recurrent state is
@@ -33,11 +38,9 @@ from sidecar.model.args import ModelArgs
 
 log = logging.getLogger("sidecar.engine")
 
-# Why the paths that cannot carry a per-sequence state step aside for these models (each logged once).
-STATEFUL_REASON = (
-    "linear-attention layers keep a per-sequence state that the start-up self-check, decode graphs, "
-    "replays and speculative rollback do not carry"
-)
+# Why speculative decoding steps aside for these models (logged once): the start-up self-check, decode
+# graphs and replays carry the state slots, a rejected proposal's rollback does not.
+STATEFUL_REASON = "linear-attention layers keep a per-sequence state that speculative rollback does not carry"
 OFFLOAD_REASON = (
     "linear-attention layers restore a prefix hit's state from a checkpoint the offload tiers do not keep"
 )
@@ -55,13 +58,14 @@ class LinearStates:
     def __init__(
         self, args: ModelArgs, slots: int, dtype: torch.dtype, device: torch.device, checkpoints: int = 0
     ) -> None:
-        """``slots`` state slots (rows ``0..slots-1``) and ``checkpoints`` prefix-cache checkpoints (the
-        rows after them) of every linear layer."""
+        """``slots`` state slots (rows ``0..slots-1``), the scratch row ``slots`` and ``checkpoints``
+        prefix-cache checkpoints (the rows after it) of every linear layer."""
         spec = args.linear
         self.slots = slots
+        self.scratch = slots  # padded decode rows step this row (module docstring)
         self.checkpoints = checkpoints
         self.layers = args.linear_layers
-        rows = slots + checkpoints
+        rows = slots + 1 + checkpoints
         self.conv = [
             torch.zeros(rows, spec.conv_dim, spec.conv_kernel - 1, dtype=dtype, device=device)
             for _ in self.layers
@@ -77,12 +81,13 @@ class LinearStates:
         self.bytes = per_row * slots
         self.checkpoint_bytes = per_row * checkpoints
         log.info(
-            "linear-attention state: %d layers x %d slots + %d checkpoints, %.1f KiB a sequence (%.1f MiB)",
+            "linear-attention state: %d layers x %d slots + %d checkpoints + 1 scratch row, %.1f KiB a "
+            "sequence (%.1f MiB)",
             len(self.layers),
             slots,
             checkpoints,
             per_row / 2**10,
-            (self.bytes + self.checkpoint_bytes) / 2**20,
+            (self.bytes + self.checkpoint_bytes + per_row) / 2**20,
         )
 
     def layer_caches(self, args: ModelArgs, kv_caches: list) -> list:
@@ -91,6 +96,17 @@ class LinearStates:
         states = iter(zip(self.conv, self.recurrent))
         kvs = iter(kv_caches)
         return [next(states) if args.is_linear(i) else next(kvs) for i in range(args.num_layers)]
+
+    def rows(self, rows: list[int]) -> list[torch.Tensor]:
+        """Copies of these rows of every conv and recurrent tensor (what ``put_rows`` puts back)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.conv[0].device)
+        return [t.index_select(0, idx) for t in self.conv + self.recurrent]
+
+    def put_rows(self, rows: list[int], saved: list[torch.Tensor]) -> None:
+        """These rows of every tensor set back to ``rows``' copies ``saved``."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.conv[0].device)
+        for t, old in zip(self.conv + self.recurrent, saved):
+            t.index_copy_(0, idx, old)
 
     def reset(self, slot: int) -> None:
         """A slot handed to a sequence that starts from rest."""
@@ -212,14 +228,15 @@ class SlotPool:
 
 
 class StateCheckpoints:
-    """The states after cached prefixes, by the hash of the prefix's last block: rows ``slots ..
-    slots + checkpoints - 1`` of the ``LinearStates`` tensors, least recently saved or restored evicted
-    first. A checkpoint is keyed by a chained block hash, which covers every token of the prefix (and the
-    cache salt), so it stays valid whatever happens to the KV block that carried the hash."""
+    """The states after cached prefixes, by the hash of the prefix's last block: rows ``slots + 1 ..
+    slots + checkpoints`` of the ``LinearStates`` tensors (past the scratch row), least recently saved or
+    restored evicted first. A checkpoint is keyed by a chained block hash, which covers every token of the
+    prefix (and the cache salt), so it stays valid whatever happens to the KV block that carried the hash."""
 
     def __init__(self, states: LinearStates) -> None:
         self.states = states
-        self.free = list(range(states.slots + states.checkpoints - 1, states.slots - 1, -1))
+        first = states.scratch + 1
+        self.free = list(range(first + states.checkpoints - 1, first - 1, -1))
         self.rows: OrderedDict[bytes, int] = OrderedDict()  # oldest first
         self.saved = self.restored = self.evicted = 0
 
@@ -259,4 +276,5 @@ class StateCheckpoints:
     def whole(self) -> bool:
         """Every checkpoint row either free or holding one prefix's state."""
         rows = sorted(self.free + list(self.rows.values()))
-        return rows == list(range(self.states.slots, self.states.slots + self.states.checkpoints))
+        first = self.states.scratch + 1
+        return rows == list(range(first, first + self.states.checkpoints))

@@ -1,10 +1,10 @@
 """ModelRunner: SchedulerOutput -> packed tensors -> model -> logits of the sampled positions.
 
 A pure-decode step (every scheduled request has exactly one new token, none verifies proposed tokens)
-runs through persistent input buffers (``input_buffers.py``) and, on CUDA, a captured graph per
-batch-size bucket (``graphs.py``); steps with prompt chunks or verification rows run eagerly from
-tensors built for the step. Which device fast paths the model takes is decided once at start by the
-self-check (``self_check.py``) unless ``enforce_eager``.
+runs through persistent input buffers (``input_buffers.py``; a hybrid model's state slots too) and, on
+CUDA, a captured graph per batch-size bucket (``graphs.py``); steps with prompt chunks or verification rows
+run eagerly from tensors built for the step. Which device fast paths the model takes is decided once at
+start by the self-check (``self_check.py``) unless ``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sidecar.engine.input_buffers import table_width
 from sidecar.engine.kv_budget import plan_kv_budget
 from sidecar.engine.kv_cache import KVCacheManager
 from sidecar.engine.kv_evict import is_scored
-from sidecar.engine.linear_state import STATEFUL_REASON, LinearStates, groups_of, plan_slots
+from sidecar.engine.linear_state import LinearStates, groups_of, plan_slots
 from sidecar.engine.kv_copy import BlockCopier
 from sidecar.engine.kv_scores import SlotScores
 from sidecar.engine.kv_zero import PoolZeroing
@@ -70,7 +70,7 @@ class ModelRunner:
         self.states = LinearStates(a, slots, self.dtype, self.device, ckpts) if slots else None
         # what each layer's mixer reads: KV caches, and a hybrid model's state slots
         self.layer_caches = self.states.layer_caches(a, self.kv_caches) if self.states else self.kv_caches
-        self.buffered = self.states is None or self.device.type == "cpu"  # CPU replays carry state slots
+        self.buffered = True  # pure-decode steps run through the persistent buffers (state slots included)
         self.copier = BlockCopier(self.kv_caches, self.device)  # offload copies (a side stream on CUDA)
         # Attention received per cache slot, for scored KV eviction (kv_scores.py).
         self.slot_scores = SlotScores(self.num_blocks * self.block_size, self.block_size, self.device)
@@ -98,7 +98,7 @@ class ModelRunner:
             self.model, self.layer_caches, self.inputs, self.states, self.slot_scores.received
         )
         self.set_decode_padding(False)
-        if self.device.type == "cuda" or self.enforce_eager or self.states is not None:
+        if self.device.type == "cuda" or self.enforce_eager:
             self.prepare_fast_paths()
         else:  # on CPU: decode steps replayed from C once a replayed step matches the eager one
             self.cpu_plans.self_check()
@@ -118,14 +118,10 @@ class ModelRunner:
         self.fast_paths.set_all(False)
         self.fast_paths.reasons = {}
         self.set_decode_padding(False)
-        if self.enforce_eager or self.states is not None:  # device paths carry no state slots; CPU replays do
-            reason = self.eager_reason if self.enforce_eager else STATEFUL_REASON
+        if self.enforce_eager:
             for name in PATH_NAMES:
-                self.fast_paths.disable(name, reason)
-            if self.enforce_eager or self.device.type != "cpu":
-                return self.cpu_plans.disable(reason)
-            self.cpu_plans.self_check()  # CPU replays carry the state slots
-            return
+                self.fast_paths.disable(name, self.eager_reason)
+            return self.cpu_plans.disable(self.eager_reason)
         if not (self.device.type == "cuda" or force_check):
             return  # on CPU our C kernels are the fast path; the device fields stay off
         self_check.run(self, sampler_check=self.sampler_check)

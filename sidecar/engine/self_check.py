@@ -10,7 +10,11 @@ once; if that run disagrees, all of them go off (a wrong answer is never worth t
 
 The probe uses KV blocks 1..n of the pool (and the reserved block 0 for padded rows) and puts back
 their contents afterwards, so it can run at any time no request is being stepped; decode graphs it
-captures are dropped, and the runner's buckets are restored.
+captures are dropped, and the runner's buckets are restored. A hybrid model's probe sequences take state
+slots 0..n-1 (from rest, as a sequence does) and its padded rows the scratch row (linear_state.py): those
+rows are put back too. Its linear layers' states after the probe -- each probe sequence's convolution window
+and recurrent state -- are compared with the reference's as the logits are, so a path that steps a wrong
+slot or computes a wrong state fails even where the probe's last logits would not show it.
 """
 
 from __future__ import annotations
@@ -52,36 +56,50 @@ def default_paths(runner) -> list[str]:
 
 
 @contextlib.contextmanager
-def _scratch_blocks(runner, num: int) -> Iterator[list[int]]:
-    """Blocks 1..num for the probe; their contents (and block 0's) are restored on exit."""
+def _scratch_blocks(runner, num: int, seqs: int) -> Iterator[list[int]]:
+    """Blocks 1..num for the probe; their contents (and block 0's) are restored on exit, and so are a hybrid
+    model's state slots 0..seqs-1 and its scratch row."""
     saved = [[t[: num + 1].clone() for t in layer] for layer in runner.kv_caches]  # values (and scales)
+    states = getattr(runner, "states", None)
+    rows = [*range(seqs), states.scratch] if states is not None else []
+    kept_states = states.rows(rows) if states is not None else []
     try:
         yield list(range(1, num + 1))
     finally:
         for layer, kept in zip(runner.kv_caches, saved):
             for t, old in zip(layer, kept):
                 t[: num + 1].copy_(old)
+        if states is not None:
+            states.put_rows(rows, kept_states)
+
+
+def _probe_states(runner, seqs: int) -> list[torch.Tensor]:
+    """A hybrid model's state slots 0..seqs-1 of every linear layer, in float32 (none for other models)."""
+    states = getattr(runner, "states", None)
+    return [] if states is None else [t.float() for t in states.rows(list(range(seqs)))]
 
 
 def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
-    """Logits [PROBE_SEQS, V] of the prompt pass and of each decode step, under the current fast paths."""
+    """Logits [PROBE_SEQS, V] of the prompt pass and of each decode step, under the current fast paths; then,
+    for a hybrid model, the states the probe sequences end with (``_probe_states``)."""
     bs, dev = runner.block_size, runner.device
     nb = len(blocks) // len(prompts)
     tables = [blocks[i * nb : (i + 1) * nb] for i in range(len(prompts))]
+    states = getattr(runner, "states", None)
+    if states is not None:  # probe sequence i holds slot i, from rest
+        for t in states.conv + states.recurrent:
+            t[: len(prompts)].zero_()
     ids, pos, slots, segments, last = [], [], [], [], []
-    for p, t in zip(prompts, tables):
-        segments.append(
-            PrefillSegment(
-                len(ids), len(p), len(p), torch.tensor(t[: -(-len(p) // bs)], dtype=torch.long, device=dev)
-            )
-        )
+    for i, (p, t) in enumerate(zip(prompts, tables)):
+        table = torch.tensor(t[: -(-len(p) // bs)], dtype=torch.long, device=dev)
+        segments.append(PrefillSegment(len(ids), len(p), len(p), table, state_slot=i, state_start=True))
         ids.extend(p)
         pos.extend(range(len(p)))
         slots.extend(t[i // bs] * bs + i % bs for i in range(len(p)))
         last.append(len(ids) - 1)
     as_t = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731  (start-up only)
     meta = AttentionMetadata(slot_mapping=as_t(slots), block_size=bs, prefills=segments)
-    hidden = runner.model(as_t(ids), as_t(pos), runner.kv_caches, meta)
+    hidden = runner.model(as_t(ids), as_t(pos), getattr(runner, "layer_caches", runner.kv_caches), meta)
     out = [runner.model.logits_at(hidden, as_t(last)).float()]  # a split model's whole rows too
     graphs = runner.fast_paths.cuda_graphs
     if graphs:  # the probe's own buckets captured (and replayed) under the current kernel settings
@@ -91,9 +109,11 @@ def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list
     try:
         for k, toks in enumerate(steps):
             rows = []
-            for p, t, tok in zip(prompts, tables, toks):
+            for i, (p, t, tok) in enumerate(zip(prompts, tables, toks)):
                 c = len(p) + k
-                rows.append(DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[: c // bs + 1]))
+                rows.append(
+                    DecodeRow(tok, c, t[c // bs] * bs + c % bs, c + 1, t[: c // bs + 1], state_slot=i)
+                )
             if k == len(steps) - 1:
                 rows = rows[:1]  # the last step: the first sequence alone (the batch-1 step)
             out.append(runner.decode_rows(runner.inputs.one_table(rows), list(range(len(rows)))).float())
@@ -101,10 +121,31 @@ def _probe(runner, blocks: list[int], prompts: list[list[int]], steps: list[list
         if graphs:
             runner.graphs.clear()
             runner.set_decode_padding(False)
-    return out
+    return out + _probe_states(runner, len(prompts))
 
 
 def _disagreement(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float) -> Optional[str]:
+    steps = 1 + DECODE_STEPS  # the logits; after them a hybrid model's states (``_probe_states``)
+    return _logits_disagreement(got[:steps], ref[:steps], tol) or _states_disagreement(
+        got[steps:], ref[steps:], tol
+    )
+
+
+def _states_disagreement(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float) -> Optional[str]:
+    """Why the probe's final states (every linear layer's windows, then its recurrent states) are off."""
+    for i, (g, r) in enumerate(zip(got, ref)):
+        scale = max(1.0, float(r.abs().max()))
+        diff = float((g - r).abs().max()) if bool(torch.isfinite(g).all()) else float("inf")
+        if diff > tol * scale:
+            kind = "convolution windows" if i < len(got) // 2 else "recurrent states"
+            return (
+                f"linear-attention {kind} after the probe differ from the reference by {diff:.3g} "
+                f"(tolerance {tol * scale:.3g})"
+            )
+    return None
+
+
+def _logits_disagreement(got: list[torch.Tensor], ref: list[torch.Tensor], tol: float) -> Optional[str]:
     for i, (g, r) in enumerate(zip(got, ref)):
         where = "prompt pass" if i == 0 else f"decode step {i}"
         if not bool(torch.isfinite(g).all()):
@@ -165,7 +206,8 @@ def run(
                 fp.disable(name, FAST_PATH_REASON)
                 log.warning("fast path %s off: %s", name, FAST_PATH_REASON)
     bs, vocab = runner.block_size, runner.model.args.vocab_size
-    seqs = min(PROBE_SEQS, runner.inputs.max_batch)
+    states = getattr(runner, "states", None)  # a hybrid model's probe sequences each hold a state slot
+    seqs = min(PROBE_SEQS, runner.inputs.max_batch, states.slots if states is not None else PROBE_SEQS)
     prompt_len = bs + 3  # one full block and a partial one: both block-table cases
     nb = -(-(prompt_len + DECODE_STEPS) // bs)
     if seqs * nb >= runner.num_blocks or not runner.fits_decode_buffers(seqs, nb):
@@ -181,7 +223,7 @@ def run(
     ):  # quantized layers compute in bf16 there (reference too)
         tol = max(tol, TOLERANCE[kernel_dtype(runner.dtype, runner.device)])
     passed = []
-    with _scratch_blocks(runner, seqs * nb) as blocks:
+    with _scratch_blocks(runner, seqs * nb, seqs) as blocks:
         ref = _probe(runner, blocks, prompts, steps)
         for name in paths:
             fp.set_all(False)
@@ -190,7 +232,7 @@ def run(
             reason = shared(name, reason)
             if reason is None and name == "device_sampler":
                 setattr(fp, name, True)
-                reason = _attempt_sampler(sampler_check, ref[-2])  # the last step of every sequence
+                reason = _attempt_sampler(sampler_check, ref[DECODE_STEPS - 1])  # every sequence's last step
             elif reason is None:
                 setattr(fp, name, True)
                 if name == "cuda_graphs" and "moe" in passed:  # the torch experts read counts to the host

@@ -14,7 +14,9 @@ State: a sequence owns one state slot (engine/linear_state.py) holding, for ever
 ([slots, v_heads, k_dim, v_dim], float32). A prompt chunk (``PrefillSegment.state_slot``) starts from its
 slot's state and leaves its final state there; decode rows (``AttentionMetadata.decode_state_slots``, the
 last rows of the batch, one token of a distinct sequence each) gather their slots, step once, and scatter
-back. The engine zeroes a slot when it hands it out, so a sequence's first chunk starts from rest.
+back, reading the slot ids on the device only (a captured decode graph steps the slots its buffers name at
+replay; its padded rows all name one scratch row, engine/linear_state.py). The engine zeroes a slot when it
+hands it out, so a sequence's first chunk starts from rest.
 
 Numerics follow Hugging Face's torch fallbacks: prompt chunks use the chunked form of the rule (blocks of
 ``CHUNK`` tokens, the within-block part solved as a triangular system), decode rows the one-token recurrence,

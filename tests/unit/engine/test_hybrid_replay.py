@@ -113,9 +113,13 @@ def test_the_self_check_compares_the_states_a_replay_leaves(hybrid_dir, monkeypa
         assert plans._check_plan(plan, eager, 1) is None  # reseeded, replayed: the eager bits and states
         plans._eager_states[-1][0, 0, 0, 0] += 1  # a replay leaving a state the eager step did not
         assert "other linear-attention states" in plans._check_plan(plan, eager, 1)
-    # unseeded, the replay steps the states the eager step left (the same padded token again: the gated norm's
-    # output may round alike, the states do not): replays stay off
-    monkeypatch.setattr(CpuDecodePlans, "_seed_states", lambda self, bucket, zero=False: None)
+    # unseeded (the rows still on slots 0..bucket-1), the replay steps the states the eager step left (the same
+    # padded token again: the gated norm's output may round alike, the states do not): replays stay off
+    monkeypatch.setattr(
+        CpuDecodePlans,
+        "_seed_states",
+        lambda self, bucket, zero=False: self.inputs.state_slots[:bucket].copy_(torch.arange(bucket)),
+    )
     assert "a replayed step of 1 rows" in plans.self_check()
     assert not plans.enabled and plans.info()["cpu_decode_replay"] is False and not plans.replays()
 

@@ -1,8 +1,9 @@
 """The Triton gated DeltaNet decode step (kernels/triton/deltanet.py) against the torch reference of a decode
 step (model/deltanet.py ``decode_reference``): the gated output, the convolution windows and the recurrent
 states of the slots it advances (out of order), over several steps each reading back the states the last one
-wrote, other slots untouched; the arguments it refuses, nothing touched; its start-up self-check; and a tiny
-Qwen3.5's decode rows through it equal to HF transformers' greedy float32 token for token."""
+wrote, other slots untouched; padded rows sharing a scratch row leaving the real rows alone; the arguments it
+refuses, nothing touched; its start-up self-check; and a tiny Qwen3.5's decode rows through it equal to HF
+transformers' greedy float32 token for token."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from sidecar import LLM, SamplingParams
 from sidecar.model import deltanet
 from sidecar.model.kernels.triton import deltanet as triton_deltanet
 from tests.unit.model.kernels.deltanet_cases import case as _case, inputs as _inputs
+from tests.unit.model.kernels.deltanet_cases import padded_rows_leave_the_real_rows
 from tests.unit.engine.test_engine_vs_hf import hf_greedy
 from tests.unit.model.family_checkpoints import assert_not_degenerate, build_family_checkpoint
 
@@ -125,3 +127,9 @@ def test_qwen35_decode_through_the_kernel_matches_hf(tmp_path, demo_dir, monkeyp
     # every decode step of every linear layer ran on the kernel, batches of all three rows included
     steps = [r for r in rows if r is not None]
     assert None not in rows and len(steps) >= 3 * (NEW - 1) and max(steps) == len(PROMPTS)
+
+
+def test_padded_rows_on_a_scratch_row_leave_the_real_rows(device):
+    padded_rows_leave_the_real_rows(
+        lambda m, *args: deltanet.kernel_step(m, *args, triton_deltanet.decode), device
+    )
