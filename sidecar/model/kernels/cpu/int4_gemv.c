@@ -502,16 +502,18 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
     }
 }
 
+#define QUADS_AHEAD 8192 /* how far ahead of the codes group_quads reads the next ones are fetched */
 /* Split blocks of 32 rows for the R (1 or 2) activation rows from row i, without crossing 128-bit lanes: the
  * 32 bytes of columns k, k + 1 and those of k + 2, k + 3 interleave in-lane (vpunpck{l,h}bw) into code pairs
  * (k, k + 2) in the low lane and (k + 1, k + 3) in the high one, rows 0-7 (low bytes) or 8-15 (high bytes)
  * of a nibble's tile, multiplied with prepare_group's quads, whose lanes hold those pairs of activation
  * bytes. Word j of a lane sums row j of its own two columns; the two lanes are added once a group. The
  * integer sums are group_pairs' exact integers and are folded into tot the same way, so the outputs are
- * bit for bit group_pairs'. */
+ * bit for bit group_pairs'. pf, when not NULL: codes further on, fetched meanwhile, a line for each line read
+ * (the hardware prefetcher stops at page boundaries). */
 static inline __attribute__((always_inline)) void group_quads(const uint8_t* w, const Act* a, int i,
                                                               const int R, int g, const uint16_t* szg,
-                                                              float (*tot)[64]) {
+                                                              float (*tot)[64], const uint8_t* pf) {
     const __m256i m = _mm256_set1_epi8(0x0F), lo_hi = _mm256_set1_epi32(1 | 256 << 16);
     const int H = R == 1 ? 2 : 1; /* nibbles a pass: both for one row, one after the other for two */
     const __m256i* xq[2];
@@ -533,8 +535,13 @@ static inline __attribute__((always_inline)) void group_quads(const uint8_t* w, 
             for (int r = 0; r < 2; r++)
                 for (int v = 0; v < 4; v++) h16[r][v] = l16[r][v] = _mm256_setzero_si256();
             const uint8_t* wk = w + (int64_t)k0 * 16;
+            const uint8_t* pk = pf != NULL && n0 == 0 ? pf + (int64_t)k0 * 16 : NULL;
             const __m256i* xk[2] = {xq[0] + k0 / 2, xq[R - 1] + k0 / 2};
             for (int k = 0; k < span; k += 4, wk += 64, xk[0] += 2, xk[1] += 2) {
+                if (pk != NULL) {
+                    _mm_prefetch((const char*)pk, _MM_HINT_T1);
+                    pk += 64;
+                }
                 const __m256i c01 = _mm256_loadu_si256((const __m256i*)wk);
                 const __m256i c23 = _mm256_loadu_si256((const __m256i*)(wk + 32));
                 const __m256i b0 = _mm256_unpacklo_epi8(c01, c23), b1 = _mm256_unpackhi_epi8(c01, c23);
@@ -598,7 +605,7 @@ static inline __attribute__((always_inline)) void group_quads(const uint8_t* w, 
  * rows as 2 + 2, 5 as 3 + 2), each panel one more pass over the decoded group in L1. The integer sums are the
  * same exact integers as group_pairs' and the fold into tot the same float operations, so a row's outputs do
  * not depend on its batch. */
-#define PANEL_ROWS        3
+#define PANEL_ROWS  3
 
 static inline __attribute__((always_inline)) void decode_group(const uint8_t* w, int stride, const int kind,
                                                                const Idx* idx, int gs, __m256i* ub) {
@@ -709,8 +716,13 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
         if (!a->panels && kind == SPLIT32_ALL) {
-            for (int i = 0; i + 1 < mc; i += 2) group_quads(wg, a, i, 2, g, szg, tot);
-            if (mc % 2) group_quads(wg, a, mc - 1, 1, g, szg, tot);
+            /* the next block's scales of this group: one stream per group, too many for the hardware to
+             * follow */
+            _mm_prefetch((const char*)(szg + 2 * 32), _MM_HINT_T0);
+            _mm_prefetch((const char*)(szg + 2 * 32 + 32), _MM_HINT_T0);
+            const uint8_t* next = wg + QUADS_AHEAD; /* past the last group: the next block */
+            for (int i = 0; i + 1 < mc; i += 2) group_quads(wg, a, i, 2, g, szg, tot, i ? NULL : next);
+            if (mc % 2) group_quads(wg, a, mc - 1, 1, g, szg, tot, mc > 1 ? NULL : next);
             continue;
         }
         if (!a->panels) {
