@@ -37,6 +37,7 @@
  * threads; each chunk of codes is decoded once for one or more activation rows, and one pass reads
  * each weight byte once, which is what bounds decode.
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "vec.h"
@@ -1111,9 +1112,43 @@ static Act moe_act(const void* x, int x_bf16, int M, int K, int gs, char** p) {
     return a;
 }
 
+/* What every step of sidecar_int4_moe reads and writes: the rows' and the slots' activation codes, the slots'
+ * gate/up products gu [S, 2 I], their silu * up act [S, I] and down products out [S, H], x's dtype. */
+typedef struct {
+    const sidecar_moe_args* a;
+    const Act *ax, *aa;
+    const Idx* idx;
+    char *gu, *act, *out;
+    int gu_blocks, dn_blocks, es;
+} MoeSteps;
+
+static void moe_gate_up(const MoeSteps* m, int s, int b) { /* slot s's gate/up block b */
+    const sidecar_moe_args* a = m->a;
+    const int e = (int)a->ids[s];
+    slot_block(m->ax, s / a->k, (const uint8_t*)(intptr_t)a->gate_up[e],
+               (const uint16_t*)(intptr_t)a->gate_up_scales[e], 2 * a->I, b, a->block_n, a->split, m->idx,
+               m->gu + (size_t)s * 2 * a->I * m->es, a->x_bf16);
+}
+
+static void moe_silu_codes(const MoeSteps* m, int s) { /* slot s's silu * up and its activation codes */
+    const sidecar_moe_args* a = m->a;
+    moe_silu_row(m->gu + (size_t)s * 2 * a->I * m->es, m->act + (size_t)s * a->I * m->es, a->I, a->x_bf16);
+    for (int g = 0; g < m->aa->G; g++) prepare_group(m->aa, s, g);
+}
+
+static void moe_down(const MoeSteps* m, int s, int b) { /* slot s's down block b */
+    const sidecar_moe_args* a = m->a;
+    const int e = (int)a->ids[s];
+    slot_block(m->aa, s, (const uint8_t*)(intptr_t)a->down[e], (const uint16_t*)(intptr_t)a->down_scales[e],
+               a->H, b, a->block_n, a->split, m->idx, m->out + (size_t)s * a->H * m->es, a->x_bf16);
+}
+
 /* A sparse block's routed sum over int4 experts (moe_args.h) in one parallel region, each slot the one-row
- * product sidecar_int4_matmul computes (its codes from its row alone): the rows' codes, every slot's gate/up
- * blocks, each slot's silu * up and its codes, every slot's down blocks, the weighted sums by column.
+ * product sidecar_int4_matmul computes (its codes from its row alone): the rows' codes, then each slot's
+ * gate/up blocks, its silu * up and their codes and its down blocks, then the weighted sums by column. Where
+ * the threads can share the slots evenly, each runs whole slots (as many as every other), with no barrier
+ * between a slot's steps; else every slot's gate/up blocks, every slot's silu * up, every slot's down blocks
+ * are each split across the threads, a barrier after each. Every slot's outputs are the same either way.
  * gate_up / down: packed codes; their scales: bf16 scales and zeros [G, N, 2]; 2 I and H multiples of 16.
  * Returns 0, 1 for an expert id out of range, 2 when out of memory, 3 for arguments it does not handle (a
  * build without the integer path, a group size or width that does not fit). */
@@ -1137,29 +1172,27 @@ int sidecar_int4_moe(const sidecar_moe_args* a) {
     Idx idx;
     make_idx(&idx);
     const int gu_blocks = (2 * I + block_n - 1) / block_n, dn_blocks = (H + block_n - 1) / block_n;
-    const int Gx = H / gs, Ga = I / gs, chunks = (H + 63) / 64;
+    const MoeSteps m = {a, &ax, &aa, &idx, gu, act, out, gu_blocks, dn_blocks, es};
+    const int Gx = H / gs, chunks = (H + 63) / 64;
 #pragma omp parallel num_threads(a->nthreads)
     {
 #pragma omp for schedule(static)
         for (int mg = 0; mg < T * Gx; mg++) prepare_group(&ax, mg / Gx, mg % Gx);
+        if (S % omp_get_num_threads() == 0) {
 #pragma omp for schedule(static)
-        for (int item = 0; item < S * gu_blocks; item++) {
-            const int s = item / gu_blocks, e = (int)a->ids[s];
-            slot_block(&ax, s / a->k, (const uint8_t*)(intptr_t)a->gate_up[e],
-                       (const uint16_t*)(intptr_t)a->gate_up_scales[e], 2 * I, item % gu_blocks, block_n,
-                       a->split, &idx, gu + (size_t)s * 2 * I * es, dt);
-        }
+            for (int s = 0; s < S; s++) {
+                for (int b = 0; b < gu_blocks; b++) moe_gate_up(&m, s, b);
+                moe_silu_codes(&m, s);
+                for (int b = 0; b < dn_blocks; b++) moe_down(&m, s, b);
+            }
+        } else {
 #pragma omp for schedule(static)
-        for (int s = 0; s < S; s++) {
-            moe_silu_row(gu + (size_t)s * 2 * I * es, act + (size_t)s * I * es, I, dt);
-            for (int g = 0; g < Ga; g++) prepare_group(&aa, s, g);
-        }
+            for (int item = 0; item < S * gu_blocks; item++)
+                moe_gate_up(&m, item / gu_blocks, item % gu_blocks);
 #pragma omp for schedule(static)
-        for (int item = 0; item < S * dn_blocks; item++) {
-            const int s = item / dn_blocks, e = (int)a->ids[s];
-            slot_block(&aa, s, (const uint8_t*)(intptr_t)a->down[e],
-                       (const uint16_t*)(intptr_t)a->down_scales[e], H, item % dn_blocks, block_n, a->split,
-                       &idx, out + (size_t)s * H * es, dt);
+            for (int s = 0; s < S; s++) moe_silu_codes(&m, s);
+#pragma omp for schedule(static)
+            for (int item = 0; item < S * dn_blocks; item++) moe_down(&m, item / dn_blocks, item % dn_blocks);
         }
 #pragma omp for schedule(static)
         for (int item = 0; item < T * chunks; item++) {
