@@ -110,6 +110,23 @@ def test_grouped_experts_equal_the_per_expert_loop(loaded, dtype, mode):
         _equal_the_loop(moe, dtype, gen)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_grouped_experts_equal_the_loop_at_any_thread_count(loaded, dtype):
+    """``sidecar_int4_moe`` runs whole slots a thread where the threads share a step's slots evenly (one thread,
+    or two) and splits each step's products across them where they do not (three threads for the steps' 2 to
+    14 slots): the loop's bits either way."""
+    blocks = _blocks(loaded(str(dtype).split(".")[1], "int4"))
+    gen = torch.Generator().manual_seed(3)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for moe in blocks:
+                _equal_the_loop(moe, dtype, gen)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype,mode", [("float32", "int8"), ("float32", "int4"), ("bfloat16", None)])
 def test_greedy_tokens_equal_with_and_without_the_grouped_path(loaded, dtype, mode):
     llm = loaded(dtype, mode)

@@ -37,6 +37,7 @@
  * threads; each chunk of codes is decoded once for one or more activation rows, and one pass reads
  * each weight byte once, which is what bounds decode.
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "vec.h"
@@ -502,16 +503,18 @@ static inline __attribute__((always_inline)) void group_pairs(const uint8_t* w, 
     }
 }
 
+#define QUADS_AHEAD 8192 /* how far ahead of the codes group_quads reads the next ones are fetched */
 /* Split blocks of 32 rows for the R (1 or 2) activation rows from row i, without crossing 128-bit lanes: the
  * 32 bytes of columns k, k + 1 and those of k + 2, k + 3 interleave in-lane (vpunpck{l,h}bw) into code pairs
  * (k, k + 2) in the low lane and (k + 1, k + 3) in the high one, rows 0-7 (low bytes) or 8-15 (high bytes)
  * of a nibble's tile, multiplied with prepare_group's quads, whose lanes hold those pairs of activation
  * bytes. Word j of a lane sums row j of its own two columns; the two lanes are added once a group. The
  * integer sums are group_pairs' exact integers and are folded into tot the same way, so the outputs are
- * bit for bit group_pairs'. */
+ * bit for bit group_pairs'. pf, when not NULL: codes further on, fetched meanwhile, a line for each line read
+ * (the hardware prefetcher stops at page boundaries). */
 static inline __attribute__((always_inline)) void group_quads(const uint8_t* w, const Act* a, int i,
                                                               const int R, int g, const uint16_t* szg,
-                                                              float (*tot)[64]) {
+                                                              float (*tot)[64], const uint8_t* pf) {
     const __m256i m = _mm256_set1_epi8(0x0F), lo_hi = _mm256_set1_epi32(1 | 256 << 16);
     const int H = R == 1 ? 2 : 1; /* nibbles a pass: both for one row, one after the other for two */
     const __m256i* xq[2];
@@ -533,8 +536,13 @@ static inline __attribute__((always_inline)) void group_quads(const uint8_t* w, 
             for (int r = 0; r < 2; r++)
                 for (int v = 0; v < 4; v++) h16[r][v] = l16[r][v] = _mm256_setzero_si256();
             const uint8_t* wk = w + (int64_t)k0 * 16;
+            const uint8_t* pk = pf != NULL && n0 == 0 ? pf + (int64_t)k0 * 16 : NULL;
             const __m256i* xk[2] = {xq[0] + k0 / 2, xq[R - 1] + k0 / 2};
             for (int k = 0; k < span; k += 4, wk += 64, xk[0] += 2, xk[1] += 2) {
+                if (pk != NULL) {
+                    _mm_prefetch((const char*)pk, _MM_HINT_T1);
+                    pk += 64;
+                }
                 const __m256i c01 = _mm256_loadu_si256((const __m256i*)wk);
                 const __m256i c23 = _mm256_loadu_si256((const __m256i*)(wk + 32));
                 const __m256i b0 = _mm256_unpacklo_epi8(c01, c23), b1 = _mm256_unpackhi_epi8(c01, c23);
@@ -598,7 +606,7 @@ static inline __attribute__((always_inline)) void group_quads(const uint8_t* w, 
  * rows as 2 + 2, 5 as 3 + 2), each panel one more pass over the decoded group in L1. The integer sums are the
  * same exact integers as group_pairs' and the fold into tot the same float operations, so a row's outputs do
  * not depend on its batch. */
-#define PANEL_ROWS        3
+#define PANEL_ROWS  3
 
 static inline __attribute__((always_inline)) void decode_group(const uint8_t* w, int stride, const int kind,
                                                                const Idx* idx, int gs, __m256i* ub) {
@@ -709,8 +717,13 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
         const uint8_t* wg = w + (int64_t)g * a->gs * stride;
         const uint16_t* szg = sz + 2 * (int64_t)g * np;
         if (!a->panels && kind == SPLIT32_ALL) {
-            for (int i = 0; i + 1 < mc; i += 2) group_quads(wg, a, i, 2, g, szg, tot);
-            if (mc % 2) group_quads(wg, a, mc - 1, 1, g, szg, tot);
+            /* the next block's scales of this group: one stream per group, too many for the hardware to
+             * follow */
+            _mm_prefetch((const char*)(szg + 2 * 32), _MM_HINT_T0);
+            _mm_prefetch((const char*)(szg + 2 * 32 + 32), _MM_HINT_T0);
+            const uint8_t* next = wg + QUADS_AHEAD; /* past the last group: the next block */
+            for (int i = 0; i + 1 < mc; i += 2) group_quads(wg, a, i, 2, g, szg, tot, i ? NULL : next);
+            if (mc % 2) group_quads(wg, a, mc - 1, 1, g, szg, tot, mc > 1 ? NULL : next);
             continue;
         }
         if (!a->panels) {
@@ -1099,9 +1112,43 @@ static Act moe_act(const void* x, int x_bf16, int M, int K, int gs, char** p) {
     return a;
 }
 
+/* What every step of sidecar_int4_moe reads and writes: the rows' and the slots' activation codes, the slots'
+ * gate/up products gu [S, 2 I], their silu * up act [S, I] and down products out [S, H], x's dtype. */
+typedef struct {
+    const sidecar_moe_args* a;
+    const Act *ax, *aa;
+    const Idx* idx;
+    char *gu, *act, *out;
+    int gu_blocks, dn_blocks, es;
+} MoeSteps;
+
+static void moe_gate_up(const MoeSteps* m, int s, int b) { /* slot s's gate/up block b */
+    const sidecar_moe_args* a = m->a;
+    const int e = (int)a->ids[s];
+    slot_block(m->ax, s / a->k, (const uint8_t*)(intptr_t)a->gate_up[e],
+               (const uint16_t*)(intptr_t)a->gate_up_scales[e], 2 * a->I, b, a->block_n, a->split, m->idx,
+               m->gu + (size_t)s * 2 * a->I * m->es, a->x_bf16);
+}
+
+static void moe_silu_codes(const MoeSteps* m, int s) { /* slot s's silu * up and its activation codes */
+    const sidecar_moe_args* a = m->a;
+    moe_silu_row(m->gu + (size_t)s * 2 * a->I * m->es, m->act + (size_t)s * a->I * m->es, a->I, a->x_bf16);
+    for (int g = 0; g < m->aa->G; g++) prepare_group(m->aa, s, g);
+}
+
+static void moe_down(const MoeSteps* m, int s, int b) { /* slot s's down block b */
+    const sidecar_moe_args* a = m->a;
+    const int e = (int)a->ids[s];
+    slot_block(m->aa, s, (const uint8_t*)(intptr_t)a->down[e], (const uint16_t*)(intptr_t)a->down_scales[e],
+               a->H, b, a->block_n, a->split, m->idx, m->out + (size_t)s * a->H * m->es, a->x_bf16);
+}
+
 /* A sparse block's routed sum over int4 experts (moe_args.h) in one parallel region, each slot the one-row
- * product sidecar_int4_matmul computes (its codes from its row alone): the rows' codes, every slot's gate/up
- * blocks, each slot's silu * up and its codes, every slot's down blocks, the weighted sums by column.
+ * product sidecar_int4_matmul computes (its codes from its row alone): the rows' codes, then each slot's
+ * gate/up blocks, its silu * up and their codes and its down blocks, then the weighted sums by column. Where
+ * the threads can share the slots evenly, each runs whole slots (as many as every other), with no barrier
+ * between a slot's steps; else every slot's gate/up blocks, every slot's silu * up, every slot's down blocks
+ * are each split across the threads, a barrier after each. Every slot's outputs are the same either way.
  * gate_up / down: packed codes; their scales: bf16 scales and zeros [G, N, 2]; 2 I and H multiples of 16.
  * Returns 0, 1 for an expert id out of range, 2 when out of memory, 3 for arguments it does not handle (a
  * build without the integer path, a group size or width that does not fit). */
@@ -1125,29 +1172,27 @@ int sidecar_int4_moe(const sidecar_moe_args* a) {
     Idx idx;
     make_idx(&idx);
     const int gu_blocks = (2 * I + block_n - 1) / block_n, dn_blocks = (H + block_n - 1) / block_n;
-    const int Gx = H / gs, Ga = I / gs, chunks = (H + 63) / 64;
+    const MoeSteps m = {a, &ax, &aa, &idx, gu, act, out, gu_blocks, dn_blocks, es};
+    const int Gx = H / gs, chunks = (H + 63) / 64;
 #pragma omp parallel num_threads(a->nthreads)
     {
 #pragma omp for schedule(static)
         for (int mg = 0; mg < T * Gx; mg++) prepare_group(&ax, mg / Gx, mg % Gx);
+        if (S % omp_get_num_threads() == 0) {
 #pragma omp for schedule(static)
-        for (int item = 0; item < S * gu_blocks; item++) {
-            const int s = item / gu_blocks, e = (int)a->ids[s];
-            slot_block(&ax, s / a->k, (const uint8_t*)(intptr_t)a->gate_up[e],
-                       (const uint16_t*)(intptr_t)a->gate_up_scales[e], 2 * I, item % gu_blocks, block_n,
-                       a->split, &idx, gu + (size_t)s * 2 * I * es, dt);
-        }
+            for (int s = 0; s < S; s++) {
+                for (int b = 0; b < gu_blocks; b++) moe_gate_up(&m, s, b);
+                moe_silu_codes(&m, s);
+                for (int b = 0; b < dn_blocks; b++) moe_down(&m, s, b);
+            }
+        } else {
 #pragma omp for schedule(static)
-        for (int s = 0; s < S; s++) {
-            moe_silu_row(gu + (size_t)s * 2 * I * es, act + (size_t)s * I * es, I, dt);
-            for (int g = 0; g < Ga; g++) prepare_group(&aa, s, g);
-        }
+            for (int item = 0; item < S * gu_blocks; item++)
+                moe_gate_up(&m, item / gu_blocks, item % gu_blocks);
 #pragma omp for schedule(static)
-        for (int item = 0; item < S * dn_blocks; item++) {
-            const int s = item / dn_blocks, e = (int)a->ids[s];
-            slot_block(&aa, s, (const uint8_t*)(intptr_t)a->down[e],
-                       (const uint16_t*)(intptr_t)a->down_scales[e], H, item % dn_blocks, block_n, a->split,
-                       &idx, out + (size_t)s * H * es, dt);
+            for (int s = 0; s < S; s++) moe_silu_codes(&m, s);
+#pragma omp for schedule(static)
+            for (int item = 0; item < S * dn_blocks; item++) moe_down(&m, item / dn_blocks, item % dn_blocks);
         }
 #pragma omp for schedule(static)
         for (int item = 0; item < T * chunks; item++) {

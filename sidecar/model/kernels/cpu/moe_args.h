@@ -58,10 +58,25 @@ static void moe_silu_row(const void* gu, void* act, int inter, int dtype) {
     }
 }
 
-/* y[t, h0:h1] = the weighted sum of row t's slots out [T * k, H] (x's dtype), in moe.py's order. */
+/* y[t, h0:h1] = the weighted sum of row t's slots out [T * k, H] (x's dtype), in moe.py's order: vectors of
+ * columns make the same float operations per column as the scalar loop (products and adds, each rounded to
+ * the dtype), so the bits are its. */
 static void moe_weighted_sum(const sidecar_moe_args* a, const void* out, int t, int h0, int h1) {
     const int dt = a->x_bf16, k = a->k;
-    for (int h = h0; h < h1; h++) {
+    int h = h0;
+#ifdef VL
+    for (; h + VL <= h1; h += VL) {
+        vf acc = v_zero();
+        for (int j = 0; j < k; j++) {
+            const int64_t s = (int64_t)t * k + j;
+            const vf w = v_set1(dt_load(a->weights, s, a->weights_bf16));
+            const vf v = v_dt_round(v_mul(v_dt_load(out, s * a->H + h, dt), w), dt);
+            acc = j ? v_dt_round(v_add(acc, v), dt) : v;
+        }
+        v_dt_store(a->y, (int64_t)t * a->H + h, acc, dt);
+    }
+#endif
+    for (; h < h1; h++) {
         float acc = 0.f;
         for (int j = 0; j < k; j++) {
             const int64_t s = (int64_t)t * k + j;
