@@ -15,61 +15,34 @@
  * float32 lanes by vdpbf16ps where the CPU has AVX-512 BF16, the scale applied to the finished dot
  * product), softmax in float32 with a vectorised exp, then the values are summed in float32: with
  * grouped queries (4 or more per KV head) each value is loaded once for up to QG of them, keys in order.
- * A row's result depends only on its own query and context, never on
- * which other rows share the call, so verifying k speculative tokens in one call gives bit for bit what
- * k separate decode steps give. Inputs and output are float32 (dtype 0) or bfloat16 (dtype 1; products
- * and sums still in float32, the output rounded to nearest even).
+ *
+ * Rows of one sequence share a pass over their context: consecutive rows whose contexts grow by one and read
+ * the same blocks (the rows verifying k speculative tokens, a short prompt segment after a cached context)
+ * form a group (row_groups), and a (group, KV head) task loads each key and each value once for the rep
+ * queries of all its rows. Each row keeps its own context: its causal end (its context length) and its
+ * window's start. A row's result depends only on its own query and context, never on which other rows share
+ * the call or its task: a grouped row's scores, softmax and value sums are the same float32 operations in the
+ * same order as alone (the keys scored with the same arithmetic, the softmax over the row's own keys from its
+ * own first, each query's value sums split over the same keys as the one-row path splits them), so verifying
+ * k speculative tokens in one call gives bit for bit what k separate decode steps give. Inputs and output are
+ * float32 (dtype 0) or bfloat16 (dtype 1; products and sums still in float32, the output rounded to nearest
+ * even).
  *
  * Quantized cache (ks, vs not NULL): K/V hold int8 codes and ks/vs ([num_blocks, bs, nkv] float32) one scale
  * per token and KV head, K[j] = kq[j] * ks[j]. The codes are widened to float32 in registers; a key's scale
  * multiplies its finished dot product and a value's scale its softmax weight, so no dequantized copy exists.
  *
  * Scores (scores not NULL: [num_blocks * bs] float32, one per cache slot): each key's softmax weights, summed
- * over the rep queries of a task, are added to its slot, so a slot accumulates the attention its token
- * receives (scored KV eviction). Each task sums into a part of its own; the parts are added to the slots
+ * over a row's rep queries of a KV head, are added to its slot, so a slot accumulates the attention its token
+ * receives (scored KV eviction). Each (row, KV head) sums into a part of its own (a grouped task into one
+ * per row, as the rows' own tasks would); the parts are added to the slots
  * once every task is done, by one thread, row by row and KV head by KV head: the same sums in the same
  * order on every call (rows sharing blocks -- beams, verification rows -- add to the same slots), so a
  * step and its replay leave the same bits.
  */
 #include <stdlib.h>
 
-#include "vec.h"
-
-#define MAX_REP 64
-#define MAX_HD  256
-#define KV_INT8 2 /* kv element mode beside dtype 0 / 1: int8 codes with scales */
-
-/* Element i of a KV cache as float32: float32, bf16 or int8 codes (the scale is applied by the caller). */
-static inline float kv_load(const void* p, size_t i, int kvm) {
-    return kvm == KV_INT8 ? (float)((const int8_t*)p)[i] : dt_load(p, i, kvm);
-}
-
-/* Keys are read this many ahead into L1, with each key's value as the key is scored: a head's rows are
- * strided within a block and the blocks scattered, which the hardware's prefetchers follow poorly. */
-#define READ_AHEAD_KEYS 16
-
-/* Element offset `off`'s hd elements of a cache, toward L1. */
-static inline void prefetch_row(const void* cache, size_t off, int hd, int kvm) {
-    const int es = kvm == KV_INT8 ? 1 : kvm ? 2 : 4;
-    const char* p = (const char*)cache + off * es;
-    for (int l = 0; l < hd * es; l += 64) __builtin_prefetch(p + l, 0, 3);
-}
-
-/* As keys j..j+3 (of n) are scored: the keys READ_AHEAD_KEYS on, and these keys' values, toward L1. */
-static inline void read_ahead(const void* kc, const void* vc, const size_t* offs, int j, int n, int hd,
-                              int kvm) {
-    for (int i = j; i < j + 4 && i < n; i++) {
-        if (i + READ_AHEAD_KEYS < n) prefetch_row(kc, offs[i + READ_AHEAD_KEYS], hd, kvm);
-        prefetch_row(vc, offs[i], hd, kvm);
-    }
-}
-
-#ifdef VL
-static inline vf v_kv_load(const char* p, size_t i, int kvm) {
-    if (kvm == KV_INT8) return v_load_i8((const int8_t*)p + i);
-    return kvm ? v_load_bf16((const uint16_t*)p + i) : v_load((const float*)p + i);
-}
-#endif
+#include "paged_attention_keys.h"
 
 /* x[0..n) = cap * tanh(x * in) in place, as the kernel caps its scores (softcap_row; exported for its
  * tests). */
@@ -140,18 +113,99 @@ static void values_dispatch(const float* s, int n, int R, int nv, const char* vc
     }
 #undef VP
 }
-#endif
 
-/* Whether the scores take bf16 keys and queries as they are (vdpbf16ps, attend's first branch); the float32
- * copy of the queries is then not made. */
-static inline int bf16_scores(int kvm, int hd) {
-#if defined(__AVX512BF16__) && VL == 16
-    return kvm == 1 && hd % 32 == 0;
-#else
-    (void)kvm, (void)hd;
-    return 0;
-#endif
+/* Queries a ranged pass holds with two sums each: 6 x 2 x 2 vectors of sums on AVX-512, 3 x 2 x 2 on AVX2
+ * (with the two of a key's value and the weight, within the registers) */
+#define QG2 (VL == 16 ? 6 : 3)
+/* Key j (of the union of R queries' ranges, s: [R][n]) added to sum k of each query whose range [qlo, qhi)
+ * holds it (every: all of them do), its value loaded once for all. */
+static inline __attribute__((always_inline)) void ranged_key(vf (*acc)[2][2], const float* s, int n,
+                                                             const int* qlo, const int* qhi, const int R,
+                                                             const int nv, const int k, const char* vc,
+                                                             const size_t* offs, int d0, int kvm, int j,
+                                                             int every) {
+    const size_t off = offs[j] + d0;
+    const vf v0 = v_kv_load(vc, off, kvm);
+    const vf v1 = nv > 1 ? v_kv_load(vc, off + VL, kvm) : v0;
+    for (int r = 0; r < R; r++) {
+        if (!every && (j < qlo[r] || j >= qhi[r])) continue;
+        const vf w = v_set1(s[(size_t)r * n + j]);
+        acc[r][k][0] = v_fma(w, v0, acc[r][k][0]);
+        if (nv > 1) acc[r][k][1] = v_fma(w, v1, acc[r][k][1]);
+    }
 }
+/* o[r][d0 .. d0 + nv * VL) = inv[r] * sum_{qlo[r] <= j < qhi[r]} s[r][j] V[j][d0 ..] for R queries of rows
+ * sharing a pass (attend_group), each value loaded once for all of them, and each query's sums made as the
+ * one-row path makes them: with sums = 1 (values_pass's) its keys in order into one sum per lane; with sums =
+ * 2 (attend's per-query loop) the keys at even and at odd distances from qlo[r] into two, added even + odd at
+ * the end. Keys go in pairs from an even index, the first of a pair to sum 0: a query starting at an odd
+ * index finds its even keys in sum 1. */
+static inline __attribute__((always_inline)) void ranged_pass(const float* s, int n, const int* qlo,
+                                                              const int* qhi, const int R, const int nv,
+                                                              const int sums, const char* vc,
+                                                              const size_t* offs, int d0, int kvm,
+                                                              const float* inv, float* o, int hd) {
+    vf acc[QG][2][2]; /* [query][sum][vector] */
+    int first = n, last = 0, all_lo = 0, all_hi = n;
+    for (int r = 0; r < R; r++) {
+        for (int k = 0; k < sums; k++)
+            for (int c = 0; c < nv; c++) acc[r][k][c] = v_zero();
+        first = qlo[r] < first ? qlo[r] : first;
+        last = qhi[r] > last ? qhi[r] : last;
+        all_lo = qlo[r] > all_lo ? qlo[r] : all_lo;
+        all_hi = qhi[r] < all_hi ? qhi[r] : all_hi;
+    }
+    for (int j = first & ~1; j < last; j += 2) {
+        ranged_key(acc, s, n, qlo, qhi, R, nv, 0, vc, offs, d0, kvm, j, j >= all_lo && j < all_hi);
+        if (j + 1 < last)
+            ranged_key(acc, s, n, qlo, qhi, R, nv, sums - 1, vc, offs, d0, kvm, j + 1,
+                       j + 1 >= all_lo && j + 1 < all_hi);
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < nv; c++) {
+            vf sum = acc[r][0][c];
+            if (sums == 2)
+                sum = qlo[r] & 1 ? v_add(acc[r][1][c], acc[r][0][c]) : v_add(acc[r][0][c], acc[r][1][c]);
+            v_store(o + (size_t)r * hd + d0 + c * VL, v_mul(sum, v_set1(inv[r])));
+        }
+}
+
+static void ranged_values(const float* s, int n, const int* qlo, const int* qhi, int R, int nv, int sums,
+                          const char* vc, const size_t* offs, int d0, int kvm, const float* inv, float* o,
+                          int hd) {
+#define RP(RR, SUMS)                                                                 \
+    case RR:                                                                         \
+        if (nv > 1)                                                                  \
+            ranged_pass(s, n, qlo, qhi, RR, 2, SUMS, vc, offs, d0, kvm, inv, o, hd); \
+        else                                                                         \
+            ranged_pass(s, n, qlo, qhi, RR, 1, SUMS, vc, offs, d0, kvm, inv, o, hd); \
+        return;
+    if (sums == 2) switch (R) {
+            RP(1, 2)
+            RP(2, 2)
+            RP(3, 2)
+#if VL == 16
+            RP(4, 2)
+            RP(5, 2)
+            RP(6, 2)
+#endif
+        }
+    if (sums == 2) return; /* R <= QG2 */
+    switch (R) {
+        RP(1, 1)
+        RP(2, 1)
+        RP(3, 1)
+        RP(4, 1)
+#if VL == 16
+        RP(5, 1)
+        RP(6, 1)
+        RP(7, 1)
+        RP(8, 1)
+#endif
+    }
+#undef RP
+}
+#endif
 
 /* One (row, KV head) task. qf: the rep queries in float32, already scaled (unless bf16_scores); s: scratch
  * [rep][n]; of: [rep][hd]. Inlined per head size, so the common ones (64, 128) run with the vector count
@@ -163,121 +217,15 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
                                                          const float* vs, const uint16_t* qb, float scale,
                                                          float cap, float* wsum, const float* sk) {
     const int n = hi - lo;
-    const size_t row = (size_t)nkv * hd; /* elements per slot */
-    float invs[MAX_REP];                 /* each query's 1 / softmax normaliser */
-    /* where each key of the context lives, block by block (no division per key) */
-    for (int j = 0, p = lo; j < n;) {
-        const size_t base = ((size_t)table[p / bs] * bs) * row + (size_t)g * hd;
-        for (int slot = p % bs; slot < bs && j < n; slot++, j++, p++) offs[j] = base + (size_t)slot * row;
-    }
-    /* scores, four keys at a time: each key is loaded (and widened) once for all rep queries, and the
-     * four dot products are reduced together; a key's score is the same arithmetic wherever it falls */
-#if defined(__AVX512BF16__) && VL == 16
-    if (bf16_scores(kvm, hd)) {
-        /* bf16 keys and queries: pairs of exact products summed in float32 lanes (vdpbf16ps), no widening;
-         * the scale multiplies the finished dot product */
-        for (int j = 0; j < n; j += 4) {
-            read_ahead(kc, vc, offs, j, n, hd, kvm);
-            __m512bh k4[4][MAX_HD / 32];
-            for (int i = 0; i < 4; i++) {
-                const uint16_t* key = (const uint16_t*)kc + (j + i < n ? offs[j + i] : 0);
-                for (int c = 0; c < hd / 32; c++)
-                    k4[i][c] = (__m512bh)(j + i < n ? _mm512_loadu_si512((const void*)(key + c * 32))
-                                                    : _mm512_setzero_si512());
-            }
-            for (int r = 0; r < rep; r++) {
-                vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
-                for (int c = 0; c < hd / 32; c++) {
-                    const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void*)(qb + r * hd + c * 32));
-                    a0 = _mm512_dpbf16_ps(a0, k4[0][c], qv);
-                    a1 = _mm512_dpbf16_ps(a1, k4[1][c], qv);
-                    a2 = _mm512_dpbf16_ps(a2, k4[2][c], qv);
-                    a3 = _mm512_dpbf16_ps(a3, k4[3][c], qv);
-                }
-                float sums[4];
-                v_sum4(a0, a1, a2, a3, sums);
-                for (int i = 0; i < 4 && j + i < n; i++) s[(size_t)r * n + j + i] = sums[i] * scale;
-            }
-        }
-    } else
-#endif
-#ifdef VL
-        for (int j = 0; j < n; j += 4) {
-            read_ahead(kc, vc, offs, j, n, hd, kvm);
-            vf k4[4][MAX_HD / VL];
-            for (int i = 0; i < 4; i++) {
-                if (j + i >= n) {
-                    for (int c = 0; c < hd / VL; c++) k4[i][c] = v_zero();
-                    continue;
-                }
-                const size_t off = offs[j + i];
-                for (int c = 0; c < hd / VL; c++) k4[i][c] = v_kv_load(kc, off + c * VL, kvm);
-            }
-            for (int r = 0; r < rep; r++) {
-                vf a0 = v_zero(), a1 = v_zero(), a2 = v_zero(), a3 = v_zero();
-                for (int c = 0; c < hd / VL; c++) {
-                    const vf qv = v_load(qf + r * hd + c * VL);
-                    a0 = v_fma(qv, k4[0][c], a0);
-                    a1 = v_fma(qv, k4[1][c], a1);
-                    a2 = v_fma(qv, k4[2][c], a2);
-                    a3 = v_fma(qv, k4[3][c], a3);
-                }
-                float sums[4];
-                v_sum4(a0, a1, a2, a3, sums);
-                for (int i = 0; i < 4 && j + i < n; i++)
-                    s[(size_t)r * n + j + i] = ks ? sums[i] * ks[offs[j + i] / hd] : sums[i];
-            }
-        }
-#else
-    for (int j = 0; j < n; j++) {
-        const size_t off = offs[j];
-        for (int r = 0; r < rep; r++) {
-            float acc = 0.f;
-            for (int d = 0; d < hd; d++) acc += qf[r * hd + d] * kv_load(kc, off + d, kvm);
-            s[(size_t)r * n + j] = ks ? acc * ks[off / hd] : acc;
-        }
-    }
-#endif
+    float invs[MAX_REP]; /* each query's 1 / softmax normaliser */
+    key_offsets(offs, table, lo, hi, bs, (size_t)nkv * hd, g, hd);
+    score_keys(qf, qb, kc, vc, offs, n, rep, hd, kvm, ks, scale, s);
     /* softmax per query, then the weighted sum of values */
     for (int r = 0; r < rep; r++) {
         float* sr = s + (size_t)r * n;
-        if (cap > 0.f) softcap_row(sr, n, 1.0f / cap, cap); /* the scaled scores, capped */
-        float m = row_max(sr, n);
-        if (sk && sk[r] > m) m = sk[r]; /* this head's sink logit joins the softmax */
-        float total = 0.f;
-        int j = 0;
-#ifdef VL
-        const vf vm = v_set1(m);
-        vf vt = v_zero();
-        for (; j + VL <= n; j += VL) {
-            vf e = v_exp(v_sub(v_load(sr + j), vm));
-            v_store(sr + j, e);
-            vt = v_add(vt, e);
-        }
-        total = v_sum(vt);
-        if (j < n) { /* the tail through the same vector exp, padded with lanes it discards */
-            float tmp[VL];
-            for (int i = 0; i < VL; i++) tmp[i] = j + i < n ? sr[j + i] - m : -87.f;
-            v_store(tmp, v_exp(v_load(tmp)));
-            for (; j < n; j++) {
-                sr[j] = tmp[j % VL];
-                total += sr[j];
-            }
-        }
-#else
-        for (; j < n; j++) {
-            sr[j] = expf(sr[j] - m);
-            total += sr[j];
-        }
-#endif
-        if (sk) total += expf(sk[r] - m);
-        const float inv = invs[r] = 1.0f / total;
-        if (wsum) /* the weights each key received, before a value's scale joins them */
-            for (j = 0; j < n; j++) wsum[j] += sr[j] * inv;
+        const float inv = invs[r] = weigh(sr, n, cap, sk ? sk + r : NULL, wsum, vs, offs, hd);
         float* o = of + (size_t)r * hd;
-        /* a value's scale joins its weight (after the normaliser was summed from the unscaled weights) */
-        if (vs)
-            for (j = 0; j < n; j++) sr[j] *= vs[offs[j] / hd];
+        int j;
 #ifdef VL
         if (rep >= GROUPED_VALUES) continue; /* grouped queries: their values in one pass below */
         /* values summed in registers, even and odd keys in separate accumulators (two FMA chains) */
@@ -319,6 +267,41 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
 #endif
 }
 
+#ifdef VL
+/* One (group, KV head) task (see the header): row r of the G rows attends to positions [lo[r], hi[r]) (lo and
+ * hi non-decreasing), every row's through `table`; qf / qb: the rows' queries one after another (rep each),
+ * s: scratch [G * rep][hi[G - 1] - lo[0]], of: [G * rep][hd], wsum[r]: row r's part of the scores or NULL.
+ * The keys of the union of the contexts are scored once for all G * rep queries (a key past a row's context
+ * is scored and never used), each query's softmax runs over its own row's keys (their scores at the same
+ * offsets from its start as in attend), and ranged_values sums each query's values as attend would. */
+static inline __attribute__((always_inline)) void attend_group(
+        const float* qf, const uint16_t* qb, const char* kc, const char* vc, const int64_t* table,
+        const int* lo, const int* hi, int G, int rep, int nkv, int g, int hd, int bs, int kvm, float* s,
+        float* of, size_t* offs, const float* ks, const float* vs, float scale, float cap, float* const* wsum,
+        const float* sk) {
+    const int first = lo[0], n = hi[G - 1] - first, nq = G * rep;
+    float invs[MAX_REP];
+    int qlo[MAX_REP], qhi[MAX_REP]; /* each query's keys, from the union's first */
+    key_offsets(offs, table, first, hi[G - 1], bs, (size_t)nkv * hd, g, hd);
+    score_keys(qf, qb, kc, vc, offs, n, nq, hd, kvm, ks, scale, s);
+    for (int r = 0; r < G; r++)
+        for (int h = 0; h < rep; h++) {
+            const int i = r * rep + h, a = lo[r] - first;
+            qlo[i] = a;
+            qhi[i] = hi[r] - first;
+            invs[i] = weigh(s + (size_t)i * n + a, hi[r] - lo[r], cap, sk ? sk + h : NULL, wsum[r], vs,
+                            offs + a, hd);
+        }
+    const int sums = rep < GROUPED_VALUES ? 2 : 1, per = sums == 2 ? QG2 : QG;
+    for (int d0 = 0; d0 < hd; d0 += 2 * VL)
+        for (int r0 = 0; r0 < nq; r0 += per) {
+            const int R = nq - r0 < per ? nq - r0 : per, nv = hd - d0 >= 2 * VL ? 2 : 1;
+            ranged_values(s + (size_t)r0 * n, n, qlo + r0, qhi + r0, R, nv, sums, vc, offs, d0, kvm,
+                          invs + r0, of + (size_t)r0 * hd, hd);
+        }
+}
+#endif
+
 /* The arguments of sidecar_paged_decode_attention (mirrored by ``PagedAttentionArgs``). */
 typedef struct {
     const void* q;
@@ -347,95 +330,182 @@ int sidecar_paged_attention_args_size(void) {
     return (int)sizeof(sidecar_paged_attention_args);
 }
 
+/* The cache's element mode (dtype, or KV_INT8), or -1 when the shapes are outside what this kernel handles.
+ */
+static int kv_mode(const sidecar_paged_attention_args* a) {
+    if ((a->ks == NULL) != (a->vs == NULL)) return -1;
+    if (a->nkv <= 0 || a->nh % a->nkv || a->nh / a->nkv > MAX_REP || a->hd > MAX_HD || a->bs <= 0) return -1;
+#ifdef VL
+    if (a->hd % VL) return -1;
+#endif
+    for (int b = 0; b < a->B; b++)
+        if (a->ctx[b] < 1 || a->ctx[b] > (int64_t)a->max_blocks * a->bs) return -1;
+    return a->ks ? KV_INT8 : a->dtype;
+}
+
+/* The first position row b attends to. */
+static inline int row_lo(const sidecar_paged_attention_args* a, int b) {
+    const int hi = (int)a->ctx[b];
+    return a->window > 0 && hi > a->window ? hi - a->window : 0;
+}
+
+/* Splits the rows into groups that share a pass over their context (see the header): starts[i] is group i's
+ * first row, starts[n] = B; returns n. Row b joins the group of the row before it when its context is one
+ * longer and its blocks are the group's first row's from that row's first position to its own last (so the
+ * blocks of the group's last row serve every row), while the group holds at most MAX_REP queries per KV head
+ * and at most B * nkv / nthreads rows: a small call keeps a task for every thread (a single verification step
+ * on many threads stays one row a task). Without vectors no rows are grouped. */
+static int row_groups(const sidecar_paged_attention_args* a, int* starts) {
+    int most = 1;
+#ifdef VL
+    const int share = a->B * a->nkv / (a->nthreads > 0 ? a->nthreads : 1);
+    most = MAX_REP / (a->nh / a->nkv);
+    most = share < most ? share : most;
+#endif
+    int n = 0;
+    for (int b = 0; b < a->B; b++) {
+        const int s0 = n ? starts[n - 1] : 0;
+        int joins = n && b - s0 < most && a->ctx[b] == a->ctx[b - 1] + 1;
+        const int64_t *t0 = a->tables + (size_t)s0 * a->max_blocks,
+                      *tb = a->tables + (size_t)b * a->max_blocks;
+        for (int i = row_lo(a, s0) / a->bs; joins && i <= (int)((a->ctx[b] - 1) / a->bs); i++)
+            joins = t0[i] == tb[i];
+        if (!joins) starts[n++] = b;
+    }
+    starts[n] = a->B;
+    return n;
+}
+
+/* The row groups the kernel forms for these arguments, into starts [B + 1] (for the tests); -1 when the
+ * kernel would refuse them. */
+int sidecar_paged_attention_groups(const sidecar_paged_attention_args* a, int* starts) {
+    return kv_mode(a) < 0 ? -1 : row_groups(a, starts);
+}
+
+/* A task's scratch: scores [queries][longest], the queries in float32 and bf16 (grouped rows' bf16 scores),
+ * the outputs, key offsets [longest]. */
+typedef struct {
+    float* s;
+    float* qf;
+    uint16_t* qb;
+    float* of;
+    size_t* offs;
+} scratch;
+
+/* Rows b0 .. b0 + G - 1 (one group), KV head g. */
+static void run_task(const sidecar_paged_attention_args* a, int b0, int G, int g, int kvm, float* parts,
+                     int64_t longest, const scratch* w) {
+    const int nh = a->nh, nkv = a->nkv, hd = a->hd, bs = a->bs, rep = nh / nkv, dtype = a->dtype;
+    const char *kc = (const char*)a->kc, *vc = (const char*)a->vc;
+    const float* sk = a->sinks ? a->sinks + (size_t)g * rep : NULL; /* this KV head's query heads */
+    const float cap = a->softcap, scale = a->scale;
+    int lo[MAX_REP], hi[MAX_REP];
+    float* wsum[MAX_REP];
+    for (int r = 0; r < G; r++) {
+        const int b = b0 + r;
+        const size_t q0 = ((size_t)b * nh + (size_t)g * rep) * hd, at = (size_t)r * rep * hd;
+        lo[r] = row_lo(a, b);
+        hi[r] = (int)a->ctx[b];
+        if (!bf16_scores(kvm, hd))
+            for (int i = 0; i < rep * hd; i++) w->qf[at + i] = scale * dt_load(a->q, q0 + i, dtype);
+        else if (G > 1) /* a group's bf16 queries side by side */
+            for (int i = 0; i < rep * hd; i++) w->qb[at + i] = ((const uint16_t*)a->q)[q0 + i];
+        wsum[r] = parts ? parts + ((size_t)b * nkv + g) * longest : NULL;
+        if (wsum[r])
+            for (int j = 0; j < hi[r] - lo[r]; j++) wsum[r][j] = 0.f;
+    }
+    if (G == 1) {
+        const int64_t* table = a->tables + (size_t)b0 * a->max_blocks;
+        const size_t q0 = ((size_t)b0 * nh + (size_t)g * rep) * hd;
+        const uint16_t* qb = dtype == 1 ? (const uint16_t*)a->q + q0 : NULL; /* bf16 queries as they came */
+        if (hd == 64)
+            attend(w->qf, kc, vc, table, lo[0], hi[0], rep, nkv, g, 64, bs, kvm, w->s, w->of, w->offs, a->ks,
+                   a->vs, qb, scale, cap, wsum[0], sk);
+        else if (hd == 128)
+            attend(w->qf, kc, vc, table, lo[0], hi[0], rep, nkv, g, 128, bs, kvm, w->s, w->of, w->offs, a->ks,
+                   a->vs, qb, scale, cap, wsum[0], sk);
+        else
+            attend(w->qf, kc, vc, table, lo[0], hi[0], rep, nkv, g, hd, bs, kvm, w->s, w->of, w->offs, a->ks,
+                   a->vs, qb, scale, cap, wsum[0], sk);
+    }
+#ifdef VL
+    else {
+        const int64_t* table = a->tables + (size_t)(b0 + G - 1) * a->max_blocks; /* see row_groups */
+        if (hd == 64)
+            attend_group(w->qf, w->qb, kc, vc, table, lo, hi, G, rep, nkv, g, 64, bs, kvm, w->s, w->of,
+                         w->offs, a->ks, a->vs, scale, cap, wsum, sk);
+        else if (hd == 128)
+            attend_group(w->qf, w->qb, kc, vc, table, lo, hi, G, rep, nkv, g, 128, bs, kvm, w->s, w->of,
+                         w->offs, a->ks, a->vs, scale, cap, wsum, sk);
+        else
+            attend_group(w->qf, w->qb, kc, vc, table, lo, hi, G, rep, nkv, g, hd, bs, kvm, w->s, w->of,
+                         w->offs, a->ks, a->vs, scale, cap, wsum, sk);
+    }
+#endif
+    for (int r = 0; r < G; r++) {
+        const size_t q0 = ((size_t)(b0 + r) * nh + (size_t)g * rep) * hd, at = (size_t)r * rep * hd;
+        for (int i = 0; i < rep * hd; i++) dt_store(a->out, q0 + i, w->of[at + i], dtype);
+    }
+}
+
 /* q, out: [B, nh, hd] contiguous; tables: [B, max_blocks] int64; ctx: [B] int64 (1 <= ctx <= max_blocks *
  * bs); ks, vs: NULL (K/V in q's dtype) or the scales of an int8 cache. Returns 0, 2 when out of memory, or 1
  * when the shapes are outside what this kernel handles (the caller keeps its torch path). */
 int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
-    const void* q = a->q;
-    const void* kc = a->kc;
-    const void* vc = a->vc;
-    const int64_t* tables = a->tables;
-    const int64_t* ctx = a->ctx;
-    void* out = a->out;
-    int B = a->B;
-    int nh = a->nh;
-    int nkv = a->nkv;
-    int hd = a->hd;
-    int bs = a->bs;
-    int max_blocks = a->max_blocks;
-    int window = a->window;
-    float scale = a->scale;
-    int dtype = a->dtype;
-    int nthreads = a->nthreads;
-    const float* ks = a->ks;
-    const float* vs = a->vs;
-    const float cap = a->softcap;
-    if ((ks == NULL) != (vs == NULL)) return 1;
-    const int kvm = ks ? KV_INT8 : dtype;
-    if (nkv <= 0 || nh % nkv || nh / nkv > MAX_REP || hd > MAX_HD || bs <= 0) return 1;
-#ifdef VL
-    if (hd % VL) return 1;
-#endif
-    for (int b = 0; b < B; b++)
-        if (ctx[b] < 1 || ctx[b] > (int64_t)max_blocks * bs) return 1;
-    const int rep = nh / nkv;
+    const int kvm = kv_mode(a);
+    if (kvm < 0) return 1;
+    const int B = a->B, nkv = a->nkv, hd = a->hd, rep = a->nh / nkv;
     int64_t longest = 0;
-    for (int b = 0; b < B; b++) longest = ctx[b] > longest ? ctx[b] : longest;
+    for (int b = 0; b < B; b++) longest = a->ctx[b] > longest ? a->ctx[b] : longest;
+    int* starts = (int*)malloc(sizeof(int) * ((size_t)B + 1));
+    if (!starts) return 2;
+    const int groups = row_groups(a, starts);
+    int most = 1; /* rows in the largest group */
+    for (int i = 0; i < groups; i++)
+        most = starts[i + 1] - starts[i] > most ? starts[i + 1] - starts[i] : most;
+    const size_t nq = (size_t)most * rep; /* queries of the largest task */
     int failed = 0;
-    /* [B * nkv, longest]: task t's weights of key lo + j at parts[t * longest + j] */
+    /* [B * nkv, longest]: row b's KV head g's weights of key lo + j at parts[(b * nkv + g) * longest + j] */
     float* parts = a->scores ? (float*)malloc(sizeof(float) * (size_t)B * nkv * (size_t)longest) : NULL;
-    if (a->scores && !parts) return 2;
-#pragma omp parallel num_threads(nthreads)
+    if (a->scores && !parts) {
+        free(starts);
+        return 2;
+    }
+#pragma omp parallel num_threads(a->nthreads)
     {
-        float* s = (float*)malloc(sizeof(float) * (size_t)rep * (size_t)longest);
-        float* qf = (float*)malloc(sizeof(float) * (size_t)rep * hd);
-        float* of = (float*)malloc(sizeof(float) * (size_t)rep * hd);
-        size_t* offs = (size_t*)malloc(sizeof(size_t) * (size_t)longest);
-        if (!s || !qf || !of || !offs) {
+        scratch w = {
+                .s = (float*)malloc(sizeof(float) * nq * (size_t)longest),
+                .qf = (float*)malloc(sizeof(float) * nq * hd),
+                .qb = most > 1 && bf16_scores(kvm, hd) ? (uint16_t*)malloc(sizeof(uint16_t) * nq * hd) : NULL,
+                .of = (float*)malloc(sizeof(float) * nq * hd),
+                .offs = (size_t*)malloc(sizeof(size_t) * (size_t)longest),
+        };
+        const int ok = w.s && w.qf && w.of && w.offs && (w.qb || !(most > 1 && bf16_scores(kvm, hd)));
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int t = 0; t < B * nkv; t++) {
-            if (!s || !qf || !of || !offs) continue;
-            const int b = t / nkv, g = t % nkv;
-            const int hi = (int)ctx[b];
-            const int lo = window > 0 && hi > window ? hi - window : 0;
-            const size_t q0 = ((size_t)b * nh + (size_t)g * rep) * hd;
-            if (!bf16_scores(kvm, hd))
-                for (int i = 0; i < rep * hd; i++) qf[i] = scale * dt_load(q, q0 + i, dtype);
-            const int64_t* table = tables + (size_t)b * max_blocks;
-            const uint16_t* qb = dtype == 1 ? (const uint16_t*)q + q0 : NULL; /* bf16 queries as they came */
-            const char *k8 = (const char*)kc, *v8 = (const char*)vc;
-            float* wsum = parts ? parts + (size_t)t * longest : NULL;
-            if (wsum)
-                for (int j = 0; j < hi - lo; j++) wsum[j] = 0.f;
-            const float* sk = a->sinks ? a->sinks + (size_t)g * rep : NULL; /* this KV head's query heads */
-            if (hd == 64)
-                attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 64, bs, kvm, s, of, offs, ks, vs, qb, scale,
-                       cap, wsum, sk);
-            else if (hd == 128)
-                attend(qf, k8, v8, table, lo, hi, rep, nkv, g, 128, bs, kvm, s, of, offs, ks, vs, qb, scale,
-                       cap, wsum, sk);
-            else
-                attend(qf, k8, v8, table, lo, hi, rep, nkv, g, hd, bs, kvm, s, of, offs, ks, vs, qb, scale,
-                       cap, wsum, sk);
-            for (int i = 0; i < rep * hd; i++) dt_store(out, q0 + i, of[i], dtype);
+        for (int t = 0; t < groups * nkv; t++) {
+            if (!ok) continue;
+            const int i = t / nkv;
+            run_task(a, starts[i], starts[i + 1] - starts[i], t % nkv, kvm, parts, longest, &w);
         }
-        free(s);
-        free(offs);
-        free(qf);
-        free(of);
+        free(w.s);
+        free(w.qf);
+        free(w.qb);
+        free(w.of);
+        free(w.offs);
     }
     if (parts && !failed)
         for (int t = 0; t < B * nkv; t++) {
             const int b = t / nkv;
-            const int hi = (int)ctx[b];
-            const int lo = window > 0 && hi > window ? hi - window : 0;
-            const int64_t* table = tables + (size_t)b * max_blocks;
+            const int hi = (int)a->ctx[b], lo = row_lo(a, b);
+            const int64_t* table = a->tables + (size_t)b * a->max_blocks;
             const float* w = parts + (size_t)t * longest;
-            for (int p = lo; p < hi; p++) a->scores[table[p / bs] * bs + p % bs] += w[p - lo];
+            for (int p = lo; p < hi; p++) a->scores[table[p / a->bs] * a->bs + p % a->bs] += w[p - lo];
         }
     free(parts);
+    free(starts);
     return failed ? 2 : 0;
 }

@@ -14,7 +14,10 @@ inputs (not built, another dtype or device, a head size it does not handle); the
 torch path (``sidecar.model.attention``), which is also the oracle the tests hold it to.
 
 Why a kernel: torch's path gathers every row's blocks into a contiguous copy and calls SDPA with a
-mask; with k speculative tokens that is k copies of the same context. Here nothing is copied.
+mask; with k speculative tokens that is k copies of the same context. Here nothing is copied, and the rows of
+one sequence (consecutive rows whose contexts grow by one over the same blocks: verification rows) share one
+pass over their context, each row's result still bit for bit what a call of that row alone gives;
+``row_groups`` says which rows a call groups.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ _KERNEL = cpu_build.Kernel(
     "paged_attention",
     {
         "sidecar_paged_decode_attention": ([PagedAttentionArgs], I),
+        "sidecar_paged_attention_groups": ([PagedAttentionArgs, P], I),
         "sidecar_paged_attention_vector_width": ([], I),
         "sidecar_softcap_rows": ([P, I, F, F], None),
     },
@@ -185,3 +189,47 @@ def softcap_(x: torch.Tensor, cap: float, scale: float = 1.0) -> Optional[torch.
         raise ValueError("softcap_: x must be a contiguous float32 CPU tensor")
     lib.sidecar_softcap_rows(x.data_ptr(), x.numel(), scale / cap, cap)
     return x
+
+
+def row_groups(
+    block_tables: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    window: Optional[int] = None,
+    threads: Optional[int] = None,
+) -> Optional[list[tuple[int, int]]]:
+    """The [start, end) row ranges whose rows ``decode_attention`` attends in one pass over their context (a
+    row alone is a range of one), for these tables and context lengths with ``threads`` threads (None: torch's);
+    None when the kernel is not built or would decline the shapes."""
+    lib = _KERNEL.lib()
+    if lib is None:
+        return None
+    tables = block_tables.contiguous()
+    ctx = ctx_lens.contiguous()
+    if tables.dtype != torch.long or ctx.dtype != torch.long:
+        raise ValueError(
+            f"row_groups: block tables {tables.dtype} and context lengths {ctx.dtype} must be int64"
+        )
+    starts = torch.empty(ctx.shape[0] + 1, dtype=torch.int32)
+    n = lib.sidecar_paged_attention_groups(
+        PagedAttentionArgs(
+            tables=tables.data_ptr(),
+            ctx=ctx.data_ptr(),
+            B=ctx.shape[0],
+            nh=num_heads,
+            nkv=num_kv_heads,
+            hd=lib._sidecar_width,
+            bs=block_size,
+            max_blocks=tables.shape[1],
+            window=window or 0,
+            dtype=0,
+            nthreads=threads or torch.get_num_threads(),
+        ),
+        starts.data_ptr(),
+    )
+    if n < 0:
+        return None
+    bounds = starts[: n + 1].tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
