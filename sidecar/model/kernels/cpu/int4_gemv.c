@@ -29,8 +29,9 @@
  *    one row (a plain decode step); from 2 rows on (speculative verification, batched decode, prefill:
  *    panel_group) a group's codes are decoded once per block to int16 and multiplied with whole 16-bit
  *    activation pairs (vpmaddwd: 16 products a vector into exact 32-bit sums, twice the rate of float32
- *    FMAs), up to 3 rows sharing each code vector, the same integers either way. Activations are
- *    rounded to their codes with vectors, their float sum in column order.
+ *    FMAs), up to 3 rows sharing each code vector, the same integers either way (calls of 2 rows decode
+ *    each column pair in registers instead, fused_group: storing a decoded group costs more than decoding
+ *    it). Activations are rounded to their codes with vectors, their float sum in column order.
  *  - otherwise (AVX-512 without VNNI and VBMI): codes are widened to float and multiplied with
  *    the float32 activations, a group adds s * sum q x + (z - 8 s) * sum x.
  * Output rows go in tiles of 16; blocks of rows (and chunks of 32 activation rows) are split across
@@ -637,6 +638,44 @@ static inline __attribute__((always_inline)) void decode_group(const uint8_t* w,
     }
 }
 
+/* tot[i0 + i][16 t ..] += s d (sum q x - 8 sum x) + z sum x for the MB rows from i0 and group g, from the
+ * panel's exact sums sums[i][t][h] (rows 8h .. 8h + 7 of tile t, in decode_group's order of rows). */
+static inline __attribute__((always_inline)) void panel_fold(__m256i (*sums)[2][2], const int kind,
+                                                             const Act* a, int i0, int g, const int MB,
+                                                             const uint16_t* szg, float (*tot)[64]) {
+    const int T = kind == INTERLEAVED_1 ? 1 : 2;
+    if (kind ==
+        SPLIT32_ALL) /* decode_group's order of rows: 0-3 | 8-11 and 4-7 | 12-15 back to 0-7 and 8-15 */
+        for (int i = 0; i < MB; i++)
+            for (int t = 0; t < T; t++) {
+                const __m256i a0 = sums[i][t][0], a1 = sums[i][t][1];
+                sums[i][t][0] = _mm256_permute2x128_si256(a0, a1, 0x20);
+                sums[i][t][1] = _mm256_permute2x128_si256(a0, a1, 0x31);
+            }
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 dx[PANEL_ROWS], xs[PANEL_ROWS];
+    __m256i q8[PANEL_ROWS];
+    for (int i = 0; i < MB; i++) {
+        const int64_t mg = (int64_t)(i0 + i) * a->G + g;
+        dx[i] = _mm256_set1_ps(a->d[mg]);
+        xs[i] = _mm256_set1_ps(a->xsum[mg]);
+        q8[i] = _mm256_set1_epi32(-8 * a->xqsum[mg]);
+    }
+    /* the group's scales once for the panel's rows; each row folded as group_pairs folds its sums */
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h));
+            const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+            for (int i = 0; i < MB; i++) {
+                float* o = &tot[i0 + i][16 * t + 8 * h];
+                const __m256 acc = _mm256_fmadd_ps(ze, xs[i], _mm256_loadu_ps(o));
+                const __m256 q = _mm256_cvtepi32_ps(_mm256_add_epi32(sums[i][t][h], q8[i]));
+                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_mul_ps(sc, dx[i]), q, acc));
+            }
+        }
+}
+
 /* tot[i0 + i][16 t ..] += s d (sum q x - 8 sum x) + z sum x for the MB rows from i0, over one group whose
  * codes decode_group left in ub. Every sum of a panel stays in a register (MB rows x T tiles x 2 vectors, up
  * to 12), the codes read as memory operands of vpmaddwd; the column pairs go UNROLL_PAIRS a loop iteration
@@ -679,30 +718,58 @@ static inline __attribute__((always_inline)) void panel_group(const __m256i* ub,
     }
     __m256i sums[PANEL_ROWS][2][2] = {
             {{s000, s001}, {s010, s011}}, {{s100, s101}, {s110, s111}}, {{s200, s201}, {s210, s211}}};
-    if (kind ==
-        SPLIT32_ALL) /* decode_group's order of rows: 0-3 | 8-11 and 4-7 | 12-15 back to 0-7 and 8-15 */
-        for (int i = 0; i < MB; i++)
-            for (int t = 0; t < T; t++) {
-                const __m256i a0 = sums[i][t][0], a1 = sums[i][t][1];
-                sums[i][t][0] = _mm256_permute2x128_si256(a0, a1, 0x20);
-                sums[i][t][1] = _mm256_permute2x128_si256(a0, a1, 0x31);
-            }
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int i = 0; i < MB; i++) { /* as group_pairs folds its sums */
-        const int64_t mg = (int64_t)(i0 + i) * a->G + g;
-        const __m256 dx = _mm256_set1_ps(a->d[mg]), xs = _mm256_set1_ps(a->xsum[mg]);
-        const __m256i q8 = _mm256_set1_epi32(-8 * a->xqsum[mg]);
-        for (int t = 0; t < T; t++)
-            for (int h = 0; h < 2; h++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(szg + 32 * t + 16 * h));
-                const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-                const __m256 ze = _mm256_castsi256_ps(_mm256_and_si256(v, high));
-                float* o = &tot[i0 + i][16 * t + 8 * h];
-                const __m256 acc = _mm256_fmadd_ps(ze, xs, _mm256_loadu_ps(o));
-                const __m256 q = _mm256_cvtepi32_ps(_mm256_add_epi32(sums[i][t][h], q8));
-                _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_mul_ps(sc, dx), q, acc));
-            }
+    panel_fold(sums, kind, a, i0, g, MB, szg, tot);
+}
+
+/* panel_group for split blocks of 32 rows without the round trip of decode_group's vectors through memory:
+ * each column pair's codes are decoded in registers (decode_group's instructions, its order of rows) and
+ * multiplied at once with the MB (1 or 2) rows' activation pairs. Writing the decoded group out (four 32-byte
+ * stores a column pair) costs more than decoding it, so calls of up to FUSED_MAX rows take this way; from 3
+ * rows on, decoding once into ub for all panels costs less than decoding again for each (a panel of this kind
+ * cannot hold a third row's sums in the 16 registers). The sums are panel_group's exact integers, folded by
+ * panel_fold, so the outputs are bit for bit panel_group's. */
+#define FUSED_MAX 2
+static inline __attribute__((always_inline)) void fused_group(const uint8_t* w, const Idx* idx, const Act* a,
+                                                              int i0, int g, const int MB,
+                                                              const uint16_t* szg, float (*tot)[64]) {
+    const int64_t row = (int64_t)a->xb_row * a->K / 4; /* floats of xb a row */
+    const float* xp0 = (const float*)(a->xb + (int64_t)i0 * a->xb_row * a->K) + g * a->gs / 2;
+    const float* xp1 = xp0 + (MB > 1 ? row : 0);
+    __m256i s000, s001, s010, s011, s100, s101, s110, s111;
+    s000 = s001 = s010 = s011 = s100 = s101 = s110 = s111 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int j = 0; j < a->gs / 2; j++) { /* columns 2j, 2j + 1 */
+        const __m256i v =
+                _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i*)(w + (int64_t)j * 32)), 0xD8);
+        const __m256i c0 = _mm256_and_si256(v, idx->nibble);
+        const __m256i u0 = _mm256_shuffle_epi8(c0, idx->pairs16_lo),
+                      u1 = _mm256_shuffle_epi8(c0, idx->pairs16_hi);
+        const __m256i x0 = _mm256_castps_si256(_mm256_broadcast_ss(xp0 + j));
+        s000 = _mm256_add_epi32(s000, _mm256_madd_epi16(u0, x0));
+        s001 = _mm256_add_epi32(s001, _mm256_madd_epi16(u1, x0));
+        if (MB > 1) {
+            const __m256i x1 = _mm256_castps_si256(_mm256_broadcast_ss(xp1 + j));
+            s100 = _mm256_add_epi32(s100, _mm256_madd_epi16(u0, x1));
+            s101 = _mm256_add_epi32(s101, _mm256_madd_epi16(u1, x1));
+        }
+        const __m256i c1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), idx->nibble);
+        const __m256i u2 = _mm256_shuffle_epi8(c1, idx->pairs16_lo),
+                      u3 = _mm256_shuffle_epi8(c1, idx->pairs16_hi);
+        s010 = _mm256_add_epi32(s010, _mm256_madd_epi16(u2, x0));
+        s011 = _mm256_add_epi32(s011, _mm256_madd_epi16(u3, x0));
+        if (MB > 1) {
+            const __m256i x1 = _mm256_castps_si256(_mm256_broadcast_ss(xp1 + j));
+            s110 = _mm256_add_epi32(s110, _mm256_madd_epi16(u2, x1));
+            s111 = _mm256_add_epi32(s111, _mm256_madd_epi16(u3, x1));
+        }
+        __asm__(""
+                : "+x"(s000), "+x"(s001), "+x"(s010), "+x"(s011), "+x"(s100), "+x"(s101), "+x"(s110),
+                  "+x"(s111));
     }
+    const __m256i z = _mm256_setzero_si256();
+    __m256i sums[PANEL_ROWS][2][2] = {
+            {{s000, s001}, {s010, s011}}, {{s100, s101}, {s110, s111}}, {{z, z}, {z, z}}};
+    panel_fold(sums, SPLIT32_ALL, a, i0, g, MB, szg, tot);
 }
 
 #define PASS_ARGS                                                                                   \
@@ -710,7 +777,9 @@ static inline __attribute__((always_inline)) void panel_group(const __m256i* ub,
             float (*tot)[64]
 /* One pass over a block: all groups, activation rows [0, mc); calls of fewer than PANEL_MIN rows decode the
  * codes straight into the dot products (group_quads, group_pairs: written for pairs of rows too, which no
- * call takes while PANEL_MIN is 2), from there on a group's codes are decoded once (panel_group). */
+ * call takes while PANEL_MIN is 2), from there on split blocks of 32 rows decode a group's codes in registers
+ * for up to FUSED_MAX rows (fused_group), else once into ub for all panels (panel_group). The panels fetch
+ * the codes ahead as group_quads does: a block's codes span pages, where the hardware prefetcher stops. */
 static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const int kind) {
     __m256i ub[512] __attribute__((aligned(32))); /* a group's decoded codes: gs / 2 pairs x 2 tiles x 2 */
     for (int g = 0; g < a->G; g++) {
@@ -730,6 +799,17 @@ static inline __attribute__((always_inline)) void block_pass(PASS_ARGS, const in
             for (int i = 0; i + 1 < mc; i += 2) group_pairs(wg, stride, kind, idx, a, i, 2, g, szg, tot);
             if (mc % 2) group_pairs(wg, stride, kind, idx, a, mc - 1, 1, g, szg, tot);
             continue;
+        }
+        if (kind == SPLIT32_ALL) { /* as the quads path: the codes further on and the next block's scales */
+            _mm_prefetch((const char*)(szg + 2 * 32), _MM_HINT_T0);
+            _mm_prefetch((const char*)(szg + 2 * 32 + 32), _MM_HINT_T0);
+            for (int o = 0; o < a->gs * 16; o += 64)
+                _mm_prefetch((const char*)(wg + QUADS_AHEAD + o), _MM_HINT_T1);
+            if (mc <= FUSED_MAX) {
+                for (int i = 0; i + 1 < mc; i += 2) fused_group(wg, idx, a, i, g, 2, szg, tot);
+                if (mc % 2) fused_group(wg, idx, a, mc - 1, g, 1, szg, tot);
+                continue;
+            }
         }
         decode_group(wg, stride, kind, idx, a->gs, ub);
         const int panels = (mc + PANEL_ROWS - 1) / PANEL_ROWS;

@@ -197,12 +197,13 @@ def test_avx2_build_matches_reference(monkeypatch):
 
 
 def _check_panels():
-    """Calls of 2-7 rows (a decode step verifying a speculative draft) go in panels of up to 3 rows over codes
-    decoded once a group: 2, 3, 2 + 2, 3 + 2, 3 + 3 and 3 + 2 + 2. Each row bit for bit as the row alone gives
-    it (the one-row loop reads the codes another way: the same exact integer sums and float steps), with 16-row
-    tail blocks and group sizes of 16 (a single unrolled step of column pairs), 48, 96 and 256, rows of very
+    """Calls of 2-9 rows (a decode step verifying a speculative draft) go in panels of up to 3 rows over codes
+    decoded once a group: 3, 2 + 2, 3 + 2, 3 + 3, 3 + 2 + 2, 3 + 3 + 2 and 3 + 3 + 3; 2 rows of split blocks of
+    32 decode each column pair in registers (fused_group). Each row bit for bit as the row alone gives it (the
+    one-row loop reads the codes another way: the same exact integer sums and float steps), with 16-row tail
+    blocks and group sizes of 16 (a single unrolled step of column pairs), 48, 96 and 256, rows of very
     different sizes and a group of zeros; and within the reference's bound."""
-    for m in range(2, 8):
+    for m in range(2, 10):
         for n, k, gs in [(80, 96, 16), (208, 576, 32), (112, 144, 48), (48, 192, 96), (176, 512, 256)]:
             x, codes, sz = _case(m, n, k, gs, seed=7 * m + n)
             x[m - 1] *= 1e3
