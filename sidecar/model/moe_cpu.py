@@ -14,10 +14,10 @@ are not int8 / int4 layers in the CPU kernels' layouts (per-row int8 scales, unp
 biases, no codes kept for Triton) or bf16 layers the bf16 kernel reads (tiled or plain rows: not AMX's tile
 layout nor oneDNN's packed one; widths of whole 32-value chunks), an activation other than silu, routers of
 another form (Llama 4's scaled inputs, gpt-oss's softmax after top-k), more rows than ``MAX_ROWS`` (bf16: than
-the layers' own kernel takes, ``Linear.kernel_rows``; int4 experts: more rows go to ``moe_int4_batched``'s
-kernel, each picked expert's weights read once for all of its slots, up to its bound), activations other than
-float32 / bf16 (bf16 experts: bf16), or a kernel that did not build. The experts' address tables are built at
-first use (``CpuExperts.of``) and hold the tensors they point into: the experts are fixed once loaded.
+the layers' own kernel takes, ``Linear.kernel_rows``; int4 experts: steps of more rows, prefill chunks too, go
+to ``moe_int4_batched``'s kernel), activations other than float32 / bf16 (bf16 experts: bf16), or a kernel that
+did not build. The experts' address tables are built at first use (``CpuExperts.of``) and hold the tensors they
+point into: the experts are fixed once loaded.
 ``self_check`` (at load) compares each block's fast path with its loop and leaves the loop on where they differ.
 
 ``kernel_route`` routes decode-sized CPU steps of every block whose router passed that check, whatever its
@@ -81,9 +81,8 @@ class CpuExperts:
 def self_check(blocks: Iterable[nn.Module], dtype: torch.dtype) -> int:
     """At load: each sparse block's (``moe.SparseMoE``) fast path against its per-expert loop on probe rows
     (one and three rows, in the model's ``dtype``); a block whose result differs in any bit keeps the loop
-    from then on, the reason logged. Where it passes, int4 experts' kernel of steps of many rows is checked on
-    such a step (``moe_int4_batched.check``), and the block's router kernel (``check_router``). Returns how many
-    blocks the fast path runs."""
+    from then on, the reason logged. Where it passes, int4 experts' kernel of steps of many rows is checked
+    (``moe_int4_batched.check``), then the router kernel (``check_router``). Returns the blocks it runs."""
     blocks = list(blocks)
     ran = _check_experts(blocks, dtype)
     routed_here = sum(check_router(moe, dtype) for moe in blocks)
@@ -331,7 +330,8 @@ def _build(moe: nn.Module):
     batched = None
     if cls is Int4Linear:
         extra["group_size"] = first.gate_up_proj.group_size
-        batched = moe_int4_batched.build(int4_gemv._KERNEL.lib(), extra["group_size"], hidden, inter)
+        lib, gs, e = int4_gemv._KERNEL.lib(), extra["group_size"], moe.num_experts
+        batched = moe_int4_batched.build(lib, gs, hidden, inter, moe.top_k, e)
     tables: list[list[int]] = [[], [], [], []]
     held: list[torch.Tensor] = []
     for e in moe.experts:
@@ -351,43 +351,45 @@ def routed(
 ) -> Optional[torch.Tensor]:
     """The routed sum [T, hidden] of rows ``x`` [T, hidden] whose experts ``ids`` [T, k] (ascending in each
     row) are weighed by ``weights`` [T, k], or None where the fast path does not run the step."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _FLOATS:
-        return None
-    if weights.dtype not in _FLOATS or ids.dtype != torch.int64:
+    floats = x.dtype in _FLOATS and weights.dtype in _FLOATS and ids.dtype == torch.int64
+    if x.device.type != "cpu" or x.dim() != 2 or not floats:
         return None
     ex = CpuExperts.of(moe)
     if ex is None or x.shape[1] != ex.hidden:
         return None
-    t = x.shape[0]
-    fn = ex.fn if t <= ex.rows and x.dtype in ex.dtypes else None
-    if fn is None and t > MAX_ROWS:  # int4 experts: steps of many rows in the grouped kernel
-        fn = moe_int4_batched.kernel(ex.batched, t, x.dtype)
-    if fn is None:
+    t = x.shape[0]  # got: (kernel, rows a call)
+    got = (ex.fn, t) if t <= ex.rows and x.dtype in ex.dtypes else None
+    if got is None and t > MAX_ROWS:  # int4 experts: steps of many rows in the grouped kernel
+        got = moe_int4_batched.kernel(ex.batched, t, x.dtype)
+    if got is None:
         return None
-    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
-    y = torch.empty_like(x)
-    gu, gus, dn, dns = ex.tables
-    rc = fn(
-        MoeArgs(
-            x=x.data_ptr(),
-            ids=ids.data_ptr(),
-            weights=weights.data_ptr(),
-            gate_up=gu.data_ptr(),
-            gate_up_scales=gus.data_ptr(),
-            down=dn.data_ptr(),
-            down_scales=dns.data_ptr(),
-            y=y.data_ptr(),
-            T=x.shape[0],
-            k=ids.shape[1],
-            E=gu.shape[0],
-            H=ex.hidden,
-            I=ex.inter,
-            nthreads=torch.get_num_threads(),
-            x_bf16=x.dtype is torch.bfloat16,
-            weights_bf16=weights.dtype is torch.bfloat16,
-            **ex.extra,
+    (fn, step), k = got, ids.shape[1]
+    x, weights, ids, y = x.contiguous(), weights.contiguous(), ids.contiguous(), torch.empty_like(x)
+    (gu, gus, dn, dns), row, rc = ex.tables, x.shape[1] * x.element_size(), 0  # row: bytes of a row of x, y
+    for lo in range(0, t, step):  # calls of up to step rows (int4's grouped kernel: its scratch)
+        rc = fn(
+            MoeArgs(
+                x=x.data_ptr() + lo * row,
+                ids=ids.data_ptr() + lo * k * 8,
+                weights=weights.data_ptr() + lo * k * weights.element_size(),
+                gate_up=gu.data_ptr(),
+                gate_up_scales=gus.data_ptr(),
+                down=dn.data_ptr(),
+                down_scales=dns.data_ptr(),
+                y=y.data_ptr() + lo * row,
+                T=min(step, t - lo),
+                k=k,
+                E=gu.shape[0],
+                H=ex.hidden,
+                I=ex.inter,
+                nthreads=torch.get_num_threads(),
+                x_bf16=x.dtype is torch.bfloat16,
+                weights_bf16=weights.dtype is torch.bfloat16,
+                **ex.extra,
+            )
         )
-    )
+        if rc:
+            break
     if rc == 1:
         raise ValueError(f"moe: an expert id outside 0..{gu.shape[0] - 1}")
     if rc == 2:
