@@ -14,7 +14,8 @@ its k experts. The experts are plain per-expert ``Linear`` layers, so the CPU la
 quantized layers and their kernels take them as they take the dense MLP's; an MXFP4 checkpoint's experts on the
 CPU are ``mxfp4.Mxfp4Linear`` layers over their codes instead (read by the MXFP4 kernel). Decode-sized CPU
 steps over int8 / int4 experts, or bf16 ones in our bf16 kernel's layouts, run in one kernel call instead
-(``moe_cpu.py``), with the same result, and
+(``moe_cpu.py``), with the same result, as do int4 experts' steps of more rows, prefill chunks too, in calls of
+a bounded scratch (``moe_int4_batched.py``); and
 where the block's softmax router passed its load-time check, the router too (``kernels/cpu/moe_route.c``):
 the gate, the router and the experts are then kernel calls alone, which a CPU decode replay records.
 

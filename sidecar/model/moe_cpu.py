@@ -14,14 +14,15 @@ are not int8 / int4 layers in the CPU kernels' layouts (per-row int8 scales, unp
 biases, no codes kept for Triton) or bf16 layers the bf16 kernel reads (tiled or plain rows: not AMX's tile
 layout nor oneDNN's packed one; widths of whole 32-value chunks), an activation other than silu, routers of
 another form (Llama 4's scaled inputs, gpt-oss's softmax after top-k), more rows than ``MAX_ROWS`` (bf16: than
-the layers' own kernel takes, ``Linear.kernel_rows``; int4 experts: more rows go to ``moe_int4_batched``'s
-kernel, each picked expert's weights read once for all of its slots, up to its bound), activations other than
-float32 / bf16 (bf16 experts: bf16), or a kernel that did not build. The experts' address tables are built at
-first use (``CpuExperts.of``) and hold the tensors they point into: the experts are fixed once loaded.
+the layers' own kernel takes, ``Linear.kernel_rows``; int4 experts: steps of more rows, prefill chunks too, go
+to ``moe_int4_batched``'s kernel), activations other than float32 / bf16 (bf16 experts: bf16), or a kernel that
+did not build. The experts' address tables are built at first use (``CpuExperts.of``) and hold the tensors they
+point into: the experts are fixed once loaded.
 ``self_check`` (at load) compares each block's fast path with its loop and leaves the loop on where they differ.
 
-``kernel_route`` routes decode-sized CPU steps of every block whose router passed that check, whatever its
-experts; ``decode_step(moe, x)`` runs such a step with the router in a kernel too (``kernels/cpu/moe_route.c``): the
+``kernel_route`` routes CPU steps of up to ``ROUTE_ROWS`` rows (decode batches) of every block whose router passed
+that check, whatever its experts; ``decode_step(moe, x)`` runs such a step that ``routed`` takes (int4 experts:
+past ``MAX_ROWS`` rows in their grouped kernel) with the router in a kernel too (``kernels/cpu/moe_route.c``): the
 gate's logits (the block's ``gate`` layer: our bf16 kernel in a bf16 model), then the softmax, top-k and
 renormalisation into the ids and weights ``routed`` reads, so the block makes kernel calls alone and a CPU
 decode replay can record it. It runs only blocks whose router ``self_check`` found equal to torch's, bit for bit
@@ -39,7 +40,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from sidecar.model import moe_int4_batched
+from sidecar.model import moe_cpu_layouts, moe_int4_batched
 from sidecar.model.kernels.cpu import bf16_gemv, int4_gemv, int8_gemv, moe_route
 from sidecar.model.kernels.cpu.moe_args import MoeArgs
 from sidecar.model.linear import Linear
@@ -50,6 +51,9 @@ log = logging.getLogger("sidecar.model")
 # rows leaves that to int4's grouped kernel or the per-expert loop, each picked expert read once a step). Below
 # int4_gemv.TILE_MIN_ROWS, so no expert of the loop it must equal reaches the AMX tile kernel's row count.
 MAX_ROWS = int4_gemv.TILE_MIN_ROWS - 1
+# Rows per step up to which the router kernel routes it and ``decode_step`` runs it (batched decode steps: int4
+# experts' grouped kernel takes them past MAX_ROWS); ``check_router`` probes a step of this many rows.
+ROUTE_ROWS = 64
 _FLOATS = (torch.float32, torch.bfloat16)
 
 
@@ -64,6 +68,10 @@ class CpuExperts:
         self.hidden, self.inter = hidden, inter
         self.rows, self.dtypes = MAX_ROWS, _FLOATS  # the steps it runs: rows, activation dtypes
         self.batched: Optional[moe_int4_batched.Batched] = batched  # int4: the kernel of steps of more rows
+
+    def runs_many(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether int4 experts' grouped kernel runs a step of ``rows`` rows (past MAX_ROWS) in ``dtype``."""
+        return moe_int4_batched.kernel(self.batched, rows, dtype) is not None
 
     @staticmethod
     def of(moe: nn.Module) -> Optional["CpuExperts"]:
@@ -81,9 +89,8 @@ class CpuExperts:
 def self_check(blocks: Iterable[nn.Module], dtype: torch.dtype) -> int:
     """At load: each sparse block's (``moe.SparseMoE``) fast path against its per-expert loop on probe rows
     (one and three rows, in the model's ``dtype``); a block whose result differs in any bit keeps the loop
-    from then on, the reason logged. Where it passes, int4 experts' kernel of steps of many rows is checked on
-    such a step (``moe_int4_batched.check``), and the block's router kernel (``check_router``). Returns how many
-    blocks the fast path runs."""
+    from then on, the reason logged. Where it passes, int4 experts' kernel of steps of many rows is checked
+    (``moe_int4_batched.check``), then the router kernel (``check_router``). Returns the blocks it runs."""
     blocks = list(blocks)
     ran = _check_experts(blocks, dtype)
     routed_here = sum(check_router(moe, dtype) for moe in blocks)
@@ -173,8 +180,10 @@ def _router_differs(moe: nn.Module, dtype: torch.dtype) -> Optional[str]:
     gen = torch.Generator().manual_seed(1)
     hidden, e = moe.gate.in_features, moe.num_experts
     with torch.no_grad():
-        probes = [moe.gate(torch.randn(rows, hidden, generator=gen).to(dtype)) for rows in (1, 3)]
-        probes.append(torch.randint(0, 3, (4, e), generator=gen).to(probes[0].dtype))
+        probes = [moe.gate(torch.randn(rows, hidden, generator=gen).to(dtype)) for rows in (1, 3, ROUTE_ROWS)]
+        probes += [
+            torch.randint(0, 3, (rows, e), generator=gen).to(probes[0].dtype) for rows in (4, ROUTE_ROWS)
+        ]
         for logits in probes:
             got = _kernel_routes(moe, logits, dtype)
             want = _torch_routes(moe, logits, dtype)
@@ -182,7 +191,7 @@ def _router_differs(moe: nn.Module, dtype: torch.dtype) -> Optional[str]:
                 return "the router kernel refused the block's logits"
             if not (torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])):
                 return "the router kernel's ids or weights differ from torch's"
-        for rows in (1, 3):
+        for rows in (1, 3, MAX_ROWS + 2):  # the last: int4 experts' grouped kernel past the one-row slots
             x = torch.randn(rows, hidden, generator=gen).to(dtype)
             moe.__dict__["_cpu_router"] = True
             fast = moe(x)
@@ -199,7 +208,7 @@ def kernel_route(
     step, ``cpu_grouped`` off: the reference)."""
     if not moe.cpu_grouped or moe.__dict__.get("_cpu_router") is not True or logits.device.type != "cpu":
         return None
-    if logits.dim() != 2 or logits.shape[0] > MAX_ROWS or dtype not in _FLOATS:
+    if logits.dim() != 2 or logits.shape[0] > ROUTE_ROWS or dtype not in _FLOATS:
         return None
     return _kernel_routes(moe, logits, dtype)
 
@@ -221,51 +230,15 @@ def decode_step(moe: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
     equal to torch's (``check_router``), or a step ``routed`` does not take."""
     if moe.__dict__.get("_cpu_router") is not True:
         return None
-    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > MAX_ROWS or x.dtype not in _FLOATS:
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > ROUTE_ROWS or x.dtype not in _FLOATS:
         return None
-    ex = CpuExperts.of(moe)
-    if ex is None or x.shape[0] > ex.rows or x.dtype not in ex.dtypes:
+    ex, t = CpuExperts.of(moe), x.shape[0]
+    if ex is None or not (t <= ex.rows and x.dtype in ex.dtypes or t > MAX_ROWS and ex.runs_many(t, x.dtype)):
         return None
     got = kernel_route(moe, moe.gate(x), x.dtype)
     if got is None:
         return None
     return routed(moe, x, *got)
-
-
-def _operands(lin: nn.Module, cls: type, n: int, k: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-    """(codes, scales) of an expert's projection [n, k] in the kernel's layout, or None."""
-    if type(lin) is not cls or lin.bias is not None or lin.k_padded != k or lin.out_features != n:
-        return None
-    if cls.mode == "int8":
-        w, s = lin.weight, lin.scales_f32
-        ok = w.shape == (n, k) and s.dtype == torch.float32 and s.shape == (n,)
-    else:
-        w, s = lin.weight, lin.scales_and_zeros
-        ok = w.shape == (n, k // 2) and s.dtype == torch.bfloat16 and lin.qweight_plain is None
-        ok = ok and s.shape == (k // lin.group_size, n, 2)
-    ok = ok and w.device.type == "cpu" and w.is_contiguous() and s.is_contiguous()
-    return (w, s) if ok else None
-
-
-def _bf16_weight(lin: nn.Module, n: int, k: int):
-    """(weight, tiled) of a bf16 expert's projection [n, k] as its layer's kernel reads it (``Linear.forward``:
-    the tiled layout, or plain rows), or the reason the grouped kernel cannot read it."""
-    if type(lin) is not Linear or lin.bias is not None or (lin.out_features, lin.in_features) != (n, k):
-        return "experts with biases or of another width"
-    if lin.amx is not None:
-        return "bf16 experts in the AMX tile layout (the grouped kernel reads plain or tiled rows)"
-    if lin.tiled is not None:
-        w, tiled = lin.tiled, 1
-    elif lin.weight is not None and lin.weight.dtype is torch.bfloat16:
-        w, tiled = lin.weight, 0
-    elif lin.packed is not None and lin.packed.dtype is torch.bfloat16:
-        return "bf16 experts in oneDNN's packed layout"
-    else:
-        return "experts that are not int8 / int4 / bf16 layers"
-    shape = (-(-n // bf16_gemv.TILE), k // 32, bf16_gemv.TILE, 32) if tiled else (n, k)
-    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not w.is_contiguous() or w.shape != shape:
-        return "bf16 experts in another layout"
-    return w, tiled
 
 
 def _build_bf16(moe: nn.Module, hidden: int, inter: int):
@@ -280,7 +253,7 @@ def _build_bf16(moe: nn.Module, hidden: int, inter: int):
     layouts, rows = set(), MAX_ROWS
     for e in moe.experts:
         for i, (lin, n, k) in enumerate(((e.gate_up_proj, 2 * inter, hidden), (e.down_proj, hidden, inter))):
-            got = _bf16_weight(lin, n, k)
+            got = moe_cpu_layouts.bf16_weight(lin, n, k)
             if isinstance(got, str):
                 return got
             tables[i].append(got[0].data_ptr())
@@ -331,12 +304,13 @@ def _build(moe: nn.Module):
     batched = None
     if cls is Int4Linear:
         extra["group_size"] = first.gate_up_proj.group_size
-        batched = moe_int4_batched.build(int4_gemv._KERNEL.lib(), extra["group_size"], hidden, inter)
+        lib, gs, e = int4_gemv._KERNEL.lib(), extra["group_size"], moe.num_experts
+        batched = moe_int4_batched.build(lib, gs, hidden, inter, moe.top_k, e)
     tables: list[list[int]] = [[], [], [], []]
     held: list[torch.Tensor] = []
     for e in moe.experts:
         for i, (lin, n, k) in enumerate(((e.gate_up_proj, 2 * inter, hidden), (e.down_proj, hidden, inter))):
-            ops = _operands(lin, cls, n, k)
+            ops = moe_cpu_layouts.operands(lin, cls, n, k)
             if ops is None or getattr(lin, "group_size", 0) != extra.get("group_size", 0):
                 return "experts without biases, padding or another layout"
             tables[2 * i].append(ops[0].data_ptr())
@@ -351,43 +325,45 @@ def routed(
 ) -> Optional[torch.Tensor]:
     """The routed sum [T, hidden] of rows ``x`` [T, hidden] whose experts ``ids`` [T, k] (ascending in each
     row) are weighed by ``weights`` [T, k], or None where the fast path does not run the step."""
-    if x.device.type != "cpu" or x.dim() != 2 or x.dtype not in _FLOATS:
-        return None
-    if weights.dtype not in _FLOATS or ids.dtype != torch.int64:
+    floats = x.dtype in _FLOATS and weights.dtype in _FLOATS and ids.dtype == torch.int64
+    if x.device.type != "cpu" or x.dim() != 2 or not floats:
         return None
     ex = CpuExperts.of(moe)
     if ex is None or x.shape[1] != ex.hidden:
         return None
-    t = x.shape[0]
-    fn = ex.fn if t <= ex.rows and x.dtype in ex.dtypes else None
-    if fn is None and t > MAX_ROWS:  # int4 experts: steps of many rows in the grouped kernel
-        fn = moe_int4_batched.kernel(ex.batched, t, x.dtype)
-    if fn is None:
+    t = x.shape[0]  # got: (kernel, rows a call)
+    got = (ex.fn, t) if t <= ex.rows and x.dtype in ex.dtypes else None
+    if got is None and t > MAX_ROWS:  # int4 experts: steps of many rows in the grouped kernel
+        got = moe_int4_batched.kernel(ex.batched, t, x.dtype)
+    if got is None:
         return None
-    x, weights, ids = x.contiguous(), weights.contiguous(), ids.contiguous()
-    y = torch.empty_like(x)
-    gu, gus, dn, dns = ex.tables
-    rc = fn(
-        MoeArgs(
-            x=x.data_ptr(),
-            ids=ids.data_ptr(),
-            weights=weights.data_ptr(),
-            gate_up=gu.data_ptr(),
-            gate_up_scales=gus.data_ptr(),
-            down=dn.data_ptr(),
-            down_scales=dns.data_ptr(),
-            y=y.data_ptr(),
-            T=x.shape[0],
-            k=ids.shape[1],
-            E=gu.shape[0],
-            H=ex.hidden,
-            I=ex.inter,
-            nthreads=torch.get_num_threads(),
-            x_bf16=x.dtype is torch.bfloat16,
-            weights_bf16=weights.dtype is torch.bfloat16,
-            **ex.extra,
+    (fn, step), k = got, ids.shape[1]
+    x, weights, ids, y = x.contiguous(), weights.contiguous(), ids.contiguous(), torch.empty_like(x)
+    (gu, gus, dn, dns), row, rc = ex.tables, x.shape[1] * x.element_size(), 0  # row: bytes of a row of x, y
+    for lo in range(0, t, step):  # calls of up to step rows (int4's grouped kernel: its scratch)
+        rc = fn(
+            MoeArgs(
+                x=x.data_ptr() + lo * row,
+                ids=ids.data_ptr() + lo * k * 8,
+                weights=weights.data_ptr() + lo * k * weights.element_size(),
+                gate_up=gu.data_ptr(),
+                gate_up_scales=gus.data_ptr(),
+                down=dn.data_ptr(),
+                down_scales=dns.data_ptr(),
+                y=y.data_ptr() + lo * row,
+                T=min(step, t - lo),
+                k=k,
+                E=gu.shape[0],
+                H=ex.hidden,
+                I=ex.inter,
+                nthreads=torch.get_num_threads(),
+                x_bf16=x.dtype is torch.bfloat16,
+                weights_bf16=weights.dtype is torch.bfloat16,
+                **ex.extra,
+            )
         )
-    )
+        if rc:
+            break
     if rc == 1:
         raise ValueError(f"moe: an expert id outside 0..{gu.shape[0] - 1}")
     if rc == 2:

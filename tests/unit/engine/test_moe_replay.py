@@ -98,3 +98,26 @@ def test_steps_stay_eager_where_the_router_kernel_is_off(family_dir, monkeypatch
     assert "outside our kernels" in info["cpu_decode_replay_reason"]
     outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     assert all(len(o.token_ids) == 4 for o in outs) and llm.engine.runner.cpu_plans.recorded == []
+
+
+def test_int4_batches_past_the_one_row_slots_replay(family_dir, replays):
+    """Decode batches past ``moe_cpu.MAX_ROWS`` rows route in the router kernel and run int4 experts' grouped
+    kernel, so they are planned and replayed too, with eager decoding's tokens."""
+    kw = dict(_kw(family_dir, "int4"), max_num_seqs=12)
+    fast, eager = LLM(**kw), LLM(enforce_eager=True, **kw)
+    plans = fast.engine.runner.cpu_plans
+    prompts = [[5 + (13 * i + 7 * j) % 800 for j in range(3 + i % 5)] for i in range(12)]
+    sp = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=0)
+
+    def run(llm: LLM) -> list:
+        return [(o.token_ids, [t.logprob for t in o.logprobs]) for o in llm.generate(prompts, sp)]
+
+    replays.clear()
+    got = run(fast)
+    assert got == run(eager)
+    assert 12 in replays and 12 not in plans.eager_sizes, (replays, plans.eager_sizes)
+    blocks = [m for m in fast.engine.loaded.model.modules() if isinstance(m, SparseMoE)]
+    names = plans._plans[(12, False)].names
+    assert names.count("sidecar_moe_route") == len(blocks), names
+    assert names.count("sidecar_int4_moe_grouped") == len(blocks), names
+    assert sum(len(set(toks)) > 2 for toks, _ in got) >= 6, got

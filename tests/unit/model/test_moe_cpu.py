@@ -12,6 +12,7 @@ import torch
 
 from sidecar import LLM, SamplingParams
 from sidecar.model import moe_cpu, moe_int4_batched
+from sidecar.model.kernels.cpu import int4_gemv
 from sidecar.model.linear import Linear
 from sidecar.model.moe import SparseMoE
 from sidecar.model.quant import Int4Linear, quantize_linear
@@ -219,7 +220,7 @@ def _int4_block(args, experts: int, k: int, gen: torch.Generator) -> SparseMoE:
 
 def _picks(rows: int, dtype: torch.dtype, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids ascending) of a step over 40 experts, 4 a row: expert 0 in every row, 1 and 2 in every
-    other row, 3..9 and 10..38 spread, 39 in none."""
+    other row, 3..9 and 10..38 spread, 39 in none (whatever the rows of a kernel call)."""
     ids = torch.tensor([[0, 1 + t % 2, 3 + t % 7, 10 + (5 * t) % 29] for t in range(rows)])
     weights = torch.softmax(torch.randn(rows, 4, generator=gen), dim=-1).to(dtype)
     return weights, ids
@@ -231,20 +232,35 @@ def test_int4_steps_of_many_rows_take_the_grouped_kernel_bit_for_bit(loaded, dty
     moe = _int4_block(_blocks(loaded("float32", "int4"))[0].args, 40, 4, gen)
     ex = moe_cpu.CpuExperts.of(moe)
     assert ex is not None and ex.batched is not None
-    for rows in (9, 17, 32, 40):  # past MAX_ROWS; 40: expert 0's rows in two chunks of the kernel
+    one_call = ex.batched.rows
+    assert one_call > 150  # a tiny block's step of 150 rows: one call unless cut below
+    # past MAX_ROWS; 40: expert 0's rows in two chunks of the kernel; 150: past the former bound of 64 rows, in
+    # one call and in calls of 64 rows (the last one 22)
+    for rows, calls_of in (
+        (9, one_call),
+        (17, one_call),
+        (32, one_call),
+        (40, one_call),
+        (150, one_call),
+        (150, 64),
+    ):
         x = torch.randn(rows, moe.gate.in_features, generator=gen).to(dtype)
         weights, ids = _picks(rows, dtype, gen)
-        fast = moe_cpu.routed(moe, x, weights, ids)
+        ex.batched.rows = calls_of
+        try:
+            fast = moe_cpu.routed(moe, x, weights, ids)
+        finally:
+            ex.batched.rows = one_call
         if dtype not in ex.batched.dtypes:  # bf16 where the experts' layers take AMX tiles: the loop's
             assert fast is None
             continue
         moe.route = lambda x, w=weights, i=ids: (w, i)  # the reference routes the same step
         try:
             assert fast is not None and fast.dtype == dtype
-            assert torch.equal(fast, _reference(moe, x)), rows
+            assert torch.equal(fast, _reference(moe, x)), (rows, calls_of)
         finally:
             del moe.route
-    x = torch.randn(moe_int4_batched.MAX_ROWS + 1, moe.gate.in_features, generator=gen).to(dtype)
+    x = torch.randn(int4_gemv.MAX_ROWS + 1, moe.gate.in_features, generator=gen).to(dtype)
     assert moe_cpu.routed(moe, x, *_picks(x.shape[0], dtype, gen)) is None  # past its bound: the loop's
 
 
@@ -286,3 +302,31 @@ def test_greedy_batch_of_many_sequences_equal_with_and_without_the_grouped_kerne
             del moe.cpu_grouped
     assert got == want
     assert sum(len(set(o)) > 2 for o in got) >= 6, got
+
+
+def test_greedy_long_prompts_equal_with_and_without_the_grouped_kernel(loaded, monkeypatch):
+    """Prefill chunks past the former bound of 64 rows run in the grouped kernel, in several calls each, and give
+    the per-expert loop's tokens."""
+    llm = loaded("float32", "int4")
+    ran, real = [], moe_int4_batched.kernel
+
+    def spy(batched, rows, dtype):  # the steps the grouped kernel takes
+        got = real(batched, rows, dtype)
+        ran.extend([rows] if got is not None else [])
+        return got
+
+    monkeypatch.setattr(moe_int4_batched, "kernel", spy)
+    for moe in _blocks(llm):
+        monkeypatch.setattr(moe_cpu.CpuExperts.of(moe).batched, "rows", 48)
+    prompts = [[5 + (17 * i + 3 * j) % 800 for j in range(n)] for i, n in enumerate([70, 131])]
+    got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert max(ran) > 64, ran  # a prefill step past 64 rows: in calls of 48
+    for moe in _blocks(llm):
+        moe.cpu_grouped = False
+    try:
+        want = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    finally:
+        for moe in _blocks(llm):
+            del moe.cpu_grouped
+    assert got == want
+    assert sum(len(set(o)) > 2 for o in got) >= 1, got

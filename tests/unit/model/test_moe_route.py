@@ -48,7 +48,7 @@ SHAPES = [(8, 2), (6, 2), (8, 3), (128, 8), (128, 2), (60, 5), (33, 7), (256, 8)
 def test_the_kernel_routes_as_torch(experts, k, dtype):
     gen = torch.Generator().manual_seed(experts * 100 + k)
     for trial in range(40):
-        rows = 1 + trial % 4
+        rows = moe_cpu.ROUTE_ROWS if trial >= 38 else 1 + trial % 4  # the last two: a batch of the most rows
         if trial % 2:  # a few distinct values: equal probabilities straddle the k-th place
             logits = torch.randint(0, 1 + trial % 4, (rows, experts), generator=gen).float()
         else:
@@ -80,7 +80,8 @@ def _torch_picked(logits, k, form, wdtype):
 def test_routers_that_pick_first_route_as_torch(experts, k, dtype, form):
     gen = torch.Generator().manual_seed(experts * 100 + k + form)
     for trial in range(24):
-        rows = 1 + trial % 7  # up to MAX_ROWS: sigmoids in torch's vector loop and in its scalar tail
+        # up to MAX_ROWS: sigmoids in torch's vector loop and in its scalar tail; the last two: the most rows
+        rows = moe_cpu.ROUTE_ROWS if trial >= 22 else 1 + trial % 7
         if trial % 2:
             logits = torch.randint(-2, 2 + trial % 3, (rows, experts), generator=gen).float()
         else:
@@ -152,7 +153,7 @@ def test_float32_decoding_through_the_kernel_equals_hf(family_dir, counted):
     got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))]
     assert got == hf_greedy(family_dir, PROMPTS, MAX_NEW)
     # every decode step of every sparse block routed in the kernel (prompts' chunks too, where small)
-    assert len(counted) >= len(blocks) * (MAX_NEW - 1) and max(counted) <= moe_cpu.MAX_ROWS
+    assert len(counted) >= len(blocks) * (MAX_NEW - 1) and max(counted) <= moe_cpu.ROUTE_ROWS
 
 
 def test_a_block_whose_kernel_differs_keeps_torchs_router(family_dir, monkeypatch, caplog):

@@ -1351,6 +1351,55 @@ static void grouped_block(const Act* a, int r0, int n, const uint8_t* w, const u
     }
 }
 
+/* The scratch bytes of a grouped call over T rows of a's k experts each (a's widths, group size and dtype):
+ * the rows' codes, each slot's codes, products and silu * up codes, the slots' order. */
+static size_t grouped_bytes(const sidecar_moe_args* a, int T) {
+    const size_t S = (size_t)T * a->k, es = a->x_bf16 ? 2 : 4;
+    const int gs = a->group_size;
+    return grouped_act_bytes(T, a->H, gs) + grouped_act_bytes((int)S, a->H, gs) +
+           grouped_act_bytes((int)S, a->I, gs) + S * (3 * (size_t)a->I + a->H) * es +
+           sizeof(int) * ((size_t)a->E + 1 + 4 * S) + 64;
+}
+
+/* The bytes a row adds to a grouped call's scratch (T, x and the tables unused): callers bound a call's
+ * scratch by its rows. 0 for a group size the kernel does not take. */
+int64_t sidecar_int4_moe_grouped_row_bytes(const sidecar_moe_args* a) {
+    if (a->group_size <= 0 || a->H % a->group_size || a->I % a->group_size || a->k < 1) return 0;
+    return (int64_t)(grouped_bytes(a, 2) - grouped_bytes(a, 1));
+}
+
+/* The grouped kernel's scratch is kept between calls, grown to the largest call's, so that steps of many rows
+ * reuse its pages rather than fault in a fresh allocation at every block; a call that finds it held by
+ * another
+ * (*own set) allocates its own. NULL when out of memory. */
+static char* kept_scratch;
+static size_t kept_bytes;
+static int kept_busy;
+
+static char* grouped_scratch(size_t bytes, int* own) {
+    if (!__atomic_exchange_n(&kept_busy, 1, __ATOMIC_ACQUIRE)) {
+        if (kept_bytes < bytes) {
+            free(kept_scratch);
+            kept_scratch = malloc(bytes);
+            kept_bytes = kept_scratch != NULL ? bytes : 0;
+        }
+        if (kept_scratch != NULL) {
+            *own = 0;
+            return kept_scratch;
+        }
+        __atomic_store_n(&kept_busy, 0, __ATOMIC_RELEASE);
+    }
+    *own = 1;
+    return malloc(bytes);
+}
+
+static void grouped_release(char* scratch, int own) {
+    if (own)
+        free(scratch);
+    else
+        __atomic_store_n(&kept_busy, 0, __ATOMIC_RELEASE);
+}
+
 /* A sparse block's routed sum over int4 experts (moe_args.h) for steps of many rows, in one parallel region,
  * each picked expert's weights read once for all of its slots: the slots ordered by expert (a counting sort,
  * slots ascending within an expert, as the per-expert loop gathers its rows), the rows' codes, each slot's
@@ -1366,10 +1415,8 @@ int sidecar_int4_moe_grouped(const sidecar_moe_args* a) {
         (block_n != 64 && block_n != 32) || T < 1 || a->k < 1)
         return 3;
     if (moe_ids_ok(a)) return 1;
-    const size_t bytes = grouped_act_bytes(T, H, gs) + grouped_act_bytes(S, H, gs) +
-                         grouped_act_bytes(S, I, gs) + (size_t)S * (3 * I + H) * es +
-                         sizeof(int) * ((size_t)E + 1 + 4 * (size_t)S) + 64;
-    char* scratch = malloc(bytes);
+    int own;
+    char* scratch = grouped_scratch(grouped_bytes(a, T), &own);
     if (scratch == NULL) return 2;
     char* p = scratch;
     const Act ax = grouped_act(a->x, dt, T, H, gs, &p); /* the step's rows */
@@ -1433,6 +1480,6 @@ int sidecar_int4_moe_grouped(const sidecar_moe_args* a) {
             moe_weighted_sum(a, out, t, h0, h0 + 64 < H ? h0 + 64 : H);
         }
     }
-    free(scratch);
+    grouped_release(scratch, own);
     return 0;
 }

@@ -20,6 +20,7 @@ layouts; the kernel is only used once ``pack`` has been found to match torch's o
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from typing import Optional
 
@@ -54,6 +55,7 @@ _KERNEL = cpu_build.Kernel(
         "sidecar_int4_vector_bits": ([], I),
         "sidecar_int4_integer_dot": ([], I),
         "sidecar_int4_moe_grouped": ([MoeArgs], I),
+        "sidecar_int4_moe_grouped_row_bytes": ([MoeArgs], ctypes.c_int64),
     },
 )
 
