@@ -68,8 +68,13 @@ def _sync(device: torch.device) -> None:
 
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes a decode step must read: every module's parameters and buffers once, except the embedding
-    table (one row is read); a layer holding its weight packed and plain (or tiled) reads one of them."""
-    total, seen = 0, set()
+    table (one row is read); a layer holding its weight packed and plain (or tiled) reads one of them; a sparse
+    block's experts (a module with ``experts`` and ``top_k``) count ``top_k`` of them, what a token reads."""
+    total, seen, share = 0, set(), {}
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, torch.nn.ModuleList) and getattr(module, "top_k", 0):
+            share.update((id(m), module.top_k / len(experts)) for m in experts.modules())
     for module in model.modules():
         if module is model.embed_tokens:
             continue
@@ -81,8 +86,8 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
             if name.startswith("rope_") or id(t) in seen or (packed and (t is weight or name == "tiled")):
                 continue
             seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
+            total += t.numel() * t.element_size() * share.get(id(module), 1.0)
+    return int(total)
 
 
 def prefill_prompts(n_tokens: int, vocab: int, seed: int, count: int = 3) -> list[list[int]]:
