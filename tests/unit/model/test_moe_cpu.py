@@ -58,6 +58,17 @@ def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
         del moe.cpu_grouped  # back to the class default (on)
 
 
+def _loop_tokens(llm: LLM, prompts) -> list:
+    """Greedy tokens of ``prompts`` with every block on the per-expert loop (``cpu_grouped`` off for the call)."""
+    for moe in _blocks(llm):
+        moe.cpu_grouped = False
+    try:
+        return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    finally:
+        for moe in _blocks(llm):
+            del moe.cpu_grouped  # back to the class default (on)
+
+
 def _in_amx_layout(moe: SparseMoE) -> bool:
     """bf16 experts held in AMX's tile layout (CPUs with AMX or AVX-512 BF16), which the grouped kernel does not
     read: the loop runs them there."""
@@ -133,14 +144,7 @@ def test_greedy_tokens_equal_with_and_without_the_grouped_path(loaded, dtype, mo
     llm = loaded(dtype, mode)
     assert all(moe_cpu.CpuExperts.of(m) is not None or _in_amx_layout(m) for m in _blocks(llm))
     got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    for moe in _blocks(llm):
-        moe.cpu_grouped = False
-    try:
-        want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    finally:
-        for moe in _blocks(llm):
-            del moe.cpu_grouped
-    assert got == want
+    assert got == _loop_tokens(llm, PROMPTS)
     assert sum(len(set(o)) > 2 for o in got) >= 2, got
 
 
@@ -293,14 +297,7 @@ def test_greedy_batch_of_many_sequences_equal_with_and_without_the_grouped_kerne
     prompts = [[5 + (13 * i + 7 * j) % 800 for j in range(3 + i % 5)] for i in range(12)]
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert len(prompts) > moe_cpu.MAX_ROWS and len(prompts) in ran, ran  # decode steps of all twelve rows
-    for moe in _blocks(llm):
-        moe.cpu_grouped = False
-    try:
-        want = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    finally:
-        for moe in _blocks(llm):
-            del moe.cpu_grouped
-    assert got == want
+    assert got == _loop_tokens(llm, prompts)
     assert sum(len(set(o)) > 2 for o in got) >= 6, got
 
 
@@ -321,12 +318,5 @@ def test_greedy_long_prompts_equal_with_and_without_the_grouped_kernel(loaded, m
     prompts = [[5 + (17 * i + 3 * j) % 800 for j in range(n)] for i, n in enumerate([70, 131])]
     got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     assert max(ran) > 64, ran  # a prefill step past 64 rows: in calls of 48
-    for moe in _blocks(llm):
-        moe.cpu_grouped = False
-    try:
-        want = [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    finally:
-        for moe in _blocks(llm):
-            del moe.cpu_grouped
-    assert got == want
+    assert got == _loop_tokens(llm, prompts)
     assert sum(len(set(o)) > 2 for o in got) >= 1, got
