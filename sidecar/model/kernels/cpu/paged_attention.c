@@ -14,7 +14,10 @@
  * (each key loaded once for all of them; bf16 keys and queries as pairs of exact products summed in
  * float32 lanes by vdpbf16ps where the CPU has AVX-512 BF16, the scale applied to the finished dot
  * product), softmax in float32 with a vectorised exp, then the values are summed in float32: with
- * grouped queries (4 or more per KV head) each value is loaded once for up to QG of them, keys in order.
+ * grouped queries (4 or more per KV head) each value is loaded once for up to QG of them, keys in order. Over
+ * a long context (AVX2 builds) the values are summed in chunks of keys that stay in L1 while every pass over
+ * the head's vectors and queries reads them, the partial sums carried from chunk to chunk: the same float32
+ * operations in the same order as one pass over the whole context.
  *
  * Rows of one sequence share a pass over their context: consecutive rows whose contexts grow by one and read
  * the same blocks (the rows verifying k speculative tokens, a short prompt segment after a cached context)
@@ -134,51 +137,75 @@ static inline __attribute__((always_inline)) void ranged_key(vf (*acc)[2][2], co
         if (nv > 1) acc[r][k][1] = v_fma(w, v1, acc[r][k][1]);
     }
 }
-/* o[r][d0 .. d0 + nv * VL) = inv[r] * sum_{qlo[r] <= j < qhi[r]} s[r][j] V[j][d0 ..] for R queries of rows
- * sharing a pass (attend_group), each value loaded once for all of them, and each query's sums made as the
- * one-row path makes them: with sums = 1 (values_pass's) its keys in order into one sum per lane; with sums =
- * 2 (attend's per-query loop) the keys at even and at odd distances from qlo[r] into two, added even + odd at
- * the end. Keys go in pairs from an even index, the first of a pair to sum 0: a query starting at an odd
- * index finds its even keys in sum 1. */
+/* o[r][d0 .. d0 + nv * VL) = inv[r] * sum_{qlo[r] <= j < qhi[r]} s[r][j] V[j][d0 ..] for R queries of one
+ * pass (sum_values), each value loaded once for all of them, and each query's sums made as one row alone
+ * makes them: with sums = 1 its keys in order into one sum per lane; with sums = 2 the keys at even and at
+ * odd distances from qlo[r] into two, added even + odd at the end. Keys go in pairs from an even index, the
+ * first of a pair to sum 0: a query starting at an odd index finds its even keys in sum 1. This call takes
+ * the keys [c0, c1) of that sequence (c0 even): its sums start from zero at the first chunk (first) and
+ * otherwise from o (sum 0) and o2 (sum 1), where a chunk that is not the last (last) leaves them; the last
+ * writes the result to o. */
 static inline __attribute__((always_inline)) void ranged_pass(const float* s, int n, const int* qlo,
                                                               const int* qhi, const int R, const int nv,
                                                               const int sums, const char* vc,
                                                               const size_t* offs, int d0, int kvm,
-                                                              const float* inv, float* o, int hd) {
+                                                              const float* inv, float* o, float* o2, int hd,
+                                                              int c0, int c1, int first, int last, int pf) {
     vf acc[QG][2][2]; /* [query][sum][vector] */
-    int first = n, last = 0, all_lo = 0, all_hi = n;
+    int lo = n, hi = 0, all_lo = 0, all_hi = n;
     for (int r = 0; r < R; r++) {
         for (int k = 0; k < sums; k++)
-            for (int c = 0; c < nv; c++) acc[r][k][c] = v_zero();
-        first = qlo[r] < first ? qlo[r] : first;
-        last = qhi[r] > last ? qhi[r] : last;
+            for (int c = 0; c < nv; c++)
+                acc[r][k][c] = first ? v_zero() : v_load((k ? o2 : o) + (size_t)r * hd + d0 + c * VL);
+        lo = qlo[r] < lo ? qlo[r] : lo;
+        hi = qhi[r] > hi ? qhi[r] : hi;
         all_lo = qlo[r] > all_lo ? qlo[r] : all_lo;
         all_hi = qhi[r] < all_hi ? qhi[r] : all_hi;
     }
-    for (int j = first & ~1; j < last; j += 2) {
+    lo = lo > c0 ? lo & ~1 : c0;
+    hi = hi < c1 ? hi : c1;
+    const int es = kvm == KV_INT8 ? 1 : kvm ? 2 : 4;
+    for (int j = lo; j < hi; j += 2) {
+        if (pf && j + pf + 1 < n) { /* this pass's part of the values pf keys on */
+            __builtin_prefetch(vc + (offs[j + pf] + d0) * es, 0, 3);
+            __builtin_prefetch(vc + (offs[j + pf + 1] + d0) * es, 0, 3);
+        }
+        if (j >= all_lo && j + 2 <= all_hi && j + 2 <= hi) { /* a pair every query takes: no checks */
+            ranged_key(acc, s, n, qlo, qhi, R, nv, 0, vc, offs, d0, kvm, j, 1);
+            ranged_key(acc, s, n, qlo, qhi, R, nv, sums - 1, vc, offs, d0, kvm, j + 1, 1);
+            continue;
+        }
         ranged_key(acc, s, n, qlo, qhi, R, nv, 0, vc, offs, d0, kvm, j, j >= all_lo && j < all_hi);
-        if (j + 1 < last)
+        if (j + 1 < hi)
             ranged_key(acc, s, n, qlo, qhi, R, nv, sums - 1, vc, offs, d0, kvm, j + 1,
                        j + 1 >= all_lo && j + 1 < all_hi);
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < nv; c++) {
+            float* at = o + (size_t)r * hd + d0 + c * VL;
+            if (!last) {
+                v_store(at, acc[r][0][c]);
+                if (sums == 2) v_store(o2 + (size_t)r * hd + d0 + c * VL, acc[r][1][c]);
+                continue;
+            }
             vf sum = acc[r][0][c];
             if (sums == 2)
                 sum = qlo[r] & 1 ? v_add(acc[r][1][c], acc[r][0][c]) : v_add(acc[r][0][c], acc[r][1][c]);
-            v_store(o + (size_t)r * hd + d0 + c * VL, v_mul(sum, v_set1(inv[r])));
+            v_store(at, v_mul(sum, v_set1(inv[r])));
         }
 }
 
 static void ranged_values(const float* s, int n, const int* qlo, const int* qhi, int R, int nv, int sums,
                           const char* vc, const size_t* offs, int d0, int kvm, const float* inv, float* o,
-                          int hd) {
-#define RP(RR, SUMS)                                                                 \
-    case RR:                                                                         \
-        if (nv > 1)                                                                  \
-            ranged_pass(s, n, qlo, qhi, RR, 2, SUMS, vc, offs, d0, kvm, inv, o, hd); \
-        else                                                                         \
-            ranged_pass(s, n, qlo, qhi, RR, 1, SUMS, vc, offs, d0, kvm, inv, o, hd); \
+                          float* o2, int hd, int c0, int c1, int first, int last, int pf) {
+#define RP(RR, SUMS)                                                                                         \
+    case RR:                                                                                                 \
+        if (nv > 1)                                                                                          \
+            ranged_pass(s, n, qlo, qhi, RR, 2, SUMS, vc, offs, d0, kvm, inv, o, o2, hd, c0, c1, first, last, \
+                        pf);                                                                                 \
+        else                                                                                                 \
+            ranged_pass(s, n, qlo, qhi, RR, 1, SUMS, vc, offs, d0, kvm, inv, o, o2, hd, c0, c1, first, last, \
+                        pf);                                                                                 \
         return;
     if (sums == 2) switch (R) {
             RP(1, 2)
@@ -205,15 +232,48 @@ static void ranged_values(const float* s, int n, const int* qlo, const int* qhi,
     }
 #undef RP
 }
+
+/* Keys a chunk of the values' passes over a long context (long_values): their values (VALUE_CHUNK rows of hd
+ * elements) stay in L1 while every pass over the head's vectors and queries reads them, where passes over the
+ * whole context would bring the values in from memory once each. Even, so that a chunk starts a pair of keys
+ * (ranged_pass). */
+#define VALUE_CHUNK 64
+
+/* of[i][..hd) = the weighted values of query i (of nq) over its keys [qlo[i], qhi[i]) (s: [nq][n] the
+ * weights, invs: each query's 1 / normaliser), sums = 2 for grouped-query counts below GROUPED_VALUES (two
+ * chains a vector, each value loaded once for QG2 queries), else 1 (one chain, QG queries a pass). Over a
+ * long context the keys go in chunks, each chunk's values read for every vector and query while the next
+ * chunk's are fetched, the partial sums carried in of and of2; a query's arithmetic does not depend on the
+ * chunks or on the other queries of its pass (ranged_pass). */
+static void sum_values(const float* s, int n, const int* qlo, const int* qhi, int nq, int rep, const char* vc,
+                       const size_t* offs, int hd, int kvm, const float* invs, float* of, float* of2) {
+    const int sums = rep < GROUPED_VALUES ? 2 : 1, per = sums == 2 ? QG2 : QG;
+    int lo = n, hi = 0;
+    for (int i = 0; i < nq; i++) {
+        lo = qlo[i] < lo ? qlo[i] : lo;
+        hi = qhi[i] > hi ? qhi[i] : hi;
+    }
+    const int chunk = long_values(n, hd, kvm) ? VALUE_CHUNK : n + 2;
+    for (int c0 = lo & ~1; c0 < hi; c0 += chunk) {
+        const int c1 = c0 + chunk < hi ? c0 + chunk : hi;
+        for (int d0 = 0; d0 < hd; d0 += 2 * VL)
+            for (int r0 = 0; r0 < nq; r0 += per) {
+                const int R = nq - r0 < per ? nq - r0 : per, nv = hd - d0 >= 2 * VL ? 2 : 1;
+                ranged_values(s + (size_t)r0 * n, n, qlo + r0, qhi + r0, R, nv, sums, vc, offs, d0, kvm,
+                              invs + r0, of + (size_t)r0 * hd, of2 + (size_t)r0 * hd, hd, c0, c1,
+                              c0 == (lo & ~1), c1 == hi, r0 == 0 && chunk < n ? chunk : 0);
+            }
+    }
+}
 #endif
 
 /* One (row, KV head) task. qf: the rep queries in float32, already scaled (unless bf16_scores); s: scratch
- * [rep][n]; of: [rep][hd]. Inlined per head size, so the common ones (64, 128) run with the vector count
+ * [rep][n]; of, of2: [rep][hd]. Inlined per head size, so the common ones (64, 128) run with the vector count
  * known. */
 static inline __attribute__((always_inline)) void attend(const float* qf, const char* kc, const char* vc,
                                                          const int64_t* table, int lo, int hi, int rep,
                                                          int nkv, int g, int hd, int bs, int kvm, float* s,
-                                                         float* of, size_t* offs, const float* ks,
+                                                         float* of, float* of2, size_t* offs, const float* ks,
                                                          const float* vs, const uint16_t* qb, float scale,
                                                          float cap, float* wsum, const float* sk) {
     const int n = hi - lo;
@@ -221,6 +281,18 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
     key_offsets(offs, table, lo, hi, bs, (size_t)nkv * hd, g, hd);
     score_keys(qf, qb, kc, vc, offs, n, rep, hd, kvm, ks, scale, s);
     /* softmax per query, then the weighted sum of values */
+#ifdef VL
+    if (long_values(n, hd, kvm)) { /* the values in chunks (sum_values: the same sums) */
+        int qlo[MAX_REP], qhi[MAX_REP];
+        for (int r = 0; r < rep; r++) {
+            invs[r] = weigh(s + (size_t)r * n, n, cap, sk ? sk + r : NULL, wsum, vs, offs, hd);
+            qlo[r] = 0, qhi[r] = n;
+        }
+        sum_values(s, n, qlo, qhi, rep, rep, vc, offs, hd, kvm, invs, of, of2);
+        return;
+    }
+#endif
+    (void)of2;
     for (int r = 0; r < rep; r++) {
         float* sr = s + (size_t)r * n;
         const float inv = invs[r] = weigh(sr, n, cap, sk ? sk + r : NULL, wsum, vs, offs, hd);
@@ -277,8 +349,8 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
 static inline __attribute__((always_inline)) void attend_group(
         const float* qf, const uint16_t* qb, const char* kc, const char* vc, const int64_t* table,
         const int* lo, const int* hi, int G, int rep, int nkv, int g, int hd, int bs, int kvm, float* s,
-        float* of, size_t* offs, const float* ks, const float* vs, float scale, float cap, float* const* wsum,
-        const float* sk) {
+        float* of, float* of2, size_t* offs, const float* ks, const float* vs, float scale, float cap,
+        float* const* wsum, const float* sk) {
     const int first = lo[0], n = hi[G - 1] - first, nq = G * rep;
     float invs[MAX_REP];
     int qlo[MAX_REP], qhi[MAX_REP]; /* each query's keys, from the union's first */
@@ -292,13 +364,7 @@ static inline __attribute__((always_inline)) void attend_group(
             invs[i] = weigh(s + (size_t)i * n + a, hi[r] - lo[r], cap, sk ? sk + h : NULL, wsum[r], vs,
                             offs + a, hd);
         }
-    const int sums = rep < GROUPED_VALUES ? 2 : 1, per = sums == 2 ? QG2 : QG;
-    for (int d0 = 0; d0 < hd; d0 += 2 * VL)
-        for (int r0 = 0; r0 < nq; r0 += per) {
-            const int R = nq - r0 < per ? nq - r0 : per, nv = hd - d0 >= 2 * VL ? 2 : 1;
-            ranged_values(s + (size_t)r0 * n, n, qlo + r0, qhi + r0, R, nv, sums, vc, offs, d0, kvm,
-                          invs + r0, of + (size_t)r0 * hd, hd);
-        }
+    sum_values(s, n, qlo, qhi, nq, rep, vc, offs, hd, kvm, invs, of, of2);
 }
 #endif
 
@@ -389,6 +455,7 @@ typedef struct {
     float* qf;
     uint16_t* qb;
     float* of;
+    float* of2; /* the values' second sums between chunks (sum_values) */
     size_t* offs;
 } scratch;
 
@@ -419,27 +486,27 @@ static void run_task(const sidecar_paged_attention_args* a, int b0, int G, int g
         const size_t q0 = ((size_t)b0 * nh + (size_t)g * rep) * hd;
         const uint16_t* qb = dtype == 1 ? (const uint16_t*)a->q + q0 : NULL; /* bf16 queries as they came */
         if (hd == 64)
-            attend(w->qf, kc, vc, table, lo[0], hi[0], rep, nkv, g, 64, bs, kvm, w->s, w->of, w->offs, a->ks,
-                   a->vs, qb, scale, cap, wsum[0], sk);
+            attend(w->qf, kc, vc, table, lo[0], hi[0], rep, nkv, g, 64, bs, kvm, w->s, w->of, w->of2, w->offs,
+                   a->ks, a->vs, qb, scale, cap, wsum[0], sk);
         else if (hd == 128)
-            attend(w->qf, kc, vc, table, lo[0], hi[0], rep, nkv, g, 128, bs, kvm, w->s, w->of, w->offs, a->ks,
-                   a->vs, qb, scale, cap, wsum[0], sk);
+            attend(w->qf, kc, vc, table, lo[0], hi[0], rep, nkv, g, 128, bs, kvm, w->s, w->of, w->of2,
+                   w->offs, a->ks, a->vs, qb, scale, cap, wsum[0], sk);
         else
-            attend(w->qf, kc, vc, table, lo[0], hi[0], rep, nkv, g, hd, bs, kvm, w->s, w->of, w->offs, a->ks,
-                   a->vs, qb, scale, cap, wsum[0], sk);
+            attend(w->qf, kc, vc, table, lo[0], hi[0], rep, nkv, g, hd, bs, kvm, w->s, w->of, w->of2, w->offs,
+                   a->ks, a->vs, qb, scale, cap, wsum[0], sk);
     }
 #ifdef VL
     else {
         const int64_t* table = a->tables + (size_t)(b0 + G - 1) * a->max_blocks; /* see row_groups */
         if (hd == 64)
             attend_group(w->qf, w->qb, kc, vc, table, lo, hi, G, rep, nkv, g, 64, bs, kvm, w->s, w->of,
-                         w->offs, a->ks, a->vs, scale, cap, wsum, sk);
+                         w->of2, w->offs, a->ks, a->vs, scale, cap, wsum, sk);
         else if (hd == 128)
             attend_group(w->qf, w->qb, kc, vc, table, lo, hi, G, rep, nkv, g, 128, bs, kvm, w->s, w->of,
-                         w->offs, a->ks, a->vs, scale, cap, wsum, sk);
+                         w->of2, w->offs, a->ks, a->vs, scale, cap, wsum, sk);
         else
             attend_group(w->qf, w->qb, kc, vc, table, lo, hi, G, rep, nkv, g, hd, bs, kvm, w->s, w->of,
-                         w->offs, a->ks, a->vs, scale, cap, wsum, sk);
+                         w->of2, w->offs, a->ks, a->vs, scale, cap, wsum, sk);
     }
 #endif
     for (int r = 0; r < G; r++) {
@@ -478,9 +545,11 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
                 .qf = (float*)malloc(sizeof(float) * nq * hd),
                 .qb = most > 1 && bf16_scores(kvm, hd) ? (uint16_t*)malloc(sizeof(uint16_t) * nq * hd) : NULL,
                 .of = (float*)malloc(sizeof(float) * nq * hd),
+                .of2 = (float*)malloc(sizeof(float) * nq * hd),
                 .offs = (size_t*)malloc(sizeof(size_t) * (size_t)longest),
         };
-        const int ok = w.s && w.qf && w.of && w.offs && (w.qb || !(most > 1 && bf16_scores(kvm, hd)));
+        const int ok =
+                w.s && w.qf && w.of && w.of2 && w.offs && (w.qb || !(most > 1 && bf16_scores(kvm, hd)));
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -495,6 +564,7 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
         free(w.qf);
         free(w.qb);
         free(w.of);
+        free(w.of2);
         free(w.offs);
     }
     if (parts && !failed)

@@ -27,12 +27,28 @@ static inline void prefetch_row(const void* cache, size_t off, int hd, int kvm) 
     for (int l = 0; l < hd * es; l += 64) __builtin_prefetch(p + l, 0, 3);
 }
 
-/* As keys j..j+3 (of n) are scored: the keys READ_AHEAD_KEYS on, and these keys' values, toward L1. */
+/* Whether a head's values over n keys outgrow what the caches keep between the scores and the values (a
+ * quarter of a MiB): the values are then summed in chunks (paged_attention.c's sum_values) and not fetched as
+ * their keys are scored, which would only have them evicted again before they are used. AVX2 builds only: the
+ * AVX-512 ones keep their passes over the whole context (their accumulators fit their registers, and the
+ * chunks have been timed on AVX2 machines alone). */
+static inline int long_values(int n, int hd, int kvm) {
+#if defined(VL) && VL == 8
+    const int es = kvm == KV_INT8 ? 1 : kvm ? 2 : 4;
+    return (int64_t)n * hd * es > (256 << 10);
+#else
+    (void)n, (void)hd, (void)kvm;
+    return 0;
+#endif
+}
+
+/* As keys j..j+3 (of n) are scored: the keys READ_AHEAD_KEYS on, and (values: 1) these keys' values, toward
+ * L1. */
 static inline void read_ahead(const void* kc, const void* vc, const size_t* offs, int j, int n, int hd,
-                              int kvm) {
+                              int kvm, int values) {
     for (int i = j; i < j + 4 && i < n; i++) {
         if (i + READ_AHEAD_KEYS < n) prefetch_row(kc, offs[i + READ_AHEAD_KEYS], hd, kvm);
-        prefetch_row(vc, offs[i], hd, kvm);
+        if (values) prefetch_row(vc, offs[i], hd, kvm);
     }
 }
 
@@ -76,11 +92,12 @@ static inline __attribute__((always_inline)) void score_keys(const float* qf, co
                                                              int kvm, const float* ks, float scale,
                                                              float* s) {
     (void)qb, (void)scale, (void)vc;
+    const int values = !long_values(n, hd, kvm);
 #if defined(__AVX512BF16__) && VL == 16
     if (bf16_scores(kvm, hd)) {
         /* bf16 keys and queries: pairs of exact products summed in float32 lanes (vdpbf16ps), no widening */
         for (int j = 0; j < n; j += 4) {
-            read_ahead(kc, vc, offs, j, n, hd, kvm);
+            read_ahead(kc, vc, offs, j, n, hd, kvm, values);
             __m512bh k4[4][MAX_HD / 32];
             for (int i = 0; i < 4; i++) {
                 const uint16_t* key = (const uint16_t*)kc + (j + i < n ? offs[j + i] : 0);
@@ -107,7 +124,7 @@ static inline __attribute__((always_inline)) void score_keys(const float* qf, co
 #endif
 #ifdef VL
     for (int j = 0; j < n; j += 4) {
-        read_ahead(kc, vc, offs, j, n, hd, kvm);
+        read_ahead(kc, vc, offs, j, n, hd, kvm, values);
         vf k4[4][MAX_HD / VL];
         for (int i = 0; i < 4; i++) {
             if (j + i >= n) {

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sidecar.model.kernels.cpu import cpu_build
 from sidecar.model.kernels.cpu import paged_attention as kernel
 
 
@@ -24,15 +25,15 @@ def one_thread():
 SEQS = [(29, 4), (7, 1), (61, 3)]  # (first row's context, rows)
 
 
-def _batch(nh, nkv, hd, dtype, int8, bs=16, seed=0):
-    """q [B, nh, hd], caches, one shuffled block table per sequence repeated for its rows, contexts growing by
-    one within a sequence; int8: int8 codes with float32 scales."""
+def _batch(nh, nkv, hd, dtype, int8, bs=16, seed=0, seqs=SEQS):
+    """q [B, nh, hd], caches, one shuffled block table per sequence of ``seqs`` repeated for its rows, contexts
+    growing by one within a sequence; int8: int8 codes with float32 scales."""
     g = torch.Generator().manual_seed(seed)
-    per_seq = [-(-(c + n - 1) // bs) for c, n in SEQS]
+    per_seq = [-(-(c + n - 1) // bs) for c, n in seqs]
     width, num_blocks = max(per_seq), sum(per_seq) + 2
     ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     tables, ctx = [], []
-    for (c, n), nb in zip(SEQS, per_seq):
+    for (c, n), nb in zip(seqs, per_seq):
         tables += [ids[:nb] + [0] * (width - nb)] * n
         ctx += list(range(c, c + n))
         ids = ids[nb:]
@@ -123,3 +124,70 @@ def test_grouped_rows_equal_one_row_calls(
         assert torch.equal(together_scores, alone_scores)
         if not sinks:  # every query spreads a weight of one over its keys
             assert together_scores.sum().item() == pytest.approx(nh * q.shape[0], rel=1e-4)
+
+
+# Contexts whose values an AVX2 build sums in chunks of keys (more than a quarter of a MiB of a head's values)
+LONG_SEQS = [(2103, 4), (2300, 1), (2050, 3)]
+
+
+@pytest.mark.parametrize(
+    "nh,nkv,hd,dtype,int8,window,sinks,scores",
+    [
+        (9, 3, 64, torch.float32, False, None, False, False),  # two sums a query, across chunks
+        (
+            14,
+            2,
+            64,
+            torch.float32,
+            False,
+            1101,
+            False,
+            True,
+        ),  # grouped values; windows from odd and even keys
+        (8, 2, 128, torch.bfloat16, False, None, True, False),
+        (4, 4, 128, torch.float32, True, None, False, True),  # int8 codes
+    ],
+)
+def test_long_contexts_summed_in_chunks_equal_one_row_calls(
+    one_thread, monkeypatch, nh, nkv, hd, dtype, int8, window, sinks, scores
+):
+    monkeypatch.setenv(
+        "SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma"
+    )  # the build that sums long contexts in chunks
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert kernel.available() and kernel.vector_width() == 8, cpu_build.reason("paged_attention")
+    q, kc, vc, tables, ctx, scales = _batch(nh, nkv, hd, dtype, int8, seed=hd + nh, seqs=LONG_SEQS)
+    sink = torch.randn(nh, generator=torch.Generator().manual_seed(2)) if sinks else None
+    bs = kc.shape[1]
+    assert kernel.row_groups(tables, ctx, nh, nkv, bs, window) == [(0, 4), (4, 5), (5, 8)]
+
+    def call(rows, acc):
+        return kernel.decode_attention(
+            q[rows], kc, vc, tables[rows], ctx[rows], hd**-0.5, window, scales, None, acc, sink
+        )
+
+    together_scores = torch.zeros(kc.shape[0] * bs) if scores else None
+    together = call(slice(None), together_scores)
+    alone_scores = torch.zeros(kc.shape[0] * bs) if scores else None
+    assert together is not None
+    for b in range(q.shape[0]):
+        assert torch.equal(together[b], call(slice(b, b + 1), alone_scores)[0]), b
+    if scores:
+        assert torch.equal(together_scores, alone_scores)
+    # against the same rows' attention in float64
+    k = kc.double() * (scales[0].double()[..., None] if int8 else 1)
+    v = vc.double() * (scales[1].double()[..., None] if int8 else 1)
+    for b in range(q.shape[0]):
+        n = int(ctx[b])
+        lo = max(0, n - window) if window else 0
+        pos = torch.arange(lo, n)
+        slots = tables[b][pos // bs] * bs + pos % bs
+        kb = k.reshape(-1, nkv, hd)[slots].repeat_interleave(nh // nkv, 1)
+        vb = v.reshape(-1, nkv, hd)[slots].repeat_interleave(nh // nkv, 1)
+        logits = torch.einsum("hd,nhd->hn", q[b].double(), kb) * hd**-0.5
+        if sinks:
+            logits = torch.cat([logits, sink.double()[:, None]], 1)
+        w = logits.softmax(-1)[:, : n - lo]
+        ref = torch.einsum("hn,nhd->hd", w, vb)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert (together[b].double() - ref).abs().max() <= tol, b
