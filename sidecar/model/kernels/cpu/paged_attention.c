@@ -19,6 +19,10 @@
  * the head's vectors and queries reads them, the partial sums carried from chunk to chunk: the same float32
  * operations in the same order as one pass over the whole context.
  *
+ * A call with fewer (row, KV head) tasks than threads over a long context (a single sequence whose KV heads
+ * are fewer than the threads) splits each task across the threads instead (run_split): its scores by ranges
+ * of keys, its values by slices of the head's elements, the same operations as the task run alone.
+ *
  * Rows of one sequence share a pass over their context: consecutive rows whose contexts grow by one and read
  * the same blocks (the rows verifying k speculative tokens, a short prompt segment after a cached context)
  * form a group (row_groups), and a (group, KV head) task loads each key and each value once for the rep
@@ -239,14 +243,15 @@ static void ranged_values(const float* s, int n, const int* qlo, const int* qhi,
  * (ranged_pass). */
 #define VALUE_CHUNK 64
 
-/* of[i][..hd) = the weighted values of query i (of nq) over its keys [qlo[i], qhi[i]) (s: [nq][n] the
+/* of[i][d_lo..d_hi) = the weighted values of query i (of nq) over its keys [qlo[i], qhi[i]) (s: [nq][n] the
  * weights, invs: each query's 1 / normaliser), sums = 2 for grouped-query counts below GROUPED_VALUES (two
  * chains a vector, each value loaded once for QG2 queries), else 1 (one chain, QG queries a pass). Over a
  * long context the keys go in chunks, each chunk's values read for every vector and query while the next
  * chunk's are fetched, the partial sums carried in of and of2; a query's arithmetic does not depend on the
  * chunks or on the other queries of its pass (ranged_pass). */
 static void sum_values(const float* s, int n, const int* qlo, const int* qhi, int nq, int rep, const char* vc,
-                       const size_t* offs, int hd, int kvm, const float* invs, float* of, float* of2) {
+                       const size_t* offs, int hd, int kvm, const float* invs, float* of, float* of2,
+                       int d_lo, int d_hi, int ahead) {
     const int sums = rep < GROUPED_VALUES ? 2 : 1, per = sums == 2 ? QG2 : QG;
     int lo = n, hi = 0;
     for (int i = 0; i < nq; i++) {
@@ -256,12 +261,12 @@ static void sum_values(const float* s, int n, const int* qlo, const int* qhi, in
     const int chunk = long_values(n, hd, kvm) ? VALUE_CHUNK : n + 2;
     for (int c0 = lo & ~1; c0 < hi; c0 += chunk) {
         const int c1 = c0 + chunk < hi ? c0 + chunk : hi;
-        for (int d0 = 0; d0 < hd; d0 += 2 * VL)
+        for (int d0 = d_lo; d0 < d_hi; d0 += 2 * VL)
             for (int r0 = 0; r0 < nq; r0 += per) {
                 const int R = nq - r0 < per ? nq - r0 : per, nv = hd - d0 >= 2 * VL ? 2 : 1;
                 ranged_values(s + (size_t)r0 * n, n, qlo + r0, qhi + r0, R, nv, sums, vc, offs, d0, kvm,
                               invs + r0, of + (size_t)r0 * hd, of2 + (size_t)r0 * hd, hd, c0, c1,
-                              c0 == (lo & ~1), c1 == hi, r0 == 0 && chunk < n ? chunk : 0);
+                              c0 == (lo & ~1), c1 == hi, r0 == 0 ? (chunk < n ? chunk : ahead) : 0);
             }
     }
 }
@@ -279,7 +284,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
     const int n = hi - lo;
     float invs[MAX_REP]; /* each query's 1 / softmax normaliser */
     key_offsets(offs, table, lo, hi, bs, (size_t)nkv * hd, g, hd);
-    score_keys(qf, qb, kc, vc, offs, n, rep, hd, kvm, ks, scale, s);
+    score_keys(qf, qb, kc, vc, offs, n, rep, hd, kvm, ks, scale, s, n, !long_values(n, hd, kvm));
     /* softmax per query, then the weighted sum of values */
 #ifdef VL
     if (long_values(n, hd, kvm)) { /* the values in chunks (sum_values: the same sums) */
@@ -288,7 +293,7 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
             invs[r] = weigh(s + (size_t)r * n, n, cap, sk ? sk + r : NULL, wsum, vs, offs, hd);
             qlo[r] = 0, qhi[r] = n;
         }
-        sum_values(s, n, qlo, qhi, rep, rep, vc, offs, hd, kvm, invs, of, of2);
+        sum_values(s, n, qlo, qhi, rep, rep, vc, offs, hd, kvm, invs, of, of2, 0, hd, 0);
         return;
     }
 #endif
@@ -355,7 +360,7 @@ static inline __attribute__((always_inline)) void attend_group(
     float invs[MAX_REP];
     int qlo[MAX_REP], qhi[MAX_REP]; /* each query's keys, from the union's first */
     key_offsets(offs, table, first, hi[G - 1], bs, (size_t)nkv * hd, g, hd);
-    score_keys(qf, qb, kc, vc, offs, n, nq, hd, kvm, ks, scale, s);
+    score_keys(qf, qb, kc, vc, offs, n, nq, hd, kvm, ks, scale, s, n, !long_values(n, hd, kvm));
     for (int r = 0; r < G; r++)
         for (int h = 0; h < rep; h++) {
             const int i = r * rep + h, a = lo[r] - first;
@@ -364,7 +369,7 @@ static inline __attribute__((always_inline)) void attend_group(
             invs[i] = weigh(s + (size_t)i * n + a, hi[r] - lo[r], cap, sk ? sk + h : NULL, wsum[r], vs,
                             offs + a, hd);
         }
-    sum_values(s, n, qlo, qhi, nq, rep, vc, offs, hd, kvm, invs, of, of2);
+    sum_values(s, n, qlo, qhi, nq, rep, vc, offs, hd, kvm, invs, of, of2, 0, hd, 0);
 }
 #endif
 
@@ -515,6 +520,162 @@ static void run_task(const sidecar_paged_attention_args* a, int b0, int G, int g
     }
 }
 
+#ifdef VL
+/* Few tasks for the threads (a single sequence's step: as many tasks as KV heads): each task's work is split
+ * where its arithmetic allows, in three rounds over all tasks with a barrier between them: the scores by
+ * ranges of keys (each key's score is its own arithmetic), then each task's softmax weights (query by query,
+ * in order), then the values by slices of the head's elements (each lane's sums are its own). Every float32
+ * operation is the one the task gives run alone, in the same order, so the results are bit for bit the task
+ * mode's. A task's state lives in a split_task. */
+typedef struct {
+    int b0, G, g, first, n, nq;
+    const int64_t* table;
+    int lo[MAX_REP], hi[MAX_REP];   /* each row's keys */
+    int qlo[MAX_REP], qhi[MAX_REP]; /* each query's keys, from the union's first */
+    float invs[MAX_REP];
+    float* wsum[MAX_REP];
+    float *s, *qf, *of, *of2;
+    uint16_t* qb;
+    size_t* offs;
+} split_task;
+
+/* Keys ahead whose values a values job fetches: its slice of them, which no score job fetched for it (a key's
+ * score may have run on another core). */
+#define SPLIT_AHEAD 16
+
+/* Whether the call runs in rounds (above): fewer tasks than threads, so that threads would wait with nothing
+ * to do, over contexts long enough (SPLIT_MIN_KEYS) to pay for the rounds' barriers and for reading the
+ * values on other cores than the ones that scored their keys. */
+#define SPLIT_MIN_KEYS 1024
+static int split_mode(int tasks, int nthreads, int64_t longest) {
+    return nthreads > 1 && tasks < nthreads && longest >= SPLIT_MIN_KEYS;
+}
+
+/* The call's tasks (groups x KV heads) in rounds; returns 0, or 2 when out of memory. */
+static int run_split(const sidecar_paged_attention_args* a, const int* starts, int groups, int kvm,
+                     float* parts, int64_t longest) {
+    const int nh = a->nh, nkv = a->nkv, hd = a->hd, bs = a->bs, rep = nh / nkv, dtype = a->dtype;
+    const int tasks = groups * nkv, bf = bf16_scores(kvm, hd);
+    const char *kc = (const char*)a->kc, *vc = (const char*)a->vc;
+    split_task* T = (split_task*)calloc((size_t)tasks, sizeof(split_task));
+    if (!T) return 2;
+    size_t floats = 0, keys = 0; /* scratch of all tasks: [nq][n] scores, three [nq][hd], offsets [n] */
+    for (int t = 0; t < tasks; t++) {
+        split_task* k = &T[t];
+        const int i = t / nkv;
+        k->b0 = starts[i], k->G = starts[i + 1] - starts[i], k->g = t % nkv, k->nq = k->G * rep;
+        for (int r = 0; r < k->G; r++) {
+            k->lo[r] = row_lo(a, k->b0 + r);
+            k->hi[r] = (int)a->ctx[k->b0 + r];
+        }
+        k->first = k->lo[0], k->n = k->hi[k->G - 1] - k->first;
+        k->table = a->tables + (size_t)(k->b0 + k->G - 1) * a->max_blocks; /* see row_groups */
+        floats += (size_t)k->nq * ((size_t)k->n + 3 * (size_t)hd) + (size_t)k->nq * hd / 2 + 16;
+        keys += (size_t)k->n;
+    }
+    float* fs = (float*)malloc(sizeof(float) * floats);
+    size_t* offsets = (size_t*)malloc(sizeof(size_t) * keys);
+    if (!fs || !offsets) {
+        free(fs);
+        free(offsets);
+        free(T);
+        return 2;
+    }
+    float* f = fs;
+    size_t* o = offsets;
+    for (int t = 0; t < tasks; t++) {
+        split_task* k = &T[t];
+        k->s = f, f += (size_t)k->nq * k->n;
+        k->qf = f, f += (size_t)k->nq * hd;
+        k->of = f, f += (size_t)k->nq * hd;
+        k->of2 = f, f += (size_t)k->nq * hd;
+        k->qb = (uint16_t*)f, f += (size_t)k->nq * hd / 2 + 16;
+        k->offs = o, o += k->n;
+    }
+    /* score jobs of at least 64 keys, about four a thread */
+    int64_t total = 0;
+    for (int t = 0; t < tasks; t++) total += T[t].n;
+    int span = (int)((total + 4 * a->nthreads - 1) / (4 * a->nthreads));
+    span = span < 64 ? 64 : (span + 3) & ~3;
+    int* job_start = (int*)malloc(sizeof(int) * ((size_t)tasks + 1));
+    if (!job_start) {
+        free(fs);
+        free(offsets);
+        free(T);
+        return 2;
+    }
+    job_start[0] = 0;
+    for (int t = 0; t < tasks; t++) job_start[t + 1] = job_start[t] + (T[t].n + span - 1) / span;
+    const int score_jobs = job_start[tasks], slices = (hd + 2 * VL - 1) / (2 * VL);
+#pragma omp parallel num_threads(a->nthreads)
+    {
+#pragma omp for schedule(static, 1)
+        for (int t = 0; t < tasks; t++) { /* queries, weights' parts, key offsets */
+            split_task* k = &T[t];
+            for (int r = 0; r < k->G; r++) {
+                const int b = k->b0 + r;
+                const size_t q0 = ((size_t)b * nh + (size_t)k->g * rep) * hd, at = (size_t)r * rep * hd;
+                for (int i = 0; i < rep * hd; i++) {
+                    if (bf)
+                        k->qb[at + i] = ((const uint16_t*)a->q)[q0 + i];
+                    else
+                        k->qf[at + i] = a->scale * dt_load(a->q, q0 + i, dtype);
+                }
+                k->wsum[r] = parts ? parts + ((size_t)b * nkv + k->g) * longest : NULL;
+                if (k->wsum[r])
+                    for (int j = 0; j < k->hi[r] - k->lo[r]; j++) k->wsum[r][j] = 0.f;
+                for (int h = 0; h < rep; h++) {
+                    k->qlo[r * rep + h] = k->lo[r] - k->first;
+                    k->qhi[r * rep + h] = k->hi[r] - k->first;
+                }
+            }
+            key_offsets(k->offs, k->table, k->first, k->first + k->n, bs, (size_t)nkv * hd, k->g, hd);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int j = 0; j < score_jobs; j++) { /* the scores, a range of one task's keys a job */
+            int t = 0;
+            while (job_start[t + 1] <= j) t++;
+            split_task* k = &T[t];
+            const int j0 = (j - job_start[t]) * span, m = k->n - j0 < span ? k->n - j0 : span;
+            score_keys(k->qf, k->qb, kc, vc, k->offs + j0, m, k->nq, hd, kvm, a->ks, a->scale, k->s + j0,
+                       (size_t)k->n, 0);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < tasks; t++) { /* each query's weights, in order (the weights' parts add up) */
+            split_task* k = &T[t];
+            const float* sk = a->sinks ? a->sinks + (size_t)k->g * rep : NULL;
+            for (int r = 0; r < k->G; r++)
+                for (int h = 0; h < rep; h++) {
+                    const int i = r * rep + h, at = k->lo[r] - k->first;
+                    k->invs[i] = weigh(k->s + (size_t)i * k->n + at, k->hi[r] - k->lo[r], a->softcap,
+                                       sk ? sk + h : NULL, k->wsum[r], a->vs, k->offs + at, hd);
+                }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int j = 0; j < tasks * slices; j++) { /* the values, a slice of the head's elements a job */
+            split_task* k = &T[j / slices];
+            const int d0 = (j % slices) * 2 * VL, d1 = d0 + 2 * VL < hd ? d0 + 2 * VL : hd;
+            sum_values(k->s, k->n, k->qlo, k->qhi, k->nq, rep, vc, k->offs, hd, kvm, k->invs, k->of, k->of2,
+                       d0, d1, SPLIT_AHEAD);
+        }
+#pragma omp for schedule(static, 1)
+        for (int t = 0; t < tasks; t++) {
+            const split_task* k = &T[t];
+            for (int r = 0; r < k->G; r++) {
+                const size_t q0 = ((size_t)(k->b0 + r) * nh + (size_t)k->g * rep) * hd,
+                             at = (size_t)r * rep * hd;
+                for (int i = 0; i < rep * hd; i++) dt_store(a->out, q0 + i, k->of[at + i], dtype);
+            }
+        }
+    }
+    free(job_start);
+    free(fs);
+    free(offsets);
+    free(T);
+    return 0;
+}
+#endif
+
 /* q, out: [B, nh, hd] contiguous; tables: [B, max_blocks] int64; ctx: [B] int64 (1 <= ctx <= max_blocks *
  * bs); ks, vs: NULL (K/V in q's dtype) or the scales of an int8 cache. Returns 0, 2 when out of memory, or 1
  * when the shapes are outside what this kernel handles (the caller keeps its torch path). */
@@ -538,6 +699,11 @@ int sidecar_paged_decode_attention(const sidecar_paged_attention_args* a) {
         free(starts);
         return 2;
     }
+#ifdef VL
+    if (split_mode(groups * nkv, a->nthreads, longest))
+        failed = run_split(a, starts, groups, kvm, parts, longest) != 0;
+    else
+#endif
 #pragma omp parallel num_threads(a->nthreads)
     {
         scratch w = {

@@ -81,18 +81,18 @@ static inline void key_offsets(size_t* offs, const int64_t* table, int lo, int h
     }
 }
 
-/* s[r * n + j] = query r's (of nq) score against the key at offs[j] (j < n), four keys at a time: each key is
- * loaded (and widened) once for all nq queries, and the four dot products are reduced together; a key's score
- * is the same arithmetic wherever it falls and whichever queries share the pass. qf: the queries in float32,
- * already scaled (unless bf16_scores: then qb, the bf16 queries as they came, and the scale multiplies the
- * finished dot product). */
+/* s[r * ld + j] = query r's (of nq) score against the key at offs[j] (j < n), four keys at a time: each key
+ * is loaded (and widened) once for all nq queries, and the four dot products are reduced together; a key's
+ * score is the same arithmetic wherever it falls and whichever queries share the pass. qf: the queries in
+ * float32, already scaled (unless bf16_scores: then qb, the bf16 queries as they came, and the scale
+ * multiplies the finished dot product). values: the keys' values are fetched as they are scored (read_ahead).
+ */
 static inline __attribute__((always_inline)) void score_keys(const float* qf, const uint16_t* qb,
                                                              const char* kc, const char* vc,
                                                              const size_t* offs, int n, int nq, int hd,
-                                                             int kvm, const float* ks, float scale,
-                                                             float* s) {
-    (void)qb, (void)scale, (void)vc;
-    const int values = !long_values(n, hd, kvm);
+                                                             int kvm, const float* ks, float scale, float* s,
+                                                             size_t ld, int values) {
+    (void)qb, (void)scale, (void)vc, (void)values;
 #if defined(__AVX512BF16__) && VL == 16
     if (bf16_scores(kvm, hd)) {
         /* bf16 keys and queries: pairs of exact products summed in float32 lanes (vdpbf16ps), no widening */
@@ -116,7 +116,7 @@ static inline __attribute__((always_inline)) void score_keys(const float* qf, co
                 }
                 float sums[4];
                 v_sum4(a0, a1, a2, a3, sums);
-                for (int i = 0; i < 4 && j + i < n; i++) s[(size_t)r * n + j + i] = sums[i] * scale;
+                for (int i = 0; i < 4 && j + i < n; i++) s[(size_t)r * ld + j + i] = sums[i] * scale;
             }
         }
         return;
@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void score_keys(const float* qf, co
             float sums[4];
             v_sum4(a0, a1, a2, a3, sums);
             for (int i = 0; i < 4 && j + i < n; i++)
-                s[(size_t)r * n + j + i] = ks ? sums[i] * ks[offs[j + i] / hd] : sums[i];
+                s[(size_t)r * ld + j + i] = ks ? sums[i] * ks[offs[j + i] / hd] : sums[i];
         }
     }
 #else
@@ -155,7 +155,7 @@ static inline __attribute__((always_inline)) void score_keys(const float* qf, co
         for (int r = 0; r < nq; r++) {
             float acc = 0.f;
             for (int d = 0; d < hd; d++) acc += qf[r * hd + d] * kv_load(kc, off + d, kvm);
-            s[(size_t)r * n + j] = ks ? acc * ks[off / hd] : acc;
+            s[(size_t)r * ld + j] = ks ? acc * ks[off / hd] : acc;
         }
     }
 #endif

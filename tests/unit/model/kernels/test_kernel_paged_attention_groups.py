@@ -174,9 +174,14 @@ def test_long_contexts_summed_in_chunks_equal_one_row_calls(
         assert torch.equal(together[b], call(slice(b, b + 1), alone_scores)[0]), b
     if scores:
         assert torch.equal(together_scores, alone_scores)
-    # against the same rows' attention in float64
-    k = kc.double() * (scales[0].double()[..., None] if int8 else 1)
-    v = vc.double() * (scales[1].double()[..., None] if int8 else 1)
+    _assert_near_float64(together, q, kc, vc, tables, ctx, scales, window, None, sink)
+
+
+def _assert_near_float64(out, q, kc, vc, tables, ctx, scales, window, softcap, sink):
+    """Each row of ``out`` against its attention computed in float64 from the same caches."""
+    nh, hd, (_, bs, nkv, _) = q.shape[1], q.shape[2], kc.shape
+    k = kc.double() * (scales[0].double()[..., None] if scales else 1)
+    v = vc.double() * (scales[1].double()[..., None] if scales else 1)
     for b in range(q.shape[0]):
         n = int(ctx[b])
         lo = max(0, n - window) if window else 0
@@ -185,9 +190,59 @@ def test_long_contexts_summed_in_chunks_equal_one_row_calls(
         kb = k.reshape(-1, nkv, hd)[slots].repeat_interleave(nh // nkv, 1)
         vb = v.reshape(-1, nkv, hd)[slots].repeat_interleave(nh // nkv, 1)
         logits = torch.einsum("hd,nhd->hn", q[b].double(), kb) * hd**-0.5
-        if sinks:
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if sink is not None:
             logits = torch.cat([logits, sink.double()[:, None]], 1)
         w = logits.softmax(-1)[:, : n - lo]
         ref = torch.einsum("hn,nhd->hd", w, vb)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        assert (together[b].double() - ref).abs().max() <= tol, b
+        tol = 1e-5 if out.dtype == torch.float32 else 2e-2
+        assert (out[b].double() - ref).abs().max() <= tol, b
+
+
+@pytest.mark.parametrize(
+    "nh,nkv,hd,dtype,int8,window,softcap,sinks,scores,context",
+    [
+        (4, 1, 64, torch.float32, False, None, None, False, False, 2100),  # one KV head; values in chunks too
+        (8, 1, 128, torch.bfloat16, False, 1501, 30.0, True, True, 1800),
+        (
+            14,
+            2,
+            64,
+            torch.float32,
+            True,
+            None,
+            None,
+            False,
+            True,
+            1300,
+        ),  # int8 codes; two tasks, four threads
+        (8, 1, 64, torch.float32, False, None, None, False, False, 1024),
+    ],
+)
+def test_a_long_row_split_across_threads_equals_one_thread(
+    nh, nkv, hd, dtype, int8, window, softcap, sinks, scores, context
+):
+    """Fewer (row, KV head) tasks than threads over a long context: the kernel splits each task's scores by keys
+    and its values by elements across the threads (run_split), which must give the one-thread call's bits."""
+    q, kc, vc, tables, ctx, scales = _batch(nh, nkv, hd, dtype, int8, seed=hd + nkv, seqs=[(context, 1)])
+    sink = torch.randn(nh, generator=torch.Generator().manual_seed(3)) if sinks else None
+    threads = torch.get_num_threads()
+
+    def call(n):
+        torch.set_num_threads(n)
+        acc = torch.zeros(kc.shape[0] * kc.shape[1]) if scores else None
+        try:
+            out = kernel.decode_attention(
+                q, kc, vc, tables, ctx, hd**-0.5, window, scales, softcap, acc, sink
+            )
+        finally:
+            torch.set_num_threads(threads)
+        return out, acc
+
+    alone, alone_scores = call(1)
+    split, split_scores = call(4)
+    assert split is not None and torch.equal(split, alone)
+    if scores:
+        assert torch.equal(split_scores, alone_scores)
+    _assert_near_float64(split, q, kc, vc, tables, ctx, scales, window, softcap, sink)
