@@ -108,62 +108,19 @@ def test_grouped_rows_equal_one_row_calls(
     if kernel.vector_width() > 1:
         assert kernel.row_groups(tables, ctx, nh, nkv, bs, window) == [(0, 4), (4, 5), (5, 8)]
 
+    together = _together_equals_alone(q, kc, vc, tables, ctx, scales, window, softcap, sink, scores)
+    assert together.dtype == dtype
+
+
+def _together_equals_alone(q, kc, vc, tables, ctx, scales, window, softcap, sink, scores):
+    """All rows in one call against each row in a call of its own: equal bits, and with ``scores`` equal
+    received-attention sums (the rows' parts added row by row either way: the same sums in the same order).
+    Returns the call of all rows."""
+    bs, hd = kc.shape[1], q.shape[2]
+
     def call(rows, acc):
         return kernel.decode_attention(
             q[rows], kc, vc, tables[rows], ctx[rows], hd**-0.5, window, scales, softcap, acc, sink
-        )
-
-    together_scores = torch.zeros(kc.shape[0] * bs) if scores else None
-    together = call(slice(None), together_scores)
-    alone_scores = torch.zeros(kc.shape[0] * bs) if scores else None
-    assert together is not None and together.dtype == dtype
-    for b in range(q.shape[0]):
-        alone = call(slice(b, b + 1), alone_scores)
-        assert torch.equal(together[b], alone[0]), b
-    if scores:  # the rows' parts added row by row either way: the same sums in the same order
-        assert torch.equal(together_scores, alone_scores)
-        if not sinks:  # every query spreads a weight of one over its keys
-            assert together_scores.sum().item() == pytest.approx(nh * q.shape[0], rel=1e-4)
-
-
-# Contexts whose values an AVX2 build sums in chunks of keys (more than a quarter of a MiB of a head's values)
-LONG_SEQS = [(2103, 4), (2300, 1), (2050, 3)]
-
-
-@pytest.mark.parametrize(
-    "nh,nkv,hd,dtype,int8,window,sinks,scores",
-    [
-        (9, 3, 64, torch.float32, False, None, False, False),  # two sums a query, across chunks
-        (
-            14,
-            2,
-            64,
-            torch.float32,
-            False,
-            1101,
-            False,
-            True,
-        ),  # grouped values; windows from odd and even keys
-        (8, 2, 128, torch.bfloat16, False, None, True, False),
-        (4, 4, 128, torch.float32, True, None, False, True),  # int8 codes
-    ],
-)
-def test_long_contexts_summed_in_chunks_equal_one_row_calls(
-    one_thread, monkeypatch, nh, nkv, hd, dtype, int8, window, sinks, scores
-):
-    monkeypatch.setenv(
-        "SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma"
-    )  # the build that sums long contexts in chunks
-    monkeypatch.setattr(cpu_build, "_loaded", {})
-    assert kernel.available() and kernel.vector_width() == 8, cpu_build.reason("paged_attention")
-    q, kc, vc, tables, ctx, scales = _batch(nh, nkv, hd, dtype, int8, seed=hd + nh, seqs=LONG_SEQS)
-    sink = torch.randn(nh, generator=torch.Generator().manual_seed(2)) if sinks else None
-    bs = kc.shape[1]
-    assert kernel.row_groups(tables, ctx, nh, nkv, bs, window) == [(0, 4), (4, 5), (5, 8)]
-
-    def call(rows, acc):
-        return kernel.decode_attention(
-            q[rows], kc, vc, tables[rows], ctx[rows], hd**-0.5, window, scales, None, acc, sink
         )
 
     together_scores = torch.zeros(kc.shape[0] * bs) if scores else None
@@ -174,6 +131,37 @@ def test_long_contexts_summed_in_chunks_equal_one_row_calls(
         assert torch.equal(together[b], call(slice(b, b + 1), alone_scores)[0]), b
     if scores:
         assert torch.equal(together_scores, alone_scores)
+        if sink is None:  # every query spreads a weight of one over its keys
+            assert together_scores.sum().item() == pytest.approx(q.shape[1] * q.shape[0], rel=1e-4)
+    return together
+
+
+# Contexts whose values an AVX2 build sums in chunks of keys (more than a quarter of a MiB of a head's values)
+LONG_SEQS = [(2103, 4), (2300, 1), (2050, 3)]
+
+
+# (query heads, KV heads, head size, dtype, int8 codes, window, sinks, scores)
+LONG = [
+    (9, 3, 64, torch.float32, False, None, False, False),  # two sums a query, across chunks
+    (14, 2, 64, torch.float32, False, 1101, False, True),  # grouped values; windows from odd and even keys
+    (8, 2, 128, torch.bfloat16, False, None, True, False),
+    (4, 4, 128, torch.float32, True, None, False, True),  # int8 codes
+]
+
+
+@pytest.mark.parametrize("nh,nkv,hd,dtype,int8,window,sinks,scores", LONG)
+def test_long_contexts_summed_in_chunks_equal_one_row_calls(
+    one_thread, monkeypatch, nh, nkv, hd, dtype, int8, window, sinks, scores
+):
+    monkeypatch.setenv(
+        "SIDECAR_CPU_ARCH_FLAGS", "-mavx2 -mfma"
+    )  # the build that sums long contexts in chunks
+    monkeypatch.setattr(cpu_build, "_loaded", {})
+    assert kernel.available() and kernel.vector_width() == 8, cpu_build.reason("paged_attention")
+    q, kc, vc, tables, ctx, scales = _batch(nh, nkv, hd, dtype, int8, seed=hd + nh, seqs=LONG_SEQS)
+    sink = torch.randn(nh, generator=torch.Generator().manual_seed(2)) if sinks else None
+    assert kernel.row_groups(tables, ctx, nh, nkv, kc.shape[1], window) == [(0, 4), (4, 5), (5, 8)]
+    together = _together_equals_alone(q, kc, vc, tables, ctx, scales, window, None, sink, scores)
     _assert_near_float64(together, q, kc, vc, tables, ctx, scales, window, None, sink)
 
 
