@@ -281,26 +281,26 @@ static inline __attribute__((always_inline)) void attend(const float* qf, const 
                                                          float* of, float* of2, size_t* offs, const float* ks,
                                                          const float* vs, const uint16_t* qb, float scale,
                                                          float cap, float* wsum, const float* sk) {
-    const int n = hi - lo;
+    const int n = hi - lo, chunked = long_values(n, hd, kvm);
     float invs[MAX_REP]; /* each query's 1 / softmax normaliser */
     key_offsets(offs, table, lo, hi, bs, (size_t)nkv * hd, g, hd);
-    score_keys(qf, qb, kc, vc, offs, n, rep, hd, kvm, ks, scale, s, n, !long_values(n, hd, kvm));
+    score_keys(qf, qb, kc, vc, offs, n, rep, hd, kvm, ks, scale, s, n, !chunked);
     /* softmax per query, then the weighted sum of values */
+    for (int r = 0; r < rep; r++)
+        invs[r] = weigh(s + (size_t)r * n, n, cap, sk ? sk + r : NULL, wsum, vs, offs, hd);
 #ifdef VL
-    if (long_values(n, hd, kvm)) { /* the values in chunks (sum_values: the same sums) */
+    if (chunked) { /* the values in chunks: sum_values, the same sums as the loops below */
         int qlo[MAX_REP], qhi[MAX_REP];
-        for (int r = 0; r < rep; r++) {
-            invs[r] = weigh(s + (size_t)r * n, n, cap, sk ? sk + r : NULL, wsum, vs, offs, hd);
-            qlo[r] = 0, qhi[r] = n;
-        }
+        for (int r = 0; r < rep; r++) qlo[r] = 0, qhi[r] = n;
         sum_values(s, n, qlo, qhi, rep, rep, vc, offs, hd, kvm, invs, of, of2, 0, hd, 0);
         return;
     }
 #endif
     (void)of2;
+    /* a context the caches hold: one row's own loops, which cost less there than sum_values' passes */
     for (int r = 0; r < rep; r++) {
-        float* sr = s + (size_t)r * n;
-        const float inv = invs[r] = weigh(sr, n, cap, sk ? sk + r : NULL, wsum, vs, offs, hd);
+        const float* sr = s + (size_t)r * n;
+        const float inv = invs[r];
         float* o = of + (size_t)r * hd;
         int j;
 #ifdef VL
