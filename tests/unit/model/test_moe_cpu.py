@@ -5,6 +5,8 @@ routers, rows picking shared and disjoint experts), the same greedy tokens, and 
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 
 import pytest
@@ -50,23 +52,27 @@ def _blocks(llm: LLM) -> list[SparseMoE]:
     return [m for m in llm.engine.loaded.model.modules() if isinstance(m, SparseMoE)]
 
 
-def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    moe.cpu_grouped = False
+@contextlib.contextmanager
+def _on_the_loop(blocks: list[SparseMoE]):
+    """Inside the ``with``, ``blocks`` run the per-expert loop (``cpu_grouped`` off)."""
+    for moe in blocks:
+        moe.cpu_grouped = False
     try:
-        return moe(x)
+        yield
     finally:
-        del moe.cpu_grouped  # back to the class default (on)
+        for moe in blocks:
+            del moe.cpu_grouped  # back to the class default (on)
+
+
+def _reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    with _on_the_loop([moe]):
+        return moe(x)
 
 
 def _loop_tokens(llm: LLM, prompts) -> list:
-    """Greedy tokens of ``prompts`` with every block on the per-expert loop (``cpu_grouped`` off for the call)."""
-    for moe in _blocks(llm):
-        moe.cpu_grouped = False
-    try:
+    """Greedy tokens of ``prompts`` with every block on the per-expert loop."""
+    with _on_the_loop(_blocks(llm)):
         return [o.token_ids for o in llm.generate(prompts, GREEDY)]
-    finally:
-        for moe in _blocks(llm):
-            del moe.cpu_grouped  # back to the class default (on)
 
 
 def _in_amx_layout(moe: SparseMoE) -> bool:
